@@ -1,0 +1,17 @@
+/* The CPU backend: fp32, C11 + OpenMP + BLAS (cblas_sgemm). The reference for every other
+ * backend. */
+#ifndef FM_BACKEND_CPU_H
+#define FM_BACKEND_CPU_H
+#include "../fm_backend.h"
+
+/* Creates a CPU backend that runs on `threads` OpenMP threads (0: OpenMP's default) and whose
+ * attention scratch fits head_dim <= max_head_dim. Sets the thread count of OpenMP and of the
+ * BLAS library. Errors: FM_ERR_ARG (threads < 0, max_head_dim < 1), FM_ERR_NOMEM. */
+fm_status fm_cpu_backend_init(fm_backend *b, int threads, int64_t max_head_dim);
+void fm_cpu_backend_free(fm_backend *b);
+
+/* Bytes of scratch the CPU backend allocates at init for `threads` threads and max_head_dim
+ * (the attention tiles); the planner adds this to the workspace live set. */
+size_t fm_cpu_backend_scratch_bytes(int threads, int64_t max_head_dim);
+
+#endif

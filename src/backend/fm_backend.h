@@ -1,0 +1,177 @@
+/* The backend op table (DESIGN.md §3): a struct of function pointers over an opaque context,
+ * in the manner of ggml's backend interface. The model layer calls only these; the CPU backend
+ * (backend/cpu, C11 + OpenMP + BLAS, fp32) is the reference every other backend is tested
+ * against.
+ *
+ * Conventions for every op:
+ * - Tensors are dense, row-major, contiguous. Shapes are written [rows, cols]; activations are
+ *   [N, D] with N = B*T tokens (token n = b*T + t). Element counts are int64_t.
+ * - `float *` is the backend's activation/parameter element (fp32 on the CPU backend).
+ * - Backward: ACTIVATION gradients are ASSIGNED (=), PARAMETER gradients ACCUMULATE (+=)
+ *   (llm.c's convention), unless an op's comment says otherwise.
+ * - Pointers live in the backend's memory (host memory on the CPU). Integer index tensors are
+ *   int32_t. Outputs never alias inputs unless the comment allows it.
+ * - Ops do not allocate: any scratch an op needs was sized when the context was created.
+ */
+#ifndef FM_BACKEND_H
+#define FM_BACKEND_H
+
+#include "../core/fm_core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct fm_ops {
+    const char *name; /* "cpu" */
+
+    /* ---- dense linear algebra ------------------------------------------------------------ */
+
+    /* C[M,N] = alpha * op(A) @ op(B) + beta * C. op(A) is [M,K] (A is [K,M] when trans_a),
+     * op(B) is [K,N] (B is [N,K] when trans_b). lda/ldb/ldc are row strides in elements.
+     * A linear layer y = x W^T with HF weight W [out,in] is gemm(0,1, N,out,in, 1,x,in,W,in,
+     * 0,y,out); dx = dy W is gemm(0,0, N,in,out, ...); dW += dy^T x is gemm(1,0, out,in,N,
+     * 1, dy,out, x,in, 1, dW,in). CPU: cblas_sgemm. */
+    void (*gemm)(void *ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                 const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
+                 int64_t ldc);
+
+    /* ---- elementwise / reductions -------------------------------------------------------- */
+
+    /* y[i] += x[i], i < n. */
+    void (*add)(void *ctx, float *y, const float *x, int64_t n);
+    /* Sum of squares of x[0..n), accumulated in double. */
+    double (*sumsq)(void *ctx, const float *x, int64_t n);
+
+    /* ---- embedding ----------------------------------------------------------------------- */
+
+    /* out[n,:] = wte[tokens[n],:]. out [N,H], tokens [N] (each in [0,V)), wte [V,H]. */
+    void (*embedding_fwd)(void *ctx, float *out, const int32_t *tokens, const float *wte, int64_t N,
+                          int64_t H);
+    /* dwte[tokens[n],:] += dout[n,:]. Deterministic (fixed summation order per row). */
+    void (*embedding_bwd)(void *ctx, float *dwte, const float *dout, const int32_t *tokens, int64_t N,
+                          int64_t H);
+
+    /* ---- RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x^2) + eps) * w --------------- */
+
+    /* out [N,D], rstd [N] (saved 1/sqrt(mean(x^2)+eps)), x [N,D], w [D]. Also used for QK-norm:
+     * per head (qwen3_moe: N = tokens*heads, D = head_dim) or over the whole projection
+     * (olmoe: N = tokens, D = heads*head_dim). */
+    void (*rmsnorm_fwd)(void *ctx, float *out, float *rstd, const float *x, const float *w, int64_t N,
+                        int64_t D, float eps);
+    /* dx [N,D] assigned, dw [D] accumulated, from dout [N,D] and the saved x, w, rstd. */
+    void (*rmsnorm_bwd)(void *ctx, float *dx, float *dw, const float *dout, const float *x,
+                        const float *w, const float *rstd, int64_t N, int64_t D);
+
+    /* ---- rotary position embedding (Su et al. 2021), HF "rotate_half" layout -------------- */
+
+    /* In place on x [B,T,nh,hd]: for i < hd/2 with c = cos_tab[t*hd/2+i], s = sin_tab[...]:
+     * (x[i], x[i+hd/2]) <- (x[i]*c - x[i+hd/2]*s, x[i+hd/2]*c + x[i]*s). Position of token
+     * (b,t) is t. cos_tab/sin_tab [T_max, hd/2] with T <= T_max. */
+    void (*rope_fwd)(void *ctx, float *x, const float *cos_tab, const float *sin_tab, int64_t B,
+                     int64_t T, int64_t nh, int64_t hd);
+    /* In place on the gradient dx [B,T,nh,hd]: the transpose (inverse) rotation. */
+    void (*rope_bwd)(void *ctx, float *dx, const float *cos_tab, const float *sin_tab, int64_t B,
+                     int64_t T, int64_t nh, int64_t hd);
+
+    /* ---- causal grouped-query attention, tiled with an online softmax ---------------------
+     * (Dao et al., FlashAttention 1 and 2, arXiv 2205.14135 and 2307.08691). Memory grows with
+     * T*hd, never T^2: scratch is a fixed per-thread tile set sized at context creation.
+     * q [B,T,nh,hd], k and v [B,T,nkv,hd], out [B,T,nh,hd], lse [B,nh,T] (natural-log
+     * log-sum-exp of each query's scaled scores, saved for backward). Query head h reads kv
+     * head h / (nh/nkv). Scale 1/sqrt(hd). */
+    void (*attention_fwd)(void *ctx, float *out, float *lse, const float *q, const float *k,
+                          const float *v, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+    /* dq, dk, dv assigned (same shapes as q, k, v), from dout and the saved q, k, v, out, lse. */
+    void (*attention_bwd)(void *ctx, float *dq, float *dk, float *dv, const float *dout,
+                          const float *q, const float *k, const float *v, const float *out,
+                          const float *lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
+                          int64_t hd);
+
+    /* ---- SwiGLU (Shazeer 2020): out = silu(gate) * up ------------------------------------- */
+
+    /* out, gate, up: n elements each. */
+    void (*swiglu_fwd)(void *ctx, float *out, const float *gate, const float *up, int64_t n);
+    /* dgate, dup assigned, from dout and the saved gate, up. */
+    void (*swiglu_bwd)(void *ctx, float *dgate, float *dup, const float *dout, const float *gate,
+                       const float *up, int64_t n);
+
+    /* ---- router: softmax over experts, top-k ---------------------------------------------- */
+
+    /* logits [N,E] fp32 -> probs [N,E] = softmax(logits), lse [N] = logsumexp(logits),
+     * topk_idx [N,k] (experts in decreasing probability; ties go to the lower expert id),
+     * topk_w [N,k] = probs of those experts, divided by their sum when norm_topk. */
+    void (*router_fwd)(void *ctx, float *probs, float *lse, int32_t *topk_idx, float *topk_w,
+                       const float *logits, int64_t N, int64_t E, int64_t k, bool norm_topk);
+    /* dlogits [N,E] ASSIGNED: the gradient through softmax of
+     *   (a) dtopk_w [N,k] through the top-k selection (and renormalization when norm_topk),
+     *   (b) dprobs_per_expert [E] (may be NULL): a gradient g_e added to d probs[n,e] for every
+     *       token n (this is how the load-balancing loss E*sum_e f_e*P_e reaches the router:
+     *       g_e = coef*E*f_e/N, with f_e held constant as in Switch Transformer),
+     *   (c) z_scale (may be 0): the router z-loss z_scale * sum_n lse[n]^2 (ST-MoE, Zoph et al.
+     *       2022), whose gradient is 2*z_scale*lse[n]*probs[n,e]. */
+    void (*router_bwd)(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
+                       float z_scale, const float *probs, const float *lse, const int32_t *topk_idx,
+                       const float *topk_w, int64_t N, int64_t E, int64_t k, bool norm_topk);
+    /* Per-expert statistics for the load-balancing loss: count[e] = number of (token, slot)
+     * routes to e (as float), prob_sum[e] = sum_n probs[n,e], and returns sum_n lse[n]^2
+     * (double). count, prob_sum [E], assigned. */
+    double (*router_stats)(void *ctx, float *count, float *prob_sum, const float *probs,
+                           const float *lse, const int32_t *topk_idx, int64_t N, int64_t E,
+                           int64_t k);
+
+    /* ---- MoE permutation (dropless) --------------------------------------------------------
+     * R = N*k routes; route r = n*k + j is token n's j-th choice. The permuted ("expert-major")
+     * layout puts the rows of expert e at [offsets[e], offsets[e+1]), in increasing route order
+     * (a stable counting sort), so it is deterministic. */
+
+    /* offsets [E+1] (int64, host memory on every backend: the expert GEMM sizes),
+     * row_route [R] (permuted row -> route), route_row [R] (route -> permuted row). */
+    void (*moe_route_index)(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,
+                            const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
+    /* xe[r,:] = x[row_route[r]/k, :]. xe [R,H], x [N,H]. */
+    void (*moe_gather)(void *ctx, float *xe, const float *x, const int32_t *row_route, int64_t R,
+                       int64_t k, int64_t H);
+    /* dx[n,:] = sum_j dxe[route_row[n*k+j],:] (assigned; j ascending). */
+    void (*moe_gather_bwd)(void *ctx, float *dx, const float *dxe, const int32_t *route_row,
+                           int64_t N, int64_t k, int64_t H);
+    /* out[n,:] = sum_j topk_w[n*k+j] * ye[route_row[n*k+j],:] (assigned; j ascending). */
+    void (*moe_combine_fwd)(void *ctx, float *out, const float *ye, const float *topk_w,
+                            const int32_t *route_row, int64_t N, int64_t k, int64_t H);
+    /* dye[route_row[n*k+j],:] = topk_w[n*k+j] * dout[n,:] and
+     * dtopk_w[n*k+j] = dot(dout[n,:], ye[route_row[n*k+j],:]), both assigned. */
+    void (*moe_combine_bwd)(void *ctx, float *dye, float *dtopk_w, const float *dout, const float *ye,
+                            const float *topk_w, const int32_t *route_row, int64_t N, int64_t k,
+                            int64_t H);
+
+    /* ---- loss ------------------------------------------------------------------------------ */
+
+    /* Softmax cross-entropy over logits [N,V]. loss [N] = logsumexp(logits[n]) -
+     * logits[n, targets[n]] (0 where targets[n] == ignore_index). dlogits [N,V] (may alias
+     * logits) = grad_scale * (softmax - onehot), rows of ignored targets zero. Returns the sum
+     * of loss over non-ignored tokens (double). Targets outside [0,V) other than ignore_index
+     * are a caller bug (asserted). */
+    double (*cross_entropy)(void *ctx, float *loss, float *dlogits, const float *logits,
+                            const int32_t *targets, int64_t N, int64_t V, float grad_scale,
+                            int32_t ignore_index);
+
+    /* ---- optimizer ------------------------------------------------------------------------- */
+
+    /* AdamW (Loshchilov & Hutter 2019) over n elements, in place on p, m, v:
+     *   g' = g * grad_scale; m = b1*m + (1-b1)*g'; v = b2*v + (1-b2)*g'^2;
+     *   p -= lr * ( (m/bc1) / (sqrt(v/bc2) + eps) + wd * p )
+     * with bc1 = 1 - b1^step, bc2 = 1 - b2^step supplied by the caller (wd = 0 for norms). */
+    void (*adamw)(void *ctx, float *p, const float *g, float *m, float *v, int64_t n, float lr,
+                  float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale);
+} fm_ops;
+
+/* A backend instance: its op table and its context. */
+typedef struct fm_backend {
+    const fm_ops *ops;
+    void *ctx;
+} fm_backend;
+
+#ifdef __cplusplus
+}
+#endif
+#endif

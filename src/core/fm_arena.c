@@ -1,0 +1,34 @@
+#include "fm_arena.h"
+#include <stdio.h>
+#include <string.h>
+
+fm_status fm_arena_init(fm_arena *a, const char *name, size_t capacity) {
+    memset(a, 0, sizeof *a);
+    snprintf(a->name, sizeof a->name, "%s", name);
+    a->capacity = fm_arena_round(capacity);
+    a->base = fm_malloc(a->capacity);
+    if (!a->base)
+        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate %zu bytes (%.3f GiB) for the %s arena; "
+                        "lower --seq-len or --micro-batch", a->capacity, a->capacity / 1073741824.0, name);
+    return FM_OK;
+}
+
+void *fm_arena_alloc(fm_arena *a, size_t bytes) {
+    size_t r = fm_arena_round(bytes);
+    if (a->used + r > a->capacity) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "arena '%s' overrun: %zu used + %zu asked > %zu planned", a->name,
+                 a->used, r, a->capacity);
+        fm_abort(__FILE__, __LINE__, msg);
+    }
+    void *p = a->base + a->used;
+    a->used += r;
+    if (a->used > a->high) a->high = a->used;
+    return p;
+}
+
+void fm_arena_free(fm_arena *a) {
+    fm_free(a->base);
+    a->base = NULL;
+    a->capacity = a->used = 0;
+}

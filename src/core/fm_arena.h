@@ -1,0 +1,33 @@
+/* Arenas: one fixed block per live set, allocated once at launch (DESIGN.md §2; SQLite mem5's
+ * "fixed memory after start-up" habit). fm_arena_alloc carves 64-byte-aligned pieces from it and
+ * records the high-water mark, reported next to the planned bound. Nothing in a training step
+ * allocates from the system: a step only takes from arenas and resets their transient part. */
+#ifndef FM_ARENA_H
+#define FM_ARENA_H
+#include "fm_core.h"
+
+typedef struct fm_arena {
+    char name[48];   /* live-set name, as printed in the plan ("checkpoint boundaries") */
+    uint8_t *base;   /* host memory (CPU backend) */
+    size_t capacity; /* bytes, fixed at init */
+    size_t used;     /* bytes handed out since the last reset */
+    size_t high;     /* high-water mark of `used`, bytes */
+} fm_arena;
+
+/* Allocates `capacity` bytes for the live set `name`. Errors: FM_ERR_NOMEM naming the live set
+ * and the bytes asked for. */
+fm_status fm_arena_init(fm_arena *a, const char *name, size_t capacity);
+
+/* Returns `bytes` (rounded up to 64) from the arena. An overrun is a planning bug, not a user
+ * error: it aborts with the arena's name, capacity and the request. */
+void *fm_arena_alloc(fm_arena *a, size_t bytes);
+
+/* Rounds a byte count the way fm_arena_alloc does; planners sum these. */
+static inline size_t fm_arena_round(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
+
+/* Marks everything handed out as free again (the high-water mark stays). */
+static inline void fm_arena_reset(fm_arena *a) { a->used = 0; }
+
+void fm_arena_free(fm_arena *a);
+
+#endif

@@ -1,0 +1,47 @@
+/* A minimal test harness: CHECK macros that count, print the failing expression with its values,
+ * and a closing line "N passed, N failed". A test binary exits non-zero when anything failed.
+ * Seeds are fixed and printed; FLATMOE_TEST_SEED overrides them for a sweep. */
+#ifndef FM_TEST_H
+#define FM_TEST_H
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int fm_test_passed = 0, fm_test_failed = 0;
+
+#define CHECK(cond)                                                                      \
+    do {                                                                                 \
+        if (cond) fm_test_passed++;                                                      \
+        else { fm_test_failed++; fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond); } \
+    } while (0)
+
+#define CHECK_MSG(cond, ...)                                                             \
+    do {                                                                                 \
+        if (cond) fm_test_passed++;                                                      \
+        else { fm_test_failed++; fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+               fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); }                      \
+    } while (0)
+
+/* |a-b| <= tol * max(1, |b|)-style check with both values printed. */
+#define CHECK_CLOSE(a, b, tol)                                                           \
+    do {                                                                                 \
+        double fa_ = (double)(a), fb_ = (double)(b);                                     \
+        double d_ = fabs(fa_ - fb_), s_ = fabs(fb_) > 1.0 ? fabs(fb_) : 1.0;             \
+        if (d_ <= (tol) * s_ && !isnan(fa_) && !isnan(fb_)) fm_test_passed++;            \
+        else { fm_test_failed++; fprintf(stderr, "FAIL %s:%d: %s = %.9g vs %s = %.9g (tol %g)\n", \
+               __FILE__, __LINE__, #a, fa_, #b, fb_, (double)(tol)); }                    \
+    } while (0)
+
+static inline unsigned long long fm_test_seed(unsigned long long dflt) {
+    const char *s = getenv("FLATMOE_TEST_SEED");
+    unsigned long long seed = s ? strtoull(s, NULL, 10) : dflt;
+    printf("seed %llu (set FLATMOE_TEST_SEED to replay another)\n", seed);
+    return seed;
+}
+
+static inline int fm_test_finish(void) {
+    printf("%d passed, %d failed\n", fm_test_passed, fm_test_failed);
+    return fm_test_failed ? 1 : 0;
+}
+#endif
