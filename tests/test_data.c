@@ -1,0 +1,422 @@
+/* Tests for src/data: text and llm.c shard loading, format errors, split, windows, batches. */
+#define _GNU_SOURCE
+#include "fm_test.h"
+#include "data/fm_data.h"
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <unistd.h>
+
+static char g_dir[64];
+
+static const char *tpath(const char *name) {
+    static char bufs[8][256];
+    static int k = 0;
+    char *p = bufs[k++ % 8];
+    snprintf(p, 256, "%s/%s", g_dir, name);
+    return p;
+}
+
+static void write_raw(const char *path, const void *data, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (!f) { perror(path); exit(2); }
+    if (n && fwrite(data, 1, n, f) != n) { perror(path); exit(2); }
+    fclose(f);
+}
+
+static void put32(unsigned char *p, uint32_t v) {
+    p[0] = (unsigned char)v; p[1] = (unsigned char)(v >> 8);
+    p[2] = (unsigned char)(v >> 16); p[3] = (unsigned char)(v >> 24);
+}
+
+/* A shard image: 1024-byte header + count tokens of tb bytes + extra bytes (negative: cut). */
+static size_t make_shard(unsigned char *img, uint32_t magic, uint32_t version, int32_t count, int tb,
+                         const uint32_t *ids, int n_ids, long extra) {
+    memset(img, 0, 1024);
+    put32(img, magic);
+    put32(img + 4, version);
+    put32(img + 8, (uint32_t)count);
+    size_t at = 1024;
+    for (int i = 0; i < n_ids; i++) {
+        if (tb == 2) { img[at] = (unsigned char)ids[i]; img[at + 1] = (unsigned char)(ids[i] >> 8); }
+        else put32(img + at, ids[i]);
+        at += (size_t)tb;
+    }
+    for (long i = 0; i < extra; i++) img[at++] = 0xAB;
+    if (extra < 0) at = (size_t)((long)at + extra);
+    return at;
+}
+
+static fm_status load1(fm_dataset *ds, const char *path, int64_t vocab) {
+    const char *paths[1] = {path};
+    return fm_dataset_load(ds, paths, 1, vocab);
+}
+
+/* Expects status st and every needle (NULL-terminated list) in the message. */
+static void expect_err(fm_status got, fm_status want, const char *what, ...) {
+    if (getenv("FM_TEST_VERBOSE")) printf("  [%s] %s\n", what, fm_errmsg());
+    CHECK_MSG(got == want, "%s: status %s, expected %s (msg: %s)", what, fm_status_name(got),
+              fm_status_name(want), fm_errmsg());
+    va_list ap;
+    va_start(ap, what);
+    for (const char *needle; (needle = va_arg(ap, const char *)) != NULL;)
+        CHECK_MSG(strstr(fm_errmsg(), needle) != NULL, "%s: message lacks \"%s\": %s", what, needle, fm_errmsg());
+    va_end(ap);
+}
+
+static void test_text(void) {
+    write_raw(tpath("a.txt"), "hello ", 6);
+    write_raw(tpath("b.txt"), "w\xc3\xb6rld", 6);
+    write_raw(tpath("c.txt"), "!\n", 2);
+    const char *paths[3] = {tpath("a.txt"), tpath("b.txt"), tpath("c.txt")};
+    fm_dataset ds;
+    fm_status s = fm_dataset_load(&ds, paths, 3, 256);
+    CHECK_MSG(s == FM_OK, "%s", fm_errmsg());
+    CHECK(ds.n_tokens == 14);
+    CHECK(ds.owns);
+    const unsigned char want[] = "hello w\xc3\xb6rld!\n";
+    int same = 1;
+    for (int i = 0; i < 14 && ds.tokens; i++) same &= ds.tokens[i] == (int32_t)want[i];
+    CHECK(same);
+    CHECK(ds.tokens && ds.tokens[7] == 0xc3); /* bytes are unsigned */
+    CHECK_MSG(strcmp(ds.desc, "3 text files, 14 tokens (bytes)") == 0, "desc: %s", ds.desc);
+    fm_dataset_free(&ds);
+    CHECK(ds.tokens == NULL && ds.n_tokens == 0 && !ds.owns);
+    fm_dataset_free(&ds); /* twice is safe */
+
+    CHECK(load1(&ds, tpath("a.txt"), 300) == FM_OK);
+    CHECK_MSG(strcmp(ds.desc, "1 text file, 6 tokens (bytes)") == 0, "desc: %s", ds.desc);
+    fm_dataset_free(&ds);
+
+    expect_err(load1(&ds, tpath("a.txt"), 255), FM_ERR_ARG, "text vocab<256", "a.txt", "256", "255", NULL);
+    CHECK(ds.tokens == NULL && ds.n_tokens == 0);
+}
+
+static void test_shard_roundtrip(int version) {
+    enum { N = 600000 }; /* spans several 1 MiB read/write chunks for both versions */
+    int32_t *tok = malloc(sizeof(int32_t) * N);
+    for (int i = 0; i < N; i++) tok[i] = (int32_t)((i * 7919u) % (version == 1 ? 65536u : 200000u));
+    const char *p = tpath(version == 1 ? "v1.bin" : "v7.bin");
+    fm_status s = fm_shard_write(p, tok, N, version);
+    CHECK_MSG(s == FM_OK, "%s", fm_errmsg());
+    CHECK(access(tpath(version == 1 ? "v1.bin.tmp" : "v7.bin.tmp"), F_OK) != 0); /* renamed away */
+    FILE *f = fopen(p, "rb");
+    long size = -1;
+    if (f) { fseek(f, 0, SEEK_END); size = ftell(f); fclose(f); }
+    CHECK(size == 1024 + (long)N * (version == 1 ? 2 : 4));
+
+    fm_dataset ds;
+    s = load1(&ds, p, version == 1 ? 65536 : 200000);
+    CHECK_MSG(s == FM_OK, "v%d: %s", version, fm_errmsg());
+    CHECK(ds.n_tokens == N);
+    CHECK(ds.tokens && memcmp(ds.tokens, tok, sizeof(int32_t) * N) == 0);
+    CHECK_MSG(strstr(ds.desc, "1 llm.c shard") && strstr(ds.desc, "600000 tokens"), "desc: %s", ds.desc);
+    fm_dataset_free(&ds);
+
+    /* The largest id must be < vocab_size: max id + 1 works, max id does not. */
+    int32_t mx = 0;
+    for (int i = 0; i < N; i++) if (tok[i] > mx) mx = tok[i];
+    CHECK(load1(&ds, p, mx + 1) == FM_OK);
+    fm_dataset_free(&ds);
+    char idstr[32];
+    snprintf(idstr, sizeof idstr, "id %d", mx);
+    expect_err(load1(&ds, p, mx), FM_ERR_FORMAT, "id >= vocab", p, idstr, "vocab_size", NULL);
+    free(tok);
+}
+
+static void test_shard_multi(void) {
+    int32_t a[3] = {1, 2, 3}, b[2] = {70000, 5};
+    CHECK(fm_shard_write(tpath("m1.bin"), a, 3, 1) == FM_OK);
+    CHECK(fm_shard_write(tpath("m7.bin"), b, 2, 7) == FM_OK);
+    const char *paths[2] = {tpath("m1.bin"), tpath("m7.bin")};
+    fm_dataset ds;
+    fm_status s = fm_dataset_load(&ds, paths, 2, 100000);
+    CHECK_MSG(s == FM_OK, "%s", fm_errmsg());
+    CHECK(ds.n_tokens == 5);
+    CHECK(ds.tokens && ds.tokens[0] == 1 && ds.tokens[2] == 3 && ds.tokens[3] == 70000 && ds.tokens[4] == 5);
+    CHECK_MSG(strstr(ds.desc, "2 llm.c shards") != NULL, "desc: %s", ds.desc);
+    fm_dataset_free(&ds);
+
+    /* Writer argument checks. */
+    int32_t big[1] = {65536}, neg[1] = {-1};
+    expect_err(fm_shard_write(tpath("w.bin"), big, 1, 1), FM_ERR_ARG, "v1 id range", "65536", NULL);
+    expect_err(fm_shard_write(tpath("w.bin"), neg, 1, 7), FM_ERR_ARG, "negative id", "-1", NULL);
+    expect_err(fm_shard_write(tpath("w.bin"), a, 3, 2), FM_ERR_ARG, "bad version", "version 2", NULL);
+    expect_err(fm_shard_write(tpath("w.bin"), a, 0, 1), FM_ERR_ARG, "n = 0", NULL);
+    expect_err(fm_shard_write(tpath("nodir/w.bin"), a, 3, 1), FM_ERR_IO, "no dir", "nodir", NULL);
+    CHECK(access(tpath("w.bin"), F_OK) != 0);
+
+    /* Fault injection on the header write: error, no file, no .tmp left. */
+    fm_fault_set(3); /* 2 allocations, then the header write */
+    expect_err(fm_shard_write(tpath("f.bin"), a, 3, 1), FM_ERR_IO, "fault", "f.bin.tmp", NULL);
+    fm_fault_set(0);
+    CHECK(access(tpath("f.bin"), F_OK) != 0);
+    CHECK(access(tpath("f.bin.tmp"), F_OK) != 0);
+}
+
+static void test_shard_errors(void) {
+    static unsigned char img[1024 + 64];
+    uint32_t ids[4] = {1, 2, 3, 4};
+    fm_dataset ds;
+    size_t n;
+
+    n = make_shard(img, FM_SHARD_MAGIC_V1, 7, 4, 2, ids, 4, 0);
+    write_raw(tpath("badver1.bin"), img, n);
+    expect_err(load1(&ds, tpath("badver1.bin"), 100), FM_ERR_FORMAT, "v1 magic, version 7", "badver1.bin",
+               "20240520", "version 1", "found version 7", NULL);
+
+    n = make_shard(img, FM_SHARD_MAGIC_V7, 1, 4, 4, ids, 4, 0);
+    write_raw(tpath("badver7.bin"), img, n);
+    expect_err(load1(&ds, tpath("badver7.bin"), 100), FM_ERR_FORMAT, "v7 magic, version 1", "20240801",
+               "version 7", "found version 1", NULL);
+
+    /* Bad magic: a binary file with NULs whose first int32 is not a magic. */
+    n = make_shard(img, 12345, 1, 4, 2, ids, 4, 0);
+    write_raw(tpath("badmagic.bin"), img, n);
+    expect_err(load1(&ds, tpath("badmagic.bin"), 100), FM_ERR_FORMAT, "bad magic", "badmagic.bin",
+               "not UTF-8 text and not an llm.c shard", "first int32 = 12345", "20240520 or 20240801", NULL);
+
+    n = make_shard(img, FM_SHARD_MAGIC_V1, 1, 4, 2, ids, 4, -1);
+    write_raw(tpath("trunc.bin"), img, n);
+    expect_err(load1(&ds, tpath("trunc.bin"), 100), FM_ERR_FORMAT, "truncated", "trunc.bin", "truncated",
+               "1031", "1 missing", NULL);
+
+    n = make_shard(img, FM_SHARD_MAGIC_V7, 7, 4, 4, ids, 4, 3);
+    write_raw(tpath("trail.bin"), img, n);
+    expect_err(load1(&ds, tpath("trail.bin"), 100), FM_ERR_FORMAT, "trailing", "trail.bin",
+               "3 trailing bytes", "1040", NULL);
+
+    n = make_shard(img, FM_SHARD_MAGIC_V1, 1, 0, 2, ids, 0, 0);
+    write_raw(tpath("zero.bin"), img, n);
+    expect_err(load1(&ds, tpath("zero.bin"), 100), FM_ERR_FORMAT, "count 0", "zero.bin", "header[2]", NULL);
+
+    /* Header alone cut short: starts with the magic but < 1024 bytes. */
+    n = make_shard(img, FM_SHARD_MAGIC_V1, 1, 4, 2, ids, 4, 0);
+    write_raw(tpath("short.bin"), img, 100);
+    expect_err(load1(&ds, tpath("short.bin"), 100), FM_ERR_FORMAT, "short header", "short.bin", "truncated",
+               NULL);
+
+    /* Token id >= vocab_size names file, index and id. */
+    uint32_t bad[4] = {1, 2, 99, 4};
+    n = make_shard(img, FM_SHARD_MAGIC_V7, 7, 4, 4, bad, 4, 0);
+    write_raw(tpath("badid.bin"), img, n);
+    expect_err(load1(&ds, tpath("badid.bin"), 50), FM_ERR_FORMAT, "id >= vocab", "badid.bin", "token 2",
+               "id 99", "vocab_size is 50", NULL);
+    CHECK(load1(&ds, tpath("badid.bin"), 100) == FM_OK);
+    fm_dataset_free(&ds);
+    /* A uint32 id above INT32_MAX is rejected, not wrapped negative. */
+    uint32_t huge[4] = {1, 0xFFFFFFF0u, 3, 4};
+    n = make_shard(img, FM_SHARD_MAGIC_V7, 7, 4, 4, huge, 4, 0);
+    write_raw(tpath("huge.bin"), img, n);
+    expect_err(load1(&ds, tpath("huge.bin"), (int64_t)1 << 31), FM_ERR_FORMAT, "huge id", "4294967280", NULL);
+    CHECK(ds.tokens == NULL && ds.n_tokens == 0);
+}
+
+static void test_other_errors(void) {
+    fm_dataset ds;
+    write_raw(tpath("empty.txt"), "", 0);
+    expect_err(load1(&ds, tpath("empty.txt"), 256), FM_ERR_FORMAT, "empty", "empty.txt", "empty", NULL);
+
+    write_raw(tpath("nul.txt"), "abc\0def", 7);
+    expect_err(load1(&ds, tpath("nul.txt"), 256), FM_ERR_FORMAT, "NUL", "nul.txt",
+               "not UTF-8 text and not an llm.c shard", "first int32 = 6513249", NULL);
+
+    /* A NUL past the first 64 KiB is not looked for: the file loads as text. */
+    size_t big = (64u << 10) + 10;
+    char *t = malloc(big);
+    memset(t, 'x', big);
+    t[big - 3] = '\0';
+    write_raw(tpath("latenul.txt"), t, big);
+    free(t);
+    CHECK(load1(&ds, tpath("latenul.txt"), 256) == FM_OK && ds.n_tokens == (int64_t)big);
+    fm_dataset_free(&ds);
+
+    expect_err(load1(&ds, tpath("missing.txt"), 256), FM_ERR_IO, "missing", "missing.txt",
+               "No such file or directory", NULL);
+    expect_err(load1(&ds, g_dir, 256), FM_ERR_IO, "directory", "directory", NULL);
+
+    const char *none[1] = {NULL};
+    expect_err(fm_dataset_load(&ds, none, 0, 256), FM_ERR_ARG, "n_paths 0", "no files", NULL);
+    expect_err(load1(&ds, tpath("a.txt"), 0), FM_ERR_ARG, "vocab 0", "vocab_size", NULL);
+
+    /* Mixing text and shards, in either order; a later missing file fails the whole load. */
+    const char *mix1[2] = {tpath("a.txt"), tpath("m1.bin")};
+    expect_err(fm_dataset_load(&ds, mix1, 2, 1000), FM_ERR_ARG, "mix text+shard", "a.txt", "m1.bin", "mix",
+               NULL);
+    const char *mix2[2] = {tpath("m1.bin"), tpath("a.txt")};
+    expect_err(fm_dataset_load(&ds, mix2, 2, 1000), FM_ERR_ARG, "mix shard+text", "a.txt is text",
+               "m1.bin is an llm.c shard", NULL);
+    const char *miss[2] = {tpath("a.txt"), tpath("nope.txt")};
+    expect_err(fm_dataset_load(&ds, miss, 2, 256), FM_ERR_IO, "second missing", "nope.txt", NULL);
+    CHECK(ds.tokens == NULL && ds.n_tokens == 0);
+
+    /* Allocation failure is reported, not crashed on. */
+    fm_fault_set(1);
+    expect_err(load1(&ds, tpath("a.txt"), 256), FM_ERR_NOMEM, "nomem", NULL);
+    fm_fault_set(3); /* info, buffer, then the token array */
+    expect_err(load1(&ds, tpath("a.txt"), 256), FM_ERR_NOMEM, "nomem tokens", "6 tokens", NULL);
+    fm_fault_set(0);
+}
+
+static fm_dataset iota_ds(int32_t *buf, int64_t n) {
+    for (int64_t i = 0; i < n; i++) buf[i] = (int32_t)i;
+    fm_dataset ds = {.tokens = buf, .n_tokens = n, .owns = false};
+    snprintf(ds.desc, sizeof ds.desc, "iota %lld", (long long)n);
+    return ds;
+}
+
+static void test_split(void) {
+    int32_t buf[1000];
+    fm_dataset all = iota_ds(buf, 1000), tr, va;
+    CHECK(fm_dataset_split(&all, 0.1, &tr, &va) == FM_OK);
+    CHECK(tr.n_tokens == 900 && va.n_tokens == 100);
+    CHECK(tr.tokens == buf && va.tokens == buf + 900);
+    CHECK(!tr.owns && !va.owns);
+    CHECK_MSG(strstr(va.desc, "iota 1000") != NULL, "desc: %s", va.desc);
+    fm_dataset_free(&tr); /* views free nothing */
+    CHECK(buf[0] == 0);
+
+    CHECK(fm_dataset_split(&all, 0.29, &tr, &va) == FM_OK && va.n_tokens == 290 && tr.n_tokens == 710);
+    expect_err(fm_dataset_split(&all, 0.0, &tr, &va), FM_ERR_ARG, "f=0", "(0, 1)", NULL);
+    expect_err(fm_dataset_split(&all, 1.0, &tr, &va), FM_ERR_ARG, "f=1", "(0, 1)", NULL);
+    expect_err(fm_dataset_split(&all, 0.0 / 0.0, &tr, &va), FM_ERR_ARG, "f=nan", NULL);
+    fm_dataset small = iota_ds(buf, 3);
+    expect_err(fm_dataset_split(&small, 0.1, &tr, &va), FM_ERR_ARG, "empty val", "0 validation", NULL);
+    expect_err(fm_dataset_split(&small, 0.9, &tr, &va), FM_ERR_ARG, "empty train", "0 training", NULL);
+    CHECK(fm_dataset_split(&small, 0.5, &tr, &va) == FM_OK && tr.n_tokens + va.n_tokens == 3);
+
+    CHECK(fm_dataset_check_windows(&all, 999, "training data") == FM_OK);
+    expect_err(fm_dataset_check_windows(&all, 1000, "training data"), FM_ERR_ARG, "too short",
+               "training data: 1000 tokens, but --seq-len 1000 needs at least 1001", "shorter --seq-len", NULL);
+    fm_dataset v500 = iota_ds(buf, 500);
+    expect_err(fm_dataset_check_windows(&v500, 1024, "validation data"), FM_ERR_ARG, "spec message",
+               "validation data: 500 tokens, but --seq-len 1024 needs at least 1025; use a shorter --seq-len "
+               "or more data", NULL);
+    expect_err(fm_dataset_check_windows(&all, 0, "x"), FM_ERR_ARG, "seq_len 0", NULL);
+}
+
+static void test_batches(unsigned long long seed) {
+    enum { N = 517, B = 6, T = 16 };
+    int32_t buf[N];
+    fm_dataset ds = iota_ds(buf, N);
+    int32_t in1[B * T], tg1[B * T], in2[B * T], tg2[B * T];
+    fm_rng r1, r2;
+    fm_rng_seed(&r1, seed);
+    fm_rng_seed(&r2, seed);
+    fm_dataset_sample_batch(&ds, &r1, B, T, in1, tg1);
+    fm_dataset_sample_batch(&ds, &r2, B, T, in2, tg2);
+    CHECK(memcmp(in1, in2, sizeof in1) == 0 && memcmp(tg1, tg2, sizeof tg1) == 0);
+    CHECK(r1.state == r2.state);
+    int ok = 1;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            ok &= tg1[b * T + t] == in1[b * T + t] + 1;            /* shifted by one */
+            if (t) ok &= in1[b * T + t] == in1[b * T + t - 1] + 1; /* contiguous */
+            ok &= in1[b * T] >= 0 && in1[b * T] <= N - T - 1;
+        }
+    CHECK(ok);
+    /* Starts follow the documented draw: fm_rng_below(rng, N - T), one per row in order. */
+    fm_rng r3;
+    fm_rng_seed(&r3, seed);
+    ok = 1;
+    for (int b = 0; b < B; b++) ok &= in1[b * T] == (int32_t)fm_rng_below(&r3, N - T);
+    CHECK(ok);
+    /* Resume: the saved RNG state continues the same stream. */
+    fm_rng saved = r1;
+    fm_dataset_sample_batch(&ds, &r1, B, T, in1, tg1);
+    fm_dataset_sample_batch(&ds, &saved, B, T, in2, tg2);
+    CHECK(memcmp(in1, in2, sizeof in1) == 0);
+    fm_rng other;
+    fm_rng_seed(&other, seed + 1);
+    fm_dataset_sample_batch(&ds, &other, B, T, in2, tg2);
+    CHECK(memcmp(in1, in2, sizeof in1) != 0);
+
+    /* Extremes: n = T + 1 has exactly one start (0); both ends are reachable. */
+    fm_dataset tiny = iota_ds(buf, T + 1);
+    fm_dataset_sample_batch(&tiny, &r1, B, T, in1, tg1);
+    ok = 1;
+    for (int b = 0; b < B; b++) ok &= in1[b * T] == 0 && tg1[b * T + T - 1] == T;
+    CHECK(ok);
+    fm_dataset small = iota_ds(buf, T + 3); /* starts 0, 1, 2 */
+    int seen[3] = {0, 0, 0};
+    for (int k = 0; k < 200; k++) {
+        fm_dataset_sample_batch(&small, &r1, 1, T, in1, tg1);
+        if (in1[0] >= 0 && in1[0] < 3) seen[in1[0]]++;
+        else seen[0] = -1000;
+    }
+    CHECK(seen[0] > 0 && seen[1] > 0 && seen[2] > 0);
+
+    /* Eval windows: (N - 1) / T = 32 windows; batches of B walk them in order. */
+    CHECK(fm_dataset_eval_windows(&ds, T) == (N - 1) / T);
+    CHECK(fm_dataset_eval_windows(&tiny, T) == 1);
+    fm_dataset one = iota_ds(buf, T);
+    CHECK(fm_dataset_eval_windows(&one, T) == 0);
+    int64_t nw = fm_dataset_eval_windows(&ds, T), w = 0, filled, calls = 0;
+    ok = 1;
+    while (w < nw) {
+        for (int i = 0; i < B * T; i++) in1[i] = -7;
+        fm_dataset_eval_batch(&ds, w, B, T, in1, tg1, &filled);
+        ok &= filled >= 1 && filled <= B;
+        for (int64_t b = 0; b < filled; b++)
+            for (int t = 0; t < T; t++)
+                ok &= in1[b * T + t] == (int32_t)((w + b) * T + t) && tg1[b * T + t] == in1[b * T + t] + 1;
+        for (int64_t b = filled; b < B; b++) ok &= in1[b * T] == -7; /* untouched */
+        w += filled;
+        calls++;
+    }
+    CHECK(ok);
+    CHECK(w == 32 && calls == 6); /* 5 full batches of 6, then 2 */
+    fm_dataset_eval_batch(&ds, nw, B, T, in1, tg1, &filled);
+    CHECK(filled == 0);
+    /* The last window's final target is the last token it may use. */
+    fm_dataset_eval_batch(&ds, nw - 1, B, T, in1, tg1, &filled);
+    CHECK(filled == 1 && tg1[T - 1] == (int32_t)(nw * T) && nw * T <= N - 1);
+}
+
+static void test_tinyshakespeare(void) {
+    const char *root = getenv("FLATMOE_SOURCE_DIR");
+    char path[4096];
+    snprintf(path, sizeof path, "%s/../shared/data/tinyshakespeare.txt", root ? root : ".");
+    if (access(path, R_OK) != 0) {
+        printf("note: %s not present; skipping the real-text check\n", path);
+        return;
+    }
+    fm_dataset ds, tr, va;
+    fm_status s = load1(&ds, path, 256);
+    CHECK_MSG(s == FM_OK, "%s", fm_errmsg());
+    CHECK(ds.n_tokens == 1115394);
+    CHECK_MSG(strcmp(ds.desc, "1 text file, 1115394 tokens (bytes)") == 0, "desc: %s", ds.desc);
+    const char *head = "First Citizen:";
+    int ok = ds.tokens != NULL;
+    for (int i = 0; ok && head[i]; i++) ok &= ds.tokens[i] == head[i];
+    CHECK(ok);
+    CHECK(fm_dataset_split(&ds, 0.1, &tr, &va) == FM_OK);
+    CHECK(va.n_tokens == 111539 && tr.n_tokens == 1115394 - 111539);
+    CHECK(fm_dataset_check_windows(&va, 1024, "validation data") == FM_OK);
+    printf("tinyshakespeare: %s; %s\n", ds.desc, va.desc);
+    fm_dataset_free(&ds);
+}
+
+int main(void) {
+    unsigned long long seed = fm_test_seed(1234);
+    snprintf(g_dir, sizeof g_dir, "/tmp/fm_test_data_XXXXXX");
+    if (!mkdtemp(g_dir)) { perror("mkdtemp"); return 2; }
+    test_text();
+    test_shard_roundtrip(1);
+    test_shard_roundtrip(7);
+    test_shard_multi();
+    test_shard_errors();
+    test_other_errors();
+    test_split();
+    test_batches(seed);
+    test_tinyshakespeare();
+    int rc = fm_test_finish();
+    if (rc == 0) {
+        char cmd[128];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
+        if (system(cmd) != 0) fprintf(stderr, "note: could not remove %s\n", g_dir);
+    } else {
+        printf("test files kept in %s\n", g_dir);
+    }
+    return rc;
+}
