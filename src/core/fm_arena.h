@@ -28,6 +28,12 @@ static inline size_t fm_arena_round(size_t bytes) { return (bytes + 63) & ~(size
 /* Marks everything handed out as free again (the high-water mark stays). */
 static inline void fm_arena_reset(fm_arena *a) { a->used = 0; }
 
+/* Measure mode: an arena with no memory and unbounded capacity. fm_arena_alloc returns fake,
+ * never-dereferenced pointers and `used`/`high` count the bytes, so a layout function run over
+ * measuring arenas gives the exact bytes the real layout will take. */
+void fm_arena_init_measure(fm_arena *a, const char *name);
+static inline bool fm_arena_is_measure(const fm_arena *a) { return a->base == NULL && a->capacity == SIZE_MAX; }
+
 void fm_arena_free(fm_arena *a);
 
 #endif

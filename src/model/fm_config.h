@@ -1,0 +1,70 @@
+/* Model configuration read from a Hugging Face config.json (model_type qwen3_moe, olmoe,
+ * mixtral). Field names are Hugging Face's, per model_type:
+ *   expert width:  qwen3_moe moe_intermediate_size; olmoe and mixtral intermediate_size
+ *   expert count:  qwen3_moe and olmoe num_experts; mixtral num_local_experts
+ *   QK-norm:       qwen3_moe RMSNorm per head over head_dim; olmoe RMSNorm over the whole q and k
+ *                  projections; mixtral none
+ *   norm_topk_prob: qwen3_moe and olmoe read it (HF defaults false); mixtral always renormalizes
+ * flatmoe extension (absent from HF files, default 0): router_z_loss_coef. */
+#ifndef FM_CONFIG_H
+#define FM_CONFIG_H
+#include "../core/fm_core.h"
+
+typedef enum fm_model_type {
+    FM_MODEL_QWEN3_MOE,
+    FM_MODEL_OLMOE,
+    FM_MODEL_MIXTRAL,
+} fm_model_type;
+
+typedef enum fm_qk_norm {
+    FM_QK_NORM_NONE,     /* mixtral */
+    FM_QK_NORM_PER_HEAD, /* qwen3_moe: weight [head_dim] */
+    FM_QK_NORM_FULL,     /* olmoe: weights [heads*head_dim] and [kv_heads*head_dim] */
+} fm_qk_norm;
+
+typedef struct fm_config {
+    fm_model_type model_type;
+    char model_type_name[32];       /* as written in config.json */
+    int64_t vocab_size;             /* V */
+    int64_t hidden_size;            /* H */
+    int64_t moe_intermediate_size;  /* I: width of one expert's SwiGLU */
+    int64_t num_hidden_layers;      /* L */
+    int64_t num_attention_heads;    /* nh */
+    int64_t num_key_value_heads;    /* nkv (defaults to nh) */
+    int64_t head_dim;               /* hd (qwen3_moe may set it; else H / nh) */
+    int64_t max_position_embeddings;
+    int64_t num_experts;            /* E */
+    int64_t num_experts_per_tok;    /* k (top-k) */
+    double rope_theta;
+    double rms_norm_eps;
+    bool norm_topk_prob;
+    bool tie_word_embeddings;
+    double router_aux_loss_coef;
+    double router_z_loss_coef;
+    double initializer_range;       /* std of normal init (HF default 0.02) */
+    fm_qk_norm qk_norm;
+} fm_config;
+
+/* Parses config.json text. `path` is only used in messages. Errors (each names the file and the
+ * field): FM_ERR_FORMAT malformed JSON or a field of the wrong JSON type; FM_ERR_CONFIG unknown
+ * model_type, missing required field, non-positive sizes, num_attention_heads not dividing
+ * hidden_size (when head_dim is not given), num_key_value_heads not dividing
+ * num_attention_heads, odd head_dim, top-k outside [1, num_experts]; FM_ERR_UNSUPPORTED for
+ * features flatmoe does not implement yet (attention_bias, clip_qkv, rope_scaling, dense
+ * layers via mlp_only_layers/decoder_sparse_step, sliding window, shared experts). */
+fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *path);
+
+/* Reads and parses a config.json file. Errors: FM_ERR_IO if unreadable, else as above. */
+fm_status fm_config_load(fm_config *cfg, const char *path);
+
+/* Writes the config back as Hugging Face config.json text (fields for its model_type,
+ * "architectures", "torch_dtype":"float32"), into an fm_malloc'd string. */
+char *fm_config_to_json(const fm_config *cfg);
+
+/* Parameter counts: total (all experts, embeddings, untied head) and active per token (the
+ * attention, the router, k of E experts, norms, and the LM head; the embedding lookup is not a
+ * matmul and is excluded, as in Megatron's FLOP count). */
+int64_t fm_config_num_params(const fm_config *cfg);
+int64_t fm_config_num_active_params(const fm_config *cfg);
+
+#endif

@@ -1,0 +1,547 @@
+#include "fm_model.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "../core/fm_rng.h"
+
+const char *const fm_live_set_names[FM_LIVE_COUNT] = {
+    "model state", "checkpoint boundaries", "layer activations", "layer working set",
+    "vocabulary projection",
+};
+
+/* ------------------------------------------------------------------------------------------ */
+/* Parameter table                                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef struct table_builder {
+    fm_param *t;     /* NULL: count only */
+    int n;
+    int64_t offset;
+} table_builder;
+
+static int64_t add_param(table_builder *b, bool decay, int ndim, int64_t d0, int64_t d1, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+
+static int64_t add_param(table_builder *b, bool decay, int ndim, int64_t d0, int64_t d1, const char *fmt, ...) {
+    int64_t off = b->offset;
+    int64_t numel = ndim == 1 ? d0 : d0 * d1;
+    if (b->t) {
+        fm_param *p = &b->t[b->n];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(p->name, sizeof p->name, fmt, ap);
+        va_end(ap);
+        p->ndim = ndim;
+        p->shape[0] = d0;
+        p->shape[1] = ndim == 2 ? d1 : 0;
+        p->offset = off;
+        p->numel = numel;
+        p->decay = decay;
+    }
+    b->n++;
+    b->offset += numel;
+    return off;
+}
+
+/* Offsets (in elements) of one layer's tensors within the flat buffer. */
+typedef struct layer_offsets {
+    int64_t ln1, wq, wk, wv, wo, q_norm, k_norm, ln2, router, w_gate, w_up, w_down;
+} layer_offsets;
+
+/* Fills the table (or counts it when b->t is NULL) and the offsets. The order is the flat
+ * buffer's order. */
+static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, int64_t *o_norm,
+                        int64_t *o_head, layer_offsets *lo) {
+    const int64_t H = c->hidden_size, V = c->vocab_size, I = c->moe_intermediate_size, E = c->num_experts;
+    const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads, hd = c->head_dim;
+    const bool mixtral = c->model_type == FM_MODEL_MIXTRAL;
+    const char *moe = mixtral ? "block_sparse_moe" : "mlp";
+    const char *n_gate = mixtral ? "w1" : "gate_proj", *n_up = mixtral ? "w3" : "up_proj",
+               *n_down = mixtral ? "w2" : "down_proj";
+    *o_embed = add_param(b, true, 2, V, H, "model.embed_tokens.weight");
+    for (int64_t l = 0; l < c->num_hidden_layers; l++) {
+        layer_offsets x;
+        x.ln1 = add_param(b, false, 1, H, 0, "model.layers.%lld.input_layernorm.weight", (long long)l);
+        x.wq = add_param(b, true, 2, nh * hd, H, "model.layers.%lld.self_attn.q_proj.weight", (long long)l);
+        x.wk = add_param(b, true, 2, nkv * hd, H, "model.layers.%lld.self_attn.k_proj.weight", (long long)l);
+        x.wv = add_param(b, true, 2, nkv * hd, H, "model.layers.%lld.self_attn.v_proj.weight", (long long)l);
+        x.wo = add_param(b, true, 2, H, nh * hd, "model.layers.%lld.self_attn.o_proj.weight", (long long)l);
+        x.q_norm = x.k_norm = -1;
+        if (c->qk_norm == FM_QK_NORM_PER_HEAD) {
+            x.q_norm = add_param(b, false, 1, hd, 0, "model.layers.%lld.self_attn.q_norm.weight", (long long)l);
+            x.k_norm = add_param(b, false, 1, hd, 0, "model.layers.%lld.self_attn.k_norm.weight", (long long)l);
+        } else if (c->qk_norm == FM_QK_NORM_FULL) {
+            x.q_norm = add_param(b, false, 1, nh * hd, 0, "model.layers.%lld.self_attn.q_norm.weight", (long long)l);
+            x.k_norm = add_param(b, false, 1, nkv * hd, 0, "model.layers.%lld.self_attn.k_norm.weight", (long long)l);
+        }
+        x.ln2 = add_param(b, false, 1, H, 0, "model.layers.%lld.post_attention_layernorm.weight", (long long)l);
+        x.router = add_param(b, true, 2, E, H, "model.layers.%lld.%s.gate.weight", (long long)l, moe);
+        x.w_gate = b->offset;
+        for (int64_t e = 0; e < E; e++)
+            add_param(b, true, 2, I, H, "model.layers.%lld.%s.experts.%lld.%s.weight", (long long)l, moe, (long long)e, n_gate);
+        x.w_up = b->offset;
+        for (int64_t e = 0; e < E; e++)
+            add_param(b, true, 2, I, H, "model.layers.%lld.%s.experts.%lld.%s.weight", (long long)l, moe, (long long)e, n_up);
+        x.w_down = b->offset;
+        for (int64_t e = 0; e < E; e++)
+            add_param(b, true, 2, H, I, "model.layers.%lld.%s.experts.%lld.%s.weight", (long long)l, moe, (long long)e, n_down);
+        if (lo) lo[l] = x;
+    }
+    *o_norm = add_param(b, false, 1, H, 0, "model.norm.weight");
+    *o_head = c->tie_word_embeddings ? *o_embed : add_param(b, true, 2, V, H, "lm_head.weight");
+}
+
+static void set_ptrs(fm_model_ptrs *p, float *base, const fm_config *c, int64_t o_embed, int64_t o_norm,
+                     int64_t o_head, const layer_offsets *lo) {
+    p->embed = base + o_embed;
+    p->final_norm = base + o_norm;
+    p->lm_head = base + o_head;
+    for (int64_t l = 0; l < c->num_hidden_layers; l++) {
+        const layer_offsets *x = &lo[l];
+        fm_layer_ptrs *y = &p->layers[l];
+        y->ln1 = base + x->ln1; y->wq = base + x->wq; y->wk = base + x->wk; y->wv = base + x->wv;
+        y->wo = base + x->wo;
+        y->q_norm = x->q_norm >= 0 ? base + x->q_norm : NULL;
+        y->k_norm = x->k_norm >= 0 ? base + x->k_norm : NULL;
+        y->ln2 = base + x->ln2; y->router = base + x->router;
+        y->w_gate = base + x->w_gate; y->w_up = base + x->w_up; y->w_down = base + x->w_down;
+    }
+}
+
+fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be, size_t extra_state_bytes) {
+    memset(m, 0, sizeof *m);
+    m->cfg = *cfg;
+    m->be = be;
+    const int64_t L = cfg->num_hidden_layers;
+    table_builder counter = {0};
+    int64_t oe, on, oh;
+    build_table(cfg, &counter, &oe, &on, &oh, NULL);
+    m->n_tensors = counter.n;
+    m->n_params = counter.offset;
+    m->table = fm_malloc(sizeof(fm_param) * (size_t)counter.n);
+    layer_offsets *lo = fm_malloc(sizeof(layer_offsets) * (size_t)L);
+    m->w.layers = fm_malloc(sizeof(fm_layer_ptrs) * (size_t)L);
+    m->g.layers = fm_malloc(sizeof(fm_layer_ptrs) * (size_t)L);
+    m->recompute = fm_malloc((size_t)L);
+    if (!m->table || !lo || !m->w.layers || !m->g.layers || !m->recompute) {
+        fm_free(lo);
+        fm_model_free(m);
+        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the parameter table (%d tensors)", counter.n);
+    }
+    table_builder b = {m->table, 0, 0};
+    build_table(cfg, &b, &oe, &on, &oh, lo);
+    size_t pbytes = fm_arena_round((size_t)m->n_params * sizeof(float));
+    fm_status st = fm_arena_init(&m->arena[FM_LIVE_MODEL_STATE], fm_live_set_names[FM_LIVE_MODEL_STATE],
+                                 2 * pbytes + extra_state_bytes);
+    if (st) {
+        fm_free(lo);
+        fm_model_free(m);
+        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the model state (%lld parameters, %.3f GiB); "
+                        "use a smaller config", (long long)counter.offset, (2.0 * pbytes + extra_state_bytes) / 1073741824.0);
+    }
+    m->params = fm_arena_alloc(&m->arena[FM_LIVE_MODEL_STATE], (size_t)m->n_params * sizeof(float));
+    m->grads = fm_arena_alloc(&m->arena[FM_LIVE_MODEL_STATE], (size_t)m->n_params * sizeof(float));
+    set_ptrs(&m->w, m->params, cfg, oe, on, oh, lo);
+    set_ptrs(&m->g, m->grads, cfg, oe, on, oh, lo);
+    fm_free(lo);
+    return FM_OK;
+}
+
+const fm_param *fm_model_find_param(const fm_model *m, const char *name) {
+    for (int i = 0; i < m->n_tensors; i++)
+        if (!strcmp(m->table[i].name, name)) return &m->table[i];
+    return NULL;
+}
+
+void fm_model_init_weights(fm_model *m, uint64_t seed) {
+    fm_rng r;
+    fm_rng_seed(&r, seed);
+    const float std = (float)m->cfg.initializer_range;
+    for (int i = 0; i < m->n_tensors; i++) {
+        const fm_param *p = &m->table[i];
+        float *x = m->params + p->offset;
+        if (p->ndim == 1)
+            for (int64_t j = 0; j < p->numel; j++) x[j] = 1.0f;
+        else
+            for (int64_t j = 0; j < p->numel; j++) x[j] = std * (float)fm_rng_normal(&r);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Activation layout                                                                           */
+/* ------------------------------------------------------------------------------------------ */
+
+#define TAKE(arena, type, count) ((type *)fm_arena_alloc((arena), sizeof(type) * (size_t)(count)))
+
+static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c, int64_t B, int64_t T) {
+    const int64_t N = B * T, H = c->hidden_size, I = c->moe_intermediate_size, E = c->num_experts,
+                  k = c->num_experts_per_tok, R = N * k;
+    const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
+    a->ln1 = TAKE(ar, float, N * H);
+    a->rstd1 = TAKE(ar, float, N);
+    a->q = TAKE(ar, float, N * qd);
+    a->k = TAKE(ar, float, N * kd);
+    a->v = TAKE(ar, float, N * kd);
+    a->qr = TAKE(ar, float, N * qd);
+    a->kr = TAKE(ar, float, N * kd);
+    int64_t nq = c->qk_norm == FM_QK_NORM_PER_HEAD ? N * c->num_attention_heads : N;
+    int64_t nk = c->qk_norm == FM_QK_NORM_PER_HEAD ? N * c->num_key_value_heads : N;
+    a->rstd_q = c->qk_norm != FM_QK_NORM_NONE ? TAKE(ar, float, nq) : NULL;
+    a->rstd_k = c->qk_norm != FM_QK_NORM_NONE ? TAKE(ar, float, nk) : NULL;
+    a->att = TAKE(ar, float, N * qd);
+    a->lse = TAKE(ar, float, B * c->num_attention_heads * T);
+    a->x_mid = TAKE(ar, float, N * H);
+    a->ln2 = TAKE(ar, float, N * H);
+    a->rstd2 = TAKE(ar, float, N);
+    a->router_logits = TAKE(ar, float, N * E);
+    a->probs = TAKE(ar, float, N * E);
+    a->router_lse = TAKE(ar, float, N);
+    a->topk_idx = TAKE(ar, int32_t, N * k);
+    a->topk_w = TAKE(ar, float, N * k);
+    a->offsets = TAKE(ar, int64_t, E + 1);
+    a->row_route = TAKE(ar, int32_t, R);
+    a->route_row = TAKE(ar, int32_t, R);
+    a->xe = TAKE(ar, float, R * H);
+    a->h_gate = TAKE(ar, float, R * I);
+    a->h_up = TAKE(ar, float, R * I);
+    a->h_act = TAKE(ar, float, R * I);
+    a->ye = TAKE(ar, float, R * H);
+    a->expert_count = TAKE(ar, float, E);
+    a->expert_prob_sum = TAKE(ar, float, E);
+}
+
+static void layout_ws(fm_bwd_ws *w, fm_arena *ar, const fm_config *c, int64_t N) {
+    const int64_t H = c->hidden_size, I = c->moe_intermediate_size, E = c->num_experts,
+                  k = c->num_experts_per_tok, R = N * k;
+    const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
+    w->dx_a = TAKE(ar, float, N * H);
+    w->dx_b = TAKE(ar, float, N * H);
+    w->dtmp = TAKE(ar, float, N * H);
+    w->dln = TAKE(ar, float, N * H);
+    w->tmp_nh = TAKE(ar, float, N * H);
+    w->dq = TAKE(ar, float, N * qd);
+    w->dk = TAKE(ar, float, N * kd);
+    w->dv = TAKE(ar, float, N * kd);
+    w->datt = TAKE(ar, float, N * qd);
+    w->dye = TAKE(ar, float, R * H);
+    w->dxe = TAKE(ar, float, R * H);
+    w->dact = TAKE(ar, float, R * I);
+    w->dh_gate = TAKE(ar, float, R * I);
+    w->dh_up = TAKE(ar, float, R * I);
+    w->dtopk_w = TAKE(ar, float, N * k);
+    w->dlogits_r = TAKE(ar, float, N * E);
+    w->dprobs_e = TAKE(ar, float, E);
+}
+
+/* Lays out everything but the model state into arenas ar[1..]. Pointer arrays m->boundary and
+ * m->acts must already exist. */
+static void layout_all(fm_model *m, fm_arena *ar) {
+    const fm_config *c = &m->cfg;
+    const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size, hd = c->head_dim;
+    fm_arena *bnd = &ar[FM_LIVE_BOUNDARIES], *acts = &ar[FM_LIVE_LAYER_ACTS],
+             *ws = &ar[FM_LIVE_WORKING_SET], *voc = &ar[FM_LIVE_VOCAB];
+    m->tokens = TAKE(bnd, int32_t, N);
+    m->targets = TAKE(bnd, int32_t, N);
+    m->rope_cos = TAKE(bnd, float, m->T * hd / 2);
+    m->rope_sin = TAKE(bnd, float, m->T * hd / 2);
+    for (int64_t l = 0; l <= L; l++) m->boundary[l] = TAKE(bnd, float, N * H);
+    fm_layer_acts shared;
+    bool any_recompute = false;
+    for (int64_t l = 0; l < L; l++) any_recompute |= m->recompute[l];
+    if (any_recompute) layout_layer_acts(&shared, acts, c, m->B, m->T);
+    for (int64_t l = 0; l < L; l++) {
+        if (m->recompute[l]) m->acts[l] = shared;
+        else layout_layer_acts(&m->acts[l], acts, c, m->B, m->T);
+    }
+    layout_ws(&m->ws, ws, c, N);
+    m->xf = TAKE(voc, float, N * H);
+    m->rstd_f = TAKE(voc, float, N);
+    m->logits = TAKE(voc, float, N * c->vocab_size);
+    m->token_loss = TAKE(voc, float, N);
+}
+
+static void free_layout(fm_model *m) {
+    for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_free(&m->arena[i]);
+    fm_free(m->boundary);
+    fm_free(m->acts);
+    m->boundary = NULL;
+    m->acts = NULL;
+}
+
+void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const bool *recompute,
+                         size_t bytes[FM_LIVE_COUNT]) {
+    const int64_t L = cfg->num_hidden_layers;
+    fm_model m;
+    memset(&m, 0, sizeof m);
+    m.cfg = *cfg;
+    m.B = B; m.T = T; m.N = B * T;
+    bool rc[L > 0 ? L : 1];
+    for (int64_t l = 0; l < L; l++) rc[l] = recompute ? recompute[l] : false;
+    m.recompute = rc;
+    float *bp[L + 1];
+    fm_layer_acts la[L > 0 ? L : 1];
+    m.boundary = bp;
+    m.acts = la;
+    fm_arena ar[FM_LIVE_COUNT];
+    for (int i = 0; i < FM_LIVE_COUNT; i++) fm_arena_init_measure(&ar[i], fm_live_set_names[i]);
+    layout_all(&m, ar);
+    table_builder counter = {0};
+    int64_t oe, on, oh;
+    build_table(cfg, &counter, &oe, &on, &oh, NULL);
+    bytes[FM_LIVE_MODEL_STATE] = 2 * fm_arena_round((size_t)counter.offset * sizeof(float));
+    for (int i = 1; i < FM_LIVE_COUNT; i++) bytes[i] = ar[i].used;
+}
+
+fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const bool *recompute) {
+    const fm_config *c = &m->cfg;
+    const int64_t L = c->num_hidden_layers;
+    if (T > c->max_position_embeddings)
+        return fm_error(FM_ERR_ARG, "--seq-len %lld exceeds the model's max_position_embeddings (%lld); "
+                        "use --seq-len <= %lld", (long long)T, (long long)c->max_position_embeddings,
+                        (long long)c->max_position_embeddings);
+    if (B < 1 || T < 1)
+        return fm_error(FM_ERR_ARG, "--micro-batch (%lld) and --seq-len (%lld) must be >= 1", (long long)B,
+                        (long long)T);
+    free_layout(m);
+    m->B = B; m->T = T; m->N = B * T;
+    for (int64_t l = 0; l < L; l++) m->recompute[l] = recompute ? recompute[l] : false;
+    size_t bytes[FM_LIVE_COUNT];
+    fm_model_plan_bytes(c, B, T, m->recompute, bytes);
+    m->boundary = fm_malloc(sizeof(float *) * (size_t)(L + 1));
+    m->acts = fm_malloc(sizeof(fm_layer_acts) * (size_t)L);
+    if (!m->boundary || !m->acts) return fm_error(FM_ERR_NOMEM, "memory: cannot allocate layer tables");
+    for (int i = 1; i < FM_LIVE_COUNT; i++) {
+        fm_status st = fm_arena_init(&m->arena[i], fm_live_set_names[i], bytes[i]);
+        if (st) {
+            free_layout(m);
+            return fm_error(FM_ERR_NOMEM, "memory: cannot allocate %.3f GiB for the %s live set at "
+                            "--micro-batch %lld --seq-len %lld; lower one of them or recompute more layers",
+                            bytes[i] / 1073741824.0, fm_live_set_names[i], (long long)B, (long long)T);
+        }
+    }
+    layout_all(m, m->arena);
+    /* RoPE tables (HF: inv_freq[i] = theta^(-2i/hd); angle = t * inv_freq[i]), in double. */
+    const int64_t half = c->head_dim / 2;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < half; i++) {
+            double inv = pow(c->rope_theta, -2.0 * (double)i / (double)c->head_dim);
+            double ang = (double)t * inv;
+            m->rope_cos[t * half + i] = (float)cos(ang);
+            m->rope_sin[t * half + i] = (float)sin(ang);
+        }
+    return FM_OK;
+}
+
+void fm_model_free(fm_model *m) {
+    free_layout(m);
+    fm_arena_free(&m->arena[FM_LIVE_MODEL_STATE]);
+    fm_free(m->table);
+    fm_free(m->w.layers);
+    fm_free(m->g.layers);
+    fm_free(m->recompute);
+    memset(m, 0, sizeof *m);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Forward                                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+#define OPS (m->be.ops)
+#define CTX (m->be.ctx)
+
+/* y[N,out] = x[N,in] W[out,in]^T */
+static void linear_fwd(fm_model *m, float *y, const float *x, const float *W, int64_t N, int64_t in, int64_t out) {
+    OPS->gemm(CTX, false, true, N, out, in, 1.0f, x, in, W, in, 0.0f, y, out);
+}
+
+/* dx[N,in] (= or += per beta) dy[N,out] W[out,in]; dW[out,in] += dy^T x */
+static void linear_bwd(fm_model *m, float *dx, float beta, float *dW, const float *dy, const float *x,
+                       const float *W, int64_t N, int64_t in, int64_t out) {
+    if (dx) OPS->gemm(CTX, false, false, N, in, out, 1.0f, dy, out, W, in, beta, dx, in);
+    OPS->gemm(CTX, true, false, out, in, N, 1.0f, dy, out, x, in, 1.0f, dW, in);
+}
+
+/* One layer forward: x [N,H] -> y [N,H]; saves into a. Returns the layer's (aux, z) terms. */
+static void layer_forward(fm_model *m, int64_t l, const float *x, float *y, fm_layer_acts *a,
+                          double *aux, double *zterm) {
+    const fm_config *c = &m->cfg;
+    const fm_layer_ptrs *w = &m->w.layers[l];
+    const int64_t B = m->B, T = m->T, N = m->N, H = c->hidden_size, I = c->moe_intermediate_size;
+    const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads, hd = c->head_dim;
+    const int64_t qd = nh * hd, kd = nkv * hd, E = c->num_experts, k = c->num_experts_per_tok;
+    const float eps = (float)c->rms_norm_eps;
+
+    /* attention block */
+    OPS->rmsnorm_fwd(CTX, a->ln1, a->rstd1, x, w->ln1, N, H, eps);
+    linear_fwd(m, a->q, a->ln1, w->wq, N, H, qd);
+    linear_fwd(m, a->k, a->ln1, w->wk, N, H, kd);
+    linear_fwd(m, a->v, a->ln1, w->wv, N, H, kd);
+    if (c->qk_norm == FM_QK_NORM_PER_HEAD) {
+        OPS->rmsnorm_fwd(CTX, a->qr, a->rstd_q, a->q, w->q_norm, N * nh, hd, eps);
+        OPS->rmsnorm_fwd(CTX, a->kr, a->rstd_k, a->k, w->k_norm, N * nkv, hd, eps);
+    } else if (c->qk_norm == FM_QK_NORM_FULL) {
+        OPS->rmsnorm_fwd(CTX, a->qr, a->rstd_q, a->q, w->q_norm, N, qd, eps);
+        OPS->rmsnorm_fwd(CTX, a->kr, a->rstd_k, a->k, w->k_norm, N, kd, eps);
+    } else {
+        memcpy(a->qr, a->q, sizeof(float) * (size_t)(N * qd));
+        memcpy(a->kr, a->k, sizeof(float) * (size_t)(N * kd));
+    }
+    OPS->rope_fwd(CTX, a->qr, m->rope_cos, m->rope_sin, B, T, nh, hd);
+    OPS->rope_fwd(CTX, a->kr, m->rope_cos, m->rope_sin, B, T, nkv, hd);
+    OPS->attention_fwd(CTX, a->att, a->lse, a->qr, a->kr, a->v, B, T, nh, nkv, hd);
+    linear_fwd(m, a->x_mid, a->att, w->wo, N, qd, H);
+    OPS->add(CTX, a->x_mid, x, N * H);
+
+    /* MoE block */
+    OPS->rmsnorm_fwd(CTX, a->ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
+    linear_fwd(m, a->router_logits, a->ln2, w->router, N, H, E);
+    OPS->router_fwd(CTX, a->probs, a->router_lse, a->topk_idx, a->topk_w, a->router_logits, N, E, k,
+                    c->norm_topk_prob);
+    double lse_sq = OPS->router_stats(CTX, a->expert_count, a->expert_prob_sum, a->probs, a->router_lse,
+                                      a->topk_idx, N, E, k);
+    double s = 0;
+    for (int64_t e = 0; e < E; e++) s += ((double)a->expert_count[e] / N) * ((double)a->expert_prob_sum[e] / N);
+    *aux = (double)E * s;
+    *zterm = lse_sq / (double)N;
+
+    OPS->moe_route_index(CTX, a->offsets, a->row_route, a->route_row, a->topk_idx, N, E, k);
+    OPS->moe_gather(CTX, a->xe, a->ln2, a->row_route, N * k, k, H);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t r0 = a->offsets[e], n = a->offsets[e + 1] - r0;
+        if (n == 0) continue;
+        linear_fwd(m, a->h_gate + r0 * I, a->xe + r0 * H, w->w_gate + e * I * H, n, H, I);
+        linear_fwd(m, a->h_up + r0 * I, a->xe + r0 * H, w->w_up + e * I * H, n, H, I);
+        OPS->swiglu_fwd(CTX, a->h_act + r0 * I, a->h_gate + r0 * I, a->h_up + r0 * I, n * I);
+        linear_fwd(m, a->ye + r0 * H, a->h_act + r0 * I, w->w_down + e * H * I, n, I, H);
+    }
+    OPS->moe_combine_fwd(CTX, y, a->ye, a->topk_w, a->route_row, N, k, H);
+    OPS->add(CTX, y, a->x_mid, N * H);
+}
+
+void fm_model_forward(fm_model *m, bool with_targets, fm_loss *out) {
+    const fm_config *c = &m->cfg;
+    const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size, V = c->vocab_size;
+    OPS->embedding_fwd(CTX, m->boundary[0], m->tokens, m->w.embed, N, H);
+    double aux = 0, z = 0;
+    for (int64_t l = 0; l < L; l++) {
+        double a_l, z_l;
+        layer_forward(m, l, m->boundary[l], m->boundary[l + 1], &m->acts[l], &a_l, &z_l);
+        aux += a_l;
+        z += z_l;
+    }
+    OPS->rmsnorm_fwd(CTX, m->xf, m->rstd_f, m->boundary[L], m->w.final_norm, N, H, (float)c->rms_norm_eps);
+    linear_fwd(m, m->logits, m->xf, m->w.lm_head, N, H, V);
+    fm_loss r = {0};
+    r.aux = c->router_aux_loss_coef * aux / (double)L;
+    r.z = c->router_z_loss_coef * z / (double)L;
+    if (with_targets) {
+        int64_t valid = 0;
+        for (int64_t n = 0; n < N; n++) valid += m->targets[n] != -100;
+        r.n_valid = valid;
+        /* The gradient is formed in place now (the logits are not needed afterwards); backward
+         * rescales nothing: grad_scale already carries 1/valid. The scale for accumulation is
+         * applied to the head gradient in backward. */
+        double sum = OPS->cross_entropy(CTX, m->token_loss, m->logits, m->logits, m->targets, N, V,
+                                        valid ? 1.0f / (float)valid : 0.0f, -100);
+        r.ce = valid ? sum / (double)valid : 0.0;
+    }
+    if (out) *out = r;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backward                                                                                    */
+/* ------------------------------------------------------------------------------------------ */
+
+/* dy [N,H]: gradient of the layer output. Writes dx [N,H] (assigned). */
+static void layer_backward(fm_model *m, int64_t l, const float *x, const float *dy, float *dx,
+                           fm_layer_acts *a, float scale) {
+    const fm_config *c = &m->cfg;
+    const fm_layer_ptrs *w = &m->w.layers[l];
+    const fm_layer_ptrs *g = &m->g.layers[l];
+    fm_bwd_ws *ws = &m->ws;
+    const int64_t B = m->B, T = m->T, N = m->N, H = c->hidden_size, I = c->moe_intermediate_size;
+    const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads, hd = c->head_dim;
+    const int64_t qd = nh * hd, kd = nkv * hd, E = c->num_experts, k = c->num_experts_per_tok;
+    const int64_t L = c->num_hidden_layers;
+
+    /* MoE block: y = x_mid + combine(experts(gather(ln2(x_mid)))) */
+    OPS->moe_combine_bwd(CTX, ws->dye, ws->dtopk_w, dy, a->ye, a->topk_w, a->route_row, N, k, H);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t r0 = a->offsets[e], n = a->offsets[e + 1] - r0;
+        if (n == 0) continue;
+        linear_bwd(m, ws->dact + r0 * I, 0.0f, g->w_down + e * H * I, ws->dye + r0 * H, a->h_act + r0 * I,
+                   w->w_down + e * H * I, n, I, H);
+        OPS->swiglu_bwd(CTX, ws->dh_gate + r0 * I, ws->dh_up + r0 * I, ws->dact + r0 * I, a->h_gate + r0 * I,
+                        a->h_up + r0 * I, n * I);
+        linear_bwd(m, ws->dxe + r0 * H, 0.0f, g->w_gate + e * I * H, ws->dh_gate + r0 * I, a->xe + r0 * H,
+                   w->w_gate + e * I * H, n, H, I);
+        linear_bwd(m, ws->dxe + r0 * H, 1.0f, g->w_up + e * I * H, ws->dh_up + r0 * I, a->xe + r0 * H,
+                   w->w_up + e * I * H, n, H, I);
+    }
+    OPS->moe_gather_bwd(CTX, ws->dln, ws->dxe, a->route_row, N, k, H);
+    /* Router: top-k weights, plus the load-balancing loss coef/L * E * sum_e f_e P_e with
+     * P_e = mean_n probs[n,e] (f_e = count_e/N held constant), plus the z-loss
+     * zcoef/L * mean_n lse_n^2. The batch's loss is scaled by `scale` (accumulation). */
+    const double aux_c = c->router_aux_loss_coef * scale / (double)L;
+    for (int64_t e = 0; e < E; e++)
+        ws->dprobs_e[e] = (float)(aux_c * (double)E * ((double)a->expert_count[e] / N) / (double)N);
+    const float z_scale = (float)(c->router_z_loss_coef * scale / ((double)L * (double)N));
+    OPS->router_bwd(CTX, ws->dlogits_r, ws->dtopk_w, ws->dprobs_e, z_scale, a->probs, a->router_lse,
+                    a->topk_idx, a->topk_w, N, E, k, c->norm_topk_prob);
+    linear_bwd(m, ws->dln, 1.0f, g->router, ws->dlogits_r, a->ln2, w->router, N, H, E);
+    /* d x_mid = dy + rmsnorm_bwd(dln) */
+    OPS->rmsnorm_bwd(CTX, ws->dtmp, g->ln2, ws->dln, a->x_mid, w->ln2, a->rstd2, N, H);
+    OPS->add(CTX, ws->dtmp, dy, N * H);
+    float *dxmid = ws->dtmp;
+
+    /* attention block: x_mid = x + o_proj(attn(rope(qknorm(q,k)), v)) */
+    linear_bwd(m, ws->datt, 0.0f, g->wo, dxmid, a->att, w->wo, N, qd, H);
+    OPS->attention_bwd(CTX, ws->dq, ws->dk, ws->dv, ws->datt, a->qr, a->kr, a->v, a->att, a->lse, B, T, nh,
+                       nkv, hd);
+    OPS->rope_bwd(CTX, ws->dq, m->rope_cos, m->rope_sin, B, T, nh, hd);
+    OPS->rope_bwd(CTX, ws->dk, m->rope_cos, m->rope_sin, B, T, nkv, hd);
+    float *dq = ws->dq, *dk = ws->dk;
+    if (c->qk_norm != FM_QK_NORM_NONE) {
+        /* datt is free now: reuse it for dq before the norm; dln (free) for dk. */
+        const bool ph = c->qk_norm == FM_QK_NORM_PER_HEAD;
+        OPS->rmsnorm_bwd(CTX, ws->datt, g->q_norm, ws->dq, a->q, w->q_norm, a->rstd_q, ph ? N * nh : N,
+                         ph ? hd : qd);
+        OPS->rmsnorm_bwd(CTX, ws->dln, g->k_norm, ws->dk, a->k, w->k_norm, a->rstd_k, ph ? N * nkv : N,
+                         ph ? hd : kd);
+        dq = ws->datt;
+        dk = ws->dln;
+    }
+    float *dln1 = ws->dye; /* [R,H] >= [N,H]: free after the MoE block */
+    linear_bwd(m, dln1, 0.0f, g->wq, dq, a->ln1, w->wq, N, H, qd);
+    linear_bwd(m, dln1, 1.0f, g->wk, dk, a->ln1, w->wk, N, H, kd);
+    linear_bwd(m, dln1, 1.0f, g->wv, ws->dv, a->ln1, w->wv, N, H, kd);
+    OPS->rmsnorm_bwd(CTX, dx, g->ln1, dln1, x, w->ln1, a->rstd1, N, H);
+    OPS->add(CTX, dx, dxmid, N * H);
+}
+
+void fm_model_backward(fm_model *m, float scale) {
+    const fm_config *c = &m->cfg;
+    const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size, V = c->vocab_size;
+    fm_bwd_ws *ws = &m->ws;
+    /* m->logits holds dloss/dlogits (mean CE) from forward; scale it for accumulation. */
+    float *dlogits = m->logits;
+    if (scale != 1.0f)
+        for (int64_t i = 0; i < N * V; i++) dlogits[i] *= scale;
+    linear_bwd(m, ws->dtmp, 0.0f, m->g.lm_head, dlogits, m->xf, m->w.lm_head, N, H, V);
+    float *dy = ws->dx_a, *dx = ws->dx_b;
+    OPS->rmsnorm_bwd(CTX, dy, m->g.final_norm, ws->dtmp, m->boundary[L], m->w.final_norm, m->rstd_f, N, H);
+    for (int64_t l = L - 1; l >= 0; l--) {
+        if (m->recompute[l]) {
+            double a_l, z_l;
+            /* Re-run the forward from the saved boundary into the shared set; the output goes
+             * to scratch (tmp_nh) so the saved boundary l+1 stays as it was. */
+            layer_forward(m, l, m->boundary[l], ws->tmp_nh, &m->acts[l], &a_l, &z_l);
+        }
+        layer_backward(m, l, m->boundary[l], dy, dx, &m->acts[l], scale);
+        float *t = dy; dy = dx; dx = t;
+    }
+    OPS->embedding_bwd(CTX, m->g.embed, dy, m->tokens, N, H);
+}

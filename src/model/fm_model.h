@@ -1,0 +1,147 @@
+/* The MoE decoder (DESIGN.md §4), written against the backend op table:
+ *
+ *   tokens -> embedding -> L x [ RMSNorm -> causal GQA attention (RoPE, optional QK-norm)
+ *   -> +residual -> RMSNorm -> router (softmax, top-k) -> SwiGLU experts (dropless) -> +residual ]
+ *   -> final RMSNorm -> LM head -> cross-entropy (+ load-balancing and z losses)
+ *
+ * Parameters live in one flat fp32 buffer in a fixed order (fm_param table, Hugging Face names);
+ * gradients in a second buffer of the same layout. Per-expert weights are stored stacked:
+ * gate and up [E, I, H], down [E, H, I]; expert e's HF tensor is the e-th slice.
+ *
+ * Activation memory is laid out once for a (micro-batch B, sequence T) shape, into arenas:
+ * checkpoint boundaries (the L+1 residual-stream tensors [N,H]), saved layer activations (one
+ * set per layer that is not recomputed, plus one shared set if any layer is recomputed), the
+ * backward working set, and the vocabulary projection (logits [N,V]). The same layout code
+ * runs in "measure" mode for the planner, so the bytes planned are the bytes allocated. */
+#ifndef FM_MODEL_H
+#define FM_MODEL_H
+
+#include "../backend/fm_backend.h"
+#include "../core/fm_arena.h"
+#include "fm_config.h"
+
+typedef struct fm_param {
+    char name[128];   /* Hugging Face tensor name */
+    int ndim;
+    int64_t shape[2];
+    int64_t offset;   /* elements into the flat buffer */
+    int64_t numel;
+    bool decay;       /* AdamW weight decay applies (false for norm weights) */
+} fm_param;
+
+/* Pointers into one flat buffer (weights or gradients) for one layer. */
+typedef struct fm_layer_ptrs {
+    float *ln1, *wq, *wk, *wv, *wo, *q_norm, *k_norm, *ln2, *router;
+    float *w_gate, *w_up, *w_down; /* [E,I,H], [E,I,H], [E,H,I] */
+} fm_layer_ptrs;
+
+typedef struct fm_model_ptrs {
+    float *embed;    /* [V,H] */
+    float *final_norm;
+    float *lm_head;  /* [V,H]; == embed when tied */
+    fm_layer_ptrs *layers;
+} fm_model_ptrs;
+
+/* Saved activations of one layer's forward (what its backward reads). */
+typedef struct fm_layer_acts {
+    float *ln1, *rstd1;          /* [N,H], [N] */
+    float *q, *k, *v;            /* projections before QK-norm/RoPE: [N,nh*hd], [N,nkv*hd] x2 */
+    float *qr, *kr;              /* after QK-norm and RoPE: attention inputs */
+    float *rstd_q, *rstd_k;      /* QK-norm rstd ([N*nh] per head, [N] full) */
+    float *att, *lse;            /* [N,nh*hd], [B,nh,T] */
+    float *x_mid;                /* [N,H] residual after attention */
+    float *ln2, *rstd2;          /* [N,H], [N] */
+    float *router_logits, *probs, *router_lse; /* [N,E], [N,E], [N] fp32 */
+    int32_t *topk_idx; float *topk_w;          /* [N,k] */
+    int64_t *offsets;            /* [E+1] */
+    int32_t *row_route, *route_row; /* [N*k] */
+    float *xe, *h_gate, *h_up, *h_act, *ye; /* [R,H], [R,I] x3, [R,H], R = N*k */
+    float *expert_count, *expert_prob_sum;  /* [E] router statistics for the aux loss */
+} fm_layer_acts;
+
+/* Backward working set: one layer at a time. */
+typedef struct fm_bwd_ws {
+    float *dx_a, *dx_b, *dtmp, *dln;      /* [N,H] */
+    float *dq, *dk, *dv, *datt;           /* [N,nh*hd], [N,nkv*hd] x2, [N,nh*hd] */
+    float *dye, *dxe;                     /* [R,H] */
+    float *dact, *dh_gate, *dh_up;        /* [R,I] */
+    float *dtopk_w;                       /* [N,k] */
+    float *dlogits_r;                     /* [N,E] */
+    float *dprobs_e;                      /* [E] */
+    float *tmp_nh;                        /* [N,H] forward scratch (attention output proj, MoE out) */
+} fm_bwd_ws;
+
+typedef enum fm_live_set {
+    FM_LIVE_MODEL_STATE,   /* weights, grads (+ optimizer state, added by the trainer) */
+    FM_LIVE_BOUNDARIES,    /* checkpoint boundaries: residual stream per layer */
+    FM_LIVE_LAYER_ACTS,    /* saved activations of non-recomputed layers (+ recompute set) */
+    FM_LIVE_WORKING_SET,   /* backward working set of one layer */
+    FM_LIVE_VOCAB,         /* final norm, logits [N,V] and their gradient */
+    FM_LIVE_COUNT
+} fm_live_set;
+
+extern const char *const fm_live_set_names[FM_LIVE_COUNT];
+
+typedef struct fm_model {
+    fm_config cfg;
+    fm_backend be;
+    int64_t n_params;
+    int n_tensors;
+    fm_param *table;      /* n_tensors entries */
+    float *params, *grads;
+    fm_model_ptrs w, g;   /* views of params and grads */
+
+    /* Shape the activations were laid out for. */
+    int64_t B, T, N;
+    bool *recompute;      /* [L]: layer's activations are recomputed in backward */
+    float *rope_cos, *rope_sin; /* [T, hd/2] */
+    int32_t *tokens, *targets;  /* [N] */
+    float **boundary;           /* [L+1] pointers, each [N,H] */
+    fm_layer_acts *acts;        /* [L]: acts[l] is layer l's saved set (shared if recomputed) */
+    fm_bwd_ws ws;
+    float *xf, *rstd_f, *logits, *token_loss; /* [N,H], [N], [N,V], [N] */
+
+    fm_arena arena[FM_LIVE_COUNT];
+} fm_model;
+
+/* Builds the parameter table and allocates weights and gradients (model state arena, plus
+ * `extra_state_bytes` that the caller will take from it, e.g. AdamW moments). Does not
+ * initialize weights (see fm_model_init_weights). Errors: FM_ERR_NOMEM. */
+fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be, size_t extra_state_bytes);
+
+/* Lays out and allocates activation memory for micro-batch B x sequence T. `recompute` [L]
+ * (NULL: none) marks layers whose activations are recomputed in backward. Errors:
+ * FM_ERR_ARG if T > max_position_embeddings (names --seq-len), FM_ERR_NOMEM naming the live
+ * set. May be called again with another shape (frees the previous layout). */
+fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const bool *recompute);
+
+/* Bytes each live set needs for this config and shape (measured by running the layout code
+ * without allocating). bytes[FM_LIVE_COUNT]; model state excludes optimizer state. */
+void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const bool *recompute,
+                         size_t bytes[FM_LIVE_COUNT]);
+
+void fm_model_free(fm_model *m);
+
+/* Normal(0, initializer_range) for matrices and embeddings, 1 for norm weights (HF init). */
+void fm_model_init_weights(fm_model *m, uint64_t seed);
+
+/* Losses of one micro-batch. */
+typedef struct fm_loss {
+    double ce;       /* mean cross-entropy over non-ignored targets, nats per token */
+    double aux;      /* router_aux_loss_coef * mean over layers of E * sum_e f_e P_e */
+    double z;        /* router_z_loss_coef * mean over layers of mean_n lse_n^2 */
+    int64_t n_valid; /* targets that count */
+} fm_loss;
+
+/* Forward on m->tokens [B,T] (and m->targets when `targets` is true) through the loss.
+ * With targets false only m->logits is produced (for sampling). Saves what backward needs. */
+void fm_model_forward(fm_model *m, bool with_targets, fm_loss *out);
+
+/* Backward of the last forward: ACCUMULATES into m->grads, scaled by `scale` (1/G for
+ * G-step gradient accumulation). The CE gradient is mean over the micro-batch's valid tokens. */
+void fm_model_backward(fm_model *m, float scale);
+
+/* Looks up a parameter by HF name; NULL if absent. */
+const fm_param *fm_model_find_param(const fm_model *m, const char *name);
+
+#endif
