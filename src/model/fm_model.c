@@ -306,7 +306,9 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const bool *recompu
         return fm_error(FM_ERR_ARG, "--micro-batch (%lld) and --seq-len (%lld) must be >= 1", (long long)B,
                         (long long)T);
     free_layout(m);
-    m->B = B; m->T = T; m->N = B * T;
+    m->B = m->B_cap = B;
+    m->T = m->T_cap = T;
+    m->N = B * T;
     for (int64_t l = 0; l < L; l++) m->recompute[l] = recompute ? recompute[l] : false;
     size_t bytes[FM_LIVE_COUNT];
     fm_model_plan_bytes(c, B, T, m->recompute, bytes);
@@ -333,6 +335,13 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const bool *recompu
             m->rope_sin[t * half + i] = (float)sin(ang);
         }
     return FM_OK;
+}
+
+void fm_model_set_shape(fm_model *m, int64_t B, int64_t T) {
+    FM_ASSERT(B >= 1 && T >= 1 && B <= m->B_cap && T <= m->T_cap);
+    m->B = B;
+    m->T = T;
+    m->N = B * T;
 }
 
 void fm_model_free(fm_model *m) {

@@ -91,8 +91,10 @@ typedef struct fm_model {
     float *params, *grads;
     fm_model_ptrs w, g;   /* views of params and grads */
 
-    /* Shape the activations were laid out for. */
+    /* Active shape (B, T, N = B*T) and the shape the activations were laid out for; a forward
+     * may run any B <= B_cap, T <= T_cap (fm_model_set_shape), e.g. when sampling. */
     int64_t B, T, N;
+    int64_t B_cap, T_cap;
     bool *recompute;      /* [L]: layer's activations are recomputed in backward */
     float *rope_cos, *rope_sin; /* [T, hd/2] */
     int32_t *tokens, *targets;  /* [N] */
@@ -121,6 +123,10 @@ void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const bool 
                          size_t bytes[FM_LIVE_COUNT]);
 
 void fm_model_free(fm_model *m);
+
+/* Sets the active micro-batch and sequence length for the next forward/backward, within the
+ * laid-out capacity (asserted). Tokens and targets are then read as [B,T]. */
+void fm_model_set_shape(fm_model *m, int64_t B, int64_t T);
 
 /* Normal(0, initializer_range) for matrices and embeddings, 1 for norm weights (HF init). */
 void fm_model_init_weights(fm_model *m, uint64_t seed);

@@ -1,0 +1,528 @@
+#include "fm_trainer.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "../backend/cpu/fm_backend_cpu.h"
+#include "../core/fm_rng.h"
+#include "../data/fm_data.h"
+#include "../io/fm_checkpoint.h"
+#include "../io/fm_safetensors.h"
+
+void fm_train_opts_default(fm_train_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->val_fraction = 0.1;
+    o->seq_len = 128;
+    o->micro_batch = 16;
+    o->grad_accum = 1;
+    o->steps = 1000;
+    o->lr = 2e-3;
+    o->min_lr = 2e-4;
+    o->warmup = 50;
+    o->weight_decay = 0.1;
+    o->grad_clip = 1.0;
+    o->beta1 = 0.9;
+    o->beta2 = 0.95;
+    o->adam_eps = 1e-8;
+    o->seed = 1337;
+    o->threads = 0;
+    o->out_dir = "runs/tiny";
+    o->eval_every = 250;
+    o->eval_batches = 20;
+    o->save_every = 0;
+    o->log_every = 1;
+    o->recompute = "none";
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void fmt_hms(char *buf, size_t n, double s) {
+    if (s < 0 || !isfinite(s)) s = 0;
+    long t = (long)(s + 0.5);
+    snprintf(buf, n, "%ld:%02ld:%02ld", t / 3600, (t / 60) % 60, t % 60);
+}
+
+fm_status fm_parse_recompute(const char *spec, int64_t L, bool *rc) {
+    for (int64_t l = 0; l < L; l++) rc[l] = false;
+    if (!spec || !strcmp(spec, "none") || !*spec) return FM_OK;
+    if (!strcmp(spec, "full")) {
+        for (int64_t l = 0; l < L; l++) rc[l] = true;
+        return FM_OK;
+    }
+    const char *p = spec;
+    while (*p) {
+        char *end;
+        errno = 0;
+        long long v = strtoll(p, &end, 10);
+        if (end == p || errno || (*end && *end != ','))
+            return fm_error(FM_ERR_ARG, "--recompute \"%s\": expected none, full, or comma-separated layer ids "
+                            "(e.g. 0,2,5)", spec);
+        if (v < 0 || v >= L)
+            return fm_error(FM_ERR_ARG, "--recompute: layer id %lld is out of range; the model has layers 0..%lld",
+                            v, (long long)L - 1);
+        rc[v] = true;
+        p = *end ? end + 1 : end;
+    }
+    return FM_OK;
+}
+
+/* ---- checkpoint glue ------------------------------------------------------------------------ */
+
+static fm_status model_named(const fm_model *m, const float *base, const char *prefix, fm_named_tensor *out,
+                             char (*names)[160]) {
+    for (int i = 0; i < m->n_tensors; i++) {
+        const fm_param *p = &m->table[i];
+        snprintf(names[i], sizeof names[i], "%s%s", prefix, p->name);
+        out[i].name = names[i];
+        out[i].data = base + p->offset;
+        out[i].ndim = p->ndim;
+        memset(out[i].shape, 0, sizeof out[i].shape);
+        for (int d = 0; d < p->ndim; d++) out[i].shape[d] = p->shape[d];
+    }
+    return FM_OK;
+}
+
+/* Reads every tensor of the table from an open safetensors file into base (+offset), with the
+ * name prefix. Tensors in the file that the model does not have are an error (a different
+ * model), except lm_head.weight for a tied model. */
+static fm_status load_named(fm_model *m, const char *path, const char *prefix, float *base) {
+    fm_safetensors st;
+    FM_TRY(fm_st_open(&st, path));
+    fm_status s = FM_OK;
+    char name[192];
+    for (int i = 0; i < m->n_tensors && s == FM_OK; i++) {
+        const fm_param *p = &m->table[i];
+        snprintf(name, sizeof name, "%s%s", prefix, p->name);
+        s = fm_st_read_f32(&st, name, base + p->offset, p->ndim, p->shape);
+    }
+    for (int i = 0; i < st.n_tensors && s == FM_OK; i++) {
+        const char *n = st.tensors[i].name;
+        if (strncmp(n, prefix, strlen(prefix))) continue;
+        if (!fm_model_find_param(m, n + strlen(prefix)) &&
+            !(m->cfg.tie_word_embeddings && !strcmp(n + strlen(prefix), "lm_head.weight")))
+            s = fm_error(FM_ERR_FORMAT, "%s: tensor '%s' is not a parameter of this %s model (%d tensors "
+                         "expected); was the file written for another config?", path, n, m->cfg.model_type_name,
+                         m->n_tensors);
+    }
+    fm_st_close(&st);
+    return s;
+}
+
+static fm_status read_json_file(const char *path, cJSON **out) {
+    char *text;
+    FM_TRY(fm_ckpt_read_text(path, &text));
+    *out = cJSON_Parse(text);
+    fm_free(text);
+    if (!*out || !cJSON_IsObject(*out)) {
+        cJSON_Delete(*out);
+        return fm_error(FM_ERR_FORMAT, "%s: malformed JSON; expected an object written by flatmoe", path);
+    }
+    return FM_OK;
+}
+
+static int64_t json_i64(const cJSON *o, const char *key, int64_t dflt) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+    return cJSON_IsNumber(it) ? (int64_t)it->valuedouble : dflt;
+}
+
+fm_status fm_load_for_inference(fm_model *m, const char *ckpt_dir, fm_backend be, int64_t B, int64_t T,
+                                int64_t *trained_seq_len) {
+    char path[4096];
+    fm_config cfg;
+    snprintf(path, sizeof path, "%s/%s", ckpt_dir, FM_CKPT_CONFIG_FILE);
+    FM_TRY(fm_config_load(&cfg, path));
+    int64_t tsl = 0;
+    snprintf(path, sizeof path, "%s/%s", ckpt_dir, FM_CKPT_STATE_FILE);
+    cJSON *state;
+    if (read_json_file(path, &state) == FM_OK) { /* optional: a bare model folder has none */
+        tsl = json_i64(state, "seq_len", 0);
+        cJSON_Delete(state);
+    }
+    if (trained_seq_len) *trained_seq_len = tsl;
+    if (T <= 0) T = tsl > 0 ? tsl : cfg.max_position_embeddings;
+    FM_TRY(fm_model_create(m, &cfg, be, 0));
+    fm_status s = fm_model_layout(m, B, T, NULL);
+    if (s == FM_OK) {
+        snprintf(path, sizeof path, "%s/%s", ckpt_dir, FM_CKPT_MODEL_FILE);
+        s = load_named(m, path, "", m->params);
+    }
+    if (s != FM_OK) fm_model_free(m);
+    return s;
+}
+
+/* ---- evaluation ------------------------------------------------------------------------------ */
+
+void fm_evaluate(fm_model *m, const fm_dataset *ds, int64_t max_batches, double *mean_loss, int64_t *n_tokens_out) {
+    const int64_t B = m->B, T = m->T;
+    const int64_t nwin = fm_dataset_eval_windows(ds, T);
+    double sum = 0;
+    int64_t count = 0, batches = 0;
+    for (int64_t w = 0; w < nwin; w += B) {
+        if (max_batches > 0 && batches >= max_batches) break;
+        int64_t filled = 0;
+        fm_dataset_eval_batch(ds, w, B, T, m->tokens, m->targets, &filled);
+        for (int64_t i = filled * T; i < B * T; i++) {
+            m->tokens[i] = 0;
+            m->targets[i] = -100;
+        }
+        fm_loss l;
+        fm_model_forward(m, true, &l);
+        sum += l.ce * (double)l.n_valid;
+        count += l.n_valid;
+        batches++;
+    }
+    *mean_loss = count ? sum / (double)count : NAN;
+    if (n_tokens_out) *n_tokens_out = count;
+}
+
+/* ---- state.json ------------------------------------------------------------------------------ */
+
+typedef struct train_state {
+    int64_t step, tokens_seen, opt_step;
+    uint64_t data_rng;
+    uint64_t seed;
+    int64_t seq_len, micro_batch, grad_accum, steps;
+} train_state;
+
+static char *state_to_json(const train_state *s) {
+    cJSON *o = cJSON_CreateObject();
+    char hex[32];
+    cJSON_AddNumberToObject(o, "step", (double)s->step);
+    cJSON_AddNumberToObject(o, "optimizer_step", (double)s->opt_step);
+    cJSON_AddNumberToObject(o, "tokens_seen", (double)s->tokens_seen);
+    snprintf(hex, sizeof hex, "%016" PRIx64, s->data_rng);
+    cJSON_AddStringToObject(o, "data_rng_state", hex);
+    snprintf(hex, sizeof hex, "%" PRIu64, s->seed);
+    cJSON_AddStringToObject(o, "seed", hex);
+    cJSON_AddNumberToObject(o, "seq_len", (double)s->seq_len);
+    cJSON_AddNumberToObject(o, "micro_batch", (double)s->micro_batch);
+    cJSON_AddNumberToObject(o, "grad_accum", (double)s->grad_accum);
+    cJSON_AddNumberToObject(o, "steps", (double)s->steps);
+    cJSON_AddStringToObject(o, "format", "flatmoe-state-1");
+    char *txt = cJSON_Print(o);
+    cJSON_Delete(o);
+    size_t n = strlen(txt);
+    char *out = fm_malloc(n + 2);
+    if (out) { memcpy(out, txt, n); out[n] = '\n'; out[n + 1] = 0; }
+    cJSON_free(txt);
+    return out;
+}
+
+static fm_status state_from_json(const char *path, train_state *s) {
+    cJSON *o;
+    FM_TRY(read_json_file(path, &o));
+    const cJSON *rng = cJSON_GetObjectItemCaseSensitive(o, "data_rng_state");
+    const cJSON *seed = cJSON_GetObjectItemCaseSensitive(o, "seed");
+    s->step = json_i64(o, "step", -1);
+    s->opt_step = json_i64(o, "optimizer_step", -1);
+    s->tokens_seen = json_i64(o, "tokens_seen", 0);
+    s->seq_len = json_i64(o, "seq_len", 0);
+    s->micro_batch = json_i64(o, "micro_batch", 0);
+    s->grad_accum = json_i64(o, "grad_accum", 0);
+    s->steps = json_i64(o, "steps", 0);
+    fm_status st = FM_OK;
+    if (s->step < 0 || s->opt_step < 0 || !cJSON_IsString(rng) || !cJSON_IsString(seed))
+        st = fm_error(FM_ERR_FORMAT, "%s: expected fields step, optimizer_step, data_rng_state and seed", path);
+    else {
+        s->data_rng = strtoull(rng->valuestring, NULL, 16);
+        s->seed = strtoull(seed->valuestring, NULL, 10);
+    }
+    cJSON_Delete(o);
+    return st;
+}
+
+/* Keeps only the metrics lines of steps <= last_step (a resumed run rewrites what came after
+ * its checkpoint). */
+static fm_status truncate_metrics(const char *path, int64_t last_step) {
+    char *text;
+    if (fm_ckpt_read_text(path, &text) != FM_OK) return FM_OK; /* no metrics yet */
+    size_t n = strlen(text), w = 0;
+    char *out = fm_malloc(n + 1);
+    if (!out) { fm_free(text); return fm_error(FM_ERR_NOMEM, "%s: out of memory", path); }
+    for (char *line = text; *line;) {
+        char *nl = strchr(line, '\n');
+        size_t len = nl ? (size_t)(nl - line + 1) : strlen(line);
+        const char *sp = strstr(line, "\"step\":");
+        long long step = sp && sp < line + len ? strtoll(sp + 7, NULL, 10) : -1;
+        if (step >= 0 && step <= last_step) { memcpy(out + w, line, len); w += len; }
+        line += len;
+    }
+    fm_status s = fm_write_file_atomic(path, out, w);
+    fm_free(out);
+    fm_free(text);
+    return s;
+}
+
+/* ---- the loop -------------------------------------------------------------------------------- */
+
+typedef struct run {
+    const fm_train_opts *o;
+    fm_config cfg;
+    char *config_json;
+    fm_backend be;
+    bool be_ok;
+    fm_model m;
+    bool model_ok;
+    fm_adamw opt;
+    fm_dataset train_all, train, val, val_own;
+    fm_named_tensor *named;
+    char (*names)[160];
+    FILE *metrics;
+} run;
+
+static fm_status save_checkpoint(run *r, const train_state *ts) {
+    fm_model *m = &r->m;
+    const int n = m->n_tensors;
+    model_named(m, m->params, "", r->named, r->names);
+    model_named(m, m->params, "master.", r->named + n, r->names + n);
+    model_named(m, r->opt.m, "exp_avg.", r->named + 2 * n, r->names + 2 * n);
+    model_named(m, r->opt.v, "exp_avg_sq.", r->named + 3 * n, r->names + 3 * n);
+    char *state = state_to_json(ts);
+    if (!state) return fm_error(FM_ERR_NOMEM, "out of memory writing state.json");
+    char dir[4096];
+    fm_status s = fm_ckpt_write(r->o->out_dir, ts->step, r->named, n, r->named + n, 3 * n, r->config_json, state,
+                                dir, sizeof dir);
+    fm_free(state);
+    if (s == FM_OK && !r->o->quiet) printf("saved checkpoint %s\n", dir);
+    return s;
+}
+
+static fm_status load_checkpoint(run *r, const char *dir, train_state *ts) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_STATE_FILE);
+    FM_TRY(state_from_json(path, ts));
+    snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_MODEL_FILE);
+    FM_TRY(load_named(&r->m, path, "", r->m.params));
+    snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_OPTIM_FILE);
+    FM_TRY(load_named(&r->m, path, "exp_avg.", r->opt.m));
+    FM_TRY(load_named(&r->m, path, "exp_avg_sq.", r->opt.v));
+    r->opt.step = ts->opt_step;
+    return FM_OK;
+}
+
+static void run_free(run *r) {
+    if (r->metrics) fclose(r->metrics);
+    if (r->model_ok) fm_model_free(&r->m);
+    if (r->be_ok) fm_cpu_backend_free(&r->be);
+    fm_dataset_free(&r->val_own);
+    fm_dataset_free(&r->train_all);
+    fm_free(r->config_json);
+    fm_free(r->named);
+    fm_free(r->names);
+}
+
+static fm_status train_impl(run *r) {
+    const fm_train_opts *o = r->o;
+    if (o->n_data < 1) return fm_error(FM_ERR_ARG, "--data: give at least one text file or llm.c token shard");
+    if (!o->out_dir || !*o->out_dir) return fm_error(FM_ERR_ARG, "--out: give a run folder");
+    if (o->seq_len < 1 || o->micro_batch < 1 || o->grad_accum < 1 || o->steps < 1)
+        return fm_error(FM_ERR_ARG, "--seq-len, --micro-batch, --grad-accum and --steps must be >= 1");
+    if (!(o->lr > 0) || o->min_lr < 0 || o->min_lr > o->lr)
+        return fm_error(FM_ERR_ARG, "--lr must be > 0 and --min-lr in [0, lr] (found lr %g, min-lr %g)", o->lr, o->min_lr);
+    if (o->warmup < 0 || o->weight_decay < 0 || o->grad_clip < 0)
+        return fm_error(FM_ERR_ARG, "--warmup, --weight-decay and --grad-clip must be >= 0");
+
+    /* Resume point. */
+    char ckpt[4096] = "";
+    int64_t ckpt_step = -1;
+    if (o->resume) {
+        if (fm_ckpt_find_latest(o->out_dir, ckpt, sizeof ckpt, &ckpt_step) != FM_OK) {
+            if (!o->quiet) printf("--resume: no checkpoint in %s yet; starting from step 0\n", o->out_dir);
+            ckpt[0] = 0;
+            ckpt_step = -1;
+        }
+    } else {
+        char probe[4096];
+        if (fm_ckpt_find_latest(o->out_dir, probe, sizeof probe, NULL) == FM_OK)
+            return fm_error(FM_ERR_ARG, "--out %s already holds checkpoints (latest %s); pass --resume to continue "
+                            "that run, or choose a new --out folder", o->out_dir, probe);
+    }
+
+    /* Config: from --config, checked against the checkpoint's when resuming. */
+    if (ckpt[0]) {
+        char p[4200];
+        snprintf(p, sizeof p, "%s/%s", ckpt, FM_CKPT_CONFIG_FILE);
+        FM_TRY(fm_config_load(&r->cfg, p));
+        if (o->config_path) {
+            fm_config given;
+            FM_TRY(fm_config_load(&given, o->config_path));
+            char *a = fm_config_to_json(&given), *b = fm_config_to_json(&r->cfg);
+            bool same = a && b && !strcmp(a, b);
+            fm_free(a);
+            fm_free(b);
+            if (!same)
+                return fm_error(FM_ERR_CONFIG, "--config %s differs from the checkpoint's %s; resume with the same "
+                                "model config (or drop --config to use the checkpoint's)", o->config_path, p);
+        }
+    } else {
+        if (!o->config_path) return fm_error(FM_ERR_ARG, "--config: required (a Hugging Face config.json)");
+        FM_TRY(fm_config_load(&r->cfg, o->config_path));
+    }
+    r->config_json = fm_config_to_json(&r->cfg);
+    const fm_config *c = &r->cfg;
+    if (o->seq_len > c->max_position_embeddings)
+        return fm_error(FM_ERR_ARG, "--seq-len %lld exceeds max_position_embeddings (%lld) of the model config; "
+                        "use --seq-len <= %lld", (long long)o->seq_len, (long long)c->max_position_embeddings,
+                        (long long)c->max_position_embeddings);
+
+    /* Data. */
+    FM_TRY(fm_dataset_load(&r->train_all, o->data, o->n_data, c->vocab_size));
+    if (o->n_val_data > 0) {
+        FM_TRY(fm_dataset_load(&r->val_own, o->val_data, o->n_val_data, c->vocab_size));
+        r->train = r->train_all;
+        r->train.owns = false;
+        r->val = r->val_own;
+        r->val.owns = false;
+    } else {
+        FM_TRY(fm_dataset_split(&r->train_all, o->val_fraction, &r->train, &r->val));
+    }
+    FM_TRY(fm_dataset_check_windows(&r->train, o->seq_len, "training data"));
+    FM_TRY(fm_dataset_check_windows(&r->val, o->seq_len, "validation data"));
+
+    /* Backend, model, optimizer. */
+    FM_TRY(fm_cpu_backend_init(&r->be, o->threads, c->head_dim));
+    r->be_ok = true;
+    bool rc[c->num_hidden_layers];
+    FM_TRY(fm_parse_recompute(o->recompute, c->num_hidden_layers, rc));
+    FM_TRY(fm_model_create(&r->m, c, r->be, fm_adamw_state_bytes(fm_config_num_params(c))));
+    r->model_ok = true;
+    fm_model *m = &r->m;
+    FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len, rc));
+    fm_adamw_init(&r->opt, m, o->beta1, o->beta2, o->adam_eps, o->weight_decay);
+    r->named = fm_malloc(sizeof(fm_named_tensor) * (size_t)(4 * m->n_tensors));
+    r->names = fm_malloc(sizeof(*r->names) * (size_t)(4 * m->n_tensors));
+    if (!r->named || !r->names) return fm_error(FM_ERR_NOMEM, "out of memory for the tensor name table");
+
+    train_state ts = {0};
+    fm_rng data_rng;
+    if (ckpt[0]) {
+        FM_TRY(load_checkpoint(r, ckpt, &ts));
+        data_rng.state = ts.data_rng;
+        if (ts.seq_len != o->seq_len || ts.micro_batch != o->micro_batch || ts.grad_accum != o->grad_accum)
+            fprintf(stderr, "warning: resuming with --seq-len/--micro-batch/--grad-accum %lld/%lld/%lld, but the "
+                    "checkpoint was trained with %lld/%lld/%lld: the run will not match an uninterrupted one\n",
+                    (long long)o->seq_len, (long long)o->micro_batch, (long long)o->grad_accum,
+                    (long long)ts.seq_len, (long long)ts.micro_batch, (long long)ts.grad_accum);
+        if (!o->quiet) printf("resumed from %s (step %lld)\n", ckpt, (long long)ts.step);
+    } else {
+        fm_model_init_weights(m, o->seed);
+        fm_rng_seed(&data_rng, o->seed ^ 0xDA7A5EEDull);
+        ts.seed = o->seed;
+    }
+    ts.seq_len = o->seq_len;
+    ts.micro_batch = o->micro_batch;
+    ts.grad_accum = o->grad_accum;
+    ts.steps = o->steps;
+
+    /* Run folder and metrics. */
+    if (mkdir(o->out_dir, 0755) != 0 && errno != EEXIST)
+        return fm_error(FM_ERR_IO, "--out %s: cannot create the run folder: %s", o->out_dir, strerror(errno));
+    char mpath[4200];
+    snprintf(mpath, sizeof mpath, "%s/metrics.jsonl", o->out_dir);
+    FM_TRY(truncate_metrics(mpath, ckpt[0] ? ts.step : -1));
+    r->metrics = fopen(mpath, "a");
+    if (!r->metrics) return fm_error(FM_ERR_IO, "%s: cannot open for appending: %s", mpath, strerror(errno));
+
+    const int64_t tokens_per_step = o->micro_batch * o->seq_len * o->grad_accum;
+    if (!o->quiet) {
+        size_t bytes[FM_LIVE_COUNT];
+        fm_model_plan_bytes(c, o->micro_batch, o->seq_len, rc, bytes);
+        bytes[FM_LIVE_MODEL_STATE] += fm_adamw_state_bytes(m->n_params);
+        double tot = 0;
+        for (int i = 0; i < FM_LIVE_COUNT; i++) tot += (double)bytes[i];
+        printf("model %s: %lld parameters (%lld active per token), %lld layers, %lld experts top-%lld\n",
+               c->model_type_name, (long long)m->n_params, (long long)fm_config_num_active_params(c),
+               (long long)c->num_hidden_layers, (long long)c->num_experts, (long long)c->num_experts_per_tok);
+        printf("data: train %lld tokens, validation %lld tokens; %lld tokens per step (%lld x %lld x %lld)\n",
+               (long long)r->train.n_tokens, (long long)r->val.n_tokens, (long long)tokens_per_step,
+               (long long)o->micro_batch, (long long)o->seq_len, (long long)o->grad_accum);
+        printf("memory: %.1f MiB total =", tot / 1048576.0);
+        for (int i = 0; i < FM_LIVE_COUNT; i++) printf("%s %s %.1f MiB", i ? "," : "", fm_live_set_names[i], bytes[i] / 1048576.0);
+        printf("\n");
+        fflush(stdout);
+    }
+
+    const double t0 = now_s();
+    const int64_t first = ts.step + 1;
+    int64_t ran = 0;
+    for (int64_t step = first; step <= o->steps; step++) {
+        const double ts0 = now_s();
+        memset(m->grads, 0, sizeof(float) * (size_t)m->n_params);
+        double ce = 0, aux = 0, z = 0;
+        for (int64_t g = 0; g < o->grad_accum; g++) {
+            fm_dataset_sample_batch(&r->train, &data_rng, o->micro_batch, o->seq_len, m->tokens, m->targets);
+            fm_loss l;
+            fm_model_forward(m, true, &l);
+            if (!isfinite(l.ce) || !isfinite(l.aux) || !isfinite(l.z))
+                return fm_error(FM_ERR_NUMERIC, "step %lld: the loss is not finite (cross-entropy %g, aux %g, z %g); "
+                                "training stopped and no checkpoint was written for this step (the last good "
+                                "one in %s stays); lower --lr or raise --warmup", (long long)step, l.ce, l.aux, l.z,
+                                o->out_dir);
+            fm_model_backward(m, 1.0f / (float)o->grad_accum);
+            ce += l.ce / (double)o->grad_accum;
+            aux += l.aux / (double)o->grad_accum;
+            z += l.z / (double)o->grad_accum;
+        }
+        const double gnorm = fm_grad_norm(m);
+        if (!isfinite(gnorm))
+            return fm_error(FM_ERR_NUMERIC, "step %lld: the gradient norm is not finite (%g); training stopped and no "
+                            "checkpoint was written for this step (the last good one in %s stays); lower --lr",
+                            (long long)step, gnorm, o->out_dir);
+        const float clip = (o->grad_clip > 0 && gnorm > o->grad_clip) ? (float)(o->grad_clip / gnorm) : 1.0f;
+        const double lr = fm_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr);
+        fm_adamw_step(&r->opt, m, lr, clip);
+        ts.step = step;
+        ts.opt_step = r->opt.step;
+        ts.tokens_seen += tokens_per_step;
+        ts.data_rng = data_rng.state;
+        ran++;
+
+        const double t1 = now_s();
+        const double step_s = t1 - ts0, elapsed = t1 - t0;
+        const double tok_s = (double)tokens_per_step / step_s;
+        const double eta = elapsed / (double)ran * (double)(o->steps - step);
+        double val = NAN;
+        const bool last = step == o->steps || (o->exit_after > 0 && ran == o->exit_after);
+        if ((o->eval_every > 0 && step % o->eval_every == 0) || last) fm_evaluate(m, &r->val, o->eval_batches, &val, NULL);
+        if (!o->quiet && (step % (o->log_every > 0 ? o->log_every : 1) == 0 || last || !isnan(val))) {
+            char el[32], et[32];
+            fmt_hms(el, sizeof el, elapsed);
+            fmt_hms(et, sizeof et, eta);
+            printf("step %6lld/%lld | loss %.4f | aux %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s",
+                   (long long)step, (long long)o->steps, ce, aux, lr, gnorm, tok_s, el, et);
+            if (!isnan(val)) printf(" | val loss %.4f", val);
+            printf("\n");
+            fflush(stdout);
+        }
+        fprintf(r->metrics, "{\"step\":%lld,\"loss\":%.17g,\"aux_loss\":%.17g,\"z_loss\":%.17g,\"lr\":%.17g,"
+                "\"grad_norm\":%.17g,\"tokens\":%lld,\"tokens_per_s\":%.1f,\"step_s\":%.6f,\"elapsed_s\":%.3f",
+                (long long)step, ce, aux, z, lr, gnorm, (long long)ts.tokens_seen, tok_s, step_s, elapsed);
+        if (!isnan(val)) fprintf(r->metrics, ",\"val_loss\":%.17g", val);
+        fprintf(r->metrics, "}\n");
+        fflush(r->metrics);
+
+        if ((o->save_every > 0 && step % o->save_every == 0) || last) FM_TRY(save_checkpoint(r, &ts));
+        if (o->exit_after > 0 && ran == o->exit_after) break;
+    }
+    return FM_OK;
+}
+
+fm_status fm_train(const fm_train_opts *o) {
+    run r;
+    memset(&r, 0, sizeof r);
+    r.o = o;
+    fm_status s = train_impl(&r);
+    run_free(&r);
+    return s;
+}

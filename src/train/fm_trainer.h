@@ -1,0 +1,54 @@
+/* The training loop (DESIGN.md §4): micro-batches with gradient accumulation, global-norm
+ * clipping, AdamW with warmup + cosine schedule, evaluation, checkpoints and exact resume,
+ * one metrics line per step. Also the checkpoint loading shared by `sample` and `eval`. */
+#ifndef FM_TRAINER_H
+#define FM_TRAINER_H
+#include "../model/fm_model.h"
+#include "fm_optim.h"
+
+typedef struct fm_train_opts {
+    const char *config_path;      /* --config (may be NULL with --resume: taken from the checkpoint) */
+    const char *const *data;      /* --data files */
+    int n_data;
+    const char *const *val_data;  /* --val-data files (NULL: hold out val_fraction of --data) */
+    int n_val_data;
+    double val_fraction;          /* --val-fraction, default 0.1 */
+    int64_t seq_len, micro_batch, grad_accum, steps;
+    double lr, min_lr;
+    int64_t warmup;
+    double weight_decay, grad_clip, beta1, beta2, adam_eps;
+    uint64_t seed;
+    int threads;
+    const char *out_dir;
+    bool resume;
+    int64_t eval_every, eval_batches, save_every, log_every;
+    int64_t exit_after;           /* stop (and save) after this many steps in this invocation; 0: no */
+    const char *recompute;        /* "none", "full" or a comma list of layer ids */
+    bool quiet;                   /* no per-step lines on stdout */
+} fm_train_opts;
+
+void fm_train_opts_default(fm_train_opts *o);
+
+/* Runs training. Errors: any status from loading config/data/checkpoints (message set), and
+ * FM_ERR_NUMERIC when the loss or gradient norm stops being finite (no checkpoint is written
+ * for that step; the last good one stays). */
+fm_status fm_train(const fm_train_opts *o);
+
+/* Parses --recompute ("none", "full", or comma-separated layer ids in [0,L)) into rc[L].
+ * Errors: FM_ERR_ARG naming the bad item. */
+fm_status fm_parse_recompute(const char *spec, int64_t L, bool *rc);
+
+/* Loads a checkpoint folder's config.json and model.safetensors into a new model on backend
+ * `be`, laid out for micro-batch B and sequence T (T = 0: the checkpoint's trained seq_len from
+ * state.json, or max_position_embeddings). *trained_seq_len gets state.json's seq_len (0 if
+ * absent). Errors: FM_ERR_IO/FORMAT/CONFIG with the file named. */
+fm_status fm_load_for_inference(fm_model *m, const char *ckpt_dir, fm_backend be, int64_t B, int64_t T,
+                                int64_t *trained_seq_len);
+
+/* Validation loss of the model over up to max_batches micro-batches of sequential windows of
+ * `ds` (0: all windows). Writes mean nats/token; n_tokens_out gets the tokens scored. */
+struct fm_dataset;
+void fm_evaluate(fm_model *m, const struct fm_dataset *ds, int64_t max_batches, double *mean_loss,
+                 int64_t *n_tokens_out);
+
+#endif
