@@ -58,9 +58,9 @@ void *fm_malloc(size_t bytes);
 void fm_free(void *ptr);
 
 /* Fault injection for tests (SQLite's test_malloc habit): after fm_fault_set(n), the n-th
- * following fm_malloc() call (1-based) and every fm_fault_io_check() at that count fail.
- * n = 0 disables. fm_fault_io_check() is called by file writers before each write; it returns
- * true when the write must be treated as failed. */
+ * following call of fm_fault_hit() (1-based) reports a failure; n = 0 disables. fm_malloc()
+ * calls it before every allocation and file writers before each write, close and rename; true
+ * means: treat this allocation or write as failed. */
 void fm_fault_set(int64_t n);
 bool fm_fault_hit(void);
 

@@ -1,0 +1,345 @@
+/* Model-level tests: configs (the shipped real ones and bad ones), the whole model's gradient by
+ * finite differences for each model_type (aux and z losses on), recompute bit-identical to no
+ * recompute, gradient accumulation scaling, and adversarial routing (all tokens to one expert,
+ * experts that get nothing). */
+#include <string.h>
+
+#include "backend/cpu/fm_backend_cpu.h"
+#include "core/fm_rng.h"
+#include "fm_test.h"
+#include "model/fm_model.h"
+
+static fm_backend g_be;
+
+/* ---- configs --------------------------------------------------------------------------------- */
+
+static void test_real_configs(void) {
+    struct { const char *path; int64_t params; } c[] = {
+        {"configs/olmoe-1b-7b.json", 6919161856LL},
+        {"configs/qwen3-30b-a3b.json", 30532122624LL},
+        {"configs/mixtral-8x7b.json", 46702792704LL},
+    };
+    for (int i = 0; i < 3; i++) {
+        fm_config cfg;
+        fm_status s = fm_config_load(&cfg, c[i].path);
+        CHECK_MSG(s == FM_OK, "%s: %s", c[i].path, fm_errmsg());
+        if (s) continue;
+        CHECK_MSG(fm_config_num_params(&cfg) == c[i].params, "%s: %lld params, expected %lld", c[i].path,
+                  (long long)fm_config_num_params(&cfg), (long long)c[i].params);
+        /* to_json -> parse round trip keeps every field */
+        char *j = fm_config_to_json(&cfg);
+        fm_config back;
+        CHECK(fm_config_parse(&back, j, "roundtrip") == FM_OK);
+        CHECK(fm_config_num_params(&back) == c[i].params);
+        CHECK(back.qk_norm == cfg.qk_norm && back.norm_topk_prob == cfg.norm_topk_prob &&
+              back.head_dim == cfg.head_dim && back.num_experts == cfg.num_experts);
+        fm_free(j);
+    }
+    fm_config cfg;
+    CHECK(fm_config_load(&cfg, "configs/olmoe-1b-7b.json") == FM_OK);
+    CHECK(cfg.qk_norm == FM_QK_NORM_FULL && !cfg.norm_topk_prob && cfg.num_experts == 64 && cfg.moe_intermediate_size == 1024);
+    CHECK(fm_config_load(&cfg, "configs/qwen3-30b-a3b.json") == FM_OK);
+    CHECK(cfg.qk_norm == FM_QK_NORM_PER_HEAD && cfg.norm_topk_prob && cfg.head_dim == 128 && cfg.moe_intermediate_size == 768);
+    CHECK(fm_config_load(&cfg, "configs/mixtral-8x7b.json") == FM_OK);
+    CHECK(cfg.qk_norm == FM_QK_NORM_NONE && cfg.norm_topk_prob && cfg.num_experts == 8 && cfg.head_dim == 128);
+    CHECK(fm_config_load(&cfg, "configs/tiny.json") == FM_OK);
+}
+
+static void expect_bad(const char *json, fm_status want, const char *needle) {
+    fm_config cfg;
+    fm_status s = fm_config_parse(&cfg, json, "bad.json");
+    CHECK_MSG(s == want, "expected %s, got %s (%s) for %s", fm_status_name(want), fm_status_name(s), fm_errmsg(), json);
+    CHECK_MSG(strstr(fm_errmsg(), needle) != NULL, "message '%s' lacks '%s'", fm_errmsg(), needle);
+    CHECK_MSG(strstr(fm_errmsg(), "bad.json") != NULL, "message '%s' does not name the file", fm_errmsg());
+}
+
+#define BASE "\"vocab_size\":256,\"hidden_size\":64,\"num_hidden_layers\":2,\"max_position_embeddings\":64,\"num_experts_per_tok\":2"
+static void test_bad_configs(void) {
+    expect_bad("{\"model_type\":\"qwen3_moe\", oops}", FM_ERR_FORMAT, "malformed JSON");
+    expect_bad("{\"model_type\":\"llama\"," BASE "}", FM_ERR_CONFIG, "unknown model_type \"llama\"");
+    expect_bad("{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":12,\"intermediate_size\":32,\"num_experts\":4}",
+               FM_ERR_CONFIG, "num_attention_heads (12) must divide hidden_size (64)");
+    expect_bad("{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"num_key_value_heads\":3,\"intermediate_size\":32,\"num_experts\":4}",
+               FM_ERR_CONFIG, "num_key_value_heads (3)");
+    expect_bad("{\"model_type\":\"olmoe\",\"vocab_size\":256,\"hidden_size\":64,\"num_hidden_layers\":2,\"max_position_embeddings\":64,"
+               "\"num_experts_per_tok\":5,\"num_attention_heads\":4,\"intermediate_size\":32,\"num_experts\":4}",
+               FM_ERR_CONFIG, "num_experts_per_tok (5) must be <= num_experts (4)");
+    expect_bad("{\"model_type\":\"mixtral\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":32}", FM_ERR_CONFIG,
+               "\"num_local_experts\" is missing");
+    expect_bad("{\"model_type\":\"qwen3_moe\"," BASE ",\"num_attention_heads\":\"4\",\"moe_intermediate_size\":32,\"num_experts\":4}",
+               FM_ERR_FORMAT, "\"num_attention_heads\" must be an integer");
+    expect_bad("{\"model_type\":\"qwen3_moe\"," BASE ",\"num_attention_heads\":4,\"moe_intermediate_size\":32,\"num_experts\":4,"
+               "\"mlp_only_layers\":[0]}", FM_ERR_UNSUPPORTED, "mlp_only_layers");
+    expect_bad("{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":32,\"num_experts\":4,"
+               "\"clip_qkv\":8}", FM_ERR_UNSUPPORTED, "clip_qkv");
+    expect_bad("{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":-32,\"num_experts\":4}",
+               FM_ERR_CONFIG, "\"intermediate_size\" must be positive");
+    fm_config cfg;
+    CHECK(fm_config_load(&cfg, "configs/does-not-exist.json") == FM_ERR_IO);
+    CHECK(strstr(fm_errmsg(), "does-not-exist.json") != NULL);
+}
+
+/* ---- small models ---------------------------------------------------------------------------- */
+
+static fm_config small_config(fm_model_type t, bool tied, int64_t k) {
+    fm_config c;
+    memset(&c, 0, sizeof c);
+    c.model_type = t;
+    snprintf(c.model_type_name, sizeof c.model_type_name, "%s",
+             t == FM_MODEL_QWEN3_MOE ? "qwen3_moe" : t == FM_MODEL_OLMOE ? "olmoe" : "mixtral");
+    c.vocab_size = 40;
+    c.hidden_size = 24;
+    c.moe_intermediate_size = 12;
+    c.num_hidden_layers = 2;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 6;
+    c.max_position_embeddings = 64;
+    c.num_experts = 5;
+    c.num_experts_per_tok = k;
+    c.rope_theta = 10000;
+    c.rms_norm_eps = 1e-5;
+    c.norm_topk_prob = t != FM_MODEL_OLMOE;
+    c.tie_word_embeddings = tied;
+    c.router_aux_loss_coef = 0.3; /* large, so its gradient is visible */
+    c.router_z_loss_coef = 0.05;
+    c.initializer_range = 0.3;    /* large weights: gradients well above fp32 noise */
+    c.qk_norm = t == FM_MODEL_QWEN3_MOE ? FM_QK_NORM_PER_HEAD : t == FM_MODEL_OLMOE ? FM_QK_NORM_FULL : FM_QK_NORM_NONE;
+    return c;
+}
+
+static void fill_batch(fm_model *m, uint64_t seed) {
+    fm_rng r;
+    fm_rng_seed(&r, seed);
+    for (int64_t i = 0; i < m->N; i++) {
+        m->tokens[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
+        m->targets[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
+    }
+    m->targets[3] = -100; /* an ignored target */
+}
+
+static double total_loss(fm_model *m) {
+    fm_loss l;
+    fm_model_forward(m, true, &l);
+    return l.ce + l.aux + l.z;
+}
+
+static bool same_routing(fm_model *m, int32_t *saved) {
+    const int64_t nk = m->N * m->cfg.num_experts_per_tok;
+    for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++)
+        if (memcmp(saved + l * nk, m->acts[l].topk_idx, sizeof(int32_t) * (size_t)nk)) return false;
+    return true;
+}
+
+static void save_routing(fm_model *m, int32_t *saved) {
+    const int64_t nk = m->N * m->cfg.num_experts_per_tok;
+    for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++)
+        memcpy(saved + l * nk, m->acts[l].topk_idx, sizeof(int32_t) * (size_t)nk);
+}
+
+/* For every tensor: the directional derivative along a random unit direction by central
+ * differences vs the analytic gradient. Directions that change the top-k routing at +-eps are
+ * redrawn (the loss is not differentiable across a routing change). */
+static void check_model_grad(fm_config cfg, const char *label, uint64_t seed) {
+    fm_model m;
+    CHECK(fm_model_create(&m, &cfg, g_be, 0) == FM_OK);
+    CHECK(fm_model_layout(&m, 2, 7, NULL) == FM_OK);
+    fm_model_init_weights(&m, seed);
+    fill_batch(&m, seed + 1);
+    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    fm_loss base;
+    fm_model_forward(&m, true, &base);
+    fm_model_backward(&m, 1.0f);
+    const int64_t nk = m.N * cfg.num_experts_per_tok;
+    int32_t *routing = fm_malloc(sizeof(int32_t) * (size_t)(nk * cfg.num_hidden_layers));
+    save_routing(&m, routing);
+    float *dir = fm_malloc(sizeof(float) * (size_t)m.n_params);
+    fm_rng r;
+    fm_rng_seed(&r, seed + 2);
+    int bad = 0, checked = 0;
+    double worst = 0;
+    const double eps = 2e-3;
+    for (int i = 0; i < m.n_tensors; i++) {
+        const fm_param *p = &m.table[i];
+        float *w = m.params + p->offset;
+        const float *g = m.grads + p->offset;
+        for (int attempt = 0; attempt < 8; attempt++) {
+            double nrm = 0;
+            for (int64_t j = 0; j < p->numel; j++) { dir[j] = (float)fm_rng_normal(&r); nrm += (double)dir[j] * dir[j]; }
+            nrm = sqrt(nrm);
+            double an = 0;
+            for (int64_t j = 0; j < p->numel; j++) { dir[j] = (float)(dir[j] / nrm); an += (double)g[j] * dir[j]; }
+            float *orig = fm_malloc(sizeof(float) * (size_t)p->numel);
+            memcpy(orig, w, sizeof(float) * (size_t)p->numel);
+            for (int64_t j = 0; j < p->numel; j++) w[j] = (float)(orig[j] + eps * dir[j]);
+            double lp = total_loss(&m);
+            bool ok = same_routing(&m, routing);
+            for (int64_t j = 0; j < p->numel; j++) w[j] = (float)(orig[j] - eps * dir[j]);
+            double lm = total_loss(&m);
+            ok = ok && same_routing(&m, routing);
+            memcpy(w, orig, sizeof(float) * (size_t)p->numel);
+            fm_free(orig);
+            if (!ok) continue; /* routing flipped: redraw */
+            double fd = (lp - lm) / (2 * eps);
+            double err = fabs(fd - an) / fmax(fabs(an), 2e-3);
+            if (err > worst) worst = err;
+            if (err > 2e-2) {
+                bad++;
+                fprintf(stderr, "  %s %s: finite difference %.6g vs analytic %.6g (rel err %.3g)\n", label, p->name, fd, an, err);
+            }
+            checked++;
+            break;
+        }
+    }
+    printf("%s: %d tensors checked by finite differences, worst relative error %.2e\n", label, checked, worst);
+    CHECK_MSG(bad == 0, "%s: %d tensors with a wrong gradient", label, bad);
+    CHECK_MSG(checked >= m.n_tensors - 2, "%s: only %d of %d tensors could be checked", label, checked, m.n_tensors);
+    fm_free(dir);
+    fm_free(routing);
+    fm_model_free(&m);
+}
+
+/* Full recompute and a per-layer list give gradients bit-identical to no recompute. */
+static void test_recompute_exact(void) {
+    fm_config cfg = small_config(FM_MODEL_QWEN3_MOE, false, 2);
+    cfg.num_hidden_layers = 3;
+    const char *specs[3] = {"none", "full", "1"};
+    float *ref = NULL;
+    double ref_loss = 0;
+    for (int s = 0; s < 3; s++) {
+        bool rc[3] = {s == 1, s >= 1, s == 1};
+        fm_model m;
+        CHECK(fm_model_create(&m, &cfg, g_be, 0) == FM_OK);
+        CHECK(fm_model_layout(&m, 2, 9, rc) == FM_OK);
+        fm_model_init_weights(&m, 7);
+        fill_batch(&m, 8);
+        memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+        fm_loss l;
+        fm_model_forward(&m, true, &l);
+        fm_model_backward(&m, 1.0f);
+        if (s == 0) {
+            ref = fm_malloc(sizeof(float) * (size_t)m.n_params);
+            memcpy(ref, m.grads, sizeof(float) * (size_t)m.n_params);
+            ref_loss = l.ce + l.aux + l.z;
+        } else {
+            CHECK_MSG(memcmp(ref, m.grads, sizeof(float) * (size_t)m.n_params) == 0,
+                      "recompute %s: gradients differ from no recompute", specs[s]);
+            CHECK(ref_loss == l.ce + l.aux + l.z);
+            size_t none[FM_LIVE_COUNT], this[FM_LIVE_COUNT];
+            bool rc0[3] = {0};
+            fm_model_plan_bytes(&cfg, 2, 9, rc0, none);
+            fm_model_plan_bytes(&cfg, 2, 9, rc, this);
+            CHECK_MSG(this[FM_LIVE_LAYER_ACTS] < none[FM_LIVE_LAYER_ACTS], "recompute %s saves no memory", specs[s]);
+            if (s == 1) CHECK(this[FM_LIVE_LAYER_ACTS] * 3 == none[FM_LIVE_LAYER_ACTS]);
+        }
+        /* what the plan measured is what the arenas hold */
+        for (int i = 1; i < FM_LIVE_COUNT; i++) CHECK(m.arena[i].high == m.arena[i].capacity || m.arena[i].high + 64 > m.arena[i].capacity);
+        fm_model_free(&m);
+    }
+    fm_free(ref);
+}
+
+/* Backward with scale s accumulates s * gradient: two micro-batches with scale 1/2 equal the
+ * mean of their separate gradients. */
+static void test_accumulation(void) {
+    fm_config cfg = small_config(FM_MODEL_OLMOE, true, 2);
+    fm_model m;
+    CHECK(fm_model_create(&m, &cfg, g_be, 0) == FM_OK);
+    CHECK(fm_model_layout(&m, 1, 8, NULL) == FM_OK);
+    fm_model_init_weights(&m, 3);
+    const size_t bytes = sizeof(float) * (size_t)m.n_params;
+    float *g1 = fm_malloc(bytes), *g2 = fm_malloc(bytes);
+    for (int b = 0; b < 2; b++) {
+        fill_batch(&m, 100 + b);
+        memset(m.grads, 0, bytes);
+        fm_model_forward(&m, true, NULL);
+        fm_model_backward(&m, 1.0f);
+        memcpy(b ? g2 : g1, m.grads, bytes);
+    }
+    memset(m.grads, 0, bytes);
+    for (int b = 0; b < 2; b++) {
+        fill_batch(&m, 100 + b);
+        fm_model_forward(&m, true, NULL);
+        fm_model_backward(&m, 0.5f);
+    }
+    double maxerr = 0, maxg = 0;
+    for (int64_t i = 0; i < m.n_params; i++) {
+        double want = 0.5 * ((double)g1[i] + g2[i]);
+        maxerr = fmax(maxerr, fabs(m.grads[i] - want));
+        maxg = fmax(maxg, fabs(want));
+    }
+    CHECK_MSG(maxerr <= 1e-5 * maxg, "accumulated gradient off by %g (max %g)", maxerr, maxg);
+    fm_free(g1);
+    fm_free(g2);
+    fm_model_free(&m);
+}
+
+/* Router weights all zero: every token ties, so top-1 sends every token to expert 0 and the
+ * other experts get nothing. Forward and backward stay finite, the idle experts' gradients are
+ * exactly zero, expert 0's are not, and the rest of the gradient matches finite differences. */
+static void test_all_tokens_one_expert(void) {
+    fm_config cfg = small_config(FM_MODEL_MIXTRAL, false, 1);
+    cfg.router_z_loss_coef = 0;
+    fm_model m;
+    CHECK(fm_model_create(&m, &cfg, g_be, 0) == FM_OK);
+    CHECK(fm_model_layout(&m, 2, 8, NULL) == FM_OK);
+    fm_model_init_weights(&m, 11);
+    for (int64_t l = 0; l < cfg.num_hidden_layers; l++)
+        memset(m.w.layers[l].router, 0, sizeof(float) * (size_t)(cfg.num_experts * cfg.hidden_size));
+    fill_batch(&m, 12);
+    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    fm_loss l;
+    fm_model_forward(&m, true, &l);
+    CHECK(isfinite(l.ce) && isfinite(l.aux));
+    for (int64_t lay = 0; lay < cfg.num_hidden_layers; lay++) {
+        CHECK(m.acts[lay].offsets[1] == m.N);
+        CHECK(m.acts[lay].offsets[cfg.num_experts] == m.N);
+    }
+    /* aux = coef * E * sum f_e P_e with f_0 = 1, P_e = 1/E: coef */
+    CHECK_CLOSE(l.aux, cfg.router_aux_loss_coef, 1e-6);
+    fm_model_backward(&m, 1.0f);
+    const int64_t H = cfg.hidden_size, I = cfg.moe_intermediate_size;
+    for (int64_t lay = 0; lay < cfg.num_hidden_layers; lay++) {
+        const fm_layer_ptrs *g = &m.g.layers[lay];
+        double e0 = 0, rest = 0;
+        for (int64_t j = 0; j < I * H; j++) e0 += fabs(g->w_gate[j]);
+        for (int64_t j = I * H; j < cfg.num_experts * I * H; j++) rest += fabs(g->w_gate[j]) + fabs(g->w_up[j]) + fabs(g->w_down[j]);
+        CHECK(e0 > 0);
+        CHECK(rest == 0);
+    }
+    double s = 0;
+    for (int64_t i = 0; i < m.n_params; i++) s += m.grads[i];
+    CHECK(isfinite(s));
+    fm_model_free(&m);
+}
+
+/* The plan's bytes do not depend on the routing and match the arenas after a step. */
+static void test_layout_measured(void) {
+    fm_config cfg = small_config(FM_MODEL_QWEN3_MOE, false, 2);
+    size_t bytes[FM_LIVE_COUNT];
+    fm_model_plan_bytes(&cfg, 3, 10, NULL, bytes);
+    fm_model m;
+    CHECK(fm_model_create(&m, &cfg, g_be, 0) == FM_OK);
+    CHECK(fm_model_layout(&m, 3, 10, NULL) == FM_OK);
+    for (int i = 1; i < FM_LIVE_COUNT; i++) CHECK(m.arena[i].capacity == fm_arena_round(bytes[i]));
+    CHECK(m.arena[FM_LIVE_MODEL_STATE].capacity == bytes[FM_LIVE_MODEL_STATE]);
+    CHECK(fm_model_layout(&m, 1, 65, NULL) == FM_ERR_ARG); /* beyond max_position_embeddings */
+    CHECK(strstr(fm_errmsg(), "max_position_embeddings") != NULL);
+    fm_model_free(&m);
+}
+
+int main(void) {
+    uint64_t seed = fm_test_seed(42);
+    CHECK(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
+    test_real_configs();
+    test_bad_configs();
+    check_model_grad(small_config(FM_MODEL_QWEN3_MOE, false, 2), "qwen3_moe", seed);
+    check_model_grad(small_config(FM_MODEL_OLMOE, false, 3), "olmoe", seed + 10);
+    check_model_grad(small_config(FM_MODEL_MIXTRAL, true, 2), "mixtral (tied)", seed + 20);
+    test_recompute_exact();
+    test_accumulation();
+    test_all_tokens_one_expert();
+    test_layout_measured();
+    fm_cpu_backend_free(&g_be);
+    return fm_test_finish();
+}
