@@ -158,7 +158,7 @@ static void check_model_grad(fm_config cfg, const char *label, uint64_t seed) {
     fm_rng_seed(&r, seed + 2);
     int bad = 0, checked = 0;
     double worst = 0;
-    const double eps = 2e-3;
+    const double eps = 1e-2;
     for (int i = 0; i < m.n_tensors; i++) {
         const fm_param *p = &m.table[i];
         float *w = m.params + p->offset;
@@ -203,11 +203,11 @@ static void check_model_grad(fm_config cfg, const char *label, uint64_t seed) {
 static void test_recompute_exact(void) {
     fm_config cfg = small_config(FM_MODEL_QWEN3_MOE, false, 2);
     cfg.num_hidden_layers = 3;
-    const char *specs[3] = {"none", "full", "1"};
+    const char *specs[3] = {"none", "full", "1,2"};
     float *ref = NULL;
     double ref_loss = 0;
     for (int s = 0; s < 3; s++) {
-        bool rc[3] = {s == 1, s >= 1, s == 1};
+        bool rc[3] = {s == 1, s >= 1, s >= 1};
         fm_model m;
         CHECK(fm_model_create(&m, &cfg, g_be, 0) == FM_OK);
         CHECK(fm_model_layout(&m, 2, 9, rc) == FM_OK);

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs the build dependencies (Debian 12 / Ubuntu, as root or with sudo) and builds flatmoe
+# into build/. Safe to run again: it only installs what is missing and rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pkgs=(build-essential cmake libopenblas-openmp-dev libcjson-dev fortunes)
+missing=()
+for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+    SUDO=; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j"$(nproc)"

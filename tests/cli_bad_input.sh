@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Every bad input gets one clear message (naming the input, the expected and found values) and
+# a non-zero exit; a NaN stops training and leaves the last good checkpoint untouched.
+source "$(dirname "$0")/cli_lib.sh"
+cfg="$ROOT/tests/data/micro.json"
+base=(--data "$TEXT" --seq-len 16 --micro-batch 2 --steps 2 --threads 2 --quiet)
+
+expect_fail "unknown command" "unknown command" "$FM" fly
+expect_fail "unknown flag" "unknown flag '--colour'" "$FM" train --config "$cfg" "${base[@]}" --colour blue --out "$TMP/a"
+expect_fail "non-numeric flag" "expects an integer, found 'ten'" "$FM" train --config "$cfg" "${base[@]}" --steps ten --out "$TMP/a"
+expect_fail "missing config file" "nope.json: cannot open" "$FM" train --config "$TMP/nope.json" "${base[@]}" --out "$TMP/a"
+expect_fail "missing data file" "missing.txt" "$FM" train --config "$cfg" --data "$TMP/missing.txt" --seq-len 16 --out "$TMP/a" --quiet
+printf '{"model_type": "olmoe", "hidden_size": 32,,}' > "$TMP/malformed.json"
+expect_fail "malformed JSON" "malformed JSON" "$FM" train --config "$TMP/malformed.json" "${base[@]}" --out "$TMP/a"
+sed 's/"olmoe"/"gpt2"/' "$cfg" > "$TMP/gpt2.json"
+expect_fail "unknown model_type" 'unknown model_type "gpt2"' "$FM" train --config "$TMP/gpt2.json" "${base[@]}" --out "$TMP/a"
+sed 's/"num_attention_heads": 2/"num_attention_heads": 3/; s/"num_key_value_heads": 1/"num_key_value_heads": 3/' "$cfg" > "$TMP/heads.json"
+expect_fail "heads do not divide hidden" "num_attention_heads (3) must divide hidden_size (32)" "$FM" train --config "$TMP/heads.json" "${base[@]}" --out "$TMP/a"
+sed 's/"num_experts_per_tok": 2/"num_experts_per_tok": 9/' "$cfg" > "$TMP/topk.json"
+expect_fail "top-k > experts" "num_experts_per_tok (9) must be <= num_experts (4)" "$FM" train --config "$TMP/topk.json" "${base[@]}" --out "$TMP/a"
+expect_fail "seq-len beyond max_position_embeddings" "exceeds max_position_embeddings (64)" "$FM" train --config "$cfg" "${base[@]}" --seq-len 65 --out "$TMP/a"
+: > "$TMP/empty.txt"
+expect_fail "empty data file" "empty" "$FM" train --config "$cfg" --data "$TMP/empty.txt" --seq-len 16 --out "$TMP/a" --quiet
+
+# llm.c shard (magic 20240520, version 1, uint16 tokens) holding a token id 300 >= vocab 256.
+shard() { # $1 path, $2 magic hex (little-endian bytes), $3 version byte, then token bytes
+    local p=$1; { printf "$2"; printf "\\x$3\\x00\\x00\\x00"; printf '\x04\x00\x00\x00'; head -c 1012 /dev/zero; printf "$4"; } > "$p"; }
+shard "$TMP/bad_id.bin" '\x88\xd8\x34\x01' 01 '\x41\x00\x2c\x01\x42\x00\x43\x00'
+expect_fail "token id >= vocab_size" "300" "$FM" train --config "$cfg" --data "$TMP/bad_id.bin" --seq-len 2 --out "$TMP/a" --quiet
+shard "$TMP/bad_ver.bin" '\x88\xd8\x34\x01' 07 '\x41\x00\x2c\x00\x42\x00\x43\x00'
+expect_fail "shard magic/version mismatch" "version" "$FM" train --config "$cfg" --data "$TMP/bad_ver.bin" --seq-len 2 --out "$TMP/a" --quiet
+shard "$TMP/short.bin" '\x88\xd8\x34\x01' 01 '\x41\x00\x2c\x00'
+expect_fail "truncated shard" "truncated" "$FM" train --config "$cfg" --data "$TMP/short.bin" --seq-len 2 --out "$TMP/a" --quiet
+
+# A good checkpoint to damage.
+"$FM" train --config "$cfg" "${base[@]}" --out "$TMP/good" || bad "training the reference checkpoint failed"
+ck="$TMP/good/step_000002"
+cp -r "$ck" "$TMP/trunc"; truncate -s -100 "$TMP/trunc/model.safetensors"
+expect_fail "truncated safetensors" "truncated" "$FM" eval --ckpt "$TMP/trunc" --data "$TEXT" --max-batches 1
+cp -r "$ck" "$TMP/mismatch"; sed 's/"intermediate_size": 32/"intermediate_size": 48/' "$cfg" > "$TMP/mismatch/config.json"
+expect_fail "mismatched safetensors" "expected [48, 32], found [32, 32]" "$FM" eval --ckpt "$TMP/mismatch" --data "$TEXT" --max-batches 1
+cp -r "$ck" "$TMP/missing"; sed 's/"num_hidden_layers": 2/"num_hidden_layers": 3/' "$cfg" > "$TMP/missing/config.json"
+expect_fail "missing tensor" "model.layers.2" "$FM" sample --ckpt "$TMP/missing" --max-new-tokens 2
+expect_fail "no checkpoint in folder" "neither a checkpoint folder" "$FM" sample --ckpt "$TMP" --max-new-tokens 2
+
+# NaN: a huge learning rate blows the weights up; step 1's checkpoint must stay intact.
+"$FM" train --config "$cfg" "${base[@]}" --steps 5 --warmup 0 --lr 1e30 --min-lr 1e30 --grad-clip 0 --save-every 1 --out "$TMP/nan" 2> "$TMP/nan.err"
+rc=$?
+[ $rc -ne 0 ] && ok || bad "diverging run exited 0"
+grep -q "not finite" "$TMP/nan.err" && ok || bad "no 'not finite' message: $(cat "$TMP/nan.err")"
+last=$(ls -d "$TMP"/nan/step_* | tail -1)
+if [ -n "$last" ]; then
+    sum1=$(cat "$last"/* | md5sum)
+    "$FM" eval --ckpt "$last" --data "$TEXT" --max-batches 1 >/dev/null 2>&1 # readable
+    [ "$(cat "$last"/* | md5sum)" = "$sum1" ] && ok || bad "checkpoint changed"
+    ls -d "$TMP"/nan/.tmp* >/dev/null 2>&1 && bad "temporary checkpoint folder left behind" || ok
+else
+    bad "no checkpoint written before divergence"
+fi
+echo "nan run: $(cat "$TMP/nan.err")"
+finish
