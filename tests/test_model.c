@@ -210,7 +210,8 @@ static void test_recompute_exact(void) {
         bool rc[3] = {s == 1, s >= 1, s >= 1};
         fm_model m;
         CHECK(fm_model_create(&m, &cfg, g_be, 0) == FM_OK);
-        CHECK(fm_model_layout(&m, 2, 9, rc) == FM_OK);
+        fm_layout_opts lo = {rc, 0};
+        CHECK(fm_model_layout(&m, 2, 9, &lo) == FM_OK);
         fm_model_init_weights(&m, 7);
         fill_batch(&m, 8);
         memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
@@ -227,8 +228,9 @@ static void test_recompute_exact(void) {
             CHECK(ref_loss == l.ce + l.aux + l.z);
             size_t none[FM_LIVE_COUNT], this[FM_LIVE_COUNT];
             bool rc0[3] = {0};
-            fm_model_plan_bytes(&cfg, 2, 9, rc0, none);
-            fm_model_plan_bytes(&cfg, 2, 9, rc, this);
+            fm_layout_opts o0 = {rc0, 0};
+            fm_model_plan_bytes(&cfg, 2, 9, &o0, none);
+            fm_model_plan_bytes(&cfg, 2, 9, &lo, this);
             CHECK_MSG(this[FM_LIVE_LAYER_ACTS] < none[FM_LIVE_LAYER_ACTS], "recompute %s saves no memory", specs[s]);
             if (s == 1) CHECK(this[FM_LIVE_LAYER_ACTS] * 3 == none[FM_LIVE_LAYER_ACTS]);
         }
@@ -292,8 +294,8 @@ static void test_all_tokens_one_expert(void) {
     fm_model_forward(&m, true, &l);
     CHECK(isfinite(l.ce) && isfinite(l.aux));
     for (int64_t lay = 0; lay < cfg.num_hidden_layers; lay++) {
-        CHECK(m.acts[lay].offsets[1] == m.N);
-        CHECK(m.acts[lay].offsets[cfg.num_experts] == m.N);
+        CHECK(m.acts[lay].moe.offsets[1] == m.N);
+        CHECK(m.acts[lay].moe.offsets[cfg.num_experts] == m.N);
     }
     /* aux = coef * E * sum f_e P_e with f_0 = 1, P_e = 1/E: coef */
     CHECK_CLOSE(l.aux, cfg.router_aux_loss_coef, 1e-6);
@@ -328,6 +330,96 @@ static void test_layout_measured(void) {
     fm_model_free(&m);
 }
 
+/* Chunked MoE (--moe-chunk-tokens) against the plain twin: the same loss, the same activation
+ * gradients, expert weight gradients equal up to reassociation; its expert-dispatch memory is
+ * one chunk's, independent of N and of the routing, while the plain twin's grows with N. */
+static double rel_diff(const float *a, const float *b, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) { double d = (double)a[i] - b[i]; num += d * d; den += (double)b[i] * b[i]; }
+    return sqrt(num / (den > 0 ? den : 1));
+}
+
+static void run_step(fm_config *cfg, int64_t B, int64_t T, int64_t chunk, const bool *rc, bool zero_router,
+                     float **grads_out, double *loss_out, size_t *expert_high) {
+    fm_model m;
+    CHECK(fm_model_create(&m, cfg, g_be, 0) == FM_OK);
+    fm_layout_opts lo = {rc, chunk};
+    CHECK(fm_model_layout(&m, B, T, &lo) == FM_OK);
+    fm_model_init_weights(&m, 5);
+    if (zero_router)
+        for (int64_t l = 0; l < cfg->num_hidden_layers; l++)
+            memset(m.w.layers[l].router, 0, sizeof(float) * (size_t)(cfg->num_experts * cfg->hidden_size));
+    fill_batch(&m, 6);
+    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    fm_loss l;
+    fm_model_forward(&m, true, &l);
+    fm_model_backward(&m, 1.0f);
+    *loss_out = l.ce + l.aux + l.z;
+    *grads_out = fm_malloc(sizeof(float) * (size_t)m.n_params);
+    memcpy(*grads_out, m.grads, sizeof(float) * (size_t)m.n_params);
+    if (expert_high) *expert_high = m.arena[FM_LIVE_EXPERT].capacity;
+    fm_model_free(&m);
+}
+
+static void test_moe_chunked_ab(void) {
+    const fm_model_type types[3] = {FM_MODEL_QWEN3_MOE, FM_MODEL_OLMOE, FM_MODEL_MIXTRAL};
+    for (int t = 0; t < 3; t++) {
+        fm_config cfg = small_config(types[t], t == 2, 2);
+        const int64_t B = 2, T = 11, N = B * T;
+        float *ref;
+        double ref_loss;
+        run_step(&cfg, B, T, 0, NULL, false, &ref, &ref_loss, NULL);
+        int64_t n_params = fm_config_num_params(&cfg);
+        const int64_t chunks[4] = {1, 3, 7, N};
+        for (int c = 0; c < 4; c++) {
+            float *g;
+            double loss;
+            run_step(&cfg, B, T, chunks[c], NULL, false, &g, &loss, NULL);
+            CHECK_MSG(loss == ref_loss, "%s chunk %lld: loss %.17g vs plain %.17g", cfg.model_type_name,
+                      (long long)chunks[c], loss, ref_loss);
+            double e = rel_diff(g, ref, n_params);
+            CHECK_MSG(e < 1e-6, "%s chunk %lld: gradients differ from the plain twin by %g", cfg.model_type_name,
+                      (long long)chunks[c], e);
+            fm_free(g);
+        }
+        /* chunked + full recompute */
+        bool rc[2] = {true, true};
+        float *g;
+        double loss;
+        run_step(&cfg, B, T, 4, rc, false, &g, &loss, NULL);
+        CHECK(loss == ref_loss);
+        CHECK(rel_diff(g, ref, n_params) < 1e-6);
+        fm_free(g);
+        fm_free(ref);
+    }
+}
+
+static void test_moe_chunked_bound(void) {
+    fm_config cfg = small_config(FM_MODEL_MIXTRAL, false, 2);
+    const fm_moe_dims d = {cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok};
+    const int64_t c = 4;
+    size_t chunk_bytes[2], plain_bytes[2];
+    for (int i = 0; i < 2; i++) {
+        const int64_t T = i ? 32 : 8; /* N = 16, 64 */
+        float *g, *gp;
+        double loss, lossp;
+        /* adversarial routing: router weights zero, every token ties -> experts 0 and 1 get all */
+        run_step(&cfg, 2, T, c, NULL, true, &g, &loss, &chunk_bytes[i]);
+        run_step(&cfg, 2, T, 0, NULL, true, &gp, &lossp, &plain_bytes[i]);
+        CHECK(loss == lossp);
+        CHECK(rel_diff(g, gp, fm_config_num_params(&cfg)) < 1e-6);
+        CHECK_MSG(chunk_bytes[i] <= fm_arena_round(fm_moe_ws_bytes(&d, c, true)),
+                  "chunked expert set %zu exceeds its bound %zu", chunk_bytes[i], fm_moe_ws_bytes(&d, c, true));
+        fm_free(g);
+        fm_free(gp);
+    }
+    CHECK_MSG(chunk_bytes[0] == chunk_bytes[1], "chunked expert memory grew with N: %zu -> %zu", chunk_bytes[0], chunk_bytes[1]);
+    CHECK_MSG(plain_bytes[1] >= 3 * plain_bytes[0], "plain twin expert memory should grow with N: %zu -> %zu",
+              plain_bytes[0], plain_bytes[1]);
+    printf("expert dispatch bytes: chunked (c=%lld) %zu at N=16 and %zu at N=64; plain %zu and %zu\n", (long long)c,
+           chunk_bytes[0], chunk_bytes[1], plain_bytes[0], plain_bytes[1]);
+}
+
 int main(void) {
     uint64_t seed = fm_test_seed(42);
     CHECK(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
@@ -340,6 +432,8 @@ int main(void) {
     test_accumulation();
     test_all_tokens_one_expert();
     test_layout_measured();
+    test_moe_chunked_ab();
+    test_moe_chunked_bound();
     fm_cpu_backend_free(&g_be);
     return fm_test_finish();
 }

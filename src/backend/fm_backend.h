@@ -144,6 +144,15 @@ typedef struct fm_ops {
                             const float *topk_w, const int32_t *route_row, int64_t N, int64_t k,
                             int64_t H);
 
+    /* ---- row movement (chunked MoE dispatch) ---------------------------------------------- */
+
+    /* dst row i = src row idx[i], for i < n; rows are row_bytes bytes (any element type). */
+    void (*gather_rows)(void *ctx, void *dst, const void *src, const int32_t *idx, int64_t n,
+                        int64_t row_bytes);
+    /* dst row idx[i] = src row i, for i < n (idx distinct, so no two writes meet). */
+    void (*scatter_rows)(void *ctx, void *dst, const void *src, const int32_t *idx, int64_t n,
+                         int64_t row_bytes);
+
     /* ---- loss ------------------------------------------------------------------------------ */
 
     /* Softmax cross-entropy over logits [N,V]. loss [N] = logsumexp(logits[n]) -
@@ -163,6 +172,52 @@ typedef struct fm_ops {
      * with bc1 = 1 - b1^step, bc2 = 1 - b2^step supplied by the caller (wd = 0 for norms). */
     void (*adamw)(void *ctx, float *p, const float *g, float *m, float *v, int64_t n, float lr,
                   float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale);
+
+    /* ---- linear cross-entropy strips (bounded/fm_linear_ce.c) ------------------------------
+     * The vocabulary projection never holds N x V logits (DESIGN.md §2): the caller forms one
+     * fp32 strip S [Nb,Vb] = h_blk W_blk^T with gemm (Nb token rows; vocabulary columns
+     * [v0, v0+Vb), row stride Vb) and these ops fold it into O(Nb) per-token state, finish the
+     * state into per-token outputs, or turn a recomputed strip into the logit gradient.
+     * Per-token state, fp32 [Nb] each, for the columns folded so far:
+     *   m   running max of the logits,      z   sum_i exp(l_i - m),
+     *   tgt the target's logit,             ent sum_i exp(l_i - m) * (l_i - m),
+     * so lse = m + log z, p_i = exp(l_i - m) / z, entropy = -sum_i p_i log p_i = log z - ent/z.
+     * Online log-sum-exp: Milakov & Gimelshein 2018 (arXiv 1805.02867); blocked linear CE:
+     * Wijmans et al., Cut Your Losses (arXiv 2411.09009), Liger-Kernel's fused linear CE. */
+
+    /* Folds strip [Nb,Vb] (columns [v0, v0+Vb)) into m, z, tgt, ent [Nb]:
+     *   m' = max(m, max_i S_i);  z' = z exp(m - m') + sum_i exp(S_i - m');
+     *   ent' = exp(m - m') (ent + (m - m') z) + sum_i exp(S_i - m') (S_i - m');
+     *   tgt = S[r, targets[r] - v0] when targets[r] is in [v0, v0+Vb), else unchanged.
+     * first = true ASSIGNS the state from this strip alone (m = -inf, z = ent = 0, tgt = NaN
+     * before folding), false folds into it; any block order works once a first block started
+     * it. ent may be NULL (entropy not wanted). targets [Nb] int32: values outside the block
+     * (ignore_index included) are skipped. NaN logits propagate into z. */
+    void (*lce_fold)(void *ctx, float *m, float *z, float *tgt, float *ent, const float *strip,
+                     const int32_t *targets, int64_t Nb, int64_t Vb, int64_t v0, bool first);
+    /* Finishes a token block after all its vocabulary columns were folded (V in all), from
+     * m, z, tgt [Nb] and ent [Nb] (may be NULL when entropy is NULL). ASSIGNS
+     *   loss [Nb]     = lse - tgt (0 where targets[r] == ignore_index),
+     *   logprob [Nb]  = tgt - lse = -loss (0 where ignored); may be NULL,
+     *   entropy [Nb]  = log z - ent / z, for every row (ignored ones too); may be NULL;
+     * returns sum over non-ignored rows of w_r * loss_r and sets *zsq (may be NULL) to the sum
+     * over non-ignored rows of w_r * lse_r^2, both in double, added in row order; weights [Nb]
+     * fp32, NULL for all 1. Targets outside [0,V) other than ignore_index are a caller bug
+     * (asserted). */
+    double (*lce_finalize)(void *ctx, float *loss, float *logprob, float *entropy, double *zsq,
+                           const float *m, const float *z, const float *tgt, const float *ent,
+                           const int32_t *targets, const float *weights, int64_t Nb, int64_t V,
+                           int32_t ignore_index);
+    /* The logit gradient of one strip [Nb,Vb] (columns [v0, v0+Vb)), from its rows' finished
+     * m, z [Nb]: with p = exp(S - m) / z and lse = m + log z,
+     *   grad[r,i] = grad_scale * w_r * ((1 + 2 z_coef lse_r) p_ri - [v0 + i == targets[r]]),
+     * the gradient of w_r * (loss_r + z_coef * lse_r^2) (z-loss: ST-MoE, Zoph et al. 2022,
+     * arXiv 2202.08906, as in Liger-Kernel); rows with targets[r] == ignore_index are zero.
+     * grad [Nb,Vb] ASSIGNED, may alias strip. weights [Nb] fp32, NULL for all 1. */
+    void (*lce_strip_grad)(void *ctx, float *grad, const float *strip, const float *m,
+                           const float *z, const int32_t *targets, const float *weights,
+                           int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index,
+                           float grad_scale, float z_coef);
 } fm_ops;
 
 /* A backend instance: its op table and its context. */

@@ -133,6 +133,7 @@ static int cmd_train(int argc, char **argv) {
         {"log-every", F_I64, &o.log_every, NULL, "print a step line every N steps (1)"},
         {"exit-after", F_I64, &o.exit_after, NULL, "stop after N steps of this invocation, with a checkpoint (0 = off)"},
         {"recompute", F_STR, &o.recompute, NULL, "none | full | layer ids, e.g. 0,2: recompute those layers in backward"},
+        {"moe-chunk-tokens", F_I64, &o.moe_chunk_tokens, NULL, "MoE in strided chunks of <= N tokens, recomputed in backward; 0 = unchunked (0)"},
         {"quiet", F_BOOL, &o.quiet, NULL, "no per-step lines (metrics.jsonl is still written)"},
     };
     int r = parse_flags("train", "--config C --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);

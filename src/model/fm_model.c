@@ -8,8 +8,8 @@
 #include "../core/fm_rng.h"
 
 const char *const fm_live_set_names[FM_LIVE_COUNT] = {
-    "model state", "checkpoint boundaries", "layer activations", "layer working set",
-    "vocabulary projection",
+    "model state", "checkpoint boundaries", "layer activations", "expert dispatch",
+    "layer working set", "vocabulary projection",
 };
 
 /* ------------------------------------------------------------------------------------------ */
@@ -177,8 +177,7 @@ void fm_model_init_weights(fm_model *m, uint64_t seed) {
 #define TAKE(arena, type, count) ((type *)fm_arena_alloc((arena), sizeof(type) * (size_t)(count)))
 
 static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c, int64_t B, int64_t T) {
-    const int64_t N = B * T, H = c->hidden_size, I = c->moe_intermediate_size, E = c->num_experts,
-                  k = c->num_experts_per_tok, R = N * k;
+    const int64_t N = B * T, H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
     a->ln1 = TAKE(ar, float, N * H);
     a->rstd1 = TAKE(ar, float, N);
@@ -201,36 +200,23 @@ static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c
     a->router_lse = TAKE(ar, float, N);
     a->topk_idx = TAKE(ar, int32_t, N * k);
     a->topk_w = TAKE(ar, float, N * k);
-    a->offsets = TAKE(ar, int64_t, E + 1);
-    a->row_route = TAKE(ar, int32_t, R);
-    a->route_row = TAKE(ar, int32_t, R);
-    a->xe = TAKE(ar, float, R * H);
-    a->h_gate = TAKE(ar, float, R * I);
-    a->h_up = TAKE(ar, float, R * I);
-    a->h_act = TAKE(ar, float, R * I);
-    a->ye = TAKE(ar, float, R * H);
     a->expert_count = TAKE(ar, float, E);
     a->expert_prob_sum = TAKE(ar, float, E);
 }
 
 static void layout_ws(fm_bwd_ws *w, fm_arena *ar, const fm_config *c, int64_t N) {
-    const int64_t H = c->hidden_size, I = c->moe_intermediate_size, E = c->num_experts,
-                  k = c->num_experts_per_tok, R = N * k;
+    const int64_t H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
     w->dx_a = TAKE(ar, float, N * H);
     w->dx_b = TAKE(ar, float, N * H);
     w->dtmp = TAKE(ar, float, N * H);
     w->dln = TAKE(ar, float, N * H);
     w->tmp_nh = TAKE(ar, float, N * H);
+    w->dln1 = TAKE(ar, float, N * H);
     w->dq = TAKE(ar, float, N * qd);
     w->dk = TAKE(ar, float, N * kd);
     w->dv = TAKE(ar, float, N * kd);
     w->datt = TAKE(ar, float, N * qd);
-    w->dye = TAKE(ar, float, R * H);
-    w->dxe = TAKE(ar, float, R * H);
-    w->dact = TAKE(ar, float, R * I);
-    w->dh_gate = TAKE(ar, float, R * I);
-    w->dh_up = TAKE(ar, float, R * I);
     w->dtopk_w = TAKE(ar, float, N * k);
     w->dlogits_r = TAKE(ar, float, N * E);
     w->dprobs_e = TAKE(ar, float, E);
@@ -238,11 +224,20 @@ static void layout_ws(fm_bwd_ws *w, fm_arena *ar, const fm_config *c, int64_t N)
 
 /* Lays out everything but the model state into arenas ar[1..]. Pointer arrays m->boundary and
  * m->acts must already exist. */
+static fm_moe_dims moe_dims(const fm_config *c) {
+    fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok};
+    return d;
+}
+
 static void layout_all(fm_model *m, fm_arena *ar) {
     const fm_config *c = &m->cfg;
     const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size, hd = c->head_dim;
     fm_arena *bnd = &ar[FM_LIVE_BOUNDARIES], *acts = &ar[FM_LIVE_LAYER_ACTS],
-             *ws = &ar[FM_LIVE_WORKING_SET], *voc = &ar[FM_LIVE_VOCAB];
+             *ws = &ar[FM_LIVE_WORKING_SET], *voc = &ar[FM_LIVE_VOCAB], *ex = &ar[FM_LIVE_EXPERT];
+    const fm_moe_dims md = moe_dims(c);
+    const bool chunked = m->moe_chunk_tokens > 0;
+    int64_t c_eff;
+    fm_moe_chunks(N, m->moe_chunk_tokens, &m->moe_K, &c_eff);
     m->tokens = TAKE(bnd, int32_t, N);
     m->targets = TAKE(bnd, int32_t, N);
     m->rope_cos = TAKE(bnd, float, m->T * hd / 2);
@@ -251,11 +246,21 @@ static void layout_all(fm_model *m, fm_arena *ar) {
     fm_layer_acts shared;
     bool any_recompute = false;
     for (int64_t l = 0; l < L; l++) any_recompute |= m->recompute[l];
-    if (any_recompute) layout_layer_acts(&shared, acts, c, m->B, m->T);
-    for (int64_t l = 0; l < L; l++) {
-        if (m->recompute[l]) m->acts[l] = shared;
-        else layout_layer_acts(&m->acts[l], acts, c, m->B, m->T);
+    if (any_recompute) {
+        layout_layer_acts(&shared, acts, c, m->B, m->T);
+        memset(&shared.moe, 0, sizeof shared.moe);
+        if (!chunked) fm_moe_routes_layout(&shared.moe, ex, &md, N);
     }
+    for (int64_t l = 0; l < L; l++) {
+        if (m->recompute[l]) {
+            m->acts[l] = shared;
+            continue;
+        }
+        layout_layer_acts(&m->acts[l], acts, c, m->B, m->T);
+        memset(&m->acts[l].moe, 0, sizeof m->acts[l].moe);
+        if (!chunked) fm_moe_routes_layout(&m->acts[l].moe, ex, &md, N);
+    }
+    fm_moe_ws_layout(&m->moe_ws, ex, &md, chunked ? c_eff : N, chunked);
     layout_ws(&m->ws, ws, c, N);
     m->xf = TAKE(voc, float, N * H);
     m->rstd_f = TAKE(voc, float, N);
@@ -271,13 +276,15 @@ static void free_layout(fm_model *m) {
     m->acts = NULL;
 }
 
-void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const bool *recompute,
+void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layout_opts *opts,
                          size_t bytes[FM_LIVE_COUNT]) {
+    const bool *recompute = opts ? opts->recompute : NULL;
     const int64_t L = cfg->num_hidden_layers;
     fm_model m;
     memset(&m, 0, sizeof m);
     m.cfg = *cfg;
     m.B = B; m.T = T; m.N = B * T;
+    m.moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
     bool rc[L > 0 ? L : 1];
     for (int64_t l = 0; l < L; l++) rc[l] = recompute ? recompute[l] : false;
     m.recompute = rc;
@@ -295,7 +302,8 @@ void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const bool 
     for (int i = 1; i < FM_LIVE_COUNT; i++) bytes[i] = ar[i].used;
 }
 
-fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const bool *recompute) {
+fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opts *opts) {
+    const bool *recompute = opts ? opts->recompute : NULL;
     const fm_config *c = &m->cfg;
     const int64_t L = c->num_hidden_layers;
     if (T > c->max_position_embeddings)
@@ -309,9 +317,14 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const bool *recompu
     m->B = m->B_cap = B;
     m->T = m->T_cap = T;
     m->N = B * T;
+    if (opts && opts->moe_chunk_tokens < 0)
+        return fm_error(FM_ERR_ARG, "--moe-chunk-tokens must be >= 0 (0 = unchunked), found %lld",
+                        (long long)opts->moe_chunk_tokens);
     for (int64_t l = 0; l < L; l++) m->recompute[l] = recompute ? recompute[l] : false;
+    m->moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
+    fm_layout_opts o = {m->recompute, m->moe_chunk_tokens};
     size_t bytes[FM_LIVE_COUNT];
-    fm_model_plan_bytes(c, B, T, m->recompute, bytes);
+    fm_model_plan_bytes(c, B, T, &o, bytes);
     m->boundary = fm_malloc(sizeof(float *) * (size_t)(L + 1));
     m->acts = fm_malloc(sizeof(fm_layer_acts) * (size_t)L);
     if (!m->boundary || !m->acts) return fm_error(FM_ERR_NOMEM, "memory: cannot allocate layer tables");
@@ -378,7 +391,7 @@ static void layer_forward(fm_model *m, int64_t l, const float *x, float *y, fm_l
                           double *aux, double *zterm) {
     const fm_config *c = &m->cfg;
     const fm_layer_ptrs *w = &m->w.layers[l];
-    const int64_t B = m->B, T = m->T, N = m->N, H = c->hidden_size, I = c->moe_intermediate_size;
+    const int64_t B = m->B, T = m->T, N = m->N, H = c->hidden_size;
     const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads, hd = c->head_dim;
     const int64_t qd = nh * hd, kd = nkv * hd, E = c->num_experts, k = c->num_experts_per_tok;
     const float eps = (float)c->rms_norm_eps;
@@ -416,17 +429,10 @@ static void layer_forward(fm_model *m, int64_t l, const float *x, float *y, fm_l
     *aux = (double)E * s;
     *zterm = lse_sq / (double)N;
 
-    OPS->moe_route_index(CTX, a->offsets, a->row_route, a->route_row, a->topk_idx, N, E, k);
-    OPS->moe_gather(CTX, a->xe, a->ln2, a->row_route, N * k, k, H);
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t r0 = a->offsets[e], n = a->offsets[e + 1] - r0;
-        if (n == 0) continue;
-        linear_fwd(m, a->h_gate + r0 * I, a->xe + r0 * H, w->w_gate + e * I * H, n, H, I);
-        linear_fwd(m, a->h_up + r0 * I, a->xe + r0 * H, w->w_up + e * I * H, n, H, I);
-        OPS->swiglu_fwd(CTX, a->h_act + r0 * I, a->h_gate + r0 * I, a->h_up + r0 * I, n * I);
-        linear_fwd(m, a->ye + r0 * H, a->h_act + r0 * I, w->w_down + e * H * I, n, I, H);
-    }
-    OPS->moe_combine_fwd(CTX, y, a->ye, a->topk_w, a->route_row, N, k, H);
+    const fm_moe_dims md = moe_dims(c);
+    const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
+    fm_moe_forward(&m->be, &md, &mw, y, a->ln2, a->topk_idx, a->topk_w, N, m->moe_K,
+                   m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
     OPS->add(CTX, y, a->x_mid, N * H);
 }
 
@@ -471,26 +477,17 @@ static void layer_backward(fm_model *m, int64_t l, const float *x, const float *
     const fm_layer_ptrs *w = &m->w.layers[l];
     const fm_layer_ptrs *g = &m->g.layers[l];
     fm_bwd_ws *ws = &m->ws;
-    const int64_t B = m->B, T = m->T, N = m->N, H = c->hidden_size, I = c->moe_intermediate_size;
+    const int64_t B = m->B, T = m->T, N = m->N, H = c->hidden_size;
     const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads, hd = c->head_dim;
     const int64_t qd = nh * hd, kd = nkv * hd, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t L = c->num_hidden_layers;
 
-    /* MoE block: y = x_mid + combine(experts(gather(ln2(x_mid)))) */
-    OPS->moe_combine_bwd(CTX, ws->dye, ws->dtopk_w, dy, a->ye, a->topk_w, a->route_row, N, k, H);
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t r0 = a->offsets[e], n = a->offsets[e + 1] - r0;
-        if (n == 0) continue;
-        linear_bwd(m, ws->dact + r0 * I, 0.0f, g->w_down + e * H * I, ws->dye + r0 * H, a->h_act + r0 * I,
-                   w->w_down + e * H * I, n, I, H);
-        OPS->swiglu_bwd(CTX, ws->dh_gate + r0 * I, ws->dh_up + r0 * I, ws->dact + r0 * I, a->h_gate + r0 * I,
-                        a->h_up + r0 * I, n * I);
-        linear_bwd(m, ws->dxe + r0 * H, 0.0f, g->w_gate + e * I * H, ws->dh_gate + r0 * I, a->xe + r0 * H,
-                   w->w_gate + e * I * H, n, H, I);
-        linear_bwd(m, ws->dxe + r0 * H, 1.0f, g->w_up + e * I * H, ws->dh_up + r0 * I, a->xe + r0 * H,
-                   w->w_up + e * I * H, n, H, I);
-    }
-    OPS->moe_gather_bwd(CTX, ws->dln, ws->dxe, a->route_row, N, k, H);
+    /* MoE block: y = x_mid + experts(ln2(x_mid)) */
+    const fm_moe_dims md = moe_dims(c);
+    const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
+    const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down};
+    fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, a->ln2, a->topk_idx, a->topk_w, N, m->moe_K,
+                    m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
     /* Router: top-k weights, plus the load-balancing loss coef/L * E * sum_e f_e P_e with
      * P_e = mean_n probs[n,e] (f_e = count_e/N held constant), plus the z-loss
      * zcoef/L * mean_n lse_n^2. The batch's loss is scaled by `scale` (accumulation). */
@@ -523,7 +520,7 @@ static void layer_backward(fm_model *m, int64_t l, const float *x, const float *
         dq = ws->datt;
         dk = ws->dln;
     }
-    float *dln1 = ws->dye; /* [R,H] >= [N,H]: free after the MoE block */
+    float *dln1 = ws->dln1;
     linear_bwd(m, dln1, 0.0f, g->wq, dq, a->ln1, w->wq, N, H, qd);
     linear_bwd(m, dln1, 1.0f, g->wk, dk, a->ln1, w->wk, N, H, kd);
     linear_bwd(m, dln1, 1.0f, g->wv, ws->dv, a->ln1, w->wv, N, H, kd);

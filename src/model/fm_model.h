@@ -17,6 +17,7 @@
 #define FM_MODEL_H
 
 #include "../backend/fm_backend.h"
+#include "../bounded/fm_moe_dispatch.h"
 #include "../core/fm_arena.h"
 #include "fm_config.h"
 
@@ -53,18 +54,15 @@ typedef struct fm_layer_acts {
     float *ln2, *rstd2;          /* [N,H], [N] */
     float *router_logits, *probs, *router_lse; /* [N,E], [N,E], [N] fp32 */
     int32_t *topk_idx; float *topk_w;          /* [N,k] */
-    int64_t *offsets;            /* [E+1] */
-    int32_t *row_route, *route_row; /* [N*k] */
-    float *xe, *h_gate, *h_up, *h_act, *ye; /* [R,H], [R,I] x3, [R,H], R = N*k */
     float *expert_count, *expert_prob_sum;  /* [E] router statistics for the aux loss */
+    fm_moe_routes moe;           /* plain MoE twin only: the layer's dispatch (expert dispatch set) */
 } fm_layer_acts;
 
 /* Backward working set: one layer at a time. */
 typedef struct fm_bwd_ws {
     float *dx_a, *dx_b, *dtmp, *dln;      /* [N,H] */
+    float *dln1;                          /* [N,H] */
     float *dq, *dk, *dv, *datt;           /* [N,nh*hd], [N,nkv*hd] x2, [N,nh*hd] */
-    float *dye, *dxe;                     /* [R,H] */
-    float *dact, *dh_gate, *dh_up;        /* [R,I] */
     float *dtopk_w;                       /* [N,k] */
     float *dlogits_r;                     /* [N,E] */
     float *dprobs_e;                      /* [E] */
@@ -74,8 +72,11 @@ typedef struct fm_bwd_ws {
 typedef enum fm_live_set {
     FM_LIVE_MODEL_STATE,   /* weights, grads (+ optimizer state, added by the trainer) */
     FM_LIVE_BOUNDARIES,    /* checkpoint boundaries: residual stream per layer */
-    FM_LIVE_LAYER_ACTS,    /* saved activations of non-recomputed layers (+ recompute set) */
-    FM_LIVE_WORKING_SET,   /* backward working set of one layer */
+    FM_LIVE_LAYER_ACTS,    /* saved attention and router activations of non-recomputed layers
+                              (+ one shared set for the recomputed ones) */
+    FM_LIVE_EXPERT,        /* expert dispatch: the plain twin's saved dispatches and backward
+                              buffers, or one chunk's forward+backward working set */
+    FM_LIVE_WORKING_SET,   /* backward working set of one layer (attention and residual grads) */
     FM_LIVE_VOCAB,         /* final norm, logits [N,V] and their gradient */
     FM_LIVE_COUNT
 } fm_live_set;
@@ -101,6 +102,9 @@ typedef struct fm_model {
     float **boundary;           /* [L+1] pointers, each [N,H] */
     fm_layer_acts *acts;        /* [L]: acts[l] is layer l's saved set (shared if recomputed) */
     fm_bwd_ws ws;
+    int64_t moe_chunk_tokens;   /* 0: plain MoE twin */
+    int64_t moe_K;              /* chunks per micro-batch (1 for the plain twin) */
+    fm_moe_ws moe_ws;           /* expert-dispatch working set */
     float *xf, *rstd_f, *logits, *token_loss; /* [N,H], [N], [N,V], [N] */
 
     fm_arena arena[FM_LIVE_COUNT];
@@ -111,15 +115,23 @@ typedef struct fm_model {
  * initialize weights (see fm_model_init_weights). Errors: FM_ERR_NOMEM. */
 fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be, size_t extra_state_bytes);
 
-/* Lays out and allocates activation memory for micro-batch B x sequence T. `recompute` [L]
- * (NULL: none) marks layers whose activations are recomputed in backward. Errors:
- * FM_ERR_ARG if T > max_position_embeddings (names --seq-len), FM_ERR_NOMEM naming the live
- * set. May be called again with another shape (frees the previous layout). */
-fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const bool *recompute);
+/* How activations are laid out: which layers are recomputed, and the MoE chunking. */
+typedef struct fm_layout_opts {
+    const bool *recompute;     /* [L] or NULL (none): layers recomputed in backward */
+    int64_t moe_chunk_tokens;  /* 0: plain twin (all routes at once, saved per layer); c > 0:
+                                  chunks of <= c tokens, recomputed in backward (--moe-chunk-tokens) */
+} fm_layout_opts;
 
-/* Bytes each live set needs for this config and shape (measured by running the layout code
- * without allocating). bytes[FM_LIVE_COUNT]; model state excludes optimizer state. */
-void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const bool *recompute,
+/* Lays out and allocates activation memory for micro-batch B x sequence T (opts NULL: no
+ * recompute, plain MoE). Errors: FM_ERR_ARG if T > max_position_embeddings (names --seq-len)
+ * or B, T < 1; FM_ERR_NOMEM naming the live set. May be called again with another shape
+ * (frees the previous layout). */
+fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opts *opts);
+
+/* Bytes each live set needs for this config and shape, measured by running the layout code
+ * over measuring arenas (no allocation), so the plan and the allocation cannot drift apart.
+ * bytes[FM_LIVE_COUNT]; model state counts weights and gradients only. */
+void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layout_opts *opts,
                          size_t bytes[FM_LIVE_COUNT]);
 
 void fm_model_free(fm_model *m);

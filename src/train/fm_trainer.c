@@ -398,7 +398,8 @@ static fm_status train_impl(run *r) {
     FM_TRY(fm_model_create(&r->m, c, r->be, fm_adamw_state_bytes(fm_config_num_params(c))));
     r->model_ok = true;
     fm_model *m = &r->m;
-    FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len, rc));
+    const fm_layout_opts lo = {rc, o->moe_chunk_tokens};
+    FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len, &lo));
     fm_adamw_init(&r->opt, m, o->beta1, o->beta2, o->adam_eps, o->weight_decay);
     r->named = fm_malloc(sizeof(fm_named_tensor) * (size_t)(4 * m->n_tensors));
     r->names = fm_malloc(sizeof(*r->names) * (size_t)(4 * m->n_tensors));
@@ -437,7 +438,7 @@ static fm_status train_impl(run *r) {
     const int64_t tokens_per_step = o->micro_batch * o->seq_len * o->grad_accum;
     if (!o->quiet) {
         size_t bytes[FM_LIVE_COUNT];
-        fm_model_plan_bytes(c, o->micro_batch, o->seq_len, rc, bytes);
+        fm_model_plan_bytes(c, o->micro_batch, o->seq_len, &lo, bytes);
         bytes[FM_LIVE_MODEL_STATE] += fm_adamw_state_bytes(m->n_params);
         double tot = 0;
         for (int i = 0; i < FM_LIVE_COUNT; i++) tot += (double)bytes[i];

@@ -24,6 +24,7 @@ typedef struct fm_train_opts {
     int64_t eval_every, eval_batches, save_every, log_every;
     int64_t exit_after;           /* stop (and save) after this many steps in this invocation; 0: no */
     const char *recompute;        /* "none", "full" or a comma list of layer ids */
+    int64_t moe_chunk_tokens;     /* 0: plain MoE; c: chunks of <= c tokens (--moe-chunk-tokens) */
     bool quiet;                   /* no per-step lines on stdout */
 } fm_train_opts;
 

@@ -1,0 +1,95 @@
+/* Linear cross-entropy with an online log-sum-exp: the LM head (logits = h W^T) fused with the
+ * softmax cross-entropy, never holding the N x V logits (DESIGN.md §2, "vocabulary projection").
+ * Tokens go in blocks of Nb, the vocabulary in blocks of Vb; the only scratch is one Nb x Vb fp32
+ * strip and O(Nb) per-token state, whatever N and V. Sources: Wijmans et al., "Cut Your Losses in
+ * Large-Vocabulary Language Models" (arXiv 2411.09009); Liger-Kernel's fused linear
+ * cross-entropy (z-loss, ignore_index); the online softmax of Milakov & Gimelshein 2018
+ * (arXiv 1805.02867). The plain twin, fm_linear_ce_plain, builds the full logits and is used by
+ * tests and --verify.
+ *
+ * Objective, per token t with target y_t != ignore_index and weight w_t:
+ *   lse_t  = log sum_v exp(l_tv),  l_tv = h_t . W_v     (natural log, fp32 logits)
+ *   loss_t = lse_t - l_{t,y_t}                           (nats)
+ *   J      = sum_t w_t (loss_t + z_loss * lse_t^2)
+ * and the gradients written are grad_scale * dJ/dh, grad_scale * dJ/dW. Ignored tokens add
+ * nothing to J and get zero gradient rows.
+ */
+#ifndef FM_LINEAR_CE_H
+#define FM_LINEAR_CE_H
+
+#include "../backend/fm_backend.h"
+#include "../core/fm_arena.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Block sizes used when fm_lce_opts asks for 0 (or opts is NULL): 256 tokens x 4096 vocabulary
+ * entries, a 4 MiB fp32 strip. */
+#define FM_LCE_DEFAULT_BLOCK_TOKENS 256
+#define FM_LCE_DEFAULT_BLOCK_VOCAB 4096
+
+typedef struct fm_lce_opts {
+    int64_t block_tokens, block_vocab; /* Nb, Vb (tokens, vocabulary entries); <= 0: default */
+    int32_t ignore_index;              /* targets equal to it are not counted (HF: -100) */
+    float z_loss;                      /* z-loss coefficient s: adds s * lse^2 per token; 0: off */
+    const float *token_weight;         /* [N] fp32 per-token loss weights w_t; NULL: all 1 */
+    float *out_logprob;                /* [N] fp32 log p(target) = -loss_t (0 if ignored); NULL: skip */
+    float *out_entropy;                /* [N] fp32 softmax entropy (nats), every token; NULL: skip */
+} fm_lce_opts;
+
+/* Options with defaults: default blocks, ignore_index -100, no z-loss, no weights, no extra
+ * outputs. */
+fm_lce_opts fm_lce_opts_default(void);
+
+/* The bound of fm_linear_ce (bytes it takes from its workspace arena, at most), for the planner:
+ * one Nb x Vb fp32 strip and four [Nb] fp32 per-token vectors, each rounded as fm_arena_alloc
+ * rounds. The formula is written next to its definition in fm_linear_ce.c. Independent of N and
+ * V (the run uses min(Nb, N) x min(Vb, V), never more). Block sizes <= 0 mean the defaults. */
+size_t fm_linear_ce_bound_bytes(int64_t block_tokens, int64_t block_vocab);
+
+/* Bytes the plain twin takes from its arena for N tokens and a V-entry vocabulary: the N x V
+ * fp32 logits and their N x V fp32 gradient, plus the four [N] fp32 per-token vectors, each
+ * arena-rounded. */
+size_t fm_linear_ce_plain_bytes(int64_t N, int64_t V);
+
+/* Linear cross-entropy, blocked (the bounded operator).
+ *   loss   [N]   fp32 out, ASSIGNED: loss_t = lse_t - l_{t,y_t} (nats), 0 for ignored tokens
+ *   dh     [N,H] fp32 out, ASSIGNED: grad_scale * dJ/dh (ignored rows 0); NULL: not computed
+ *   dW     [V,H] fp32 out, ACCUMULATED (+=): grad_scale * dJ/dW; NULL: not computed
+ *          (dh and dW both NULL: forward only, one pass)
+ *   h      [N,H] fp32, the final-norm output; W [V,H] fp32, the LM head (HF layout [vocab, hidden])
+ *   targets [N] int32 in [0,V) or opts->ignore_index
+ *   grad_scale multiplies every gradient (e.g. 1 / valid tokens / accumulation steps)
+ *   opts   block sizes, ignore_index, z-loss, weights, optional outputs; NULL: defaults
+ *   z_term out (may be NULL): z_loss * sum_valid w_t lse_t^2
+ * Returns sum over non-ignored tokens of w_t * loss_t (double, nats; without the z term).
+ * Scratch: taken from `ws` with fm_arena_alloc (at most fm_linear_ce_bound_bytes), and ws->used
+ * is set back to its value at entry before returning, so ws->high records the operator's peak.
+ * Never calls malloc. With a measuring arena (fm_arena_init_measure) it only records the
+ * allocations, computes nothing and returns 0.
+ * Errors: none returned; an arena overrun aborts (a planning bug), targets outside [0,V) other
+ * than ignore_index and negative sizes are asserted.
+ * Algorithm: per token block, pass 1 forms each strip S = h_blk W_blk^T (gemm) and folds it
+ * into the running max, sum and target logit (lce_fold), then lce_finalize writes the per-token
+ * outputs; pass 2 recomputes each strip, turns it into G = grad_scale w ((1 + 2 s lse) p -
+ * onehot) (lce_strip_grad), and contracts dh_blk += G W_blk, dW_blk += G^T h_blk (gemm).
+ * Cost: 4 N V H multiply-adds with backward (the logits twice), 1 without. */
+double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, float *dh, float *dW,
+                    const float *h, const float *W, const int32_t *targets, int64_t N, int64_t H,
+                    int64_t V, float grad_scale, const fm_lce_opts *opts, double *z_term);
+
+/* The plain twin: the same arguments, outputs and conventions, computed by materializing the
+ * full N x V logits and their N x V gradient in `ws` (fm_linear_ce_plain_bytes(N, V)); block
+ * sizes in opts are ignored. The same strip ops run on one N x V block, then dh = G W and
+ * dW += G^T h as single gemms. Equal to fm_linear_ce up to floating-point reassociation
+ * (CPU fp32: relative 1e-6). */
+double fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, float *dh, float *dW,
+                          const float *h, const float *W, const int32_t *targets, int64_t N,
+                          int64_t H, int64_t V, float grad_scale, const fm_lce_opts *opts,
+                          double *z_term);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

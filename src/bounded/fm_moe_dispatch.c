@@ -1,0 +1,160 @@
+#include "fm_moe_dispatch.h"
+
+/* Bound (see the header): a dispatch over n tokens holds
+ *   routes(n) = offsets (E+1)*8 + row_route, route_row 2*n*k*4 + xe, ye 2*n*k*H*4
+ *               + h_gate, h_up, h_act 3*n*k*I*4
+ * and its backward dye, dxe 2*n*k*H*4 + dact, dh_gate, dh_up 3*n*k*I*4. The chunked form adds
+ * the chunk's token list c*4, its top-k rows 3*c*k*4 (idx, w, dw) and xc, yc, dxc 3*c*H*4, and
+ * holds routes(c) itself. Nothing here depends on how the router spreads the routes: a
+ * dispatch of n tokens has exactly n*k rows (dropless). */
+
+#define R4(x) fm_arena_round((size_t)(x) * 4)
+#define R8(x) fm_arena_round((size_t)(x) * 8)
+
+size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n) {
+    const int64_t R = n * d->k;
+    return R8(d->E + 1) + 2 * R4(R) + 2 * R4(R * d->H) + 3 * R4(R * d->I);
+}
+
+size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked) {
+    const int64_t R = n * d->k;
+    size_t b = 2 * R4(R * d->H) + 3 * R4(R * d->I);
+    if (chunked) b += R4(n) + 3 * R4(n * d->k) + 3 * R4(n * d->H) + fm_moe_routes_bytes(d, n);
+    return b;
+}
+
+void fm_moe_chunks(int64_t N, int64_t chunk_tokens, int64_t *K, int64_t *c_eff) {
+    int64_t k = (chunk_tokens <= 0 || chunk_tokens >= N) ? 1 : (N + chunk_tokens - 1) / chunk_tokens;
+    *K = k;
+    *c_eff = (N + k - 1) / k;
+}
+
+#define TAKE(a, type, count) ((type *)fm_arena_alloc((a), sizeof(type) * (size_t)(count)))
+
+void fm_moe_routes_layout(fm_moe_routes *r, fm_arena *a, const fm_moe_dims *d, int64_t n) {
+    const int64_t R = n * d->k;
+    r->offsets = TAKE(a, int64_t, d->E + 1);
+    r->row_route = TAKE(a, int32_t, R);
+    r->route_row = TAKE(a, int32_t, R);
+    r->xe = TAKE(a, float, R * d->H);
+    r->h_gate = TAKE(a, float, R * d->I);
+    r->h_up = TAKE(a, float, R * d->I);
+    r->h_act = TAKE(a, float, R * d->I);
+    r->ye = TAKE(a, float, R * d->H);
+}
+
+void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, const fm_moe_dims *d, int64_t n, bool chunked) {
+    const int64_t R = n * d->k;
+    w->dye = TAKE(a, float, R * d->H);
+    w->dxe = TAKE(a, float, R * d->H);
+    w->dact = TAKE(a, float, R * d->I);
+    w->dh_gate = TAKE(a, float, R * d->I);
+    w->dh_up = TAKE(a, float, R * d->I);
+    if (chunked) {
+        w->tok = TAKE(a, int32_t, n);
+        w->topk_idx = TAKE(a, int32_t, n * d->k);
+        w->topk_w = TAKE(a, float, n * d->k);
+        w->dtopk_w = TAKE(a, float, n * d->k);
+        w->xc = TAKE(a, float, n * d->H);
+        w->yc = TAKE(a, float, n * d->H);
+        w->dxc = TAKE(a, float, n * d->H);
+        fm_moe_routes_layout(&w->r, a, d, n);
+    } else {
+        w->tok = w->topk_idx = NULL;
+        w->topk_w = w->dtopk_w = w->xc = w->yc = w->dxc = NULL;
+    }
+}
+
+/* ---- one dispatch over n tokens -------------------------------------------------------------- */
+
+static void linear_fwd(const fm_backend *be, float *y, const float *x, const float *W, int64_t n, int64_t in,
+                       int64_t out) {
+    be->ops->gemm(be->ctx, false, true, n, out, in, 1.0f, x, in, W, in, 0.0f, y, out);
+}
+
+static void linear_bwd(const fm_backend *be, float *dx, float beta, float *dW, const float *dy, const float *x,
+                       const float *W, int64_t n, int64_t in, int64_t out) {
+    be->ops->gemm(be->ctx, false, false, n, in, out, 1.0f, dy, out, W, in, beta, dx, in);
+    be->ops->gemm(be->ctx, true, false, out, in, n, 1.0f, dy, out, x, in, 1.0f, dW, in);
+}
+
+/* Permute x [n,H] by expert into r, run the experts; with y != NULL combine into y [n,H]. */
+static void dispatch_fwd(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_routes *r,
+                         float *y, const float *x, const int32_t *idx, const float *wts, int64_t n) {
+    const int64_t H = d->H, I = d->I, E = d->E, k = d->k;
+    be->ops->moe_route_index(be->ctx, r->offsets, r->row_route, r->route_row, idx, n, E, k);
+    be->ops->moe_gather(be->ctx, r->xe, x, r->row_route, n * k, k, H);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t r0 = r->offsets[e], m = r->offsets[e + 1] - r0;
+        if (m == 0) continue; /* an expert with no tokens: no GEMM, zero weight gradient */
+        linear_fwd(be, r->h_gate + r0 * I, r->xe + r0 * H, w->w_gate + e * I * H, m, H, I);
+        linear_fwd(be, r->h_up + r0 * I, r->xe + r0 * H, w->w_up + e * I * H, m, H, I);
+        be->ops->swiglu_fwd(be->ctx, r->h_act + r0 * I, r->h_gate + r0 * I, r->h_up + r0 * I, m * I);
+        linear_fwd(be, r->ye + r0 * H, r->h_act + r0 * I, w->w_down + e * H * I, m, I, H);
+    }
+    if (y) be->ops->moe_combine_fwd(be->ctx, y, r->ye, wts, r->route_row, n, k, H);
+}
+
+/* Backward of dispatch_fwd from dy [n,H]: dx [n,H], dtopk_w [n,k] assigned. */
+static void dispatch_bwd(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, const fm_moe_grads *g,
+                         const fm_moe_routes *r, fm_moe_ws *ws, float *dx, float *dtopk_w, const float *dy,
+                         const float *wts, int64_t n) {
+    const int64_t H = d->H, I = d->I, E = d->E, k = d->k;
+    be->ops->moe_combine_bwd(be->ctx, ws->dye, dtopk_w, dy, r->ye, wts, r->route_row, n, k, H);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t r0 = r->offsets[e], m = r->offsets[e + 1] - r0;
+        if (m == 0) continue;
+        linear_bwd(be, ws->dact + r0 * I, 0.0f, g->w_down + e * H * I, ws->dye + r0 * H, r->h_act + r0 * I,
+                   w->w_down + e * H * I, m, I, H);
+        be->ops->swiglu_bwd(be->ctx, ws->dh_gate + r0 * I, ws->dh_up + r0 * I, ws->dact + r0 * I, r->h_gate + r0 * I,
+                            r->h_up + r0 * I, m * I);
+        linear_bwd(be, ws->dxe + r0 * H, 0.0f, g->w_gate + e * I * H, ws->dh_gate + r0 * I, r->xe + r0 * H,
+                   w->w_gate + e * I * H, m, H, I);
+        linear_bwd(be, ws->dxe + r0 * H, 1.0f, g->w_up + e * I * H, ws->dh_up + r0 * I, r->xe + r0 * H,
+                   w->w_up + e * I * H, m, H, I);
+    }
+    be->ops->moe_gather_bwd(be->ctx, dx, ws->dxe, r->route_row, n, k, H);
+}
+
+/* Gathers chunk j's tokens (t = j, j+K, ...) and their top-k rows into ws; returns its size. */
+static int64_t gather_chunk(const fm_backend *be, const fm_moe_dims *d, fm_moe_ws *ws, const float *x,
+                            const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K, int64_t j) {
+    const int64_t n = (N - j + K - 1) / K;
+    for (int64_t i = 0; i < n; i++) ws->tok[i] = (int32_t)(j + i * K);
+    be->ops->gather_rows(be->ctx, ws->xc, x, ws->tok, n, d->H * (int64_t)sizeof(float));
+    be->ops->gather_rows(be->ctx, ws->topk_idx, topk_idx, ws->tok, n, d->k * (int64_t)sizeof(int32_t));
+    be->ops->gather_rows(be->ctx, ws->topk_w, topk_w, ws->tok, n, d->k * (int64_t)sizeof(float));
+    return n;
+}
+
+void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, float *y,
+                    const float *x, const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
+                    fm_moe_routes *saved, fm_moe_ws *ws) {
+    if (saved) {
+        dispatch_fwd(be, d, w, saved, y, x, topk_idx, topk_w, N);
+        return;
+    }
+    for (int64_t j = 0; j < K; j++) {
+        const int64_t n = gather_chunk(be, d, ws, x, topk_idx, topk_w, N, K, j);
+        dispatch_fwd(be, d, w, &ws->r, ws->yc, ws->xc, ws->topk_idx, ws->topk_w, n);
+        be->ops->scatter_rows(be->ctx, y, ws->yc, ws->tok, n, d->H * (int64_t)sizeof(float));
+    }
+}
+
+void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w,
+                     const fm_moe_grads *g, float *dx, float *dtopk_w, const float *dy, const float *x,
+                     const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
+                     const fm_moe_routes *saved, fm_moe_ws *ws) {
+    if (saved) {
+        dispatch_bwd(be, d, w, g, saved, ws, dx, dtopk_w, dy, topk_w, N);
+        return;
+    }
+    for (int64_t j = 0; j < K; j++) {
+        const int64_t n = gather_chunk(be, d, ws, x, topk_idx, topk_w, N, K, j);
+        dispatch_fwd(be, d, w, &ws->r, NULL, ws->xc, ws->topk_idx, ws->topk_w, n); /* recompute */
+        be->ops->gather_rows(be->ctx, ws->yc, dy, ws->tok, n, d->H * (int64_t)sizeof(float));
+        dispatch_bwd(be, d, w, g, &ws->r, ws, ws->dxc, ws->dtopk_w, ws->yc, ws->topk_w, n);
+        be->ops->scatter_rows(be->ctx, dx, ws->dxc, ws->tok, n, d->H * (int64_t)sizeof(float));
+        be->ops->scatter_rows(be->ctx, dtopk_w, ws->dtopk_w, ws->tok, n, d->k * (int64_t)sizeof(float));
+    }
+}
