@@ -10,6 +10,7 @@
 #include "core/fm_rng.h"
 #include "data/fm_data.h"
 #include "io/fm_checkpoint.h"
+#include "plan/fm_plan.h"
 #include "train/fm_trainer.h"
 
 #define MAX_FILES 256
@@ -107,6 +108,7 @@ static int cmd_train(int argc, char **argv) {
     fm_train_opts o;
     fm_train_opts_default(&o);
     static const char *data[MAX_FILES], *val[MAX_FILES];
+    const char *mem_budget = NULL;
     flag flags[] = {
         {"config", F_STR, &o.config_path, NULL, "Hugging Face config.json of the model (required unless --resume)"},
         {"data", F_FILES, data, &o.n_data, "training files: UTF-8 text (byte tokens) or llm.c .bin shards"},
@@ -133,14 +135,19 @@ static int cmd_train(int argc, char **argv) {
         {"log-every", F_I64, &o.log_every, NULL, "print a step line every N steps (1)"},
         {"exit-after", F_I64, &o.exit_after, NULL, "stop after N steps of this invocation, with a checkpoint (0 = off)"},
         {"recompute", F_STR, &o.recompute, NULL, "none | full | layer ids, e.g. 0,2: recompute those layers in backward"},
-        {"moe-chunk-tokens", F_I64, &o.moe_chunk_tokens, NULL, "MoE in strided chunks of <= N tokens, recomputed in backward; 0 = unchunked (0)"},
+        {"moe-chunk-tokens", F_I64, &o.moe_chunk_tokens, NULL, "MoE in strided chunks of <= N tokens, recomputed in backward; 0 = unchunked (0, or chosen under --mem-budget)"},
+        {"mem-budget", F_STR, &mem_budget, NULL, "fail before allocating if the plan exceeds this (e.g. 16GiB); with neither --recompute nor --moe-chunk-tokens, choose them to fit"},
+        {"report-memory", F_BOOL, &o.report_memory, NULL, "print each live set's measured high-water mark next to its bound (also in metrics.jsonl)"},
         {"quiet", F_BOOL, &o.quiet, NULL, "no per-step lines (metrics.jsonl is still written)"},
     };
     int r = parse_flags("train", "--config C --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
     if (r) return r == 1 ? 0 : r;
     o.data = data;
     o.val_data = o.n_val_data ? val : NULL;
-    fm_status s = fm_train(&o);
+    fm_status s;
+    if (mem_budget && (s = fm_parse_bytes(mem_budget, "--mem-budget", &o.mem_budget))) return fail("train", s);
+    if (o.moe_chunk_tokens < -1) return usage_error("train", "%s", "--moe-chunk-tokens must be >= 0");
+    s = fm_train(&o);
     return s ? fail("train", s) : 0;
 }
 
@@ -306,12 +313,68 @@ static int cmd_eval(int argc, char **argv) {
     return 0;
 }
 
+/* ---- plan ------------------------------------------------------------------------------------ */
+
+static int cmd_plan(int argc, char **argv) {
+    const char *config = NULL, *recompute = NULL, *device_mem = NULL;
+    int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = -1;
+    int threads = 0;
+    bool json = false;
+    flag flags[] = {
+        {"config", F_STR, &config, NULL, "Hugging Face config.json of the model (required)"},
+        {"seq-len", F_I64, &seq_len, NULL, "tokens per sequence (required)"},
+        {"micro-batch", F_I64, &micro_batch, NULL, "sequences per micro-batch (1)"},
+        {"grad-accum", F_I64, &grad_accum, NULL, "micro-batches per step, for the per-step FLOPs (1)"},
+        {"recompute", F_STR, &recompute, NULL, "none | full | layer ids (default: chosen to fit --device-mem)"},
+        {"moe-chunk-tokens", F_I64, &chunk, NULL, "MoE chunk size, 0 = unchunked (default: chosen to fit --device-mem)"},
+        {"device-mem", F_STR, &device_mem, NULL, "memory budget, e.g. 16GiB (default: no verdict; with it, knobs are chosen)"},
+        {"mem-budget", F_STR, &device_mem, NULL, "the same as --device-mem (train's name for it)"},
+        {"threads", F_INT, &threads, NULL, "CPU threads, for the attention tiles (0 = all cores)"},
+        {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
+    };
+    int r = parse_flags("plan", "--config C --seq-len S [--micro-batch B] [--device-mem BYTES] [flags]", argc, argv, flags,
+                        sizeof flags / sizeof flags[0]);
+    if (r) return r == 1 ? 0 : r;
+    if (!config) return usage_error("plan", "%s", "--config is required");
+    if (seq_len < 1 || micro_batch < 1 || grad_accum < 1)
+        return usage_error("plan", "%s", "--seq-len (required), --micro-batch and --grad-accum must be >= 1");
+    if (chunk < -1) return usage_error("plan", "%s", "--moe-chunk-tokens must be >= 0");
+    fm_plan_req req;
+    memset(&req, 0, sizeof req);
+    fm_status s = fm_config_load(&req.cfg, config);
+    if (s) return fail("plan", s);
+    size_t budget = 0;
+    if (device_mem && (s = fm_parse_bytes(device_mem, "--device-mem", &budget))) return fail("plan", s);
+    const int64_t L = req.cfg.num_hidden_layers;
+    bool *rc = fm_malloc((size_t)L);
+    if ((s = fm_parse_recompute(recompute, L, rc))) return fail("plan", s);
+    req.B = micro_batch;
+    req.T = seq_len;
+    req.grad_accum = grad_accum;
+    req.recompute = rc;
+    req.moe_chunk_tokens = chunk > 0 ? chunk : 0;
+    req.threads = threads;
+    fm_plan p;
+    s = FM_OK;
+    if (!recompute && chunk < 0 && budget) s = fm_plan_choose(&req, budget, rc, &p);
+    else fm_plan_compute(&req, &p);
+    if (seq_len > req.cfg.max_position_embeddings)
+        fprintf(stderr, "note: --seq-len %lld exceeds the config's max_position_embeddings (%lld); train would refuse it\n",
+                (long long)seq_len, (long long)req.cfg.max_position_embeddings);
+    if (json) fm_plan_print_json(&req, &p, budget, stdout);
+    else fm_plan_print(&req, &p, budget, stdout);
+    fm_free(rc);
+    if (s) return fail("plan", s);
+    return budget && p.total > budget ? 1 : 0;
+}
+
 static void top_help(void) {
     printf("flatmoe: train Mixture-of-Experts language models with every memory peak bounded at launch\n\n"
            "usage: flatmoe <command> [flags]\n\ncommands:\n"
            "  train    train a model from a Hugging Face config.json on text or token shards\n"
            "  sample   generate text from a checkpoint\n"
-           "  eval     validation loss and perplexity of a checkpoint on files\n\n"
+           "  eval     validation loss and perplexity of a checkpoint on files\n"
+           "  plan     memory per live set and FLOPs for a config and shape, without running\n\n"
            "'flatmoe <command> --help' lists a command's flags.\n");
 }
 
@@ -324,6 +387,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "train")) return cmd_train(argc - 2, argv + 2);
     if (!strcmp(cmd, "sample")) return cmd_sample(argc - 2, argv + 2);
     if (!strcmp(cmd, "eval")) return cmd_eval(argc - 2, argv + 2);
-    fprintf(stderr, "flatmoe: unknown command '%s'; expected train, sample or eval ('flatmoe --help')\n", cmd);
+    if (!strcmp(cmd, "plan")) return cmd_plan(argc - 2, argv + 2);
+    fprintf(stderr, "flatmoe: unknown command '%s'; expected train, sample, eval or plan ('flatmoe --help')\n", cmd);
     return 2;
 }

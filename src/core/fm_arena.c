@@ -44,3 +44,20 @@ void fm_arena_free(fm_arena *a) {
     a->base = NULL;
     a->capacity = a->used = 0;
 }
+
+void fm_arena_paint(fm_arena *a) {
+    if (a->base) memset(a->base, 0xA5, a->capacity);
+}
+
+size_t fm_arena_touched(const fm_arena *a) {
+    if (!a->base) return 0;
+    const uint64_t paint = 0xA5A5A5A5A5A5A5A5ull;
+    size_t n = a->capacity; /* a multiple of 64 */
+    const uint64_t *w = (const uint64_t *)a->base;
+    size_t i = n / 8;
+    while (i > 0 && w[i - 1] == paint) i--;
+    if (i == 0) return 0;
+    size_t b = i * 8;
+    while (b > 0 && a->base[b - 1] == 0xA5) b--;
+    return b;
+}

@@ -34,6 +34,14 @@ static inline void fm_arena_reset(fm_arena *a) { a->used = 0; }
 void fm_arena_init_measure(fm_arena *a, const char *name);
 static inline bool fm_arena_is_measure(const fm_arena *a) { return a->base == NULL && a->capacity == SIZE_MAX; }
 
+/* Measured high-water mark by painting (SQLite's memsys "fill" habit): fm_arena_paint fills the
+ * whole arena with the byte 0xA5; fm_arena_touched returns 1 + the offset of the highest byte
+ * that is no longer 0xA5, i.e. how far into the arena anything was actually written since the
+ * paint, whatever was carved. (A write of exactly 0xA5 bytes at the very top would read as
+ * untouched: for fp32 data that is the value -2.9e-16, in every byte of a word.) */
+void fm_arena_paint(fm_arena *a);
+size_t fm_arena_touched(const fm_arena *a);
+
 void fm_arena_free(fm_arena *a);
 
 #endif

@@ -181,11 +181,13 @@ static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c
     const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
     a->ln1 = TAKE(ar, float, N * H);
     a->rstd1 = TAKE(ar, float, N);
-    a->q = TAKE(ar, float, N * qd);
-    a->k = TAKE(ar, float, N * kd);
+    const bool qkn = c->qk_norm != FM_QK_NORM_NONE;
     a->v = TAKE(ar, float, N * kd);
     a->qr = TAKE(ar, float, N * qd);
     a->kr = TAKE(ar, float, N * kd);
+    /* Without QK-norm RoPE runs in place on the projections: q, k are qr, kr. */
+    a->q = qkn ? TAKE(ar, float, N * qd) : a->qr;
+    a->k = qkn ? TAKE(ar, float, N * kd) : a->kr;
     int64_t nq = c->qk_norm == FM_QK_NORM_PER_HEAD ? N * c->num_attention_heads : N;
     int64_t nk = c->qk_norm == FM_QK_NORM_PER_HEAD ? N * c->num_key_value_heads : N;
     a->rstd_q = c->qk_norm != FM_QK_NORM_NONE ? TAKE(ar, float, nq) : NULL;
@@ -195,7 +197,6 @@ static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c
     a->x_mid = TAKE(ar, float, N * H);
     a->ln2 = TAKE(ar, float, N * H);
     a->rstd2 = TAKE(ar, float, N);
-    a->router_logits = TAKE(ar, float, N * E);
     a->probs = TAKE(ar, float, N * E);
     a->router_lse = TAKE(ar, float, N);
     a->topk_idx = TAKE(ar, int32_t, N * k);
@@ -266,6 +267,44 @@ static void layout_all(fm_model *m, fm_arena *ar) {
     m->rstd_f = TAKE(voc, float, N);
     m->logits = TAKE(voc, float, N * c->vocab_size);
     m->token_loss = TAKE(voc, float, N);
+}
+
+/* ---- bound formulas of the model-owned live sets (the planner's; test_plan checks them
+ * against the layout above, measured) ---------------------------------------------------------- */
+
+#define B4(x) fm_arena_round((size_t)(x) * 4)
+
+size_t fm_model_boundary_bytes(const fm_config *c, int64_t B, int64_t T) {
+    const int64_t N = B * T;
+    /* tokens, targets, RoPE cos/sin [T, hd/2], L+1 residual-stream boundaries [N,H] */
+    return 2 * B4(N) + 2 * B4(T * c->head_dim / 2) + (size_t)(c->num_hidden_layers + 1) * B4(N * c->hidden_size);
+}
+
+size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T) {
+    const int64_t N = B * T, H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
+    const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads;
+    const int64_t qd = nh * c->head_dim, kd = nkv * c->head_dim;
+    size_t b = B4(N * H) + B4(N)                  /* ln1, rstd1 */
+             + B4(N * kd) + B4(N * qd) + B4(N * kd) /* v, q and k after QK-norm + RoPE */
+             + B4(N * qd) + B4(B * nh * T)        /* attention output, its log-sum-exp */
+             + 2 * B4(N * H) + B4(N)              /* x_mid, ln2, rstd2 */
+             + B4(N * E) + B4(N)                  /* router probs, lse */
+             + 2 * B4(N * k) + 2 * B4(E);         /* top-k ids and weights, expert stats */
+    if (c->qk_norm == FM_QK_NORM_PER_HEAD) b += B4(N * qd) + B4(N * kd) + B4(N * nh) + B4(N * nkv);
+    if (c->qk_norm == FM_QK_NORM_FULL) b += B4(N * qd) + B4(N * kd) + 2 * B4(N);
+    return b;
+}
+
+size_t fm_model_working_set_bytes(const fm_config *c, int64_t N) {
+    const int64_t H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
+    const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
+    /* dx ping-pong, dtmp, dln, tmp, dln1 [N,H]; dq, dk, dv, datt; dtopk_w; router logits/grad; dprobs */
+    return 6 * B4(N * H) + 2 * B4(N * qd) + 2 * B4(N * kd) + B4(N * k) + B4(N * E) + B4(E);
+}
+
+size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N) {
+    /* final-norm output [N,H] and rstd, logits [N,V] (their gradient in place), per-token loss */
+    return B4(N * c->hidden_size) + B4(N) + B4(N * c->vocab_size) + B4(N);
 }
 
 static void free_layout(fm_model *m) {
@@ -407,10 +446,7 @@ static void layer_forward(fm_model *m, int64_t l, const float *x, float *y, fm_l
     } else if (c->qk_norm == FM_QK_NORM_FULL) {
         OPS->rmsnorm_fwd(CTX, a->qr, a->rstd_q, a->q, w->q_norm, N, qd, eps);
         OPS->rmsnorm_fwd(CTX, a->kr, a->rstd_k, a->k, w->k_norm, N, kd, eps);
-    } else {
-        memcpy(a->qr, a->q, sizeof(float) * (size_t)(N * qd));
-        memcpy(a->kr, a->k, sizeof(float) * (size_t)(N * kd));
-    }
+    } /* else q, k alias qr, kr: RoPE below works in place on the projections */
     OPS->rope_fwd(CTX, a->qr, m->rope_cos, m->rope_sin, B, T, nh, hd);
     OPS->rope_fwd(CTX, a->kr, m->rope_cos, m->rope_sin, B, T, nkv, hd);
     OPS->attention_fwd(CTX, a->att, a->lse, a->qr, a->kr, a->v, B, T, nh, nkv, hd);
@@ -419,8 +455,9 @@ static void layer_forward(fm_model *m, int64_t l, const float *x, float *y, fm_l
 
     /* MoE block */
     OPS->rmsnorm_fwd(CTX, a->ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
-    linear_fwd(m, a->router_logits, a->ln2, w->router, N, H, E);
-    OPS->router_fwd(CTX, a->probs, a->router_lse, a->topk_idx, a->topk_w, a->router_logits, N, E, k,
+    float *router_logits = m->ws.dlogits_r; /* transient: backward needs only probs and lse */
+    linear_fwd(m, router_logits, a->ln2, w->router, N, H, E);
+    OPS->router_fwd(CTX, a->probs, a->router_lse, a->topk_idx, a->topk_w, router_logits, N, E, k,
                     c->norm_topk_prob);
     double lse_sq = OPS->router_stats(CTX, a->expert_count, a->expert_prob_sum, a->probs, a->router_lse,
                                       a->topk_idx, N, E, k);

@@ -52,7 +52,7 @@ typedef struct fm_layer_acts {
     float *att, *lse;            /* [N,nh*hd], [B,nh,T] */
     float *x_mid;                /* [N,H] residual after attention */
     float *ln2, *rstd2;          /* [N,H], [N] */
-    float *router_logits, *probs, *router_lse; /* [N,E], [N,E], [N] fp32 */
+    float *probs, *router_lse;   /* [N,E], [N] fp32 */
     int32_t *topk_idx; float *topk_w;          /* [N,k] */
     float *expert_count, *expert_prob_sum;  /* [E] router statistics for the aux loss */
     fm_moe_routes moe;           /* plain MoE twin only: the layer's dispatch (expert dispatch set) */
@@ -135,6 +135,17 @@ void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_la
                          size_t bytes[FM_LIVE_COUNT]);
 
 void fm_model_free(fm_model *m);
+
+/* Bound formulas of the live sets the model owns, in bytes (each buffer rounded to 64 as the
+ * arenas round). Written out by hand from the buffers' shapes; test_plan checks them against
+ * the measured layout. Boundaries: tokens, targets, RoPE tables and the L+1 residual-stream
+ * tensors [N,H]. Layer activations: ONE layer's saved set (the attention inputs and outputs,
+ * norms, router probabilities and top-k). Working set: one layer's backward buffers. Vocab
+ * (plain): final norm output, logits [N,V] and per-token loss. */
+size_t fm_model_boundary_bytes(const fm_config *c, int64_t B, int64_t T);
+size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T);
+size_t fm_model_working_set_bytes(const fm_config *c, int64_t N);
+size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N);
 
 /* Sets the active micro-batch and sequence length for the next forward/backward, within the
  * laid-out capacity (asserted). Tokens and targets are then read as [B,T]. */

@@ -15,6 +15,7 @@
 #include "../data/fm_data.h"
 #include "../io/fm_checkpoint.h"
 #include "../io/fm_safetensors.h"
+#include "../plan/fm_plan.h"
 
 void fm_train_opts_default(fm_train_opts *o) {
     memset(o, 0, sizeof *o);
@@ -38,7 +39,8 @@ void fm_train_opts_default(fm_train_opts *o) {
     o->eval_batches = 20;
     o->save_every = 0;
     o->log_every = 1;
-    o->recompute = "none";
+    o->recompute = NULL;
+    o->moe_chunk_tokens = -1;
 }
 
 static double now_s(void) {
@@ -279,7 +281,24 @@ typedef struct run {
     fm_named_tensor *named;
     char (*names)[160];
     FILE *metrics;
+    fm_plan plan;
 } run;
+
+/* Measured high-water mark of every arena (painted at layout) next to its planned bound. */
+static void report_memory(const run *r) {
+    const fm_model *m = &r->m;
+    printf("memory: %-22s %14s %14s %7s\n", "live set", "bound (B)", "high-water (B)", "used");
+    for (int i = 0; i < FM_PLAN_SETS; i++) {
+        if (i == FM_LIVE_COUNT) {
+            printf("memory: %-22s %14zu %14s %7s\n", "attention tiles", r->plan.bytes[i], "(backend)", "");
+            continue;
+        }
+        size_t hw = i == FM_LIVE_MODEL_STATE ? m->arena[i].high : fm_arena_touched(&m->arena[i]);
+        printf("memory: %-22s %14zu %14zu %6.1f%%\n", fm_live_set_names[i], r->plan.bytes[i], hw,
+               r->plan.bytes[i] ? 100.0 * (double)hw / (double)r->plan.bytes[i] : 0.0);
+    }
+    fflush(stdout);
+}
 
 static fm_status save_checkpoint(run *r, const train_state *ts) {
     fm_model *m = &r->m;
@@ -390,16 +409,38 @@ static fm_status train_impl(run *r) {
     FM_TRY(fm_dataset_check_windows(&r->train, o->seq_len, "training data"));
     FM_TRY(fm_dataset_check_windows(&r->val, o->seq_len, "validation data"));
 
-    /* Backend, model, optimizer. */
+    /* Plan: every live set's bound, from the config and flags alone, before any allocation. */
+    const int64_t L = c->num_hidden_layers;
+    bool rc[L];
+    FM_TRY(fm_parse_recompute(o->recompute, L, rc));
+    fm_plan_req req = {*c, o->micro_batch, o->seq_len, o->grad_accum, rc,
+                       o->moe_chunk_tokens > 0 ? o->moe_chunk_tokens : 0, o->threads};
+    fm_plan plan;
+    if (!o->recompute && o->moe_chunk_tokens < 0 && o->mem_budget > 0) {
+        FM_TRY(fm_plan_choose(&req, o->mem_budget, rc, &plan));
+    } else {
+        fm_plan_compute(&req, &plan);
+        FM_TRY(fm_plan_check(&plan, o->mem_budget, "--mem-budget"));
+    }
+    r->plan = plan;
+
+    /* Backend, model, optimizer: allocated from the plan. */
     FM_TRY(fm_cpu_backend_init(&r->be, o->threads, c->head_dim));
     r->be_ok = true;
-    bool rc[c->num_hidden_layers];
-    FM_TRY(fm_parse_recompute(o->recompute, c->num_hidden_layers, rc));
     FM_TRY(fm_model_create(&r->m, c, r->be, fm_adamw_state_bytes(fm_config_num_params(c))));
     r->model_ok = true;
     fm_model *m = &r->m;
-    const fm_layout_opts lo = {rc, o->moe_chunk_tokens};
+    const fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens};
     FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len, &lo));
+    for (int i = 0; i < FM_LIVE_COUNT; i++)
+        if (m->arena[i].capacity != fm_arena_round(plan.bytes[i])) {
+            char msg[200];
+            snprintf(msg, sizeof msg, "the %s arena holds %zu bytes but the plan says %zu", fm_live_set_names[i],
+                     m->arena[i].capacity, plan.bytes[i]);
+            fm_abort(__FILE__, __LINE__, msg);
+        }
+    if (o->report_memory)
+        for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_paint(&m->arena[i]);
     fm_adamw_init(&r->opt, m, o->beta1, o->beta2, o->adam_eps, o->weight_decay);
     r->named = fm_malloc(sizeof(fm_named_tensor) * (size_t)(4 * m->n_tensors));
     r->names = fm_malloc(sizeof(*r->names) * (size_t)(4 * m->n_tensors));
@@ -437,19 +478,19 @@ static fm_status train_impl(run *r) {
 
     const int64_t tokens_per_step = o->micro_batch * o->seq_len * o->grad_accum;
     if (!o->quiet) {
-        size_t bytes[FM_LIVE_COUNT];
-        fm_model_plan_bytes(c, o->micro_batch, o->seq_len, &lo, bytes);
-        bytes[FM_LIVE_MODEL_STATE] += fm_adamw_state_bytes(m->n_params);
-        double tot = 0;
-        for (int i = 0; i < FM_LIVE_COUNT; i++) tot += (double)bytes[i];
         printf("model %s: %lld parameters (%lld active per token), %lld layers, %lld experts top-%lld\n",
                c->model_type_name, (long long)m->n_params, (long long)fm_config_num_active_params(c),
                (long long)c->num_hidden_layers, (long long)c->num_experts, (long long)c->num_experts_per_tok);
         printf("data: train %lld tokens, validation %lld tokens; %lld tokens per step (%lld x %lld x %lld)\n",
                (long long)r->train.n_tokens, (long long)r->val.n_tokens, (long long)tokens_per_step,
                (long long)o->micro_batch, (long long)o->seq_len, (long long)o->grad_accum);
-        printf("memory: %.1f MiB total =", tot / 1048576.0);
-        for (int i = 0; i < FM_LIVE_COUNT; i++) printf("%s %s %.1f MiB", i ? "," : "", fm_live_set_names[i], bytes[i] / 1048576.0);
+        printf("plan: %.1f MiB =", plan.total / 1048576.0);
+        for (int i = 0; i < FM_PLAN_SETS; i++)
+            printf("%s %s %.1f", i ? "," : "", i < FM_LIVE_COUNT ? fm_live_set_names[i] : "attention tiles",
+                   plan.bytes[i] / 1048576.0);
+        printf("; recompute %lld of %lld layers, MoE %s", (long long)plan.n_recomputed, (long long)L,
+               req.moe_chunk_tokens > 0 ? "chunked" : "unchunked");
+        if (req.moe_chunk_tokens > 0) printf(" (%lld chunks of <= %lld tokens)", (long long)plan.moe_K, (long long)plan.moe_c_eff);
         printf("\n");
         fflush(stdout);
     }
@@ -510,6 +551,14 @@ static fm_status train_impl(run *r) {
                 "\"grad_norm\":%.17g,\"tokens\":%lld,\"tokens_per_s\":%.1f,\"step_s\":%.6f,\"elapsed_s\":%.3f",
                 (long long)step, ce, aux, z, lr, gnorm, (long long)ts.tokens_seen, tok_s, step_s, elapsed);
         if (!isnan(val)) fprintf(r->metrics, ",\"val_loss\":%.17g", val);
+        if (o->report_memory && (ran == 1 || last)) {
+            fprintf(r->metrics, ",\"memory\":{");
+            for (int i = 0; i < FM_LIVE_COUNT; i++)
+                fprintf(r->metrics, "%s\"%s\":{\"bound\":%zu,\"high_water\":%zu}", i ? "," : "", fm_live_set_names[i],
+                        r->plan.bytes[i], i == FM_LIVE_MODEL_STATE ? m->arena[i].high : fm_arena_touched(&m->arena[i]));
+            fprintf(r->metrics, "}");
+            if (!o->quiet) report_memory(r);
+        }
         fprintf(r->metrics, "}\n");
         fflush(r->metrics);
 

@@ -23,8 +23,11 @@ typedef struct fm_train_opts {
     bool resume;
     int64_t eval_every, eval_batches, save_every, log_every;
     int64_t exit_after;           /* stop (and save) after this many steps in this invocation; 0: no */
-    const char *recompute;        /* "none", "full" or a comma list of layer ids */
-    int64_t moe_chunk_tokens;     /* 0: plain MoE; c: chunks of <= c tokens (--moe-chunk-tokens) */
+    const char *recompute;        /* "none", "full" or a comma list of layer ids; NULL: chosen */
+    int64_t moe_chunk_tokens;     /* 0: plain MoE; c: chunks of <= c tokens; -1: chosen */
+    size_t mem_budget;            /* --mem-budget bytes; 0: none. With neither --recompute nor
+                                     --moe-chunk-tokens the planner chooses them to fit it. */
+    bool report_memory;           /* --report-memory: measured high-water marks vs the plan */
     bool quiet;                   /* no per-step lines on stdout */
 } fm_train_opts;
 

@@ -1,0 +1,199 @@
+#include "fm_plan.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../backend/cpu/fm_backend_cpu.h"
+#include "../train/fm_optim.h"
+
+static const char *set_name(int i) {
+    return i == FM_PLAN_ATTENTION ? "attention tiles" : fm_live_set_names[i];
+}
+
+void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
+    memset(p, 0, sizeof *p);
+    const fm_config *c = &r->cfg;
+    const int64_t L = c->num_hidden_layers, N = r->B * r->T, H = c->hidden_size, I = c->moe_intermediate_size;
+    const int64_t k = c->num_experts_per_tok, E = c->num_experts;
+    int64_t nr = 0;
+    for (int64_t l = 0; l < L; l++) nr += r->recompute && r->recompute[l];
+    p->n_recomputed = nr;
+    const int64_t saved_sets = (L - nr) + (nr > 0 ? 1 : 0);
+    p->n_params = fm_config_num_params(c);
+    p->n_active = fm_config_num_active_params(c);
+
+    /* model state: fp32 weight and grad (this arena) + AdamW m and v (fm_adamw_state_bytes) */
+    p->bytes[FM_LIVE_MODEL_STATE] = 2 * fm_arena_round((size_t)p->n_params * 4) + fm_adamw_state_bytes(p->n_params);
+    snprintf(p->inputs[FM_LIVE_MODEL_STATE], 200, "16 B/param (fp32 weight, grad, Adam m, v) x %lld params",
+             (long long)p->n_params);
+
+    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes(c, r->B, r->T);
+    snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 = %lld) x N x H x 4 B, N = %lld, H = %lld (+ tokens, RoPE)",
+             (long long)L + 1, (long long)N, (long long)H);
+
+    const size_t one = fm_model_layer_acts_bytes(c, r->B, r->T);
+    p->bytes[FM_LIVE_LAYER_ACTS] = (size_t)saved_sets * one;
+    snprintf(p->inputs[FM_LIVE_LAYER_ACTS], 200, "%lld saved sets (%lld layers, %lld recomputed) x %.1f MiB per layer",
+             (long long)saved_sets, (long long)L, (long long)nr, one / 1048576.0);
+
+    const fm_moe_dims md = {H, I, E, k};
+    fm_moe_chunks(N, r->moe_chunk_tokens, &p->moe_K, &p->moe_c_eff);
+    if (r->moe_chunk_tokens > 0) {
+        p->bytes[FM_LIVE_EXPERT] = fm_arena_round(fm_moe_ws_bytes(&md, p->moe_c_eff, true));
+        snprintf(p->inputs[FM_LIVE_EXPERT], 200, "one chunk fwd+bwd: K = %lld chunks of <= %lld tokens x k = %lld routes, "
+                 "(2H + 3I) x 4 B per route", (long long)p->moe_K, (long long)p->moe_c_eff, (long long)k);
+    } else {
+        p->bytes[FM_LIVE_EXPERT] = (size_t)saved_sets * fm_moe_routes_bytes(&md, N) + fm_moe_ws_bytes(&md, N, false);
+        snprintf(p->inputs[FM_LIVE_EXPERT], 200, "plain: %lld saved dispatches of N x k = %lld routes x (2H + 3I) x 4 B, "
+                 "+ backward", (long long)saved_sets, (long long)(N * k));
+    }
+
+    p->bytes[FM_PLAN_ATTENTION] = fm_cpu_backend_scratch_bytes(r->threads, c->head_dim);
+    snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "per-thread flash tiles, head_dim %lld (never T x T)", (long long)c->head_dim);
+
+    p->bytes[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(c, N);
+    snprintf(p->inputs[FM_LIVE_WORKING_SET], 200, "one layer's backward: 6 x N x H + q/k/v grads + router grads");
+
+    p->bytes[FM_LIVE_VOCAB] = fm_model_vocab_plain_bytes(c, N);
+    snprintf(p->inputs[FM_LIVE_VOCAB], 200, "plain logits N x V x 4 B, V = %lld (+ final norm)", (long long)c->vocab_size);
+
+    for (int i = 0; i < FM_PLAN_SETS; i++) p->total += p->bytes[i];
+
+    /* FLOPs (Megatron's count; REFERENCES.md "FLOPs and MFU"): 6 per active matmul parameter
+     * per token, plus causal attention 6 * L * (nh*hd) * T. Hardware FLOPs add the forwards run
+     * again: recomputed layers (2 * their active parameters + their attention forward), and
+     * the chunked MoE's expert forward (2 * k * 3HI per token per layer). */
+    const double h_attn = (double)(c->num_attention_heads * c->head_dim);
+    p->flops_model_token = 6.0 * (double)p->n_active + 6.0 * (double)L * h_attn * (double)r->T;
+    const double layer_active = (double)(p->n_active - c->vocab_size * H - H) / (double)L;
+    double hw = p->flops_model_token;
+    hw += (double)nr * (2.0 * layer_active + 2.0 * h_attn * (double)r->T);
+    if (r->moe_chunk_tokens > 0) hw += (double)(L - nr) * 2.0 * (double)k * 3.0 * (double)H * (double)I;
+    p->flops_hw_token = hw;
+    p->tokens_per_step = N * (r->grad_accum > 0 ? r->grad_accum : 1);
+}
+
+static int largest_set(const fm_plan *p) {
+    int best = 0;
+    for (int i = 1; i < FM_PLAN_SETS; i++)
+        if (p->bytes[i] > p->bytes[best]) best = i;
+    return best;
+}
+
+static const char *knob_for(int set) {
+    switch (set) {
+    case FM_LIVE_MODEL_STATE: return "use a smaller model (optimizer offload and ZeRO-3 are not built yet)";
+    case FM_LIVE_BOUNDARIES: return "lower --seq-len or --micro-batch";
+    case FM_LIVE_LAYER_ACTS: return "recompute more layers (--recompute full or a list of layer ids)";
+    case FM_LIVE_EXPERT: return "lower --moe-chunk-tokens (or set it: chunked MoE keeps one chunk)";
+    case FM_LIVE_WORKING_SET: return "lower --seq-len or --micro-batch";
+    case FM_LIVE_VOCAB: return "lower --micro-batch or --seq-len";
+    case FM_PLAN_ATTENTION: return "lower --threads";
+    }
+    return "";
+}
+
+fm_status fm_plan_check(const fm_plan *p, size_t budget, const char *flag_budget) {
+    if (budget == 0 || p->total <= budget) return FM_OK;
+    int big = largest_set(p);
+    if (big < 0 || big >= FM_PLAN_SETS) big = 0;
+    return fm_error(FM_ERR_NOMEM, "plan: %.3f GiB needed but %s is %.3f GiB; the largest live set is %s "
+                    "(%.3f GiB): %s", p->total / 1073741824.0, flag_budget, budget / 1073741824.0, set_name(big),
+                    p->bytes[big] / 1073741824.0, knob_for(big));
+}
+
+fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc, fm_plan *out) {
+    const int64_t L = req->cfg.num_hidden_layers, N = req->B * req->T;
+    for (int64_t nr = 0; nr <= L; nr++) {
+        if (nr == 1 && L > 1) continue; /* one recomputed layer saves nothing (the shared set) */
+        for (int64_t l = 0; l < L; l++) rc[l] = l < nr;
+        req->recompute = rc;
+        /* chunk candidates: unchunked (plain twin), then N, N/2, ... 1 */
+        for (int64_t c = 0;;) {
+            req->moe_chunk_tokens = c;
+            fm_plan_compute(req, out);
+            if (budget == 0 || out->total <= budget) return FM_OK;
+            if (c == 1) break;
+            c = c == 0 ? N : (c + 1) / 2;
+        }
+    }
+    return fm_plan_check(out, budget, "the budget");
+}
+
+static void human(char *buf, size_t n, size_t bytes) {
+    snprintf(buf, n, "%.3f", bytes / 1073741824.0);
+}
+
+void fm_plan_print(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *f) {
+    const fm_config *c = &r->cfg;
+    fprintf(f, "model %s: %lld parameters, %lld active per token; L = %lld, H = %lld, E = %lld, top-%lld, V = %lld\n",
+            c->model_type_name, (long long)p->n_params, (long long)p->n_active, (long long)c->num_hidden_layers,
+            (long long)c->hidden_size, (long long)c->num_experts, (long long)c->num_experts_per_tok,
+            (long long)c->vocab_size);
+    fprintf(f, "shape: micro-batch %lld x seq-len %lld = %lld tokens; recompute %lld of %lld layers; MoE %s",
+            (long long)r->B, (long long)r->T, (long long)(r->B * r->T), (long long)p->n_recomputed,
+            (long long)c->num_hidden_layers, r->moe_chunk_tokens > 0 ? "chunked" : "unchunked (plain)");
+    if (r->moe_chunk_tokens > 0)
+        fprintf(f, ", %lld chunks of <= %lld tokens", (long long)p->moe_K, (long long)p->moe_c_eff);
+    fprintf(f, "\n\n%-24s %20s %12s   %s\n", "live set", "bytes", "GiB", "bound");
+    char g[32];
+    for (int i = 0; i < FM_PLAN_SETS; i++) {
+        human(g, sizeof g, p->bytes[i]);
+        fprintf(f, "%-24s %20zu %12s   %s\n", set_name(i), p->bytes[i], g, p->inputs[i]);
+    }
+    human(g, sizeof g, p->total);
+    fprintf(f, "%-24s %20zu %12s\n", "total", p->total, g);
+    if (budget) {
+        char b[32];
+        human(b, sizeof b, budget);
+        if (p->total <= budget) fprintf(f, "fits in %s GiB (%.1f%% used)\n", b, 100.0 * (double)p->total / (double)budget);
+        else {
+            int big = largest_set(p);
+            fprintf(f, "DOES NOT FIT in %s GiB: largest live set %s; %s\n", b, set_name(big), knob_for(big));
+        }
+    }
+    fprintf(f, "\nFLOPs per token: model %.4g = 6 x N_active (%lld) + 6 x L x (heads x head_dim) x seq-len (causal "
+            "attention); hardware %.4g (+ recomputed forwards)\n", p->flops_model_token, (long long)p->n_active,
+            p->flops_hw_token);
+    fprintf(f, "FLOPs per step (%lld tokens): model %.4g, hardware %.4g\n", (long long)p->tokens_per_step,
+            p->flops_model_token * (double)p->tokens_per_step, p->flops_hw_token * (double)p->tokens_per_step);
+}
+
+void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *f) {
+    fprintf(f, "{\"model_type\":\"%s\",\"params\":%lld,\"active_params\":%lld,\"micro_batch\":%lld,\"seq_len\":%lld,"
+            "\"recomputed_layers\":%lld,\"moe_chunk_tokens\":%lld,\"moe_chunks\":%lld,\"live_sets\":{",
+            r->cfg.model_type_name, (long long)p->n_params, (long long)p->n_active, (long long)r->B, (long long)r->T,
+            (long long)p->n_recomputed, (long long)r->moe_chunk_tokens, (long long)p->moe_K);
+    for (int i = 0; i < FM_PLAN_SETS; i++) fprintf(f, "%s\"%s\":%zu", i ? "," : "", set_name(i), p->bytes[i]);
+    fprintf(f, "},\"total_bytes\":%zu,\"budget_bytes\":%zu,\"fits\":%s,\"flops_per_token_model\":%.6g,"
+            "\"flops_per_token_hardware\":%.6g,\"tokens_per_step\":%lld}\n", p->total, budget,
+            (budget == 0 || p->total <= budget) ? "true" : "false", p->flops_model_token, p->flops_hw_token,
+            (long long)p->tokens_per_step);
+}
+
+fm_status fm_parse_bytes(const char *s, const char *flag, size_t *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || errno || !(v >= 0))
+        return fm_error(FM_ERR_ARG, "%s: expected a byte count like 16GiB, 80G or 17179869184, found '%s'", flag, s);
+    while (*end == ' ') end++;
+    char suf[8] = {0};
+    for (int i = 0; end[i] && i < 7; i++) suf[i] = (char)toupper((unsigned char)end[i]);
+    double mul = 0;
+    const char *bin[] = {"", "B", "K", "KIB", "M", "MIB", "G", "GIB", "T", "TIB"};
+    const double binv[] = {1, 1, 1024.0, 1024.0, 1048576.0, 1048576.0, 1073741824.0, 1073741824.0, 1099511627776.0, 1099511627776.0};
+    for (int i = 0; i < 10; i++) if (!strcmp(suf, bin[i])) mul = binv[i];
+    if (!strcmp(suf, "KB")) mul = 1e3;
+    if (!strcmp(suf, "MB")) mul = 1e6;
+    if (!strcmp(suf, "GB")) mul = 1e9;
+    if (!strcmp(suf, "TB")) mul = 1e12;
+    if (mul == 0)
+        return fm_error(FM_ERR_ARG, "%s: unknown unit '%s' in '%s'; use B, KiB, MiB, GiB, TiB (or K, M, G, T), or KB, MB, GB, TB",
+                        flag, end, s);
+    *out = (size_t)(v * mul);
+    return FM_OK;
+}

@@ -1,0 +1,65 @@
+/* The planner (DESIGN.md §2): from the configuration and the run flags alone, a byte bound for
+ * every live set, their sum, and the FLOPs of a step; the chooser that picks recompute and
+ * chunking to fit a budget. Runs no model, reads no data.
+ *
+ * Each live set's bound comes from the function that owns it: the model's (boundaries, layer
+ * activations, working set, plain vocabulary projection), the bounded operators' (expert
+ * dispatch: fm_moe_routes_bytes / fm_moe_ws_bytes), the optimizer's and the backend's
+ * (attention tiles). The trainer allocates exactly these bytes (its layout is checked against
+ * this plan by test_plan).
+ */
+#ifndef FM_PLAN_H
+#define FM_PLAN_H
+
+#include <stdio.h>
+
+#include "../model/fm_model.h"
+
+/* The planner's live sets: the model's arenas plus the backend's attention scratch. */
+#define FM_PLAN_ATTENTION FM_LIVE_COUNT
+#define FM_PLAN_SETS (FM_LIVE_COUNT + 1)
+
+typedef struct fm_plan_req {
+    fm_config cfg;
+    int64_t B, T;              /* micro-batch, sequence length */
+    int64_t grad_accum;        /* for tokens and FLOPs per step */
+    const bool *recompute;     /* [L] or NULL: none */
+    int64_t moe_chunk_tokens;  /* 0: plain MoE twin */
+    int threads;               /* CPU threads (attention scratch is per thread); 0: all */
+} fm_plan_req;
+
+typedef struct fm_plan {
+    size_t bytes[FM_PLAN_SETS];     /* bound per live set */
+    char inputs[FM_PLAN_SETS][200]; /* the formula and its inputs, for printing */
+    size_t total;
+    int64_t n_params, n_active;
+    int64_t n_recomputed;           /* layers recomputed in backward */
+    int64_t moe_K, moe_c_eff;       /* chunks, tokens per chunk */
+    int64_t tokens_per_step;
+    double flops_model_token;       /* 6*N_active + 6*L*nh*hd*T/2*2 (causal) per token */
+    double flops_hw_token;          /* + recomputed forwards (layers, MoE chunks) */
+} fm_plan;
+
+/* Computes the plan. Never fails for a parsed config. */
+void fm_plan_compute(const fm_plan_req *req, fm_plan *out);
+
+/* budget == 0: always fits. Otherwise FM_ERR_NOMEM with a message naming the total, the budget,
+ * the largest live set and the flag that shrinks it (`flag_budget` names the budget flag). */
+fm_status fm_plan_check(const fm_plan *p, size_t budget, const char *flag_budget);
+
+/* Chooses the fewest recomputed layers, then the largest MoE chunk, that fit `budget` (chunk
+ * candidates: N, then halves down to 1). Writes the choice into req (recompute points into
+ * rc_storage [L]) and the plan into out. Errors: FM_ERR_NOMEM when even full recompute with
+ * 1-token chunks does not fit (message names what dominates). */
+fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc_storage, fm_plan *out);
+
+/* Prints the table (bytes, GiB, formula) and the FLOP lines; budget 0 prints no verdict. */
+void fm_plan_print(const fm_plan_req *req, const fm_plan *p, size_t budget, FILE *f);
+/* The same as one JSON object (one line). */
+void fm_plan_print_json(const fm_plan_req *req, const fm_plan *p, size_t budget, FILE *f);
+
+/* Parses a byte count: a number with an optional suffix B, K/KiB, M/MiB, G/GiB, T/TiB (powers
+ * of 1024) or KB, MB, GB, TB (powers of 1000). Errors: FM_ERR_ARG naming `flag`. */
+fm_status fm_parse_bytes(const char *s, const char *flag, size_t *out);
+
+#endif

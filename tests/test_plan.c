@@ -1,0 +1,142 @@
+/* The planner: its hand-written bound formulas equal the bytes the layout code takes (measured
+ * with measuring arenas) for every shipped config and a range of flags, so the plan and the
+ * allocation cannot drift apart; hand arithmetic for a few live sets; the chooser; budgets and
+ * their messages; byte parsing. */
+#include <string.h>
+
+#include "fm_test.h"
+#include "plan/fm_plan.h"
+#include "train/fm_optim.h"
+
+static void check_formulas_match_layout(const char *path, int64_t B, int64_t T, int64_t chunk, int nr) {
+    fm_plan_req req;
+    memset(&req, 0, sizeof req);
+    CHECK(fm_config_load(&req.cfg, path) == FM_OK);
+    const int64_t L = req.cfg.num_hidden_layers;
+    bool rc[L];
+    for (int64_t l = 0; l < L; l++) rc[l] = l < nr;
+    req.B = B;
+    req.T = T;
+    req.recompute = rc;
+    req.moe_chunk_tokens = chunk;
+    req.threads = 2;
+    fm_plan p;
+    fm_plan_compute(&req, &p);
+    size_t measured[FM_LIVE_COUNT];
+    fm_layout_opts lo = {rc, chunk};
+    fm_model_plan_bytes(&req.cfg, B, T, &lo, measured);
+    measured[FM_LIVE_MODEL_STATE] += fm_adamw_state_bytes(fm_config_num_params(&req.cfg));
+    for (int i = 0; i < FM_LIVE_COUNT; i++)
+        CHECK_MSG(fm_arena_round(p.bytes[i]) == fm_arena_round(measured[i]),
+                  "%s B=%lld T=%lld chunk=%lld recompute=%d: %s planned %zu, laid out %zu", path, (long long)B,
+                  (long long)T, (long long)chunk, nr, fm_live_set_names[i], p.bytes[i], measured[i]);
+}
+
+static void test_formulas(void) {
+    const char *cfgs[] = {"configs/tiny.json", "configs/olmoe-1b-7b.json", "configs/qwen3-30b-a3b.json",
+                          "configs/mixtral-8x7b.json", "tests/data/micro.json"};
+    for (int i = 0; i < 5; i++) {
+        check_formulas_match_layout(cfgs[i], 1, 64, 0, 0);
+        check_formulas_match_layout(cfgs[i], 2, 33, 0, 2);
+        check_formulas_match_layout(cfgs[i], 3, 17, 5, 0);
+        check_formulas_match_layout(cfgs[i], 1, 128, 16, 3);
+        check_formulas_match_layout(cfgs[i], 1, 100, 1000, 1);
+    }
+}
+
+/* Hand arithmetic for OLMoE-1B-7B at micro-batch 1, seq-len 4096. */
+static void test_hand_arithmetic(void) {
+    fm_plan_req req;
+    memset(&req, 0, sizeof req);
+    CHECK(fm_config_load(&req.cfg, "configs/olmoe-1b-7b.json") == FM_OK);
+    req.B = 1;
+    req.T = 4096;
+    req.threads = 1;
+    fm_plan p;
+    fm_plan_compute(&req, &p);
+    const double N = 4096, H = 2048, V = 50304, k = 8, I = 1024, L = 16;
+    CHECK(p.n_params == 6919161856LL);
+    CHECK_CLOSE((double)p.bytes[FM_LIVE_MODEL_STATE], 16.0 * 6919161856.0, 1e-9);
+    /* 17 boundaries of N x H fp32, plus tokens, targets and the RoPE tables (4096 x 64 x 2) */
+    CHECK_CLOSE((double)p.bytes[FM_LIVE_BOUNDARIES], 17 * N * H * 4 + 2 * N * 4 + 2 * 4096 * 64 * 4, 1e-12);
+    /* vocabulary projection: logits N x V dominate */
+    CHECK_CLOSE((double)p.bytes[FM_LIVE_VOCAB], N * V * 4 + N * H * 4 + 2 * N * 4, 1e-12);
+    /* plain expert dispatch: per layer N*k routes x (2H + 3I) fp32 + indices; plus one backward */
+    double per_route = (2 * H + 3 * I) * 4 + 8;
+    double expect = L * (N * k * per_route + 65 * 8) + N * k * (2 * H + 3 * I) * 4;
+    CHECK_CLOSE((double)p.bytes[FM_LIVE_EXPERT], expect, 1e-6);
+    /* FLOPs: 6 * active + 6 * L * 2048 * 4096 */
+    CHECK_CLOSE(p.flops_model_token, 6.0 * (double)p.n_active + 6.0 * 16 * 2048 * 4096, 1e-12);
+    CHECK(p.flops_hw_token == p.flops_model_token);
+    /* chunked: 16 layers' dispatches become one chunk's */
+    req.moe_chunk_tokens = 512;
+    fm_plan q;
+    fm_plan_compute(&req, &q);
+    CHECK(q.moe_K == 8 && q.moe_c_eff == 512);
+    CHECK(q.bytes[FM_LIVE_EXPERT] * 50 < p.bytes[FM_LIVE_EXPERT]);
+    CHECK_CLOSE(q.flops_hw_token - q.flops_model_token, 16 * 2 * 8 * 3 * 2048.0 * 1024, 1e-12);
+}
+
+static void test_chooser(void) {
+    fm_plan_req req;
+    memset(&req, 0, sizeof req);
+    CHECK(fm_config_load(&req.cfg, "configs/qwen3-30b-a3b.json") == FM_OK);
+    const int64_t L = req.cfg.num_hidden_layers;
+    bool rc[L];
+    req.B = 1;
+    req.T = 32768;
+    req.threads = 1;
+    fm_plan free_plan;
+    fm_plan_compute(&req, &free_plan);
+    /* A budget the plain plan fits: nothing recomputed, unchunked. */
+    fm_plan p;
+    CHECK(fm_plan_choose(&req, free_plan.total + 1, rc, &p) == FM_OK);
+    CHECK(p.n_recomputed == 0 && req.moe_chunk_tokens == 0);
+    /* Model state + a little: needs chunking and recompute; the choice fits and is minimal. */
+    size_t budget = free_plan.bytes[FM_LIVE_MODEL_STATE] + ((size_t)40 << 30);
+    CHECK(fm_plan_choose(&req, budget, rc, &p) == FM_OK);
+    CHECK(p.total <= budget);
+    printf("qwen3-30b-a3b at 32K tokens in %.1f GiB: %lld recomputed layers, chunk %lld tokens, total %.2f GiB\n",
+           budget / 1073741824.0, (long long)p.n_recomputed, (long long)req.moe_chunk_tokens, p.total / 1073741824.0);
+    if (p.n_recomputed > 0) {
+        /* one fewer recomputed layer (with the smallest chunk) must not fit */
+        bool rc2[L];
+        for (int64_t l = 0; l < L; l++) rc2[l] = l < p.n_recomputed - 1 - (p.n_recomputed == 2);
+        fm_plan_req r2 = req;
+        r2.recompute = rc2;
+        r2.moe_chunk_tokens = 1;
+        fm_plan q;
+        fm_plan_compute(&r2, &q);
+        CHECK(q.total > budget);
+    }
+    /* Too small for anything: a clear error naming the live set and the knob. */
+    CHECK(fm_plan_choose(&req, (size_t)1 << 30, rc, &p) == FM_ERR_NOMEM);
+    CHECK(strstr(fm_errmsg(), "model state") != NULL);
+    /* check() names the budget flag and the knob. */
+    req.recompute = NULL;
+    req.moe_chunk_tokens = 0;
+    fm_plan_compute(&req, &p);
+    CHECK(fm_plan_check(&p, p.total - 1, "--mem-budget") == FM_ERR_NOMEM);
+    CHECK(strstr(fm_errmsg(), "--mem-budget") != NULL);
+    CHECK(fm_plan_check(&p, p.total, "--mem-budget") == FM_OK);
+}
+
+static void test_parse_bytes(void) {
+    size_t b;
+    CHECK(fm_parse_bytes("16GiB", "--x", &b) == FM_OK && b == ((size_t)16 << 30));
+    CHECK(fm_parse_bytes("16G", "--x", &b) == FM_OK && b == ((size_t)16 << 30));
+    CHECK(fm_parse_bytes("1.5MiB", "--x", &b) == FM_OK && b == 1572864);
+    CHECK(fm_parse_bytes("80GB", "--x", &b) == FM_OK && b == 80000000000ULL);
+    CHECK(fm_parse_bytes("1234", "--x", &b) == FM_OK && b == 1234);
+    CHECK(fm_parse_bytes("12 parsecs", "--x", &b) == FM_ERR_ARG);
+    CHECK(strstr(fm_errmsg(), "--x") != NULL);
+    CHECK(fm_parse_bytes("lots", "--x", &b) == FM_ERR_ARG);
+}
+
+int main(void) {
+    test_formulas();
+    test_hand_arithmetic();
+    test_chooser();
+    test_parse_bytes();
+    return fm_test_finish();
+}
