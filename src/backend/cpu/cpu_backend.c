@@ -1,0 +1,418 @@
+/* The CPU backend (DESIGN.md §3): fp32, C11 + OpenMP + BLAS. This file holds the op table,
+ * init/free, and the dense ops: gemm, add, sumsq, embedding, RMSNorm, RoPE, SwiGLU, softmax
+ * cross-entropy, AdamW. Attention is in cpu_attention.c, router and MoE permutation in
+ * cpu_moe.c, row gather/scatter in cpu_rows.c.
+ *
+ * Conventions (fm_backend.h): activation gradients are assigned, parameter gradients
+ * accumulate. Ops never allocate: the only scratch (attention tiles) is sized at init. Every
+ * parallel region runs on the context's thread count (num_threads), whatever OpenMP's default.
+ * exp is the vectorized fm_cpu_exp4 (cpu_internal.h) in the hot loops (SwiGLU, cross-entropy).
+ * Determinism: see cpu_internal.h — every output element is computed by one thread in a fixed
+ * order, and double reductions use fixed chunks, so results do not depend on the thread count.
+ */
+#include "cpu_internal.h"
+
+#include <cblas.h>
+#include <limits.h>
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+
+/* Declared by OpenBLAS's cblas.h; repeated so other BLAS headers also compile. */
+void openblas_set_num_threads(int num_threads);
+
+/* Below this many elements an elementwise op runs on one thread (fork/join costs ~1 us). */
+#define FM_CPU_PAR_MIN 8192
+
+static inline int cpu_threads(void *ctx) { return ((const fm_cpu_ctx *)ctx)->threads; }
+
+/* ---- dense linear algebra -------------------------------------------------------------- */
+
+/* C[M,N] = alpha * op(A)[M,K] @ op(B)[K,N] + beta * C, row-major with row strides lda/ldb/ldc
+ * (fm_backend.h). cblas_sgemm (OpenBLAS, which splits C, never K, among its threads, so the
+ * result is deterministic). beta == 0 overwrites C even where it held NaN (BLAS semantics); a
+ * K == 0 product is handled here because BLAS rejects lda = 0. */
+static void cpu_gemm(void *ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                     float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
+                     float beta, float *C, int64_t ldc) {
+    (void)ctx;
+    FM_ASSERT(M >= 0 && N >= 0 && K >= 0);
+    if (M == 0 || N == 0) return;
+    FM_ASSERT(ldc >= N);
+    if (K == 0 || alpha == 0.0f) {
+        for (int64_t i = 0; i < M; i++) {
+            float *c = C + i * ldc;
+            for (int64_t j = 0; j < N; j++) c[j] = beta == 0.0f ? 0.0f : beta * c[j];
+        }
+        return;
+    }
+    FM_ASSERT(lda >= (trans_a ? M : K) && ldb >= (trans_b ? K : N));
+    FM_ASSERT(M <= INT_MAX && N <= INT_MAX && K <= INT_MAX && lda <= INT_MAX && ldb <= INT_MAX &&
+              ldc <= INT_MAX);
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                trans_b ? CblasTrans : CblasNoTrans, (int)M, (int)N, (int)K, alpha, A, (int)lda, B,
+                (int)ldb, beta, C, (int)ldc);
+}
+
+/* ---- elementwise / reductions ---------------------------------------------------------- */
+
+/* y[i] += x[i], i < n. */
+static void cpu_add(void *ctx, float *y, const float *x, int64_t n) {
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (n >= FM_CPU_PAR_MIN)
+    for (int64_t i = 0; i < n; i++) y[i] += x[i];
+}
+
+/* Sum of squares of x[0..n) in double: FM_CPU_RED_CHUNKS fixed contiguous chunks, each summed
+ * in four interleaved lanes combined as (l0+l1)+(l2+l3), then the chunk sums added in order.
+ * The same bits for any thread count and any alignment of x. */
+static double cpu_sumsq(void *ctx, const float *x, int64_t n) {
+    double part[FM_CPU_RED_CHUNKS];
+    const int64_t chunk = (n + FM_CPU_RED_CHUNKS - 1) / FM_CPU_RED_CHUNKS;
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (n >= 65536)
+    for (int ci = 0; ci < FM_CPU_RED_CHUNKS; ci++) {
+        int64_t lo = ci * chunk, hi = lo + chunk < n ? lo + chunk : n;
+        double l0 = 0, l1 = 0, l2 = 0, l3 = 0;
+        int64_t i = lo;
+        for (; i + 4 <= hi; i += 4) {
+            double a = x[i], b = x[i + 1], c = x[i + 2], d = x[i + 3];
+            l0 += a * a;
+            l1 += b * b;
+            l2 += c * c;
+            l3 += d * d;
+        }
+        for (; i < hi; i++) l0 += (double)x[i] * x[i];
+        part[ci] = (l0 + l1) + (l2 + l3);
+    }
+    double s = 0;
+    for (int ci = 0; ci < FM_CPU_RED_CHUNKS; ci++) s += part[ci];
+    return s;
+}
+
+/* ---- embedding -------------------------------------------------------------------------- */
+
+/* out[n,:] = wte[tokens[n],:]. out [N,H], tokens [N] in [0,V) (not checked against V, which
+ * the op does not receive; negative ids are asserted), wte [V,H]. A row copy per token. */
+static void cpu_embedding_fwd(void *ctx, float *out, const int32_t *tokens, const float *wte,
+                              int64_t N, int64_t H) {
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (N * H >= FM_CPU_PAR_MIN)
+    for (int64_t n = 0; n < N; n++) {
+        FM_ASSERT(tokens[n] >= 0);
+        memcpy(out + n * H, wte + (int64_t)tokens[n] * H, (size_t)H * sizeof(float));
+    }
+}
+
+/* dwte[tokens[n],:] += dout[n,:] (accumulated; dwte [V,H], dout [N,H]). Deterministic without
+ * atomics: threads own blocks of 64 hidden columns and each loops the tokens in order n = 0..N-1,
+ * so every dwte element sums its tokens in increasing n whatever the thread count. */
+static void cpu_embedding_bwd(void *ctx, float *dwte, const float *dout, const int32_t *tokens,
+                              int64_t N, int64_t H) {
+    const int64_t CB = 64, nblk = (H + CB - 1) / CB;
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (N * H >= FM_CPU_PAR_MIN)
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t j0 = blk * CB, j1 = j0 + CB < H ? j0 + CB : H;
+        for (int64_t n = 0; n < N; n++) {
+            FM_ASSERT(tokens[n] >= 0);
+            float *dw = dwte + (int64_t)tokens[n] * H;
+            const float *g = dout + n * H;
+            for (int64_t j = j0; j < j1; j++) dw[j] += g[j];
+        }
+    }
+}
+
+/* ---- RMSNorm (Zhang & Sennrich 2019, arXiv 1910.07467) ---------------------------------- */
+
+/* out [N,D] = x * rstd * w with rstd [N] = 1/sqrt(mean(x^2) + eps) (the mean in double); x [N,D],
+ * w [D]. One row per iteration. */
+static void cpu_rmsnorm_fwd(void *ctx, float *out, float *rstd, const float *x, const float *w,
+                            int64_t N, int64_t D, float eps) {
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (N * D >= FM_CPU_PAR_MIN)
+    for (int64_t n = 0; n < N; n++) {
+        const float *xr = x + n * D;
+        float *o = out + n * D;
+        double ss = 0;
+        for (int64_t j = 0; j < D; j++) ss += (double)xr[j] * xr[j];
+        const float r = (float)(1.0 / sqrt(ss / (double)D + (double)eps));
+        rstd[n] = r;
+        for (int64_t j = 0; j < D; j++) o[j] = xr[j] * r * w[j];
+    }
+}
+
+/* dx [N,D] assigned, dw [D] accumulated. With y_j = x_j r w_j and r = (mean(x^2)+eps)^(-1/2):
+ *   dx_j = r w_j g_j - x_j r^3 (sum_i g_i w_i x_i) / D,   dw_j += sum_n g_nj x_nj r_n.
+ * dx: parallel over rows. dw: parallel over blocks of 64 columns, each summing its rows in order
+ * n = 0..N-1 in double (deterministic, no cross-thread reduction). */
+static void cpu_rmsnorm_bwd(void *ctx, float *dx, float *dw, const float *dout, const float *x,
+                            const float *w, const float *rstd, int64_t N, int64_t D) {
+    const int nt = cpu_threads(ctx);
+#pragma omp parallel for num_threads(nt) schedule(static) if (N * D >= FM_CPU_PAR_MIN)
+    for (int64_t n = 0; n < N; n++) {
+        const float *xr = x + n * D, *g = dout + n * D;
+        float *d = dx + n * D;
+        double dot = 0;
+        for (int64_t j = 0; j < D; j++) dot += (double)g[j] * w[j] * xr[j];
+        const double r = rstd[n];
+        const float a = (float)r, c = (float)(r * r * r * dot / (double)D);
+        for (int64_t j = 0; j < D; j++) d[j] = a * w[j] * g[j] - c * xr[j];
+    }
+    enum { CB = 64 };
+    const int64_t nblk = (D + CB - 1) / CB;
+#pragma omp parallel for num_threads(nt) schedule(static) if (N * D >= FM_CPU_PAR_MIN)
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t j0 = blk * CB, nj = j0 + CB < D ? CB : D - j0;
+        double acc[CB];
+        for (int64_t j = 0; j < nj; j++) acc[j] = 0;
+        for (int64_t n = 0; n < N; n++) {
+            const float *xr = x + n * D + j0, *g = dout + n * D + j0;
+            const double r = rstd[n];
+            for (int64_t j = 0; j < nj; j++) acc[j] += (double)g[j] * xr[j] * r;
+        }
+        for (int64_t j = 0; j < nj; j++) dw[j0 + j] += (float)acc[j];
+    }
+}
+
+/* ---- rotary position embedding (Su et al. 2021, arXiv 2104.09864), rotate_half layout ---- */
+
+/* Rotates each pair (x[i], x[i+hd/2]) of x [B,T,nh,hd] in place by the angle of token t:
+ * forward (c, s) = (cos, sin) tables [T_max, hd/2]; backward applies the transpose, i.e. the
+ * same loop with s negated. */
+static void rope_apply(int nt, float *x, const float *cos_tab, const float *sin_tab, int64_t B,
+                       int64_t T, int64_t nh, int64_t hd, float sign) {
+    FM_ASSERT(hd % 2 == 0);
+    const int64_t half = hd / 2, BT = B * T;
+#pragma omp parallel for num_threads(nt) schedule(static) if (BT * nh * hd >= FM_CPU_PAR_MIN)
+    for (int64_t bt = 0; bt < BT; bt++) {
+        const int64_t t = bt % T;
+        const float *ct = cos_tab + t * half, *st = sin_tab + t * half;
+        for (int64_t h = 0; h < nh; h++) {
+            float *a = x + (bt * nh + h) * hd, *b = a + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float c = ct[i], s = sign * st[i], x0 = a[i], x1 = b[i];
+                a[i] = x0 * c - x1 * s;
+                b[i] = x1 * c + x0 * s;
+            }
+        }
+    }
+}
+
+/* In place on x [B,T,nh,hd]: (x[i], x[i+hd/2]) <- (x[i] c - x[i+hd/2] s, x[i+hd/2] c + x[i] s). */
+static void cpu_rope_fwd(void *ctx, float *x, const float *cos_tab, const float *sin_tab,
+                         int64_t B, int64_t T, int64_t nh, int64_t hd) {
+    rope_apply(cpu_threads(ctx), x, cos_tab, sin_tab, B, T, nh, hd, 1.0f);
+}
+
+/* In place on dx [B,T,nh,hd]: the transpose rotation (dx[i] c + dx[i+hd/2] s,
+ * dx[i+hd/2] c - dx[i] s), exact for any tables (not only c^2 + s^2 = 1). */
+static void cpu_rope_bwd(void *ctx, float *dx, const float *cos_tab, const float *sin_tab,
+                         int64_t B, int64_t T, int64_t nh, int64_t hd) {
+    rope_apply(cpu_threads(ctx), dx, cos_tab, sin_tab, B, T, nh, hd, -1.0f);
+}
+
+/* ---- SwiGLU (Shazeer 2020, arXiv 2002.05202) -------------------------------------------- */
+
+/* sigmoid(g) for 4 lanes: 1 / (1 + exp(-g)) with fm_cpu_exp4 (exp(-g) saturates at 1.65e38
+ * for g < -88, giving ~6e-39, and is 0 for g > 87.3, giving exactly 1). */
+static inline fm_cpu_v4f sigmoid4(fm_cpu_v4f g) {
+    return fm_cpu_v4f_splat(1.0f) / (fm_cpu_v4f_splat(1.0f) + fm_cpu_exp4(-g));
+}
+
+/* Loads n < 4 floats into the low lanes of a vector (the rest 0). */
+static inline fm_cpu_v4f load_part(const float *x, int64_t n) {
+    fm_cpu_v4f v = fm_cpu_v4f_splat(0.0f);
+    for (int64_t j = 0; j < n; j++) v[j] = x[j];
+    return v;
+}
+
+/* out = silu(gate) * up, silu(g) = g * sigmoid(g); n elements each. Vectorized in blocks of 4
+ * (each element's value does not depend on its position). */
+static void cpu_swiglu_fwd(void *ctx, float *out, const float *gate, const float *up, int64_t n) {
+    const int64_t nv = (n + 3) / 4;
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (n >= FM_CPU_PAR_MIN)
+    for (int64_t b = 0; b < nv; b++) {
+        const int64_t i = 4 * b, c = n - i < 4 ? n - i : 4;
+        fm_cpu_v4f g, u;
+        if (c == 4) {
+            memcpy(&g, gate + i, sizeof g);
+            memcpy(&u, up + i, sizeof u);
+        } else {
+            g = load_part(gate + i, c);
+            u = load_part(up + i, c);
+        }
+        const fm_cpu_v4f o = g * sigmoid4(g) * u;
+        for (int64_t j = 0; j < c; j++) out[i + j] = o[j];
+    }
+}
+
+/* dgate = dout * up * s * (1 + g (1 - s)), dup = dout * g * s with s = sigmoid(g); assigned. */
+static void cpu_swiglu_bwd(void *ctx, float *dgate, float *dup, const float *dout,
+                           const float *gate, const float *up, int64_t n) {
+    const int64_t nv = (n + 3) / 4;
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (n >= FM_CPU_PAR_MIN)
+    for (int64_t b = 0; b < nv; b++) {
+        const int64_t i = 4 * b, c = n - i < 4 ? n - i : 4;
+        fm_cpu_v4f g, u, d;
+        if (c == 4) {
+            memcpy(&g, gate + i, sizeof g);
+            memcpy(&u, up + i, sizeof u);
+            memcpy(&d, dout + i, sizeof d);
+        } else {
+            g = load_part(gate + i, c);
+            u = load_part(up + i, c);
+            d = load_part(dout + i, c);
+        }
+        const fm_cpu_v4f s = sigmoid4(g), one = fm_cpu_v4f_splat(1.0f);
+        const fm_cpu_v4f dg = d * u * s * (one + g * (one - s)), du = d * g * s;
+        for (int64_t j = 0; j < c; j++) {
+            dgate[i + j] = dg[j];
+            dup[i + j] = du[j];
+        }
+    }
+}
+
+/* ---- loss -------------------------------------------------------------------------------- */
+
+/* Softmax cross-entropy over logits [N,V] (fm_backend.h). Per row, stable: m = max,
+ * e_i = exp(l_i - m) (fm_cpu_exp4) summed in blocks of 256 (fixed lane order within a block,
+ * blocks added in double), lse = m + log s, loss = lse - l[target]; the e_i are stored in
+ * dlogits and turned into grad_scale * (e_i / s - onehot) in place. Every element is read
+ * before it is written, so dlogits may alias logits; dlogits may also be NULL (loss only).
+ * Returns the sum of loss over non-ignored rows, added in row order. */
+static double cpu_cross_entropy(void *ctx, float *loss, float *dlogits, const float *logits,
+                                const int32_t *targets, int64_t N, int64_t V, float grad_scale,
+                                int32_t ignore_index) {
+    enum { BLK = 256 };
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (N * V >= FM_CPU_PAR_MIN)
+    for (int64_t n = 0; n < N; n++) {
+        const float *row = logits + n * V;
+        float *drow = dlogits ? dlogits + n * V : NULL;
+        const int32_t t = targets[n];
+        if (t == ignore_index) {
+            loss[n] = 0.0f;
+            if (drow) memset(drow, 0, (size_t)V * sizeof(float));
+            continue;
+        }
+        FM_ASSERT(t >= 0 && t < V);
+        const float m = fm_cpu_max(row, V, row[0]), xt = row[t];
+        double s = 0;
+        for (int64_t i0 = 0; i0 < V; i0 += BLK)
+            s += fm_cpu_exp_sub_sum(drow ? drow + i0 : NULL, row + i0, m,
+                                    V - i0 < BLK ? V - i0 : BLK);
+        loss[n] = (float)((double)m + log(s) - (double)xt);
+        if (!drow) continue;
+        const float inv = (float)(1.0 / s), pt = drow[t] * inv;
+#pragma omp simd
+        for (int64_t i = 0; i < V; i++) drow[i] = grad_scale * (drow[i] * inv);
+        drow[t] = grad_scale * (pt - 1.0f);
+    }
+    double sum = 0;
+    for (int64_t n = 0; n < N; n++)
+        if (targets[n] != ignore_index) sum += loss[n];
+    return sum;
+}
+
+/* ---- optimizer --------------------------------------------------------------------------- */
+
+/* AdamW (Loshchilov & Hutter 2019, arXiv 1711.05101, Algorithm 2) over n elements, in place:
+ * g' = g * grad_scale; m = b1 m + (1-b1) g'; v = b2 v + (1-b2) g'^2;
+ * p -= lr * ((m/bc1) / (sqrt(v/bc2) + eps) + wd * p), with bc1, bc2 from the caller. */
+static void cpu_adamw(void *ctx, float *p, const float *g, float *m, float *v, int64_t n, float lr,
+                      float b1, float b2, float eps, float wd, float bc1, float bc2,
+                      float grad_scale) {
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (n >= FM_CPU_PAR_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        const float gi = g[i] * grad_scale;
+        const float mi = b1 * m[i] + (1.0f - b1) * gi;
+        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * p[i]);
+    }
+}
+
+/* ---- the table, init, free ---------------------------------------------------------------- */
+
+static const fm_ops fm_cpu_ops = {
+    .name = "cpu",
+    .gemm = cpu_gemm,
+    .add = cpu_add,
+    .sumsq = cpu_sumsq,
+    .embedding_fwd = cpu_embedding_fwd,
+    .embedding_bwd = cpu_embedding_bwd,
+    .rmsnorm_fwd = cpu_rmsnorm_fwd,
+    .rmsnorm_bwd = cpu_rmsnorm_bwd,
+    .rope_fwd = cpu_rope_fwd,
+    .rope_bwd = cpu_rope_bwd,
+    .attention_fwd = fm_cpu_attention_fwd,
+    .attention_bwd = fm_cpu_attention_bwd,
+    .swiglu_fwd = cpu_swiglu_fwd,
+    .swiglu_bwd = cpu_swiglu_bwd,
+    .router_fwd = fm_cpu_router_fwd,
+    .router_bwd = fm_cpu_router_bwd,
+    .router_stats = fm_cpu_router_stats,
+    .moe_route_index = fm_cpu_moe_route_index,
+    .moe_gather = fm_cpu_moe_gather,
+    .moe_gather_bwd = fm_cpu_moe_gather_bwd,
+    .moe_combine_fwd = fm_cpu_moe_combine_fwd,
+    .moe_combine_bwd = fm_cpu_moe_combine_bwd,
+    .gather_rows = fm_cpu_gather_rows,
+    .scatter_rows = fm_cpu_scatter_rows,
+    .cross_entropy = cpu_cross_entropy,
+    .adamw = cpu_adamw,
+};
+
+/* Threads a context created with `threads` runs on (0: OpenMP's current default). */
+static int cpu_resolve_threads(int threads) {
+    int t = threads > 0 ? threads : omp_get_max_threads();
+    return t > 0 ? t : 1;
+}
+
+size_t fm_cpu_backend_scratch_bytes(int threads, int64_t max_head_dim) {
+    if (threads < 0 || max_head_dim < 1) return 0;
+    return (size_t)cpu_resolve_threads(threads) * fm_cpu_att_scratch_floats(max_head_dim) *
+           sizeof(float);
+}
+
+fm_status fm_cpu_backend_init(fm_backend *b, int threads, int64_t max_head_dim) {
+    if (!b) return fm_error(FM_ERR_ARG, "fm_cpu_backend_init: backend pointer is NULL");
+    b->ops = NULL;
+    b->ctx = NULL;
+    if (threads < 0)
+        return fm_error(FM_ERR_ARG,
+                        "cpu backend: threads must be >= 0 (0 = OpenMP default), got %d", threads);
+    if (max_head_dim < 1)
+        return fm_error(FM_ERR_ARG, "cpu backend: max_head_dim must be >= 1, got %lld",
+                        (long long)max_head_dim);
+    if (threads > 0) {
+        omp_set_num_threads(threads);
+        openblas_set_num_threads(threads);
+    }
+    fm_cpu_ctx *c = fm_malloc(sizeof *c);
+    if (!c) return fm_error(FM_ERR_NOMEM, "cpu backend: cannot allocate the context (%zu bytes)",
+                            sizeof *c);
+    c->threads = cpu_resolve_threads(threads);
+    c->max_head_dim = max_head_dim;
+    c->att_stride = fm_cpu_att_scratch_floats(max_head_dim);
+    const size_t bytes = fm_cpu_backend_scratch_bytes(c->threads, max_head_dim);
+    c->att_scratch = fm_malloc(bytes);
+    if (!c->att_scratch) {
+        const int nt = c->threads;
+        fm_free(c);
+        return fm_error(FM_ERR_NOMEM,
+                        "cpu backend: cannot allocate %zu bytes of attention scratch (%d threads, "
+                        "max_head_dim %lld); lower --threads or the head dim",
+                        bytes, nt, (long long)max_head_dim);
+    }
+    b->ops = &fm_cpu_ops;
+    b->ctx = c;
+    return FM_OK;
+}
+
+void fm_cpu_backend_free(fm_backend *b) {
+    if (!b) return;
+    fm_cpu_ctx *c = b->ctx;
+    if (c) {
+        fm_free(c->att_scratch);
+        fm_free(c);
+    }
+    b->ctx = NULL;
+    b->ops = NULL;
+}
