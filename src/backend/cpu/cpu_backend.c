@@ -357,6 +357,9 @@ static const fm_ops fm_cpu_ops = {
     .scatter_rows = fm_cpu_scatter_rows,
     .cross_entropy = cpu_cross_entropy,
     .adamw = cpu_adamw,
+    .lce_fold = fm_cpu_lce_fold,
+    .lce_finalize = fm_cpu_lce_finalize,
+    .lce_strip_grad = fm_cpu_lce_strip_grad,
 };
 
 /* Threads a context created with `threads` runs on (0: OpenMP's current default). */

@@ -155,4 +155,16 @@ void fm_cpu_gather_rows(void *ctx, void *dst, const void *src, const int32_t *id
 void fm_cpu_scatter_rows(void *ctx, void *dst, const void *src, const int32_t *idx, int64_t n,
                          int64_t row_bytes);
 
+/* cpu_lce.c: the strip ops of linear cross-entropy (fm_backend.h, bounded/fm_linear_ce.c). */
+void fm_cpu_lce_fold(void *ctx, float *m, float *z, float *tgt, float *ent, const float *strip,
+                     const int32_t *targets, int64_t Nb, int64_t Vb, int64_t v0, bool first);
+double fm_cpu_lce_finalize(void *ctx, float *loss, float *logprob, float *entropy, double *zsq,
+                           const float *m, const float *z, const float *tgt, const float *ent,
+                           const int32_t *targets, const float *weights, int64_t Nb, int64_t V,
+                           int32_t ignore_index);
+void fm_cpu_lce_strip_grad(void *ctx, float *grad, const float *strip, const float *m,
+                           const float *z, const int32_t *targets, const float *weights,
+                           int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index,
+                           float grad_scale, float z_coef);
+
 #endif

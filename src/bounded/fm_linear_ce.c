@@ -1,0 +1,167 @@
+/* Linear cross-entropy with an online log-sum-exp (fm_linear_ce.h): the schedule, its bound, and
+ * the plain twin. All arithmetic goes through the op table (gemm, lce_fold, lce_finalize,
+ * lce_strip_grad), so any backend that fills those runs this file unchanged.
+ *
+ * Bound (DESIGN.md §2, "vocabulary projection"): with Nb = block_tokens, Vb = block_vocab,
+ *
+ *   bound = round(Nb * Vb * 4)        one fp32 strip S [Nb,Vb] (logits, then in place their grad)
+ *         + 4 * round(Nb * 4)         per-token state m, z, tgt, ent [Nb] fp32
+ *
+ * bytes, round() = fm_arena_round (64-byte pieces, as fm_arena_alloc hands them out). It does
+ * not depend on N or V: a run uses min(Nb, N) x min(Vb, V), which is never more; ent is taken
+ * only when the entropy is asked for. The plain twin takes
+ *
+ *   plain = 2 * round(N * V * 4) + 4 * round(N * 4)
+ *
+ * (N x V logits and their gradient, and the same state for all N tokens).
+ */
+#include "fm_linear_ce.h"
+
+static const int64_t FM_LCE_F32 = (int64_t)sizeof(float);
+
+fm_lce_opts fm_lce_opts_default(void) {
+    fm_lce_opts o = {0};
+    o.block_tokens = FM_LCE_DEFAULT_BLOCK_TOKENS;
+    o.block_vocab = FM_LCE_DEFAULT_BLOCK_VOCAB;
+    o.ignore_index = -100;
+    return o;
+}
+
+static int64_t lce_block(int64_t asked, int64_t dflt) { return asked > 0 ? asked : dflt; }
+
+/* The bound formula above; the planner and the schedule below share it. */
+size_t fm_linear_ce_bound_bytes(int64_t block_tokens, int64_t block_vocab) {
+    const int64_t nb = lce_block(block_tokens, FM_LCE_DEFAULT_BLOCK_TOKENS);
+    const int64_t vb = lce_block(block_vocab, FM_LCE_DEFAULT_BLOCK_VOCAB);
+    return fm_arena_round((size_t)(nb * vb * FM_LCE_F32)) +
+           4 * fm_arena_round((size_t)(nb * FM_LCE_F32));
+}
+
+size_t fm_linear_ce_plain_bytes(int64_t N, int64_t V) {
+    FM_ASSERT(N >= 0 && V >= 0);
+    return 2 * fm_arena_round((size_t)(N * V * FM_LCE_F32)) +
+           4 * fm_arena_round((size_t)(N * FM_LCE_F32));
+}
+
+/* Per-token state of one token block, taken from the arena. */
+typedef struct lce_state {
+    float *m, *z, *tgt, *ent;
+} lce_state;
+
+static lce_state lce_state_alloc(fm_arena *ws, int64_t nb, bool want_entropy) {
+    lce_state s;
+    const size_t b = (size_t)(nb * FM_LCE_F32);
+    s.m = fm_arena_alloc(ws, b);
+    s.z = fm_arena_alloc(ws, b);
+    s.tgt = fm_arena_alloc(ws, b);
+    s.ent = want_entropy ? fm_arena_alloc(ws, b) : NULL;
+    return s;
+}
+
+static void lce_check_args(const fm_backend *be, fm_arena *ws, const float *loss, const float *h,
+                           const float *W, const int32_t *targets, int64_t N, int64_t H,
+                           int64_t V) {
+    FM_ASSERT(be && be->ops && ws && loss && h && W && targets);
+    FM_ASSERT(N >= 0 && H >= 0 && V >= 1);
+    FM_ASSERT(be->ops->gemm && be->ops->lce_fold && be->ops->lce_finalize &&
+              be->ops->lce_strip_grad);
+}
+
+double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, float *dh, float *dW,
+                    const float *h, const float *W, const int32_t *targets, int64_t N, int64_t H,
+                    int64_t V, float grad_scale, const fm_lce_opts *opts, double *z_term) {
+    lce_check_args(be, ws, loss, h, W, targets, N, H, V);
+    const fm_lce_opts o = opts ? *opts : fm_lce_opts_default();
+    const fm_ops *ops = be->ops;
+    void *ctx = be->ctx;
+    if (z_term) *z_term = 0.0;
+    if (N == 0) return 0.0;
+
+    const int64_t Nb0 = lce_block(o.block_tokens, FM_LCE_DEFAULT_BLOCK_TOKENS);
+    const int64_t Vb0 = lce_block(o.block_vocab, FM_LCE_DEFAULT_BLOCK_VOCAB);
+    const int64_t Nb = Nb0 < N ? Nb0 : N, Vb = Vb0 < V ? Vb0 : V;
+    const bool backward = dh || dW;
+
+    const size_t entry = ws->used;
+    float *S = fm_arena_alloc(ws, (size_t)(Nb * Vb * FM_LCE_F32));
+    const lce_state st = lce_state_alloc(ws, Nb, o.out_entropy != NULL);
+    if (fm_arena_is_measure(ws)) {
+        ws->used = entry;
+        return 0.0;
+    }
+
+    double ce = 0.0, zs = 0.0;
+    for (int64_t n0 = 0; n0 < N; n0 += Nb) {
+        const int64_t nb = N - n0 < Nb ? N - n0 : Nb;
+        const float *hb = h + n0 * H;
+        const int32_t *tb = targets + n0;
+        const float *wb = o.token_weight ? o.token_weight + n0 : NULL;
+
+        /* pass 1: fold every vocabulary block into m, z, tgt (and ent) */
+        for (int64_t v0 = 0; v0 < V; v0 += Vb) {
+            const int64_t vb = V - v0 < Vb ? V - v0 : Vb;
+            ops->gemm(ctx, false, true, nb, vb, H, 1.0f, hb, H, W + v0 * H, H, 0.0f, S, vb);
+            ops->lce_fold(ctx, st.m, st.z, st.tgt, st.ent, S, tb, nb, vb, v0, v0 == 0);
+        }
+        double zb = 0.0;
+        ce += ops->lce_finalize(ctx, loss + n0, o.out_logprob ? o.out_logprob + n0 : NULL,
+                                o.out_entropy ? o.out_entropy + n0 : NULL, &zb, st.m, st.z, st.tgt,
+                                st.ent, tb, wb, nb, V, o.ignore_index);
+        zs += zb;
+        if (!backward) continue;
+
+        /* pass 2: recompute each strip, turn it into G in place, contract into dh and dW */
+        for (int64_t v0 = 0; v0 < V; v0 += Vb) {
+            const int64_t vb = V - v0 < Vb ? V - v0 : Vb;
+            const float *Wb = W + v0 * H;
+            ops->gemm(ctx, false, true, nb, vb, H, 1.0f, hb, H, Wb, H, 0.0f, S, vb);
+            ops->lce_strip_grad(ctx, S, S, st.m, st.z, tb, wb, nb, vb, v0, o.ignore_index,
+                                grad_scale, o.z_loss);
+            if (dh) /* dh_blk (=, then +=) G [nb,vb] W_blk [vb,H] */
+                ops->gemm(ctx, false, false, nb, H, vb, 1.0f, S, vb, Wb, H, v0 == 0 ? 0.0f : 1.0f,
+                          dh + n0 * H, H);
+            if (dW) /* dW_blk [vb,H] += G^T h_blk */
+                ops->gemm(ctx, true, false, vb, H, nb, 1.0f, S, vb, hb, H, 1.0f, dW + v0 * H, H);
+        }
+    }
+    ws->used = entry;
+    if (z_term) *z_term = (double)o.z_loss * zs;
+    return ce;
+}
+
+double fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, float *dh, float *dW,
+                          const float *h, const float *W, const int32_t *targets, int64_t N,
+                          int64_t H, int64_t V, float grad_scale, const fm_lce_opts *opts,
+                          double *z_term) {
+    lce_check_args(be, ws, loss, h, W, targets, N, H, V);
+    const fm_lce_opts o = opts ? *opts : fm_lce_opts_default();
+    const fm_ops *ops = be->ops;
+    void *ctx = be->ctx;
+    if (z_term) *z_term = 0.0;
+    if (N == 0) return 0.0;
+
+    const size_t entry = ws->used;
+    float *logits = fm_arena_alloc(ws, (size_t)(N * V * FM_LCE_F32));
+    float *dlogits = fm_arena_alloc(ws, (size_t)(N * V * FM_LCE_F32));
+    const lce_state st = lce_state_alloc(ws, N, o.out_entropy != NULL);
+    if (fm_arena_is_measure(ws)) {
+        ws->used = entry;
+        return 0.0;
+    }
+
+    ops->gemm(ctx, false, true, N, V, H, 1.0f, h, H, W, H, 0.0f, logits, V);
+    ops->lce_fold(ctx, st.m, st.z, st.tgt, st.ent, logits, targets, N, V, 0, true);
+    double zs = 0.0;
+    const double ce = ops->lce_finalize(ctx, loss, o.out_logprob, o.out_entropy, &zs, st.m, st.z,
+                                        st.tgt, st.ent, targets, o.token_weight, N, V,
+                                        o.ignore_index);
+    if (dh || dW) {
+        ops->lce_strip_grad(ctx, dlogits, logits, st.m, st.z, targets, o.token_weight, N, V, 0,
+                            o.ignore_index, grad_scale, o.z_loss);
+        if (dh) ops->gemm(ctx, false, false, N, H, V, 1.0f, dlogits, V, W, H, 0.0f, dh, H);
+        if (dW) ops->gemm(ctx, true, false, V, H, N, 1.0f, dlogits, V, h, H, 1.0f, dW, H);
+    }
+    ws->used = entry;
+    if (z_term) *z_term = (double)o.z_loss * zs;
+    return ce;
+}
