@@ -17,6 +17,14 @@ else bad "metrics differ between straight and resumed runs"; diff <(fields "$TMP
 for f in model.safetensors optimizer.safetensors; do
     cmp -s "$TMP/straight/step_000008/$f" "$TMP/split/step_000008/$f" && ok || bad "$f differs after resume"
 done
+# The same with the bounded operators (chunked MoE, linear cross-entropy) in both runs.
+bounded=(--moe-chunk-tokens 16 --ce-block-tokens 32 --ce-block-vocab 100)
+"$FM" train "${common[@]}" "${bounded[@]}" --out "$TMP/bstraight" || bad "bounded straight run failed"
+"$FM" train "${common[@]}" "${bounded[@]}" --out "$TMP/bsplit" --exit-after 4 || bad "bounded first half failed"
+"$FM" train "${common[@]}" "${bounded[@]}" --out "$TMP/bsplit" --resume || bad "bounded resumed run failed"
+cmp -s "$TMP/bstraight/step_000008/model.safetensors" "$TMP/bsplit/step_000008/model.safetensors" && ok || bad "bounded: weights differ after resume"
+if diff <(fields "$TMP/bstraight/metrics.jsonl") <(fields "$TMP/bsplit/metrics.jsonl") >/dev/null; then ok
+else bad "bounded: metrics differ between straight and resumed runs"; fi
 # Starting over an existing run without --resume is refused (nothing is overwritten).
 expect_fail "existing run without --resume" "already holds checkpoints" "$FM" train "${common[@]}" --out "$TMP/split"
 # A stop after step 6 without a checkpoint: resume from step 4 rewrites metrics lines 5..6.

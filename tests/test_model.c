@@ -210,7 +210,7 @@ static void test_recompute_exact(void) {
         bool rc[3] = {s == 1, s >= 1, s >= 1};
         fm_model m;
         CHECK(fm_model_create(&m, &cfg, g_be, 0) == FM_OK);
-        fm_layout_opts lo = {rc, 0};
+        fm_layout_opts lo = {rc, 0, 0, 0};
         CHECK(fm_model_layout(&m, 2, 9, &lo) == FM_OK);
         fm_model_init_weights(&m, 7);
         fill_batch(&m, 8);
@@ -228,7 +228,7 @@ static void test_recompute_exact(void) {
             CHECK(ref_loss == l.ce + l.aux + l.z);
             size_t none[FM_LIVE_COUNT], this[FM_LIVE_COUNT];
             bool rc0[3] = {0};
-            fm_layout_opts o0 = {rc0, 0};
+            fm_layout_opts o0 = {rc0, 0, 0, 0};
             fm_model_plan_bytes(&cfg, 2, 9, &o0, none);
             fm_model_plan_bytes(&cfg, 2, 9, &lo, this);
             CHECK_MSG(this[FM_LIVE_LAYER_ACTS] < none[FM_LIVE_LAYER_ACTS], "recompute %s saves no memory", specs[s]);
@@ -339,11 +339,14 @@ static double rel_diff(const float *a, const float *b, int64_t n) {
     return sqrt(num / (den > 0 ? den : 1));
 }
 
+static int64_t g_ce_block = 0; /* linear cross-entropy token block for run_step (0: plain logits) */
+static bool g_fused = false;   /* run_step uses fm_model_train_step */
+
 static void run_step(fm_config *cfg, int64_t B, int64_t T, int64_t chunk, const bool *rc, bool zero_router,
                      float **grads_out, double *loss_out, size_t *expert_high) {
     fm_model m;
     CHECK(fm_model_create(&m, cfg, g_be, 0) == FM_OK);
-    fm_layout_opts lo = {rc, chunk};
+    fm_layout_opts lo = {rc, chunk, g_ce_block, g_ce_block ? 7 : 0};
     CHECK(fm_model_layout(&m, B, T, &lo) == FM_OK);
     fm_model_init_weights(&m, 5);
     if (zero_router)
@@ -352,8 +355,11 @@ static void run_step(fm_config *cfg, int64_t B, int64_t T, int64_t chunk, const 
     fill_batch(&m, 6);
     memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
     fm_loss l;
-    fm_model_forward(&m, true, &l);
-    fm_model_backward(&m, 1.0f);
+    if (g_fused) fm_model_train_step(&m, 1.0f, &l);
+    else {
+        fm_model_forward(&m, true, &l);
+        fm_model_backward(&m, 1.0f);
+    }
     *loss_out = l.ce + l.aux + l.z;
     *grads_out = fm_malloc(sizeof(float) * (size_t)m.n_params);
     memcpy(*grads_out, m.grads, sizeof(float) * (size_t)m.n_params);
@@ -420,6 +426,38 @@ static void test_moe_chunked_bound(void) {
            chunk_bytes[0], chunk_bytes[1], plain_bytes[0], plain_bytes[1]);
 }
 
+/* Linear cross-entropy in the model against plain logits: loss and gradients equal up to fp32
+ * reassociation, through forward+backward and the fused train step, alone and with chunked MoE
+ * and recompute. */
+static void test_linear_ce_ab(void) {
+    const fm_model_type types[3] = {FM_MODEL_QWEN3_MOE, FM_MODEL_OLMOE, FM_MODEL_MIXTRAL};
+    for (int t = 0; t < 3; t++) {
+        fm_config cfg = small_config(types[t], t == 1, 2);
+        float *ref;
+        double ref_loss;
+        g_ce_block = 0;
+        g_fused = false;
+        run_step(&cfg, 2, 9, 0, NULL, false, &ref, &ref_loss, NULL);
+        const int64_t n_params = fm_config_num_params(&cfg);
+        for (int v = 0; v < 4; v++) {
+            bool rc[2] = {true, true};
+            g_ce_block = v == 0 ? 5 : 4;
+            g_fused = v >= 1;
+            float *g;
+            double loss;
+            run_step(&cfg, 2, 9, v >= 2 ? 4 : 0, v == 3 ? rc : NULL, false, &g, &loss, NULL);
+            CHECK_MSG(fabs(loss - ref_loss) <= 1e-6 * fabs(ref_loss), "%s linear CE variant %d: loss %.9g vs %.9g",
+                      cfg.model_type_name, v, loss, ref_loss);
+            double e = rel_diff(g, ref, n_params);
+            CHECK_MSG(e < 2e-6, "%s linear CE variant %d: gradients differ by %g", cfg.model_type_name, v, e);
+            fm_free(g);
+        }
+        g_ce_block = 0;
+        g_fused = false;
+        fm_free(ref);
+    }
+}
+
 int main(void) {
     uint64_t seed = fm_test_seed(42);
     CHECK(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
@@ -434,6 +472,7 @@ int main(void) {
     test_layout_measured();
     test_moe_chunked_ab();
     test_moe_chunked_bound();
+    test_linear_ce_ab();
     fm_cpu_backend_free(&g_be);
     return fm_test_finish();
 }

@@ -8,7 +8,8 @@
 #include "plan/fm_plan.h"
 #include "train/fm_optim.h"
 
-static void check_formulas_match_layout(const char *path, int64_t B, int64_t T, int64_t chunk, int nr) {
+static void check_formulas_match_layout(const char *path, int64_t B, int64_t T, int64_t chunk, int nr, int64_t cbt,
+                                        int64_t cbv) {
     fm_plan_req req;
     memset(&req, 0, sizeof req);
     CHECK(fm_config_load(&req.cfg, path) == FM_OK);
@@ -19,11 +20,13 @@ static void check_formulas_match_layout(const char *path, int64_t B, int64_t T, 
     req.T = T;
     req.recompute = rc;
     req.moe_chunk_tokens = chunk;
+    req.ce_block_tokens = cbt;
+    req.ce_block_vocab = cbv;
     req.threads = 2;
     fm_plan p;
     fm_plan_compute(&req, &p);
     size_t measured[FM_LIVE_COUNT];
-    fm_layout_opts lo = {rc, chunk};
+    fm_layout_opts lo = {rc, chunk, cbt, cbv};
     fm_model_plan_bytes(&req.cfg, B, T, &lo, measured);
     measured[FM_LIVE_MODEL_STATE] += fm_adamw_state_bytes(fm_config_num_params(&req.cfg));
     for (int i = 0; i < FM_LIVE_COUNT; i++)
@@ -36,11 +39,11 @@ static void test_formulas(void) {
     const char *cfgs[] = {"configs/tiny.json", "configs/olmoe-1b-7b.json", "configs/qwen3-30b-a3b.json",
                           "configs/mixtral-8x7b.json", "tests/data/micro.json"};
     for (int i = 0; i < 5; i++) {
-        check_formulas_match_layout(cfgs[i], 1, 64, 0, 0);
-        check_formulas_match_layout(cfgs[i], 2, 33, 0, 2);
-        check_formulas_match_layout(cfgs[i], 3, 17, 5, 0);
-        check_formulas_match_layout(cfgs[i], 1, 128, 16, 3);
-        check_formulas_match_layout(cfgs[i], 1, 100, 1000, 1);
+        check_formulas_match_layout(cfgs[i], 1, 64, 0, 0, 0, 0);
+        check_formulas_match_layout(cfgs[i], 2, 33, 0, 2, 16, 0);
+        check_formulas_match_layout(cfgs[i], 3, 17, 5, 0, 0, 100);
+        check_formulas_match_layout(cfgs[i], 1, 128, 16, 3, 32, 512);
+        check_formulas_match_layout(cfgs[i], 1, 100, 1000, 1, 0, 0);
     }
 }
 
@@ -75,6 +78,13 @@ static void test_hand_arithmetic(void) {
     CHECK(q.moe_K == 8 && q.moe_c_eff == 512);
     CHECK(q.bytes[FM_LIVE_EXPERT] * 50 < p.bytes[FM_LIVE_EXPERT]);
     CHECK_CLOSE(q.flops_hw_token - q.flops_model_token, 16 * 2 * 8 * 3 * 2048.0 * 1024, 1e-12);
+    /* linear CE: one 1024 x 4096 fp32 strip + 4 per-token vectors, instead of N x V logits */
+    req.ce_block_tokens = 1024;
+    req.ce_block_vocab = 4096;
+    fm_plan_compute(&req, &q);
+    CHECK_CLOSE((double)q.bytes[FM_LIVE_VOCAB], N * H * 4 + 2 * N * 4 + 1024 * 4096 * 4.0 + 4 * 1024 * 4, 1e-12);
+    CHECK_CLOSE(q.flops_hw_token - p.flops_hw_token, 2 * 8 * 3 * 2048.0 * 1024 * 16 + 2 * V * H, 1e-12);
+    req.ce_block_tokens = req.ce_block_vocab = 0;
 }
 
 static void test_chooser(void) {

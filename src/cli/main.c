@@ -137,6 +137,8 @@ static int cmd_train(int argc, char **argv) {
         {"recompute", F_STR, &o.recompute, NULL, "none | full | layer ids, e.g. 0,2: recompute those layers in backward"},
         {"moe-chunk-tokens", F_I64, &o.moe_chunk_tokens, NULL, "MoE in strided chunks of <= N tokens, recomputed in backward; 0 = unchunked (0, or chosen under --mem-budget)"},
         {"mem-budget", F_STR, &mem_budget, NULL, "fail before allocating if the plan exceeds this (e.g. 16GiB); with neither --recompute nor --moe-chunk-tokens, choose them to fit"},
+        {"ce-block-tokens", F_I64, &o.ce_block_tokens, NULL, "linear cross-entropy token block (never N x V logits); 0 with --ce-block-vocab 0 = plain logits"},
+        {"ce-block-vocab", F_I64, &o.ce_block_vocab, NULL, "linear cross-entropy vocabulary block (default 4096 when --ce-block-tokens is set)"},
         {"report-memory", F_BOOL, &o.report_memory, NULL, "print each live set's measured high-water mark next to its bound (also in metrics.jsonl)"},
         {"quiet", F_BOOL, &o.quiet, NULL, "no per-step lines (metrics.jsonl is still written)"},
     };
@@ -146,7 +148,8 @@ static int cmd_train(int argc, char **argv) {
     o.val_data = o.n_val_data ? val : NULL;
     fm_status s;
     if (mem_budget && (s = fm_parse_bytes(mem_budget, "--mem-budget", &o.mem_budget))) return fail("train", s);
-    if (o.moe_chunk_tokens < -1) return usage_error("train", "%s", "--moe-chunk-tokens must be >= 0");
+    if (o.moe_chunk_tokens < -1 || o.ce_block_tokens < -1 || o.ce_block_vocab < -1)
+        return usage_error("train", "%s", "--moe-chunk-tokens, --ce-block-tokens and --ce-block-vocab must be >= 0");
     s = fm_train(&o);
     return s ? fail("train", s) : 0;
 }
@@ -317,7 +320,7 @@ static int cmd_eval(int argc, char **argv) {
 
 static int cmd_plan(int argc, char **argv) {
     const char *config = NULL, *recompute = NULL, *device_mem = NULL;
-    int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = -1;
+    int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = -1, ce_bt = -1, ce_bv = -1;
     int threads = 0;
     bool json = false;
     flag flags[] = {
@@ -327,6 +330,8 @@ static int cmd_plan(int argc, char **argv) {
         {"grad-accum", F_I64, &grad_accum, NULL, "micro-batches per step, for the per-step FLOPs (1)"},
         {"recompute", F_STR, &recompute, NULL, "none | full | layer ids (default: chosen to fit --device-mem)"},
         {"moe-chunk-tokens", F_I64, &chunk, NULL, "MoE chunk size, 0 = unchunked (default: chosen to fit --device-mem)"},
+        {"ce-block-tokens", F_I64, &ce_bt, NULL, "linear cross-entropy token block (default: chosen to fit --device-mem)"},
+        {"ce-block-vocab", F_I64, &ce_bv, NULL, "linear cross-entropy vocabulary block"},
         {"device-mem", F_STR, &device_mem, NULL, "memory budget, e.g. 16GiB (default: no verdict; with it, knobs are chosen)"},
         {"mem-budget", F_STR, &device_mem, NULL, "the same as --device-mem (train's name for it)"},
         {"threads", F_INT, &threads, NULL, "CPU threads, for the attention tiles (0 = all cores)"},
@@ -338,7 +343,8 @@ static int cmd_plan(int argc, char **argv) {
     if (!config) return usage_error("plan", "%s", "--config is required");
     if (seq_len < 1 || micro_batch < 1 || grad_accum < 1)
         return usage_error("plan", "%s", "--seq-len (required), --micro-batch and --grad-accum must be >= 1");
-    if (chunk < -1) return usage_error("plan", "%s", "--moe-chunk-tokens must be >= 0");
+    if (chunk < -1 || ce_bt < -1 || ce_bv < -1)
+        return usage_error("plan", "%s", "--moe-chunk-tokens, --ce-block-tokens and --ce-block-vocab must be >= 0");
     fm_plan_req req;
     memset(&req, 0, sizeof req);
     fm_status s = fm_config_load(&req.cfg, config);
@@ -353,10 +359,12 @@ static int cmd_plan(int argc, char **argv) {
     req.grad_accum = grad_accum;
     req.recompute = rc;
     req.moe_chunk_tokens = chunk > 0 ? chunk : 0;
+    req.ce_block_tokens = ce_bt > 0 ? ce_bt : 0;
+    req.ce_block_vocab = ce_bv > 0 ? ce_bv : 0;
     req.threads = threads;
     fm_plan p;
     s = FM_OK;
-    if (!recompute && chunk < 0 && budget) s = fm_plan_choose(&req, budget, rc, &p);
+    if (!recompute && chunk < 0 && ce_bt < 0 && ce_bv < 0 && budget) s = fm_plan_choose(&req, budget, rc, &p);
     else fm_plan_compute(&req, &p);
     if (seq_len > req.cfg.max_position_embeddings)
         fprintf(stderr, "note: --seq-len %lld exceeds the config's max_position_embeddings (%lld); train would refuse it\n",

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../bounded/fm_linear_ce.h"
 #include "../core/fm_rng.h"
 
 const char *const fm_live_set_names[FM_LIVE_COUNT] = {
@@ -265,8 +266,15 @@ static void layout_all(fm_model *m, fm_arena *ar) {
     layout_ws(&m->ws, ws, c, N);
     m->xf = TAKE(voc, float, N * H);
     m->rstd_f = TAKE(voc, float, N);
-    m->logits = TAKE(voc, float, N * c->vocab_size);
+    m->logits = m->linear_ce ? NULL : TAKE(voc, float, N * c->vocab_size);
     m->token_loss = TAKE(voc, float, N);
+    if (m->linear_ce) { /* the operator's strip: carved and released inside each call */
+        size_t strip = fm_linear_ce_bound_bytes(m->ce_block_tokens, m->ce_block_vocab);
+        if (fm_arena_is_measure(voc)) { /* the real arena was sized from this measurement */
+            voc->used += strip;
+            if (voc->used > voc->high) voc->high = voc->used;
+        }
+    }
 }
 
 /* ---- bound formulas of the model-owned live sets (the planner's; test_plan checks them
@@ -307,6 +315,10 @@ size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N) {
     return B4(N * c->hidden_size) + B4(N) + B4(N * c->vocab_size) + B4(N);
 }
 
+size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab) {
+    return B4(N * c->hidden_size) + 2 * B4(N) + fm_linear_ce_bound_bytes(block_tokens, block_vocab);
+}
+
 static void free_layout(fm_model *m) {
     for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_free(&m->arena[i]);
     fm_free(m->boundary);
@@ -324,6 +336,9 @@ void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_la
     m.cfg = *cfg;
     m.B = B; m.T = T; m.N = B * T;
     m.moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
+    m.linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
+    m.ce_block_tokens = opts ? opts->ce_block_tokens : 0;
+    m.ce_block_vocab = opts ? opts->ce_block_vocab : 0;
     bool rc[L > 0 ? L : 1];
     for (int64_t l = 0; l < L; l++) rc[l] = recompute ? recompute[l] : false;
     m.recompute = rc;
@@ -360,8 +375,13 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
         return fm_error(FM_ERR_ARG, "--moe-chunk-tokens must be >= 0 (0 = unchunked), found %lld",
                         (long long)opts->moe_chunk_tokens);
     for (int64_t l = 0; l < L; l++) m->recompute[l] = recompute ? recompute[l] : false;
+    if (opts && (opts->ce_block_tokens < 0 || opts->ce_block_vocab < 0))
+        return fm_error(FM_ERR_ARG, "--ce-block-tokens and --ce-block-vocab must be >= 0");
     m->moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
-    fm_layout_opts o = {m->recompute, m->moe_chunk_tokens};
+    m->linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
+    m->ce_block_tokens = opts ? opts->ce_block_tokens : 0;
+    m->ce_block_vocab = opts ? opts->ce_block_vocab : 0;
+    fm_layout_opts o = {m->recompute, m->moe_chunk_tokens, m->ce_block_tokens, m->ce_block_vocab};
     size_t bytes[FM_LIVE_COUNT];
     fm_model_plan_bytes(c, B, T, &o, bytes);
     m->boundary = fm_malloc(sizeof(float *) * (size_t)(L + 1));
@@ -473,9 +493,10 @@ static void layer_forward(fm_model *m, int64_t l, const float *x, float *y, fm_l
     OPS->add(CTX, y, a->x_mid, N * H);
 }
 
-void fm_model_forward(fm_model *m, bool with_targets, fm_loss *out) {
+/* Embedding, the layers and the final norm; the router losses into r. */
+static void forward_body(fm_model *m, fm_loss *r) {
     const fm_config *c = &m->cfg;
-    const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size, V = c->vocab_size;
+    const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size;
     OPS->embedding_fwd(CTX, m->boundary[0], m->tokens, m->w.embed, N, H);
     double aux = 0, z = 0;
     for (int64_t l = 0; l < L; l++) {
@@ -485,20 +506,50 @@ void fm_model_forward(fm_model *m, bool with_targets, fm_loss *out) {
         z += z_l;
     }
     OPS->rmsnorm_fwd(CTX, m->xf, m->rstd_f, m->boundary[L], m->w.final_norm, N, H, (float)c->rms_norm_eps);
-    linear_fwd(m, m->logits, m->xf, m->w.lm_head, N, H, V);
-    fm_loss r = {0};
-    r.aux = c->router_aux_loss_coef * aux / (double)L;
-    r.z = c->router_z_loss_coef * z / (double)L;
-    if (with_targets) {
-        int64_t valid = 0;
-        for (int64_t n = 0; n < N; n++) valid += m->targets[n] != -100;
-        r.n_valid = valid;
-        /* The gradient is formed in place now (the logits are not needed afterwards); backward
-         * rescales nothing: grad_scale already carries 1/valid. The scale for accumulation is
-         * applied to the head gradient in backward. */
-        double sum = OPS->cross_entropy(CTX, m->token_loss, m->logits, m->logits, m->targets, N, V,
-                                        valid ? 1.0f / (float)valid : 0.0f, -100);
-        r.ce = valid ? sum / (double)valid : 0.0;
+    memset(r, 0, sizeof *r);
+    r->aux = c->router_aux_loss_coef * aux / (double)L;
+    r->z = c->router_z_loss_coef * z / (double)L;
+}
+
+static int64_t count_valid(const fm_model *m) {
+    int64_t valid = 0;
+    for (int64_t n = 0; n < m->N; n++) valid += m->targets[n] != -100;
+    return valid;
+}
+
+/* The linear cross-entropy over xf and the LM head; with grads, dxf -> ws.dtmp and the head's
+ * gradient accumulated, scaled by scale/valid. Returns the mean loss. */
+static double linear_ce(fm_model *m, bool grads, float scale) {
+    const fm_config *c = &m->cfg;
+    fm_lce_opts o = fm_lce_opts_default();
+    o.block_tokens = m->ce_block_tokens;
+    o.block_vocab = m->ce_block_vocab;
+    const int64_t valid = m->n_valid;
+    double sum = fm_linear_ce(&m->be, &m->arena[FM_LIVE_VOCAB], m->token_loss, grads ? m->ws.dtmp : NULL,
+                              grads ? m->g.lm_head : NULL, m->xf, m->w.lm_head, m->targets, m->N, c->hidden_size,
+                              c->vocab_size, valid ? scale / (float)valid : 0.0f, &o, NULL);
+    return valid ? sum / (double)valid : 0.0;
+}
+
+void fm_model_forward(fm_model *m, bool with_targets, fm_loss *out) {
+    const fm_config *c = &m->cfg;
+    const int64_t N = m->N, H = c->hidden_size, V = c->vocab_size;
+    fm_loss r;
+    forward_body(m, &r);
+    if (m->linear_ce) {
+        FM_ASSERT(with_targets); /* a linear-CE layout has no logits to sample from */
+        m->n_valid = r.n_valid = count_valid(m);
+        r.ce = linear_ce(m, false, 1.0f);
+    } else {
+        linear_fwd(m, m->logits, m->xf, m->w.lm_head, N, H, V);
+        if (with_targets) {
+            m->n_valid = r.n_valid = count_valid(m);
+            /* The gradient (mean over valid tokens) is formed in place now: the logits are not
+             * needed afterwards. Backward scales it for accumulation. */
+            double sum = OPS->cross_entropy(CTX, m->token_loss, m->logits, m->logits, m->targets, N, V,
+                                            r.n_valid ? 1.0f / (float)r.n_valid : 0.0f, -100);
+            r.ce = r.n_valid ? sum / (double)r.n_valid : 0.0;
+        }
     }
     if (out) *out = r;
 }
@@ -565,15 +616,11 @@ static void layer_backward(fm_model *m, int64_t l, const float *x, const float *
     OPS->add(CTX, dx, dxmid, N * H);
 }
 
-void fm_model_backward(fm_model *m, float scale) {
+/* Backward from ws.dtmp = d loss / d xf through the final norm, the layers and the embedding. */
+static void backward_body(fm_model *m, float scale) {
     const fm_config *c = &m->cfg;
-    const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size, V = c->vocab_size;
+    const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size;
     fm_bwd_ws *ws = &m->ws;
-    /* m->logits holds dloss/dlogits (mean CE) from forward; scale it for accumulation. */
-    float *dlogits = m->logits;
-    if (scale != 1.0f)
-        for (int64_t i = 0; i < N * V; i++) dlogits[i] *= scale;
-    linear_bwd(m, ws->dtmp, 0.0f, m->g.lm_head, dlogits, m->xf, m->w.lm_head, N, H, V);
     float *dy = ws->dx_a, *dx = ws->dx_b;
     OPS->rmsnorm_bwd(CTX, dy, m->g.final_norm, ws->dtmp, m->boundary[L], m->w.final_norm, m->rstd_f, N, H);
     for (int64_t l = L - 1; l >= 0; l--) {
@@ -587,4 +634,33 @@ void fm_model_backward(fm_model *m, float scale) {
         float *t = dy; dy = dx; dx = t;
     }
     OPS->embedding_bwd(CTX, m->g.embed, dy, m->tokens, N, H);
+}
+
+void fm_model_backward(fm_model *m, float scale) {
+    const fm_config *c = &m->cfg;
+    const int64_t N = m->N, H = c->hidden_size, V = c->vocab_size;
+    if (m->linear_ce) {
+        linear_ce(m, true, scale);
+    } else {
+        /* m->logits holds dloss/dlogits (mean CE) from forward; scale it for accumulation. */
+        float *dlogits = m->logits;
+        if (scale != 1.0f)
+            for (int64_t i = 0; i < N * V; i++) dlogits[i] *= scale;
+        linear_bwd(m, m->ws.dtmp, 0.0f, m->g.lm_head, dlogits, m->xf, m->w.lm_head, N, H, V);
+    }
+    backward_body(m, scale);
+}
+
+void fm_model_train_step(fm_model *m, float scale, fm_loss *out) {
+    if (!m->linear_ce) {
+        fm_model_forward(m, true, out);
+        fm_model_backward(m, scale);
+        return;
+    }
+    fm_loss r;
+    forward_body(m, &r);
+    m->n_valid = r.n_valid = count_valid(m);
+    r.ce = linear_ce(m, true, scale);
+    backward_body(m, scale);
+    if (out) *out = r;
 }

@@ -103,6 +103,9 @@ typedef struct fm_model {
     fm_layer_acts *acts;        /* [L]: acts[l] is layer l's saved set (shared if recomputed) */
     fm_bwd_ws ws;
     int64_t moe_chunk_tokens;   /* 0: plain MoE twin */
+    bool linear_ce;             /* vocabulary projection by the linear cross-entropy */
+    int64_t ce_block_tokens, ce_block_vocab;
+    int64_t n_valid;            /* valid targets of the last forward */
     int64_t moe_K;              /* chunks per micro-batch (1 for the plain twin) */
     fm_moe_ws moe_ws;           /* expert-dispatch working set */
     float *xf, *rstd_f, *logits, *token_loss; /* [N,H], [N], [N,V], [N] */
@@ -120,6 +123,10 @@ typedef struct fm_layout_opts {
     const bool *recompute;     /* [L] or NULL (none): layers recomputed in backward */
     int64_t moe_chunk_tokens;  /* 0: plain twin (all routes at once, saved per layer); c > 0:
                                   chunks of <= c tokens, recomputed in backward (--moe-chunk-tokens) */
+    int64_t ce_block_tokens;   /* 0 and ce_block_vocab 0: plain logits [N,V]; otherwise the
+                                  linear cross-entropy (bounded/fm_linear_ce) with blocks of
+                                  ce_block_tokens x ce_block_vocab (0 = its default) */
+    int64_t ce_block_vocab;
 } fm_layout_opts;
 
 /* Lays out and allocates activation memory for micro-batch B x sequence T (opts NULL: no
@@ -146,6 +153,9 @@ size_t fm_model_boundary_bytes(const fm_config *c, int64_t B, int64_t T);
 size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T);
 size_t fm_model_working_set_bytes(const fm_config *c, int64_t N);
 size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N);
+/* Vocabulary projection by the linear cross-entropy: final-norm output, rstd and per-token loss,
+ * plus the operator's strip bound (fm_linear_ce_bound_bytes), independent of V. */
+size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab);
 
 /* Sets the active micro-batch and sequence length for the next forward/backward, within the
  * laid-out capacity (asserted). Tokens and targets are then read as [B,T]. */
@@ -166,9 +176,14 @@ typedef struct fm_loss {
  * With targets false only m->logits is produced (for sampling). Saves what backward needs. */
 void fm_model_forward(fm_model *m, bool with_targets, fm_loss *out);
 
-/* Backward of the last forward: ACCUMULATES into m->grads, scaled by `scale` (1/G for
- * G-step gradient accumulation). The CE gradient is mean over the micro-batch's valid tokens. */
+/* Backward of the last forward (with targets): ACCUMULATES into m->grads, scaled by `scale`
+ * (1/G for G-step gradient accumulation). The CE gradient is mean over the micro-batch's valid
+ * tokens. Under the linear cross-entropy this runs the operator again with gradients. */
 void fm_model_backward(fm_model *m, float scale);
+
+/* Forward with targets and backward in one call (what the trainer runs): the same results as
+ * fm_model_forward + fm_model_backward, but the linear cross-entropy runs once, fused. */
+void fm_model_train_step(fm_model *m, float scale, fm_loss *out);
 
 /* Looks up a parameter by HF name; NULL if absent. */
 const fm_param *fm_model_find_param(const fm_model *m, const char *name);

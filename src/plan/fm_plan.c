@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "../backend/cpu/fm_backend_cpu.h"
+#include "../bounded/fm_linear_ce.h"
 #include "../train/fm_optim.h"
 
 static const char *set_name(int i) {
@@ -57,8 +58,16 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     p->bytes[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(c, N);
     snprintf(p->inputs[FM_LIVE_WORKING_SET], 200, "one layer's backward: 6 x N x H + q/k/v grads + router grads");
 
-    p->bytes[FM_LIVE_VOCAB] = fm_model_vocab_plain_bytes(c, N);
-    snprintf(p->inputs[FM_LIVE_VOCAB], 200, "plain logits N x V x 4 B, V = %lld (+ final norm)", (long long)c->vocab_size);
+    const bool lce = r->ce_block_tokens > 0 || r->ce_block_vocab > 0;
+    if (lce) {
+        p->bytes[FM_LIVE_VOCAB] = fm_model_vocab_linear_bytes(c, N, r->ce_block_tokens, r->ce_block_vocab);
+        snprintf(p->inputs[FM_LIVE_VOCAB], 200, "linear CE: one %lld x %lld fp32 strip (+ final norm N x H)",
+                 (long long)(r->ce_block_tokens > 0 ? r->ce_block_tokens : FM_LCE_DEFAULT_BLOCK_TOKENS),
+                 (long long)(r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB));
+    } else {
+        p->bytes[FM_LIVE_VOCAB] = fm_model_vocab_plain_bytes(c, N);
+        snprintf(p->inputs[FM_LIVE_VOCAB], 200, "plain logits N x V x 4 B, V = %lld (+ final norm)", (long long)c->vocab_size);
+    }
 
     for (int i = 0; i < FM_PLAN_SETS; i++) p->total += p->bytes[i];
 
@@ -72,6 +81,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     double hw = p->flops_model_token;
     hw += (double)nr * (2.0 * layer_active + 2.0 * h_attn * (double)r->T);
     if (r->moe_chunk_tokens > 0) hw += (double)(L - nr) * 2.0 * (double)k * 3.0 * (double)H * (double)I;
+    if (lce) hw += 2.0 * (double)c->vocab_size * (double)H; /* the logits formed twice */
     p->flops_hw_token = hw;
     p->tokens_per_step = N * (r->grad_accum > 0 ? r->grad_accum : 1);
 }
@@ -90,7 +100,7 @@ static const char *knob_for(int set) {
     case FM_LIVE_LAYER_ACTS: return "recompute more layers (--recompute full or a list of layer ids)";
     case FM_LIVE_EXPERT: return "lower --moe-chunk-tokens (or set it: chunked MoE keeps one chunk)";
     case FM_LIVE_WORKING_SET: return "lower --seq-len or --micro-batch";
-    case FM_LIVE_VOCAB: return "lower --micro-batch or --seq-len";
+    case FM_LIVE_VOCAB: return "use the linear cross-entropy (--ce-block-tokens, --ce-block-vocab)";
     case FM_PLAN_ATTENTION: return "lower --threads";
     }
     return "";
@@ -114,8 +124,12 @@ fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc, fm_plan *out
         /* chunk candidates: unchunked (plain twin), then N, N/2, ... 1 */
         for (int64_t c = 0;;) {
             req->moe_chunk_tokens = c;
-            fm_plan_compute(req, out);
-            if (budget == 0 || out->total <= budget) return FM_OK;
+            for (int lce = 0; lce < 2; lce++) {
+                req->ce_block_tokens = lce ? FM_LCE_DEFAULT_BLOCK_TOKENS : 0;
+                req->ce_block_vocab = lce ? FM_LCE_DEFAULT_BLOCK_VOCAB : 0;
+                fm_plan_compute(req, out);
+                if (budget == 0 || out->total <= budget) return FM_OK;
+            }
             if (c == 1) break;
             c = c == 0 ? N : (c + 1) / 2;
         }
@@ -138,6 +152,7 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *
             (long long)c->num_hidden_layers, r->moe_chunk_tokens > 0 ? "chunked" : "unchunked (plain)");
     if (r->moe_chunk_tokens > 0)
         fprintf(f, ", %lld chunks of <= %lld tokens", (long long)p->moe_K, (long long)p->moe_c_eff);
+    fprintf(f, "; vocabulary %s", (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear cross-entropy" : "plain logits");
     fprintf(f, "\n\n%-24s %20s %12s   %s\n", "live set", "bytes", "GiB", "bound");
     char g[32];
     for (int i = 0; i < FM_PLAN_SETS; i++) {
@@ -164,9 +179,11 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *
 
 void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *f) {
     fprintf(f, "{\"model_type\":\"%s\",\"params\":%lld,\"active_params\":%lld,\"micro_batch\":%lld,\"seq_len\":%lld,"
-            "\"recomputed_layers\":%lld,\"moe_chunk_tokens\":%lld,\"moe_chunks\":%lld,\"live_sets\":{",
+            "\"recomputed_layers\":%lld,\"moe_chunk_tokens\":%lld,\"moe_chunks\":%lld,\"ce_block_tokens\":%lld,"
+            "\"ce_block_vocab\":%lld,\"live_sets\":{",
             r->cfg.model_type_name, (long long)p->n_params, (long long)p->n_active, (long long)r->B, (long long)r->T,
-            (long long)p->n_recomputed, (long long)r->moe_chunk_tokens, (long long)p->moe_K);
+            (long long)p->n_recomputed, (long long)r->moe_chunk_tokens, (long long)p->moe_K,
+            (long long)r->ce_block_tokens, (long long)r->ce_block_vocab);
     for (int i = 0; i < FM_PLAN_SETS; i++) fprintf(f, "%s\"%s\":%zu", i ? "," : "", set_name(i), p->bytes[i]);
     fprintf(f, "},\"total_bytes\":%zu,\"budget_bytes\":%zu,\"fits\":%s,\"flops_per_token_model\":%.6g,"
             "\"flops_per_token_hardware\":%.6g,\"tokens_per_step\":%lld}\n", p->total, budget,

@@ -25,6 +25,7 @@ typedef struct fm_plan_req {
     int64_t grad_accum;        /* for tokens and FLOPs per step */
     const bool *recompute;     /* [L] or NULL: none */
     int64_t moe_chunk_tokens;  /* 0: plain MoE twin */
+    int64_t ce_block_tokens, ce_block_vocab; /* both 0: plain logits; else linear CE blocks */
     int threads;               /* CPU threads (attention scratch is per thread); 0: all */
 } fm_plan_req;
 
@@ -47,8 +48,9 @@ void fm_plan_compute(const fm_plan_req *req, fm_plan *out);
  * the largest live set and the flag that shrinks it (`flag_budget` names the budget flag). */
 fm_status fm_plan_check(const fm_plan *p, size_t budget, const char *flag_budget);
 
-/* Chooses the fewest recomputed layers, then the largest MoE chunk, that fit `budget` (chunk
- * candidates: N, then halves down to 1). Writes the choice into req (recompute points into
+/* Chooses the fewest recomputed layers, then the largest MoE chunk (candidates: unchunked, N,
+ * then halves down to 1), then plain logits over the linear cross-entropy (default blocks), that
+ * fit `budget`. Writes the choice into req (recompute points into
  * rc_storage [L]) and the plan into out. Errors: FM_ERR_NOMEM when even full recompute with
  * 1-token chunks does not fit (message names what dominates). */
 fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc_storage, fm_plan *out);

@@ -41,6 +41,8 @@ void fm_train_opts_default(fm_train_opts *o) {
     o->log_every = 1;
     o->recompute = NULL;
     o->moe_chunk_tokens = -1;
+    o->ce_block_tokens = -1;
+    o->ce_block_vocab = -1;
 }
 
 static double now_s(void) {
@@ -414,9 +416,12 @@ static fm_status train_impl(run *r) {
     bool rc[L];
     FM_TRY(fm_parse_recompute(o->recompute, L, rc));
     fm_plan_req req = {*c, o->micro_batch, o->seq_len, o->grad_accum, rc,
-                       o->moe_chunk_tokens > 0 ? o->moe_chunk_tokens : 0, o->threads};
+                       o->moe_chunk_tokens > 0 ? o->moe_chunk_tokens : 0,
+                       o->ce_block_tokens > 0 ? o->ce_block_tokens : 0,
+                       o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads};
     fm_plan plan;
-    if (!o->recompute && o->moe_chunk_tokens < 0 && o->mem_budget > 0) {
+    if (!o->recompute && o->moe_chunk_tokens < 0 && o->ce_block_tokens < 0 && o->ce_block_vocab < 0 &&
+        o->mem_budget > 0) {
         FM_TRY(fm_plan_choose(&req, o->mem_budget, rc, &plan));
     } else {
         fm_plan_compute(&req, &plan);
@@ -430,7 +435,7 @@ static fm_status train_impl(run *r) {
     FM_TRY(fm_model_create(&r->m, c, r->be, fm_adamw_state_bytes(fm_config_num_params(c))));
     r->model_ok = true;
     fm_model *m = &r->m;
-    const fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens};
+    const fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab};
     FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len, &lo));
     for (int i = 0; i < FM_LIVE_COUNT; i++)
         if (m->arena[i].capacity != fm_arena_round(plan.bytes[i])) {
@@ -491,6 +496,7 @@ static fm_status train_impl(run *r) {
         printf("; recompute %lld of %lld layers, MoE %s", (long long)plan.n_recomputed, (long long)L,
                req.moe_chunk_tokens > 0 ? "chunked" : "unchunked");
         if (req.moe_chunk_tokens > 0) printf(" (%lld chunks of <= %lld tokens)", (long long)plan.moe_K, (long long)plan.moe_c_eff);
+        printf(", vocabulary %s", lo.ce_block_tokens > 0 || lo.ce_block_vocab > 0 ? "linear cross-entropy" : "plain logits");
         printf("\n");
         fflush(stdout);
     }
@@ -505,13 +511,12 @@ static fm_status train_impl(run *r) {
         for (int64_t g = 0; g < o->grad_accum; g++) {
             fm_dataset_sample_batch(&r->train, &data_rng, o->micro_batch, o->seq_len, m->tokens, m->targets);
             fm_loss l;
-            fm_model_forward(m, true, &l);
+            fm_model_train_step(m, 1.0f / (float)o->grad_accum, &l);
             if (!isfinite(l.ce) || !isfinite(l.aux) || !isfinite(l.z))
                 return fm_error(FM_ERR_NUMERIC, "step %lld: the loss is not finite (cross-entropy %g, aux %g, z %g); "
                                 "training stopped and no checkpoint was written for this step (the last good "
                                 "one in %s stays); lower --lr or raise --warmup", (long long)step, l.ce, l.aux, l.z,
                                 o->out_dir);
-            fm_model_backward(m, 1.0f / (float)o->grad_accum);
             ce += l.ce / (double)o->grad_accum;
             aux += l.aux / (double)o->grad_accum;
             z += l.z / (double)o->grad_accum;

@@ -25,8 +25,10 @@ typedef struct fm_train_opts {
     int64_t exit_after;           /* stop (and save) after this many steps in this invocation; 0: no */
     const char *recompute;        /* "none", "full" or a comma list of layer ids; NULL: chosen */
     int64_t moe_chunk_tokens;     /* 0: plain MoE; c: chunks of <= c tokens; -1: chosen */
+    int64_t ce_block_tokens, ce_block_vocab; /* -1: chosen; both 0: plain logits; else linear CE */
     size_t mem_budget;            /* --mem-budget bytes; 0: none. With neither --recompute nor
-                                     --moe-chunk-tokens the planner chooses them to fit it. */
+                                     --moe-chunk-tokens nor --ce-block-* the planner chooses
+                                     them to fit it. */
     bool report_memory;           /* --report-memory: measured high-water marks vs the plan */
     bool quiet;                   /* no per-step lines on stdout */
 } fm_train_opts;

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# flatmoe plan on the real configs (fast, no data, no model), its verdicts and JSON; train under
+# --mem-budget: refused before allocating when it cannot fit, knobs chosen when it can, and the
+# measured high-water mark of every arena within its planned bound.
+source "$(dirname "$0")/cli_lib.sh"
+for c in olmoe-1b-7b qwen3-30b-a3b mixtral-8x7b; do
+    start=$(date +%s%N)
+    "$FM" plan --config "$ROOT/configs/$c.json" --seq-len 32768 > "$TMP/$c.txt" || bad "plan $c failed"
+    ms=$(( ($(date +%s%N) - start) / 1000000 ))
+    [ $ms -lt 1000 ] && ok || bad "plan $c took $ms ms"
+    grep -q "^total" "$TMP/$c.txt" && grep -q "FLOPs per token" "$TMP/$c.txt" && ok || bad "plan $c: no total or FLOPs line"
+    "$FM" plan --config "$ROOT/configs/$c.json" --seq-len 32768 --json > "$TMP/$c.json" || bad "plan --json $c failed"
+    if command -v python3 >/dev/null; then python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$TMP/$c.json" && ok || bad "plan --json $c is not JSON"; fi
+done
+cat "$TMP/olmoe-1b-7b.txt"
+# A budget that cannot hold the model state: exit 1, the verdict names the live set.
+"$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --device-mem 80GiB > "$TMP/nofit.txt" 2> "$TMP/nofit.err"
+[ $? -eq 1 ] && ok || bad "plan over budget should exit 1"
+grep -q "model state" "$TMP/nofit.err" && ok || bad "over-budget message lacks the live set: $(cat "$TMP/nofit.err")"
+# Chosen knobs: qwen3 at 64K tokens in 560 GiB needs chunking and the linear CE.
+"$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --seq-len 65536 --device-mem 560GiB --json > "$TMP/choose.json" || bad "plan could not choose knobs"
+grep -q '"fits":true' "$TMP/choose.json" && ok || bad "chosen plan does not fit: $(cat "$TMP/choose.json")"
+expect_fail "bad --device-mem" "unknown unit" "$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 128 --device-mem 12parsecs
+
+cfg="$ROOT/configs/tiny.json"
+common=(--config "$cfg" --data "$TEXT" --seq-len 256 --micro-batch 4 --steps 2 --threads 2 --eval-batches 1)
+expect_fail "train over --mem-budget" "--mem-budget" "$FM" train "${common[@]}" --mem-budget 20MiB --recompute none --out "$TMP/over"
+[ ! -d "$TMP/over" ] && ok || bad "a refused run created its run folder"
+# Plain plan of this shape, then a budget below it: train must choose knobs that fit.
+full=$("$FM" plan --config "$cfg" --seq-len 256 --micro-batch 4 --threads 2 --json | sed -E 's/.*"total_bytes":([0-9]+).*/\1/')
+budget=$(( full * 3 / 5 ))
+"$FM" train "${common[@]}" --mem-budget "$budget" --report-memory --out "$TMP/fit" > "$TMP/fit.log" || bad "train under a fitting budget failed: $(tail -3 "$TMP/fit.log")"
+grep "^plan:" "$TMP/fit.log"; grep "^memory:" "$TMP/fit.log" | tail -8
+# Every arena's measured high-water mark <= its bound, and >= 90% of it (a step fills them all).
+while read -r name bound hw; do
+    [ "$hw" -le "$bound" ] && ok || bad "$name: high-water $hw exceeds bound $bound"
+    [ $(( hw * 10 )) -ge $(( bound * 9 )) ] && ok || bad "$name: high-water $hw is under 90% of bound $bound"
+done < <(grep "^memory:" "$TMP/fit.log" | tail -7 | grep -v "attention\|live set" | \
+         sed -E 's/^memory: (.*[a-z]) +([0-9]+) +([0-9]+) .*/\1|\2|\3/' | tr '|' ' ' | awk '{hw=$NF; b=$(NF-1); $NF=""; $(NF)=""; print $1"_"$2, b, hw}')
+grep -q '"memory":{' "$TMP/fit/metrics.jsonl" && ok || bad "metrics.jsonl lacks the memory report"
+finish
