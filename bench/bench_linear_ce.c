@@ -1,10 +1,10 @@
 /* Linear cross-entropy: the blocked operator against its plain twin on the CPU backend —
- * wall time, GFLOP/s and arena peak (bytes) of each. Not built by CMake; build by hand:
+ * wall time, GFLOP/s and arena peak (bytes) of each. Usage:
  *   cmake --build build --target flatmoe_lib &&
  *   cc -O2 -fopenmp -Isrc bench/bench_linear_ce.c build/libflatmoe_lib.a -lopenblas -lcjson -lm \
  *      -o build/bench_linear_ce && build/bench_linear_ce [N H V Nb Vb]
  * FLOPs: 2 N V H per logits pass; the blocked operator does 4 passes with backward (logits
- * twice, dh, dW), the plain twin 3. */
+ * twice, dh, dW), the plain twin 3. Built by CMake with the other bench_* targets. */
 #include "backend/cpu/fm_backend_cpu.h"
 #include "bounded/fm_linear_ce.h"
 #include "core/fm_rng.h"

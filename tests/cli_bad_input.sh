@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every bad input gets one clear message (naming the input, the expected and found values) and
 # a non-zero exit; a NaN stops training and leaves the last good checkpoint untouched.
-source "$(dirname "$0")/cli_lib.sh"
+source "$(dirname "$0")/lib_cli.sh"
 cfg="$ROOT/tests/data/micro.json"
 base=(--data "$TEXT" --seq-len 16 --micro-batch 2 --steps 2 --threads 2 --quiet)
 

@@ -2,7 +2,7 @@
 # flatmoe plan on the real configs (fast, no data, no model), its verdicts and JSON; train under
 # --mem-budget: refused before allocating when it cannot fit, knobs chosen when it can, and the
 # measured high-water mark of every arena within its planned bound.
-source "$(dirname "$0")/cli_lib.sh"
+source "$(dirname "$0")/lib_cli.sh"
 for c in olmoe-1b-7b qwen3-30b-a3b mixtral-8x7b; do
     start=$(date +%s%N)
     "$FM" plan --config "$ROOT/configs/$c.json" --seq-len 32768 > "$TMP/$c.txt" || bad "plan $c failed"

@@ -2,7 +2,7 @@
 # Exact resume: 4 steps, save, resume, 4 more steps gives the same losses, gradient norms and
 # final weights, bit for bit, as 8 steps straight. Also with gradient accumulation, recompute
 # and the metrics file rewritten after a crash-like stop.
-source "$(dirname "$0")/cli_lib.sh"
+source "$(dirname "$0")/lib_cli.sh"
 cfg="$ROOT/tests/data/micro.json"
 common=(--config "$cfg" --data "$TEXT" --seq-len 32 --micro-batch 4 --grad-accum 2 --steps 8 --warmup 2
         --lr 3e-3 --eval-every 3 --eval-batches 2 --threads 2 --quiet)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A short training run on real English text: the validation loss must fall well below the
 # uniform-byte loss (ln 256 = 5.55) and the starting loss; then sample and eval the checkpoint.
-source "$(dirname "$0")/cli_lib.sh"
+source "$(dirname "$0")/lib_cli.sh"
 "$FM" train --config "$ROOT/configs/tiny.json" --data "$TEXT" --steps 80 --seq-len 64 --micro-batch 16 \
     --warmup 10 --lr 3e-3 --eval-every 40 --eval-batches 8 --log-every 20 --threads 2 --out "$TMP/run" | tee "$TMP/log"
 first=$(head -1 "$TMP/run/metrics.jsonl" | sed -E 's/.*"loss":([0-9.e+-]+).*/\1/')

@@ -121,7 +121,8 @@ fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc, fm_plan *out
         if (nr == 1 && L > 1) continue; /* one recomputed layer saves nothing (the shared set) */
         for (int64_t l = 0; l < L; l++) rc[l] = l < nr;
         req->recompute = rc;
-        /* chunk candidates: unchunked (plain twin), then N, N/2, ... 1 */
+        /* chunk candidates: unchunked (plain twin), then N, N/2, ... down to FM_PLAN_MIN_CHUNK
+         * (smaller chunks make each expert GEMM too small to be worth it) */
         for (int64_t c = 0;;) {
             req->moe_chunk_tokens = c;
             for (int lce = 0; lce < 2; lce++) {
@@ -130,8 +131,9 @@ fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc, fm_plan *out
                 fm_plan_compute(req, out);
                 if (budget == 0 || out->total <= budget) return FM_OK;
             }
-            if (c == 1) break;
+            if (c != 0 && c <= FM_PLAN_MIN_CHUNK) break;
             c = c == 0 ? N : (c + 1) / 2;
+            if (c < FM_PLAN_MIN_CHUNK) c = FM_PLAN_MIN_CHUNK;
         }
     }
     return fm_plan_check(out, budget, "the budget");

@@ -48,8 +48,11 @@ void fm_plan_compute(const fm_plan_req *req, fm_plan *out);
  * the largest live set and the flag that shrinks it (`flag_budget` names the budget flag). */
 fm_status fm_plan_check(const fm_plan *p, size_t budget, const char *flag_budget);
 
+/* Smallest MoE chunk the chooser considers (tokens); --moe-chunk-tokens may go lower. */
+#define FM_PLAN_MIN_CHUNK 256
+
 /* Chooses the fewest recomputed layers, then the largest MoE chunk (candidates: unchunked, N,
- * then halves down to 1), then plain logits over the linear cross-entropy (default blocks), that
+ * then halves down to FM_PLAN_MIN_CHUNK), then plain logits over the linear cross-entropy (default blocks), that
  * fit `budget`. Writes the choice into req (recompute points into
  * rc_storage [L]) and the plan into out. Errors: FM_ERR_NOMEM when even full recompute with
  * 1-token chunks does not fit (message names what dominates). */
