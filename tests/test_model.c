@@ -74,7 +74,12 @@ static void test_bad_configs(void) {
                "\"clip_qkv\":8}", FM_ERR_UNSUPPORTED, "clip_qkv");
     expect_bad("{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":-32,\"num_experts\":4}",
                FM_ERR_CONFIG, "\"intermediate_size\" must be positive");
+    expect_bad("{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":32,\"num_experts\":4,"
+               "\"rope_parameters\":{\"rope_type\":\"yarn\",\"rope_theta\":5}}", FM_ERR_UNSUPPORTED, "yarn");
     fm_config cfg;
+    CHECK(fm_config_parse(&cfg, "{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":32,"
+                          "\"num_experts\":4,\"rope_parameters\":{\"rope_type\":\"default\",\"rope_theta\":5e5}}", "v5.json") == FM_OK);
+    CHECK(cfg.rope_theta == 5e5);
     CHECK(fm_config_load(&cfg, "configs/does-not-exist.json") == FM_ERR_IO);
     CHECK(strstr(fm_errmsg(), "does-not-exist.json") != NULL);
 }

@@ -98,6 +98,21 @@ fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *pat
     TRY(get_int(root, path, experts_key, true, 0, &cfg->num_experts));
     TRY(get_int(root, path, "num_experts_per_tok", true, 0, &cfg->num_experts_per_tok));
     TRY(get_num(root, path, "rope_theta", t == FM_MODEL_MIXTRAL ? 1e6 : 10000.0, &cfg->rope_theta));
+    /* transformers 5 writes RoPE settings as "rope_parameters": {"rope_type", "rope_theta", ...} */
+    const cJSON *rp = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
+    if (rp && !cJSON_IsNull(rp)) {
+        if (!cJSON_IsObject(rp)) {
+            st = fm_error(FM_ERR_FORMAT, "%s: \"rope_parameters\" must be an object", path);
+            goto done;
+        }
+        const cJSON *rt = cJSON_GetObjectItemCaseSensitive(rp, "rope_type");
+        if (rt && cJSON_IsString(rt) && strcmp(rt->valuestring, "default") != 0) {
+            st = fm_error(FM_ERR_UNSUPPORTED, "%s: rope_parameters.rope_type is \"%s\", but flatmoe supports only "
+                          "\"default\" RoPE yet", path, rt->valuestring);
+            goto done;
+        }
+        TRY(get_num(rp, path, "rope_theta", cfg->rope_theta, &cfg->rope_theta));
+    }
     TRY(get_num(root, path, "rms_norm_eps", t == FM_MODEL_QWEN3_MOE ? 1e-6 : 1e-5, &cfg->rms_norm_eps));
     TRY(get_bool(root, path, "tie_word_embeddings", false, &cfg->tie_word_embeddings));
     TRY(get_num(root, path, "router_aux_loss_coef", t == FM_MODEL_QWEN3_MOE ? 0.001 : (t == FM_MODEL_OLMOE ? 0.01 : 0.001),

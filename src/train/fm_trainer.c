@@ -97,27 +97,74 @@ static fm_status model_named(const fm_model *m, const float *base, const char *p
     return FM_OK;
 }
 
-/* Reads every tensor of the table from an open safetensors file into base (+offset), with the
- * name prefix. Tensors in the file that the model does not have are an error (a different
- * model), except lm_head.weight for a tied model. */
+/* Reads every tensor of the table from a safetensors file into base (+offset), with the name
+ * prefix. Experts may be stored per expert (HF's classic names, what flatmoe writes) or fused
+ * per layer as transformers 5 stores them: "<moe>.experts.gate_up_proj" [E, 2I, H] (rows
+ * 0..I-1 of each expert are gate, I..2I-1 up) and "<moe>.experts.down_proj" [E, H, I].
+ * Tensors in the file that the model does not have are an error (a different model), except
+ * lm_head.weight for a tied model. */
 static fm_status load_named(fm_model *m, const char *path, const char *prefix, float *base) {
+    const fm_config *c = &m->cfg;
+    const int64_t L = c->num_hidden_layers, E = c->num_experts, H = c->hidden_size, I = c->moe_intermediate_size;
+    const char *moe = c->model_type == FM_MODEL_MIXTRAL ? "block_sparse_moe" : "mlp";
     fm_safetensors st;
     FM_TRY(fm_st_open(&st, path));
     fm_status s = FM_OK;
-    char name[192];
+    char name[256];
+    int consumed = 0;
+    bool fused[L > 0 ? L : 1];
+    float *tmp = NULL;
+    for (int64_t l = 0; l < L && s == FM_OK; l++) {
+        snprintf(name, sizeof name, "%smodel.layers.%lld.%s.experts.gate_up_proj", prefix, (long long)l, moe);
+        fused[l] = fm_st_find(&st, name) != NULL;
+        if (!fused[l]) continue;
+        const int64_t gu_shape[3] = {E, 2 * I, H}, d_shape[3] = {E, H, I};
+        if (!tmp && !(tmp = fm_malloc(sizeof(float) * (size_t)(E * 2 * I * H)))) {
+            s = fm_error(FM_ERR_NOMEM, "%s: out of memory reading fused experts", path);
+            break;
+        }
+        s = fm_st_read_f32(&st, name, tmp, 3, gu_shape);
+        const int64_t og = m->w.layers[l].w_gate - m->params, ou = m->w.layers[l].w_up - m->params,
+                      od = m->w.layers[l].w_down - m->params;
+        for (int64_t e = 0; e < E && s == FM_OK; e++) {
+            memcpy(base + og + e * I * H, tmp + e * 2 * I * H, sizeof(float) * (size_t)(I * H));
+            memcpy(base + ou + e * I * H, tmp + e * 2 * I * H + I * H, sizeof(float) * (size_t)(I * H));
+        }
+        snprintf(name, sizeof name, "%smodel.layers.%lld.%s.experts.down_proj", prefix, (long long)l, moe);
+        if (s == FM_OK) s = fm_st_read_f32(&st, name, base + od, 3, d_shape);
+        consumed += 2;
+    }
+    fm_free(tmp);
     for (int i = 0; i < m->n_tensors && s == FM_OK; i++) {
         const fm_param *p = &m->table[i];
+        bool in_fused = false;
+        for (int64_t l = 0; l < L && !in_fused; l++) {
+            const int64_t lo = m->w.layers[l].w_gate - m->params, hi = m->w.layers[l].w_down - m->params + E * H * I;
+            in_fused = fused[l] && p->offset >= lo && p->offset < hi;
+        }
+        if (in_fused) continue;
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
         s = fm_st_read_f32(&st, name, base + p->offset, p->ndim, p->shape);
+        consumed++;
     }
-    for (int i = 0; i < st.n_tensors && s == FM_OK; i++) {
-        const char *n = st.tensors[i].name;
-        if (strncmp(n, prefix, strlen(prefix))) continue;
-        if (!fm_model_find_param(m, n + strlen(prefix)) &&
-            !(m->cfg.tie_word_embeddings && !strcmp(n + strlen(prefix), "lm_head.weight")))
-            s = fm_error(FM_ERR_FORMAT, "%s: tensor '%s' is not a parameter of this %s model (%d tensors "
-                         "expected); was the file written for another config?", path, n, m->cfg.model_type_name,
-                         m->n_tensors);
+    int in_file = 0;
+    const size_t plen = strlen(prefix);
+    for (int i = 0; i < st.n_tensors; i++)
+        if (!strncmp(st.tensors[i].name, prefix, plen) &&
+            !(c->tie_word_embeddings && !strcmp(st.tensors[i].name + plen, "lm_head.weight")))
+            in_file++;
+    if (s == FM_OK && in_file != consumed) { /* find one tensor the model does not have, to name it */
+        for (int i = 0; i < st.n_tensors && s == FM_OK; i++) {
+            const char *n = st.tensors[i].name;
+            if (strncmp(n, prefix, plen) || strstr(n, ".experts.gate_up_proj") || strstr(n, ".experts.down_proj")) continue;
+            if (!fm_model_find_param(m, n + plen) && !(c->tie_word_embeddings && !strcmp(n + plen, "lm_head.weight")))
+                s = fm_error(FM_ERR_FORMAT, "%s: tensor '%s' is not a parameter of this %s model (%d tensors "
+                             "expected); was the file written for another config?", path, n, c->model_type_name,
+                             m->n_tensors);
+        }
+        if (s == FM_OK)
+            s = fm_error(FM_ERR_FORMAT, "%s: holds %d tensors where this model reads %d; was the file written for "
+                         "another config?", path, in_file, consumed);
     }
     fm_st_close(&st);
     return s;

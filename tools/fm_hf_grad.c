@@ -1,0 +1,82 @@
+/* Hugging Face parity helper: loads a model folder (config.json + model.safetensors, written by
+ * transformers or by flatmoe), runs one forward and backward on the CPU backend (fp32) over a
+ * batch, and writes the loss, the logits and every parameter's gradient (HF names, per expert)
+ * to a safetensors file, for tools/hf_parity.py to compare against transformers.
+ *
+ *   fm_hf_grad MODEL_DIR BATCH.safetensors OUT.safetensors
+ *
+ * BATCH holds "input_ids" [B,T] as F32 (exact below 2^24). As in transformers' causal-LM loss
+ * with labels = input_ids, position t predicts input_ids[t+1]; the last position is ignored.
+ * OUT holds "loss" [1] (mean cross-entropy over B*(T-1) tokens, without router losses),
+ * "logits" [B,T,V], and "grad.<name>" for every parameter (router loss coefficients are taken
+ * from the config; set them to 0 for a pure cross-entropy comparison). */
+#include <stdio.h>
+#include <string.h>
+
+#include "backend/cpu/fm_backend_cpu.h"
+#include "io/fm_safetensors.h"
+#include "train/fm_trainer.h"
+
+static int die(const char *what) {
+    fprintf(stderr, "fm_hf_grad: %s: %s\n", what, fm_errmsg());
+    return 1;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 4) {
+        fprintf(stderr, "usage: fm_hf_grad MODEL_DIR BATCH.safetensors OUT.safetensors\n");
+        return 2;
+    }
+    fm_safetensors bst;
+    if (fm_st_open(&bst, argv[2])) return die("batch");
+    const fm_st_tensor *ids_t = fm_st_find(&bst, "input_ids");
+    if (!ids_t || ids_t->ndim != 2) {
+        fprintf(stderr, "fm_hf_grad: %s: expected an \"input_ids\" tensor [B,T]\n", argv[2]);
+        return 1;
+    }
+    const int64_t B = ids_t->shape[0], T = ids_t->shape[1];
+    float *ids = fm_malloc(sizeof(float) * (size_t)(B * T));
+    if (fm_st_read_f32(&bst, "input_ids", ids, 2, ids_t->shape)) return die("batch");
+    fm_st_close(&bst);
+
+    fm_backend be;
+    char cpath[4200];
+    snprintf(cpath, sizeof cpath, "%s/config.json", argv[1]);
+    fm_config cfg;
+    if (fm_config_load(&cfg, cpath)) return die("config");
+    if (fm_cpu_backend_init(&be, 0, cfg.head_dim)) return die("backend");
+    fm_model m;
+    if (fm_load_for_inference(&m, argv[1], be, B, T, NULL)) return die("model");
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            m.tokens[b * T + t] = (int32_t)ids[b * T + t];
+            m.targets[b * T + t] = t + 1 < T ? (int32_t)ids[b * T + t + 1] : -100;
+        }
+    /* logits first (forward without targets keeps them), then the training forward/backward */
+    const int64_t V = cfg.vocab_size;
+    float *logits = fm_malloc(sizeof(float) * (size_t)(B * T * V));
+    fm_model_forward(&m, false, NULL);
+    memcpy(logits, m.logits, sizeof(float) * (size_t)(B * T * V));
+    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    fm_loss l;
+    fm_model_forward(&m, true, &l);
+    fm_model_backward(&m, 1.0f);
+    float loss = (float)l.ce;
+
+    const int n = m.n_tensors + 2;
+    fm_named_tensor *t = fm_malloc(sizeof(fm_named_tensor) * (size_t)n);
+    char (*names)[160] = fm_malloc(sizeof(*names) * (size_t)n);
+    t[0] = (fm_named_tensor){"loss", &loss, 1, {1}};
+    t[1] = (fm_named_tensor){"logits", logits, 3, {B, T, V}};
+    for (int i = 0; i < m.n_tensors; i++) {
+        const fm_param *p = &m.table[i];
+        snprintf(names[i], sizeof names[i], "grad.%s", p->name);
+        t[i + 2] = (fm_named_tensor){names[i], m.grads + p->offset, p->ndim, {p->shape[0], p->shape[1]}};
+    }
+    if (fm_st_write(argv[3], t, n, NULL)) return die("output");
+    printf("fm_hf_grad: %s: loss %.7f over %lld tokens (aux %.3g, z %.3g), %d gradients\n", argv[1], l.ce,
+           (long long)l.n_valid, l.aux, l.z, m.n_tensors);
+    fm_model_free(&m);
+    fm_cpu_backend_free(&be);
+    return 0;
+}
