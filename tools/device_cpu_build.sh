@@ -2,9 +2,11 @@
 # Builds flatmoe's CPU backend on a machine without OpenBLAS/cJSON packages (the H200 machine),
 # from Debian packages unpacked into .deps/root (fetched elsewhere with
 #   apt-get download libopenblas0-openmp libopenblas-openmp-dev libopenblas-dev libcjson1 libcjson-dev libgfortran5
-#   for f in *.deb; do dpkg -x $f root; done   in .deps/).
+#   in .deps/; they are unpacked into /tmp/flatmoe-deps-root).
 # Source this file: it exports LD_LIBRARY_PATH for the unpacked libraries.
-D=$(readlink -f "$(dirname "${BASH_SOURCE[0]}")/../.deps/root")
+DEPS=$(readlink -f "$(dirname "${BASH_SOURCE[0]}")/../.deps")
+D=/tmp/flatmoe-deps-root
+[ -d "$D" ] || for f in "$DEPS"/*.deb; do dpkg -x "$f" "$D"; done
 export LD_LIBRARY_PATH="$D/usr/lib/x86_64-linux-gnu/openblas-openmp:$D/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 cmake -S "$(dirname "${BASH_SOURCE[0]}")/.." -B "${BUILD:-build}" -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_INCLUDE_PATH="$D/usr/include" \
