@@ -238,6 +238,16 @@ fm_status fm_config_load(fm_config *cfg, const char *path) {
     return st;
 }
 
+/* A float field written with a decimal point ("0.0", "10000.0"), as transformers' strict config
+ * classes want a float there, not an integer. */
+static void add_float(cJSON *o, const char *key, double v) {
+    char buf[64];
+    snprintf(buf, sizeof buf, "%.15g", v);
+    if (strtod(buf, NULL) != v) snprintf(buf, sizeof buf, "%.17g", v); /* shortest that reads back */
+    if (!strpbrk(buf, ".eEn")) strcat(buf, ".0");
+    cJSON_AddItemToObject(o, key, cJSON_CreateRaw(buf));
+}
+
 char *fm_config_to_json(const fm_config *c) {
     cJSON *o = cJSON_CreateObject();
     const char *arch = c->model_type == FM_MODEL_QWEN3_MOE ? "Qwen3MoeForCausalLM"
@@ -259,8 +269,8 @@ char *fm_config_to_json(const fm_config *c) {
     cJSON_AddNumberToObject(o, "head_dim", (double)c->head_dim);
     cJSON_AddStringToObject(o, "hidden_act", "silu");
     cJSON_AddNumberToObject(o, "max_position_embeddings", (double)c->max_position_embeddings);
-    cJSON_AddNumberToObject(o, "rope_theta", c->rope_theta);
-    cJSON_AddNumberToObject(o, "rms_norm_eps", c->rms_norm_eps);
+    add_float(o, "rope_theta", c->rope_theta);
+    add_float(o, "rms_norm_eps", c->rms_norm_eps);
     cJSON_AddBoolToObject(o, "attention_bias", 0);
     cJSON_AddNumberToObject(o, c->model_type == FM_MODEL_MIXTRAL ? "num_local_experts" : "num_experts",
                             (double)c->num_experts);
@@ -270,9 +280,9 @@ char *fm_config_to_json(const fm_config *c) {
         cJSON_AddNumberToObject(o, "decoder_sparse_step", 1);
         cJSON_AddItemToObject(o, "mlp_only_layers", cJSON_CreateArray());
     }
-    cJSON_AddNumberToObject(o, "router_aux_loss_coef", c->router_aux_loss_coef);
-    if (c->router_z_loss_coef > 0) cJSON_AddNumberToObject(o, "router_z_loss_coef", c->router_z_loss_coef);
-    cJSON_AddNumberToObject(o, "initializer_range", c->initializer_range);
+    add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
+    if (c->router_z_loss_coef > 0) add_float(o, "router_z_loss_coef", c->router_z_loss_coef);
+    add_float(o, "initializer_range", c->initializer_range);
     cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_word_embeddings);
     cJSON_AddStringToObject(o, "torch_dtype", "float32");
     char *s = cJSON_Print(o);
