@@ -386,8 +386,10 @@ static void test_moe_chunked_ab(void) {
             float *g;
             double loss;
             run_step(&cfg, B, T, chunks[c], NULL, false, &g, &loss, NULL);
-            CHECK_MSG(loss == ref_loss, "%s chunk %lld: loss %.17g vs plain %.17g", cfg.model_type_name,
-                      (long long)chunks[c], loss, ref_loss);
+            /* bit-identical where the BLAS computes each row the same whatever the row count
+             * (OpenBLAS on the CI's AMD EPYC); not on Xeon's AVX-512 kernels: 1e-6 relative */
+            CHECK_MSG(fabs(loss - ref_loss) <= 1e-6 * fabs(ref_loss), "%s chunk %lld: loss %.17g vs plain %.17g",
+                      cfg.model_type_name, (long long)chunks[c], loss, ref_loss);
             double e = rel_diff(g, ref, n_params);
             CHECK_MSG(e < 1e-6, "%s chunk %lld: gradients differ from the plain twin by %g", cfg.model_type_name,
                       (long long)chunks[c], e);
@@ -398,7 +400,7 @@ static void test_moe_chunked_ab(void) {
         float *g;
         double loss;
         run_step(&cfg, B, T, 4, rc, false, &g, &loss, NULL);
-        CHECK(loss == ref_loss);
+        CHECK_CLOSE(loss, ref_loss, 1e-6);
         CHECK(rel_diff(g, ref, n_params) < 1e-6);
         fm_free(g);
         fm_free(ref);
@@ -417,7 +419,7 @@ static void test_moe_chunked_bound(void) {
         /* adversarial routing: router weights zero, every token ties -> experts 0 and 1 get all */
         run_step(&cfg, 2, T, c, NULL, true, &g, &loss, &chunk_bytes[i]);
         run_step(&cfg, 2, T, 0, NULL, true, &gp, &lossp, &plain_bytes[i]);
-        CHECK(loss == lossp);
+        CHECK_CLOSE(loss, lossp, 1e-6);
         CHECK(rel_diff(g, gp, fm_config_num_params(&cfg)) < 1e-6);
         CHECK_MSG(chunk_bytes[i] <= fm_arena_round(fm_moe_ws_bytes(&d, c, true)),
                   "chunked expert set %zu exceeds its bound %zu", chunk_bytes[i], fm_moe_ws_bytes(&d, c, true));

@@ -106,6 +106,8 @@ def main():
             model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
             model.save_pretrained(d, safe_serialization=True)
             names = sorted(load_file(os.path.join(d, "model.safetensors")).keys())
+            with open(os.path.join(d, "config.json")) as f:
+                print(f"{name}: config.json keys: {sorted(json.load(f).keys())}")
             print(f"{name}: saved {len(names)} tensors, e.g. {[n for n in names if 'expert' in n][:2]}")
             ids = torch.randint(0, cfg.vocab_size, (2, 24))
             # 1. transformers -> flatmoe

@@ -94,7 +94,11 @@ fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *pat
     TRY(get_int(root, path, "max_position_embeddings", true, 0, &cfg->max_position_embeddings));
     const char *width_key = t == FM_MODEL_QWEN3_MOE ? "moe_intermediate_size" : "intermediate_size";
     TRY(get_int(root, path, width_key, true, 0, &cfg->moe_intermediate_size));
+    /* transformers 5 writes qwen3_moe's expert count as num_local_experts: accept either name */
     const char *experts_key = t == FM_MODEL_MIXTRAL ? "num_local_experts" : "num_experts";
+    const char *experts_alt = t == FM_MODEL_MIXTRAL ? "num_experts" : "num_local_experts";
+    if (!cJSON_GetObjectItemCaseSensitive(root, experts_key) && cJSON_GetObjectItemCaseSensitive(root, experts_alt))
+        experts_key = experts_alt;
     TRY(get_int(root, path, experts_key, true, 0, &cfg->num_experts));
     TRY(get_int(root, path, "num_experts_per_tok", true, 0, &cfg->num_experts_per_tok));
     TRY(get_num(root, path, "rope_theta", t == FM_MODEL_MIXTRAL ? 1e6 : 10000.0, &cfg->rope_theta));
