@@ -67,14 +67,18 @@ def compare_grads(name, model, fm, failures):
         if p.grad is None:
             continue
         g = p.grad.detach()
+        if "grad." + pname not in fm and "grad." + pname.replace(".mlp.", ".block_sparse_moe.") in fm:
+            pname = pname.replace(".mlp.", ".block_sparse_moe.")  # transformers 5 Mixtral in memory
         key = "grad." + pname
         if key in fm:
             ours = fm[key]
         elif pname.endswith("experts.gate_up_proj") or pname.endswith("experts.down_proj"):
             # transformers 5 fuses experts: gate_up [E, 2I, H], down [E, H, I]
+            mix = name == "mixtral"
+            if mix:
+                pname = pname.replace(".mlp.", ".block_sparse_moe.")
             prefix = pname.rsplit(".", 1)[0]
             E = g.shape[0]
-            mix = "block_sparse_moe" in pname
             gn, un, dn = ("w1", "w3", "w2") if mix else ("gate_proj", "up_proj", "down_proj")
             if pname.endswith("gate_up_proj"):
                 ours = torch.cat([expert_grad(fm, prefix, E, gn), expert_grad(fm, prefix, E, un)], dim=1)
@@ -115,7 +119,7 @@ def main():
             out = model(input_ids=ids, labels=ids)
             out.loss.backward()
             fm = fm_grad(build, d, ids, tmp)
-            le = abs(float(fm["loss"][0]) - float(out.loss)) / abs(float(out.loss))
+            le = abs(float(fm["loss"][0]) - out.loss.item()) / abs(out.loss.item())
             lg = nerr(fm["logits"], out.logits.detach())
             print(f"  {name}: loss transformers {float(out.loss):.7f} flatmoe {float(fm['loss'][0]):.7f} "
                   f"(rel {le:.3g}); logits normalized error {lg:.3g}")
