@@ -83,9 +83,12 @@ int main(int argc, char **argv) {
                 fm_moe_ws ws;
                 if (!chunked) fm_moe_routes_layout(&saved, &a, &d, N);
                 fm_moe_ws_layout(&ws, &a, &d, chunked ? c_eff : N, chunked);
+                int32_t *order = fm_malloc(sizeof(int32_t) * (size_t)N);
+                fm_moe_chunk_order(order, N, K);
                 double t0 = now();
-                fm_moe_forward(&be, &d, &w, y, x, idx, tw, N, K, chunked ? NULL : &saved, &ws);
-                fm_moe_backward(&be, &d, &w, &g, dx, dtw, dy, x, idx, tw, N, K, chunked ? NULL : &saved, &ws);
+                fm_moe_forward(&be, &d, &w, y, x, idx, tw, N, K, order, chunked ? NULL : &saved, &ws);
+                fm_moe_backward(&be, &d, &w, &g, dx, dtw, dy, x, idx, tw, N, K, order, chunked ? NULL : &saved, &ws);
+                fm_free(order);
                 double t = now() - t0;
                 printf("%8lld %-12s %-8s %10.3f %16.1f %16.1f\n", (long long)N, adv ? "adversarial" : "random",
                        chunked ? "chunked" : "plain", t, fm_arena_touched(&a) / 1048576.0, bound / 1048576.0);

@@ -38,4 +38,9 @@ while read -r name bound hw; do
 done < <(grep "^memory:" "$TMP/fit.log" | tail -7 | grep -v "attention\|live set" | \
          sed -E 's/^memory: (.*[a-z]) +([0-9]+) +([0-9]+) .*/\1|\2|\3/' | tr '|' ' ' | awk '{hw=$NF; b=$(NF-1); $NF=""; $(NF)=""; print $1"_"$2, b, hw}')
 grep -q '"memory":{' "$TMP/fit/metrics.jsonl" && ok || bad "metrics.jsonl lacks the memory report"
+# Measuring memory changes nothing: the same run without --report-memory gives the same losses.
+knobs=$(grep "^plan:" "$TMP/fit.log" | sed -E 's/.*recompute ([0-9]+) of.*/\1/')
+"$FM" train "${common[@]}" --mem-budget "$budget" --out "$TMP/fit2" --quiet || bad "train without --report-memory failed"
+loss() { sed -E 's/.*"loss":([^,]*),.*/\1/' "$1"; }
+[ "$(loss "$TMP/fit/metrics.jsonl")" = "$(loss "$TMP/fit2/metrics.jsonl")" ] && ok || bad "--report-memory changed the losses"
 finish

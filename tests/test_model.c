@@ -117,10 +117,10 @@ static void fill_batch(fm_model *m, uint64_t seed) {
     fm_rng r;
     fm_rng_seed(&r, seed);
     for (int64_t i = 0; i < m->N; i++) {
-        m->tokens[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
-        m->targets[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
+        m->h_tokens[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
+        m->h_targets[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
     }
-    m->targets[3] = -100; /* an ignored target */
+    m->h_targets[3] = -100; /* an ignored target */
 }
 
 static double total_loss(fm_model *m) {

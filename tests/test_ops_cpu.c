@@ -213,7 +213,7 @@ static void test_gemm(void) {
                 }
             const float alpha = 0.7f, beta = 0.3f;
             memcpy(Cm, C0, (size_t)(M * ldc) * sizeof(float));
-            OPS->gemm(CTX, ta, tb, M, N, K, alpha, A, lda, Bm, ldb, beta, Cm, ldc);
+            OPS->gemm(CTX, ta, tb, M, N, K, alpha, A, lda, Bm, ldb, beta, Cm, FM_DTYPE_F32, ldc);
             float *got = fnew(M * N);
             for (int64_t i = 0; i < M; i++)
                 for (int64_t j = 0; j < N; j++) {
@@ -230,7 +230,7 @@ static void test_gemm(void) {
             CHECK_MSG(pad_ok, "gemm(%d,%d): columns between N and ldc were written", ta, tb);
             /* beta = 0 must overwrite a NaN C. */
             for (int64_t i = 0; i < M; i++) poison(Cm + i * ldc, N);
-            OPS->gemm(CTX, ta, tb, M, N, K, 1.0f, A, lda, Bm, ldb, 0.0f, Cm, ldc);
+            OPS->gemm(CTX, ta, tb, M, N, K, 1.0f, A, lda, Bm, ldb, 0.0f, Cm, FM_DTYPE_F32, ldc);
             for (int64_t i = 0; i < M; i++)
                 for (int64_t j = 0; j < N; j++) got[i * N + j] = Cm[i * ldc + j];
             snprintf(what, sizeof what, "gemm(%d,%d) beta=0 over NaN", ta, tb);
@@ -239,7 +239,7 @@ static void test_gemm(void) {
         }
     /* K = 0: C = beta * C. */
     float C[6] = {1, 2, 3, 4, 5, 6}, dummy = 0;
-    OPS->gemm(CTX, false, false, 2, 3, 0, 1.0f, &dummy, 0, &dummy, 3, 0.5f, C, 3);
+    OPS->gemm(CTX, false, false, 2, 3, 0, 1.0f, &dummy, 0, &dummy, 3, 0.5f, C, FM_DTYPE_F32, 3);
     CHECK(C[0] == 0.5f && C[5] == 3.0f);
 }
 
@@ -1126,7 +1126,17 @@ static void test_adamw(int step, float wd, float gs) {
         rv[i] = b2 * (double)v[i] + (1.0 - b2) * gg * gg;
         rd[i] = -(double)lr * ((rm[i] / bc1) / (sqrt(rv[i] / bc2) + eps) + (double)wd * p[i]);
     }
-    OPS->adamw(CTX, p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2, gs);
+    /* with a separate fp32 master (the bf16 builds' path; here fp32 -> p is a copy of it) */
+    float *p2 = fnew(n), *mst = fnew(n), *m2 = fnew(n), *v2 = fnew(n);
+    memcpy(p2, p, (size_t)n * sizeof(float));
+    memcpy(mst, p, (size_t)n * sizeof(float));
+    memcpy(m2, m, (size_t)n * sizeof(float));
+    memcpy(v2, v, (size_t)n * sizeof(float));
+    OPS->adamw(CTX, p2, g, mst, m2, v2, n, lr, b1, b2, eps, wd, bc1, bc2, gs);
+    OPS->adamw(CTX, p, g, NULL, m, v, n, lr, b1, b2, eps, wd, bc1, bc2, gs);
+    CHECK_MSG(memcmp(p, p2, (size_t)n * sizeof(float)) == 0 && memcmp(p, mst, (size_t)n * sizeof(float)) == 0,
+              "adamw with a master: weights differ from the in-place update");
+    free(p2), free(mst), free(m2), free(v2);
     float *d = fnew(n);
     for (int64_t i = 0; i < n; i++) d[i] = (float)((double)p[i] - (double)p0[i]);
     char what[96];

@@ -49,14 +49,14 @@ int main(int argc, char **argv) {
     if (fm_load_for_inference(&m, argv[1], be, B, T, NULL)) return die("model");
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
-            m.tokens[b * T + t] = (int32_t)ids[b * T + t];
-            m.targets[b * T + t] = t + 1 < T ? (int32_t)ids[b * T + t + 1] : -100;
+            m.h_tokens[b * T + t] = (int32_t)ids[b * T + t];
+            m.h_targets[b * T + t] = t + 1 < T ? (int32_t)ids[b * T + t + 1] : -100;
         }
     /* logits first (forward without targets keeps them), then the training forward/backward */
     const int64_t V = cfg.vocab_size;
     float *logits = fm_malloc(sizeof(float) * (size_t)(B * T * V));
     fm_model_forward(&m, false, NULL);
-    memcpy(logits, m.logits, sizeof(float) * (size_t)(B * T * V));
+    for (int64_t r = 0; r < B * T; r++) fm_model_logits_row(&m, r, logits + r * V);
     memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
     fm_loss l;
     fm_model_forward(&m, true, &l);

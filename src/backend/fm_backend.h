@@ -6,7 +6,8 @@
  * Conventions for every op:
  * - Tensors are dense, row-major, contiguous. Shapes are written [rows, cols]; activations are
  *   [N, D] with N = B*T tokens (token n = b*T + t). Element counts are int64_t.
- * - `float *` is the backend's activation/parameter element (fp32 on the CPU backend).
+ * - `fm_act *` is the build's activation/parameter element (fp32 on the CPU, bf16 on CUDA);
+ *   `float *` is fp32 in every build.
  * - Backward: ACTIVATION gradients are ASSIGNED (=), PARAMETER gradients ACCUMULATE (+=)
  *   (llm.c's convention), unless an op's comment says otherwise.
  * - Pointers live in the backend's memory (host memory on the CPU). Integer index tensors are
@@ -22,34 +23,58 @@
 extern "C" {
 #endif
 
+/* Element types. fm_act is the type of activations, weights and their gradients in this build:
+ * fp32 for the CPU backend, bf16 (FM_ACT_BF16, the CUDA build) for the GPU. The model, the
+ * bounded operators and the trainer are written once against fm_act and compiled per build;
+ * they never read or write an fm_act themselves (only ops do), so on a GPU they hold device
+ * pointers. Router logits and probabilities, log-sum-exps, RMSNorm rstd, top-k weights, losses,
+ * optimizer state and the linear-CE strip are fp32 in every build. */
+#ifdef FM_ACT_BF16
+typedef struct fm_act { uint16_t bits; } fm_act; /* bf16: a struct so host code cannot do arithmetic on it */
+#define FM_ACT_DTYPE FM_DTYPE_BF16
+#else
+typedef float fm_act;
+#define FM_ACT_DTYPE FM_DTYPE_F32
+#endif
+
+typedef enum fm_dtype { FM_DTYPE_F32 = 0, FM_DTYPE_BF16 = 1 } fm_dtype;
+
+typedef enum fm_copy_kind {
+    FM_COPY_H2D, /* host -> backend memory */
+    FM_COPY_D2H, /* backend -> host memory */
+    FM_COPY_D2D, /* backend -> backend memory */
+} fm_copy_kind;
+
 typedef struct fm_ops {
-    const char *name; /* "cpu" */
+    const char *name;  /* "cpu", "cuda" */
+    bool host_memory;  /* the backend's memory is host memory (the CPU): no staging needed */
 
     /* ---- dense linear algebra ------------------------------------------------------------ */
 
-    /* C[M,N] = alpha * op(A) @ op(B) + beta * C. op(A) is [M,K] (A is [K,M] when trans_a),
-     * op(B) is [K,N] (B is [N,K] when trans_b). lda/ldb/ldc are row strides in elements.
+    /* C[M,N] = alpha * op(A) @ op(B) + beta * C, accumulated in fp32. op(A) is [M,K] (A is [K,M]
+     * when trans_a), op(B) is [K,N] (B is [N,K] when trans_b). lda/ldb/ldc are row strides in
+     * elements. A and B are fm_act; C is fm_act or fp32 (c_type: FM_ACT_DTYPE or FM_DTYPE_F32).
      * A linear layer y = x W^T with HF weight W [out,in] is gemm(0,1, N,out,in, 1,x,in,W,in,
      * 0,y,out); dx = dy W is gemm(0,0, N,in,out, ...); dW += dy^T x is gemm(1,0, out,in,N,
      * 1, dy,out, x,in, 1, dW,in). CPU: cblas_sgemm. */
     void (*gemm)(void *ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
-                 const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
-                 int64_t ldc);
+                 const fm_act *A, int64_t lda, const fm_act *B, int64_t ldb, float beta, void *C,
+                 fm_dtype c_type, int64_t ldc);
 
     /* ---- elementwise / reductions -------------------------------------------------------- */
 
     /* y[i] += x[i], i < n. */
-    void (*add)(void *ctx, float *y, const float *x, int64_t n);
+    void (*add)(void *ctx, fm_act *y, const fm_act *x, int64_t n);
     /* Sum of squares of x[0..n), accumulated in double. */
-    double (*sumsq)(void *ctx, const float *x, int64_t n);
+    double (*sumsq)(void *ctx, const fm_act *x, int64_t n);
 
     /* ---- embedding ----------------------------------------------------------------------- */
 
     /* out[n,:] = wte[tokens[n],:]. out [N,H], tokens [N] (each in [0,V)), wte [V,H]. */
-    void (*embedding_fwd)(void *ctx, float *out, const int32_t *tokens, const float *wte, int64_t N,
+    void (*embedding_fwd)(void *ctx, fm_act *out, const int32_t *tokens, const fm_act *wte, int64_t N,
                           int64_t H);
     /* dwte[tokens[n],:] += dout[n,:]. Deterministic (fixed summation order per row). */
-    void (*embedding_bwd)(void *ctx, float *dwte, const float *dout, const int32_t *tokens, int64_t N,
+    void (*embedding_bwd)(void *ctx, fm_act *dwte, const fm_act *dout, const int32_t *tokens, int64_t N,
                           int64_t H);
 
     /* ---- RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x^2) + eps) * w --------------- */
@@ -57,21 +82,21 @@ typedef struct fm_ops {
     /* out [N,D], rstd [N] (saved 1/sqrt(mean(x^2)+eps)), x [N,D], w [D]. Also used for QK-norm:
      * per head (qwen3_moe: N = tokens*heads, D = head_dim) or over the whole projection
      * (olmoe: N = tokens, D = heads*head_dim). */
-    void (*rmsnorm_fwd)(void *ctx, float *out, float *rstd, const float *x, const float *w, int64_t N,
+    void (*rmsnorm_fwd)(void *ctx, fm_act *out, float *rstd, const fm_act *x, const fm_act *w, int64_t N,
                         int64_t D, float eps);
     /* dx [N,D] assigned, dw [D] accumulated, from dout [N,D] and the saved x, w, rstd. */
-    void (*rmsnorm_bwd)(void *ctx, float *dx, float *dw, const float *dout, const float *x,
-                        const float *w, const float *rstd, int64_t N, int64_t D);
+    void (*rmsnorm_bwd)(void *ctx, fm_act *dx, fm_act *dw, const fm_act *dout, const fm_act *x,
+                        const fm_act *w, const float *rstd, int64_t N, int64_t D);
 
     /* ---- rotary position embedding (Su et al. 2021), HF "rotate_half" layout -------------- */
 
     /* In place on x [B,T,nh,hd]: for i < hd/2 with c = cos_tab[t*hd/2+i], s = sin_tab[...]:
      * (x[i], x[i+hd/2]) <- (x[i]*c - x[i+hd/2]*s, x[i+hd/2]*c + x[i]*s). Position of token
      * (b,t) is t. cos_tab/sin_tab [T_max, hd/2] with T <= T_max. */
-    void (*rope_fwd)(void *ctx, float *x, const float *cos_tab, const float *sin_tab, int64_t B,
+    void (*rope_fwd)(void *ctx, fm_act *x, const float *cos_tab, const float *sin_tab, int64_t B,
                      int64_t T, int64_t nh, int64_t hd);
     /* In place on the gradient dx [B,T,nh,hd]: the transpose (inverse) rotation. */
-    void (*rope_bwd)(void *ctx, float *dx, const float *cos_tab, const float *sin_tab, int64_t B,
+    void (*rope_bwd)(void *ctx, fm_act *dx, const float *cos_tab, const float *sin_tab, int64_t B,
                      int64_t T, int64_t nh, int64_t hd);
 
     /* ---- causal grouped-query attention, tiled with an online softmax ---------------------
@@ -80,21 +105,21 @@ typedef struct fm_ops {
      * q [B,T,nh,hd], k and v [B,T,nkv,hd], out [B,T,nh,hd], lse [B,nh,T] (natural-log
      * log-sum-exp of each query's scaled scores, saved for backward). Query head h reads kv
      * head h / (nh/nkv). Scale 1/sqrt(hd). */
-    void (*attention_fwd)(void *ctx, float *out, float *lse, const float *q, const float *k,
-                          const float *v, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+    void (*attention_fwd)(void *ctx, fm_act *out, float *lse, const fm_act *q, const fm_act *k,
+                          const fm_act *v, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
     /* dq, dk, dv assigned (same shapes as q, k, v), from dout and the saved q, k, v, out, lse. */
-    void (*attention_bwd)(void *ctx, float *dq, float *dk, float *dv, const float *dout,
-                          const float *q, const float *k, const float *v, const float *out,
+    void (*attention_bwd)(void *ctx, fm_act *dq, fm_act *dk, fm_act *dv, const fm_act *dout,
+                          const fm_act *q, const fm_act *k, const fm_act *v, const fm_act *out,
                           const float *lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
                           int64_t hd);
 
     /* ---- SwiGLU (Shazeer 2020): out = silu(gate) * up ------------------------------------- */
 
     /* out, gate, up: n elements each. */
-    void (*swiglu_fwd)(void *ctx, float *out, const float *gate, const float *up, int64_t n);
+    void (*swiglu_fwd)(void *ctx, fm_act *out, const fm_act *gate, const fm_act *up, int64_t n);
     /* dgate, dup assigned, from dout and the saved gate, up. */
-    void (*swiglu_bwd)(void *ctx, float *dgate, float *dup, const float *dout, const float *gate,
-                       const float *up, int64_t n);
+    void (*swiglu_bwd)(void *ctx, fm_act *dgate, fm_act *dup, const fm_act *dout, const fm_act *gate,
+                       const fm_act *up, int64_t n);
 
     /* ---- router: softmax over experts, top-k ---------------------------------------------- */
 
@@ -130,17 +155,17 @@ typedef struct fm_ops {
     void (*moe_route_index)(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,
                             const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
     /* xe[r,:] = x[row_route[r]/k, :]. xe [R,H], x [N,H]. */
-    void (*moe_gather)(void *ctx, float *xe, const float *x, const int32_t *row_route, int64_t R,
+    void (*moe_gather)(void *ctx, fm_act *xe, const fm_act *x, const int32_t *row_route, int64_t R,
                        int64_t k, int64_t H);
     /* dx[n,:] = sum_j dxe[route_row[n*k+j],:] (assigned; j ascending). */
-    void (*moe_gather_bwd)(void *ctx, float *dx, const float *dxe, const int32_t *route_row,
+    void (*moe_gather_bwd)(void *ctx, fm_act *dx, const fm_act *dxe, const int32_t *route_row,
                            int64_t N, int64_t k, int64_t H);
     /* out[n,:] = sum_j topk_w[n*k+j] * ye[route_row[n*k+j],:] (assigned; j ascending). */
-    void (*moe_combine_fwd)(void *ctx, float *out, const float *ye, const float *topk_w,
+    void (*moe_combine_fwd)(void *ctx, fm_act *out, const fm_act *ye, const float *topk_w,
                             const int32_t *route_row, int64_t N, int64_t k, int64_t H);
     /* dye[route_row[n*k+j],:] = topk_w[n*k+j] * dout[n,:] and
      * dtopk_w[n*k+j] = dot(dout[n,:], ye[route_row[n*k+j],:]), both assigned. */
-    void (*moe_combine_bwd)(void *ctx, float *dye, float *dtopk_w, const float *dout, const float *ye,
+    void (*moe_combine_bwd)(void *ctx, fm_act *dye, float *dtopk_w, const fm_act *dout, const fm_act *ye,
                             const float *topk_w, const int32_t *route_row, int64_t N, int64_t k,
                             int64_t H);
 
@@ -160,18 +185,21 @@ typedef struct fm_ops {
      * logits) = grad_scale * (softmax - onehot), rows of ignored targets zero. Returns the sum
      * of loss over non-ignored tokens (double). Targets outside [0,V) other than ignore_index
      * are a caller bug (asserted). */
-    double (*cross_entropy)(void *ctx, float *loss, float *dlogits, const float *logits,
+    double (*cross_entropy)(void *ctx, float *loss, fm_act *dlogits, const fm_act *logits,
                             const int32_t *targets, int64_t N, int64_t V, float grad_scale,
                             int32_t ignore_index);
 
     /* ---- optimizer ------------------------------------------------------------------------- */
 
-    /* AdamW (Loshchilov & Hutter 2019) over n elements, in place on p, m, v:
-     *   g' = g * grad_scale; m = b1*m + (1-b1)*g'; v = b2*v + (1-b2)*g'^2;
-     *   p -= lr * ( (m/bc1) / (sqrt(v/bc2) + eps) + wd * p )
-     * with bc1 = 1 - b1^step, bc2 = 1 - b2^step supplied by the caller (wd = 0 for norms). */
-    void (*adamw)(void *ctx, float *p, const float *g, float *m, float *v, int64_t n, float lr,
-                  float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale);
+    /* AdamW (Loshchilov & Hutter 2019) over n elements, in place on the fp32 master weights w,
+     * m, v:  g' = g * grad_scale; m = b1*m + (1-b1)*g'; v = b2*v + (1-b2)*g'^2;
+     *   w -= lr * ( (m/bc1) / (sqrt(v/bc2) + eps) + wd * w )
+     * with bc1 = 1 - b1^step, bc2 = 1 - b2^step supplied by the caller (wd = 0 for norms).
+     * master [n] fp32, or NULL when p itself is the fp32 master (fm_act = fp32, the CPU): then
+     * w = p; otherwise w = master and p = round-to-nearest(w) afterwards (bf16 weights). */
+    void (*adamw)(void *ctx, fm_act *p, const fm_act *g, float *master, float *m, float *v, int64_t n,
+                  float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
+                  float grad_scale);
 
     /* ---- linear cross-entropy strips (bounded/fm_linear_ce.c) ------------------------------
      * The vocabulary projection never holds N x V logits (DESIGN.md §2): the caller forms one
@@ -218,7 +246,25 @@ typedef struct fm_ops {
                            const float *z, const int32_t *targets, const float *weights,
                            int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index,
                            float grad_scale, float z_coef);
+
+    /* ---- memory: used at launch (arenas, weights) and for small transfers; no op of a step
+     * allocates. Pointers from mem_alloc are the backend's (device memory on a GPU). -------- */
+
+    /* bytes of backend memory, 256-byte aligned and zero-filled; NULL when it cannot. */
+    void *(*mem_alloc)(void *ctx, size_t bytes);
+    void (*mem_free)(void *ctx, void *p);
+    /* dst[0..bytes) = byte. */
+    void (*mem_set)(void *ctx, void *dst, int byte, size_t bytes);
+    /* bytes from src to dst; kind says which side is host memory. Synchronous. */
+    void (*copy)(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_kind kind);
+    /* n elements, src_type -> dst_type (fp32 <-> the act type, round to nearest even). dst and
+     * src may be the same buffer when the types have the same size. */
+    void (*convert)(void *ctx, void *dst, fm_dtype dst_type, const void *src, fm_dtype src_type, int64_t n);
+    /* Waits for everything issued so far (a no-op on the CPU). */
+    void (*sync)(void *ctx);
 } fm_ops;
+
+static inline size_t fm_dtype_size(fm_dtype t) { return t == FM_DTYPE_BF16 ? 2 : 4; }
 
 /* A backend instance: its op table and its context. */
 typedef struct fm_backend {

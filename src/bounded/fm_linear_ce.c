@@ -13,7 +13,9 @@
  *
  *   plain = 2 * round(N * V * 4) + 4 * round(N * 4)
  *
- * (N x V logits and their gradient, and the same state for all N tokens).
+ * (N x V logits and their gradient, and the same state for all N tokens). Where fm_act is not
+ * fp32 (the bf16 CUDA build), the fp32 gradient strip is converted to fm_act for its two GEMMs:
+ * add round(Nb * Vb * sizeof(fm_act)) to the bound (round(N * V * sizeof(fm_act)) to the twin).
  */
 #include "fm_linear_ce.h"
 
@@ -29,17 +31,30 @@ fm_lce_opts fm_lce_opts_default(void) {
 
 static int64_t lce_block(int64_t asked, int64_t dflt) { return asked > 0 ? asked : dflt; }
 
+/* Bytes of the fm_act copy of a gradient strip of n elements (none when fm_act is fp32). */
+static size_t act_copy_bytes(int64_t n) {
+    return sizeof(fm_act) == sizeof(float) ? 0 : fm_arena_round((size_t)n * sizeof(fm_act));
+}
+
+/* The gradient strip as the GEMMs' fm_act operand: itself when fm_act is fp32, else converted
+ * into `copy`. */
+static const fm_act *act_view(const fm_ops *ops, void *ctx, const float *g, fm_act *copy, int64_t n) {
+    if (sizeof(fm_act) == sizeof(float)) return (const fm_act *)(const void *)g;
+    ops->convert(ctx, copy, FM_ACT_DTYPE, g, FM_DTYPE_F32, n);
+    return copy;
+}
+
 /* The bound formula above; the planner and the schedule below share it. */
 size_t fm_linear_ce_bound_bytes(int64_t block_tokens, int64_t block_vocab) {
     const int64_t nb = lce_block(block_tokens, FM_LCE_DEFAULT_BLOCK_TOKENS);
     const int64_t vb = lce_block(block_vocab, FM_LCE_DEFAULT_BLOCK_VOCAB);
-    return fm_arena_round((size_t)(nb * vb * FM_LCE_F32)) +
+    return fm_arena_round((size_t)(nb * vb * FM_LCE_F32)) + act_copy_bytes(nb * vb) +
            4 * fm_arena_round((size_t)(nb * FM_LCE_F32));
 }
 
 size_t fm_linear_ce_plain_bytes(int64_t N, int64_t V) {
     FM_ASSERT(N >= 0 && V >= 0);
-    return 2 * fm_arena_round((size_t)(N * V * FM_LCE_F32)) +
+    return 2 * fm_arena_round((size_t)(N * V * FM_LCE_F32)) + act_copy_bytes(N * V) +
            4 * fm_arena_round((size_t)(N * FM_LCE_F32));
 }
 
@@ -58,8 +73,8 @@ static lce_state lce_state_alloc(fm_arena *ws, int64_t nb, bool want_entropy) {
     return s;
 }
 
-static void lce_check_args(const fm_backend *be, fm_arena *ws, const float *loss, const float *h,
-                           const float *W, const int32_t *targets, int64_t N, int64_t H,
+static void lce_check_args(const fm_backend *be, fm_arena *ws, const float *loss, const fm_act *h,
+                           const fm_act *W, const int32_t *targets, int64_t N, int64_t H,
                            int64_t V) {
     FM_ASSERT(be && be->ops && ws && loss && h && W && targets);
     FM_ASSERT(N >= 0 && H >= 0 && V >= 1);
@@ -67,8 +82,8 @@ static void lce_check_args(const fm_backend *be, fm_arena *ws, const float *loss
               be->ops->lce_strip_grad);
 }
 
-double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, float *dh, float *dW,
-                    const float *h, const float *W, const int32_t *targets, int64_t N, int64_t H,
+double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
+                    const fm_act *h, const fm_act *W, const int32_t *targets, int64_t N, int64_t H,
                     int64_t V, float grad_scale, const fm_lce_opts *opts, double *z_term) {
     lce_check_args(be, ws, loss, h, W, targets, N, H, V);
     const fm_lce_opts o = opts ? *opts : fm_lce_opts_default();
@@ -84,6 +99,7 @@ double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, float *dh, 
 
     const size_t entry = ws->used;
     float *S = fm_arena_alloc(ws, (size_t)(Nb * Vb * FM_LCE_F32));
+    fm_act *Sa = sizeof(fm_act) == sizeof(float) || !backward ? NULL : fm_arena_alloc(ws, act_copy_bytes(Nb * Vb));
     const lce_state st = lce_state_alloc(ws, Nb, o.out_entropy != NULL);
     if (fm_arena_is_measure(ws)) {
         ws->used = entry;
@@ -93,14 +109,14 @@ double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, float *dh, 
     double ce = 0.0, zs = 0.0;
     for (int64_t n0 = 0; n0 < N; n0 += Nb) {
         const int64_t nb = N - n0 < Nb ? N - n0 : Nb;
-        const float *hb = h + n0 * H;
+        const fm_act *hb = h + n0 * H;
         const int32_t *tb = targets + n0;
         const float *wb = o.token_weight ? o.token_weight + n0 : NULL;
 
         /* pass 1: fold every vocabulary block into m, z, tgt (and ent) */
         for (int64_t v0 = 0; v0 < V; v0 += Vb) {
             const int64_t vb = V - v0 < Vb ? V - v0 : Vb;
-            ops->gemm(ctx, false, true, nb, vb, H, 1.0f, hb, H, W + v0 * H, H, 0.0f, S, vb);
+            ops->gemm(ctx, false, true, nb, vb, H, 1.0f, hb, H, W + v0 * H, H, 0.0f, S, FM_DTYPE_F32, vb);
             ops->lce_fold(ctx, st.m, st.z, st.tgt, st.ent, S, tb, nb, vb, v0, v0 == 0);
         }
         double zb = 0.0;
@@ -113,15 +129,16 @@ double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, float *dh, 
         /* pass 2: recompute each strip, turn it into G in place, contract into dh and dW */
         for (int64_t v0 = 0; v0 < V; v0 += Vb) {
             const int64_t vb = V - v0 < Vb ? V - v0 : Vb;
-            const float *Wb = W + v0 * H;
-            ops->gemm(ctx, false, true, nb, vb, H, 1.0f, hb, H, Wb, H, 0.0f, S, vb);
+            const fm_act *Wb = W + v0 * H;
+            ops->gemm(ctx, false, true, nb, vb, H, 1.0f, hb, H, Wb, H, 0.0f, S, FM_DTYPE_F32, vb);
             ops->lce_strip_grad(ctx, S, S, st.m, st.z, tb, wb, nb, vb, v0, o.ignore_index,
                                 grad_scale, o.z_loss);
+            const fm_act *G = act_view(ops, ctx, S, Sa, nb * vb);
             if (dh) /* dh_blk (=, then +=) G [nb,vb] W_blk [vb,H] */
-                ops->gemm(ctx, false, false, nb, H, vb, 1.0f, S, vb, Wb, H, v0 == 0 ? 0.0f : 1.0f,
-                          dh + n0 * H, H);
+                ops->gemm(ctx, false, false, nb, H, vb, 1.0f, G, vb, Wb, H, v0 == 0 ? 0.0f : 1.0f,
+                          dh + n0 * H, FM_ACT_DTYPE, H);
             if (dW) /* dW_blk [vb,H] += G^T h_blk */
-                ops->gemm(ctx, true, false, vb, H, nb, 1.0f, S, vb, hb, H, 1.0f, dW + v0 * H, H);
+                ops->gemm(ctx, true, false, vb, H, nb, 1.0f, G, vb, hb, H, 1.0f, dW + v0 * H, FM_ACT_DTYPE, H);
         }
     }
     ws->used = entry;
@@ -129,8 +146,8 @@ double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, float *dh, 
     return ce;
 }
 
-double fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, float *dh, float *dW,
-                          const float *h, const float *W, const int32_t *targets, int64_t N,
+double fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
+                          const fm_act *h, const fm_act *W, const int32_t *targets, int64_t N,
                           int64_t H, int64_t V, float grad_scale, const fm_lce_opts *opts,
                           double *z_term) {
     lce_check_args(be, ws, loss, h, W, targets, N, H, V);
@@ -143,13 +160,14 @@ double fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, float
     const size_t entry = ws->used;
     float *logits = fm_arena_alloc(ws, (size_t)(N * V * FM_LCE_F32));
     float *dlogits = fm_arena_alloc(ws, (size_t)(N * V * FM_LCE_F32));
+    fm_act *da = sizeof(fm_act) == sizeof(float) ? NULL : fm_arena_alloc(ws, act_copy_bytes(N * V));
     const lce_state st = lce_state_alloc(ws, N, o.out_entropy != NULL);
     if (fm_arena_is_measure(ws)) {
         ws->used = entry;
         return 0.0;
     }
 
-    ops->gemm(ctx, false, true, N, V, H, 1.0f, h, H, W, H, 0.0f, logits, V);
+    ops->gemm(ctx, false, true, N, V, H, 1.0f, h, H, W, H, 0.0f, logits, FM_DTYPE_F32, V);
     ops->lce_fold(ctx, st.m, st.z, st.tgt, st.ent, logits, targets, N, V, 0, true);
     double zs = 0.0;
     const double ce = ops->lce_finalize(ctx, loss, o.out_logprob, o.out_entropy, &zs, st.m, st.z,
@@ -158,8 +176,9 @@ double fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, float
     if (dh || dW) {
         ops->lce_strip_grad(ctx, dlogits, logits, st.m, st.z, targets, o.token_weight, N, V, 0,
                             o.ignore_index, grad_scale, o.z_loss);
-        if (dh) ops->gemm(ctx, false, false, N, H, V, 1.0f, dlogits, V, W, H, 0.0f, dh, H);
-        if (dW) ops->gemm(ctx, true, false, V, H, N, 1.0f, dlogits, V, h, H, 1.0f, dW, H);
+        const fm_act *G = act_view(ops, ctx, dlogits, da, N * V);
+        if (dh) ops->gemm(ctx, false, false, N, H, V, 1.0f, G, V, W, H, 0.0f, dh, FM_ACT_DTYPE, H);
+        if (dW) ops->gemm(ctx, true, false, V, H, N, 1.0f, G, V, h, H, 1.0f, dW, FM_ACT_DTYPE, H);
     }
     ws->used = entry;
     if (z_term) *z_term = (double)o.z_loss * zs;

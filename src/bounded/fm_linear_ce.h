@@ -56,10 +56,10 @@ size_t fm_linear_ce_plain_bytes(int64_t N, int64_t V);
 
 /* Linear cross-entropy, blocked (the bounded operator).
  *   loss   [N]   fp32 out, ASSIGNED: loss_t = lse_t - l_{t,y_t} (nats), 0 for ignored tokens
- *   dh     [N,H] fp32 out, ASSIGNED: grad_scale * dJ/dh (ignored rows 0); NULL: not computed
- *   dW     [V,H] fp32 out, ACCUMULATED (+=): grad_scale * dJ/dW; NULL: not computed
+ *   dh     [N,H] fm_act out, ASSIGNED: grad_scale * dJ/dh (ignored rows 0); NULL: not computed
+ *   dW     [V,H] fm_act out, ACCUMULATED (+=): grad_scale * dJ/dW; NULL: not computed
  *          (dh and dW both NULL: forward only, one pass)
- *   h      [N,H] fp32, the final-norm output; W [V,H] fp32, the LM head (HF layout [vocab, hidden])
+ *   h      [N,H] fm_act, the final-norm output; W [V,H] fm_act, the LM head (HF layout [vocab, hidden])
  *   targets [N] int32 in [0,V) or opts->ignore_index
  *   grad_scale multiplies every gradient (e.g. 1 / valid tokens / accumulation steps)
  *   opts   block sizes, ignore_index, z-loss, weights, optional outputs; NULL: defaults
@@ -76,8 +76,8 @@ size_t fm_linear_ce_plain_bytes(int64_t N, int64_t V);
  * outputs; pass 2 recomputes each strip, turns it into G = grad_scale w ((1 + 2 s lse) p -
  * onehot) (lce_strip_grad), and contracts dh_blk += G W_blk, dW_blk += G^T h_blk (gemm).
  * Cost: 4 N V H multiply-adds with backward (the logits twice), 1 without. */
-double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, float *dh, float *dW,
-                    const float *h, const float *W, const int32_t *targets, int64_t N, int64_t H,
+double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
+                    const fm_act *h, const fm_act *W, const int32_t *targets, int64_t N, int64_t H,
                     int64_t V, float grad_scale, const fm_lce_opts *opts, double *z_term);
 
 /* The plain twin: the same arguments, outputs and conventions, computed by materializing the
@@ -85,8 +85,8 @@ double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, float *dh, 
  * sizes in opts are ignored. The same strip ops run on one N x V block, then dh = G W and
  * dW += G^T h as single gemms. Equal to fm_linear_ce up to floating-point reassociation
  * (CPU fp32: relative 1e-6). */
-double fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, float *dh, float *dW,
-                          const float *h, const float *W, const int32_t *targets, int64_t N,
+double fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
+                          const fm_act *h, const fm_act *W, const int32_t *targets, int64_t N,
                           int64_t H, int64_t V, float grad_scale, const fm_lce_opts *opts,
                           double *z_term);
 

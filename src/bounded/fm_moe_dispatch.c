@@ -1,26 +1,33 @@
 #include "fm_moe_dispatch.h"
 
-/* Bound (see the header): a dispatch over n tokens holds
- *   routes(n) = offsets (E+1)*8 + row_route, route_row 2*n*k*4 + xe, ye 2*n*k*H*4
- *               + h_gate, h_up, h_act 3*n*k*I*4
- * and its backward dye, dxe 2*n*k*H*4 + dact, dh_gate, dh_up 3*n*k*I*4. The chunked form adds
- * the chunk's token list c*4, its top-k rows 3*c*k*4 (idx, w, dw) and xc, yc, dxc 3*c*H*4, and
- * holds routes(c) itself. Nothing here depends on how the router spreads the routes: a
+/* Bound (see the header; a = sizeof(fm_act)): a dispatch over n tokens holds
+ *   routes(n) = offsets (E+1)*8 + row_route, route_row 2*n*k*4 + xe, ye 2*n*k*H*a
+ *               + h_gate, h_up, h_act 3*n*k*I*a
+ * and its backward dye, dxe 2*n*k*H*a + dact, dh_gate, dh_up 3*n*k*I*a. The chunked form adds
+ * the chunk's top-k rows 3*c*k*4 (idx, w, dw) and xc, yc, dxc 3*c*H*a, and holds routes(c)
+ * itself (the chunk-major token order [N] int32 lives with the boundaries). Nothing here depends on how the router spreads the routes: a
  * dispatch of n tokens has exactly n*k rows (dropless). */
 
 #define R4(x) fm_arena_round((size_t)(x) * 4)
 #define R8(x) fm_arena_round((size_t)(x) * 8)
+#define RA(x) fm_arena_round((size_t)(x) * sizeof(fm_act))
 
 size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n) {
     const int64_t R = n * d->k;
-    return R8(d->E + 1) + 2 * R4(R) + 2 * R4(R * d->H) + 3 * R4(R * d->I);
+    return R8(d->E + 1) + 2 * R4(R) + 2 * RA(R * d->H) + 3 * RA(R * d->I);
 }
 
 size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked) {
     const int64_t R = n * d->k;
-    size_t b = 2 * R4(R * d->H) + 3 * R4(R * d->I);
-    if (chunked) b += R4(n) + 3 * R4(n * d->k) + 3 * R4(n * d->H) + fm_moe_routes_bytes(d, n);
+    size_t b = 2 * RA(R * d->H) + 3 * RA(R * d->I);
+    if (chunked) b += 3 * R4(n * d->k) + 3 * RA(n * d->H) + fm_moe_routes_bytes(d, n);
     return b;
+}
+
+void fm_moe_chunk_order(int32_t *tokens, int64_t N, int64_t K) {
+    int64_t p = 0;
+    for (int64_t j = 0; j < K; j++)
+        for (int64_t t = j; t < N; t += K) tokens[p++] = (int32_t)t;
 }
 
 void fm_moe_chunks(int64_t N, int64_t chunk_tokens, int64_t *K, int64_t *c_eff) {
@@ -36,51 +43,51 @@ void fm_moe_routes_layout(fm_moe_routes *r, fm_arena *a, const fm_moe_dims *d, i
     r->offsets = TAKE(a, int64_t, d->E + 1);
     r->row_route = TAKE(a, int32_t, R);
     r->route_row = TAKE(a, int32_t, R);
-    r->xe = TAKE(a, float, R * d->H);
-    r->h_gate = TAKE(a, float, R * d->I);
-    r->h_up = TAKE(a, float, R * d->I);
-    r->h_act = TAKE(a, float, R * d->I);
-    r->ye = TAKE(a, float, R * d->H);
+    r->xe = TAKE(a, fm_act, R * d->H);
+    r->h_gate = TAKE(a, fm_act, R * d->I);
+    r->h_up = TAKE(a, fm_act, R * d->I);
+    r->h_act = TAKE(a, fm_act, R * d->I);
+    r->ye = TAKE(a, fm_act, R * d->H);
 }
 
 void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, const fm_moe_dims *d, int64_t n, bool chunked) {
     const int64_t R = n * d->k;
-    w->dye = TAKE(a, float, R * d->H);
-    w->dxe = TAKE(a, float, R * d->H);
-    w->dact = TAKE(a, float, R * d->I);
-    w->dh_gate = TAKE(a, float, R * d->I);
-    w->dh_up = TAKE(a, float, R * d->I);
+    w->dye = TAKE(a, fm_act, R * d->H);
+    w->dxe = TAKE(a, fm_act, R * d->H);
+    w->dact = TAKE(a, fm_act, R * d->I);
+    w->dh_gate = TAKE(a, fm_act, R * d->I);
+    w->dh_up = TAKE(a, fm_act, R * d->I);
     if (chunked) {
-        w->tok = TAKE(a, int32_t, n);
         w->topk_idx = TAKE(a, int32_t, n * d->k);
         w->topk_w = TAKE(a, float, n * d->k);
         w->dtopk_w = TAKE(a, float, n * d->k);
-        w->xc = TAKE(a, float, n * d->H);
-        w->yc = TAKE(a, float, n * d->H);
-        w->dxc = TAKE(a, float, n * d->H);
+        w->xc = TAKE(a, fm_act, n * d->H);
+        w->yc = TAKE(a, fm_act, n * d->H);
+        w->dxc = TAKE(a, fm_act, n * d->H);
         fm_moe_routes_layout(&w->r, a, d, n);
     } else {
-        w->tok = w->topk_idx = NULL;
-        w->topk_w = w->dtopk_w = w->xc = w->yc = w->dxc = NULL;
+        w->topk_idx = NULL;
+        w->topk_w = w->dtopk_w = NULL;
+        w->xc = w->yc = w->dxc = NULL;
     }
 }
 
 /* ---- one dispatch over n tokens -------------------------------------------------------------- */
 
-static void linear_fwd(const fm_backend *be, float *y, const float *x, const float *W, int64_t n, int64_t in,
+static void linear_fwd(const fm_backend *be, fm_act *y, const fm_act *x, const fm_act *W, int64_t n, int64_t in,
                        int64_t out) {
-    be->ops->gemm(be->ctx, false, true, n, out, in, 1.0f, x, in, W, in, 0.0f, y, out);
+    be->ops->gemm(be->ctx, false, true, n, out, in, 1.0f, x, in, W, in, 0.0f, y, FM_ACT_DTYPE, out);
 }
 
-static void linear_bwd(const fm_backend *be, float *dx, float beta, float *dW, const float *dy, const float *x,
-                       const float *W, int64_t n, int64_t in, int64_t out) {
-    be->ops->gemm(be->ctx, false, false, n, in, out, 1.0f, dy, out, W, in, beta, dx, in);
-    be->ops->gemm(be->ctx, true, false, out, in, n, 1.0f, dy, out, x, in, 1.0f, dW, in);
+static void linear_bwd(const fm_backend *be, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
+                       const fm_act *W, int64_t n, int64_t in, int64_t out) {
+    be->ops->gemm(be->ctx, false, false, n, in, out, 1.0f, dy, out, W, in, beta, dx, FM_ACT_DTYPE, in);
+    be->ops->gemm(be->ctx, true, false, out, in, n, 1.0f, dy, out, x, in, 1.0f, dW, FM_ACT_DTYPE, in);
 }
 
 /* Permute x [n,H] by expert into r, run the experts; with y != NULL combine into y [n,H]. */
 static void dispatch_fwd(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_routes *r,
-                         float *y, const float *x, const int32_t *idx, const float *wts, int64_t n) {
+                         fm_act *y, const fm_act *x, const int32_t *idx, const float *wts, int64_t n) {
     const int64_t H = d->H, I = d->I, E = d->E, k = d->k;
     be->ops->moe_route_index(be->ctx, r->offsets, r->row_route, r->route_row, idx, n, E, k);
     be->ops->moe_gather(be->ctx, r->xe, x, r->row_route, n * k, k, H);
@@ -97,7 +104,7 @@ static void dispatch_fwd(const fm_backend *be, const fm_moe_dims *d, const fm_mo
 
 /* Backward of dispatch_fwd from dy [n,H]: dx [n,H], dtopk_w [n,k] assigned. */
 static void dispatch_bwd(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, const fm_moe_grads *g,
-                         const fm_moe_routes *r, fm_moe_ws *ws, float *dx, float *dtopk_w, const float *dy,
+                         const fm_moe_routes *r, fm_moe_ws *ws, fm_act *dx, float *dtopk_w, const fm_act *dy,
                          const float *wts, int64_t n) {
     const int64_t H = d->H, I = d->I, E = d->E, k = d->k;
     be->ops->moe_combine_bwd(be->ctx, ws->dye, dtopk_w, dy, r->ye, wts, r->route_row, n, k, H);
@@ -116,45 +123,50 @@ static void dispatch_bwd(const fm_backend *be, const fm_moe_dims *d, const fm_mo
     be->ops->moe_gather_bwd(be->ctx, dx, ws->dxe, r->route_row, n, k, H);
 }
 
-/* Gathers chunk j's tokens (t = j, j+K, ...) and their top-k rows into ws; returns its size. */
-static int64_t gather_chunk(const fm_backend *be, const fm_moe_dims *d, fm_moe_ws *ws, const float *x,
-                            const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K, int64_t j) {
-    const int64_t n = (N - j + K - 1) / K;
-    for (int64_t i = 0; i < n; i++) ws->tok[i] = (int32_t)(j + i * K);
-    be->ops->gather_rows(be->ctx, ws->xc, x, ws->tok, n, d->H * (int64_t)sizeof(float));
-    be->ops->gather_rows(be->ctx, ws->topk_idx, topk_idx, ws->tok, n, d->k * (int64_t)sizeof(int32_t));
-    be->ops->gather_rows(be->ctx, ws->topk_w, topk_w, ws->tok, n, d->k * (int64_t)sizeof(float));
-    return n;
+/* Gathers chunk j's tokens (tok = its slice of the chunk-major order) and their top-k rows. */
+static void gather_chunk(const fm_backend *be, const fm_moe_dims *d, fm_moe_ws *ws, const fm_act *x,
+                         const int32_t *topk_idx, const float *topk_w, const int32_t *tok, int64_t n) {
+    be->ops->gather_rows(be->ctx, ws->xc, x, tok, n, d->H * (int64_t)sizeof(fm_act));
+    be->ops->gather_rows(be->ctx, ws->topk_idx, topk_idx, tok, n, d->k * (int64_t)sizeof(int32_t));
+    be->ops->gather_rows(be->ctx, ws->topk_w, topk_w, tok, n, d->k * (int64_t)sizeof(float));
 }
 
-void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, float *y,
-                    const float *x, const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
-                    fm_moe_routes *saved, fm_moe_ws *ws) {
+void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_act *y,
+                    const fm_act *x, const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
+                    const int32_t *chunk_tokens, fm_moe_routes *saved, fm_moe_ws *ws) {
     if (saved) {
         dispatch_fwd(be, d, w, saved, y, x, topk_idx, topk_w, N);
         return;
     }
-    for (int64_t j = 0; j < K; j++) {
-        const int64_t n = gather_chunk(be, d, ws, x, topk_idx, topk_w, N, K, j);
+    for (int64_t j = 0, start = 0; j < K; j++) {
+        const int64_t n = (N - j + K - 1) / K;
+        const int32_t *tok = chunk_tokens + start;
+        start += n;
+        if (n <= 0) continue;
+        gather_chunk(be, d, ws, x, topk_idx, topk_w, tok, n);
         dispatch_fwd(be, d, w, &ws->r, ws->yc, ws->xc, ws->topk_idx, ws->topk_w, n);
-        be->ops->scatter_rows(be->ctx, y, ws->yc, ws->tok, n, d->H * (int64_t)sizeof(float));
+        be->ops->scatter_rows(be->ctx, y, ws->yc, tok, n, d->H * (int64_t)sizeof(fm_act));
     }
 }
 
 void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w,
-                     const fm_moe_grads *g, float *dx, float *dtopk_w, const float *dy, const float *x,
+                     const fm_moe_grads *g, fm_act *dx, float *dtopk_w, const fm_act *dy, const fm_act *x,
                      const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
-                     const fm_moe_routes *saved, fm_moe_ws *ws) {
+                     const int32_t *chunk_tokens, const fm_moe_routes *saved, fm_moe_ws *ws) {
     if (saved) {
         dispatch_bwd(be, d, w, g, saved, ws, dx, dtopk_w, dy, topk_w, N);
         return;
     }
-    for (int64_t j = 0; j < K; j++) {
-        const int64_t n = gather_chunk(be, d, ws, x, topk_idx, topk_w, N, K, j);
+    for (int64_t j = 0, start = 0; j < K; j++) {
+        const int64_t n = (N - j + K - 1) / K;
+        const int32_t *tok = chunk_tokens + start;
+        start += n;
+        if (n <= 0) continue;
+        gather_chunk(be, d, ws, x, topk_idx, topk_w, tok, n);
         dispatch_fwd(be, d, w, &ws->r, NULL, ws->xc, ws->topk_idx, ws->topk_w, n); /* recompute */
-        be->ops->gather_rows(be->ctx, ws->yc, dy, ws->tok, n, d->H * (int64_t)sizeof(float));
+        be->ops->gather_rows(be->ctx, ws->yc, dy, tok, n, d->H * (int64_t)sizeof(fm_act));
         dispatch_bwd(be, d, w, g, &ws->r, ws, ws->dxc, ws->dtopk_w, ws->yc, ws->topk_w, n);
-        be->ops->scatter_rows(be->ctx, dx, ws->dxc, ws->tok, n, d->H * (int64_t)sizeof(float));
-        be->ops->scatter_rows(be->ctx, dtopk_w, ws->dtopk_w, ws->tok, n, d->k * (int64_t)sizeof(float));
+        be->ops->scatter_rows(be->ctx, dx, ws->dxc, tok, n, d->H * (int64_t)sizeof(fm_act));
+        be->ops->scatter_rows(be->ctx, dtopk_w, ws->dtopk_w, tok, n, d->k * (int64_t)sizeof(float));
     }
 }

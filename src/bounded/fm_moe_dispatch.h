@@ -22,11 +22,11 @@
 
 /* Expert weights of one layer: gate and up [E,I,H], down [E,H,I] (stacked HF per-expert). */
 typedef struct fm_moe_weights {
-    const float *w_gate, *w_up, *w_down;
+    const fm_act *w_gate, *w_up, *w_down;
 } fm_moe_weights;
 
 typedef struct fm_moe_grads {
-    float *w_gate, *w_up, *w_down; /* accumulated (+=) */
+    fm_act *w_gate, *w_up, *w_down; /* accumulated (+=) */
 } fm_moe_grads;
 
 /* The dims of the block. */
@@ -40,21 +40,20 @@ typedef struct fm_moe_dims {
 typedef struct fm_moe_routes {
     int64_t *offsets;               /* [E+1] host memory */
     int32_t *row_route, *route_row; /* [R] */
-    float *xe;                      /* [R,H] gathered inputs */
-    float *h_gate, *h_up, *h_act;   /* [R,I] */
-    float *ye;                      /* [R,H] expert outputs */
+    fm_act *xe;                     /* [R,H] gathered inputs */
+    fm_act *h_gate, *h_up, *h_act;  /* [R,I] */
+    fm_act *ye;                     /* [R,H] expert outputs */
 } fm_moe_routes;
 
 /* Working set of the backward of one dispatch (R rows), and, for the chunked form, the chunk's
  * gathered rows. */
 typedef struct fm_moe_ws {
-    float *dye, *dxe;                  /* [R,H] */
-    float *dact, *dh_gate, *dh_up;     /* [R,I] */
+    fm_act *dye, *dxe;                 /* [R,H] */
+    fm_act *dact, *dh_gate, *dh_up;    /* [R,I] */
     /* chunked form only (NULL for the plain twin): */
-    int32_t *tok;                      /* [c] tokens of the chunk */
     int32_t *topk_idx;                 /* [c,k] */
     float *topk_w, *dtopk_w;           /* [c,k] */
-    float *xc, *yc, *dxc;              /* [c,H]: inputs, outputs / output grads, input grads */
+    fm_act *xc, *yc, *dxc;             /* [c,H]: inputs, outputs / output grads, input grads */
     fm_moe_routes r;                   /* the chunk's routes */
 } fm_moe_ws;
 
@@ -62,10 +61,10 @@ typedef struct fm_moe_ws {
  * chunk_tokens = 0 or >= N: K = 1, c_eff = N. */
 void fm_moe_chunks(int64_t N, int64_t chunk_tokens, int64_t *K, int64_t *c_eff);
 
-/* Bound formulas (bytes, each buffer rounded as fm_arena_alloc rounds):
- *   routes(n)      = (E+1)*8 + 2*n*k*4 + n*k*(2H + 3I)*4
- *   plain saved    = routes(N) per layer (saved for backward);  plain ws = n*k*(2H + 3I)*4 with n = N
- *   chunked ws     = routes(c) + n*k*(2H + 3I)*4 + c*4 + 3*c*k*4 + 3*c*H*4 with c = c_eff:
+/* Bound formulas (bytes, each buffer rounded as fm_arena_alloc rounds; a = sizeof(fm_act)):
+ *   routes(n)      = (E+1)*8 + 2*n*k*4 + n*k*(2H + 3I)*a
+ *   plain saved    = routes(N) per layer (saved for backward);  plain ws = n*k*(2H + 3I)*a with n = N
+ *   chunked ws     = routes(c) + c*k*(2H + 3I)*a + 3*c*k*4 + 3*c*H*a with c = c_eff:
  *                    one chunk's forward and backward, whatever the routing (dropless: a chunk's
  *                    c*k routes fill exactly c*k rows however they are spread over experts). */
 size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n);
@@ -75,18 +74,24 @@ size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked);
 void fm_moe_routes_layout(fm_moe_routes *r, fm_arena *a, const fm_moe_dims *d, int64_t n);
 void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, const fm_moe_dims *d, int64_t n, bool chunked);
 
+/* The chunk-major token order for N tokens in K strided chunks: chunk j's tokens j, j+K, j+2K, ...
+ * come at positions [start_j, start_j + n_j), n_j = ceil((N - j) / K). tokens [N] host memory
+ * (the caller uploads it once, at layout). */
+void fm_moe_chunk_order(int32_t *tokens, int64_t N, int64_t K);
+
 /* Forward: y [N,H] (assigned) = sum_j topk_w[n,j] * expert_{topk_idx[n,j]}(x[n]), x [N,H],
  * topk_idx/topk_w [N,k]. Plain twin: `saved` (routes over N) receives the intermediates.
- * Chunked (K > 1 or saved == NULL): ws holds one chunk at a time; nothing is saved. */
-void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, float *y,
-                    const float *x, const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
-                    fm_moe_routes *saved, fm_moe_ws *ws);
+ * Chunked (saved == NULL): chunk_tokens [N] (backend memory, fm_moe_chunk_order) gives the
+ * chunks' tokens; ws holds one chunk at a time; nothing is saved. */
+void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_act *y,
+                    const fm_act *x, const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
+                    const int32_t *chunk_tokens, fm_moe_routes *saved, fm_moe_ws *ws);
 
 /* Backward: dx [N,H] and dtopk_w [N,k] assigned, expert weight grads accumulated, from dy [N,H].
  * Plain twin reads `saved`; chunked recomputes each chunk's forward into ws first. */
 void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w,
-                     const fm_moe_grads *g, float *dx, float *dtopk_w, const float *dy, const float *x,
+                     const fm_moe_grads *g, fm_act *dx, float *dtopk_w, const fm_act *dy, const fm_act *x,
                      const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
-                     const fm_moe_routes *saved, fm_moe_ws *ws);
+                     const int32_t *chunk_tokens, const fm_moe_routes *saved, fm_moe_ws *ws);
 
 #endif

@@ -213,6 +213,7 @@ static int cmd_sample(int argc, char **argv) {
     int32_t *seq = fm_malloc(sizeof(int32_t) * (size_t)cap);
     float *probs = fm_malloc(sizeof(float) * (size_t)V);
     int32_t *order = fm_malloc(sizeof(int32_t) * (size_t)V);
+    float *row = fm_malloc(sizeof(float) * (size_t)V);
     int64_t n = 0;
     for (size_t i = 0; i < plen; i++) {
         int32_t t = (unsigned char)prompt[i];
@@ -229,9 +230,10 @@ static int cmd_sample(int argc, char **argv) {
     for (int64_t step = 0; step < max_new; step++) {
         int64_t len = n < T ? n : T;
         fm_model_set_shape(&m, 1, len);
-        memcpy(m.tokens, seq + n - len, sizeof(int32_t) * (size_t)len);
+        memcpy(m.h_tokens, seq + n - len, sizeof(int32_t) * (size_t)len);
         fm_model_forward(&m, false, NULL);
-        const float *lg = m.logits + (len - 1) * V;
+        fm_model_logits_row(&m, len - 1, row);
+        const float *lg = row;
         int32_t next = 0;
         if (temperature == 0) {
             for (int64_t v = 1; v < V; v++)
@@ -265,6 +267,7 @@ static int cmd_sample(int argc, char **argv) {
     fm_free(seq);
     fm_free(probs);
     fm_free(order);
+    fm_free(row);
     fm_model_free(&m);
     fm_cpu_backend_free(&be);
     return 0;

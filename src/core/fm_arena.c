@@ -1,4 +1,6 @@
 #include "fm_arena.h"
+
+#include "../backend/fm_backend.h"
 #include <stdio.h>
 #include <string.h>
 
@@ -10,6 +12,19 @@ fm_status fm_arena_init(fm_arena *a, const char *name, size_t capacity) {
     if (!a->base)
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate %zu bytes (%.3f GiB) for the %s arena; "
                         "lower --seq-len or --micro-batch", a->capacity, a->capacity / 1073741824.0, name);
+    return FM_OK;
+}
+
+fm_status fm_arena_init_backend(fm_arena *a, const char *name, size_t capacity, const fm_backend *be) {
+    memset(a, 0, sizeof *a);
+    snprintf(a->name, sizeof a->name, "%s", name);
+    a->capacity = fm_arena_round(capacity);
+    a->be = be;
+    a->base = fm_fault_hit() ? NULL : be->ops->mem_alloc(be->ctx, a->capacity);
+    if (!a->base)
+        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate %zu bytes (%.3f GiB) of %s memory for the %s arena; "
+                        "lower --seq-len or --micro-batch, or see flatmoe plan", a->capacity,
+                        a->capacity / 1073741824.0, be->ops->name, name);
     return FM_OK;
 }
 
@@ -40,24 +55,37 @@ void fm_arena_init_measure(fm_arena *a, const char *name) {
 }
 
 void fm_arena_free(fm_arena *a) {
-    fm_free(a->base);
+    if (a->be && a->base) a->be->ops->mem_free(a->be->ctx, a->base);
+    else fm_free(a->base);
     a->base = NULL;
     a->capacity = a->used = 0;
 }
 
 void fm_arena_paint(fm_arena *a) {
-    if (a->base) memset(a->base, 0xA5, a->capacity);
+    if (!a->base) return;
+    if (a->be) a->be->ops->mem_set(a->be->ctx, a->base, 0xA5, a->capacity);
+    else memset(a->base, 0xA5, a->capacity);
 }
 
 size_t fm_arena_touched(const fm_arena *a) {
     if (!a->base) return 0;
     const uint64_t paint = 0xA5A5A5A5A5A5A5A5ull;
     size_t n = a->capacity; /* a multiple of 64 */
-    const uint64_t *w = (const uint64_t *)a->base;
+    uint8_t *host = a->base;
+    if (a->be && !a->be->ops->host_memory) { /* look at a host copy (a report, never in a step) */
+        host = fm_malloc(n);
+        if (!host) return a->capacity;
+        a->be->ops->copy(a->be->ctx, host, a->base, n, FM_COPY_D2H);
+    }
+    size_t r = 0;
+    const uint64_t *w = (const uint64_t *)host;
     size_t i = n / 8;
     while (i > 0 && w[i - 1] == paint) i--;
-    if (i == 0) return 0;
-    size_t b = i * 8;
-    while (b > 0 && a->base[b - 1] == 0xA5) b--;
-    return b;
+    if (i > 0) {
+        size_t b = i * 8;
+        while (b > 0 && host[b - 1] == 0xA5) b--;
+        r = b;
+    }
+    if (host != a->base) fm_free(host);
+    return r;
 }

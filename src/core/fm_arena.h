@@ -6,17 +6,23 @@
 #define FM_ARENA_H
 #include "fm_core.h"
 
+struct fm_backend;
+
 typedef struct fm_arena {
     char name[48];   /* live-set name, as printed in the plan ("checkpoint boundaries") */
-    uint8_t *base;   /* host memory (CPU backend) */
+    uint8_t *base;   /* host memory, or the backend's memory when `be` is set */
+    const struct fm_backend *be; /* NULL: host memory from fm_malloc */
     size_t capacity; /* bytes, fixed at init */
     size_t used;     /* bytes handed out since the last reset */
     size_t high;     /* high-water mark of `used`, bytes */
 } fm_arena;
 
-/* Allocates `capacity` bytes for the live set `name`. Errors: FM_ERR_NOMEM naming the live set
- * and the bytes asked for. */
+/* Allocates `capacity` bytes of host memory for the live set `name`. Errors: FM_ERR_NOMEM
+ * naming the live set and the bytes asked for. */
 fm_status fm_arena_init(fm_arena *a, const char *name, size_t capacity);
+
+/* The same in the backend's memory (be->ops->mem_alloc: device memory on a GPU). */
+fm_status fm_arena_init_backend(fm_arena *a, const char *name, size_t capacity, const struct fm_backend *be);
 
 /* Returns `bytes` (rounded up to 64) from the arena. An overrun is a planning bug, not a user
  * error: it aborts with the arena's name, capacity and the request. */

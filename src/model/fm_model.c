@@ -95,7 +95,7 @@ static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, 
     *o_head = c->tie_word_embeddings ? *o_embed : add_param(b, true, 2, V, H, "lm_head.weight");
 }
 
-static void set_ptrs(fm_model_ptrs *p, float *base, const fm_config *c, int64_t o_embed, int64_t o_norm,
+static void set_ptrs(fm_model_ptrs *p, fm_act *base, const fm_config *c, int64_t o_embed, int64_t o_norm,
                      int64_t o_head, const layer_offsets *lo) {
     p->embed = base + o_embed;
     p->final_norm = base + o_norm;
@@ -134,17 +134,20 @@ fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be, size
     }
     table_builder b = {m->table, 0, 0};
     build_table(cfg, &b, &oe, &on, &oh, lo);
-    size_t pbytes = fm_arena_round((size_t)m->n_params * sizeof(float));
-    fm_status st = fm_arena_init(&m->arena[FM_LIVE_MODEL_STATE], fm_live_set_names[FM_LIVE_MODEL_STATE],
-                                 2 * pbytes + extra_state_bytes);
+    const size_t state = fm_model_state_bytes(cfg);
+    fm_status st = fm_arena_init_backend(&m->arena[FM_LIVE_MODEL_STATE], fm_live_set_names[FM_LIVE_MODEL_STATE],
+                                         state + extra_state_bytes, &m->be);
     if (st) {
         fm_free(lo);
         fm_model_free(m);
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the model state (%lld parameters, %.3f GiB); "
-                        "use a smaller config", (long long)counter.offset, (2.0 * pbytes + extra_state_bytes) / 1073741824.0);
+                        "use a smaller config", (long long)counter.offset, (state + extra_state_bytes) / 1073741824.0);
     }
-    m->params = fm_arena_alloc(&m->arena[FM_LIVE_MODEL_STATE], (size_t)m->n_params * sizeof(float));
-    m->grads = fm_arena_alloc(&m->arena[FM_LIVE_MODEL_STATE], (size_t)m->n_params * sizeof(float));
+    m->params = fm_arena_alloc(&m->arena[FM_LIVE_MODEL_STATE], (size_t)m->n_params * sizeof(fm_act));
+    m->grads = fm_arena_alloc(&m->arena[FM_LIVE_MODEL_STATE], (size_t)m->n_params * sizeof(fm_act));
+    m->master = sizeof(fm_act) == sizeof(float)
+                    ? (float *)(void *)m->params
+                    : fm_arena_alloc(&m->arena[FM_LIVE_MODEL_STATE], (size_t)m->n_params * sizeof(float));
     set_ptrs(&m->w, m->params, cfg, oe, on, oh, lo);
     set_ptrs(&m->g, m->grads, cfg, oe, on, oh, lo);
     fm_free(lo);
@@ -157,18 +160,42 @@ const fm_param *fm_model_find_param(const fm_model *m, const char *name) {
     return NULL;
 }
 
-void fm_model_init_weights(fm_model *m, uint64_t seed) {
+size_t fm_model_state_bytes(const fm_config *cfg) {
+    const int64_t n = fm_config_num_params(cfg);
+    size_t b = 2 * fm_arena_round((size_t)n * sizeof(fm_act));
+    if (sizeof(fm_act) != sizeof(float)) b += fm_arena_round((size_t)n * sizeof(float));
+    return b;
+}
+
+void fm_model_upload_master(fm_model *m, const float *host) {
+    const size_t n = (size_t)m->n_params;
+    m->be.ops->copy(m->be.ctx, m->master, host, n * sizeof(float), FM_COPY_H2D);
+    if ((void *)m->master != (void *)m->params)
+        m->be.ops->convert(m->be.ctx, m->params, FM_ACT_DTYPE, m->master, FM_DTYPE_F32, (int64_t)n);
+}
+
+void fm_model_download_master(const fm_model *m, float *host) {
+    m->be.ops->copy(m->be.ctx, host, m->master, (size_t)m->n_params * sizeof(float), FM_COPY_D2H);
+}
+
+fm_status fm_model_init_weights(fm_model *m, uint64_t seed) {
     fm_rng r;
     fm_rng_seed(&r, seed);
     const float std = (float)m->cfg.initializer_range;
+    const bool host = m->be.ops->host_memory;
+    float *w = host ? m->master : fm_malloc(sizeof(float) * (size_t)m->n_params);
+    if (!w) return fm_error(FM_ERR_NOMEM, "memory: cannot stage %lld initial weights on the host", (long long)m->n_params);
     for (int i = 0; i < m->n_tensors; i++) {
         const fm_param *p = &m->table[i];
-        float *x = m->params + p->offset;
+        float *x = w + p->offset;
         if (p->ndim == 1)
             for (int64_t j = 0; j < p->numel; j++) x[j] = 1.0f;
         else
             for (int64_t j = 0; j < p->numel; j++) x[j] = std * (float)fm_rng_normal(&r);
     }
+    fm_model_upload_master(m, w);
+    if (!host) fm_free(w);
+    return FM_OK;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -180,23 +207,23 @@ void fm_model_init_weights(fm_model *m, uint64_t seed) {
 static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c, int64_t B, int64_t T) {
     const int64_t N = B * T, H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
-    a->ln1 = TAKE(ar, float, N * H);
+    a->ln1 = TAKE(ar, fm_act, N * H);
     a->rstd1 = TAKE(ar, float, N);
     const bool qkn = c->qk_norm != FM_QK_NORM_NONE;
-    a->v = TAKE(ar, float, N * kd);
-    a->qr = TAKE(ar, float, N * qd);
-    a->kr = TAKE(ar, float, N * kd);
+    a->v = TAKE(ar, fm_act, N * kd);
+    a->qr = TAKE(ar, fm_act, N * qd);
+    a->kr = TAKE(ar, fm_act, N * kd);
     /* Without QK-norm RoPE runs in place on the projections: q, k are qr, kr. */
-    a->q = qkn ? TAKE(ar, float, N * qd) : a->qr;
-    a->k = qkn ? TAKE(ar, float, N * kd) : a->kr;
+    a->q = qkn ? TAKE(ar, fm_act, N * qd) : a->qr;
+    a->k = qkn ? TAKE(ar, fm_act, N * kd) : a->kr;
     int64_t nq = c->qk_norm == FM_QK_NORM_PER_HEAD ? N * c->num_attention_heads : N;
     int64_t nk = c->qk_norm == FM_QK_NORM_PER_HEAD ? N * c->num_key_value_heads : N;
     a->rstd_q = c->qk_norm != FM_QK_NORM_NONE ? TAKE(ar, float, nq) : NULL;
     a->rstd_k = c->qk_norm != FM_QK_NORM_NONE ? TAKE(ar, float, nk) : NULL;
-    a->att = TAKE(ar, float, N * qd);
+    a->att = TAKE(ar, fm_act, N * qd);
     a->lse = TAKE(ar, float, B * c->num_attention_heads * T);
-    a->x_mid = TAKE(ar, float, N * H);
-    a->ln2 = TAKE(ar, float, N * H);
+    a->x_mid = TAKE(ar, fm_act, N * H);
+    a->ln2 = TAKE(ar, fm_act, N * H);
     a->rstd2 = TAKE(ar, float, N);
     a->probs = TAKE(ar, float, N * E);
     a->router_lse = TAKE(ar, float, N);
@@ -209,18 +236,19 @@ static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c
 static void layout_ws(fm_bwd_ws *w, fm_arena *ar, const fm_config *c, int64_t N) {
     const int64_t H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
-    w->dx_a = TAKE(ar, float, N * H);
-    w->dx_b = TAKE(ar, float, N * H);
-    w->dtmp = TAKE(ar, float, N * H);
-    w->dln = TAKE(ar, float, N * H);
-    w->tmp_nh = TAKE(ar, float, N * H);
-    w->dln1 = TAKE(ar, float, N * H);
-    w->dq = TAKE(ar, float, N * qd);
-    w->dk = TAKE(ar, float, N * kd);
-    w->dv = TAKE(ar, float, N * kd);
-    w->datt = TAKE(ar, float, N * qd);
+    w->dx_a = TAKE(ar, fm_act, N * H);
+    w->dx_b = TAKE(ar, fm_act, N * H);
+    w->dtmp = TAKE(ar, fm_act, N * H);
+    w->dln = TAKE(ar, fm_act, N * H);
+    w->tmp_nh = TAKE(ar, fm_act, N * H);
+    w->dln1 = TAKE(ar, fm_act, N * H);
+    w->dq = TAKE(ar, fm_act, N * qd);
+    w->dk = TAKE(ar, fm_act, N * kd);
+    w->dv = TAKE(ar, fm_act, N * kd);
+    w->datt = TAKE(ar, fm_act, N * qd);
     w->dtopk_w = TAKE(ar, float, N * k);
     w->dlogits_r = TAKE(ar, float, N * E);
+    w->dlogits_act = sizeof(fm_act) == sizeof(float) ? (fm_act *)(void *)w->dlogits_r : TAKE(ar, fm_act, N * E);
     w->dprobs_e = TAKE(ar, float, E);
 }
 
@@ -244,7 +272,8 @@ static void layout_all(fm_model *m, fm_arena *ar) {
     m->targets = TAKE(bnd, int32_t, N);
     m->rope_cos = TAKE(bnd, float, m->T * hd / 2);
     m->rope_sin = TAKE(bnd, float, m->T * hd / 2);
-    for (int64_t l = 0; l <= L; l++) m->boundary[l] = TAKE(bnd, float, N * H);
+    m->moe_chunk_order = chunked ? TAKE(bnd, int32_t, N) : NULL;
+    for (int64_t l = 0; l <= L; l++) m->boundary[l] = TAKE(bnd, fm_act, N * H);
     fm_layer_acts shared;
     bool any_recompute = false;
     for (int64_t l = 0; l < L; l++) any_recompute |= m->recompute[l];
@@ -264,9 +293,9 @@ static void layout_all(fm_model *m, fm_arena *ar) {
     }
     fm_moe_ws_layout(&m->moe_ws, ex, &md, chunked ? c_eff : N, chunked);
     layout_ws(&m->ws, ws, c, N);
-    m->xf = TAKE(voc, float, N * H);
+    m->xf = TAKE(voc, fm_act, N * H);
     m->rstd_f = TAKE(voc, float, N);
-    m->logits = m->linear_ce ? NULL : TAKE(voc, float, N * c->vocab_size);
+    m->logits = m->linear_ce ? NULL : TAKE(voc, fm_act, N * c->vocab_size);
     m->token_loss = TAKE(voc, float, N);
     if (m->linear_ce) { /* the operator's strip: carved and released inside each call */
         size_t strip = fm_linear_ce_bound_bytes(m->ce_block_tokens, m->ce_block_vocab);
@@ -281,50 +310,65 @@ static void layout_all(fm_model *m, fm_arena *ar) {
  * against the layout above, measured) ---------------------------------------------------------- */
 
 #define B4(x) fm_arena_round((size_t)(x) * 4)
+#define BA(x) fm_arena_round((size_t)(x) * sizeof(fm_act))
 
 size_t fm_model_boundary_bytes(const fm_config *c, int64_t B, int64_t T) {
+    return fm_model_boundary_bytes_chunked(c, B, T, false);
+}
+
+size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T, bool moe_chunked) {
     const int64_t N = B * T;
-    /* tokens, targets, RoPE cos/sin [T, hd/2], L+1 residual-stream boundaries [N,H] */
-    return 2 * B4(N) + 2 * B4(T * c->head_dim / 2) + (size_t)(c->num_hidden_layers + 1) * B4(N * c->hidden_size);
+    /* tokens, targets, RoPE cos/sin [T, hd/2], the chunked MoE's token order [N] int32, L+1
+     * residual-stream boundaries [N,H] */
+    return 2 * B4(N) + 2 * B4(T * c->head_dim / 2) + (moe_chunked ? B4(N) : 0) +
+           (size_t)(c->num_hidden_layers + 1) * BA(N * c->hidden_size);
 }
 
 size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T) {
     const int64_t N = B * T, H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads;
     const int64_t qd = nh * c->head_dim, kd = nkv * c->head_dim;
-    size_t b = B4(N * H) + B4(N)                  /* ln1, rstd1 */
-             + B4(N * kd) + B4(N * qd) + B4(N * kd) /* v, q and k after QK-norm + RoPE */
-             + B4(N * qd) + B4(B * nh * T)        /* attention output, its log-sum-exp */
-             + 2 * B4(N * H) + B4(N)              /* x_mid, ln2, rstd2 */
+    size_t b = BA(N * H) + B4(N)                  /* ln1, rstd1 */
+             + BA(N * kd) + BA(N * qd) + BA(N * kd) /* v, q and k after QK-norm + RoPE */
+             + BA(N * qd) + B4(B * nh * T)        /* attention output, its log-sum-exp */
+             + 2 * BA(N * H) + B4(N)              /* x_mid, ln2, rstd2 */
              + B4(N * E) + B4(N)                  /* router probs, lse */
              + 2 * B4(N * k) + 2 * B4(E);         /* top-k ids and weights, expert stats */
-    if (c->qk_norm == FM_QK_NORM_PER_HEAD) b += B4(N * qd) + B4(N * kd) + B4(N * nh) + B4(N * nkv);
-    if (c->qk_norm == FM_QK_NORM_FULL) b += B4(N * qd) + B4(N * kd) + 2 * B4(N);
+    if (c->qk_norm == FM_QK_NORM_PER_HEAD) b += BA(N * qd) + BA(N * kd) + B4(N * nh) + B4(N * nkv);
+    if (c->qk_norm == FM_QK_NORM_FULL) b += BA(N * qd) + BA(N * kd) + 2 * B4(N);
     return b;
 }
 
 size_t fm_model_working_set_bytes(const fm_config *c, int64_t N) {
     const int64_t H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
-    /* dx ping-pong, dtmp, dln, tmp, dln1 [N,H]; dq, dk, dv, datt; dtopk_w; router logits/grad; dprobs */
-    return 6 * B4(N * H) + 2 * B4(N * qd) + 2 * B4(N * kd) + B4(N * k) + B4(N * E) + B4(E);
+    /* dx ping-pong, dtmp, dln, tmp, dln1 [N,H]; dq, dk, dv, datt; dtopk_w; router logits/grad
+     * (fp32, + an fm_act copy when fm_act is not fp32); dprobs */
+    return 6 * BA(N * H) + 2 * BA(N * qd) + 2 * BA(N * kd) + B4(N * k) + B4(N * E) +
+           (sizeof(fm_act) == sizeof(float) ? 0 : BA(N * E)) + B4(E);
 }
 
 size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N) {
     /* final-norm output [N,H] and rstd, logits [N,V] (their gradient in place), per-token loss */
-    return B4(N * c->hidden_size) + B4(N) + B4(N * c->vocab_size) + B4(N);
+    return BA(N * c->hidden_size) + B4(N) + BA(N * c->vocab_size) + B4(N);
 }
 
 size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab) {
-    return B4(N * c->hidden_size) + 2 * B4(N) + fm_linear_ce_bound_bytes(block_tokens, block_vocab);
+    return BA(N * c->hidden_size) + 2 * B4(N) + fm_linear_ce_bound_bytes(block_tokens, block_vocab);
 }
 
 static void free_layout(fm_model *m) {
     for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_free(&m->arena[i]);
     fm_free(m->boundary);
     fm_free(m->acts);
+    fm_free(m->h_tokens);
+    fm_free(m->h_targets);
+    fm_free(m->h_scratch);
+    fm_free(m->h_counts);
     m->boundary = NULL;
     m->acts = NULL;
+    m->h_tokens = m->h_targets = NULL;
+    m->h_scratch = m->h_counts = NULL;
 }
 
 void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layout_opts *opts,
@@ -342,7 +386,7 @@ void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_la
     bool rc[L > 0 ? L : 1];
     for (int64_t l = 0; l < L; l++) rc[l] = recompute ? recompute[l] : false;
     m.recompute = rc;
-    float *bp[L + 1];
+    fm_act *bp[L + 1];
     fm_layer_acts la[L > 0 ? L : 1];
     m.boundary = bp;
     m.acts = la;
@@ -352,7 +396,7 @@ void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_la
     table_builder counter = {0};
     int64_t oe, on, oh;
     build_table(cfg, &counter, &oe, &on, &oh, NULL);
-    bytes[FM_LIVE_MODEL_STATE] = 2 * fm_arena_round((size_t)counter.offset * sizeof(float));
+    bytes[FM_LIVE_MODEL_STATE] = fm_model_state_bytes(cfg);
     for (int i = 1; i < FM_LIVE_COUNT; i++) bytes[i] = ar[i].used;
 }
 
@@ -384,11 +428,18 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     fm_layout_opts o = {m->recompute, m->moe_chunk_tokens, m->ce_block_tokens, m->ce_block_vocab};
     size_t bytes[FM_LIVE_COUNT];
     fm_model_plan_bytes(c, B, T, &o, bytes);
-    m->boundary = fm_malloc(sizeof(float *) * (size_t)(L + 1));
+    m->boundary = fm_malloc(sizeof(fm_act *) * (size_t)(L + 1));
     m->acts = fm_malloc(sizeof(fm_layer_acts) * (size_t)L);
-    if (!m->boundary || !m->acts) return fm_error(FM_ERR_NOMEM, "memory: cannot allocate layer tables");
+    m->h_tokens = fm_malloc(sizeof(int32_t) * (size_t)(B * T));
+    m->h_targets = fm_malloc(sizeof(int32_t) * (size_t)(B * T));
+    m->h_scratch = fm_malloc(sizeof(float) * (size_t)(2 * c->num_experts));
+    m->h_counts = fm_malloc(sizeof(float) * (size_t)(L * c->num_experts));
+    if (!m->boundary || !m->acts || !m->h_tokens || !m->h_targets || !m->h_scratch || !m->h_counts) {
+        free_layout(m);
+        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the layer tables and host staging");
+    }
     for (int i = 1; i < FM_LIVE_COUNT; i++) {
-        fm_status st = fm_arena_init(&m->arena[i], fm_live_set_names[i], bytes[i]);
+        fm_status st = fm_arena_init_backend(&m->arena[i], fm_live_set_names[i], bytes[i], &m->be);
         if (st) {
             free_layout(m);
             return fm_error(FM_ERR_NOMEM, "memory: cannot allocate %.3f GiB for the %s live set at "
@@ -396,24 +447,63 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
                             bytes[i] / 1073741824.0, fm_live_set_names[i], (long long)B, (long long)T);
         }
     }
+    /* Painted before anything is written, so fm_arena_touched measures what the run writes (the
+     * RoPE tables and the chunk order below are the first writes). One memset per arena, at launch. */
+    for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_paint(&m->arena[i]);
     layout_all(m, m->arena);
-    /* RoPE tables (HF: inv_freq[i] = theta^(-2i/hd); angle = t * inv_freq[i]), in double. */
+    for (int64_t l = 0; l < L; l++) m->acts[l].h_expert_count = m->h_counts + l * c->num_experts;
+    /* RoPE tables (HF: inv_freq[i] = theta^(-2i/hd); angle = t * inv_freq[i]), in double, made on
+     * the host and uploaded; and the chunked MoE's token order. */
     const int64_t half = c->head_dim / 2;
+    float *tab = fm_malloc(sizeof(float) * (size_t)(2 * T * half + 1));
+    int32_t *order = m->moe_chunk_order ? fm_malloc(sizeof(int32_t) * (size_t)m->N) : NULL;
+    if (!tab || (m->moe_chunk_order && !order)) {
+        fm_free(tab);
+        free_layout(m);
+        return fm_error(FM_ERR_NOMEM, "memory: cannot stage the RoPE tables");
+    }
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < half; i++) {
             double inv = pow(c->rope_theta, -2.0 * (double)i / (double)c->head_dim);
             double ang = (double)t * inv;
-            m->rope_cos[t * half + i] = (float)cos(ang);
-            m->rope_sin[t * half + i] = (float)sin(ang);
+            tab[t * half + i] = (float)cos(ang);
+            tab[T * half + t * half + i] = (float)sin(ang);
         }
+    m->be.ops->copy(m->be.ctx, m->rope_cos, tab, sizeof(float) * (size_t)(T * half), FM_COPY_H2D);
+    m->be.ops->copy(m->be.ctx, m->rope_sin, tab + T * half, sizeof(float) * (size_t)(T * half), FM_COPY_H2D);
+    fm_free(tab);
+    if (order) {
+        fm_moe_chunk_order(order, m->N, m->moe_K);
+        m->be.ops->copy(m->be.ctx, m->moe_chunk_order, order, sizeof(int32_t) * (size_t)m->N, FM_COPY_H2D);
+        fm_free(order);
+    }
     return FM_OK;
 }
 
 void fm_model_set_shape(fm_model *m, int64_t B, int64_t T) {
     FM_ASSERT(B >= 1 && T >= 1 && B <= m->B_cap && T <= m->T_cap);
+    FM_ASSERT(m->moe_chunk_tokens == 0 || B * T == m->B_cap * m->T_cap); /* chunk order is for N_cap */
     m->B = B;
     m->T = T;
     m->N = B * T;
+}
+
+void fm_model_logits_row(const fm_model *m, int64_t row, float *host) {
+    const int64_t V = m->cfg.vocab_size;
+    FM_ASSERT(m->logits && row >= 0 && row < m->N);
+    if (sizeof(fm_act) == sizeof(float)) {
+        m->be.ops->copy(m->be.ctx, host, m->logits + row * V, sizeof(float) * (size_t)V, FM_COPY_D2H);
+        return;
+    }
+    /* bf16 -> fp32 on the host: the high half of the fp32 bits (sampling, not a training step) */
+    uint16_t *tmp = fm_malloc(sizeof(uint16_t) * (size_t)V);
+    FM_ASSERT(tmp);
+    m->be.ops->copy(m->be.ctx, tmp, m->logits + row * V, sizeof(uint16_t) * (size_t)V, FM_COPY_D2H);
+    for (int64_t v = 0; v < V; v++) {
+        uint32_t u = (uint32_t)tmp[v] << 16;
+        memcpy(&host[v], &u, sizeof u);
+    }
+    fm_free(tmp);
 }
 
 void fm_model_free(fm_model *m) {
@@ -433,20 +523,30 @@ void fm_model_free(fm_model *m) {
 #define OPS (m->be.ops)
 #define CTX (m->be.ctx)
 
-/* y[N,out] = x[N,in] W[out,in]^T */
-static void linear_fwd(fm_model *m, float *y, const float *x, const float *W, int64_t N, int64_t in, int64_t out) {
-    OPS->gemm(CTX, false, true, N, out, in, 1.0f, x, in, W, in, 0.0f, y, out);
+/* y[N,out] = x[N,in] W[out,in]^T (y of type yt: fm_act, or fp32 for the router logits) */
+static void linear_fwd_t(fm_model *m, void *y, fm_dtype yt, const fm_act *x, const fm_act *W, int64_t N, int64_t in,
+                         int64_t out) {
+    OPS->gemm(CTX, false, true, N, out, in, 1.0f, x, in, W, in, 0.0f, y, yt, out);
 }
 
-/* dx[N,in] (= or += per beta) dy[N,out] W[out,in]; dW[out,in] += dy^T x */
-static void linear_bwd(fm_model *m, float *dx, float beta, float *dW, const float *dy, const float *x,
-                       const float *W, int64_t N, int64_t in, int64_t out) {
-    if (dx) OPS->gemm(CTX, false, false, N, in, out, 1.0f, dy, out, W, in, beta, dx, in);
-    OPS->gemm(CTX, true, false, out, in, N, 1.0f, dy, out, x, in, 1.0f, dW, in);
+static void linear_fwd(fm_model *m, fm_act *y, const fm_act *x, const fm_act *W, int64_t N, int64_t in, int64_t out) {
+    linear_fwd_t(m, y, FM_ACT_DTYPE, x, W, N, in, out);
+}
+
+/* dx[N,in] (= or += per beta) alpha dy[N,out] W[out,in]; dW[out,in] += alpha dy^T x */
+static void linear_bwd_a(fm_model *m, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
+                         const fm_act *W, int64_t N, int64_t in, int64_t out, float alpha) {
+    if (dx) OPS->gemm(CTX, false, false, N, in, out, alpha, dy, out, W, in, beta, dx, FM_ACT_DTYPE, in);
+    OPS->gemm(CTX, true, false, out, in, N, alpha, dy, out, x, in, 1.0f, dW, FM_ACT_DTYPE, in);
+}
+
+static void linear_bwd(fm_model *m, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
+                       const fm_act *W, int64_t N, int64_t in, int64_t out) {
+    linear_bwd_a(m, dx, beta, dW, dy, x, W, N, in, out, 1.0f);
 }
 
 /* One layer forward: x [N,H] -> y [N,H]; saves into a. Returns the layer's (aux, z) terms. */
-static void layer_forward(fm_model *m, int64_t l, const float *x, float *y, fm_layer_acts *a,
+static void layer_forward(fm_model *m, int64_t l, const fm_act *x, fm_act *y, fm_layer_acts *a,
                           double *aux, double *zterm) {
     const fm_config *c = &m->cfg;
     const fm_layer_ptrs *w = &m->w.layers[l];
@@ -475,28 +575,34 @@ static void layer_forward(fm_model *m, int64_t l, const float *x, float *y, fm_l
 
     /* MoE block */
     OPS->rmsnorm_fwd(CTX, a->ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
-    float *router_logits = m->ws.dlogits_r; /* transient: backward needs only probs and lse */
-    linear_fwd(m, router_logits, a->ln2, w->router, N, H, E);
+    float *router_logits = m->ws.dlogits_r; /* fp32, transient: backward needs only probs and lse */
+    linear_fwd_t(m, router_logits, FM_DTYPE_F32, a->ln2, w->router, N, H, E);
     OPS->router_fwd(CTX, a->probs, a->router_lse, a->topk_idx, a->topk_w, router_logits, N, E, k,
                     c->norm_topk_prob);
     double lse_sq = OPS->router_stats(CTX, a->expert_count, a->expert_prob_sum, a->probs, a->router_lse,
                                       a->topk_idx, N, E, k);
+    /* the load-balancing statistics, to the host (2E floats) */
+    float *hc = a->h_expert_count ? a->h_expert_count : m->h_scratch, *hp = m->h_scratch + E;
+    OPS->copy(CTX, hc, a->expert_count, sizeof(float) * (size_t)E, FM_COPY_D2H);
+    OPS->copy(CTX, hp, a->expert_prob_sum, sizeof(float) * (size_t)E, FM_COPY_D2H);
     double s = 0;
-    for (int64_t e = 0; e < E; e++) s += ((double)a->expert_count[e] / N) * ((double)a->expert_prob_sum[e] / N);
+    for (int64_t e = 0; e < E; e++) s += ((double)hc[e] / N) * ((double)hp[e] / N);
     *aux = (double)E * s;
     *zterm = lse_sq / (double)N;
 
     const fm_moe_dims md = moe_dims(c);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
-    fm_moe_forward(&m->be, &md, &mw, y, a->ln2, a->topk_idx, a->topk_w, N, m->moe_K,
+    fm_moe_forward(&m->be, &md, &mw, y, a->ln2, a->topk_idx, a->topk_w, N, m->moe_K, m->moe_chunk_order,
                    m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
     OPS->add(CTX, y, a->x_mid, N * H);
 }
 
 /* Embedding, the layers and the final norm; the router losses into r. */
-static void forward_body(fm_model *m, fm_loss *r) {
+static void forward_body(fm_model *m, fm_loss *r, bool with_targets) {
     const fm_config *c = &m->cfg;
     const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size;
+    OPS->copy(CTX, m->tokens, m->h_tokens, sizeof(int32_t) * (size_t)N, FM_COPY_H2D);
+    if (with_targets) OPS->copy(CTX, m->targets, m->h_targets, sizeof(int32_t) * (size_t)N, FM_COPY_H2D);
     OPS->embedding_fwd(CTX, m->boundary[0], m->tokens, m->w.embed, N, H);
     double aux = 0, z = 0;
     for (int64_t l = 0; l < L; l++) {
@@ -513,7 +619,7 @@ static void forward_body(fm_model *m, fm_loss *r) {
 
 static int64_t count_valid(const fm_model *m) {
     int64_t valid = 0;
-    for (int64_t n = 0; n < m->N; n++) valid += m->targets[n] != -100;
+    for (int64_t n = 0; n < m->N; n++) valid += m->h_targets[n] != -100;
     return valid;
 }
 
@@ -535,7 +641,7 @@ void fm_model_forward(fm_model *m, bool with_targets, fm_loss *out) {
     const fm_config *c = &m->cfg;
     const int64_t N = m->N, H = c->hidden_size, V = c->vocab_size;
     fm_loss r;
-    forward_body(m, &r);
+    forward_body(m, &r, with_targets);
     if (m->linear_ce) {
         FM_ASSERT(with_targets); /* a linear-CE layout has no logits to sample from */
         m->n_valid = r.n_valid = count_valid(m);
@@ -559,7 +665,7 @@ void fm_model_forward(fm_model *m, bool with_targets, fm_loss *out) {
 /* ------------------------------------------------------------------------------------------ */
 
 /* dy [N,H]: gradient of the layer output. Writes dx [N,H] (assigned). */
-static void layer_backward(fm_model *m, int64_t l, const float *x, const float *dy, float *dx,
+static void layer_backward(fm_model *m, int64_t l, const fm_act *x, const fm_act *dy, fm_act *dx,
                            fm_layer_acts *a, float scale) {
     const fm_config *c = &m->cfg;
     const fm_layer_ptrs *w = &m->w.layers[l];
@@ -575,21 +681,26 @@ static void layer_backward(fm_model *m, int64_t l, const float *x, const float *
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down};
     fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, a->ln2, a->topk_idx, a->topk_w, N, m->moe_K,
-                    m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
+                    m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
     /* Router: top-k weights, plus the load-balancing loss coef/L * E * sum_e f_e P_e with
      * P_e = mean_n probs[n,e] (f_e = count_e/N held constant), plus the z-loss
      * zcoef/L * mean_n lse_n^2. The batch's loss is scaled by `scale` (accumulation). */
     const double aux_c = c->router_aux_loss_coef * scale / (double)L;
+    const float *hc = a->h_expert_count; /* this layer's counts, kept on the host by its forward */
     for (int64_t e = 0; e < E; e++)
-        ws->dprobs_e[e] = (float)(aux_c * (double)E * ((double)a->expert_count[e] / N) / (double)N);
+        m->h_scratch[e] = (float)(aux_c * (double)E * ((double)hc[e] / N) / (double)N);
+    OPS->copy(CTX, ws->dprobs_e, m->h_scratch, sizeof(float) * (size_t)E, FM_COPY_H2D);
     const float z_scale = (float)(c->router_z_loss_coef * scale / ((double)L * (double)N));
     OPS->router_bwd(CTX, ws->dlogits_r, ws->dtopk_w, ws->dprobs_e, z_scale, a->probs, a->router_lse,
                     a->topk_idx, a->topk_w, N, E, k, c->norm_topk_prob);
-    linear_bwd(m, ws->dln, 1.0f, g->router, ws->dlogits_r, a->ln2, w->router, N, H, E);
+    /* the router GEMMs take the fp32 logit gradient as fm_act */
+    if ((void *)ws->dlogits_act != (void *)ws->dlogits_r)
+        OPS->convert(CTX, ws->dlogits_act, FM_ACT_DTYPE, ws->dlogits_r, FM_DTYPE_F32, N * E);
+    linear_bwd(m, ws->dln, 1.0f, g->router, ws->dlogits_act, a->ln2, w->router, N, H, E);
     /* d x_mid = dy + rmsnorm_bwd(dln) */
     OPS->rmsnorm_bwd(CTX, ws->dtmp, g->ln2, ws->dln, a->x_mid, w->ln2, a->rstd2, N, H);
     OPS->add(CTX, ws->dtmp, dy, N * H);
-    float *dxmid = ws->dtmp;
+    fm_act *dxmid = ws->dtmp;
 
     /* attention block: x_mid = x + o_proj(attn(rope(qknorm(q,k)), v)) */
     linear_bwd(m, ws->datt, 0.0f, g->wo, dxmid, a->att, w->wo, N, qd, H);
@@ -597,7 +708,7 @@ static void layer_backward(fm_model *m, int64_t l, const float *x, const float *
                        nkv, hd);
     OPS->rope_bwd(CTX, ws->dq, m->rope_cos, m->rope_sin, B, T, nh, hd);
     OPS->rope_bwd(CTX, ws->dk, m->rope_cos, m->rope_sin, B, T, nkv, hd);
-    float *dq = ws->dq, *dk = ws->dk;
+    fm_act *dq = ws->dq, *dk = ws->dk;
     if (c->qk_norm != FM_QK_NORM_NONE) {
         /* datt is free now: reuse it for dq before the norm; dln (free) for dk. */
         const bool ph = c->qk_norm == FM_QK_NORM_PER_HEAD;
@@ -608,7 +719,7 @@ static void layer_backward(fm_model *m, int64_t l, const float *x, const float *
         dq = ws->datt;
         dk = ws->dln;
     }
-    float *dln1 = ws->dln1;
+    fm_act *dln1 = ws->dln1;
     linear_bwd(m, dln1, 0.0f, g->wq, dq, a->ln1, w->wq, N, H, qd);
     linear_bwd(m, dln1, 1.0f, g->wk, dk, a->ln1, w->wk, N, H, kd);
     linear_bwd(m, dln1, 1.0f, g->wv, ws->dv, a->ln1, w->wv, N, H, kd);
@@ -621,7 +732,7 @@ static void backward_body(fm_model *m, float scale) {
     const fm_config *c = &m->cfg;
     const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size;
     fm_bwd_ws *ws = &m->ws;
-    float *dy = ws->dx_a, *dx = ws->dx_b;
+    fm_act *dy = ws->dx_a, *dx = ws->dx_b;
     OPS->rmsnorm_bwd(CTX, dy, m->g.final_norm, ws->dtmp, m->boundary[L], m->w.final_norm, m->rstd_f, N, H);
     for (int64_t l = L - 1; l >= 0; l--) {
         if (m->recompute[l]) {
@@ -631,7 +742,7 @@ static void backward_body(fm_model *m, float scale) {
             layer_forward(m, l, m->boundary[l], ws->tmp_nh, &m->acts[l], &a_l, &z_l);
         }
         layer_backward(m, l, m->boundary[l], dy, dx, &m->acts[l], scale);
-        float *t = dy; dy = dx; dx = t;
+        fm_act *t = dy; dy = dx; dx = t;
     }
     OPS->embedding_bwd(CTX, m->g.embed, dy, m->tokens, N, H);
 }
@@ -642,11 +753,9 @@ void fm_model_backward(fm_model *m, float scale) {
     if (m->linear_ce) {
         linear_ce(m, true, scale);
     } else {
-        /* m->logits holds dloss/dlogits (mean CE) from forward; scale it for accumulation. */
-        float *dlogits = m->logits;
-        if (scale != 1.0f)
-            for (int64_t i = 0; i < N * V; i++) dlogits[i] *= scale;
-        linear_bwd(m, m->ws.dtmp, 0.0f, m->g.lm_head, dlogits, m->xf, m->w.lm_head, N, H, V);
+        /* m->logits holds dloss/dlogits (mean CE) from forward; the GEMMs scale it (alpha) for
+         * accumulation. */
+        linear_bwd_a(m, m->ws.dtmp, 0.0f, m->g.lm_head, m->logits, m->xf, m->w.lm_head, N, H, V, scale);
     }
     backward_body(m, scale);
 }
@@ -658,7 +767,7 @@ void fm_model_train_step(fm_model *m, float scale, fm_loss *out) {
         return;
     }
     fm_loss r;
-    forward_body(m, &r);
+    forward_body(m, &r, true);
     m->n_valid = r.n_valid = count_valid(m);
     r.ce = linear_ce(m, true, scale);
     backward_body(m, scale);

@@ -32,41 +32,44 @@ typedef struct fm_param {
 
 /* Pointers into one flat buffer (weights or gradients) for one layer. */
 typedef struct fm_layer_ptrs {
-    float *ln1, *wq, *wk, *wv, *wo, *q_norm, *k_norm, *ln2, *router;
-    float *w_gate, *w_up, *w_down; /* [E,I,H], [E,I,H], [E,H,I] */
+    fm_act *ln1, *wq, *wk, *wv, *wo, *q_norm, *k_norm, *ln2, *router;
+    fm_act *w_gate, *w_up, *w_down; /* [E,I,H], [E,I,H], [E,H,I] */
 } fm_layer_ptrs;
 
 typedef struct fm_model_ptrs {
-    float *embed;    /* [V,H] */
-    float *final_norm;
-    float *lm_head;  /* [V,H]; == embed when tied */
+    fm_act *embed;    /* [V,H] */
+    fm_act *final_norm;
+    fm_act *lm_head;  /* [V,H]; == embed when tied */
     fm_layer_ptrs *layers;
 } fm_model_ptrs;
 
 /* Saved activations of one layer's forward (what its backward reads). */
 typedef struct fm_layer_acts {
-    float *ln1, *rstd1;          /* [N,H], [N] */
-    float *q, *k, *v;            /* projections before QK-norm/RoPE: [N,nh*hd], [N,nkv*hd] x2 */
-    float *qr, *kr;              /* after QK-norm and RoPE: attention inputs */
+    fm_act *ln1; float *rstd1;   /* [N,H], [N] */
+    fm_act *q, *k, *v;           /* projections before QK-norm/RoPE: [N,nh*hd], [N,nkv*hd] x2 */
+    fm_act *qr, *kr;             /* after QK-norm and RoPE: attention inputs */
     float *rstd_q, *rstd_k;      /* QK-norm rstd ([N*nh] per head, [N] full) */
-    float *att, *lse;            /* [N,nh*hd], [B,nh,T] */
-    float *x_mid;                /* [N,H] residual after attention */
-    float *ln2, *rstd2;          /* [N,H], [N] */
+    fm_act *att; float *lse;     /* [N,nh*hd], [B,nh,T] */
+    fm_act *x_mid;               /* [N,H] residual after attention */
+    fm_act *ln2; float *rstd2;   /* [N,H], [N] */
     float *probs, *router_lse;   /* [N,E], [N] fp32 */
     int32_t *topk_idx; float *topk_w;          /* [N,k] */
     float *expert_count, *expert_prob_sum;  /* [E] router statistics for the aux loss */
+    float *h_expert_count;       /* [E] host copy of expert_count (for the aux-loss gradient) */
     fm_moe_routes moe;           /* plain MoE twin only: the layer's dispatch (expert dispatch set) */
 } fm_layer_acts;
 
 /* Backward working set: one layer at a time. */
 typedef struct fm_bwd_ws {
-    float *dx_a, *dx_b, *dtmp, *dln;      /* [N,H] */
-    float *dln1;                          /* [N,H] */
-    float *dq, *dk, *dv, *datt;           /* [N,nh*hd], [N,nkv*hd] x2, [N,nh*hd] */
+    fm_act *dx_a, *dx_b, *dtmp, *dln;     /* [N,H] */
+    fm_act *dln1;                         /* [N,H] */
+    fm_act *dq, *dk, *dv, *datt;          /* [N,nh*hd], [N,nkv*hd] x2, [N,nh*hd] */
     float *dtopk_w;                       /* [N,k] */
-    float *dlogits_r;                     /* [N,E] */
+    float *dlogits_r;                     /* [N,E] fp32: router logits in forward, their grad in backward */
+    fm_act *dlogits_act;                  /* [N,E] fm_act copy for the router GEMMs (aliases
+                                             dlogits_r when fm_act is fp32) */
     float *dprobs_e;                      /* [E] */
-    float *tmp_nh;                        /* [N,H] forward scratch (attention output proj, MoE out) */
+    fm_act *tmp_nh;                       /* [N,H] forward scratch (recomputed layer output) */
 } fm_bwd_ws;
 
 typedef enum fm_live_set {
@@ -89,7 +92,8 @@ typedef struct fm_model {
     int64_t n_params;
     int n_tensors;
     fm_param *table;      /* n_tensors entries */
-    float *params, *grads;
+    fm_act *params, *grads; /* backend memory, [n_params] each */
+    float *master;        /* fp32 master weights [n_params]: params itself when fm_act is fp32 */
     fm_model_ptrs w, g;   /* views of params and grads */
 
     /* Active shape (B, T, N = B*T) and the shape the activations were laid out for; a forward
@@ -97,9 +101,13 @@ typedef struct fm_model {
     int64_t B, T, N;
     int64_t B_cap, T_cap;
     bool *recompute;      /* [L]: layer's activations are recomputed in backward */
-    float *rope_cos, *rope_sin; /* [T, hd/2] */
-    int32_t *tokens, *targets;  /* [N] */
-    float **boundary;           /* [L+1] pointers, each [N,H] */
+    float *rope_cos, *rope_sin; /* [T, hd/2] backend memory */
+    int32_t *tokens, *targets;  /* [N] backend memory (uploaded from h_tokens/h_targets) */
+    int32_t *h_tokens, *h_targets; /* [B_cap*T_cap] host memory: callers write the batch here */
+    int32_t *moe_chunk_order;   /* [N] backend memory: chunk-major token order (chunked MoE) */
+    float *h_scratch;           /* host scratch of 2E floats */
+    float *h_counts;            /* [L*E] host copies of each layer's expert counts */
+    fm_act **boundary;          /* [L+1] pointers, each [N,H] */
     fm_layer_acts *acts;        /* [L]: acts[l] is layer l's saved set (shared if recomputed) */
     fm_bwd_ws ws;
     int64_t moe_chunk_tokens;   /* 0: plain MoE twin */
@@ -108,14 +116,17 @@ typedef struct fm_model {
     int64_t n_valid;            /* valid targets of the last forward */
     int64_t moe_K;              /* chunks per micro-batch (1 for the plain twin) */
     fm_moe_ws moe_ws;           /* expert-dispatch working set */
-    float *xf, *rstd_f, *logits, *token_loss; /* [N,H], [N], [N,V], [N] */
+    fm_act *xf; float *rstd_f;  /* [N,H], [N] */
+    fm_act *logits;             /* [N,V] (plain vocabulary projection; NULL under linear CE) */
+    float *token_loss;          /* [N] */
 
     fm_arena arena[FM_LIVE_COUNT];
 } fm_model;
 
-/* Builds the parameter table and allocates weights and gradients (model state arena, plus
- * `extra_state_bytes` that the caller will take from it, e.g. AdamW moments). Does not
- * initialize weights (see fm_model_init_weights). Errors: FM_ERR_NOMEM. */
+/* Builds the parameter table and allocates weights and gradients (model state arena, in the
+ * backend's memory; plus fp32 master weights when fm_act is not fp32; plus `extra_state_bytes`
+ * that the caller will take from it, e.g. AdamW moments). Does not initialize weights (see
+ * fm_model_init_weights). Errors: FM_ERR_NOMEM. */
 fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be, size_t extra_state_bytes);
 
 /* How activations are laid out: which layers are recomputed, and the MoE chunking. */
@@ -150,6 +161,8 @@ void fm_model_free(fm_model *m);
  * norms, router probabilities and top-k). Working set: one layer's backward buffers. Vocab
  * (plain): final norm output, logits [N,V] and per-token loss. */
 size_t fm_model_boundary_bytes(const fm_config *c, int64_t B, int64_t T);
+/* The same with the chunked MoE's token order [N] int32 when moe_chunked. */
+size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T, bool moe_chunked);
 size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T);
 size_t fm_model_working_set_bytes(const fm_config *c, int64_t N);
 size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N);
@@ -161,8 +174,21 @@ size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_
  * laid-out capacity (asserted). Tokens and targets are then read as [B,T]. */
 void fm_model_set_shape(fm_model *m, int64_t B, int64_t T);
 
-/* Normal(0, initializer_range) for matrices and embeddings, 1 for norm weights (HF init). */
-void fm_model_init_weights(fm_model *m, uint64_t seed);
+/* Bytes of the model-state arena for a config: weights and grads (fm_act), fp32 master
+ * weights when fm_act is not fp32 (the optimizer's extra state is added by the caller). */
+size_t fm_model_state_bytes(const fm_config *cfg);
+
+/* Normal(0, initializer_range) for matrices and embeddings, 1 for norm weights (HF init),
+ * generated on the host in fp32 and uploaded. */
+fm_status fm_model_init_weights(fm_model *m, uint64_t seed);
+
+/* Host <-> backend transfer of the fp32 master weights (n_params floats, table layout); upload
+ * also refreshes the fm_act weights. */
+void fm_model_upload_master(fm_model *m, const float *host);
+void fm_model_download_master(const fm_model *m, float *host);
+
+/* Row `row` of the last plain forward's logits as fp32 on the host (V floats). */
+void fm_model_logits_row(const fm_model *m, int64_t row, float *host);
 
 /* Losses of one micro-batch. */
 typedef struct fm_loss {
@@ -172,7 +198,8 @@ typedef struct fm_loss {
     int64_t n_valid; /* targets that count */
 } fm_loss;
 
-/* Forward on m->tokens [B,T] (and m->targets when `targets` is true) through the loss.
+/* Forward on m->h_tokens [B,T] (and m->h_targets when `targets` is true; both are uploaded
+ * first) through the loss.
  * With targets false only m->logits is produced (for sampling). Saves what backward needs. */
 void fm_model_forward(fm_model *m, bool with_targets, fm_loss *out);
 

@@ -27,11 +27,12 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     p->n_active = fm_config_num_active_params(c);
 
     /* model state: fp32 weight and grad (this arena) + AdamW m and v (fm_adamw_state_bytes) */
-    p->bytes[FM_LIVE_MODEL_STATE] = 2 * fm_arena_round((size_t)p->n_params * 4) + fm_adamw_state_bytes(p->n_params);
-    snprintf(p->inputs[FM_LIVE_MODEL_STATE], 200, "16 B/param (fp32 weight, grad, Adam m, v) x %lld params",
-             (long long)p->n_params);
+    p->bytes[FM_LIVE_MODEL_STATE] = fm_model_state_bytes(c) + fm_adamw_state_bytes(p->n_params);
+    snprintf(p->inputs[FM_LIVE_MODEL_STATE], 200, "%s x %lld params",
+             sizeof(fm_act) == 4 ? "16 B/param (fp32 weight, grad, Adam m, v)"
+                                 : "16 B/param (bf16 weight, grad; fp32 master, Adam m, v)", (long long)p->n_params);
 
-    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes(c, r->B, r->T);
+    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_chunked(c, r->B, r->T, r->moe_chunk_tokens > 0);
     snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 = %lld) x N x H x 4 B, N = %lld, H = %lld (+ tokens, RoPE)",
              (long long)L + 1, (long long)N, (long long)H);
 

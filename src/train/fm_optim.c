@@ -10,7 +10,8 @@ void fm_adamw_init(fm_adamw *opt, fm_model *m, double beta1, double beta2, doubl
     fm_arena *a = &m->arena[FM_LIVE_MODEL_STATE];
     opt->m = fm_arena_alloc(a, (size_t)m->n_params * sizeof(float));
     opt->v = fm_arena_alloc(a, (size_t)m->n_params * sizeof(float));
-    for (int64_t i = 0; i < m->n_params; i++) opt->m[i] = opt->v[i] = 0.0f;
+    m->be.ops->mem_set(m->be.ctx, opt->m, 0, (size_t)m->n_params * sizeof(float));
+    m->be.ops->mem_set(m->be.ctx, opt->v, 0, (size_t)m->n_params * sizeof(float));
     opt->step = 0;
     opt->beta1 = beta1;
     opt->beta2 = beta2;
@@ -33,7 +34,8 @@ void fm_adamw_step(fm_adamw *opt, fm_model *m, double lr, float grad_scale) {
             n += m->table[j].numel;
             j++;
         }
-        m->be.ops->adamw(m->be.ctx, m->params + off, m->grads + off, opt->m + off, opt->v + off, n, (float)lr,
+        float *master = (void *)m->master == (void *)m->params ? NULL : m->master + off;
+        m->be.ops->adamw(m->be.ctx, m->params + off, m->grads + off, master, opt->m + off, opt->v + off, n, (float)lr,
                          (float)opt->beta1, (float)opt->beta2, (float)opt->eps,
                          decay ? (float)opt->weight_decay : 0.0f, bc1, bc2, grad_scale);
         i = j;

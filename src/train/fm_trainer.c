@@ -170,6 +170,27 @@ static fm_status load_named(fm_model *m, const char *path, const char *prefix, f
     return s;
 }
 
+/* Loads a safetensors file's tensors (with the name prefix) into an fp32 buffer of the backend
+ * [n_params] in table layout: directly when the backend's memory is host memory, else through a
+ * host staging copy. */
+static fm_status load_fp32(fm_model *m, const char *path, const char *prefix, float *dst) {
+    if (m->be.ops->host_memory) return load_named(m, path, prefix, dst);
+    float *stage = fm_malloc(sizeof(float) * (size_t)m->n_params);
+    if (!stage) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)m->n_params);
+    fm_status s = load_named(m, path, prefix, stage);
+    if (s == FM_OK) m->be.ops->copy(m->be.ctx, dst, stage, sizeof(float) * (size_t)m->n_params, FM_COPY_H2D);
+    fm_free(stage);
+    return s;
+}
+
+/* Loads the weights into the fp32 master and refreshes the fm_act weights. */
+static fm_status load_weights(fm_model *m, const char *path) {
+    FM_TRY(load_fp32(m, path, "", m->master));
+    if ((void *)m->master != (void *)m->params)
+        m->be.ops->convert(m->be.ctx, m->params, FM_ACT_DTYPE, m->master, FM_DTYPE_F32, m->n_params);
+    return FM_OK;
+}
+
 static fm_status read_json_file(const char *path, cJSON **out) {
     char *text;
     FM_TRY(fm_ckpt_read_text(path, &text));
@@ -206,7 +227,7 @@ fm_status fm_load_for_inference(fm_model *m, const char *ckpt_dir, fm_backend be
     fm_status s = fm_model_layout(m, B, T, NULL);
     if (s == FM_OK) {
         snprintf(path, sizeof path, "%s/%s", ckpt_dir, FM_CKPT_MODEL_FILE);
-        s = load_named(m, path, "", m->params);
+        s = load_weights(m, path);
     }
     if (s != FM_OK) fm_model_free(m);
     return s;
@@ -222,10 +243,10 @@ void fm_evaluate(fm_model *m, const fm_dataset *ds, int64_t max_batches, double 
     for (int64_t w = 0; w < nwin; w += B) {
         if (max_batches > 0 && batches >= max_batches) break;
         int64_t filled = 0;
-        fm_dataset_eval_batch(ds, w, B, T, m->tokens, m->targets, &filled);
+        fm_dataset_eval_batch(ds, w, B, T, m->h_tokens, m->h_targets, &filled);
         for (int64_t i = filled * T; i < B * T; i++) {
-            m->tokens[i] = 0;
-            m->targets[i] = -100;
+            m->h_tokens[i] = 0;
+            m->h_targets[i] = -100;
         }
         fm_loss l;
         fm_model_forward(m, true, &l);
@@ -352,16 +373,33 @@ static void report_memory(const run *r) {
 static fm_status save_checkpoint(run *r, const train_state *ts) {
     fm_model *m = &r->m;
     const int n = m->n_tensors;
-    model_named(m, m->params, "", r->named, r->names);
-    model_named(m, m->params, "master.", r->named + n, r->names + n);
-    model_named(m, r->opt.m, "exp_avg.", r->named + 2 * n, r->names + 2 * n);
-    model_named(m, r->opt.v, "exp_avg_sq.", r->named + 3 * n, r->names + 3 * n);
+    const size_t bytes = sizeof(float) * (size_t)m->n_params;
+    /* fp32 master, m, v on the host: themselves on the CPU, staged copies from a device */
+    const bool host = m->be.ops->host_memory;
+    float *hw = host ? m->master : fm_malloc(bytes), *hm = host ? r->opt.m : fm_malloc(bytes),
+          *hv = host ? r->opt.v : fm_malloc(bytes);
+    if (!hw || !hm || !hv) {
+        if (!host) { fm_free(hw); fm_free(hm); fm_free(hv); }
+        return fm_error(FM_ERR_NOMEM, "checkpoint: cannot stage %.3f GiB of weights and optimizer state on the host",
+                        3.0 * (double)bytes / 1073741824.0);
+    }
+    if (!host) {
+        fm_model_download_master(m, hw);
+        m->be.ops->copy(m->be.ctx, hm, r->opt.m, bytes, FM_COPY_D2H);
+        m->be.ops->copy(m->be.ctx, hv, r->opt.v, bytes, FM_COPY_D2H);
+    }
+    model_named(m, hw, "", r->named, r->names);
+    model_named(m, hw, "master.", r->named + n, r->names + n);
+    model_named(m, hm, "exp_avg.", r->named + 2 * n, r->names + 2 * n);
+    model_named(m, hv, "exp_avg_sq.", r->named + 3 * n, r->names + 3 * n);
     char *state = state_to_json(ts);
-    if (!state) return fm_error(FM_ERR_NOMEM, "out of memory writing state.json");
+    fm_status s = state ? FM_OK : fm_error(FM_ERR_NOMEM, "out of memory writing state.json");
     char dir[4096];
-    fm_status s = fm_ckpt_write(r->o->out_dir, ts->step, r->named, n, r->named + n, 3 * n, r->config_json, state,
-                                dir, sizeof dir);
+    if (s == FM_OK)
+        s = fm_ckpt_write(r->o->out_dir, ts->step, r->named, n, r->named + n, 3 * n, r->config_json, state, dir,
+                          sizeof dir);
     fm_free(state);
+    if (!host) { fm_free(hw); fm_free(hm); fm_free(hv); }
     if (s == FM_OK && !r->o->quiet) printf("saved checkpoint %s\n", dir);
     return s;
 }
@@ -370,11 +408,13 @@ static fm_status load_checkpoint(run *r, const char *dir, train_state *ts) {
     char path[4200];
     snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_STATE_FILE);
     FM_TRY(state_from_json(path, ts));
-    snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_MODEL_FILE);
-    FM_TRY(load_named(&r->m, path, "", r->m.params));
     snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_OPTIM_FILE);
-    FM_TRY(load_named(&r->m, path, "exp_avg.", r->opt.m));
-    FM_TRY(load_named(&r->m, path, "exp_avg_sq.", r->opt.v));
+    /* the fp32 master from the optimizer file (model.safetensors holds the same values) */
+    FM_TRY(load_fp32(&r->m, path, "master.", r->m.master));
+    if ((void *)r->m.master != (void *)r->m.params)
+        r->m.be.ops->convert(r->m.be.ctx, r->m.params, FM_ACT_DTYPE, r->m.master, FM_DTYPE_F32, r->m.n_params);
+    FM_TRY(load_fp32(&r->m, path, "exp_avg.", r->opt.m));
+    FM_TRY(load_fp32(&r->m, path, "exp_avg_sq.", r->opt.v));
     r->opt.step = ts->opt_step;
     return FM_OK;
 }
@@ -491,8 +531,6 @@ static fm_status train_impl(run *r) {
                      m->arena[i].capacity, plan.bytes[i]);
             fm_abort(__FILE__, __LINE__, msg);
         }
-    if (o->report_memory)
-        for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_paint(&m->arena[i]);
     fm_adamw_init(&r->opt, m, o->beta1, o->beta2, o->adam_eps, o->weight_decay);
     r->named = fm_malloc(sizeof(fm_named_tensor) * (size_t)(4 * m->n_tensors));
     r->names = fm_malloc(sizeof(*r->names) * (size_t)(4 * m->n_tensors));
@@ -510,7 +548,7 @@ static fm_status train_impl(run *r) {
                     (long long)ts.seq_len, (long long)ts.micro_batch, (long long)ts.grad_accum);
         if (!o->quiet) printf("resumed from %s (step %lld)\n", ckpt, (long long)ts.step);
     } else {
-        fm_model_init_weights(m, o->seed);
+        FM_TRY(fm_model_init_weights(m, o->seed));
         fm_rng_seed(&data_rng, o->seed ^ 0xDA7A5EEDull);
         ts.seed = o->seed;
     }
@@ -553,10 +591,10 @@ static fm_status train_impl(run *r) {
     int64_t ran = 0;
     for (int64_t step = first; step <= o->steps; step++) {
         const double ts0 = now_s();
-        memset(m->grads, 0, sizeof(float) * (size_t)m->n_params);
+        m->be.ops->mem_set(m->be.ctx, m->grads, 0, sizeof(fm_act) * (size_t)m->n_params);
         double ce = 0, aux = 0, z = 0;
         for (int64_t g = 0; g < o->grad_accum; g++) {
-            fm_dataset_sample_batch(&r->train, &data_rng, o->micro_batch, o->seq_len, m->tokens, m->targets);
+            fm_dataset_sample_batch(&r->train, &data_rng, o->micro_batch, o->seq_len, m->h_tokens, m->h_targets);
             fm_loss l;
             fm_model_train_step(m, 1.0f / (float)o->grad_accum, &l);
             if (!isfinite(l.ce) || !isfinite(l.aux) || !isfinite(l.z))

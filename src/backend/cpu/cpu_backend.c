@@ -34,8 +34,10 @@ static inline int cpu_threads(void *ctx) { return ((const fm_cpu_ctx *)ctx)->thr
  * K == 0 product is handled here because BLAS rejects lda = 0. */
 static void cpu_gemm(void *ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
                      float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
-                     float beta, float *C, int64_t ldc) {
+                     float beta, void *Cv, fm_dtype c_type, int64_t ldc) {
     (void)ctx;
+    FM_ASSERT(c_type == FM_DTYPE_F32); /* fm_act is fp32 on the CPU: every C is fp32 */
+    float *C = Cv;
     FM_ASSERT(M >= 0 && N >= 0 && K >= 0);
     if (M == 0 || N == 0) return;
     FM_ASSERT(ldc >= N);
@@ -314,9 +316,10 @@ static double cpu_cross_entropy(void *ctx, float *loss, float *dlogits, const fl
 /* AdamW (Loshchilov & Hutter 2019, arXiv 1711.05101, Algorithm 2) over n elements, in place:
  * g' = g * grad_scale; m = b1 m + (1-b1) g'; v = b2 v + (1-b2) g'^2;
  * p -= lr * ((m/bc1) / (sqrt(v/bc2) + eps) + wd * p), with bc1, bc2 from the caller. */
-static void cpu_adamw(void *ctx, float *p, const float *g, float *m, float *v, int64_t n, float lr,
-                      float b1, float b2, float eps, float wd, float bc1, float bc2,
+static void cpu_adamw(void *ctx, float *p, const float *g, float *master, float *m, float *v, int64_t n,
+                      float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
                       float grad_scale) {
+    float *w = master ? master : p; /* fp32 weights are their own master */
 #pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (n >= FM_CPU_PAR_MIN)
     for (int64_t i = 0; i < n; i++) {
         const float gi = g[i] * grad_scale;
@@ -324,14 +327,47 @@ static void cpu_adamw(void *ctx, float *p, const float *g, float *m, float *v, i
         const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
         m[i] = mi;
         v[i] = vi;
-        p[i] -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * p[i]);
+        w[i] -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * w[i]);
+        if (master) p[i] = w[i];
     }
 }
+
+/* ---- memory: host memory on the CPU backend -------------------------------------------------- */
+
+static void *cpu_mem_alloc(void *ctx, size_t bytes) {
+    (void)ctx;
+    return fm_malloc(bytes);
+}
+
+static void cpu_mem_free(void *ctx, void *p) {
+    (void)ctx;
+    fm_free(p);
+}
+
+static void cpu_mem_set(void *ctx, void *dst, int byte, size_t bytes) {
+    (void)ctx;
+    memset(dst, byte, bytes);
+}
+
+static void cpu_copy(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_kind kind) {
+    (void)ctx;
+    (void)kind;
+    if (dst != src && bytes) memmove(dst, src, bytes);
+}
+
+static void cpu_convert(void *ctx, void *dst, fm_dtype dst_type, const void *src, fm_dtype src_type, int64_t n) {
+    (void)ctx;
+    FM_ASSERT(dst_type == FM_DTYPE_F32 && src_type == FM_DTYPE_F32); /* the CPU has no other type */
+    if (dst != src && n) memmove(dst, src, sizeof(float) * (size_t)n);
+}
+
+static void cpu_sync(void *ctx) { (void)ctx; }
 
 /* ---- the table, init, free ---------------------------------------------------------------- */
 
 static const fm_ops fm_cpu_ops = {
     .name = "cpu",
+    .host_memory = true,
     .gemm = cpu_gemm,
     .add = cpu_add,
     .sumsq = cpu_sumsq,
@@ -357,6 +393,12 @@ static const fm_ops fm_cpu_ops = {
     .scatter_rows = fm_cpu_scatter_rows,
     .cross_entropy = cpu_cross_entropy,
     .adamw = cpu_adamw,
+    .mem_alloc = cpu_mem_alloc,
+    .mem_free = cpu_mem_free,
+    .mem_set = cpu_mem_set,
+    .copy = cpu_copy,
+    .convert = cpu_convert,
+    .sync = cpu_sync,
     .lce_fold = fm_cpu_lce_fold,
     .lce_finalize = fm_cpu_lce_finalize,
     .lce_strip_grad = fm_cpu_lce_strip_grad,

@@ -1,0 +1,105 @@
+/* Internals shared by the CUDA backend's files (CUDA C, not a public header): the context, the
+ * checked-call macros and the functions each file contributes to the table in cuda_backend.cu.
+ * Compiled with FM_ACT_BF16: fm_act is bf16 (reinterpret as __nv_bfloat16 in kernels). */
+#ifndef FM_CUDA_INTERNAL_H
+#define FM_CUDA_INTERNAL_H
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include "fm_backend_cuda.h"
+
+typedef struct fm_cuda_ctx {
+    int device;
+    cudaStream_t stream;           /* every op is issued on this stream */
+    cublasHandle_t cublas;
+    cublasLtHandle_t cublaslt;
+    void *lt_workspace;            /* cuBLASLt workspace, fixed at init */
+    size_t lt_workspace_bytes;
+    cudnnHandle_t cudnn;
+    void *cudnn_workspace;         /* cuDNN workspace, fixed at init */
+    size_t cudnn_workspace_bytes;
+    int64_t max_head_dim;
+    void *att_state;               /* owned by cuda_attention.cu (graph cache, fallback scratch) */
+    void *scratch;                 /* FM_CUDA_SCRATCH_BYTES of device memory for reductions */
+    void *host_scratch;            /* FM_CUDA_SCRATCH_BYTES of pinned host memory for results */
+} fm_cuda_ctx;
+
+#define FM_CUDA_SCRATCH_BYTES ((size_t)16 << 20)
+
+/* Checked calls: print the failing call's text, file and line, and abort (a CUDA error inside a
+ * step is not recoverable). */
+#define FM_CUDA_CHECK(call)                                                                    \
+    do {                                                                                       \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess) fm_cuda_fail(#call, cudaGetErrorString(e_), __FILE__, __LINE__); \
+    } while (0)
+#define FM_CUBLAS_CHECK(call)                                                                  \
+    do {                                                                                       \
+        cublasStatus_t s_ = (call);                                                            \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                       \
+            fm_cuda_fail(#call, cublasGetStatusString(s_), __FILE__, __LINE__);               \
+    } while (0)
+#define FM_CUDNN_CHECK(call)                                                                   \
+    do {                                                                                       \
+        cudnnStatus_t s_ = (call);                                                             \
+        if (s_ != CUDNN_STATUS_SUCCESS) fm_cuda_fail(#call, cudnnGetErrorString(s_), __FILE__, __LINE__); \
+    } while (0)
+/* After a kernel launch. */
+#define FM_CUDA_LAUNCH_CHECK() FM_CUDA_CHECK(cudaGetLastError())
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+void fm_cuda_fail(const char *call, const char *what, const char *file, int line);
+
+/* cuda_attention.cu: attention ops and their state (called by init/free in cuda_backend.cu). */
+fm_status fm_cuda_attention_init(fm_cuda_ctx *c);
+void fm_cuda_attention_free(fm_cuda_ctx *c);
+void fm_cuda_attention_fwd(void *ctx, fm_act *out, float *lse, const fm_act *q, const fm_act *k,
+                           const fm_act *v, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+void fm_cuda_attention_bwd(void *ctx, fm_act *dq, fm_act *dk, fm_act *dv, const fm_act *dout,
+                           const fm_act *q, const fm_act *k, const fm_act *v, const fm_act *out,
+                           const float *lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+
+/* cuda_moe.cu: router, MoE permutation, rows, cross-entropy, linear-CE strip ops. Each has the
+ * signature of its fm_ops entry (fm_backend.h) and is named fm_cuda_<entry>. */
+void fm_cuda_router_fwd(void *ctx, float *probs, float *lse, int32_t *topk_idx, float *topk_w,
+                        const float *logits, int64_t N, int64_t E, int64_t k, bool norm_topk);
+void fm_cuda_router_bwd(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
+                        float z_scale, const float *probs, const float *lse, const int32_t *topk_idx,
+                        const float *topk_w, int64_t N, int64_t E, int64_t k, bool norm_topk);
+double fm_cuda_router_stats(void *ctx, float *count, float *prob_sum, const float *probs, const float *lse,
+                            const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
+void fm_cuda_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,
+                             const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
+void fm_cuda_moe_gather(void *ctx, fm_act *xe, const fm_act *x, const int32_t *row_route, int64_t R,
+                        int64_t k, int64_t H);
+void fm_cuda_moe_gather_bwd(void *ctx, fm_act *dx, const fm_act *dxe, const int32_t *route_row, int64_t N,
+                            int64_t k, int64_t H);
+void fm_cuda_moe_combine_fwd(void *ctx, fm_act *out, const fm_act *ye, const float *topk_w,
+                             const int32_t *route_row, int64_t N, int64_t k, int64_t H);
+void fm_cuda_moe_combine_bwd(void *ctx, fm_act *dye, float *dtopk_w, const fm_act *dout, const fm_act *ye,
+                             const float *topk_w, const int32_t *route_row, int64_t N, int64_t k, int64_t H);
+void fm_cuda_gather_rows(void *ctx, void *dst, const void *src, const int32_t *idx, int64_t n, int64_t row_bytes);
+void fm_cuda_scatter_rows(void *ctx, void *dst, const void *src, const int32_t *idx, int64_t n, int64_t row_bytes);
+double fm_cuda_cross_entropy(void *ctx, float *loss, fm_act *dlogits, const fm_act *logits,
+                             const int32_t *targets, int64_t N, int64_t V, float grad_scale, int32_t ignore_index);
+void fm_cuda_lce_fold(void *ctx, float *m, float *z, float *tgt, float *ent, const float *strip,
+                      const int32_t *targets, int64_t Nb, int64_t Vb, int64_t v0, bool first);
+double fm_cuda_lce_finalize(void *ctx, float *loss, float *logprob, float *entropy, double *zsq,
+                            const float *m, const float *z, const float *tgt, const float *ent,
+                            const int32_t *targets, const float *weights, int64_t Nb, int64_t V,
+                            int32_t ignore_index);
+void fm_cuda_lce_strip_grad(void *ctx, float *grad, const float *strip, const float *m, const float *z,
+                            const int32_t *targets, const float *weights, int64_t Nb, int64_t Vb, int64_t v0,
+                            int32_t ignore_index, float grad_scale, float z_coef);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
