@@ -20,6 +20,12 @@ sed 's/"num_experts_per_tok": 2/"num_experts_per_tok": 9/' "$cfg" > "$TMP/topk.j
 expect_fail "top-k > experts" "num_experts_per_tok (9) must be <= num_experts (4)" "$FM" train --config "$TMP/topk.json" "${base[@]}" --out "$TMP/a"
 expect_fail "seq-len beyond max_position_embeddings" "exceeds max_position_embeddings (64)" "$FM" train --config "$cfg" "${base[@]}" --seq-len 65 --out "$TMP/a"
 : > "$TMP/empty.txt"
+expect_fail "non-finite learning rate" "expects a finite number" "$FM" train --config "$cfg" "${base[@]}" --lr inf --out "$TMP/a"
+expect_fail "beta2 = 1" "--beta1 and --beta2 must be in [0, 1)" "$FM" train --config "$cfg" "${base[@]}" --beta2 1 --out "$TMP/a"
+expect_fail "negative --save-every" "must be >= 0" "$FM" train --config "$cfg" "${base[@]}" --save-every -1 --out "$TMP/a"
+expect_fail "--recompute listed twice" "listed twice" "$FM" train --config "$cfg" "${base[@]}" --recompute 0,0 --out "$TMP/a"
+expect_fail "config is a folder" "is not a file" "$FM" train --config "$TMP" "${base[@]}" --out "$TMP/a"
+expect_fail "routes beyond int32" "int32" "$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --seq-len 9000000000000
 expect_fail "empty data file" "empty" "$FM" train --config "$cfg" --data "$TMP/empty.txt" --seq-len 16 --out "$TMP/a" --quiet
 
 # llm.c shard (magic 20240520, version 1, uint16 tokens) holding a token id 300 >= vocab 256.

@@ -25,6 +25,11 @@ bounded=(--moe-chunk-tokens 16 --ce-block-tokens 32 --ce-block-vocab 100)
 cmp -s "$TMP/bstraight/step_000008/model.safetensors" "$TMP/bsplit/step_000008/model.safetensors" && ok || bad "bounded: weights differ after resume"
 if diff <(fields "$TMP/bstraight/metrics.jsonl") <(fields "$TMP/bsplit/metrics.jsonl") >/dev/null; then ok
 else bad "bounded: metrics differ between straight and resumed runs"; fi
+# A damaged newest checkpoint is not skipped silently: --resume refuses, naming it and the file.
+cp -r "$TMP/split" "$TMP/damaged"; rm "$TMP/damaged/step_000008/state.json"
+expect_fail "resume past an incomplete checkpoint" "step_000008 is an incomplete checkpoint (no state.json)" \
+    "$FM" train "${common[@]}" --out "$TMP/damaged" --resume --steps 10
+[ -f "$TMP/damaged/step_000008/model.safetensors" ] && ok || bad "the damaged checkpoint was touched"
 # Starting over an existing run without --resume is refused (nothing is overwritten).
 expect_fail "existing run without --resume" "already holds checkpoints" "$FM" train "${common[@]}" --out "$TMP/split"
 # A stop after step 6 without a checkpoint: resume from step 4 rewrites metrics lines 5..6.

@@ -3,7 +3,8 @@
 # uniform-byte loss (ln 256 = 5.55) and the starting loss; then sample and eval the checkpoint.
 source "$(dirname "$0")/lib_cli.sh"
 "$FM" train --config "$ROOT/configs/tiny.json" --data "$TEXT" --steps 80 --seq-len 64 --micro-batch 16 \
-    --warmup 10 --lr 3e-3 --eval-every 40 --eval-batches 8 --log-every 20 --threads 2 --out "$TMP/run" | tee "$TMP/log"
+    --warmup 10 --lr 3e-3 --eval-every 40 --eval-batches 8 --log-every 20 --threads 2 --out "$TMP/nested/runs/run" | tee "$TMP/log"
+mv "$TMP/nested/runs/run" "$TMP/run" # --out creates missing parent folders
 first=$(head -1 "$TMP/run/metrics.jsonl" | sed -E 's/.*"loss":([0-9.e+-]+).*/\1/')
 val=$(tail -1 "$TMP/run/metrics.jsonl" | sed -E 's/.*"val_loss":([0-9.e+-]+).*/\1/')
 echo "first training loss $first, final validation loss $val"

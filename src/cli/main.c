@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend/cpu/fm_backend_cpu.h"
+#include "backend/fm_backend_default.h"
 #include "core/fm_rng.h"
 #include "data/fm_data.h"
 #include "io/fm_checkpoint.h"
@@ -65,11 +65,11 @@ static int parse_flags(const char *cmd, const char *synopsis, int argc, char **a
         if (f->kind == F_FILES) {
             const char **list = f->ptr;
             if (eq) {
-                if (*f->count >= MAX_FILES) return usage_error(cmd, "too many files for '--%s'", name);
+                if (*f->count >= MAX_FILES) return usage_error(cmd, "too many files for '--%s' (at most 256)", name);
                 list[(*f->count)++] = eq + 1;
             }
             while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
-                if (*f->count >= MAX_FILES) return usage_error(cmd, "too many files for '--%s'", name);
+                if (*f->count >= MAX_FILES) return usage_error(cmd, "too many files for '--%s' (at most 256)", name);
                 list[(*f->count)++] = argv[++i];
             }
             if (*f->count == 0) return usage_error(cmd, "flag '--%s' needs at least one file", name);
@@ -79,17 +79,29 @@ static int parse_flags(const char *cmd, const char *synopsis, int argc, char **a
         if (!v) return usage_error(cmd, "flag '--%s' needs a value", name);
         char *end = NULL;
         errno = 0;
+        if (f->kind == F_STR) { /* any text, the empty string included (e.g. --prompt "") */
+            *(const char **)f->ptr = v;
+            continue;
+        }
+        bool bad = !*v || (f->kind == F_U64 && *v == '-');
+        long lv;
         switch (f->kind) {
-        case F_STR: *(const char **)f->ptr = v; end = (char *)v + strlen(v); break;
         case F_I64: *(int64_t *)f->ptr = strtoll(v, &end, 10); break;
-        case F_INT: *(int *)f->ptr = (int)strtol(v, &end, 10); break;
+        case F_INT:
+            lv = strtol(v, &end, 10);
+            bad |= lv < -1000000 || lv > 1000000;
+            *(int *)f->ptr = (int)lv;
+            break;
         case F_U64: *(uint64_t *)f->ptr = strtoull(v, &end, 10); break;
-        case F_F64: *(double *)f->ptr = strtod(v, &end); break;
+        case F_F64:
+            *(double *)f->ptr = strtod(v, &end);
+            bad |= !isfinite(*(double *)f->ptr);
+            break;
         default: break;
         }
-        if (!*v || *end || errno) {
+        if (bad || *end || errno) {
             fprintf(stderr, "flatmoe %s: flag '--%s' expects %s, found '%s'\n", cmd, name,
-                    f->kind == F_F64 ? "a number" : "an integer", v);
+                    f->kind == F_F64 ? "a finite number" : f->kind == F_U64 ? "a non-negative integer" : "an integer", v);
             return 2;
         }
     }
@@ -134,11 +146,11 @@ static int cmd_train(int argc, char **argv) {
         {"save-every", F_I64, &o.save_every, NULL, "checkpoint every N steps, 0 = only at the end (0)"},
         {"log-every", F_I64, &o.log_every, NULL, "print a step line every N steps (1)"},
         {"exit-after", F_I64, &o.exit_after, NULL, "stop after N steps of this invocation, with a checkpoint (0 = off)"},
-        {"recompute", F_STR, &o.recompute, NULL, "none | full | layer ids, e.g. 0,2: recompute those layers in backward"},
+        {"recompute", F_STR, &o.recompute, NULL, "none | full | layer ids, e.g. 0,2: recompute those layers in backward (none, or chosen under --mem-budget)"},
         {"moe-chunk-tokens", F_I64, &o.moe_chunk_tokens, NULL, "MoE in strided chunks of <= N tokens, recomputed in backward; 0 = unchunked (0, or chosen under --mem-budget)"},
-        {"mem-budget", F_STR, &mem_budget, NULL, "fail before allocating if the plan exceeds this (e.g. 16GiB); with neither --recompute nor --moe-chunk-tokens, choose them to fit"},
-        {"ce-block-tokens", F_I64, &o.ce_block_tokens, NULL, "linear cross-entropy token block (never N x V logits); 0 with --ce-block-vocab 0 = plain logits"},
-        {"ce-block-vocab", F_I64, &o.ce_block_vocab, NULL, "linear cross-entropy vocabulary block (default 4096 when --ce-block-tokens is set)"},
+        {"mem-budget", F_STR, &mem_budget, NULL, "fail before allocating if the plan exceeds this (e.g. 16GiB); with no other memory flag, choose them to fit (no budget)"},
+        {"ce-block-tokens", F_I64, &o.ce_block_tokens, NULL, "linear cross-entropy token block, never N x V logits (0 = plain logits, or chosen under --mem-budget)"},
+        {"ce-block-vocab", F_I64, &o.ce_block_vocab, NULL, "linear cross-entropy vocabulary block (4096 when --ce-block-tokens is set; 0 = plain logits)"},
         {"report-memory", F_BOOL, &o.report_memory, NULL, "print each live set's measured high-water mark next to its bound (also in metrics.jsonl)"},
         {"quiet", F_BOOL, &o.quiet, NULL, "no per-step lines (metrics.jsonl is still written)"},
     };
@@ -148,6 +160,8 @@ static int cmd_train(int argc, char **argv) {
     o.val_data = o.n_val_data ? val : NULL;
     fm_status s;
     if (mem_budget && (s = fm_parse_bytes(mem_budget, "--mem-budget", &o.mem_budget))) return fail("train", s);
+    if (mem_budget && o.mem_budget == 0) return usage_error("train", "%s", "--mem-budget must be > 0 (omit it for no budget)");
+    if (o.threads < 0) return usage_error("train", "%s", "--threads must be >= 0 (0 = all cores)");
     if (o.moe_chunk_tokens < -1 || o.ce_block_tokens < -1 || o.ce_block_vocab < -1)
         return usage_error("train", "%s", "--moe-chunk-tokens, --ce-block-tokens and --ce-block-vocab must be >= 0");
     s = fm_train(&o);
@@ -179,7 +193,7 @@ static int cmd_sample(int argc, char **argv) {
     uint64_t seed = 1337;
     int threads = 0;
     flag flags[] = {
-        {"ckpt", F_STR, &ckpt_arg, NULL, "checkpoint folder, or run folder (its latest checkpoint)"},
+        {"ckpt", F_STR, &ckpt_arg, NULL, "checkpoint folder, or run folder (its latest checkpoint) (required)"},
         {"prompt", F_STR, &prompt, NULL, "text to continue (byte-level models) (a newline)"},
         {"max-new-tokens", F_I64, &max_new, NULL, "tokens to generate (256)"},
         {"temperature", F_F64, &temperature, NULL, "softmax temperature, 0 = greedy (0.8)"},
@@ -201,10 +215,10 @@ static int cmd_sample(int argc, char **argv) {
     char cpath[4200];
     snprintf(cpath, sizeof cpath, "%s/config.json", ckpt);
     if ((s = fm_config_load(&cfg, cpath))) return fail("sample", s);
-    if ((s = fm_cpu_backend_init(&be, threads, cfg.head_dim))) return fail("sample", s);
+    if ((s = fm_backend_default_init(&be, threads, cfg.head_dim))) return fail("sample", s);
     fm_model m;
     if ((s = fm_load_for_inference(&m, ckpt, be, 1, ctx_len, NULL))) {
-        fm_cpu_backend_free(&be);
+        fm_backend_default_free(&be);
         return fail("sample", s);
     }
     const int64_t T = m.T_cap, V = cfg.vocab_size;
@@ -269,7 +283,7 @@ static int cmd_sample(int argc, char **argv) {
     fm_free(order);
     fm_free(row);
     fm_model_free(&m);
-    fm_cpu_backend_free(&be);
+    fm_backend_default_free(&be);
     return 0;
 }
 
@@ -281,8 +295,8 @@ static int cmd_eval(int argc, char **argv) {
     int n_data = 0, threads = 0;
     int64_t seq_len = 0, micro_batch = 8, max_batches = 0;
     flag flags[] = {
-        {"ckpt", F_STR, &ckpt_arg, NULL, "checkpoint folder, or run folder (its latest checkpoint)"},
-        {"data", F_FILES, data, &n_data, "files to score: text or llm.c shards"},
+        {"ckpt", F_STR, &ckpt_arg, NULL, "checkpoint folder, or run folder (its latest checkpoint) (required)"},
+        {"data", F_FILES, data, &n_data, "files to score: text or llm.c shards (required)"},
         {"seq-len", F_I64, &seq_len, NULL, "tokens per window (default: the trained --seq-len)"},
         {"micro-batch", F_I64, &micro_batch, NULL, "windows per forward (8)"},
         {"max-batches", F_I64, &max_batches, NULL, "stop after N micro-batches, 0 = all windows (0)"},
@@ -304,7 +318,7 @@ static int cmd_eval(int argc, char **argv) {
     fm_dataset ds;
     if ((s = fm_dataset_load(&ds, data, n_data, cfg.vocab_size))) return fail("eval", s);
     fm_backend be;
-    if ((s = fm_cpu_backend_init(&be, threads, cfg.head_dim))) return fail("eval", s);
+    if ((s = fm_backend_default_init(&be, threads, cfg.head_dim))) return fail("eval", s);
     fm_model m;
     if ((s = fm_load_for_inference(&m, ckpt, be, micro_batch, seq_len, NULL))) return fail("eval", s);
     if ((s = fm_dataset_check_windows(&ds, m.T_cap, "--data"))) return fail("eval", s);
@@ -313,8 +327,13 @@ static int cmd_eval(int argc, char **argv) {
     fm_evaluate(&m, &ds, max_batches, &loss, &ntok);
     printf("checkpoint %s\ndata %s\ntokens scored %lld (windows of %lld)\nloss %.4f nats/token\nperplexity %.3f\n", ckpt,
            ds.desc, (long long)ntok, (long long)m.T_cap, loss, exp(loss));
+    if (!isfinite(loss)) {
+        fprintf(stderr, "flatmoe eval: error: %s: the loss is not finite (%g); the checkpoint's weights are damaged "
+                "or diverged\n", ckpt, loss);
+        return 1;
+    }
     fm_model_free(&m);
-    fm_cpu_backend_free(&be);
+    fm_backend_default_free(&be);
     fm_dataset_free(&ds);
     return 0;
 }
@@ -354,6 +373,7 @@ static int cmd_plan(int argc, char **argv) {
     if (s) return fail("plan", s);
     size_t budget = 0;
     if (device_mem && (s = fm_parse_bytes(device_mem, "--device-mem", &budget))) return fail("plan", s);
+    if ((s = fm_plan_check_shape(&req.cfg, micro_batch, seq_len))) return fail("plan", s);
     const int64_t L = req.cfg.num_hidden_layers;
     bool *rc = fm_malloc((size_t)L);
     if ((s = fm_parse_recompute(recompute, L, rc))) return fail("plan", s);

@@ -103,6 +103,9 @@ static fm_status make_dir(const char *path) {
 }
 
 /* mkdir -p. */
+static fm_status make_dirs(const char *path);
+fm_status fm_mkdirs(const char *path) { return make_dirs(path); }
+
 static fm_status make_dirs(const char *path) {
     char buf[PATH_MAX];
     size_t len = strlen(path);
@@ -306,4 +309,28 @@ fm_status fm_ckpt_find_latest(const char *run_dir, char *out_dir, size_t cap, in
     }
     if (out_step) *out_step = best;
     return FM_OK;
+}
+
+bool fm_ckpt_find_incomplete(const char *run_dir, int64_t above, char *out, size_t cap, const char **missing) {
+    DIR *d = opendir(run_dir);
+    if (!d) return false;
+    bool found = false;
+    char p[PATH_MAX], q[PATH_MAX];
+    struct dirent *de;
+    while (!found && (de = readdir(d)) != NULL) {
+        int64_t step;
+        if (!parse_step_name(de->d_name, &step) || step <= above) continue;
+        if (join(p, sizeof p, run_dir, de->d_name) != FM_OK || !is_dir(p)) continue;
+        for (int i = 0; i < 4; i++) {
+            struct stat sb;
+            if (join(q, sizeof q, p, k_ckpt_files[i]) != FM_OK || stat(q, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+                snprintf(out, cap, "%s", p);
+                if (missing) *missing = k_ckpt_files[i];
+                found = true;
+                break;
+            }
+        }
+    }
+    closedir(d);
+    return found;
 }

@@ -62,6 +62,15 @@ fm_status fm_ckpt_find_latest(const char *run_dir, char *out_dir, size_t cap, in
  * file (path and errno text); FM_ERR_NOMEM. *out_text is NULL on error. */
 fm_status fm_ckpt_read_text(const char *path, char **out_text);
 
+/* Creates the folder `path` and its missing parents ("mkdir -p"). Errors: FM_ERR_IO naming the
+ * path (exists as a file, permission denied, ...), FM_ERR_ARG (path too long). */
+fm_status fm_mkdirs(const char *path);
+
+/* Lists the step_<digits> folders of run_dir that are not complete checkpoints (a file missing)
+ * and whose step is above `above`: the first such folder's path goes to out (cap bytes) and the
+ * missing file's name to *missing. Returns true if one exists. */
+bool fm_ckpt_find_incomplete(const char *run_dir, int64_t above, char *out, size_t cap, const char **missing);
+
 /* Replaces `path` atomically with the n bytes at data: writes "<path>.tmp", fsyncs it, renames it
  * over path and fsyncs the folder. On failure the .tmp file is removed and an existing `path` is
  * untouched. For small files (metrics snapshots, exports, config.json, state.json).

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 /* ---- JSON field helpers: each names the file and the field in its message ---------------- */
 
@@ -204,16 +205,30 @@ fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *pat
         goto done;
     }
     if (!(cfg->rms_norm_eps > 0) || !(cfg->rope_theta > 0)) {
-        st = fm_error(FM_ERR_CONFIG, "%s: rms_norm_eps and rope_theta must be positive", path);
+        st = fm_error(FM_ERR_CONFIG, "%s: rms_norm_eps (%g) and rope_theta (%g) must be positive", path,
+                      cfg->rms_norm_eps, cfg->rope_theta);
         goto done;
     }
     if (cfg->router_aux_loss_coef < 0 || cfg->router_z_loss_coef < 0) {
         st = fm_error(FM_ERR_CONFIG, "%s: router_aux_loss_coef and router_z_loss_coef must be >= 0", path);
         goto done;
     }
-    if (cfg->vocab_size > INT32_MAX || cfg->num_experts > INT32_MAX) {
-        st = fm_error(FM_ERR_CONFIG, "%s: vocab_size and the expert count must fit in int32", path);
-        goto done;
+    /* Sizes flatmoe indexes with 64-bit counts: keep every product well inside int64. */
+    for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
+        if (pos[i].v > (1LL << 30)) {
+            st = fm_error(FM_ERR_CONFIG, "%s: \"%s\" is %lld; flatmoe supports at most 2^30", path, pos[i].name,
+                          (long long)pos[i].v);
+            goto done;
+        }
+    {
+        const double H = (double)cfg->hidden_size, I = (double)cfg->moe_intermediate_size, E = (double)cfg->num_experts;
+        const double hd = (double)cfg->head_dim, nh = (double)cfg->num_attention_heads, V = (double)cfg->vocab_size;
+        const double params = (double)cfg->num_hidden_layers * (E * 3 * H * I + 4 * H * nh * hd) + 2 * V * H;
+        if (params > 1e15) {
+            st = fm_error(FM_ERR_CONFIG, "%s: the config describes about %.3g parameters; flatmoe supports at most "
+                          "1e15 (check hidden_size, num_hidden_layers, the expert sizes)", path, params);
+            goto done;
+        }
     }
 #undef TRY
 done:
@@ -222,6 +237,9 @@ done:
 }
 
 fm_status fm_config_load(fm_config *cfg, const char *path) {
+    struct stat sb;
+    if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode))
+        return fm_error(FM_ERR_IO, "%s: is not a file; expected a Hugging Face config.json", path);
     FILE *f = fopen(path, "rb");
     if (!f) return fm_error(FM_ERR_IO, "%s: cannot open the model config: %s", path, strerror(errno));
     fseek(f, 0, SEEK_END);

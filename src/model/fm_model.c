@@ -383,11 +383,12 @@ void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_la
     m.linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
     m.ce_block_tokens = opts ? opts->ce_block_tokens : 0;
     m.ce_block_vocab = opts ? opts->ce_block_vocab : 0;
-    bool rc[L > 0 ? L : 1];
+    bool *rc = fm_malloc((size_t)(L + 1));
+    fm_act **bp = fm_malloc(sizeof(fm_act *) * (size_t)(L + 1));
+    fm_layer_acts *la = fm_malloc(sizeof(fm_layer_acts) * (size_t)(L + 1));
+    FM_ASSERT(rc && bp && la); /* a few bytes per layer; the config's layer count is bounded */
     for (int64_t l = 0; l < L; l++) rc[l] = recompute ? recompute[l] : false;
     m.recompute = rc;
-    fm_act *bp[L + 1];
-    fm_layer_acts la[L > 0 ? L : 1];
     m.boundary = bp;
     m.acts = la;
     fm_arena ar[FM_LIVE_COUNT];
@@ -398,6 +399,9 @@ void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_la
     build_table(cfg, &counter, &oe, &on, &oh, NULL);
     bytes[FM_LIVE_MODEL_STATE] = fm_model_state_bytes(cfg);
     for (int i = 1; i < FM_LIVE_COUNT; i++) bytes[i] = ar[i].used;
+    fm_free(rc);
+    fm_free(bp);
+    fm_free(la);
 }
 
 fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opts *opts) {
@@ -405,9 +409,9 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     const fm_config *c = &m->cfg;
     const int64_t L = c->num_hidden_layers;
     if (T > c->max_position_embeddings)
-        return fm_error(FM_ERR_ARG, "--seq-len %lld exceeds the model's max_position_embeddings (%lld); "
-                        "use --seq-len <= %lld", (long long)T, (long long)c->max_position_embeddings,
-                        (long long)c->max_position_embeddings);
+        return fm_error(FM_ERR_ARG, "a sequence of %lld tokens (--seq-len, or sample's --context) exceeds the model's "
+                        "max_position_embeddings (%lld); use at most %lld", (long long)T,
+                        (long long)c->max_position_embeddings, (long long)c->max_position_embeddings);
     if (B < 1 || T < 1)
         return fm_error(FM_ERR_ARG, "--micro-batch (%lld) and --seq-len (%lld) must be >= 1", (long long)B,
                         (long long)T);
@@ -443,7 +447,7 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
         if (st) {
             free_layout(m);
             return fm_error(FM_ERR_NOMEM, "memory: cannot allocate %.3f GiB for the %s live set at "
-                            "--micro-batch %lld --seq-len %lld; lower one of them or recompute more layers",
+                            "micro-batch %lld x sequence %lld; lower one of them (train: or recompute more layers)",
                             bytes[i] / 1073741824.0, fm_live_set_names[i], (long long)B, (long long)T);
         }
     }

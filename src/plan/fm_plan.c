@@ -6,12 +6,23 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../backend/cpu/fm_backend_cpu.h"
+#include "../backend/fm_backend_default.h"
 #include "../bounded/fm_linear_ce.h"
 #include "../train/fm_optim.h"
 
 static const char *set_name(int i) {
     return i == FM_PLAN_ATTENTION ? "attention tiles" : fm_live_set_names[i];
+}
+
+fm_status fm_plan_check_shape(const fm_config *cfg, int64_t B, int64_t T) {
+    if (B < 1 || T < 1)
+        return fm_error(FM_ERR_ARG, "--micro-batch (%lld) and --seq-len (%lld) must be >= 1", (long long)B, (long long)T);
+    const double routes = (double)B * (double)T * (double)cfg->num_experts_per_tok;
+    if (routes >= 2147483648.0 || (double)B * (double)T * (double)cfg->vocab_size > 4.6e18)
+        return fm_error(FM_ERR_ARG, "--micro-batch %lld x --seq-len %lld = %.4g tokens x top-%lld = %.4g routes; flatmoe "
+                        "indexes routes with int32 (< 2^31 per micro-batch): lower --seq-len or --micro-batch",
+                        (long long)B, (long long)T, (double)B * (double)T, (long long)cfg->num_experts_per_tok, routes);
+    return FM_OK;
 }
 
 void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
@@ -53,7 +64,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
                  "+ backward", (long long)saved_sets, (long long)(N * k));
     }
 
-    p->bytes[FM_PLAN_ATTENTION] = fm_cpu_backend_scratch_bytes(r->threads, c->head_dim);
+    p->bytes[FM_PLAN_ATTENTION] = fm_backend_default_scratch_bytes(r->threads, c->head_dim);
     snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "per-thread flash tiles, head_dim %lld (never T x T)", (long long)c->head_dim);
 
     p->bytes[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(c, N);
@@ -111,9 +122,9 @@ fm_status fm_plan_check(const fm_plan *p, size_t budget, const char *flag_budget
     if (budget == 0 || p->total <= budget) return FM_OK;
     int big = largest_set(p);
     if (big < 0 || big >= FM_PLAN_SETS) big = 0;
-    return fm_error(FM_ERR_NOMEM, "plan: %.3f GiB needed but %s is %.3f GiB; the largest live set is %s "
-                    "(%.3f GiB): %s", p->total / 1073741824.0, flag_budget, budget / 1073741824.0, set_name(big),
-                    p->bytes[big] / 1073741824.0, knob_for(big));
+    return fm_error(FM_ERR_NOMEM, "plan: %.1f MiB needed but %s is %.1f MiB; the largest live set is %s "
+                    "(%.1f MiB): %s", p->total / 1048576.0, flag_budget, budget / 1048576.0, set_name(big),
+                    p->bytes[big] / 1048576.0, knob_for(big));
 }
 
 fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc, fm_plan *out) {
@@ -137,7 +148,7 @@ fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc, fm_plan *out
             if (c < FM_PLAN_MIN_CHUNK) c = FM_PLAN_MIN_CHUNK;
         }
     }
-    return fm_plan_check(out, budget, "the budget");
+    return fm_plan_check(out, budget, "the budget (--mem-budget / --device-mem)");
 }
 
 static void human(char *buf, size_t n, size_t bytes) {

@@ -41,7 +41,12 @@ typedef struct fm_plan {
     double flops_hw_token;          /* + recomputed forwards (layers, MoE chunks) */
 } fm_plan;
 
-/* Computes the plan. Never fails for a parsed config. */
+/* Checks that a shape is one flatmoe can index: B, T >= 1, B*T*top-k routes < 2^31 (int32 route
+ * ids), B*T*vocab < 2^62. Errors: FM_ERR_ARG naming --seq-len/--micro-batch. */
+fm_status fm_plan_check_shape(const fm_config *cfg, int64_t B, int64_t T);
+
+/* Computes the plan. Never fails for a parsed config and a shape that passed
+ * fm_plan_check_shape. */
 void fm_plan_compute(const fm_plan_req *req, fm_plan *out);
 
 /* budget == 0: always fits. Otherwise FM_ERR_NOMEM with a message naming the total, the budget,

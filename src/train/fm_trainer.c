@@ -10,7 +10,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
-#include "../backend/cpu/fm_backend_cpu.h"
+#include "../backend/fm_backend_default.h"
 #include "../core/fm_rng.h"
 #include "../data/fm_data.h"
 #include "../io/fm_checkpoint.h"
@@ -75,7 +75,9 @@ fm_status fm_parse_recompute(const char *spec, int64_t L, bool *rc) {
         if (v < 0 || v >= L)
             return fm_error(FM_ERR_ARG, "--recompute: layer id %lld is out of range; the model has layers 0..%lld",
                             v, (long long)L - 1);
+        if (rc[v]) return fm_error(FM_ERR_ARG, "--recompute: layer %lld is listed twice", v);
         rc[v] = true;
+        if (*end == ',' && !end[1]) return fm_error(FM_ERR_ARG, "--recompute \"%s\": trailing comma", spec);
         p = *end ? end + 1 : end;
     }
     return FM_OK;
@@ -112,8 +114,12 @@ static fm_status load_named(fm_model *m, const char *path, const char *prefix, f
     fm_status s = FM_OK;
     char name[256];
     int consumed = 0;
-    bool fused[L > 0 ? L : 1];
+    bool *fused = fm_malloc((size_t)(L > 0 ? L : 1));
     float *tmp = NULL;
+    if (!fused) {
+        fm_st_close(&st);
+        return fm_error(FM_ERR_NOMEM, "%s: out of memory", path);
+    }
     for (int64_t l = 0; l < L && s == FM_OK; l++) {
         snprintf(name, sizeof name, "%smodel.layers.%lld.%s.experts.gate_up_proj", prefix, (long long)l, moe);
         fused[l] = fm_st_find(&st, name) != NULL;
@@ -167,6 +173,7 @@ static fm_status load_named(fm_model *m, const char *path, const char *prefix, f
                          "another config?", path, in_file, consumed);
     }
     fm_st_close(&st);
+    fm_free(fused);
     return s;
 }
 
@@ -352,6 +359,7 @@ typedef struct run {
     char (*names)[160];
     FILE *metrics;
     fm_plan plan;
+    bool *rc;
 } run;
 
 /* Measured high-water mark of every arena (painted at layout) next to its planned bound. */
@@ -422,12 +430,13 @@ static fm_status load_checkpoint(run *r, const char *dir, train_state *ts) {
 static void run_free(run *r) {
     if (r->metrics) fclose(r->metrics);
     if (r->model_ok) fm_model_free(&r->m);
-    if (r->be_ok) fm_cpu_backend_free(&r->be);
+    if (r->be_ok) fm_backend_default_free(&r->be);
     fm_dataset_free(&r->val_own);
     fm_dataset_free(&r->train_all);
     fm_free(r->config_json);
     fm_free(r->named);
     fm_free(r->names);
+    fm_free(r->rc);
 }
 
 static fm_status train_impl(run *r) {
@@ -436,20 +445,38 @@ static fm_status train_impl(run *r) {
     if (!o->out_dir || !*o->out_dir) return fm_error(FM_ERR_ARG, "--out: give a run folder");
     if (o->seq_len < 1 || o->micro_batch < 1 || o->grad_accum < 1 || o->steps < 1)
         return fm_error(FM_ERR_ARG, "--seq-len, --micro-batch, --grad-accum and --steps must be >= 1");
-    if (!(o->lr > 0) || o->min_lr < 0 || o->min_lr > o->lr)
-        return fm_error(FM_ERR_ARG, "--lr must be > 0 and --min-lr in [0, lr] (found lr %g, min-lr %g)", o->lr, o->min_lr);
-    if (o->warmup < 0 || o->weight_decay < 0 || o->grad_clip < 0)
-        return fm_error(FM_ERR_ARG, "--warmup, --weight-decay and --grad-clip must be >= 0");
+    if (!(o->lr > 0) || !isfinite(o->lr) || !(o->min_lr >= 0) || !(o->min_lr <= o->lr))
+        return fm_error(FM_ERR_ARG, "--lr must be finite and > 0, and --min-lr in [0, lr] (found lr %g, min-lr %g)", o->lr,
+                        o->min_lr);
+    if (o->warmup < 0 || !(o->weight_decay >= 0) || !isfinite(o->weight_decay) || !(o->grad_clip >= 0) ||
+        !isfinite(o->grad_clip))
+        return fm_error(FM_ERR_ARG, "--warmup, --weight-decay and --grad-clip must be finite and >= 0 (found %lld, %g, %g)",
+                        (long long)o->warmup, o->weight_decay, o->grad_clip);
+    if (!(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1) || !(o->adam_eps > 0))
+        return fm_error(FM_ERR_ARG, "--beta1 and --beta2 must be in [0, 1) (found %g, %g)", o->beta1, o->beta2);
+    if (o->eval_every < 0 || o->eval_batches < 0 || o->save_every < 0 || o->log_every < 0 || o->exit_after < 0)
+        return fm_error(FM_ERR_ARG, "--eval-every, --eval-batches, --save-every, --log-every and --exit-after must be >= 0");
+    if (!(o->val_fraction > 0 && o->val_fraction < 1) && o->n_val_data == 0)
+        return fm_error(FM_ERR_ARG, "--val-fraction must be in (0, 1), found %g", o->val_fraction);
 
     /* Resume point. */
     char ckpt[4096] = "";
     int64_t ckpt_step = -1;
     if (o->resume) {
         if (fm_ckpt_find_latest(o->out_dir, ckpt, sizeof ckpt, &ckpt_step) != FM_OK) {
-            if (!o->quiet) printf("--resume: no checkpoint in %s yet; starting from step 0\n", o->out_dir);
             ckpt[0] = 0;
             ckpt_step = -1;
         }
+        /* A damaged checkpoint newer than the one we would resume from is not skipped silently:
+         * training on would overwrite it (or start over). */
+        char bad[4096];
+        const char *missing = "";
+        if (fm_ckpt_find_incomplete(o->out_dir, ckpt_step, bad, sizeof bad, &missing))
+            return fm_error(FM_ERR_IO, "--resume: %s is an incomplete checkpoint (no %s)%s%s; restore the file, or "
+                            "move that folder away to resume from %s", bad, missing,
+                            ckpt[0] ? ", newer than " : "", ckpt[0] ? ckpt : "",
+                            ckpt[0] ? "the older checkpoint" : "scratch");
+        if (!ckpt[0]) printf("--resume: no checkpoint in %s yet; starting from step 0\n", o->out_dir);
     } else {
         char probe[4096];
         if (fm_ckpt_find_latest(o->out_dir, probe, sizeof probe, NULL) == FM_OK)
@@ -469,9 +496,17 @@ static fm_status train_impl(run *r) {
             bool same = a && b && !strcmp(a, b);
             fm_free(a);
             fm_free(b);
-            if (!same)
-                return fm_error(FM_ERR_CONFIG, "--config %s differs from the checkpoint's %s; resume with the same "
-                                "model config (or drop --config to use the checkpoint's)", o->config_path, p);
+            if (!same) {
+                const char *field = given.vocab_size != r->cfg.vocab_size ? "vocab_size"
+                                  : given.hidden_size != r->cfg.hidden_size ? "hidden_size"
+                                  : given.num_hidden_layers != r->cfg.num_hidden_layers ? "num_hidden_layers"
+                                  : given.num_experts != r->cfg.num_experts ? "the expert count"
+                                  : given.moe_intermediate_size != r->cfg.moe_intermediate_size ? "the expert width"
+                                  : given.model_type != r->cfg.model_type ? "model_type" : "a field";
+                return fm_error(FM_ERR_CONFIG, "--config %s differs from the checkpoint's %s (%s differs); resume with "
+                                "the same model config (or drop --config to use the checkpoint's)", o->config_path, p,
+                                field);
+            }
         }
     } else {
         if (!o->config_path) return fm_error(FM_ERR_ARG, "--config: required (a Hugging Face config.json)");
@@ -483,6 +518,8 @@ static fm_status train_impl(run *r) {
         return fm_error(FM_ERR_ARG, "--seq-len %lld exceeds max_position_embeddings (%lld) of the model config; "
                         "use --seq-len <= %lld", (long long)o->seq_len, (long long)c->max_position_embeddings,
                         (long long)c->max_position_embeddings);
+
+    FM_TRY(fm_plan_check_shape(c, o->micro_batch, o->seq_len));
 
     /* Data. */
     FM_TRY(fm_dataset_load(&r->train_all, o->data, o->n_data, c->vocab_size));
@@ -500,7 +537,8 @@ static fm_status train_impl(run *r) {
 
     /* Plan: every live set's bound, from the config and flags alone, before any allocation. */
     const int64_t L = c->num_hidden_layers;
-    bool rc[L];
+    bool *rc = r->rc = fm_malloc((size_t)L);
+    if (!rc) return fm_error(FM_ERR_NOMEM, "out of memory for the recompute table (%lld layers)", (long long)L);
     FM_TRY(fm_parse_recompute(o->recompute, L, rc));
     fm_plan_req req = {*c, o->micro_batch, o->seq_len, o->grad_accum, rc,
                        o->moe_chunk_tokens > 0 ? o->moe_chunk_tokens : 0,
@@ -517,7 +555,7 @@ static fm_status train_impl(run *r) {
     r->plan = plan;
 
     /* Backend, model, optimizer: allocated from the plan. */
-    FM_TRY(fm_cpu_backend_init(&r->be, o->threads, c->head_dim));
+    FM_TRY(fm_backend_default_init(&r->be, o->threads, c->head_dim));
     r->be_ok = true;
     FM_TRY(fm_model_create(&r->m, c, r->be, fm_adamw_state_bytes(fm_config_num_params(c))));
     r->model_ok = true;
@@ -558,8 +596,7 @@ static fm_status train_impl(run *r) {
     ts.steps = o->steps;
 
     /* Run folder and metrics. */
-    if (mkdir(o->out_dir, 0755) != 0 && errno != EEXIST)
-        return fm_error(FM_ERR_IO, "--out %s: cannot create the run folder: %s", o->out_dir, strerror(errno));
+    FM_TRY(fm_mkdirs(o->out_dir));
     char mpath[4200];
     snprintf(mpath, sizeof mpath, "%s/metrics.jsonl", o->out_dir);
     FM_TRY(truncate_metrics(mpath, ckpt[0] ? ts.step : -1));
@@ -652,7 +689,16 @@ static fm_status train_impl(run *r) {
         fprintf(r->metrics, "}\n");
         fflush(r->metrics);
 
-        if ((o->save_every > 0 && step % o->save_every == 0) || last) FM_TRY(save_checkpoint(r, &ts));
+        if ((o->save_every > 0 && step % o->save_every == 0) || last) {
+            /* An update can overflow the weights while the loss and gradients it came from were
+             * finite: never save such weights as the last good checkpoint. */
+            const double wsq = m->be.ops->sumsq(m->be.ctx, m->params, m->n_params);
+            if (!isfinite(wsq))
+                return fm_error(FM_ERR_NUMERIC, "step %lld: the weights are no longer finite after the optimizer update "
+                                "(sum of squares %g); no checkpoint was written for this step (the last good one in %s "
+                                "stays); lower --lr or raise --warmup", (long long)step, wsq, o->out_dir);
+            FM_TRY(save_checkpoint(r, &ts));
+        }
         if (o->exit_after > 0 && ran == o->exit_after) break;
     }
     return FM_OK;

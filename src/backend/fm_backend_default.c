@@ -1,0 +1,28 @@
+#include "fm_backend_default.h"
+
+#ifdef FM_ACT_BF16
+#include "cuda/fm_backend_cuda.h"
+
+fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_dim) {
+    (void)threads;
+    return fm_cuda_backend_init(b, 0, max_head_dim, 0);
+}
+void fm_backend_default_free(fm_backend *b) { fm_cuda_backend_free(b); }
+size_t fm_backend_default_scratch_bytes(int threads, int64_t max_head_dim) {
+    (void)threads;
+    return fm_cuda_backend_workspace_bytes(max_head_dim, 0);
+}
+const char *fm_backend_default_name(void) { return "cuda"; }
+
+#else
+#include "cpu/fm_backend_cpu.h"
+
+fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_dim) {
+    return fm_cpu_backend_init(b, threads, max_head_dim);
+}
+void fm_backend_default_free(fm_backend *b) { fm_cpu_backend_free(b); }
+size_t fm_backend_default_scratch_bytes(int threads, int64_t max_head_dim) {
+    return fm_cpu_backend_scratch_bytes(threads, max_head_dim);
+}
+const char *fm_backend_default_name(void) { return "cpu"; }
+#endif

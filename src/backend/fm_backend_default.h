@@ -1,0 +1,17 @@
+/* The backend of this build: the CPU backend (fm_act = fp32), or the CUDA backend in the bf16
+ * build (FM_ACT_BF16, -DFLATMOE_CUDA=ON's flatmoe-cuda). The CLI and the trainer create backends
+ * only through these, so the same code serves both builds. */
+#ifndef FM_BACKEND_DEFAULT_H
+#define FM_BACKEND_DEFAULT_H
+#include "fm_backend.h"
+
+/* threads: CPU threads (0: all; ignored on CUDA); max_head_dim: the attention's head_dim bound.
+ * Errors: those of fm_cpu_backend_init / fm_cuda_backend_init. */
+fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_dim);
+void fm_backend_default_free(fm_backend *b);
+/* Bytes the backend holds itself (attention tiles, library workspaces), for the planner. */
+size_t fm_backend_default_scratch_bytes(int threads, int64_t max_head_dim);
+/* "cpu" or "cuda". */
+const char *fm_backend_default_name(void);
+
+#endif
