@@ -13,7 +13,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "backend/cpu/fm_backend_cpu.h"
+#include "backend/fm_backend_default.h"
 #include "io/fm_safetensors.h"
 #include "train/fm_trainer.h"
 
@@ -44,7 +44,7 @@ int main(int argc, char **argv) {
     snprintf(cpath, sizeof cpath, "%s/config.json", argv[1]);
     fm_config cfg;
     if (fm_config_load(&cfg, cpath)) return die("config");
-    if (fm_cpu_backend_init(&be, 0, cfg.head_dim)) return die("backend");
+    if (fm_backend_default_init(&be, 0, cfg.head_dim)) return die("backend");
     fm_model m;
     if (fm_load_for_inference(&m, argv[1], be, B, T, NULL)) return die("model");
     for (int64_t b = 0; b < B; b++)
@@ -77,6 +77,6 @@ int main(int argc, char **argv) {
     printf("fm_hf_grad: %s: loss %.7f over %lld tokens (aux %.3g, z %.3g), %d gradients\n", argv[1], l.ce,
            (long long)l.n_valid, l.aux, l.z, m.n_tensors);
     fm_model_free(&m);
-    fm_cpu_backend_free(&be);
+    fm_backend_default_free(&be);
     return 0;
 }
