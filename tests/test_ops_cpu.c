@@ -1257,6 +1257,21 @@ int main(void) {
     test_adamw(5, 0.1f, 0.5f);
     test_thread_independence();
 
+    /* Attention with other tile sizes (plan inputs: --attention-tile-q/-kv), including tiles
+     * that divide nothing and a single-row tile, against the same fp64 reference. */
+    fm_cpu_backend_free(&g_be);
+    const int64_t tiles[3][2] = {{16, 48}, {1, 7}, {128, 32}};
+    for (int i = 0; i < 3; i++) {
+        CHECK(fm_cpu_backend_init_tiles(&g_be, 2, 128, tiles[i][0], tiles[i][1]) == FM_OK);
+        OPS = g_be.ops;
+        CTX = g_be.ctx;
+        test_attention_case(2, 70, 4, 2, 32, true);
+        test_attention_case(1, 131, 2, 1, 64, true);
+        fm_cpu_backend_free(&g_be);
+    }
+    CHECK(fm_cpu_backend_init_tiles(&g_be, 2, 128, 0, 64) == FM_ERR_ARG);
+    CHECK(fm_cpu_backend_init(&g_be, 2, 128) == FM_OK);
+
     fm_cpu_backend_free(&g_be);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     printf("time %.2f s\n",

@@ -151,6 +151,8 @@ static int cmd_train(int argc, char **argv) {
         {"mem-budget", F_STR, &mem_budget, NULL, "fail before allocating if the plan exceeds this (e.g. 16GiB); with no other memory flag, choose them to fit (no budget)"},
         {"ce-block-tokens", F_I64, &o.ce_block_tokens, NULL, "linear cross-entropy token block, never N x V logits (0 = plain logits, or chosen under --mem-budget)"},
         {"ce-block-vocab", F_I64, &o.ce_block_vocab, NULL, "linear cross-entropy vocabulary block (4096 when --ce-block-tokens is set; 0 = plain logits)"},
+        {"attention-tile-q", F_I64, &o.att_tile_q, NULL, "CPU attention tile: query rows (64)"},
+        {"attention-tile-kv", F_I64, &o.att_tile_kv, NULL, "CPU attention tile: key columns (64)"},
         {"report-memory", F_BOOL, &o.report_memory, NULL, "print each live set's measured high-water mark next to its bound (also in metrics.jsonl)"},
         {"quiet", F_BOOL, &o.quiet, NULL, "no per-step lines (metrics.jsonl is still written)"},
     };
@@ -342,7 +344,7 @@ static int cmd_eval(int argc, char **argv) {
 
 static int cmd_plan(int argc, char **argv) {
     const char *config = NULL, *recompute = NULL, *device_mem = NULL;
-    int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = -1, ce_bt = -1, ce_bv = -1;
+    int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = -1, ce_bt = -1, ce_bv = -1, tq = 0, tkv = 0;
     int threads = 0;
     bool json = false;
     flag flags[] = {
@@ -357,6 +359,8 @@ static int cmd_plan(int argc, char **argv) {
         {"device-mem", F_STR, &device_mem, NULL, "memory budget, e.g. 16GiB (default: no verdict; with it, knobs are chosen)"},
         {"mem-budget", F_STR, &device_mem, NULL, "the same as --device-mem (train's name for it)"},
         {"threads", F_INT, &threads, NULL, "CPU threads, for the attention tiles (0 = all cores)"},
+        {"attention-tile-q", F_I64, &tq, NULL, "CPU attention tile: query rows (64)"},
+        {"attention-tile-kv", F_I64, &tkv, NULL, "CPU attention tile: key columns (64)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
     };
     int r = parse_flags("plan", "--config C --seq-len S [--micro-batch B] [--device-mem BYTES] [flags]", argc, argv, flags,
@@ -385,6 +389,9 @@ static int cmd_plan(int argc, char **argv) {
     req.ce_block_tokens = ce_bt > 0 ? ce_bt : 0;
     req.ce_block_vocab = ce_bv > 0 ? ce_bv : 0;
     req.threads = threads;
+    req.att_tile_q = tq;
+    req.att_tile_kv = tkv;
+    if (tq < 0 || tkv < 0) return usage_error("plan", "%s", "--attention-tile-q/-kv must be >= 1");
     fm_plan p;
     s = FM_OK;
     if (!recompute && chunk < 0 && ce_bt < 0 && ce_bv < 0 && budget) s = fm_plan_choose(&req, budget, rc, &p);

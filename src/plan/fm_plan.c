@@ -64,8 +64,11 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
                  "+ backward", (long long)saved_sets, (long long)(N * k));
     }
 
-    p->bytes[FM_PLAN_ATTENTION] = fm_backend_default_scratch_bytes(r->threads, c->head_dim);
-    snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "per-thread flash tiles, head_dim %lld (never T x T)", (long long)c->head_dim);
+    p->bytes[FM_PLAN_ATTENTION] =
+        fm_backend_default_scratch_bytes_tiles(r->threads, c->head_dim, r->att_tile_q, r->att_tile_kv);
+    snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "per-thread flash tiles %lld x %lld, head_dim %lld (never T x T)",
+             (long long)(r->att_tile_q > 0 ? r->att_tile_q : 64), (long long)(r->att_tile_kv > 0 ? r->att_tile_kv : 64),
+             (long long)c->head_dim);
 
     p->bytes[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(c, N);
     snprintf(p->inputs[FM_LIVE_WORKING_SET], 200, "one layer's backward: 6 x N x H + q/k/v grads + router grads");

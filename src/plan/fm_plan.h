@@ -27,6 +27,7 @@ typedef struct fm_plan_req {
     int64_t moe_chunk_tokens;  /* 0: plain MoE twin */
     int64_t ce_block_tokens, ce_block_vocab; /* both 0: plain logits; else linear CE blocks */
     int threads;               /* CPU threads (attention scratch is per thread); 0: all */
+    int64_t att_tile_q, att_tile_kv; /* CPU attention tile (0: 64 x 64) */
 } fm_plan_req;
 
 typedef struct fm_plan {

@@ -543,7 +543,7 @@ static fm_status train_impl(run *r) {
     fm_plan_req req = {*c, o->micro_batch, o->seq_len, o->grad_accum, rc,
                        o->moe_chunk_tokens > 0 ? o->moe_chunk_tokens : 0,
                        o->ce_block_tokens > 0 ? o->ce_block_tokens : 0,
-                       o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads};
+                       o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads, o->att_tile_q, o->att_tile_kv};
     fm_plan plan;
     if (!o->recompute && o->moe_chunk_tokens < 0 && o->ce_block_tokens < 0 && o->ce_block_vocab < 0 &&
         o->mem_budget > 0) {
@@ -555,7 +555,7 @@ static fm_status train_impl(run *r) {
     r->plan = plan;
 
     /* Backend, model, optimizer: allocated from the plan. */
-    FM_TRY(fm_backend_default_init(&r->be, o->threads, c->head_dim));
+    FM_TRY(fm_backend_default_init_tiles(&r->be, o->threads, c->head_dim, o->att_tile_q, o->att_tile_kv));
     r->be_ok = true;
     FM_TRY(fm_model_create(&r->m, c, r->be, fm_adamw_state_bytes(fm_config_num_params(c))));
     r->model_ok = true;

@@ -29,6 +29,7 @@ typedef struct fm_train_opts {
     size_t mem_budget;            /* --mem-budget bytes; 0: none. With neither --recompute nor
                                      --moe-chunk-tokens nor --ce-block-* the planner chooses
                                      them to fit it. */
+    int64_t att_tile_q, att_tile_kv; /* --attention-tile-q/-kv (0: 64) */
     bool report_memory;           /* --report-memory: measured high-water marks vs the plan */
     bool quiet;                   /* no per-step lines on stdout */
 } fm_train_opts;

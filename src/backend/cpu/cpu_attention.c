@@ -26,13 +26,12 @@
 #include <omp.h>
 #include <string.h>
 
-enum { BR = FM_CPU_ATT_BR, BC = FM_CPU_ATT_BC };
-
 static size_t round16(size_t n) { return (n + 15) & ~(size_t)15; }
 
-size_t fm_cpu_att_scratch_floats(int64_t max_head_dim) {
-    return round16((size_t)BR * BC) * 2 + round16((size_t)BR * (size_t)max_head_dim) +
-           3 * round16(BR);
+/* The tile sizes Br x Bc are the context's (fm_cpu_backend_init_tiles; plan inputs). */
+size_t fm_cpu_att_scratch_floats(int64_t max_head_dim, int64_t BR, int64_t BC) {
+    return round16((size_t)(BR * BC)) * 2 + round16((size_t)BR * (size_t)max_head_dim) +
+           3 * round16((size_t)BR);
 }
 
 typedef struct att_ws {
@@ -40,6 +39,7 @@ typedef struct att_ws {
 } att_ws;
 
 static att_ws att_ws_of(const fm_cpu_ctx *c, int tid) {
+    const int64_t BR = c->att_br, BC = c->att_bc;
     att_ws w;
     float *p = c->att_scratch + (size_t)tid * c->att_stride;
     w.S = p;
@@ -89,6 +89,7 @@ void fm_cpu_attention_fwd(void *ctx, float *out, float *lse, const float *q, con
                           const float *v, int64_t B, int64_t T, int64_t nh, int64_t nkv,
                           int64_t hd) {
     const fm_cpu_ctx *c = ctx;
+    const int64_t BR = c->att_br, BC = c->att_bc;
     att_check(c, B, T, nh, nkv, hd);
     const int64_t grp = nh / nkv, ntile = (T + BR - 1) / BR, ntask = B * nh * ntile;
     const int64_t qs = nh * hd, ks = nkv * hd;
@@ -156,6 +157,7 @@ void fm_cpu_attention_bwd(void *ctx, float *dq, float *dk, float *dv, const floa
                           const float *lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
                           int64_t hd) {
     const fm_cpu_ctx *c = ctx;
+    const int64_t BR = c->att_br, BC = c->att_bc;
     att_check(c, B, T, nh, nkv, hd);
     const int64_t grp = nh / nkv, ntask = B * nkv;
     const int64_t qs = nh * hd, ks = nkv * hd;

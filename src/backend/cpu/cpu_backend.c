@@ -410,13 +410,22 @@ static int cpu_resolve_threads(int threads) {
     return t > 0 ? t : 1;
 }
 
-size_t fm_cpu_backend_scratch_bytes(int threads, int64_t max_head_dim) {
-    if (threads < 0 || max_head_dim < 1) return 0;
-    return (size_t)cpu_resolve_threads(threads) * fm_cpu_att_scratch_floats(max_head_dim) *
+size_t fm_cpu_backend_scratch_bytes_tiles(int threads, int64_t max_head_dim, int64_t tile_q, int64_t tile_kv) {
+    if (threads < 0 || max_head_dim < 1 || tile_q < 1 || tile_kv < 1) return 0;
+    return (size_t)cpu_resolve_threads(threads) * fm_cpu_att_scratch_floats(max_head_dim, tile_q, tile_kv) *
            sizeof(float);
 }
 
+size_t fm_cpu_backend_scratch_bytes(int threads, int64_t max_head_dim) {
+    return fm_cpu_backend_scratch_bytes_tiles(threads, max_head_dim, FM_CPU_ATT_BR, FM_CPU_ATT_BC);
+}
+
 fm_status fm_cpu_backend_init(fm_backend *b, int threads, int64_t max_head_dim) {
+    return fm_cpu_backend_init_tiles(b, threads, max_head_dim, FM_CPU_ATT_BR, FM_CPU_ATT_BC);
+}
+
+fm_status fm_cpu_backend_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tile_q,
+                                    int64_t tile_kv) {
     if (!b) return fm_error(FM_ERR_ARG, "fm_cpu_backend_init: backend pointer is NULL");
     b->ops = NULL;
     b->ctx = NULL;
@@ -426,6 +435,9 @@ fm_status fm_cpu_backend_init(fm_backend *b, int threads, int64_t max_head_dim) 
     if (max_head_dim < 1)
         return fm_error(FM_ERR_ARG, "cpu backend: max_head_dim must be >= 1, got %lld",
                         (long long)max_head_dim);
+    if (tile_q < 1 || tile_kv < 1 || tile_q > 4096 || tile_kv > 4096)
+        return fm_error(FM_ERR_ARG, "--attention-tile %lldx%lld: each side must be in [1, 4096]", (long long)tile_q,
+                        (long long)tile_kv);
     if (threads > 0) {
         omp_set_num_threads(threads);
         openblas_set_num_threads(threads);
@@ -435,8 +447,10 @@ fm_status fm_cpu_backend_init(fm_backend *b, int threads, int64_t max_head_dim) 
                             sizeof *c);
     c->threads = cpu_resolve_threads(threads);
     c->max_head_dim = max_head_dim;
-    c->att_stride = fm_cpu_att_scratch_floats(max_head_dim);
-    const size_t bytes = fm_cpu_backend_scratch_bytes(c->threads, max_head_dim);
+    c->att_br = tile_q;
+    c->att_bc = tile_kv;
+    c->att_stride = fm_cpu_att_scratch_floats(max_head_dim, tile_q, tile_kv);
+    const size_t bytes = fm_cpu_backend_scratch_bytes_tiles(c->threads, max_head_dim, tile_q, tile_kv);
     c->att_scratch = fm_malloc(bytes);
     if (!c->att_scratch) {
         const int nt = c->threads;

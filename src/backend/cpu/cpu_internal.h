@@ -14,7 +14,7 @@
 #include "fm_backend_cpu.h"
 
 /* Attention tiles (FlashAttention-2 block sizes Br x Bc): 64 x 64 fits L1/L2 at hd <= 128. */
-#define FM_CPU_ATT_BR 64
+#define FM_CPU_ATT_BR 64 /* default tiles (fm_cpu_backend_init) */
 #define FM_CPU_ATT_BC 64
 
 /* Fixed chunk count of the double-precision reductions (sumsq): the sum is the sequential sum
@@ -112,11 +112,12 @@ typedef struct fm_cpu_ctx {
     int64_t max_head_dim; /* attention scratch fits hd <= max_head_dim */
     size_t att_stride;    /* floats of attention scratch per thread (a multiple of 16) */
     float *att_scratch;   /* threads * att_stride floats, 64-byte aligned per thread */
+    int64_t att_br, att_bc; /* attention tile: query rows x key columns */
 } fm_cpu_ctx;
 
-/* Floats of attention scratch one thread needs for head_dim <= max_head_dim (see
- * cpu_attention.c for the layout), rounded up to whole 64-byte lines. */
-size_t fm_cpu_att_scratch_floats(int64_t max_head_dim);
+/* Floats of attention scratch one thread needs for head_dim <= max_head_dim and Br x Bc tiles
+ * (see cpu_attention.c for the layout), rounded up to whole 64-byte lines. */
+size_t fm_cpu_att_scratch_floats(int64_t max_head_dim, int64_t br, int64_t bc);
 
 /* cpu_attention.c */
 void fm_cpu_attention_fwd(void *ctx, float *out, float *lse, const float *q, const float *k,
