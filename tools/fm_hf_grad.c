@@ -7,6 +7,7 @@
  *
  * BATCH holds "input_ids" [B,T] as F32 (exact below 2^24). As in transformers' causal-LM loss
  * with labels = input_ids, position t predicts input_ids[t+1]; the last position is ignored.
+ * Runs on the build's backend (CPU fp32, or CUDA bf16 in the CUDA build).
  * OUT holds "loss" [1] (mean cross-entropy over B*(T-1) tokens, without router losses),
  * "logits" [B,T,V], and "grad.<name>" for every parameter (router loss coefficients are taken
  * from the config; set them to 0 for a pure cross-entropy comparison). */
@@ -63,6 +64,19 @@ int main(int argc, char **argv) {
     fm_model_backward(&m, 1.0f);
     float loss = (float)l.ce;
 
+    /* gradients to the host in fp32 (bf16 in the CUDA build: the high half of the fp32 bits) */
+    float *grads = fm_malloc(sizeof(float) * (size_t)m.n_params);
+    if (sizeof(fm_act) == sizeof(float)) {
+        be.ops->copy(be.ctx, grads, m.grads, sizeof(float) * (size_t)m.n_params, FM_COPY_D2H);
+    } else {
+        uint16_t *h = fm_malloc(sizeof(uint16_t) * (size_t)m.n_params);
+        be.ops->copy(be.ctx, h, m.grads, sizeof(uint16_t) * (size_t)m.n_params, FM_COPY_D2H);
+        for (int64_t i = 0; i < m.n_params; i++) {
+            uint32_t u = (uint32_t)h[i] << 16;
+            memcpy(&grads[i], &u, 4);
+        }
+        fm_free(h);
+    }
     const int n = m.n_tensors + 2;
     fm_named_tensor *t = fm_malloc(sizeof(fm_named_tensor) * (size_t)n);
     char (*names)[160] = fm_malloc(sizeof(*names) * (size_t)n);
@@ -71,7 +85,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < m.n_tensors; i++) {
         const fm_param *p = &m.table[i];
         snprintf(names[i], sizeof names[i], "grad.%s", p->name);
-        t[i + 2] = (fm_named_tensor){names[i], m.grads + p->offset, p->ndim, {p->shape[0], p->shape[1]}};
+        t[i + 2] = (fm_named_tensor){names[i], grads + p->offset, p->ndim, {p->shape[0], p->shape[1]}};
     }
     if (fm_st_write(argv[3], t, n, NULL)) return die("output");
     printf("fm_hf_grad: %s: loss %.7f over %lld tokens (aux %.3g, z %.3g), %d gradients\n", argv[1], l.ce,

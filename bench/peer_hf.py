@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""The PyTorch peer for the GPU benchmark: Hugging Face transformers' causal-LM model of a config
+(OlmoeForCausalLM for configs/olmoe-1b-7b.json) in bf16 with SDPA attention, the `grouped_mm`
+experts backend and fused AdamW, trained at micro-batch 1 for each sequence length, with and
+without gradient checkpointing, until out of memory.
+
+  python3 bench/peer_hf.py CONFIG.json SEQ_LEN [SEQ_LEN ...] [--steps 3] [--json OUT.jsonl]
+
+For each (length, checkpointing) it runs 1 warm-up step and `steps - 1` timed ones and prints the
+median step time, tokens/s, model TFLOP/s (6*N_active + 6*L*heads*head_dim*T per token, the same
+count flatmoe's planner uses; hardware FLOPs add one forward when checkpointing), MFU against the
+989 TFLOP/s dense bf16 peak, peak GPU memory (torch.cuda.max_memory_allocated) and the model
+state (bf16 weights, grads and AdamW moments: 8 bytes per parameter).
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import transformers
+
+PEAK = 989e12
+
+
+def active_params(cfg):
+    H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    nh = cfg.num_attention_heads
+    nkv = getattr(cfg, "num_key_value_heads", nh) or nh
+    hd = getattr(cfg, "head_dim", None) or H // nh
+    I = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    E = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts")
+    k = cfg.num_experts_per_tok
+    attn = 2 * H * nh * hd + 2 * H * nkv * hd
+    layer = attn + 2 * H + E * H + k * 3 * H * I
+    return V * H + L * layer + H, L * nh * hd
+
+
+def build(path, ckpt):
+    cfg = transformers.AutoConfig.from_pretrained(path) if not path.endswith(".json") else None
+    if cfg is None:
+        with open(path) as f:
+            d = json.load(f)
+        cls = transformers.CONFIG_MAPPING[d["model_type"]]
+        cfg = cls(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+    kw = dict(dtype=torch.bfloat16, attn_implementation="sdpa")
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm", **kw)
+        experts = "grouped_mm"
+    except (TypeError, ValueError) as e:  # an older transformers: default experts
+        print(f"note: experts_implementation=grouped_mm refused ({e}); default experts", file=sys.stderr)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, **kw)
+        experts = "default"
+    model = model.cuda()
+    if ckpt:
+        model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    return cfg, model, experts
+
+
+def run(path, T, steps, ckpt):
+    torch.cuda.empty_cache()
+    cfg, model, experts = build(path, ckpt)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    n_act, h_attn = active_params(cfg)
+    flops_tok = 6 * n_act + 6 * cfg.num_hidden_layers * (h_attn // cfg.num_hidden_layers) * T
+    hw_tok = flops_tok + (2 * n_act + 2 * cfg.num_hidden_layers * (h_attn // cfg.num_hidden_layers) * T if ckpt else 0)
+    res = dict(system="hf-peer", seq_len=T, checkpointing=ckpt, experts=experts, params=n_params)
+    times = []
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        for s in range(steps):
+            ids = torch.randint(0, cfg.vocab_size, (1, T), device="cuda")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            if s > 0:
+                times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        res.update(step_s=t, tokens_per_s=T / t, model_tflops=flops_tok * T / t / 1e12,
+                   hardware_tflops=hw_tok * T / t / 1e12, mfu=flops_tok * T / t / PEAK,
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30, model_state_gib=8 * n_params / 2**30,
+                   loss=float(loss))
+    except torch.OutOfMemoryError:
+        res.update(oom=True, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    del model, opt
+    torch.cuda.empty_cache()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("seq_len", type=int, nargs="+")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    out = open(a.json, "a") if a.json else None
+    stop = {False: False, True: False}
+    for T in a.seq_len:
+        for ckpt in (False, True):
+            if stop[ckpt]:
+                continue
+            r = run(a.config, T, a.steps, ckpt)
+            if r.get("oom"):
+                stop[ckpt] = True
+                print(f"hf-peer T={T:>7} ckpt={int(ckpt)}: out of memory (peak {r['peak_gib']:.1f} GiB)", flush=True)
+            else:
+                print(f"hf-peer T={T:>7} ckpt={int(ckpt)}: {r['tokens_per_s']:9.0f} tok/s  {r['model_tflops']:6.1f} "
+                      f"model TFLOP/s  MFU {100 * r['mfu']:5.1f}%  peak {r['peak_gib']:6.1f} GiB "
+                      f"(model state {r['model_state_gib']:.1f})", flush=True)
+            if out:
+                out.write(json.dumps(r) + "\n")
+                out.flush()
+
+
+if __name__ == "__main__":
+    main()
