@@ -11,7 +11,8 @@ Router losses are off (router_aux_loss_coef 0): transformers computes the load-b
 over all layers' tokens pooled, flatmoe per layer (Switch Transformer / Megatron), so only the
 cross-entropy is comparable.
 
-  python3 tools/hf_parity.py BUILD_DIR [TEXT_FILE]
+  python3 tools/hf_parity.py BUILD_DIR [TEXT_FILE] [--tol T] [--flatmoe NAME]
+(--tol 3e-2 and --flatmoe flatmoe-cuda for the bf16 CUDA build, whose fm_hf_grad then runs on the GPU)
 Needs torch, transformers and safetensors (the H200 machine has them). Exit status 1 on failure.
 """
 import json
@@ -25,6 +26,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 TOL = 1e-5
+FLATMOE = "flatmoe"
 
 
 def configs():
@@ -52,7 +54,8 @@ def fm_grad(build, model_dir, ids, out):
     batch = os.path.join(out, "batch.safetensors")
     save_file({"input_ids": ids.float().contiguous()}, batch)
     res = os.path.join(out, "fm.safetensors")
-    subprocess.run([os.path.join(build, "fm_hf_grad"), model_dir, batch, res], check=True)
+    tool = "fm_hf_grad_cuda" if FLATMOE.endswith("cuda") else "fm_hf_grad"
+    subprocess.run([os.path.join(build, tool), model_dir, batch, res], check=True)
     return load_file(res)
 
 
@@ -99,11 +102,21 @@ def compare_grads(name, model, fm, failures):
 
 
 def main():
-    build = os.path.abspath(sys.argv[1])
-    text = sys.argv[2] if len(sys.argv) > 2 else None
+    global TOL, FLATMOE
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build")
+    ap.add_argument("text", nargs="?")
+    ap.add_argument("--tol", type=float, default=TOL)
+    ap.add_argument("--flatmoe", default=FLATMOE)
+    a = ap.parse_args()
+    TOL, FLATMOE = a.tol, a.flatmoe
+    build = os.path.abspath(a.build)
+    text = a.text
     torch.manual_seed(0)
     failures = []
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}; flatmoe binary {FLATMOE}, "
+          f"tolerance {TOL}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, cfg in configs():
             d = os.path.join(tmp, name)
@@ -131,7 +144,7 @@ def main():
             # 2. flatmoe -> transformers
             if text:
                 run = os.path.join(tmp, name + "-run")
-                subprocess.run([os.path.join(build, "flatmoe"), "train", "--config", os.path.join(d, "config.json"),
+                subprocess.run([os.path.join(build, FLATMOE), "train", "--config", os.path.join(d, "config.json"),
                                 "--data", text, "--seq-len", "32", "--micro-batch", "2", "--steps", "2",
                                 "--quiet", "--out", run], check=True)
                 ck = os.path.join(run, "step_000002")

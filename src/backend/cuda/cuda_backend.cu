@@ -52,6 +52,10 @@ extern "C" void fm_cuda_fail(const char *call, const char *what, const char *fil
     fm_abort(file, line, msg);
 }
 
+/* Kernels and op functions have internal linkage (the other .cu files of the backend define
+ * kernels of their own). */
+namespace {
+
 /* ---- bf16 vector helpers: 8 elements (16 bytes) per access --------------------------------- */
 
 __device__ __forceinline__ void load8(const bf16 *p, float f[8]) {
@@ -177,8 +181,8 @@ __device__ double block_sum_d(double v) {
     return v;
 }
 
-/* Pass 1: block b sums the squares of its grid-stride share into part[b] (fp64 per thread; the
- * 8 squares of one vector are added in fp32 first, exact to ~1e-7 relative). */
+/* Pass 1: block b sums the squares of its grid-stride share into part[b], in fp64 (the bf16
+ * squares are exact in fp64; an H200 has fp64 throughput to spare for a memory-bound loop). */
 __global__ void sumsq_part_kernel(const bf16 *x, int64_t n, bool vec, double *part) {
     const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
     const int64_t nv = vec ? n / 8 : 0;
@@ -186,9 +190,13 @@ __global__ void sumsq_part_kernel(const bf16 *x, int64_t n, bool vec, double *pa
     for (int64_t v = tid; v < nv; v += stride) {
         float f[8];
         load8(x + 8 * v, f);
-        const float s = ((f[0] * f[0] + f[1] * f[1]) + (f[2] * f[2] + f[3] * f[3])) +
-                        ((f[4] * f[4] + f[5] * f[5]) + (f[6] * f[6] + f[7] * f[7]));
-        acc += (double)s;
+        double a0 = 0.0, a1 = 0.0;
+#pragma unroll
+        for (int k = 0; k < 8; k += 2) {
+            a0 += (double)f[k] * (double)f[k];
+            a1 += (double)f[k + 1] * (double)f[k + 1];
+        }
+        acc += a0 + a1;
     }
     for (int64_t i = 8 * nv + tid; i < n; i += stride) {
         const double f = ld(x + i);
@@ -677,6 +685,8 @@ static void cu_convert(void *ctx, void *dst, fm_dtype dst_type, const void *src,
 }
 
 static void cu_sync(void *ctx) { FM_CUDA_CHECK(cudaStreamSynchronize(ctx_of(ctx)->stream)); }
+
+} // namespace
 
 /* ---- the table ----------------------------------------------------------------------------- */
 
