@@ -31,7 +31,7 @@ const char *fm_status_name(fm_status s) {
     return "FM_ERR_?";
 }
 
-_Noreturn void fm_abort(const char *file, int line, const char *msg) {
+FM_NORETURN void fm_abort(const char *file, int line, const char *msg) {
     fflush(stdout);
     fprintf(stderr, "flatmoe: internal error at %s:%d: %s\n", file, line, msg);
     abort();

@@ -37,8 +37,14 @@ const char *fm_errmsg(void);
 /* Short name of a status code ("FM_ERR_IO"). */
 const char *fm_status_name(fm_status status);
 
+#ifdef __cplusplus
+#define FM_NORETURN [[noreturn]] /* CUDA sources include this header as C++ */
+#else
+#define FM_NORETURN _Noreturn
+#endif
+
 /* Prints "flatmoe: internal error at FILE:LINE: MSG" to stderr and aborts. */
-_Noreturn void fm_abort(const char *file, int line, const char *msg);
+FM_NORETURN void fm_abort(const char *file, int line, const char *msg);
 
 #define FM_ASSERT(cond)                                                        \
     do {                                                                       \
