@@ -8,10 +8,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)
-if [ -n "$NVCC" ]; then
+CUDA_INC=$(dirname "$(dirname "${NVCC:-/nonexistent/bin/nvcc}")")/include
+if [ -n "$NVCC" ] && [ -f "$CUDA_INC/cudnn.h" ]; then
     echo "== compiling the CUDA build with $NVCC (GPU tests are not run here)"
     cmake -S . -B build-cuda -DFLATMOE_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$NVCC" >/dev/null
     cmake --build build-cuda -j"$(nproc)"
+elif [ -n "$NVCC" ]; then
+    echo "== nvcc found but no cudnn.h next to it: the CUDA build is not compiled"
 fi
 cd build
 ctest --output-on-failure --timeout 900 "$@"
