@@ -74,15 +74,16 @@ int main(int argc, char **argv) {
             for (int chunked = 0; chunked < 2; chunked++) {
                 int64_t K, c_eff;
                 fm_moe_chunks(N, chunked ? chunk : 0, &K, &c_eff);
-                size_t bound = chunked ? fm_arena_round(fm_moe_ws_bytes(&d, c_eff, true))
-                                       : fm_moe_routes_bytes(&d, N) + fm_moe_ws_bytes(&d, N, false);
+                size_t bound = (chunked ? fm_arena_round(fm_moe_ws_bytes(&d, c_eff, true))
+                                        : fm_moe_routes_bytes(&d, N) + fm_moe_ws_bytes(&d, N, false)) +
+                               fm_moe_routes_host_bytes(&d);
                 fm_arena a;
                 if (fm_arena_init(&a, "expert dispatch", bound)) { fprintf(stderr, "%s\n", fm_errmsg()); return 1; }
                 fm_arena_paint(&a);
                 fm_moe_routes saved;
                 fm_moe_ws ws;
-                if (!chunked) fm_moe_routes_layout(&saved, &a, &d, N);
-                fm_moe_ws_layout(&ws, &a, &d, chunked ? c_eff : N, chunked);
+                if (!chunked) fm_moe_routes_layout(&saved, &a, NULL, &d, N);
+                fm_moe_ws_layout(&ws, &a, NULL, &d, chunked ? c_eff : N, chunked);
                 int32_t *order = fm_malloc(sizeof(int32_t) * (size_t)N);
                 fm_moe_chunk_order(order, N, K);
                 double t0 = now();

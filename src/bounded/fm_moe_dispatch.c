@@ -1,7 +1,7 @@
 #include "fm_moe_dispatch.h"
 
 /* Bound (see the header; a = sizeof(fm_act)): a dispatch over n tokens holds
- *   routes(n) = offsets (E+1)*8 + row_route, route_row 2*n*k*4 + xe, ye 2*n*k*H*a
+ *   routes(n) = row_route, route_row 2*n*k*4 + xe, ye 2*n*k*H*a  (+ the host offsets (E+1)*8)
  *               + h_gate, h_up, h_act 3*n*k*I*a
  * and its backward dye, dxe 2*n*k*H*a + dact, dh_gate, dh_up 3*n*k*I*a. The chunked form adds
  * the chunk's top-k rows 3*c*k*4 (idx, w, dw) and xc, yc, dxc 3*c*H*a, and holds routes(c)
@@ -14,8 +14,10 @@
 
 size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n) {
     const int64_t R = n * d->k;
-    return R8(d->E + 1) + 2 * R4(R) + 2 * RA(R * d->H) + 3 * RA(R * d->I);
+    return 2 * R4(R) + 2 * RA(R * d->H) + 3 * RA(R * d->I);
 }
+
+size_t fm_moe_routes_host_bytes(const fm_moe_dims *d) { return R8(d->E + 1); }
 
 size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked) {
     const int64_t R = n * d->k;
@@ -38,9 +40,9 @@ void fm_moe_chunks(int64_t N, int64_t chunk_tokens, int64_t *K, int64_t *c_eff) 
 
 #define TAKE(a, type, count) ((type *)fm_arena_alloc((a), sizeof(type) * (size_t)(count)))
 
-void fm_moe_routes_layout(fm_moe_routes *r, fm_arena *a, const fm_moe_dims *d, int64_t n) {
+void fm_moe_routes_layout(fm_moe_routes *r, fm_arena *a, fm_arena *host, const fm_moe_dims *d, int64_t n) {
     const int64_t R = n * d->k;
-    r->offsets = TAKE(a, int64_t, d->E + 1);
+    r->offsets = TAKE(host ? host : a, int64_t, d->E + 1);
     r->row_route = TAKE(a, int32_t, R);
     r->route_row = TAKE(a, int32_t, R);
     r->xe = TAKE(a, fm_act, R * d->H);
@@ -50,7 +52,7 @@ void fm_moe_routes_layout(fm_moe_routes *r, fm_arena *a, const fm_moe_dims *d, i
     r->ye = TAKE(a, fm_act, R * d->H);
 }
 
-void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, const fm_moe_dims *d, int64_t n, bool chunked) {
+void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_dims *d, int64_t n, bool chunked) {
     const int64_t R = n * d->k;
     w->dye = TAKE(a, fm_act, R * d->H);
     w->dxe = TAKE(a, fm_act, R * d->H);
@@ -64,7 +66,7 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, const fm_moe_dims *d, int64_t n
         w->xc = TAKE(a, fm_act, n * d->H);
         w->yc = TAKE(a, fm_act, n * d->H);
         w->dxc = TAKE(a, fm_act, n * d->H);
-        fm_moe_routes_layout(&w->r, a, d, n);
+        fm_moe_routes_layout(&w->r, a, host, d, n);
     } else {
         w->topk_idx = NULL;
         w->topk_w = w->dtopk_w = NULL;

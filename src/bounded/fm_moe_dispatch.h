@@ -62,7 +62,7 @@ typedef struct fm_moe_ws {
 void fm_moe_chunks(int64_t N, int64_t chunk_tokens, int64_t *K, int64_t *c_eff);
 
 /* Bound formulas (bytes, each buffer rounded as fm_arena_alloc rounds; a = sizeof(fm_act)):
- *   routes(n)      = (E+1)*8 + 2*n*k*4 + n*k*(2H + 3I)*a
+ *   routes(n)      = 2*n*k*4 + n*k*(2H + 3I)*a      (+ (E+1)*8 host bytes: the offsets)
  *   plain saved    = routes(N) per layer (saved for backward);  plain ws = n*k*(2H + 3I)*a with n = N
  *   chunked ws     = routes(c) + c*k*(2H + 3I)*a + 3*c*k*4 + 3*c*H*a with c = c_eff:
  *                    one chunk's forward and backward, whatever the routing (dropless: a chunk's
@@ -70,9 +70,13 @@ void fm_moe_chunks(int64_t N, int64_t chunk_tokens, int64_t *K, int64_t *c_eff);
 size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n);
 size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked);
 
-/* Lays out the buffers from an arena (a measuring arena gives the bytes). */
-void fm_moe_routes_layout(fm_moe_routes *r, fm_arena *a, const fm_moe_dims *d, int64_t n);
-void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, const fm_moe_dims *d, int64_t n, bool chunked);
+/* Lays out the buffers from an arena (a measuring arena gives the bytes); the expert offsets
+ * [E+1] (read by the host to size the expert GEMMs) come from `host`, an arena of host memory
+ * (NULL: `a`, when a is host memory). */
+void fm_moe_routes_layout(fm_moe_routes *r, fm_arena *a, fm_arena *host, const fm_moe_dims *d, int64_t n);
+void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_dims *d, int64_t n, bool chunked);
+/* Host bytes of one routes layout (the offsets). */
+size_t fm_moe_routes_host_bytes(const fm_moe_dims *d);
 
 /* The chunk-major token order for N tokens in K strided chunks: chunk j's tokens j, j+K, j+2K, ...
  * come at positions [start_j, start_j + n_j), n_j = ceil((N - j) / K). tokens [N] host memory

@@ -259,7 +259,7 @@ static fm_moe_dims moe_dims(const fm_config *c) {
     return d;
 }
 
-static void layout_all(fm_model *m, fm_arena *ar) {
+static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     const fm_config *c = &m->cfg;
     const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size, hd = c->head_dim;
     fm_arena *bnd = &ar[FM_LIVE_BOUNDARIES], *acts = &ar[FM_LIVE_LAYER_ACTS],
@@ -280,7 +280,7 @@ static void layout_all(fm_model *m, fm_arena *ar) {
     if (any_recompute) {
         layout_layer_acts(&shared, acts, c, m->B, m->T);
         memset(&shared.moe, 0, sizeof shared.moe);
-        if (!chunked) fm_moe_routes_layout(&shared.moe, ex, &md, N);
+        if (!chunked) fm_moe_routes_layout(&shared.moe, ex, host, &md, N);
     }
     for (int64_t l = 0; l < L; l++) {
         if (m->recompute[l]) {
@@ -289,9 +289,9 @@ static void layout_all(fm_model *m, fm_arena *ar) {
         }
         layout_layer_acts(&m->acts[l], acts, c, m->B, m->T);
         memset(&m->acts[l].moe, 0, sizeof m->acts[l].moe);
-        if (!chunked) fm_moe_routes_layout(&m->acts[l].moe, ex, &md, N);
+        if (!chunked) fm_moe_routes_layout(&m->acts[l].moe, ex, host, &md, N);
     }
-    fm_moe_ws_layout(&m->moe_ws, ex, &md, chunked ? c_eff : N, chunked);
+    fm_moe_ws_layout(&m->moe_ws, ex, host, &md, chunked ? c_eff : N, chunked);
     layout_ws(&m->ws, ws, c, N);
     m->xf = TAKE(voc, fm_act, N * H);
     m->rstd_f = TAKE(voc, float, N);
@@ -359,6 +359,7 @@ size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_
 
 static void free_layout(fm_model *m) {
     for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_free(&m->arena[i]);
+    fm_arena_free(&m->host_arena);
     fm_free(m->boundary);
     fm_free(m->acts);
     fm_free(m->h_tokens);
@@ -371,8 +372,8 @@ static void free_layout(fm_model *m) {
     m->h_scratch = m->h_counts = NULL;
 }
 
-void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layout_opts *opts,
-                         size_t bytes[FM_LIVE_COUNT]) {
+static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layout_opts *opts,
+                       size_t bytes[FM_LIVE_COUNT], size_t *host_bytes) {
     const bool *recompute = opts ? opts->recompute : NULL;
     const int64_t L = cfg->num_hidden_layers;
     fm_model m;
@@ -391,9 +392,11 @@ void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_la
     m.recompute = rc;
     m.boundary = bp;
     m.acts = la;
-    fm_arena ar[FM_LIVE_COUNT];
+    fm_arena ar[FM_LIVE_COUNT], host;
     for (int i = 0; i < FM_LIVE_COUNT; i++) fm_arena_init_measure(&ar[i], fm_live_set_names[i]);
-    layout_all(&m, ar);
+    fm_arena_init_measure(&host, "host");
+    layout_all(&m, ar, &host);
+    if (host_bytes) *host_bytes = host.used;
     table_builder counter = {0};
     int64_t oe, on, oh;
     build_table(cfg, &counter, &oe, &on, &oh, NULL);
@@ -402,6 +405,11 @@ void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_la
     fm_free(rc);
     fm_free(bp);
     fm_free(la);
+}
+
+void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layout_opts *opts,
+                         size_t bytes[FM_LIVE_COUNT]) {
+    plan_bytes(cfg, B, T, opts, bytes, NULL);
 }
 
 fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opts *opts) {
@@ -431,7 +439,9 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     m->ce_block_vocab = opts ? opts->ce_block_vocab : 0;
     fm_layout_opts o = {m->recompute, m->moe_chunk_tokens, m->ce_block_tokens, m->ce_block_vocab};
     size_t bytes[FM_LIVE_COUNT];
-    fm_model_plan_bytes(c, B, T, &o, bytes);
+    size_t host_bytes = 0;
+    plan_bytes(c, B, T, &o, bytes, &host_bytes);
+    fm_status st;
     m->boundary = fm_malloc(sizeof(fm_act *) * (size_t)(L + 1));
     m->acts = fm_malloc(sizeof(fm_layer_acts) * (size_t)L);
     m->h_tokens = fm_malloc(sizeof(int32_t) * (size_t)(B * T));
@@ -443,7 +453,7 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the layer tables and host staging");
     }
     for (int i = 1; i < FM_LIVE_COUNT; i++) {
-        fm_status st = fm_arena_init_backend(&m->arena[i], fm_live_set_names[i], bytes[i], &m->be);
+        st = fm_arena_init_backend(&m->arena[i], fm_live_set_names[i], bytes[i], &m->be);
         if (st) {
             free_layout(m);
             return fm_error(FM_ERR_NOMEM, "memory: cannot allocate %.3f GiB for the %s live set at "
@@ -454,7 +464,12 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     /* Painted before anything is written, so fm_arena_touched measures what the run writes (the
      * RoPE tables and the chunk order below are the first writes). One memset per arena, at launch. */
     for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_paint(&m->arena[i]);
-    layout_all(m, m->arena);
+    st = fm_arena_init(&m->host_arena, "host", host_bytes);
+    if (st) {
+        free_layout(m);
+        return st;
+    }
+    layout_all(m, m->arena, &m->host_arena);
     for (int64_t l = 0; l < L; l++) m->acts[l].h_expert_count = m->h_counts + l * c->num_experts;
     /* RoPE tables (HF: inv_freq[i] = theta^(-2i/hd); angle = t * inv_freq[i]), in double, made on
      * the host and uploaded; and the chunked MoE's token order. */

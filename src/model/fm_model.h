@@ -121,6 +121,7 @@ typedef struct fm_model {
     float *token_loss;          /* [N] */
 
     fm_arena arena[FM_LIVE_COUNT];
+    fm_arena host_arena;        /* host memory the step reads on the host (MoE expert offsets) */
 } fm_model;
 
 /* Builds the parameter table and allocates weights and gradients (model state arena, in the
