@@ -58,7 +58,7 @@ int main(int argc, char **argv) {
     float *logits = fm_malloc(sizeof(float) * (size_t)(B * T * V));
     fm_model_forward(&m, false, NULL);
     for (int64_t r = 0; r < B * T; r++) fm_model_logits_row(&m, r, logits + r * V);
-    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    be.ops->mem_set(be.ctx, m.grads, 0, sizeof(fm_act) * (size_t)m.n_params);
     fm_loss l;
     fm_model_forward(&m, true, &l);
     fm_model_backward(&m, 1.0f);
