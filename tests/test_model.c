@@ -366,6 +366,13 @@ static void run_step(fm_config *cfg, int64_t B, int64_t T, int64_t chunk, const 
         fm_model_backward(&m, 1.0f);
     }
     *loss_out = l.ce + l.aux + l.z;
+    /* every arena a step fills: its measured (painted) high-water mark within [90%, 100%] of the
+     * planned bound, for every model_type and memory flag this test runs */
+    for (int i = 1; i < FM_LIVE_COUNT; i++) {
+        const size_t hw = fm_arena_touched(&m.arena[i]), cap = m.arena[i].capacity;
+        CHECK_MSG(hw <= cap && hw * 10 >= cap * 9, "%s chunk %lld ce %lld: %s high-water %zu vs bound %zu",
+                  cfg->model_type_name, (long long)chunk, (long long)g_ce_block, fm_live_set_names[i], hw, cap);
+    }
     *grads_out = fm_malloc(sizeof(float) * (size_t)m.n_params);
     memcpy(*grads_out, m.grads, sizeof(float) * (size_t)m.n_params);
     if (expert_high) *expert_high = m.arena[FM_LIVE_EXPERT].capacity;
@@ -404,6 +411,37 @@ static void test_moe_chunked_ab(void) {
         CHECK(rel_diff(g, ref, n_params) < 1e-6);
         fm_free(g);
         fm_free(ref);
+    }
+}
+
+/* Strided chunk membership (PipelinedLLEP): chunk j holds tokens j, j+K, j+2K, ... in order, the
+ * chunks together hold every token once, and no chunk exceeds c_eff = ceil(N/K). */
+static void test_chunk_order(void) {
+    const int64_t cases[4][2] = {{22, 4}, {22, 22}, {7, 100}, {1000, 3}};
+    for (int c = 0; c < 4; c++) {
+        const int64_t N = cases[c][0];
+        int64_t K, c_eff;
+        fm_moe_chunks(N, cases[c][1], &K, &c_eff);
+        CHECK(K == (cases[c][1] >= N ? 1 : (N + cases[c][1] - 1) / cases[c][1]));
+        CHECK(c_eff == (N + K - 1) / K && c_eff <= cases[c][1] + (cases[c][1] >= N ? N : 0));
+        int32_t *order = fm_malloc(sizeof(int32_t) * (size_t)N);
+        int *seen = fm_malloc(sizeof(int) * (size_t)N);
+        fm_moe_chunk_order(order, N, K);
+        int64_t p = 0;
+        bool ok = true;
+        for (int64_t j = 0; j < K; j++) {
+            const int64_t n = (N - j + K - 1) / K;
+            ok &= n <= c_eff;
+            for (int64_t i = 0; i < n; i++, p++) {
+                ok &= order[p] == j + i * K;
+                seen[order[p]]++;
+            }
+        }
+        ok &= p == N;
+        for (int64_t t = 0; t < N; t++) ok &= seen[t] == 1;
+        CHECK_MSG(ok, "chunk order wrong for N=%lld K=%lld", (long long)N, (long long)K);
+        fm_free(order);
+        fm_free(seen);
     }
 }
 
@@ -478,6 +516,7 @@ int main(void) {
     test_all_tokens_one_expert();
     test_layout_measured();
     test_moe_chunked_ab();
+    test_chunk_order();
     test_moe_chunked_bound();
     test_linear_ce_ab();
     fm_cpu_backend_free(&g_be);
