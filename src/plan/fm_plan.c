@@ -44,8 +44,8 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
                                  : "16 B/param (bf16 weight, grad; fp32 master, Adam m, v)", (long long)p->n_params);
 
     p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_chunked(c, r->B, r->T, r->moe_chunk_tokens > 0);
-    snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 = %lld) x N x H x 4 B, N = %lld, H = %lld (+ tokens, RoPE)",
-             (long long)L + 1, (long long)N, (long long)H);
+    snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 = %lld) x N x H x %d B, N = %lld, H = %lld (+ tokens, RoPE)",
+             (long long)L + 1, (int)sizeof(fm_act), (long long)N, (long long)H);
 
     const size_t one = fm_model_layer_acts_bytes(c, r->B, r->T);
     p->bytes[FM_LIVE_LAYER_ACTS] = (size_t)saved_sets * one;
@@ -57,11 +57,11 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     if (r->moe_chunk_tokens > 0) {
         p->bytes[FM_LIVE_EXPERT] = fm_arena_round(fm_moe_ws_bytes(&md, p->moe_c_eff, true));
         snprintf(p->inputs[FM_LIVE_EXPERT], 200, "one chunk fwd+bwd: K = %lld chunks of <= %lld tokens x k = %lld routes, "
-                 "(2H + 3I) x 4 B per route", (long long)p->moe_K, (long long)p->moe_c_eff, (long long)k);
+                 "(2H + 3I) x %d B per route", (long long)p->moe_K, (long long)p->moe_c_eff, (long long)k, (int)sizeof(fm_act));
     } else {
         p->bytes[FM_LIVE_EXPERT] = (size_t)saved_sets * fm_moe_routes_bytes(&md, N) + fm_moe_ws_bytes(&md, N, false);
-        snprintf(p->inputs[FM_LIVE_EXPERT], 200, "plain: %lld saved dispatches of N x k = %lld routes x (2H + 3I) x 4 B, "
-                 "+ backward", (long long)saved_sets, (long long)(N * k));
+        snprintf(p->inputs[FM_LIVE_EXPERT], 200, "plain: %lld saved dispatches of N x k = %lld routes x (2H + 3I) x %d B, "
+                 "+ backward", (long long)saved_sets, (long long)(N * k), (int)sizeof(fm_act));
     }
 
     p->bytes[FM_PLAN_ATTENTION] =
@@ -81,7 +81,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
                  (long long)(r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB));
     } else {
         p->bytes[FM_LIVE_VOCAB] = fm_model_vocab_plain_bytes(c, N);
-        snprintf(p->inputs[FM_LIVE_VOCAB], 200, "plain logits N x V x 4 B, V = %lld (+ final norm)", (long long)c->vocab_size);
+        snprintf(p->inputs[FM_LIVE_VOCAB], 200, "plain logits N x V x %d B, V = %lld (+ final norm)", (int)sizeof(fm_act), (long long)c->vocab_size);
     }
 
     for (int i = 0; i < FM_PLAN_SETS; i++) p->total += p->bytes[i];

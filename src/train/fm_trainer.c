@@ -689,7 +689,7 @@ static fm_status train_impl(run *r) {
         fprintf(r->metrics, "}\n");
         fflush(r->metrics);
 
-        if ((o->save_every > 0 && step % o->save_every == 0) || last) {
+        if (!o->no_checkpoint && ((o->save_every > 0 && step % o->save_every == 0) || last)) {
             /* An update can overflow the weights while the loss and gradients it came from were
              * finite: never save such weights as the last good checkpoint. */
             const double wsq = m->be.ops->sumsq(m->be.ctx, m->params, m->n_params);
