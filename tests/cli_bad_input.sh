@@ -19,6 +19,8 @@ expect_fail "heads do not divide hidden" "num_attention_heads (3) must divide hi
 sed 's/"num_experts_per_tok": 2/"num_experts_per_tok": 9/' "$cfg" > "$TMP/topk.json"
 expect_fail "top-k > experts" "num_experts_per_tok (9) must be <= num_experts (4)" "$FM" train --config "$TMP/topk.json" "${base[@]}" --out "$TMP/a"
 expect_fail "seq-len beyond max_position_embeddings" "exceeds max_position_embeddings (64)" "$FM" train --config "$cfg" "${base[@]}" --seq-len 65 --out "$TMP/a"
+"$FM" train --config "$cfg" "${base[@]}" --seq-len 65 --max-position-embeddings 80 --out "$TMP/mpe" && ok || bad "--max-position-embeddings did not lift the limit"
+grep -q '"max_position_embeddings":[[:space:]]*80' "$TMP/mpe/step_000002/config.json" && ok || bad "the override is not in the checkpoint's config"
 : > "$TMP/empty.txt"
 expect_fail "non-finite learning rate" "expects a finite number" "$FM" train --config "$cfg" "${base[@]}" --lr inf --out "$TMP/a"
 expect_fail "beta2 = 1" "--beta1 and --beta2 must be in [0, 1)" "$FM" train --config "$cfg" "${base[@]}" --beta2 1 --out "$TMP/a"

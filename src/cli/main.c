@@ -155,6 +155,7 @@ static int cmd_train(int argc, char **argv) {
         {"attention-tile-kv", F_I64, &o.att_tile_kv, NULL, "CPU attention tile: key columns (64)"},
         {"report-memory", F_BOOL, &o.report_memory, NULL, "print each live set's measured high-water mark next to its bound (also in metrics.jsonl)"},
         {"quiet", F_BOOL, &o.quiet, NULL, "no per-step lines (metrics.jsonl is still written)"},
+        {"max-position-embeddings", F_I64, &o.max_position_embeddings, NULL, "override the config's max_position_embeddings, e.g. to train past it (RoPE extrapolates; saved in the checkpoint's config)"},
         {"no-checkpoint", F_BOOL, &o.no_checkpoint, NULL, "write no checkpoint, not even at the end (benchmarks)"},
     };
     int r = parse_flags("train", "--config C --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);

@@ -492,6 +492,7 @@ static fm_status train_impl(run *r) {
         if (o->config_path) {
             fm_config given;
             FM_TRY(fm_config_load(&given, o->config_path));
+            if (o->max_position_embeddings > 0) given.max_position_embeddings = o->max_position_embeddings;
             char *a = fm_config_to_json(&given), *b = fm_config_to_json(&r->cfg);
             bool same = a && b && !strcmp(a, b);
             fm_free(a);
@@ -512,12 +513,13 @@ static fm_status train_impl(run *r) {
         if (!o->config_path) return fm_error(FM_ERR_ARG, "--config: required (a Hugging Face config.json)");
         FM_TRY(fm_config_load(&r->cfg, o->config_path));
     }
+    if (o->max_position_embeddings > 0) r->cfg.max_position_embeddings = o->max_position_embeddings;
     r->config_json = fm_config_to_json(&r->cfg);
     const fm_config *c = &r->cfg;
     if (o->seq_len > c->max_position_embeddings)
         return fm_error(FM_ERR_ARG, "--seq-len %lld exceeds max_position_embeddings (%lld) of the model config; "
-                        "use --seq-len <= %lld", (long long)o->seq_len, (long long)c->max_position_embeddings,
-                        (long long)c->max_position_embeddings);
+                        "use --seq-len <= %lld, or raise the limit with --max-position-embeddings", (long long)o->seq_len,
+                        (long long)c->max_position_embeddings, (long long)c->max_position_embeddings);
 
     FM_TRY(fm_plan_check_shape(c, o->micro_batch, o->seq_len));
 

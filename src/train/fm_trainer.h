@@ -32,7 +32,8 @@ typedef struct fm_train_opts {
     int64_t att_tile_q, att_tile_kv; /* --attention-tile-q/-kv (0: 64) */
     bool report_memory;           /* --report-memory: measured high-water marks vs the plan */
     bool quiet;                   /* no per-step lines on stdout */
-    bool no_checkpoint;           /* --no-checkpoint: write no checkpoint at all (benchmarks) */
+    bool no_checkpoint;
+    int64_t max_position_embeddings; /* > 0: overrides the config's (RoPE has no hard limit) */           /* --no-checkpoint: write no checkpoint at all (benchmarks) */
 } fm_train_opts;
 
 void fm_train_opts_default(fm_train_opts *o);
