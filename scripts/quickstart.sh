@@ -11,7 +11,7 @@ elif [ -f ../shared/data/tinyshakespeare.txt ]; then text=(../shared/data/tinysh
 else mapfile -t text < <(find /usr/share/games/fortunes -type f ! -name '*.dat' ! -name '*.u8' | sort); fi
 out=runs/tiny-$(date +%Y%m%d-%H%M%S)
 ./build/flatmoe train --config configs/tiny.json --data "${text[@]}" --steps 2000 --seq-len 128 \
-    --micro-batch 16 --lr 2e-3 --min-lr 2e-4 --warmup 50 --eval-every 250 --save-every 500 \
+    --micro-batch 16 --lr 2e-3 --min-lr 2e-4 --warmup 50 --eval-every 250 --save-every 500 --log-every 50 \
     --out "$out" ${FLATMOE_TRAIN_FLAGS:-}
 ./build/flatmoe sample --ckpt "$out" --prompt "${FLATMOE_PROMPT:-The }" --max-new-tokens 400 --temperature 0.8
 echo
