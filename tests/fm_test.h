@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/fm_core.h"
+
 static int fm_test_passed = 0, fm_test_failed = 0;
 
 #define CHECK(cond)                                                                      \
@@ -38,6 +40,23 @@ static inline unsigned long long fm_test_seed(unsigned long long dflt) {
     unsigned long long seed = s ? strtoull(s, NULL, 10) : dflt;
     printf("seed %llu (set FLATMOE_TEST_SEED to replay another)\n", seed);
     return seed;
+}
+
+/* Zero-filled test buffers (free() them), never NULL: n floats, n doubles, n int32s. */
+static inline float *fnew(int64_t n) {
+    float *p = calloc((size_t)(n > 0 ? n : 1), sizeof(float));
+    FM_ASSERT(p);
+    return p;
+}
+static inline double *dnew(int64_t n) {
+    double *p = calloc((size_t)(n > 0 ? n : 1), sizeof(double));
+    FM_ASSERT(p);
+    return p;
+}
+static inline int32_t *inew(int64_t n) {
+    int32_t *p = calloc((size_t)(n > 0 ? n : 1), sizeof(int32_t));
+    FM_ASSERT(p);
+    return p;
 }
 
 static inline int fm_test_finish(void) {

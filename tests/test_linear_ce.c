@@ -31,21 +31,6 @@ static fm_rng g_rng;
 
 /* ---- helpers ---------------------------------------------------------------------------- */
 
-static float *fnew(int64_t n) {
-    float *p = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
-    FM_ASSERT(p);
-    return p;
-}
-static double *dnew(int64_t n) {
-    double *p = calloc((size_t)(n > 0 ? n : 1), sizeof(double));
-    FM_ASSERT(p);
-    return p;
-}
-static int32_t *inew(int64_t n) {
-    int32_t *p = malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t));
-    FM_ASSERT(p);
-    return p;
-}
 static void fill_normal(float *x, int64_t n, double scale) {
     for (int64_t i = 0; i < n; i++) x[i] = (float)(scale * fm_rng_normal(&g_rng));
 }

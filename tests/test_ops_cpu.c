@@ -26,21 +26,6 @@ static fm_rng g_rng;
 
 /* ---- helpers ---------------------------------------------------------------------------- */
 
-static float *fnew(int64_t n) {
-    float *p = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
-    FM_ASSERT(p);
-    return p;
-}
-static double *dnew(int64_t n) {
-    double *p = calloc((size_t)(n > 0 ? n : 1), sizeof(double));
-    FM_ASSERT(p);
-    return p;
-}
-static int32_t *inew(int64_t n) {
-    int32_t *p = malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t));
-    FM_ASSERT(p);
-    return p;
-}
 static double rnd_normal(void) { return fm_rng_normal(&g_rng); }
 static double rnd_uniform(double lo, double hi) {
     return lo + (hi - lo) * fm_rng_uniform_d(&g_rng);
