@@ -375,7 +375,7 @@ static void run_step(fm_config *cfg, int64_t B, int64_t T, int64_t chunk, const 
     }
     *grads_out = fm_malloc(sizeof(float) * (size_t)m.n_params);
     memcpy(*grads_out, m.grads, sizeof(float) * (size_t)m.n_params);
-    if (expert_high) *expert_high = m.arena[FM_LIVE_EXPERT].capacity;
+    if (expert_high) *expert_high = fm_arena_touched(&m.arena[FM_LIVE_EXPERT]); /* measured */
     fm_model_free(&m);
 }
 
