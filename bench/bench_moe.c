@@ -74,8 +74,9 @@ int main(int argc, char **argv) {
             for (int chunked = 0; chunked < 2; chunked++) {
                 int64_t K, c_eff;
                 fm_moe_chunks(N, chunked ? chunk : 0, &K, &c_eff);
-                size_t bound = (chunked ? fm_arena_round(fm_moe_ws_bytes(&d, c_eff, true))
-                                        : fm_moe_routes_bytes(&d, N) + fm_moe_ws_bytes(&d, N, false)) +
+                const size_t a_ = sizeof(fm_act);
+                size_t bound = (chunked ? fm_arena_round(fm_moe_ws_bytes(&d, c_eff, true, a_))
+                                        : fm_moe_routes_bytes(&d, N, a_) + fm_moe_ws_bytes(&d, N, false, a_)) +
                                fm_moe_routes_host_bytes(&d);
                 fm_arena a;
                 if (fm_arena_init(&a, "expert dispatch", bound)) { fprintf(stderr, "%s\n", fm_errmsg()); return 1; }

@@ -459,8 +459,8 @@ static void test_moe_chunked_bound(void) {
         run_step(&cfg, 2, T, 0, NULL, true, &gp, &lossp, &plain_bytes[i]);
         CHECK_CLOSE(loss, lossp, 1e-6);
         CHECK(rel_diff(g, gp, fm_config_num_params(&cfg)) < 1e-6);
-        CHECK_MSG(chunk_bytes[i] <= fm_arena_round(fm_moe_ws_bytes(&d, c, true)),
-                  "chunked expert set %zu exceeds its bound %zu", chunk_bytes[i], fm_moe_ws_bytes(&d, c, true));
+        CHECK_MSG(chunk_bytes[i] <= fm_arena_round(fm_moe_ws_bytes(&d, c, true, sizeof(fm_act))),
+                  "chunked expert set %zu exceeds its bound %zu", chunk_bytes[i], fm_moe_ws_bytes(&d, c, true, sizeof(fm_act)));
         fm_free(g);
         fm_free(gp);
     }

@@ -87,6 +87,27 @@ static void test_hand_arithmetic(void) {
     req.ce_block_tokens = req.ce_block_vocab = 0;
 }
 
+/* A GPU run planned from this build: bf16 activations, the CUDA workspaces. */
+static void test_cuda_target(void) {
+    fm_plan_req req;
+    memset(&req, 0, sizeof req);
+    CHECK(fm_config_load(&req.cfg, "configs/olmoe-1b-7b.json") == FM_OK);
+    req.B = 1;
+    req.T = 4096;
+    req.target = FM_PLAN_TARGET_CUDA;
+    fm_plan g, c;
+    fm_plan_compute(&req, &g);
+    req.target = FM_PLAN_TARGET_CPU;
+    fm_plan_compute(&req, &c);
+    /* 16 B/param either way; boundaries in bf16: 17 x 4096 x 2048 x 2 + tokens + RoPE tables */
+    CHECK(g.bytes[FM_LIVE_MODEL_STATE] == c.bytes[FM_LIVE_MODEL_STATE]);
+    CHECK(g.bytes[FM_LIVE_BOUNDARIES] == 17ull * 4096 * 2048 * 2 + 2 * 4096 * 4 + 2 * 4096 * 64 * 4);
+    CHECK(g.bytes[FM_LIVE_LAYER_ACTS] < c.bytes[FM_LIVE_LAYER_ACTS]);
+    CHECK(g.bytes[FM_PLAN_ATTENTION] == (size_t)144 << 20);
+    /* what flatmoe-cuda's own plan printed for this shape (bench/RESULTS.md run) */
+    CHECK_MSG(g.total == 122175856896ull, "cuda-target total %zu", g.total);
+}
+
 static void test_chooser(void) {
     fm_plan_req req;
     memset(&req, 0, sizeof req);
@@ -147,6 +168,7 @@ int main(void) {
     test_formulas();
     test_hand_arithmetic();
     test_chooser();
+    test_cuda_target();
     test_parse_bytes();
     return fm_test_finish();
 }

@@ -31,10 +31,11 @@ fm_lce_opts fm_lce_opts_default(void) {
 
 static int64_t lce_block(int64_t asked, int64_t dflt) { return asked > 0 ? asked : dflt; }
 
-/* Bytes of the fm_act copy of a gradient strip of n elements (none when fm_act is fp32). */
-static size_t act_copy_bytes(int64_t n) {
-    return sizeof(fm_act) == sizeof(float) ? 0 : fm_arena_round((size_t)n * sizeof(fm_act));
+/* Bytes of the act-typed copy of a gradient strip of n elements (none when it is fp32). */
+static size_t act_copy_bytes_a(int64_t n, size_t a) {
+    return a == sizeof(float) ? 0 : fm_arena_round((size_t)n * a);
 }
+static size_t act_copy_bytes(int64_t n) { return act_copy_bytes_a(n, sizeof(fm_act)); }
 
 /* The gradient strip as the GEMMs' fm_act operand: itself when fm_act is fp32, else converted
  * into `copy`. */
@@ -45,11 +46,15 @@ static const fm_act *act_view(const fm_ops *ops, void *ctx, const float *g, fm_a
 }
 
 /* The bound formula above; the planner and the schedule below share it. */
-size_t fm_linear_ce_bound_bytes(int64_t block_tokens, int64_t block_vocab) {
+size_t fm_linear_ce_bound_bytes_a(int64_t block_tokens, int64_t block_vocab, size_t act_bytes) {
     const int64_t nb = lce_block(block_tokens, FM_LCE_DEFAULT_BLOCK_TOKENS);
     const int64_t vb = lce_block(block_vocab, FM_LCE_DEFAULT_BLOCK_VOCAB);
-    return fm_arena_round((size_t)(nb * vb * FM_LCE_F32)) + act_copy_bytes(nb * vb) +
+    return fm_arena_round((size_t)(nb * vb * FM_LCE_F32)) + act_copy_bytes_a(nb * vb, act_bytes) +
            4 * fm_arena_round((size_t)(nb * FM_LCE_F32));
+}
+
+size_t fm_linear_ce_bound_bytes(int64_t block_tokens, int64_t block_vocab) {
+    return fm_linear_ce_bound_bytes_a(block_tokens, block_vocab, sizeof(fm_act));
 }
 
 size_t fm_linear_ce_plain_bytes(int64_t N, int64_t V) {

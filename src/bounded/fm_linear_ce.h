@@ -48,6 +48,8 @@ fm_lce_opts fm_lce_opts_default(void);
  * rounds. The formula is written next to its definition in fm_linear_ce.c. Independent of N and
  * V (the run uses min(Nb, N) x min(Vb, V), never more). Block sizes <= 0 mean the defaults. */
 size_t fm_linear_ce_bound_bytes(int64_t block_tokens, int64_t block_vocab);
+/* The same for an activation element of act_bytes bytes (to plan another build's run). */
+size_t fm_linear_ce_bound_bytes_a(int64_t block_tokens, int64_t block_vocab, size_t act_bytes);
 
 /* Bytes the plain twin takes from its arena for N tokens and a V-entry vocabulary: the N x V
  * fp32 logits and their N x V fp32 gradient, plus the four [N] fp32 per-token vectors, each

@@ -10,19 +10,19 @@
 
 #define R4(x) fm_arena_round((size_t)(x) * 4)
 #define R8(x) fm_arena_round((size_t)(x) * 8)
-#define RA(x) fm_arena_round((size_t)(x) * sizeof(fm_act))
+#define RA(x) fm_arena_round((size_t)(x) * a)
 
-size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n) {
+size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n, size_t a) {
     const int64_t R = n * d->k;
     return 2 * R4(R) + 2 * RA(R * d->H) + 3 * RA(R * d->I);
 }
 
 size_t fm_moe_routes_host_bytes(const fm_moe_dims *d) { return R8(d->E + 1); }
 
-size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked) {
+size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked, size_t a) {
     const int64_t R = n * d->k;
     size_t b = 2 * RA(R * d->H) + 3 * RA(R * d->I);
-    if (chunked) b += 3 * R4(n * d->k) + 3 * RA(n * d->H) + fm_moe_routes_bytes(d, n);
+    if (chunked) b += 3 * R4(n * d->k) + 3 * RA(n * d->H) + fm_moe_routes_bytes(d, n, a);
     return b;
 }
 

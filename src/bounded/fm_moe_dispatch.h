@@ -67,8 +67,8 @@ void fm_moe_chunks(int64_t N, int64_t chunk_tokens, int64_t *K, int64_t *c_eff);
  *   chunked ws     = routes(c) + c*k*(2H + 3I)*a + 3*c*k*4 + 3*c*H*a with c = c_eff:
  *                    one chunk's forward and backward, whatever the routing (dropless: a chunk's
  *                    c*k routes fill exactly c*k rows however they are spread over experts). */
-size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n);
-size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked);
+size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n, size_t act_bytes);
+size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked, size_t act_bytes);
 
 /* Lays out the buffers from an arena (a measuring arena gives the bytes); the expert offsets
  * [E+1] (read by the host to size the expert GEMMs) come from `host`, an arena of host memory

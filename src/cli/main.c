@@ -345,7 +345,7 @@ static int cmd_eval(int argc, char **argv) {
 /* ---- plan ------------------------------------------------------------------------------------ */
 
 static int cmd_plan(int argc, char **argv) {
-    const char *config = NULL, *recompute = NULL, *device_mem = NULL;
+    const char *config = NULL, *recompute = NULL, *device_mem = NULL, *backend = NULL;
     int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = -1, ce_bt = -1, ce_bv = -1, tq = 0, tkv = 0;
     int threads = 0;
     bool json = false;
@@ -363,6 +363,7 @@ static int cmd_plan(int argc, char **argv) {
         {"threads", F_INT, &threads, NULL, "CPU threads, for the attention tiles (0 = all cores)"},
         {"attention-tile-q", F_I64, &tq, NULL, "CPU attention tile: query rows (64)"},
         {"attention-tile-kv", F_I64, &tkv, NULL, "CPU attention tile: key columns (64)"},
+        {"backend", F_STR, &backend, NULL, "plan for cpu (fp32) or cuda (bf16) (this binary's backend)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
     };
     int r = parse_flags("plan", "--config C --seq-len S [--micro-batch B] [--device-mem BYTES] [flags]", argc, argv, flags,
@@ -393,6 +394,9 @@ static int cmd_plan(int argc, char **argv) {
     req.threads = threads;
     req.att_tile_q = tq;
     req.att_tile_kv = tkv;
+    if (backend && !strcmp(backend, "cpu")) req.target = FM_PLAN_TARGET_CPU;
+    else if (backend && !strcmp(backend, "cuda")) req.target = FM_PLAN_TARGET_CUDA;
+    else if (backend) return usage_error("plan", "--backend: expected cpu or cuda, found '%s'", backend);
     if (tq < 0 || tkv < 0) return usage_error("plan", "%s", "--attention-tile-q/-kv must be >= 1");
     fm_plan p;
     s = FM_OK;

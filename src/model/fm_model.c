@@ -134,7 +134,7 @@ fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be, size
     }
     table_builder b = {m->table, 0, 0};
     build_table(cfg, &b, &oe, &on, &oh, lo);
-    const size_t state = fm_model_state_bytes(cfg);
+    const size_t state = fm_model_state_bytes(cfg, sizeof(fm_act));
     fm_status st = fm_arena_init_backend(&m->arena[FM_LIVE_MODEL_STATE], fm_live_set_names[FM_LIVE_MODEL_STATE],
                                          state + extra_state_bytes, &m->be);
     if (st) {
@@ -160,10 +160,10 @@ const fm_param *fm_model_find_param(const fm_model *m, const char *name) {
     return NULL;
 }
 
-size_t fm_model_state_bytes(const fm_config *cfg) {
+size_t fm_model_state_bytes(const fm_config *cfg, size_t a) {
     const int64_t n = fm_config_num_params(cfg);
-    size_t b = 2 * fm_arena_round((size_t)n * sizeof(fm_act));
-    if (sizeof(fm_act) != sizeof(float)) b += fm_arena_round((size_t)n * sizeof(float));
+    size_t b = 2 * fm_arena_round((size_t)n * a);
+    if (a != sizeof(float)) b += fm_arena_round((size_t)n * sizeof(float));
     return b;
 }
 
@@ -330,13 +330,13 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
  * against the layout above, measured) ---------------------------------------------------------- */
 
 #define B4(x) fm_arena_round((size_t)(x) * 4)
-#define BA(x) fm_arena_round((size_t)(x) * sizeof(fm_act))
+#define BA(x) fm_arena_round((size_t)(x) * a)
 
 size_t fm_model_boundary_bytes(const fm_config *c, int64_t B, int64_t T) {
-    return fm_model_boundary_bytes_chunked(c, B, T, false);
+    return fm_model_boundary_bytes_chunked(c, B, T, false, sizeof(fm_act));
 }
 
-size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T, bool moe_chunked) {
+size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T, bool moe_chunked, size_t a) {
     const int64_t N = B * T;
     /* tokens, targets, RoPE cos/sin [T, hd/2], the chunked MoE's token order [N] int32, L+1
      * residual-stream boundaries [N,H] */
@@ -344,7 +344,7 @@ size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T,
            (size_t)(c->num_hidden_layers + 1) * BA(N * c->hidden_size);
 }
 
-size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T) {
+size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_t a) {
     const int64_t N = B * T, H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads;
     const int64_t qd = nh * c->head_dim, kd = nkv * c->head_dim;
@@ -359,22 +359,23 @@ size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T) {
     return b;
 }
 
-size_t fm_model_working_set_bytes(const fm_config *c, int64_t N) {
+size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t a) {
     const int64_t H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
     /* dx ping-pong, dtmp, dln, tmp, dln1 [N,H]; dq, dk, dv, datt; dtopk_w; router logits/grad
      * (fp32, + an fm_act copy when fm_act is not fp32); dprobs */
     return 6 * BA(N * H) + 2 * BA(N * qd) + 2 * BA(N * kd) + B4(N * k) + B4(N * E) +
-           (sizeof(fm_act) == sizeof(float) ? 0 : BA(N * E)) + B4(E);
+           (a == sizeof(float) ? 0 : BA(N * E)) + B4(E);
 }
 
-size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N) {
+size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N, size_t a) {
     /* final-norm output [N,H] and rstd, logits [N,V] (their gradient in place), per-token loss */
     return BA(N * c->hidden_size) + B4(N) + BA(N * c->vocab_size) + B4(N);
 }
 
-size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab) {
-    return BA(N * c->hidden_size) + 2 * B4(N) + fm_linear_ce_bound_bytes(block_tokens, block_vocab);
+size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab,
+                                   size_t a) {
+    return BA(N * c->hidden_size) + 2 * B4(N) + fm_linear_ce_bound_bytes_a(block_tokens, block_vocab, a);
 }
 
 static void free_layout(fm_model *m) {
@@ -420,7 +421,7 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
     table_builder counter = {0};
     int64_t oe, on, oh;
     build_table(cfg, &counter, &oe, &on, &oh, NULL);
-    bytes[FM_LIVE_MODEL_STATE] = fm_model_state_bytes(cfg);
+    bytes[FM_LIVE_MODEL_STATE] = fm_model_state_bytes(cfg, sizeof(fm_act));
     for (int i = 1; i < FM_LIVE_COUNT; i++) bytes[i] = ar[i].used;
     fm_free(rc);
     fm_free(bp);

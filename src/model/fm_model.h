@@ -156,20 +156,22 @@ void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_la
 void fm_model_free(fm_model *m);
 
 /* Bound formulas of the live sets the model owns, in bytes (each buffer rounded to 64 as the
- * arenas round). Written out by hand from the buffers' shapes; test_plan checks them against
+ * arenas round), for activations of act_bytes bytes (sizeof(fm_act) for this build; 2 or 4 to
+ * plan another build's run). Written out by hand from the buffers' shapes; test_plan checks them against
  * the measured layout. Boundaries: tokens, targets, RoPE tables and the L+1 residual-stream
  * tensors [N,H]. Layer activations: ONE layer's saved set (the attention inputs and outputs,
  * norms, router probabilities and top-k). Working set: one layer's backward buffers. Vocab
  * (plain): final norm output, logits [N,V] and per-token loss. */
 size_t fm_model_boundary_bytes(const fm_config *c, int64_t B, int64_t T);
 /* The same with the chunked MoE's token order [N] int32 when moe_chunked. */
-size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T, bool moe_chunked);
-size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T);
-size_t fm_model_working_set_bytes(const fm_config *c, int64_t N);
-size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N);
+size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T, bool moe_chunked, size_t act_bytes);
+size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_t act_bytes);
+size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t act_bytes);
+size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N, size_t act_bytes);
 /* Vocabulary projection by the linear cross-entropy: final-norm output, rstd and per-token loss,
  * plus the operator's strip bound (fm_linear_ce_bound_bytes), independent of V. */
-size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab);
+size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab,
+                                   size_t act_bytes);
 
 /* Sets the active micro-batch and sequence length for the next forward/backward, within the
  * laid-out capacity (asserted). Tokens and targets are then read as [B,T]. */
@@ -177,7 +179,7 @@ void fm_model_set_shape(fm_model *m, int64_t B, int64_t T);
 
 /* Bytes of the model-state arena for a config: weights and grads (fm_act), fp32 master
  * weights when fm_act is not fp32 (the optimizer's extra state is added by the caller). */
-size_t fm_model_state_bytes(const fm_config *cfg);
+size_t fm_model_state_bytes(const fm_config *cfg, size_t act_bytes);
 
 /* Normal(0, initializer_range) for matrices and embeddings, 1 for norm weights (HF init),
  * generated on the host in fp32 and uploaded. */

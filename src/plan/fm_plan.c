@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../backend/cuda/fm_backend_cuda.h"
 #include "../backend/fm_backend_default.h"
 #include "../bounded/fm_linear_ce.h"
 #include "../train/fm_optim.h"
@@ -36,18 +37,21 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     const int64_t saved_sets = (L - nr) + (nr > 0 ? 1 : 0);
     p->n_params = fm_config_num_params(c);
     p->n_active = fm_config_num_active_params(c);
+    /* element size of activations and weights on the target backend */
+    const fm_plan_target tgt = r->target;
+    const size_t a = tgt == FM_PLAN_TARGET_CPU ? 4 : tgt == FM_PLAN_TARGET_CUDA ? 2 : sizeof(fm_act);
 
     /* model state: fp32 weight and grad (this arena) + AdamW m and v (fm_adamw_state_bytes) */
-    p->bytes[FM_LIVE_MODEL_STATE] = fm_model_state_bytes(c) + fm_adamw_state_bytes(p->n_params);
+    p->bytes[FM_LIVE_MODEL_STATE] = fm_model_state_bytes(c, a) + fm_adamw_state_bytes(p->n_params);
     snprintf(p->inputs[FM_LIVE_MODEL_STATE], 200, "%s x %lld params",
-             sizeof(fm_act) == 4 ? "16 B/param (fp32 weight, grad, Adam m, v)"
+             a == 4 ? "16 B/param (fp32 weight, grad, Adam m, v)"
                                  : "16 B/param (bf16 weight, grad; fp32 master, Adam m, v)", (long long)p->n_params);
 
-    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_chunked(c, r->B, r->T, r->moe_chunk_tokens > 0);
+    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_chunked(c, r->B, r->T, r->moe_chunk_tokens > 0, a);
     snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 = %lld) x N x H x %d B, N = %lld, H = %lld (+ tokens, RoPE)",
-             (long long)L + 1, (int)sizeof(fm_act), (long long)N, (long long)H);
+             (long long)L + 1, (int)a, (long long)N, (long long)H);
 
-    const size_t one = fm_model_layer_acts_bytes(c, r->B, r->T);
+    const size_t one = fm_model_layer_acts_bytes(c, r->B, r->T, a);
     p->bytes[FM_LIVE_LAYER_ACTS] = (size_t)saved_sets * one;
     snprintf(p->inputs[FM_LIVE_LAYER_ACTS], 200, "%lld saved sets (%lld layers, %lld recomputed) x %.1f MiB per layer",
              (long long)saved_sets, (long long)L, (long long)nr, one / 1048576.0);
@@ -55,33 +59,44 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     const fm_moe_dims md = {H, I, E, k};
     fm_moe_chunks(N, r->moe_chunk_tokens, &p->moe_K, &p->moe_c_eff);
     if (r->moe_chunk_tokens > 0) {
-        p->bytes[FM_LIVE_EXPERT] = fm_arena_round(fm_moe_ws_bytes(&md, p->moe_c_eff, true));
+        p->bytes[FM_LIVE_EXPERT] = fm_arena_round(fm_moe_ws_bytes(&md, p->moe_c_eff, true, a));
         snprintf(p->inputs[FM_LIVE_EXPERT], 200, "one chunk fwd+bwd: K = %lld chunks of <= %lld tokens x k = %lld routes, "
-                 "(2H + 3I) x %d B per route", (long long)p->moe_K, (long long)p->moe_c_eff, (long long)k, (int)sizeof(fm_act));
+                 "(2H + 3I) x %d B per route", (long long)p->moe_K, (long long)p->moe_c_eff, (long long)k, (int)a);
     } else {
-        p->bytes[FM_LIVE_EXPERT] = (size_t)saved_sets * fm_moe_routes_bytes(&md, N) + fm_moe_ws_bytes(&md, N, false);
+        p->bytes[FM_LIVE_EXPERT] = (size_t)saved_sets * fm_moe_routes_bytes(&md, N, a) + fm_moe_ws_bytes(&md, N, false, a);
         snprintf(p->inputs[FM_LIVE_EXPERT], 200, "plain: %lld saved dispatches of N x k = %lld routes x (2H + 3I) x %d B, "
-                 "+ backward", (long long)saved_sets, (long long)(N * k), (int)sizeof(fm_act));
+                 "+ backward", (long long)saved_sets, (long long)(N * k), (int)a);
     }
 
-    p->bytes[FM_PLAN_ATTENTION] =
-        fm_backend_default_scratch_bytes_tiles(r->threads, c->head_dim, r->att_tile_q, r->att_tile_kv);
-    snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "per-thread flash tiles %lld x %lld, head_dim %lld (never T x T)",
-             (long long)(r->att_tile_q > 0 ? r->att_tile_q : 64), (long long)(r->att_tile_kv > 0 ? r->att_tile_kv : 64),
-             (long long)c->head_dim);
+    if (tgt == FM_PLAN_TARGET_CUDA && sizeof(fm_act) == 4) { /* a GPU run planned from the CPU build */
+        p->bytes[FM_PLAN_ATTENTION] = fm_cuda_backend_workspace_bytes_default();
+        snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "CUDA: cuBLASLt and cuDNN workspaces (64 MiB each) + 16 MiB scratch");
+    } else if (tgt == FM_PLAN_TARGET_CPU && sizeof(fm_act) != 4) {
+        p->bytes[FM_PLAN_ATTENTION] = 0; /* the CUDA build carries no CPU backend to ask */
+        snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "CPU tiles: plan with the CPU build for this figure");
+    } else {
+        p->bytes[FM_PLAN_ATTENTION] =
+            fm_backend_default_scratch_bytes_tiles(r->threads, c->head_dim, r->att_tile_q, r->att_tile_kv);
+        if (sizeof(fm_act) == 4)
+            snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "per-thread flash tiles %lld x %lld, head_dim %lld (never T x T)",
+                     (long long)(r->att_tile_q > 0 ? r->att_tile_q : 64),
+                     (long long)(r->att_tile_kv > 0 ? r->att_tile_kv : 64), (long long)c->head_dim);
+        else
+            snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "CUDA: cuBLASLt and cuDNN workspaces (64 MiB each) + 16 MiB scratch");
+    }
 
-    p->bytes[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(c, N);
+    p->bytes[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(c, N, a);
     snprintf(p->inputs[FM_LIVE_WORKING_SET], 200, "one layer's backward: 6 x N x H + q/k/v grads + router grads");
 
     const bool lce = r->ce_block_tokens > 0 || r->ce_block_vocab > 0;
     if (lce) {
-        p->bytes[FM_LIVE_VOCAB] = fm_model_vocab_linear_bytes(c, N, r->ce_block_tokens, r->ce_block_vocab);
+        p->bytes[FM_LIVE_VOCAB] = fm_model_vocab_linear_bytes(c, N, r->ce_block_tokens, r->ce_block_vocab, a);
         snprintf(p->inputs[FM_LIVE_VOCAB], 200, "linear CE: one %lld x %lld fp32 strip (+ final norm N x H)",
                  (long long)(r->ce_block_tokens > 0 ? r->ce_block_tokens : FM_LCE_DEFAULT_BLOCK_TOKENS),
                  (long long)(r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB));
     } else {
-        p->bytes[FM_LIVE_VOCAB] = fm_model_vocab_plain_bytes(c, N);
-        snprintf(p->inputs[FM_LIVE_VOCAB], 200, "plain logits N x V x %d B, V = %lld (+ final norm)", (int)sizeof(fm_act), (long long)c->vocab_size);
+        p->bytes[FM_LIVE_VOCAB] = fm_model_vocab_plain_bytes(c, N, a);
+        snprintf(p->inputs[FM_LIVE_VOCAB], 200, "plain logits N x V x %d B, V = %lld (+ final norm)", (int)a, (long long)c->vocab_size);
     }
 
     for (int i = 0; i < FM_PLAN_SETS; i++) p->total += p->bytes[i];

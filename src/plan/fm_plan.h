@@ -19,6 +19,13 @@
 #define FM_PLAN_ATTENTION FM_LIVE_COUNT
 #define FM_PLAN_SETS (FM_LIVE_COUNT + 1)
 
+/* The backend a plan is for: this build's, or another (so a CPU machine can plan a GPU run). */
+typedef enum fm_plan_target {
+    FM_PLAN_TARGET_BUILD = 0, /* this binary's backend */
+    FM_PLAN_TARGET_CPU,       /* fp32 activations, CPU attention tiles */
+    FM_PLAN_TARGET_CUDA,      /* bf16 activations, the CUDA backend's fixed workspaces */
+} fm_plan_target;
+
 typedef struct fm_plan_req {
     fm_config cfg;
     int64_t B, T;              /* micro-batch, sequence length */
@@ -28,6 +35,7 @@ typedef struct fm_plan_req {
     int64_t ce_block_tokens, ce_block_vocab; /* both 0: plain logits; else linear CE blocks */
     int threads;               /* CPU threads (attention scratch is per thread); 0: all */
     int64_t att_tile_q, att_tile_kv; /* CPU attention tile (0: 64 x 64) */
+    fm_plan_target target;     /* the backend the run will use (default: this build's) */
 } fm_plan_req;
 
 typedef struct fm_plan {

@@ -545,7 +545,8 @@ static fm_status train_impl(run *r) {
     fm_plan_req req = {*c, o->micro_batch, o->seq_len, o->grad_accum, rc,
                        o->moe_chunk_tokens > 0 ? o->moe_chunk_tokens : 0,
                        o->ce_block_tokens > 0 ? o->ce_block_tokens : 0,
-                       o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads, o->att_tile_q, o->att_tile_kv};
+                       o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads, o->att_tile_q, o->att_tile_kv,
+                       FM_PLAN_TARGET_BUILD};
     fm_plan plan;
     if (!o->recompute && o->moe_chunk_tokens < 0 && o->ce_block_tokens < 0 && o->ce_block_vocab < 0 &&
         o->mem_budget > 0) {

@@ -763,7 +763,8 @@ static const fm_ops fm_cuda_ops = make_cuda_ops();
 
 /* ---- init, free ---------------------------------------------------------------------------- */
 
-static const size_t FM_CUDA_DEFAULT_WORKSPACE = (size_t)64 << 20;
+static const size_t FM_CUDA_DEFAULT_WORKSPACE = FM_CUDA_DEFAULT_WORKSPACE_BYTES;
+static_assert(FM_CUDA_SCRATCH_BYTES == FM_CUDA_SCRATCH_BYTES_PUBLIC, "scratch size in two headers");
 
 static size_t resolve_workspace(size_t workspace_bytes) {
     return workspace_bytes ? workspace_bytes : FM_CUDA_DEFAULT_WORKSPACE;
