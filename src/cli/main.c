@@ -403,7 +403,8 @@ static int cmd_plan(int argc, char **argv) {
     if (!recompute && chunk < 0 && ce_bt < 0 && ce_bv < 0 && budget) s = fm_plan_choose(&req, budget, rc, &p);
     else fm_plan_compute(&req, &p);
     if (seq_len > req.cfg.max_position_embeddings)
-        fprintf(stderr, "note: --seq-len %lld exceeds the config's max_position_embeddings (%lld); train would refuse it\n",
+        fprintf(stderr, "note: --seq-len %lld exceeds the config's max_position_embeddings (%lld); train needs "
+                "--max-position-embeddings to run it\n",
                 (long long)seq_len, (long long)req.cfg.max_position_embeddings);
     if (json) fm_plan_print_json(&req, &p, budget, stdout);
     else fm_plan_print(&req, &p, budget, stdout);

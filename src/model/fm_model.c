@@ -260,7 +260,6 @@ static void layout_ws(fm_bwd_ws *w, fm_arena *ar, const fm_config *c, int64_t N)
     w->dx_b = TAKE(ar, fm_act, N * H);
     w->dtmp = TAKE(ar, fm_act, N * H);
     w->dln = TAKE(ar, fm_act, N * H);
-    w->tmp_nh = TAKE(ar, fm_act, N * H);
     w->dln1 = TAKE(ar, fm_act, N * H);
     w->dq = TAKE(ar, fm_act, N * qd);
     w->dk = TAKE(ar, fm_act, N * kd);
@@ -362,9 +361,9 @@ size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_
 size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t a) {
     const int64_t H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
-    /* dx ping-pong, dtmp, dln, tmp, dln1 [N,H]; dq, dk, dv, datt; dtopk_w; router logits/grad
+    /* dx ping-pong, dtmp, dln, dln1 [N,H]; dq, dk, dv, datt; dtopk_w; router logits/grad
      * (fp32, + an fm_act copy when fm_act is not fp32); dprobs */
-    return 6 * BA(N * H) + 2 * BA(N * qd) + 2 * BA(N * kd) + B4(N * k) + B4(N * E) +
+    return 5 * BA(N * H) + 2 * BA(N * qd) + 2 * BA(N * kd) + B4(N * k) + B4(N * E) +
            (a == sizeof(float) ? 0 : BA(N * E)) + B4(E);
 }
 
@@ -778,8 +777,8 @@ static void backward_body(fm_model *m, float scale) {
         if (m->recompute[l]) {
             double a_l, z_l;
             /* Re-run the forward from the saved boundary into the shared set; the output goes
-             * to scratch (tmp_nh) so the saved boundary l+1 stays as it was. */
-            layer_forward(m, l, m->boundary[l], ws->tmp_nh, &m->acts[l], &a_l, &z_l);
+             * to dx, free until layer_backward assigns it, so boundary l+1 stays as it was. */
+            layer_forward(m, l, m->boundary[l], dx, &m->acts[l], &a_l, &z_l);
         }
         layer_backward(m, l, m->boundary[l], dy, dx, &m->acts[l], scale);
         fm_act *t = dy; dy = dx; dx = t;

@@ -69,7 +69,6 @@ typedef struct fm_bwd_ws {
     fm_act *dlogits_act;                  /* [N,E] fm_act copy for the router GEMMs (aliases
                                              dlogits_r when fm_act is fp32) */
     float *dprobs_e;                      /* [E] */
-    fm_act *tmp_nh;                       /* [N,H] forward scratch (recomputed layer output) */
 } fm_bwd_ws;
 
 typedef enum fm_live_set {
