@@ -511,6 +511,13 @@ int main(void) {
     check_model_grad(small_config(FM_MODEL_QWEN3_MOE, false, 2), "qwen3_moe", seed);
     check_model_grad(small_config(FM_MODEL_OLMOE, false, 3), "olmoe", seed + 10);
     check_model_grad(small_config(FM_MODEL_MIXTRAL, true, 2), "mixtral (tied)", seed + 20);
+    /* heads x head_dim < hidden_size: d ln1 gets its own buffer (else it reuses dq or datt) */
+    fm_config narrow = small_config(FM_MODEL_QWEN3_MOE, false, 2);
+    narrow.head_dim = 4;
+    check_model_grad(narrow, "qwen3_moe (heads x head_dim < hidden)", seed + 30);
+    narrow = small_config(FM_MODEL_MIXTRAL, false, 2);
+    narrow.head_dim = 4;
+    check_model_grad(narrow, "mixtral (heads x head_dim < hidden)", seed + 40);
     test_recompute_exact();
     test_accumulation();
     test_all_tokens_one_expert();

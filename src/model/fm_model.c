@@ -260,7 +260,8 @@ static void layout_ws(fm_bwd_ws *w, fm_arena *ar, const fm_config *c, int64_t N)
     w->dx_b = TAKE(ar, fm_act, N * H);
     w->dtmp = TAKE(ar, fm_act, N * H);
     w->dln = TAKE(ar, fm_act, N * H);
-    w->dln1 = TAKE(ar, fm_act, N * H);
+    /* d ln1 gets its own [N,H] only when the free [N,qd] buffer it can use is smaller */
+    w->dln1 = qd < H ? TAKE(ar, fm_act, N * H) : NULL;
     w->dq = TAKE(ar, fm_act, N * qd);
     w->dk = TAKE(ar, fm_act, N * kd);
     w->dv = TAKE(ar, fm_act, N * kd);
@@ -361,9 +362,9 @@ size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_
 size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t a) {
     const int64_t H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
-    /* dx ping-pong, dtmp, dln, dln1 [N,H]; dq, dk, dv, datt; dtopk_w; router logits/grad
-     * (fp32, + an fm_act copy when fm_act is not fp32); dprobs */
-    return 5 * BA(N * H) + 2 * BA(N * qd) + 2 * BA(N * kd) + B4(N * k) + B4(N * E) +
+    /* dx ping-pong, dtmp, dln [N,H] (+ dln1 when qd < H); dq, dk, dv, datt; dtopk_w; router
+     * logits/grad (fp32, + an fm_act copy when fm_act is not fp32); dprobs */
+    return (qd < H ? 5 : 4) * BA(N * H) + 2 * BA(N * qd) + 2 * BA(N * kd) + B4(N * k) + B4(N * E) +
            (a == sizeof(float) ? 0 : BA(N * E)) + B4(E);
 }
 
@@ -758,7 +759,9 @@ static void layer_backward(fm_model *m, int64_t l, const fm_act *x, const fm_act
         dq = ws->datt;
         dk = ws->dln;
     }
-    fm_act *dln1 = ws->dln1;
+    /* d ln1 [N,H]: in the [N,qd] buffer the q gradient no longer needs (dq after the QK-norm
+     * backward moved it to datt; datt otherwise), when qd >= H */
+    fm_act *dln1 = ws->dln1 ? ws->dln1 : (c->qk_norm != FM_QK_NORM_NONE ? ws->dq : ws->datt);
     linear_bwd(m, dln1, 0.0f, g->wq, dq, a->ln1, w->wq, N, H, qd);
     linear_bwd(m, dln1, 1.0f, g->wk, dk, a->ln1, w->wk, N, H, kd);
     linear_bwd(m, dln1, 1.0f, g->wv, ws->dv, a->ln1, w->wv, N, H, kd);

@@ -62,7 +62,7 @@ typedef struct fm_layer_acts {
 /* Backward working set: one layer at a time. */
 typedef struct fm_bwd_ws {
     fm_act *dx_a, *dx_b, *dtmp, *dln;     /* [N,H] */
-    fm_act *dln1;                         /* [N,H] */
+    fm_act *dln1;                         /* [N,H], or NULL: then d ln1 reuses dq/datt (qd >= H) */
     fm_act *dq, *dk, *dv, *datt;          /* [N,nh*hd], [N,nkv*hd] x2, [N,nh*hd] */
     float *dtopk_w;                       /* [N,k] */
     float *dlogits_r;                     /* [N,E] fp32: router logits in forward, their grad in backward */

@@ -86,7 +86,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     }
 
     p->bytes[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(c, N, a);
-    snprintf(p->inputs[FM_LIVE_WORKING_SET], 200, "one layer's backward: 5 x N x H + q/k/v grads + router grads");
+    snprintf(p->inputs[FM_LIVE_WORKING_SET], 200, "one layer's backward: 4 x N x H (5 if heads x head_dim < H) + q/k/v grads + router grads");
 
     const bool lce = r->ce_block_tokens > 0 || r->ce_block_vocab > 0;
     if (lce) {
