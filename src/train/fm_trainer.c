@@ -476,7 +476,7 @@ static fm_status train_impl(run *r) {
                             "move that folder away to resume from %s", bad, missing,
                             ckpt[0] ? ", newer than " : "", ckpt[0] ? ckpt : "",
                             ckpt[0] ? "the older checkpoint" : "scratch");
-        if (!ckpt[0]) printf("--resume: no checkpoint in %s yet; starting from step 0\n", o->out_dir);
+        if (!ckpt[0] && !o->quiet) printf("--resume: no checkpoint in %s yet; starting from step 0\n", o->out_dir);
     } else {
         char probe[4096];
         if (fm_ckpt_find_latest(o->out_dir, probe, sizeof probe, NULL) == FM_OK)
