@@ -21,6 +21,11 @@ expect_fail "top-k > experts" "num_experts_per_tok (9) must be <= num_experts (4
 expect_fail "seq-len beyond max_position_embeddings" "exceeds max_position_embeddings (64)" "$FM" train --config "$cfg" "${base[@]}" --seq-len 65 --out "$TMP/a"
 "$FM" train --config "$cfg" "${base[@]}" --seq-len 65 --max-position-embeddings 80 --out "$TMP/mpe" && ok || bad "--max-position-embeddings did not lift the limit"
 grep -q '"max_position_embeddings":[[:space:]]*80' "$TMP/mpe/step_000002/config.json" && ok || bad "the override is not in the checkpoint's config"
+expect_fail "resume with the original config after raising the limit" "pass --max-position-embeddings 80" \
+    "$FM" train --config "$cfg" "${base[@]}" --steps 3 --resume --out "$TMP/mpe"
+expect_fail "--max-position-embeddings beyond 2^30" "must be in [1, 2^30]" "$FM" train --config "$cfg" "${base[@]}" --max-position-embeddings 100000000000 --out "$TMP/a"
+expect_fail "--no-checkpoint with --exit-after" "drop one of them" "$FM" train --config "$cfg" "${base[@]}" --no-checkpoint --exit-after 1 --out "$TMP/a"
+expect_fail "negative attention tile" "[1, 4096]" "$FM" train --config "$cfg" "${base[@]}" --attention-tile-q -1 --out "$TMP/a"
 : > "$TMP/empty.txt"
 expect_fail "non-finite learning rate" "expects a finite number" "$FM" train --config "$cfg" "${base[@]}" --lr inf --out "$TMP/a"
 expect_fail "beta2 = 1" "--beta1 and --beta2 must be in [0, 1)" "$FM" train --config "$cfg" "${base[@]}" --beta2 1 --out "$TMP/a"

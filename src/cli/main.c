@@ -151,11 +151,11 @@ static int cmd_train(int argc, char **argv) {
         {"mem-budget", F_STR, &mem_budget, NULL, "fail before allocating if the plan exceeds this (e.g. 16GiB); with no other memory flag, choose them to fit (no budget)"},
         {"ce-block-tokens", F_I64, &o.ce_block_tokens, NULL, "linear cross-entropy token block, never N x V logits (0 = plain logits, or chosen under --mem-budget)"},
         {"ce-block-vocab", F_I64, &o.ce_block_vocab, NULL, "linear cross-entropy vocabulary block (4096 when --ce-block-tokens is set; 0 = plain logits)"},
-        {"attention-tile-q", F_I64, &o.att_tile_q, NULL, "CPU attention tile: query rows (64)"},
-        {"attention-tile-kv", F_I64, &o.att_tile_kv, NULL, "CPU attention tile: key columns (64)"},
-        {"report-memory", F_BOOL, &o.report_memory, NULL, "print each live set's measured high-water mark next to its bound (also in metrics.jsonl)"},
+        {"attention-tile-q", F_I64, &o.att_tile_q, NULL, "CPU attention tile: query rows, 1..4096 (64)"},
+        {"attention-tile-kv", F_I64, &o.att_tile_kv, NULL, "CPU attention tile: key columns, 1..4096 (64)"},
+        {"report-memory", F_BOOL, &o.report_memory, NULL, "print each live set's measured high-water mark next to its bound (unless --quiet; always in metrics.jsonl)"},
         {"quiet", F_BOOL, &o.quiet, NULL, "no per-step lines (metrics.jsonl is still written)"},
-        {"max-position-embeddings", F_I64, &o.max_position_embeddings, NULL, "override the config's max_position_embeddings, e.g. to train past it (RoPE extrapolates; saved in the checkpoint's config)"},
+        {"max-position-embeddings", F_I64, &o.max_position_embeddings, NULL, "override the config's max_position_embeddings (1..2^30; 0 keeps it), e.g. to train past it; saved in the checkpoint's config"},
         {"no-checkpoint", F_BOOL, &o.no_checkpoint, NULL, "write no checkpoint, not even at the end (benchmarks)"},
     };
     int r = parse_flags("train", "--config C --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
@@ -397,7 +397,8 @@ static int cmd_plan(int argc, char **argv) {
     if (backend && !strcmp(backend, "cpu")) req.target = FM_PLAN_TARGET_CPU;
     else if (backend && !strcmp(backend, "cuda")) req.target = FM_PLAN_TARGET_CUDA;
     else if (backend) return usage_error("plan", "--backend: expected cpu or cuda, found '%s'", backend);
-    if (tq < 0 || tkv < 0) return usage_error("plan", "%s", "--attention-tile-q/-kv must be >= 1");
+    if (tq < 0 || tkv < 0 || tq > 4096 || tkv > 4096)
+        return usage_error("plan", "%s", "--attention-tile-q/-kv must be in [1, 4096] (0 = 64)");
     fm_plan p;
     s = FM_OK;
     if (!recompute && chunk < 0 && ce_bt < 0 && ce_bv < 0 && budget) s = fm_plan_choose(&req, budget, rc, &p);

@@ -456,6 +456,15 @@ static fm_status train_impl(run *r) {
         return fm_error(FM_ERR_ARG, "--beta1 and --beta2 must be in [0, 1) (found %g, %g)", o->beta1, o->beta2);
     if (o->eval_every < 0 || o->eval_batches < 0 || o->save_every < 0 || o->log_every < 0 || o->exit_after < 0)
         return fm_error(FM_ERR_ARG, "--eval-every, --eval-batches, --save-every, --log-every and --exit-after must be >= 0");
+    if (o->max_position_embeddings < 0 || o->max_position_embeddings > (1LL << 30))
+        return fm_error(FM_ERR_ARG, "--max-position-embeddings must be in [1, 2^30] (0 keeps the config's), found %lld",
+                        (long long)o->max_position_embeddings);
+    if (o->att_tile_q < 0 || o->att_tile_q > 4096 || o->att_tile_kv < 0 || o->att_tile_kv > 4096)
+        return fm_error(FM_ERR_ARG, "--attention-tile-q/-kv must be in [1, 4096] (0 = 64), found %lld x %lld",
+                        (long long)o->att_tile_q, (long long)o->att_tile_kv);
+    if (o->no_checkpoint && o->exit_after > 0)
+        return fm_error(FM_ERR_ARG, "--exit-after stops with a checkpoint to resume from, but --no-checkpoint writes "
+                        "none; drop one of them");
     if (!(o->val_fraction > 0 && o->val_fraction < 1) && o->n_val_data == 0)
         return fm_error(FM_ERR_ARG, "--val-fraction must be in (0, 1), found %g", o->val_fraction);
 
@@ -498,6 +507,21 @@ static fm_status train_impl(run *r) {
             fm_free(a);
             fm_free(b);
             if (!same) {
+                if (given.max_position_embeddings != r->cfg.max_position_embeddings) {
+                    bool only = true; /* is it the only difference? */
+                    fm_config g2 = given;
+                    g2.max_position_embeddings = r->cfg.max_position_embeddings;
+                    char *x = fm_config_to_json(&g2), *y = fm_config_to_json(&r->cfg);
+                    only = x && y && !strcmp(x, y);
+                    fm_free(x);
+                    fm_free(y);
+                    if (only)
+                        return fm_error(FM_ERR_CONFIG, "--config %s has max_position_embeddings %lld but the checkpoint "
+                                        "%s was trained with %lld; pass --max-position-embeddings %lld (or drop "
+                                        "--config)", o->config_path, (long long)given.max_position_embeddings, p,
+                                        (long long)r->cfg.max_position_embeddings,
+                                        (long long)r->cfg.max_position_embeddings);
+                }
                 const char *field = given.vocab_size != r->cfg.vocab_size ? "vocab_size"
                                   : given.hidden_size != r->cfg.hidden_size ? "hidden_size"
                                   : given.num_hidden_layers != r->cfg.num_hidden_layers ? "num_hidden_layers"
