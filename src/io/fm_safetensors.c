@@ -603,7 +603,7 @@ static fm_status check_write_args(const char *path, const fm_named_tensor *t, in
             return fm_error(FM_ERR_ARG, "%s: tensor '%s' has an invalid shape %s (negative or "
                                         "overflowing size)",
                             path, t[i].name, fmt_shape(sbuf_, sizeof sbuf_, t[i].ndim, t[i].shape));
-        if (numel > 0 && !t[i].data)
+        if (numel > 0 && !t[i].data && !t[i].fetch)
             return fm_error(FM_ERR_ARG, "%s: tensor '%s' has %" PRIu64 " elements but NULL data",
                             path, t[i].name, numel);
         bytes[i] = numel * 4;
@@ -622,6 +622,8 @@ fm_status fm_st_write(const char *path, const fm_named_tensor *t, int n,
         return fm_error(FM_ERR_ARG, "%s: invalid tensor list (n = %d)", path, n);
     fm_status s = FM_OK;
     size_t cap = (size_t)(n > 0 ? n : 1);
+    void *bounce = NULL;
+    size_t bounce_cap = 0;
     uint64_t *bytes = fm_malloc(sizeof(uint64_t) * cap);
     const char **names = fm_malloc(sizeof(char *) * cap);
     sbuf h = {0};
@@ -684,13 +686,30 @@ fm_status fm_st_write(const char *path, const fm_named_tensor *t, int n,
     if ((s = fm_atomic_open(&f, path)) != FM_OK) goto done;
     if ((s = fm_atomic_write(&f, lenb, 8)) != FM_OK) goto done;
     if ((s = fm_atomic_write(&f, h.p, h.len)) != FM_OK) goto done;
-    for (int i = 0; i < n; i++)
-        if ((s = fm_atomic_write(&f, t[i].data, (size_t)bytes[i])) != FM_OK) goto done;
+    for (int i = 0; i < n; i++) {
+        const void *src = t[i].data;
+        if (!src && bytes[i] > 0) { /* a fetched tensor: through one bounce buffer, grown as needed */
+            if (bytes[i] > bounce_cap) {
+                fm_free(bounce);
+                bounce_cap = (size_t)bytes[i];
+                bounce = fm_malloc(bounce_cap);
+                if (!bounce) {
+                    s = fm_error(FM_ERR_NOMEM, "%s: cannot allocate %zu bytes to stage tensor '%s'", path, bounce_cap,
+                                 t[i].name);
+                    goto done;
+                }
+            }
+            t[i].fetch(t[i].fetch_ctx, bounce);
+            src = bounce;
+        }
+        if ((s = fm_atomic_write(&f, src, (size_t)bytes[i])) != FM_OK) goto done;
+    }
     s = fm_atomic_commit(&f);
 done:
     if (s != FM_OK) fm_atomic_abort(&f);
     fm_free(h.p);
     fm_free(names);
+    fm_free(bounce);
     fm_free(bytes);
     return s;
 }

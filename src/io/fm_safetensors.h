@@ -110,12 +110,17 @@ fm_status fm_st_read_f32(const fm_safetensors *st, const char *name, float *dst,
 /* Releases everything fm_st_open made and zeroes *st. Safe on a closed or zeroed struct. */
 void fm_st_close(fm_safetensors *st);
 
-/* An fp32 tensor to write: `data` holds numel(shape) values, row-major. */
+/* An fp32 tensor to write: `data` holds numel(shape) values, row-major. Or, with data NULL and
+ * `fetch` set, the writer calls fetch(fetch_ctx, buf) to fill a bounce buffer with the values
+ * just before writing them (a device-resident tensor streams through one tensor's worth of host
+ * memory instead of being staged whole). */
 typedef struct fm_named_tensor {
     const char *name;
     const float *data;
     int ndim; /* 0..FM_ST_MAX_DIMS */
     int64_t shape[FM_ST_MAX_DIMS];
+    void (*fetch)(void *fetch_ctx, float *buf);
+    void *fetch_ctx;
 } fm_named_tensor;
 
 /* Writes the n tensors t[0..n) as F32 to `path`, packed in the order given, with the optional

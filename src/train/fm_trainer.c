@@ -91,7 +91,9 @@ static fm_status model_named(const fm_model *m, const float *base, const char *p
         const fm_param *p = &m->table[i];
         snprintf(names[i], sizeof names[i], "%s%s", prefix, p->name);
         out[i].name = names[i];
-        out[i].data = base + p->offset;
+        out[i].data = base ? base + p->offset : NULL;
+        out[i].fetch = NULL;
+        out[i].fetch_ctx = NULL;
         out[i].ndim = p->ndim;
         memset(out[i].shape, 0, sizeof out[i].shape);
         for (int d = 0; d < p->ndim; d++) out[i].shape[d] = p->shape[d];
@@ -360,6 +362,7 @@ typedef struct run {
     FILE *metrics;
     fm_plan plan;
     bool *rc;
+    struct fetch_src *fetch; /* [4 * n_tensors]: save sources on a device backend */
 } run;
 
 /* Measured high-water mark of every arena (painted at layout) next to its planned bound. */
@@ -378,28 +381,44 @@ static void report_memory(const run *r) {
     fflush(stdout);
 }
 
+/* A tensor of the backend's fp32 buffers, fetched to the host when the writer reaches it. */
+typedef struct fetch_src {
+    const fm_backend *be;
+    const float *src;
+    int64_t numel;
+} fetch_src;
+
+static void fetch_from_backend(void *ctx, float *buf) {
+    const fetch_src *f = ctx;
+    f->be->ops->copy(f->be->ctx, buf, f->src, sizeof(float) * (size_t)f->numel, FM_COPY_D2H);
+}
+
+/* Names the table's tensors of an fp32 buffer (host memory: data pointers; backend memory:
+ * fetched one tensor at a time while writing, so no host copy of the whole state is made). */
+static void name_fp32(run *r, const float *base, const char *prefix, int slot) {
+    fm_model *m = &r->m;
+    const int n = m->n_tensors;
+    model_named(m, m->be.ops->host_memory ? base : NULL, prefix, r->named + slot * n, r->names + slot * n);
+    if (m->be.ops->host_memory) return;
+    for (int i = 0; i < n; i++) {
+        fetch_src *f = &r->fetch[slot * n + i];
+        f->be = &m->be;
+        f->src = base + m->table[i].offset;
+        f->numel = m->table[i].numel;
+        r->named[slot * n + i].data = NULL;
+        r->named[slot * n + i].fetch = fetch_from_backend;
+        r->named[slot * n + i].fetch_ctx = f;
+    }
+}
+
 static fm_status save_checkpoint(run *r, const train_state *ts) {
     fm_model *m = &r->m;
     const int n = m->n_tensors;
-    const size_t bytes = sizeof(float) * (size_t)m->n_params;
-    /* fp32 master, m, v on the host: themselves on the CPU, staged copies from a device */
-    const bool host = m->be.ops->host_memory;
-    float *hw = host ? m->master : fm_malloc(bytes), *hm = host ? r->opt.m : fm_malloc(bytes),
-          *hv = host ? r->opt.v : fm_malloc(bytes);
-    if (!hw || !hm || !hv) {
-        if (!host) { fm_free(hw); fm_free(hm); fm_free(hv); }
-        return fm_error(FM_ERR_NOMEM, "checkpoint: cannot stage %.3f GiB of weights and optimizer state on the host",
-                        3.0 * (double)bytes / 1073741824.0);
-    }
-    if (!host) {
-        fm_model_download_master(m, hw);
-        m->be.ops->copy(m->be.ctx, hm, r->opt.m, bytes, FM_COPY_D2H);
-        m->be.ops->copy(m->be.ctx, hv, r->opt.v, bytes, FM_COPY_D2H);
-    }
-    model_named(m, hw, "", r->named, r->names);
-    model_named(m, hw, "master.", r->named + n, r->names + n);
-    model_named(m, hm, "exp_avg.", r->named + 2 * n, r->names + 2 * n);
-    model_named(m, hv, "exp_avg_sq.", r->named + 3 * n, r->names + 3 * n);
+    /* fp32 master (as model.safetensors and master.*), m, v */
+    name_fp32(r, m->master, "", 0);
+    name_fp32(r, m->master, "master.", 1);
+    name_fp32(r, r->opt.m, "exp_avg.", 2);
+    name_fp32(r, r->opt.v, "exp_avg_sq.", 3);
     char *state = state_to_json(ts);
     fm_status s = state ? FM_OK : fm_error(FM_ERR_NOMEM, "out of memory writing state.json");
     char dir[4096];
@@ -407,7 +426,6 @@ static fm_status save_checkpoint(run *r, const train_state *ts) {
         s = fm_ckpt_write(r->o->out_dir, ts->step, r->named, n, r->named + n, 3 * n, r->config_json, state, dir,
                           sizeof dir);
     fm_free(state);
-    if (!host) { fm_free(hw); fm_free(hm); fm_free(hv); }
     if (s == FM_OK && !r->o->quiet) printf("saved checkpoint %s\n", dir);
     return s;
 }
@@ -437,6 +455,7 @@ static void run_free(run *r) {
     fm_free(r->named);
     fm_free(r->names);
     fm_free(r->rc);
+    fm_free(r->fetch);
 }
 
 static fm_status train_impl(run *r) {
@@ -599,7 +618,8 @@ static fm_status train_impl(run *r) {
     fm_adamw_init(&r->opt, m, o->beta1, o->beta2, o->adam_eps, o->weight_decay);
     r->named = fm_malloc(sizeof(fm_named_tensor) * (size_t)(4 * m->n_tensors));
     r->names = fm_malloc(sizeof(*r->names) * (size_t)(4 * m->n_tensors));
-    if (!r->named || !r->names) return fm_error(FM_ERR_NOMEM, "out of memory for the tensor name table");
+    r->fetch = fm_malloc(sizeof(*r->fetch) * (size_t)(4 * m->n_tensors));
+    if (!r->named || !r->names || !r->fetch) return fm_error(FM_ERR_NOMEM, "out of memory for the tensor name table");
 
     train_state ts = {0};
     fm_rng data_rng;
