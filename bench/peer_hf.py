@@ -6,7 +6,8 @@ without gradient checkpointing, until out of memory.
 
   python3 bench/peer_hf.py CONFIG.json SEQ_LEN [SEQ_LEN ...] [--steps 3] [--json OUT.jsonl]
 
-For each (length, checkpointing) it runs 1 warm-up step and `steps - 1` timed ones and prints the
+One model and optimizer (initialized on the GPU) serve every length. For each (length,
+checkpointing) it runs 1 warm-up step and `steps - 1` timed ones and prints the
 median step time, tokens/s, model TFLOP/s (6*N_active + 6*L*heads*head_dim*T per token, the same
 count flatmoe's planner uses; hardware FLOPs add one forward when checkpointing), MFU against the
 989 TFLOP/s dense bf16 peak, peak GPU memory (torch.cuda.max_memory_allocated) and the model
@@ -37,7 +38,7 @@ def active_params(cfg):
     return V * H + L * layer + H, L * nh * hd
 
 
-def build(path, ckpt):
+def build(path):
     cfg = transformers.AutoConfig.from_pretrained(path) if not path.endswith(".json") else None
     if cfg is None:
         with open(path) as f:
@@ -45,25 +46,26 @@ def build(path, ckpt):
         cls = transformers.CONFIG_MAPPING[d["model_type"]]
         cfg = cls(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
     kw = dict(dtype=torch.bfloat16, attn_implementation="sdpa")
-    try:
-        model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm", **kw)
-        experts = "grouped_mm"
-    except (TypeError, ValueError) as e:  # an older transformers: default experts
-        print(f"note: experts_implementation=grouped_mm refused ({e}); default experts", file=sys.stderr)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, **kw)
-        experts = "default"
-    model = model.cuda()
-    if ckpt:
-        model.gradient_checkpointing_enable()
+    with torch.device("cuda"):  # initialize on the GPU: minutes faster than on the host for 7B
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm", **kw)
+            experts = "grouped_mm"
+        except (TypeError, ValueError) as e:  # an older transformers: default experts
+            print(f"note: experts_implementation=grouped_mm refused ({e}); default experts", file=sys.stderr)
+            model = transformers.AutoModelForCausalLM.from_config(cfg, **kw)
+            experts = "default"
     model.config.use_cache = False
+    model.train()
     return cfg, model, experts
 
 
-def run(path, T, steps, ckpt):
+def run(cfg, model, experts, opt, T, steps, ckpt):
     torch.cuda.empty_cache()
-    cfg, model, experts = build(path, ckpt)
+    if ckpt:
+        model.gradient_checkpointing_enable()
+    else:
+        model.gradient_checkpointing_disable()
     n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     n_act, h_attn = active_params(cfg)
     flops_tok = 6 * n_act + 6 * cfg.num_hidden_layers * (h_attn // cfg.num_hidden_layers) * T
     hw_tok = flops_tok + (2 * n_act + 2 * cfg.num_hidden_layers * (h_attn // cfg.num_hidden_layers) * T if ckpt else 0)
@@ -89,7 +91,7 @@ def run(path, T, steps, ckpt):
                    loss=float(loss))
     except torch.OutOfMemoryError:
         res.update(oom=True, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
-    del model, opt
+        opt.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
     return res
 
@@ -103,11 +105,13 @@ def main():
     a = ap.parse_args()
     out = open(a.json, "a") if a.json else None
     stop = {False: False, True: False}
+    cfg, model, experts = build(a.config)  # one model and optimizer for every length (state persists)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     for T in a.seq_len:
         for ckpt in (False, True):
             if stop[ckpt]:
                 continue
-            r = run(a.config, T, a.steps, ckpt)
+            r = run(cfg, model, experts, opt, T, a.steps, ckpt)
             if r.get("oom"):
                 stop[ckpt] = True
                 print(f"hf-peer T={T:>7} ckpt={int(ckpt)}: out of memory (peak {r['peak_gib']:.1f} GiB)", flush=True)
