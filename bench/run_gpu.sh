@@ -17,7 +17,7 @@ echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 for T in $LENS; do
     echo "== flatmoe-cuda, OLMoE-1B-7B, T=$T"
     build-gpu/flatmoe-cuda train --config configs/olmoe-1b-7b.json --data "$TEXT" --seq-len "$T" --micro-batch 1 \
-        --steps 4 --warmup 1 --lr 1e-4 --eval-every 0 --eval-batches 1 --mem-budget 132GiB --max-position-embeddings 1048576 --report-memory --no-checkpoint \
+        --steps 4 --warmup 1 --lr 1e-4 --eval-every 0 --eval-batches 1 --mem-budget 132GiB --max-position-embeddings 1048576 --gpu-workspace 256MiB --report-memory --no-checkpoint \
         --out "/tmp/bench-fm-$T" 2>&1 | grep -E "^plan|^step|^memory|error" | head -30
     nvidia-smi --query-gpu=memory.used --format=csv,noheader
 done

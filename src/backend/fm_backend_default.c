@@ -7,15 +7,19 @@ fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_d
     (void)threads;
     return fm_cuda_backend_init(b, 0, max_head_dim, 0);
 }
-fm_status fm_backend_default_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tq, int64_t tkv) {
+fm_status fm_backend_default_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tq, int64_t tkv,
+                                        size_t gpu_workspace) {
+    (void)threads;
     (void)tq;
     (void)tkv;
-    return fm_backend_default_init(b, threads, max_head_dim);
+    return fm_cuda_backend_init(b, 0, max_head_dim, gpu_workspace);
 }
-size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim, int64_t tq, int64_t tkv) {
+size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim, int64_t tq, int64_t tkv,
+                                              size_t gpu_workspace) {
+    (void)threads;
     (void)tq;
     (void)tkv;
-    return fm_backend_default_scratch_bytes(threads, max_head_dim);
+    return fm_cuda_backend_workspace_bytes(max_head_dim, gpu_workspace);
 }
 void fm_backend_default_free(fm_backend *b) { fm_cuda_backend_free(b); }
 size_t fm_backend_default_scratch_bytes(int threads, int64_t max_head_dim) {
@@ -35,10 +39,14 @@ size_t fm_backend_default_scratch_bytes(int threads, int64_t max_head_dim) {
     return fm_cpu_backend_scratch_bytes(threads, max_head_dim);
 }
 const char *fm_backend_default_name(void) { return "cpu"; }
-fm_status fm_backend_default_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tq, int64_t tkv) {
+fm_status fm_backend_default_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tq, int64_t tkv,
+                                        size_t gpu_workspace) {
+    (void)gpu_workspace;
     return fm_cpu_backend_init_tiles(b, threads, max_head_dim, tq > 0 ? tq : 64, tkv > 0 ? tkv : 64);
 }
-size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim, int64_t tq, int64_t tkv) {
+size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim, int64_t tq, int64_t tkv,
+                                              size_t gpu_workspace) {
+    (void)gpu_workspace;
     return fm_cpu_backend_scratch_bytes_tiles(threads, max_head_dim, tq > 0 ? tq : 64, tkv > 0 ? tkv : 64);
 }
 #endif

@@ -8,13 +8,17 @@
 /* threads: CPU threads (0: all; ignored on CUDA); max_head_dim: the attention's head_dim bound.
  * Errors: those of fm_cpu_backend_init / fm_cuda_backend_init. */
 fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_dim);
-/* With the CPU attention's tile (query rows x key columns; 0: the default 64); ignored on CUDA. */
+/* With the CPU attention's tile (query rows x key columns; 0: the default 64; ignored on CUDA)
+ * and the CUDA backend's fixed library workspace in bytes (cuBLASLt and cuDNN each; 0: 64 MiB;
+ * ignored on the CPU). A larger cuDNN workspace lets cuDNN serve the attention backward of long
+ * GQA sequences that would otherwise fall back to our kernels. */
 fm_status fm_backend_default_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tile_q,
-                                        int64_t tile_kv);
+                                        int64_t tile_kv, size_t gpu_workspace);
 void fm_backend_default_free(fm_backend *b);
 /* Bytes the backend holds itself (attention tiles, library workspaces), for the planner. */
 size_t fm_backend_default_scratch_bytes(int threads, int64_t max_head_dim);
-size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim, int64_t tile_q, int64_t tile_kv);
+size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim, int64_t tile_q, int64_t tile_kv,
+                                              size_t gpu_workspace);
 /* "cpu" or "cuda". */
 const char *fm_backend_default_name(void);
 

@@ -120,7 +120,7 @@ static int cmd_train(int argc, char **argv) {
     fm_train_opts o;
     fm_train_opts_default(&o);
     static const char *data[MAX_FILES], *val[MAX_FILES];
-    const char *mem_budget = NULL;
+    const char *mem_budget = NULL, *gpu_ws = NULL;
     flag flags[] = {
         {"config", F_STR, &o.config_path, NULL, "Hugging Face config.json of the model (required unless --resume)"},
         {"data", F_FILES, data, &o.n_data, "training files: UTF-8 text (byte tokens) or llm.c .bin shards"},
@@ -153,6 +153,7 @@ static int cmd_train(int argc, char **argv) {
         {"ce-block-vocab", F_I64, &o.ce_block_vocab, NULL, "linear cross-entropy vocabulary block (4096 when --ce-block-tokens is set; 0 = plain logits)"},
         {"attention-tile-q", F_I64, &o.att_tile_q, NULL, "CPU attention tile: query rows, 1..4096 (64)"},
         {"attention-tile-kv", F_I64, &o.att_tile_kv, NULL, "CPU attention tile: key columns, 1..4096 (64)"},
+        {"gpu-workspace", F_STR, &gpu_ws, NULL, "CUDA: bytes of the cuBLASLt and of the cuDNN workspace, e.g. 256MiB; more lets cuDNN serve long GQA backwards (64MiB)"},
         {"report-memory", F_BOOL, &o.report_memory, NULL, "print each live set's measured high-water mark next to its bound (unless --quiet; always in metrics.jsonl)"},
         {"quiet", F_BOOL, &o.quiet, NULL, "no per-step lines (metrics.jsonl is still written)"},
         {"max-position-embeddings", F_I64, &o.max_position_embeddings, NULL, "override the config's max_position_embeddings (1..2^30; 0 keeps it), e.g. to train past it; saved in the checkpoint's config"},
@@ -165,6 +166,7 @@ static int cmd_train(int argc, char **argv) {
     fm_status s;
     if (mem_budget && (s = fm_parse_bytes(mem_budget, "--mem-budget", &o.mem_budget))) return fail("train", s);
     if (mem_budget && o.mem_budget == 0) return usage_error("train", "%s", "--mem-budget must be > 0 (omit it for no budget)");
+    if (gpu_ws && (s = fm_parse_bytes(gpu_ws, "--gpu-workspace", &o.gpu_workspace))) return fail("train", s);
     if (o.threads < 0) return usage_error("train", "%s", "--threads must be >= 0 (0 = all cores)");
     if (o.moe_chunk_tokens < -1 || o.ce_block_tokens < -1 || o.ce_block_vocab < -1)
         return usage_error("train", "%s", "--moe-chunk-tokens, --ce-block-tokens and --ce-block-vocab must be >= 0");
@@ -345,7 +347,7 @@ static int cmd_eval(int argc, char **argv) {
 /* ---- plan ------------------------------------------------------------------------------------ */
 
 static int cmd_plan(int argc, char **argv) {
-    const char *config = NULL, *recompute = NULL, *device_mem = NULL, *backend = NULL;
+    const char *config = NULL, *recompute = NULL, *device_mem = NULL, *backend = NULL, *gpu_ws_plan = NULL;
     int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = -1, ce_bt = -1, ce_bv = -1, tq = 0, tkv = 0;
     int threads = 0;
     bool json = false;
@@ -363,6 +365,7 @@ static int cmd_plan(int argc, char **argv) {
         {"threads", F_INT, &threads, NULL, "CPU threads, for the attention tiles (0 = all cores)"},
         {"attention-tile-q", F_I64, &tq, NULL, "CPU attention tile: query rows (64)"},
         {"attention-tile-kv", F_I64, &tkv, NULL, "CPU attention tile: key columns (64)"},
+        {"gpu-workspace", F_STR, &gpu_ws_plan, NULL, "CUDA: bytes of each library workspace (64MiB)"},
         {"backend", F_STR, &backend, NULL, "plan for cpu (fp32) or cuda (bf16) (this binary's backend)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
     };
@@ -394,6 +397,7 @@ static int cmd_plan(int argc, char **argv) {
     req.threads = threads;
     req.att_tile_q = tq;
     req.att_tile_kv = tkv;
+    if (gpu_ws_plan && (s = fm_parse_bytes(gpu_ws_plan, "--gpu-workspace", &req.gpu_workspace))) return fail("plan", s);
     if (backend && !strcmp(backend, "cpu")) req.target = FM_PLAN_TARGET_CPU;
     else if (backend && !strcmp(backend, "cuda")) req.target = FM_PLAN_TARGET_CUDA;
     else if (backend) return usage_error("plan", "--backend: expected cpu or cuda, found '%s'", backend);

@@ -69,20 +69,23 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     }
 
     if (tgt == FM_PLAN_TARGET_CUDA && sizeof(fm_act) == 4) { /* a GPU run planned from the CPU build */
-        p->bytes[FM_PLAN_ATTENTION] = fm_cuda_backend_workspace_bytes_default();
-        snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "CUDA: cuBLASLt and cuDNN workspaces (64 MiB each) + 16 MiB scratch");
+        p->bytes[FM_PLAN_ATTENTION] = fm_cuda_backend_workspace_bytes_for(r->gpu_workspace);
+        snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "CUDA: cuBLASLt and cuDNN workspaces (%.0f MiB each) + 16 MiB scratch",
+                 (r->gpu_workspace ? r->gpu_workspace : FM_CUDA_DEFAULT_WORKSPACE_BYTES) / 1048576.0);
     } else if (tgt == FM_PLAN_TARGET_CPU && sizeof(fm_act) != 4) {
         p->bytes[FM_PLAN_ATTENTION] = 0; /* the CUDA build carries no CPU backend to ask */
         snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "CPU tiles: plan with the CPU build for this figure");
     } else {
         p->bytes[FM_PLAN_ATTENTION] =
-            fm_backend_default_scratch_bytes_tiles(r->threads, c->head_dim, r->att_tile_q, r->att_tile_kv);
+            fm_backend_default_scratch_bytes_tiles(r->threads, c->head_dim, r->att_tile_q, r->att_tile_kv,
+                                                   r->gpu_workspace);
         if (sizeof(fm_act) == 4)
             snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "per-thread flash tiles %lld x %lld, head_dim %lld (never T x T)",
                      (long long)(r->att_tile_q > 0 ? r->att_tile_q : 64),
                      (long long)(r->att_tile_kv > 0 ? r->att_tile_kv : 64), (long long)c->head_dim);
         else
-            snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "CUDA: cuBLASLt and cuDNN workspaces (64 MiB each) + 16 MiB scratch");
+            snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "CUDA: cuBLASLt and cuDNN workspaces (%.0f MiB each) + 16 MiB scratch",
+                     (r->gpu_workspace ? r->gpu_workspace : FM_CUDA_DEFAULT_WORKSPACE_BYTES) / 1048576.0);
     }
 
     p->bytes[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(c, N, a);

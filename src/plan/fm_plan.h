@@ -36,6 +36,7 @@ typedef struct fm_plan_req {
     int threads;               /* CPU threads (attention scratch is per thread); 0: all */
     int64_t att_tile_q, att_tile_kv; /* CPU attention tile (0: 64 x 64) */
     fm_plan_target target;     /* the backend the run will use (default: this build's) */
+    size_t gpu_workspace;      /* CUDA: bytes of each library workspace (0: 64 MiB) */
 } fm_plan_req;
 
 typedef struct fm_plan {

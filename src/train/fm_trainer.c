@@ -589,7 +589,7 @@ static fm_status train_impl(run *r) {
                        o->moe_chunk_tokens > 0 ? o->moe_chunk_tokens : 0,
                        o->ce_block_tokens > 0 ? o->ce_block_tokens : 0,
                        o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads, o->att_tile_q, o->att_tile_kv,
-                       FM_PLAN_TARGET_BUILD};
+                       FM_PLAN_TARGET_BUILD, o->gpu_workspace};
     fm_plan plan;
     if (!o->recompute && o->moe_chunk_tokens < 0 && o->ce_block_tokens < 0 && o->ce_block_vocab < 0 &&
         o->mem_budget > 0) {
@@ -601,7 +601,8 @@ static fm_status train_impl(run *r) {
     r->plan = plan;
 
     /* Backend, model, optimizer: allocated from the plan. */
-    FM_TRY(fm_backend_default_init_tiles(&r->be, o->threads, c->head_dim, o->att_tile_q, o->att_tile_kv));
+    FM_TRY(fm_backend_default_init_tiles(&r->be, o->threads, c->head_dim, o->att_tile_q, o->att_tile_kv,
+                                         o->gpu_workspace));
     r->be_ok = true;
     FM_TRY(fm_model_create(&r->m, c, r->be, fm_adamw_state_bytes(fm_config_num_params(c))));
     r->model_ok = true;

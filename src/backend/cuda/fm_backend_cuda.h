@@ -30,6 +30,10 @@ size_t fm_cuda_backend_workspace_bytes(int64_t max_head_dim, size_t workspace_by
 static inline size_t fm_cuda_backend_workspace_bytes_default(void) {
     return 2 * FM_CUDA_DEFAULT_WORKSPACE_BYTES + FM_CUDA_SCRATCH_BYTES_PUBLIC;
 }
+/* The same for a given workspace size (0: the default). */
+static inline size_t fm_cuda_backend_workspace_bytes_for(size_t workspace_bytes) {
+    return 2 * (workspace_bytes ? workspace_bytes : FM_CUDA_DEFAULT_WORKSPACE_BYTES) + FM_CUDA_SCRATCH_BYTES_PUBLIC;
+}
 
 #ifdef __cplusplus
 }
