@@ -20,6 +20,13 @@ grep -q "model state" "$TMP/nofit.err" && ok || bad "over-budget message lacks t
 # Chosen knobs: qwen3 at 64K tokens in 560 GiB needs chunking and the linear CE.
 "$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --seq-len 65536 --device-mem 560GiB --json > "$TMP/choose.json" || bad "plan could not choose knobs"
 grep -q '"fits":true' "$TMP/choose.json" && ok || bad "chosen plan does not fit: $(cat "$TMP/choose.json")"
+# A GPU run planned from this build: bf16 activations and the CUDA workspaces (256 MiB each here).
+g=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --backend cuda --gpu-workspace 256MiB --json)
+grep -q '"attention tiles":553648128' <<<"$g" && ok || bad "cuda plan: workspaces not 2 x 256 MiB + 16 MiB: $g"
+c=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --backend cpu --json)
+bnd() { sed -E 's/.*"checkpoint boundaries":([0-9]+).*/\1/' <<<"$1"; }
+[ "$(bnd "$g")" -lt "$(bnd "$c")" ] && ok || bad "bf16 boundaries should be smaller than fp32 ones"
+expect_fail "bad --backend" "expected cpu or cuda" "$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 64 --backend tpu
 expect_fail "bad --device-mem" "unknown unit" "$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 128 --device-mem 12parsecs
 
 cfg="$ROOT/configs/tiny.json"
