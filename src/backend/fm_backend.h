@@ -266,11 +266,26 @@ typedef struct fm_ops {
 
 static inline size_t fm_dtype_size(fm_dtype t) { return t == FM_DTYPE_BF16 ? 2 : 4; }
 
+
 /* A backend instance: its op table and its context. */
 typedef struct fm_backend {
     const fm_ops *ops;
     void *ctx;
 } fm_backend;
+
+/* A linear layer with HF weights W [out,in], through the table's gemm:
+ *   fm_linear_fwd: y [n,out] = x [n,in] W^T (y of type y_type: fm_act, or fp32 e.g. router logits)
+ *   fm_linear_bwd: dx [n,in] = beta*dx + alpha * dy W (skipped when dx is NULL), dW += alpha * dy^T x */
+static inline void fm_linear_fwd(const fm_backend *be, void *y, fm_dtype y_type, const fm_act *x, const fm_act *W,
+                                 int64_t n, int64_t in, int64_t out) {
+    be->ops->gemm(be->ctx, false, true, n, out, in, 1.0f, x, in, W, in, 0.0f, y, y_type, out);
+}
+
+static inline void fm_linear_bwd(const fm_backend *be, fm_act *dx, float beta, fm_act *dW, const fm_act *dy,
+                                 const fm_act *x, const fm_act *W, int64_t n, int64_t in, int64_t out, float alpha) {
+    if (dx) be->ops->gemm(be->ctx, false, false, n, in, out, alpha, dy, out, W, in, beta, dx, FM_ACT_DTYPE, in);
+    be->ops->gemm(be->ctx, true, false, out, in, n, alpha, dy, out, x, in, 1.0f, dW, FM_ACT_DTYPE, in);
+}
 
 #ifdef __cplusplus
 }

@@ -22,11 +22,6 @@ size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim,
     return fm_cuda_backend_workspace_bytes(max_head_dim, gpu_workspace);
 }
 void fm_backend_default_free(fm_backend *b) { fm_cuda_backend_free(b); }
-size_t fm_backend_default_scratch_bytes(int threads, int64_t max_head_dim) {
-    (void)threads;
-    return fm_cuda_backend_workspace_bytes(max_head_dim, 0);
-}
-const char *fm_backend_default_name(void) { return "cuda"; }
 
 #else
 #include "cpu/fm_backend_cpu.h"
@@ -35,10 +30,6 @@ fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_d
     return fm_cpu_backend_init(b, threads, max_head_dim);
 }
 void fm_backend_default_free(fm_backend *b) { fm_cpu_backend_free(b); }
-size_t fm_backend_default_scratch_bytes(int threads, int64_t max_head_dim) {
-    return fm_cpu_backend_scratch_bytes(threads, max_head_dim);
-}
-const char *fm_backend_default_name(void) { return "cpu"; }
 fm_status fm_backend_default_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tq, int64_t tkv,
                                         size_t gpu_workspace) {
     (void)gpu_workspace;

@@ -16,10 +16,7 @@ fm_status fm_backend_default_init_tiles(fm_backend *b, int threads, int64_t max_
                                         int64_t tile_kv, size_t gpu_workspace);
 void fm_backend_default_free(fm_backend *b);
 /* Bytes the backend holds itself (attention tiles, library workspaces), for the planner. */
-size_t fm_backend_default_scratch_bytes(int threads, int64_t max_head_dim);
 size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim, int64_t tile_q, int64_t tile_kv,
                                               size_t gpu_workspace);
-/* "cpu" or "cuda". */
-const char *fm_backend_default_name(void);
 
 #endif

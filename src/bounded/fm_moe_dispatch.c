@@ -78,13 +78,12 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
 
 static void linear_fwd(const fm_backend *be, fm_act *y, const fm_act *x, const fm_act *W, int64_t n, int64_t in,
                        int64_t out) {
-    be->ops->gemm(be->ctx, false, true, n, out, in, 1.0f, x, in, W, in, 0.0f, y, FM_ACT_DTYPE, out);
+    fm_linear_fwd(be, y, FM_ACT_DTYPE, x, W, n, in, out);
 }
 
 static void linear_bwd(const fm_backend *be, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
                        const fm_act *W, int64_t n, int64_t in, int64_t out) {
-    be->ops->gemm(be->ctx, false, false, n, in, out, 1.0f, dy, out, W, in, beta, dx, FM_ACT_DTYPE, in);
-    be->ops->gemm(be->ctx, true, false, out, in, n, 1.0f, dy, out, x, in, 1.0f, dW, FM_ACT_DTYPE, in);
+    fm_linear_bwd(be, dx, beta, dW, dy, x, W, n, in, out, 1.0f);
 }
 
 /* Permute x [n,H] by expert into r, run the experts; with y != NULL combine into y [n,H]. */

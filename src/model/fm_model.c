@@ -332,10 +332,6 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
 #define B4(x) fm_arena_round((size_t)(x) * 4)
 #define BA(x) fm_arena_round((size_t)(x) * a)
 
-size_t fm_model_boundary_bytes(const fm_config *c, int64_t B, int64_t T) {
-    return fm_model_boundary_bytes_chunked(c, B, T, false, sizeof(fm_act));
-}
-
 size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T, bool moe_chunked, size_t a) {
     const int64_t N = B * T;
     /* tokens, targets, RoPE cos/sin [T, hd/2], the chunked MoE's token order [N] int32, L+1
@@ -563,26 +559,14 @@ void fm_model_free(fm_model *m) {
 #define OPS (m->be.ops)
 #define CTX (m->be.ctx)
 
-/* y[N,out] = x[N,in] W[out,in]^T (y of type yt: fm_act, or fp32 for the router logits) */
-static void linear_fwd_t(fm_model *m, void *y, fm_dtype yt, const fm_act *x, const fm_act *W, int64_t N, int64_t in,
-                         int64_t out) {
-    OPS->gemm(CTX, false, true, N, out, in, 1.0f, x, in, W, in, 0.0f, y, yt, out);
-}
-
+/* The model's linear layers (fm_linear_fwd/bwd of fm_backend.h) in fm_act, alpha 1. */
 static void linear_fwd(fm_model *m, fm_act *y, const fm_act *x, const fm_act *W, int64_t N, int64_t in, int64_t out) {
-    linear_fwd_t(m, y, FM_ACT_DTYPE, x, W, N, in, out);
-}
-
-/* dx[N,in] (= or += per beta) alpha dy[N,out] W[out,in]; dW[out,in] += alpha dy^T x */
-static void linear_bwd_a(fm_model *m, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
-                         const fm_act *W, int64_t N, int64_t in, int64_t out, float alpha) {
-    if (dx) OPS->gemm(CTX, false, false, N, in, out, alpha, dy, out, W, in, beta, dx, FM_ACT_DTYPE, in);
-    OPS->gemm(CTX, true, false, out, in, N, alpha, dy, out, x, in, 1.0f, dW, FM_ACT_DTYPE, in);
+    fm_linear_fwd(&m->be, y, FM_ACT_DTYPE, x, W, N, in, out);
 }
 
 static void linear_bwd(fm_model *m, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
                        const fm_act *W, int64_t N, int64_t in, int64_t out) {
-    linear_bwd_a(m, dx, beta, dW, dy, x, W, N, in, out, 1.0f);
+    fm_linear_bwd(&m->be, dx, beta, dW, dy, x, W, N, in, out, 1.0f);
 }
 
 /* One layer forward: x [N,H] -> y [N,H]; saves into a. Returns the layer's (aux, z) terms. */
@@ -616,7 +600,7 @@ static void layer_forward(fm_model *m, int64_t l, const fm_act *x, fm_act *y, fm
     /* MoE block */
     OPS->rmsnorm_fwd(CTX, a->ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
     float *router_logits = m->ws.dlogits_r; /* fp32, transient: backward needs only probs and lse */
-    linear_fwd_t(m, router_logits, FM_DTYPE_F32, a->ln2, w->router, N, H, E);
+    fm_linear_fwd(&m->be, router_logits, FM_DTYPE_F32, a->ln2, w->router, N, H, E);
     OPS->router_fwd(CTX, a->probs, a->router_lse, a->topk_idx, a->topk_w, router_logits, N, E, k,
                     c->norm_topk_prob);
     double lse_sq = OPS->router_stats(CTX, a->expert_count, a->expert_prob_sum, a->probs, a->router_lse,
@@ -797,7 +781,7 @@ void fm_model_backward(fm_model *m, float scale) {
     } else {
         /* m->logits holds dloss/dlogits (mean CE) from forward; the GEMMs scale it (alpha) for
          * accumulation. */
-        linear_bwd_a(m, m->ws.dtmp, 0.0f, m->g.lm_head, m->logits, m->xf, m->w.lm_head, N, H, V, scale);
+        fm_linear_bwd(&m->be, m->ws.dtmp, 0.0f, m->g.lm_head, m->logits, m->xf, m->w.lm_head, N, H, V, scale);
     }
     backward_body(m, scale);
 }

@@ -161,8 +161,7 @@ void fm_model_free(fm_model *m);
  * tensors [N,H]. Layer activations: ONE layer's saved set (the attention inputs and outputs,
  * norms, router probabilities and top-k). Working set: one layer's backward buffers. Vocab
  * (plain): final norm output, logits [N,V] and per-token loss. */
-size_t fm_model_boundary_bytes(const fm_config *c, int64_t B, int64_t T);
-/* The same with the chunked MoE's token order [N] int32 when moe_chunked. */
+/* Boundaries include the chunked MoE's token order [N] int32 when moe_chunked. */
 size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T, bool moe_chunked, size_t act_bytes);
 size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_t act_bytes);
 size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t act_bytes);

@@ -23,14 +23,10 @@ void fm_cuda_backend_free(fm_backend *b);
 /* Bytes of device memory the backend holds itself (workspaces, scratch), for the planner. */
 size_t fm_cuda_backend_workspace_bytes(int64_t max_head_dim, size_t workspace_bytes);
 
-/* The same arithmetic as a constant expression, for planning a GPU run from any build:
- * cuBLASLt and cuDNN workspaces (64 MiB each by default) and a 16 MiB reduction scratch. */
+/* The same arithmetic as an inline, for planning a GPU run from any build: cuBLASLt and cuDNN
+ * workspaces of workspace_bytes each (0: 64 MiB) and a 16 MiB reduction scratch. */
 #define FM_CUDA_DEFAULT_WORKSPACE_BYTES ((size_t)64 << 20)
 #define FM_CUDA_SCRATCH_BYTES_PUBLIC ((size_t)16 << 20)
-static inline size_t fm_cuda_backend_workspace_bytes_default(void) {
-    return 2 * FM_CUDA_DEFAULT_WORKSPACE_BYTES + FM_CUDA_SCRATCH_BYTES_PUBLIC;
-}
-/* The same for a given workspace size (0: the default). */
 static inline size_t fm_cuda_backend_workspace_bytes_for(size_t workspace_bytes) {
     return 2 * (workspace_bytes ? workspace_bytes : FM_CUDA_DEFAULT_WORKSPACE_BYTES) + FM_CUDA_SCRATCH_BYTES_PUBLIC;
 }
