@@ -20,9 +20,19 @@ grep -q "model state" "$TMP/nofit.err" && ok || bad "over-budget message lacks t
 # Chosen knobs: qwen3 at 64K tokens in 560 GiB needs chunking and the linear CE.
 "$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --seq-len 65536 --device-mem 560GiB --json > "$TMP/choose.json" || bad "plan could not choose knobs"
 grep -q '"fits":true' "$TMP/choose.json" && ok || bad "chosen plan does not fit: $(cat "$TMP/choose.json")"
-# A GPU run planned from this build: bf16 activations and the CUDA workspaces (256 MiB each here).
+# A GPU run planned from this build: bf16 activations and the CUDA workspaces (cuDNN 256 MiB
+# as given, cuBLASLt 32 MiB, scratch 16 MiB).
 g=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --backend cuda --gpu-workspace 256MiB --json)
-grep -q '"attention tiles":553648128' <<<"$g" && ok || bad "cuda plan: workspaces not 2 x 256 MiB + 16 MiB: $g"
+grep -q '"attention tiles":318767104' <<<"$g" && ok || bad "cuda plan: workspaces not 256 + 32 + 16 MiB: $g"
+# Without --gpu-workspace the planner sizes cuDNN's for the attention backward: OLMoE (16 heads
+# of 128) needs 16 x T x 128 x 4 B of fp32 dQ + row sums + 1 MiB: 130 MiB at 16K; at 256K a
+# 4-head chunk (517 MiB) under the 1 GiB cap; never under 64 MiB (4K).
+for tw in "4096 64" "16384 130" "262144 517"; do
+    set -- $tw
+    a=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len "$1" --backend cuda --json |
+        sed -E 's/.*"attention tiles":([0-9]+).*/\1/')
+    [ "$a" = $(( ($2 + 48) * 1048576 )) ] && ok || bad "cuda plan at T=$1: attention set $a, expected cuDNN $2 MiB + 48 MiB"
+done
 c=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --backend cpu --json)
 bnd() { sed -E 's/.*"checkpoint boundaries":([0-9]+).*/\1/' <<<"$1"; }
 [ "$(bnd "$g")" -lt "$(bnd "$c")" ] && ok || bad "bf16 boundaries should be smaller than fp32 ones"

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "fm_test.h"
+#include "backend/cuda/fm_backend_cuda.h"
 #include "plan/fm_plan.h"
 #include "train/fm_optim.h"
 
@@ -103,11 +104,24 @@ static void test_cuda_target(void) {
     CHECK(g.bytes[FM_LIVE_MODEL_STATE] == c.bytes[FM_LIVE_MODEL_STATE]);
     CHECK(g.bytes[FM_LIVE_BOUNDARIES] == 17ull * 4096 * 2048 * 2 + 2 * 4096 * 4 + 2 * 4096 * 64 * 4);
     CHECK(g.bytes[FM_LIVE_LAYER_ACTS] < c.bytes[FM_LIVE_LAYER_ACTS]);
-    CHECK(g.bytes[FM_PLAN_ATTENTION] == (size_t)144 << 20);
+    /* cuDNN workspace sized for a 4K backward: 16 x 4096 x 128 x 4 B dQ + rows + 1 MiB < 64 MiB,
+     * so the 64 MiB floor; + cuBLASLt 32 MiB + 16 MiB scratch */
+    CHECK(g.gpu_workspace == (size_t)64 << 20);
+    CHECK(g.bytes[FM_PLAN_ATTENTION] == (size_t)112 << 20);
     /* what flatmoe-cuda's own plan printed for this shape at 0b76194 (bench/RESULTS.md), less the
      * two [N,H] bf16 buffers the working set has dropped since (the recompute scratch, and d ln1
-     * now in the free q-gradient buffer): 2 x 4096 x 2048 x 2 bytes */
-    CHECK_MSG(g.total == 122175856896ull - 2 * 4096ull * 2048 * 2, "cuda-target total %zu", g.total);
+     * now in the free q-gradient buffer): 2 x 4096 x 2048 x 2 bytes, and less the cuBLASLt
+     * workspace's 64 -> 32 MiB */
+    CHECK_MSG(g.total == 122175856896ull - 2 * 4096ull * 2048 * 2 - (32ull << 20), "cuda-target total %zu", g.total);
+    /* 256K: a 4-head chunk's need under the 1 GiB cap: 4 x 262144 x 128 x 4 + 4 x 262144 x 4 + 1 MiB */
+    req.T = 262144;
+    req.target = FM_PLAN_TARGET_CUDA;
+    fm_plan_compute(&req, &g);
+    CHECK_MSG(g.gpu_workspace == (512ull + 4 + 1) << 20, "256K cuDNN workspace %zu", g.gpu_workspace);
+    CHECK(fm_cuda_cudnn_workspace_auto(1, 262144, 16, 16, 128) == g.gpu_workspace);
+    /* GQA (4 query heads a kv head) at 1M tokens: one kv group already needs 2 x 4 x 2^20 x 128 x 4 B
+     * (+ rows + 1 MiB) > 1 GiB, which is still what is planned (cuDNN serves it; no fallback) */
+    CHECK(fm_cuda_cudnn_workspace_auto(1, 1 << 20, 8, 2, 128) == (4096ull + 16 + 1) << 20);
 }
 
 static void test_chooser(void) {

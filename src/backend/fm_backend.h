@@ -39,6 +39,25 @@ typedef float fm_act;
 
 typedef enum fm_dtype { FM_DTYPE_F32 = 0, FM_DTYPE_BF16 = 1 } fm_dtype;
 
+/* Phases of a training step, for the per-phase time breakdown (prof_mark / prof_collect). */
+typedef enum fm_phase {
+    FM_PHASE_OTHER = 0,  /* embedding, token upload, anything unmarked */
+    FM_PHASE_ATTENTION,  /* the attention kernels (attention_fwd / attention_bwd) */
+    FM_PHASE_DENSE,      /* q/k/v/o projections, RMSNorm, QK-norm, RoPE, residual adds */
+    FM_PHASE_ROUTER,     /* router GEMM, softmax/top-k, load-balancing statistics, router backward */
+    FM_PHASE_DISPATCH,   /* MoE permutation: route index, gather, combine, chunk row moves */
+    FM_PHASE_EXPERTS,    /* expert GEMMs and SwiGLU */
+    FM_PHASE_LOSS,       /* LM head and cross-entropy (plain or linear) */
+    FM_PHASE_OPTIMIZER,  /* gradient zeroing, gradient norm, AdamW */
+    FM_PHASE_COUNT
+} fm_phase;
+
+static inline const char *fm_phase_name(int p) {
+    static const char *const names[FM_PHASE_COUNT] = {"other",    "attention", "dense", "router",
+                                                      "dispatch", "experts",   "loss",  "optimizer"};
+    return p >= 0 && p < FM_PHASE_COUNT ? names[p] : "?";
+}
+
 typedef enum fm_copy_kind {
     FM_COPY_H2D, /* host -> backend memory */
     FM_COPY_D2H, /* backend -> host memory */
@@ -262,6 +281,18 @@ typedef struct fm_ops {
     void (*convert)(void *ctx, void *dst, fm_dtype dst_type, const void *src, fm_dtype src_type, int64_t n);
     /* Waits for everything issued so far (a no-op on the CPU). */
     void (*sync)(void *ctx);
+
+    /* ---- profiling: where a step's time goes. Enabled when the environment has
+     * FLATMOE_PROFILE=1 at backend creation; otherwise both are no-ops (collect returns false).
+     * The CPU times with the wall clock; CUDA with events on its stream (no sync until collect),
+     * from a pool created at init, so profiling allocates nothing in a step either. */
+
+    /* From now until the next mark, time is charged to `phase`. */
+    void (*prof_mark)(void *ctx, fm_phase phase);
+    /* Waits for the work issued so far and ASSIGNS ms[FM_PHASE_COUNT], the milliseconds charged
+     * to each phase since the previous collect (or creation); the current phase continues.
+     * Returns false (ms untouched) when profiling is off. */
+    bool (*prof_collect)(void *ctx, double *ms);
 } fm_ops;
 
 static inline size_t fm_dtype_size(fm_dtype t) { return t == FM_DTYPE_BF16 ? 2 : 4; }
@@ -272,6 +303,9 @@ typedef struct fm_backend {
     const fm_ops *ops;
     void *ctx;
 } fm_backend;
+
+/* Charges the time from here on to `phase` (see prof_mark). */
+static inline void fm_phase_mark(const fm_backend *be, fm_phase phase) { be->ops->prof_mark(be->ctx, phase); }
 
 /* A linear layer with HF weights W [out,in], through the table's gemm:
  *   fm_linear_fwd: y [n,out] = x [n,in] W^T (y of type y_type: fm_act, or fp32 e.g. router logits)

@@ -89,17 +89,25 @@ static void linear_bwd(const fm_backend *be, fm_act *dx, float beta, fm_act *dW,
 /* Permute x [n,H] by expert into r, run the experts; with y != NULL combine into y [n,H]. */
 static void dispatch_fwd(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_routes *r,
                          fm_act *y, const fm_act *x, const int32_t *idx, const float *wts, int64_t n) {
-    const int64_t H = d->H, I = d->I, E = d->E, k = d->k;
+    const int64_t H = d->H, I = d->I, E = d->E, k = d->k, R = n * k;
+    fm_phase_mark(be, FM_PHASE_DISPATCH);
     be->ops->moe_route_index(be->ctx, r->offsets, r->row_route, r->route_row, idx, n, E, k);
-    be->ops->moe_gather(be->ctx, r->xe, x, r->row_route, n * k, k, H);
+    be->ops->moe_gather(be->ctx, r->xe, x, r->row_route, R, k, H);
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     for (int64_t e = 0; e < E; e++) {
         const int64_t r0 = r->offsets[e], m = r->offsets[e + 1] - r0;
         if (m == 0) continue; /* an expert with no tokens: no GEMM, zero weight gradient */
         linear_fwd(be, r->h_gate + r0 * I, r->xe + r0 * H, w->w_gate + e * I * H, m, H, I);
         linear_fwd(be, r->h_up + r0 * I, r->xe + r0 * H, w->w_up + e * I * H, m, H, I);
-        be->ops->swiglu_fwd(be->ctx, r->h_act + r0 * I, r->h_gate + r0 * I, r->h_up + r0 * I, m * I);
+    }
+    /* elementwise: one launch over every expert's rows */
+    be->ops->swiglu_fwd(be->ctx, r->h_act, r->h_gate, r->h_up, R * I);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t r0 = r->offsets[e], m = r->offsets[e + 1] - r0;
+        if (m == 0) continue;
         linear_fwd(be, r->ye + r0 * H, r->h_act + r0 * I, w->w_down + e * H * I, m, I, H);
     }
+    fm_phase_mark(be, FM_PHASE_DISPATCH);
     if (y) be->ops->moe_combine_fwd(be->ctx, y, r->ye, wts, r->route_row, n, k, H);
 }
 
@@ -107,26 +115,33 @@ static void dispatch_fwd(const fm_backend *be, const fm_moe_dims *d, const fm_mo
 static void dispatch_bwd(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, const fm_moe_grads *g,
                          const fm_moe_routes *r, fm_moe_ws *ws, fm_act *dx, float *dtopk_w, const fm_act *dy,
                          const float *wts, int64_t n) {
-    const int64_t H = d->H, I = d->I, E = d->E, k = d->k;
+    const int64_t H = d->H, I = d->I, E = d->E, k = d->k, R = n * k;
+    fm_phase_mark(be, FM_PHASE_DISPATCH);
     be->ops->moe_combine_bwd(be->ctx, ws->dye, dtopk_w, dy, r->ye, wts, r->route_row, n, k, H);
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     for (int64_t e = 0; e < E; e++) {
         const int64_t r0 = r->offsets[e], m = r->offsets[e + 1] - r0;
         if (m == 0) continue;
         linear_bwd(be, ws->dact + r0 * I, 0.0f, g->w_down + e * H * I, ws->dye + r0 * H, r->h_act + r0 * I,
                    w->w_down + e * H * I, m, I, H);
-        be->ops->swiglu_bwd(be->ctx, ws->dh_gate + r0 * I, ws->dh_up + r0 * I, ws->dact + r0 * I, r->h_gate + r0 * I,
-                            r->h_up + r0 * I, m * I);
+    }
+    be->ops->swiglu_bwd(be->ctx, ws->dh_gate, ws->dh_up, ws->dact, r->h_gate, r->h_up, R * I);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t r0 = r->offsets[e], m = r->offsets[e + 1] - r0;
+        if (m == 0) continue;
         linear_bwd(be, ws->dxe + r0 * H, 0.0f, g->w_gate + e * I * H, ws->dh_gate + r0 * I, r->xe + r0 * H,
                    w->w_gate + e * I * H, m, H, I);
         linear_bwd(be, ws->dxe + r0 * H, 1.0f, g->w_up + e * I * H, ws->dh_up + r0 * I, r->xe + r0 * H,
                    w->w_up + e * I * H, m, H, I);
     }
+    fm_phase_mark(be, FM_PHASE_DISPATCH);
     be->ops->moe_gather_bwd(be->ctx, dx, ws->dxe, r->route_row, n, k, H);
 }
 
 /* Gathers chunk j's tokens (tok = its slice of the chunk-major order) and their top-k rows. */
 static void gather_chunk(const fm_backend *be, const fm_moe_dims *d, fm_moe_ws *ws, const fm_act *x,
                          const int32_t *topk_idx, const float *topk_w, const int32_t *tok, int64_t n) {
+    fm_phase_mark(be, FM_PHASE_DISPATCH);
     be->ops->gather_rows(be->ctx, ws->xc, x, tok, n, d->H * (int64_t)sizeof(fm_act));
     be->ops->gather_rows(be->ctx, ws->topk_idx, topk_idx, tok, n, d->k * (int64_t)sizeof(int32_t));
     be->ops->gather_rows(be->ctx, ws->topk_w, topk_w, tok, n, d->k * (int64_t)sizeof(float));

@@ -153,7 +153,7 @@ static int cmd_train(int argc, char **argv) {
         {"ce-block-vocab", F_I64, &o.ce_block_vocab, NULL, "linear cross-entropy vocabulary block (4096 when --ce-block-tokens is set; 0 = plain logits)"},
         {"attention-tile-q", F_I64, &o.att_tile_q, NULL, "CPU attention tile: query rows, 1..4096 (64)"},
         {"attention-tile-kv", F_I64, &o.att_tile_kv, NULL, "CPU attention tile: key columns, 1..4096 (64)"},
-        {"gpu-workspace", F_STR, &gpu_ws, NULL, "CUDA: bytes of the cuBLASLt and of the cuDNN workspace, e.g. 256MiB; more lets cuDNN serve long GQA backwards (64MiB)"},
+        {"gpu-workspace", F_STR, &gpu_ws, NULL, "CUDA: bytes of the cuDNN workspace, e.g. 256MiB (default: the planner sizes it for the attention backward at this length, at most 1 GiB; smaller splits the backward into head chunks)"},
         {"report-memory", F_BOOL, &o.report_memory, NULL, "print each live set's measured high-water mark next to its bound (unless --quiet; always in metrics.jsonl)"},
         {"quiet", F_BOOL, &o.quiet, NULL, "no per-step lines (metrics.jsonl is still written)"},
         {"max-position-embeddings", F_I64, &o.max_position_embeddings, NULL, "override the config's max_position_embeddings (1..2^30; 0 keeps it), e.g. to train past it; saved in the checkpoint's config"},
@@ -365,7 +365,7 @@ static int cmd_plan(int argc, char **argv) {
         {"threads", F_INT, &threads, NULL, "CPU threads, for the attention tiles (0 = all cores)"},
         {"attention-tile-q", F_I64, &tq, NULL, "CPU attention tile: query rows (64)"},
         {"attention-tile-kv", F_I64, &tkv, NULL, "CPU attention tile: key columns (64)"},
-        {"gpu-workspace", F_STR, &gpu_ws_plan, NULL, "CUDA: bytes of each library workspace (64MiB)"},
+        {"gpu-workspace", F_STR, &gpu_ws_plan, NULL, "CUDA: bytes of the cuDNN workspace (default: sized by the planner)"},
         {"backend", F_STR, &backend, NULL, "plan for cpu (fp32) or cuda (bf16) (this binary's backend)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
     };

@@ -558,6 +558,7 @@ void fm_model_free(fm_model *m) {
 
 #define OPS (m->be.ops)
 #define CTX (m->be.ctx)
+#define PHASE(p) fm_phase_mark(&m->be, FM_PHASE_##p)
 
 /* The model's linear layers (fm_linear_fwd/bwd of fm_backend.h) in fm_act, alpha 1. */
 static void linear_fwd(fm_model *m, fm_act *y, const fm_act *x, const fm_act *W, int64_t N, int64_t in, int64_t out) {
@@ -580,6 +581,7 @@ static void layer_forward(fm_model *m, int64_t l, const fm_act *x, fm_act *y, fm
     const float eps = (float)c->rms_norm_eps;
 
     /* attention block */
+    PHASE(DENSE);
     OPS->rmsnorm_fwd(CTX, a->ln1, a->rstd1, x, w->ln1, N, H, eps);
     linear_fwd(m, a->q, a->ln1, w->wq, N, H, qd);
     linear_fwd(m, a->k, a->ln1, w->wk, N, H, kd);
@@ -593,12 +595,15 @@ static void layer_forward(fm_model *m, int64_t l, const fm_act *x, fm_act *y, fm
     } /* else q, k alias qr, kr: RoPE below works in place on the projections */
     OPS->rope_fwd(CTX, a->qr, m->rope_cos, m->rope_sin, B, T, nh, hd);
     OPS->rope_fwd(CTX, a->kr, m->rope_cos, m->rope_sin, B, T, nkv, hd);
+    PHASE(ATTENTION);
     OPS->attention_fwd(CTX, a->att, a->lse, a->qr, a->kr, a->v, B, T, nh, nkv, hd);
+    PHASE(DENSE);
     linear_fwd(m, a->x_mid, a->att, w->wo, N, qd, H);
     OPS->add(CTX, a->x_mid, x, N * H);
 
     /* MoE block */
     OPS->rmsnorm_fwd(CTX, a->ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
+    PHASE(ROUTER);
     float *router_logits = m->ws.dlogits_r; /* fp32, transient: backward needs only probs and lse */
     fm_linear_fwd(&m->be, router_logits, FM_DTYPE_F32, a->ln2, w->router, N, H, E);
     OPS->router_fwd(CTX, a->probs, a->router_lse, a->topk_idx, a->topk_w, router_logits, N, E, k,
@@ -618,6 +623,7 @@ static void layer_forward(fm_model *m, int64_t l, const fm_act *x, fm_act *y, fm
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     fm_moe_forward(&m->be, &md, &mw, y, a->ln2, a->topk_idx, a->topk_w, N, m->moe_K, m->moe_chunk_order,
                    m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
+    PHASE(DENSE);
     OPS->add(CTX, y, a->x_mid, N * H);
 }
 
@@ -625,6 +631,7 @@ static void layer_forward(fm_model *m, int64_t l, const fm_act *x, fm_act *y, fm
 static void forward_body(fm_model *m, fm_loss *r, bool with_targets) {
     const fm_config *c = &m->cfg;
     const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size;
+    PHASE(OTHER);
     OPS->copy(CTX, m->tokens, m->h_tokens, sizeof(int32_t) * (size_t)N, FM_COPY_H2D);
     if (with_targets) OPS->copy(CTX, m->targets, m->h_targets, sizeof(int32_t) * (size_t)N, FM_COPY_H2D);
     OPS->embedding_fwd(CTX, m->boundary[0], m->tokens, m->w.embed, N, H);
@@ -635,7 +642,9 @@ static void forward_body(fm_model *m, fm_loss *r, bool with_targets) {
         aux += a_l;
         z += z_l;
     }
+    PHASE(DENSE);
     OPS->rmsnorm_fwd(CTX, m->xf, m->rstd_f, m->boundary[L], m->w.final_norm, N, H, (float)c->rms_norm_eps);
+    PHASE(LOSS);
     memset(r, 0, sizeof *r);
     r->aux = c->router_aux_loss_coef * aux / (double)L;
     r->z = c->router_z_loss_coef * z / (double)L;
@@ -706,6 +715,7 @@ static void layer_backward(fm_model *m, int64_t l, const fm_act *x, const fm_act
     const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down};
     fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, a->ln2, a->topk_idx, a->topk_w, N, m->moe_K,
                     m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
+    PHASE(ROUTER);
     /* Router: top-k weights, plus the load-balancing loss coef/L * E * sum_e f_e P_e with
      * P_e = mean_n probs[n,e] (f_e = count_e/N held constant), plus the z-loss
      * zcoef/L * mean_n lse_n^2. The batch's loss is scaled by `scale` (accumulation). */
@@ -722,14 +732,17 @@ static void layer_backward(fm_model *m, int64_t l, const fm_act *x, const fm_act
         OPS->convert(CTX, ws->dlogits_act, FM_ACT_DTYPE, ws->dlogits_r, FM_DTYPE_F32, N * E);
     linear_bwd(m, ws->dln, 1.0f, g->router, ws->dlogits_act, a->ln2, w->router, N, H, E);
     /* d x_mid = dy + rmsnorm_bwd(dln) */
+    PHASE(DENSE);
     OPS->rmsnorm_bwd(CTX, ws->dtmp, g->ln2, ws->dln, a->x_mid, w->ln2, a->rstd2, N, H);
     OPS->add(CTX, ws->dtmp, dy, N * H);
     fm_act *dxmid = ws->dtmp;
 
     /* attention block: x_mid = x + o_proj(attn(rope(qknorm(q,k)), v)) */
     linear_bwd(m, ws->datt, 0.0f, g->wo, dxmid, a->att, w->wo, N, qd, H);
+    PHASE(ATTENTION);
     OPS->attention_bwd(CTX, ws->dq, ws->dk, ws->dv, ws->datt, a->qr, a->kr, a->v, a->att, a->lse, B, T, nh,
                        nkv, hd);
+    PHASE(DENSE);
     OPS->rope_bwd(CTX, ws->dq, m->rope_cos, m->rope_sin, B, T, nh, hd);
     OPS->rope_bwd(CTX, ws->dk, m->rope_cos, m->rope_sin, B, T, nkv, hd);
     fm_act *dq = ws->dq, *dk = ws->dk;
@@ -759,6 +772,7 @@ static void backward_body(fm_model *m, float scale) {
     const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size;
     fm_bwd_ws *ws = &m->ws;
     fm_act *dy = ws->dx_a, *dx = ws->dx_b;
+    PHASE(DENSE);
     OPS->rmsnorm_bwd(CTX, dy, m->g.final_norm, ws->dtmp, m->boundary[L], m->w.final_norm, m->rstd_f, N, H);
     for (int64_t l = L - 1; l >= 0; l--) {
         if (m->recompute[l]) {
@@ -770,12 +784,14 @@ static void backward_body(fm_model *m, float scale) {
         layer_backward(m, l, m->boundary[l], dy, dx, &m->acts[l], scale);
         fm_act *t = dy; dy = dx; dx = t;
     }
+    PHASE(OTHER);
     OPS->embedding_bwd(CTX, m->g.embed, dy, m->tokens, N, H);
 }
 
 void fm_model_backward(fm_model *m, float scale) {
     const fm_config *c = &m->cfg;
     const int64_t N = m->N, H = c->hidden_size, V = c->vocab_size;
+    PHASE(LOSS);
     if (m->linear_ce) {
         linear_ce(m, true, scale);
     } else {
@@ -795,6 +811,7 @@ void fm_model_train_step(fm_model *m, float scale, fm_loss *out) {
     fm_loss r;
     forward_body(m, &r, true);
     m->n_valid = r.n_valid = count_valid(m);
+    PHASE(LOSS);
     r.ce = linear_ce(m, true, scale);
     backward_body(m, scale);
     if (out) *out = r;

@@ -68,24 +68,25 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
                  "+ backward", (long long)saved_sets, (long long)(N * k), (int)a);
     }
 
-    if (tgt == FM_PLAN_TARGET_CUDA && sizeof(fm_act) == 4) { /* a GPU run planned from the CPU build */
-        p->bytes[FM_PLAN_ATTENTION] = fm_cuda_backend_workspace_bytes_for(r->gpu_workspace);
-        snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "CUDA: cuBLASLt and cuDNN workspaces (%.0f MiB each) + 16 MiB scratch",
-                 (r->gpu_workspace ? r->gpu_workspace : FM_CUDA_DEFAULT_WORKSPACE_BYTES) / 1048576.0);
-    } else if (tgt == FM_PLAN_TARGET_CPU && sizeof(fm_act) != 4) {
+    const bool cuda = tgt == FM_PLAN_TARGET_CUDA || (tgt == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4);
+    if (cuda) {
+        /* the cuDNN workspace: as given, else sized for this shape (fm_cuda_cudnn_workspace_auto) */
+        p->gpu_workspace = r->gpu_workspace ? r->gpu_workspace
+                                            : fm_cuda_cudnn_workspace_auto(r->B, r->T, c->num_attention_heads,
+                                                                           c->num_key_value_heads, c->head_dim);
+        p->bytes[FM_PLAN_ATTENTION] = fm_cuda_backend_workspace_bytes_for(p->gpu_workspace);
+        snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "CUDA: cuDNN workspace %.0f MiB (%s) + cuBLASLt %.0f MiB + 16 MiB scratch",
+                 p->gpu_workspace / 1048576.0, r->gpu_workspace ? "--gpu-workspace" : "sized for the attention backward",
+                 FM_CUDA_LT_WORKSPACE_BYTES / 1048576.0);
+    } else if (sizeof(fm_act) != 4) { /* a CPU run planned from the CUDA build */
         p->bytes[FM_PLAN_ATTENTION] = 0; /* the CUDA build carries no CPU backend to ask */
         snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "CPU tiles: plan with the CPU build for this figure");
     } else {
         p->bytes[FM_PLAN_ATTENTION] =
-            fm_backend_default_scratch_bytes_tiles(r->threads, c->head_dim, r->att_tile_q, r->att_tile_kv,
-                                                   r->gpu_workspace);
-        if (sizeof(fm_act) == 4)
-            snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "per-thread flash tiles %lld x %lld, head_dim %lld (never T x T)",
-                     (long long)(r->att_tile_q > 0 ? r->att_tile_q : 64),
-                     (long long)(r->att_tile_kv > 0 ? r->att_tile_kv : 64), (long long)c->head_dim);
-        else
-            snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "CUDA: cuBLASLt and cuDNN workspaces (%.0f MiB each) + 16 MiB scratch",
-                     (r->gpu_workspace ? r->gpu_workspace : FM_CUDA_DEFAULT_WORKSPACE_BYTES) / 1048576.0);
+            fm_backend_default_scratch_bytes_tiles(r->threads, c->head_dim, r->att_tile_q, r->att_tile_kv, 0);
+        snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "per-thread flash tiles %lld x %lld, head_dim %lld (never T x T)",
+                 (long long)(r->att_tile_q > 0 ? r->att_tile_q : 64),
+                 (long long)(r->att_tile_kv > 0 ? r->att_tile_kv : 64), (long long)c->head_dim);
     }
 
     p->bytes[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(c, N, a);

@@ -36,7 +36,7 @@ typedef struct fm_plan_req {
     int threads;               /* CPU threads (attention scratch is per thread); 0: all */
     int64_t att_tile_q, att_tile_kv; /* CPU attention tile (0: 64 x 64) */
     fm_plan_target target;     /* the backend the run will use (default: this build's) */
-    size_t gpu_workspace;      /* CUDA: bytes of each library workspace (0: 64 MiB) */
+    size_t gpu_workspace;      /* CUDA: bytes of the cuDNN workspace (0: the planner sizes it) */
 } fm_plan_req;
 
 typedef struct fm_plan {
@@ -49,6 +49,7 @@ typedef struct fm_plan {
     int64_t tokens_per_step;
     double flops_model_token;       /* 6*N_active + 6*L*nh*hd*T/2*2 (causal) per token */
     double flops_hw_token;          /* + recomputed forwards (layers, MoE chunks) */
+    size_t gpu_workspace;           /* CUDA: the cuDNN workspace the run creates (0 on the CPU) */
 } fm_plan;
 
 /* Checks that a shape is one flatmoe can index: B, T >= 1, B*T*top-k routes < 2^31 (int32 route

@@ -602,7 +602,7 @@ static fm_status train_impl(run *r) {
 
     /* Backend, model, optimizer: allocated from the plan. */
     FM_TRY(fm_backend_default_init_tiles(&r->be, o->threads, c->head_dim, o->att_tile_q, o->att_tile_kv,
-                                         o->gpu_workspace));
+                                         plan.gpu_workspace));
     r->be_ok = true;
     FM_TRY(fm_model_create(&r->m, c, r->be, fm_adamw_state_bytes(fm_config_num_params(c))));
     r->model_ok = true;
@@ -671,11 +671,14 @@ static fm_status train_impl(run *r) {
         fflush(stdout);
     }
 
+    double phase_discard[FM_PHASE_COUNT];
+    (void)m->be.ops->prof_collect(m->be.ctx, phase_discard); /* the profile starts with step 1 */
     const double t0 = now_s();
     const int64_t first = ts.step + 1;
     int64_t ran = 0;
     for (int64_t step = first; step <= o->steps; step++) {
         const double ts0 = now_s();
+        fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
         m->be.ops->mem_set(m->be.ctx, m->grads, 0, sizeof(fm_act) * (size_t)m->n_params);
         double ce = 0, aux = 0, z = 0;
         for (int64_t g = 0; g < o->grad_accum; g++) {
@@ -691,6 +694,7 @@ static fm_status train_impl(run *r) {
             aux += l.aux / (double)o->grad_accum;
             z += l.z / (double)o->grad_accum;
         }
+        fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
         const double gnorm = fm_grad_norm(m);
         if (!isfinite(gnorm))
             return fm_error(FM_ERR_NUMERIC, "step %lld: the gradient norm is not finite (%g); training stopped and no "
@@ -699,6 +703,10 @@ static fm_status train_impl(run *r) {
         const float clip = (o->grad_clip > 0 && gnorm > o->grad_clip) ? (float)(o->grad_clip / gnorm) : 1.0f;
         const double lr = fm_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr);
         fm_adamw_step(&r->opt, m, lr, clip);
+        m->be.ops->sync(m->be.ctx); /* the step's time includes its update */
+        double phase_ms[FM_PHASE_COUNT];
+        const bool profiled = m->be.ops->prof_collect(m->be.ctx, phase_ms);
+        fm_phase_mark(&m->be, FM_PHASE_OTHER);
         ts.step = step;
         ts.opt_step = r->opt.step;
         ts.tokens_seen += tokens_per_step;
@@ -720,12 +728,27 @@ static fm_status train_impl(run *r) {
                    (long long)step, (long long)o->steps, ce, aux, lr, gnorm, tok_s, el, et);
             if (!isnan(val)) printf(" | val loss %.4f", val);
             printf("\n");
+            if (profiled) {
+                double tot = 0;
+                for (int i = 0; i < FM_PHASE_COUNT; i++) tot += phase_ms[i];
+                printf("profile step %lld: %.1f ms =", (long long)step, tot);
+                for (int i = 0; i < FM_PHASE_COUNT; i++)
+                    printf("%s %s %.1f (%.0f%%)", i ? "," : "", fm_phase_name(i), phase_ms[i],
+                           tot > 0 ? 100.0 * phase_ms[i] / tot : 0.0);
+                printf("\n");
+            }
             fflush(stdout);
         }
         fprintf(r->metrics, "{\"step\":%lld,\"loss\":%.17g,\"aux_loss\":%.17g,\"z_loss\":%.17g,\"lr\":%.17g,"
                 "\"grad_norm\":%.17g,\"tokens\":%lld,\"tokens_per_s\":%.1f,\"step_s\":%.6f,\"elapsed_s\":%.3f",
                 (long long)step, ce, aux, z, lr, gnorm, (long long)ts.tokens_seen, tok_s, step_s, elapsed);
         if (!isnan(val)) fprintf(r->metrics, ",\"val_loss\":%.17g", val);
+        if (profiled) {
+            fprintf(r->metrics, ",\"phase_ms\":{");
+            for (int i = 0; i < FM_PHASE_COUNT; i++)
+                fprintf(r->metrics, "%s\"%s\":%.3f", i ? "," : "", fm_phase_name(i), phase_ms[i]);
+            fprintf(r->metrics, "}");
+        }
         if (o->report_memory && (ran == 1 || last)) {
             fprintf(r->metrics, ",\"memory\":{");
             for (int i = 0; i < FM_LIVE_COUNT; i++)

@@ -30,7 +30,7 @@ typedef struct fm_train_opts {
                                      --moe-chunk-tokens nor --ce-block-* the planner chooses
                                      them to fit it. */
     int64_t att_tile_q, att_tile_kv; /* --attention-tile-q/-kv (0: 64) */
-    size_t gpu_workspace;         /* --gpu-workspace: CUDA library workspaces, bytes each (0: 64 MiB) */
+    size_t gpu_workspace;         /* --gpu-workspace: CUDA cuDNN workspace bytes (0: planned) */
     bool report_memory;           /* --report-memory: measured high-water marks vs the plan */
     bool quiet;                   /* no per-step lines on stdout */
     bool no_checkpoint;

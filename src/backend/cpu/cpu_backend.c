@@ -16,7 +16,9 @@
 #include <limits.h>
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* Declared by OpenBLAS's cblas.h; repeated so other BLAS headers also compile. */
 void openblas_set_num_threads(int num_threads);
@@ -365,6 +367,34 @@ static void cpu_sync(void *ctx) { (void)ctx; }
 
 /* ---- the table, init, free ---------------------------------------------------------------- */
 
+/* ---- profiling (wall clock) ------------------------------------------------------------------ */
+
+static double cpu_now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void cpu_prof_mark(void *ctx, fm_phase phase) {
+    fm_cpu_ctx *c = ctx;
+    if (!c->prof_on) return;
+    const double t = cpu_now_s();
+    c->prof_acc[c->prof_phase] += t - c->prof_last;
+    c->prof_last = t;
+    c->prof_phase = (int)phase;
+}
+
+static bool cpu_prof_collect(void *ctx, double *ms) {
+    fm_cpu_ctx *c = ctx;
+    if (!c->prof_on) return false;
+    cpu_prof_mark(ctx, (fm_phase)c->prof_phase);
+    for (int i = 0; i < FM_PHASE_COUNT; i++) {
+        ms[i] = 1e3 * c->prof_acc[i];
+        c->prof_acc[i] = 0;
+    }
+    return true;
+}
+
 static const fm_ops fm_cpu_ops = {
     .name = "cpu",
     .host_memory = true,
@@ -402,6 +432,8 @@ static const fm_ops fm_cpu_ops = {
     .lce_fold = fm_cpu_lce_fold,
     .lce_finalize = fm_cpu_lce_finalize,
     .lce_strip_grad = fm_cpu_lce_strip_grad,
+    .prof_mark = cpu_prof_mark,
+    .prof_collect = cpu_prof_collect,
 };
 
 /* Threads a context created with `threads` runs on (0: OpenMP's current default). */
@@ -450,6 +482,11 @@ fm_status fm_cpu_backend_init_tiles(fm_backend *b, int threads, int64_t max_head
     c->att_br = tile_q;
     c->att_bc = tile_kv;
     c->att_stride = fm_cpu_att_scratch_floats(max_head_dim, tile_q, tile_kv);
+    const char *prof = getenv("FLATMOE_PROFILE");
+    c->prof_on = prof && prof[0] && strcmp(prof, "0") != 0;
+    c->prof_phase = FM_PHASE_OTHER;
+    c->prof_last = cpu_now_s();
+    memset(c->prof_acc, 0, sizeof c->prof_acc);
     const size_t bytes = fm_cpu_backend_scratch_bytes_tiles(c->threads, max_head_dim, tile_q, tile_kv);
     c->att_scratch = fm_malloc(bytes);
     if (!c->att_scratch) {

@@ -113,6 +113,10 @@ typedef struct fm_cpu_ctx {
     size_t att_stride;    /* floats of attention scratch per thread (a multiple of 16) */
     float *att_scratch;   /* threads * att_stride floats, 64-byte aligned per thread */
     int64_t att_br, att_bc; /* attention tile: query rows x key columns */
+    bool prof_on;         /* FLATMOE_PROFILE=1 at creation: per-phase wall-clock times */
+    int prof_phase;       /* the phase being charged */
+    double prof_last;     /* wall-clock seconds at the last mark */
+    double prof_acc[FM_PHASE_COUNT]; /* seconds per phase since the last collect */
 } fm_cpu_ctx;
 
 /* Floats of attention scratch one thread needs for head_dim <= max_head_dim and Br x Bc tiles

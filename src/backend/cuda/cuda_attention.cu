@@ -557,13 +557,10 @@ bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 /* Splits a call into chunks whose cuDNN tensors fit the workspace: the whole call, else Bc
  * batch elements with every head (Bc the largest divisor of B that fits), else one batch
  * element and nkvc kv heads with their query heads (nkvc the largest divisor of nkv that fits).
- * The estimate: the backward's fp32 dQ accumulator and row sums, with GQA the plan's per-head
- * bf16 dK and dV, plus 1 MiB for the rest of the plan's workspace. false: no chunk fits. */
+ * The estimate is fm_cuda_attention_chunk_need (fm_backend_cuda.h), which the planner's
+ * fm_cuda_cudnn_workspace_auto also uses. false: no chunk fits. */
 size_t chunk_need(bool bwd, int64_t b, int64_t h, int64_t T, int64_t hd, int64_t grp) {
-    if (!bwd) return (size_t)64 << 10;
-    size_t e = align256((size_t)(b * h * T * hd) * 4) + align256((size_t)(b * h * T) * 4);
-    if (grp > 1) e += (size_t)(b * h * T * hd) * 4;
-    return e + ((size_t)1 << 20);
+    return fm_cuda_attention_chunk_need(bwd, b, h, T, hd, grp);
 }
 
 bool pick_chunks(size_t cap, bool bwd, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t *Bc,

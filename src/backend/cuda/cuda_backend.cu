@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 typedef __nv_bfloat16 bf16;
@@ -714,6 +715,45 @@ static void cu_convert(void *ctx, void *dst, fm_dtype dst_type, const void *src,
 
 static void cu_sync(void *ctx) { FM_CUDA_CHECK(cudaStreamSynchronize(ctx_of(ctx)->stream)); }
 
+/* ---- profiling: events at phase marks ------------------------------------------------------- */
+
+/* Waits for the last recorded event and folds the intervals between the pool's events into
+ * prof_acc; the last event becomes the pool's first. */
+static void prof_fold(fm_cuda_ctx *c) {
+    if (c->prof_n < 1) return;
+    FM_CUDA_CHECK(cudaEventSynchronize(c->prof_ev[c->prof_n - 1]));
+    for (int i = 1; i < c->prof_n; i++) {
+        float ms = 0;
+        FM_CUDA_CHECK(cudaEventElapsedTime(&ms, c->prof_ev[i - 1], c->prof_ev[i]));
+        c->prof_acc[c->prof_phase[i - 1]] += ms;
+    }
+    cudaEvent_t last = c->prof_ev[c->prof_n - 1];
+    c->prof_ev[c->prof_n - 1] = c->prof_ev[0];
+    c->prof_ev[0] = last;
+    c->prof_phase[0] = c->prof_phase[c->prof_n - 1];
+    c->prof_n = 1;
+}
+
+static void cu_prof_mark(void *ctx, fm_phase phase) {
+    fm_cuda_ctx *c = ctx_of(ctx);
+    if (!c->prof_ev) return;
+    if (c->prof_n == c->prof_cap) prof_fold(c);
+    FM_CUDA_CHECK(cudaEventRecord(c->prof_ev[c->prof_n], c->stream));
+    c->prof_phase[c->prof_n++] = (unsigned char)phase;
+}
+
+static bool cu_prof_collect(void *ctx, double *ms) {
+    fm_cuda_ctx *c = ctx_of(ctx);
+    if (!c->prof_ev) return false;
+    cu_prof_mark(ctx, c->prof_n ? (fm_phase)c->prof_phase[c->prof_n - 1] : FM_PHASE_OTHER);
+    prof_fold(c);
+    for (int i = 0; i < FM_PHASE_COUNT; i++) {
+        ms[i] = c->prof_acc[i];
+        c->prof_acc[i] = 0;
+    }
+    return true;
+}
+
 } // namespace
 
 /* ---- the table ----------------------------------------------------------------------------- */
@@ -756,6 +796,8 @@ static fm_ops make_cuda_ops(void) {
     o.copy = cu_copy;
     o.convert = cu_convert;
     o.sync = cu_sync;
+    o.prof_mark = cu_prof_mark;
+    o.prof_collect = cu_prof_collect;
     return o;
 }
 
@@ -772,8 +814,7 @@ static size_t resolve_workspace(size_t workspace_bytes) {
 
 extern "C" size_t fm_cuda_backend_workspace_bytes(int64_t max_head_dim, size_t workspace_bytes) {
     (void)max_head_dim; /* attention's own state (cuda_attention.cu) is not counted here */
-    const size_t ws = resolve_workspace(workspace_bytes);
-    return 2 * ws + FM_CUDA_SCRATCH_BYTES; /* cuBLAS(Lt) + cuDNN workspaces, reduction scratch */
+    return fm_cuda_backend_workspace_bytes_for(workspace_bytes); /* cuBLASLt + cuDNN, reduction scratch */
 }
 
 /* Releases whatever part of a context exists (init's error paths and free). Errors here are
@@ -782,6 +823,12 @@ static void ctx_destroy(fm_cuda_ctx *c, bool attention_up) {
     if (!c) return;
     if (c->stream) (void)cudaStreamSynchronize(c->stream);
     if (attention_up) fm_cuda_attention_free(c);
+    if (c->prof_ev) {
+        for (int i = 0; i < c->prof_cap; i++)
+            if (c->prof_ev[i]) (void)cudaEventDestroy(c->prof_ev[i]);
+        fm_free(c->prof_ev);
+    }
+    fm_free(c->prof_phase);
     if (c->cudnn) (void)cudnnDestroy(c->cudnn);
     if (c->cublaslt) (void)cublasLtDestroy(c->cublaslt);
     if (c->cublas) (void)cublasDestroy(c->cublas);
@@ -852,8 +899,9 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, int64_t max
         s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaStreamCreateWithFlags failed: %s", cudaGetErrorString(e));
         goto fail;
     }
-    if ((s = init_alloc(&c->lt_workspace, ws, "cuBLAS/cuBLASLt workspace", device)) != FM_OK) goto fail;
-    c->lt_workspace_bytes = ws;
+    if ((s = init_alloc(&c->lt_workspace, FM_CUDA_LT_WORKSPACE_BYTES, "cuBLAS/cuBLASLt workspace", device)) != FM_OK)
+        goto fail;
+    c->lt_workspace_bytes = FM_CUDA_LT_WORKSPACE_BYTES;
     if ((s = init_alloc(&c->cudnn_workspace, ws, "cuDNN workspace", device)) != FM_OK) goto fail;
     c->cudnn_workspace_bytes = ws;
     if ((s = init_alloc(&c->scratch, FM_CUDA_SCRATCH_BYTES, "reduction scratch", device)) != FM_OK) goto fail;
@@ -871,7 +919,7 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, int64_t max
             goto fail;
         }
         if ((bs = cublasSetStream(c->cublas, c->stream)) != CUBLAS_STATUS_SUCCESS ||
-            (bs = cublasSetWorkspace(c->cublas, c->lt_workspace, ws)) != CUBLAS_STATUS_SUCCESS ||
+            (bs = cublasSetWorkspace(c->cublas, c->lt_workspace, c->lt_workspace_bytes)) != CUBLAS_STATUS_SUCCESS ||
             (bs = cublasSetPointerMode(c->cublas, CUBLAS_POINTER_MODE_HOST)) != CUBLAS_STATUS_SUCCESS ||
             (bs = cublasSetMathMode(c->cublas, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS) {
             s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: configuring the cuBLAS handle failed: %s",
@@ -895,6 +943,28 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, int64_t max
         if ((ds = cudnnSetStream(c->cudnn, c->stream)) != CUDNN_STATUS_SUCCESS) {
             s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudnnSetStream failed: %s", cudnnGetErrorString(ds));
             goto fail;
+        }
+    }
+    {
+        const char *prof = getenv("FLATMOE_PROFILE");
+        if (prof && prof[0] && strcmp(prof, "0") != 0) {
+            c->prof_cap = 16384;
+            c->prof_ev = static_cast<cudaEvent_t *>(fm_malloc(sizeof(cudaEvent_t) * (size_t)c->prof_cap));
+            c->prof_phase = static_cast<unsigned char *>(fm_malloc((size_t)c->prof_cap));
+            if (!c->prof_ev || !c->prof_phase) {
+                s = fm_error(FM_ERR_NOMEM, "cuda backend: cannot allocate the FLATMOE_PROFILE event pool");
+                goto fail;
+            }
+            memset(c->prof_ev, 0, sizeof(cudaEvent_t) * (size_t)c->prof_cap);
+            for (int i = 0; i < c->prof_cap; i++)
+                if ((e = cudaEventCreate(&c->prof_ev[i])) != cudaSuccess) {
+                    s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaEventCreate for FLATMOE_PROFILE failed: %s",
+                                 cudaGetErrorString(e));
+                    goto fail;
+                }
+            FM_CUDA_CHECK(cudaEventRecord(c->prof_ev[0], c->stream));
+            c->prof_phase[0] = FM_PHASE_OTHER;
+            c->prof_n = 1;
         }
     }
     if ((s = fm_cuda_attention_init(c)) != FM_OK) goto fail;

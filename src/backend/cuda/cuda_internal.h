@@ -26,6 +26,12 @@ typedef struct fm_cuda_ctx {
     void *att_state;               /* owned by cuda_attention.cu (graph cache, fallback scratch) */
     void *scratch;                 /* FM_CUDA_SCRATCH_BYTES of device memory for reductions */
     void *host_scratch;            /* FM_CUDA_SCRATCH_BYTES of pinned host memory for results */
+    /* profiling (FLATMOE_PROFILE=1 at init): a pool of timing events recorded on the stream at
+     * each phase mark, summed per phase at collect */
+    cudaEvent_t *prof_ev;          /* [prof_cap], NULL when profiling is off */
+    unsigned char *prof_phase;     /* [prof_cap]: the phase that starts at each event */
+    int prof_n, prof_cap;
+    double prof_acc[FM_PHASE_COUNT]; /* milliseconds per phase folded so far */
 } fm_cuda_ctx;
 
 #define FM_CUDA_SCRATCH_BYTES ((size_t)16 << 20)
