@@ -407,7 +407,8 @@ def main():
                     help="where transformers runs in bf16: auto (default) = cuda if available, else cpu "
                          "(the fp32 reference always runs on the CPU)")
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                    help="one JSON object per model at the end of stdout (or written to FILE)")
+                    help="one JSON object per model at the end of stdout (or written to FILE; put --json after "
+                         "BUILD_DIR and TEXT_FILE, or write --json=FILE)")
     ap.add_argument("--self-test", action="store_true", help="check the comparison logic (pure Python) and exit")
     a = ap.parse_args()
     if a.self_test:
@@ -547,10 +548,10 @@ def main():
             rec["failures"] = failures[n_fail0:]
             rec["pass"] = len(failures) == n_fail0
             records.append(rec)
-    for s in summaries:
-        print(s)
     for f in failures:
         print("FAIL " + f)
+    for s in summaries:  # after the FAIL lines, so that a `tail` of the output keeps them with the verdict
+        print(s)
     print(f"{'parity ok' if not failures else 'parity FAILED'}: {len(failures)} failures")
     if a.json is not None:
         lines = [json.dumps(jclean(r), allow_nan=False) for r in records]

@@ -22,6 +22,16 @@ size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim,
     return fm_cuda_backend_workspace_bytes(max_head_dim, gpu_workspace);
 }
 void fm_backend_default_free(fm_backend *b) { fm_cuda_backend_free(b); }
+fm_status fm_backend_default_device_memory(size_t *free_bytes, size_t *total) {
+    return fm_cuda_device_memory(0, free_bytes, total);
+}
+fm_status fm_backend_default_memory_budget(size_t *budget, size_t *total) {
+    size_t f = 0;
+    *budget = 0;
+    FM_TRY(fm_cuda_device_memory(0, &f, total));
+    *budget = f > FM_CUDA_MEMORY_RESERVE ? f - FM_CUDA_MEMORY_RESERVE : 0;
+    return FM_OK;
+}
 
 #else
 #include "cpu/fm_backend_cpu.h"
@@ -30,6 +40,14 @@ fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_d
     return fm_cpu_backend_init(b, threads, max_head_dim);
 }
 void fm_backend_default_free(fm_backend *b) { fm_cpu_backend_free(b); }
+fm_status fm_backend_default_memory_budget(size_t *budget, size_t *total) {
+    *budget = *total = 0;
+    return FM_OK;
+}
+fm_status fm_backend_default_device_memory(size_t *free_bytes, size_t *total) {
+    *free_bytes = *total = 0;
+    return FM_OK;
+}
 fm_status fm_backend_default_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tq, int64_t tkv,
                                         size_t gpu_workspace) {
     (void)gpu_workspace;

@@ -15,6 +15,14 @@ fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_d
 fm_status fm_backend_default_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tile_q,
                                         int64_t tile_kv, size_t gpu_workspace);
 void fm_backend_default_free(fm_backend *b);
+/* The memory budget a run on this build's backend gets when none is given: on CUDA the device's
+ * free memory less FM_CUDA_MEMORY_RESERVE (*budget; *total the device's size); on the CPU 0
+ * (no budget: the operating system's memory is not planned). Errors: those of
+ * fm_cuda_device_memory. */
+fm_status fm_backend_default_memory_budget(size_t *budget, size_t *total);
+/* The device's free and total bytes now (CUDA: cudaMemGetInfo, so the whole device's use, the
+ * CUDA context and libraries included); both 0 on the CPU. */
+fm_status fm_backend_default_device_memory(size_t *free_bytes, size_t *total);
 /* Bytes the backend holds itself (attention tiles, library workspaces), for the planner. */
 size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim, int64_t tile_q, int64_t tile_kv,
                                               size_t gpu_workspace);

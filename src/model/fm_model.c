@@ -227,7 +227,6 @@ fm_status fm_model_init_weights(fm_model *m, uint64_t seed) {
 static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c, int64_t B, int64_t T) {
     const int64_t N = B * T, H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
-    a->ln1 = TAKE(ar, fm_act, N * H);
     a->rstd1 = TAKE(ar, float, N);
     const bool qkn = c->qk_norm != FM_QK_NORM_NONE;
     a->v = TAKE(ar, fm_act, N * kd);
@@ -243,7 +242,6 @@ static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c
     a->att = TAKE(ar, fm_act, N * qd);
     a->lse = TAKE(ar, float, B * c->num_attention_heads * T);
     a->x_mid = TAKE(ar, fm_act, N * H);
-    a->ln2 = TAKE(ar, fm_act, N * H);
     a->rstd2 = TAKE(ar, float, N);
     a->probs = TAKE(ar, float, N * E);
     a->router_lse = TAKE(ar, float, N);
@@ -265,7 +263,7 @@ static void layout_ws(fm_bwd_ws *w, fm_arena *ar, const fm_config *c, int64_t N)
     w->dq = TAKE(ar, fm_act, N * qd);
     w->dk = TAKE(ar, fm_act, N * kd);
     w->dv = TAKE(ar, fm_act, N * kd);
-    w->datt = TAKE(ar, fm_act, N * qd);
+    w->datt = qd > H ? TAKE(ar, fm_act, N * qd) : NULL;
     w->dtopk_w = TAKE(ar, float, N * k);
     w->dlogits_r = TAKE(ar, float, N * E);
     w->dlogits_act = sizeof(fm_act) == sizeof(float) ? (fm_act *)(void *)w->dlogits_r : TAKE(ar, fm_act, N * E);
@@ -344,10 +342,10 @@ size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_
     const int64_t N = B * T, H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads;
     const int64_t qd = nh * c->head_dim, kd = nkv * c->head_dim;
-    size_t b = BA(N * H) + B4(N)                  /* ln1, rstd1 */
+    size_t b = B4(N)                              /* rstd1 (ln1 itself is formed again in backward) */
              + BA(N * kd) + BA(N * qd) + BA(N * kd) /* v, q and k after QK-norm + RoPE */
              + BA(N * qd) + B4(B * nh * T)        /* attention output, its log-sum-exp */
-             + 2 * BA(N * H) + B4(N)              /* x_mid, ln2, rstd2 */
+             + BA(N * H) + B4(N)                  /* x_mid, rstd2 (ln2: as ln1) */
              + B4(N * E) + B4(N)                  /* router probs, lse */
              + 2 * B4(N * k) + 2 * B4(E);         /* top-k ids and weights, expert stats */
     if (c->qk_norm == FM_QK_NORM_PER_HEAD) b += BA(N * qd) + BA(N * kd) + B4(N * nh) + B4(N * nkv);
@@ -358,9 +356,10 @@ size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_
 size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t a) {
     const int64_t H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
-    /* dx ping-pong, dtmp, dln [N,H] (+ dln1 when qd < H); dq, dk, dv, datt; dtopk_w; router
-     * logits/grad (fp32, + an fm_act copy when fm_act is not fp32); dprobs */
-    return (qd < H ? 5 : 4) * BA(N * H) + 2 * BA(N * qd) + 2 * BA(N * kd) + B4(N * k) + B4(N * E) +
+    /* dx ping-pong, dtmp, dln [N,H] (+ dln1 when qd < H); dq, dk, dv (+ datt when qd > H, else
+     * it reuses the incoming-gradient buffer); dtopk_w; router logits/grad (fp32, + an fm_act
+     * copy when fm_act is not fp32); dprobs */
+    return (qd < H ? 5 : 4) * BA(N * H) + (qd > H ? 2 : 1) * BA(N * qd) + 2 * BA(N * kd) + B4(N * k) + B4(N * E) +
            (a == sizeof(float) ? 0 : BA(N * E)) + B4(E);
 }
 
@@ -570,7 +569,10 @@ static void linear_bwd(fm_model *m, fm_act *dx, float beta, fm_act *dW, const fm
     fm_linear_bwd(&m->be, dx, beta, dW, dy, x, W, N, in, out, 1.0f);
 }
 
-/* One layer forward: x [N,H] -> y [N,H]; saves into a. Returns the layer's (aux, z) terms. */
+/* One layer forward: x [N,H] -> y [N,H]; saves into a. Returns the layer's (aux, z) terms.
+ * The norm outputs ln1, ln2 live in the working set's dln and dtmp, free whenever a forward
+ * runs (before backward, and during a recompute: backward_body's dy and dx are the other
+ * buffers); y must be neither. */
 static void layer_forward(fm_model *m, int64_t l, const fm_act *x, fm_act *y, fm_layer_acts *a,
                           double *aux, double *zterm) {
     const fm_config *c = &m->cfg;
@@ -580,12 +582,15 @@ static void layer_forward(fm_model *m, int64_t l, const fm_act *x, fm_act *y, fm
     const int64_t qd = nh * hd, kd = nkv * hd, E = c->num_experts, k = c->num_experts_per_tok;
     const float eps = (float)c->rms_norm_eps;
 
+    fm_act *ln1 = m->ws.dln, *ln2 = m->ws.dtmp;
+    FM_ASSERT(y != ln1 && y != ln2);
+
     /* attention block */
     PHASE(DENSE);
-    OPS->rmsnorm_fwd(CTX, a->ln1, a->rstd1, x, w->ln1, N, H, eps);
-    linear_fwd(m, a->q, a->ln1, w->wq, N, H, qd);
-    linear_fwd(m, a->k, a->ln1, w->wk, N, H, kd);
-    linear_fwd(m, a->v, a->ln1, w->wv, N, H, kd);
+    OPS->rmsnorm_fwd(CTX, ln1, a->rstd1, x, w->ln1, N, H, eps);
+    linear_fwd(m, a->q, ln1, w->wq, N, H, qd);
+    linear_fwd(m, a->k, ln1, w->wk, N, H, kd);
+    linear_fwd(m, a->v, ln1, w->wv, N, H, kd);
     if (c->qk_norm == FM_QK_NORM_PER_HEAD) {
         OPS->rmsnorm_fwd(CTX, a->qr, a->rstd_q, a->q, w->q_norm, N * nh, hd, eps);
         OPS->rmsnorm_fwd(CTX, a->kr, a->rstd_k, a->k, w->k_norm, N * nkv, hd, eps);
@@ -602,10 +607,10 @@ static void layer_forward(fm_model *m, int64_t l, const fm_act *x, fm_act *y, fm
     OPS->add(CTX, a->x_mid, x, N * H);
 
     /* MoE block */
-    OPS->rmsnorm_fwd(CTX, a->ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
+    OPS->rmsnorm_fwd(CTX, ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
     PHASE(ROUTER);
     float *router_logits = m->ws.dlogits_r; /* fp32, transient: backward needs only probs and lse */
-    fm_linear_fwd(&m->be, router_logits, FM_DTYPE_F32, a->ln2, w->router, N, H, E);
+    fm_linear_fwd(&m->be, router_logits, FM_DTYPE_F32, ln2, w->router, N, H, E);
     OPS->router_fwd(CTX, a->probs, a->router_lse, a->topk_idx, a->topk_w, router_logits, N, E, k,
                     c->norm_topk_prob);
     double lse_sq = OPS->router_stats(CTX, a->expert_count, a->expert_prob_sum, a->probs, a->router_lse,
@@ -621,7 +626,7 @@ static void layer_forward(fm_model *m, int64_t l, const fm_act *x, fm_act *y, fm
 
     const fm_moe_dims md = moe_dims(c);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
-    fm_moe_forward(&m->be, &md, &mw, y, a->ln2, a->topk_idx, a->topk_w, N, m->moe_K, m->moe_chunk_order,
+    fm_moe_forward(&m->be, &md, &mw, y, ln2, a->topk_idx, a->topk_w, N, m->moe_K, m->moe_chunk_order,
                    m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
     PHASE(DENSE);
     OPS->add(CTX, y, a->x_mid, N * H);
@@ -697,8 +702,10 @@ void fm_model_forward(fm_model *m, bool with_targets, fm_loss *out) {
 /* Backward                                                                                    */
 /* ------------------------------------------------------------------------------------------ */
 
-/* dy [N,H]: gradient of the layer output. Writes dx [N,H] (assigned). */
-static void layer_backward(fm_model *m, int64_t l, const fm_act *x, const fm_act *dy, fm_act *dx,
+/* dy [N,H]: gradient of the layer output, clobbered (its buffer holds d att once dy is added
+ * into d x_mid). Writes dx [N,H] (assigned); until its last op dx holds ln2, then ln1, formed
+ * again from x_mid and x. */
+static void layer_backward(fm_model *m, int64_t l, const fm_act *x, fm_act *dy, fm_act *dx,
                            fm_layer_acts *a, float scale) {
     const fm_config *c = &m->cfg;
     const fm_layer_ptrs *w = &m->w.layers[l];
@@ -708,12 +715,16 @@ static void layer_backward(fm_model *m, int64_t l, const fm_act *x, const fm_act
     const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads, hd = c->head_dim;
     const int64_t qd = nh * hd, kd = nkv * hd, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t L = c->num_hidden_layers;
+    const float eps = (float)c->rms_norm_eps;
 
-    /* MoE block: y = x_mid + experts(ln2(x_mid)) */
+    /* MoE block: y = x_mid + experts(ln2(x_mid)); ln2 formed again into dx */
+    PHASE(DENSE);
+    fm_act *ln2 = dx;
+    OPS->rmsnorm_fwd(CTX, ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
     const fm_moe_dims md = moe_dims(c);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down};
-    fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, a->ln2, a->topk_idx, a->topk_w, N, m->moe_K,
+    fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2, a->topk_idx, a->topk_w, N, m->moe_K,
                     m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
     PHASE(ROUTER);
     /* Router: top-k weights, plus the load-balancing loss coef/L * E * sum_e f_e P_e with
@@ -730,17 +741,18 @@ static void layer_backward(fm_model *m, int64_t l, const fm_act *x, const fm_act
     /* the router GEMMs take the fp32 logit gradient as fm_act */
     if ((void *)ws->dlogits_act != (void *)ws->dlogits_r)
         OPS->convert(CTX, ws->dlogits_act, FM_ACT_DTYPE, ws->dlogits_r, FM_DTYPE_F32, N * E);
-    linear_bwd(m, ws->dln, 1.0f, g->router, ws->dlogits_act, a->ln2, w->router, N, H, E);
+    linear_bwd(m, ws->dln, 1.0f, g->router, ws->dlogits_act, ln2, w->router, N, H, E);
     /* d x_mid = dy + rmsnorm_bwd(dln) */
     PHASE(DENSE);
     OPS->rmsnorm_bwd(CTX, ws->dtmp, g->ln2, ws->dln, a->x_mid, w->ln2, a->rstd2, N, H);
     OPS->add(CTX, ws->dtmp, dy, N * H);
     fm_act *dxmid = ws->dtmp;
+    fm_act *datt = ws->datt ? ws->datt : dy; /* dy is dead from here on */
 
     /* attention block: x_mid = x + o_proj(attn(rope(qknorm(q,k)), v)) */
-    linear_bwd(m, ws->datt, 0.0f, g->wo, dxmid, a->att, w->wo, N, qd, H);
+    linear_bwd(m, datt, 0.0f, g->wo, dxmid, a->att, w->wo, N, qd, H);
     PHASE(ATTENTION);
-    OPS->attention_bwd(CTX, ws->dq, ws->dk, ws->dv, ws->datt, a->qr, a->kr, a->v, a->att, a->lse, B, T, nh,
+    OPS->attention_bwd(CTX, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att, a->lse, B, T, nh,
                        nkv, hd);
     PHASE(DENSE);
     OPS->rope_bwd(CTX, ws->dq, m->rope_cos, m->rope_sin, B, T, nh, hd);
@@ -749,19 +761,21 @@ static void layer_backward(fm_model *m, int64_t l, const fm_act *x, const fm_act
     if (c->qk_norm != FM_QK_NORM_NONE) {
         /* datt is free now: reuse it for dq before the norm; dln (free) for dk. */
         const bool ph = c->qk_norm == FM_QK_NORM_PER_HEAD;
-        OPS->rmsnorm_bwd(CTX, ws->datt, g->q_norm, ws->dq, a->q, w->q_norm, a->rstd_q, ph ? N * nh : N,
+        OPS->rmsnorm_bwd(CTX, datt, g->q_norm, ws->dq, a->q, w->q_norm, a->rstd_q, ph ? N * nh : N,
                          ph ? hd : qd);
         OPS->rmsnorm_bwd(CTX, ws->dln, g->k_norm, ws->dk, a->k, w->k_norm, a->rstd_k, ph ? N * nkv : N,
                          ph ? hd : kd);
-        dq = ws->datt;
+        dq = datt;
         dk = ws->dln;
     }
     /* d ln1 [N,H]: in the [N,qd] buffer the q gradient no longer needs (dq after the QK-norm
      * backward moved it to datt; datt otherwise), when qd >= H */
-    fm_act *dln1 = ws->dln1 ? ws->dln1 : (c->qk_norm != FM_QK_NORM_NONE ? ws->dq : ws->datt);
-    linear_bwd(m, dln1, 0.0f, g->wq, dq, a->ln1, w->wq, N, H, qd);
-    linear_bwd(m, dln1, 1.0f, g->wk, dk, a->ln1, w->wk, N, H, kd);
-    linear_bwd(m, dln1, 1.0f, g->wv, ws->dv, a->ln1, w->wv, N, H, kd);
+    fm_act *dln1 = ws->dln1 ? ws->dln1 : (c->qk_norm != FM_QK_NORM_NONE ? ws->dq : datt);
+    fm_act *ln1 = dx; /* ln2 is dead: form ln1 again there */
+    OPS->rmsnorm_fwd(CTX, ln1, a->rstd1, x, w->ln1, N, H, eps);
+    linear_bwd(m, dln1, 0.0f, g->wq, dq, ln1, w->wq, N, H, qd);
+    linear_bwd(m, dln1, 1.0f, g->wk, dk, ln1, w->wk, N, H, kd);
+    linear_bwd(m, dln1, 1.0f, g->wv, ws->dv, ln1, w->wv, N, H, kd);
     OPS->rmsnorm_bwd(CTX, dx, g->ln1, dln1, x, w->ln1, a->rstd1, N, H);
     OPS->add(CTX, dx, dxmid, N * H);
 }

@@ -43,15 +43,18 @@ typedef struct fm_model_ptrs {
     fm_layer_ptrs *layers;
 } fm_model_ptrs;
 
-/* Saved activations of one layer's forward (what its backward reads). */
+/* Saved activations of one layer's forward (what its backward reads). The two RMSNorm outputs
+ * (ln1, ln2 [N,H]) are not saved: the forward writes them into free working-set buffers and the
+ * backward forms them again from the saved input (x, x_mid) into the buffer of its own output dx,
+ * which is free until its last op (one memory-bound norm each; bit-identical). */
 typedef struct fm_layer_acts {
-    fm_act *ln1; float *rstd1;   /* [N,H], [N] */
+    float *rstd1;                /* [N] */
     fm_act *q, *k, *v;           /* projections before QK-norm/RoPE: [N,nh*hd], [N,nkv*hd] x2 */
     fm_act *qr, *kr;             /* after QK-norm and RoPE: attention inputs */
     float *rstd_q, *rstd_k;      /* QK-norm rstd ([N*nh] per head, [N] full) */
     fm_act *att; float *lse;     /* [N,nh*hd], [B,nh,T] */
     fm_act *x_mid;               /* [N,H] residual after attention */
-    fm_act *ln2; float *rstd2;   /* [N,H], [N] */
+    float *rstd2;                /* [N] */
     float *probs, *router_lse;   /* [N,E], [N] fp32 */
     int32_t *topk_idx; float *topk_w;          /* [N,k] */
     float *expert_count, *expert_prob_sum;  /* [E] router statistics for the aux loss */
@@ -63,7 +66,9 @@ typedef struct fm_layer_acts {
 typedef struct fm_bwd_ws {
     fm_act *dx_a, *dx_b, *dtmp, *dln;     /* [N,H] */
     fm_act *dln1;                         /* [N,H], or NULL: then d ln1 reuses dq/datt (qd >= H) */
-    fm_act *dq, *dk, *dv, *datt;          /* [N,nh*hd], [N,nkv*hd] x2, [N,nh*hd] */
+    fm_act *dq, *dk, *dv;                 /* [N,nh*hd], [N,nkv*hd] x2 */
+    fm_act *datt;                         /* [N,nh*hd], or NULL: then d att reuses the layer's
+                                             incoming-gradient buffer, dead by then (qd <= H) */
     float *dtopk_w;                       /* [N,k] */
     float *dlogits_r;                     /* [N,E] fp32: router logits in forward, their grad in backward */
     fm_act *dlogits_act;                  /* [N,E] fm_act copy for the router GEMMs (aliases

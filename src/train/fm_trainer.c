@@ -378,6 +378,10 @@ static void report_memory(const run *r) {
         printf("memory: %-22s %14zu %14zu %6.1f%%\n", fm_live_set_names[i], r->plan.bytes[i], hw,
                r->plan.bytes[i] ? 100.0 * (double)hw / (double)r->plan.bytes[i] : 0.0);
     }
+    size_t dfree = 0, dtotal = 0;
+    if (fm_backend_default_device_memory(&dfree, &dtotal) == FM_OK && dtotal > 0)
+        printf("memory: device in use %.1f MiB of %.1f MiB (plan %.1f MiB; the rest is the CUDA context and "
+               "libraries)\n", (dtotal - dfree) / 1048576.0, dtotal / 1048576.0, r->plan.total / 1048576.0);
     fflush(stdout);
 }
 
@@ -591,13 +595,22 @@ static fm_status train_impl(run *r) {
                        o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads, o->att_tile_q, o->att_tile_kv,
                        FM_PLAN_TARGET_BUILD, o->gpu_workspace};
     fm_plan plan;
-    if (!o->recompute && o->moe_chunk_tokens < 0 && o->ce_block_tokens < 0 && o->ce_block_vocab < 0 &&
-        o->mem_budget > 0) {
-        FM_TRY(fm_plan_choose(&req, o->mem_budget, rc, &plan));
+    /* The budget: --mem-budget, else (CUDA) the device's free memory less a reserve. */
+    size_t budget = o->mem_budget, dev_total = 0;
+    const char *budget_flag = "--mem-budget";
+    if (budget == 0) {
+        FM_TRY(fm_backend_default_memory_budget(&budget, &dev_total));
+        budget_flag = "the GPU's free memory less 1.5 GiB (no --mem-budget given)";
+    }
+    if (!o->recompute && o->moe_chunk_tokens < 0 && o->ce_block_tokens < 0 && o->ce_block_vocab < 0 && budget > 0) {
+        FM_TRY(fm_plan_choose(&req, budget, rc, &plan));
     } else {
         fm_plan_compute(&req, &plan);
-        FM_TRY(fm_plan_check(&plan, o->mem_budget, "--mem-budget"));
+        FM_TRY(fm_plan_check(&plan, budget, budget_flag));
     }
+    if (!o->quiet && o->mem_budget == 0 && budget > 0)
+        printf("memory budget: %.1f MiB (the GPU's %.1f MiB, its free memory less 1.5 GiB; --mem-budget sets it)\n",
+               budget / 1048576.0, dev_total / 1048576.0);
     r->plan = plan;
 
     /* Backend, model, optimizer: allocated from the plan. */
@@ -755,6 +768,9 @@ static fm_status train_impl(run *r) {
                 fprintf(r->metrics, "%s\"%s\":{\"bound\":%zu,\"high_water\":%zu}", i ? "," : "", fm_live_set_names[i],
                         r->plan.bytes[i], i == FM_LIVE_MODEL_STATE ? m->arena[i].high : fm_arena_touched(&m->arena[i]));
             fprintf(r->metrics, "}");
+            size_t dfree = 0, dtotal = 0;
+            if (fm_backend_default_device_memory(&dfree, &dtotal) == FM_OK && dtotal > 0)
+                fprintf(r->metrics, ",\"device_used_bytes\":%zu,\"device_total_bytes\":%zu", dtotal - dfree, dtotal);
             if (!o->quiet) report_memory(r);
         }
         fprintf(r->metrics, "}\n");

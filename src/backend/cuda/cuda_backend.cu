@@ -817,6 +817,18 @@ extern "C" size_t fm_cuda_backend_workspace_bytes(int64_t max_head_dim, size_t w
     return fm_cuda_backend_workspace_bytes_for(workspace_bytes); /* cuBLASLt + cuDNN, reduction scratch */
 }
 
+extern "C" fm_status fm_cuda_device_memory(int device, size_t *free_bytes, size_t *total_bytes) {
+    *free_bytes = *total_bytes = 0;
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess) e = cudaMemGetInfo(free_bytes, total_bytes);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaMemGetInfo on device %d failed: %s (no usable CUDA device; "
+                        "use the CPU build)", device, cudaGetErrorString(e));
+    }
+    return FM_OK;
+}
+
 /* Releases whatever part of a context exists (init's error paths and free). Errors here are
  * ignored: the context is going away and may be half built. */
 static void ctx_destroy(fm_cuda_ctx *c, bool attention_up) {

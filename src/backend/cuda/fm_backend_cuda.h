@@ -22,6 +22,14 @@ extern "C" {
 fm_status fm_cuda_backend_init(fm_backend *b, int device, int64_t max_head_dim, size_t cudnn_workspace_bytes);
 void fm_cuda_backend_free(fm_backend *b);
 
+/* Free and total bytes of device `device`'s memory now (cudaMemGetInfo). Errors:
+ * FM_ERR_UNSUPPORTED (no CUDA device or driver), naming the call. */
+fm_status fm_cuda_device_memory(int device, size_t *free_bytes, size_t *total_bytes);
+
+/* What a run leaves free of the device's memory when the planner takes its budget from the
+ * device: the CUDA context's later growth, library kernels loaded on first use, cuDNN plans. */
+#define FM_CUDA_MEMORY_RESERVE ((size_t)3 << 29) /* 1.5 GiB */
+
 /* Bytes of device memory the backend holds itself (workspaces, scratch), for the planner. */
 size_t fm_cuda_backend_workspace_bytes(int64_t max_head_dim, size_t cudnn_workspace_bytes);
 
