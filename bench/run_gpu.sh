@@ -28,7 +28,7 @@ if [ "${FM:-1}" = 1 ]; then
         echo "== flatmoe-cuda, OLMoE-1B-7B, T=$T, $steps steps"
         rm -rf "/tmp/bench-fm-$T"
         FLATMOE_PROFILE=1 build-gpu/flatmoe-cuda train --config configs/olmoe-1b-7b.json --data "$TEXT" --seq-len "$T" \
-            --micro-batch 1 --steps "$steps" --warmup 1 --lr 1e-4 --eval-every 0 --eval-batches 1 \
+            --micro-batch 1 --steps "$steps" --warmup 1 --lr 1e-4 --min-lr 1e-5 --eval-every 0 --eval-batches 1 \
             --max-position-embeddings 1048576 --report-memory --no-checkpoint \
             --out "/tmp/bench-fm-$T" > "$OUTDIR/fm-$T.log" 2>&1
         echo "exit $?"

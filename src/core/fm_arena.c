@@ -67,25 +67,37 @@ void fm_arena_paint(fm_arena *a) {
     else memset(a->base, 0xA5, a->capacity);
 }
 
-size_t fm_arena_touched(const fm_arena *a) {
-    if (!a->base) return 0;
+/* The last byte that is not paint ends the touched prefix. On a device the arena is read back
+ * in windows from its end (a report, never in a step), so a mostly-touched arena costs one
+ * window, not a host copy of the whole arena. */
+static size_t last_unpainted(const uint8_t *h, size_t n) {
     const uint64_t paint = 0xA5A5A5A5A5A5A5A5ull;
-    size_t n = a->capacity; /* a multiple of 64 */
-    uint8_t *host = a->base;
-    if (a->be && !a->be->ops->host_memory) { /* look at a host copy (a report, never in a step) */
-        host = fm_malloc(n);
-        if (!host) return a->capacity;
-        a->be->ops->copy(a->be->ctx, host, a->base, n, FM_COPY_D2H);
-    }
-    size_t r = 0;
-    const uint64_t *w = (const uint64_t *)host;
+    const uint64_t *w = (const uint64_t *)h;
     size_t i = n / 8;
     while (i > 0 && w[i - 1] == paint) i--;
-    if (i > 0) {
-        size_t b = i * 8;
-        while (b > 0 && host[b - 1] == 0xA5) b--;
-        r = b;
+    size_t b = i * 8;
+    while (b > 0 && h[b - 1] == 0xA5) b--;
+    return b; /* 0: all paint */
+}
+
+size_t fm_arena_touched(const fm_arena *a) {
+    if (!a->base) return 0;
+    const size_t n = a->capacity; /* a multiple of 64 */
+    if (!a->be || a->be->ops->host_memory) return last_unpainted(a->base, n);
+    const size_t win = (size_t)64 << 20;
+    uint8_t *host = fm_malloc(n < win ? n : win);
+    if (!host) return a->capacity;
+    size_t r = 0;
+    for (size_t end = n; end > 0;) {
+        const size_t len = end < win ? end : win, start = end - len;
+        a->be->ops->copy(a->be->ctx, host, (const uint8_t *)a->base + start, len, FM_COPY_D2H);
+        const size_t b = last_unpainted(host, len);
+        if (b > 0) {
+            r = start + b;
+            break;
+        }
+        end = start;
     }
-    if (host != a->base) fm_free(host);
+    fm_free(host);
     return r;
 }
