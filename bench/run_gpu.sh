@@ -2,7 +2,7 @@
 # GPU benchmark, flatmoe-cuda and the PyTorch peer in one invocation on one H200 (issue "CUDA
 # backend: train on one H200 in bf16"): OLMoE-1B-7B, micro-batch 1, the given sequence lengths.
 #   bash bench/run_gpu.sh [SEQ_LEN ...]     (default 4096 16384)
-# Environment: FM=0 skips flatmoe, PEER=0 skips the peer, STEPS (default 4; 3 from 64K on),
+# Environment: FM=0 skips flatmoe, PEER=0 skips the peer, STEPS (default 6; 3 from 64K on),
 # OUTDIR (default /tmp/bench-gpu: each flatmoe run's metrics.jsonl and log, peer.jsonl).
 # flatmoe chooses its knobs for the GPU's memory (no --mem-budget: the planner takes the device's
 # free memory less a reserve) and runs with FLATMOE_PROFILE=1 (a per-phase time breakdown per
@@ -24,11 +24,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 if [ "${FM:-1}" = 1 ]; then
     for T in $LENS; do
-        steps=${STEPS:-$([ "$T" -ge 65536 ] && echo 3 || echo 4)}
+        steps=${STEPS:-$([ "$T" -ge 65536 ] && echo 3 || echo 6)}
+        # tinyshakespeare's 10% validation split is 111K tokens: long windows need a larger split
+        vf=$([ "$T" -ge 100000 ] && echo 0.3 || echo 0.1)
         echo "== flatmoe-cuda, OLMoE-1B-7B, T=$T, $steps steps"
         rm -rf "/tmp/bench-fm-$T"
         FLATMOE_PROFILE=1 build-gpu/flatmoe-cuda train --config configs/olmoe-1b-7b.json --data "$TEXT" --seq-len "$T" \
-            --micro-batch 1 --steps "$steps" --warmup 1 --lr 1e-4 --min-lr 1e-5 --eval-every 0 --eval-batches 1 \
+            --micro-batch 1 --steps "$steps" --warmup 1 --lr 1e-4 --min-lr 1e-5 --eval-every 0 --eval-batches 1 --val-fraction "$vf" \
             --max-position-embeddings 1048576 --report-memory --no-checkpoint \
             --out "/tmp/bench-fm-$T" > "$OUTDIR/fm-$T.log" 2>&1
         echo "exit $?"

@@ -282,14 +282,6 @@ typedef struct fm_ops {
     /* Waits for everything issued so far (a no-op on the CPU). */
     void (*sync)(void *ctx);
 
-    /* ---- concurrency: independent GEMMs of small experts run side by side ------------------
-     * lane(i >= 0): ops issued from now on run on side stream i % (the backend's lane count),
-     * after everything issued before the first lane call; lane(-1): back on the main stream,
-     * after everything issued on the lanes. Ops on one lane keep their order; ops on different
-     * lanes must be independent (the caller's promise). Results do not depend on the lanes. The
-     * CPU has one lane: both are no-ops. */
-    void (*lane)(void *ctx, int i);
-
     /* ---- profiling: where a step's time goes. Enabled when the environment has
      * FLATMOE_PROFILE=1 at backend creation; otherwise both are no-ops (collect returns false).
      * The CPU times with the wall clock; CUDA with events on its stream (no sync until collect),

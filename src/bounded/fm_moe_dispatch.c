@@ -93,26 +93,20 @@ static void dispatch_fwd(const fm_backend *be, const fm_moe_dims *d, const fm_mo
     fm_phase_mark(be, FM_PHASE_DISPATCH);
     be->ops->moe_route_index(be->ctx, r->offsets, r->row_route, r->route_row, idx, n, E, k);
     be->ops->moe_gather(be->ctx, r->xe, x, r->row_route, R, k, H);
-    /* Each expert's GEMMs touch only its own rows and weights: they go to lane e (side by side
-     * on a GPU, where one expert's GEMM alone would leave most of the chip idle). */
     fm_phase_mark(be, FM_PHASE_EXPERTS);
     for (int64_t e = 0; e < E; e++) {
         const int64_t r0 = r->offsets[e], m = r->offsets[e + 1] - r0;
         if (m == 0) continue; /* an expert with no tokens: no GEMM, zero weight gradient */
-        be->ops->lane(be->ctx, (int)e);
         linear_fwd(be, r->h_gate + r0 * I, r->xe + r0 * H, w->w_gate + e * I * H, m, H, I);
         linear_fwd(be, r->h_up + r0 * I, r->xe + r0 * H, w->w_up + e * I * H, m, H, I);
     }
-    be->ops->lane(be->ctx, -1);
     /* elementwise: one launch over every expert's rows */
     be->ops->swiglu_fwd(be->ctx, r->h_act, r->h_gate, r->h_up, R * I);
     for (int64_t e = 0; e < E; e++) {
         const int64_t r0 = r->offsets[e], m = r->offsets[e + 1] - r0;
         if (m == 0) continue;
-        be->ops->lane(be->ctx, (int)e);
         linear_fwd(be, r->ye + r0 * H, r->h_act + r0 * I, w->w_down + e * H * I, m, I, H);
     }
-    be->ops->lane(be->ctx, -1);
     fm_phase_mark(be, FM_PHASE_DISPATCH);
     if (y) be->ops->moe_combine_fwd(be->ctx, y, r->ye, wts, r->route_row, n, k, H);
 }
@@ -125,25 +119,21 @@ static void dispatch_bwd(const fm_backend *be, const fm_moe_dims *d, const fm_mo
     fm_phase_mark(be, FM_PHASE_DISPATCH);
     be->ops->moe_combine_bwd(be->ctx, ws->dye, dtopk_w, dy, r->ye, wts, r->route_row, n, k, H);
     fm_phase_mark(be, FM_PHASE_EXPERTS);
-    for (int64_t e = 0; e < E; e++) { /* lanes: as in dispatch_fwd */
+    for (int64_t e = 0; e < E; e++) {
         const int64_t r0 = r->offsets[e], m = r->offsets[e + 1] - r0;
         if (m == 0) continue;
-        be->ops->lane(be->ctx, (int)e);
         linear_bwd(be, ws->dact + r0 * I, 0.0f, g->w_down + e * H * I, ws->dye + r0 * H, r->h_act + r0 * I,
                    w->w_down + e * H * I, m, I, H);
     }
-    be->ops->lane(be->ctx, -1);
     be->ops->swiglu_bwd(be->ctx, ws->dh_gate, ws->dh_up, ws->dact, r->h_gate, r->h_up, R * I);
     for (int64_t e = 0; e < E; e++) {
         const int64_t r0 = r->offsets[e], m = r->offsets[e + 1] - r0;
         if (m == 0) continue;
-        be->ops->lane(be->ctx, (int)e);
         linear_bwd(be, ws->dxe + r0 * H, 0.0f, g->w_gate + e * I * H, ws->dh_gate + r0 * I, r->xe + r0 * H,
                    w->w_gate + e * I * H, m, H, I);
         linear_bwd(be, ws->dxe + r0 * H, 1.0f, g->w_up + e * I * H, ws->dh_up + r0 * I, r->xe + r0 * H,
                    w->w_up + e * I * H, m, H, I);
     }
-    be->ops->lane(be->ctx, -1);
     fm_phase_mark(be, FM_PHASE_DISPATCH);
     be->ops->moe_gather_bwd(be->ctx, dx, ws->dxe, r->route_row, n, k, H);
 }

@@ -395,8 +395,6 @@ static bool cpu_prof_collect(void *ctx, double *ms) {
     return true;
 }
 
-static void cpu_lane(void *ctx, int i) { (void)ctx, (void)i; }
-
 static const fm_ops fm_cpu_ops = {
     .name = "cpu",
     .host_memory = true,
@@ -434,7 +432,6 @@ static const fm_ops fm_cpu_ops = {
     .lce_fold = fm_cpu_lce_fold,
     .lce_finalize = fm_cpu_lce_finalize,
     .lce_strip_grad = fm_cpu_lce_strip_grad,
-    .lane = cpu_lane,
     .prof_mark = cpu_prof_mark,
     .prof_collect = cpu_prof_collect,
 };

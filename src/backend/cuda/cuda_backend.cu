@@ -715,35 +715,6 @@ static void cu_convert(void *ctx, void *dst, fm_dtype dst_type, const void *src,
 
 static void cu_sync(void *ctx) { FM_CUDA_CHECK(cudaStreamSynchronize(ctx_of(ctx)->stream)); }
 
-/* ---- lanes --------------------------------------------------------------------------------- */
-
-static void cu_lane(void *ctx, int i) {
-    fm_cuda_ctx *c = ctx_of(ctx);
-    if (i >= 0) {
-        if (c->lane_used < 0) { /* fork: every lane starts after the main stream's work so far */
-            FM_CUDA_CHECK(cudaEventRecord(c->lane_event[FM_CUDA_LANES], c->main_stream));
-            c->lane_used = 0;
-        }
-        const int l = i % FM_CUDA_LANES;
-        if (!(c->lane_used & (1 << l))) {
-            FM_CUDA_CHECK(cudaStreamWaitEvent(c->lane_stream[l], c->lane_event[FM_CUDA_LANES], 0));
-            c->lane_used |= 1 << l;
-        }
-        c->stream = c->lane_stream[l];
-        c->cublas = c->lane_cublas[l];
-        return;
-    }
-    if (c->lane_used > 0) /* join: the main stream waits for every lane used */
-        for (int l = 0; l < FM_CUDA_LANES; l++)
-            if (c->lane_used & (1 << l)) {
-                FM_CUDA_CHECK(cudaEventRecord(c->lane_event[l], c->lane_stream[l]));
-                FM_CUDA_CHECK(cudaStreamWaitEvent(c->main_stream, c->lane_event[l], 0));
-            }
-    c->lane_used = -1;
-    c->stream = c->main_stream;
-    c->cublas = c->main_cublas;
-}
-
 /* ---- profiling: events at phase marks ------------------------------------------------------- */
 
 /* Waits for the last recorded event and folds the intervals between the pool's events into
@@ -767,7 +738,7 @@ static void cu_prof_mark(void *ctx, fm_phase phase) {
     fm_cuda_ctx *c = ctx_of(ctx);
     if (!c->prof_ev) return;
     if (c->prof_n == c->prof_cap) prof_fold(c);
-    FM_CUDA_CHECK(cudaEventRecord(c->prof_ev[c->prof_n], c->main_stream));
+    FM_CUDA_CHECK(cudaEventRecord(c->prof_ev[c->prof_n], c->stream));
     c->prof_phase[c->prof_n++] = (unsigned char)phase;
 }
 
@@ -825,7 +796,6 @@ static fm_ops make_cuda_ops(void) {
     o.copy = cu_copy;
     o.convert = cu_convert;
     o.sync = cu_sync;
-    o.lane = cu_lane;
     o.prof_mark = cu_prof_mark;
     o.prof_collect = cu_prof_collect;
     return o;
@@ -863,7 +833,7 @@ extern "C" fm_status fm_cuda_device_memory(int device, size_t *free_bytes, size_
  * ignored: the context is going away and may be half built. */
 static void ctx_destroy(fm_cuda_ctx *c, bool attention_up) {
     if (!c) return;
-    if (c->main_stream) (void)cudaStreamSynchronize(c->main_stream);
+    if (c->stream) (void)cudaStreamSynchronize(c->stream);
     if (attention_up) fm_cuda_attention_free(c);
     if (c->prof_ev) {
         for (int i = 0; i < c->prof_cap; i++)
@@ -873,18 +843,12 @@ static void ctx_destroy(fm_cuda_ctx *c, bool attention_up) {
     fm_free(c->prof_phase);
     if (c->cudnn) (void)cudnnDestroy(c->cudnn);
     if (c->cublaslt) (void)cublasLtDestroy(c->cublaslt);
-    for (int l = 0; l < FM_CUDA_LANES; l++) {
-        if (c->lane_cublas[l]) (void)cublasDestroy(c->lane_cublas[l]);
-        if (c->lane_stream[l]) (void)cudaStreamDestroy(c->lane_stream[l]);
-    }
-    for (int l = 0; l <= FM_CUDA_LANES; l++)
-        if (c->lane_event[l]) (void)cudaEventDestroy(c->lane_event[l]);
-    if (c->main_cublas) (void)cublasDestroy(c->main_cublas);
+    if (c->cublas) (void)cublasDestroy(c->cublas);
     if (c->lt_workspace) (void)cudaFree(c->lt_workspace);
     if (c->cudnn_workspace) (void)cudaFree(c->cudnn_workspace);
     if (c->scratch) (void)cudaFree(c->scratch);
     if (c->host_scratch) (void)cudaFreeHost(c->host_scratch);
-    if (c->main_stream) (void)cudaStreamDestroy(c->main_stream);
+    if (c->stream) (void)cudaStreamDestroy(c->stream);
     (void)cudaGetLastError();
     fm_free(c);
 }
@@ -942,27 +906,11 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, int64_t max
     const size_t ws = resolve_workspace(workspace_bytes);
     fm_status s = FM_OK;
 
-    c->lane_used = -1;
-    if ((e = cudaStreamCreateWithFlags(&c->main_stream, cudaStreamNonBlocking)) != cudaSuccess) {
-        c->main_stream = NULL;
+    if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        c->stream = NULL;
         s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaStreamCreateWithFlags failed: %s", cudaGetErrorString(e));
         goto fail;
     }
-    c->stream = c->main_stream;
-    for (int l = 0; l < FM_CUDA_LANES; l++)
-        if ((e = cudaStreamCreateWithFlags(&c->lane_stream[l], cudaStreamNonBlocking)) != cudaSuccess) {
-            c->lane_stream[l] = NULL;
-            s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaStreamCreateWithFlags (lane %d) failed: %s", l,
-                         cudaGetErrorString(e));
-            goto fail;
-        }
-    for (int l = 0; l <= FM_CUDA_LANES; l++)
-        if ((e = cudaEventCreateWithFlags(&c->lane_event[l], cudaEventDisableTiming)) != cudaSuccess) {
-            c->lane_event[l] = NULL;
-            s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaEventCreateWithFlags (lane %d) failed: %s", l,
-                         cudaGetErrorString(e));
-            goto fail;
-        }
     if ((s = init_alloc(&c->lt_workspace, FM_CUDA_LT_WORKSPACE_BYTES, "cuBLAS/cuBLASLt workspace", device)) != FM_OK)
         goto fail;
     c->lt_workspace_bytes = FM_CUDA_LT_WORKSPACE_BYTES;
@@ -977,26 +925,19 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, int64_t max
     }
     {
         cublasStatus_t bs;
-        /* the main handle uses the whole cuBLASLt workspace; lane l its l-th slice */
-        const size_t slice = c->lt_workspace_bytes / FM_CUDA_LANES / 256 * 256;
-        for (int l = -1; l < FM_CUDA_LANES; l++) {
-            cublasHandle_t *h = l < 0 ? &c->main_cublas : &c->lane_cublas[l];
-            if ((bs = cublasCreate(h)) != CUBLAS_STATUS_SUCCESS) {
-                *h = NULL;
-                s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cublasCreate failed: %s", cublasGetStatusString(bs));
-                goto fail;
-            }
-            if ((bs = cublasSetStream(*h, l < 0 ? c->main_stream : c->lane_stream[l])) != CUBLAS_STATUS_SUCCESS ||
-                (bs = cublasSetWorkspace(*h, l < 0 ? c->lt_workspace : (char *)c->lt_workspace + (size_t)l * slice,
-                                         l < 0 ? c->lt_workspace_bytes : slice)) != CUBLAS_STATUS_SUCCESS ||
-                (bs = cublasSetPointerMode(*h, CUBLAS_POINTER_MODE_HOST)) != CUBLAS_STATUS_SUCCESS ||
-                (bs = cublasSetMathMode(*h, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS) {
-                s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: configuring the cuBLAS handle failed: %s",
-                             cublasGetStatusString(bs));
-                goto fail;
-            }
+        if ((bs = cublasCreate(&c->cublas)) != CUBLAS_STATUS_SUCCESS) {
+            c->cublas = NULL;
+            s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cublasCreate failed: %s", cublasGetStatusString(bs));
+            goto fail;
         }
-        c->cublas = c->main_cublas;
+        if ((bs = cublasSetStream(c->cublas, c->stream)) != CUBLAS_STATUS_SUCCESS ||
+            (bs = cublasSetWorkspace(c->cublas, c->lt_workspace, c->lt_workspace_bytes)) != CUBLAS_STATUS_SUCCESS ||
+            (bs = cublasSetPointerMode(c->cublas, CUBLAS_POINTER_MODE_HOST)) != CUBLAS_STATUS_SUCCESS ||
+            (bs = cublasSetMathMode(c->cublas, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS) {
+            s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: configuring the cuBLAS handle failed: %s",
+                         cublasGetStatusString(bs));
+            goto fail;
+        }
         if ((bs = cublasLtCreate(&c->cublaslt)) != CUBLAS_STATUS_SUCCESS) {
             c->cublaslt = NULL;
             s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cublasLtCreate failed: %s", cublasGetStatusString(bs));

@@ -12,20 +12,10 @@
 
 #include "fm_backend_cuda.h"
 
-#define FM_CUDA_LANES 4
-
 typedef struct fm_cuda_ctx {
     int device;
-    cudaStream_t stream;           /* every op is issued on this stream: main_stream, or a lane's */
-    cublasHandle_t cublas;         /* the handle bound to `stream` */
-    cudaStream_t main_stream;
-    cublasHandle_t main_cublas;
-    /* lanes (fm_ops.lane): side streams, each with a cuBLAS handle and its own slice of the
-     * cuBLASLt workspace (lanes never run together with the main stream, which may use all) */
-    cudaStream_t lane_stream[FM_CUDA_LANES];
-    cublasHandle_t lane_cublas[FM_CUDA_LANES];
-    cudaEvent_t lane_event[FM_CUDA_LANES + 1]; /* [FM_CUDA_LANES]: the fork point on the main stream */
-    int lane_used;                 /* lanes issued to since the fork (bit mask); -1: not forked */
+    cudaStream_t stream;           /* every op is issued on this stream */
+    cublasHandle_t cublas;
     cublasLtHandle_t cublaslt;
     void *lt_workspace;            /* cuBLASLt workspace, fixed at init */
     size_t lt_workspace_bytes;
