@@ -158,6 +158,22 @@ static void test_chooser(void) {
         fm_plan_compute(&r2, &q);
         CHECK(q.total > budget);
     }
+    /* Chunks of >= FM_PLAN_EFFICIENT_CHUNK tokens come first: OLMoE at 128K in the H200's
+     * budget recomputes more layers rather than cut the MoE chunk below 4096 tokens (the
+     * measured slow choice was 11 layers with 512-token chunks). */
+    {
+        fm_plan_req o;
+        memset(&o, 0, sizeof o);
+        CHECK(fm_config_load(&o.cfg, "configs/olmoe-1b-7b.json") == FM_OK);
+        bool orc[64];
+        o.B = 1;
+        o.T = 131072;
+        o.target = FM_PLAN_TARGET_CUDA;
+        fm_plan op;
+        CHECK(fm_plan_choose(&o, (size_t)141093 << 20, orc, &op) == FM_OK);
+        CHECK_MSG(o.moe_chunk_tokens >= FM_PLAN_EFFICIENT_CHUNK, "chunk %lld", (long long)o.moe_chunk_tokens);
+        CHECK(op.total <= (size_t)141093 << 20 && op.n_recomputed < 16);
+    }
     /* Too small for anything: a clear error naming the live set and the knob. */
     CHECK(fm_plan_choose(&req, (size_t)1 << 30, rc, &p) == FM_ERR_NOMEM);
     CHECK(strstr(fm_errmsg(), "model state") != NULL);

@@ -151,23 +151,30 @@ fm_status fm_plan_check(const fm_plan *p, size_t budget, const char *flag_budget
 
 fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc, fm_plan *out) {
     const int64_t L = req->cfg.num_hidden_layers, N = req->B * req->T;
-    for (int64_t nr = 0; nr <= L; nr++) {
-        if (nr == 1 && L > 1) continue; /* one recomputed layer saves nothing (the shared set) */
-        for (int64_t l = 0; l < L; l++) rc[l] = l < nr;
-        req->recompute = rc;
-        /* chunk candidates: unchunked (plain twin), then N, N/2, ... down to FM_PLAN_MIN_CHUNK
-         * (smaller chunks make each expert GEMM too small to be worth it) */
-        for (int64_t c = 0;;) {
-            req->moe_chunk_tokens = c;
-            for (int lce = 0; lce < 2; lce++) {
-                req->ce_block_tokens = lce ? FM_LCE_DEFAULT_BLOCK_TOKENS : 0;
-                req->ce_block_vocab = lce ? FM_LCE_DEFAULT_BLOCK_VOCAB : 0;
-                fm_plan_compute(req, out);
-                if (budget == 0 || out->total <= budget) return FM_OK;
+    /* Pass 0 keeps MoE chunks >= FM_PLAN_EFFICIENT_CHUNK at any recompute count; pass 1 goes
+     * down to FM_PLAN_MIN_CHUNK. Recomputing a layer costs about a third of its step, while
+     * small chunks make every expert GEMM tiny: on the H200 at 128K tokens (OLMoE), 11
+     * recomputed layers with 512-token chunks ran 7.7K tokens/s, all 16 with 4096-token chunks
+     * 10.2K (bench/RESULTS.md). */
+    for (int pass = 0; pass < 2; pass++) {
+        const int64_t floor = pass == 0 ? FM_PLAN_EFFICIENT_CHUNK : FM_PLAN_MIN_CHUNK;
+        for (int64_t nr = 0; nr <= L; nr++) {
+            if (nr == 1 && L > 1) continue; /* one recomputed layer saves nothing (the shared set) */
+            for (int64_t l = 0; l < L; l++) rc[l] = l < nr;
+            req->recompute = rc;
+            /* chunk candidates: unchunked (plain twin), then N, N/2, ... down to the floor */
+            for (int64_t c = 0;;) {
+                req->moe_chunk_tokens = c;
+                for (int lce = 0; lce < 2; lce++) {
+                    req->ce_block_tokens = lce ? FM_LCE_DEFAULT_BLOCK_TOKENS : 0;
+                    req->ce_block_vocab = lce ? FM_LCE_DEFAULT_BLOCK_VOCAB : 0;
+                    fm_plan_compute(req, out);
+                    if (budget == 0 || out->total <= budget) return FM_OK;
+                }
+                if (c != 0 && c <= floor) break;
+                c = c == 0 ? N : (c + 1) / 2;
+                if (c < floor) c = floor;
             }
-            if (c != 0 && c <= FM_PLAN_MIN_CHUNK) break;
-            c = c == 0 ? N : (c + 1) / 2;
-            if (c < FM_PLAN_MIN_CHUNK) c = FM_PLAN_MIN_CHUNK;
         }
     }
     return fm_plan_check(out, budget, "the budget (--mem-budget / --device-mem)");

@@ -66,10 +66,13 @@ fm_status fm_plan_check(const fm_plan *p, size_t budget, const char *flag_budget
 
 /* Smallest MoE chunk the chooser considers (tokens); --moe-chunk-tokens may go lower. */
 #define FM_PLAN_MIN_CHUNK 256
+/* Chunks the chooser prefers to keep at any recompute count (expert GEMMs of ~k*c/E rows). */
+#define FM_PLAN_EFFICIENT_CHUNK 4096
 
-/* Chooses the fewest recomputed layers, then the largest MoE chunk (candidates: unchunked, N,
- * then halves down to FM_PLAN_MIN_CHUNK), then plain logits over the linear cross-entropy (default blocks), that
- * fit `budget`. Writes the choice into req (recompute points into
+/* Chooses, first among MoE chunks >= FM_PLAN_EFFICIENT_CHUNK tokens and then down to
+ * FM_PLAN_MIN_CHUNK: the fewest recomputed layers, then the largest MoE chunk (candidates:
+ * unchunked, N, then halves), then plain logits over the linear cross-entropy (default
+ * blocks), that fit `budget`. Writes the choice into req (recompute points into
  * rc_storage [L]) and the plan into out. Errors: FM_ERR_NOMEM when even full recompute with
  * 1-token chunks does not fit (message names what dominates). */
 fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc_storage, fm_plan *out);
