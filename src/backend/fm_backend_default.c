@@ -1,7 +1,7 @@
 #include "fm_backend_default.h"
+#include "cuda/fm_backend_cuda.h" /* FM_CUDA_MEMORY_RESERVE (a plain header) */
 
 #ifdef FM_ACT_BF16
-#include "cuda/fm_backend_cuda.h"
 
 fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_dim) {
     (void)threads;
@@ -25,13 +25,6 @@ void fm_backend_default_free(fm_backend *b) { fm_cuda_backend_free(b); }
 fm_status fm_backend_default_device_memory(size_t *free_bytes, size_t *total) {
     return fm_cuda_device_memory(0, free_bytes, total);
 }
-fm_status fm_backend_default_memory_budget(size_t *budget, size_t *total) {
-    size_t f = 0;
-    *budget = 0;
-    FM_TRY(fm_cuda_device_memory(0, &f, total));
-    *budget = f > FM_CUDA_MEMORY_RESERVE ? f - FM_CUDA_MEMORY_RESERVE : 0;
-    return FM_OK;
-}
 
 #else
 #include "cpu/fm_backend_cpu.h"
@@ -40,10 +33,6 @@ fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_d
     return fm_cpu_backend_init(b, threads, max_head_dim);
 }
 void fm_backend_default_free(fm_backend *b) { fm_cpu_backend_free(b); }
-fm_status fm_backend_default_memory_budget(size_t *budget, size_t *total) {
-    *budget = *total = 0;
-    return FM_OK;
-}
 fm_status fm_backend_default_device_memory(size_t *free_bytes, size_t *total) {
     *free_bytes = *total = 0;
     return FM_OK;
@@ -59,3 +48,12 @@ size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim,
     return fm_cpu_backend_scratch_bytes_tiles(threads, max_head_dim, tq > 0 ? tq : 64, tkv > 0 ? tkv : 64);
 }
 #endif
+
+/* Both builds: the device's free memory less the CUDA reserve (0 on the CPU, which reports none). */
+fm_status fm_backend_default_memory_budget(size_t *budget, size_t *total) {
+    size_t f = 0;
+    *budget = 0;
+    FM_TRY(fm_backend_default_device_memory(&f, total));
+    *budget = f > FM_CUDA_MEMORY_RESERVE ? f - FM_CUDA_MEMORY_RESERVE : 0;
+    return FM_OK;
+}

@@ -366,7 +366,8 @@ typedef struct run {
 } run;
 
 /* Measured high-water mark of every arena (painted at layout) next to its planned bound. */
-static void report_memory(const run *r) {
+/* dev_used, dev_total: the device's memory in use and its size (0: no device to report). */
+static void report_memory(const run *r, size_t dev_used, size_t dev_total) {
     const fm_model *m = &r->m;
     printf("memory: %-22s %14s %14s %7s\n", "live set", "bound (B)", "high-water (B)", "used");
     for (int i = 0; i < FM_PLAN_SETS; i++) {
@@ -378,10 +379,9 @@ static void report_memory(const run *r) {
         printf("memory: %-22s %14zu %14zu %6.1f%%\n", fm_live_set_names[i], r->plan.bytes[i], hw,
                r->plan.bytes[i] ? 100.0 * (double)hw / (double)r->plan.bytes[i] : 0.0);
     }
-    size_t dfree = 0, dtotal = 0;
-    if (fm_backend_default_device_memory(&dfree, &dtotal) == FM_OK && dtotal > 0)
+    if (dev_total > 0)
         printf("memory: device in use %.1f MiB of %.1f MiB (plan %.1f MiB; the rest is the CUDA context and "
-               "libraries)\n", (dtotal - dfree) / 1048576.0, dtotal / 1048576.0, r->plan.total / 1048576.0);
+               "libraries)\n", dev_used / 1048576.0, dev_total / 1048576.0, r->plan.total / 1048576.0);
     fflush(stdout);
 }
 
@@ -769,9 +769,10 @@ static fm_status train_impl(run *r) {
                         r->plan.bytes[i], i == FM_LIVE_MODEL_STATE ? m->arena[i].high : fm_arena_touched(&m->arena[i]));
             fprintf(r->metrics, "}");
             size_t dfree = 0, dtotal = 0;
-            if (fm_backend_default_device_memory(&dfree, &dtotal) == FM_OK && dtotal > 0)
+            if (fm_backend_default_device_memory(&dfree, &dtotal) != FM_OK) dfree = dtotal = 0;
+            if (dtotal > 0)
                 fprintf(r->metrics, ",\"device_used_bytes\":%zu,\"device_total_bytes\":%zu", dtotal - dfree, dtotal);
-            if (!o->quiet) report_memory(r);
+            if (!o->quiet) report_memory(r, dtotal - dfree, dtotal);
             double discard[FM_PHASE_COUNT]; /* the report's read-back is not the next step's time */
             (void)m->be.ops->prof_collect(m->be.ctx, discard);
         }

@@ -554,31 +554,6 @@ bool execute(fm_cuda_ctx *c, att_state *st, att_plan *p, int n, const int64_t *u
 
 bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
-/* Splits a call into chunks whose cuDNN tensors fit the workspace: the whole call, else Bc
- * batch elements with every head (Bc the largest divisor of B that fits), else one batch
- * element and nkvc kv heads with their query heads (nkvc the largest divisor of nkv that fits).
- * The estimate is fm_cuda_attention_chunk_need (fm_backend_cuda.h), which the planner's
- * fm_cuda_cudnn_workspace_auto also uses. false: no chunk fits. */
-size_t chunk_need(bool bwd, int64_t b, int64_t h, int64_t T, int64_t hd, int64_t grp) {
-    return fm_cuda_attention_chunk_need(bwd, b, h, T, hd, grp);
-}
-
-bool pick_chunks(size_t cap, bool bwd, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t *Bc,
-                 int64_t *nkvc) {
-    const int64_t grp = nh / nkv;
-    auto need = [&](int64_t b, int64_t h) -> size_t { return chunk_need(bwd, b, h, T, hd, grp); };
-    for (int64_t b = B; b >= 1; b--)
-        if (B % b == 0 && need(b, nh) <= cap) {
-            *Bc = b, *nkvc = nkv;
-            return true;
-        }
-    for (int64_t k = nkv - 1; k >= 1; k--)
-        if (nkv % k == 0 && need(1, k * grp) <= cap) {
-            *Bc = 1, *nkvc = k;
-            return true;
-        }
-    return false;
-}
 
 /* Runs one direction on cuDNN, chunk by chunk (strided views of the full tensors; one plan
  * serves every chunk). false: cuDNN does not serve this call (nothing usable was written). */
@@ -591,7 +566,7 @@ bool cudnn_run(fm_cuda_ctx *c, att_state *st, bool bwd, bf16 *out, float *lse, b
     if (hd % 8) return false; /* cuDNN's fused attention needs hd % 8 == 0 */
     const size_t cap = c->cudnn_workspace ? c->cudnn_workspace_bytes : 0;
     int64_t Bc = B, kc = nkv;
-    if (!pick_chunks(cap, bwd, B, T, nh, nkv, hd, &Bc, &kc)) {
+    if (!fm_cuda_attention_pick_chunks(cap, bwd, B, T, nh, nkv, hd, &Bc, &kc)) {
         note(st, "cuDNN %s B=%lld T=%lld nh=%lld nkv=%lld hd=%lld: even one kv head's chunk needs more than the "
              "%zu-byte cuDNN workspace", bwd ? "backward" : "forward", (long long)B, (long long)T, (long long)nh,
              (long long)nkv, (long long)hd, cap);
@@ -744,7 +719,8 @@ size_t fm_cuda_attention_cudnn_workspace(int64_t B, int64_t T, int64_t nh, int64
 #if FM_ATT_CUDNN
     FM_ASSERT(nkv >= 1 && nh % nkv == 0);
     const int64_t grp = nh / nkv;
-    return whole ? chunk_need(true, B, nh, T, hd, grp) : chunk_need(true, 1, grp, T, hd, grp);
+    return whole ? fm_cuda_attention_chunk_need(true, B, nh, T, hd, grp)
+                 : fm_cuda_attention_chunk_need(true, 1, grp, T, hd, grp);
 #else
     (void)B, (void)T, (void)nh, (void)nkv, (void)hd, (void)whole;
     return 0;

@@ -57,23 +57,39 @@ static inline size_t fm_cuda_attention_chunk_need(bool bwd, int64_t b, int64_t h
     return e + ((size_t)1 << 20);
 }
 
+/* Splits an attention call into chunks whose cuDNN tensors fit `cap` bytes of workspace: the
+ * whole call, else Bc batch elements with every head (Bc the largest divisor of B that fits),
+ * else one batch element and nkvc kv heads with their query heads (nkvc the largest divisor of
+ * nkv that fits). false: not even one kv group fits. Used by the attention and the planner. */
+static inline bool fm_cuda_attention_pick_chunks(size_t cap, bool bwd, int64_t B, int64_t T, int64_t nh, int64_t nkv,
+                                                 int64_t hd, int64_t *Bc, int64_t *nkvc) {
+    const int64_t grp = nh / nkv;
+    for (int64_t b = B; b >= 1; b--)
+        if (B % b == 0 && fm_cuda_attention_chunk_need(bwd, b, nh, T, hd, grp) <= cap) {
+            *Bc = b, *nkvc = nkv;
+            return true;
+        }
+    for (int64_t k = nkv - 1; k >= 1; k--)
+        if (nkv % k == 0 && fm_cuda_attention_chunk_need(bwd, 1, k * grp, T, hd, grp) <= cap) {
+            *Bc = 1, *nkvc = k;
+            return true;
+        }
+    return false;
+}
+
 /* The cuDNN workspace the planner gives a run of micro-batch B, T tokens, nh query and nkv kv
- * heads of head_dim hd: the need of the largest chunk the attention would pick under
- * FM_CUDA_CUDNN_WORKSPACE_CAP (the whole call, else batch elements, else kv-head groups), at
- * least one kv group's need (so cuDNN always serves the backward) and at least
- * FM_CUDA_DEFAULT_WORKSPACE_BYTES, rounded up to whole MiB. E.g. OLMoE (16 heads of 128): 64 MiB
- * at 4K tokens, 130 MiB at 16K, 517 MiB at 64K (whole), 128K (8 heads a chunk) and 256K (4 heads). */
+ * heads of head_dim hd: the need of the chunk fm_cuda_attention_pick_chunks picks under
+ * FM_CUDA_CUDNN_WORKSPACE_CAP, at least one kv group's need (so cuDNN always serves the
+ * backward) and at least FM_CUDA_DEFAULT_WORKSPACE_BYTES, rounded up to whole MiB. E.g. OLMoE
+ * (16 heads of 128): 64 MiB at 4K tokens, 130 MiB at 16K, 517 MiB at 64K (whole), 128K (8 heads
+ * a chunk) and 256K (4 heads). */
 static inline size_t fm_cuda_cudnn_workspace_auto(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
-    const int64_t grp = nkv > 0 && nh % nkv == 0 ? nh / nkv : 1;
-    const size_t cap = FM_CUDA_CUDNN_WORKSPACE_CAP;
-    size_t need = 0;
-    for (int64_t b = B; b >= 1 && !need; b--)
-        if (B % b == 0 && fm_cuda_attention_chunk_need(true, b, nh, T, hd, grp) <= cap)
-            need = fm_cuda_attention_chunk_need(true, b, nh, T, hd, grp);
-    for (int64_t k = nkv - 1; k >= 1 && !need; k--)
-        if (nkv % k == 0 && fm_cuda_attention_chunk_need(true, 1, k * grp, T, hd, grp) <= cap)
-            need = fm_cuda_attention_chunk_need(true, 1, k * grp, T, hd, grp);
-    if (!need) need = fm_cuda_attention_chunk_need(true, 1, grp, T, hd, grp);
+    if (nkv < 1 || nh % nkv != 0) nkv = nh; /* a config the parser refuses; plan as without GQA */
+    const int64_t grp = nh / nkv;
+    int64_t Bc = 1, kc = 1;
+    size_t need = fm_cuda_attention_pick_chunks(FM_CUDA_CUDNN_WORKSPACE_CAP, true, B, T, nh, nkv, hd, &Bc, &kc)
+                      ? fm_cuda_attention_chunk_need(true, Bc, kc * grp, T, hd, grp)
+                      : fm_cuda_attention_chunk_need(true, 1, grp, T, hd, grp);
     if (need < FM_CUDA_DEFAULT_WORKSPACE_BYTES) need = FM_CUDA_DEFAULT_WORKSPACE_BYTES;
     const size_t mib = (size_t)1 << 20;
     return (need + mib - 1) / mib * mib;
