@@ -80,6 +80,23 @@ typedef struct fm_ops {
                  const fm_act *A, int64_t lda, const fm_act *B, int64_t ldb, float beta, void *C,
                  fm_dtype c_type, int64_t ldc);
 
+    /* ---- grouped expert GEMMs (MoE) -------------------------------------------------------
+     * E experts' linear layers over the expert-major row layout of a dispatch: expert e owns rows
+     * [offsets[e], offsets[e+1]) (m_e rows; offsets is host int64 [E+1], offsets[0] = 0) of x,
+     * y, dx, dy, and its weight W_e = W + e*out*in is [out,in] (HF layout); dW likewise. fm_act
+     * everywhere, fp32 accumulation. An expert with m_e = 0 is skipped: it has no rows, and its
+     * dW_e is left as it was (zero gradient); one expert may own every row.
+     *   expert_linear_fwd: y_e [m_e,out] = x_e [m_e,in] W_e^T
+     *   expert_linear_bwd: dx_e [m_e,in] = beta*dx_e + dy_e W_e (skipped when dx is NULL);
+     *                      dW_e [out,in] += dy_e^T x_e
+     * Either may be NULL: fm_expert_linear_fwd/bwd below then loop over gemm, one call per
+     * expert (the CPU). CUDA: one grouped cuBLAS call per product (cublasGemmGroupedBatchedEx),
+     * FLATMOE_EXPERT_GEMM=loop for the per-expert loop. */
+    void (*expert_linear_fwd)(void *ctx, fm_act *y, const fm_act *x, const fm_act *W, const int64_t *offsets,
+                              int64_t E, int64_t in, int64_t out);
+    void (*expert_linear_bwd)(void *ctx, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
+                              const fm_act *W, const int64_t *offsets, int64_t E, int64_t in, int64_t out);
+
     /* ---- elementwise / reductions -------------------------------------------------------- */
 
     /* y[i] += x[i], i < n. */
@@ -319,6 +336,36 @@ static inline void fm_linear_bwd(const fm_backend *be, fm_act *dx, float beta, f
                                  const fm_act *x, const fm_act *W, int64_t n, int64_t in, int64_t out, float alpha) {
     if (dx) be->ops->gemm(be->ctx, false, false, n, in, out, alpha, dy, out, W, in, beta, dx, FM_ACT_DTYPE, in);
     be->ops->gemm(be->ctx, true, false, out, in, n, alpha, dy, out, x, in, 1.0f, dW, FM_ACT_DTYPE, in);
+}
+
+/* The table's expert_linear_fwd/bwd, or one fm_linear call per expert with rows when the table
+ * has none (same contract; see expert_linear_fwd). */
+static inline void fm_expert_linear_fwd(const fm_backend *be, fm_act *y, const fm_act *x, const fm_act *W,
+                                        const int64_t *offsets, int64_t E, int64_t in, int64_t out) {
+    if (be->ops->expert_linear_fwd) {
+        be->ops->expert_linear_fwd(be->ctx, y, x, W, offsets, E, in, out);
+        return;
+    }
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t r0 = offsets[e], m = offsets[e + 1] - r0;
+        if (m == 0) continue;
+        fm_linear_fwd(be, y + r0 * out, FM_ACT_DTYPE, x + r0 * in, W + e * out * in, m, in, out);
+    }
+}
+
+static inline void fm_expert_linear_bwd(const fm_backend *be, fm_act *dx, float beta, fm_act *dW, const fm_act *dy,
+                                        const fm_act *x, const fm_act *W, const int64_t *offsets, int64_t E,
+                                        int64_t in, int64_t out) {
+    if (be->ops->expert_linear_bwd) {
+        be->ops->expert_linear_bwd(be->ctx, dx, beta, dW, dy, x, W, offsets, E, in, out);
+        return;
+    }
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t r0 = offsets[e], m = offsets[e + 1] - r0;
+        if (m == 0) continue;
+        fm_linear_bwd(be, dx ? dx + r0 * in : NULL, beta, dW + e * out * in, dy + r0 * out, x + r0 * in,
+                      W + e * out * in, m, in, out, 1.0f);
+    }
 }
 
 #ifdef __cplusplus

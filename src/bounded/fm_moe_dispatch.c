@@ -76,17 +76,9 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
 
 /* ---- one dispatch over n tokens -------------------------------------------------------------- */
 
-static void linear_fwd(const fm_backend *be, fm_act *y, const fm_act *x, const fm_act *W, int64_t n, int64_t in,
-                       int64_t out) {
-    fm_linear_fwd(be, y, FM_ACT_DTYPE, x, W, n, in, out);
-}
-
-static void linear_bwd(const fm_backend *be, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
-                       const fm_act *W, int64_t n, int64_t in, int64_t out) {
-    fm_linear_bwd(be, dx, beta, dW, dy, x, W, n, in, out, 1.0f);
-}
-
-/* Permute x [n,H] by expert into r, run the experts; with y != NULL combine into y [n,H]. */
+/* Permute x [n,H] by expert into r, run the experts; with y != NULL combine into y [n,H]. Each
+ * expert projection is one grouped call over all experts (fm_expert_linear_*): an expert with no
+ * rows gets no GEMM and a zero weight gradient. */
 static void dispatch_fwd(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_routes *r,
                          fm_act *y, const fm_act *x, const int32_t *idx, const float *wts, int64_t n) {
     const int64_t H = d->H, I = d->I, E = d->E, k = d->k, R = n * k;
@@ -94,19 +86,11 @@ static void dispatch_fwd(const fm_backend *be, const fm_moe_dims *d, const fm_mo
     be->ops->moe_route_index(be->ctx, r->offsets, r->row_route, r->route_row, idx, n, E, k);
     be->ops->moe_gather(be->ctx, r->xe, x, r->row_route, R, k, H);
     fm_phase_mark(be, FM_PHASE_EXPERTS);
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t r0 = r->offsets[e], m = r->offsets[e + 1] - r0;
-        if (m == 0) continue; /* an expert with no tokens: no GEMM, zero weight gradient */
-        linear_fwd(be, r->h_gate + r0 * I, r->xe + r0 * H, w->w_gate + e * I * H, m, H, I);
-        linear_fwd(be, r->h_up + r0 * I, r->xe + r0 * H, w->w_up + e * I * H, m, H, I);
-    }
+    fm_expert_linear_fwd(be, r->h_gate, r->xe, w->w_gate, r->offsets, E, H, I);
+    fm_expert_linear_fwd(be, r->h_up, r->xe, w->w_up, r->offsets, E, H, I);
     /* elementwise: one launch over every expert's rows */
     be->ops->swiglu_fwd(be->ctx, r->h_act, r->h_gate, r->h_up, R * I);
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t r0 = r->offsets[e], m = r->offsets[e + 1] - r0;
-        if (m == 0) continue;
-        linear_fwd(be, r->ye + r0 * H, r->h_act + r0 * I, w->w_down + e * H * I, m, I, H);
-    }
+    fm_expert_linear_fwd(be, r->ye, r->h_act, w->w_down, r->offsets, E, I, H);
     fm_phase_mark(be, FM_PHASE_DISPATCH);
     if (y) be->ops->moe_combine_fwd(be->ctx, y, r->ye, wts, r->route_row, n, k, H);
 }
@@ -119,21 +103,10 @@ static void dispatch_bwd(const fm_backend *be, const fm_moe_dims *d, const fm_mo
     fm_phase_mark(be, FM_PHASE_DISPATCH);
     be->ops->moe_combine_bwd(be->ctx, ws->dye, dtopk_w, dy, r->ye, wts, r->route_row, n, k, H);
     fm_phase_mark(be, FM_PHASE_EXPERTS);
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t r0 = r->offsets[e], m = r->offsets[e + 1] - r0;
-        if (m == 0) continue;
-        linear_bwd(be, ws->dact + r0 * I, 0.0f, g->w_down + e * H * I, ws->dye + r0 * H, r->h_act + r0 * I,
-                   w->w_down + e * H * I, m, I, H);
-    }
+    fm_expert_linear_bwd(be, ws->dact, 0.0f, g->w_down, ws->dye, r->h_act, w->w_down, r->offsets, E, I, H);
     be->ops->swiglu_bwd(be->ctx, ws->dh_gate, ws->dh_up, ws->dact, r->h_gate, r->h_up, R * I);
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t r0 = r->offsets[e], m = r->offsets[e + 1] - r0;
-        if (m == 0) continue;
-        linear_bwd(be, ws->dxe + r0 * H, 0.0f, g->w_gate + e * I * H, ws->dh_gate + r0 * I, r->xe + r0 * H,
-                   w->w_gate + e * I * H, m, H, I);
-        linear_bwd(be, ws->dxe + r0 * H, 1.0f, g->w_up + e * I * H, ws->dh_up + r0 * I, r->xe + r0 * H,
-                   w->w_up + e * I * H, m, H, I);
-    }
+    fm_expert_linear_bwd(be, ws->dxe, 0.0f, g->w_gate, ws->dh_gate, r->xe, w->w_gate, r->offsets, E, H, I);
+    fm_expert_linear_bwd(be, ws->dxe, 1.0f, g->w_up, ws->dh_up, r->xe, w->w_up, r->offsets, E, H, I);
     fm_phase_mark(be, FM_PHASE_DISPATCH);
     be->ops->moe_gather_bwd(be->ctx, dx, ws->dxe, r->route_row, n, k, H);
 }

@@ -254,6 +254,105 @@ static void test_gemm(void) {
     }
 }
 
+/* ---- grouped expert GEMMs -------------------------------------------------------------------- */
+
+/* expert_linear_fwd/bwd against an fp64 per-expert reference: rows[e] rows per expert (zeros
+ * allowed: that expert's dW must stay bit for bit what it was), y over a NaN buffer (every row
+ * written), dx with beta 1 over a random dx and with beta 0 over NaN, dW accumulated. */
+static void expert_case(const char *label, int64_t E, const int64_t *rows, int64_t in, int64_t out) {
+    int64_t *off = calloc((size_t)E + 1, sizeof *off);
+    for (int64_t e = 0; e < E; e++) off[e + 1] = off[e] + rows[e];
+    const int64_t R = off[E], nw = E * out * in;
+    const int64_t Rr = R > 0 ? R : 1;
+    float *x = fnew(Rr * in), *W = fnew(nw), *dy = fnew(Rr * out), *dx0 = fnew(Rr * in), *dW0 = fnew(nw);
+    fill_normal_bf(x, R * in, 1.0);
+    fill_normal_bf(W, nw, 1.0);
+    fill_normal_bf(dy, R * out, 1.0);
+    fill_normal_bf(dx0, R * in, 1.0);
+    fill_normal_bf(dW0, nw, 1.0);
+    double *ry = dnew(Rr * out), *rdx = dnew(Rr * in), *rdx0 = dnew(Rr * in), *rdW = dnew(nw);
+    for (int64_t i = 0; i < nw; i++) rdW[i] = dW0[i];
+    for (int64_t e = 0; e < E; e++) {
+        const float *We = W + e * out * in;
+        for (int64_t r = off[e]; r < off[e + 1]; r++) {
+            for (int64_t o = 0; o < out; o++) {
+                double t = 0;
+                for (int64_t i = 0; i < in; i++) t += (double)x[r * in + i] * We[o * in + i];
+                ry[r * out + o] = t;
+            }
+            for (int64_t i = 0; i < in; i++) {
+                double t = 0;
+                for (int64_t o = 0; o < out; o++) t += (double)dy[r * out + o] * We[o * in + i];
+                rdx0[r * in + i] = t;
+                rdx[r * in + i] = t + dx0[r * in + i];
+            }
+            for (int64_t o = 0; o < out; o++)
+                for (int64_t i = 0; i < in; i++) rdW[e * out * in + o * in + i] += (double)dy[r * out + o] * x[r * in + i];
+        }
+    }
+    void *dX = up_act(x, Rr * in), *dWt = up_act(W, nw), *dDY = up_act(dy, Rr * out);
+    void *dY = up_nan(Rr * out, FM_DTYPE_BF16), *dDX = up_act(dx0, Rr * in), *dDW = up_act(dW0, nw);
+    void *dW_before = down_raw(dDW, (size_t)nw * 2);
+    fm_expert_linear_fwd(&g_be, dY, dX, dWt, off, E, in, out);
+    fm_expert_linear_bwd(&g_be, dDX, 1.0f, dDW, dDY, dX, dWt, off, E, in, out);
+    int64_t ng = nw;
+    if (Rr * in > ng) ng = Rr * in;
+    if (Rr * out > ng) ng = Rr * out;
+    float *got = fnew(ng);
+    char what[128];
+    if (R > 0) {
+        down_act(got, dY, R * out);
+        snprintf(what, sizeof what, "expert_linear_fwd %s (E %lld, R %lld)", label, (long long)E, (long long)R);
+        CHECK_ERR(what, gt_nerr(got, ry, R * out), GT_TOL_BF16);
+        down_act(got, dDX, R * in);
+        snprintf(what, sizeof what, "expert_linear_bwd dx beta=1 %s", label);
+        CHECK_ERR(what, gt_nerr(got, rdx, R * in), GT_TOL_BF16);
+    }
+    down_act(got, dDW, nw);
+    snprintf(what, sizeof what, "expert_linear_bwd dW %s", label);
+    CHECK_ERR(what, gt_nerr(got, rdW, nw), GT_TOL_BF16);
+    void *dW_after = down_raw(dDW, (size_t)nw * 2);
+    bool idle_ok = true;
+    for (int64_t e = 0; e < E; e++)
+        if (rows[e] == 0 && !same_bits((char *)dW_after + (size_t)(e * out * in) * 2,
+                                       (char *)dW_before + (size_t)(e * out * in) * 2, (size_t)(out * in) * 2))
+            idle_ok = false;
+    CHECK_MSG(idle_ok, "expert_linear_bwd %s: an expert with no rows changed its dW", label);
+    /* beta = 0 over NaN, dW not checked again */
+    dfree(dDX);
+    dDX = up_nan(Rr * in, FM_DTYPE_BF16);
+    fm_expert_linear_bwd(&g_be, dDX, 0.0f, dDW, dDY, dX, dWt, off, E, in, out);
+    if (R > 0) {
+        down_act(got, dDX, R * in);
+        snprintf(what, sizeof what, "expert_linear_bwd dx beta=0 over NaN %s", label);
+        CHECK_ERR(what, gt_nerr(got, rdx0, R * in), GT_TOL_BF16);
+    }
+    dfree(dX), dfree(dWt), dfree(dDY), dfree(dY), dfree(dDX), dfree(dDW);
+    free(off), free(x), free(W), free(dy), free(dx0), free(dW0), free(ry), free(rdx), free(rdx0), free(rdW),
+        free(got), free(dW_before), free(dW_after);
+}
+
+static void test_expert_linear(void) {
+    {
+        const int64_t rows[6] = {5, 0, 17, 1, 0, 40};
+        expert_case("mixed, two idle experts", 6, rows, 48, 24);
+    }
+    {
+        const int64_t rows[4] = {0, 0, 61, 0};
+        expert_case("every row to one expert", 4, rows, 32, 40);
+    }
+    {
+        const int64_t rows[3] = {0, 0, 0};
+        expert_case("no rows", 3, rows, 16, 8);
+    }
+    {
+        enum { EB = 300 }; /* more experts than one grouped call takes */
+        int64_t rows[EB];
+        for (int e = 0; e < EB; e++) rows[e] = (e % 7 == 3) ? 0 : (int64_t)fm_rng_below(&g_rng, 9);
+        expert_case("300 experts", EB, rows, 24, 16);
+    }
+}
+
 /* ---- add, sumsq ------------------------------------------------------------------------------ */
 
 /* y += x is one rounding of the fp32 sum: bit-exact against the host's. Aligned (vector path)
@@ -832,6 +931,24 @@ static void timings(void) {
         free(tok);
     }
     {
+        /* OLMoE-1B-7B expert shapes at 4096 tokens (E 64, top-8: 32,768 rows, H 2048, I 1024),
+         * rows per expert drawn around 512 (some experts twice as busy as others). */
+        const int64_t E = 64, H = 2048, I = 1024;
+        int64_t off[65];
+        off[0] = 0;
+        for (int64_t e = 0; e < E; e++) off[e + 1] = off[e] + 256 + (int64_t)fm_rng_below(&g_rng, 512);
+        const int64_t R = off[E];
+        void *x = rand_act(R * H), *W = rand_act(E * I * H), *y = rand_act(R * I), *dx = rand_act(R * H),
+             *dW = rand_act(E * I * H);
+        const char *mode = getenv("FLATMOE_EXPERT_GEMM");
+        char l1[96], l2[96];
+        snprintf(l1, sizeof l1, "expert fwd 64x[~512,2048]x[1024] (%s)", mode ? mode : "grouped");
+        snprintf(l2, sizeof l2, "expert bwd dx+dW 64x[~512,1024] (%s)", mode ? mode : "grouped");
+        TIME_OP(l1, 20, 0, 2.0 * R * H * I, fm_expert_linear_fwd(&g_be, y, x, W, off, E, H, I));
+        TIME_OP(l2, 20, 0, 4.0 * R * H * I, fm_expert_linear_bwd(&g_be, dx, 0.0f, dW, y, x, W, off, E, H, I));
+        dfree(x), dfree(W), dfree(y), dfree(dx), dfree(dW);
+    }
+    {
         const int64_t n = (int64_t)1 << 27;
         void *p = rand_act(n), *g = rand_act(n), *mw = OPS->mem_alloc(CTX, (size_t)n * 4),
              *m = OPS->mem_alloc(CTX, (size_t)n * 4), *v = OPS->mem_alloc(CTX, (size_t)n * 4);
@@ -858,6 +975,7 @@ int main(void) {
     test_memory();
     test_convert();
     test_gemm();
+    test_expert_linear();
     test_add();
     test_sumsq();
     test_embedding(40, 11, 130, true);    /* scalar path (H % 8 != 0) */

@@ -134,6 +134,131 @@ static void cu_gemm(void *ctx, bool trans_a, bool trans_b, int64_t M, int64_t N,
                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+/* ---- grouped expert GEMMs -------------------------------------------------------------------- */
+
+/* The device pointer arrays of one grouped call, passed by value (3 KiB of kernel parameters). */
+struct group_ptrs {
+    const void *a[FM_CUDA_GROUP_MAX];
+    const void *b[FM_CUDA_GROUP_MAX];
+    void *c[FM_CUDA_GROUP_MAX];
+};
+
+/* out[0..n) = A pointers, out[G..G+n) = B, out[2G..2G+n) = C (G = FM_CUDA_GROUP_MAX). Stream
+ * order makes the single array safe to refill: the previous call's GEMM has read it. */
+__global__ void group_ptrs_kernel(group_ptrs p, int n, const void **out) {
+    const int i = threadIdx.x;
+    if (i < n) {
+        out[i] = p.a[i];
+        out[FM_CUDA_GROUP_MAX + i] = p.b[i];
+        out[2 * FM_CUDA_GROUP_MAX + i] = p.c[i];
+    }
+}
+
+/* Up to FM_CUDA_GROUP_MAX row-major products C_g[M_g,N_g] = alpha op(A_g) op(B_g) + beta C_g
+ * with shared transposes, row strides, alpha and beta (cu_gemm's convention per group: the
+ * column-major call swaps A and B and M and N), in one cublasGemmGroupedBatchedEx call with one
+ * problem per group. Every M_g, N_g, K_g >= 1. */
+static void grouped_call(fm_cuda_ctx *c, bool ta, bool tb, int n, const int *M, const int *N, const int *K,
+                         float alpha, const group_ptrs &p, int lda, int ldb, float beta, int ldc) {
+    const void **dev = reinterpret_cast<const void **>(static_cast<char *>(c->scratch) + FM_CUDA_REDUCE_BYTES);
+    group_ptrs_kernel<<<1, FM_CUDA_GROUP_MAX, 0, c->stream>>>(p, n, dev);
+    FM_CUDA_LAUNCH_CHECK();
+    cublasOperation_t op_b[FM_CUDA_GROUP_MAX], op_a[FM_CUDA_GROUP_MAX];
+    int lda_a[FM_CUDA_GROUP_MAX], ldb_a[FM_CUDA_GROUP_MAX], ldc_a[FM_CUDA_GROUP_MAX], size[FM_CUDA_GROUP_MAX];
+    float al[FM_CUDA_GROUP_MAX], be[FM_CUDA_GROUP_MAX];
+    for (int g = 0; g < n; g++) {
+        op_b[g] = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+        op_a[g] = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+        lda_a[g] = lda, ldb_a[g] = ldb, ldc_a[g] = ldc, size[g] = 1;
+        al[g] = alpha, be[g] = beta;
+    }
+    FM_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(c->cublas, op_b, op_a, N, M, K, al, dev + FM_CUDA_GROUP_MAX,
+                                               CUDA_R_16BF, ldb_a, dev, CUDA_R_16BF, lda_a, be,
+                                               const_cast<void *const *>(dev + 2 * FM_CUDA_GROUP_MAX),
+                                               CUDA_R_16BF, ldc_a, n, size, CUBLAS_COMPUTE_32F));
+}
+
+/* Which expert-GEMM form (fm_backend.h expert_linear_*): grouped unless FLATMOE_EXPERT_GEMM=loop,
+ * read once. */
+static bool expert_gemm_loop(void) {
+    static int mode = -1;
+    if (mode < 0) {
+        const char *e = getenv("FLATMOE_EXPERT_GEMM");
+        mode = (e && strcmp(e, "loop") == 0) ? 1 : 0;
+    }
+    return mode == 1;
+}
+
+/* The three expert products, one kind per call. kind 0: y_e = x_e W_e^T; 1: dx_e = beta dx_e +
+ * dy_e W_e; 2: dW_e += dy_e^T x_e. Experts with rows are batched FM_CUDA_GROUP_MAX at a time. */
+static void expert_gemm(fm_cuda_ctx *c, int kind, bf16 *C, const bf16 *A, const bf16 *B, float beta,
+                        const int64_t *off, int64_t E, int64_t in, int64_t out) {
+    FM_ASSERT(in >= 1 && out >= 1 && in <= INT_MAX && out <= INT_MAX && off[0] == 0);
+    group_ptrs p;
+    int M[FM_CUDA_GROUP_MAX], N[FM_CUDA_GROUP_MAX], K[FM_CUDA_GROUP_MAX];
+    int n = 0;
+    for (int64_t e = 0; e <= E; e++) {
+        if (e < E) {
+            const int64_t r0 = off[e], m = off[e + 1] - r0;
+            FM_ASSERT(m >= 0 && m <= INT_MAX);
+            if (m == 0) continue;
+            const bf16 *We = B + e * out * in;
+            if (kind == 0) { /* [m,in] x [out,in]^T -> [m,out] */
+                p.a[n] = A + r0 * in, p.b[n] = We, p.c[n] = C + r0 * out;
+                M[n] = (int)m, N[n] = (int)out, K[n] = (int)in;
+            } else if (kind == 1) { /* [m,out] x [out,in] -> [m,in] */
+                p.a[n] = A + r0 * out, p.b[n] = We, p.c[n] = C + r0 * in;
+                M[n] = (int)m, N[n] = (int)in, K[n] = (int)out;
+            } else { /* [m,out]^T x [m,in] -> [out,in]; here B is x and C is dW */
+                p.a[n] = A + r0 * out, p.b[n] = B + r0 * in, p.c[n] = C + e * out * in;
+                M[n] = (int)out, N[n] = (int)in, K[n] = (int)m;
+            }
+            n++;
+            if (n < FM_CUDA_GROUP_MAX) continue;
+        }
+        if (n == 0) continue;
+        if (kind == 0)
+            grouped_call(c, false, true, n, M, N, K, 1.0f, p, (int)in, (int)in, 0.0f, (int)out);
+        else if (kind == 1)
+            grouped_call(c, false, false, n, M, N, K, 1.0f, p, (int)out, (int)in, beta, (int)in);
+        else
+            grouped_call(c, true, false, n, M, N, K, 1.0f, p, (int)out, (int)in, 1.0f, (int)in);
+        n = 0;
+    }
+}
+
+static void cu_expert_linear_fwd(void *ctx, fm_act *y, const fm_act *x, const fm_act *W, const int64_t *offsets,
+                                 int64_t E, int64_t in, int64_t out) {
+    fm_cuda_ctx *c = ctx_of(ctx);
+    if (expert_gemm_loop()) {
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t r0 = offsets[e], m = offsets[e + 1] - r0;
+            if (m) cu_gemm(ctx, false, true, m, out, in, 1.0f, x + r0 * in, in, W + e * out * in, in, 0.0f,
+                           y + r0 * out, FM_DTYPE_BF16, out);
+        }
+        return;
+    }
+    expert_gemm(c, 0, BF(y), CBF(x), CBF(W), 0.0f, offsets, E, in, out);
+}
+
+static void cu_expert_linear_bwd(void *ctx, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
+                                 const fm_act *W, const int64_t *offsets, int64_t E, int64_t in, int64_t out) {
+    fm_cuda_ctx *c = ctx_of(ctx);
+    if (expert_gemm_loop()) {
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t r0 = offsets[e], m = offsets[e + 1] - r0;
+            if (!m) continue;
+            if (dx) cu_gemm(ctx, false, false, m, in, out, 1.0f, dy + r0 * out, out, W + e * out * in, in, beta,
+                            dx + r0 * in, FM_DTYPE_BF16, in);
+            cu_gemm(ctx, true, false, out, in, m, 1.0f, dy + r0 * out, out, x + r0 * in, in, 1.0f,
+                    dW + e * out * in, FM_DTYPE_BF16, in);
+        }
+        return;
+    }
+    if (dx) expert_gemm(c, 1, BF(dx), CBF(dy), CBF(W), beta, offsets, E, in, out);
+    expert_gemm(c, 2, BF(dW), CBF(dy), CBF(x), 1.0f, offsets, E, in, out);
+}
+
 /* ---- elementwise / reductions -------------------------------------------------------------- */
 
 /* The elementwise kernels below share one shape: with vec (every pointer 16-byte aligned) the
@@ -315,7 +440,7 @@ static void cu_embedding_bwd(void *ctx, fm_act *dwte, const fm_act *dout, const 
                                                       (const int32_t *)nullptr, (int32_t *)nullptr, (int)chunk, 0,
                                                       32, c->stream));
         arr = ((size_t)chunk * sizeof(int32_t) + 255) & ~(size_t)255;
-        if (3 * arr + temp <= FM_CUDA_SCRATCH_BYTES) break;
+        if (3 * arr + temp <= FM_CUDA_REDUCE_BYTES) break;
         FM_ASSERT(chunk > 1024);
         chunk /= 2;
     }
@@ -468,7 +593,7 @@ static void cu_rmsnorm_bwd(void *ctx, fm_act *dx, fm_act *dw, const fm_act *dout
     rmsnorm_bwd_dx_kernel<<<(unsigned)nb, 32 * RMS_WARPS, 0, c->stream>>>(BF(dx), CBF(dout), CBF(x), CBF(w), rstd,
                                                                            N, D, vec);
     FM_CUDA_LAUNCH_CHECK();
-    int64_t max_ch = (int64_t)(FM_CUDA_SCRATCH_BYTES / (sizeof(float) * (size_t)D));
+    int64_t max_ch = (int64_t)(FM_CUDA_REDUCE_BYTES / (sizeof(float) * (size_t)D));
     if (max_ch > 512) max_ch = 512;
     FM_ASSERT(max_ch >= 1); /* D <= 4M columns */
     int64_t rows_per = (N + max_ch - 1) / max_ch;
@@ -618,18 +743,60 @@ static void cu_swiglu_bwd(void *ctx, fm_act *dgate, fm_act *dup, const fm_act *d
 /* ---- optimizer ----------------------------------------------------------------------------- */
 
 /* AdamW, the formula of fm_backend.h in fp32. w = master (fp32) when given, then p = bf16(w);
- * without a master the weights are p itself: w = fp32(p), and p = bf16(w) after the step. */
-__global__ void adamw_kernel(bf16 *p, const bf16 *g, float *master, float *m, float *v, int64_t n, float lr,
-                             float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale) {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const float gi = ld(g + i) * grad_scale;
-        const float mi = b1 * m[i] + (1.0f - b1) * gi;
-        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+ * without a master the weights are p itself: w = fp32(p), and p = bf16(w) after the step. One
+ * element's arithmetic, shared by the vector and scalar paths (the same bits either way). */
+__device__ __forceinline__ float adamw_one(float gi, float &m, float &v, float w, float lr, float b1, float b2,
+                                           float eps, float wd, float bc1, float bc2) {
+    const float mi = b1 * m + (1.0f - b1) * gi;
+    const float vi = b2 * v + (1.0f - b2) * gi * gi;
+    m = mi;
+    v = vi;
+    return w - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * w);
+}
+
+/* With vec (every pointer 16-byte aligned) the first n/8*8 elements go 8 at a time (16-byte bf16
+ * and 2 x 16-byte fp32 accesses: the loop is bound by memory, ~28 bytes per element with a
+ * master), the rest one at a time. */
+template <bool MASTER>
+__global__ void adamw_kernel(bf16 *p, const bf16 *g, float *master, float *m, float *v, int64_t n, bool vec,
+                             float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
+                             float grad_scale) {
+    const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    const int64_t nv = vec ? n / 8 : 0;
+    for (int64_t q = tid; q < nv; q += stride) {
+        const int64_t i = 8 * q;
+        float gf[8], w[8], mf[8], vf[8];
+        load8(g + i, gf);
+        const float4 m0 = *reinterpret_cast<const float4 *>(m + i), m1 = *reinterpret_cast<const float4 *>(m + i + 4);
+        const float4 v0 = *reinterpret_cast<const float4 *>(v + i), v1 = *reinterpret_cast<const float4 *>(v + i + 4);
+        mf[0] = m0.x, mf[1] = m0.y, mf[2] = m0.z, mf[3] = m0.w, mf[4] = m1.x, mf[5] = m1.y, mf[6] = m1.z, mf[7] = m1.w;
+        vf[0] = v0.x, vf[1] = v0.y, vf[2] = v0.z, vf[3] = v0.w, vf[4] = v1.x, vf[5] = v1.y, vf[6] = v1.z, vf[7] = v1.w;
+        if (MASTER) {
+            const float4 w0 = *reinterpret_cast<const float4 *>(master + i),
+                         w1 = *reinterpret_cast<const float4 *>(master + i + 4);
+            w[0] = w0.x, w[1] = w0.y, w[2] = w0.z, w[3] = w0.w, w[4] = w1.x, w[5] = w1.y, w[6] = w1.z, w[7] = w1.w;
+        } else {
+            load8(p + i, w);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; k++) w[k] = adamw_one(gf[k] * grad_scale, mf[k], vf[k], w[k], lr, b1, b2, eps, wd, bc1, bc2);
+        *reinterpret_cast<float4 *>(m + i) = make_float4(mf[0], mf[1], mf[2], mf[3]);
+        *reinterpret_cast<float4 *>(m + i + 4) = make_float4(mf[4], mf[5], mf[6], mf[7]);
+        *reinterpret_cast<float4 *>(v + i) = make_float4(vf[0], vf[1], vf[2], vf[3]);
+        *reinterpret_cast<float4 *>(v + i + 4) = make_float4(vf[4], vf[5], vf[6], vf[7]);
+        if (MASTER) {
+            *reinterpret_cast<float4 *>(master + i) = make_float4(w[0], w[1], w[2], w[3]);
+            *reinterpret_cast<float4 *>(master + i + 4) = make_float4(w[4], w[5], w[6], w[7]);
+        }
+        store8(p + i, w);
+    }
+    for (int64_t i = 8 * nv + tid; i < n; i += stride) {
+        float mi = m[i], vi = v[i];
+        const float w = adamw_one(ld(g + i) * grad_scale, mi, vi, MASTER ? master[i] : ld(p + i), lr, b1, b2, eps,
+                                  wd, bc1, bc2);
         m[i] = mi;
         v[i] = vi;
-        float w = master ? master[i] : ld(p + i);
-        w -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * w);
-        if (master) master[i] = w;
+        if (MASTER) master[i] = w;
         st(p + i, w);
     }
 }
@@ -639,8 +806,14 @@ static void cu_adamw(void *ctx, fm_act *p, const fm_act *g, float *master, float
     fm_cuda_ctx *c = ctx_of(ctx);
     FM_ASSERT(n >= 0);
     if (n == 0) return;
-    adamw_kernel<<<ew_blocks(n), EW_THREADS, 0, c->stream>>>(BF(p), CBF(g), master, m, v, n, lr, b1, b2, eps, wd,
-                                                              bc1, bc2, grad_scale);
+    const bool vec = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && (!master || aligned16(master));
+    const unsigned blocks = ew_blocks(vec ? n / 8 + 8 : n);
+    if (master)
+        adamw_kernel<true><<<blocks, EW_THREADS, 0, c->stream>>>(BF(p), CBF(g), master, m, v, n, vec, lr, b1, b2,
+                                                                 eps, wd, bc1, bc2, grad_scale);
+    else
+        adamw_kernel<false><<<blocks, EW_THREADS, 0, c->stream>>>(BF(p), CBF(g), master, m, v, n, vec, lr, b1, b2,
+                                                                  eps, wd, bc1, bc2, grad_scale);
     FM_CUDA_LAUNCH_CHECK();
 }
 
@@ -763,6 +936,8 @@ static fm_ops make_cuda_ops(void) {
     memset(&o, 0, sizeof o);
     o.name = "cuda";
     o.gemm = cu_gemm;
+    o.expert_linear_fwd = cu_expert_linear_fwd;
+    o.expert_linear_bwd = cu_expert_linear_bwd;
     o.add = cu_add;
     o.sumsq = cu_sumsq;
     o.embedding_fwd = cu_embedding_fwd;

@@ -24,7 +24,7 @@ typedef struct fm_cuda_ctx {
     size_t cudnn_workspace_bytes;
     int64_t max_head_dim;
     void *att_state;               /* owned by cuda_attention.cu (graph cache, fallback scratch) */
-    void *scratch;                 /* FM_CUDA_SCRATCH_BYTES of device memory for reductions */
+    void *scratch;                 /* FM_CUDA_SCRATCH_BYTES of device memory: reductions, group pointers */
     void *host_scratch;            /* FM_CUDA_SCRATCH_BYTES of pinned host memory for results */
     /* profiling (FLATMOE_PROFILE=1 at init): a pool of timing events recorded on the stream at
      * each phase mark, summed per phase at collect */
@@ -35,6 +35,11 @@ typedef struct fm_cuda_ctx {
 } fm_cuda_ctx;
 
 #define FM_CUDA_SCRATCH_BYTES ((size_t)16 << 20)
+/* The scratch's last FM_CUDA_GROUP_PTR_BYTES hold the device pointer arrays of the grouped expert
+ * GEMM (3 arrays of FM_CUDA_GROUP_MAX pointers); reductions use the bytes below. */
+#define FM_CUDA_GROUP_MAX 128
+#define FM_CUDA_GROUP_PTR_BYTES ((size_t)4096)
+#define FM_CUDA_REDUCE_BYTES (FM_CUDA_SCRATCH_BYTES - FM_CUDA_GROUP_PTR_BYTES)
 
 /* Checked calls: print the failing call's text, file and line, and abort (a CUDA error inside a
  * step is not recoverable). */

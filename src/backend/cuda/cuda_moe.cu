@@ -1099,7 +1099,7 @@ double fm_cuda_router_stats(void *ctx, float *count, float *prob_sum, const floa
     unsigned long long *gcount = (unsigned long long *)d;
     double *part_z = (double *)(d + ((E * 8 + 255) & ~(int64_t)255));
     double *part_ps = part_z + ((nb + 31) & ~(int64_t)31);
-    FM_ASSERT(FM_SCR_DATA + (size_t)((char *)(part_ps + nb * E) - d) <= FM_CUDA_SCRATCH_BYTES);
+    FM_ASSERT(FM_SCR_DATA + (size_t)((char *)(part_ps + nb * E) - d) <= FM_CUDA_REDUCE_BYTES);
     FM_CUDA_CHECK(cudaMemsetAsync(gcount, 0, (size_t)E * 8, c->stream));
     if (nb > 0) {
         router_stats_partial_kernel<<<(unsigned)nb, RS_THREADS, (size_t)E * sizeof(unsigned), c->stream>>>(
@@ -1138,7 +1138,7 @@ void fm_cuda_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, in
     int64_t *expert_off = (int64_t *)d;                                  /* [E+1] */
     int *totals = (int *)(d + (((E + 1) * 8 + 255) & ~(int64_t)255));    /* [E] */
     int *counts = totals + ((E + 63) & ~(int64_t)63);                    /* [E][C] */
-    FM_ASSERT(FM_SCR_DATA + (size_t)((char *)(counts + E * C) - d) <= FM_CUDA_SCRATCH_BYTES);
+    FM_ASSERT(FM_SCR_DATA + (size_t)((char *)(counts + E * C) - d) <= FM_CUDA_REDUCE_BYTES);
     clear_flag(c);
     ri_count_kernel<<<(unsigned)C, RI_THREADS, (size_t)E * sizeof(int), c->stream>>>(counts, scr_flag(c), topk_idx,
                                                                                      R, (int)E, CH, C);
