@@ -91,7 +91,7 @@ typedef struct fm_ops {
      *                      dW_e [out,in] += dy_e^T x_e
      * Either may be NULL: fm_expert_linear_fwd/bwd below then loop over gemm, one call per
      * expert (the CPU). CUDA: one grouped cuBLAS call per product (cublasGemmGroupedBatchedEx),
-     * FLATMOE_EXPERT_GEMM=loop for the per-expert loop. */
+     * experts with many rows get their own gemm; FLATMOE_EXPERT_GEMM=loop|grouped forces one form. */
     void (*expert_linear_fwd)(void *ctx, fm_act *y, const fm_act *x, const fm_act *W, const int64_t *offsets,
                               int64_t E, int64_t in, int64_t out);
     void (*expert_linear_bwd)(void *ctx, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,

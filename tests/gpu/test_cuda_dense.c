@@ -342,6 +342,10 @@ static void test_expert_linear(void) {
         expert_case("every row to one expert", 4, rows, 32, 40);
     }
     {
+        const int64_t rows[5] = {1100, 3, 0, 1030, 50}; /* experts over FM_CUDA_GROUP_ROWS_MAX: own calls */
+        expert_case("busy experts beside small ones", 5, rows, 16, 8);
+    }
+    {
         const int64_t rows[3] = {0, 0, 0};
         expert_case("no rows", 3, rows, 16, 8);
     }
@@ -931,22 +935,25 @@ static void timings(void) {
         free(tok);
     }
     {
-        /* OLMoE-1B-7B expert shapes at 4096 tokens (E 64, top-8: 32,768 rows, H 2048, I 1024),
-         * rows per expert drawn around 512 (some experts twice as busy as others). */
+        /* OLMoE-1B-7B expert shapes (E 64, top-8, H 2048, I 1024): rows per expert drawn around
+         * 512 (4096 tokens) and around 2048 (16K tokens), some experts twice as busy as others. */
         const int64_t E = 64, H = 2048, I = 1024;
-        int64_t off[65];
-        off[0] = 0;
-        for (int64_t e = 0; e < E; e++) off[e + 1] = off[e] + 256 + (int64_t)fm_rng_below(&g_rng, 512);
-        const int64_t R = off[E];
-        void *x = rand_act(R * H), *W = rand_act(E * I * H), *y = rand_act(R * I), *dx = rand_act(R * H),
-             *dW = rand_act(E * I * H);
-        const char *mode = getenv("FLATMOE_EXPERT_GEMM");
-        char l1[96], l2[96];
-        snprintf(l1, sizeof l1, "expert fwd 64x[~512,2048]x[1024] (%s)", mode ? mode : "grouped");
-        snprintf(l2, sizeof l2, "expert bwd dx+dW 64x[~512,1024] (%s)", mode ? mode : "grouped");
-        TIME_OP(l1, 20, 0, 2.0 * R * H * I, fm_expert_linear_fwd(&g_be, y, x, W, off, E, H, I));
-        TIME_OP(l2, 20, 0, 4.0 * R * H * I, fm_expert_linear_bwd(&g_be, dx, 0.0f, dW, y, x, W, off, E, H, I));
-        dfree(x), dfree(W), dfree(y), dfree(dx), dfree(dW);
+        for (int rep = 0; rep < 2; rep++) {
+            const int64_t avg = rep ? 2048 : 512;
+            int64_t off[65];
+            off[0] = 0;
+            for (int64_t e = 0; e < E; e++) off[e + 1] = off[e] + avg / 2 + (int64_t)fm_rng_below(&g_rng, (uint64_t)avg);
+            const int64_t R = off[E];
+            void *x = rand_act(R * H), *W = rand_act(E * I * H), *y = rand_act(R * I), *dx = rand_act(R * H),
+                 *dW = rand_act(E * I * H);
+            const char *mode = getenv("FLATMOE_EXPERT_GEMM");
+            char l1[96], l2[96];
+            snprintf(l1, sizeof l1, "expert fwd 64x[~%lld,2048]x[1024] (%s)", (long long)avg, mode ? mode : "default");
+            snprintf(l2, sizeof l2, "expert bwd 64x[~%lld,1024] (%s)", (long long)avg, mode ? mode : "default");
+            TIME_OP(l1, 20, 0, 2.0 * R * H * I, fm_expert_linear_fwd(&g_be, y, x, W, off, E, H, I));
+            TIME_OP(l2, 20, 0, 4.0 * R * H * I, fm_expert_linear_bwd(&g_be, dx, 0.0f, dW, y, x, W, off, E, H, I));
+            dfree(x), dfree(W), dfree(y), dfree(dx), dfree(dW);
+        }
     }
     {
         const int64_t n = (int64_t)1 << 27;

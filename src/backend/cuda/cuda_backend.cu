@@ -178,22 +178,34 @@ static void grouped_call(fm_cuda_ctx *c, bool ta, bool tb, int n, const int *M, 
                                                CUDA_R_16BF, ldc_a, n, size, CUBLAS_COMPUTE_32F));
 }
 
-/* Which expert-GEMM form (fm_backend.h expert_linear_*): grouped unless FLATMOE_EXPERT_GEMM=loop,
- * read once. */
-static bool expert_gemm_loop(void) {
-    static int mode = -1;
-    if (mode < 0) {
+/* Rows from which an expert's product is its own cublasGemmEx call rather than part of the
+ * grouped call. Measured on the H200 with OLMoE's shapes (bench/RESULTS.md, 2026-11-29 session
+ * 3): at ~512 rows per expert the grouped call runs 1.4x (forward) and 1.2x (backward) the
+ * per-expert loop, and a whole 4K step 1.7x; at ~2048 rows the loop's per-shape kernels win
+ * (a 16K step's experts 231 ms looped against 327 ms grouped). */
+#define FM_CUDA_GROUP_ROWS_MAX 1024
+#define FM_CUDA_OWN_CALL_QUANTUM 256
+
+/* The row threshold: FLATMOE_EXPERT_GEMM=loop (every expert its own call), =grouped (every
+ * expert in the grouped call), otherwise FM_CUDA_GROUP_ROWS_MAX. Read once. */
+static int64_t expert_own_call_rows(void) {
+    static int64_t rows = -1;
+    if (rows < 0) {
         const char *e = getenv("FLATMOE_EXPERT_GEMM");
-        mode = (e && strcmp(e, "loop") == 0) ? 1 : 0;
+        rows = (e && strcmp(e, "loop") == 0) ? 1 : (e && strcmp(e, "grouped") == 0) ? INT64_MAX : FM_CUDA_GROUP_ROWS_MAX;
     }
-    return mode == 1;
+    return rows;
 }
 
 /* The three expert products, one kind per call. kind 0: y_e = x_e W_e^T; 1: dx_e = beta dx_e +
- * dy_e W_e; 2: dW_e += dy_e^T x_e. Experts with rows are batched FM_CUDA_GROUP_MAX at a time. */
-static void expert_gemm(fm_cuda_ctx *c, int kind, bf16 *C, const bf16 *A, const bf16 *B, float beta,
+ * dy_e W_e; 2: dW_e += dy_e^T x_e. An expert with m_e >= expert_own_call_rows() rows gets its own
+ * cu_gemm (over a multiple of FM_CUDA_OWN_CALL_QUANTUM rows, the rest grouped); the rest go
+ * FM_CUDA_GROUP_MAX at a time into grouped calls. */
+static void expert_gemm(void *ctx, int kind, fm_act *C, const fm_act *A, const fm_act *B, float beta,
                         const int64_t *off, int64_t E, int64_t in, int64_t out) {
+    fm_cuda_ctx *c = ctx_of(ctx);
     FM_ASSERT(in >= 1 && out >= 1 && in <= INT_MAX && out <= INT_MAX && off[0] == 0);
+    const int64_t own = expert_own_call_rows();
     group_ptrs p;
     int M[FM_CUDA_GROUP_MAX], N[FM_CUDA_GROUP_MAX], K[FM_CUDA_GROUP_MAX];
     int n = 0;
@@ -202,7 +214,34 @@ static void expert_gemm(fm_cuda_ctx *c, int kind, bf16 *C, const bf16 *A, const 
             const int64_t r0 = off[e], m = off[e + 1] - r0;
             FM_ASSERT(m >= 0 && m <= INT_MAX);
             if (m == 0) continue;
-            const bf16 *We = B + e * out * in;
+            const fm_act *We = B + e * out * in;
+            if (m >= own) {
+                /* its own call over the first mo rows, a multiple of FM_CUDA_OWN_CALL_QUANTUM in the
+                 * default form so that few distinct shapes reach cuBLAS's heuristics; the last
+                 * m - mo rows join the grouped call (dW: both parts accumulate) */
+                const int64_t q = own == 1 ? 1 : FM_CUDA_OWN_CALL_QUANTUM, mo = m / q * q;
+                if (kind == 0)
+                    cu_gemm(ctx, false, true, mo, out, in, 1.0f, A + r0 * in, in, We, in, 0.0f, C + r0 * out,
+                            FM_DTYPE_BF16, out);
+                else if (kind == 1)
+                    cu_gemm(ctx, false, false, mo, in, out, 1.0f, A + r0 * out, out, We, in, beta, C + r0 * in,
+                            FM_DTYPE_BF16, in);
+                else
+                    cu_gemm(ctx, true, false, out, in, mo, 1.0f, A + r0 * out, out, B + r0 * in, in, 1.0f,
+                            C + e * out * in, FM_DTYPE_BF16, in);
+                if (mo == m) continue;
+                if (kind == 2) {
+                    p.a[n] = A + (r0 + mo) * out, p.b[n] = B + (r0 + mo) * in, p.c[n] = C + e * out * in;
+                    M[n] = (int)out, N[n] = (int)in, K[n] = (int)(m - mo);
+                } else {
+                    const int64_t ri = r0 + mo, w_in = kind == 0 ? in : out, w_out = kind == 0 ? out : in;
+                    p.a[n] = A + ri * w_in, p.b[n] = We, p.c[n] = C + ri * w_out;
+                    M[n] = (int)(m - mo), N[n] = (int)w_out, K[n] = (int)w_in;
+                }
+                n++;
+                if (n < FM_CUDA_GROUP_MAX) continue;
+                goto flush;
+            }
             if (kind == 0) { /* [m,in] x [out,in]^T -> [m,out] */
                 p.a[n] = A + r0 * in, p.b[n] = We, p.c[n] = C + r0 * out;
                 M[n] = (int)m, N[n] = (int)out, K[n] = (int)in;
@@ -216,6 +255,7 @@ static void expert_gemm(fm_cuda_ctx *c, int kind, bf16 *C, const bf16 *A, const 
             n++;
             if (n < FM_CUDA_GROUP_MAX) continue;
         }
+    flush:
         if (n == 0) continue;
         if (kind == 0)
             grouped_call(c, false, true, n, M, N, K, 1.0f, p, (int)in, (int)in, 0.0f, (int)out);
@@ -229,34 +269,13 @@ static void expert_gemm(fm_cuda_ctx *c, int kind, bf16 *C, const bf16 *A, const 
 
 static void cu_expert_linear_fwd(void *ctx, fm_act *y, const fm_act *x, const fm_act *W, const int64_t *offsets,
                                  int64_t E, int64_t in, int64_t out) {
-    fm_cuda_ctx *c = ctx_of(ctx);
-    if (expert_gemm_loop()) {
-        for (int64_t e = 0; e < E; e++) {
-            const int64_t r0 = offsets[e], m = offsets[e + 1] - r0;
-            if (m) cu_gemm(ctx, false, true, m, out, in, 1.0f, x + r0 * in, in, W + e * out * in, in, 0.0f,
-                           y + r0 * out, FM_DTYPE_BF16, out);
-        }
-        return;
-    }
-    expert_gemm(c, 0, BF(y), CBF(x), CBF(W), 0.0f, offsets, E, in, out);
+    expert_gemm(ctx, 0, y, x, W, 0.0f, offsets, E, in, out);
 }
 
 static void cu_expert_linear_bwd(void *ctx, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
                                  const fm_act *W, const int64_t *offsets, int64_t E, int64_t in, int64_t out) {
-    fm_cuda_ctx *c = ctx_of(ctx);
-    if (expert_gemm_loop()) {
-        for (int64_t e = 0; e < E; e++) {
-            const int64_t r0 = offsets[e], m = offsets[e + 1] - r0;
-            if (!m) continue;
-            if (dx) cu_gemm(ctx, false, false, m, in, out, 1.0f, dy + r0 * out, out, W + e * out * in, in, beta,
-                            dx + r0 * in, FM_DTYPE_BF16, in);
-            cu_gemm(ctx, true, false, out, in, m, 1.0f, dy + r0 * out, out, x + r0 * in, in, 1.0f,
-                    dW + e * out * in, FM_DTYPE_BF16, in);
-        }
-        return;
-    }
-    if (dx) expert_gemm(c, 1, BF(dx), CBF(dy), CBF(W), beta, offsets, E, in, out);
-    expert_gemm(c, 2, BF(dW), CBF(dy), CBF(x), 1.0f, offsets, E, in, out);
+    if (dx) expert_gemm(ctx, 1, dx, dy, W, beta, offsets, E, in, out);
+    expert_gemm(ctx, 2, dW, dy, x, 1.0f, offsets, E, in, out);
 }
 
 /* ---- elementwise / reductions -------------------------------------------------------------- */
