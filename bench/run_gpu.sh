@@ -43,3 +43,5 @@ if [ "${PEER:-1}" = 1 ]; then
     PYTHONUNBUFFERED=1 python3 bench/peer_hf.py configs/olmoe-1b-7b.json $LENS --steps 3 --json "$OUTDIR/peer.jsonl" 2>&1 |
         grep -v Warning
 fi
+echo "== table (bench/gpu_table.py $OUTDIR)"
+python3 bench/gpu_table.py "$OUTDIR"

@@ -681,6 +681,8 @@ static fm_status train_impl(run *r) {
         if (req.moe_chunk_tokens > 0) printf(" (%lld chunks of <= %lld tokens)", (long long)plan.moe_K, (long long)plan.moe_c_eff);
         printf(", vocabulary %s", lo.ce_block_tokens > 0 || lo.ce_block_vocab > 0 ? "linear cross-entropy" : "plain logits");
         printf("\n");
+        printf("flops per token: model %.4e, hardware %.4e (with the recomputed forwards)\n", plan.flops_model_token,
+               plan.flops_hw_token);
         fflush(stdout);
     }
 
