@@ -25,6 +25,18 @@ bounded=(--moe-chunk-tokens 16 --ce-block-tokens 32 --ce-block-vocab 100)
 cmp -s "$TMP/bstraight/step_000008/model.safetensors" "$TMP/bsplit/step_000008/model.safetensors" && ok || bad "bounded: weights differ after resume"
 if diff <(fields "$TMP/bstraight/metrics.jsonl") <(fields "$TMP/bsplit/metrics.jsonl") >/dev/null; then ok
 else bad "bounded: metrics differ between straight and resumed runs"; fi
+# bf16 Adam moments: exact resume too (checkpoints hold them widened to fp32, exactly), and they
+# are a different run from fp32 moments (the flag is not ignored).
+"$FM" train "${common[@]}" --bf16-moments --out "$TMP/hstraight" || bad "bf16-moments straight run failed"
+"$FM" train "${common[@]}" --bf16-moments --out "$TMP/hsplit" --exit-after 4 || bad "bf16-moments first half failed"
+"$FM" train "${common[@]}" --bf16-moments --out "$TMP/hsplit" --resume || bad "bf16-moments resumed run failed"
+for f in model.safetensors optimizer.safetensors; do
+    cmp -s "$TMP/hstraight/step_000008/$f" "$TMP/hsplit/step_000008/$f" && ok || bad "bf16 moments: $f differs after resume"
+done
+if diff <(fields "$TMP/hstraight/metrics.jsonl") <(fields "$TMP/hsplit/metrics.jsonl") >/dev/null; then ok
+else bad "bf16 moments: metrics differ between straight and resumed runs"; fi
+cmp -s "$TMP/straight/step_000008/model.safetensors" "$TMP/hstraight/step_000008/model.safetensors" &&
+    bad "bf16 moments gave the fp32-moment run's weights" || ok
 # A damaged newest checkpoint is not skipped silently: --resume refuses, naming it and the file.
 cp -r "$TMP/split" "$TMP/damaged"; rm "$TMP/damaged/step_000008/state.json"
 expect_fail "resume past an incomplete checkpoint" "step_000008 is an incomplete checkpoint (no state.json)" \

@@ -1117,8 +1117,8 @@ static void test_adamw(int step, float wd, float gs) {
     memcpy(mst, p, (size_t)n * sizeof(float));
     memcpy(m2, m, (size_t)n * sizeof(float));
     memcpy(v2, v, (size_t)n * sizeof(float));
-    OPS->adamw(CTX, p2, g, mst, m2, v2, n, lr, b1, b2, eps, wd, bc1, bc2, gs);
-    OPS->adamw(CTX, p, g, NULL, m, v, n, lr, b1, b2, eps, wd, bc1, bc2, gs);
+    OPS->adamw(CTX, p2, g, mst, m2, v2, FM_DTYPE_F32, n, lr, b1, b2, eps, wd, bc1, bc2, gs);
+    OPS->adamw(CTX, p, g, NULL, m, v, FM_DTYPE_F32, n, lr, b1, b2, eps, wd, bc1, bc2, gs);
     CHECK_MSG(memcmp(p, p2, (size_t)n * sizeof(float)) == 0 && memcmp(p, mst, (size_t)n * sizeof(float)) == 0,
               "adamw with a master: weights differ from the in-place update");
     free(p2), free(mst), free(m2), free(v2);
@@ -1132,6 +1132,34 @@ static void test_adamw(int step, float wd, float gs) {
     snprintf(what, sizeof what, "adamw step %d: v", step);
     CHECK_ERR(what, nerr(v, rv, n, 1e-30), 1e-6);
     free(p), free(g), free(m), free(v), free(p0), free(rd), free(rm), free(rv), free(d);
+}
+
+/* bf16 moments: from moments that bf16 holds exactly, the same step with bf16 and with fp32
+ * moments gives the same weights bit for bit, and the bf16 moments are the fp32 ones rounded to
+ * nearest even. */
+static void test_adamw_bf16_moments(int step) {
+    const int64_t n = 5003;
+    const float lr = 1e-2f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f;
+    const float bc1 = 1.0f - powf(b1, (float)step), bc2 = 1.0f - powf(b2, (float)step);
+    float *p = fnew(n), *g = fnew(n), *m = fnew(n), *v = fnew(n), *p2 = fnew(n);
+    uint16_t *mh = calloc((size_t)n, 2), *vh = calloc((size_t)n, 2);
+    fill_normal(p, n, 1.0);
+    fill_normal(g, n, 1.0);
+    fill_normal(m, n, step > 1 ? 0.1 : 0.0);
+    for (int64_t i = 0; i < n; i++) {
+        v[i] = step > 1 ? (float)(0.01 * fabs(rnd_normal())) : 0.0f;
+        mh[i] = fm_f32_to_bf16(m[i]), vh[i] = fm_f32_to_bf16(v[i]);
+        m[i] = fm_bf16_to_f32(mh[i]), v[i] = fm_bf16_to_f32(vh[i]);
+    }
+    memcpy(p2, p, (size_t)n * sizeof(float));
+    OPS->adamw(CTX, p, g, NULL, m, v, FM_DTYPE_F32, n, lr, b1, b2, eps, wd, bc1, bc2, 1.0f);
+    OPS->adamw(CTX, p2, g, NULL, mh, vh, FM_DTYPE_BF16, n, lr, b1, b2, eps, wd, bc1, bc2, 1.0f);
+    CHECK_MSG(memcmp(p, p2, (size_t)n * sizeof(float)) == 0, "adamw bf16 moments step %d: weights differ", step);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (mh[i] != fm_f32_to_bf16(m[i]) || vh[i] != fm_f32_to_bf16(v[i])) bad++;
+    CHECK_MSG(bad == 0, "adamw bf16 moments step %d: %lld moments are not the fp32 ones rounded", step, (long long)bad);
+    free(p), free(g), free(m), free(v), free(p2), free(mh), free(vh);
 }
 
 /* ---- thread-count independence ------------------------------------------------------------ */
@@ -1240,6 +1268,8 @@ int main(void) {
     test_cross_entropy(1e4, 40, 300);
     test_adamw(1, 0.0f, 1.0f);
     test_adamw(5, 0.1f, 0.5f);
+    test_adamw_bf16_moments(1);
+    test_adamw_bf16_moments(7);
     test_thread_independence();
 
     /* Attention with other tile sizes (plan inputs: --attention-tile-q/-kv), including tiles

@@ -29,7 +29,7 @@ static void check_formulas_match_layout(const char *path, int64_t B, int64_t T, 
     size_t measured[FM_LIVE_COUNT];
     fm_layout_opts lo = {rc, chunk, cbt, cbv};
     fm_model_plan_bytes(&req.cfg, B, T, &lo, measured);
-    measured[FM_LIVE_MODEL_STATE] += fm_adamw_state_bytes(fm_config_num_params(&req.cfg));
+    measured[FM_LIVE_MODEL_STATE] += fm_adamw_state_bytes(fm_config_num_params(&req.cfg), false);
     for (int i = 0; i < FM_LIVE_COUNT; i++)
         CHECK_MSG(fm_arena_round(p.bytes[i]) == fm_arena_round(measured[i]),
                   "%s B=%lld T=%lld chunk=%lld recompute=%d: %s planned %zu, laid out %zu", path, (long long)B,
@@ -124,6 +124,17 @@ static void test_cuda_target(void) {
     /* GQA (4 query heads a kv head) at 1M tokens: one kv group already needs 2 x 4 x 2^20 x 128 x 4 B
      * (+ rows + 1 MiB) > 1 GiB, which is still what is planned (cuDNN serves it; no fallback) */
     CHECK(fm_cuda_cudnn_workspace_auto(1, 1 << 20, 8, 2, 128) == (4096ull + 16 + 1) << 20);
+    /* --bf16-moments: m and v at 2 B each, 4 B/param less than fp32 moments (each rounded to the
+     * arena's alignment), nothing else changes */
+    req.T = 4096;
+    fm_plan_compute(&req, &c);
+    req.bf16_moments = true;
+    fm_plan_compute(&req, &g);
+    const size_t np = (size_t)fm_config_num_params(&req.cfg);
+    CHECK_MSG(c.bytes[FM_LIVE_MODEL_STATE] - g.bytes[FM_LIVE_MODEL_STATE] ==
+                  2 * (fm_arena_round(np * 4) - fm_arena_round(np * 2)),
+              "bf16 moments: model state %zu vs %zu", g.bytes[FM_LIVE_MODEL_STATE], c.bytes[FM_LIVE_MODEL_STATE]);
+    CHECK(c.total - g.total == c.bytes[FM_LIVE_MODEL_STATE] - g.bytes[FM_LIVE_MODEL_STATE]);
 }
 
 static void test_chooser(void) {

@@ -232,9 +232,12 @@ typedef struct fm_ops {
      *   w -= lr * ( (m/bc1) / (sqrt(v/bc2) + eps) + wd * w )
      * with bc1 = 1 - b1^step, bc2 = 1 - b2^step supplied by the caller (wd = 0 for norms).
      * master [n] fp32, or NULL when p itself is the fp32 master (fm_act = fp32, the CPU): then
-     * w = p; otherwise w = master and p = round-to-nearest(w) afterwards (bf16 weights). */
-    void (*adamw)(void *ctx, fm_act *p, const fm_act *g, float *master, float *m, float *v, int64_t n,
-                  float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
+     * w = p; otherwise w = master and p = round-to-nearest(w) afterwards (bf16 weights).
+     * m, v [n] of mv_dtype: FM_DTYPE_F32, or FM_DTYPE_BF16 (Megatron's --exp-avg-dtype bf16):
+     * read as fp32, updated in fp32, stored rounded to nearest even (the arithmetic is the fp32
+     * path's; only the stored moments are rounded). */
+    void (*adamw)(void *ctx, fm_act *p, const fm_act *g, float *master, void *m, void *v, fm_dtype mv_dtype,
+                  int64_t n, float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
                   float grad_scale);
 
     /* ---- linear cross-entropy strips (bounded/fm_linear_ce.c) ------------------------------

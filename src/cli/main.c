@@ -137,6 +137,7 @@ static int cmd_train(int argc, char **argv) {
         {"grad-clip", F_F64, &o.grad_clip, NULL, "global gradient-norm clip, 0 = off (1.0)"},
         {"beta1", F_F64, &o.beta1, NULL, "AdamW beta1 (0.9)"},
         {"beta2", F_F64, &o.beta2, NULL, "AdamW beta2 (0.95)"},
+        {"bf16-moments", F_BOOL, &o.bf16_moments, NULL, "keep the AdamW moments m and v in bf16 (4 instead of 8 bytes per parameter; the update is computed in fp32, checkpoints hold them as fp32) (off)"},
         {"seed", F_U64, &o.seed, NULL, "seed of the weights and the data order (1337)"},
         {"threads", F_INT, &o.threads, NULL, "CPU threads, 0 = all cores (0)"},
         {"out", F_STR, &o.out_dir, NULL, "run folder: checkpoints and metrics.jsonl (runs/tiny)"},
@@ -350,7 +351,7 @@ static int cmd_plan(int argc, char **argv) {
     const char *config = NULL, *recompute = NULL, *device_mem = NULL, *backend = NULL, *gpu_ws_plan = NULL;
     int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = -1, ce_bt = -1, ce_bv = -1, tq = 0, tkv = 0;
     int threads = 0;
-    bool json = false;
+    bool json = false, bf16m = false;
     flag flags[] = {
         {"config", F_STR, &config, NULL, "Hugging Face config.json of the model (required)"},
         {"seq-len", F_I64, &seq_len, NULL, "tokens per sequence (required)"},
@@ -367,6 +368,7 @@ static int cmd_plan(int argc, char **argv) {
         {"attention-tile-kv", F_I64, &tkv, NULL, "CPU attention tile: key columns (64)"},
         {"gpu-workspace", F_STR, &gpu_ws_plan, NULL, "CUDA: bytes of the cuDNN workspace (default: sized by the planner)"},
         {"backend", F_STR, &backend, NULL, "plan for cpu (fp32) or cuda (bf16) (this binary's backend)"},
+        {"bf16-moments", F_BOOL, &bf16m, NULL, "AdamW moments in bf16 (4 instead of 8 bytes per parameter)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
     };
     int r = parse_flags("plan", "--config C --seq-len S [--micro-batch B] [--device-mem BYTES] [flags]", argc, argv, flags,
@@ -397,6 +399,7 @@ static int cmd_plan(int argc, char **argv) {
     req.threads = threads;
     req.att_tile_q = tq;
     req.att_tile_kv = tkv;
+    req.bf16_moments = bf16m;
     if (gpu_ws_plan && (s = fm_parse_bytes(gpu_ws_plan, "--gpu-workspace", &req.gpu_workspace))) return fail("plan", s);
     if (backend && !strcmp(backend, "cpu")) req.target = FM_PLAN_TARGET_CPU;
     else if (backend && !strcmp(backend, "cuda")) req.target = FM_PLAN_TARGET_CUDA;

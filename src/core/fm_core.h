@@ -9,6 +9,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <stdbool.h>
 
 #ifdef __cplusplus
@@ -69,6 +70,21 @@ void fm_free(void *ptr);
  * means: treat this allocation or write as failed. */
 void fm_fault_set(int64_t n);
 bool fm_fault_hit(void);
+
+/* bf16 bits <-> fp32 on the host: widening is exact; narrowing rounds to nearest even (NaN stays
+ * a quiet NaN), as __float2bfloat16_rn does on the GPU. */
+static inline float fm_bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline uint16_t fm_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 #ifdef __cplusplus
 }

@@ -37,6 +37,7 @@ typedef struct fm_plan_req {
     int64_t att_tile_q, att_tile_kv; /* CPU attention tile (0: 64 x 64) */
     fm_plan_target target;     /* the backend the run will use (default: this build's) */
     size_t gpu_workspace;      /* CUDA: bytes of the cuDNN workspace (0: the planner sizes it) */
+    bool bf16_moments;         /* AdamW moments in bf16 (4 B/param) instead of fp32 (8) */
 } fm_plan_req;
 
 typedef struct fm_plan {

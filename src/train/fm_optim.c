@@ -2,16 +2,19 @@
 
 #include <math.h>
 
-size_t fm_adamw_state_bytes(int64_t n_params) {
-    return 2 * fm_arena_round((size_t)n_params * sizeof(float));
+size_t fm_adamw_state_bytes(int64_t n_params, bool bf16_moments) {
+    return 2 * fm_arena_round((size_t)n_params * (bf16_moments ? 2 : sizeof(float)));
 }
 
-void fm_adamw_init(fm_adamw *opt, fm_model *m, double beta1, double beta2, double eps, double weight_decay) {
+void fm_adamw_init(fm_adamw *opt, fm_model *m, double beta1, double beta2, double eps, double weight_decay,
+                   bool bf16_moments) {
     fm_arena *a = &m->arena[FM_LIVE_MODEL_STATE];
-    opt->m = fm_arena_alloc(a, (size_t)m->n_params * sizeof(float));
-    opt->v = fm_arena_alloc(a, (size_t)m->n_params * sizeof(float));
-    m->be.ops->mem_set(m->be.ctx, opt->m, 0, (size_t)m->n_params * sizeof(float));
-    m->be.ops->mem_set(m->be.ctx, opt->v, 0, (size_t)m->n_params * sizeof(float));
+    opt->moments_dtype = bf16_moments ? FM_DTYPE_BF16 : FM_DTYPE_F32;
+    const size_t bytes = (size_t)m->n_params * fm_dtype_size(opt->moments_dtype);
+    opt->m = fm_arena_alloc(a, bytes);
+    opt->v = fm_arena_alloc(a, bytes);
+    m->be.ops->mem_set(m->be.ctx, opt->m, 0, bytes);
+    m->be.ops->mem_set(m->be.ctx, opt->v, 0, bytes);
     opt->step = 0;
     opt->beta1 = beta1;
     opt->beta2 = beta2;
@@ -35,7 +38,9 @@ void fm_adamw_step(fm_adamw *opt, fm_model *m, double lr, float grad_scale) {
             j++;
         }
         float *master = (void *)m->master == (void *)m->params ? NULL : m->master + off;
-        m->be.ops->adamw(m->be.ctx, m->params + off, m->grads + off, master, opt->m + off, opt->v + off, n, (float)lr,
+        const size_t mo = (size_t)off * fm_dtype_size(opt->moments_dtype);
+        m->be.ops->adamw(m->be.ctx, m->params + off, m->grads + off, master, (char *)opt->m + mo, (char *)opt->v + mo,
+                         opt->moments_dtype, n, (float)lr,
                          (float)opt->beta1, (float)opt->beta2, (float)opt->eps,
                          decay ? (float)opt->weight_decay : 0.0f, bc1, bc2, grad_scale);
         i = j;

@@ -388,13 +388,23 @@ static void report_memory(const run *r, size_t dev_used, size_t dev_total) {
 /* A tensor of the backend's fp32 buffers, fetched to the host when the writer reaches it. */
 typedef struct fetch_src {
     const fm_backend *be;
-    const float *src;
+    const void *src;
     int64_t numel;
+    bool bf16;   /* src holds bf16: widened to fp32 */
 } fetch_src;
 
 static void fetch_from_backend(void *ctx, float *buf) {
     const fetch_src *f = ctx;
-    f->be->ops->copy(f->be->ctx, buf, f->src, sizeof(float) * (size_t)f->numel, FM_COPY_D2H);
+    if (!f->bf16) {
+        f->be->ops->copy(f->be->ctx, buf, f->src, sizeof(float) * (size_t)f->numel, FM_COPY_D2H);
+        return;
+    }
+    /* the bf16 values land in the upper half of buf and widen in increasing order: element i's
+     * 4 bytes end at or before the first bf16 value not yet read */
+    const size_t n = (size_t)f->numel;
+    uint16_t *h = (uint16_t *)((char *)buf + 2 * n);
+    f->be->ops->copy(f->be->ctx, h, f->src, 2 * n, FM_COPY_D2H);
+    for (size_t i = 0; i < n; i++) buf[i] = fm_bf16_to_f32(h[i]);
 }
 
 /* Names the table's tensors of an fp32 buffer (host memory: data pointers; backend memory:
@@ -409,10 +419,50 @@ static void name_fp32(run *r, const float *base, const char *prefix, int slot) {
         f->be = &m->be;
         f->src = base + m->table[i].offset;
         f->numel = m->table[i].numel;
+        f->bf16 = false;
         r->named[slot * n + i].data = NULL;
         r->named[slot * n + i].fetch = fetch_from_backend;
         r->named[slot * n + i].fetch_ctx = f;
     }
+}
+
+/* The Adam moments as fp32 tensors: name_fp32 for fp32 moments; bf16 moments are fetched one
+ * tensor at a time and widened (exactly), so checkpoints always hold fp32 moments. */
+static void name_moments(run *r, const void *base, const char *prefix, int slot) {
+    fm_model *m = &r->m;
+    if (r->opt.moments_dtype == FM_DTYPE_F32) {
+        name_fp32(r, base, prefix, slot);
+        return;
+    }
+    const int n = m->n_tensors;
+    model_named(m, NULL, prefix, r->named + slot * n, r->names + slot * n);
+    for (int i = 0; i < n; i++) {
+        fetch_src *f = &r->fetch[slot * n + i];
+        f->be = &m->be;
+        f->src = (const uint16_t *)base + m->table[i].offset;
+        f->numel = m->table[i].numel;
+        f->bf16 = true;
+        r->named[slot * n + i].data = NULL;
+        r->named[slot * n + i].fetch = fetch_from_backend;
+        r->named[slot * n + i].fetch_ctx = f;
+    }
+}
+
+/* Loads fp32 moments from a checkpoint into the optimizer's m or v (narrowed to bf16, to
+ * nearest even, when the run keeps bf16 moments: exact for moments a bf16 run saved). */
+static fm_status load_moments(run *r, const char *path, const char *prefix, void *dst) {
+    fm_model *m = &r->m;
+    if (r->opt.moments_dtype == FM_DTYPE_F32) return load_fp32(m, path, prefix, dst);
+    float *stage = fm_malloc(sizeof(float) * (size_t)m->n_params);
+    if (!stage) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)m->n_params);
+    fm_status s = load_named(m, path, prefix, stage);
+    if (s == FM_OK) {
+        uint16_t *h = (uint16_t *)stage; /* narrowing in increasing order never overtakes the reads */
+        for (int64_t i = 0; i < m->n_params; i++) h[i] = fm_f32_to_bf16(stage[i]);
+        m->be.ops->copy(m->be.ctx, dst, h, 2 * (size_t)m->n_params, FM_COPY_H2D);
+    }
+    fm_free(stage);
+    return s;
 }
 
 static fm_status save_checkpoint(run *r, const train_state *ts) {
@@ -421,8 +471,8 @@ static fm_status save_checkpoint(run *r, const train_state *ts) {
     /* fp32 master (as model.safetensors and master.*), m, v */
     name_fp32(r, m->master, "", 0);
     name_fp32(r, m->master, "master.", 1);
-    name_fp32(r, r->opt.m, "exp_avg.", 2);
-    name_fp32(r, r->opt.v, "exp_avg_sq.", 3);
+    name_moments(r, r->opt.m, "exp_avg.", 2);
+    name_moments(r, r->opt.v, "exp_avg_sq.", 3);
     char *state = state_to_json(ts);
     fm_status s = state ? FM_OK : fm_error(FM_ERR_NOMEM, "out of memory writing state.json");
     char dir[4096];
@@ -443,8 +493,8 @@ static fm_status load_checkpoint(run *r, const char *dir, train_state *ts) {
     FM_TRY(load_fp32(&r->m, path, "master.", r->m.master));
     if ((void *)r->m.master != (void *)r->m.params)
         r->m.be.ops->convert(r->m.be.ctx, r->m.params, FM_ACT_DTYPE, r->m.master, FM_DTYPE_F32, r->m.n_params);
-    FM_TRY(load_fp32(&r->m, path, "exp_avg.", r->opt.m));
-    FM_TRY(load_fp32(&r->m, path, "exp_avg_sq.", r->opt.v));
+    FM_TRY(load_moments(r, path, "exp_avg.", r->opt.m));
+    FM_TRY(load_moments(r, path, "exp_avg_sq.", r->opt.v));
     r->opt.step = ts->opt_step;
     return FM_OK;
 }
@@ -593,7 +643,7 @@ static fm_status train_impl(run *r) {
                        o->moe_chunk_tokens > 0 ? o->moe_chunk_tokens : 0,
                        o->ce_block_tokens > 0 ? o->ce_block_tokens : 0,
                        o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads, o->att_tile_q, o->att_tile_kv,
-                       FM_PLAN_TARGET_BUILD, o->gpu_workspace};
+                       FM_PLAN_TARGET_BUILD, o->gpu_workspace, o->bf16_moments};
     fm_plan plan;
     /* The budget: --mem-budget, else (CUDA) the device's free memory less a reserve. */
     size_t budget = o->mem_budget, dev_total = 0;
@@ -617,7 +667,7 @@ static fm_status train_impl(run *r) {
     FM_TRY(fm_backend_default_init_tiles(&r->be, o->threads, c->head_dim, o->att_tile_q, o->att_tile_kv,
                                          plan.gpu_workspace));
     r->be_ok = true;
-    FM_TRY(fm_model_create(&r->m, c, r->be, fm_adamw_state_bytes(fm_config_num_params(c))));
+    FM_TRY(fm_model_create(&r->m, c, r->be, fm_adamw_state_bytes(fm_config_num_params(c), o->bf16_moments)));
     r->model_ok = true;
     fm_model *m = &r->m;
     const fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab};
@@ -629,7 +679,7 @@ static fm_status train_impl(run *r) {
                      m->arena[i].capacity, plan.bytes[i]);
             fm_abort(__FILE__, __LINE__, msg);
         }
-    fm_adamw_init(&r->opt, m, o->beta1, o->beta2, o->adam_eps, o->weight_decay);
+    fm_adamw_init(&r->opt, m, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
     r->named = fm_malloc(sizeof(fm_named_tensor) * (size_t)(4 * m->n_tensors));
     r->names = fm_malloc(sizeof(*r->names) * (size_t)(4 * m->n_tensors));
     r->fetch = fm_malloc(sizeof(*r->fetch) * (size_t)(4 * m->n_tensors));

@@ -31,6 +31,7 @@ typedef struct fm_train_opts {
                                      them to fit it. */
     int64_t att_tile_q, att_tile_kv; /* --attention-tile-q/-kv (0: 64) */
     size_t gpu_workspace;         /* --gpu-workspace: CUDA cuDNN workspace bytes (0: planned) */
+    bool bf16_moments;            /* --bf16-moments: AdamW m and v in bf16 (checkpoints keep fp32) */
     bool report_memory;           /* --report-memory: measured high-water marks vs the plan */
     bool quiet;                   /* no per-step lines on stdout */
     bool no_checkpoint;

@@ -735,7 +735,7 @@ static void test_adamw(int step, float wd, float gs, bool with_master) {
     }
     void *dP = up_act(p, n), *dG = up_act(g, n), *dM = up_f32(m, n), *dV = up_f32(v, n);
     void *dW = with_master ? up_f32(w, n) : NULL;
-    OPS->adamw(CTX, dP, dG, dW, dM, dV, n, lr, b1, b2, eps, wd, bc1, bc2, gs);
+    OPS->adamw(CTX, dP, dG, dW, dM, dV, FM_DTYPE_F32, n, lr, b1, b2, eps, wd, bc1, bc2, gs);
     float *pn = fnew(n), *mn = fnew(n), *vn = fnew(n), *wn = fnew(n), *d = fnew(n);
     down_act(pn, dP, n);
     down_f32(mn, dM, n);
@@ -777,6 +777,43 @@ static void test_adamw(int step, float wd, float gs, bool with_master) {
     if (dW) dfree(dW);
     free(w), free(g), free(m), free(v), free(p), free(rd), free(rm), free(rv), free(pn), free(mn), free(vn),
         free(wn), free(d);
+}
+
+/* bf16 moments (vector path and, one element off, the scalar path): from moments bf16 holds
+ * exactly, the step with bf16 moments gives the same master and bf16 weights bit for bit as with
+ * fp32 moments, and its moments are the fp32 ones rounded to nearest even. */
+static void test_adamw_bf16_moments(int step, int off) {
+    const int64_t n = 20001;
+    const float lr = 5e-2f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f;
+    const float bc1 = 1.0f - powf(b1, (float)step), bc2 = 1.0f - powf(b2, (float)step);
+    float *w = fnew(n + 1), *g = fnew(n + 1), *m = fnew(n + 1), *v = fnew(n + 1);
+    fill_normal(w, n + 1, 1.0);
+    fill_normal_bf(g, n + 1, 1.0);
+    fill_normal_bf(m, n + 1, step > 1 ? 0.1 : 0.0);
+    for (int64_t i = 0; i <= n; i++) v[i] = step > 1 ? gt_bf16_to_f32(gt_f32_to_bf16((float)(0.01 * fabs(rnd_normal())))) : 0.0f;
+    void *dP = up_act(w, n + 1), *dP2 = up_act(w, n + 1), *dG = up_act(g, n + 1), *dW = up_f32(w, n + 1),
+         *dW2 = up_f32(w, n + 1), *dM = up_f32(m, n + 1), *dV = up_f32(v, n + 1), *dMh = up_act(m, n + 1),
+         *dVh = up_act(v, n + 1);
+    const size_t o4 = (size_t)off * 4, o2 = (size_t)off * 2;
+    OPS->adamw(CTX, (fm_act *)((char *)dP + o2), (const fm_act *)((char *)dG + o2), (float *)((char *)dW + o4), (char *)dM + o4, (char *)dV + o4,
+               FM_DTYPE_F32, n, lr, b1, b2, eps, wd, bc1, bc2, 1.0f);
+    OPS->adamw(CTX, (fm_act *)((char *)dP2 + o2), (const fm_act *)((char *)dG + o2), (float *)((char *)dW2 + o4), (char *)dMh + o2,
+               (char *)dVh + o2, FM_DTYPE_BF16, n, lr, b1, b2, eps, wd, bc1, bc2, 1.0f);
+    void *p1 = down_raw(dP, (size_t)(n + 1) * 2), *p2 = down_raw(dP2, (size_t)(n + 1) * 2);
+    void *w1 = down_raw(dW, (size_t)(n + 1) * 4), *w2 = down_raw(dW2, (size_t)(n + 1) * 4);
+    CHECK_MSG(same_bits(p1, p2, (size_t)(n + 1) * 2) && same_bits(w1, w2, (size_t)(n + 1) * 4),
+              "adamw bf16 moments step %d offset %d: weights differ from the fp32-moment step", step, off);
+    float *mf = fnew(n + 1), *vf = fnew(n + 1);
+    down_f32(mf, dM, n + 1);
+    down_f32(vf, dV, n + 1);
+    uint16_t *mb = down_raw(dMh, (size_t)(n + 1) * 2), *vb = down_raw(dVh, (size_t)(n + 1) * 2);
+    int64_t bad = 0;
+    for (int64_t i = off; i < n + off; i++)
+        if (mb[i] != gt_f32_to_bf16(mf[i]) || vb[i] != gt_f32_to_bf16(vf[i])) bad++;
+    CHECK_MSG(bad == 0, "adamw bf16 moments step %d offset %d: %lld moments are not the fp32 ones rounded", step, off,
+              (long long)bad);
+    dfree(dP), dfree(dP2), dfree(dG), dfree(dW), dfree(dW2), dfree(dM), dfree(dV), dfree(dMh), dfree(dVh);
+    free(w), free(g), free(m), free(v), free(p1), free(p2), free(w1), free(w2), free(mf), free(vf), free(mb), free(vb);
 }
 
 /* ---- convert, memory ops --------------------------------------------------------------------- */
@@ -960,7 +997,9 @@ static void timings(void) {
         void *p = rand_act(n), *g = rand_act(n), *mw = OPS->mem_alloc(CTX, (size_t)n * 4),
              *m = OPS->mem_alloc(CTX, (size_t)n * 4), *v = OPS->mem_alloc(CTX, (size_t)n * 4);
         TIME_OP("adamw 128M with master", 10, 28.0 * n, 0,
-                OPS->adamw(CTX, p, g, mw, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 0.5f, 1.0f));
+                OPS->adamw(CTX, p, g, mw, m, v, FM_DTYPE_F32, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 0.5f, 1.0f));
+        TIME_OP("adamw 128M with master, bf16 moments", 10, 20.0 * n, 0,
+                OPS->adamw(CTX, p, g, mw, m, v, FM_DTYPE_BF16, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 0.5f, 1.0f));
         dfree(p), dfree(g), dfree(mw), dfree(m), dfree(v);
     }
 }
@@ -1005,6 +1044,9 @@ int main(void) {
     test_adamw(5, 0.1f, 0.5f, true);
     test_adamw(1, 0.0f, 1.0f, false);
     test_adamw(5, 0.1f, 0.5f, false);
+    test_adamw_bf16_moments(1, 0);
+    test_adamw_bf16_moments(6, 0);
+    test_adamw_bf16_moments(6, 1); /* unaligned: the scalar path */
     printf("checks done in %.2f s\n", now_s() - t0);
     if (!getenv("FLATMOE_GPU_NO_TIMINGS")) timings();
 

@@ -318,17 +318,26 @@ static double cpu_cross_entropy(void *ctx, float *loss, float *dlogits, const fl
 /* AdamW (Loshchilov & Hutter 2019, arXiv 1711.05101, Algorithm 2) over n elements, in place:
  * g' = g * grad_scale; m = b1 m + (1-b1) g'; v = b2 v + (1-b2) g'^2;
  * p -= lr * ((m/bc1) / (sqrt(v/bc2) + eps) + wd * p), with bc1, bc2 from the caller. */
-static void cpu_adamw(void *ctx, float *p, const float *g, float *master, float *m, float *v, int64_t n,
-                      float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
+static void cpu_adamw(void *ctx, float *p, const float *g, float *master, void *mv_m, void *mv_v, fm_dtype mv_dtype,
+                      int64_t n, float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
                       float grad_scale) {
     float *w = master ? master : p; /* fp32 weights are their own master */
+    const bool half = mv_dtype == FM_DTYPE_BF16;
+    float *m = mv_m, *v = mv_v;
+    uint16_t *mh = mv_m, *vh = mv_v;
 #pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (n >= FM_CPU_PAR_MIN)
     for (int64_t i = 0; i < n; i++) {
         const float gi = g[i] * grad_scale;
-        const float mi = b1 * m[i] + (1.0f - b1) * gi;
-        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
+        const float m0 = half ? fm_bf16_to_f32(mh[i]) : m[i], v0 = half ? fm_bf16_to_f32(vh[i]) : v[i];
+        const float mi = b1 * m0 + (1.0f - b1) * gi;
+        const float vi = b2 * v0 + (1.0f - b2) * gi * gi;
+        if (half) {
+            mh[i] = fm_f32_to_bf16(mi);
+            vh[i] = fm_f32_to_bf16(vi);
+        } else {
+            m[i] = mi;
+            v[i] = vi;
+        }
         w[i] -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * w[i]);
         if (master) p[i] = w[i];
     }

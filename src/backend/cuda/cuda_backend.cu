@@ -773,67 +773,83 @@ __device__ __forceinline__ float adamw_one(float gi, float &m, float &v, float w
     return w - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * w);
 }
 
-/* With vec (every pointer 16-byte aligned) the first n/8*8 elements go 8 at a time (16-byte bf16
- * and 2 x 16-byte fp32 accesses: the loop is bound by memory, ~28 bytes per element with a
- * master), the rest one at a time. */
-template <bool MASTER>
-__global__ void adamw_kernel(bf16 *p, const bf16 *g, float *master, float *m, float *v, int64_t n, bool vec,
-                             float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
-                             float grad_scale) {
+/* 8 consecutive values as fp32, from fp32 (2 x 16 bytes) or bf16 (16 bytes); stores round bf16
+ * to nearest even. */
+__device__ __forceinline__ void ld8(const float *p, float f[8]) {
+    const float4 a = *reinterpret_cast<const float4 *>(p), b = *reinterpret_cast<const float4 *>(p + 4);
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+__device__ __forceinline__ void ld8(const bf16 *p, float f[8]) { load8(p, f); }
+__device__ __forceinline__ void st8(float *p, const float f[8]) {
+    *reinterpret_cast<float4 *>(p) = make_float4(f[0], f[1], f[2], f[3]);
+    *reinterpret_cast<float4 *>(p + 4) = make_float4(f[4], f[5], f[6], f[7]);
+}
+__device__ __forceinline__ void st8(bf16 *p, const float f[8]) { store8(p, f); }
+__device__ __forceinline__ float ld1(const float *p) { return *p; }
+__device__ __forceinline__ float ld1(const bf16 *p) { return ld(p); }
+__device__ __forceinline__ void st1(float *p, float v) { *p = v; }
+__device__ __forceinline__ void st1(bf16 *p, float v) { st(p, v); }
+
+/* With vec (every pointer 16-byte aligned) the first n/8*8 elements go 8 at a time (the loop is
+ * bound by memory: 28 bytes per element with a master and fp32 moments, 20 with bf16 moments),
+ * the rest one at a time. MV: the moments' type (float or bf16). */
+template <bool MASTER, typename MV>
+__global__ void adamw_kernel(bf16 *p, const bf16 *g, float *master, MV *m, MV *v, int64_t n, bool vec, float lr,
+                             float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale) {
     const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
     const int64_t nv = vec ? n / 8 : 0;
     for (int64_t q = tid; q < nv; q += stride) {
         const int64_t i = 8 * q;
         float gf[8], w[8], mf[8], vf[8];
         load8(g + i, gf);
-        const float4 m0 = *reinterpret_cast<const float4 *>(m + i), m1 = *reinterpret_cast<const float4 *>(m + i + 4);
-        const float4 v0 = *reinterpret_cast<const float4 *>(v + i), v1 = *reinterpret_cast<const float4 *>(v + i + 4);
-        mf[0] = m0.x, mf[1] = m0.y, mf[2] = m0.z, mf[3] = m0.w, mf[4] = m1.x, mf[5] = m1.y, mf[6] = m1.z, mf[7] = m1.w;
-        vf[0] = v0.x, vf[1] = v0.y, vf[2] = v0.z, vf[3] = v0.w, vf[4] = v1.x, vf[5] = v1.y, vf[6] = v1.z, vf[7] = v1.w;
-        if (MASTER) {
-            const float4 w0 = *reinterpret_cast<const float4 *>(master + i),
-                         w1 = *reinterpret_cast<const float4 *>(master + i + 4);
-            w[0] = w0.x, w[1] = w0.y, w[2] = w0.z, w[3] = w0.w, w[4] = w1.x, w[5] = w1.y, w[6] = w1.z, w[7] = w1.w;
-        } else {
-            load8(p + i, w);
-        }
+        ld8(m + i, mf);
+        ld8(v + i, vf);
+        if (MASTER) ld8(master + i, w);
+        else load8(p + i, w);
 #pragma unroll
         for (int k = 0; k < 8; k++) w[k] = adamw_one(gf[k] * grad_scale, mf[k], vf[k], w[k], lr, b1, b2, eps, wd, bc1, bc2);
-        *reinterpret_cast<float4 *>(m + i) = make_float4(mf[0], mf[1], mf[2], mf[3]);
-        *reinterpret_cast<float4 *>(m + i + 4) = make_float4(mf[4], mf[5], mf[6], mf[7]);
-        *reinterpret_cast<float4 *>(v + i) = make_float4(vf[0], vf[1], vf[2], vf[3]);
-        *reinterpret_cast<float4 *>(v + i + 4) = make_float4(vf[4], vf[5], vf[6], vf[7]);
-        if (MASTER) {
-            *reinterpret_cast<float4 *>(master + i) = make_float4(w[0], w[1], w[2], w[3]);
-            *reinterpret_cast<float4 *>(master + i + 4) = make_float4(w[4], w[5], w[6], w[7]);
-        }
+        st8(m + i, mf);
+        st8(v + i, vf);
+        if (MASTER) st8(master + i, w);
         store8(p + i, w);
     }
     for (int64_t i = 8 * nv + tid; i < n; i += stride) {
-        float mi = m[i], vi = v[i];
+        float mi = ld1(m + i), vi = ld1(v + i);
         const float w = adamw_one(ld(g + i) * grad_scale, mi, vi, MASTER ? master[i] : ld(p + i), lr, b1, b2, eps,
                                   wd, bc1, bc2);
-        m[i] = mi;
-        v[i] = vi;
+        st1(m + i, mi);
+        st1(v + i, vi);
         if (MASTER) master[i] = w;
         st(p + i, w);
     }
 }
 
-static void cu_adamw(void *ctx, fm_act *p, const fm_act *g, float *master, float *m, float *v, int64_t n, float lr,
-                     float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale) {
-    fm_cuda_ctx *c = ctx_of(ctx);
-    FM_ASSERT(n >= 0);
-    if (n == 0) return;
+template <typename MV>
+static void adamw_launch(fm_cuda_ctx *c, fm_act *p, const fm_act *g, float *master, MV *m, MV *v, int64_t n,
+                         float lr, float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale) {
     const bool vec = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && (!master || aligned16(master));
     const unsigned blocks = ew_blocks(vec ? n / 8 + 8 : n);
     if (master)
-        adamw_kernel<true><<<blocks, EW_THREADS, 0, c->stream>>>(BF(p), CBF(g), master, m, v, n, vec, lr, b1, b2,
-                                                                 eps, wd, bc1, bc2, grad_scale);
+        adamw_kernel<true, MV><<<blocks, EW_THREADS, 0, c->stream>>>(BF(p), CBF(g), master, m, v, n, vec, lr, b1, b2,
+                                                                     eps, wd, bc1, bc2, grad_scale);
     else
-        adamw_kernel<false><<<blocks, EW_THREADS, 0, c->stream>>>(BF(p), CBF(g), master, m, v, n, vec, lr, b1, b2,
-                                                                  eps, wd, bc1, bc2, grad_scale);
+        adamw_kernel<false, MV><<<blocks, EW_THREADS, 0, c->stream>>>(BF(p), CBF(g), master, m, v, n, vec, lr, b1,
+                                                                      b2, eps, wd, bc1, bc2, grad_scale);
     FM_CUDA_LAUNCH_CHECK();
+}
+
+static void cu_adamw(void *ctx, fm_act *p, const fm_act *g, float *master, void *m, void *v, fm_dtype mv_dtype,
+                     int64_t n, float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
+                     float grad_scale) {
+    fm_cuda_ctx *c = ctx_of(ctx);
+    FM_ASSERT(n >= 0 && (mv_dtype == FM_DTYPE_F32 || mv_dtype == FM_DTYPE_BF16));
+    if (n == 0) return;
+    if (mv_dtype == FM_DTYPE_BF16)
+        adamw_launch<bf16>(c, p, g, master, static_cast<bf16 *>(m), static_cast<bf16 *>(v), n, lr, b1, b2, eps, wd,
+                           bc1, bc2, grad_scale);
+    else
+        adamw_launch<float>(c, p, g, master, static_cast<float *>(m), static_cast<float *>(v), n, lr, b1, b2, eps,
+                            wd, bc1, bc2, grad_scale);
 }
 
 /* ---- memory -------------------------------------------------------------------------------- */
