@@ -36,6 +36,12 @@ done
 c=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --backend cpu --json)
 bnd() { sed -E 's/.*"checkpoint boundaries":([0-9]+).*/\1/' <<<"$1"; }
 [ "$(bnd "$g")" -lt "$(bnd "$c")" ] && ok || bad "bf16 boundaries should be smaller than fp32 ones"
+# OLMoE-1B-7B at 384K on an H200's budget: fp32 moments do not fit and the message names
+# --bf16-moments; with it the plan fits (12 B/param of model state)
+expect_fail "384K OLMoE, fp32 moments" "pass --bf16-moments" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" \
+    --backend cuda --seq-len 393216 --device-mem 141093MiB
+h=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 393216 --device-mem 141093MiB --bf16-moments)
+grep -q "fits in" <<<"$h" && grep -q "12 B/param" <<<"$h" && ok || bad "384K OLMoE with --bf16-moments: $h"
 expect_fail "bad --backend" "expected cpu or cuda" "$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 64 --backend tpu
 expect_fail "bad --device-mem" "unknown unit" "$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 128 --device-mem 12parsecs
 

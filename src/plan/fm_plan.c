@@ -120,6 +120,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     if (lce) hw += 2.0 * (double)c->vocab_size * (double)H; /* the logits formed twice */
     p->flops_hw_token = hw;
     p->tokens_per_step = N * (r->grad_accum > 0 ? r->grad_accum : 1);
+    p->bf16_moments = r->bf16_moments;
 }
 
 static int largest_set(const fm_plan *p) {
@@ -129,9 +130,12 @@ static int largest_set(const fm_plan *p) {
     return best;
 }
 
-static const char *knob_for(int set) {
+static const char *knob_for(const fm_plan *p, int set) {
     switch (set) {
-    case FM_LIVE_MODEL_STATE: return "use a smaller model (optimizer offload and ZeRO-3 are not built yet)";
+    case FM_LIVE_MODEL_STATE:
+        return p->bf16_moments ? "use a smaller model (optimizer offload and ZeRO-3 are not built yet)"
+                               : "pass --bf16-moments (AdamW m and v in bf16: 4 B/param less), or use a smaller model "
+                                 "(optimizer offload and ZeRO-3 are not built yet)";
     case FM_LIVE_BOUNDARIES: return "lower --seq-len or --micro-batch";
     case FM_LIVE_LAYER_ACTS: return "recompute more layers (--recompute full or a list of layer ids)";
     case FM_LIVE_EXPERT: return "lower --moe-chunk-tokens (or set it: chunked MoE keeps one chunk)";
@@ -148,7 +152,7 @@ fm_status fm_plan_check(const fm_plan *p, size_t budget, const char *flag_budget
     if (big < 0 || big >= FM_PLAN_SETS) big = 0;
     return fm_error(FM_ERR_NOMEM, "plan: %.1f MiB needed but %s is %.1f MiB; the largest live set is %s "
                     "(%.1f MiB): %s", p->total / 1048576.0, flag_budget, budget / 1048576.0, set_name(big),
-                    p->bytes[big] / 1048576.0, knob_for(big));
+                    p->bytes[big] / 1048576.0, knob_for(p, big));
 }
 
 fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc, fm_plan *out) {
@@ -212,7 +216,7 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *
         if (p->total <= budget) fprintf(f, "fits in %s GiB (%.1f%% used)\n", b, 100.0 * (double)p->total / (double)budget);
         else {
             int big = largest_set(p);
-            fprintf(f, "DOES NOT FIT in %s GiB: largest live set %s; %s\n", b, set_name(big), knob_for(big));
+            fprintf(f, "DOES NOT FIT in %s GiB: largest live set %s; %s\n", b, set_name(big), knob_for(p, big));
         }
     }
     fprintf(f, "\nFLOPs per token: model %.4g = 6 x N_active (%lld) + 6 x L x (heads x head_dim) x seq-len (causal "

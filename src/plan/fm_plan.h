@@ -51,6 +51,7 @@ typedef struct fm_plan {
     double flops_model_token;       /* 6*N_active + 6*L*nh*hd*T/2*2 (causal) per token */
     double flops_hw_token;          /* + recomputed forwards (layers, MoE chunks) */
     size_t gpu_workspace;           /* CUDA: the cuDNN workspace the run creates (0 on the CPU) */
+    bool bf16_moments;              /* the request's AdamW moments are bf16 */
 } fm_plan;
 
 /* Checks that a shape is one flatmoe can index: B, T >= 1, B*T*top-k routes < 2^31 (int32 route
