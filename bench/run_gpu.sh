@@ -3,7 +3,8 @@
 # backend: train on one H200 in bf16"): OLMoE-1B-7B, micro-batch 1, the given sequence lengths.
 #   bash bench/run_gpu.sh [SEQ_LEN ...]     (default 4096 16384)
 # Environment: FM=0 skips flatmoe, PEER=0 skips the peer, STEPS (default 6; 3 from 64K on),
-# OUTDIR (default /tmp/bench-gpu: each flatmoe run's metrics.jsonl and log, peer.jsonl).
+# OUTDIR (default /tmp/bench-gpu: each flatmoe run's metrics.jsonl and log, peer.jsonl, table.md),
+# APPEND=1 appends the table, with the date, GPU and commit, to bench/RESULTS.md.
 # flatmoe chooses its knobs for the GPU's memory (no --mem-budget: the planner takes the device's
 # free memory less a reserve) and runs with FLATMOE_PROFILE=1 (a per-phase time breakdown per
 # step). bench/gpu_table.py turns OUTDIR into the table of bench/RESULTS.md.
@@ -44,4 +45,16 @@ if [ "${PEER:-1}" = 1 ]; then
         grep -v Warning
 fi
 echo "== table (bench/gpu_table.py $OUTDIR)"
-python3 bench/gpu_table.py "$OUTDIR"
+python3 bench/gpu_table.py "$OUTDIR" | tee "$OUTDIR/table.md"
+if [ "${APPEND:-0}" = 1 ]; then
+    {
+        echo
+        echo "## $(date -u +%F) — bench/run_gpu.sh $LENS (appended by the script)"
+        echo
+        echo "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1);" \
+             "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown); STEPS=${STEPS:-default} FM=${FM:-1} PEER=${PEER:-1}"
+        echo
+        cat "$OUTDIR/table.md"
+    } >> bench/RESULTS.md
+    echo "appended to bench/RESULTS.md"
+fi
