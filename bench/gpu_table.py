@@ -26,7 +26,10 @@ GIB = 1024.0 ** 3
 def flatmoe_runs(outdir):
     runs = {}
     for path in glob.glob(os.path.join(outdir, "fm-*.jsonl")):
-        T = int(re.search(r"fm-(\d+)\.jsonl$", path).group(1))
+        name = re.search(r"fm-(\d+)\.jsonl$", path)
+        if not name:  # not a run of run_gpu.sh (fm-<T>.jsonl)
+            continue
+        T = int(name.group(1))
         steps = [json.loads(l) for l in open(path) if l.strip()]
         steps = [s for s in steps if "tokens_per_s" in s]
         if not steps:
@@ -73,8 +76,15 @@ def main():
     if len(sys.argv) < 2:
         sys.exit("usage: gpu_table.py OUTDIR [PEAK_TFLOPS]")
     outdir = sys.argv[1]
-    peak = float(sys.argv[2]) * 1e12 if len(sys.argv) > 2 else 989e12
+    if not os.path.isdir(outdir):
+        sys.exit(f"gpu_table.py: {outdir} is not a folder; give bench/run_gpu.sh's OUTDIR")
+    try:
+        peak = float(sys.argv[2]) * 1e12 if len(sys.argv) > 2 else 989e12
+    except ValueError:
+        sys.exit(f"gpu_table.py: PEAK_TFLOPS must be a number (e.g. 989), found '{sys.argv[2]}'")
     fm, peer = flatmoe_runs(outdir), peer_runs(outdir)
+    if not fm and not peer:
+        sys.exit(f"gpu_table.py: {outdir} holds no fm-<T>.jsonl and no peer.jsonl (was bench/run_gpu.sh run with OUTDIR={outdir}?)")
     print("| T | system | knobs | tokens/s | vs peer | model TFLOP/s | hw TFLOP/s | MFU | memory | model state | beyond |")
     print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for T in sorted(set(fm) | set(peer)):

@@ -37,6 +37,11 @@ if diff <(fields "$TMP/hstraight/metrics.jsonl") <(fields "$TMP/hsplit/metrics.j
 else bad "bf16 moments: metrics differ between straight and resumed runs"; fi
 cmp -s "$TMP/straight/step_000008/model.safetensors" "$TMP/hstraight/step_000008/model.safetensors" &&
     bad "bf16 moments gave the fp32-moment run's weights" || ok
+# state.json records the moments' dtype; resuming with the other one warns
+grep -Eq '"adam_moments":[[:space:]]*"bf16"' "$TMP/hsplit/step_000008/state.json" && ok || bad "state.json lacks adam_moments bf16"
+"$FM" train "${common[@]}" --bf16-moments --out "$TMP/hswitch" --exit-after 4 || bad "bf16-moments switch run failed"
+w=$("$FM" train "${common[@]}" --out "$TMP/hswitch" --resume 2>&1 >/dev/null)
+grep -q "checkpoint was trained with --bf16-moments" <<<"$w" && ok || bad "no warning when resuming a bf16-moment run with fp32 moments: $w"
 # A damaged newest checkpoint is not skipped silently: --resume refuses, naming it and the file.
 cp -r "$TMP/split" "$TMP/damaged"; rm "$TMP/damaged/step_000008/state.json"
 expect_fail "resume past an incomplete checkpoint" "step_000008 is an incomplete checkpoint (no state.json)" \

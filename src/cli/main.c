@@ -368,7 +368,7 @@ static int cmd_plan(int argc, char **argv) {
         {"attention-tile-kv", F_I64, &tkv, NULL, "CPU attention tile: key columns (64)"},
         {"gpu-workspace", F_STR, &gpu_ws_plan, NULL, "CUDA: bytes of the cuDNN workspace (default: sized by the planner)"},
         {"backend", F_STR, &backend, NULL, "plan for cpu (fp32) or cuda (bf16) (this binary's backend)"},
-        {"bf16-moments", F_BOOL, &bf16m, NULL, "AdamW moments in bf16 (4 instead of 8 bytes per parameter)"},
+        {"bf16-moments", F_BOOL, &bf16m, NULL, "AdamW moments in bf16 (4 instead of 8 bytes per parameter) (off)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
     };
     int r = parse_flags("plan", "--config C --seq-len S [--micro-batch B] [--device-mem BYTES] [flags]", argc, argv, flags,

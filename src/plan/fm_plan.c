@@ -229,10 +229,10 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *
 void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *f) {
     fprintf(f, "{\"model_type\":\"%s\",\"params\":%lld,\"active_params\":%lld,\"micro_batch\":%lld,\"seq_len\":%lld,"
             "\"recomputed_layers\":%lld,\"moe_chunk_tokens\":%lld,\"moe_chunks\":%lld,\"ce_block_tokens\":%lld,"
-            "\"ce_block_vocab\":%lld,\"live_sets\":{",
+            "\"ce_block_vocab\":%lld,\"adam_moments\":\"%s\",\"live_sets\":{",
             r->cfg.model_type_name, (long long)p->n_params, (long long)p->n_active, (long long)r->B, (long long)r->T,
             (long long)p->n_recomputed, (long long)r->moe_chunk_tokens, (long long)p->moe_K,
-            (long long)r->ce_block_tokens, (long long)r->ce_block_vocab);
+            (long long)r->ce_block_tokens, (long long)r->ce_block_vocab, r->bf16_moments ? "bf16" : "fp32");
     for (int i = 0; i < FM_PLAN_SETS; i++) fprintf(f, "%s\"%s\":%zu", i ? "," : "", set_name(i), p->bytes[i]);
     fprintf(f, "},\"total_bytes\":%zu,\"budget_bytes\":%zu,\"fits\":%s,\"flops_per_token_model\":%.6g,"
             "\"flops_per_token_hardware\":%.6g,\"tokens_per_step\":%lld}\n", p->total, budget,

@@ -274,6 +274,7 @@ typedef struct train_state {
     uint64_t data_rng;
     uint64_t seed;
     int64_t seq_len, micro_batch, grad_accum, steps;
+    bool bf16_moments; /* "adam_moments": "bf16" (absent in older checkpoints: fp32) */
 } train_state;
 
 static char *state_to_json(const train_state *s) {
@@ -290,6 +291,7 @@ static char *state_to_json(const train_state *s) {
     cJSON_AddNumberToObject(o, "micro_batch", (double)s->micro_batch);
     cJSON_AddNumberToObject(o, "grad_accum", (double)s->grad_accum);
     cJSON_AddNumberToObject(o, "steps", (double)s->steps);
+    cJSON_AddStringToObject(o, "adam_moments", s->bf16_moments ? "bf16" : "fp32");
     cJSON_AddStringToObject(o, "format", "flatmoe-state-1");
     char *txt = cJSON_Print(o);
     cJSON_Delete(o);
@@ -312,6 +314,8 @@ static fm_status state_from_json(const char *path, train_state *s) {
     s->micro_batch = json_i64(o, "micro_batch", 0);
     s->grad_accum = json_i64(o, "grad_accum", 0);
     s->steps = json_i64(o, "steps", 0);
+    const cJSON *mom = cJSON_GetObjectItemCaseSensitive(o, "adam_moments");
+    s->bf16_moments = cJSON_IsString(mom) && strcmp(mom->valuestring, "bf16") == 0;
     fm_status st = FM_OK;
     if (s->step < 0 || s->opt_step < 0 || !cJSON_IsString(rng) || !cJSON_IsString(seed))
         st = fm_error(FM_ERR_FORMAT, "%s: expected fields step, optimizer_step, data_rng_state and seed", path);
@@ -695,6 +699,11 @@ static fm_status train_impl(run *r) {
                     "checkpoint was trained with %lld/%lld/%lld: the run will not match an uninterrupted one\n",
                     (long long)o->seq_len, (long long)o->micro_batch, (long long)o->grad_accum,
                     (long long)ts.seq_len, (long long)ts.micro_batch, (long long)ts.grad_accum);
+        if (ts.bf16_moments != o->bf16_moments)
+            fprintf(stderr, "warning: resuming with %s Adam moments, but the checkpoint was trained with %s: the run "
+                    "will not match an uninterrupted one (%s to continue it as it was)\n",
+                    o->bf16_moments ? "bf16" : "fp32", ts.bf16_moments ? "--bf16-moments" : "fp32 moments",
+                    ts.bf16_moments ? "pass --bf16-moments" : "drop --bf16-moments");
         if (!o->quiet) printf("resumed from %s (step %lld)\n", ckpt, (long long)ts.step);
     } else {
         FM_TRY(fm_model_init_weights(m, o->seed));
@@ -703,6 +712,7 @@ static fm_status train_impl(run *r) {
     }
     ts.seq_len = o->seq_len;
     ts.micro_batch = o->micro_batch;
+    ts.bf16_moments = o->bf16_moments;
     ts.grad_accum = o->grad_accum;
     ts.steps = o->steps;
 
@@ -730,7 +740,7 @@ static fm_status train_impl(run *r) {
                req.moe_chunk_tokens > 0 ? "chunked" : "unchunked");
         if (req.moe_chunk_tokens > 0) printf(" (%lld chunks of <= %lld tokens)", (long long)plan.moe_K, (long long)plan.moe_c_eff);
         printf(", vocabulary %s", lo.ce_block_tokens > 0 || lo.ce_block_vocab > 0 ? "linear cross-entropy" : "plain logits");
-        printf("\n");
+        printf(", AdamW moments %s\n", o->bf16_moments ? "bf16" : "fp32");
         printf("flops per token: model %.4e, hardware %.4e (with the recomputed forwards)\n", plan.flops_model_token,
                plan.flops_hw_token);
         fflush(stdout);
