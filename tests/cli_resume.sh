@@ -42,6 +42,13 @@ grep -Eq '"adam_moments":[[:space:]]*"bf16"' "$TMP/hsplit/step_000008/state.json
 "$FM" train "${common[@]}" --bf16-moments --out "$TMP/hswitch" --exit-after 4 || bad "bf16-moments switch run failed"
 w=$("$FM" train "${common[@]}" --out "$TMP/hswitch" --resume 2>&1 >/dev/null)
 grep -q "checkpoint was trained with --bf16-moments" <<<"$w" && ok || bad "no warning when resuming a bf16-moment run with fp32 moments: $w"
+# --resume without --steps continues to the run's own total (state.json's steps), not the default
+nosteps=(--config "$cfg" --data "$TEXT" --seq-len 32 --micro-batch 4 --warmup 2 --lr 3e-3 --eval-every 0
+         --eval-batches 1 --threads 2 --quiet)
+"$FM" train "${nosteps[@]}" --steps 6 --exit-after 3 --out "$TMP/nosteps" || bad "nosteps first half failed"
+"$FM" train "${nosteps[@]}" --out "$TMP/nosteps" --resume || bad "nosteps resume failed"
+[ -d "$TMP/nosteps/step_000006" ] && [ "$(wc -l < "$TMP/nosteps/metrics.jsonl")" -eq 6 ] && ok ||
+    bad "--resume without --steps did not stop at the run's 6 steps: $(ls "$TMP/nosteps")"
 # A damaged newest checkpoint is not skipped silently: --resume refuses, naming it and the file.
 cp -r "$TMP/split" "$TMP/damaged"; rm "$TMP/damaged/step_000008/state.json"
 expect_fail "resume past an incomplete checkpoint" "step_000008 is an incomplete checkpoint (no state.json)" \

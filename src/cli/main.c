@@ -129,7 +129,7 @@ static int cmd_train(int argc, char **argv) {
         {"seq-len", F_I64, &o.seq_len, NULL, "tokens per sequence (128)"},
         {"micro-batch", F_I64, &o.micro_batch, NULL, "sequences per micro-batch (16)"},
         {"grad-accum", F_I64, &o.grad_accum, NULL, "micro-batches per optimizer step (1)"},
-        {"steps", F_I64, &o.steps, NULL, "optimizer steps in total (1000)"},
+        {"steps", F_I64, &o.steps, NULL, "optimizer steps in total (1000; with --resume, the run's own total)"},
         {"lr", F_F64, &o.lr, NULL, "peak learning rate (2e-3)"},
         {"min-lr", F_F64, &o.min_lr, NULL, "learning rate at the end of the cosine decay (2e-4)"},
         {"warmup", F_I64, &o.warmup, NULL, "linear warmup steps (50)"},
@@ -162,6 +162,10 @@ static int cmd_train(int argc, char **argv) {
     };
     int r = parse_flags("train", "--config C --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
     if (r) return r == 1 ? 0 : r;
+    bool steps_given = false;
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--steps") || !strncmp(argv[i], "--steps=", 8)) steps_given = true;
+    if (o.resume && !steps_given) o.steps = 0; /* the checkpoint's total (fm_train) */
     o.data = data;
     o.val_data = o.n_val_data ? val : NULL;
     fm_status s;

@@ -857,6 +857,18 @@ static fm_status train_impl(run *r) {
 }
 
 fm_status fm_train(const fm_train_opts *o) {
+    fm_train_opts oo = *o;
+    if (oo.resume && oo.steps == 0) { /* --steps not given: the run's own total, from its latest checkpoint */
+        char ck[4096], p[4200];
+        train_state ts = {0};
+        oo.steps = 1000;
+        if (fm_ckpt_find_latest(oo.out_dir, ck, sizeof ck, NULL) == FM_OK) {
+            snprintf(p, sizeof p, "%s/%s", ck, FM_CKPT_STATE_FILE);
+            if (state_from_json(p, &ts) == FM_OK && ts.steps > 0) oo.steps = ts.steps;
+        }
+        if (!oo.quiet) printf("--resume: --steps %lld (the run's total; --steps sets another)\n", (long long)oo.steps);
+    }
+    o = &oo;
     run r;
     memset(&r, 0, sizeof r);
     r.o = o;

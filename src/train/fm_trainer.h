@@ -13,7 +13,8 @@ typedef struct fm_train_opts {
     const char *const *val_data;  /* --val-data files (NULL: hold out val_fraction of --data) */
     int n_val_data;
     double val_fraction;          /* --val-fraction, default 0.1 */
-    int64_t seq_len, micro_batch, grad_accum, steps;
+    int64_t seq_len, micro_batch, grad_accum;
+    int64_t steps;                /* total optimizer steps; 0 with resume: the checkpoint's (else 1000) */
     double lr, min_lr;
     int64_t warmup;
     double weight_decay, grad_clip, beta1, beta2, adam_eps;
