@@ -179,17 +179,25 @@ static fm_status load_named(fm_model *m, const char *path, const char *prefix, f
     return s;
 }
 
-/* Loads a safetensors file's tensors (with the name prefix) into an fp32 buffer of the backend
- * [n_params] in table layout: directly when the backend's memory is host memory, else through a
- * host staging copy. */
-static fm_status load_fp32(fm_model *m, const char *path, const char *prefix, float *dst) {
-    if (m->be.ops->host_memory) return load_named(m, path, prefix, dst);
+/* Loads a safetensors file's fp32 tensors (with the name prefix) into a backend buffer [n_params]
+ * of dtype in table layout (bf16: rounded to nearest even): directly when the backend's memory is
+ * host memory and dtype fp32, else through a host staging copy. */
+static fm_status load_fp32_as(fm_model *m, const char *path, const char *prefix, void *dst, fm_dtype dtype) {
+    if (m->be.ops->host_memory && dtype == FM_DTYPE_F32) return load_named(m, path, prefix, dst);
     float *stage = fm_malloc(sizeof(float) * (size_t)m->n_params);
     if (!stage) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)m->n_params);
     fm_status s = load_named(m, path, prefix, stage);
-    if (s == FM_OK) m->be.ops->copy(m->be.ctx, dst, stage, sizeof(float) * (size_t)m->n_params, FM_COPY_H2D);
+    if (s == FM_OK && dtype == FM_DTYPE_BF16) {
+        uint16_t *h = (uint16_t *)stage; /* narrowing in increasing order never overtakes the reads */
+        for (int64_t i = 0; i < m->n_params; i++) h[i] = fm_f32_to_bf16(stage[i]);
+    }
+    if (s == FM_OK) m->be.ops->copy(m->be.ctx, dst, stage, fm_dtype_size(dtype) * (size_t)m->n_params, FM_COPY_H2D);
     fm_free(stage);
     return s;
+}
+
+static fm_status load_fp32(fm_model *m, const char *path, const char *prefix, float *dst) {
+    return load_fp32_as(m, path, prefix, dst, FM_DTYPE_F32);
 }
 
 /* Loads the weights into the fp32 master and refreshes the fm_act weights. */
@@ -411,72 +419,35 @@ static void fetch_from_backend(void *ctx, float *buf) {
     for (size_t i = 0; i < n; i++) buf[i] = fm_bf16_to_f32(h[i]);
 }
 
-/* Names the table's tensors of an fp32 buffer (host memory: data pointers; backend memory:
- * fetched one tensor at a time while writing, so no host copy of the whole state is made). */
-static void name_fp32(run *r, const float *base, const char *prefix, int slot) {
+/* Names the table's tensors of a [n_params] buffer of dtype as fp32 tensors (host memory and
+ * fp32: data pointers; otherwise fetched one tensor at a time while writing, bf16 widened
+ * exactly, so no host copy of the whole state is made). */
+static void name_state(run *r, const void *base, fm_dtype dtype, const char *prefix, int slot) {
     fm_model *m = &r->m;
     const int n = m->n_tensors;
-    model_named(m, m->be.ops->host_memory ? base : NULL, prefix, r->named + slot * n, r->names + slot * n);
-    if (m->be.ops->host_memory) return;
+    const bool direct = m->be.ops->host_memory && dtype == FM_DTYPE_F32;
+    model_named(m, direct ? base : NULL, prefix, r->named + slot * n, r->names + slot * n);
+    if (direct) return;
     for (int i = 0; i < n; i++) {
         fetch_src *f = &r->fetch[slot * n + i];
         f->be = &m->be;
-        f->src = base + m->table[i].offset;
+        f->src = (const char *)base + (size_t)m->table[i].offset * fm_dtype_size(dtype);
         f->numel = m->table[i].numel;
-        f->bf16 = false;
+        f->bf16 = dtype == FM_DTYPE_BF16;
         r->named[slot * n + i].data = NULL;
         r->named[slot * n + i].fetch = fetch_from_backend;
         r->named[slot * n + i].fetch_ctx = f;
     }
-}
-
-/* The Adam moments as fp32 tensors: name_fp32 for fp32 moments; bf16 moments are fetched one
- * tensor at a time and widened (exactly), so checkpoints always hold fp32 moments. */
-static void name_moments(run *r, const void *base, const char *prefix, int slot) {
-    fm_model *m = &r->m;
-    if (r->opt.moments_dtype == FM_DTYPE_F32) {
-        name_fp32(r, base, prefix, slot);
-        return;
-    }
-    const int n = m->n_tensors;
-    model_named(m, NULL, prefix, r->named + slot * n, r->names + slot * n);
-    for (int i = 0; i < n; i++) {
-        fetch_src *f = &r->fetch[slot * n + i];
-        f->be = &m->be;
-        f->src = (const uint16_t *)base + m->table[i].offset;
-        f->numel = m->table[i].numel;
-        f->bf16 = true;
-        r->named[slot * n + i].data = NULL;
-        r->named[slot * n + i].fetch = fetch_from_backend;
-        r->named[slot * n + i].fetch_ctx = f;
-    }
-}
-
-/* Loads fp32 moments from a checkpoint into the optimizer's m or v (narrowed to bf16, to
- * nearest even, when the run keeps bf16 moments: exact for moments a bf16 run saved). */
-static fm_status load_moments(run *r, const char *path, const char *prefix, void *dst) {
-    fm_model *m = &r->m;
-    if (r->opt.moments_dtype == FM_DTYPE_F32) return load_fp32(m, path, prefix, dst);
-    float *stage = fm_malloc(sizeof(float) * (size_t)m->n_params);
-    if (!stage) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)m->n_params);
-    fm_status s = load_named(m, path, prefix, stage);
-    if (s == FM_OK) {
-        uint16_t *h = (uint16_t *)stage; /* narrowing in increasing order never overtakes the reads */
-        for (int64_t i = 0; i < m->n_params; i++) h[i] = fm_f32_to_bf16(stage[i]);
-        m->be.ops->copy(m->be.ctx, dst, h, 2 * (size_t)m->n_params, FM_COPY_H2D);
-    }
-    fm_free(stage);
-    return s;
 }
 
 static fm_status save_checkpoint(run *r, const train_state *ts) {
     fm_model *m = &r->m;
     const int n = m->n_tensors;
     /* fp32 master (as model.safetensors and master.*), m, v */
-    name_fp32(r, m->master, "", 0);
-    name_fp32(r, m->master, "master.", 1);
-    name_moments(r, r->opt.m, "exp_avg.", 2);
-    name_moments(r, r->opt.v, "exp_avg_sq.", 3);
+    name_state(r, m->master, FM_DTYPE_F32, "", 0);
+    name_state(r, m->master, FM_DTYPE_F32, "master.", 1);
+    name_state(r, r->opt.m, r->opt.moments_dtype, "exp_avg.", 2); /* bf16 moments: widened */
+    name_state(r, r->opt.v, r->opt.moments_dtype, "exp_avg_sq.", 3);
     char *state = state_to_json(ts);
     fm_status s = state ? FM_OK : fm_error(FM_ERR_NOMEM, "out of memory writing state.json");
     char dir[4096];
@@ -497,8 +468,9 @@ static fm_status load_checkpoint(run *r, const char *dir, train_state *ts) {
     FM_TRY(load_fp32(&r->m, path, "master.", r->m.master));
     if ((void *)r->m.master != (void *)r->m.params)
         r->m.be.ops->convert(r->m.be.ctx, r->m.params, FM_ACT_DTYPE, r->m.master, FM_DTYPE_F32, r->m.n_params);
-    FM_TRY(load_moments(r, path, "exp_avg.", r->opt.m));
-    FM_TRY(load_moments(r, path, "exp_avg_sq.", r->opt.v));
+    /* bf16 moments: narrowed to nearest even, exact for moments a bf16 run saved */
+    FM_TRY(load_fp32_as(&r->m, path, "exp_avg.", r->opt.m, r->opt.moments_dtype));
+    FM_TRY(load_fp32_as(&r->m, path, "exp_avg_sq.", r->opt.v, r->opt.moments_dtype));
     r->opt.step = ts->opt_step;
     return FM_OK;
 }

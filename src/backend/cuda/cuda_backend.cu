@@ -197,74 +197,68 @@ static int64_t expert_own_call_rows(void) {
     return rows;
 }
 
-/* The three expert products, one kind per call. kind 0: y_e = x_e W_e^T; 1: dx_e = beta dx_e +
- * dy_e W_e; 2: dW_e += dy_e^T x_e. An expert with m_e >= expert_own_call_rows() rows gets its own
- * cu_gemm (y, dx: over a multiple of FM_CUDA_OWN_CALL_QUANTUM rows, the rest grouped); the rest go
- * FM_CUDA_GROUP_MAX at a time into grouped calls. */
+/* One expert product over rows [r, r+mm) of expert e, in cu_gemm's row-major terms. kind 0:
+ * y_e = x_e W_e^T ([mm,in] x [out,in]^T); 1: dx_e = beta dx_e + dy_e W_e ([mm,out] x [out,in]);
+ * 2: dW_e += dy_e^T x_e ([mm,out]^T x [mm,in]; B is x and C is dW). Transposes and row strides
+ * depend on the kind only. */
+struct expert_problem {
+    const void *a, *b;
+    void *c;
+    int64_t M, N, K;
+};
+
+static expert_problem expert_rows(int kind, fm_act *C, const fm_act *A, const fm_act *B, int64_t e, int64_t r,
+                                  int64_t mm, int64_t in, int64_t out) {
+    const fm_act *We = B + e * out * in;
+    if (kind == 0) return {A + r * in, We, C + r * out, mm, out, in};
+    if (kind == 1) return {A + r * out, We, C + r * in, mm, in, out};
+    return {A + r * out, B + r * in, C + e * out * in, out, in, mm};
+}
+
+/* The three expert products, one kind per call (expert_rows). An expert with m_e >=
+ * expert_own_call_rows() rows gets its own cu_gemm (y, dx: over a multiple of
+ * FM_CUDA_OWN_CALL_QUANTUM rows, the rest grouped); the rest go FM_CUDA_GROUP_MAX at a time into
+ * grouped calls. */
 static void expert_gemm(void *ctx, int kind, fm_act *C, const fm_act *A, const fm_act *B, float beta,
                         const int64_t *off, int64_t E, int64_t in, int64_t out) {
     fm_cuda_ctx *c = ctx_of(ctx);
     FM_ASSERT(in >= 1 && out >= 1 && in <= INT_MAX && out <= INT_MAX && off[0] == 0);
+    const bool ta = kind == 2, tb = kind == 0;
+    const int64_t lda = kind == 0 ? in : out, ldb = in, ldc = kind == 0 ? out : in;
+    const float cbeta = kind == 0 ? 0.0f : kind == 1 ? beta : 1.0f;
     const int64_t own = expert_own_call_rows();
     group_ptrs p;
     int M[FM_CUDA_GROUP_MAX], N[FM_CUDA_GROUP_MAX], K[FM_CUDA_GROUP_MAX];
     int n = 0;
-    for (int64_t e = 0; e <= E; e++) {
-        if (e < E) {
-            const int64_t r0 = off[e], m = off[e + 1] - r0;
-            FM_ASSERT(m >= 0 && m <= INT_MAX);
-            if (m == 0) continue;
-            const fm_act *We = B + e * out * in;
-            if (m >= own) {
-                /* y and dx: its own call over the first mo rows, a multiple of
-                 * FM_CUDA_OWN_CALL_QUANTUM in the default form so that few distinct shapes reach
-                 * cuBLAS's heuristics (measured at 4K: experts 61-89 ms a step without, 45-53 with);
-                 * the last m - mo rows join the grouped call. dW takes all m rows in one call: a
-                 * remainder call would read and write the whole dW_e again (measured 25% slower at
-                 * ~2048 rows per expert). */
-                const int64_t q = (own == 1 || kind == 2) ? 1 : FM_CUDA_OWN_CALL_QUANTUM, mo = m / q * q;
-                if (kind == 0)
-                    cu_gemm(ctx, false, true, mo, out, in, 1.0f, A + r0 * in, in, We, in, 0.0f, C + r0 * out,
-                            FM_DTYPE_BF16, out);
-                else if (kind == 1)
-                    cu_gemm(ctx, false, false, mo, in, out, 1.0f, A + r0 * out, out, We, in, beta, C + r0 * in,
-                            FM_DTYPE_BF16, in);
-                else
-                    cu_gemm(ctx, true, false, out, in, mo, 1.0f, A + r0 * out, out, B + r0 * in, in, 1.0f,
-                            C + e * out * in, FM_DTYPE_BF16, in);
-                if (mo == m) continue;
-                {
-                    const int64_t ri = r0 + mo, w_in = kind == 0 ? in : out, w_out = kind == 0 ? out : in;
-                    p.a[n] = A + ri * w_in, p.b[n] = We, p.c[n] = C + ri * w_out;
-                    M[n] = (int)(m - mo), N[n] = (int)w_out, K[n] = (int)w_in;
-                }
-                n++;
-                if (n < FM_CUDA_GROUP_MAX) continue;
-                goto flush;
-            }
-            if (kind == 0) { /* [m,in] x [out,in]^T -> [m,out] */
-                p.a[n] = A + r0 * in, p.b[n] = We, p.c[n] = C + r0 * out;
-                M[n] = (int)m, N[n] = (int)out, K[n] = (int)in;
-            } else if (kind == 1) { /* [m,out] x [out,in] -> [m,in] */
-                p.a[n] = A + r0 * out, p.b[n] = We, p.c[n] = C + r0 * in;
-                M[n] = (int)m, N[n] = (int)in, K[n] = (int)out;
-            } else { /* [m,out]^T x [m,in] -> [out,in]; here B is x and C is dW */
-                p.a[n] = A + r0 * out, p.b[n] = B + r0 * in, p.c[n] = C + e * out * in;
-                M[n] = (int)out, N[n] = (int)in, K[n] = (int)m;
-            }
-            n++;
-            if (n < FM_CUDA_GROUP_MAX) continue;
-        }
-    flush:
-        if (n == 0) continue;
-        if (kind == 0)
-            grouped_call(c, false, true, n, M, N, K, 1.0f, p, (int)in, (int)in, 0.0f, (int)out);
-        else if (kind == 1)
-            grouped_call(c, false, false, n, M, N, K, 1.0f, p, (int)out, (int)in, beta, (int)in);
-        else
-            grouped_call(c, true, false, n, M, N, K, 1.0f, p, (int)out, (int)in, 1.0f, (int)in);
+    auto flush = [&]() {
+        if (n) grouped_call(c, ta, tb, n, M, N, K, 1.0f, p, (int)lda, (int)ldb, cbeta, (int)ldc);
         n = 0;
+    };
+    auto group = [&](const expert_problem &q) {
+        p.a[n] = q.a, p.b[n] = q.b, p.c[n] = q.c;
+        M[n] = (int)q.M, N[n] = (int)q.N, K[n] = (int)q.K;
+        if (++n == FM_CUDA_GROUP_MAX) flush();
+    };
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t r0 = off[e], m = off[e + 1] - r0;
+        FM_ASSERT(m >= 0 && m <= INT_MAX);
+        if (m == 0) continue;
+        int64_t mo = 0;
+        if (m >= own) {
+            /* y and dx: its own call over the first mo rows, a multiple of FM_CUDA_OWN_CALL_QUANTUM
+             * in the default form so that few distinct shapes reach cuBLAS's heuristics (measured
+             * at 4K: experts 61-89 ms a step without, 45-53 with); the last m - mo rows join the
+             * grouped call. dW takes all m rows in one call: a remainder call would read and write
+             * the whole dW_e again (measured 25% slower at ~2048 rows per expert). */
+            const int64_t qn = (own == 1 || kind == 2) ? 1 : FM_CUDA_OWN_CALL_QUANTUM;
+            mo = m / qn * qn;
+            const expert_problem q = expert_rows(kind, C, A, B, e, r0, mo, in, out);
+            cu_gemm(ctx, ta, tb, q.M, q.N, q.K, 1.0f, static_cast<const fm_act *>(q.a), lda,
+                    static_cast<const fm_act *>(q.b), ldb, cbeta, q.c, FM_DTYPE_BF16, ldc);
+        }
+        if (mo < m) group(expert_rows(kind, C, A, B, e, r0 + mo, m - mo, in, out));
     }
+    flush();
 }
 
 static void cu_expert_linear_fwd(void *ctx, fm_act *y, const fm_act *x, const fm_act *W, const int64_t *offsets,
