@@ -301,6 +301,11 @@ typedef struct fm_ops {
     void (*convert)(void *ctx, void *dst, fm_dtype dst_type, const void *src, fm_dtype src_type, int64_t n);
     /* Waits for everything issued so far (a no-op on the CPU). */
     void (*sync)(void *ctx);
+    /* Times the host has waited for the device since creation: every sync, every copy (they are
+     * synchronous), every op that reads a result back (sumsq, router_stats, cross_entropy,
+     * lce_finalize, moe_route_index), and profiling's event waits. 0 on the CPU, which has no
+     * device to wait for. The trainer prints the count per step. */
+    uint64_t (*host_sync_count)(void *ctx);
 
     /* ---- profiling: where a step's time goes. Enabled when the environment has
      * FLATMOE_PROFILE=1 at backend creation; otherwise both are no-ops (collect returns false).

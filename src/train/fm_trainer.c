@@ -723,6 +723,7 @@ static fm_status train_impl(run *r) {
     const double t0 = now_s();
     const int64_t first = ts.step + 1;
     int64_t ran = 0;
+    uint64_t syncs0 = m->be.ops->host_sync_count(m->be.ctx);
     for (int64_t step = first; step <= o->steps; step++) {
         const double ts0 = now_s();
         fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
@@ -754,6 +755,7 @@ static fm_status train_impl(run *r) {
         double phase_ms[FM_PHASE_COUNT];
         const bool profiled = m->be.ops->prof_collect(m->be.ctx, phase_ms);
         fm_phase_mark(&m->be, FM_PHASE_OTHER);
+        const uint64_t syncs1 = m->be.ops->host_sync_count(m->be.ctx), step_syncs = syncs1 - syncs0;
         ts.step = step;
         ts.opt_step = r->opt.step;
         ts.tokens_seen += tokens_per_step;
@@ -782,7 +784,7 @@ static fm_status train_impl(run *r) {
                 for (int i = 0; i < FM_PHASE_COUNT; i++)
                     printf("%s %s %.1f (%.0f%%)", i ? "," : "", fm_phase_name(i), phase_ms[i],
                            tot > 0 ? 100.0 * phase_ms[i] / tot : 0.0);
-                printf("\n");
+                printf("; host syncs %llu\n", (unsigned long long)step_syncs);
             }
             fflush(stdout);
         }
@@ -790,6 +792,7 @@ static fm_status train_impl(run *r) {
                 "\"grad_norm\":%.17g,\"tokens\":%lld,\"tokens_per_s\":%.1f,\"step_s\":%.6f,\"elapsed_s\":%.3f",
                 (long long)step, ce, aux, z, lr, gnorm, (long long)ts.tokens_seen, tok_s, step_s, elapsed);
         if (!isnan(val)) fprintf(r->metrics, ",\"val_loss\":%.17g", val);
+        fprintf(r->metrics, ",\"host_syncs\":%llu", (unsigned long long)step_syncs);
         if (profiled) {
             fprintf(r->metrics, ",\"phase_ms\":{");
             for (int i = 0; i < FM_PHASE_COUNT; i++)
@@ -824,6 +827,7 @@ static fm_status train_impl(run *r) {
             FM_TRY(save_checkpoint(r, &ts));
         }
         if (o->exit_after > 0 && ran == o->exit_after) break;
+        syncs0 = m->be.ops->host_sync_count(m->be.ctx); /* evaluation, reports and saving are not the step's */
     }
     return FM_OK;
 }

@@ -373,6 +373,7 @@ static void cpu_convert(void *ctx, void *dst, fm_dtype dst_type, const void *src
 }
 
 static void cpu_sync(void *ctx) { (void)ctx; }
+static uint64_t cpu_host_sync_count(void *ctx) { (void)ctx; return 0; }
 
 /* ---- the table, init, free ---------------------------------------------------------------- */
 
@@ -438,6 +439,7 @@ static const fm_ops fm_cpu_ops = {
     .copy = cpu_copy,
     .convert = cpu_convert,
     .sync = cpu_sync,
+    .host_sync_count = cpu_host_sync_count,
     .lce_fold = fm_cpu_lce_fold,
     .lce_finalize = fm_cpu_lce_finalize,
     .lce_strip_grad = fm_cpu_lce_strip_grad,

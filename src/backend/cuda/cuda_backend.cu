@@ -370,6 +370,7 @@ static double cu_sumsq(void *ctx, const fm_act *x, int64_t n) {
     FM_CUDA_LAUNCH_CHECK();
     FM_CUDA_CHECK(cudaMemcpyAsync(c->host_scratch, out, sizeof(double), cudaMemcpyDeviceToHost, c->stream));
     FM_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    c->host_syncs++;
     double r;
     memcpy(&r, c->host_scratch, sizeof r);
     return r;
@@ -882,6 +883,7 @@ static void cu_copy(void *ctx, void *dst, const void *src, size_t bytes, fm_copy
                                                    : cudaMemcpyDeviceToDevice;
     FM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, k, c->stream));
     FM_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    c->host_syncs++;
 }
 
 __global__ void f32_to_bf16_kernel(bf16 *dst, const float *src, int64_t n) {
@@ -915,7 +917,12 @@ static void cu_convert(void *ctx, void *dst, fm_dtype dst_type, const void *src,
     FM_CUDA_LAUNCH_CHECK();
 }
 
-static void cu_sync(void *ctx) { FM_CUDA_CHECK(cudaStreamSynchronize(ctx_of(ctx)->stream)); }
+static void cu_sync(void *ctx) {
+    FM_CUDA_CHECK(cudaStreamSynchronize(ctx_of(ctx)->stream));
+    ctx_of(ctx)->host_syncs++;
+}
+
+static uint64_t cu_host_sync_count(void *ctx) { return ctx_of(ctx)->host_syncs; }
 
 /* ---- profiling: events at phase marks ------------------------------------------------------- */
 
@@ -924,6 +931,7 @@ static void cu_sync(void *ctx) { FM_CUDA_CHECK(cudaStreamSynchronize(ctx_of(ctx)
 static void prof_fold(fm_cuda_ctx *c) {
     if (c->prof_n < 1) return;
     FM_CUDA_CHECK(cudaEventSynchronize(c->prof_ev[c->prof_n - 1]));
+    c->host_syncs++;
     for (int i = 1; i < c->prof_n; i++) {
         float ms = 0;
         FM_CUDA_CHECK(cudaEventElapsedTime(&ms, c->prof_ev[i - 1], c->prof_ev[i]));
@@ -1000,6 +1008,7 @@ static fm_ops make_cuda_ops(void) {
     o.copy = cu_copy;
     o.convert = cu_convert;
     o.sync = cu_sync;
+    o.host_sync_count = cu_host_sync_count;
     o.prof_mark = cu_prof_mark;
     o.prof_collect = cu_prof_collect;
     return o;

@@ -32,6 +32,7 @@ typedef struct fm_cuda_ctx {
     unsigned char *prof_phase;     /* [prof_cap]: the phase that starts at each event */
     int prof_n, prof_cap;
     double prof_acc[FM_PHASE_COUNT]; /* milliseconds per phase folded so far */
+    uint64_t host_syncs;           /* times the host waited for the stream (host_sync_count) */
 } fm_cuda_ctx;
 
 #define FM_CUDA_SCRATCH_BYTES ((size_t)16 << 20)

@@ -1035,6 +1035,7 @@ inline int row_threads(int64_t vecs, int maxt) {
 const void *fetch(fm_cuda_ctx *c, const void *dev, size_t bytes) {
     FM_CUDA_CHECK(cudaMemcpyAsync(c->host_scratch, dev, bytes, cudaMemcpyDeviceToHost, c->stream));
     FM_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    c->host_syncs++;
     return c->host_scratch;
 }
 
@@ -1111,6 +1112,7 @@ double fm_cuda_router_stats(void *ctx, float *count, float *prob_sum, const floa
     FM_CUDA_LAUNCH_CHECK();
     if (nb == 0) {
         FM_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+        c->host_syncs++;
         return 0.0;
     }
     const double *pz = (const double *)fetch(c, part_z, (size_t)nb * sizeof(double));
