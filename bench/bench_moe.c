@@ -13,7 +13,7 @@
 #include <omp.h>
 
 #include "backend/cpu/fm_backend_cpu.h"
-#include "bounded/fm_moe_dispatch.h"
+#include "model/fm_moe_layer.h"
 #include "core/fm_rng.h"
 
 static double now(void) {

@@ -8,6 +8,7 @@
 #include "core/fm_rng.h"
 #include "fm_test.h"
 #include "model/fm_model.h"
+#include "schedule/fm_schedule.h"
 
 static fm_backend g_be;
 
@@ -125,21 +126,21 @@ static void fill_batch(fm_model *m, uint64_t seed) {
 
 static double total_loss(fm_model *m) {
     fm_loss l;
-    fm_model_forward(m, true, &l);
+    fm_schedule_default_forward(m, true, &l);
     return l.ce + l.aux + l.z;
 }
 
 static bool same_routing(fm_model *m, int32_t *saved) {
     const int64_t nk = m->N * m->cfg.num_experts_per_tok;
     for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++)
-        if (memcmp(saved + l * nk, m->acts[l].topk_idx, sizeof(int32_t) * (size_t)nk)) return false;
+        if (memcmp(saved + l * nk, m->acts[l].router.topk_idx, sizeof(int32_t) * (size_t)nk)) return false;
     return true;
 }
 
 static void save_routing(fm_model *m, int32_t *saved) {
     const int64_t nk = m->N * m->cfg.num_experts_per_tok;
     for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++)
-        memcpy(saved + l * nk, m->acts[l].topk_idx, sizeof(int32_t) * (size_t)nk);
+        memcpy(saved + l * nk, m->acts[l].router.topk_idx, sizeof(int32_t) * (size_t)nk);
 }
 
 /* For every tensor: the directional derivative along a random unit direction by central
@@ -153,8 +154,8 @@ static void check_model_grad(fm_config cfg, const char *label, uint64_t seed) {
     fill_batch(&m, seed + 1);
     memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
     fm_loss base;
-    fm_model_forward(&m, true, &base);
-    fm_model_backward(&m, 1.0f);
+    fm_schedule_default_forward(&m, true, &base);
+    fm_schedule_default_backward(&m, 1.0f);
     const int64_t nk = m.N * cfg.num_experts_per_tok;
     int32_t *routing = fm_malloc(sizeof(int32_t) * (size_t)(nk * cfg.num_hidden_layers));
     save_routing(&m, routing);
@@ -221,8 +222,8 @@ static void test_recompute_exact(void) {
         fill_batch(&m, 8);
         memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
         fm_loss l;
-        fm_model_forward(&m, true, &l);
-        fm_model_backward(&m, 1.0f);
+        fm_schedule_default_forward(&m, true, &l);
+        fm_schedule_default_backward(&m, 1.0f);
         if (s == 0) {
             ref = fm_malloc(sizeof(float) * (size_t)m.n_params);
             memcpy(ref, m.grads, sizeof(float) * (size_t)m.n_params);
@@ -259,15 +260,15 @@ static void test_accumulation(void) {
     for (int b = 0; b < 2; b++) {
         fill_batch(&m, 100 + b);
         memset(m.grads, 0, bytes);
-        fm_model_forward(&m, true, NULL);
-        fm_model_backward(&m, 1.0f);
+        fm_schedule_default_forward(&m, true, NULL);
+        fm_schedule_default_backward(&m, 1.0f);
         memcpy(b ? g2 : g1, m.grads, bytes);
     }
     memset(m.grads, 0, bytes);
     for (int b = 0; b < 2; b++) {
         fill_batch(&m, 100 + b);
-        fm_model_forward(&m, true, NULL);
-        fm_model_backward(&m, 0.5f);
+        fm_schedule_default_forward(&m, true, NULL);
+        fm_schedule_default_backward(&m, 0.5f);
     }
     double maxerr = 0, maxg = 0;
     for (int64_t i = 0; i < m.n_params; i++) {
@@ -296,7 +297,7 @@ static void test_all_tokens_one_expert(void) {
     fill_batch(&m, 12);
     memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
     fm_loss l;
-    fm_model_forward(&m, true, &l);
+    fm_schedule_default_forward(&m, true, &l);
     CHECK(isfinite(l.ce) && isfinite(l.aux));
     for (int64_t lay = 0; lay < cfg.num_hidden_layers; lay++) {
         CHECK(m.acts[lay].moe.offsets[1] == m.N);
@@ -304,7 +305,7 @@ static void test_all_tokens_one_expert(void) {
     }
     /* aux = coef * E * sum f_e P_e with f_0 = 1, P_e = 1/E: coef */
     CHECK_CLOSE(l.aux, cfg.router_aux_loss_coef, 1e-6);
-    fm_model_backward(&m, 1.0f);
+    fm_schedule_default_backward(&m, 1.0f);
     const int64_t H = cfg.hidden_size, I = cfg.moe_intermediate_size;
     for (int64_t lay = 0; lay < cfg.num_hidden_layers; lay++) {
         const fm_layer_ptrs *g = &m.g.layers[lay];
@@ -360,10 +361,10 @@ static void run_step(fm_config *cfg, int64_t B, int64_t T, int64_t chunk, const 
     fill_batch(&m, 6);
     memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
     fm_loss l;
-    if (g_fused) fm_model_train_step(&m, 1.0f, &l);
+    if (g_fused) fm_schedule_default_train_step(&m, 1.0f, &l);
     else {
-        fm_model_forward(&m, true, &l);
-        fm_model_backward(&m, 1.0f);
+        fm_schedule_default_forward(&m, true, &l);
+        fm_schedule_default_backward(&m, 1.0f);
     }
     *loss_out = l.ce + l.aux + l.z;
     /* every arena a step fills: its measured (painted) high-water mark within [90%, 100%] of the

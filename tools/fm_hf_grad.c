@@ -17,6 +17,7 @@
 #include "backend/fm_backend_default.h"
 #include "io/fm_safetensors.h"
 #include "train/fm_trainer.h"
+#include "schedule/fm_schedule.h"
 
 static int die(const char *what) {
     fprintf(stderr, "fm_hf_grad: %s: %s\n", what, fm_errmsg());
@@ -56,12 +57,12 @@ int main(int argc, char **argv) {
     /* logits first (forward without targets keeps them), then the training forward/backward */
     const int64_t V = cfg.vocab_size;
     float *logits = fm_malloc(sizeof(float) * (size_t)(B * T * V));
-    fm_model_forward(&m, false, NULL);
+    fm_schedule_default_forward(&m, false, NULL);
     for (int64_t r = 0; r < B * T; r++) fm_model_logits_row(&m, r, logits + r * V);
     be.ops->mem_set(be.ctx, m.grads, 0, sizeof(fm_act) * (size_t)m.n_params);
     fm_loss l;
-    fm_model_forward(&m, true, &l);
-    fm_model_backward(&m, 1.0f);
+    fm_schedule_default_forward(&m, true, &l);
+    fm_schedule_default_backward(&m, 1.0f);
     float loss = (float)l.ce;
 
     /* gradients to the host in fp32 (bf16 in the CUDA build: the high half of the fp32 bits) */

@@ -1,5 +1,7 @@
 #include "fm_moe_dispatch.h"
 
+#include <string.h>
+
 /* Bound (see the header; a = sizeof(fm_act)): a dispatch over n tokens holds
  *   routes(n) = row_route, route_row 2*n*k*4 + xe, ye 2*n*k*H*a  (+ the host offsets (E+1)*8)
  *               + h_gate, h_up, h_act 3*n*k*I*a
@@ -74,88 +76,56 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
     }
 }
 
-/* ---- one dispatch over n tokens -------------------------------------------------------------- */
+/* ---- the dispatcher's phases --------------------------------------------------------------- */
 
-/* Permute x [n,H] by expert into r, run the experts; with y != NULL combine into y [n,H]. Each
- * expert projection is one grouped call over all experts (fm_expert_linear_*): an expert with no
- * rows gets no GEMM and a zero weight gradient. */
-static void dispatch_fwd(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_routes *r,
-                         fm_act *y, const fm_act *x, const int32_t *idx, const float *wts, int64_t n) {
-    const int64_t H = d->H, I = d->I, E = d->E, k = d->k, R = n * k;
+void fm_moe_dispatch(const fm_backend *be, const fm_moe_dims *d, fm_moe_routes *r, const fm_act *x,
+                     const int32_t *topk_idx, int64_t n) {
     fm_phase_mark(be, FM_PHASE_DISPATCH);
-    be->ops->moe_route_index(be->ctx, r->offsets, r->row_route, r->route_row, idx, n, E, k);
-    be->ops->moe_gather(be->ctx, r->xe, x, r->row_route, R, k, H);
-    fm_phase_mark(be, FM_PHASE_EXPERTS);
-    fm_expert_linear_fwd(be, r->h_gate, r->xe, w->w_gate, r->offsets, E, H, I);
-    fm_expert_linear_fwd(be, r->h_up, r->xe, w->w_up, r->offsets, E, H, I);
-    /* elementwise: one launch over every expert's rows */
-    be->ops->swiglu_fwd(be->ctx, r->h_act, r->h_gate, r->h_up, R * I);
-    fm_expert_linear_fwd(be, r->ye, r->h_act, w->w_down, r->offsets, E, I, H);
-    fm_phase_mark(be, FM_PHASE_DISPATCH);
-    if (y) be->ops->moe_combine_fwd(be->ctx, y, r->ye, wts, r->route_row, n, k, H);
+    if (n == 0) {
+        memset(r->offsets, 0, sizeof(int64_t) * (size_t)(d->E + 1));
+        return;
+    }
+    be->ops->moe_route_index(be->ctx, r->offsets, r->row_route, r->route_row, topk_idx, n, d->E, d->k);
+    be->ops->moe_gather(be->ctx, r->xe, x, r->row_route, n * d->k, d->k, d->H);
 }
 
-/* Backward of dispatch_fwd from dy [n,H]: dx [n,H], dtopk_w [n,k] assigned. */
-static void dispatch_bwd(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, const fm_moe_grads *g,
-                         const fm_moe_routes *r, fm_moe_ws *ws, fm_act *dx, float *dtopk_w, const fm_act *dy,
-                         const float *wts, int64_t n) {
-    const int64_t H = d->H, I = d->I, E = d->E, k = d->k, R = n * k;
+void fm_moe_combine(const fm_backend *be, const fm_moe_dims *d, const fm_moe_routes *r, fm_act *y,
+                    const float *topk_w, int64_t n) {
     fm_phase_mark(be, FM_PHASE_DISPATCH);
-    be->ops->moe_combine_bwd(be->ctx, ws->dye, dtopk_w, dy, r->ye, wts, r->route_row, n, k, H);
-    fm_phase_mark(be, FM_PHASE_EXPERTS);
-    fm_expert_linear_bwd(be, ws->dact, 0.0f, g->w_down, ws->dye, r->h_act, w->w_down, r->offsets, E, I, H);
-    be->ops->swiglu_bwd(be->ctx, ws->dh_gate, ws->dh_up, ws->dact, r->h_gate, r->h_up, R * I);
-    fm_expert_linear_bwd(be, ws->dxe, 0.0f, g->w_gate, ws->dh_gate, r->xe, w->w_gate, r->offsets, E, H, I);
-    fm_expert_linear_bwd(be, ws->dxe, 1.0f, g->w_up, ws->dh_up, r->xe, w->w_up, r->offsets, E, H, I);
-    fm_phase_mark(be, FM_PHASE_DISPATCH);
-    be->ops->moe_gather_bwd(be->ctx, dx, ws->dxe, r->route_row, n, k, H);
+    if (n > 0) be->ops->moe_combine_fwd(be->ctx, y, r->ye, topk_w, r->route_row, n, d->k, d->H);
 }
 
-/* Gathers chunk j's tokens (tok = its slice of the chunk-major order) and their top-k rows. */
-static void gather_chunk(const fm_backend *be, const fm_moe_dims *d, fm_moe_ws *ws, const fm_act *x,
+void fm_moe_combine_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_routes *r, fm_act *dye,
+                             float *dtopk_w, const fm_act *dy, const float *topk_w, int64_t n) {
+    fm_phase_mark(be, FM_PHASE_DISPATCH);
+    if (n > 0) be->ops->moe_combine_bwd(be->ctx, dye, dtopk_w, dy, r->ye, topk_w, r->route_row, n, d->k, d->H);
+}
+
+void fm_moe_dispatch_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_routes *r, fm_act *dx,
+                              const fm_act *dxe, int64_t n) {
+    fm_phase_mark(be, FM_PHASE_DISPATCH);
+    if (n > 0) be->ops->moe_gather_bwd(be->ctx, dx, dxe, r->route_row, n, d->k, d->H);
+}
+
+/* ---- the chunk schedule ---------------------------------------------------------------------- */
+
+int64_t fm_moe_chunk_size(int64_t N, int64_t K, int64_t j) { return j >= N ? 0 : (N - j + K - 1) / K; }
+
+void fm_moe_chunk_gather(const fm_backend *be, const fm_moe_dims *d, fm_moe_ws *ws, const fm_act *x,
                          const int32_t *topk_idx, const float *topk_w, const int32_t *tok, int64_t n) {
     fm_phase_mark(be, FM_PHASE_DISPATCH);
+    if (n == 0) return;
     be->ops->gather_rows(be->ctx, ws->xc, x, tok, n, d->H * (int64_t)sizeof(fm_act));
     be->ops->gather_rows(be->ctx, ws->topk_idx, topk_idx, tok, n, d->k * (int64_t)sizeof(int32_t));
     be->ops->gather_rows(be->ctx, ws->topk_w, topk_w, tok, n, d->k * (int64_t)sizeof(float));
 }
 
-void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_act *y,
-                    const fm_act *x, const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
-                    const int32_t *chunk_tokens, fm_moe_routes *saved, fm_moe_ws *ws) {
-    if (saved) {
-        dispatch_fwd(be, d, w, saved, y, x, topk_idx, topk_w, N);
-        return;
-    }
-    for (int64_t j = 0, start = 0; j < K; j++) {
-        const int64_t n = (N - j + K - 1) / K;
-        const int32_t *tok = chunk_tokens + start;
-        start += n;
-        if (n <= 0) continue;
-        gather_chunk(be, d, ws, x, topk_idx, topk_w, tok, n);
-        dispatch_fwd(be, d, w, &ws->r, ws->yc, ws->xc, ws->topk_idx, ws->topk_w, n);
-        be->ops->scatter_rows(be->ctx, y, ws->yc, tok, n, d->H * (int64_t)sizeof(fm_act));
-    }
+void fm_moe_chunk_gather_rows(const fm_backend *be, void *dst, const void *src, const int32_t *tok, int64_t n,
+                              int64_t row_bytes) {
+    if (n > 0) be->ops->gather_rows(be->ctx, dst, src, tok, n, row_bytes);
 }
 
-void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w,
-                     const fm_moe_grads *g, fm_act *dx, float *dtopk_w, const fm_act *dy, const fm_act *x,
-                     const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
-                     const int32_t *chunk_tokens, const fm_moe_routes *saved, fm_moe_ws *ws) {
-    if (saved) {
-        dispatch_bwd(be, d, w, g, saved, ws, dx, dtopk_w, dy, topk_w, N);
-        return;
-    }
-    for (int64_t j = 0, start = 0; j < K; j++) {
-        const int64_t n = (N - j + K - 1) / K;
-        const int32_t *tok = chunk_tokens + start;
-        start += n;
-        if (n <= 0) continue;
-        gather_chunk(be, d, ws, x, topk_idx, topk_w, tok, n);
-        dispatch_fwd(be, d, w, &ws->r, NULL, ws->xc, ws->topk_idx, ws->topk_w, n); /* recompute */
-        be->ops->gather_rows(be->ctx, ws->yc, dy, tok, n, d->H * (int64_t)sizeof(fm_act));
-        dispatch_bwd(be, d, w, g, &ws->r, ws, ws->dxc, ws->dtopk_w, ws->yc, ws->topk_w, n);
-        be->ops->scatter_rows(be->ctx, dx, ws->dxc, tok, n, d->H * (int64_t)sizeof(fm_act));
-        be->ops->scatter_rows(be->ctx, dtopk_w, ws->dtopk_w, tok, n, d->k * (int64_t)sizeof(float));
-    }
+void fm_moe_chunk_scatter(const fm_backend *be, void *dst, const void *src, const int32_t *tok, int64_t n,
+                          int64_t row_bytes) {
+    if (n > 0) be->ops->scatter_rows(be->ctx, dst, src, tok, n, row_bytes);
 }

@@ -83,19 +83,41 @@ size_t fm_moe_routes_host_bytes(const fm_moe_dims *d);
  * (the caller uploads it once, at layout). */
 void fm_moe_chunk_order(int32_t *tokens, int64_t N, int64_t K);
 
-/* Forward: y [N,H] (assigned) = sum_j topk_w[n,j] * expert_{topk_idx[n,j]}(x[n]), x [N,H],
- * topk_idx/topk_w [N,k]. Plain twin: `saved` (routes over N) receives the intermediates.
- * Chunked (saved == NULL): chunk_tokens [N] (backend memory, fm_moe_chunk_order) gives the
- * chunks' tokens; ws holds one chunk at a time; nothing is saved. */
-void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_act *y,
-                    const fm_act *x, const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
-                    const int32_t *chunk_tokens, fm_moe_routes *saved, fm_moe_ws *ws);
+/* ---- the dispatcher's phases (Megatron-Core's token dispatcher: dispatch preprocess, token
+ * dispatch, combine), over one dispatch of n tokens (a chunk, or all N for the plain twin).
+ * Local today; under expert parallelism the token dispatch and combine become all-to-all-v.
+ * n may be 0 (a rank or chunk with no tokens passes through every phase; nothing is done but
+ * the offsets are set to zero). The experts (model/fm_experts.h) run between dispatch and
+ * combine on r->xe -> r->ye. */
 
-/* Backward: dx [N,H] and dtopk_w [N,k] assigned, expert weight grads accumulated, from dy [N,H].
- * Plain twin reads `saved`; chunked recomputes each chunk's forward into ws first. */
-void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w,
-                     const fm_moe_grads *g, fm_act *dx, float *dtopk_w, const fm_act *dy, const fm_act *x,
-                     const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
-                     const int32_t *chunk_tokens, const fm_moe_routes *saved, fm_moe_ws *ws);
+/* Dispatch preprocess and token dispatch: the routing index of topk_idx [n,k] into r (offsets
+ * on the host, row_route, route_row) and the permuted rows r->xe [n*k,H] of x [n,H]. */
+void fm_moe_dispatch(const fm_backend *be, const fm_moe_dims *d, fm_moe_routes *r, const fm_act *x,
+                     const int32_t *topk_idx, int64_t n);
+/* Combine: y [n,H] (assigned) = sum_j topk_w[t,j] * r->ye[route_row[t*k+j]]. */
+void fm_moe_combine(const fm_backend *be, const fm_moe_dims *d, const fm_moe_routes *r, fm_act *y,
+                    const float *topk_w, int64_t n);
+/* Backward of the combine: dye [n*k,H] and dtopk_w [n,k] assigned from dy [n,H]. */
+void fm_moe_combine_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_routes *r, fm_act *dye,
+                             float *dtopk_w, const fm_act *dy, const float *topk_w, int64_t n);
+/* Backward of the token dispatch: dx [n,H] (assigned) = sum over each token's k rows of dxe. */
+void fm_moe_dispatch_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_routes *r, fm_act *dx,
+                              const fm_act *dxe, int64_t n);
+
+/* ---- the chunk schedule (chunked form): chunk j of K holds tokens j, j+K, j+2K, ... ---------- */
+
+/* Tokens in chunk j: n_j = ceil((N - j) / K) (0 when j >= N), at offset start_j of the
+ * chunk-major order (fm_moe_chunk_order). */
+int64_t fm_moe_chunk_size(int64_t N, int64_t K, int64_t j);
+/* Chunk j's token rows: ws->xc [n_j,H] from x, ws->topk_idx/topk_w [n_j,k] from the layer's
+ * [N,k] (gather_rows by tok, chunk j's slice of the chunk-major order). */
+void fm_moe_chunk_gather(const fm_backend *be, const fm_moe_dims *d, fm_moe_ws *ws, const fm_act *x,
+                         const int32_t *topk_idx, const float *topk_w, const int32_t *tok, int64_t n);
+/* dst row i = src rows tok[i] (i < n) of row_bytes bytes: a layer-wide tensor's rows of a chunk. */
+void fm_moe_chunk_gather_rows(const fm_backend *be, void *dst, const void *src, const int32_t *tok, int64_t n,
+                              int64_t row_bytes);
+/* dst rows tok[i] = src row i (i < n) of row_bytes bytes: a chunk's outputs back to the layer. */
+void fm_moe_chunk_scatter(const fm_backend *be, void *dst, const void *src, const int32_t *tok, int64_t n,
+                          int64_t row_bytes);
 
 #endif

@@ -12,6 +12,7 @@
 #include "io/fm_checkpoint.h"
 #include "plan/fm_plan.h"
 #include "train/fm_trainer.h"
+#include "../schedule/fm_schedule.h"
 
 #define MAX_FILES 256
 
@@ -256,7 +257,7 @@ static int cmd_sample(int argc, char **argv) {
         int64_t len = n < T ? n : T;
         fm_model_set_shape(&m, 1, len);
         memcpy(m.h_tokens, seq + n - len, sizeof(int32_t) * (size_t)len);
-        fm_model_forward(&m, false, NULL);
+        fm_schedule_default_forward(&m, false, NULL);
         fm_model_logits_row(&m, len - 1, row);
         const float *lg = row;
         int32_t next = 0;

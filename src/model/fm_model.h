@@ -20,6 +20,7 @@
 #include "../bounded/fm_moe_dispatch.h"
 #include "../core/fm_arena.h"
 #include "fm_config.h"
+#include "fm_router.h"
 
 typedef struct fm_param {
     char name[128];   /* Hugging Face tensor name */
@@ -55,10 +56,7 @@ typedef struct fm_layer_acts {
     fm_act *att; float *lse;     /* [N,nh*hd], [B,nh,T] */
     fm_act *x_mid;               /* [N,H] residual after attention */
     float *rstd2;                /* [N] */
-    float *probs, *router_lse;   /* [N,E], [N] fp32 */
-    int32_t *topk_idx; float *topk_w;          /* [N,k] */
-    float *expert_count, *expert_prob_sum;  /* [E] router statistics for the aux loss */
-    float *h_expert_count;       /* [E] host copy of expert_count (for the aux-loss gradient) */
+    fm_router_saved router;      /* probs [N,E], lse [N], top-k [N,k], statistics [E] (fm_router.h) */
     fm_moe_routes moe;           /* plain MoE twin only: the layer's dispatch (expert dispatch set) */
 } fm_layer_acts;
 
@@ -120,6 +118,7 @@ typedef struct fm_model {
     int64_t n_valid;            /* valid targets of the last forward */
     int64_t moe_K;              /* chunks per micro-batch (1 for the plain twin) */
     fm_moe_ws moe_ws;           /* expert-dispatch working set */
+    fm_router_opts router;      /* the router's options, from the config */
     fm_act *xf; float *rstd_f;  /* [N,H], [N] */
     fm_act *logits;             /* [N,V] (plain vocabulary projection; NULL under linear CE) */
     float *token_loss;          /* [N] */
@@ -204,19 +203,41 @@ typedef struct fm_loss {
     int64_t n_valid; /* targets that count */
 } fm_loss;
 
-/* Forward on m->h_tokens [B,T] (and m->h_targets when `targets` is true; both are uploaded
- * first) through the loss.
- * With targets false only m->logits is produced (for sampling). Saves what backward needs. */
-void fm_model_forward(fm_model *m, bool with_targets, fm_loss *out);
+/* ---- the model's pieces, for the schedule (schedule/fm_schedule.h owns the loop over layers,
+ * its order and its hooks). A micro-batch's training step is
+ *   embed_forward; layer_forward(l) for l < L; head_train;
+ *   for l = L-1 .. 0: [layer_forward(l) into the free gradient buffer if l is recomputed]
+ *                     layer_backward(l, dy, dx), swapping dy and dx;  embed_backward(dy)
+ * with dy = grad_buffer(0), dx = grad_buffer(1) at the start. Parameter gradients accumulate
+ * (+=), scaled by `scale` (1/G for G-step accumulation); activation gradients are assigned. */
 
-/* Backward of the last forward (with targets): ACCUMULATES into m->grads, scaled by `scale`
- * (1/G for G-step gradient accumulation). The CE gradient is mean over the micro-batch's valid
- * tokens. Under the linear cross-entropy this runs the operator again with gradients. */
-void fm_model_backward(fm_model *m, float scale);
-
-/* Forward with targets and backward in one call (what the trainer runs): the same results as
- * fm_model_forward + fm_model_backward, but the linear cross-entropy runs once, fused. */
-void fm_model_train_step(fm_model *m, float scale, fm_loss *out);
+/* Uploads m->h_tokens [B,T] (and m->h_targets with targets) and embeds the tokens into
+ * boundary 0. */
+void fm_model_embed_forward(fm_model *m, bool with_targets);
+/* Layer l's forward from boundary l into y [N,H] (boundary l+1, or the free gradient buffer
+ * when the schedule recomputes the layer in backward), saving into layer l's saved set (shared
+ * by the recomputed layers). Returns the router's loss terms of the layer (fm_router.h). */
+fm_router_terms fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y);
+/* Layer l's backward from its output gradient dy [N,H] (clobbered) into dx [N,H] (assigned),
+ * reading boundary l and the layer's saved set (recomputed by the schedule first if the layer is
+ * recomputed). dy and dx are the two gradient buffers. */
+void fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx, float scale);
+/* Final norm of boundary L and the loss: plain logits (and, with targets, the cross-entropy and
+ * its gradient formed in place), or the linear cross-entropy (targets required). Sets r->ce
+ * and r->n_valid (aux and z are the schedule's). */
+void fm_model_head_forward(fm_model *m, bool with_targets, fm_loss *r);
+/* Backward of the head after fm_model_head_forward with targets: the LM head's gradient
+ * (accumulated) and the gradient of boundary L into grad buffer 0. */
+void fm_model_head_backward(fm_model *m, float scale);
+/* Forward and backward of the head in one call (what training runs): the same results as
+ * head_forward + head_backward, but the linear cross-entropy runs once, fused. */
+void fm_model_head_train(fm_model *m, float scale, fm_loss *r);
+/* Backward of the embedding from the gradient of boundary 0 (accumulated into its weight). */
+void fm_model_embed_backward(fm_model *m, const fm_act *dx0);
+/* The residual-stream boundary l in [0, L] ([N,H]), and the two [N,H] gradient buffers
+ * (i = 0, 1) of the backward. */
+fm_act *fm_model_boundary(fm_model *m, int64_t l);
+fm_act *fm_model_grad_buffer(fm_model *m, int i);
 
 /* Looks up a parameter by HF name; NULL if absent. */
 const fm_param *fm_model_find_param(const fm_model *m, const char *name);

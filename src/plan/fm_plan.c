@@ -9,6 +9,7 @@
 #include "../backend/cuda/fm_backend_cuda.h"
 #include "../backend/fm_backend_default.h"
 #include "../bounded/fm_linear_ce.h"
+#include "../schedule/fm_recompute.h"
 #include "../train/fm_optim.h"
 
 static const char *set_name(int i) {
@@ -31,10 +32,10 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     const fm_config *c = &r->cfg;
     const int64_t L = c->num_hidden_layers, N = r->B * r->T, H = c->hidden_size, I = c->moe_intermediate_size;
     const int64_t k = c->num_experts_per_tok, E = c->num_experts;
-    int64_t nr = 0;
-    for (int64_t l = 0; l < L; l++) nr += r->recompute && r->recompute[l];
+    const fm_recompute_policy rp = {r->recompute, L}; /* the policy's bound: saved sets kept */
+    const int64_t nr = fm_recompute_count(&rp);
     p->n_recomputed = nr;
-    const int64_t saved_sets = (L - nr) + (nr > 0 ? 1 : 0);
+    const int64_t saved_sets = fm_recompute_saved_sets(&rp);
     p->n_params = fm_config_num_params(c);
     p->n_active = fm_config_num_active_params(c);
     /* element size of activations and weights on the target backend */

@@ -16,6 +16,7 @@
 #include "../io/fm_checkpoint.h"
 #include "../io/fm_safetensors.h"
 #include "../plan/fm_plan.h"
+#include "../schedule/fm_schedule.h"
 
 void fm_train_opts_default(fm_train_opts *o) {
     memset(o, 0, sizeof *o);
@@ -266,7 +267,7 @@ void fm_evaluate(fm_model *m, const fm_dataset *ds, int64_t max_batches, double 
             m->h_targets[i] = -100;
         }
         fm_loss l;
-        fm_model_forward(m, true, &l);
+        fm_schedule_default_forward(m, true, &l);
         sum += l.ce * (double)l.n_valid;
         count += l.n_valid;
         batches++;
@@ -732,7 +733,7 @@ static fm_status train_impl(run *r) {
         for (int64_t g = 0; g < o->grad_accum; g++) {
             fm_dataset_sample_batch(&r->train, &data_rng, o->micro_batch, o->seq_len, m->h_tokens, m->h_targets);
             fm_loss l;
-            fm_model_train_step(m, 1.0f / (float)o->grad_accum, &l);
+            fm_schedule_default_train_step(m, 1.0f / (float)o->grad_accum, &l);
             if (!isfinite(l.ce) || !isfinite(l.aux) || !isfinite(l.z))
                 return fm_error(FM_ERR_NUMERIC, "step %lld: the loss is not finite (cross-entropy %g, aux %g, z %g); "
                                 "training stopped and no checkpoint was written for this step (the last good "

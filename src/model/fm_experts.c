@@ -1,0 +1,25 @@
+/* SwiGLU experts over a dispatch's expert-major rows (fm_experts.h). */
+#include "fm_experts.h"
+
+void fm_experts_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_routes *r,
+                        int64_t n) {
+    const int64_t H = d->H, I = d->I, E = d->E, R = n * d->k;
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
+    if (n == 0) return;
+    fm_expert_linear_fwd(be, r->h_gate, r->xe, w->w_gate, r->offsets, E, H, I);
+    fm_expert_linear_fwd(be, r->h_up, r->xe, w->w_up, r->offsets, E, H, I);
+    /* elementwise: one launch over every expert's rows */
+    be->ops->swiglu_fwd(be->ctx, r->h_act, r->h_gate, r->h_up, R * I);
+    fm_expert_linear_fwd(be, r->ye, r->h_act, w->w_down, r->offsets, E, I, H);
+}
+
+void fm_experts_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, const fm_moe_grads *g,
+                         const fm_moe_routes *r, fm_moe_ws *ws, int64_t n) {
+    const int64_t H = d->H, I = d->I, E = d->E, R = n * d->k;
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
+    if (n == 0) return;
+    fm_expert_linear_bwd(be, ws->dact, 0.0f, g->w_down, ws->dye, r->h_act, w->w_down, r->offsets, E, I, H);
+    be->ops->swiglu_bwd(be->ctx, ws->dh_gate, ws->dh_up, ws->dact, r->h_gate, r->h_up, R * I);
+    fm_expert_linear_bwd(be, ws->dxe, 0.0f, g->w_gate, ws->dh_gate, r->xe, w->w_gate, r->offsets, E, H, I);
+    fm_expert_linear_bwd(be, ws->dxe, 1.0f, g->w_up, ws->dh_up, r->xe, w->w_up, r->offsets, E, H, I);
+}

@@ -1,0 +1,108 @@
+/* The pieces of the model outside its layers (fm_model.h): the token embedding, and the head —
+ * final RMSNorm, LM head and cross-entropy (plain logits, or the linear cross-entropy of
+ * bounded/fm_linear_ce.h) — forward and backward. */
+#include "fm_model.h"
+
+#include "../bounded/fm_linear_ce.h"
+
+#define OPS (m->be.ops)
+#define CTX (m->be.ctx)
+#define PHASE(p) fm_phase_mark(&m->be, FM_PHASE_##p)
+
+void fm_model_embed_forward(fm_model *m, bool with_targets) {
+    const int64_t N = m->N, H = m->cfg.hidden_size;
+    PHASE(OTHER);
+    OPS->copy(CTX, m->tokens, m->h_tokens, sizeof(int32_t) * (size_t)N, FM_COPY_H2D);
+    if (with_targets) OPS->copy(CTX, m->targets, m->h_targets, sizeof(int32_t) * (size_t)N, FM_COPY_H2D);
+    OPS->embedding_fwd(CTX, m->boundary[0], m->tokens, m->w.embed, N, H);
+}
+
+void fm_model_embed_backward(fm_model *m, const fm_act *dx0) {
+    PHASE(OTHER);
+    OPS->embedding_bwd(CTX, m->g.embed, dx0, m->tokens, m->N, m->cfg.hidden_size);
+}
+
+static int64_t count_valid(const fm_model *m) {
+    int64_t valid = 0;
+    for (int64_t n = 0; n < m->N; n++) valid += m->h_targets[n] != -100;
+    return valid;
+}
+
+/* The linear cross-entropy over xf and the LM head; with grads, dxf -> ws.dtmp and the head's
+ * gradient accumulated, scaled by scale/valid. Returns the mean loss. */
+static double linear_ce(fm_model *m, bool grads, float scale) {
+    const fm_config *c = &m->cfg;
+    fm_lce_opts o = fm_lce_opts_default();
+    o.block_tokens = m->ce_block_tokens;
+    o.block_vocab = m->ce_block_vocab;
+    const int64_t valid = m->n_valid;
+    double sum = fm_linear_ce(&m->be, &m->arena[FM_LIVE_VOCAB], m->token_loss, grads ? m->ws.dtmp : NULL,
+                              grads ? m->g.lm_head : NULL, m->xf, m->w.lm_head, m->targets, m->N, c->hidden_size,
+                              c->vocab_size, valid ? scale / (float)valid : 0.0f, &o, NULL);
+    return valid ? sum / (double)valid : 0.0;
+}
+
+/* final RMSNorm of boundary L into xf */
+static void final_norm(fm_model *m) {
+    const fm_config *c = &m->cfg;
+    PHASE(DENSE);
+    OPS->rmsnorm_fwd(CTX, m->xf, m->rstd_f, m->boundary[c->num_hidden_layers], m->w.final_norm, m->N, c->hidden_size,
+                     (float)c->rms_norm_eps);
+    PHASE(LOSS);
+}
+
+void fm_model_head_forward(fm_model *m, bool with_targets, fm_loss *r) {
+    const fm_config *c = &m->cfg;
+    const int64_t N = m->N, H = c->hidden_size, V = c->vocab_size;
+    final_norm(m);
+    r->ce = 0;
+    r->n_valid = 0;
+    if (m->linear_ce) {
+        FM_ASSERT(with_targets); /* a linear-CE layout has no logits to sample from */
+        m->n_valid = r->n_valid = count_valid(m);
+        r->ce = linear_ce(m, false, 1.0f);
+        return;
+    }
+    fm_linear_fwd(&m->be, m->logits, FM_ACT_DTYPE, m->xf, m->w.lm_head, N, H, V);
+    if (!with_targets) return;
+    m->n_valid = r->n_valid = count_valid(m);
+    /* The gradient (mean over valid tokens) is formed in place now: the logits are not needed
+     * afterwards. fm_model_head_backward scales it for accumulation. */
+    double sum = OPS->cross_entropy(CTX, m->token_loss, m->logits, m->logits, m->targets, N, V,
+                                    r->n_valid ? 1.0f / (float)r->n_valid : 0.0f, -100);
+    r->ce = r->n_valid ? sum / (double)r->n_valid : 0.0;
+}
+
+/* From d xf in ws.dtmp: through the final norm into grad buffer 0 (the gradient of boundary L). */
+static void final_norm_backward(fm_model *m) {
+    const fm_config *c = &m->cfg;
+    PHASE(DENSE);
+    OPS->rmsnorm_bwd(CTX, m->ws.dx_a, m->g.final_norm, m->ws.dtmp, m->boundary[c->num_hidden_layers], m->w.final_norm,
+                     m->rstd_f, m->N, c->hidden_size);
+}
+
+void fm_model_head_backward(fm_model *m, float scale) {
+    const fm_config *c = &m->cfg;
+    PHASE(LOSS);
+    if (m->linear_ce) {
+        linear_ce(m, true, scale);
+    } else {
+        /* m->logits holds dloss/dlogits (mean CE) from the forward; the GEMMs scale it (alpha)
+         * for accumulation. */
+        fm_linear_bwd(&m->be, m->ws.dtmp, 0.0f, m->g.lm_head, m->logits, m->xf, m->w.lm_head, m->N, c->hidden_size,
+                      c->vocab_size, scale);
+    }
+    final_norm_backward(m);
+}
+
+void fm_model_head_train(fm_model *m, float scale, fm_loss *r) {
+    if (!m->linear_ce) {
+        fm_model_head_forward(m, true, r);
+        fm_model_head_backward(m, scale);
+        return;
+    }
+    final_norm(m);
+    m->n_valid = r->n_valid = count_valid(m);
+    r->ce = linear_ce(m, true, scale); /* loss and gradients in one pass over the strips */
+    final_norm_backward(m);
+}

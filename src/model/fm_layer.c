@@ -1,0 +1,151 @@
+/* One decoder layer's forward and backward (fm_model.h: fm_model_layer_forward/backward):
+ *   x -> RMSNorm -> causal GQA attention (RoPE, optional QK-norm) -> +x = x_mid
+ *   x_mid -> RMSNorm -> router -> MoE (dispatch, experts, combine) -> +x_mid = y
+ * The loop over layers is the schedule's (schedule/fm_schedule.h), never the model's. */
+#include "fm_model.h"
+
+#include "fm_moe_layer.h"
+
+#define OPS (m->be.ops)
+#define CTX (m->be.ctx)
+#define PHASE(p) fm_phase_mark(&m->be, FM_PHASE_##p)
+
+static void linear_fwd(fm_model *m, fm_act *y, const fm_act *x, const fm_act *W, int64_t N, int64_t in, int64_t out) {
+    fm_linear_fwd(&m->be, y, FM_ACT_DTYPE, x, W, N, in, out);
+}
+
+static void linear_bwd(fm_model *m, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
+                       const fm_act *W, int64_t N, int64_t in, int64_t out) {
+    fm_linear_bwd(&m->be, dx, beta, dW, dy, x, W, N, in, out, 1.0f);
+}
+
+static fm_moe_dims moe_dims(const fm_config *c) {
+    fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok};
+    return d;
+}
+
+fm_act *fm_model_boundary(fm_model *m, int64_t l) {
+    FM_ASSERT(l >= 0 && l <= m->cfg.num_hidden_layers);
+    return m->boundary[l];
+}
+
+fm_act *fm_model_grad_buffer(fm_model *m, int i) {
+    FM_ASSERT(i == 0 || i == 1);
+    return i == 0 ? m->ws.dx_a : m->ws.dx_b;
+}
+
+/* The norm outputs ln1, ln2 live in the working set's dln and dtmp, free whenever a forward
+ * runs (before backward, and during a recompute: the schedule's dy and dx are the other
+ * buffers); y must be neither. */
+fm_router_terms fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y) {
+    const fm_config *c = &m->cfg;
+    FM_ASSERT(l >= 0 && l < c->num_hidden_layers);
+    const fm_act *x = m->boundary[l];
+    fm_layer_acts *a = &m->acts[l];
+    const fm_layer_ptrs *w = &m->w.layers[l];
+    const int64_t B = m->B, T = m->T, N = m->N, H = c->hidden_size;
+    const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads, hd = c->head_dim;
+    const int64_t qd = nh * hd, kd = nkv * hd;
+    const float eps = (float)c->rms_norm_eps;
+
+    fm_act *ln1 = m->ws.dln, *ln2 = m->ws.dtmp;
+    FM_ASSERT(y != ln1 && y != ln2);
+
+    /* attention block */
+    PHASE(DENSE);
+    OPS->rmsnorm_fwd(CTX, ln1, a->rstd1, x, w->ln1, N, H, eps);
+    linear_fwd(m, a->q, ln1, w->wq, N, H, qd);
+    linear_fwd(m, a->k, ln1, w->wk, N, H, kd);
+    linear_fwd(m, a->v, ln1, w->wv, N, H, kd);
+    if (c->qk_norm == FM_QK_NORM_PER_HEAD) {
+        OPS->rmsnorm_fwd(CTX, a->qr, a->rstd_q, a->q, w->q_norm, N * nh, hd, eps);
+        OPS->rmsnorm_fwd(CTX, a->kr, a->rstd_k, a->k, w->k_norm, N * nkv, hd, eps);
+    } else if (c->qk_norm == FM_QK_NORM_FULL) {
+        OPS->rmsnorm_fwd(CTX, a->qr, a->rstd_q, a->q, w->q_norm, N, qd, eps);
+        OPS->rmsnorm_fwd(CTX, a->kr, a->rstd_k, a->k, w->k_norm, N, kd, eps);
+    } /* else q, k alias qr, kr: RoPE below works in place on the projections */
+    OPS->rope_fwd(CTX, a->qr, m->rope_cos, m->rope_sin, B, T, nh, hd);
+    OPS->rope_fwd(CTX, a->kr, m->rope_cos, m->rope_sin, B, T, nkv, hd);
+    PHASE(ATTENTION);
+    OPS->attention_fwd(CTX, a->att, a->lse, a->qr, a->kr, a->v, B, T, nh, nkv, hd);
+    PHASE(DENSE);
+    linear_fwd(m, a->x_mid, a->att, w->wo, N, qd, H);
+    OPS->add(CTX, a->x_mid, x, N * H);
+
+    /* MoE block: router, then the experts through the dispatcher */
+    OPS->rmsnorm_fwd(CTX, ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
+    PHASE(ROUTER);
+    /* router logits: fp32, transient in the working set (backward needs only probs and lse) */
+    const fm_router_terms t = fm_router_forward(&m->be, &m->router, m->ws.dlogits_r, &a->router, m->h_scratch + c->num_experts,
+                                                ln2, w->router, N, H);
+    const fm_moe_dims md = moe_dims(c);
+    const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
+    fm_moe_forward(&m->be, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w, N, m->moe_K, m->moe_chunk_order,
+                   m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
+    PHASE(DENSE);
+    OPS->add(CTX, y, a->x_mid, N * H);
+    return t;
+}
+
+/* dy [N,H]: gradient of the layer output, clobbered (its buffer holds d att once dy is added
+ * into d x_mid). Writes dx [N,H] (assigned); until its last op dx holds ln2, then ln1, formed
+ * again from x_mid and x. */
+void fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx, float scale) {
+    const fm_config *c = &m->cfg;
+    FM_ASSERT(l >= 0 && l < c->num_hidden_layers);
+    const fm_act *x = m->boundary[l];
+    fm_layer_acts *a = &m->acts[l];
+    const fm_layer_ptrs *w = &m->w.layers[l];
+    const fm_layer_ptrs *g = &m->g.layers[l];
+    fm_bwd_ws *ws = &m->ws;
+    const int64_t B = m->B, T = m->T, N = m->N, H = c->hidden_size;
+    const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads, hd = c->head_dim;
+    const int64_t qd = nh * hd, kd = nkv * hd;
+    const float eps = (float)c->rms_norm_eps;
+
+    /* MoE block: y = x_mid + experts(ln2(x_mid)); ln2 formed again into dx */
+    PHASE(DENSE);
+    fm_act *ln2 = dx;
+    OPS->rmsnorm_fwd(CTX, ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
+    const fm_moe_dims md = moe_dims(c);
+    const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
+    const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down};
+    fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2, a->router.topk_idx, a->router.topk_w, N,
+                    m->moe_K, m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
+    PHASE(ROUTER);
+    fm_router_backward(&m->be, &m->router, ws->dln, g->router, ws->dlogits_r, ws->dlogits_act, ws->dprobs_e,
+                       m->h_scratch, ws->dtopk_w, &a->router, ln2, w->router, N, H, c->num_hidden_layers, scale);
+    /* d x_mid = dy + rmsnorm_bwd(dln) */
+    PHASE(DENSE);
+    OPS->rmsnorm_bwd(CTX, ws->dtmp, g->ln2, ws->dln, a->x_mid, w->ln2, a->rstd2, N, H);
+    OPS->add(CTX, ws->dtmp, dy, N * H);
+    fm_act *dxmid = ws->dtmp;
+    fm_act *datt = ws->datt ? ws->datt : dy; /* dy is dead from here on */
+
+    /* attention block: x_mid = x + o_proj(attn(rope(qknorm(q,k)), v)) */
+    linear_bwd(m, datt, 0.0f, g->wo, dxmid, a->att, w->wo, N, qd, H);
+    PHASE(ATTENTION);
+    OPS->attention_bwd(CTX, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att, a->lse, B, T, nh, nkv, hd);
+    PHASE(DENSE);
+    OPS->rope_bwd(CTX, ws->dq, m->rope_cos, m->rope_sin, B, T, nh, hd);
+    OPS->rope_bwd(CTX, ws->dk, m->rope_cos, m->rope_sin, B, T, nkv, hd);
+    fm_act *dq = ws->dq, *dk = ws->dk;
+    if (c->qk_norm != FM_QK_NORM_NONE) {
+        /* datt is free now: reuse it for dq before the norm; dln (free) for dk. */
+        const bool ph = c->qk_norm == FM_QK_NORM_PER_HEAD;
+        OPS->rmsnorm_bwd(CTX, datt, g->q_norm, ws->dq, a->q, w->q_norm, a->rstd_q, ph ? N * nh : N, ph ? hd : qd);
+        OPS->rmsnorm_bwd(CTX, ws->dln, g->k_norm, ws->dk, a->k, w->k_norm, a->rstd_k, ph ? N * nkv : N, ph ? hd : kd);
+        dq = datt;
+        dk = ws->dln;
+    }
+    /* d ln1 [N,H]: in the [N,qd] buffer the q gradient no longer needs (dq after the QK-norm
+     * backward moved it to datt; datt otherwise), when qd >= H */
+    fm_act *dln1 = ws->dln1 ? ws->dln1 : (c->qk_norm != FM_QK_NORM_NONE ? ws->dq : datt);
+    fm_act *ln1 = dx; /* ln2 is dead: form ln1 again there */
+    OPS->rmsnorm_fwd(CTX, ln1, a->rstd1, x, w->ln1, N, H, eps);
+    linear_bwd(m, dln1, 0.0f, g->wq, dq, ln1, w->wq, N, H, qd);
+    linear_bwd(m, dln1, 1.0f, g->wk, dk, ln1, w->wk, N, H, kd);
+    linear_bwd(m, dln1, 1.0f, g->wv, ws->dv, ln1, w->wv, N, H, kd);
+    OPS->rmsnorm_bwd(CTX, dx, g->ln1, dln1, x, w->ln1, a->rstd1, N, H);
+    OPS->add(CTX, dx, dxmid, N * H);
+}

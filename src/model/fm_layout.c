@@ -1,0 +1,306 @@
+/* Activation layout (fm_model.h): the arenas of every live set but the model state, laid out once
+ * for a (micro-batch, sequence) shape; the same code runs over measuring arenas for the planner,
+ * so the bytes planned are the bytes allocated. Also the model-owned live sets' bound formulas. */
+#include "fm_model.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "../bounded/fm_linear_ce.h"
+#include "fm_model_internal.h"
+
+/* ------------------------------------------------------------------------------------------ */
+/* Activation layout                                                                           */
+/* ------------------------------------------------------------------------------------------ */
+
+#define TAKE(arena, type, count) ((type *)fm_arena_alloc((arena), sizeof(type) * (size_t)(count)))
+
+static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c, int64_t B, int64_t T) {
+    const int64_t N = B * T, H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
+    const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
+    a->rstd1 = TAKE(ar, float, N);
+    const bool qkn = c->qk_norm != FM_QK_NORM_NONE;
+    a->v = TAKE(ar, fm_act, N * kd);
+    a->qr = TAKE(ar, fm_act, N * qd);
+    a->kr = TAKE(ar, fm_act, N * kd);
+    /* Without QK-norm RoPE runs in place on the projections: q, k are qr, kr. */
+    a->q = qkn ? TAKE(ar, fm_act, N * qd) : a->qr;
+    a->k = qkn ? TAKE(ar, fm_act, N * kd) : a->kr;
+    int64_t nq = c->qk_norm == FM_QK_NORM_PER_HEAD ? N * c->num_attention_heads : N;
+    int64_t nk = c->qk_norm == FM_QK_NORM_PER_HEAD ? N * c->num_key_value_heads : N;
+    a->rstd_q = c->qk_norm != FM_QK_NORM_NONE ? TAKE(ar, float, nq) : NULL;
+    a->rstd_k = c->qk_norm != FM_QK_NORM_NONE ? TAKE(ar, float, nk) : NULL;
+    a->att = TAKE(ar, fm_act, N * qd);
+    a->lse = TAKE(ar, float, B * c->num_attention_heads * T);
+    a->x_mid = TAKE(ar, fm_act, N * H);
+    a->rstd2 = TAKE(ar, float, N);
+    a->router.probs = TAKE(ar, float, N * E);
+    a->router.lse = TAKE(ar, float, N);
+    a->router.topk_idx = TAKE(ar, int32_t, N * k);
+    a->router.topk_w = TAKE(ar, float, N * k);
+    a->router.count = TAKE(ar, float, E);
+    a->router.prob_sum = TAKE(ar, float, E);
+    a->router.h_count = NULL; /* host memory, set by fm_model_layout */
+}
+
+static void layout_ws(fm_bwd_ws *w, fm_arena *ar, const fm_config *c, int64_t N) {
+    const int64_t H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
+    const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
+    w->dx_a = TAKE(ar, fm_act, N * H);
+    w->dx_b = TAKE(ar, fm_act, N * H);
+    w->dtmp = TAKE(ar, fm_act, N * H);
+    w->dln = TAKE(ar, fm_act, N * H);
+    /* d ln1 gets its own [N,H] only when the free [N,qd] buffer it can use is smaller */
+    w->dln1 = qd < H ? TAKE(ar, fm_act, N * H) : NULL;
+    w->dq = TAKE(ar, fm_act, N * qd);
+    w->dk = TAKE(ar, fm_act, N * kd);
+    w->dv = TAKE(ar, fm_act, N * kd);
+    w->datt = qd > H ? TAKE(ar, fm_act, N * qd) : NULL;
+    w->dtopk_w = TAKE(ar, float, N * k);
+    w->dlogits_r = TAKE(ar, float, N * E);
+    w->dlogits_act = sizeof(fm_act) == sizeof(float) ? (fm_act *)(void *)w->dlogits_r : TAKE(ar, fm_act, N * E);
+    w->dprobs_e = TAKE(ar, float, E);
+}
+
+/* Lays out everything but the model state into arenas ar[1..]. Pointer arrays m->boundary and
+ * m->acts must already exist. */
+static fm_moe_dims moe_dims(const fm_config *c) {
+    fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok};
+    return d;
+}
+
+static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
+    const fm_config *c = &m->cfg;
+    const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size, hd = c->head_dim;
+    fm_arena *bnd = &ar[FM_LIVE_BOUNDARIES], *acts = &ar[FM_LIVE_LAYER_ACTS],
+             *ws = &ar[FM_LIVE_WORKING_SET], *voc = &ar[FM_LIVE_VOCAB], *ex = &ar[FM_LIVE_EXPERT];
+    const fm_moe_dims md = moe_dims(c);
+    const bool chunked = m->moe_chunk_tokens > 0;
+    int64_t c_eff;
+    fm_moe_chunks(N, m->moe_chunk_tokens, &m->moe_K, &c_eff);
+    m->tokens = TAKE(bnd, int32_t, N);
+    m->targets = TAKE(bnd, int32_t, N);
+    m->rope_cos = TAKE(bnd, float, m->T * hd / 2);
+    m->rope_sin = TAKE(bnd, float, m->T * hd / 2);
+    m->moe_chunk_order = chunked ? TAKE(bnd, int32_t, N) : NULL;
+    for (int64_t l = 0; l <= L; l++) m->boundary[l] = TAKE(bnd, fm_act, N * H);
+    fm_layer_acts shared;
+    bool any_recompute = false;
+    for (int64_t l = 0; l < L; l++) any_recompute |= m->recompute[l];
+    if (any_recompute) {
+        layout_layer_acts(&shared, acts, c, m->B, m->T);
+        memset(&shared.moe, 0, sizeof shared.moe);
+        if (!chunked) fm_moe_routes_layout(&shared.moe, ex, host, &md, N);
+    }
+    for (int64_t l = 0; l < L; l++) {
+        if (m->recompute[l]) {
+            m->acts[l] = shared;
+            continue;
+        }
+        layout_layer_acts(&m->acts[l], acts, c, m->B, m->T);
+        memset(&m->acts[l].moe, 0, sizeof m->acts[l].moe);
+        if (!chunked) fm_moe_routes_layout(&m->acts[l].moe, ex, host, &md, N);
+    }
+    fm_moe_ws_layout(&m->moe_ws, ex, host, &md, chunked ? c_eff : N, chunked);
+    layout_ws(&m->ws, ws, c, N);
+    m->xf = TAKE(voc, fm_act, N * H);
+    m->rstd_f = TAKE(voc, float, N);
+    m->logits = m->linear_ce ? NULL : TAKE(voc, fm_act, N * c->vocab_size);
+    m->token_loss = TAKE(voc, float, N);
+    if (m->linear_ce) { /* the operator's strip: carved and released inside each call */
+        size_t strip = fm_linear_ce_bound_bytes(m->ce_block_tokens, m->ce_block_vocab);
+        if (fm_arena_is_measure(voc)) { /* the real arena was sized from this measurement */
+            voc->used += strip;
+            if (voc->used > voc->high) voc->high = voc->used;
+        }
+    }
+}
+
+/* ---- bound formulas of the model-owned live sets (the planner's; test_plan checks them
+ * against the layout above, measured) ---------------------------------------------------------- */
+
+#define B4(x) fm_arena_round((size_t)(x) * 4)
+#define BA(x) fm_arena_round((size_t)(x) * a)
+
+size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T, bool moe_chunked, size_t a) {
+    const int64_t N = B * T;
+    /* tokens, targets, RoPE cos/sin [T, hd/2], the chunked MoE's token order [N] int32, L+1
+     * residual-stream boundaries [N,H] */
+    return 2 * B4(N) + 2 * B4(T * c->head_dim / 2) + (moe_chunked ? B4(N) : 0) +
+           (size_t)(c->num_hidden_layers + 1) * BA(N * c->hidden_size);
+}
+
+size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_t a) {
+    const int64_t N = B * T, H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
+    const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads;
+    const int64_t qd = nh * c->head_dim, kd = nkv * c->head_dim;
+    size_t b = B4(N)                              /* rstd1 (ln1 itself is formed again in backward) */
+             + BA(N * kd) + BA(N * qd) + BA(N * kd) /* v, q and k after QK-norm + RoPE */
+             + BA(N * qd) + B4(B * nh * T)        /* attention output, its log-sum-exp */
+             + BA(N * H) + B4(N)                  /* x_mid, rstd2 (ln2: as ln1) */
+             + B4(N * E) + B4(N)                  /* router probs, lse */
+             + 2 * B4(N * k) + 2 * B4(E);         /* top-k ids and weights, expert stats */
+    if (c->qk_norm == FM_QK_NORM_PER_HEAD) b += BA(N * qd) + BA(N * kd) + B4(N * nh) + B4(N * nkv);
+    if (c->qk_norm == FM_QK_NORM_FULL) b += BA(N * qd) + BA(N * kd) + 2 * B4(N);
+    return b;
+}
+
+size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t a) {
+    const int64_t H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
+    const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
+    /* dx ping-pong, dtmp, dln [N,H] (+ dln1 when qd < H); dq, dk, dv (+ datt when qd > H, else
+     * it reuses the incoming-gradient buffer); dtopk_w; router logits/grad (fp32, + an fm_act
+     * copy when fm_act is not fp32); dprobs */
+    return (qd < H ? 5 : 4) * BA(N * H) + (qd > H ? 2 : 1) * BA(N * qd) + 2 * BA(N * kd) + B4(N * k) + B4(N * E) +
+           (a == sizeof(float) ? 0 : BA(N * E)) + B4(E);
+}
+
+size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N, size_t a) {
+    /* final-norm output [N,H] and rstd, logits [N,V] (their gradient in place), per-token loss */
+    return BA(N * c->hidden_size) + B4(N) + BA(N * c->vocab_size) + B4(N);
+}
+
+size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab,
+                                   size_t a) {
+    return BA(N * c->hidden_size) + 2 * B4(N) + fm_linear_ce_bound_bytes_a(block_tokens, block_vocab, a);
+}
+
+void fm_model_free_layout(fm_model *m) {
+    for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_free(&m->arena[i]);
+    fm_arena_free(&m->host_arena);
+    fm_free(m->boundary);
+    fm_free(m->acts);
+    fm_free(m->h_tokens);
+    fm_free(m->h_targets);
+    fm_free(m->h_scratch);
+    fm_free(m->h_counts);
+    m->boundary = NULL;
+    m->acts = NULL;
+    m->h_tokens = m->h_targets = NULL;
+    m->h_scratch = m->h_counts = NULL;
+}
+
+static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layout_opts *opts,
+                       size_t bytes[FM_LIVE_COUNT], size_t *host_bytes) {
+    const bool *recompute = opts ? opts->recompute : NULL;
+    const int64_t L = cfg->num_hidden_layers;
+    fm_model m;
+    memset(&m, 0, sizeof m);
+    m.cfg = *cfg;
+    m.B = B; m.T = T; m.N = B * T;
+    m.moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
+    m.linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
+    m.ce_block_tokens = opts ? opts->ce_block_tokens : 0;
+    m.ce_block_vocab = opts ? opts->ce_block_vocab : 0;
+    bool *rc = fm_malloc((size_t)(L + 1));
+    fm_act **bp = fm_malloc(sizeof(fm_act *) * (size_t)(L + 1));
+    fm_layer_acts *la = fm_malloc(sizeof(fm_layer_acts) * (size_t)(L + 1));
+    FM_ASSERT(rc && bp && la); /* a few bytes per layer; the config's layer count is bounded */
+    for (int64_t l = 0; l < L; l++) rc[l] = recompute ? recompute[l] : false;
+    m.recompute = rc;
+    m.boundary = bp;
+    m.acts = la;
+    fm_arena ar[FM_LIVE_COUNT], host;
+    for (int i = 0; i < FM_LIVE_COUNT; i++) fm_arena_init_measure(&ar[i], fm_live_set_names[i]);
+    fm_arena_init_measure(&host, "host");
+    layout_all(&m, ar, &host);
+    if (host_bytes) *host_bytes = host.used;
+    bytes[FM_LIVE_MODEL_STATE] = fm_model_state_bytes(cfg, sizeof(fm_act));
+    for (int i = 1; i < FM_LIVE_COUNT; i++) bytes[i] = ar[i].used;
+    fm_free(rc);
+    fm_free(bp);
+    fm_free(la);
+}
+
+void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layout_opts *opts,
+                         size_t bytes[FM_LIVE_COUNT]) {
+    plan_bytes(cfg, B, T, opts, bytes, NULL);
+}
+
+fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opts *opts) {
+    const bool *recompute = opts ? opts->recompute : NULL;
+    const fm_config *c = &m->cfg;
+    const int64_t L = c->num_hidden_layers;
+    if (T > c->max_position_embeddings)
+        return fm_error(FM_ERR_ARG, "a sequence of %lld tokens (--seq-len, or sample's --context) exceeds the model's "
+                        "max_position_embeddings (%lld); use at most %lld", (long long)T,
+                        (long long)c->max_position_embeddings, (long long)c->max_position_embeddings);
+    if (B < 1 || T < 1)
+        return fm_error(FM_ERR_ARG, "--micro-batch (%lld) and --seq-len (%lld) must be >= 1", (long long)B,
+                        (long long)T);
+    fm_model_free_layout(m);
+    m->B = m->B_cap = B;
+    m->T = m->T_cap = T;
+    m->N = B * T;
+    if (opts && opts->moe_chunk_tokens < 0)
+        return fm_error(FM_ERR_ARG, "--moe-chunk-tokens must be >= 0 (0 = unchunked), found %lld",
+                        (long long)opts->moe_chunk_tokens);
+    for (int64_t l = 0; l < L; l++) m->recompute[l] = recompute ? recompute[l] : false;
+    if (opts && (opts->ce_block_tokens < 0 || opts->ce_block_vocab < 0))
+        return fm_error(FM_ERR_ARG, "--ce-block-tokens and --ce-block-vocab must be >= 0");
+    m->moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
+    m->linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
+    m->ce_block_tokens = opts ? opts->ce_block_tokens : 0;
+    m->ce_block_vocab = opts ? opts->ce_block_vocab : 0;
+    fm_layout_opts o = {m->recompute, m->moe_chunk_tokens, m->ce_block_tokens, m->ce_block_vocab};
+    size_t bytes[FM_LIVE_COUNT];
+    size_t host_bytes = 0;
+    plan_bytes(c, B, T, &o, bytes, &host_bytes);
+    fm_status st;
+    m->boundary = fm_malloc(sizeof(fm_act *) * (size_t)(L + 1));
+    m->acts = fm_malloc(sizeof(fm_layer_acts) * (size_t)L);
+    m->h_tokens = fm_malloc(sizeof(int32_t) * (size_t)(B * T));
+    m->h_targets = fm_malloc(sizeof(int32_t) * (size_t)(B * T));
+    m->h_scratch = fm_malloc(sizeof(float) * (size_t)(2 * c->num_experts));
+    m->h_counts = fm_malloc(sizeof(float) * (size_t)(L * c->num_experts));
+    if (!m->boundary || !m->acts || !m->h_tokens || !m->h_targets || !m->h_scratch || !m->h_counts) {
+        fm_model_free_layout(m);
+        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the layer tables and host staging");
+    }
+    for (int i = 1; i < FM_LIVE_COUNT; i++) {
+        st = fm_arena_init_backend(&m->arena[i], fm_live_set_names[i], bytes[i], &m->be);
+        if (st) {
+            fm_model_free_layout(m);
+            return fm_error(FM_ERR_NOMEM, "memory: cannot allocate %.3f GiB for the %s live set at "
+                            "micro-batch %lld x sequence %lld; lower one of them (train: or recompute more layers)",
+                            bytes[i] / 1073741824.0, fm_live_set_names[i], (long long)B, (long long)T);
+        }
+    }
+    /* Painted before anything is written, so fm_arena_touched measures what the run writes (the
+     * RoPE tables and the chunk order below are the first writes). One memset per arena, at launch. */
+    for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_paint(&m->arena[i]);
+    st = fm_arena_init(&m->host_arena, "host", host_bytes);
+    if (st) {
+        fm_model_free_layout(m);
+        return st;
+    }
+    layout_all(m, m->arena, &m->host_arena);
+    for (int64_t l = 0; l < L; l++) m->acts[l].router.h_count = m->h_counts + l * c->num_experts;
+    /* RoPE tables (HF: inv_freq[i] = theta^(-2i/hd); angle = t * inv_freq[i]), in double, made on
+     * the host and uploaded; and the chunked MoE's token order. */
+    const int64_t half = c->head_dim / 2;
+    float *tab = fm_malloc(sizeof(float) * (size_t)(2 * T * half + 1));
+    int32_t *order = m->moe_chunk_order ? fm_malloc(sizeof(int32_t) * (size_t)m->N) : NULL;
+    if (!tab || (m->moe_chunk_order && !order)) {
+        fm_free(tab);
+        fm_model_free_layout(m);
+        return fm_error(FM_ERR_NOMEM, "memory: cannot stage the RoPE tables");
+    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < half; i++) {
+            double inv = pow(c->rope_theta, -2.0 * (double)i / (double)c->head_dim);
+            double ang = (double)t * inv;
+            tab[t * half + i] = (float)cos(ang);
+            tab[T * half + t * half + i] = (float)sin(ang);
+        }
+    m->be.ops->copy(m->be.ctx, m->rope_cos, tab, sizeof(float) * (size_t)(T * half), FM_COPY_H2D);
+    m->be.ops->copy(m->be.ctx, m->rope_sin, tab + T * half, sizeof(float) * (size_t)(T * half), FM_COPY_H2D);
+    fm_free(tab);
+    if (order) {
+        fm_moe_chunk_order(order, m->N, m->moe_K);
+        m->be.ops->copy(m->be.ctx, m->moe_chunk_order, order, sizeof(int32_t) * (size_t)m->N, FM_COPY_H2D);
+        fm_free(order);
+    }
+    return FM_OK;
+}
+

@@ -1,0 +1,54 @@
+/* The MoE block's glue: the dispatcher's schedule around the experts (fm_moe_layer.h). */
+#include "fm_moe_layer.h"
+
+#include "fm_experts.h"
+
+void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_act *y,
+                    const fm_act *x, const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
+                    const int32_t *chunk_tokens, fm_moe_routes *saved, fm_moe_ws *ws) {
+    if (saved) {
+        fm_moe_dispatch(be, d, saved, x, topk_idx, N);
+        fm_experts_forward(be, d, w, saved, N);
+        fm_moe_combine(be, d, saved, y, topk_w, N);
+        return;
+    }
+    const int64_t Hb = d->H * (int64_t)sizeof(fm_act);
+    for (int64_t j = 0, start = 0; j < K; j++) {
+        const int64_t n = fm_moe_chunk_size(N, K, j);
+        const int32_t *tok = chunk_tokens + start;
+        start += n;
+        fm_moe_chunk_gather(be, d, ws, x, topk_idx, topk_w, tok, n);
+        fm_moe_dispatch(be, d, &ws->r, ws->xc, ws->topk_idx, n);
+        fm_experts_forward(be, d, w, &ws->r, n);
+        fm_moe_combine(be, d, &ws->r, ws->yc, ws->topk_w, n);
+        fm_moe_chunk_scatter(be, y, ws->yc, tok, n, Hb);
+    }
+}
+
+void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w,
+                     const fm_moe_grads *g, fm_act *dx, float *dtopk_w, const fm_act *dy, const fm_act *x,
+                     const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
+                     const int32_t *chunk_tokens, const fm_moe_routes *saved, fm_moe_ws *ws) {
+    if (saved) {
+        fm_moe_combine_backward(be, d, saved, ws->dye, dtopk_w, dy, topk_w, N);
+        fm_experts_backward(be, d, w, g, saved, ws, N);
+        fm_moe_dispatch_backward(be, d, saved, dx, ws->dxe, N);
+        return;
+    }
+    const int64_t Hb = d->H * (int64_t)sizeof(fm_act);
+    for (int64_t j = 0, start = 0; j < K; j++) {
+        const int64_t n = fm_moe_chunk_size(N, K, j);
+        const int32_t *tok = chunk_tokens + start;
+        start += n;
+        fm_moe_chunk_gather(be, d, ws, x, topk_idx, topk_w, tok, n);
+        /* recompute the chunk's dispatch and experts (no combine: backward needs only ye) */
+        fm_moe_dispatch(be, d, &ws->r, ws->xc, ws->topk_idx, n);
+        fm_experts_forward(be, d, w, &ws->r, n);
+        fm_moe_chunk_gather_rows(be, ws->yc, dy, tok, n, Hb);
+        fm_moe_combine_backward(be, d, &ws->r, ws->dye, ws->dtopk_w, ws->yc, ws->topk_w, n);
+        fm_experts_backward(be, d, w, g, &ws->r, ws, n);
+        fm_moe_dispatch_backward(be, d, &ws->r, ws->dxc, ws->dxe, n);
+        fm_moe_chunk_scatter(be, dx, ws->dxc, tok, n, Hb);
+        fm_moe_chunk_scatter(be, dtopk_w, ws->dtopk_w, tok, n, d->k * (int64_t)sizeof(float));
+    }
+}

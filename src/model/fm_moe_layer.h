@@ -1,0 +1,34 @@
+/* The MoE block of a layer after the router (Megatron-Core's moe_layer glue): for each dispatch
+ * of the dispatcher's chunk schedule (bounded/fm_moe_dispatch.h), dispatch -> experts
+ * (fm_experts.h) -> combine; backward recomputes a chunk's forward before its backward.
+ *
+ * Two forms, with the same arithmetic per route (see fm_moe_dispatch.h for the bounds):
+ * - plain twin (saved != NULL): one dispatch of all N tokens, its intermediates saved for
+ *   backward;
+ * - chunked (saved == NULL): K strided chunks (token t -> chunk t mod K); nothing is saved and
+ *   backward recomputes each chunk, so one chunk's intermediates are live at a time. Every chunk,
+ *   an empty one too, passes through every phase (as a rank with zero tokens must under expert
+ *   parallelism).
+ * Outputs are bit-identical between the forms; expert weight gradients equal up to fp32
+ * reassociation (the row grouping of the expert GEMMs differs). */
+#ifndef FM_MOE_LAYER_H
+#define FM_MOE_LAYER_H
+
+#include "../bounded/fm_moe_dispatch.h"
+
+/* Forward: y [N,H] (assigned) = sum_j topk_w[n,j] * expert_{topk_idx[n,j]}(x[n]), x [N,H],
+ * topk_idx/topk_w [N,k]. Plain twin: `saved` (routes over N) receives the intermediates.
+ * Chunked (saved == NULL): chunk_tokens [N] (backend memory, fm_moe_chunk_order) gives the
+ * chunks' tokens; ws holds one chunk at a time; nothing is saved. */
+void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_act *y,
+                    const fm_act *x, const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
+                    const int32_t *chunk_tokens, fm_moe_routes *saved, fm_moe_ws *ws);
+
+/* Backward: dx [N,H] and dtopk_w [N,k] assigned, expert weight grads accumulated, from dy [N,H].
+ * Plain twin reads `saved`; chunked recomputes each chunk's forward into ws first. */
+void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w,
+                     const fm_moe_grads *g, fm_act *dx, float *dtopk_w, const fm_act *dy, const fm_act *x,
+                     const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
+                     const int32_t *chunk_tokens, const fm_moe_routes *saved, fm_moe_ws *ws);
+
+#endif

@@ -1,0 +1,75 @@
+/* The MoE router (Megatron-Core's TopKRouter split, STYLE.md): a linear layer to fp32 logits, a
+ * score function and top-k selection, the routing statistics, and the router's losses — the
+ * Switch-Transformer load-balancing loss (Fedus et al. 2021, arXiv 2101.03961, eq. 4-6:
+ * E * sum_e f_e P_e per layer, f_e held constant) and the ST-MoE z-loss (Zoph et al. 2022,
+ * arXiv 2202.08906, eq. 5: mean_n lse_n^2) — with their gradients. The model's layer calls it;
+ * the aux-loss arithmetic lives here and nowhere else.
+ *
+ * Shapes: N tokens, H hidden_size, E num_experts, k top-k. Logits, probabilities, log-sum-exps
+ * and top-k weights are fp32 in every build; the router weight W [E,H] and the input x [N,H]
+ * are fm_act. */
+#ifndef FM_ROUTER_H
+#define FM_ROUTER_H
+
+#include "../backend/fm_backend.h"
+#include "fm_config.h"
+
+typedef enum fm_router_score {
+    FM_ROUTER_SCORE_SOFTMAX = 0, /* softmax over experts, then top-k (Qwen3-MoE, OLMoE, Mixtral) */
+    /* sigmoid scores, group-limited top-k and an aux-free selection bias (DeepSeek-V3) come later */
+} fm_router_score;
+
+typedef struct fm_router_opts {
+    fm_router_score score;
+    int64_t num_experts;     /* E */
+    int64_t top_k;           /* k = num_experts_per_tok */
+    bool norm_topk;          /* renormalize the k weights to sum 1 (norm_topk_prob) */
+    double aux_loss_coef;    /* router_aux_loss_coef */
+    double z_loss_coef;      /* router_z_loss_coef (flatmoe extension; 0 = off) */
+} fm_router_opts;
+
+/* The router options of a config (softmax scores; the config's E, k, norm_topk_prob, coefs). */
+fm_router_opts fm_router_opts_from_config(const fm_config *c);
+
+/* What one layer's router saves for its backward and for the losses (backend memory, except
+ * h_count which is host memory). */
+typedef struct fm_router_saved {
+    float *probs, *lse;          /* [N,E], [N] */
+    int32_t *topk_idx;           /* [N,k] experts in decreasing probability */
+    float *topk_w;               /* [N,k] */
+    float *count, *prob_sum;     /* [E] routes per expert, sum_n probs[n,e] */
+    float *h_count;              /* [E] host copy of count (the aux-loss gradient's f_e) */
+} fm_router_saved;
+
+/* One layer's router loss terms before the coefficients: aux = E * sum_e f_e P_e with
+ * f_e = count_e / N, P_e = prob_sum_e / N; z = mean_n lse_n^2. */
+typedef struct fm_router_terms {
+    double aux, z;
+} fm_router_terms;
+
+/* Forward: logits [N,E] fp32 = x W^T into `logits` (transient scratch), then the score function
+ * and top-k into s->probs, lse, topk_idx, topk_w, and the statistics into s->count, prob_sum
+ * (and their host copies h_count, h_prob_sum [E]: host scratch of the caller, h_prob_sum may be
+ * any host buffer of E floats). Returns the layer's terms. Errors: none (an op failure aborts). */
+fm_router_terms fm_router_forward(const fm_backend *be, const fm_router_opts *o, float *logits, fm_router_saved *s,
+                                  float *h_prob_sum, const fm_act *x, const fm_act *W, int64_t N, int64_t H);
+
+/* The router losses of a micro-batch from the sum over its L layers' terms (summed in layer
+ * order): *aux = aux_loss_coef * sum_aux / L, *z = z_loss_coef * sum_z / L (per-layer mean, as
+ * Megatron-Core; DESIGN.md §5). */
+void fm_router_losses(const fm_router_opts *o, double sum_aux, double sum_z, int64_t L, double *aux, double *z);
+
+/* Backward: dlogits [N,E] fp32 (ASSIGNED, scratch) from dtopk_w [N,k] (the top-k weights'
+ * gradient), plus the load-balancing loss's gradient (coef * scale / L) * E * f_e / N on every
+ * probs[n,e] (f_e from s->h_count, held constant) and the z-loss's (zcoef * scale / (L N)) *
+ * 2 lse_n probs[n,e]; then through the linear layer: dx [N,H] += dlogits W (beta 1: dx holds
+ * the experts' input gradient) and dW [E,H] += dlogits^T x. scale is the micro-batch's loss
+ * scale (1/G for G-step accumulation). h_dprobs [E] is host scratch, dprobs [E] backend
+ * scratch, dlogits_act [N,E] an fm_act copy of the logit gradient for the GEMMs (== dlogits
+ * when fm_act is fp32). */
+void fm_router_backward(const fm_backend *be, const fm_router_opts *o, fm_act *dx, fm_act *dW, float *dlogits,
+                        fm_act *dlogits_act, float *dprobs, float *h_dprobs, const float *dtopk_w,
+                        const fm_router_saved *s, const fm_act *x, const fm_act *W, int64_t N, int64_t H, int64_t L,
+                        float scale);
+
+#endif

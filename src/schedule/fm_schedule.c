@@ -1,0 +1,107 @@
+/* The layer schedule (fm_schedule.h). */
+#include "fm_schedule.h"
+
+const char *fm_hook_point_name(fm_hook_point p) {
+    static const char *const names[FM_HOOK_COUNT] = {"before_forward", "after_forward", "before_backward",
+                                                     "after_backward"};
+    return p >= 0 && p < FM_HOOK_COUNT ? names[p] : "?";
+}
+
+void fm_schedule_init(fm_schedule *s, const fm_model *m) {
+    memset(s, 0, sizeof *s);
+    s->recompute.layers = m->recompute;
+    s->recompute.L = m->cfg.num_hidden_layers;
+}
+
+fm_status fm_schedule_add_hook(fm_schedule *s, fm_hook_fn fn, void *user) {
+    if (!fn) return fm_error(FM_ERR_ARG, "fm_schedule_add_hook: the hook function is NULL");
+    if (s->n_hooks >= FM_SCHEDULE_MAX_HOOKS)
+        return fm_error(FM_ERR_ARG, "fm_schedule_add_hook: the schedule already has %d hooks (the most it holds)",
+                        FM_SCHEDULE_MAX_HOOKS);
+    s->hooks[s->n_hooks].fn = fn;
+    s->hooks[s->n_hooks].user = user;
+    s->n_hooks++;
+    return FM_OK;
+}
+
+static fm_status run_hooks(fm_schedule *s, fm_model *m, fm_hook_point p, int64_t l) {
+    for (int i = 0; i < s->n_hooks; i++) FM_TRY(s->hooks[i].fn(s->hooks[i].user, m, p, l));
+    return FM_OK;
+}
+
+/* Embedding and the layers' forwards; the router losses into r (ce and n_valid zero). */
+static fm_status forward_layers(fm_schedule *s, fm_model *m, bool with_targets, fm_loss *r) {
+    const int64_t L = m->cfg.num_hidden_layers;
+    fm_model_embed_forward(m, with_targets);
+    double aux = 0, z = 0;
+    for (int64_t l = 0; l < L; l++) {
+        FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_FORWARD, l));
+        const fm_router_terms t = fm_model_layer_forward(m, l, fm_model_boundary(m, l + 1));
+        aux += t.aux;
+        z += t.z;
+        FM_TRY(run_hooks(s, m, FM_HOOK_AFTER_FORWARD, l));
+    }
+    memset(r, 0, sizeof *r);
+    fm_router_losses(&m->router, aux, z, L, &r->aux, &r->z);
+    return FM_OK;
+}
+
+/* From the gradient of boundary L in grad buffer 0: the layers' backwards (recomputing what the
+ * policy says) and the embedding's. */
+static fm_status backward_layers(fm_schedule *s, fm_model *m, float scale) {
+    const int64_t L = m->cfg.num_hidden_layers;
+    fm_act *dy = fm_model_grad_buffer(m, 0), *dx = fm_model_grad_buffer(m, 1);
+    for (int64_t l = L - 1; l >= 0; l--) {
+        FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_BACKWARD, l));
+        /* Re-run the forward from the saved boundary into the shared set; the output goes to dx,
+         * free until layer_backward assigns it, so boundary l+1 stays as it was. */
+        if (fm_recompute_layer(&s->recompute, l)) (void)fm_model_layer_forward(m, l, dx);
+        fm_model_layer_backward(m, l, dy, dx, scale);
+        fm_act *t = dy;
+        dy = dx;
+        dx = t;
+        FM_TRY(run_hooks(s, m, FM_HOOK_AFTER_BACKWARD, l));
+    }
+    fm_model_embed_backward(m, dy);
+    return FM_OK;
+}
+
+fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm_loss *out) {
+    fm_loss r;
+    FM_TRY(forward_layers(s, m, with_targets, &r));
+    fm_model_head_forward(m, with_targets, &r);
+    if (out) *out = r;
+    return FM_OK;
+}
+
+fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale) {
+    fm_model_head_backward(m, scale);
+    return backward_layers(s, m, scale);
+}
+
+fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, float scale, fm_loss *out) {
+    fm_loss r;
+    FM_TRY(forward_layers(s, m, true, &r));
+    fm_model_head_train(m, scale, &r);
+    FM_TRY(backward_layers(s, m, scale));
+    if (out) *out = r;
+    return FM_OK;
+}
+
+void fm_schedule_default_forward(fm_model *m, bool with_targets, fm_loss *out) {
+    fm_schedule s;
+    fm_schedule_init(&s, m);
+    FM_ASSERT(fm_schedule_forward(&s, m, with_targets, out) == FM_OK); /* no hooks: nothing can fail */
+}
+
+void fm_schedule_default_backward(fm_model *m, float scale) {
+    fm_schedule s;
+    fm_schedule_init(&s, m);
+    FM_ASSERT(fm_schedule_backward(&s, m, scale) == FM_OK);
+}
+
+void fm_schedule_default_train_step(fm_model *m, float scale, fm_loss *out) {
+    fm_schedule s;
+    fm_schedule_init(&s, m);
+    FM_ASSERT(fm_schedule_train_step(&s, m, scale, out) == FM_OK);
+}

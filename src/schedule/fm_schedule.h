@@ -1,0 +1,75 @@
+/* The layer schedule (DESIGN.md §3-§4): the order in which a micro-batch runs the model's pieces
+ * (model/fm_model.h: embedding, one layer's forward and backward, the head), the recompute
+ * policy, and hooks before and after each layer's forward and backward — the place where
+ * checkpoint offload, ZeRO-3 gathers and reduce-scatters, optimizer streaming and the
+ * expert-parallel overlap attach (llm.c's per-layer reduction in gpt2_backward_and_reduce is
+ * the model of it).
+ *
+ * Order of one training step (fm_schedule_train_step):
+ *   embed; for l = 0 .. L-1: BEFORE_FORWARD(l), layer_forward(l), AFTER_FORWARD(l);
+ *   head (loss and its gradient);
+ *   for l = L-1 .. 0: BEFORE_BACKWARD(l), [layer_forward(l) again if recomputed],
+ *                     layer_backward(l), AFTER_BACKWARD(l);
+ *   embedding backward.
+ * Hooks run in the order they were added. A hook that returns an error stops the step there and
+ * the status is returned (the step's gradients are then incomplete). */
+#ifndef FM_SCHEDULE_H
+#define FM_SCHEDULE_H
+
+#include "../model/fm_model.h"
+#include "fm_recompute.h"
+
+typedef enum fm_hook_point {
+    FM_HOOK_BEFORE_FORWARD = 0,
+    FM_HOOK_AFTER_FORWARD,
+    FM_HOOK_BEFORE_BACKWARD, /* before the layer's recompute (a restored boundary is needed by it) */
+    FM_HOOK_AFTER_BACKWARD,  /* the layer's parameter gradients for this micro-batch are complete */
+    FM_HOOK_COUNT
+} fm_hook_point;
+
+const char *fm_hook_point_name(fm_hook_point p);
+
+/* A hook: called at `point` of layer `layer` (0-based) of micro-batch m. Returns FM_OK, or an
+ * error (with fm_error's message) that stops the step. */
+typedef fm_status (*fm_hook_fn)(void *user, fm_model *m, fm_hook_point point, int64_t layer);
+
+#define FM_SCHEDULE_MAX_HOOKS 8
+
+typedef struct fm_schedule {
+    fm_recompute_policy recompute;
+    struct {
+        fm_hook_fn fn;
+        void *user;
+    } hooks[FM_SCHEDULE_MAX_HOOKS];
+    int n_hooks;
+} fm_schedule;
+
+/* A schedule for model m with its layout's recompute set (m->recompute) and no hooks. */
+void fm_schedule_init(fm_schedule *s, const fm_model *m);
+
+/* Adds a hook (called at every point; it filters the points it wants). Errors: FM_ERR_ARG when
+ * FM_SCHEDULE_MAX_HOOKS are already added or fn is NULL. */
+fm_status fm_schedule_add_hook(fm_schedule *s, fm_hook_fn fn, void *user);
+
+/* Forward of m->h_tokens [B,T] (and m->h_targets with targets) through the loss, saving what
+ * backward needs: out->ce, aux, z, n_valid. With targets false only m->logits is produced (for
+ * sampling; a linear-CE layout needs targets). Errors: a hook's. */
+fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm_loss *out);
+
+/* Backward of the last forward with targets: ACCUMULATES into m->grads, scaled by `scale`
+ * (1/G for G-step accumulation); under the linear cross-entropy this runs the operator again
+ * with gradients. Errors: a hook's. */
+fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale);
+
+/* Forward with targets and backward in one call (what the trainer runs): the same results as
+ * fm_schedule_forward + fm_schedule_backward, but the linear cross-entropy runs once, fused.
+ * Errors: a hook's. */
+fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, float scale, fm_loss *out);
+
+/* The same with the default schedule of m (its layout's recompute set, no hooks), which cannot
+ * fail: for evaluation, sampling, tools and tests. */
+void fm_schedule_default_forward(fm_model *m, bool with_targets, fm_loss *out);
+void fm_schedule_default_backward(fm_model *m, float scale);
+void fm_schedule_default_train_step(fm_model *m, float scale, fm_loss *out);
+
+#endif
