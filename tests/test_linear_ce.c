@@ -27,6 +27,20 @@
 #include <time.h>
 
 static fm_backend g_be;
+
+typedef void (*lce_fn)(const fm_backend *, fm_arena *, float *, fm_act *, fm_act *, const fm_act *, const fm_act *,
+                       const int32_t *, int64_t, int64_t, int64_t, float, const fm_lce_opts *, double *);
+
+/* Runs the operator (or its twin) and reads its sums at a sync point: returns the loss sum and
+ * sets *zt (may be NULL) to the z term, as the operator returned them before it left them in
+ * backend memory. */
+static double lce_sync(lce_fn f, const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
+                       const fm_act *h, const fm_act *W, const int32_t *tg, int64_t N, int64_t H, int64_t V, float gs,
+                       const fm_lce_opts *opts, double *zt) {
+    double sums[2] = {-1, -1}; /* backend memory is host memory on the CPU */
+    f(be, ws, loss, dh, dW, h, W, tg, N, H, V, gs, opts, sums);
+    return fm_linear_ce_read(be, sums, opts ? opts->z_loss : 0.0f, zt);
+}
 static fm_rng g_rng;
 
 /* ---- helpers ---------------------------------------------------------------------------- */
@@ -208,7 +222,7 @@ static void run_op(run_out *o, const problem *p, bool plain, int64_t Nb, int64_t
     fm_arena ws;
     const size_t cap = plain ? fm_linear_ce_plain_bytes(p->N, p->V) : fm_linear_ce_bound_bytes(Nb, Vb);
     FM_ASSERT(fm_arena_init(&ws, "vocabulary projection", cap) == FM_OK);
-    o->ce = (plain ? fm_linear_ce_plain : fm_linear_ce)(&g_be, &ws, o->loss, o->dh, o->dW, p->h, p->W,
+    o->ce = lce_sync(plain ? fm_linear_ce_plain : fm_linear_ce, &g_be, &ws, o->loss, o->dh, o->dW, p->h, p->W,
                                                         p->tg, p->N, p->H, p->V, gs, &opts, &o->zterm);
     CHECK(ws.used == 0);
     o->high = ws.high;
@@ -403,7 +417,7 @@ static void test_conventions(void) {
     /* dW accumulates: pre-filled with the first result, it doubles */
     float *dW2 = fnew(V * H), *dh2 = fnew(N * H), *loss2 = fnew(N);
     memcpy(dW2, a.dW, (size_t)(V * H) * sizeof(float));
-    double ce2 = fm_linear_ce(&g_be, &ws, loss2, dh2, dW2, p.h, p.W, p.tg, N, H, V, 1.0f, &opts, NULL);
+    double ce2 = lce_sync(fm_linear_ce, &g_be, &ws, loss2, dh2, dW2, p.h, p.W, p.tg, N, H, V, 1.0f, &opts, NULL);
     double *twice = dnew(V * H);
     for (int64_t i = 0; i < V * H; i++) twice[i] = 2.0 * a.dW[i];
     CHECK_MSG(nerr(dW2, twice, V * H, 1e-30) <= 1e-6, "dW does not accumulate");
@@ -411,7 +425,7 @@ static void test_conventions(void) {
     CHECK(memcmp(dh2, a.dh, (size_t)(N * H) * sizeof(float)) == 0);
     /* forward only (dh = dW = NULL): same loss, in one pass */
     fill_const(loss2, N, NAN);
-    double ce3 = fm_linear_ce(&g_be, &ws, loss2, NULL, NULL, p.h, p.W, p.tg, N, H, V, 1.0f, &opts, NULL);
+    double ce3 = lce_sync(fm_linear_ce, &g_be, &ws, loss2, NULL, NULL, p.h, p.W, p.tg, N, H, V, 1.0f, &opts, NULL);
     CHECK(ce3 == a.ce && memcmp(loss2, a.loss, (size_t)N * sizeof(float)) == 0);
     /* all tokens ignored: sum 0, dh 0, dW unchanged */
     int32_t *allign = inew(N);
@@ -419,20 +433,20 @@ static void test_conventions(void) {
     fill_const(dh2, N * H, NAN);
     memcpy(dW2, a.dW, (size_t)(V * H) * sizeof(float));
     double zt = -1;
-    double ce4 = fm_linear_ce(&g_be, &ws, loss2, dh2, dW2, p.h, p.W, allign, N, H, V, 1.0f, &opts, &zt);
+    double ce4 = lce_sync(fm_linear_ce, &g_be, &ws, loss2, dh2, dW2, p.h, p.W, allign, N, H, V, 1.0f, &opts, &zt);
     bool zero = true;
     for (int64_t i = 0; i < N * H; i++) zero = zero && dh2[i] == 0.0f;
     for (int64_t n = 0; n < N; n++) zero = zero && loss2[n] == 0.0f;
     CHECK(ce4 == 0.0 && zt == 0.0 && zero);
     CHECK(memcmp(dW2, a.dW, (size_t)(V * H) * sizeof(float)) == 0);
     /* N = 0 */
-    CHECK(fm_linear_ce(&g_be, &ws, loss2, dh2, dW2, p.h, p.W, p.tg, 0, H, V, 1.0f, &opts, NULL) == 0.0);
+    CHECK(lce_sync(fm_linear_ce, &g_be, &ws, loss2, dh2, dW2, p.h, p.W, p.tg, 0, H, V, 1.0f, &opts, NULL) == 0.0);
     fm_arena_free(&ws);
     /* NULL opts = defaults: the same as explicit default options */
     FM_ASSERT(fm_arena_init(&ws, "vocabulary projection", fm_linear_ce_bound_bytes(0, 0)) == FM_OK);
     fm_lce_opts d = fm_lce_opts_default();
-    double ce5 = fm_linear_ce(&g_be, &ws, loss2, NULL, NULL, p.h, p.W, p.tg, N, H, V, 1.0f, NULL, NULL);
-    double ce6 = fm_linear_ce(&g_be, &ws, a.loss, NULL, NULL, p.h, p.W, p.tg, N, H, V, 1.0f, &d, NULL);
+    double ce5 = lce_sync(fm_linear_ce, &g_be, &ws, loss2, NULL, NULL, p.h, p.W, p.tg, N, H, V, 1.0f, NULL, NULL);
+    double ce6 = lce_sync(fm_linear_ce, &g_be, &ws, a.loss, NULL, NULL, p.h, p.W, p.tg, N, H, V, 1.0f, &d, NULL);
     CHECK(ce5 == ce6);
     fm_arena_free(&ws);
     free(allign);
@@ -470,7 +484,7 @@ static void test_bound(void) {
     fm_lce_opts opts = fm_lce_opts_default();
     opts.block_tokens = Nb;
     opts.block_vocab = Vb;
-    fm_linear_ce(&g_be, &ws, b.loss, b.dh, b.dW, p.h, p.W, p.tg, N, H, V, 1.0f, &opts, NULL);
+    lce_sync(fm_linear_ce, &g_be, &ws, b.loss, b.dh, b.dW, p.h, p.W, p.tg, N, H, V, 1.0f, &opts, NULL);
     CHECK(ws.used == 128);
     CHECK(ws.high <= 128 + bound && ws.high >= 128 + bound - bound / 10);
     fm_arena_free(&ws);
@@ -479,7 +493,7 @@ static void test_bound(void) {
     FM_ASSERT(fm_arena_init(&ws, "vocabulary projection", bound) == FM_OK);
     fm_arena_paint(&ws);
     opts.out_entropy = b.entropy;
-    fm_linear_ce(&g_be, &ws, b.loss, b.dh, b.dW, p.h, p.W, p.tg, N, H, V, 1.0f, &opts, NULL);
+    lce_sync(fm_linear_ce, &g_be, &ws, b.loss, b.dh, b.dW, p.h, p.W, p.tg, N, H, V, 1.0f, &opts, NULL);
     const size_t touched = fm_arena_touched(&ws);
     printf("bound: painted arena: %zu bytes written of %zu\n", touched, bound);
     CHECK(touched <= bound && touched >= bound - bound / 10);
@@ -490,7 +504,7 @@ static void test_bound(void) {
     fm_arena m;
     fm_arena_init_measure(&m, "vocabulary projection");
     /* (pointers are never read in measure mode) */
-    fm_linear_ce(&g_be, &m, b.loss, NULL, NULL, p.h, p.W, p.tg, 1 << 20, 4096, 151936, 1.0f, &opts,
+    lce_sync(fm_linear_ce, &g_be, &m, b.loss, NULL, NULL, p.h, p.W, p.tg, 1 << 20, 4096, 151936, 1.0f, &opts,
                  NULL);
     CHECK(m.high == bound && m.used == 0);
     fm_arena m2;

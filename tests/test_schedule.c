@@ -159,7 +159,8 @@ static void test_router_terms(void) {
     fm_model m;
     make_model(&m, &c, NULL, 0);
     fm_model_embed_forward(&m, true);
-    const fm_router_terms t = fm_model_layer_forward(&m, 0, fm_model_boundary(&m, 1));
+    fm_model_layer_forward(&m, 0, fm_model_boundary(&m, 1));
+    const double *terms = m.results + FM_RESULT_LAYERS; /* backend memory is host memory on the CPU */
     const int64_t N = m.N, E = c.num_experts, k = c.num_experts_per_tok;
     const fm_router_saved *s = &m.acts[0].router;
     double aux = 0, z = 0;
@@ -169,18 +170,25 @@ static void test_router_terms(void) {
             P += s->probs[n * E + e];
             for (int64_t j = 0; j < k; j++) f += s->topk_idx[n * k + j] == e;
         }
-        CHECK(s->h_count[e] == (float)f);
+        CHECK(s->count[e] == (float)f);
         aux += (f / N) * (P / N);
     }
     aux *= (double)E;
     for (int64_t n = 0; n < N; n++) z += (double)s->lse[n] * s->lse[n]; /* the saved log-sum-exps */
     z /= (double)N;
-    CHECK_CLOSE(t.aux, aux, 1e-6);
-    CHECK_CLOSE(t.z, z, 1e-6);
+    CHECK_CLOSE(terms[0], aux, 1e-6);
+    CHECK_CLOSE(terms[1], z, 1e-6);
+    /* the losses: coefficient times the mean over layers of the terms */
+    const double two[4] = {terms[0], terms[1], 3 * terms[0], 5 * terms[1]};
     double la, lz;
-    fm_router_losses(&m.router, 2 * t.aux, 2 * t.z, 2, &la, &lz);
-    CHECK_CLOSE(la, c.router_aux_loss_coef * t.aux, 1e-15);
-    CHECK_CLOSE(lz, c.router_z_loss_coef * t.z, 1e-15);
+    fm_router_losses(&m.router, two, 2, &la, &lz);
+    CHECK_CLOSE(la, c.router_aux_loss_coef * 2 * terms[0], 1e-15);
+    CHECK_CLOSE(lz, c.router_z_loss_coef * 3 * terms[1], 1e-15);
+    /* the aux-loss gradient on the device from the device counts: coef * E * f_e / N */
+    float *dp = fnew(E);
+    g_be.ops->router_aux_grad(g_be.ctx, dp, s->count, 0.25, N, E);
+    for (int64_t e = 0; e < E; e++) CHECK_CLOSE(dp[e], 0.25 * E * (s->count[e] / N) / N, 1e-7);
+    free(dp);
     fm_model_free(&m);
 }
 

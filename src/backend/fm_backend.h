@@ -13,10 +13,19 @@
  * - Pointers live in the backend's memory (host memory on the CPU). Integer index tensors are
  *   int32_t. Outputs never alias inputs unless the comment allows it.
  * - Ops do not allocate: any scratch an op needs was sized when the context was created.
+ * - Ops never wait for the host and never make the host wait (DESIGN.md §4): every op is issued
+ *   on the compute stream; results the host needs (reductions, losses, the MoE expert offsets)
+ *   land in backend or pinned memory and are read after a named sync point (stream_sync or
+ *   event_sync), which host_sync_count counts. On the CPU every op completes before it returns.
+ * - Failure: ops do not abort on a device error (a library call that fails, a kernel that
+ *   cannot launch): the context records the first one (sticky) and `status` returns it at the
+ *   end of a step, so all ranks can stop together. Argument errors that are caller bugs are
+ *   asserted.
  */
 #ifndef FM_BACKEND_H
 #define FM_BACKEND_H
 
+#include "../core/fm_arena.h"
 #include "../core/fm_core.h"
 
 #ifdef __cplusplus
@@ -57,6 +66,26 @@ static inline const char *fm_phase_name(int p) {
                                                       "dispatch", "experts",   "loss",  "optimizer"};
     return p >= 0 && p < FM_PHASE_COUNT ? names[p] : "?";
 }
+
+/* Buffer types (ggml's buffer types): where a live set's memory comes from. */
+typedef enum fm_buffer_kind {
+    FM_BUFFER_DEVICE = 0, /* the backend's memory (device memory on a GPU; mem_alloc) */
+    FM_BUFFER_PINNED,     /* host memory the device reads and writes asynchronously (cudaHostAlloc) */
+    FM_BUFFER_HOST,       /* ordinary host memory */
+    FM_BUFFER_KINDS
+} fm_buffer_kind;
+
+/* Streams: every op runs on FM_STREAM_COMPUTE; copies may run on the copy-in (host to device)
+ * and copy-out (device to host) streams, ordered against compute with events. */
+typedef enum fm_stream { FM_STREAM_COMPUTE = 0, FM_STREAM_COPY_IN, FM_STREAM_COPY_OUT, FM_STREAM_COUNT } fm_stream;
+
+/* Events: a fixed pool of FM_EVENT_POOL created at init, named by index; the users of the
+ * indices below are fixed, the rest are for schedule policies (checkpoint offload, ...). */
+#define FM_EVENT_POOL 256
+enum {
+    FM_EVENT_TOKENS = 0,   /* the micro-batch's token/target upload is done (h_tokens may be rewritten) */
+    FM_EVENT_FIRST_FREE = 8
+};
 
 typedef enum fm_copy_kind {
     FM_COPY_H2D, /* host -> backend memory */
@@ -101,8 +130,10 @@ typedef struct fm_ops {
 
     /* y[i] += x[i], i < n. */
     void (*add)(void *ctx, fm_act *y, const fm_act *x, int64_t n);
-    /* Sum of squares of x[0..n), accumulated in double. */
-    double (*sumsq)(void *ctx, const fm_act *x, int64_t n);
+    /* Sum of squares of x[0..n), accumulated in double, into *out (backend memory): assigned, or
+     * added to it when accumulate (so a sum over several tensors is one device scalar). The
+     * same input gives the same bits on every call. */
+    void (*sumsq)(void *ctx, double *out, const fm_act *x, int64_t n, bool accumulate);
 
     /* ---- embedding ----------------------------------------------------------------------- */
 
@@ -175,19 +206,29 @@ typedef struct fm_ops {
                        float z_scale, const float *probs, const float *lse, const int32_t *topk_idx,
                        const float *topk_w, int64_t N, int64_t E, int64_t k, bool norm_topk);
     /* Per-expert statistics for the load-balancing loss: count[e] = number of (token, slot)
-     * routes to e (as float), prob_sum[e] = sum_n probs[n,e], and returns sum_n lse[n]^2
-     * (double). count, prob_sum [E], assigned. */
-    double (*router_stats)(void *ctx, float *count, float *prob_sum, const float *probs,
-                           const float *lse, const int32_t *topk_idx, int64_t N, int64_t E,
-                           int64_t k);
+     * routes to e (as float), prob_sum[e] = sum_n probs[n,e], and *lse_sq = sum_n lse[n]^2
+     * (double). count, prob_sum [E], lse_sq [1], assigned, backend memory. */
+    void (*router_stats)(void *ctx, float *count, float *prob_sum, double *lse_sq, const float *probs,
+                         const float *lse, const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
+    /* One layer's router loss terms (Switch Transformer's E * sum_e f_e P_e, f_e = count_e / N,
+     * P_e = prob_sum_e / N, summed over e ascending in double; the z-loss's mean lse^2 =
+     * lse_sq / N) into terms[0], terms[1] (backend memory, assigned). */
+    void (*router_loss_terms)(void *ctx, double *terms, const float *count, const float *prob_sum,
+                              const double *lse_sq, int64_t N, int64_t E);
+    /* The load-balancing loss's gradient on every probability of expert e (f_e held constant):
+     * dprobs[e] = (float)(coef * E * (count_e / N) / N), in double, ASSIGNED; dprobs, count [E]
+     * backend memory; coef = router_aux_loss_coef * loss scale / L. */
+    void (*router_aux_grad)(void *ctx, float *dprobs, const float *count, double coef, int64_t N, int64_t E);
 
     /* ---- MoE permutation (dropless) --------------------------------------------------------
      * R = N*k routes; route r = n*k + j is token n's j-th choice. The permuted ("expert-major")
      * layout puts the rows of expert e at [offsets[e], offsets[e+1]), in increasing route order
      * (a stable counting sort), so it is deterministic. */
 
-    /* offsets [E+1] (int64, host memory on every backend: the expert GEMM sizes),
-     * row_route [R] (permuted row -> route), route_row [R] (route -> permuted row). */
+    /* offsets [E+1] (int64, pinned host memory: the expert GEMM sizes the host reads), row_route
+     * [R] (permuted row -> route), route_row [R] (route -> permuted row). The offsets are
+     * written by a copy on the compute stream: the host reads them only after a sync point
+     * (stream_sync(FM_STREAM_COMPUTE); fm_moe_dispatch names it). */
     void (*moe_route_index)(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,
                             const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
     /* xe[r,:] = x[row_route[r]/k, :]. xe [R,H], x [N,H]. */
@@ -218,12 +259,12 @@ typedef struct fm_ops {
 
     /* Softmax cross-entropy over logits [N,V]. loss [N] = logsumexp(logits[n]) -
      * logits[n, targets[n]] (0 where targets[n] == ignore_index). dlogits [N,V] (may alias
-     * logits) = grad_scale * (softmax - onehot), rows of ignored targets zero. Returns the sum
-     * of loss over non-ignored tokens (double). Targets outside [0,V) other than ignore_index
-     * are a caller bug (asserted). */
-    double (*cross_entropy)(void *ctx, float *loss, fm_act *dlogits, const fm_act *logits,
-                            const int32_t *targets, int64_t N, int64_t V, float grad_scale,
-                            int32_t ignore_index);
+     * logits) = grad_scale * (softmax - onehot), rows of ignored targets zero. *sum (backend
+     * memory, assigned) = the sum of loss over non-ignored tokens (double). Targets outside
+     * [0,V) other than ignore_index are a caller bug. */
+    void (*cross_entropy)(void *ctx, float *loss, fm_act *dlogits, const fm_act *logits,
+                          const int32_t *targets, int64_t N, int64_t V, float grad_scale,
+                          int32_t ignore_index, double *sum);
 
     /* ---- optimizer ------------------------------------------------------------------------- */
 
@@ -267,14 +308,15 @@ typedef struct fm_ops {
      *   loss [Nb]     = lse - tgt (0 where targets[r] == ignore_index),
      *   logprob [Nb]  = tgt - lse = -loss (0 where ignored); may be NULL,
      *   entropy [Nb]  = log z - ent / z, for every row (ignored ones too); may be NULL;
-     * returns sum over non-ignored rows of w_r * loss_r and sets *zsq (may be NULL) to the sum
-     * over non-ignored rows of w_r * lse_r^2, both in double, added in row order; weights [Nb]
-     * fp32, NULL for all 1. Targets outside [0,V) other than ignore_index are a caller bug
+     * and ADDS to sums[0] the sum over non-ignored rows of w_r * loss_r and to sums[1] the sum
+     * over non-ignored rows of w_r * lse_r^2 (each block's sums in double, added in row order,
+     * then added to sums[] — so token blocks accumulate in block order); sums [2] backend
+     * memory; weights [Nb] fp32, NULL for all 1. Targets outside [0,V) other than ignore_index are a caller bug
      * (asserted). */
-    double (*lce_finalize)(void *ctx, float *loss, float *logprob, float *entropy, double *zsq,
-                           const float *m, const float *z, const float *tgt, const float *ent,
-                           const int32_t *targets, const float *weights, int64_t Nb, int64_t V,
-                           int32_t ignore_index);
+    void (*lce_finalize)(void *ctx, float *loss, float *logprob, float *entropy, double *sums,
+                         const float *m, const float *z, const float *tgt, const float *ent,
+                         const int32_t *targets, const float *weights, int64_t Nb, int64_t V,
+                         int32_t ignore_index);
     /* The logit gradient of one strip [Nb,Vb] (columns [v0, v0+Vb)), from its rows' finished
      * m, z [Nb]: with p = exp(S - m) / z and lse = m + log z,
      *   grad[r,i] = grad_scale * w_r * ((1 + 2 z_coef lse_r) p_ri - [v0 + i == targets[r]]),
@@ -294,17 +336,38 @@ typedef struct fm_ops {
     void (*mem_free)(void *ctx, void *p);
     /* dst[0..bytes) = byte. */
     void (*mem_set)(void *ctx, void *dst, int byte, size_t bytes);
-    /* bytes from src to dst; kind says which side is host memory. Synchronous. */
+    /* bytes from src to dst; kind says which side is host memory. Synchronous: for launch-time
+     * uploads and reports, never inside a step (it counts as a host sync). */
     void (*copy)(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_kind kind);
+    /* Memory of a buffer kind (zero-filled, 256-byte aligned; NULL when it cannot): DEVICE is
+     * mem_alloc's; PINNED is host memory the device copies to and from asynchronously; HOST is
+     * fm_malloc's. Launch time only. */
+    void *(*buffer_alloc)(void *ctx, fm_buffer_kind kind, size_t bytes);
+    void (*buffer_free)(void *ctx, fm_buffer_kind kind, void *p);
+    /* Asynchronous copy on `stream`, ordered after what was issued on that stream before it;
+     * the host side must be pinned memory (FM_BUFFER_PINNED) and stay untouched until an event
+     * recorded after it completes. */
+    void (*copy_async)(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_kind kind, fm_stream stream);
+    /* event (index < FM_EVENT_POOL) := the point `stream` has reached. */
+    void (*event_record)(void *ctx, int event, fm_stream stream);
+    /* Work issued on `stream` from now on waits for `event` (the host does not wait). */
+    void (*event_wait)(void *ctx, fm_stream stream, int event);
+    /* The host waits for `event` (a sync point: counted by host_sync_count). */
+    void (*event_sync)(void *ctx, int event);
+    /* The host waits for everything issued on `stream` (a sync point, counted). */
+    void (*stream_sync)(void *ctx, fm_stream stream);
     /* n elements, src_type -> dst_type (fp32 <-> the act type, round to nearest even). dst and
      * src may be the same buffer when the types have the same size. */
     void (*convert)(void *ctx, void *dst, fm_dtype dst_type, const void *src, fm_dtype src_type, int64_t n);
-    /* Waits for everything issued so far (a no-op on the CPU). */
+    /* Waits for everything issued so far on every stream (a no-op on the CPU). */
     void (*sync)(void *ctx);
-    /* Times the host has waited for the device since creation: every sync, every copy (they are
-     * synchronous), every op that reads a result back (sumsq, router_stats, cross_entropy,
-     * lce_finalize, moe_route_index), and profiling's event waits. 0 on the CPU, which has no
-     * device to wait for. The trainer prints the count per step. */
+    /* The first device error since creation (sticky), with its message set by fm_error naming
+     * the failing call; FM_OK when none. Checked at the end of each step. */
+    fm_status (*status)(void *ctx);
+    /* Times the host has waited for the device since creation: every sync, stream_sync,
+     * event_sync and synchronous copy, and profiling's event waits. The CPU, which has no device
+     * to wait for, counts the same calls, so the count is the same on both backends and CI can
+     * test it. The trainer prints the count per step. */
     uint64_t (*host_sync_count)(void *ctx);
 
     /* ---- profiling: where a step's time goes. Enabled when the environment has
@@ -328,6 +391,19 @@ typedef struct fm_backend {
     const fm_ops *ops;
     void *ctx;
 } fm_backend;
+
+/* The backend's buffer of `kind` as an arena buffer type (core/fm_arena.h), so arenas allocate
+ * from it without core/ knowing the backend. */
+fm_buffer_type fm_backend_buffer_type(const fm_backend *be, fm_buffer_kind kind);
+
+/* An arena of `capacity` bytes of the backend's memory of `kind` for the live set `name`.
+ * Errors: FM_ERR_NOMEM naming the live set, the bytes and the memory kind. */
+fm_status fm_arena_init_backend_kind(fm_arena *a, const char *name, size_t capacity, const fm_backend *be,
+                                     fm_buffer_kind kind);
+/* The same of device memory (FM_BUFFER_DEVICE). */
+static inline fm_status fm_arena_init_backend(fm_arena *a, const char *name, size_t capacity, const fm_backend *be) {
+    return fm_arena_init_backend_kind(a, name, capacity, be, FM_BUFFER_DEVICE);
+}
 
 /* Charges the time from here on to `phase` (see prof_mark). */
 static inline void fm_phase_mark(const fm_backend *be, fm_phase phase) { be->ops->prof_mark(be->ctx, phase); }

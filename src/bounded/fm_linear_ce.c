@@ -87,15 +87,16 @@ static void lce_check_args(const fm_backend *be, fm_arena *ws, const float *loss
               be->ops->lce_strip_grad);
 }
 
-double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
-                    const fm_act *h, const fm_act *W, const int32_t *targets, int64_t N, int64_t H,
-                    int64_t V, float grad_scale, const fm_lce_opts *opts, double *z_term) {
+void fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
+                  const fm_act *h, const fm_act *W, const int32_t *targets, int64_t N, int64_t H,
+                  int64_t V, float grad_scale, const fm_lce_opts *opts, double *sums) {
     lce_check_args(be, ws, loss, h, W, targets, N, H, V);
+    FM_ASSERT(sums);
     const fm_lce_opts o = opts ? *opts : fm_lce_opts_default();
     const fm_ops *ops = be->ops;
     void *ctx = be->ctx;
-    if (z_term) *z_term = 0.0;
-    if (N == 0) return 0.0;
+    if (!fm_arena_is_measure(ws)) ops->mem_set(ctx, sums, 0, 2 * sizeof(double));
+    if (N == 0) return;
 
     const int64_t Nb0 = lce_block(o.block_tokens, FM_LCE_DEFAULT_BLOCK_TOKENS);
     const int64_t Vb0 = lce_block(o.block_vocab, FM_LCE_DEFAULT_BLOCK_VOCAB);
@@ -108,10 +109,9 @@ double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh,
     const lce_state st = lce_state_alloc(ws, Nb, o.out_entropy != NULL);
     if (fm_arena_is_measure(ws)) {
         ws->used = entry;
-        return 0.0;
+        return;
     }
 
-    double ce = 0.0, zs = 0.0;
     for (int64_t n0 = 0; n0 < N; n0 += Nb) {
         const int64_t nb = N - n0 < Nb ? N - n0 : Nb;
         const fm_act *hb = h + n0 * H;
@@ -124,11 +124,9 @@ double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh,
             ops->gemm(ctx, false, true, nb, vb, H, 1.0f, hb, H, W + v0 * H, H, 0.0f, S, FM_DTYPE_F32, vb);
             ops->lce_fold(ctx, st.m, st.z, st.tgt, st.ent, S, tb, nb, vb, v0, v0 == 0);
         }
-        double zb = 0.0;
-        ce += ops->lce_finalize(ctx, loss + n0, o.out_logprob ? o.out_logprob + n0 : NULL,
-                                o.out_entropy ? o.out_entropy + n0 : NULL, &zb, st.m, st.z, st.tgt,
-                                st.ent, tb, wb, nb, V, o.ignore_index);
-        zs += zb;
+        ops->lce_finalize(ctx, loss + n0, o.out_logprob ? o.out_logprob + n0 : NULL,
+                          o.out_entropy ? o.out_entropy + n0 : NULL, sums, st.m, st.z, st.tgt, st.ent, tb, wb,
+                          nb, V, o.ignore_index);
         if (!backward) continue;
 
         /* pass 2: recompute each strip, turn it into G in place, contract into dh and dW */
@@ -147,20 +145,19 @@ double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh,
         }
     }
     ws->used = entry;
-    if (z_term) *z_term = (double)o.z_loss * zs;
-    return ce;
 }
 
-double fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
-                          const fm_act *h, const fm_act *W, const int32_t *targets, int64_t N,
-                          int64_t H, int64_t V, float grad_scale, const fm_lce_opts *opts,
-                          double *z_term) {
+void fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
+                        const fm_act *h, const fm_act *W, const int32_t *targets, int64_t N,
+                        int64_t H, int64_t V, float grad_scale, const fm_lce_opts *opts,
+                        double *sums) {
     lce_check_args(be, ws, loss, h, W, targets, N, H, V);
+    FM_ASSERT(sums);
     const fm_lce_opts o = opts ? *opts : fm_lce_opts_default();
     const fm_ops *ops = be->ops;
     void *ctx = be->ctx;
-    if (z_term) *z_term = 0.0;
-    if (N == 0) return 0.0;
+    if (!fm_arena_is_measure(ws)) ops->mem_set(ctx, sums, 0, 2 * sizeof(double));
+    if (N == 0) return;
 
     const size_t entry = ws->used;
     float *logits = fm_arena_alloc(ws, (size_t)(N * V * FM_LCE_F32));
@@ -169,15 +166,13 @@ double fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, fm_ac
     const lce_state st = lce_state_alloc(ws, N, o.out_entropy != NULL);
     if (fm_arena_is_measure(ws)) {
         ws->used = entry;
-        return 0.0;
+        return;
     }
 
     ops->gemm(ctx, false, true, N, V, H, 1.0f, h, H, W, H, 0.0f, logits, FM_DTYPE_F32, V);
     ops->lce_fold(ctx, st.m, st.z, st.tgt, st.ent, logits, targets, N, V, 0, true);
-    double zs = 0.0;
-    const double ce = ops->lce_finalize(ctx, loss, o.out_logprob, o.out_entropy, &zs, st.m, st.z,
-                                        st.tgt, st.ent, targets, o.token_weight, N, V,
-                                        o.ignore_index);
+    ops->lce_finalize(ctx, loss, o.out_logprob, o.out_entropy, sums, st.m, st.z, st.tgt, st.ent, targets,
+                      o.token_weight, N, V, o.ignore_index);
     if (dh || dW) {
         ops->lce_strip_grad(ctx, dlogits, logits, st.m, st.z, targets, o.token_weight, N, V, 0,
                             o.ignore_index, grad_scale, o.z_loss);
@@ -186,6 +181,12 @@ double fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, fm_ac
         if (dW) ops->gemm(ctx, true, false, V, H, N, 1.0f, G, V, h, H, 1.0f, dW, FM_ACT_DTYPE, H);
     }
     ws->used = entry;
-    if (z_term) *z_term = (double)o.z_loss * zs;
-    return ce;
+}
+
+double fm_linear_ce_read(const fm_backend *be, const double *sums, float z_loss, double *z_term) {
+    double h[2];
+    be->ops->stream_sync(be->ctx, FM_STREAM_COMPUTE); /* sync point: the operator's sums */
+    be->ops->copy(be->ctx, h, sums, sizeof h, FM_COPY_D2H);
+    if (z_term) *z_term = (double)z_loss * h[1];
+    return h[0];
 }

@@ -65,12 +65,14 @@ size_t fm_linear_ce_plain_bytes(int64_t N, int64_t V);
  *   targets [N] int32 in [0,V) or opts->ignore_index
  *   grad_scale multiplies every gradient (e.g. 1 / valid tokens / accumulation steps)
  *   opts   block sizes, ignore_index, z-loss, weights, optional outputs; NULL: defaults
- *   z_term out (may be NULL): z_loss * sum_valid w_t lse_t^2
- * Returns sum over non-ignored tokens of w_t * loss_t (double, nats; without the z term).
+ *   sums   [2] double, backend memory, ASSIGNED: sums[0] = sum over non-ignored tokens of
+ *          w_t * loss_t (nats; without the z term), sums[1] = sum over them of w_t * lse_t^2 (the
+ *          z term is z_loss * sums[1]); read them after a sync point (fm_linear_ce_read).
+ * Issues work only: no host synchronization (DESIGN.md §4).
  * Scratch: taken from `ws` with fm_arena_alloc (at most fm_linear_ce_bound_bytes), and ws->used
  * is set back to its value at entry before returning, so ws->high records the operator's peak.
  * Never calls malloc. With a measuring arena (fm_arena_init_measure) it only records the
- * allocations, computes nothing and returns 0.
+ * allocations and computes nothing.
  * Errors: none returned; an arena overrun aborts (a planning bug), targets outside [0,V) other
  * than ignore_index and negative sizes are asserted.
  * Algorithm: per token block, pass 1 forms each strip S = h_blk W_blk^T (gemm) and folds it
@@ -78,19 +80,24 @@ size_t fm_linear_ce_plain_bytes(int64_t N, int64_t V);
  * outputs; pass 2 recomputes each strip, turns it into G = grad_scale w ((1 + 2 s lse) p -
  * onehot) (lce_strip_grad), and contracts dh_blk += G W_blk, dW_blk += G^T h_blk (gemm).
  * Cost: 4 N V H multiply-adds with backward (the logits twice), 1 without. */
-double fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
-                    const fm_act *h, const fm_act *W, const int32_t *targets, int64_t N, int64_t H,
-                    int64_t V, float grad_scale, const fm_lce_opts *opts, double *z_term);
+void fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
+                  const fm_act *h, const fm_act *W, const int32_t *targets, int64_t N, int64_t H,
+                  int64_t V, float grad_scale, const fm_lce_opts *opts, double *sums);
 
 /* The plain twin: the same arguments, outputs and conventions, computed by materializing the
  * full N x V logits and their N x V gradient in `ws` (fm_linear_ce_plain_bytes(N, V)); block
  * sizes in opts are ignored. The same strip ops run on one N x V block, then dh = G W and
  * dW += G^T h as single gemms. Equal to fm_linear_ce up to floating-point reassociation
  * (CPU fp32: relative 1e-6). */
-double fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
-                          const fm_act *h, const fm_act *W, const int32_t *targets, int64_t N,
-                          int64_t H, int64_t V, float grad_scale, const fm_lce_opts *opts,
-                          double *z_term);
+void fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
+                        const fm_act *h, const fm_act *W, const int32_t *targets, int64_t N,
+                        int64_t H, int64_t V, float grad_scale, const fm_lce_opts *opts,
+                        double *sums);
+
+/* A named sync point for callers that want the result now (tests, tools): waits for the
+ * compute stream, reads sums [2] (backend memory) and returns sums[0]; *z_term (may be NULL) =
+ * z_loss * sums[1]. */
+double fm_linear_ce_read(const fm_backend *be, const double *sums, float z_loss, double *z_term);
 
 #ifdef __cplusplus
 }

@@ -87,6 +87,9 @@ void fm_moe_dispatch(const fm_backend *be, const fm_moe_dims *d, fm_moe_routes *
     }
     be->ops->moe_route_index(be->ctx, r->offsets, r->row_route, r->route_row, topk_idx, n, d->E, d->k);
     be->ops->moe_gather(be->ctx, r->xe, x, r->row_route, n * d->k, d->k, d->H);
+    /* sync point "MoE offsets": the expert GEMMs' sizes (pinned host memory) are read on the
+     * host — once per dispatch, the only wait of an MoE chunk */
+    be->ops->stream_sync(be->ctx, FM_STREAM_COMPUTE);
 }
 
 void fm_moe_combine(const fm_backend *be, const fm_moe_dims *d, const fm_moe_routes *r, fm_act *y,

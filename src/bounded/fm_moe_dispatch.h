@@ -91,7 +91,9 @@ void fm_moe_chunk_order(int32_t *tokens, int64_t N, int64_t K);
  * combine on r->xe -> r->ye. */
 
 /* Dispatch preprocess and token dispatch: the routing index of topk_idx [n,k] into r (offsets
- * on the host, row_route, route_row) and the permuted rows r->xe [n*k,H] of x [n,H]. */
+ * on the host, row_route, route_row) and the permuted rows r->xe [n*k,H] of x [n,H]. Ends with
+ * the dispatch's one sync point, "MoE offsets" (the host reads the expert offsets from pinned
+ * memory to size the grouped expert GEMMs). */
 void fm_moe_dispatch(const fm_backend *be, const fm_moe_dims *d, fm_moe_routes *r, const fm_act *x,
                      const int32_t *topk_idx, int64_t n);
 /* Combine: y [n,H] (assigned) = sum_j topk_w[t,j] * r->ye[route_row[t*k+j]]. */

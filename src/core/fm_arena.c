@@ -1,13 +1,35 @@
 #include "fm_arena.h"
 
-#include "../backend/fm_backend.h"
 #include <stdio.h>
 #include <string.h>
+
+static void *host_alloc(void *ctx, size_t bytes) {
+    (void)ctx;
+    return fm_malloc(bytes);
+}
+static void host_free(void *ctx, void *p) {
+    (void)ctx;
+    fm_free(p);
+}
+static void host_fill(void *ctx, void *dst, int byte, size_t bytes) {
+    (void)ctx;
+    memset(dst, byte, bytes);
+}
+static void host_read(void *ctx, void *dst, const void *src, size_t bytes) {
+    (void)ctx;
+    memcpy(dst, src, bytes);
+}
+
+fm_buffer_type fm_buffer_type_host(void) {
+    fm_buffer_type t = {"host", NULL, host_alloc, host_free, host_fill, host_read, true};
+    return t;
+}
 
 fm_status fm_arena_init(fm_arena *a, const char *name, size_t capacity) {
     memset(a, 0, sizeof *a);
     snprintf(a->name, sizeof a->name, "%s", name);
     a->capacity = fm_arena_round(capacity);
+    a->buft = fm_buffer_type_host();
     a->base = fm_malloc(a->capacity);
     if (!a->base)
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate %zu bytes (%.3f GiB) for the %s arena; "
@@ -15,16 +37,16 @@ fm_status fm_arena_init(fm_arena *a, const char *name, size_t capacity) {
     return FM_OK;
 }
 
-fm_status fm_arena_init_backend(fm_arena *a, const char *name, size_t capacity, const fm_backend *be) {
+fm_status fm_arena_init_buffer(fm_arena *a, const char *name, size_t capacity, const fm_buffer_type *buft) {
     memset(a, 0, sizeof *a);
     snprintf(a->name, sizeof a->name, "%s", name);
     a->capacity = fm_arena_round(capacity);
-    a->be = be;
-    a->base = fm_fault_hit() ? NULL : be->ops->mem_alloc(be->ctx, a->capacity);
+    a->buft = *buft;
+    a->base = fm_fault_hit() ? NULL : buft->alloc(buft->ctx, a->capacity);
     if (!a->base)
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate %zu bytes (%.3f GiB) of %s memory for the %s arena; "
                         "lower --seq-len or --micro-batch, or see flatmoe plan", a->capacity,
-                        a->capacity / 1073741824.0, be->ops->name, name);
+                        a->capacity / 1073741824.0, buft->name, name);
     return FM_OK;
 }
 
@@ -55,16 +77,14 @@ void fm_arena_init_measure(fm_arena *a, const char *name) {
 }
 
 void fm_arena_free(fm_arena *a) {
-    if (a->be && a->base) a->be->ops->mem_free(a->be->ctx, a->base);
-    else fm_free(a->base);
+    if (a->base && a->buft.free) a->buft.free(a->buft.ctx, a->base);
     a->base = NULL;
     a->capacity = a->used = 0;
 }
 
 void fm_arena_paint(fm_arena *a) {
     if (!a->base) return;
-    if (a->be) a->be->ops->mem_set(a->be->ctx, a->base, 0xA5, a->capacity);
-    else memset(a->base, 0xA5, a->capacity);
+    a->buft.fill(a->buft.ctx, a->base, 0xA5, a->capacity);
 }
 
 /* The last byte that is not paint ends the touched prefix. On a device the arena is read back
@@ -83,14 +103,14 @@ static size_t last_unpainted(const uint8_t *h, size_t n) {
 size_t fm_arena_touched(const fm_arena *a) {
     if (!a->base) return 0;
     const size_t n = a->capacity; /* a multiple of 64 */
-    if (!a->be || a->be->ops->host_memory) return last_unpainted(a->base, n);
+    if (a->buft.host_visible) return last_unpainted(a->base, n);
     const size_t win = (size_t)64 << 20;
     uint8_t *host = fm_malloc(n < win ? n : win);
     if (!host) return a->capacity;
     size_t r = 0;
     for (size_t end = n; end > 0;) {
         const size_t len = end < win ? end : win, start = end - len;
-        a->be->ops->copy(a->be->ctx, host, (const uint8_t *)a->base + start, len, FM_COPY_D2H);
+        a->buft.read(a->buft.ctx, host, (const uint8_t *)a->base + start, len);
         const size_t b = last_unpainted(host, len);
         if (b > 0) {
             r = start + b;

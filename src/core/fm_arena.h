@@ -6,12 +6,25 @@
 #define FM_ARENA_H
 #include "fm_core.h"
 
-struct fm_backend;
+/* Where an arena's memory comes from (ggml's buffer type): a kind of memory of some backend, as
+ * a table of functions over its context, so core/ never includes a backend. */
+typedef struct fm_buffer_type {
+    char name[32];                   /* "cuda device", "cuda pinned", "host", ... (messages) */
+    void *ctx;
+    void *(*alloc)(void *ctx, size_t bytes);          /* zero-filled; NULL when it cannot */
+    void (*free)(void *ctx, void *p);
+    void (*fill)(void *ctx, void *dst, int byte, size_t bytes);           /* launch time */
+    void (*read)(void *ctx, void *host_dst, const void *src, size_t bytes); /* reports */
+    bool host_visible;               /* the host may dereference the memory */
+} fm_buffer_type;
+
+/* Ordinary host memory (fm_malloc), the type of fm_arena_init's arenas. */
+fm_buffer_type fm_buffer_type_host(void);
 
 typedef struct fm_arena {
     char name[48];   /* live-set name, as printed in the plan ("checkpoint boundaries") */
-    uint8_t *base;   /* host memory, or the backend's memory when `be` is set */
-    const struct fm_backend *be; /* NULL: host memory from fm_malloc */
+    uint8_t *base;   /* memory of `buft` */
+    fm_buffer_type buft;
     size_t capacity; /* bytes, fixed at init */
     size_t used;     /* bytes handed out since the last reset */
     size_t high;     /* high-water mark of `used`, bytes */
@@ -21,8 +34,10 @@ typedef struct fm_arena {
  * naming the live set and the bytes asked for. */
 fm_status fm_arena_init(fm_arena *a, const char *name, size_t capacity);
 
-/* The same in the backend's memory (be->ops->mem_alloc: device memory on a GPU). */
-fm_status fm_arena_init_backend(fm_arena *a, const char *name, size_t capacity, const struct fm_backend *be);
+/* The same from a buffer type (backend/fm_backend.h: fm_arena_init_backend gives device or
+ * pinned memory of a backend). Errors: FM_ERR_NOMEM naming the live set, the bytes and the
+ * buffer type. */
+fm_status fm_arena_init_buffer(fm_arena *a, const char *name, size_t capacity, const fm_buffer_type *buft);
 
 /* Returns `bytes` (rounded up to 64) from the arena. An overrun is a planning bug, not a user
  * error: it aborts with the arena's name, capacity and the request. */

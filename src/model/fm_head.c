@@ -3,6 +3,8 @@
  * bounded/fm_linear_ce.h) — forward and backward. */
 #include "fm_model.h"
 
+#include <string.h>
+
 #include "../bounded/fm_linear_ce.h"
 
 #define OPS (m->be.ops)
@@ -11,9 +13,17 @@
 
 void fm_model_embed_forward(fm_model *m, bool with_targets) {
     const int64_t N = m->N, H = m->cfg.hidden_size;
+    const size_t bytes = sizeof(int32_t) * (size_t)N;
     PHASE(OTHER);
-    OPS->copy(CTX, m->tokens, m->h_tokens, sizeof(int32_t) * (size_t)N, FM_COPY_H2D);
-    if (with_targets) OPS->copy(CTX, m->targets, m->h_targets, sizeof(int32_t) * (size_t)N, FM_COPY_H2D);
+    /* sync point "token upload": the previous upload has left the pinned staging */
+    OPS->event_sync(CTX, FM_EVENT_TOKENS);
+    memcpy(m->pin_tokens, m->h_tokens, bytes);
+    OPS->copy_async(CTX, m->tokens, m->pin_tokens, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
+    if (with_targets) {
+        memcpy(m->pin_targets, m->h_targets, bytes);
+        OPS->copy_async(CTX, m->targets, m->pin_targets, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
+    }
+    OPS->event_record(CTX, FM_EVENT_TOKENS, FM_STREAM_COMPUTE);
     OPS->embedding_fwd(CTX, m->boundary[0], m->tokens, m->w.embed, N, H);
 }
 
@@ -29,17 +39,16 @@ static int64_t count_valid(const fm_model *m) {
 }
 
 /* The linear cross-entropy over xf and the LM head; with grads, dxf -> ws.dtmp and the head's
- * gradient accumulated, scaled by scale/valid. Returns the mean loss. */
-static double linear_ce(fm_model *m, bool grads, float scale) {
+ * gradient accumulated, scaled by scale/valid. The loss sums land in results[CE], [ZSQ]. */
+static void linear_ce(fm_model *m, bool grads, float scale) {
     const fm_config *c = &m->cfg;
     fm_lce_opts o = fm_lce_opts_default();
     o.block_tokens = m->ce_block_tokens;
     o.block_vocab = m->ce_block_vocab;
     const int64_t valid = m->n_valid;
-    double sum = fm_linear_ce(&m->be, &m->arena[FM_LIVE_VOCAB], m->token_loss, grads ? m->ws.dtmp : NULL,
-                              grads ? m->g.lm_head : NULL, m->xf, m->w.lm_head, m->targets, m->N, c->hidden_size,
-                              c->vocab_size, valid ? scale / (float)valid : 0.0f, &o, NULL);
-    return valid ? sum / (double)valid : 0.0;
+    fm_linear_ce(&m->be, &m->arena[FM_LIVE_VOCAB], m->token_loss, grads ? m->ws.dtmp : NULL,
+                 grads ? m->g.lm_head : NULL, m->xf, m->w.lm_head, m->targets, m->N, c->hidden_size, c->vocab_size,
+                 valid ? scale / (float)valid : 0.0f, &o, m->results + FM_RESULT_CE);
 }
 
 /* final RMSNorm of boundary L into xf */
@@ -55,22 +64,18 @@ void fm_model_head_forward(fm_model *m, bool with_targets, fm_loss *r) {
     const fm_config *c = &m->cfg;
     const int64_t N = m->N, H = c->hidden_size, V = c->vocab_size;
     final_norm(m);
-    r->ce = 0;
-    r->n_valid = 0;
+    m->n_valid = r->n_valid = with_targets ? count_valid(m) : 0;
     if (m->linear_ce) {
         FM_ASSERT(with_targets); /* a linear-CE layout has no logits to sample from */
-        m->n_valid = r->n_valid = count_valid(m);
-        r->ce = linear_ce(m, false, 1.0f);
+        linear_ce(m, false, 1.0f);
         return;
     }
     fm_linear_fwd(&m->be, m->logits, FM_ACT_DTYPE, m->xf, m->w.lm_head, N, H, V);
     if (!with_targets) return;
-    m->n_valid = r->n_valid = count_valid(m);
     /* The gradient (mean over valid tokens) is formed in place now: the logits are not needed
      * afterwards. fm_model_head_backward scales it for accumulation. */
-    double sum = OPS->cross_entropy(CTX, m->token_loss, m->logits, m->logits, m->targets, N, V,
-                                    r->n_valid ? 1.0f / (float)r->n_valid : 0.0f, -100);
-    r->ce = r->n_valid ? sum / (double)r->n_valid : 0.0;
+    OPS->cross_entropy(CTX, m->token_loss, m->logits, m->logits, m->targets, N, V,
+                       r->n_valid ? 1.0f / (float)r->n_valid : 0.0f, -100, m->results + FM_RESULT_CE);
 }
 
 /* From d xf in ws.dtmp: through the final norm into grad buffer 0 (the gradient of boundary L). */
@@ -103,6 +108,20 @@ void fm_model_head_train(fm_model *m, float scale, fm_loss *r) {
     }
     final_norm(m);
     m->n_valid = r->n_valid = count_valid(m);
-    r->ce = linear_ce(m, true, scale); /* loss and gradients in one pass over the strips */
+    linear_ce(m, true, scale); /* loss and gradients in one pass over the strips */
     final_norm_backward(m);
+}
+
+void fm_model_loss_from_results(const fm_model *m, const double *results, int64_t n_valid, fm_loss *out) {
+    memset(out, 0, sizeof *out);
+    out->n_valid = n_valid;
+    out->ce = n_valid ? results[FM_RESULT_CE] / (double)n_valid : 0.0;
+    fm_router_losses(&m->router, results + FM_RESULT_LAYERS, m->cfg.num_hidden_layers, &out->aux, &out->z);
+}
+
+void fm_model_read_loss(fm_model *m, fm_loss *out) {
+    const int64_t n = fm_model_results_count(&m->cfg);
+    OPS->copy_async(CTX, m->pin_results, m->results, sizeof(double) * (size_t)n, FM_COPY_D2H, FM_STREAM_COMPUTE);
+    OPS->stream_sync(CTX, FM_STREAM_COMPUTE); /* sync point "micro-batch loss" */
+    fm_model_loss_from_results(m, m->pin_results, m->n_valid, out);
 }

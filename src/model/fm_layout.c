@@ -40,7 +40,6 @@ static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c
     a->router.topk_w = TAKE(ar, float, N * k);
     a->router.count = TAKE(ar, float, E);
     a->router.prob_sum = TAKE(ar, float, E);
-    a->router.h_count = NULL; /* host memory, set by fm_model_layout */
 }
 
 static void layout_ws(fm_bwd_ws *w, fm_arena *ar, const fm_config *c, int64_t N) {
@@ -80,6 +79,10 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     fm_moe_chunks(N, m->moe_chunk_tokens, &m->moe_K, &c_eff);
     m->tokens = TAKE(bnd, int32_t, N);
     m->targets = TAKE(bnd, int32_t, N);
+    m->results = TAKE(bnd, double, fm_model_results_count(c));
+    m->pin_tokens = TAKE(host, int32_t, N);
+    m->pin_targets = TAKE(host, int32_t, N);
+    m->pin_results = TAKE(host, double, fm_model_results_count(c));
     m->rope_cos = TAKE(bnd, float, m->T * hd / 2);
     m->rope_sin = TAKE(bnd, float, m->T * hd / 2);
     m->moe_chunk_order = chunked ? TAKE(bnd, int32_t, N) : NULL;
@@ -124,9 +127,10 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
 
 size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T, bool moe_chunked, size_t a) {
     const int64_t N = B * T;
-    /* tokens, targets, RoPE cos/sin [T, hd/2], the chunked MoE's token order [N] int32, L+1
-     * residual-stream boundaries [N,H] */
-    return 2 * B4(N) + 2 * B4(T * c->head_dim / 2) + (moe_chunked ? B4(N) : 0) +
+    /* tokens, targets, the micro-batch's device results (4 + 2L doubles), RoPE cos/sin
+     * [T, hd/2], the chunked MoE's token order [N] int32, L+1 residual-stream boundaries [N,H] */
+    return 2 * B4(N) + fm_arena_round((size_t)fm_model_results_count(c) * 8) + 2 * B4(T * c->head_dim / 2) +
+           (moe_chunked ? B4(N) : 0) +
            (size_t)(c->num_hidden_layers + 1) * BA(N * c->hidden_size);
 }
 
@@ -172,12 +176,9 @@ void fm_model_free_layout(fm_model *m) {
     fm_free(m->acts);
     fm_free(m->h_tokens);
     fm_free(m->h_targets);
-    fm_free(m->h_scratch);
-    fm_free(m->h_counts);
     m->boundary = NULL;
     m->acts = NULL;
     m->h_tokens = m->h_targets = NULL;
-    m->h_scratch = m->h_counts = NULL;
 }
 
 static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layout_opts *opts,
@@ -251,9 +252,7 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     m->acts = fm_malloc(sizeof(fm_layer_acts) * (size_t)L);
     m->h_tokens = fm_malloc(sizeof(int32_t) * (size_t)(B * T));
     m->h_targets = fm_malloc(sizeof(int32_t) * (size_t)(B * T));
-    m->h_scratch = fm_malloc(sizeof(float) * (size_t)(2 * c->num_experts));
-    m->h_counts = fm_malloc(sizeof(float) * (size_t)(L * c->num_experts));
-    if (!m->boundary || !m->acts || !m->h_tokens || !m->h_targets || !m->h_scratch || !m->h_counts) {
+    if (!m->boundary || !m->acts || !m->h_tokens || !m->h_targets) {
         fm_model_free_layout(m);
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the layer tables and host staging");
     }
@@ -269,13 +268,12 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     /* Painted before anything is written, so fm_arena_touched measures what the run writes (the
      * RoPE tables and the chunk order below are the first writes). One memset per arena, at launch. */
     for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_paint(&m->arena[i]);
-    st = fm_arena_init(&m->host_arena, "host", host_bytes);
+    st = fm_arena_init_backend_kind(&m->host_arena, "pinned host", host_bytes, &m->be, FM_BUFFER_PINNED);
     if (st) {
         fm_model_free_layout(m);
         return st;
     }
     layout_all(m, m->arena, &m->host_arena);
-    for (int64_t l = 0; l < L; l++) m->acts[l].router.h_count = m->h_counts + l * c->num_experts;
     /* RoPE tables (HF: inv_freq[i] = theta^(-2i/hd); angle = t * inv_freq[i]), in double, made on
      * the host and uploaded; and the chunked MoE's token order. */
     const int64_t half = c->head_dim / 2;

@@ -106,9 +106,11 @@ typedef struct fm_model {
     float *rope_cos, *rope_sin; /* [T, hd/2] backend memory */
     int32_t *tokens, *targets;  /* [N] backend memory (uploaded from h_tokens/h_targets) */
     int32_t *h_tokens, *h_targets; /* [B_cap*T_cap] host memory: callers write the batch here */
+    int32_t *pin_tokens, *pin_targets; /* [N] pinned staging of the upload (host arena) */
+    double *pin_results;        /* [fm_model_results_count] pinned copy of results (host arena) */
+    double *results;            /* [fm_model_results_count] backend memory: the micro-batch's
+                                   device results (FM_RESULT_*), read after a sync point */
     int32_t *moe_chunk_order;   /* [N] backend memory: chunk-major token order (chunked MoE) */
-    float *h_scratch;           /* host scratch of 2E floats */
-    float *h_counts;            /* [L*E] host copies of each layer's expert counts */
     fm_act **boundary;          /* [L+1] pointers, each [N,H] */
     fm_layer_acts *acts;        /* [L]: acts[l] is layer l's saved set (shared if recomputed) */
     fm_bwd_ws ws;
@@ -124,7 +126,8 @@ typedef struct fm_model {
     float *token_loss;          /* [N] */
 
     fm_arena arena[FM_LIVE_COUNT];
-    fm_arena host_arena;        /* host memory the step reads on the host (MoE expert offsets) */
+    fm_arena host_arena;        /* pinned host memory the step shares with the device (MoE expert
+                                   offsets, the token upload's staging) */
 } fm_model;
 
 /* Builds the parameter table and allocates weights and gradients (model state arena, in the
@@ -195,6 +198,19 @@ void fm_model_download_master(const fm_model *m, float *host);
 /* Row `row` of the last plain forward's logits as fp32 on the host (V floats). */
 void fm_model_logits_row(const fm_model *m, int64_t row, float *host);
 
+/* The device results of a micro-batch (doubles, m->results): the loss sums and each layer's
+ * router loss terms, written by the step's ops and read by the host only after a sync point
+ * (fm_model_read_loss, or a copy_async of the whole block into pinned memory that the trainer
+ * reads at the step's end). */
+enum {
+    FM_RESULT_CE = 0,     /* sum over valid targets of the cross-entropy (nats) */
+    FM_RESULT_ZSQ = 1,    /* sum of lse^2 (linear CE; unused by the model's loss) */
+    FM_RESULT_SUMSQ = 2,  /* a sum of squares (the trainer's gradient norm) */
+    FM_RESULT_SCRATCH = 3, /* router_stats' lse^2 sum, consumed by router_loss_terms */
+    FM_RESULT_LAYERS = 4  /* layer l's aux term at 4 + 2l, its z term at 5 + 2l */
+};
+static inline int64_t fm_model_results_count(const fm_config *c) { return FM_RESULT_LAYERS + 2 * c->num_hidden_layers; }
+
 /* Losses of one micro-batch. */
 typedef struct fm_loss {
     double ce;       /* mean cross-entropy over non-ignored targets, nats per token */
@@ -212,25 +228,29 @@ typedef struct fm_loss {
  * (+=), scaled by `scale` (1/G for G-step accumulation); activation gradients are assigned. */
 
 /* Uploads m->h_tokens [B,T] (and m->h_targets with targets) and embeds the tokens into
- * boundary 0. */
+ * boundary 0. The upload goes through pinned staging asynchronously; the host first waits for
+ * the previous upload to finish (a sync point, FM_EVENT_TOKENS), so callers may rewrite
+ * h_tokens whenever they like. */
 void fm_model_embed_forward(fm_model *m, bool with_targets);
 /* Layer l's forward from boundary l into y [N,H] (boundary l+1, or the free gradient buffer
  * when the schedule recomputes the layer in backward), saving into layer l's saved set (shared
- * by the recomputed layers). Returns the router's loss terms of the layer (fm_router.h). */
-fm_router_terms fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y);
+ * by the recomputed layers). The router's loss terms of the layer land in m->results at
+ * FM_RESULT_LAYERS + 2l (fm_router.h). */
+void fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y);
 /* Layer l's backward from its output gradient dy [N,H] (clobbered) into dx [N,H] (assigned),
  * reading boundary l and the layer's saved set (recomputed by the schedule first if the layer is
  * recomputed). dy and dx are the two gradient buffers. */
 void fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx, float scale);
 /* Final norm of boundary L and the loss: plain logits (and, with targets, the cross-entropy and
- * its gradient formed in place), or the linear cross-entropy (targets required). Sets r->ce
- * and r->n_valid (aux and z are the schedule's). */
+ * its gradient formed in place), or the linear cross-entropy (targets required). The loss sum
+ * lands in m->results[FM_RESULT_CE]; sets r->n_valid (and m->n_valid), counted on the host. */
 void fm_model_head_forward(fm_model *m, bool with_targets, fm_loss *r);
 /* Backward of the head after fm_model_head_forward with targets: the LM head's gradient
  * (accumulated) and the gradient of boundary L into grad buffer 0. */
 void fm_model_head_backward(fm_model *m, float scale);
 /* Forward and backward of the head in one call (what training runs): the same results as
- * head_forward + head_backward, but the linear cross-entropy runs once, fused. */
+ * head_forward + head_backward, but the linear cross-entropy runs once, fused. The loss sums
+ * land in m->results (read them after a sync point); r->n_valid is set. */
 void fm_model_head_train(fm_model *m, float scale, fm_loss *r);
 /* Backward of the embedding from the gradient of boundary 0 (accumulated into its weight). */
 void fm_model_embed_backward(fm_model *m, const fm_act *dx0);
@@ -238,6 +258,15 @@ void fm_model_embed_backward(fm_model *m, const fm_act *dx0);
  * (i = 0, 1) of the backward. */
 fm_act *fm_model_boundary(fm_model *m, int64_t l);
 fm_act *fm_model_grad_buffer(fm_model *m, int i);
+
+/* The micro-batch's losses from a host copy of its results (fm_model_results_count doubles)
+ * and its valid-target count: ce = results[CE] / n_valid; aux and z from the layers' terms
+ * summed in layer order (fm_router_losses). */
+void fm_model_loss_from_results(const fm_model *m, const double *results, int64_t n_valid, fm_loss *out);
+
+/* A named sync point: waits for the compute stream, copies the results to the host and fills
+ * out (the last forward's losses, m->n_valid targets). */
+void fm_model_read_loss(fm_model *m, fm_loss *out);
 
 /* Looks up a parameter by HF name; NULL if absent. */
 const fm_param *fm_model_find_param(const fm_model *m, const char *name);

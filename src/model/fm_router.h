@@ -31,45 +31,37 @@ typedef struct fm_router_opts {
 /* The router options of a config (softmax scores; the config's E, k, norm_topk_prob, coefs). */
 fm_router_opts fm_router_opts_from_config(const fm_config *c);
 
-/* What one layer's router saves for its backward and for the losses (backend memory, except
- * h_count which is host memory). */
+/* What one layer's router saves for its backward and for the losses (backend memory). */
 typedef struct fm_router_saved {
     float *probs, *lse;          /* [N,E], [N] */
     int32_t *topk_idx;           /* [N,k] experts in decreasing probability */
     float *topk_w;               /* [N,k] */
     float *count, *prob_sum;     /* [E] routes per expert, sum_n probs[n,e] */
-    float *h_count;              /* [E] host copy of count (the aux-loss gradient's f_e) */
 } fm_router_saved;
 
-/* One layer's router loss terms before the coefficients: aux = E * sum_e f_e P_e with
- * f_e = count_e / N, P_e = prob_sum_e / N; z = mean_n lse_n^2. */
-typedef struct fm_router_terms {
-    double aux, z;
-} fm_router_terms;
-
 /* Forward: logits [N,E] fp32 = x W^T into `logits` (transient scratch), then the score function
- * and top-k into s->probs, lse, topk_idx, topk_w, and the statistics into s->count, prob_sum
- * (and their host copies h_count, h_prob_sum [E]: host scratch of the caller, h_prob_sum may be
- * any host buffer of E floats). Returns the layer's terms. Errors: none (an op failure aborts). */
-fm_router_terms fm_router_forward(const fm_backend *be, const fm_router_opts *o, float *logits, fm_router_saved *s,
-                                  float *h_prob_sum, const fm_act *x, const fm_act *W, int64_t N, int64_t H);
+ * and top-k into s->probs, lse, topk_idx, topk_w, the statistics into s->count, prob_sum, and
+ * the layer's loss terms before the coefficients into terms [2] (backend memory, doubles):
+ * terms[0] = E * sum_e f_e P_e with f_e = count_e / N, P_e = prob_sum_e / N; terms[1] =
+ * mean_n lse_n^2. lse_sq [1] is backend scratch. Issues work only (no host sync). */
+void fm_router_forward(const fm_backend *be, const fm_router_opts *o, float *logits, fm_router_saved *s,
+                       double *lse_sq, double *terms, const fm_act *x, const fm_act *W, int64_t N, int64_t H);
 
-/* The router losses of a micro-batch from the sum over its L layers' terms (summed in layer
- * order): *aux = aux_loss_coef * sum_aux / L, *z = z_loss_coef * sum_z / L (per-layer mean, as
- * Megatron-Core; DESIGN.md §5). */
-void fm_router_losses(const fm_router_opts *o, double sum_aux, double sum_z, int64_t L, double *aux, double *z);
+/* The router losses of a micro-batch from its L layers' terms (host copies, [L][2], summed in
+ * layer order): *aux = aux_loss_coef * sum_l aux_l / L, *z = z_loss_coef * sum_l z_l / L
+ * (per-layer mean, as Megatron-Core; DESIGN.md §5). */
+void fm_router_losses(const fm_router_opts *o, const double *terms, int64_t L, double *aux, double *z);
 
 /* Backward: dlogits [N,E] fp32 (ASSIGNED, scratch) from dtopk_w [N,k] (the top-k weights'
  * gradient), plus the load-balancing loss's gradient (coef * scale / L) * E * f_e / N on every
- * probs[n,e] (f_e from s->h_count, held constant) and the z-loss's (zcoef * scale / (L N)) *
- * 2 lse_n probs[n,e]; then through the linear layer: dx [N,H] += dlogits W (beta 1: dx holds
- * the experts' input gradient) and dW [E,H] += dlogits^T x. scale is the micro-batch's loss
- * scale (1/G for G-step accumulation). h_dprobs [E] is host scratch, dprobs [E] backend
- * scratch, dlogits_act [N,E] an fm_act copy of the logit gradient for the GEMMs (== dlogits
- * when fm_act is fp32). */
+ * probs[n,e] (f_e from s->count, held constant; router_aux_grad, on the device) and the
+ * z-loss's (zcoef * scale / (L N)) * 2 lse_n probs[n,e]; then through the linear layer:
+ * dx [N,H] += dlogits W (beta 1: dx holds the experts' input gradient) and dW [E,H] +=
+ * dlogits^T x. scale is the micro-batch's loss scale (1/G for G-step accumulation). dprobs [E]
+ * is backend scratch, dlogits_act [N,E] an fm_act copy of the logit gradient for the GEMMs
+ * (== dlogits when fm_act is fp32). Issues work only. */
 void fm_router_backward(const fm_backend *be, const fm_router_opts *o, fm_act *dx, fm_act *dW, float *dlogits,
-                        fm_act *dlogits_act, float *dprobs, float *h_dprobs, const float *dtopk_w,
-                        const fm_router_saved *s, const fm_act *x, const fm_act *W, int64_t N, int64_t H, int64_t L,
-                        float scale);
+                        fm_act *dlogits_act, float *dprobs, const float *dtopk_w, const fm_router_saved *s,
+                        const fm_act *x, const fm_act *W, int64_t N, int64_t H, int64_t L, float scale);
 
 #endif

@@ -29,20 +29,15 @@ static fm_status run_hooks(fm_schedule *s, fm_model *m, fm_hook_point p, int64_t
     return FM_OK;
 }
 
-/* Embedding and the layers' forwards; the router losses into r (ce and n_valid zero). */
-static fm_status forward_layers(fm_schedule *s, fm_model *m, bool with_targets, fm_loss *r) {
+/* Embedding and the layers' forwards (their router loss terms land in m->results). */
+static fm_status forward_layers(fm_schedule *s, fm_model *m, bool with_targets) {
     const int64_t L = m->cfg.num_hidden_layers;
     fm_model_embed_forward(m, with_targets);
-    double aux = 0, z = 0;
     for (int64_t l = 0; l < L; l++) {
         FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_FORWARD, l));
-        const fm_router_terms t = fm_model_layer_forward(m, l, fm_model_boundary(m, l + 1));
-        aux += t.aux;
-        z += t.z;
+        fm_model_layer_forward(m, l, fm_model_boundary(m, l + 1));
         FM_TRY(run_hooks(s, m, FM_HOOK_AFTER_FORWARD, l));
     }
-    memset(r, 0, sizeof *r);
-    fm_router_losses(&m->router, aux, z, L, &r->aux, &r->z);
     return FM_OK;
 }
 
@@ -55,7 +50,7 @@ static fm_status backward_layers(fm_schedule *s, fm_model *m, float scale) {
         FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_BACKWARD, l));
         /* Re-run the forward from the saved boundary into the shared set; the output goes to dx,
          * free until layer_backward assigns it, so boundary l+1 stays as it was. */
-        if (fm_recompute_layer(&s->recompute, l)) (void)fm_model_layer_forward(m, l, dx);
+        if (fm_recompute_layer(&s->recompute, l)) fm_model_layer_forward(m, l, dx);
         fm_model_layer_backward(m, l, dy, dx, scale);
         fm_act *t = dy;
         dy = dx;
@@ -68,9 +63,9 @@ static fm_status backward_layers(fm_schedule *s, fm_model *m, float scale) {
 
 fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm_loss *out) {
     fm_loss r;
-    FM_TRY(forward_layers(s, m, with_targets, &r));
+    FM_TRY(forward_layers(s, m, with_targets));
     fm_model_head_forward(m, with_targets, &r);
-    if (out) *out = r;
+    if (out) fm_model_read_loss(m, out);
     return FM_OK;
 }
 
@@ -81,10 +76,10 @@ fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale) {
 
 fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, float scale, fm_loss *out) {
     fm_loss r;
-    FM_TRY(forward_layers(s, m, true, &r));
+    FM_TRY(forward_layers(s, m, true));
     fm_model_head_train(m, scale, &r);
     FM_TRY(backward_layers(s, m, scale));
-    if (out) *out = r;
+    if (out) fm_model_read_loss(m, out);
     return FM_OK;
 }
 

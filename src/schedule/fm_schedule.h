@@ -52,8 +52,10 @@ void fm_schedule_init(fm_schedule *s, const fm_model *m);
 fm_status fm_schedule_add_hook(fm_schedule *s, fm_hook_fn fn, void *user);
 
 /* Forward of m->h_tokens [B,T] (and m->h_targets with targets) through the loss, saving what
- * backward needs: out->ce, aux, z, n_valid. With targets false only m->logits is produced (for
- * sampling; a linear-CE layout needs targets). Errors: a hook's. */
+ * backward needs. The losses land in m->results; with out non-NULL the call ends with a sync
+ * point and fills out->ce, aux, z, n_valid (fm_model_read_loss); NULL leaves them on the device
+ * and the host never waits. With targets false only m->logits is produced (for sampling; a
+ * linear-CE layout needs targets). Errors: a hook's. */
 fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm_loss *out);
 
 /* Backward of the last forward with targets: ACCUMULATES into m->grads, scaled by `scale`
@@ -63,7 +65,8 @@ fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale);
 
 /* Forward with targets and backward in one call (what the trainer runs): the same results as
  * fm_schedule_forward + fm_schedule_backward, but the linear cross-entropy runs once, fused.
- * Errors: a hook's. */
+ * out as in fm_schedule_forward (the trainer passes NULL and copies m->results to pinned
+ * memory, read once at the step's end). Errors: a hook's. */
 fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, float scale, fm_loss *out);
 
 /* The same with the default schedule of m (its layout's recompute set, no hooks), which cannot

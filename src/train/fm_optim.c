@@ -47,9 +47,7 @@ void fm_adamw_step(fm_adamw *opt, fm_model *m, double lr, float grad_scale) {
     }
 }
 
-double fm_grad_norm(fm_model *m) {
-    return sqrt(m->be.ops->sumsq(m->be.ctx, m->grads, m->n_params));
-}
+void fm_grad_sumsq(fm_model *m, double *out) { m->be.ops->sumsq(m->be.ctx, out, m->grads, m->n_params, false); }
 
 double fm_lr_at(int64_t s, int64_t total, int64_t warmup, double lr, double min_lr) {
     if (warmup > 0 && s <= warmup) return lr * (double)s / (double)warmup;

@@ -30,8 +30,9 @@ void fm_adamw_init(fm_adamw *opt, fm_model *m, double beta1, double beta2, doubl
  * weights (table's decay = false) get no weight decay. */
 void fm_adamw_step(fm_adamw *opt, fm_model *m, double lr, float grad_scale);
 
-/* Global L2 norm of all gradients (sqrt of the double sum of squares). */
-double fm_grad_norm(fm_model *m);
+/* The sum of squares of all gradients (double) into *out (backend memory, assigned): the global
+ * L2 norm's square, read by the host at the step's sync point. Issues work only. */
+void fm_grad_sumsq(fm_model *m, double *out);
 
 /* Learning rate at 1-based step s of `total`: lr*s/warmup for s <= warmup, then cosine from lr
  * down to min_lr at s = total: min_lr + (lr-min_lr)*0.5*(1+cos(pi*(s-warmup)/(total-warmup))). */

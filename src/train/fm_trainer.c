@@ -376,6 +376,8 @@ typedef struct run {
     fm_plan plan;
     bool *rc;
     struct fetch_src *fetch; /* [4 * n_tensors]: save sources on a device backend */
+    fm_arena results;        /* pinned: (G + 1) copies of the model's device results, read at the step's end */
+    int64_t *n_valid;        /* [G] valid targets of each micro-batch (counted on the host) */
 } run;
 
 /* Measured high-water mark of every arena (painted at layout) next to its planned bound. */
@@ -478,6 +480,7 @@ static fm_status load_checkpoint(run *r, const char *dir, train_state *ts) {
 
 static void run_free(run *r) {
     if (r->metrics) fclose(r->metrics);
+    fm_arena_free(&r->results); /* before the backend whose memory it is */
     if (r->model_ok) fm_model_free(&r->m);
     if (r->be_ok) fm_backend_default_free(&r->be);
     fm_dataset_free(&r->val_own);
@@ -487,6 +490,7 @@ static void run_free(run *r) {
     fm_free(r->names);
     fm_free(r->rc);
     fm_free(r->fetch);
+    fm_free(r->n_valid);
 }
 
 static fm_status train_impl(run *r) {
@@ -657,6 +661,14 @@ static fm_status train_impl(run *r) {
             fm_abort(__FILE__, __LINE__, msg);
         }
     fm_adamw_init(&r->opt, m, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
+    const int64_t n_res = fm_model_results_count(c);
+    FM_TRY(fm_arena_init_backend_kind(&r->results, "step results", (size_t)(o->grad_accum + 1) * (size_t)n_res * 8,
+                                      &r->be, FM_BUFFER_PINNED));
+    double *res = fm_arena_alloc(&r->results, (size_t)(o->grad_accum + 1) * (size_t)n_res * 8);
+    r->n_valid = fm_malloc(sizeof(int64_t) * (size_t)o->grad_accum);
+    if (!r->n_valid) return fm_error(FM_ERR_NOMEM, "out of memory for the step's counters");
+    fm_schedule sched;
+    fm_schedule_init(&sched, m);
     r->named = fm_malloc(sizeof(fm_named_tensor) * (size_t)(4 * m->n_tensors));
     r->names = fm_malloc(sizeof(*r->names) * (size_t)(4 * m->n_tensors));
     r->fetch = fm_malloc(sizeof(*r->fetch) * (size_t)(4 * m->n_tensors));
@@ -732,8 +744,21 @@ static fm_status train_impl(run *r) {
         double ce = 0, aux = 0, z = 0;
         for (int64_t g = 0; g < o->grad_accum; g++) {
             fm_dataset_sample_batch(&r->train, &data_rng, o->micro_batch, o->seq_len, m->h_tokens, m->h_targets);
+            FM_TRY(fm_schedule_train_step(&sched, m, 1.0f / (float)o->grad_accum, NULL));
+            r->n_valid[g] = m->n_valid;
+            /* the micro-batch's losses to pinned memory, read at the step's one sync point */
+            m->be.ops->copy_async(m->be.ctx, res + g * n_res, m->results, (size_t)n_res * 8, FM_COPY_D2H,
+                                  FM_STREAM_COMPUTE);
+        }
+        fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
+        fm_grad_sumsq(m, m->results + FM_RESULT_SUMSQ);
+        double *gres = res + o->grad_accum * n_res;
+        m->be.ops->copy_async(m->be.ctx, gres, m->results, (size_t)n_res * 8, FM_COPY_D2H, FM_STREAM_COMPUTE);
+        m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "step end": losses and grad norm */
+        FM_TRY(m->be.ops->status(m->be.ctx));
+        for (int64_t g = 0; g < o->grad_accum; g++) {
             fm_loss l;
-            fm_schedule_default_train_step(m, 1.0f / (float)o->grad_accum, &l);
+            fm_model_loss_from_results(m, res + g * n_res, r->n_valid[g], &l);
             if (!isfinite(l.ce) || !isfinite(l.aux) || !isfinite(l.z))
                 return fm_error(FM_ERR_NUMERIC, "step %lld: the loss is not finite (cross-entropy %g, aux %g, z %g); "
                                 "training stopped and no checkpoint was written for this step (the last good "
@@ -743,8 +768,7 @@ static fm_status train_impl(run *r) {
             aux += l.aux / (double)o->grad_accum;
             z += l.z / (double)o->grad_accum;
         }
-        fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
-        const double gnorm = fm_grad_norm(m);
+        const double gnorm = sqrt(gres[FM_RESULT_SUMSQ]);
         if (!isfinite(gnorm))
             return fm_error(FM_ERR_NUMERIC, "step %lld: the gradient norm is not finite (%g); training stopped and no "
                             "checkpoint was written for this step (the last good one in %s stays); lower --lr",
@@ -820,7 +844,10 @@ static fm_status train_impl(run *r) {
         if (!o->no_checkpoint && ((o->save_every > 0 && step % o->save_every == 0) || last)) {
             /* An update can overflow the weights while the loss and gradients it came from were
              * finite: never save such weights as the last good checkpoint. */
-            const double wsq = m->be.ops->sumsq(m->be.ctx, m->params, m->n_params);
+            m->be.ops->sumsq(m->be.ctx, m->results + FM_RESULT_SUMSQ, m->params, m->n_params, false);
+            double wsq;
+            m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "checkpoint" */
+            m->be.ops->copy(m->be.ctx, &wsq, m->results + FM_RESULT_SUMSQ, sizeof wsq, FM_COPY_D2H);
             if (!isfinite(wsq))
                 return fm_error(FM_ERR_NUMERIC, "step %lld: the weights are no longer finite after the optimizer update "
                                 "(sum of squares %g); no checkpoint was written for this step (the last good one in %s "

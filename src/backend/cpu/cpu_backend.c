@@ -69,7 +69,7 @@ static void cpu_add(void *ctx, float *y, const float *x, int64_t n) {
 /* Sum of squares of x[0..n) in double: FM_CPU_RED_CHUNKS fixed contiguous chunks, each summed
  * in four interleaved lanes combined as (l0+l1)+(l2+l3), then the chunk sums added in order.
  * The same bits for any thread count and any alignment of x. */
-static double cpu_sumsq(void *ctx, const float *x, int64_t n) {
+static void cpu_sumsq(void *ctx, double *out, const float *x, int64_t n, bool accumulate) {
     double part[FM_CPU_RED_CHUNKS];
     const int64_t chunk = (n + FM_CPU_RED_CHUNKS - 1) / FM_CPU_RED_CHUNKS;
 #pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (n >= 65536)
@@ -89,7 +89,7 @@ static double cpu_sumsq(void *ctx, const float *x, int64_t n) {
     }
     double s = 0;
     for (int ci = 0; ci < FM_CPU_RED_CHUNKS; ci++) s += part[ci];
-    return s;
+    *out = accumulate ? *out + s : s;
 }
 
 /* ---- embedding -------------------------------------------------------------------------- */
@@ -279,10 +279,10 @@ static void cpu_swiglu_bwd(void *ctx, float *dgate, float *dup, const float *dou
  * blocks added in double), lse = m + log s, loss = lse - l[target]; the e_i are stored in
  * dlogits and turned into grad_scale * (e_i / s - onehot) in place. Every element is read
  * before it is written, so dlogits may alias logits; dlogits may also be NULL (loss only).
- * Returns the sum of loss over non-ignored rows, added in row order. */
-static double cpu_cross_entropy(void *ctx, float *loss, float *dlogits, const float *logits,
-                                const int32_t *targets, int64_t N, int64_t V, float grad_scale,
-                                int32_t ignore_index) {
+ * *sum = the sum of loss over non-ignored rows, added in row order. */
+static void cpu_cross_entropy(void *ctx, float *loss, float *dlogits, const float *logits,
+                              const int32_t *targets, int64_t N, int64_t V, float grad_scale,
+                              int32_t ignore_index, double *sum_out) {
     enum { BLK = 256 };
 #pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (N * V >= FM_CPU_PAR_MIN)
     for (int64_t n = 0; n < N; n++) {
@@ -310,7 +310,7 @@ static double cpu_cross_entropy(void *ctx, float *loss, float *dlogits, const fl
     double sum = 0;
     for (int64_t n = 0; n < N; n++)
         if (targets[n] != ignore_index) sum += loss[n];
-    return sum;
+    *sum_out = sum;
 }
 
 /* ---- optimizer --------------------------------------------------------------------------- */
@@ -361,8 +361,8 @@ static void cpu_mem_set(void *ctx, void *dst, int byte, size_t bytes) {
 }
 
 static void cpu_copy(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_kind kind) {
-    (void)ctx;
     (void)kind;
+    ((fm_cpu_ctx *)ctx)->host_syncs++; /* synchronous: a sync on a device */
     if (dst != src && bytes) memmove(dst, src, bytes);
 }
 
@@ -372,8 +372,54 @@ static void cpu_convert(void *ctx, void *dst, fm_dtype dst_type, const void *src
     if (dst != src && n) memmove(dst, src, sizeof(float) * (size_t)n);
 }
 
-static void cpu_sync(void *ctx) { (void)ctx; }
-static uint64_t cpu_host_sync_count(void *ctx) { (void)ctx; return 0; }
+/* Buffers: every kind is host memory on the CPU. */
+static void *cpu_buffer_alloc(void *ctx, fm_buffer_kind kind, size_t bytes) {
+    (void)ctx;
+    (void)kind;
+    return fm_malloc(bytes);
+}
+
+static void cpu_buffer_free(void *ctx, fm_buffer_kind kind, void *p) {
+    (void)ctx;
+    (void)kind;
+    fm_free(p);
+}
+
+/* Streams and events: every op has completed when it returns, so a copy is a copy, an event is
+ * always reached and waiting is free; the waits are counted as on a device (host_sync_count). */
+static void cpu_copy_async(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_kind kind, fm_stream stream) {
+    (void)ctx;
+    (void)kind;
+    FM_ASSERT(stream >= 0 && stream < FM_STREAM_COUNT);
+    if (dst != src && bytes) memmove(dst, src, bytes);
+}
+
+static void cpu_event_record(void *ctx, int event, fm_stream stream) {
+    (void)ctx;
+    FM_ASSERT(event >= 0 && event < FM_EVENT_POOL && stream >= 0 && stream < FM_STREAM_COUNT);
+}
+
+static void cpu_event_wait(void *ctx, fm_stream stream, int event) {
+    (void)ctx;
+    FM_ASSERT(event >= 0 && event < FM_EVENT_POOL && stream >= 0 && stream < FM_STREAM_COUNT);
+}
+
+static void cpu_event_sync(void *ctx, int event) {
+    FM_ASSERT(event >= 0 && event < FM_EVENT_POOL);
+    ((fm_cpu_ctx *)ctx)->host_syncs++;
+}
+
+static void cpu_stream_sync(void *ctx, fm_stream stream) {
+    FM_ASSERT(stream >= 0 && stream < FM_STREAM_COUNT);
+    ((fm_cpu_ctx *)ctx)->host_syncs++;
+}
+
+static void cpu_sync(void *ctx) { ((fm_cpu_ctx *)ctx)->host_syncs++; }
+static uint64_t cpu_host_sync_count(void *ctx) { return ((fm_cpu_ctx *)ctx)->host_syncs; }
+static fm_status cpu_status(void *ctx) {
+    (void)ctx;
+    return FM_OK; /* CPU ops cannot fail at run time: their argument checks are asserts */
+}
 
 /* ---- the table, init, free ---------------------------------------------------------------- */
 
@@ -424,6 +470,8 @@ static const fm_ops fm_cpu_ops = {
     .router_fwd = fm_cpu_router_fwd,
     .router_bwd = fm_cpu_router_bwd,
     .router_stats = fm_cpu_router_stats,
+    .router_loss_terms = fm_cpu_router_loss_terms,
+    .router_aux_grad = fm_cpu_router_aux_grad,
     .moe_route_index = fm_cpu_moe_route_index,
     .moe_gather = fm_cpu_moe_gather,
     .moe_gather_bwd = fm_cpu_moe_gather_bwd,
@@ -439,7 +487,15 @@ static const fm_ops fm_cpu_ops = {
     .copy = cpu_copy,
     .convert = cpu_convert,
     .sync = cpu_sync,
+    .status = cpu_status,
     .host_sync_count = cpu_host_sync_count,
+    .buffer_alloc = cpu_buffer_alloc,
+    .buffer_free = cpu_buffer_free,
+    .copy_async = cpu_copy_async,
+    .event_record = cpu_event_record,
+    .event_wait = cpu_event_wait,
+    .event_sync = cpu_event_sync,
+    .stream_sync = cpu_stream_sync,
     .lce_fold = fm_cpu_lce_fold,
     .lce_finalize = fm_cpu_lce_finalize,
     .lce_strip_grad = fm_cpu_lce_strip_grad,

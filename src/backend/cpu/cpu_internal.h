@@ -117,6 +117,7 @@ typedef struct fm_cpu_ctx {
     int prof_phase;       /* the phase being charged */
     double prof_last;     /* wall-clock seconds at the last mark */
     double prof_acc[FM_PHASE_COUNT]; /* seconds per phase since the last collect */
+    uint64_t host_syncs;      /* calls that would make the host wait on a device (host_sync_count) */
 } fm_cpu_ctx;
 
 /* Floats of attention scratch one thread needs for head_dim <= max_head_dim and Br x Bc tiles
@@ -139,7 +140,10 @@ void fm_cpu_router_bwd(void *ctx, float *dlogits, const float *dtopk_w,
                        const float *dprobs_per_expert, float z_scale, const float *probs,
                        const float *lse, const int32_t *topk_idx, const float *topk_w, int64_t N,
                        int64_t E, int64_t k, bool norm_topk);
-double fm_cpu_router_stats(void *ctx, float *count, float *prob_sum, const float *probs,
+void fm_cpu_router_loss_terms(void *ctx, double *terms, const float *count, const float *prob_sum,
+                              const double *lse_sq, int64_t N, int64_t E);
+void fm_cpu_router_aux_grad(void *ctx, float *dprobs, const float *count, double coef, int64_t N, int64_t E);
+void fm_cpu_router_stats(void *ctx, float *count, float *prob_sum, double *lse_sq, const float *probs,
                            const float *lse, const int32_t *topk_idx, int64_t N, int64_t E,
                            int64_t k);
 void fm_cpu_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,
@@ -163,7 +167,7 @@ void fm_cpu_scatter_rows(void *ctx, void *dst, const void *src, const int32_t *i
 /* cpu_lce.c: the strip ops of linear cross-entropy (fm_backend.h, bounded/fm_linear_ce.c). */
 void fm_cpu_lce_fold(void *ctx, float *m, float *z, float *tgt, float *ent, const float *strip,
                      const int32_t *targets, int64_t Nb, int64_t Vb, int64_t v0, bool first);
-double fm_cpu_lce_finalize(void *ctx, float *loss, float *logprob, float *entropy, double *zsq,
+void fm_cpu_lce_finalize(void *ctx, float *loss, float *logprob, float *entropy, double *sums,
                            const float *m, const float *z, const float *tgt, const float *ent,
                            const int32_t *targets, const float *weights, int64_t Nb, int64_t V,
                            int32_t ignore_index);

@@ -86,7 +86,7 @@ void fm_cpu_lce_fold(void *ctx, float *m, float *z, float *tgt, float *ent, cons
 /* lce_finalize (fm_backend.h): sequential over rows, in double: log z, loss = (m - tgt) + log z
  * (the difference of the two large numbers first, so logits near 1e5 keep their precision),
  * entropy = log z - ent / z, lse = m + log z. */
-double fm_cpu_lce_finalize(void *ctx, float *loss, float *logprob, float *entropy, double *zsq,
+void fm_cpu_lce_finalize(void *ctx, float *loss, float *logprob, float *entropy, double *sums,
                            const float *m, const float *z, const float *tgt, const float *ent,
                            const int32_t *targets, const float *weights, int64_t Nb, int64_t V,
                            int32_t ignore_index) {
@@ -110,8 +110,8 @@ double fm_cpu_lce_finalize(void *ctx, float *loss, float *logprob, float *entrop
         ce += w * l;
         zs += w * lse * lse;
     }
-    if (zsq) *zsq = zs;
-    return ce;
+    sums[0] += ce;
+    sums[1] += zs;
 }
 
 /* lce_strip_grad (fm_backend.h): per row, e_i = exp(S_i - m) (fm_cpu_exp_sub_sum, written into

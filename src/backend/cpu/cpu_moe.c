@@ -123,11 +123,10 @@ void fm_cpu_router_bwd(void *ctx, float *dlogits, const float *dtopk_w,
 }
 
 /* count[e] = number of routes to e (as float; exact below 2^24 per expert), prob_sum[e] =
- * sum_n probs[n,e] (double, n ascending), both assigned; returns sum_n lse[n]^2 (double, n
+ * sum_n probs[n,e] (double, n ascending), both assigned; *lse_sq = sum_n lse[n]^2 (double, n
  * ascending). Parallel over blocks of 16 experts, each scanning the tokens in order. */
-double fm_cpu_router_stats(void *ctx, float *count, float *prob_sum, const float *probs,
-                           const float *lse, const int32_t *topk_idx, int64_t N, int64_t E,
-                           int64_t k) {
+void fm_cpu_router_stats(void *ctx, float *count, float *prob_sum, double *lse_sq, const float *probs,
+                         const float *lse, const int32_t *topk_idx, int64_t N, int64_t E, int64_t k) {
     FM_ASSERT(E >= 1 && k >= 1);
     enum { EB = 16 };
     const int64_t nblk = (E + EB - 1) / EB;
@@ -155,7 +154,23 @@ double fm_cpu_router_stats(void *ctx, float *count, float *prob_sum, const float
     }
     double z = 0;
     for (int64_t n = 0; n < N; n++) z += (double)lse[n] * lse[n];
-    return z;
+    *lse_sq = z;
+}
+
+/* terms[0] = E * sum_e (count_e / N) (prob_sum_e / N), e ascending; terms[1] = lse_sq / N. */
+void fm_cpu_router_loss_terms(void *ctx, double *terms, const float *count, const float *prob_sum,
+                              const double *lse_sq, int64_t N, int64_t E) {
+    (void)ctx;
+    double s = 0;
+    for (int64_t e = 0; e < E; e++) s += ((double)count[e] / N) * ((double)prob_sum[e] / N);
+    terms[0] = (double)E * s;
+    terms[1] = *lse_sq / (double)N;
+}
+
+/* dprobs[e] = (float)(coef * E * (count_e / N) / N), in double. */
+void fm_cpu_router_aux_grad(void *ctx, float *dprobs, const float *count, double coef, int64_t N, int64_t E) {
+    (void)ctx;
+    for (int64_t e = 0; e < E; e++) dprobs[e] = (float)(coef * (double)E * ((double)count[e] / N) / (double)N);
 }
 
 /* ---- dropless permutation ---------------------------------------------------------------- */
