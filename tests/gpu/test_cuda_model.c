@@ -61,6 +61,7 @@
 #include "core/fm_rng.h"
 #include "fm_test.h"
 #include "model/fm_model.h"
+#include "schedule/fm_schedule.h"
 
 static fm_backend g_be;
 
@@ -200,7 +201,7 @@ static void step(const fm_config *cfg, int64_t B, int64_t T, const ab_run *o, ui
     FM_ASSERT(g_n_params == m.n_params);
     fill_batch(&m, seed + 1);
     if (o->ce_bt == 0 && o->ce_bv == 0) { /* the logits' range, for the linear-CE bound */
-        fm_model_forward(&m, false, NULL);
+        fm_schedule_default_forward(&m, false, NULL);
         float *row = malloc(sizeof(float) * (size_t)cfg->vocab_size);
         FM_ASSERT(row);
         for (int64_t n = 0; n < m.N; n++) {
@@ -211,10 +212,10 @@ static void step(const fm_config *cfg, int64_t B, int64_t T, const ab_run *o, ui
     }
     const size_t gbytes = sizeof(fm_act) * (size_t)m.n_params;
     m.be.ops->mem_set(m.be.ctx, m.grads, 0, gbytes);
-    if (o->fused) fm_model_train_step(&m, 1.0f, &out->loss);
+    if (o->fused) fm_schedule_default_train_step(&m, 1.0f, &out->loss);
     else {
-        fm_model_forward(&m, true, &out->loss);
-        fm_model_backward(&m, 1.0f);
+        fm_schedule_default_forward(&m, true, &out->loss);
+        fm_schedule_default_backward(&m, 1.0f);
     }
     out->raw = malloc(gbytes);
     out->g = malloc(sizeof(float) * (size_t)m.n_params);
