@@ -12,7 +12,7 @@
 #include "io/fm_checkpoint.h"
 #include "plan/fm_plan.h"
 #include "train/fm_trainer.h"
-#include "../schedule/fm_schedule.h"
+#include "schedule/fm_schedule.h"
 
 #define MAX_FILES 256
 
@@ -393,7 +393,7 @@ static int cmd_plan(int argc, char **argv) {
     if ((s = fm_plan_check_shape(&req.cfg, micro_batch, seq_len))) return fail("plan", s);
     const int64_t L = req.cfg.num_hidden_layers;
     bool *rc = fm_malloc((size_t)L);
-    if ((s = fm_parse_recompute(recompute, L, rc))) return fail("plan", s);
+    if ((s = fm_recompute_parse(recompute, L, rc))) return fail("plan", s);
     req.B = micro_batch;
     req.T = seq_len;
     req.grad_accum = grad_accum;

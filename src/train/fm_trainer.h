@@ -1,6 +1,8 @@
 /* The training loop (DESIGN.md §4): micro-batches with gradient accumulation, global-norm
  * clipping, AdamW with warmup + cosine schedule, evaluation, checkpoints and exact resume,
- * one metrics line per step. Also the checkpoint loading shared by `sample` and `eval`. */
+ * one metrics line per step. Also the checkpoint loading shared by `sample` and `eval`.
+ * The parts are in src/train/fm_train_*.c (listed in fm_train_internal.h); one step alone is
+ * fm_train_step (fm_train_step.h). */
 #ifndef FM_TRAINER_H
 #define FM_TRAINER_H
 #include "../model/fm_model.h"
@@ -35,10 +37,11 @@ typedef struct fm_train_opts {
     bool bf16_moments;            /* --bf16-moments: AdamW m and v in bf16 (checkpoints keep fp32) */
     bool report_memory;           /* --report-memory: measured high-water marks vs the plan */
     bool quiet;                   /* no per-step lines on stdout */
-    bool no_checkpoint;
-    int64_t max_position_embeddings; /* > 0: overrides the config's (RoPE has no hard limit) */           /* --no-checkpoint: write no checkpoint at all (benchmarks) */
+    bool no_checkpoint;           /* --no-checkpoint: write no checkpoint at all (benchmarks) */
+    int64_t max_position_embeddings; /* > 0: overrides the config's (RoPE has no hard limit) */
 } fm_train_opts;
 
+/* Sets every option to its default (the values the CLI's --help names). */
 void fm_train_opts_default(fm_train_opts *o);
 
 /* Runs training. Errors: any status from loading config/data/checkpoints (message set), and
@@ -46,9 +49,6 @@ void fm_train_opts_default(fm_train_opts *o);
  * for that step; the last good one stays). */
 fm_status fm_train(const fm_train_opts *o);
 
-/* Parses --recompute ("none", "full", or comma-separated layer ids in [0,L)) into rc[L].
- * Errors: FM_ERR_ARG naming the bad item. */
-fm_status fm_parse_recompute(const char *spec, int64_t L, bool *rc);
 
 /* Loads a checkpoint folder's config.json and model.safetensors into a new model on backend
  * `be`, laid out for micro-batch B and sequence T (T = 0: the checkpoint's trained seq_len from

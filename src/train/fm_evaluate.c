@@ -1,0 +1,30 @@
+/* Validation loss over sequential windows of a dataset. */
+#include <math.h>
+
+#include "../data/fm_data.h"
+#include "../schedule/fm_schedule.h"
+#include "fm_trainer.h"
+
+void fm_evaluate(fm_model *m, const fm_dataset *ds, int64_t max_batches, double *mean_loss, int64_t *n_tokens_out) {
+    const int64_t B = m->B, T = m->T;
+    const int64_t nwin = fm_dataset_eval_windows(ds, T);
+    double sum = 0;
+    int64_t count = 0, batches = 0;
+    for (int64_t w = 0; w < nwin; w += B) {
+        if (max_batches > 0 && batches >= max_batches) break;
+        int64_t filled = 0;
+        fm_dataset_eval_batch(ds, w, B, T, m->h_tokens, m->h_targets, &filled);
+        for (int64_t i = filled * T; i < B * T; i++) {
+            m->h_tokens[i] = 0;
+            m->h_targets[i] = -100;
+        }
+        fm_loss l;
+        fm_schedule_default_forward(m, true, &l);
+        sum += l.ce * (double)l.n_valid;
+        count += l.n_valid;
+        batches++;
+    }
+    *mean_loss = count ? sum / (double)count : NAN;
+    if (n_tokens_out) *n_tokens_out = count;
+}
+

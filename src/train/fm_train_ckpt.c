@@ -1,0 +1,276 @@
+/* Checkpoint glue of the trainer: the model's table for the Hugging Face mapping, state.json,
+ * metrics.jsonl on resume, saving and loading a run's checkpoint, and loading a checkpoint's
+ * weights for inference. The tensors themselves are read and named by io/fm_hf_weights. */
+#include <cjson/cJSON.h>
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../io/fm_checkpoint.h"
+#include "fm_train_internal.h"
+
+/* ---- the model's table for the Hugging Face mapping ----------------------------------------- */
+
+fm_status fm_train_hf_init(fm_train_hf *h, const fm_model *m) {
+    const fm_config *c = &m->cfg;
+    const int64_t L = c->num_hidden_layers;
+    memset(h, 0, sizeof *h);
+    h->params = fm_malloc(sizeof(fm_hf_param) * (size_t)(m->n_tensors > 0 ? m->n_tensors : 1));
+    h->experts = fm_malloc(sizeof(fm_hf_experts) * (size_t)(L > 0 ? L : 1));
+    if (!h->params || !h->experts) {
+        fm_train_hf_free(h);
+        return fm_error(FM_ERR_NOMEM, "out of memory for the tensor table (%d tensors)", m->n_tensors);
+    }
+    for (int i = 0; i < m->n_tensors; i++) {
+        const fm_param *p = &m->table[i];
+        h->params[i] = (fm_hf_param){p->name, p->ndim, {p->shape[0], p->shape[1]}, p->offset};
+    }
+    for (int64_t l = 0; l < L; l++)
+        h->experts[l] = (fm_hf_experts){m->w.layers[l].w_gate - m->params, m->w.layers[l].w_up - m->params,
+                                        m->w.layers[l].w_down - m->params};
+    h->t = (fm_hf_table){h->params, m->n_tensors, L, c->num_experts, c->hidden_size, c->moe_intermediate_size,
+                         c->model_type == FM_MODEL_MIXTRAL ? "block_sparse_moe" : "mlp", h->experts,
+                         c->tie_word_embeddings, c->model_type_name};
+    return FM_OK;
+}
+
+void fm_train_hf_free(fm_train_hf *h) {
+    fm_free(h->params);
+    fm_free(h->experts);
+    memset(h, 0, sizeof *h);
+}
+
+/* ---- loading tensors into backend buffers --------------------------------------------------- */
+
+/* Loads a safetensors file's fp32 tensors (with the name prefix) into a backend buffer [n_params]
+ * of dtype in table layout (bf16: rounded to nearest even): directly when the backend's memory is
+ * host memory and dtype fp32, else through a host staging copy. */
+static fm_status load_fp32_as(fm_model *m, const fm_hf_table *t, const char *path, const char *prefix, void *dst,
+                              fm_dtype dtype) {
+    if (m->be.ops->host_memory && dtype == FM_DTYPE_F32) return fm_hf_read(t, path, prefix, dst);
+    float *stage = fm_malloc(sizeof(float) * (size_t)m->n_params);
+    if (!stage) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)m->n_params);
+    fm_status s = fm_hf_read(t, path, prefix, stage);
+    if (s == FM_OK && dtype == FM_DTYPE_BF16) {
+        uint16_t *h = (uint16_t *)stage; /* narrowing in increasing order never overtakes the reads */
+        for (int64_t i = 0; i < m->n_params; i++) h[i] = fm_f32_to_bf16(stage[i]);
+    }
+    if (s == FM_OK) m->be.ops->copy(m->be.ctx, dst, stage, fm_dtype_size(dtype) * (size_t)m->n_params, FM_COPY_H2D);
+    fm_free(stage);
+    return s;
+}
+
+/* Loads the weights (with the name prefix) into the fp32 master and refreshes the fm_act weights. */
+static fm_status load_master(fm_model *m, const fm_hf_table *t, const char *path, const char *prefix) {
+    FM_TRY(load_fp32_as(m, t, path, prefix, m->master, FM_DTYPE_F32));
+    if ((void *)m->master != (void *)m->params)
+        m->be.ops->convert(m->be.ctx, m->params, FM_ACT_DTYPE, m->master, FM_DTYPE_F32, m->n_params);
+    return FM_OK;
+}
+
+/* ---- state.json ------------------------------------------------------------------------------ */
+
+static fm_status read_json_file(const char *path, cJSON **out) {
+    char *text;
+    FM_TRY(fm_ckpt_read_text(path, &text));
+    *out = cJSON_Parse(text);
+    fm_free(text);
+    if (!*out || !cJSON_IsObject(*out)) {
+        cJSON_Delete(*out);
+        return fm_error(FM_ERR_FORMAT, "%s: malformed JSON; expected an object written by flatmoe", path);
+    }
+    return FM_OK;
+}
+
+static int64_t json_i64(const cJSON *o, const char *key, int64_t dflt) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+    return cJSON_IsNumber(it) ? (int64_t)it->valuedouble : dflt;
+}
+
+static char *state_to_json(const train_state *s) {
+    cJSON *o = cJSON_CreateObject();
+    char hex[32];
+    cJSON_AddNumberToObject(o, "step", (double)s->step);
+    cJSON_AddNumberToObject(o, "optimizer_step", (double)s->opt_step);
+    cJSON_AddNumberToObject(o, "tokens_seen", (double)s->tokens_seen);
+    snprintf(hex, sizeof hex, "%016" PRIx64, s->data_rng);
+    cJSON_AddStringToObject(o, "data_rng_state", hex);
+    snprintf(hex, sizeof hex, "%" PRIu64, s->seed);
+    cJSON_AddStringToObject(o, "seed", hex);
+    cJSON_AddNumberToObject(o, "seq_len", (double)s->seq_len);
+    cJSON_AddNumberToObject(o, "micro_batch", (double)s->micro_batch);
+    cJSON_AddNumberToObject(o, "grad_accum", (double)s->grad_accum);
+    cJSON_AddNumberToObject(o, "steps", (double)s->steps);
+    cJSON_AddStringToObject(o, "adam_moments", s->bf16_moments ? "bf16" : "fp32");
+    cJSON_AddStringToObject(o, "format", "flatmoe-state-1");
+    char *txt = cJSON_Print(o);
+    cJSON_Delete(o);
+    size_t n = strlen(txt);
+    char *out = fm_malloc(n + 2);
+    if (out) { memcpy(out, txt, n); out[n] = '\n'; out[n + 1] = 0; }
+    cJSON_free(txt);
+    return out;
+}
+
+fm_status fm_train_state_read(const char *path, train_state *s) {
+    cJSON *o;
+    FM_TRY(read_json_file(path, &o));
+    const cJSON *rng = cJSON_GetObjectItemCaseSensitive(o, "data_rng_state");
+    const cJSON *seed = cJSON_GetObjectItemCaseSensitive(o, "seed");
+    s->step = json_i64(o, "step", -1);
+    s->opt_step = json_i64(o, "optimizer_step", -1);
+    s->tokens_seen = json_i64(o, "tokens_seen", 0);
+    s->seq_len = json_i64(o, "seq_len", 0);
+    s->micro_batch = json_i64(o, "micro_batch", 0);
+    s->grad_accum = json_i64(o, "grad_accum", 0);
+    s->steps = json_i64(o, "steps", 0);
+    const cJSON *mom = cJSON_GetObjectItemCaseSensitive(o, "adam_moments");
+    s->bf16_moments = cJSON_IsString(mom) && strcmp(mom->valuestring, "bf16") == 0;
+    fm_status st = FM_OK;
+    if (s->step < 0 || s->opt_step < 0 || !cJSON_IsString(rng) || !cJSON_IsString(seed))
+        st = fm_error(FM_ERR_FORMAT, "%s: expected fields step, optimizer_step, data_rng_state and seed", path);
+    else {
+        s->data_rng = strtoull(rng->valuestring, NULL, 16);
+        s->seed = strtoull(seed->valuestring, NULL, 10);
+    }
+    cJSON_Delete(o);
+    return st;
+}
+
+fm_status fm_train_truncate_metrics(const char *path, int64_t last_step) {
+    char *text;
+    if (fm_ckpt_read_text(path, &text) != FM_OK) return FM_OK; /* no metrics yet */
+    size_t n = strlen(text), w = 0;
+    char *out = fm_malloc(n + 1);
+    if (!out) { fm_free(text); return fm_error(FM_ERR_NOMEM, "%s: out of memory", path); }
+    for (char *line = text; *line;) {
+        char *nl = strchr(line, '\n');
+        size_t len = nl ? (size_t)(nl - line + 1) : strlen(line);
+        const char *sp = strstr(line, "\"step\":");
+        long long step = sp && sp < line + len ? strtoll(sp + 7, NULL, 10) : -1;
+        if (step >= 0 && step <= last_step) { memcpy(out + w, line, len); w += len; }
+        line += len;
+    }
+    fm_status s = fm_write_file_atomic(path, out, w);
+    fm_free(out);
+    fm_free(text);
+    return s;
+}
+
+/* ---- saving and loading a run's checkpoint -------------------------------------------------- */
+
+/* A tensor of the backend's fp32 buffers, fetched to the host when the writer reaches it. */
+typedef struct fm_fetch_src {
+    const fm_backend *be;
+    const void *src;
+    int64_t numel;
+    bool bf16;   /* src holds bf16: widened to fp32 */
+} fm_fetch_src;
+
+static void fetch_from_backend(void *ctx, float *buf) {
+    const fm_fetch_src *f = ctx;
+    if (!f->bf16) {
+        f->be->ops->copy(f->be->ctx, buf, f->src, sizeof(float) * (size_t)f->numel, FM_COPY_D2H);
+        return;
+    }
+    /* the bf16 values land in the upper half of buf and widen in increasing order: element i's
+     * 4 bytes end at or before the first bf16 value not yet read */
+    const size_t n = (size_t)f->numel;
+    uint16_t *h = (uint16_t *)((char *)buf + 2 * n);
+    f->be->ops->copy(f->be->ctx, h, f->src, 2 * n, FM_COPY_D2H);
+    for (size_t i = 0; i < n; i++) buf[i] = fm_bf16_to_f32(h[i]);
+}
+
+/* Names the table's tensors of a [n_params] buffer of dtype as fp32 tensors (host memory and
+ * fp32: data pointers; otherwise fetched one tensor at a time while writing, bf16 widened
+ * exactly, so no host copy of the whole state is made). */
+static fm_status name_state(run *r, const void *base, fm_dtype dtype, const char *prefix, int slot) {
+    fm_model *m = &r->m;
+    const int n = m->n_tensors;
+    const bool direct = m->be.ops->host_memory && dtype == FM_DTYPE_F32;
+    FM_TRY(fm_hf_name_tensors(&r->hf.t, direct ? base : NULL, prefix, r->named + slot * n, r->names + slot * n));
+    if (direct) return FM_OK;
+    for (int i = 0; i < n; i++) {
+        fm_fetch_src *f = &r->fetch[slot * n + i];
+        f->be = &m->be;
+        f->src = (const char *)base + (size_t)m->table[i].offset * fm_dtype_size(dtype);
+        f->numel = m->table[i].numel;
+        f->bf16 = dtype == FM_DTYPE_BF16;
+        r->named[slot * n + i].data = NULL;
+        r->named[slot * n + i].fetch = fetch_from_backend;
+        r->named[slot * n + i].fetch_ctx = f;
+    }
+    return FM_OK;
+}
+
+fm_status fm_train_ckpt_init(run *r) {
+    const int n = r->m.n_tensors;
+    r->named = fm_malloc(sizeof(fm_named_tensor) * (size_t)(4 * n));
+    r->names = fm_malloc(sizeof(*r->names) * (size_t)(4 * n));
+    r->fetch = fm_malloc(sizeof(*r->fetch) * (size_t)(4 * n));
+    if (!r->named || !r->names || !r->fetch) return fm_error(FM_ERR_NOMEM, "out of memory for the tensor name table");
+    return fm_train_hf_init(&r->hf, &r->m);
+}
+
+fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
+    fm_model *m = &r->m;
+    const int n = m->n_tensors;
+    /* fp32 master (as model.safetensors and master.*), m, v */
+    FM_TRY(name_state(r, m->master, FM_DTYPE_F32, "", 0));
+    FM_TRY(name_state(r, m->master, FM_DTYPE_F32, "master.", 1));
+    FM_TRY(name_state(r, r->opt.m, r->opt.moments_dtype, "exp_avg.", 2)); /* bf16 moments: widened */
+    FM_TRY(name_state(r, r->opt.v, r->opt.moments_dtype, "exp_avg_sq.", 3));
+    char *state = state_to_json(ts);
+    fm_status s = state ? FM_OK : fm_error(FM_ERR_NOMEM, "out of memory writing state.json");
+    char dir[4096];
+    if (s == FM_OK)
+        s = fm_ckpt_write(r->o->out_dir, ts->step, r->named, n, r->named + n, 3 * n, r->config_json, state, dir,
+                          sizeof dir);
+    fm_free(state);
+    if (s == FM_OK && !r->o->quiet) printf("saved checkpoint %s\n", dir);
+    return s;
+}
+
+fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_STATE_FILE);
+    FM_TRY(fm_train_state_read(path, ts));
+    snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_OPTIM_FILE);
+    /* the fp32 master from the optimizer file (model.safetensors holds the same values) */
+    FM_TRY(load_master(&r->m, &r->hf.t, path, "master."));
+    /* bf16 moments: narrowed to nearest even, exact for moments a bf16 run saved */
+    FM_TRY(load_fp32_as(&r->m, &r->hf.t, path, "exp_avg.", r->opt.m, r->opt.moments_dtype));
+    FM_TRY(load_fp32_as(&r->m, &r->hf.t, path, "exp_avg_sq.", r->opt.v, r->opt.moments_dtype));
+    r->opt.step = ts->opt_step;
+    return FM_OK;
+}
+
+/* ---- loading a checkpoint for inference ----------------------------------------------------- */
+
+fm_status fm_load_for_inference(fm_model *m, const char *ckpt_dir, fm_backend be, int64_t B, int64_t T,
+                                int64_t *trained_seq_len) {
+    char path[4096];
+    fm_config cfg;
+    snprintf(path, sizeof path, "%s/%s", ckpt_dir, FM_CKPT_CONFIG_FILE);
+    FM_TRY(fm_config_load(&cfg, path));
+    int64_t tsl = 0;
+    snprintf(path, sizeof path, "%s/%s", ckpt_dir, FM_CKPT_STATE_FILE);
+    cJSON *state;
+    if (read_json_file(path, &state) == FM_OK) { /* optional: a bare model folder has none */
+        tsl = json_i64(state, "seq_len", 0);
+        cJSON_Delete(state);
+    }
+    if (trained_seq_len) *trained_seq_len = tsl;
+    if (T <= 0) T = tsl > 0 ? tsl : cfg.max_position_embeddings;
+    FM_TRY(fm_model_create(m, &cfg, be, 0));
+    fm_status s = fm_model_layout(m, B, T, NULL);
+    fm_train_hf hf = {0};
+    if (s == FM_OK) s = fm_train_hf_init(&hf, m);
+    if (s == FM_OK) {
+        snprintf(path, sizeof path, "%s/%s", ckpt_dir, FM_CKPT_MODEL_FILE);
+        s = load_master(m, &hf.t, path, "");
+    }
+    fm_train_hf_free(&hf);
+    if (s != FM_OK) fm_model_free(m);
+    return s;
+}

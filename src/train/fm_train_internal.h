@@ -1,0 +1,130 @@
+/* What the trainer's files share (not a public API): the state of one training run, the
+ * state.json record, and the functions of each part:
+ *   fm_train_opts.c      defaults and validation of fm_train_opts
+ *   fm_train_setup.c     resume point, config, data, plan and allocation of a run
+ *   fm_train_step.c      one optimizer step (fm_train_step.h)
+ *   fm_train_loop.c      fm_train: the loop, evaluation, save and exit cadence
+ *   fm_train_metrics.c   what a run prints and writes to metrics.jsonl
+ *   fm_train_ckpt.c      state.json, checkpoints, resume, loading weights for inference
+ *   fm_evaluate.c        validation loss
+ *   fm_recompute_spec.c  the --recompute spec */
+#ifndef FM_TRAIN_INTERNAL_H
+#define FM_TRAIN_INTERNAL_H
+
+#include <stdio.h>
+
+#include "../core/fm_rng.h"
+#include "../data/fm_data.h"
+#include "../io/fm_hf_weights.h"
+#include "../plan/fm_plan.h"
+#include "fm_train_step.h"
+#include "fm_trainer.h"
+
+/* The model's parameter table as the Hugging Face mapping (io/fm_hf_weights.h) reads it; the
+ * rows' names point into the model's table. */
+typedef struct fm_train_hf {
+    fm_hf_table t;
+    fm_hf_param *params;     /* [n_tensors] */
+    fm_hf_experts *experts;  /* [L] */
+} fm_train_hf;
+
+/* Builds h from m (which must outlive it). Errors: FM_ERR_NOMEM. */
+fm_status fm_train_hf_init(fm_train_hf *h, const fm_model *m);
+void fm_train_hf_free(fm_train_hf *h);
+
+/* Trainer state saved in state.json. */
+typedef struct train_state {
+    int64_t step, tokens_seen, opt_step;
+    uint64_t data_rng;
+    uint64_t seed;
+    int64_t seq_len, micro_batch, grad_accum, steps;
+    bool bf16_moments; /* "adam_moments": "bf16" (absent in older checkpoints: fp32) */
+} train_state;
+
+struct fm_fetch_src;
+
+/* One training run: everything fm_train allocates, released by fm_train_run_free. */
+typedef struct run {
+    const fm_train_opts *o;
+    fm_config cfg;
+    char *config_json;
+    fm_backend be;
+    bool be_ok;
+    fm_model m;
+    bool model_ok;
+    fm_adamw opt;
+    fm_dataset train_all, train, val, val_own;
+    fm_train_hf hf;
+    fm_named_tensor *named;         /* [4 * n_tensors]: the tensors of a checkpoint */
+    char (*names)[FM_HF_NAME_CAP];  /* [4 * n_tensors] */
+    FILE *metrics;
+    fm_plan plan;
+    bool *rc;
+    struct fm_fetch_src *fetch;     /* [4 * n_tensors]: save sources on a device backend */
+    fm_step_ws step;                /* the step's schedule and pinned results (fm_train_step.h) */
+} run;
+
+/* ---- fm_train_opts.c ---- */
+
+/* The checks of the options that need no file: FM_ERR_ARG naming the flag. */
+fm_status fm_train_opts_check(const fm_train_opts *o);
+
+/* ---- fm_train_setup.c ---- */
+
+/* Checks the options, finds the resume point (ckpt: the checkpoint folder, "" for a fresh run),
+ * loads config and data, makes the plan, allocates backend, model and optimizer, and loads the
+ * checkpoint or initializes the weights; fills *ts and *data_rng for the first step, opens
+ * metrics.jsonl and prints the run's header. Errors: those of each part, message set. */
+fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng);
+void fm_train_run_free(run *r);
+
+/* ---- fm_train_metrics.c ---- */
+
+/* The header lines of a run: model, data, plan and FLOPs per token. */
+void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_per_step);
+
+/* What one step measured, for its lines and its metrics.jsonl record. */
+typedef struct fm_step_report {
+    int64_t step;
+    double ce, aux, z, lr, gnorm;
+    double tok_s, step_s, elapsed, eta;
+    double val;                    /* NAN: no validation this step */
+    const double *phase_ms;        /* [FM_PHASE_COUNT], or NULL: no profile */
+    uint64_t host_syncs;
+    int64_t tokens_seen;
+} fm_step_report;
+
+/* The step line (and the profile line when phase_ms is set) on stdout. */
+void fm_train_print_step(const run *r, const fm_step_report *s);
+
+/* Opens the step's metrics.jsonl record (no closing brace: fm_train_metrics_memory may add to it,
+ * fm_train_metrics_end closes and flushes it). */
+void fm_train_metrics_begin(run *r, const fm_step_report *s);
+
+/* Adds every live set's bound and high-water mark (and the device's memory) to the open record,
+ * and prints the memory report unless --quiet. */
+void fm_train_metrics_memory(run *r);
+void fm_train_metrics_end(run *r);
+
+/* ---- fm_train_ckpt.c ---- */
+
+/* Reads state.json at path. Errors: FM_ERR_IO/FORMAT naming the file and the missing fields. */
+fm_status fm_train_state_read(const char *path, train_state *s);
+
+/* Keeps only the metrics lines of steps <= last_step (a resumed run rewrites what came after
+ * its checkpoint; -1 keeps none). A missing file is not an error. Errors: FM_ERR_NOMEM, FM_ERR_IO. */
+fm_status fm_train_truncate_metrics(const char *path, int64_t last_step);
+
+/* Allocates the run's tables for saving and loading checkpoints (names, fetch sources, the
+ * Hugging Face table of r->m; released by fm_train_run_free). Errors: FM_ERR_NOMEM. */
+fm_status fm_train_ckpt_init(run *r);
+
+/* Writes the checkpoint of ts->step into the run folder (weights, master, moments, config,
+ * state) and prints its folder unless --quiet. Errors: those of fm_ckpt_write. */
+fm_status fm_train_save_checkpoint(run *r, const train_state *ts);
+
+/* Reads the checkpoint folder dir into the run's model and optimizer and its state into *ts.
+ * Errors: FM_ERR_IO/FORMAT naming the file. */
+fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts);
+
+#endif

@@ -1,0 +1,112 @@
+/* What a training run reports: its header lines, one step line (and a profile line) per logged
+ * step on stdout, one metrics.jsonl record per step, and the memory report (--report-memory). */
+#include <math.h>
+#include <stdio.h>
+
+#include "../backend/fm_backend_default.h"
+#include "fm_train_internal.h"
+
+static void fmt_hms(char *buf, size_t n, double s) {
+    if (s < 0 || !isfinite(s)) s = 0;
+    long t = (long)(s + 0.5);
+    snprintf(buf, n, "%ld:%02ld:%02ld", t / 3600, (t / 60) % 60, t % 60);
+}
+
+void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_per_step) {
+    const fm_train_opts *o = r->o;
+    const fm_config *c = &r->cfg;
+    const fm_model *m = &r->m;
+    const fm_plan *plan = &r->plan;
+    printf("model %s: %lld parameters (%lld active per token), %lld layers, %lld experts top-%lld\n",
+           c->model_type_name, (long long)m->n_params, (long long)fm_config_num_active_params(c),
+           (long long)c->num_hidden_layers, (long long)c->num_experts, (long long)c->num_experts_per_tok);
+    printf("data: train %lld tokens, validation %lld tokens; %lld tokens per step (%lld x %lld x %lld)\n",
+           (long long)r->train.n_tokens, (long long)r->val.n_tokens, (long long)tokens_per_step,
+           (long long)o->micro_batch, (long long)o->seq_len, (long long)o->grad_accum);
+    printf("plan: %.1f MiB =", plan->total / 1048576.0);
+    for (int i = 0; i < FM_PLAN_SETS; i++)
+        printf("%s %s %.1f", i ? "," : "", i < FM_LIVE_COUNT ? fm_live_set_names[i] : "attention tiles",
+               plan->bytes[i] / 1048576.0);
+    printf("; recompute %lld of %lld layers, MoE %s", (long long)plan->n_recomputed, (long long)c->num_hidden_layers,
+           req->moe_chunk_tokens > 0 ? "chunked" : "unchunked");
+    if (req->moe_chunk_tokens > 0) printf(" (%lld chunks of <= %lld tokens)", (long long)plan->moe_K, (long long)plan->moe_c_eff);
+    printf(", vocabulary %s", req->ce_block_tokens > 0 || req->ce_block_vocab > 0 ? "linear cross-entropy" : "plain logits");
+    printf(", AdamW moments %s\n", o->bf16_moments ? "bf16" : "fp32");
+    printf("flops per token: model %.4e, hardware %.4e (with the recomputed forwards)\n", plan->flops_model_token,
+           plan->flops_hw_token);
+    fflush(stdout);
+}
+
+void fm_train_print_step(const run *r, const fm_step_report *s) {
+    char el[32], et[32];
+    fmt_hms(el, sizeof el, s->elapsed);
+    fmt_hms(et, sizeof et, s->eta);
+    printf("step %6lld/%lld | loss %.4f | aux %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s",
+           (long long)s->step, (long long)r->o->steps, s->ce, s->aux, s->lr, s->gnorm, s->tok_s, el, et);
+    if (!isnan(s->val)) printf(" | val loss %.4f", s->val);
+    printf("\n");
+    if (s->phase_ms) {
+        double tot = 0;
+        for (int i = 0; i < FM_PHASE_COUNT; i++) tot += s->phase_ms[i];
+        printf("profile step %lld: %.1f ms =", (long long)s->step, tot);
+        for (int i = 0; i < FM_PHASE_COUNT; i++)
+            printf("%s %s %.1f (%.0f%%)", i ? "," : "", fm_phase_name(i), s->phase_ms[i],
+                   tot > 0 ? 100.0 * s->phase_ms[i] / tot : 0.0);
+        printf("; host syncs %llu\n", (unsigned long long)s->host_syncs);
+    }
+    fflush(stdout);
+}
+
+void fm_train_metrics_begin(run *r, const fm_step_report *s) {
+    fprintf(r->metrics, "{\"step\":%lld,\"loss\":%.17g,\"aux_loss\":%.17g,\"z_loss\":%.17g,\"lr\":%.17g,"
+            "\"grad_norm\":%.17g,\"tokens\":%lld,\"tokens_per_s\":%.1f,\"step_s\":%.6f,\"elapsed_s\":%.3f",
+            (long long)s->step, s->ce, s->aux, s->z, s->lr, s->gnorm, (long long)s->tokens_seen, s->tok_s, s->step_s,
+            s->elapsed);
+    if (!isnan(s->val)) fprintf(r->metrics, ",\"val_loss\":%.17g", s->val);
+    fprintf(r->metrics, ",\"host_syncs\":%llu", (unsigned long long)s->host_syncs);
+    if (s->phase_ms) {
+        fprintf(r->metrics, ",\"phase_ms\":{");
+        for (int i = 0; i < FM_PHASE_COUNT; i++)
+            fprintf(r->metrics, "%s\"%s\":%.3f", i ? "," : "", fm_phase_name(i), s->phase_ms[i]);
+        fprintf(r->metrics, "}");
+    }
+}
+
+/* Measured high-water mark of every arena (painted at layout) next to its planned bound.
+ * dev_used, dev_total: the device's memory in use and its size (0: no device to report). */
+static void report_memory(const run *r, size_t dev_used, size_t dev_total) {
+    const fm_model *m = &r->m;
+    printf("memory: %-22s %14s %14s %7s\n", "live set", "bound (B)", "high-water (B)", "used");
+    for (int i = 0; i < FM_PLAN_SETS; i++) {
+        if (i == FM_LIVE_COUNT) {
+            printf("memory: %-22s %14zu %14s %7s\n", "attention tiles", r->plan.bytes[i], "(backend)", "");
+            continue;
+        }
+        size_t hw = i == FM_LIVE_MODEL_STATE ? m->arena[i].high : fm_arena_touched(&m->arena[i]);
+        printf("memory: %-22s %14zu %14zu %6.1f%%\n", fm_live_set_names[i], r->plan.bytes[i], hw,
+               r->plan.bytes[i] ? 100.0 * (double)hw / (double)r->plan.bytes[i] : 0.0);
+    }
+    if (dev_total > 0)
+        printf("memory: device in use %.1f MiB of %.1f MiB (plan %.1f MiB; the rest is the CUDA context and "
+               "libraries)\n", dev_used / 1048576.0, dev_total / 1048576.0, r->plan.total / 1048576.0);
+    fflush(stdout);
+}
+
+void fm_train_metrics_memory(run *r) {
+    const fm_model *m = &r->m;
+    fprintf(r->metrics, ",\"memory\":{");
+    for (int i = 0; i < FM_LIVE_COUNT; i++)
+        fprintf(r->metrics, "%s\"%s\":{\"bound\":%zu,\"high_water\":%zu}", i ? "," : "", fm_live_set_names[i],
+                r->plan.bytes[i], i == FM_LIVE_MODEL_STATE ? m->arena[i].high : fm_arena_touched(&m->arena[i]));
+    fprintf(r->metrics, "}");
+    size_t dfree = 0, dtotal = 0;
+    if (fm_backend_default_device_memory(&dfree, &dtotal) != FM_OK) dfree = dtotal = 0;
+    if (dtotal > 0)
+        fprintf(r->metrics, ",\"device_used_bytes\":%zu,\"device_total_bytes\":%zu", dtotal - dfree, dtotal);
+    if (!r->o->quiet) report_memory(r, dtotal - dfree, dtotal);
+}
+
+void fm_train_metrics_end(run *r) {
+    fprintf(r->metrics, "}\n");
+    fflush(r->metrics);
+}

@@ -1,0 +1,64 @@
+/* fm_train_opts: the defaults (the CLI's help texts name the same values) and the checks that
+ * need no file. */
+#include <math.h>
+#include <string.h>
+
+#include "fm_train_internal.h"
+
+void fm_train_opts_default(fm_train_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->val_fraction = 0.1;
+    o->seq_len = 128;
+    o->micro_batch = 16;
+    o->grad_accum = 1;
+    o->steps = 1000;
+    o->lr = 2e-3;
+    o->min_lr = 2e-4;
+    o->warmup = 50;
+    o->weight_decay = 0.1;
+    o->grad_clip = 1.0;
+    o->beta1 = 0.9;
+    o->beta2 = 0.95;
+    o->adam_eps = 1e-8;
+    o->seed = 1337;
+    o->threads = 0;
+    o->out_dir = "runs/tiny";
+    o->eval_every = 250;
+    o->eval_batches = 20;
+    o->save_every = 0;
+    o->log_every = 1;
+    o->recompute = NULL;
+    o->moe_chunk_tokens = -1;
+    o->ce_block_tokens = -1;
+    o->ce_block_vocab = -1;
+}
+
+fm_status fm_train_opts_check(const fm_train_opts *o) {
+    if (o->n_data < 1) return fm_error(FM_ERR_ARG, "--data: give at least one text file or llm.c token shard");
+    if (!o->out_dir || !*o->out_dir) return fm_error(FM_ERR_ARG, "--out: give a run folder");
+    if (o->seq_len < 1 || o->micro_batch < 1 || o->grad_accum < 1 || o->steps < 1)
+        return fm_error(FM_ERR_ARG, "--seq-len, --micro-batch, --grad-accum and --steps must be >= 1");
+    if (!(o->lr > 0) || !isfinite(o->lr) || !(o->min_lr >= 0) || !(o->min_lr <= o->lr))
+        return fm_error(FM_ERR_ARG, "--lr must be finite and > 0, and --min-lr in [0, lr] (found lr %g, min-lr %g)", o->lr,
+                        o->min_lr);
+    if (o->warmup < 0 || !(o->weight_decay >= 0) || !isfinite(o->weight_decay) || !(o->grad_clip >= 0) ||
+        !isfinite(o->grad_clip))
+        return fm_error(FM_ERR_ARG, "--warmup, --weight-decay and --grad-clip must be finite and >= 0 (found %lld, %g, %g)",
+                        (long long)o->warmup, o->weight_decay, o->grad_clip);
+    if (!(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1) || !(o->adam_eps > 0))
+        return fm_error(FM_ERR_ARG, "--beta1 and --beta2 must be in [0, 1) (found %g, %g)", o->beta1, o->beta2);
+    if (o->eval_every < 0 || o->eval_batches < 0 || o->save_every < 0 || o->log_every < 0 || o->exit_after < 0)
+        return fm_error(FM_ERR_ARG, "--eval-every, --eval-batches, --save-every, --log-every and --exit-after must be >= 0");
+    if (o->max_position_embeddings < 0 || o->max_position_embeddings > (1LL << 30))
+        return fm_error(FM_ERR_ARG, "--max-position-embeddings must be in [1, 2^30] (0 keeps the config's), found %lld",
+                        (long long)o->max_position_embeddings);
+    if (o->att_tile_q < 0 || o->att_tile_q > 4096 || o->att_tile_kv < 0 || o->att_tile_kv > 4096)
+        return fm_error(FM_ERR_ARG, "--attention-tile-q/-kv must be in [1, 4096] (0 = 64), found %lld x %lld",
+                        (long long)o->att_tile_q, (long long)o->att_tile_kv);
+    if (o->no_checkpoint && o->exit_after > 0)
+        return fm_error(FM_ERR_ARG, "--exit-after stops with a checkpoint to resume from, but --no-checkpoint writes "
+                        "none; drop one of them");
+    if (!(o->val_fraction > 0 && o->val_fraction < 1) && o->n_val_data == 0)
+        return fm_error(FM_ERR_ARG, "--val-fraction must be in (0, 1), found %g", o->val_fraction);
+    return FM_OK;
+}

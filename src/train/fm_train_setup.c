@@ -1,0 +1,209 @@
+/* Setting up a training run: the resume point, the model config (checked against the
+ * checkpoint's when resuming), the data, the memory plan, and the backend, model and optimizer
+ * allocated from it; then the checkpoint's state or fresh weights, and metrics.jsonl. */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "../backend/fm_backend_default.h"
+#include "../io/fm_checkpoint.h"
+#include "../schedule/fm_recompute.h"
+#include "fm_train_internal.h"
+
+void fm_train_run_free(run *r) {
+    if (r->metrics) fclose(r->metrics);
+    fm_step_ws_free(&r->step); /* before the backend whose memory it holds */
+    if (r->model_ok) fm_model_free(&r->m);
+    if (r->be_ok) fm_backend_default_free(&r->be);
+    fm_dataset_free(&r->val_own);
+    fm_dataset_free(&r->train_all);
+    fm_free(r->config_json);
+    fm_free(r->named);
+    fm_free(r->names);
+    fm_free(r->rc);
+    fm_free(r->fetch);
+    fm_train_hf_free(&r->hf);
+}
+
+fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
+    const fm_train_opts *o = r->o;
+    FM_TRY(fm_train_opts_check(o));
+
+    /* Resume point. */
+    char ckpt[4096] = "";
+    int64_t ckpt_step = -1;
+    if (o->resume) {
+        if (fm_ckpt_find_latest(o->out_dir, ckpt, sizeof ckpt, &ckpt_step) != FM_OK) {
+            ckpt[0] = 0;
+            ckpt_step = -1;
+        }
+        /* A damaged checkpoint newer than the one we would resume from is not skipped silently:
+         * training on would overwrite it (or start over). */
+        char bad[4096];
+        const char *missing = "";
+        if (fm_ckpt_find_incomplete(o->out_dir, ckpt_step, bad, sizeof bad, &missing))
+            return fm_error(FM_ERR_IO, "--resume: %s is an incomplete checkpoint (no %s)%s%s; restore the file, or "
+                            "move that folder away to resume from %s", bad, missing,
+                            ckpt[0] ? ", newer than " : "", ckpt[0] ? ckpt : "",
+                            ckpt[0] ? "the older checkpoint" : "scratch");
+        if (!ckpt[0] && !o->quiet) printf("--resume: no checkpoint in %s yet; starting from step 0\n", o->out_dir);
+    } else {
+        char probe[4096];
+        if (fm_ckpt_find_latest(o->out_dir, probe, sizeof probe, NULL) == FM_OK)
+            return fm_error(FM_ERR_ARG, "--out %s already holds checkpoints (latest %s); pass --resume to continue "
+                            "that run, or choose a new --out folder", o->out_dir, probe);
+    }
+
+    /* Config: from --config, checked against the checkpoint's when resuming. */
+    if (ckpt[0]) {
+        char p[4200];
+        snprintf(p, sizeof p, "%s/%s", ckpt, FM_CKPT_CONFIG_FILE);
+        FM_TRY(fm_config_load(&r->cfg, p));
+        if (o->config_path) {
+            fm_config given;
+            FM_TRY(fm_config_load(&given, o->config_path));
+            if (o->max_position_embeddings > 0) given.max_position_embeddings = o->max_position_embeddings;
+            char *a = fm_config_to_json(&given), *b = fm_config_to_json(&r->cfg);
+            bool same = a && b && !strcmp(a, b);
+            fm_free(a);
+            fm_free(b);
+            if (!same) {
+                if (given.max_position_embeddings != r->cfg.max_position_embeddings) {
+                    bool only = true; /* is it the only difference? */
+                    fm_config g2 = given;
+                    g2.max_position_embeddings = r->cfg.max_position_embeddings;
+                    char *x = fm_config_to_json(&g2), *y = fm_config_to_json(&r->cfg);
+                    only = x && y && !strcmp(x, y);
+                    fm_free(x);
+                    fm_free(y);
+                    if (only)
+                        return fm_error(FM_ERR_CONFIG, "--config %s has max_position_embeddings %lld but the checkpoint "
+                                        "%s was trained with %lld; pass --max-position-embeddings %lld (or drop "
+                                        "--config)", o->config_path, (long long)given.max_position_embeddings, p,
+                                        (long long)r->cfg.max_position_embeddings,
+                                        (long long)r->cfg.max_position_embeddings);
+                }
+                const char *field = given.vocab_size != r->cfg.vocab_size ? "vocab_size"
+                                  : given.hidden_size != r->cfg.hidden_size ? "hidden_size"
+                                  : given.num_hidden_layers != r->cfg.num_hidden_layers ? "num_hidden_layers"
+                                  : given.num_experts != r->cfg.num_experts ? "the expert count"
+                                  : given.moe_intermediate_size != r->cfg.moe_intermediate_size ? "the expert width"
+                                  : given.model_type != r->cfg.model_type ? "model_type" : "a field";
+                return fm_error(FM_ERR_CONFIG, "--config %s differs from the checkpoint's %s (%s differs); resume with "
+                                "the same model config (or drop --config to use the checkpoint's)", o->config_path, p,
+                                field);
+            }
+        }
+    } else {
+        if (!o->config_path) return fm_error(FM_ERR_ARG, "--config: required (a Hugging Face config.json)");
+        FM_TRY(fm_config_load(&r->cfg, o->config_path));
+    }
+    if (o->max_position_embeddings > 0) r->cfg.max_position_embeddings = o->max_position_embeddings;
+    r->config_json = fm_config_to_json(&r->cfg);
+    const fm_config *c = &r->cfg;
+    if (o->seq_len > c->max_position_embeddings)
+        return fm_error(FM_ERR_ARG, "--seq-len %lld exceeds max_position_embeddings (%lld) of the model config; "
+                        "use --seq-len <= %lld, or raise the limit with --max-position-embeddings", (long long)o->seq_len,
+                        (long long)c->max_position_embeddings, (long long)c->max_position_embeddings);
+
+    FM_TRY(fm_plan_check_shape(c, o->micro_batch, o->seq_len));
+
+    /* Data. */
+    FM_TRY(fm_dataset_load(&r->train_all, o->data, o->n_data, c->vocab_size));
+    if (o->n_val_data > 0) {
+        FM_TRY(fm_dataset_load(&r->val_own, o->val_data, o->n_val_data, c->vocab_size));
+        r->train = r->train_all;
+        r->train.owns = false;
+        r->val = r->val_own;
+        r->val.owns = false;
+    } else {
+        FM_TRY(fm_dataset_split(&r->train_all, o->val_fraction, &r->train, &r->val));
+    }
+    FM_TRY(fm_dataset_check_windows(&r->train, o->seq_len, "training data"));
+    FM_TRY(fm_dataset_check_windows(&r->val, o->seq_len, "validation data"));
+
+    /* Plan: every live set's bound, from the config and flags alone, before any allocation. */
+    const int64_t L = c->num_hidden_layers;
+    bool *rc = r->rc = fm_malloc((size_t)L);
+    if (!rc) return fm_error(FM_ERR_NOMEM, "out of memory for the recompute table (%lld layers)", (long long)L);
+    FM_TRY(fm_recompute_parse(o->recompute, L, rc));
+    fm_plan_req req = {*c, o->micro_batch, o->seq_len, o->grad_accum, rc,
+                       o->moe_chunk_tokens > 0 ? o->moe_chunk_tokens : 0,
+                       o->ce_block_tokens > 0 ? o->ce_block_tokens : 0,
+                       o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads, o->att_tile_q, o->att_tile_kv,
+                       FM_PLAN_TARGET_BUILD, o->gpu_workspace, o->bf16_moments};
+    fm_plan plan;
+    /* The budget: --mem-budget, else (CUDA) the device's free memory less a reserve. */
+    size_t budget = o->mem_budget, dev_total = 0;
+    const char *budget_flag = "--mem-budget";
+    if (budget == 0) {
+        FM_TRY(fm_backend_default_memory_budget(&budget, &dev_total));
+        budget_flag = "the GPU's free memory less 1.5 GiB (no --mem-budget given)";
+    }
+    if (!o->recompute && o->moe_chunk_tokens < 0 && o->ce_block_tokens < 0 && o->ce_block_vocab < 0 && budget > 0) {
+        FM_TRY(fm_plan_choose(&req, budget, rc, &plan));
+    } else {
+        fm_plan_compute(&req, &plan);
+        FM_TRY(fm_plan_check(&plan, budget, budget_flag));
+    }
+    if (!o->quiet && o->mem_budget == 0 && budget > 0)
+        printf("memory budget: %.1f MiB (the GPU's %.1f MiB, its free memory less 1.5 GiB; --mem-budget sets it)\n",
+               budget / 1048576.0, dev_total / 1048576.0);
+    r->plan = plan;
+
+    /* Backend, model, optimizer: allocated from the plan. */
+    FM_TRY(fm_backend_default_init_tiles(&r->be, o->threads, c->head_dim, o->att_tile_q, o->att_tile_kv,
+                                         plan.gpu_workspace));
+    r->be_ok = true;
+    FM_TRY(fm_model_create(&r->m, c, r->be, fm_adamw_state_bytes(fm_config_num_params(c), o->bf16_moments)));
+    r->model_ok = true;
+    fm_model *m = &r->m;
+    const fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab};
+    FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len, &lo));
+    for (int i = 0; i < FM_LIVE_COUNT; i++)
+        if (m->arena[i].capacity != fm_arena_round(plan.bytes[i])) {
+            char msg[200];
+            snprintf(msg, sizeof msg, "the %s arena holds %zu bytes but the plan says %zu", fm_live_set_names[i],
+                     m->arena[i].capacity, plan.bytes[i]);
+            fm_abort(__FILE__, __LINE__, msg);
+        }
+    fm_adamw_init(&r->opt, m, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
+    FM_TRY(fm_step_ws_init(&r->step, m, o->grad_accum));
+    FM_TRY(fm_train_ckpt_init(r));
+
+    if (ckpt[0]) {
+        FM_TRY(fm_train_load_checkpoint(r, ckpt, ts));
+        data_rng->state = ts->data_rng;
+        if (ts->seq_len != o->seq_len || ts->micro_batch != o->micro_batch || ts->grad_accum != o->grad_accum)
+            fprintf(stderr, "warning: resuming with --seq-len/--micro-batch/--grad-accum %lld/%lld/%lld, but the "
+                    "checkpoint was trained with %lld/%lld/%lld: the run will not match an uninterrupted one\n",
+                    (long long)o->seq_len, (long long)o->micro_batch, (long long)o->grad_accum,
+                    (long long)ts->seq_len, (long long)ts->micro_batch, (long long)ts->grad_accum);
+        if (ts->bf16_moments != o->bf16_moments)
+            fprintf(stderr, "warning: resuming with %s Adam moments, but the checkpoint was trained with %s: the run "
+                    "will not match an uninterrupted one (%s to continue it as it was)\n",
+                    o->bf16_moments ? "bf16" : "fp32", ts->bf16_moments ? "--bf16-moments" : "fp32 moments",
+                    ts->bf16_moments ? "pass --bf16-moments" : "drop --bf16-moments");
+        if (!o->quiet) printf("resumed from %s (step %lld)\n", ckpt, (long long)ts->step);
+    } else {
+        FM_TRY(fm_model_init_weights(m, o->seed));
+        fm_rng_seed(data_rng, o->seed ^ 0xDA7A5EEDull);
+        ts->seed = o->seed;
+    }
+    ts->seq_len = o->seq_len;
+    ts->micro_batch = o->micro_batch;
+    ts->bf16_moments = o->bf16_moments;
+    ts->grad_accum = o->grad_accum;
+    ts->steps = o->steps;
+
+    /* Run folder and metrics. */
+    FM_TRY(fm_mkdirs(o->out_dir));
+    char mpath[4200];
+    snprintf(mpath, sizeof mpath, "%s/metrics.jsonl", o->out_dir);
+    FM_TRY(fm_train_truncate_metrics(mpath, ckpt[0] ? ts->step : -1));
+    r->metrics = fopen(mpath, "a");
+    if (!r->metrics) return fm_error(FM_ERR_IO, "%s: cannot open for appending: %s", mpath, strerror(errno));
+
+    if (!o->quiet) fm_train_print_header(r, &req, o->micro_batch * o->seq_len * o->grad_accum);
+    return FM_OK;
+}

@@ -1,0 +1,76 @@
+/* One optimizer step: accumulate, check, clip, update (see fm_train_step.h). */
+#include "fm_train_step.h"
+
+#include <math.h>
+#include <string.h>
+
+fm_status fm_step_ws_init(fm_step_ws *w, fm_model *m, int64_t grad_accum) {
+    memset(w, 0, sizeof *w);
+    fm_schedule_init(&w->sched, m);
+    w->grad_accum = grad_accum;
+    w->n_res = fm_model_results_count(&m->cfg);
+    const size_t bytes = (size_t)(grad_accum + 1) * (size_t)w->n_res * sizeof(double);
+    FM_TRY(fm_arena_init_backend_kind(&w->results, "step results", bytes, &m->be, FM_BUFFER_PINNED));
+    w->res = fm_arena_alloc(&w->results, bytes);
+    w->n_valid = fm_malloc(sizeof(int64_t) * (size_t)grad_accum);
+    if (!w->n_valid) return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the step's counters (%lld micro-batches)",
+                                     (long long)grad_accum);
+    return FM_OK;
+}
+
+void fm_step_ws_free(fm_step_ws *w) {
+    fm_arena_free(&w->results);
+    fm_free(w->n_valid);
+    memset(w, 0, sizeof *w);
+}
+
+fm_status fm_train_step(fm_model *m, fm_adamw *opt, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
+                        const fm_train_opts *o, int64_t step, fm_step_stats *out) {
+    FM_ASSERT(w->grad_accum == o->grad_accum);
+    const int64_t G = o->grad_accum, n_res = w->n_res;
+    const size_t res_bytes = (size_t)n_res * sizeof(double);
+    fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
+    m->be.ops->mem_set(m->be.ctx, m->grads, 0, sizeof(fm_act) * (size_t)m->n_params);
+    for (int64_t g = 0; g < G; g++) {
+        fm_dataset_sample_batch(train, data_rng, o->micro_batch, o->seq_len, m->h_tokens, m->h_targets);
+        FM_TRY(fm_schedule_train_step(&w->sched, m, 1.0f / (float)G, NULL));
+        w->n_valid[g] = m->n_valid;
+        /* the micro-batch's losses to pinned memory, read at the step's sync point */
+        m->be.ops->copy_async(m->be.ctx, w->res + g * n_res, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
+    }
+    fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
+    fm_grad_sumsq(m, m->results + FM_RESULT_SUMSQ);
+    const double *gres = w->res + G * n_res;
+    m->be.ops->copy_async(m->be.ctx, (double *)gres, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
+    m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "step end": losses, gradient norm */
+    FM_TRY(m->be.ops->status(m->be.ctx));
+    double ce = 0, aux = 0, z = 0;
+    for (int64_t g = 0; g < G; g++) {
+        fm_loss l;
+        fm_model_loss_from_results(m, w->res + g * n_res, w->n_valid[g], &l);
+        if (!isfinite(l.ce) || !isfinite(l.aux) || !isfinite(l.z))
+            return fm_error(FM_ERR_NUMERIC, "step %lld: the loss is not finite (cross-entropy %g, aux %g, z %g); "
+                            "training stopped and no checkpoint was written for this step (the last good "
+                            "one in %s stays); lower --lr or raise --warmup", (long long)step, l.ce, l.aux, l.z,
+                            o->out_dir);
+        ce += l.ce / (double)G;
+        aux += l.aux / (double)G;
+        z += l.z / (double)G;
+    }
+    const double gnorm = sqrt(gres[FM_RESULT_SUMSQ]);
+    if (!isfinite(gnorm))
+        return fm_error(FM_ERR_NUMERIC, "step %lld: the gradient norm is not finite (%g); training stopped and no "
+                        "checkpoint was written for this step (the last good one in %s stays); lower --lr",
+                        (long long)step, gnorm, o->out_dir);
+    const float clip = (o->grad_clip > 0 && gnorm > o->grad_clip) ? (float)(o->grad_clip / gnorm) : 1.0f;
+    const double lr = fm_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr);
+    fm_adamw_step(opt, m, lr, clip);
+    m->be.ops->sync(m->be.ctx); /* sync point "step clock": the step's time includes its update */
+    FM_TRY(m->be.ops->status(m->be.ctx));
+    out->ce = ce;
+    out->aux = aux;
+    out->z = z;
+    out->gnorm = gnorm;
+    out->lr = lr;
+    return FM_OK;
+}

@@ -1,0 +1,55 @@
+/* One optimizer step of training (DESIGN.md §4): zero the gradients, forward and backward over
+ * grad_accum micro-batches drawn from the training data, check the losses, take the global
+ * gradient norm, clip, set the learning rate of the schedule and update with AdamW. */
+#ifndef FM_TRAIN_STEP_H
+#define FM_TRAIN_STEP_H
+
+#include "../core/fm_rng.h"
+#include "../data/fm_data.h"
+#include "../schedule/fm_schedule.h"
+#include "fm_trainer.h"
+
+/* What a step keeps between its micro-batches: the layer schedule, pinned copies of each
+ * micro-batch's device results (fm_model_results_count doubles each, and one for the gradient
+ * norm), read at the step's one sync point, and each micro-batch's valid-target count. */
+typedef struct fm_step_ws {
+    fm_schedule sched;
+    fm_arena results;    /* pinned host memory: (grad_accum + 1) x n_res doubles */
+    double *res;
+    int64_t n_res;
+    int64_t *n_valid;    /* [grad_accum] */
+    int64_t grad_accum;
+} fm_step_ws;
+
+/* Sets up w for model m (its default schedule) and grad_accum micro-batches per step; pinned
+ * memory from m's backend. Errors: FM_ERR_NOMEM naming what. */
+fm_status fm_step_ws_init(fm_step_ws *w, fm_model *m, int64_t grad_accum);
+/* Frees w; call before the backend is freed. Safe on a zeroed w. */
+void fm_step_ws_free(fm_step_ws *w);
+
+/* What one step computed. */
+typedef struct fm_step_stats {
+    double ce, aux, z;   /* mean over the micro-batches: cross-entropy (nats/token), load-balancing
+                            and z losses, each as fm_model_train_step reports it */
+    double gnorm;        /* global L2 norm of the accumulated gradients, before clipping */
+    double lr;           /* the learning rate of the update (fm_lr_at) */
+} fm_step_stats;
+
+/* Runs optimizer step `step` (1-based, of o->steps) on model m with optimizer opt and step
+ * workspace w (fm_step_ws_init, with o->grad_accum): draws
+ * o->grad_accum micro-batches of [o->micro_batch, o->seq_len] tokens from `train` with data_rng
+ * (advanced), each weighted 1/grad_accum; clips the gradients to global norm o->grad_clip
+ * (0: off); updates at fm_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr); and returns when the
+ * update has finished on the device (backend sync), so that the caller's clock covers it.
+ * The host waits for the device at named sync points only: once per MoE dispatch (its expert
+ * offsets), once per micro-batch before its token upload, once at the step's end (every
+ * micro-batch's losses and the gradient norm, before the clip scale is known) and once after the
+ * update (the step's clock). Device errors come back as the backend's sticky status.
+ * Phase marks: the zeroing and the update are the optimizer phase. Allocates nothing.
+ * Errors: FM_ERR_NUMERIC when a micro-batch's loss or the gradient norm is not finite (the
+ * message names the step and says that the last good checkpoint in o->out_dir stays); the
+ * weights are then not updated. */
+fm_status fm_train_step(fm_model *m, fm_adamw *opt, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
+                        const fm_train_opts *o, int64_t step, fm_step_stats *out);
+
+#endif
