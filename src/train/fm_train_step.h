@@ -30,7 +30,7 @@ void fm_step_ws_free(fm_step_ws *w);
 /* What one step computed. */
 typedef struct fm_step_stats {
     double ce, aux, z;   /* mean over the micro-batches: cross-entropy (nats/token), load-balancing
-                            and z losses, each as fm_model_train_step reports it */
+                            and z losses, each as fm_model_loss_from_results reports it */
     double gnorm;        /* global L2 norm of the accumulated gradients, before clipping */
     double lr;           /* the learning rate of the update (fm_lr_at) */
 } fm_step_stats;

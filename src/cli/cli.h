@@ -1,0 +1,52 @@
+/* flatmoe command line: what the command files share. Every flag is --name VALUE or
+ * --name=VALUE; unknown flags are errors. Exit codes: 0 success, 1 a failure of the work,
+ * 2 a usage error (bad flag, or FM_ERR_ARG from the library). */
+#ifndef FM_CLI_H
+#define FM_CLI_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/fm_core.h"
+
+#define MAX_FILES 256 /* files one F_FILES flag takes */
+
+typedef enum { F_STR, F_I64, F_F64, F_U64, F_INT, F_BOOL, F_FILES } flag_kind;
+
+/* One flag: its name without "--", the kind of value, where the value goes (F_STR: const char *,
+ * F_I64: int64_t, F_F64: double (finite), F_U64: uint64_t, F_INT: int in [-1e6, 1e6], F_BOOL:
+ * bool set to true, F_FILES: const char *[MAX_FILES] filled from the following arguments up to
+ * the next --flag, *count of them) and its help line. */
+typedef struct flag {
+    const char *name;
+    flag_kind kind;
+    void *ptr;
+    int *count; /* F_FILES: number of files */
+    const char *help;
+} flag;
+
+/* Parses argv[0..argc) into flags[0..n) for `flatmoe cmd`. Returns 0 on success, 1 if help was
+ * printed (--help or -h: "usage: flatmoe cmd synopsis" and the flags' help lines), 2 on a usage
+ * error (message printed to stderr). */
+int cli_parse_flags(const char *cmd, const char *synopsis, int argc, char **argv, flag *flags, int n);
+
+/* Prints "flatmoe cmd: <fmt with arg>" and the --help hint to stderr; returns 2. */
+int cli_usage_error(const char *cmd, const char *fmt, const char *arg);
+
+/* Prints "flatmoe cmd: error: <fm_errmsg()>" to stderr (after flushing stdout); returns 2 for
+ * FM_ERR_ARG, else 1. */
+int cli_fail(const char *cmd, fm_status s);
+
+/* --ckpt: a checkpoint folder (it holds model.safetensors) or a run folder (its latest step_*
+ * checkpoint), copied to out[cap]. Errors: those of fm_ckpt_find_latest, with a message naming
+ * both readings. */
+fm_status cli_resolve_ckpt(const char *dir, char *out, size_t cap);
+
+/* The commands: argv holds the arguments after the command's name. Each returns the exit code. */
+int cmd_train(int argc, char **argv);
+int cmd_sample(int argc, char **argv);
+int cmd_eval(int argc, char **argv);
+int cmd_plan(int argc, char **argv);
+
+#endif

@@ -1,0 +1,82 @@
+/* flatmoe plan: memory per live set and FLOPs for a config and shape, without running. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+#include "plan/fm_plan.h"
+#include "schedule/fm_recompute.h"
+#include "train/fm_trainer.h"
+
+int cmd_plan(int argc, char **argv) {
+    const char *config = NULL, *recompute = NULL, *device_mem = NULL, *backend = NULL, *gpu_ws_plan = NULL;
+    int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = -1, ce_bt = -1, ce_bv = -1, tq = 0, tkv = 0;
+    int threads = 0;
+    bool json = false, bf16m = false;
+    flag flags[] = {
+        {"config", F_STR, &config, NULL, "Hugging Face config.json of the model (required)"},
+        {"seq-len", F_I64, &seq_len, NULL, "tokens per sequence (required)"},
+        {"micro-batch", F_I64, &micro_batch, NULL, "sequences per micro-batch (1)"},
+        {"grad-accum", F_I64, &grad_accum, NULL, "micro-batches per step, for the per-step FLOPs (1)"},
+        {"recompute", F_STR, &recompute, NULL, "none | full | layer ids (default: chosen to fit --device-mem)"},
+        {"moe-chunk-tokens", F_I64, &chunk, NULL, "MoE chunk size, 0 = unchunked (default: chosen to fit --device-mem)"},
+        {"ce-block-tokens", F_I64, &ce_bt, NULL, "linear cross-entropy token block (default: chosen to fit --device-mem)"},
+        {"ce-block-vocab", F_I64, &ce_bv, NULL, "linear cross-entropy vocabulary block"},
+        {"device-mem", F_STR, &device_mem, NULL, "memory budget, e.g. 16GiB (default: no verdict; with it, knobs are chosen)"},
+        {"mem-budget", F_STR, &device_mem, NULL, "the same as --device-mem (train's name for it)"},
+        {"threads", F_INT, &threads, NULL, "CPU threads, for the attention tiles (0 = all cores)"},
+        {"attention-tile-q", F_I64, &tq, NULL, "CPU attention tile: query rows (64)"},
+        {"attention-tile-kv", F_I64, &tkv, NULL, "CPU attention tile: key columns (64)"},
+        {"gpu-workspace", F_STR, &gpu_ws_plan, NULL, "CUDA: bytes of the cuDNN workspace (default: sized by the planner)"},
+        {"backend", F_STR, &backend, NULL, "plan for cpu (fp32) or cuda (bf16) (this binary's backend)"},
+        {"bf16-moments", F_BOOL, &bf16m, NULL, "AdamW moments in bf16 (4 instead of 8 bytes per parameter) (off)"},
+        {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
+    };
+    int r = cli_parse_flags("plan", "--config C --seq-len S [--micro-batch B] [--device-mem BYTES] [flags]", argc, argv, flags,
+                        sizeof flags / sizeof flags[0]);
+    if (r) return r == 1 ? 0 : r;
+    if (!config) return cli_usage_error("plan", "%s", "--config is required");
+    if (seq_len < 1 || micro_batch < 1 || grad_accum < 1)
+        return cli_usage_error("plan", "%s", "--seq-len (required), --micro-batch and --grad-accum must be >= 1");
+    if (chunk < -1 || ce_bt < -1 || ce_bv < -1)
+        return cli_usage_error("plan", "%s", "--moe-chunk-tokens, --ce-block-tokens and --ce-block-vocab must be >= 0");
+    fm_plan_req req;
+    memset(&req, 0, sizeof req);
+    fm_status s = fm_config_load(&req.cfg, config);
+    if (s) return cli_fail("plan", s);
+    size_t budget = 0;
+    if (device_mem && (s = fm_parse_bytes(device_mem, "--device-mem", &budget))) return cli_fail("plan", s);
+    if ((s = fm_plan_check_shape(&req.cfg, micro_batch, seq_len))) return cli_fail("plan", s);
+    const int64_t L = req.cfg.num_hidden_layers;
+    bool *rc = fm_malloc((size_t)L);
+    if ((s = fm_recompute_parse(recompute, L, rc))) return cli_fail("plan", s);
+    req.B = micro_batch;
+    req.T = seq_len;
+    req.grad_accum = grad_accum;
+    req.recompute = rc;
+    req.moe_chunk_tokens = chunk > 0 ? chunk : 0;
+    req.ce_block_tokens = ce_bt > 0 ? ce_bt : 0;
+    req.ce_block_vocab = ce_bv > 0 ? ce_bv : 0;
+    req.threads = threads;
+    req.att_tile_q = tq;
+    req.att_tile_kv = tkv;
+    req.bf16_moments = bf16m;
+    if (gpu_ws_plan && (s = fm_parse_bytes(gpu_ws_plan, "--gpu-workspace", &req.gpu_workspace))) return cli_fail("plan", s);
+    if (backend && !strcmp(backend, "cpu")) req.target = FM_PLAN_TARGET_CPU;
+    else if (backend && !strcmp(backend, "cuda")) req.target = FM_PLAN_TARGET_CUDA;
+    else if (backend) return cli_usage_error("plan", "--backend: expected cpu or cuda, found '%s'", backend);
+    if (tq < 0 || tkv < 0 || tq > 4096 || tkv > 4096)
+        return cli_usage_error("plan", "%s", "--attention-tile-q/-kv must be in [1, 4096] (0 = 64)");
+    fm_plan p;
+    s = FM_OK;
+    if (!recompute && chunk < 0 && ce_bt < 0 && ce_bv < 0 && budget) s = fm_plan_choose(&req, budget, rc, &p);
+    else fm_plan_compute(&req, &p);
+    if (seq_len > req.cfg.max_position_embeddings)
+        fprintf(stderr, "note: --seq-len %lld exceeds the config's max_position_embeddings (%lld); train needs "
+                "--max-position-embeddings to run it\n",
+                (long long)seq_len, (long long)req.cfg.max_position_embeddings);
+    if (json) fm_plan_print_json(&req, &p, budget, stdout);
+    else fm_plan_print(&req, &p, budget, stdout);
+    fm_free(rc);
+    if (s) return cli_fail("plan", s);
+    return budget && p.total > budget ? 1 : 0;
+}

@@ -1,0 +1,69 @@
+/* flatmoe train: flags into fm_train_opts, then fm_train. */
+#include <string.h>
+
+#include "cli.h"
+#include "plan/fm_plan.h"
+#include "train/fm_trainer.h"
+
+int cmd_train(int argc, char **argv) {
+    fm_train_opts o;
+    fm_train_opts_default(&o);
+    static const char *data[MAX_FILES], *val[MAX_FILES];
+    const char *mem_budget = NULL, *gpu_ws = NULL;
+    flag flags[] = {
+        {"config", F_STR, &o.config_path, NULL, "Hugging Face config.json of the model (required unless --resume)"},
+        {"data", F_FILES, data, &o.n_data, "training files: UTF-8 text (byte tokens) or llm.c .bin shards"},
+        {"val-data", F_FILES, val, &o.n_val_data, "validation files (default: the last --val-fraction of --data)"},
+        {"val-fraction", F_F64, &o.val_fraction, NULL, "share of --data held out when no --val-data (0.1)"},
+        {"seq-len", F_I64, &o.seq_len, NULL, "tokens per sequence (128)"},
+        {"micro-batch", F_I64, &o.micro_batch, NULL, "sequences per micro-batch (16)"},
+        {"grad-accum", F_I64, &o.grad_accum, NULL, "micro-batches per optimizer step (1)"},
+        {"steps", F_I64, &o.steps, NULL, "optimizer steps in total (1000; with --resume, the run's own total)"},
+        {"lr", F_F64, &o.lr, NULL, "peak learning rate (2e-3)"},
+        {"min-lr", F_F64, &o.min_lr, NULL, "learning rate at the end of the cosine decay (2e-4)"},
+        {"warmup", F_I64, &o.warmup, NULL, "linear warmup steps (50)"},
+        {"weight-decay", F_F64, &o.weight_decay, NULL, "AdamW decoupled weight decay, not on norms (0.1)"},
+        {"grad-clip", F_F64, &o.grad_clip, NULL, "global gradient-norm clip, 0 = off (1.0)"},
+        {"beta1", F_F64, &o.beta1, NULL, "AdamW beta1 (0.9)"},
+        {"beta2", F_F64, &o.beta2, NULL, "AdamW beta2 (0.95)"},
+        {"bf16-moments", F_BOOL, &o.bf16_moments, NULL, "keep the AdamW moments m and v in bf16 (4 instead of 8 bytes per parameter; the update is computed in fp32, checkpoints hold them as fp32) (off)"},
+        {"seed", F_U64, &o.seed, NULL, "seed of the weights and the data order (1337)"},
+        {"threads", F_INT, &o.threads, NULL, "CPU threads, 0 = all cores (0)"},
+        {"out", F_STR, &o.out_dir, NULL, "run folder: checkpoints and metrics.jsonl (runs/tiny)"},
+        {"resume", F_BOOL, &o.resume, NULL, "continue from the latest checkpoint in --out"},
+        {"eval-every", F_I64, &o.eval_every, NULL, "validation every N steps, 0 = only at the end (250)"},
+        {"eval-batches", F_I64, &o.eval_batches, NULL, "micro-batches per validation, 0 = all (20)"},
+        {"save-every", F_I64, &o.save_every, NULL, "checkpoint every N steps, 0 = only at the end (0)"},
+        {"log-every", F_I64, &o.log_every, NULL, "print a step line every N steps (1)"},
+        {"exit-after", F_I64, &o.exit_after, NULL, "stop after N steps of this invocation, with a checkpoint (0 = off)"},
+        {"recompute", F_STR, &o.recompute, NULL, "none | full | layer ids, e.g. 0,2: recompute those layers in backward (none, or chosen under --mem-budget)"},
+        {"moe-chunk-tokens", F_I64, &o.moe_chunk_tokens, NULL, "MoE in strided chunks of <= N tokens, recomputed in backward; 0 = unchunked (0, or chosen under --mem-budget)"},
+        {"mem-budget", F_STR, &mem_budget, NULL, "fail before allocating if the plan exceeds this (e.g. 16GiB); with no other memory flag, choose them to fit (no budget)"},
+        {"ce-block-tokens", F_I64, &o.ce_block_tokens, NULL, "linear cross-entropy token block, never N x V logits (0 = plain logits, or chosen under --mem-budget)"},
+        {"ce-block-vocab", F_I64, &o.ce_block_vocab, NULL, "linear cross-entropy vocabulary block (4096 when --ce-block-tokens is set; 0 = plain logits)"},
+        {"attention-tile-q", F_I64, &o.att_tile_q, NULL, "CPU attention tile: query rows, 1..4096 (64)"},
+        {"attention-tile-kv", F_I64, &o.att_tile_kv, NULL, "CPU attention tile: key columns, 1..4096 (64)"},
+        {"gpu-workspace", F_STR, &gpu_ws, NULL, "CUDA: bytes of the cuDNN workspace, e.g. 256MiB (default: the planner sizes it for the attention backward at this length, at most 1 GiB; smaller splits the backward into head chunks)"},
+        {"report-memory", F_BOOL, &o.report_memory, NULL, "print each live set's measured high-water mark next to its bound (unless --quiet; always in metrics.jsonl)"},
+        {"quiet", F_BOOL, &o.quiet, NULL, "no per-step lines (metrics.jsonl is still written)"},
+        {"max-position-embeddings", F_I64, &o.max_position_embeddings, NULL, "override the config's max_position_embeddings (1..2^30; 0 keeps it), e.g. to train past it; saved in the checkpoint's config"},
+        {"no-checkpoint", F_BOOL, &o.no_checkpoint, NULL, "write no checkpoint, not even at the end (benchmarks)"},
+    };
+    int r = cli_parse_flags("train", "--config C --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
+    if (r) return r == 1 ? 0 : r;
+    bool steps_given = false;
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--steps") || !strncmp(argv[i], "--steps=", 8)) steps_given = true;
+    if (o.resume && !steps_given) o.steps = 0; /* the checkpoint's total (fm_train) */
+    o.data = data;
+    o.val_data = o.n_val_data ? val : NULL;
+    fm_status s;
+    if (mem_budget && (s = fm_parse_bytes(mem_budget, "--mem-budget", &o.mem_budget))) return cli_fail("train", s);
+    if (mem_budget && o.mem_budget == 0) return cli_usage_error("train", "%s", "--mem-budget must be > 0 (omit it for no budget)");
+    if (gpu_ws && (s = fm_parse_bytes(gpu_ws, "--gpu-workspace", &o.gpu_workspace))) return cli_fail("train", s);
+    if (o.threads < 0) return cli_usage_error("train", "%s", "--threads must be >= 0 (0 = all cores)");
+    if (o.moe_chunk_tokens < -1 || o.ce_block_tokens < -1 || o.ce_block_vocab < -1)
+        return cli_usage_error("train", "%s", "--moe-chunk-tokens, --ce-block-tokens and --ce-block-vocab must be >= 0");
+    s = fm_train(&o);
+    return s ? cli_fail("train", s) : 0;
+}

@@ -1,0 +1,91 @@
+/* Autoregressive sampling (see fm_sample.h). */
+#include "fm_sample.h"
+
+#include "../schedule/fm_schedule.h"
+
+#include <math.h>
+#include <string.h>
+
+int32_t fm_sample_pick(const float *lg, int64_t V, double temperature, int64_t top_k, fm_rng *rng, float *probs,
+                       int32_t *order) {
+    int32_t next = 0;
+    if (temperature == 0) {
+        for (int64_t v = 1; v < V; v++)
+            if (lg[v] > lg[next]) next = (int32_t)v;
+        return next;
+    }
+    /* top-k: keep the k largest logits (k = V when 0). */
+    int64_t kk = top_k > 0 && top_k < V ? top_k : V;
+    for (int64_t v = 0; v < V; v++) order[v] = (int32_t)v;
+    for (int64_t i = 0; i < kk && kk < V; i++) { /* partial selection sort */
+        int64_t best = i;
+        for (int64_t j = i + 1; j < V; j++)
+            if (lg[order[j]] > lg[order[best]]) best = j;
+        int32_t t = order[i]; order[i] = order[best]; order[best] = t;
+    }
+    double mx = -INFINITY, sum = 0;
+    for (int64_t i = 0; i < kk; i++) if (lg[order[i]] > mx) mx = lg[order[i]];
+    for (int64_t i = 0; i < kk; i++) { probs[i] = (float)exp((lg[order[i]] - mx) / temperature); sum += probs[i]; }
+    double u = fm_rng_uniform_d(rng) * sum, acc = 0;
+    next = order[kk - 1];
+    for (int64_t i = 0; i < kk; i++) {
+        acc += probs[i];
+        if (u < acc) { next = order[i]; break; }
+    }
+    return next;
+}
+
+fm_status fm_sampler_init(fm_sampler *s, fm_model *m, const char *prompt, size_t prompt_len, int64_t max_new,
+                          const fm_sample_opts *o) {
+    memset(s, 0, sizeof *s);
+    if (max_new < 0 || !(o->temperature >= 0) || o->top_k < 0)
+        return fm_error(FM_ERR_ARG, "sampling: max_new, temperature and top_k must be >= 0 (found %lld, %g, %lld)",
+                        (long long)max_new, o->temperature, (long long)o->top_k);
+    const int64_t V = m->cfg.vocab_size;
+    for (size_t i = 0; i < prompt_len; i++) {
+        const int32_t t = (unsigned char)prompt[i];
+        if (t >= V) return fm_error(FM_ERR_UNSUPPORTED, "prompt byte %d is not below vocab_size %lld", t, (long long)V);
+    }
+    s->m = m;
+    s->o = *o;
+    s->cap = (int64_t)prompt_len + max_new + 1;
+    s->max_new = max_new;
+    s->seq = fm_malloc(sizeof(int32_t) * (size_t)s->cap);
+    s->probs = fm_malloc(sizeof(float) * (size_t)V);
+    s->order = fm_malloc(sizeof(int32_t) * (size_t)V);
+    s->row = fm_malloc(sizeof(float) * (size_t)V);
+    if (!s->seq || !s->probs || !s->order || !s->row) {
+        fm_sampler_free(s);
+        return fm_error(FM_ERR_NOMEM, "sampling: out of memory for %lld tokens and the [%lld] logits",
+                        (long long)(prompt_len + (size_t)max_new + 1), (long long)V);
+    }
+    for (size_t i = 0; i < prompt_len; i++) s->seq[s->n++] = (unsigned char)prompt[i];
+    if (s->n == 0) s->seq[s->n++] = '\n';
+    fm_rng_seed(&s->rng, o->seed);
+    return FM_OK;
+}
+
+fm_status fm_sampler_next(fm_sampler *s, int32_t *token) {
+    if (s->generated >= s->max_new)
+        return fm_error(FM_ERR_ARG, "sampling: the %lld tokens asked for are generated", (long long)s->max_new);
+    fm_model *m = s->m;
+    const int64_t T = m->T_cap, len = s->n < T ? s->n : T;
+    fm_model_set_shape(m, 1, len);
+    memcpy(m->h_tokens, s->seq + s->n - len, sizeof(int32_t) * (size_t)len);
+    fm_schedule_default_forward(m, false, NULL);
+    fm_model_logits_row(m, len - 1, s->row);
+    const int32_t next = fm_sample_pick(s->row, m->cfg.vocab_size, s->o.temperature, s->o.top_k, &s->rng, s->probs,
+                                        s->order);
+    s->seq[s->n++] = next;
+    s->generated++;
+    *token = next;
+    return FM_OK;
+}
+
+void fm_sampler_free(fm_sampler *s) {
+    fm_free(s->seq);
+    fm_free(s->probs);
+    fm_free(s->order);
+    fm_free(s->row);
+    memset(s, 0, sizeof *s);
+}
