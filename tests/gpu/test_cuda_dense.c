@@ -465,7 +465,17 @@ static void test_embedding(int64_t N, int64_t V, int64_t H, bool fd) {
     char what[96];
     snprintf(what, sizeof what, "embedding_bwd N=%lld V=%lld H=%lld", (long long)N, (long long)V, (long long)H);
     CHECK_ERR(what, gt_nerr(dw, ref, V * H), GT_TOL_BF16);
-    CHECK_ULPS(what, dw, ref, V * H, gt_rms(ref, V * H) / 64, ULPS_REDUCTION);
+    if (N <= ((int64_t)1 << 18)) {
+        CHECK_ULPS(what, dw, ref, V * H, gt_rms(ref, V * H) / 64, ULPS_REDUCTION);
+    } else {
+        /* More tokens than one sort chunk (2^18): each chunk's sums are rounded into dwte, so the
+         * first rounding is at a partial sum's magnitude, which can exceed the final value's (a later
+         * chunk cancels it) but not twice the largest final value: measured in ulps of max|ref|,
+         * two roundings of at most one such ulp each, plus the neighbour at a boundary: 3. */
+        double mx = 0;
+        for (int64_t i = 0; i < V * H; i++) mx = fmax(mx, fabs(ref[i]));
+        CHECK_ULPS(what, dw, ref, V * H, mx, 3);
+    }
     if (fd) {
         emb_st s = {dnew(V * H), dnew(N * H), tok, N, H};
         to_d(s.wte, wte, V * H);
