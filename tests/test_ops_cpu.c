@@ -1,4 +1,5 @@
-/* CPU backend ops (src/backend/cpu) against plain fp64 references written here.
+/* CPU backend ops (src/backend/cpu) against the plain fp64 references of tests/fm_ref_ops.c
+ * (shared with the CUDA op tests).
  *
  * For every op: the forward against a naive fp64 loop (naive full-matrix softmax for attention)
  * on random inputs from a fixed, printed seed, with outputs poisoned (NaN) before each call so an
@@ -13,6 +14,7 @@
  */
 #include "backend/cpu/fm_backend_cpu.h"
 #include "core/fm_rng.h"
+#include "fm_ref_ops.h"
 #include "fm_test.h"
 
 #include <float.h>
@@ -206,16 +208,9 @@ static void test_gemm(void) {
             fill_normal(Bm, brows * ldb, 1.0);
             fill_normal(C0, M * ldc, 1.0);
             double *ref = dnew(M * N), *ab = dnew(M * N);
-            for (int64_t i = 0; i < M; i++)
-                for (int64_t j = 0; j < N; j++) {
-                    double s = 0;
-                    for (int64_t p = 0; p < K; p++) {
-                        double a = ta ? A[p * lda + i] : A[i * lda + p];
-                        double bb = tb ? Bm[j * ldb + p] : Bm[p * ldb + j];
-                        s += a * bb;
-                    }
-                    ab[i * N + j] = s;
-                }
+            double *Ad = fm_ref_widen(A, arows * lda), *Bd = fm_ref_widen(Bm, brows * ldb);
+            fm_ref_gemm(ab, ta, tb, M, N, K, Ad, lda, Bd, ldb);
+            free(Ad), free(Bd);
             const float alpha = 0.7f, beta = 0.3f;
             memcpy(Cm, C0, (size_t)(M * ldc) * sizeof(float));
             OPS->gemm(CTX, ta, tb, M, N, K, alpha, A, lda, Bm, ldb, beta, Cm, FM_DTYPE_F32, ldc);
@@ -335,28 +330,19 @@ typedef struct rms_st {
     double eps;
 } rms_st;
 
-static void rms_ref(double *out, double *rstd, const double *x, const double *w, int64_t N,
-                    int64_t D, double eps) {
-    for (int64_t n = 0; n < N; n++) {
-        double ss = 0;
-        for (int64_t j = 0; j < D; j++) ss += x[n * D + j] * x[n * D + j];
-        double r = 1.0 / sqrt(ss / D + eps);
-        if (rstd) rstd[n] = r;
-        if (out)
-            for (int64_t j = 0; j < D; j++) out[n * D + j] = x[n * D + j] * r * w[j];
-    }
+/* sum(a o b) over n elements. */
+static double dot_d(const double *a, const double *b, int64_t n) {
+    double L = 0;
+    for (int64_t i = 0; i < n; i++) L += a[i] * b[i];
+    return L;
 }
 
 static double rms_obj(void *p) {
     rms_st *s = p;
-    double L = 0;
-    for (int64_t n = 0; n < s->N; n++) {
-        double ss = 0;
-        for (int64_t j = 0; j < s->D; j++) ss += s->x[n * s->D + j] * s->x[n * s->D + j];
-        double r = 1.0 / sqrt(ss / s->D + s->eps);
-        for (int64_t j = 0; j < s->D; j++)
-            L += s->dout[n * s->D + j] * s->x[n * s->D + j] * r * s->w[j];
-    }
+    double *y = dnew(s->N * s->D);
+    fm_ref_rmsnorm_fwd(y, NULL, s->x, s->w, s->N, s->D, s->eps);
+    const double L = dot_d(s->dout, y, s->N * s->D);
+    free(y);
     return L;
 }
 
@@ -377,7 +363,7 @@ static void test_rmsnorm(int64_t N, int64_t D, double x_scale) {
     to_d(s.w, w, D);
     to_d(s.dout, dout, N * D);
     double *rout = dnew(N * D), *rr = dnew(N);
-    rms_ref(rout, rr, s.x, s.w, N, D, eps);
+    fm_ref_rmsnorm_fwd(rout, rr, s.x, s.w, N, D, eps);
     CHECK_ERR("rmsnorm_fwd out", nerr(out, rout, N * D, 1e-30), 1e-5);
     CHECK_ERR("rmsnorm_fwd rstd", nerr(rstd, rr, N, 1e-30), 1e-5);
     poison(dx, N * D);
@@ -400,28 +386,12 @@ typedef struct rope_st {
     int64_t B, T, nh, hd;
 } rope_st;
 
-static void rope_ref(double *y, const double *x, const float *cs, const float *sn, int64_t B,
-                     int64_t T, int64_t nh, int64_t hd) {
-    const int64_t half = hd / 2;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t h = 0; h < nh; h++) {
-                const double *a = x + ((b * T + t) * nh + h) * hd;
-                double *o = y + ((b * T + t) * nh + h) * hd;
-                for (int64_t i = 0; i < half; i++) {
-                    double c = cs[t * half + i], s = sn[t * half + i];
-                    o[i] = a[i] * c - a[i + half] * s;
-                    o[i + half] = a[i + half] * c + a[i] * s;
-                }
-            }
-}
-
 static double rope_obj(void *p) {
     rope_st *s = p;
     const int64_t n = s->B * s->T * s->nh * s->hd;
     double *y = dnew(n), L = 0;
-    rope_ref(y, s->x, s->cs, s->sn, s->B, s->T, s->nh, s->hd);
-    for (int64_t i = 0; i < n; i++) L += s->dout[i] * y[i];
+    fm_ref_rope(y, s->x, s->cs, s->sn, s->B, s->T, s->nh, s->hd, 1.0);
+    L = dot_d(s->dout, y, n);
     free(y);
     return L;
 }
@@ -440,7 +410,7 @@ static void test_rope(int64_t B, int64_t T, int64_t Tmax, int64_t nh, int64_t hd
     to_d(s.x, x, n);
     to_d(s.dout, dout, n);
     double *ref = dnew(n);
-    rope_ref(ref, s.x, cs, sn, B, T, nh, hd);
+    fm_ref_rope(ref, s.x, cs, sn, B, T, nh, hd, 1.0);
     memcpy(buf, x, (size_t)n * sizeof(float));
     OPS->rope_fwd(CTX, buf, cs, sn, B, T, nh, hd);
     CHECK_ERR("rope_fwd", nerr(buf, ref, n, 1e-30), 1e-5);
@@ -459,46 +429,18 @@ typedef struct att_st {
     int64_t B, T, nh, nkv, hd;
 } att_st;
 
-/* Naive causal GQA attention over the full score row (one query at a time), fp64. */
+/* fm_ref_attention_fwd (naive causal GQA over the full score row, fp64) on double arrays. */
 static void att_ref(double *out, double *lse, const double *q, const double *k, const double *v,
                     int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
-    const double scale = 1.0 / sqrt((double)hd);
-    const int64_t grp = nh / nkv;
-    double *s = dnew(T);
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < nh; h++) {
-            const int64_t g = h / grp;
-            for (int64_t t = 0; t < T; t++) {
-                const double *qr = q + ((b * T + t) * nh + h) * hd;
-                double m = -INFINITY;
-                for (int64_t j = 0; j <= t; j++) {
-                    const double *kr = k + ((b * T + j) * nkv + g) * hd;
-                    double d = 0;
-                    for (int64_t i = 0; i < hd; i++) d += qr[i] * kr[i];
-                    s[j] = d * scale;
-                    m = s[j] > m ? s[j] : m;
-                }
-                double sum = 0;
-                for (int64_t j = 0; j <= t; j++) sum += (s[j] = exp(s[j] - m));
-                double *o = out + ((b * T + t) * nh + h) * hd;
-                for (int64_t i = 0; i < hd; i++) o[i] = 0;
-                for (int64_t j = 0; j <= t; j++) {
-                    const double *vr = v + ((b * T + j) * nkv + g) * hd;
-                    for (int64_t i = 0; i < hd; i++) o[i] += s[j] / sum * vr[i];
-                }
-                if (lse) lse[(b * nh + h) * T + t] = m + log(sum);
-            }
-        }
-    free(s);
+    const fm_ref_att a = {q, k, v, NULL, B, T, nh, nkv, hd};
+    fm_ref_attention_fwd(out, lse, &a);
 }
 
 static double att_obj(void *p) {
     att_st *s = p;
     const int64_t n = s->B * s->T * s->nh * s->hd;
     att_ref(s->out, NULL, s->q, s->k, s->v, s->B, s->T, s->nh, s->nkv, s->hd);
-    double L = 0;
-    for (int64_t i = 0; i < n; i++) L += s->dout[i] * s->out[i];
-    return L;
+    return dot_d(s->dout, s->out, n);
 }
 
 typedef struct att_bufs {
@@ -669,12 +611,10 @@ typedef struct swi_st {
     int64_t n;
 } swi_st;
 
-static double silu_d(double g) { return g / (1.0 + exp(-g)); }
-
 static double swi_obj(void *p) {
     swi_st *s = p;
     double L = 0;
-    for (int64_t i = 0; i < s->n; i++) L += s->dout[i] * silu_d(s->g[i]) * s->u[i];
+    for (int64_t i = 0; i < s->n; i++) L += s->dout[i] * fm_ref_silu(s->g[i]) * s->u[i];
     return L;
 }
 
@@ -693,7 +633,7 @@ static void test_swiglu(void) {
     to_d(s.u, u, n);
     to_d(s.dout, dout, n);
     double *ref = dnew(n);
-    for (int64_t i = 0; i < n; i++) ref[i] = silu_d(s.g[i]) * s.u[i];
+    fm_ref_swiglu_fwd(ref, s.g, s.u, n);
     CHECK_ERR("swiglu_fwd", nerr(out, ref, n, 1e-30), 1e-5);
     poison(dg, n);
     poison(du, n);
@@ -708,45 +648,14 @@ static void test_swiglu(void) {
 
 /* ---- router ------------------------------------------------------------------------------- */
 
-/* probs [N,E] and lse [N] of logits, fp64. */
-static void router_ref(double *probs, double *lse, const double *logits, int64_t N, int64_t E) {
-    for (int64_t n = 0; n < N; n++) {
-        const double *x = logits + n * E;
-        double m = x[0], s = 0;
-        for (int64_t e = 1; e < E; e++) m = x[e] > m ? x[e] : m;
-        for (int64_t e = 0; e < E; e++) s += exp(x[e] - m);
-        for (int64_t e = 0; e < E; e++) probs[n * E + e] = exp(x[e] - m) / s;
-        lse[n] = m + log(s);
-    }
-}
-
 typedef struct rt_st {
-    double *logits, *probs, *lse;
-    const int32_t *idx; /* the selection, held fixed (piecewise constant in the logits) */
-    const double *dw;   /* dtopk_w, or NULL */
-    const double *gpe;  /* dprobs_per_expert, or NULL */
-    double z;
-    int64_t N, E, k;
-    bool norm;
+    double *logits, *probs, *lse; /* the objective reads logits; probs, lse are its scratch */
+    fm_ref_router_loss loss;      /* the selection held fixed (piecewise constant in the logits) */
 } rt_st;
 
-/* sum dtopk_w o topk_w + sum_e g_e sum_n probs[n,e] + z sum_n lse^2, fp64. */
 static double rt_obj(void *p) {
     rt_st *s = p;
-    router_ref(s->probs, s->lse, s->logits, s->N, s->E);
-    double L = 0;
-    for (int64_t n = 0; n < s->N; n++) {
-        const double *pr = s->probs + n * s->E;
-        double S = 0;
-        for (int64_t j = 0; j < s->k; j++) S += pr[s->idx[n * s->k + j]];
-        if (s->dw)
-            for (int64_t j = 0; j < s->k; j++)
-                L += s->dw[n * s->k + j] * pr[s->idx[n * s->k + j]] / (s->norm ? S : 1.0);
-        if (s->gpe)
-            for (int64_t e = 0; e < s->E; e++) L += s->gpe[e] * pr[e];
-        L += s->z * s->lse[n] * s->lse[n];
-    }
-    return L;
+    return fm_ref_router_objective(&s->loss, s->logits, s->probs, s->lse);
 }
 
 /* With k = 1 and norm_topk the top-k weight is identically 1, so its exact gradient is zero and
@@ -773,35 +682,21 @@ static void test_router_case(int64_t N, int64_t E, int64_t k, bool norm) {
     for (int64_t i = 0; i < N * k; i++) idx[i] = -7;
     OPS->router_fwd(CTX, probs, lse, idx, tw, logits, N, E, k, norm);
 
-    rt_st s = {dnew(N * E), dnew(N * E), dnew(N), idx, NULL, NULL, 0.0, N, E, k, norm};
+    rt_st s = {dnew(N * E), dnew(N * E), dnew(N), {idx, NULL, NULL, 0.0, N, E, k, norm}};
     to_d(s.logits, logits, N * E);
-    router_ref(s.probs, s.lse, s.logits, N, E);
+    fm_ref_softmax(s.probs, s.lse, s.logits, N, E);
     char what[128];
     snprintf(what, sizeof what, "router N=%lld E=%lld k=%lld norm=%d", (long long)N, (long long)E,
              (long long)k, (int)norm);
     CHECK_MSG(nerr(probs, s.probs, N * E, 1e-30) <= 1e-6, "%s: probs", what);
     CHECK_MSG(nerr(lse, s.lse, N, 1.0) <= 1e-6, "%s: lse", what);
     /* Reference top-k: repeated selection on the fp64 probs, ties to the lower id. */
-    bool ids_ok = true;
+    int32_t *ridx = inew(N * k);
+    fm_ref_topk(ridx, s.probs, N, E, k);
+    const bool ids_ok = !memcmp(ridx, idx, sizeof(int32_t) * (size_t)(N * k));
     double *rw = dnew(N * k);
-    for (int64_t n = 0; n < N; n++) {
-        const double *p = s.probs + n * E;
-        double S = 0;
-        for (int64_t j = 0; j < k; j++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++) {
-                bool used = false;
-                for (int64_t i = 0; i < j; i++) used |= (int64_t)rw[n * k + i] == e;
-                if (used) continue;
-                if (best < 0 || p[e] > p[best]) best = e;
-            }
-            rw[n * k + j] = (double)best;
-            if (idx[n * k + j] != best) ids_ok = false;
-            S += p[best];
-        }
-        for (int64_t j = 0; j < k; j++)
-            rw[n * k + j] = p[(int64_t)rw[n * k + j]] / (norm ? S : 1.0);
-    }
+    fm_ref_topk_weights(rw, s.probs, ridx, N, E, k, norm);
+    free(ridx);
     CHECK_MSG(ids_ok, "%s: top-k ids differ from the reference (ties to the lower id)", what);
     CHECK_MSG(idx[0] == 0 && (k < 2 || idx[1] == 1), "%s: all-equal row picks ids 0..k-1", what);
     CHECK_MSG(idx[k] == 1 && (k < 2 || idx[k + 1] == E - 1), "%s: tied max picks id 1 then E-1",
@@ -814,12 +709,9 @@ static void test_router_case(int64_t N, int64_t E, int64_t k, bool norm) {
     poison(cnt, E);
     poison(psum, E);
     double z = router_stats_(OPS, CTX, cnt, psum, probs, lse, idx, N, E, k);
-    double *rc = dnew(E), *rp = dnew(E), rz = 0;
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t j = 0; j < k; j++) rc[idx[n * k + j]] += 1;
-        for (int64_t e = 0; e < E; e++) rp[e] += probs[n * E + e];
-        rz += (double)lse[n] * lse[n];
-    }
+    double *rc = dnew(E), *rp = dnew(E), *pd = fm_ref_widen(probs, N * E), *ld = fm_ref_widen(lse, N);
+    const double rz = fm_ref_router_stats(rc, rp, pd, ld, idx, N, E, k); /* on the op's probs */
+    free(pd), free(ld);
     CHECK_MSG(nerr(cnt, rc, E, 1e-30) == 0, "%s: router_stats count", what);
     CHECK_MSG(nerr(psum, rp, E, 1e-30) <= 1e-6, "%s: router_stats prob_sum", what);
     CHECK_CLOSE(z, rz, 1e-12);
@@ -846,9 +738,9 @@ static void test_router_case(int64_t N, int64_t E, int64_t k, bool norm) {
         poison(dl, N * E);
         OPS->router_bwd(CTX, dl, cases[c].dw, cases[c].gpe, cases[c].z, probs, lse, idx, tw, N, E,
                         k, norm);
-        s.dw = cases[c].dw == dw ? ddw : NULL;
-        s.gpe = cases[c].gpe ? dgpe : NULL;
-        s.z = cases[c].z;
+        s.loss.dw = cases[c].dw == dw ? ddw : NULL;
+        s.loss.gpe = cases[c].gpe ? dgpe : NULL;
+        s.loss.z = cases[c].z;
         to_d(g, dl, N * E);
         char w2[200];
         snprintf(w2, sizeof w2, "%s: router_bwd %s", what, cases[c].name);
@@ -910,8 +802,8 @@ static void random_topk(int32_t *idx, int64_t N, int64_t E, int64_t k, int32_t s
         }
 }
 
-/* Checks the op's route index against the documented layout, built independently: expert e's
- * rows are the routes r with topk_idx[r] == e in increasing r. */
+/* Checks the op's route index against the documented layout, built independently
+ * (fm_ref_route_index): expert e's rows are the routes r with topk_idx[r] == e in increasing r. */
 static void check_route_index(const char *what, const int32_t *idx, int64_t N, int64_t E,
                               int64_t k) {
     const int64_t R = N * k;
@@ -920,19 +812,13 @@ static void check_route_index(const char *what, const int32_t *idx, int64_t N, i
     for (int64_t e = 0; e <= E; e++) off[e] = -5;
     for (int64_t r = 0; r < R; r++) rr[r] = rw[r] = -5;
     OPS->moe_route_index(CTX, off, rr, rw, idx, N, E, k);
-    bool ok = off[0] == 0;
-    int64_t row = 0;
-    for (int64_t e = 0; e < E; e++) {
-        ok &= off[e] == row;
-        for (int64_t r = 0; r < R; r++)
-            if (idx[r] == e) {
-                ok &= rr[row] == r && rw[r] == row;
-                row++;
-            }
-    }
-    ok &= row == R && off[E] == R;
+    int64_t *roff = malloc((size_t)(E + 1) * sizeof(int64_t));
+    int32_t *rrr = inew(R), *rrw = inew(R);
+    fm_ref_route_index(roff, rrr, rrw, idx, N, E, k);
+    const bool ok = !memcmp(off, roff, (size_t)(E + 1) * sizeof(int64_t)) &&
+                    !memcmp(rr, rrr, (size_t)R * sizeof(int32_t)) && !memcmp(rw, rrw, (size_t)R * sizeof(int32_t));
     CHECK_MSG(ok, "moe_route_index %s: layout differs from the stable counting sort", what);
-    free(off), free(rr), free(rw);
+    free(off), free(rr), free(rw), free(roff), free(rrr), free(rrw);
 }
 
 static void test_route_index(void) {
@@ -967,13 +853,10 @@ static double gather_obj(void *p) {
 
 static double combine_obj(void *p) {
     mg_st *s = p;
-    double L = 0;
-    for (int64_t n = 0; n < s->N; n++)
-        for (int64_t j = 0; j < s->k; j++) {
-            const int64_t row = s->route_row[n * s->k + j];
-            for (int64_t h = 0; h < s->H; h++)
-                L += s->dout[n * s->H + h] * s->w[n * s->k + j] * s->ye[row * s->H + h];
-        }
+    double *out = dnew(s->N * s->H);
+    fm_ref_moe_combine_fwd(out, s->ye, s->w, s->route_row, s->N, s->k, s->H);
+    const double L = dot_d(s->dout, out, s->N * s->H);
+    free(out);
     return L;
 }
 
@@ -1008,20 +891,14 @@ static void test_gather_combine(int64_t N, int64_t E, int64_t k, int64_t H) {
     poison(dx, N * H);
     OPS->moe_gather_bwd(CTX, dx, dxe, rw, N, k, H);
     double *g = dnew(R * H), *ref = dnew(N * H);
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t j = 0; j < k; j++)
-            for (int64_t h = 0; h < H; h++) ref[n * H + h] += dxe[rw[n * k + j] * H + h];
+    fm_ref_moe_gather_bwd(ref, s.dxe, rw, N, k, H);
     CHECK_ERR("moe_gather_bwd vs reference", nerr(dx, ref, N * H, 1e-30), 1e-6);
     to_d(g, dx, N * H);
     fd_check("moe_gather_bwd dx", gather_obj, &s, s.x, N * H, g, 1e-5);
 
     poison(out, N * H);
     OPS->moe_combine_fwd(CTX, out, ye, w, rw, N, k, H);
-    memset(ref, 0, (size_t)(N * H) * sizeof(double));
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t j = 0; j < k; j++)
-            for (int64_t h = 0; h < H; h++)
-                ref[n * H + h] += s.w[n * k + j] * s.ye[rw[n * k + j] * H + h];
+    fm_ref_moe_combine_fwd(ref, s.ye, s.w, rw, N, k, H);
     CHECK_ERR("moe_combine_fwd", nerr(out, ref, N * H, 1e-30), 1e-6);
     poison(dye, R * H);
     poison(dw, R);
@@ -1045,19 +922,9 @@ typedef struct ce_st {
     int32_t ignore;
 } ce_st;
 
-static double ce_row(const double *x, int64_t V, int32_t t) {
-    double m = x[0], s = 0;
-    for (int64_t i = 1; i < V; i++) m = x[i] > m ? x[i] : m;
-    for (int64_t i = 0; i < V; i++) s += exp(x[i] - m);
-    return m + log(s) - x[t];
-}
-
 static double ce_obj(void *p) {
     ce_st *s = p;
-    double L = 0;
-    for (int64_t n = 0; n < s->N; n++)
-        if (s->tgt[n] != s->ignore) L += ce_row(s->logits + n * s->V, s->V, s->tgt[n]);
-    return s->scale * L;
+    return s->scale * fm_ref_cross_entropy(NULL, NULL, s->logits, s->tgt, NULL, s->N, s->V, 1.0, 0.0, s->ignore);
 }
 
 /* loss (tol 1e-6 vs fp64) and its returned sum, dlogits vs FD of grad_scale * sum(loss)
@@ -1077,11 +944,8 @@ static void test_cross_entropy(double logit_scale, int64_t N, int64_t V) {
     double sum = cross_entropy_(OPS, CTX, loss, dl, logits, tgt, N, V, gs, ignore);
     ce_st s = {dnew(N * V), tgt, N, V, gs, ignore};
     to_d(s.logits, logits, N * V);
-    double *ref = dnew(N), rsum = 0;
-    for (int64_t n = 0; n < N; n++) {
-        ref[n] = tgt[n] == ignore ? 0.0 : ce_row(s.logits + n * V, V, tgt[n]);
-        rsum += ref[n];
-    }
+    double *ref = dnew(N);
+    const double rsum = fm_ref_cross_entropy(ref, NULL, s.logits, tgt, NULL, N, V, 1.0, 0.0, ignore);
     char what[96];
     snprintf(what, sizeof what, "cross_entropy loss (logit scale %g)", logit_scale);
     CHECK_ERR(what, nerr(loss, ref, N, 1.0), 1e-6);
@@ -1125,11 +989,10 @@ static void test_adamw(int step, float wd, float gs) {
     for (int64_t i = 0; i < n; i++) v[i] = step > 1 ? (float)(0.01 * fabs(rnd_normal())) : 0.0f;
     memcpy(p0, p, (size_t)n * sizeof(float));
     double *rd = dnew(n), *rm = dnew(n), *rv = dnew(n);
-    for (int64_t i = 0; i < n; i++) {
-        double gg = (double)g[i] * gs;
-        rm[i] = b1 * (double)m[i] + (1.0 - b1) * gg;
-        rv[i] = b2 * (double)v[i] + (1.0 - b2) * gg * gg;
-        rd[i] = -(double)lr * ((rm[i] / bc1) / (sqrt(rv[i] / bc2) + eps) + (double)wd * p[i]);
+    {
+        double *wd_ = fm_ref_widen(p, n), *gd = fm_ref_widen(g, n), *md = fm_ref_widen(m, n), *vd = fm_ref_widen(v, n);
+        fm_ref_adamw(rd, rm, rv, wd_, gd, md, vd, n, lr, b1, b2, eps, wd, bc1, bc2, gs);
+        free(wd_), free(gd), free(md), free(vd);
     }
     /* with a separate fp32 master (the bf16 builds' path; here fp32 -> p is a copy of it) */
     float *p2 = fnew(n), *mst = fnew(n), *m2 = fnew(n), *v2 = fnew(n);

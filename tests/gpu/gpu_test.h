@@ -1,10 +1,13 @@
 /* Helpers for the CUDA op tests (compiled with FM_ACT_BF16): host bf16 <-> fp32, device buffers
  * through the backend's memory ops, and the normalized error of a result against a reference.
  * Tests build inputs in fp32 on the host, round them to bf16 (so the reference sees exactly the
- * values the GPU sees), run the op, and compare against an fp64 host reference. */
+ * values the GPU sees), run the op, and compare against an fp64 host reference (tests/fm_ref_ops.h,
+ * shared with the CPU tests): by normalized error, and bf16 outputs element by element in ulps. */
 #ifndef FM_GPU_TEST_H
 #define FM_GPU_TEST_H
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend/fm_backend.h"
@@ -59,6 +62,71 @@ static inline double gt_nerr(const float *a, const double *ref, int64_t n) {
     }
     return sqrt(num / (den > 0 ? den : 1e-300));
 }
+/* ---- bf16 results in ulps of the reference -------------------------------------------------
+ * gt_ref_to_bf16 rounds an fp64 reference to the nearest bf16 (ties to even) in one step (no
+ * double rounding through fp32): 8 significant bits, the subnormal quantum 2^-133 below 2^-126,
+ * overflow to inf. gt_bf16_ulps counts, for each element, the bf16 values between the GPU's
+ * result (a bf16 value held in fp32) and the rounded reference, through the ordered integer
+ * image of the bf16 encoding (so the count crosses powers of two and zero correctly: -0 and +0
+ * are one point). Where |ref| < floor (a cancellation, where a relative measure is meaningless:
+ * GEMMs, reductions, differences) the error is counted in ulps of floor instead:
+ * |got - ref| / ulp(floor), rounded up; floor = 0 measures every element in its own ulps. NaN or
+ * inf in got where the reference is finite counts as INT64_MAX. */
+static inline double gt_ref_to_bf16(double r) {
+    if (!isfinite(r) || r == 0) return r;
+    int e;
+    (void)frexp(r, &e); /* |r| in [2^(e-1), 2^e) */
+    const int q = e - 1 >= -126 ? e - 8 : -133; /* the exponent of r's bf16 quantum */
+    const double v = ldexp(nearbyint(ldexp(r, -q)), q); /* the default rounding mode: to nearest even */
+    return fabs(v) > 3.3895313892515355e38 ? copysign(INFINITY, r) : v; /* above bf16's largest finite */
+}
+static inline int64_t gt_bf16_key(float bf) { /* the ordered integer of a bf16 value held in fp32 */
+    const uint16_t h = gt_f32_to_bf16(bf);
+    return (h & 0x8000u) ? -(int64_t)(h & 0x7fffu) : (int64_t)h;
+}
+/* ulp of bf16 at |x| (the quantum of the binade holding x; 2^-133 for subnormals). */
+static inline double gt_bf16_ulp(double x) {
+    int e;
+    (void)frexp(fabs(x), &e);
+    return ldexp(1.0, e - 1 >= -126 ? e - 8 : -133);
+}
+typedef struct gt_ulps {
+    int64_t max;   /* the largest distance, in bf16 ulps */
+    int64_t worst; /* its index (-1 when n == 0) */
+    double got, ref; /* the GPU's value and the fp64 reference there */
+} gt_ulps;
+static inline gt_ulps gt_bf16_ulps(const float *got, const double *ref, int64_t n, double floor) {
+    gt_ulps u = {0, -1, 0, 0};
+    const double ulp_floor = floor > 0 ? gt_bf16_ulp(floor) : 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t d;
+        if (isnan(ref[i]) && isnan(got[i])) d = 0;
+        else if (!isfinite(got[i]) && isfinite(ref[i])) d = INT64_MAX;
+        else if (fabs(ref[i]) < floor) d = (int64_t)ceil(fabs((double)got[i] - ref[i]) / ulp_floor);
+        else {
+            d = gt_bf16_key(got[i]) - gt_bf16_key((float)gt_ref_to_bf16(ref[i]));
+            d = d < 0 ? -d : d;
+        }
+        if (d > u.max || u.worst < 0) u.max = d, u.worst = i, u.got = got[i], u.ref = ref[i];
+    }
+    return u;
+}
+/* Root mean square of ref[0..n) (a floor for gt_bf16_ulps: rms / 64 puts the floor 6 binades
+ * below the typical magnitude). */
+static inline double gt_rms(const double *ref, int64_t n) {
+    double s = 0;
+    for (int64_t i = 0; i < n; i++) s += ref[i] * ref[i];
+    return n > 0 ? sqrt(s / (double)n) : 0.0;
+}
+/* Checks max ulps <= limit, naming the worst element. */
+#define CHECK_ULPS(what, got_, ref_, n_, floor_, limit)                                                       \
+    do {                                                                                                  \
+        const gt_ulps u_ = gt_bf16_ulps((got_), (ref_), (n_), (floor_));                                     \
+        CHECK_MSG(u_.max <= (limit), "%s: %lld bf16 ulps > limit %d at element %lld (got %.9g, fp64 %.9g)", \
+                  (what), (long long)u_.max, (int)(limit), (long long)u_.worst, u_.got, u_.ref);          \
+        if (getenv("FLATMOE_GPU_ULPS")) printf("  ulps %-60s max %lld (limit %d)\n", (what), (long long)u_.max, (int)(limit)); \
+    } while (0)
+
 /* Tolerances by output dtype: bf16 outputs carry ~2^-9 relative rounding; fp32 outputs computed
  * from bf16 inputs with fp32 accumulation match an fp64 reference on the same inputs to ~1e-5. */
 #define GT_TOL_BF16 1e-2

@@ -1,8 +1,9 @@
-/* CUDA attention (cuda_attention.cu) against an fp64 host reference on the same bf16-rounded
- * inputs, on both paths: our own kernels ("fallback": the tiled tensor-core FlashAttention-2
+/* CUDA attention (cuda_attention.cu) against the fp64 host reference of tests/fm_ref_ops.c (shared
+ * with the CPU tests) on the same bf16-rounded inputs, on both paths: our own kernels ("fallback": the tiled tensor-core FlashAttention-2
  * kernels, and the scalar ones for head dims they do not serve) and cuDNN's fused flash
  * attention. For every shape: out (bf16, normalized error <= ATT_TOL_OUT), lse (fp32, <=
- * ATT_TOL_LSE), and dq, dk, dv (bf16, <= ATT_TOL_GRAD, assigned over poisoned buffers). Shapes:
+ * ATT_TOL_LSE), and dq, dk, dv (bf16, <= ATT_TOL_GRAD, assigned over poisoned buffers); the bf16
+ * ones also element by element in bf16 ulps (ATT_ULPS_OUT, ATT_ULPS_GRAD). Shapes:
  * B = 1..2, T = 1, 17, 64, 127, 1000, 4096, nh/nkv = 1, 2, 4, 8, hd 64 and 128, plus odd head
  * dims. At T = 4096 the reference covers sampled query rows only (out, lse, dq); dk and dv are
  * checked for T <= 1000. Also: causality (future keys never change earlier rows), determinism of
@@ -21,6 +22,7 @@
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/fm_backend_cuda.h"
 #include "core/fm_rng.h"
+#include "fm_ref_ops.h"
 #include "gpu_test.h"
 
 #define ATT_TOL_OUT GT_TOL_BF16 /* 1e-2: bf16 output, P rounded to bf16 for the P V product */
@@ -28,6 +30,17 @@
 #define ATT_TOL_GRAD 2e-2       /* bf16 outputs of two chained bf16 products (P, dS rounded) */
 /* Gradient magnitude below which errors are measured absolutely (at T = 1, dq and dk are 0). */
 #define ATT_GRAD_FLOOR 0.05
+/* bf16 ulps (gt_bf16_ulps), measured with the floor rms(ref) (out and the gradients are sums over
+ * up to T keys that cancel; below their RMS the error counts in ulps of the RMS). Both paths round
+ * the probabilities P to bf16 for the P V product (relative 2^-9 each), so out errs by up to
+ * 2^-9 sum_j p_j |v_j| <= 2^-9 max|v| (~4 at these inputs' 1.0 spread) where |out| ~ rms(out) ~
+ * 0.1..0.5 on long rows: up to ~16 ulps of the RMS in the worst case, a few in practice. The
+ * gradients chain two such products (P and dS = P o (dP - D) rounded): twice that. The same limits
+ * follow from the normalized tolerances: an error of RMS ATT_TOL_OUT (1e-2) x rms(ref) has its
+ * largest of ~1e5 elements near 4.5 x that, 0.045 rms(ref), 6 to 12 bf16 ulps of rms(ref) (an ulp
+ * is 2^-8 to 2^-7 of a value); 2e-2 for the gradients: 12 to 23. */
+#define ATT_ULPS_OUT 16
+#define ATT_ULPS_GRAD 32
 
 static fm_rng g_rng;
 
@@ -61,54 +74,6 @@ typedef struct att_host {
     int64_t B, T, nh, nkv, hd;
     float *q, *k, *v, *dout; /* bf16-rounded values */
 } att_host;
-
-/* One query row (b, h, t): o [hd], *lse; with dq != NULL also dq [hd], and, with dk/dv != NULL,
- * adds this row's contribution to dk, dv ([B,T,nkv,hd] fp64). s, dp: scratch [T]. */
-static void ref_row(const att_host *a, int64_t b, int64_t h, int64_t t, double *o, double *lse, double *dq,
-                    double *dk, double *dv, double *s, double *dp) {
-    const int64_t hd = a->hd, nh = a->nh, nkv = a->nkv, T = a->T, g = h / (nh / nkv);
-    const double scale = 1.0 / sqrt((double)hd);
-    const float *qr = a->q + ((b * T + t) * nh + h) * hd;
-    double m = -INFINITY;
-    for (int64_t j = 0; j <= t; j++) {
-        const float *kr = a->k + ((b * T + j) * nkv + g) * hd;
-        double d = 0;
-        for (int64_t i = 0; i < hd; i++) d += (double)qr[i] * kr[i];
-        s[j] = d * scale;
-        if (s[j] > m) m = s[j];
-    }
-    double sum = 0;
-    for (int64_t j = 0; j <= t; j++) sum += (s[j] = exp(s[j] - m));
-    for (int64_t i = 0; i < hd; i++) o[i] = 0;
-    for (int64_t j = 0; j <= t; j++) {
-        s[j] /= sum;
-        const float *vr = a->v + ((b * T + j) * nkv + g) * hd;
-        for (int64_t i = 0; i < hd; i++) o[i] += s[j] * vr[i];
-    }
-    *lse = m + log(sum);
-    if (!dq) return;
-    const float *dor = a->dout + ((b * T + t) * nh + h) * hd;
-    double D = 0;
-    for (int64_t j = 0; j <= t; j++) {
-        const float *vr = a->v + ((b * T + j) * nkv + g) * hd;
-        double d = 0;
-        for (int64_t i = 0; i < hd; i++) d += (double)dor[i] * vr[i];
-        dp[j] = d;
-        D += s[j] * d;
-    }
-    for (int64_t i = 0; i < hd; i++) dq[i] = 0;
-    for (int64_t j = 0; j <= t; j++) {
-        const double ds = s[j] * (dp[j] - D) * scale; /* dL/dscore * scale */
-        const int64_t ko = ((b * T + j) * nkv + g) * hd;
-        for (int64_t i = 0; i < hd; i++) dq[i] += ds * a->k[ko + i];
-        if (dk) {
-            for (int64_t i = 0; i < hd; i++) {
-                dk[ko + i] += ds * qr[i];
-                dv[ko + i] += s[j] * dor[i];
-            }
-        }
-    }
-}
 
 /* ---- device buffers --------------------------------------------------------------------------- */
 
@@ -219,13 +184,17 @@ static void check_case(const fm_backend *be, fm_cuda_att_path path, int64_t B, i
     float *go = fm_malloc((size_t)nref * 4 + 4), *gdq = fm_malloc((size_t)nref * 4 + 4);
     float *gl = fm_malloc((size_t)(B * nh * nrows) * 4 + 4);
     double *rdk = full ? fm_malloc((size_t)nk * 8 + 8) : NULL, *rdv = full ? fm_malloc((size_t)nk * 8 + 8) : NULL;
-    double *s = fm_malloc((size_t)T * 8 + 8), *dp = fm_malloc((size_t)T * 8 + 8);
+    double *scratch = fm_malloc((size_t)(2 * T) * 8 + 8);
+    if (rdk) memset(rdk, 0, (size_t)nk * 8), memset(rdv, 0, (size_t)nk * 8);
+    double *qd = fm_ref_widen(a.q, nq), *kd = fm_ref_widen(a.k, nk), *vd = fm_ref_widen(a.v, nk),
+           *dod = fm_ref_widen(a.dout, nq);
+    const fm_ref_att ra = {qd, kd, vd, dod, B, T, nh, nkv, hd};
     int64_t ri = 0;
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < nh; h++)
             for (int64_t r = 0; r < nrows; r++, ri++) {
                 const int64_t t = rows[r];
-                ref_row(&a, b, h, t, ro + ri * hd, rl + ri, rdq + ri * hd, rdk, rdv, s, dp);
+                fm_ref_attention_row(&ra, b, h, t, ro + ri * hd, rl + ri, rdq + ri * hd, rdk, rdv, scratch);
                 const int64_t off = ((b * T + t) * nh + h) * hd;
                 memcpy(go + ri * hd, out + off, (size_t)hd * 4);
                 memcpy(gdq + ri * hd, dq + off, (size_t)hd * 4);
@@ -253,6 +222,17 @@ static void check_case(const fm_backend *be, fm_cuda_att_path path, int64_t B, i
     CHECK_MSG(e_dk <= ATT_TOL_GRAD, "%s: dk error %.3e > %.1e", what, e_dk, ATT_TOL_GRAD);
     CHECK_MSG(e_dv <= ATT_TOL_GRAD, "%s: dv error %.3e > %.1e", what, e_dv, ATT_TOL_GRAD);
     CHECK_MSG(finite, "%s: non-finite output or gradient", what);
+    char wu[200];
+    snprintf(wu, sizeof wu, "%s out", what);
+    CHECK_ULPS(wu, go, ro, nref, gt_rms(ro, nref), ATT_ULPS_OUT);
+    snprintf(wu, sizeof wu, "%s dq", what);
+    CHECK_ULPS(wu, gdq, rdq, nref, fmax(gt_rms(rdq, nref), ATT_GRAD_FLOOR), ATT_ULPS_GRAD);
+    if (full) {
+        snprintf(wu, sizeof wu, "%s dk", what);
+        CHECK_ULPS(wu, dk, rdk, nk, fmax(gt_rms(rdk, nk), ATT_GRAD_FLOOR), ATT_ULPS_GRAD);
+        snprintf(wu, sizeof wu, "%s dv", what);
+        CHECK_ULPS(wu, dv, rdv, nk, fmax(gt_rms(rdv, nk), ATT_GRAD_FLOOR), ATT_ULPS_GRAD);
+    }
     if (path == FM_CUDA_ATT_FALLBACK) {
         CHECK_MSG(strncmp(pf, "cudnn", 5) && strncmp(pb, "cudnn", 5), "%s: the fallback path called cuDNN", what);
     } else {
@@ -264,7 +244,8 @@ static void check_case(const fm_backend *be, fm_cuda_att_path path, int64_t B, i
 
     fm_free(out), fm_free(lse), fm_free(dq), fm_free(dk), fm_free(dv), fm_free(rows);
     fm_free(ro), fm_free(rdq), fm_free(rl), fm_free(go), fm_free(gdq), fm_free(gl);
-    fm_free(rdk), fm_free(rdv), fm_free(s), fm_free(dp);
+    fm_free(rdk), fm_free(rdv), fm_free(scratch);
+    free(qd), free(kd), free(vd), free(dod);
     dev_free(be, &d);
     host_free(&a);
 }

@@ -1,17 +1,20 @@
 /* CUDA backend (src/backend/cuda/cuda_moe.cu) router, MoE permutation, row movement,
- * cross-entropy and linear-CE strip ops against fp64 host references written here.
+ * cross-entropy and linear-CE strip ops against the fp64 host references of tests/fm_ref_ops.c
+ * (shared with the CPU tests).
  *
  * For every op: inputs built on the host (bf16 inputs rounded first, so the reference sees the
  * values the GPU sees), outputs poisoned (all bytes 0xff: NaN for fp32 and bf16, -1 for int32)
  * before each call so an unwritten element fails, results compared with gt_nerr (normalized L2)
  * at the tolerance of the output's dtype (GT_TOL_BF16, GT_TOL_F32, tighter where the op computes
- * in fp32/fp64 on fp32 inputs), integer outputs (top-k ids, offsets, row_route, route_row) and
+ * in fp32/fp64 on fp32 inputs), bf16 outputs also element by element in bf16 ulps of the
+ * reference (gt_bf16_ulps; limits ULPS_* below), integer outputs (top-k ids, offsets, row_route, route_row) and
  * pure copies exactly. router_bwd is also checked against central finite differences of the fp64
  * reference objective (each loss term alone, then together). Every op is run twice on the same
  * inputs and must give the same bits (determinism).
  */
 #include "backend/cuda/fm_backend_cuda.h"
 #include "core/fm_rng.h"
+#include "fm_ref_ops.h"
 #include "gpu_test.h"
 
 #include <stdint.h>
@@ -104,6 +107,16 @@ static double nerr_floor(const float *a, const double *ref, int64_t n, double fl
     CHECK_MSG((err) <= (tol), "%s: normalized error %.3g > tol %.3g", (what), (double)(err),      \
               (double)(tol))
 
+/* bf16 ulp limits (gt_bf16_ulps against the fp64 reference rounded to bf16). gather_bwd and
+ * combine_fwd add k <= 8 terms in fp32 and round once; combine_bwd's dye is one fp32 product
+ * rounded: within 1 ulp of the rounded reference (the neighbour where the reference lies near a
+ * rounding boundary); the sums can cancel, so they are floored at rms(ref)/64. cross_entropy's
+ * dlogits = grad_scale (softmax - onehot) carries the fp32 exp and log-sum-exp errors (relative
+ * ~|logit| 2^-24, 1e-3 at logits ~1e4: a quarter of a bf16 ulp) and cancels at the target
+ * column: 2, floored. */
+#define ULPS_MOE 1
+#define ULPS_CE 2
+
 /* ---- finite differences (as tests/test_ops_cpu.c) ------------------------------------------ */
 
 typedef double (*objective_fn)(void *state);
@@ -169,88 +182,14 @@ static void fd_check(const char *what, objective_fn f, void *st, double *x, int6
 
 /* ==== router ================================================================================= */
 
-static void router_ref(double *probs, double *lse, const double *logits, int64_t N, int64_t E) {
-    for (int64_t n = 0; n < N; n++) {
-        const double *x = logits + n * E;
-        double m = x[0], s = 0;
-        for (int64_t e = 1; e < E; e++) m = x[e] > m ? x[e] : m;
-        for (int64_t e = 0; e < E; e++) s += exp(x[e] - m);
-        for (int64_t e = 0; e < E; e++) probs[n * E + e] = exp(x[e] - m) / s;
-        lse[n] = m + log(s);
-    }
-}
-
-/* The op's selection on given fp32 probs: k largest by (prob descending, id ascending), NaN last. */
-static void topk_ref(int32_t *idx, const float *probs, int64_t N, int64_t E, int64_t k) {
-    for (int64_t n = 0; n < N; n++) {
-        const float *p = probs + n * E;
-        for (int64_t j = 0; j < k; j++) {
-            int64_t best = -1;
-            float bp = 0;
-            for (int64_t e = 0; e < E; e++) {
-                bool used = false;
-                for (int64_t i = 0; i < j; i++) used |= idx[n * k + i] == e;
-                if (used) continue;
-                const float pe = isnan(p[e]) ? -INFINITY : p[e];
-                if (best < 0 || pe > bp) {
-                    best = e;
-                    bp = pe;
-                }
-            }
-            idx[n * k + j] = (int32_t)best;
-        }
-    }
-}
-
 typedef struct rt_st {
-    double *logits, *probs, *lse;
-    const int32_t *idx; /* the selection, held fixed */
-    const double *dw;   /* dtopk_w, or NULL */
-    const double *gpe;  /* dprobs_per_expert, or NULL */
-    double z;
-    int64_t N, E, k;
-    bool norm;
+    double *logits, *probs, *lse; /* the objective reads logits; probs, lse hold its softmax */
+    fm_ref_router_loss loss;      /* the selection held fixed */
 } rt_st;
 
-/* sum dtopk_w o topk_w + sum_e g_e sum_n probs[n,e] + z sum_n lse^2, fp64. */
 static double rt_obj(void *p) {
     rt_st *s = p;
-    router_ref(s->probs, s->lse, s->logits, s->N, s->E);
-    double L = 0;
-    for (int64_t n = 0; n < s->N; n++) {
-        const double *pr = s->probs + n * s->E;
-        double S = 0;
-        for (int64_t j = 0; j < s->k; j++) S += pr[s->idx[n * s->k + j]];
-        if (s->dw)
-            for (int64_t j = 0; j < s->k; j++)
-                L += s->dw[n * s->k + j] * pr[s->idx[n * s->k + j]] / (s->norm ? S : 1.0);
-        if (s->gpe)
-            for (int64_t e = 0; e < s->E; e++) L += s->gpe[e] * pr[e];
-        L += s->z * s->lse[n] * s->lse[n];
-    }
-    return L;
-}
-
-/* The analytic router gradient in fp64 (fm_backend.h's formula) from fp64 probs. */
-static void router_bwd_ref(double *g, const rt_st *s) {
-    const int64_t N = s->N, E = s->E, k = s->k;
-    for (int64_t n = 0; n < N; n++) {
-        const double *p = s->probs + n * E;
-        const int32_t *idx = s->idx + n * k;
-        double dp[4096];
-        FM_ASSERT(E <= 4096);
-        for (int64_t e = 0; e < E; e++) dp[e] = s->gpe ? s->gpe[e] : 0.0;
-        if (s->dw) {
-            double S = 0, dotw = 0;
-            for (int64_t j = 0; j < k; j++) S += p[idx[j]];
-            for (int64_t j = 0; j < k; j++) dotw += s->dw[n * k + j] * p[idx[j]] / S;
-            for (int64_t j = 0; j < k; j++)
-                dp[idx[j]] += s->norm ? (s->dw[n * k + j] - dotw) / S : s->dw[n * k + j];
-        }
-        double dot = 0;
-        for (int64_t e = 0; e < E; e++) dot += p[e] * dp[e];
-        for (int64_t e = 0; e < E; e++) g[n * E + e] = p[e] * (dp[e] - dot) + 2.0 * s->z * s->lse[n] * p[e];
-    }
+    return fm_ref_router_objective(&s->loss, s->logits, s->probs, s->lse);
 }
 
 #define ROUTER_GRAD_FLOOR 0.01
@@ -290,15 +229,16 @@ static void test_router_case(int64_t N, int64_t E, int64_t k, bool norm, bool fd
     d2h(idx, d_idx, (size_t)(N * k) * 4);
     d2h(tw, d_tw, (size_t)(N * k) * 4);
 
-    rt_st s = {dnew(N * E), dnew(N * E), dnew(N), idx, NULL, NULL, 0.0, N, E, k, norm};
+    rt_st s = {dnew(N * E), dnew(N * E), dnew(N), {idx, NULL, NULL, 0.0, N, E, k, norm}};
     to_d(s.logits, logits, N * E);
-    router_ref(s.probs, s.lse, s.logits, N, E);
+    fm_ref_softmax(s.probs, s.lse, s.logits, N, E);
+    double *pd = fm_ref_widen(probs, N * E), *ld = fm_ref_widen(lse, N); /* the op's fp32 probs, lse */
     char w2[200];
     snprintf(w2, sizeof w2, "%s: probs", what);
     CHECK_ERR(w2, gt_nerr(probs, s.probs, N * E), 1e-5);
     snprintf(w2, sizeof w2, "%s: lse", what);
     CHECK_ERR(w2, gt_nerr(lse, s.lse, N), 1e-5);
-    topk_ref(ridx, probs, N, E, k);
+    fm_ref_topk(ridx, pd, N, E, k); /* the selection rule applied to the op's probs */
     CHECK_MSG(!memcmp(idx, ridx, (size_t)(N * k) * 4), "%s: top-k ids differ from the selection rule", what);
     if (N >= 3 && E >= 3) {
         CHECK_MSG(idx[0] == 0 && (k < 2 || idx[1] == 1), "%s: all-equal row picks ids 0..k-1", what);
@@ -306,11 +246,7 @@ static void test_router_case(int64_t N, int64_t E, int64_t k, bool norm, bool fd
         CHECK_MSG(idx[2 * k + k - 1] == k - 1, "%s: boundary tie picks the lower id", what);
     }
     double *rw = dnew(N * k);
-    for (int64_t n = 0; n < N; n++) {
-        double S = 0;
-        for (int64_t j = 0; j < k; j++) S += s.probs[n * E + idx[n * k + j]];
-        for (int64_t j = 0; j < k; j++) rw[n * k + j] = s.probs[n * E + idx[n * k + j]] / (norm ? S : 1.0);
-    }
+    fm_ref_topk_weights(rw, s.probs, idx, N, E, k, norm);
     snprintf(w2, sizeof w2, "%s: topk_w", what);
     CHECK_ERR(w2, gt_nerr(tw, rw, N * k), 1e-5);
 
@@ -325,12 +261,8 @@ static void test_router_case(int64_t N, int64_t E, int64_t k, bool norm, bool fd
               "%s: router_stats: two calls differ", what);
     d2h(cnt, d_cnt, (size_t)E * 4);
     d2h(psum, d_ps, (size_t)E * 4);
-    double *rc = dnew(E), *rp = dnew(E), rz = 0;
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t j = 0; j < k; j++) rc[idx[n * k + j]] += 1;
-        for (int64_t e = 0; e < E; e++) rp[e] += probs[n * E + e];
-        rz += (double)lse[n] * lse[n];
-    }
+    double *rc = dnew(E), *rp = dnew(E);
+    const double rz = fm_ref_router_stats(rc, rp, pd, ld, idx, N, E, k);
     bool cnt_ok = true;
     for (int64_t e = 0; e < E; e++) cnt_ok &= (double)cnt[e] == rc[e];
     CHECK_MSG(cnt_ok, "%s: router_stats count", what);
@@ -367,12 +299,12 @@ static void test_router_case(int64_t N, int64_t E, int64_t k, bool norm, bool fd
         snprintf(w2, sizeof w2, "%s: router_bwd %s", what, cases[c].name);
         CHECK_MSG(same_bytes(d_dl, d_dl2, (size_t)(N * E) * 4), "%s: two calls differ", w2);
         d2h(dl, d_dl, (size_t)(N * E) * 4);
-        s.dw = cases[c].dw == d_dw ? ddw : NULL;
-        s.gpe = cases[c].gpe ? dgpe : NULL;
-        s.z = cases[c].z;
+        s.loss.dw = cases[c].dw == d_dw ? ddw : NULL;
+        s.loss.gpe = cases[c].gpe ? dgpe : NULL;
+        s.loss.z = cases[c].z;
         to_d(g, dl, N * E);
-        router_ref(s.probs, s.lse, s.logits, N, E);
-        router_bwd_ref(gref, &s);
+        fm_ref_softmax(s.probs, s.lse, s.logits, N, E);
+        fm_ref_router_bwd(gref, &s.loss, s.probs, s.lse);
         /* analytic: normalized by the gradient's size, floored like the FD check */
         double num = 0, den = 0;
         for (int64_t i = 0; i < N * E; i++) {
@@ -386,7 +318,7 @@ static void test_router_case(int64_t N, int64_t E, int64_t k, bool norm, bool fd
     }
     free(logits), free(probs), free(lse), free(tw), free(idx), free(ridx), free(s.logits), free(s.probs),
         free(s.lse), free(rw), free(cnt), free(psum), free(rc), free(rp), free(dw), free(gpe), free(dl), free(zero),
-        free(ddw), free(dgpe), free(g), free(gref);
+        free(ddw), free(dgpe), free(g), free(gref), free(pd), free(ld);
     void *dev[] = {d_logits, d_probs, d_lse, d_idx, d_tw, d_probs2, d_lse2, d_idx2, d_tw2, d_cnt, d_ps,
                    d_cnt2,   d_ps2,   d_dw,  d_gpe, d_zero, d_dl,   d_dl2};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) dfree(dev[i]);
@@ -432,12 +364,9 @@ static void test_router_stats_large(int64_t N, int64_t E, int64_t k) {
     const double z = OPS->router_stats(CTX, d_c, d_s, d_p, d_lse, d_i, N, E, k);
     d2h(cnt, d_c, (size_t)E * 4);
     d2h(psum, d_s, (size_t)E * 4);
-    double *rc = dnew(E), *rp = dnew(E), rz = 0;
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t j = 0; j < k; j++) rc[idx[n * k + j]] += 1;
-        for (int64_t e = 0; e < E; e++) rp[e] += probs[n * E + e];
-        rz += (double)lse[n] * lse[n];
-    }
+    double *rc = dnew(E), *rp = dnew(E), *pd = fm_ref_widen(probs, N * E), *ld = fm_ref_widen(lse, N);
+    const double rz = fm_ref_router_stats(rc, rp, pd, ld, idx, N, E, k);
+    free(pd), free(ld);
     bool ok = true;
     for (int64_t e = 0; e < E; e++) ok &= (double)cnt[e] == rc[e];
     char what[96];
@@ -509,21 +438,18 @@ static void check_route_index(const char *what, const int32_t *idx, int64_t N, i
     OPS->moe_route_index(CTX, off2, d_rr2, d_rw2, d_idx, N, E, k);
     d2h(rr, d_rr, (size_t)R * 4);
     d2h(rw, d_rw, (size_t)R * 4);
-    /* counting sort on the host */
-    int64_t *cur = calloc((size_t)(E + 1), sizeof(int64_t));
-    for (int64_t r = 0; r < R; r++) cur[idx[r] + 1]++;
-    for (int64_t e = 0; e < E; e++) cur[e + 1] += cur[e];
-    bool ok = true;
-    for (int64_t e = 0; e <= E; e++) ok &= off[e] == cur[e];
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t row = cur[idx[r]]++;
-        ok &= rr[row] == r && rw[r] == row;
-    }
+    /* the stable counting sort on the host */
+    int64_t *roff = malloc((size_t)(E + 1) * sizeof(int64_t));
+    int32_t *rrr = inew(R), *rrw = inew(R);
+    fm_ref_route_index(roff, rrr, rrw, idx, N, E, k);
+    const bool ok = !memcmp(off, roff, (size_t)(E + 1) * 8) && !memcmp(rr, rrr, (size_t)R * 4) &&
+                    !memcmp(rw, rrw, (size_t)R * 4);
+    free(roff), free(rrr), free(rrw);
     CHECK_MSG(ok, "moe_route_index %s: layout differs from the stable counting sort", what);
     CHECK_MSG(!memcmp(off, off2, (size_t)(E + 1) * 8) && same_bytes(d_rr, d_rr2, (size_t)R * 4) &&
                   same_bytes(d_rw, d_rw2, (size_t)R * 4),
               "moe_route_index %s: two calls differ", what);
-    free(off), free(off2), free(rr), free(rw), free(cur);
+    free(off), free(off2), free(rr), free(rw);
     dfree(d_idx), dfree(d_rr), dfree(d_rw), dfree(d_rr2), dfree(d_rw2);
 }
 
@@ -614,11 +540,12 @@ static void test_gather_combine(int64_t N, int64_t E, int64_t k, int64_t H) {
     OPS->moe_gather_bwd(CTX, d_dx2, d_dxe, d_rw, N, k, H);
     gt_download(&g_be, dx, d_dx, N * H, FM_DTYPE_BF16);
     double *ref = dnew((R > N ? R : N) * H), *rdw = dnew(R);
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t j = 0; j < k; j++)
-            for (int64_t h = 0; h < H; h++) ref[n * H + h] += dxe[(int64_t)rw[n * k + j] * H + h];
+    double *dxed = fm_ref_widen(dxe, R * H), *yed = fm_ref_widen(ye, R * H), *wd = fm_ref_widen(w, R),
+           *doutd = fm_ref_widen(dout, N * H);
+    fm_ref_moe_gather_bwd(ref, dxed, rw, N, k, H);
     snprintf(w2, sizeof w2, "moe_gather_bwd %s", what);
     CHECK_ERR(w2, gt_nerr(dx, ref, N * H), GT_TOL_BF16);
+    CHECK_ULPS(w2, dx, ref, N * H, gt_rms(ref, N * H) / 64, ULPS_MOE);
     CHECK_MSG(same_bytes(d_dx, d_dx2, (size_t)(N * H) * 2), "%s: two calls differ", w2);
 
     /* combine_fwd */
@@ -626,13 +553,10 @@ static void test_gather_combine(int64_t N, int64_t E, int64_t k, int64_t H) {
     OPS->moe_combine_fwd(CTX, d_out, d_ye, d_w, d_rw, N, k, H);
     OPS->moe_combine_fwd(CTX, d_out2, d_ye, d_w, d_rw, N, k, H);
     gt_download(&g_be, out, d_out, N * H, FM_DTYPE_BF16);
-    memset(ref, 0, (size_t)(N * H) * sizeof(double));
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t j = 0; j < k; j++)
-            for (int64_t h = 0; h < H; h++)
-                ref[n * H + h] += (double)w[n * k + j] * ye[(int64_t)rw[n * k + j] * H + h];
+    fm_ref_moe_combine_fwd(ref, yed, wd, rw, N, k, H);
     snprintf(w2, sizeof w2, "moe_combine_fwd %s", what);
     CHECK_ERR(w2, gt_nerr(out, ref, N * H), GT_TOL_BF16);
+    CHECK_ULPS(w2, out, ref, N * H, gt_rms(ref, N * H) / 64, ULPS_MOE);
     CHECK_MSG(same_bytes(d_out, d_out2, (size_t)(N * H) * 2), "%s: two calls differ", w2);
 
     /* combine_bwd */
@@ -642,25 +566,18 @@ static void test_gather_combine(int64_t N, int64_t E, int64_t k, int64_t H) {
     OPS->moe_combine_bwd(CTX, d_dye2, d_dw2, d_dout, d_ye, d_w, d_rw, N, k, H);
     gt_download(&g_be, dye, d_dye, R * H, FM_DTYPE_BF16);
     d2h(dw, d_dw, (size_t)R * 4);
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t j = 0; j < k; j++) {
-            const int64_t row = rw[n * k + j];
-            double dot = 0;
-            for (int64_t h = 0; h < H; h++) {
-                ref[row * H + h] = (double)w[n * k + j] * dout[n * H + h];
-                dot += (double)dout[n * H + h] * ye[row * H + h];
-            }
-            rdw[n * k + j] = dot;
-        }
+    fm_ref_moe_combine_bwd(ref, rdw, doutd, yed, wd, rw, N, k, H);
     snprintf(w2, sizeof w2, "moe_combine_bwd dye %s", what);
     CHECK_ERR(w2, gt_nerr(dye, ref, R * H), GT_TOL_BF16);
+    CHECK_ULPS(w2, dye, ref, R * H, 0.0, ULPS_MOE);
     snprintf(w2, sizeof w2, "moe_combine_bwd dtopk_w %s", what);
     CHECK_ERR(w2, gt_nerr(dw, rdw, R), 1e-6);
     CHECK_MSG(same_bytes(d_dye, d_dye2, (size_t)(R * H) * 2) && same_bytes(d_dw, d_dw2, (size_t)R * 4),
               "moe_combine_bwd %s: two calls differ", what);
 
     free(idx), free(rr), free(rw), free(off), free(x), free(dxe), free(ye), free(dout), free(w), free(out),
-        free(dx), free(dye), free(dw), free(xb), free(xeb), free(ref), free(rdw);
+        free(dx), free(dye), free(dw), free(xb), free(xeb), free(ref), free(rdw), free(dxed), free(yed), free(wd),
+        free(doutd);
     void *dev[] = {d_idx, d_rr,  d_rw,  d_x,    d_dxe,  d_ye,  d_dout, d_w,   d_xe,
                    d_xe2, d_dx,  d_dx2, d_out,  d_out2, d_dye, d_dye2, d_dw,  d_dw2};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) dfree(dev[i]);
@@ -722,14 +639,6 @@ static void test_rows_all(void) {
 
 /* ==== cross-entropy ========================================================================== */
 
-static double ce_row(const float *x, int64_t V, int32_t t, double *lse_out) {
-    double m = x[0], s = 0;
-    for (int64_t i = 1; i < V; i++) m = x[i] > m ? x[i] : m;
-    for (int64_t i = 0; i < V; i++) s += exp((double)x[i] - m);
-    if (lse_out) *lse_out = m + log(s);
-    return m + log(s) - x[t];
-}
-
 /* loss (fp32) vs fp64 and its returned sum, dlogits (bf16) vs the fp64 gradient, ignored rows
  * zero, dlogits aliasing logits gives the same bits, dlogits NULL, two calls the same bits, and
  * logits ~1e4 staying finite. With nan_row >= 0 that row holds a NaN logit: its loss is NaN and
@@ -759,15 +668,11 @@ static void test_cross_entropy(double scale, int64_t N, int64_t V, int64_t nan_r
               "%s: two calls differ", what);
     d2h(loss, d_loss, (size_t)N * 4);
     gt_download(&g_be, dl, d_dl, N * V, FM_DTYPE_BF16);
-    double *ref = dnew(N), *gref = dnew(N * V), rsum = 0;
-    for (int64_t n = 0; n < N; n++) {
-        if (tgt[n] == ignore || n == nan_row) continue;
-        double lse;
-        ref[n] = ce_row(logits + n * V, V, tgt[n], &lse);
-        rsum += ref[n];
-        for (int64_t i = 0; i < V; i++)
-            gref[n * V + i] = gs * (exp((double)logits[n * V + i] - lse) - (i == tgt[n] ? 1.0 : 0.0));
-    }
+    double *ref = dnew(N), *gref = dnew(N * V), *ld = fm_ref_widen(logits, N * V);
+    int32_t *rtgt = inew(N); /* the NaN row left out of the reference */
+    for (int64_t n = 0; n < N; n++) rtgt[n] = n == nan_row ? ignore : tgt[n];
+    const double rsum = fm_ref_cross_entropy(ref, gref, ld, rtgt, NULL, N, V, gs, 0.0, ignore);
+    free(ld), free(rtgt);
     if (nan_row >= 0) {
         CHECK_MSG(isnan(loss[nan_row]) && isnan(sum), "%s: the NaN row's loss (and the sum) is not NaN", what);
         loss[nan_row] = 0.0f;
@@ -787,6 +692,7 @@ static void test_cross_entropy(double scale, int64_t N, int64_t V, int64_t nan_r
     CHECK_MSG(all_finite(dl, N * V) && all_finite(loss, N), "%s: non-finite output", what);
     snprintf(w2, sizeof w2, "%s: dlogits", what);
     CHECK_ERR(w2, gt_nerr(dl, gref, N * V), GT_TOL_BF16);
+    CHECK_ULPS(w2, dl, gref, N * V, gt_rms(gref, N * V) / 64, ULPS_CE);
     /* dlogits aliasing logits */
     const double sum2 = OPS->cross_entropy(CTX, d_loss2, d_buf, d_buf, d_t, N, V, gs, ignore);
     CHECK_MSG(same_bytes(d_buf, d_dl, (size_t)(N * V) * 2) && same_bytes(d_loss2, d_loss, (size_t)N * 4) &&
@@ -821,16 +727,10 @@ static void test_lce(const char *name, int64_t Nb, int64_t V, const int64_t *bou
     tg[0] = (int32_t)(V - 1);
     /* fp64 reference per row */
     double *rm = dnew(Nb), *rlse = dnew(Nb), *rent = dnew(Nb), *rloss = dnew(Nb);
+    double *Sd = fm_ref_widen(S, Nb * V);
     for (int64_t r = 0; r < Nb; r++) {
-        const float *x = S + r * V;
-        double m = -INFINITY, s = 0, se = 0;
-        for (int64_t i = 0; i < V; i++) m = x[i] > m ? x[i] : m;
-        for (int64_t i = 0; i < V; i++) s += exp((double)x[i] - m);
-        for (int64_t i = 0; i < V; i++) se += exp((double)x[i] - m) * ((double)x[i] - m);
-        rm[r] = m;
-        rlse[r] = m + log(s);
-        rent[r] = log(s) - se / s; /* -sum p log p */
-        rloss[r] = tg[r] == ignore ? 0.0 : rlse[r] - x[tg[r]];
+        rlse[r] = fm_ref_logsumexp(Sd + r * V, V, &rm[r], &rent[r]); /* rent: -sum p log p */
+        rloss[r] = tg[r] == ignore ? 0.0 : rlse[r] - Sd[r * V + tg[r]];
     }
     void *d_t = up_i32(tg, Nb), *d_w = up_f32(w, Nb);
     void *d_m = dalloc((size_t)Nb * 4), *d_z = dalloc((size_t)Nb * 4), *d_tg = dalloc((size_t)Nb * 4),
@@ -896,7 +796,7 @@ static void test_lce(const char *name, int64_t Nb, int64_t V, const int64_t *bou
     }
     if (nan_row >= 0) { /* the rest of the test wants finite state: refold without the NaN */
         free(m), free(z), free(tgt), free(ent), free(rz), free(re);
-        free(S), free(w), free(tg), free(rm), free(rlse), free(rent), free(rloss);
+        free(S), free(Sd), free(w), free(tg), free(rm), free(rlse), free(rent), free(rloss);
         for (int b = 0; b < nblk; b++) dfree(d_strip[b]);
         free(d_strip);
         dfree(d_t), dfree(d_w), dfree(d_m), dfree(d_z), dfree(d_tg), dfree(d_e), dfree(d_m2), dfree(d_z2),
@@ -944,7 +844,10 @@ static void test_lce(const char *name, int64_t Nb, int64_t V, const int64_t *bou
     CHECK_CLOSE(ce, rce, 1e-5);
     CHECK_CLOSE(zsq, rzs, 1e-5);
 
-    /* strip_grad per block (separate buffer, then in place), against fp64 */
+    /* strip_grad per block (separate buffer, then in place), against the fp64 gradient of
+     * w_r (loss_r + zc lse_r^2) over the whole vocabulary, sliced per block */
+    double *gfull = dnew(Nb * V), *wdd = fm_ref_widen(w, Nb);
+    fm_ref_cross_entropy(NULL, gfull, Sd, tg, with_weights ? wdd : NULL, Nb, V, gs, zc, ignore);
     for (int b = 0; b < nblk; b++) {
         const int64_t v0 = bounds[b], Vb = bounds[b + 1] - v0;
         float *gg = fnew(Nb * Vb);
@@ -961,11 +864,7 @@ static void test_lce(const char *name, int64_t Nb, int64_t V, const int64_t *bou
                 for (int64_t i = 0; i < Vb; i++) zero_ok &= gg[r * Vb + i] == 0.0f;
                 continue;
             }
-            const double c = (double)gs * (with_weights ? (double)w[r] : 1.0);
-            for (int64_t i = 0; i < Vb; i++) {
-                const double p = exp((double)S[r * V + v0 + i] - rlse[r]);
-                gr[r * Vb + i] = c * ((1.0 + 2.0 * zc * rlse[r]) * p - (v0 + i == tg[r] ? 1.0 : 0.0));
-            }
+            for (int64_t i = 0; i < Vb; i++) gr[r * Vb + i] = gfull[r * V + v0 + i];
         }
         CHECK_MSG(zero_ok, "%s: strip_grad: ignored rows not zero", what);
         snprintf(w2, sizeof w2, "%s: strip_grad block %d", what, b);
@@ -979,7 +878,8 @@ static void test_lce(const char *name, int64_t Nb, int64_t V, const int64_t *bou
     }
 
     free(m), free(z), free(tgt), free(ent), free(rz), free(re), free(loss), free(lp), free(entropy), free(rlp);
-    free(S), free(w), free(tg), free(rm), free(rlse), free(rent), free(rloss);
+    free(gfull), free(wdd);
+    free(S), free(Sd), free(w), free(tg), free(rm), free(rlse), free(rent), free(rloss);
     for (int b = 0; b < nblk; b++) dfree(d_strip[b]);
     free(d_strip);
     dfree(d_t), dfree(d_w), dfree(d_m), dfree(d_z), dfree(d_tg), dfree(d_e), dfree(d_m2), dfree(d_z2), dfree(d_tg2),

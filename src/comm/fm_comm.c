@@ -1,0 +1,175 @@
+/* The communicator table's shared parts (fm_comm.h): element types, the argument checks and
+ * messages every implementation uses, the host-value wrappers, and the process groups per mesh
+ * axis. */
+#include "fm_comm.h"
+
+#include <math.h>
+#include <stdio.h>
+
+size_t fm_comm_dtype_size(fm_comm_dtype t) {
+    switch (t) {
+    case FM_COMM_F32: return 4;
+    case FM_COMM_F64: return 8;
+    case FM_COMM_I64: return 8;
+    case FM_COMM_BF16: return 2;
+    case FM_COMM_BYTE: return 1;
+    default: return 0;
+    }
+}
+
+const char *fm_comm_dtype_name(fm_comm_dtype t) {
+    switch (t) {
+    case FM_COMM_F32: return "fp32";
+    case FM_COMM_F64: return "fp64";
+    case FM_COMM_I64: return "int64";
+    case FM_COMM_BF16: return "bf16";
+    case FM_COMM_BYTE: return "byte";
+    default: return "?";
+    }
+}
+
+const char *fm_comm_op_name(fm_comm_op op) {
+    switch (op) {
+    case FM_COMM_SUM: return "sum";
+    case FM_COMM_MAX: return "max";
+    default: return "?";
+    }
+}
+
+const char *fm_mesh_axis_name(fm_mesh_axis axis) {
+    static const char *const names[FM_AXIS_COUNT] = {"world", "dp", "ep", "sp"};
+    return (int)axis >= 0 && axis < FM_AXIS_COUNT ? names[axis] : "?";
+}
+
+const char *fm_comm_describe(char *buf, size_t n, const char *collective, fm_comm_dtype dtype, int op, int64_t count) {
+    char ty[48], cnt[48] = "";
+    if (fm_comm_dtype_size(dtype)) snprintf(ty, sizeof ty, "%s", fm_comm_dtype_name(dtype));
+    else snprintf(ty, sizeof ty, "dtype %d", (int)dtype);
+    if (op >= 0) {
+        const size_t l = strlen(ty);
+        if (op < FM_COMM_OP_COUNT) snprintf(ty + l, sizeof ty - l, " %s", fm_comm_op_name((fm_comm_op)op));
+        else snprintf(ty + l, sizeof ty - l, " op %d", op);
+    }
+    if (count >= 0) snprintf(cnt, sizeof cnt, ", %lld element%s", (long long)count, count == 1 ? "" : "s");
+    snprintf(buf, n, "%s(%s%s)", collective, ty, cnt);
+    return buf;
+}
+
+fm_status fm_comm_check_timeout(int rank, int size, const char *what, double timeout_s, double dflt, double *eff) {
+    if (!(timeout_s >= 0))
+        return fm_error(FM_ERR_ARG, "rank %d of %d: %s: timeout %g s must be >= 0 (0: the default, %g s)", rank, size,
+                        what, timeout_s, dflt);
+    *eff = timeout_s == 0 ? dflt : timeout_s;
+    return FM_OK;
+}
+
+fm_status fm_comm_check_type(int rank, int size, const char *what, fm_comm_dtype dtype, int op) {
+    if (fm_comm_dtype_size(dtype) == 0)
+        return fm_error(FM_ERR_ARG, "rank %d of %d: %s: unknown element type %d (expected fp32, fp64, int64, bf16 "
+                        "or byte)", rank, size, what, (int)dtype);
+    if (op >= FM_COMM_OP_COUNT)
+        return fm_error(FM_ERR_ARG, "rank %d of %d: %s: unknown reduction %d (expected sum or max)", rank, size, what,
+                        op);
+    if (op >= 0 && dtype == FM_COMM_BYTE)
+        return fm_error(FM_ERR_ARG, "rank %d of %d: %s: bytes cannot be reduced (use fp32, fp64, int64 or bf16)", rank,
+                        size, what);
+    return FM_OK;
+}
+
+fm_status fm_comm_check_buf(int rank, int size, const char *what, const char *buf_name, const void *buf,
+                            int64_t count) {
+    if (count < 0)
+        return fm_error(FM_ERR_ARG, "rank %d of %d: %s: %s count %lld is negative", rank, size, what, buf_name,
+                        (long long)count);
+    if (count > 0 && !buf)
+        return fm_error(FM_ERR_ARG, "rank %d of %d: %s: %s buffer is NULL with %lld element%s", rank, size, what,
+                        buf_name, (long long)count, count == 1 ? "" : "s");
+    return FM_OK;
+}
+
+fm_status fm_comm_check_disjoint(int rank, int size, const char *what, const char *a_name, const void *a, size_t na,
+                                 const char *b_name, const void *b, size_t nb) {
+    if (na == 0 || nb == 0) return FM_OK;
+    const uintptr_t a0 = (uintptr_t)a, b0 = (uintptr_t)b;
+    if (a0 < b0 + nb && b0 < a0 + na)
+        return fm_error(FM_ERR_ARG, "rank %d of %d: %s: %s [%p, +%zu bytes) overlaps %s [%p, +%zu bytes); use "
+                        "separate buffers (or the in-place form the collective allows)", rank, size, what, a_name, a,
+                        na, b_name, b, nb);
+    return FM_OK;
+}
+
+void fm_comm_free(fm_comm *c) {
+    if (!c) return;
+    if (c->ops && c->ctx) c->ops->destroy(c->ctx);
+    c->ops = NULL;
+    c->ctx = NULL;
+}
+
+/* ---- host-value wrappers --------------------------------------------------------------------- */
+
+static fm_status host_reduce(const fm_comm *c, void *vals, int64_t n, fm_comm_dtype t, fm_comm_op op, double to) {
+    return c->ops->all_reduce_host(c->ctx, vals, n, t, op, to);
+}
+
+fm_status fm_comm_allreduce_sum_f64(const fm_comm *c, double *vals, int64_t n, double timeout_s) {
+    return host_reduce(c, vals, n, FM_COMM_F64, FM_COMM_SUM, timeout_s);
+}
+fm_status fm_comm_allreduce_max_f64(const fm_comm *c, double *vals, int64_t n, double timeout_s) {
+    return host_reduce(c, vals, n, FM_COMM_F64, FM_COMM_MAX, timeout_s);
+}
+fm_status fm_comm_allreduce_sum_f32(const fm_comm *c, float *vals, int64_t n, double timeout_s) {
+    return host_reduce(c, vals, n, FM_COMM_F32, FM_COMM_SUM, timeout_s);
+}
+fm_status fm_comm_allreduce_max_f32(const fm_comm *c, float *vals, int64_t n, double timeout_s) {
+    return host_reduce(c, vals, n, FM_COMM_F32, FM_COMM_MAX, timeout_s);
+}
+fm_status fm_comm_allreduce_sum_i64(const fm_comm *c, int64_t *vals, int64_t n, double timeout_s) {
+    return host_reduce(c, vals, n, FM_COMM_I64, FM_COMM_SUM, timeout_s);
+}
+fm_status fm_comm_allreduce_max_i64(const fm_comm *c, int64_t *vals, int64_t n, double timeout_s) {
+    return host_reduce(c, vals, n, FM_COMM_I64, FM_COMM_MAX, timeout_s);
+}
+
+/* ---- process groups -------------------------------------------------------------------------- */
+
+void fm_comm_group_free(fm_comm_group *g) {
+    if (!g) return;
+    for (int a = 0; a < FM_AXIS_COUNT; a++) {
+        if (a != FM_AXIS_WORLD) fm_comm_free(&g->axis[a].comm);
+        g->axis[a].comm.ops = NULL;
+        g->axis[a].comm.ctx = NULL;
+        g->axis[a].degree = 0;
+    }
+}
+
+fm_status fm_comm_group_create(fm_comm_group *g, const fm_comm *world, int dp, int ep, int sp) {
+    if (!g) return fm_error(FM_ERR_ARG, "fm_comm_group_create: the group is NULL");
+    memset(g, 0, sizeof *g);
+    for (int a = 0; a < FM_AXIS_COUNT; a++) {
+        g->axis[a].axis = (fm_mesh_axis)a;
+        g->axis[a].name = fm_mesh_axis_name((fm_mesh_axis)a);
+    }
+    if (!world || !world->ops || !world->ctx)
+        return fm_error(FM_ERR_ARG, "fm_comm_group_create: no world communicator");
+    const int W = fm_comm_size(world), r = fm_comm_rank(world);
+    if (dp < 1 || ep < 1 || sp < 1)
+        return fm_error(FM_ERR_ARG, "rank %d of %d: mesh degrees dp %d, ep %d, sp %d must each be >= 1", r, W, dp, ep,
+                        sp);
+    if (W == 1 && (dp != 1 || ep != 1 || sp != 1))
+        return fm_error(FM_ERR_ARG, "rank 0 of 1: mesh degrees dp %d, ep %d, sp %d need more ranks than the 1 "
+                        "running; with one rank every degree is 1", dp, ep, sp);
+    if (W != 1)
+        return fm_error(FM_ERR_UNSUPPORTED, "rank %d of %d: process groups over %d ranks (dp %d, ep %d, sp %d) are "
+                        "not supported yet; run on one rank", r, W, W, dp, ep, sp);
+    g->axis[FM_AXIS_WORLD].comm = *world;
+    g->axis[FM_AXIS_WORLD].degree = 1;
+    for (int a = FM_AXIS_DP; a < FM_AXIS_COUNT; a++) {
+        const fm_status st = world->ops->split(world->ctx, 0, 0, &g->axis[a].comm);
+        if (st != FM_OK) {
+            fm_comm_group_free(g);
+            return st;
+        }
+        g->axis[a].degree = fm_comm_size(&g->axis[a].comm);
+    }
+    return FM_OK;
+}

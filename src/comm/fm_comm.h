@@ -1,0 +1,250 @@
+/* The communicator table (DESIGN.md §3 and §6): a struct of function pointers over an opaque
+ * context, in the manner of backend/fm_backend.h. A model block, bounded operator or schedule
+ * policy never calls MPI or NCCL: it calls this table. Implementations: self (fm_comm_self.c,
+ * one rank; every collective is the identity or a copy), mpi and nccl (later).
+ *
+ * Conventions for every collective:
+ * - Counts and displacements are in ELEMENTS of the collective's dtype, int64_t, >= 0. A buffer
+ *   may be NULL only when the count it holds is 0.
+ * - Buffers live in the communicator's memory, fixed at creation: host memory, or the memory of
+ *   the fm_backend the communicator was created over (device memory on a GPU; NCCL reads and
+ *   writes it on the backend's stream). fm_comm_mem_is_host() says which. The host variants
+ *   (all_reduce_host and the fm_comm_allreduce_* wrappers) take host memory on every
+ *   communicator (values the host needs: losses, norms, counts); an implementation over device
+ *   memory stages them through a buffer fixed at creation, so they hold at most
+ *   FM_COMM_HOST_MAX_ELEMS elements.
+ * - Send and receive buffers do not overlap, except in the in-place forms each op names.
+ *   Implementations reject a partial overlap with FM_ERR_ARG (the self communicator checks it,
+ *   so a misuse fails on one rank before it corrupts memory on many).
+ * - Every rank calls every collective in the same order with matching arguments (MPI/NCCL's
+ *   rule); a rank with nothing to contribute (zero tokens) still calls it with counts 0.
+ * - timeout_s: seconds the collective may wait for the other ranks before it fails; 0 means the
+ *   communicator's default (set at creation); negative or NaN is FM_ERR_ARG.
+ * - Every collective returns an fm_status. A failure fills the message (fm_errmsg) naming the
+ *   rank, the collective, its arguments and what happened, e.g.
+ *     "rank 3 of 8: all_reduce(fp64 sum, 16 elements) timed out after 30 s"
+ *   Errors: FM_ERR_ARG (bad arguments: negative counts, counts that disagree with the
+ *   communicator's size, NULL buffers with nonzero counts, partial overlaps, a bad root, dtype
+ *   or op), FM_ERR_UNSUPPORTED (a dtype/op pair the implementation cannot serve), FM_ERR_IO (a
+ *   transport error or a timeout; the run must stop on every rank).
+ * - Collectives are blocking from the caller's view: on return the receive buffer is final for
+ *   host memory, and ordered before later work on the backend's stream for device memory.
+ *
+ * Sources: the semantics are MPI 4.0's (MPI_Allreduce, MPI_Reduce_scatter_block,
+ * MPI_Allgather, MPI_Alltoallv, MPI_Bcast, MPI_Barrier, MPI_Comm_split) with NCCL's in-place
+ * conventions for reduce-scatter and all-gather (ncclReduceScatter / ncclAllGather:
+ * recvbuff == sendbuff + rank * recvcount, and sendbuff == recvbuff + rank * sendcount).
+ */
+#ifndef FM_COMM_H
+#define FM_COMM_H
+
+#include "../core/fm_core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct fm_backend;
+
+/* Element types of a collective. Reductions (all_reduce, reduce_scatter) take F32, F64, I64 and
+ * BF16 (bf16 summed in fp32 and rounded once per element by NCCL; the self communicator only
+ * copies); data movement (all_gather, all_to_all_v, broadcast) takes every type, BYTE included. */
+typedef enum fm_comm_dtype {
+    FM_COMM_F32 = 0,
+    FM_COMM_F64,
+    FM_COMM_I64,
+    FM_COMM_BF16,
+    FM_COMM_BYTE,
+    FM_COMM_DTYPE_COUNT
+} fm_comm_dtype;
+
+typedef enum fm_comm_op { FM_COMM_SUM = 0, FM_COMM_MAX, FM_COMM_OP_COUNT } fm_comm_op;
+
+/* Bytes of one element (0 for an invalid dtype); names as messages print them ("fp64", "sum"). */
+size_t fm_comm_dtype_size(fm_comm_dtype t);
+const char *fm_comm_dtype_name(fm_comm_dtype t);
+const char *fm_comm_op_name(fm_comm_op op);
+
+/* The default timeout of a communicator created with default_timeout_s = 0: 300 s. */
+#define FM_COMM_DEFAULT_TIMEOUT_S 300.0
+/* The most elements all_reduce_host (and the fm_comm_allreduce_* wrappers) take in one call. */
+#define FM_COMM_HOST_MAX_ELEMS 4096
+
+typedef struct fm_comm fm_comm;
+
+typedef struct fm_comm_ops {
+    const char *name; /* "self", "mpi", "nccl" */
+
+    /* This rank's index in [0, size) and the number of ranks. */
+    int (*rank)(void *ctx);
+    int (*size)(void *ctx);
+    /* Whether collective buffers are host memory (true) or the creating backend's memory. */
+    bool (*mem_is_host)(void *ctx);
+    /* The timeout a collective called with timeout_s = 0 gets, seconds (> 0). */
+    double (*default_timeout)(void *ctx);
+
+    /* recv[i] = op over ranks r of send_r[i], i < count, on every rank. In place: send == recv.
+     * The sum's order over ranks is the implementation's (NCCL: ring or tree); max is exact. */
+    fm_status (*all_reduce)(void *ctx, const void *send, void *recv, int64_t count, fm_comm_dtype dtype,
+                            fm_comm_op op, double timeout_s);
+    /* all_reduce in place on HOST memory buf [count], count <= FM_COMM_HOST_MAX_ELEMS. */
+    fm_status (*all_reduce_host)(void *ctx, void *buf, int64_t count, fm_comm_dtype dtype, fm_comm_op op,
+                                 double timeout_s);
+    /* send [size * recv_count]; rank r receives recv[i] = op over ranks q of send_q[r * recv_count + i],
+     * i < recv_count (ZeRO-3's gradient reduce-scatter). In place: recv == send + rank * recv_count
+     * (elements). */
+    fm_status (*reduce_scatter)(void *ctx, const void *send, void *recv, int64_t recv_count, fm_comm_dtype dtype,
+                                fm_comm_op op, double timeout_s);
+    /* send [send_count]; recv [size * send_count] with recv[r * send_count + i] = send_r[i] on every
+     * rank (ZeRO-3's weight gather). In place: send == recv + rank * send_count (elements). */
+    fm_status (*all_gather)(void *ctx, const void *send, void *recv, int64_t send_count, fm_comm_dtype dtype,
+                            double timeout_s);
+    /* Personalized exchange (expert dispatch and combine; sequence <-> heads). send_counts,
+     * send_displs, recv_counts, recv_displs: HOST int64 arrays [size]. Rank p sends
+     * send[send_displs[q] .. + send_counts[q]) to rank q, which places it at
+     * recv[recv_displs[p] .. + recv_counts[p]); so send_counts[q] on p must equal recv_counts[p]
+     * on q (FM_ERR_ARG where the implementation can see it disagree: always on one rank). Regions
+     * of one buffer may not overlap each other; send and recv may not overlap (no in-place). */
+    fm_status (*all_to_all_v)(void *ctx, const void *send, const int64_t *send_counts, const int64_t *send_displs,
+                              void *recv, const int64_t *recv_counts, const int64_t *recv_displs,
+                              fm_comm_dtype dtype, double timeout_s);
+    /* recv [count] = send [count] of rank root, on every rank; send is read on root only (may be
+     * NULL elsewhere). In place: send == recv on root. */
+    fm_status (*broadcast)(void *ctx, const void *send, void *recv, int64_t count, fm_comm_dtype dtype, int root,
+                           double timeout_s);
+    /* Returns once every rank has called it (or fails on the timeout). */
+    fm_status (*barrier)(void *ctx, double timeout_s);
+
+    /* A new communicator of the ranks that pass the same color (>= 0), ordered by key, then by
+     * rank here (MPI_Comm_split); a collective call. *out is the caller's to fm_comm_free. Its
+     * memory kind and default timeout are this communicator's. Errors: FM_ERR_ARG (color < 0),
+     * FM_ERR_NOMEM. */
+    fm_status (*split)(void *ctx, int color, int key, fm_comm *out);
+    /* Frees the context (not a collective call on self; on mpi/nccl every rank calls it). */
+    void (*destroy)(void *ctx);
+} fm_comm_ops;
+
+/* A communicator: its table and its context. */
+struct fm_comm {
+    const fm_comm_ops *ops;
+    void *ctx;
+};
+
+/* ---- calls through the table --------------------------------------------------------------- */
+
+static inline int fm_comm_rank(const fm_comm *c) { return c->ops->rank(c->ctx); }
+static inline int fm_comm_size(const fm_comm *c) { return c->ops->size(c->ctx); }
+static inline bool fm_comm_mem_is_host(const fm_comm *c) { return c->ops->mem_is_host(c->ctx); }
+
+static inline fm_status fm_comm_all_reduce(const fm_comm *c, const void *send, void *recv, int64_t count,
+                                           fm_comm_dtype dtype, fm_comm_op op, double timeout_s) {
+    return c->ops->all_reduce(c->ctx, send, recv, count, dtype, op, timeout_s);
+}
+static inline fm_status fm_comm_reduce_scatter(const fm_comm *c, const void *send, void *recv, int64_t recv_count,
+                                               fm_comm_dtype dtype, fm_comm_op op, double timeout_s) {
+    return c->ops->reduce_scatter(c->ctx, send, recv, recv_count, dtype, op, timeout_s);
+}
+static inline fm_status fm_comm_all_gather(const fm_comm *c, const void *send, void *recv, int64_t send_count,
+                                           fm_comm_dtype dtype, double timeout_s) {
+    return c->ops->all_gather(c->ctx, send, recv, send_count, dtype, timeout_s);
+}
+static inline fm_status fm_comm_all_to_all_v(const fm_comm *c, const void *send, const int64_t *send_counts,
+                                             const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                             const int64_t *recv_displs, fm_comm_dtype dtype, double timeout_s) {
+    return c->ops->all_to_all_v(c->ctx, send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype,
+                                timeout_s);
+}
+static inline fm_status fm_comm_broadcast(const fm_comm *c, const void *send, void *recv, int64_t count,
+                                          fm_comm_dtype dtype, int root, double timeout_s) {
+    return c->ops->broadcast(c->ctx, send, recv, count, dtype, root, timeout_s);
+}
+static inline fm_status fm_comm_barrier(const fm_comm *c, double timeout_s) {
+    return c->ops->barrier(c->ctx, timeout_s);
+}
+
+/* Frees c's context (NULL or an empty communicator: nothing) and empties *c. */
+void fm_comm_free(fm_comm *c);
+
+/* ---- host-value wrappers (the trainer: loss sums, gradient norms, token counts, overflow
+ * flags). In place on host memory vals [n], n <= FM_COMM_HOST_MAX_ELEMS; errors: those of
+ * all_reduce_host. ---------------------------------------------------------------------------- */
+fm_status fm_comm_allreduce_sum_f64(const fm_comm *c, double *vals, int64_t n, double timeout_s);
+fm_status fm_comm_allreduce_max_f64(const fm_comm *c, double *vals, int64_t n, double timeout_s);
+fm_status fm_comm_allreduce_sum_f32(const fm_comm *c, float *vals, int64_t n, double timeout_s);
+fm_status fm_comm_allreduce_max_f32(const fm_comm *c, float *vals, int64_t n, double timeout_s);
+fm_status fm_comm_allreduce_sum_i64(const fm_comm *c, int64_t *vals, int64_t n, double timeout_s);
+fm_status fm_comm_allreduce_max_i64(const fm_comm *c, int64_t *vals, int64_t n, double timeout_s);
+
+/* ---- process groups per mesh axis (DESIGN.md §6) -------------------------------------------- */
+
+typedef enum fm_mesh_axis {
+    FM_AXIS_WORLD = 0, /* every rank */
+    FM_AXIS_DP,        /* data parallel: ZeRO-3 sharding of weights, grads and optimizer state */
+    FM_AXIS_EP,        /* expert parallel: all-to-all dispatch */
+    FM_AXIS_SP,        /* sequence parallel: attention's all-to-all between sequence and heads */
+    FM_AXIS_COUNT
+} fm_mesh_axis;
+
+/* "world", "dp", "ep", "sp" ("?" otherwise). */
+const char *fm_mesh_axis_name(fm_mesh_axis axis);
+
+/* One axis of the mesh: its name, its degree (ranks along it) and the communicator over the
+ * ranks that share this rank's coordinates on every other axis. */
+typedef struct fm_process_group {
+    fm_mesh_axis axis;
+    const char *name; /* fm_mesh_axis_name(axis) */
+    int degree;       /* == fm_comm_size(&comm) */
+    fm_comm comm;
+} fm_process_group;
+
+/* Every axis of this rank's mesh; g.axis[FM_AXIS_X] is axis X (axis[FM_AXIS_WORLD].comm is the
+ * world communicator the group was made from, not owned by the group). */
+typedef struct fm_comm_group {
+    fm_process_group axis[FM_AXIS_COUNT];
+} fm_comm_group;
+
+/* The groups of the mesh dp x ep x sp over `world` (degrees >= 1). With one rank (W = 1) every
+ * degree must be 1 and every axis gets a self communicator (split of world). Meshes over W > 1
+ * ranks are not yet supported (FM_ERR_UNSUPPORTED: they come with the mpi and nccl
+ * communicators). The group keeps a copy of *world (the caller keeps ownership of it) and
+ * owns the axes' communicators: free it with fm_comm_group_free. Errors: FM_ERR_ARG (a degree
+ * < 1, or degrees that disagree with the world's size, naming them), FM_ERR_UNSUPPORTED,
+ * FM_ERR_NOMEM; on error *g is empty. */
+fm_status fm_comm_group_create(fm_comm_group *g, const fm_comm *world, int dp, int ep, int sp);
+void fm_comm_group_free(fm_comm_group *g);
+
+/* ---- the one-rank communicator (fm_comm_self.c) --------------------------------------------- */
+
+/* Creates the communicator of one rank (rank 0 of 1). be == NULL: buffers are host memory and
+ * copies are memmove; be != NULL: buffers are be's memory and copies are be->ops->copy
+ * (FM_COPY_D2D), so device pointers work; be must outlive the communicator. default_timeout_s:
+ * the timeout of a collective called with 0 (0 here: FM_COMM_DEFAULT_TIMEOUT_S). Every
+ * collective checks its arguments by the contract above and then is the identity or one copy:
+ * all_reduce, reduce_scatter, all_gather and broadcast copy count elements from send to recv
+ * (nothing when in place); all_to_all_v checks send_counts[0] == recv_counts[0] and copies
+ * that block; barrier returns. Errors: FM_ERR_ARG (out NULL, negative or NaN timeout),
+ * FM_ERR_NOMEM. */
+fm_status fm_comm_self_create(fm_comm *out, const struct fm_backend *be, double default_timeout_s);
+
+/* ---- for implementations (fm_comm.c): argument checks and messages --------------------------- */
+
+/* Describes a collective call as messages print it: "all_reduce(fp64 sum, 16 elements)"
+ * (op < 0: no op; count < 0: no count). Returns buf. */
+const char *fm_comm_describe(char *buf, size_t n, const char *collective, fm_comm_dtype dtype, int op, int64_t count);
+/* The effective timeout: timeout_s, or dflt when timeout_s == 0. FM_ERR_ARG when timeout_s < 0
+ * or NaN, with "rank R of S: WHAT: timeout ... must be >= 0 (0: the default, D s)". */
+fm_status fm_comm_check_timeout(int rank, int size, const char *what, double timeout_s, double dflt, double *eff);
+/* FM_ERR_ARG unless dtype is a valid fm_comm_dtype and op (< 0: a collective without one) a
+ * valid fm_comm_op. */
+fm_status fm_comm_check_type(int rank, int size, const char *what, fm_comm_dtype dtype, int op);
+/* FM_ERR_ARG unless count >= 0 and (count == 0 or buf != NULL); names the buffer ("send"). */
+fm_status fm_comm_check_buf(int rank, int size, const char *what, const char *buf_name, const void *buf,
+                            int64_t count);
+/* FM_ERR_ARG when the byte ranges [a, a+na) and [b, b+nb) overlap (empty ranges never do). */
+fm_status fm_comm_check_disjoint(int rank, int size, const char *what, const char *a_name, const void *a, size_t na,
+                                 const char *b_name, const void *b, size_t nb);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

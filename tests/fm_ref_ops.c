@@ -1,0 +1,381 @@
+/* fp64 references of the backend ops (fm_ref_ops.h). Naive loops, straight from each op's
+ * definition in src/backend/fm_backend.h; no code shared with any backend. */
+#include "fm_ref_ops.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static double *dalloc0(int64_t n) {
+    double *p = calloc((size_t)(n > 0 ? n : 1), sizeof(double));
+    if (!p) abort();
+    return p;
+}
+
+double *fm_ref_widen(const float *x, int64_t n) {
+    double *d = dalloc0(n);
+    for (int64_t i = 0; i < n; i++) d[i] = x[i];
+    return d;
+}
+
+void fm_ref_gemm(double *C, bool ta, bool tb, int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
+                 const double *B, int64_t ldb) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            double s = 0;
+            for (int64_t p = 0; p < K; p++) {
+                const double a = ta ? A[p * lda + i] : A[i * lda + p];
+                const double b = tb ? B[j * ldb + p] : B[p * ldb + j];
+                s += a * b;
+            }
+            C[i * N + j] = s;
+        }
+}
+
+void fm_ref_expert_linear_fwd(double *y, const double *x, const double *W, const int64_t *off, int64_t E, int64_t in,
+                              int64_t out) {
+    for (int64_t e = 0; e < E; e++) {
+        const double *We = W + e * out * in;
+        for (int64_t r = off[e]; r < off[e + 1]; r++)
+            for (int64_t o = 0; o < out; o++) {
+                double t = 0;
+                for (int64_t i = 0; i < in; i++) t += x[r * in + i] * We[o * in + i];
+                y[r * out + o] = t;
+            }
+    }
+}
+
+void fm_ref_expert_linear_bwd(double *dx, double *dW, const double *dy, const double *x, const double *W,
+                              const int64_t *off, int64_t E, int64_t in, int64_t out) {
+    for (int64_t e = 0; e < E; e++) {
+        const double *We = W + e * out * in;
+        double *dWe = dW + e * out * in;
+        for (int64_t r = off[e]; r < off[e + 1]; r++) {
+            if (dx)
+                for (int64_t i = 0; i < in; i++) {
+                    double t = 0;
+                    for (int64_t o = 0; o < out; o++) t += dy[r * out + o] * We[o * in + i];
+                    dx[r * in + i] = t;
+                }
+            for (int64_t o = 0; o < out; o++)
+                for (int64_t i = 0; i < in; i++) dWe[o * in + i] += dy[r * out + o] * x[r * in + i];
+        }
+    }
+}
+
+void fm_ref_embedding_bwd(double *dwte, const double *dout, const int32_t *tokens, int64_t N, int64_t H) {
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t j = 0; j < H; j++) dwte[(int64_t)tokens[n] * H + j] += dout[n * H + j];
+}
+
+static double rms_rstd(const double *x, int64_t D, double eps) {
+    double ss = 0;
+    for (int64_t j = 0; j < D; j++) ss += x[j] * x[j];
+    return 1.0 / sqrt(ss / (double)D + eps);
+}
+
+void fm_ref_rmsnorm_fwd(double *out, double *rstd, const double *x, const double *w, int64_t N, int64_t D,
+                        double eps) {
+    for (int64_t n = 0; n < N; n++) {
+        const double r = rms_rstd(x + n * D, D, eps);
+        if (rstd) rstd[n] = r;
+        if (out)
+            for (int64_t j = 0; j < D; j++) out[n * D + j] = x[n * D + j] * r * w[j];
+    }
+}
+
+void fm_ref_rmsnorm_bwd(double *dx, double *dw, const double *dout, const double *x, const double *w, int64_t N,
+                        int64_t D, double eps) {
+    if (dw)
+        for (int64_t j = 0; j < D; j++) dw[j] = 0;
+    for (int64_t n = 0; n < N; n++) {
+        const double *xr = x + n * D, *g = dout + n * D;
+        const double r = rms_rstd(xr, D, eps);
+        double dot = 0;
+        for (int64_t j = 0; j < D; j++) {
+            dot += g[j] * w[j] * xr[j];
+            if (dw) dw[j] += g[j] * xr[j] * r;
+        }
+        if (dx)
+            for (int64_t j = 0; j < D; j++) dx[n * D + j] = r * w[j] * g[j] - xr[j] * r * r * r * dot / (double)D;
+    }
+}
+
+void fm_ref_rope(double *y, const double *x, const float *cos_tab, const float *sin_tab, int64_t B, int64_t T,
+                 int64_t nh, int64_t hd, double sign) {
+    const int64_t half = hd / 2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < nh; h++) {
+                const double *a = x + ((b * T + t) * nh + h) * hd;
+                double *o = y + ((b * T + t) * nh + h) * hd;
+                for (int64_t i = 0; i < half; i++) {
+                    const double c = cos_tab[t * half + i], s = sign * (double)sin_tab[t * half + i];
+                    o[i] = a[i] * c - a[i + half] * s;
+                    o[i + half] = a[i + half] * c + a[i] * s;
+                }
+            }
+}
+
+void fm_ref_attention_row(const fm_ref_att *a, int64_t b, int64_t h, int64_t t, double *o, double *lse, double *dq,
+                          double *dk, double *dv, double *scratch) {
+    const int64_t hd = a->hd, nh = a->nh, nkv = a->nkv, T = a->T, g = h / (nh / nkv);
+    const double scale = 1.0 / sqrt((double)hd);
+    double *s = scratch, *dp = scratch + T;
+    const double *qr = a->q + ((b * T + t) * nh + h) * hd;
+    double m = -INFINITY;
+    for (int64_t j = 0; j <= t; j++) {
+        const double *kr = a->k + ((b * T + j) * nkv + g) * hd;
+        double d = 0;
+        for (int64_t i = 0; i < hd; i++) d += qr[i] * kr[i];
+        s[j] = d * scale;
+        if (s[j] > m) m = s[j];
+    }
+    double sum = 0;
+    for (int64_t j = 0; j <= t; j++) sum += (s[j] = exp(s[j] - m));
+    for (int64_t i = 0; i < hd; i++) o[i] = 0;
+    for (int64_t j = 0; j <= t; j++) {
+        s[j] /= sum; /* the softmax probability of key j */
+        const double *vr = a->v + ((b * T + j) * nkv + g) * hd;
+        for (int64_t i = 0; i < hd; i++) o[i] += s[j] * vr[i];
+    }
+    *lse = m + log(sum);
+    if (!dq) return;
+    const double *dor = a->dout + ((b * T + t) * nh + h) * hd;
+    double D = 0; /* sum_j p_j dp_j = dot(dout, o) */
+    for (int64_t j = 0; j <= t; j++) {
+        const double *vr = a->v + ((b * T + j) * nkv + g) * hd;
+        double d = 0;
+        for (int64_t i = 0; i < hd; i++) d += dor[i] * vr[i];
+        dp[j] = d;
+        D += s[j] * d;
+    }
+    for (int64_t i = 0; i < hd; i++) dq[i] = 0;
+    for (int64_t j = 0; j <= t; j++) {
+        const double ds = s[j] * (dp[j] - D) * scale; /* dL/dscore_j times the scale */
+        const int64_t ko = ((b * T + j) * nkv + g) * hd;
+        for (int64_t i = 0; i < hd; i++) dq[i] += ds * a->k[ko + i];
+        if (dk && dv)
+            for (int64_t i = 0; i < hd; i++) {
+                dk[ko + i] += ds * qr[i];
+                dv[ko + i] += s[j] * dor[i];
+            }
+    }
+}
+
+void fm_ref_attention_fwd(double *out, double *lse, const fm_ref_att *a) {
+    double *scratch = dalloc0(2 * a->T);
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t h = 0; h < a->nh; h++)
+            for (int64_t t = 0; t < a->T; t++) {
+                double l;
+                fm_ref_attention_row(a, b, h, t, out + ((b * a->T + t) * a->nh + h) * a->hd, &l, NULL, NULL, NULL,
+                                     scratch);
+                if (lse) lse[(b * a->nh + h) * a->T + t] = l;
+            }
+    free(scratch);
+}
+
+double fm_ref_silu(double g) { return g / (1.0 + exp(-g)); }
+
+void fm_ref_swiglu_fwd(double *out, const double *gate, const double *up, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = fm_ref_silu(gate[i]) * up[i];
+}
+
+void fm_ref_swiglu_bwd(double *dgate, double *dup, const double *dout, const double *gate, const double *up,
+                       int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const double g = gate[i], sg = 1.0 / (1.0 + exp(-g));
+        dgate[i] = dout[i] * up[i] * sg * (1.0 + g * (1.0 - sg));
+        dup[i] = dout[i] * g * sg;
+    }
+}
+
+void fm_ref_softmax(double *probs, double *lse, const double *logits, int64_t N, int64_t E) {
+    for (int64_t n = 0; n < N; n++) {
+        const double *x = logits + n * E;
+        double m = x[0], s = 0;
+        for (int64_t e = 1; e < E; e++) m = x[e] > m ? x[e] : m;
+        for (int64_t e = 0; e < E; e++) s += exp(x[e] - m);
+        for (int64_t e = 0; e < E; e++) probs[n * E + e] = exp(x[e] - m) / s;
+        if (lse) lse[n] = m + log(s);
+    }
+}
+
+void fm_ref_topk(int32_t *idx, const double *probs, int64_t N, int64_t E, int64_t k) {
+    for (int64_t n = 0; n < N; n++) {
+        const double *p = probs + n * E;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            double bp = 0;
+            for (int64_t e = 0; e < E; e++) {
+                bool used = false;
+                for (int64_t i = 0; i < j; i++) used |= idx[n * k + i] == e;
+                if (used) continue;
+                const double pe = isnan(p[e]) ? -INFINITY : p[e];
+                if (best < 0 || pe > bp) { /* strictly greater: ties keep the lower id */
+                    best = e;
+                    bp = pe;
+                }
+            }
+            idx[n * k + j] = (int32_t)best;
+        }
+    }
+}
+
+void fm_ref_topk_weights(double *w, const double *probs, const int32_t *idx, int64_t N, int64_t E, int64_t k,
+                         bool norm) {
+    for (int64_t n = 0; n < N; n++) {
+        double S = 0;
+        for (int64_t j = 0; j < k; j++) S += probs[n * E + idx[n * k + j]];
+        for (int64_t j = 0; j < k; j++) w[n * k + j] = probs[n * E + idx[n * k + j]] / (norm ? S : 1.0);
+    }
+}
+
+double fm_ref_router_stats(double *count, double *prob_sum, const double *probs, const double *lse,
+                           const int32_t *idx, int64_t N, int64_t E, int64_t k) {
+    double z = 0;
+    for (int64_t e = 0; e < E; e++) count[e] = prob_sum[e] = 0;
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t j = 0; j < k; j++) count[idx[n * k + j]] += 1;
+        for (int64_t e = 0; e < E; e++) prob_sum[e] += probs[n * E + e];
+        z += lse[n] * lse[n];
+    }
+    return z;
+}
+
+double fm_ref_router_objective(const fm_ref_router_loss *s, const double *logits, double *probs, double *lse) {
+    fm_ref_softmax(probs, lse, logits, s->N, s->E);
+    double L = 0;
+    for (int64_t n = 0; n < s->N; n++) {
+        const double *pr = probs + n * s->E;
+        double S = 0;
+        for (int64_t j = 0; j < s->k; j++) S += pr[s->idx[n * s->k + j]];
+        if (s->dw)
+            for (int64_t j = 0; j < s->k; j++)
+                L += s->dw[n * s->k + j] * pr[s->idx[n * s->k + j]] / (s->norm ? S : 1.0);
+        if (s->gpe)
+            for (int64_t e = 0; e < s->E; e++) L += s->gpe[e] * pr[e];
+        L += s->z * lse[n] * lse[n];
+    }
+    return L;
+}
+
+void fm_ref_router_bwd(double *g, const fm_ref_router_loss *s, const double *probs, const double *lse) {
+    const int64_t N = s->N, E = s->E, k = s->k;
+    double *dp = dalloc0(E);
+    for (int64_t n = 0; n < N; n++) {
+        const double *p = probs + n * E;
+        const int32_t *idx = s->idx + n * k;
+        for (int64_t e = 0; e < E; e++) dp[e] = s->gpe ? s->gpe[e] : 0.0; /* dL/dprobs */
+        if (s->dw) {
+            double S = 0, dotw = 0;
+            for (int64_t j = 0; j < k; j++) S += p[idx[j]];
+            for (int64_t j = 0; j < k; j++) dotw += s->dw[n * k + j] * p[idx[j]] / S;
+            for (int64_t j = 0; j < k; j++) dp[idx[j]] += s->norm ? (s->dw[n * k + j] - dotw) / S : s->dw[n * k + j];
+        }
+        double dot = 0;
+        for (int64_t e = 0; e < E; e++) dot += p[e] * dp[e];
+        for (int64_t e = 0; e < E; e++) g[n * E + e] = p[e] * (dp[e] - dot) + 2.0 * s->z * lse[n] * p[e];
+    }
+    free(dp);
+}
+
+void fm_ref_route_index(int64_t *offsets, int32_t *row_route, int32_t *route_row, const int32_t *idx, int64_t N,
+                        int64_t E, int64_t k) {
+    const int64_t R = N * k;
+    for (int64_t e = 0; e <= E; e++) offsets[e] = 0;
+    for (int64_t r = 0; r < R; r++) offsets[idx[r] + 1]++;
+    for (int64_t e = 0; e < E; e++) offsets[e + 1] += offsets[e];
+    int64_t *cur = calloc((size_t)(E + 1), sizeof(int64_t));
+    if (!cur) abort();
+    memcpy(cur, offsets, (size_t)E * sizeof(int64_t));
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t row = cur[idx[r]]++;
+        row_route[row] = (int32_t)r;
+        route_row[r] = (int32_t)row;
+    }
+    free(cur);
+}
+
+void fm_ref_moe_gather_bwd(double *dx, const double *dxe, const int32_t *route_row, int64_t N, int64_t k, int64_t H) {
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t h = 0; h < H; h++) {
+            double s = 0;
+            for (int64_t j = 0; j < k; j++) s += dxe[(int64_t)route_row[n * k + j] * H + h];
+            dx[n * H + h] = s;
+        }
+}
+
+void fm_ref_moe_combine_fwd(double *out, const double *ye, const double *w, const int32_t *route_row, int64_t N,
+                            int64_t k, int64_t H) {
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t h = 0; h < H; h++) {
+            double s = 0;
+            for (int64_t j = 0; j < k; j++) s += w[n * k + j] * ye[(int64_t)route_row[n * k + j] * H + h];
+            out[n * H + h] = s;
+        }
+}
+
+void fm_ref_moe_combine_bwd(double *dye, double *dw, const double *dout, const double *ye, const double *w,
+                            const int32_t *route_row, int64_t N, int64_t k, int64_t H) {
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t row = route_row[n * k + j];
+            double dot = 0;
+            for (int64_t h = 0; h < H; h++) {
+                dye[row * H + h] = w[n * k + j] * dout[n * H + h];
+                dot += dout[n * H + h] * ye[row * H + h];
+            }
+            dw[n * k + j] = dot;
+        }
+}
+
+double fm_ref_logsumexp(const double *x, int64_t V, double *max, double *entropy) {
+    double m = -INFINITY, s = 0, se = 0;
+    for (int64_t i = 0; i < V; i++) m = x[i] > m ? x[i] : m;
+    for (int64_t i = 0; i < V; i++) {
+        const double e = exp(x[i] - m);
+        s += e;
+        se += e * (x[i] - m);
+    }
+    if (max) *max = m;
+    if (entropy) *entropy = log(s) - se / s; /* -sum p log p with p = e/s, log p = (x - m) - log s */
+    return m + log(s);
+}
+
+double fm_ref_cross_entropy(double *loss, double *dlogits, const double *logits, const int32_t *targets,
+                            const double *weights, int64_t N, int64_t V, double grad_scale, double z_coef,
+                            int32_t ignore_index) {
+    double sum = 0;
+    for (int64_t n = 0; n < N; n++) {
+        const double *x = logits + n * V;
+        if (targets[n] == ignore_index) {
+            if (loss) loss[n] = 0;
+            if (dlogits)
+                for (int64_t i = 0; i < V; i++) dlogits[n * V + i] = 0;
+            continue;
+        }
+        const double lse = fm_ref_logsumexp(x, V, NULL, NULL), wn = weights ? weights[n] : 1.0;
+        const double l = lse - x[targets[n]];
+        if (loss) loss[n] = l;
+        sum += wn * l;
+        if (dlogits) {
+            const double c = grad_scale * wn;
+            for (int64_t i = 0; i < V; i++)
+                dlogits[n * V + i] = c * ((1.0 + 2.0 * z_coef * lse) * exp(x[i] - lse) - (i == targets[n] ? 1.0 : 0.0));
+        }
+    }
+    return sum;
+}
+
+void fm_ref_adamw(double *update, double *m_new, double *v_new, const double *w, const double *g, const double *m,
+                  const double *v, int64_t n, double lr, double b1, double b2, double eps, double wd, double bc1,
+                  double bc2, double grad_scale) {
+    for (int64_t i = 0; i < n; i++) {
+        const double gg = g[i] * grad_scale;
+        m_new[i] = b1 * m[i] + (1.0 - b1) * gg;
+        v_new[i] = b2 * v[i] + (1.0 - b2) * gg * gg;
+        update[i] = -lr * ((m_new[i] / bc1) / (sqrt(v_new[i] / bc2) + eps) + wd * w[i]);
+    }
+}

@@ -1,0 +1,141 @@
+/* fp64 reference implementations of the backend ops (src/backend/fm_backend.h), written once and
+ * shared by the CPU op tests (tests/test_ops_cpu.c) and the CUDA op tests (tests/gpu/). Plain
+ * C11, no backend: naive loops in double, in the most direct form of each op's definition in
+ * fm_backend.h (full score rows for attention, repeated selection for top-k, a counting sort for
+ * the MoE route index), so they share no code or order of operations with the ops under test.
+ *
+ * Conventions: tensors are dense row-major double arrays (the test's inputs widened from fp32, or
+ * from bf16 values held in fp32); shapes as in fm_backend.h; every output is ASSIGNED unless its
+ * comment says "accumulated"; integer index arrays are int32 (offsets int64), as the ops take. The
+ * RoPE tables are fp32, as the op reads them. Scratch is allocated inside (these are tests).
+ */
+#ifndef FM_REF_OPS_H
+#define FM_REF_OPS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A malloc'd double copy of x[0..n) (never NULL; free() it). */
+double *fm_ref_widen(const float *x, int64_t n);
+
+/* C [M,N] (row stride N) = op(A) @ op(B): op(A) [M,K] (A is [K,M] when ta), op(B) [K,N] (B is
+ * [N,K] when tb); lda, ldb row strides of A and B. */
+void fm_ref_gemm(double *C, bool ta, bool tb, int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
+                 const double *B, int64_t ldb);
+
+/* Grouped expert linear layers over offsets [E+1] (expert e owns rows [off[e], off[e+1])):
+ * fwd: y_e [m_e,out] = x_e [m_e,in] W_e^T with W_e = W + e*out*in;
+ * bwd: dx_e [m_e,in] = dy_e W_e (assigned; skipped when dx is NULL), dW_e += dy_e^T x_e
+ * (accumulated). */
+void fm_ref_expert_linear_fwd(double *y, const double *x, const double *W, const int64_t *off, int64_t E, int64_t in,
+                              int64_t out);
+void fm_ref_expert_linear_bwd(double *dx, double *dW, const double *dy, const double *x, const double *W,
+                              const int64_t *off, int64_t E, int64_t in, int64_t out);
+
+/* dwte [V,H] += dout[n,:] at row tokens[n] (accumulated). */
+void fm_ref_embedding_bwd(double *dwte, const double *dout, const int32_t *tokens, int64_t N, int64_t H);
+
+/* RMSNorm (Zhang & Sennrich 2019): rstd[n] = 1/sqrt(mean_j x[n,j]^2 + eps), out = x*rstd*w.
+ * out or rstd may be NULL. */
+void fm_ref_rmsnorm_fwd(double *out, double *rstd, const double *x, const double *w, int64_t N, int64_t D,
+                        double eps);
+/* Its analytic backward: dx[n,j] = r w_j g_j - x_j r^3 (sum_i g_i w_i x_i) / D, dw_j = sum_n g x r
+ * (both assigned; either may be NULL). */
+void fm_ref_rmsnorm_bwd(double *dx, double *dw, const double *dout, const double *x, const double *w, int64_t N,
+                        int64_t D, double eps);
+
+/* RoPE, HF rotate_half layout, on x [B,T,nh,hd] into y (same shape; y != x): for i < hd/2,
+ * c = cos_tab[t*hd/2+i], s = sign*sin_tab[...]: (y_i, y_{i+hd/2}) = (x_i c - x_{i+hd/2} s,
+ * x_{i+hd/2} c + x_i s). sign +1 is rope_fwd; -1 the transpose rotation (rope_bwd). */
+void fm_ref_rope(double *y, const double *x, const float *cos_tab, const float *sin_tab, int64_t B, int64_t T,
+                 int64_t nh, int64_t hd, double sign);
+
+/* Causal grouped-query attention over the full score row, fp64. q [B,T,nh,hd], k, v, [B,T,nkv,hd],
+ * dout [B,T,nh,hd] (only for the backward); query head h reads kv head h / (nh/nkv); scale
+ * 1/sqrt(hd). */
+typedef struct fm_ref_att {
+    const double *q, *k, *v, *dout;
+    int64_t B, T, nh, nkv, hd;
+} fm_ref_att;
+/* One query row (b, h, t): o [hd] and *lse (natural log of the sum of exp of the scaled scores);
+ * with dq != NULL also dq [hd] (assigned), and with dk, dv != NULL this row's contribution ADDED
+ * to dk, dv ([B,T,nkv,hd]). scratch: 2*T doubles. */
+void fm_ref_attention_row(const fm_ref_att *a, int64_t b, int64_t h, int64_t t, double *o, double *lse, double *dq,
+                          double *dk, double *dv, double *scratch);
+/* Every row: out [B,T,nh,hd], lse [B,nh,T] (may be NULL). */
+void fm_ref_attention_fwd(double *out, double *lse, const fm_ref_att *a);
+
+/* SwiGLU (Shazeer 2020): silu(g) = g sigmoid(g); out = silu(gate) up; dgate = dout up
+ * sigmoid(g) (1 + g (1 - sigmoid(g))), dup = dout silu(g). */
+double fm_ref_silu(double g);
+void fm_ref_swiglu_fwd(double *out, const double *gate, const double *up, int64_t n);
+void fm_ref_swiglu_bwd(double *dgate, double *dup, const double *dout, const double *gate, const double *up,
+                       int64_t n);
+
+/* Row softmax and log-sum-exp: probs [N,E] = softmax(logits[n,:]), lse [N] (may be NULL). */
+void fm_ref_softmax(double *probs, double *lse, const double *logits, int64_t N, int64_t E);
+/* The k largest of each row of probs [N,E] by repeated selection: probability descending, ties to
+ * the lower id, NaN below everything. idx [N,k]. */
+void fm_ref_topk(int32_t *idx, const double *probs, int64_t N, int64_t E, int64_t k);
+/* w [N,k] = probs[n, idx[n,j]], divided by their sum over j when norm. */
+void fm_ref_topk_weights(double *w, const double *probs, const int32_t *idx, int64_t N, int64_t E, int64_t k,
+                         bool norm);
+/* count [E] (routes per expert), prob_sum [E] (sum over n of probs[n,e]); returns sum_n lse^2. */
+double fm_ref_router_stats(double *count, double *prob_sum, const double *probs, const double *lse,
+                           const int32_t *idx, int64_t N, int64_t E, int64_t k);
+
+/* The router's objective with the selection idx held fixed (the op's router_bwd contract):
+ *   L = sum dtopk_w o topk_w + sum_e g_e sum_n probs[n,e] + z sum_n lse[n]^2,
+ * topk_w as fm_ref_topk_weights. dw [N,k] and gpe [E] may be NULL (term absent). */
+typedef struct fm_ref_router_loss {
+    const int32_t *idx;
+    const double *dw, *gpe;
+    double z;
+    int64_t N, E, k;
+    bool norm;
+} fm_ref_router_loss;
+/* L at logits [N,E]; probs [N,E] and lse [N] are scratch (left holding the softmax). */
+double fm_ref_router_objective(const fm_ref_router_loss *s, const double *logits, double *probs, double *lse);
+/* dL/dlogits [N,E], analytically, from the softmax probs and lse of the logits. */
+void fm_ref_router_bwd(double *g, const fm_ref_router_loss *s, const double *probs, const double *lse);
+
+/* The MoE route index as a stable counting sort of the routes r = n*k + j by expert idx[r]:
+ * offsets [E+1], row_route [R] (row -> route), route_row [R] (route -> row); R = N*k. */
+void fm_ref_route_index(int64_t *offsets, int32_t *row_route, int32_t *route_row, const int32_t *idx, int64_t N,
+                        int64_t E, int64_t k);
+/* dx [N,H] = sum_j dxe[route_row[n*k+j],:]. */
+void fm_ref_moe_gather_bwd(double *dx, const double *dxe, const int32_t *route_row, int64_t N, int64_t k, int64_t H);
+/* out [N,H] = sum_j w[n*k+j] ye[route_row[n*k+j],:]. */
+void fm_ref_moe_combine_fwd(double *out, const double *ye, const double *w, const int32_t *route_row, int64_t N,
+                            int64_t k, int64_t H);
+/* dye[route_row[n*k+j],:] = w[n*k+j] dout[n,:], dw[n*k+j] = dot(dout[n,:], ye[route_row[n*k+j],:]). */
+void fm_ref_moe_combine_bwd(double *dye, double *dw, const double *dout, const double *ye, const double *w,
+                            const int32_t *route_row, int64_t N, int64_t k, int64_t H);
+
+/* One row x [V]: returns lse = m + log sum exp(x - m); *max = m (may be NULL); *entropy =
+ * -sum p log p (may be NULL). */
+double fm_ref_logsumexp(const double *x, int64_t V, double *max, double *entropy);
+/* Softmax cross-entropy over logits [N,V] with per-row weights (NULL: all 1) and a z-loss:
+ *   loss [N] = lse - x[target] (0 where target == ignore; may be NULL),
+ *   dlogits [N,V] = grad_scale w_n ((1 + 2 z_coef lse) softmax - onehot) (0 rows where ignored;
+ *   may be NULL), the gradient of w_n (loss_n + z_coef lse_n^2);
+ * returns sum over non-ignored rows of w_n loss_n. */
+double fm_ref_cross_entropy(double *loss, double *dlogits, const double *logits, const int32_t *targets,
+                            const double *weights, int64_t N, int64_t V, double grad_scale, double z_coef,
+                            int32_t ignore_index);
+
+/* AdamW (Loshchilov & Hutter 2019), fm_backend.h's formula, from w, g, m, v [n]:
+ *   g' = g grad_scale; m' = b1 m + (1-b1) g'; v' = b2 v + (1-b2) g'^2;
+ *   update = -lr ((m'/bc1) / (sqrt(v'/bc2) + eps) + wd w).  update, m_new, v_new [n]. */
+void fm_ref_adamw(double *update, double *m_new, double *v_new, const double *w, const double *g, const double *m,
+                  const double *v, int64_t n, double lr, double b1, double b2, double eps, double wd, double bc1,
+                  double bc2, double grad_scale);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
