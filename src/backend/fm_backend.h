@@ -27,6 +27,7 @@
 
 #include "../core/fm_arena.h"
 #include "../core/fm_core.h"
+#include "fm_backend_opts.h" /* what a backend is created with */
 
 #ifdef __cplusplus
 extern "C" {
@@ -120,7 +121,8 @@ typedef struct fm_ops {
      *                      dW_e [out,in] += dy_e^T x_e
      * Either may be NULL: fm_expert_linear_fwd/bwd below then loop over gemm, one call per
      * expert (the CPU). CUDA: one grouped cuBLAS call per product (cublasGemmGroupedBatchedEx),
-     * experts with many rows get their own gemm; FLATMOE_EXPERT_GEMM=loop|grouped forces one form. */
+     * experts with many rows get their own gemm; the expert_gemm option (fm_backend_opts.h,
+     * FLATMOE_EXPERT_GEMM=loop|grouped) forces one form. */
     void (*expert_linear_fwd)(void *ctx, fm_act *y, const fm_act *x, const fm_act *W, const int64_t *offsets,
                               int64_t E, int64_t in, int64_t out);
     void (*expert_linear_bwd)(void *ctx, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
@@ -370,8 +372,9 @@ typedef struct fm_ops {
      * test it. The trainer prints the count per step. */
     uint64_t (*host_sync_count)(void *ctx);
 
-    /* ---- profiling: where a step's time goes. Enabled when the environment has
-     * FLATMOE_PROFILE=1 at backend creation; otherwise both are no-ops (collect returns false).
+    /* ---- profiling: where a step's time goes. Enabled by the profile option at backend
+     * creation (fm_backend_opts.h; FLATMOE_PROFILE=1 through fm_backend_opts_from_env);
+     * otherwise both are no-ops (collect returns false).
      * The CPU times with the wall clock; CUDA with events on its stream (no sync until collect),
      * from a pool created at init, so profiling allocates nothing in a step either. */
 

@@ -1,19 +1,10 @@
 #include "fm_backend_default.h"
-#include "cuda/fm_backend_cuda.h" /* FM_CUDA_MEMORY_RESERVE (a plain header) */
+#include "fm_backend_plan.h" /* FM_CUDA_MEMORY_RESERVE */
 
 #ifdef FM_ACT_BF16
+#include "cuda/fm_backend_cuda.h"
 
-fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_dim) {
-    (void)threads;
-    return fm_cuda_backend_init(b, 0, max_head_dim, 0);
-}
-fm_status fm_backend_default_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tq, int64_t tkv,
-                                        size_t gpu_workspace) {
-    (void)threads;
-    (void)tq;
-    (void)tkv;
-    return fm_cuda_backend_init(b, 0, max_head_dim, gpu_workspace);
-}
+fm_status fm_backend_default_init_opts(fm_backend *b, const fm_backend_opts *o) { return fm_cuda_backend_init(b, 0, o); }
 size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim, int64_t tq, int64_t tkv,
                                               size_t gpu_workspace) {
     (void)threads;
@@ -29,18 +20,11 @@ fm_status fm_backend_default_device_memory(size_t *free_bytes, size_t *total) {
 #else
 #include "cpu/fm_backend_cpu.h"
 
-fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_dim) {
-    return fm_cpu_backend_init(b, threads, max_head_dim);
-}
+fm_status fm_backend_default_init_opts(fm_backend *b, const fm_backend_opts *o) { return fm_cpu_backend_init_opts(b, o); }
 void fm_backend_default_free(fm_backend *b) { fm_cpu_backend_free(b); }
 fm_status fm_backend_default_device_memory(size_t *free_bytes, size_t *total) {
     *free_bytes = *total = 0;
     return FM_OK;
-}
-fm_status fm_backend_default_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tq, int64_t tkv,
-                                        size_t gpu_workspace) {
-    (void)gpu_workspace;
-    return fm_cpu_backend_init_tiles(b, threads, max_head_dim, tq > 0 ? tq : 64, tkv > 0 ? tkv : 64);
 }
 size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim, int64_t tq, int64_t tkv,
                                               size_t gpu_workspace) {
@@ -48,6 +32,22 @@ size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim,
     return fm_cpu_backend_scratch_bytes_tiles(threads, max_head_dim, tq > 0 ? tq : 64, tkv > 0 ? tkv : 64);
 }
 #endif
+
+/* Both builds: the FLATMOE_* variables over the defaults, then the arguments. */
+fm_status fm_backend_default_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tq, int64_t tkv,
+                                        size_t gpu_workspace) {
+    fm_backend_opts o = fm_backend_opts_default();
+    FM_TRY(fm_backend_opts_from_env(&o));
+    o.threads = threads;
+    o.max_head_dim = max_head_dim;
+    o.tile_q = tq > 0 ? tq : 0; /* <= 0: the default tile, as always */
+    o.tile_kv = tkv > 0 ? tkv : 0;
+    o.gpu_workspace = gpu_workspace;
+    return fm_backend_default_init_opts(b, &o);
+}
+fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_dim) {
+    return fm_backend_default_init_tiles(b, threads, max_head_dim, 0, 0, 0);
+}
 
 /* Both builds: the device's free memory less the CUDA reserve (0 on the CPU, which reports none). */
 fm_status fm_backend_default_memory_budget(size_t *budget, size_t *total) {

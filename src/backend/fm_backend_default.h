@@ -5,13 +5,18 @@
 #define FM_BACKEND_DEFAULT_H
 #include "fm_backend.h"
 
+/* Creates this build's backend from the options (fm_backend_opts.h; NULL: the defaults): the
+ * CPU backend (fm_cpu_backend_init_opts) or the CUDA backend on device 0 (fm_cuda_backend_init).
+ * Reads no environment variable. Errors: those of the backend's init. */
+fm_status fm_backend_default_init_opts(fm_backend *b, const fm_backend_opts *o);
 /* threads: CPU threads (0: all; ignored on CUDA); max_head_dim: the attention's head_dim bound.
- * Errors: those of fm_cpu_backend_init / fm_cuda_backend_init. */
+ * The other options are the defaults with the FLATMOE_* variables applied
+ * (fm_backend_opts_from_env). Errors: those of fm_backend_opts_from_env and of the init. */
 fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_dim);
-/* With the CPU attention's tile (query rows x key columns; 0: the default 64; ignored on CUDA)
- * and the CUDA backend's fixed library workspace in bytes (cuBLASLt and cuDNN each; 0: 64 MiB;
- * ignored on the CPU). A larger cuDNN workspace lets cuDNN serve the attention backward of long
- * GQA sequences that would otherwise fall back to our kernels. */
+/* The same with the CPU attention's tile (query rows x key columns; <= 0: the default 64; ignored
+ * on CUDA) and the CUDA backend's cuDNN workspace in bytes (0: 64 MiB; ignored on the CPU). A
+ * larger cuDNN workspace lets cuDNN serve the attention backward of long GQA sequences that
+ * would otherwise fall back to our kernels. */
 fm_status fm_backend_default_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tile_q,
                                         int64_t tile_kv, size_t gpu_workspace);
 void fm_backend_default_free(fm_backend *b);

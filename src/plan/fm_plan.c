@@ -6,8 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../backend/cuda/fm_backend_cuda.h"
-#include "../backend/fm_backend_default.h"
+#include "../backend/fm_backend_plan.h"
 #include "../bounded/fm_linear_ce.h"
 #include "../schedule/fm_recompute.h"
 #include "../train/fm_optim.h"
@@ -72,21 +71,24 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     }
 
     const bool cuda = tgt == FM_PLAN_TARGET_CUDA || (tgt == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4);
+    const fm_backend_plan_req breq = {.B = r->B, .T = r->T, .nh = c->num_attention_heads,
+                                      .nkv = c->num_key_value_heads, .hd = c->head_dim, .threads = r->threads,
+                                      .tile_q = r->att_tile_q, .tile_kv = r->att_tile_kv,
+                                      .gpu_workspace = r->gpu_workspace};
+    fm_backend_plan_info bw;
+    fm_backend_plan_workspaces(cuda ? FM_BACKEND_KIND_CUDA : FM_BACKEND_KIND_CPU, &breq, &bw);
     if (cuda) {
         /* the cuDNN workspace: as given, else sized for this shape (fm_cuda_cudnn_workspace_auto) */
-        p->gpu_workspace = r->gpu_workspace ? r->gpu_workspace
-                                            : fm_cuda_cudnn_workspace_auto(r->B, r->T, c->num_attention_heads,
-                                                                           c->num_key_value_heads, c->head_dim);
-        p->bytes[FM_PLAN_ATTENTION] = fm_cuda_backend_workspace_bytes_for(p->gpu_workspace);
+        p->gpu_workspace = bw.cudnn_workspace;
+        p->bytes[FM_PLAN_ATTENTION] = bw.total;
         snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "CUDA: cuDNN workspace %.0f MiB (%s) + cuBLASLt %.0f MiB + 16 MiB scratch",
                  p->gpu_workspace / 1048576.0, r->gpu_workspace ? "--gpu-workspace" : "sized for the attention backward",
-                 FM_CUDA_LT_WORKSPACE_BYTES / 1048576.0);
-    } else if (sizeof(fm_act) != 4) { /* a CPU run planned from the CUDA build */
+                 bw.lt_workspace / 1048576.0);
+    } else if (!bw.known) { /* a CPU run planned from the CUDA build */
         p->bytes[FM_PLAN_ATTENTION] = 0; /* the CUDA build carries no CPU backend to ask */
         snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "CPU tiles: plan with the CPU build for this figure");
     } else {
-        p->bytes[FM_PLAN_ATTENTION] =
-            fm_backend_default_scratch_bytes_tiles(r->threads, c->head_dim, r->att_tile_q, r->att_tile_kv, 0);
+        p->bytes[FM_PLAN_ATTENTION] = bw.total;
         snprintf(p->inputs[FM_PLAN_ATTENTION], 200, "per-thread flash tiles %lld x %lld, head_dim %lld (never T x T)",
                  (long long)(r->att_tile_q > 0 ? r->att_tile_q : 64),
                  (long long)(r->att_tile_kv > 0 ? r->att_tile_kv : 64), (long long)c->head_dim);

@@ -10,9 +10,22 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/cuda/fm_backend_cuda.h"
 #include "backend/fm_backend.h"
 #include "core/fm_core.h"
 #include "fm_test.h"
+
+/* A CUDA backend on `device` for the tests: the default options with the FLATMOE_* variables
+ * applied (fm_backend_opts_from_env: FLATMOE_EXPERT_GEMM, FLATMOE_ATTENTION_VERBOSE, ...), head_dim
+ * <= max_head_dim and a cuDNN workspace of `workspace` bytes (0: 64 MiB). Errors: those of
+ * fm_backend_opts_from_env and fm_cuda_backend_init. */
+static inline fm_status gt_cuda_init(fm_backend *b, int device, int64_t max_head_dim, size_t workspace) {
+    fm_backend_opts o = fm_backend_opts_default();
+    FM_TRY(fm_backend_opts_from_env(&o));
+    o.max_head_dim = max_head_dim;
+    o.gpu_workspace = workspace;
+    return fm_cuda_backend_init(b, device, &o);
+}
 
 static inline uint16_t gt_f32_to_bf16(float f) { /* round to nearest even */
     uint32_t u;

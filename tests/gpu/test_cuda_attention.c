@@ -376,7 +376,7 @@ int main(void) {
     fm_rng_seed(&g_rng, fm_test_seed(20251129));
     const double t_start = now_s();
     fm_backend be;
-    fm_status st = fm_cuda_backend_init(&be, 0, 128, 0);
+    fm_status st = gt_cuda_init(&be, 0, 128, 0);
     if (st != FM_OK) {
         fprintf(stderr, "cuda backend init failed: %s: %s\n", fm_status_name(st), fm_errmsg());
         CHECK(st == FM_OK);
@@ -419,7 +419,7 @@ int main(void) {
     /* head dims above 128: the scalar kernels (and cuDNN where it serves them) */
     {
         fm_backend be2;
-        CHECK((st = fm_cuda_backend_init(&be2, 0, 256, 0)) == FM_OK);
+        CHECK((st = gt_cuda_init(&be2, 0, 256, 0)) == FM_OK);
         if (st == FM_OK) {
             printf("max_head_dim 256:\n");
             for (int pi = 0; pi < 2; pi++) {
@@ -435,7 +435,7 @@ int main(void) {
      * accumulators whole (batch chunks; kv-head chunks with GQA; batch chunks with GQA) */
     {
         fm_backend be4;
-        CHECK((st = fm_cuda_backend_init(&be4, 0, 128, (size_t)4 << 20)) == FM_OK);
+        CHECK((st = gt_cuda_init(&be4, 0, 128, (size_t)4 << 20)) == FM_OK);
         if (st == FM_OK) {
             printf("cuDNN workspace 4 MiB:\n");
             const shape chunked[] = {{2, 1000, 8, 8, 64}, {1, 1000, 8, 4, 128}, {2, 700, 4, 2, 128}};
@@ -459,7 +459,7 @@ int main(void) {
      * accumulator is B*nh*T*hd*4 = 128 MiB here), then 512 MiB (one call) */
     {
         fm_backend be5;
-        CHECK((st = fm_cuda_backend_init(&be5, 0, 128, 0)) == FM_OK);
+        CHECK((st = gt_cuda_init(&be5, 0, 128, 0)) == FM_OK);
         if (st == FM_OK) {
             printf("  cuDNN backward workspace at T=16384 hd=128: %zu MiB whole (nh=16), %zu MiB in chunks (MHA), "
                    "%zu MiB in chunks (8 query heads per kv head)\n",
@@ -470,7 +470,7 @@ int main(void) {
             fm_cuda_backend_free(&be5);
         }
         fm_backend be3;
-        CHECK((st = fm_cuda_backend_init(&be3, 0, 128, (size_t)512 << 20)) == FM_OK);
+        CHECK((st = gt_cuda_init(&be3, 0, 128, (size_t)512 << 20)) == FM_OK);
         if (st == FM_OK) {
             bench(&be3, "(512 MiB ws)", true, 1, 16384, 16, 16, 128);
             const char *n = fm_cuda_attention_cudnn_note(be3.ctx);

@@ -1,4 +1,4 @@
-/* CUDA backend dense ops (src/backend/cuda/cuda_backend.cu) against the plain fp64 host references
+/* CUDA backend dense ops (src/backend/cuda/cuda_*.cu) against the plain fp64 host references
  * of tests/fm_ref_ops.c (shared with the CPU tests): gemm (all transpose combinations, alpha/beta, leading dimensions wider than the
  * matrices, C bf16 and fp32, K = 0), add, sumsq, embedding, RMSNorm, RoPE, SwiGLU, AdamW (with
  * and without an fp32 master), convert, and the memory ops; determinism (two calls, the same
@@ -166,11 +166,11 @@ static void fd_check(const char *what, objective_fn f, void *st, double *x, int6
 
 static void test_init_errors(void) {
     fm_backend b = {(const fm_ops *)1, (void *)1};
-    CHECK(fm_cuda_backend_init(NULL, 0, 64, 0) == FM_ERR_ARG);
-    CHECK(fm_cuda_backend_init(&b, -1, 64, 0) == FM_ERR_ARG);
+    CHECK(gt_cuda_init(NULL, 0, 64, 0) == FM_ERR_ARG);
+    CHECK(gt_cuda_init(&b, -1, 64, 0) == FM_ERR_ARG);
     CHECK(b.ops == NULL && b.ctx == NULL);
-    CHECK(fm_cuda_backend_init(&b, 0, 0, 0) == FM_ERR_ARG);
-    CHECK(fm_cuda_backend_init(&b, 4096, 64, 0) == FM_ERR_ARG); /* no such device */
+    CHECK(gt_cuda_init(&b, 0, 0, 0) == FM_ERR_ARG);
+    CHECK(gt_cuda_init(&b, 4096, 64, 0) == FM_ERR_ARG); /* no such device */
     CHECK_MSG(strstr(fm_errmsg(), "device") != NULL, "message: %s", fm_errmsg());
     CHECK(b.ops == NULL && b.ctx == NULL);
     /* cuBLASLt 32 MiB + the default cuDNN 64 MiB + 16 MiB scratch */
@@ -1012,7 +1012,7 @@ int main(void) {
     fm_rng_seed(&g_rng, fm_test_seed(20241129));
     const double t0 = now_s();
     test_init_errors();
-    fm_status s = fm_cuda_backend_init(&g_be, 0, 128, 0);
+    fm_status s = gt_cuda_init(&g_be, 0, 128, 0);
     if (s != FM_OK) {
         fprintf(stderr, "cannot create the CUDA backend: %s: %s\n", fm_status_name(s), fm_errmsg());
         CHECK(s == FM_OK);

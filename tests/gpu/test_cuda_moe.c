@@ -1,4 +1,4 @@
-/* CUDA backend (src/backend/cuda/cuda_moe.cu) router, MoE permutation, row movement,
+/* CUDA backend (cuda_router/permute/loss.cu) router, MoE permutation, row movement,
  * cross-entropy and linear-CE strip ops against the fp64 host references of tests/fm_ref_ops.c
  * (shared with the CPU tests).
  *
@@ -1002,7 +1002,7 @@ static void bench_all(void) {
 
 int main(void) {
     fm_rng_seed(&g_rng, fm_test_seed(20240611));
-    const fm_status st = fm_cuda_backend_init(&g_be, 0, 128, 0);
+    const fm_status st = gt_cuda_init(&g_be, 0, 128, 0);
     CHECK_MSG(st == FM_OK, "fm_cuda_backend_init: %s", fm_errmsg());
     if (st != FM_OK) return fm_test_finish();
     OPS = g_be.ops;

@@ -519,12 +519,9 @@ size_t fm_cpu_backend_scratch_bytes(int threads, int64_t max_head_dim) {
     return fm_cpu_backend_scratch_bytes_tiles(threads, max_head_dim, FM_CPU_ATT_BR, FM_CPU_ATT_BC);
 }
 
-fm_status fm_cpu_backend_init(fm_backend *b, int threads, int64_t max_head_dim) {
-    return fm_cpu_backend_init_tiles(b, threads, max_head_dim, FM_CPU_ATT_BR, FM_CPU_ATT_BC);
-}
-
-fm_status fm_cpu_backend_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tile_q,
-                                    int64_t tile_kv) {
+/* The one init: every fm_cpu_backend_init* comes here. */
+static fm_status cpu_init(fm_backend *b, int threads, int64_t max_head_dim, int64_t tile_q, int64_t tile_kv,
+                          bool profile) {
     if (!b) return fm_error(FM_ERR_ARG, "fm_cpu_backend_init: backend pointer is NULL");
     b->ops = NULL;
     b->ctx = NULL;
@@ -549,8 +546,7 @@ fm_status fm_cpu_backend_init_tiles(fm_backend *b, int threads, int64_t max_head
     c->att_br = tile_q;
     c->att_bc = tile_kv;
     c->att_stride = fm_cpu_att_scratch_floats(max_head_dim, tile_q, tile_kv);
-    const char *prof = getenv("FLATMOE_PROFILE");
-    c->prof_on = prof && prof[0] && strcmp(prof, "0") != 0;
+    c->prof_on = profile;
     c->prof_phase = FM_PHASE_OTHER;
     c->prof_last = cpu_now_s();
     memset(c->prof_acc, 0, sizeof c->prof_acc);
@@ -567,6 +563,22 @@ fm_status fm_cpu_backend_init_tiles(fm_backend *b, int threads, int64_t max_head
     b->ops = &fm_cpu_ops;
     b->ctx = c;
     return FM_OK;
+}
+
+fm_status fm_cpu_backend_init_opts(fm_backend *b, const fm_backend_opts *o) {
+    const fm_backend_opts d = fm_backend_opts_default();
+    if (!o) o = &d;
+    return cpu_init(b, o->threads, o->max_head_dim, o->tile_q == 0 ? FM_CPU_ATT_BR : o->tile_q,
+                    o->tile_kv == 0 ? FM_CPU_ATT_BC : o->tile_kv, o->profile);
+}
+
+fm_status fm_cpu_backend_init(fm_backend *b, int threads, int64_t max_head_dim) {
+    return cpu_init(b, threads, max_head_dim, FM_CPU_ATT_BR, FM_CPU_ATT_BC, false);
+}
+
+fm_status fm_cpu_backend_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tile_q,
+                                    int64_t tile_kv) {
+    return cpu_init(b, threads, max_head_dim, tile_q, tile_kv, false);
 }
 
 void fm_cpu_backend_free(fm_backend *b) {

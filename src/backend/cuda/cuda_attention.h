@@ -7,12 +7,14 @@
  *            accepts the shape (hd % 8 == 0, 16-byte aligned tensors) and its tensors fit the
  *            backend's fixed cuDNN workspace ("cudnn-chunked": the call was split over batch
  *            elements or kv-head groups so that the backward's fp32 dQ accumulator fits);
- *   "flash"  our own tiled tensor-core FlashAttention-2 kernels (cuda_attention_flash.cu):
- *            deterministic, hd even and <= 128;
+ *   "flash"  our own tiled tensor-core FlashAttention-2 kernels (cuda_attention_fwd.cu,
+ *            cuda_attention_bwd.cu): deterministic, hd even and <= 128;
  *   "simple" our scalar kernels: any hd (slow), used when "flash" cannot serve the shape.
- * The environment variable FLATMOE_ATTENTION=cudnn|fallback, read at backend init, picks the
- * path (default: cudnn where it can, else ours); FLATMOE_ATTENTION_VERBOSE=1 prints why cuDNN
- * refused a shape. The cuDNN path is compiled unless FM_ATTENTION_NO_CUDNN is defined. */
+ * The attention option of the backend's init (fm_backend_opts.h: auto | cudnn | fallback;
+ * FLATMOE_ATTENTION through fm_backend_opts_from_env) picks the path (default: cudnn where it
+ * can, else ours); attention_verbose (FLATMOE_ATTENTION_VERBOSE=1) prints why cuDNN refused a
+ * shape. The cuDNN path (cuda_attention_cudnn.cu) is compiled unless FM_ATTENTION_NO_CUDNN is
+ * defined. */
 #ifndef FM_CUDA_ATTENTION_H
 #define FM_CUDA_ATTENTION_H
 #include <stdbool.h>

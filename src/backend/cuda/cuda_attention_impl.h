@@ -1,5 +1,5 @@
 /* Internals of the CUDA attention (C++ only): the launchers of our own kernels in
- * cuda_attention_flash.cu, called by the dispatcher in cuda_attention.cu.
+ * cuda_attention_fwd.cu and cuda_attention_bwd.cu, called by the dispatcher in cuda_attention.cu.
  *
  * Layouts are fm_backend.h's: q, out, dq, dout [B,T,nh,hd]; k, v, dk, dv [B,T,nkv,hd];
  * lse [B,nh,T] (natural log of the scaled scores' sum of exponentials). Causal, grouped-query
@@ -11,8 +11,10 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-/* Raises the dynamic shared-memory limit of the tiled kernels (once, at init). */
+/* Raises the dynamic shared-memory limit of the tiled kernels (once, at init): the forward's
+ * (cuda_attention_fwd.cu), then fm_att_flash_bwd_setup's (the backward's, cuda_attention_bwd.cu). */
 cudaError_t fm_att_flash_setup(void);
+cudaError_t fm_att_flash_bwd_setup(void);
 
 /* Which of our kernels serves a shape: 1 = the tiled tensor-core kernels (hd even, hd <= 128,
  * 4-byte aligned pointers), 0 = the scalar kernels (anything else). */

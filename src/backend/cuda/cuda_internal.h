@@ -1,6 +1,16 @@
 /* Internals shared by the CUDA backend's files (CUDA C, not a public header): the context, the
- * checked-call macros and the functions each file contributes to the table in cuda_backend.cu.
- * Compiled with FM_ACT_BF16: fm_act is bf16 (reinterpret as __nv_bfloat16 in kernels). */
+ * checked-call macros, the fm_cuda_<entry> functions each file contributes to the op table that
+ * cuda_backend.cu assembles, and (cuda_common.cuh, included at the end) the device and host
+ * helpers the files share. Compiled with FM_ACT_BF16: fm_act is bf16 (reinterpret as
+ * __nv_bfloat16 in kernels). One op family per file:
+ *   cuda_backend.cu     the table, init, free          cuda_memory.cu   alloc, free, set, copy, sync
+ *   cuda_gemm.cu        gemm, grouped expert GEMMs     cuda_profile.cu  phase timing (events)
+ *   cuda_elementwise.cu add, sumsq, SwiGLU, convert    cuda_router.cu   router softmax/top-k, stats
+ *   cuda_embedding.cu   embedding                      cuda_permute.cu  route index, gather/combine, rows
+ *   cuda_norm.cu        RMSNorm                        cuda_loss.cu     cross-entropy, linear-CE strips
+ *   cuda_rope.cu        RoPE                           cuda_adamw.cu    AdamW
+ *   cuda_attention.cu   attention dispatch and state; cuda_attention_cudnn.cu the cuDNN graph path;
+ *   cuda_attention_fwd.cu / _bwd.cu our own kernels (the fallback forward and backward). */
 #ifndef FM_CUDA_INTERNAL_H
 #define FM_CUDA_INTERNAL_H
 
@@ -10,7 +20,7 @@
 #include <cuda_runtime.h>
 #include <cudnn.h>
 
-#include "fm_backend_cuda.h"
+#include "fm_backend_cuda.h" /* and fm_backend_plan.h: the workspace sizes */
 
 typedef struct fm_cuda_ctx {
     int device;
@@ -26,7 +36,8 @@ typedef struct fm_cuda_ctx {
     void *att_state;               /* owned by cuda_attention.cu (graph cache, fallback scratch) */
     void *scratch;                 /* FM_CUDA_SCRATCH_BYTES of device memory: reductions, group pointers */
     void *host_scratch;            /* FM_CUDA_SCRATCH_BYTES of pinned host memory for results */
-    /* profiling (FLATMOE_PROFILE=1 at init): a pool of timing events recorded on the stream at
+    fm_expert_gemm expert_gemm;    /* the expert GEMMs' form (fm_backend_opts.h), fixed at init */
+    /* profiling (the profile option at init): a pool of timing events recorded on the stream at
      * each phase mark, summed per phase at collect */
     cudaEvent_t *prof_ev;          /* [prof_cap], NULL when profiling is off */
     unsigned char *prof_phase;     /* [prof_cap]: the phase that starts at each event */
@@ -35,9 +46,9 @@ typedef struct fm_cuda_ctx {
     uint64_t host_syncs;           /* times the host waited for the stream (host_sync_count) */
 } fm_cuda_ctx;
 
-#define FM_CUDA_SCRATCH_BYTES ((size_t)16 << 20)
-/* The scratch's last FM_CUDA_GROUP_PTR_BYTES hold the device pointer arrays of the grouped expert
- * GEMM (3 arrays of FM_CUDA_GROUP_MAX pointers); reductions use the bytes below. */
+/* c->scratch is FM_CUDA_SCRATCH_BYTES (fm_backend_plan.h). Its last FM_CUDA_GROUP_PTR_BYTES hold
+ * the device pointer arrays of the grouped expert GEMM (3 arrays of FM_CUDA_GROUP_MAX pointers);
+ * reductions use the bytes below. */
 #define FM_CUDA_GROUP_MAX 128
 #define FM_CUDA_GROUP_PTR_BYTES ((size_t)4096)
 #define FM_CUDA_REDUCE_BYTES (FM_CUDA_SCRATCH_BYTES - FM_CUDA_GROUP_PTR_BYTES)
@@ -69,8 +80,65 @@ extern "C" {
 
 void fm_cuda_fail(const char *call, const char *what, const char *file, int line);
 
+/* Each file's table entries: each has the signature of its fm_ops entry (fm_backend.h, whose
+ * comments give the contract) and is named fm_cuda_<entry>. */
+
+/* cuda_gemm.cu */
+void fm_cuda_gemm(void *ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                  const fm_act *A, int64_t lda, const fm_act *B, int64_t ldb, float beta, void *C, fm_dtype c_type,
+                  int64_t ldc);
+void fm_cuda_expert_linear_fwd(void *ctx, fm_act *y, const fm_act *x, const fm_act *W, const int64_t *offsets,
+                               int64_t E, int64_t in, int64_t out);
+void fm_cuda_expert_linear_bwd(void *ctx, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
+                               const fm_act *W, const int64_t *offsets, int64_t E, int64_t in, int64_t out);
+
+/* cuda_elementwise.cu */
+void fm_cuda_add(void *ctx, fm_act *y, const fm_act *x, int64_t n);
+double fm_cuda_sumsq(void *ctx, const fm_act *x, int64_t n);
+void fm_cuda_swiglu_fwd(void *ctx, fm_act *out, const fm_act *gate, const fm_act *up, int64_t n);
+void fm_cuda_swiglu_bwd(void *ctx, fm_act *dgate, fm_act *dup, const fm_act *dout, const fm_act *gate,
+                        const fm_act *up, int64_t n);
+void fm_cuda_convert(void *ctx, void *dst, fm_dtype dst_type, const void *src, fm_dtype src_type, int64_t n);
+
+/* cuda_embedding.cu */
+void fm_cuda_embedding_fwd(void *ctx, fm_act *out, const int32_t *tokens, const fm_act *wte, int64_t N, int64_t H);
+void fm_cuda_embedding_bwd(void *ctx, fm_act *dwte, const fm_act *dout, const int32_t *tokens, int64_t N,
+                           int64_t H);
+
+/* cuda_norm.cu */
+void fm_cuda_rmsnorm_fwd(void *ctx, fm_act *out, float *rstd, const fm_act *x, const fm_act *w, int64_t N,
+                         int64_t D, float eps);
+void fm_cuda_rmsnorm_bwd(void *ctx, fm_act *dx, fm_act *dw, const fm_act *dout, const fm_act *x, const fm_act *w,
+                         const float *rstd, int64_t N, int64_t D);
+
+/* cuda_rope.cu */
+void fm_cuda_rope_fwd(void *ctx, fm_act *x, const float *cos_tab, const float *sin_tab, int64_t B, int64_t T,
+                      int64_t nh, int64_t hd);
+void fm_cuda_rope_bwd(void *ctx, fm_act *dx, const float *cos_tab, const float *sin_tab, int64_t B, int64_t T,
+                      int64_t nh, int64_t hd);
+
+/* cuda_adamw.cu */
+void fm_cuda_adamw(void *ctx, fm_act *p, const fm_act *g, float *master, void *m, void *v, fm_dtype mv_dtype,
+                   int64_t n, float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
+                   float grad_scale);
+
+/* cuda_memory.cu */
+void *fm_cuda_mem_alloc(void *ctx, size_t bytes);
+void fm_cuda_mem_free(void *ctx, void *p);
+void fm_cuda_mem_set(void *ctx, void *dst, int byte, size_t bytes);
+void fm_cuda_copy(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_kind kind);
+void fm_cuda_sync(void *ctx);
+uint64_t fm_cuda_host_sync_count(void *ctx);
+
+/* cuda_profile.cu: the table's entries, and the event pool (created at init when profiling,
+ * destroyed by free; fm_cuda_prof_free takes a half-built pool too). */
+void fm_cuda_prof_mark(void *ctx, fm_phase phase);
+bool fm_cuda_prof_collect(void *ctx, double *ms);
+fm_status fm_cuda_prof_init(fm_cuda_ctx *c);
+void fm_cuda_prof_free(fm_cuda_ctx *c);
+
 /* cuda_attention.cu: attention ops and their state (called by init/free in cuda_backend.cu). */
-fm_status fm_cuda_attention_init(fm_cuda_ctx *c);
+fm_status fm_cuda_attention_init(fm_cuda_ctx *c, const fm_backend_opts *o);
 void fm_cuda_attention_free(fm_cuda_ctx *c);
 void fm_cuda_attention_fwd(void *ctx, fm_act *out, float *lse, const fm_act *q, const fm_act *k,
                            const fm_act *v, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
@@ -78,8 +146,7 @@ void fm_cuda_attention_bwd(void *ctx, fm_act *dq, fm_act *dk, fm_act *dv, const 
                            const fm_act *q, const fm_act *k, const fm_act *v, const fm_act *out,
                            const float *lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
 
-/* cuda_moe.cu: router, MoE permutation, rows, cross-entropy, linear-CE strip ops. Each has the
- * signature of its fm_ops entry (fm_backend.h) and is named fm_cuda_<entry>. */
+/* cuda_router.cu */
 void fm_cuda_router_fwd(void *ctx, float *probs, float *lse, int32_t *topk_idx, float *topk_w,
                         const float *logits, int64_t N, int64_t E, int64_t k, bool norm_topk);
 void fm_cuda_router_bwd(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
@@ -87,6 +154,8 @@ void fm_cuda_router_bwd(void *ctx, float *dlogits, const float *dtopk_w, const f
                         const float *topk_w, int64_t N, int64_t E, int64_t k, bool norm_topk);
 double fm_cuda_router_stats(void *ctx, float *count, float *prob_sum, const float *probs, const float *lse,
                             const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
+
+/* cuda_permute.cu */
 void fm_cuda_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,
                              const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
 void fm_cuda_moe_gather(void *ctx, fm_act *xe, const fm_act *x, const int32_t *row_route, int64_t R,
@@ -99,6 +168,8 @@ void fm_cuda_moe_combine_bwd(void *ctx, fm_act *dye, float *dtopk_w, const fm_ac
                              const float *topk_w, const int32_t *route_row, int64_t N, int64_t k, int64_t H);
 void fm_cuda_gather_rows(void *ctx, void *dst, const void *src, const int32_t *idx, int64_t n, int64_t row_bytes);
 void fm_cuda_scatter_rows(void *ctx, void *dst, const void *src, const int32_t *idx, int64_t n, int64_t row_bytes);
+
+/* cuda_loss.cu */
 double fm_cuda_cross_entropy(void *ctx, float *loss, fm_act *dlogits, const fm_act *logits,
                              const int32_t *targets, int64_t N, int64_t V, float grad_scale, int32_t ignore_index);
 void fm_cuda_lce_fold(void *ctx, float *m, float *z, float *tgt, float *ent, const float *strip,
@@ -114,4 +185,6 @@ void fm_cuda_lce_strip_grad(void *ctx, float *grad, const float *strip, const fl
 #ifdef __cplusplus
 }
 #endif
+
+#include "cuda_common.cuh"
 #endif

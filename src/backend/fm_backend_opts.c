@@ -1,0 +1,104 @@
+/* Backend options (fm_backend_opts.h): defaults, the FLATMOE_* variables, JSON. */
+#include "fm_backend_opts.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+fm_backend_opts fm_backend_opts_default(void) {
+    fm_backend_opts o;
+    memset(&o, 0, sizeof o);
+    o.threads = 0;
+    o.max_head_dim = 128;
+    o.tile_q = o.tile_kv = 0;
+    o.gpu_workspace = 0;
+    o.attention = FM_ATTENTION_AUTO;
+    o.attention_verbose = false;
+    o.expert_gemm = FM_EXPERT_GEMM_AUTO;
+    o.profile = false;
+    return o;
+}
+
+/* A value among names[] (n of them), mapped to vals[]; *set = false when the variable is unset or
+ * empty. */
+static fm_status env_choice(const char *var, const char *const *names, const int *vals, int n, const char *accepted,
+                            int *out, bool *set) {
+    const char *v = getenv(var);
+    *set = false;
+    if (!v || !v[0]) return FM_OK;
+    for (int i = 0; i < n; i++)
+        if (strcmp(v, names[i]) == 0) {
+            *out = vals[i];
+            *set = true;
+            return FM_OK;
+        }
+    return fm_error(FM_ERR_ARG, "%s=%s: expected %s", var, v, accepted);
+}
+
+static fm_status env_bool(const char *var, bool *out) {
+    static const char *const names[] = {"0", "1", "false", "true", "off", "on", "no", "yes"};
+    static const int vals[] = {0, 1, 0, 1, 0, 1, 0, 1};
+    int v = 0;
+    bool set = false;
+    FM_TRY(env_choice(var, names, vals, 8, "0 or 1 (also false/true, off/on, no/yes)", &v, &set));
+    if (set) *out = v != 0;
+    return FM_OK;
+}
+
+fm_status fm_backend_opts_from_env(fm_backend_opts *o) {
+    FM_ASSERT(o);
+    FM_TRY(env_bool("FLATMOE_PROFILE", &o->profile));
+    {
+        static const char *const names[] = {"auto", "cudnn", "fallback", "flash", "ours"};
+        static const int vals[] = {FM_ATTENTION_AUTO, FM_ATTENTION_CUDNN, FM_ATTENTION_FALLBACK, FM_ATTENTION_FALLBACK,
+                                   FM_ATTENTION_FALLBACK};
+        int v = 0;
+        bool set = false;
+        FM_TRY(env_choice("FLATMOE_ATTENTION", names, vals, 5, "auto, cudnn or fallback (flash and ours mean fallback)",
+                          &v, &set));
+        if (set) o->attention = (fm_attention_path)v;
+    }
+    FM_TRY(env_bool("FLATMOE_ATTENTION_VERBOSE", &o->attention_verbose));
+    {
+        static const char *const names[] = {"auto", "loop", "grouped"};
+        static const int vals[] = {FM_EXPERT_GEMM_AUTO, FM_EXPERT_GEMM_LOOP, FM_EXPERT_GEMM_GROUPED};
+        int v = 0;
+        bool set = false;
+        FM_TRY(env_choice("FLATMOE_EXPERT_GEMM", names, vals, 3, "auto, loop or grouped", &v, &set));
+        if (set) o->expert_gemm = (fm_expert_gemm)v;
+    }
+    return FM_OK;
+}
+
+const char *fm_attention_path_name(fm_attention_path p) {
+    switch (p) {
+    case FM_ATTENTION_AUTO: return "auto";
+    case FM_ATTENTION_CUDNN: return "cudnn";
+    case FM_ATTENTION_FALLBACK: return "fallback";
+    }
+    return "?";
+}
+
+const char *fm_expert_gemm_name(fm_expert_gemm g) {
+    switch (g) {
+    case FM_EXPERT_GEMM_AUTO: return "auto";
+    case FM_EXPERT_GEMM_LOOP: return "loop";
+    case FM_EXPERT_GEMM_GROUPED: return "grouped";
+    }
+    return "?";
+}
+
+fm_status fm_backend_opts_json(const fm_backend_opts *o, char *buf, size_t cap) {
+    FM_ASSERT(o && (buf || cap == 0));
+    const int n = snprintf(buf, cap,
+                           "{\"threads\":%d,\"max_head_dim\":%lld,\"tile_q\":%lld,\"tile_kv\":%lld,\"gpu_workspace\":%zu,"
+                           "\"attention\":\"%s\",\"attention_verbose\":%s,\"expert_gemm\":\"%s\",\"profile\":%s}",
+                           o->threads, (long long)o->max_head_dim, (long long)o->tile_q, (long long)o->tile_kv,
+                           o->gpu_workspace, fm_attention_path_name(o->attention),
+                           o->attention_verbose ? "true" : "false", fm_expert_gemm_name(o->expert_gemm),
+                           o->profile ? "true" : "false");
+    if (n < 0 || (size_t)n >= cap) {
+        if (cap) buf[0] = '\0';
+        return fm_error(FM_ERR_ARG, "backend options as JSON: %d bytes do not fit the %zu-byte buffer", n + 1, cap);
+    }
+    return FM_OK;
+}

@@ -1,0 +1,73 @@
+/* Backend options: everything a backend is created with (fm_cpu_backend_init_opts,
+ * fm_cuda_backend_init, fm_backend_default_init_opts). A backend never reads the environment;
+ * the caller fills these, from flags and, where it wants them, from the FLATMOE_* variables
+ * through fm_backend_opts_from_env. Fields a backend has no use for are ignored by it (the CPU
+ * ignores the CUDA fields and the reverse). Plain C, no CUDA headers. */
+#ifndef FM_BACKEND_OPTS_H
+#define FM_BACKEND_OPTS_H
+
+#include "../core/fm_core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Which implementation serves the CUDA attention (cuda_attention.h). */
+typedef enum fm_attention_path {
+    FM_ATTENTION_AUTO = 0,     /* cuDNN's fused attention where it serves the shape, else ours */
+    FM_ATTENTION_FALLBACK = 1, /* always our kernels (bitwise deterministic; cuDNN's backward is not) */
+    FM_ATTENTION_CUDNN = 2,    /* cuDNN where it serves the shape, else ours (today the same as auto) */
+} fm_attention_path;
+
+/* How the CUDA backend runs a dispatch's expert GEMMs (expert_linear_fwd/bwd in fm_backend.h). */
+typedef enum fm_expert_gemm {
+    FM_EXPERT_GEMM_AUTO = 0,    /* one grouped cuBLAS call, experts of >= 1024 rows in calls of their own */
+    FM_EXPERT_GEMM_LOOP = 1,    /* one cuBLAS call per expert */
+    FM_EXPERT_GEMM_GROUPED = 2, /* every expert in the grouped call */
+} fm_expert_gemm;
+
+typedef struct fm_backend_opts {
+    int threads;                 /* CPU: OpenMP and BLAS threads, >= 0 (0: OpenMP's default) */
+    int64_t max_head_dim;        /* both: attention serves head_dim <= this, >= 1 */
+    int64_t tile_q, tile_kv;     /* CPU: attention tile, query rows x key columns, each 0 (the default
+                                  * 64) or in [1, 4096] */
+    size_t gpu_workspace;        /* CUDA: cuDNN workspace in bytes (0: FM_CUDA_DEFAULT_WORKSPACE_BYTES,
+                                  * 64 MiB; the planner sizes it with fm_cuda_cudnn_workspace_auto) */
+    fm_attention_path attention; /* CUDA: FLATMOE_ATTENTION */
+    bool attention_verbose;      /* CUDA: print cuDNN's plan choices and refusals to stderr
+                                  * (FLATMOE_ATTENTION_VERBOSE) */
+    fm_expert_gemm expert_gemm;  /* CUDA: FLATMOE_EXPERT_GEMM */
+    bool profile;                /* both: time each phase (prof_mark / prof_collect; FLATMOE_PROFILE) */
+} fm_backend_opts;
+
+/* threads 0, max_head_dim 128, tiles 0 x 0 (64 x 64), gpu_workspace 0 (64 MiB), attention auto,
+ * not verbose, expert GEMMs auto, no profiling. */
+fm_backend_opts fm_backend_opts_default(void);
+
+/* Sets the fields the environment names, leaves the others as they are:
+ *   FLATMOE_PROFILE            0|1 (also false|true, off|on, no|yes)   -> profile
+ *   FLATMOE_ATTENTION          auto|cudnn|fallback (flash, ours: fallback) -> attention
+ *   FLATMOE_ATTENTION_VERBOSE  0|1 (as FLATMOE_PROFILE)                -> attention_verbose
+ *   FLATMOE_EXPERT_GEMM        auto|loop|grouped                        -> expert_gemm
+ * An unset or empty variable keeps the field. Errors: FM_ERR_ARG for any other value, naming the
+ * variable, the value found and the values accepted (o is then partly updated). */
+fm_status fm_backend_opts_from_env(fm_backend_opts *o);
+
+/* "auto", "cudnn", "fallback"; "auto", "loop", "grouped"; "?" outside the enums. */
+const char *fm_attention_path_name(fm_attention_path p);
+const char *fm_expert_gemm_name(fm_expert_gemm g);
+
+/* Enough for fm_backend_opts_json's object with any field values. */
+#define FM_BACKEND_OPTS_JSON_MAX 320
+
+/* Writes the options as one JSON object (no newline, NUL-terminated) into buf[cap], e.g.
+ *   {"threads":0,"max_head_dim":128,"tile_q":0,"tile_kv":0,"gpu_workspace":0,"attention":"auto",
+ *    "attention_verbose":false,"expert_gemm":"auto","profile":false}
+ * for a metrics.jsonl line (`,"backend_opts":` followed by it). Errors: FM_ERR_ARG when it does
+ * not fit (buf then holds ""; FM_BACKEND_OPTS_JSON_MAX always fits). */
+fm_status fm_backend_opts_json(const fm_backend_opts *o, char *buf, size_t cap);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

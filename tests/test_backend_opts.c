@@ -1,0 +1,183 @@
+/* Backend options (fm_backend_opts.h) and the plan-facing workspace descriptor (fm_backend_plan.h):
+ * defaults, the FLATMOE_* variables and their errors, the JSON fragment, the CPU init taking the
+ * options, and the workspace bytes against the figures the formulas give by hand. */
+#include <stdlib.h>
+
+#include "backend/cpu/fm_backend_cpu.h"
+#include "backend/fm_backend_default.h"
+#include "backend/fm_backend_opts.h"
+#include "backend/fm_backend_plan.h"
+#include "fm_test.h"
+
+static const char *const k_vars[] = {"FLATMOE_PROFILE", "FLATMOE_ATTENTION", "FLATMOE_ATTENTION_VERBOSE",
+                                     "FLATMOE_EXPERT_GEMM"};
+
+static void clear_env(void) {
+    for (size_t i = 0; i < sizeof k_vars / sizeof k_vars[0]; i++) unsetenv(k_vars[i]);
+}
+
+static void test_defaults(void) {
+    const fm_backend_opts o = fm_backend_opts_default();
+    CHECK(o.threads == 0 && o.max_head_dim == 128 && o.tile_q == 0 && o.tile_kv == 0 && o.gpu_workspace == 0);
+    CHECK(o.attention == FM_ATTENTION_AUTO && !o.attention_verbose && o.expert_gemm == FM_EXPERT_GEMM_AUTO);
+    CHECK(!o.profile);
+    CHECK(strcmp(fm_attention_path_name(FM_ATTENTION_FALLBACK), "fallback") == 0);
+    CHECK(strcmp(fm_expert_gemm_name(FM_EXPERT_GEMM_GROUPED), "grouped") == 0);
+    CHECK(strcmp(fm_expert_gemm_name((fm_expert_gemm)9), "?") == 0);
+}
+
+/* Sets var=value, maps the environment over the defaults; *o the result. */
+static fm_status from(const char *var, const char *value, fm_backend_opts *o) {
+    clear_env();
+    setenv(var, value, 1);
+    *o = fm_backend_opts_default();
+    const fm_status s = fm_backend_opts_from_env(o);
+    clear_env();
+    return s;
+}
+
+static void test_from_env(void) {
+    fm_backend_opts o;
+    clear_env();
+    o = fm_backend_opts_default();
+    o.profile = true; /* unset variables keep the fields */
+    o.expert_gemm = FM_EXPERT_GEMM_LOOP;
+    CHECK(fm_backend_opts_from_env(&o) == FM_OK && o.profile && o.expert_gemm == FM_EXPERT_GEMM_LOOP);
+
+    CHECK(from("FLATMOE_PROFILE", "1", &o) == FM_OK && o.profile);
+    CHECK(from("FLATMOE_PROFILE", "yes", &o) == FM_OK && o.profile);
+    CHECK(from("FLATMOE_PROFILE", "0", &o) == FM_OK && !o.profile);
+    CHECK(from("FLATMOE_PROFILE", "", &o) == FM_OK && !o.profile);
+    CHECK(from("FLATMOE_PROFILE", "maybe", &o) == FM_ERR_ARG);
+    CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_PROFILE=maybe") && strstr(fm_errmsg(), "0 or 1"), "%s", fm_errmsg());
+
+    CHECK(from("FLATMOE_ATTENTION", "cudnn", &o) == FM_OK && o.attention == FM_ATTENTION_CUDNN);
+    CHECK(from("FLATMOE_ATTENTION", "fallback", &o) == FM_OK && o.attention == FM_ATTENTION_FALLBACK);
+    CHECK(from("FLATMOE_ATTENTION", "flash", &o) == FM_OK && o.attention == FM_ATTENTION_FALLBACK);
+    CHECK(from("FLATMOE_ATTENTION", "ours", &o) == FM_OK && o.attention == FM_ATTENTION_FALLBACK);
+    CHECK(from("FLATMOE_ATTENTION", "auto", &o) == FM_OK && o.attention == FM_ATTENTION_AUTO);
+    CHECK(from("FLATMOE_ATTENTION", "cuDNN", &o) == FM_ERR_ARG);
+    CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_ATTENTION=cuDNN") && strstr(fm_errmsg(), "auto, cudnn or fallback"), "%s",
+              fm_errmsg());
+
+    CHECK(from("FLATMOE_ATTENTION_VERBOSE", "1", &o) == FM_OK && o.attention_verbose);
+    CHECK(from("FLATMOE_ATTENTION_VERBOSE", "2", &o) == FM_ERR_ARG);
+    CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_ATTENTION_VERBOSE=2"), "%s", fm_errmsg());
+
+    CHECK(from("FLATMOE_EXPERT_GEMM", "loop", &o) == FM_OK && o.expert_gemm == FM_EXPERT_GEMM_LOOP);
+    CHECK(from("FLATMOE_EXPERT_GEMM", "grouped", &o) == FM_OK && o.expert_gemm == FM_EXPERT_GEMM_GROUPED);
+    CHECK(from("FLATMOE_EXPERT_GEMM", "auto", &o) == FM_OK && o.expert_gemm == FM_EXPERT_GEMM_AUTO);
+    CHECK(from("FLATMOE_EXPERT_GEMM", "batched", &o) == FM_ERR_ARG);
+    CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_EXPERT_GEMM=batched") && strstr(fm_errmsg(), "auto, loop or grouped"), "%s",
+              fm_errmsg());
+}
+
+static void test_json(void) {
+    char buf[FM_BACKEND_OPTS_JSON_MAX];
+    fm_backend_opts o = fm_backend_opts_default();
+    CHECK(fm_backend_opts_json(&o, buf, sizeof buf) == FM_OK);
+    CHECK_MSG(strcmp(buf, "{\"threads\":0,\"max_head_dim\":128,\"tile_q\":0,\"tile_kv\":0,\"gpu_workspace\":0,"
+                          "\"attention\":\"auto\",\"attention_verbose\":false,\"expert_gemm\":\"auto\","
+                          "\"profile\":false}") == 0,
+              "%s", buf);
+    /* the widest values still fit the documented maximum */
+    o.threads = -2147483647 - 1;
+    o.max_head_dim = o.tile_q = o.tile_kv = INT64_MIN;
+    o.gpu_workspace = SIZE_MAX;
+    o.attention = FM_ATTENTION_FALLBACK;
+    o.attention_verbose = o.profile = true;
+    o.expert_gemm = FM_EXPERT_GEMM_GROUPED;
+    CHECK_MSG(fm_backend_opts_json(&o, buf, sizeof buf) == FM_OK, "%s", fm_errmsg());
+    CHECK(strstr(buf, "\"attention\":\"fallback\",\"attention_verbose\":true,\"expert_gemm\":\"grouped\","
+                      "\"profile\":true}") != NULL);
+    char small[16] = "x";
+    CHECK(fm_backend_opts_json(&o, small, sizeof small) == FM_ERR_ARG && small[0] == '\0');
+}
+
+static void test_cpu_init(void) {
+    fm_backend b;
+    fm_backend_opts o = fm_backend_opts_default();
+    double ms[FM_PHASE_COUNT];
+    o.threads = 1;
+    o.max_head_dim = 64;
+    CHECK(fm_cpu_backend_init_opts(&b, &o) == FM_OK);
+    CHECK(!b.ops->prof_collect(b.ctx, ms)); /* profiling off */
+    fm_cpu_backend_free(&b);
+    o.profile = true;
+    CHECK(fm_cpu_backend_init_opts(&b, &o) == FM_OK);
+    CHECK(b.ops->prof_collect(b.ctx, ms));
+    fm_cpu_backend_free(&b);
+    CHECK(fm_cpu_backend_init_opts(&b, NULL) == FM_OK); /* the defaults */
+    fm_cpu_backend_free(&b);
+    o.tile_q = -1;
+    CHECK(fm_cpu_backend_init_opts(&b, &o) == FM_ERR_ARG);
+    o.tile_q = 4097;
+    CHECK(fm_cpu_backend_init_opts(&b, &o) == FM_ERR_ARG);
+    o.tile_q = 32;
+    o.threads = -1;
+    CHECK(fm_cpu_backend_init_opts(&b, &o) == FM_ERR_ARG);
+
+    /* the default backend's old entry points read the environment */
+    clear_env();
+    setenv("FLATMOE_PROFILE", "1", 1);
+    CHECK(fm_backend_default_init(&b, 1, 64) == FM_OK);
+    CHECK(b.ops->prof_collect(b.ctx, ms));
+    fm_backend_default_free(&b);
+    setenv("FLATMOE_PROFILE", "on", 1);
+    CHECK(fm_backend_default_init_tiles(&b, 1, 64, 0, -3, 0) == FM_OK); /* <= 0: the default tile */
+    CHECK(b.ops->prof_collect(b.ctx, ms));
+    fm_backend_default_free(&b);
+    setenv("FLATMOE_EXPERT_GEMM", "fast", 1);
+    CHECK(fm_backend_default_init(&b, 1, 64) == FM_ERR_ARG);
+    CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_EXPERT_GEMM=fast"), "%s", fm_errmsg());
+    clear_env();
+    CHECK(fm_backend_default_init(&b, 1, 64) == FM_OK);
+    CHECK(!b.ops->prof_collect(b.ctx, ms));
+    fm_backend_default_free(&b);
+}
+
+static void test_plan_workspaces(void) {
+    const size_t MiB = (size_t)1 << 20;
+    fm_backend_plan_info w;
+    /* OLMoE's attention (16 heads of 128, no GQA), one sequence */
+    fm_backend_plan_req r = {.B = 1, .T = 4096, .nh = 16, .nkv = 16, .hd = 128, .threads = 2};
+    fm_backend_plan_workspaces(FM_BACKEND_KIND_CUDA, &r, &w);
+    CHECK(w.known && w.cudnn_workspace == 64 * MiB && w.lt_workspace == 32 * MiB && w.scratch == 16 * MiB);
+    CHECK(w.total == (64 + 32 + 16) * MiB && w.memory_reserve == 1536 * MiB && w.attention_tiles == 0);
+    /* 16K: dQ accumulator 16*16384*128*4 = 128 MiB, row sums 1 MiB, + 1 MiB = 130 MiB */
+    r.T = 16384;
+    fm_backend_plan_workspaces(FM_BACKEND_KIND_CUDA, &r, &w);
+    CHECK(w.cudnn_workspace == 130 * MiB && w.total == (130 + 48) * MiB);
+    CHECK(w.cudnn_workspace == fm_cuda_cudnn_workspace_auto(1, 16384, 16, 16, 128));
+    r.T = 65536; /* 512 + 4 + 1 */
+    fm_backend_plan_workspaces(FM_BACKEND_KIND_CUDA, &r, &w);
+    CHECK(w.cudnn_workspace == 517 * MiB);
+    r.gpu_workspace = 256 * MiB; /* as given */
+    fm_backend_plan_workspaces(FM_BACKEND_KIND_CUDA, &r, &w);
+    CHECK(w.cudnn_workspace == 256 * MiB && w.total == (256 + 48) * MiB);
+    CHECK(w.total == fm_cuda_backend_workspace_bytes_for(256 * MiB));
+    CHECK(fm_cuda_backend_workspace_bytes_for(0) == (64 + 48) * MiB);
+    /* chunks at 64K tokens: the whole backward needs 517 MiB; 300 MiB takes 8 of the 16 heads
+     * (256 + 2 + 1 = 259 MiB); two sequences in 600 MiB go one at a time */
+    int64_t Bc = 0, kc = 0;
+    CHECK(fm_cuda_attention_pick_chunks(300 * MiB, true, 1, 65536, 16, 16, 128, &Bc, &kc) && Bc == 1 && kc == 8);
+    CHECK(fm_cuda_attention_pick_chunks(600 * MiB, true, 2, 65536, 16, 16, 128, &Bc, &kc) && Bc == 1 && kc == 16);
+    CHECK(!fm_cuda_attention_pick_chunks(MiB, true, 1, 65536, 16, 16, 128, &Bc, &kc));
+    CHECK(fm_cuda_attention_chunk_need(false, 4, 16, 65536, 128, 1) == 64 * 1024);
+
+    /* the CPU: every thread's tiles, as the CPU backend allocates them */
+    r.tile_q = 0, r.tile_kv = 32;
+    fm_backend_plan_workspaces(FM_BACKEND_KIND_CPU, &r, &w);
+    CHECK(w.known && w.cudnn_workspace == 0 && w.memory_reserve == 0);
+    CHECK(w.attention_tiles == fm_cpu_backend_scratch_bytes_tiles(2, 128, 64, 32) && w.total == w.attention_tiles);
+    CHECK(w.total > 0);
+}
+
+int main(void) {
+    test_defaults();
+    test_from_env();
+    test_json();
+    test_cpu_init();
+    test_plan_workspaces();
+    return fm_test_finish();
+}
