@@ -7,6 +7,7 @@
 #include "backend/cpu/fm_backend_cpu.h"
 #include "core/fm_rng.h"
 #include "fm_test.h"
+#include "fm_test_model.h"
 #include "model/fm_model.h"
 #include "schedule/fm_schedule.h"
 
@@ -148,7 +149,7 @@ static void save_routing(fm_model *m, int32_t *saved) {
  * redrawn (the loss is not differentiable across a routing change). */
 static void check_model_grad(fm_config cfg, const char *label, uint64_t seed) {
     fm_model m;
-    CHECK(fm_model_create(&m, &cfg, g_be, 0) == FM_OK);
+    CHECK(fm_test_model_create(&m, &cfg, g_be) == FM_OK);
     CHECK(fm_model_layout(&m, 2, 7, NULL) == FM_OK);
     fm_model_init_weights(&m, seed);
     fill_batch(&m, seed + 1);
@@ -202,7 +203,7 @@ static void check_model_grad(fm_config cfg, const char *label, uint64_t seed) {
     CHECK_MSG(checked >= m.n_tensors - 2, "%s: only %d of %d tensors could be checked", label, checked, m.n_tensors);
     fm_free(dir);
     fm_free(routing);
-    fm_model_free(&m);
+    fm_test_model_free(&m);
 }
 
 /* Full recompute and a per-layer list give gradients bit-identical to no recompute. */
@@ -215,7 +216,7 @@ static void test_recompute_exact(void) {
     for (int s = 0; s < 3; s++) {
         bool rc[3] = {s == 1, s >= 1, s >= 1};
         fm_model m;
-        CHECK(fm_model_create(&m, &cfg, g_be, 0) == FM_OK);
+        CHECK(fm_test_model_create(&m, &cfg, g_be) == FM_OK);
         fm_layout_opts lo = {rc, 0, 0, 0};
         CHECK(fm_model_layout(&m, 2, 9, &lo) == FM_OK);
         fm_model_init_weights(&m, 7);
@@ -253,7 +254,7 @@ static void test_recompute_exact(void) {
             CHECK_MSG(hw <= cap && hw * 10 >= cap * 9, "recompute %s: %s wrote %zu of its %zu bytes", specs[s],
                       fm_live_set_names[i], hw, cap);
         }
-        fm_model_free(&m);
+        fm_test_model_free(&m);
     }
     fm_free(ref);
 }
@@ -263,7 +264,7 @@ static void test_recompute_exact(void) {
 static void test_accumulation(void) {
     fm_config cfg = small_config(FM_MODEL_OLMOE, true, 2);
     fm_model m;
-    CHECK(fm_model_create(&m, &cfg, g_be, 0) == FM_OK);
+    CHECK(fm_test_model_create(&m, &cfg, g_be) == FM_OK);
     CHECK(fm_model_layout(&m, 1, 8, NULL) == FM_OK);
     fm_model_init_weights(&m, 3);
     const size_t bytes = sizeof(float) * (size_t)m.n_params;
@@ -290,7 +291,7 @@ static void test_accumulation(void) {
     CHECK_MSG(maxerr <= 1e-5 * maxg, "accumulated gradient off by %g (max %g)", maxerr, maxg);
     fm_free(g1);
     fm_free(g2);
-    fm_model_free(&m);
+    fm_test_model_free(&m);
 }
 
 /* Router weights all zero: every token ties, so top-1 sends every token to expert 0 and the
@@ -300,7 +301,7 @@ static void test_all_tokens_one_expert(void) {
     fm_config cfg = small_config(FM_MODEL_MIXTRAL, false, 1);
     cfg.router_z_loss_coef = 0;
     fm_model m;
-    CHECK(fm_model_create(&m, &cfg, g_be, 0) == FM_OK);
+    CHECK(fm_test_model_create(&m, &cfg, g_be) == FM_OK);
     CHECK(fm_model_layout(&m, 2, 8, NULL) == FM_OK);
     fm_model_init_weights(&m, 11);
     for (int64_t l = 0; l < cfg.num_hidden_layers; l++)
@@ -329,7 +330,7 @@ static void test_all_tokens_one_expert(void) {
     double s = 0;
     for (int64_t i = 0; i < m.n_params; i++) s += m.grads[i];
     CHECK(isfinite(s));
-    fm_model_free(&m);
+    fm_test_model_free(&m);
 }
 
 /* The arenas a layout allocates hold exactly the hand-written bound formulas' bytes (the layout
@@ -347,7 +348,7 @@ static void test_layout_measured(void) {
     want[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(&cfg, N, a);
     want[FM_LIVE_VOCAB] = fm_model_vocab_plain_bytes(&cfg, N, a);
     fm_model m;
-    CHECK(fm_model_create(&m, &cfg, g_be, 0) == FM_OK);
+    CHECK(fm_test_model_create(&m, &cfg, g_be) == FM_OK);
     CHECK(fm_model_layout(&m, B, T, NULL) == FM_OK);
     for (int i = 1; i < FM_LIVE_COUNT; i++)
         CHECK_MSG(m.arena[i].capacity == fm_arena_round(want[i]), "%s: arena %zu bytes, formula %zu",
@@ -357,11 +358,13 @@ static void test_layout_measured(void) {
     CHECK(numel == m.n_params);
     size_t state = 2 * fm_arena_round((size_t)numel * a); /* weights and gradients */
     if (a != sizeof(float)) state += fm_arena_round((size_t)numel * sizeof(float)); /* the fp32 master */
-    CHECK_MSG(m.arena[FM_LIVE_MODEL_STATE].capacity == state, "model state %zu bytes, table %zu",
-              m.arena[FM_LIVE_MODEL_STATE].capacity, state);
+    /* the model state is the parameter store's: its measured layout and its formula against the table */
+    CHECK_MSG(fm_param_store_measure(m.n_params) == state && fm_param_store_bytes(&m.cfg, a) == state,
+              "model state %zu bytes (formula %zu), table %zu", fm_param_store_measure(m.n_params),
+              fm_param_store_bytes(&m.cfg, a), state);
     CHECK(fm_model_layout(&m, 1, 65, NULL) == FM_ERR_ARG); /* beyond max_position_embeddings */
     CHECK(strstr(fm_errmsg(), "max_position_embeddings") != NULL);
-    fm_model_free(&m);
+    fm_test_model_free(&m);
 }
 
 /* Chunked MoE (--moe-chunk-tokens) against the plain twin: the same loss, the same activation
@@ -379,7 +382,7 @@ static bool g_fused = false;   /* run_step uses fm_model_train_step */
 static void run_step(fm_config *cfg, int64_t B, int64_t T, int64_t chunk, const bool *rc, bool zero_router,
                      float **grads_out, double *loss_out, size_t *expert_high) {
     fm_model m;
-    CHECK(fm_model_create(&m, cfg, g_be, 0) == FM_OK);
+    CHECK(fm_test_model_create(&m, cfg, g_be) == FM_OK);
     fm_layout_opts lo = {rc, chunk, g_ce_block, g_ce_block ? 7 : 0};
     CHECK(fm_model_layout(&m, B, T, &lo) == FM_OK);
     fm_model_init_weights(&m, 5);
@@ -405,7 +408,7 @@ static void run_step(fm_config *cfg, int64_t B, int64_t T, int64_t chunk, const 
     *grads_out = fm_malloc(sizeof(float) * (size_t)m.n_params);
     memcpy(*grads_out, m.grads, sizeof(float) * (size_t)m.n_params);
     if (expert_high) *expert_high = fm_arena_touched(&m.arena[FM_LIVE_EXPERT]); /* measured */
-    fm_model_free(&m);
+    fm_test_model_free(&m);
 }
 
 static void test_moe_chunked_ab(void) {

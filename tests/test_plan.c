@@ -13,6 +13,7 @@ static void check_formulas_match_layout(const char *path, int64_t B, int64_t T, 
                                         int64_t cbv) {
     fm_plan_req req;
     memset(&req, 0, sizeof req);
+    req.model_state_bytes = fm_model_state_bound; /* the trainer's answer (train/fm_optim.h) */
     CHECK(fm_config_load(&req.cfg, path) == FM_OK);
     const int64_t L = req.cfg.num_hidden_layers;
     bool rc[L];
@@ -29,7 +30,9 @@ static void check_formulas_match_layout(const char *path, int64_t B, int64_t T, 
     size_t measured[FM_LIVE_COUNT];
     fm_layout_opts lo = {rc, chunk, cbt, cbv};
     fm_model_plan_bytes(&req.cfg, B, T, &lo, measured);
-    measured[FM_LIVE_MODEL_STATE] += fm_adamw_state_bytes(fm_config_num_params(&req.cfg), false);
+    /* model state: the parameter store's layout, measured, and AdamW's two moments */
+    measured[FM_LIVE_MODEL_STATE] = fm_param_store_measure(fm_config_num_params(&req.cfg)) +
+                                    fm_adamw_state_bytes(fm_config_num_params(&req.cfg), false);
     for (int i = 0; i < FM_LIVE_COUNT; i++)
         CHECK_MSG(fm_arena_round(p.bytes[i]) == fm_arena_round(measured[i]),
                   "%s B=%lld T=%lld chunk=%lld recompute=%d: %s planned %zu, laid out %zu", path, (long long)B,
@@ -52,6 +55,7 @@ static void test_formulas(void) {
 static void test_hand_arithmetic(void) {
     fm_plan_req req;
     memset(&req, 0, sizeof req);
+    req.model_state_bytes = fm_model_state_bound; /* the trainer's answer (train/fm_optim.h) */
     CHECK(fm_config_load(&req.cfg, "configs/olmoe-1b-7b.json") == FM_OK);
     req.B = 1;
     req.T = 4096;
@@ -93,6 +97,7 @@ static void test_hand_arithmetic(void) {
 static void test_cuda_target(void) {
     fm_plan_req req;
     memset(&req, 0, sizeof req);
+    req.model_state_bytes = fm_model_state_bound; /* the trainer's answer (train/fm_optim.h) */
     CHECK(fm_config_load(&req.cfg, "configs/olmoe-1b-7b.json") == FM_OK);
     req.B = 1;
     req.T = 4096;
@@ -142,6 +147,7 @@ static void test_cuda_target(void) {
 static void test_chooser(void) {
     fm_plan_req req;
     memset(&req, 0, sizeof req);
+    req.model_state_bytes = fm_model_state_bound; /* the trainer's answer (train/fm_optim.h) */
     CHECK(fm_config_load(&req.cfg, "configs/qwen3-30b-a3b.json") == FM_OK);
     const int64_t L = req.cfg.num_hidden_layers;
     bool rc[L];
@@ -177,6 +183,7 @@ static void test_chooser(void) {
     {
         fm_plan_req o;
         memset(&o, 0, sizeof o);
+        o.model_state_bytes = fm_model_state_bound;
         CHECK(fm_config_load(&o.cfg, "configs/olmoe-1b-7b.json") == FM_OK);
         bool orc[64];
         o.B = 1;

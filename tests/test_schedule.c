@@ -12,6 +12,7 @@
 #include "backend/cpu/fm_backend_cpu.h"
 #include "core/fm_rng.h"
 #include "fm_test.h"
+#include "fm_test_model.h"
 #include "model/fm_moe_layer.h"
 #include "schedule/fm_schedule.h"
 
@@ -31,7 +32,7 @@ static fm_config small_config(void) {
 }
 
 static void make_model(fm_model *m, const fm_config *c, const bool *rc, int64_t chunk) {
-    FM_ASSERT(fm_model_create(m, c, g_be, 0) == FM_OK);
+    FM_ASSERT(fm_test_model_create(m, c, g_be) == FM_OK);
     fm_layout_opts lo = {rc, chunk, 0, 0};
     FM_ASSERT(fm_model_layout(m, 2, 8, &lo) == FM_OK);
     FM_ASSERT(fm_model_init_weights(m, 11) == FM_OK);
@@ -129,7 +130,7 @@ static void test_hooks(void) {
     CHECK(fm_schedule_add_hook(&s3, record, &rec) == FM_ERR_ARG);
     CHECK(strstr(fm_errmsg(), "already has") != NULL);
     fm_free(g_hooked);
-    fm_model_free(&m);
+    fm_test_model_free(&m);
 }
 
 /* ---- the recompute policy ------------------------------------------------------------------- */
@@ -189,7 +190,7 @@ static void test_router_terms(void) {
     g_be.ops->router_aux_grad(g_be.ctx, dp, s->count, 0.25, N, E);
     for (int64_t e = 0; e < E; e++) CHECK_CLOSE(dp[e], 0.25 * E * (s->count[e] / N) / N, 1e-7);
     free(dp);
-    fm_model_free(&m);
+    fm_test_model_free(&m);
 }
 
 /* ---- an empty chunk passes through every phase ---------------------------------------------- */

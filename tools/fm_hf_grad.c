@@ -48,7 +48,9 @@ int main(int argc, char **argv) {
     if (fm_config_load(&cfg, cpath)) return die("config");
     if (fm_backend_default_init(&be, 0, cfg.head_dim)) return die("backend");
     fm_model m;
-    if (fm_load_for_inference(&m, argv[1], be, B, T, NULL)) return die("model");
+    fm_param_store ps;
+    memset(&ps, 0, sizeof ps);
+    if (fm_load_for_inference(&m, &ps, argv[1], be, B, T, NULL)) return die("model");
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
             m.h_tokens[b * T + t] = (int32_t)ids[b * T + t];
@@ -92,6 +94,7 @@ int main(int argc, char **argv) {
     printf("fm_hf_grad: %s: loss %.7f over %lld tokens (aux %.3g, z %.3g), %d gradients\n", argv[1], l.ce,
            (long long)l.n_valid, l.aux, l.z, m.n_tensors);
     fm_model_free(&m);
+    fm_param_store_free(&ps);
     fm_backend_default_free(&be);
     return 0;
 }

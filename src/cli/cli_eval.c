@@ -38,7 +38,9 @@ int cmd_eval(int argc, char **argv) {
     fm_backend be;
     if ((s = fm_backend_default_init(&be, threads, cfg.head_dim))) return cli_fail("eval", s);
     fm_model m;
-    if ((s = fm_load_for_inference(&m, ckpt, be, micro_batch, seq_len, NULL))) return cli_fail("eval", s);
+    fm_param_store ps;
+    memset(&ps, 0, sizeof ps);
+    if ((s = fm_load_for_inference(&m, &ps, ckpt, be, micro_batch, seq_len, NULL))) return cli_fail("eval", s);
     if ((s = fm_dataset_check_windows(&ds, m.T_cap, "--data"))) return cli_fail("eval", s);
     double loss;
     int64_t ntok;
@@ -51,6 +53,7 @@ int cmd_eval(int argc, char **argv) {
         return 1;
     }
     fm_model_free(&m);
+    fm_param_store_free(&ps);
     fm_backend_default_free(&be);
     fm_dataset_free(&ds);
     return 0;

@@ -60,6 +60,7 @@ int cmd_plan(int argc, char **argv) {
     req.att_tile_q = tq;
     req.att_tile_kv = tkv;
     req.bf16_moments = bf16m;
+    req.model_state_bytes = fm_model_state_bound;
     if (gpu_ws_plan && (s = fm_parse_bytes(gpu_ws_plan, "--gpu-workspace", &req.gpu_workspace))) return cli_fail("plan", s);
     if (backend && !strcmp(backend, "cpu")) req.target = FM_PLAN_TARGET_CPU;
     else if (backend && !strcmp(backend, "cuda")) req.target = FM_PLAN_TARGET_CUDA;

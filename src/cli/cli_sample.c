@@ -38,7 +38,9 @@ int cmd_sample(int argc, char **argv) {
     if ((s = fm_config_load(&cfg, cpath))) return cli_fail("sample", s);
     if ((s = fm_backend_default_init(&be, threads, cfg.head_dim))) return cli_fail("sample", s);
     fm_model m;
-    if ((s = fm_load_for_inference(&m, ckpt, be, 1, ctx_len, NULL))) {
+    fm_param_store ps;
+    memset(&ps, 0, sizeof ps);
+    if ((s = fm_load_for_inference(&m, &ps, ckpt, be, 1, ctx_len, NULL))) {
         fm_backend_default_free(&be);
         return cli_fail("sample", s);
     }
@@ -46,6 +48,7 @@ int cmd_sample(int argc, char **argv) {
     fm_sampler smp;
     if ((s = fm_sampler_init(&smp, &m, prompt, strlen(prompt), max_new, &so))) {
         fm_model_free(&m);
+    fm_param_store_free(&ps);
         fm_backend_default_free(&be);
         return cli_fail("sample", s);
     }
@@ -60,6 +63,7 @@ int cmd_sample(int argc, char **argv) {
     putchar('\n');
     fm_sampler_free(&smp);
     fm_model_free(&m);
+    fm_param_store_free(&ps);
     fm_backend_default_free(&be);
     return s ? cli_fail("sample", s) : 0;
 }

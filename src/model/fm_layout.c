@@ -206,7 +206,7 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
     fm_arena_init_measure(&host, "host");
     layout_all(&m, ar, &host);
     if (host_bytes) *host_bytes = host.used;
-    bytes[FM_LIVE_MODEL_STATE] = fm_model_state_bytes(cfg, sizeof(fm_act));
+    bytes[FM_LIVE_MODEL_STATE] = 0; /* the parameter store's and the optimizer's (train/fm_param_store.h) */
     for (int i = 1; i < FM_LIVE_COUNT; i++) bytes[i] = ar[i].used;
     fm_free(rc);
     fm_free(bp);

@@ -113,7 +113,7 @@ static void set_ptrs(fm_model_ptrs *p, fm_act *base, const fm_config *c, int64_t
     }
 }
 
-fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be, size_t extra_state_bytes) {
+fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be) {
     memset(m, 0, sizeof *m);
     m->cfg = *cfg;
     m->be = be;
@@ -125,48 +125,33 @@ fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be, size
     m->n_tensors = counter.n;
     m->n_params = counter.offset;
     m->table = fm_malloc(sizeof(fm_param) * (size_t)counter.n);
-    layer_offsets *lo = fm_malloc(sizeof(layer_offsets) * (size_t)L);
+    m->offsets = fm_malloc(sizeof(layer_offsets) * (size_t)L);
     m->w.layers = fm_malloc(sizeof(fm_layer_ptrs) * (size_t)L);
     m->g.layers = fm_malloc(sizeof(fm_layer_ptrs) * (size_t)L);
     m->recompute = fm_malloc((size_t)L);
-    if (!m->table || !lo || !m->w.layers || !m->g.layers || !m->recompute) {
-        fm_free(lo);
+    if (!m->table || !m->offsets || !m->w.layers || !m->g.layers || !m->recompute) {
         fm_model_free(m);
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the parameter table (%d tensors)", counter.n);
     }
     table_builder b = {m->table, 0, 0};
-    build_table(cfg, &b, &oe, &on, &oh, lo);
-    const size_t state = fm_model_state_bytes(cfg, sizeof(fm_act));
-    fm_status st = fm_arena_init_backend(&m->arena[FM_LIVE_MODEL_STATE], fm_live_set_names[FM_LIVE_MODEL_STATE],
-                                         state + extra_state_bytes, &m->be);
-    if (st) {
-        fm_free(lo);
-        fm_model_free(m);
-        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the model state (%lld parameters, %.3f GiB); "
-                        "use a smaller config", (long long)counter.offset, (state + extra_state_bytes) / 1073741824.0);
-    }
-    m->params = fm_arena_alloc(&m->arena[FM_LIVE_MODEL_STATE], (size_t)m->n_params * sizeof(fm_act));
-    m->grads = fm_arena_alloc(&m->arena[FM_LIVE_MODEL_STATE], (size_t)m->n_params * sizeof(fm_act));
-    m->master = sizeof(fm_act) == sizeof(float)
-                    ? (float *)(void *)m->params
-                    : fm_arena_alloc(&m->arena[FM_LIVE_MODEL_STATE], (size_t)m->n_params * sizeof(float));
-    set_ptrs(&m->w, m->params, cfg, oe, on, oh, lo);
-    set_ptrs(&m->g, m->grads, cfg, oe, on, oh, lo);
-    fm_free(lo);
+    build_table(cfg, &b, &m->o_embed, &m->o_norm, &m->o_head, (layer_offsets *)m->offsets);
     return FM_OK;
+}
+
+void fm_model_bind_params(fm_model *m, fm_act *weights, fm_act *grads, float *master) {
+    FM_ASSERT(weights && grads && master);
+    m->params = weights;
+    m->grads = grads;
+    m->master = master;
+    const layer_offsets *lo = m->offsets;
+    set_ptrs(&m->w, m->params, &m->cfg, m->o_embed, m->o_norm, m->o_head, lo);
+    set_ptrs(&m->g, m->grads, &m->cfg, m->o_embed, m->o_norm, m->o_head, lo);
 }
 
 const fm_param *fm_model_find_param(const fm_model *m, const char *name) {
     for (int i = 0; i < m->n_tensors; i++)
         if (!strcmp(m->table[i].name, name)) return &m->table[i];
     return NULL;
-}
-
-size_t fm_model_state_bytes(const fm_config *cfg, size_t a) {
-    const int64_t n = fm_config_num_params(cfg);
-    size_t b = 2 * fm_arena_round((size_t)n * a);
-    if (a != sizeof(float)) b += fm_arena_round((size_t)n * sizeof(float));
-    return b;
 }
 
 void fm_model_upload_master(fm_model *m, const float *host) {
@@ -248,8 +233,8 @@ void fm_model_logits_row(const fm_model *m, int64_t row, float *host) {
 
 void fm_model_free(fm_model *m) {
     fm_model_free_layout(m);
-    fm_arena_free(&m->arena[FM_LIVE_MODEL_STATE]);
     fm_free(m->table);
+    fm_free(m->offsets);
     fm_free(m->w.layers);
     fm_free(m->g.layers);
     fm_free(m->recompute);

@@ -94,8 +94,10 @@ typedef struct fm_model {
     int64_t n_params;
     int n_tensors;
     fm_param *table;      /* n_tensors entries */
-    fm_act *params, *grads; /* backend memory, [n_params] each */
+    fm_act *params, *grads; /* backend memory, [n_params] each: the parameter store's (bound) */
     float *master;        /* fp32 master weights [n_params]: params itself when fm_act is fp32 */
+    int64_t o_embed, o_norm, o_head; /* offsets of the embedding, final norm and LM head */
+    void *offsets;        /* [L] per-layer tensor offsets (fm_model.c) */
     fm_model_ptrs w, g;   /* views of params and grads */
 
     /* Active shape (B, T, N = B*T) and the shape the activations were laid out for; a forward
@@ -125,16 +127,22 @@ typedef struct fm_model {
     fm_act *logits;             /* [N,V] (plain vocabulary projection; NULL under linear CE) */
     float *token_loss;          /* [N] */
 
-    fm_arena arena[FM_LIVE_COUNT];
+    fm_arena arena[FM_LIVE_COUNT]; /* the activation live sets; [FM_LIVE_MODEL_STATE] stays empty: the
+                                     model state is the parameter store's (train/fm_param_store.h) */
     fm_arena host_arena;        /* pinned host memory the step shares with the device (MoE expert
                                    offsets, the token upload's staging) */
 } fm_model;
 
-/* Builds the parameter table and allocates weights and gradients (model state arena, in the
- * backend's memory; plus fp32 master weights when fm_act is not fp32; plus `extra_state_bytes`
- * that the caller will take from it, e.g. AdamW moments). Does not initialize weights (see
- * fm_model_init_weights). Errors: FM_ERR_NOMEM. */
-fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be, size_t extra_state_bytes);
+/* Builds the parameter table (names, shapes, offsets into the flat parameter buffer) of a config
+ * on backend `be`. Allocates no parameter memory: the model state is the parameter store's
+ * (train/fm_param_store.h), which binds its buffers with fm_model_bind_params. Errors:
+ * FM_ERR_NOMEM. */
+fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be);
+
+/* Points the model at its parameters: weights and grads [n_params] fm_act and the fp32 master
+ * weights [n_params] (== weights when fm_act is fp32), backend memory in the table's layout
+ * (fm_param.offset); sets the per-layer views m->w and m->g. */
+void fm_model_bind_params(fm_model *m, fm_act *weights, fm_act *grads, float *master);
 
 /* How activations are laid out: which layers are recomputed, and the MoE chunking. */
 typedef struct fm_layout_opts {
@@ -182,9 +190,6 @@ size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_
  * laid-out capacity (asserted). Tokens and targets are then read as [B,T]. */
 void fm_model_set_shape(fm_model *m, int64_t B, int64_t T);
 
-/* Bytes of the model-state arena for a config: weights and grads (fm_act), fp32 master
- * weights when fm_act is not fp32 (the optimizer's extra state is added by the caller). */
-size_t fm_model_state_bytes(const fm_config *cfg, size_t act_bytes);
 
 /* Normal(0, initializer_range) for matrices and embeddings, 1 for norm weights (HF init),
  * generated on the host in fp32 and uploaded. */

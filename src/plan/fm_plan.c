@@ -9,7 +9,6 @@
 #include "../backend/fm_backend_plan.h"
 #include "../bounded/fm_linear_ce.h"
 #include "../schedule/fm_recompute.h"
-#include "../train/fm_optim.h"
 
 static const char *set_name(int i) {
     return i == FM_PLAN_ATTENTION ? "attention tiles" : fm_live_set_names[i];
@@ -41,13 +40,10 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     const fm_plan_target tgt = r->target;
     const size_t a = tgt == FM_PLAN_TARGET_CPU ? 4 : tgt == FM_PLAN_TARGET_CUDA ? 2 : sizeof(fm_act);
 
-    /* model state: fp32 weight and grad (this arena) + AdamW m and v (fm_adamw_state_bytes) */
-    p->bytes[FM_LIVE_MODEL_STATE] = fm_model_state_bytes(c, a) + fm_adamw_state_bytes(p->n_params, r->bf16_moments);
-    snprintf(p->inputs[FM_LIVE_MODEL_STATE], 200, "%s x %lld params",
-             a == 4 ? (r->bf16_moments ? "12 B/param (fp32 weight, grad; bf16 Adam m, v)" : "16 B/param (fp32 weight, grad, Adam m, v)")
-                    : (r->bf16_moments ? "12 B/param (bf16 weight, grad, Adam m, v; fp32 master)"
-                                       : "16 B/param (bf16 weight, grad; fp32 master, Adam m, v)"),
-             (long long)p->n_params);
+    /* model state: the parameter store's weights, grads and master and the optimizer's state,
+     * asked of the caller (train/fm_optim.h: fm_model_state_bound) */
+    FM_ASSERT(r->model_state_bytes); /* a request without it is a caller bug */
+    p->bytes[FM_LIVE_MODEL_STATE] = r->model_state_bytes(c, a, r->bf16_moments, p->inputs[FM_LIVE_MODEL_STATE]);
 
     p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_chunked(c, r->B, r->T, r->moe_chunk_tokens > 0, a);
     snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 = %lld) x N x H x %d B, N = %lld, H = %lld (+ tokens, RoPE)",

@@ -38,6 +38,11 @@ typedef struct fm_plan_req {
     fm_plan_target target;     /* the backend the run will use (default: this build's) */
     size_t gpu_workspace;      /* CUDA: bytes of the cuDNN workspace (0: the planner sizes it) */
     bool bf16_moments;         /* AdamW moments in bf16 (4 B/param) instead of fp32 (8) */
+    /* The model-state live set's bound for activations of act_bytes (the parameter store's and
+     * the optimizer's, train/fm_optim.h: fm_model_state_bound), desc (200 bytes) its formula in
+     * words. The planner asks its caller: plan/ sits below train/ and includes nothing of it.
+     * Required. */
+    size_t (*model_state_bytes)(const fm_config *cfg, size_t act_bytes, bool bf16_moments, char desc[200]);
 } fm_plan_req;
 
 typedef struct fm_plan {

@@ -1,51 +1,86 @@
+/* AdamW behind the optimizer interface, the gradients' sum of squares, the learning-rate
+ * schedule (fm_optim.h). */
 #include "fm_optim.h"
 
 #include <math.h>
+#include <stdio.h>
 
 size_t fm_adamw_state_bytes(int64_t n_params, bool bf16_moments) {
     return 2 * fm_arena_round((size_t)n_params * (bf16_moments ? 2 : sizeof(float)));
 }
 
-void fm_adamw_init(fm_adamw *opt, fm_model *m, double beta1, double beta2, double eps, double weight_decay,
-                   bool bf16_moments) {
-    fm_arena *a = &m->arena[FM_LIVE_MODEL_STATE];
+size_t fm_model_state_bound(const fm_config *cfg, size_t a, bool bf16_moments, char desc[200]) {
+    const int64_t n = fm_config_num_params(cfg);
+    if (desc)
+        snprintf(desc, 200, "%s x %lld params",
+                 a == 4 ? (bf16_moments ? "12 B/param (fp32 weight, grad; bf16 Adam m, v)"
+                                        : "16 B/param (fp32 weight, grad, Adam m, v)")
+                        : (bf16_moments ? "12 B/param (bf16 weight, grad, Adam m, v; fp32 master)"
+                                        : "16 B/param (bf16 weight, grad; fp32 master, Adam m, v)"),
+                 (long long)n);
+    return fm_param_store_bytes(cfg, a) + fm_adamw_state_bytes(n, bf16_moments);
+}
+
+void fm_adamw_config(fm_adamw *opt, double beta1, double beta2, double eps, double weight_decay, bool bf16_moments) {
+    memset(opt, 0, sizeof *opt);
     opt->moments_dtype = bf16_moments ? FM_DTYPE_BF16 : FM_DTYPE_F32;
-    const size_t bytes = (size_t)m->n_params * fm_dtype_size(opt->moments_dtype);
-    opt->m = fm_arena_alloc(a, bytes);
-    opt->v = fm_arena_alloc(a, bytes);
-    m->be.ops->mem_set(m->be.ctx, opt->m, 0, bytes);
-    m->be.ops->mem_set(m->be.ctx, opt->v, 0, bytes);
-    opt->step = 0;
     opt->beta1 = beta1;
     opt->beta2 = beta2;
     opt->eps = eps;
     opt->weight_decay = weight_decay;
 }
 
-void fm_adamw_step(fm_adamw *opt, fm_model *m, double lr, float grad_scale) {
-    opt->step++;
+static size_t adamw_state_bytes(const void *self, int64_t n_params) {
+    return fm_adamw_state_bytes(n_params, ((const fm_adamw *)self)->moments_dtype == FM_DTYPE_BF16);
+}
+
+static void adamw_init(void *self, fm_param_store *ps, const fm_backend *be) {
+    fm_adamw *opt = self;
+    const size_t bytes = (size_t)ps->n_params * fm_dtype_size(opt->moments_dtype);
+    opt->m = fm_param_store_take(ps, bytes);
+    opt->v = fm_param_store_take(ps, bytes);
+    be->ops->mem_set(be->ctx, opt->m, 0, bytes);
+    be->ops->mem_set(be->ctx, opt->v, 0, bytes);
+    opt->step = 0;
+}
+
+static void adamw_step_begin(void *self) { ((fm_adamw *)self)->step++; }
+
+static void adamw_step_range(void *self, fm_model *m, int t0, int t1, double lr, float grad_scale) {
+    fm_adamw *opt = self;
+    FM_ASSERT(opt->step > 0 && t0 >= 0 && t1 <= m->n_tensors);
     const float bc1 = (float)(1.0 - pow(opt->beta1, (double)opt->step));
     const float bc2 = (float)(1.0 - pow(opt->beta2, (double)opt->step));
     /* Consecutive tensors with the same decay flag form one launch. */
-    int i = 0;
-    while (i < m->n_tensors) {
+    int i = t0;
+    while (i < t1) {
         const bool decay = m->table[i].decay;
         const int64_t off = m->table[i].offset;
         int64_t n = 0;
         int j = i;
-        while (j < m->n_tensors && m->table[j].decay == decay && m->table[j].offset == off + n) {
+        while (j < t1 && m->table[j].decay == decay && m->table[j].offset == off + n) {
             n += m->table[j].numel;
             j++;
         }
         float *master = (void *)m->master == (void *)m->params ? NULL : m->master + off;
         const size_t mo = (size_t)off * fm_dtype_size(opt->moments_dtype);
         m->be.ops->adamw(m->be.ctx, m->params + off, m->grads + off, master, (char *)opt->m + mo, (char *)opt->v + mo,
-                         opt->moments_dtype, n, (float)lr,
-                         (float)opt->beta1, (float)opt->beta2, (float)opt->eps,
+                         opt->moments_dtype, n, (float)lr, (float)opt->beta1, (float)opt->beta2, (float)opt->eps,
                          decay ? (float)opt->weight_decay : 0.0f, bc1, bc2, grad_scale);
         i = j;
     }
 }
+
+static int adamw_state_tensors(void *self, fm_optim_state *out, int cap) {
+    fm_adamw *opt = self;
+    FM_ASSERT(cap >= 2);
+    out[0] = (fm_optim_state){"exp_avg.", opt->m, opt->moments_dtype};
+    out[1] = (fm_optim_state){"exp_avg_sq.", opt->v, opt->moments_dtype};
+    return 2;
+}
+
+const fm_optimizer_ops fm_adamw_ops = {"adamw", adamw_state_bytes, adamw_init, adamw_step_begin, adamw_step_range,
+                                       adamw_state_tensors};
 
 void fm_grad_sumsq(fm_model *m, double *out) { m->be.ops->sumsq(m->be.ctx, out, m->grads, m->n_params, false); }
 

@@ -1,34 +1,64 @@
-/* AdamW with per-tensor weight-decay masks, global-norm clipping and the learning-rate
- * schedule (linear warmup, then cosine decay to min_lr).
+/* The optimizer interface (DESIGN.md §3: train/ owns the model-state live set with the parameter
+ * store) and its AdamW; global-norm clipping's sum of squares; the learning-rate schedule (linear
+ * warmup, then cosine decay to min_lr).
  *
- * State: Adam moments m and v with the layout of the flat parameter buffer, fp32 (default) or
- * bf16 (--bf16-moments: 4 instead of 8 bytes per parameter; the update is computed in fp32 and
- * only the stored moments are rounded); on the CPU backend the fp32 parameters are the master
- * weights. */
+ * An optimizer is a table of functions over its own state (fm_optimizer_ops): the bytes of state
+ * it needs for n parameters (for the plan and the parameter store's arena), init (its state from
+ * the store's arena), a step over a range of the parameter table's tensors (the whole table
+ * today; layer by layer or bucket by bucket for the optimizer overlap and the streamed AdamW of
+ * the next issues), and its tensors for checkpoints. */
 #ifndef FM_OPTIM_H
 #define FM_OPTIM_H
 #include "../model/fm_model.h"
+#include "fm_param_store.h"
 
+/* One tensor of optimizer state for checkpoints: n_params elements of dtype in the parameter
+ * table's layout, saved as "<prefix><HF name>" (fp32 on disk). */
+typedef struct fm_optim_state {
+    const char *prefix; /* "exp_avg.", "exp_avg_sq." */
+    void *base;         /* backend memory */
+    fm_dtype dtype;
+} fm_optim_state;
+
+typedef struct fm_optimizer_ops {
+    const char *name;
+    /* Bytes of state for n_params parameters (fm_param_store_create's optimizer_bytes). */
+    size_t (*state_bytes)(const void *self, int64_t n_params);
+    /* Takes and zeroes its state from the store's arena. */
+    void (*init)(void *self, fm_param_store *ps, const fm_backend *be);
+    /* Starts an update (bias correction counts it); then step_range over every tensor once. */
+    void (*step_begin)(void *self);
+    /* The update of tensors [t0, t1) of m's table at learning rate lr; gradients are multiplied
+     * by grad_scale first (clipping). Issues work only. */
+    void (*step_range)(void *self, fm_model *m, int t0, int t1, double lr, float grad_scale);
+    /* Its state tensors for checkpoints into out[cap]; returns how many. */
+    int (*state_tensors)(void *self, fm_optim_state *out, int cap);
+} fm_optimizer_ops;
+
+/* AdamW (Loshchilov & Hutter, arXiv 1711.05101) with per-tensor weight-decay masks. State: Adam
+ * moments m and v with the layout of the flat parameter buffer, fp32 (default) or bf16
+ * (--bf16-moments: 4 instead of 8 bytes per parameter; the update is computed in fp32 and only
+ * the stored moments are rounded); on the CPU backend the fp32 parameters are the master weights. */
 typedef struct fm_adamw {
-    void *m, *v;       /* [n_params] each of moments_dtype, taken from the model-state arena */
+    void *m, *v;       /* [n_params] each of moments_dtype, taken from the parameter store's arena */
     fm_dtype moments_dtype; /* FM_DTYPE_F32 or FM_DTYPE_BF16 */
     int64_t step;      /* optimizer steps taken (bias correction uses step+1 on the next) */
     double beta1, beta2, eps, weight_decay;
 } fm_adamw;
 
+extern const fm_optimizer_ops fm_adamw_ops;
+
+/* An AdamW's hyper-parameters (state taken later by fm_adamw_ops.init). */
+void fm_adamw_config(fm_adamw *opt, double beta1, double beta2, double eps, double weight_decay, bool bf16_moments);
+
 /* Bytes of optimizer state for n_params parameters (m and v): 8 bytes per parameter with fp32
  * moments, 4 with bf16_moments. */
 size_t fm_adamw_state_bytes(int64_t n_params, bool bf16_moments);
 
-/* Takes m and v (zeroed) from the model's model-state arena, which fm_model_create sized with
- * fm_adamw_state_bytes(). */
-void fm_adamw_init(fm_adamw *opt, fm_model *m, double beta1, double beta2, double eps, double weight_decay,
-                   bool bf16_moments);
-
-/* One AdamW step (Loshchilov & Hutter, arXiv 1711.05101) over every tensor of the parameter
- * table at learning rate lr; gradients are multiplied by grad_scale first (clipping). Norm
- * weights (table's decay = false) get no weight decay. */
-void fm_adamw_step(fm_adamw *opt, fm_model *m, double lr, float grad_scale);
+/* The model-state live set's bound for a plan (DESIGN.md §2): the parameter store's bytes plus
+ * AdamW's, for activations of act_bytes; desc (200 bytes) gets the formula in words. The plan
+ * request carries the result (plan/ asks its caller; it includes nothing of train/). */
+size_t fm_model_state_bound(const fm_config *cfg, size_t act_bytes, bool bf16_moments, char desc[200]);
 
 /* The sum of squares of all gradients (double) into *out (backend memory, assigned): the global
  * L2 norm's square, read by the host at the step's sync point. Issues work only. */

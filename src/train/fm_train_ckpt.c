@@ -218,8 +218,9 @@ fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
     /* fp32 master (as model.safetensors and master.*), m, v */
     FM_TRY(name_state(r, m->master, FM_DTYPE_F32, "", 0));
     FM_TRY(name_state(r, m->master, FM_DTYPE_F32, "master.", 1));
-    FM_TRY(name_state(r, r->opt.m, r->opt.moments_dtype, "exp_avg.", 2)); /* bf16 moments: widened */
-    FM_TRY(name_state(r, r->opt.v, r->opt.moments_dtype, "exp_avg_sq.", 3));
+    fm_optim_state os[2];
+    const int nos = r->optim->state_tensors(&r->opt, os, 2);
+    for (int i = 0; i < nos; i++) FM_TRY(name_state(r, os[i].base, os[i].dtype, os[i].prefix, 2 + i)); /* bf16: widened */
     char *state = state_to_json(ts);
     fm_status s = state ? FM_OK : fm_error(FM_ERR_NOMEM, "out of memory writing state.json");
     char dir[4096];
@@ -239,15 +240,16 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
     /* the fp32 master from the optimizer file (model.safetensors holds the same values) */
     FM_TRY(load_master(&r->m, &r->hf.t, path, "master."));
     /* bf16 moments: narrowed to nearest even, exact for moments a bf16 run saved */
-    FM_TRY(load_fp32_as(&r->m, &r->hf.t, path, "exp_avg.", r->opt.m, r->opt.moments_dtype));
-    FM_TRY(load_fp32_as(&r->m, &r->hf.t, path, "exp_avg_sq.", r->opt.v, r->opt.moments_dtype));
+    fm_optim_state os[2];
+    const int nos = r->optim->state_tensors(&r->opt, os, 2);
+    for (int i = 0; i < nos; i++) FM_TRY(load_fp32_as(&r->m, &r->hf.t, path, os[i].prefix, os[i].base, os[i].dtype));
     r->opt.step = ts->opt_step;
     return FM_OK;
 }
 
 /* ---- loading a checkpoint for inference ----------------------------------------------------- */
 
-fm_status fm_load_for_inference(fm_model *m, const char *ckpt_dir, fm_backend be, int64_t B, int64_t T,
+fm_status fm_load_for_inference(fm_model *m, fm_param_store *ps, const char *ckpt_dir, fm_backend be, int64_t B, int64_t T,
                                 int64_t *trained_seq_len) {
     char path[4096];
     fm_config cfg;
@@ -262,8 +264,9 @@ fm_status fm_load_for_inference(fm_model *m, const char *ckpt_dir, fm_backend be
     }
     if (trained_seq_len) *trained_seq_len = tsl;
     if (T <= 0) T = tsl > 0 ? tsl : cfg.max_position_embeddings;
-    FM_TRY(fm_model_create(m, &cfg, be, 0));
-    fm_status s = fm_model_layout(m, B, T, NULL);
+    FM_TRY(fm_model_create(m, &cfg, be));
+    fm_status s = fm_param_store_create(ps, m, 0);
+    if (s == FM_OK) s = fm_model_layout(m, B, T, NULL);
     fm_train_hf hf = {0};
     if (s == FM_OK) s = fm_train_hf_init(&hf, m);
     if (s == FM_OK) {
@@ -271,6 +274,9 @@ fm_status fm_load_for_inference(fm_model *m, const char *ckpt_dir, fm_backend be
         s = load_master(m, &hf.t, path, "");
     }
     fm_train_hf_free(&hf);
-    if (s != FM_OK) fm_model_free(m);
+    if (s != FM_OK) {
+        fm_model_free(m);
+        fm_param_store_free(ps);
+    }
     return s;
 }

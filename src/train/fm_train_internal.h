@@ -62,7 +62,14 @@ typedef struct run {
     bool *rc;
     struct fm_fetch_src *fetch;     /* [4 * n_tensors]: save sources on a device backend */
     fm_step_ws step;                /* the step's schedule and pinned results (fm_train_step.h) */
+    fm_param_store ps;              /* the model-state live set: weights, grads, master, optimizer state */
+    const fm_optimizer_ops *optim;  /* the optimizer's interface over r->opt */
 } run;
+
+/* The arena of live set i: the parameter store's for the model state, the model's otherwise. */
+static inline const fm_arena *fm_train_arena(const run *r, int i) {
+    return i == FM_LIVE_MODEL_STATE ? &r->ps.arena : &r->m.arena[i];
+}
 
 /* ---- fm_train_opts.c ---- */
 

@@ -82,7 +82,7 @@ static void report_memory(const run *r, size_t dev_used, size_t dev_total) {
             printf("memory: %-22s %14zu %14s %7s\n", "attention tiles", r->plan.bytes[i], "(backend)", "");
             continue;
         }
-        size_t hw = i == FM_LIVE_MODEL_STATE ? m->arena[i].high : fm_arena_touched(&m->arena[i]);
+        size_t hw = i == FM_LIVE_MODEL_STATE ? r->ps.arena.high : fm_arena_touched(&m->arena[i]);
         printf("memory: %-22s %14zu %14zu %6.1f%%\n", fm_live_set_names[i], r->plan.bytes[i], hw,
                r->plan.bytes[i] ? 100.0 * (double)hw / (double)r->plan.bytes[i] : 0.0);
     }
@@ -97,7 +97,7 @@ void fm_train_metrics_memory(run *r) {
     fprintf(r->metrics, ",\"memory\":{");
     for (int i = 0; i < FM_LIVE_COUNT; i++)
         fprintf(r->metrics, "%s\"%s\":{\"bound\":%zu,\"high_water\":%zu}", i ? "," : "", fm_live_set_names[i],
-                r->plan.bytes[i], i == FM_LIVE_MODEL_STATE ? m->arena[i].high : fm_arena_touched(&m->arena[i]));
+                r->plan.bytes[i], i == FM_LIVE_MODEL_STATE ? r->ps.arena.high : fm_arena_touched(&m->arena[i]));
     fprintf(r->metrics, "}");
     size_t dfree = 0, dtotal = 0;
     if (fm_backend_default_device_memory(&dfree, &dtotal) != FM_OK) dfree = dtotal = 0;

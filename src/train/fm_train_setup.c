@@ -13,6 +13,7 @@
 void fm_train_run_free(run *r) {
     if (r->metrics) fclose(r->metrics);
     fm_step_ws_free(&r->step); /* before the backend whose memory it holds */
+    fm_param_store_free(&r->ps);
     if (r->model_ok) fm_model_free(&r->m);
     if (r->be_ok) fm_backend_default_free(&r->be);
     fm_dataset_free(&r->val_own);
@@ -131,7 +132,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                        o->moe_chunk_tokens > 0 ? o->moe_chunk_tokens : 0,
                        o->ce_block_tokens > 0 ? o->ce_block_tokens : 0,
                        o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads, o->att_tile_q, o->att_tile_kv,
-                       FM_PLAN_TARGET_BUILD, o->gpu_workspace, o->bf16_moments};
+                       FM_PLAN_TARGET_BUILD, o->gpu_workspace, o->bf16_moments, fm_model_state_bound};
     fm_plan plan;
     /* The budget: --mem-budget, else (CUDA) the device's free memory less a reserve. */
     size_t budget = o->mem_budget, dev_total = 0;
@@ -155,19 +156,24 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_backend_default_init_tiles(&r->be, o->threads, c->head_dim, o->att_tile_q, o->att_tile_kv,
                                          plan.gpu_workspace));
     r->be_ok = true;
-    FM_TRY(fm_model_create(&r->m, c, r->be, fm_adamw_state_bytes(fm_config_num_params(c), o->bf16_moments)));
+    FM_TRY(fm_model_create(&r->m, c, r->be));
     r->model_ok = true;
     fm_model *m = &r->m;
+    fm_adamw_config(&r->opt, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
+    r->optim = &fm_adamw_ops;
+    FM_TRY(fm_param_store_create(&r->ps, m, r->optim->state_bytes(&r->opt, m->n_params)));
+    r->optim->init(&r->opt, &r->ps, &r->be);
     const fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab};
     FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len, &lo));
-    for (int i = 0; i < FM_LIVE_COUNT; i++)
-        if (m->arena[i].capacity != fm_arena_round(plan.bytes[i])) {
+    for (int i = 0; i < FM_LIVE_COUNT; i++) {
+        const fm_arena *a = fm_train_arena(r, i);
+        if (a->capacity != fm_arena_round(plan.bytes[i])) {
             char msg[200];
             snprintf(msg, sizeof msg, "the %s arena holds %zu bytes but the plan says %zu", fm_live_set_names[i],
-                     m->arena[i].capacity, plan.bytes[i]);
+                     a->capacity, plan.bytes[i]);
             fm_abort(__FILE__, __LINE__, msg);
         }
-    fm_adamw_init(&r->opt, m, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
+    }
     FM_TRY(fm_step_ws_init(&r->step, m, o->grad_accum));
     FM_TRY(fm_train_ckpt_init(r));
 

@@ -24,7 +24,7 @@ void fm_step_ws_free(fm_step_ws *w) {
     memset(w, 0, sizeof *w);
 }
 
-fm_status fm_train_step(fm_model *m, fm_adamw *opt, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
+fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
                         const fm_train_opts *o, int64_t step, fm_step_stats *out) {
     FM_ASSERT(w->grad_accum == o->grad_accum);
     const int64_t G = o->grad_accum, n_res = w->n_res;
@@ -64,7 +64,8 @@ fm_status fm_train_step(fm_model *m, fm_adamw *opt, fm_step_ws *w, const fm_data
                         (long long)step, gnorm, o->out_dir);
     const float clip = (o->grad_clip > 0 && gnorm > o->grad_clip) ? (float)(o->grad_clip / gnorm) : 1.0f;
     const double lr = fm_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr);
-    fm_adamw_step(opt, m, lr, clip);
+    optim->step_begin(opt);
+    optim->step_range(opt, m, 0, m->n_tensors, lr, clip); /* every tensor: the whole table */
     m->be.ops->sync(m->be.ctx); /* sync point "step clock": the step's time includes its update */
     FM_TRY(m->be.ops->status(m->be.ctx));
     out->ce = ce;

@@ -49,7 +49,7 @@ typedef struct fm_step_stats {
  * Errors: FM_ERR_NUMERIC when a micro-batch's loss or the gradient norm is not finite (the
  * message names the step and says that the last good checkpoint in o->out_dir stays); the
  * weights are then not updated. */
-fm_status fm_train_step(fm_model *m, fm_adamw *opt, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
+fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
                         const fm_train_opts *o, int64_t step, fm_step_stats *out);
 
 #endif

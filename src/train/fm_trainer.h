@@ -7,6 +7,7 @@
 #define FM_TRAINER_H
 #include "../model/fm_model.h"
 #include "fm_optim.h"
+#include "fm_param_store.h"
 
 typedef struct fm_train_opts {
     const char *config_path;      /* --config (may be NULL with --resume: taken from the checkpoint) */
@@ -53,8 +54,10 @@ fm_status fm_train(const fm_train_opts *o);
 /* Loads a checkpoint folder's config.json and model.safetensors into a new model on backend
  * `be`, laid out for micro-batch B and sequence T (T = 0: the checkpoint's trained seq_len from
  * state.json, or max_position_embeddings). *trained_seq_len gets state.json's seq_len (0 if
- * absent). Errors: FM_ERR_IO/FORMAT/CONFIG with the file named. */
-fm_status fm_load_for_inference(fm_model *m, const char *ckpt_dir, fm_backend be, int64_t B, int64_t T,
+ * absent). The weights live in *ps (a parameter store without optimizer state, created here):
+ * free it with fm_param_store_free after fm_model_free. Errors: FM_ERR_IO/FORMAT/CONFIG with the
+ * file named, FM_ERR_NOMEM. */
+fm_status fm_load_for_inference(fm_model *m, fm_param_store *ps, const char *ckpt_dir, fm_backend be, int64_t B, int64_t T,
                                 int64_t *trained_seq_len);
 
 /* Validation loss of the model over up to max_batches micro-batches of sequential windows of

@@ -60,6 +60,7 @@
 #include "backend/fm_backend_default.h"
 #include "core/fm_rng.h"
 #include "fm_test.h"
+#include "fm_test_model.h"
 #include "model/fm_model.h"
 #include "schedule/fm_schedule.h"
 
@@ -168,7 +169,7 @@ static void result_free(ab_result *r) {
 static void step(const fm_config *cfg, int64_t B, int64_t T, const ab_run *o, uint64_t seed, ab_result *out) {
     memset(out, 0, sizeof *out);
     fm_model m;
-    fm_status s = fm_model_create(&m, cfg, g_be, 0);
+    fm_status s = fm_test_model_create(&m, cfg, g_be);
     CHECK_MSG(s == FM_OK, "fm_model_create: %s", fm_errmsg());
     if (s) exit(1);
     fm_layout_opts lo = {o->recompute, o->chunk, o->ce_bt, o->ce_bv};
@@ -222,7 +223,7 @@ static void step(const fm_config *cfg, int64_t B, int64_t T, const ab_run *o, ui
     FM_ASSERT(out->raw && out->g);
     m.be.ops->copy(m.be.ctx, out->raw, m.grads, gbytes, FM_COPY_D2H); /* synchronous */
     for (int64_t i = 0; i < m.n_params; i++) out->g[i] = act_bits_to_f32(out->raw, i);
-    fm_model_free(&m);
+    fm_test_model_free(&m);
 }
 
 /* ---- comparisons --------------------------------------------------------------------------- */

@@ -1,0 +1,49 @@
+/* The parameter store (DESIGN.md §3, train/): owner of the model-state live set — the bf16 (or,
+ * on the CPU, fp32) weights and gradients, the fp32 master weights, and the optimizer's state
+ * taken from the same arena — and the range of the flat parameters this rank holds.
+ *
+ * Today W = 1: the store holds the whole replica, shard [0, n_params). Under ZeRO-3 (the "many
+ * ranks" issue) each rank keeps the master weights and optimizer state of its shard only and
+ * gathers weights layer by layer in the schedule's hooks; the shard range and the views below
+ * are where that goes.
+ *
+ * Bound (the model-state live set, DESIGN.md §2): weights and grads 2 * r(n_params * a) plus the
+ * master r(n_params * 4) when a != 4 (a = bytes per fm_act), plus the optimizer's state
+ * (fm_optimizer_ops.state_bytes): 16 B/param with fp32 AdamW moments and bf16 weights. */
+#ifndef FM_PARAM_STORE_H
+#define FM_PARAM_STORE_H
+
+#include "../model/fm_model.h"
+
+typedef struct fm_param_store {
+    int64_t n_params;            /* all parameters of the model (the table's) */
+    int rank, world;             /* this rank of the data-parallel world (0 of 1 today) */
+    int64_t shard_begin, shard_end; /* the flat range this rank owns: [0, n_params) for W = 1 */
+    fm_act *weights, *grads;     /* [n_params] backend memory */
+    float *master;               /* [n_params] fp32 master weights; == weights when fm_act is fp32 */
+    fm_arena arena;              /* the model-state live set (backend memory) */
+    fm_backend be;               /* the backend of the arena (a copy: the store may outlive the model) */
+} fm_param_store;
+
+/* Bytes of weights, grads and master for a config, activations of act_bytes (sizeof(fm_act) for
+ * this build; 2 or 4 to plan another build's run), without the optimizer's state. */
+size_t fm_param_store_bytes(const fm_config *cfg, size_t act_bytes);
+
+/* The bytes the store's layout takes for n_params in this build, measured by running it over a
+ * measuring arena (test_plan checks fm_param_store_bytes against it). */
+size_t fm_param_store_measure(int64_t n_params);
+
+/* Allocates the model-state arena for model m (its table and backend) with optimizer_bytes more
+ * for the optimizer (fm_param_store_take), lays out weights, grads and master, zeroes them and
+ * binds them into m (fm_model_bind_params). W = 1. Errors: FM_ERR_NOMEM naming the model state's
+ * size and the fix. */
+fm_status fm_param_store_create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes);
+
+/* `bytes` of the model-state arena for the optimizer's state (backend memory, 64-byte aligned).
+ * Taking more than fm_param_store_create was given is a planning bug (aborts). */
+void *fm_param_store_take(fm_param_store *ps, size_t bytes);
+
+/* Frees the arena (before the backend is freed). Safe on a zeroed store. */
+void fm_param_store_free(fm_param_store *ps);
+
+#endif
