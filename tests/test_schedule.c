@@ -14,6 +14,7 @@
 #include "fm_test.h"
 #include "fm_test_model.h"
 #include "model/fm_moe_layer.h"
+#include "comm/fm_comm.h"
 #include "schedule/fm_schedule.h"
 
 static fm_backend g_be;
@@ -253,12 +254,94 @@ static void test_empty_chunk(void) {
     free(order);
 }
 
+/* ---- the communicator: the self communicator changes nothing; a failing one stops the step ---- */
+
+/* A communicator whose all_reduce fails like a timed-out rank (everything else is the self
+ * communicator's). */
+static fm_comm g_self;
+static fm_status failing_all_reduce(void *ctx, const void *send, void *recv, int64_t count, fm_comm_dtype dtype,
+                                    fm_comm_op op, double timeout_s) {
+    (void)ctx, (void)send, (void)recv, (void)dtype, (void)op, (void)timeout_s;
+    return fm_error(FM_ERR_IO, "rank 0 of 1: all_reduce(%lld elements) timed out (test)", (long long)count);
+}
+
+/* A communicator of two ranks that hold the same batch: every sum is twice this rank's value. */
+static int two_size(void *ctx) {
+    (void)ctx;
+    return 2;
+}
+static fm_status twice_all_reduce(void *ctx, const void *send, void *recv, int64_t count, fm_comm_dtype dtype,
+                                  fm_comm_op op, double timeout_s) {
+    (void)ctx, (void)timeout_s;
+    FM_ASSERT(op == FM_COMM_SUM);
+    for (int64_t i = 0; i < count; i++) {
+        if (dtype == FM_COMM_F32) ((float *)recv)[i] = 2 * ((const float *)send)[i];
+        else if (dtype == FM_COMM_F64) ((double *)recv)[i] = 2 * ((const double *)send)[i];
+        else if (dtype == FM_COMM_I64) ((int64_t *)recv)[i] = 2 * ((const int64_t *)send)[i];
+        else FM_ASSERT(!"dtype");
+    }
+    return FM_OK;
+}
+static fm_status twice_all_reduce_host(void *ctx, void *buf, int64_t count, fm_comm_dtype dtype, fm_comm_op op,
+                                       double timeout_s) {
+    return twice_all_reduce(ctx, buf, buf, count, dtype, op, timeout_s);
+}
+
+static void test_comm(void) {
+    const fm_config c = small_config();
+    bool rc[3] = {false, true, false};
+    fm_model m;
+    make_model(&m, &c, rc, 3);
+    fm_loss a, b;
+    fm_schedule_default_train_step(&m, 1.0f, &a); /* no communicator: this rank alone */
+    float *g0 = fm_malloc(sizeof(float) * (size_t)m.n_params);
+    memcpy(g0, m.grads, sizeof(float) * (size_t)m.n_params);
+    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    FM_ASSERT(fm_comm_self_create(&g_self, &g_be, 0) == FM_OK);
+    m.comm = &g_self; /* the valid count, the loss sums and the router statistics go through it */
+    fm_schedule_default_train_step(&m, 1.0f, &b);
+    CHECK(a.ce == b.ce && a.aux == b.aux && a.z == b.z && a.n_valid == b.n_valid);
+    CHECK(memcmp(g0, m.grads, sizeof(float) * (size_t)m.n_params) == 0);
+    /* two ranks with the same batch: the batch's losses are this rank's, its valid targets twice
+     * as many, and this rank's share of every gradient exactly half (a power of two) */
+    fm_comm_ops two = *g_self.ops;
+    two.size = two_size;
+    two.all_reduce = twice_all_reduce;
+    two.all_reduce_host = twice_all_reduce_host;
+    fm_comm pair = {&two, g_self.ctx};
+    m.comm = &pair;
+    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    fm_loss d;
+    fm_schedule_default_train_step(&m, 1.0f, &d);
+    CHECK_MSG(d.ce == a.ce && d.aux == a.aux && d.z == a.z && d.n_valid == 2 * a.n_valid,
+              "two ranks: ce %.17g vs %.17g, aux %.17g vs %.17g, valid %lld", d.ce, a.ce, d.aux, a.aux,
+              (long long)d.n_valid);
+    int64_t off = 0;
+    for (int64_t i = 0; i < m.n_params; i++) off += m.grads[i] != 0.5f * g0[i];
+    CHECK_MSG(off == 0, "two ranks: %lld of %lld gradients are not half of one rank's", (long long)off,
+              (long long)m.n_params);
+    /* a collective that fails stops the step with its status and message */
+    fm_comm_ops bad = *g_self.ops;
+    bad.all_reduce = failing_all_reduce;
+    fm_comm broken = {&bad, g_self.ctx};
+    m.comm = &broken;
+    fm_schedule s;
+    fm_schedule_init(&s, &m);
+    CHECK(fm_schedule_train_step(&s, &m, 1.0f, NULL) == FM_ERR_IO);
+    CHECK(strstr(fm_errmsg(), "timed out") != NULL);
+    m.comm = NULL;
+    fm_comm_free(&g_self);
+    fm_free(g0);
+    fm_test_model_free(&m);
+}
+
 int main(void) {
     FM_ASSERT(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
     test_hooks();
     test_recompute_policy();
     test_router_terms();
     test_empty_chunk();
+    test_comm();
     fm_cpu_backend_free(&g_be);
     printf("%d passed, %d failed\n", fm_test_passed, fm_test_failed);
     return fm_test_failed ? 1 : 0;

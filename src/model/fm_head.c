@@ -32,10 +32,20 @@ void fm_model_embed_backward(fm_model *m, const fm_act *dx0) {
     OPS->embedding_bwd(CTX, m->g.embed, dx0, m->tokens, m->N, m->cfg.hidden_size);
 }
 
-static int64_t count_valid(const fm_model *m) {
+/* The batch's valid targets: this rank's, counted on the host, summed over m->comm. */
+static fm_status count_valid(fm_model *m, fm_loss *r) {
     int64_t valid = 0;
     for (int64_t n = 0; n < m->N; n++) valid += m->h_targets[n] != -100;
-    return valid;
+    if (m->comm) FM_TRY(fm_comm_allreduce_sum_i64(m->comm, &valid, 1, 0));
+    m->n_valid = r->n_valid = valid;
+    return FM_OK;
+}
+
+/* The loss sum of the batch: summed over m->comm in backend memory. */
+static fm_status reduce_loss(fm_model *m) {
+    if (!m->comm) return FM_OK;
+    return fm_comm_all_reduce(m->comm, m->results + FM_RESULT_CE, m->results + FM_RESULT_CE, 2, FM_COMM_F64,
+                              FM_COMM_SUM, 0);
 }
 
 /* The linear cross-entropy over xf and the LM head; with grads, dxf -> ws.dtmp and the head's
@@ -60,22 +70,24 @@ static void final_norm(fm_model *m) {
     PHASE(LOSS);
 }
 
-void fm_model_head_forward(fm_model *m, bool with_targets, fm_loss *r) {
+fm_status fm_model_head_forward(fm_model *m, bool with_targets, fm_loss *r) {
     const fm_config *c = &m->cfg;
     const int64_t N = m->N, H = c->hidden_size, V = c->vocab_size;
     final_norm(m);
-    m->n_valid = r->n_valid = with_targets ? count_valid(m) : 0;
+    m->n_valid = r->n_valid = 0;
+    if (with_targets) FM_TRY(count_valid(m, r));
     if (m->linear_ce) {
         FM_ASSERT(with_targets); /* a linear-CE layout has no logits to sample from */
         linear_ce(m, false, 1.0f);
-        return;
+        return reduce_loss(m);
     }
     fm_linear_fwd(&m->be, m->logits, FM_ACT_DTYPE, m->xf, m->w.lm_head, N, H, V);
-    if (!with_targets) return;
+    if (!with_targets) return FM_OK;
     /* The gradient (mean over valid tokens) is formed in place now: the logits are not needed
      * afterwards. fm_model_head_backward scales it for accumulation. */
     OPS->cross_entropy(CTX, m->token_loss, m->logits, m->logits, m->targets, N, V,
                        r->n_valid ? 1.0f / (float)r->n_valid : 0.0f, -100, m->results + FM_RESULT_CE);
+    return reduce_loss(m);
 }
 
 /* From d xf in ws.dtmp: through the final norm into grad buffer 0 (the gradient of boundary L). */
@@ -100,16 +112,18 @@ void fm_model_head_backward(fm_model *m, float scale) {
     final_norm_backward(m);
 }
 
-void fm_model_head_train(fm_model *m, float scale, fm_loss *r) {
+fm_status fm_model_head_train(fm_model *m, float scale, fm_loss *r) {
     if (!m->linear_ce) {
-        fm_model_head_forward(m, true, r);
+        FM_TRY(fm_model_head_forward(m, true, r));
         fm_model_head_backward(m, scale);
-        return;
+        return FM_OK;
     }
     final_norm(m);
-    m->n_valid = r->n_valid = count_valid(m);
+    FM_TRY(count_valid(m, r));
     linear_ce(m, true, scale); /* loss and gradients in one pass over the strips */
+    FM_TRY(reduce_loss(m));
     final_norm_backward(m);
+    return FM_OK;
 }
 
 void fm_model_loss_from_results(const fm_model *m, const double *results, int64_t n_valid, fm_loss *out) {

@@ -37,7 +37,7 @@ fm_act *fm_model_grad_buffer(fm_model *m, int i) {
 /* The norm outputs ln1, ln2 live in the working set's dln and dtmp, free whenever a forward
  * runs (before backward, and during a recompute: the schedule's dy and dx are the other
  * buffers); y must be neither. */
-void fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y) {
+fm_status fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y) {
     const fm_config *c = &m->cfg;
     FM_ASSERT(l >= 0 && l < c->num_hidden_layers);
     const fm_act *x = m->boundary[l];
@@ -76,14 +76,15 @@ void fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y) {
     OPS->rmsnorm_fwd(CTX, ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
     PHASE(ROUTER);
     /* router logits: fp32, transient in the working set (backward needs only probs and lse) */
-    fm_router_forward(&m->be, &m->router, m->ws.dlogits_r, &a->router, m->results + FM_RESULT_SCRATCH,
-                      m->results + FM_RESULT_LAYERS + 2 * l, ln2, w->router, N, H);
+    FM_TRY(fm_router_forward(&m->be, &m->router, m->comm, m->ws.dlogits_r, &a->router, m->results + FM_RESULT_SCRATCH,
+                             m->results + FM_RESULT_LAYERS + 2 * l, ln2, w->router, N, H));
     const fm_moe_dims md = moe_dims(c);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     fm_moe_forward(&m->be, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w, N, m->moe_K, m->moe_chunk_order,
                    m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
     PHASE(DENSE);
     OPS->add(CTX, y, a->x_mid, N * H);
+    return FM_OK;
 }
 
 /* dy [N,H]: gradient of the layer output, clobbered (its buffer holds d att once dy is added
@@ -112,7 +113,8 @@ void fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx, flo
     fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2, a->router.topk_idx, a->router.topk_w, N,
                     m->moe_K, m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
     PHASE(ROUTER);
-    fm_router_backward(&m->be, &m->router, ws->dln, g->router, ws->dlogits_r, ws->dlogits_act, ws->dprobs_e,
+    const int64_t n_tot = m->comm ? N * fm_comm_size(m->comm) : N;
+    fm_router_backward(&m->be, &m->router, n_tot, ws->dln, g->router, ws->dlogits_r, ws->dlogits_act, ws->dprobs_e,
                        ws->dtopk_w, &a->router, ln2, w->router, N, H, c->num_hidden_layers, scale);
     /* d x_mid = dy + rmsnorm_bwd(dln) */
     PHASE(DENSE);

@@ -123,6 +123,9 @@ typedef struct fm_model {
     int64_t moe_K;              /* chunks per micro-batch (1 for the plain twin) */
     fm_moe_ws moe_ws;           /* expert-dispatch working set */
     fm_router_opts router;      /* the router's options, from the config */
+    const fm_comm *comm;        /* the ranks that see this batch's tokens (dp x sp), backend memory:
+                                   the valid-target count, the loss sums and the router statistics
+                                   are reduced over it; NULL: this rank alone (tests, inference) */
     fm_act *xf; float *rstd_f;  /* [N,H], [N] */
     fm_act *logits;             /* [N,V] (plain vocabulary projection; NULL under linear CE) */
     float *token_loss;          /* [N] */
@@ -240,23 +243,25 @@ void fm_model_embed_forward(fm_model *m, bool with_targets);
 /* Layer l's forward from boundary l into y [N,H] (boundary l+1, or the free gradient buffer
  * when the schedule recomputes the layer in backward), saving into layer l's saved set (shared
  * by the recomputed layers). The router's loss terms of the layer land in m->results at
- * FM_RESULT_LAYERS + 2l (fm_router.h). */
-void fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y);
+ * FM_RESULT_LAYERS + 2l (fm_router.h). Errors: m->comm's (the router statistics' all-reduce). */
+fm_status fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y);
 /* Layer l's backward from its output gradient dy [N,H] (clobbered) into dx [N,H] (assigned),
  * reading boundary l and the layer's saved set (recomputed by the schedule first if the layer is
  * recomputed). dy and dx are the two gradient buffers. */
 void fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx, float scale);
 /* Final norm of boundary L and the loss: plain logits (and, with targets, the cross-entropy and
  * its gradient formed in place), or the linear cross-entropy (targets required). The loss sum
- * lands in m->results[FM_RESULT_CE]; sets r->n_valid (and m->n_valid), counted on the host. */
-void fm_model_head_forward(fm_model *m, bool with_targets, fm_loss *r);
+ * lands in m->results[FM_RESULT_CE]; sets r->n_valid (and m->n_valid), counted on the host.
+ * With m->comm both are the batch's: the count and the loss sum are all-reduced over its ranks
+ * (the gradient's mean is over the batch's valid targets). Errors: the communicator's. */
+fm_status fm_model_head_forward(fm_model *m, bool with_targets, fm_loss *r);
 /* Backward of the head after fm_model_head_forward with targets: the LM head's gradient
  * (accumulated) and the gradient of boundary L into grad buffer 0. */
 void fm_model_head_backward(fm_model *m, float scale);
 /* Forward and backward of the head in one call (what training runs): the same results as
  * head_forward + head_backward, but the linear cross-entropy runs once, fused. The loss sums
  * land in m->results (read them after a sync point); r->n_valid is set. */
-void fm_model_head_train(fm_model *m, float scale, fm_loss *r);
+fm_status fm_model_head_train(fm_model *m, float scale, fm_loss *r);
 /* Backward of the embedding from the gradient of boundary 0 (accumulated into its weight). */
 void fm_model_embed_backward(fm_model *m, const fm_act *dx0);
 /* The residual-stream boundary l in [0, L] ([N,H]), and the two [N,H] gradient buffers

@@ -7,14 +7,23 @@ fm_router_opts fm_router_opts_from_config(const fm_config *c) {
     return o;
 }
 
-void fm_router_forward(const fm_backend *be, const fm_router_opts *o, float *logits, fm_router_saved *s,
-                       double *lse_sq, double *terms, const fm_act *x, const fm_act *W, int64_t N, int64_t H) {
+fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const fm_comm *comm, float *logits,
+                            fm_router_saved *s, double *lse_sq, double *terms, const fm_act *x, const fm_act *W,
+                            int64_t N, int64_t H) {
     const int64_t E = o->num_experts, k = o->top_k;
     FM_ASSERT(o->score == FM_ROUTER_SCORE_SOFTMAX);
     fm_linear_fwd(be, logits, FM_DTYPE_F32, x, W, N, H, E);
     be->ops->router_fwd(be->ctx, s->probs, s->lse, s->topk_idx, s->topk_w, logits, N, E, k, o->norm_topk);
     be->ops->router_stats(be->ctx, s->count, s->prob_sum, lse_sq, s->probs, s->lse, s->topk_idx, N, E, k);
-    be->ops->router_loss_terms(be->ctx, terms, s->count, s->prob_sum, lse_sq, N, E);
+    int64_t n_tot = N;
+    if (comm) { /* the batch's statistics: summed over the ranks that see its tokens (in place) */
+        FM_TRY(fm_comm_all_reduce(comm, s->count, s->count, E, FM_COMM_F32, FM_COMM_SUM, 0));
+        FM_TRY(fm_comm_all_reduce(comm, s->prob_sum, s->prob_sum, E, FM_COMM_F32, FM_COMM_SUM, 0));
+        FM_TRY(fm_comm_all_reduce(comm, lse_sq, lse_sq, 1, FM_COMM_F64, FM_COMM_SUM, 0));
+        n_tot = N * fm_comm_size(comm);
+    }
+    be->ops->router_loss_terms(be->ctx, terms, s->count, s->prob_sum, lse_sq, n_tot, E);
+    return FM_OK;
 }
 
 void fm_router_losses(const fm_router_opts *o, const double *terms, int64_t L, double *aux, double *z) {
@@ -27,13 +36,13 @@ void fm_router_losses(const fm_router_opts *o, const double *terms, int64_t L, d
     *z = o->z_loss_coef * sz / (double)L;
 }
 
-void fm_router_backward(const fm_backend *be, const fm_router_opts *o, fm_act *dx, fm_act *dW, float *dlogits,
+void fm_router_backward(const fm_backend *be, const fm_router_opts *o, int64_t N_tot, fm_act *dx, fm_act *dW, float *dlogits,
                         fm_act *dlogits_act, float *dprobs, const float *dtopk_w, const fm_router_saved *s,
                         const fm_act *x, const fm_act *W, int64_t N, int64_t H, int64_t L, float scale) {
     const int64_t E = o->num_experts, k = o->top_k;
     /* d(aux)/d probs[n,e] = (coef * scale / L) * E * f_e / N with f_e = count_e / N held constant */
-    be->ops->router_aux_grad(be->ctx, dprobs, s->count, o->aux_loss_coef * scale / (double)L, N, E);
-    const float z_scale = (float)(o->z_loss_coef * scale / ((double)L * (double)N));
+    be->ops->router_aux_grad(be->ctx, dprobs, s->count, o->aux_loss_coef * scale / (double)L, N_tot, E);
+    const float z_scale = (float)(o->z_loss_coef * scale / ((double)L * (double)N_tot));
     be->ops->router_bwd(be->ctx, dlogits, dtopk_w, dprobs, z_scale, s->probs, s->lse, s->topk_idx, s->topk_w, N, E, k,
                         o->norm_topk);
     /* the router GEMMs take the fp32 logit gradient as fm_act */

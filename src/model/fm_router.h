@@ -12,6 +12,7 @@
 #define FM_ROUTER_H
 
 #include "../backend/fm_backend.h"
+#include "../comm/fm_comm.h"
 #include "fm_config.h"
 
 typedef enum fm_router_score {
@@ -42,10 +43,16 @@ typedef struct fm_router_saved {
 /* Forward: logits [N,E] fp32 = x W^T into `logits` (transient scratch), then the score function
  * and top-k into s->probs, lse, topk_idx, topk_w, the statistics into s->count, prob_sum, and
  * the layer's loss terms before the coefficients into terms [2] (backend memory, doubles):
- * terms[0] = E * sum_e f_e P_e with f_e = count_e / N, P_e = prob_sum_e / N; terms[1] =
- * mean_n lse_n^2. lse_sq [1] is backend scratch. Issues work only (no host sync). */
-void fm_router_forward(const fm_backend *be, const fm_router_opts *o, float *logits, fm_router_saved *s,
-                       double *lse_sq, double *terms, const fm_act *x, const fm_act *W, int64_t N, int64_t H);
+ * terms[0] = E * sum_e f_e P_e with f_e = count_e / N_tot, P_e = prob_sum_e / N_tot;
+ * terms[1] = sum_n lse_n^2 / N_tot. With `comm` (the ranks that see this batch's tokens, in
+ * backend memory; NULL: this rank alone) the statistics count, prob_sum and lse_sq are
+ * all-reduced (sum) over its ranks first and N_tot = N x its size (every rank routes N tokens),
+ * so the loss and its gradient are those of the whole batch (Megatron-Core reduces them the
+ * same way). lse_sq [1] is backend scratch. Issues work only (no host sync). Errors: the
+ * communicator's (naming the rank and the collective). */
+fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const fm_comm *comm, float *logits,
+                            fm_router_saved *s, double *lse_sq, double *terms, const fm_act *x, const fm_act *W,
+                            int64_t N, int64_t H);
 
 /* The router losses of a micro-batch from its L layers' terms (host copies, [L][2], summed in
  * layer order): *aux = aux_loss_coef * sum_l aux_l / L, *z = z_loss_coef * sum_l z_l / L
@@ -59,8 +66,9 @@ void fm_router_losses(const fm_router_opts *o, const double *terms, int64_t L, d
  * dx [N,H] += dlogits W (beta 1: dx holds the experts' input gradient) and dW [E,H] +=
  * dlogits^T x. scale is the micro-batch's loss scale (1/G for G-step accumulation). dprobs [E]
  * is backend scratch, dlogits_act [N,E] an fm_act copy of the logit gradient for the GEMMs
- * (== dlogits when fm_act is fp32). Issues work only. */
-void fm_router_backward(const fm_backend *be, const fm_router_opts *o, fm_act *dx, fm_act *dW, float *dlogits,
+ * (== dlogits when fm_act is fp32). N_tot as in the forward (N x the statistics communicator's
+ * size): the aux gradient uses the batch's f_e and P_e's normalization. Issues work only. */
+void fm_router_backward(const fm_backend *be, const fm_router_opts *o, int64_t N_tot, fm_act *dx, fm_act *dW, float *dlogits,
                         fm_act *dlogits_act, float *dprobs, const float *dtopk_w, const fm_router_saved *s,
                         const fm_act *x, const fm_act *W, int64_t N, int64_t H, int64_t L, float scale);
 

@@ -35,7 +35,7 @@ static fm_status forward_layers(fm_schedule *s, fm_model *m, bool with_targets) 
     fm_model_embed_forward(m, with_targets);
     for (int64_t l = 0; l < L; l++) {
         FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_FORWARD, l));
-        fm_model_layer_forward(m, l, fm_model_boundary(m, l + 1));
+        FM_TRY(fm_model_layer_forward(m, l, fm_model_boundary(m, l + 1)));
         FM_TRY(run_hooks(s, m, FM_HOOK_AFTER_FORWARD, l));
     }
     return FM_OK;
@@ -50,7 +50,7 @@ static fm_status backward_layers(fm_schedule *s, fm_model *m, float scale) {
         FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_BACKWARD, l));
         /* Re-run the forward from the saved boundary into the shared set; the output goes to dx,
          * free until layer_backward assigns it, so boundary l+1 stays as it was. */
-        if (fm_recompute_layer(&s->recompute, l)) fm_model_layer_forward(m, l, dx);
+        if (fm_recompute_layer(&s->recompute, l)) FM_TRY(fm_model_layer_forward(m, l, dx));
         fm_model_layer_backward(m, l, dy, dx, scale);
         fm_act *t = dy;
         dy = dx;
@@ -64,7 +64,7 @@ static fm_status backward_layers(fm_schedule *s, fm_model *m, float scale) {
 fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm_loss *out) {
     fm_loss r;
     FM_TRY(forward_layers(s, m, with_targets));
-    fm_model_head_forward(m, with_targets, &r);
+    FM_TRY(fm_model_head_forward(m, with_targets, &r));
     if (out) fm_model_read_loss(m, out);
     return FM_OK;
 }
@@ -77,7 +77,7 @@ fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale) {
 fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, float scale, fm_loss *out) {
     fm_loss r;
     FM_TRY(forward_layers(s, m, true));
-    fm_model_head_train(m, scale, &r);
+    FM_TRY(fm_model_head_train(m, scale, &r));
     FM_TRY(backward_layers(s, m, scale));
     if (out) fm_model_read_loss(m, out);
     return FM_OK;

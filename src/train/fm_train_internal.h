@@ -17,6 +17,7 @@
 #include "../data/fm_data.h"
 #include "../io/fm_hf_weights.h"
 #include "../plan/fm_plan.h"
+#include "../comm/fm_comm.h"
 #include "fm_train_step.h"
 #include "fm_trainer.h"
 
@@ -64,6 +65,8 @@ typedef struct run {
     fm_step_ws step;                /* the step's schedule and pinned results (fm_train_step.h) */
     fm_param_store ps;              /* the model-state live set: weights, grads, master, optimizer state */
     const fm_optimizer_ops *optim;  /* the optimizer's interface over r->opt */
+    fm_comm world;                  /* the run's ranks (the self communicator today, over the backend) */
+    bool world_ok;
 } run;
 
 /* The arena of live set i: the parameter store's for the model state, the model's otherwise. */

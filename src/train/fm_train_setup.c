@@ -13,6 +13,7 @@
 void fm_train_run_free(run *r) {
     if (r->metrics) fclose(r->metrics);
     fm_step_ws_free(&r->step); /* before the backend whose memory it holds */
+    if (r->world_ok) fm_comm_free(&r->world);
     fm_param_store_free(&r->ps);
     if (r->model_ok) fm_model_free(&r->m);
     if (r->be_ok) fm_backend_default_free(&r->be);
@@ -159,6 +160,9 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_model_create(&r->m, c, r->be));
     r->model_ok = true;
     fm_model *m = &r->m;
+    FM_TRY(fm_comm_self_create(&r->world, &r->be, 0));
+    r->world_ok = true;
+    m->comm = &r->world; /* the batch's valid targets, loss sums and router statistics */
     fm_adamw_config(&r->opt, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
     r->optim = &fm_adamw_ops;
     FM_TRY(fm_param_store_create(&r->ps, m, r->optim->state_bytes(&r->opt, m->n_params)));

@@ -24,7 +24,7 @@ void fm_step_ws_free(fm_step_ws *w) {
     memset(w, 0, sizeof *w);
 }
 
-fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
+fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
                         const fm_train_opts *o, int64_t step, fm_step_stats *out) {
     FM_ASSERT(w->grad_accum == o->grad_accum);
     const int64_t G = o->grad_accum, n_res = w->n_res;
@@ -40,6 +40,9 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, f
     }
     fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
     fm_grad_sumsq(m, m->results + FM_RESULT_SUMSQ);
+    if (dp) /* the global norm: this rank's gradients' sum of squares, summed over the data-parallel ranks */
+        FM_TRY(fm_comm_all_reduce(dp, m->results + FM_RESULT_SUMSQ, m->results + FM_RESULT_SUMSQ, 1, FM_COMM_F64,
+                                  FM_COMM_SUM, 0));
     const double *gres = w->res + G * n_res;
     m->be.ops->copy_async(m->be.ctx, (double *)gres, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
     m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "step end": losses, gradient norm */

@@ -43,13 +43,14 @@ typedef struct fm_step_stats {
  * update has finished on the device (backend sync), so that the caller's clock covers it.
  * The host waits for the device at named sync points only: once per MoE dispatch (its expert
  * offsets), once per micro-batch before its token upload, once at the step's end (every
- * micro-batch's losses and the gradient norm, before the clip scale is known) and once after the
+ * micro-batch's losses and the gradient norm, before the clip scale is known; the gradients' sum
+ * of squares is all-reduced over dp, the data-parallel ranks, first) and once after the
  * update (the step's clock). Device errors come back as the backend's sticky status.
  * Phase marks: the zeroing and the update are the optimizer phase. Allocates nothing.
  * Errors: FM_ERR_NUMERIC when a micro-batch's loss or the gradient norm is not finite (the
  * message names the step and says that the last good checkpoint in o->out_dir stays); the
  * weights are then not updated. */
-fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
+fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
                         const fm_train_opts *o, int64_t step, fm_step_stats *out);
 
 #endif
