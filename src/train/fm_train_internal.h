@@ -66,6 +66,7 @@ typedef struct run {
     fm_param_store ps;              /* the model-state live set: weights, grads, master, optimizer state */
     const fm_optimizer_ops *optim;  /* the optimizer's interface over r->opt */
     fm_comm world;                  /* the run's ranks (the self communicator today, over the backend) */
+    fm_backend_opts backend_opts;   /* what the backend was created with (metrics.jsonl "backend") */
     bool world_ok;
 } run;
 
@@ -102,6 +103,7 @@ typedef struct fm_step_report {
     const double *phase_ms;        /* [FM_PHASE_COUNT], or NULL: no profile */
     uint64_t host_syncs;
     int64_t tokens_seen;
+    bool first;                    /* the first step of this invocation: the record names the backend options */
 } fm_step_report;
 
 /* The step line (and the profile line when phase_ms is set) on stdout. */

@@ -47,6 +47,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng) {
         rep.tok_s = (double)tokens_per_step / rep.step_s;
         rep.eta = rep.elapsed / (double)ran * (double)(o->steps - step);
         rep.val = NAN;
+        rep.first = ran == 1;
         rep.phase_ms = profiled ? phase_ms : NULL;
         rep.host_syncs = syncs1 - syncs0;
         rep.tokens_seen = ts->tokens_seen;

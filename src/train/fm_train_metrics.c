@@ -64,6 +64,9 @@ void fm_train_metrics_begin(run *r, const fm_step_report *s) {
             s->elapsed);
     if (!isnan(s->val)) fprintf(r->metrics, ",\"val_loss\":%.17g", s->val);
     fprintf(r->metrics, ",\"host_syncs\":%llu", (unsigned long long)s->host_syncs);
+    char bo[FM_BACKEND_OPTS_JSON_MAX];
+    if (s->first && fm_backend_opts_json(&r->backend_opts, bo, sizeof bo) == FM_OK)
+        fprintf(r->metrics, ",\"backend\":%s", bo);
     if (s->phase_ms) {
         fprintf(r->metrics, ",\"phase_ms\":{");
         for (int i = 0; i < FM_PHASE_COUNT; i++)

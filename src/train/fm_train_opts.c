@@ -7,6 +7,7 @@
 
 void fm_train_opts_default(fm_train_opts *o) {
     memset(o, 0, sizeof *o);
+    o->backend = fm_backend_opts_default();
     o->val_fraction = 0.1;
     o->seq_len = 128;
     o->micro_batch = 16;

@@ -154,8 +154,14 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     r->plan = plan;
 
     /* Backend, model, optimizer: allocated from the plan. */
-    FM_TRY(fm_backend_default_init_tiles(&r->be, o->threads, c->head_dim, o->att_tile_q, o->att_tile_kv,
-                                         plan.gpu_workspace));
+    fm_backend_opts bo = o->backend;
+    bo.threads = o->threads;
+    bo.max_head_dim = c->head_dim;
+    bo.tile_q = o->att_tile_q;
+    bo.tile_kv = o->att_tile_kv;
+    bo.gpu_workspace = plan.gpu_workspace;
+    r->backend_opts = bo;
+    FM_TRY(fm_backend_default_init_opts(&r->be, &bo));
     r->be_ok = true;
     FM_TRY(fm_model_create(&r->m, c, r->be));
     r->model_ok = true;

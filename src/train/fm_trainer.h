@@ -35,6 +35,11 @@ typedef struct fm_train_opts {
                                      them to fit it. */
     int64_t att_tile_q, att_tile_kv; /* --attention-tile-q/-kv (0: 64) */
     size_t gpu_workspace;         /* --gpu-workspace: CUDA cuDNN workspace bytes (0: planned) */
+    fm_backend_opts backend;      /* the backend's init options (attention path, expert-GEMM strategy,
+                                     profiling): the CLI maps the FLATMOE_* variables onto them
+                                     (fm_backend_opts_from_env); threads, tiles, head_dim and the
+                                     workspace come from the fields above and the plan. Recorded in
+                                     metrics.jsonl ("backend") on the first step of each invocation. */
     bool bf16_moments;            /* --bf16-moments: AdamW m and v in bf16 (checkpoints keep fp32) */
     bool report_memory;           /* --report-memory: measured high-water marks vs the plan */
     bool quiet;                   /* no per-step lines on stdout */

@@ -12,7 +12,7 @@ export FLATMOE_ATTENTION=fallback
 cfg="$ROOT/configs/tiny.json"
 common=(--config "$cfg" --data "$TEXT" --seq-len 64 --micro-batch 4 --grad-accum 2 --steps 8 --warmup 2
         --lr 3e-3 --eval-every 3 --eval-batches 2 --quiet)
-fields() { sed -E 's/"(tokens_per_s|step_s|elapsed_s|val_loss|host_syncs)":[^,}]*,?//g' "$1"; }
+fields() { sed -E -e 's/,"backend":\{[^}]*\}//g' -e 's/"(tokens_per_s|step_s|elapsed_s|val_loss|host_syncs)":[^,}]*,?//g' "$1"; }
 same_run() { # NAME STRAIGHT SPLIT: metrics (but timings) and the step-8 checkpoint identical
     local name=$1 a=$2 b=$3
     if diff <(fields "$a/metrics.jsonl") <(fields "$b/metrics.jsonl") >/dev/null; then ok
