@@ -248,10 +248,17 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
         }
         memset(flags, 0, sizeof(int) * FM_CUDA_FLAGS);
         c->flags_host = static_cast<volatile int *>(flags);
+        /* The device's view of the flags: cudaHostGetDevicePointer, which needs the context's
+         * map-host flag; without it, under unified addressing (every 64-bit process) host memory
+         * from cudaHostAlloc is reachable from the device through the host pointer itself. */
         if ((e = cudaHostGetDevicePointer(&flags_dev, flags, 0)) != cudaSuccess) {
-            s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaHostGetDevicePointer of the error flags failed: %s",
-                         cudaGetErrorString(e));
-            goto fail;
+            (void)cudaGetLastError();
+            if (!prop.unifiedAddressing) {
+                s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaHostGetDevicePointer of the error flags failed: %s "
+                             "(and device %d has no unified addressing)", cudaGetErrorString(e), device);
+                goto fail;
+            }
+            flags_dev = flags;
         }
         c->flags_dev = static_cast<int *>(flags_dev);
     }

@@ -90,8 +90,9 @@ void fm_cuda_copy(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_k
 }
 
 /* DEVICE: mem_alloc. PINNED: cudaHostAlloc (page-aligned), zero-filled on the host. HOST:
- * fm_malloc, zero-filled. NULL when it cannot (the CUDA error is cleared, not recorded: the
- * caller reports FM_ERR_NOMEM naming the live set). */
+ * fm_malloc (zero-filled; 64-byte aligned, as every kind of the CPU backend). NULL when it
+ * cannot (the CUDA error is cleared, not recorded: the caller reports FM_ERR_NOMEM naming the
+ * live set). */
 void *fm_cuda_buffer_alloc(void *ctx, fm_buffer_kind kind, size_t bytes) {
     FM_ASSERT(kind >= 0 && kind < FM_BUFFER_KINDS);
     if (kind == FM_BUFFER_DEVICE) return fm_cuda_mem_alloc(ctx, bytes);
@@ -102,11 +103,10 @@ void *fm_cuda_buffer_alloc(void *ctx, fm_buffer_kind kind, size_t bytes) {
             (void)cudaGetLastError();
             return NULL;
         }
-    } else if (!(p = fm_malloc(n))) {
-        return NULL;
+        memset(p, 0, n);
+        return p;
     }
-    memset(p, 0, n);
-    return p;
+    return fm_malloc(n); /* zero-filled */
 }
 
 void fm_cuda_buffer_free(void *ctx, fm_buffer_kind kind, void *p) {
