@@ -244,6 +244,18 @@ double fm_ref_router_stats(double *count, double *prob_sum, const double *probs,
     return z;
 }
 
+void fm_ref_router_loss_terms(double terms[2], const double *count, const double *prob_sum, double lse_sq, int64_t N,
+                              int64_t E) {
+    double s = 0;
+    for (int64_t e = 0; e < E; e++) s += count[e] * prob_sum[e];
+    terms[0] = (double)E * s / ((double)N * (double)N);
+    terms[1] = lse_sq / (double)N;
+}
+
+void fm_ref_router_aux_grad(double *g, const double *count, double coef, int64_t N, int64_t E) {
+    for (int64_t e = 0; e < E; e++) g[e] = coef * (double)E * count[e] / ((double)N * (double)N);
+}
+
 double fm_ref_router_objective(const fm_ref_router_loss *s, const double *logits, double *probs, double *lse) {
     fm_ref_softmax(probs, lse, logits, s->N, s->E);
     double L = 0;

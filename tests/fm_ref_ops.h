@@ -87,6 +87,14 @@ void fm_ref_topk_weights(double *w, const double *probs, const int32_t *idx, int
 /* count [E] (routes per expert), prob_sum [E] (sum over n of probs[n,e]); returns sum_n lse^2. */
 double fm_ref_router_stats(double *count, double *prob_sum, const double *probs, const double *lse,
                            const int32_t *idx, int64_t N, int64_t E, int64_t k);
+/* The router's loss terms from its statistics over N tokens and E experts: terms[0] = the
+ * load-balancing loss E sum_e f_e P_e with f_e = count_e / N, P_e = prob_sum_e / N (Switch
+ * Transformer, Fedus et al. 2021, eq. 4), formed here as E (sum_e count_e prob_sum_e) / N^2;
+ * terms[1] = the mean z-loss lse_sq / N (ST-MoE, Zoph et al. 2022, eq. 5). */
+void fm_ref_router_loss_terms(double terms[2], const double *count, const double *prob_sum, double lse_sq, int64_t N,
+                              int64_t E);
+/* g [E] = coef * d(E sum_e f_e P_e)/d prob[n,e] with f held constant = coef E count_e / N^2. */
+void fm_ref_router_aux_grad(double *g, const double *count, double coef, int64_t N, int64_t E);
 
 /* The router's objective with the selection idx held fixed (the op's router_bwd contract):
  *   L = sum dtopk_w o topk_w + sum_e g_e sum_n probs[n,e] + z sum_n lse[n]^2,

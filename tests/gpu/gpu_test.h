@@ -65,6 +65,35 @@ static inline void gt_download(const fm_backend *be, float *x, const void *d, in
         fm_free(h);
     }
 }
+/* Device doubles for the ops' reductions (sumsq, router_stats' lse_sq, cross_entropy's sum,
+ * lce_finalize's sums, router_loss_terms): n of them, zero-filled (mem_alloc). */
+static inline double *gt_dev_f64(const fm_backend *be, int64_t n) {
+    double *d = be->ops->mem_alloc(be->ctx, (size_t)(n > 0 ? n : 1) * sizeof(double));
+    FM_ASSERT(d != NULL);
+    return d;
+}
+/* h[0..n) = the device doubles d[0..n), read at a named sync point: stream_sync of the compute
+ * stream (the ops' results are valid after it), then a synchronous copy. gt_read_f64: one. */
+static inline void gt_read_f64s(const fm_backend *be, double *h, const double *d, int64_t n) {
+    be->ops->stream_sync(be->ctx, FM_STREAM_COMPUTE);
+    be->ops->copy(be->ctx, h, d, (size_t)n * sizeof(double), FM_COPY_D2H);
+}
+static inline double gt_read_f64(const fm_backend *be, const double *d) {
+    double v = 0;
+    gt_read_f64s(be, &v, d, 1);
+    return v;
+}
+/* Stores v into the device double d (a synchronous copy). */
+static inline void gt_write_f64(const fm_backend *be, double *d, double v) {
+    be->ops->copy(be->ctx, d, &v, sizeof v, FM_COPY_H2D);
+}
+/* Checks the backend's sticky status after a sync (no device error so far). */
+#define CHECK_BACKEND_OK(be)                                                                              \
+    do {                                                                                                  \
+        (be)->ops->sync((be)->ctx);                                                                       \
+        const fm_status st_ = (be)->ops->status((be)->ctx);                                               \
+        CHECK_MSG(st_ == FM_OK, "backend status %s: %s", fm_status_name(st_), st_ == FM_OK ? "" : fm_errmsg()); \
+    } while (0)
 /* Normalized error sqrt(sum (a-b)^2 / sum b^2) (ggml's nmse, square-rooted); NaN in a -> inf. */
 static inline double gt_nerr(const float *a, const double *ref, int64_t n) {
     double num = 0, den = 0;

@@ -414,6 +414,7 @@ int main(void) {
                fm_cuda_attention_cudnn_note(be.ctx));
     check_determinism(&be, 2, 300, 8, 2, 128);
     check_determinism(&be, 1, 257, 4, 4, 64);
+    CHECK_BACKEND_OK(&be); /* no device error recorded (a cuDNN refusal is a fallback, not an error) */
     fm_cuda_backend_free(&be);
 
     /* head dims above 128: the scalar kernels (and cuDNN where it serves them) */
@@ -451,6 +452,7 @@ int main(void) {
                           "%s, expected cudnn-chunked (%s)", (long long)s->B, (long long)s->T, (long long)s->nh,
                           (long long)s->nkv, (long long)s->hd, pb, fm_cuda_attention_cudnn_note(be4.ctx));
             }
+            CHECK_BACKEND_OK(&be4);
             fm_cuda_backend_free(&be4);
         }
     }

@@ -1,8 +1,10 @@
 /* CUDA backend dense ops (src/backend/cuda/cuda_*.cu) against the plain fp64 host references
  * of tests/fm_ref_ops.c (shared with the CPU tests): gemm (all transpose combinations, alpha/beta, leading dimensions wider than the
  * matrices, C bf16 and fp32, K = 0), add, sumsq, embedding, RMSNorm, RoPE, SwiGLU, AdamW (with
- * and without an fp32 master), convert, and the memory ops; determinism (two calls, the same
- * bits) of embedding_bwd, rmsnorm_bwd and sumsq; a few timings at the end (printed, not checked).
+ * and without an fp32 master), convert, and the memory ops (buffer kinds; copy_async on the copy
+ * streams ordered by events against the compute stream; host_sync_count at each sync point);
+ * determinism (two calls, the same bits) of embedding_bwd, rmsnorm_bwd and sumsq (whose result,
+ * a device double, is read after a stream_sync); a few timings at the end (printed, not checked).
  *
  * Inputs are drawn in fp32 from a fixed, printed seed and rounded to bf16 before the reference
  * sees them, so reference and GPU read the same values. Outputs are poisoned (NaN) before each
@@ -390,8 +392,12 @@ static void test_add(void) {
     }
 }
 
+/* sumsq into a device double: close to the fp64 sum, the same bits on a second call, n = 0
+ * assigns +0; accumulate adds the same bits a fresh call gives to the old value (and n = 0 with
+ * accumulate leaves it). */
 static void test_sumsq(void) {
     const int64_t ns[] = {0, 1, 5, 255, 257, 1000003, 3000017};
+    double *d_out = gt_dev_f64(&g_be, 3);
     for (size_t c = 0; c < sizeof ns / sizeof ns[0]; c++)
         for (int off = 0; off < 2; off++) {
             const int64_t m = ns[c];
@@ -401,13 +407,24 @@ static void test_sumsq(void) {
             for (int64_t i = off; i < m + off; i++) ref += (double)z[i] * z[i];
             void *dz = up_act(z, m + 1);
             void *p = off ? off1(dz) : dz;
-            const double got = OPS->sumsq(CTX, p, m), again = OPS->sumsq(CTX, p, m);
+            gt_write_f64(&g_be, d_out, 12345.0); /* assigned, whatever it held */
+            OPS->sumsq(CTX, d_out, p, m, false);
+            OPS->sumsq(CTX, d_out + 1, p, m, false);
+            const double got = gt_read_f64(&g_be, d_out), again = gt_read_f64(&g_be, d_out + 1);
             CHECK_CLOSE(got, ref, 1e-12);
             CHECK_MSG(same_bits(&got, &again, sizeof got), "sumsq(n=%lld, offset %d) not deterministic",
                       (long long)m, off);
+            /* accumulate: 0.5 + s, then + s again (each the same bits as got) */
+            gt_write_f64(&g_be, d_out + 2, 0.5);
+            OPS->sumsq(CTX, d_out + 2, p, m, true);
+            OPS->sumsq(CTX, d_out + 2, p, m, true);
+            const double acc = gt_read_f64(&g_be, d_out + 2), want = (0.5 + got) + got;
+            CHECK_MSG(same_bits(&acc, &want, sizeof acc), "sumsq(n=%lld, offset %d) accumulate: %.17g, want %.17g",
+                      (long long)m, off, acc, want);
             dfree(dz);
             free(z);
         }
+    dfree(d_out);
 }
 
 /* ---- embedding ------------------------------------------------------------------------------- */
@@ -902,13 +919,85 @@ static void test_memory(void) {
     /* An allocation the device cannot serve is NULL, and the backend stays usable. */
     void *huge = OPS->mem_alloc(CTX, (size_t)1 << 50);
     CHECK(huge == NULL);
+    CHECK_MSG(OPS->status(CTX) == FM_OK, "an allocation the device cannot serve must not set the sticky status");
     float one = 2.0f;
     void *d = up_act(&one, 1);
-    CHECK(OPS->sumsq(CTX, d, 1) == 4.0);
-    dfree(d);
+    double *d_sq = gt_dev_f64(&g_be, 1);
+    OPS->sumsq(CTX, d_sq, d, 1, false);
+    CHECK(gt_read_f64(&g_be, d_sq) == 4.0);
+    dfree(d), dfree(d_sq);
     OPS->mem_free(CTX, NULL);
     dfree(p), dfree(q);
     free(h), free(h2);
+}
+
+/* Buffer kinds: each non-NULL and zero-filled (PINNED and HOST read on the host, DEVICE through a
+ * copy), a pinned allocation the host cannot serve is NULL without touching the sticky status. */
+static void test_buffers(void) {
+    const size_t nb = 300007;
+    for (int kind = 0; kind < FM_BUFFER_KINDS; kind++) {
+        unsigned char *p = OPS->buffer_alloc(CTX, (fm_buffer_kind)kind, nb);
+        CHECK_MSG(p != NULL, "buffer_alloc kind %d: NULL", kind);
+        if (!p) continue;
+        unsigned char *h = kind == FM_BUFFER_DEVICE ? down_raw(p, nb) : p;
+        bool zero = true;
+        for (size_t i = 0; i < nb; i++) zero &= h[i] == 0;
+        CHECK_MSG(zero, "buffer_alloc kind %d: not zero-filled", kind);
+        if (kind != FM_BUFFER_DEVICE) memset(p, 0x5A, nb); /* host-writable */
+        else free(h);
+        OPS->buffer_free(CTX, (fm_buffer_kind)kind, p);
+    }
+    OPS->buffer_free(CTX, FM_BUFFER_PINNED, NULL);
+    CHECK(OPS->buffer_alloc(CTX, FM_BUFFER_PINNED, (size_t)1 << 52) == NULL);
+    CHECK_MSG(OPS->status(CTX) == FM_OK, "a failed pinned allocation set the sticky status: %s", fm_errmsg());
+}
+
+/* copy_async on the copy-in and copy-out streams, ordered against the compute stream by events:
+ * pinned host -> device on copy-in; compute waits for it (event_wait) and converts fp32 -> bf16
+ * -> fp32 (exact on these values); copy-out waits for compute and copies the result to pinned
+ * memory; the host waits once (event_sync) and checks every value. 64 MiB, so that a missing
+ * wait would let a kernel or copy run over data not yet there. No host sync before the
+ * event_sync. Done twice (the events and buffers reused). */
+static void test_streams(void) {
+    const int64_t n = (int64_t)1 << 24;
+    const size_t bytes = (size_t)n * 4;
+    float *hin = OPS->buffer_alloc(CTX, FM_BUFFER_PINNED, bytes), *hout = OPS->buffer_alloc(CTX, FM_BUFFER_PINNED, bytes);
+    void *a = OPS->mem_alloc(CTX, bytes), *c16 = OPS->mem_alloc(CTX, (size_t)n * 2), *b = OPS->mem_alloc(CTX, bytes);
+    CHECK(hin && hout && a && c16 && b);
+    if (!(hin && hout && a && c16 && b)) return;
+    const int ev_in = FM_EVENT_FIRST_FREE, ev_done = FM_EVENT_FIRST_FREE + 1, ev_out = FM_EVENT_FIRST_FREE + 2;
+    for (int rep = 0; rep < 2; rep++) {
+        for (int64_t i = 0; i < n; i++) hin[i] = 0.5f * (float)((i * 7 + rep) % 251 - 125); /* exact in bf16 */
+        for (int64_t i = 0; i < n; i++) hout[i] = NAN;
+        OPS->mem_set(CTX, b, 0xff, bytes);
+        OPS->sync(CTX);
+        const uint64_t h0 = OPS->host_sync_count(CTX);
+        OPS->copy_async(CTX, a, hin, bytes, FM_COPY_H2D, FM_STREAM_COPY_IN);
+        OPS->event_record(CTX, ev_in, FM_STREAM_COPY_IN);
+        OPS->event_wait(CTX, FM_STREAM_COMPUTE, ev_in);
+        OPS->convert(CTX, c16, FM_DTYPE_BF16, a, FM_DTYPE_F32, n);
+        OPS->convert(CTX, b, FM_DTYPE_F32, c16, FM_DTYPE_BF16, n);
+        OPS->event_record(CTX, ev_done, FM_STREAM_COMPUTE);
+        OPS->event_wait(CTX, FM_STREAM_COPY_OUT, ev_done);
+        OPS->copy_async(CTX, hout, b, bytes, FM_COPY_D2H, FM_STREAM_COPY_OUT);
+        OPS->event_record(CTX, ev_out, FM_STREAM_COPY_OUT);
+        CHECK_MSG(OPS->host_sync_count(CTX) == h0, "copy_async / event_record / event_wait made the host wait");
+        OPS->event_sync(CTX, ev_out);
+        CHECK_MSG(OPS->host_sync_count(CTX) == h0 + 1, "event_sync is not one host sync");
+        int64_t bad = -1;
+        for (int64_t i = 0; i < n && bad < 0; i++)
+            if (hout[i] != hin[i]) bad = i;
+        CHECK_MSG(bad < 0, "streams (pass %d): element %lld is %g, want %g", rep, (long long)bad,
+                  bad < 0 ? 0.0 : (double)hout[bad], bad < 0 ? 0.0 : (double)hin[bad]);
+    }
+    /* stream_sync of each copy stream counts one host sync each */
+    const uint64_t h1 = OPS->host_sync_count(CTX);
+    OPS->stream_sync(CTX, FM_STREAM_COPY_IN);
+    OPS->stream_sync(CTX, FM_STREAM_COPY_OUT);
+    CHECK(OPS->host_sync_count(CTX) == h1 + 2);
+    CHECK_MSG(OPS->status(CTX) == FM_OK, "status after the stream test: %s", fm_errmsg());
+    OPS->buffer_free(CTX, FM_BUFFER_PINNED, hin), OPS->buffer_free(CTX, FM_BUFFER_PINNED, hout);
+    dfree(a), dfree(c16), dfree(b);
 }
 
 /* ---- timings (printed, not checked) ---------------------------------------------------------- */
@@ -962,7 +1051,9 @@ static void timings(void) {
         TIME_OP("rmsnorm_bwd 16384x4096", 20, 8.0 * nd, 0, OPS->rmsnorm_bwd(CTX, o, dw, g, x, w, rs, N, D));
         TIME_OP("add 64M", 20, 6.0 * nd, 0, OPS->add(CTX, o, x, nd));
         TIME_OP("swiglu_fwd 64M", 20, 6.0 * nd, 0, OPS->swiglu_fwd(CTX, o, x, g, nd));
-        TIME_OP("sumsq 64M", 20, 2.0 * nd, 0, (void)OPS->sumsq(CTX, x, nd));
+        double *sq = gt_dev_f64(&g_be, 1);
+        TIME_OP("sumsq 64M", 20, 2.0 * nd, 0, OPS->sumsq(CTX, sq, x, nd, false));
+        dfree(sq);
         void *tab = OPS->mem_alloc(CTX, (size_t)4096 * 64 * 4);
         TIME_OP("rope_fwd B=4 T=4096 nh=32 hd=128", 20, 4.0 * nd, 0, OPS->rope_fwd(CTX, x, tab, tab, 4, 4096, 32, 128));
         dfree(tab);
@@ -1023,6 +1114,8 @@ int main(void) {
     CHECK(strcmp(OPS->name, "cuda") == 0);
 
     test_memory();
+    test_buffers();
+    test_streams();
     test_convert();
     test_gemm();
     test_expert_linear();
@@ -1051,6 +1144,7 @@ int main(void) {
     test_adamw_bf16_moments(1, 0);
     test_adamw_bf16_moments(6, 0);
     test_adamw_bf16_moments(6, 1); /* unaligned: the scalar path */
+    CHECK_BACKEND_OK(&g_be); /* no op above recorded an error */
     printf("checks done in %.2f s\n", now_s() - t0);
     if (!getenv("FLATMOE_GPU_NO_TIMINGS")) timings();
 

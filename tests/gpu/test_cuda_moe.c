@@ -10,7 +10,11 @@
  * reference (gt_bf16_ulps; limits ULPS_* below), integer outputs (top-k ids, offsets, row_route, route_row) and
  * pure copies exactly. router_bwd is also checked against central finite differences of the fp64
  * reference objective (each loss term alone, then together). Every op is run twice on the same
- * inputs and must give the same bits (determinism).
+ * inputs and must give the same bits (determinism). Reductions land in device doubles read after
+ * a stream_sync (gt_read_f64); router_loss_terms and router_aux_grad also match the CPU backend's
+ * arithmetic bit for bit; moe_route_index's offsets land in pinned memory read after one
+ * stream_sync; a sequence of compute ops makes no host wait (host_sync_count); a device-found
+ * index error is a sticky FM_ERR_ARG from status.
  */
 #include "backend/cuda/fm_backend_cuda.h"
 #include "core/fm_rng.h"
@@ -194,6 +198,61 @@ static double rt_obj(void *p) {
 
 #define ROUTER_GRAD_FLOOR 0.01
 
+/* router_loss_terms and router_aux_grad on the op's statistics (device count, prob_sum [E] and
+ * lse_sq): against the fp64 references on the same (fp32) statistics, and bit for bit against
+ * the CPU backend's expression (fm_cpu_router_loss_terms / _aux_grad: e ascending, in double),
+ * each twice for determinism. */
+static void check_router_loss(const char *what, const void *d_cnt, const void *d_ps, const double *d_lsesq, int64_t N,
+                              int64_t E) {
+    float *cnt = fnew(E), *psum = fnew(E), *g = fnew(E), *g2 = fnew(E);
+    d2h(cnt, d_cnt, (size_t)E * 4);
+    d2h(psum, d_ps, (size_t)E * 4);
+    const double lse_sq = gt_read_f64(&g_be, d_lsesq);
+    double *terms_d = gt_dev_f64(&g_be, 4);
+    gt_write_f64(&g_be, terms_d, NAN), gt_write_f64(&g_be, terms_d + 1, NAN);
+    OPS->router_loss_terms(CTX, terms_d, d_cnt, d_ps, d_lsesq, N, E);
+    OPS->router_loss_terms(CTX, terms_d + 2, d_cnt, d_ps, d_lsesq, N, E);
+    double terms[4];
+    gt_read_f64s(&g_be, terms, terms_d, 4);
+    double *cd = fm_ref_widen(cnt, E), *pd = fm_ref_widen(psum, E), rt[2];
+    fm_ref_router_loss_terms(rt, cd, pd, lse_sq, N, E);
+    char w2[200];
+    snprintf(w2, sizeof w2, "%s: router_loss_terms", what);
+    CHECK_MSG(fabs(terms[0] - rt[0]) <= 1e-13 * fabs(rt[0]) && fabs(terms[1] - rt[1]) <= 1e-15 * fabs(rt[1]),
+              "%s: (%.17g, %.17g) vs fp64 (%.17g, %.17g)", w2, terms[0], terms[1], rt[0], rt[1]);
+    double s = 0; /* the CPU backend's arithmetic, operation by operation */
+    for (int64_t e = 0; e < E; e++) s += ((double)cnt[e] / N) * ((double)psum[e] / N);
+    const double cpu0 = (double)E * s, cpu1 = lse_sq / (double)N;
+    CHECK_MSG(!memcmp(&terms[0], &cpu0, 8) && !memcmp(&terms[1], &cpu1, 8),
+              "%s: (%.17g, %.17g) not the CPU's bits (%.17g, %.17g)", w2, terms[0], terms[1], cpu0, cpu1);
+    CHECK_MSG(!memcmp(terms, terms + 2, 16), "%s: two calls differ", w2);
+    const double coefs[2] = {0.01, 1.0};
+    for (int ci = 0; ci < 2; ci++) {
+        const double coef = coefs[ci];
+        void *d_g = dalloc((size_t)E * 4), *d_g2 = dalloc((size_t)E * 4);
+        dpoison(d_g, (size_t)E * 4);
+        OPS->router_aux_grad(CTX, d_g, d_cnt, coef, N, E);
+        OPS->router_aux_grad(CTX, d_g2, d_cnt, coef, N, E);
+        d2h(g, d_g, (size_t)E * 4);
+        d2h(g2, d_g2, (size_t)E * 4);
+        double *rg = dnew(E);
+        fm_ref_router_aux_grad(rg, cd, coef, N, E);
+        snprintf(w2, sizeof w2, "%s: router_aux_grad coef %g", what, coef);
+        CHECK_ERR(w2, gt_nerr(g, rg, E), 1e-7);
+        bool bits = true;
+        for (int64_t e = 0; e < E; e++) {
+            const float want = (float)(coef * (double)E * ((double)cnt[e] / N) / (double)N);
+            bits &= !memcmp(&g[e], &want, 4);
+        }
+        CHECK_MSG(bits, "%s: not the CPU's bits", w2);
+        CHECK_MSG(!memcmp(g, g2, (size_t)E * 4), "%s: two calls differ", w2);
+        free(rg);
+        dfree(d_g), dfree(d_g2);
+    }
+    free(cnt), free(psum), free(g), free(g2), free(cd), free(pd);
+    dfree(terms_d);
+}
+
 /* router_fwd (probs, lse vs fp64; ids exact vs the selection rule applied to the op's probs, and
  * the documented ties; weights vs fp64), router_stats, router_bwd (analytic fp64 and finite
  * differences), each twice for determinism. */
@@ -255,9 +314,13 @@ static void test_router_case(int64_t N, int64_t E, int64_t k, bool norm, bool fd
     void *d_cnt = dalloc((size_t)E * 4), *d_ps = dalloc((size_t)E * 4), *d_cnt2 = dalloc((size_t)E * 4),
          *d_ps2 = dalloc((size_t)E * 4);
     dpoison(d_cnt, (size_t)E * 4), dpoison(d_ps, (size_t)E * 4);
-    const double z = OPS->router_stats(CTX, d_cnt, d_ps, d_probs, d_lse, d_idx, N, E, k);
-    const double z2 = OPS->router_stats(CTX, d_cnt2, d_ps2, d_probs, d_lse, d_idx, N, E, k);
-    CHECK_MSG(z == z2 && same_bytes(d_cnt, d_cnt2, (size_t)E * 4) && same_bytes(d_ps, d_ps2, (size_t)E * 4),
+    double *d_z = gt_dev_f64(&g_be, 2), zz[2];
+    gt_write_f64(&g_be, d_z, NAN); /* assigned */
+    OPS->router_stats(CTX, d_cnt, d_ps, d_z, d_probs, d_lse, d_idx, N, E, k);
+    OPS->router_stats(CTX, d_cnt2, d_ps2, d_z + 1, d_probs, d_lse, d_idx, N, E, k);
+    gt_read_f64s(&g_be, zz, d_z, 2);
+    const double z = zz[0], z2 = zz[1];
+    CHECK_MSG(!memcmp(&z, &z2, 8) && same_bytes(d_cnt, d_cnt2, (size_t)E * 4) && same_bytes(d_ps, d_ps2, (size_t)E * 4),
               "%s: router_stats: two calls differ", what);
     d2h(cnt, d_cnt, (size_t)E * 4);
     d2h(psum, d_ps, (size_t)E * 4);
@@ -269,6 +332,8 @@ static void test_router_case(int64_t N, int64_t E, int64_t k, bool norm, bool fd
     snprintf(w2, sizeof w2, "%s: router_stats prob_sum", what);
     CHECK_ERR(w2, gt_nerr(psum, rp, E), 1e-6);
     CHECK_CLOSE(z, rz, 1e-9);
+    check_router_loss(what, d_cnt, d_ps, d_z, N, E);
+    dfree(d_z);
 
     /* router_bwd: (a) top-k weights only, (b) load-balancing term only (dtopk_w zero, and NULL),
      * (c) z-loss only, (d) all three. */
@@ -361,7 +426,9 @@ static void test_router_stats_large(int64_t N, int64_t E, int64_t k) {
     d2h(lse, d_lse, (size_t)N * 4);
     d2h(idx, d_i, (size_t)(N * k) * 4);
     dpoison(d_c, (size_t)E * 4), dpoison(d_s, (size_t)E * 4);
-    const double z = OPS->router_stats(CTX, d_c, d_s, d_p, d_lse, d_i, N, E, k);
+    double *d_z = gt_dev_f64(&g_be, 1);
+    OPS->router_stats(CTX, d_c, d_s, d_z, d_p, d_lse, d_i, N, E, k);
+    const double z = gt_read_f64(&g_be, d_z);
     d2h(cnt, d_c, (size_t)E * 4);
     d2h(psum, d_s, (size_t)E * 4);
     double *rc = dnew(E), *rp = dnew(E), *pd = fm_ref_widen(probs, N * E), *ld = fm_ref_widen(lse, N);
@@ -374,10 +441,13 @@ static void test_router_stats_large(int64_t N, int64_t E, int64_t k) {
     CHECK_MSG(ok, "%s: count", what);
     CHECK_ERR(what, gt_nerr(psum, rp, E), 1e-6);
     CHECK_CLOSE(z, rz, 1e-9);
-    const double z2 = OPS->router_stats(CTX, d_c, d_s, d_p, d_lse, d_i, N, E, k);
+    check_router_loss(what, d_c, d_s, d_z, N, E);
+    OPS->router_stats(CTX, d_c, d_s, d_z, d_p, d_lse, d_i, N, E, k);
+    const double z2 = gt_read_f64(&g_be, d_z);
     float *psum2 = fnew(E);
     d2h(psum2, d_s, (size_t)E * 4);
-    CHECK_MSG(z2 == z && !memcmp(psum, psum2, (size_t)E * 4), "%s: two calls differ", what);
+    CHECK_MSG(!memcmp(&z2, &z, 8) && !memcmp(psum, psum2, (size_t)E * 4), "%s: two calls differ", what);
+    dfree(d_z);
     free(logits), free(probs), free(lse), free(cnt), free(psum), free(psum2), free(idx), free(rc), free(rp);
     dfree(d_l), dfree(d_p), dfree(d_lse), dfree(d_i), dfree(d_w), dfree(d_c), dfree(d_s);
 }
@@ -424,32 +494,48 @@ static void random_topk(int32_t *idx, int64_t N, int64_t E, int64_t k, int32_t s
         }
 }
 
+/* Pinned host int64 [n] for moe_route_index's offsets (buffer_alloc), filled with `fill`. */
+static int64_t *pinned_i64(int64_t n, int64_t fill) {
+    int64_t *p = OPS->buffer_alloc(CTX, FM_BUFFER_PINNED, (size_t)n * sizeof(int64_t));
+    FM_ASSERT(p != NULL);
+    for (int64_t i = 0; i < n; i++) p[i] = fill;
+    return p;
+}
+static void pinned_free(void *p) { OPS->buffer_free(CTX, FM_BUFFER_PINNED, p); }
+
 /* The op's route index against the stable counting sort built here: expert e's rows are the
- * routes r with topk_idx[r] == e in increasing r. Also: two calls give the same result. */
+ * routes r with topk_idx[r] == e in increasing r. The offsets land in pinned memory and are read
+ * after one stream_sync, the named sync point (the two calls make no host wait: host_sync_count
+ * moves by exactly one). Also: two calls give the same result. */
 static void check_route_index(const char *what, const int32_t *idx, int64_t N, int64_t E, int64_t k) {
     const int64_t R = N * k;
-    int64_t *off = malloc((size_t)(E + 1) * sizeof(int64_t)), *off2 = malloc((size_t)(E + 1) * sizeof(int64_t));
+    int64_t *off = pinned_i64(E + 1, -5), *off2 = pinned_i64(E + 1, -5);
     int32_t *rr = inew(R), *rw = inew(R);
-    for (int64_t e = 0; e <= E; e++) off[e] = off2[e] = -5;
     void *d_idx = up_i32(idx, R), *d_rr = dalloc((size_t)R * 4), *d_rw = dalloc((size_t)R * 4),
          *d_rr2 = dalloc((size_t)R * 4), *d_rw2 = dalloc((size_t)R * 4);
     dpoison(d_rr, (size_t)R * 4), dpoison(d_rw, (size_t)R * 4);
+    const uint64_t h0 = OPS->host_sync_count(CTX);
     OPS->moe_route_index(CTX, off, d_rr, d_rw, d_idx, N, E, k);
     OPS->moe_route_index(CTX, off2, d_rr2, d_rw2, d_idx, N, E, k);
+    CHECK_MSG(OPS->host_sync_count(CTX) == h0, "moe_route_index %s: the op made the host wait", what);
+    OPS->stream_sync(CTX, FM_STREAM_COMPUTE);
+    CHECK_MSG(OPS->host_sync_count(CTX) == h0 + 1, "moe_route_index %s: stream_sync is not one host sync", what);
+    int64_t *off_now = malloc((size_t)(E + 1) * sizeof(int64_t)); /* what the host saw right after the sync */
+    memcpy(off_now, off, (size_t)(E + 1) * sizeof(int64_t));
     d2h(rr, d_rr, (size_t)R * 4);
     d2h(rw, d_rw, (size_t)R * 4);
     /* the stable counting sort on the host */
     int64_t *roff = malloc((size_t)(E + 1) * sizeof(int64_t));
     int32_t *rrr = inew(R), *rrw = inew(R);
     fm_ref_route_index(roff, rrr, rrw, idx, N, E, k);
-    const bool ok = !memcmp(off, roff, (size_t)(E + 1) * 8) && !memcmp(rr, rrr, (size_t)R * 4) &&
+    const bool ok = !memcmp(off_now, roff, (size_t)(E + 1) * 8) && !memcmp(rr, rrr, (size_t)R * 4) &&
                     !memcmp(rw, rrw, (size_t)R * 4);
     free(roff), free(rrr), free(rrw);
     CHECK_MSG(ok, "moe_route_index %s: layout differs from the stable counting sort", what);
     CHECK_MSG(!memcmp(off, off2, (size_t)(E + 1) * 8) && same_bytes(d_rr, d_rr2, (size_t)R * 4) &&
                   same_bytes(d_rw, d_rw2, (size_t)R * 4),
               "moe_route_index %s: two calls differ", what);
-    free(off), free(off2), free(rr), free(rw);
+    pinned_free(off), pinned_free(off2), free(off_now), free(rr), free(rw);
     dfree(d_idx), dfree(d_rr), dfree(d_rw), dfree(d_rr2), dfree(d_rw2);
 }
 
@@ -505,10 +591,11 @@ static void test_gather_combine(int64_t N, int64_t E, int64_t k, int64_t H) {
              (long long)H);
     const int64_t R = N * k;
     int32_t *idx = inew(R), *rr = inew(R), *rw = inew(R);
-    int64_t *off = malloc((size_t)(E + 1) * sizeof(int64_t));
+    int64_t *off = pinned_i64(E + 1, -5);
     random_topk(idx, N, E, k, (int32_t)(E - 1));
     void *d_idx = up_i32(idx, R), *d_rr = dalloc((size_t)R * 4), *d_rw = dalloc((size_t)R * 4);
     OPS->moe_route_index(CTX, off, d_rr, d_rw, d_idx, N, E, k);
+    OPS->stream_sync(CTX, FM_STREAM_COMPUTE);
     d2h(rr, d_rr, (size_t)R * 4);
     d2h(rw, d_rw, (size_t)R * 4);
     float *x = rounded_normal(N * H, 1.0), *dxe = rounded_normal(R * H, 1.0), *ye = rounded_normal(R * H, 1.0),
@@ -575,7 +662,8 @@ static void test_gather_combine(int64_t N, int64_t E, int64_t k, int64_t H) {
     CHECK_MSG(same_bytes(d_dye, d_dye2, (size_t)(R * H) * 2) && same_bytes(d_dw, d_dw2, (size_t)R * 4),
               "moe_combine_bwd %s: two calls differ", what);
 
-    free(idx), free(rr), free(rw), free(off), free(x), free(dxe), free(ye), free(dout), free(w), free(out),
+    pinned_free(off);
+    free(idx), free(rr), free(rw), free(x), free(dxe), free(ye), free(dout), free(w), free(out),
         free(dx), free(dye), free(dw), free(xb), free(xeb), free(ref), free(rdw), free(dxed), free(yed), free(wd),
         free(doutd);
     void *dev[] = {d_idx, d_rr,  d_rw,  d_x,    d_dxe,  d_ye,  d_dout, d_w,   d_xe,
@@ -661,9 +749,12 @@ static void test_cross_entropy(double scale, int64_t N, int64_t V, int64_t nan_r
          *d_loss2 = dalloc((size_t)N * 4), *d_dl = dalloc((size_t)(N * V) * 2), *d_dl2 = dalloc((size_t)(N * V) * 2);
     dpoison(d_loss, (size_t)N * 4);
     dpoison(d_dl, (size_t)(N * V) * 2);
-    const double sum = OPS->cross_entropy(CTX, d_loss, d_dl, d_l, d_t, N, V, gs, ignore);
-    const double sum_b = OPS->cross_entropy(CTX, d_loss2, d_dl2, d_l, d_t, N, V, gs, ignore);
-    CHECK_MSG((sum == sum_b || (isnan(sum) && isnan(sum_b))) && same_bytes(d_loss, d_loss2, (size_t)N * 4) &&
+    double *d_sum = gt_dev_f64(&g_be, 4); /* the four calls' sums */
+    for (int i = 0; i < 4; i++) gt_write_f64(&g_be, d_sum + i, -7.0); /* assigned, whatever it held */
+    OPS->cross_entropy(CTX, d_loss, d_dl, d_l, d_t, N, V, gs, ignore, d_sum);
+    OPS->cross_entropy(CTX, d_loss2, d_dl2, d_l, d_t, N, V, gs, ignore, d_sum + 1);
+    const double sum = gt_read_f64(&g_be, d_sum), sum_b = gt_read_f64(&g_be, d_sum + 1);
+    CHECK_MSG((!memcmp(&sum, &sum_b, 8) || (isnan(sum) && isnan(sum_b))) && same_bytes(d_loss, d_loss2, (size_t)N * 4) &&
                   same_bytes(d_dl, d_dl2, (size_t)(N * V) * 2),
               "%s: two calls differ", what);
     d2h(loss, d_loss, (size_t)N * 4);
@@ -694,17 +785,19 @@ static void test_cross_entropy(double scale, int64_t N, int64_t V, int64_t nan_r
     CHECK_ERR(w2, gt_nerr(dl, gref, N * V), GT_TOL_BF16);
     CHECK_ULPS(w2, dl, gref, N * V, gt_rms(gref, N * V) / 64, ULPS_CE);
     /* dlogits aliasing logits */
-    const double sum2 = OPS->cross_entropy(CTX, d_loss2, d_buf, d_buf, d_t, N, V, gs, ignore);
+    OPS->cross_entropy(CTX, d_loss2, d_buf, d_buf, d_t, N, V, gs, ignore, d_sum + 2);
+    const double sum2 = gt_read_f64(&g_be, d_sum + 2);
     CHECK_MSG(same_bytes(d_buf, d_dl, (size_t)(N * V) * 2) && same_bytes(d_loss2, d_loss, (size_t)N * 4) &&
                   (sum2 == sum || nan_row >= 0),
               "%s: dlogits aliasing logits differs from the separate-buffer result", what);
     /* dlogits NULL */
     dpoison(d_loss2, (size_t)N * 4);
-    const double sum3 = OPS->cross_entropy(CTX, d_loss2, NULL, d_l, d_t, N, V, gs, ignore);
+    OPS->cross_entropy(CTX, d_loss2, NULL, d_l, d_t, N, V, gs, ignore, d_sum + 3);
+    const double sum3 = gt_read_f64(&g_be, d_sum + 3);
     CHECK_MSG((sum3 == sum || nan_row >= 0) && same_bytes(d_loss2, d_loss, (size_t)N * 4),
               "%s: dlogits NULL changes the loss", what);
     free(tgt), free(logits), free(loss), free(loss2), free(dl), free(ref), free(gref);
-    dfree(d_l), dfree(d_t), dfree(d_buf), dfree(d_loss), dfree(d_loss2), dfree(d_dl), dfree(d_dl2);
+    dfree(d_l), dfree(d_t), dfree(d_buf), dfree(d_loss), dfree(d_loss2), dfree(d_dl), dfree(d_dl2), dfree(d_sum);
 }
 
 /* ==== linear cross-entropy strips ============================================================= */
@@ -809,14 +902,23 @@ static void test_lce(const char *name, int64_t Nb, int64_t V, const int64_t *bou
     void *d_loss = dalloc((size_t)Nb * 4), *d_lp = dalloc((size_t)Nb * 4), *d_ent = dalloc((size_t)Nb * 4),
          *d_loss2 = dalloc((size_t)Nb * 4);
     dpoison(d_loss, (size_t)Nb * 4), dpoison(d_lp, (size_t)Nb * 4), dpoison(d_ent, (size_t)Nb * 4);
-    double zsq = NAN, zsq2 = NAN;
     void *wts = with_weights ? d_w : NULL;
-    const double ce = OPS->lce_finalize(CTX, d_loss, d_lp, with_ent ? d_ent : NULL, &zsq, d_m, d_z, d_tg,
-                                        with_ent ? d_e : NULL, d_t, wts, Nb, V, ignore);
-    const double ce2 = OPS->lce_finalize(CTX, d_loss2, NULL, NULL, &zsq2, d_m, d_z, d_tg, NULL, d_t, wts, Nb, V,
-                                         ignore);
-    CHECK_MSG(ce == ce2 && zsq == zsq2 && same_bytes(d_loss, d_loss2, (size_t)Nb * 4),
+    double *d_sums = gt_dev_f64(&g_be, 4), sums[4]; /* zero-filled: the sums are ADDED */
+    OPS->lce_finalize(CTX, d_loss, d_lp, with_ent ? d_ent : NULL, d_sums, d_m, d_z, d_tg, with_ent ? d_e : NULL, d_t,
+                      wts, Nb, V, ignore);
+    OPS->lce_finalize(CTX, d_loss2, NULL, NULL, d_sums + 2, d_m, d_z, d_tg, NULL, d_t, wts, Nb, V, ignore);
+    gt_read_f64s(&g_be, sums, d_sums, 4);
+    const double ce = sums[0], zsq = sums[1];
+    CHECK_MSG(!memcmp(sums, sums + 2, 16) && same_bytes(d_loss, d_loss2, (size_t)Nb * 4),
               "%s: finalize: two calls differ", what);
+    /* a second block's sums are added to the first's: here the same block again, so exactly 2x */
+    OPS->lce_finalize(CTX, d_loss2, NULL, NULL, d_sums, d_m, d_z, d_tg, NULL, d_t, wts, Nb, V, ignore);
+    gt_read_f64s(&g_be, sums, d_sums, 2);
+    const double ce_x2 = ce + ce, zsq_x2 = zsq + zsq;
+    CHECK_MSG(!memcmp(&sums[0], &ce_x2, 8) && !memcmp(&sums[1], &zsq_x2, 8),
+              "%s: finalize: sums not added (%.17g, %.17g) vs 2x (%.17g, %.17g)", what, sums[0], sums[1], ce_x2,
+              zsq_x2);
+    dfree(d_sums);
     d2h(loss, d_loss, (size_t)Nb * 4);
     d2h(lp, d_lp, (size_t)Nb * 4);
     d2h(entropy, d_ent, (size_t)Nb * 4);
@@ -907,6 +1009,118 @@ static void test_lce_all(void) {
     }
 }
 
+/* ==== no host wait inside a step (DESIGN.md section 4) ========================================= */
+
+/* A sequence of compute ops as a step issues them (router GEMM, router_fwd, router_stats,
+ * router_loss_terms, router_aux_grad, moe_route_index, cross_entropy, lce_fold, lce_finalize,
+ * sumsq) moves host_sync_count by nothing; one stream_sync moves it by exactly one, after which
+ * every result the host reads (the pinned offsets, the device scalars) is right. Then the other
+ * sync points count one each: event_sync (of an event just recorded, and of FM_EVENT_TOKENS,
+ * recorded only at init), sync, a synchronous copy. */
+static void test_host_syncs(void) {
+    const int64_t N = 300, H = 64, E = 16, k = 2, V = 520;
+    float *x = rounded_normal(N * H, 1.0), *W = rounded_normal(E * H, 0.3), *lg = rounded_normal(N * V, 1.0);
+    int32_t *tgt = inew(N);
+    for (int64_t n = 0; n < N; n++) tgt[n] = (int32_t)fm_rng_below(&g_rng, (uint64_t)V);
+    tgt[7] = -100;
+    void *d_x = gt_upload(&g_be, x, N * H, FM_DTYPE_BF16), *d_W = gt_upload(&g_be, W, E * H, FM_DTYPE_BF16),
+         *d_lg = gt_upload(&g_be, lg, N * V, FM_DTYPE_BF16), *d_lgf = up_f32(lg, N * V), *d_t = up_i32(tgt, N);
+    void *d_logits = dalloc((size_t)(N * E) * 4), *d_probs = dalloc((size_t)(N * E) * 4), *d_lse = dalloc((size_t)N * 4),
+         *d_idx = dalloc((size_t)(N * k) * 4), *d_tw = dalloc((size_t)(N * k) * 4), *d_cnt = dalloc((size_t)E * 4),
+         *d_ps = dalloc((size_t)E * 4), *d_gpe = dalloc((size_t)E * 4), *d_rr = dalloc((size_t)(N * k) * 4),
+         *d_rw = dalloc((size_t)(N * k) * 4), *d_loss = dalloc((size_t)N * 4), *d_dl = dalloc((size_t)(N * V) * 2),
+         *d_m = dalloc((size_t)N * 4), *d_z = dalloc((size_t)N * 4), *d_tg = dalloc((size_t)N * 4),
+         *d_l2 = dalloc((size_t)N * 4);
+    double *d_s = gt_dev_f64(&g_be, 8); /* lse_sq, terms[2], ce sum, lce sums[2], sumsq */
+    int64_t *off = pinned_i64(E + 1, -5);
+    OPS->sync(CTX);
+
+    const uint64_t h0 = OPS->host_sync_count(CTX);
+    OPS->gemm(CTX, false, true, N, E, H, 1.0f, d_x, H, d_W, H, 0.0f, d_logits, FM_DTYPE_F32, E);
+    OPS->router_fwd(CTX, d_probs, d_lse, d_idx, d_tw, d_logits, N, E, k, true);
+    OPS->router_stats(CTX, d_cnt, d_ps, d_s, d_probs, d_lse, d_idx, N, E, k);
+    OPS->router_loss_terms(CTX, d_s + 1, d_cnt, d_ps, d_s, N, E);
+    OPS->router_aux_grad(CTX, d_gpe, d_cnt, 0.01, N, E);
+    OPS->moe_route_index(CTX, off, d_rr, d_rw, d_idx, N, E, k);
+    OPS->cross_entropy(CTX, d_loss, d_dl, d_lg, d_t, N, V, 1.0f, -100, d_s + 3);
+    OPS->lce_fold(CTX, d_m, d_z, d_tg, NULL, d_lgf, d_t, N, V, 0, true);
+    OPS->lce_finalize(CTX, d_l2, NULL, NULL, d_s + 4, d_m, d_z, d_tg, NULL, d_t, NULL, N, V, -100);
+    OPS->sumsq(CTX, d_s + 6, d_x, N * H, false);
+    const uint64_t h1 = OPS->host_sync_count(CTX);
+    CHECK_MSG(h1 == h0, "compute ops made the host wait %llu times", (unsigned long long)(h1 - h0));
+    OPS->stream_sync(CTX, FM_STREAM_COMPUTE);
+    CHECK_MSG(OPS->host_sync_count(CTX) == h0 + 1, "stream_sync counted %llu host syncs",
+              (unsigned long long)(OPS->host_sync_count(CTX) - h0));
+    /* the results, read right after the sync point */
+    bool off_ok = off[0] == 0 && off[E] == N * k;
+    for (int64_t e = 0; e < E; e++) off_ok &= off[e + 1] >= off[e];
+    CHECK_MSG(off_ok, "pinned offsets after stream_sync: offsets[0] %lld, offsets[E] %lld (want %lld)",
+              (long long)off[0], (long long)off[E], (long long)(N * k));
+    const uint64_t h2 = OPS->host_sync_count(CTX);
+    double sc[8];
+    OPS->copy(CTX, sc, d_s, sizeof sc, FM_COPY_D2H); /* a synchronous copy: one host sync */
+    CHECK(OPS->host_sync_count(CTX) == h2 + 1);
+    bool fin = true;
+    for (int i = 0; i < 7; i++) fin &= isfinite(sc[i]) && sc[i] > 0;
+    CHECK_MSG(fin, "device scalars after the sync: lse_sq %g terms %g %g ce %g lce %g %g sumsq %g", sc[0], sc[1],
+              sc[2], sc[3], sc[4], sc[5], sc[6]);
+    CHECK_CLOSE(sc[3], sc[4], 1e-3); /* cross_entropy's sum and linear CE's over the same logits (bf16 vs fp32) */
+    int64_t *roff = malloc((size_t)(E + 1) * sizeof(int64_t));
+    int32_t *hidx = inew(N * k), *rrr = inew(N * k), *rrw = inew(N * k);
+    d2h(hidx, d_idx, (size_t)(N * k) * 4);
+    fm_ref_route_index(roff, rrr, rrw, hidx, N, E, k);
+    CHECK_MSG(!memcmp(off, roff, (size_t)(E + 1) * 8), "pinned offsets after stream_sync differ from the counting sort");
+    free(roff), free(hidx), free(rrr), free(rrw);
+
+    const uint64_t h3 = OPS->host_sync_count(CTX);
+    OPS->event_sync(CTX, FM_EVENT_TOKENS); /* recorded only at init: returns at once */
+    OPS->event_record(CTX, FM_EVENT_FIRST_FREE, FM_STREAM_COMPUTE);
+    CHECK(OPS->host_sync_count(CTX) == h3 + 1);
+    OPS->event_sync(CTX, FM_EVENT_FIRST_FREE);
+    CHECK(OPS->host_sync_count(CTX) == h3 + 2);
+    OPS->sync(CTX);
+    CHECK_MSG(OPS->host_sync_count(CTX) == h3 + 3, "sync (three streams) must count as one host sync");
+    CHECK_MSG(OPS->status(CTX) == FM_OK, "status after the sequence: %s", fm_errmsg());
+
+    pinned_free(off);
+    free(x), free(W), free(lg), free(tgt);
+    void *dev[] = {d_x,   d_W,  d_lg,  d_lgf, d_t,  d_logits, d_probs, d_lse, d_idx, d_tw, d_cnt, d_ps,
+                   d_gpe, d_rr, d_rw,  d_loss, d_dl, d_m,     d_z,     d_tg,  d_l2,  d_s};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) dfree(dev[i]);
+}
+
+/* Device-found argument errors are sticky and reported by status after a sync point, without
+ * aborting (on a backend of its own: the error stays): a top-k id outside [0,E) given to
+ * moe_route_index makes status FM_ERR_ARG naming the op, and later calls keep returning it. */
+static void test_device_error_status(void) {
+    fm_backend b;
+    if (gt_cuda_init(&b, 0, 64, (size_t)1 << 20) != FM_OK) {
+        CHECK_MSG(false, "second backend: %s", fm_errmsg());
+        return;
+    }
+    const fm_ops *o = b.ops;
+    CHECK(o->status(b.ctx) == FM_OK);
+    const int64_t N = 40, E = 4, k = 2;
+    int32_t idx[80];
+    for (int i = 0; i < 80; i++) idx[i] = i % 4;
+    idx[33] = 9; /* outside [0,E) */
+    void *d_idx = o->mem_alloc(b.ctx, sizeof idx), *d_rr = o->mem_alloc(b.ctx, sizeof idx),
+         *d_rw = o->mem_alloc(b.ctx, sizeof idx);
+    int64_t *off = o->buffer_alloc(b.ctx, FM_BUFFER_PINNED, (size_t)(E + 1) * sizeof(int64_t));
+    CHECK(d_idx && d_rr && d_rw && off);
+    o->copy(b.ctx, d_idx, idx, sizeof idx, FM_COPY_H2D);
+    o->moe_route_index(b.ctx, off, d_rr, d_rw, d_idx, N, E, k);
+    o->stream_sync(b.ctx, FM_STREAM_COMPUTE);
+    const fm_status s1 = o->status(b.ctx);
+    CHECK_MSG(s1 == FM_ERR_ARG && strstr(fm_errmsg(), "moe_route_index") != NULL,
+              "a bad top-k id: status %s, message \"%s\"", fm_status_name(s1), fm_errmsg());
+    o->sync(b.ctx);
+    CHECK_MSG(o->status(b.ctx) == FM_ERR_ARG, "the error is not sticky");
+    o->buffer_free(b.ctx, FM_BUFFER_PINNED, off);
+    o->mem_free(b.ctx, d_idx), o->mem_free(b.ctx, d_rr), o->mem_free(b.ctx, d_rw);
+    fm_cuda_backend_free(&b);
+}
+
 /* ==== timings at training sizes (printed, not checked) ========================================
  * Inputs are the zero-filled buffers of mem_alloc (the values do not change the work), except
  * the top-k ids of the permutation, which are random. */
@@ -935,7 +1149,8 @@ static void bench_all(void) {
              *ix = dalloc((size_t)(N * k) * 4), *tw = dalloc((size_t)(N * k) * 4), *dw = dalloc((size_t)(N * k) * 4),
              *dl = dalloc((size_t)(N * E) * 4), *gpe = dalloc((size_t)E * 4), *cnt = dalloc((size_t)E * 4),
              *ps = dalloc((size_t)E * 4), *rr = dalloc((size_t)(N * k) * 4), *rw = dalloc((size_t)(N * k) * 4);
-        int64_t *off = malloc((size_t)(E + 1) * 8);
+        int64_t *off = pinned_i64(E + 1, 0);
+        double *dz = gt_dev_f64(&g_be, 1);
         BENCH("router_fwd N=1M E=64 k=8", N * E * 8, OPS->router_fwd(CTX, pr, lse, ix, tw, lg, N, E, k, true));
         BENCH("router_bwd N=1M E=64 k=8", N * E * 8,
               OPS->router_bwd(CTX, dl, dw, gpe, 1e-3f, pr, lse, ix, tw, N, E, k, true));
@@ -944,14 +1159,15 @@ static void bench_all(void) {
         BENCH("router_bwd N=16K E=64 k=8", 16384 * E * 8,
               OPS->router_bwd(CTX, dl, dw, gpe, 1e-3f, pr, lse, ix, tw, 16384, E, k, true));
         BENCH("router_stats N=1M E=64 k=8", N * E * 4,
-              (void)OPS->router_stats(CTX, cnt, ps, pr, lse, ix, N, E, k));
+              OPS->router_stats(CTX, cnt, ps, dz, pr, lse, ix, N, E, k));
         int32_t *hidx = inew(N * k);
         random_topk(hidx, N, E, k, -1);
         h2d(ix, hidx, (size_t)(N * k) * 4);
         free(hidx);
         BENCH("moe_route_index N=1M E=64 k=8 (random ids)", N * k * 12,
               OPS->moe_route_index(CTX, off, rr, rw, ix, N, E, k));
-        free(off);
+        pinned_free(off);
+        dfree(dz);
         void *d[] = {lg, pr, lse, ix, tw, dw, dl, gpe, cnt, ps, rr, rw};
         for (size_t i = 0; i < sizeof d / sizeof d[0]; i++) dfree(d[i]);
     }
@@ -963,9 +1179,10 @@ static void bench_all(void) {
              *x = dalloc((size_t)(N * H) * 2), *xe = dalloc((size_t)(R * H) * 2), *w = dalloc((size_t)R * 4),
              *out = dalloc((size_t)(N * H) * 2), *dw = dalloc((size_t)R * 4), *dye = dalloc((size_t)(R * H) * 2);
         free(hidx);
-        int64_t *off = malloc((size_t)(E + 1) * 8);
+        int64_t *off = pinned_i64(E + 1, 0);
         OPS->moe_route_index(CTX, off, rr, rw, ix, N, E, k);
-        free(off);
+        OPS->stream_sync(CTX, FM_STREAM_COMPUTE);
+        pinned_free(off);
         BENCH("moe_gather R=128K H=2048", R * H * 4, OPS->moe_gather(CTX, xe, x, rr, R, k, H));
         BENCH("moe_gather_bwd N=16K k=8 H=2048", (R + N) * H * 2, OPS->moe_gather_bwd(CTX, x, xe, rw, N, k, H));
         BENCH("moe_combine_fwd N=16K k=8 H=2048", (R + N) * H * 2,
@@ -979,20 +1196,23 @@ static void bench_all(void) {
     {
         const int64_t N = 4096, V = 131072;
         void *lg = dalloc((size_t)(N * V) * 2), *t = dalloc((size_t)N * 4), *loss = dalloc((size_t)N * 4);
+        double *sum = gt_dev_f64(&g_be, 1);
         BENCH("cross_entropy N=4096 V=128K, in place", N * V * 6,
-              (void)OPS->cross_entropy(CTX, loss, lg, lg, t, N, V, 1.0f, -100));
-        dfree(lg), dfree(t), dfree(loss);
+              OPS->cross_entropy(CTX, loss, lg, lg, t, N, V, 1.0f, -100, sum));
+        dfree(lg), dfree(t), dfree(loss), dfree(sum);
     }
     {
         const int64_t Nb = 4096, Vb = 32768;
         void *s = dalloc((size_t)(Nb * Vb) * 4), *t = dalloc((size_t)Nb * 4), *m = dalloc((size_t)Nb * 4),
              *z = dalloc((size_t)Nb * 4), *tg = dalloc((size_t)Nb * 4), *e = dalloc((size_t)Nb * 4),
              *l = dalloc((size_t)Nb * 4);
+        double *sums = gt_dev_f64(&g_be, 2);
         BENCH("lce_fold Nb=4096 Vb=32K (first)", Nb * Vb * 8, OPS->lce_fold(CTX, m, z, tg, e, s, t, Nb, Vb, 0, true));
         BENCH("lce_strip_grad Nb=4096 Vb=32K, in place", Nb * Vb * 8,
               OPS->lce_strip_grad(CTX, s, s, m, z, t, NULL, Nb, Vb, 0, -100, 1.0f, 1e-4f));
         BENCH("lce_finalize Nb=4096", Nb * 28,
-              (void)OPS->lce_finalize(CTX, l, NULL, e, NULL, m, z, tg, e, t, NULL, Nb, Vb, -100));
+              OPS->lce_finalize(CTX, l, NULL, e, sums, m, z, tg, e, t, NULL, Nb, Vb, -100));
+        dfree(sums);
         void *d[] = {s, t, m, z, tg, e, l};
         for (size_t i = 0; i < sizeof d / sizeof d[0]; i++) dfree(d[i]);
     }
@@ -1037,6 +1257,9 @@ int main(void) {
         test_cross_entropy(1.0, 13, 1000, 7);
     });
     SECTION("lce_fold / lce_finalize / lce_strip_grad", test_lce_all());
+    SECTION("host syncs: none inside the compute ops", test_host_syncs());
+    SECTION("device errors: sticky status", test_device_error_status());
+    if (!only) CHECK_BACKEND_OK(&g_be); /* no op above recorded an error */
     /* FLATMOE_TEST_NO_BENCH=1 skips the timings (e.g. under compute-sanitizer). */
     if (!getenv("FLATMOE_TEST_NO_BENCH") && !only) bench_all();
 

@@ -84,7 +84,7 @@ static void adamw_launch(fm_cuda_ctx *c, fm_act *p, const fm_act *g, float *mast
     else
         adamw_kernel<false, MV><<<blocks, EW_THREADS, 0, c->stream>>>(BF(p), CBF(g), master, m, v, n, vec, lr, b1,
                                                                       b2, eps, wd, bc1, bc2, grad_scale);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 } // namespace

@@ -84,7 +84,7 @@ void fm_cuda_attention_fwd(void *ctx, fm_act *out, float *lse, const fm_act *q, 
         fm_att_simple_fwd(c->stream, o, lse, qq, kk, vv, B, T, nh, nkv, hd);
         st->last_fwd = "simple";
     }
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 void fm_cuda_attention_bwd(void *ctx, fm_act *dq, fm_act *dk, fm_act *dv, const fm_act *dout, const fm_act *q,
@@ -112,7 +112,7 @@ void fm_cuda_attention_bwd(void *ctx, fm_act *dq, fm_act *dk, fm_act *dv, const 
         fm_att_simple_bwd(c->stream, gq, gk, gv, go, qq, kk, vv, oo, lse, B, T, nh, nkv, hd);
         st->last_bwd = "simple";
     }
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 void fm_cuda_attention_set_path(void *ctx, fm_cuda_att_path path) { state_of(ctx)->path = path; }

@@ -529,7 +529,8 @@ bool fm_att_cudnn_run(fm_cuda_ctx *c, att_state *st, bool bwd, bf16 *out, float 
                 ok = execute(c, st, p, 7, uids, ptrs);
             } else {
                 void *dqacc = ws + p->off_dqacc, *dsum = ws + p->off_dsum;
-                FM_CUDA_CHECK(cudaMemsetAsync(dqacc, 0, (size_t)(Bc * nhc * T * hd) * sizeof(float), c->stream));
+                if (!FM_CUDA_OK(c, cudaMemsetAsync(dqacc, 0, (size_t)(Bc * nhc * T * hd) * sizeof(float), c->stream)))
+                    return true; /* recorded (status): the step is lost, so the fallback is not run either */
                 const int64_t uids[14] = {U_Q,  U_K,    U_V,  U_O,  U_DO, U_STATS, U_SCALE,
                                           U_NEGINF, U_ONE, U_DQ, U_DK, U_DV, U_DQACC, U_DSUM};
                 void *ptrs[14] = {(void *)(q + qo), (void *)(k + ko),    (void *)(v + ko), (void *)(o + qo),

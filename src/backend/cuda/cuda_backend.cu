@@ -1,19 +1,44 @@
 /* The CUDA backend (fm_backend_cuda.h): the op table, assembled from the fm_cuda_<entry> functions
- * of the op-family files (cuda_internal.h lists them), and init / free: the device checks, the
- * stream, the cuBLAS(Lt) and cuDNN handles and every workspace, all sized here from the options
- * (fm_backend_opts.h) and never again.
+ * of the op-family files (cuda_internal.h lists them); the sticky error record behind the
+ * checked-call macros; and init / free: the device checks, the three streams (compute, copy-in,
+ * copy-out) and the event pool, the device-error flags, the cuBLAS(Lt) and cuDNN handles and every
+ * workspace, all sized here from the options (fm_backend_opts.h) and never again.
  */
 #include "cuda_internal.h"
 
 #include <cstdio>
 #include <cstring>
 
-/* ---- errors -------------------------------------------------------------------------------- */
+/* ---- errors (sticky: the first one is kept; fm_backend.h's status) ------------------------------ */
 
-extern "C" void fm_cuda_fail(const char *call, const char *what, const char *file, int line) {
-    char msg[1024];
-    snprintf(msg, sizeof msg, "CUDA backend: %s failed: %s", call, what ? what : "(no message)");
-    fm_abort(file, line, msg);
+extern "C" void fm_cuda_record(fm_cuda_ctx *c, fm_status status, const char *call, const char *what,
+                               const char *file, int line) {
+    if (c->err != FM_OK) return;
+    c->err = status;
+    snprintf(c->err_msg, sizeof c->err_msg, "CUDA backend: %s failed: %s (%s:%d)", call, what ? what : "(no message)",
+             file, line);
+}
+
+extern "C" bool fm_cuda_check_rt(fm_cuda_ctx *c, cudaError_t e, const char *call, const char *file, int line) {
+    if (e == cudaSuccess) return true;
+    fm_cuda_record(c, e == cudaErrorMemoryAllocation ? FM_ERR_NOMEM : FM_ERR_UNSUPPORTED, call, cudaGetErrorString(e),
+                   file, line);
+    (void)cudaGetLastError(); /* a non-sticky error must not be reported again by the next launch check */
+    return false;
+}
+
+extern "C" bool fm_cuda_check_blas(fm_cuda_ctx *c, cublasStatus_t s, const char *call, const char *file, int line) {
+    if (s == CUBLAS_STATUS_SUCCESS) return true;
+    fm_cuda_record(c, s == CUBLAS_STATUS_ALLOC_FAILED ? FM_ERR_NOMEM : FM_ERR_UNSUPPORTED, call,
+                   cublasGetStatusString(s), file, line);
+    return false;
+}
+
+extern "C" bool fm_cuda_check_dnn(fm_cuda_ctx *c, cudnnStatus_t s, const char *call, const char *file, int line) {
+    if (s == CUDNN_STATUS_SUCCESS) return true;
+    fm_cuda_record(c, s == CUDNN_STATUS_ALLOC_FAILED ? FM_ERR_NOMEM : FM_ERR_UNSUPPORTED, call, cudnnGetErrorString(s),
+                   file, line);
+    return false;
 }
 
 /* ---- the table ----------------------------------------------------------------------------- */
@@ -22,6 +47,7 @@ static fm_ops make_cuda_ops(void) {
     fm_ops o;
     memset(&o, 0, sizeof o);
     o.name = "cuda";
+    o.host_memory = false;
     o.gemm = fm_cuda_gemm;
     o.expert_linear_fwd = fm_cuda_expert_linear_fwd;
     o.expert_linear_bwd = fm_cuda_expert_linear_bwd;
@@ -40,6 +66,8 @@ static fm_ops make_cuda_ops(void) {
     o.router_fwd = fm_cuda_router_fwd;
     o.router_bwd = fm_cuda_router_bwd;
     o.router_stats = fm_cuda_router_stats;
+    o.router_loss_terms = fm_cuda_router_loss_terms;
+    o.router_aux_grad = fm_cuda_router_aux_grad;
     o.moe_route_index = fm_cuda_moe_route_index;
     o.moe_gather = fm_cuda_moe_gather;
     o.moe_gather_bwd = fm_cuda_moe_gather_bwd;
@@ -57,7 +85,15 @@ static fm_ops make_cuda_ops(void) {
     o.mem_set = fm_cuda_mem_set;
     o.copy = fm_cuda_copy;
     o.convert = fm_cuda_convert;
+    o.buffer_alloc = fm_cuda_buffer_alloc;
+    o.buffer_free = fm_cuda_buffer_free;
+    o.copy_async = fm_cuda_copy_async;
+    o.event_record = fm_cuda_event_record;
+    o.event_wait = fm_cuda_event_wait;
+    o.event_sync = fm_cuda_event_sync;
+    o.stream_sync = fm_cuda_stream_sync;
     o.sync = fm_cuda_sync;
+    o.status = fm_cuda_status;
     o.host_sync_count = fm_cuda_host_sync_count;
     o.prof_mark = fm_cuda_prof_mark;
     o.prof_collect = fm_cuda_prof_collect;
@@ -94,6 +130,8 @@ extern "C" fm_status fm_cuda_device_memory(int device, size_t *free_bytes, size_
 static void ctx_destroy(fm_cuda_ctx *c, bool attention_up) {
     if (!c) return;
     if (c->stream) (void)cudaStreamSynchronize(c->stream);
+    if (c->copy_in) (void)cudaStreamSynchronize(c->copy_in);
+    if (c->copy_out) (void)cudaStreamSynchronize(c->copy_out);
     if (attention_up) fm_cuda_attention_free(c);
     fm_cuda_prof_free(c);
     if (c->cudnn) (void)cudnnDestroy(c->cudnn);
@@ -102,7 +140,10 @@ static void ctx_destroy(fm_cuda_ctx *c, bool attention_up) {
     if (c->lt_workspace) (void)cudaFree(c->lt_workspace);
     if (c->cudnn_workspace) (void)cudaFree(c->cudnn_workspace);
     if (c->scratch) (void)cudaFree(c->scratch);
-    if (c->host_scratch) (void)cudaFreeHost(c->host_scratch);
+    if (c->flags_host) (void)cudaFreeHost((void *)c->flags_host);
+    for (int i = 0; i < c->events_made; i++) (void)cudaEventDestroy(c->events[i]);
+    if (c->copy_out) (void)cudaStreamDestroy(c->copy_out);
+    if (c->copy_in) (void)cudaStreamDestroy(c->copy_in);
     if (c->stream) (void)cudaStreamDestroy(c->stream);
     (void)cudaGetLastError();
     fm_free(c);
@@ -173,10 +214,53 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
     const size_t ws = resolve_workspace(workspace_bytes);
     fm_status s = FM_OK;
 
-    if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
-        c->stream = NULL;
-        s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaStreamCreateWithFlags failed: %s", cudaGetErrorString(e));
-        goto fail;
+    {
+        cudaStream_t *streams[3] = {&c->stream, &c->copy_in, &c->copy_out};
+        for (int i = 0; i < 3; i++)
+            if ((e = cudaStreamCreateWithFlags(streams[i], cudaStreamNonBlocking)) != cudaSuccess) {
+                *streams[i] = NULL;
+                s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaStreamCreateWithFlags (stream %d of 3) failed: %s",
+                             i, cudaGetErrorString(e));
+                goto fail;
+            }
+    }
+    /* The event pool: each event recorded once now on the compute stream, so a sync on an event
+     * never recorded since (FM_EVENT_TOKENS before the first micro-batch) returns at once. */
+    for (int i = 0; i < FM_EVENT_POOL; i++) {
+        if ((e = cudaEventCreateWithFlags(&c->events[i], cudaEventDisableTiming)) != cudaSuccess) {
+            s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaEventCreateWithFlags (event %d of the pool) failed: %s",
+                         i, cudaGetErrorString(e));
+            goto fail;
+        }
+        c->events_made = i + 1;
+        if ((e = cudaEventRecord(c->events[i], c->stream)) != cudaSuccess) {
+            s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaEventRecord (event %d of the pool) failed: %s", i,
+                         cudaGetErrorString(e));
+            goto fail;
+        }
+    }
+    {
+        void *flags = NULL, *flags_dev = NULL;
+        if ((e = cudaHostAlloc(&flags, sizeof(int) * FM_CUDA_FLAGS, cudaHostAllocMapped)) != cudaSuccess) {
+            s = fm_error(FM_ERR_NOMEM, "cuda backend: cudaHostAlloc (mapped) of the %zu-byte error flags failed: %s",
+                         sizeof(int) * FM_CUDA_FLAGS, cudaGetErrorString(e));
+            goto fail;
+        }
+        memset(flags, 0, sizeof(int) * FM_CUDA_FLAGS);
+        c->flags_host = static_cast<volatile int *>(flags);
+        /* The device's view of the flags: cudaHostGetDevicePointer, which needs the context's
+         * map-host flag; without it, under unified addressing (every 64-bit process) host memory
+         * from cudaHostAlloc is reachable from the device through the host pointer itself. */
+        if ((e = cudaHostGetDevicePointer(&flags_dev, flags, 0)) != cudaSuccess) {
+            (void)cudaGetLastError();
+            if (!prop.unifiedAddressing) {
+                s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaHostGetDevicePointer of the error flags failed: %s "
+                             "(and device %d has no unified addressing)", cudaGetErrorString(e), device);
+                goto fail;
+            }
+            flags_dev = flags;
+        }
+        c->flags_dev = static_cast<int *>(flags_dev);
     }
     if ((s = init_alloc(&c->lt_workspace, FM_CUDA_LT_WORKSPACE_BYTES, "cuBLAS/cuBLASLt workspace", device)) != FM_OK)
         goto fail;
@@ -184,12 +268,6 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
     if ((s = init_alloc(&c->cudnn_workspace, ws, "cuDNN workspace", device)) != FM_OK) goto fail;
     c->cudnn_workspace_bytes = ws;
     if ((s = init_alloc(&c->scratch, FM_CUDA_SCRATCH_BYTES, "reduction scratch", device)) != FM_OK) goto fail;
-    if ((e = cudaMallocHost(&c->host_scratch, FM_CUDA_SCRATCH_BYTES)) != cudaSuccess) {
-        c->host_scratch = NULL;
-        s = fm_error(FM_ERR_NOMEM, "cuda backend: cudaMallocHost of %zu bytes of pinned scratch failed: %s",
-                     (size_t)FM_CUDA_SCRATCH_BYTES, cudaGetErrorString(e));
-        goto fail;
-    }
     {
         cublasStatus_t bs;
         if ((bs = cublasCreate(&c->cublas)) != CUBLAS_STATUS_SUCCESS) {
@@ -226,6 +304,13 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
     }
     if (o->profile && (s = fm_cuda_prof_init(c)) != FM_OK) goto fail;
     if ((s = fm_cuda_attention_init(c, o)) != FM_OK) goto fail;
+    if ((e = cudaStreamSynchronize(c->stream)) != cudaSuccess) { /* the pool's first records, the memsets */
+        s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaStreamSynchronize after init failed: %s",
+                     cudaGetErrorString(e));
+        ctx_destroy(c, true);
+        return s;
+    }
+    c->err = FM_OK;
     b->ops = &fm_cuda_ops;
     b->ctx = c;
     return FM_OK;
@@ -238,8 +323,7 @@ extern "C" void fm_cuda_backend_free(fm_backend *b) {
     if (!b) return;
     fm_cuda_ctx *c = static_cast<fm_cuda_ctx *>(b->ctx);
     if (c) {
-        FM_CUDA_CHECK(cudaSetDevice(c->device));
-        FM_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+        (void)cudaSetDevice(c->device); /* errors ignored: the context is going away (ctx_destroy waits) */
         ctx_destroy(c, true);
     }
     b->ctx = NULL;

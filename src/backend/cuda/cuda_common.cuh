@@ -80,23 +80,16 @@ __device__ __forceinline__ void store8(bf16 *p, const float f[8]) {
 __device__ __forceinline__ float ld(const bf16 *p) { return __bfloat162float(*p); }
 __device__ __forceinline__ void st(bf16 *p, float v) { *p = __float2bfloat16_rn(v); }
 
-/* ---- scratch: an int error flag at 0, data from FM_SCR_DATA (256-byte aligned) ------------------ */
+/* ---- scratch (device reductions) and the device-error flags ------------------------------------- */
 
-constexpr size_t FM_SCR_DATA = 256;
+constexpr size_t FM_SCR_DATA = 256; /* reductions start here (the first bytes are left unused) */
 constexpr unsigned FULL = 0xffffffffu;
 
-inline int *scr_flag(fm_cuda_ctx *c) { return static_cast<int *>(c->scratch); }
 inline char *scr_data(fm_cuda_ctx *c) { return static_cast<char *>(c->scratch) + FM_SCR_DATA; }
 
-inline void clear_flag(fm_cuda_ctx *c) { FM_CUDA_CHECK(cudaMemsetAsync(scr_flag(c), 0, sizeof(int), c->stream)); }
-
-/* Copies `bytes` of device scratch data to the pinned host scratch and waits; returns it. */
-inline const void *fetch(fm_cuda_ctx *c, const void *dev, size_t bytes) {
-    FM_CUDA_CHECK(cudaMemcpyAsync(c->host_scratch, dev, bytes, cudaMemcpyDeviceToHost, c->stream));
-    FM_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-    c->host_syncs++;
-    return c->host_scratch;
-}
+/* The device pointer of flag `which` (FM_CUDA_FLAG_*): kernels store 1 there on an invalid
+ * index; status reports it (sticky, never cleared). */
+inline int *dev_flag(fm_cuda_ctx *c, int which) { return c->flags_dev + which; }
 
 /* ---- warp and block reductions (fixed shapes: the same bits every call) --------------------
  * The xor butterflies leave the identical value in every lane (IEEE addition and fmaxf are

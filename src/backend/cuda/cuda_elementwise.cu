@@ -75,12 +75,13 @@ __global__ void sumsq_part_kernel(const bf16 *x, int64_t n, bool vec, double *pa
     if (threadIdx.x == 0) part[blockIdx.x] = acc;
 }
 
-/* Pass 2: one block adds the nb partials in a fixed tree into *out. */
-__global__ void sumsq_final_kernel(const double *part, int nb, double *out) {
+/* Pass 2: one block adds the nb partials in a fixed tree; *out = the sum, or *out + the sum when
+ * accumulate. */
+__global__ void sumsq_final_kernel(const double *part, int nb, double *out, bool accumulate) {
     double acc = 0.0;
     for (int i = threadIdx.x; i < nb; i += blockDim.x) acc += part[i];
     acc = block_sum_d(acc);
-    if (threadIdx.x == 0) *out = acc;
+    if (threadIdx.x == 0) *out = accumulate ? *out + acc : acc;
 }
 
 /* ---- SwiGLU ------------------------------------------------------------------------------------ */
@@ -154,30 +155,27 @@ void fm_cuda_add(void *ctx, fm_act *y, const fm_act *x, int64_t n) {
     if (n == 0) return;
     const bool vec = aligned16(y) && aligned16(x);
     add_kernel<<<ew_blocks(vec ? n / 8 + 8 : n), EW_THREADS, 0, c->stream>>>(BF(y), CBF(x), n, vec);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
-/* Sum of squares of x[0..n) in double. The grid depends on n (and the alignment of x) only, so
- * the same input gives the same bits on every call. Waits for the stream (the result is read
- * on the host). */
-double fm_cuda_sumsq(void *ctx, const fm_act *x, int64_t n) {
+/* Sum of squares of x[0..n) in double into *out (device memory): assigned, or added to it when
+ * accumulate. The grid depends on n (and the alignment of x) only, so the same input gives the
+ * same bits on every call. Two kernels on the stream; no host wait. */
+void fm_cuda_sumsq(void *ctx, double *out, const fm_act *x, int64_t n, bool accumulate) {
     fm_cuda_ctx *c = ctx_of(ctx);
-    FM_ASSERT(n >= 0);
-    if (n == 0) return 0.0;
+    FM_ASSERT(n >= 0 && out != NULL);
+    if (n == 0) {
+        if (!accumulate) FM_CUDA_CHECK(c, cudaMemsetAsync(out, 0, sizeof(double), c->stream)); /* +0.0 */
+        return;
+    }
     const bool vec = aligned16(x);
     int64_t work = vec ? n / 8 + 8 : n, nb = (work + SUMSQ_THREADS - 1) / SUMSQ_THREADS;
     if (nb > SUMSQ_MAX_BLOCKS) nb = SUMSQ_MAX_BLOCKS;
-    double *part = static_cast<double *>(c->scratch), *out = part + SUMSQ_MAX_BLOCKS;
+    double *part = static_cast<double *>(c->scratch);
     sumsq_part_kernel<<<(unsigned)nb, SUMSQ_THREADS, 0, c->stream>>>(CBF(x), n, vec, part);
-    FM_CUDA_LAUNCH_CHECK();
-    sumsq_final_kernel<<<1, 1024, 0, c->stream>>>(part, (int)nb, out);
-    FM_CUDA_LAUNCH_CHECK();
-    FM_CUDA_CHECK(cudaMemcpyAsync(c->host_scratch, out, sizeof(double), cudaMemcpyDeviceToHost, c->stream));
-    FM_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-    c->host_syncs++;
-    double r;
-    memcpy(&r, c->host_scratch, sizeof r);
-    return r;
+    FM_CUDA_LAUNCH_CHECK(c);
+    sumsq_final_kernel<<<1, 1024, 0, c->stream>>>(part, (int)nb, out, accumulate);
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 void fm_cuda_swiglu_fwd(void *ctx, fm_act *out, const fm_act *gate, const fm_act *up, int64_t n) {
@@ -187,7 +185,7 @@ void fm_cuda_swiglu_fwd(void *ctx, fm_act *out, const fm_act *gate, const fm_act
     const bool vec = aligned16(out) && aligned16(gate) && aligned16(up);
     swiglu_fwd_kernel<<<ew_blocks(vec ? n / 8 + 8 : n), EW_THREADS, 0, c->stream>>>(BF(out), CBF(gate), CBF(up), n,
                                                                                      vec);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 void fm_cuda_swiglu_bwd(void *ctx, fm_act *dgate, fm_act *dup, const fm_act *dout, const fm_act *gate,
@@ -198,7 +196,7 @@ void fm_cuda_swiglu_bwd(void *ctx, fm_act *dgate, fm_act *dup, const fm_act *dou
     const bool vec = aligned16(dgate) && aligned16(dup) && aligned16(dout) && aligned16(gate) && aligned16(up);
     swiglu_bwd_kernel<<<ew_blocks(vec ? n / 8 + 8 : n), EW_THREADS, 0, c->stream>>>(BF(dgate), BF(dup), CBF(dout),
                                                                                      CBF(gate), CBF(up), n, vec);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 /* fp32 <-> bf16, round to nearest even (NaN stays NaN); the same type is a copy (a no-op in
@@ -211,7 +209,7 @@ void fm_cuda_convert(void *ctx, void *dst, fm_dtype dst_type, const void *src, f
     if (n == 0) return;
     if (dst_type == src_type) {
         if (dst != src)
-            FM_CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * fm_dtype_size(dst_type), cudaMemcpyDeviceToDevice,
+            FM_CUDA_CHECK(c, cudaMemcpyAsync(dst, src, (size_t)n * fm_dtype_size(dst_type), cudaMemcpyDeviceToDevice,
                                           c->stream));
         return;
     }
@@ -219,7 +217,7 @@ void fm_cuda_convert(void *ctx, void *dst, fm_dtype dst_type, const void *src, f
         f32_to_bf16_kernel<<<ew_blocks(n), EW_THREADS, 0, c->stream>>>((bf16 *)dst, (const float *)src, n);
     else
         bf16_to_f32_kernel<<<ew_blocks(n), EW_THREADS, 0, c->stream>>>((float *)dst, (const bf16 *)src, n);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 } /* extern "C" */

@@ -75,7 +75,7 @@ void fm_cuda_embedding_fwd(void *ctx, fm_act *out, const int32_t *tokens, const 
     if (gy > 64) gy = 64;
     embedding_fwd_kernel<<<dim3((unsigned)N, (unsigned)gy), EW_THREADS, 0, c->stream>>>(BF(out), tokens, CBF(wte),
                                                                                           H, vec);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 /* dwte[tokens[n], :] += dout[n, :], deterministic: each dwte element sums its tokens' rows in
@@ -90,7 +90,7 @@ void fm_cuda_embedding_bwd(void *ctx, fm_act *dwte, const fm_act *dout, const in
     int64_t chunk = N < EMB_CHUNK ? N : EMB_CHUNK;
     size_t temp = 0, arr = 0;
     for (;;) {
-        FM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp, (const int32_t *)nullptr, (int32_t *)nullptr,
+        FM_CUDA_CHECK(c, cub::DeviceRadixSort::SortPairs(nullptr, temp, (const int32_t *)nullptr, (int32_t *)nullptr,
                                                       (const int32_t *)nullptr, (int32_t *)nullptr, (int)chunk, 0,
                                                       32, c->stream));
         arr = ((size_t)chunk * sizeof(int32_t) + 255) & ~(size_t)255;
@@ -107,13 +107,13 @@ void fm_cuda_embedding_bwd(void *ctx, fm_act *dwte, const fm_act *dout, const in
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         const int64_t n = N - n0 < chunk ? N - n0 : chunk;
         iota_kernel<<<ew_blocks(n), EW_THREADS, 0, c->stream>>>(iota, n);
-        FM_CUDA_LAUNCH_CHECK();
+        FM_CUDA_LAUNCH_CHECK(c);
         size_t t = temp;
-        FM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(tmp, t, tokens + n0, skey, iota, sidx, (int)n, 0, 32,
+        FM_CUDA_CHECK(c, cub::DeviceRadixSort::SortPairs(tmp, t, tokens + n0, skey, iota, sidx, (int)n, 0, 32,
                                                       c->stream));
         embedding_bwd_kernel<<<dim3((unsigned)n, (unsigned)gy), EW_THREADS, 0, c->stream>>>(
             BF(dwte), CBF(dout), skey, sidx, n, n0, H);
-        FM_CUDA_LAUNCH_CHECK();
+        FM_CUDA_LAUNCH_CHECK(c);
     }
 }
 

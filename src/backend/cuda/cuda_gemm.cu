@@ -53,7 +53,7 @@ static void grouped_call(fm_cuda_ctx *c, bool ta, bool tb, int n, const int *M, 
                          float alpha, const group_ptrs &p, int lda, int ldb, float beta, int ldc) {
     const void **dev = reinterpret_cast<const void **>(static_cast<char *>(c->scratch) + FM_CUDA_REDUCE_BYTES);
     group_ptrs_kernel<<<1, FM_CUDA_GROUP_MAX, 0, c->stream>>>(p, n, dev);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
     cublasOperation_t op_b[FM_CUDA_GROUP_MAX], op_a[FM_CUDA_GROUP_MAX];
     int lda_a[FM_CUDA_GROUP_MAX], ldb_a[FM_CUDA_GROUP_MAX], ldc_a[FM_CUDA_GROUP_MAX], size[FM_CUDA_GROUP_MAX];
     float al[FM_CUDA_GROUP_MAX], be[FM_CUDA_GROUP_MAX];
@@ -63,7 +63,7 @@ static void grouped_call(fm_cuda_ctx *c, bool ta, bool tb, int n, const int *M, 
         lda_a[g] = lda, ldb_a[g] = ldb, ldc_a[g] = ldc, size[g] = 1;
         al[g] = alpha, be[g] = beta;
     }
-    FM_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(c->cublas, op_b, op_a, N, M, K, al, dev + FM_CUDA_GROUP_MAX,
+    FM_CUBLAS_CHECK(c, cublasGemmGroupedBatchedEx(c->cublas, op_b, op_a, N, M, K, al, dev + FM_CUDA_GROUP_MAX,
                                                CUDA_R_16BF, ldb_a, dev, CUDA_R_16BF, lda_a, be,
                                                const_cast<void *const *>(dev + 2 * FM_CUDA_GROUP_MAX),
                                                CUDA_R_16BF, ldc_a, n, size, CUBLAS_COMPUTE_32F));
@@ -173,14 +173,14 @@ void fm_cuda_gemm(void *ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, i
             scale_c_kernel<float><<<ew_blocks(M * N), EW_THREADS, 0, c->stream>>>((float *)C, M, N, ldc, beta);
         else
             scale_c_kernel<bf16><<<ew_blocks(M * N), EW_THREADS, 0, c->stream>>>((bf16 *)C, M, N, ldc, beta);
-        FM_CUDA_LAUNCH_CHECK();
+        FM_CUDA_LAUNCH_CHECK(c);
         return;
     }
     FM_ASSERT(lda >= (trans_a ? M : K) && ldb >= (trans_b ? K : N));
     FM_ASSERT(M <= INT_MAX && N <= INT_MAX && K <= INT_MAX && lda <= INT_MAX && ldb <= INT_MAX &&
               ldc <= INT_MAX);
     const cudaDataType_t ct = c_type == FM_DTYPE_F32 ? CUDA_R_32F : CUDA_R_16BF;
-    FM_CUBLAS_CHECK(cublasGemmEx(c->cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+    FM_CUBLAS_CHECK(c, cublasGemmEx(c->cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                                  trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N, (int)M, (int)K, &alpha, B,
                                  CUDA_R_16BF, (int)ldb, A, CUDA_R_16BF, (int)lda, &beta, C, ct, (int)ldc,
                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));

@@ -3,7 +3,7 @@
  * cuda_backend.cu assembles, and (cuda_common.cuh, included at the end) the device and host
  * helpers the files share. Compiled with FM_ACT_BF16: fm_act is bf16 (reinterpret as
  * __nv_bfloat16 in kernels). One op family per file:
- *   cuda_backend.cu     the table, init, free          cuda_memory.cu   alloc, free, set, copy, sync
+ *   cuda_backend.cu     the table, init, free, errors  cuda_memory.cu   memory, buffers, streams, events, syncs
  *   cuda_gemm.cu        gemm, grouped expert GEMMs     cuda_profile.cu  phase timing (events)
  *   cuda_elementwise.cu add, sumsq, SwiGLU, convert    cuda_router.cu   router softmax/top-k, stats
  *   cuda_embedding.cu   embedding                      cuda_permute.cu  route index, gather/combine, rows
@@ -24,7 +24,11 @@
 
 typedef struct fm_cuda_ctx {
     int device;
-    cudaStream_t stream;           /* every op is issued on this stream */
+    cudaStream_t stream;           /* FM_STREAM_COMPUTE: every op is issued on this stream */
+    cudaStream_t copy_in;          /* FM_STREAM_COPY_IN (host to device copies), non-blocking */
+    cudaStream_t copy_out;         /* FM_STREAM_COPY_OUT (device to host copies), non-blocking */
+    cudaEvent_t events[FM_EVENT_POOL]; /* the event pool (timing disabled), each recorded once at init */
+    int events_made;               /* how many of events[] exist (init's error paths) */
     cublasHandle_t cublas;
     cublasLtHandle_t cublaslt;
     void *lt_workspace;            /* cuBLASLt workspace, fixed at init */
@@ -35,7 +39,11 @@ typedef struct fm_cuda_ctx {
     int64_t max_head_dim;
     void *att_state;               /* owned by cuda_attention.cu (graph cache, fallback scratch) */
     void *scratch;                 /* FM_CUDA_SCRATCH_BYTES of device memory: reductions, group pointers */
-    void *host_scratch;            /* FM_CUDA_SCRATCH_BYTES of pinned host memory for results */
+    /* Device-found argument errors (a top-k id outside [0,E), a target outside [0,V)): pinned,
+     * mapped host ints the kernels set to 1 (plain stores: every writer writes 1) through
+     * flags_dev, and status reads on the host after a sync point. Sticky: never cleared. */
+    volatile int *flags_host;      /* [FM_CUDA_FLAGS] */
+    int *flags_dev;                /* the same memory as the device sees it */
     fm_expert_gemm expert_gemm;    /* the expert GEMMs' form (fm_backend_opts.h), fixed at init */
     /* profiling (the profile option at init): a pool of timing events recorded on the stream at
      * each phase mark, summed per phase at collect */
@@ -43,42 +51,61 @@ typedef struct fm_cuda_ctx {
     unsigned char *prof_phase;     /* [prof_cap]: the phase that starts at each event */
     int prof_n, prof_cap;
     double prof_acc[FM_PHASE_COUNT]; /* milliseconds per phase folded so far */
-    uint64_t host_syncs;           /* times the host waited for the stream (host_sync_count) */
+    uint64_t host_syncs;           /* times the host waited for the device (host_sync_count) */
+    /* The first device error since creation (sticky; fm_backend.h's status): FM_OK when none. */
+    fm_status err;
+    char err_msg[768];             /* names the failing call, its error, file and line */
 } fm_cuda_ctx;
+
+/* The device-error flags (c->flags_host / flags_dev), one per op that validates indices. */
+enum { FM_CUDA_FLAG_ROUTE = 0, FM_CUDA_FLAG_CE = 1, FM_CUDA_FLAG_LCE = 2, FM_CUDA_FLAGS = 4 };
 
 /* c->scratch is FM_CUDA_SCRATCH_BYTES (fm_backend_plan.h). Its last FM_CUDA_GROUP_PTR_BYTES hold
  * the device pointer arrays of the grouped expert GEMM (3 arrays of FM_CUDA_GROUP_MAX pointers);
- * reductions use the bytes below. */
+ * reductions use the bytes below. Ops never wait for the host, so scratch is safe to reuse only
+ * because every user is on the compute stream: a later op's writes are ordered after an earlier
+ * op's reads (including the asynchronous copy of moe_route_index's offsets out of it). */
 #define FM_CUDA_GROUP_MAX 128
 #define FM_CUDA_GROUP_PTR_BYTES ((size_t)4096)
 #define FM_CUDA_REDUCE_BYTES (FM_CUDA_SCRATCH_BYTES - FM_CUDA_GROUP_PTR_BYTES)
 
-/* Checked calls: print the failing call's text, file and line, and abort (a CUDA error inside a
- * step is not recoverable). */
-#define FM_CUDA_CHECK(call)                                                                    \
+/* Checked calls inside ops (fm_backend.h: ops do not abort on a device error). A failure records
+ * the first error of the context (fm_cuda_record: status, the call's text, its error string, file
+ * and line; later ones are dropped) and RETURNS from the enclosing void function: the step is
+ * lost anyway, and the trainer reads `status` at the end of it. FM_CUDA_OK and friends are the
+ * expressions (true when the call succeeded) for functions that return a value.
+ * FM_CUDA_LAUNCH_CHECK follows a kernel launch (cudaGetLastError, which also clears it). */
+#define FM_CUDA_OK(c, call) fm_cuda_check_rt((c), (call), #call, __FILE__, __LINE__)
+#define FM_CUBLAS_OK(c, call) fm_cuda_check_blas((c), (call), #call, __FILE__, __LINE__)
+#define FM_CUDNN_OK(c, call) fm_cuda_check_dnn((c), (call), #call, __FILE__, __LINE__)
+#define FM_CUDA_CHECK(c, call)                                                                 \
     do {                                                                                       \
-        cudaError_t e_ = (call);                                                               \
-        if (e_ != cudaSuccess) fm_cuda_fail(#call, cudaGetErrorString(e_), __FILE__, __LINE__); \
+        if (!FM_CUDA_OK(c, call)) return;                                                      \
     } while (0)
-#define FM_CUBLAS_CHECK(call)                                                                  \
+#define FM_CUBLAS_CHECK(c, call)                                                               \
     do {                                                                                       \
-        cublasStatus_t s_ = (call);                                                            \
-        if (s_ != CUBLAS_STATUS_SUCCESS)                                                       \
-            fm_cuda_fail(#call, cublasGetStatusString(s_), __FILE__, __LINE__);               \
+        if (!FM_CUBLAS_OK(c, call)) return;                                                    \
     } while (0)
-#define FM_CUDNN_CHECK(call)                                                                   \
+#define FM_CUDNN_CHECK(c, call)                                                                \
     do {                                                                                       \
-        cudnnStatus_t s_ = (call);                                                             \
-        if (s_ != CUDNN_STATUS_SUCCESS) fm_cuda_fail(#call, cudnnGetErrorString(s_), __FILE__, __LINE__); \
+        if (!FM_CUDNN_OK(c, call)) return;                                                     \
     } while (0)
-/* After a kernel launch. */
-#define FM_CUDA_LAUNCH_CHECK() FM_CUDA_CHECK(cudaGetLastError())
+#define FM_CUDA_LAUNCH_CHECK(c) FM_CUDA_CHECK(c, cudaGetLastError())
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-void fm_cuda_fail(const char *call, const char *what, const char *file, int line);
+/* Records a failure as the context's first error (a no-op when one is recorded already):
+ * status (FM_ERR_NOMEM for out-of-memory errors, FM_ERR_UNSUPPORTED otherwise, FM_ERR_ARG for
+ * device-found argument errors) and "CUDA backend: <call> failed: <what> (<file>:<line>)". */
+void fm_cuda_record(fm_cuda_ctx *c, fm_status status, const char *call, const char *what, const char *file,
+                    int line);
+/* The checked-call functions behind FM_CUDA_OK / FM_CUBLAS_OK / FM_CUDNN_OK: true on success;
+ * otherwise record the error (fm_cuda_record) and return false. */
+bool fm_cuda_check_rt(fm_cuda_ctx *c, cudaError_t e, const char *call, const char *file, int line);
+bool fm_cuda_check_blas(fm_cuda_ctx *c, cublasStatus_t s, const char *call, const char *file, int line);
+bool fm_cuda_check_dnn(fm_cuda_ctx *c, cudnnStatus_t s, const char *call, const char *file, int line);
 
 /* Each file's table entries: each has the signature of its fm_ops entry (fm_backend.h, whose
  * comments give the contract) and is named fm_cuda_<entry>. */
@@ -94,7 +121,7 @@ void fm_cuda_expert_linear_bwd(void *ctx, fm_act *dx, float beta, fm_act *dW, co
 
 /* cuda_elementwise.cu */
 void fm_cuda_add(void *ctx, fm_act *y, const fm_act *x, int64_t n);
-double fm_cuda_sumsq(void *ctx, const fm_act *x, int64_t n);
+void fm_cuda_sumsq(void *ctx, double *out, const fm_act *x, int64_t n, bool accumulate);
 void fm_cuda_swiglu_fwd(void *ctx, fm_act *out, const fm_act *gate, const fm_act *up, int64_t n);
 void fm_cuda_swiglu_bwd(void *ctx, fm_act *dgate, fm_act *dup, const fm_act *dout, const fm_act *gate,
                         const fm_act *up, int64_t n);
@@ -122,12 +149,20 @@ void fm_cuda_adamw(void *ctx, fm_act *p, const fm_act *g, float *master, void *m
                    int64_t n, float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
                    float grad_scale);
 
-/* cuda_memory.cu */
+/* cuda_memory.cu: memory, buffers, streams, events, syncs, status */
 void *fm_cuda_mem_alloc(void *ctx, size_t bytes);
 void fm_cuda_mem_free(void *ctx, void *p);
 void fm_cuda_mem_set(void *ctx, void *dst, int byte, size_t bytes);
 void fm_cuda_copy(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_kind kind);
+void *fm_cuda_buffer_alloc(void *ctx, fm_buffer_kind kind, size_t bytes);
+void fm_cuda_buffer_free(void *ctx, fm_buffer_kind kind, void *p);
+void fm_cuda_copy_async(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_kind kind, fm_stream stream);
+void fm_cuda_event_record(void *ctx, int event, fm_stream stream);
+void fm_cuda_event_wait(void *ctx, fm_stream stream, int event);
+void fm_cuda_event_sync(void *ctx, int event);
+void fm_cuda_stream_sync(void *ctx, fm_stream stream);
 void fm_cuda_sync(void *ctx);
+fm_status fm_cuda_status(void *ctx);
 uint64_t fm_cuda_host_sync_count(void *ctx);
 
 /* cuda_profile.cu: the table's entries, and the event pool (created at init when profiling,
@@ -152,8 +187,11 @@ void fm_cuda_router_fwd(void *ctx, float *probs, float *lse, int32_t *topk_idx, 
 void fm_cuda_router_bwd(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
                         float z_scale, const float *probs, const float *lse, const int32_t *topk_idx,
                         const float *topk_w, int64_t N, int64_t E, int64_t k, bool norm_topk);
-double fm_cuda_router_stats(void *ctx, float *count, float *prob_sum, const float *probs, const float *lse,
-                            const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
+void fm_cuda_router_stats(void *ctx, float *count, float *prob_sum, double *lse_sq, const float *probs,
+                          const float *lse, const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
+void fm_cuda_router_loss_terms(void *ctx, double *terms, const float *count, const float *prob_sum,
+                               const double *lse_sq, int64_t N, int64_t E);
+void fm_cuda_router_aux_grad(void *ctx, float *dprobs, const float *count, double coef, int64_t N, int64_t E);
 
 /* cuda_permute.cu */
 void fm_cuda_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,
@@ -170,14 +208,13 @@ void fm_cuda_gather_rows(void *ctx, void *dst, const void *src, const int32_t *i
 void fm_cuda_scatter_rows(void *ctx, void *dst, const void *src, const int32_t *idx, int64_t n, int64_t row_bytes);
 
 /* cuda_loss.cu */
-double fm_cuda_cross_entropy(void *ctx, float *loss, fm_act *dlogits, const fm_act *logits,
-                             const int32_t *targets, int64_t N, int64_t V, float grad_scale, int32_t ignore_index);
+void fm_cuda_cross_entropy(void *ctx, float *loss, fm_act *dlogits, const fm_act *logits, const int32_t *targets,
+                           int64_t N, int64_t V, float grad_scale, int32_t ignore_index, double *sum);
 void fm_cuda_lce_fold(void *ctx, float *m, float *z, float *tgt, float *ent, const float *strip,
                       const int32_t *targets, int64_t Nb, int64_t Vb, int64_t v0, bool first);
-double fm_cuda_lce_finalize(void *ctx, float *loss, float *logprob, float *entropy, double *zsq,
-                            const float *m, const float *z, const float *tgt, const float *ent,
-                            const int32_t *targets, const float *weights, int64_t Nb, int64_t V,
-                            int32_t ignore_index);
+void fm_cuda_lce_finalize(void *ctx, float *loss, float *logprob, float *entropy, double *sums, const float *m,
+                          const float *z, const float *tgt, const float *ent, const int32_t *targets,
+                          const float *weights, int64_t Nb, int64_t V, int32_t ignore_index);
 void fm_cuda_lce_strip_grad(void *ctx, float *grad, const float *strip, const float *m, const float *z,
                             const int32_t *targets, const float *weights, int64_t Nb, int64_t Vb, int64_t v0,
                             int32_t ignore_index, float grad_scale, float z_coef);

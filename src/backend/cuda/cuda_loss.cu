@@ -7,13 +7,14 @@
  *
  * Determinism: every output element is computed by one thread (or one block) in a fixed order,
  * and every reduction has a fixed shape that depends on the sizes only (block trees, per-block
- * partials of fixed ranges summed in order), never on timing. The only atomic is an error flag.
+ * partials of fixed ranges summed in order), never on timing. No atomics.
  *
- * Nothing allocates: reductions use c->scratch (device) and c->host_scratch (pinned host); ops
- * that return host values copy them back and synchronize the stream. Argument errors the CPU
- * asserts on the host are asserted here too; invalid indices found on the device (a target
- * outside [0,V), a top-k id outside [0,E)) raise a flag in scratch that the host checks after
- * its synchronization, aborting like the CPU's assert.
+ * Nothing allocates and nothing waits for the host: per-block partials go to c->scratch and
+ * their block-order sums (one thread, the order the host used to add them) land in the caller's
+ * device doubles (cross_entropy's sum, lce_finalize's sums), read after a sync point. Argument
+ * errors the CPU asserts on the host are asserted here too; a target outside [0,V) found on the
+ * device raises a flag (mapped pinned memory, cuda_internal.h) that `status` reports as
+ * FM_ERR_ARG.
  */
 #include "cuda_internal.h"
 
@@ -63,7 +64,7 @@ __global__ void __launch_bounds__(CE_MAX_THREADS)
         const bf16 *x = logits + row * V;
         bf16 *d = dlogits ? dlogits + row * V : nullptr;
         if (t == ignore_index || t < 0 || (int64_t)t >= V) { /* uniform across the block */
-            if (t != ignore_index && tid == 0) atomicExch(flag, 1);
+            if (t != ignore_index && tid == 0) *flag = 1; /* mapped host memory: a plain store */
             if (tid == 0) loss[row] = t == ignore_index ? 0.0f : NAN;
             if (d) {
                 const float z[VEC] = {};
@@ -118,6 +119,15 @@ __global__ void __launch_bounds__(256)
         if (targets[n] != ignore_index) s[0] += (double)loss[n];
     block_sum_d<1>(s, sh);
     if (threadIdx.x == 0) part[b] = s[0];
+}
+
+/* *sum = part[0] + part[1] + ... + part[nb-1], added in block order by one thread (0 when nb == 0):
+ * the order the host loop used before this ran on the device. */
+__global__ void ce_sum_kernel(double *__restrict__ sum, const double *__restrict__ part, int64_t nb) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double s = 0;
+    for (int64_t b = 0; b < nb; b++) s += part[b];
+    *sum = s;
 }
 
 /* ==== linear cross-entropy strips (fp32) ====================================================== */
@@ -202,7 +212,7 @@ __global__ void __launch_bounds__(256)
             continue;
         }
         if (t < 0 || (int64_t)t >= V) {
-            atomicExch(flag, 1);
+            *flag = 1; /* mapped host memory: a plain store (every writer stores 1) */
             continue;
         }
         const double l = ((double)m[r] - (double)tgt[r]) + lz, lse = (double)m[r] + lz;
@@ -217,6 +227,19 @@ __global__ void __launch_bounds__(256)
         part[2 * b] = acc[0];
         part[2 * b + 1] = acc[1];
     }
+}
+
+/* sums[0] += sum_b part[2b], sums[1] += sum_b part[2b+1]: each block-order sum formed first (one
+ * thread, in double), then added, as fm_cpu_lce_finalize adds its block's sums. */
+__global__ void lce_sums_kernel(double *__restrict__ sums, const double *__restrict__ part, int64_t nb) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double ce = 0, zs = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        ce += part[2 * b];
+        zs += part[2 * b + 1];
+    }
+    sums[0] += ce;
+    sums[1] += zs;
 }
 
 /* One block per row: grad = exp(S - m) * f with f = grad_scale w (1 + 2 z_coef lse) / z, the
@@ -260,38 +283,36 @@ __global__ void __launch_bounds__(LCE_MAX_THREADS)
 
 extern "C" {
 
-double fm_cuda_cross_entropy(void *ctx, float *loss, fm_act *dlogits, const fm_act *logits, const int32_t *targets,
-                             int64_t N, int64_t V, float grad_scale, int32_t ignore_index) {
+/* loss, dlogits and *sum (device double, assigned) on the stream: the row kernel, per-block masked
+ * partials, then their block-order sum (ce_sum_kernel). No host wait; a target outside [0,V)
+ * raises FM_CUDA_FLAG_CE (its loss is NaN), reported by status. */
+void fm_cuda_cross_entropy(void *ctx, float *loss, fm_act *dlogits, const fm_act *logits, const int32_t *targets,
+                           int64_t N, int64_t V, float grad_scale, int32_t ignore_index, double *sum) {
     fm_cuda_ctx *c = ctx_of(ctx);
-    FM_ASSERT(N >= 0 && V >= 1);
-    if (N == 0) return 0.0;
+    FM_ASSERT(N >= 0 && V >= 1 && sum != NULL);
+    double *part = (double *)(scr_data(c));
+    if (N == 0) {
+        ce_sum_kernel<<<1, 1, 0, c->stream>>>(sum, part, 0);
+        FM_CUDA_LAUNCH_CHECK(c);
+        return;
+    }
     bf16 *d = (bf16 *)dlogits;
     const bf16 *x = (const bf16 *)logits;
-    clear_flag(c);
+    int *flag = dev_flag(c, FM_CUDA_FLAG_CE);
     const unsigned grid = grid_for(N, 1);
     if (V % 8 == 0 && aligned16(x) && (d == nullptr || aligned16(d))) {
         const int nt = row_threads(V / 8, CE_MAX_THREADS);
-        cross_entropy_kernel<8><<<grid, nt, 0, c->stream>>>(loss, d, x, targets, N, V, grad_scale, ignore_index,
-                                                            scr_flag(c));
+        cross_entropy_kernel<8><<<grid, nt, 0, c->stream>>>(loss, d, x, targets, N, V, grad_scale, ignore_index, flag);
     } else {
         const int nt = row_threads(V, CE_MAX_THREADS);
-        cross_entropy_kernel<1><<<grid, nt, 0, c->stream>>>(loss, d, x, targets, N, V, grad_scale, ignore_index,
-                                                            scr_flag(c));
+        cross_entropy_kernel<1><<<grid, nt, 0, c->stream>>>(loss, d, x, targets, N, V, grad_scale, ignore_index, flag);
     }
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
     const int64_t chunk = chunk_of(N, 256, 1024), nb = (N + chunk - 1) / chunk;
-    double *part = (double *)(scr_data(c));
     masked_sum_kernel<<<(unsigned)nb, 256, 0, c->stream>>>(part, loss, targets, ignore_index, N, chunk);
-    FM_CUDA_LAUNCH_CHECK();
-    const char *h = (const char *)fetch(c, c->scratch, FM_SCR_DATA + (size_t)nb * sizeof(double));
-    int flag;
-    memcpy(&flag, h, sizeof flag);
-    if (flag)
-        fm_cuda_fail("fm_cuda_cross_entropy", "a target is outside [0,V) and not ignore_index", __FILE__, __LINE__);
-    const double *p = (const double *)(h + FM_SCR_DATA);
-    double sum = 0;
-    for (int64_t b = 0; b < nb; b++) sum += p[b];
-    return sum;
+    FM_CUDA_LAUNCH_CHECK(c);
+    ce_sum_kernel<<<1, 1, 0, c->stream>>>(sum, part, nb);
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 void fm_cuda_lce_fold(void *ctx, float *m, float *z, float *tgt, float *ent, const float *strip,
@@ -307,37 +328,29 @@ void fm_cuda_lce_fold(void *ctx, float *m, float *z, float *tgt, float *ent, con
         lce_fold_kernel<1><<<grid, row_threads(Vb, LCE_MAX_THREADS), 0, c->stream>>>(m, z, tgt, ent, strip, targets, Nb,
                                                                                     Vb, v0, first);
     }
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
-double fm_cuda_lce_finalize(void *ctx, float *loss, float *logprob, float *entropy, double *zsq, const float *m,
-                            const float *z, const float *tgt, const float *ent, const int32_t *targets,
-                            const float *weights, int64_t Nb, int64_t V, int32_t ignore_index) {
+/* loss, logprob, entropy [Nb] assigned and sums[0..1] (device doubles) ADDED on the stream:
+ * per-block partials of w*loss and w*lse^2, then their block-order sums added (lce_sums_kernel).
+ * No host wait; a target outside [0,V) raises FM_CUDA_FLAG_LCE, reported by status. */
+void fm_cuda_lce_finalize(void *ctx, float *loss, float *logprob, float *entropy, double *sums, const float *m,
+                          const float *z, const float *tgt, const float *ent, const int32_t *targets,
+                          const float *weights, int64_t Nb, int64_t V, int32_t ignore_index) {
     fm_cuda_ctx *c = ctx_of(ctx);
-    FM_ASSERT(Nb >= 0 && V >= 1 && (entropy == NULL || ent != NULL));
-    if (Nb == 0) {
-        if (zsq) *zsq = 0.0;
-        return 0.0;
-    }
-    const int64_t chunk = chunk_of(Nb, 256, 256), nb = (Nb + chunk - 1) / chunk;
+    FM_ASSERT(Nb >= 0 && V >= 1 && (entropy == NULL || ent != NULL) && sums != NULL);
     double *part = (double *)scr_data(c);
-    clear_flag(c);
-    lce_finalize_kernel<<<(unsigned)nb, 256, 0, c->stream>>>(part, scr_flag(c), loss, logprob, entropy, m, z, tgt,
-                                                             ent, targets, weights, Nb, V, ignore_index, chunk);
-    FM_CUDA_LAUNCH_CHECK();
-    const char *h = (const char *)fetch(c, c->scratch, FM_SCR_DATA + (size_t)nb * 2 * sizeof(double));
-    int flag;
-    memcpy(&flag, h, sizeof flag);
-    if (flag)
-        fm_cuda_fail("fm_cuda_lce_finalize", "a target is outside [0,V) and not ignore_index", __FILE__, __LINE__);
-    const double *p = (const double *)(h + FM_SCR_DATA);
-    double ce = 0, zs = 0;
-    for (int64_t b = 0; b < nb; b++) {
-        ce += p[2 * b];
-        zs += p[2 * b + 1];
+    int64_t nb = 0;
+    if (Nb > 0) {
+        const int64_t chunk = chunk_of(Nb, 256, 256);
+        nb = (Nb + chunk - 1) / chunk;
+        lce_finalize_kernel<<<(unsigned)nb, 256, 0, c->stream>>>(part, dev_flag(c, FM_CUDA_FLAG_LCE), loss, logprob,
+                                                                 entropy, m, z, tgt, ent, targets, weights, Nb, V,
+                                                                 ignore_index, chunk);
+        FM_CUDA_LAUNCH_CHECK(c);
     }
-    if (zsq) *zsq = zs;
-    return ce;
+    lce_sums_kernel<<<1, 1, 0, c->stream>>>(sums, part, nb); /* Nb == 0 adds +0.0, as the CPU does */
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 void fm_cuda_lce_strip_grad(void *ctx, float *grad, const float *strip, const float *m, const float *z,
@@ -354,7 +367,7 @@ void fm_cuda_lce_strip_grad(void *ctx, float *grad, const float *strip, const fl
         lce_strip_grad_kernel<1><<<grid, row_threads(Vb, LCE_MAX_THREADS), 0, c->stream>>>(
             grad, strip, m, z, targets, weights, Nb, Vb, v0, ignore_index, grad_scale, z_coef);
     }
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 } /* extern "C" */

@@ -138,7 +138,7 @@ void fm_cuda_rmsnorm_fwd(void *ctx, fm_act *out, float *rstd, const fm_act *x, c
     FM_ASSERT(nb <= INT_MAX);
     rmsnorm_fwd_kernel<<<(unsigned)nb, 32 * RMS_WARPS, 0, c->stream>>>(BF(out), rstd, CBF(x), CBF(w), N, D, eps,
                                                                         vec);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 /* dx [N,D] assigned, dw [D] accumulated. dw is deterministic: the rows are cut into at most 512
@@ -154,7 +154,7 @@ void fm_cuda_rmsnorm_bwd(void *ctx, fm_act *dx, fm_act *dw, const fm_act *dout, 
     FM_ASSERT(nb <= INT_MAX);
     rmsnorm_bwd_dx_kernel<<<(unsigned)nb, 32 * RMS_WARPS, 0, c->stream>>>(BF(dx), CBF(dout), CBF(x), CBF(w), rstd,
                                                                            N, D, vec);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
     int64_t max_ch = (int64_t)(FM_CUDA_REDUCE_BYTES / (sizeof(float) * (size_t)D));
     if (max_ch > 512) max_ch = 512;
     FM_ASSERT(max_ch >= 1); /* D <= 4M columns */
@@ -165,9 +165,9 @@ void fm_cuda_rmsnorm_bwd(void *ctx, fm_act *dx, fm_act *dw, const fm_act *dout, 
     float *part = static_cast<float *>(c->scratch);
     rmsnorm_bwd_dw_part_kernel<<<dim3((unsigned)nbx, (unsigned)nch), EW_THREADS, 0, c->stream>>>(
         part, CBF(dout), CBF(x), rstd, N, D, rows_per);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
     rmsnorm_bwd_dw_final_kernel<<<(unsigned)nbx, EW_THREADS, 0, c->stream>>>(BF(dw), part, nch, D);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 } /* extern "C" */

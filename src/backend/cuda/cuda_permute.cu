@@ -8,17 +8,17 @@
  *
  * Determinism: every output element is computed by one thread (or one lane group) in a fixed
  * order (the k routes of a token summed in ascending j). The only atomics are integer ones whose
- * result does not depend on their order (histograms, an error flag). moe_route_index is a stable
+ * result does not depend on their order (histograms). moe_route_index is a stable
  * counting sort: per-chunk expert histograms, a scan over chunks per expert and over experts,
  * then a placement that walks each chunk in route order, ranking routes of one expert within a
  * warp by __match_any_sync and across warps by counts in shared memory, so expert e's rows are
  * its routes in increasing order, exactly as on the CPU.
  *
- * Nothing allocates: reductions use c->scratch (device) and c->host_scratch (pinned host); ops
- * that return host values copy them back and synchronize the stream. Argument errors the CPU
- * asserts on the host are asserted here too; invalid indices found on the device (a target
- * outside [0,V), a top-k id outside [0,E)) raise a flag in scratch that the host checks after
- * its synchronization, aborting like the CPU's assert.
+ * Nothing allocates and nothing waits for the host: the sort's counts live in c->scratch, and
+ * the expert offsets go to the caller's pinned host array by an asynchronous copy on the stream
+ * (read after the caller's sync point). Argument errors the CPU asserts on the host are asserted
+ * here too; a top-k id outside [0,E) found on the device raises a flag (mapped pinned memory,
+ * cuda_internal.h) that `status` reports as FM_ERR_ARG.
  */
 #include "cuda_internal.h"
 
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(RI_THREADS)
     for (int64_t r = r0 + threadIdx.x; r < r1; r += RI_THREADS) {
         const int e = topk_idx[r];
         if (e >= 0 && e < E) atomicAdd(&hist_i[e], 1);
-        else atomicExch(flag, 1);
+        else *flag = 1; /* mapped host memory: a plain store (every writer stores 1) */
     }
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += RI_THREADS) counts[(int64_t)e * C + c] = hist_i[e];
@@ -204,7 +204,7 @@ void move_rows(fm_cuda_ctx *c, void *dst, const void *src, const int32_t *idx, i
             (unsigned char *)dst, (const unsigned char *)src, idx, n, vpr, shift, k);
         break;
     }
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 /* ==== MoE gather backward / combine (bf16 rows, fp32 math) ================================== */
@@ -299,13 +299,21 @@ __global__ void __launch_bounds__(256)
 
 extern "C" {
 
+/* The stable counting sort on the stream (four kernels, launch shapes from N, E and k only), then
+ * the offsets [E+1] copied asynchronously from scratch into `offsets` (pinned host memory) on
+ * the stream: they are valid after the caller's next stream_sync / event_sync, not on return.
+ * A top-k id outside [0,E) raises FM_CUDA_FLAG_ROUTE (reported by status). */
 void fm_cuda_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,
                              const int32_t *topk_idx, int64_t N, int64_t E, int64_t k) {
     fm_cuda_ctx *c = ctx_of(ctx);
     const int64_t R = N * k;
     FM_ASSERT(E >= 1 && k >= 1 && N >= 0 && R <= INT32_MAX && E <= 4096);
+    char *d = scr_data(c);
+    int64_t *expert_off = (int64_t *)d; /* [E+1] */
+    const size_t off_bytes = (size_t)(E + 1) * sizeof(int64_t);
     if (R == 0) {
-        for (int64_t e = 0; e <= E; e++) offsets[e] = 0;
+        FM_CUDA_CHECK(c, cudaMemsetAsync(expert_off, 0, off_bytes, c->stream));
+        FM_CUDA_CHECK(c, cudaMemcpyAsync(offsets, expert_off, off_bytes, cudaMemcpyDeviceToHost, c->stream));
         return;
     }
     /* Chunks of CH routes: counts [E][C] int take at most 12 MiB of scratch. */
@@ -314,32 +322,24 @@ void fm_cuda_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, in
     CH = (CH + RI_THREADS - 1) / RI_THREADS * RI_THREADS;
     if (CH < 4096) CH = 4096;
     const int64_t C = (R + CH - 1) / CH;
-    char *d = scr_data(c);
-    int64_t *expert_off = (int64_t *)d;                                  /* [E+1] */
     int *totals = (int *)(d + (((E + 1) * 8 + 255) & ~(int64_t)255));    /* [E] */
     int *counts = totals + ((E + 63) & ~(int64_t)63);                    /* [E][C] */
     FM_ASSERT(FM_SCR_DATA + (size_t)((char *)(counts + E * C) - d) <= FM_CUDA_REDUCE_BYTES);
-    clear_flag(c);
-    ri_count_kernel<<<(unsigned)C, RI_THREADS, (size_t)E * sizeof(int), c->stream>>>(counts, scr_flag(c), topk_idx,
-                                                                                     R, (int)E, CH, C);
-    FM_CUDA_LAUNCH_CHECK();
+    ri_count_kernel<<<(unsigned)C, RI_THREADS, (size_t)E * sizeof(int), c->stream>>>(
+        counts, dev_flag(c, FM_CUDA_FLAG_ROUTE), topk_idx, R, (int)E, CH, C);
+    FM_CUDA_LAUNCH_CHECK(c);
     ri_scan_chunks_kernel<<<(unsigned)E, RI_THREADS, 0, c->stream>>>(counts, totals, C);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
     ri_scan_experts_kernel<<<1, 32, 0, c->stream>>>(expert_off, totals, (int)E);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
     const size_t place_smem = (size_t)(RI_WARPS + 1) * E * sizeof(int);
     if (place_smem > 48 * 1024)
-        FM_CUDA_CHECK(cudaFuncSetAttribute(ri_place_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)place_smem));
+        FM_CUDA_CHECK(c, cudaFuncSetAttribute(ri_place_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              (int)place_smem));
     ri_place_kernel<<<(unsigned)C, RI_THREADS, place_smem, c->stream>>>(row_route, route_row, topk_idx, counts,
                                                                         expert_off, R, (int)E, CH, C);
-    FM_CUDA_LAUNCH_CHECK();
-    /* Host copy: the flag (4 bytes at scratch 0) and the offsets, in one transfer. */
-    const char *h = (const char *)fetch(c, c->scratch, FM_SCR_DATA + (size_t)(E + 1) * 8);
-    int flag;
-    memcpy(&flag, h, sizeof flag);
-    if (flag) fm_cuda_fail("fm_cuda_moe_route_index", "a top-k expert id is outside [0,E)", __FILE__, __LINE__);
-    memcpy(offsets, h + FM_SCR_DATA, (size_t)(E + 1) * sizeof(int64_t));
+    FM_CUDA_LAUNCH_CHECK(c);
+    FM_CUDA_CHECK(c, cudaMemcpyAsync(offsets, expert_off, off_bytes, cudaMemcpyDeviceToHost, c->stream));
 }
 
 void fm_cuda_moe_gather(void *ctx, fm_act *xe, const fm_act *x, const int32_t *row_route, int64_t R, int64_t k,
@@ -362,7 +362,7 @@ void fm_cuda_moe_gather_bwd(void *ctx, fm_act *dx, const fm_act *dxe, const int3
         const int s = lanes_shift(H);
         moe_gather_bwd_kernel<1><<<grid_for(N << s, 256), 256, 0, c->stream>>>(o, in, route_row, N, (int)k, H, s);
     }
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 void fm_cuda_moe_combine_fwd(void *ctx, fm_act *out, const fm_act *ye, const float *topk_w,
@@ -381,7 +381,7 @@ void fm_cuda_moe_combine_fwd(void *ctx, fm_act *out, const fm_act *ye, const flo
         moe_combine_fwd_kernel<1><<<grid_for(N << s, 256), 256, 0, c->stream>>>(o, y, topk_w, route_row, N, (int)k,
                                                                                 H, s);
     }
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 void fm_cuda_moe_combine_bwd(void *ctx, fm_act *dye, float *dtopk_w, const fm_act *dout, const fm_act *ye,
@@ -401,7 +401,7 @@ void fm_cuda_moe_combine_bwd(void *ctx, fm_act *dye, float *dtopk_w, const fm_ac
         moe_combine_bwd_kernel<1><<<grid_for(R << s, 256), 256, 0, c->stream>>>(dy, dtopk_w, g, y, topk_w, route_row,
                                                                                 N, (int)k, H, s);
     }
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 void fm_cuda_gather_rows(void *ctx, void *dst, const void *src, const int32_t *idx, int64_t n, int64_t row_bytes) {

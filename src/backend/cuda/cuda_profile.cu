@@ -1,6 +1,7 @@
 /* The CUDA backend's profiling (fm_backend.h's prof_mark / prof_collect): where a step's time goes.
  * Each mark records an event of a pool created at init on the stream (no sync); collect waits
- * for the last one and sums the intervals between events per phase. Nothing allocates after
+ * for the last one (a host sync, counted) and sums the intervals between events per phase; a
+ * failing call is recorded as the context's error (status) and the fold stops there. Nothing allocates after
  * init; without the profile option both ops are no-ops.
  */
 #include "cuda_internal.h"
@@ -16,11 +17,11 @@ constexpr int FM_CUDA_PROF_EVENTS = 16384;
  * prof_acc; the last event becomes the pool's first. */
 static void prof_fold(fm_cuda_ctx *c) {
     if (c->prof_n < 1) return;
-    FM_CUDA_CHECK(cudaEventSynchronize(c->prof_ev[c->prof_n - 1]));
     c->host_syncs++;
+    FM_CUDA_CHECK(c, cudaEventSynchronize(c->prof_ev[c->prof_n - 1]));
     for (int i = 1; i < c->prof_n; i++) {
         float ms = 0;
-        FM_CUDA_CHECK(cudaEventElapsedTime(&ms, c->prof_ev[i - 1], c->prof_ev[i]));
+        FM_CUDA_CHECK(c, cudaEventElapsedTime(&ms, c->prof_ev[i - 1], c->prof_ev[i]));
         c->prof_acc[c->prof_phase[i - 1]] += ms;
     }
     cudaEvent_t last = c->prof_ev[c->prof_n - 1];
@@ -38,7 +39,8 @@ void fm_cuda_prof_mark(void *ctx, fm_phase phase) {
     fm_cuda_ctx *c = ctx_of(ctx);
     if (!c->prof_ev) return;
     if (c->prof_n == c->prof_cap) prof_fold(c);
-    FM_CUDA_CHECK(cudaEventRecord(c->prof_ev[c->prof_n], c->stream));
+    if (c->prof_n == c->prof_cap) return; /* the fold failed (recorded): no slot */
+    FM_CUDA_CHECK(c, cudaEventRecord(c->prof_ev[c->prof_n], c->stream));
     c->prof_phase[c->prof_n++] = (unsigned char)phase;
 }
 
@@ -69,7 +71,9 @@ fm_status fm_cuda_prof_init(fm_cuda_ctx *c) {
         if ((e = cudaEventCreate(&c->prof_ev[i])) != cudaSuccess)
             return fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaEventCreate for profiling failed: %s",
                             cudaGetErrorString(e));
-    FM_CUDA_CHECK(cudaEventRecord(c->prof_ev[0], c->stream));
+    if ((e = cudaEventRecord(c->prof_ev[0], c->stream)) != cudaSuccess)
+        return fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaEventRecord for profiling failed: %s",
+                        cudaGetErrorString(e));
     c->prof_phase[0] = FM_PHASE_OTHER;
     c->prof_n = 1;
     return FM_OK;

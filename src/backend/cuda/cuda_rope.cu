@@ -58,7 +58,7 @@ static void rope_launch(fm_cuda_ctx *c, fm_act *x, const float *cos_tab, const f
     else
         rope_kernel<<<ew_blocks(total), EW_THREADS, 0, c->stream>>>(BF(x), cos_tab, sin_tab, T, nh, half, total,
                                                                      sign);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 } // namespace

@@ -1,5 +1,6 @@
 /* The CUDA backend's router ops (fm_backend.h): router_fwd (softmax over experts, top-k),
- * router_bwd and router_stats. The CPU references are backend/cpu/cpu_moe.c, whose semantics
+ * router_bwd, router_stats and the load-balancing loss terms and gradient (router_loss_terms,
+ * router_aux_grad). The CPU references are backend/cpu/cpu_moe.c, whose semantics
  * these follow: shapes, assign vs accumulate, ties to the lower expert id, NaN propagation.
  *
  * Work layout: one warp per token, E up to 256 held in registers, larger E read back from the
@@ -11,11 +12,9 @@
  * atomics are integer ones whose result does not depend on their order (router_stats' route
  * histograms).
  *
- * Nothing allocates: reductions use c->scratch (device) and c->host_scratch (pinned host); ops
- * that return host values copy them back and synchronize the stream. Argument errors the CPU
- * asserts on the host are asserted here too; invalid indices found on the device (a target
- * outside [0,V), a top-k id outside [0,E)) raise a flag in scratch that the host checks after
- * its synchronization, aborting like the CPU's assert.
+ * Nothing allocates and nothing waits for the host: reductions use c->scratch (device) and
+ * their results (router_stats' lse_sq, router_loss_terms) land in device memory, read by the
+ * caller after a sync point. Argument errors the CPU asserts on the host are asserted here too.
  */
 #include "cuda_internal.h"
 
@@ -44,8 +43,9 @@ __device__ __forceinline__ bool after_prev(unsigned key, int e, unsigned prev_ke
 template <typename K>
 unsigned warp_grid(fm_cuda_ctx *c, K kernel, int64_t N) {
     int nsm = 0, per_sm = 0;
-    FM_CUDA_CHECK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, c->device));
-    FM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, 0));
+    if (!FM_CUDA_OK(c, cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, c->device)) ||
+        !FM_CUDA_OK(c, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, 0)))
+        return 1; /* recorded (status); any grid is correct for the grid-stride kernels */
     return grid_for(N, 8, (int64_t)(nsm > 0 ? nsm : 1) * (per_sm > 0 ? per_sm : 1));
 }
 
@@ -415,6 +415,37 @@ __global__ void router_stats_final_kernel(float *__restrict__ count, float *__re
     }
 }
 
+/* router_stats, pass 3 (one thread): *lse_sq = the nb block partials added in block order
+ * (0 when nb == 0), the order the host loop used before this ran on the device. */
+__global__ void router_stats_lse_kernel(double *__restrict__ lse_sq, const double *__restrict__ part_z, int nb) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double z = 0;
+    for (int b = 0; b < nb; b++) z += part_z[b];
+    *lse_sq = z;
+}
+
+/* router_loss_terms (one thread): fm_cpu_router_loss_terms' arithmetic, operation by operation
+ * (e ascending; __dmul_rn / __dadd_rn keep nvcc from contracting the sum into FMAs, which the
+ * CPU build, compiled without FMA, does not have). */
+__global__ void router_loss_terms_kernel(double *__restrict__ terms, const float *__restrict__ count,
+                                         const float *__restrict__ prob_sum, const double *__restrict__ lse_sq,
+                                         int64_t N, int64_t E) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const double dn = (double)N;
+    double s = 0;
+    for (int64_t e = 0; e < E; e++) s = __dadd_rn(s, __dmul_rn((double)count[e] / dn, (double)prob_sum[e] / dn));
+    terms[0] = __dmul_rn((double)E, s);
+    terms[1] = *lse_sq / dn;
+}
+
+/* router_aux_grad: dprobs[e] = (float)(coef * E * (count[e] / N) / N), in double, left to right
+ * as on the CPU (products and quotients only: nothing to contract). */
+__global__ void router_aux_grad_kernel(float *__restrict__ dprobs, const float *__restrict__ count, double coef,
+                                       int64_t N, int64_t E) {
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < E; e += (int64_t)gridDim.x * blockDim.x)
+        dprobs[e] = (float)(__dmul_rn(__dmul_rn(coef, (double)E), (double)count[e] / (double)N) / (double)N);
+}
+
 } // namespace
 
 extern "C" {
@@ -433,7 +464,7 @@ void fm_cuda_router_fwd(void *ctx, float *probs, float *lse, int32_t *topk_idx, 
     else if (E <= 128) run(router_fwd_reg_kernel<4>);
     else if (E <= 256) run(router_fwd_reg_kernel<8>);
     else run(router_fwd_kernel);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 void fm_cuda_router_bwd(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
@@ -452,13 +483,16 @@ void fm_cuda_router_bwd(void *ctx, float *dlogits, const float *dtopk_w, const f
     else if (k <= 32 && E <= 128) run(router_bwd_reg_kernel<4>);
     else if (k <= 32 && E <= 256) run(router_bwd_reg_kernel<8>);
     else run(router_bwd_kernel);
-    FM_CUDA_LAUNCH_CHECK();
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
-double fm_cuda_router_stats(void *ctx, float *count, float *prob_sum, const float *probs, const float *lse,
-                            const int32_t *topk_idx, int64_t N, int64_t E, int64_t k) {
+/* count, prob_sum [E] and *lse_sq (device double) on the stream: per-block partials, then the
+ * per-expert sums over blocks in order and the lse^2 partials in order (router_stats_lse_kernel).
+ * No host wait. */
+void fm_cuda_router_stats(void *ctx, float *count, float *prob_sum, double *lse_sq, const float *probs,
+                          const float *lse, const int32_t *topk_idx, int64_t N, int64_t E, int64_t k) {
     fm_cuda_ctx *c = ctx_of(ctx);
-    FM_ASSERT(E >= 1 && k >= 1 && N >= 0 && E <= 8192);
+    FM_ASSERT(E >= 1 && k >= 1 && N >= 0 && E <= 8192 && lse_sq != NULL);
     /* Scratch: gcount [E] u64, part_z [nb], part_ps [nb][E]; nb * E doubles <= 8 MiB. */
     int64_t max_blocks = ((int64_t)8 << 20) / (8 * E);
     if (max_blocks > 1024) max_blocks = 1024;
@@ -469,24 +503,35 @@ double fm_cuda_router_stats(void *ctx, float *count, float *prob_sum, const floa
     double *part_z = (double *)(d + ((E * 8 + 255) & ~(int64_t)255));
     double *part_ps = part_z + ((nb + 31) & ~(int64_t)31);
     FM_ASSERT(FM_SCR_DATA + (size_t)((char *)(part_ps + nb * E) - d) <= FM_CUDA_REDUCE_BYTES);
-    FM_CUDA_CHECK(cudaMemsetAsync(gcount, 0, (size_t)E * 8, c->stream));
+    FM_CUDA_CHECK(c, cudaMemsetAsync(gcount, 0, (size_t)E * 8, c->stream));
     if (nb > 0) {
         router_stats_partial_kernel<<<(unsigned)nb, RS_THREADS, (size_t)E * sizeof(unsigned), c->stream>>>(
             probs, lse, topk_idx, N, (int)E, (int)k, chunk, part_ps, part_z, gcount);
-        FM_CUDA_LAUNCH_CHECK();
+        FM_CUDA_LAUNCH_CHECK(c);
     }
     router_stats_final_kernel<<<grid_for(E, 256), 256, 0, c->stream>>>(count, prob_sum, part_ps, gcount, (int)E,
                                                                         (int)nb);
-    FM_CUDA_LAUNCH_CHECK();
-    if (nb == 0) {
-        FM_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-        c->host_syncs++;
-        return 0.0;
-    }
-    const double *pz = (const double *)fetch(c, part_z, (size_t)nb * sizeof(double));
-    double zsum = 0;
-    for (int64_t b = 0; b < nb; b++) zsum += pz[b];
-    return zsum;
+    FM_CUDA_LAUNCH_CHECK(c);
+    router_stats_lse_kernel<<<1, 1, 0, c->stream>>>(lse_sq, part_z, (int)nb);
+    FM_CUDA_LAUNCH_CHECK(c);
+}
+
+/* terms[0] = E sum_e (count_e/N)(prob_sum_e/N), terms[1] = *lse_sq / N (fm_backend.h); device
+ * memory; one thread, the CPU's arithmetic. */
+void fm_cuda_router_loss_terms(void *ctx, double *terms, const float *count, const float *prob_sum,
+                               const double *lse_sq, int64_t N, int64_t E) {
+    fm_cuda_ctx *c = ctx_of(ctx);
+    FM_ASSERT(E >= 1 && N >= 0 && terms != NULL);
+    router_loss_terms_kernel<<<1, 1, 0, c->stream>>>(terms, count, prob_sum, lse_sq, N, E);
+    FM_CUDA_LAUNCH_CHECK(c);
+}
+
+/* dprobs [E] = (float)(coef E (count_e/N) / N) (fm_backend.h), device memory. */
+void fm_cuda_router_aux_grad(void *ctx, float *dprobs, const float *count, double coef, int64_t N, int64_t E) {
+    fm_cuda_ctx *c = ctx_of(ctx);
+    FM_ASSERT(E >= 1 && N >= 0);
+    router_aux_grad_kernel<<<grid_for(E, 256), 256, 0, c->stream>>>(dprobs, count, coef, N, E);
+    FM_CUDA_LAUNCH_CHECK(c);
 }
 
 } /* extern "C" */

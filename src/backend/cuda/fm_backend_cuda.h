@@ -1,8 +1,13 @@
 /* The CUDA backend: bf16 activations and weights (fm_act = bf16 in this build, FM_ACT_BF16),
  * fp32 accumulation, fp32 router logits/probabilities, log-sum-exps and optimizer state; cuBLAS /
  * cuBLASLt GEMMs; cuDNN fused flash attention (our own tiled kernel where cuDNN refuses a shape);
- * our kernels for everything else. Every CUDA, cuBLAS and cuDNN call is checked; a failure aborts
- * with the call's text, file and line. All memory comes from mem_alloc at launch (cudaMalloc);
+ * our kernels for everything else. Ops are issued on the compute stream and never wait for the
+ * host (results the host needs land in device or pinned memory, read after stream_sync or
+ * event_sync, which host_sync_count counts). Every CUDA, cuBLAS and cuDNN call is checked; a
+ * failure inside an op does not abort: the context keeps the first one (the call's text, its
+ * error, file and line) and `status` returns it; invalid indices found on the device (a top-k id
+ * outside [0,E), a target outside [0,V)) are reported by `status` after the next sync point as
+ * FM_ERR_ARG. All memory comes from mem_alloc / buffer_alloc at launch (cudaMalloc, cudaHostAlloc);
  * library workspaces are sized at init; nothing allocates inside a step. Built with
  * -DFLATMOE_CUDA=ON for sm_90 (H100/H200). */
 #ifndef FM_BACKEND_CUDA_H
@@ -14,8 +19,9 @@
 extern "C" {
 #endif
 
-/* Creates a CUDA backend on device `device` (0-based) with one stream, a cuBLAS(Lt) handle and a
- * cuDNN handle, a fixed FM_CUDA_LT_WORKSPACE_BYTES cuBLASLt workspace, a cuDNN workspace of
+/* Creates a CUDA backend on device `device` (0-based) with three streams (compute, copy-in,
+ * copy-out; non-blocking), a pool of FM_EVENT_POOL events (each recorded once, so a sync on one
+ * returns at once until it is recorded again), a cuBLAS(Lt) handle and a cuDNN handle, a fixed FM_CUDA_LT_WORKSPACE_BYTES cuBLASLt workspace, a cuDNN workspace of
  * o->gpu_workspace bytes (0: FM_CUDA_DEFAULT_WORKSPACE_BYTES; the planner sizes it for a run
  * with fm_cuda_cudnn_workspace_auto), and attention able to serve head_dim <= o->max_head_dim.
  * From o it also takes the attention path and its verbosity, the expert-GEMM strategy and
