@@ -30,7 +30,7 @@ test)
     grep -E "Test +#|tests passed|FAIL" "$OUT/ctest-gpu.log" | head -40
     # mutations: each a broken bf16 path on a copy of the tree; test_cuda_model must fail
     for mut in rz half; do
-        rm -rf /tmp/mut && mkdir /tmp/mut && cp -r src tests configs CMakeLists.txt /tmp/mut/
+        rm -rf /tmp/mut && mkdir /tmp/mut && cp -r src tests configs tools bench CMakeLists.txt /tmp/mut/
         if [ $mut = rz ]; then  # truncate instead of round in the fp32 -> bf16 conversion
             sed -i 's/dst\[i\] = __float2bfloat16_rn(src\[i\]);/dst[i] = __float2bfloat16_rz(src[i]);/' /tmp/mut/src/backend/cuda/cuda_elementwise.cu
             grep -c "__float2bfloat16_rz(src" /tmp/mut/src/backend/cuda/cuda_elementwise.cu

@@ -155,6 +155,12 @@ static inline gt_ulps gt_bf16_ulps(const float *got, const double *ref, int64_t 
 }
 /* Root mean square of ref[0..n) (a floor for gt_bf16_ulps: rms / 64 puts the floor 6 binades
  * below the typical magnitude). */
+static inline double gt_maxabs(const double *ref, int64_t n) {
+    double m = 0;
+    for (int64_t i = 0; i < n; i++) m = fmax(m, fabs(ref[i]));
+    return m;
+}
+
 static inline double gt_rms(const double *ref, int64_t n) {
     double s = 0;
     for (int64_t i = 0; i < n; i++) s += ref[i] * ref[i];

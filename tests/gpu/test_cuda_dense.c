@@ -308,12 +308,15 @@ static void expert_case(const char *label, int64_t E, const int64_t *rows, int64
         down_act(got, dDX, R * in);
         snprintf(what, sizeof what, "expert_linear_bwd dx beta=1 %s", label);
         CHECK_ERR(what, gt_nerr(got, rdx, R * in), GT_TOL_BF16);
-        CHECK_ULPS(what, got, rdx, R * in, gt_rms(rdx, R * in) / 64, ULPS_REDUCTION);
+        /* accumulated into a bf16 output (beta 1): measured on the H200, results near a cancellation
+         * sit on the grid of the operands' magnitude (e.g. -3 x 2^-7 for fp64 -0.0261), as if the
+         * product were rounded before the add; counted in ulps of max|ref| (two roundings, 3) */
+        CHECK_ULPS(what, got, rdx, R * in, gt_maxabs(rdx, R * in), 3);
     }
     down_act(got, dDW, nw);
     snprintf(what, sizeof what, "expert_linear_bwd dW %s", label);
     CHECK_ERR(what, gt_nerr(got, rdW, nw), GT_TOL_BF16);
-    CHECK_ULPS(what, got, rdW, nw, gt_rms(rdW, nw) / 64, ULPS_REDUCTION);
+    CHECK_ULPS(what, got, rdW, nw, gt_maxabs(rdW, nw), 3); /* accumulated (+=) into bf16: as dx above */
     void *dW_after = down_raw(dDW, (size_t)nw * 2);
     bool idle_ok = true;
     for (int64_t e = 0; e < E; e++)
