@@ -49,6 +49,18 @@ nosteps=(--config "$cfg" --data "$TEXT" --seq-len 32 --micro-batch 4 --warmup 2 
 "$FM" train "${nosteps[@]}" --out "$TMP/nosteps" --resume || bad "nosteps resume failed"
 [ -d "$TMP/nosteps/step_000006" ] && [ "$(wc -l < "$TMP/nosteps/metrics.jsonl")" -eq 6 ] && ok ||
     bad "--resume without --steps did not stop at the run's 6 steps: $(ls "$TMP/nosteps")"
+# --resume without the shape flags continues with the run's shape (state.json), not the defaults:
+# the same metrics and weights as the straight run
+shapeless=(--data "$TEXT" --warmup 2 --lr 3e-3 --eval-every 3 --eval-batches 2 --threads 2 --quiet)
+"$FM" train "${common[@]}" --out "$TMP/shape" --exit-after 4 || bad "shape first half failed"
+o=$("$FM" train "${shapeless[@]}" --out "$TMP/shape" --resume 2>&1) || bad "resume without shape flags failed: $o"
+grep -q "warning" <<<"$o" && bad "resume without shape flags warned: $o" || ok
+if diff <(fields "$TMP/straight/metrics.jsonl") <(fields "$TMP/shape/metrics.jsonl") >/dev/null &&
+   cmp -s "$TMP/straight/step_000008/model.safetensors" "$TMP/shape/step_000008/model.safetensors"; then ok
+else bad "resume without shape flags did not continue the run's shape"; fi
+# --resume past the run's end trains nothing and says so
+o=$("$FM" train "${shapeless[@]}" --out "$TMP/shape" --resume --steps 4 2>&1)
+grep -q "nothing to train" <<<"$o" && ok || bad "resume past the end did not say so: $o"
 # A damaged newest checkpoint is not skipped silently: --resume refuses, naming it and the file.
 cp -r "$TMP/split" "$TMP/damaged"; rm "$TMP/damaged/step_000008/state.json"
 expect_fail "resume past an incomplete checkpoint" "step_000008 is an incomplete checkpoint (no state.json)" \

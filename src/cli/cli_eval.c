@@ -44,7 +44,13 @@ int cmd_eval(int argc, char **argv) {
     if ((s = fm_dataset_check_windows(&ds, m.T_cap, "--data"))) return cli_fail("eval", s);
     double loss;
     int64_t ntok;
-    fm_evaluate(&m, &ds, max_batches, &loss, &ntok);
+    if ((s = fm_evaluate(&m, &ds, max_batches, &loss, &ntok))) {
+        fm_dataset_free(&ds);
+        fm_model_free(&m);
+        fm_param_store_free(&ps);
+        fm_backend_default_free(&be);
+        return cli_fail("eval", s);
+    }
     printf("checkpoint %s\ndata %s\ntokens scored %lld (windows of %lld)\nloss %.4f nats/token\nperplexity %.3f\n", ckpt,
            ds.desc, (long long)ntok, (long long)m.T_cap, loss, exp(loss));
     if (!isfinite(loss)) {

@@ -9,7 +9,7 @@
 
 int cmd_plan(int argc, char **argv) {
     const char *config = NULL, *recompute = NULL, *device_mem = NULL, *backend = NULL, *gpu_ws_plan = NULL;
-    int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = -1, ce_bt = -1, ce_bv = -1, tq = 0, tkv = 0;
+    int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = INT64_MIN, ce_bt = INT64_MIN, ce_bv = INT64_MIN, tq = 0, tkv = 0;
     int threads = 0;
     bool json = false, bf16m = false;
     flag flags[] = {
@@ -37,8 +37,15 @@ int cmd_plan(int argc, char **argv) {
     if (!config) return cli_usage_error("plan", "%s", "--config is required");
     if (seq_len < 1 || micro_batch < 1 || grad_accum < 1)
         return cli_usage_error("plan", "%s", "--seq-len (required), --micro-batch and --grad-accum must be >= 1");
-    if (chunk < -1 || ce_bt < -1 || ce_bv < -1)
-        return cli_usage_error("plan", "%s", "--moe-chunk-tokens, --ce-block-tokens and --ce-block-vocab must be >= 0");
+    int64_t *mem_flags[3] = {&chunk, &ce_bt, &ce_bv}; /* INT64_MIN: not given (chosen to fit) */
+    for (int i = 0; i < 3; i++) {
+        if (*mem_flags[i] == INT64_MIN) *mem_flags[i] = -1;
+        else if (*mem_flags[i] < 0) {
+            char v[32];
+            snprintf(v, sizeof v, "%lld", (long long)*mem_flags[i]);
+            return cli_usage_error("plan", "--moe-chunk-tokens, --ce-block-tokens and --ce-block-vocab must be >= 0, found %s", v);
+        }
+    }
     fm_plan_req req;
     memset(&req, 0, sizeof req);
     fm_status s = fm_config_load(&req.cfg, config);

@@ -1,4 +1,5 @@
 /* flatmoe train: flags into fm_train_opts, then fm_train. */
+#include <stdio.h>
 #include <string.h>
 
 #include "cli.h"
@@ -8,6 +9,8 @@
 int cmd_train(int argc, char **argv) {
     fm_train_opts o;
     fm_train_opts_default(&o);
+    /* "not given" for the memory flags (fm_train_opts' -1 means: choose), told apart from a given -1 */
+    o.moe_chunk_tokens = o.ce_block_tokens = o.ce_block_vocab = INT64_MIN;
     static const char *data[MAX_FILES], *val[MAX_FILES];
     const char *mem_budget = NULL, *gpu_ws = NULL;
     flag flags[] = {
@@ -40,7 +43,7 @@ int cmd_train(int argc, char **argv) {
         {"moe-chunk-tokens", F_I64, &o.moe_chunk_tokens, NULL, "MoE in strided chunks of <= N tokens, recomputed in backward; 0 = unchunked (0, or chosen under --mem-budget)"},
         {"mem-budget", F_STR, &mem_budget, NULL, "fail before allocating if the plan exceeds this (e.g. 16GiB); with no other memory flag, choose them to fit (no budget)"},
         {"ce-block-tokens", F_I64, &o.ce_block_tokens, NULL, "linear cross-entropy token block, never N x V logits (0 = plain logits, or chosen under --mem-budget)"},
-        {"ce-block-vocab", F_I64, &o.ce_block_vocab, NULL, "linear cross-entropy vocabulary block (4096 when --ce-block-tokens is set; 0 = plain logits)"},
+        {"ce-block-vocab", F_I64, &o.ce_block_vocab, NULL, "linear cross-entropy vocabulary block (either block flag > 0 turns the linear cross-entropy on, the other then defaults: 1024 tokens, 4096 vocabulary; both 0 = plain logits)"},
         {"attention-tile-q", F_I64, &o.att_tile_q, NULL, "CPU attention tile: query rows, 1..4096 (64)"},
         {"attention-tile-kv", F_I64, &o.att_tile_kv, NULL, "CPU attention tile: key columns, 1..4096 (64)"},
         {"gpu-workspace", F_STR, &gpu_ws, NULL, "CUDA: bytes of the cuDNN workspace, e.g. 256MiB (default: the planner sizes it for the attention backward at this length, at most 1 GiB; smaller splits the backward into head chunks)"},
@@ -51,10 +54,20 @@ int cmd_train(int argc, char **argv) {
     };
     int r = cli_parse_flags("train", "--config C --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
     if (r) return r == 1 ? 0 : r;
-    bool steps_given = false;
+    bool steps_given = false, shape_given[3] = {false, false, false};
+    const char *const shape_flags[3] = {"--seq-len", "--micro-batch", "--grad-accum"};
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--steps") || !strncmp(argv[i], "--steps=", 8)) steps_given = true;
+    for (int i = 1; i < argc; i++)
+        for (int f = 0; f < 3; f++) {
+            const size_t n = strlen(shape_flags[f]);
+            if (!strncmp(argv[i], shape_flags[f], n) && (argv[i][n] == 0 || argv[i][n] == '=')) shape_given[f] = true;
+        }
     if (o.resume && !steps_given) o.steps = 0; /* the checkpoint's total (fm_train) */
+    /* the checkpoint's shape (fm_train), unless given */
+    if (o.resume && !shape_given[0]) o.seq_len = 0;
+    if (o.resume && !shape_given[1]) o.micro_batch = 0;
+    if (o.resume && !shape_given[2]) o.grad_accum = 0;
     o.data = data;
     o.val_data = o.n_val_data ? val : NULL;
     fm_status s;
@@ -62,8 +75,15 @@ int cmd_train(int argc, char **argv) {
     if (mem_budget && o.mem_budget == 0) return cli_usage_error("train", "%s", "--mem-budget must be > 0 (omit it for no budget)");
     if (gpu_ws && (s = fm_parse_bytes(gpu_ws, "--gpu-workspace", &o.gpu_workspace))) return cli_fail("train", s);
     if (o.threads < 0) return cli_usage_error("train", "%s", "--threads must be >= 0 (0 = all cores)");
-    if (o.moe_chunk_tokens < -1 || o.ce_block_tokens < -1 || o.ce_block_vocab < -1)
-        return cli_usage_error("train", "%s", "--moe-chunk-tokens, --ce-block-tokens and --ce-block-vocab must be >= 0");
+    int64_t *mem_flags[3] = {&o.moe_chunk_tokens, &o.ce_block_tokens, &o.ce_block_vocab};
+    for (int i = 0; i < 3; i++) {
+        if (*mem_flags[i] == INT64_MIN) *mem_flags[i] = -1; /* not given: chosen under a budget, else 0 */
+        else if (*mem_flags[i] < 0) {
+            char v[32];
+            snprintf(v, sizeof v, "%lld", (long long)*mem_flags[i]);
+            return cli_usage_error("train", "--moe-chunk-tokens, --ce-block-tokens and --ce-block-vocab must be >= 0, found %s", v);
+        }
+    }
     if ((s = fm_backend_opts_from_env(&o.backend))) return cli_fail("train", s); /* FLATMOE_* -> init options */
     s = fm_train(&o);
     return s ? cli_fail("train", s) : 0;

@@ -161,6 +161,10 @@ fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc, fm_plan *out
      * small chunks make every expert GEMM tiny: on the H200 at 128K tokens (OLMoE), 11
      * recomputed layers with 512-token chunks ran 7.7K tokens/s, all 16 with 4096-token chunks
      * 10.2K (bench/RESULTS.md). */
+    /* the smallest plan tried, reported when none fits */
+    size_t best_total = SIZE_MAX;
+    int64_t best_nr = 0, best_c = 0;
+    int best_lce = 0;
     for (int pass = 0; pass < 2; pass++) {
         const int64_t floor = pass == 0 ? FM_PLAN_EFFICIENT_CHUNK : FM_PLAN_MIN_CHUNK;
         for (int64_t nr = 0; nr <= L; nr++) {
@@ -175,6 +179,10 @@ fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc, fm_plan *out
                     req->ce_block_vocab = lce ? FM_LCE_DEFAULT_BLOCK_VOCAB : 0;
                     fm_plan_compute(req, out);
                     if (budget == 0 || out->total <= budget) return FM_OK;
+                    if (out->total < best_total) {
+                        best_total = out->total;
+                        best_nr = nr, best_c = c, best_lce = lce;
+                    }
                 }
                 if (c != 0 && c <= floor) break;
                 c = c == 0 ? N : (c + 1) / 2;
@@ -182,6 +190,12 @@ fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc, fm_plan *out
             }
         }
     }
+    for (int64_t l = 0; l < L; l++) rc[l] = l < best_nr;
+    req->recompute = rc;
+    req->moe_chunk_tokens = best_c;
+    req->ce_block_tokens = best_lce ? FM_LCE_DEFAULT_BLOCK_TOKENS : 0;
+    req->ce_block_vocab = best_lce ? FM_LCE_DEFAULT_BLOCK_VOCAB : 0;
+    fm_plan_compute(req, out);
     return fm_plan_check(out, budget, "the budget (--mem-budget / --device-mem)");
 }
 
@@ -233,8 +247,8 @@ void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, size_t budget, F
             (long long)p->n_recomputed, (long long)r->moe_chunk_tokens, (long long)p->moe_K,
             (long long)r->ce_block_tokens, (long long)r->ce_block_vocab, r->bf16_moments ? "bf16" : "fp32");
     for (int i = 0; i < FM_PLAN_SETS; i++) fprintf(f, "%s\"%s\":%zu", i ? "," : "", set_name(i), p->bytes[i]);
-    fprintf(f, "},\"total_bytes\":%zu,\"budget_bytes\":%zu,\"fits\":%s,\"flops_per_token_model\":%.6g,"
-            "\"flops_per_token_hardware\":%.6g,\"tokens_per_step\":%lld}\n", p->total, budget,
+    fprintf(f, "},\"total_bytes\":%zu,\"budget_bytes\":%zu,\"fits\":%s,\"flops_per_token_model\":%.17g,"
+            "\"flops_per_token_hardware\":%.17g,\"tokens_per_step\":%lld}\n", p->total, budget,
             (budget == 0 || p->total <= budget) ? "true" : "false", p->flops_model_token, p->flops_hw_token,
             (long long)p->tokens_per_step);
 }
@@ -259,6 +273,12 @@ fm_status fm_parse_bytes(const char *s, const char *flag, size_t *out) {
     if (mul == 0)
         return fm_error(FM_ERR_ARG, "%s: unknown unit '%s' in '%s'; use B, KiB, MiB, GiB, TiB (or K, M, G, T), or KB, MB, GB, TB",
                         flag, end, s);
-    *out = (size_t)(v * mul);
+    const double bytes = v * mul;
+    if (!isfinite(bytes) || bytes >= 18446744073709551616.0) /* 2^64: (size_t) of it is undefined */
+        return fm_error(FM_ERR_ARG, "%s: '%s' is beyond what a byte count can hold (2^64 bytes); give a size like 16GiB",
+                        flag, s);
+    if (bytes > 0 && bytes < 1)
+        return fm_error(FM_ERR_ARG, "%s: '%s' is less than one byte; give a size like 16GiB", flag, s);
+    *out = (size_t)bytes;
     return FM_OK;
 }

@@ -83,20 +83,20 @@ fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, float scale, fm_lo
     return FM_OK;
 }
 
-void fm_schedule_default_forward(fm_model *m, bool with_targets, fm_loss *out) {
+fm_status fm_schedule_default_forward(fm_model *m, bool with_targets, fm_loss *out) {
     fm_schedule s;
     fm_schedule_init(&s, m);
-    FM_ASSERT(fm_schedule_forward(&s, m, with_targets, out) == FM_OK); /* no hooks: nothing can fail */
+    return fm_schedule_forward(&s, m, with_targets, out);
 }
 
-void fm_schedule_default_backward(fm_model *m, float scale) {
+fm_status fm_schedule_default_backward(fm_model *m, float scale) {
     fm_schedule s;
     fm_schedule_init(&s, m);
-    FM_ASSERT(fm_schedule_backward(&s, m, scale) == FM_OK);
+    return fm_schedule_backward(&s, m, scale);
 }
 
-void fm_schedule_default_train_step(fm_model *m, float scale, fm_loss *out) {
+fm_status fm_schedule_default_train_step(fm_model *m, float scale, fm_loss *out) {
     fm_schedule s;
     fm_schedule_init(&s, m);
-    FM_ASSERT(fm_schedule_train_step(&s, m, scale, out) == FM_OK);
+    return fm_schedule_train_step(&s, m, scale, out);
 }

@@ -55,24 +55,26 @@ fm_status fm_schedule_add_hook(fm_schedule *s, fm_hook_fn fn, void *user);
  * backward needs. The losses land in m->results; with out non-NULL the call ends with a sync
  * point and fills out->ce, aux, z, n_valid (fm_model_read_loss); NULL leaves them on the device
  * and the host never waits. With targets false only m->logits is produced (for sampling; a
- * linear-CE layout needs targets). Errors: a hook's. */
+ * linear-CE layout needs targets). Errors: a hook's, or the model's communicator's (m->comm:
+ * the valid-target count, the loss sums and the router statistics are reduced over it). */
 fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm_loss *out);
 
 /* Backward of the last forward with targets: ACCUMULATES into m->grads, scaled by `scale`
  * (1/G for G-step accumulation); under the linear cross-entropy this runs the operator again
- * with gradients. Errors: a hook's. */
+ * with gradients. Errors: a hook's, or the model's communicator's. */
 fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale);
 
 /* Forward with targets and backward in one call (what the trainer runs): the same results as
  * fm_schedule_forward + fm_schedule_backward, but the linear cross-entropy runs once, fused.
  * out as in fm_schedule_forward (the trainer passes NULL and copies m->results to pinned
- * memory, read once at the step's end). Errors: a hook's. */
+ * memory, read once at the step's end). Errors: a hook's, or the model's communicator's. */
 fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, float scale, fm_loss *out);
 
-/* The same with the default schedule of m (its layout's recompute set, no hooks), which cannot
- * fail: for evaluation, sampling, tools and tests. */
-void fm_schedule_default_forward(fm_model *m, bool with_targets, fm_loss *out);
-void fm_schedule_default_backward(fm_model *m, float scale);
-void fm_schedule_default_train_step(fm_model *m, float scale, fm_loss *out);
+/* The same with the default schedule of m (its layout's recompute set, no hooks): for
+ * evaluation, sampling, tools and tests. Errors: the model's communicator's (none when m->comm
+ * is NULL). */
+fm_status fm_schedule_default_forward(fm_model *m, bool with_targets, fm_loss *out);
+fm_status fm_schedule_default_backward(fm_model *m, float scale);
+fm_status fm_schedule_default_train_step(fm_model *m, float scale, fm_loss *out);
 
 #endif

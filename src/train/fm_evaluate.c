@@ -5,7 +5,8 @@
 #include "../schedule/fm_schedule.h"
 #include "fm_trainer.h"
 
-void fm_evaluate(fm_model *m, const fm_dataset *ds, int64_t max_batches, double *mean_loss, int64_t *n_tokens_out) {
+fm_status fm_evaluate(fm_model *m, const fm_dataset *ds, int64_t max_batches, double *mean_loss,
+                      int64_t *n_tokens_out) {
     const int64_t B = m->B, T = m->T;
     const int64_t nwin = fm_dataset_eval_windows(ds, T);
     double sum = 0;
@@ -19,12 +20,13 @@ void fm_evaluate(fm_model *m, const fm_dataset *ds, int64_t max_batches, double 
             m->h_targets[i] = -100;
         }
         fm_loss l;
-        fm_schedule_default_forward(m, true, &l);
+        FM_TRY(fm_schedule_default_forward(m, true, &l));
         sum += l.ce * (double)l.n_valid;
         count += l.n_valid;
         batches++;
     }
     *mean_loss = count ? sum / (double)count : NAN;
     if (n_tokens_out) *n_tokens_out = count;
+    return FM_OK;
 }
 

@@ -72,7 +72,7 @@ fm_status fm_sampler_next(fm_sampler *s, int32_t *token) {
     const int64_t T = m->T_cap, len = s->n < T ? s->n : T;
     fm_model_set_shape(m, 1, len);
     memcpy(m->h_tokens, s->seq + s->n - len, sizeof(int32_t) * (size_t)len);
-    fm_schedule_default_forward(m, false, NULL);
+    FM_TRY(fm_schedule_default_forward(m, false, NULL));
     fm_model_logits_row(m, len - 1, s->row);
     const int32_t next = fm_sample_pick(s->row, m->cfg.vocab_size, s->o.temperature, s->o.top_k, &s->rng, s->probs,
                                         s->order);

@@ -24,6 +24,9 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng) {
     (void)m->be.ops->prof_collect(m->be.ctx, phase_discard); /* the profile starts with step 1 */
     const double t0 = now_s();
     const int64_t first = ts->step + 1;
+    if (first > o->steps)
+        fprintf(stderr, "note: --resume: the run is at step %lld, already at or past --steps %lld: nothing to train "
+                "(give a larger --steps to continue it)\n", (long long)ts->step, (long long)o->steps);
     int64_t ran = 0;
     uint64_t syncs0 = m->be.ops->host_sync_count(m->be.ctx);
     for (int64_t step = first; step <= o->steps; step++) {
@@ -52,7 +55,8 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng) {
         rep.host_syncs = syncs1 - syncs0;
         rep.tokens_seen = ts->tokens_seen;
         const bool last = step == o->steps || (o->exit_after > 0 && ran == o->exit_after);
-        if ((o->eval_every > 0 && step % o->eval_every == 0) || last) fm_evaluate(m, &r->val, o->eval_batches, &rep.val, NULL);
+        if ((o->eval_every > 0 && step % o->eval_every == 0) || last)
+            FM_TRY(fm_evaluate(m, &r->val, o->eval_batches, &rep.val, NULL));
         if (!o->quiet && (step % (o->log_every > 0 ? o->log_every : 1) == 0 || last || !isnan(rep.val)))
             fm_train_print_step(r, &rep);
         fm_train_metrics_begin(r, &rep);
@@ -91,15 +95,28 @@ static fm_status train_impl(run *r) {
 
 fm_status fm_train(const fm_train_opts *o) {
     fm_train_opts oo = *o;
-    if (oo.resume && oo.steps == 0) { /* --steps not given: the run's own total, from its latest checkpoint */
+    const bool need = oo.steps == 0 || oo.seq_len == 0 || oo.micro_batch == 0 || oo.grad_accum == 0;
+    if (oo.resume && need) { /* flags not given: the run's own total and shape, from its latest checkpoint */
         char ck[4096], p[4200];
         train_state ts = {0};
-        oo.steps = 1000;
-        if (fm_ckpt_find_latest(oo.out_dir, ck, sizeof ck, NULL) == FM_OK) {
+        bool have = false;
+        if (oo.out_dir && fm_ckpt_find_latest(oo.out_dir, ck, sizeof ck, NULL) == FM_OK) {
             snprintf(p, sizeof p, "%s/%s", ck, FM_CKPT_STATE_FILE);
-            if (fm_train_state_read(p, &ts) == FM_OK && ts.steps > 0) oo.steps = ts.steps;
+            have = fm_train_state_read(p, &ts) == FM_OK;
         }
-        if (!oo.quiet) printf("--resume: --steps %lld (the run's total; --steps sets another)\n", (long long)oo.steps);
+        fm_train_opts dflt;
+        fm_train_opts_default(&dflt);
+        if (oo.steps == 0) {
+            oo.steps = have && ts.steps > 0 ? ts.steps : 1000;
+            if (!oo.quiet) printf("--resume: --steps %lld (the run's total; --steps sets another)\n", (long long)oo.steps);
+        }
+        const bool shape = oo.seq_len == 0 || oo.micro_batch == 0 || oo.grad_accum == 0;
+        if (oo.seq_len == 0) oo.seq_len = have && ts.seq_len > 0 ? ts.seq_len : dflt.seq_len;
+        if (oo.micro_batch == 0) oo.micro_batch = have && ts.micro_batch > 0 ? ts.micro_batch : dflt.micro_batch;
+        if (oo.grad_accum == 0) oo.grad_accum = have && ts.grad_accum > 0 ? ts.grad_accum : dflt.grad_accum;
+        if (shape && !oo.quiet)
+            printf("--resume: --seq-len %lld --micro-batch %lld --grad-accum %lld (the run's; the flags set others)\n",
+                   (long long)oo.seq_len, (long long)oo.micro_batch, (long long)oo.grad_accum);
     }
     o = &oo;
     run r;

@@ -1,6 +1,8 @@
 /* One optimizer step: accumulate, check, clip, update (see fm_train_step.h). */
 #include "fm_train_step.h"
 
+#include "../io/fm_checkpoint.h"
+
 #include <math.h>
 #include <string.h>
 
@@ -22,6 +24,14 @@ void fm_step_ws_free(fm_step_ws *w) {
     fm_arena_free(&w->results);
     fm_free(w->n_valid);
     memset(w, 0, sizeof *w);
+}
+
+/* What a stopped run leaves: "the last good checkpoint stays: " + its folder, or that there is
+ * none yet (the message's two %s). */
+static const char *last_good(const fm_train_opts *o, char *buf, size_t n) {
+    if (o->out_dir && fm_ckpt_find_latest(o->out_dir, buf, n, NULL) == FM_OK) return "the last good checkpoint stays: ";
+    buf[0] = 0;
+    return "no checkpoint of this run exists yet";
 }
 
 fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
@@ -48,14 +58,15 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
     m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "step end": losses, gradient norm */
     FM_TRY(m->be.ops->status(m->be.ctx));
     double ce = 0, aux = 0, z = 0;
+    char lg[4096];
     for (int64_t g = 0; g < G; g++) {
         fm_loss l;
         fm_model_loss_from_results(m, w->res + g * n_res, w->n_valid[g], &l);
         if (!isfinite(l.ce) || !isfinite(l.aux) || !isfinite(l.z))
             return fm_error(FM_ERR_NUMERIC, "step %lld: the loss is not finite (cross-entropy %g, aux %g, z %g); "
-                            "training stopped and no checkpoint was written for this step (the last good "
-                            "one in %s stays); lower --lr or raise --warmup", (long long)step, l.ce, l.aux, l.z,
-                            o->out_dir);
+                            "training stopped and no checkpoint was written for this step (%s%s); lower --lr or "
+                            "raise --warmup", (long long)step, l.ce, l.aux, l.z, last_good(o, lg, sizeof lg),
+                            lg);
         ce += l.ce / (double)G;
         aux += l.aux / (double)G;
         z += l.z / (double)G;
@@ -63,8 +74,8 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
     const double gnorm = sqrt(gres[FM_RESULT_SUMSQ]);
     if (!isfinite(gnorm))
         return fm_error(FM_ERR_NUMERIC, "step %lld: the gradient norm is not finite (%g); training stopped and no "
-                        "checkpoint was written for this step (the last good one in %s stays); lower --lr",
-                        (long long)step, gnorm, o->out_dir);
+                        "checkpoint was written for this step (%s%s); lower --lr", (long long)step, gnorm,
+                        last_good(o, lg, sizeof lg), lg);
     const float clip = (o->grad_clip > 0 && gnorm > o->grad_clip) ? (float)(o->grad_clip / gnorm) : 1.0f;
     const double lr = fm_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr);
     optim->step_begin(opt);

@@ -66,9 +66,10 @@ fm_status fm_load_for_inference(fm_model *m, fm_param_store *ps, const char *ckp
                                 int64_t *trained_seq_len);
 
 /* Validation loss of the model over up to max_batches micro-batches of sequential windows of
- * `ds` (0: all windows). Writes mean nats/token; n_tokens_out gets the tokens scored. */
+ * `ds` (0: all windows). Writes mean nats/token; n_tokens_out gets the tokens scored. Errors:
+ * the model's communicator's. */
 struct fm_dataset;
-void fm_evaluate(fm_model *m, const struct fm_dataset *ds, int64_t max_batches, double *mean_loss,
-                 int64_t *n_tokens_out);
+fm_status fm_evaluate(fm_model *m, const struct fm_dataset *ds, int64_t max_batches, double *mean_loss,
+                      int64_t *n_tokens_out);
 
 #endif
