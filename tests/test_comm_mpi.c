@@ -118,7 +118,7 @@ static void test_collectives(const fm_comm *c, const char *mem) {
     /* reduce_scatter: rank q's block r holds val(q, r * rc + i) */
     for (int ip = 0; ip < 2; ip++)
         for (int ti = 0; ti < 3; ti += 2) {
-            const int64_t rc = 11;
+            const int64_t rc = 45; /* several staging chunks at 2 ranks too */
             const fm_comm_dtype t = k_red[ti];
             const fm_comm_op op = ti ? FM_COMM_MAX : FM_COMM_SUM;
             const size_t es = fm_comm_dtype_size(t);
