@@ -365,14 +365,21 @@ static void test_groups(const fm_comm *world) {
     EXPECT_ARG(fm_comm_group_create(&g, world, 2, 1, 1), "mesh degrees dp 2, ep 1, sp 1 need more ranks than the 1");
     EXPECT_ARG(fm_comm_group_create(&g, world, 1, 0, 1), "must each be >= 1");
     EXPECT_ARG(fm_comm_group_create(&g, NULL, 1, 1, 1), "no world communicator");
-    /* a world of two ranks (only rank and size are asked before the refusal) */
+    /* a world that claims two ranks but splits like self: degrees that disagree with its size
+     * are refused before any split; a valid mesh is refused when a split gives the wrong size
+     * (the meshes over real ranks are tests/test_comm_mpi.c's) */
     fm_comm_ops two = *world->ops;
     two.rank = two_rank;
     two.size = two_size;
     fm_comm w2 = {&two, world->ctx};
+    EXPECT_ARG(fm_comm_group_create(&g, &w2, 1, 1, 1), "rank 1 of 2: mesh degrees dp 1, ep 1, sp 1: dp x sp = 1 "
+               "ranks, but 2 ranks are running");
+    EXPECT_ARG(fm_comm_group_create(&g, &w2, 2, 3, 1), "rank 1 of 2: mesh degrees dp 2, ep 3, sp 1: ep 3 does not "
+               "divide dp x sp = 2 ranks");
     const fm_status st = fm_comm_group_create(&g, &w2, 2, 1, 1);
     CHECK(st == FM_ERR_UNSUPPORTED);
-    CHECK_MSG(strstr(fm_errmsg(), "rank 1 of 2: process groups over 2 ranks"), "message: %s", fm_errmsg());
+    CHECK_MSG(strstr(fm_errmsg(), "rank 1 of 2: the dp axis's split of the 'self' world communicator has 1 rank, "
+                     "expected 2"), "message: %s", fm_errmsg());
     for (int a = 0; a < FM_AXIS_COUNT; a++) CHECK(g.axis[a].comm.ctx == NULL);
 }
 

@@ -158,18 +158,34 @@ fm_status fm_comm_group_create(fm_comm_group *g, const fm_comm *world, int dp, i
     if (W == 1 && (dp != 1 || ep != 1 || sp != 1))
         return fm_error(FM_ERR_ARG, "rank 0 of 1: mesh degrees dp %d, ep %d, sp %d need more ranks than the 1 "
                         "running; with one rank every degree is 1", dp, ep, sp);
-    if (W != 1)
-        return fm_error(FM_ERR_UNSUPPORTED, "rank %d of %d: process groups over %d ranks (dp %d, ep %d, sp %d) are "
-                        "not supported yet; run on one rank", r, W, W, dp, ep, sp);
+    if ((int64_t)dp * sp != W)
+        return fm_error(FM_ERR_ARG, "rank %d of %d: mesh degrees dp %d, ep %d, sp %d: dp x sp = %lld ranks, but %d "
+                        "ranks are running (the world is dp x sp ranks; ep divides it and adds none)", r, W, dp, ep,
+                        sp, (long long)dp * sp, W);
+    if (W % ep != 0)
+        return fm_error(FM_ERR_ARG, "rank %d of %d: mesh degrees dp %d, ep %d, sp %d: ep %d does not divide dp x sp "
+                        "= %d ranks", r, W, dp, ep, sp, ep, W);
     g->axis[FM_AXIS_WORLD].comm = *world;
-    g->axis[FM_AXIS_WORLD].degree = 1;
+    g->axis[FM_AXIS_WORLD].degree = W;
+    /* r = dp_index * sp + sp_index (fm_comm.h); key r orders each axis by world rank */
+    const int dp_index = r / sp, sp_index = r % sp;
+    const int color[FM_AXIS_COUNT] = {0, sp_index, r / ep, dp_index};
+    const int degree[FM_AXIS_COUNT] = {W, dp, ep, sp};
     for (int a = FM_AXIS_DP; a < FM_AXIS_COUNT; a++) {
-        const fm_status st = world->ops->split(world->ctx, 0, 0, &g->axis[a].comm);
+        const fm_status st = world->ops->split(world->ctx, color[a], r, &g->axis[a].comm);
         if (st != FM_OK) {
             fm_comm_group_free(g);
             return st;
         }
         g->axis[a].degree = fm_comm_size(&g->axis[a].comm);
+        if (g->axis[a].degree != degree[a]) {
+            const int got = g->axis[a].degree;
+            fm_comm_group_free(g);
+            return fm_error(FM_ERR_UNSUPPORTED, "rank %d of %d: the %s axis's split of the '%s' world communicator "
+                            "has %d rank%s, expected %d: this communicator does not serve meshes over %d ranks", r, W,
+                            fm_mesh_axis_name((fm_mesh_axis)a), world->ops->name, got, got == 1 ? "" : "s",
+                            degree[a], W);
+        }
     }
     return FM_OK;
 }

@@ -1,7 +1,8 @@
 /* The communicator table (DESIGN.md §3 and §6): a struct of function pointers over an opaque
  * context, in the manner of backend/fm_backend.h. A model block, bounded operator or schedule
  * policy never calls MPI or NCCL: it calls this table. Implementations: self (fm_comm_self.c,
- * one rank; every collective is the identity or a copy), mpi and nccl (later).
+ * one rank; every collective is the identity or a copy), mpi (fm_comm_mpi.c, CPU ranks, or
+ * host-staged backend memory) and nccl (later).
  *
  * Conventions for every collective:
  * - Counts and displacements are in ELEMENTS of the collective's dtype, int64_t, >= 0. A buffer
@@ -203,13 +204,18 @@ typedef struct fm_comm_group {
     fm_process_group axis[FM_AXIS_COUNT];
 } fm_comm_group;
 
-/* The groups of the mesh dp x ep x sp over `world` (degrees >= 1). With one rank (W = 1) every
- * degree must be 1 and every axis gets a self communicator (split of world). Meshes over W > 1
- * ranks are not yet supported (FM_ERR_UNSUPPORTED: they come with the mpi and nccl
- * communicators). The group keeps a copy of *world (the caller keeps ownership of it) and
- * owns the axes' communicators: free it with fm_comm_group_free. Errors: FM_ERR_ARG (a degree
- * < 1, or degrees that disagree with the world's size, naming them), FM_ERR_UNSUPPORTED,
- * FM_ERR_NOMEM; on error *g is empty. */
+/* The groups of the mesh dp x ep x sp over `world` (degrees >= 1); a collective call on world.
+ * The world has W = dp * sp ranks; expert parallelism reuses them: ep divides W.
+ * Rank layout (world rank r): r = dp_index * sp + sp_index. The sp group of r is the sp ranks
+ * with its dp_index (contiguous: [dp_index * sp, + sp)); the dp group is the dp ranks with its
+ * sp_index (stride sp); the ep group is the contiguous block of ep ranks [r / ep * ep, + ep).
+ * Each axis's communicator orders its ranks by world rank. With one rank every degree is 1 and
+ * every axis is a split of world. The group keeps a copy of *world (the caller keeps ownership
+ * of it) and owns the axes' communicators: free it with fm_comm_group_free. Errors: FM_ERR_ARG
+ * (a degree < 1, dp * sp != W, ep not dividing W: naming them), FM_ERR_UNSUPPORTED (the world's
+ * split gave a communicator of another size than the axis's degree: the self communicator
+ * asked for a mesh over several ranks), FM_ERR_NOMEM, the split's errors; on error *g is
+ * empty. */
 fm_status fm_comm_group_create(fm_comm_group *g, const fm_comm *world, int dp, int ep, int sp);
 void fm_comm_group_free(fm_comm_group *g);
 
@@ -225,6 +231,60 @@ void fm_comm_group_free(fm_comm_group *g);
  * that block; barrier returns. Errors: FM_ERR_ARG (out NULL, negative or NaN timeout),
  * FM_ERR_NOMEM. */
 fm_status fm_comm_self_create(fm_comm *out, const struct fm_backend *be, double default_timeout_s);
+
+/* ---- the MPI communicator (fm_comm_mpi.c; CPU ranks, one process per rank) -------------------
+ * Built when CMake finds MPI (find_package(MPI COMPONENTS C), Open MPI in CI); otherwise these
+ * functions exist and fm_comm_mpi_world returns FM_ERR_UNSUPPORTED. This header never includes
+ * mpi.h.
+ *
+ * Buffers: be == NULL: host memory, handed to MPI as they are. be whose memory is host memory
+ * (be->ops->host_memory, the CPU backend): the same, but fm_comm_mem_is_host() is false (the
+ * buffers are the backend's). be whose memory is not host memory (a GPU): every collective is
+ * staged through two host buffers of stage_bytes each, fixed at creation, in chunks, with the
+ * backend's synchronous copy (D2H, the MPI collective on the host copy, H2D) -- so several ranks
+ * can share one GPU in tests; each copy is a host sync, so this path is for tests, not speed.
+ * In-place reduce_scatter is staged on host memory too (MPI's MPI_IN_PLACE form puts the result
+ * at offset 0, not at rank * recv_count).
+ *
+ * Timeouts: every collective posts the nonblocking MPI form (MPI_Iallreduce,
+ * MPI_Ireduce_scatter_block, MPI_Iallgather, MPI_Ialltoallv, MPI_Ibcast, MPI_Ibarrier) and polls
+ * MPI_Test, with short sleeps, until it completes or the timeout passes. On a timeout it returns
+ * FM_ERR_IO ("rank 1 of 4: all_reduce(fp64 sum, 4 elements) timed out after 2 s ..."): the
+ * request is ABANDONED, still pending, and may still write its buffers; the communicator is
+ * marked broken (every later collective on it fails with FM_ERR_IO, destroy then leaks its
+ * context and staging buffers rather than free memory MPI may write), and the process must
+ * stop: call fm_comm_mpi_abort, which takes every rank down (MPI_Abort). The communicators use
+ * MPI_ERRORS_RETURN, so a transport error comes back as FM_ERR_IO with MPI_Error_string's text.
+ *
+ * Counts: MPI counts are int. A count, or a count or displacement of all_to_all_v, that does not
+ * fit in int (after staging's chunking, where it applies) is FM_ERR_ARG naming it.
+ * Reductions: sum and max of fp32, fp64 and int64 (MPI_SUM, MPI_MAX; the sum's order is
+ * MPI's); bf16 reductions are FM_ERR_UNSUPPORTED for now. all_to_all_v on staged memory first
+ * agrees on the largest block with one extra all-reduce (max) and moves it in rounds. */
+
+/* The default staging size per buffer of a communicator over non-host backend memory. */
+#define FM_COMM_MPI_STAGE_BYTES ((size_t)4 << 20)
+
+/* Whether this build has the MPI communicator. */
+bool fm_comm_mpi_built(void);
+/* A communicator over every process of the MPI job (a duplicate of MPI_COMM_WORLD, so each call
+ * gives an independent communicator). Calls MPI_Init_thread (MPI_THREAD_FUNNELED) when MPI is
+ * not initialized yet; a collective call. be: as above (must outlive the communicator; needs a
+ * copy op). default_timeout_s: 0 means FM_COMM_DEFAULT_TIMEOUT_S. stage_bytes: the size of each
+ * of the two staging buffers (0: FM_COMM_MPI_STAGE_BYTES; at least 8 * ranks; only allocated
+ * when staging applies). Errors: FM_ERR_ARG (out NULL, a negative timeout, a backend without a
+ * copy op, stage_bytes too small), FM_ERR_UNSUPPORTED (no MPI in this build; MPI finalized;
+ * MPI_Init_thread gave less than MPI_THREAD_FUNNELED), FM_ERR_IO (an MPI call failed),
+ * FM_ERR_NOMEM. */
+fm_status fm_comm_mpi_world(fm_comm *out, const struct fm_backend *be, double default_timeout_s,
+                            size_t stage_bytes);
+/* MPI_Finalize, when MPI is initialized and not yet finalized (otherwise nothing); a collective
+ * call: free every mpi communicator first. Errors: FM_ERR_IO. */
+fm_status fm_comm_mpi_finalize(void);
+/* Takes the whole job down: MPI_Abort(MPI_COMM_WORLD, code). For the CLI after a collective
+ * failed (a timeout leaves a request pending: the process cannot continue). Returns only when
+ * MPI is not built or not initialized (the caller then exits). */
+void fm_comm_mpi_abort(int code);
 
 /* ---- for implementations (fm_comm.c): argument checks and messages --------------------------- */
 
