@@ -75,4 +75,11 @@ else
     bad "no checkpoint written before divergence"
 fi
 echo "nan run: $(cat "$TMP/nan.err")"
+# --offload-boundaries: an integer in 0 .. L or all; the message names the flag, the value and the range.
+expect_fail "offload too many" "--offload-boundaries: found '3'; expected an integer in 0 .. 2" \
+    "$FM" train --config "$cfg" "${base[@]}" --offload-boundaries 3 --out "$TMP/a"
+expect_fail "offload negative" "--offload-boundaries: found '-1'" "$FM" train --config "$cfg" "${base[@]}" --offload-boundaries -1 --out "$TMP/a"
+expect_fail "offload not a number" "--offload-boundaries: found 'some'" "$FM" train --config "$cfg" "${base[@]}" --offload-boundaries some --out "$TMP/a"
+expect_fail "plan offload too many" "--offload-boundaries: found '9'; expected an integer in 0 .. 2" \
+    "$FM" plan --config "$cfg" --seq-len 16 --offload-boundaries 9
 finish

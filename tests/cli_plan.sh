@@ -66,4 +66,13 @@ knobs=$(grep "^plan:" "$TMP/fit.log" | sed -E 's/.*recompute ([0-9]+) of.*/\1/')
 "$FM" train "${common[@]}" --mem-budget "$budget" --out "$TMP/fit2" --quiet || bad "train without --report-memory failed"
 loss() { sed -E 's/.*"loss":([^,]*),.*/\1/' "$1"; }
 [ "$(loss "$TMP/fit/metrics.jsonl")" = "$(loss "$TMP/fit2/metrics.jsonl")" ] && ok || bad "--report-memory changed the losses"
+# --offload-boundaries: the boundaries' bound counts L+1 - n + min(n, 2) tensors, and the host line
+# gives n x N x H x 4 B (tiny.json: L = 4, H = 128; N = 4 x 256 tokens: 512 KiB a boundary).
+"$FM" plan --config "$cfg" --seq-len 256 --micro-batch 4 --threads 2 --backend cpu --offload-boundaries all > "$TMP/off.txt" || bad "plan --offload-boundaries failed"
+grep -Eq "^host \(pinned\): +2097152 .*4 offloaded boundaries" "$TMP/off.txt" && ok || bad "plan: no host line for 4 offloaded boundaries: $(grep host "$TMP/off.txt")"
+grep -q "= 3) x N x H" "$TMP/off.txt" && ok || bad "plan: boundaries bound does not count 3 tensors"
+"$FM" plan --config "$cfg" --seq-len 256 --micro-batch 4 --threads 2 --backend cpu > "$TMP/nooff.txt"
+grep -q "^host (pinned)" "$TMP/nooff.txt" && bad "plan: a host line without offload" || ok
+j=$("$FM" plan --config "$cfg" --seq-len 256 --micro-batch 4 --threads 2 --backend cpu --offload-boundaries 1 --json)
+grep -q '"offloaded_boundaries":1,"host_pinned_bytes":524288' <<<"$j" && ok || bad "plan --json: no host bytes: $j"
 finish

@@ -74,4 +74,20 @@ head -4 "$TMP/crash/metrics.jsonl" > "$TMP/m4"; echo '{"step":5,"loss":99}' >> "
 "$FM" train "${common[@]}" --out "$TMP/crash" --resume || bad "crash resume"
 if diff <(fields "$TMP/straight/metrics.jsonl") <(fields "$TMP/crash/metrics.jsonl") >/dev/null; then ok
 else bad "metrics after a crash and resume differ from the straight run"; fi
+# Checkpoint offload (--offload-boundaries) changes no bit: a straight run with every boundary
+# offloaded matches the plain straight run, and a run split with offload 1 then offload all plus
+# recompute matches it too (exact resume across the flag).
+"$FM" train "${common[@]}" --offload-boundaries all --report-memory --out "$TMP/ostraight" || bad "offload straight run failed"
+cmp -s "$TMP/straight/step_000008/model.safetensors" "$TMP/ostraight/step_000008/model.safetensors" && ok || bad "offload all: weights differ from no offload"
+grep -q '"host_pinned":{"bound":' "$TMP/ostraight/metrics.jsonl" && ok || bad "offload: no host_pinned record with --report-memory"
+mfields() { fields "$1" | sed -E -e 's/,"memory":.*//' -e 's/,?\}?$//'; }
+if diff <(mfields "$TMP/straight/metrics.jsonl") <(mfields "$TMP/ostraight/metrics.jsonl") >/dev/null; then ok
+else bad "offload all: metrics differ from no offload"; diff <(mfields "$TMP/straight/metrics.jsonl") <(mfields "$TMP/ostraight/metrics.jsonl") | head >&2; fi
+"$FM" train "${common[@]}" --offload-boundaries 1 --out "$TMP/osplit" --exit-after 4 || bad "offload first half failed"
+"$FM" train "${common[@]}" --offload-boundaries all --recompute 1 --out "$TMP/osplit" --resume || bad "offload resumed run failed"
+for f in model.safetensors optimizer.safetensors; do
+    cmp -s "$TMP/straight/step_000008/$f" "$TMP/osplit/step_000008/$f" && ok || bad "offload: $f differs after resume"
+done
+if diff <(fields "$TMP/straight/metrics.jsonl") <(fields "$TMP/osplit/metrics.jsonl") >/dev/null; then ok
+else bad "offload: metrics differ between straight and resumed runs"; fi
 finish

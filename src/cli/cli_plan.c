@@ -5,10 +5,11 @@
 #include "cli.h"
 #include "plan/fm_plan.h"
 #include "schedule/fm_recompute.h"
+#include "schedule/fm_sco.h"
 #include "train/fm_trainer.h"
 
 int cmd_plan(int argc, char **argv) {
-    const char *config = NULL, *recompute = NULL, *device_mem = NULL, *backend = NULL, *gpu_ws_plan = NULL;
+    const char *config = NULL, *recompute = NULL, *offload = NULL, *device_mem = NULL, *backend = NULL, *gpu_ws_plan = NULL;
     int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = INT64_MIN, ce_bt = INT64_MIN, ce_bv = INT64_MIN, tq = 0, tkv = 0;
     int threads = 0;
     bool json = false, bf16m = false;
@@ -29,6 +30,7 @@ int cmd_plan(int argc, char **argv) {
         {"gpu-workspace", F_STR, &gpu_ws_plan, NULL, "CUDA: bytes of the cuDNN workspace (default: sized by the planner)"},
         {"backend", F_STR, &backend, NULL, "plan for cpu (fp32) or cuda (bf16) (this binary's backend)"},
         {"bf16-moments", F_BOOL, &bf16m, NULL, "AdamW moments in bf16 (4 instead of 8 bytes per parameter) (off)"},
+        {"offload-boundaries", F_STR, &offload, NULL, "N | all: boundaries 0..N-1 in pinned host memory (train's flag; 0 = off)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
     };
     int r = cli_parse_flags("plan", "--config C --seq-len S [--micro-batch B] [--device-mem BYTES] [flags]", argc, argv, flags,
@@ -56,6 +58,7 @@ int cmd_plan(int argc, char **argv) {
     const int64_t L = req.cfg.num_hidden_layers;
     bool *rc = fm_malloc((size_t)L);
     if ((s = fm_recompute_parse(recompute, L, rc))) return cli_fail("plan", s);
+    if ((s = fm_sco_parse(offload, L, &req.n_offloaded_boundaries))) return cli_fail("plan", s);
     req.B = micro_batch;
     req.T = seq_len;
     req.grad_accum = grad_accum;

@@ -86,7 +86,11 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     m->rope_cos = TAKE(bnd, float, m->T * hd / 2);
     m->rope_sin = TAKE(bnd, float, m->T * hd / 2);
     m->moe_chunk_order = chunked ? TAKE(bnd, int32_t, N) : NULL;
-    for (int64_t l = 0; l <= L; l++) m->boundary[l] = TAKE(bnd, fm_act, N * H);
+    /* Offloaded boundaries 0 .. n_off-1 rotate through slots 0 and 1 (taken where boundaries 0
+     * and 1 would be); with n_off = 0 this is the plain L+1 tensors, in the same order. */
+    const int64_t n_off = m->n_offloaded_boundaries;
+    for (int64_t l = 0; l <= L; l++)
+        m->boundary[l] = l < n_off && l >= 2 ? m->boundary[l % 2] : TAKE(bnd, fm_act, N * H);
     fm_layer_acts shared;
     bool any_recompute = false;
     for (int64_t l = 0; l < L; l++) any_recompute |= m->recompute[l];
@@ -125,13 +129,22 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
 #define B4(x) fm_arena_round((size_t)(x) * 4)
 #define BA(x) fm_arena_round((size_t)(x) * a)
 
+int64_t fm_model_boundary_tensors(int64_t L, int64_t n_off) {
+    return L + 1 - n_off + (n_off < 2 ? n_off : 2);
+}
+
 size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T, bool moe_chunked, size_t a) {
+    return fm_model_boundary_bytes_n(c, B, T, moe_chunked, c->num_hidden_layers + 1, a);
+}
+
+size_t fm_model_boundary_bytes_n(const fm_config *c, int64_t B, int64_t T, bool moe_chunked, int64_t n_tensors,
+                                 size_t a) {
     const int64_t N = B * T;
     /* tokens, targets, the micro-batch's device results (4 + 2L doubles), RoPE cos/sin
-     * [T, hd/2], the chunked MoE's token order [N] int32, L+1 residual-stream boundaries [N,H] */
+     * [T, hd/2], the chunked MoE's token order [N] int32, n_tensors residual-stream tensors [N,H] */
     return 2 * B4(N) + fm_arena_round((size_t)fm_model_results_count(c) * 8) + 2 * B4(T * c->head_dim / 2) +
            (moe_chunked ? B4(N) : 0) +
-           (size_t)(c->num_hidden_layers + 1) * BA(N * c->hidden_size);
+           (size_t)n_tensors * BA(N * c->hidden_size);
 }
 
 size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_t a) {
@@ -193,6 +206,7 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
     m.linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
     m.ce_block_tokens = opts ? opts->ce_block_tokens : 0;
     m.ce_block_vocab = opts ? opts->ce_block_vocab : 0;
+    m.n_offloaded_boundaries = opts ? opts->n_offloaded_boundaries : 0;
     bool *rc = fm_malloc((size_t)(L + 1));
     fm_act **bp = fm_malloc(sizeof(fm_act *) * (size_t)(L + 1));
     fm_layer_acts *la = fm_malloc(sizeof(fm_layer_acts) * (size_t)(L + 1));
@@ -243,7 +257,13 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     m->linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
     m->ce_block_tokens = opts ? opts->ce_block_tokens : 0;
     m->ce_block_vocab = opts ? opts->ce_block_vocab : 0;
-    fm_layout_opts o = {m->recompute, m->moe_chunk_tokens, m->ce_block_tokens, m->ce_block_vocab};
+    if (opts && (opts->n_offloaded_boundaries < 0 || opts->n_offloaded_boundaries > L))
+        return fm_error(FM_ERR_ARG, "--offload-boundaries: found %lld; expected 0 .. %lld (the model's layers; "
+                        "boundary %lld, the head's input, stays on the device)",
+                        (long long)opts->n_offloaded_boundaries, (long long)L, (long long)L);
+    m->n_offloaded_boundaries = opts ? opts->n_offloaded_boundaries : 0;
+    fm_layout_opts o = {m->recompute, m->moe_chunk_tokens, m->ce_block_tokens, m->ce_block_vocab,
+                        m->n_offloaded_boundaries};
     size_t bytes[FM_LIVE_COUNT];
     size_t host_bytes = 0;
     plan_bytes(c, B, T, &o, bytes, &host_bytes);

@@ -113,7 +113,11 @@ typedef struct fm_model {
     double *results;            /* [fm_model_results_count] backend memory: the micro-batch's
                                    device results (FM_RESULT_*), read after a sync point */
     int32_t *moe_chunk_order;   /* [N] backend memory: chunk-major token order (chunked MoE) */
-    fm_act **boundary;          /* [L+1] pointers, each [N,H] */
+    fm_act **boundary;          /* [L+1] pointers, each [N,H]; with n_offloaded_boundaries = n > 0,
+                                   boundary l < n points at rotating slot l % 2 (layout), which the
+                                   offload policy (schedule/fm_sco.h) refills in backward */
+    int64_t n_offloaded_boundaries; /* boundaries 0 .. n-1 live in 2 rotating device slots (1 when
+                                   n = 1) and on the host; 0: every boundary has its own tensor */
     fm_layer_acts *acts;        /* [L]: acts[l] is layer l's saved set (shared if recomputed) */
     fm_bwd_ws ws;
     int64_t moe_chunk_tokens;   /* 0: plain MoE twin */
@@ -156,11 +160,16 @@ typedef struct fm_layout_opts {
                                   linear cross-entropy (bounded/fm_linear_ce) with blocks of
                                   ce_block_tokens x ce_block_vocab (0 = its default) */
     int64_t ce_block_vocab;
+    int64_t n_offloaded_boundaries; /* 0: L+1 boundary tensors; n in [1, L]: boundaries 0 .. n-1
+                                  share min(n, 2) rotating slots (L+1 - n + min(n, 2) tensors in
+                                  all), for the checkpoint offload policy (schedule/fm_sco.h,
+                                  --offload-boundaries), which must then be attached to the
+                                  schedule for backward; forward alone needs no policy */
 } fm_layout_opts;
 
 /* Lays out and allocates activation memory for micro-batch B x sequence T (opts NULL: no
  * recompute, plain MoE). Errors: FM_ERR_ARG if T > max_position_embeddings (names --seq-len)
- * or B, T < 1; FM_ERR_NOMEM naming the live set. May be called again with another shape
+ * or B, T < 1, or n_offloaded_boundaries outside [0, L] (names --offload-boundaries); FM_ERR_NOMEM naming the live set. May be called again with another shape
  * (frees the previous layout). */
 fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opts *opts);
 
@@ -181,6 +190,13 @@ void fm_model_free(fm_model *m);
  * (plain): final norm output, logits [N,V] and per-token loss. */
 /* Boundaries include the chunked MoE's token order [N] int32 when moe_chunked. */
 size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T, bool moe_chunked, size_t act_bytes);
+/* The same with n_tensors residual-stream tensors [N,H] instead of L+1 (the offload policy's
+ * count, fm_sco_device_boundaries). */
+size_t fm_model_boundary_bytes_n(const fm_config *c, int64_t B, int64_t T, bool moe_chunked, int64_t n_tensors,
+                                 size_t act_bytes);
+/* Residual-stream tensors the layout allocates with n_off offloaded boundaries (0 <= n_off <= L):
+ * L+1 - n_off + min(n_off, 2). The offload policy's bound (schedule/fm_sco.h) is this count. */
+int64_t fm_model_boundary_tensors(int64_t L, int64_t n_off);
 size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_t act_bytes);
 size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t act_bytes);
 size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N, size_t act_bytes);

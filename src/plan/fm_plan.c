@@ -9,6 +9,7 @@
 #include "../backend/fm_backend_plan.h"
 #include "../bounded/fm_linear_ce.h"
 #include "../schedule/fm_recompute.h"
+#include "../schedule/fm_sco.h"
 
 static const char *set_name(int i) {
     return i == FM_PLAN_ATTENTION ? "attention tiles" : fm_live_set_names[i];
@@ -45,9 +46,19 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     FM_ASSERT(r->model_state_bytes); /* a request without it is a caller bug */
     p->bytes[FM_LIVE_MODEL_STATE] = r->model_state_bytes(c, a, r->bf16_moments, p->inputs[FM_LIVE_MODEL_STATE]);
 
-    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_chunked(c, r->B, r->T, r->moe_chunk_tokens > 0, a);
-    snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 = %lld) x N x H x %d B, N = %lld, H = %lld (+ tokens, RoPE)",
-             (long long)L + 1, (int)a, (long long)N, (long long)H);
+    /* the offload policy's bound: L+1 - n_off + min(n_off, 2) residual-stream tensors on the
+     * device, n_off on the host (schedule/fm_sco.h) */
+    const int64_t n_off = r->n_offloaded_boundaries, n_bnd = fm_sco_device_boundaries(L, n_off);
+    p->n_offloaded_boundaries = n_off;
+    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_n(c, r->B, r->T, r->moe_chunk_tokens > 0, n_bnd, a);
+    p->host_bytes = fm_sco_host_bytes(N, H, n_off, a);
+    if (n_off > 0)
+        snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 - %lld offloaded + %d slots = %lld) x N x H x %d B, N = %lld, "
+                 "H = %lld (+ tokens, RoPE)", (long long)n_off, n_off < 2 ? (int)n_off : 2, (long long)n_bnd, (int)a,
+                 (long long)N, (long long)H);
+    else
+        snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 = %lld) x N x H x %d B, N = %lld, H = %lld (+ tokens, RoPE)",
+                 (long long)L + 1, (int)a, (long long)N, (long long)H);
 
     const size_t one = fm_model_layer_acts_bytes(c, r->B, r->T, a);
     p->bytes[FM_LIVE_LAYER_ACTS] = (size_t)saved_sets * one;
@@ -223,6 +234,12 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *
     }
     human(g, sizeof g, p->total);
     fprintf(f, "%-24s %20zu %12s\n", "total", p->total, g);
+    if (p->n_offloaded_boundaries > 0) {
+        human(g, sizeof g, p->host_bytes);
+        fprintf(f, "%-24s %20zu %12s   %lld offloaded boundaries x N x H x %d B (not in the device total)\n",
+                "host (pinned):", p->host_bytes, g, (long long)p->n_offloaded_boundaries,
+                r->target == FM_PLAN_TARGET_CPU ? 4 : r->target == FM_PLAN_TARGET_CUDA ? 2 : (int)sizeof(fm_act));
+    }
     if (budget) {
         char b[32];
         human(b, sizeof b, budget);
@@ -248,9 +265,10 @@ void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, size_t budget, F
             (long long)r->ce_block_tokens, (long long)r->ce_block_vocab, r->bf16_moments ? "bf16" : "fp32");
     for (int i = 0; i < FM_PLAN_SETS; i++) fprintf(f, "%s\"%s\":%zu", i ? "," : "", set_name(i), p->bytes[i]);
     fprintf(f, "},\"total_bytes\":%zu,\"budget_bytes\":%zu,\"fits\":%s,\"flops_per_token_model\":%.17g,"
-            "\"flops_per_token_hardware\":%.17g,\"tokens_per_step\":%lld}\n", p->total, budget,
+            "\"flops_per_token_hardware\":%.17g,\"tokens_per_step\":%lld,\"offloaded_boundaries\":%lld,"
+            "\"host_pinned_bytes\":%zu}\n", p->total, budget,
             (budget == 0 || p->total <= budget) ? "true" : "false", p->flops_model_token, p->flops_hw_token,
-            (long long)p->tokens_per_step);
+            (long long)p->tokens_per_step, (long long)p->n_offloaded_boundaries, p->host_bytes);
 }
 
 fm_status fm_parse_bytes(const char *s, const char *flag, size_t *out) {

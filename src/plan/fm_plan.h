@@ -43,6 +43,8 @@ typedef struct fm_plan_req {
      * words. The planner asks its caller: plan/ sits below train/ and includes nothing of it.
      * Required. */
     size_t (*model_state_bytes)(const fm_config *cfg, size_t act_bytes, bool bf16_moments, char desc[200]);
+    int64_t n_offloaded_boundaries; /* checkpoint offload (schedule/fm_sco.h, --offload-boundaries):
+                                       boundaries 0 .. n-1 on the host, 2 device slots; 0: off */
 } fm_plan_req;
 
 typedef struct fm_plan {
@@ -57,6 +59,9 @@ typedef struct fm_plan {
     double flops_hw_token;          /* + recomputed forwards (layers, MoE chunks) */
     size_t gpu_workspace;           /* CUDA: the cuDNN workspace the run creates (0 on the CPU) */
     bool bf16_moments;              /* the request's AdamW moments are bf16 */
+    size_t host_bytes;              /* pinned host memory of the offloaded boundaries (fm_sco_host_bytes);
+                                       not in total, which is device memory */
+    int64_t n_offloaded_boundaries;
 } fm_plan;
 
 /* Checks that a shape is one flatmoe can index: B, T >= 1, B*T*top-k routes < 2^31 (int32 route

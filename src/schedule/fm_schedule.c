@@ -41,6 +41,15 @@ static fm_status forward_layers(fm_schedule *s, fm_model *m, bool with_targets) 
     return FM_OK;
 }
 
+/* Offloaded boundaries share rotating slots: backward reads them only if a policy restores them. */
+static fm_status check_restores(const fm_schedule *s, const fm_model *m) {
+    if (m->n_offloaded_boundaries > s->restores_boundaries)
+        return fm_error(FM_ERR_ARG, "backward: the layout offloads %lld boundaries but the schedule's hooks restore "
+                        "%lld; attach the offload policy (fm_sco_attach)", (long long)m->n_offloaded_boundaries,
+                        (long long)s->restores_boundaries);
+    return FM_OK;
+}
+
 /* From the gradient of boundary L in grad buffer 0: the layers' backwards (recomputing what the
  * policy says) and the embedding's. */
 static fm_status backward_layers(fm_schedule *s, fm_model *m, float scale) {
@@ -70,12 +79,14 @@ fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm
 }
 
 fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale) {
+    FM_TRY(check_restores(s, m));
     fm_model_head_backward(m, scale);
     return backward_layers(s, m, scale);
 }
 
 fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, float scale, fm_loss *out) {
     fm_loss r;
+    FM_TRY(check_restores(s, m));
     FM_TRY(forward_layers(s, m, true));
     FM_TRY(fm_model_head_train(m, scale, &r));
     FM_TRY(backward_layers(s, m, scale));

@@ -42,6 +42,9 @@ typedef struct fm_schedule {
         void *user;
     } hooks[FM_SCHEDULE_MAX_HOOKS];
     int n_hooks;
+    int64_t restores_boundaries; /* offloaded boundaries a hook brings back in backward (the
+                                    offload policy, fm_sco.h, sets it); backward refuses a model
+                                    whose layout offloads more (m->n_offloaded_boundaries) */
 } fm_schedule;
 
 /* A schedule for model m with its layout's recompute set (m->recompute) and no hooks. */
@@ -61,7 +64,9 @@ fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm
 
 /* Backward of the last forward with targets: ACCUMULATES into m->grads, scaled by `scale`
  * (1/G for G-step accumulation); under the linear cross-entropy this runs the operator again
- * with gradients. Errors: a hook's, or the model's communicator's. */
+ * with gradients. Errors: a hook's, or the model's communicator's; FM_ERR_ARG when m's layout
+ * offloads boundaries (m->n_offloaded_boundaries > 0) that no attached policy restores
+ * (s->restores_boundaries). */
 fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale);
 
 /* Forward with targets and backward in one call (what the trainer runs): the same results as
@@ -71,8 +76,9 @@ fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale);
 fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, float scale, fm_loss *out);
 
 /* The same with the default schedule of m (its layout's recompute set, no hooks): for
- * evaluation, sampling, tools and tests. Errors: the model's communicator's (none when m->comm
- * is NULL). */
+ * evaluation, sampling, tools and tests. Backward and train_step need a layout without offloaded
+ * boundaries (FM_ERR_ARG otherwise). Errors: the model's communicator's (none when m->comm is
+ * NULL). */
 fm_status fm_schedule_default_forward(fm_model *m, bool with_targets, fm_loss *out);
 fm_status fm_schedule_default_backward(fm_model *m, float scale);
 fm_status fm_schedule_default_train_step(fm_model *m, float scale, fm_loss *out);

@@ -18,6 +18,7 @@
 #include "../io/fm_hf_weights.h"
 #include "../plan/fm_plan.h"
 #include "../comm/fm_comm.h"
+#include "../schedule/fm_sco.h"
 #include "fm_train_step.h"
 #include "fm_trainer.h"
 
@@ -68,6 +69,7 @@ typedef struct run {
     fm_comm world;                  /* the run's ranks (the self communicator today, over the backend) */
     fm_backend_opts backend_opts;   /* what the backend was created with (metrics.jsonl "backend") */
     bool world_ok;
+    fm_sco sco;                     /* checkpoint offload (--offload-boundaries; n_off 0: off, no hook) */
 } run;
 
 /* The arena of live set i: the parameter store's for the model state, the model's otherwise. */

@@ -31,7 +31,11 @@ void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_
            req->moe_chunk_tokens > 0 ? "chunked" : "unchunked");
     if (req->moe_chunk_tokens > 0) printf(" (%lld chunks of <= %lld tokens)", (long long)plan->moe_K, (long long)plan->moe_c_eff);
     printf(", vocabulary %s", req->ce_block_tokens > 0 || req->ce_block_vocab > 0 ? "linear cross-entropy" : "plain logits");
-    printf(", AdamW moments %s\n", o->bf16_moments ? "bf16" : "fp32");
+    printf(", AdamW moments %s", o->bf16_moments ? "bf16" : "fp32");
+    if (plan->n_offloaded_boundaries > 0)
+        printf(", %lld boundaries offloaded (%.1f MiB pinned host memory)", (long long)plan->n_offloaded_boundaries,
+               plan->host_bytes / 1048576.0);
+    printf("\n");
     printf("flops per token: model %.4e, hardware %.4e (with the recomputed forwards)\n", plan->flops_model_token,
            plan->flops_hw_token);
     fflush(stdout);
@@ -89,6 +93,9 @@ static void report_memory(const run *r, size_t dev_used, size_t dev_total) {
         printf("memory: %-22s %14zu %14zu %6.1f%%\n", fm_live_set_names[i], r->plan.bytes[i], hw,
                r->plan.bytes[i] ? 100.0 * (double)hw / (double)r->plan.bytes[i] : 0.0);
     }
+    if (r->sco.n_off > 0)
+        printf("memory: %-22s %14zu %14zu %6.1f%%\n", "host (pinned)", r->plan.host_bytes, r->sco.host.high,
+               r->plan.host_bytes ? 100.0 * (double)r->sco.host.high / (double)r->plan.host_bytes : 0.0);
     if (dev_total > 0)
         printf("memory: device in use %.1f MiB of %.1f MiB (plan %.1f MiB; the rest is the CUDA context and "
                "libraries)\n", dev_used / 1048576.0, dev_total / 1048576.0, r->plan.total / 1048576.0);
@@ -102,6 +109,8 @@ void fm_train_metrics_memory(run *r) {
         fprintf(r->metrics, "%s\"%s\":{\"bound\":%zu,\"high_water\":%zu}", i ? "," : "", fm_live_set_names[i],
                 r->plan.bytes[i], i == FM_LIVE_MODEL_STATE ? r->ps.arena.high : fm_arena_touched(&m->arena[i]));
     fprintf(r->metrics, "}");
+    if (r->sco.n_off > 0)
+        fprintf(r->metrics, ",\"host_pinned\":{\"bound\":%zu,\"used\":%zu}", r->plan.host_bytes, r->sco.host.high);
     size_t dfree = 0, dtotal = 0;
     if (fm_backend_default_device_memory(&dfree, &dtotal) != FM_OK) dfree = dtotal = 0;
     if (dtotal > 0)

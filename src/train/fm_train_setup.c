@@ -13,6 +13,7 @@
 void fm_train_run_free(run *r) {
     if (r->metrics) fclose(r->metrics);
     fm_step_ws_free(&r->step); /* before the backend whose memory it holds */
+    fm_sco_free(&r->sco);
     if (r->world_ok) fm_comm_free(&r->world);
     fm_param_store_free(&r->ps);
     if (r->model_ok) fm_model_free(&r->m);
@@ -129,11 +130,13 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     bool *rc = r->rc = fm_malloc((size_t)L);
     if (!rc) return fm_error(FM_ERR_NOMEM, "out of memory for the recompute table (%lld layers)", (long long)L);
     FM_TRY(fm_recompute_parse(o->recompute, L, rc));
+    int64_t n_off = 0;
+    FM_TRY(fm_sco_parse(o->offload_boundaries, L, &n_off));
     fm_plan_req req = {*c, o->micro_batch, o->seq_len, o->grad_accum, rc,
                        o->moe_chunk_tokens > 0 ? o->moe_chunk_tokens : 0,
                        o->ce_block_tokens > 0 ? o->ce_block_tokens : 0,
                        o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads, o->att_tile_q, o->att_tile_kv,
-                       FM_PLAN_TARGET_BUILD, o->gpu_workspace, o->bf16_moments, fm_model_state_bound};
+                       FM_PLAN_TARGET_BUILD, o->gpu_workspace, o->bf16_moments, fm_model_state_bound, n_off};
     fm_plan plan;
     /* The budget: --mem-budget, else (CUDA) the device's free memory less a reserve. */
     size_t budget = o->mem_budget, dev_total = 0;
@@ -173,7 +176,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     r->optim = &fm_adamw_ops;
     FM_TRY(fm_param_store_create(&r->ps, m, r->optim->state_bytes(&r->opt, m->n_params)));
     r->optim->init(&r->opt, &r->ps, &r->be);
-    const fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab};
+    const fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab, n_off};
     FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len, &lo));
     for (int i = 0; i < FM_LIVE_COUNT; i++) {
         const fm_arena *a = fm_train_arena(r, i);
@@ -185,6 +188,16 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         }
     }
     FM_TRY(fm_step_ws_init(&r->step, m, o->grad_accum));
+    if (n_off > 0) { /* the offload policy: its pinned host copies, as planned, and its hook */
+        FM_TRY(fm_sco_create(&r->sco, m));
+        if (r->sco.host.capacity != fm_arena_round(plan.host_bytes)) {
+            char msg[200];
+            snprintf(msg, sizeof msg, "the offloaded-boundaries host arena holds %zu bytes but the plan says %zu",
+                     r->sco.host.capacity, plan.host_bytes);
+            fm_abort(__FILE__, __LINE__, msg);
+        }
+        FM_TRY(fm_sco_attach(&r->sco, &r->step.sched));
+    }
     FM_TRY(fm_train_ckpt_init(r));
 
     if (ckpt[0]) {

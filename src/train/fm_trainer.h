@@ -45,6 +45,8 @@ typedef struct fm_train_opts {
     bool quiet;                   /* no per-step lines on stdout */
     bool no_checkpoint;           /* --no-checkpoint: write no checkpoint at all (benchmarks) */
     int64_t max_position_embeddings; /* > 0: overrides the config's (RoPE has no hard limit) */
+    const char *offload_boundaries; /* --offload-boundaries: NULL/"0" off, N in [0, L], or "all" (= L):
+                                     boundaries 0 .. N-1 to pinned host memory (schedule/fm_sco.h) */
 } fm_train_opts;
 
 /* Sets every option to its default (the values the CLI's --help names). */
