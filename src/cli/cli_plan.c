@@ -6,13 +6,15 @@
 #include "plan/fm_plan.h"
 #include "schedule/fm_recompute.h"
 #include "schedule/fm_sco.h"
+#include "train/fm_offload_adamw.h"
 #include "train/fm_trainer.h"
 
 int cmd_plan(int argc, char **argv) {
     const char *config = NULL, *recompute = NULL, *offload = NULL, *device_mem = NULL, *backend = NULL, *gpu_ws_plan = NULL;
     int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = INT64_MIN, ce_bt = INT64_MIN, ce_bv = INT64_MIN, tq = 0, tkv = 0;
     int threads = 0;
-    bool json = false, bf16m = false;
+    bool json = false, bf16m = false, offopt = false;
+    int64_t off_bucket = 0, off_slots = 2;
     flag flags[] = {
         {"config", F_STR, &config, NULL, "Hugging Face config.json of the model (required)"},
         {"seq-len", F_I64, &seq_len, NULL, "tokens per sequence (required)"},
@@ -31,6 +33,9 @@ int cmd_plan(int argc, char **argv) {
         {"backend", F_STR, &backend, NULL, "plan for cpu (fp32) or cuda (bf16) (this binary's backend)"},
         {"bf16-moments", F_BOOL, &bf16m, NULL, "AdamW moments in bf16 (4 instead of 8 bytes per parameter) (off)"},
         {"offload-boundaries", F_STR, &offload, NULL, "N | all: boundaries 0..N-1 in pinned host memory (train's flag; 0 = off)"},
+        {"offload-optimizer", F_BOOL, &offopt, NULL, "the streamed AdamW: master, Adam m, v in pinned host memory (train's flag) (off)"},
+        {"offload-optimizer-bucket", F_I64, &off_bucket, NULL, "parameters per bucket of --offload-optimizer, 0 = 100M (0)"},
+        {"offload-optimizer-slots", F_I64, &off_slots, NULL, "device staging slots of --offload-optimizer, in [1, 16] (2)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
     };
     int r = cli_parse_flags("plan", "--config C --seq-len S [--micro-batch B] [--device-mem BYTES] [flags]", argc, argv, flags,
@@ -71,6 +76,12 @@ int cmd_plan(int argc, char **argv) {
     req.att_tile_kv = tkv;
     req.bf16_moments = bf16m;
     req.model_state_bytes = fm_model_state_bound;
+    if (off_bucket < 0 || off_slots < 1 || off_slots > 16)
+        return cli_usage_error("plan", "%s", "--offload-optimizer-bucket must be >= 0 (0 = 100M) and --offload-optimizer-slots in [1, 16]");
+    req.offload_optimizer = offopt;
+    req.offload_bucket = off_bucket > 0 ? off_bucket : FM_OFFLOAD_DEFAULT_BUCKET;
+    req.offload_slots = off_slots;
+    req.offload_state_bytes = fm_offload_model_state_bound;
     if (gpu_ws_plan && (s = fm_parse_bytes(gpu_ws_plan, "--gpu-workspace", &req.gpu_workspace))) return cli_fail("plan", s);
     if (backend && !strcmp(backend, "cpu")) req.target = FM_PLAN_TARGET_CPU;
     else if (backend && !strcmp(backend, "cuda")) req.target = FM_PLAN_TARGET_CUDA;

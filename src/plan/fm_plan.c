@@ -44,14 +44,22 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     /* model state: the parameter store's weights, grads and master and the optimizer's state,
      * asked of the caller (train/fm_optim.h: fm_model_state_bound) */
     FM_ASSERT(r->model_state_bytes); /* a request without it is a caller bug */
-    p->bytes[FM_LIVE_MODEL_STATE] = r->model_state_bytes(c, a, r->bf16_moments, p->inputs[FM_LIVE_MODEL_STATE]);
+    p->host_optimizer_bytes = 0;
+    if (r->offload_optimizer) {
+        FM_ASSERT(r->offload_state_bytes && r->offload_bucket >= 1 && r->offload_slots >= 1);
+        p->bytes[FM_LIVE_MODEL_STATE] = r->offload_state_bytes(c, a, r->bf16_moments, r->offload_bucket,
+                                                               r->offload_slots, &p->host_optimizer_bytes,
+                                                               p->inputs[FM_LIVE_MODEL_STATE]);
+    } else {
+        p->bytes[FM_LIVE_MODEL_STATE] = r->model_state_bytes(c, a, r->bf16_moments, p->inputs[FM_LIVE_MODEL_STATE]);
+    }
 
     /* the offload policy's bound: L+1 - n_off + min(n_off, 2) residual-stream tensors on the
      * device, n_off on the host (schedule/fm_sco.h) */
     const int64_t n_off = r->n_offloaded_boundaries, n_bnd = fm_sco_device_boundaries(L, n_off);
     p->n_offloaded_boundaries = n_off;
     p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_n(c, r->B, r->T, r->moe_chunk_tokens > 0, n_bnd, a);
-    p->host_bytes = fm_sco_host_bytes(N, H, n_off, a);
+    p->host_bytes = fm_sco_host_bytes(N, H, n_off, a) + p->host_optimizer_bytes;
     if (n_off > 0)
         snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 - %lld offloaded + %d slots = %lld) x N x H x %d B, N = %lld, "
                  "H = %lld (+ tokens, RoPE)", (long long)n_off, n_off < 2 ? (int)n_off : 2, (long long)n_bnd, (int)a,
@@ -143,9 +151,13 @@ static int largest_set(const fm_plan *p) {
 static const char *knob_for(const fm_plan *p, int set) {
     switch (set) {
     case FM_LIVE_MODEL_STATE:
-        return p->bf16_moments ? "use a smaller model (optimizer offload and ZeRO-3 are not built yet)"
-                               : "pass --bf16-moments (AdamW m and v in bf16: 4 B/param less), or use a smaller model "
-                                 "(optimizer offload and ZeRO-3 are not built yet)";
+        if (p->host_optimizer_bytes)
+            return p->bf16_moments ? "use a smaller model (ZeRO-3 is not built yet)"
+                                   : "pass --bf16-moments, or use a smaller model (ZeRO-3 is not built yet)";
+        return p->bf16_moments ? "pass --offload-optimizer (master and Adam state on the host), or use a smaller "
+                                 "model (ZeRO-3 is not built yet)"
+                               : "pass --bf16-moments (AdamW m and v in bf16: 4 B/param less) or --offload-optimizer "
+                                 "(master and Adam state on the host), or use a smaller model (ZeRO-3 is not built yet)";
     case FM_LIVE_BOUNDARIES: return "lower --seq-len or --micro-batch";
     case FM_LIVE_LAYER_ACTS: return "recompute more layers (--recompute full or a list of layer ids)";
     case FM_LIVE_EXPERT: return "lower --moe-chunk-tokens (or set it: chunked MoE keeps one chunk)";
@@ -234,11 +246,16 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *
     }
     human(g, sizeof g, p->total);
     fprintf(f, "%-24s %20zu %12s\n", "total", p->total, g);
-    if (p->n_offloaded_boundaries > 0) {
+    if (p->host_bytes > 0) {
         human(g, sizeof g, p->host_bytes);
-        fprintf(f, "%-24s %20zu %12s   %lld offloaded boundaries x N x H x %d B (not in the device total)\n",
-                "host (pinned):", p->host_bytes, g, (long long)p->n_offloaded_boundaries,
-                r->target == FM_PLAN_TARGET_CPU ? 4 : r->target == FM_PLAN_TARGET_CUDA ? 2 : (int)sizeof(fm_act));
+        char what[200] = "";
+        if (p->n_offloaded_boundaries > 0)
+            snprintf(what, sizeof what, "%lld offloaded boundaries x N x H x %d B", (long long)p->n_offloaded_boundaries,
+                     r->target == FM_PLAN_TARGET_CPU ? 4 : r->target == FM_PLAN_TARGET_CUDA ? 2 : (int)sizeof(fm_act));
+        if (p->host_optimizer_bytes > 0)
+            snprintf(what + strlen(what), sizeof what - strlen(what), "%soptimizer %s x %lld params (fp32 master, Adam "
+                     "m, v)", what[0] ? " + " : "", r->bf16_moments ? "8 B/param" : "12 B/param", (long long)p->n_params);
+        fprintf(f, "%-24s %20zu %12s   %s (not in the device total)\n", "host (pinned):", p->host_bytes, g, what);
     }
     if (budget) {
         char b[32];

@@ -45,6 +45,14 @@ typedef struct fm_plan_req {
     size_t (*model_state_bytes)(const fm_config *cfg, size_t act_bytes, bool bf16_moments, char desc[200]);
     int64_t n_offloaded_boundaries; /* checkpoint offload (schedule/fm_sco.h, --offload-boundaries):
                                        boundaries 0 .. n-1 on the host, 2 device slots; 0: off */
+    /* The streamed AdamW (train/fm_offload_adamw.h, --offload-optimizer): master, m, v on the
+     * host; the model state's device bound is then offload_state_bytes's (the store without
+     * master plus the staging slots), and its host bytes join host_bytes. */
+    bool offload_optimizer;
+    int64_t offload_bucket, offload_slots; /* parameters per bucket (>= 1), staging slots */
+    /* Required when offload_optimizer (train/fm_offload_adamw.h: fm_offload_model_state_bound). */
+    size_t (*offload_state_bytes)(const fm_config *cfg, size_t act_bytes, bool bf16_moments, int64_t bucket,
+                                  int64_t slots, size_t *host, char desc[200]);
 } fm_plan_req;
 
 typedef struct fm_plan {
@@ -59,8 +67,10 @@ typedef struct fm_plan {
     double flops_hw_token;          /* + recomputed forwards (layers, MoE chunks) */
     size_t gpu_workspace;           /* CUDA: the cuDNN workspace the run creates (0 on the CPU) */
     bool bf16_moments;              /* the request's AdamW moments are bf16 */
-    size_t host_bytes;              /* pinned host memory of the offloaded boundaries (fm_sco_host_bytes);
-                                       not in total, which is device memory */
+    size_t host_bytes;              /* pinned host memory: the offloaded boundaries (fm_sco_host_bytes)
+                                       plus the streamed optimizer's state; not in total, which is
+                                       device memory */
+    size_t host_optimizer_bytes;    /* of host_bytes, the streamed optimizer's (0: not offloaded) */
     int64_t n_offloaded_boundaries;
 } fm_plan;
 

@@ -74,8 +74,8 @@ static void adamw_step_range(void *self, fm_model *m, int t0, int t1, double lr,
 static int adamw_state_tensors(void *self, fm_optim_state *out, int cap) {
     fm_adamw *opt = self;
     FM_ASSERT(cap >= 2);
-    out[0] = (fm_optim_state){"exp_avg.", opt->m, opt->moments_dtype};
-    out[1] = (fm_optim_state){"exp_avg_sq.", opt->v, opt->moments_dtype};
+    out[0] = (fm_optim_state){"exp_avg.", opt->m, opt->moments_dtype, false};
+    out[1] = (fm_optim_state){"exp_avg_sq.", opt->v, opt->moments_dtype, false};
     return 2;
 }
 

@@ -13,11 +13,14 @@
 #include "fm_param_store.h"
 
 /* One tensor of optimizer state for checkpoints: n_params elements of dtype in the parameter
- * table's layout, saved as "<prefix><HF name>" (fp32 on disk). */
+ * table's layout, saved as "<prefix><HF name>" (fp32 on disk). An optimizer that owns the fp32
+ * master (the streamed AdamW) names it too, prefix "master."; the checkpoint then saves the
+ * weights and "master." from it. At most 3 per optimizer. */
 typedef struct fm_optim_state {
-    const char *prefix; /* "exp_avg.", "exp_avg_sq." */
+    const char *prefix; /* "exp_avg.", "exp_avg_sq.", "master." */
     void *base;         /* backend memory */
     fm_dtype dtype;
+    bool host;          /* base is host memory (pinned: the streamed optimizer's), not the backend's */
 } fm_optim_state;
 
 typedef struct fm_optimizer_ops {

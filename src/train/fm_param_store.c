@@ -8,30 +8,38 @@ size_t fm_param_store_bytes(const fm_config *cfg, size_t a) {
     return b;
 }
 
+size_t fm_param_store_bytes_no_master(const fm_config *cfg, size_t a) {
+    return 2 * fm_arena_round((size_t)fm_config_num_params(cfg) * a);
+}
+
 /* The store's layout in its arena (the same walk for a measuring arena). */
 static void layout(fm_param_store *ps, fm_arena *a, int64_t n_params) {
     const size_t n = (size_t)n_params;
     ps->weights = fm_arena_alloc(a, n * sizeof(fm_act));
     ps->grads = fm_arena_alloc(a, n * sizeof(fm_act));
+    if (ps->host_master) return; /* the optimizer's */
     ps->master = sizeof(fm_act) == sizeof(float) ? (float *)(void *)ps->weights : fm_arena_alloc(a, n * sizeof(float));
 }
 
 size_t fm_param_store_measure(int64_t n_params) {
-    fm_param_store ps;
+    fm_param_store ps = {0};
     fm_arena a;
     fm_arena_init_measure(&a, "model state");
     layout(&ps, &a, n_params);
     return a.used;
 }
 
-fm_status fm_param_store_create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes) {
+static fm_status create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes, float *host_master) {
     memset(ps, 0, sizeof *ps);
+    ps->host_master = host_master != NULL;
     ps->n_params = m->n_params;
     ps->rank = 0;
     ps->world = 1;
     ps->shard_begin = 0;
     ps->shard_end = m->n_params;
-    const size_t state = fm_param_store_bytes(&m->cfg, sizeof(fm_act)), total = state + optimizer_bytes;
+    const size_t state = host_master ? fm_param_store_bytes_no_master(&m->cfg, sizeof(fm_act))
+                                     : fm_param_store_bytes(&m->cfg, sizeof(fm_act)),
+                 total = state + optimizer_bytes;
     ps->be = m->be;
     fm_status st = fm_arena_init_backend(&ps->arena, fm_live_set_names[FM_LIVE_MODEL_STATE], total, &ps->be);
     if (st)
@@ -39,8 +47,18 @@ fm_status fm_param_store_create(fm_param_store *ps, fm_model *m, size_t optimize
                         "use a smaller config%s", (long long)m->n_params, total / 1073741824.0,
                         optimizer_bytes ? ", or --bf16-moments" : "");
     layout(ps, &ps->arena, m->n_params);
+    if (host_master) ps->master = host_master;
     fm_model_bind_params(m, ps->weights, ps->grads, ps->master);
     return FM_OK;
+}
+
+fm_status fm_param_store_create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes) {
+    return create(ps, m, optimizer_bytes, NULL);
+}
+
+fm_status fm_param_store_create_host_master(fm_param_store *ps, fm_model *m, size_t optimizer_bytes, float *master) {
+    FM_ASSERT(master);
+    return create(ps, m, optimizer_bytes, master);
 }
 
 void *fm_param_store_take(fm_param_store *ps, size_t bytes) { return fm_arena_alloc(&ps->arena, bytes); }

@@ -20,7 +20,9 @@ typedef struct fm_param_store {
     int rank, world;             /* this rank of the data-parallel world (0 of 1 today) */
     int64_t shard_begin, shard_end; /* the flat range this rank owns: [0, n_params) for W = 1 */
     fm_act *weights, *grads;     /* [n_params] backend memory */
-    float *master;               /* [n_params] fp32 master weights; == weights when fm_act is fp32 */
+    float *master;               /* [n_params] fp32 master weights; == weights when fm_act is fp32;
+                                    the optimizer's (host) memory in the no-master mode */
+    bool host_master;            /* fm_param_store_create_host_master: master is not in the arena */
     fm_arena arena;              /* the model-state live set (backend memory) */
     fm_backend be;               /* the backend of the arena (a copy: the store may outlive the model) */
 } fm_param_store;
@@ -28,6 +30,10 @@ typedef struct fm_param_store {
 /* Bytes of weights, grads and master for a config, activations of act_bytes (sizeof(fm_act) for
  * this build; 2 or 4 to plan another build's run), without the optimizer's state. */
 size_t fm_param_store_bytes(const fm_config *cfg, size_t act_bytes);
+
+/* Bytes of weights and grads only, 2 r(n_params * act_bytes): the store without its master, for
+ * an optimizer that keeps the fp32 master itself (the streamed AdamW, fm_offload_adamw.h). */
+size_t fm_param_store_bytes_no_master(const fm_config *cfg, size_t act_bytes);
 
 /* The bytes the store's layout takes for n_params in this build, measured by running it over a
  * measuring arena (test_plan checks fm_param_store_bytes against it). */
@@ -38,6 +44,14 @@ size_t fm_param_store_measure(int64_t n_params);
  * binds them into m (fm_model_bind_params). W = 1. Errors: FM_ERR_NOMEM naming the model state's
  * size and the fix. */
 fm_status fm_param_store_create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes);
+
+/* The same without the device master: weights and grads only (fm_param_store_bytes_no_master)
+ * plus optimizer_bytes; the model's master view (m->master, ps->master) is bound to `master`
+ * [n_params] fp32, memory the optimizer owns (pinned host memory for the streamed AdamW), also
+ * on the CPU build, where the fp32 weights are then a separate copy written from it. The weights'
+ * init and checkpoint loads write that master and convert it into the weights. Errors: as
+ * fm_param_store_create. */
+fm_status fm_param_store_create_host_master(fm_param_store *ps, fm_model *m, size_t optimizer_bytes, float *master);
 
 /* `bytes` of the model-state arena for the optimizer's state (backend memory, 64-byte aligned).
  * Taking more than fm_param_store_create was given is a planning bug (aborts). */

@@ -45,9 +45,9 @@ void fm_train_hf_free(fm_train_hf *h) {
 /* Loads a safetensors file's fp32 tensors (with the name prefix) into a backend buffer [n_params]
  * of dtype in table layout (bf16: rounded to nearest even): directly when the backend's memory is
  * host memory and dtype fp32, else through a host staging copy. */
-static fm_status load_fp32_as(fm_model *m, const fm_hf_table *t, const char *path, const char *prefix, void *dst,
-                              fm_dtype dtype) {
-    if (m->be.ops->host_memory && dtype == FM_DTYPE_F32) return fm_hf_read(t, path, prefix, dst);
+static fm_status load_fp32_as_ex(fm_model *m, const fm_hf_table *t, const char *path, const char *prefix, void *dst,
+                                 fm_dtype dtype, bool host) {
+    if ((host || m->be.ops->host_memory) && dtype == FM_DTYPE_F32) return fm_hf_read(t, path, prefix, dst);
     float *stage = fm_malloc(sizeof(float) * (size_t)m->n_params);
     if (!stage) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)m->n_params);
     fm_status s = fm_hf_read(t, path, prefix, stage);
@@ -55,9 +55,15 @@ static fm_status load_fp32_as(fm_model *m, const fm_hf_table *t, const char *pat
         uint16_t *h = (uint16_t *)stage; /* narrowing in increasing order never overtakes the reads */
         for (int64_t i = 0; i < m->n_params; i++) h[i] = fm_f32_to_bf16(stage[i]);
     }
-    if (s == FM_OK) m->be.ops->copy(m->be.ctx, dst, stage, fm_dtype_size(dtype) * (size_t)m->n_params, FM_COPY_H2D);
+    if (s == FM_OK && host) memcpy(dst, stage, fm_dtype_size(dtype) * (size_t)m->n_params);
+    else if (s == FM_OK) m->be.ops->copy(m->be.ctx, dst, stage, fm_dtype_size(dtype) * (size_t)m->n_params, FM_COPY_H2D);
     fm_free(stage);
     return s;
+}
+
+static fm_status load_fp32_as(fm_model *m, const fm_hf_table *t, const char *path, const char *prefix, void *dst,
+                              fm_dtype dtype) {
+    return load_fp32_as_ex(m, t, path, prefix, dst, dtype, false);
 }
 
 /* Loads the weights (with the name prefix) into the fp32 master and refreshes the fm_act weights. */
@@ -165,10 +171,15 @@ typedef struct fm_fetch_src {
     const void *src;
     int64_t numel;
     bool bf16;   /* src holds bf16: widened to fp32 */
+    bool host;   /* src is host memory (the streamed optimizer's pinned state) */
 } fm_fetch_src;
 
 static void fetch_from_backend(void *ctx, float *buf) {
     const fm_fetch_src *f = ctx;
+    if (f->host && !f->bf16) {
+        memcpy(buf, f->src, sizeof(float) * (size_t)f->numel);
+        return;
+    }
     if (!f->bf16) {
         f->be->ops->copy(f->be->ctx, buf, f->src, sizeof(float) * (size_t)f->numel, FM_COPY_D2H);
         return;
@@ -177,17 +188,18 @@ static void fetch_from_backend(void *ctx, float *buf) {
      * 4 bytes end at or before the first bf16 value not yet read */
     const size_t n = (size_t)f->numel;
     uint16_t *h = (uint16_t *)((char *)buf + 2 * n);
-    f->be->ops->copy(f->be->ctx, h, f->src, 2 * n, FM_COPY_D2H);
+    if (f->host) memcpy(h, f->src, 2 * n);
+    else f->be->ops->copy(f->be->ctx, h, f->src, 2 * n, FM_COPY_D2H);
     for (size_t i = 0; i < n; i++) buf[i] = fm_bf16_to_f32(h[i]);
 }
 
 /* Names the table's tensors of a [n_params] buffer of dtype as fp32 tensors (host memory and
  * fp32: data pointers; otherwise fetched one tensor at a time while writing, bf16 widened
  * exactly, so no host copy of the whole state is made). */
-static fm_status name_state(run *r, const void *base, fm_dtype dtype, const char *prefix, int slot) {
+static fm_status name_state(run *r, const void *base, fm_dtype dtype, bool host, const char *prefix, int slot) {
     fm_model *m = &r->m;
     const int n = m->n_tensors;
-    const bool direct = m->be.ops->host_memory && dtype == FM_DTYPE_F32;
+    const bool direct = (host || m->be.ops->host_memory) && dtype == FM_DTYPE_F32;
     FM_TRY(fm_hf_name_tensors(&r->hf.t, direct ? base : NULL, prefix, r->named + slot * n, r->names + slot * n));
     if (direct) return FM_OK;
     for (int i = 0; i < n; i++) {
@@ -196,11 +208,19 @@ static fm_status name_state(run *r, const void *base, fm_dtype dtype, const char
         f->src = (const char *)base + (size_t)m->table[i].offset * fm_dtype_size(dtype);
         f->numel = m->table[i].numel;
         f->bf16 = dtype == FM_DTYPE_BF16;
+        f->host = host;
         r->named[slot * n + i].data = NULL;
         r->named[slot * n + i].fetch = fetch_from_backend;
         r->named[slot * n + i].fetch_ctx = f;
     }
     return FM_OK;
+}
+
+/* The optimizer's own fp32 master among its state tensors ("master."), or NULL. */
+static const fm_optim_state *optim_master(const fm_optim_state *os, int n) {
+    for (int i = 0; i < n; i++)
+        if (!strcmp(os[i].prefix, "master.")) return &os[i];
+    return NULL;
 }
 
 fm_status fm_train_ckpt_init(run *r) {
@@ -215,12 +235,17 @@ fm_status fm_train_ckpt_init(run *r) {
 fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
     fm_model *m = &r->m;
     const int n = m->n_tensors;
-    /* fp32 master (as model.safetensors and master.*), m, v */
-    FM_TRY(name_state(r, m->master, FM_DTYPE_F32, "", 0));
-    FM_TRY(name_state(r, m->master, FM_DTYPE_F32, "master.", 1));
-    fm_optim_state os[2];
-    const int nos = r->optim->state_tensors(&r->opt, os, 2);
-    for (int i = 0; i < nos; i++) FM_TRY(name_state(r, os[i].base, os[i].dtype, os[i].prefix, 2 + i)); /* bf16: widened */
+    /* fp32 master (as model.safetensors and master.*: the model's, or the optimizer's when it
+     * names one), m, v */
+    fm_optim_state os[3];
+    const int nos = r->optim->state_tensors(r->opt_self, os, 3);
+    const fm_optim_state *ms = optim_master(os, nos);
+    const void *master = ms ? ms->base : m->master;
+    const bool mhost = ms && ms->host;
+    FM_TRY(name_state(r, master, FM_DTYPE_F32, mhost, "", 0));
+    FM_TRY(name_state(r, master, FM_DTYPE_F32, mhost, "master.", 1));
+    for (int i = 0, k = 2; i < nos; i++) /* bf16: widened */
+        if (&os[i] != ms) FM_TRY(name_state(r, os[i].base, os[i].dtype, os[i].host, os[i].prefix, k++));
     char *state = state_to_json(ts);
     fm_status s = state ? FM_OK : fm_error(FM_ERR_NOMEM, "out of memory writing state.json");
     char dir[4096];
@@ -237,12 +262,23 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
     snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_STATE_FILE);
     FM_TRY(fm_train_state_read(path, ts));
     snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_OPTIM_FILE);
-    /* the fp32 master from the optimizer file (model.safetensors holds the same values) */
-    FM_TRY(load_master(&r->m, &r->hf.t, path, "master."));
+    /* the fp32 master from the optimizer file (model.safetensors holds the same values): into the
+     * model's master, or the optimizer's (host) one, then converted into the weights */
+    fm_optim_state os[3];
+    const int nos = r->optim->state_tensors(r->opt_self, os, 3);
+    const fm_optim_state *ms = optim_master(os, nos);
+    if (ms) {
+        FM_TRY(load_fp32_as_ex(&r->m, &r->hf.t, path, "master.", ms->base, FM_DTYPE_F32, ms->host));
+        /* the weights from it (the model's master view is this memory: fm_param_store_create_host_master) */
+        FM_ASSERT((const void *)r->m.master == ms->base);
+        r->m.be.ops->convert(r->m.be.ctx, r->m.params, FM_ACT_DTYPE, r->m.master, FM_DTYPE_F32, r->m.n_params);
+    } else {
+        FM_TRY(load_master(&r->m, &r->hf.t, path, "master."));
+    }
     /* bf16 moments: narrowed to nearest even, exact for moments a bf16 run saved */
-    fm_optim_state os[2];
-    const int nos = r->optim->state_tensors(&r->opt, os, 2);
-    for (int i = 0; i < nos; i++) FM_TRY(load_fp32_as(&r->m, &r->hf.t, path, os[i].prefix, os[i].base, os[i].dtype));
+    for (int i = 0; i < nos; i++)
+        if (&os[i] != ms)
+            FM_TRY(load_fp32_as_ex(&r->m, &r->hf.t, path, os[i].prefix, os[i].base, os[i].dtype, os[i].host));
     r->opt.step = ts->opt_step;
     return FM_OK;
 }

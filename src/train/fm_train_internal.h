@@ -19,6 +19,7 @@
 #include "../plan/fm_plan.h"
 #include "../comm/fm_comm.h"
 #include "../schedule/fm_sco.h"
+#include "fm_offload_adamw.h"
 #include "fm_train_step.h"
 #include "fm_trainer.h"
 
@@ -54,7 +55,9 @@ typedef struct run {
     bool be_ok;
     fm_model m;
     bool model_ok;
-    fm_adamw opt;
+    fm_adamw opt;                   /* AdamW's hyper-parameters and step (the streamed AdamW's too) */
+    fm_offload_adamw oopt;          /* --offload-optimizer: the streamed AdamW over opt */
+    void *opt_self;                 /* the optimizer's self: &opt or &oopt */
     fm_dataset train_all, train, val, val_own;
     fm_train_hf hf;
     fm_named_tensor *named;         /* [4 * n_tensors]: the tensors of a checkpoint */

@@ -32,7 +32,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng) {
     for (int64_t step = first; step <= o->steps; step++) {
         const double ts0 = now_s();
         fm_step_stats st;
-        FM_TRY(fm_train_step(m, r->optim, &r->opt, &r->world, &r->step, &r->train, data_rng, o, step, &st));
+        FM_TRY(fm_train_step(m, r->optim, r->opt_self, &r->world, &r->step, &r->train, data_rng, o, step, &st));
         double phase_ms[FM_PHASE_COUNT];
         const bool profiled = m->be.ops->prof_collect(m->be.ctx, phase_ms);
         fm_phase_mark(&m->be, FM_PHASE_OTHER);

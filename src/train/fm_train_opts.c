@@ -32,6 +32,8 @@ void fm_train_opts_default(fm_train_opts *o) {
     o->moe_chunk_tokens = -1;
     o->ce_block_tokens = -1;
     o->ce_block_vocab = -1;
+    o->offload_optimizer_bucket = 0;
+    o->offload_optimizer_slots = 2;
 }
 
 fm_status fm_train_opts_check(const fm_train_opts *o) {
@@ -59,6 +61,12 @@ fm_status fm_train_opts_check(const fm_train_opts *o) {
     if (o->no_checkpoint && o->exit_after > 0)
         return fm_error(FM_ERR_ARG, "--exit-after stops with a checkpoint to resume from, but --no-checkpoint writes "
                         "none; drop one of them");
+    if (o->offload_optimizer_bucket < 0)
+        return fm_error(FM_ERR_ARG, "--offload-optimizer-bucket must be >= 1 parameters (0 = 100M), found %lld",
+                        (long long)o->offload_optimizer_bucket);
+    if (o->offload_optimizer_slots < 1 || o->offload_optimizer_slots > 16)
+        return fm_error(FM_ERR_ARG, "--offload-optimizer-slots must be in [1, 16], found %lld",
+                        (long long)o->offload_optimizer_slots);
     if (!(o->val_fraction > 0 && o->val_fraction < 1) && o->n_val_data == 0)
         return fm_error(FM_ERR_ARG, "--val-fraction must be in (0, 1), found %g", o->val_fraction);
     return FM_OK;

@@ -16,6 +16,7 @@ void fm_train_run_free(run *r) {
     fm_sco_free(&r->sco);
     if (r->world_ok) fm_comm_free(&r->world);
     fm_param_store_free(&r->ps);
+    fm_offload_adamw_free(&r->oopt);
     if (r->model_ok) fm_model_free(&r->m);
     if (r->be_ok) fm_backend_default_free(&r->be);
     fm_dataset_free(&r->val_own);
@@ -132,11 +133,13 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_recompute_parse(o->recompute, L, rc));
     int64_t n_off = 0;
     FM_TRY(fm_sco_parse(o->offload_boundaries, L, &n_off));
+    const int64_t bucket = o->offload_optimizer_bucket > 0 ? o->offload_optimizer_bucket : FM_OFFLOAD_DEFAULT_BUCKET;
     fm_plan_req req = {*c, o->micro_batch, o->seq_len, o->grad_accum, rc,
                        o->moe_chunk_tokens > 0 ? o->moe_chunk_tokens : 0,
                        o->ce_block_tokens > 0 ? o->ce_block_tokens : 0,
                        o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads, o->att_tile_q, o->att_tile_kv,
-                       FM_PLAN_TARGET_BUILD, o->gpu_workspace, o->bf16_moments, fm_model_state_bound, n_off};
+                       FM_PLAN_TARGET_BUILD, o->gpu_workspace, o->bf16_moments, fm_model_state_bound, n_off,
+                       o->offload_optimizer, bucket, o->offload_optimizer_slots, fm_offload_model_state_bound};
     fm_plan plan;
     /* The budget: --mem-budget, else (CUDA) the device's free memory less a reserve. */
     size_t budget = o->mem_budget, dev_total = 0;
@@ -173,9 +176,24 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     r->world_ok = true;
     m->comm = &r->world; /* the batch's valid targets, loss sums and router statistics */
     fm_adamw_config(&r->opt, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
-    r->optim = &fm_adamw_ops;
-    FM_TRY(fm_param_store_create(&r->ps, m, r->optim->state_bytes(&r->opt, m->n_params)));
-    r->optim->init(&r->opt, &r->ps, &r->be);
+    if (o->offload_optimizer) { /* the streamed AdamW: its host state, as planned; the store without master */
+        FM_TRY(fm_offload_adamw_create(&r->oopt, &r->opt, m->n_params, bucket, o->offload_optimizer_slots, &r->be));
+        if (r->oopt.host.capacity != fm_arena_round(plan.host_optimizer_bytes)) {
+            char msg[200];
+            snprintf(msg, sizeof msg, "the offloaded optimizer's host arena holds %zu bytes but the plan says %zu",
+                     r->oopt.host.capacity, plan.host_optimizer_bytes);
+            fm_abort(__FILE__, __LINE__, msg);
+        }
+        r->optim = &fm_offload_adamw_ops;
+        r->opt_self = &r->oopt;
+        FM_TRY(fm_param_store_create_host_master(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params),
+                                                 r->oopt.h_master));
+    } else {
+        r->optim = &fm_adamw_ops;
+        r->opt_self = &r->opt;
+        FM_TRY(fm_param_store_create(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params)));
+    }
+    r->optim->init(r->opt_self, &r->ps, &r->be);
     const fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab, n_off};
     FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len, &lo));
     for (int i = 0; i < FM_LIVE_COUNT; i++) {
@@ -190,10 +208,10 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_step_ws_init(&r->step, m, o->grad_accum));
     if (n_off > 0) { /* the offload policy: its pinned host copies, as planned, and its hook */
         FM_TRY(fm_sco_create(&r->sco, m));
-        if (r->sco.host.capacity != fm_arena_round(plan.host_bytes)) {
+        if (r->sco.host.capacity != fm_arena_round(plan.host_bytes - plan.host_optimizer_bytes)) {
             char msg[200];
             snprintf(msg, sizeof msg, "the offloaded-boundaries host arena holds %zu bytes but the plan says %zu",
-                     r->sco.host.capacity, plan.host_bytes);
+                     r->sco.host.capacity, plan.host_bytes - plan.host_optimizer_bytes);
             fm_abort(__FILE__, __LINE__, msg);
         }
         FM_TRY(fm_sco_attach(&r->sco, &r->step.sched));

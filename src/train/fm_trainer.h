@@ -41,6 +41,11 @@ typedef struct fm_train_opts {
                                      workspace come from the fields above and the plan. Recorded in
                                      metrics.jsonl ("backend") on the first step of each invocation. */
     bool bf16_moments;            /* --bf16-moments: AdamW m and v in bf16 (checkpoints keep fp32) */
+    bool offload_optimizer;       /* --offload-optimizer: the streamed AdamW (train/fm_offload_adamw.h):
+                                     master, m, v in pinned host memory */
+    int64_t offload_optimizer_bucket; /* --offload-optimizer-bucket: parameters per bucket (0: 100M,
+                                     at most the model's parameter count) */
+    int64_t offload_optimizer_slots;  /* --offload-optimizer-slots: device staging slots, [1, 16] (2) */
     bool report_memory;           /* --report-memory: measured high-water marks vs the plan */
     bool quiet;                   /* no per-step lines on stdout */
     bool no_checkpoint;           /* --no-checkpoint: write no checkpoint at all (benchmarks) */

@@ -1,0 +1,155 @@
+/* The streamed AdamW (train/fm_offload_adamw.h) on the CPU backend: over the same gradients,
+ * N steps give weights, master, m and v bit-identical to fm_adamw_ops, for bucket sizes smaller
+ * than a tensor, not dividing the parameter count, and larger than the model; S = 1, 2, 3 slots;
+ * fp32 and bf16 moments; the whole table in one step_range or in pieces. The device and host
+ * bounds equal the arenas' capacities and the plan's. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "backend/cpu/fm_backend_cpu.h"
+#include "core/fm_rng.h"
+#include "fm_test.h"
+#include "plan/fm_plan.h"
+#include "train/fm_offload_adamw.h"
+
+static fm_backend g_be;
+
+static fm_config small_config(void) {
+    fm_config c;
+    memset(&c, 0, sizeof c);
+    c.model_type = FM_MODEL_OLMOE;
+    snprintf(c.model_type_name, sizeof c.model_type_name, "olmoe");
+    c.vocab_size = 40; c.hidden_size = 24; c.moe_intermediate_size = 12; c.num_hidden_layers = 3;
+    c.num_attention_heads = 4; c.num_key_value_heads = 2; c.head_dim = 6; c.max_position_embeddings = 64;
+    c.num_experts = 5; c.num_experts_per_tok = 2; c.rope_theta = 10000; c.rms_norm_eps = 1e-5;
+    c.norm_topk_prob = false; c.router_aux_loss_coef = 0.01; c.router_z_loss_coef = 0.001;
+    c.initializer_range = 0.3; c.qk_norm = FM_QK_NORM_FULL;
+    return c;
+}
+
+/* Gradients of step s: the same values for both runs. */
+static void fill_grads(fm_model *m, int s) {
+    fm_rng r;
+    fm_rng_seed(&r, 1000 + (uint64_t)s);
+    for (int64_t i = 0; i < m->n_params; i++) m->grads[i] = (float)(fm_rng_uniform(&r) * 2.0 - 1.0) * 0.1f;
+}
+
+static int g_case = 0;
+
+static void run_case(int64_t bucket, int slots, bool bf16, int pieces) {
+    const fm_config c = small_config();
+    const int steps = 4;
+    /* the reference: AdamW over the store's master (on the CPU: the weights) */
+    fm_model ref, off;
+    FM_ASSERT(fm_model_create(&ref, &c, g_be) == FM_OK);
+    FM_ASSERT(fm_model_create(&off, &c, g_be) == FM_OK);
+    const int64_t n = ref.n_params;
+    fm_adamw ra, oa;
+    fm_adamw_config(&ra, 0.9, 0.95, 1e-8, 0.1, bf16);
+    fm_adamw_config(&oa, 0.9, 0.95, 1e-8, 0.1, bf16);
+    fm_param_store rps, ops;
+    FM_ASSERT(fm_param_store_create(&rps, &ref, fm_adamw_ops.state_bytes(&ra, n)) == FM_OK);
+    fm_adamw_ops.init(&ra, &rps, &g_be);
+    fm_offload_adamw oo;
+    CHECK(fm_offload_adamw_create(&oo, &oa, n, bucket, slots, &g_be) == FM_OK);
+    FM_ASSERT(fm_param_store_create_host_master(&ops, &off, fm_offload_adamw_ops.state_bytes(&oo, n), oo.h_master) ==
+              FM_OK);
+    fm_offload_adamw_ops.init(&oo, &ops, &g_be);
+    CHECK(off.master == oo.h_master && (void *)off.master != (void *)off.params);
+    /* bounds: the arenas hold exactly the formula's bytes, and so does the plan */
+    size_t host = 0;
+    const size_t dev = fm_offload_model_state_bound(&c, sizeof(fm_act), bf16, bucket, slots, &host, NULL);
+    CHECK_MSG(ops.arena.capacity == fm_arena_round(dev), "device arena %zu, bound %zu", ops.arena.capacity, dev);
+    CHECK(ops.arena.capacity == ops.arena.used);
+    CHECK_MSG(oo.host.capacity == fm_arena_round(host), "host arena %zu, bound %zu", oo.host.capacity, host);
+    CHECK(oo.host.capacity == oo.host.used);
+    CHECK(host == fm_arena_round((size_t)n * 4) + 2 * fm_arena_round((size_t)n * (bf16 ? 2 : 4)));
+    fm_plan_req req;
+    memset(&req, 0, sizeof req);
+    req.cfg = c; req.B = 1; req.T = 8; req.grad_accum = 1; req.bf16_moments = bf16;
+    req.model_state_bytes = fm_model_state_bound; req.offload_optimizer = true; req.offload_bucket = bucket;
+    req.offload_slots = slots; req.offload_state_bytes = fm_offload_model_state_bound;
+    fm_plan p;
+    fm_plan_compute(&req, &p);
+    CHECK(p.bytes[FM_LIVE_MODEL_STATE] == dev && p.host_bytes == host && p.host_optimizer_bytes == host);
+
+    FM_ASSERT(fm_model_init_weights(&ref, 7) == FM_OK);
+    FM_ASSERT(fm_model_init_weights(&off, 7) == FM_OK);
+    CHECK(!memcmp(ref.params, off.params, sizeof(float) * (size_t)n));
+    CHECK(!memcmp(ref.master, off.master, sizeof(float) * (size_t)n));
+    bool mixed = false;
+    for (int i = 1; i < ref.n_tensors; i++) mixed |= ref.table[i].decay != ref.table[0].decay;
+    CHECK(mixed); /* the table has both weight-decay flags */
+    for (int s = 1; s <= steps; s++) {
+        fill_grads(&ref, s);
+        fill_grads(&off, s);
+        const double lr = 1e-2 * s;
+        const float clip = s == 2 ? 0.37f : 1.0f;
+        fm_adamw_ops.step_begin(&ra);
+        fm_adamw_ops.step_range(&ra, &ref, 0, ref.n_tensors, lr, clip);
+        fm_offload_adamw_ops.step_begin(&oo);
+        for (int k = 0; k < pieces; k++) /* the table in `pieces` ranges (layer-wise callers) */
+            fm_offload_adamw_ops.step_range(&oo, &off, (int)((int64_t)off.n_tensors * k / pieces),
+                                            (int)((int64_t)off.n_tensors * (k + 1) / pieces), lr, clip);
+        g_be.ops->sync(g_be.ctx);
+    }
+    const size_t mb = bf16 ? 2 : 4;
+    const bool w_ok = !memcmp(ref.params, off.params, sizeof(float) * (size_t)n);
+    const bool ms_ok = !memcmp(ref.master, oo.h_master, sizeof(float) * (size_t)n);
+    const bool m_ok = !memcmp(ra.m, oo.h_m, mb * (size_t)n), v_ok = !memcmp(ra.v, oo.h_v, mb * (size_t)n);
+    CHECK_MSG(w_ok && ms_ok && m_ok && v_ok, "bucket %lld slots %d %s pieces %d: weights %d master %d m %d v %d",
+              (long long)bucket, slots, bf16 ? "bf16" : "fp32", pieces, w_ok, ms_ok, m_ok, v_ok);
+    CHECK(oa.step == steps);
+    /* the state moved: not a vacuous comparison */
+    double dm = 0;
+    for (int64_t i = 0; i < n; i++) dm += fabs(bf16 ? 0 : ((float *)oo.h_m)[i]);
+    CHECK(bf16 || dm > 0);
+    /* checkpoint view: master, m, v in host memory */
+    fm_optim_state st[3];
+    CHECK(fm_offload_adamw_ops.state_tensors(&oo, st, 3) == 3);
+    CHECK(!strcmp(st[2].prefix, "master.") && st[2].base == oo.h_master && st[2].host);
+    CHECK(!strcmp(st[0].prefix, "exp_avg.") && !strcmp(st[1].prefix, "exp_avg_sq."));
+    fm_param_store_free(&ops);
+    fm_param_store_free(&rps);
+    fm_offload_adamw_free(&oo);
+    fm_model_free(&off);
+    fm_model_free(&ref);
+    g_case++;
+}
+
+static void test_bad_args(void) {
+    fm_adamw a;
+    fm_adamw_config(&a, 0.9, 0.95, 1e-8, 0.1, false);
+    fm_offload_adamw o;
+    CHECK(fm_offload_adamw_create(&o, &a, 100, 0, 2, &g_be) == FM_ERR_ARG);
+    CHECK(fm_offload_adamw_create(&o, &a, 100, 10, 0, &g_be) == FM_ERR_ARG);
+    CHECK(fm_offload_adamw_create(&o, &a, 100, 10, FM_OFFLOAD_MAX_SLOTS + 1, &g_be) == FM_ERR_ARG);
+    /* staging uses min(bucket, params) */
+    CHECK(fm_offload_adamw_state_bytes(100, 1000, 2, false) == fm_offload_adamw_state_bytes(100, 100, 2, false));
+    CHECK(fm_offload_adamw_state_bytes(1000, 100, 3, true) == 3 * (fm_arena_round(400) + 2 * fm_arena_round(200)));
+}
+
+int main(void) {
+    FM_ASSERT(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
+    fm_model probe;
+    const fm_config c = small_config();
+    FM_ASSERT(fm_model_create(&probe, &c, g_be) == FM_OK);
+    const int64_t n = probe.n_params;
+    int64_t smallest = n;
+    for (int i = 0; i < probe.n_tensors; i++)
+        if (probe.table[i].numel > 1 && probe.table[i].numel < smallest) smallest = probe.table[i].numel;
+    fm_model_free(&probe);
+    /* one smaller than any tensor, one not dividing the parameter count, one larger than the model */
+    int64_t odd = n / 7 + 1;
+    while (n % odd == 0) odd++;
+    const int64_t buckets[4] = {smallest > 2 ? smallest - 1 : 1, 97, odd, n + 5};
+    CHECK(n % 97 != 0 && n % odd != 0);
+    for (int b = 0; b < 4; b++)
+        for (int s = 1; s <= 3; s++)
+            for (int h = 0; h < 2; h++) run_case(buckets[b], s, h == 1, 1 + (b + s) % 3);
+    test_bad_args();
+    fm_cpu_backend_free(&g_be);
+    printf("%d cases; %d passed, %d failed\n", g_case, fm_test_passed, fm_test_failed);
+    return fm_test_failed ? 1 : 0;
+}
