@@ -82,4 +82,15 @@ expect_fail "offload negative" "--offload-boundaries: found '-1'" "$FM" train --
 expect_fail "offload not a number" "--offload-boundaries: found 'some'" "$FM" train --config "$cfg" "${base[@]}" --offload-boundaries some --out "$TMP/a"
 expect_fail "plan offload too many" "--offload-boundaries: found '9'; expected an integer in 0 .. 2" \
     "$FM" plan --config "$cfg" --seq-len 16 --offload-boundaries 9
+# --offload-optimizer-bucket >= 0 (0 = 100M), --offload-optimizer-slots in [1, 16]
+expect_fail "offload-optimizer bucket negative" "--offload-optimizer-bucket must be >= 1 parameters (0 = 100M), found -5" \
+    "$FM" train --config "$cfg" "${base[@]}" --offload-optimizer --offload-optimizer-bucket -5 --out "$TMP/a"
+expect_fail "offload-optimizer slots 0" "--offload-optimizer-slots must be in [1, 16], found 0" \
+    "$FM" train --config "$cfg" "${base[@]}" --offload-optimizer --offload-optimizer-slots 0 --out "$TMP/a"
+expect_fail "offload-optimizer slots 17" "--offload-optimizer-slots must be in [1, 16], found 17" \
+    "$FM" train --config "$cfg" "${base[@]}" --offload-optimizer --offload-optimizer-slots 17 --out "$TMP/a"
+expect_fail "offload-optimizer bucket not a number" "offload-optimizer-bucket" \
+    "$FM" train --config "$cfg" "${base[@]}" --offload-optimizer --offload-optimizer-bucket lots --out "$TMP/a"
+expect_fail "plan offload-optimizer slots 0" "--offload-optimizer-slots in [1, 16]" \
+    "$FM" plan --config "$cfg" --seq-len 16 --offload-optimizer --offload-optimizer-slots 0
 finish

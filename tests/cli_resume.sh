@@ -90,4 +90,33 @@ for f in model.safetensors optimizer.safetensors; do
 done
 if diff <(fields "$TMP/straight/metrics.jsonl") <(fields "$TMP/osplit/metrics.jsonl") >/dev/null; then ok
 else bad "offload: metrics differ between straight and resumed runs"; fi
+# The streamed AdamW (--offload-optimizer: master, m, v in host memory, streamed in buckets)
+# changes no bit on the CPU: a straight run matches the plain one, and runs that switch it on or
+# off at the resume match the straight run (the checkpoint format is the same).
+offopt=(--offload-optimizer --offload-optimizer-bucket 1000 --offload-optimizer-slots 3)
+"$FM" train "${common[@]}" "${offopt[@]}" --report-memory --out "$TMP/zstraight" || bad "offload-optimizer straight run failed"
+for f in model.safetensors optimizer.safetensors; do
+    cmp -s "$TMP/straight/step_000008/$f" "$TMP/zstraight/step_000008/$f" && ok || bad "offload-optimizer: $f differs from AdamW"
+done
+if diff <(mfields "$TMP/straight/metrics.jsonl") <(mfields "$TMP/zstraight/metrics.jsonl") >/dev/null; then ok
+else bad "offload-optimizer: metrics differ from AdamW"; diff <(mfields "$TMP/straight/metrics.jsonl") <(mfields "$TMP/zstraight/metrics.jsonl") | head >&2; fi
+grep -q '"host_pinned":{"bound":' "$TMP/zstraight/metrics.jsonl" && ok || bad "offload-optimizer: no host_pinned record"
+"$FM" train "${common[@]}" "${offopt[@]}" --out "$TMP/zon" --exit-after 4 || bad "offload-optimizer first half failed"
+"$FM" train "${common[@]}" --out "$TMP/zon" --resume || bad "resume without --offload-optimizer failed"
+"$FM" train "${common[@]}" --out "$TMP/zoff" --exit-after 4 || bad "plain first half failed"
+"$FM" train "${common[@]}" --offload-optimizer --offload-optimizer-slots 1 --out "$TMP/zoff" --resume ||
+    bad "resume with --offload-optimizer failed"
+for d in zon zoff; do
+    for f in model.safetensors optimizer.safetensors; do
+        cmp -s "$TMP/straight/step_000008/$f" "$TMP/$d/step_000008/$f" && ok || bad "offload-optimizer switch ($d): $f differs"
+    done
+    if diff <(fields "$TMP/straight/metrics.jsonl") <(fields "$TMP/$d/metrics.jsonl") >/dev/null; then ok
+    else bad "offload-optimizer switch ($d): metrics differ from the straight run"; fi
+done
+# with bf16 moments (bf16 m, v on the host): the same as the bf16-moment AdamW run
+"$FM" train "${common[@]}" --bf16-moments "${offopt[@]}" --out "$TMP/zh" --exit-after 4 || bad "offload bf16 first half failed"
+"$FM" train "${common[@]}" --bf16-moments "${offopt[@]}" --out "$TMP/zh" --resume || bad "offload bf16 resume failed"
+for f in model.safetensors optimizer.safetensors; do
+    cmp -s "$TMP/hstraight/step_000008/$f" "$TMP/zh/step_000008/$f" && ok || bad "offload-optimizer bf16: $f differs"
+done
 finish

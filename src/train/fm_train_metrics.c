@@ -34,7 +34,11 @@ void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_
     printf(", AdamW moments %s", o->bf16_moments ? "bf16" : "fp32");
     if (plan->n_offloaded_boundaries > 0)
         printf(", %lld boundaries offloaded (%.1f MiB pinned host memory)", (long long)plan->n_offloaded_boundaries,
-               plan->host_bytes / 1048576.0);
+               (plan->host_bytes - plan->host_optimizer_bytes) / 1048576.0);
+    if (plan->host_optimizer_bytes > 0)
+        printf(", optimizer offloaded (%.1f MiB pinned host memory, %lld slots of %lld parameters)",
+               plan->host_optimizer_bytes / 1048576.0, (long long)req->offload_slots,
+               (long long)(req->offload_bucket < plan->n_params ? req->offload_bucket : plan->n_params));
     printf("\n");
     printf("flops per token: model %.4e, hardware %.4e (with the recomputed forwards)\n", plan->flops_model_token,
            plan->flops_hw_token);
@@ -93,9 +97,10 @@ static void report_memory(const run *r, size_t dev_used, size_t dev_total) {
         printf("memory: %-22s %14zu %14zu %6.1f%%\n", fm_live_set_names[i], r->plan.bytes[i], hw,
                r->plan.bytes[i] ? 100.0 * (double)hw / (double)r->plan.bytes[i] : 0.0);
     }
-    if (r->sco.n_off > 0)
-        printf("memory: %-22s %14zu %14zu %6.1f%%\n", "host (pinned)", r->plan.host_bytes, r->sco.host.high,
-               r->plan.host_bytes ? 100.0 * (double)r->sco.host.high / (double)r->plan.host_bytes : 0.0);
+    const size_t host_used = r->sco.host.high + r->oopt.host.high; /* offloaded boundaries + optimizer */
+    if (r->plan.host_bytes > 0)
+        printf("memory: %-22s %14zu %14zu %6.1f%%\n", "host (pinned)", r->plan.host_bytes, host_used,
+               100.0 * (double)host_used / (double)r->plan.host_bytes);
     if (dev_total > 0)
         printf("memory: device in use %.1f MiB of %.1f MiB (plan %.1f MiB; the rest is the CUDA context and "
                "libraries)\n", dev_used / 1048576.0, dev_total / 1048576.0, r->plan.total / 1048576.0);
@@ -109,8 +114,9 @@ void fm_train_metrics_memory(run *r) {
         fprintf(r->metrics, "%s\"%s\":{\"bound\":%zu,\"high_water\":%zu}", i ? "," : "", fm_live_set_names[i],
                 r->plan.bytes[i], i == FM_LIVE_MODEL_STATE ? r->ps.arena.high : fm_arena_touched(&m->arena[i]));
     fprintf(r->metrics, "}");
-    if (r->sco.n_off > 0)
-        fprintf(r->metrics, ",\"host_pinned\":{\"bound\":%zu,\"used\":%zu}", r->plan.host_bytes, r->sco.host.high);
+    if (r->plan.host_bytes > 0)
+        fprintf(r->metrics, ",\"host_pinned\":{\"bound\":%zu,\"used\":%zu}", r->plan.host_bytes,
+                r->sco.host.high + r->oopt.host.high);
     size_t dfree = 0, dtotal = 0;
     if (fm_backend_default_device_memory(&dfree, &dtotal) != FM_OK) dfree = dtotal = 0;
     if (dtotal > 0)
