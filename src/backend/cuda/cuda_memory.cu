@@ -12,10 +12,12 @@
 
 namespace {
 
+/* The direction from the pointers themselves (unified virtual addressing, every 64-bit CUDA
+ * device): a copy whose "device" side is pinned host memory (the streamed optimizer's master
+ * weights, uploaded at launch) is then still right. The caller's kind documents intent only. */
 cudaMemcpyKind memcpy_kind(fm_copy_kind kind) {
-    return kind == FM_COPY_H2D ? cudaMemcpyHostToDevice
-           : kind == FM_COPY_D2H ? cudaMemcpyDeviceToHost
-                                 : cudaMemcpyDeviceToDevice;
+    (void)kind;
+    return cudaMemcpyDefault;
 }
 
 cudaStream_t stream_of(fm_cuda_ctx *c, fm_stream s) {
