@@ -228,11 +228,12 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *
             c->model_type_name, (long long)p->n_params, (long long)p->n_active, (long long)c->num_hidden_layers,
             (long long)c->hidden_size, (long long)c->num_experts, (long long)c->num_experts_per_tok,
             (long long)c->vocab_size);
-    fprintf(f, "shape: micro-batch %lld x seq-len %lld = %lld tokens; recompute %lld of %lld layers; MoE %s",
+    fprintf(f, "shape: micro-batch %lld x seq-len %lld = %lld tokens; recompute %lld of %lld layers",
             (long long)r->B, (long long)r->T, (long long)(r->B * r->T), (long long)p->n_recomputed,
-            (long long)c->num_hidden_layers, r->moe_chunk_tokens > 0 ? "chunked" : "unchunked (plain)");
+            (long long)c->num_hidden_layers);
     if (p->n_keep_attention > 0)
-        fprintf(f, " [%lld recomputed layers keep their attention output]", (long long)p->n_keep_attention);
+        fprintf(f, " (%lld keep their attention output)", (long long)p->n_keep_attention);
+    fprintf(f, "; MoE %s", r->moe_chunk_tokens > 0 ? "chunked" : "unchunked (plain)");
     if (r->moe_chunk_tokens > 0)
         fprintf(f, ", %lld chunks of <= %lld tokens", (long long)p->moe_K, (long long)p->moe_c_eff);
     fprintf(f, "; vocabulary %s", (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear cross-entropy" : "plain logits");
