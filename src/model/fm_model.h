@@ -255,7 +255,8 @@ typedef struct fm_loss {
 /* ---- the model's pieces, for the schedule (schedule/fm_schedule.h owns the loop over layers,
  * its order and its hooks). A micro-batch's training step is
  *   embed_forward; layer_forward(l) for l < L; head_train;
- *   for l = L-1 .. 0: [layer_forward(l) into the free gradient buffer if l is recomputed]
+ *   for l = L-1 .. 0: [layer_forward(l) into the free gradient buffer if l is recomputed;
+ *                      layer_recompute(l, .., true) if it keeps its attention]
  *                     layer_backward(l, dy, dx), swapping dy and dx;  embed_backward(dy)
  * with dy = grad_buffer(0), dx = grad_buffer(1) at the start. Parameter gradients accumulate
  * (+=), scaled by `scale` (1/G for G-step accumulation); activation gradients are assigned. */
