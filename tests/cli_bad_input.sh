@@ -35,6 +35,9 @@ expect_fail "non-finite learning rate" "expects a finite number" "$FM" train --c
 expect_fail "beta2 = 1" "--beta1 and --beta2 must be in [0, 1)" "$FM" train --config "$cfg" "${base[@]}" --beta2 1 --out "$TMP/a"
 expect_fail "negative --save-every" "must be >= 0" "$FM" train --config "$cfg" "${base[@]}" --save-every -1 --out "$TMP/a"
 expect_fail "--recompute listed twice" "listed twice" "$FM" train --config "$cfg" "${base[@]}" --recompute 0,0 --out "$TMP/a"
+expect_fail "--recompute-keep-attention with --recompute none" "--recompute recomputes none" "$FM" train --config "$cfg" "${base[@]}" --recompute none --recompute-keep-attention --out "$TMP/a"
+expect_fail "--recompute-keep-attention with a value" "flag '--recompute-keep-attention' takes no value" "$FM" train --config "$cfg" "${base[@]}" --recompute full --recompute-keep-attention=yes --out "$TMP/a"
+expect_fail "plan: --recompute-keep-attention with --recompute none" "--recompute recomputes none" "$FM" plan --config "$cfg" --seq-len 16 --recompute none --recompute-keep-attention
 expect_fail "config is a folder" "is not a file" "$FM" train --config "$TMP" "${base[@]}" --out "$TMP/a"
 expect_fail "routes beyond int32" "int32" "$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --seq-len 9000000000000
 expect_fail "empty data file" "empty" "$FM" train --config "$cfg" --data "$TMP/empty.txt" --seq-len 16 --out "$TMP/a" --quiet

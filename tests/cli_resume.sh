@@ -119,4 +119,21 @@ done
 for f in model.safetensors optimizer.safetensors; do
     cmp -s "$TMP/hstraight/step_000008/$f" "$TMP/zh/step_000008/$f" && ok || bad "offload-optimizer bf16: $f differs"
 done
+# Keep-attention recompute changes no bit either: a straight run with every layer recomputed
+# keeping its attention matches the plain straight run, and a run split with it (first half
+# plain, second half keep-attention on layer 1) matches too; the plan line names the policy.
+"$FM" train "${common[@]}" --recompute full --recompute-keep-attention --out "$TMP/kstraight" > "$TMP/kstraight.log" || bad "keep-attention straight run failed"
+grep -q '"keep_attention_layers":2,' <("$FM" plan --config "$cfg" --seq-len 32 --micro-batch 4 --recompute full --recompute-keep-attention --json) && ok || bad "keep-attention: plan --json does not count the layers"
+for f in model.safetensors optimizer.safetensors; do
+    cmp -s "$TMP/straight/step_000008/$f" "$TMP/kstraight/step_000008/$f" && ok || bad "keep-attention: $f differs from no recompute"
+done
+if diff <(fields "$TMP/straight/metrics.jsonl") <(fields "$TMP/kstraight/metrics.jsonl") >/dev/null; then ok
+else bad "keep-attention: metrics differ from no recompute"; fi
+"$FM" train "${common[@]}" --recompute full --recompute-keep-attention --out "$TMP/ksplit" --exit-after 4 || bad "keep-attention first half failed"
+"$FM" train "${common[@]}" --recompute 1 --recompute-keep-attention --out "$TMP/ksplit" --resume || bad "keep-attention resumed run failed"
+for f in model.safetensors optimizer.safetensors; do
+    cmp -s "$TMP/straight/step_000008/$f" "$TMP/ksplit/step_000008/$f" && ok || bad "keep-attention: $f differs after resume"
+done
+if diff <(fields "$TMP/straight/metrics.jsonl") <(fields "$TMP/ksplit/metrics.jsonl") >/dev/null; then ok
+else bad "keep-attention: metrics differ between straight and resumed runs"; fi
 finish

@@ -9,6 +9,9 @@
 #include "plan/fm_plan.h"
 #include "train/fm_optim.h"
 
+static int g_keep_att = 0; /* check_formulas_match_layout: 1 = every recomputed layer keeps attention,
+                              2 = every other one (keep-attention, schedule/fm_recompute.h) */
+
 static void check_formulas_match_layout(const char *path, int64_t B, int64_t T, int64_t chunk, int nr, int64_t cbt,
                                         int64_t cbv) {
     fm_plan_req req;
@@ -17,10 +20,13 @@ static void check_formulas_match_layout(const char *path, int64_t B, int64_t T, 
     CHECK(fm_config_load(&req.cfg, path) == FM_OK);
     const int64_t L = req.cfg.num_hidden_layers;
     bool rc[L];
+    bool keep[L];
     for (int64_t l = 0; l < L; l++) rc[l] = l < nr;
+    for (int64_t l = 0; l < L; l++) keep[l] = g_keep_att == 1 || (g_keep_att == 2 && l % 2 == 0);
     req.B = B;
     req.T = T;
     req.recompute = rc;
+    req.keep_attention = keep;
     req.moe_chunk_tokens = chunk;
     req.ce_block_tokens = cbt;
     req.ce_block_vocab = cbv;
@@ -28,15 +34,16 @@ static void check_formulas_match_layout(const char *path, int64_t B, int64_t T, 
     fm_plan p;
     fm_plan_compute(&req, &p);
     size_t measured[FM_LIVE_COUNT];
-    fm_layout_opts lo = {rc, chunk, cbt, cbv};
+    fm_layout_opts lo = {rc, chunk, cbt, cbv, 0, keep};
     fm_model_plan_bytes(&req.cfg, B, T, &lo, measured);
     /* model state: the parameter store's layout, measured, and AdamW's two moments */
     measured[FM_LIVE_MODEL_STATE] = fm_param_store_measure(fm_config_num_params(&req.cfg)) +
                                     fm_adamw_state_bytes(fm_config_num_params(&req.cfg), false);
     for (int i = 0; i < FM_LIVE_COUNT; i++)
         CHECK_MSG(fm_arena_round(p.bytes[i]) == fm_arena_round(measured[i]),
-                  "%s B=%lld T=%lld chunk=%lld recompute=%d: %s planned %zu, laid out %zu", path, (long long)B,
-                  (long long)T, (long long)chunk, nr, fm_live_set_names[i], p.bytes[i], measured[i]);
+                  "%s B=%lld T=%lld chunk=%lld recompute=%d keep-attention=%d: %s planned %zu, laid out %zu", path,
+                  (long long)B, (long long)T, (long long)chunk, nr, g_keep_att, fm_live_set_names[i], p.bytes[i],
+                  measured[i]);
 }
 
 static void test_formulas(void) {
@@ -49,6 +56,50 @@ static void test_formulas(void) {
         check_formulas_match_layout(cfgs[i], 1, 128, 16, 3, 32, 512);
         check_formulas_match_layout(cfgs[i], 1, 100, 1000, 1, 0, 0);
     }
+    /* keep-attention: the recomputed layers' own att and lse (all of them, then every other one) */
+    for (g_keep_att = 1; g_keep_att <= 2; g_keep_att++)
+        for (int i = 0; i < 5; i++) {
+            check_formulas_match_layout(cfgs[i], 1, 64, 0, 0, 0, 0);
+            check_formulas_match_layout(cfgs[i], 2, 33, 0, 2, 16, 0);
+            check_formulas_match_layout(cfgs[i], 3, 17, 5, 3, 0, 100);
+            check_formulas_match_layout(cfgs[i], 1, 128, 16, 1000, 32, 512); /* every layer */
+            check_formulas_match_layout(cfgs[i], 1, 100, 1000, 1, 0, 0);
+        }
+    g_keep_att = 0;
+}
+
+/* Keep-attention on OLMoE-1B-7B at 128K tokens on the CUDA target (bf16): per layer it adds
+ * att [N, 2048] bf16 + lse [16, N] fp32 (640 MiB at 128K) to full recompute's layer activations,
+ * and its hardware FLOPs drop by the attention forward of every layer, 2 x 2048 x T per token. */
+static void test_keep_attention(void) {
+    fm_plan_req req;
+    memset(&req, 0, sizeof req);
+    req.model_state_bytes = fm_model_state_bound;
+    CHECK(fm_config_load(&req.cfg, "configs/olmoe-1b-7b.json") == FM_OK);
+    req.B = 1;
+    req.T = 131072;
+    req.target = FM_PLAN_TARGET_CUDA;
+    req.moe_chunk_tokens = 4096;
+    bool rc[16], keep[16];
+    for (int l = 0; l < 16; l++) rc[l] = keep[l] = true;
+    req.recompute = rc;
+    fm_plan f, k;
+    fm_plan_compute(&req, &f);
+    req.keep_attention = keep;
+    fm_plan_compute(&req, &k);
+    CHECK(f.n_keep_attention == 0 && k.n_keep_attention == 16 && k.n_recomputed == 16);
+    const double N = 131072;
+    CHECK_CLOSE((double)(k.bytes[FM_LIVE_LAYER_ACTS] - f.bytes[FM_LIVE_LAYER_ACTS]), 16 * (N * 2048 * 2 + 16 * N * 4),
+                1e-12);
+    CHECK(k.total - f.total == k.bytes[FM_LIVE_LAYER_ACTS] - f.bytes[FM_LIVE_LAYER_ACTS]);
+    CHECK_CLOSE(f.flops_hw_token - k.flops_hw_token, 16 * 2.0 * 2048 * N, 1e-12);
+    CHECK(k.flops_model_token == f.flops_model_token);
+    /* keep flags where nothing is recomputed: the plain plan */
+    for (int l = 0; l < 16; l++) rc[l] = false;
+    fm_plan_compute(&req, &k);
+    req.keep_attention = NULL;
+    fm_plan_compute(&req, &f);
+    CHECK(k.n_keep_attention == 0 && k.total == f.total && k.flops_hw_token == f.flops_hw_token);
 }
 
 /* Hand arithmetic for OLMoE-1B-7B at micro-batch 1, seq-len 4096. */
@@ -220,6 +271,7 @@ static void test_parse_bytes(void) {
 
 int main(void) {
     test_formulas();
+    test_keep_attention();
     test_hand_arithmetic();
     test_chooser();
     test_cuda_target();

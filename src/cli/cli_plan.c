@@ -13,7 +13,7 @@ int cmd_plan(int argc, char **argv) {
     const char *config = NULL, *recompute = NULL, *offload = NULL, *device_mem = NULL, *backend = NULL, *gpu_ws_plan = NULL;
     int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = INT64_MIN, ce_bt = INT64_MIN, ce_bv = INT64_MIN, tq = 0, tkv = 0;
     int threads = 0;
-    bool json = false, bf16m = false, offopt = false;
+    bool json = false, bf16m = false, offopt = false, keep_att = false;
     int64_t off_bucket = 0, off_slots = 2;
     flag flags[] = {
         {"config", F_STR, &config, NULL, "Hugging Face config.json of the model (required)"},
@@ -21,6 +21,7 @@ int cmd_plan(int argc, char **argv) {
         {"micro-batch", F_I64, &micro_batch, NULL, "sequences per micro-batch (1)"},
         {"grad-accum", F_I64, &grad_accum, NULL, "micro-batches per step, for the per-step FLOPs (1)"},
         {"recompute", F_STR, &recompute, NULL, "none | full | layer ids (default: chosen to fit --device-mem)"},
+        {"recompute-keep-attention", F_BOOL, &keep_att, NULL, "the recomputed layers keep their attention output and lse; their recompute skips the attention forward (off)"},
         {"moe-chunk-tokens", F_I64, &chunk, NULL, "MoE chunk size, 0 = unchunked (default: chosen to fit --device-mem)"},
         {"ce-block-tokens", F_I64, &ce_bt, NULL, "linear cross-entropy token block (default: chosen to fit --device-mem)"},
         {"ce-block-vocab", F_I64, &ce_bv, NULL, "linear cross-entropy vocabulary block"},
@@ -61,8 +62,10 @@ int cmd_plan(int argc, char **argv) {
     if (device_mem && (s = fm_parse_bytes(device_mem, "--device-mem", &budget))) return cli_fail("plan", s);
     if ((s = fm_plan_check_shape(&req.cfg, micro_batch, seq_len))) return cli_fail("plan", s);
     const int64_t L = req.cfg.num_hidden_layers;
-    bool *rc = fm_malloc((size_t)L);
+    bool *rc = fm_malloc((size_t)(2 * L)); /* recompute [L], keep-attention [L] */
     if ((s = fm_recompute_parse(recompute, L, rc))) return cli_fail("plan", s);
+    if ((s = fm_recompute_keep_attention_fill(keep_att, recompute != NULL, rc, L, rc + L))) return cli_fail("plan", s);
+    req.keep_attention = rc + L;
     if ((s = fm_sco_parse(offload, L, &req.n_offloaded_boundaries))) return cli_fail("plan", s);
     req.B = micro_batch;
     req.T = seq_len;

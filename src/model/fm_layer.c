@@ -37,7 +37,7 @@ fm_act *fm_model_grad_buffer(fm_model *m, int i) {
 /* The norm outputs ln1, ln2 live in the working set's dln and dtmp, free whenever a forward
  * runs (before backward, and during a recompute: the schedule's dy and dx are the other
  * buffers); y must be neither. */
-fm_status fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y) {
+static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_attention) {
     const fm_config *c = &m->cfg;
     FM_ASSERT(l >= 0 && l < c->num_hidden_layers);
     const fm_act *x = m->boundary[l];
@@ -66,9 +66,11 @@ fm_status fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y) {
     } /* else q, k alias qr, kr: RoPE below works in place on the projections */
     OPS->rope_fwd(CTX, a->qr, m->rope_cos, m->rope_sin, B, T, nh, hd);
     OPS->rope_fwd(CTX, a->kr, m->rope_cos, m->rope_sin, B, T, nkv, hd);
-    PHASE(ATTENTION);
-    OPS->attention_fwd(CTX, a->att, a->lse, a->qr, a->kr, a->v, B, T, nh, nkv, hd);
-    PHASE(DENSE);
+    if (!skip_attention) { /* keep-attention's recompute: att and lse are the forward's, kept */
+        PHASE(ATTENTION);
+        OPS->attention_fwd(CTX, a->att, a->lse, a->qr, a->kr, a->v, B, T, nh, nkv, hd);
+        PHASE(DENSE);
+    }
     linear_fwd(m, a->x_mid, a->att, w->wo, N, qd, H);
     OPS->add(CTX, a->x_mid, x, N * H);
 
@@ -85,6 +87,16 @@ fm_status fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y) {
     PHASE(DENSE);
     OPS->add(CTX, y, a->x_mid, N * H);
     return FM_OK;
+}
+
+fm_status fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y) { return layer_forward(m, l, y, false); }
+
+fm_status fm_model_layer_recompute(fm_model *m, int64_t l, fm_act *y, bool skip_attention) {
+    FM_ASSERT(l >= 0 && l < m->cfg.num_hidden_layers);
+    if (skip_attention && !(m->keep_attention && m->keep_attention[l]))
+        return fm_error(FM_ERR_ARG, "recompute of layer %lld without its attention forward: the layout keeps no "
+                        "attention output for it (fm_layout_opts.keep_attention)", (long long)l);
+    return layer_forward(m, l, y, skip_attention);
 }
 
 /* dy [N,H]: gradient of the layer output, clobbered (its buffer holds d att once dy is added

@@ -102,6 +102,10 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     for (int64_t l = 0; l < L; l++) {
         if (m->recompute[l]) {
             m->acts[l] = shared;
+            if (m->keep_attention[l]) { /* keep-attention: its own att and lse, kept to backward */
+                m->acts[l].att = TAKE(acts, fm_act, N * c->num_attention_heads * hd);
+                m->acts[l].lse = TAKE(acts, float, m->B * c->num_attention_heads * m->T);
+            }
             continue;
         }
         layout_layer_acts(&m->acts[l], acts, c, m->B, m->T);
@@ -162,6 +166,11 @@ size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_
     return b;
 }
 
+size_t fm_model_kept_attention_bytes(const fm_config *c, int64_t B, int64_t T, size_t a) {
+    const int64_t nh = c->num_attention_heads;
+    return BA(B * T * nh * c->head_dim) + B4(B * nh * T); /* att, its log-sum-exp */
+}
+
 size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t a) {
     const int64_t H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
@@ -207,12 +216,15 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
     m.ce_block_tokens = opts ? opts->ce_block_tokens : 0;
     m.ce_block_vocab = opts ? opts->ce_block_vocab : 0;
     m.n_offloaded_boundaries = opts ? opts->n_offloaded_boundaries : 0;
-    bool *rc = fm_malloc((size_t)(L + 1));
+    bool *rc = fm_malloc((size_t)(2 * L + 1));
     fm_act **bp = fm_malloc(sizeof(fm_act *) * (size_t)(L + 1));
     fm_layer_acts *la = fm_malloc(sizeof(fm_layer_acts) * (size_t)(L + 1));
     FM_ASSERT(rc && bp && la); /* a few bytes per layer; the config's layer count is bounded */
+    const bool *keep = opts ? opts->keep_attention : NULL;
     for (int64_t l = 0; l < L; l++) rc[l] = recompute ? recompute[l] : false;
+    for (int64_t l = 0; l < L; l++) rc[L + l] = rc[l] && keep && keep[l];
     m.recompute = rc;
+    m.keep_attention = rc + L;
     m.boundary = bp;
     m.acts = la;
     fm_arena ar[FM_LIVE_COUNT], host;
@@ -251,6 +263,8 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
         return fm_error(FM_ERR_ARG, "--moe-chunk-tokens must be >= 0 (0 = unchunked), found %lld",
                         (long long)opts->moe_chunk_tokens);
     for (int64_t l = 0; l < L; l++) m->recompute[l] = recompute ? recompute[l] : false;
+    for (int64_t l = 0; l < L; l++)
+        m->keep_attention[l] = m->recompute[l] && opts && opts->keep_attention && opts->keep_attention[l];
     if (opts && (opts->ce_block_tokens < 0 || opts->ce_block_vocab < 0))
         return fm_error(FM_ERR_ARG, "--ce-block-tokens and --ce-block-vocab must be >= 0");
     m->moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
@@ -263,7 +277,7 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
                         (long long)opts->n_offloaded_boundaries, (long long)L, (long long)L);
     m->n_offloaded_boundaries = opts ? opts->n_offloaded_boundaries : 0;
     fm_layout_opts o = {m->recompute, m->moe_chunk_tokens, m->ce_block_tokens, m->ce_block_vocab,
-                        m->n_offloaded_boundaries};
+                        m->n_offloaded_boundaries, m->keep_attention};
     size_t bytes[FM_LIVE_COUNT];
     size_t host_bytes = 0;
     plan_bytes(c, B, T, &o, bytes, &host_bytes);

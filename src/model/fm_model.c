@@ -128,7 +128,8 @@ fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be) {
     m->offsets = fm_malloc(sizeof(layer_offsets) * (size_t)L);
     m->w.layers = fm_malloc(sizeof(fm_layer_ptrs) * (size_t)L);
     m->g.layers = fm_malloc(sizeof(fm_layer_ptrs) * (size_t)L);
-    m->recompute = fm_malloc((size_t)L);
+    m->recompute = fm_malloc((size_t)(2 * L)); /* recompute [L], then keep_attention [L] */
+    m->keep_attention = m->recompute ? m->recompute + L : NULL;
     if (!m->table || !m->offsets || !m->w.layers || !m->g.layers || !m->recompute) {
         fm_model_free(m);
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the parameter table (%d tensors)", counter.n);

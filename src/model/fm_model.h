@@ -105,6 +105,8 @@ typedef struct fm_model {
     int64_t B, T, N;
     int64_t B_cap, T_cap;
     bool *recompute;      /* [L]: layer's activations are recomputed in backward */
+    bool *keep_attention; /* [L]: a recomputed layer with its own attention output and lse
+                             (kept to backward, never recomputed); false where not recomputed */
     float *rope_cos, *rope_sin; /* [T, hd/2] backend memory */
     int32_t *tokens, *targets;  /* [N] backend memory (uploaded from h_tokens/h_targets) */
     int32_t *h_tokens, *h_targets; /* [B_cap*T_cap] host memory: callers write the batch here */
@@ -165,6 +167,10 @@ typedef struct fm_layout_opts {
                                   all), for the checkpoint offload policy (schedule/fm_sco.h,
                                   --offload-boundaries), which must then be attached to the
                                   schedule for backward; forward alone needs no policy */
+    const bool *keep_attention; /* [L] or NULL (none): recomputed layers that keep their own
+                                  attention output att [N, heads*head_dim] and lse [B, heads, T]
+                                  (schedule/fm_recompute.h: keep-attention); ignored where
+                                  recompute[l] is false */
 } fm_layout_opts;
 
 /* Lays out and allocates activation memory for micro-batch B x sequence T (opts NULL: no
@@ -198,6 +204,9 @@ size_t fm_model_boundary_bytes_n(const fm_config *c, int64_t B, int64_t T, bool 
  * L+1 - n_off + min(n_off, 2). The offload policy's bound (schedule/fm_sco.h) is this count. */
 int64_t fm_model_boundary_tensors(int64_t L, int64_t n_off);
 size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_t act_bytes);
+/* A keep-attention layer's own buffers (schedule/fm_recompute.h): the attention output
+ * [B*T, heads*head_dim] act_bytes each and its log-sum-exp [B, heads, T] fp32, each rounded. */
+size_t fm_model_kept_attention_bytes(const fm_config *c, int64_t B, int64_t T, size_t act_bytes);
 size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t act_bytes);
 size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N, size_t act_bytes);
 /* Vocabulary projection by the linear cross-entropy: final-norm output, rstd and per-token loss,
@@ -246,7 +255,8 @@ typedef struct fm_loss {
 /* ---- the model's pieces, for the schedule (schedule/fm_schedule.h owns the loop over layers,
  * its order and its hooks). A micro-batch's training step is
  *   embed_forward; layer_forward(l) for l < L; head_train;
- *   for l = L-1 .. 0: [layer_forward(l) into the free gradient buffer if l is recomputed]
+ *   for l = L-1 .. 0: [layer_forward(l) into the free gradient buffer if l is recomputed;
+ *                      layer_recompute(l, .., true) if it keeps its attention]
  *                     layer_backward(l, dy, dx), swapping dy and dx;  embed_backward(dy)
  * with dy = grad_buffer(0), dx = grad_buffer(1) at the start. Parameter gradients accumulate
  * (+=), scaled by `scale` (1/G for G-step accumulation); activation gradients are assigned. */
@@ -261,6 +271,13 @@ void fm_model_embed_forward(fm_model *m, bool with_targets);
  * by the recomputed layers). The router's loss terms of the layer land in m->results at
  * FM_RESULT_LAYERS + 2l (fm_router.h). Errors: m->comm's (the router statistics' all-reduce). */
 fm_status fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y);
+/* The recompute of layer l in backward: fm_model_layer_forward again into y, except that with
+ * skip_attention the attention forward does not run and the layer's kept att and lse (written
+ * by its forward) are read as they are (the keep-attention policy; q, k, v are still formed
+ * again, attention's backward reads them). Bit-identical to the forward's saved set. Errors:
+ * FM_ERR_ARG when skip_attention and the layout keeps no attention output for layer l
+ * (m->keep_attention[l] false); m->comm's. */
+fm_status fm_model_layer_recompute(fm_model *m, int64_t l, fm_act *y, bool skip_attention);
 /* Layer l's backward from its output gradient dy [N,H] (clobbered) into dx [N,H] (assigned),
  * reading boundary l and the layer's saved set (recomputed by the schedule first if the layer is
  * recomputed). dy and dx are the two gradient buffers. */

@@ -31,9 +31,10 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     const fm_config *c = &r->cfg;
     const int64_t L = c->num_hidden_layers, N = r->B * r->T, H = c->hidden_size, I = c->moe_intermediate_size;
     const int64_t k = c->num_experts_per_tok, E = c->num_experts;
-    const fm_recompute_policy rp = {r->recompute, L}; /* the policy's bound: saved sets kept */
-    const int64_t nr = fm_recompute_count(&rp);
+    const fm_recompute_policy rp = {r->recompute, L, r->keep_attention}; /* the policy's bound */
+    const int64_t nr = fm_recompute_count(&rp), nka = fm_recompute_keep_attention_count(&rp);
     p->n_recomputed = nr;
+    p->n_keep_attention = nka;
     const int64_t saved_sets = fm_recompute_saved_sets(&rp);
     p->n_params = fm_config_num_params(c);
     p->n_active = fm_config_num_active_params(c);
@@ -69,9 +70,15 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
                  (long long)L + 1, (int)a, (long long)N, (long long)H);
 
     const size_t one = fm_model_layer_acts_bytes(c, r->B, r->T, a);
-    p->bytes[FM_LIVE_LAYER_ACTS] = (size_t)saved_sets * one;
-    snprintf(p->inputs[FM_LIVE_LAYER_ACTS], 200, "%lld saved sets (%lld layers, %lld recomputed) x %.1f MiB per layer",
-             (long long)saved_sets, (long long)L, (long long)nr, one / 1048576.0);
+    const size_t kept_att = fm_model_kept_attention_bytes(c, r->B, r->T, a);
+    p->bytes[FM_LIVE_LAYER_ACTS] = (size_t)saved_sets * one + (size_t)nka * kept_att;
+    if (nka > 0)
+        snprintf(p->inputs[FM_LIVE_LAYER_ACTS], 200, "%lld saved sets (%lld layers, %lld recomputed) x %.1f MiB per layer "
+                 "+ %lld kept attention outputs x %.1f MiB", (long long)saved_sets, (long long)L, (long long)nr,
+                 one / 1048576.0, (long long)nka, kept_att / 1048576.0);
+    else
+        snprintf(p->inputs[FM_LIVE_LAYER_ACTS], 200, "%lld saved sets (%lld layers, %lld recomputed) x %.1f MiB per layer",
+                 (long long)saved_sets, (long long)L, (long long)nr, one / 1048576.0);
 
     const fm_moe_dims md = {H, I, E, k};
     fm_moe_chunks(N, r->moe_chunk_tokens, &p->moe_K, &p->moe_c_eff);
@@ -127,13 +134,14 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
 
     /* FLOPs (Megatron's count; REFERENCES.md "FLOPs and MFU"): 6 per active matmul parameter
      * per token, plus causal attention 6 * L * (nh*hd) * T. Hardware FLOPs add the forwards run
-     * again: recomputed layers (2 * their active parameters + their attention forward), and
+     * again: recomputed layers (2 * their active parameters + their attention forward, which a
+     * keep-attention layer does not run again: 2 * h_attn * T per token, causal), and
      * the chunked MoE's expert forward (2 * k * 3HI per token per layer). */
     const double h_attn = (double)(c->num_attention_heads * c->head_dim);
     p->flops_model_token = 6.0 * (double)p->n_active + 6.0 * (double)L * h_attn * (double)r->T;
     const double layer_active = (double)(p->n_active - c->vocab_size * H - H) / (double)L;
     double hw = p->flops_model_token;
-    hw += (double)nr * (2.0 * layer_active + 2.0 * h_attn * (double)r->T);
+    hw += (double)nr * 2.0 * layer_active + (double)(nr - nka) * 2.0 * h_attn * (double)r->T;
     if (r->moe_chunk_tokens > 0) hw += (double)(L - nr) * 2.0 * (double)k * 3.0 * (double)H * (double)I;
     if (lce) hw += 2.0 * (double)c->vocab_size * (double)H; /* the logits formed twice */
     p->flops_hw_token = hw;
@@ -232,9 +240,12 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *
             c->model_type_name, (long long)p->n_params, (long long)p->n_active, (long long)c->num_hidden_layers,
             (long long)c->hidden_size, (long long)c->num_experts, (long long)c->num_experts_per_tok,
             (long long)c->vocab_size);
-    fprintf(f, "shape: micro-batch %lld x seq-len %lld = %lld tokens; recompute %lld of %lld layers; MoE %s",
+    fprintf(f, "shape: micro-batch %lld x seq-len %lld = %lld tokens; recompute %lld of %lld layers",
             (long long)r->B, (long long)r->T, (long long)(r->B * r->T), (long long)p->n_recomputed,
-            (long long)c->num_hidden_layers, r->moe_chunk_tokens > 0 ? "chunked" : "unchunked (plain)");
+            (long long)c->num_hidden_layers);
+    if (p->n_keep_attention > 0)
+        fprintf(f, " (%lld keep their attention output)", (long long)p->n_keep_attention);
+    fprintf(f, "; MoE %s", r->moe_chunk_tokens > 0 ? "chunked" : "unchunked (plain)");
     if (r->moe_chunk_tokens > 0)
         fprintf(f, ", %lld chunks of <= %lld tokens", (long long)p->moe_K, (long long)p->moe_c_eff);
     fprintf(f, "; vocabulary %s", (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear cross-entropy" : "plain logits");
@@ -267,7 +278,7 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *
         }
     }
     fprintf(f, "\nFLOPs per token: model %.4g = 6 x N_active (%lld) + 6 x L x (heads x head_dim) x seq-len (causal "
-            "attention); hardware %.4g (+ recomputed forwards)\n", p->flops_model_token, (long long)p->n_active,
+            "attention); hardware %.4g (+ recomputed forwards, less keep-attention layers' attention)\n", p->flops_model_token, (long long)p->n_active,
             p->flops_hw_token);
     fprintf(f, "FLOPs per step (%lld tokens): model %.4g, hardware %.4g\n", (long long)p->tokens_per_step,
             p->flops_model_token * (double)p->tokens_per_step, p->flops_hw_token * (double)p->tokens_per_step);
@@ -275,10 +286,10 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *
 
 void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *f) {
     fprintf(f, "{\"model_type\":\"%s\",\"params\":%lld,\"active_params\":%lld,\"micro_batch\":%lld,\"seq_len\":%lld,"
-            "\"recomputed_layers\":%lld,\"moe_chunk_tokens\":%lld,\"moe_chunks\":%lld,\"ce_block_tokens\":%lld,"
+            "\"recomputed_layers\":%lld,\"keep_attention_layers\":%lld,\"moe_chunk_tokens\":%lld,\"moe_chunks\":%lld,\"ce_block_tokens\":%lld,"
             "\"ce_block_vocab\":%lld,\"adam_moments\":\"%s\",\"live_sets\":{",
             r->cfg.model_type_name, (long long)p->n_params, (long long)p->n_active, (long long)r->B, (long long)r->T,
-            (long long)p->n_recomputed, (long long)r->moe_chunk_tokens, (long long)p->moe_K,
+            (long long)p->n_recomputed, (long long)p->n_keep_attention, (long long)r->moe_chunk_tokens, (long long)p->moe_K,
             (long long)r->ce_block_tokens, (long long)r->ce_block_vocab, r->bf16_moments ? "bf16" : "fp32");
     for (int i = 0; i < FM_PLAN_SETS; i++) fprintf(f, "%s\"%s\":%zu", i ? "," : "", set_name(i), p->bytes[i]);
     fprintf(f, "},\"total_bytes\":%zu,\"budget_bytes\":%zu,\"fits\":%s,\"flops_per_token_model\":%.17g,"

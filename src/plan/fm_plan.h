@@ -53,6 +53,9 @@ typedef struct fm_plan_req {
     /* Required when offload_optimizer (train/fm_offload_adamw.h: fm_offload_model_state_bound). */
     size_t (*offload_state_bytes)(const fm_config *cfg, size_t act_bytes, bool bf16_moments, int64_t bucket,
                                   int64_t slots, size_t *host, char desc[200]);
+    const bool *keep_attention; /* [L] or NULL: recomputed layers that keep their attention output
+                                   and lse (schedule/fm_recompute.h, --recompute-keep-attention);
+                                   the chooser keeps it as given and picks recompute under it */
 } fm_plan_req;
 
 typedef struct fm_plan {
@@ -61,10 +64,13 @@ typedef struct fm_plan {
     size_t total;
     int64_t n_params, n_active;
     int64_t n_recomputed;           /* layers recomputed in backward */
+    int64_t n_keep_attention;       /* of them, layers that keep their attention (no attention
+                                       forward in their recompute) */
     int64_t moe_K, moe_c_eff;       /* chunks, tokens per chunk */
     int64_t tokens_per_step;
     double flops_model_token;       /* 6*N_active + 6*L*nh*hd*T/2*2 (causal) per token */
-    double flops_hw_token;          /* + recomputed forwards (layers, MoE chunks) */
+    double flops_hw_token;          /* + recomputed forwards (layers, less the attention forward of
+                                       keep-attention layers; MoE chunks) */
     size_t gpu_workspace;           /* CUDA: the cuDNN workspace the run creates (0 on the CPU) */
     bool bf16_moments;              /* the request's AdamW moments are bf16 */
     size_t host_bytes;              /* pinned host memory: the offloaded boundaries (fm_sco_host_bytes)

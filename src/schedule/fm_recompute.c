@@ -41,3 +41,21 @@ int64_t fm_recompute_saved_sets(const fm_recompute_policy *p) {
     const int64_t r = fm_recompute_count(p);
     return p->L - r + (r > 0 ? 1 : 0);
 }
+
+int64_t fm_recompute_keep_attention_count(const fm_recompute_policy *p) {
+    int64_t r = 0;
+    for (int64_t l = 0; l < p->L; l++) r += fm_recompute_keeps_attention(p, l);
+    return r;
+}
+
+fm_status fm_recompute_keep_attention_fill(bool on, bool spec_given, const bool *rc, int64_t L, bool *keep) {
+    bool any = false;
+    for (int64_t l = 0; l < L; l++) {
+        keep[l] = on;
+        any |= rc && rc[l];
+    }
+    if (on && spec_given && !any)
+        return fm_error(FM_ERR_ARG, "--recompute-keep-attention keeps the attention output of recomputed layers, but "
+                        "--recompute recomputes none; name the layers (--recompute full or layer ids) or drop the flag");
+    return FM_OK;
+}

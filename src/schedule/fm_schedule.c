@@ -11,6 +11,7 @@ void fm_schedule_init(fm_schedule *s, const fm_model *m) {
     memset(s, 0, sizeof *s);
     s->recompute.layers = m->recompute;
     s->recompute.L = m->cfg.num_hidden_layers;
+    s->recompute.keep_attention = m->keep_attention;
 }
 
 fm_status fm_schedule_add_hook(fm_schedule *s, fm_hook_fn fn, void *user) {
@@ -58,8 +59,10 @@ static fm_status backward_layers(fm_schedule *s, fm_model *m, float scale) {
     for (int64_t l = L - 1; l >= 0; l--) {
         FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_BACKWARD, l));
         /* Re-run the forward from the saved boundary into the shared set; the output goes to dx,
-         * free until layer_backward assigns it, so boundary l+1 stays as it was. */
-        if (fm_recompute_layer(&s->recompute, l)) FM_TRY(fm_model_layer_forward(m, l, dx));
+         * free until layer_backward assigns it, so boundary l+1 stays as it was. A keep-attention
+         * layer's recompute skips the attention forward: its att and lse were kept. */
+        if (fm_recompute_layer(&s->recompute, l))
+            FM_TRY(fm_model_layer_recompute(m, l, dx, fm_recompute_keeps_attention(&s->recompute, l)));
         fm_model_layer_backward(m, l, dy, dx, scale);
         fm_act *t = dy;
         dy = dx;

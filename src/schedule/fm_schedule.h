@@ -8,7 +8,8 @@
  * Order of one training step (fm_schedule_train_step):
  *   embed; for l = 0 .. L-1: BEFORE_FORWARD(l), layer_forward(l), AFTER_FORWARD(l);
  *   head (loss and its gradient);
- *   for l = L-1 .. 0: BEFORE_BACKWARD(l), [layer_forward(l) again if recomputed],
+ *   for l = L-1 .. 0: BEFORE_BACKWARD(l), [layer_forward(l) again if recomputed; without
+ *                     its attention forward under keep-attention],
  *                     layer_backward(l), AFTER_BACKWARD(l);
  *   embedding backward.
  * Hooks run in the order they were added. A hook that returns an error stops the step there and

@@ -27,8 +27,9 @@ void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_
     for (int i = 0; i < FM_PLAN_SETS; i++)
         printf("%s %s %.1f", i ? "," : "", i < FM_LIVE_COUNT ? fm_live_set_names[i] : "attention tiles",
                plan->bytes[i] / 1048576.0);
-    printf("; recompute %lld of %lld layers, MoE %s", (long long)plan->n_recomputed, (long long)c->num_hidden_layers,
-           req->moe_chunk_tokens > 0 ? "chunked" : "unchunked");
+    printf("; recompute %lld of %lld layers", (long long)plan->n_recomputed, (long long)c->num_hidden_layers);
+    if (plan->n_keep_attention > 0) printf(" (%lld keep their attention output)", (long long)plan->n_keep_attention);
+    printf(", MoE %s", req->moe_chunk_tokens > 0 ? "chunked" : "unchunked");
     if (req->moe_chunk_tokens > 0) printf(" (%lld chunks of <= %lld tokens)", (long long)plan->moe_K, (long long)plan->moe_c_eff);
     printf(", vocabulary %s", req->ce_block_tokens > 0 || req->ce_block_vocab > 0 ? "linear cross-entropy" : "plain logits");
     printf(", AdamW moments %s", o->bf16_moments ? "bf16" : "fp32");

@@ -29,6 +29,7 @@ void fm_train_opts_default(fm_train_opts *o) {
     o->save_every = 0;
     o->log_every = 1;
     o->recompute = NULL;
+    o->recompute_keep_attention = false;
     o->moe_chunk_tokens = -1;
     o->ce_block_tokens = -1;
     o->ce_block_vocab = -1;

@@ -128,9 +128,11 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
 
     /* Plan: every live set's bound, from the config and flags alone, before any allocation. */
     const int64_t L = c->num_hidden_layers;
-    bool *rc = r->rc = fm_malloc((size_t)L);
+    bool *rc = r->rc = fm_malloc((size_t)(2 * L)); /* recompute [L], keep-attention [L] */
     if (!rc) return fm_error(FM_ERR_NOMEM, "out of memory for the recompute table (%lld layers)", (long long)L);
     FM_TRY(fm_recompute_parse(o->recompute, L, rc));
+    bool *keep = rc + L;
+    FM_TRY(fm_recompute_keep_attention_fill(o->recompute_keep_attention, o->recompute != NULL, rc, L, keep));
     int64_t n_off = 0;
     FM_TRY(fm_sco_parse(o->offload_boundaries, L, &n_off));
     const int64_t bucket = o->offload_optimizer_bucket > 0 ? o->offload_optimizer_bucket : FM_OFFLOAD_DEFAULT_BUCKET;
@@ -139,7 +141,8 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                        o->ce_block_tokens > 0 ? o->ce_block_tokens : 0,
                        o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads, o->att_tile_q, o->att_tile_kv,
                        FM_PLAN_TARGET_BUILD, o->gpu_workspace, o->bf16_moments, fm_model_state_bound, n_off,
-                       o->offload_optimizer, bucket, o->offload_optimizer_slots, fm_offload_model_state_bound};
+                       o->offload_optimizer, bucket, o->offload_optimizer_slots, fm_offload_model_state_bound,
+                       keep};
     fm_plan plan;
     /* The budget: --mem-budget, else (CUDA) the device's free memory less a reserve. */
     size_t budget = o->mem_budget, dev_total = 0;
@@ -194,7 +197,8 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         FM_TRY(fm_param_store_create(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params)));
     }
     r->optim->init(r->opt_self, &r->ps, &r->be);
-    const fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab, n_off};
+    const fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab, n_off,
+                               keep};
     FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len, &lo));
     for (int i = 0; i < FM_LIVE_COUNT; i++) {
         const fm_arena *a = fm_train_arena(r, i);

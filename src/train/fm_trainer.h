@@ -28,6 +28,9 @@ typedef struct fm_train_opts {
     int64_t eval_every, eval_batches, save_every, log_every;
     int64_t exit_after;           /* stop (and save) after this many steps in this invocation; 0: no */
     const char *recompute;        /* "none", "full" or a comma list of layer ids; NULL: chosen */
+    bool recompute_keep_attention; /* --recompute-keep-attention: the recomputed layers (given or
+                                     chosen) keep their attention output and lse, and their
+                                     recompute skips the attention forward (schedule/fm_recompute.h) */
     int64_t moe_chunk_tokens;     /* 0: plain MoE; c: chunks of <= c tokens; -1: chosen */
     int64_t ce_block_tokens, ce_block_vocab; /* -1: chosen; both 0: plain logits; else linear CE */
     size_t mem_budget;            /* --mem-budget bytes; 0: none. With neither --recompute nor

@@ -11,7 +11,8 @@
  *      every gradient tensor;
  *   2. linear cross-entropy (ce_block_tokens/ce_block_vocab > 0) vs plain logits: loss and every
  *      gradient; forward+backward vs the fused train_step: bit-identical;
- *   3. recompute (layers 0,2, and all) vs no recompute: loss and gradients bit-identical, plain and
+ *   3. recompute (layers 0,2, and all; keep-attention on all, and on 0 with 2 full) vs no
+ *      recompute: loss and gradients bit-identical, plain and
  *      bounded (chunked MoE + linear CE) — on CUDA with FLATMOE_ATTENTION=fallback (set here before
  *      the backend is created), our bitwise-deterministic attention kernels;
  *   4. adversarial routing: router weights zero, so every token ties and top-1 sends all N = 1280
@@ -145,6 +146,7 @@ typedef struct ab_run {
     int64_t chunk;          /* moe_chunk_tokens */
     int64_t ce_bt, ce_bv;   /* linear CE blocks (0, 0: plain logits) */
     const bool *recompute;  /* [L] or NULL */
+    const bool *keep_attention; /* [L] or NULL: recomputed layers keep their attention output */
     bool fused;             /* fm_model_train_step instead of forward + backward */
     bool zero_router;       /* adversarial routing */
 } ab_run;
@@ -172,7 +174,7 @@ static void step(const fm_config *cfg, int64_t B, int64_t T, const ab_run *o, ui
     fm_status s = fm_test_model_create(&m, cfg, g_be);
     CHECK_MSG(s == FM_OK, "fm_model_create: %s", fm_errmsg());
     if (s) exit(1);
-    fm_layout_opts lo = {o->recompute, o->chunk, o->ce_bt, o->ce_bv};
+    fm_layout_opts lo = {o->recompute, o->chunk, o->ce_bt, o->ce_bv, 0, o->keep_attention};
     s = fm_model_layout(&m, B, T, &lo);
     CHECK_MSG(s == FM_OK, "fm_model_layout: %s", fm_errmsg());
     if (s) exit(1);
@@ -439,11 +441,12 @@ static void test_model_type(fm_model_type type, uint64_t seed) {
     result_free(&r2);
 
     /* 3. recompute: layers 0,2 and all, bit-identical; plain and bounded */
-    const bool some[3] = {true, false, true}, all[3] = {true, true, true};
-    const bool *rcs[2] = {some, all};
-    const char *rcn[2] = {"0,2", "full"};
-    for (int i = 0; i < 2; i++) {
-        ab_run o = {.recompute = rcs[i]};
+    const bool some[3] = {true, false, true}, all[3] = {true, true, true}, mid[3] = {true, false, false};
+    const bool *rcs[4] = {some, all, all, some};
+    const bool *kas[4] = {NULL, NULL, all, mid}; /* keep-attention: every layer; layer 0 (2 full) */
+    const char *rcn[4] = {"0,2", "full", "full keep-attention", "0 keep-attention, 2 full"};
+    for (int i = 0; i < 4; i++) {
+        ab_run o = {.recompute = rcs[i], .keep_attention = kas[i]};
         step(&cfg, B, T, &o, seed, &r);
         snprintf(what, sizeof what, "%s recompute %s vs none", cfg.model_type_name, rcn[i]);
         cmp_exact(what, &r, &ref);
@@ -452,9 +455,10 @@ static void test_model_type(fm_model_type type, uint64_t seed) {
     ab_result bref;
     ab_run ob = {.chunk = 64, .ce_bt = bt, .ce_bv = bv, .fused = true};
     step(&cfg, B, T, &ob, seed, &bref);
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 4; i++) {
         ab_run o = ob;
         o.recompute = rcs[i];
+        o.keep_attention = kas[i];
         step(&cfg, B, T, &o, seed, &r);
         snprintf(what, sizeof what, "%s bounded, recompute %s vs none", cfg.model_type_name, rcn[i]);
         cmp_exact(what, &r, &bref);
