@@ -2,8 +2,54 @@
  * weights and grads only, no optimizer) created and freed together. */
 #ifndef FM_TEST_MODEL_H
 #define FM_TEST_MODEL_H
+#include <stdio.h>
+#include <string.h>
+
+#include "core/fm_rng.h"
 #include "model/fm_model.h"
 #include "train/fm_param_store.h"
+
+/* The CPU tests' small model of each model_type: vocabulary 40, hidden 24, 4 heads of 6 (2 kv
+ * heads), 5 experts of width 12, top-k k, `layers` layers; large router-loss coefficients so
+ * their gradients are visible, and large weights (std 0.3) so gradients sit well above fp32
+ * noise. tied: the LM head is the embedding. */
+static inline fm_config fm_test_small_config(fm_model_type t, int64_t layers, bool tied, int64_t k) {
+    fm_config c;
+    memset(&c, 0, sizeof c);
+    c.model_type = t;
+    snprintf(c.model_type_name, sizeof c.model_type_name, "%s",
+             t == FM_MODEL_QWEN3_MOE ? "qwen3_moe" : t == FM_MODEL_OLMOE ? "olmoe" : "mixtral");
+    c.vocab_size = 40;
+    c.hidden_size = 24;
+    c.moe_intermediate_size = 12;
+    c.num_hidden_layers = layers;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 6;
+    c.max_position_embeddings = 64;
+    c.num_experts = 5;
+    c.num_experts_per_tok = k;
+    c.rope_theta = 10000;
+    c.rms_norm_eps = 1e-5;
+    c.norm_topk_prob = t != FM_MODEL_OLMOE;
+    c.tie_word_embeddings = tied;
+    c.router_aux_loss_coef = 0.3;
+    c.router_z_loss_coef = 0.05;
+    c.initializer_range = 0.3;
+    c.qk_norm = t == FM_MODEL_QWEN3_MOE ? FM_QK_NORM_PER_HEAD : t == FM_MODEL_OLMOE ? FM_QK_NORM_FULL : FM_QK_NORM_NONE;
+    return c;
+}
+
+/* Random tokens and targets of m's batch from `seed`; target `ignored` (-1: none) is -100. */
+static inline void fm_test_fill_batch(fm_model *m, uint64_t seed, int64_t ignored) {
+    fm_rng r;
+    fm_rng_seed(&r, seed);
+    for (int64_t i = 0; i < m->N; i++) {
+        m->h_tokens[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
+        m->h_targets[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
+    }
+    if (ignored >= 0) m->h_targets[ignored] = -100;
+}
 
 #define FM_TEST_MODEL_SLOTS 16
 static struct {

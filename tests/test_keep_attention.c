@@ -25,44 +25,12 @@ static void counting_attention_fwd(void *ctx, fm_act *out, float *lse, const fm_
     g_cpu_ops->attention_fwd(ctx, out, lse, q, k, v, B, T, nh, nkv, hd);
 }
 
-static fm_config small_config(fm_model_type t) {
-    fm_config c;
-    memset(&c, 0, sizeof c);
-    c.model_type = t;
-    snprintf(c.model_type_name, sizeof c.model_type_name, "%s",
-             t == FM_MODEL_QWEN3_MOE ? "qwen3_moe" : t == FM_MODEL_OLMOE ? "olmoe" : "mixtral");
-    c.vocab_size = 40;
-    c.hidden_size = 24;
-    c.moe_intermediate_size = 12;
-    c.num_hidden_layers = 3;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
-    c.head_dim = 6;
-    c.max_position_embeddings = 64;
-    c.num_experts = 5;
-    c.num_experts_per_tok = 2;
-    c.rope_theta = 10000;
-    c.rms_norm_eps = 1e-5;
-    c.norm_topk_prob = t != FM_MODEL_OLMOE;
-    c.tie_word_embeddings = t == FM_MODEL_MIXTRAL;
-    c.router_aux_loss_coef = 0.3;
-    c.router_z_loss_coef = 0.05;
-    c.initializer_range = 0.3;
-    c.qk_norm = t == FM_MODEL_QWEN3_MOE ? FM_QK_NORM_PER_HEAD : t == FM_MODEL_OLMOE ? FM_QK_NORM_FULL : FM_QK_NORM_NONE;
-    return c;
-}
 
-static void fill_batch(fm_model *m, uint64_t seed) {
-    fm_rng r;
-    fm_rng_seed(&r, seed);
-    for (int64_t i = 0; i < m->N; i++) {
-        m->h_tokens[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
-        m->h_targets[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
-    }
-    m->h_targets[3] = -100;
-}
 
 enum { B_ = 2, T_ = 9, L_ = 3 };
+
+static fm_config small_config(fm_model_type t) { return fm_test_small_config(t, L_, t == FM_MODEL_MIXTRAL, 2); }
+static void fill_batch(fm_model *m, uint64_t seed) { fm_test_fill_batch(m, seed, 3); }
 
 /* A policy: rc, keep per layer (3 layers). */
 typedef struct {

@@ -19,30 +19,14 @@
 
 static fm_backend g_be;
 
-static fm_config small_config(void) {
-    fm_config c;
-    memset(&c, 0, sizeof c);
-    c.model_type = FM_MODEL_QWEN3_MOE;
-    snprintf(c.model_type_name, sizeof c.model_type_name, "qwen3_moe");
-    c.vocab_size = 40; c.hidden_size = 24; c.moe_intermediate_size = 12; c.num_hidden_layers = 3;
-    c.num_attention_heads = 4; c.num_key_value_heads = 2; c.head_dim = 6; c.max_position_embeddings = 64;
-    c.num_experts = 5; c.num_experts_per_tok = 2; c.rope_theta = 10000; c.rms_norm_eps = 1e-5;
-    c.norm_topk_prob = true; c.router_aux_loss_coef = 0.3; c.router_z_loss_coef = 0.05; c.initializer_range = 0.3;
-    c.qk_norm = FM_QK_NORM_PER_HEAD;
-    return c;
-}
+static fm_config small_config(void) { return fm_test_small_config(FM_MODEL_QWEN3_MOE, 3, false, 2); }
 
 static void make_model(fm_model *m, const fm_config *c, const bool *rc, int64_t chunk) {
     FM_ASSERT(fm_test_model_create(m, c, g_be) == FM_OK);
     fm_layout_opts lo = {rc, chunk, 0, 0};
     FM_ASSERT(fm_model_layout(m, 2, 8, &lo) == FM_OK);
     FM_ASSERT(fm_model_init_weights(m, 11) == FM_OK);
-    fm_rng r;
-    fm_rng_seed(&r, 12);
-    for (int64_t i = 0; i < m->N; i++) {
-        m->h_tokens[i] = (int32_t)fm_rng_below(&r, (uint64_t)c->vocab_size);
-        m->h_targets[i] = (int32_t)fm_rng_below(&r, (uint64_t)c->vocab_size);
-    }
+    fm_test_fill_batch(m, 12, -1);
     memset(m->grads, 0, sizeof(float) * (size_t)m->n_params);
 }
 

@@ -23,29 +23,10 @@
 static fm_backend g_be;
 enum { L_ = 4, B_ = 2, T_ = 8 };
 
-static fm_config small_config(fm_model_type t) {
-    fm_config c;
-    memset(&c, 0, sizeof c);
-    c.model_type = t;
-    snprintf(c.model_type_name, sizeof c.model_type_name, "%s",
-             t == FM_MODEL_QWEN3_MOE ? "qwen3_moe" : t == FM_MODEL_OLMOE ? "olmoe" : "mixtral");
-    c.vocab_size = 40; c.hidden_size = 24; c.moe_intermediate_size = 12; c.num_hidden_layers = L_;
-    c.num_attention_heads = 4; c.num_key_value_heads = 2; c.head_dim = 6; c.max_position_embeddings = 64;
-    c.num_experts = 5; c.num_experts_per_tok = 2; c.rope_theta = 10000; c.rms_norm_eps = 1e-5;
-    c.norm_topk_prob = t != FM_MODEL_OLMOE; c.router_aux_loss_coef = 0.3; c.router_z_loss_coef = 0.05;
-    c.initializer_range = 0.3;
-    c.qk_norm = t == FM_MODEL_QWEN3_MOE ? FM_QK_NORM_PER_HEAD : t == FM_MODEL_OLMOE ? FM_QK_NORM_FULL : FM_QK_NORM_NONE;
-    return c;
-}
+static fm_config small_config(fm_model_type t) { return fm_test_small_config(t, L_, false, 2); }
+static void fill_batch(fm_model *m, uint64_t seed) { fm_test_fill_batch(m, seed, -1); }
 
-static void fill_batch(fm_model *m, uint64_t seed) {
-    fm_rng r;
-    fm_rng_seed(&r, seed);
-    for (int64_t i = 0; i < m->N; i++) {
-        m->h_tokens[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
-        m->h_targets[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
-    }
-}
+
 
 static void make_model(fm_model *m, const fm_config *c, const bool *rc, int64_t chunk, int64_t n_off) {
     FM_ASSERT(fm_test_model_create(m, c, g_be) == FM_OK);

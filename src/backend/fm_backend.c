@@ -17,18 +17,10 @@ static void *pin_alloc(void *ctx, size_t n) { return be_of(ctx)->ops->buffer_all
 static void pin_free(void *ctx, void *p) { be_of(ctx)->ops->buffer_free(be_of(ctx)->ctx, FM_BUFFER_PINNED, p); }
 static void *host_alloc(void *ctx, size_t n) { return be_of(ctx)->ops->buffer_alloc(be_of(ctx)->ctx, FM_BUFFER_HOST, n); }
 static void host_free(void *ctx, void *p) { be_of(ctx)->ops->buffer_free(be_of(ctx)->ctx, FM_BUFFER_HOST, p); }
-static void host_fill(void *ctx, void *dst, int byte, size_t n) {
-    (void)ctx;
-    memset(dst, byte, n);
-}
-static void host_read(void *ctx, void *dst, const void *src, size_t n) {
-    (void)ctx;
-    memcpy(dst, src, n);
-}
 
 fm_buffer_type fm_backend_buffer_type(const fm_backend *be, fm_buffer_kind kind) {
-    fm_buffer_type t;
-    memset(&t, 0, sizeof t);
+    const fm_buffer_type host = fm_buffer_type_host(); /* fill and read of host-visible memory */
+    fm_buffer_type t = host;
     t.ctx = (void *)be;
     static const char *const kinds[FM_BUFFER_KINDS] = {"device", "pinned host", "host"};
     FM_ASSERT(kind >= 0 && kind < FM_BUFFER_KINDS);
@@ -36,14 +28,12 @@ fm_buffer_type fm_backend_buffer_type(const fm_backend *be, fm_buffer_kind kind)
     if (kind == FM_BUFFER_DEVICE) {
         t.alloc = dev_alloc;
         t.free = dev_free;
-        t.fill = be->ops->host_memory ? host_fill : dev_fill;
-        t.read = be->ops->host_memory ? host_read : dev_read;
+        t.fill = be->ops->host_memory ? host.fill : dev_fill;
+        t.read = be->ops->host_memory ? host.read : dev_read;
         t.host_visible = be->ops->host_memory;
     } else {
         t.alloc = kind == FM_BUFFER_PINNED ? pin_alloc : host_alloc;
         t.free = kind == FM_BUFFER_PINNED ? pin_free : host_free;
-        t.fill = host_fill;
-        t.read = host_read;
         t.host_visible = true;
     }
     return t;

@@ -6,6 +6,14 @@
 #include "plan/fm_plan.h"
 #include "train/fm_trainer.h"
 
+/* Whether argv names `flag` ("--steps" or "--steps=..."). */
+static bool flag_given(int argc, char **argv, const char *flag) {
+    const size_t n = strlen(flag);
+    for (int i = 1; i < argc; i++)
+        if (!strncmp(argv[i], flag, n) && (argv[i][n] == 0 || argv[i][n] == '=')) return true;
+    return false;
+}
+
 int cmd_train(int argc, char **argv) {
     fm_train_opts o;
     fm_train_opts_default(&o);
@@ -59,20 +67,12 @@ int cmd_train(int argc, char **argv) {
     };
     int r = cli_parse_flags("train", "--config C --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
     if (r) return r == 1 ? 0 : r;
-    bool steps_given = false, shape_given[3] = {false, false, false};
-    const char *const shape_flags[3] = {"--seq-len", "--micro-batch", "--grad-accum"};
-    for (int i = 1; i < argc; i++)
-        if (!strcmp(argv[i], "--steps") || !strncmp(argv[i], "--steps=", 8)) steps_given = true;
-    for (int i = 1; i < argc; i++)
-        for (int f = 0; f < 3; f++) {
-            const size_t n = strlen(shape_flags[f]);
-            if (!strncmp(argv[i], shape_flags[f], n) && (argv[i][n] == 0 || argv[i][n] == '=')) shape_given[f] = true;
-        }
-    if (o.resume && !steps_given) o.steps = 0; /* the checkpoint's total (fm_train) */
-    /* the checkpoint's shape (fm_train), unless given */
-    if (o.resume && !shape_given[0]) o.seq_len = 0;
-    if (o.resume && !shape_given[1]) o.micro_batch = 0;
-    if (o.resume && !shape_given[2]) o.grad_accum = 0;
+    if (o.resume) { /* the checkpoint's total and shape (fm_train), unless given */
+        if (!flag_given(argc, argv, "--steps")) o.steps = 0;
+        if (!flag_given(argc, argv, "--seq-len")) o.seq_len = 0;
+        if (!flag_given(argc, argv, "--micro-batch")) o.micro_batch = 0;
+        if (!flag_given(argc, argv, "--grad-accum")) o.grad_accum = 0;
+    }
     o.data = data;
     o.val_data = o.n_val_data ? val : NULL;
     fm_status s;
