@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Issue 10's GPU checks on one H200, in parts so each fits a device call (logs to $OUT):
+#   bash bench/offload_gpu.sh build          # unpack .deps, build this tree into build-gpu
+#   bash bench/offload_gpu.sh test           # ctest -L gpu
+#   bash bench/offload_gpu.sh tok            # tokenizer goldens with HF tokenizers -> $OUT/tok.tar.gz
+#   bash bench/offload_gpu.sh keepatt [T]    # full recompute vs --recompute-keep-attention (128K)
+#   bash bench/offload_gpu.sh sco [T]        # streamed AdamW, checkpoint offload off vs all (256K)
+#   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/offload-gpu}
+mkdir -p "$OUT"
+D=/tmp/flatmoe-deps-root
+if [ -d .deps ] && [ ! -d $D ]; then for f in .deps/*.deb; do dpkg -x "$f" $D; done; fi
+export LD_LIBRARY_PATH="$D/usr/lib/x86_64-linux-gnu/openblas-openmp:$D/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+CM=(-DFLATMOE_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_INCLUDE_PATH=$D/usr/include
+    "-DCMAKE_LIBRARY_PATH=$D/usr/lib/x86_64-linux-gnu/openblas-openmp;$D/usr/lib/x86_64-linux-gnu")
+TEXT=${TEXT:-$PWD/.data/tinyshakespeare.txt}
+BIN=${BIN:-build-gpu/flatmoe-cuda}
+summ() { # metrics.jsonl: every step's loss (repr), ms, tokens/s, host syncs, phases
+python3 - "$1" <<'PY'
+import json, sys
+try: rows = [json.loads(l) for l in open(sys.argv[1])]
+except Exception as e: print("  no metrics:", e); sys.exit()
+for r in rows:
+    if r.get("type", "step") != "step": continue
+    print("  step %d loss %r gnorm %r tok/s %.0f syncs %s phases %s" % (r["step"], r.get("loss"), r.get("grad_norm"),
+          r.get("tokens_per_s", 0), r.get("host_syncs"), r.get("phase_ms")))
+PY
+}
+run1() { # name T steps flags...
+    local name=$1 T=$2 steps=$3; shift 3
+    rm -rf "/tmp/r-$name"
+    local t0=$(date +%s)
+    FLATMOE_PROFILE=1 "$BIN" train --config configs/olmoe-1b-7b.json --data "$TEXT" --seq-len "$T" --micro-batch 1 \
+        --steps "$steps" --warmup 1 --lr 1e-4 --min-lr 1e-5 --eval-every 0 --eval-batches 1 --val-fraction 0.3 \
+        --max-position-embeddings 1048576 --no-checkpoint --report-memory --out "/tmp/r-$name" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name T=$T exit $? wall $(( $(date +%s) - t0 )) s flags: $*"
+    grep -E "^plan|high-water|error|Error" "$OUT/$name.log" | cut -c1-200 | head -14
+    cp "/tmp/r-$name/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null; summ "$OUT/$name.jsonl"
+}
+case "${1:-}" in
+build)
+    t0=$(date +%s)
+    cmake -S . -B build-gpu "${CM[@]}" > "$OUT/build.log" 2>&1 && cmake --build build-gpu -j16 >> "$OUT/build.log" 2>&1
+    echo "build: $? in $(( $(date +%s) - t0 )) s"; grep -E "error|warning" "$OUT/build.log" | head -20 ;;
+test)
+    (cd build-gpu && ctest -L gpu --output-on-failure --timeout 600 > "$OUT/ctest-gpu.log" 2>&1; echo "ctest -L gpu: $?")
+    grep -E "Test +#|tests passed|FAIL" "$OUT/ctest-gpu.log" | head -40 ;;
+tok)
+    rm -rf /tmp/tok && python3 tools/tok_golden.py "$TEXT" /tmp/tok > "$OUT/tok.log" 2>&1; echo "tok_golden: $?"
+    tail -5 "$OUT/tok.log"; tar -czf "$OUT/tok.tar.gz" -C /tmp tok 2>/dev/null ;;
+keepatt)
+    T=${2:-131072}; F=(--recompute full --moe-chunk-tokens 4096 --ce-block-tokens 1024)
+    run1 full-$T "$T" 3 "${F[@]}"
+    run1 keepatt-$T "$T" 3 "${F[@]}" --recompute-keep-attention ;;
+sco)
+    T=${2:-262144}; F=(--recompute full --moe-chunk-tokens 4096 --ce-block-tokens 1024 --offload-optimizer)
+    run1 sco-off-$T "$T" 2 "${F[@]}"
+    run1 sco-all-$T "$T" 2 "${F[@]}" --offload-boundaries all ;;
+run) shift; run1 "$@" ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|run"; exit 2 ;;
+esac
