@@ -5,7 +5,9 @@
 #   bash bench/offload_gpu.sh tok            # tokenizer goldens with HF tokenizers -> $OUT/tok.tar.gz
 #   bash bench/offload_gpu.sh keepatt [T]    # full recompute vs --recompute-keep-attention (128K)
 #   bash bench/offload_gpu.sh sco [T]        # streamed AdamW, checkpoint offload off vs all (256K)
+#   bash bench/offload_gpu.sh overlap        # the optimizer overlap on and off at 4K and 16K (and G = 16, bf16 moments)
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
+# (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/offload-gpu}
@@ -32,8 +34,9 @@ run1() { # name T steps flags...
     local name=$1 T=$2 steps=$3; shift 3
     rm -rf "/tmp/r-$name"
     local t0=$(date +%s)
-    FLATMOE_PROFILE=1 "$BIN" train --config configs/olmoe-1b-7b.json --data "$TEXT" --seq-len "$T" --micro-batch 1 \
-        --steps "$steps" --warmup 1 --lr 1e-4 --min-lr 1e-5 --eval-every 0 --eval-batches 1 --val-fraction 0.3 \
+    local data=("$TEXT"); for ((i = 1; i < ${COPIES:-1}; i++)); do data+=("$TEXT"); done
+    FLATMOE_PROFILE=1 "$BIN" train --config configs/olmoe-1b-7b.json --data "${data[@]}" --seq-len "$T" --micro-batch 1 \
+        --steps "$steps" --warmup 1 --lr 1e-4 --min-lr 1e-5 --eval-every 0 --eval-batches 1 --val-fraction "${VF:-0.3}" \
         --max-position-embeddings 1048576 --no-checkpoint --report-memory --out "/tmp/r-$name" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name T=$T exit $? wall $(( $(date +%s) - t0 )) s flags: $*"
     grep -E "^plan|high-water|error|Error" "$OUT/$name.log" | cut -c1-200 | head -14
@@ -58,6 +61,15 @@ sco)
     T=${2:-262144}; F=(--recompute full --moe-chunk-tokens 4096 --ce-block-tokens 1024 --offload-optimizer)
     run1 sco-off-$T "$T" 2 "${F[@]}"
     run1 sco-all-$T "$T" 2 "${F[@]}" --offload-boundaries all ;;
+overlap)
+    for T in 4096 16384; do
+        run1 ovl-on-$T $T 6
+        run1 ovl-off-$T $T 6 --no-optimizer-overlap
+    done
+    run1 ovl-on-4096-bf16 4096 6 --bf16-moments
+    run1 ovl-off-4096-bf16 4096 6 --bf16-moments --no-optimizer-overlap
+    run1 ovl-on-4096-g16 4096 4 --grad-accum 16
+    run1 ovl-off-4096-g16 4096 4 --grad-accum 16 --no-optimizer-overlap ;;
 run) shift; run1 "$@" ;;
-*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|run"; exit 2 ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|run"; exit 2 ;;
 esac

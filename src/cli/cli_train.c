@@ -38,6 +38,7 @@ int cmd_train(int argc, char **argv) {
         {"beta1", F_F64, &o.beta1, NULL, "AdamW beta1 (0.9)"},
         {"beta2", F_F64, &o.beta2, NULL, "AdamW beta2 (0.95)"},
         {"bf16-moments", F_BOOL, &o.bf16_moments, NULL, "keep the AdamW moments m and v in bf16 (4 instead of 8 bytes per parameter; the update is computed in fp32, checkpoints hold them as fp32) (off)"},
+        {"no-optimizer-overlap", F_BOOL, &o.no_optimizer_overlap, NULL, "run the update after the backward, with the step waiting for it, instead of layer by layer on a side stream while the next step's forward runs (the same weights either way) (overlapped)"},
         {"offload-optimizer", F_BOOL, &o.offload_optimizer, NULL, "the streamed AdamW: fp32 master, Adam m and v in pinned host memory (12 B/param, 8 with --bf16-moments), streamed through device slots bucket by bucket; the device keeps weights and grads (checkpoints unchanged) (off)"},
         {"offload-optimizer-bucket", F_I64, &o.offload_optimizer_bucket, NULL, "parameters per bucket of --offload-optimizer, 0 = 100M (at most the model's count) (0)"},
         {"offload-optimizer-slots", F_I64, &o.offload_optimizer_slots, NULL, "device staging slots of --offload-optimizer, in [1, 16] (2)"},

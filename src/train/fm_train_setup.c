@@ -210,6 +210,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         }
     }
     FM_TRY(fm_step_ws_init(&r->step, m, o->grad_accum));
+    if (!o->no_optimizer_overlap) FM_TRY(fm_step_ws_enable_overlap(&r->step, m));
     if (n_off > 0) { /* the offload policy: its pinned host copies, as planned, and its hook */
         FM_TRY(fm_sco_create(&r->sco, m));
         if (r->sco.host.capacity != fm_arena_round(plan.host_bytes - plan.host_optimizer_bytes)) {

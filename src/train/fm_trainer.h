@@ -50,6 +50,8 @@ typedef struct fm_train_opts {
                                      at most the model's parameter count) */
     int64_t offload_optimizer_slots;  /* --offload-optimizer-slots: device staging slots, [1, 16] (2) */
     bool report_memory;           /* --report-memory: measured high-water marks vs the plan */
+    bool no_optimizer_overlap;    /* --no-optimizer-overlap: the update runs after the backward and the
+                                     step waits for it (train/fm_optim_overlap.h; default: overlapped) */
     bool quiet;                   /* no per-step lines on stdout */
     bool no_checkpoint;           /* --no-checkpoint: write no checkpoint at all (benchmarks) */
     int64_t max_position_embeddings; /* > 0: overrides the config's (RoPE has no hard limit) */
