@@ -310,6 +310,9 @@ static void test_bound_formula(void) {
     CHECK(fm_linear_ce_ring_bound_bytes_a(FM_LCE_RING_WEIGHTS, n, H, V, P, false, true, NULL, 2) ==
           fm_arena_round(100 * 250 * 4) + fm_arena_round(100 * 250 * 2) + 2 * 2 * fm_arena_round(S * H * 2) +
               3 * fm_arena_round(100 * 4));
+    /* forward only: no act copy of the strip, no accumulator */
+    CHECK(fm_linear_ce_ring_bound_bytes_a(FM_LCE_RING_WEIGHTS, n, H, V, P, false, false, NULL, 2) ==
+          fm_arena_round(100 * 250 * 4) + 2 * fm_arena_round(S * H * 2) + 3 * fm_arena_round(100 * 4));
     int64_t b, rows, total = 0;
     for (int r = 0; r < 4; r++) {
         fm_lce_ring_shard(9, 4, r, &b, &rows);

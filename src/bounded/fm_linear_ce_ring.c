@@ -105,7 +105,8 @@ static size_t ring_bound(fm_lce_ring_mode mode, int64_t n_max, int64_t H, int64_
     if (n_max <= 0) return 0;
     const int64_t S = shard_size(V, P);
     if (mode == FM_LCE_RING_AUTO) mode = fm_lce_ring_choose(n_max, V, P);
-    const size_t strip = fm_linear_ce_strip_bytes_a(min64(Nb0, n_max), min64(Vb0, S > 0 ? S : 1), a);
+    /* the strip's act copy exists only with backward (act size 4: the formula without it) */
+    const size_t strip = fm_linear_ce_strip_bytes_a(min64(Nb0, n_max), min64(Vb0, S), f.dh || f.dW ? a : 4);
     const size_t B = (size_t)ring_buffers(P, mode);
     if (mode == FM_LCE_RING_ACTIVATIONS) {
         const act_layout L = act_lay(n_max, H, a, f);

@@ -81,7 +81,8 @@ fm_lce_ring_mode fm_lce_ring_choose(int64_t n_max, int64_t V, int P);
  * n_max), Vb = min(block_vocab, S), S = ceil(V / P), a = the act element's bytes, round() as
  * fm_arena_alloc rounds, and B = 2 buffers when P > 1 (the message in flight and the receive
  * buffer), else 1 (ACTIVATIONS: the state's home) or 0 (WEIGHTS):
- *   strip       = fm_linear_ce_strip_bytes_a(Nb, Vb, a)          (the one-rank op's strip)
+ *   strip       = fm_linear_ce_strip_bytes_a(Nb, Vb, a)          (the one-rank op's strip; its
+ *                 act copy, where a != 4, only when dh or dW is wanted)
  *   ACTIVATIONS : strip + B * msg(n_max), msg(n) = round(4n) targets [+ round(4n) weights]
  *                 + (3 [+ 1 entropy]) round(4n) state + round(n H a) h [+ round(n H a) dh]
  *   WEIGHTS     : strip + B * (round(S H a) W_s [+ round(S H a) dW accumulator])
