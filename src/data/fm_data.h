@@ -153,7 +153,8 @@ int64_t fm_dataset_eval_windows(const fm_dataset *ds, int64_t T);
 
 /* Fills up to B rows of inputs and targets ([B, T] int32 each) with the sequential windows
  * first_window, first_window + 1, ... (window w starts at token w*T), stopping at the last window;
- * masked targets are FM_IGNORE_INDEX; *n_filled = number of rows written (0 when first_window >=
+ * masked targets are FM_IGNORE_INDEX (not rank-aware: every rank fills the same windows);
+ * *n_filled = number of rows written (0 when first_window >=
  * fm_dataset_eval_windows). Rows past *n_filled are left untouched.
  * Precondition (asserted): B >= 1, T >= 1, first_window >= 0. */
 void fm_dataset_eval_batch(const fm_dataset *ds, int64_t first_window, int64_t B, int64_t T,
