@@ -70,6 +70,16 @@ overlap)
     run1 ovl-off-4096-bf16 4096 6 --bf16-moments --no-optimizer-overlap
     run1 ovl-on-4096-g16 4096 4 --grad-accum 16
     run1 ovl-off-4096-g16 4096 4 --grad-accum 16 --no-optimizer-overlap ;;
+million) # OLMoE-1B-7B at 1,048,576 tokens (issue 10): ~10 min a step, so it runs detached (setsid)
+    # and `collect` (the next call, while the machine is warm) waits for it and prints the summary.
+    # Device plan 134.8 GiB, pinned host 109.3 GiB (8 boundaries of 4 GiB + 12 B/param of AdamW).
+    mkdir -p /tmp/m1; OUT=/tmp/m1 COPIES=3 VF=0.34 setsid nohup bash bench/offload_gpu.sh run m1 1048576 ${STEPS:-2} \
+        --recompute full --moe-chunk-tokens 4096 --ce-block-tokens 1024 --offload-optimizer \
+        --offload-boundaries ${NOFF:-8} > /tmp/m1/summary.txt 2>&1 < /dev/null &
+    echo "started; collect with: bash bench/offload_gpu.sh collect" ;;
+collect)
+    for i in $(seq 1 ${WAIT_S:-580}); do grep -q "^== m1" /tmp/m1/summary.txt 2>/dev/null && sleep 5 && break; sleep 1; done
+    cat /tmp/m1/summary.txt; cp /tmp/m1/* "$OUT"/ 2>/dev/null; tail -5 /tmp/m1/m1.log ;;
 run) shift; run1 "$@" ;;
-*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|run"; exit 2 ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|million|collect|run"; exit 2 ;;
 esac
