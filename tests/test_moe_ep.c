@@ -37,6 +37,8 @@ typedef struct ep_case {
     enum route_kind route;
     int target;         /* ROUTE_TO_RANK: the rank; ROUTE_TO_EXPERT: the expert */
     uint64_t seed;
+    fm_llep_opts llep;  /* least-loaded placement (off: plain EP) */
+    bool skewed;        /* LLEP: the routing is skewed enough that placement must move rows */
 } ep_case;
 
 /* Rank p's data: x [N,H], topk idx/w [N,k], dy [N,H]. */
@@ -153,20 +155,20 @@ static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
     int32_t *order = inew(N);
     fm_moe_chunk_order(order, N, K);
     fm_moe_ep_bound b;
-    const size_t dev_bytes = fm_moe_ep_bound_bytes(d, P, cs->c, sizeof(fm_act), &b);
+    const size_t dev_bytes = fm_moe_ep_bound_bytes(d, P, cs->c, sizeof(fm_act), &cs->llep, &b);
     CHECK(dev_bytes == b.device && b.rows_max == P * cs->c * (k < El ? k : El));
     /* the layout takes exactly the bound (a measuring arena) */
     fm_arena md, mh, dev, host;
     fm_arena_init_measure(&md, "ep measure");
     fm_arena_init_measure(&mh, "ep measure host");
     fm_moe_ep_ws ws;
-    CHECK(fm_moe_ep_ws_layout(&ws, &md, &mh, d, P, me, cs->c) == FM_OK);
+    CHECK(fm_moe_ep_ws_layout(&ws, &md, &mh, d, P, me, cs->c, &cs->llep) == FM_OK);
     CHECK_MSG(md.high == b.device && mh.high == b.host, "%s: layout %zu/%zu bytes, bound %zu/%zu", cs->name, md.high,
               mh.high, b.device, b.host);
     const size_t slack = 4096; /* painted: nothing may be written past the bound */
     FM_ASSERT(fm_arena_init(&dev, "ep chunk working set", b.device + slack) == FM_OK);
     FM_ASSERT(fm_arena_init(&host, "ep host", b.host) == FM_OK);
-    FM_ASSERT(fm_moe_ep_ws_layout(&ws, &dev, &host, d, P, me, cs->c) == FM_OK);
+    FM_ASSERT(fm_moe_ep_ws_layout(&ws, &dev, &host, d, P, me, cs->c, &cs->llep) == FM_OK);
     fm_arena_paint(&dev);
     const int64_t lw = El * I * H;
     float *gg = fnew(lw), *gu = fnew(lw), *gd = fnew(lw);
@@ -193,20 +195,41 @@ static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
     CHECK_MSG(eg <= 1e-6, "%s: rank %d expert weight grads rel L1 %g", cs->name, me, eg);
     /* the receive high-water mark: the rows the generated routing sends this rank in its busiest
      * chunk (every rank's chunk j is its tokens j, j+K, ...) */
-    int64_t want_high = 0, want_send = 0;
+    int64_t want_high = 0, want_send = 0, plain_max = 0; /* plain EP: this rank's and the busiest rank's */
     for (int64_t j = 0; j < K; j++) {
-        int64_t rows = 0;
-        for (int p = 0; p < P; p++)
-            for (int64_t t = j; t < rd[p].N; t += K)
-                for (int64_t s = 0; s < k; s++) rows += rd[p].idx[t * k + s] / El == me;
-        if (rows > want_high) want_high = rows;
+        for (int q = 0; q < P; q++) {
+            int64_t rows = 0;
+            for (int p = 0; p < P; p++)
+                for (int64_t t = j; t < rd[p].N; t += K)
+                    for (int64_t s = 0; s < k; s++) rows += rd[p].idx[t * k + s] / El == q;
+            if (q == me && rows > want_high) want_high = rows;
+            if (rows > plain_max) plain_max = rows;
+        }
         const int64_t sr = fm_moe_chunk_size(N, K, j) * k;
         if (sr > want_send) want_send = sr;
     }
     const size_t high_bytes = (size_t)ws.recv_rows_high * (size_t)H * sizeof(fm_act);
-    CHECK_MSG(ws.recv_rows_high == want_high && ws.send_rows_high == want_send,
-              "%s: rank %d received at most %lld rows (want %lld), sent %lld (want %lld)", cs->name, me,
-              (long long)ws.recv_rows_high, (long long)want_high, (long long)ws.send_rows_high, (long long)want_send);
+    if (!cs->llep.on)
+        CHECK_MSG(ws.recv_rows_high == want_high && ws.send_rows_high == want_send,
+                  "%s: rank %d received at most %lld rows (want %lld), sent %lld (want %lld)", cs->name, me,
+                  (long long)ws.recv_rows_high, (long long)want_high, (long long)ws.send_rows_high,
+                  (long long)want_send);
+    else {
+        /* least-loaded placement: under skew it moved rows in some chunk (the same verdict on every
+         * rank) and the busiest rank now computes fewer rows than under plain EP */
+        int64_t agg[2] = {ws.recv_rows_high, ws.llep_chunks};
+        CHECK(fm_comm_allreduce_max_i64(comm, agg, 2, 30) == FM_OK);
+        CHECK_MSG(agg[1] == ws.llep_chunks, "%s: rank %d placed %lld chunks, another %lld", cs->name, me,
+                  (long long)ws.llep_chunks, (long long)agg[1]);
+        if (cs->skewed && P > 1)
+            CHECK_MSG(ws.llep_chunks > 0 && agg[0] < plain_max,
+                      "%s: LLEP moved rows in %lld chunks; busiest rank %lld rows, plain EP %lld", cs->name,
+                      (long long)ws.llep_chunks, (long long)agg[0], (long long)plain_max);
+        if (me == 0 && cs->skewed)
+            printf("LLEP %s at ep %d: the busiest rank computes %lld rows in a chunk, %lld under plain EP "
+                   "(rows moved in %lld of %lld chunk passes, forward and backward)\n", cs->name, P,
+                   (long long)agg[0], (long long)plain_max, (long long)ws.llep_chunks, (long long)(2 * K));
+    }
     CHECK_MSG(high_bytes <= b.recv && ws.recv_rows_high <= b.rows_max, "%s: rank %d receive high %zu > bound %zu",
               cs->name, me, high_bytes, b.recv);
     printf("rank %d (world %d) %-34s ep %d N %3lld c %2lld K %2lld | recv high %4lld rows = %6zu B of bound %6zu B "
@@ -214,7 +237,7 @@ static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
            me, g_world_rank, cs->name, P, (long long)N, (long long)cs->c, (long long)K, (long long)ws.recv_rows_high,
            high_bytes, b.recv, b.device, ey, edx, etw, eg);
     /* where every rank routes everything to one rank and fills its chunks, the bound is reached */
-    if (cs->route == ROUTE_TO_RANK && me == cs->target && k <= El) {
+    if (!cs->llep.on && cs->route == ROUTE_TO_RANK && me == cs->target && k <= El) {
         bool full = true;
         for (int p = 0; p < P; p++) full &= rd[p].N == K * cs->c;
         if (full) CHECK_MSG(ws.recv_rows_high == b.rows_max, "%s: rank %d: %lld rows, bound %lld not reached",
@@ -230,12 +253,13 @@ static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
 
 /* ---- the cases ---------------------------------------------------------------------------------- */
 
-static void run_cases(const fm_comm *comm, uint64_t salt) {
+static void run_cases_llep(const fm_comm *comm, uint64_t salt, const fm_llep_opts *llep) {
     const int P = fm_comm_size(comm);
     const fm_moe_dims dk2 = {32, 16, 8, 2}, dk1 = {32, 16, 8, 1};
     ep_case cs;
     /* random routing, different N per rank, a cap that divides none of them */
     memset(&cs, 0, sizeof cs);
+    if (llep) cs.llep = *llep;
     cs.name = "random, c=5", cs.d = dk2, cs.c = 5, cs.route = ROUTE_RANDOM, cs.seed = 11;
     for (int p = 0; p < P; p++) cs.N[p] = 13 + 7 * p;
     run_case(comm, &cs, salt);
@@ -253,6 +277,7 @@ static void run_cases(const fm_comm *comm, uint64_t salt) {
     run_case(comm, &cs, salt);
     /* every token of every rank to the experts of the last rank: full chunks reach the bound */
     cs.name = "all to one rank, full chunks", cs.c = 4, cs.route = ROUTE_TO_RANK, cs.target = P - 1, cs.seed = 15;
+    cs.skewed = true;
     for (int p = 0; p < P; p++) cs.N[p] = 12;
     if (8 / P >= 2) run_case(comm, &cs, salt);
     /* the same to rank 0 with ragged N and a rank with zero tokens */
@@ -261,12 +286,90 @@ static void run_cases(const fm_comm *comm, uint64_t salt) {
     if (8 / P >= 2) run_case(comm, &cs, salt);
     /* every token has expert 5 among its two */
     cs.name = "all to expert 5 (k=2)", cs.c = 5, cs.route = ROUTE_TO_EXPERT, cs.target = 5, cs.seed = 17;
+    cs.skewed = P > 1 && P < 8; /* half of all rows on one rank, at ep 2 and 4 */
     for (int p = 0; p < P; p++) cs.N[p] = 11 + 2 * p;
     run_case(comm, &cs, salt);
     /* k = 1: every token to expert 2 only */
     cs.name = "all to expert 2 (k=1)", cs.d = dk1, cs.c = 3, cs.target = 2, cs.seed = 18;
     for (int p = 0; p < P; p++) cs.N[p] = 10 + p;
     run_case(comm, &cs, salt);
+}
+
+/* Every case with plain EP, then with least-loaded placement (small pieces: the chunks here
+ * are a few rows; two hosted experts per rank). */
+static void run_cases(const fm_comm *comm, uint64_t salt) {
+    run_cases_llep(comm, salt, NULL);
+    fm_llep_opts o = fm_llep_defaults();
+    o.min_piece = 1;
+    run_cases_llep(comm, salt, &o);
+}
+
+/* The placement alone (fm_moe_llep.h) over random and skewed loads: every row placed exactly
+ * once, helpers within max_foreign and the receive bound, hosted lists sorted, no spill under
+ * the trigger, and with min_piece 1 the busiest rank never busier than under plain EP. */
+static void test_llep_place(void) {
+    fm_rng r;
+    fm_rng_seed(&r, 99);
+    for (int iter = 0; iter < 400; iter++) {
+        const int P = 1 + (int)fm_rng_below(&r, 6);
+        const int64_t El = 1 + (int64_t)fm_rng_below(&r, 4), E = P * El, F = 1 + (int64_t)fm_rng_below(&r, 3);
+        fm_llep_opts o = fm_llep_defaults();
+        o.min_piece = iter % 2 ? 1 : 1 + (int64_t)fm_rng_below(&r, 6);
+        int64_t load[32], native[8] = {0}, T = 0, Lmax = 0;
+        const int skew = (int)fm_rng_below(&r, 3);
+        for (int64_t e = 0; e < E; e++) {
+            load[e] = (int64_t)fm_rng_below(&r, 20);
+            if (skew == 1 && e / El == 0) load[e] += 40; /* one hot rank */
+            if (skew == 2 && e == E - 1) load[e] += 100; /* one hot expert */
+            native[e / El] += load[e], T += load[e];
+        }
+        for (int q = 0; q < P; q++) Lmax = native[q] > Lmax ? native[q] : Lmax;
+        const int64_t rows_max = Lmax + (int64_t)fm_rng_below(&r, 30);
+        fm_arena h;
+        FM_ASSERT(fm_arena_init(&h, "plan", fm_llep_plan_bytes(P, E, F)) == FM_OK);
+        fm_llep_plan pl;
+        fm_llep_plan_layout(&pl, &h, P, E, F);
+        CHECK(h.used == fm_llep_plan_bytes(P, E, F));
+        fm_llep_place(&pl, load, rows_max, &o);
+        int64_t rows[8] = {0}, sum = 0, rmax = 0;
+        bool pieces_ok = true;
+        for (int64_t e = 0; e < E; e++) {
+            int64_t covered = 0; /* rank q's range of e, as the operator asks for it */
+            for (int q = 0; q < P; q++) {
+                int64_t st, len;
+                fm_llep_range(&pl, e, q, &st, &len);
+                rows[q] += len;
+                covered += len;
+                pieces_ok &= st >= 0 && st + len <= load[e];
+            }
+            pieces_ok &= covered == load[e];
+            for (int64_t t = pl.piece_start[e]; t < pl.piece_start[e + 1]; t++)
+                pieces_ok &= pl.piece_rank[t] != e / El && pl.piece_len[t] > 0;
+        }
+        CHECK_MSG(pieces_ok, "llep iter %d: a range outside its expert's rows, or a piece on the native rank", iter);
+        bool tiles = true;
+        for (int64_t e = 0; e < E; e++) {
+            int64_t tot = pl.native_len[e];
+            for (int64_t t = pl.piece_start[e]; t < pl.piece_start[e + 1]; t++) tot += pl.piece_len[t];
+            tiles &= tot == load[e];
+        }
+        CHECK_MSG(tiles, "llep iter %d: the ranges do not tile each expert's rows", iter);
+        for (int q = 0; q < P; q++) {
+            CHECK_MSG(rows[q] == pl.rows[q] && rows[q] <= rows_max, "llep iter %d: rank %d rows %lld/%lld, bound %lld",
+                      iter, q, (long long)rows[q], (long long)pl.rows[q], (long long)rows_max);
+            CHECK(pl.nforeign[q] >= 0 && pl.nforeign[q] <= F);
+            for (int i = 1; i < pl.nforeign[q]; i++) CHECK(pl.foreign[q * F + i - 1] < pl.foreign[q * F + i]);
+            for (int i = 0; i < pl.nforeign[q]; i++) CHECK(pl.foreign[q * F + i] / El != q);
+            sum += rows[q];
+            rmax = rows[q] > rmax ? rows[q] : rmax;
+        }
+        CHECK(sum == T);
+        if ((double)Lmax <= o.lambda * (double)T / P) CHECK_MSG(!pl.spill, "llep iter %d: spilled under the trigger", iter);
+        if (o.min_piece == 1) CHECK_MSG(rmax <= Lmax, "llep iter %d: busiest %lld > plain %lld", iter, (long long)rmax,
+                                        (long long)Lmax);
+        if (skew == 1 && P > 1 && o.min_piece == 1) CHECK_MSG(pl.spill && rmax < Lmax, "llep iter %d: a hot rank kept", iter);
+        fm_arena_free(&h);
+    }
 }
 
 /* An error that every rank of the group must return alike (status and a message piece). */
@@ -288,19 +391,23 @@ static void run_errors(const fm_comm *comm) {
     fm_arena_init_measure(&mh, "mh");
     if (P > 1) {
         snprintf(piece, sizeof piece, "num_experts %d is not divisible by the ep degree %d", P * 2 + 1, P);
-        EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_ws_layout(&ws, &md, &mh, &bad, P, me, 4), piece);
-        CHECK(fm_moe_ep_bound_bytes(&bad, P, 4, 4, NULL) == 0);
+        EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_ws_layout(&ws, &md, &mh, &bad, P, me, 4, NULL), piece);
+        CHECK(fm_moe_ep_bound_bytes(&bad, P, 4, 4, NULL, NULL) == 0);
     }
-    EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_ws_layout(&ws, &md, &mh, &(fm_moe_dims){8, 4, 2 * P, 1}, P, me, 0), "cap");
+    EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_ws_layout(&ws, &md, &mh, &(fm_moe_dims){8, 4, 2 * P, 1}, P, me, 0, NULL), "cap");
+    fm_llep_opts bo = fm_llep_defaults();
+    bo.max_foreign = 0;
+    EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_ws_layout(&ws, &md, &mh, &(fm_moe_dims){8, 4, 2 * P, 1}, P, me, 4, &bo),
+               "max_foreign 0");
 
     /* the working set and data for the agreement errors: dims {8, 4, 2P, 3}, cap 2 */
     const fm_moe_dims d = {8, 4, 2 * (int64_t)P, 3};
     const int64_t c = 2, N = 4, H = d.H, k = d.k, El = 2;
     fm_moe_ep_bound b;
-    fm_moe_ep_bound_bytes(&d, P, c, sizeof(fm_act), &b);
+    fm_moe_ep_bound_bytes(&d, P, c, sizeof(fm_act), NULL, &b);
     fm_arena dev, host;
     FM_ASSERT(fm_arena_init(&dev, "ep", b.device) == FM_OK && fm_arena_init(&host, "eph", b.host) == FM_OK);
-    FM_ASSERT(fm_moe_ep_ws_layout(&ws, &dev, &host, &d, P, me, c) == FM_OK);
+    FM_ASSERT(fm_moe_ep_ws_layout(&ws, &dev, &host, &d, P, me, c, NULL) == FM_OK);
     float *W = fnew(El * d.I * H * 3), *x = fnew(N * H), *y = fnew(N * H), *tw = fnew(N * k), *dx = fnew(N * H);
     float *dtw = fnew(N * k), *G = fnew(El * d.I * H * 3);
     int32_t *idx = inew(N * k), *order = inew(N);
@@ -338,6 +445,7 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "self")) {
         fm_comm self;
         FM_ASSERT(fm_comm_self_create(&self, NULL, 0) == FM_OK);
+        test_llep_place();
         run_cases(&self, 0);
         run_errors(&self);
         fm_comm_free(&self);

@@ -41,11 +41,14 @@ fm_status fm_moe_ep_check(const fm_moe_dims *d, int ep, int64_t c) {
     return FM_OK;
 }
 
-size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t a, fm_moe_ep_bound *b) {
+static bool llep_on(const fm_llep_opts *o) { return o && o->on; }
+
+size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t a, const fm_llep_opts *llep,
+                             fm_moe_ep_bound *b) {
     fm_moe_ep_bound z;
     memset(&z, 0, sizeof z);
     if (b) *b = z;
-    if (d->E % (ep > 0 ? ep : 1) != 0 || ep < 1 || c < 1) return 0;
+    if (ep < 1 || c < 1 || d->E % ep != 0) return 0;
     const int64_t H = d->H, I = d->I, k = d->k, E_loc = d->E / ep;
     const int64_t Rm = (int64_t)ep * c * min64(k, E_loc);
     z.rows_max = Rm;
@@ -53,8 +56,13 @@ size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t a, 
     z.send = 2 * RA(c * k * H);
     z.source = 3 * RA(c * H) + 5 * R4(c * k);
     z.experts = 3 * RA(Rm * H) + 6 * RA(Rm * I) + R4(Rm);
-    z.device = z.recv + z.send + z.source + z.experts;
-    z.host = R8(d->E + 1) + R8(E_loc + 1) + R8((int64_t)ep * (d->E + T_EXTRA)) + 4 * R8(ep) + R4(Rm);
+    z.host = R8(d->E + 1) + R8(E_loc + 1) + R8((int64_t)ep * (d->E + T_EXTRA)) + 5 * R8(ep) + R4(Rm);
+    if (llep_on(llep)) {
+        const int64_t F = llep->max_foreign, PM = (int64_t)(ep - 1) * min64(F, E_loc);
+        z.llep = 6 * RA(F * I * H) + 3 * RA(PM * I * H) + R4(c * k);
+        z.host += R4(c * k) + 4 * R8(ep) + R8(F + 1) + R8(d->E) + R4(PM) + fm_llep_plan_bytes(ep, d->E, F);
+    }
+    z.device = z.recv + z.send + z.source + z.experts + z.llep;
     if (b) *b = z;
     return z.device;
 }
@@ -62,8 +70,13 @@ size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t a, 
 #define TAKE(ar, type, count) ((type *)fm_arena_alloc((ar), sizeof(type) * (size_t)(count)))
 
 fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, const fm_moe_dims *d, int ep,
-                              int rank, int64_t c) {
+                              int rank, int64_t c, const fm_llep_opts *llep) {
     FM_TRY(fm_moe_ep_check(d, ep, c));
+    if (llep_on(llep) && !(llep->lambda >= 1 && llep->alpha > 0 && llep->min_piece >= 1 && llep->max_foreign >= 1))
+        return fm_error(FM_ERR_ARG, "moe_ep: least-loaded placement options lambda %g, alpha %g, min_piece %lld, "
+                        "max_foreign %lld; expected lambda >= 1, alpha > 0, min_piece >= 1, max_foreign >= 1 "
+                        "(defaults: fm_llep_defaults)", llep->lambda, llep->alpha, (long long)llep->min_piece,
+                        (long long)llep->max_foreign);
     if (rank < 0 || rank >= ep)
         return fm_error(FM_ERR_ARG, "moe_ep: rank %d is not in the ep group of %d ranks (expected 0..%d)", rank, ep,
                         ep - 1);
@@ -99,6 +112,15 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
     w->exp_ws.dh_up = TAKE(dev, fm_act, Rm * I);
     w->perm = TAKE(dev, int32_t, Rm);
     w->exp_ws.dye = w->exp.ye; /* ye is sent back before dye arrives */
+    if (llep_on(llep)) {
+        w->llep = *llep;
+        w->F = llep->max_foreign;
+        w->pairs_max = (int64_t)(ep - 1) * min64(w->F, w->E_loc);
+        for (int m = 0; m < 3; m++) w->fw[m] = TAKE(dev, fm_act, w->F * I * H);
+        for (int m = 0; m < 3; m++) w->fg[m] = TAKE(dev, fm_act, w->F * I * H);
+        for (int m = 0; m < 3; m++) w->stage[m] = TAKE(dev, fm_act, w->pairs_max * I * H);
+        w->pack = TAKE(dev, int32_t, c * k);
+    }
     /* host */
     w->src.offsets = TAKE(host, int64_t, d->E + 1);
     w->exp.offsets = TAKE(host, int64_t, w->E_loc + 1);
@@ -107,7 +129,19 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
     w->send_displs = TAKE(host, int64_t, ep);
     w->recv_counts = TAKE(host, int64_t, ep);
     w->recv_displs = TAKE(host, int64_t, ep);
+    w->cursor = TAKE(host, int64_t, ep);
     w->perm_host = TAKE(host, int32_t, Rm);
+    if (llep_on(llep)) {
+        w->pack_host = TAKE(host, int32_t, c * k);
+        w->wsend_counts = TAKE(host, int64_t, ep);
+        w->wsend_displs = TAKE(host, int64_t, ep);
+        w->wrecv_counts = TAKE(host, int64_t, ep);
+        w->wrecv_displs = TAKE(host, int64_t, ep);
+        w->foff = TAKE(host, int64_t, w->F + 1);
+        w->load = TAKE(host, int64_t, d->E);
+        w->pair_local = TAKE(host, int32_t, w->pairs_max);
+        fm_llep_plan_layout(&w->plan, host, ep, d->E, w->F);
+    }
     return FM_OK;
 }
 
@@ -139,6 +173,54 @@ static fm_status ep_comm_fail(const ep_call *c, fm_status st, int64_t j) {
     char msg[512];
     snprintf(msg, sizeof msg, "%s", fm_errmsg());
     return fm_error(st, "moe_ep %s, chunk %lld of %lld: %s", c->what, (long long)j, (long long)c->K, msg);
+}
+
+/* Compute slots of rank q: its E_loc experts, then (spilled chunks) its hosted experts. */
+static int64_t ep_nslots(const fm_moe_ep_ws *ws, int q) { return ws->E_loc + (ws->spill ? ws->plan.nforeign[q] : 0); }
+static int64_t ep_slot(const fm_moe_ep_ws *ws, int q, int64_t s) {
+    return ws->spill ? fm_llep_slot_expert(&ws->plan, q, s) : q * ws->E_loc + s;
+}
+
+/* Source p's rows of expert e that rank q computes: [*off, *off + *n) of p's rows of e (p's rows
+ * of e are rows [G, G + count) of e's source-major order, G = the earlier sources' counts). */
+static void ep_rows(const fm_moe_ep_ws *ws, int64_t S, int p, int64_t e, int q, int64_t *off, int64_t *n) {
+    const int64_t cnt = ws->table[(int64_t)p * S + e];
+    *off = 0;
+    if (!ws->spill) {
+        *n = q == e / ws->E_loc ? cnt : 0;
+        return;
+    }
+    int64_t G = 0, lo, len;
+    for (int pp = 0; pp < p; pp++) G += ws->table[(int64_t)pp * S + e];
+    fm_llep_range(&ws->plan, e, q, &lo, &len);
+    const int64_t a = G > lo ? G : lo, b = G + cnt < lo + len ? G + cnt : lo + len;
+    *off = a - G;
+    *n = b > a ? b - a : 0;
+}
+
+/* The weight exchange of a spilled chunk (elements of I*H per expert): this rank as native sends
+ * each helper h its experts among h's hosted ones (staged in h order, then slot order: the pairs
+ * pair_local lists), and as helper receives its hosted experts, which come sorted, so those of one
+ * native rank are contiguous. */
+static void ep_weight_counts(fm_moe_ep_ws *ws, const fm_moe_dims *d) {
+    const int P = ws->ep, me = ws->rank;
+    const int64_t El = ws->E_loc, IH = d->I * d->H;
+    int64_t pi = 0;
+    for (int h = 0; h < P; h++) {
+        ws->wsend_displs[h] = pi * IH;
+        for (int64_t s = El; s < ep_nslots(ws, h); s++) {
+            const int64_t e = ep_slot(ws, h, s);
+            if (e / El == me) ws->pair_local[pi++] = (int32_t)(e - me * El);
+        }
+        ws->wsend_counts[h] = pi * IH - ws->wsend_displs[h];
+    }
+    FM_ASSERT(pi <= ws->pairs_max);
+    for (int o = 0; o < P; o++) ws->wrecv_counts[o] = 0, ws->wrecv_displs[o] = 0;
+    for (int64_t s = El; s < ep_nslots(ws, me); s++) {
+        const int o = (int)(ep_slot(ws, me, s) / El);
+        if (ws->wrecv_counts[o] == 0) ws->wrecv_displs[o] = (s - El) * IH;
+        ws->wrecv_counts[o] += IH;
+    }
 }
 
 /* Agrees on chunk j's counts (n tokens here, `err` this rank's flag) and checks them; on every
@@ -184,38 +266,70 @@ static fm_status ep_agree(const ep_call *c, int64_t j, int64_t n, int64_t err, i
                                 (long long)ws->rows_per_src);
         }
     }
-    /* source -> owner counts (elements) */
-    for (int q = 0; q < P; q++) {
-        const int64_t r0 = ws->src.offsets[q * El], r1 = ws->src.offsets[(q + 1) * El];
-        ws->send_counts[q] = (r1 - r0) * H;
-        ws->send_displs[q] = r0 * H;
+    /* the placement: plain, or least-loaded (the same plan on every rank: the same table) */
+    ws->spill = false;
+    if (ws->llep.on) {
+        for (int64_t e = 0; e < E; e++) {
+            ws->load[e] = 0;
+            for (int p = 0; p < P; p++) ws->load[e] += t[(int64_t)p * S + e];
+        }
+        fm_llep_place(&ws->plan, ws->load, ws->rows_max, &ws->llep);
+        ws->spill = ws->plan.spill;
+        if (ws->spill) ws->llep_chunks++;
     }
+    ws->rows_out = n * d->k;
+    /* source -> computing rank: for each rank q, its slots' rows of this source, slot by slot
+     * (plain: q's experts in order, one contiguous block of the expert-major rows) */
+    int64_t pos = 0;
+    for (int q = 0; q < P; q++) {
+        ws->send_displs[q] = pos * H;
+        for (int64_t s = 0; s < ep_nslots(ws, q); s++) {
+            const int64_t e = ep_slot(ws, q, s);
+            int64_t off, cnt;
+            ep_rows(ws, S, me, e, q, &off, &cnt);
+            if (ws->spill)
+                for (int64_t i = 0; i < cnt; i++) ws->pack_host[pos + i] = (int32_t)(ws->src.offsets[e] + off + i);
+            pos += cnt;
+        }
+        ws->send_counts[q] = pos * H - ws->send_displs[q];
+    }
+    FM_ASSERT(pos == n * d->k);
+    if (ws->spill && pos > 0)
+        c->be->ops->copy(c->be->ctx, ws->pack, ws->pack_host, sizeof(int32_t) * (size_t)pos, FM_COPY_H2D);
+    /* computing rank <- sources: source p's block holds its rows of this rank's slots, in slot order */
+    const int64_t ns = ep_nslots(ws, me);
     int64_t rows = 0;
     for (int p = 0; p < P; p++) {
-        const int64_t *tp = t + (int64_t)p * S + (int64_t)me * El;
         int64_t rp = 0;
-        for (int64_t e = 0; e < El; e++) rp += tp[e];
+        for (int64_t s = 0; s < ns; s++) {
+            int64_t off, cnt;
+            ep_rows(ws, S, p, ep_slot(ws, me, s), me, &off, &cnt);
+            rp += cnt;
+        }
         ws->recv_counts[p] = rp * H;
         ws->recv_displs[p] = rows * H;
+        ws->cursor[p] = rows;
         rows += rp;
     }
-    /* the owner's expert-major order: expert e's rows from source 0, then 1, ...; recv holds
-     * source p's block at recv_displs[p], its experts' rows in expert order inside it */
-    int64_t pos = 0;
+    /* the slot-major (expert-major) order: slot s's rows from source 0, then 1, ... */
+    pos = 0;
     ws->exp.offsets[0] = 0;
-    for (int64_t e = 0; e < El; e++) {
+    for (int64_t s = 0; s < ns; s++) {
         for (int p = 0; p < P; p++) {
-            const int64_t *tp = t + (int64_t)p * S + (int64_t)me * El;
-            int64_t base = ws->recv_displs[p] / H;
-            for (int64_t f = 0; f < e; f++) base += tp[f];
-            for (int64_t i = 0; i < tp[e]; i++) ws->perm_host[pos++] = (int32_t)(base + i);
+            int64_t off, cnt;
+            ep_rows(ws, S, p, ep_slot(ws, me, s), me, &off, &cnt);
+            for (int64_t i = 0; i < cnt; i++) ws->perm_host[pos++] = (int32_t)(ws->cursor[p] + i);
+            ws->cursor[p] += cnt;
         }
-        ws->exp.offsets[e + 1] = pos;
+        if (s < El) ws->exp.offsets[s + 1] = pos;
+        else ws->foff[s - El + 1] = pos - ws->exp.offsets[El];
     }
+    if (ws->foff) ws->foff[0] = 0;
     FM_ASSERT(pos == rows && rows <= ws->rows_max);
     if (rows > 0) c->be->ops->copy(c->be->ctx, ws->perm, ws->perm_host, sizeof(int32_t) * (size_t)rows, FM_COPY_H2D);
     if (rows > ws->recv_rows_high) ws->recv_rows_high = rows;
     if (n * d->k > ws->send_rows_high) ws->send_rows_high = n * d->k;
+    if (ws->spill) ep_weight_counts(ws, d);
     *R = rows;
     return FM_OK;
 }
@@ -230,9 +344,84 @@ static fm_status ep_exchange(const ep_call *c, int64_t j, bool to_owner, const f
     return st == FM_OK ? FM_OK : ep_comm_fail(c, st, j);
 }
 
+/* The source's rows out of ws->src.xe (expert-major over all E; a spilled chunk packs them by
+ * computing rank into ws->src.ye first) into the computing ranks' ws->recv. */
+static fm_status ep_to_owners(const ep_call *c, int64_t j) {
+    fm_moe_ep_ws *ws = c->ws;
+    const fm_act *out = ws->src.xe;
+    if (ws->spill && ws->rows_out > 0) {
+        c->be->ops->gather_rows(c->be->ctx, ws->src.ye, ws->src.xe, ws->pack, ws->rows_out,
+                                c->d->H * (int64_t)sizeof(fm_act));
+        out = ws->src.ye;
+    }
+    return ep_exchange(c, j, true, out, ws->recv);
+}
+
+/* The computing ranks' ws->recv back to the sources, into ws->src.ye (expert-major over all E;
+ * a spilled chunk lands in ws->src.xe and is unpacked). */
+static fm_status ep_from_owners(const ep_call *c, int64_t j) {
+    fm_moe_ep_ws *ws = c->ws;
+    FM_TRY(ep_exchange(c, j, false, ws->recv, ws->spill ? ws->src.xe : ws->src.ye));
+    if (ws->spill && ws->rows_out > 0)
+        c->be->ops->scatter_rows(c->be->ctx, ws->src.ye, ws->src.xe, ws->pack, ws->rows_out,
+                                 c->d->H * (int64_t)sizeof(fm_act));
+    return FM_OK;
+}
+
+/* A spilled chunk's hosted experts' weights, from their native ranks (gate, up, down). */
+static fm_status ep_weights_out(const ep_call *c, int64_t j) {
+    fm_moe_ep_ws *ws = c->ws;
+    const int64_t IH = c->d->I * c->d->H, npairs = ws->wsend_displs[ws->ep - 1] / IH + ws->wsend_counts[ws->ep - 1] / IH;
+    const fm_act *W[3] = {c->w->w_gate, c->w->w_up, c->w->w_down};
+    for (int m = 0; m < 3; m++) {
+        for (int64_t pi = 0; pi < npairs; pi++)
+            c->be->ops->copy(c->be->ctx, ws->stage[m] + pi * IH, W[m] + ws->pair_local[pi] * IH,
+                             sizeof(fm_act) * (size_t)IH, FM_COPY_D2D);
+        const fm_status st = fm_comm_all_to_all_v(c->comm, ws->stage[m], ws->wsend_counts, ws->wsend_displs, ws->fw[m],
+                                                  ws->wrecv_counts, ws->wrecv_displs, EP_ACT_DTYPE, c->timeout_s);
+        if (st != FM_OK) return ep_comm_fail(c, st, j);
+    }
+    return FM_OK;
+}
+
+/* A spilled chunk's hosted experts' weight gradients back to their native ranks, added there. */
+static fm_status ep_grads_back(const ep_call *c, int64_t j, const fm_moe_grads *g) {
+    fm_moe_ep_ws *ws = c->ws;
+    const int64_t IH = c->d->I * c->d->H, npairs = ws->wsend_displs[ws->ep - 1] / IH + ws->wsend_counts[ws->ep - 1] / IH;
+    fm_act *G[3] = {g->w_gate, g->w_up, g->w_down};
+    for (int m = 0; m < 3; m++) {
+        const fm_status st = fm_comm_all_to_all_v(c->comm, ws->fg[m], ws->wrecv_counts, ws->wrecv_displs, ws->stage[m],
+                                                  ws->wsend_counts, ws->wsend_displs, EP_ACT_DTYPE, c->timeout_s);
+        if (st != FM_OK) return ep_comm_fail(c, st, j);
+        for (int64_t pi = 0; pi < npairs; pi++)
+            c->be->ops->add(c->be->ctx, G[m] + ws->pair_local[pi] * IH, ws->stage[m] + pi * IH, IH);
+    }
+    return FM_OK;
+}
+
+/* The hosted experts' part of the rows (after the native experts' Rn rows): views of the
+ * owner's buffers and the hosted weights. */
+static int64_t ep_hosted(const ep_call *c, fm_moe_routes *hv, fm_moe_ws *hw, fm_moe_weights *wv, fm_moe_grads *gv,
+                         fm_moe_dims *dv) {
+    fm_moe_ep_ws *ws = c->ws;
+    const int64_t H = c->d->H, I = c->d->I, Rn = ws->exp.offsets[ws->E_loc];
+    memset(hv, 0, sizeof *hv);
+    hv->offsets = ws->foff;
+    hv->xe = ws->exp.xe + Rn * H, hv->ye = ws->exp.ye + Rn * H;
+    hv->h_gate = ws->exp.h_gate + Rn * I, hv->h_up = ws->exp.h_up + Rn * I, hv->h_act = ws->exp.h_act + Rn * I;
+    *hw = ws->exp_ws;
+    hw->dye = ws->exp_ws.dye + Rn * H, hw->dxe = ws->exp_ws.dxe + Rn * H;
+    hw->dact = ws->exp_ws.dact + Rn * I, hw->dh_gate = ws->exp_ws.dh_gate + Rn * I, hw->dh_up = ws->exp_ws.dh_up + Rn * I;
+    wv->w_gate = ws->fw[0], wv->w_up = ws->fw[1], wv->w_down = ws->fw[2];
+    gv->w_gate = ws->fg[0], gv->w_up = ws->fg[1], gv->w_down = ws->fg[2];
+    *dv = (fm_moe_dims){H, I, ws->plan.nforeign[ws->rank], 1};
+    return Rn;
+}
+
 /* Chunk j's forward up to the combine: its n tokens `tok` gathered and dispatched, the counts
- * agreed, the rows at their owners run through the experts and the outputs back in ws->src.ye
- * (the source's expert-major layout over all E experts). */
+ * agreed and the placement made, the rows at their computing ranks run through the experts (a
+ * spilled chunk: the native experts', then the hosted ones with the weights just received) and
+ * the outputs back in ws->src.ye (the source's expert-major layout over all E experts). */
 static fm_status ep_chunk_experts(const ep_call *c, int64_t j, const fm_act *x, const int32_t *topk_idx,
                                   const float *topk_w, const int32_t *tok, int64_t n, int64_t err, int64_t *R) {
     const fm_backend *be = c->be;
@@ -244,14 +433,25 @@ static fm_status ep_chunk_experts(const ep_call *c, int64_t j, const fm_act *x, 
     fm_moe_chunk_gather_rows(be, ws->topk_w, topk_w, tok, n, d->k * (int64_t)sizeof(float));
     fm_moe_dispatch(be, d, &ws->src, ws->xc, ws->topk_idx, n); /* ends with the "MoE offsets" sync */
     FM_TRY(ep_agree(c, j, n, err, R));
-    FM_TRY(ep_exchange(c, j, true, ws->src.xe, ws->recv));
+    if (ws->spill) FM_TRY(ep_weights_out(c, j));
+    FM_TRY(ep_to_owners(c, j));
     const fm_moe_dims dl = {d->H, d->I, ws->E_loc, 1}; /* the owner's rows, one per route */
     if (*R > 0) {
         be->ops->gather_rows(be->ctx, ws->exp.xe, ws->recv, ws->perm, *R, Hb);
-        fm_experts_forward(be, &dl, c->w, &ws->exp, *R);
+        const int64_t Rn = ws->exp.offsets[ws->E_loc];
+        fm_experts_forward(be, &dl, c->w, &ws->exp, Rn);
+        if (ws->spill && *R > Rn) {
+            fm_moe_routes hv;
+            fm_moe_ws hw;
+            fm_moe_weights wv;
+            fm_moe_grads gv;
+            fm_moe_dims dv;
+            ep_hosted(c, &hv, &hw, &wv, &gv, &dv);
+            fm_experts_forward(be, &dv, &wv, &hv, *R - Rn);
+        }
         be->ops->scatter_rows(be->ctx, ws->recv, ws->exp.ye, ws->perm, *R, Hb);
     }
-    return ep_exchange(c, j, false, ws->recv, ws->src.ye);
+    return ep_from_owners(c, j);
 }
 
 /* Local checks before the first collective; a failure here is agreed at chunk 0 (err flag). */
@@ -309,14 +509,30 @@ fm_status fm_moe_ep_backward(const fm_backend *be, const fm_comm *comm, const fm
         fm_moe_chunk_gather_rows(be, ws->yc, dy, tok, n, Hb);
         /* dye into the outgoing buffer (the x rows there were sent) */
         fm_moe_combine_backward(be, d, &ws->src, ws->src.xe, ws->dtopk_w, ws->yc, ws->topk_w, n);
-        FM_TRY(ep_exchange(&c, j, true, ws->src.xe, ws->recv));
+        FM_TRY(ep_to_owners(&c, j));
         if (R > 0) {
             be->ops->gather_rows(be->ctx, ws->exp_ws.dye, ws->recv, ws->perm, R, Hb);
-            fm_experts_backward(be, &dl, w, g, &ws->exp, &ws->exp_ws, R);
+            const int64_t Rn = ws->exp.offsets[ws->E_loc];
+            fm_experts_backward(be, &dl, w, g, &ws->exp, &ws->exp_ws, Rn);
+            if (ws->spill) {
+                fm_moe_routes hv;
+                fm_moe_ws hw;
+                fm_moe_weights wv;
+                fm_moe_grads gv;
+                fm_moe_dims dv;
+                ep_hosted(&c, &hv, &hw, &wv, &gv, &dv);
+                for (int m = 0; m < 3; m++)
+                    be->ops->mem_set(be->ctx, ws->fg[m], 0, sizeof(fm_act) * (size_t)(dv.E * d->I * d->H));
+                fm_experts_backward(be, &dv, &wv, &gv, &hv, &hw, R - Rn);
+            }
             be->ops->scatter_rows(be->ctx, ws->recv, ws->exp_ws.dxe, ws->perm, R, Hb);
+        } else if (ws->spill) {
+            for (int m = 0; m < 3; m++) /* hosts nothing with rows: its (empty) gradients still go back */
+                be->ops->mem_set(be->ctx, ws->fg[m], 0, sizeof(fm_act) * (size_t)(ws->plan.nforeign[ws->rank] * d->I * d->H));
         }
+        if (ws->spill) FM_TRY(ep_grads_back(&c, j, g));
         /* the rows' input gradients back into the returned-rows buffer (ye was consumed) */
-        FM_TRY(ep_exchange(&c, j, false, ws->recv, ws->src.ye));
+        FM_TRY(ep_from_owners(&c, j));
         fm_moe_dispatch_backward(be, d, &ws->src, ws->dxc, ws->src.ye, n);
         fm_moe_chunk_scatter(be, dx, ws->dxc, tok, n, Hb);
         fm_moe_chunk_scatter(be, dtopk_w, ws->dtopk_w, tok, n, d->k * (int64_t)sizeof(float));

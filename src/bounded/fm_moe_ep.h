@@ -46,12 +46,23 @@
  * are separated so that a GPU version can issue chunk i+1's gather/dispatch and its row exchange
  * on a communication stream while chunk i's experts run (two sets of source buffers and events).
  *
- * Least-loaded placement (LLEP, arXiv 2601.17111) is not implemented. */
+ * Least-loaded placement (LLEP, arXiv 2601.17111; fm_moe_llep.h), an option of the layout: per
+ * chunk, from the agreed count table (no extra collective), when the busiest rank's routed rows
+ * exceed lambda (1.3) x the mean, the heaviest experts' rows spill in contiguous ranges to the
+ * least-loaded ranks. The native rank sends each spilled expert's weights to its helpers (3
+ * all_to_all_v: gate, up, down) before the chunk's experts run, and in backward the helpers send
+ * that expert's weight gradients back (3 more), which the native rank adds to its own; sources
+ * pack their outgoing rows by helper (one gather) and unpack the returned rows (one scatter). A
+ * helper hosts at most max_foreign experts per chunk and never more rows than the plain bound
+ * R_max, so the receive buffer and expert intermediates keep plain EP's bound; LLEP adds the
+ * hosted experts' weights and gradients and the native rank's staging (fm_moe_ep_bound.llep).
+ * Exact as plain EP is (only which rank runs which rows' GEMMs changes). */
 #ifndef FM_MOE_EP_H
 #define FM_MOE_EP_H
 
 #include "../comm/fm_comm.h"
 #include "fm_moe_dispatch.h"
+#include "fm_moe_llep.h"
 
 /* The byte bound of one EP layer's chunk working set, by part (bytes, each buffer rounded as
  * fm_arena_alloc rounds; a = bytes per activation, R_max = ep * c * min(k, E_loc)):
@@ -63,15 +74,22 @@
  *   experts = 3*r(R_max*H*a) + 6*r(R_max*I*a) + r(R_max*4)
  *                                                 owner: xe, ye|dye, dxe; h_gate, h_up, h_act,
  *                                                 dact, dh_gate, dh_up; the permutation
- *   device  = recv + send + source + experts      (what fm_moe_ep_ws_layout takes from `dev`)
- *   host    = r((E+1)*8) + r((E_loc+1)*8) + r(ep*(E+3)*8) + 4*r(ep*8) + r(R_max*4)
- *                                                 expert offsets, the count table, the
- *                                                 all-to-all counts and displacements, the
+ *   llep    = 6*r(F*I*H*a) + 3*r(PM*I*H*a) + r(c*k*4)   (0 without LLEP; F = max_foreign,
+ *                                                 PM = (ep-1)*min(F, E_loc)) hosted experts'
+ *                                                 weights and gradients (gate, up, down), the
+ *                                                 native rank's staging of the weights it sends
+ *                                                 and the gradients it gets back, the sources'
+ *                                                 packing order
+ *   device  = recv + send + source + experts + llep   (what fm_moe_ep_ws_layout takes from `dev`)
+ *   host    = r((E+1)*8) + r((E_loc+1)*8) + r(ep*(E+3)*8) + 5*r(ep*8) + r(R_max*4)
+ *             (+ with LLEP: r(c*k*4) + 4*r(ep*8) + r((F+1)*8) + r(E*8) + r(PM*4) + the plan,
+ *             fm_llep_plan_bytes)            expert offsets, the count table, the all-to-all
+ *                                                 counts, displacements and cursors, the
  *                                                 permutation's host copy
  * None of it depends on N, on the routing or on L. */
 typedef struct fm_moe_ep_bound {
     int64_t rows_max; /* R_max: rows a receiver may get per chunk per direction */
-    size_t recv, send, source, experts, device, host;
+    size_t recv, send, source, experts, llep, device, host;
 } fm_moe_ep_bound;
 
 /* Checks the EP geometry: ep >= 1, E % ep == 0, c >= 1, ep * (E+3) <= FM_COMM_HOST_MAX_ELEMS
@@ -80,10 +98,11 @@ typedef struct fm_moe_ep_bound {
 fm_status fm_moe_ep_check(const fm_moe_dims *d, int ep, int64_t c);
 
 /* The bound of the chunk working set of one EP layer (see fm_moe_ep_bound) for the global dims d
- * (E = all experts), ep ranks and cap c tokens per source per chunk; fills *b when non-NULL and
- * returns b->device (0 when fm_moe_ep_check fails). act_bytes: sizeof(fm_act) of the build the
- * plan is for (4 CPU, 2 CUDA). */
-size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t act_bytes, fm_moe_ep_bound *b);
+ * (E = all experts), ep ranks and cap c tokens per source per chunk, with least-loaded
+ * placement when llep && llep->on; fills *b when non-NULL and returns b->device (0 when
+ * fm_moe_ep_check fails). act_bytes: sizeof(fm_act) of the build the plan is for (4 CPU, 2 CUDA). */
+size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t act_bytes, const fm_llep_opts *llep,
+                             fm_moe_ep_bound *b);
 
 /* The working set of the EP operator for one chunk (any layer: nothing survives a chunk), laid
  * out once at launch. Pointers are backend memory unless marked host. */
@@ -109,18 +128,35 @@ typedef struct fm_moe_ep_ws {
     /* host */
     int64_t *table;         /* [ep, E+3]: per rank its E counts, K, chunk size, error flag */
     int64_t *send_counts, *send_displs, *recv_counts, *recv_displs; /* [ep], elements */
+    int64_t *cursor;        /* [ep] scratch */
     int32_t *perm_host;     /* [R_max] */
+    /* least-loaded placement (llep.on; otherwise these are NULL and spill is false) */
+    fm_llep_opts llep;
+    int64_t F, pairs_max;   /* hosted experts per rank; (ep-1)*min(F, E_loc) */
+    fm_llep_plan plan;      /* the current chunk's placement (host) */
+    bool spill;             /* the current chunk moves rows */
+    int64_t rows_out;       /* the current chunk's outgoing rows (n*k) */
+    int32_t *pack, *pack_host;          /* [c*k]: outgoing row i is expert-major row pack[i] */
+    fm_act *fw[3], *fg[3];  /* [F, I*H] each: hosted experts' gate, up, down weights and gradients */
+    fm_act *stage[3];       /* [PM, I*H] each: weights out to helpers, their gradients back */
+    int32_t *pair_local;    /* [PM] host: the local expert of each staged pair */
+    int64_t *load;          /* [E] host: rows per expert in the chunk */
+    int64_t *foff;          /* [F+1] host: the hosted experts' row offsets (from 0) */
+    int64_t *wsend_counts, *wsend_displs, *wrecv_counts, *wrecv_displs; /* [ep] host, elements */
     /* measured (reset by the caller when it wants; the operator only raises them) */
     int64_t recv_rows_high; /* most rows this rank received in one chunk */
     int64_t send_rows_high; /* most rows this rank sent in one chunk */
+    int64_t llep_chunks;    /* chunk passes (forward and backward each count) whose placement moved rows */
 } fm_moe_ep_ws;
 
 /* Lays out w from `dev` (backend memory; fm_moe_ep_bound.device bytes) and `host` (host memory;
- * .host bytes) for the global dims d, an ep group of size ep in which this rank is `rank`, and
- * cap c. A measuring arena gives the bytes. Errors: those of fm_moe_ep_check; FM_ERR_ARG for a
- * rank outside [0, ep). */
+ * .host bytes) for the global dims d, an ep group of size ep in which this rank is `rank`, cap
+ * c, and least-loaded placement llep (NULL or llep->on false: plain EP; every rank of the group
+ * must pass the same). A measuring arena gives the bytes. Errors: those of fm_moe_ep_check;
+ * FM_ERR_ARG for a rank outside [0, ep), LLEP options out of range (lambda < 1, alpha <= 0,
+ * min_piece < 1, max_foreign < 1). */
 fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, const fm_moe_dims *d, int ep,
-                              int rank, int64_t c);
+                              int rank, int64_t c, const fm_llep_opts *llep);
 
 /* The number of chunks every rank of the group runs: K = max over ranks of ceil(N_r / c) (at
  * least 1: a group whose ranks all have zero tokens still runs one chunk). A collective call
