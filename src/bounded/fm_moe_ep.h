@@ -26,7 +26,8 @@
  * the experts' backward (their weight gradients stay with them, accumulated), and the input
  * gradients of the rows come back to the source, which sums each token's k rows
  * (fm_moe_dispatch_backward). Exchanges per chunk: forward 1 count all-reduce + 2 row
- * all-to-all-v; backward 1 + 4.
+ * all-to-all-v; backward 1 + 4 (a chunk whose least-loaded placement moves rows adds 3 weight
+ * all-to-all-v in forward, and 3 weight + 3 gradient all-to-all-v in backward).
  *
  * Exactness: per route the arithmetic is the one-rank MoE's (the same gather, SwiGLU, combine
  * in the same j order); only the row grouping of the expert GEMMs differs (which rows share one
