@@ -14,8 +14,13 @@
  * is painted and its touched extent measured). Routing: random; every token of every rank to one
  * rank's experts; every token to one expert (k = 2: one of its choices; k = 1: its only one);
  * caps that do not divide N; a rank with zero tokens. Errors that must be agreed on every rank:
- * disagreeing K, a chunk over the cap, duplicate experts that would overflow the bound, E % ep. */
+ * disagreeing K, a chunk over the cap, duplicate experts that would overflow the bound, E % ep.
+ *   test_moe_ep timeout (tests/mpi_comm.sh timeout: 4 ranks) rank 0 leaves the operator in the
+ *                       middle of a chunk; the others must fail within the 2 s timeout, naming
+ *                       the chunk, their rank and the collective, never hang. */
 #include <math.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "backend/cpu/fm_backend_cpu.h"
 #include "bounded/fm_moe_ep.h"
@@ -439,6 +444,79 @@ static void run_errors(const fm_comm *comm) {
     free(W), free(x), free(y), free(tw), free(dx), free(dtw), free(G), free(idx), free(order);
 }
 
+/* ---- a rank that stops mid-operator: the others must fail within the timeout ---------------- */
+
+static fm_comm_ops g_failing_ops; /* the mpi table; all_to_all_v fails (locally, no MPI call) on its 3rd call */
+static const fm_comm_ops *g_mpi_ops;
+static int g_a2a_calls;
+static fm_status failing_a2a(void *ctx, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
+                             const int64_t *rc, const int64_t *rd, fm_comm_dtype t, double timeout_s) {
+    if (++g_a2a_calls == 3) return fm_error(FM_ERR_IO, "rank 0: a simulated local failure in all_to_all_v");
+    return g_mpi_ops->all_to_all_v(ctx, send, sc, sd, recv, rc, rd, t, timeout_s);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Rank 0 leaves the EP forward at chunk 1's dispatch (its third all_to_all_v); ranks 1.. wait in
+ * that all_to_all_v and must return FM_ERR_IO naming the operator, the chunk, their rank and the
+ * collective after the 2 s timeout. The verdict is agreed on a second communicator and rank 0
+ * ends the job (the world has abandoned requests), as tests/mpi_comm.sh's timeout mode expects. */
+static int mode_timeout(const fm_comm *world) {
+    const int W = fm_comm_size(world), me = fm_comm_rank(world);
+    fm_comm aux;
+    CHECK(world->ops->split(world->ctx, 0, me, &aux) == FM_OK);
+    const fm_moe_dims d = {32, 16, 8, 2};
+    const int64_t N = 12, c = 4, H = d.H, k = d.k, El = d.E / W;
+    fm_moe_ep_bound b;
+    fm_moe_ep_bound_bytes(&d, W, c, sizeof(fm_act), NULL, &b);
+    fm_arena dev, host;
+    FM_ASSERT(fm_arena_init(&dev, "ep", b.device) == FM_OK && fm_arena_init(&host, "eph", b.host) == FM_OK);
+    fm_moe_ep_ws ws;
+    FM_ASSERT(fm_moe_ep_ws_layout(&ws, &dev, &host, &d, W, me, c, NULL) == FM_OK);
+    float *Wt = fnew(3 * El * d.I * H), *x = fnew(N * H), *y = fnew(N * H), *tw = fnew(N * k);
+    int32_t *idx = inew(N * k), *order = inew(N);
+    for (int64_t t = 0; t < N; t++)
+        for (int64_t j = 0; j < k; j++) idx[t * k + j] = (int32_t)((t + j) % d.E), tw[t * k + j] = 0.5f;
+    const fm_moe_weights w = {Wt, Wt + El * d.I * H, Wt + 2 * El * d.I * H};
+    int64_t K;
+    CHECK(fm_moe_ep_chunks(world, N, c, 30, &K) == FM_OK && K == 3);
+    fm_moe_chunk_order(order, N, K);
+    g_mpi_ops = world->ops;
+    g_failing_ops = *world->ops;
+    g_failing_ops.all_to_all_v = failing_a2a;
+    const fm_comm rank0 = {&g_failing_ops, world->ctx};
+    CHECK(fm_comm_barrier(world, 30) == FM_OK);
+    const double t0 = now_s();
+    const fm_status st = fm_moe_ep_forward(&g_be, me == 0 ? &rank0 : world, &d, &w, y, x, idx, tw, N, K, order, &ws, 2.0);
+    const double el = now_s() - t0;
+    int64_t fails = 0;
+    if (me == 0) CHECK_MSG(st == FM_ERR_IO && strstr(fm_errmsg(), "simulated"), "rank 0: %s", fm_errmsg());
+    else {
+        char need[160];
+        snprintf(need, sizeof need, "moe_ep forward, chunk 2 of 3: rank %d of %d: all_to_all_v(fp32", me, W);
+        CHECK_MSG(st == FM_ERR_IO, "rank %d: expected FM_ERR_IO, got %s", me, fm_status_name(st));
+        CHECK_MSG(strstr(fm_errmsg(), need) && strstr(fm_errmsg(), "timed out after 2 s"),
+                  "rank %d: message '%s' lacks '%s ... timed out after 2 s'", me, fm_errmsg(), need);
+        CHECK_MSG(el >= 1.9 && el < 8.0, "rank %d: returned after %.2f s, expected about 2 s", me, el);
+        printf("rank %d: after %.2f s: %s\n", me, el, fm_errmsg());
+        fails = fm_test_failed;
+    }
+    CHECK_MSG(fm_comm_allreduce_sum_i64(&aux, &fails, 1, 30) == FM_OK, "%s", fm_errmsg());
+    if (me == 0) {
+        printf("timeout test: %s (%lld failed checks on ranks 1..%d)\n", fails || fm_test_failed ? "FAILED" : "passed",
+               (long long)fails, W - 1);
+        fflush(stdout);
+        fm_comm_mpi_abort(fails || fm_test_failed ? 1 : 0); /* world has abandoned requests: end the job */
+    }
+    fflush(stdout);
+    sleep(60); /* rank 0's abort ends this process */
+    return 1;
+}
+
 int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "self";
     FM_ASSERT(fm_cpu_backend_init(&g_be, 1, 64) == FM_OK);
@@ -461,6 +539,7 @@ int main(int argc, char **argv) {
     const int W = fm_comm_size(&world);
     g_world_rank = fm_comm_rank(&world);
     FM_ASSERT(W <= 8);
+    if (!strcmp(mode, "timeout")) return mode_timeout(&world);
     /* ep over the whole world */
     run_cases(&world, 0);
     run_errors(&world);

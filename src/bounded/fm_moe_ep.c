@@ -172,7 +172,7 @@ typedef struct ep_call {
 static fm_status ep_comm_fail(const ep_call *c, fm_status st, int64_t j) {
     char msg[512];
     snprintf(msg, sizeof msg, "%s", fm_errmsg());
-    return fm_error(st, "moe_ep %s, chunk %lld of %lld: %s", c->what, (long long)j, (long long)c->K, msg);
+    return fm_error(st, "moe_ep %s, chunk %lld of %lld: %s", c->what, (long long)(j + 1), (long long)c->K, msg);
 }
 
 /* Compute slots of rank q: its E_loc experts, then (spilled chunks) its hosted experts. */
@@ -259,9 +259,9 @@ static fm_status ep_agree(const ep_call *c, int64_t j, int64_t n, int64_t err, i
             int64_t rows = 0;
             for (int64_t e = 0; e < El; e++) rows += tp[q * El + e];
             if (rows > ws->rows_per_src)
-                return fm_error(FM_ERR_ARG, "moe_ep %s (rank %d of %d), chunk %lld: rank %d routes %lld rows of its "
+                return fm_error(FM_ERR_ARG, "moe_ep %s (rank %d of %d), chunk %lld of %lld: rank %d routes %lld rows of its "
                                 "%lld tokens to rank %d's %lld experts, more than c * min(k, E/ep) = %lld: a "
-                                "token's top-k experts must be distinct", c->what, me, P, (long long)j, p,
+                                "token's top-k experts must be distinct", c->what, me, P, (long long)(j + 1), (long long)c->K, p,
                                 (long long)rows, (long long)tp[E + T_N], q, (long long)El,
                                 (long long)ws->rows_per_src);
         }
