@@ -438,6 +438,21 @@ static void run_errors(const fm_comm *comm) {
     for (int64_t t = 0; t < N; t++) idx[t * k] = 0, idx[t * k + 1] = 1, idx[t * k + 2] = 0;
     EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_forward(&g_be, comm, &d, &w, y, x, idx, tw, N, K, order, &ws, 30),
                "a token's top-k experts must be distinct");
+    /* rank 0 laid out with least-loaded placement, the others without: refused everywhere */
+    if (P > 1) {
+        for (int64_t t = 0; t < N; t++)
+            for (int64_t j = 0; j < k; j++) idx[t * k + j] = (int32_t)((t + j) % d.E);
+        const fm_llep_opts lo = fm_llep_defaults();
+        fm_moe_ep_bound b2;
+        fm_moe_ep_bound_bytes(&d, P, c, sizeof(fm_act), me == 0 ? &lo : NULL, &b2);
+        fm_arena dev2, host2;
+        FM_ASSERT(fm_arena_init(&dev2, "ep2", b2.device) == FM_OK && fm_arena_init(&host2, "eph2", b2.host) == FM_OK);
+        fm_moe_ep_ws ws2;
+        FM_ASSERT(fm_moe_ep_ws_layout(&ws2, &dev2, &host2, &d, P, me, c, me == 0 ? &lo : NULL) == FM_OK);
+        EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_forward(&g_be, comm, &d, &w, y, x, idx, tw, N, K, order, &ws2, 30),
+                   "must lay it out alike");
+        fm_arena_free(&dev2), fm_arena_free(&host2);
+    }
     /* after refused calls the group still works (every rank left every collective alike) */
     CHECK(fm_moe_ep_chunks(comm, N, c, 30, &K) == FM_OK && K == 2);
     fm_arena_free(&dev), fm_arena_free(&host);

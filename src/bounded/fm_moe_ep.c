@@ -1,6 +1,7 @@
 /* Expert-parallel MoE: capped, strided chunks exchanged by all-to-all-v (fm_moe_ep.h). */
 #include "fm_moe_ep.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -12,8 +13,10 @@
 #define EP_ACT_DTYPE FM_COMM_F32
 #endif
 
-/* The count table: per rank, E counts then these three. */
-enum { T_K = 0, T_N, T_ERR, T_EXTRA };
+/* The count table: per rank, E counts then these five: its K, its chunk size, an error flag, its
+ * cap c and a fingerprint of its placement options (the layouts must agree: checked, so a
+ * mismatch fails on every rank alike instead of desynchronizing the exchanges). */
+enum { T_K = 0, T_N, T_ERR, T_C, T_OPTS, T_EXTRA };
 /* Error flags a rank puts in the table at chunk 0 (agreed, so every rank fails together). */
 enum { EP_ERR_NONE = 0, EP_ERR_K_SMALL = 1, EP_ERR_K_BAD = 2 };
 
@@ -35,7 +38,7 @@ fm_status fm_moe_ep_check(const fm_moe_dims *d, int ep, int64_t c) {
                         (long long)c);
     if ((int64_t)ep * (d->E + T_EXTRA) > FM_COMM_HOST_MAX_ELEMS)
         return fm_error(FM_ERR_ARG,
-                        "moe_ep: the count table of ep %d x (num_experts %lld + 3) int64 exceeds the "
+                        "moe_ep: the count table of ep %d x (num_experts %lld + 5) int64 exceeds the "
                         "communicator's host all-reduce limit of %d elements; use a smaller ep degree",
                         ep, (long long)d->E, FM_COMM_HOST_MAX_ELEMS);
     return FM_OK;
@@ -223,6 +226,16 @@ static void ep_weight_counts(fm_moe_ep_ws *ws, const fm_moe_dims *d) {
     }
 }
 
+/* A fingerprint of the placement options (0: plain EP), to check that every rank has the same. */
+static int64_t ep_opts_print(const fm_moe_ep_ws *ws) {
+    if (!ws->llep.on) return 0;
+    const fm_llep_opts *o = &ws->llep;
+    uint64_t h = 1469598103934665603ull, v[4] = {(uint64_t)o->max_foreign, (uint64_t)o->min_piece,
+                                                 (uint64_t)llround(o->lambda * 1e6), (uint64_t)llround(o->alpha * 1e6)};
+    for (int i = 0; i < 4; i++) h = (h ^ v[i]) * 1099511628211ull;
+    return (int64_t)(h >> 2) + 1; /* > 0, and sums of one rank's slot stay exact */
+}
+
 /* Agrees on chunk j's counts (n tokens here, `err` this rank's flag) and checks them; on every
  * rank the same table, so the same verdict. Sets the all-to-all counts and displacements of the
  * forward direction (source -> owner) and the owner's permutation and local offsets. Returns the
@@ -239,11 +252,18 @@ static fm_status ep_agree(const ep_call *c, int64_t j, int64_t n, int64_t err, i
     mine[E + T_K] = c->K;
     mine[E + T_N] = n;
     mine[E + T_ERR] = err;
+    mine[E + T_C] = ws->c;
+    mine[E + T_OPTS] = ep_opts_print(ws);
     const fm_status st = fm_comm_allreduce_sum_i64(c->comm, t, (int64_t)P * S, c->timeout_s);
     if (st != FM_OK) return ep_comm_fail(c, st, j);
     /* the verdict, the same on every rank: the first offending rank */
     for (int p = 0; p < P; p++) {
         const int64_t *tp = t + (int64_t)p * S;
+        if (tp[E + T_C] != ws->c || tp[E + T_OPTS] != mine[E + T_OPTS])
+            return fm_error(FM_ERR_ARG, "moe_ep %s (rank %d of %d): rank %d's working set was laid out with cap c = "
+                            "%lld and placement options %s this rank's (c = %lld); every rank of the ep group "
+                            "must lay it out alike", c->what, me, P, p, (long long)tp[E + T_C],
+                            tp[E + T_OPTS] == mine[E + T_OPTS] ? "equal to" : "other than", (long long)ws->c);
         if (tp[E + T_ERR] == EP_ERR_K_BAD || tp[E + T_K] < 1)
             return fm_error(FM_ERR_ARG, "moe_ep %s (rank %d of %d): rank %d passed K = %lld chunks; expected >= 1 "
                             "(fm_moe_ep_chunks)", c->what, me, P, p, (long long)tp[E + T_K]);

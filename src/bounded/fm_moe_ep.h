@@ -10,8 +10,9 @@
  * One chunk, forward (every rank is a source of its tokens and the owner of its experts):
  *   source: gather the chunk's rows (x, top-k), dispatch them expert-major over all E experts
  *           (fm_moe_dispatch: the rows for rank q are then one contiguous block);
- *   all:    agree on the chunk's routing counts: one all_reduce_host (sum) of a [ep, E+3] int64
- *           table (each rank's per-expert counts, its K, its chunk size and an error flag), so
+ *   all:    agree on the chunk's routing counts: one all_reduce_host (sum) of a [ep, E+5] int64
+ *           table (each rank's per-expert counts, its K, its chunk size, an error flag, its cap
+ *           and a fingerprint of its placement options), so
  *           every rank knows every count and takes the same decision (an error on one rank is
  *           an error on all, never a hang);
  *   all:    all_to_all_v of the rows to their owners (receive buffer: source-major);
@@ -82,7 +83,7 @@
  *                                                 and the gradients it gets back, the sources'
  *                                                 packing order
  *   device  = recv + send + source + experts + llep   (what fm_moe_ep_ws_layout takes from `dev`)
- *   host    = r((E+1)*8) + r((E_loc+1)*8) + r(ep*(E+3)*8) + 5*r(ep*8) + r(R_max*4)
+ *   host    = r((E+1)*8) + r((E_loc+1)*8) + r(ep*(E+5)*8) + 5*r(ep*8) + r(R_max*4)
  *             (+ with LLEP: r(c*k*4) + 4*r(ep*8) + r((F+1)*8) + r(E*8) + r(PM*4) + the plan,
  *             fm_llep_plan_bytes)            expert offsets, the count table, the all-to-all
  *                                                 counts, displacements and cursors, the
@@ -93,7 +94,7 @@ typedef struct fm_moe_ep_bound {
     size_t recv, send, source, experts, llep, device, host;
 } fm_moe_ep_bound;
 
-/* Checks the EP geometry: ep >= 1, E % ep == 0, c >= 1, ep * (E+3) <= FM_COMM_HOST_MAX_ELEMS
+/* Checks the EP geometry: ep >= 1, E % ep == 0, c >= 1, ep * (E+5) <= FM_COMM_HOST_MAX_ELEMS
  * (the count table travels through all_reduce_host). Errors: FM_ERR_ARG naming the value, the
  * expected one and the fix. */
 fm_status fm_moe_ep_check(const fm_moe_dims *d, int ep, int64_t c);
@@ -127,7 +128,7 @@ typedef struct fm_moe_ep_ws {
     fm_moe_ws exp_ws;       /* the experts' backward: dye (= exp.ye), dxe [R_max,H], dact, dh_gate, dh_up
                                [R_max,I] */
     /* host */
-    int64_t *table;         /* [ep, E+3]: per rank its E counts, K, chunk size, error flag */
+    int64_t *table;         /* [ep, E+5]: per rank its E counts, K, chunk size, error flag, c, options */
     int64_t *send_counts, *send_displs, *recv_counts, *recv_displs; /* [ep], elements */
     int64_t *cursor;        /* [ep] scratch */
     int32_t *perm_host;     /* [R_max] */
@@ -177,7 +178,8 @@ fm_status fm_moe_ep_chunks(const fm_comm *comm, int64_t N, int64_t c, double tim
  * (fm_moe_chunk_order(., N, K)). A collective call: every rank of comm calls it with its own N
  * (0 allowed: x, y, topk may then be NULL). timeout_s: per collective (0: the default).
  * Errors (the same on every rank: the checks travel in the first chunk's count table):
- *   FM_ERR_ARG  a rank's K differs from another's, or K < 1, or a chunk of a rank holds more
+ *   FM_ERR_ARG  a rank's working set was laid out with another cap or placement options, a
+ *               rank's K differs from another's, or K < 1, or a chunk of a rank holds more
  *               than c tokens (K < ceil(N/c)), or a rank would send more than c*min(k,E_loc)
  *               rows to one owner (duplicate experts in a token's top-k) -- naming the rank;
  *               comm's size/rank differ from ws's; the comm's memory is host memory but the
