@@ -151,8 +151,9 @@ typedef struct fm_moe_ep_ws {
     int64_t llep_chunks;    /* chunk passes (forward and backward each count) whose placement moved rows */
 } fm_moe_ep_ws;
 
-/* Lays out w from `dev` (backend memory; fm_moe_ep_bound.device bytes) and `host` (host memory;
- * .host bytes) for the global dims d, an ep group of size ep in which this rank is `rank`, cap
+/* Lays out w from `dev` (backend memory; fm_moe_ep_bound.device bytes) and `host` (host memory
+ * the backend can copy to asynchronously -- pinned on a GPU, as fm_moe_routes_layout's `host`:
+ * the dispatch's expert offsets are written there by the backend; .host bytes) for the global dims d, an ep group of size ep in which this rank is `rank`, cap
  * c, and least-loaded placement llep (NULL or llep->on false: plain EP; every rank of the group
  * must pass the same). A measuring arena gives the bytes. Errors: those of fm_moe_ep_check;
  * FM_ERR_ARG for a rank outside [0, ep), LLEP options out of range (lambda < 1, alpha <= 0,
