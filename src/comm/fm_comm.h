@@ -286,6 +286,22 @@ fm_status fm_comm_mpi_finalize(void);
  * MPI is not built or not initialized (the caller then exits). */
 void fm_comm_mpi_abort(int code);
 
+/* ---- the run's world (fm_comm.c): from the launcher ------------------------------------------
+ * The rank and size the launcher gave this process, from its environment (read before MPI is
+ * initialized, so a one-rank run never initializes MPI): OMPI_COMM_WORLD_RANK/SIZE (Open MPI's
+ * mpirun), PMI_RANK/SIZE (MPICH, Intel MPI, srun --mpi=pmi2), SLURM_PROCID/SLURM_NTASKS (srun),
+ * in that order; none of them: rank 0 of 1. *source gets the variables' family ("OMPI_COMM_WORLD",
+ * "PMI", "SLURM", or "none"). Errors: FM_ERR_ARG when a variable is not an integer or the rank is
+ * outside [0, size), naming it. */
+fm_status fm_comm_launcher(int *rank, int *size, const char **source);
+
+/* The world communicator of a run: with more than one rank by fm_comm_launcher, the MPI
+ * communicator (fm_comm_mpi_world over be, checked to have the launcher's rank and size); with one
+ * rank, the self communicator over be (bit-identical to a build without MPI). default_timeout_s as
+ * fm_comm_self_create. Errors: FM_ERR_UNSUPPORTED (several ranks but no MPI in this build: naming
+ * the fix), FM_ERR_IO (MPI's rank/size disagree with the launcher's), those of the creators. */
+fm_status fm_comm_world_create(fm_comm *out, const struct fm_backend *be, double default_timeout_s);
+
 /* ---- for implementations (fm_comm.c): argument checks and messages --------------------------- */
 
 /* Describes a collective call as messages print it: "all_reduce(fp64 sum, 16 elements)"

@@ -95,6 +95,8 @@ static fm_status train_impl(run *r) {
 
 fm_status fm_train(const fm_train_opts *o) {
     fm_train_opts oo = *o;
+    int launch_rank = 0, launch_size = 1; /* many ranks: only rank 0 prints (and writes, fm_train_setup) */
+    if (fm_comm_launcher(&launch_rank, &launch_size, NULL) == FM_OK && launch_rank != 0) oo.quiet = true;
     const bool need = oo.steps == 0 || oo.seq_len == 0 || oo.micro_batch == 0 || oo.grad_accum == 0;
     if (oo.resume && need) { /* flags not given: the run's own total and shape, from its latest checkpoint */
         char ck[4096], p[4200];

@@ -55,6 +55,13 @@ typedef struct fm_train_opts {
     int64_t max_position_embeddings; /* > 0: overrides the config's (RoPE has no hard limit) */
     const char *offload_boundaries; /* --offload-boundaries: NULL/"0" off, N in [0, L], or "all" (= L):
                                      boundaries 0 .. N-1 to pinned host memory (schedule/fm_sco.h) */
+    /* Many ranks (README "Many ranks"): the world is the launcher's (comm/fm_comm.h,
+     * fm_comm_world_create); micro_batch is per data-parallel rank. */
+    int dp;                       /* --dp: data-parallel degree; 0: the world size W (sp = ep = 1) */
+    int zero;                     /* --zero: 0 replicas (gradients all-reduced); 1 ZeRO-1/2: Adam
+                                     moments sharded by parameter range over dp, gradients
+                                     reduce-scattered to their owner, updated weights all-gathered */
+    double comm_timeout;          /* --comm-timeout: seconds a collective waits (0: 300) */
 } fm_train_opts;
 
 /* Sets every option to its default (the values the CLI's --help names). */
