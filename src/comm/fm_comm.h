@@ -259,7 +259,9 @@ fm_status fm_comm_self_create(fm_comm *out, const struct fm_backend *be, double 
  * Counts: MPI counts are int. A count, or a count or displacement of all_to_all_v, that does not
  * fit in int (after staging's chunking, where it applies) is FM_ERR_ARG naming it.
  * Reductions: sum and max of fp32, fp64 and int64 (MPI_SUM, MPI_MAX; the sum's order is
- * MPI's); bf16 reductions are FM_ERR_UNSUPPORTED for now. all_to_all_v on staged memory first
+ * MPI's); bf16 sum and max as MPI user operations on 16-bit elements: each combination of two
+ * partial results is computed in fp32 and rounded to bf16 (W - 1 roundings in MPI's order, where
+ * NCCL rounds once: for tests, exact when every partial sum is a bf16 value). all_to_all_v on staged memory first
  * agrees on the largest block with one extra all-reduce (max) and moves it in rounds. */
 
 /* The default staging size per buffer of a communicator over non-host backend memory. */
