@@ -93,10 +93,23 @@ np2|np4)
     one_rank
     for z in 0 1; do
         t0=$SECONDS
-        mpi "$np" train "${COMMON[@]}" --micro-batch $mb --zero $z --out "$TMP/w$z" || bad "np $np --zero $z failed"
+        mpi "$np" train "${COMMON[@]}" --micro-batch $mb --zero $z --report-memory --out "$TMP/w$z" ||
+            bad "np $np --zero $z failed"
         echo "== mpirun -np $np train --micro-batch $mb --zero $z: $((SECONDS - t0)) s"
         compare "$TMP/one" "$TMP/w$z" || bad "np $np --zero $z differs from one rank at --micro-batch 4"
     done
+    # the model state's bound is per rank: ZeRO-1/2's is the replica's less 8 B/param x (1 - 1/W) of
+    # Adam state, and its high-water mark stays within it
+    python3 - "$TMP/w0/metrics.jsonl" "$TMP/w1/metrics.jsonl" "$np" <<'PY' || bad "np $np: the ZeRO-1/2 model-state bound"
+import json, sys
+rec = lambda p: json.loads(open(p).readline())["memory"]["model state"]
+r0, r1, W = rec(sys.argv[1]), rec(sys.argv[2]), int(sys.argv[3])
+n = 39424  # tests/data/micro.json's parameters
+ok = r1["high_water"] <= r1["bound"] and r0["bound"] - r1["bound"] >= 8 * n * (1 - 1 / W) - 8 * 64 * W - 4096
+print(f"model state per rank: replicas {r0['bound']} B, ZeRO-1/2 {r1['bound']} B (high-water {r1['high_water']}): "
+      + ("ok" if ok else "FAILED"))
+sys.exit(0 if ok else 1)
+PY
     # only rank 0 writes: one metrics line per step, one checkpoint
     [ "$(wc -l < "$TMP/w1/metrics.jsonl")" -eq 20 ] || bad "metrics.jsonl of np $np has other than 20 lines"
     # a --dp that does not divide the ranks, or leaves sp > 1, is a clear error
@@ -116,7 +129,8 @@ resume)
     compare "$TMP/one" "$TMP/a" || bad "np 2 -> np 1 differs from 20 one-rank steps"
     # np 1 for 10 steps, then np 2 (ZeRO-1/2: each rank loads its range of the full moments)
     "$FM" train "${COMMON[@]}" --micro-batch 4 --exit-after 10 --out "$TMP/b" >/dev/null || bad "np 1 first half failed"
-    mpi 2 train "${COMMON[@]}" --micro-batch 2 --zero 1 --resume --out "$TMP/b" || bad "np 2 resume failed"
+    # (no --micro-batch: the run's 4 sequences per micro-batch over 2 ranks, from state.json)
+    mpi 2 train "${COMMON[@]}" --zero 1 --resume --out "$TMP/b" || bad "np 2 resume failed"
     compare "$TMP/one" "$TMP/b" || bad "np 1 -> np 2 differs from 20 one-rank steps" ;;
 failure)
     export FM CFG TEXT TMP

@@ -13,7 +13,9 @@ size_t fm_param_store_bytes_no_master(const fm_config *cfg, size_t a) {
 }
 
 int64_t fm_param_store_shard_len(int64_t n_params, int world) {
-    return world <= 1 ? n_params : (n_params + world - 1) / world;
+    if (world <= 1) return n_params;
+    const int64_t s = (n_params + world - 1) / world;
+    return (s + FM_SHARD_ALIGN - 1) / FM_SHARD_ALIGN * FM_SHARD_ALIGN;
 }
 
 size_t fm_param_store_bytes_sharded(const fm_config *cfg, size_t a, int world) {

@@ -4,7 +4,9 @@
  *
  * W = 1, or replicas over dp (--zero 0): the store holds the whole replica, shard [0, n_params).
  * ZeRO-1/2 over W data-parallel ranks (fm_param_store_create_sharded, --zero 1): rank r owns the
- * flat range [r S, min((r + 1) S, n_params)), S = ceil(n_params / W); the weights and gradients
+ * flat range [r S, min((r + 1) S, n_params)), S = ceil(n_params / W) rounded up to a multiple of
+ * FM_SHARD_ALIGN elements (so every shard starts 128-byte aligned for the backend's vector
+ * kernels; the last ranks may own fewer, or no, parameters); the weights and gradients
  * stay whole but are padded to W S elements (zeros past n_params), so that the gradients'
  * reduce-scatter and the weights' all-gather are equal blocks in place; the optimizer keeps the
  * state of the shard only (S elements). Under ZeRO-3 the weights and grads would be sharded too
@@ -66,7 +68,10 @@ fm_status fm_param_store_create_host_master(fm_param_store *ps, fm_model *m, siz
  * as fm_param_store_create. */
 fm_status fm_param_store_create_sharded(fm_param_store *ps, fm_model *m, int rank, int world, size_t optimizer_bytes);
 
-/* S = ceil(n_params / world), the elements of one rank's block (n_params when world == 1). */
+#define FM_SHARD_ALIGN 64
+
+/* S = ceil(n_params / world) rounded up to FM_SHARD_ALIGN, the elements of one rank's block
+ * (n_params when world == 1). */
 int64_t fm_param_store_shard_len(int64_t n_params, int world);
 
 /* Bytes of weights, grads and master of the sharded store (fm_param_store_bytes for world 1). */
