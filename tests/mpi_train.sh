@@ -53,7 +53,10 @@ ok = len(a) == len(b) == 20
 if not ok: print(f"FAIL: {run}: {len(b)} metrics lines, reference {len(a)}")
 worst = 0.0
 for x, y in zip(a, b):
-    for k, tol in (("loss", 1e-6), ("aux_loss", 1e-6), ("z_loss", 1e-6), ("grad_norm", 1e-5)):
+    for k, tol in (("loss", 1e-6), ("aux_loss", 1e-6), ("z_loss", 1e-6), ("grad_norm", 1e-5), ("val_loss", 1e-6)):
+        if (k in x) != (k in y):
+            ok = False; print(f"FAIL: {run}: step {x['step']}: {k} in only one of the runs"); continue
+        if k not in x: continue
         rel = abs(x[k] - y[k]) / max(abs(x[k]), 1e-30)
         if k == "loss": worst = max(worst, rel)
         if rel > tol:
