@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "comm/fm_comm.h"
 #include "plan/fm_plan.h"
 #include "train/fm_trainer.h"
 
@@ -67,6 +68,9 @@ int cmd_train(int argc, char **argv) {
         {"max-position-embeddings", F_I64, &o.max_position_embeddings, NULL, "override the config's max_position_embeddings (1..2^30; 0 keeps it), e.g. to train past it; saved in the checkpoint's config"},
         {"offload-boundaries", F_STR, &o.offload_boundaries, NULL, "N | all: keep checkpoint boundaries 0..N-1 in pinned host memory, copied out in forward and prefetched in backward; the device keeps L+1-N+min(N,2) of them; all = L (every boundary but the head's); 0 = off (0)"},
         {"no-checkpoint", F_BOOL, &o.no_checkpoint, NULL, "write no checkpoint, not even at the end (benchmarks)"},
+        {"dp", F_INT, &o.dp, NULL, "data-parallel ranks, 0 = every rank of the launch (mpirun/srun); --micro-batch is per rank (0)"},
+        {"zero", F_INT, &o.zero, NULL, "0: every rank keeps the whole optimizer state (gradients all-reduced); 1: ZeRO-1/2, Adam m and v sharded over dp by parameter range, gradients reduce-scattered to their owner, weights all-gathered after the update (0)"},
+        {"comm-timeout", F_F64, &o.comm_timeout, NULL, "seconds a collective waits for the other ranks before the run stops, 0 = 300 (0)"},
     };
     int r = cli_parse_flags("train", "(--config C | --init-from DIR) --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
     if (r) return r == 1 ? 0 : r;
@@ -94,5 +98,18 @@ int cmd_train(int argc, char **argv) {
     }
     if ((s = fm_backend_opts_from_env(&o.backend))) return cli_fail("train", s); /* FLATMOE_* -> init options */
     s = fm_train(&o);
+    /* many ranks: a failure on one rank ends every rank (the message names this one); success
+     * finalizes MPI when the world initialized it */
+    int rank = 0, size = 1;
+    (void)fm_comm_launcher(&rank, &size, NULL);
+    if (s && size > 1) {
+        fflush(stdout);
+        fprintf(stderr, "flatmoe train: error on rank %d of %d: %s\nflatmoe train: rank %d ends the job (MPI_Abort)\n",
+                rank, size, fm_errmsg(), rank);
+        fflush(stderr);
+        fm_comm_mpi_abort(s == FM_ERR_ARG ? 2 : 1);
+        return s == FM_ERR_ARG ? 2 : 1;
+    }
+    if (!s && fm_comm_mpi_finalize() != FM_OK) return cli_fail("train", FM_ERR_IO);
     return s ? cli_fail("train", s) : 0;
 }

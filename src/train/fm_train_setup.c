@@ -176,6 +176,18 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_dataset_check_windows(&r->train, o->seq_len, "training data"));
     FM_TRY(fm_dataset_check_windows(&r->val, o->seq_len, "validation data"));
 
+    /* Many ranks: the launcher's world (created over the backend below); --dp is all of it while
+     * the trainer has no expert or sequence parallelism. The model state's bound is per rank. */
+    FM_TRY(fm_comm_launcher(&r->rank, &r->n_ranks, NULL));
+    const int W = r->n_ranks, dp = o->dp > 0 ? o->dp : W;
+    if (W % dp != 0)
+        return fm_error(FM_ERR_ARG, "--dp %d does not divide the %d rank%s running (the world is dp x sp ranks); "
+                        "use --dp %d or launch a multiple of %d ranks", dp, W, W == 1 ? "" : "s", W, dp);
+    if (dp != W)
+        return fm_error(FM_ERR_ARG, "--dp %d with %d ranks leaves sp = %d, but the trainer has no sequence or expert "
+                        "parallelism yet; use --dp %d (or leave --dp out)", dp, W, W / dp, W);
+    fm_model_state_bound_set_dp(W, o->zero);
+
     /* Plan: every live set's bound, from the config and flags alone, before any allocation. */
     const int64_t L = c->num_hidden_layers;
     bool *rc = r->rc = fm_malloc((size_t)(2 * L)); /* recompute [L], keep-attention [L] */
@@ -225,7 +237,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_model_create(&r->m, c, r->be));
     r->model_ok = true;
     fm_model *m = &r->m;
-    FM_TRY(fm_comm_self_create(&r->world, &r->be, 0));
+    FM_TRY(fm_comm_world_create(&r->world, &r->be, o->comm_timeout));
     r->world_ok = true;
     m->comm = &r->world; /* the batch's valid targets, loss sums and router statistics */
     /* the sampling cursor: this rank of the data-parallel ranks (fm_dataset_sample_batch) */
@@ -243,6 +255,11 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         r->opt_self = &r->oopt;
         FM_TRY(fm_param_store_create_host_master(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params),
                                                  r->oopt.h_master));
+    } else if (o->zero && W > 1) { /* ZeRO-1/2: the store padded to W blocks, AdamW's state of this rank's */
+        r->optim = &fm_adamw_ops;
+        r->opt_self = &r->opt;
+        FM_TRY(fm_param_store_create_sharded(&r->ps, m, r->rank, W,
+                                             r->optim->state_bytes(r->opt_self, fm_param_store_shard_len(m->n_params, W))));
     } else {
         r->optim = &fm_adamw_ops;
         r->opt_self = &r->opt;
@@ -262,7 +279,9 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         }
     }
     FM_TRY(fm_step_ws_init(&r->step, m, o->grad_accum));
-    if (!o->no_optimizer_overlap) FM_TRY(fm_step_ws_enable_overlap(&r->step, m));
+    r->step.zero_ps = r->ps.sharded ? &r->ps : NULL; /* ZeRO-1/2: the step updates this rank's shard */
+    /* the optimizer overlap (not with ZeRO-1/2, whose update ends in an all-gather of the weights) */
+    if (!o->no_optimizer_overlap && !r->step.zero_ps) FM_TRY(fm_step_ws_enable_overlap(&r->step, m));
     if (n_off > 0) { /* the offload policy: its pinned host copies, as planned, and its hook */
         FM_TRY(fm_sco_create(&r->sco, m));
         if (r->sco.host.capacity != fm_arena_round(plan.host_bytes - plan.host_optimizer_bytes)) {
@@ -278,11 +297,16 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     if (ckpt[0]) {
         FM_TRY(fm_train_load_checkpoint(r, ckpt, ts));
         data_rng->state = ts->data_rng;
-        if (ts->seq_len != o->seq_len || ts->micro_batch != o->micro_batch || ts->grad_accum != o->grad_accum)
-            fprintf(stderr, "warning: resuming with --seq-len/--micro-batch/--grad-accum %lld/%lld/%lld, but the "
-                    "checkpoint was trained with %lld/%lld/%lld: the run will not match an uninterrupted one\n",
-                    (long long)o->seq_len, (long long)o->micro_batch, (long long)o->grad_accum,
-                    (long long)ts->seq_len, (long long)ts->micro_batch, (long long)ts->grad_accum);
+        /* many ranks: the sequences per micro-batch are micro_batch x dp (a resume at another W
+         * continues the same run when that product is kept) */
+        const int64_t ts_dp = ts->dp > 0 ? ts->dp : 1;
+        if (ts->seq_len != o->seq_len || ts->micro_batch * ts_dp != o->micro_batch * W ||
+            ts->grad_accum != o->grad_accum)
+            fprintf(stderr, "warning: resuming with --seq-len/--micro-batch/--grad-accum %lld/%lld/%lld on %d rank%s, "
+                    "but the checkpoint was trained with %lld/%lld/%lld on %lld: the run will not match an "
+                    "uninterrupted one (keep micro-batch x ranks)\n", (long long)o->seq_len,
+                    (long long)o->micro_batch, (long long)o->grad_accum, W, W == 1 ? "" : "s",
+                    (long long)ts->seq_len, (long long)ts->micro_batch, (long long)ts->grad_accum, (long long)ts_dp);
         if (ts->bf16_moments != o->bf16_moments)
             fprintf(stderr, "warning: resuming with %s Adam moments, but the checkpoint was trained with %s: the run "
                     "will not match an uninterrupted one (%s to continue it as it was)\n",
@@ -297,6 +321,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     }
     ts->seq_len = o->seq_len;
     ts->micro_batch = o->micro_batch;
+    ts->dp = W;
     ts->bf16_moments = o->bf16_moments;
     ts->grad_accum = o->grad_accum;
     ts->steps = o->steps;
@@ -305,9 +330,11 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_mkdirs(o->out_dir));
     char mpath[4200];
     snprintf(mpath, sizeof mpath, "%s/metrics.jsonl", o->out_dir);
-    FM_TRY(fm_train_truncate_metrics(mpath, ckpt[0] ? ts->step : -1));
-    r->metrics = fopen(mpath, "a");
-    if (!r->metrics) return fm_error(FM_ERR_IO, "%s: cannot open for appending: %s", mpath, strerror(errno));
+    if (r->rank == 0) { /* many ranks: rank 0 writes metrics.jsonl (r->metrics NULL elsewhere) */
+        FM_TRY(fm_train_truncate_metrics(mpath, ckpt[0] ? ts->step : -1));
+        r->metrics = fopen(mpath, "a");
+        if (!r->metrics) return fm_error(FM_ERR_IO, "%s: cannot open for appending: %s", mpath, strerror(errno));
+    }
 
     if (!o->quiet) fm_train_print_header(r, &req, o->micro_batch * o->seq_len * o->grad_accum);
     return FM_OK;

@@ -63,6 +63,13 @@ typedef struct fm_train_opts {
                                      step 0); ignored (with a note) when --resume finds a checkpoint */
     bool resume_trust_optimizer;  /* --resume-trust-optimizer: resume from optimizer.safetensors'
                                      master copy even when model.safetensors disagrees with it */
+    /* Many ranks (README "Many ranks"): the world is the launcher's (comm/fm_comm.h,
+     * fm_comm_world_create); micro_batch is per data-parallel rank. */
+    int dp;                       /* --dp: data-parallel degree; 0: the world size W (sp = ep = 1) */
+    int zero;                     /* --zero: 0 replicas (gradients all-reduced); 1 ZeRO-1/2: Adam
+                                     moments sharded by parameter range over dp, gradients
+                                     reduce-scattered to their owner, updated weights all-gathered */
+    double comm_timeout;          /* --comm-timeout: seconds a collective waits (0: 300) */
 } fm_train_opts;
 
 /* Sets every option to its default (the values the CLI's --help names). */
