@@ -15,9 +15,10 @@
 # each gradient element are fp32/fp64 sums over the ranks' partial sums, MPI's order), so they
 # differ in the last bits of fp32 per step; AdamW's m / sqrt(v) turns that into relative weight
 # differences of up to ~6e-6 of a tensor's scale over 20 steps (measured: 5.9e-6 at np 2, 5.5e-6
-# at np 4, in expert weights). We require max |a - b| <= 5e-5 x max |a| per tensor (a few hundred
-# fp32 ulps of the tensor's scale), which a real bug (a lost rank's gradient, another data order,
-# a stale shard: differences of 1e-3 and more) cannot meet; the gradient norm's check catches a
+# at np 4, in expert weights, on Debian's fortunes; on tinyshakespeare the embedding reaches
+# 1.4e-4: its rows of rare tokens get tiny, noisy gradients that m / sqrt(v) amplifies). We
+# require max |a - b| <= 5e-4 x max |a| per tensor, which a real bug (a lost rank's gradient,
+# another data order, a stale shard: differences of 1e-3 and more) cannot meet; the gradient norm's check catches a
 # wrong gradient scale. The norm's 1e-5: its fp64 sum of squares of fp32 gradients that differ
 # in their last bits (measured: 4e-7).
 # mpirun flags: as tests/mpi_comm.sh (oversubscribed shared memory, no binding, CI is root).
@@ -81,8 +82,8 @@ for f in ("model.safetensors", "optimizer.safetensors"):
         scale = max(abs(v) for v in ta[k]) or 1.0
         d = max(abs(p - q) for p, q in zip(ta[k], tb[k])) / scale
         wworst = max(wworst, d)
-        if d > 5e-5:
-            ok = False; print(f"FAIL: {run}/{f}: {k} differs by {d:.2e} of its scale (> 5e-5)")
+        if d > 5e-4:
+            ok = False; print(f"FAIL: {run}/{f}: {k} differs by {d:.2e} of its scale (> 5e-4)")
 print(f"{run}: losses within {worst:.2e} relative, tensors within {wworst:.2e} of their scale: "
       + ("ok" if ok else "FAILED"))
 sys.exit(0 if ok else 1)
