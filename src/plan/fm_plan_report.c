@@ -40,7 +40,7 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     human(g, sizeof g, p->total);
     fprintf(f, "%-24s %20zu %12s\n", "total", p->total, g);
     const bool host_limited = x->host_budget != FM_HOST_BUDGET_UNLIMITED;
-    if (p->host_bytes > 0 || host_limited) {
+    if (p->host_bytes > 0) {
         human(g, sizeof g, p->host_bytes);
         char what[300] = "";
         if (p->n_offloaded_boundaries > 0)
