@@ -271,7 +271,7 @@ void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o0, char *buf,
     }
     if (items) snprintf(buf, n, "It would fit with any one of: %s", list);
     else snprintf(buf, n, "No single knob makes it fit (not --micro-batch, --seq-len, --bf16-moments, offload, recompute "
-                  "or ranks): it needs a larger budget");
+                  "or ranks): it needs a larger budget, or several of them at once");
 }
 
 size_t fm_host_mem_budget_default(void) {

@@ -10,7 +10,7 @@
 
 void fm_device_name(char *buf, size_t n) {
     struct cudaDeviceProp p;
-    if (cudaGetDeviceProperties(&p, 0) == cudaSuccess) snprintf(buf, n, "%s", p.name);
+    if (cudaGetDeviceProperties(&p, 0) == cudaSuccess) snprintf(buf, n, "%.127s", p.name);
     else snprintf(buf, n, "CUDA device (unknown)");
 }
 #else
