@@ -100,9 +100,8 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     }
 
     const double ga = (double)(r->grad_accum > 0 ? r->grad_accum : 1);
-    for (int i = 0; i < FM_PROJ_OPTIMIZER; i++) o->sec[i] = ga * mb[i];
-    for (int i = FM_PROJ_OPTIMIZER + 1; i < FM_PROJ_PHASES; i++) o->sec[i] = ga * mb[i];
-    if (o->offload_copy_s > 0) o->offload_copy_s *= ga;
+    for (int i = 0; i < FM_PROJ_PHASES; i++) o->sec[i] = ga * mb[i]; /* the optimizer's is set below */
+    o->offload_copy_s *= ga;
 
     /* optimizer */
     const double P = (double)p->n_params;
