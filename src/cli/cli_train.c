@@ -21,7 +21,7 @@ int cmd_train(int argc, char **argv) {
     /* "not given" for the memory flags (fm_train_opts' -1 means: choose), told apart from a given -1 */
     o.moe_chunk_tokens = o.ce_block_tokens = o.ce_block_vocab = INT64_MIN;
     static const char *data[MAX_FILES], *val[MAX_FILES];
-    const char *mem_budget = NULL, *gpu_ws = NULL;
+    const char *mem_budget = NULL, *gpu_ws = NULL, *host_mem = NULL;
     flag flags[] = {
         {"config", F_STR, &o.config_path, NULL, "Hugging Face config.json of the model (required unless --resume or --init-from)"},
         {"init-from", F_STR, &o.init_from, NULL, "start from a Hugging Face model folder: its config.json and weights (model.safetensors, or model.safetensors.index.json and its shards; fp32, bf16 or fp16); the optimizer starts fresh; --resume wins when --out has a checkpoint (off)"},
@@ -57,7 +57,8 @@ int cmd_train(int argc, char **argv) {
         {"recompute", F_STR, &o.recompute, NULL, "none | full | layer ids, e.g. 0,2: recompute those layers in backward (none, or chosen under --mem-budget)"},
         {"recompute-keep-attention", F_BOOL, &o.recompute_keep_attention, NULL, "the recomputed layers (--recompute, or chosen under --mem-budget) keep their attention output and log-sum-exp (N x heads x head_dim activations + B x heads x T fp32 per layer) and never run the attention forward again in backward (off)"},
         {"moe-chunk-tokens", F_I64, &o.moe_chunk_tokens, NULL, "MoE in strided chunks of <= N tokens, recomputed in backward; 0 = unchunked (0, or chosen under --mem-budget)"},
-        {"mem-budget", F_STR, &mem_budget, NULL, "fail before allocating if the plan exceeds this (e.g. 16GiB); with no other memory flag, choose them to fit (no budget)"},
+        {"mem-budget", F_STR, &mem_budget, NULL, "device memory for the planned live sets (e.g. 16GiB): the memory knobs not given are chosen to fit it and --host-mem-budget at the least projected step time; refused before allocating if nothing fits (default: none on the CPU; on a GPU its free memory less the measured library growth)"},
+        {"host-mem-budget", F_STR, &host_mem, NULL, "pinned host memory the plan may use (offloaded boundaries, streamed optimizer), e.g. 100GiB; 0 forbids offload (default: MemAvailable less max(4 GiB, MemTotal/10))"},
         {"ce-block-tokens", F_I64, &o.ce_block_tokens, NULL, "linear cross-entropy token block, never N x V logits (0 = plain logits, or chosen under --mem-budget)"},
         {"ce-block-vocab", F_I64, &o.ce_block_vocab, NULL, "linear cross-entropy vocabulary block (either block flag > 0 turns the linear cross-entropy on, the other then defaults: 1024 tokens, 4096 vocabulary; both 0 = plain logits)"},
         {"attention-tile-q", F_I64, &o.att_tile_q, NULL, "CPU attention tile: query rows, 1..4096 (64)"},
@@ -85,6 +86,8 @@ int cmd_train(int argc, char **argv) {
     fm_status s;
     if (mem_budget && (s = fm_parse_bytes(mem_budget, "--mem-budget", &o.mem_budget))) return cli_fail("train", s);
     if (mem_budget && o.mem_budget == 0) return cli_usage_error("train", "%s", "--mem-budget must be > 0 (omit it for no budget)");
+    if (host_mem && (s = fm_parse_bytes(host_mem, "--host-mem-budget", &o.host_mem_budget))) return cli_fail("train", s);
+    o.host_mem_budget_given = host_mem != NULL;
     if (gpu_ws && (s = fm_parse_bytes(gpu_ws, "--gpu-workspace", &o.gpu_workspace))) return cli_fail("train", s);
     if (o.threads < 0) return cli_usage_error("train", "%s", "--threads must be >= 0 (0 = all cores)");
     int64_t *mem_flags[3] = {&o.moe_chunk_tokens, &o.ce_block_tokens, &o.ce_block_vocab};

@@ -8,6 +8,8 @@
 
 #include "../backend/fm_backend_default.h"
 #include "../io/fm_checkpoint.h"
+#include "../plan/fm_choose.h"
+#include "../plan/fm_plan_device.h"
 #include "../schedule/fm_recompute.h"
 #include "fm_train_internal.h"
 
@@ -206,22 +208,35 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                        o->offload_optimizer, bucket, o->offload_optimizer_slots, fm_offload_model_state_bound,
                        keep};
     fm_plan plan;
-    /* The budget: --mem-budget, else (CUDA) the device's free memory less a reserve. */
-    size_t budget = o->mem_budget, dev_total = 0;
-    const char *budget_flag = "--mem-budget";
+    /* The budgets: --mem-budget, else (CUDA) the device's free memory less the context and
+     * libraries' growth, measured (plan/fm_plan_device.h); --host-mem-budget, else what this host
+     * can pin (fm_host_mem_budget_default). The chooser picks every memory knob not given. */
+    size_t budget = o->mem_budget;
+    fm_device_budget dev = {0};
     if (budget == 0) {
-        FM_TRY(fm_backend_default_memory_budget(&budget, &dev_total));
-        budget_flag = "the GPU's free memory less 1.5 GiB (no --mem-budget given)";
+        FM_TRY(fm_device_budget_measure(c->head_dim, &dev));
+        budget = dev.budget;
     }
-    if (!o->recompute && o->moe_chunk_tokens < 0 && o->ce_block_tokens < 0 && o->ce_block_vocab < 0 && budget > 0) {
-        FM_TRY(fm_plan_choose(&req, budget, rc, &plan));
-    } else {
-        fm_plan_compute(&req, &plan);
-        FM_TRY(fm_plan_check(&plan, budget, budget_flag));
-    }
+    size_t host_budget = o->host_mem_budget_given ? o->host_mem_budget : fm_host_mem_budget_default();
+    if (host_budget == 0 && !o->host_mem_budget_given) host_budget = FM_HOST_BUDGET_UNLIMITED; /* unknown */
+    fm_calib cal;
+    char note[1400];
+    FM_TRY(fm_calib_find(&cal, NULL, sizeof(fm_act) == 4 ? "cpu" : "cuda", dev.total ? dev.name : NULL, note));
+    const fm_choose_opts co = {budget, o->mem_budget ? "--mem-budget" : "the GPU's measured free memory (no --mem-budget given)",
+                               host_budget, "--host-mem-budget", &cal, o->recompute != NULL, o->recompute_keep_attention,
+                               o->offload_boundaries != NULL, o->offload_optimizer, o->moe_chunk_tokens >= 0,
+                               o->ce_block_tokens >= 0 || o->ce_block_vocab >= 0};
+    fm_projection proj;
+    FM_TRY(fm_plan_fit(&req, &co, rc, &plan, &proj));
+    n_off = req.n_offloaded_boundaries;
+    keep = (bool *)req.keep_attention;
     if (!o->quiet && o->mem_budget == 0 && budget > 0)
-        printf("memory budget: %.1f MiB (the GPU's %.1f MiB, its free memory less 1.5 GiB; --mem-budget sets it)\n",
-               budget / 1048576.0, dev_total / 1048576.0);
+        printf("memory budget: %.1f MiB (the GPU's %.1f MiB: %.1f MiB free with the context, less %.1f MiB the libraries "
+               "took when loaded and %.0f MiB for kernels loaded later; --mem-budget sets it)\n", budget / 1048576.0,
+               dev.total / 1048576.0, dev.free_start / 1048576.0, dev.library_bytes / 1048576.0,
+               FM_PLAN_LATE_LOAD_MARGIN / 1048576.0);
+    if (!o->quiet && budget > 0)
+        printf("%s\nprojected step: %.4g s, %.0f tokens/s, MFU %.1f%%\n", note, proj.step_s, proj.tokens_per_s, 100.0 * proj.mfu);
     r->plan = plan;
 
     /* Backend, model, optimizer: allocated from the plan. */
@@ -243,7 +258,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     /* the sampling cursor: this rank of the data-parallel ranks (fm_dataset_sample_batch) */
     FM_TRY(fm_dataset_set_ranks(&r->train, fm_comm_rank(&r->world), fm_comm_size(&r->world)));
     fm_adamw_config(&r->opt, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
-    if (o->offload_optimizer) { /* the streamed AdamW: its host state, as planned; the store without master */
+    if (req.offload_optimizer) { /* the streamed AdamW: its host state, as planned; the store without master */
         FM_TRY(fm_offload_adamw_create(&r->oopt, &r->opt, m->n_params, bucket, o->offload_optimizer_slots, &r->be));
         if (r->oopt.host.capacity != fm_arena_round(plan.host_optimizer_bytes)) {
             char msg[200];

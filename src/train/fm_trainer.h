@@ -36,6 +36,10 @@ typedef struct fm_train_opts {
     size_t mem_budget;            /* --mem-budget bytes; 0: none. With neither --recompute nor
                                      --moe-chunk-tokens nor --ce-block-* the planner chooses
                                      them to fit it. */
+    size_t host_mem_budget;       /* --host-mem-budget bytes of pinned host memory (offloaded boundaries,
+                                     streamed optimizer); used when host_mem_budget_given, else what
+                                     the host can pin (plan/fm_choose.h: fm_host_mem_budget_default) */
+    bool host_mem_budget_given;
     int64_t att_tile_q, att_tile_kv; /* --attention-tile-q/-kv (0: 64) */
     size_t gpu_workspace;         /* --gpu-workspace: CUDA cuDNN workspace bytes (0: planned) */
     fm_backend_opts backend;      /* the backend's init options (attention path, expert-GEMM strategy,
