@@ -18,7 +18,7 @@ int cmd_plan(int argc, char **argv) {
     const char *mem_budget = NULL, *host_mem = NULL, *calib_path = NULL;
     int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = INT64_MIN, ce_bt = INT64_MIN, ce_bv = INT64_MIN, tq = 0, tkv = 0;
     int threads = 0;
-    bool json = false, bf16m = false, offopt = false, keep_att = false;
+    bool json = false, bf16m = false, offopt = false, keep_att = false, no_overlap = false;
     int64_t off_bucket = 0, off_slots = 2;
     int dp = 1, zero = 0;
     flag flags[] = {
@@ -42,6 +42,7 @@ int cmd_plan(int argc, char **argv) {
         {"backend", F_STR, &backend, NULL, "plan for cpu (fp32) or cuda (bf16) (this binary's backend)"},
         {"bf16-moments", F_BOOL, &bf16m, NULL, "AdamW moments in bf16 (4 instead of 8 bytes per parameter) (off)"},
         {"offload-boundaries", F_STR, &offload, NULL, "N | all: boundaries 0..N-1 in pinned host memory (train's flag; 0 = off)"},
+        {"no-optimizer-overlap", F_BOOL, &no_overlap, NULL, "project the update after the backward instead of beside the next forward (train's flag) (overlapped)"},
         {"offload-optimizer", F_BOOL, &offopt, NULL, "the streamed AdamW: master, Adam m, v in pinned host memory (train's flag) (off)"},
         {"offload-optimizer-bucket", F_I64, &off_bucket, NULL, "parameters per bucket of --offload-optimizer, 0 = 100M (0)"},
         {"offload-optimizer-slots", F_I64, &off_slots, NULL, "device staging slots of --offload-optimizer, in [1, 16] (2)"},
@@ -100,6 +101,7 @@ int cmd_plan(int argc, char **argv) {
     if (off_bucket < 0 || off_slots < 1 || off_slots > 16)
         return cli_usage_error("plan", "%s", "--offload-optimizer-bucket must be >= 0 (0 = 100M) and --offload-optimizer-slots in [1, 16]");
     req.offload_optimizer = offopt;
+    req.optimizer_overlap = !no_overlap && !(zero && dp > 1);
     req.offload_bucket = off_bucket > 0 ? off_bucket : FM_OFFLOAD_DEFAULT_BUCKET;
     req.offload_slots = off_slots;
     req.offload_state_bytes = fm_offload_model_state_bound;

@@ -59,6 +59,9 @@ typedef struct fm_plan_req {
                                    the chooser keeps it as given and picks recompute under it */
     int64_t ranks;              /* > 1: the model state sharded over this many ranks (ZeRO-3; only
                                    the advice's what-if, multi-rank training is not built yet) */
+    bool optimizer_overlap;     /* the update overlaps the next step's forward (train/fm_optim_overlap.h):
+                                   the projection counts only the part of the optimizer's time
+                                   longer than one micro-batch's forward */
 } fm_plan_req;
 
 typedef struct fm_plan {

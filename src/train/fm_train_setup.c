@@ -207,6 +207,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                        FM_PLAN_TARGET_BUILD, o->gpu_workspace, o->bf16_moments, fm_model_state_bound, n_off,
                        o->offload_optimizer, bucket, o->offload_optimizer_slots, fm_offload_model_state_bound,
                        keep};
+    req.optimizer_overlap = !o->no_optimizer_overlap && !(o->zero && W > 1); /* as fm_step_ws_enable_overlap below */
     fm_plan plan;
     /* The budgets: --mem-budget, else (CUDA) the device's free memory less the context and
      * libraries' growth, measured (plan/fm_plan_device.h); --host-mem-budget, else what this host
