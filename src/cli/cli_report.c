@@ -82,6 +82,7 @@ typedef struct report_data {
     text loss, val, lr, tps, load, mem;
     int64_t n_steps, n_val, n_load_layers;
     bool have_mem_hw;
+    double mem_min;      /* the smallest positive MiB value of the memory table (its log axis) */
     char title[512];
 } report_data;
 
@@ -94,6 +95,8 @@ static void memory_table(report_data *d, const cJSON *mem) {
         const double b = num(it, "bound"), hw = num(it, "high_water");
         if (!it->string || isnan(b)) continue;
         if (!isnan(hw)) d->have_mem_hw = true;
+        if (b > 0 && (d->mem_min == 0 || b / 1048576.0 < d->mem_min)) d->mem_min = b / 1048576.0;
+        if (hw > 0 && (d->mem_min == 0 || hw / 1048576.0 < d->mem_min)) d->mem_min = hw / 1048576.0;
         tprintf(&d->mem, "\"%s\" %.6f ", it->string, b / 1048576.0);
         if (isnan(hw)) tprintf(&d->mem, "NaN\n");
         else tprintf(&d->mem, "%.6f\n", hw / 1048576.0);
@@ -173,8 +176,11 @@ static fm_status read_metrics(const char *path, report_data *d) {
                                 cJSON_GetObjectItemCaseSensitive(header, "plan"), "bytes"))) {
             const cJSON *it;
             cJSON_ArrayForEach(it, plan_bytes)
-                if (it->string && cJSON_IsNumber(it)) tprintf(&d->mem, "\"%s\" %.6f NaN\n", it->string,
-                                                             it->valuedouble / 1048576.0);
+                if (it->string && cJSON_IsNumber(it)) {
+                    tprintf(&d->mem, "\"%s\" %.6f NaN\n", it->string, it->valuedouble / 1048576.0);
+                    const double v = it->valuedouble / 1048576.0;
+                    if (v > 0 && (d->mem_min == 0 || v < d->mem_min)) d->mem_min = v;
+                }
         }
         const cJSON *cfg = header ? cJSON_GetObjectItemCaseSensitive(header, "config") : NULL;
         const cJSON *mt = cfg ? cJSON_GetObjectItemCaseSensitive(cfg, "model_type") : NULL;
@@ -265,8 +271,10 @@ int cmd_report(int argc, char **argv) {
                     "plot [0:1] [0:1] NaN notitle\nunset label 1\n");
         tprintf(&gp, "set output 'memory.%s.tmp'\nset title 'live sets: planned bound and measured high-water mark%s'\n"
                 "set xlabel ''\nset ylabel 'MiB'\nset style data histograms\nset style histogram clustered gap 1\n"
-                "set style fill solid 0.8 border -1\nset xtics rotate by -30\nset yrange [0:*]\n", ext,
+                "set style fill solid 0.8 border -1\nset xtics rotate by -30\n", ext,
                 d.have_mem_hw ? "" : " (no high-water marks recorded)");
+        /* a log axis: the live sets span bytes to gigabytes */
+        tprintf(&gp, "set logscale y\nset yrange [%.6g:*]\n", d.mem_min > 0 ? d.mem_min / 2 : 1e-3);
         if (d.mem.n > 0)
             tprintf(&gp, "plot 'memory.dat' using 2:xtic(1) title 'bound', '' using 3 title 'high-water'\n");
         else
