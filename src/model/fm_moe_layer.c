@@ -5,7 +5,7 @@
 
 /* The expert load of one dispatch into ws->counts [E] (when set): rows per expert. */
 static void count_load(const fm_moe_dims *d, const fm_moe_ws *ws, const fm_moe_routes *r) {
-    if (!ws->counts) return;
+    if (!ws || !ws->counts) return;
     for (int64_t e = 0; e < d->E; e++) ws->counts[e] += r->offsets[e + 1] - r->offsets[e];
 }
 
