@@ -45,9 +45,10 @@ expect_fail "384K OLMoE, fp32 moments, no host memory" "--bf16-moments" "$FM" pl
 h=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 393216 --device-mem 141093MiB --bf16-moments --host-mem-budget 0)
 grep -q "fits in" <<<"$h" && grep -q "12 B/param" <<<"$h" && ok || bad "384K OLMoE with --bf16-moments: $h"
 # With host memory the chooser may stream the optimizer from the host instead: it fits with fp32 moments.
-h=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 393216 --device-mem 141093MiB --host-mem-budget 100GiB)
+h=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 393216 --device-mem 141093MiB --host-mem-budget 100GiB --no-optimizer-overlap)
 grep -q "fits in" <<<"$h" && grep -q "^host (pinned)" <<<"$h" && ok || bad "384K OLMoE with 100 GiB of host memory: $h"
-# The projected step time, tokens/s and MFU next to the memory table, and in the JSON.
+# The projected step time, tokens/s and MFU next to the memory table, and in the JSON (the optimizer
+# serial here: overlapped with the next forward its time may be hidden and its line absent).
 grep -Eq "^projected step: [0-9.e+]+ s, [0-9]+ tokens/s, MFU [0-9.]+% of 989 TFLOP/s" <<<"$h" && ok || bad "plan: no projected step line: $h"
 grep -q "^  attention " <<<"$h" && grep -q "^  optimizer " <<<"$h" && ok || bad "plan: no phases in the projection"
 j=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 131072 --device-mem 141093MiB --json 2>/dev/null)
