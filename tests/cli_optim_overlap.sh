@@ -10,7 +10,7 @@ source "$(dirname "$0")/lib_cli.sh"
 cfg="$ROOT/configs/tiny.json"
 common=(--config "$cfg" --data "$TEXT" --seq-len 64 --micro-batch 4 --grad-accum 2 --steps 6 --warmup 2
         --lr 3e-3 --eval-every 3 --eval-batches 2 --save-every 3 --quiet)
-fields() { sed -E -e 's/,"backend":\{[^}]*\}//g' -e 's/"(tokens_per_s|step_s|elapsed_s|host_syncs|phase_ms)":[^,}]*,?//g' "$1" | grep -v '"type":"header"'; }
+fields() { sed -E -e 's/,"backend":\{[^}]*\}//g' -e 's/"(tokens_per_s|step_s|elapsed_s|host_syncs|phase_ms|mfu)":[^,}]*,?//g' "$1" | grep -v '"type":"\(header\|summary\)"'; }
 same() { # NAME A B: metrics (but timings) and both checkpoints identical
     local name=$1 a=$2 b=$3
     if diff <(fields "$a/metrics.jsonl") <(fields "$b/metrics.jsonl") >/dev/null; then ok

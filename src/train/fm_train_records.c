@@ -104,6 +104,7 @@ static cJSON *flags_json(const fm_train_opts *o) {
 static const char *set_name(int i) { return i < FM_LIVE_COUNT ? fm_live_set_names[i] : "attention tiles"; }
 
 fm_status fm_train_metrics_header(run *r, const fm_run_records *rec, int64_t resume_step) {
+    if (!r->metrics) return FM_OK; /* a rank other than 0 writes no metrics */
     const fm_plan *p = &r->plan;
     cJSON *h = cJSON_CreateObject();
     cJSON_AddStringToObject(h, "type", "header");
@@ -151,6 +152,7 @@ fm_status fm_train_metrics_header(run *r, const fm_run_records *rec, int64_t res
 void fm_train_metrics_step_extra(run *r, const fm_run_records *rec, double step_s, int64_t tokens_per_step,
                                  bool full) {
     FILE *f = r->metrics;
+    if (!f) return; /* a rank other than 0 */
     if (rec->peak_flops > 0 && step_s > 0)
         fprintf(f, ",\"mfu\":%.6g", r->plan.flops_model_token * (double)tokens_per_step / step_s / rec->peak_flops);
     else
@@ -176,6 +178,7 @@ static void hms(char *buf, size_t n, double s) {
 
 void fm_train_metrics_summary(run *r, const fm_run_records *rec) {
     FILE *f = r->metrics;
+    if (!f) return; /* a rank other than 0: no record, no summary line */
     const double mean_tps = rec->step_s_sum > 0 ? (double)rec->tokens_run / rec->step_s_sum : 0;
     fprintf(f, "{\"type\":\"summary\",\"first_step\":%lld,\"last_step\":%lld,\"steps_run\":%lld,\"tokens_run\":%lld,"
             "\"time_s\":%.3f,\"step_time_s\":%.3f,\"mean_tokens_per_s\":%.1f",
