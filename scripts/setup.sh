@@ -3,7 +3,7 @@
 # into build/. Safe to run again: it only installs what is missing and rebuilds what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pkgs=(build-essential cmake libopenblas-openmp-dev libcjson-dev fortunes openmpi-bin libopenmpi-dev)
+pkgs=(build-essential cmake libopenblas-openmp-dev libcjson-dev fortunes openmpi-bin libopenmpi-dev libpcre2-dev libutf8proc-dev)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
