@@ -174,9 +174,14 @@ fm_status fm_tokenizer_decode(fm_tokenizer *tk, const int32_t *ids, int64_t n, b
             if (s) { fm_buf_free(&out); return s; }
         }
     }
-    fm_status s = fm_buf_put(&out, "", 0);
-    if (s) { fm_buf_free(&out); return s; }
-    *text = out.p;
+    char *res = fm_malloc(out.n + 1); /* the caller's copy, from fm_malloc */
+    if (!res) {
+        fm_buf_free(&out);
+        return fm_error(FM_ERR_NOMEM, "tokenizer: out of memory for %zu bytes of decoded text", out.n);
+    }
+    if (out.n) memcpy(res, out.p, out.n);
+    *text = res;
     *len = out.n;
+    fm_buf_free(&out);
     return FM_OK;
 }

@@ -1,5 +1,6 @@
 /* Encoding: UTF-8 repair, the added tokens (tokenizers' added_vocabulary.rs find_matches and
  * extract_and_normalize), the normalizer, the pre-tokenizer and the BPE model, in that order. */
+#include <stdlib.h>
 #include <string.h>
 #include <utf8proc.h>
 
@@ -66,48 +67,56 @@ static int match_at(const struct fm_tok_impl *t, const fm_added_set *set, bool u
     return -1;
 }
 
-fm_status fm_tok_split_added(struct fm_tok_impl *t, const fm_added_set *set, bool use_norm, const fm_pieces *in,
-                             fm_pieces *out) {
-    fm_pieces_reset(out);
-    for (size_t i = 0; i < in->n; i++) {
-        const fm_piece *pc = &in->v[i];
-        const char *s = in->text.p + pc->off;
-        const size_t n = pc->len;
-        if (pc->id >= 0 || set->n == 0) {
-            FM_TRY(fm_pieces_add(out, s, n, pc->id, pc->at_start));
+/* find_matches of added_vocabulary.rs over s[0..n): the splits (byte ranges; id >= 0 for an added
+ * token) into t->sp[which][0..*ns), covering s in order. */
+static fm_status split_added(struct fm_tok_impl *t, int which, const char *s, size_t n, size_t *ns) {
+    const fm_added_set *set = which ? &t->norm_set : &t->raw_set;
+    const bool use_norm = which == 1;
+    *ns = 0;
+    size_t start_offset = 0, pos = 0;
+    while (pos < n && set->n) {
+        const unsigned char c0 = (unsigned char)s[pos];
+        const int k = set->first[c0] < set->first[c0 + 1] ? match_at(t, set, use_norm, s, n, pos) : -1;
+        if (k < 0) {
+            pos++;
             continue;
         }
-        size_t start_offset = 0, pos = 0;
-        while (pos < n) {
-            const int k = set->first[(unsigned char)s[pos]] < set->first[(unsigned char)s[pos] + 1]
-                              ? match_at(t, set, use_norm, s, n, pos) : -1;
-            if (k < 0) {
-                pos++;
-                continue;
-            }
-            const fm_added *a = &t->added[k];
-            size_t start = pos, stop = pos + (use_norm ? a->norm_len : a->len);
-            pos = stop;
-            if (a->single_word) {
-                size_t st;
-                const bool start_space = start == 0 || !is_word_char(last_char(s, start, &st));
-                uint32_t cp = 0;
-                if (stop < n) fm_utf8_next((const unsigned char *)s + stop, n - stop, &cp);
-                const bool stop_space = stop == n || !is_word_char(cp);
-                if (!start_space || !stop_space) continue;
-            }
-            if (a->lstrip) {
-                const size_t ns = skip_space_back(s, start);
-                start = ns > start_offset ? ns : start_offset;
-            }
-            if (a->rstrip) stop = skip_space_fwd(s, n, stop);
-            if (start_offset < start)
-                FM_TRY(fm_pieces_add(out, s + start_offset, start - start_offset, -1, pc->at_start && start_offset == 0));
-            FM_TRY(fm_pieces_add(out, "", 0, a->id, false));
-            start_offset = stop;
+        const fm_added *a = &t->added[k];
+        size_t start = pos, stop = pos + (use_norm ? a->norm_len : a->len);
+        pos = stop;
+        if (a->single_word) {
+            size_t st;
+            const bool start_space = start == 0 || !is_word_char(last_char(s, start, &st));
+            uint32_t cp = 0;
+            if (stop < n) fm_utf8_next((const unsigned char *)s + stop, n - stop, &cp);
+            const bool stop_space = stop == n || !is_word_char(cp);
+            if (!start_space || !stop_space) continue;
         }
-        if (start_offset < n)
-            FM_TRY(fm_pieces_add(out, s + start_offset, n - start_offset, -1, pc->at_start && start_offset == 0));
+        if (a->lstrip) {
+            const size_t nst = skip_space_back(s, start);
+            start = nst > start_offset ? nst : start_offset;
+        }
+        if (a->rstrip) stop = skip_space_fwd(s, n, stop);
+        if (*ns + 2 > t->sp_cap[which]) {
+            size_t cap = t->sp_cap[which] ? 2 * t->sp_cap[which] : 64;
+            struct fm_split *v = fm_fault_hit() ? NULL : realloc(t->sp[which], cap * sizeof *v);
+            if (!v) return fm_error(FM_ERR_NOMEM, "tokenizer: out of memory for %zu added-token splits", cap);
+            t->sp[which] = v;
+            t->sp_cap[which] = cap;
+        }
+        if (start_offset < start) t->sp[which][(*ns)++] = (struct fm_split){start_offset, start, -1};
+        t->sp[which][(*ns)++] = (struct fm_split){start, stop, a->id};
+        start_offset = stop;
+    }
+    if (start_offset < n) {
+        if (*ns + 1 > t->sp_cap[which]) {
+            size_t cap = t->sp_cap[which] ? 2 * t->sp_cap[which] : 64;
+            struct fm_split *v = fm_fault_hit() ? NULL : realloc(t->sp[which], cap * sizeof *v);
+            if (!v) return fm_error(FM_ERR_NOMEM, "tokenizer: out of memory for %zu added-token splits", cap);
+            t->sp[which] = v;
+            t->sp_cap[which] = cap;
+        }
+        t->sp[which][(*ns)++] = (struct fm_split){start_offset, n, -1};
     }
     return FM_OK;
 }
@@ -130,8 +139,29 @@ static fm_status sink_put(sink *k, const int32_t *ids, size_t m) {
         *k->ids = v;
         k->cap = cap;
     }
-    for (size_t i = 0; i < m; i++, k->n++)
-        if (k->n < k->cap) (*k->ids)[k->n] = ids[i];
+    if (k->n + (int64_t)m <= k->cap) memcpy(*k->ids + k->n, ids, m * sizeof *ids);
+    else
+        for (size_t i = 0; i < m && k->n + (int64_t)i < k->cap; i++) (*k->ids)[k->n + (int64_t)i] = ids[i];
+    k->n += (int64_t)m;
+    return FM_OK;
+}
+
+/* A word from the pre-tokenizer: the BPE model (the whole word, or its parts cut before each "▁"
+ * when that cannot change the result), into the sink. */
+static fm_status on_word(struct fm_tok_impl *t, const char *w, size_t n, void *ctx) {
+    sink *k = ctx;
+    size_t a = 0;
+    while (a < n) {
+        size_t e = n;
+        if (t->cut_at_metaspace)
+            for (size_t j = a + 1; j + 3 <= n; j++)
+                if (w[j] == '\xE2' && w[j + 1] == '\x96' && w[j + 2] == '\x81') { e = j; break; }
+        int32_t *ids;
+        size_t m;
+        FM_TRY(fm_tok_bpe_word(t, w + a, e - a, &ids, &m));
+        FM_TRY(sink_put(k, ids, m));
+        a = e;
+    }
     return FM_OK;
 }
 
@@ -142,39 +172,31 @@ static fm_status encode(fm_tokenizer *tk, const char *text, size_t n, sink *k) {
     t->clean.n = 0;
     FM_TRY(fm_buf_reserve(&t->clean, 3 * n + 1));
     t->clean.n = fm_utf8_sanitize(text, n, t->clean.p);
-    /* 1. added tokens in the raw text */
-    fm_pieces_reset(&t->pa);
-    FM_TRY(fm_pieces_add(&t->pa, t->clean.p, t->clean.n, -1, true));
-    FM_TRY(fm_tok_split_added(t, &t->raw_set, false, &t->pa, &t->pb));
-    /* 2. normalizer, then the normalized added tokens */
-    fm_pieces *src = &t->pb;
-    if (t->n_norm) {
-        fm_pieces_reset(&t->pc);
-        for (size_t i = 0; i < t->pb.n; i++) {
-            const fm_piece *p = &t->pb.v[i];
-            if (p->id >= 0) {
-                FM_TRY(fm_pieces_add(&t->pc, "", 0, p->id, false));
-                continue;
-            }
-            FM_TRY(fm_tok_normalize(t, t->pb.text.p + p->off, p->len, &t->tmp));
-            FM_TRY(fm_pieces_add(&t->pc, t->tmp.p, t->tmp.n, -1, p->at_start));
-        }
-        src = &t->pc;
-    }
-    FM_TRY(fm_tok_split_added(t, &t->norm_set, true, src, &t->pa));
-    /* 3. pre-tokenizer */
-    FM_TRY(fm_tok_pretokenize(t, &t->pa, &t->pb));
-    /* 4. the model */
-    for (size_t i = 0; i < t->pa.n; i++) {
-        const fm_piece *p = &t->pa.v[i];
-        if (p->id >= 0) {
-            FM_TRY(sink_put(k, &p->id, 1));
+    /* 1. the added tokens of the raw text */
+    size_t n1;
+    FM_TRY(split_added(t, 0, t->clean.p, t->clean.n, &n1));
+    for (size_t i = 0; i < n1; i++) {
+        const struct fm_split r = t->sp[0][i];
+        if (r.id >= 0) {
+            FM_TRY(sink_put(k, &r.id, 1));
             continue;
         }
-        int32_t *ids;
-        size_t m;
-        FM_TRY(fm_tok_bpe_word(t, t->pa.text.p + p->off, p->len, &ids, &m));
-        FM_TRY(sink_put(k, ids, m));
+        /* 2. the normalizer, then the normalized added tokens */
+        const char *s = t->clean.p + r.a;
+        size_t len = r.b - r.a;
+        if (t->n_norm) {
+            FM_TRY(fm_tok_normalize(t, s, len, &t->norm_out));
+            s = t->norm_out.p;
+            len = t->norm_out.n;
+        }
+        size_t n2;
+        FM_TRY(split_added(t, 1, s, len, &n2));
+        for (size_t j = 0; j < n2; j++) {
+            const struct fm_split q = t->sp[1][j];
+            if (q.id >= 0) FM_TRY(sink_put(k, &q.id, 1));
+            /* 3. the pre-tokenizer, 4. the model */
+            else FM_TRY(fm_tok_pretok_run(t, s + q.a, q.b - q.a, r.a == 0 && q.a == 0, on_word, k));
+        }
     }
     return FM_OK;
 }

@@ -172,20 +172,30 @@ struct fm_tok_impl {
     fm_dec_op *dec;
     int n_dec;
     bool has_decoder;
+    /* No pre-tokenizer, "▁" in the vocab and in no token but as its first character: a word may
+     * be cut before each "▁" without changing its BPE (no merge can span the cut), which keeps a
+     * sentencepiece-style document from being one long word. */
+    bool cut_at_metaspace;
     /* encoding state and scratch */
     fm_strmap cache;        /* word bytes -> (offset, count) in cache_ids */
     int32_t *cache_ids;
     size_t cache_n, cache_cap;
     fm_buf clean, tmp, tmp2;
-    fm_pieces pa, pb, pc;
+    fm_pieces pa, pb;       /* decode's token lists */
     fm_sym *sym;
     size_t sym_cap;
     fm_merge_cand *heap;
     size_t heap_cap;
     int32_t *word_ids;
     size_t word_cap;
-    struct fm_seg { size_t a, b; bool match; } *seg;
-    size_t seg_cap;
+    struct fm_tok_level { /* the pre-tokenizer's scratch, one per op (they run nested) */
+        fm_buf buf, map;
+        struct fm_seg { size_t a, b; bool match; } *seg;
+        size_t seg_cap;
+    } *lv;
+    struct fm_split { size_t a, b; int32_t id; } *sp[2]; /* added-token splits: raw, normalized */
+    size_t sp_cap[2];
+    fm_buf norm_out;
     /* GPT-2 byte-level table: byte -> its character's UTF-8 (bl_len bytes); code point -> byte */
     char bl_enc[256][3];
     uint8_t bl_len[256];
@@ -214,16 +224,14 @@ int fm_pattern_find(fm_pattern *p, const char *s, size_t n, size_t from, size_t 
 /* Replaces every match of p in s[0..n) with rep[0..rn) into out (reset first). */
 fm_status fm_pattern_replace(fm_pattern *p, const char *s, size_t n, const char *rep, size_t rn, fm_buf *out);
 
-/* Normalizes s[0..n) with the normalizer ops into out (reset first). (fm_tok_pretok.c) */
+/* Normalizes s[0..n) with the normalizer ops into out (reset first; not t->tmp2, its scratch).
+ * (fm_tok_pretok.c) */
 fm_status fm_tok_normalize(struct fm_tok_impl *t, const char *s, size_t n, fm_buf *out);
-/* Runs the pre-tokenizer ops over the text pieces of *in (pieces with id >= 0 pass through);
- * the result replaces *in (using *tmp as scratch). (fm_tok_pretok.c) */
-fm_status fm_tok_pretokenize(struct fm_tok_impl *t, fm_pieces *in, fm_pieces *tmp);
-/* Splits the added tokens of `set` out of the text pieces of *in into *out (reset first),
- * with the lstrip / rstrip / single_word rules; `use_norm`: match the normalized contents.
- * (fm_tok_encode.c) */
-fm_status fm_tok_split_added(struct fm_tok_impl *t, const fm_added_set *set, bool use_norm, const fm_pieces *in,
-                             fm_pieces *out);
+/* Where the pre-tokenizer's words go: the BPE model and the output (fm_tok_encode.c). */
+typedef fm_status (*fm_word_fn)(struct fm_tok_impl *t, const char *w, size_t n, void *ctx);
+/* Runs the pre-tokenizer ops depth first over s[0..n) (a normalized piece; at_start: it begins
+ * at byte 0 of the original text) and calls fn on each word, in order. (fm_tok_pretok.c) */
+fm_status fm_tok_pretok_run(struct fm_tok_impl *t, const char *s, size_t n, bool at_start, fm_word_fn fn, void *ctx);
 /* BPE of one word w[0..n): *ids points at its *n_ids ids (in the cache or t->word_ids; valid
  * until the next call). (fm_tok_bpe.c) */
 fm_status fm_tok_bpe_word(struct fm_tok_impl *t, const char *w, size_t n, int32_t **ids, size_t *n_ids);

@@ -402,12 +402,24 @@ fm_status fm_tok_parse(struct fm_tok_impl *t, const char *json, size_t n) {
         if (!(a->norm = dup_str(t->tmp.p ? t->tmp.p : "", t->tmp.n))) return fm_error(FM_ERR_NOMEM, "tokenizer: out of memory");
         a->norm_len = t->tmp.n;
     }
+    if (t->n_pre == 0 && fm_strmap_get(&t->vocab, "\xE2\x96\x81", 3)) {
+        t->cut_at_metaspace = true;
+        for (size_t i = 0; i < t->vocab.cap && t->cut_at_metaspace; i++) {
+            const fm_strmap_slot *e = &t->vocab.slot[i];
+            if (!e->hash || e->len < 4) continue;
+            const char *k = t->vocab.pool.p + e->off;
+            for (uint32_t j = 1; j + 3 <= e->len; j++)
+                if (!memcmp(k + j, "\xE2\x96\x81", 3)) { t->cut_at_metaspace = false; break; }
+        }
+    }
     FM_TRY(build_set(t, &t->raw_set, false));
     FM_TRY(build_set(t, &t->norm_set, true));
     for (int b = 0; b < 256; b++) {
         t->bl_len[b] = (uint8_t)fm_utf8_put(t->bl_enc[b], fm_bytelevel_char((unsigned char)b));
     }
     for (int c = 0; c < 324; c++) t->bl_dec[c] = (int16_t)fm_bytelevel_byte((uint32_t)c);
+    t->lv = fm_malloc((size_t)(t->n_pre + 1) * sizeof *t->lv);
+    if (!t->lv) return fm_error(FM_ERR_NOMEM, "tokenizer: out of memory");
     t->word_ids = fm_malloc(64 * sizeof(int32_t));
     if (!t->word_ids) return fm_error(FM_ERR_NOMEM, "tokenizer: out of memory");
     t->word_cap = 64;
@@ -443,11 +455,18 @@ void fm_tok_impl_free(struct fm_tok_impl *t) {
     fm_buf_free(&t->tmp2);
     fm_pieces_free(&t->pa);
     fm_pieces_free(&t->pb);
-    fm_pieces_free(&t->pc);
+    for (int i = 0; t->lv && i < t->n_pre; i++) {
+        fm_buf_free(&t->lv[i].buf);
+        fm_buf_free(&t->lv[i].map);
+        free(t->lv[i].seg);
+    }
+    fm_free(t->lv);
+    free(t->sp[0]);
+    free(t->sp[1]);
+    fm_buf_free(&t->norm_out);
     fm_free(t->sym);
     fm_free(t->heap);
     fm_free(t->word_ids);
-    fm_free(t->seg);
     fm_free(t);
 }
 

@@ -1,19 +1,20 @@
 /* The tokenizer's containers (byte buffers, hash maps, piece lists), UTF-8 helpers and GPT-2's
  * byte <-> unicode table. See fm_tok_internal.h. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "fm_tok_internal.h"
 
 /* ---- byte buffer ---- */
 
+/* The growable scratch of the tokenizer uses realloc (no zero fill: a big text's buffers are
+ * grown, not cleared; untouched pages cost nothing); it is never part of a training step. */
 fm_status fm_buf_reserve(fm_buf *b, size_t extra) {
     if (b->n + extra <= b->cap) return FM_OK;
     size_t cap = b->cap ? b->cap : 256;
     while (cap < b->n + extra) cap *= 2;
-    char *p = fm_malloc(cap);
+    char *p = fm_fault_hit() ? NULL : realloc(b->p, cap);
     if (!p) return fm_error(FM_ERR_NOMEM, "tokenizer: out of memory for a %zu-byte buffer", cap);
-    if (b->n) memcpy(p, b->p, b->n);
-    fm_free(b->p);
     b->p = p;
     b->cap = cap;
     return FM_OK;
@@ -28,7 +29,7 @@ fm_status fm_buf_put(fm_buf *b, const void *src, size_t n) {
 }
 
 void fm_buf_free(fm_buf *b) {
-    fm_free(b->p);
+    free(b->p);
     memset(b, 0, sizeof *b);
 }
 
@@ -165,10 +166,8 @@ fm_status fm_pieces_add(fm_pieces *p, const char *s, size_t n, int32_t id, bool 
     if (n == 0 && id < 0) return FM_OK;
     if (p->n == p->cap) {
         size_t cap = p->cap ? p->cap * 2 : 64;
-        fm_piece *v = fm_malloc(cap * sizeof *v);
+        fm_piece *v = fm_fault_hit() ? NULL : realloc(p->v, cap * sizeof *v);
         if (!v) return fm_error(FM_ERR_NOMEM, "tokenizer: out of memory for %zu pieces", cap);
-        if (p->n) memcpy(v, p->v, p->n * sizeof *v);
-        fm_free(p->v);
         p->v = v;
         p->cap = cap;
     }
@@ -185,7 +184,7 @@ void fm_pieces_reset(fm_pieces *p) {
 
 void fm_pieces_free(fm_pieces *p) {
     fm_buf_free(&p->text);
-    fm_free(p->v);
+    free(p->v);
     memset(p, 0, sizeof *p);
 }
 

@@ -147,144 +147,151 @@ fm_status fm_tok_normalize(struct fm_tok_impl *t, const char *s, size_t n, fm_bu
     return FM_OK;
 }
 
-/* ---- pre-tokenizers ---- */
+/* ---- pre-tokenizers ----
+ * Depth first: op k splits or transforms its piece and hands each result to op k + 1, the last
+ * op to the word callback. `tokenizers` runs each op over all pieces before the next op; the
+ * words and their order are the same, and the scratch stays the size of one piece. */
 
-static fm_status seg_push(struct fm_tok_impl *t, size_t *ns, size_t a, size_t b, bool match) {
-    if (*ns == t->seg_cap) {
-        size_t cap = t->seg_cap ? 2 * t->seg_cap : 256;
-        struct fm_seg *v = fm_malloc(cap * sizeof *v);
+typedef struct pre_ctx {
+    fm_word_fn fn;
+    void *ctx;
+} pre_ctx;
+
+static fm_status run_level(struct fm_tok_impl *t, int k, const char *s, size_t n, bool at_start, const pre_ctx *c);
+
+static fm_status seg_push(struct fm_tok_level *L, size_t *ns, size_t a, size_t b, bool match) {
+    if (*ns == L->seg_cap) {
+        size_t cap = L->seg_cap ? 2 * L->seg_cap : 256;
+        struct fm_seg *v = fm_fault_hit() ? NULL : realloc(L->seg, cap * sizeof *v);
         if (!v) return fm_error(FM_ERR_NOMEM, "tokenizer: out of memory for %zu splits", cap);
-        if (*ns) memcpy(v, t->seg, *ns * sizeof *v);
-        fm_free(t->seg);
-        t->seg = v;
-        t->seg_cap = cap;
+        L->seg = v;
+        L->seg_cap = cap;
     }
-    t->seg[(*ns)++] = (struct fm_seg){a, b, match};
+    L->seg[(*ns)++] = (struct fm_seg){a, b, match};
     return FM_OK;
 }
 
-/* NormalizedString::split(pattern, behavior) of s[0..n) into out (pieces of text). */
-static fm_status split_text(struct fm_tok_impl *t, fm_pattern *pat, bool invert, fm_split_behavior beh, const char *s,
-                            size_t n, bool at_start, fm_pieces *out) {
-    size_t ns = 0;
+/* NormalizedString::split(pattern, behavior) of s[0..n); each resulting non-empty piece goes to
+ * level k + 1. Isolated streams; the other behaviours collect the matches first. */
+static fm_status split_text(struct fm_tok_impl *t, int k, fm_pattern *pat, bool invert, fm_split_behavior beh,
+                            const char *s, size_t n, bool at_start, const pre_ctx *c) {
     if (n == 0) return FM_OK; /* one empty split, dropped */
-    size_t prev = 0, from = 0, ms, me;
+    struct fm_tok_level *L = &t->lv[k];
+    const bool stream = beh == FM_SPLIT_ISOLATED;
+    size_t ns = 0, prev = 0, from = 0, ms, me;
     int r;
     while (from <= n && (r = fm_pattern_find(pat, s, n, from, &ms, &me)) > 0) {
-        if (prev != ms) FM_TRY(seg_push(t, &ns, prev, ms, false));
-        FM_TRY(seg_push(t, &ns, ms, me, true));
+        if (stream) {
+            if (prev != ms) FM_TRY(run_level(t, k + 1, s + prev, ms - prev, at_start && prev == 0, c));
+            if (me > ms) FM_TRY(run_level(t, k + 1, s + ms, me - ms, at_start && ms == 0, c));
+        } else {
+            if (prev != ms) FM_TRY(seg_push(L, &ns, prev, ms, false));
+            FM_TRY(seg_push(L, &ns, ms, me, true));
+        }
         prev = me;
         if (me >= n) break;
         from = me > ms ? me : me + char_len(s, n, me);
     }
     if (r < 0) return FM_ERR_FORMAT;
-    if (prev != n) FM_TRY(seg_push(t, &ns, prev, n, false));
+    if (stream) return prev < n ? run_level(t, k + 1, s + prev, n - prev, at_start && prev == 0, c) : FM_OK;
+    if (prev != n) FM_TRY(seg_push(L, &ns, prev, n, false));
     if (invert)
-        for (size_t i = 0; i < ns; i++) t->seg[i].match = !t->seg[i].match;
+        for (size_t i = 0; i < ns; i++) L->seg[i].match = !L->seg[i].match;
     /* the behaviour, in place: seg[i].match becomes "remove" */
+    struct fm_seg *g = L->seg;
     size_t m = 0;
     bool prev_match = false;
     switch (beh) {
-    case FM_SPLIT_ISOLATED:
-        for (size_t i = 0; i < ns; i++) t->seg[i].match = false;
-        m = ns;
-        break;
+    case FM_SPLIT_ISOLATED: /* streamed above (an inverted Isolated split is the same split) */
     case FM_SPLIT_REMOVED:
         m = ns;
         break;
     case FM_SPLIT_CONTIGUOUS:
     case FM_SPLIT_PREV:
         for (size_t i = 0; i < ns; i++) {
-            const struct fm_seg g = t->seg[i];
-            const bool merge = beh == FM_SPLIT_CONTIGUOUS ? g.match == prev_match : g.match && !prev_match;
-            if (merge && m > 0) t->seg[m - 1].b = g.b;
-            else t->seg[m++] = (struct fm_seg){g.a, g.b, false};
-            prev_match = g.match;
+            const struct fm_seg x = g[i];
+            const bool merge = beh == FM_SPLIT_CONTIGUOUS ? x.match == prev_match : x.match && !prev_match;
+            if (merge && m > 0) g[m - 1].b = x.b;
+            else g[m++] = (struct fm_seg){x.a, x.b, false};
+            prev_match = x.match;
         }
         break;
     case FM_SPLIT_NEXT: /* right to left, then reversed */
         for (size_t i = ns; i-- > 0;) {
-            const struct fm_seg g = t->seg[i];
-            if (g.match && !prev_match && m > 0) t->seg[ns - m].a = g.a;
-            else { t->seg[ns - 1 - m] = (struct fm_seg){g.a, g.b, false}; m++; }
-            prev_match = g.match;
+            const struct fm_seg x = g[i];
+            if (x.match && !prev_match && m > 0) g[ns - m].a = x.a;
+            else { g[ns - 1 - m] = (struct fm_seg){x.a, x.b, false}; m++; }
+            prev_match = x.match;
         }
-        memmove(t->seg, t->seg + ns - m, m * sizeof *t->seg);
+        memmove(g, g + ns - m, m * sizeof *g);
         break;
     }
+    /* deeper levels have their own scratch, so g stays valid while they run */
     for (size_t i = 0; i < m; i++)
-        if (!t->seg[i].match)
-            FM_TRY(fm_pieces_add(out, s + t->seg[i].a, t->seg[i].b - t->seg[i].a, -1, at_start && t->seg[i].a == 0));
+        if (!g[i].match && g[i].b > g[i].a)
+            FM_TRY(run_level(t, k + 1, s + g[i].a, g[i].b - g[i].a, at_start && g[i].a == 0, c));
     return FM_OK;
 }
 
-/* Appends the GPT-2 byte-level form of s[0..n) (each byte one character) as one piece. */
-static fm_status bytelevel_map(struct fm_tok_impl *t, const char *s, size_t n, bool at_start, fm_pieces *out) {
-    fm_buf *b = &t->tmp2;
+/* The GPT-2 byte-level form of s[0..n) (each byte one character), on to level k + 1. */
+static fm_status bytelevel_map(struct fm_tok_impl *t, int k, const char *s, size_t n, bool at_start, const pre_ctx *c) {
+    fm_buf *b = &t->lv[k].map;
     b->n = 0;
-    FM_TRY(fm_buf_reserve(b, 2 * n + 1));
+    FM_TRY(fm_buf_reserve(b, 2 * n + 2));
+    char *o = b->p;
     for (size_t i = 0; i < n; i++) {
-        const unsigned char c = (unsigned char)s[i];
-        memcpy(b->p + b->n, t->bl_enc[c], 2);
-        b->n += t->bl_len[c];
+        const unsigned char ch = (unsigned char)s[i];
+        o[0] = t->bl_enc[ch][0];
+        o[1] = t->bl_enc[ch][1];
+        o += t->bl_len[ch];
     }
-    return fm_pieces_add(out, b->p, b->n, -1, at_start);
+    b->n = (size_t)(o - b->p);
+    return run_level(t, k + 1, b->p, b->n, at_start, c);
 }
 
-/* One pre-tokenizer over one text piece. */
-static fm_status pre_one(struct fm_tok_impl *t, fm_pre_op *op, const char *s, size_t n, bool at_start,
-                         fm_pieces *out) {
-    if (op->kind == FM_PRE_SPLIT) return split_text(t, &op->pat, op->invert, op->behavior, s, n, at_start, out);
-    fm_buf *b = &t->tmp;
+static fm_status run_level(struct fm_tok_impl *t, int k, const char *s, size_t n, bool at_start, const pre_ctx *c) {
+    if (n == 0) return FM_OK;
+    if (k == t->n_pre) return c->fn(t, s, n, c->ctx);
+    fm_pre_op *op = &t->pre[k];
+    if (op->kind == FM_PRE_SPLIT) return split_text(t, k, &op->pat, op->invert, op->behavior, s, n, at_start, c);
+    fm_buf *b = &t->lv[k].buf;
     if (op->kind == FM_PRE_BYTELEVEL) {
-        if (op->add_prefix_space && !(n > 0 && s[0] == ' ')) {
+        if (op->add_prefix_space && s[0] != ' ') {
             b->n = 0;
             FM_TRY(fm_buf_put(b, " ", 1));
             FM_TRY(fm_buf_put(b, s, n));
             s = b->p;
             n = b->n;
         }
-        if (!op->use_regex) return bytelevel_map(t, s, n, at_start, out);
-        /* Isolated split with the GPT-2 regex, then each split mapped */
+        if (!op->use_regex) return bytelevel_map(t, k, s, n, at_start, c);
+        /* an Isolated split with the GPT-2 regex, each piece mapped */
         size_t from = 0, prev = 0, ms, me;
         int r;
         while (from <= n && (r = fm_pattern_find(&op->pat, s, n, from, &ms, &me)) > 0) {
-            if (prev != ms) FM_TRY(bytelevel_map(t, s + prev, ms - prev, at_start && prev == 0, out));
-            if (me > ms) FM_TRY(bytelevel_map(t, s + ms, me - ms, at_start && ms == 0, out));
+            if (prev != ms) FM_TRY(bytelevel_map(t, k, s + prev, ms - prev, at_start && prev == 0, c));
+            if (me > ms) FM_TRY(bytelevel_map(t, k, s + ms, me - ms, at_start && ms == 0, c));
             prev = me;
             if (me >= n) break;
             from = me > ms ? me : me + char_len(s, n, me);
         }
         if (r < 0) return FM_ERR_FORMAT;
-        if (prev < n) FM_TRY(bytelevel_map(t, s + prev, n - prev, at_start && prev == 0, out));
-        return FM_OK;
+        return prev < n ? bytelevel_map(t, k, s + prev, n - prev, at_start && prev == 0, c) : FM_OK;
     }
-    /* Metaspace: ' ' -> replacement, the prefix, then a MergedWithNext split on the replacement */
+    /* Metaspace: ' ' -> the replacement, the prefix, then a MergedWithNext split on the replacement */
     b->n = 0;
     const bool starts = n >= op->repl_len && !memcmp(s, op->repl, op->repl_len);
-    const bool starts_space = n > 0 && s[0] == ' ';
-    if (!starts && !starts_space &&
-        (op->scheme == FM_PREPEND_ALWAYS || (op->scheme == FM_PREPEND_FIRST && at_start)))
+    if (!starts && s[0] != ' ' && (op->scheme == FM_PREPEND_ALWAYS || (op->scheme == FM_PREPEND_FIRST && at_start)))
         FM_TRY(fm_buf_put(b, op->repl, op->repl_len));
     for (size_t i = 0; i < n; i++) {
         if (s[i] == ' ') FM_TRY(fm_buf_put(b, op->repl, op->repl_len));
         else FM_TRY(fm_buf_put(b, s + i, 1));
     }
-    if (!op->split) return fm_pieces_add(out, b->p, b->n, -1, at_start);
+    if (!op->split) return run_level(t, k + 1, b->p, b->n, at_start, c);
     fm_pattern lit = {.lit = op->repl, .lit_len = op->repl_len};
-    /* b is t->tmp: split_text reads it and writes pieces elsewhere */
-    return split_text(t, &lit, false, FM_SPLIT_NEXT, b->p, b->n, at_start, out);
+    return split_text(t, k, &lit, false, FM_SPLIT_NEXT, b->p, b->n, at_start, c);
 }
 
-fm_status fm_tok_pretokenize(struct fm_tok_impl *t, fm_pieces *in, fm_pieces *tmp) {
-    for (int k = 0; k < t->n_pre; k++) {
-        fm_pieces_reset(tmp);
-        for (size_t i = 0; i < in->n; i++) {
-            const fm_piece *p = &in->v[i];
-            if (p->id >= 0) FM_TRY(fm_pieces_add(tmp, "", 0, p->id, false));
-            else FM_TRY(pre_one(t, &t->pre[k], in->text.p + p->off, p->len, p->at_start, tmp));
-        }
-        fm_pieces x = *in; *in = *tmp; *tmp = x;
-    }
-    return FM_OK;
+fm_status fm_tok_pretok_run(struct fm_tok_impl *t, const char *s, size_t n, bool at_start, fm_word_fn fn, void *ctx) {
+    const pre_ctx c = {fn, ctx};
+    return run_level(t, 0, s, n, at_start, &c);
 }
