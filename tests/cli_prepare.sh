@@ -103,4 +103,25 @@ expect_fail "bad --format" "--format csv" "$FM" prepare --tokenizer "$OLMOE" --i
 : > "$TMP/empty.txt"
 expect_fail "no text at all" "no tokens were made" "$FM" prepare --tokenizer "$OLMOE" --input "$TMP/empty.txt" --out "$TMP/x" --no-eos
 [ -z "$(ls "$TMP" | grep '^x_')" ] && ok || bad "files left behind: $(ls "$TMP" | grep '^x_')"
+# 6. train on a prepared shard, then sample and eval with the tokenizer (given, or the
+#    checkpoint's tokenizer.json); sample refuses non-finite logits
+sed 's/"vocab_size": 256/"vocab_size": 4096/' "$ROOT/tests/data/micro.json" > "$TMP/micro4096.json"
+"$FM" prepare --tokenizer "$OLMOE" --input "$TMP/a.txt" --out "$TMP/one" > /dev/null 2>&1 && ok || bad "prepare of one file"
+"$FM" train --config "$TMP/micro4096.json" --data "$TMP/one_000000.bin" --seq-len 16 --micro-batch 2 --steps 2 \
+    --threads 2 --quiet --out "$TMP/run" > /dev/null 2>&1 && ok || bad "train on a prepared shard failed"
+ck="$TMP/run/step_000002"
+"$FM" sample --ckpt "$TMP/run" --tokenizer "$OLMOE" --prompt "ROMEO:" --max-new-tokens 8 --temperature 0 --threads 2 \
+    > "$TMP/s1.txt" 2>&1 && ok || bad "sample with --tokenizer: $(cat "$TMP/s1.txt")"
+[ "$(head -c 6 "$TMP/s1.txt")" = "ROMEO:" ] && ok || bad "sample output does not start with the prompt: $(cat "$TMP/s1.txt")"
+cp "$OLMOE/tokenizer.json" "$ck/"
+"$FM" sample --ckpt "$TMP/run" --prompt "ROMEO:" --max-new-tokens 8 --temperature 0 --threads 2 > "$TMP/s2.txt" 2>&1
+cmp -s "$TMP/s1.txt" "$TMP/s2.txt" && ok || bad "the checkpoint's tokenizer.json is not used: $(cat "$TMP/s2.txt")"
+"$FM" eval --ckpt "$TMP/run" --data "$TMP/a.txt" --seq-len 16 --threads 2 > "$TMP/e1.txt" 2>&1 && ok || bad "eval on text with a tokenizer"
+"$FM" eval --ckpt "$TMP/run" --data "$TMP/one_000000.bin" --seq-len 16 --threads 2 > "$TMP/e2.txt" 2>&1 && ok || bad "eval on the shard"
+[ "$(grep '^loss' "$TMP/e1.txt")" = "$(grep '^loss' "$TMP/e2.txt")" ] && grep -q '^loss [0-9]' "$TMP/e1.txt" \
+    && ok || bad "eval of the text (tokenized) and of its shard differ: $(grep '^loss' "$TMP/e1.txt") vs $(grep '^loss' "$TMP/e2.txt")"
+cp -r "$TMP/run" "$TMP/nan"
+f="$TMP/nan/step_000002/model.safetensors"
+head -c 4096 /dev/zero | tr '\0' '\377' | dd of="$f" bs=4096 seek=$(( $(stat -c %s "$f") / 4096 - 1 )) conv=notrunc 2>/dev/null
+expect_fail "sample with NaN weights" "the checkpoint's weights are damaged or diverged" "$FM" sample --ckpt "$TMP/nan" --prompt "ROMEO:" --max-new-tokens 4 --threads 2
 finish
