@@ -5,6 +5,11 @@ experts backend and fused AdamW, trained at micro-batch 1 for each sequence leng
 without gradient checkpointing, until out of memory.
 
   python3 bench/peer_hf.py CONFIG.json SEQ_LEN [SEQ_LEN ...] [--steps 3] [--json OUT.jsonl]
+                           [--compile] [--grad-accum G] [--no-ckpt | --ckpt-only]
+
+--compile compiles each decoder layer with torch.compile (what torchtitan does, and what a careful
+PyTorch user runs); --grad-accum G makes a step of G micro-batches (loss / G each, one AdamW
+step); --no-ckpt / --ckpt-only run only the plain or only the checkpointed variant.
 
 One model and optimizer (initialized on the GPU) serve every length. For each (length,
 checkpointing) it runs 1 warm-up step and `steps - 1` timed ones and prints the
@@ -59,7 +64,7 @@ def build(path):
     return cfg, model, experts
 
 
-def run(cfg, model, experts, opt, T, steps, ckpt):
+def run(cfg, model, experts, opt, T, steps, ckpt, grad_accum=1, compiled=False):
     torch.cuda.empty_cache()
     if ckpt:
         model.gradient_checkpointing_enable()
@@ -69,24 +74,27 @@ def run(cfg, model, experts, opt, T, steps, ckpt):
     n_act, h_attn = active_params(cfg)
     flops_tok = 6 * n_act + 6 * cfg.num_hidden_layers * (h_attn // cfg.num_hidden_layers) * T
     hw_tok = flops_tok + (2 * n_act + 2 * cfg.num_hidden_layers * (h_attn // cfg.num_hidden_layers) * T if ckpt else 0)
-    res = dict(system="hf-peer", seq_len=T, checkpointing=ckpt, experts=experts, params=n_params)
+    res = dict(system="hf-peer", seq_len=T, checkpointing=ckpt, experts=experts, params=n_params,
+               grad_accum=grad_accum, compiled=compiled)
     times = []
     try:
         torch.cuda.reset_peak_memory_stats()
         for s in range(steps):
-            ids = torch.randint(0, cfg.vocab_size, (1, T), device="cuda")
+            batches = [torch.randint(0, cfg.vocab_size, (1, T), device="cuda") for _ in range(grad_accum)]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
+            for ids in batches:
+                loss = model(input_ids=ids, labels=ids).loss
+                (loss / grad_accum).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             if s > 0:
                 times.append(time.perf_counter() - t0)
         t = statistics.median(times)
-        res.update(step_s=t, tokens_per_s=T / t, model_tflops=flops_tok * T / t / 1e12,
-                   hardware_tflops=hw_tok * T / t / 1e12, mfu=flops_tok * T / t / PEAK,
+        tok = T * grad_accum
+        res.update(step_s=t, tokens_per_s=tok / t, model_tflops=flops_tok * tok / t / 1e12,
+                   hardware_tflops=hw_tok * tok / t / 1e12, mfu=flops_tok * tok / t / PEAK,
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30, model_state_gib=8 * n_params / 2**30,
                    loss=float(loss))
     except torch.OutOfMemoryError:
@@ -102,21 +110,29 @@ def main():
     ap.add_argument("seq_len", type=int, nargs="+")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--no-ckpt", action="store_true", help="only without gradient checkpointing")
+    ap.add_argument("--ckpt-only", action="store_true", help="only with gradient checkpointing")
     a = ap.parse_args()
     out = open(a.json, "a") if a.json else None
     stop = {False: False, True: False}
     cfg, model, experts = build(a.config)  # one model and optimizer for every length (state persists)
+    if a.compile:
+        for layer in model.model.layers:
+            layer.compile()
+    variants = [False] if a.no_ckpt else [True] if a.ckpt_only else [False, True]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     for T in a.seq_len:
-        for ckpt in (False, True):
+        for ckpt in variants:
             if stop[ckpt]:
                 continue
-            r = run(cfg, model, experts, opt, T, a.steps, ckpt)
+            r = run(cfg, model, experts, opt, T, a.steps, ckpt, a.grad_accum, a.compile)
             if r.get("oom"):
                 stop[ckpt] = True
                 print(f"hf-peer T={T:>7} ckpt={int(ckpt)}: out of memory (peak {r['peak_gib']:.1f} GiB)", flush=True)
             else:
-                print(f"hf-peer T={T:>7} ckpt={int(ckpt)}: {r['tokens_per_s']:9.0f} tok/s  {r['model_tflops']:6.1f} "
+                print(f"hf-peer T={T:>7} ckpt={int(ckpt)} compile={int(a.compile)} G={a.grad_accum}: {r['tokens_per_s']:9.0f} tok/s  {r['model_tflops']:6.1f} "
                       f"model TFLOP/s  MFU {100 * r['mfu']:5.1f}%  peak {r['peak_gib']:6.1f} GiB "
                       f"(model state {r['model_state_gib']:.1f})", flush=True)
             if out:

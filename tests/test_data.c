@@ -47,6 +47,13 @@ static size_t make_shard(unsigned char *img, uint32_t magic, uint32_t version, i
     return at;
 }
 
+/* Token i of a data set, as int32. */
+static int32_t tok_at(const fm_dataset *ds, int64_t i) {
+    int32_t v = -1;
+    if (i >= 0 && i < ds->n_tokens) fm_dataset_tokens(ds, i, 1, &v);
+    return v;
+}
+
 static fm_status load1(fm_dataset *ds, const char *path, int64_t vocab) {
     const char *paths[1] = {path};
     return fm_dataset_load(ds, paths, 1, vocab);
@@ -76,12 +83,12 @@ static void test_text(void) {
     CHECK(ds.owns);
     const unsigned char want[] = "hello w\xc3\xb6rld!\n";
     int same = 1;
-    for (int i = 0; i < 14 && ds.tokens; i++) same &= ds.tokens[i] == (int32_t)want[i];
+    for (int i = 0; i < 14; i++) same &= tok_at(&ds, i) == (int32_t)want[i];
     CHECK(same);
-    CHECK(ds.tokens && ds.tokens[7] == 0xc3); /* bytes are unsigned */
+    CHECK(tok_at(&ds, 7) == 0xc3); /* bytes are unsigned */
     CHECK_MSG(strcmp(ds.desc, "3 text files, 14 tokens (bytes)") == 0, "desc: %s", ds.desc);
     fm_dataset_free(&ds);
-    CHECK(ds.tokens == NULL && ds.n_tokens == 0 && !ds.owns);
+    CHECK(ds.parts == NULL && ds.n_tokens == 0 && !ds.owns);
     fm_dataset_free(&ds); /* twice is safe */
 
     CHECK(load1(&ds, tpath("a.txt"), 300) == FM_OK);
@@ -89,7 +96,7 @@ static void test_text(void) {
     fm_dataset_free(&ds);
 
     expect_err(load1(&ds, tpath("a.txt"), 255), FM_ERR_ARG, "text vocab<256", "a.txt", "256", "255", NULL);
-    CHECK(ds.tokens == NULL && ds.n_tokens == 0);
+    CHECK(ds.parts == NULL && ds.n_tokens == 0);
 }
 
 static void test_shard_roundtrip(int version) {
@@ -109,7 +116,10 @@ static void test_shard_roundtrip(int version) {
     s = load1(&ds, p, version == 1 ? 65536 : 200000);
     CHECK_MSG(s == FM_OK, "v%d: %s", version, fm_errmsg());
     CHECK(ds.n_tokens == N);
-    CHECK(ds.tokens && memcmp(ds.tokens, tok, sizeof(int32_t) * N) == 0);
+    int32_t *back = malloc(sizeof(int32_t) * N);
+    fm_dataset_tokens(&ds, 0, N, back);
+    CHECK(memcmp(back, tok, sizeof(int32_t) * N) == 0);
+    free(back);
     CHECK_MSG(strstr(ds.desc, "1 llm.c shard") && strstr(ds.desc, "600000 tokens"), "desc: %s", ds.desc);
     fm_dataset_free(&ds);
 
@@ -133,7 +143,7 @@ static void test_shard_multi(void) {
     fm_status s = fm_dataset_load(&ds, paths, 2, 100000);
     CHECK_MSG(s == FM_OK, "%s", fm_errmsg());
     CHECK(ds.n_tokens == 5);
-    CHECK(ds.tokens && ds.tokens[0] == 1 && ds.tokens[2] == 3 && ds.tokens[3] == 70000 && ds.tokens[4] == 5);
+    CHECK(tok_at(&ds, 0) == 1 && tok_at(&ds, 2) == 3 && tok_at(&ds, 3) == 70000 && tok_at(&ds, 4) == 5);
     CHECK_MSG(strstr(ds.desc, "2 llm.c shards") != NULL, "desc: %s", ds.desc);
     fm_dataset_free(&ds);
 
@@ -209,7 +219,7 @@ static void test_shard_errors(void) {
     n = make_shard(img, FM_SHARD_MAGIC_V7, 7, 4, 4, huge, 4, 0);
     write_raw(tpath("huge.bin"), img, n);
     expect_err(load1(&ds, tpath("huge.bin"), (int64_t)1 << 31), FM_ERR_FORMAT, "huge id", "4294967280", NULL);
-    CHECK(ds.tokens == NULL && ds.n_tokens == 0);
+    CHECK(ds.parts == NULL && ds.n_tokens == 0);
 }
 
 static void test_other_errors(void) {
@@ -245,23 +255,25 @@ static void test_other_errors(void) {
                NULL);
     const char *mix2[2] = {tpath("m1.bin"), tpath("a.txt")};
     expect_err(fm_dataset_load(&ds, mix2, 2, 1000), FM_ERR_ARG, "mix shard+text", "a.txt is text",
-               "m1.bin is an llm.c shard", NULL);
+               "m1.bin holds token ids", NULL);
     const char *miss[2] = {tpath("a.txt"), tpath("nope.txt")};
     expect_err(fm_dataset_load(&ds, miss, 2, 256), FM_ERR_IO, "second missing", "nope.txt", NULL);
-    CHECK(ds.tokens == NULL && ds.n_tokens == 0);
+    CHECK(ds.parts == NULL && ds.n_tokens == 0);
 
     /* Allocation failure is reported, not crashed on. */
     fm_fault_set(1);
     expect_err(load1(&ds, tpath("a.txt"), 256), FM_ERR_NOMEM, "nomem", NULL);
-    fm_fault_set(3); /* info, buffer, then the token array */
-    expect_err(load1(&ds, tpath("a.txt"), 256), FM_ERR_NOMEM, "nomem tokens", "6 tokens", NULL);
+    fm_fault_set(2); /* the part table, then the text's bytes */
+    expect_err(load1(&ds, tpath("a.txt"), 256), FM_ERR_NOMEM, "nomem tokens", "6 bytes", NULL);
     fm_fault_set(0);
 }
 
 static fm_dataset iota_ds(int32_t *buf, int64_t n) {
     for (int64_t i = 0; i < n; i++) buf[i] = (int32_t)i;
-    fm_dataset ds = {.tokens = buf, .n_tokens = n, .owns = false};
-    snprintf(ds.desc, sizeof ds.desc, "iota %lld", (long long)n);
+    char desc[64];
+    snprintf(desc, sizeof desc, "iota %lld", (long long)n);
+    fm_dataset ds;
+    CHECK(fm_dataset_from_tokens(&ds, buf, n, desc) == FM_OK);
     return ds;
 }
 
@@ -270,7 +282,7 @@ static void test_split(void) {
     fm_dataset all = iota_ds(buf, 1000), tr, va;
     CHECK(fm_dataset_split(&all, 0.1, &tr, &va) == FM_OK);
     CHECK(tr.n_tokens == 900 && va.n_tokens == 100);
-    CHECK(tr.tokens == buf && va.tokens == buf + 900);
+    CHECK(tok_at(&tr, 0) == 0 && tok_at(&va, 0) == 900 && tok_at(&va, 99) == 999 && va.begin == 900);
     CHECK(!tr.owns && !va.owns);
     CHECK_MSG(strstr(va.desc, "iota 1000") != NULL, "desc: %s", va.desc);
     fm_dataset_free(&tr); /* views free nothing */
@@ -387,13 +399,287 @@ static void test_tinyshakespeare(void) {
     CHECK(ds.n_tokens == 1115394);
     CHECK_MSG(strcmp(ds.desc, "1 text file, 1115394 tokens (bytes)") == 0, "desc: %s", ds.desc);
     const char *head = "First Citizen:";
-    int ok = ds.tokens != NULL;
-    for (int i = 0; ok && head[i]; i++) ok &= ds.tokens[i] == head[i];
+    int ok = ds.parts != NULL;
+    for (int i = 0; ok && head[i]; i++) ok &= tok_at(&ds, i) == head[i];
     CHECK(ok);
     CHECK(fm_dataset_split(&ds, 0.1, &tr, &va) == FM_OK);
     CHECK(va.n_tokens == 111539 && tr.n_tokens == 1115394 - 111539);
     CHECK(fm_dataset_check_windows(&va, 1024, "validation data") == FM_OK);
     printf("tinyshakespeare: %s; %s\n", ds.desc, va.desc);
+    fm_dataset_free(&ds);
+}
+
+/* ---- loss masks ----------------------------------------------------------------------------- */
+
+static void put64(unsigned char *p, uint64_t v) { put32(p, (uint32_t)v); put32(p + 4, (uint32_t)(v >> 32)); }
+
+static void test_masks(void) {
+    enum { N = 300, B = 4, T = 20 };
+    int32_t tok[N];
+    uint8_t mask[N];
+    for (int i = 0; i < N; i++) { tok[i] = (i * 37) % 1000; mask[i] = (uint8_t)((i / 7) % 3 != 0); }
+    CHECK(fm_shard_write(tpath("mk.bin"), tok, N, 7) == FM_OK);
+    CHECK(fm_mask_write(tpath("mk.bin.mask"), mask, N) == FM_OK);
+    fm_dataset ds;
+    fm_status s = load1(&ds, tpath("mk.bin"), 1000);
+    CHECK_MSG(s == FM_OK, "%s", fm_errmsg());
+    CHECK(ds.has_mask);
+    CHECK_MSG(strstr(ds.desc, "loss mask on 1 of 1") != NULL, "desc: %s", ds.desc);
+    int ok = 1;
+    for (int i = 0; i < N; i++) ok &= fm_dataset_mask_at(&ds, i) == mask[i];
+    CHECK(ok);
+    int32_t in[B * T], tg[B * T];
+    fm_rng r;
+    fm_rng_seed(&r, 99);
+    int n_ign = 0, n_kept = 0;
+    for (int k = 0; k < 20; k++) {
+        fm_rng before = r;
+        fm_dataset_sample_batch(&ds, &r, B, T, in, tg);
+        for (int b = 0; b < B; b++) {
+            int64_t st = (int64_t)fm_rng_below(&before, N - T);
+            for (int t = 0; t < T; t++) {
+                ok &= in[b * T + t] == tok[st + t]; /* inputs are never masked */
+                int32_t want = mask[st + t + 1] ? tok[st + t + 1] : FM_IGNORE_INDEX;
+                ok &= tg[b * T + t] == want;
+                n_ign += tg[b * T + t] == FM_IGNORE_INDEX;
+                n_kept += tg[b * T + t] != FM_IGNORE_INDEX;
+            }
+        }
+    }
+    CHECK(ok && n_ign > 0 && n_kept > 0);
+    /* eval windows are masked the same way */
+    int64_t filled;
+    fm_dataset_eval_batch(&ds, 1, B, T, in, tg, &filled);
+    ok = filled == B;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            int64_t i = (1 + b) * T + t + 1;
+            ok &= tg[b * T + t] == (mask[i] ? tok[i] : FM_IGNORE_INDEX) && in[b * T + t] == tok[i - 1];
+        }
+    CHECK(ok);
+    fm_dataset_free(&ds);
+
+    /* The other sidecar name: data.mask next to data.bin. */
+    CHECK(fm_shard_write(tpath("mk2.bin"), tok, N, 1) == FM_OK);
+    CHECK(fm_mask_write(tpath("mk2.mask"), mask, N) == FM_OK);
+    CHECK(load1(&ds, tpath("mk2.bin"), 1000) == FM_OK && ds.has_mask && fm_dataset_mask_at(&ds, 0) == mask[0]);
+    fm_dataset_free(&ds);
+    /* A shard without a mask, next to one with: every target of it counts. */
+    CHECK(fm_shard_write(tpath("nomask.bin"), tok, N, 7) == FM_OK);
+    const char *two[2] = {tpath("nomask.bin"), tpath("mk.bin")};
+    CHECK(fm_dataset_load(&ds, two, 2, 1000) == FM_OK);
+    ok = 1;
+    for (int i = 0; i < N; i++) ok &= fm_dataset_mask_at(&ds, i) == 1 && fm_dataset_mask_at(&ds, N + i) == mask[i];
+    CHECK(ok);
+    fm_dataset_free(&ds);
+
+    /* Bad mask files. */
+    static unsigned char img[16 + N + 8];
+    memcpy(img, "FMMASK01", 8);
+    put64(img + 8, N);
+    memcpy(img + 16, mask, N);
+    CHECK(fm_shard_write(tpath("bm.bin"), tok, N, 7) == FM_OK);
+    img[0] = 'X';
+    write_raw(tpath("bm.bin.mask"), img, 16 + N);
+    expect_err(load1(&ds, tpath("bm.bin"), 1000), FM_ERR_FORMAT, "mask magic", "bm.bin.mask", "FMMASK01", NULL);
+    img[0] = 'F';
+    put64(img + 8, N - 1);
+    write_raw(tpath("bm.bin.mask"), img, 16 + N - 1);
+    expect_err(load1(&ds, tpath("bm.bin"), 1000), FM_ERR_FORMAT, "mask count", "bm.bin.mask", "299 tokens",
+               "300 tokens", NULL);
+    put64(img + 8, N);
+    write_raw(tpath("bm.bin.mask"), img, 16 + N + 3);
+    expect_err(load1(&ds, tpath("bm.bin"), 1000), FM_ERR_FORMAT, "mask size", "bm.bin.mask", "316 bytes",
+               "found 319", NULL);
+    img[16 + 123] = 2;
+    write_raw(tpath("bm.bin.mask"), img, 16 + N);
+    expect_err(load1(&ds, tpath("bm.bin"), 1000), FM_ERR_FORMAT, "mask byte", "bm.bin.mask", "byte 123", "is 2",
+               NULL);
+    write_raw(tpath("bm.bin.mask"), img, 5);
+    expect_err(load1(&ds, tpath("bm.bin"), 1000), FM_ERR_FORMAT, "mask short", "bm.bin.mask", "16-byte header",
+               NULL);
+    CHECK(ds.parts == NULL && ds.n_tokens == 0);
+    uint8_t two_b[2] = {1, 2};
+    expect_err(fm_mask_write(tpath("w.mask"), two_b, 2), FM_ERR_ARG, "mask write 2", "byte 1", NULL);
+}
+
+/* ---- Megatron indexed data sets -------------------------------------------------------------- */
+
+/* Writes PREFIX.bin and PREFIX.idx (dtype code `code`, element size es) holding tok split into
+ * sequences of the given sizes; `gap` adds bytes between sequence 0 and 1 (not back to back). */
+static void write_megatron(const char *prefix, int code, int es, const int32_t *tok, const int *sizes, int S,
+                           int gap, uint64_t version) {
+    char p[300];
+    snprintf(p, sizeof p, "%s.bin", prefix);
+    FILE *f = fopen(p, "wb");
+    int64_t ptr = 0, ptrs[64];
+    int at = 0;
+    for (int i = 0; i < S; i++) {
+        ptrs[i] = ptr;
+        for (int k = 0; k < sizes[i]; k++, at++) {
+            unsigned char e[8] = {0};
+            put64(e, (uint64_t)(int64_t)tok[at]);
+            fwrite(e, 1, (size_t)es, f);
+        }
+        ptr += (int64_t)sizes[i] * es;
+        if (i == 0 && gap) { for (int g = 0; g < gap; g++) fputc(0, f); ptr += gap; }
+    }
+    fclose(f);
+    snprintf(p, sizeof p, "%s.idx", prefix);
+    f = fopen(p, "wb");
+    unsigned char h[34];
+    memcpy(h, "MMIDIDX\0\0", 9);
+    put64(h + 9, version);
+    h[17] = (unsigned char)code;
+    put64(h + 18, (uint64_t)S);
+    put64(h + 26, (uint64_t)(S + 1));
+    fwrite(h, 1, 34, f);
+    for (int i = 0; i < S; i++) { unsigned char e[4]; put32(e, (uint32_t)sizes[i]); fwrite(e, 1, 4, f); }
+    for (int i = 0; i < S; i++) { unsigned char e[8]; put64(e, (uint64_t)ptrs[i]); fwrite(e, 1, 8, f); }
+    for (int i = 0; i <= S; i++) { unsigned char e[8]; put64(e, (uint64_t)i); fwrite(e, 1, 8, f); }
+    fclose(f);
+}
+
+static void test_megatron(void) {
+    enum { N = 1000 };
+    int32_t tok[N];
+    for (int i = 0; i < N; i++) tok[i] = (i * 7919) % 50000;
+    const int sizes[5] = {100, 1, 499, 250, 150};
+    CHECK(fm_shard_write(tpath("same.bin"), tok, N, 1) == FM_OK);
+    fm_dataset ref, ds;
+    CHECK(load1(&ref, tpath("same.bin"), 50000) == FM_OK);
+    int32_t a[N], b[N];
+    fm_dataset_tokens(&ref, 0, N, a);
+    const int codes[3] = {8, 4, 5}, ess[3] = {2, 4, 8}; /* uint16, int32, int64 */
+    for (int c = 0; c < 3; c++) {
+        char prefix[256];
+        snprintf(prefix, sizeof prefix, "%s", tpath(c == 0 ? "mega16" : c == 1 ? "mega32" : "mega64"));
+        write_megatron(prefix, codes[c], ess[c], tok, sizes, 5, 0, 1);
+        const char *names[3] = {"", ".bin", ".idx"};
+        for (int k = 0; k < 3; k++) {
+            char p[300];
+            snprintf(p, sizeof p, "%s%s", prefix, names[k]);
+            fm_status s = load1(&ds, p, 50000);
+            CHECK_MSG(s == FM_OK, "%s: %s", p, fm_errmsg());
+            if (s != FM_OK) continue;
+            CHECK(ds.n_tokens == N);
+            fm_dataset_tokens(&ds, 0, N, b);
+            CHECK_MSG(memcmp(a, b, sizeof a) == 0, "%s: tokens differ from the llm.c shard's", p);
+            CHECK_MSG(strstr(ds.desc, "1 Megatron data set") != NULL, "desc: %s", ds.desc);
+            /* same windows as the shard */
+            int32_t i1[3 * 50], t1[3 * 50], i2[3 * 50], t2[3 * 50];
+            fm_rng r1, r2;
+            fm_rng_seed(&r1, 5);
+            fm_rng_seed(&r2, 5);
+            fm_dataset_sample_batch(&ref, &r1, 3, 50, i1, t1);
+            fm_dataset_sample_batch(&ds, &r2, 3, 50, i2, t2);
+            CHECK(!memcmp(i1, i2, sizeof i1) && !memcmp(t1, t2, sizeof t1));
+            fm_dataset_free(&ds);
+        }
+    }
+    /* A mask sidecar on a Megatron prefix. */
+    uint8_t mask[N];
+    for (int i = 0; i < N; i++) mask[i] = (uint8_t)(i % 2);
+    CHECK(fm_mask_write(tpath("mega16.mask"), mask, N) == FM_OK);
+    CHECK(load1(&ds, tpath("mega16"), 50000) == FM_OK && ds.has_mask && fm_dataset_mask_at(&ds, 3) == 1 &&
+          fm_dataset_mask_at(&ds, 4) == 0);
+    fm_dataset_free(&ds);
+    /* Errors. */
+    write_megatron(tpath("mbad"), 8, 2, tok, sizes, 5, 0, 2);
+    expect_err(load1(&ds, tpath("mbad"), 50000), FM_ERR_FORMAT, "mega version", "mbad.idx", "version 2", NULL);
+    write_megatron(tpath("mbad"), 7, 4, tok, sizes, 5, 0, 1);
+    expect_err(load1(&ds, tpath("mbad"), 50000), FM_ERR_FORMAT, "mega float", "mbad.idx", "dtype code 7", NULL);
+    write_megatron(tpath("mbad"), 8, 2, tok, sizes, 5, 6, 1);
+    expect_err(load1(&ds, tpath("mbad"), 50000), FM_ERR_FORMAT, "mega gap", "mbad.idx", "sequence 1", "back to back",
+               NULL);
+    write_megatron(tpath("mbad"), 8, 2, tok, sizes, 5, 0, 1);
+    expect_err(load1(&ds, tpath("mbad"), 1000), FM_ERR_FORMAT, "mega vocab", "mbad.bin", "vocab_size is 1000", NULL);
+    write_raw(tpath("mbad.bin"), tok, 10);
+    expect_err(load1(&ds, tpath("mbad.bin"), 50000), FM_ERR_FORMAT, "mega bin size", "mbad.bin", "10 bytes",
+               "2000 bytes", NULL);
+    CHECK(ds.parts == NULL);
+    fm_dataset_free(&ref);
+}
+
+/* ---- memory: a mapped shard costs no RSS ------------------------------------------------------ */
+
+static long vm_rss_kib(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return -1;
+    char line[256];
+    long kb = -1;
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, "VmRSS:", 6)) kb = strtol(line + 6, NULL, 10);
+    fclose(f);
+    return kb;
+}
+
+static void test_mmap_rss(void) {
+    enum { CH = 1 << 20 };
+    const int64_t n = 50 * (int64_t)CH; /* 50M uint32 tokens: a 200 MB shard */
+    const char *p = tpath("big.bin");
+    FILE *f = fopen(p, "wb");
+    unsigned char hdr[1024] = {0};
+    put32(hdr, FM_SHARD_MAGIC_V7);
+    put32(hdr + 4, 7);
+    put32(hdr + 8, (uint32_t)n);
+    fwrite(hdr, 1, sizeof hdr, f);
+    uint32_t *chunk = malloc(sizeof(uint32_t) * CH);
+    for (int64_t c = 0; c < n / CH; c++) {
+        for (int i = 0; i < CH; i++) chunk[i] = (uint32_t)((c * CH + i) % 100003);
+        fwrite(chunk, sizeof(uint32_t), CH, f);
+    }
+    free(chunk);
+    fclose(f);
+    long before = vm_rss_kib();
+    fm_dataset ds;
+    fm_status s = load1(&ds, p, 100003);
+    long after = vm_rss_kib();
+    CHECK_MSG(s == FM_OK, "%s", fm_errmsg());
+    CHECK(ds.n_tokens == n);
+    /* draw a few windows: their pages come in, but not the file */
+    int32_t in[8 * 512], tg[8 * 512];
+    fm_rng r;
+    fm_rng_seed(&r, 1);
+    int ok = 1;
+    for (int k = 0; k < 50; k++) {
+        fm_rng b4 = r;
+        fm_dataset_sample_batch(&ds, &r, 8, 512, in, tg);
+        int64_t st = (int64_t)fm_rng_below(&b4, (uint64_t)(n - 512));
+        ok &= in[0] == (int32_t)(st % 100003) && tg[0] == (int32_t)((st + 1) % 100003);
+    }
+    CHECK(ok);
+    long sampled = vm_rss_kib();
+    printf("mmap: VmRSS %ld KiB before loading a %lld MB shard, %ld KiB after, %ld KiB after 400 windows\n", before,
+           (long long)(n * 4 / 1000000), after, sampled);
+    CHECK_MSG(before > 0 && after - before < 16 * 1024, "loading grew RSS by %ld KiB", after - before);
+    CHECK_MSG(sampled - before < 32 * 1024, "sampling grew RSS by %ld KiB", sampled - before);
+    fm_dataset_free(&ds);
+    remove(p);
+}
+
+/* ---- the rank-aware cursor -------------------------------------------------------------------- */
+
+static void test_ranks(void) {
+    enum { N = 2000, B = 3, T = 10, W = 4 };
+    static int32_t buf[N];
+    fm_dataset ds = iota_ds(buf, N);
+    int32_t all_in[W * B * T], all_tg[W * B * T], in[B * T], tg[B * T];
+    fm_rng r0;
+    fm_rng_seed(&r0, 42);
+    fm_rng g = r0;
+    fm_dataset_sample_batch(&ds, &g, W * B, T, all_in, all_tg); /* one rank, the global batch */
+    int ok = 1;
+    for (int rank = 0; rank < W; rank++) {
+        CHECK(fm_dataset_set_ranks(&ds, rank, W) == FM_OK);
+        fm_rng r = r0;
+        fm_dataset_sample_batch(&ds, &r, B, T, in, tg);
+        ok &= !memcmp(in, all_in + rank * B * T, sizeof in) && !memcmp(tg, all_tg + rank * B * T, sizeof tg);
+        ok &= r.state == g.state; /* every rank's cursor advances the same */
+    }
+    CHECK(ok);
+    expect_err(fm_dataset_set_ranks(&ds, 4, 4), FM_ERR_ARG, "rank 4 of 4", "rank 4 of 4", NULL);
+    expect_err(fm_dataset_set_ranks(&ds, 0, 0), FM_ERR_ARG, "0 ranks", NULL);
     fm_dataset_free(&ds);
 }
 
@@ -410,6 +696,10 @@ int main(void) {
     test_split();
     test_batches(seed);
     test_tinyshakespeare();
+    test_masks();
+    test_megatron();
+    test_ranks();
+    test_mmap_rss();
     int rc = fm_test_finish();
     if (rc == 0) {
         char cmd[128];

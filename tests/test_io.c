@@ -13,6 +13,7 @@
 #include "fm_test.h"
 #include "core/fm_core.h"
 #include "io/fm_checkpoint.h"
+#include "io/fm_hf_weights.h"
 #include "io/fm_safetensors.h"
 
 static char g_dir[256];
@@ -786,6 +787,103 @@ static void test_fetch_write(const char *dir) {
     CHECK(fm_st_write(p1, none, 1, NULL) == FM_ERR_ARG);
 }
 
+/* ---- Hugging Face folders: index + shards, bf16 / fp16, missing, shape, dtype, extras -------- */
+
+/* A two-tensor table: "model.embed_tokens.weight" [2, 3] at 0 and "model.norm.weight" [3] at 6. */
+static const fm_hf_param k_params[2] = {{"model.embed_tokens.weight", 2, {2, 3}, 0}, {"model.norm.weight", 1, {3, 0}, 6}};
+static const fm_hf_table k_table = {k_params, 2, 0, 0, 3, 0, "mlp", NULL, false, "test"};
+
+static void test_hf_folder(void) {
+    const float emb[6] = {1.5f, -2.0f, 0.25f, 3.0f, -0.125f, 384.0f}, norm[3] = {1.0f, 0.5f, -7.0f};
+    /* bf16 of emb (exact values: each fits bf16's 8 bits), fp16 of norm */
+    uint16_t emb_bf16[6], norm_f16[3] = {0x3C00, 0x3800, 0xC700}; /* 1.0, 0.5, -7.0 */
+    for (int i = 0; i < 6; i++) emb_bf16[i] = fm_f32_to_bf16(emb[i]);
+    char dir[600];
+    snprintf(dir, sizeof dir, "%s/hf", g_dir);
+    mkdir(dir, 0755);
+    char p[700];
+    snprintf(p, sizeof p, "%s/model-00001-of-00002.safetensors", dir);
+    make_st(p, "{\"model.embed_tokens.weight\":{\"dtype\":\"BF16\",\"shape\":[2,3],\"data_offsets\":[0,12]}}", emb_bf16, 12);
+    snprintf(p, sizeof p, "%s/model-00002-of-00002.safetensors", dir);
+    unsigned char two[6 + 8];
+    memcpy(two, norm_f16, 6);
+    memset(two + 6, 0, 8);
+    make_st(p, "{\"model.norm.weight\":{\"dtype\":\"F16\",\"shape\":[3],\"data_offsets\":[0,6]},"
+               "\"model.rotary.inv_freq\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[6,14]}}", two, 14);
+    snprintf(p, sizeof p, "%s/model.safetensors.index.json", dir);
+    const char *idx = "{\"metadata\": {\"total_size\": 26}, \"weight_map\": {"
+                      "\"model.embed_tokens.weight\": \"model-00001-of-00002.safetensors\", "
+                      "\"model.norm.weight\": \"model-00002-of-00002.safetensors\", "
+                      "\"model.rotary.inv_freq\": \"model-00002-of-00002.safetensors\"}}";
+    write_bytes(p, idx, strlen(idx));
+
+    fm_hf_files f;
+    fm_status s = fm_hf_files_open(&f, dir);
+    CHECK_MSG(s == FM_OK, "%s", fm_errmsg());
+    CHECK(f.n == 2 && strstr(f.where, "model.safetensors.index.json"));
+    float out[9];
+    memset(out, 0, sizeof out);
+    char extra[512] = "x";
+    fm_hf_read_opts ro = {true, extra, sizeof extra};
+    s = fm_hf_read_files(&k_table, &f, "", out, &ro);
+    CHECK_MSG(s == FM_OK, "%s", fm_errmsg());
+    CHECK(!memcmp(out, emb, sizeof emb) && !memcmp(out + 6, norm, sizeof norm)); /* widened exactly */
+    CHECK_MSG(strstr(extra, "1 tensor of") && strstr(extra, "'model.rotary.inv_freq'") && strstr(extra, "ignored"),
+              "extra: %s", extra);
+    /* strict (a checkpoint file): the extra tensor is an error naming it */
+    s = fm_hf_read_files(&k_table, &f, "", out, NULL);
+    CHECK(s == FM_ERR_FORMAT && msg_has("'model.rotary.inv_freq' is not a parameter of this test model"));
+    fm_hf_files_close(&f);
+    fm_hf_files_close(&f); /* twice is safe */
+
+    /* missing tensor: named, with its shape, never filled */
+    fm_hf_param more[3] = {k_params[0], k_params[1], {"lm_head.weight", 2, {2, 3}, 9}};
+    fm_hf_table t3 = k_table;
+    t3.params = more;
+    t3.n_params = 3;
+    CHECK(fm_hf_files_open(&f, dir) == FM_OK);
+    float big[15];
+    for (int i = 0; i < 15; i++) big[i] = -999.0f;
+    s = fm_hf_read_files(&t3, &f, "", big, &ro);
+    CHECK_MSG(s == FM_ERR_FORMAT && msg_has("no tensor named 'lm_head.weight'") && msg_has("[2, 3]") &&
+              msg_has("never initialized at random"), "%s", fm_errmsg());
+    CHECK(big[9] == -999.0f && big[14] == -999.0f);
+    fm_hf_files_close(&f);
+
+    /* wrong shape; wrong dtype */
+    snprintf(p, sizeof p, "%s/model-00001-of-00002.safetensors", dir);
+    make_st(p, "{\"model.embed_tokens.weight\":{\"dtype\":\"BF16\",\"shape\":[3,2],\"data_offsets\":[0,12]}}", emb_bf16, 12);
+    CHECK(fm_hf_files_open(&f, dir) == FM_OK);
+    s = fm_hf_read_files(&k_table, &f, "", out, &ro);
+    CHECK_MSG(s == FM_ERR_FORMAT && msg_has("'model.embed_tokens.weight' has the wrong shape: expected [2, 3], found [3, 2]"),
+              "%s", fm_errmsg());
+    fm_hf_files_close(&f);
+    make_st(p, "{\"model.embed_tokens.weight\":{\"dtype\":\"I16\",\"shape\":[2,3],\"data_offsets\":[0,12]}}", emb_bf16, 12);
+    CHECK(fm_hf_files_open(&f, dir) == FM_OK);
+    s = fm_hf_read_files(&k_table, &f, "", out, &ro);
+    CHECK_MSG(s == FM_ERR_FORMAT && msg_has("has dtype I16; expected F32, BF16 or F16"), "%s", fm_errmsg());
+    fm_hf_files_close(&f);
+
+    /* an index that lies, a missing shard, a malformed index, an empty folder */
+    const char *lie = "{\"weight_map\": {\"model.norm.weight\": \"model-00001-of-00002.safetensors\"}}";
+    snprintf(p, sizeof p, "%s/model.safetensors.index.json", dir);
+    write_bytes(p, lie, strlen(lie));
+    s = fm_hf_files_open(&f, dir);
+    CHECK_MSG(s == FM_ERR_FORMAT && msg_has("places tensor 'model.norm.weight'"), "%s", fm_errmsg());
+    const char *gone = "{\"weight_map\": {\"model.norm.weight\": \"model-00009-of-00009.safetensors\"}}";
+    write_bytes(p, gone, strlen(gone));
+    CHECK(fm_hf_files_open(&f, dir) == FM_ERR_IO && msg_has("model-00009-of-00009.safetensors"));
+    write_bytes(p, "{\"weight_map\": 3}", 17);
+    CHECK(fm_hf_files_open(&f, dir) == FM_ERR_FORMAT && msg_has("weight_map"));
+    const char *up = "{\"weight_map\": {\"a\": \"../x.safetensors\"}}";
+    write_bytes(p, up, strlen(up));
+    CHECK(fm_hf_files_open(&f, dir) == FM_ERR_FORMAT && msg_has("a relative name"));
+    snprintf(p, sizeof p, "%s/empty", g_dir);
+    mkdir(p, 0755);
+    CHECK(fm_hf_files_open(&f, p) == FM_ERR_IO && msg_has("holds neither model.safetensors nor"));
+    CHECK(f.n == 0 && f.st == NULL);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/fm_test_io.XXXXXX");
     if (!mkdtemp(g_dir)) { perror("mkdtemp"); return 2; }
@@ -801,6 +899,7 @@ int main(void) {
     test_text_files();
     test_ckpt_basic();
     test_ckpt_faults();
+    test_hf_folder();
     rm_rf(g_dir);
     return fm_test_finish();
 }

@@ -76,16 +76,29 @@ typedef enum fm_buffer_kind {
     FM_BUFFER_KINDS
 } fm_buffer_kind;
 
-/* Streams: every op runs on FM_STREAM_COMPUTE; copies may run on the copy-in (host to device)
- * and copy-out (device to host) streams, ordered against compute with events. */
-typedef enum fm_stream { FM_STREAM_COMPUTE = 0, FM_STREAM_COPY_IN, FM_STREAM_COPY_OUT, FM_STREAM_COUNT } fm_stream;
+/* Streams: ops run on the op stream, FM_STREAM_COMPUTE unless set_op_stream moved it to
+ * FM_STREAM_UPDATE (a second compute stream: the optimizer overlap updates layer l on it while
+ * the next step's forward runs on compute); copies may run on the copy-in (host to device) and
+ * copy-out (device to host) streams, ordered against the others with events. FM_STREAM_OPS names
+ * whichever stream the op stream is now (for code such as the streamed optimizer that records
+ * and waits on the stream its own ops run on). */
+typedef enum fm_stream {
+    FM_STREAM_COMPUTE = 0,
+    FM_STREAM_COPY_IN,
+    FM_STREAM_COPY_OUT,
+    FM_STREAM_UPDATE,
+    FM_STREAM_OPS,
+    FM_STREAM_COUNT
+} fm_stream;
 
 /* Events: a fixed pool of FM_EVENT_POOL created at init, named by index; the users of the
  * indices below are fixed, the rest are for schedule policies (checkpoint offload, ...). */
 #define FM_EVENT_POOL 256
 enum {
     FM_EVENT_TOKENS = 0,   /* the micro-batch's token/target upload is done (h_tokens may be rewritten) */
-    FM_EVENT_FIRST_FREE = 8
+    FM_EVENT_FIRST_FREE = 8,
+    FM_EVENT_OVERLAP0 = 128, /* the optimizer overlap: event 128 + g = group g's update is done
+                                (train/fm_optim_overlap.h), up to FM_EVENT_POOL */
 };
 
 typedef enum fm_copy_kind {
@@ -361,6 +374,11 @@ typedef struct fm_ops {
     /* n elements, src_type -> dst_type (fp32 <-> the act type, round to nearest even). dst and
      * src may be the same buffer when the types have the same size. */
     void (*convert)(void *ctx, void *dst, fm_dtype dst_type, const void *src, fm_dtype src_type, int64_t n);
+    /* Ops issued from now on run on `stream` (FM_STREAM_COMPUTE, the default, or
+     * FM_STREAM_UPDATE); the libraries' handles follow. Ops that share the backend's reduction
+     * scratch (sumsq, router_stats, cross_entropy, ...) must stay on FM_STREAM_COMPUTE: only
+     * elementwise ops (adamw, mem_set, convert) may run on FM_STREAM_UPDATE. Issues nothing. */
+    void (*set_op_stream)(void *ctx, fm_stream stream);
     /* Waits for everything issued so far on every stream (a no-op on the CPU). */
     void (*sync)(void *ctx);
     /* The first device error since creation (sticky), with its message set by fm_error naming

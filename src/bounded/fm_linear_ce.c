@@ -53,6 +53,11 @@ size_t fm_linear_ce_bound_bytes_a(int64_t block_tokens, int64_t block_vocab, siz
            4 * fm_arena_round((size_t)(nb * FM_LCE_F32));
 }
 
+size_t fm_linear_ce_strip_bytes_a(int64_t nb, int64_t vb, size_t act_bytes) {
+    FM_ASSERT(nb >= 0 && vb >= 0);
+    return fm_arena_round((size_t)(nb * vb * FM_LCE_F32)) + act_copy_bytes_a(nb * vb, act_bytes);
+}
+
 size_t fm_linear_ce_bound_bytes(int64_t block_tokens, int64_t block_vocab) {
     return fm_linear_ce_bound_bytes_a(block_tokens, block_vocab, sizeof(fm_act));
 }
@@ -87,6 +92,50 @@ static void lce_check_args(const fm_backend *be, fm_arena *ws, const float *loss
               be->ops->lce_strip_grad);
 }
 
+fm_lce_strip fm_linear_ce_strip_alloc(fm_arena *ws, int64_t nb, int64_t vb, bool backward) {
+    fm_lce_strip st;
+    st.nb = nb;
+    st.vb = vb;
+    st.S = fm_arena_alloc(ws, (size_t)(nb * vb * FM_LCE_F32));
+    st.Sa = sizeof(fm_act) == sizeof(float) || !backward ? NULL : fm_arena_alloc(ws, act_copy_bytes(nb * vb));
+    return st;
+}
+
+void fm_linear_ce_fold_range(const fm_backend *be, const fm_lce_strip *st, float *m, float *z, float *tgt,
+                             float *ent, const fm_act *hb, const int32_t *tb, int64_t nb, const fm_act *W,
+                             int64_t v_begin, int64_t v_count, int64_t H, bool first) {
+    const fm_ops *ops = be->ops;
+    void *ctx = be->ctx;
+    FM_ASSERT(nb <= st->nb);
+    for (int64_t v = 0; v < v_count; v += st->vb) {
+        const int64_t vb = v_count - v < st->vb ? v_count - v : st->vb;
+        ops->gemm(ctx, false, true, nb, vb, H, 1.0f, hb, H, W + v * H, H, 0.0f, st->S, FM_DTYPE_F32, vb);
+        ops->lce_fold(ctx, m, z, tgt, ent, st->S, tb, nb, vb, v_begin + v, first && v == 0);
+    }
+}
+
+void fm_linear_ce_grad_range(const fm_backend *be, const fm_lce_strip *st, const float *m, const float *z,
+                             const fm_act *hb, const int32_t *tb, const float *wb, int64_t nb, const fm_act *W,
+                             int64_t v_begin, int64_t v_count, int64_t H, int32_t ignore_index, float grad_scale,
+                             float z_loss, fm_act *dh, bool dh_first, fm_act *dW) {
+    const fm_ops *ops = be->ops;
+    void *ctx = be->ctx;
+    FM_ASSERT(nb <= st->nb);
+    for (int64_t v = 0; v < v_count; v += st->vb) {
+        const int64_t vb = v_count - v < st->vb ? v_count - v : st->vb;
+        const fm_act *Wb = W + v * H;
+        float *S = st->S;
+        ops->gemm(ctx, false, true, nb, vb, H, 1.0f, hb, H, Wb, H, 0.0f, S, FM_DTYPE_F32, vb);
+        ops->lce_strip_grad(ctx, S, S, m, z, tb, wb, nb, vb, v_begin + v, ignore_index, grad_scale, z_loss);
+        const fm_act *G = act_view(ops, ctx, S, st->Sa, nb * vb);
+        if (dh) /* dh_blk (=, then +=) G [nb,vb] W_blk [vb,H] */
+            ops->gemm(ctx, false, false, nb, H, vb, 1.0f, G, vb, Wb, H, dh_first && v == 0 ? 0.0f : 1.0f, dh,
+                      FM_ACT_DTYPE, H);
+        if (dW) /* dW_blk [vb,H] += G^T h_blk */
+            ops->gemm(ctx, true, false, vb, H, nb, 1.0f, G, vb, hb, H, 1.0f, dW + v * H, FM_ACT_DTYPE, H);
+    }
+}
+
 void fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
                   const fm_act *h, const fm_act *W, const int32_t *targets, int64_t N, int64_t H,
                   int64_t V, float grad_scale, const fm_lce_opts *opts, double *sums) {
@@ -104,8 +153,7 @@ void fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, f
     const bool backward = dh || dW;
 
     const size_t entry = ws->used;
-    float *S = fm_arena_alloc(ws, (size_t)(Nb * Vb * FM_LCE_F32));
-    fm_act *Sa = sizeof(fm_act) == sizeof(float) || !backward ? NULL : fm_arena_alloc(ws, act_copy_bytes(Nb * Vb));
+    const fm_lce_strip strip = fm_linear_ce_strip_alloc(ws, Nb, Vb, backward);
     const lce_state st = lce_state_alloc(ws, Nb, o.out_entropy != NULL);
     if (fm_arena_is_measure(ws)) {
         ws->used = entry;
@@ -119,30 +167,15 @@ void fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, f
         const float *wb = o.token_weight ? o.token_weight + n0 : NULL;
 
         /* pass 1: fold every vocabulary block into m, z, tgt (and ent) */
-        for (int64_t v0 = 0; v0 < V; v0 += Vb) {
-            const int64_t vb = V - v0 < Vb ? V - v0 : Vb;
-            ops->gemm(ctx, false, true, nb, vb, H, 1.0f, hb, H, W + v0 * H, H, 0.0f, S, FM_DTYPE_F32, vb);
-            ops->lce_fold(ctx, st.m, st.z, st.tgt, st.ent, S, tb, nb, vb, v0, v0 == 0);
-        }
+        fm_linear_ce_fold_range(be, &strip, st.m, st.z, st.tgt, st.ent, hb, tb, nb, W, 0, V, H, true);
         ops->lce_finalize(ctx, loss + n0, o.out_logprob ? o.out_logprob + n0 : NULL,
                           o.out_entropy ? o.out_entropy + n0 : NULL, sums, st.m, st.z, st.tgt, st.ent, tb, wb,
                           nb, V, o.ignore_index);
         if (!backward) continue;
 
         /* pass 2: recompute each strip, turn it into G in place, contract into dh and dW */
-        for (int64_t v0 = 0; v0 < V; v0 += Vb) {
-            const int64_t vb = V - v0 < Vb ? V - v0 : Vb;
-            const fm_act *Wb = W + v0 * H;
-            ops->gemm(ctx, false, true, nb, vb, H, 1.0f, hb, H, Wb, H, 0.0f, S, FM_DTYPE_F32, vb);
-            ops->lce_strip_grad(ctx, S, S, st.m, st.z, tb, wb, nb, vb, v0, o.ignore_index,
-                                grad_scale, o.z_loss);
-            const fm_act *G = act_view(ops, ctx, S, Sa, nb * vb);
-            if (dh) /* dh_blk (=, then +=) G [nb,vb] W_blk [vb,H] */
-                ops->gemm(ctx, false, false, nb, H, vb, 1.0f, G, vb, Wb, H, v0 == 0 ? 0.0f : 1.0f,
-                          dh + n0 * H, FM_ACT_DTYPE, H);
-            if (dW) /* dW_blk [vb,H] += G^T h_blk */
-                ops->gemm(ctx, true, false, vb, H, nb, 1.0f, G, vb, hb, H, 1.0f, dW + v0 * H, FM_ACT_DTYPE, H);
-        }
+        fm_linear_ce_grad_range(be, &strip, st.m, st.z, hb, tb, wb, nb, W, 0, V, H, o.ignore_index, grad_scale,
+                                o.z_loss, dh ? dh + n0 * H : NULL, true, dW);
     }
     ws->used = entry;
 }

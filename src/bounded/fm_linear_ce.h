@@ -94,6 +94,44 @@ void fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, fm_act 
                         int64_t H, int64_t V, float grad_scale, const fm_lce_opts *opts,
                         double *sums);
 
+/* ---- block-level steps (fm_linear_ce is built from them; the vocabulary ring,
+ * fm_linear_ce_ring.h, runs them on each shard it meets) ------------------------------------- */
+
+/* The scratch of one token block x vocabulary block: S [nb,vb] fp32 (the logits, then in place
+ * their gradient) and, where fm_act is not fp32 and backward is wanted, Sa [nb,vb] fm_act (the
+ * gradient as a GEMM operand; NULL otherwise). nb, vb: the block sizes it was made for. */
+typedef struct fm_lce_strip {
+    float *S;
+    fm_act *Sa;
+    int64_t nb, vb;
+} fm_lce_strip;
+
+/* Takes a strip of nb x vb from ws (fm_arena_alloc; a measuring arena gives fake pointers). */
+fm_lce_strip fm_linear_ce_strip_alloc(fm_arena *ws, int64_t nb, int64_t vb, bool backward);
+/* Bytes fm_linear_ce_strip_alloc takes at most (backward, fm_act of act_bytes bytes):
+ * round(nb vb 4) + (act_bytes == 4 ? 0 : round(nb vb act_bytes)). */
+size_t fm_linear_ce_strip_bytes_a(int64_t nb, int64_t vb, size_t act_bytes);
+
+/* Pass 1 of one token block over a range of vocabulary rows: for each vocabulary block of
+ * st->vb rows of W [v_count,H] (the rows [v_begin, v_begin + v_count) of the head; fm_act),
+ * S = hb W_blk^T (gemm, hb [nb,H] fm_act, nb <= st->nb), folded into m, z, tgt, ent [nb] fp32
+ * (lce_fold, column offset v_begin + v, so targets [nb] are global vocabulary ids). first: the
+ * range's first block ASSIGNS the state (the token block's first range), else every block folds
+ * into it. ent may be NULL. Issues work only. */
+void fm_linear_ce_fold_range(const fm_backend *be, const fm_lce_strip *st, float *m, float *z, float *tgt,
+                             float *ent, const fm_act *hb, const int32_t *tb, int64_t nb, const fm_act *W,
+                             int64_t v_begin, int64_t v_count, int64_t H, bool first);
+
+/* Pass 2 of one token block over the same kind of range, from its finished m, z [nb]: each
+ * strip is recomputed, turned into G (lce_strip_grad: grad_scale, weights wb [nb] or NULL,
+ * z_loss, ignore_index) and contracted: dh [nb,H] fm_act (=, then +=) G W_blk when dh_first
+ * (the token block's first contribution), else += (dh NULL: skipped); dW [v_count,H] fm_act
+ * (the range's rows) += G^T hb (NULL: skipped). Issues work only. */
+void fm_linear_ce_grad_range(const fm_backend *be, const fm_lce_strip *st, const float *m, const float *z,
+                             const fm_act *hb, const int32_t *tb, const float *wb, int64_t nb, const fm_act *W,
+                             int64_t v_begin, int64_t v_count, int64_t H, int32_t ignore_index, float grad_scale,
+                             float z_loss, fm_act *dh, bool dh_first, fm_act *dW);
+
 /* A named sync point for callers that want the result now (tests, tools): waits for the
  * compute stream, reads sums [2] (backend memory) and returns sums[0]; *z_term (may be NULL) =
  * z_loss * sums[1]. */

@@ -102,6 +102,10 @@ fm_status cli_resolve_ckpt(const char *dir, char *out, size_t cap) {
     char probe[4200];
     snprintf(probe, sizeof probe, "%s/%s", dir, FM_CKPT_MODEL_FILE);
     FILE *f = fopen(probe, "rb");
+    if (!f) { /* a Hugging Face folder with sharded weights */
+        snprintf(probe, sizeof probe, "%s/model.safetensors.index.json", dir);
+        f = fopen(probe, "rb");
+    }
     if (f) {
         fclose(f);
         snprintf(out, cap, "%s", dir);

@@ -22,8 +22,9 @@ int cmd_train(int argc, char **argv) {
     static const char *data[MAX_FILES], *val[MAX_FILES];
     const char *mem_budget = NULL, *gpu_ws = NULL;
     flag flags[] = {
-        {"config", F_STR, &o.config_path, NULL, "Hugging Face config.json of the model (required unless --resume)"},
-        {"data", F_FILES, data, &o.n_data, "training files: UTF-8 text (byte tokens) or llm.c .bin shards"},
+        {"config", F_STR, &o.config_path, NULL, "Hugging Face config.json of the model (required unless --resume or --init-from)"},
+        {"init-from", F_STR, &o.init_from, NULL, "start from a Hugging Face model folder: its config.json and weights (model.safetensors, or model.safetensors.index.json and its shards; fp32, bf16 or fp16); the optimizer starts fresh; --resume wins when --out has a checkpoint (off)"},
+        {"data", F_FILES, data, &o.n_data, "training files: UTF-8 text (byte tokens), llm.c .bin shards (memory-mapped; a FILE.mask sidecar masks targets) or Megatron PREFIX (.bin/.idx)"},
         {"val-data", F_FILES, val, &o.n_val_data, "validation files (default: the last --val-fraction of --data)"},
         {"val-fraction", F_F64, &o.val_fraction, NULL, "share of --data held out when no --val-data (0.1)"},
         {"seq-len", F_I64, &o.seq_len, NULL, "tokens per sequence (128)"},
@@ -38,13 +39,15 @@ int cmd_train(int argc, char **argv) {
         {"beta1", F_F64, &o.beta1, NULL, "AdamW beta1 (0.9)"},
         {"beta2", F_F64, &o.beta2, NULL, "AdamW beta2 (0.95)"},
         {"bf16-moments", F_BOOL, &o.bf16_moments, NULL, "keep the AdamW moments m and v in bf16 (4 instead of 8 bytes per parameter; the update is computed in fp32, checkpoints hold them as fp32) (off)"},
+        {"no-optimizer-overlap", F_BOOL, &o.no_optimizer_overlap, NULL, "run the update after the backward, with the step waiting for it, instead of layer by layer on a side stream while the next step's forward runs (the same weights either way) (overlapped)"},
         {"offload-optimizer", F_BOOL, &o.offload_optimizer, NULL, "the streamed AdamW: fp32 master, Adam m and v in pinned host memory (12 B/param, 8 with --bf16-moments), streamed through device slots bucket by bucket; the device keeps weights and grads (checkpoints unchanged) (off)"},
         {"offload-optimizer-bucket", F_I64, &o.offload_optimizer_bucket, NULL, "parameters per bucket of --offload-optimizer, 0 = 100M (at most the model's count) (0)"},
         {"offload-optimizer-slots", F_I64, &o.offload_optimizer_slots, NULL, "device staging slots of --offload-optimizer, in [1, 16] (2)"},
         {"seed", F_U64, &o.seed, NULL, "seed of the weights and the data order (1337)"},
         {"threads", F_INT, &o.threads, NULL, "CPU threads, 0 = all cores (0)"},
         {"out", F_STR, &o.out_dir, NULL, "run folder: checkpoints and metrics.jsonl (runs/tiny)"},
-        {"resume", F_BOOL, &o.resume, NULL, "continue from the latest checkpoint in --out"},
+        {"resume", F_BOOL, &o.resume, NULL, "continue from the latest checkpoint in --out (refused when its model.safetensors disagrees with the optimizer's master copy)"},
+        {"resume-trust-optimizer", F_BOOL, &o.resume_trust_optimizer, NULL, "with --resume: take the weights from optimizer.safetensors' master copy even when model.safetensors disagrees with it (off)"},
         {"eval-every", F_I64, &o.eval_every, NULL, "validation every N steps, 0 = only at the end (250)"},
         {"eval-batches", F_I64, &o.eval_batches, NULL, "micro-batches per validation, 0 = all (20)"},
         {"save-every", F_I64, &o.save_every, NULL, "checkpoint every N steps, 0 = only at the end (0)"},
@@ -65,7 +68,7 @@ int cmd_train(int argc, char **argv) {
         {"offload-boundaries", F_STR, &o.offload_boundaries, NULL, "N | all: keep checkpoint boundaries 0..N-1 in pinned host memory, copied out in forward and prefetched in backward; the device keeps L+1-N+min(N,2) of them; all = L (every boundary but the head's); 0 = off (0)"},
         {"no-checkpoint", F_BOOL, &o.no_checkpoint, NULL, "write no checkpoint, not even at the end (benchmarks)"},
     };
-    int r = cli_parse_flags("train", "--config C --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
+    int r = cli_parse_flags("train", "(--config C | --init-from DIR) --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
     if (r) return r == 1 ? 0 : r;
     if (o.resume) { /* the checkpoint's total and shape (fm_train), unless given */
         if (!flag_given(argc, argv, "--steps")) o.steps = 0;

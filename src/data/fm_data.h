@@ -1,16 +1,42 @@
-/* Token data sources (DESIGN.md §7): byte-level text and llm.c token shards, loaded whole into
- * host memory as int32 token ids, with random training windows and sequential eval windows.
+/* Token data sources (DESIGN.md §7): byte-level text, llm.c token shards and Megatron-LM indexed
+ * datasets, with optional per-token loss masks; random training windows drawn by a rank-aware
+ * cursor and sequential evaluation windows.
  *
- * Formats, detected per file:
+ * Formats, detected per file (fm_data_files.c reads them):
  *   llm.c shard: a file of >= 1024 bytes whose first little-endian int32 is a magic number.
  *     Header: 256 little-endian int32. header[0] = magic, header[1] = version, header[2] = token
  *     count. Magic 20240520 goes with version 1 and uint16 tokens; magic 20240801 with version 7
  *     and uint32 tokens. The tokens (little-endian) start at byte 1024 and fill the file exactly.
+ *     Memory-mapped read-only (no copy of the corpus in RAM).
+ *   Megatron-LM indexed dataset ("MMIDIDX", megatron/core/datasets/indexed_dataset.py): given as
+ *     PREFIX, PREFIX.bin or PREFIX.idx. PREFIX.idx: 9 bytes "MMIDIDX\0\0", uint64 version 1,
+ *     uint8 dtype code (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32,
+ *     8 uint16; the float codes are refused: they hold no token ids), uint64 number of sequences
+ *     S, uint64 number of document indices D, int32 sizes[S] (tokens per sequence), int64
+ *     pointers[S] (byte offsets into PREFIX.bin), int64 doc_idx[D] (optionally int8 modes[S]
+ *     after it, ignored). The sequences must lie back to back from byte 0 (as Megatron's
+ *     IndexedDatasetBuilder writes them); their tokens, in order, are the data set's. PREFIX.bin
+ *     is memory-mapped.
  *   byte-level text: anything else without NUL bytes in its first 64 KiB; each byte is one token
- *     0..255, so the model's vocab_size must be at least 256.
+ *     0..255 (the model's vocab_size must be at least 256). Read into memory (text is small).
  *
+ * Loss masks: a shard or Megatron data set may have a sidecar mask file, looked up as P.mask for
+ * a shard P (e.g. data_000000.bin.mask), else P with its ".bin" replaced by ".mask"
+ * (data_000000.mask); for a Megatron PREFIX: PREFIX.mask, else PREFIX.bin.mask. Format: 8 bytes
+ * "FMMASK01", uint64 little-endian n_tokens (must equal the tokens of its file), then n_tokens
+ * bytes, each 0 or 1: byte i = 1 if token i is a loss target when it appears as a target, 0 if
+ * not. A target whose mask byte is 0 is written as FM_IGNORE_INDEX (-100), which the loss skips
+ * (the mean is over the valid targets). Files without a mask: every target counts.
+ *
+ * The files of one data set are concatenated in the order given; a window may span two files.
  * Batches are row-major [B, T] int32: row b, position t at index b*T + t. targets[b][t] is the
- * token after inputs[b][t] in the data.
+ * token after inputs[b][t] in the data (or -100 where masked).
+ *
+ * Memory: mapped files cost no RSS when loaded: the load checks every token id (and mask byte)
+ * in 64 MiB pieces and drops each piece from the process's page tables after checking it
+ * (madvise MADV_DONTNEED; the pages stay in the page cache). Windows drawn later bring their pages
+ * back as file-backed, reclaimable memory. A mapped file must not be truncated during a run
+ * (reads past its new end raise SIGBUS).
  */
 #ifndef FM_DATA_H
 #define FM_DATA_H
@@ -28,29 +54,80 @@ extern "C" {
 #define FM_SHARD_MAGIC_V1 20240520 /* version 1, uint16 tokens */
 #define FM_SHARD_MAGIC_V7 20240801 /* version 7, uint32 tokens */
 
+/* Loss-mask sidecar constants. */
+#define FM_MASK_MAGIC "FMMASK01"
+#define FM_MASK_HEADER_BYTES 16
+#define FM_IGNORE_INDEX (-100) /* a target the loss skips (Hugging Face's ignore_index) */
+
+/* Element type of a part's tokens. */
+typedef enum fm_token_type {
+    FM_TOK_U8 = 0, FM_TOK_I8, FM_TOK_U16, FM_TOK_I16, FM_TOK_U32, FM_TOK_I32, FM_TOK_I64
+} fm_token_type;
+
+/* One file's tokens (or a caller's array) inside a data set. */
+typedef struct fm_data_part {
+    const void *tokens;     /* [n] little-endian elements of `type` (in a map, the heap, or the caller's) */
+    int type;               /* fm_token_type */
+    int64_t start;          /* index of its first token in the data set's concatenation */
+    int64_t n;              /* tokens */
+    const uint8_t *mask;    /* [n] bytes 0/1, or NULL: every target counts */
+    void *map;              /* mmap of the token file (NULL: none) */
+    size_t map_bytes;
+    void *mask_map;         /* mmap of the mask file (NULL: none) */
+    size_t mask_map_bytes;
+    void *heap;             /* tokens read into memory (text), freed with the data set */
+} fm_data_part;
+
 typedef struct fm_dataset {
-    int32_t *tokens;  /* [n_tokens] token ids, each in [0, vocab_size) */
-    int64_t n_tokens; /* number of tokens */
-    bool owns;        /* true: tokens was allocated by fm_dataset_load and is freed by fm_dataset_free;
-                         false: a view into another dataset (fm_dataset_split), which must outlive it */
-    char desc[256];   /* human-readable summary, e.g. "3 text files, 1115394 tokens (bytes)" */
+    fm_data_part *parts;  /* [n_parts], in data order; shared with views */
+    int n_parts;
+    int64_t begin;        /* this data set's first token in the parts' concatenation (views: > 0) */
+    int64_t n_tokens;     /* number of tokens */
+    bool owns;            /* true: the parts (maps, heap tokens, the array) are released by
+                             fm_dataset_free; false: a view (fm_dataset_split) of a data set that
+                             must outlive it */
+    bool has_mask;        /* some part carries a loss mask */
+    int rank, world;      /* the sampling cursor: this rank and the number of ranks (0 and 1 after
+                             loading; fm_dataset_set_ranks) */
+    char desc[256];       /* human-readable summary, e.g. "3 text files, 1115394 tokens (bytes)" */
 } fm_dataset;
 
-/* Loads and concatenates `n_paths` files (in the order given) into ds->tokens (owned).
- * Every file must have the same kind (all text or all llm.c shards; shard versions 1 and 7 may be
- * mixed). Token ids are checked against vocab_size (>= 1, <= 2^31). On error *ds is left empty
- * (tokens NULL, n_tokens 0) and nothing needs freeing.
+/* Loads and concatenates `n_paths` data sources (in the order given): text files are read into
+ * memory, shards and Megatron data sets are memory-mapped, each with its mask sidecar if one
+ * exists. Every file must have the same kind (all text, or shards and Megatron data sets; shard
+ * versions 1 and 7 may be mixed). Token ids are checked against vocab_size (>= 1, <= 2^31).
+ * On error *ds is left empty (parts NULL, n_tokens 0) and nothing needs freeing.
  * Errors: FM_ERR_ARG (n_paths <= 0, bad vocab_size, text with vocab_size < 256, text mixed with
- * shards); FM_ERR_IO (missing/unreadable/not a regular file, with strerror); FM_ERR_FORMAT (bad
- * magic/version pair, truncated shard or trailing bytes, count <= 0, token id >= vocab_size naming
- * the file, token index and id, empty file, NUL bytes in what is not a shard); FM_ERR_NOMEM. */
+ * token files); FM_ERR_IO (missing/unreadable/not a regular file, mmap failure, with strerror);
+ * FM_ERR_FORMAT (bad magic/version pair, truncated shard or trailing bytes, count <= 0, token id
+ * >= vocab_size (or negative) naming the file, token index and id, empty file, NUL bytes in what
+ * is not a shard; a Megatron index with a bad magic, version, dtype code, sizes or pointers that
+ * are not back to back, or a .bin of the wrong size; a mask with the wrong magic, a token count
+ * that differs from its file's, a wrong size, or a byte that is not 0 or 1, naming the file and
+ * the offset); FM_ERR_NOMEM. */
 fm_status fm_dataset_load(fm_dataset *ds, const char *const *paths, int n_paths, int64_t vocab_size);
 
-/* Splits `all` into two views (owns = false, pointing into all->tokens; `all` must outlive them):
+/* A data set over the caller's tokens[0..n) (int32, which must outlive it; no mask): for tests
+ * and tools. owns = true (of its one-part table only). Errors: FM_ERR_ARG (n < 1), FM_ERR_NOMEM. */
+fm_status fm_dataset_from_tokens(fm_dataset *ds, const int32_t *tokens, int64_t n, const char *desc);
+
+/* Copies tokens [start, start + n) of the data set into dst as int32 (mask not applied).
+ * Precondition (asserted): 0 <= start, n >= 0, start + n <= ds->n_tokens. */
+void fm_dataset_tokens(const fm_dataset *ds, int64_t start, int64_t n, int32_t *dst);
+
+/* The mask byte of token i (1 when the data set has no mask there).
+ * Precondition (asserted): 0 <= i < ds->n_tokens. */
+int fm_dataset_mask_at(const fm_dataset *ds, int64_t i);
+
+/* Splits `all` into two views (owns = false, sharing all's parts; `all` must outlive them):
  * val = the last round(n_tokens * val_fraction) tokens, train = the tokens before them. For runs
- * that give no separate validation data.
+ * that give no separate validation data. The views keep all's ranks.
  * Errors: FM_ERR_ARG when val_fraction is not in (0, 1) or either part would be empty. */
 fm_status fm_dataset_split(const fm_dataset *all, double val_fraction, fm_dataset *train, fm_dataset *val);
+
+/* Sets the sampling cursor's ranks: this process is rank `rank` of `world` data-parallel ranks
+ * (fm_dataset_sample_batch). Errors: FM_ERR_ARG unless 0 <= rank < world. */
+fm_status fm_dataset_set_ranks(fm_dataset *ds, int rank, int world);
 
 /* Checks that the data holds at least one window of seq_len inputs plus the shifted target,
  * i.e. n_tokens >= seq_len + 1. `what` names the data in the message ("validation data").
@@ -58,10 +135,13 @@ fm_status fm_dataset_split(const fm_dataset *all, double val_fraction, fm_datase
  * has, how many --seq-len needs, and the fix). */
 fm_status fm_dataset_check_windows(const fm_dataset *ds, int64_t seq_len, const char *what);
 
-/* Fills inputs and targets ([B, T] int32 each) with B windows at uniform random starts
- * s in [0, n_tokens - T - 1], drawn from rng one per row in row order (B draws of
- * fm_rng_below(rng, n_tokens - T)): inputs[b*T+t] = tokens[s+t], targets[b*T+t] = tokens[s+t+1].
- * Deterministic given the RNG state, so saving the RNG state saves the data cursor.
+/* The rank-aware cursor. Each call draws the global batch of world*B windows, starts s in
+ * [0, n_tokens - T - 1] drawn from rng in order (world*B draws of fm_rng_below(rng,
+ * n_tokens - T)), the same on every rank; rank r keeps windows r*B .. r*B + B-1 as its rows
+ * 0 .. B-1: inputs[b*T+t] = token[s+t], targets[b*T+t] = token[s+t+1], or FM_IGNORE_INDEX where
+ * that target's mask byte is 0. With world = 1 this is B draws, one per row in row order. Every
+ * rank's RNG stays identical, so the RNG state (saved in state.json) is the whole cursor, and the
+ * global batch does not depend on how it is split over ranks.
  * Precondition (asserted): B >= 1, T >= 1, n_tokens >= T + 1 (see fm_dataset_check_windows). */
 void fm_dataset_sample_batch(const fm_dataset *ds, fm_rng *rng, int64_t B, int64_t T,
                              int32_t *inputs, int32_t *targets);
@@ -73,14 +153,15 @@ int64_t fm_dataset_eval_windows(const fm_dataset *ds, int64_t T);
 
 /* Fills up to B rows of inputs and targets ([B, T] int32 each) with the sequential windows
  * first_window, first_window + 1, ... (window w starts at token w*T), stopping at the last window;
- * *n_filled = number of rows written (0 when first_window >= fm_dataset_eval_windows). Rows past
- * *n_filled are left untouched.
+ * masked targets are FM_IGNORE_INDEX (not rank-aware: every rank fills the same windows);
+ * *n_filled = number of rows written (0 when first_window >=
+ * fm_dataset_eval_windows). Rows past *n_filled are left untouched.
  * Precondition (asserted): B >= 1, T >= 1, first_window >= 0. */
 void fm_dataset_eval_batch(const fm_dataset *ds, int64_t first_window, int64_t B, int64_t T,
                            int32_t *inputs, int32_t *targets, int64_t *n_filled);
 
-/* Frees the tokens if owned and resets *ds to empty. Safe on an empty or already-freed dataset
- * and on views (which free nothing). */
+/* Releases what the data set owns (maps, heap tokens, its part table) and resets *ds to empty.
+ * Safe on an empty or already-freed data set and on views (which free nothing). */
 void fm_dataset_free(fm_dataset *ds);
 
 /* Writes n tokens as an llm.c shard: version 1 (magic 20240520, uint16 tokens, ids 0..65535) or
@@ -90,6 +171,10 @@ void fm_dataset_free(fm_dataset *ds);
  * version, naming its index); FM_ERR_IO (open/write/close/rename failed, with strerror; also
  * when fault injection hits before a write); FM_ERR_NOMEM. */
 fm_status fm_shard_write(const char *path, const int32_t *tokens, int64_t n, int version);
+
+/* Writes a loss-mask sidecar (format above) of n bytes mask[i] in {0, 1} to `path` (atomic:
+ * `path`.tmp renamed). Errors: FM_ERR_ARG (n < 1, a byte not 0/1, naming its index); FM_ERR_IO. */
+fm_status fm_mask_write(const char *path, const uint8_t *mask, int64_t n);
 
 #ifdef __cplusplus
 }

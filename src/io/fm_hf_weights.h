@@ -14,7 +14,11 @@
  *     (rows 0..I-1 of each expert are gate, I..2I-1 up) and "model.layers.<l>.<moe>.experts.down_proj"
  *     [E, H, I]; read into the stacked buffers gate [E, I, H], up [E, I, H], down [E, H, I].
  * <moe> is "mlp" (Qwen3-MoE, OLMoE) or "block_sparse_moe" (Mixtral).
- * Stored dtypes F32, F16, BF16 and F64 are converted to fp32 on reading (fm_st_read_f32). */
+ * Stored dtypes F32, F16, BF16 and F64 are converted to fp32 on reading (fm_st_read_f32).
+ *
+ * A model's tensors may lie in one file or in several (fm_hf_files): a Hugging Face model folder
+ * holds model.safetensors, or model.safetensors.index.json ({"weight_map": {"NAME": "SHARD", ...}},
+ * as transformers' save_pretrained writes it) and the shard files it names. */
 #ifndef FM_HF_WEIGHTS_H
 #define FM_HF_WEIGHTS_H
 
@@ -78,6 +82,44 @@ fm_status fm_hf_name_tensors(const fm_hf_table *t, const float *base, const char
  * the counts when they differ; FM_ERR_NOMEM (a host buffer of L bools, and one of E*2I*H floats
  * when a layer is fused). */
 fm_status fm_hf_read(const fm_hf_table *t, const char *path, const char *prefix, float *base);
+
+/* The open safetensors files that together hold one model's tensors. */
+typedef struct fm_hf_files {
+    fm_safetensors *st;  /* [n] */
+    int n;
+    char where[4400];    /* what they are, for messages: a file's path, or "DIR/model.safetensors.index.json" */
+} fm_hf_files;
+
+/* Opens `path`: a safetensors file, or a folder holding model.safetensors (preferred) or
+ * model.safetensors.index.json and every shard its weight_map names (each opened and validated by
+ * fm_st_open). Errors: FM_ERR_IO (the folder holds neither file, naming both; a shard cannot be
+ * opened); FM_ERR_FORMAT (malformed index JSON or no weight_map object, a non-string or absolute
+ * shard name, a tensor the index places in a shard that does not hold it; a shard's own
+ * errors); FM_ERR_NOMEM. On error *f is closed. */
+fm_status fm_hf_files_open(fm_hf_files *f, const char *path);
+
+/* Closes every file; safe on a closed or zeroed struct. */
+void fm_hf_files_close(fm_hf_files *f);
+
+/* How fm_hf_read_files treats what the table does not expect. */
+typedef struct fm_hf_read_opts {
+    bool float_only;   /* every tensor read must be F32, BF16, F16 or F64 (messages name the fix for a
+                          Hugging Face folder); other dtypes are refused either way */
+    char *extra;       /* NULL: a tensor of the files (with the prefix) that the table does not hold is
+                          an error. Non-NULL: they are listed here instead ("N tensors ...: a, b, ...";
+                          "" when none), extra_cap bytes, for the caller's warning */
+    size_t extra_cap;
+} fm_hf_read_opts;
+
+/* Reads every tensor of the table whose name carries `prefix` from the files f into base (fp32,
+ * each at its offset), as fm_hf_read does for one file; a tensor is looked up in every file (the
+ * first that holds it). opts NULL: strict (extras are an error). Never fills a tensor the files do
+ * not hold: a missing one is an error naming it, its expected shape and the files.
+ * Errors: FM_ERR_FORMAT naming the tensor when it is missing, has the wrong shape (expected and
+ * found) or a dtype that is not a float (found, and the fix); naming an extra tensor (strict);
+ * FM_ERR_IO from reading; FM_ERR_NOMEM. */
+fm_status fm_hf_read_files(const fm_hf_table *t, const fm_hf_files *f, const char *prefix, float *base,
+                           const fm_hf_read_opts *opts);
 
 #ifdef __cplusplus
 }

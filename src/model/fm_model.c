@@ -157,7 +157,8 @@ const fm_param *fm_model_find_param(const fm_model *m, const char *name) {
 
 void fm_model_upload_master(fm_model *m, const float *host) {
     const size_t n = (size_t)m->n_params;
-    m->be.ops->copy(m->be.ctx, m->master, host, n * sizeof(float), FM_COPY_H2D);
+    if ((const void *)host != (const void *)m->master)
+        m->be.ops->copy(m->be.ctx, m->master, host, n * sizeof(float), FM_COPY_H2D);
     if ((void *)m->master != (void *)m->params)
         m->be.ops->convert(m->be.ctx, m->params, FM_ACT_DTYPE, m->master, FM_DTYPE_F32, (int64_t)n);
 }
@@ -177,7 +178,9 @@ static inline uint64_t counter_u64(uint64_t key, uint64_t i) {
 
 fm_status fm_model_init_weights(fm_model *m, uint64_t seed) {
     const float std = (float)m->cfg.initializer_range;
-    const bool host = m->be.ops->host_memory;
+    /* drawn straight into the master when the host can write it (the CPU's, or the streamed
+     * optimizer's pinned one: no second 4 B/param host copy next to it) */
+    const bool host = m->be.ops->host_memory || m->master_host;
     float *w = host ? m->master : fm_malloc(sizeof(float) * (size_t)m->n_params);
     if (!w) return fm_error(FM_ERR_NOMEM, "memory: cannot stage %lld initial weights on the host", (long long)m->n_params);
     /* Normal(0, std) by Box-Muller on counter-based uniforms: tensor i uses the key

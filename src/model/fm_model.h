@@ -96,6 +96,7 @@ typedef struct fm_model {
     fm_param *table;      /* n_tensors entries */
     fm_act *params, *grads; /* backend memory, [n_params] each: the parameter store's (bound) */
     float *master;        /* fp32 master weights [n_params]: params itself when fm_act is fp32 */
+    bool master_host;     /* master is (pinned) host memory: the streamed optimizer's, not the backend's */
     int64_t o_embed, o_norm, o_head; /* offsets of the embedding, final norm and LM head */
     void *offsets;        /* [L] per-layer tensor offsets (fm_model.c) */
     fm_model_ptrs w, g;   /* views of params and grads */

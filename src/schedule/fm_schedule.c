@@ -31,10 +31,17 @@ static fm_status run_hooks(fm_schedule *s, fm_model *m, fm_hook_point p, int64_t
 }
 
 /* Embedding and the layers' forwards (their router loss terms land in m->results). */
+/* The optimizer overlap's wait for parameter group g (0: embedding, 1 + l: layer l, L + 1: head). */
+static void wait_params(const fm_schedule *s, fm_model *m, int64_t g) {
+    if (s->param_ready) m->be.ops->event_wait(m->be.ctx, FM_STREAM_COMPUTE, s->param_event0 + (int)g);
+}
+
 static fm_status forward_layers(fm_schedule *s, fm_model *m, bool with_targets) {
     const int64_t L = m->cfg.num_hidden_layers;
+    wait_params(s, m, 0);
     fm_model_embed_forward(m, with_targets);
     for (int64_t l = 0; l < L; l++) {
+        wait_params(s, m, 1 + l);
         FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_FORWARD, l));
         FM_TRY(fm_model_layer_forward(m, l, fm_model_boundary(m, l + 1)));
         FM_TRY(run_hooks(s, m, FM_HOOK_AFTER_FORWARD, l));
@@ -76,6 +83,7 @@ static fm_status backward_layers(fm_schedule *s, fm_model *m, float scale) {
 fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm_loss *out) {
     fm_loss r;
     FM_TRY(forward_layers(s, m, with_targets));
+    wait_params(s, m, m->cfg.num_hidden_layers + 1);
     FM_TRY(fm_model_head_forward(m, with_targets, &r));
     if (out) fm_model_read_loss(m, out);
     return FM_OK;
@@ -91,6 +99,7 @@ fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, float scale, fm_lo
     fm_loss r;
     FM_TRY(check_restores(s, m));
     FM_TRY(forward_layers(s, m, true));
+    wait_params(s, m, m->cfg.num_hidden_layers + 1);
     FM_TRY(fm_model_head_train(m, scale, &r));
     FM_TRY(backward_layers(s, m, scale));
     if (out) fm_model_read_loss(m, out);

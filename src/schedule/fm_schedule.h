@@ -46,6 +46,12 @@ typedef struct fm_schedule {
     int64_t restores_boundaries; /* offloaded boundaries a hook brings back in backward (the
                                     offload policy, fm_sco.h, sets it); backward refuses a model
                                     whose layout offloads more (m->n_offloaded_boundaries) */
+    /* The optimizer overlap (train/fm_optim_overlap.h): when param_ready, the compute stream
+     * waits, before the embedding, event param_event0; before layer l's forward (ahead of its
+     * BEFORE_FORWARD hooks), param_event0 + 1 + l; before the head, param_event0 + L + 1: each
+     * the last update of those parameters. The host never waits. */
+    bool param_ready;
+    int param_event0;
 } fm_schedule;
 
 /* A schedule for model m with its layout's recompute set (m->recompute) and no hooks. */

@@ -104,7 +104,7 @@ static void offload_step_range(void *self, fm_model *m, int t0, int t1, double l
         ops->copy_async(ctx, o->d_v[s], (char *)o->h_v + (size_t)b0 * mb, (size_t)nb * mb, FM_COPY_H2D, FM_STREAM_COPY_IN);
         ops->event_record(ctx, ev_in, FM_STREAM_COPY_IN);
         /* update: one launch per contiguous same-decay run of tensors inside the bucket */
-        ops->event_wait(ctx, FM_STREAM_COMPUTE, ev_in);
+        ops->event_wait(ctx, FM_STREAM_OPS, ev_in); /* the op stream: compute, or update under the overlap */
         while (ti < t1 && m->table[ti].offset + m->table[ti].numel <= b0) ti++;
         int i = ti;
         while (i < t1 && m->table[i].offset < b1) {
@@ -126,7 +126,7 @@ static void offload_step_range(void *self, fm_model *m, int t0, int t1, double l
             if (end > b1) break; /* the tensor continues in the next bucket */
             i = j;
         }
-        ops->event_record(ctx, ev_up, FM_STREAM_COMPUTE);
+        ops->event_record(ctx, ev_up, FM_STREAM_OPS);
         /* copy-out: after the update */
         ops->event_wait(ctx, FM_STREAM_COPY_OUT, ev_up);
         ops->copy_async(ctx, o->h_master + b0, o->d_master[s], (size_t)nb * sizeof(float), FM_COPY_D2H, FM_STREAM_COPY_OUT);

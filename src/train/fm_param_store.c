@@ -49,6 +49,7 @@ static fm_status create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes,
     layout(ps, &ps->arena, m->n_params);
     if (host_master) ps->master = host_master;
     fm_model_bind_params(m, ps->weights, ps->grads, ps->master);
+    m->master_host = host_master != NULL;
     return FM_OK;
 }
 

@@ -3,6 +3,7 @@
  * weights for inference. The tensors themselves are read and named by io/fm_hf_weights. */
 #include <cjson/cJSON.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -93,7 +94,7 @@ static int64_t json_i64(const cJSON *o, const char *key, int64_t dflt) {
     return cJSON_IsNumber(it) ? (int64_t)it->valuedouble : dflt;
 }
 
-static char *state_to_json(const train_state *s) {
+static char *state_to_json(const run *r, const train_state *s) {
     cJSON *o = cJSON_CreateObject();
     char hex[32];
     cJSON_AddNumberToObject(o, "step", (double)s->step);
@@ -108,6 +109,14 @@ static char *state_to_json(const train_state *s) {
     cJSON_AddNumberToObject(o, "grad_accum", (double)s->grad_accum);
     cJSON_AddNumberToObject(o, "steps", (double)s->steps);
     cJSON_AddStringToObject(o, "adam_moments", s->bf16_moments ? "bf16" : "fp32");
+    /* the sampling cursor (fm_dataset_sample_batch): the RNG state is all of it; rank, world and
+     * the training tokens say what it was drawn over */
+    cJSON *cur = cJSON_AddObjectToObject(o, "data_cursor");
+    snprintf(hex, sizeof hex, "%016" PRIx64, s->data_rng);
+    cJSON_AddStringToObject(cur, "rng_state", hex);
+    cJSON_AddNumberToObject(cur, "rank", r->train.rank);
+    cJSON_AddNumberToObject(cur, "world", r->train.world);
+    cJSON_AddNumberToObject(cur, "train_tokens", (double)r->train.n_tokens);
     cJSON_AddStringToObject(o, "format", "flatmoe-state-1");
     char *txt = cJSON_Print(o);
     cJSON_Delete(o);
@@ -246,7 +255,7 @@ fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
     FM_TRY(name_state(r, master, FM_DTYPE_F32, mhost, "master.", 1));
     for (int i = 0, k = 2; i < nos; i++) /* bf16: widened */
         if (&os[i] != ms) FM_TRY(name_state(r, os[i].base, os[i].dtype, os[i].host, os[i].prefix, k++));
-    char *state = state_to_json(ts);
+    char *state = state_to_json(r, ts);
     fm_status s = state ? FM_OK : fm_error(FM_ERR_NOMEM, "out of memory writing state.json");
     char dir[4096];
     if (s == FM_OK)
@@ -257,10 +266,117 @@ fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
     return s;
 }
 
+/* IEEE 754 binary32 -> binary16, round to nearest even (overflow to inf, subnormals, NaN kept NaN). */
+static uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds to inf */
+    if (ax < 0x38800000u) {                                    /* below 2^-14: a subnormal, m * 2^-24 */
+        float v;
+        memcpy(&v, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(v * 16777216.0f));
+    }
+    uint32_t h = ((ax >> 23) - 112u) << 10 | ((ax & 0x7fffffu) >> 13);
+    const uint32_t rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+}
+
+/* Whether a value read from a file stored as dtype equals the master value rounded to dtype. */
+static bool same_rounded(float master, float stored, int dtype) {
+    uint32_t a, b;
+    if (dtype == FM_ST_BF16) return fm_f32_to_bf16(master) == fm_f32_to_bf16(stored);
+    if (dtype == FM_ST_F16) return f32_to_f16(master) == f32_to_f16(stored);
+    memcpy(&a, &master, 4); /* F32 (and F64, read rounded to fp32): bit for bit */
+    memcpy(&b, &stored, 4);
+    return a == b;
+}
+
+/* --resume: model.safetensors must hold the optimizer's master copy (already in r->m.master):
+ * the table's names and shapes, each value equal to the master rounded to the stored dtype, and
+ * nothing else. Reads one tensor at a time. Errors: FM_ERR_FORMAT naming the first tensor that
+ * differs, and how to proceed. */
+static fm_status verify_model_file(run *r, const char *dir, bool master_on_host) {
+    fm_model *m = &r->m;
+    char path[4200], a[96], b[96];
+    snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_MODEL_FILE);
+    fm_safetensors st;
+    fm_status s = fm_st_open(&st, path);
+    if (s != FM_OK) return s;
+    int64_t max_numel = 1;
+    for (int i = 0; i < m->n_tensors; i++) max_numel = m->table[i].numel > max_numel ? m->table[i].numel : max_numel;
+    float *file = fm_malloc(sizeof(float) * (size_t)max_numel);
+    float *mst = master_on_host ? NULL : fm_malloc(sizeof(float) * (size_t)max_numel);
+    const char *how = "pass --resume-trust-optimizer to resume from the optimizer's master copy (optimizer.safetensors) "
+                      "anyway, or --init-from with that folder and a new --out to start a run from the edited weights, "
+                      "or move the folder away to resume from the checkpoint before it";
+    if (!file || (!master_on_host && !mst)) s = fm_error(FM_ERR_NOMEM, "%s: out of memory checking it", path);
+    for (int i = 0; i < m->n_tensors && s == FM_OK; i++) {
+        const fm_param *p = &m->table[i];
+        const fm_st_tensor *t = fm_st_find(&st, p->name);
+        bool same_shape = t && t->ndim == p->ndim;
+        for (int d = 0; same_shape && d < p->ndim; d++) same_shape = t->shape[d] == p->shape[d];
+        if (!t || !same_shape) {
+            snprintf(a, sizeof a, p->ndim == 1 ? "[%lld]" : "[%lld, %lld]", (long long)p->shape[0], (long long)p->shape[1]);
+            if (t) snprintf(b, sizeof b, "a tensor of %d dimensions [%lld, ...]", t->ndim, (long long)t->shape[0]);
+            s = fm_error(FM_ERR_FORMAT, "--resume: %s disagrees with the optimizer's master copy: tensor '%s' (shape %s) "
+                         "is %s%s; the file was changed after the checkpoint was written, or is damaged: %s", path,
+                         p->name, a, t ? "there with the wrong shape: " : "missing", t ? b : "", how);
+            break;
+        }
+        if (t->dtype != FM_ST_F32 && t->dtype != FM_ST_BF16 && t->dtype != FM_ST_F16 && t->dtype != FM_ST_F64) {
+            s = fm_error(FM_ERR_FORMAT, "--resume: %s: tensor '%s' has dtype %s; expected F32 (or BF16, F16): %s", path,
+                         p->name, fm_st_dtype_name(t->dtype), how);
+            break;
+        }
+        if ((s = fm_st_read_f32(&st, p->name, file, p->ndim, p->shape))) break;
+        const float *w = m->master + p->offset;
+        if (!master_on_host) {
+            m->be.ops->copy(m->be.ctx, mst, w, sizeof(float) * (size_t)p->numel, FM_COPY_D2H);
+            w = mst;
+        }
+        for (int64_t j = 0; j < p->numel; j++)
+            if (!same_rounded(w[j], file[j], t->dtype)) {
+                s = fm_error(FM_ERR_FORMAT, "--resume: %s disagrees with the optimizer's master copy at tensor '%s', element "
+                             "%lld: %.9g in the file, %.9g in the master (stored as %s); the weights were changed after "
+                             "the checkpoint was written, or the file is damaged: %s", path, p->name, (long long)j,
+                             (double)file[j], (double)w[j], fm_st_dtype_name(t->dtype), how);
+                break;
+            }
+    }
+    if (s == FM_OK && st.n_tensors != m->n_tensors) { /* every table tensor is there: name one it lacks */
+        for (int i = 0; i < st.n_tensors && s == FM_OK; i++)
+            if (!fm_model_find_param(m, st.tensors[i].name))
+                s = fm_error(FM_ERR_FORMAT, "--resume: %s holds tensor '%s', which is not a parameter of this model; the "
+                             "file was changed after the checkpoint was written: %s", path, st.tensors[i].name, how);
+    }
+    fm_free(file);
+    fm_free(mst);
+    fm_st_close(&st);
+    return s;
+}
+
 fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
     char path[4200];
     snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_STATE_FILE);
     FM_TRY(fm_train_state_read(path, ts));
+    cJSON *so; /* the sampling cursor: drawn over the same ranks and data? */
+    if (read_json_file(path, &so) == FM_OK) {
+        const cJSON *cur = cJSON_GetObjectItemCaseSensitive(so, "data_cursor");
+        if (cJSON_IsObject(cur)) {
+            const int64_t w = json_i64(cur, "world", 1), nt = json_i64(cur, "train_tokens", -1);
+            if (w != r->train.world)
+                fprintf(stderr, "warning: --resume: the checkpoint's data cursor was drawn over %lld rank(s), this run has "
+                        "%d: each step's global batch is the same, its split over ranks is not\n", (long long)w,
+                        r->train.world);
+            if (nt >= 0 && nt != r->train.n_tokens)
+                fprintf(stderr, "warning: --resume: the training data holds %lld tokens, the checkpoint's was %lld: the "
+                        "data order will not match an uninterrupted run\n", (long long)r->train.n_tokens, (long long)nt);
+        }
+        cJSON_Delete(so);
+    }
     snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_OPTIM_FILE);
     /* the fp32 master from the optimizer file (model.safetensors holds the same values): into the
      * model's master, or the optimizer's (host) one, then converted into the weights */
@@ -274,6 +390,12 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
         r->m.be.ops->convert(r->m.be.ctx, r->m.params, FM_ACT_DTYPE, r->m.master, FM_DTYPE_F32, r->m.n_params);
     } else {
         FM_TRY(load_master(&r->m, &r->hf.t, path, "master."));
+    }
+    if (r->o->resume_trust_optimizer) {
+        if (!r->o->quiet) printf("--resume-trust-optimizer: %s/%s is not checked against the master copy\n", dir,
+                                 FM_CKPT_MODEL_FILE);
+    } else {
+        FM_TRY(verify_model_file(r, dir, r->m.be.ops->host_memory || (ms && ms->host)));
     }
     /* bf16 moments: narrowed to nearest even, exact for moments a bf16 run saved */
     for (int i = 0; i < nos; i++)
@@ -306,8 +428,7 @@ fm_status fm_load_for_inference(fm_model *m, fm_param_store *ps, const char *ckp
     fm_train_hf hf = {0};
     if (s == FM_OK) s = fm_train_hf_init(&hf, m);
     if (s == FM_OK) {
-        snprintf(path, sizeof path, "%s/%s", ckpt_dir, FM_CKPT_MODEL_FILE);
-        s = load_master(m, &hf.t, path, "");
+        s = load_master(m, &hf.t, ckpt_dir, ""); /* model.safetensors, or model.safetensors.index.json and shards */
     }
     fm_train_hf_free(&hf);
     if (s != FM_OK) {

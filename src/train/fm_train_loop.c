@@ -55,7 +55,11 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng) {
         rep.host_syncs = syncs1 - syncs0;
         rep.tokens_seen = ts->tokens_seen;
         const bool last = step == o->steps || (o->exit_after > 0 && ran == o->exit_after);
-        if ((o->eval_every > 0 && step % o->eval_every == 0) || last)
+        const bool eval = (o->eval_every > 0 && step % o->eval_every == 0) || last;
+        const bool save = !o->no_checkpoint && ((o->save_every > 0 && step % o->save_every == 0) || last);
+        if (eval || save || last || (o->report_memory && ran == 1)) /* they read the weights, or measure */
+            fm_step_ws_flush(&r->step, m);
+        if (eval)
             FM_TRY(fm_evaluate(m, &r->val, o->eval_batches, &rep.val, NULL));
         if (!o->quiet && (step % (o->log_every > 0 ? o->log_every : 1) == 0 || last || !isnan(rep.val)))
             fm_train_print_step(r, &rep);
@@ -67,7 +71,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng) {
         }
         fm_train_metrics_end(r);
 
-        if (!o->no_checkpoint && ((o->save_every > 0 && step % o->save_every == 0) || last)) {
+        if (save) {
             /* An update can overflow the weights while the loss and gradients it came from were
              * finite: never save such weights as the last good checkpoint. */
             double wsq;

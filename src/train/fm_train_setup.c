@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "../backend/fm_backend_default.h"
 #include "../io/fm_checkpoint.h"
@@ -29,6 +30,40 @@ void fm_train_run_free(run *r) {
     fm_train_hf_free(&r->hf);
 }
 
+/* Whether two paths name the same file (both exist, same device and inode). */
+static bool same_file(const char *a, const char *b) {
+    struct stat sa, sb;
+    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+/* --init-from: the fp32 master from the folder's weights (every tensor of the table, each
+ * widened to fp32; nothing random), the fm_act weights rounded from it as a fresh run's are.
+ * Tensors of the folder the model does not use are named in one warning. */
+static fm_status init_from_folder(run *r, const char *dir) {
+    fm_model *m = &r->m;
+    fm_hf_files f;
+    FM_TRY(fm_hf_files_open(&f, dir));
+    const bool host = m->be.ops->host_memory;
+    float *w = host ? m->master : fm_malloc(sizeof(float) * (size_t)m->n_params);
+    if (!w) {
+        fm_hf_files_close(&f);
+        return fm_error(FM_ERR_NOMEM, "--init-from: cannot stage %lld weights on the host", (long long)m->n_params);
+    }
+    char extra[2048];
+    const fm_hf_read_opts ro = {true, extra, sizeof extra};
+    fm_status s = fm_hf_read_files(&r->hf.t, &f, "", w, &ro);
+    if (s == FM_OK) {
+        fm_model_upload_master(m, w);
+        if (extra[0]) fprintf(stderr, "warning: --init-from %s: %s\n", dir, extra);
+        if (!r->o->quiet)
+            printf("initialized from %s (%d tensors, %lld parameters; optimizer state fresh)\n", f.where, m->n_tensors,
+                   (long long)m->n_params);
+    }
+    if (!host) fm_free(w);
+    fm_hf_files_close(&f);
+    return s;
+}
+
 fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     const fm_train_opts *o = r->o;
     FM_TRY(fm_train_opts_check(o));
@@ -50,7 +85,12 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                             "move that folder away to resume from %s", bad, missing,
                             ckpt[0] ? ", newer than " : "", ckpt[0] ? ckpt : "",
                             ckpt[0] ? "the older checkpoint" : "scratch");
-        if (!ckpt[0] && !o->quiet) printf("--resume: no checkpoint in %s yet; starting from step 0\n", o->out_dir);
+        if (!ckpt[0] && !o->quiet)
+            printf("--resume: no checkpoint in %s yet; starting from step 0%s%s\n", o->out_dir,
+                   o->init_from ? " with the weights of --init-from " : "", o->init_from ? o->init_from : "");
+        if (ckpt[0] && o->init_from)
+            fprintf(stderr, "note: --resume continues the run in %s from %s; --init-from %s is not used (it only "
+                    "starts a run)\n", o->out_dir, ckpt, o->init_from);
     } else {
         char probe[4096];
         if (fm_ckpt_find_latest(o->out_dir, probe, sizeof probe, NULL) == FM_OK)
@@ -98,8 +138,18 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                                 field);
             }
         }
+    } else if (o->init_from) {
+        char p[4200];
+        snprintf(p, sizeof p, "%s/%s", o->init_from, FM_CKPT_CONFIG_FILE);
+        if (o->config_path && !same_file(o->config_path, p))
+            return fm_error(FM_ERR_ARG, "--config %s and --init-from %s both give the model config: --init-from takes "
+                            "%s; drop --config (--max-position-embeddings and the training flags still apply)",
+                            o->config_path, o->init_from, p);
+        FM_TRY(fm_config_load(&r->cfg, p));
     } else {
-        if (!o->config_path) return fm_error(FM_ERR_ARG, "--config: required (a Hugging Face config.json)");
+        if (!o->config_path)
+            return fm_error(FM_ERR_ARG, "--config: required (a Hugging Face config.json), or --init-from DIR (a Hugging "
+                            "Face model folder)");
         FM_TRY(fm_config_load(&r->cfg, o->config_path));
     }
     if (o->max_position_embeddings > 0) r->cfg.max_position_embeddings = o->max_position_embeddings;
@@ -178,6 +228,8 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_comm_self_create(&r->world, &r->be, 0));
     r->world_ok = true;
     m->comm = &r->world; /* the batch's valid targets, loss sums and router statistics */
+    /* the sampling cursor: this rank of the data-parallel ranks (fm_dataset_sample_batch) */
+    FM_TRY(fm_dataset_set_ranks(&r->train, fm_comm_rank(&r->world), fm_comm_size(&r->world)));
     fm_adamw_config(&r->opt, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
     if (o->offload_optimizer) { /* the streamed AdamW: its host state, as planned; the store without master */
         FM_TRY(fm_offload_adamw_create(&r->oopt, &r->opt, m->n_params, bucket, o->offload_optimizer_slots, &r->be));
@@ -210,6 +262,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         }
     }
     FM_TRY(fm_step_ws_init(&r->step, m, o->grad_accum));
+    if (!o->no_optimizer_overlap) FM_TRY(fm_step_ws_enable_overlap(&r->step, m));
     if (n_off > 0) { /* the offload policy: its pinned host copies, as planned, and its hook */
         FM_TRY(fm_sco_create(&r->sco, m));
         if (r->sco.host.capacity != fm_arena_round(plan.host_bytes - plan.host_optimizer_bytes)) {
@@ -237,7 +290,8 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                     ts->bf16_moments ? "pass --bf16-moments" : "drop --bf16-moments");
         if (!o->quiet) printf("resumed from %s (step %lld)\n", ckpt, (long long)ts->step);
     } else {
-        FM_TRY(fm_model_init_weights(m, o->seed));
+        if (o->init_from) FM_TRY(init_from_folder(r, o->init_from));
+        else FM_TRY(fm_model_init_weights(m, o->seed));
         fm_rng_seed(data_rng, o->seed ^ 0xDA7A5EEDull);
         ts->seed = o->seed;
     }

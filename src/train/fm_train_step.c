@@ -20,7 +20,19 @@ fm_status fm_step_ws_init(fm_step_ws *w, fm_model *m, int64_t grad_accum) {
     return FM_OK;
 }
 
+fm_status fm_step_ws_enable_overlap(fm_step_ws *w, fm_model *m) {
+    FM_TRY(fm_optim_overlap_init(&w->overlap, m));
+    fm_optim_overlap_attach(&w->overlap, &w->sched);
+    w->overlap_on = true;
+    return FM_OK;
+}
+
+void fm_step_ws_flush(fm_step_ws *w, fm_model *m) {
+    if (w->overlap_on) fm_optim_overlap_flush(&w->overlap, m);
+}
+
 void fm_step_ws_free(fm_step_ws *w) {
+    fm_optim_overlap_free(&w->overlap);
     fm_arena_free(&w->results);
     fm_free(w->n_valid);
     memset(w, 0, sizeof *w);
@@ -40,7 +52,9 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
     const int64_t G = o->grad_accum, n_res = w->n_res;
     const size_t res_bytes = (size_t)n_res * sizeof(double);
     fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
-    m->be.ops->mem_set(m->be.ctx, m->grads, 0, sizeof(fm_act) * (size_t)m->n_params);
+    if (!(w->overlap_on && w->overlap.grads_zeroed)) /* else the last update zeroed them, group by group */
+        m->be.ops->mem_set(m->be.ctx, m->grads, 0, sizeof(fm_act) * (size_t)m->n_params);
+    w->overlap.grads_zeroed = false;
     for (int64_t g = 0; g < G; g++) {
         fm_dataset_sample_batch(train, data_rng, o->micro_batch, o->seq_len, m->h_tokens, m->h_targets);
         FM_TRY(fm_schedule_train_step(&w->sched, m, 1.0f / (float)G, NULL));
@@ -79,8 +93,12 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
     const float clip = (o->grad_clip > 0 && gnorm > o->grad_clip) ? (float)(o->grad_clip / gnorm) : 1.0f;
     const double lr = fm_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr);
     optim->step_begin(opt);
-    optim->step_range(opt, m, 0, m->n_tensors, lr, clip); /* every tensor: the whole table */
-    m->be.ops->sync(m->be.ctx); /* sync point "step clock": the step's time includes its update */
+    if (w->overlap_on) { /* issued on the update stream; the next step's forward waits per layer */
+        fm_optim_overlap_issue(&w->overlap, m, optim, opt, lr, clip);
+    } else {
+        optim->step_range(opt, m, 0, m->n_tensors, lr, clip); /* every tensor: the whole table */
+        m->be.ops->sync(m->be.ctx); /* sync point "step clock": the step's time includes its update */
+    }
     FM_TRY(m->be.ops->status(m->be.ctx));
     out->ce = ce;
     out->aux = aux;

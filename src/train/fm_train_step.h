@@ -7,6 +7,7 @@
 #include "../core/fm_rng.h"
 #include "../data/fm_data.h"
 #include "../schedule/fm_schedule.h"
+#include "fm_optim_overlap.h"
 #include "fm_trainer.h"
 
 /* What a step keeps between its micro-batches: the layer schedule, pinned copies of each
@@ -19,11 +20,21 @@ typedef struct fm_step_ws {
     int64_t n_res;
     int64_t *n_valid;    /* [grad_accum] */
     int64_t grad_accum;
+    fm_optim_overlap overlap; /* the optimizer overlap (fm_step_ws_enable_overlap) */
+    bool overlap_on;
 } fm_step_ws;
 
 /* Sets up w for model m (its default schedule) and grad_accum micro-batches per step; pinned
  * memory from m's backend. Errors: FM_ERR_NOMEM naming what. */
 fm_status fm_step_ws_init(fm_step_ws *w, fm_model *m, int64_t grad_accum);
+/* Turns the optimizer overlap on (fm_optim_overlap.h): each step's update is issued on the
+ * update stream group by group, and the next step's forward waits per layer for it. Errors:
+ * fm_optim_overlap_init's. */
+fm_status fm_step_ws_enable_overlap(fm_step_ws *w, fm_model *m);
+/* Before anything other than the next step reads the weights or the optimizer state
+ * (evaluation, checkpoints, sampling): the compute stream waits for the updates in flight. No
+ * host wait; a no-op without the overlap. */
+void fm_step_ws_flush(fm_step_ws *w, fm_model *m);
 /* Frees w; call before the backend is freed. Safe on a zeroed w. */
 void fm_step_ws_free(fm_step_ws *w);
 
@@ -40,12 +51,14 @@ typedef struct fm_step_stats {
  * o->grad_accum micro-batches of [o->micro_batch, o->seq_len] tokens from `train` with data_rng
  * (advanced), each weighted 1/grad_accum; clips the gradients to global norm o->grad_clip
  * (0: off); updates at fm_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr); and returns when the
- * update has finished on the device (backend sync), so that the caller's clock covers it.
+ * update has finished on the device (backend sync), so that the caller's clock covers it — or,
+ * with the optimizer overlap (fm_step_ws_enable_overlap), as soon as the update is issued: the
+ * next step's forward waits for it layer by layer, and its gradients were zeroed by it.
  * The host waits for the device at named sync points only: once per MoE dispatch (its expert
  * offsets), once per micro-batch before its token upload, once at the step's end (every
  * micro-batch's losses and the gradient norm, before the clip scale is known; the gradients' sum
- * of squares is all-reduced over dp, the data-parallel ranks, first) and once after the
- * update (the step's clock). Device errors come back as the backend's sticky status.
+ * of squares is all-reduced over dp, the data-parallel ranks, first) and, without the overlap,
+ * once after the update (the step's clock). Device errors come back as the backend's sticky status.
  * Phase marks: the zeroing and the update are the optimizer phase. Allocates nothing.
  * Errors: FM_ERR_NUMERIC when a micro-batch's loss or the gradient norm is not finite (the
  * message names the step and says that the last good checkpoint in o->out_dir stays); the

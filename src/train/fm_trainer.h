@@ -50,11 +50,19 @@ typedef struct fm_train_opts {
                                      at most the model's parameter count) */
     int64_t offload_optimizer_slots;  /* --offload-optimizer-slots: device staging slots, [1, 16] (2) */
     bool report_memory;           /* --report-memory: measured high-water marks vs the plan */
+    bool no_optimizer_overlap;    /* --no-optimizer-overlap: the update runs after the backward and the
+                                     step waits for it (train/fm_optim_overlap.h; default: overlapped) */
     bool quiet;                   /* no per-step lines on stdout */
     bool no_checkpoint;           /* --no-checkpoint: write no checkpoint at all (benchmarks) */
     int64_t max_position_embeddings; /* > 0: overrides the config's (RoPE has no hard limit) */
     const char *offload_boundaries; /* --offload-boundaries: NULL/"0" off, N in [0, L], or "all" (= L):
                                      boundaries 0 .. N-1 to pinned host memory (schedule/fm_sco.h) */
+    const char *init_from;        /* --init-from DIR: a Hugging Face model folder (config.json and
+                                     model.safetensors or model.safetensors.index.json + shards):
+                                     the config and the initial weights of a fresh run (optimizer at
+                                     step 0); ignored (with a note) when --resume finds a checkpoint */
+    bool resume_trust_optimizer;  /* --resume-trust-optimizer: resume from optimizer.safetensors'
+                                     master copy even when model.safetensors disagrees with it */
 } fm_train_opts;
 
 /* Sets every option to its default (the values the CLI's --help names). */

@@ -414,6 +414,11 @@ static void cpu_stream_sync(void *ctx, fm_stream stream) {
     ((fm_cpu_ctx *)ctx)->host_syncs++;
 }
 
+static void cpu_set_op_stream(void *ctx, fm_stream stream) {
+    (void)ctx;
+    FM_ASSERT(stream == FM_STREAM_COMPUTE || stream == FM_STREAM_UPDATE);
+}
+
 static void cpu_sync(void *ctx) { ((fm_cpu_ctx *)ctx)->host_syncs++; }
 static uint64_t cpu_host_sync_count(void *ctx) { return ((fm_cpu_ctx *)ctx)->host_syncs; }
 static fm_status cpu_status(void *ctx) {
@@ -496,6 +501,7 @@ static const fm_ops fm_cpu_ops = {
     .event_wait = cpu_event_wait,
     .event_sync = cpu_event_sync,
     .stream_sync = cpu_stream_sync,
+    .set_op_stream = cpu_set_op_stream,
     .lce_fold = fm_cpu_lce_fold,
     .lce_finalize = fm_cpu_lce_finalize,
     .lce_strip_grad = fm_cpu_lce_strip_grad,

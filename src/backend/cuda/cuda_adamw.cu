@@ -13,13 +13,22 @@ namespace {
 /* AdamW, the formula of fm_backend.h in fp32. w = master (fp32) when given, then p = bf16(w);
  * without a master the weights are p itself: w = fp32(p), and p = bf16(w) after the step. One
  * element's arithmetic, shared by the vector and scalar paths (the same bits either way). */
-__device__ __forceinline__ float adamw_one(float gi, float &m, float &v, float w, float lr, float b1, float b2,
-                                           float eps, float wd, float bc1, float bc2) {
-    const float mi = b1 * m + (1.0f - b1) * gi;
-    const float vi = b2 * v + (1.0f - b2) * gi * gi;
+/* One element's update, every operation rounded on its own (the _rn intrinsics are never fused
+ * into an FMA): the unrolled vector loop and the scalar tail, and any split of a tensor into
+ * launches (the streamed optimizer's buckets, ZeRO shards), give the same bits, and they are the
+ * CPU backend's (which has no FMA at its -march). Measured on the H200: with contraction left to
+ * the compiler the two paths differed, and the streamed AdamW with unaligned buckets did not
+ * match the on-device one (test_cuda_model_offload_adamw). */
+__device__ __forceinline__ float adamw_one(float g, float grad_scale, float &m, float &v, float w, float lr, float b1,
+                                           float b2, float eps, float wd, float bc1, float bc2) {
+    const float gi = __fmul_rn(g, grad_scale);
+    const float mi = __fadd_rn(__fmul_rn(b1, m), __fmul_rn(1.0f - b1, gi));
+    const float vi = __fadd_rn(__fmul_rn(b2, v), __fmul_rn(__fmul_rn(1.0f - b2, gi), gi));
     m = mi;
     v = vi;
-    return w - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * w);
+    const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vi, bc2)), eps);
+    const float upd = __fadd_rn(__fdiv_rn(__fdiv_rn(mi, bc1), denom), __fmul_rn(wd, w));
+    return __fsub_rn(w, __fmul_rn(lr, upd));
 }
 
 /* 8 consecutive values as fp32, from fp32 (2 x 16 bytes) or bf16 (16 bytes); stores round bf16
@@ -56,7 +65,7 @@ __global__ void adamw_kernel(bf16 *p, const bf16 *g, float *master, MV *m, MV *v
         if (MASTER) ld8(master + i, w);
         else load8(p + i, w);
 #pragma unroll
-        for (int k = 0; k < 8; k++) w[k] = adamw_one(gf[k] * grad_scale, mf[k], vf[k], w[k], lr, b1, b2, eps, wd, bc1, bc2);
+        for (int k = 0; k < 8; k++) w[k] = adamw_one(gf[k], grad_scale, mf[k], vf[k], w[k], lr, b1, b2, eps, wd, bc1, bc2);
         st8(m + i, mf);
         st8(v + i, vf);
         if (MASTER) st8(master + i, w);
@@ -64,7 +73,7 @@ __global__ void adamw_kernel(bf16 *p, const bf16 *g, float *master, MV *m, MV *v
     }
     for (int64_t i = 8 * nv + tid; i < n; i += stride) {
         float mi = ld1(m + i), vi = ld1(v + i);
-        const float w = adamw_one(ld(g + i) * grad_scale, mi, vi, MASTER ? master[i] : ld(p + i), lr, b1, b2, eps,
+        const float w = adamw_one(ld(g + i), grad_scale, mi, vi, MASTER ? master[i] : ld(p + i), lr, b1, b2, eps,
                                   wd, bc1, bc2);
         st1(m + i, mi);
         st1(v + i, vi);

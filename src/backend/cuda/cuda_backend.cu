@@ -1,6 +1,6 @@
 /* The CUDA backend (fm_backend_cuda.h): the op table, assembled from the fm_cuda_<entry> functions
  * of the op-family files (cuda_internal.h lists them); the sticky error record behind the
- * checked-call macros; and init / free: the device checks, the three streams (compute, copy-in,
+ * checked-call macros; and init / free: the device checks, the four streams (compute, update, copy-in,
  * copy-out) and the event pool, the device-error flags, the cuBLAS(Lt) and cuDNN handles and every
  * workspace, all sized here from the options (fm_backend_opts.h) and never again.
  */
@@ -92,6 +92,7 @@ static fm_ops make_cuda_ops(void) {
     o.event_wait = fm_cuda_event_wait;
     o.event_sync = fm_cuda_event_sync;
     o.stream_sync = fm_cuda_stream_sync;
+    o.set_op_stream = fm_cuda_set_op_stream;
     o.sync = fm_cuda_sync;
     o.status = fm_cuda_status;
     o.host_sync_count = fm_cuda_host_sync_count;
@@ -129,7 +130,8 @@ extern "C" fm_status fm_cuda_device_memory(int device, size_t *free_bytes, size_
  * ignored: the context is going away and may be half built. */
 static void ctx_destroy(fm_cuda_ctx *c, bool attention_up) {
     if (!c) return;
-    if (c->stream) (void)cudaStreamSynchronize(c->stream);
+    if (c->compute) (void)cudaStreamSynchronize(c->compute);
+    if (c->update) (void)cudaStreamSynchronize(c->update);
     if (c->copy_in) (void)cudaStreamSynchronize(c->copy_in);
     if (c->copy_out) (void)cudaStreamSynchronize(c->copy_out);
     if (attention_up) fm_cuda_attention_free(c);
@@ -144,7 +146,8 @@ static void ctx_destroy(fm_cuda_ctx *c, bool attention_up) {
     for (int i = 0; i < c->events_made; i++) (void)cudaEventDestroy(c->events[i]);
     if (c->copy_out) (void)cudaStreamDestroy(c->copy_out);
     if (c->copy_in) (void)cudaStreamDestroy(c->copy_in);
-    if (c->stream) (void)cudaStreamDestroy(c->stream);
+    if (c->update) (void)cudaStreamDestroy(c->update);
+    if (c->compute) (void)cudaStreamDestroy(c->compute);
     (void)cudaGetLastError();
     fm_free(c);
 }
@@ -215,14 +218,15 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
     fm_status s = FM_OK;
 
     {
-        cudaStream_t *streams[3] = {&c->stream, &c->copy_in, &c->copy_out};
-        for (int i = 0; i < 3; i++)
+        cudaStream_t *streams[4] = {&c->compute, &c->copy_in, &c->copy_out, &c->update};
+        for (int i = 0; i < 4; i++)
             if ((e = cudaStreamCreateWithFlags(streams[i], cudaStreamNonBlocking)) != cudaSuccess) {
                 *streams[i] = NULL;
-                s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaStreamCreateWithFlags (stream %d of 3) failed: %s",
+                s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaStreamCreateWithFlags (stream %d of 4) failed: %s",
                              i, cudaGetErrorString(e));
                 goto fail;
             }
+        c->stream = c->compute;
     }
     /* The event pool: each event recorded once now on the compute stream, so a sync on an event
      * never recorded since (FM_EVENT_TOKENS before the first micro-batch) returns at once. */

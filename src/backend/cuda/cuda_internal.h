@@ -24,7 +24,10 @@
 
 typedef struct fm_cuda_ctx {
     int device;
-    cudaStream_t stream;           /* FM_STREAM_COMPUTE: every op is issued on this stream */
+    cudaStream_t stream;           /* the op stream: every op is issued on it; compute or update
+                                      (set_op_stream) */
+    cudaStream_t compute;          /* FM_STREAM_COMPUTE, non-blocking */
+    cudaStream_t update;           /* FM_STREAM_UPDATE (the optimizer overlap's updates), non-blocking */
     cudaStream_t copy_in;          /* FM_STREAM_COPY_IN (host to device copies), non-blocking */
     cudaStream_t copy_out;         /* FM_STREAM_COPY_OUT (device to host copies), non-blocking */
     cudaEvent_t events[FM_EVENT_POOL]; /* the event pool (timing disabled), each recorded once at init */
@@ -161,6 +164,7 @@ void fm_cuda_event_record(void *ctx, int event, fm_stream stream);
 void fm_cuda_event_wait(void *ctx, fm_stream stream, int event);
 void fm_cuda_event_sync(void *ctx, int event);
 void fm_cuda_stream_sync(void *ctx, fm_stream stream);
+void fm_cuda_set_op_stream(void *ctx, fm_stream stream);
 void fm_cuda_sync(void *ctx);
 fm_status fm_cuda_status(void *ctx);
 uint64_t fm_cuda_host_sync_count(void *ctx);

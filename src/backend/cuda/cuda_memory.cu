@@ -1,6 +1,6 @@
 /* The CUDA backend's memory, stream and event ops (fm_backend.h): mem_alloc (cudaMalloc,
  * zero-filled), mem_free, mem_set, copy (synchronous: issued on the compute stream, then waited
- * for), the buffer kinds (device, pinned, host), copy_async on the three streams, the event pool
+ * for), the buffer kinds (device, pinned, host), copy_async on the streams, set_op_stream, the event pool
  * (record, wait, sync), stream_sync and sync, status (the sticky first error and the device-error
  * flags) and the count of host waits. Allocation is for launch time; no op of a step allocates.
  * Every host wait (copy, event_sync, stream_sync, sync) adds one to host_syncs.
@@ -22,7 +22,13 @@ cudaMemcpyKind memcpy_kind(fm_copy_kind kind) {
 
 cudaStream_t stream_of(fm_cuda_ctx *c, fm_stream s) {
     FM_ASSERT(s >= 0 && s < FM_STREAM_COUNT);
-    return s == FM_STREAM_COPY_IN ? c->copy_in : s == FM_STREAM_COPY_OUT ? c->copy_out : c->stream;
+    switch (s) {
+    case FM_STREAM_COPY_IN: return c->copy_in;
+    case FM_STREAM_COPY_OUT: return c->copy_out;
+    case FM_STREAM_UPDATE: return c->update;
+    case FM_STREAM_OPS: return c->stream;
+    default: return c->compute;
+    }
 }
 
 cudaEvent_t event_of(fm_cuda_ctx *c, int event) {
@@ -152,11 +158,29 @@ void fm_cuda_stream_sync(void *ctx, fm_stream stream) {
     FM_CUDA_CHECK(c, cudaStreamSynchronize(s));
 }
 
-/* All three streams; one host sync. */
+/* The op stream moves to compute or update; cuBLAS and cuDNN follow it. */
+void fm_cuda_set_op_stream(void *ctx, fm_stream stream) {
+    fm_cuda_ctx *c = ctx_of(ctx);
+    FM_ASSERT(stream == FM_STREAM_COMPUTE || stream == FM_STREAM_UPDATE);
+    const cudaStream_t s = stream_of(c, stream);
+    if (s == c->stream) return;
+    c->stream = s;
+    if (cublasSetStream(c->cublas, s) != CUBLAS_STATUS_SUCCESS && c->err == FM_OK) {
+        c->err = FM_ERR_UNSUPPORTED;
+        snprintf(c->err_msg, sizeof c->err_msg, "cuda backend: cublasSetStream failed in set_op_stream");
+    }
+    if (cudnnSetStream(c->cudnn, s) != CUDNN_STATUS_SUCCESS && c->err == FM_OK) {
+        c->err = FM_ERR_UNSUPPORTED;
+        snprintf(c->err_msg, sizeof c->err_msg, "cuda backend: cudnnSetStream failed in set_op_stream");
+    }
+}
+
+/* All four streams; one host sync. */
 void fm_cuda_sync(void *ctx) {
     fm_cuda_ctx *c = ctx_of(ctx);
     c->host_syncs++;
-    FM_CUDA_CHECK(c, cudaStreamSynchronize(c->stream));
+    FM_CUDA_CHECK(c, cudaStreamSynchronize(c->compute));
+    FM_CUDA_CHECK(c, cudaStreamSynchronize(c->update));
     FM_CUDA_CHECK(c, cudaStreamSynchronize(c->copy_in));
     FM_CUDA_CHECK(c, cudaStreamSynchronize(c->copy_out));
 }

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-/* Creates a CUDA backend on device `device` (0-based) with three streams (compute, copy-in,
+/* Creates a CUDA backend on device `device` (0-based) with four streams (compute, update, copy-in,
  * copy-out; non-blocking), a pool of FM_EVENT_POOL events (each recorded once, so a sync on one
  * returns at once until it is recorded again), a cuBLAS(Lt) handle and a cuDNN handle, a fixed FM_CUDA_LT_WORKSPACE_BYTES cuBLASLt workspace, a cuDNN workspace of
  * o->gpu_workspace bytes (0: FM_CUDA_DEFAULT_WORKSPACE_BYTES; the planner sizes it for a run

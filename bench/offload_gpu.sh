@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Issue 10's GPU checks on one H200, in parts so each fits a device call (logs to $OUT):
+#   bash bench/offload_gpu.sh build          # unpack .deps, build this tree into build-gpu
+#   bash bench/offload_gpu.sh test           # ctest -L gpu
+#   bash bench/offload_gpu.sh tok            # tokenizer goldens with HF tokenizers -> $OUT/tok.tar.gz
+#   bash bench/offload_gpu.sh keepatt [T]    # full recompute vs --recompute-keep-attention (128K)
+#   bash bench/offload_gpu.sh sco [T]        # streamed AdamW, checkpoint offload off vs all (256K)
+#   bash bench/offload_gpu.sh overlap        # the optimizer overlap on and off at 4K and 16K (and G = 16, bf16 moments)
+#   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
+# (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/offload-gpu}
+mkdir -p "$OUT"
+D=/tmp/flatmoe-deps-root
+if [ -d .deps ] && [ ! -d $D ]; then for f in .deps/*.deb; do dpkg -x "$f" $D; done; fi
+export LD_LIBRARY_PATH="$D/usr/lib/x86_64-linux-gnu/openblas-openmp:$D/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+CM=(-DFLATMOE_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_INCLUDE_PATH=$D/usr/include
+    "-DCMAKE_LIBRARY_PATH=$D/usr/lib/x86_64-linux-gnu/openblas-openmp;$D/usr/lib/x86_64-linux-gnu")
+TEXT=${TEXT:-$PWD/.data/tinyshakespeare.txt}
+BIN=${BIN:-build-gpu/flatmoe-cuda}
+summ() { # metrics.jsonl: every step's loss (repr), ms, tokens/s, host syncs, phases
+python3 - "$1" <<'PY'
+import json, sys
+try: rows = [json.loads(l) for l in open(sys.argv[1])]
+except Exception as e: print("  no metrics:", e); sys.exit()
+for r in rows:
+    if r.get("type", "step") != "step": continue
+    print("  step %d loss %r gnorm %r tok/s %.0f syncs %s phases %s" % (r["step"], r.get("loss"), r.get("grad_norm"),
+          r.get("tokens_per_s", 0), r.get("host_syncs"), r.get("phase_ms")))
+PY
+}
+run1() { # name T steps flags...
+    local name=$1 T=$2 steps=$3; shift 3
+    rm -rf "/tmp/r-$name"
+    local t0=$(date +%s)
+    local data=("$TEXT"); for ((i = 1; i < ${COPIES:-1}; i++)); do data+=("$TEXT"); done
+    FLATMOE_PROFILE=1 "$BIN" train --config configs/olmoe-1b-7b.json --data "${data[@]}" --seq-len "$T" --micro-batch 1 \
+        --steps "$steps" --warmup 1 --lr 1e-4 --min-lr 1e-5 --eval-every 0 --eval-batches 1 --val-fraction "${VF:-0.3}" \
+        --max-position-embeddings 1048576 --no-checkpoint --report-memory --out "/tmp/r-$name" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name T=$T exit $? wall $(( $(date +%s) - t0 )) s flags: $*"
+    grep -E "^plan|high-water|error|Error" "$OUT/$name.log" | cut -c1-200 | head -14
+    cp "/tmp/r-$name/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null; summ "$OUT/$name.jsonl"
+}
+case "${1:-}" in
+build)
+    t0=$(date +%s)
+    cmake -S . -B build-gpu "${CM[@]}" > "$OUT/build.log" 2>&1 && cmake --build build-gpu -j16 >> "$OUT/build.log" 2>&1
+    echo "build: $? in $(( $(date +%s) - t0 )) s"; grep -E "error|warning" "$OUT/build.log" | head -20; true ;;
+test)
+    (cd build-gpu && ctest -L gpu --output-on-failure --timeout 600 > "$OUT/ctest-gpu.log" 2>&1; echo "ctest -L gpu: $?")
+    grep -E "Test +#|tests passed|FAIL" "$OUT/ctest-gpu.log" | head -40 ;;
+tok)
+    rm -rf /tmp/tok && python3 tools/tok_golden.py "$TEXT" /tmp/tok > "$OUT/tok.log" 2>&1; echo "tok_golden: $?"
+    tail -5 "$OUT/tok.log"; tar -czf "$OUT/tok.tar.gz" -C /tmp tok 2>/dev/null ;;
+keepatt)
+    T=${2:-131072}; F=(--recompute full --moe-chunk-tokens 4096 --ce-block-tokens 1024)
+    run1 full-$T "$T" 3 "${F[@]}"
+    run1 keepatt-$T "$T" 3 "${F[@]}" --recompute-keep-attention ;;
+sco)
+    T=${2:-262144}; F=(--recompute full --moe-chunk-tokens 4096 --ce-block-tokens 1024 --offload-optimizer)
+    run1 sco-off-$T "$T" 2 "${F[@]}"
+    run1 sco-all-$T "$T" 2 "${F[@]}" --offload-boundaries all ;;
+overlap)
+    for T in 4096 16384; do
+        run1 ovl-on-$T $T 6
+        run1 ovl-off-$T $T 6 --no-optimizer-overlap
+    done
+    run1 ovl-on-4096-bf16 4096 6 --bf16-moments
+    run1 ovl-off-4096-bf16 4096 6 --bf16-moments --no-optimizer-overlap
+    run1 ovl-on-4096-g16 4096 4 --grad-accum 16
+    run1 ovl-off-4096-g16 4096 4 --grad-accum 16 --no-optimizer-overlap ;;
+million) # OLMoE-1B-7B at 1,048,576 tokens (issue 10): ~10 min a step, so it runs detached (setsid)
+    # and `collect` (the next call, while the machine is warm) waits for it and prints the summary.
+    # Device plan 134.8 GiB, pinned host 109.3 GiB (8 boundaries of 4 GiB + 12 B/param of AdamW).
+    mkdir -p /tmp/m1; OUT=/tmp/m1 COPIES=3 VF=0.34 setsid nohup bash bench/offload_gpu.sh run m1 1048576 ${STEPS:-2} \
+        --recompute full --moe-chunk-tokens 4096 --ce-block-tokens 1024 --offload-optimizer \
+        --offload-boundaries ${NOFF:-8} > /tmp/m1/summary.txt 2>&1 < /dev/null &
+    echo "started; collect with: bash bench/offload_gpu.sh collect" ;;
+collect)
+    for i in $(seq 1 ${WAIT_S:-580}); do grep -q "^== m1" /tmp/m1/summary.txt 2>/dev/null && sleep 5 && break; sleep 1; done
+    cat /tmp/m1/summary.txt; cp /tmp/m1/* "$OUT"/ 2>/dev/null; tail -5 /tmp/m1/m1.log ;;
+run) shift; run1 "$@" ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|million|collect|run"; exit 2 ;;
+esac

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# train --init-from a Hugging Face model folder (olmoe and qwen3_moe; fp32, bf16, fp16; one file or
+# sharded with an index; per-expert or fused experts): the loss of step 1 (the loaded weights,
+# before any update) equals `eval` of the folder on the same window; a missing tensor, a wrong
+# shape and a wrong dtype are refused naming the tensor; an extra tensor is a warning; --config
+# next to --init-from is refused; --resume refuses a model.safetensors edited after the checkpoint
+# was written (and --resume-trust-optimizer overrides); loss masks: a masked target's token does
+# not move the loss, an unmasked one does, in train and eval. The folders are made from flatmoe's
+# own checkpoints by tests/fm_hf_fixture.c (built next to flatmoe).
+source "$(dirname "$0")/lib_cli.sh"
+FX=$(dirname "$FM")/fm_hf_fixture
+[ -x "$FX" ] || { echo "fm_hf_fixture not built next to $FM"; exit 1; }
+T=32
+head -c $((T + 1)) "$TEXT" > "$TMP/one.txt"    # one window: train's only start and eval's only window
+cat > "$TMP/qwen3.json" <<'EOF'
+{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32,
+ "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+ "num_key_value_heads": 1, "head_dim": 16, "hidden_act": "silu", "max_position_embeddings": 64,
+ "rope_theta": 10000.0, "rms_norm_eps": 1e-06, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": true,
+ "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.01, "tie_word_embeddings": false}
+EOF
+one=(--data "$TMP/one.txt" --val-data "$TMP/one.txt" --seq-len $T --micro-batch 1 --threads 2 --quiet)
+step1_loss() { grep -m1 '"step":1,' "$1/metrics.jsonl" | sed -E 's/.*"loss":([^,]*).*/\1/'; }
+eval_loss() { "$FM" eval --ckpt "$1" --data "$2" --seq-len $T --micro-batch 1 --threads 2 | sed -n 's/^loss \([^ ]*\) .*/\1/p'; }
+close() { awk -v a="$1" -v b="$2" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && b != "" && d <= 1e-4) }'; }
+
+for model in olmoe qwen3; do
+    cfg="$ROOT/tests/data/micro.json"; [ $model = qwen3 ] && cfg="$TMP/qwen3.json"
+    "$FM" train --config "$cfg" --data "$TEXT" --seq-len $T --micro-batch 2 --steps 3 --threads 2 --quiet \
+        --out "$TMP/$model-src" || bad "$model: source run failed"
+    src="$TMP/$model-src/step_000003"
+    for v in "--dtype f32" "--dtype bf16" "--dtype f16 --shards 3" "--fuse --dtype bf16 --shards 2" "--fuse"; do
+        name=$model-$(tr -d ' -' <<<"$v")
+        # shellcheck disable=SC2086
+        "$FX" "$src" "$TMP/$name" $v || { bad "$name: fixture failed"; continue; }
+        "$FM" train --init-from "$TMP/$name" "${one[@]}" --steps 1 --out "$TMP/run-$name" || { bad "$name: train --init-from failed"; continue; }
+        a=$(step1_loss "$TMP/run-$name"); b=$(eval_loss "$TMP/$name" "$TMP/one.txt")
+        if close "$a" "$b"; then ok; echo "ok  $name: step-1 loss $a = eval $b"; else bad "$name: step-1 loss $a, eval of the folder $b"; fi
+        [ ! -f "$TMP/run-$name/step_000001/optimizer.safetensors" ] && bad "$name: no checkpoint" || ok
+        grep -Eq '"optimizer_step":[[:space:]]*1[,[:space:]]' "$TMP/run-$name/step_000001/state.json" && ok || bad "$name: optimizer did not start at step 0"
+    done
+    # fp16 weights are not fp32 ones: the folder's values, not a random init, were used
+    a=$(eval_loss "$TMP/$model-dtypef32" "$TMP/one.txt"); b=$(eval_loss "$src" "$TMP/one.txt")
+    [ "$a" = "$b" ] && ok || bad "$model: the fp32 folder's eval $a differs from its source checkpoint's $b"
+done
+
+src="$TMP/olmoe-src/step_000003"
+"$FX" "$src" "$TMP/drop" --drop model.norm.weight
+expect_fail "missing tensor" "no tensor named 'model.norm.weight'" "$FM" train --init-from "$TMP/drop" "${one[@]}" --steps 1 --out "$TMP/r-drop"
+expect_fail "missing tensor: never random" "never initialized at random" "$FM" train --init-from "$TMP/drop" "${one[@]}" --steps 1 --out "$TMP/r-drop"
+"$FX" "$src" "$TMP/reshape" --reshape model.layers.1.self_attn.q_proj.weight --shards 2
+expect_fail "wrong shape" "tensor 'model.layers.1.self_attn.q_proj.weight' has the wrong shape: expected [32, 32], found [33, 32]" \
+    "$FM" train --init-from "$TMP/reshape" "${one[@]}" --steps 1 --out "$TMP/r-shape"
+"$FX" "$src" "$TMP/retype" --retype model.layers.0.mlp.gate.weight --dtype bf16
+expect_fail "wrong dtype" "tensor 'model.layers.0.mlp.gate.weight' (shape [4, 32]) has dtype I32; expected F32, BF16 or F16" \
+    "$FM" train --init-from "$TMP/retype" "${one[@]}" --steps 1 --out "$TMP/r-type"
+[ ! -d "$TMP/r-drop" ] && [ ! -d "$TMP/r-shape" ] && [ ! -d "$TMP/r-type" ] && ok || bad "a refused --init-from left a run folder"
+"$FX" "$src" "$TMP/extra" --extra model.layers.0.self_attn.rotary_emb.inv_freq
+out=$("$FM" train --init-from "$TMP/extra" "${one[@]}" --steps 1 --out "$TMP/r-extra" 2>&1 >/dev/null) && ok || bad "an extra tensor failed the run: $out"
+grep -q "warning: --init-from.*1 tensor of .* is not a parameter of this olmoe model and was ignored: 'model.layers.0.self_attn.rotary_emb.inv_freq'" <<<"$out" \
+    && ok || bad "no warning naming the extra tensor: $out"
+expect_fail "--config with --init-from" "both give the model config" \
+    "$FM" train --init-from "$TMP/olmoe-dtypef32" --config "$ROOT/configs/tiny.json" "${one[@]}" --steps 1 --out "$TMP/r-cfg"
+"$FM" train --init-from "$TMP/olmoe-dtypef32" --config "$TMP/olmoe-dtypef32/config.json" "${one[@]}" --steps 1 \
+    --out "$TMP/r-samecfg" && ok || bad "--config naming the folder's own config.json was refused"
+mkdir -p "$TMP/noweights" && cp "$cfg" "$TMP/noweights/config.json"
+expect_fail "no weights" "holds neither model.safetensors nor model.safetensors.index.json" \
+    "$FM" train --init-from "$TMP/noweights" "${one[@]}" --steps 1 --out "$TMP/r-noweights"
+
+# --resume: a model.safetensors edited after the checkpoint was written is refused; the fix works.
+"$FM" train --init-from "$TMP/olmoe-dtypebf16" "${one[@]}" --steps 3 --exit-after 1 --out "$TMP/edit" || bad "edit run failed"
+cp -r "$TMP/edit" "$TMP/edit-ok"
+f="$TMP/edit/step_000001/model.safetensors"
+printf '\x41' | dd of="$f" bs=1 seek=$(($(stat -c %s "$f") - 3)) conv=notrunc 2>/dev/null
+expect_fail "resume: edited weights" "model.safetensors disagrees with the optimizer's master copy at tensor" \
+    "$FM" train "${one[@]}" --steps 3 --out "$TMP/edit" --resume
+expect_fail "resume: names the way on" "--resume-trust-optimizer" "$FM" train "${one[@]}" --steps 3 --out "$TMP/edit" --resume
+"$FM" train "${one[@]}" --steps 3 --out "$TMP/edit" --resume --resume-trust-optimizer && ok || bad "--resume-trust-optimizer was refused"
+"$FM" train "${one[@]}" --steps 3 --out "$TMP/edit-ok" --resume && ok || bad "an untouched checkpoint was refused on resume"
+# --resume with a checkpoint wins over --init-from (and says so)
+out=$("$FM" train --init-from "$TMP/qwen3-dtypef32" "${one[@]}" --steps 4 --out "$TMP/edit-ok" --resume 2>&1 >/dev/null) \
+    && grep -q "is not used" <<<"$out" && ok || bad "--resume with --init-from: $out"
+
+# Loss masks: the second half of the targets masked; changing the last token (only ever a target)
+# moves the loss without the mask and not with it; the masked loss is another loss.
+ck="$TMP/olmoe-dtypef32"
+"$FX" shard "$TMP/m.bin" "$TMP/one.txt" tail && "$FX" shard "$TMP/m2.bin" "$TMP/one.txt" tail $T=7 \
+    && "$FX" shard "$TMP/u.bin" "$TMP/one.txt" none && "$FX" shard "$TMP/u2.bin" "$TMP/one.txt" none $T=7 \
+    || bad "shard fixture failed"
+lm=$(eval_loss "$ck" "$TMP/m.bin"); lm2=$(eval_loss "$ck" "$TMP/m2.bin"); lu=$(eval_loss "$ck" "$TMP/u.bin"); lu2=$(eval_loss "$ck" "$TMP/u2.bin")
+echo "eval: masked $lm / $lm2 (last target changed), unmasked $lu / $lu2"
+[ -n "$lm" ] && [ "$lm" = "$lm2" ] && ok || bad "eval: changing a masked target moved the loss ($lm -> $lm2)"
+[ -n "$lu" ] && [ "$lu" != "$lu2" ] && ok || bad "eval: changing an unmasked target did not move the loss ($lu -> $lu2)"
+[ "$lm" != "$lu" ] && ok || bad "eval: the mask changed nothing ($lm)"
+[ "$lu" = "$(eval_loss "$ck" "$TMP/one.txt")" ] && ok || bad "eval: the unmasked shard's loss differs from the text's"
+for d in m m2 u u2; do
+    "$FM" train --init-from "$ck" --data "$TMP/$d.bin" --val-data "$TMP/$d.bin" --seq-len $T --micro-batch 1 --threads 2 \
+        --quiet --steps 1 --out "$TMP/mask-$d" || bad "train on $d.bin failed"
+done
+tm=$(step1_loss "$TMP/mask-m"); tm2=$(step1_loss "$TMP/mask-m2"); tu=$(step1_loss "$TMP/mask-u"); tu2=$(step1_loss "$TMP/mask-u2")
+echo "train: masked $tm / $tm2, unmasked $tu / $tu2"
+[ -n "$tm" ] && [ "$tm" = "$tm2" ] && ok || bad "train: changing a masked target moved the loss ($tm -> $tm2)"
+[ -n "$tu" ] && [ "$tu" != "$tu2" ] && ok || bad "train: changing an unmasked target did not move the loss ($tu -> $tu2)"
+close "$tm" "$lm" && ok || bad "train's masked step-1 loss $tm differs from eval's $lm"
+printf 'FMMASK01\x05\0\0\0\0\0\0\0\0\1\0\1\1' > "$TMP/m.bin.mask"
+expect_fail "bad mask" "loss mask for 5 tokens, but" "$FM" eval --ckpt "$ck" --data "$TMP/m.bin" --seq-len $T --threads 2
+finish
