@@ -83,11 +83,16 @@ static fm_status merge_word(struct fm_tok_impl *t, const char *w, size_t n, size
     for (size_t i = 0; i < n;) {
         uint32_t cp;
         int cl = fm_utf8_next((const unsigned char *)w + i, n - i, &cp);
-        if (cl <= 0) cl = 1;
-        const fm_strmap_slot *e = fm_strmap_get(&t->vocab, w + i, (size_t)cl);
-        if (e) {
+        if (cl <= 0) { cl = 1; cp = (unsigned char)w[i]; }
+        int32_t id;
+        if (cl <= 2) id = t->cp_id[cp < 0x800 ? cp : 0x7FF];
+        else {
+            const fm_strmap_slot *e = fm_strmap_get(&t->vocab, w + i, (size_t)cl);
+            id = e ? e->v0 : -1;
+        }
+        if (id >= 0) {
             if (unk_id >= 0) { sym_add(t, &ns, unk_id, unk_len); unk_id = -1; }
-            sym_add(t, &ns, e->v0, cl);
+            sym_add(t, &ns, id, cl);
         } else {
             bool done = false;
             if (t->byte_fallback) {

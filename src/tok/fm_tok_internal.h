@@ -159,6 +159,7 @@ struct fm_tok_impl {
     int32_t unk_id;         /* -1: no unk token; -2: named but not in the vocab */
     char *unk_name;
     int32_t byte_id[256];   /* <0xNN> tokens, -1 when absent */
+    int32_t cp_id[0x800];   /* the vocab id of each one-character token below U+0800, or -1 */
     /* added tokens */
     fm_added *added;
     int n_added;

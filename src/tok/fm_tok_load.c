@@ -335,6 +335,12 @@ static fm_status parse_model(struct fm_tok_impl *t, const cJSON *m, const cJSON 
         const fm_strmap_slot *e = fm_strmap_get(&t->vocab, name, 6);
         t->byte_id[b] = e ? e->v0 : -1;
     }
+    for (uint32_t cp = 0; cp < 0x800; cp++) {
+        char u[4];
+        const size_t l = fm_utf8_put(u, cp);
+        const fm_strmap_slot *e = fm_strmap_get(&t->vocab, u, l);
+        t->cp_id[cp] = e ? e->v0 : -1;
+    }
     const char *unk = get_str(m, "unk_token");
     t->unk_id = -1;
     if (unk) {
