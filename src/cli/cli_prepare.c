@@ -17,43 +17,34 @@ static void progress(const fm_prepare_stats *st, void *ctx) {
             st->seconds > 0 ? mb / st->seconds : 0.0);
 }
 
-/* --decode SHARD: the shard's tokens as text; with --show-mask the masked runs are wrapped in
- * "[[" and "]]" (when the shard has a .mask sidecar). */
+/* --decode SHARD: the shard's tokens as text; with --show-mask the masked runs (mask byte 0 in
+ * the shard's .mask sidecar, when it has one) are wrapped in "[[" and "]]". */
 static int decode_shard(fm_tokenizer *tok, const char *path, bool show_mask) {
     const char *paths[1] = {path};
     fm_dataset ds;
     fm_status s = fm_dataset_load(&ds, paths, 1, tok->vocab_size);
     if (s) return cli_fail("prepare", s);
-    uint8_t *mask = NULL;
-    int64_t nm = 0;
-    char mpath[4200];
-    snprintf(mpath, sizeof mpath, "%s.mask", path);
-    FILE *f = show_mask ? fopen(mpath, "rb") : NULL;
-    if (f) {
-        fclose(f);
-        if ((s = fm_mask_read(mpath, &mask, &nm))) { fm_dataset_free(&ds); return cli_fail("prepare", s); }
-        if (nm != ds.n_tokens) {
-            fprintf(stderr, "flatmoe prepare: error: %s holds %lld mask bytes for %lld tokens\n", mpath, (long long)nm,
-                    (long long)ds.n_tokens);
-            fm_free(mask);
-            fm_dataset_free(&ds);
-            return 1;
-        }
+    int32_t *ids = fm_malloc(sizeof *ids * (size_t)ds.n_tokens);
+    if (!ids) {
+        fm_dataset_free(&ds);
+        return cli_fail("prepare", fm_error(FM_ERR_NOMEM, "%s: out of memory for its tokens", path));
     }
+    fm_dataset_tokens(&ds, 0, ds.n_tokens, ids);
+    const bool masks = show_mask && ds.has_mask;
     for (int64_t i = 0; i < ds.n_tokens && s == FM_OK;) {
+        const int m = masks ? fm_dataset_mask_at(&ds, i) : 1;
         int64_t j = i + 1;
-        while (j < ds.n_tokens && (!mask || mask[j] == mask[i])) j++;
+        while (j < ds.n_tokens && (!masks || fm_dataset_mask_at(&ds, j) == m)) j++;
         char *text;
         size_t len;
-        if ((s = fm_tokenizer_decode(tok, ds.tokens + i, j - i, false, &text, &len))) break;
-        const bool masked = mask && !mask[i];
-        if (masked) fputs("[[", stdout);
+        if ((s = fm_tokenizer_decode(tok, ids + i, j - i, false, &text, &len))) break;
+        if (!m) fputs("[[", stdout);
         fwrite(text, 1, len, stdout);
-        if (masked) fputs("]]", stdout);
+        if (!m) fputs("]]", stdout);
         fm_free(text);
         i = j;
     }
-    fm_free(mask);
+    fm_free(ids);
     fm_dataset_free(&ds);
     return s ? cli_fail("prepare", s) : 0;
 }

@@ -12,8 +12,6 @@
 
 #include "../data/fm_data.h"
 
-#define FM_MASK_MAGIC "FMMASK01"
-
 typedef struct prep {
     fm_tokenizer *tok;
     const fm_prepare_opts *o;
@@ -39,10 +37,6 @@ static void part_name(const prep *p, int64_t k, const char *suffix, char *out, s
     snprintf(out, cap, "%s_%06lld.bin%s", p->o->out_prefix, (long long)k, suffix);
 }
 
-static void put_le64(unsigned char *b, uint64_t v) {
-    for (int i = 0; i < 8; i++) b[i] = (unsigned char)(v >> (8 * i));
-}
-
 /* Writes the current shard and its mask as .part files. */
 static fm_status flush_shard(prep *p) {
     if (p->n_shard == 0) return FM_OK;
@@ -50,16 +44,7 @@ static fm_status flush_shard(prep *p) {
     part_name(p, p->st.shards, ".part", path, sizeof path);
     FM_TRY(fm_shard_write(path, p->shard, p->n_shard, 7));
     part_name(p, p->st.shards, ".mask.part", path, sizeof path);
-    FILE *f = fopen(path, "wb");
-    if (!f) return fm_error(FM_ERR_IO, "%s: cannot create: %s; check that the folder of --out exists and is writable",
-                            path, strerror(errno));
-    unsigned char head[16];
-    memcpy(head, FM_MASK_MAGIC, 8);
-    put_le64(head + 8, (uint64_t)p->n_shard);
-    bool ok = fwrite(head, 1, 16, f) == 16 && fwrite(p->mask, 1, (size_t)p->n_shard, f) == (size_t)p->n_shard;
-    ok = fflush(f) == 0 && ok;
-    ok = fclose(f) == 0 && ok;
-    if (!ok) return fm_error(FM_ERR_IO, "%s: write failed: %s; check free disk space", path, strerror(errno));
+    FM_TRY(fm_mask_write(path, p->mask, p->n_shard));
     p->st.shards++;
     p->n_shard = 0;
     return FM_OK;
@@ -269,7 +254,7 @@ static fm_status run(prep *p) {
         const char *file = o->inputs[i];
         p->st.file = file;
         char *buf;
-        size_t n;
+        size_t n = 0;
         FM_TRY(read_whole(file, &buf, &n));
         const bool jl = o->format == FM_PREP_JSONL || (o->format == FM_PREP_AUTO && is_jsonl(file));
         fm_status s;
@@ -321,8 +306,8 @@ fm_status fm_prepare(fm_tokenizer *tok, const fm_prepare_opts *o, fm_prepare_sta
     if (s) { /* no partial output: the .part files (and any already renamed) go */
         char path[4300];
         for (int64_t k = 0; k <= p.st.shards; k++) {
-            const char *suffix[] = {".part", ".part.tmp", ".mask.part", "", ".mask"};
-            for (int j = 0; j < (k < p.renamed ? 5 : 3); j++) {
+            const char *suffix[] = {".part", ".part.tmp", ".mask.part", ".mask.part.tmp", "", ".mask"};
+            for (int j = 0; j < (k < p.renamed ? 6 : 4); j++) {
                 part_name(&p, k, suffix[j], path, sizeof path);
                 unlink(path);
             }
@@ -336,24 +321,4 @@ fm_status fm_prepare(fm_tokenizer *tok, const fm_prepare_opts *o, fm_prepare_sta
     fm_free(p.mask);
     fm_free(p.ids);
     return s;
-}
-
-fm_status fm_mask_read(const char *path, uint8_t **mask, int64_t *n) {
-    *mask = NULL;
-    *n = 0;
-    char *buf;
-    size_t len;
-    FM_TRY(read_whole(path, &buf, &len));
-    uint64_t cnt = 0;
-    if (len >= 16)
-        for (int i = 0; i < 8; i++) cnt |= (uint64_t)(unsigned char)buf[8 + i] << (8 * i);
-    if (len < 16 || memcmp(buf, FM_MASK_MAGIC, 8) || cnt != len - 16) {
-        fm_free(buf);
-        return fm_error(FM_ERR_FORMAT, "%s: not a flatmoe loss mask (expected \"FMMASK01\", a uint64 count and that many "
-                        "bytes; the file has %zu bytes)", path, len);
-    }
-    memmove(buf, buf + 16, (size_t)cnt);
-    *mask = (uint8_t *)buf;
-    *n = (int64_t)cnt;
-    return FM_OK;
 }

@@ -15,9 +15,10 @@
  *   tokenizer (Prepend "▁") gives each part its own leading "▁".
  *
  * Output, for shard k = 0, 1, ...: PREFIX_%06d.bin (k), an llm.c v7 shard of up to shard_tokens
- * tokens, and, when any record of the run is prompt/completion or chat, PREFIX_%06d.bin.mask:
- *   8 bytes "FMMASK01", uint64 little-endian n_tokens (the shard's count), n_tokens bytes: byte i
- *   is 1 when token i is a loss target (counted when it is predicted), 0 when it is masked.
+ * tokens, and, when any record of the run is prompt/completion or chat, PREFIX_%06d.bin.mask
+ * (written by fm_mask_write, data/fm_data.h): 8 bytes "FMMASK01", uint64 little-endian n_tokens
+ * (the shard's count), n_tokens bytes: byte i is 1 when token i is a loss target (counted when it
+ * is predicted), 0 when it is masked. A run of text only writes no masks.
  * Every file is written under a ".part" name and renamed only after the whole input was read and
  * written without error; on any error the .part files are removed, so no partial output is left.
  */
@@ -59,9 +60,5 @@ typedef struct fm_prepare_opts {
  * file); FM_ERR_FORMAT (a malformed JSON line or a record of no known form, naming the file and
  * the line); those of the tokenizer; FM_ERR_NOMEM. On error no output file is left. */
 fm_status fm_prepare(fm_tokenizer *tok, const fm_prepare_opts *o, fm_prepare_stats *st);
-
-/* Reads a mask sidecar written by fm_prepare: *mask (fm_malloc'd, *n bytes). For tests and tools.
- * Errors: FM_ERR_IO; FM_ERR_FORMAT (bad magic, count and size disagreeing). */
-fm_status fm_mask_read(const char *path, uint8_t **mask, int64_t *n);
 
 #endif
