@@ -213,7 +213,9 @@ static fm_status record(prep *p, const cJSON *j, const char *file, int64_t line)
 
 static fm_status jsonl_file(prep *p, const char *file, const char *buf, size_t n) {
     int64_t line = 0;
-    for (size_t i = 0; i < n;) {
+    size_t i0 = n >= 3 && !memcmp(buf, "\xEF\xBB\xBF", 3) ? 3 : 0; /* a UTF-8 byte order mark */
+    p->st.bytes += (int64_t)i0;
+    for (size_t i = i0; i < n;) {
         const char *nl = memchr(buf + i, '\n', n - i);
         const size_t e = nl ? (size_t)(nl - buf) : n;
         line++;
