@@ -98,7 +98,9 @@ static void test_bytelevel(void) {
     byte_vocab(vocab);
     snprintf(json, sizeof json,
              "{\"version\": \"1.0\", \"added_tokens\": [{\"id\": 259, \"content\": \"<|endoftext|>\", \"single_word\": false,"
-             " \"lstrip\": false, \"rstrip\": false, \"normalized\": false, \"special\": true}],"
+             " \"lstrip\": false, \"rstrip\": false, \"normalized\": false, \"special\": true},"
+             " {\"id\": 260, \"content\": \"<m>\", \"lstrip\": true, \"rstrip\": true, \"normalized\": false, \"special\": true},"
+             " {\"id\": 261, \"content\": \"hehe\", \"single_word\": true, \"normalized\": false, \"special\": false}],"
              " \"normalizer\": null, \"pre_tokenizer\": {\"type\": \"ByteLevel\", \"add_prefix_space\": false,"
              " \"trim_offsets\": true, \"use_regex\": true}, \"post_processor\": null,"
              " \"decoder\": {\"type\": \"ByteLevel\"}, \"model\": {\"type\": \"BPE\", \"dropout\": null, \"unk_token\": null,"
@@ -109,10 +111,15 @@ static void test_bytelevel(void) {
     fm_tokenizer t;
     CHECK_MSG(fm_tokenizer_load(&t, tpath("bl.json")) == FM_OK, "%s", fm_errmsg());
     if (!t.impl) return;
-    CHECK(t.vocab_size == 260);
+    CHECK(t.vocab_size == 262);
     CHECK(t.eos_id == 259); /* the special <|endoftext|> */
-    /* " the" -> Ġ t h e -> Ġt (rank 0), he (1), Ġthe (2); "hehe": he he; the special token whole */
-    check_ids(&t, " the<|endoftext|>hehe", (int32_t[]){258, 259, 257, 257}, 4);
+    /* " the" -> Ġ t h e -> Ġt (rank 0), he (1), Ġthe (2); "xhehe": x he he (the single-word
+     * added token "hehe" is not taken inside a word); the special token whole */
+    check_ids(&t, " the<|endoftext|>xhehe", (int32_t[]){258, 259, 'x', 257, 257}, 5);
+    check_ids(&t, "hehe", (int32_t[]){261}, 1);
+    check_ids(&t, "x hehe!", (int32_t[]){'x', ' ', 261, '!'}, 4); /* " " is Ġ, id 32 */
+    /* lstrip and rstrip: <m> takes the spaces on both sides */
+    check_ids(&t, "a  <m>  b", (int32_t[]){'a', 260, 'b'}, 3);
     /* the GPT-2 regex: "it's" -> "it" "'s"; "  x" -> " " " x" (\s+(?!\S) leaves the last space) */
     check_ids(&t, "it's", (int32_t[]){'i', 't', '\'', 's'}, 4);
     check_ids(&t, "  the", (int32_t[]){' ', 258}, 2); /* the space byte's character Ġ has id 32 here */
@@ -130,7 +137,7 @@ static void test_bytelevel(void) {
     int64_t n = 0, cap = 0;
     CHECK(fm_tokenizer_encode_append(&t, " the", 4, &ids, &n, &cap) == FM_OK);
     CHECK(fm_tokenizer_encode_append(&t, "hehe", 4, &ids, &n, &cap) == FM_OK);
-    CHECK(n == 3 && ids[0] == 258 && ids[1] == 257 && ids[2] == 257);
+    CHECK(n == 2 && ids[0] == 258 && ids[1] == 261); /* "hehe" alone is the single-word token */
     fm_free(ids);
     /* a short output buffer: FM_ERR_ARG and the full count */
     int32_t two[2];
@@ -178,7 +185,8 @@ static void mixtral_json(char *json, size_t cap, bool byte_fallback) {
         strcat(vocab, item);
     }
     snprintf(json, cap,
-             "{\"added_tokens\": [{\"id\": 0, \"content\": \"<unk>\", \"special\": true, \"normalized\": false},"
+             "{\"added_tokens\": [{\"id\": 265, \"content\": \"XY\", \"special\": false, \"normalized\": true},"
+             " {\"id\": 0, \"content\": \"<unk>\", \"special\": true, \"normalized\": false},"
              " {\"id\": 1, \"content\": \"<s>\", \"special\": true, \"normalized\": false},"
              " {\"id\": 2, \"content\": \"</s>\", \"special\": true, \"normalized\": false}],"
              " \"normalizer\": {\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"Prepend\", \"prepend\": \"\xE2\x96\x81\"},"
@@ -210,6 +218,11 @@ static void test_mixtral_style(void) {
     check_decode(&t, (int32_t[]){264, 1, 264}, 3, true, "hi hi");
     check_decode(&t, (int32_t[]){259, 3 + 0xC3, 3 + 0xA9}, 3, false, "\xC3\xA9");
     check_decode(&t, (int32_t[]){3 + 0xC3, 264}, 2, false, "\xEF\xBF\xBD hi"); /* a lone byte: U+FFFD per byte */
+    /* a normalized added token: matched as its normalized form "▁XY" in the normalized text */
+    check_ids(&t, "a XY", (int32_t[]){259, 3 + 'a', 265}, 3);
+    check_ids(&t, "XY", (int32_t[]){265}, 1);
+    check_ids(&t, "aXY", (int32_t[]){259, 3 + 'a', 3 + 'X', 3 + 'Y'}, 4);
+    check_decode(&t, (int32_t[]){259, 3 + 'a', 265}, 3, false, "a XY"); /* "▁XY" decodes with its space */
     fm_tokenizer_free(&t);
     /* without byte fallback: unknown characters become <unk>, consecutive ones fused */
     mixtral_json(json, sizeof json, false);
@@ -301,6 +314,25 @@ static void test_split_behaviors(void) {
     }
 }
 
+/* EOS: tokenizer_config.json's eos_token, else config.json's eos_token_id, else a special token. */
+static void test_eos(void) {
+    char dir[128], cmd[512];
+    snprintf(dir, sizeof dir, "%s/eosdir", g_dir);
+    snprintf(cmd, sizeof cmd, "mkdir -p %s && cp %s %s/tokenizer.json", dir, tpath("bl.json"), dir);
+    CHECK(system(cmd) == 0);
+    fm_tokenizer t;
+    CHECK(fm_tokenizer_load(&t, dir) == FM_OK && t.eos_id == 259);
+    fm_tokenizer_free(&t);
+    snprintf(cmd, sizeof cmd, "%s/config.json", dir);
+    write_text(cmd, "{\"eos_token_id\": [258, 1]}");
+    CHECK(fm_tokenizer_load(&t, dir) == FM_OK && t.eos_id == 258);
+    fm_tokenizer_free(&t);
+    snprintf(cmd, sizeof cmd, "%s/tokenizer_config.json", dir);
+    write_text(cmd, "{\"eos_token\": {\"content\": \"he\"}}");
+    CHECK(fm_tokenizer_load(&t, dir) == FM_OK && t.eos_id == 257);
+    fm_tokenizer_free(&t);
+}
+
 /* The goldens: every corpus file, each family, ids token for token and the decode. */
 static void test_goldens(void) {
     const char *root = getenv("FLATMOE_SOURCE_DIR");
@@ -369,6 +401,7 @@ int main(void) {
     if (!mkdtemp(g_dir)) { perror("mkdtemp"); return 2; }
     test_utf8();
     test_bytelevel();
+    test_eos();
     test_qwen_style();
     test_mixtral_style();
     test_split_behaviors();
