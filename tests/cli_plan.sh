@@ -3,6 +3,7 @@
 # --mem-budget: refused before allocating when it cannot fit, knobs chosen when it can, and the
 # measured high-water mark of every arena within its planned bound.
 source "$(dirname "$0")/lib_cli.sh"
+cfg0="$ROOT/configs/tiny.json"
 for c in olmoe-1b-7b qwen3-30b-a3b mixtral-8x7b; do
     start=$(date +%s%N)
     "$FM" plan --config "$ROOT/configs/$c.json" --seq-len 32768 > "$TMP/$c.txt" || bad "plan $c failed"
@@ -38,10 +39,50 @@ bnd() { sed -E 's/.*"checkpoint boundaries":([0-9]+).*/\1/' <<<"$1"; }
 [ "$(bnd "$g")" -lt "$(bnd "$c")" ] && ok || bad "bf16 boundaries should be smaller than fp32 ones"
 # OLMoE-1B-7B at 384K on an H200's budget: fp32 moments do not fit and the message names
 # --bf16-moments; with it the plan fits (12 B/param of model state)
-expect_fail "384K OLMoE, fp32 moments" "pass --bf16-moments" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" \
-    --backend cuda --seq-len 393216 --device-mem 141093MiB
-h=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 393216 --device-mem 141093MiB --bf16-moments)
+# (no host memory: --host-mem-budget 0 forbids offload, so nothing else can take the model state)
+expect_fail "384K OLMoE, fp32 moments, no host memory" "--bf16-moments" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" \
+    --backend cuda --seq-len 393216 --device-mem 141093MiB --host-mem-budget 0
+h=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 393216 --device-mem 141093MiB --bf16-moments --host-mem-budget 0)
 grep -q "fits in" <<<"$h" && grep -q "12 B/param" <<<"$h" && ok || bad "384K OLMoE with --bf16-moments: $h"
+# With host memory the chooser may stream the optimizer from the host instead: it fits with fp32 moments.
+h=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 393216 --device-mem 141093MiB --host-mem-budget 100GiB)
+grep -q "fits in" <<<"$h" && grep -q "^host (pinned)" <<<"$h" && ok || bad "384K OLMoE with 100 GiB of host memory: $h"
+# The projected step time, tokens/s and MFU next to the memory table, and in the JSON.
+grep -Eq "^projected step: [0-9.e+]+ s, [0-9]+ tokens/s, MFU [0-9.]+% of 989 TFLOP/s" <<<"$h" && ok || bad "plan: no projected step line: $h"
+grep -q "^  attention " <<<"$h" && grep -q "^  optimizer " <<<"$h" && ok || bad "plan: no phases in the projection"
+j=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 131072 --device-mem 141093MiB --json 2>/dev/null)
+python3 -c "import json,sys; d=json.loads(sys.argv[1]); p=d['projected']; assert p['step_s']>0 and p['tokens_per_s']>0 and 0<p['mfu']<1 and d['context_bytes']>0 and d['fits'], d" "$j" && ok || bad "plan --json: no projection: $j"
+# --device-mem is the device's memory: the CUDA context and libraries (the calibration table's
+# figure from this build) and 256 MiB for late kernels come off it; --mem-budget is the sets' own.
+b1=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 4096 --device-mem 141GiB --json 2>/dev/null | sed -E 's/.*"budget_bytes":([0-9]+).*/\1/')
+c1=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 4096 --device-mem 141GiB --json 2>/dev/null | sed -E 's/.*"context_bytes":([0-9]+).*/\1/')
+[ $(( b1 + c1 )) -eq $(( 141 << 30 )) ] && [ "$c1" -gt $(( 256 << 20 )) ] && ok || bad "--device-mem 141GiB: budget $b1 + context $c1"
+b2=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 4096 --mem-budget 141GiB --json 2>/dev/null | sed -E 's/.*"budget_bytes":([0-9]+).*/\1/')
+[ "$b2" -eq $(( 141 << 30 )) ] && ok || bad "--mem-budget 141GiB: budget $b2"
+expect_fail "--device-mem and --mem-budget" "not both" "$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 64 --device-mem 1GiB --mem-budget 1GiB
+# A host budget too small for the offload the user asked for: refused, the advice names what works.
+expect_fail "offload over the host budget" "pinned host memory needed" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" \
+    --backend cuda --seq-len 65536 --offload-optimizer --host-mem-budget 1GiB
+# Advice: 80 GiB cannot hold OLMoE's fp32 model state with no host memory; every knob it names fits
+# when applied (and --micro-batch is not named at micro-batch 1).
+out=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 65536 --device-mem 80GiB --host-mem-budget 0 2>&1 >/dev/null)
+grep -q "needs 2 ranks" <<<"$out" && ! grep -q -- "--micro-batch" <<<"$out" && ok || bad "advice at 80 GiB: $out"
+if grep -q -- "--bf16-moments" <<<"$out"; then
+    "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 65536 --device-mem 80GiB --host-mem-budget 0 --bf16-moments >/dev/null && ok || bad "advice named --bf16-moments, which does not fit"
+fi
+# calibrate --quick on this build writes a table that plan then reads; bad tables are refused.
+start=$(date +%s)
+"$FM" calibrate --quick --out "$TMP/calib.json" > "$TMP/calib.log" || bad "calibrate --quick failed: $(tail -3 "$TMP/calib.log")"
+echo "calibrate --quick: $(( $(date +%s) - start )) s"; cat "$TMP/calib.log"
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert d['format']=='flatmoe-calibration' and d['backend']=='cpu' and len(d['attention_fwd'])>=3 and d['link']['h2d']>0, d" "$TMP/calib.json" && ok || bad "calibrate wrote no valid table"
+[ ! -e "$TMP/calib.json.tmp" ] && ok || bad "calibrate left its temporary file"
+p=$("$FM" plan --config "$cfg0" --seq-len 256 --micro-batch 4 --threads 2 --mem-budget 1GiB --calib "$TMP/calib.json")
+grep -q "projection: calibration table $TMP/calib.json" <<<"$p" && grep -q "^projected step" <<<"$p" && ok || bad "plan --calib: $p"
+echo '{"format":"flatmoe-calibration","version":1}' > "$TMP/bad.json"
+expect_fail "plan --calib bad table" "\"backend\" must be a string" "$FM" plan --config "$cfg0" --seq-len 64 --calib "$TMP/bad.json"
+expect_fail "plan --calib missing table" "cannot open the calibration table" "$FM" plan --config "$cfg0" --seq-len 64 --calib "$TMP/none.json"
+expect_fail "calibrate without --out" "--out is required" "$FM" calibrate --quick
+expect_fail "calibrate, other backend" "this binary measures its own backend" "$FM" calibrate --backend cuda --out "$TMP/x.json"
 expect_fail "bad --backend" "expected cpu or cuda" "$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 64 --backend tpu
 expect_fail "bad --device-mem" "unknown unit" "$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 128 --device-mem 12parsecs
 
@@ -58,8 +99,13 @@ grep "^plan:" "$TMP/fit.log"; grep "^memory:" "$TMP/fit.log" | tail -8
 while read -r name bound hw; do
     [ "$hw" -le "$bound" ] && ok || bad "$name: high-water $hw exceeds bound $bound"
     [ $(( hw * 10 )) -ge $(( bound * 9 )) ] && ok || bad "$name: high-water $hw is under 90% of bound $bound"
-done < <(grep "^memory:" "$TMP/fit.log" | tail -7 | grep -v "attention\|live set" | \
-         sed -E 's/^memory: (.*[a-z]) +([0-9]+) +([0-9]+) .*/\1|\2|\3/' | tr '|' ' ' | awk '{hw=$NF; b=$(NF-1); $NF=""; $(NF)=""; print $1"_"$2, b, hw}')
+done < <(grep "^memory:" "$TMP/fit.log" | awk '/live set/{n=0} {a[n++]=$0} END{for(i=0;i<n;i++) print a[i]}' | \
+         grep -v "attention\|live set" | \
+         sed -E 's/^memory: (.*[a-z)]) +([0-9]+) +([0-9]+) .*/\1|\2|\3/' | tr '|' ' ' | awk '{hw=$NF; b=$(NF-1); $NF=""; $(NF)=""; print $1"_"$2, b, hw}')
+# The trainer used the chooser of `plan` (same budgets, same table): the same knobs.
+pj=$("$FM" plan --config "$cfg" --seq-len 256 --micro-batch 4 --threads 2 --mem-budget "$budget" --json 2>/dev/null)
+nr=$(sed -E 's/.*"recomputed_layers":([0-9]+).*/\1/' <<<"$pj")
+grep -q "recompute $nr of" "$TMP/fit.log" && ok || bad "train chose other knobs than plan (recompute $nr): $(grep '^plan:' "$TMP/fit.log")"
 grep -q '"memory":{' "$TMP/fit/metrics.jsonl" && ok || bad "metrics.jsonl lacks the memory report"
 # Measuring memory changes nothing: the same run without --report-memory gives the same losses.
 knobs=$(grep "^plan:" "$TMP/fit.log" | sed -E 's/.*recompute ([0-9]+) of.*/\1/')

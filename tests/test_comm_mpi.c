@@ -203,10 +203,20 @@ static void test_collectives(const fm_comm *c, const char *mem) {
     CHECK(fm_comm_reduce_scatter(c, NULL, NULL, 0, FM_COMM_I64, FM_COMM_SUM, 0) == FM_OK);
     CHECK(fm_comm_all_gather(c, NULL, NULL, 0, FM_COMM_BF16, 0) == FM_OK);
     CHECK(fm_comm_broadcast(c, NULL, NULL, 0, FM_COMM_BYTE, 0, 0) == FM_OK);
-    /* bf16 reductions: not yet */
-    uint16_t h[2] = {0x3f80, 0x4000}, h2[2];
-    CHECK(fm_comm_all_reduce(c, h, h2, 2, FM_COMM_BF16, FM_COMM_SUM, 0) == FM_ERR_UNSUPPORTED);
-    CHECK_MSG(strstr(fm_errmsg(), "all_reduce(bf16 sum, 2 elements): bf16 reductions"), "%s", fm_errmsg());
+    /* bf16 reductions (user operations; exact on small integers): sum of rank + 1 and 2 (rank + 1),
+     * max of rank, all-reduce and in-place reduce-scatter */
+    uint16_t h[2] = {fm_f32_to_bf16((float)(R + 1)), fm_f32_to_bf16((float)(2 * R + 2))}, h2[2];
+    CHECK_MSG(fm_comm_all_reduce(c, h, h2, 2, FM_COMM_BF16, FM_COMM_SUM, 0) == FM_OK, "%s", fm_errmsg());
+    CHECK_MSG(fm_bf16_to_f32(h2[0]) == (float)(W * (W + 1) / 2) && fm_bf16_to_f32(h2[1]) == (float)(W * (W + 1)),
+              "rank %d: bf16 all_reduce sum gave %g, %g", R, fm_bf16_to_f32(h2[0]), fm_bf16_to_f32(h2[1]));
+    h[0] = fm_f32_to_bf16((float)R);
+    CHECK_MSG(fm_comm_all_reduce(c, h, h, 1, FM_COMM_BF16, FM_COMM_MAX, 0) == FM_OK, "%s", fm_errmsg());
+    CHECK_MSG(fm_bf16_to_f32(h[0]) == (float)(W - 1), "rank %d: bf16 max gave %g", R, fm_bf16_to_f32(h[0]));
+    uint16_t rs[8];
+    for (int q = 0; q < W; q++) rs[q] = fm_f32_to_bf16((float)(q + R)); /* block q: q + R on rank R */
+    CHECK_MSG(fm_comm_reduce_scatter(c, rs, rs + R, 1, FM_COMM_BF16, FM_COMM_SUM, 0) == FM_OK, "%s", fm_errmsg());
+    CHECK_MSG(fm_bf16_to_f32(rs[R]) == (float)(W * R + W * (W - 1) / 2), "rank %d: bf16 reduce_scatter gave %g", R,
+              fm_bf16_to_f32(rs[R]));
     /* bf16 moves */
     gbuf hb = gb_new(W * 3, 2);
     fill((char *)gb(&hb) + R * 6, 3, FM_COMM_BF16, R, 9);

@@ -1,12 +1,18 @@
 /* The planner: its hand-written bound formulas equal the bytes the layout code takes (measured
  * with measuring arenas) for every shipped config and a range of flags, so the plan and the
- * allocation cannot drift apart; hand arithmetic for a few live sets; the chooser; budgets and
- * their messages; byte parsing. */
+ * allocation cannot drift apart; hand arithmetic for a few live sets and for the step-time
+ * projection; the chooser (both budgets, fast and slow links, fixed flags, the advice);
+ * calibration tables; budgets and their messages; byte parsing. */
+#include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "fm_test.h"
 #include "backend/cuda/fm_backend_cuda.h"
+#include "plan/fm_choose.h"
 #include "plan/fm_plan.h"
+#include "plan/fm_project.h"
+#include "train/fm_offload_adamw.h"
 #include "train/fm_optim.h"
 
 static int g_keep_att = 0; /* check_formulas_match_layout: 1 = every recomputed layer keeps attention,
@@ -195,66 +201,245 @@ static void test_cuda_target(void) {
     CHECK(c.total - g.total == c.bytes[FM_LIVE_MODEL_STATE] - g.bytes[FM_LIVE_MODEL_STATE]);
 }
 
-static void test_chooser(void) {
+/* A synthetic calibration table: every FLOP rate `flops`, every bandwidth `bw`, the link `link`. */
+static void synth_calib(fm_calib *c, double flops, double bw, double link) {
+    memset(c, 0, sizeof *c);
+    snprintf(c->backend, sizeof c->backend, "cuda");
+    snprintf(c->source, sizeof c->source, "synthetic");
+    c->act_bytes = 2;
+    c->peak_flops = flops;
+    fm_calib_curve *cv[5] = {&c->gemm, &c->expert_fwd, &c->expert_bwd, &c->att_fwd, &c->att_bwd};
+    for (int i = 0; i < 5; i++) fm_calib_add(cv[i], 1024, flops);
+    c->elementwise_bw = c->dispatch_bw = c->adamw_bw = bw;
+    c->h2d = c->d2h = c->h2d_duplex = c->d2h_duplex = link;
+}
+
+static void olmoe_req(fm_plan_req *req, int64_t T, fm_plan_target tgt) {
+    memset(req, 0, sizeof *req);
+    req->model_state_bytes = fm_model_state_bound;
+    req->offload_state_bytes = fm_offload_model_state_bound;
+    req->offload_bucket = FM_OFFLOAD_DEFAULT_BUCKET;
+    req->offload_slots = 2;
+    CHECK(fm_config_load(&req->cfg, "configs/olmoe-1b-7b.json") == FM_OK);
+    req->B = 1;
+    req->T = T;
+    req->grad_accum = 1;
+    req->threads = 1;
+    req->target = tgt;
+}
+
+/* The projection's arithmetic by hand: OLMoE at 4K on the CPU target (a = 4), plain plan, every
+ * FLOP at 1e12/s, every byte at 1e11/s. */
+static void test_projection_by_hand(void) {
     fm_plan_req req;
-    memset(&req, 0, sizeof req);
-    req.model_state_bytes = fm_model_state_bound; /* the trainer's answer (train/fm_optim.h) */
-    CHECK(fm_config_load(&req.cfg, "configs/qwen3-30b-a3b.json") == FM_OK);
-    const int64_t L = req.cfg.num_hidden_layers;
-    bool rc[L];
-    req.B = 1;
-    req.T = 32768;
-    req.threads = 1;
-    fm_plan free_plan;
-    fm_plan_compute(&req, &free_plan);
-    /* A budget the plain plan fits: nothing recomputed, unchunked. */
+    olmoe_req(&req, 4096, FM_PLAN_TARGET_CPU);
     fm_plan p;
-    CHECK(fm_plan_choose(&req, free_plan.total + 1, rc, &p) == FM_OK);
-    CHECK(p.n_recomputed == 0 && req.moe_chunk_tokens == 0);
-    /* Model state + a little: needs chunking and recompute; the choice fits and is minimal. */
-    size_t budget = free_plan.bytes[FM_LIVE_MODEL_STATE] + ((size_t)40 << 30);
-    CHECK(fm_plan_choose(&req, budget, rc, &p) == FM_OK);
-    CHECK(p.total <= budget);
-    printf("qwen3-30b-a3b at 32K tokens in %.1f GiB: %lld recomputed layers, chunk %lld tokens, total %.2f GiB\n",
-           budget / 1073741824.0, (long long)p.n_recomputed, (long long)req.moe_chunk_tokens, p.total / 1073741824.0);
-    if (p.n_recomputed > 0) {
-        /* one fewer recomputed layer (with the smallest chunk) must not fit */
-        bool rc2[L];
-        for (int64_t l = 0; l < L; l++) rc2[l] = l < p.n_recomputed - 1 - (p.n_recomputed == 2);
-        fm_plan_req r2 = req;
-        r2.recompute = rc2;
-        r2.moe_chunk_tokens = 1;
-        fm_plan q;
-        fm_plan_compute(&r2, &q);
-        CHECK(q.total > budget);
-    }
-    /* Chunks of >= FM_PLAN_EFFICIENT_CHUNK tokens come first: OLMoE at 128K in the H200's
-     * budget recomputes more layers rather than cut the MoE chunk below 4096 tokens (the
-     * measured slow choice was 11 layers with 512-token chunks). */
-    {
-        fm_plan_req o;
-        memset(&o, 0, sizeof o);
-        o.model_state_bytes = fm_model_state_bound;
-        CHECK(fm_config_load(&o.cfg, "configs/olmoe-1b-7b.json") == FM_OK);
-        bool orc[64];
-        o.B = 1;
-        o.T = 131072;
-        o.target = FM_PLAN_TARGET_CUDA;
-        fm_plan op;
-        CHECK(fm_plan_choose(&o, (size_t)141093 << 20, orc, &op) == FM_OK);
-        CHECK_MSG(o.moe_chunk_tokens >= FM_PLAN_EFFICIENT_CHUNK, "chunk %lld", (long long)o.moe_chunk_tokens);
-        CHECK(op.total <= (size_t)141093 << 20 && op.n_recomputed < 16);
-    }
-    /* Too small for anything: a clear error naming the live set and the knob. */
-    CHECK(fm_plan_choose(&req, (size_t)1 << 30, rc, &p) == FM_ERR_NOMEM);
-    CHECK(strstr(fm_errmsg(), "model state") != NULL);
-    /* check() names the budget flag and the knob. */
+    fm_plan_compute(&req, &p);
+    fm_calib c;
+    synth_calib(&c, 1e12, 1e11, 1e10);
+    fm_projection pr;
+    fm_project(&req, &p, &c, &pr);
+    const double N = 4096, T = 4096, H = 2048, qd = 2048, kd = 2048, E = 64, k = 8, I = 1024, V = 50304, L = 16, a = 4;
+    const double R = 1e12, bw = 1e11;
+    CHECK_CLOSE(pr.sec[FM_PROJ_ATTENTION], L * 7.0 * T * T * qd / R, 1e-12); /* 2 fwd + 5 bwd */
+    CHECK_CLOSE(pr.sec[FM_PROJ_DENSE], L * 3.0 * (2 * N * H * (qd + 2 * kd) + 2 * N * qd * H + 2 * N * H * E) / R, 1e-12);
+    CHECK_CLOSE(pr.sec[FM_PROJ_EXPERTS], L * 3.0 * 2 * N * k * 3 * H * I / R, 1e-12);
+    const double elem = N * H * a * 10 + 2 * N * (qd + kd) * a + 12 * N * E + 3 * N * k * I * a;
+    const double disp = N * k * H * a * 3 + N * H * a;
+    CHECK_CLOSE(pr.sec[FM_PROJ_MEMORY], L * 3.0 * (elem + disp) / bw, 1e-12);
+    CHECK_CLOSE(pr.sec[FM_PROJ_HEAD], 6 * N * H * V / R + (5 * N * V * a + 8 * N * H * a) / bw, 1e-12);
+    CHECK(pr.sec[FM_PROJ_RECOMPUTE] == 0 && pr.sec[FM_PROJ_MOE_RECOMPUTE] == 0 && pr.sec[FM_PROJ_OFFLOAD] == 0);
+    const double P = (double)p.n_params;
+    CHECK_CLOSE(pr.sec[FM_PROJ_OPTIMIZER], P * 28 / bw + 2 * a * P / bw, 1e-12);
+    double sum = 0;
+    for (int i = 0; i < FM_PROJ_PHASES; i++) sum += pr.sec[i];
+    CHECK_CLOSE(pr.step_s, sum, 1e-12);
+    CHECK_CLOSE(pr.tokens_per_s, N / sum, 1e-12);
+    CHECK_CLOSE(pr.mfu, p.flops_model_token * N / sum / 1e12, 1e-12);
+    /* full recompute: every layer's forward once more, attention included */
+    bool rc[16];
+    for (int l = 0; l < 16; l++) rc[l] = true;
+    req.recompute = rc;
+    fm_plan q;
+    fm_plan_compute(&req, &q);
+    fm_projection qr;
+    fm_project(&req, &q, &c, &qr);
+    CHECK_CLOSE(qr.sec[FM_PROJ_RECOMPUTE], pr.sec[FM_PROJ_ATTENTION] * 2 / 7 + pr.sec[FM_PROJ_DENSE] / 3 +
+                pr.sec[FM_PROJ_EXPERTS] / 3 + pr.sec[FM_PROJ_MEMORY] / 3, 1e-12);
+    /* the streamed optimizer on a slow link: the link both ways at the duplex rate dominates */
     req.recompute = NULL;
-    req.moe_chunk_tokens = 0;
+    req.offload_optimizer = true;
+    fm_plan_compute(&req, &q);
+    fm_project(&req, &q, &c, &qr);
+    const double beta = fmin((double)FM_OFFLOAD_DEFAULT_BUCKET, P);
+    CHECK_CLOSE(qr.sec[FM_PROJ_OPTIMIZER], 2 * a * P / bw + P * 12 / 1e10 + beta * (12 / 1e10 + 28 / bw + 12 / 1e10), 1e-12);
+    /* the log-T interpolation */
+    fm_calib_curve cv = {0};
+    fm_calib_add(&cv, 1024, 100);
+    fm_calib_add(&cv, 4096, 300);
+    CHECK_CLOSE(fm_calib_rate(&cv, 2048), 200, 1e-12);
+    CHECK(fm_calib_rate(&cv, 10) == 100 && fm_calib_rate(&cv, 1e9) == 300);
+}
+
+static bool fits_both(const fm_plan *p, size_t budget, size_t host) { return p->total <= budget && p->host_bytes <= host; }
+
+static void test_chooser(void) {
+    const size_t GiB = (size_t)1 << 30;
+    fm_plan_req req;
+    olmoe_req(&req, 32768, FM_PLAN_TARGET_CUDA);
+    const int64_t L = req.cfg.num_hidden_layers;
+    bool rc[2 * 16];
+    fm_calib fast, slow, def;
+    synth_calib(&fast, 5e14, 3e12, 1e30);
+    synth_calib(&slow, 5e14, 3e12, 1e3);
+    fm_calib_default(&def, "cuda");
+    /* the reference: no recompute, 4096-token chunks, linear CE; budget 3 GiB under it */
+    fm_plan_req r0 = req;
+    r0.moe_chunk_tokens = 4096;
+    r0.ce_block_tokens = 1024;
+    r0.ce_block_vocab = 4096;
+    fm_plan ref;
+    fm_plan_compute(&r0, &ref);
+    const size_t budget = ref.total - 3 * GiB;
+    fm_choose_opts o = {budget, "--mem-budget", FM_HOST_BUDGET_UNLIMITED, "--host-mem-budget", &fast};
+    fm_plan p;
+    fm_projection pr;
+    /* a link that costs nothing: offload rather than recompute */
+    fm_plan_req r = req;
+    CHECK(fm_plan_fit(&r, &o, rc, &p, &pr) == FM_OK);
+    CHECK(fits_both(&p, budget, SIZE_MAX));
+    CHECK_MSG(p.n_recomputed == 0 && (r.offload_optimizer || p.n_offloaded_boundaries > 0),
+              "fast link: recompute %lld, offload optimizer %d, boundaries %lld", (long long)p.n_recomputed,
+              r.offload_optimizer, (long long)p.n_offloaded_boundaries);
+    /* a link of 1 kB/s: recompute rather than offload */
+    o.calib = &slow;
+    r = req;
+    CHECK(fm_plan_fit(&r, &o, rc, &p, &pr) == FM_OK);
+    CHECK(fits_both(&p, budget, SIZE_MAX));
+    CHECK_MSG(p.n_recomputed > 0 && !r.offload_optimizer && p.n_offloaded_boundaries == 0,
+              "slow link: recompute %lld, offload optimizer %d, boundaries %lld", (long long)p.n_recomputed,
+              r.offload_optimizer, (long long)p.n_offloaded_boundaries);
+    /* a host budget that forbids offload: recompute, even with the free link */
+    o.calib = &fast;
+    o.host_budget = 0;
+    r = req;
+    CHECK(fm_plan_fit(&r, &o, rc, &p, &pr) == FM_OK);
+    CHECK(p.host_bytes == 0 && p.n_recomputed > 0 && !r.offload_optimizer);
+    /* the choice is the fastest: no other fitting point of a grid is faster (default table) */
+    o.calib = &def;
+    o.host_budget = 8 * GiB;
+    r = req;
+    CHECK(fm_plan_fit(&r, &o, rc, &p, &pr) == FM_OK);
+    CHECK(fits_both(&p, budget, 8 * GiB));
+    printf("olmoe-1b-7b at 32K in %.1f GiB (host 8 GiB): recompute %lld (%lld keep attention), chunk %lld, %lld "
+           "boundaries offloaded, optimizer %s, projected %.3f s\n", budget / 1073741824.0, (long long)p.n_recomputed,
+           (long long)p.n_keep_attention, (long long)r.moe_chunk_tokens, (long long)p.n_offloaded_boundaries,
+           r.offload_optimizer ? "streamed" : "on device", pr.step_s);
+    for (int64_t nr = 0; nr <= L; nr += 3)
+        for (int64_t chunk = 0; chunk <= 32768; chunk = chunk ? chunk * 4 : 512)
+            for (int ka = 0; ka < 2; ka++) {
+                bool rc2[32];
+                fm_plan_req q = req;
+                for (int64_t l = 0; l < L; l++) rc2[l] = l < nr, rc2[L + l] = ka;
+                q.recompute = rc2;
+                q.keep_attention = rc2 + L;
+                q.moe_chunk_tokens = chunk;
+                q.ce_block_tokens = 1024;
+                fm_plan qp;
+                fm_plan_compute(&q, &qp);
+                if (!fits_both(&qp, budget, 8 * GiB)) continue;
+                fm_projection qq;
+                fm_project(&q, &qp, &def, &qq);
+                CHECK_MSG(pr.step_s <= qq.step_s * (1 + 1e-12), "chosen %.4f s, but recompute %lld chunk %lld: %.4f s",
+                          pr.step_s, (long long)nr, (long long)chunk, qq.step_s);
+            }
+    /* user-given flags are never changed: recompute none, unchunked, the optimizer on the device */
+    fm_choose_opts f = o;
+    f.calib = &fast;
+    f.host_budget = FM_HOST_BUDGET_UNLIMITED;
+    f.fix_recompute = f.fix_offload_optimizer = true;
+    bool none[32] = {false};
+    r = req;
+    r.recompute = none;
+    r.keep_attention = none + L;
+    fm_status st = fm_plan_fit(&r, &f, rc, &p, &pr);
+    CHECK(p.n_recomputed == 0 && !r.offload_optimizer && r.recompute == none);
+    if (st == FM_OK) CHECK(fits_both(&p, budget, SIZE_MAX));
+    f.fix_moe_chunk = f.fix_ce = f.fix_offload_boundaries = true; /* everything fixed, as given (plain) */
+    r = req;
+    r.recompute = none;
+    CHECK(fm_plan_fit(&r, &f, rc, &p, &pr) == FM_ERR_NOMEM);
+    CHECK(r.moe_chunk_tokens == 0 && r.ce_block_tokens == 0 && r.n_offloaded_boundaries == 0 && !r.offload_optimizer);
+    CHECK_MSG(strstr(fm_errmsg(), "drop --recompute") && strstr(fm_errmsg(), "--seq-len") &&
+                  strstr(fm_errmsg(), "ranks"), "%s", fm_errmsg());
+    /* no budget: nothing is chosen (the CPU trainer without --mem-budget) */
+    fm_choose_opts nb = {0, "--mem-budget", FM_HOST_BUDGET_UNLIMITED, "--host-mem-budget", &def};
+    r = req;
+    CHECK(fm_plan_fit(&r, &nb, rc, &p, &pr) == FM_OK);
+    CHECK(r.recompute == NULL && r.moe_chunk_tokens == 0 && r.ce_block_tokens == 0 && !r.offload_optimizer &&
+          r.n_offloaded_boundaries == 0);
+    /* adversarial budgets: 1 GiB cannot hold even one rank's share of the rest; no knob is named */
+    fm_choose_opts t = {GiB, "--mem-budget", FM_HOST_BUDGET_UNLIMITED, "--host-mem-budget", &def};
+    r = req;
+    CHECK(fm_plan_fit(&r, &t, rc, &p, &pr) == FM_ERR_NOMEM);
+    const char *msg = fm_errmsg();
+    CHECK_MSG(strstr(msg, "--mem-budget") && strstr(msg, "No single knob") && !strstr(msg, "fit with"), "%s", msg);
+    /* 100 GiB with no host memory: the fp32 model state (103 GiB) does not fit; bf16 moments do,
+     * and so would ranks; a shorter sequence would not */
+    fm_choose_opts h = {100 * GiB, "--mem-budget", 0, "--host-mem-budget", &def};
+    r = req;
+    CHECK(fm_plan_fit(&r, &h, rc, &p, &pr) == FM_ERR_NOMEM);
+    msg = fm_errmsg();
+    CHECK_MSG(strstr(msg, "--bf16-moments") && strstr(msg, "2 ranks") && !strstr(msg, "--seq-len"), "%s", msg);
+    /* each item of the advice works: bf16 moments fit */
+    r = req;
+    r.bf16_moments = true;
+    CHECK(fm_plan_fit(&r, &h, rc, &p, &pr) == FM_OK && p.total <= 100 * GiB);
+    /* check() names the budget flag */
     fm_plan_compute(&req, &p);
     CHECK(fm_plan_check(&p, p.total - 1, "--mem-budget") == FM_ERR_NOMEM);
     CHECK(strstr(fm_errmsg(), "--mem-budget") != NULL);
     CHECK(fm_plan_check(&p, p.total, "--mem-budget") == FM_OK);
+}
+
+/* Tables: a round trip, and bad ones give errors naming the field. */
+static void test_calib_files(void) {
+    fm_calib c, d;
+    fm_calib_default(&c, "cuda");
+    const char *path = "/tmp/flatmoe-test-calib.json";
+    CHECK(fm_calib_save(&c, path) == FM_OK);
+    CHECK(fm_calib_load(&d, path) == FM_OK);
+    CHECK(d.att_fwd.n == c.att_fwd.n && d.att_fwd.rate[2] == c.att_fwd.rate[2] && d.h2d == c.h2d &&
+          d.context_bytes == c.context_bytes && !strcmp(d.kind, "h200"));
+    struct { const char *text, *needle; } bad[] = {
+        {"not json", "not a JSON object"},
+        {"{\"format\":\"something\"}", "\"format\""},
+        {"{\"format\":\"flatmoe-calibration\",\"version\":2}", "version"},
+        {"{\"format\":\"flatmoe-calibration\",\"version\":1,\"backend\":\"tpu\"}", "\"backend\""},
+        {"{\"format\":\"flatmoe-calibration\",\"version\":1,\"backend\":\"cpu\",\"device\":\"x\",\"kind\":\"cpu\","
+         "\"act_bytes\":4,\"peak_flops\":-1}", "\"peak_flops\""},
+        {"{\"format\":\"flatmoe-calibration\",\"version\":1,\"backend\":\"cpu\",\"device\":\"x\",\"kind\":\"cpu\","
+         "\"act_bytes\":4,\"peak_flops\":1,\"context_bytes\":0,\"host_pinnable_bytes\":0,\"gemm\":[{\"m\":4,\"flops\":1},"
+         "{\"m\":2,\"flops\":1}]}", "ascending"},
+        {"{\"format\":\"flatmoe-calibration\",\"version\":1,\"backend\":\"cpu\",\"device\":\"x\",\"kind\":\"cpu\","
+         "\"act_bytes\":4,\"peak_flops\":1,\"context_bytes\":0,\"host_pinnable_bytes\":0}", "\"gemm\""},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        FILE *f = fopen(path, "w");
+        fputs(bad[i].text, f);
+        fclose(f);
+        CHECK(fm_calib_load(&d, path) == FM_ERR_FORMAT);
+        CHECK_MSG(strstr(fm_errmsg(), bad[i].needle) && strstr(fm_errmsg(), path), "case %zu: %s", i, fm_errmsg());
+    }
+    remove(path);
+    CHECK(fm_calib_load(&d, "/nonexistent/calib.json") == FM_ERR_IO);
+    char kind[32];
+    fm_calib_kind_of("cuda", "NVIDIA H200", kind);
+    CHECK(!strcmp(kind, "h200"));
+    fm_calib_kind_of("cuda", "NVIDIA GH200 480GB", kind);
+    CHECK(!strcmp(kind, "gh200"));
+    fm_calib_kind_of("cpu", "AMD EPYC", kind);
+    CHECK(!strcmp(kind, "cpu"));
 }
 
 static void test_parse_bytes(void) {
@@ -273,7 +458,9 @@ int main(void) {
     test_formulas();
     test_keep_attention();
     test_hand_arithmetic();
+    test_projection_by_hand();
     test_chooser();
+    test_calib_files();
     test_cuda_target();
     test_parse_bytes();
     return fm_test_finish();

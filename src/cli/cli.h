@@ -48,6 +48,7 @@ int cmd_train(int argc, char **argv);
 int cmd_sample(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
 int cmd_plan(int argc, char **argv);
+int cmd_calibrate(int argc, char **argv);
 int cmd_prepare(int argc, char **argv);
 
 #endif

@@ -1,9 +1,13 @@
-/* flatmoe plan: memory per live set and FLOPs for a config and shape, without running. */
+/* flatmoe plan: memory per live set, FLOPs and the projected step time for a config and shape,
+ * without running; under a budget, the knobs chosen to fit it (plan/fm_choose.h). */
 #include <stdio.h>
 #include <string.h>
 
 #include "cli.h"
+#include "plan/fm_choose.h"
 #include "plan/fm_plan.h"
+#include "plan/fm_plan_device.h"
+#include "plan/fm_plan_report.h"
 #include "schedule/fm_recompute.h"
 #include "schedule/fm_sco.h"
 #include "train/fm_offload_adamw.h"
@@ -11,22 +15,26 @@
 
 int cmd_plan(int argc, char **argv) {
     const char *config = NULL, *recompute = NULL, *offload = NULL, *device_mem = NULL, *backend = NULL, *gpu_ws_plan = NULL;
+    const char *mem_budget = NULL, *host_mem = NULL, *calib_path = NULL;
     int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = INT64_MIN, ce_bt = INT64_MIN, ce_bv = INT64_MIN, tq = 0, tkv = 0;
     int threads = 0;
-    bool json = false, bf16m = false, offopt = false, keep_att = false;
+    bool json = false, bf16m = false, offopt = false, keep_att = false, no_overlap = false;
     int64_t off_bucket = 0, off_slots = 2;
+    int dp = 1, zero = 0;
     flag flags[] = {
         {"config", F_STR, &config, NULL, "Hugging Face config.json of the model (required)"},
         {"seq-len", F_I64, &seq_len, NULL, "tokens per sequence (required)"},
         {"micro-batch", F_I64, &micro_batch, NULL, "sequences per micro-batch (1)"},
         {"grad-accum", F_I64, &grad_accum, NULL, "micro-batches per step, for the per-step FLOPs (1)"},
-        {"recompute", F_STR, &recompute, NULL, "none | full | layer ids (default: chosen to fit --device-mem)"},
+        {"recompute", F_STR, &recompute, NULL, "none | full | layer ids (default: chosen under a budget)"},
         {"recompute-keep-attention", F_BOOL, &keep_att, NULL, "the recomputed layers keep their attention output and lse; their recompute skips the attention forward (off)"},
         {"moe-chunk-tokens", F_I64, &chunk, NULL, "MoE chunk size, 0 = unchunked (default: chosen to fit --device-mem)"},
         {"ce-block-tokens", F_I64, &ce_bt, NULL, "linear cross-entropy token block (default: chosen to fit --device-mem)"},
         {"ce-block-vocab", F_I64, &ce_bv, NULL, "linear cross-entropy vocabulary block"},
-        {"device-mem", F_STR, &device_mem, NULL, "memory budget, e.g. 16GiB (default: no verdict; with it, knobs are chosen)"},
-        {"mem-budget", F_STR, &device_mem, NULL, "the same as --device-mem (train's name for it)"},
+        {"device-mem", F_STR, &device_mem, NULL, "the device's memory, e.g. 141GiB: for --backend cuda the CUDA context and libraries are taken off it (measured on a GPU build, else the calibration table's figure) and 256 MiB for kernels loaded later, as train does on that GPU; with it, the knobs not given are chosen (default: no verdict)"},
+        {"mem-budget", F_STR, &mem_budget, NULL, "the budget for the planned live sets themselves (train's --mem-budget); the knobs not given are chosen"},
+        {"host-mem-budget", F_STR, &host_mem, NULL, "pinned host memory the plan may use (offloaded boundaries, streamed optimizer), e.g. 100GiB; 0 forbids offload (default: this host's MemAvailable less max(4 GiB, MemTotal/10); planning --backend cuda from the CPU build: the calibration table's figure)"},
+        {"calib", F_STR, &calib_path, NULL, "calibration table for the projected step time (default: configs/calib/<kind>.json, else a built-in table)"},
         {"threads", F_INT, &threads, NULL, "CPU threads, for the attention tiles (0 = all cores)"},
         {"attention-tile-q", F_I64, &tq, NULL, "CPU attention tile: query rows (64)"},
         {"attention-tile-kv", F_I64, &tkv, NULL, "CPU attention tile: key columns (64)"},
@@ -34,9 +42,12 @@ int cmd_plan(int argc, char **argv) {
         {"backend", F_STR, &backend, NULL, "plan for cpu (fp32) or cuda (bf16) (this binary's backend)"},
         {"bf16-moments", F_BOOL, &bf16m, NULL, "AdamW moments in bf16 (4 instead of 8 bytes per parameter) (off)"},
         {"offload-boundaries", F_STR, &offload, NULL, "N | all: boundaries 0..N-1 in pinned host memory (train's flag; 0 = off)"},
+        {"no-optimizer-overlap", F_BOOL, &no_overlap, NULL, "project the update after the backward instead of beside the next forward (train's flag) (overlapped)"},
         {"offload-optimizer", F_BOOL, &offopt, NULL, "the streamed AdamW: master, Adam m, v in pinned host memory (train's flag) (off)"},
         {"offload-optimizer-bucket", F_I64, &off_bucket, NULL, "parameters per bucket of --offload-optimizer, 0 = 100M (0)"},
         {"offload-optimizer-slots", F_I64, &off_slots, NULL, "device staging slots of --offload-optimizer, in [1, 16] (2)"},
+        {"dp", F_INT, &dp, NULL, "data-parallel ranks the bounds are per rank of (train's --dp; with --zero 1 the Adam state is 1/dp) (1)"},
+        {"zero", F_INT, &zero, NULL, "0: replicas; 1: ZeRO-1/2, Adam m and v sharded over --dp (train's flag) (0)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
     };
     int r = cli_parse_flags("plan", "--config C --seq-len S [--micro-batch B] [--device-mem BYTES] [flags]", argc, argv, flags,
@@ -58,8 +69,12 @@ int cmd_plan(int argc, char **argv) {
     memset(&req, 0, sizeof req);
     fm_status s = fm_config_load(&req.cfg, config);
     if (s) return cli_fail("plan", s);
-    size_t budget = 0;
-    if (device_mem && (s = fm_parse_bytes(device_mem, "--device-mem", &budget))) return cli_fail("plan", s);
+    if (device_mem && mem_budget)
+        return cli_usage_error("plan", "%s", "give --device-mem (the device's memory) or --mem-budget (the planned sets' budget), not both");
+    size_t dev_mem = 0, budget = 0, host_budget = FM_HOST_BUDGET_UNLIMITED;
+    if (device_mem && (s = fm_parse_bytes(device_mem, "--device-mem", &dev_mem))) return cli_fail("plan", s);
+    if (mem_budget && (s = fm_parse_bytes(mem_budget, "--mem-budget", &budget))) return cli_fail("plan", s);
+    if (host_mem && (s = fm_parse_bytes(host_mem, "--host-mem-budget", &host_budget))) return cli_fail("plan", s);
     if ((s = fm_plan_check_shape(&req.cfg, micro_batch, seq_len))) return cli_fail("plan", s);
     const int64_t L = req.cfg.num_hidden_layers;
     bool *rc = fm_malloc((size_t)(2 * L)); /* recompute [L], keep-attention [L] */
@@ -78,10 +93,15 @@ int cmd_plan(int argc, char **argv) {
     req.att_tile_q = tq;
     req.att_tile_kv = tkv;
     req.bf16_moments = bf16m;
+    if (dp < 1 || zero < 0 || zero > 1)
+        return cli_usage_error("plan", "%s", "--dp must be >= 1 and --zero 0 or 1");
+    if (zero && offopt) return cli_usage_error("plan", "%s", "--zero 1 and --offload-optimizer do not go together yet");
+    fm_model_state_bound_set_dp(dp, zero); /* the model state's per-rank bound (train/fm_optim.h) */
     req.model_state_bytes = fm_model_state_bound;
     if (off_bucket < 0 || off_slots < 1 || off_slots > 16)
         return cli_usage_error("plan", "%s", "--offload-optimizer-bucket must be >= 0 (0 = 100M) and --offload-optimizer-slots in [1, 16]");
     req.offload_optimizer = offopt;
+    req.optimizer_overlap = !no_overlap && !(zero && dp > 1);
     req.offload_bucket = off_bucket > 0 ? off_bucket : FM_OFFLOAD_DEFAULT_BUCKET;
     req.offload_slots = off_slots;
     req.offload_state_bytes = fm_offload_model_state_bound;
@@ -91,17 +111,57 @@ int cmd_plan(int argc, char **argv) {
     else if (backend) return cli_usage_error("plan", "--backend: expected cpu or cuda, found '%s'", backend);
     if (tq < 0 || tkv < 0 || tq > 4096 || tkv > 4096)
         return cli_usage_error("plan", "%s", "--attention-tile-q/-kv must be in [1, 4096] (0 = 64)");
+    /* the device and the rates: this build's device when planning for it, else the table's */
+    const bool cuda = req.target == FM_PLAN_TARGET_CUDA || (req.target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4);
+    const bool cross = req.target == FM_PLAN_TARGET_CUDA ? sizeof(fm_act) == 4 : req.target == FM_PLAN_TARGET_CPU ? sizeof(fm_act) != 4 : false;
+    fm_device_budget dev = {0};
+    bool measured = false;
+    if (cuda && !cross && dev_mem) { /* a GPU build planning its own GPU: measure the context */
+        fm_status ms = fm_device_budget_measure(req.cfg.head_dim, &dev);
+        measured = ms == FM_OK && dev.total > 0;
+        if (!measured) fprintf(stderr, "note: could not measure the CUDA context on this machine (%s); using the calibration table's figure\n", fm_errmsg());
+    }
+    fm_calib cal;
+    char note[1400];
+    if ((s = fm_calib_find(&cal, calib_path, cuda ? "cuda" : "cpu", measured ? dev.name : NULL, note))) return cli_fail("plan", s);
+    fprintf(json ? stderr : stdout, "%s\n", note);
+    size_t context = 0;
+    char what[400] = "";
+    if (dev_mem) {
+        if (cuda) {
+            context = (measured ? dev.context_bytes : (size_t)cal.context_bytes) + FM_PLAN_LATE_LOAD_MARGIN;
+            snprintf(what, sizeof what, "--device-mem %.1f MiB less %.1f MiB of CUDA context and libraries (%s) and %.0f MiB "
+                     "for kernels loaded later", dev_mem / 1048576.0, (context - FM_PLAN_LATE_LOAD_MARGIN) / 1048576.0,
+                     measured ? "measured on this GPU" : "the calibration table's figure", FM_PLAN_LATE_LOAD_MARGIN / 1048576.0);
+        } else {
+            snprintf(what, sizeof what, "--device-mem");
+        }
+        if (dev_mem <= context)
+            return cli_fail("plan", fm_error(FM_ERR_ARG, "--device-mem %s is not more than the CUDA context and libraries "
+                                             "(%.1f MiB): give the device's whole memory, e.g. 141GiB for an H200",
+                                             device_mem, context / 1048576.0));
+        budget = dev_mem - context;
+    } else if (budget) {
+        snprintf(what, sizeof what, "--mem-budget");
+    }
+    if (!host_mem) { /* the default host budget: this host's, or the calibrated machine's for a cross plan */
+        const size_t h = cross ? (size_t)cal.host_pinnable_bytes : fm_host_mem_budget_default();
+        if (h > 0) host_budget = h;
+    }
+    fm_choose_opts co = {budget, what[0] ? what : "--mem-budget", host_budget,
+                         host_mem ? "--host-mem-budget" : "the host budget (--host-mem-budget; default: what the host can pin)",
+                         &cal, recompute != NULL, keep_att, offload != NULL, offopt, chunk >= 0, ce_bt >= 0 || ce_bv >= 0};
     fm_plan p;
-    s = FM_OK;
-    if (!recompute && chunk < 0 && ce_bt < 0 && ce_bv < 0 && budget) s = fm_plan_choose(&req, budget, rc, &p);
-    else fm_plan_compute(&req, &p);
+    fm_projection proj;
+    s = fm_plan_fit(&req, &co, rc, &p, &proj);
     if (seq_len > req.cfg.max_position_embeddings)
         fprintf(stderr, "note: --seq-len %lld exceeds the config's max_position_embeddings (%lld); train needs "
                 "--max-position-embeddings to run it\n",
                 (long long)seq_len, (long long)req.cfg.max_position_embeddings);
-    if (json) fm_plan_print_json(&req, &p, budget, stdout);
-    else fm_plan_print(&req, &p, budget, stdout);
+    const fm_plan_report x = {budget, what[0] ? what : NULL, dev_mem, context, host_budget, &proj, &cal};
+    if (json) fm_plan_print_json(&req, &p, &x, stdout);
+    else fm_plan_print(&req, &p, &x, stdout);
     fm_free(rc);
     if (s) return cli_fail("plan", s);
-    return budget && p.total > budget ? 1 : 0;
+    return 0;
 }

@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "comm/fm_comm.h"
 #include "plan/fm_plan.h"
 #include "train/fm_trainer.h"
 
@@ -20,7 +21,7 @@ int cmd_train(int argc, char **argv) {
     /* "not given" for the memory flags (fm_train_opts' -1 means: choose), told apart from a given -1 */
     o.moe_chunk_tokens = o.ce_block_tokens = o.ce_block_vocab = INT64_MIN;
     static const char *data[MAX_FILES], *val[MAX_FILES];
-    const char *mem_budget = NULL, *gpu_ws = NULL;
+    const char *mem_budget = NULL, *gpu_ws = NULL, *host_mem = NULL;
     flag flags[] = {
         {"config", F_STR, &o.config_path, NULL, "Hugging Face config.json of the model (required unless --resume or --init-from)"},
         {"init-from", F_STR, &o.init_from, NULL, "start from a Hugging Face model folder: its config.json and weights (model.safetensors, or model.safetensors.index.json and its shards; fp32, bf16 or fp16); the optimizer starts fresh; --resume wins when --out has a checkpoint (off)"},
@@ -56,7 +57,8 @@ int cmd_train(int argc, char **argv) {
         {"recompute", F_STR, &o.recompute, NULL, "none | full | layer ids, e.g. 0,2: recompute those layers in backward (none, or chosen under --mem-budget)"},
         {"recompute-keep-attention", F_BOOL, &o.recompute_keep_attention, NULL, "the recomputed layers (--recompute, or chosen under --mem-budget) keep their attention output and log-sum-exp (N x heads x head_dim activations + B x heads x T fp32 per layer) and never run the attention forward again in backward (off)"},
         {"moe-chunk-tokens", F_I64, &o.moe_chunk_tokens, NULL, "MoE in strided chunks of <= N tokens, recomputed in backward; 0 = unchunked (0, or chosen under --mem-budget)"},
-        {"mem-budget", F_STR, &mem_budget, NULL, "fail before allocating if the plan exceeds this (e.g. 16GiB); with no other memory flag, choose them to fit (no budget)"},
+        {"mem-budget", F_STR, &mem_budget, NULL, "device memory for the planned live sets (e.g. 16GiB): the memory knobs not given are chosen to fit it and --host-mem-budget at the least projected step time; refused before allocating if nothing fits (default: none on the CPU; on a GPU its free memory less the measured library growth)"},
+        {"host-mem-budget", F_STR, &host_mem, NULL, "pinned host memory the plan may use (offloaded boundaries, streamed optimizer), e.g. 100GiB; 0 forbids offload (default: MemAvailable less max(4 GiB, MemTotal/10))"},
         {"ce-block-tokens", F_I64, &o.ce_block_tokens, NULL, "linear cross-entropy token block, never N x V logits (0 = plain logits, or chosen under --mem-budget)"},
         {"ce-block-vocab", F_I64, &o.ce_block_vocab, NULL, "linear cross-entropy vocabulary block (either block flag > 0 turns the linear cross-entropy on, the other then defaults: 1024 tokens, 4096 vocabulary; both 0 = plain logits)"},
         {"attention-tile-q", F_I64, &o.att_tile_q, NULL, "CPU attention tile: query rows, 1..4096 (64)"},
@@ -67,6 +69,9 @@ int cmd_train(int argc, char **argv) {
         {"max-position-embeddings", F_I64, &o.max_position_embeddings, NULL, "override the config's max_position_embeddings (1..2^30; 0 keeps it), e.g. to train past it; saved in the checkpoint's config"},
         {"offload-boundaries", F_STR, &o.offload_boundaries, NULL, "N | all: keep checkpoint boundaries 0..N-1 in pinned host memory, copied out in forward and prefetched in backward; the device keeps L+1-N+min(N,2) of them; all = L (every boundary but the head's); 0 = off (0)"},
         {"no-checkpoint", F_BOOL, &o.no_checkpoint, NULL, "write no checkpoint, not even at the end (benchmarks)"},
+        {"dp", F_INT, &o.dp, NULL, "data-parallel ranks, 0 = every rank of the launch (mpirun/srun); --micro-batch is per rank (0)"},
+        {"zero", F_INT, &o.zero, NULL, "0: every rank keeps the whole optimizer state (gradients all-reduced); 1: ZeRO-1/2, Adam m and v sharded over dp by parameter range, gradients reduce-scattered to their owner, weights all-gathered after the update (0)"},
+        {"comm-timeout", F_F64, &o.comm_timeout, NULL, "seconds a collective waits for the other ranks before the run stops, 0 = 300 (0)"},
     };
     int r = cli_parse_flags("train", "(--config C | --init-from DIR) --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
     if (r) return r == 1 ? 0 : r;
@@ -81,6 +86,8 @@ int cmd_train(int argc, char **argv) {
     fm_status s;
     if (mem_budget && (s = fm_parse_bytes(mem_budget, "--mem-budget", &o.mem_budget))) return cli_fail("train", s);
     if (mem_budget && o.mem_budget == 0) return cli_usage_error("train", "%s", "--mem-budget must be > 0 (omit it for no budget)");
+    if (host_mem && (s = fm_parse_bytes(host_mem, "--host-mem-budget", &o.host_mem_budget))) return cli_fail("train", s);
+    o.host_mem_budget_given = host_mem != NULL;
     if (gpu_ws && (s = fm_parse_bytes(gpu_ws, "--gpu-workspace", &o.gpu_workspace))) return cli_fail("train", s);
     if (o.threads < 0) return cli_usage_error("train", "%s", "--threads must be >= 0 (0 = all cores)");
     int64_t *mem_flags[3] = {&o.moe_chunk_tokens, &o.ce_block_tokens, &o.ce_block_vocab};
@@ -94,5 +101,18 @@ int cmd_train(int argc, char **argv) {
     }
     if ((s = fm_backend_opts_from_env(&o.backend))) return cli_fail("train", s); /* FLATMOE_* -> init options */
     s = fm_train(&o);
+    /* many ranks: a failure on one rank ends every rank (the message names this one); success
+     * finalizes MPI when the world initialized it */
+    int rank = 0, size = 1;
+    (void)fm_comm_launcher(&rank, &size, NULL);
+    if (s && size > 1) {
+        fflush(stdout);
+        fprintf(stderr, "flatmoe train: error on rank %d of %d: %s\nflatmoe train: rank %d ends the job (MPI_Abort)\n",
+                rank, size, fm_errmsg(), rank);
+        fflush(stderr);
+        fm_comm_mpi_abort(s == FM_ERR_ARG ? 2 : 1);
+        return s == FM_ERR_ARG ? 2 : 1;
+    }
+    if (!s && fm_comm_mpi_finalize() != FM_OK) return cli_fail("train", FM_ERR_IO);
     return s ? cli_fail("train", s) : 0;
 }

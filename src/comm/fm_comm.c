@@ -3,8 +3,10 @@
  * axis. */
 #include "fm_comm.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 size_t fm_comm_dtype_size(fm_comm_dtype t) {
     switch (t) {
@@ -186,6 +188,64 @@ fm_status fm_comm_group_create(fm_comm_group *g, const fm_comm *world, int dp, i
                             fm_mesh_axis_name((fm_mesh_axis)a), world->ops->name, got, got == 1 ? "" : "s",
                             degree[a], W);
         }
+    }
+    return FM_OK;
+}
+
+/* ---- the run's world ------------------------------------------------------------------------- */
+
+/* *out = the integer in environment variable name; false when unset. */
+static fm_status env_int(const char *name, int *out, bool *set) {
+    const char *v = getenv(name);
+    *set = v && *v;
+    if (!*set) return FM_OK;
+    char *end;
+    errno = 0;
+    const long x = strtol(v, &end, 10);
+    if (errno || *end || x < 0 || x > 1 << 30)
+        return fm_error(FM_ERR_ARG, "environment variable %s = \"%s\": expected a rank or rank count (an integer "
+                        ">= 0) from the launcher", name, v);
+    *out = (int)x;
+    return FM_OK;
+}
+
+fm_status fm_comm_launcher(int *rank, int *size, const char **source) {
+    static const char *const vars[3][3] = {{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD"},
+                                           {"PMI_RANK", "PMI_SIZE", "PMI"},
+                                           {"SLURM_PROCID", "SLURM_NTASKS", "SLURM"}};
+    *rank = 0, *size = 1;
+    if (source) *source = "none";
+    for (int i = 0; i < 3; i++) {
+        int r = 0, n = 0;
+        bool rs, ns;
+        FM_TRY(env_int(vars[i][0], &r, &rs));
+        FM_TRY(env_int(vars[i][1], &n, &ns));
+        if (!rs || !ns) continue;
+        if (n < 1 || r >= n)
+            return fm_error(FM_ERR_ARG, "the launcher's %s = %d and %s = %d: expected a rank in [0, size) of size >= 1",
+                            vars[i][0], r, vars[i][1], n);
+        *rank = r, *size = n;
+        if (source) *source = vars[i][2];
+        return FM_OK;
+    }
+    return FM_OK;
+}
+
+fm_status fm_comm_world_create(fm_comm *out, const struct fm_backend *be, double default_timeout_s) {
+    int rank, size;
+    const char *src;
+    FM_TRY(fm_comm_launcher(&rank, &size, &src));
+    if (size == 1) return fm_comm_self_create(out, be, default_timeout_s);
+    if (!fm_comm_mpi_built())
+        return fm_error(FM_ERR_UNSUPPORTED, "rank %d of %d (%s_* variables): this flatmoe was built without MPI, so "
+                        "it cannot run on several ranks; install libopenmpi-dev and openmpi-bin and configure again "
+                        "(cmake -DFLATMOE_MPI=ON), or launch one process", rank, size, src);
+    FM_TRY(fm_comm_mpi_world(out, be, default_timeout_s, 0));
+    if (fm_comm_rank(out) != rank || fm_comm_size(out) != size) {
+        const int r2 = fm_comm_rank(out), n2 = fm_comm_size(out);
+        fm_comm_free(out);
+        return fm_error(FM_ERR_IO, "the launcher says rank %d of %d (%s_*) but MPI says rank %d of %d: launch with "
+                        "the mpirun/srun of the MPI flatmoe was built with", rank, size, src, r2, n2);
     }
     return FM_OK;
 }

@@ -259,7 +259,9 @@ fm_status fm_comm_self_create(fm_comm *out, const struct fm_backend *be, double 
  * Counts: MPI counts are int. A count, or a count or displacement of all_to_all_v, that does not
  * fit in int (after staging's chunking, where it applies) is FM_ERR_ARG naming it.
  * Reductions: sum and max of fp32, fp64 and int64 (MPI_SUM, MPI_MAX; the sum's order is
- * MPI's); bf16 reductions are FM_ERR_UNSUPPORTED for now. all_to_all_v on staged memory first
+ * MPI's); bf16 sum and max as MPI user operations on 16-bit elements: each combination of two
+ * partial results is computed in fp32 and rounded to bf16 (W - 1 roundings in MPI's order, where
+ * NCCL rounds once: for tests, exact when every partial sum is a bf16 value). all_to_all_v on staged memory first
  * agrees on the largest block with one extra all-reduce (max) and moves it in rounds. */
 
 /* The default staging size per buffer of a communicator over non-host backend memory. */
@@ -285,6 +287,22 @@ fm_status fm_comm_mpi_finalize(void);
  * failed (a timeout leaves a request pending: the process cannot continue). Returns only when
  * MPI is not built or not initialized (the caller then exits). */
 void fm_comm_mpi_abort(int code);
+
+/* ---- the run's world (fm_comm.c): from the launcher ------------------------------------------
+ * The rank and size the launcher gave this process, from its environment (read before MPI is
+ * initialized, so a one-rank run never initializes MPI): OMPI_COMM_WORLD_RANK/SIZE (Open MPI's
+ * mpirun), PMI_RANK/SIZE (MPICH, Intel MPI, srun --mpi=pmi2), SLURM_PROCID/SLURM_NTASKS (srun),
+ * in that order; none of them: rank 0 of 1. *source gets the variables' family ("OMPI_COMM_WORLD",
+ * "PMI", "SLURM", or "none"). Errors: FM_ERR_ARG when a variable is not an integer or the rank is
+ * outside [0, size), naming it. */
+fm_status fm_comm_launcher(int *rank, int *size, const char **source);
+
+/* The world communicator of a run: with more than one rank by fm_comm_launcher, the MPI
+ * communicator (fm_comm_mpi_world over be, checked to have the launcher's rank and size); with one
+ * rank, the self communicator over be (bit-identical to a build without MPI). default_timeout_s as
+ * fm_comm_self_create. Errors: FM_ERR_UNSUPPORTED (several ranks but no MPI in this build: naming
+ * the fix), FM_ERR_IO (MPI's rank/size disagree with the launcher's), those of the creators. */
+fm_status fm_comm_world_create(fm_comm *out, const struct fm_backend *be, double default_timeout_s);
 
 /* ---- for implementations (fm_comm.c): argument checks and messages --------------------------- */
 

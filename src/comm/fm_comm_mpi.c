@@ -51,7 +51,31 @@ static MPI_Datatype mpi_type(fm_comm_dtype t) {
     default: return MPI_BYTE;
     }
 }
-static MPI_Op mpi_op(fm_comm_op op) { return op == FM_COMM_MAX ? MPI_MAX : MPI_SUM; }
+/* bf16 reductions: MPI has no bf16 type, so they are user operations on MPI_UINT16_T elements,
+ * created once MPI is initialized (fm_comm_mpi_world) and freed by fm_comm_mpi_finalize. Each
+ * combination of two partial results widens both to fp32, adds (or takes the max) and rounds
+ * to nearest even: a sum over W ranks is rounded W - 1 times in MPI's order (NCCL rounds once
+ * per element), so bf16 sums here are for tests; exact when the partial sums are bf16 values. */
+static MPI_Op bf16_sum_op = MPI_OP_NULL, bf16_max_op = MPI_OP_NULL;
+
+static void bf16_sum_fn(void *in, void *inout, int *len, MPI_Datatype *dt) {
+    (void)dt;
+    const uint16_t *a = in;
+    uint16_t *b = inout;
+    for (int i = 0; i < *len; i++) b[i] = fm_f32_to_bf16(fm_bf16_to_f32(a[i]) + fm_bf16_to_f32(b[i]));
+}
+static void bf16_max_fn(void *in, void *inout, int *len, MPI_Datatype *dt) {
+    (void)dt;
+    const uint16_t *a = in;
+    uint16_t *b = inout;
+    for (int i = 0; i < *len; i++)
+        if (fm_bf16_to_f32(a[i]) > fm_bf16_to_f32(b[i])) b[i] = a[i];
+}
+
+static MPI_Op mpi_op_for(fm_comm_op op, fm_comm_dtype t) {
+    if (t == FM_COMM_BF16) return op == FM_COMM_MAX ? bf16_max_op : bf16_sum_op;
+    return op == FM_COMM_MAX ? MPI_MAX : MPI_SUM;
+}
 
 static double now_s(void) {
     struct timespec ts;
@@ -122,9 +146,9 @@ static void xcopy(const mpi_ctx *m, void *dst, const void *src, size_t bytes, fm
                         "failed or timed out; the job must stop", m->rank, m->size, what)
 
 static fm_status check_reducible(const mpi_ctx *m, const char *what, fm_comm_dtype t) {
-    if (t == FM_COMM_BF16)
-        return fm_error(FM_ERR_UNSUPPORTED, "rank %d of %d: %s: bf16 reductions are not implemented by the mpi "
-                        "communicator yet (reduce in fp32)", m->rank, m->size, what);
+    if (t == FM_COMM_BF16 && (bf16_sum_op == MPI_OP_NULL || bf16_max_op == MPI_OP_NULL))
+        return fm_error(FM_ERR_UNSUPPORTED, "rank %d of %d: %s: the bf16 reduction operations were not created "
+                        "(MPI_Op_create failed at fm_comm_mpi_world)", m->rank, m->size, what);
     return FM_OK;
 }
 
@@ -162,7 +186,7 @@ static fm_status mpi_all_reduce(void *ctx, const void *send, void *recv, int64_t
     if (!m->staged) {
         FM_TRY(check_int(m, what, "count", count));
         MPI_RUN(m, what, to, "MPI_Iallreduce",
-                MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count, mpi_type(dtype), mpi_op(op),
+                MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count, mpi_type(dtype), mpi_op_for(op, dtype),
                                m->comm, &req_));
         return FM_OK;
     }
@@ -171,7 +195,7 @@ static fm_status mpi_all_reduce(void *ctx, const void *send, void *recv, int64_t
         const int64_t n = count - o < k ? count - o : k;
         xcopy(m, m->sa, (const char *)send + (size_t)o * es, (size_t)n * es, FM_COPY_D2H);
         MPI_RUN(m, what, to, "MPI_Iallreduce",
-                MPI_Iallreduce(MPI_IN_PLACE, m->sa, (int)n, mpi_type(dtype), mpi_op(op), m->comm, &req_));
+                MPI_Iallreduce(MPI_IN_PLACE, m->sa, (int)n, mpi_type(dtype), mpi_op_for(op, dtype), m->comm, &req_));
         xcopy(m, (char *)recv + (size_t)o * es, m->sa, (size_t)n * es, FM_COPY_H2D);
     }
     return FM_OK;
@@ -187,7 +211,7 @@ static fm_status mpi_all_reduce_host(void *ctx, void *buf, int64_t count, fm_com
     FM_TRY(check_reducible(m, what, dtype));
     if (count == 0) return FM_OK;
     MPI_RUN(m, what, to, "MPI_Iallreduce",
-            MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, mpi_type(dtype), mpi_op(op), m->comm, &req_));
+            MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, mpi_type(dtype), mpi_op_for(op, dtype), m->comm, &req_));
     return FM_OK;
 }
 
@@ -210,7 +234,7 @@ static fm_status mpi_reduce_scatter(void *ctx, const void *send, void *recv, int
     if (!m->staged && !in_place) {
         FM_TRY(check_int(m, what, "recv_count", recv_count));
         MPI_RUN(m, what, to, "MPI_Ireduce_scatter_block",
-                MPI_Ireduce_scatter_block(send, recv, (int)recv_count, mpi_type(dtype), mpi_op(op), m->comm, &req_));
+                MPI_Ireduce_scatter_block(send, recv, (int)recv_count, mpi_type(dtype), mpi_op_for(op, dtype), m->comm, &req_));
         return FM_OK;
     }
     /* staged (or in place): blocks [o, o + n) of every rank's part gathered into sa, reduced into sb */
@@ -221,7 +245,7 @@ static fm_status mpi_reduce_scatter(void *ctx, const void *send, void *recv, int
             xcopy(m, m->sa + (size_t)q * (size_t)n * es, (const char *)send + (size_t)q * rb + (size_t)o * es,
                   (size_t)n * es, FM_COPY_D2H);
         MPI_RUN(m, what, to, "MPI_Ireduce_scatter_block",
-                MPI_Ireduce_scatter_block(m->sa, m->sb, (int)n, mpi_type(dtype), mpi_op(op), m->comm, &req_));
+                MPI_Ireduce_scatter_block(m->sa, m->sb, (int)n, mpi_type(dtype), mpi_op_for(op, dtype), m->comm, &req_));
         xcopy(m, (char *)recv + (size_t)o * es, m->sb, (size_t)n * es, FM_COPY_H2D);
     }
     return FM_OK;
@@ -494,6 +518,10 @@ fm_status fm_comm_mpi_world(fm_comm *out, const fm_backend *be, double default_t
                             "MPI_THREAD_FUNNELED", provided);
     }
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    if (bf16_sum_op == MPI_OP_NULL && MPI_Op_create(bf16_sum_fn, 1, &bf16_sum_op) != MPI_SUCCESS)
+        bf16_sum_op = MPI_OP_NULL; /* bf16 reductions then fail with FM_ERR_UNSUPPORTED (check_reducible) */
+    if (bf16_max_op == MPI_OP_NULL && MPI_Op_create(bf16_max_fn, 1, &bf16_max_op) != MPI_SUCCESS)
+        bf16_max_op = MPI_OP_NULL;
     MPI_Comm dup = MPI_COMM_NULL;
     const int rc = MPI_Comm_dup(MPI_COMM_WORLD, &dup);
     if (rc != MPI_SUCCESS) {
@@ -511,6 +539,8 @@ fm_status fm_comm_mpi_finalize(void) {
     MPI_Initialized(&inited);
     MPI_Finalized(&finalized);
     if (!inited || finalized) return FM_OK;
+    if (bf16_sum_op != MPI_OP_NULL) MPI_Op_free(&bf16_sum_op);
+    if (bf16_max_op != MPI_OP_NULL) MPI_Op_free(&bf16_max_op);
     const int rc = MPI_Finalize();
     if (rc != MPI_SUCCESS) return fm_error(FM_ERR_IO, "fm_comm_mpi_finalize: MPI_Finalize failed (code %d)", rc);
     return FM_OK;

@@ -11,7 +11,7 @@
 #include "../schedule/fm_recompute.h"
 #include "../schedule/fm_sco.h"
 
-static const char *set_name(int i) {
+const char *fm_plan_set_name(int i) {
     return i == FM_PLAN_ATTENTION ? "attention tiles" : fm_live_set_names[i];
 }
 
@@ -53,6 +53,11 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
                                                                p->inputs[FM_LIVE_MODEL_STATE]);
     } else {
         p->bytes[FM_LIVE_MODEL_STATE] = r->model_state_bytes(c, a, r->bf16_moments, p->inputs[FM_LIVE_MODEL_STATE]);
+    }
+
+    if (r->ranks > 1) { /* ZeRO-3 over `ranks` ranks (the advice's what-if; not built yet) */
+        p->bytes[FM_LIVE_MODEL_STATE] = (p->bytes[FM_LIVE_MODEL_STATE] + (size_t)r->ranks - 1) / (size_t)r->ranks;
+        p->host_optimizer_bytes = (p->host_optimizer_bytes + (size_t)r->ranks - 1) / (size_t)r->ranks;
     }
 
     /* the offload policy's bound: L+1 - n_off + min(n_off, 2) residual-stream tensors on the
@@ -156,147 +161,12 @@ static int largest_set(const fm_plan *p) {
     return best;
 }
 
-static const char *knob_for(const fm_plan *p, int set) {
-    switch (set) {
-    case FM_LIVE_MODEL_STATE:
-        if (p->host_optimizer_bytes)
-            return p->bf16_moments ? "use a smaller model (ZeRO-3 is not built yet)"
-                                   : "pass --bf16-moments, or use a smaller model (ZeRO-3 is not built yet)";
-        return p->bf16_moments ? "pass --offload-optimizer (master and Adam state on the host), or use a smaller "
-                                 "model (ZeRO-3 is not built yet)"
-                               : "pass --bf16-moments (AdamW m and v in bf16: 4 B/param less) or --offload-optimizer "
-                                 "(master and Adam state on the host), or use a smaller model (ZeRO-3 is not built yet)";
-    case FM_LIVE_BOUNDARIES: return "lower --seq-len or --micro-batch";
-    case FM_LIVE_LAYER_ACTS: return "recompute more layers (--recompute full or a list of layer ids)";
-    case FM_LIVE_EXPERT: return "lower --moe-chunk-tokens (or set it: chunked MoE keeps one chunk)";
-    case FM_LIVE_WORKING_SET: return "lower --seq-len or --micro-batch";
-    case FM_LIVE_VOCAB: return "use the linear cross-entropy (--ce-block-tokens, --ce-block-vocab)";
-    case FM_PLAN_ATTENTION: return "lower --threads";
-    }
-    return "";
-}
-
 fm_status fm_plan_check(const fm_plan *p, size_t budget, const char *flag_budget) {
     if (budget == 0 || p->total <= budget) return FM_OK;
     int big = largest_set(p);
-    if (big < 0 || big >= FM_PLAN_SETS) big = 0;
-    return fm_error(FM_ERR_NOMEM, "plan: %.1f MiB needed but %s is %.1f MiB; the largest live set is %s "
-                    "(%.1f MiB): %s", p->total / 1048576.0, flag_budget, budget / 1048576.0, set_name(big),
-                    p->bytes[big] / 1048576.0, knob_for(p, big));
-}
-
-fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc, fm_plan *out) {
-    const int64_t L = req->cfg.num_hidden_layers, N = req->B * req->T;
-    /* Pass 0 keeps MoE chunks >= FM_PLAN_EFFICIENT_CHUNK at any recompute count; pass 1 goes
-     * down to FM_PLAN_MIN_CHUNK. Recomputing a layer costs about a third of its step, while
-     * small chunks make every expert GEMM tiny: on the H200 at 128K tokens (OLMoE), 11
-     * recomputed layers with 512-token chunks ran 7.7K tokens/s, all 16 with 4096-token chunks
-     * 10.2K (bench/RESULTS.md). */
-    /* the smallest plan tried, reported when none fits */
-    size_t best_total = SIZE_MAX;
-    int64_t best_nr = 0, best_c = 0;
-    int best_lce = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        const int64_t floor = pass == 0 ? FM_PLAN_EFFICIENT_CHUNK : FM_PLAN_MIN_CHUNK;
-        for (int64_t nr = 0; nr <= L; nr++) {
-            if (nr == 1 && L > 1) continue; /* one recomputed layer saves nothing (the shared set) */
-            for (int64_t l = 0; l < L; l++) rc[l] = l < nr;
-            req->recompute = rc;
-            /* chunk candidates: unchunked (plain twin), then N, N/2, ... down to the floor */
-            for (int64_t c = 0;;) {
-                req->moe_chunk_tokens = c;
-                for (int lce = 0; lce < 2; lce++) {
-                    req->ce_block_tokens = lce ? FM_LCE_DEFAULT_BLOCK_TOKENS : 0;
-                    req->ce_block_vocab = lce ? FM_LCE_DEFAULT_BLOCK_VOCAB : 0;
-                    fm_plan_compute(req, out);
-                    if (budget == 0 || out->total <= budget) return FM_OK;
-                    if (out->total < best_total) {
-                        best_total = out->total;
-                        best_nr = nr, best_c = c, best_lce = lce;
-                    }
-                }
-                if (c != 0 && c <= floor) break;
-                c = c == 0 ? N : (c + 1) / 2;
-                if (c < floor) c = floor;
-            }
-        }
-    }
-    for (int64_t l = 0; l < L; l++) rc[l] = l < best_nr;
-    req->recompute = rc;
-    req->moe_chunk_tokens = best_c;
-    req->ce_block_tokens = best_lce ? FM_LCE_DEFAULT_BLOCK_TOKENS : 0;
-    req->ce_block_vocab = best_lce ? FM_LCE_DEFAULT_BLOCK_VOCAB : 0;
-    fm_plan_compute(req, out);
-    return fm_plan_check(out, budget, "the budget (--mem-budget / --device-mem)");
-}
-
-static void human(char *buf, size_t n, size_t bytes) {
-    snprintf(buf, n, "%.3f", bytes / 1073741824.0);
-}
-
-void fm_plan_print(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *f) {
-    const fm_config *c = &r->cfg;
-    fprintf(f, "model %s: %lld parameters, %lld active per token; L = %lld, H = %lld, E = %lld, top-%lld, V = %lld\n",
-            c->model_type_name, (long long)p->n_params, (long long)p->n_active, (long long)c->num_hidden_layers,
-            (long long)c->hidden_size, (long long)c->num_experts, (long long)c->num_experts_per_tok,
-            (long long)c->vocab_size);
-    fprintf(f, "shape: micro-batch %lld x seq-len %lld = %lld tokens; recompute %lld of %lld layers",
-            (long long)r->B, (long long)r->T, (long long)(r->B * r->T), (long long)p->n_recomputed,
-            (long long)c->num_hidden_layers);
-    if (p->n_keep_attention > 0)
-        fprintf(f, " (%lld keep their attention output)", (long long)p->n_keep_attention);
-    fprintf(f, "; MoE %s", r->moe_chunk_tokens > 0 ? "chunked" : "unchunked (plain)");
-    if (r->moe_chunk_tokens > 0)
-        fprintf(f, ", %lld chunks of <= %lld tokens", (long long)p->moe_K, (long long)p->moe_c_eff);
-    fprintf(f, "; vocabulary %s", (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear cross-entropy" : "plain logits");
-    fprintf(f, "\n\n%-24s %20s %12s   %s\n", "live set", "bytes", "GiB", "bound");
-    char g[32];
-    for (int i = 0; i < FM_PLAN_SETS; i++) {
-        human(g, sizeof g, p->bytes[i]);
-        fprintf(f, "%-24s %20zu %12s   %s\n", set_name(i), p->bytes[i], g, p->inputs[i]);
-    }
-    human(g, sizeof g, p->total);
-    fprintf(f, "%-24s %20zu %12s\n", "total", p->total, g);
-    if (p->host_bytes > 0) {
-        human(g, sizeof g, p->host_bytes);
-        char what[200] = "";
-        if (p->n_offloaded_boundaries > 0)
-            snprintf(what, sizeof what, "%lld offloaded boundaries x N x H x %d B", (long long)p->n_offloaded_boundaries,
-                     r->target == FM_PLAN_TARGET_CPU ? 4 : r->target == FM_PLAN_TARGET_CUDA ? 2 : (int)sizeof(fm_act));
-        if (p->host_optimizer_bytes > 0)
-            snprintf(what + strlen(what), sizeof what - strlen(what), "%soptimizer %s x %lld params (fp32 master, Adam "
-                     "m, v)", what[0] ? " + " : "", r->bf16_moments ? "8 B/param" : "12 B/param", (long long)p->n_params);
-        fprintf(f, "%-24s %20zu %12s   %s (not in the device total)\n", "host (pinned):", p->host_bytes, g, what);
-    }
-    if (budget) {
-        char b[32];
-        human(b, sizeof b, budget);
-        if (p->total <= budget) fprintf(f, "fits in %s GiB (%.1f%% used)\n", b, 100.0 * (double)p->total / (double)budget);
-        else {
-            int big = largest_set(p);
-            fprintf(f, "DOES NOT FIT in %s GiB: largest live set %s; %s\n", b, set_name(big), knob_for(p, big));
-        }
-    }
-    fprintf(f, "\nFLOPs per token: model %.4g = 6 x N_active (%lld) + 6 x L x (heads x head_dim) x seq-len (causal "
-            "attention); hardware %.4g (+ recomputed forwards, less keep-attention layers' attention)\n", p->flops_model_token, (long long)p->n_active,
-            p->flops_hw_token);
-    fprintf(f, "FLOPs per step (%lld tokens): model %.4g, hardware %.4g\n", (long long)p->tokens_per_step,
-            p->flops_model_token * (double)p->tokens_per_step, p->flops_hw_token * (double)p->tokens_per_step);
-}
-
-void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, size_t budget, FILE *f) {
-    fprintf(f, "{\"model_type\":\"%s\",\"params\":%lld,\"active_params\":%lld,\"micro_batch\":%lld,\"seq_len\":%lld,"
-            "\"recomputed_layers\":%lld,\"keep_attention_layers\":%lld,\"moe_chunk_tokens\":%lld,\"moe_chunks\":%lld,\"ce_block_tokens\":%lld,"
-            "\"ce_block_vocab\":%lld,\"adam_moments\":\"%s\",\"live_sets\":{",
-            r->cfg.model_type_name, (long long)p->n_params, (long long)p->n_active, (long long)r->B, (long long)r->T,
-            (long long)p->n_recomputed, (long long)p->n_keep_attention, (long long)r->moe_chunk_tokens, (long long)p->moe_K,
-            (long long)r->ce_block_tokens, (long long)r->ce_block_vocab, r->bf16_moments ? "bf16" : "fp32");
-    for (int i = 0; i < FM_PLAN_SETS; i++) fprintf(f, "%s\"%s\":%zu", i ? "," : "", set_name(i), p->bytes[i]);
-    fprintf(f, "},\"total_bytes\":%zu,\"budget_bytes\":%zu,\"fits\":%s,\"flops_per_token_model\":%.17g,"
-            "\"flops_per_token_hardware\":%.17g,\"tokens_per_step\":%lld,\"offloaded_boundaries\":%lld,"
-            "\"host_pinned_bytes\":%zu}\n", p->total, budget,
-            (budget == 0 || p->total <= budget) ? "true" : "false", p->flops_model_token, p->flops_hw_token,
-            (long long)p->tokens_per_step, (long long)p->n_offloaded_boundaries, p->host_bytes);
+    return fm_error(FM_ERR_NOMEM, "plan: %.1f MiB needed but %s is %.1f MiB; the largest live set is %s (%.1f MiB)",
+                    p->total / 1048576.0, flag_budget, budget / 1048576.0, fm_plan_set_name(big),
+                    p->bytes[big] / 1048576.0);
 }
 
 fm_status fm_parse_bytes(const char *s, const char *flag, size_t *out) {

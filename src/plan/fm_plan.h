@@ -1,6 +1,7 @@
 /* The planner (DESIGN.md §2): from the configuration and the run flags alone, a byte bound for
- * every live set, their sum, and the FLOPs of a step; the chooser that picks recompute and
- * chunking to fit a budget. Runs no model, reads no data.
+ * every live set, their sum, and the FLOPs of a step. Runs no model, reads no data. The chooser
+ * that fits the budgets is fm_choose.h, the step-time projection fm_project.h, the printed
+ * report fm_plan_report.h.
  *
  * Each live set's bound comes from the function that owns it: the model's (boundaries, layer
  * activations, working set, plain vocabulary projection), the bounded operators' (expert
@@ -56,6 +57,11 @@ typedef struct fm_plan_req {
     const bool *keep_attention; /* [L] or NULL: recomputed layers that keep their attention output
                                    and lse (schedule/fm_recompute.h, --recompute-keep-attention);
                                    the chooser keeps it as given and picks recompute under it */
+    int64_t ranks;              /* > 1: the model state sharded over this many ranks (ZeRO-3; only
+                                   the advice's what-if, multi-rank training is not built yet) */
+    bool optimizer_overlap;     /* the update overlaps the next step's forward (train/fm_optim_overlap.h):
+                                   the projection counts only the part of the optimizer's time
+                                   longer than one micro-batch's forward */
 } fm_plan_req;
 
 typedef struct fm_plan {
@@ -88,27 +94,15 @@ fm_status fm_plan_check_shape(const fm_config *cfg, int64_t B, int64_t T);
  * fm_plan_check_shape. */
 void fm_plan_compute(const fm_plan_req *req, fm_plan *out);
 
-/* budget == 0: always fits. Otherwise FM_ERR_NOMEM with a message naming the total, the budget,
- * the largest live set and the flag that shrinks it (`flag_budget` names the budget flag). */
+/* budget == 0: always fits. Otherwise FM_ERR_NOMEM with a message naming the total, the budget
+ * (`flag_budget` names it) and the largest live set; fm_plan_fit (fm_choose.h) adds the advice. */
 fm_status fm_plan_check(const fm_plan *p, size_t budget, const char *flag_budget);
+
+/* The name of live set i (< FM_PLAN_SETS): fm_live_set_names, or "attention tiles". */
+const char *fm_plan_set_name(int i);
 
 /* Smallest MoE chunk the chooser considers (tokens); --moe-chunk-tokens may go lower. */
 #define FM_PLAN_MIN_CHUNK 256
-/* Chunks the chooser prefers to keep at any recompute count (expert GEMMs of ~k*c/E rows). */
-#define FM_PLAN_EFFICIENT_CHUNK 4096
-
-/* Chooses, first among MoE chunks >= FM_PLAN_EFFICIENT_CHUNK tokens and then down to
- * FM_PLAN_MIN_CHUNK: the fewest recomputed layers, then the largest MoE chunk (candidates:
- * unchunked, N, then halves), then plain logits over the linear cross-entropy (default
- * blocks), that fit `budget`. Writes the choice into req (recompute points into
- * rc_storage [L]) and the plan into out. Errors: FM_ERR_NOMEM when even full recompute with
- * 1-token chunks does not fit (message names what dominates). */
-fm_status fm_plan_choose(fm_plan_req *req, size_t budget, bool *rc_storage, fm_plan *out);
-
-/* Prints the table (bytes, GiB, formula) and the FLOP lines; budget 0 prints no verdict. */
-void fm_plan_print(const fm_plan_req *req, const fm_plan *p, size_t budget, FILE *f);
-/* The same as one JSON object (one line). */
-void fm_plan_print_json(const fm_plan_req *req, const fm_plan *p, size_t budget, FILE *f);
 
 /* Parses a byte count: a number with an optional suffix B, K/KiB, M/MiB, G/GiB, T/TiB (powers
  * of 1024) or KB, MB, GB, TB (powers of 1000). Errors: FM_ERR_ARG naming `flag`. */

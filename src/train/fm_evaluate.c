@@ -1,5 +1,9 @@
-/* Validation loss over sequential windows of a dataset. */
+/* Validation loss over sequential windows of a dataset. Many ranks (m->comm over W ranks, rank
+ * q): a batch is W x B windows, of which rank q scores [q B, (q + 1) B) (windows past the end are
+ * padding with no targets: the rank still takes part), so the loss is one rank's at W x B. */
 #include <math.h>
+
+#include "../comm/fm_comm.h"
 
 #include "../data/fm_data.h"
 #include "../schedule/fm_schedule.h"
@@ -9,12 +13,13 @@ fm_status fm_evaluate(fm_model *m, const fm_dataset *ds, int64_t max_batches, do
                       int64_t *n_tokens_out) {
     const int64_t B = m->B, T = m->T;
     const int64_t nwin = fm_dataset_eval_windows(ds, T);
+    const int64_t W = m->comm ? fm_comm_size(m->comm) : 1, q = m->comm ? fm_comm_rank(m->comm) : 0;
     double sum = 0;
     int64_t count = 0, batches = 0;
-    for (int64_t w = 0; w < nwin; w += B) {
+    for (int64_t w = 0; w < nwin; w += B * W) {
         if (max_batches > 0 && batches >= max_batches) break;
         int64_t filled = 0;
-        fm_dataset_eval_batch(ds, w, B, T, m->h_tokens, m->h_targets, &filled);
+        fm_dataset_eval_batch(ds, w + q * B, B, T, m->h_tokens, m->h_targets, &filled);
         for (int64_t i = filled * T; i < B * T; i++) {
             m->h_tokens[i] = 0;
             m->h_targets[i] = -100;

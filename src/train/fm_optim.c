@@ -9,8 +9,21 @@ size_t fm_adamw_state_bytes(int64_t n_params, bool bf16_moments) {
     return 2 * fm_arena_round((size_t)n_params * (bf16_moments ? 2 : sizeof(float)));
 }
 
+static int bound_world = 1; /* fm_model_state_bound_set_dp: 1 unless ZeRO-1/2 over several ranks */
+
+void fm_model_state_bound_set_dp(int world, int zero) { bound_world = zero && world > 1 ? world : 1; }
+
 size_t fm_model_state_bound(const fm_config *cfg, size_t a, bool bf16_moments, char desc[200]) {
     const int64_t n = fm_config_num_params(cfg);
+    if (bound_world > 1) { /* ZeRO-1/2: weights and grads whole (padded), master whole on bf16 builds, m, v / W */
+        const int W = bound_world;
+        const int64_t S = fm_param_store_shard_len(n, W);
+        if (desc)
+            snprintf(desc, 200, "%s x %lld params + Adam m, v (%s) x %lld params (ZeRO-1/2: 1/%d shard)",
+                     a == 4 ? "8 B/param (fp32 weight, grad)" : "8 B/param (bf16 weight, grad; fp32 master)",
+                     (long long)n, bf16_moments ? "bf16" : "fp32", (long long)S, W);
+        return fm_param_store_bytes_sharded(cfg, a, W) + fm_adamw_state_bytes(S, bf16_moments);
+    }
     if (desc)
         snprintf(desc, 200, "%s x %lld params",
                  a == 4 ? (bf16_moments ? "12 B/param (fp32 weight, grad; bf16 Adam m, v)"
@@ -36,7 +49,9 @@ static size_t adamw_state_bytes(const void *self, int64_t n_params) {
 
 static void adamw_init(void *self, fm_param_store *ps, const fm_backend *be) {
     fm_adamw *opt = self;
-    const size_t bytes = (size_t)ps->n_params * fm_dtype_size(opt->moments_dtype);
+    opt->state_begin = ps->sharded ? ps->shard_begin : 0;
+    opt->state_len = ps->sharded ? ps->shard_len : ps->n_params;
+    const size_t bytes = (size_t)opt->state_len * fm_dtype_size(opt->moments_dtype);
     opt->m = fm_param_store_take(ps, bytes);
     opt->v = fm_param_store_take(ps, bytes);
     be->ops->mem_set(be->ctx, opt->m, 0, bytes);
@@ -71,6 +86,32 @@ static void adamw_step_range(void *self, fm_model *m, int t0, int t1, double lr,
     }
 }
 
+/* The update of flat parameters [p0, p1): runs of consecutive tensors with one decay flag, clipped
+ * to the range, one launch each; the moments at (parameter - state_begin). */
+static void adamw_step_shard(void *self, fm_model *m, int64_t p0, int64_t p1, double lr, float grad_scale) {
+    fm_adamw *opt = self;
+    FM_ASSERT(opt->step > 0 && p0 >= opt->state_begin && p1 <= opt->state_begin + opt->state_len && p0 <= p1);
+    const float bc1 = (float)(1.0 - pow(opt->beta1, (double)opt->step));
+    const float bc2 = (float)(1.0 - pow(opt->beta2, (double)opt->step));
+    const size_t es = fm_dtype_size(opt->moments_dtype);
+    int i = 0;
+    while (i < m->n_tensors && m->table[i].offset + m->table[i].numel <= p0) i++;
+    while (i < m->n_tensors && m->table[i].offset < p1) {
+        const bool decay = m->table[i].decay;
+        int64_t a = m->table[i].offset < p0 ? p0 : m->table[i].offset, b = m->table[i].offset + m->table[i].numel;
+        int j = i + 1;
+        while (j < m->n_tensors && m->table[j].decay == decay && m->table[j].offset == b && b < p1)
+            b += m->table[j++].numel;
+        if (b > p1) b = p1;
+        float *master = (void *)m->master == (void *)m->params ? NULL : m->master + a;
+        const size_t mo = (size_t)(a - opt->state_begin) * es;
+        m->be.ops->adamw(m->be.ctx, m->params + a, m->grads + a, master, (char *)opt->m + mo, (char *)opt->v + mo,
+                         opt->moments_dtype, b - a, (float)lr, (float)opt->beta1, (float)opt->beta2, (float)opt->eps,
+                         decay ? (float)opt->weight_decay : 0.0f, bc1, bc2, grad_scale);
+        i = j;
+    }
+}
+
 static int adamw_state_tensors(void *self, fm_optim_state *out, int cap) {
     fm_adamw *opt = self;
     FM_ASSERT(cap >= 2);
@@ -80,7 +121,7 @@ static int adamw_state_tensors(void *self, fm_optim_state *out, int cap) {
 }
 
 const fm_optimizer_ops fm_adamw_ops = {"adamw", adamw_state_bytes, adamw_init, adamw_step_begin, adamw_step_range,
-                                       adamw_state_tensors};
+                                       adamw_state_tensors, adamw_step_shard};
 
 void fm_grad_sumsq(fm_model *m, double *out) { m->be.ops->sumsq(m->be.ctx, out, m->grads, m->n_params, false); }
 

@@ -36,6 +36,11 @@ typedef struct fm_optimizer_ops {
     void (*step_range)(void *self, fm_model *m, int t0, int t1, double lr, float grad_scale);
     /* Its state tensors for checkpoints into out[cap]; returns how many. */
     int (*state_tensors)(void *self, fm_optim_state *out, int cap);
+    /* ZeRO-1/2 (fm_param_store_create_sharded): the update of the flat parameters [p0, p1) only,
+     * the store's shard, whose state init took (state element i is parameter shard_begin + i);
+     * each table tensor's decay flag applies to its part of the range. NULL: the optimizer cannot
+     * run on a shard (the streamed AdamW). Issues work only. */
+    void (*step_shard)(void *self, fm_model *m, int64_t p0, int64_t p1, double lr, float grad_scale);
 } fm_optimizer_ops;
 
 /* AdamW (Loshchilov & Hutter, arXiv 1711.05101) with per-tensor weight-decay masks. State: Adam
@@ -46,6 +51,8 @@ typedef struct fm_adamw {
     void *m, *v;       /* [n_params] each of moments_dtype, taken from the parameter store's arena */
     fm_dtype moments_dtype; /* FM_DTYPE_F32 or FM_DTYPE_BF16 */
     int64_t step;      /* optimizer steps taken (bias correction uses step+1 on the next) */
+    int64_t state_begin, state_len; /* m and v hold parameters [state_begin, + state_len): the
+                                       store's shard (the whole table unsharded) */
     double beta1, beta2, eps, weight_decay;
 } fm_adamw;
 
@@ -62,6 +69,13 @@ size_t fm_adamw_state_bytes(int64_t n_params, bool bf16_moments);
  * AdamW's, for activations of act_bytes; desc (200 bytes) gets the formula in words. The plan
  * request carries the result (plan/ asks its caller; it includes nothing of train/). */
 size_t fm_model_state_bound(const fm_config *cfg, size_t act_bytes, bool bf16_moments, char desc[200]);
+
+/* The data-parallel layout fm_model_state_bound answers for, process-wide (the plan request's
+ * callback has no room for it): world data-parallel ranks, zero 1: ZeRO-1/2 (the store of
+ * fm_param_store_create_sharded, weights and grads padded to world * S, Adam m and v of S =
+ * ceil(n / world) parameters: a per-rank bound); zero 0 or world 1: the whole replica (the
+ * default). train and plan set it before planning. */
+void fm_model_state_bound_set_dp(int world, int zero);
 
 /* The sum of squares of all gradients (double) into *out (backend memory, assigned): the global
  * L2 norm's square, read by the host at the step's sync point. Issues work only. */

@@ -12,14 +12,31 @@ size_t fm_param_store_bytes_no_master(const fm_config *cfg, size_t a) {
     return 2 * fm_arena_round((size_t)fm_config_num_params(cfg) * a);
 }
 
-/* The store's layout in its arena (the same walk for a measuring arena). */
-static void layout(fm_param_store *ps, fm_arena *a, int64_t n_params) {
-    const size_t n = (size_t)n_params;
-    ps->weights = fm_arena_alloc(a, n * sizeof(fm_act));
-    ps->grads = fm_arena_alloc(a, n * sizeof(fm_act));
+int64_t fm_param_store_shard_len(int64_t n_params, int world) {
+    if (world <= 1) return n_params;
+    const int64_t s = (n_params + world - 1) / world;
+    return (s + FM_SHARD_ALIGN - 1) / FM_SHARD_ALIGN * FM_SHARD_ALIGN;
+}
+
+size_t fm_param_store_bytes_sharded(const fm_config *cfg, size_t a, int world) {
+    if (world <= 1) return fm_param_store_bytes(cfg, a);
+    const int64_t n = fm_config_num_params(cfg), n_alloc = fm_param_store_shard_len(n, world) * world;
+    size_t b = 2 * fm_arena_round((size_t)n_alloc * a);
+    if (a != sizeof(float)) b += fm_arena_round((size_t)n * sizeof(float));
+    return b;
+}
+
+/* The store's layout in its arena (the same walk for a measuring arena): weights and grads of
+ * n_alloc elements, the master of n_params. */
+static void layout_n(fm_param_store *ps, fm_arena *a, int64_t n_params, int64_t n_alloc) {
+    const size_t n = (size_t)n_params, na = (size_t)n_alloc;
+    ps->weights = fm_arena_alloc(a, na * sizeof(fm_act));
+    ps->grads = fm_arena_alloc(a, na * sizeof(fm_act));
     if (ps->host_master) return; /* the optimizer's */
     ps->master = sizeof(fm_act) == sizeof(float) ? (float *)(void *)ps->weights : fm_arena_alloc(a, n * sizeof(float));
 }
+
+static void layout(fm_param_store *ps, fm_arena *a, int64_t n_params) { layout_n(ps, a, n_params, n_params); }
 
 size_t fm_param_store_measure(int64_t n_params) {
     fm_param_store ps = {0};
@@ -29,16 +46,21 @@ size_t fm_param_store_measure(int64_t n_params) {
     return a.used;
 }
 
-static fm_status create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes, float *host_master) {
+static fm_status create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes, float *host_master, int rank,
+                        int world) {
     memset(ps, 0, sizeof *ps);
     ps->host_master = host_master != NULL;
     ps->n_params = m->n_params;
-    ps->rank = 0;
-    ps->world = 1;
-    ps->shard_begin = 0;
-    ps->shard_end = m->n_params;
+    ps->rank = rank;
+    ps->world = world;
+    ps->sharded = world > 1;
+    ps->shard_len = fm_param_store_shard_len(m->n_params, world);
+    ps->n_alloc = ps->shard_len * world;
+    ps->shard_begin = (int64_t)rank * ps->shard_len;
+    if (ps->shard_begin > m->n_params) ps->shard_begin = m->n_params;
+    ps->shard_end = ps->shard_begin + ps->shard_len < m->n_params ? ps->shard_begin + ps->shard_len : m->n_params;
     const size_t state = host_master ? fm_param_store_bytes_no_master(&m->cfg, sizeof(fm_act))
-                                     : fm_param_store_bytes(&m->cfg, sizeof(fm_act)),
+                                     : fm_param_store_bytes_sharded(&m->cfg, sizeof(fm_act), world),
                  total = state + optimizer_bytes;
     ps->be = m->be;
     fm_status st = fm_arena_init_backend(&ps->arena, fm_live_set_names[FM_LIVE_MODEL_STATE], total, &ps->be);
@@ -46,7 +68,12 @@ static fm_status create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes,
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the model state (%lld parameters, %.3f GiB); "
                         "use a smaller config%s", (long long)m->n_params, total / 1073741824.0,
                         optimizer_bytes ? ", or --bf16-moments" : "");
-    layout(ps, &ps->arena, m->n_params);
+    layout_n(ps, &ps->arena, m->n_params, ps->n_alloc);
+    if (ps->n_alloc > m->n_params) { /* the padding: zeros that every reduce and gather carries */
+        const size_t pad = (size_t)(ps->n_alloc - m->n_params) * sizeof(fm_act);
+        ps->be.ops->mem_set(ps->be.ctx, ps->weights + m->n_params, 0, pad);
+        ps->be.ops->mem_set(ps->be.ctx, ps->grads + m->n_params, 0, pad);
+    }
     if (host_master) ps->master = host_master;
     fm_model_bind_params(m, ps->weights, ps->grads, ps->master);
     m->master_host = host_master != NULL;
@@ -54,12 +81,17 @@ static fm_status create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes,
 }
 
 fm_status fm_param_store_create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes) {
-    return create(ps, m, optimizer_bytes, NULL);
+    return create(ps, m, optimizer_bytes, NULL, 0, 1);
+}
+
+fm_status fm_param_store_create_sharded(fm_param_store *ps, fm_model *m, int rank, int world, size_t optimizer_bytes) {
+    FM_ASSERT(world >= 1 && rank >= 0 && rank < world);
+    return create(ps, m, optimizer_bytes, NULL, rank, world);
 }
 
 fm_status fm_param_store_create_host_master(fm_param_store *ps, fm_model *m, size_t optimizer_bytes, float *master) {
     FM_ASSERT(master);
-    return create(ps, m, optimizer_bytes, master);
+    return create(ps, m, optimizer_bytes, master, 0, 1);
 }
 
 void *fm_param_store_take(fm_param_store *ps, size_t bytes) { return fm_arena_alloc(&ps->arena, bytes); }

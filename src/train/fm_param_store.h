@@ -2,10 +2,15 @@
  * on the CPU, fp32) weights and gradients, the fp32 master weights, and the optimizer's state
  * taken from the same arena — and the range of the flat parameters this rank holds.
  *
- * Today W = 1: the store holds the whole replica, shard [0, n_params). Under ZeRO-3 (the "many
- * ranks" issue) each rank keeps the master weights and optimizer state of its shard only and
- * gathers weights layer by layer in the schedule's hooks; the shard range and the views below
- * are where that goes.
+ * W = 1, or replicas over dp (--zero 0): the store holds the whole replica, shard [0, n_params).
+ * ZeRO-1/2 over W data-parallel ranks (fm_param_store_create_sharded, --zero 1): rank r owns the
+ * flat range [r S, min((r + 1) S, n_params)), S = ceil(n_params / W) rounded up to a multiple of
+ * FM_SHARD_ALIGN elements (so every shard starts 128-byte aligned for the backend's vector
+ * kernels; the last ranks may own fewer, or no, parameters); the weights and gradients
+ * stay whole but are padded to W S elements (zeros past n_params), so that the gradients'
+ * reduce-scatter and the weights' all-gather are equal blocks in place; the optimizer keeps the
+ * state of the shard only (S elements). Under ZeRO-3 the weights and grads would be sharded too
+ * and gathered layer by layer in the schedule's hooks (not built yet).
  *
  * Bound (the model-state live set, DESIGN.md §2): weights and grads 2 * r(n_params * a) plus the
  * master r(n_params * 4) when a != 4 (a = bytes per fm_act), plus the optimizer's state
@@ -19,6 +24,10 @@ typedef struct fm_param_store {
     int64_t n_params;            /* all parameters of the model (the table's) */
     int rank, world;             /* this rank of the data-parallel world (0 of 1 today) */
     int64_t shard_begin, shard_end; /* the flat range this rank owns: [0, n_params) for W = 1 */
+    int64_t shard_len;           /* S: elements per rank's block (n_params unsharded); shard_end -
+                                    shard_begin may be shorter on the last ranks (0 when S r >= n) */
+    int64_t n_alloc;             /* elements of weights and grads: n_params, or W S when sharded */
+    bool sharded;                /* fm_param_store_create_sharded with W > 1 */
     fm_act *weights, *grads;     /* [n_params] backend memory */
     float *master;               /* [n_params] fp32 master weights; == weights when fm_act is fp32;
                                     the optimizer's (host) memory in the no-master mode */
@@ -52,6 +61,21 @@ fm_status fm_param_store_create(fm_param_store *ps, fm_model *m, size_t optimize
  * init and checkpoint loads write that master and convert it into the weights. Errors: as
  * fm_param_store_create. */
 fm_status fm_param_store_create_host_master(fm_param_store *ps, fm_model *m, size_t optimizer_bytes, float *master);
+
+/* ZeRO-1/2 (the header's comment): the store of rank `rank` of `world` data-parallel ranks,
+ * weights and grads [world * S] (padding zeroed), master whole (fp32 builds: the weights), and
+ * optimizer_bytes for the shard's optimizer state. world == 1 is fm_param_store_create. Errors:
+ * as fm_param_store_create. */
+fm_status fm_param_store_create_sharded(fm_param_store *ps, fm_model *m, int rank, int world, size_t optimizer_bytes);
+
+#define FM_SHARD_ALIGN 64
+
+/* S = ceil(n_params / world) rounded up to FM_SHARD_ALIGN, the elements of one rank's block
+ * (n_params when world == 1). */
+int64_t fm_param_store_shard_len(int64_t n_params, int world);
+
+/* Bytes of weights, grads and master of the sharded store (fm_param_store_bytes for world 1). */
+size_t fm_param_store_bytes_sharded(const fm_config *cfg, size_t act_bytes, int world);
 
 /* `bytes` of the model-state arena for the optimizer's state (backend memory, 64-byte aligned).
  * Taking more than fm_param_store_create was given is a planning bug (aborts). */

@@ -117,6 +117,7 @@ static char *state_to_json(const run *r, const train_state *s) {
     cJSON_AddNumberToObject(cur, "rank", r->train.rank);
     cJSON_AddNumberToObject(cur, "world", r->train.world);
     cJSON_AddNumberToObject(cur, "train_tokens", (double)r->train.n_tokens);
+    cJSON_AddNumberToObject(o, "data_parallel", (double)(s->dp > 0 ? s->dp : 1));
     cJSON_AddStringToObject(o, "format", "flatmoe-state-1");
     char *txt = cJSON_Print(o);
     cJSON_Delete(o);
@@ -139,6 +140,7 @@ fm_status fm_train_state_read(const char *path, train_state *s) {
     s->micro_batch = json_i64(o, "micro_batch", 0);
     s->grad_accum = json_i64(o, "grad_accum", 0);
     s->steps = json_i64(o, "steps", 0);
+    s->dp = json_i64(o, "data_parallel", 1);
     const cJSON *mom = cJSON_GetObjectItemCaseSensitive(o, "adam_moments");
     s->bf16_moments = cJSON_IsString(mom) && strcmp(mom->valuestring, "bf16") == 0;
     fm_status st = FM_OK;
@@ -241,16 +243,100 @@ fm_status fm_train_ckpt_init(run *r) {
     return fm_train_hf_init(&r->hf, &r->m);
 }
 
+static fm_status save_named(run *r, const train_state *ts, fm_optim_state *os, int nos, const float *gmaster);
+
+/* ---- many ranks: rank 0 writes; ZeRO-1/2's shards gathered to it, loaded by each owner ---- */
+
+/* The shards of a sharded optimizer state (os->base: this rank's [shard_len] of os->dtype) into
+ * full [n_params] host buffers on rank 0 (*full, allocated here; NULL elsewhere); a collective
+ * of r->world. Errors: FM_ERR_NOMEM, the communicator's. */
+static fm_status gather_state(run *r, const void *shard, fm_dtype dtype, void **full) {
+    const fm_param_store *ps = &r->ps;
+    const int W = r->n_ranks;
+    const size_t es = fm_dtype_size(dtype);
+    *full = NULL;
+    int64_t *cnt = fm_malloc(sizeof(int64_t) * 4 * (size_t)W);
+    if (!cnt) return fm_error(FM_ERR_NOMEM, "rank %d of %d: memory for the checkpoint gather's counts", r->rank, W);
+    int64_t *sc = cnt, *sd = cnt + W, *rc = cnt + 2 * W, *rd = cnt + 3 * W;
+    for (int q = 0; q < W; q++) {
+        const int64_t b = (int64_t)q * ps->shard_len, e = b + ps->shard_len;
+        sc[q] = sd[q] = 0;
+        rd[q] = b < ps->n_params ? b : ps->n_params;
+        rc[q] = r->rank == 0 ? (e < ps->n_params ? e : ps->n_params) - rd[q] : 0;
+    }
+    sc[0] = ps->shard_end - ps->shard_begin;
+    fm_status st = FM_OK;
+    if (r->rank == 0 && !(*full = fm_malloc(es * (size_t)ps->n_params)))
+        st = fm_error(FM_ERR_NOMEM, "rank 0 of %d: cannot gather %lld optimizer values for the checkpoint on the host",
+                      W, (long long)ps->n_params);
+    /* an allocation failure on rank 0 returns before the collective: the CLI then ends every rank */
+    if (st == FM_OK)
+        st = fm_comm_all_to_all_v(&r->world, shard, sc, sd, *full, rc, rd,
+                                  dtype == FM_DTYPE_BF16 ? FM_COMM_BF16 : FM_COMM_F32, 0);
+    fm_free(cnt);
+    if (st != FM_OK) fm_free(*full), *full = NULL;
+    return st;
+}
+
+/* Loads the optimizer state os (this rank's shard of a sharded store) from the full tensors of
+ * path: the whole fp32 tensor staged on the host, this rank's range copied (bf16: narrowed). */
+static fm_status load_state_shard(run *r, const char *path, const fm_optim_state *os) {
+    const fm_param_store *ps = &r->ps;
+    float *stage = fm_malloc(sizeof(float) * (size_t)ps->n_params);
+    if (!stage) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)ps->n_params);
+    fm_status s = fm_hf_read(&r->hf.t, path, os->prefix, stage);
+    const int64_t len = ps->shard_end - ps->shard_begin;
+    const float *src = stage + ps->shard_begin;
+    if (s == FM_OK && os->dtype == FM_DTYPE_BF16) {
+        uint16_t *h = (uint16_t *)stage; /* narrowing in increasing order never overtakes the reads */
+        for (int64_t i = 0; i < len; i++) h[i] = fm_f32_to_bf16(src[i]);
+        src = stage;
+    }
+    const size_t bytes = fm_dtype_size(os->dtype) * (size_t)len;
+    if (s == FM_OK && (os->host || r->m.be.ops->host_memory)) memmove(os->base, src, bytes);
+    else if (s == FM_OK) r->m.be.ops->copy(r->m.be.ctx, os->base, src, bytes, FM_COPY_H2D);
+    fm_free(stage);
+    return s;
+}
+
 fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
     fm_model *m = &r->m;
-    const int n = m->n_tensors;
     /* fp32 master (as model.safetensors and master.*: the model's, or the optimizer's when it
      * names one), m, v */
     fm_optim_state os[3];
     const int nos = r->optim->state_tensors(r->opt_self, os, 3);
+    void *gathered[3] = {NULL, NULL, NULL};
+    float *gmaster = NULL;
+    if (r->ps.sharded) { /* ZeRO-1/2: every rank sends its shards; rank 0 names the full host copies */
+        for (int i = 0; i < nos; i++) {
+            FM_TRY(gather_state(r, os[i].base, os[i].dtype, &gathered[i]));
+            os[i].base = gathered[i], os[i].host = true;
+        }
+        if ((void *)m->master != (void *)m->params) { /* bf16 weights: the owners' master ranges */
+            void *g = NULL;
+            fm_status st = gather_state(r, m->master + r->ps.shard_begin, FM_DTYPE_F32, &g);
+            gmaster = g;
+            if (st != FM_OK) {
+                for (int i = 0; i < nos; i++) fm_free(gathered[i]);
+                return st;
+            }
+        }
+    }
+    if (r->rank != 0) return FM_OK; /* rank 0 writes the files */
+    fm_status s = save_named(r, ts, os, nos, gmaster);
+    for (int i = 0; i < nos; i++) fm_free(gathered[i]);
+    fm_free(gmaster);
+    return s;
+}
+
+/* Rank 0's part: names master, m, v (gmaster: the gathered master, host memory; NULL: the
+ * model's) and writes the checkpoint. */
+static fm_status save_named(run *r, const train_state *ts, fm_optim_state *os, int nos, const float *gmaster) {
+    fm_model *m = &r->m;
+    const int n = m->n_tensors;
     const fm_optim_state *ms = optim_master(os, nos);
-    const void *master = ms ? ms->base : m->master;
-    const bool mhost = ms && ms->host;
+    const void *master = gmaster ? (const void *)gmaster : ms ? ms->base : m->master;
+    const bool mhost = gmaster || (ms && ms->host);
     FM_TRY(name_state(r, master, FM_DTYPE_F32, mhost, "", 0));
     FM_TRY(name_state(r, master, FM_DTYPE_F32, mhost, "master.", 1));
     for (int i = 0, k = 2; i < nos; i++) /* bf16: widened */
@@ -397,10 +483,13 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
     } else {
         FM_TRY(verify_model_file(r, dir, r->m.be.ops->host_memory || (ms && ms->host)));
     }
-    /* bf16 moments: narrowed to nearest even, exact for moments a bf16 run saved */
+    /* bf16 moments: narrowed to nearest even, exact for moments a bf16 run saved; ZeRO-1/2: this
+     * rank's range of the full tensors (any world size) */
     for (int i = 0; i < nos; i++)
-        if (&os[i] != ms)
-            FM_TRY(load_fp32_as_ex(&r->m, &r->hf.t, path, os[i].prefix, os[i].base, os[i].dtype, os[i].host));
+        if (&os[i] != ms) {
+            if (r->ps.sharded) FM_TRY(load_state_shard(r, path, &os[i]));
+            else FM_TRY(load_fp32_as_ex(&r->m, &r->hf.t, path, os[i].prefix, os[i].base, os[i].dtype, os[i].host));
+        }
     r->opt.step = ts->opt_step;
     return FM_OK;
 }

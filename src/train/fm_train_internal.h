@@ -42,6 +42,7 @@ typedef struct train_state {
     uint64_t seed;
     int64_t seq_len, micro_batch, grad_accum, steps;
     bool bf16_moments; /* "adam_moments": "bf16" (absent in older checkpoints: fp32) */
+    int64_t dp;        /* "data_parallel": the data-parallel ranks micro_batch was per (absent: 1) */
 } train_state;
 
 struct fm_fetch_src;
@@ -69,7 +70,11 @@ typedef struct run {
     fm_step_ws step;                /* the step's schedule and pinned results (fm_train_step.h) */
     fm_param_store ps;              /* the model-state live set: weights, grads, master, optimizer state */
     const fm_optimizer_ops *optim;  /* the optimizer's interface over r->opt */
-    fm_comm world;                  /* the run's ranks (the self communicator today, over the backend) */
+    fm_comm world;                  /* the run's ranks (fm_comm_world_create over the backend: mpi with
+                                       several ranks, self with one); with sp = ep = 1 it is also
+                                       the dp group and m->comm */
+    int rank, n_ranks;              /* this rank of the world (the launcher's); only rank 0 writes
+                                       metrics.jsonl, step lines and checkpoint files */
     fm_backend_opts backend_opts;   /* what the backend was created with (metrics.jsonl "backend") */
     bool world_ok;
     fm_sco sco;                     /* checkpoint offload (--offload-boundaries; n_off 0: off, no hook) */

@@ -99,6 +99,8 @@ static fm_status train_impl(run *r) {
 
 fm_status fm_train(const fm_train_opts *o) {
     fm_train_opts oo = *o;
+    int launch_rank = 0, launch_size = 1; /* many ranks: only rank 0 prints (and writes, fm_train_setup) */
+    if (fm_comm_launcher(&launch_rank, &launch_size, NULL) == FM_OK && launch_rank != 0) oo.quiet = true;
     const bool need = oo.steps == 0 || oo.seq_len == 0 || oo.micro_batch == 0 || oo.grad_accum == 0;
     if (oo.resume && need) { /* flags not given: the run's own total and shape, from its latest checkpoint */
         char ck[4096], p[4200];
@@ -116,7 +118,11 @@ fm_status fm_train(const fm_train_opts *o) {
         }
         const bool shape = oo.seq_len == 0 || oo.micro_batch == 0 || oo.grad_accum == 0;
         if (oo.seq_len == 0) oo.seq_len = have && ts.seq_len > 0 ? ts.seq_len : dflt.seq_len;
-        if (oo.micro_batch == 0) oo.micro_batch = have && ts.micro_batch > 0 ? ts.micro_batch : dflt.micro_batch;
+        if (oo.micro_batch == 0) { /* many ranks: the run's sequences per micro-batch, over this launch's ranks */
+            const int64_t global = have && ts.micro_batch > 0 ? ts.micro_batch * (ts.dp > 0 ? ts.dp : 1) : 0;
+            oo.micro_batch = global > 0 && global % launch_size == 0 ? global / launch_size
+                           : have && ts.micro_batch > 0 ? ts.micro_batch : dflt.micro_batch;
+        }
         if (oo.grad_accum == 0) oo.grad_accum = have && ts.grad_accum > 0 ? ts.grad_accum : dflt.grad_accum;
         if (shape && !oo.quiet)
             printf("--resume: --seq-len %lld --micro-batch %lld --grad-accum %lld (the run's; the flags set others)\n",

@@ -67,6 +67,7 @@ void fm_train_print_step(const run *r, const fm_step_report *s) {
 }
 
 void fm_train_metrics_begin(run *r, const fm_step_report *s) {
+    if (!r->metrics) return; /* a rank other than 0 */
     fprintf(r->metrics, "{\"step\":%lld,\"loss\":%.17g,\"aux_loss\":%.17g,\"z_loss\":%.17g,\"lr\":%.17g,"
             "\"grad_norm\":%.17g,\"tokens\":%lld,\"tokens_per_s\":%.1f,\"step_s\":%.6f,\"elapsed_s\":%.3f",
             (long long)s->step, s->ce, s->aux, s->z, s->lr, s->gnorm, (long long)s->tokens_seen, s->tok_s, s->step_s,
@@ -109,6 +110,7 @@ static void report_memory(const run *r, size_t dev_used, size_t dev_total) {
 }
 
 void fm_train_metrics_memory(run *r) {
+    if (!r->metrics) return; /* a rank other than 0 */
     const fm_model *m = &r->m;
     fprintf(r->metrics, ",\"memory\":{");
     for (int i = 0; i < FM_LIVE_COUNT; i++)
@@ -126,6 +128,7 @@ void fm_train_metrics_memory(run *r) {
 }
 
 void fm_train_metrics_end(run *r) {
+    if (!r->metrics) return; /* a rank other than 0 */
     fprintf(r->metrics, "}\n");
     fflush(r->metrics);
 }

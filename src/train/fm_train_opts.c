@@ -68,6 +68,15 @@ fm_status fm_train_opts_check(const fm_train_opts *o) {
     if (o->offload_optimizer_slots < 1 || o->offload_optimizer_slots > 16)
         return fm_error(FM_ERR_ARG, "--offload-optimizer-slots must be in [1, 16], found %lld",
                         (long long)o->offload_optimizer_slots);
+    if (o->dp < 0) return fm_error(FM_ERR_ARG, "--dp must be >= 1 (0 = the number of ranks), found %d", o->dp);
+    if (o->zero < 0 || o->zero > 1)
+        return fm_error(FM_ERR_ARG, "--zero must be 0 (replicas) or 1 (optimizer state sharded over dp), found %d",
+                        o->zero);
+    if (o->zero && o->offload_optimizer)
+        return fm_error(FM_ERR_ARG, "--zero 1 and --offload-optimizer do not go together yet (the streamed AdamW "
+                        "runs on the whole replica); drop one of them");
+    if (!(o->comm_timeout >= 0) || !isfinite(o->comm_timeout))
+        return fm_error(FM_ERR_ARG, "--comm-timeout must be finite and >= 0 s (0 = 300), found %g", o->comm_timeout);
     if (!(o->val_fraction > 0 && o->val_fraction < 1) && o->n_val_data == 0)
         return fm_error(FM_ERR_ARG, "--val-fraction must be in (0, 1), found %g", o->val_fraction);
     return FM_OK;

@@ -8,6 +8,8 @@
 
 #include "../backend/fm_backend_default.h"
 #include "../io/fm_checkpoint.h"
+#include "../plan/fm_choose.h"
+#include "../plan/fm_plan_device.h"
 #include "../schedule/fm_recompute.h"
 #include "fm_train_internal.h"
 
@@ -176,6 +178,18 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_dataset_check_windows(&r->train, o->seq_len, "training data"));
     FM_TRY(fm_dataset_check_windows(&r->val, o->seq_len, "validation data"));
 
+    /* Many ranks: the launcher's world (created over the backend below); --dp is all of it while
+     * the trainer has no expert or sequence parallelism. The model state's bound is per rank. */
+    FM_TRY(fm_comm_launcher(&r->rank, &r->n_ranks, NULL));
+    const int W = r->n_ranks, dp = o->dp > 0 ? o->dp : W;
+    if (W % dp != 0)
+        return fm_error(FM_ERR_ARG, "--dp %d does not divide the %d rank%s running (the world is dp x sp ranks); "
+                        "use --dp %d or launch a multiple of %d ranks", dp, W, W == 1 ? "" : "s", W, dp);
+    if (dp != W)
+        return fm_error(FM_ERR_ARG, "--dp %d with %d ranks leaves sp = %d, but the trainer has no sequence or expert "
+                        "parallelism yet; use --dp %d (or leave --dp out)", dp, W, W / dp, W);
+    fm_model_state_bound_set_dp(W, o->zero);
+
     /* Plan: every live set's bound, from the config and flags alone, before any allocation. */
     const int64_t L = c->num_hidden_layers;
     bool *rc = r->rc = fm_malloc((size_t)(2 * L)); /* recompute [L], keep-attention [L] */
@@ -193,23 +207,37 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                        FM_PLAN_TARGET_BUILD, o->gpu_workspace, o->bf16_moments, fm_model_state_bound, n_off,
                        o->offload_optimizer, bucket, o->offload_optimizer_slots, fm_offload_model_state_bound,
                        keep};
+    req.optimizer_overlap = !o->no_optimizer_overlap && !(o->zero && W > 1); /* as fm_step_ws_enable_overlap below */
     fm_plan plan;
-    /* The budget: --mem-budget, else (CUDA) the device's free memory less a reserve. */
-    size_t budget = o->mem_budget, dev_total = 0;
-    const char *budget_flag = "--mem-budget";
+    /* The budgets: --mem-budget, else (CUDA) the device's free memory less the context and
+     * libraries' growth, measured (plan/fm_plan_device.h); --host-mem-budget, else what this host
+     * can pin (fm_host_mem_budget_default). The chooser picks every memory knob not given. */
+    size_t budget = o->mem_budget;
+    fm_device_budget dev = {0};
     if (budget == 0) {
-        FM_TRY(fm_backend_default_memory_budget(&budget, &dev_total));
-        budget_flag = "the GPU's free memory less 1.5 GiB (no --mem-budget given)";
+        FM_TRY(fm_device_budget_measure(c->head_dim, &dev));
+        budget = dev.budget;
     }
-    if (!o->recompute && o->moe_chunk_tokens < 0 && o->ce_block_tokens < 0 && o->ce_block_vocab < 0 && budget > 0) {
-        FM_TRY(fm_plan_choose(&req, budget, rc, &plan));
-    } else {
-        fm_plan_compute(&req, &plan);
-        FM_TRY(fm_plan_check(&plan, budget, budget_flag));
-    }
+    size_t host_budget = o->host_mem_budget_given ? o->host_mem_budget : fm_host_mem_budget_default();
+    if (host_budget == 0 && !o->host_mem_budget_given) host_budget = FM_HOST_BUDGET_UNLIMITED; /* unknown */
+    fm_calib cal;
+    char note[1400];
+    FM_TRY(fm_calib_find(&cal, NULL, sizeof(fm_act) == 4 ? "cpu" : "cuda", dev.total ? dev.name : NULL, note));
+    const fm_choose_opts co = {budget, o->mem_budget ? "--mem-budget" : "the GPU's measured free memory (no --mem-budget given)",
+                               host_budget, "--host-mem-budget", &cal, o->recompute != NULL, o->recompute_keep_attention,
+                               o->offload_boundaries != NULL, o->offload_optimizer, o->moe_chunk_tokens >= 0,
+                               o->ce_block_tokens >= 0 || o->ce_block_vocab >= 0};
+    fm_projection proj;
+    FM_TRY(fm_plan_fit(&req, &co, rc, &plan, &proj));
+    n_off = req.n_offloaded_boundaries;
+    keep = (bool *)req.keep_attention;
     if (!o->quiet && o->mem_budget == 0 && budget > 0)
-        printf("memory budget: %.1f MiB (the GPU's %.1f MiB, its free memory less 1.5 GiB; --mem-budget sets it)\n",
-               budget / 1048576.0, dev_total / 1048576.0);
+        printf("memory budget: %.1f MiB (the GPU's %.1f MiB: %.1f MiB free with the context, less %.1f MiB the libraries "
+               "took when loaded and %.0f MiB for kernels loaded later; --mem-budget sets it)\n", budget / 1048576.0,
+               dev.total / 1048576.0, dev.free_start / 1048576.0, dev.library_bytes / 1048576.0,
+               FM_PLAN_LATE_LOAD_MARGIN / 1048576.0);
+    if (!o->quiet && budget > 0)
+        printf("%s\nprojected step: %.4g s, %.0f tokens/s, MFU %.1f%%\n", note, proj.step_s, proj.tokens_per_s, 100.0 * proj.mfu);
     r->plan = plan;
 
     /* Backend, model, optimizer: allocated from the plan. */
@@ -225,13 +253,13 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_model_create(&r->m, c, r->be));
     r->model_ok = true;
     fm_model *m = &r->m;
-    FM_TRY(fm_comm_self_create(&r->world, &r->be, 0));
+    FM_TRY(fm_comm_world_create(&r->world, &r->be, o->comm_timeout));
     r->world_ok = true;
     m->comm = &r->world; /* the batch's valid targets, loss sums and router statistics */
     /* the sampling cursor: this rank of the data-parallel ranks (fm_dataset_sample_batch) */
     FM_TRY(fm_dataset_set_ranks(&r->train, fm_comm_rank(&r->world), fm_comm_size(&r->world)));
     fm_adamw_config(&r->opt, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
-    if (o->offload_optimizer) { /* the streamed AdamW: its host state, as planned; the store without master */
+    if (req.offload_optimizer) { /* the streamed AdamW: its host state, as planned; the store without master */
         FM_TRY(fm_offload_adamw_create(&r->oopt, &r->opt, m->n_params, bucket, o->offload_optimizer_slots, &r->be));
         if (r->oopt.host.capacity != fm_arena_round(plan.host_optimizer_bytes)) {
             char msg[200];
@@ -243,6 +271,11 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         r->opt_self = &r->oopt;
         FM_TRY(fm_param_store_create_host_master(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params),
                                                  r->oopt.h_master));
+    } else if (o->zero && W > 1) { /* ZeRO-1/2: the store padded to W blocks, AdamW's state of this rank's */
+        r->optim = &fm_adamw_ops;
+        r->opt_self = &r->opt;
+        FM_TRY(fm_param_store_create_sharded(&r->ps, m, r->rank, W,
+                                             r->optim->state_bytes(r->opt_self, fm_param_store_shard_len(m->n_params, W))));
     } else {
         r->optim = &fm_adamw_ops;
         r->opt_self = &r->opt;
@@ -262,7 +295,9 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         }
     }
     FM_TRY(fm_step_ws_init(&r->step, m, o->grad_accum));
-    if (!o->no_optimizer_overlap) FM_TRY(fm_step_ws_enable_overlap(&r->step, m));
+    r->step.zero_ps = r->ps.sharded ? &r->ps : NULL; /* ZeRO-1/2: the step updates this rank's shard */
+    /* the optimizer overlap (not with ZeRO-1/2, whose update ends in an all-gather of the weights) */
+    if (!o->no_optimizer_overlap && !r->step.zero_ps) FM_TRY(fm_step_ws_enable_overlap(&r->step, m));
     if (n_off > 0) { /* the offload policy: its pinned host copies, as planned, and its hook */
         FM_TRY(fm_sco_create(&r->sco, m));
         if (r->sco.host.capacity != fm_arena_round(plan.host_bytes - plan.host_optimizer_bytes)) {
@@ -278,11 +313,16 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     if (ckpt[0]) {
         FM_TRY(fm_train_load_checkpoint(r, ckpt, ts));
         data_rng->state = ts->data_rng;
-        if (ts->seq_len != o->seq_len || ts->micro_batch != o->micro_batch || ts->grad_accum != o->grad_accum)
-            fprintf(stderr, "warning: resuming with --seq-len/--micro-batch/--grad-accum %lld/%lld/%lld, but the "
-                    "checkpoint was trained with %lld/%lld/%lld: the run will not match an uninterrupted one\n",
-                    (long long)o->seq_len, (long long)o->micro_batch, (long long)o->grad_accum,
-                    (long long)ts->seq_len, (long long)ts->micro_batch, (long long)ts->grad_accum);
+        /* many ranks: the sequences per micro-batch are micro_batch x dp (a resume at another W
+         * continues the same run when that product is kept) */
+        const int64_t ts_dp = ts->dp > 0 ? ts->dp : 1;
+        if (ts->seq_len != o->seq_len || ts->micro_batch * ts_dp != o->micro_batch * W ||
+            ts->grad_accum != o->grad_accum)
+            fprintf(stderr, "warning: resuming with --seq-len/--micro-batch/--grad-accum %lld/%lld/%lld on %d rank%s, "
+                    "but the checkpoint was trained with %lld/%lld/%lld on %lld: the run will not match an "
+                    "uninterrupted one (keep micro-batch x ranks)\n", (long long)o->seq_len,
+                    (long long)o->micro_batch, (long long)o->grad_accum, W, W == 1 ? "" : "s",
+                    (long long)ts->seq_len, (long long)ts->micro_batch, (long long)ts->grad_accum, (long long)ts_dp);
         if (ts->bf16_moments != o->bf16_moments)
             fprintf(stderr, "warning: resuming with %s Adam moments, but the checkpoint was trained with %s: the run "
                     "will not match an uninterrupted one (%s to continue it as it was)\n",
@@ -297,6 +337,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     }
     ts->seq_len = o->seq_len;
     ts->micro_batch = o->micro_batch;
+    ts->dp = W;
     ts->bf16_moments = o->bf16_moments;
     ts->grad_accum = o->grad_accum;
     ts->steps = o->steps;
@@ -305,9 +346,11 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_mkdirs(o->out_dir));
     char mpath[4200];
     snprintf(mpath, sizeof mpath, "%s/metrics.jsonl", o->out_dir);
-    FM_TRY(fm_train_truncate_metrics(mpath, ckpt[0] ? ts->step : -1));
-    r->metrics = fopen(mpath, "a");
-    if (!r->metrics) return fm_error(FM_ERR_IO, "%s: cannot open for appending: %s", mpath, strerror(errno));
+    if (r->rank == 0) { /* many ranks: rank 0 writes metrics.jsonl (r->metrics NULL elsewhere) */
+        FM_TRY(fm_train_truncate_metrics(mpath, ckpt[0] ? ts->step : -1));
+        r->metrics = fopen(mpath, "a");
+        if (!r->metrics) return fm_error(FM_ERR_IO, "%s: cannot open for appending: %s", mpath, strerror(errno));
+    }
 
     if (!o->quiet) fm_train_print_header(r, &req, o->micro_batch * o->seq_len * o->grad_accum);
     return FM_OK;

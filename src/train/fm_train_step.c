@@ -2,6 +2,7 @@
 #include "fm_train_step.h"
 
 #include "../io/fm_checkpoint.h"
+#include "fm_param_store.h"
 
 #include <math.h>
 #include <string.h>
@@ -46,6 +47,43 @@ static const char *last_good(const fm_train_opts *o, char *buf, size_t n) {
     return "no checkpoint of this run exists yet";
 }
 
+/* ---- data parallelism (fm_train_step.h): this rank's windows, the gradients' reduction ---- */
+
+static const fm_comm_dtype act_comm_dtype = sizeof(fm_act) == sizeof(float) ? FM_COMM_F32 : FM_COMM_BF16;
+
+/* The accumulated gradients summed over dp, and their sum of squares into m->results (the
+ * global norm's square on every rank): all-reduced whole (replicas), or reduce-scattered so
+ * that this rank's block of the padded buffer holds its shard's sum (ZeRO-1/2), squares summed
+ * over the shard and then over dp. One rank: the sum of squares of the whole table. */
+static fm_status reduce_grads(fm_model *m, const fm_comm *dp, const fm_param_store *zps) {
+    double *sq = m->results + FM_RESULT_SUMSQ;
+    if (!dp || fm_comm_size(dp) == 1) { /* one rank: as before data parallelism */
+        fm_grad_sumsq(m, sq);
+        return dp ? fm_comm_all_reduce(dp, sq, sq, 1, FM_COMM_F64, FM_COMM_SUM, 0) : FM_OK;
+    }
+    if (!zps) {
+        FM_TRY(fm_comm_all_reduce(dp, m->grads, m->grads, m->n_params, act_comm_dtype, FM_COMM_SUM, 0));
+        fm_grad_sumsq(m, sq);
+        return FM_OK;
+    }
+    const int64_t S = zps->shard_len;
+    fm_act *mine = m->grads + (size_t)fm_comm_rank(dp) * (size_t)S;
+    FM_TRY(fm_comm_reduce_scatter(dp, m->grads, mine, S, act_comm_dtype, FM_COMM_SUM, 0));
+    m->be.ops->sumsq(m->be.ctx, sq, mine, S, false); /* the padding past n_params is zero */
+    return fm_comm_all_reduce(dp, sq, sq, 1, FM_COMM_F64, FM_COMM_SUM, 0);
+}
+
+/* ZeRO-1/2's update: this rank's shard, then every rank's updated weights gathered in place. */
+static fm_status update_shard(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp,
+                              const fm_param_store *zps, double lr, float clip) {
+    optim->step_begin(opt);
+    optim->step_shard(opt, m, zps->shard_begin, zps->shard_end, lr, clip);
+    const int64_t S = zps->shard_len;
+    return fm_comm_all_gather(dp, m->params + (size_t)fm_comm_rank(dp) * (size_t)S, m->params, S, act_comm_dtype, 0);
+}
+
+/* ---- one step ---- */
+
 fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
                         const fm_train_opts *o, int64_t step, fm_step_stats *out) {
     FM_ASSERT(w->grad_accum == o->grad_accum);
@@ -56,6 +94,8 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
         m->be.ops->mem_set(m->be.ctx, m->grads, 0, sizeof(fm_act) * (size_t)m->n_params);
     w->overlap.grads_zeroed = false;
     for (int64_t g = 0; g < G; g++) {
+        /* this rank's windows of the one-rank draw of W x micro_batch (the dataset's rank-aware
+         * cursor, fm_dataset_set_ranks over the world) */
         fm_dataset_sample_batch(train, data_rng, o->micro_batch, o->seq_len, m->h_tokens, m->h_targets);
         FM_TRY(fm_schedule_train_step(&w->sched, m, 1.0f / (float)G, NULL));
         w->n_valid[g] = m->n_valid;
@@ -63,10 +103,7 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
         m->be.ops->copy_async(m->be.ctx, w->res + g * n_res, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
     }
     fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
-    fm_grad_sumsq(m, m->results + FM_RESULT_SUMSQ);
-    if (dp) /* the global norm: this rank's gradients' sum of squares, summed over the data-parallel ranks */
-        FM_TRY(fm_comm_all_reduce(dp, m->results + FM_RESULT_SUMSQ, m->results + FM_RESULT_SUMSQ, 1, FM_COMM_F64,
-                                  FM_COMM_SUM, 0));
+    FM_TRY(reduce_grads(m, dp, w->zero_ps)); /* data parallelism: the gradients' sum and its global norm */
     const double *gres = w->res + G * n_res;
     m->be.ops->copy_async(m->be.ctx, (double *)gres, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
     m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "step end": losses, gradient norm */
@@ -92,12 +129,17 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
                         last_good(o, lg, sizeof lg), lg);
     const float clip = (o->grad_clip > 0 && gnorm > o->grad_clip) ? (float)(o->grad_clip / gnorm) : 1.0f;
     const double lr = fm_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr);
-    optim->step_begin(opt);
-    if (w->overlap_on) { /* issued on the update stream; the next step's forward waits per layer */
-        fm_optim_overlap_issue(&w->overlap, m, optim, opt, lr, clip);
-    } else {
-        optim->step_range(opt, m, 0, m->n_tensors, lr, clip); /* every tensor: the whole table */
+    if (w->zero_ps && dp && fm_comm_size(dp) > 1) { /* ZeRO-1/2: this rank's shard, then the weights gathered */
+        FM_TRY(update_shard(m, optim, opt, dp, w->zero_ps, lr, clip));
         m->be.ops->sync(m->be.ctx); /* sync point "step clock": the step's time includes its update */
+    } else {
+        optim->step_begin(opt);
+        if (w->overlap_on) { /* issued on the update stream; the next step's forward waits per layer */
+            fm_optim_overlap_issue(&w->overlap, m, optim, opt, lr, clip);
+        } else {
+            optim->step_range(opt, m, 0, m->n_tensors, lr, clip); /* every tensor: the whole table */
+            m->be.ops->sync(m->be.ctx); /* sync point "step clock": the step's time includes its update */
+        }
     }
     FM_TRY(m->be.ops->status(m->be.ctx));
     out->ce = ce;

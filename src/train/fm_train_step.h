@@ -22,6 +22,10 @@ typedef struct fm_step_ws {
     int64_t grad_accum;
     fm_optim_overlap overlap; /* the optimizer overlap (fm_step_ws_enable_overlap) */
     bool overlap_on;
+    /* Data parallelism (set by the trainer after fm_step_ws_init): zero_ps, the ZeRO-1/2 store
+     * (fm_param_store_create_sharded over dp) whose shard this rank updates; NULL: every rank
+     * updates its whole replica. */
+    const struct fm_param_store *zero_ps;
 } fm_step_ws;
 
 /* Sets up w for model m (its default schedule) and grad_accum micro-batches per step; pinned
@@ -59,6 +63,16 @@ typedef struct fm_step_stats {
  * micro-batch's losses and the gradient norm, before the clip scale is known; the gradients' sum
  * of squares is all-reduced over dp, the data-parallel ranks, first) and, without the overlap,
  * once after the update (the step's clock). Device errors come back as the backend's sticky status.
+ * of squares is all-reduced over dp, the data-parallel ranks, first) and once after the
+ * update (the step's clock). Device errors come back as the backend's sticky status.
+ * Data parallelism over dp (W ranks, rank q; NULL or one rank: none): micro_batch is per rank, and
+ * the W ranks' micro-batches together are the sequences one rank draws at W x micro_batch: every
+ * rank advances data_rng by W x micro_batch windows per micro-batch and keeps windows
+ * [q micro_batch, (q + 1) micro_batch) (so data_rng stays the same on every rank and at every W).
+ * The loss is the mean over the global valid targets (the model reduces over m->comm), so the
+ * gradient is the SUM of the ranks' gradients: all-reduced (w->zero_ps NULL; every rank then
+ * updates its replica), or reduce-scattered to the shard's owner, which updates its shard, the
+ * updated weights then all-gathered (ZeRO-1/2, w->zero_ps).
  * Phase marks: the zeroing and the update are the optimizer phase. Allocates nothing.
  * Errors: FM_ERR_NUMERIC when a micro-batch's loss or the gradient norm is not finite (the
  * message names the step and says that the last good checkpoint in o->out_dir stays); the

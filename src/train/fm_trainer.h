@@ -36,6 +36,10 @@ typedef struct fm_train_opts {
     size_t mem_budget;            /* --mem-budget bytes; 0: none. With neither --recompute nor
                                      --moe-chunk-tokens nor --ce-block-* the planner chooses
                                      them to fit it. */
+    size_t host_mem_budget;       /* --host-mem-budget bytes of pinned host memory (offloaded boundaries,
+                                     streamed optimizer); used when host_mem_budget_given, else what
+                                     the host can pin (plan/fm_choose.h: fm_host_mem_budget_default) */
+    bool host_mem_budget_given;
     int64_t att_tile_q, att_tile_kv; /* --attention-tile-q/-kv (0: 64) */
     size_t gpu_workspace;         /* --gpu-workspace: CUDA cuDNN workspace bytes (0: planned) */
     fm_backend_opts backend;      /* the backend's init options (attention path, expert-GEMM strategy,
@@ -63,6 +67,13 @@ typedef struct fm_train_opts {
                                      step 0); ignored (with a note) when --resume finds a checkpoint */
     bool resume_trust_optimizer;  /* --resume-trust-optimizer: resume from optimizer.safetensors'
                                      master copy even when model.safetensors disagrees with it */
+    /* Many ranks (README "Many ranks"): the world is the launcher's (comm/fm_comm.h,
+     * fm_comm_world_create); micro_batch is per data-parallel rank. */
+    int dp;                       /* --dp: data-parallel degree; 0: the world size W (sp = ep = 1) */
+    int zero;                     /* --zero: 0 replicas (gradients all-reduced); 1 ZeRO-1/2: Adam
+                                     moments sharded by parameter range over dp, gradients
+                                     reduce-scattered to their owner, updated weights all-gathered */
+    double comm_timeout;          /* --comm-timeout: seconds a collective waits (0: 300) */
 } fm_train_opts;
 
 /* Sets every option to its default (the values the CLI's --help names). */

@@ -1,0 +1,204 @@
+/* Expert-parallel MoE (DESIGN.md §2 "expert dispatch" and §6): the experts of a layer are
+ * partitioned over the ranks of an ep process group (contiguous blocks: rank q of the group owns
+ * experts [q*E_loc, (q+1)*E_loc), E_loc = E/ep), and the dispatch and combine of the chunked MoE
+ * (fm_moe_dispatch.h) become all-to-all-v exchanges of token rows, in token chunks with a
+ * per-source cap c and strided membership (PipelinedLLEP, arXiv 2609.14306 §3: K chunks, token
+ * t of a rank -> chunk t mod K). K is the same on every rank of the group (fm_moe_ep_chunks: the
+ * all-reduce max of each rank's ceil(N/c)), so every rank runs every chunk's collectives, a rank
+ * with zero tokens too, and each source contributes at most ceil(N/K) <= c tokens to a chunk.
+ *
+ * One chunk, forward (every rank is a source of its tokens and the owner of its experts):
+ *   source: gather the chunk's rows (x, top-k), dispatch them expert-major over all E experts
+ *           (fm_moe_dispatch: the rows for rank q are then one contiguous block);
+ *   all:    agree on the chunk's routing counts: one all_reduce_host (sum) of a [ep, E+5] int64
+ *           table (each rank's per-expert counts, its K, its chunk size, an error flag, its cap
+ *           and a fingerprint of its placement options), so
+ *           every rank knows every count and takes the same decision (an error on one rank is
+ *           an error on all, never a hang);
+ *   all:    all_to_all_v of the rows to their owners (receive buffer: source-major);
+ *   owner:  permute them expert-major over its E_loc experts, run the experts
+ *           (model/fm_experts.h: the backend's grouped or per-expert GEMMs, SwiGLU), permute the
+ *           outputs back to source-major;
+ *   all:    all_to_all_v of the outputs back to their sources;
+ *   source: combine with the router weights (fm_moe_combine) and scatter to the layer's rows.
+ * Backward, per chunk: the forward's dispatch and experts are recomputed (as the one-rank chunked
+ * MoE does: nothing is kept between chunks), the outputs come back for the combine's backward
+ * (dtopk_w = dot(dy, ye) and dye = w * dy, on the source), dye goes to the owners, the owners run
+ * the experts' backward (their weight gradients stay with them, accumulated), and the input
+ * gradients of the rows come back to the source, which sums each token's k rows
+ * (fm_moe_dispatch_backward). Exchanges per chunk: forward 1 count all-reduce + 2 row
+ * all-to-all-v; backward 1 + 4 (a chunk whose least-loaded placement moves rows adds 3 weight
+ * all-to-all-v in forward, and 3 weight + 3 gradient all-to-all-v in backward).
+ *
+ * Exactness: per route the arithmetic is the one-rank MoE's (the same gather, SwiGLU, combine
+ * in the same j order); only the row grouping of the expert GEMMs differs (which rows share one
+ * GEMM), so outputs, input gradients and dtopk_w equal the one-rank MoE's up to the GEMM's
+ * blocking, and expert weight gradients up to fp32 reassociation (tests/test_moe_ep.c: 1e-6).
+ *
+ * The bound (fm_moe_ep_bound_bytes): a receiver gets from each of the ep sources at most
+ * c * min(k, E_loc) rows per chunk (a token's k experts are distinct, and at most E_loc of them
+ * live on one rank), so its receive buffer holds at most R_max = ep * c * min(k, E_loc) rows of
+ * H activations per direction -- DESIGN.md's E_p*k*c*H*b with E_p the ep degree, tightened by
+ * min(k, E_loc) -- whatever the router does; the owner's expert intermediates are those of R_max
+ * rows and the source's buffers those of c tokens. Routing that would exceed it (duplicate
+ * experts in a token's top-k) is refused on every rank before anything is sent.
+ *
+ * Overlap: none yet. On CPU ranks every collective is blocking (fm_comm.h) and the chunks run
+ * one after another: chunk i+1's dispatch does not overlap chunk i's expert GEMMs. The phases
+ * are separated so that a GPU version can issue chunk i+1's gather/dispatch and its row exchange
+ * on a communication stream while chunk i's experts run (two sets of source buffers and events).
+ *
+ * Least-loaded placement (LLEP, arXiv 2601.17111; fm_moe_llep.h), an option of the layout: per
+ * chunk, from the agreed count table (no extra collective), when the busiest rank's routed rows
+ * exceed lambda (1.3) x the mean, the heaviest experts' rows spill in contiguous ranges to the
+ * least-loaded ranks. The native rank sends each spilled expert's weights to its helpers (3
+ * all_to_all_v: gate, up, down) before the chunk's experts run, and in backward the helpers send
+ * that expert's weight gradients back (3 more), which the native rank adds to its own; sources
+ * pack their outgoing rows by helper (one gather) and unpack the returned rows (one scatter). A
+ * helper hosts at most max_foreign experts per chunk and never more rows than the plain bound
+ * R_max, so the receive buffer and expert intermediates keep plain EP's bound; LLEP adds the
+ * hosted experts' weights and gradients and the native rank's staging (fm_moe_ep_bound.llep).
+ * Exact as plain EP is (only which rank runs which rows' GEMMs changes). */
+#ifndef FM_MOE_EP_H
+#define FM_MOE_EP_H
+
+#include "../comm/fm_comm.h"
+#include "fm_moe_dispatch.h"
+#include "fm_moe_llep.h"
+
+/* The byte bound of one EP layer's chunk working set, by part (bytes, each buffer rounded as
+ * fm_arena_alloc rounds; a = bytes per activation, R_max = ep * c * min(k, E_loc)):
+ *   recv    = r(R_max*H*a)                        the receive buffer (both directions reuse it)
+ *   send    = 2*r(c*k*H*a)                        the source's outgoing rows (x, then dye) and
+ *                                                 returned rows (ye, then dxe)
+ *   source  = 3*r(c*H*a) + 5*r(c*k*4)             the chunk's x, y|dy, dx rows; top-k idx, w,
+ *                                                 dw; route index row_route, route_row
+ *   experts = 3*r(R_max*H*a) + 6*r(R_max*I*a) + r(R_max*4)
+ *                                                 owner: xe, ye|dye, dxe; h_gate, h_up, h_act,
+ *                                                 dact, dh_gate, dh_up; the permutation
+ *   llep    = 6*r(F*I*H*a) + 3*r(PM*I*H*a) + r(c*k*4)   (0 without LLEP; F = max_foreign,
+ *                                                 PM = (ep-1)*min(F, E_loc)) hosted experts'
+ *                                                 weights and gradients (gate, up, down), the
+ *                                                 native rank's staging of the weights it sends
+ *                                                 and the gradients it gets back, the sources'
+ *                                                 packing order
+ *   device  = recv + send + source + experts + llep   (what fm_moe_ep_ws_layout takes from `dev`)
+ *   host    = r((E+1)*8) + r((E_loc+1)*8) + r(ep*(E+5)*8) + 5*r(ep*8) + r(R_max*4)
+ *             (+ with LLEP: r(c*k*4) + 4*r(ep*8) + r((F+1)*8) + r(E*8) + r(PM*4) + the plan,
+ *             fm_llep_plan_bytes)            expert offsets, the count table, the all-to-all
+ *                                                 counts, displacements and cursors, the
+ *                                                 permutation's host copy
+ * None of it depends on N, on the routing or on L. */
+typedef struct fm_moe_ep_bound {
+    int64_t rows_max; /* R_max: rows a receiver may get per chunk per direction */
+    size_t recv, send, source, experts, llep, device, host;
+} fm_moe_ep_bound;
+
+/* Checks the EP geometry: ep >= 1, E % ep == 0, c >= 1, ep * (E+5) <= FM_COMM_HOST_MAX_ELEMS
+ * (the count table travels through all_reduce_host). Errors: FM_ERR_ARG naming the value, the
+ * expected one and the fix. */
+fm_status fm_moe_ep_check(const fm_moe_dims *d, int ep, int64_t c);
+
+/* The bound of the chunk working set of one EP layer (see fm_moe_ep_bound) for the global dims d
+ * (E = all experts), ep ranks and cap c tokens per source per chunk, with least-loaded
+ * placement when llep && llep->on; fills *b when non-NULL and returns b->device (0 when
+ * fm_moe_ep_check fails). act_bytes: sizeof(fm_act) of the build the plan is for (4 CPU, 2 CUDA). */
+size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t act_bytes, const fm_llep_opts *llep,
+                             fm_moe_ep_bound *b);
+
+/* The working set of the EP operator for one chunk (any layer: nothing survives a chunk), laid
+ * out once at launch. Pointers are backend memory unless marked host. */
+typedef struct fm_moe_ep_ws {
+    int ep, rank;           /* the group's size and this rank's index in it */
+    int64_t E_loc, c;       /* experts per rank; the per-source cap */
+    int64_t rows_per_src;   /* c * min(k, E_loc): the most rows one source sends one owner */
+    int64_t rows_max;       /* R_max = ep * rows_per_src */
+    /* source side */
+    int32_t *topk_idx;      /* [c,k] */
+    float *topk_w, *dtopk_w; /* [c,k] */
+    fm_act *xc, *yc, *dxc;  /* [c,H]: the chunk's inputs; outputs (forward) or output grads (backward); input grads */
+    fm_moe_routes src;      /* over all E experts, c tokens: offsets [E+1] (host), row_route, route_row [c*k],
+                               xe [c*k,H] (rows out: x, then dye), ye [c*k,H] (rows back: ye, then dxe);
+                               h_gate, h_up, h_act are NULL */
+    /* owner side */
+    fm_act *recv;           /* [R_max,H] source-major rows (in, then out) */
+    int32_t *perm;          /* [R_max]: expert-major row i is recv row perm[i] */
+    fm_moe_routes exp;      /* over the E_loc local experts, R_max rows: offsets [E_loc+1] (host), xe, ye
+                               [R_max,H], h_gate, h_up, h_act [R_max,I]; row_route, route_row NULL */
+    fm_moe_ws exp_ws;       /* the experts' backward: dye (= exp.ye), dxe [R_max,H], dact, dh_gate, dh_up
+                               [R_max,I] */
+    /* host */
+    int64_t *table;         /* [ep, E+5]: per rank its E counts, K, chunk size, error flag, c, options */
+    int64_t *send_counts, *send_displs, *recv_counts, *recv_displs; /* [ep], elements */
+    int64_t *cursor;        /* [ep] scratch */
+    int32_t *perm_host;     /* [R_max] */
+    /* least-loaded placement (llep.on; otherwise these are NULL and spill is false) */
+    fm_llep_opts llep;
+    int64_t F, pairs_max;   /* hosted experts per rank; (ep-1)*min(F, E_loc) */
+    fm_llep_plan plan;      /* the current chunk's placement (host) */
+    bool spill;             /* the current chunk moves rows */
+    int64_t rows_out;       /* the current chunk's outgoing rows (n*k) */
+    int32_t *pack, *pack_host;          /* [c*k]: outgoing row i is expert-major row pack[i] */
+    fm_act *fw[3], *fg[3];  /* [F, I*H] each: hosted experts' gate, up, down weights and gradients */
+    fm_act *stage[3];       /* [PM, I*H] each: weights out to helpers, their gradients back */
+    int32_t *pair_local;    /* [PM] host: the local expert of each staged pair */
+    int64_t *load;          /* [E] host: rows per expert in the chunk */
+    int64_t *foff;          /* [F+1] host: the hosted experts' row offsets (from 0) */
+    int64_t *wsend_counts, *wsend_displs, *wrecv_counts, *wrecv_displs; /* [ep] host, elements */
+    /* measured (reset by the caller when it wants; the operator only raises them) */
+    int64_t recv_rows_high; /* most rows this rank received in one chunk */
+    int64_t send_rows_high; /* most rows this rank sent in one chunk */
+    int64_t llep_chunks;    /* chunk passes (forward and backward each count) whose placement moved rows */
+} fm_moe_ep_ws;
+
+/* Lays out w from `dev` (backend memory; fm_moe_ep_bound.device bytes) and `host` (host memory
+ * the backend can copy to asynchronously -- pinned on a GPU, as fm_moe_routes_layout's `host`:
+ * the dispatch's expert offsets are written there by the backend; .host bytes) for the global dims d, an ep group of size ep in which this rank is `rank`, cap
+ * c, and least-loaded placement llep (NULL or llep->on false: plain EP; every rank of the group
+ * must pass the same). A measuring arena gives the bytes. Errors: those of fm_moe_ep_check;
+ * FM_ERR_ARG for a rank outside [0, ep), LLEP options out of range (lambda < 1, alpha <= 0,
+ * min_piece < 1, max_foreign < 1). */
+fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, const fm_moe_dims *d, int ep,
+                              int rank, int64_t c, const fm_llep_opts *llep);
+
+/* The number of chunks every rank of the group runs: K = max over ranks of ceil(N_r / c) (at
+ * least 1: a group whose ranks all have zero tokens still runs one chunk). A collective call
+ * (all_reduce_host max) on comm; N >= 0, c >= 1. Each rank's chunks then hold ceil((N-j)/K)
+ * <= c tokens (fm_moe_chunk_size) in the strided order fm_moe_chunk_order(tok, N, K).
+ * timeout_s: as fm_comm.h (0: the communicator's default). Errors: FM_ERR_ARG (N < 0, c < 1:
+ * local, before the collective), the communicator's (FM_ERR_IO: a timeout or transport error). */
+fm_status fm_moe_ep_chunks(const fm_comm *comm, int64_t N, int64_t c, double timeout_s, int64_t *K);
+
+/* Forward over this rank's N tokens: y [N,H] (assigned) = sum_j topk_w[n,j] * expert_{topk_idx[n,j]}(x[n])
+ * with x [N,H] fm_act, topk_idx [N,k] int32 (values in [0,E), distinct per token) and topk_w
+ * [N,k] fp32, all backend memory; the experts of topk_idx live on their owners. w: this rank's
+ * E_loc experts (gate and up [E_loc,I,H], down [E_loc,H,I]: experts rank*E_loc ..). comm: the
+ * ep group (its size and rank those of ws's layout); its buffers must be the backend's memory
+ * (or host memory when the backend's memory is host memory: the CPU). d: the global dims.
+ * K: the agreed chunk count (fm_moe_ep_chunks), chunk_tokens [N] int32 backend memory
+ * (fm_moe_chunk_order(., N, K)). A collective call: every rank of comm calls it with its own N
+ * (0 allowed: x, y, topk may then be NULL). timeout_s: per collective (0: the default).
+ * Errors (the same on every rank: the checks travel in the first chunk's count table):
+ *   FM_ERR_ARG  a rank's working set was laid out with another cap or placement options, a
+ *               rank's K differs from another's, or K < 1, or a chunk of a rank holds more
+ *               than c tokens (K < ceil(N/c)), or a rank would send more than c*min(k,E_loc)
+ *               rows to one owner (duplicate experts in a token's top-k) -- naming the rank;
+ *               comm's size/rank differ from ws's; the comm's memory is host memory but the
+ *               backend's is not (local, before any collective);
+ *   FM_ERR_IO   a collective failed or timed out (the communicator's message, with the chunk):
+ *               the process must stop (fm_comm_mpi_abort). */
+fm_status fm_moe_ep_forward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
+                            const fm_moe_weights *w, fm_act *y, const fm_act *x, const int32_t *topk_idx,
+                            const float *topk_w, int64_t N, int64_t K, const int32_t *chunk_tokens,
+                            fm_moe_ep_ws *ws, double timeout_s);
+
+/* Backward: dx [N,H] and dtopk_w [N,k] assigned from dy [N,H], this rank's experts' weight
+ * gradients g (shapes of w) accumulated (+=) over every rank's tokens routed to them; recomputes
+ * each chunk's forward first. Arguments, collective rules and errors: those of the forward. */
+fm_status fm_moe_ep_backward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
+                             const fm_moe_weights *w, const fm_moe_grads *g, fm_act *dx, float *dtopk_w,
+                             const fm_act *dy, const fm_act *x, const int32_t *topk_idx, const float *topk_w,
+                             int64_t N, int64_t K, const int32_t *chunk_tokens, fm_moe_ep_ws *ws,
+                             double timeout_s);
+
+#endif

@@ -1,0 +1,45 @@
+/* flatmoe calibrate: measures this build's backend's rates into a calibration table for the
+ * planner's step-time projection (plan/fm_calibrate.h). On a GPU:
+ *   flatmoe-cuda calibrate --out configs/calib/h200.json */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+#include "backend/fm_backend.h"
+#include "plan/fm_calibrate.h"
+
+static void print_line(void *user, const char *line) {
+    (void)user;
+    printf("%s\n", line);
+    fflush(stdout);
+}
+
+int cmd_calibrate(int argc, char **argv) {
+    const char *out = NULL, *backend = NULL;
+    bool quick = false;
+    int threads = 0;
+    flag flags[] = {
+        {"out", F_STR, &out, NULL, "the calibration table to write, e.g. configs/calib/h200.json (required)"},
+        {"backend", F_STR, &backend, NULL, "cpu or cuda: must be this binary's (flatmoe is cpu, flatmoe-cuda cuda)"},
+        {"quick", F_BOOL, &quick, NULL, "fewer, smaller shapes (the CPU in well under a minute) (off)"},
+        {"threads", F_INT, &threads, NULL, "CPU threads, 0 = all cores (0)"},
+    };
+    int r = cli_parse_flags("calibrate", "--out FILE [--backend cpu|cuda] [--quick]", argc, argv, flags,
+                            sizeof flags / sizeof flags[0]);
+    if (r) return r == 1 ? 0 : r;
+    if (!out) return cli_usage_error("calibrate", "%s", "--out is required (e.g. --out configs/calib/cpu.json)");
+    const char *mine = sizeof(fm_act) == 4 ? "cpu" : "cuda";
+    if (backend && strcmp(backend, "cpu") && strcmp(backend, "cuda"))
+        return cli_usage_error("calibrate", "--backend: expected cpu or cuda, found '%s'", backend);
+    if (backend && strcmp(backend, mine))
+        return cli_usage_error("calibrate", "--backend %s: this binary measures its own backend; run flatmoe-cuda "
+                               "calibrate for cuda, flatmoe calibrate for cpu", backend);
+    if (threads < 0) return cli_usage_error("calibrate", "%s", "--threads must be >= 0 (0 = all cores)");
+    const fm_calibrate_opts o = {quick, threads, print_line, NULL};
+    fm_calib c;
+    fm_status s = fm_calibrate_run(&o, &c);
+    if (s) return cli_fail("calibrate", s);
+    if ((s = fm_calib_save(&c, out))) return cli_fail("calibrate", s);
+    printf("wrote %s (%s, kind %s)\n", out, c.device, c.kind);
+    return 0;
+}

@@ -1,0 +1,292 @@
+#include "fm_choose.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../bounded/fm_linear_ce.h"
+
+static bool fits(const fm_plan *p, const fm_choose_opts *o) {
+    return (o->budget == 0 || p->total <= o->budget) && p->host_bytes <= o->host_budget;
+}
+
+/* One point of the search; -1 in a field: as the request has it (a fixed knob). */
+typedef struct cand {
+    int64_t nr, ka, n_off, opt, chunk, lce;
+} cand;
+
+static void apply(fm_plan_req *r, const cand *c, bool *rc) {
+    const int64_t L = r->cfg.num_hidden_layers;
+    if (c->nr >= 0) {
+        for (int64_t l = 0; l < L; l++) rc[l] = l < c->nr;
+        r->recompute = rc;
+    }
+    if (c->ka >= 0) {
+        for (int64_t l = 0; l < L; l++) rc[L + l] = c->ka != 0;
+        r->keep_attention = rc + L;
+    }
+    if (c->n_off >= 0) r->n_offloaded_boundaries = c->n_off;
+    if (c->opt >= 0) r->offload_optimizer = c->opt != 0;
+    if (c->chunk >= 0) r->moe_chunk_tokens = c->chunk;
+    if (c->lce >= 0) {
+        r->ce_block_tokens = c->lce ? FM_LCE_DEFAULT_BLOCK_TOKENS : 0;
+        r->ce_block_vocab = c->lce ? FM_LCE_DEFAULT_BLOCK_VOCAB : 0;
+    }
+}
+
+typedef struct search {
+    bool found;
+    double best_s;
+    cand best;
+    size_t small_total; /* the smallest device total tried, and its candidate (for the message) */
+    cand small;
+} search;
+
+/* Plans candidate c (with the fewest offloaded boundaries that fit, when they are free) and
+ * keeps it when it fits and is faster. */
+static void try_cand(fm_plan_req *r, const fm_choose_opts *o, cand c, bool *rc, search *s) {
+    fm_plan p;
+    const int64_t L = r->cfg.num_hidden_layers;
+    const bool free_off = c.n_off == -2; /* -2: search the offload count */
+    if (free_off) c.n_off = 0;
+    apply(r, &c, rc);
+    fm_plan_compute(r, &p);
+    if (free_off && o->budget && p.total > o->budget && L >= 2) {
+        /* device bytes fall as n grows (n = 1 saves nothing): the smallest n in [2, L] that fits */
+        cand hi = c;
+        hi.n_off = L;
+        apply(r, &hi, rc);
+        fm_plan_compute(r, &p);
+        if (p.total <= o->budget) {
+            int64_t lo = 2, up = L; /* up fits */
+            while (lo < up) {
+                const int64_t mid = lo + (up - lo) / 2;
+                cand m = c;
+                m.n_off = mid;
+                apply(r, &m, rc);
+                fm_plan_compute(r, &p);
+                if (p.total <= o->budget) up = mid;
+                else lo = mid + 1;
+            }
+            c.n_off = up;
+            apply(r, &c, rc);
+            fm_plan_compute(r, &p);
+        } else {
+            c.n_off = L; /* the smallest device total of this candidate */
+        }
+    }
+    if (p.total < s->small_total) {
+        s->small_total = p.total;
+        s->small = c;
+    }
+    if (!fits(&p, o)) return;
+    fm_projection pr;
+    fm_project(r, &p, o->calib, &pr);
+    if (!s->found || pr.step_s < s->best_s) {
+        s->found = true;
+        s->best_s = pr.step_s;
+        s->best = c;
+    }
+}
+
+/* The search; req ends holding the best candidate (or the smallest one when none fits). */
+static bool search_all(fm_plan_req *r, const fm_choose_opts *o, bool *rc) {
+    const int64_t L = r->cfg.num_hidden_layers, N = r->B * r->T;
+    search s = {.small_total = SIZE_MAX};
+    int64_t nrs[1025], n_nr = 0;
+    if (o->fix_recompute) nrs[n_nr++] = -1;
+    else
+        for (int64_t n = 0; n <= L && n_nr < 1025; n++)
+            if (!(n == 1 && L > 1)) nrs[n_nr++] = n; /* one recomputed layer saves nothing (the shared set) */
+    int64_t chunks[64], n_ch = 0;
+    if (o->fix_moe_chunk) chunks[n_ch++] = -1;
+    else {
+        chunks[n_ch++] = 0; /* unchunked: the plain twin */
+        for (int64_t c = N;; c = (c + 1) / 2) {
+            if (c < FM_PLAN_MIN_CHUNK) c = FM_PLAN_MIN_CHUNK;
+            chunks[n_ch++] = c;
+            if (c <= FM_PLAN_MIN_CHUNK || n_ch >= 64) break;
+        }
+    }
+    const int n_ka = o->fix_keep_attention ? 1 : 2, n_opt = o->fix_offload_optimizer ? 1 : 2, n_ce = o->fix_ce ? 1 : 2;
+    for (int64_t i = 0; i < n_nr; i++)
+        for (int ka = 0; ka < n_ka; ka++) {
+            /* keep-attention only matters for recomputed layers */
+            if (!o->fix_keep_attention && ka == 1 && nrs[i] == 0) continue;
+            for (int opt = 0; opt < n_opt; opt++)
+                for (int64_t j = 0; j < n_ch; j++)
+                    for (int ce = 0; ce < n_ce; ce++) {
+                        cand c = {nrs[i], o->fix_keep_attention ? -1 : ka, o->fix_offload_boundaries ? -1 : -2,
+                                  o->fix_offload_optimizer ? -1 : opt, chunks[j], o->fix_ce ? -1 : ce};
+                        try_cand(r, o, c, rc, &s);
+                    }
+        }
+    apply(r, s.found ? &s.best : &s.small, rc);
+    return s.found;
+}
+
+static void describe(const fm_plan_req *r, const fm_plan *p, char *b, size_t n) {
+    snprintf(b, n, "recompute %lld of %lld layers%s, %lld offloaded boundaries, optimizer %s, MoE %s%lld, %s",
+             (long long)p->n_recomputed, (long long)r->cfg.num_hidden_layers,
+             p->n_keep_attention ? " keeping attention" : "", (long long)p->n_offloaded_boundaries,
+             r->offload_optimizer ? "streamed from the host" : "on the device",
+             r->moe_chunk_tokens > 0 ? "chunks of " : "unchunked", (long long)(r->moe_chunk_tokens > 0 ? r->moe_chunk_tokens : 0),
+             (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear CE" : "plain logits");
+    if (r->moe_chunk_tokens <= 0) { /* drop the 0 after "unchunked" */
+        char *z = strstr(b, "unchunked0");
+        if (z) memmove(z + 9, z + 10, strlen(z + 10) + 1);
+    }
+}
+
+static bool any_free(const fm_choose_opts *o) {
+    return !(o->fix_recompute && o->fix_keep_attention && o->fix_offload_boundaries && o->fix_offload_optimizer &&
+             o->fix_moe_chunk && o->fix_ce);
+}
+
+/* fit without advice: the plan and whether it fits */
+static bool fit_quiet(fm_plan_req *r, const fm_choose_opts *o, bool *rc, fm_plan *p) {
+    if (o->budget > 0 && any_free(o)) search_all(r, o, rc);
+    fm_plan_compute(r, p);
+    return fits(p, o);
+}
+
+fm_status fm_plan_fit(fm_plan_req *req, const fm_choose_opts *o, bool *rc, fm_plan *out, fm_projection *proj) {
+    const fm_plan_req given = *req;
+    const bool ok = fit_quiet(req, o, rc, out);
+    fm_project(req, out, o->calib, proj);
+    if (ok) return FM_OK;
+    int big = 0;
+    for (int i = 1; i < FM_PLAN_SETS; i++)
+        if (out->bytes[i] > out->bytes[big]) big = i;
+    char advice[1600];
+    fm_plan_advise(&given, o, advice, sizeof advice);
+    const char *bn = o->budget_name ? o->budget_name : "--mem-budget";
+    const char *hn = o->host_budget_name ? o->host_budget_name : "--host-mem-budget";
+    if (o->budget && out->total > o->budget)
+        return fm_error(FM_ERR_NOMEM, "plan: %.1f MiB of device memory needed but %s is %.1f MiB; the largest live set "
+                        "is %s (%.1f MiB)%s. %s", out->total / 1048576.0, bn, o->budget / 1048576.0,
+                        fm_plan_set_name(big), out->bytes[big] / 1048576.0,
+                        any_free(o) ? " (the smallest plan the chooser found)" : "", advice);
+    return fm_error(FM_ERR_NOMEM, "plan: %.1f MiB of pinned host memory needed but %s is %.1f MiB. %s",
+                    out->host_bytes / 1048576.0, hn, o->host_budget / 1048576.0, advice);
+}
+
+/* Does req (with the knobs free per o) fit? Works on a copy with its own recompute tables. */
+static bool try_fit(const fm_plan_req *req, const fm_choose_opts *o, char *desc, size_t n) {
+    const int64_t L = req->cfg.num_hidden_layers;
+    fm_plan_req r = *req;
+    bool *rc = fm_malloc((size_t)(2 * L));
+    if (!rc) return false;
+    for (int64_t l = 0; l < L; l++) {
+        rc[l] = req->recompute ? req->recompute[l] : false;
+        rc[L + l] = req->keep_attention ? req->keep_attention[l] : false;
+    }
+    r.recompute = rc;
+    r.keep_attention = rc + L;
+    fm_plan p;
+    const bool ok = fm_plan_check_shape(&r.cfg, r.B, r.T) == FM_OK && fit_quiet(&r, o, rc, &p);
+    if (ok && desc) describe(&r, &p, desc, n);
+    fm_free(rc);
+    return ok;
+}
+
+static void add_item(char *buf, size_t n, int *items, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void add_item(char *buf, size_t n, int *items, const char *fmt, ...) {
+    size_t len = strlen(buf);
+    if (len + 4 >= n) return;
+    if (*items) len += (size_t)snprintf(buf + len, n - len, "; ");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf + len, n - len, fmt, ap);
+    va_end(ap);
+    (*items)++;
+}
+
+void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o0, char *buf, size_t n) {
+    char list[1400] = "";
+    int items = 0;
+    const fm_choose_opts o = *o0;
+    /* 1. a fixed chooser knob, freed */
+    static const char *const names[6] = {"--recompute", "--recompute-keep-attention", "--offload-boundaries",
+                                         "--offload-optimizer", "--moe-chunk-tokens", "--ce-block-tokens/--ce-block-vocab"};
+    for (int k = 0; k < 6; k++) {
+        fm_choose_opts f = o;
+        bool *fx[6] = {&f.fix_recompute, &f.fix_keep_attention, &f.fix_offload_boundaries, &f.fix_offload_optimizer,
+                       &f.fix_moe_chunk, &f.fix_ce};
+        if (!*fx[k]) continue;
+        *fx[k] = false;
+        if (f.budget == 0) continue; /* nothing is chosen without a budget */
+        char d[300];
+        if (try_fit(req, &f, d, sizeof d)) add_item(list, sizeof list, &items, "drop %s and let the chooser pick (%s)", names[k], d);
+    }
+    /* 2. bf16 moments */
+    if (!req->bf16_moments) {
+        fm_plan_req r = *req;
+        r.bf16_moments = true;
+        if (try_fit(&r, &o, NULL, 0)) add_item(list, sizeof list, &items, "--bf16-moments (AdamW m and v in bf16: 4 B/param less)");
+    }
+    /* 3. the streamed optimizer when the user fixed it off cannot be said (a switch has no off);
+     *    it is a chooser knob, so a fit with it was tried. 4. a smaller micro-batch */
+    if (req->B > 1) {
+        int64_t lo = 0, hi = req->B - 1; /* largest B' in [1, hi] that fits; lo fits (0: none yet) */
+        while (lo < hi) {
+            const int64_t mid = lo + (hi - lo + 1) / 2;
+            fm_plan_req r = *req;
+            r.B = mid;
+            if (try_fit(&r, &o, NULL, 0)) lo = mid;
+            else hi = mid - 1;
+        }
+        if (lo >= 1) add_item(list, sizeof list, &items, "--micro-batch %lld", (long long)lo);
+    }
+    /* 5. a shorter sequence: the longest that fits, in steps of 1024 from 4K up */
+    if (req->T > 1) {
+        const int64_t g = req->T > 4096 ? 1024 : 1;
+        int64_t lo = 0, hi = (req->T - 1) / g;
+        while (lo < hi) {
+            const int64_t mid = lo + (hi - lo + 1) / 2;
+            fm_plan_req r = *req;
+            r.T = mid * g;
+            if (try_fit(&r, &o, NULL, 0)) lo = mid;
+            else hi = mid - 1;
+        }
+        if (lo >= 1) add_item(list, sizeof list, &items, "--seq-len %lld%s", (long long)(lo * g),
+                              g > 1 ? " (the longest that fits, in steps of 1024)" : " (the longest that fits)");
+    }
+    /* 6. ranks: ZeRO-3 shards the model state over W ranks */
+    {
+        int64_t lo = 2, hi = 4096;
+        fm_plan_req r = *req;
+        r.ranks = hi;
+        if (try_fit(&r, &o, NULL, 0)) {
+            while (lo < hi) {
+                const int64_t mid = lo + (hi - lo) / 2;
+                r.ranks = mid;
+                if (try_fit(&r, &o, NULL, 0)) hi = mid;
+                else lo = mid + 1;
+            }
+            add_item(list, sizeof list, &items, "needs %lld ranks (ZeRO-3 sharding of the model state; multi-rank "
+                     "training is not built yet)", (long long)hi);
+        }
+    }
+    if (items) snprintf(buf, n, "It would fit with any one of: %s", list);
+    else snprintf(buf, n, "No single knob makes it fit (not --micro-batch, --seq-len, --bf16-moments, offload, recompute "
+                  "or ranks): it needs a larger budget, or several of them at once");
+}
+
+size_t fm_host_mem_budget_default(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    double avail = -1, total = -1;
+    while (fgets(line, sizeof line, f)) {
+        double v;
+        if (sscanf(line, "MemAvailable: %lf kB", &v) == 1) avail = v * 1024.0;
+        if (sscanf(line, "MemTotal: %lf kB", &v) == 1) total = v * 1024.0;
+    }
+    fclose(f);
+    if (avail < 0 || total < 0) return 0;
+    double reserve = total / 10.0;
+    if (reserve < 4.0 * 1073741824.0) reserve = 4.0 * 1073741824.0;
+    return avail > reserve ? (size_t)(avail - reserve) : 0;
+}

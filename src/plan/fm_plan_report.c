@@ -1,0 +1,121 @@
+#include "fm_plan_report.h"
+
+#include <string.h>
+
+static int largest_set(const fm_plan *p) {
+    int best = 0;
+    for (int i = 1; i < FM_PLAN_SETS; i++)
+        if (p->bytes[i] > p->bytes[best]) best = i;
+    return best;
+}
+
+static void human(char *buf, size_t n, size_t bytes) {
+    snprintf(buf, n, "%.3f", bytes / 1073741824.0);
+}
+
+void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report *x, FILE *f) {
+    const size_t budget = x->budget;
+    const fm_config *c = &r->cfg;
+    fprintf(f, "model %s: %lld parameters, %lld active per token; L = %lld, H = %lld, E = %lld, top-%lld, V = %lld\n",
+            c->model_type_name, (long long)p->n_params, (long long)p->n_active, (long long)c->num_hidden_layers,
+            (long long)c->hidden_size, (long long)c->num_experts, (long long)c->num_experts_per_tok,
+            (long long)c->vocab_size);
+    fprintf(f, "shape: micro-batch %lld x seq-len %lld = %lld tokens; recompute %lld of %lld layers",
+            (long long)r->B, (long long)r->T, (long long)(r->B * r->T), (long long)p->n_recomputed,
+            (long long)c->num_hidden_layers);
+    if (p->n_keep_attention > 0)
+        fprintf(f, " (%lld keep their attention output)", (long long)p->n_keep_attention);
+    fprintf(f, "; MoE %s", r->moe_chunk_tokens > 0 ? "chunked" : "unchunked (plain)");
+    if (r->moe_chunk_tokens > 0)
+        fprintf(f, ", %lld chunks of <= %lld tokens", (long long)p->moe_K, (long long)p->moe_c_eff);
+    fprintf(f, "; vocabulary %s", (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear cross-entropy" : "plain logits");
+    fprintf(f, "; %lld offloaded boundaries; optimizer %s", (long long)p->n_offloaded_boundaries,
+            r->offload_optimizer ? "streamed from pinned host memory (--offload-optimizer)" : "on the device");
+    fprintf(f, "\n\n%-24s %20s %12s   %s\n", "live set", "bytes", "GiB", "bound");
+    char g[32];
+    for (int i = 0; i < FM_PLAN_SETS; i++) {
+        human(g, sizeof g, p->bytes[i]);
+        fprintf(f, "%-24s %20zu %12s   %s\n", fm_plan_set_name(i), p->bytes[i], g, p->inputs[i]);
+    }
+    human(g, sizeof g, p->total);
+    fprintf(f, "%-24s %20zu %12s\n", "total", p->total, g);
+    const bool host_limited = x->host_budget != FM_HOST_BUDGET_UNLIMITED;
+    if (p->host_bytes > 0) {
+        human(g, sizeof g, p->host_bytes);
+        char what[300] = "";
+        if (p->n_offloaded_boundaries > 0)
+            snprintf(what, sizeof what, "%lld offloaded boundaries x N x H x %d B", (long long)p->n_offloaded_boundaries,
+                     r->target == FM_PLAN_TARGET_CPU ? 4 : r->target == FM_PLAN_TARGET_CUDA ? 2 : (int)sizeof(fm_act));
+        if (p->host_optimizer_bytes > 0)
+            snprintf(what + strlen(what), sizeof what - strlen(what), "%soptimizer %s x %lld params (fp32 master, Adam "
+                     "m, v)", what[0] ? " + " : "", r->bf16_moments ? "8 B/param" : "12 B/param", (long long)p->n_params);
+        if (!what[0]) snprintf(what, sizeof what, "nothing offloaded");
+        char hb[64] = "";
+        if (host_limited) snprintf(hb, sizeof hb, "; host budget %.3f GiB", x->host_budget / 1073741824.0);
+        fprintf(f, "%-24s %20zu %12s   %s (not in the device total%s)\n", "host (pinned):", p->host_bytes, g, what, hb);
+    }
+    if (budget) {
+        char b[32];
+        human(b, sizeof b, budget);
+        char how[400] = "";
+        if (x->budget_what) snprintf(how, sizeof how, " (%s)", x->budget_what);
+        if (p->total <= budget) fprintf(f, "fits in %s GiB%s (%.1f%% used)", b, how, 100.0 * (double)p->total / (double)budget);
+        else fprintf(f, "DOES NOT FIT in %s GiB%s: largest live set %s", b, how, fm_plan_set_name(largest_set(p)));
+        if (host_limited && p->host_bytes > x->host_budget) fprintf(f, "; host memory DOES NOT FIT its budget");
+        fprintf(f, "\n");
+    } else if (host_limited && p->host_bytes > x->host_budget) {
+        fprintf(f, "host memory DOES NOT FIT: %.3f GiB pinned against a host budget of %.3f GiB\n",
+                p->host_bytes / 1073741824.0, x->host_budget / 1073741824.0);
+    }
+    fprintf(f, "\nFLOPs per token: model %.4g = 6 x N_active (%lld) + 6 x L x (heads x head_dim) x seq-len (causal "
+            "attention); hardware %.4g (+ recomputed forwards, less keep-attention layers' attention)\n", p->flops_model_token, (long long)p->n_active,
+            p->flops_hw_token);
+    fprintf(f, "FLOPs per step (%lld tokens): model %.4g, hardware %.4g\n", (long long)p->tokens_per_step,
+            p->flops_model_token * (double)p->tokens_per_step, p->flops_hw_token * (double)p->tokens_per_step);
+    if (x->proj) {
+        const fm_projection *pr = x->proj;
+        fprintf(f, "\nprojected step: %.4g s, %.0f tokens/s, MFU %.1f%% of %.4g TFLOP/s (rates: %s)\n", pr->step_s,
+                pr->tokens_per_s, 100.0 * pr->mfu, x->calib ? x->calib->peak_flops / 1e12 : 0.0,
+                x->calib ? x->calib->source : "?");
+        for (int i = 0; i < FM_PROJ_PHASES; i++)
+            if (pr->sec[i] > 0)
+                fprintf(f, "  %-22s %12.4g s %6.1f%%\n", fm_proj_phase_names[i], pr->sec[i],
+                        100.0 * pr->sec[i] / pr->step_s);
+        if (pr->offload_copy_s > 0)
+            fprintf(f, "  (checkpoint offload copies %.4g s in all, %.4g s of it not hidden)\n", pr->offload_copy_s,
+                    pr->sec[FM_PROJ_OFFLOAD]);
+        if (pr->opt_link_s > 0) fprintf(f, "  (streamed optimizer: host link %.4g s)\n", pr->opt_link_s);
+    }
+}
+
+void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_report *x, FILE *f) {
+    const size_t budget = x->budget;
+    fprintf(f, "{\"model_type\":\"%s\",\"params\":%lld,\"active_params\":%lld,\"micro_batch\":%lld,\"seq_len\":%lld,"
+            "\"recomputed_layers\":%lld,\"keep_attention_layers\":%lld,\"moe_chunk_tokens\":%lld,\"moe_chunks\":%lld,\"ce_block_tokens\":%lld,"
+            "\"ce_block_vocab\":%lld,\"adam_moments\":\"%s\",\"live_sets\":{",
+            r->cfg.model_type_name, (long long)p->n_params, (long long)p->n_active, (long long)r->B, (long long)r->T,
+            (long long)p->n_recomputed, (long long)p->n_keep_attention, (long long)r->moe_chunk_tokens, (long long)p->moe_K,
+            (long long)r->ce_block_tokens, (long long)r->ce_block_vocab, r->bf16_moments ? "bf16" : "fp32");
+    for (int i = 0; i < FM_PLAN_SETS; i++) fprintf(f, "%s\"%s\":%zu", i ? "," : "", fm_plan_set_name(i), p->bytes[i]);
+    const bool host_ok = x->host_budget == FM_HOST_BUDGET_UNLIMITED || p->host_bytes <= x->host_budget;
+    fprintf(f, "},\"total_bytes\":%zu,\"budget_bytes\":%zu,\"fits\":%s,\"flops_per_token_model\":%.17g,"
+            "\"flops_per_token_hardware\":%.17g,\"tokens_per_step\":%lld,\"offloaded_boundaries\":%lld,"
+            "\"host_pinned_bytes\":%zu,\"offload_optimizer\":%s,\"device_mem_bytes\":%zu,\"context_bytes\":%zu",
+            p->total, budget, ((budget == 0 || p->total <= budget) && host_ok) ? "true" : "false", p->flops_model_token,
+            p->flops_hw_token, (long long)p->tokens_per_step, (long long)p->n_offloaded_boundaries, p->host_bytes,
+            r->offload_optimizer ? "true" : "false", x->device_mem, x->context_bytes);
+    if (x->host_budget != FM_HOST_BUDGET_UNLIMITED) fprintf(f, ",\"host_budget_bytes\":%zu", x->host_budget);
+    if (x->proj) {
+        const fm_projection *pr = x->proj;
+        fprintf(f, ",\"projected\":{\"step_s\":%.6g,\"tokens_per_s\":%.6g,\"mfu\":%.6g,\"peak_flops\":%.6g,"
+                "\"calibration\":\"", pr->step_s, pr->tokens_per_s, pr->mfu, x->calib ? x->calib->peak_flops : 0.0);
+        for (const char *c = x->calib ? x->calib->source : ""; *c; c++)
+            if (*c == '"' || *c == '\\') fprintf(f, "\\%c", *c);
+            else if ((unsigned char)*c >= 0x20) fputc(*c, f);
+        fprintf(f, "\",\"phases_s\":{");
+        for (int i = 0; i < FM_PROJ_PHASES; i++) fprintf(f, "%s\"%s\":%.6g", i ? "," : "", fm_proj_phase_names[i], pr->sec[i]);
+        fprintf(f, "}}");
+    }
+    fprintf(f, "}\n");
+}
+

@@ -1,0 +1,29 @@
+/* `flatmoe plan`'s report: the memory table (bytes, GiB, formula per live set), the host bytes
+ * against the host budget, the verdict, the FLOPs, and the projected step time by phase with
+ * tokens/s and MFU; as text or as one JSON object. */
+#ifndef FM_PLAN_REPORT_H
+#define FM_PLAN_REPORT_H
+
+#include <stdio.h>
+
+#include "fm_calib.h"
+#include "fm_choose.h"
+#include "fm_plan.h"
+#include "fm_project.h"
+
+typedef struct fm_plan_report {
+    size_t budget;            /* device bytes for the planned sets; 0: no verdict */
+    const char *budget_what;  /* how the budget was formed, printed after it (may be NULL) */
+    size_t device_mem;        /* --device-mem as given (0: none) */
+    size_t context_bytes;     /* the CUDA context and libraries, taken off device_mem (0: none) */
+    size_t host_budget;       /* pinned host bytes allowed; FM_HOST_BUDGET_UNLIMITED: none */
+    const fm_projection *proj; /* may be NULL: no time lines */
+    const fm_calib *calib;    /* the projection's table (its source and peak are printed) */
+} fm_plan_report;
+
+/* Prints the report as text. */
+void fm_plan_print(const fm_plan_req *req, const fm_plan *p, const fm_plan_report *x, FILE *f);
+/* The same as one JSON object (one line). */
+void fm_plan_print_json(const fm_plan_req *req, const fm_plan *p, const fm_plan_report *x, FILE *f);
+
+#endif

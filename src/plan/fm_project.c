@@ -1,0 +1,133 @@
+#include "fm_project.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "../bounded/fm_linear_ce.h"
+
+const char *const fm_proj_phase_names[FM_PROJ_PHASES] = {
+    "attention", "dense GEMMs", "expert GEMMs", "memory traffic", "LM head + loss",
+    "recompute", "MoE chunk recompute", "offload (unhidden)", "optimizer"};
+
+double fm_project_adamw_bytes(int a, bool bf16_moments) {
+    const double mv = bf16_moments ? 2.0 : 4.0;
+    /* g read, p written (a each), master read+written when the weights are not the master
+     * (a != 4; on the CPU p is the master, read and written), m and v read and written */
+    const double w = a == 4 ? 4.0 + 8.0 : 2.0 * a + 8.0;
+    return w + 4.0 * mv;
+}
+
+static double act_bytes_of(const fm_plan_req *r) {
+    if (r->target == FM_PLAN_TARGET_CPU) return 4;
+    if (r->target == FM_PLAN_TARGET_CUDA) return 2;
+    return (double)sizeof(fm_act);
+}
+
+/* Seconds of `flops` at `rate` FLOP/s (0 FLOPs: 0). */
+static double at(double flops, double rate) { return flops > 0 ? flops / rate : 0.0; }
+
+void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_projection *o) {
+    memset(o, 0, sizeof *o);
+    const fm_config *c = &r->cfg;
+    const double a = act_bytes_of(r);
+    const double B = (double)r->B, T = (double)r->T, N = B * T, H = (double)c->hidden_size;
+    const double L = (double)c->num_hidden_layers, E = (double)c->num_experts, k = (double)c->num_experts_per_tok;
+    const double I = (double)c->moe_intermediate_size, V = (double)c->vocab_size;
+    const double qd = (double)(c->num_attention_heads * c->head_dim), kd = (double)(c->num_key_value_heads * c->head_dim);
+    const double nr = (double)p->n_recomputed, nka = (double)p->n_keep_attention;
+    const bool chunked = r->moe_chunk_tokens > 0;
+    const double c_eff = chunked ? (double)p->moe_c_eff : N;
+
+    /* one layer's forward, by part */
+    const double att_f = at(2.0 * B * T * T * qd, fm_calib_rate(&cb->att_fwd, T));
+    const double att_b = at(5.0 * B * T * T * qd, fm_calib_rate(&cb->att_bwd, T));
+    const double dense_flops = 2.0 * N * H * (qd + 2.0 * kd) + 2.0 * N * qd * H + 2.0 * N * H * E;
+    const double gemm_rate = fm_calib_rate(&cb->gemm, N);
+    const double dense_f = at(dense_flops, gemm_rate), dense_b = at(2.0 * dense_flops, gemm_rate);
+    const double rpe = k * c_eff / (E > 0 ? E : 1);
+    const double exp_flops = 2.0 * N * k * 3.0 * H * I;
+    const double exp_f = at(exp_flops, fm_calib_rate(&cb->expert_fwd, rpe));
+    const double exp_b = at(2.0 * exp_flops, fm_calib_rate(&cb->expert_bwd, rpe));
+    /* bytes: 2 RMSNorms (read x, write y), 2 residual adds (3 tensors), RoPE in place on q and k,
+     * router probabilities (fp32 N x E: logits in, probs out, read by top-k), SwiGLU (gate, up,
+     * out over N k I); the dispatch's gather (x rows read k times, xe written) and combine (ye
+     * read, out written) */
+    const double elem_bytes = N * H * a * (4.0 + 6.0) + 2.0 * N * (qd + kd) * a + 12.0 * N * E + 3.0 * N * k * I * a;
+    const double disp_bytes = N * k * H * a * 3.0 + N * H * a;
+    const double mem_f = elem_bytes / cb->elementwise_bw + disp_bytes / cb->dispatch_bw;
+    const double swiglu_disp = 3.0 * N * k * I * a / cb->elementwise_bw + disp_bytes / cb->dispatch_bw;
+
+    double mb[FM_PROJ_PHASES] = {0};
+    mb[FM_PROJ_ATTENTION] = L * (att_f + att_b);
+    mb[FM_PROJ_DENSE] = L * (dense_f + dense_b);
+    mb[FM_PROJ_EXPERTS] = L * (exp_f + exp_b);
+    mb[FM_PROJ_MEMORY] = L * 3.0 * mem_f;
+    /* recomputed forwards: the whole layer, less attention where kept */
+    mb[FM_PROJ_RECOMPUTE] = nr * (dense_f + exp_f + mem_f) + (nr - nka) * att_f;
+    if (chunked) mb[FM_PROJ_MOE_RECOMPUTE] = (L - nr) * (exp_f + swiglu_disp);
+
+    /* head: final norm, embedding gather/scatter, LM head, loss */
+    const bool lce = r->ce_block_tokens > 0 || r->ce_block_vocab > 0;
+    const double nb = lce ? (double)(r->ce_block_tokens > 0 ? r->ce_block_tokens : FM_LCE_DEFAULT_BLOCK_TOKENS) : N;
+    const double head_rate = fm_calib_rate(&cb->gemm, nb < N ? nb : N);
+    double head = at((lce ? 8.0 : 6.0) * N * H * V, head_rate);
+    /* plain: logits written, read by the loss, gradient written in place, read by 2 GEMMs; linear
+     * CE: the fp32 strip written and folded in forward, written, turned into its gradient and read
+     * in backward (a != 4: its act copy too) */
+    head += (lce ? N * V * (4.0 * 5.0 + (a != 4 ? 2.0 * a : 0.0)) : N * V * a * 5.0) / cb->elementwise_bw;
+    head += 8.0 * N * H * a / cb->elementwise_bw;
+    mb[FM_PROJ_HEAD] = head;
+
+    /* checkpoint offload: boundary l (< n_off) leaves during layer l+1's forward and comes back
+     * during layer l+1's backward (with its recompute) */
+    const double n_off = (double)p->n_offloaded_boundaries;
+    if (n_off > 0) {
+        const double bytes = N * H * a;
+        const double t_out = bytes / cb->d2h, t_in = bytes / cb->h2d;
+        const double layer_f = att_f + dense_f + exp_f + mem_f;
+        const double layer_b = att_b + dense_b + exp_b + 2.0 * mem_f;
+        double excess = 0;
+        for (int64_t l = 0; l < p->n_offloaded_boundaries; l++) {
+            /* the layer that hides boundary l's copies: l+1 (the head's work for the last one) */
+            const bool rec = l + 1 < (int64_t)L && r->recompute && r->recompute[l + 1];
+            const bool keep = rec && r->keep_attention && r->keep_attention[l + 1];
+            const double hide_f = l + 1 < (int64_t)L ? layer_f : head;
+            const double hide_b = (l + 1 < (int64_t)L ? layer_b : head) + (rec ? layer_f - (keep ? att_f : 0) : 0);
+            excess += fmax(0.0, t_out - hide_f) + fmax(0.0, t_in - hide_b);
+        }
+        mb[FM_PROJ_OFFLOAD] = excess;
+        o->offload_copy_s = n_off * (t_out + t_in);
+    }
+
+    const double ga = (double)(r->grad_accum > 0 ? r->grad_accum : 1);
+    for (int i = 0; i < FM_PROJ_PHASES; i++) o->sec[i] = ga * mb[i]; /* the optimizer's is set below */
+    o->offload_copy_s *= ga;
+
+    /* optimizer */
+    const double P = (double)p->n_params;
+    const double adam_b = fm_project_adamw_bytes((int)a, r->bf16_moments);
+    const double t_gpu = P * adam_b / cb->adamw_bw;
+    double t_opt = 2.0 * a * P / cb->elementwise_bw; /* gradient zeroing and global norm */
+    if (r->offload_optimizer) {
+        const double per = 4.0 + 2.0 * (r->bf16_moments ? 2.0 : 4.0); /* master, m, v each way */
+        const double beta = fmin((double)(r->offload_bucket > 0 ? r->offload_bucket : 1), P);
+        if (r->offload_slots >= 2) {
+            const double up = P * per / cb->h2d_duplex, down = P * per / cb->d2h_duplex;
+            const double fill = beta * (per / cb->h2d + adam_b / cb->adamw_bw + per / cb->d2h);
+            t_opt += fmax(fmax(up, down), t_gpu) + fill;
+            o->opt_link_s = fmax(up, down);
+        } else {
+            t_opt += P * (per / cb->h2d + adam_b / cb->adamw_bw + per / cb->d2h);
+            o->opt_link_s = P * per * (1.0 / cb->h2d + 1.0 / cb->d2h);
+        }
+    } else {
+        t_opt += t_gpu;
+    }
+    if (r->optimizer_overlap) /* on the update stream while the next step's first forward runs */
+        t_opt = fmax(0.0, t_opt - L * (att_f + dense_f + exp_f + mem_f));
+    o->sec[FM_PROJ_OPTIMIZER] = t_opt;
+    for (int i = 0; i < FM_PROJ_PHASES; i++) o->step_s += o->sec[i];
+    const double tokens = (double)p->tokens_per_step;
+    o->tokens_per_s = o->step_s > 0 ? tokens / o->step_s : 0;
+    o->mfu = o->step_s > 0 && cb->peak_flops > 0 ? p->flops_model_token * tokens / o->step_s / cb->peak_flops : 0;
+}

@@ -1,0 +1,66 @@
+/* The step-time projection (DESIGN.md §2, docs/plan.md "Projected step time"): each phase of a
+ * training step from its FLOPs and bytes at the rates of a calibration table (fm_calib.h),
+ * summed into a projected step time, tokens/s and MFU. Pure arithmetic: no device, no I/O.
+ *
+ * Per micro-batch of N = B T tokens, per layer (qd = heads x head_dim, kd = kv_heads x head_dim,
+ * a the activation bytes):
+ *   attention      forward 2 B T^2 qd FLOPs at att_fwd(T), backward 5 B T^2 qd at att_bwd(T)
+ *   dense GEMMs    q/k/v/o and router, 2 N H (qd + 2 kd) + 2 N qd H + 2 N H E forward, twice that
+ *                  backward, at gemm(N)
+ *   expert GEMMs   2 N k 3 H I forward at expert_fwd(k c / E), twice that backward at
+ *                  expert_bwd(k c / E), c the MoE chunk's tokens (N unchunked)
+ *   memory traffic RMSNorms, residual adds, RoPE, router softmax, SwiGLU at elementwise_bw;
+ *                  gather and combine at dispatch_bw; backward twice the forward's bytes
+ *   recompute      a recomputed layer's forward again (without attention when it keeps it); a
+ *                  non-recomputed layer under chunked MoE its expert forward again
+ *   head           LM head 2 N H V forward + 4 N H V backward at gemm(rows), rows N (plain) or the
+ *                  CE token block (linear CE, whose logits are formed twice); the loss's bytes
+ *   offload        per offloaded boundary: N H a out at d2h in forward, hidden behind the next
+ *                  layer's forward, and in at h2d in backward, hidden behind that layer's
+ *                  recompute and backward: only the excess counts
+ * Per step: grad_accum micro-batches, then the optimizer: on device P x fm_project_adamw_bytes at
+ * adamw_bw (+ 2 a P at elementwise_bw: gradient zeroing and norm); streamed, the host link both
+ * ways at the duplex rates against the GPU AdamW, pipelined over S >= 2 slots (the slower of them
+ * plus one bucket's fill), serial with one slot.
+ * With the optimizer overlap (fm_plan_req.optimizer_overlap) only what exceeds one micro-batch's
+ * forward (its layers, not the head) counts: the update runs beside the next step's forward.
+ */
+#ifndef FM_PROJECT_H
+#define FM_PROJECT_H
+
+#include "fm_calib.h"
+#include "fm_plan.h"
+
+typedef enum fm_proj_phase {
+    FM_PROJ_ATTENTION = 0, /* attention forward + backward (first forward only) */
+    FM_PROJ_DENSE,         /* q/k/v/o projections and the router, forward + backward */
+    FM_PROJ_EXPERTS,       /* grouped expert GEMMs, forward + backward */
+    FM_PROJ_MEMORY,        /* elementwise, norms, RoPE, SwiGLU, dispatch traffic */
+    FM_PROJ_HEAD,          /* LM head and cross-entropy (plain or linear) */
+    FM_PROJ_RECOMPUTE,     /* recomputed layer forwards (attention included unless kept) */
+    FM_PROJ_MOE_RECOMPUTE, /* the chunked MoE's expert forward again */
+    FM_PROJ_OFFLOAD,       /* checkpoint-offload copies that their layer's compute does not hide */
+    FM_PROJ_OPTIMIZER,     /* AdamW (on device or streamed), gradient zeroing and norm */
+    FM_PROJ_PHASES
+} fm_proj_phase;
+
+extern const char *const fm_proj_phase_names[FM_PROJ_PHASES];
+
+typedef struct fm_projection {
+    double sec[FM_PROJ_PHASES]; /* per step (micro-batch phases times grad_accum) */
+    double step_s;              /* their sum */
+    double tokens_per_s;        /* tokens per step / step_s */
+    double mfu;                 /* model FLOPs per step / step_s / peak_flops */
+    double opt_link_s;          /* streamed optimizer: the link's share (0 on device) */
+    double offload_copy_s;      /* checkpoint offload: all copy time, hidden or not */
+} fm_projection;
+
+/* Bytes of device traffic per parameter of one AdamW step (read g, write p, read+write master
+ * when a != 4, read+write m and v): 28 with fp32 moments on both builds, 20 with bf16 moments. */
+double fm_project_adamw_bytes(int act_bytes, bool bf16_moments);
+
+/* Projects the step of plan `p` (computed from `req` by fm_plan_compute) at the rates of `c`.
+ * The activation element size is the plan's target's. Never fails. */
+void fm_project(const fm_plan_req *req, const fm_plan *p, const fm_calib *c, fm_projection *out);
+
+#endif
