@@ -58,7 +58,7 @@ bench)
             cp "/tmp/b-$which-$T/metrics.jsonl" "$OUT/$which-$T.jsonl" 2>/dev/null
             python3 - "$OUT/$which-$T.jsonl" <<'PY'
 import json, sys, statistics
-try: rows = [json.loads(l) for l in open(sys.argv[1])]
+try: rows = [r for r in map(json.loads, open(sys.argv[1])) if r.get("type", "step") == "step"]
 except Exception as e: print("  no metrics:", e); sys.exit()
 later = [r for r in rows if r["step"] > 1]
 print("  tokens/s per step:", [round(r["tokens_per_s"]) for r in rows], " host syncs per step:", [r.get("host_syncs") for r in rows],

@@ -20,7 +20,7 @@ for off in 0 all; do
 done
 python3 - <<'PY'
 import json
-def rows(p): return [(r["step"], r["loss"], r["grad_norm"], r.get("val_loss")) for r in map(json.loads, open(p))]
+def rows(p): return [(r["step"], r["loss"], r["grad_norm"], r.get("val_loss")) for r in map(json.loads, open(p)) if r.get("type", "step") == "step"]
 a, b = rows("/tmp/sco-0/metrics.jsonl"), rows("/tmp/sco-all/metrics.jsonl")
 print("sco metrics:", "same" if a == b and len(a) == 6 else "DIFFER %s vs %s" % (a[:2], b[:2]))
 PY

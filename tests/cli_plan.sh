@@ -45,9 +45,10 @@ expect_fail "384K OLMoE, fp32 moments, no host memory" "--bf16-moments" "$FM" pl
 h=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 393216 --device-mem 141093MiB --bf16-moments --host-mem-budget 0)
 grep -q "fits in" <<<"$h" && grep -q "12 B/param" <<<"$h" && ok || bad "384K OLMoE with --bf16-moments: $h"
 # With host memory the chooser may stream the optimizer from the host instead: it fits with fp32 moments.
-h=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 393216 --device-mem 141093MiB --host-mem-budget 100GiB)
+h=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 393216 --device-mem 141093MiB --host-mem-budget 100GiB --no-optimizer-overlap)
 grep -q "fits in" <<<"$h" && grep -q "^host (pinned)" <<<"$h" && ok || bad "384K OLMoE with 100 GiB of host memory: $h"
-# The projected step time, tokens/s and MFU next to the memory table, and in the JSON.
+# The projected step time, tokens/s and MFU next to the memory table, and in the JSON (the optimizer
+# serial here: overlapped with the next forward its time may be hidden and its line absent).
 grep -Eq "^projected step: [0-9.e+]+ s, [0-9]+ tokens/s, MFU [0-9.]+% of 989 TFLOP/s" <<<"$h" && ok || bad "plan: no projected step line: $h"
 grep -q "^  attention " <<<"$h" && grep -q "^  optimizer " <<<"$h" && ok || bad "plan: no phases in the projection"
 j=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 131072 --device-mem 141093MiB --json 2>/dev/null)
@@ -110,7 +111,7 @@ grep -q '"memory":{' "$TMP/fit/metrics.jsonl" && ok || bad "metrics.jsonl lacks 
 # Measuring memory changes nothing: the same run without --report-memory gives the same losses.
 knobs=$(grep "^plan:" "$TMP/fit.log" | sed -E 's/.*recompute ([0-9]+) of.*/\1/')
 "$FM" train "${common[@]}" --mem-budget "$budget" --out "$TMP/fit2" --quiet || bad "train without --report-memory failed"
-loss() { sed -E 's/.*"loss":([^,]*),.*/\1/' "$1"; }
+loss() { grep '"type":"step"' "$1" | sed -E 's/.*"loss":([^,]*),.*/\1/'; }
 [ "$(loss "$TMP/fit/metrics.jsonl")" = "$(loss "$TMP/fit2/metrics.jsonl")" ] && ok || bad "--report-memory changed the losses"
 # --offload-boundaries: the boundaries' bound counts L+1 - n + min(n, 2) tensors, and the host line
 # gives n x N x H x 4 B (tiny.json: L = 4, H = 128; N = 4 x 256 tokens: 512 KiB a boundary).

@@ -5,15 +5,22 @@
 source "$(dirname "$0")/lib_cli.sh"
 cfg="$ROOT/tests/data/micro.json"
 common=(--config "$cfg" --data "$TEXT" --seq-len 32 --micro-batch 4 --grad-accum 2 --steps 8 --warmup 2
-        --lr 3e-3 --eval-every 3 --eval-batches 2 --threads 2 --quiet)
+        --lr 3e-3 --eval-every 3 --eval-batches 2 --threads 2 --quiet --expert-counts-every 1)
 "$FM" train "${common[@]}" --out "$TMP/straight" || bad "straight run failed"
 "$FM" train "${common[@]}" --out "$TMP/split" --exit-after 4 || bad "first half failed"
 [ -d "$TMP/split/step_000004" ] && ok || bad "no checkpoint after --exit-after 4"
 "$FM" train "${common[@]}" --out "$TMP/split" --resume --recompute full || bad "resumed run failed"
-fields() { sed -E -e 's/,"backend":\{[^}]*\}//g' -e 's/"(tokens_per_s|step_s|elapsed_s|val_loss|host_syncs)":[^,}]*,?//g' "$1"; }
+# the step records (not the header and summary records, which name each invocation's flags and
+# times); the expert load is compared with the losses: the recomputed forward is not counted twice
+fields() { grep '"type":"step"' "$1" | sed -E -e 's/,"backend":\{[^}]*\}//g' -e 's/"(tokens_per_s|step_s|elapsed_s|val_loss|host_syncs)":[^,}]*,?//g'; }
+steps_in() { grep -c '"type":"step"' "$1"; }
 if diff <(fields "$TMP/straight/metrics.jsonl") <(fields "$TMP/split/metrics.jsonl") >/dev/null; then ok
 else bad "metrics differ between straight and resumed runs"; diff <(fields "$TMP/straight/metrics.jsonl") <(fields "$TMP/split/metrics.jsonl") | head >&2; fi
-[ "$(wc -l < "$TMP/split/metrics.jsonl")" -eq 8 ] && ok || bad "metrics.jsonl should have 8 lines"
+[ "$(steps_in "$TMP/split/metrics.jsonl")" -eq 8 ] && ok || bad "metrics.jsonl should have 8 step records"
+[ "$(head -1 "$TMP/split/metrics.jsonl" | grep -c '"type":"header"')" -eq 1 ] && ok || bad "metrics.jsonl does not start with a header record"
+[ "$(grep -c '"type":"header"' "$TMP/split/metrics.jsonl")" -eq 2 ] && ok || bad "a resumed run should have a header record per invocation"
+[ "$(grep -c '"type":"summary"' "$TMP/split/metrics.jsonl")" -eq 1 ] && [ "$(tail -1 "$TMP/split/metrics.jsonl" | grep -c '"type":"summary"')" -eq 1 ] &&
+    ok || bad "a resumed run should end with one summary record (the resume drops the first invocation's)"
 for f in model.safetensors optimizer.safetensors; do
     cmp -s "$TMP/straight/step_000008/$f" "$TMP/split/step_000008/$f" && ok || bad "$f differs after resume"
 done
@@ -47,11 +54,11 @@ nosteps=(--config "$cfg" --data "$TEXT" --seq-len 32 --micro-batch 4 --warmup 2 
          --eval-batches 1 --threads 2 --quiet)
 "$FM" train "${nosteps[@]}" --steps 6 --exit-after 3 --out "$TMP/nosteps" || bad "nosteps first half failed"
 "$FM" train "${nosteps[@]}" --out "$TMP/nosteps" --resume || bad "nosteps resume failed"
-[ -d "$TMP/nosteps/step_000006" ] && [ "$(wc -l < "$TMP/nosteps/metrics.jsonl")" -eq 6 ] && ok ||
+[ -d "$TMP/nosteps/step_000006" ] && [ "$(steps_in "$TMP/nosteps/metrics.jsonl")" -eq 6 ] && ok ||
     bad "--resume without --steps did not stop at the run's 6 steps: $(ls "$TMP/nosteps")"
 # --resume without the shape flags continues with the run's shape (state.json), not the defaults:
 # the same metrics and weights as the straight run
-shapeless=(--data "$TEXT" --warmup 2 --lr 3e-3 --eval-every 3 --eval-batches 2 --threads 2 --quiet)
+shapeless=(--data "$TEXT" --warmup 2 --lr 3e-3 --eval-every 3 --eval-batches 2 --threads 2 --quiet --expert-counts-every 1)
 "$FM" train "${common[@]}" --out "$TMP/shape" --exit-after 4 || bad "shape first half failed"
 o=$("$FM" train "${shapeless[@]}" --out "$TMP/shape" --resume 2>&1) || bad "resume without shape flags failed: $o"
 grep -q "warning" <<<"$o" && bad "resume without shape flags warned: $o" || ok

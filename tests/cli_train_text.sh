@@ -5,8 +5,8 @@ source "$(dirname "$0")/lib_cli.sh"
 "$FM" train --config "$ROOT/configs/tiny.json" --data "$TEXT" --steps 80 --seq-len 64 --micro-batch 16 \
     --warmup 10 --lr 3e-3 --eval-every 40 --eval-batches 8 --log-every 20 --threads 2 --out "$TMP/nested/runs/run" | tee "$TMP/log"
 mv "$TMP/nested/runs/run" "$TMP/run" # --out creates missing parent folders
-first=$(head -1 "$TMP/run/metrics.jsonl" | sed -E 's/.*"loss":([0-9.e+-]+).*/\1/')
-val=$(tail -1 "$TMP/run/metrics.jsonl" | sed -E 's/.*"val_loss":([0-9.e+-]+).*/\1/')
+first=$(grep -m1 '"type":"step"' "$TMP/run/metrics.jsonl" | sed -E 's/.*"loss":([0-9.e+-]+).*/\1/')
+val=$(grep '"type":"step"' "$TMP/run/metrics.jsonl" | tail -1 | sed -E 's/.*"val_loss":([0-9.e+-]+).*/\1/')
 echo "first training loss $first, final validation loss $val"
 awk -v a="$first" 'BEGIN{exit !(a > 5.0)}' && ok || bad "first loss $first should be near ln 256"
 awk -v v="$val" 'BEGIN{exit !(v < 3.0)}' && ok || bad "validation loss $val did not fall below 3.0"
@@ -29,7 +29,7 @@ while read -r line; do
     tot=$(grep -o ':[0-9.]*' <<<"${ph#*\{}" | tr -d ':' | awk '{s += $1} END {print s}')
     awk -v t="$tot" -v s="$step" 'BEGIN{d = t - 1e3 * s; if (d < 0) d = -d; exit !(t > 0 && d <= 200 * s + 2)}' &&
         ok || bad "phase_ms adds up to $tot ms, the step took $step s: $ph"
-done < "$TMP/prof/metrics.jsonl"
+done < <(grep '"type":"step"' "$TMP/prof/metrics.jsonl")
 "$FM" train --config "$ROOT/configs/tiny.json" --data "$TEXT" --steps 1 --seq-len 64 --micro-batch 8 --threads 2 \
     --no-checkpoint --out "$TMP/noprof" > "$TMP/noprof.log" && ok || bad "unprofiled run failed"
 ! grep -q "phase_ms" "$TMP/noprof/metrics.jsonl" && ! grep -q "^profile" "$TMP/noprof.log" && ok ||

@@ -56,6 +56,7 @@ void fm_moe_routes_layout(fm_moe_routes *r, fm_arena *a, fm_arena *host, const f
 
 void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_dims *d, int64_t n, bool chunked) {
     const int64_t R = n * d->k;
+    w->counts = NULL; /* no expert-load counting until a caller sets it */
     w->dye = TAKE(a, fm_act, R * d->H);
     w->dxe = TAKE(a, fm_act, R * d->H);
     w->dact = TAKE(a, fm_act, R * d->I);

@@ -55,6 +55,12 @@ typedef struct fm_moe_ws {
     float *topk_w, *dtopk_w;           /* [c,k] */
     fm_act *xc, *yc, *dxc;             /* [c,H]: inputs, outputs / output grads, input grads */
     fm_moe_routes r;                   /* the chunk's routes */
+    /* Expert load: NULL, or host int64 [E] to which fm_moe_forward adds each dispatch's tokens
+     * per expert (offsets[e+1] - offsets[e], read from the pinned offsets after the dispatch's
+     * sync point: no extra wait). Only the forward counts, never the recompute inside
+     * fm_moe_backward; the trainer's hook points it at layer l's row around layer l's forward
+     * and clears it after, so a recomputed layer's second forward is not counted either. */
+    int64_t *counts;
 } fm_moe_ws;
 
 /* Chunk geometry: K = ceil(N / chunk_tokens), c_eff = ceil(N / K) (the largest chunk). With

@@ -21,6 +21,62 @@ static void cli_print_help(const char *cmd, const char *synopsis, const flag *fl
     printf("  --%-18s %s\n", "help", "print this help");
 }
 
+/* Levenshtein distance of a and b (insert, delete, substitute: 1 each), capped at 63. */
+static int edit_distance(const char *a, const char *b) {
+    int la = (int)strlen(a), lb = (int)strlen(b);
+    if (la > 63) la = 63;
+    if (lb > 63) lb = 63;
+    int row[64];
+    for (int j = 0; j <= lb; j++) row[j] = j;
+    for (int i = 1; i <= la; i++) {
+        int diag = row[0];
+        row[0] = i;
+        for (int j = 1; j <= lb; j++) {
+            const int up = row[j];
+            const int sub = diag + (a[i - 1] != b[j - 1]);
+            int best = up + 1 < row[j - 1] + 1 ? up + 1 : row[j - 1] + 1;
+            row[j] = sub < best ? sub : best;
+            diag = up;
+        }
+    }
+    return row[lb] > 63 ? 63 : row[lb];
+}
+
+/* Names other trainers (Hugging Face Trainer, torchtitan, Megatron-LM, llm.c) give our flags:
+ * a typo of one of them is suggested as the flag it means (only when the command has it). */
+static const char *const flag_aliases[][2] = {
+    {"learning-rate", "lr"}, {"lr-min", "min-lr"}, {"min-learning-rate", "min-lr"},
+    {"batch-size", "micro-batch"}, {"micro-batch-size", "micro-batch"}, {"per-device-train-batch-size", "micro-batch"},
+    {"max-steps", "steps"}, {"train-iters", "steps"}, {"num-steps", "steps"}, {"iters", "steps"},
+    {"gradient-accumulation-steps", "grad-accum"}, {"sequence-length", "seq-len"}, {"seq-length", "seq-len"},
+    {"context-length", "seq-len"}, {"output-dir", "out"}, {"output", "out"}, {"num-threads", "threads"},
+    {"warmup-steps", "warmup"}, {"lr-warmup-iters", "warmup"}, {"checkpoint", "ckpt"}, {"model", "config"},
+    {"save-steps", "save-every"}, {"save-interval", "save-every"}, {"eval-steps", "eval-every"},
+    {"eval-interval", "eval-every"}, {"logging-steps", "log-every"}, {"log-interval", "log-every"},
+    {"max-grad-norm", "grad-clip"}, {"clip-grad", "grad-clip"}, {"train-data", "data"}, {"valid-data", "val-data"},
+};
+
+/* The command's flag nearest to `name` by edit distance, over its flags and the aliases of
+ * those flags; NULL when none is within max(2, len/3) edits (a guess further off misleads). */
+static const char *nearest_flag(const char *name, const flag *flags, int n) {
+    const char *best = NULL;
+    int bd = 1 << 30;
+    const int limit = (int)strlen(name) / 3 > 2 ? (int)strlen(name) / 3 : 2;
+    for (int j = 0; j < n; j++) {
+        const int d = edit_distance(name, flags[j].name);
+        if (d < bd) { bd = d; best = flags[j].name; }
+    }
+    for (size_t a = 0; a < sizeof flag_aliases / sizeof flag_aliases[0]; a++) {
+        const flag *target = NULL;
+        for (int j = 0; j < n; j++)
+            if (!strcmp(flags[j].name, flag_aliases[a][1])) target = &flags[j];
+        if (!target) continue;
+        const int d = edit_distance(name, flag_aliases[a][0]);
+        if (d < bd) { bd = d; best = target->name; }
+    }
+    return bd <= limit ? best : NULL;
+}
+
 /* Returns 0 on success, 1 if help was printed, 2 on a usage error (message printed). */
 int cli_parse_flags(const char *cmd, const char *synopsis, int argc, char **argv, flag *flags, int n) {
     for (int i = 0; i < argc; i++) {
@@ -39,7 +95,13 @@ int cli_parse_flags(const char *cmd, const char *synopsis, int argc, char **argv
         flag *f = NULL;
         for (int j = 0; j < n; j++)
             if (!strcmp(flags[j].name, name)) f = &flags[j];
-        if (!f) return cli_usage_error(cmd, "unknown flag '--%s'", name);
+        if (!f) {
+            const char *near = nearest_flag(name, flags, n);
+            if (!near) return cli_usage_error(cmd, "unknown flag '--%s'", name);
+            fprintf(stderr, "flatmoe %s: unknown flag '--%s'; did you mean --%s?\n", cmd, name, near);
+            fprintf(stderr, "Run 'flatmoe %s --help' for the flags.\n", cmd);
+            return 2;
+        }
         if (f->kind == F_BOOL) {
             if (eq) return cli_usage_error(cmd, "flag '--%s' takes no value", name);
             *(bool *)f->ptr = true;

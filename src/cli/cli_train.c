@@ -5,6 +5,7 @@
 #include "cli.h"
 #include "comm/fm_comm.h"
 #include "plan/fm_plan.h"
+#include "train/fm_signal.h"
 #include "train/fm_trainer.h"
 
 /* Whether argv names `flag` ("--steps" or "--steps=..."). */
@@ -45,13 +46,16 @@ int cmd_train(int argc, char **argv) {
         {"offload-optimizer-bucket", F_I64, &o.offload_optimizer_bucket, NULL, "parameters per bucket of --offload-optimizer, 0 = 100M (at most the model's count) (0)"},
         {"offload-optimizer-slots", F_I64, &o.offload_optimizer_slots, NULL, "device staging slots of --offload-optimizer, in [1, 16] (2)"},
         {"seed", F_U64, &o.seed, NULL, "seed of the weights and the data order (1337)"},
-        {"threads", F_INT, &o.threads, NULL, "CPU threads, 0 = all cores (0)"},
+        {"threads", F_INT, &o.threads, NULL, "CPU threads, 0 = the cores not busy with other work at the start, or OMP_NUM_THREADS when set (0)"},
         {"out", F_STR, &o.out_dir, NULL, "run folder: checkpoints and metrics.jsonl (runs/tiny)"},
         {"resume", F_BOOL, &o.resume, NULL, "continue from the latest checkpoint in --out (refused when its model.safetensors disagrees with the optimizer's master copy)"},
         {"resume-trust-optimizer", F_BOOL, &o.resume_trust_optimizer, NULL, "with --resume: take the weights from optimizer.safetensors' master copy even when model.safetensors disagrees with it (off)"},
         {"eval-every", F_I64, &o.eval_every, NULL, "validation every N steps, 0 = only at the end (250)"},
         {"eval-batches", F_I64, &o.eval_batches, NULL, "micro-batches per validation, 0 = all (20)"},
-        {"save-every", F_I64, &o.save_every, NULL, "checkpoint every N steps, 0 = only at the end (0)"},
+        {"save-every", F_I64, &o.save_every, NULL, "checkpoint every N steps or every --save-every-minutes, whichever comes first, and at the end; 0 = no step cadence (1000)"},
+        {"save-every-minutes", F_F64, &o.save_every_minutes, NULL, "checkpoint when M minutes of wall time have passed since the last one; 0 = off (30)"},
+        {"expert-counts-every", F_I64, &o.expert_counts_every, NULL, "write the full tokens-per-expert counts of every layer into the step's metrics record every N steps; 0 = never (the per-layer max/mean is in every record) (100)"},
+        {"peak-flops", F_F64, &o.peak_flops, NULL, "the device's peak FLOP/s for the MFU in metrics.jsonl, e.g. 989e12 (0: from the GPU's name, H100/H200 989e12; none on the CPU)"},
         {"log-every", F_I64, &o.log_every, NULL, "print a step line every N steps (1)"},
         {"exit-after", F_I64, &o.exit_after, NULL, "stop after N steps of this invocation, with a checkpoint (0 = off)"},
         {"recompute", F_STR, &o.recompute, NULL, "none | full | layer ids, e.g. 0,2: recompute those layers in backward (none, or chosen under --mem-budget)"},
@@ -100,6 +104,7 @@ int cmd_train(int argc, char **argv) {
         }
     }
     if ((s = fm_backend_opts_from_env(&o.backend))) return cli_fail("train", s); /* FLATMOE_* -> init options */
+    fm_stop_install(); /* SIGINT/SIGTERM: finish the step, save, exit 128 + signal; a second one: at once */
     s = fm_train(&o);
     /* many ranks: a failure on one rank ends every rank (the message names this one); success
      * finalizes MPI when the world initialized it */
@@ -114,5 +119,7 @@ int cmd_train(int argc, char **argv) {
         return s == FM_ERR_ARG ? 2 : 1;
     }
     if (!s && fm_comm_mpi_finalize() != FM_OK) return cli_fail("train", FM_ERR_IO);
-    return s ? cli_fail("train", s) : 0;
+    if (s) return cli_fail("train", s);
+    const int sig = fm_stop_requested(); /* stopped by SIGINT/SIGTERM after a checkpoint: 128 + signal */
+    return sig ? 128 + sig : 0;
 }

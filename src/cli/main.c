@@ -1,9 +1,10 @@
-/* flatmoe command line: train | sample | eval | plan | calibrate. Parsing and printing only; the work is in
+/* flatmoe command line: train | sample | eval | plan | calibrate | report | version. Parsing and printing only; the work is in
  * the library. This file dispatches to the command (cli_<command>.c) and prints the top help. */
 #include <stdio.h>
 #include <string.h>
 
 #include "cli.h"
+#include "train/fm_build_info.h"
 
 static void top_help(void) {
     printf("flatmoe: train Mixture-of-Experts language models with every memory peak bounded at launch\n\n"
@@ -13,7 +14,9 @@ static void top_help(void) {
            "  eval     validation loss and perplexity of a checkpoint on files\n"
            "  plan     memory per live set, FLOPs and projected step time for a config and shape, without running\n"
            "  calibrate  measure this backend's rates for plan's step-time projection (configs/calib/)\n"
-           "  prepare  tokenize text and JSONL files into token shards with loss masks\n\n"
+           "  report   draw a run's curves (loss, learning rate, tokens/s, expert load, memory) as PNG or SVG\n"
+           "  prepare  tokenize text and JSONL files into token shards with loss masks\n"
+           "  version  print flatmoe's version and the commit it was built from (also --version)\n\n"
            "'flatmoe <command> --help' lists a command's flags.\n");
 }
 
@@ -23,12 +26,17 @@ int main(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     const char *cmd = argv[1];
+    if (!strcmp(cmd, "--version") || !strcmp(cmd, "version")) {
+        printf("flatmoe %s (commit %s, %s build)\n", fm_build_version(), fm_build_commit(), fm_build_backend());
+        return 0;
+    }
+    if (!strcmp(cmd, "report")) return cmd_report(argc - 2, argv + 2);
     if (!strcmp(cmd, "train")) return cmd_train(argc - 2, argv + 2);
     if (!strcmp(cmd, "sample")) return cmd_sample(argc - 2, argv + 2);
     if (!strcmp(cmd, "eval")) return cmd_eval(argc - 2, argv + 2);
     if (!strcmp(cmd, "plan")) return cmd_plan(argc - 2, argv + 2);
     if (!strcmp(cmd, "calibrate")) return cmd_calibrate(argc - 2, argv + 2);
     if (!strcmp(cmd, "prepare")) return cmd_prepare(argc - 2, argv + 2);
-    fprintf(stderr, "flatmoe: unknown command '%s'; expected train, sample, eval, plan, calibrate or prepare ('flatmoe --help')\n", cmd);
+    fprintf(stderr, "flatmoe: unknown command '%s'; expected train, sample, eval, plan, calibrate, report, prepare or version ('flatmoe --help')\n", cmd);
     return 2;
 }

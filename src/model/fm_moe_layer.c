@@ -3,11 +3,18 @@
 
 #include "fm_experts.h"
 
+/* The expert load of one dispatch into ws->counts [E] (when set): rows per expert. */
+static void count_load(const fm_moe_dims *d, const fm_moe_ws *ws, const fm_moe_routes *r) {
+    if (!ws || !ws->counts) return;
+    for (int64_t e = 0; e < d->E; e++) ws->counts[e] += r->offsets[e + 1] - r->offsets[e];
+}
+
 void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_act *y,
                     const fm_act *x, const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
                     const int32_t *chunk_tokens, fm_moe_routes *saved, fm_moe_ws *ws) {
     if (saved) {
         fm_moe_dispatch(be, d, saved, x, topk_idx, N);
+        count_load(d, ws, saved);
         fm_experts_forward(be, d, w, saved, N);
         fm_moe_combine(be, d, saved, y, topk_w, N);
         return;
@@ -19,6 +26,7 @@ void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_wei
         start += n;
         fm_moe_chunk_gather(be, d, ws, x, topk_idx, topk_w, tok, n);
         fm_moe_dispatch(be, d, &ws->r, ws->xc, ws->topk_idx, n);
+        count_load(d, ws, &ws->r);
         fm_experts_forward(be, d, w, &ws->r, n);
         fm_moe_combine(be, d, &ws->r, ws->yc, ws->topk_w, n);
         fm_moe_chunk_scatter(be, y, ws->yc, tok, n, Hb);

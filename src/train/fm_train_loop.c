@@ -1,13 +1,20 @@
 /* fm_train: set up the run, then the loop: one optimizer step (fm_train_step), its report,
- * validation every --eval-every steps and at the end, a checkpoint every --save-every steps and
- * at the end, and the stop after --exit-after steps of this invocation. */
+ * validation every --eval-every steps and at the end, a checkpoint every --save-every steps or
+ * --save-every-minutes minutes (whichever comes first) and at the end, the stop after
+ * --exit-after steps of this invocation, and the graceful stop on SIGINT / SIGTERM
+ * (fm_signal.h): the step in flight finishes, a checkpoint is written, the summary record
+ * closes metrics.jsonl. */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
 
 #include "../io/fm_checkpoint.h"
+#include "fm_device_info.h"
+#include "fm_signal.h"
+#include "fm_threads.h"
 #include "fm_train_internal.h"
+#include "fm_train_records.h"
 #include "fm_train_step.h"
 
 static double now_s(void) {
@@ -16,22 +23,70 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng) {
+/* The schedule hook of the expert load: layer l's forward counts into row l of the step's
+ * counts; nothing else does (the recompute of a layer in backward, evaluation, sampling). */
+static fm_status count_hook(void *user, fm_model *m, fm_hook_point p, int64_t l) {
+    fm_run_records *rec = user;
+    if (p == FM_HOOK_BEFORE_FORWARD) m->moe_ws.counts = rec->counts + l * rec->E;
+    else if (p == FM_HOOK_AFTER_FORWARD) m->moe_ws.counts = NULL;
+    return FM_OK;
+}
+
+/* Max over experts / mean over experts of each layer's counts (1 = perfectly balanced; E = all
+ * tokens on one expert). */
+static void load_stats(fm_run_records *rec) {
+    for (int64_t l = 0; l < rec->L; l++) {
+        const int64_t *c = rec->counts + l * rec->E;
+        int64_t mx = 0, sum = 0;
+        for (int64_t e = 0; e < rec->E; e++) {
+            sum += c[e];
+            if (c[e] > mx) mx = c[e];
+        }
+        rec->load[l] = sum > 0 ? (double)mx * (double)rec->E / (double)sum : 0.0;
+    }
+}
+
+/* Writes the step's checkpoint after checking that the weights are finite. */
+static fm_status save_checked(run *r, const train_state *ts, fm_run_records *rec) {
+    fm_model *m = &r->m;
+    /* An update can overflow the weights while the loss and gradients it came from were
+     * finite: never save such weights as the last good checkpoint. */
+    double wsq;
+    m->be.ops->sumsq(m->be.ctx, m->results + FM_RESULT_SUMSQ, m->params, m->n_params, false);
+    m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "checkpoint" */
+    m->be.ops->copy(m->be.ctx, &wsq, m->results + FM_RESULT_SUMSQ, sizeof wsq, FM_COPY_D2H);
+    if (!isfinite(wsq))
+        return fm_error(FM_ERR_NUMERIC, "step %lld: the weights are no longer finite after the optimizer update "
+                        "(sum of squares %g); no checkpoint was written for this step (the last good one in %s "
+                        "stays); lower --lr or raise --warmup", (long long)ts->step, wsq, r->o->out_dir);
+    FM_TRY(fm_train_save_checkpoint(r, ts));
+    snprintf(rec->last_ckpt, sizeof rec->last_ckpt, "%s/step_%06lld", r->o->out_dir, (long long)ts->step);
+    return FM_OK;
+}
+
+static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_records *rec) {
     const fm_train_opts *o = r->o;
     fm_model *m = &r->m;
     const int64_t tokens_per_step = o->micro_batch * o->seq_len * o->grad_accum;
     double phase_discard[FM_PHASE_COUNT];
     (void)m->be.ops->prof_collect(m->be.ctx, phase_discard); /* the profile starts with step 1 */
     const double t0 = now_s();
+    double t_saved = t0;
     const int64_t first = ts->step + 1;
+    rec->first_step = first;
+    rec->last_step = ts->step;
     if (first > o->steps)
         fprintf(stderr, "note: --resume: the run is at step %lld, already at or past --steps %lld: nothing to train "
                 "(give a larger --steps to continue it)\n", (long long)ts->step, (long long)o->steps);
     int64_t ran = 0;
+    double int_s = 0; /* the logging interval's step time and tokens: the step line's tok/s */
+    int64_t int_tok = 0;
     uint64_t syncs0 = m->be.ops->host_sync_count(m->be.ctx);
     for (int64_t step = first; step <= o->steps; step++) {
+        if (fm_stop_requested()) break; /* before the first step: nothing to finish or save */
         const double ts0 = now_s();
         fm_step_stats st;
+        memset(rec->counts, 0, sizeof(int64_t) * (size_t)(rec->L * rec->E));
         FM_TRY(fm_train_step(m, r->optim, r->opt_self, &r->world, &r->step, &r->train, data_rng, o, step, &st));
         double phase_ms[FM_PHASE_COUNT];
         const bool profiled = m->be.ops->prof_collect(m->be.ctx, phase_ms);
@@ -54,16 +109,40 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng) {
         rep.phase_ms = profiled ? phase_ms : NULL;
         rep.host_syncs = syncs1 - syncs0;
         rep.tokens_seen = ts->tokens_seen;
+        rec->last_step = step;
+        rec->steps_run = ran;
+        rec->tokens_run += tokens_per_step;
+        rec->step_s_sum += rep.step_s;
+        int_s += rep.step_s;
+        int_tok += tokens_per_step;
+        load_stats(rec);
+        const int stop = fm_stop_requested();
         const bool last = step == o->steps || (o->exit_after > 0 && ran == o->exit_after);
-        const bool eval = (o->eval_every > 0 && step % o->eval_every == 0) || last;
-        const bool save = !o->no_checkpoint && ((o->save_every > 0 && step % o->save_every == 0) || last);
-        if (eval || save || last || (o->report_memory && ran == 1)) /* they read the weights, or measure */
+        const bool eval = ((o->eval_every > 0 && step % o->eval_every == 0) || last) && !stop;
+        const double t_now = now_s();
+        const bool due = (o->save_every > 0 && step % o->save_every == 0) ||
+                         (o->save_every_minutes > 0 && t_now - t_saved >= 60.0 * o->save_every_minutes);
+        const bool save = !o->no_checkpoint && (due || last || stop);
+        if (eval || save || last || stop || (o->report_memory && ran == 1)) /* they read the weights, or measure */
             fm_step_ws_flush(&r->step, m);
-        if (eval)
+        if (eval) {
             FM_TRY(fm_evaluate(m, &r->val, o->eval_batches, &rep.val, NULL));
-        if (!o->quiet && (step % (o->log_every > 0 ? o->log_every : 1) == 0 || last || !isnan(rep.val)))
-            fm_train_print_step(r, &rep);
+            rec->final_val = rep.val;
+            if (isnan(rec->best_val) || rep.val < rec->best_val) {
+                rec->best_val = rep.val;
+                rec->best_val_step = step;
+            }
+        }
+        if (!o->quiet && (step % (o->log_every > 0 ? o->log_every : 1) == 0 || last || stop || !isnan(rep.val))) {
+            fm_step_report line = rep;
+            line.tok_s = int_s > 0 ? (double)int_tok / int_s : rep.tok_s; /* over the logging interval */
+            fm_train_print_step(r, &line);
+            int_s = 0;
+            int_tok = 0;
+        }
         fm_train_metrics_begin(r, &rep);
+        fm_train_metrics_step_extra(r, rec, rep.step_s, tokens_per_step,
+                                    o->expert_counts_every > 0 && step % o->expert_counts_every == 0);
         if (o->report_memory && (ran == 1 || last)) {
             fm_train_metrics_memory(r);
             double discard[FM_PHASE_COUNT]; /* the report's read-back is not the next step's time */
@@ -72,29 +151,54 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng) {
         fm_train_metrics_end(r);
 
         if (save) {
-            /* An update can overflow the weights while the loss and gradients it came from were
-             * finite: never save such weights as the last good checkpoint. */
-            double wsq;
-            m->be.ops->sumsq(m->be.ctx, m->results + FM_RESULT_SUMSQ, m->params, m->n_params, false);
-            m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "checkpoint" */
-            m->be.ops->copy(m->be.ctx, &wsq, m->results + FM_RESULT_SUMSQ, sizeof wsq, FM_COPY_D2H);
-            if (!isfinite(wsq))
-                return fm_error(FM_ERR_NUMERIC, "step %lld: the weights are no longer finite after the optimizer update "
-                                "(sum of squares %g); no checkpoint was written for this step (the last good one in %s "
-                                "stays); lower --lr or raise --warmup", (long long)step, wsq, o->out_dir);
-            FM_TRY(fm_train_save_checkpoint(r, ts));
+            FM_TRY(save_checked(r, ts, rec));
+            t_saved = now_s();
+        }
+        if (stop) {
+            rec->stopped_by = stop;
+            break;
         }
         if (o->exit_after > 0 && ran == o->exit_after) break;
         syncs0 = m->be.ops->host_sync_count(m->be.ctx); /* evaluation, reports and saving are not the step's */
     }
+    if (!rec->stopped_by) rec->stopped_by = fm_stop_requested();
+    rec->elapsed_s = now_s() - t0;
+    fm_train_metrics_summary(r, rec);
+    if (rec->stopped_by) {
+        fflush(stdout);
+        if (ran == 0)
+            fprintf(stderr, "flatmoe train: %s received before step %lld: stopped without training; the run folder "
+                    "%s is as it was\n", fm_signal_name(rec->stopped_by), (long long)first, o->out_dir);
+        else if (rec->last_ckpt[0])
+            fprintf(stderr, "flatmoe train: %s received: finished step %lld, saved %s; continue with --resume "
+                    "(a second signal stops at once, without saving)\n", fm_signal_name(rec->stopped_by),
+                    (long long)rec->last_step, rec->last_ckpt);
+        else
+            fprintf(stderr, "flatmoe train: %s received: finished step %lld; no checkpoint written "
+                    "(--no-checkpoint)\n", fm_signal_name(rec->stopped_by), (long long)rec->last_step);
+    }
     return FM_OK;
 }
 
-static fm_status train_impl(run *r) {
+static fm_status train_impl(run *r, fm_run_records *rec) {
     train_state ts = {0};
     fm_rng data_rng;
     FM_TRY(fm_train_setup(r, &ts, &data_rng));
-    return train_loop(r, &ts, &data_rng);
+    const fm_config *c = &r->cfg;
+    rec->L = c->num_hidden_layers;
+    rec->E = c->num_experts;
+    rec->counts = fm_malloc(sizeof(int64_t) * (size_t)(rec->L * rec->E));
+    rec->load = fm_malloc(sizeof(double) * (size_t)rec->L);
+    if (!rec->counts || !rec->load)
+        return fm_error(FM_ERR_NOMEM, "out of memory for the expert-load counts (%lld layers x %lld experts)",
+                        (long long)rec->L, (long long)rec->E);
+    FM_TRY(fm_schedule_add_hook(&r->step.sched, count_hook, rec));
+    if (strcmp(r->m.be.ops->name, "cpu") != 0) fm_device_gpu_name(rec->device, sizeof rec->device);
+    rec->peak_flops = r->o->peak_flops > 0 ? r->o->peak_flops : fm_device_peak_flops(rec->device);
+    FM_TRY(fm_train_metrics_header(r, rec, ts.step));
+    fm_status s = train_loop(r, &ts, &data_rng, rec);
+    r->m.moe_ws.counts = NULL;
+    return s;
 }
 
 fm_status fm_train(const fm_train_opts *o) {
@@ -128,11 +232,26 @@ fm_status fm_train(const fm_train_opts *o) {
             printf("--resume: --seq-len %lld --micro-batch %lld --grad-accum %lld (the run's; the flags set others)\n",
                    (long long)oo.seq_len, (long long)oo.micro_batch, (long long)oo.grad_accum);
     }
+    fm_run_records rec;
+    memset(&rec, 0, sizeof rec);
+    rec.final_val = rec.best_val = NAN;
+    rec.threads_busy = -1;
+    if (oo.threads == 0) { /* the cores free now (fm_threads.h): one busy core must not halve the speed */
+        fm_threads_probe tp;
+        oo.threads = fm_threads_auto(150, &tp);
+        rec.threads_busy = tp.from_env ? -1 : tp.busy;
+        if (!oo.quiet && !tp.from_env && tp.busy > 0)
+            printf("threads: %d (%d of the %d cores this process may use are busy with other work; --threads sets "
+                   "the count)\n", tp.threads, tp.busy, tp.allowed);
+    }
+    rec.threads = oo.threads;
     o = &oo;
     run r;
     memset(&r, 0, sizeof r);
     r.o = o;
-    fm_status s = train_impl(&r);
+    fm_status s = train_impl(&r, &rec);
+    fm_free(rec.counts);
+    fm_free(rec.load);
     fm_train_run_free(&r);
     return s;
 }

@@ -1,5 +1,7 @@
 /* What a training run reports: its header lines, one step line (and a profile line) per logged
- * step on stdout, one metrics.jsonl record per step, and the memory report (--report-memory). */
+ * step on stdout, metrics.jsonl's records (a header record, one record per step with its expert
+ * load and MFU, a summary record: fm_train_records.h), the memory report (--report-memory) and
+ * the summary line. */
 #include <math.h>
 #include <stdio.h>
 
@@ -68,7 +70,7 @@ void fm_train_print_step(const run *r, const fm_step_report *s) {
 
 void fm_train_metrics_begin(run *r, const fm_step_report *s) {
     if (!r->metrics) return; /* a rank other than 0 */
-    fprintf(r->metrics, "{\"step\":%lld,\"loss\":%.17g,\"aux_loss\":%.17g,\"z_loss\":%.17g,\"lr\":%.17g,"
+    fprintf(r->metrics, "{\"type\":\"step\",\"step\":%lld,\"loss\":%.17g,\"aux_loss\":%.17g,\"z_loss\":%.17g,\"lr\":%.17g,"
             "\"grad_norm\":%.17g,\"tokens\":%lld,\"tokens_per_s\":%.1f,\"step_s\":%.6f,\"elapsed_s\":%.3f",
             (long long)s->step, s->ce, s->aux, s->z, s->lr, s->gnorm, (long long)s->tokens_seen, s->tok_s, s->step_s,
             s->elapsed);

@@ -26,7 +26,10 @@ void fm_train_opts_default(fm_train_opts *o) {
     o->out_dir = "runs/tiny";
     o->eval_every = 250;
     o->eval_batches = 20;
-    o->save_every = 0;
+    o->save_every = 1000;
+    o->save_every_minutes = 30;
+    o->expert_counts_every = 100;
+    o->peak_flops = 0;
     o->log_every = 1;
     o->recompute = NULL;
     o->recompute_keep_attention = false;
@@ -53,6 +56,9 @@ fm_status fm_train_opts_check(const fm_train_opts *o) {
         return fm_error(FM_ERR_ARG, "--beta1 and --beta2 must be in [0, 1) (found %g, %g)", o->beta1, o->beta2);
     if (o->eval_every < 0 || o->eval_batches < 0 || o->save_every < 0 || o->log_every < 0 || o->exit_after < 0)
         return fm_error(FM_ERR_ARG, "--eval-every, --eval-batches, --save-every, --log-every and --exit-after must be >= 0");
+    if (!(o->save_every_minutes >= 0) || !(o->peak_flops >= 0) || o->expert_counts_every < 0)
+        return fm_error(FM_ERR_ARG, "--save-every-minutes, --peak-flops and --expert-counts-every must be >= 0 (found "
+                        "%g, %g, %lld)", o->save_every_minutes, o->peak_flops, (long long)o->expert_counts_every);
     if (o->max_position_embeddings < 0 || o->max_position_embeddings > (1LL << 30))
         return fm_error(FM_ERR_ARG, "--max-position-embeddings must be in [1, 2^30] (0 keeps the config's), found %lld",
                         (long long)o->max_position_embeddings);

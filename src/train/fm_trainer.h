@@ -25,7 +25,16 @@ typedef struct fm_train_opts {
     int threads;
     const char *out_dir;
     bool resume;
-    int64_t eval_every, eval_batches, save_every, log_every;
+    int64_t eval_every, eval_batches, log_every;
+    int64_t save_every;           /* --save-every: a checkpoint every N steps (1000; 0: no step cadence) */
+    double save_every_minutes;    /* --save-every-minutes: a checkpoint when M minutes of wall time have
+                                     passed since the last one (or the start), whichever of the two comes
+                                     first (30; 0: off). The last step always saves; --no-checkpoint none */
+    int64_t expert_counts_every;  /* --expert-counts-every: the full [L][E] tokens-per-expert counts in
+                                     the metrics record every N steps (100; 0: never); the per-layer
+                                     max/mean is in every step record */
+    double peak_flops;            /* --peak-flops: the device's peak FLOP/s for "mfu" (0: from the GPU's
+                                     name, H100/H200 989e12 bf16 dense; none on the CPU: "mfu" null) */
     int64_t exit_after;           /* stop (and save) after this many steps in this invocation; 0: no */
     const char *recompute;        /* "none", "full" or a comma list of layer ids; NULL: chosen */
     bool recompute_keep_attention; /* --recompute-keep-attention: the recomputed layers (given or

@@ -1,0 +1,70 @@
+/* The default thread count of a run (fm_threads.h): affinity less busy cores. */
+#define _GNU_SOURCE
+#include "fm_threads.h"
+
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_CPUS 1024
+
+/* Per-CPU busy and total jiffies from /proc/stat ("cpuN user nice system idle iowait irq softirq
+ * steal ..."); idle and iowait count as idle. Returns the number of CPU lines read, 0 on failure. */
+static int read_stat(unsigned long long *busy, unsigned long long *total, int cap) {
+    FILE *f = fopen("/proc/stat", "r");
+    if (!f) return 0;
+    char line[512];
+    int n = 0;
+    while (fgets(line, sizeof line, f)) {
+        if (strncmp(line, "cpu", 3) != 0 || line[3] < '0' || line[3] > '9') continue;
+        int id;
+        unsigned long long v[8] = {0};
+        if (sscanf(line + 3, "%d %llu %llu %llu %llu %llu %llu %llu %llu", &id, &v[0], &v[1], &v[2], &v[3], &v[4],
+                   &v[5], &v[6], &v[7]) < 5 || id < 0 || id >= cap)
+            continue;
+        unsigned long long t = 0;
+        for (int i = 0; i < 8; i++) t += v[i];
+        total[id] = t;
+        busy[id] = t - v[3] - v[4];
+        if (id + 1 > n) n = id + 1;
+    }
+    fclose(f);
+    return n;
+}
+
+int fm_threads_auto(int sample_ms, fm_threads_probe *p) {
+    fm_threads_probe q = {0};
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    int have_mask = sched_getaffinity(0, sizeof set, &set) == 0;
+    q.allowed = have_mask ? CPU_COUNT(&set) : (int)(online > 0 ? online : 1);
+    if (q.allowed < 1) q.allowed = 1;
+    const char *env = getenv("OMP_NUM_THREADS");
+    if (env && atoi(env) > 0) {
+        q.threads = atoi(env);
+        q.from_env = 1;
+        if (p) *p = q;
+        return q.threads;
+    }
+    if (sample_ms > 0) {
+        static unsigned long long b0[MAX_CPUS], t0[MAX_CPUS], b1[MAX_CPUS], t1[MAX_CPUS];
+        int n0 = read_stat(b0, t0, MAX_CPUS);
+        struct timespec ts = {sample_ms / 1000, (long)(sample_ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+        int n1 = read_stat(b1, t1, MAX_CPUS);
+        int n = n0 < n1 ? n0 : n1;
+        for (int c = 0; c < n; c++) {
+            if (have_mask && !CPU_ISSET(c, &set)) continue;
+            unsigned long long dt = t1[c] - t0[c], db = b1[c] - b0[c];
+            if (dt > 0 && 2 * db > dt) q.busy++;
+        }
+    }
+    q.threads = q.allowed - q.busy;
+    if (q.threads < 1) q.threads = 1;
+    if (p) *p = q;
+    return q.threads;
+}

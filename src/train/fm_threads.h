@@ -1,0 +1,24 @@
+/* The default CPU thread count of a training run (--threads 0): the cores this process may run
+ * on (sched_getaffinity) less the ones another process keeps busy now. OpenMP's static schedule
+ * gives every thread the same share of each parallel loop, so one thread that shares its core
+ * with another busy process makes every loop wait for it (and the others spin meanwhile):
+ * measured on a 2-core machine with one core busy, 2 threads trained at half the speed of 1
+ * (bench/RESULTS.md). Results are the same for any thread count (the CPU ops split work by
+ * output, never a reduction, by thread), so the choice changes speed only. */
+#ifndef FM_THREADS_H
+#define FM_THREADS_H
+
+/* What fm_threads_auto saw. */
+typedef struct fm_threads_probe {
+    int allowed;     /* CPUs in the affinity mask */
+    int busy;        /* of those, CPUs more than half busy over the sample (another process's work) */
+    int threads;     /* the choice: allowed - busy, at least 1; OMP_NUM_THREADS when it is set */
+    int from_env;    /* 1: OMP_NUM_THREADS was set and is used as given */
+} fm_threads_probe;
+
+/* Chooses the thread count as above, sampling /proc/stat over sample_ms milliseconds (0: no
+ * sample, busy = 0). Never fails: without /proc/stat or an affinity mask it falls back to the
+ * online CPU count. Fills *p when p is not NULL; returns p->threads. */
+int fm_threads_auto(int sample_ms, fm_threads_probe *p);
+
+#endif
