@@ -122,4 +122,11 @@ grep -q "= 3) x N x H" "$TMP/off.txt" && ok || bad "plan: boundaries bound does 
 grep -q "^host (pinned)" "$TMP/nooff.txt" && bad "plan: a host line without offload" || ok
 j=$("$FM" plan --config "$cfg" --seq-len 256 --micro-batch 4 --threads 2 --backend cpu --offload-boundaries 1 --json)
 grep -q '"offloaded_boundaries":1,"host_pinned_bytes":524288' <<<"$j" && ok || bad "plan --json: no host bytes: $j"
+# --no-recompute-keep-attention: the chooser may not keep attention (it would at 128K with a budget)
+h=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 131072 --mem-budget 135GiB --recompute full --moe-chunk-tokens 4096 --ce-block-tokens 1024 --no-recompute-keep-attention 2>/dev/null)
+grep -q "recompute 16 of 16 layers;" <<<"$h" && ! grep -q "keep their attention" <<<"$h" && ok || bad "--no-recompute-keep-attention still keeps attention: $(grep ^shape <<<"$h")"
+h=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 131072 --mem-budget 135GiB --recompute full --moe-chunk-tokens 4096 --ce-block-tokens 1024 2>/dev/null)
+grep -q "keep their attention" <<<"$h" && ok || bad "the chooser no longer keeps attention at 128K under 135 GiB: $(grep ^shape <<<"$h")"
+expect_fail "plan keep and no-keep" "give one" "$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 64 --recompute-keep-attention --no-recompute-keep-attention
+
 finish

@@ -18,7 +18,7 @@ int cmd_plan(int argc, char **argv) {
     const char *mem_budget = NULL, *host_mem = NULL, *calib_path = NULL;
     int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = INT64_MIN, ce_bt = INT64_MIN, ce_bv = INT64_MIN, tq = 0, tkv = 0;
     int threads = 0;
-    bool json = false, bf16m = false, offopt = false, keep_att = false, no_overlap = false;
+    bool json = false, bf16m = false, offopt = false, keep_att = false, no_keep = false, no_overlap = false;
     int64_t off_bucket = 0, off_slots = 2;
     int dp = 1, zero = 0;
     flag flags[] = {
@@ -27,6 +27,7 @@ int cmd_plan(int argc, char **argv) {
         {"micro-batch", F_I64, &micro_batch, NULL, "sequences per micro-batch (1)"},
         {"grad-accum", F_I64, &grad_accum, NULL, "micro-batches per step, for the per-step FLOPs (1)"},
         {"recompute", F_STR, &recompute, NULL, "none | full | layer ids (default: chosen under a budget)"},
+        {"no-recompute-keep-attention", F_BOOL, &no_keep, NULL, "recomputed layers run their attention forward again: the chooser may not keep attention (train's flag) (chosen)"},
         {"recompute-keep-attention", F_BOOL, &keep_att, NULL, "the recomputed layers keep their attention output and lse; their recompute skips the attention forward (off)"},
         {"moe-chunk-tokens", F_I64, &chunk, NULL, "MoE chunk size, 0 = unchunked (default: chosen to fit --device-mem)"},
         {"ce-block-tokens", F_I64, &ce_bt, NULL, "linear cross-entropy token block (default: chosen to fit --device-mem)"},
@@ -79,6 +80,8 @@ int cmd_plan(int argc, char **argv) {
     const int64_t L = req.cfg.num_hidden_layers;
     bool *rc = fm_malloc((size_t)(2 * L)); /* recompute [L], keep-attention [L] */
     if ((s = fm_recompute_parse(recompute, L, rc))) return cli_fail("plan", s);
+    if (keep_att && no_keep)
+        return cli_usage_error("plan", "%s", "--recompute-keep-attention and --no-recompute-keep-attention: give one");
     if ((s = fm_recompute_keep_attention_fill(keep_att, recompute != NULL, rc, L, rc + L))) return cli_fail("plan", s);
     req.keep_attention = rc + L;
     if ((s = fm_sco_parse(offload, L, &req.n_offloaded_boundaries))) return cli_fail("plan", s);
@@ -150,7 +153,7 @@ int cmd_plan(int argc, char **argv) {
     }
     fm_choose_opts co = {budget, what[0] ? what : "--mem-budget", host_budget,
                          host_mem ? "--host-mem-budget" : "the host budget (--host-mem-budget; default: what the host can pin)",
-                         &cal, recompute != NULL, keep_att, offload != NULL, offopt, chunk >= 0, ce_bt >= 0 || ce_bv >= 0};
+                         &cal, recompute != NULL, keep_att || no_keep, offload != NULL, offopt, chunk >= 0, ce_bt >= 0 || ce_bv >= 0};
     fm_plan p;
     fm_projection proj;
     s = fm_plan_fit(&req, &co, rc, &p, &proj);

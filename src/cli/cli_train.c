@@ -59,6 +59,7 @@ int cmd_train(int argc, char **argv) {
         {"log-every", F_I64, &o.log_every, NULL, "print a step line every N steps (1)"},
         {"exit-after", F_I64, &o.exit_after, NULL, "stop after N steps of this invocation, with a checkpoint (0 = off)"},
         {"recompute", F_STR, &o.recompute, NULL, "none | full | layer ids, e.g. 0,2: recompute those layers in backward (none, or chosen under --mem-budget)"},
+        {"no-recompute-keep-attention", F_BOOL, &o.no_recompute_keep_attention, NULL, "recomputed layers run their attention forward again (full recompute; otherwise the chooser may keep attention outputs where they fit) (chosen)"},
         {"recompute-keep-attention", F_BOOL, &o.recompute_keep_attention, NULL, "the recomputed layers (--recompute, or chosen under --mem-budget) keep their attention output and log-sum-exp (N x heads x head_dim activations + B x heads x T fp32 per layer) and never run the attention forward again in backward (off)"},
         {"moe-chunk-tokens", F_I64, &o.moe_chunk_tokens, NULL, "MoE in strided chunks of <= N tokens, recomputed in backward; 0 = unchunked (0, or chosen under --mem-budget)"},
         {"mem-budget", F_STR, &mem_budget, NULL, "device memory for the planned live sets (e.g. 16GiB): the memory knobs not given are chosen to fit it and --host-mem-budget at the least projected step time; refused before allocating if nothing fits (default: none on the CPU; on a GPU its free memory less the measured library growth)"},

@@ -43,6 +43,8 @@ void fm_train_opts_default(fm_train_opts *o) {
 fm_status fm_train_opts_check(const fm_train_opts *o) {
     if (o->n_data < 1) return fm_error(FM_ERR_ARG, "--data: give at least one text file or llm.c token shard");
     if (!o->out_dir || !*o->out_dir) return fm_error(FM_ERR_ARG, "--out: give a run folder");
+    if (o->recompute_keep_attention && o->no_recompute_keep_attention)
+        return fm_error(FM_ERR_ARG, "--recompute-keep-attention and --no-recompute-keep-attention: give one, not both");
     if (o->seq_len < 1 || o->micro_batch < 1 || o->grad_accum < 1 || o->steps < 1)
         return fm_error(FM_ERR_ARG, "--seq-len, --micro-batch, --grad-accum and --steps must be >= 1");
     if (!(o->lr > 0) || !isfinite(o->lr) || !(o->min_lr >= 0) || !(o->min_lr <= o->lr))

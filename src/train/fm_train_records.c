@@ -70,6 +70,7 @@ static cJSON *flags_json(const fm_train_opts *o) {
     add_int(f, "exit_after", o->exit_after);
     add_str(f, "recompute", o->recompute);
     cJSON_AddBoolToObject(f, "recompute_keep_attention", o->recompute_keep_attention);
+    cJSON_AddBoolToObject(f, "no_recompute_keep_attention", o->no_recompute_keep_attention);
     add_int(f, "moe_chunk_tokens", o->moe_chunk_tokens);
     add_int(f, "ce_block_tokens", o->ce_block_tokens);
     add_int(f, "ce_block_vocab", o->ce_block_vocab);

@@ -37,6 +37,8 @@ typedef struct fm_train_opts {
                                      name, H100/H200 989e12 bf16 dense; none on the CPU: "mfu" null) */
     int64_t exit_after;           /* stop (and save) after this many steps in this invocation; 0: no */
     const char *recompute;        /* "none", "full" or a comma list of layer ids; NULL: chosen */
+    bool no_recompute_keep_attention; /* --no-recompute-keep-attention: recomputed layers never keep their
+                                     attention (the chooser may not pick it) */
     bool recompute_keep_attention; /* --recompute-keep-attention: the recomputed layers (given or
                                      chosen) keep their attention output and lse, and their
                                      recompute skips the attention forward (schedule/fm_recompute.h) */
