@@ -50,5 +50,6 @@ int cmd_eval(int argc, char **argv);
 int cmd_plan(int argc, char **argv);
 int cmd_calibrate(int argc, char **argv);
 int cmd_report(int argc, char **argv); /* cli_report.c: a run folder's curves through gnuplot */
+int cmd_prepare(int argc, char **argv);
 
 #endif

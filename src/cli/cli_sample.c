@@ -1,21 +1,61 @@
-/* flatmoe sample: generate text from a checkpoint (the sampler is train/fm_sample). */
+/* flatmoe sample: generate text from a checkpoint (the sampler is train/fm_sample). With a
+ * tokenizer (--tokenizer DIR, else the checkpoint folder's tokenizer.json) the prompt is encoded
+ * with it, the output decoded, and generation stops at its EOS token; without one, each byte is a
+ * token (byte-level models). */
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "backend/fm_backend_default.h"
 #include "cli.h"
+#include "tok/fm_tokenizer.h"
 #include "train/fm_sample.h"
 #include "train/fm_trainer.h"
 
+/* --tokenizer, else CKPT/tokenizer.json when present; *have = whether one was loaded. */
+static fm_status sample_tokenizer(const char *flag, const char *ckpt, fm_tokenizer *tok, bool *have) {
+    *have = false;
+    char path[4200];
+    struct stat st;
+    if (!flag) {
+        snprintf(path, sizeof path, "%s/tokenizer.json", ckpt);
+        if (stat(path, &st) != 0) return FM_OK;
+        flag = path;
+    }
+    FM_TRY(fm_tokenizer_load(tok, flag));
+    *have = true;
+    return FM_OK;
+}
+
+/* Prints the decode of seq[0..n) beyond its first *printed bytes, holding back a trailing U+FFFD
+ * (a character whose bytes are not all generated yet). */
+static fm_status print_new_text(fm_tokenizer *tok, const int32_t *seq, int64_t n, size_t *printed, bool final) {
+    char *text;
+    size_t len;
+    FM_TRY(fm_tokenizer_decode(tok, seq, n, false, &text, &len));
+    size_t end = len;
+    if (!final && end >= 3 && !memcmp(text + end - 3, "\xEF\xBF\xBD", 3)) end -= 3;
+    if (end > *printed) {
+        fwrite(text + *printed, 1, end - *printed, stdout);
+        *printed = end;
+    }
+    fm_free(text);
+    fflush(stdout);
+    return FM_OK;
+}
+
 int cmd_sample(int argc, char **argv) {
-    const char *ckpt_arg = NULL, *prompt = "\n";
+    const char *ckpt_arg = NULL, *prompt = "\n", *tok_arg = NULL;
     int64_t max_new = 256, top_k = 0, ctx_len = 0;
     double temperature = 0.8;
     uint64_t seed = 1337;
     int threads = 0;
+    bool ignore_eos = false;
     flag flags[] = {
         {"ckpt", F_STR, &ckpt_arg, NULL, "checkpoint folder, or run folder (its latest checkpoint) (required)"},
-        {"prompt", F_STR, &prompt, NULL, "text to continue (byte-level models) (a newline)"},
+        {"prompt", F_STR, &prompt, NULL, "text to continue (a newline)"},
+        {"tokenizer", F_STR, &tok_arg, NULL, "tokenizer.json or a folder with one (default: the checkpoint's, else bytes)"},
+        {"ignore-eos", F_BOOL, &ignore_eos, NULL, "with a tokenizer: go on past its EOS token (off: stop there)"},
         {"max-new-tokens", F_I64, &max_new, NULL, "tokens to generate (256)"},
         {"temperature", F_F64, &temperature, NULL, "softmax temperature, 0 = greedy (0.8)"},
         {"top-k", F_I64, &top_k, NULL, "sample among the k most likely tokens, 0 = all (0)"},
@@ -31,39 +71,75 @@ int cmd_sample(int argc, char **argv) {
     char ckpt[4096];
     fm_status s = cli_resolve_ckpt(ckpt_arg, ckpt, sizeof ckpt);
     if (s) return cli_fail("sample", s);
+    fm_tokenizer tok;
+    bool have_tok;
+    if ((s = sample_tokenizer(tok_arg, ckpt, &tok, &have_tok))) return cli_fail("sample", s);
+    int32_t *ids = NULL;
+    int64_t n_ids = 0, cap_ids = 0;
+    if (have_tok) {
+        if ((s = fm_tokenizer_encode_append(&tok, prompt, strlen(prompt), &ids, &n_ids, &cap_ids))) {
+            fm_tokenizer_free(&tok);
+            return cli_fail("sample", s);
+        }
+        if (n_ids == 0 && tok.eos_id >= 0) { /* an empty prompt: start after an end of document */
+            fm_free(ids);
+            if (!(ids = fm_malloc(sizeof *ids))) s = fm_error(FM_ERR_NOMEM, "sample: out of memory");
+            else ids[n_ids++] = tok.eos_id;
+        }
+    }
     fm_backend be;
     fm_config cfg;
     char cpath[4200];
     snprintf(cpath, sizeof cpath, "%s/config.json", ckpt);
-    if ((s = fm_config_load(&cfg, cpath))) return cli_fail("sample", s);
-    if ((s = fm_backend_default_init(&be, threads, cfg.head_dim))) return cli_fail("sample", s);
+    if (!s) s = fm_config_load(&cfg, cpath);
+    if (!s) s = fm_backend_default_init(&be, threads, cfg.head_dim);
+    if (s) {
+        fm_free(ids);
+        if (have_tok) fm_tokenizer_free(&tok);
+        return cli_fail("sample", s);
+    }
     fm_model m;
     fm_param_store ps;
     memset(&ps, 0, sizeof ps);
-    if ((s = fm_load_for_inference(&m, &ps, ckpt, be, 1, ctx_len, NULL))) {
-        fm_backend_default_free(&be);
-        return cli_fail("sample", s);
-    }
-    const fm_sample_opts so = {temperature, top_k, seed};
     fm_sampler smp;
-    if ((s = fm_sampler_init(&smp, &m, prompt, strlen(prompt), max_new, &so))) {
-        fm_model_free(&m);
-    fm_param_store_free(&ps);
-        fm_backend_default_free(&be);
-        return cli_fail("sample", s);
+    memset(&smp, 0, sizeof smp);
+    bool loaded = false;
+    if ((s = fm_load_for_inference(&m, &ps, ckpt, be, 1, ctx_len, NULL)) == FM_OK) {
+        loaded = true;
+        const fm_sample_opts so = {temperature, top_k, seed};
+        s = have_tok ? fm_sampler_init_ids(&smp, &m, ids, n_ids, max_new, &so)
+                     : fm_sampler_init(&smp, &m, prompt, strlen(prompt), max_new, &so);
     }
-    fwrite(prompt, 1, strlen(prompt), stdout);
-    for (int64_t step = 0; step < max_new; step++) {
-        int32_t next;
-        if ((s = fm_sampler_next(&smp, &next))) break;
-        if (next < 256) putchar(next);
-        else printf("<%d>", next);
-        fflush(stdout);
+    if (!s) {
+        fwrite(prompt, 1, strlen(prompt), stdout);
+        size_t printed = 0, base = 0;
+        const int64_t n_prompt = smp.n;
+        if (have_tok) { /* the prompt's own decode: what is printed after it is new */
+            char *text;
+            if ((s = fm_tokenizer_decode(&tok, smp.seq, n_prompt, false, &text, &base)) == FM_OK) fm_free(text);
+            printed = base;
+        }
+        bool at_eos = false;
+        for (int64_t step = 0; s == FM_OK && step < max_new; step++) {
+            int32_t next;
+            if ((s = fm_sampler_next(&smp, &next))) break;
+            if (have_tok) {
+                if ((at_eos = next == tok.eos_id && !ignore_eos)) break;
+                s = print_new_text(&tok, smp.seq, smp.n, &printed, false);
+            } else if (next < 256) putchar(next);
+            else printf("<%d>", next);
+            fflush(stdout);
+        }
+        if (have_tok && s == FM_OK) s = print_new_text(&tok, smp.seq, smp.n - (at_eos ? 1 : 0), &printed, true);
+        putchar('\n');
     }
-    putchar('\n');
     fm_sampler_free(&smp);
-    fm_model_free(&m);
-    fm_param_store_free(&ps);
+    if (loaded) {
+        fm_model_free(&m);
+        fm_param_store_free(&ps);
+    }
     fm_backend_default_free(&be);
+    fm_free(ids);
+    if (have_tok) fm_tokenizer_free(&tok);
     return s ? cli_fail("sample", s) : 0;
 }

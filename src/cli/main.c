@@ -15,6 +15,7 @@ static void top_help(void) {
            "  plan     memory per live set, FLOPs and projected step time for a config and shape, without running\n"
            "  calibrate  measure this backend's rates for plan's step-time projection (configs/calib/)\n"
            "  report   draw a run's curves (loss, learning rate, tokens/s, expert load, memory) as PNG or SVG\n"
+           "  prepare  tokenize text and JSONL files into token shards with loss masks\n"
            "  version  print flatmoe's version and the commit it was built from (also --version)\n\n"
            "'flatmoe <command> --help' lists a command's flags.\n");
 }
@@ -35,6 +36,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "eval")) return cmd_eval(argc - 2, argv + 2);
     if (!strcmp(cmd, "plan")) return cmd_plan(argc - 2, argv + 2);
     if (!strcmp(cmd, "calibrate")) return cmd_calibrate(argc - 2, argv + 2);
-    fprintf(stderr, "flatmoe: unknown command '%s'; expected train, sample, eval, plan, calibrate, report or version ('flatmoe --help')\n", cmd);
+    if (!strcmp(cmd, "prepare")) return cmd_prepare(argc - 2, argv + 2);
+    fprintf(stderr, "flatmoe: unknown command '%s'; expected train, sample, eval, plan, calibrate, report, prepare or version ('flatmoe --help')\n", cmd);
     return 2;
 }

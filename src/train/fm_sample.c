@@ -35,20 +35,16 @@ int32_t fm_sample_pick(const float *lg, int64_t V, double temperature, int64_t t
     return next;
 }
 
-fm_status fm_sampler_init(fm_sampler *s, fm_model *m, const char *prompt, size_t prompt_len, int64_t max_new,
-                          const fm_sample_opts *o) {
+/* The checks and allocations both initializers share; the prompt is copied by the caller. */
+static fm_status sampler_alloc(fm_sampler *s, fm_model *m, int64_t prompt_len, int64_t max_new, const fm_sample_opts *o) {
     memset(s, 0, sizeof *s);
     if (max_new < 0 || !(o->temperature >= 0) || o->top_k < 0)
         return fm_error(FM_ERR_ARG, "sampling: max_new, temperature and top_k must be >= 0 (found %lld, %g, %lld)",
                         (long long)max_new, o->temperature, (long long)o->top_k);
     const int64_t V = m->cfg.vocab_size;
-    for (size_t i = 0; i < prompt_len; i++) {
-        const int32_t t = (unsigned char)prompt[i];
-        if (t >= V) return fm_error(FM_ERR_UNSUPPORTED, "prompt byte %d is not below vocab_size %lld", t, (long long)V);
-    }
     s->m = m;
     s->o = *o;
-    s->cap = (int64_t)prompt_len + max_new + 1;
+    s->cap = prompt_len + max_new + 1;
     s->max_new = max_new;
     s->seq = fm_malloc(sizeof(int32_t) * (size_t)s->cap);
     s->probs = fm_malloc(sizeof(float) * (size_t)V);
@@ -57,11 +53,39 @@ fm_status fm_sampler_init(fm_sampler *s, fm_model *m, const char *prompt, size_t
     if (!s->seq || !s->probs || !s->order || !s->row) {
         fm_sampler_free(s);
         return fm_error(FM_ERR_NOMEM, "sampling: out of memory for %lld tokens and the [%lld] logits",
-                        (long long)(prompt_len + (size_t)max_new + 1), (long long)V);
+                        (long long)(prompt_len + max_new + 1), (long long)V);
     }
+    fm_rng_seed(&s->rng, o->seed);
+    return FM_OK;
+}
+
+fm_status fm_sampler_init(fm_sampler *s, fm_model *m, const char *prompt, size_t prompt_len, int64_t max_new,
+                          const fm_sample_opts *o) {
+    memset(s, 0, sizeof *s);
+    const int64_t V = m->cfg.vocab_size;
+    for (size_t i = 0; i < prompt_len; i++) {
+        const int32_t t = (unsigned char)prompt[i];
+        if (t >= V) return fm_error(FM_ERR_UNSUPPORTED, "prompt byte %d is not below vocab_size %lld", t, (long long)V);
+    }
+    FM_TRY(sampler_alloc(s, m, (int64_t)prompt_len, max_new, o));
     for (size_t i = 0; i < prompt_len; i++) s->seq[s->n++] = (unsigned char)prompt[i];
     if (s->n == 0) s->seq[s->n++] = '\n';
-    fm_rng_seed(&s->rng, o->seed);
+    return FM_OK;
+}
+
+fm_status fm_sampler_init_ids(fm_sampler *s, fm_model *m, const int32_t *ids, int64_t n, int64_t max_new,
+                              const fm_sample_opts *o) {
+    memset(s, 0, sizeof *s);
+    const int64_t V = m->cfg.vocab_size;
+    if (n < 1) return fm_error(FM_ERR_ARG, "sampling: the prompt has no tokens; give a non-empty prompt");
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= V)
+            return fm_error(FM_ERR_UNSUPPORTED, "prompt token %lld has id %d, not below vocab_size %lld: the tokenizer "
+                            "does not belong to this model (give the model's own with --tokenizer)", (long long)i, ids[i],
+                            (long long)V);
+    FM_TRY(sampler_alloc(s, m, n, max_new, o));
+    memcpy(s->seq, ids, sizeof(int32_t) * (size_t)n);
+    s->n = n;
     return FM_OK;
 }
 
@@ -74,6 +98,11 @@ fm_status fm_sampler_next(fm_sampler *s, int32_t *token) {
     memcpy(m->h_tokens, s->seq + s->n - len, sizeof(int32_t) * (size_t)len);
     FM_TRY(fm_schedule_default_forward(m, false, NULL));
     fm_model_logits_row(m, len - 1, s->row);
+    for (int64_t v = 0; v < m->cfg.vocab_size; v++)
+        if (!isfinite(s->row[v]))
+            return fm_error(FM_ERR_NUMERIC, "sampling: the logit of token %lld is %g at generated token %lld: the "
+                            "checkpoint's weights are damaged or diverged", (long long)v, (double)s->row[v],
+                            (long long)s->generated + 1);
     const int32_t next = fm_sample_pick(s->row, m->cfg.vocab_size, s->o.temperature, s->o.top_k, &s->rng, s->probs,
                                         s->order);
     s->seq[s->n++] = next;

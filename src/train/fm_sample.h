@@ -4,7 +4,8 @@
  *
  * Each token runs a full forward over the last min(n, T_cap) tokens of the sequence (no KV
  * cache): the window slides once the sequence is longer than the model's laid-out length.
- * Prompts are byte-level: each byte of the text is one token. */
+ * Prompts are token ids (fm_sampler_init_ids, e.g. from a tokenizer) or byte-level text
+ * (fm_sampler_init: each byte of the text is one token). */
 #ifndef FM_SAMPLE_H
 #define FM_SAMPLE_H
 
@@ -43,9 +44,18 @@ typedef struct fm_sampler {
 fm_status fm_sampler_init(fm_sampler *s, fm_model *m, const char *prompt, size_t prompt_len, int64_t max_new,
                           const fm_sample_opts *o);
 
+/* As fm_sampler_init with the prompt given as n token ids (n >= 1).
+ * Errors: FM_ERR_ARG for n < 1 or negative max_new, temperature or top_k; FM_ERR_UNSUPPORTED when
+ * a prompt id is outside [0, vocab_size) ("prompt token 3 has id 70000, not below vocab_size
+ * 50304": the tokenizer does not belong to the model); FM_ERR_NOMEM. */
+fm_status fm_sampler_init_ids(fm_sampler *s, fm_model *m, const int32_t *ids, int64_t n, int64_t max_new,
+                              const fm_sample_opts *o);
+
 /* Generates the next token: a forward of the model over the last min(n, T_cap) tokens, then
  * fm_sample_pick on the last position's logits; appends it and writes it to *token (an id in
- * [0, V)). Allocates nothing. Errors: FM_ERR_ARG when max_new tokens were already generated. */
+ * [0, V)). Allocates nothing. Errors: FM_ERR_ARG when max_new tokens were already generated;
+ * FM_ERR_NUMERIC when a logit is NaN or infinite (naming the token id and the value; nothing is
+ * appended), as `eval` refuses a non-finite loss. */
 fm_status fm_sampler_next(fm_sampler *s, int32_t *token);
 
 /* Releases what fm_sampler_init allocated (not the model). Safe on a zeroed sampler. */

@@ -1,0 +1,97 @@
+/* flatmoe prepare: text and JSONL files -> llm.c token shards with loss masks (the work is
+ * prep/fm_prepare), and --decode to read a shard back as text. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+#include "data/fm_data.h"
+#include "prep/fm_prepare.h"
+#include "tok/fm_tokenizer.h"
+
+static void progress(const fm_prepare_stats *st, void *ctx) {
+    (void)ctx;
+    if (!st->file) return; /* the final call: the summary is printed by the command */
+    const double mb = (double)st->bytes / 1e6;
+    fprintf(stderr, "prepare: %s | %lld documents | %lld tokens | %lld shards | %.1f MB | %.2f MB/s\n", st->file,
+            (long long)st->documents, (long long)st->tokens, (long long)st->shards, mb,
+            st->seconds > 0 ? mb / st->seconds : 0.0);
+}
+
+/* --decode SHARD: the shard's tokens as text; with --show-mask the masked runs (mask byte 0 in
+ * the shard's .mask sidecar, when it has one) are wrapped in "[[" and "]]". */
+static int decode_shard(fm_tokenizer *tok, const char *path, bool show_mask) {
+    const char *paths[1] = {path};
+    fm_dataset ds;
+    fm_status s = fm_dataset_load(&ds, paths, 1, tok->vocab_size);
+    if (s) return cli_fail("prepare", s);
+    int32_t *ids = fm_malloc(sizeof *ids * (size_t)ds.n_tokens);
+    if (!ids) {
+        fm_dataset_free(&ds);
+        return cli_fail("prepare", fm_error(FM_ERR_NOMEM, "%s: out of memory for its tokens", path));
+    }
+    fm_dataset_tokens(&ds, 0, ds.n_tokens, ids);
+    const bool masks = show_mask && ds.has_mask;
+    for (int64_t i = 0; i < ds.n_tokens && s == FM_OK;) {
+        const int m = masks ? fm_dataset_mask_at(&ds, i) : 1;
+        int64_t j = i + 1;
+        while (j < ds.n_tokens && (!masks || fm_dataset_mask_at(&ds, j) == m)) j++;
+        char *text;
+        size_t len;
+        if ((s = fm_tokenizer_decode(tok, ids + i, j - i, false, &text, &len))) break;
+        if (!m) fputs("[[", stdout);
+        fwrite(text, 1, len, stdout);
+        if (!m) fputs("]]", stdout);
+        fm_free(text);
+        i = j;
+    }
+    fm_free(ids);
+    fm_dataset_free(&ds);
+    return s ? cli_fail("prepare", s) : 0;
+}
+
+int cmd_prepare(int argc, char **argv) {
+    const char *tok_dir = NULL, *out = NULL, *format = "auto", *decode = NULL;
+    static const char *inputs[MAX_FILES];
+    int n_inputs = 0;
+    int64_t shard_tokens = 100000000;
+    bool no_eos = false, show_mask = false;
+    flag flags[] = {
+        {"tokenizer", F_STR, &tok_dir, NULL, "folder with tokenizer.json (a Hugging Face model folder), or the file (required)"},
+        {"input", F_FILES, inputs, &n_inputs, "text files (one file = one document) and JSONL files (required)"},
+        {"out", F_STR, &out, NULL, "shard prefix: writes PREFIX_000000.bin, ... (and .bin.mask for prompt/chat data) (required)"},
+        {"shard-tokens", F_I64, &shard_tokens, NULL, "tokens per shard (100000000)"},
+        {"format", F_STR, &format, NULL, "text | jsonl | auto: .jsonl/.json are JSONL, the rest text (auto)"},
+        {"no-eos", F_BOOL, &no_eos, NULL, "no EOS token after each document (off)"},
+        {"decode", F_STR, &decode, NULL, "instead: print the text of this shard (with --tokenizer)"},
+        {"show-mask", F_BOOL, &show_mask, NULL, "with --decode: wrap masked (prompt) tokens in [[ ]] (off)"},
+    };
+    int r = cli_parse_flags("prepare", "--tokenizer DIR --input FILES --out SHARD_PREFIX [flags]", argc, argv, flags,
+                            sizeof flags / sizeof flags[0]);
+    if (r) return r == 1 ? 0 : r;
+    if (!tok_dir) return cli_usage_error("prepare", "%s", "--tokenizer is required");
+    fm_prep_format fmt = FM_PREP_AUTO;
+    if (!strcmp(format, "text")) fmt = FM_PREP_TEXT;
+    else if (!strcmp(format, "jsonl")) fmt = FM_PREP_JSONL;
+    else if (strcmp(format, "auto")) return cli_usage_error("prepare", "--format %s: expected text, jsonl or auto", format);
+    if (!decode && (n_inputs == 0 || !out)) return cli_usage_error("prepare", "%s", "--input and --out are required");
+    if (shard_tokens < 1) return cli_usage_error("prepare", "%s", "--shard-tokens must be >= 1");
+    fm_tokenizer tok;
+    fm_status s = fm_tokenizer_load(&tok, tok_dir);
+    if (s) return cli_fail("prepare", s);
+    if (decode) {
+        int rc = decode_shard(&tok, decode, show_mask);
+        fm_tokenizer_free(&tok);
+        return rc;
+    }
+    fm_prepare_opts o = {inputs, n_inputs, out, shard_tokens, fmt, no_eos, progress, NULL, 1.0};
+    fm_prepare_stats st;
+    s = fm_prepare(&tok, &o, &st);
+    fm_tokenizer_free(&tok);
+    if (s) return cli_fail("prepare", s);
+    const double mb = (double)st.bytes / 1e6;
+    printf("prepared %lld documents: %lld tokens (%lld masked), %lld shard%s %s_%06d.bin%s in %.2f s (%.1f MB, %.2f MB/s)\n",
+           (long long)st.documents, (long long)st.tokens, (long long)st.masked, (long long)st.shards,
+           st.shards == 1 ? "" : "s", out, 0, st.shards > 1 ? " ..." : "", st.seconds, mb,
+           st.seconds > 0 ? mb / st.seconds : 0.0);
+    return 0;
+}

@@ -1,0 +1,326 @@
+/* Data preparation: see fm_prepare.h for the document forms and the output files. */
+#define _POSIX_C_SOURCE 200809L
+#include "fm_prepare.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../data/fm_data.h"
+
+typedef struct prep {
+    fm_tokenizer *tok;
+    const fm_prepare_opts *o;
+    int32_t *shard;    /* [shard_tokens] the shard being filled */
+    uint8_t *mask;     /* [shard_tokens] its mask bytes */
+    int64_t n_shard, cap_shard; /* tokens in it; its capacity (grown up to shard_tokens) */
+    int32_t *ids;      /* one part's ids (growable) */
+    int64_t n_ids, cap_ids;
+    bool any_masked_form; /* a prompt/completion or chat record was seen */
+    int64_t renamed;      /* shards already under their final names */
+    fm_prepare_stats st;
+    double t0, last;
+    char path[4200];
+} prep;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void part_name(const prep *p, int64_t k, const char *suffix, char *out, size_t cap) {
+    snprintf(out, cap, "%s_%06lld.bin%s", p->o->out_prefix, (long long)k, suffix);
+}
+
+/* Writes the current shard and its mask as .part files. */
+static fm_status flush_shard(prep *p) {
+    if (p->n_shard == 0) return FM_OK;
+    char path[4300];
+    part_name(p, p->st.shards, ".part", path, sizeof path);
+    FM_TRY(fm_shard_write(path, p->shard, p->n_shard, 7));
+    part_name(p, p->st.shards, ".mask.part", path, sizeof path);
+    FM_TRY(fm_mask_write(path, p->mask, p->n_shard));
+    p->st.shards++;
+    p->n_shard = 0;
+    return FM_OK;
+}
+
+/* Grows the shard buffers to hold `need` tokens (at most shard_tokens). */
+static fm_status reserve(prep *p, int64_t need) {
+    if (need <= p->cap_shard) return FM_OK;
+    int64_t cap = p->cap_shard ? p->cap_shard : 1 << 16;
+    while (cap < need) cap *= 2;
+    if (cap > p->o->shard_tokens) cap = p->o->shard_tokens;
+    int32_t *s = fm_malloc((size_t)cap * sizeof *s);
+    uint8_t *m = fm_malloc((size_t)cap);
+    if (!s || !m) {
+        fm_free(s);
+        fm_free(m);
+        return fm_error(FM_ERR_NOMEM, "prepare: out of memory for a %lld-token shard; lower --shard-tokens", (long long)cap);
+    }
+    if (p->n_shard) {
+        memcpy(s, p->shard, (size_t)p->n_shard * sizeof *s);
+        memcpy(m, p->mask, (size_t)p->n_shard);
+    }
+    fm_free(p->shard);
+    fm_free(p->mask);
+    p->shard = s;
+    p->mask = m;
+    p->cap_shard = cap;
+    return FM_OK;
+}
+
+/* Appends ids with mask byte m, flushing full shards. */
+static fm_status push(prep *p, const int32_t *ids, int64_t n, uint8_t m) {
+    while (n > 0) {
+        const int64_t room = p->o->shard_tokens - p->n_shard, k = n < room ? n : room;
+        FM_TRY(reserve(p, p->n_shard + k));
+        memcpy(p->shard + p->n_shard, ids, (size_t)k * sizeof *ids);
+        memset(p->mask + p->n_shard, m, (size_t)k);
+        p->n_shard += k;
+        p->st.tokens += k;
+        if (!m) p->st.masked += k;
+        ids += k;
+        n -= k;
+        if (p->n_shard == p->o->shard_tokens) FM_TRY(flush_shard(p));
+    }
+    return FM_OK;
+}
+
+/* Encodes one part of a document and appends it with mask byte m. */
+static fm_status part(prep *p, const char *s, size_t n, uint8_t m) {
+    p->n_ids = 0;
+    FM_TRY(fm_tokenizer_encode_append(p->tok, s, n, &p->ids, &p->n_ids, &p->cap_ids));
+    return push(p, p->ids, p->n_ids, m);
+}
+
+static fm_status end_document(prep *p, uint8_t eos_mask) {
+    p->st.documents++;
+    if (!p->o->no_eos) FM_TRY(push(p, &p->tok->eos_id, 1, eos_mask));
+    const double t = now_s();
+    if (p->o->progress && t - p->last >= p->o->progress_s) {
+        p->last = t;
+        p->st.seconds = t - p->t0;
+        p->o->progress(&p->st, p->o->ctx);
+    }
+    return FM_OK;
+}
+
+static fm_status read_whole(const char *path, char **buf, size_t *n) {
+    *buf = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f) return fm_error(FM_ERR_IO, "%s: cannot open input: %s; check the path given to --input", path, strerror(errno));
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
+        fclose(f);
+        return fm_error(FM_ERR_IO, "%s: expected a regular file (text or JSONL), found %s", path,
+                        S_ISDIR(st.st_mode) ? "a directory" : "something else");
+    }
+    *buf = fm_malloc((size_t)st.st_size + 1);
+    if (!*buf) {
+        fclose(f);
+        return fm_error(FM_ERR_NOMEM, "%s: out of memory for its %lld bytes", path, (long long)st.st_size);
+    }
+    *n = fread(*buf, 1, (size_t)st.st_size, f);
+    const bool bad = *n != (size_t)st.st_size;
+    fclose(f);
+    if (bad) {
+        fm_free(*buf);
+        *buf = NULL;
+        return fm_error(FM_ERR_IO, "%s: read %zu of %lld bytes", path, *n, (long long)st.st_size);
+    }
+    return FM_OK;
+}
+
+static const char *str_field(const cJSON *o, const char *k, bool *present) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+    *present = v != NULL;
+    return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+/* One JSONL record. */
+static fm_status record(prep *p, const cJSON *j, const char *file, int64_t line) {
+    if (!cJSON_IsObject(j))
+        return fm_error(FM_ERR_FORMAT, "%s:%lld: expected a JSON object per line, found another JSON value", file,
+                        (long long)line);
+    bool has_text, has_prompt, has_compl;
+    const char *text = str_field(j, "text", &has_text);
+    const char *prompt = str_field(j, "prompt", &has_prompt), *compl = str_field(j, "completion", &has_compl);
+    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(j, "messages");
+    if (has_prompt || has_compl) {
+        if (!prompt || !compl)
+            return fm_error(FM_ERR_FORMAT, "%s:%lld: a prompt/completion record needs both \"prompt\" and \"completion\" "
+                            "as strings", file, (long long)line);
+        p->any_masked_form = true;
+        FM_TRY(part(p, prompt, strlen(prompt), 0));
+        FM_TRY(part(p, compl, strlen(compl), 1));
+        return end_document(p, 1);
+    }
+    if (msgs) {
+        if (!cJSON_IsArray(msgs) || cJSON_GetArraySize(msgs) == 0)
+            return fm_error(FM_ERR_FORMAT, "%s:%lld: \"messages\" must be a non-empty array of {\"role\", \"content\"}",
+                            file, (long long)line);
+        p->any_masked_form = true;
+        const cJSON *m;
+        int k = 0;
+        bool last_assistant = false;
+        cJSON_ArrayForEach(m, msgs) {
+            bool hr, hc;
+            const char *role = str_field(m, "role", &hr), *content = str_field(m, "content", &hc);
+            if (!role || !content)
+                return fm_error(FM_ERR_FORMAT, "%s:%lld: messages[%d] needs \"role\" and \"content\" strings", file,
+                                (long long)line, k);
+            char head[256];
+            int hn = snprintf(head, sizeof head, "<|%s|>\n", role);
+            if (hn < 0 || hn >= (int)sizeof head)
+                return fm_error(FM_ERR_FORMAT, "%s:%lld: messages[%d]: role longer than 240 bytes", file, (long long)line, k);
+            last_assistant = !strcmp(role, "assistant");
+            FM_TRY(part(p, head, (size_t)hn, 0));
+            /* content and its newline as one part */
+            const size_t cl = strlen(content);
+            char *buf = fm_malloc(cl + 2);
+            if (!buf) return fm_error(FM_ERR_NOMEM, "prepare: out of memory for a %zu-byte message", cl);
+            memcpy(buf, content, cl);
+            buf[cl] = '\n';
+            fm_status s = part(p, buf, cl + 1, last_assistant ? 1 : 0);
+            fm_free(buf);
+            FM_TRY(s);
+            k++;
+        }
+        return end_document(p, last_assistant ? 1 : 0);
+    }
+    if (has_text) {
+        if (!text) return fm_error(FM_ERR_FORMAT, "%s:%lld: \"text\" must be a string", file, (long long)line);
+        FM_TRY(part(p, text, strlen(text), 1));
+        return end_document(p, 1);
+    }
+    char keys[256] = "";
+    const cJSON *c;
+    cJSON_ArrayForEach(c, j) {
+        if (strlen(keys) + strlen(c->string) + 3 >= sizeof keys) break;
+        if (keys[0]) strcat(keys, ", ");
+        strcat(keys, c->string);
+    }
+    return fm_error(FM_ERR_FORMAT, "%s:%lld: a record with none of the known keys (found: %s); expected {\"text\": ...}, "
+                    "{\"prompt\": ..., \"completion\": ...} or {\"messages\": [...]}", file, (long long)line,
+                    keys[0] ? keys : "no keys");
+}
+
+static fm_status jsonl_file(prep *p, const char *file, const char *buf, size_t n) {
+    int64_t line = 0;
+    size_t i0 = n >= 3 && !memcmp(buf, "\xEF\xBB\xBF", 3) ? 3 : 0; /* a UTF-8 byte order mark */
+    p->st.bytes += (int64_t)i0;
+    for (size_t i = i0; i < n;) {
+        const char *nl = memchr(buf + i, '\n', n - i);
+        const size_t e = nl ? (size_t)(nl - buf) : n;
+        line++;
+        size_t a = i;
+        while (a < e && (buf[a] == ' ' || buf[a] == '\t' || buf[a] == '\r')) a++;
+        if (a < e) {
+            const char *end = NULL;
+            cJSON *j = cJSON_ParseWithLengthOpts(buf + a, e - a, &end, false);
+            bool trailing = false;
+            if (j && end) {
+                const char *q = end;
+                while (q < buf + e && (*q == ' ' || *q == '\t' || *q == '\r')) q++;
+                trailing = q < buf + e;
+            }
+            if (!j || trailing) {
+                cJSON_Delete(j);
+                return fm_error(FM_ERR_FORMAT, "%s:%lld: malformed JSON%s; expected one JSON object per line", file,
+                                (long long)line, trailing ? " (text after the object)" : "");
+            }
+            fm_status s = record(p, j, file, line);
+            cJSON_Delete(j);
+            FM_TRY(s);
+        }
+        p->st.bytes += (int64_t)(e - i) + (nl ? 1 : 0);
+        i = e + 1;
+    }
+    return FM_OK;
+}
+
+static bool is_jsonl(const char *path) {
+    const char *dot = strrchr(path, '.');
+    return dot && (!strcmp(dot, ".jsonl") || !strcmp(dot, ".json"));
+}
+
+static fm_status run(prep *p) {
+    const fm_prepare_opts *o = p->o;
+    for (int i = 0; i < o->n_inputs; i++) {
+        const char *file = o->inputs[i];
+        p->st.file = file;
+        char *buf;
+        size_t n = 0;
+        FM_TRY(read_whole(file, &buf, &n));
+        const bool jl = o->format == FM_PREP_JSONL || (o->format == FM_PREP_AUTO && is_jsonl(file));
+        fm_status s;
+        if (jl) s = jsonl_file(p, file, buf, n);
+        else {
+            s = part(p, buf, n, 1);
+            p->st.bytes += (int64_t)n;
+            if (!s) s = end_document(p, 1);
+        }
+        fm_free(buf);
+        FM_TRY(s);
+    }
+    FM_TRY(flush_shard(p));
+    if (p->st.tokens == 0)
+        return fm_error(FM_ERR_ARG, "prepare: the inputs hold no text (no tokens were made); give non-empty files");
+    /* everything was written: the final names */
+    char from[4300], to[4300];
+    for (int64_t k = 0; k < p->st.shards; k++) {
+        part_name(p, k, ".part", from, sizeof from);
+        part_name(p, k, "", to, sizeof to);
+        if (rename(from, to) != 0)
+            return fm_error(FM_ERR_IO, "%s: cannot rename %s to it: %s", to, from, strerror(errno));
+        p->renamed = k + 1;
+        part_name(p, k, ".mask.part", from, sizeof from);
+        part_name(p, k, ".mask", to, sizeof to);
+        if (!p->any_masked_form) unlink(from);
+        else if (rename(from, to) != 0)
+            return fm_error(FM_ERR_IO, "%s: cannot rename %s to it: %s", to, from, strerror(errno));
+    }
+    return FM_OK;
+}
+
+fm_status fm_prepare(fm_tokenizer *tok, const fm_prepare_opts *o, fm_prepare_stats *st) {
+    memset(st, 0, sizeof *st);
+    if (o->n_inputs < 1 || !o->out_prefix)
+        return fm_error(FM_ERR_ARG, "prepare: give at least one input file and an output prefix");
+    if (o->shard_tokens < 1 || o->shard_tokens > INT32_MAX)
+        return fm_error(FM_ERR_ARG, "prepare: --shard-tokens %lld; expected 1 .. %d", (long long)o->shard_tokens, INT32_MAX);
+    if (!o->no_eos && tok->eos_id < 0)
+        return fm_error(FM_ERR_ARG, "%s: the tokenizer has no EOS token (none in tokenizer_config.json, "
+                        "generation_config.json, config.json or the special tokens); add eos_token to the folder's "
+                        "tokenizer_config.json or pass --no-eos", tok->path);
+    prep p;
+    memset(&p, 0, sizeof p);
+    p.tok = tok;
+    p.o = o;
+    p.t0 = p.last = now_s();
+    fm_status s = run(&p);
+    if (s) { /* no partial output: the .part files (and any already renamed) go */
+        char path[4300];
+        for (int64_t k = 0; k <= p.st.shards; k++) {
+            const char *suffix[] = {".part", ".part.tmp", ".mask.part", ".mask.part.tmp", "", ".mask"};
+            for (int j = 0; j < (k < p.renamed ? 6 : 4); j++) {
+                part_name(&p, k, suffix[j], path, sizeof path);
+                unlink(path);
+            }
+        }
+    }
+    p.st.seconds = now_s() - p.t0;
+    p.st.file = NULL;
+    *st = p.st;
+    if (!s && o->progress) o->progress(st, o->ctx);
+    fm_free(p.shard);
+    fm_free(p.mask);
+    fm_free(p.ids);
+    return s;
+}

@@ -1,0 +1,64 @@
+/* Data preparation (`flatmoe prepare`): text and JSONL files tokenized into llm.c token shards
+ * (version 7: magic 20240801, uint32 tokens; see data/fm_data.h) with a per-token loss mask.
+ *
+ * Documents:
+ *   plain text (.txt, or --format text): one file is one document, encoded whole;
+ *   JSONL (.jsonl / .json, or --format jsonl): one JSON object per line (blank lines skipped):
+ *     {"text": T}                      a document, every token a loss target;
+ *     {"prompt": P, "completion": C}   P then C, each encoded on its own; P's tokens masked;
+ *     {"messages": [{"role": R, "content": X}, ...]}  a chat rendered with this template, each
+ *         part encoded on its own:  "<|R|>\n" (masked), then "X\n" (a loss target only when R is
+ *         "assistant"), message after message.
+ *   Each document is followed by the tokenizer's EOS token (unless no_eos), a loss target except
+ *   after a chat whose last message is not the assistant's. Documents run on across shards.
+ *   Encoding each part on its own keeps the mask boundaries exact; a sentencepiece-style
+ *   tokenizer (Prepend "▁") gives each part its own leading "▁".
+ *
+ * Output, for shard k = 0, 1, ...: PREFIX_%06d.bin (k), an llm.c v7 shard of up to shard_tokens
+ * tokens, and, when any record of the run is prompt/completion or chat, PREFIX_%06d.bin.mask
+ * (written by fm_mask_write, data/fm_data.h): 8 bytes "FMMASK01", uint64 little-endian n_tokens
+ * (the shard's count), n_tokens bytes: byte i is 1 when token i is a loss target (counted when it
+ * is predicted), 0 when it is masked. A run of text only writes no masks.
+ * Every file is written under a ".part" name and renamed only after the whole input was read and
+ * written without error; on any error the .part files are removed, so no partial output is left.
+ */
+#ifndef FM_PREPARE_H
+#define FM_PREPARE_H
+
+#include "../core/fm_core.h"
+#include "../tok/fm_tokenizer.h"
+
+typedef enum { FM_PREP_AUTO = 0, FM_PREP_TEXT, FM_PREP_JSONL } fm_prep_format;
+
+typedef struct fm_prepare_stats {
+    int64_t documents;     /* documents (files or JSONL records) */
+    int64_t tokens;        /* tokens written, EOS included */
+    int64_t masked;        /* tokens with mask byte 0 */
+    int64_t shards;        /* shards written (or being written) */
+    int64_t bytes;         /* input bytes read */
+    double seconds;        /* since the start */
+    const char *file;      /* the file being read */
+} fm_prepare_stats;
+
+typedef struct fm_prepare_opts {
+    const char *const *inputs; /* [n_inputs] input files */
+    int n_inputs;
+    const char *out_prefix;    /* shards are out_prefix_000000.bin, ... */
+    int64_t shard_tokens;      /* tokens per shard, >= 1 (the last shard may hold fewer) */
+    fm_prep_format format;     /* AUTO: by extension (.jsonl / .json: JSONL; anything else: text) */
+    bool no_eos;               /* no EOS after documents */
+    /* Called about every progress_s seconds (and once at the end) with the running totals; NULL:
+     * never. The library prints nothing. */
+    void (*progress)(const fm_prepare_stats *st, void *ctx);
+    void *ctx;
+    double progress_s;
+} fm_prepare_opts;
+
+/* Tokenizes o->inputs with tok into shards (see above); *st gets the totals.
+ * Errors: FM_ERR_ARG (no inputs, shard_tokens < 1, no EOS token while !no_eos, no tokens at all,
+ * an id above uint32); FM_ERR_IO (an input missing or unreadable, a shard not writable: naming the
+ * file); FM_ERR_FORMAT (a malformed JSON line or a record of no known form, naming the file and
+ * the line); those of the tokenizer; FM_ERR_NOMEM. On error no output file is left. */
+fm_status fm_prepare(fm_tokenizer *tok, const fm_prepare_opts *o, fm_prepare_stats *st);
+
+#endif
