@@ -85,6 +85,18 @@ calib) # the H200 calibration table (plan/fm_calibrate.h), then the plan's proje
     echo "calibrate: $? in $(( $(date +%s) - t0 )) s"; tail -40 "$OUT/calib.log" ;;
 lengths) # the chooser's own knobs (no memory flag) at each length, 3 steps
     shift; for T in ${*:-32768 65536}; do run1 len-$T $T 3; done ;;
+finetune) # issue 13 on the GPU machine (transformers there): the CUDA engine's CLI tests after the
+    # merges, the fine-tune check with both builds, and the run records' device and MFU
+    (cd build-gpu && ctest -L gpu -R cli_cuda --output-on-failure > "$OUT/ctest-cli.log" 2>&1; echo "ctest -L gpu -R cli_cuda: $?")
+    grep -E "Test +#|tests passed" "$OUT/ctest-cli.log"
+    for b in build-gpu/flatmoe build-gpu/flatmoe-cuda; do
+        [ -x "$b" ] || { echo "no $b"; continue; }
+        PYTHONUNBUFFERED=1 timeout 240 python3 tools/hf_finetune_check.py --flatmoe "$b" --tokenizer tests/data/tok \
+            --threads 16 > "$OUT/finetune-$(basename "$b").log" 2>&1; echo "hf_finetune_check $b: exit $?"
+        grep -E "PASS|FAIL" "$OUT/finetune-$(basename "$b").log" | cut -c1-220
+    done
+    rm -rf /tmp/mfu; "$BIN" train --config configs/tiny.json --data "$TEXT" --steps 20 --no-checkpoint --quiet --out /tmp/mfu
+    head -1 /tmp/mfu/metrics.jsonl | grep -o '"host":{[^}]*}'; grep -o '"mfu":[^,]*' /tmp/mfu/metrics.jsonl | tail -2 ;;
 run) shift; run1 "$@" ;;
-*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|million|collect|run"; exit 2 ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|collect|run"; exit 2 ;;
 esac
