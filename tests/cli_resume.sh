@@ -143,4 +143,16 @@ for f in model.safetensors optimizer.safetensors; do
 done
 if diff <(fields "$TMP/straight/metrics.jsonl") <(fields "$TMP/ksplit/metrics.jsonl") >/dev/null; then ok
 else bad "keep-attention: metrics differ between straight and resumed runs"; fi
+# the thread count: state.json records it; --resume without --threads keeps it (the CPU's sums
+# depend on it), and another --threads is warned about
+nt=(--config "$cfg" --data "$TEXT" --seq-len 32 --micro-batch 4 --steps 4 --warmup 1 --eval-every 0 --eval-batches 1)
+"$FM" train "${nt[@]}" --quiet --threads 2 --out "$TMP/th_straight" || bad "threads: straight run failed"
+"$FM" train "${nt[@]}" --quiet --threads 2 --exit-after 2 --out "$TMP/th_split" || bad "threads: first half failed"
+grep -qE '"threads":[[:space:]]*2' "$TMP/th_split/step_000002/state.json" && ok || bad "threads: state.json lacks the thread count"
+out=$(OMP_NUM_THREADS= "$FM" train "${nt[@]}" --resume --out "$TMP/th_split" 2>&1) || bad "threads: resume failed"
+grep -q -- "--threads 2 (the run's" <<<"$out" && ok || bad "threads: --resume without --threads did not keep the run's count"
+cmp -s "$TMP/th_straight/step_000004/model.safetensors" "$TMP/th_split/step_000004/model.safetensors" && ok ||
+    bad "threads: resumed at the run's thread count, the weights differ from the straight run"
+w=$("$FM" train "${nt[@]}" --quiet --steps 6 --threads 1 --resume --out "$TMP/th_split" 2>&1 >/dev/null)
+grep -q "will not match an uninterrupted one" <<<"$w" && ok || bad "threads: no warning for another --threads: $w"
 finish

@@ -158,7 +158,25 @@ failure)
         elif ! grep -qE "$needle" "$TMP/$case.log"; then
             bad "$case: no '$needle' in the output"; cat "$TMP/$case.log" >&2
         fi
-    done ;;
+    done
+    # SIGTERM to rank 1 alone: every rank stops after the same step (the stop flag is all-reduced),
+    # rank 0 saves that step's checkpoint, the job ends with 143, and a resume continues from it
+    sig=${long/--no-checkpoint/}
+    cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (sleep 3; kill -TERM $$) & fi; exec "$FM" train '"$sig"' --out "$TMP/t"'
+    t0=$SECONDS
+    timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c "$cmd" >"$TMP/term.log" 2>&1; rc=$?
+    n=$(ls -d "$TMP"/t/step_* 2>/dev/null | wc -l)
+    echo "== term: exit $rc after $((SECONDS - t0)) s, $n checkpoint(s): $(grep -m1 'SIGTERM received' "$TMP/term.log")"
+    if [ $rc -eq 0 ] || [ $rc -eq 124 ] || [ "$n" -lt 1 ] || ! grep -q "SIGTERM received" "$TMP/term.log"; then
+        bad "term: status $rc, $n checkpoints (want a non-zero end, not a hang, and the stop's checkpoint)"; cat "$TMP/term.log" >&2
+    else
+        last=$(basename "$(ls -d "$TMP"/t/step_* | sort | tail -1)"); last=$((10#${last#step_}))
+        steps=$(grep -c '"type":"step"' "$TMP/t/metrics.jsonl")
+        [ "$steps" -eq "$last" ] || bad "term: checkpoint at step $last but $steps step records"
+        timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c 'exec "$FM" train '"${sig/--steps 1000000/--steps $((last + 2))}"' --resume --out "$TMP/t"' \
+            >"$TMP/term2.log" 2>&1 || { bad "term: the resume failed"; cat "$TMP/term2.log" >&2; }
+        [ "$(grep -c '"type":"step"' "$TMP/t/metrics.jsonl")" -eq $((last + 2)) ] || bad "term: the resume did not add 2 steps"
+    fi ;;
 *) echo "unknown mode $MODE"; exit 2 ;;
 esac
 [ $FAILED -eq 0 ] && echo "mpi_train $MODE: passed" || echo "mpi_train $MODE: $FAILED failed"

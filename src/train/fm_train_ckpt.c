@@ -108,6 +108,7 @@ static char *state_to_json(const run *r, const train_state *s) {
     cJSON_AddNumberToObject(o, "micro_batch", (double)s->micro_batch);
     cJSON_AddNumberToObject(o, "grad_accum", (double)s->grad_accum);
     cJSON_AddNumberToObject(o, "steps", (double)s->steps);
+    cJSON_AddNumberToObject(o, "threads", (double)r->o->threads);
     cJSON_AddStringToObject(o, "adam_moments", s->bf16_moments ? "bf16" : "fp32");
     /* the sampling cursor (fm_dataset_sample_batch): the RNG state is all of it; rank, world and
      * the training tokens say what it was drawn over */
@@ -140,6 +141,7 @@ fm_status fm_train_state_read(const char *path, train_state *s) {
     s->micro_batch = json_i64(o, "micro_batch", 0);
     s->grad_accum = json_i64(o, "grad_accum", 0);
     s->steps = json_i64(o, "steps", 0);
+    s->threads = json_i64(o, "threads", 0);
     s->dp = json_i64(o, "data_parallel", 1);
     const cJSON *mom = cJSON_GetObjectItemCaseSensitive(o, "adam_moments");
     s->bf16_moments = cJSON_IsString(mom) && strcmp(mom->valuestring, "bf16") == 0;

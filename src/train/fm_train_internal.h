@@ -41,6 +41,7 @@ typedef struct train_state {
     uint64_t data_rng;
     uint64_t seed;
     int64_t seq_len, micro_batch, grad_accum, steps;
+    int64_t threads; /* the CPU threads the run trained with (results depend on the count); 0: unknown */
     bool bf16_moments; /* "adam_moments": "bf16" (absent in older checkpoints: fp32) */
     int64_t dp;        /* "data_parallel": the data-parallel ranks micro_batch was per (absent: 1) */
 } train_state;

@@ -116,7 +116,14 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         int_s += rep.step_s;
         int_tok += tokens_per_step;
         load_stats(rec);
-        const int stop = fm_stop_requested();
+        int stop = fm_stop_requested();
+        if (fm_comm_size(&r->world) > 1) { /* every rank stops after the same step: the flag's max over the ranks */
+            double v = (double)stop, *d = m->results + FM_RESULT_SCRATCH;
+            m->be.ops->copy(m->be.ctx, d, &v, sizeof v, FM_COPY_H2D);
+            FM_TRY(fm_comm_all_reduce(&r->world, d, d, 1, FM_COMM_F64, FM_COMM_MAX, 0));
+            m->be.ops->copy(m->be.ctx, &v, d, sizeof v, FM_COPY_D2H);
+            stop = (int)v;
+        }
         const bool last = step == o->steps || (o->exit_after > 0 && ran == o->exit_after);
         const bool eval = ((o->eval_every > 0 && step % o->eval_every == 0) || last) && !stop;
         const double t_now = now_s();
@@ -206,14 +213,27 @@ fm_status fm_train(const fm_train_opts *o) {
     int launch_rank = 0, launch_size = 1; /* many ranks: only rank 0 prints (and writes, fm_train_setup) */
     if (fm_comm_launcher(&launch_rank, &launch_size, NULL) == FM_OK && launch_rank != 0) oo.quiet = true;
     const bool need = oo.steps == 0 || oo.seq_len == 0 || oo.micro_batch == 0 || oo.grad_accum == 0;
-    if (oo.resume && need) { /* flags not given: the run's own total and shape, from its latest checkpoint */
+    train_state ts = {0};
+    bool have = false;
+    if (oo.resume && oo.out_dir) { /* the latest checkpoint's state: the run's shape and thread count */
         char ck[4096], p[4200];
-        train_state ts = {0};
-        bool have = false;
-        if (oo.out_dir && fm_ckpt_find_latest(oo.out_dir, ck, sizeof ck, NULL) == FM_OK) {
+        if (fm_ckpt_find_latest(oo.out_dir, ck, sizeof ck, NULL) == FM_OK) {
             snprintf(p, sizeof p, "%s/%s", ck, FM_CKPT_STATE_FILE);
             have = fm_train_state_read(p, &ts) == FM_OK;
         }
+    }
+    if (oo.resume && have && ts.threads > 0 && sizeof(fm_act) == sizeof(float)) { /* the CPU's reductions depend on the thread count */
+        if (oo.threads == 0) {
+            oo.threads = (int)ts.threads;
+            if (!oo.quiet) printf("--resume: --threads %d (the run's: results depend on the thread count; --threads sets "
+                                  "another)\n", oo.threads);
+        } else if (oo.threads != ts.threads) {
+            fprintf(stderr, "warning: --resume with --threads %d, the run trained with %lld: the CPU's sums run in "
+                    "another order, so the run will not match an uninterrupted one bit for bit\n", oo.threads,
+                    (long long)ts.threads);
+        }
+    }
+    if (oo.resume && need) { /* flags not given: the run's own total and shape, from its latest checkpoint */
         fm_train_opts dflt;
         fm_train_opts_default(&dflt);
         if (oo.steps == 0) {
