@@ -104,4 +104,17 @@ echo "train: masked $tm / $tm2, unmasked $tu / $tu2"
 close "$tm" "$lm" && ok || bad "train's masked step-1 loss $tm differs from eval's $lm"
 printf 'FMMASK01\x05\0\0\0\0\0\0\0\0\1\0\1\1' > "$TMP/m.bin.mask"
 expect_fail "bad mask" "loss mask for 5 tokens, but" "$FM" eval --ckpt "$ck" --data "$TMP/m.bin" --seq-len $T --threads 2
+# the folder's tokenizer goes into every checkpoint of the run (sample and eval find it there), on
+# through a resume
+tk="$TMP/olmoe-tok"; cp -r "$TMP/olmoe-dtypef32" "$tk"; cp "$ROOT/tests/data/tok/olmoe/tokenizer.json" "$tk/"
+"$FM" train --init-from "$tk" "${one[@]}" --steps 2 --exit-after 1 --out "$TMP/run-tok" >/dev/null || bad "tokenizer: run failed"
+cmp -s "$tk/tokenizer.json" "$TMP/run-tok/step_000001/tokenizer.json" && ok || bad "tokenizer: the checkpoint lacks the folder's tokenizer.json"
+"$FM" train --init-from "$tk" "${one[@]}" --steps 2 --resume --out "$TMP/run-tok" >/dev/null 2>&1 || bad "tokenizer: resume failed"
+cmp -s "$tk/tokenizer.json" "$TMP/run-tok/step_000002/tokenizer.json" && ok || bad "tokenizer: the resumed run's checkpoint lacks tokenizer.json"
+[ ! -f "$TMP/run-olmoe-dtypef32/step_000001/tokenizer.json" ] && ok || bad "tokenizer: a folder without one gave the checkpoint one"
+
+# --init-from a flatmoe run folder: its latest checkpoint
+out=$("$FM" train --init-from "$TMP/run-tok" --data "$TMP/one.txt" --val-data "$TMP/one.txt" --seq-len $T --micro-batch 1 --threads 2 --steps 1 --out "$TMP/run-fromrun" 2>&1) && grep -q "its latest checkpoint" <<<"$out" && ok ||
+    bad "--init-from a run folder: $out"
+
 finish

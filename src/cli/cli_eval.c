@@ -139,6 +139,12 @@ int cmd_eval(int argc, char **argv) {
     }
     printf("checkpoint %s\ndata %s\ntokens scored %lld (windows of %lld)\nloss %.4f nats/token\nperplexity %.3f\n", ckpt,
            ds.desc, (long long)ntok, (long long)m.T_cap, loss, exp(loss));
+    if (ntok == 0) {
+        fprintf(stderr, "flatmoe eval: error: %s: no target to score: every target of the windows read is masked "
+                "(the data's loss mask) or ignored; give data with unmasked targets, or more --max-batches\n",
+                ds.desc);
+        return 1;
+    }
     if (!isfinite(loss)) {
         fprintf(stderr, "flatmoe eval: error: %s: the loss is not finite (%g); the checkpoint's weights are damaged "
                 "or diverged\n", ckpt, loss);

@@ -1,8 +1,10 @@
 /* flatmoe train: flags into fm_train_opts, then fm_train. */
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli.h"
+#include "io/fm_checkpoint.h"
 #include "comm/fm_comm.h"
 #include "plan/fm_plan.h"
 #include "train/fm_signal.h"
@@ -105,6 +107,15 @@ int cmd_train(int argc, char **argv) {
         }
     }
     if ((s = fm_backend_opts_from_env(&o.backend))) return cli_fail("train", s); /* FLATMOE_* -> init options */
+    static char init_dir[4096]; /* --init-from a flatmoe run folder: its latest checkpoint (an HF-format folder) */
+    if (o.init_from) {
+        char probe[4200];
+        snprintf(probe, sizeof probe, "%s/config.json", o.init_from);
+        if (access(probe, R_OK) != 0 && fm_ckpt_find_latest(o.init_from, init_dir, sizeof init_dir, NULL) == FM_OK) {
+            if (!o.quiet) printf("--init-from %s: its latest checkpoint, %s\n", o.init_from, init_dir);
+            o.init_from = init_dir;
+        }
+    }
     fm_stop_install(); /* SIGINT/SIGTERM: finish the step, save, exit 128 + signal; a second one: at once */
     s = fm_train(&o);
     /* many ranks: a failure on one rank ends every rank (the message names this one); success

@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../io/fm_checkpoint.h"
 #include "fm_train_internal.h"
@@ -331,6 +332,32 @@ fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
     return s;
 }
 
+/* The tokenizer beside the weights (sample and eval find it there; transformers loads the folder
+ * with it): tokenizer.json and its companions from the run's last checkpoint that has them (the
+ * resumed one, or the last saved), else from --init-from's folder, each written atomically into
+ * the new checkpoint folder `dir`. None there: nothing to copy. Errors: FM_ERR_IO (the copy). */
+static fm_status copy_tokenizer(run *r, const char *dir) {
+    static const char *const names[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                        "generation_config.json"};
+    char src[4096] = "", probe[4200];
+    if (r->tokenizer_dir[0]) snprintf(src, sizeof src, "%s", r->tokenizer_dir); /* resumed, or saved before */
+    else if (r->o->init_from) snprintf(src, sizeof src, "%s", r->o->init_from);
+    snprintf(probe, sizeof probe, "%s/tokenizer.json", src);
+    if (!src[0] || access(probe, R_OK) != 0 || !strcmp(src, dir)) return FM_OK;
+    snprintf(r->tokenizer_dir, sizeof r->tokenizer_dir, "%s", dir); /* the next save copies from here */
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        char from[4300], to[4300], *text = NULL;
+        snprintf(from, sizeof from, "%s/%s", src, names[i]);
+        if (access(from, R_OK) != 0) continue;
+        FM_TRY(fm_ckpt_read_text(from, &text));
+        snprintf(to, sizeof to, "%s/%s", dir, names[i]);
+        const fm_status s = fm_write_file_atomic(to, text, strlen(text));
+        fm_free(text);
+        FM_TRY(s);
+    }
+    return FM_OK;
+}
+
 /* Rank 0's part: names master, m, v (gmaster: the gathered master, host memory; NULL: the
  * model's) and writes the checkpoint. */
 static fm_status save_named(run *r, const train_state *ts, fm_optim_state *os, int nos, const float *gmaster) {
@@ -350,6 +377,7 @@ static fm_status save_named(run *r, const train_state *ts, fm_optim_state *os, i
         s = fm_ckpt_write(r->o->out_dir, ts->step, r->named, n, r->named + n, 3 * n, r->config_json, state, dir,
                           sizeof dir);
     fm_free(state);
+    if (s == FM_OK) s = copy_tokenizer(r, dir);
     if (s == FM_OK && !r->o->quiet) printf("saved checkpoint %s\n", dir);
     return s;
 }

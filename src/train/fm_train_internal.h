@@ -78,6 +78,7 @@ typedef struct run {
                                        metrics.jsonl, step lines and checkpoint files */
     fm_backend_opts backend_opts;   /* what the backend was created with (metrics.jsonl "backend") */
     bool world_ok;
+    char tokenizer_dir[4096];       /* the last checkpoint written with a tokenizer (copy_tokenizer) */
     fm_sco sco;                     /* checkpoint offload (--offload-boundaries; n_off 0: off, no hook) */
 } run;
 

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 #include <sys/stat.h>
 
 #include "../backend/fm_backend_default.h"
@@ -45,7 +46,7 @@ static fm_status init_from_folder(run *r, const char *dir) {
     fm_model *m = &r->m;
     fm_hf_files f;
     FM_TRY(fm_hf_files_open(&f, dir));
-    const bool host = m->be.ops->host_memory;
+    const bool host = m->be.ops->host_memory || m->master_host; /* straight into a host master */
     float *w = host ? m->master : fm_malloc(sizeof(float) * (size_t)m->n_params);
     if (!w) {
         fm_hf_files_close(&f);
@@ -77,6 +78,10 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         if (fm_ckpt_find_latest(o->out_dir, ckpt, sizeof ckpt, &ckpt_step) != FM_OK) {
             ckpt[0] = 0;
             ckpt_step = -1;
+        } else { /* its tokenizer goes on into the run's next checkpoints */
+            char tj[4200];
+            snprintf(tj, sizeof tj, "%s/tokenizer.json", ckpt);
+            if (access(tj, R_OK) == 0) snprintf(r->tokenizer_dir, sizeof r->tokenizer_dir, "%s", ckpt);
         }
         /* A damaged checkpoint newer than the one we would resume from is not skipped silently:
          * training on would overwrite it (or start over). */
