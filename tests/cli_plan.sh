@@ -129,4 +129,13 @@ h=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-le
 grep -q "keep their attention" <<<"$h" && ok || bad "the chooser no longer keeps attention at 128K under 135 GiB: $(grep ^shape <<<"$h")"
 expect_fail "plan keep and no-keep" "give one" "$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 64 --recompute-keep-attention --no-recompute-keep-attention
 
+# the "train flags" line reproduces the chosen plan: planning again with exactly those flags gives
+# the same total (here at 1M tokens, where the chooser sets every knob)
+a=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 1048576 --device-mem 141GiB --host-mem-budget 110GiB 2>/dev/null)
+flags=$(sed -n 's/^train flags: //p' <<<"$a" | sed 's/ --max-position-embeddings [0-9]*//')
+# shellcheck disable=SC2086
+b=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --device-mem 141GiB --host-mem-budget 110GiB $flags 2>/dev/null)
+[ -n "$flags" ] && [ "$(grep '^total' <<<"$a")" = "$(grep '^total' <<<"$b")" ] && [ "$(grep '^shape' <<<"$a")" = "$(grep '^shape' <<<"$b")" ] && ok ||
+    bad "the train flags line ($flags) does not reproduce the plan: $(grep -E '^(shape|total)' <<<"$a") / $(grep -E '^(shape|total)' <<<"$b")"
+
 finish

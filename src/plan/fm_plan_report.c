@@ -1,5 +1,7 @@
 #include "fm_plan_report.h"
 
+#include "../bounded/fm_linear_ce.h"
+
 #include <string.h>
 
 static int largest_set(const fm_plan *p) {
@@ -31,6 +33,27 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     fprintf(f, "; vocabulary %s", (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear cross-entropy" : "plain logits");
     fprintf(f, "; %lld offloaded boundaries; optimizer %s", (long long)p->n_offloaded_boundaries,
             r->offload_optimizer ? "streamed from pinned host memory (--offload-optimizer)" : "on the device");
+    /* the same knobs as train flags, to copy */
+    const int64_t L = c->num_hidden_layers;
+    fprintf(f, "\ntrain flags: --seq-len %lld --micro-batch %lld --recompute ", (long long)r->T, (long long)r->B);
+    if (p->n_recomputed == 0) fprintf(f, "none");
+    else if (p->n_recomputed == L) fprintf(f, "full");
+    else
+        for (int64_t l = 0, k = 0; l < L; l++)
+            if (r->recompute && r->recompute[l]) fprintf(f, "%s%lld", k++ ? "," : "", (long long)l);
+    if (p->n_recomputed > 0)
+        fprintf(f, p->n_keep_attention == p->n_recomputed ? " --recompute-keep-attention"
+                   : p->n_keep_attention == 0 ? " --no-recompute-keep-attention" : "");
+    fprintf(f, " --moe-chunk-tokens %lld", (long long)r->moe_chunk_tokens);
+    if (r->ce_block_tokens > 0 || r->ce_block_vocab > 0)
+        fprintf(f, " --ce-block-tokens %lld --ce-block-vocab %lld",
+                (long long)(r->ce_block_tokens > 0 ? r->ce_block_tokens : FM_LCE_DEFAULT_BLOCK_TOKENS),
+                (long long)(r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB));
+    else fprintf(f, " --ce-block-tokens 0 --ce-block-vocab 0");
+    fprintf(f, " --offload-boundaries %lld", (long long)p->n_offloaded_boundaries);
+    if (r->offload_optimizer) fprintf(f, " --offload-optimizer");
+    if (r->bf16_moments) fprintf(f, " --bf16-moments");
+    if (r->T > c->max_position_embeddings) fprintf(f, " --max-position-embeddings %lld", (long long)r->T);
     fprintf(f, "\n\n%-24s %20s %12s   %s\n", "live set", "bytes", "GiB", "bound");
     char g[32];
     for (int i = 0; i < FM_PLAN_SETS; i++) {
