@@ -79,6 +79,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         fprintf(stderr, "note: --resume: the run is at step %lld, already at or past --steps %lld: nothing to train "
                 "(give a larger --steps to continue it)\n", (long long)ts->step, (long long)o->steps);
     int64_t ran = 0;
+    bool warned_no_targets = false;
     double int_s = 0; /* the logging interval's step time and tokens: the step line's tok/s */
     int64_t int_tok = 0;
     uint64_t syncs0 = m->be.ops->host_sync_count(m->be.ctx);
@@ -116,6 +117,14 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         int_s += rep.step_s;
         int_tok += tokens_per_step;
         load_stats(rec);
+        int64_t valid = 0;
+        for (int64_t g = 0; g < o->grad_accum; g++) valid += r->step.n_valid[g];
+        if (valid == 0 && !warned_no_targets && r->rank == 0) { /* all masked: a silent loss of 0 trains nothing */
+            fprintf(stderr, "warning: step %lld had no target to learn from: every target of its %lld micro-batch(es) "
+                    "is masked (the data's loss mask) or ignored, so its loss is 0 and its gradient is zero; check the "
+                    "data and its .mask files\n", (long long)step, (long long)o->grad_accum);
+            warned_no_targets = true;
+        }
         int stop = fm_stop_requested();
         if (fm_comm_size(&r->world) > 1) { /* every rank stops after the same step: the flag's max over the ranks */
             double v = (double)stop, *d = m->results + FM_RESULT_SCRATCH;
