@@ -6,6 +6,7 @@ cfg="$ROOT/tests/data/micro.json"
 base=(--data "$TEXT" --seq-len 16 --micro-batch 2 --steps 2 --threads 2 --quiet)
 
 expect_fail "unknown command" "unknown command" "$FM" fly
+expect_fail "unknown command, a typo" "did you mean 'train'" "$FM" trian
 expect_fail "unknown flag" "unknown flag '--colour'" "$FM" train --config "$cfg" "${base[@]}" --colour blue --out "$TMP/a"
 expect_fail "non-numeric flag" "expects an integer, found 'ten'" "$FM" train --config "$cfg" "${base[@]}" --steps ten --out "$TMP/a"
 expect_fail "a given -1 memory flag" "must be >= 0, found -1" "$FM" train --config "$cfg" "${base[@]}" --ce-block-tokens -1 --out "$TMP/a"

@@ -42,6 +42,8 @@ int cli_fail(const char *cmd, fm_status s);
  * checkpoint), copied to out[cap]. Errors: those of fm_ckpt_find_latest, with a message naming
  * both readings. */
 fm_status cli_resolve_ckpt(const char *dir, char *out, size_t cap);
+/* Levenshtein distance of a and b (insert, delete, substitute: 1 each; names up to 63 bytes). */
+int cli_edit_distance(const char *a, const char *b);
 
 /* The commands: argv holds the arguments after the command's name. Each returns the exit code. */
 int cmd_train(int argc, char **argv);

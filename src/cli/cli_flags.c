@@ -22,7 +22,7 @@ static void cli_print_help(const char *cmd, const char *synopsis, const flag *fl
 }
 
 /* Levenshtein distance of a and b (insert, delete, substitute: 1 each), capped at 63. */
-static int edit_distance(const char *a, const char *b) {
+int cli_edit_distance(const char *a, const char *b) {
     int la = (int)strlen(a), lb = (int)strlen(b);
     if (la > 63) la = 63;
     if (lb > 63) lb = 63;
@@ -63,7 +63,7 @@ static const char *nearest_flag(const char *name, const flag *flags, int n) {
     int bd = 1 << 30;
     const int limit = (int)strlen(name) / 3 > 2 ? (int)strlen(name) / 3 : 2;
     for (int j = 0; j < n; j++) {
-        const int d = edit_distance(name, flags[j].name);
+        const int d = cli_edit_distance(name, flags[j].name);
         if (d < bd) { bd = d; best = flags[j].name; }
     }
     for (size_t a = 0; a < sizeof flag_aliases / sizeof flag_aliases[0]; a++) {
@@ -71,7 +71,7 @@ static const char *nearest_flag(const char *name, const flag *flags, int n) {
         for (int j = 0; j < n; j++)
             if (!strcmp(flags[j].name, flag_aliases[a][1])) target = &flags[j];
         if (!target) continue;
-        const int d = edit_distance(name, flag_aliases[a][0]);
+        const int d = cli_edit_distance(name, flag_aliases[a][0]);
         if (d < bd) { bd = d; best = target->name; }
     }
     return bd <= limit ? best : NULL;

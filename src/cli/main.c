@@ -37,6 +37,14 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "plan")) return cmd_plan(argc - 2, argv + 2);
     if (!strcmp(cmd, "calibrate")) return cmd_calibrate(argc - 2, argv + 2);
     if (!strcmp(cmd, "prepare")) return cmd_prepare(argc - 2, argv + 2);
-    fprintf(stderr, "flatmoe: unknown command '%s'; expected train, sample, eval, plan, calibrate, report, prepare or version ('flatmoe --help')\n", cmd);
+    static const char *const cmds[] = {"train", "sample", "eval", "plan", "prepare", "calibrate", "report", "version"};
+    const char *near = NULL;
+    int best = 3; /* suggest within 2 edits */
+    for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++) {
+        const int d = cli_edit_distance(cmd, cmds[i]);
+        if (d < best) best = d, near = cmds[i];
+    }
+    if (near) fprintf(stderr, "flatmoe: unknown command '%s'; did you mean '%s'? ('flatmoe --help' lists them)\n", cmd, near);
+    else fprintf(stderr, "flatmoe: unknown command '%s'; expected train, sample, eval, plan, calibrate, report, prepare or version ('flatmoe --help')\n", cmd);
     return 2;
 }
