@@ -22,8 +22,10 @@
  * adamw_bw (+ 2 a P at elementwise_bw: gradient zeroing and norm); streamed, the host link both
  * ways at the duplex rates against the GPU AdamW, pipelined over S >= 2 slots (the slower of them
  * plus one bucket's fill), serial with one slot.
- * With the optimizer overlap (fm_plan_req.optimizer_overlap) only what exceeds one micro-batch's
- * forward (its layers, not the head) counts: the update runs beside the next step's forward.
+ * With the optimizer overlap (fm_plan_req.optimizer_overlap) the update runs beside the next
+ * step's forward: the on-device AdamW, bound by HBM bandwidth like the short-sequence forward, is
+ * hidden only by the layers' attention forward; the streamed one, bound by the host link, by the
+ * whole forward of the layers; only the excess counts.
  */
 #ifndef FM_PROJECT_H
 #define FM_PROJECT_H
