@@ -1,6 +1,7 @@
 /* Writing llm.c shards and loss-mask sidecars (formats: fm_data.h). */
 #define _FILE_OFFSET_BITS 64
 #define _POSIX_C_SOURCE 200809L
+#include "../io/fm_atomic.h"
 #include "fm_data_internal.h"
 
 #include <errno.h>
@@ -104,34 +105,14 @@ fm_status fm_mask_write(const char *path, const uint8_t *mask, int64_t n) {
         if (mask[i] > 1)
             return fm_error(FM_ERR_ARG, "%s: mask byte %" PRId64 " is %u; expected 0 (not a loss target) or 1", path, i,
                             (unsigned)mask[i]);
-    size_t plen = strlen(path);
-    char *tmp = fm_malloc(plen + 5);
-    if (!tmp) return fm_error(FM_ERR_NOMEM, "%s: out of memory", path);
-    memcpy(tmp, path, plen);
-    memcpy(tmp + plen, ".tmp", 5);
-    fm_status s = FM_OK;
-    FILE *f = fopen(tmp, "wb");
-    if (!f) {
-        s = fm_error(FM_ERR_IO, "%s: cannot create: %s; check that the folder exists and is writable", tmp,
-                     strerror(errno));
-        fm_free(tmp);
-        return s;
-    }
+    /* header, then the bytes: the atomic writer's temporary name, fsync, rename and fault points */
     unsigned char hdr[FM_MASK_HEADER_BYTES];
     memcpy(hdr, FM_MASK_MAGIC, 8);
     put_le32(hdr + 8, (uint32_t)(uint64_t)n);
     put_le32(hdr + 12, (uint32_t)((uint64_t)n >> 32));
-    s = write_bytes(f, tmp, hdr, sizeof hdr);
-    const int64_t per = (int64_t)FM_DATA_CHUNK_BYTES;
-    for (int64_t i0 = 0; s == FM_OK && i0 < n; i0 += per)
-        s = write_bytes(f, tmp, mask + i0, (size_t)(n - i0 < per ? n - i0 : per));
-    if (s == FM_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
-        s = fm_error(FM_ERR_IO, "%s: flush failed: %s; check free disk space", tmp, strerror(errno));
-    if (fclose(f) != 0 && s == FM_OK)
-        s = fm_error(FM_ERR_IO, "%s: close failed: %s; check free disk space", tmp, strerror(errno));
-    if (s == FM_OK && rename(tmp, path) != 0)
-        s = fm_error(FM_ERR_IO, "%s: cannot rename %s to it: %s", path, tmp, strerror(errno));
-    if (s != FM_OK) remove(tmp);
-    fm_free(tmp);
-    return s;
+    fm_atomic_file f;
+    FM_TRY(fm_atomic_open(&f, path));
+    FM_TRY(fm_atomic_write(&f, hdr, sizeof hdr)); /* a failed write aborts the file */
+    FM_TRY(fm_atomic_write(&f, mask, (size_t)n));
+    return fm_atomic_commit(&f);
 }

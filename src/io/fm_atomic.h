@@ -1,4 +1,4 @@
-/* Atomic file replacement, internal to src/io: write "<path>.tmp", fsync it, rename it over
+/* Atomic file replacement (src/io's, also data/'s loss-mask writer): write "<path>.tmp", fsync it, rename it over
  * `path`, fsync the parent folder. A reader sees the old file or the complete new one, never a
  * partial one, and a failure at any point removes the .tmp file and leaves `path` untouched.
  *
