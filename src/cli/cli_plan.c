@@ -20,7 +20,7 @@ int cmd_plan(int argc, char **argv) {
     int threads = 0;
     bool json = false, bf16m = false, offopt = false, keep_att = false, no_keep = false, no_overlap = false;
     int64_t off_bucket = 0, off_slots = 2;
-    int dp = 1, zero = 0;
+    int dp = 1, zero = 0, sp = 1;
     flag flags[] = {
         {"config", F_STR, &config, NULL, "Hugging Face config.json of the model (required)"},
         {"seq-len", F_I64, &seq_len, NULL, "tokens per sequence (required)"},
@@ -48,6 +48,7 @@ int cmd_plan(int argc, char **argv) {
         {"offload-optimizer-bucket", F_I64, &off_bucket, NULL, "parameters per bucket of --offload-optimizer, 0 = 100M (0)"},
         {"offload-optimizer-slots", F_I64, &off_slots, NULL, "device staging slots of --offload-optimizer, in [1, 16] (2)"},
         {"dp", F_INT, &dp, NULL, "data-parallel ranks the bounds are per rank of (train's --dp; with --zero 1 the Adam state is 1/dp) (1)"},
+        {"sp", F_INT, &sp, NULL, "Ulysses sequence-parallel ranks per sequence (train's flag): activations per rank of seq-len/sp tokens, plus the head-sharded attention buffers (1)"},
         {"zero", F_INT, &zero, NULL, "0: replicas; 1: ZeRO-1/2, Adam m and v sharded over --dp (train's flag) (0)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
     };
@@ -100,6 +101,8 @@ int cmd_plan(int argc, char **argv) {
         return cli_usage_error("plan", "%s", "--dp must be >= 1 and --zero 0 or 1");
     if (zero && offopt) return cli_usage_error("plan", "%s", "--zero 1 and --offload-optimizer do not go together yet");
     fm_model_state_bound_set_dp(dp, zero); /* the model state's per-rank bound (train/fm_optim.h) */
+    if ((s = fm_attn_sp_check(&req.cfg, sp, req.T))) return cli_fail("plan", s); /* --sp divides seq-len and heads */
+    req.sp = sp;
     req.model_state_bytes = fm_model_state_bound;
     if (off_bucket < 0 || off_slots < 1 || off_slots > 16)
         return cli_usage_error("plan", "%s", "--offload-optimizer-bucket must be >= 0 (0 = 100M) and --offload-optimizer-slots in [1, 16]");

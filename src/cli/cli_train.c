@@ -78,6 +78,7 @@ int cmd_train(int argc, char **argv) {
         {"no-checkpoint", F_BOOL, &o.no_checkpoint, NULL, "write no checkpoint, not even at the end (benchmarks)"},
         {"dp", F_INT, &o.dp, NULL, "data-parallel ranks, 0 = every rank of the launch (mpirun/srun); --micro-batch is per rank (0)"},
         {"zero", F_INT, &o.zero, NULL, "0: every rank keeps the whole optimizer state (gradients all-reduced); 1: ZeRO-1/2, Adam m and v sharded over dp by parameter range, gradients reduce-scattered to their owner, weights all-gathered after the update (0)"},
+        {"sp", F_INT, &o.sp, NULL, "Ulysses sequence-parallel ranks per sequence: the world is dp x sp ranks, each sp rank holds seq-len/sp tokens of every sequence and attention runs head-sharded over the whole sequence (seq-len and num_attention_heads divisible by sp; num_key_value_heads divisible by sp or dividing it); not with --zero 1 (1)"},
         {"comm-timeout", F_F64, &o.comm_timeout, NULL, "seconds a collective waits for the other ranks before the run stops, 0 = 300 (0)"},
     };
     int r = cli_parse_flags("train", "(--config C | --init-from DIR) --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);

@@ -29,7 +29,10 @@ fm_status fm_plan_check_shape(const fm_config *cfg, int64_t B, int64_t T) {
 void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     memset(p, 0, sizeof *p);
     const fm_config *c = &r->cfg;
-    const int64_t L = c->num_hidden_layers, N = r->B * r->T, H = c->hidden_size, I = c->moe_intermediate_size;
+    /* Ulysses sequence parallelism (--sp): this rank's activations hold Tl = T/sp tokens per
+     * sequence; FLOPs per token stay the full sequence's */
+    const int64_t sp = r->sp > 1 ? r->sp : 1, Tl = r->T / sp;
+    const int64_t L = c->num_hidden_layers, N = r->B * Tl, H = c->hidden_size, I = c->moe_intermediate_size;
     const int64_t k = c->num_experts_per_tok, E = c->num_experts;
     const fm_recompute_policy rp = {r->recompute, L, r->keep_attention}; /* the policy's bound */
     const int64_t nr = fm_recompute_count(&rp), nka = fm_recompute_keep_attention_count(&rp);
@@ -64,7 +67,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
      * device, n_off on the host (schedule/fm_sco.h) */
     const int64_t n_off = r->n_offloaded_boundaries, n_bnd = fm_sco_device_boundaries(L, n_off);
     p->n_offloaded_boundaries = n_off;
-    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_n(c, r->B, r->T, r->moe_chunk_tokens > 0, n_bnd, a);
+    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_n(c, r->B, Tl, r->moe_chunk_tokens > 0, n_bnd, a);
     p->host_bytes = fm_sco_host_bytes(N, H, n_off, a) + p->host_optimizer_bytes;
     if (n_off > 0)
         snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 - %lld offloaded + %d slots = %lld) x N x H x %d B, N = %lld, "
@@ -74,8 +77,8 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
         snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 = %lld) x N x H x %d B, N = %lld, H = %lld (+ tokens, RoPE)",
                  (long long)L + 1, (int)a, (long long)N, (long long)H);
 
-    const size_t one = fm_model_layer_acts_bytes(c, r->B, r->T, a);
-    const size_t kept_att = fm_model_kept_attention_bytes(c, r->B, r->T, a);
+    const size_t one = fm_model_layer_acts_bytes(c, r->B, Tl, a);
+    const size_t kept_att = fm_model_kept_attention_bytes(c, r->B, Tl, a);
     p->bytes[FM_LIVE_LAYER_ACTS] = (size_t)saved_sets * one + (size_t)nka * kept_att;
     if (nka > 0)
         snprintf(p->inputs[FM_LIVE_LAYER_ACTS], 200, "%lld saved sets (%lld layers, %lld recomputed) x %.1f MiB per layer "
@@ -98,8 +101,11 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     }
 
     const bool cuda = tgt == FM_PLAN_TARGET_CUDA || (tgt == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4);
-    const fm_backend_plan_req breq = {.B = r->B, .T = r->T, .nh = c->num_attention_heads,
-                                      .nkv = c->num_key_value_heads, .hd = c->head_dim, .threads = r->threads,
+    /* (sp > 1: attention runs over the whole sequence on nh/sp heads and their kv heads) */
+    const int64_t nkv_sp = sp > 1 ? (c->num_key_value_heads >= sp ? c->num_key_value_heads / sp : 1)
+                                  : c->num_key_value_heads;
+    const fm_backend_plan_req breq = {.B = r->B, .T = r->T, .nh = c->num_attention_heads / sp,
+                                      .nkv = nkv_sp, .hd = c->head_dim, .threads = r->threads,
                                       .tile_q = r->att_tile_q, .tile_kv = r->att_tile_kv,
                                       .gpu_workspace = r->gpu_workspace};
     fm_backend_plan_info bw;
@@ -123,6 +129,14 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
 
     p->bytes[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(c, N, a);
     snprintf(p->inputs[FM_LIVE_WORKING_SET], 200, "one layer's backward: 4 x N x H (5 if heads x head_dim < H) + q/k/v grads + router grads");
+    if (sp > 1) { /* Ulysses: the head-sharded q/k/v/o and their grads, the all-to-all blocks, index tables */
+        const fm_attn_sp_dims sd = {r->B, Tl, c->num_attention_heads, c->num_key_value_heads, c->head_dim, (int)sp};
+        const size_t spb = fm_attn_sp_bytes(&sd, a);
+        p->bytes[FM_LIVE_WORKING_SET] += spb;
+        snprintf(p->inputs[FM_LIVE_WORKING_SET], 200, "one layer's backward at N = B x T/sp = %lld + Ulysses sp = %lld: "
+                 "head-sharded q/k/v/o + grads [B,T,heads/sp] and 2 all-to-all blocks, %.1f MiB", (long long)N,
+                 (long long)sp, spb / 1048576.0);
+    }
 
     const bool lce = r->ce_block_tokens > 0 || r->ce_block_vocab > 0;
     if (lce) {

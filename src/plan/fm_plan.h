@@ -62,6 +62,12 @@ typedef struct fm_plan_req {
     bool optimizer_overlap;     /* the update overlaps the next step's forward (train/fm_optim_overlap.h):
                                    the projection counts only the part of the optimizer's time
                                    longer than one micro-batch's forward */
+    int64_t sp;                 /* Ulysses sequence parallelism (model/fm_attn_sp.h, --sp; 0 or 1:
+                                   off): every activation live set is this rank's T/sp tokens per
+                                   sequence; the working set adds the head-sharded attention
+                                   buffers and the all-to-all blocks (fm_attn_sp_bytes); the
+                                   attention workspace is planned for [B, T, nh/sp heads]. T must
+                                   be divisible by sp (fm_attn_sp_check) */
 } fm_plan_req;
 
 typedef struct fm_plan {

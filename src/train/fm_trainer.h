@@ -85,6 +85,10 @@ typedef struct fm_train_opts {
                                      moments sharded by parameter range over dp, gradients
                                      reduce-scattered to their owner, updated weights all-gathered */
     double comm_timeout;          /* --comm-timeout: seconds a collective waits (0: 300) */
+    int sp;                       /* --sp: Ulysses sequence-parallel degree (0 or 1: off). The world
+                                     is dp x sp ranks; the sp ranks of one data-parallel rank read
+                                     the same sequences and each keeps a contiguous seq_len/sp slice
+                                     of every one (model/fm_attn_sp.h); not with --zero 1 yet */
 } fm_train_opts;
 
 /* Sets every option to its default (the values the CLI's --help names). */
