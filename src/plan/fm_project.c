@@ -30,7 +30,10 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     memset(o, 0, sizeof *o);
     const fm_config *c = &r->cfg;
     const double a = act_bytes_of(r);
-    const double B = (double)r->B, T = (double)r->T, N = B * T, H = (double)c->hidden_size;
+    /* Ulysses (--sp): this rank's T/sp tokens per sequence, attention over all T on nh/sp heads
+     * (the all-to-alls' time is not projected yet) */
+    const double sp = r->sp > 1 ? (double)r->sp : 1.0;
+    const double B = (double)r->B, T = (double)r->T, N = B * T / sp, H = (double)c->hidden_size;
     const double L = (double)c->num_hidden_layers, E = (double)c->num_experts, k = (double)c->num_experts_per_tok;
     const double I = (double)c->moe_intermediate_size, V = (double)c->vocab_size;
     const double qd = (double)(c->num_attention_heads * c->head_dim), kd = (double)(c->num_key_value_heads * c->head_dim);
@@ -39,8 +42,8 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     const double c_eff = chunked ? (double)p->moe_c_eff : N;
 
     /* one layer's forward, by part */
-    const double att_f = at(2.0 * B * T * T * qd, fm_calib_rate(&cb->att_fwd, T));
-    const double att_b = at(5.0 * B * T * T * qd, fm_calib_rate(&cb->att_bwd, T));
+    const double att_f = at(2.0 * B * T * T * qd / sp, fm_calib_rate(&cb->att_fwd, T));
+    const double att_b = at(5.0 * B * T * T * qd / sp, fm_calib_rate(&cb->att_bwd, T));
     const double dense_flops = 2.0 * N * H * (qd + 2.0 * kd) + 2.0 * N * qd * H + 2.0 * N * H * E;
     const double gemm_rate = fm_calib_rate(&cb->gemm, N);
     const double dense_f = at(dense_flops, gemm_rate), dense_b = at(2.0 * dense_flops, gemm_rate);

@@ -157,7 +157,8 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
             int_tok = 0;
         }
         fm_train_metrics_begin(r, &rep);
-        fm_train_metrics_step_extra(r, rec, rep.step_s, tokens_per_step,
+        /* (MFU per device: under --sp, the sp ranks of a data-parallel rank share its tokens) */
+        fm_train_metrics_step_extra(r, rec, rep.step_s, tokens_per_step / (r->sp > 1 ? r->sp : 1),
                                     o->expert_counts_every > 0 && step % o->expert_counts_every == 0);
         if (o->report_memory && (ran == 1 || last)) {
             fm_train_metrics_memory(r);
