@@ -13,7 +13,8 @@
 # np4: -np 4 --sp 2 (dp 2, --micro-batch 2) and -np 4 --sp 4 (kv heads replicated on 2 ranks each)
 #   against one rank at --micro-batch 4.
 # bad: an --sp that does not divide the ranks, --seq-len or the heads, and --sp with --zero 1, each
-#   a clear error naming the flag, the expected and found values and the fix.
+#   a clear error naming the flag, the expected and found values and the fix; a rank that stops
+#   answering ends the job within the timeout with a message naming the rank and the collective.
 set -u
 MPIEXEC=$1 FM=$(readlink -f "$2") MODE=$3
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -134,6 +135,17 @@ bad)
     expect 4 "use --sp 1 or 2" --config "$MICRO" --sp 4
     expect 2 "--sp 2 with --zero 1 is not built yet" --config "$SP" --sp 2 --zero 1
     expect 4 "--dp 4 with 4 ranks leaves sp = 1, but --sp is 2" --config "$SP" --sp 2 --dp 4
+    # a rank that stops answering mid-run (SIGSTOP after 2 s): the other's collective (an attention
+    # all-to-all, most likely) times out after --comm-timeout 4 s naming its rank, and the job ends
+    export FM SP TEXT TMP
+    cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (sleep 2; kill -STOP $$) & fi; exec "$FM" train --config "$SP" --data "$TEXT" --seq-len 32 --micro-batch 2 --sp 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint --comm-timeout 4 --out "$TMP/stop"'
+    t0=$SECONDS
+    timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c "$cmd" >"$TMP/stop.log" 2>&1; rc=$?
+    needle="error on rank 0 of 2: rank 0 of 2: .* timed out after 4 s"
+    echo "== stop: exit $rc after $((SECONDS - t0)) s: $(grep -m1 -E "$needle" "$TMP/stop.log")"
+    if [ $rc -eq 0 ] || [ $rc -eq 124 ] || ! grep -qE "$needle" "$TMP/stop.log"; then
+        bad "stop: the job ended with status $rc (0: went on; 124: hung) or without '$needle'"; cat "$TMP/stop.log" >&2
+    fi
     out=$("$FM" plan --config "$SP" --seq-len 30 --sp 4 2>&1); rc=$?
     { [ $rc -ne 0 ] && grep -qF -- "--sp 4: --seq-len (30) must be divisible by --sp" <<<"$out"; } ||
         bad "plan --seq-len 30 --sp 4: rc $rc: $out" ;;
