@@ -7,11 +7,12 @@
 #   to 5e-4 of each tensor's scale, tests/mpi_train.sh's tolerances and their reasons), for
 #   tests/data/micro_sp.json (4 heads, 2 kv heads: one per rank) and tests/data/micro.json (2 heads,
 #   1 kv head: replicated on both ranks); the same with recompute, keep-attention, chunked MoE
-#   and the linear cross-entropy; every live set's high-water mark within its bound, the working
+#   the linear cross-entropy and an offloaded boundary; every live set's high-water mark within its bound, the working
 #   set's (where the head-sharded buffers live) equal to it and to `flatmoe plan --sp 2`'s; and a
 #   run of 10 steps at -np 2 --sp 2 resumed for 10 at one rank ends as 20 one-rank steps.
-# np4: -np 4 --sp 2 (dp 2, --micro-batch 2) and -np 4 --sp 4 (kv heads replicated on 2 ranks each)
-#   against one rank at --micro-batch 4.
+# np4: -np 4 --sp 2 (dp 2, --micro-batch 2), -np 4 --sp 4 (kv heads replicated on 2 ranks each)
+#   and a qwen3_moe config (QK-norm per head) at -np 4 --sp 4, against one rank at
+#   --micro-batch 4.
 # bad: an --sp that does not divide the ranks, --seq-len or the heads, and --sp with --zero 1, each
 #   a clear error naming the flag, the expected and found values and the fix; a rank that stops
 #   answering ends the job within the timeout with a message naming the rank and the collective.
@@ -102,7 +103,8 @@ np2)
         compare "$TMP/one_$n" "$TMP/sp_$n" || bad "np 2 --sp 2 ($n) differs from one rank"
         memory "$TMP/sp_$n" "$cfg" 2 4 || bad "np 2 --sp 2 ($n): memory"
     done
-    BOUNDED=(--recompute full --recompute-keep-attention --moe-chunk-tokens 16 --ce-block-tokens 16 --ce-block-vocab 64)
+    BOUNDED=(--recompute full --recompute-keep-attention --moe-chunk-tokens 16 --ce-block-tokens 16 --ce-block-vocab 64
+             --offload-boundaries 1)
     one "$TMP/one_b" "$SP" "${BOUNDED[@]}"
     mpi 2 train --config "$SP" "${COMMON[@]}" --micro-batch 4 --sp 2 "${BOUNDED[@]}" --out "$TMP/sp_b" ||
         bad "np 2 --sp 2 with the bounded operators failed"
@@ -121,7 +123,14 @@ np4)
     mpi 4 train --config "$SP" "${COMMON[@]}" --micro-batch 4 --sp 4 --report-memory --out "$TMP/sp4" ||
         bad "np 4 --sp 4 failed"
     compare "$TMP/one" "$TMP/sp4" || bad "np 4 --sp 4 (kv heads on 2 ranks each) differs from one rank"
-    memory "$TMP/sp4" "$SP" 4 4 || bad "np 4 --sp 4: memory" ;;
+    memory "$TMP/sp4" "$SP" 4 4 || bad "np 4 --sp 4: memory"
+    # qwen3_moe (QK-norm per head); its 2 kv heads replicated on 2 ranks each
+    python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c.update(model_type='qwen3_moe',
+architectures=['Qwen3MoeForCausalLM'], moe_intermediate_size=32); json.dump(c, open(sys.argv[2], 'w'))" \
+        "$SP" "$TMP/q3.json"
+    one "$TMP/one_q3" "$TMP/q3.json"
+    mpi 4 train --config "$TMP/q3.json" "${COMMON[@]}" --micro-batch 4 --sp 4 --out "$TMP/q3sp4" || bad "np 4 --sp 4 qwen3 failed"
+    compare "$TMP/one_q3" "$TMP/q3sp4" || bad "np 4 --sp 4 (qwen3_moe) differs from one rank" ;;
 bad)
     expect() { # np, needle, then train's flags
         local np=$1 needle=$2; shift 2
