@@ -25,8 +25,12 @@
  *
  * Memory (one layer at a time, in the working-set live set, fm_attn_sp_bytes): qh, oh, dqh, doh
  * (B T nh_l hd each), kh, vh, dkh, dvh (B T nkv_l hd each), the send and receive blocks
- * (max(B Tl nh hd, sp B Tl nkv_l hd) each) and five index tables of sp B Tl int32. Nothing is
- * allocated in a step but the host count arrays made at init.
+ * (max(B Tl nh hd, sp B Tl nkv_l hd) each) and five index tables of at most sp B Tl int32.
+ * Nothing is allocated in a step (the host count arrays are made once, by fm_attn_sp_init).
+ *
+ * Precision: in bf16 (the CUDA build) a replicated kv head's gradient copies are summed by the
+ * backend's add, rounded to bf16 at each of the sp/nkv - 1 additions (one rank's attention
+ * backward accumulates them in fp32); exact in fp32 up to the order of the sum.
  */
 #ifndef FM_ATTN_SP_H
 #define FM_ATTN_SP_H

@@ -287,7 +287,8 @@ void fm_model_embed_forward(fm_model *m, bool with_targets);
 /* Layer l's forward from boundary l into y [N,H] (boundary l+1, or the free gradient buffer
  * when the schedule recomputes the layer in backward), saving into layer l's saved set (shared
  * by the recomputed layers). The router's loss terms of the layer land in m->results at
- * FM_RESULT_LAYERS + 2l (fm_router.h). Errors: m->comm's (the router statistics' all-reduce). */
+ * FM_RESULT_LAYERS + 2l (fm_router.h). Errors: m->comm's (the router statistics' all-reduce),
+ * m->sp_comm's (attention's all-to-alls under sequence parallelism). */
 fm_status fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y);
 /* The recompute of layer l in backward: fm_model_layer_forward again into y, except that with
  * skip_attention the attention forward does not run and the layer's kept att and lse (written
