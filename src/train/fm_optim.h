@@ -41,6 +41,13 @@ typedef struct fm_optimizer_ops {
      * each table tensor's decay flag applies to its part of the range. NULL: the optimizer cannot
      * run on a shard (the streamed AdamW). Issues work only. */
     void (*step_shard)(void *self, fm_model *m, int64_t p0, int64_t p1, double lr, float grad_scale);
+    /* ZeRO-3 (train/fm_zero3.h): the update of the flat parameters [p0, p1) held elsewhere than
+     * m's buffers: their weights at w, gradients at g and fp32 master at master (NULL: the
+     * weights are the master, fp32 builds), each element p0 first, backend memory; their state
+     * from state element s0. Each table tensor's decay flag applies to its part of the range.
+     * NULL: the optimizer cannot (the streamed AdamW). Issues work only. */
+    void (*step_at)(void *self, fm_model *m, int64_t p0, int64_t p1, fm_act *w, const fm_act *g, float *master,
+                    int64_t s0, double lr, float grad_scale);
 } fm_optimizer_ops;
 
 /* AdamW (Loshchilov & Hutter, arXiv 1711.05101) with per-tensor weight-decay masks. State: Adam
@@ -75,7 +82,7 @@ size_t fm_model_state_bound(const fm_config *cfg, size_t act_bytes, bool bf16_mo
  * fm_param_store_create_sharded, weights and grads padded to world * S, Adam m and v of S =
  * ceil(n / world) parameters: a per-rank bound); zero 0 or world 1: the whole replica (the
  * default). train and plan set it before planning. */
-void fm_model_state_bound_set_dp(int world, int zero);
+void fm_model_state_bound_set_dp(int world, int zero); /* zero 3: ZeRO-3 (train/fm_zero3.h) */
 
 /* The sum of squares of all gradients (double) into *out (backend memory, assigned): the global
  * L2 norm's square, read by the host at the step's sync point. Issues work only. */
