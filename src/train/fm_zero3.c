@@ -92,9 +92,9 @@ size_t fm_zero3_state_bytes(const fm_config *c, size_t a, int W, bool bf16_momen
     const int64_t slot = (int64_t)W * mx, both = (int64_t)W * (p0 + ph);
     const int64_t gbuf = c->tie_word_embeddings && both > slot ? both : slot;
     if (desc)
-        snprintf(desc, 200, "ZeRO-3 over %d: %d B/param x %lld-param shard + 2 gathered groups and 1 group's grads "
-                 "(%s) x %lld params", W, (a == 4 ? 8 : 12) + (bf16_moments ? 4 : 8), (long long)S,
-                 a == 4 ? "fp32" : "bf16", (long long)slot);
+        snprintf(desc, 200, "ZeRO-3 over %d: %d B/param x %lld params (shard) + %d B x (2 x %lld + %lld) (2 gathered "
+                 "groups, 1 group's grads)", W, 8 + (bf16_moments ? 4 : 8), (long long)S, (int)a, (long long)slot,
+                 (long long)gbuf);
     return store_bytes(S, slot, gbuf, a) + fm_adamw_state_bytes(S, bf16_moments);
 }
 
