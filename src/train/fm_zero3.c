@@ -143,6 +143,7 @@ void fm_zero3_bind(fm_zero3 *z, fm_model *m, const fm_param_store *ps, const fm_
     z->slot[0] = ps->slot[0];
     z->slot[1] = ps->slot[1];
     z->gbuf = ps->gbuf;
+    FM_ASSERT(z->slot[1] == z->slot[0] + z->slot_len); /* one buffer for the checkpoints' fp32 gathers */
     z->dp = dp;
     m->params = ps->weights;
     m->grads = ps->grads;
@@ -267,37 +268,32 @@ fm_status fm_zero3_update(fm_zero3 *z, fm_model *m, const fm_optimizer_ops *opti
 /* ---- checkpoints ---- */
 
 fm_status fm_zero3_gather_full(fm_zero3 *z, const fm_model *m, const void *local, fm_dtype dtype, void **full) {
-    (void)m;
     const int W = z->W, r = z->rank;
     const size_t es = fm_dtype_size(dtype);
     *full = NULL;
-    int64_t *cnt = fm_malloc(sizeof(int64_t) * 4 * (size_t)W);
-    void *all = r == 0 ? fm_malloc(es * (size_t)z->shard_len * (size_t)W) : NULL;
+    FM_ASSERT(es <= 2 * sizeof(fm_act)); /* a group of W p_g fits in the two slots together */
     void *out = r == 0 ? fm_malloc(es * (size_t)z->n_params) : NULL;
+    /* an allocation failure returns before the collectives: the CLI then ends every rank */
+    if (r == 0 && !out)
+        return fm_error(FM_ERR_NOMEM, "rank 0 of %d: cannot gather %lld values of the ZeRO-3 shards for the checkpoint "
+                        "on the host", W, (long long)z->n_params);
+    /* group by group through the two gather slots (backend memory the plan holds; adjacent: one
+     * buffer of 2 slot_len fm_act), each group's full range copied out on rank 0 */
+    void *buf = z->slot[0];
+    fm_zero3_invalidate(z);
     fm_status st = FM_OK;
-    if (!cnt || (r == 0 && (!all || !out)))
-        st = fm_error(FM_ERR_NOMEM, "rank %d of %d: cannot gather %lld values of the ZeRO-3 shards for the checkpoint "
-                      "on the host", r, W, (long long)z->n_params);
-    /* an allocation failure returns before the collective: the CLI then ends every rank */
-    if (st == FM_OK) {
-        int64_t *sc = cnt, *sd = cnt + W, *rc = cnt + 2 * W, *rd = cnt + 3 * W;
-        for (int q = 0; q < W; q++) {
-            sc[q] = sd[q] = 0;
-            rc[q] = r == 0 ? z->shard_len : 0;
-            rd[q] = (int64_t)q * z->shard_len;
+    for (int g = 0; g < z->n_groups && st == FM_OK; g++) {
+        st = fm_comm_all_gather(z->dp, (const char *)local + es * (size_t)z->local[g], buf, z->piece[g],
+                                dtype == FM_DTYPE_BF16 ? FM_COMM_BF16 : FM_COMM_F32, 0);
+        const size_t n = (size_t)(z->begin[g + 1] - z->begin[g]) * es;
+        if (st == FM_OK && r == 0 && n > 0) {
+            char *dst = (char *)out + es * (size_t)z->begin[g];
+            if (m->be.ops->host_memory) memcpy(dst, buf, n);
+            else m->be.ops->copy(m->be.ctx, dst, buf, n, FM_COPY_D2H);
         }
-        sc[0] = z->shard_len;
-        st = fm_comm_all_to_all_v(z->dp, local, sc, sd, all, rc, rd, dtype == FM_DTYPE_BF16 ? FM_COMM_BF16 : FM_COMM_F32,
-                                  0);
     }
-    if (st == FM_OK && r == 0) {
-        for (int q = 0; q < W; q++) fm_zero3_unpack(z, q, (const char *)all + es * (size_t)q * (size_t)z->shard_len, out, es);
-        *full = out;
-        out = NULL;
-    }
-    fm_free(out);
-    fm_free(all);
-    fm_free(cnt);
+    if (st != FM_OK) fm_free(out), out = NULL;
+    *full = out;
     return st;
 }
 

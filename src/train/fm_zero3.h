@@ -124,9 +124,11 @@ fm_status fm_zero3_grad_sumsq(fm_zero3 *z, fm_model *m, double *dev_out);
 fm_status fm_zero3_weight_sumsq(fm_zero3 *z, fm_model *m, double *dev_out);
 fm_status fm_zero3_update(fm_zero3 *z, fm_model *m, const fm_optimizer_ops *optim, void *opt, double lr, float clip);
 
-/* Checkpoints. fm_zero3_gather_full: every rank's shard `local` ([S] of dtype, backend memory)
- * into a full table-layout host vector [n_params] of dtype on rank 0 (*full, allocated here; NULL
- * on the other ranks), a collective of dp. fm_zero3_scatter_full: this rank's shard [S] of dtype
+/* Checkpoints. fm_zero3_gather_full: every rank's shard `local` ([S] of dtype F32 or BF16,
+ * backend memory) into a full table-layout host vector [n_params] of dtype on rank 0 (*full,
+ * allocated here; NULL on the other ranks), a collective of dp: group by group all-gathered into
+ * the two gather slots (adjacent, so 2 slot_len fm_act hold W p_g fp32 values; no device memory
+ * beyond the plan) and copied out on rank 0; the slots then hold no group. fm_zero3_scatter_full: this rank's shard [S] of dtype
  * (backend memory) from a full fp32 host vector (bf16: rounded to nearest even).
  * fm_zero3_set_master: the shard master from full fp32 weights, and the fm_act weights from it.
  * Errors: FM_ERR_NOMEM, the communicator's. */
