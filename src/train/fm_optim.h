@@ -80,9 +80,11 @@ size_t fm_model_state_bound(const fm_config *cfg, size_t act_bytes, bool bf16_mo
 /* The data-parallel layout fm_model_state_bound answers for, process-wide (the plan request's
  * callback has no room for it): world data-parallel ranks, zero 1: ZeRO-1/2 (the store of
  * fm_param_store_create_sharded, weights and grads padded to world * S, Adam m and v of S =
- * ceil(n / world) parameters: a per-rank bound); zero 0 or world 1: the whole replica (the
- * default). train and plan set it before planning. */
-void fm_model_state_bound_set_dp(int world, int zero); /* zero 3: ZeRO-3 (train/fm_zero3.h) */
+ * ceil(n / world) parameters: a per-rank bound); zero 3: ZeRO-3 (train/fm_zero3.h:
+ * fm_zero3_state_bytes, the shard's 16 B/param plus two gathered groups and one group's
+ * gradients); zero 0 or world 1: the whole replica (the default). train and plan set it before
+ * planning. */
+void fm_model_state_bound_set_dp(int world, int zero);
 
 /* The sum of squares of all gradients (double) into *out (backend memory, assigned): the global
  * L2 norm's square, read by the host at the step's sync point. Issues work only. */

@@ -82,6 +82,7 @@ fm_status fm_zero3_layout(fm_zero3 *z, const int64_t *begin, int n_groups, bool 
 /* The same for model m's groups (fm_model_group_begin). Errors: as fm_zero3_layout. */
 fm_status fm_zero3_layout_model(fm_zero3 *z, const fm_model *m, int rank, int W);
 
+/* Frees the layout's tables (not the store's buffers: fm_param_store_free). Safe on a zeroed z. */
 void fm_zero3_free(fm_zero3 *z);
 
 /* Bytes of the store's part (shard weights, grads, master on a != 4, two slots, the gradient
