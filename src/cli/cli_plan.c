@@ -48,7 +48,7 @@ int cmd_plan(int argc, char **argv) {
         {"offload-optimizer-bucket", F_I64, &off_bucket, NULL, "parameters per bucket of --offload-optimizer, 0 = 100M (0)"},
         {"offload-optimizer-slots", F_I64, &off_slots, NULL, "device staging slots of --offload-optimizer, in [1, 16] (2)"},
         {"dp", F_INT, &dp, NULL, "data-parallel ranks the bounds are per rank of (train's --dp; with --zero 1 the Adam state is 1/dp) (1)"},
-        {"zero", F_INT, &zero, NULL, "0: replicas; 1: ZeRO-1/2, Adam m and v sharded over --dp (train's flag) (0)"},
+        {"zero", F_INT, &zero, NULL, "0: replicas; 1: ZeRO-1/2, Adam m and v sharded over --dp; 3: ZeRO-3, weights, grads, master and Adam state sharded over --dp, two layers gathered (train's flag) (0)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
     };
     int r = cli_parse_flags("plan", "--config C --seq-len S [--micro-batch B] [--device-mem BYTES] [flags]", argc, argv, flags,
@@ -96,8 +96,9 @@ int cmd_plan(int argc, char **argv) {
     req.att_tile_q = tq;
     req.att_tile_kv = tkv;
     req.bf16_moments = bf16m;
-    if (dp < 1 || zero < 0 || zero > 1)
-        return cli_usage_error("plan", "%s", "--dp must be >= 1 and --zero 0 or 1");
+    if (dp < 1 || (zero != 0 && zero != 1 && zero != 3))
+        return cli_usage_error("plan", "%s", "--dp must be >= 1 and --zero 0, 1 or 3");
+    if (zero == 3 && offopt) return cli_usage_error("plan", "%s", "--zero 3 and --offload-optimizer do not go together yet");
     if (zero && offopt) return cli_usage_error("plan", "%s", "--zero 1 and --offload-optimizer do not go together yet");
     fm_model_state_bound_set_dp(dp, zero); /* the model state's per-rank bound (train/fm_optim.h) */
     req.model_state_bytes = fm_model_state_bound;

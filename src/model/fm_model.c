@@ -149,6 +149,53 @@ void fm_model_bind_params(fm_model *m, fm_act *weights, fm_act *grads, float *ma
     set_ptrs(&m->g, m->grads, &m->cfg, m->o_embed, m->o_norm, m->o_head, lo);
 }
 
+/* One group's views from its buffer (ZeRO-3): base holds the group's flat range from its first
+ * element, so a tensor at table offset o is at base + (o - group's first offset). */
+static void set_group_ptrs(fm_model *m, fm_model_ptrs *p, int64_t g, fm_act *base) {
+    const int64_t L = m->cfg.num_hidden_layers;
+    const layer_offsets *lo = m->offsets;
+    const bool tied = m->o_head == m->o_embed;
+    if (g == 0) {
+        p->embed = base;
+        if (tied) p->lm_head = base;
+    } else if (g == L + 1) {
+        p->final_norm = base;
+        if (!tied) p->lm_head = base + (m->o_head - m->o_norm);
+    } else {
+        const layer_offsets *x = &lo[g - 1];
+        const int64_t b = x->ln1;
+        fm_layer_ptrs *y = &p->layers[g - 1];
+        y->ln1 = base; y->wq = base + (x->wq - b); y->wk = base + (x->wk - b); y->wv = base + (x->wv - b);
+        y->wo = base + (x->wo - b);
+        y->q_norm = x->q_norm >= 0 ? base + (x->q_norm - b) : NULL;
+        y->k_norm = x->k_norm >= 0 ? base + (x->k_norm - b) : NULL;
+        y->ln2 = base + (x->ln2 - b); y->router = base + (x->router - b);
+        y->w_gate = base + (x->w_gate - b); y->w_up = base + (x->w_up - b); y->w_down = base + (x->w_down - b);
+    }
+}
+
+void fm_model_bind_group(fm_model *m, int64_t g, fm_act *weights, fm_act *grads) {
+    FM_ASSERT(g >= 0 && g <= m->cfg.num_hidden_layers + 1);
+    if (weights) set_group_ptrs(m, &m->w, g, weights);
+    if (grads) set_group_ptrs(m, &m->g, g, grads);
+}
+
+int64_t fm_model_group_begin(const fm_model *m, int64_t g) {
+    const int64_t L = m->cfg.num_hidden_layers;
+    FM_ASSERT(g >= 0 && g <= L + 2);
+    if (g == 0) return m->o_embed;
+    if (g == L + 1) return m->o_norm;
+    if (g == L + 2) return m->n_params;
+    return ((const layer_offsets *)m->offsets)[g - 1].ln1;
+}
+
+void fm_model_layer_expert_offsets(const fm_model *m, int64_t l, int64_t *gate, int64_t *up, int64_t *down) {
+    const layer_offsets *x = &((const layer_offsets *)m->offsets)[l];
+    *gate = x->w_gate;
+    *up = x->w_up;
+    *down = x->w_down;
+}
+
 const fm_param *fm_model_find_param(const fm_model *m, const char *name) {
     for (int i = 0; i < m->n_tensors; i++)
         if (!strcmp(m->table[i].name, name)) return &m->table[i];
@@ -176,13 +223,8 @@ static inline uint64_t counter_u64(uint64_t key, uint64_t i) {
     return z ^ (z >> 31);
 }
 
-fm_status fm_model_init_weights(fm_model *m, uint64_t seed) {
+void fm_model_init_weights_host(const fm_model *m, uint64_t seed, float *w) {
     const float std = (float)m->cfg.initializer_range;
-    /* drawn straight into the master when the host can write it (the CPU's, or the streamed
-     * optimizer's pinned one: no second 4 B/param host copy next to it) */
-    const bool host = m->be.ops->host_memory || m->master_host;
-    float *w = host ? m->master : fm_malloc(sizeof(float) * (size_t)m->n_params);
-    if (!w) return fm_error(FM_ERR_NOMEM, "memory: cannot stage %lld initial weights on the host", (long long)m->n_params);
     /* Normal(0, std) by Box-Muller on counter-based uniforms: tensor i uses the key
      * hash(seed, i), element j the counters 2j and 2j+1 — the same values for any thread count,
      * in parallel (a 7B-parameter model initializes in seconds, not minutes). */
@@ -204,6 +246,15 @@ fm_status fm_model_init_weights(fm_model *m, uint64_t seed) {
             x[j] = std * (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
         }
     }
+}
+
+fm_status fm_model_init_weights(fm_model *m, uint64_t seed) {
+    /* drawn straight into the master when the host can write it (the CPU's, or the streamed
+     * optimizer's pinned one: no second 4 B/param host copy next to it) */
+    const bool host = m->be.ops->host_memory || m->master_host;
+    float *w = host ? m->master : fm_malloc(sizeof(float) * (size_t)m->n_params);
+    if (!w) return fm_error(FM_ERR_NOMEM, "memory: cannot stage %lld initial weights on the host", (long long)m->n_params);
+    fm_model_init_weights_host(m, seed, w);
     fm_model_upload_master(m, w);
     if (!host) fm_free(w);
     return FM_OK;

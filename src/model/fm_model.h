@@ -154,6 +154,21 @@ fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be);
  * (fm_param.offset); sets the per-layer views m->w and m->g. */
 void fm_model_bind_params(fm_model *m, fm_act *weights, fm_act *grads, float *master);
 
+/* Parameter groups (ZeRO-3's unit of gathering, train/fm_zero3.h; the optimizer overlap's
+ * groups): group 0 the embedding (with tied embeddings also the LM head), group 1 + l layer l,
+ * group L + 1 the final norm and the untied LM head; each a contiguous range of the flat buffer,
+ * in forward order. fm_model_group_begin gives group g's first flat offset (g = L + 2:
+ * n_params, the end). fm_model_bind_group points the weight views (weights non-NULL) and the
+ * gradient views (grads non-NULL) of group g at buffers that hold the group's range from its
+ * first element, [fm_model_group_begin(g + 1) - fm_model_group_begin(g)] fm_act each, leaving
+ * the other groups' views as they were (ZeRO-3 points them at its gather slots). */
+int64_t fm_model_group_begin(const fm_model *m, int64_t g);
+void fm_model_bind_group(fm_model *m, int64_t g, fm_act *weights, fm_act *grads);
+
+/* Flat offsets (elements) of layer l's stacked expert weights gate [E,I,H], up [E,I,H] and down
+ * [E,H,I] (the Hugging Face mapping's experts, io/fm_hf_weights.h). */
+void fm_model_layer_expert_offsets(const fm_model *m, int64_t l, int64_t *gate, int64_t *up, int64_t *down);
+
 /* How activations are laid out: which layers are recomputed, and the MoE chunking. */
 typedef struct fm_layout_opts {
     const bool *recompute;     /* [L] or NULL (none): layers recomputed in backward */
@@ -223,6 +238,9 @@ void fm_model_set_shape(fm_model *m, int64_t B, int64_t T);
 /* Normal(0, initializer_range) for matrices and embeddings, 1 for norm weights (HF init),
  * generated on the host in fp32 and uploaded. */
 fm_status fm_model_init_weights(fm_model *m, uint64_t seed);
+/* The same initial fp32 weights drawn into host memory w [n_params] (table layout) only: nothing
+ * uploaded (ZeRO-3 scatters them to the ranks' shards). */
+void fm_model_init_weights_host(const fm_model *m, uint64_t seed, float *w);
 
 /* Host <-> backend transfer of the fp32 master weights (n_params floats, table layout); upload
  * also refreshes the fm_act weights. */

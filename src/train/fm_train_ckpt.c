@@ -27,9 +27,11 @@ fm_status fm_train_hf_init(fm_train_hf *h, const fm_model *m) {
         const fm_param *p = &m->table[i];
         h->params[i] = (fm_hf_param){p->name, p->ndim, {p->shape[0], p->shape[1]}, p->offset};
     }
-    for (int64_t l = 0; l < L; l++)
-        h->experts[l] = (fm_hf_experts){m->w.layers[l].w_gate - m->params, m->w.layers[l].w_up - m->params,
-                                        m->w.layers[l].w_down - m->params};
+    for (int64_t l = 0; l < L; l++) {
+        int64_t g, u, d;
+        fm_model_layer_expert_offsets(m, l, &g, &u, &d);
+        h->experts[l] = (fm_hf_experts){g, u, d};
+    }
     h->t = (fm_hf_table){h->params, m->n_tensors, L, c->num_experts, c->hidden_size, c->moe_intermediate_size,
                          c->model_type == FM_MODEL_MIXTRAL ? "block_sparse_moe" : "mlp", h->experts,
                          c->tie_word_embeddings, c->model_type_name};
@@ -281,6 +283,24 @@ static fm_status gather_state(run *r, const void *shard, fm_dtype dtype, void **
     return st;
 }
 
+/* ZeRO-3: the full fp32 tensors of path with the prefix into a new host buffer *out [n_params]. */
+static fm_status read_full(run *r, const char *path, const char *prefix, float **out) {
+    *out = fm_malloc(sizeof(float) * (size_t)r->m.n_params);
+    if (!*out) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)r->m.n_params);
+    const fm_status s = fm_hf_read(&r->hf.t, path, prefix, *out);
+    if (s != FM_OK) fm_free(*out), *out = NULL;
+    return s;
+}
+
+/* ZeRO-3: this rank's shard of the optimizer state os from the full tensors of path (any world size). */
+static fm_status load_state_zero3(run *r, const char *path, const fm_optim_state *os) {
+    float *full;
+    FM_TRY(read_full(r, path, os->prefix, &full));
+    const fm_status s = fm_zero3_scatter_full(&r->z3, &r->m, full, os->base, os->dtype);
+    fm_free(full);
+    return s;
+}
+
 /* Loads the optimizer state os (this rank's shard of a sharded store) from the full tensors of
  * path: the whole fp32 tensor staged on the host, this rank's range copied (bf16: narrowed). */
 static fm_status load_state_shard(run *r, const char *path, const fm_optim_state *os) {
@@ -310,7 +330,21 @@ fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
     const int nos = r->optim->state_tensors(r->opt_self, os, 3);
     void *gathered[3] = {NULL, NULL, NULL};
     float *gmaster = NULL;
-    if (r->ps.sharded) { /* ZeRO-1/2: every rank sends its shards; rank 0 names the full host copies */
+    if (r->zero3) { /* ZeRO-3: every rank's shards of master, m, v; rank 0 names the full host copies */
+        fm_status st = FM_OK;
+        for (int i = 0; i < nos && st == FM_OK; i++) {
+            st = fm_zero3_gather_full(&r->z3, m, os[i].base, os[i].dtype, &gathered[i]);
+            os[i].base = gathered[i], os[i].host = true;
+        }
+        void *g = NULL;
+        if (st == FM_OK) st = fm_zero3_gather_full(&r->z3, m, r->z3.master, FM_DTYPE_F32, &g);
+        gmaster = g;
+        if (st != FM_OK) {
+            for (int i = 0; i < nos; i++) fm_free(gathered[i]);
+            fm_free(gmaster);
+            return st;
+        }
+    } else if (r->ps.sharded) { /* ZeRO-1/2: every rank sends its shards; rank 0 names the full host copies */
         for (int i = 0; i < nos; i++) {
             FM_TRY(gather_state(r, os[i].base, os[i].dtype, &gathered[i]));
             os[i].base = gathered[i], os[i].host = true;
@@ -499,7 +533,10 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
     fm_optim_state os[3];
     const int nos = r->optim->state_tensors(r->opt_self, os, 3);
     const fm_optim_state *ms = optim_master(os, nos);
-    if (ms) {
+    float *z3_full = NULL; /* ZeRO-3: the full master, checked, then this rank's shard taken from it */
+    if (r->zero3) {
+        FM_TRY(read_full(r, path, "master.", &z3_full));
+    } else if (ms) {
         FM_TRY(load_fp32_as_ex(&r->m, &r->hf.t, path, "master.", ms->base, FM_DTYPE_F32, ms->host));
         /* the weights from it (the model's master view is this memory: fm_param_store_create_host_master) */
         FM_ASSERT((const void *)r->m.master == ms->base);
@@ -510,14 +547,27 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
     if (r->o->resume_trust_optimizer) {
         if (!r->o->quiet) printf("--resume-trust-optimizer: %s/%s is not checked against the master copy\n", dir,
                                  FM_CKPT_MODEL_FILE);
+    } else if (r->zero3) { /* checked against the full host copy */
+        float *shard = r->m.master;
+        r->m.master = z3_full;
+        const fm_status s = verify_model_file(r, dir, true);
+        r->m.master = shard;
+        if (s != FM_OK) fm_free(z3_full);
+        FM_TRY(s);
     } else {
         FM_TRY(verify_model_file(r, dir, r->m.be.ops->host_memory || (ms && ms->host)));
+    }
+    if (r->zero3) {
+        const fm_status s = fm_zero3_set_master(&r->z3, &r->m, z3_full);
+        fm_free(z3_full);
+        FM_TRY(s);
     }
     /* bf16 moments: narrowed to nearest even, exact for moments a bf16 run saved; ZeRO-1/2: this
      * rank's range of the full tensors (any world size) */
     for (int i = 0; i < nos; i++)
         if (&os[i] != ms) {
-            if (r->ps.sharded) FM_TRY(load_state_shard(r, path, &os[i]));
+            if (r->zero3) FM_TRY(load_state_zero3(r, path, &os[i]));
+            else if (r->ps.sharded) FM_TRY(load_state_shard(r, path, &os[i]));
             else FM_TRY(load_fp32_as_ex(&r->m, &r->hf.t, path, os[i].prefix, os[i].base, os[i].dtype, os[i].host));
         }
     r->opt.step = ts->opt_step;

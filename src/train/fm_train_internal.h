@@ -22,6 +22,7 @@
 #include "fm_offload_adamw.h"
 #include "fm_train_step.h"
 #include "fm_trainer.h"
+#include "fm_zero3.h"
 
 /* The model's parameter table as the Hugging Face mapping (io/fm_hf_weights.h) reads it; the
  * rows' names point into the model's table. */
@@ -80,6 +81,9 @@ typedef struct run {
     bool world_ok;
     char tokenizer_dir[4096];       /* the last checkpoint written with a tokenizer (copy_tokenizer) */
     fm_sco sco;                     /* checkpoint offload (--offload-boundaries; n_off 0: off, no hook) */
+    bool zero3;                     /* --zero 3 over several ranks: z3 and ps are the shards (fm_zero3.h) */
+    fm_zero3 z3;
+    fm_schedule eval_sched;         /* ZeRO-3: evaluation's forwards with z3's gathering hook */
 } run;
 
 /* The arena of live set i: the parameter store's for the model state, the model's otherwise. */

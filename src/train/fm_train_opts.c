@@ -77,9 +77,12 @@ fm_status fm_train_opts_check(const fm_train_opts *o) {
         return fm_error(FM_ERR_ARG, "--offload-optimizer-slots must be in [1, 16], found %lld",
                         (long long)o->offload_optimizer_slots);
     if (o->dp < 0) return fm_error(FM_ERR_ARG, "--dp must be >= 1 (0 = the number of ranks), found %d", o->dp);
-    if (o->zero < 0 || o->zero > 1)
-        return fm_error(FM_ERR_ARG, "--zero must be 0 (replicas) or 1 (optimizer state sharded over dp), found %d",
-                        o->zero);
+    if (o->zero != 0 && o->zero != 1 && o->zero != 3)
+        return fm_error(FM_ERR_ARG, "--zero must be 0 (replicas), 1 (optimizer state sharded over dp) or 3 (weights, "
+                        "gradients and optimizer state sharded over dp), found %d", o->zero);
+    if (o->zero == 3 && o->offload_optimizer)
+        return fm_error(FM_ERR_ARG, "--zero 3 and --offload-optimizer do not go together yet (the streamed AdamW "
+                        "runs on the whole replica, ZeRO-3 keeps only a shard of it); drop one of them");
     if (o->zero && o->offload_optimizer)
         return fm_error(FM_ERR_ARG, "--zero 1 and --offload-optimizer do not go together yet (the streamed AdamW "
                         "runs on the whole replica); drop one of them");

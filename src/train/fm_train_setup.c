@@ -20,6 +20,7 @@ void fm_train_run_free(run *r) {
     fm_sco_free(&r->sco);
     if (r->world_ok) fm_comm_free(&r->world);
     fm_param_store_free(&r->ps);
+    fm_zero3_free(&r->z3);
     fm_offload_adamw_free(&r->oopt);
     if (r->model_ok) fm_model_free(&r->m);
     if (r->be_ok) fm_backend_default_free(&r->be);
@@ -46,7 +47,8 @@ static fm_status init_from_folder(run *r, const char *dir) {
     fm_model *m = &r->m;
     fm_hf_files f;
     FM_TRY(fm_hf_files_open(&f, dir));
-    const bool host = m->be.ops->host_memory || m->master_host; /* straight into a host master */
+    /* straight into a host master (ZeRO-3: the shard is not the table; staged, then scattered) */
+    const bool host = (m->be.ops->host_memory || m->master_host) && !r->zero3;
     float *w = host ? m->master : fm_malloc(sizeof(float) * (size_t)m->n_params);
     if (!w) {
         fm_hf_files_close(&f);
@@ -56,7 +58,8 @@ static fm_status init_from_folder(run *r, const char *dir) {
     const fm_hf_read_opts ro = {true, extra, sizeof extra};
     fm_status s = fm_hf_read_files(&r->hf.t, &f, "", w, &ro);
     if (s == FM_OK) {
-        fm_model_upload_master(m, w);
+        if (r->zero3) s = fm_zero3_set_master(&r->z3, m, w);
+        else fm_model_upload_master(m, w);
         if (extra[0]) fprintf(stderr, "warning: --init-from %s: %s\n", dir, extra);
         if (!r->o->quiet)
             printf("initialized from %s (%d tensors, %lld parameters; optimizer state fresh)\n", f.where, m->n_tensors,
@@ -276,6 +279,12 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         r->opt_self = &r->oopt;
         FM_TRY(fm_param_store_create_host_master(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params),
                                                  r->oopt.h_master));
+    } else if (o->zero == 3 && W > 1) { /* ZeRO-3: the shards, two gather slots, one group's gradients */
+        r->optim = &fm_adamw_ops;
+        r->opt_self = &r->opt;
+        FM_TRY(fm_zero3_layout_model(&r->z3, m, r->rank, W));
+        FM_TRY(fm_param_store_create_zero3(&r->ps, m, &r->z3, r->optim->state_bytes(r->opt_self, r->z3.shard_len)));
+        r->zero3 = true;
     } else if (o->zero && W > 1) { /* ZeRO-1/2: the store padded to W blocks, AdamW's state of this rank's */
         r->optim = &fm_adamw_ops;
         r->opt_self = &r->opt;
@@ -300,9 +309,17 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         }
     }
     FM_TRY(fm_step_ws_init(&r->step, m, o->grad_accum));
-    r->step.zero_ps = r->ps.sharded ? &r->ps : NULL; /* ZeRO-1/2: the step updates this rank's shard */
-    /* the optimizer overlap (not with ZeRO-1/2, whose update ends in an all-gather of the weights) */
-    if (!o->no_optimizer_overlap && !r->step.zero_ps) FM_TRY(fm_step_ws_enable_overlap(&r->step, m));
+    r->step.zero_ps = r->ps.sharded && !r->zero3 ? &r->ps : NULL; /* ZeRO-1/2: the step updates this rank's shard */
+    if (r->zero3) { /* ZeRO-3: the step's and evaluation's schedules gather and reduce-scatter in its hook */
+        fm_zero3_bind(&r->z3, m, &r->ps, &r->world);
+        r->step.zero3 = &r->z3;
+        FM_TRY(fm_schedule_add_group_hook(&r->step.sched, fm_zero3_hook, &r->z3));
+        fm_schedule_init(&r->eval_sched, m);
+        FM_TRY(fm_schedule_add_group_hook(&r->eval_sched, fm_zero3_hook, &r->z3));
+    }
+    /* the optimizer overlap (not with ZeRO-1/2, whose update ends in an all-gather of the weights,
+     * nor ZeRO-3, whose weights are gathered group by group) */
+    if (!o->no_optimizer_overlap && !r->step.zero_ps && !r->zero3) FM_TRY(fm_step_ws_enable_overlap(&r->step, m));
     if (n_off > 0) { /* the offload policy: its pinned host copies, as planned, and its hook */
         FM_TRY(fm_sco_create(&r->sco, m));
         if (r->sco.host.capacity != fm_arena_round(plan.host_bytes - plan.host_optimizer_bytes)) {
@@ -336,7 +353,15 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         if (!o->quiet) printf("resumed from %s (step %lld)\n", ckpt, (long long)ts->step);
     } else {
         if (o->init_from) FM_TRY(init_from_folder(r, o->init_from));
-        else FM_TRY(fm_model_init_weights(m, o->seed));
+        else if (r->zero3) { /* every rank draws the full initial weights and keeps its shard */
+            float *w = fm_malloc(sizeof(float) * (size_t)m->n_params);
+            if (!w) return fm_error(FM_ERR_NOMEM, "memory: cannot stage %lld initial weights on the host",
+                                    (long long)m->n_params);
+            fm_model_init_weights_host(m, o->seed, w);
+            const fm_status st = fm_zero3_set_master(&r->z3, m, w);
+            fm_free(w);
+            FM_TRY(st);
+        } else FM_TRY(fm_model_init_weights(m, o->seed));
         fm_rng_seed(data_rng, o->seed ^ 0xDA7A5EEDull);
         ts->seed = o->seed;
     }

@@ -3,6 +3,7 @@
 
 #include "../io/fm_checkpoint.h"
 #include "fm_param_store.h"
+#include "fm_zero3.h"
 
 #include <math.h>
 #include <string.h>
@@ -90,7 +91,8 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
     const int64_t G = o->grad_accum, n_res = w->n_res;
     const size_t res_bytes = (size_t)n_res * sizeof(double);
     fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
-    if (!(w->overlap_on && w->overlap.grads_zeroed)) /* else the last update zeroed them, group by group */
+    if (w->zero3) fm_zero3_zero_grads(w->zero3, m); /* the shard's: the hooks add each group's into it */
+    else if (!(w->overlap_on && w->overlap.grads_zeroed)) /* else the last update zeroed them, group by group */
         m->be.ops->mem_set(m->be.ctx, m->grads, 0, sizeof(fm_act) * (size_t)m->n_params);
     w->overlap.grads_zeroed = false;
     for (int64_t g = 0; g < G; g++) {
@@ -103,7 +105,8 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
         m->be.ops->copy_async(m->be.ctx, w->res + g * n_res, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
     }
     fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
-    FM_TRY(reduce_grads(m, dp, w->zero_ps)); /* data parallelism: the gradients' sum and its global norm */
+    if (w->zero3) FM_TRY(fm_zero3_grad_sumsq(w->zero3, m, m->results + FM_RESULT_SUMSQ)); /* reduced in the hooks */
+    else FM_TRY(reduce_grads(m, dp, w->zero_ps)); /* data parallelism: the gradients' sum and its global norm */
     const double *gres = w->res + G * n_res;
     m->be.ops->copy_async(m->be.ctx, (double *)gres, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
     m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "step end": losses, gradient norm */
@@ -129,7 +132,10 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
                         last_good(o, lg, sizeof lg), lg);
     const float clip = (o->grad_clip > 0 && gnorm > o->grad_clip) ? (float)(o->grad_clip / gnorm) : 1.0f;
     const double lr = fm_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr);
-    if (w->zero_ps && dp && fm_comm_size(dp) > 1) { /* ZeRO-1/2: this rank's shard, then the weights gathered */
+    if (w->zero3) { /* ZeRO-3: this rank's shard; the next forward gathers the weights */
+        FM_TRY(fm_zero3_update(w->zero3, m, optim, opt, lr, clip));
+        m->be.ops->sync(m->be.ctx); /* sync point "step clock" */
+    } else if (w->zero_ps && dp && fm_comm_size(dp) > 1) { /* ZeRO-1/2: this rank's shard, then the weights gathered */
         FM_TRY(update_shard(m, optim, opt, dp, w->zero_ps, lr, clip));
         m->be.ops->sync(m->be.ctx); /* sync point "step clock": the step's time includes its update */
     } else {

@@ -83,7 +83,10 @@ typedef struct fm_train_opts {
     int dp;                       /* --dp: data-parallel degree; 0: the world size W (sp = ep = 1) */
     int zero;                     /* --zero: 0 replicas (gradients all-reduced); 1 ZeRO-1/2: Adam
                                      moments sharded by parameter range over dp, gradients
-                                     reduce-scattered to their owner, updated weights all-gathered */
+                                     reduce-scattered to their owner, updated weights all-gathered;
+                                     3 ZeRO-3: weights, gradients, master and moments sharded by
+                                     parameter group over dp, each group gathered just in time
+                                     (train/fm_zero3.h) */
     double comm_timeout;          /* --comm-timeout: seconds a collective waits (0: 300) */
 } fm_train_opts;
 
@@ -111,5 +114,10 @@ fm_status fm_load_for_inference(fm_model *m, fm_param_store *ps, const char *ckp
 struct fm_dataset;
 fm_status fm_evaluate(fm_model *m, const struct fm_dataset *ds, int64_t max_batches, double *mean_loss,
                       int64_t *n_tokens_out);
+/* The same with schedule s for the forwards (NULL: m's default schedule; ZeRO-3 passes one with
+ * its gathering hook, train/fm_zero3.h). Errors: a hook's, the model's communicator's. */
+struct fm_schedule;
+fm_status fm_evaluate_sched(struct fm_schedule *s, fm_model *m, const struct fm_dataset *ds, int64_t max_batches,
+                            double *mean_loss, int64_t *n_tokens_out);
 
 #endif
