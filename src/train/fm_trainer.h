@@ -85,6 +85,10 @@ typedef struct fm_train_opts {
                                      moments sharded by parameter range over dp, gradients
                                      reduce-scattered to their owner, updated weights all-gathered */
     double comm_timeout;          /* --comm-timeout: seconds a collective waits (0: 300) */
+    int comm_kind;                /* --comm: fm_comm_kind (comm/fm_comm.h; 0 auto: self on one rank,
+                                     nccl when every rank has its own GPU, else mpi) */
+    int comm_check;               /* --comm-check: fm_comm_nccl_check (comm/fm_comm_nccl.h; 0 deferred:
+                                     nccl collectives checked at the step's sync points) */
 } fm_train_opts;
 
 /* Sets every option to its default (the values the CLI's --help names). */
