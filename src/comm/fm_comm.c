@@ -314,9 +314,12 @@ fm_status fm_comm_world_create_kind(fm_comm *out, const struct fm_backend *be, d
             if (chosen) *chosen = FM_COMM_KIND_AUTO; /* the self communicator */
             return fm_comm_world_create(out, be, default_timeout_s);
         }
-        int lr = 0, ls = 1;
-        FM_TRY(fm_comm_local(&lr, &ls, NULL));
-        k = be && fm_comm_nccl_usable(be, ls, NULL, 0) ? FM_COMM_KIND_NCCL : FM_COMM_KIND_MPI;
+        k = FM_COMM_KIND_MPI;
+        if (fm_comm_nccl_built() && be) { /* nccl when every rank on this node has its own GPU */
+            int lr = 0, ls = 1;
+            FM_TRY(fm_comm_local(&lr, &ls, NULL));
+            if (fm_comm_nccl_usable(be, ls, NULL, 0)) k = FM_COMM_KIND_NCCL;
+        }
     }
     if (chosen) *chosen = k;
     if (k == FM_COMM_KIND_NCCL) {

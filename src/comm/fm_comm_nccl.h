@@ -43,6 +43,9 @@
  *   and call it, and a collective that never completes turns into the backend's error at that
  *   sync point (the trainer checks status() right after it) instead of a hang; fm_comm_wait()
  *   checks on demand. No host sync is added to a step. The trainer uses this mode.
+ * In both modes a collective's deadline runs from when it was enqueued, so it also covers the
+ * work queued before it on the stream (a backward still running when the gradient all-reduce is
+ * issued): --comm-timeout must exceed that (the default 300 s does, by far).
  *
  * NVLink multicast: NCCL_NVLS_ENABLE is set to 0 in the environment before NCCL initializes,
  * unless the user set it. NVLS (NVLink SHARP) reserves multicast objects of the NVSwitch fabric

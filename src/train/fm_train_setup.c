@@ -194,11 +194,13 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         return fm_error(FM_ERR_ARG, "--dp %d with %d ranks leaves sp = %d, but the trainer has no sequence or expert "
                         "parallelism yet; use --dp %d (or leave --dp out)", dp, W, W / dp, W);
     fm_model_state_bound_set_dp(W, o->zero);
+#ifdef FM_ACT_BF16
     if (W > 1) { /* GPU ranks: this rank's device is its node-local rank's, chosen before any CUDA context */
         int local_rank = 0, local_size = 1;
         FM_TRY(fm_comm_local(&local_rank, &local_size, NULL));
         FM_TRY(fm_backend_default_select_device(local_rank, NULL));
     }
+#endif
 
     /* Plan: every live set's bound, from the config and flags alone, before any allocation. */
     const int64_t L = c->num_hidden_layers;
