@@ -53,7 +53,7 @@ bool fm_comm_nccl_usable(const struct fm_backend *be, int local_size, char *why,
 #include "../backend/cuda/fm_backend_cuda.h"
 
 #define PENDING FM_COMM_NCCL_PENDING
-#define STAGE_BYTES ((size_t)FM_COMM_HOST_MAX_ELEMS * 8)
+#define STAGE_BYTES ((size_t)256) /* the barrier's one value */
 
 typedef struct nccl_ctx {
     ncclComm_t comm;      /* NULL once aborted (broken) or destroyed */
@@ -63,7 +63,9 @@ typedef struct nccl_ctx {
     double default_timeout;
     bool broken;          /* aborted after a failure or a timeout: every later call fails */
     char broke[640];      /* the failure's message */
-    void *stage;          /* device [STAGE_BYTES]: all_reduce_host's staging, barrier's value */
+    void *stage;          /* device [STAGE_BYTES]: the barrier's value */
+    fm_comm host;         /* several ranks: the mpi communicator (host memory) of the same ranks, for
+                             all_reduce_host; empty on one rank */
     /* the ring of enqueued collectives not yet seen complete: [head, head + pending) mod PENDING */
     cudaEvent_t ev[PENDING];
     int n_ev;
@@ -322,23 +324,19 @@ static fm_status nccl_all_reduce(void *ctx, const void *send, void *recv, int64_
     return FM_OK;
 }
 
+/* Host values need no GPU: over MPI on the host (the same ranks' mpi communicator, kept from the
+ * unique id's broadcast), and the value itself on one rank. So a host reduction neither waits for
+ * the backend's streams nor adds a host sync. */
 static fm_status nccl_all_reduce_host(void *ctx, void *buf, int64_t count, fm_comm_dtype dtype, fm_comm_op op,
                                       double timeout_s) {
     NCCL_BEGIN("all_reduce_host", dtype, (int)op, count);
+    (void)st;
     FM_TRY(fm_comm_check_buf(n->rank, n->size, what, "host", buf, count));
     if (count > FM_COMM_HOST_MAX_ELEMS)
         return fm_error(FM_ERR_ARG, "rank %d of %d (nccl): %s: at most %d elements per call (FM_COMM_HOST_MAX_ELEMS)",
                         n->rank, n->size, what, FM_COMM_HOST_MAX_ELEMS);
-    if (count == 0) return FM_OK;
-    const size_t bytes = (size_t)count * fm_comm_dtype_size(dtype);
-    /* staged through the device buffer with the backend's synchronous copies (host syncs the
-     * backend counts), and always waited for: the host needs the values now */
-    n->be.ops->copy(n->be.ctx, n->stage, buf, bytes, FM_COPY_H2D);
-    NCCL_RUN(n, what, to, "ncclAllReduce",
-             ncclAllReduce(n->stage, n->stage, (size_t)count, nccl_type(dtype), nccl_op(op), n->comm, st));
-    FM_TRY(wait_all(n, 0));
-    n->be.ops->copy(n->be.ctx, buf, n->stage, bytes, FM_COPY_D2H);
-    return n->be.ops->status(n->be.ctx);
+    if (count == 0 || n->size == 1) return FM_OK; /* the sum or max over one rank is the value itself */
+    return n->host.ops->all_reduce_host(n->host.ctx, buf, count, dtype, op, to);
 }
 
 static fm_status nccl_reduce_scatter(void *ctx, const void *send, void *recv, int64_t recv_count,
@@ -510,6 +508,7 @@ static void nccl_destroy(void *ctx) {
     /* broken: ncclCommAbort already freed the communicator */
     for (int i = 0; i < n->n_ev; i++) (void)cudaEventDestroy(n->ev[i]);
     if (n->stage) n->be.ops->mem_free(n->be.ctx, n->stage);
+    fm_comm_free(&n->host);
     fm_free(n);
 }
 
@@ -533,16 +532,20 @@ static const fm_comm_ops nccl_ops = {
     .wait = nccl_wait,
 };
 
-/* A context over the initialized communicator `comm` (taken over: aborted on error). */
-static fm_status nccl_new(fm_comm *out, ncclComm_t comm, const fm_backend *be, double default_timeout,
+/* A context over the initialized communicator `comm` and *host, the mpi communicator of the same
+ * ranks (empty on one rank; both taken over: aborted and freed on error). */
+static fm_status nccl_new(fm_comm *out, ncclComm_t comm, fm_comm *host, const fm_backend *be, double default_timeout,
                           fm_comm_nccl_check check) {
     nccl_ctx *n = fm_malloc(sizeof *n);
     if (!n) {
         (void)ncclCommAbort(comm);
+        fm_comm_free(host);
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the nccl communicator");
     }
     memset(n, 0, sizeof *n);
     n->comm = comm;
+    n->host = *host;
+    host->ops = NULL, host->ctx = NULL;
     n->be = *be;
     n->device = fm_cuda_backend_device(be);
     n->check = check;
@@ -564,10 +567,10 @@ static fm_status nccl_new(fm_comm *out, ncclComm_t comm, const fm_backend *be, d
         }
     n->stage = be->ops->mem_alloc(be->ctx, STAGE_BYTES);
     if (!n->stage) {
-        (void)broke_with(n, "nccl communicator: no device memory for its staging buffer");
+        (void)broke_with(n, "nccl communicator: no device memory for its barrier's value");
         nccl_destroy(n);
-        return fm_error(FM_ERR_NOMEM, "rank %d of %d (nccl): cannot allocate the %zu-byte device staging buffer of "
-                        "the host all-reduce", n->rank, n->size, STAGE_BYTES);
+        return fm_error(FM_ERR_NOMEM, "rank %d of %d (nccl): cannot allocate the %zu-byte device buffer of the "
+                        "barrier", n->rank, n->size, STAGE_BYTES);
     }
     live_add(n);
     out->ops = &nccl_ops;
@@ -623,12 +626,22 @@ static fm_status nccl_split(void *ctx, int color, int key, fm_comm *out) {
         return fm_error(FM_ERR_IO, "rank %d of %d (nccl): %s: an earlier failure aborted this communicator (%s)",
                         n->rank, n->size, what, n->broke);
     FM_TRY(wait_all(n, 0)); /* the parent's pending work first: a split is a collective of the parent */
+    fm_comm host = {0};   /* the host values' mpi communicator, split the same way */
+    if (n->host.ops) FM_TRY(n->host.ops->split(n->host.ctx, color, key, &host));
     ncclConfig_t cfg = nonblocking_config();
     ncclComm_t nc = NULL;
     const ncclResult_t r = ncclCommSplit(n->comm, color, key, &nc, &cfg);
-    if (r != ncclSuccess && r != ncclInProgress) return nccl_failed(n, what, "ncclCommSplit", r);
-    FM_TRY(wait_ready(nc, r, n->rank, n->size, what, n->default_timeout)); /* the child's creation */
-    return nccl_new(out, nc, &n->be, n->default_timeout, n->check);
+    if (r != ncclSuccess && r != ncclInProgress) {
+        fm_comm_free(&host);
+        return nccl_failed(n, what, "ncclCommSplit", r);
+    }
+    const fm_status s = wait_ready(nc, r, n->rank, n->size, what, n->default_timeout); /* the child's creation */
+    if (s != FM_OK) {
+        fm_comm_free(&host);
+        return s;
+    }
+    if (host.ops && fm_comm_size(&host) == 1) fm_comm_free(&host); /* one rank: host values need no one */
+    return nccl_new(out, nc, &host, &n->be, n->default_timeout, n->check);
 }
 
 /* NCCL_NVLS_ENABLE=0 unless the user set it (fm_comm_nccl.h: NVLink multicast stays off). */
@@ -689,26 +702,30 @@ fm_status fm_comm_nccl_world(fm_comm *out, const fm_backend *be, double default_
         if (r == ncclSuccess) memcpy(msg + 1, &id, sizeof id);
         else snprintf(id_err, sizeof id_err, "%s", ncclGetErrorString(r));
     }
+    fm_comm host = {0}; /* several ranks: the id's broadcast and, kept, the host values' communicator */
     if (size > 1) {
         if (!fm_comm_mpi_built())
             return fm_error(FM_ERR_UNSUPPORTED, "rank %d of %d (%s_*): the nccl communicator's unique id travels over "
                             "MPI, which is not in this build (install libopenmpi-dev and openmpi-bin, configure "
                             "again)", rank, size, src);
-        fm_comm boot;
-        FM_TRY(fm_comm_mpi_world(&boot, NULL, to, 0));
-        if (fm_comm_rank(&boot) != rank || fm_comm_size(&boot) != size) {
-            const int r2 = fm_comm_rank(&boot), n2 = fm_comm_size(&boot);
-            fm_comm_free(&boot);
+        FM_TRY(fm_comm_mpi_world(&host, NULL, to, 0));
+        if (fm_comm_rank(&host) != rank || fm_comm_size(&host) != size) {
+            const int r2 = fm_comm_rank(&host), n2 = fm_comm_size(&host);
+            fm_comm_free(&host);
             return fm_error(FM_ERR_IO, "the launcher says rank %d of %d (%s_*) but MPI says rank %d of %d: launch "
                             "with the mpirun/srun of the MPI flatmoe was built with", rank, size, src, r2, n2);
         }
-        const fm_status s = fm_comm_broadcast(&boot, msg, msg, (int64_t)sizeof msg, FM_COMM_BYTE, 0, to);
-        fm_comm_free(&boot);
-        FM_TRY(s);
+        const fm_status s = fm_comm_broadcast(&host, msg, msg, (int64_t)sizeof msg, FM_COMM_BYTE, 0, to);
+        if (s != FM_OK) {
+            fm_comm_free(&host);
+            return s;
+        }
     }
-    if (!msg[0])
+    if (!msg[0]) {
+        fm_comm_free(&host);
         return fm_error(FM_ERR_IO, "rank %d of %d (nccl): rank 0 could not create NCCL's unique id (ncclGetUniqueId: "
                         "%s)", rank, size, rank == 0 ? id_err : "see rank 0's message");
+    }
     ncclUniqueId id;
     memcpy(&id, msg + 1, sizeof id);
     ncclConfig_t cfg = nonblocking_config();
@@ -716,13 +733,18 @@ fm_status fm_comm_nccl_world(fm_comm *out, const fm_backend *be, double default_
     const ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &cfg);
     if (r != ncclSuccess && r != ncclInProgress) {
         if (comm) (void)ncclCommAbort(comm);
+        fm_comm_free(&host);
         return fm_error(FM_ERR_IO, "rank %d of %d (nccl): ncclCommInitRankConfig failed: %s", rank, size,
                         ncclGetErrorString(r));
     }
     char what[64];
     snprintf(what, sizeof what, "ncclCommInitRankConfig on device %d", device);
-    FM_TRY(wait_ready(comm, r, rank, size, what, to));
-    return nccl_new(out, comm, be, to, check);
+    const fm_status s = wait_ready(comm, r, rank, size, what, to);
+    if (s != FM_OK) {
+        fm_comm_free(&host);
+        return s;
+    }
+    return nccl_new(out, comm, &host, be, to, check);
 }
 
 #endif /* FM_HAVE_NCCL */

@@ -8,8 +8,11 @@
  * ordered after the ops that wrote its input and before the ops issued after it, without a host
  * wait. A buffer that is host memory (pageable or pinned) is FM_ERR_ARG naming it
  * (cudaPointerGetAttributes): NCCL reads device memory only. The host variants
- * (all_reduce_host, the fm_comm_allreduce_* wrappers) stage through a device buffer of
- * FM_COMM_HOST_MAX_ELEMS x 8 bytes fixed at creation with the backend's synchronous copy.
+ * (all_reduce_host, the fm_comm_allreduce_* wrappers) need no GPU: on one rank they are the
+ * value itself; on several they go through MPI on the host (the mpi communicator of the same
+ * ranks that carried the unique id, kept, and split along with this one; its timeouts and
+ * messages are fm_comm_mpi_world's). So a host reduction (the batch's valid-target count) neither
+ * waits for the backend's streams nor adds a host sync.
  * Mapping: all_reduce -> ncclAllReduce, reduce_scatter -> ncclReduceScatter, all_gather ->
  * ncclAllGather (NCCL's in-place forms are fm_comm.h's), broadcast -> ncclBroadcast, all_to_all_v
  * -> ncclSend/ncclRecv pairs in one ncclGroupStart/ncclGroupEnd (a pair with count 0 is left
@@ -86,7 +89,7 @@ bool fm_comm_nccl_built(void);
  * backend be's device (be must be a CUDA backend and outlive the communicator). One rank:
  * ncclGetUniqueId and ncclCommInitRankConfig with one rank, no MPI. Several ranks: rank 0's
  * ncclGetUniqueId travels to the others by MPI (a host-memory mpi communicator, fm_comm_mpi_world,
- * used for this broadcast only; MPI is initialized when it is not), with a flag so that a rank 0
+ * kept for the host values; MPI is initialized when it is not), with a flag so that a rank 0
  * that failed to make the id fails every rank at once; then ncclCommInitRankConfig (non-blocking)
  * polled against the default timeout. A collective call. default_timeout_s: 0 means
  * FM_COMM_DEFAULT_TIMEOUT_S; it also bounds the initialization. check: when collectives are
