@@ -180,8 +180,8 @@ static fm_status settle(nccl_ctx *n, const char *what, const char *call, ncclRes
     return r == ncclSuccess ? FM_OK : nccl_failed(n, what, call, r);
 }
 
-/* Pops the collectives that completed; fails on an asynchronous NCCL error or on the oldest
- * pending collective's passed deadline. Never waits. */
+/* Pops the collectives that completed; fails on an asynchronous NCCL error or on a pending
+ * collective's passed deadline. Never waits. */
 static fm_status poll_ctx(nccl_ctx *n) {
     if (n->broken) return fm_error(FM_ERR_IO, "%s", n->broke);
     while (n->pending > 0) {
@@ -203,12 +203,14 @@ static fm_status poll_ctx(nccl_ctx *n) {
               n->pending ? n->what[n->head] : "after the last collective", ncclGetErrorString(a),
               last && *last ? " (" : "", last ? last : "", last && *last ? ")" : "");
     }
-    if (n->pending > 0) {
-        const double waited = now_s() - n->t_enq[n->head];
-        if (waited > n->tmo[n->head])
+    /* every pending one's deadline (a later collective may have a shorter timeout than the oldest) */
+    const double now = n->pending > 0 ? now_s() : 0;
+    for (int j = 0; j < n->pending; j++) {
+        const int i = (n->head + j) % PENDING;
+        if (now - n->t_enq[i] > n->tmo[i])
             BROKE(n, "rank %d of %d (nccl): %s did not complete within its timeout of %g s (another rank did not "
                   "join it, or died); the communicator is aborted and the job must stop", n->rank, n->size,
-                  n->what[n->head], n->tmo[n->head]);
+                  n->what[i], n->tmo[i]);
     }
     return FM_OK;
 }
