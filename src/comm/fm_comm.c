@@ -326,6 +326,14 @@ fm_status fm_comm_world_create_kind(fm_comm *out, const struct fm_backend *be, d
         if (!fm_comm_nccl_built())
             return fm_error(FM_ERR_UNSUPPORTED, "--comm nccl: this flatmoe was built without NCCL (it needs the CUDA "
                             "build, -DFLATMOE_CUDA=ON, with nccl.h and libnccl found); use --comm mpi or auto");
+        if (kind == FM_COMM_KIND_NCCL && size > 1) { /* asked for: say why it cannot serve, before NCCL does */
+            int lr = 0, ls = 1;
+            char why[200];
+            FM_TRY(fm_comm_local(&lr, &ls, NULL));
+            if (!fm_comm_nccl_usable(be, ls, why, sizeof why))
+                return fm_error(FM_ERR_ARG, "rank %d of %d: --comm nccl: %s; use --comm mpi (or auto)", rank, size,
+                                why);
+        }
         return fm_comm_nccl_world(out, be, default_timeout_s, (fm_comm_nccl_check)nccl_check);
     }
     /* mpi, on any number of ranks */
