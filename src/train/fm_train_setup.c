@@ -197,6 +197,13 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         return fm_error(FM_ERR_ARG, "--dp %d with %d ranks leaves sp = %d, but the trainer has no sequence or expert "
                         "parallelism yet; use --dp %d (or leave --dp out)", dp, W, W / dp, W);
     fm_model_state_bound_set_dp(W, o->zero);
+#ifdef FM_ACT_BF16
+    if (W > 1) { /* GPU ranks: this rank's device is its node-local rank's, chosen before any CUDA context */
+        int local_rank = 0, local_size = 1;
+        FM_TRY(fm_comm_local(&local_rank, &local_size, NULL));
+        FM_TRY(fm_backend_default_select_device(local_rank, NULL));
+    }
+#endif
 
     /* Plan: every live set's bound, from the config and flags alone, before any allocation. */
     const int64_t L = c->num_hidden_layers;
@@ -261,8 +268,12 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_model_create(&r->m, c, r->be));
     r->model_ok = true;
     fm_model *m = &r->m;
-    FM_TRY(fm_comm_world_create(&r->world, &r->be, o->comm_timeout));
+    fm_comm_kind comm_kind = FM_COMM_KIND_AUTO; /* --comm: self on one rank (auto), mpi or nccl */
+    FM_TRY(fm_comm_world_create_kind(&r->world, &r->be, o->comm_timeout, (fm_comm_kind)o->comm_kind, o->comm_check,
+                                     &comm_kind));
     r->world_ok = true;
+    if (!o->quiet && r->rank == 0 && comm_kind != FM_COMM_KIND_AUTO)
+        printf("communicator: %s over %d rank%s\n", r->world.ops->name, W, W == 1 ? "" : "s");
     m->comm = &r->world; /* the batch's valid targets, loss sums and router statistics */
     /* the sampling cursor: this rank of the data-parallel ranks (fm_dataset_sample_batch) */
     FM_TRY(fm_dataset_set_ranks(&r->train, fm_comm_rank(&r->world), fm_comm_size(&r->world)));

@@ -88,6 +88,10 @@ typedef struct fm_train_opts {
                                      parameter group over dp, each group gathered just in time
                                      (train/fm_zero3.h) */
     double comm_timeout;          /* --comm-timeout: seconds a collective waits (0: 300) */
+    int comm_kind;                /* --comm: fm_comm_kind (comm/fm_comm.h; 0 auto: self on one rank,
+                                     nccl when every rank has its own GPU, else mpi) */
+    int comm_check;               /* --comm-check: fm_comm_nccl_check (comm/fm_comm_nccl.h; 0 deferred:
+                                     nccl collectives checked at the step's sync points) */
 } fm_train_opts;
 
 /* Sets every option to its default (the values the CLI's --help names). */
