@@ -296,6 +296,12 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         FM_TRY(fm_zero3_layout_model(&r->z3, m, r->rank, W));
         FM_TRY(fm_param_store_create_zero3(&r->ps, m, &r->z3, r->optim->state_bytes(r->opt_self, r->z3.shard_len)));
         r->zero3 = true;
+    } else if (o->zero && W > 1 && comm_kind == FM_COMM_KIND_NCCL) {
+        /* the checkpoint gathers the Adam shards into a host buffer on rank 0 (fm_train_ckpt.c), which
+         * NCCL cannot write: refused here rather than failing at the first save */
+        return fm_error(FM_ERR_ARG, "--zero 1 with the nccl communicator: its checkpoints gather Adam's shards into "
+                                    "host memory, which NCCL cannot write; use --zero 3 (whose gathers stay on the "
+                                    "device) or --comm mpi");
     } else if (o->zero && W > 1) { /* ZeRO-1/2: the store padded to W blocks, AdamW's state of this rank's */
         r->optim = &fm_adamw_ops;
         r->opt_self = &r->opt;
