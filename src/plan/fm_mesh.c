@@ -144,9 +144,11 @@ fm_status fm_mesh_choose(fm_plan_req *req, const fm_choose_opts *o, bool *rc, bo
         fm_plan p;
         fm_projection pr;
         fm_status s = fm_plan_fit(req, o, rc, &p, &pr);
+        char why[2048];
+        snprintf(why, sizeof why, "%s", s ? fm_errmsg() : "");
         return fm_error(s ? s : FM_ERR_NOMEM, "no mesh of --world %lld fits, not even ep %lld x sp %lld (dp %lld), the "
-                        "smallest per-rank plan: %s; give more ranks (--world), --bf16-moments or --offload-optimizer, or a "
-                        "shorter --seq-len", (long long)W, (long long)m.ep, (long long)m.sp, (long long)m.dp, fm_errmsg());
+                        "smallest per-rank plan; give more ranks (--world) or a shorter --seq-len. Per rank: %s",
+                        (long long)W, (long long)m.ep, (long long)m.sp, (long long)m.dp, why);
     }
     ch->ep0 = eps[iep];
     /* sp: the smallest that fits at that ep */
