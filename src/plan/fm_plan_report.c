@@ -82,7 +82,8 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
                      r->target == FM_PLAN_TARGET_CPU ? 4 : r->target == FM_PLAN_TARGET_CUDA ? 2 : (int)sizeof(fm_act));
         if (p->host_optimizer_bytes > 0)
             snprintf(what + strlen(what), sizeof what - strlen(what), "%soptimizer %s x %lld params (fp32 master, Adam "
-                     "m, v)", what[0] ? " + " : "", r->bf16_moments ? "8 B/param" : "12 B/param", (long long)p->n_params);
+                     "m, v)", what[0] ? " + " : "", r->bf16_moments ? "8 B/param" : "12 B/param",
+                     (long long)(r->mesh.on ? p->n_params_rank : p->n_params));
         if (!what[0]) snprintf(what, sizeof what, "nothing offloaded");
         char hb[64] = "";
         if (host_limited) snprintf(hb, sizeof hb, "; host budget %.3f GiB", x->host_budget / 1073741824.0);
