@@ -103,7 +103,7 @@ int cmd_plan(int argc, char **argv) {
     req.att_tile_q = tq;
     req.att_tile_kv = tkv;
     req.bf16_moments = bf16m;
-    const bool mesh = world > 0 || ep > 0 || sp > 0 || zero == 3 || gpus_per_node > 0;
+    const bool mesh = world > 0 || ep > 0 || sp > 0 || zero == 3; /* --gpus-per-node alone: no mesh */
     bool choose_ep = false, choose_sp = false;
     if (mesh) { /* one rank of a mesh: ZeRO-3 over dp x sp, experts over ep (plan/fm_mesh.h) */
         if (zero != -1 && zero != 3)
