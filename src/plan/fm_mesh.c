@@ -42,7 +42,7 @@ fm_status fm_mesh_check(const fm_config *c, int64_t T, const fm_mesh_dims *m) {
     if (m->sp > 1) {
         const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads;
         if (nh % m->sp != 0) {
-            divisors_text(nh, W, ok, sizeof ok);
+            divisors_text(nh, nh, ok, sizeof ok); /* (the world follows sp: dp x sp) */
             return fm_error(FM_ERR_ARG, "--sp %lld: expected a divisor of num_attention_heads (%lld, config.json; Ulysses "
                             "gives each sp rank heads / sp heads), found %lld %% %lld = %lld; use one of %s",
                             (long long)m->sp, (long long)nh, (long long)nh, (long long)m->sp, (long long)(nh % m->sp), ok);
