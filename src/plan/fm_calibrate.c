@@ -407,6 +407,7 @@ fm_status fm_calibrate_run(const fm_calibrate_opts *o, fm_calib *out) {
     cal c = {.o = o, .gpu = sizeof(fm_act) != 4, .reps = sizeof(fm_act) != 4 ? 3 : 5};
     snprintf(out->backend, sizeof out->backend, "%s", c.gpu ? "cuda" : "cpu");
     out->act_bytes = (int)sizeof(fm_act);
+    fm_calib_mesh_link_default(out, out->backend); /* not measured here: the nominal links */
     if (c.gpu) { /* the context and libraries first, on an otherwise idle device */
         fm_device_budget d;
         FM_TRY(fm_device_budget_measure(128, &d));

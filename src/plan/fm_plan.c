@@ -8,6 +8,7 @@
 
 #include "../backend/fm_backend_plan.h"
 #include "../bounded/fm_linear_ce.h"
+#include "fm_mesh_bound.h"
 #include "../schedule/fm_recompute.h"
 #include "../schedule/fm_sco.h"
 
@@ -29,7 +30,9 @@ fm_status fm_plan_check_shape(const fm_config *cfg, int64_t B, int64_t T) {
 void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     memset(p, 0, sizeof *p);
     const fm_config *c = &r->cfg;
-    const int64_t L = c->num_hidden_layers, N = r->B * r->T, H = c->hidden_size, I = c->moe_intermediate_size;
+    /* a mesh rank holds T / sp of each sequence's tokens (Ulysses); one rank: all of them */
+    const int64_t sp = r->mesh.on && r->mesh.sp > 1 ? r->mesh.sp : 1, Tl = r->T / sp;
+    const int64_t L = c->num_hidden_layers, N = r->B * Tl, H = c->hidden_size, I = c->moe_intermediate_size;
     const int64_t k = c->num_experts_per_tok, E = c->num_experts;
     const fm_recompute_policy rp = {r->recompute, L, r->keep_attention}; /* the policy's bound */
     const int64_t nr = fm_recompute_count(&rp), nka = fm_recompute_keep_attention_count(&rp);
@@ -64,7 +67,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
      * device, n_off on the host (schedule/fm_sco.h) */
     const int64_t n_off = r->n_offloaded_boundaries, n_bnd = fm_sco_device_boundaries(L, n_off);
     p->n_offloaded_boundaries = n_off;
-    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_n(c, r->B, r->T, r->moe_chunk_tokens > 0, n_bnd, a);
+    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_n(c, r->B, Tl, r->moe_chunk_tokens > 0, n_bnd, a);
     p->host_bytes = fm_sco_host_bytes(N, H, n_off, a) + p->host_optimizer_bytes;
     if (n_off > 0)
         snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 - %lld offloaded + %d slots = %lld) x N x H x %d B, N = %lld, "
@@ -74,8 +77,8 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
         snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 = %lld) x N x H x %d B, N = %lld, H = %lld (+ tokens, RoPE)",
                  (long long)L + 1, (int)a, (long long)N, (long long)H);
 
-    const size_t one = fm_model_layer_acts_bytes(c, r->B, r->T, a);
-    const size_t kept_att = fm_model_kept_attention_bytes(c, r->B, r->T, a);
+    const size_t one = fm_model_layer_acts_bytes(c, r->B, Tl, a);
+    const size_t kept_att = fm_model_kept_attention_bytes(c, r->B, Tl, a);
     p->bytes[FM_LIVE_LAYER_ACTS] = (size_t)saved_sets * one + (size_t)nka * kept_att;
     if (nka > 0)
         snprintf(p->inputs[FM_LIVE_LAYER_ACTS], 200, "%lld saved sets (%lld layers, %lld recomputed) x %.1f MiB per layer "
@@ -98,8 +101,11 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     }
 
     const bool cuda = tgt == FM_PLAN_TARGET_CUDA || (tgt == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4);
-    const fm_backend_plan_req breq = {.B = r->B, .T = r->T, .nh = c->num_attention_heads,
-                                      .nkv = c->num_key_value_heads, .hd = c->head_dim, .threads = r->threads,
+    /* under sp, attention runs over the whole sequence with heads / sp query heads and
+     * fm_mesh_kv_heads key/value heads (replicated when fewer than sp) */
+    const fm_backend_plan_req breq = {.B = r->B, .T = r->T, .nh = c->num_attention_heads / sp,
+                                      .nkv = sp > 1 ? fm_mesh_kv_heads(c, sp) : c->num_key_value_heads,
+                                      .hd = c->head_dim, .threads = r->threads,
                                       .tile_q = r->att_tile_q, .tile_kv = r->att_tile_kv,
                                       .gpu_workspace = r->gpu_workspace};
     fm_backend_plan_info bw;
@@ -135,7 +141,9 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
         snprintf(p->inputs[FM_LIVE_VOCAB], 200, "plain logits N x V x %d B, V = %lld (+ final norm)", (int)a, (long long)c->vocab_size);
     }
 
+    if (r->mesh.on) fm_mesh_plan_sets(r, p); /* model state, experts, vocabulary, comm buffers per rank */
     for (int i = 0; i < FM_PLAN_SETS; i++) p->total += p->bytes[i];
+    p->total += p->comm_bytes;
 
     /* FLOPs (Megatron's count; REFERENCES.md "FLOPs and MFU"): 6 per active matmul parameter
      * per token, plus causal attention 6 * L * (nh*hd) * T. Hardware FLOPs add the forwards run
@@ -150,7 +158,8 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     if (r->moe_chunk_tokens > 0) hw += (double)(L - nr) * 2.0 * (double)k * 3.0 * (double)H * (double)I;
     if (lce) hw += 2.0 * (double)c->vocab_size * (double)H; /* the logits formed twice */
     p->flops_hw_token = hw;
-    p->tokens_per_step = N * (r->grad_accum > 0 ? r->grad_accum : 1);
+    /* the whole step's tokens: dp ranks' sequences (sp ranks share theirs) */
+    p->tokens_per_step = N * sp * (r->mesh.on && r->mesh.dp > 1 ? r->mesh.dp : 1) * (r->grad_accum > 0 ? r->grad_accum : 1);
     p->bf16_moments = r->bf16_moments;
 }
 
