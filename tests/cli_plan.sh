@@ -164,7 +164,7 @@ expect_fail "plan sp not dividing heads" "num_attention_heads (16" "$FM" plan --
 expect_fail "plan seq-len not divisible by sp" "use --seq-len 4096" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4097 --sp 2
 expect_fail "plan --world without a budget" "needs a budget" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --world 8
 expect_fail "plan --zero 1 with a mesh" "expected 3" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --world 2 --dp 2 --zero 1
-expect_fail "plan mesh plain logits" "Ring-DTP" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --dp 2 --zero 3 --ce-block-tokens 0 --ce-block-vocab 0
+expect_fail "plan mesh plain logits" "Ring-DTP" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --world 2 --dp 2 --sp 1 --ep 1 --ce-block-tokens 0 --ce-block-vocab 0
 expect_fail "plan mesh too small" "no mesh of --world 2 fits" "$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --backend cuda --seq-len 4096 --world 2 --mem-budget 40GiB
 
 finish
