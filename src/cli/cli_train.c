@@ -79,6 +79,11 @@ int cmd_train(int argc, char **argv) {
         {"dp", F_INT, &o.dp, NULL, "data-parallel ranks, 0 = every rank of the launch (mpirun/srun); --micro-batch is per rank (0)"},
         {"zero", F_INT, &o.zero, NULL, "0: every rank keeps the whole optimizer state (gradients all-reduced); 1: ZeRO-1/2, Adam m and v sharded over dp by parameter range, gradients reduce-scattered to their owner, weights all-gathered after the update (0)"},
         {"comm-timeout", F_F64, &o.comm_timeout, NULL, "seconds a collective waits for the other ranks before the run stops, 0 = 300 (0)"},
+        {"ep", F_INT, &o.ep, NULL, "expert-parallel ranks: each holds num_experts/N experts (weights, grads, Adam state) and tokens reach them by capped all-to-all-v chunks; N divides the ranks and num_experts; needs --zero 0 (1)"},
+        {"ep-cap-tokens", F_I64, &o.ep_cap_tokens, NULL, "--ep: tokens each rank sends per dispatch chunk (the receive buffers hold ep x cap x min(k, E/ep) rows whatever the router does); 0 = --moe-chunk-tokens, or chosen under --mem-budget, else the whole micro-batch (0)"},
+        {"llep", F_BOOL, &o.llep, NULL, "--ep: least-loaded expert placement (LLEP): when the busiest rank's routed rows exceed --llep-lambda x the mean, the heaviest experts' rows spill to the least-loaded ranks, which get those experts' weights (off)"},
+        {"llep-lambda", F_F64, &o.llep_lambda, NULL, "--llep: the imbalance (busiest rank's rows over the mean) that triggers the placement, >= 1 (1.3)"},
+        {"llep-min-piece", F_I64, &o.llep_min_piece, NULL, "--llep: the smallest range of rows that spills to another rank (1024)"},
     };
     int r = cli_parse_flags("train", "(--config C | --init-from DIR) --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
     if (r) return r == 1 ? 0 : r;

@@ -20,6 +20,7 @@
 #include "../comm/fm_comm.h"
 #include "../schedule/fm_sco.h"
 #include "fm_offload_adamw.h"
+#include "fm_train_ep.h"
 #include "fm_train_step.h"
 #include "fm_trainer.h"
 
@@ -80,6 +81,8 @@ typedef struct run {
     bool world_ok;
     char tokenizer_dir[4096];       /* the last checkpoint written with a tokenizer (copy_tokenizer) */
     fm_sco sco;                     /* checkpoint offload (--offload-boundaries; n_off 0: off, no hook) */
+    fm_train_ep ep;                 /* expert parallelism (--ep; ep.ep 1 or 0: off) */
+    fm_train_hf ep_hf;              /* --ep: the full table (ep.full) as the checkpoint writer names it */
 } run;
 
 /* The arena of live set i: the parameter store's for the model state, the model's otherwise. */

@@ -26,6 +26,9 @@ typedef struct fm_step_ws {
      * (fm_param_store_create_sharded over dp) whose shard this rank updates; NULL: every rank
      * updates its whole replica. */
     const struct fm_param_store *zero_ps;
+    /* Expert parallelism (train/fm_train_ep.h; NULL: none): the gradients are reduced by
+     * fm_train_ep_reduce_grads (experts over the ranks holding them, the rest over dp). */
+    const struct fm_train_ep *ep;
 } fm_step_ws;
 
 /* Sets up w for model m (its default schedule) and grad_accum micro-batches per step; pinned
