@@ -60,7 +60,8 @@ static fm_status init_from_folder(run *r, const char *dir) {
     fm_status s = fm_hf_read_files(&r->hf.t, &f, "", w, &ro);
     if (s == FM_OK) {
         fm_model_upload_master(m, w);
-        if (extra[0]) fprintf(stderr, "warning: --init-from %s: %s\n", dir, extra);
+        if (extra[0] && m->ep <= 1) /* --ep: the other ranks' experts are the extras */
+            fprintf(stderr, "warning: --init-from %s: %s\n", dir, extra);
         if (!r->o->quiet)
             printf("initialized from %s (%d tensors, %lld parameters; optimizer state fresh)\n", f.where, m->n_tensors,
                    (long long)m->n_params);
