@@ -20,8 +20,11 @@ void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_
     const fm_model *m = &r->m;
     const fm_plan *plan = &r->plan;
     printf("model %s: %lld parameters (%lld active per token), %lld layers, %lld experts top-%lld\n",
-           c->model_type_name, (long long)m->n_params, (long long)fm_config_num_active_params(c),
+           c->model_type_name, (long long)fm_config_num_params(c), (long long)fm_config_num_active_params(c),
            (long long)c->num_hidden_layers, (long long)c->num_experts, (long long)c->num_experts_per_tok);
+    if (m->ep > 1) /* --ep: this rank's table */
+        printf("expert parallelism: --ep %d, %lld experts per rank, %lld parameters per rank\n", m->ep,
+               (long long)m->E_loc, (long long)m->n_params);
     printf("data: train %lld tokens, validation %lld tokens; %lld tokens per step (%lld x %lld x %lld)\n",
            (long long)r->train.n_tokens, (long long)r->val.n_tokens, (long long)tokens_per_step,
            (long long)o->micro_batch, (long long)o->seq_len, (long long)o->grad_accum);
