@@ -16,7 +16,8 @@
 #   --llep-min-piece 1 spills the hot experts to the idle ranks (rows received drop to half of
 #   R_max) and still matches.
 # resume: 10 steps at np 2 --ep 2, then 10 at np 4 --ep 4; and 10 at np 4 --ep 2 then 10 at np 1:
-#   both end with the losses and weights of 20 uninterrupted one-rank steps.
+#   both end with the losses and weights of 20 uninterrupted one-rank steps; --init-from a run
+#   folder at np 2 --ep 2 trains as one rank does from it.
 # badinput: --ep not dividing the ranks, not dividing num_experts (np 3), --zero 1 with --ep,
 #   --llep without --ep: a clear error naming the flag, the values and the fix, non-zero exit.
 set -u
@@ -167,7 +168,14 @@ resume)
     mpi 4 train "${COMMON[@]}" --micro-batch 1 --ep 2 --exit-after 10 --out "$TMP/b" || bad "np 4 --ep 2 first half failed"
     "$FM" train "${COMMON[@]}" --micro-batch 4 --resume --out "$TMP/b" 2>"$TMP/b.err" || bad "np 1 resume failed"
     grep -q "will not match" "$TMP/b.err" && bad "resume at np 1 warned: $(cat "$TMP/b.err")"
-    compare "$TMP/one" "$TMP/b" || bad "np 4 --ep 2 -> np 1 differs from 20 one-rank steps" ;;
+    compare "$TMP/one" "$TMP/b" || bad "np 4 --ep 2 -> np 1 differs from 20 one-rank steps"
+    # --init-from a run folder (its full Hugging Face tensors): each rank reads its own experts
+    INIT=("${COMMON[@]:2}") # COMMON without --config: the folder's config.json
+    "$FM" train --init-from "$TMP/one" "${INIT[@]}" --micro-batch 4 --out "$TMP/i1" >/dev/null || bad "np 1 --init-from failed"
+    mpi 2 train --init-from "$TMP/one" "${INIT[@]}" --micro-batch 2 --ep 2 --out "$TMP/i2" 2>"$TMP/i2.err" ||
+        bad "np 2 --ep 2 --init-from failed: $(cat "$TMP/i2.err")"
+    grep -q "warning" "$TMP/i2.err" && bad "np 2 --ep 2 --init-from warned: $(cat "$TMP/i2.err")"
+    compare "$TMP/i1" "$TMP/i2" || bad "np 2 --ep 2 --init-from differs from one rank" ;;
 badinput)
     check() { # np, needle, flags...
         local np=$1 needle=$2; shift 2
