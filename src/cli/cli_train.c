@@ -82,6 +82,11 @@ int cmd_train(int argc, char **argv) {
         {"comm-timeout", F_F64, &o.comm_timeout, NULL, "seconds a collective waits for the other ranks before the run stops, 0 = 300 (0)"},
         {"comm", F_STR, &comm, NULL, "auto | mpi | nccl: the communicator; auto = none on one rank, nccl on several when this is the CUDA build with NCCL and every rank on a node has its own GPU, mpi otherwise (host-staged on GPUs) (auto)"},
         {"comm-check", F_STR, &comm_check, NULL, "deferred | collective: when nccl collectives are checked against --comm-timeout: at the step's existing sync points (deferred), or each one waited for at once, a host sync per collective (deferred)"},
+        {"ep", F_INT, &o.ep, NULL, "expert-parallel ranks: each holds num_experts/N experts (weights, grads, Adam state) and tokens reach them by capped all-to-all-v chunks; N divides the ranks and num_experts; needs --zero 0 (1)"},
+        {"ep-cap-tokens", F_I64, &o.ep_cap_tokens, NULL, "--ep: tokens each rank sends per dispatch chunk (the receive buffers hold ep x cap x min(k, E/ep) rows whatever the router does); 0 = --moe-chunk-tokens, or chosen under --mem-budget, else the whole micro-batch (0)"},
+        {"llep", F_BOOL, &o.llep, NULL, "--ep: least-loaded expert placement (LLEP): when the busiest rank's routed rows exceed --llep-lambda x the mean, the heaviest experts' rows spill to the least-loaded ranks, which get those experts' weights (off)"},
+        {"llep-lambda", F_F64, &o.llep_lambda, NULL, "--llep: the imbalance (busiest rank's rows over the mean) that triggers the placement, >= 1 (1.3)"},
+        {"llep-min-piece", F_I64, &o.llep_min_piece, NULL, "--llep: the smallest range of rows that spills to another rank (1024)"},
     };
     int r = cli_parse_flags("train", "(--config C | --init-from DIR) --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
     if (r) return r == 1 ? 0 : r;

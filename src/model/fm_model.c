@@ -56,7 +56,7 @@ typedef struct layer_offsets {
 /* Fills the table (or counts it when b->t is NULL) and the offsets. The order is the flat
  * buffer's order. */
 static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, int64_t *o_norm,
-                        int64_t *o_head, layer_offsets *lo) {
+                        int64_t *o_head, layer_offsets *lo, int64_t e0, int64_t e1) {
     const int64_t H = c->hidden_size, V = c->vocab_size, I = c->moe_intermediate_size, E = c->num_experts;
     const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads, hd = c->head_dim;
     const bool mixtral = c->model_type == FM_MODEL_MIXTRAL;
@@ -82,13 +82,13 @@ static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, 
         x.ln2 = add_param(b, false, 1, H, 0, "model.layers.%lld.post_attention_layernorm.weight", (long long)l);
         x.router = add_param(b, true, 2, E, H, "model.layers.%lld.%s.gate.weight", (long long)l, moe);
         x.w_gate = b->offset;
-        for (int64_t e = 0; e < E; e++)
+        for (int64_t e = e0; e < e1; e++) /* expert parallelism: this rank's experts only */
             add_param(b, true, 2, I, H, "model.layers.%lld.%s.experts.%lld.%s.weight", (long long)l, moe, (long long)e, n_gate);
         x.w_up = b->offset;
-        for (int64_t e = 0; e < E; e++)
+        for (int64_t e = e0; e < e1; e++) /* expert parallelism: this rank's experts only */
             add_param(b, true, 2, I, H, "model.layers.%lld.%s.experts.%lld.%s.weight", (long long)l, moe, (long long)e, n_up);
         x.w_down = b->offset;
-        for (int64_t e = 0; e < E; e++)
+        for (int64_t e = e0; e < e1; e++) /* expert parallelism: this rank's experts only */
             add_param(b, true, 2, H, I, "model.layers.%lld.%s.experts.%lld.%s.weight", (long long)l, moe, (long long)e, n_down);
         if (lo) lo[l] = x;
     }
@@ -114,14 +114,31 @@ static void set_ptrs(fm_model_ptrs *p, fm_act *base, const fm_config *c, int64_t
 }
 
 fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be) {
+    return fm_model_create_ep(m, cfg, be, 1, 0);
+}
+
+int64_t fm_model_ep_num_params(const fm_config *c, int ep) {
+    const int64_t E = c->num_experts, El = ep > 0 ? E / ep : E;
+    return fm_config_num_params(c) - c->num_hidden_layers * (E - El) * 3 * c->hidden_size * c->moe_intermediate_size;
+}
+
+fm_status fm_model_create_ep(fm_model *m, const fm_config *cfg, fm_backend be, int ep, int ep_rank) {
     memset(m, 0, sizeof *m);
+    if (ep < 1 || cfg->num_experts % ep != 0 || ep_rank < 0 || ep_rank >= ep)
+        return fm_error(FM_ERR_ARG, "--ep %d: expected a degree >= 1 that divides num_experts (%lld), rank %d in "
+                        "[0, %d); choose an --ep that divides %lld", ep, (long long)cfg->num_experts, ep_rank, ep,
+                        (long long)cfg->num_experts);
+    m->ep = ep;
+    m->ep_rank = ep_rank;
+    m->E_loc = cfg->num_experts / ep;
+    const int64_t e0 = (int64_t)ep_rank * m->E_loc, e1 = e0 + m->E_loc;
     m->cfg = *cfg;
     m->be = be;
     m->router = fm_router_opts_from_config(cfg);
     const int64_t L = cfg->num_hidden_layers;
     table_builder counter = {0};
     int64_t oe, on, oh;
-    build_table(cfg, &counter, &oe, &on, &oh, NULL);
+    build_table(cfg, &counter, &oe, &on, &oh, NULL, e0, e1);
     m->n_tensors = counter.n;
     m->n_params = counter.offset;
     m->table = fm_malloc(sizeof(fm_param) * (size_t)counter.n);
@@ -135,7 +152,7 @@ fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be) {
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the parameter table (%d tensors)", counter.n);
     }
     table_builder b = {m->table, 0, 0};
-    build_table(cfg, &b, &m->o_embed, &m->o_norm, &m->o_head, (layer_offsets *)m->offsets);
+    build_table(cfg, &b, &m->o_embed, &m->o_norm, &m->o_head, (layer_offsets *)m->offsets, e0, e1);
     return FM_OK;
 }
 
@@ -223,6 +240,21 @@ static inline uint64_t counter_u64(uint64_t key, uint64_t i) {
     return z ^ (z >> 31);
 }
 
+/* The index of table tensor i in the table of all experts (fm_model_create_ep's tables are
+ * subsequences of it): the initial weights are drawn by that index, so every --ep draws the
+ * one-rank model's. Layer l's tensors: nne non-expert ones, then gate, up, down per expert. */
+static uint64_t full_index(const fm_model *m, int i) {
+    if (m->ep <= 1) return (uint64_t)i;
+    const int64_t L = m->cfg.num_hidden_layers, E = m->cfg.num_experts, El = m->E_loc;
+    const int64_t n_end = m->cfg.tie_word_embeddings ? 1 : 2, nll = (m->n_tensors - 1 - n_end) / L, nne = nll - 3 * El;
+    const int64_t nlf = nne + 3 * E;
+    if (i < 1) return (uint64_t)i;
+    if (i >= 1 + L * nll) return (uint64_t)(i + L * (nlf - nll));
+    const int64_t l = (i - 1) / nll, p = (i - 1) % nll;
+    const int64_t q = p < nne ? p : nne + (p - nne) / El * E + m->ep_rank * El + (p - nne) % El;
+    return (uint64_t)(1 + l * nlf + q);
+}
+
 void fm_model_init_weights_host(const fm_model *m, uint64_t seed, float *w) {
     const float std = (float)m->cfg.initializer_range;
     /* Normal(0, std) by Box-Muller on counter-based uniforms: tensor i uses the key
@@ -231,7 +263,7 @@ void fm_model_init_weights_host(const fm_model *m, uint64_t seed, float *w) {
     for (int i = 0; i < m->n_tensors; i++) {
         const fm_param *p = &m->table[i];
         float *x = w + p->offset;
-        const uint64_t key = counter_u64(seed ^ 0x5EEDull, (uint64_t)i);
+        const uint64_t key = counter_u64(seed ^ 0x5EEDull, full_index(m, i));
         const int64_t n = p->numel;
         const bool ones = p->ndim == 1;
 #pragma omp parallel for schedule(static) if (n > 65536)
@@ -293,6 +325,7 @@ void fm_model_free(fm_model *m) {
     fm_free(m->w.layers);
     fm_free(m->g.layers);
     fm_free(m->recompute);
+    fm_free(m->moe_ep_counts_host);
     memset(m, 0, sizeof *m);
 }
 

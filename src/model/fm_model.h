@@ -18,6 +18,7 @@
 
 #include "../backend/fm_backend.h"
 #include "../bounded/fm_moe_dispatch.h"
+#include "../bounded/fm_moe_ep.h"
 #include "../core/fm_arena.h"
 #include "fm_config.h"
 #include "fm_router.h"
@@ -137,6 +138,21 @@ typedef struct fm_model {
     fm_act *logits;             /* [N,V] (plain vocabulary projection; NULL under linear CE) */
     float *token_loss;          /* [N] */
 
+    /* Expert parallelism (--ep, README "Many ranks"; bounded/fm_moe_ep.h): with ep > 1 the table
+     * holds this rank's E_loc = E/ep experts of every layer (experts ep_rank*E_loc .., under their
+     * global Hugging Face names; fm_model_create_ep) and the MoE block runs fm_moe_ep_forward /
+     * backward over moe_ep_comm with the working set moe_ep_ws (the expert-dispatch live set,
+     * laid out by fm_model_layout) instead of the local dispatch. ep 1: all experts, local. */
+    int ep, ep_rank;
+    int64_t E_loc;
+    const fm_comm *moe_ep_comm; /* the ep group (backend memory); NULL: the local MoE */
+    fm_llep_opts moe_llep;      /* least-loaded placement (--llep); .on false: plain EP */
+    fm_moe_ep_ws moe_ep_ws;
+    fm_status moe_ep_status;    /* the first EP error of a layer backward (which returns void); the
+                                   trainer checks it after the backward (fm_train_step) */
+    int32_t *moe_ep_counts_host; /* [N*k] host copy of top-k ids for the expert-load counts when the
+                                   backend's memory is not host memory (fm_malloc'd at layout) */
+
     fm_arena arena[FM_LIVE_COUNT]; /* the activation live sets; [FM_LIVE_MODEL_STATE] stays empty: the
                                      model state is the parameter store's (train/fm_param_store.h) */
     fm_arena host_arena;        /* pinned host memory the step shares with the device (MoE expert
@@ -148,6 +164,18 @@ typedef struct fm_model {
  * (train/fm_param_store.h), which binds its buffers with fm_model_bind_params. Errors:
  * FM_ERR_NOMEM. */
 fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be);
+
+/* The same for rank ep_rank of an expert-parallel group of ep ranks: the table holds every
+ * non-expert tensor and, of each layer's experts, only ep_rank*E/ep .. (ep_rank+1)*E/ep - 1
+ * (stacked [E/ep, I, H] / [E/ep, H, I], rows named by their global expert index), so the
+ * parameter store, the optimizer and the gradients hold E/ep experts (the model-state bound of
+ * fm_model_ep_num_params). ep 1 is fm_model_create. Errors: FM_ERR_ARG when ep < 1, ep does not
+ * divide num_experts or ep_rank is outside [0, ep) (naming --ep and the fix); FM_ERR_NOMEM. */
+fm_status fm_model_create_ep(fm_model *m, const fm_config *cfg, fm_backend be, int ep, int ep_rank);
+
+/* Parameters of one rank's table under expert parallelism of degree ep (E % ep == 0):
+ * fm_config_num_params less L * (E - E/ep) * 3 * H * I (the other ranks' experts). */
+int64_t fm_model_ep_num_params(const fm_config *cfg, int ep);
 
 /* Points the model at its parameters: weights and grads [n_params] fm_act and the fp32 master
  * weights [n_params] (== weights when fm_act is fp32), backend memory in the table's layout
@@ -187,6 +215,11 @@ typedef struct fm_layout_opts {
                                   attention output att [N, heads*head_dim] and lse [B, heads, T]
                                   (schedule/fm_recompute.h: keep-attention); ignored where
                                   recompute[l] is false */
+    int ep, ep_rank;           /* expert parallelism (0 or 1: none): the expert-dispatch live set is
+                                  fm_moe_ep_ws_layout's for the cap moe_chunk_tokens (> 0 required),
+                                  instead of the local dispatch's; fm_model_layout requires the
+                                  model's own ep and ep_rank (fm_model_create_ep) */
+    const fm_llep_opts *llep;  /* least-loaded placement with ep > 1 (NULL or .on false: plain EP) */
 } fm_layout_opts;
 
 /* Lays out and allocates activation memory for micro-batch B x sequence T (opts NULL: no

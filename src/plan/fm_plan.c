@@ -9,6 +9,7 @@
 #include "../backend/fm_backend_plan.h"
 #include "../bounded/fm_linear_ce.h"
 #include "fm_mesh_bound.h"
+#include "../bounded/fm_moe_ep.h"
 #include "../schedule/fm_recompute.h"
 #include "../schedule/fm_sco.h"
 
@@ -67,7 +68,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
      * device, n_off on the host (schedule/fm_sco.h) */
     const int64_t n_off = r->n_offloaded_boundaries, n_bnd = fm_sco_device_boundaries(L, n_off);
     p->n_offloaded_boundaries = n_off;
-    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_n(c, r->B, Tl, r->moe_chunk_tokens > 0, n_bnd, a);
+    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_n(c, r->B, Tl, r->moe_chunk_tokens > 0 || r->ep > 1, n_bnd, a);
     p->host_bytes = fm_sco_host_bytes(N, H, n_off, a) + p->host_optimizer_bytes;
     if (n_off > 0)
         snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 - %lld offloaded + %d slots = %lld) x N x H x %d B, N = %lld, "
@@ -90,7 +91,13 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
 
     const fm_moe_dims md = {H, I, E, k};
     fm_moe_chunks(N, r->moe_chunk_tokens, &p->moe_K, &p->moe_c_eff);
-    if (r->moe_chunk_tokens > 0) {
+    if (r->ep > 1) { /* expert parallelism: the EP operator's bound for one chunk of <= c_eff tokens per source */
+        fm_moe_ep_bound eb;
+        p->bytes[FM_LIVE_EXPERT] = fm_arena_round(fm_moe_ep_bound_bytes(&md, r->ep, p->moe_c_eff, a, r->llep, &eb));
+        snprintf(p->inputs[FM_LIVE_EXPERT], 200, "EP over %d ranks: K = %lld chunks of <= %lld tokens per source, "
+                 "R_max = %lld rows x (4H + 6I) x %d B + c x k source rows%s", r->ep, (long long)p->moe_K,
+                 (long long)p->moe_c_eff, (long long)eb.rows_max, (int)a, r->llep && r->llep->on ? " + LLEP weights" : "");
+    } else if (r->moe_chunk_tokens > 0) {
         p->bytes[FM_LIVE_EXPERT] = fm_arena_round(fm_moe_ws_bytes(&md, p->moe_c_eff, true, a));
         snprintf(p->inputs[FM_LIVE_EXPERT], 200, "one chunk fwd+bwd: K = %lld chunks of <= %lld tokens x k = %lld routes, "
                  "(2H + 3I) x %d B per route", (long long)p->moe_K, (long long)p->moe_c_eff, (long long)k, (int)a);
@@ -155,7 +162,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     const double layer_active = (double)(p->n_active - c->vocab_size * H - H) / (double)L;
     double hw = p->flops_model_token;
     hw += (double)nr * 2.0 * layer_active + (double)(nr - nka) * 2.0 * h_attn * (double)r->T;
-    if (r->moe_chunk_tokens > 0) hw += (double)(L - nr) * 2.0 * (double)k * 3.0 * (double)H * (double)I;
+    if (r->moe_chunk_tokens > 0 || r->ep > 1) hw += (double)(L - nr) * 2.0 * (double)k * 3.0 * (double)H * (double)I;
     if (lce) hw += 2.0 * (double)c->vocab_size * (double)H; /* the logits formed twice */
     p->flops_hw_token = hw;
     /* the whole step's tokens: dp ranks' sequences (sp ranks share theirs) */

@@ -74,6 +74,13 @@ typedef struct fm_plan_req {
     fm_mesh_dims mesh;          /* on: the plan is per rank of this mesh; T stays the whole
                                    sequence (each rank holds T / sp of its tokens) and
                                    model_state_bytes is not asked (fm_mesh_plan_sets) */
+    /* Expert parallelism (--ep; bounded/fm_moe_ep.h). ep > 1: the expert-dispatch live set is
+     * the EP operator's chunk working set, fm_moe_ep_bound_bytes for the cap c = moe_chunk_tokens
+     * (0: N, one chunk) and llep, its host part joins the pinned host bytes the model's layout
+     * takes; the model state's bound is model_state_bytes's, which the caller gives for this
+     * rank's E/ep experts (train/fm_train_ep.h). 0 or 1: the local dispatch. */
+    int ep;
+    const fm_llep_opts *llep;   /* least-loaded placement (NULL or .on false: plain EP) */
 } fm_plan_req;
 
 typedef struct fm_plan {

@@ -61,8 +61,11 @@ static fm_status create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes,
     ps->shard_begin = (int64_t)rank * ps->shard_len;
     if (ps->shard_begin > m->n_params) ps->shard_begin = m->n_params;
     ps->shard_end = ps->shard_begin + ps->shard_len < m->n_params ? ps->shard_begin + ps->shard_len : m->n_params;
-    const size_t state = host_master ? fm_param_store_bytes_no_master(&m->cfg, sizeof(fm_act))
-                                     : fm_param_store_bytes_sharded(&m->cfg, sizeof(fm_act), world),
+    /* fm_param_store_bytes(_sharded, _no_master) of the table's count (with --ep, fm_model_create_ep's
+     * E/ep experts: fewer than the config's) */
+    const size_t na = (size_t)ps->n_alloc, a = sizeof(fm_act);
+    const size_t state = 2 * fm_arena_round(na * a) +
+                         (host_master || a == sizeof(float) ? 0 : fm_arena_round((size_t)m->n_params * sizeof(float))),
                  total = state + optimizer_bytes;
     ps->be = m->be;
     fm_status st = fm_arena_init_backend(&ps->arena, fm_live_set_names[FM_LIVE_MODEL_STATE], total, &ps->be);

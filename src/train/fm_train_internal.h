@@ -20,6 +20,7 @@
 #include "../comm/fm_comm.h"
 #include "../schedule/fm_sco.h"
 #include "fm_offload_adamw.h"
+#include "fm_train_ep.h"
 #include "fm_train_step.h"
 #include "fm_trainer.h"
 #include "fm_zero3.h"
@@ -84,6 +85,8 @@ typedef struct run {
     bool zero3;                     /* --zero 3 over several ranks: z3 and ps are the shards (fm_zero3.h) */
     fm_zero3 z3;
     fm_schedule eval_sched;         /* ZeRO-3: evaluation's forwards with z3's gathering hook */
+    fm_train_ep ep;                 /* expert parallelism (--ep; ep.ep 1 or 0: off) */
+    fm_train_hf ep_hf;              /* --ep: the full table (ep.full) as the checkpoint writer names it */
 } run;
 
 /* The arena of live set i: the parameter store's for the model state, the model's otherwise. */

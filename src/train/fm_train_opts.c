@@ -28,6 +28,9 @@ void fm_train_opts_default(fm_train_opts *o) {
     o->eval_batches = 20;
     o->save_every = 1000;
     o->save_every_minutes = 30;
+    o->ep = 1;
+    o->llep_lambda = 1.3;
+    o->llep_min_piece = 1024;
     o->expert_counts_every = 100;
     o->peak_flops = 0;
     o->log_every = 1;

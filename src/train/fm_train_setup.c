@@ -2,6 +2,7 @@
  * checkpoint's when resuming), the data, the memory plan, and the backend, model and optimizer
  * allocated from it; then the checkpoint's state or fresh weights, and metrics.jsonl. */
 #include <errno.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -18,6 +19,7 @@ void fm_train_run_free(run *r) {
     if (r->metrics) fclose(r->metrics);
     fm_step_ws_free(&r->step); /* before the backend whose memory it holds */
     fm_sco_free(&r->sco);
+    fm_train_ep_free(&r->ep); /* its groups are splits of the world */
     if (r->world_ok) fm_comm_free(&r->world);
     fm_param_store_free(&r->ps);
     fm_zero3_free(&r->z3);
@@ -32,6 +34,7 @@ void fm_train_run_free(run *r) {
     fm_free(r->rc);
     fm_free(r->fetch);
     fm_train_hf_free(&r->hf);
+    fm_train_hf_free(&r->ep_hf);
 }
 
 /* Whether two paths name the same file (both exist, same device and inode). */
@@ -60,7 +63,8 @@ static fm_status init_from_folder(run *r, const char *dir) {
     if (s == FM_OK) {
         if (r->zero3) s = fm_zero3_set_master(&r->z3, m, w);
         else fm_model_upload_master(m, w);
-        if (extra[0]) fprintf(stderr, "warning: --init-from %s: %s\n", dir, extra);
+        if (extra[0] && m->ep <= 1) /* --ep: the other ranks' experts are the extras */
+            fprintf(stderr, "warning: --init-from %s: %s\n", dir, extra);
         if (!r->o->quiet)
             printf("initialized from %s (%d tensors, %lld parameters; optimizer state fresh)\n", f.where, m->n_tensors,
                    (long long)m->n_params);
@@ -204,6 +208,12 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         FM_TRY(fm_backend_default_select_device(local_rank, NULL));
     }
 #endif
+    /* expert parallelism (train/fm_train_ep.h): E/ep experts per rank, the EP dispatch's bound */
+    FM_TRY(fm_train_ep_check(o, c, W));
+    const int ep = o->ep > 1 ? o->ep : 1;
+    fm_train_ep_bound_set(ep);
+    const fm_llep_opts llep = fm_train_ep_llep(o);
+    const int64_t moe_c = ep > 1 && o->ep_cap_tokens > 0 ? o->ep_cap_tokens : o->moe_chunk_tokens;
 
     /* Plan: every live set's bound, from the config and flags alone, before any allocation. */
     const int64_t L = c->num_hidden_layers;
@@ -216,13 +226,18 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_sco_parse(o->offload_boundaries, L, &n_off));
     const int64_t bucket = o->offload_optimizer_bucket > 0 ? o->offload_optimizer_bucket : FM_OFFLOAD_DEFAULT_BUCKET;
     fm_plan_req req = {*c, o->micro_batch, o->seq_len, o->grad_accum, rc,
-                       o->moe_chunk_tokens > 0 ? o->moe_chunk_tokens : 0,
+                       moe_c > 0 ? moe_c : 0,
                        o->ce_block_tokens > 0 ? o->ce_block_tokens : 0,
                        o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads, o->att_tile_q, o->att_tile_kv,
                        FM_PLAN_TARGET_BUILD, o->gpu_workspace, o->bf16_moments, fm_model_state_bound, n_off,
                        o->offload_optimizer, bucket, o->offload_optimizer_slots, fm_offload_model_state_bound,
                        keep};
     req.optimizer_overlap = !o->no_optimizer_overlap && !(o->zero && W > 1); /* as fm_step_ws_enable_overlap below */
+    if (ep > 1) {
+        req.model_state_bytes = fm_train_ep_model_state_bound;
+        req.ep = ep;
+        req.llep = &llep;
+    }
     fm_plan plan;
     /* The budgets: --mem-budget, else (CUDA) the device's free memory less the context and
      * libraries' growth, measured (plan/fm_plan_device.h); --host-mem-budget, else what this host
@@ -240,12 +255,14 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_calib_find(&cal, NULL, sizeof(fm_act) == 4 ? "cpu" : "cuda", dev.total ? dev.name : NULL, note));
     const fm_choose_opts co = {budget, o->mem_budget ? "--mem-budget" : "the GPU's measured free memory (no --mem-budget given)",
                                host_budget, "--host-mem-budget", &cal, o->recompute != NULL, o->recompute_keep_attention || o->no_recompute_keep_attention,
-                               o->offload_boundaries != NULL, o->offload_optimizer, o->moe_chunk_tokens >= 0,
+                               o->offload_boundaries != NULL, o->offload_optimizer, moe_c >= 0,
                                o->ce_block_tokens >= 0 || o->ce_block_vocab >= 0};
     fm_projection proj;
     FM_TRY(fm_plan_fit(&req, &co, rc, &plan, &proj));
     n_off = req.n_offloaded_boundaries;
     keep = (bool *)req.keep_attention;
+    if (ep > 1 && req.moe_chunk_tokens <= 0) /* no cap given or chosen: one chunk of the micro-batch (the same plan) */
+        req.moe_chunk_tokens = o->micro_batch * o->seq_len;
     if (!o->quiet && o->mem_budget == 0 && budget > 0)
         printf("memory budget: %.1f MiB (the GPU's %.1f MiB: %.1f MiB free with the context, less %.1f MiB the libraries "
                "took when loaded and %.0f MiB for kernels loaded later; --mem-budget sets it)\n", budget / 1048576.0,
@@ -265,7 +282,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     r->backend_opts = bo;
     FM_TRY(fm_backend_default_init_opts(&r->be, &bo));
     r->be_ok = true;
-    FM_TRY(fm_model_create(&r->m, c, r->be));
+    FM_TRY(fm_model_create_ep(&r->m, c, r->be, ep, r->rank % ep));
     r->model_ok = true;
     fm_model *m = &r->m;
     fm_comm_kind comm_kind = FM_COMM_KIND_AUTO; /* --comm: self on one rank (auto), mpi or nccl */
@@ -275,6 +292,13 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     if (!o->quiet && r->rank == 0 && comm_kind != FM_COMM_KIND_AUTO)
         printf("communicator: %s over %d rank%s\n", r->world.ops->name, W, W == 1 ? "" : "s");
     m->comm = &r->world; /* the batch's valid targets, loss sums and router statistics */
+    r->ep.ep = 1;
+    if (ep > 1) FM_TRY(fm_train_ep_init(&r->ep, &r->world, ep, m)); /* the ep and expert-data-parallel groups */
+    const char *force = getenv("FLATMOE_TEST_FORCE_ROUTE"); /* test hook: adversarial routing (fm_router.h) */
+    if (force && *force) {
+        m->router.force_route = true;
+        m->router.force_first = strtoll(force, NULL, 10);
+    }
     /* the sampling cursor: this rank of the data-parallel ranks (fm_dataset_sample_batch) */
     FM_TRY(fm_dataset_set_ranks(&r->train, fm_comm_rank(&r->world), fm_comm_size(&r->world)));
     fm_adamw_config(&r->opt, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
@@ -314,7 +338,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     }
     r->optim->init(r->opt_self, &r->ps, &r->be);
     const fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab, n_off,
-                               keep};
+                               keep, ep, r->rank % ep, &llep};
     FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len, &lo));
     for (int i = 0; i < FM_LIVE_COUNT; i++) {
         const fm_arena *a = fm_train_arena(r, i);
@@ -334,6 +358,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         fm_schedule_init(&r->eval_sched, m);
         FM_TRY(fm_schedule_add_group_hook(&r->eval_sched, fm_zero3_hook, &r->z3));
     }
+    r->step.ep = ep > 1 ? &r->ep : NULL; /* expert parallelism: its gradients' reduction */
     /* the optimizer overlap (not with ZeRO-1/2, whose update ends in an all-gather of the weights,
      * nor ZeRO-3, whose weights are gathered group by group) */
     if (!o->no_optimizer_overlap && !r->step.zero_ps && !r->zero3) FM_TRY(fm_step_ws_enable_overlap(&r->step, m));

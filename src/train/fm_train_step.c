@@ -4,6 +4,7 @@
 #include "../io/fm_checkpoint.h"
 #include "fm_param_store.h"
 #include "fm_zero3.h"
+#include "fm_train_ep.h"
 
 #include <math.h>
 #include <string.h>
@@ -56,7 +57,8 @@ static const fm_comm_dtype act_comm_dtype = sizeof(fm_act) == sizeof(float) ? FM
  * global norm's square on every rank): all-reduced whole (replicas), or reduce-scattered so
  * that this rank's block of the padded buffer holds its shard's sum (ZeRO-1/2), squares summed
  * over the shard and then over dp. One rank: the sum of squares of the whole table. */
-static fm_status reduce_grads(fm_model *m, const fm_comm *dp, const fm_param_store *zps) {
+static fm_status reduce_grads(fm_model *m, const fm_comm *dp, const fm_param_store *zps, const fm_train_ep *ep) {
+    if (ep) return fm_train_ep_reduce_grads(m, dp, ep); /* expert parallelism (fm_train_ep.h) */
     double *sq = m->results + FM_RESULT_SUMSQ;
     if (!dp || fm_comm_size(dp) == 1) { /* one rank: as before data parallelism */
         fm_grad_sumsq(m, sq);
@@ -100,13 +102,14 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
          * cursor, fm_dataset_set_ranks over the world) */
         fm_dataset_sample_batch(train, data_rng, o->micro_batch, o->seq_len, m->h_tokens, m->h_targets);
         FM_TRY(fm_schedule_train_step(&w->sched, m, 1.0f / (float)G, NULL));
+        FM_TRY(m->moe_ep_status); /* an expert-parallel layer backward's error (fm_model.h) */
         w->n_valid[g] = m->n_valid;
         /* the micro-batch's losses to pinned memory, read at the step's sync point */
         m->be.ops->copy_async(m->be.ctx, w->res + g * n_res, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
     }
     fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
     if (w->zero3) FM_TRY(fm_zero3_grad_sumsq(w->zero3, m, m->results + FM_RESULT_SUMSQ)); /* reduced in the hooks */
-    else FM_TRY(reduce_grads(m, dp, w->zero_ps)); /* data parallelism: the gradients' sum and its global norm */
+    else FM_TRY(reduce_grads(m, dp, w->zero_ps, w->ep)); /* data parallelism: the gradients' sum and its global norm */
     const double *gres = w->res + G * n_res;
     m->be.ops->copy_async(m->be.ctx, (double *)gres, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
     m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "step end": losses, gradient norm */

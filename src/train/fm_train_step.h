@@ -29,6 +29,9 @@ typedef struct fm_step_ws {
     /* ZeRO-3 (train/fm_zero3.h; set by the trainer, whose schedule carries its hook): the step
      * zeroes, norms and updates the shard only; NULL: not ZeRO-3. */
     struct fm_zero3 *zero3;
+    /* Expert parallelism (train/fm_train_ep.h; NULL: none): the gradients are reduced by
+     * fm_train_ep_reduce_grads (experts over the ranks holding them, the rest over dp). */
+    const struct fm_train_ep *ep;
 } fm_step_ws;
 
 /* Sets up w for model m (its default schedule) and grad_accum micro-batches per step; pinned

@@ -92,6 +92,14 @@ typedef struct fm_train_opts {
                                      nccl when every rank has its own GPU, else mpi) */
     int comm_check;               /* --comm-check: fm_comm_nccl_check (comm/fm_comm_nccl.h; 0 deferred:
                                      nccl collectives checked at the step's sync points) */
+    /* Expert parallelism (train/fm_train_ep.h, bounded/fm_moe_ep.h). */
+    int ep;                       /* --ep: expert-parallel degree, dividing the world and num_experts (1) */
+    int64_t ep_cap_tokens;        /* --ep-cap-tokens: tokens per source per dispatch chunk; 0: chosen
+                                     (--moe-chunk-tokens, or the chooser's chunk under a budget, else
+                                     the micro-batch's N: one chunk) */
+    bool llep;                    /* --llep: least-loaded expert placement (LLEP) */
+    double llep_lambda;           /* --llep-lambda: the imbalance that triggers it (1.3) */
+    int64_t llep_min_piece;       /* --llep-min-piece: smallest spilled range of rows (1024) */
 } fm_train_opts;
 
 /* Sets every option to its default (the values the CLI's --help names). */
