@@ -6,6 +6,8 @@
 #   bash bench/offload_gpu.sh keepatt [T]    # full recompute vs --recompute-keep-attention (128K)
 #   bash bench/offload_gpu.sh sco [T]        # streamed AdamW, checkpoint offload off vs all (256K)
 #   bash bench/offload_gpu.sh overlap        # the optimizer overlap on and off at 4K and 16K (and G = 16, bf16 moments)
+#   bash bench/offload_gpu.sh peer [T...]     # the PyTorch peer, compiled or not, checkpointed or not (+ 4K G=16)
+#   bash bench/offload_gpu.sh ours [T...]     # flatmoe with the chooser's knobs (+ 4K G=16, --bf16-moments)
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
 # (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
 set -uo pipefail
@@ -97,6 +99,21 @@ finetune) # issue 13 on the GPU machine (transformers there): the CUDA engine's 
     done
     rm -rf /tmp/mfu; "$BIN" train --config configs/tiny.json --data "$TEXT" --steps 20 --no-checkpoint --quiet --out /tmp/mfu
     head -1 /tmp/mfu/metrics.jsonl | grep -o '"host":{[^}]*}'; grep -o '"mfu":[^,]*' /tmp/mfu/metrics.jsonl | tail -2 ;;
+peer) # issue 10's side by side, the peer's half: compiled and not, checkpointed and not, at each length
+    # (3 steps; the fastest that fits is the peer's figure), then 4K with 16 accumulated micro-batches
+    shift; L=${*:-4096 16384 32768 65536 131072}
+    for c in --compile ""; do
+        PYTHONUNBUFFERED=1 timeout 560 python3 bench/peer_hf.py configs/olmoe-1b-7b.json $L --steps 3 $c \
+            --json "$OUT/peer${c:+-compiled}.jsonl" 2>&1 | grep -E "^hf-peer" ; done
+    PYTHONUNBUFFERED=1 python3 bench/peer_hf.py configs/olmoe-1b-7b.json 4096 --steps 3 --compile --grad-accum 16 \
+        --no-ckpt --json "$OUT/peer-g16.jsonl" 2>&1 | grep -E "^hf-peer" ;;
+ours) # issue 10's side by side, flatmoe's half: the chooser's own knobs at each length (3 steps), then
+    # 4K with 16 accumulated micro-batches and with --bf16-moments
+    shift; for T in ${*:-4096 16384 32768 65536 131072}; do
+        COPIES=$([ "$T" -ge 262144 ] && echo 3 || echo 1) VF=$([ "$T" -ge 262144 ] && echo 0.34 || echo 0.3) run1 ours-$T $T 3; done
+    run1 ours-4096-g16 4096 2 --grad-accum 16
+    run1 ours-4096-bf16 4096 3 --bf16-moments
+    run1 ours-4096-g16-bf16 4096 2 --grad-accum 16 --bf16-moments ;;
 run) shift; run1 "$@" ;;
-*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|collect|run"; exit 2 ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|collect|peer|ours|run"; exit 2 ;;
 esac

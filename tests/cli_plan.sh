@@ -138,4 +138,33 @@ b=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --device
 [ -n "$flags" ] && [ "$(grep '^total' <<<"$a")" = "$(grep '^total' <<<"$b")" ] && [ "$(grep '^shape' <<<"$a")" = "$(grep '^shape' <<<"$b")" ] && ok ||
     bad "the train flags line ($flags) does not reproduce the plan: $(grep -E '^(shape|total)' <<<"$a") / $(grep -E '^(shape|total)' <<<"$b")"
 
+# A mesh (plan/fm_mesh.h): --world alone chooses the degrees; the candidates, the per-rank table with
+# its communication buffers, the collectives' phases and a launch line; replanning with the train
+# flags it prints (explicit --zero 3 --dp --ep --sp) gives the same per-rank total.
+m=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --seq-len 32768 --world 8 --device-mem 139GiB --host-mem-budget 110GiB 2>/dev/null) || bad "plan --world 8 failed"
+grep -q "<- chosen" <<<"$m" && grep -q "^communication buffers" <<<"$m" && grep -q "^launch: mpirun -np 8 flatmoe-cuda train" <<<"$m" &&
+    grep -q "EP all-to-all" <<<"$m" && grep -q "NOMINAL" <<<"$m" && ok || bad "plan --world 8: no candidates, comm row, launch line or collectives: $m"
+flags=$(sed -n 's/^train flags: //p' <<<"$m")
+grep -q -- "--zero 3 --dp [0-9]* --ep [0-9]* --sp [0-9]*" <<<"$flags" && ok || bad "mesh train flags lack the degrees: $flags"
+# shellcheck disable=SC2086
+b=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --device-mem 139GiB --host-mem-budget 110GiB $flags 2>/dev/null)
+[ "$(grep '^total' <<<"$m")" = "$(grep '^total' <<<"$b")" ] && [ -n "$(grep '^total' <<<"$b")" ] && ok ||
+    bad "the mesh train flags ($flags) do not reproduce the plan: $(grep '^total' <<<"$m") / $(grep '^total' <<<"$b")"
+# the per-rank model state falls with ep (experts / ep) and the JSON carries the mesh
+j1=$("$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --backend cuda --seq-len 4096 --zero 3 --dp 8 --ep 2 --json 2>/dev/null)
+j8=$("$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --backend cuda --seq-len 4096 --zero 3 --dp 8 --ep 8 --json 2>/dev/null)
+ms() { sed -E 's/.*"model state":([0-9]+).*/\1/' <<<"$1"; }
+[ "$(ms "$j8")" -lt "$(ms "$j1")" ] && grep -q '"mesh":{"world":8,"dp":8,"ep":8,"sp":1' <<<"$j8" &&
+    grep -q '"communication buffers":' <<<"$j8" && ok || bad "mesh JSON: model state not falling with ep, or no mesh: $j8"
+if command -v python3 >/dev/null; then python3 -c "import json,sys; json.loads(sys.argv[1])" "$j8" && ok || bad "mesh --json is not JSON"; fi
+# bad mesh input: flag, expected, found, fix
+expect_fail "plan dp x sp != world" "--dp 4 x --sp 4 = 16 but --world is 8" "$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --seq-len 4096 --world 8 --dp 4 --sp 4
+expect_fail "plan ep not dividing E" "use one of" "$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --seq-len 4096 --dp 6 --ep 3
+expect_fail "plan sp not dividing heads" "num_attention_heads (16" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --dp 1 --sp 3
+expect_fail "plan seq-len not divisible by sp" "use --seq-len 4096" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4097 --sp 2
+expect_fail "plan --world without a budget" "needs a budget" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --world 8
+expect_fail "plan --zero 1 with a mesh" "expected 3" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --world 2 --dp 2 --zero 1
+expect_fail "plan mesh plain logits" "Ring-DTP" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --world 2 --dp 2 --sp 1 --ep 1 --ce-block-tokens 0 --ce-block-vocab 0
+expect_fail "plan mesh too small" "no mesh of --world 2 fits" "$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --backend cuda --seq-len 4096 --world 2 --mem-budget 40GiB
+
 finish

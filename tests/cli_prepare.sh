@@ -84,6 +84,7 @@ printf 'Hello world, this is text.' > "$TMP/m.txt"
 
 # 5. bad inputs: a message naming the file (and line), non-zero exit, nothing left behind
 printf '{"text": "fine"}\n{"text": "broken",\n' > "$TMP/bad.jsonl"
+expect_fail "--decode of a missing shard" "--decode $TMP/none.bin: cannot open the shard" "$FM" prepare --tokenizer "$OLMOE" --decode "$TMP/none.bin"
 expect_fail "malformed JSON line" "bad.jsonl:2: malformed JSON" "$FM" prepare --tokenizer "$OLMOE" --input "$TMP/bad.jsonl" --out "$TMP/x"
 printf '{"text": "fine"}\n{"title": "no text"}\n' > "$TMP/keys.jsonl"
 expect_fail "record with no known key" "keys.jsonl:2: a record with none of the known keys (found: title)" \

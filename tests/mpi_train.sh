@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Data parallelism in the trainer (README "Many ranks") under mpirun, as ctest runs it:
 #   bash tests/mpi_train.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | resume | failure
-# np2, np4: 20 steps of tests/data/micro.json at --micro-batch 4/W on W ranks, replicas (--zero 0)
-#   and ZeRO-1/2 (--zero 1), give the losses of one rank at --micro-batch 4 to 1e-6 relative, the
+# np2, np4: 20 steps of tests/data/micro.json at --micro-batch 4/W on W ranks, replicas (--zero 0),
+#   ZeRO-1/2 (--zero 1) and ZeRO-3 (--zero 3; src/train/fm_zero3.h), give the losses of one rank at --micro-batch 4 to 1e-6 relative, the
 #   gradient norms to 1e-5 (AdamW is blind to a gradient's scale; the norm is not), and final
 #   weights, master and Adam moments within the fp32 tolerance below.
 # resume: 10 steps at np 2 (--zero 1), then 10 more at np 1 from its checkpoint; and 10 at np 1
-#   then 10 at np 2 (--zero 1): both end with the weights of 20 uninterrupted one-rank steps.
+#   then 10 at np 2 (--zero 1): both end with the weights of 20 uninterrupted one-rank steps; and
+#   10 at np 2 (--zero 3), then 10 more at np 1 and, from the same checkpoint, at np 4 (--zero 3).
 # failure: a rank killed mid-step (SIGKILL), a rank that stops answering (SIGSTOP: the others'
 #   collective times out after --comm-timeout 4 s) and a rank whose setup fails (missing data)
 #   each end the whole job within 60 s, non-zero, the last two with a message naming the rank.
@@ -95,7 +96,7 @@ case $MODE in
 np2|np4)
     np=${MODE#np}; mb=$((4 / np))
     one_rank
-    for z in 0 1; do
+    for z in 0 1 3; do
         t0=$SECONDS
         mpi "$np" train "${COMMON[@]}" --micro-batch $mb --zero $z --report-memory --out "$TMP/w$z" ||
             bad "np $np --zero $z failed"
@@ -114,6 +115,30 @@ print(f"model state per rank: replicas {r0['bound']} B, ZeRO-1/2 {r1['bound']} B
       + ("ok" if ok else "FAILED"))
 sys.exit(0 if ok else 1)
 PY
+    # ZeRO-3's per-rank bound, from micro.json's groups (embedding 256 x 32, tied; 2 layers of
+    # 15600; final norm 32): the shard's 16 B/param (fp32 weight = master, grad, Adam m, v) plus two
+    # gathered groups and one group's gradients; the arena holds exactly that (high-water = bound).
+    # (With 2 layers the gathered groups are most of the model: below the replica's, not ZeRO-1/2's.)
+    python3 - "$TMP/w0/metrics.jsonl" "$TMP/w3/metrics.jsonl" "$np" <<'PY' || bad "np $np: the ZeRO-3 model-state bound"
+import json, sys
+rec = lambda p: [r for r in map(json.loads, open(p)) if r.get("type", "step") == "step"][0]["memory"]["model state"]
+r0, r3, W = rec(sys.argv[1]), rec(sys.argv[2]), int(sys.argv[3])
+piece = lambda n: -(-(-(-n // W)) // 64) * 64   # ceil(n / W) rounded up to 64 elements
+rnd = lambda b: -(-b // 64) * 64
+p = [piece(256 * 32), piece(15600), piece(15600), piece(32)]
+S, slot = sum(p), W * max(p)
+gbuf = max(slot, W * (p[0] + p[3]))
+want = 4 * rnd(4 * S) + 2 * rnd(4 * slot) + rnd(4 * gbuf)
+ok = r3["bound"] == want and r3["high_water"] == r3["bound"] and r3["bound"] < r0["bound"]
+print(f"model state per rank: replicas {r0['bound']} B, ZeRO-3 {r3['bound']} B (expected {want}, high-water "
+      f"{r3['high_water']}): " + ("ok" if ok else "FAILED"))
+sys.exit(0 if ok else 1)
+PY
+    # bad combinations are clear errors
+    out=$(mpi "$np" train "${COMMON[@]}" --micro-batch 1 --zero 3 --offload-optimizer --out "$TMP/bad3" 2>&1); rc=$?
+    { [ $rc -ne 0 ] && grep -q -- "--zero 3 and --offload-optimizer do not go together" <<<"$out"; } || bad "--zero 3 --offload-optimizer at np $np: rc $rc: $out"
+    out=$(mpi "$np" train "${COMMON[@]}" --micro-batch 1 --zero 2 --out "$TMP/bad4" 2>&1); rc=$?
+    { [ $rc -ne 0 ] && grep -q -- "--zero must be 0 (replicas), 1 .* or 3" <<<"$out"; } || bad "--zero 2 at np $np: rc $rc: $out"
     # only rank 0 writes: one metrics line per step, one checkpoint
     [ "$(grep -c '"type":"step"' "$TMP/w1/metrics.jsonl")" -eq 20 ] || bad "metrics.jsonl of np $np has other than 20 step records"
     # a --dp that does not divide the ranks, or leaves sp > 1, is a clear error
@@ -135,7 +160,18 @@ resume)
     "$FM" train "${COMMON[@]}" --micro-batch 4 --exit-after 10 --out "$TMP/b" >/dev/null || bad "np 1 first half failed"
     # (no --micro-batch: the run's 4 sequences per micro-batch over 2 ranks, from state.json)
     mpi 2 train "${COMMON[@]}" --zero 1 --resume --out "$TMP/b" || bad "np 2 resume failed"
-    compare "$TMP/one" "$TMP/b" || bad "np 1 -> np 2 differs from 20 one-rank steps" ;;
+    compare "$TMP/one" "$TMP/b" || bad "np 1 -> np 2 differs from 20 one-rank steps"
+    # ZeRO-3: np 2 for 10 steps (full Hugging Face tensors gathered to rank 0), then 10 more at np 1
+    # and, from the same checkpoint, at np 4 (each rank takes its pieces of the full tensors)
+    mpi 2 train "${COMMON[@]}" --micro-batch 2 --zero 3 --exit-after 10 --out "$TMP/c" || bad "np 2 --zero 3 first half failed"
+    [ -f "$TMP/c/step_000010/model.safetensors" ] || bad "np 2 --zero 3 wrote no checkpoint at step 10"
+    cp -r "$TMP/c" "$TMP/c4"
+    "$FM" train "${COMMON[@]}" --micro-batch 4 --resume --out "$TMP/c" 2>"$TMP/c.err" || bad "np 1 resume of --zero 3 failed"
+    grep -q "will not match" "$TMP/c.err" && bad "resume of --zero 3 at np 1 warned: $(cat "$TMP/c.err")"
+    compare "$TMP/one" "$TMP/c" || bad "np 2 --zero 3 -> np 1 differs from 20 one-rank steps"
+    mpi 4 train "${COMMON[@]}" --zero 3 --resume --out "$TMP/c4" 2>"$TMP/c4.err" || bad "np 4 resume of --zero 3 failed"
+    grep -q "will not match" "$TMP/c4.err" && bad "resume of --zero 3 at np 4 warned: $(cat "$TMP/c4.err")"
+    compare "$TMP/one" "$TMP/c4" || bad "np 2 --zero 3 -> np 4 differs from 20 one-rank steps" ;;
 failure)
     export FM CFG TEXT TMP
     long='--config $CFG --data $TEXT --seq-len 32 --micro-batch 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint --comm-timeout 4'

@@ -8,12 +8,12 @@
 #   tests/data/micro_sp.json (4 heads, 2 kv heads: one per rank) and tests/data/micro.json (2 heads,
 #   1 kv head: replicated on both ranks); the same with recompute, keep-attention, chunked MoE
 #   the linear cross-entropy and an offloaded boundary; every live set's high-water mark within its bound, the working
-#   set's (where the head-sharded buffers live) equal to it and to `flatmoe plan --sp 2`'s; and a
+#   set's (where the head-sharded buffers live) equal to it and to `flatmoe plan --sp 2 --zero 0`'s; and a
 #   run of 10 steps at -np 2 --sp 2 resumed for 10 at one rank ends as 20 one-rank steps.
 # np4: -np 4 --sp 2 (dp 2, --micro-batch 2), -np 4 --sp 4 (kv heads replicated on 2 ranks each)
 #   and a qwen3_moe config (QK-norm per head) at -np 4 --sp 4, against one rank at
 #   --micro-batch 4.
-# bad: an --sp that does not divide the ranks, --seq-len or the heads, and --sp with --zero 1, each
+# bad: an --sp that does not divide the ranks, --seq-len or the heads, and --sp with --zero 1 or --ep, each
 #   a clear error naming the flag, the expected and found values and the fix; a rank that stops
 #   answering ends the job within the timeout with a message naming the rank and the collective.
 set -u
@@ -72,9 +72,9 @@ sys.exit(0 if ok else 1)
 PY
 }
 # memory RUN CONFIG SP: every high-water mark within its bound, the working set's equal to its bound
-# and to `flatmoe plan --sp SP`'s for the same shape
+# and to `flatmoe plan --sp SP --zero 0`'s (the trainer's run, not a mesh) for the same shape
 memory() {
-    local plan; plan=$("$FM" plan --config "$2" --seq-len 32 --micro-batch "$4" --sp "$3" --recompute none \
+    local plan; plan=$("$FM" plan --config "$2" --seq-len 32 --micro-batch "$4" --sp "$3" --zero 0 --recompute none \
         --moe-chunk-tokens 0 --ce-block-tokens 0 --ce-block-vocab 0 --offload-boundaries 0 --json 2>/dev/null)
     python3 - "$1/metrics.jsonl" "$plan" <<'PY'
 import json, sys
@@ -155,9 +155,10 @@ bad)
     if [ $rc -eq 0 ] || [ $rc -eq 124 ] || ! grep -qE "$needle" "$TMP/stop.log"; then
         bad "stop: the job ended with status $rc (0: went on; 124: hung) or without '$needle'"; cat "$TMP/stop.log" >&2
     fi
-    out=$("$FM" plan --config "$SP" --seq-len 30 --sp 4 2>&1); rc=$?
+    expect 2 "--sp 2 with --ep 2 is not built yet" --config "$SP" --sp 2 --ep 2
+    out=$("$FM" plan --config "$SP" --seq-len 30 --sp 4 --zero 0 2>&1); rc=$?
     { [ $rc -ne 0 ] && grep -qF -- "--sp 4: --seq-len (30) must be divisible by --sp" <<<"$out"; } ||
-        bad "plan --seq-len 30 --sp 4: rc $rc: $out" ;;
+        bad "plan --seq-len 30 --sp 4 --zero 0: rc $rc: $out" ;;
 *) echo "unknown mode $MODE"; exit 2 ;;
 esac
 [ $FAILED -eq 0 ] && echo "mpi_train_sp $MODE: passed" || echo "mpi_train_sp $MODE: $FAILED failed"

@@ -10,6 +10,7 @@
 
 #include "backend/cpu/fm_backend_cpu.h"
 #include "comm/fm_comm.h"
+#include "comm/fm_comm_nccl.h"
 #include "fm_test.h"
 
 enum { GUARD = 4 };
@@ -339,6 +340,52 @@ static void test_messages(void) {
     fm_comm_free(NULL); /* nothing */
 }
 
+/* ---- choosing the communicator: --comm, --comm-check, the node-local rank -------------------- */
+
+static void test_choice(const fm_backend *cpu) {
+    fm_comm_kind k = FM_COMM_KIND_COUNT;
+    CHECK(fm_comm_kind_parse("nccl", &k) == FM_OK && k == FM_COMM_KIND_NCCL);
+    CHECK(fm_comm_kind_parse("mpi", &k) == FM_OK && k == FM_COMM_KIND_MPI);
+    CHECK(fm_comm_kind_parse("auto", &k) == FM_OK && k == FM_COMM_KIND_AUTO);
+    EXPECT_ARG(fm_comm_kind_parse("gloo", &k), "--comm \"gloo\": expected auto, mpi or nccl");
+    CHECK(!strcmp(fm_comm_kind_name(FM_COMM_KIND_NCCL), "nccl") && !strcmp(fm_comm_kind_name(FM_COMM_KIND_COUNT), "?"));
+    fm_comm_nccl_check nc = FM_COMM_NCCL_CHECK_DEFERRED;
+    CHECK(fm_comm_nccl_check_parse("collective", &nc) == FM_OK && nc == FM_COMM_NCCL_CHECK_COLLECTIVE);
+    CHECK(fm_comm_nccl_check_parse("deferred", &nc) == FM_OK && nc == FM_COMM_NCCL_CHECK_DEFERRED);
+    EXPECT_ARG(fm_comm_nccl_check_parse("never", &nc), "expected deferred or collective");
+    /* the node-local rank from each launcher's variables, in order; a bad one named */
+    int lr = -1, ls = -1;
+    const char *src = NULL;
+    setenv("MPI_LOCALRANKID", "2", 1), setenv("MPI_LOCALNRANKS", "4", 1);
+    CHECK(fm_comm_local(&lr, &ls, &src) == FM_OK && lr == 2 && ls == 4 && !strcmp(src, "MPICH"));
+    setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1", 1), setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "3", 1);
+    CHECK(fm_comm_local(&lr, &ls, &src) == FM_OK && lr == 1 && ls == 3 && !strcmp(src, "OMPI")); /* Open MPI first */
+    setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3", 1);
+    EXPECT_ARG(fm_comm_local(&lr, &ls, &src), "OMPI_COMM_WORLD_LOCAL_RANK = 3 and OMPI_COMM_WORLD_LOCAL_SIZE = 3");
+    unsetenv("OMPI_COMM_WORLD_LOCAL_RANK"), unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    unsetenv("MPI_LOCALRANKID"), unsetenv("MPI_LOCALNRANKS");
+    setenv("SLURM_LOCALID", "1", 1), setenv("SLURM_NTASKS_PER_NODE", "2", 1);
+    CHECK(fm_comm_local(&lr, &ls, &src) == FM_OK && lr == 1 && ls == 2 && !strcmp(src, "SLURM"));
+    setenv("SLURM_NTASKS_PER_NODE", "2(x3)", 1); /* not a plain count: not used; one rank here */
+    CHECK(fm_comm_local(&lr, &ls, &src) == FM_OK && lr == 0 && ls == 1 && !strcmp(src, "none"));
+    unsetenv("SLURM_LOCALID"), unsetenv("SLURM_NTASKS_PER_NODE");
+    CHECK(fm_comm_local(&lr, &ls, &src) == FM_OK && lr == 0 && ls == 1);
+    /* one rank, auto: exactly the self communicator; nccl needs a CUDA backend (and the build) */
+    fm_comm c;
+    fm_comm_kind chosen = FM_COMM_KIND_COUNT;
+    CHECK(fm_comm_world_create_kind(&c, cpu, 0, FM_COMM_KIND_AUTO, 0, &chosen) == FM_OK);
+    CHECK(chosen == FM_COMM_KIND_AUTO && !strcmp(c.ops->name, "self") && fm_comm_size(&c) == 1);
+    CHECK(fm_comm_wait(&c, 0) == FM_OK); /* no wait op: every collective is complete on return */
+    fm_comm_free(&c);
+    char why[200] = "";
+    CHECK(!fm_comm_nccl_usable(cpu, 1, why, sizeof why) && why[0]);
+    const fm_status s = fm_comm_world_create_kind(&c, cpu, 0, FM_COMM_KIND_NCCL, 0, &chosen);
+    CHECK(s != FM_OK && chosen == FM_COMM_KIND_NCCL && c.ops == NULL);
+    CHECK_MSG(fm_comm_nccl_built() ? strstr(fm_errmsg(), "needs the CUDA backend") != NULL
+                                   : strstr(fm_errmsg(), "built without NCCL") != NULL, "message: %s", fm_errmsg());
+    EXPECT_ARG(fm_comm_world_create_kind(&c, cpu, 0, FM_COMM_KIND_COUNT, 0, NULL), "unknown communicator kind");
+}
+
 /* ---- process groups ---------------------------------------------------------------------------- */
 
 static int two_rank(void *ctx) { (void)ctx; return 1; }
@@ -398,6 +445,7 @@ int main(void) {
     fm_backend cpu;
     CHECK(fm_cpu_backend_init(&cpu, 1, 64) == FM_OK);
     g_cpu_ops = cpu.ops;
+    test_choice(&cpu);
     g_counting_ops = *cpu.ops;
     g_counting_ops.copy = counting_copy;
     fm_backend be = {&g_counting_ops, cpu.ctx};

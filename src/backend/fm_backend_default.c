@@ -4,7 +4,20 @@
 #ifdef FM_ACT_BF16
 #include "cuda/fm_backend_cuda.h"
 
-fm_status fm_backend_default_init_opts(fm_backend *b, const fm_backend_opts *o) { return fm_cuda_backend_init(b, 0, o); }
+static int default_device = 0; /* fm_backend_default_select_device */
+
+fm_status fm_backend_default_select_device(int local_rank, int *device) {
+    int count = 0;
+    FM_TRY(fm_cuda_device_count(&count));
+    if (count < 1) return fm_error(FM_ERR_UNSUPPORTED, "cuda backend: no CUDA device found (use the CPU build)");
+    if (local_rank < 0) return fm_error(FM_ERR_ARG, "node-local rank %d must be >= 0", local_rank);
+    default_device = local_rank % count;
+    if (device) *device = default_device;
+    return FM_OK;
+}
+fm_status fm_backend_default_init_opts(fm_backend *b, const fm_backend_opts *o) {
+    return fm_cuda_backend_init(b, default_device, o);
+}
 size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim, int64_t tq, int64_t tkv,
                                               size_t gpu_workspace) {
     (void)threads;
@@ -14,12 +27,17 @@ size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim,
 }
 void fm_backend_default_free(fm_backend *b) { fm_cuda_backend_free(b); }
 fm_status fm_backend_default_device_memory(size_t *free_bytes, size_t *total) {
-    return fm_cuda_device_memory(0, free_bytes, total);
+    return fm_cuda_device_memory(default_device, free_bytes, total);
 }
 
 #else
 #include "cpu/fm_backend_cpu.h"
 
+fm_status fm_backend_default_select_device(int local_rank, int *device) {
+    (void)local_rank;
+    if (device) *device = -1;
+    return FM_OK;
+}
 fm_status fm_backend_default_init_opts(fm_backend *b, const fm_backend_opts *o) { return fm_cpu_backend_init_opts(b, o); }
 void fm_backend_default_free(fm_backend *b) { fm_cpu_backend_free(b); }
 fm_status fm_backend_default_device_memory(size_t *free_bytes, size_t *total) {

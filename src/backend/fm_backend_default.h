@@ -5,9 +5,17 @@
 #define FM_BACKEND_DEFAULT_H
 #include "fm_backend.h"
 
+/* Many ranks on one node: the CUDA build's backends (and its device-memory queries) use device
+ * local_rank mod the number of devices this process sees (*device gets it; may be NULL), instead
+ * of device 0; call it before anything creates a CUDA context (the trainer does, with the
+ * node-local rank of comm/fm_comm.h's fm_comm_local). Ranks beyond the device count share GPUs
+ * round-robin (the mpi communicator serves them; NCCL cannot). The CPU build: nothing (*device =
+ * -1). Errors: FM_ERR_UNSUPPORTED (no CUDA device), FM_ERR_ARG (local_rank < 0). */
+fm_status fm_backend_default_select_device(int local_rank, int *device);
 /* Creates this build's backend from the options (fm_backend_opts.h; NULL: the defaults): the
- * CPU backend (fm_cpu_backend_init_opts) or the CUDA backend on device 0 (fm_cuda_backend_init).
- * Reads no environment variable. Errors: those of the backend's init. */
+ * CPU backend (fm_cpu_backend_init_opts) or the CUDA backend on device 0, or the one
+ * fm_backend_default_select_device chose (fm_cuda_backend_init). Reads no environment variable.
+ * Errors: those of the backend's init. */
 fm_status fm_backend_default_init_opts(fm_backend *b, const fm_backend_opts *o);
 /* threads: CPU threads (0: all; ignored on CUDA); max_head_dim: the attention's head_dim bound.
  * The other options are the defaults with the FLATMOE_* variables applied

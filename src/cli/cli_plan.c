@@ -3,8 +3,10 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "bounded/fm_linear_ce.h"
 #include "cli.h"
 #include "plan/fm_choose.h"
+#include "plan/fm_mesh.h"
 #include "plan/fm_plan.h"
 #include "plan/fm_plan_device.h"
 #include "plan/fm_plan_report.h"
@@ -20,7 +22,8 @@ int cmd_plan(int argc, char **argv) {
     int threads = 0;
     bool json = false, bf16m = false, offopt = false, keep_att = false, no_keep = false, no_overlap = false;
     int64_t off_bucket = 0, off_slots = 2;
-    int dp = 1, zero = 0, sp = 1;
+    int dp = 0, zero = -1;                                        /* 0, -1: not given */
+    int64_t world = 0, ep = 0, sp = 0, gpus_per_node = 0;         /* 0: not given */
     flag flags[] = {
         {"config", F_STR, &config, NULL, "Hugging Face config.json of the model (required)"},
         {"seq-len", F_I64, &seq_len, NULL, "tokens per sequence (required)"},
@@ -47,9 +50,12 @@ int cmd_plan(int argc, char **argv) {
         {"offload-optimizer", F_BOOL, &offopt, NULL, "the streamed AdamW: master, Adam m, v in pinned host memory (train's flag) (off)"},
         {"offload-optimizer-bucket", F_I64, &off_bucket, NULL, "parameters per bucket of --offload-optimizer, 0 = 100M (0)"},
         {"offload-optimizer-slots", F_I64, &off_slots, NULL, "device staging slots of --offload-optimizer, in [1, 16] (2)"},
-        {"dp", F_INT, &dp, NULL, "data-parallel ranks the bounds are per rank of (train's --dp; with --zero 1 the Adam state is 1/dp) (1)"},
-        {"sp", F_INT, &sp, NULL, "Ulysses sequence-parallel ranks per sequence (train's flag): activations per rank of seq-len/sp tokens, plus the head-sharded attention buffers (1)"},
-        {"zero", F_INT, &zero, NULL, "0: replicas; 1: ZeRO-1/2, Adam m and v sharded over --dp (train's flag) (0)"},
+        {"dp", F_INT, &dp, NULL, "data-parallel ranks the bounds are per rank of (train's --dp; with --zero 1 the Adam state is 1/dp; with --zero 3 or --world a mesh degree) (1)"},
+        {"zero", F_INT, &zero, NULL, "0: replicas; 1: ZeRO-1/2, Adam m and v sharded over --dp; 3: ZeRO-3, weights, grads, master and Adam state sharded over --dp, two layers gathered (train's flag); with --world/--ep/--sp the mesh plan is ZeRO-3 over dp x sp (0; 3 with a mesh)"},
+        {"world", F_I64, &world, NULL, "ranks (GPUs) of a mesh: plan one rank of it; the degrees not given (--dp/--sp, --ep) are chosen under the budget (plan/fm_mesh.h) (off)"},
+        {"ep", F_I64, &ep, NULL, "expert-parallel degree of the mesh: divides num_experts and dp x sp (train's flag) (chosen with --world, else 1)"},
+        {"sp", F_I64, &sp, NULL, "sequence-parallel (Ulysses) degree: divides the heads and --seq-len (train's flag; with --zero 0 and no --world/--ep: the trainer's --sp run, replicas, exact to its arenas) (chosen with --world, else 1)"},
+        {"gpus-per-node", F_I64, &gpus_per_node, NULL, "ranks per node, for which links the mesh's collectives cross (NVLink within, InfiniBand across) (8)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
     };
     int r = cli_parse_flags("plan", "--config C --seq-len S [--micro-batch B] [--device-mem BYTES] [flags]", argc, argv, flags,
@@ -97,17 +103,54 @@ int cmd_plan(int argc, char **argv) {
     req.att_tile_q = tq;
     req.att_tile_kv = tkv;
     req.bf16_moments = bf16m;
-    if (dp < 1 || zero < 0 || zero > 1)
-        return cli_usage_error("plan", "%s", "--dp must be >= 1 and --zero 0 or 1");
+    /* --sp N --zero 0 (no --world, --ep): the trainer's sequence parallelism (train --sp, replicas) */
+    const bool trainer_sp = sp > 1 && zero == 0 && world == 0 && ep <= 1;
+    const bool mesh = world > 0 || ep > 1 || (sp > 1 && !trainer_sp); /* --gpus-per-node alone: no mesh; --dp W --zero 3 alone: the trainer's ZeRO-3 */
+    bool choose_ep = false, choose_sp = false;
+    if (mesh) { /* one rank of a mesh: ZeRO-3 over dp x sp, experts over ep (plan/fm_mesh.h) */
+        if (zero != -1 && zero != 3)
+            return cli_usage_error("plan", "%s", "--zero with --world/--ep/--sp: expected 3 (the mesh plan is ZeRO-3 over "
+                                   "dp x sp), found 0 or 1; drop --zero or give --zero 3");
+        const fm_mesh_flags mf = {world, dp, ep, sp, gpus_per_node};
+        if ((s = fm_mesh_from_flags(&req.cfg, seq_len, &mf, &req.mesh, &choose_ep, &choose_sp))) return cli_fail("plan", s);
+        const int64_t W = req.mesh.dp * req.mesh.sp;
+        if ((choose_ep || choose_sp) && !device_mem && !mem_budget)
+            return cli_usage_error("plan", "%s", "--world without all of --dp/--sp and --ep: the chooser needs a budget: "
+                                   "give --device-mem (e.g. 141GiB) or --mem-budget, or give the degrees");
+        if (!choose_ep && req.mesh.ep > 1 && chunk == 0)
+            return cli_usage_error("plan", "%s", "--ep > 1 with --moe-chunk-tokens 0: expected a cap > 0 (expert "
+                                   "parallelism dispatches in capped chunks), found 0; give a cap or drop the flag");
+        if (W > 1 && ce_bt == 0 && ce_bv == 0)
+            return cli_usage_error("plan", "%s", "--ce-block-tokens 0 --ce-block-vocab 0 (plain logits) on a mesh: expected "
+                                   "blocks > 0 (the vocabulary is the Ring-DTP linear cross-entropy over dp x sp ranks); "
+                                   "drop the flags");
+        if (W > 1 && ce_bt < 0 && ce_bv < 0) { /* the ring is the only vocabulary projection: default blocks */
+            ce_bt = FM_LCE_DEFAULT_BLOCK_TOKENS;
+            ce_bv = FM_LCE_DEFAULT_BLOCK_VOCAB;
+            req.ce_block_tokens = ce_bt;
+            req.ce_block_vocab = ce_bv;
+        }
+        dp = 1;
+        zero = 0;
+    } else if (dp == 0) {
+        dp = 1;
+    }
+    if (zero == -1) zero = 0;
+    if (dp < 1 || (zero != 0 && zero != 1 && zero != 3))
+        return cli_usage_error("plan", "%s", "--dp must be >= 1 and --zero 0, 1 or 3");
+    if (zero == 3 && offopt) return cli_usage_error("plan", "%s", "--zero 3 and --offload-optimizer do not go together yet");
     if (zero && offopt) return cli_usage_error("plan", "%s", "--zero 1 and --offload-optimizer do not go together yet");
     fm_model_state_bound_set_dp(dp, zero); /* the model state's per-rank bound (train/fm_optim.h) */
-    if ((s = fm_attn_sp_check(&req.cfg, sp, req.T))) return cli_fail("plan", s); /* --sp divides seq-len and heads */
-    req.sp = sp;
+    if (trainer_sp) { /* --sp N --zero 0 alone: the trainer's Ulysses run, exact to its arenas */
+        if ((s = fm_attn_sp_check(&req.cfg, sp, req.T))) return cli_fail("plan", s);
+        req.sp = sp;
+    }
     req.model_state_bytes = fm_model_state_bound;
     if (off_bucket < 0 || off_slots < 1 || off_slots > 16)
         return cli_usage_error("plan", "%s", "--offload-optimizer-bucket must be >= 0 (0 = 100M) and --offload-optimizer-slots in [1, 16]");
     req.offload_optimizer = offopt;
-    req.optimizer_overlap = !no_overlap && !(zero && dp > 1);
+    /* a mesh: the update of a ZeRO-3 shard must end before the next forward gathers it: not overlapped */
+    req.optimizer_overlap = !no_overlap && !(zero && dp > 1) && !mesh;
     req.offload_bucket = off_bucket > 0 ? off_bucket : FM_OFFLOAD_DEFAULT_BUCKET;
     req.offload_slots = off_slots;
     req.offload_state_bytes = fm_offload_model_state_bound;
@@ -154,17 +197,36 @@ int cmd_plan(int argc, char **argv) {
         const size_t h = cross ? (size_t)cal.host_pinnable_bytes : fm_host_mem_budget_default();
         if (h > 0) host_budget = h;
     }
+    int64_t per_node = 1; /* a mesh's ranks on one node share its host memory */
+    if (mesh) {
+        const int64_t W = req.mesh.dp * req.mesh.sp;
+        per_node = W < req.mesh.gpus_per_node ? W : req.mesh.gpus_per_node;
+        if (host_budget != FM_HOST_BUDGET_UNLIMITED && per_node > 1) host_budget /= (size_t)per_node;
+    }
     fm_choose_opts co = {budget, what[0] ? what : "--mem-budget", host_budget,
                          host_mem ? "--host-mem-budget" : "the host budget (--host-mem-budget; default: what the host can pin)",
                          &cal, recompute != NULL, keep_att || no_keep, offload != NULL, offopt, chunk >= 0, ce_bt >= 0 || ce_bv >= 0};
     fm_plan p;
     fm_projection proj;
+    if (mesh && per_node > 1)
+        fprintf(json ? stderr : stdout, "host budget per rank: %.3f GiB (the node's, shared by its %lld ranks)\n",
+                host_budget == FM_HOST_BUDGET_UNLIMITED ? 0.0 : host_budget / 1073741824.0, (long long)per_node);
+    if (mesh && (choose_ep || choose_sp)) {
+        fm_mesh_choice *ch = fm_malloc(sizeof *ch);
+        s = fm_mesh_choose(&req, &co, rc, choose_ep, choose_sp, ch);
+        if (s == FM_OK) fm_mesh_print_choice(ch, json ? stderr : stdout);
+        fm_free(ch);
+        if (s) {
+            fm_free(rc);
+            return cli_fail("plan", s);
+        }
+    }
     s = fm_plan_fit(&req, &co, rc, &p, &proj);
     if (seq_len > req.cfg.max_position_embeddings)
         fprintf(stderr, "note: --seq-len %lld exceeds the config's max_position_embeddings (%lld); train needs "
                 "--max-position-embeddings to run it\n",
                 (long long)seq_len, (long long)req.cfg.max_position_embeddings);
-    const fm_plan_report x = {budget, what[0] ? what : NULL, dev_mem, context, host_budget, &proj, &cal};
+    const fm_plan_report x = {budget, what[0] ? what : NULL, dev_mem, context, host_budget, &proj, &cal, config};
     if (json) fm_plan_print_json(&req, &p, &x, stdout);
     else fm_plan_print(&req, &p, &x, stdout);
     fm_free(rc);

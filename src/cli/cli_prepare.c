@@ -1,5 +1,6 @@
 /* flatmoe prepare: text and JSONL files -> llm.c token shards with loss masks (the work is
  * prep/fm_prepare), and --decode to read a shard back as text. */
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -21,6 +22,11 @@ static void progress(const fm_prepare_stats *st, void *ctx) {
  * the shard's .mask sidecar, when it has one) are wrapped in "[[" and "]]". */
 static int decode_shard(fm_tokenizer *tok, const char *path, bool show_mask) {
     const char *paths[1] = {path};
+    FILE *probe = fopen(path, "rb"); /* before the loader, whose message names --data */
+    if (!probe)
+        return cli_fail("prepare", fm_error(FM_ERR_IO, "--decode %s: cannot open the shard: %s; give a shard that "
+                                                       "`flatmoe prepare --out` wrote", path, strerror(errno)));
+    fclose(probe);
     fm_dataset ds;
     fm_status s = fm_dataset_load(&ds, paths, 1, tok->vocab_size);
     if (s) return cli_fail("prepare", s);

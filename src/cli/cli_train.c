@@ -6,6 +6,7 @@
 #include "cli.h"
 #include "io/fm_checkpoint.h"
 #include "comm/fm_comm.h"
+#include "comm/fm_comm_nccl.h"
 #include "plan/fm_plan.h"
 #include "train/fm_signal.h"
 #include "train/fm_trainer.h"
@@ -24,7 +25,7 @@ int cmd_train(int argc, char **argv) {
     /* "not given" for the memory flags (fm_train_opts' -1 means: choose), told apart from a given -1 */
     o.moe_chunk_tokens = o.ce_block_tokens = o.ce_block_vocab = INT64_MIN;
     static const char *data[MAX_FILES], *val[MAX_FILES];
-    const char *mem_budget = NULL, *gpu_ws = NULL, *host_mem = NULL;
+    const char *mem_budget = NULL, *gpu_ws = NULL, *host_mem = NULL, *comm = NULL, *comm_check = NULL;
     flag flags[] = {
         {"config", F_STR, &o.config_path, NULL, "Hugging Face config.json of the model (required unless --resume or --init-from)"},
         {"init-from", F_STR, &o.init_from, NULL, "start from a Hugging Face model folder: its config.json and weights (model.safetensors, or model.safetensors.index.json and its shards; fp32, bf16 or fp16); the optimizer starts fresh; --resume wins when --out has a checkpoint (off)"},
@@ -77,9 +78,16 @@ int cmd_train(int argc, char **argv) {
         {"offload-boundaries", F_STR, &o.offload_boundaries, NULL, "N | all: keep checkpoint boundaries 0..N-1 in pinned host memory, copied out in forward and prefetched in backward; the device keeps L+1-N+min(N,2) of them; all = L (every boundary but the head's); 0 = off (0)"},
         {"no-checkpoint", F_BOOL, &o.no_checkpoint, NULL, "write no checkpoint, not even at the end (benchmarks)"},
         {"dp", F_INT, &o.dp, NULL, "data-parallel ranks, 0 = every rank of the launch (mpirun/srun); --micro-batch is per rank (0)"},
-        {"zero", F_INT, &o.zero, NULL, "0: every rank keeps the whole optimizer state (gradients all-reduced); 1: ZeRO-1/2, Adam m and v sharded over dp by parameter range, gradients reduce-scattered to their owner, weights all-gathered after the update (0)"},
-        {"sp", F_INT, &o.sp, NULL, "Ulysses sequence-parallel ranks per sequence: the world is dp x sp ranks, each sp rank holds seq-len/sp tokens of every sequence and attention runs head-sharded over the whole sequence (seq-len and num_attention_heads divisible by sp; num_key_value_heads divisible by sp or dividing it); not with --zero 1 (1)"},
+        {"zero", F_INT, &o.zero, NULL, "0: every rank keeps the whole optimizer state (gradients all-reduced); 1: ZeRO-1/2, Adam m and v sharded over dp by parameter range, gradients reduce-scattered to their owner, weights all-gathered after the update; 3: ZeRO-3, weights, gradients, fp32 master and Adam state sharded over dp by parameter group, each layer's weights all-gathered just before it runs (the next one prefetched) and its gradients reduce-scattered after its backward (one rank: 0) (0)"},
+        {"sp", F_INT, &o.sp, NULL, "Ulysses sequence-parallel ranks per sequence: the world is dp x sp ranks, each sp rank holds seq-len/sp tokens of every sequence and attention runs head-sharded over the whole sequence (seq-len and num_attention_heads divisible by sp; num_key_value_heads divisible by sp or dividing it); needs --zero 0 and --ep 1 (1)"},
         {"comm-timeout", F_F64, &o.comm_timeout, NULL, "seconds a collective waits for the other ranks before the run stops, 0 = 300 (0)"},
+        {"comm", F_STR, &comm, NULL, "auto | mpi | nccl: the communicator; auto = none on one rank, nccl on several when this is the CUDA build with NCCL and every rank on a node has its own GPU, mpi otherwise (host-staged on GPUs) (auto)"},
+        {"comm-check", F_STR, &comm_check, NULL, "deferred | collective: when nccl collectives are checked against --comm-timeout: at the step's existing sync points (deferred), or each one waited for at once, a host sync per collective (deferred)"},
+        {"ep", F_INT, &o.ep, NULL, "expert-parallel ranks: each holds num_experts/N experts (weights, grads, Adam state) and tokens reach them by capped all-to-all-v chunks; N divides the ranks and num_experts; needs --zero 0 (1)"},
+        {"ep-cap-tokens", F_I64, &o.ep_cap_tokens, NULL, "--ep: tokens each rank sends per dispatch chunk (the receive buffers hold ep x cap x min(k, E/ep) rows whatever the router does); 0 = --moe-chunk-tokens, or chosen under --mem-budget, else the whole micro-batch (0)"},
+        {"llep", F_BOOL, &o.llep, NULL, "--ep: least-loaded expert placement (LLEP): when the busiest rank's routed rows exceed --llep-lambda x the mean, the heaviest experts' rows spill to the least-loaded ranks, which get those experts' weights (off)"},
+        {"llep-lambda", F_F64, &o.llep_lambda, NULL, "--llep: the imbalance (busiest rank's rows over the mean) that triggers the placement, >= 1 (1.3)"},
+        {"llep-min-piece", F_I64, &o.llep_min_piece, NULL, "--llep: the smallest range of rows that spills to another rank (1024)"},
     };
     int r = cli_parse_flags("train", "(--config C | --init-from DIR) --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
     if (r) return r == 1 ? 0 : r;
@@ -97,6 +105,12 @@ int cmd_train(int argc, char **argv) {
     if (host_mem && (s = fm_parse_bytes(host_mem, "--host-mem-budget", &o.host_mem_budget))) return cli_fail("train", s);
     o.host_mem_budget_given = host_mem != NULL;
     if (gpu_ws && (s = fm_parse_bytes(gpu_ws, "--gpu-workspace", &o.gpu_workspace))) return cli_fail("train", s);
+    fm_comm_kind ck = FM_COMM_KIND_AUTO;
+    fm_comm_nccl_check cc = FM_COMM_NCCL_CHECK_DEFERRED;
+    if (comm && (s = fm_comm_kind_parse(comm, &ck))) return cli_fail("train", s);
+    if (comm_check && (s = fm_comm_nccl_check_parse(comm_check, &cc))) return cli_fail("train", s);
+    o.comm_kind = (int)ck;
+    o.comm_check = (int)cc;
     if (o.threads < 0) return cli_usage_error("train", "%s", "--threads must be >= 0 (0 = all cores)");
     int64_t *mem_flags[3] = {&o.moe_chunk_tokens, &o.ce_block_tokens, &o.ce_block_vocab};
     for (int i = 0; i < 3; i++) {

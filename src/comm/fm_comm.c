@@ -1,7 +1,9 @@
 /* The communicator table's shared parts (fm_comm.h): element types, the argument checks and
- * messages every implementation uses, the host-value wrappers, and the process groups per mesh
- * axis. */
+ * messages every implementation uses, the host-value wrappers, the process groups per mesh
+ * axis, and the run's world (the launcher's rank and size, the node-local rank, the choice
+ * between self, mpi and nccl). */
 #include "fm_comm.h"
+#include "fm_comm_nccl.h" /* fm_comm_world_create_kind */
 
 #include <errno.h>
 #include <math.h>
@@ -246,6 +248,104 @@ fm_status fm_comm_world_create(fm_comm *out, const struct fm_backend *be, double
         fm_comm_free(out);
         return fm_error(FM_ERR_IO, "the launcher says rank %d of %d (%s_*) but MPI says rank %d of %d: launch with "
                         "the mpirun/srun of the MPI flatmoe was built with", rank, size, src, r2, n2);
+    }
+    return FM_OK;
+}
+
+/* ---- choosing the communicator --------------------------------------------------------------- */
+
+const char *fm_comm_kind_name(fm_comm_kind k) {
+    static const char *const names[FM_COMM_KIND_COUNT] = {"auto", "mpi", "nccl"};
+    return (int)k >= 0 && k < FM_COMM_KIND_COUNT ? names[k] : "?";
+}
+
+fm_status fm_comm_kind_parse(const char *s, fm_comm_kind *out) {
+    for (int k = 0; k < FM_COMM_KIND_COUNT; k++)
+        if (s && !strcmp(s, fm_comm_kind_name((fm_comm_kind)k))) {
+            *out = (fm_comm_kind)k;
+            return FM_OK;
+        }
+    return fm_error(FM_ERR_ARG, "--comm \"%s\": expected auto, mpi or nccl", s ? s : "(null)");
+}
+
+fm_status fm_comm_local(int *local_rank, int *local_size, const char **source) {
+    static const char *const vars[3][3] = {{"OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI"},
+                                           {"MPI_LOCALRANKID", "MPI_LOCALNRANKS", "MPICH"},
+                                           {"SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM"}};
+    *local_rank = 0, *local_size = 1;
+    if (source) *source = "none";
+    for (int i = 0; i < 3; i++) {
+        int r = 0, n = 0;
+        bool rs, ns;
+        if (env_int(vars[i][0], &r, &rs) != FM_OK) return FM_ERR_ARG;
+        if (env_int(vars[i][1], &n, &ns) != FM_OK) { /* SLURM_NTASKS_PER_NODE may read "2(x3)": not ours */
+            if (i == 2) break;
+            return FM_ERR_ARG;
+        }
+        if (!rs || !ns) continue;
+        if (n < 1 || r >= n)
+            return fm_error(FM_ERR_ARG, "the launcher's %s = %d and %s = %d: expected a local rank in [0, size) of "
+                            "size >= 1", vars[i][0], r, vars[i][1], n);
+        *local_rank = r, *local_size = n;
+        if (source) *source = vars[i][2];
+        return FM_OK;
+    }
+    int rank, size;
+    FM_TRY(fm_comm_launcher(&rank, &size, NULL));
+    if (size == 1) return FM_OK;
+    if (!fm_comm_mpi_built())
+        return fm_error(FM_ERR_UNSUPPORTED, "rank %d of %d: no node-local rank from the launcher (OMPI_COMM_WORLD_"
+                        "LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID) and no MPI in this build to find it", rank, size);
+    FM_TRY(fm_comm_mpi_local(local_rank, local_size));
+    if (source) *source = "MPI_COMM_TYPE_SHARED";
+    return FM_OK;
+}
+
+fm_status fm_comm_world_create_kind(fm_comm *out, const struct fm_backend *be, double default_timeout_s,
+                                    fm_comm_kind kind, int nccl_check, fm_comm_kind *chosen) {
+    if (out) out->ops = NULL, out->ctx = NULL;
+    if ((int)kind < 0 || kind >= FM_COMM_KIND_COUNT)
+        return fm_error(FM_ERR_ARG, "fm_comm_world_create_kind: unknown communicator kind %d", (int)kind);
+    int rank, size;
+    FM_TRY(fm_comm_launcher(&rank, &size, NULL));
+    fm_comm_kind k = kind;
+    if (k == FM_COMM_KIND_AUTO) {
+        if (size == 1) {
+            if (chosen) *chosen = FM_COMM_KIND_AUTO; /* the self communicator */
+            return fm_comm_world_create(out, be, default_timeout_s);
+        }
+        k = FM_COMM_KIND_MPI;
+        if (fm_comm_nccl_built() && be) { /* nccl when every rank on this node has its own GPU */
+            int lr = 0, ls = 1;
+            FM_TRY(fm_comm_local(&lr, &ls, NULL));
+            if (fm_comm_nccl_usable(be, ls, NULL, 0)) k = FM_COMM_KIND_NCCL;
+        }
+    }
+    if (chosen) *chosen = k;
+    if (k == FM_COMM_KIND_NCCL) {
+        if (!fm_comm_nccl_built())
+            return fm_error(FM_ERR_UNSUPPORTED, "--comm nccl: this flatmoe was built without NCCL (it needs the CUDA "
+                            "build, -DFLATMOE_CUDA=ON, with nccl.h and libnccl found); use --comm mpi or auto");
+        if (kind == FM_COMM_KIND_NCCL && size > 1) { /* asked for: say why it cannot serve, before NCCL does */
+            int lr = 0, ls = 1;
+            char why[200];
+            FM_TRY(fm_comm_local(&lr, &ls, NULL));
+            if (!fm_comm_nccl_usable(be, ls, why, sizeof why))
+                return fm_error(FM_ERR_ARG, "rank %d of %d: --comm nccl: %s; use --comm mpi (or auto)", rank, size,
+                                why);
+        }
+        return fm_comm_nccl_world(out, be, default_timeout_s, (fm_comm_nccl_check)nccl_check);
+    }
+    /* mpi, on any number of ranks */
+    if (!fm_comm_mpi_built())
+        return fm_error(FM_ERR_UNSUPPORTED, "rank %d of %d: --comm mpi: this flatmoe was built without MPI; install "
+                        "libopenmpi-dev and openmpi-bin and configure again (cmake -DFLATMOE_MPI=ON)", rank, size);
+    FM_TRY(fm_comm_mpi_world(out, be, default_timeout_s, 0));
+    if (fm_comm_rank(out) != rank || fm_comm_size(out) != size) {
+        const int r2 = fm_comm_rank(out), n2 = fm_comm_size(out);
+        fm_comm_free(out);
+        return fm_error(FM_ERR_IO, "the launcher says rank %d of %d but MPI says rank %d of %d: launch with the "
+                        "mpirun/srun of the MPI flatmoe was built with", rank, size, r2, n2);
     }
     return FM_OK;
 }

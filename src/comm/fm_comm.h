@@ -2,7 +2,8 @@
  * context, in the manner of backend/fm_backend.h. A model block, bounded operator or schedule
  * policy never calls MPI or NCCL: it calls this table. Implementations: self (fm_comm_self.c,
  * one rank; every collective is the identity or a copy), mpi (fm_comm_mpi.c, CPU ranks, or
- * host-staged backend memory) and nccl (later).
+ * host-staged backend memory) and nccl (fm_comm_nccl.c and fm_comm_nccl.h: GPU ranks, device
+ * memory on the backend's stream).
  *
  * Conventions for every collective:
  * - Counts and displacements are in ELEMENTS of the collective's dtype, int64_t, >= 0. A buffer
@@ -123,6 +124,14 @@ typedef struct fm_comm_ops {
     fm_status (*split)(void *ctx, int color, int key, fm_comm *out);
     /* Frees the context (not a collective call on self; on mpi/nccl every rank calls it). */
     void (*destroy)(void *ctx);
+
+    /* Optional (NULL: every collective is complete when it returns, as on self and mpi): waits
+     * until every collective issued so far on this communicator has completed, or fails on the
+     * first one whose timeout passed or that failed (FM_ERR_IO, naming it). The nccl
+     * communicator's deferred mode (fm_comm_nccl.h) enqueues collectives without waiting; this is
+     * its explicit check (the backend's host waits check too). timeout_s: as the collectives'
+     * (0: each pending collective's own deadline). Not a collective call. */
+    fm_status (*wait)(void *ctx, double timeout_s);
 } fm_comm_ops;
 
 /* A communicator: its table and its context. */
@@ -161,6 +170,11 @@ static inline fm_status fm_comm_broadcast(const fm_comm *c, const void *send, vo
 }
 static inline fm_status fm_comm_barrier(const fm_comm *c, double timeout_s) {
     return c->ops->barrier(c->ctx, timeout_s);
+}
+
+/* c->ops->wait when the communicator has one, else FM_OK at once (fm_comm_ops.wait). */
+static inline fm_status fm_comm_wait(const fm_comm *c, double timeout_s) {
+    return c && c->ops && c->ops->wait ? c->ops->wait(c->ctx, timeout_s) : FM_OK;
 }
 
 /* Frees c's context (NULL or an empty communicator: nothing) and empties *c. */
@@ -283,6 +297,11 @@ fm_status fm_comm_mpi_world(fm_comm *out, const struct fm_backend *be, double de
 /* MPI_Finalize, when MPI is initialized and not yet finalized (otherwise nothing); a collective
  * call: free every mpi communicator first. Errors: FM_ERR_IO. */
 fm_status fm_comm_mpi_finalize(void);
+/* This process's rank and the number of ranks on its node, by
+ * MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED) (initializes MPI as fm_comm_mpi_world
+ * does). Errors: FM_ERR_UNSUPPORTED (no MPI in this build, MPI finalized), FM_ERR_IO (an MPI call
+ * failed). */
+fm_status fm_comm_mpi_local(int *local_rank, int *local_size);
 /* Takes the whole job down: MPI_Abort(MPI_COMM_WORLD, code). For the CLI after a collective
  * failed (a timeout leaves a request pending: the process cannot continue). Returns only when
  * MPI is not built or not initialized (the caller then exits). */
@@ -303,6 +322,37 @@ fm_status fm_comm_launcher(int *rank, int *size, const char **source);
  * fm_comm_self_create. Errors: FM_ERR_UNSUPPORTED (several ranks but no MPI in this build: naming
  * the fix), FM_ERR_IO (MPI's rank/size disagree with the launcher's), those of the creators. */
 fm_status fm_comm_world_create(fm_comm *out, const struct fm_backend *be, double default_timeout_s);
+
+/* ---- choosing the communicator (fm_comm.c): `flatmoe train --comm auto|mpi|nccl` -------------- */
+
+typedef enum fm_comm_kind {
+    FM_COMM_KIND_AUTO = 0, /* self on one rank; several: nccl when usable (fm_comm_nccl_usable), else mpi */
+    FM_COMM_KIND_MPI,      /* the mpi communicator, even on one rank (host-staged on a GPU) */
+    FM_COMM_KIND_NCCL,     /* the nccl communicator, even on one rank */
+    FM_COMM_KIND_COUNT
+} fm_comm_kind;
+
+/* "auto", "mpi", "nccl" ("?" otherwise). */
+const char *fm_comm_kind_name(fm_comm_kind k);
+/* *out = the kind named s ("auto", "mpi" or "nccl"). Errors: FM_ERR_ARG naming s and the choices. */
+fm_status fm_comm_kind_parse(const char *s, fm_comm_kind *out);
+
+/* This process's rank among the launch's ranks on its node, and their number: from
+ * OMPI_COMM_WORLD_LOCAL_RANK/_LOCAL_SIZE (Open MPI), MPI_LOCALRANKID/MPI_LOCALNRANKS (MPICH's
+ * Hydra), SLURM_LOCALID/SLURM_NTASKS_PER_NODE (srun, when the latter is a plain number), in that
+ * order; otherwise, with several ranks and MPI built, by MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)
+ * (fm_comm_mpi_local; initializes MPI); one rank: 0 of 1. *source names where it came from
+ * (may be NULL). Errors: FM_ERR_ARG (a variable that is not a rank in [0, size)), FM_ERR_UNSUPPORTED
+ * (several ranks, no local-rank variable and no MPI), those of fm_comm_mpi_local. */
+fm_status fm_comm_local(int *local_rank, int *local_size, const char **source);
+
+/* The world communicator of kind `kind` (auto: as fm_comm_kind's comment; the choice is written to
+ * *chosen when chosen is not NULL). nccl's check mode: `check` (fm_comm_nccl.h). With
+ * FM_COMM_KIND_AUTO and one rank this is fm_comm_world_create exactly (the self communicator).
+ * Errors: those of fm_comm_world_create, fm_comm_mpi_world and fm_comm_nccl_world; FM_ERR_ARG for
+ * a bad kind; FM_ERR_UNSUPPORTED for `nccl` in a build without it (naming the fix). */
+fm_status fm_comm_world_create_kind(fm_comm *out, const struct fm_backend *be, double default_timeout_s,
+                                    fm_comm_kind kind, int nccl_check, fm_comm_kind *chosen);
 
 /* ---- for implementations (fm_comm.c): argument checks and messages --------------------------- */
 

@@ -22,6 +22,11 @@ fm_status fm_comm_mpi_world(fm_comm *out, const fm_backend *be, double default_t
 }
 fm_status fm_comm_mpi_finalize(void) { return FM_OK; }
 void fm_comm_mpi_abort(int code) { (void)code; }
+fm_status fm_comm_mpi_local(int *local_rank, int *local_size) {
+    *local_rank = 0, *local_size = 1;
+    return fm_error(FM_ERR_UNSUPPORTED, "the node-local rank needs MPI, which is not in this build (install "
+                    "libopenmpi-dev and openmpi-bin, then configure again)");
+}
 
 #else
 
@@ -532,6 +537,28 @@ fm_status fm_comm_mpi_world(fm_comm *out, const fm_backend *be, double default_t
     }
     return mpi_new(out, dup, be, default_timeout_s == 0 ? FM_COMM_DEFAULT_TIMEOUT_S : default_timeout_s,
                    stage_bytes ? stage_bytes : FM_COMM_MPI_STAGE_BYTES);
+}
+
+fm_status fm_comm_mpi_local(int *local_rank, int *local_size) {
+    *local_rank = 0, *local_size = 1;
+    int inited = 0, finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return fm_error(FM_ERR_UNSUPPORTED, "fm_comm_mpi_local: MPI is already finalized");
+    MPI_Initialized(&inited);
+    if (!inited) {
+        int provided = 0;
+        const int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided);
+        if (rc != MPI_SUCCESS) return fm_error(FM_ERR_IO, "fm_comm_mpi_local: MPI_Init_thread failed (code %d)", rc);
+    }
+    MPI_Comm node = MPI_COMM_NULL;
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    int rc = MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+    if (rc != MPI_SUCCESS) return fm_error(FM_ERR_IO, "fm_comm_mpi_local: MPI_Comm_split_type failed (code %d)", rc);
+    MPI_Comm_rank(node, local_rank);
+    MPI_Comm_size(node, local_size);
+    MPI_Comm_free(&node);
+    return FM_OK;
 }
 
 fm_status fm_comm_mpi_finalize(void) {

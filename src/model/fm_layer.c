@@ -87,8 +87,13 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
                              m->results + FM_RESULT_LAYERS + 2 * l, ln2, w->router, N, H));
     const fm_moe_dims md = moe_dims(c);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
-    fm_moe_forward(&m->be, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w, N, m->moe_K, m->moe_chunk_order,
-                   m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
+    if (m->moe_ep_comm) /* expert parallelism (--ep): the experts of the ep group */
+        FM_TRY(fm_moe_ep_layer_forward(&m->be, m->moe_ep_comm, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w,
+                                       N, m->moe_K, m->moe_chunk_order, &m->moe_ep_ws, m->moe_ws.counts,
+                                       m->moe_ep_counts_host));
+    else
+        fm_moe_forward(&m->be, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w, N, m->moe_K,
+                       m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
     PHASE(DENSE);
     OPS->add(CTX, y, a->x_mid, N * H);
     return FM_OK;
@@ -127,8 +132,15 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     const fm_moe_dims md = moe_dims(c);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down};
-    fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2, a->router.topk_idx, a->router.topk_w, N,
-                    m->moe_K, m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
+    if (m->moe_ep_comm) { /* expert parallelism: an error is kept for the trainer (m->moe_ep_status) */
+        if (m->moe_ep_status == FM_OK)
+            m->moe_ep_status = fm_moe_ep_layer_backward(&m->be, m->moe_ep_comm, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy,
+                                                        ln2, a->router.topk_idx, a->router.topk_w, N, m->moe_K,
+                                                        m->moe_chunk_order, &m->moe_ep_ws);
+    } else {
+        fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2, a->router.topk_idx, a->router.topk_w, N,
+                        m->moe_K, m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
+    }
     PHASE(ROUTER);
     const int64_t n_tot = m->comm ? N * fm_comm_size(m->comm) : N;
     fm_router_backward(&m->be, &m->router, n_tot, ws->dln, g->router, ws->dlogits_r, ws->dlogits_act, ws->dprobs_e,

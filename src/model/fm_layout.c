@@ -112,7 +112,13 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
         memset(&m->acts[l].moe, 0, sizeof m->acts[l].moe);
         if (!chunked) fm_moe_routes_layout(&m->acts[l].moe, ex, host, &md, N);
     }
-    fm_moe_ws_layout(&m->moe_ws, ex, host, &md, chunked ? c_eff : N, chunked);
+    if (m->ep > 1) { /* expert parallelism: the EP operator's chunk working set (its bound) */
+        memset(&m->moe_ws, 0, sizeof m->moe_ws);
+        fm_status st = fm_moe_ep_ws_layout(&m->moe_ep_ws, ex, host, &md, m->ep, m->ep_rank, c_eff, &m->moe_llep);
+        FM_ASSERT(st == FM_OK); /* checked by fm_model_layout before */
+    } else {
+        fm_moe_ws_layout(&m->moe_ws, ex, host, &md, chunked ? c_eff : N, chunked);
+    }
     layout_ws(&m->ws, ws, c, N);
     /* Ulysses sequence parallelism: the head-sharded attention buffers, in the working set */
     const fm_attn_sp_dims sd = {m->B, m->T, c->num_attention_heads, c->num_key_value_heads, hd, m->sp > 1 ? m->sp : 1};
@@ -221,6 +227,9 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
     m.ce_block_vocab = opts ? opts->ce_block_vocab : 0;
     m.n_offloaded_boundaries = opts ? opts->n_offloaded_boundaries : 0;
     m.sp = opts && opts->sp > 1 ? (int)opts->sp : 1;
+    m.ep = opts && opts->ep > 1 ? opts->ep : 1;
+    m.ep_rank = opts && opts->ep > 1 ? opts->ep_rank : 0;
+    if (opts && opts->ep > 1 && opts->llep) m.moe_llep = *opts->llep;
     bool *rc = fm_malloc((size_t)(2 * L + 1));
     fm_act **bp = fm_malloc(sizeof(fm_act *) * (size_t)(L + 1));
     fm_layer_acts *la = fm_malloc(sizeof(fm_layer_acts) * (size_t)(L + 1));
@@ -293,10 +302,24 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
                         "boundary %lld, the head's input, stays on the device)",
                         (long long)opts->n_offloaded_boundaries, (long long)L, (long long)L);
     m->n_offloaded_boundaries = opts ? opts->n_offloaded_boundaries : 0;
+    const int ep = opts && opts->ep > 1 ? opts->ep : 1;
+    if (ep != m->ep || (ep > 1 && opts->ep_rank != m->ep_rank))
+        return fm_error(FM_ERR_ARG, "layout for --ep %d (rank %d) of a model created for ep %d (rank %d): create it "
+                        "with fm_model_create_ep", ep, opts ? opts->ep_rank : 0, m->ep, m->ep_rank);
+    if (ep > 1) {
+        memset(&m->moe_llep, 0, sizeof m->moe_llep);
+        if (opts->llep) m->moe_llep = *opts->llep;
+        const fm_moe_dims md = moe_dims(c);
+        if (m->moe_chunk_tokens <= 0)
+            return fm_error(FM_ERR_ARG, "--ep %d needs a token cap per chunk (--ep-cap-tokens >= 1), found %lld", ep,
+                            (long long)m->moe_chunk_tokens);
+        FM_TRY(fm_moe_ep_check(&md, ep, m->moe_chunk_tokens));
+    }
     m->sp = (int)sp;
     m->sp_rank = sp > 1 ? fm_comm_rank(m->sp_comm) : 0;
     fm_layout_opts o = {m->recompute, m->moe_chunk_tokens, m->ce_block_tokens, m->ce_block_vocab,
-                        m->n_offloaded_boundaries, m->keep_attention, sp};
+                        m->n_offloaded_boundaries, m->keep_attention, ep, m->ep_rank, &m->moe_llep};
+    o.sp = sp;
     size_t bytes[FM_LIVE_COUNT];
     size_t host_bytes = 0;
     plan_bytes(c, B, T, &o, bytes, &host_bytes);
@@ -331,6 +354,15 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     if (st) {
         fm_model_free_layout(m);
         return st;
+    }
+    fm_free(m->moe_ep_counts_host);
+    m->moe_ep_counts_host = NULL;
+    if (m->ep > 1 && !m->be.ops->host_memory) { /* the expert-load counts' host copy of top-k ids */
+        m->moe_ep_counts_host = fm_malloc(sizeof(int32_t) * (size_t)(m->N * c->num_experts_per_tok));
+        if (!m->moe_ep_counts_host) {
+            fm_model_free_layout(m);
+            return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the expert-load counts' staging");
+        }
     }
     /* RoPE tables (HF: inv_freq[i] = theta^(-2i/hd); angle = t * inv_freq[i]), in double, made on
      * the host and uploaded; and the chunked MoE's token order. Sequence parallelism: row t of the

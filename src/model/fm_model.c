@@ -56,7 +56,7 @@ typedef struct layer_offsets {
 /* Fills the table (or counts it when b->t is NULL) and the offsets. The order is the flat
  * buffer's order. */
 static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, int64_t *o_norm,
-                        int64_t *o_head, layer_offsets *lo) {
+                        int64_t *o_head, layer_offsets *lo, int64_t e0, int64_t e1) {
     const int64_t H = c->hidden_size, V = c->vocab_size, I = c->moe_intermediate_size, E = c->num_experts;
     const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads, hd = c->head_dim;
     const bool mixtral = c->model_type == FM_MODEL_MIXTRAL;
@@ -82,13 +82,13 @@ static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, 
         x.ln2 = add_param(b, false, 1, H, 0, "model.layers.%lld.post_attention_layernorm.weight", (long long)l);
         x.router = add_param(b, true, 2, E, H, "model.layers.%lld.%s.gate.weight", (long long)l, moe);
         x.w_gate = b->offset;
-        for (int64_t e = 0; e < E; e++)
+        for (int64_t e = e0; e < e1; e++) /* expert parallelism: this rank's experts only */
             add_param(b, true, 2, I, H, "model.layers.%lld.%s.experts.%lld.%s.weight", (long long)l, moe, (long long)e, n_gate);
         x.w_up = b->offset;
-        for (int64_t e = 0; e < E; e++)
+        for (int64_t e = e0; e < e1; e++) /* expert parallelism: this rank's experts only */
             add_param(b, true, 2, I, H, "model.layers.%lld.%s.experts.%lld.%s.weight", (long long)l, moe, (long long)e, n_up);
         x.w_down = b->offset;
-        for (int64_t e = 0; e < E; e++)
+        for (int64_t e = e0; e < e1; e++) /* expert parallelism: this rank's experts only */
             add_param(b, true, 2, H, I, "model.layers.%lld.%s.experts.%lld.%s.weight", (long long)l, moe, (long long)e, n_down);
         if (lo) lo[l] = x;
     }
@@ -114,14 +114,31 @@ static void set_ptrs(fm_model_ptrs *p, fm_act *base, const fm_config *c, int64_t
 }
 
 fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be) {
+    return fm_model_create_ep(m, cfg, be, 1, 0);
+}
+
+int64_t fm_model_ep_num_params(const fm_config *c, int ep) {
+    const int64_t E = c->num_experts, El = ep > 0 ? E / ep : E;
+    return fm_config_num_params(c) - c->num_hidden_layers * (E - El) * 3 * c->hidden_size * c->moe_intermediate_size;
+}
+
+fm_status fm_model_create_ep(fm_model *m, const fm_config *cfg, fm_backend be, int ep, int ep_rank) {
     memset(m, 0, sizeof *m);
+    if (ep < 1 || cfg->num_experts % ep != 0 || ep_rank < 0 || ep_rank >= ep)
+        return fm_error(FM_ERR_ARG, "--ep %d: expected a degree >= 1 that divides num_experts (%lld), rank %d in "
+                        "[0, %d); choose an --ep that divides %lld", ep, (long long)cfg->num_experts, ep_rank, ep,
+                        (long long)cfg->num_experts);
+    m->ep = ep;
+    m->ep_rank = ep_rank;
+    m->E_loc = cfg->num_experts / ep;
+    const int64_t e0 = (int64_t)ep_rank * m->E_loc, e1 = e0 + m->E_loc;
     m->cfg = *cfg;
     m->be = be;
     m->router = fm_router_opts_from_config(cfg);
     const int64_t L = cfg->num_hidden_layers;
     table_builder counter = {0};
     int64_t oe, on, oh;
-    build_table(cfg, &counter, &oe, &on, &oh, NULL);
+    build_table(cfg, &counter, &oe, &on, &oh, NULL, e0, e1);
     m->n_tensors = counter.n;
     m->n_params = counter.offset;
     m->table = fm_malloc(sizeof(fm_param) * (size_t)counter.n);
@@ -135,7 +152,7 @@ fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be) {
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the parameter table (%d tensors)", counter.n);
     }
     table_builder b = {m->table, 0, 0};
-    build_table(cfg, &b, &m->o_embed, &m->o_norm, &m->o_head, (layer_offsets *)m->offsets);
+    build_table(cfg, &b, &m->o_embed, &m->o_norm, &m->o_head, (layer_offsets *)m->offsets, e0, e1);
     return FM_OK;
 }
 
@@ -147,6 +164,53 @@ void fm_model_bind_params(fm_model *m, fm_act *weights, fm_act *grads, float *ma
     const layer_offsets *lo = m->offsets;
     set_ptrs(&m->w, m->params, &m->cfg, m->o_embed, m->o_norm, m->o_head, lo);
     set_ptrs(&m->g, m->grads, &m->cfg, m->o_embed, m->o_norm, m->o_head, lo);
+}
+
+/* One group's views from its buffer (ZeRO-3): base holds the group's flat range from its first
+ * element, so a tensor at table offset o is at base + (o - group's first offset). */
+static void set_group_ptrs(fm_model *m, fm_model_ptrs *p, int64_t g, fm_act *base) {
+    const int64_t L = m->cfg.num_hidden_layers;
+    const layer_offsets *lo = m->offsets;
+    const bool tied = m->o_head == m->o_embed;
+    if (g == 0) {
+        p->embed = base;
+        if (tied) p->lm_head = base;
+    } else if (g == L + 1) {
+        p->final_norm = base;
+        if (!tied) p->lm_head = base + (m->o_head - m->o_norm);
+    } else {
+        const layer_offsets *x = &lo[g - 1];
+        const int64_t b = x->ln1;
+        fm_layer_ptrs *y = &p->layers[g - 1];
+        y->ln1 = base; y->wq = base + (x->wq - b); y->wk = base + (x->wk - b); y->wv = base + (x->wv - b);
+        y->wo = base + (x->wo - b);
+        y->q_norm = x->q_norm >= 0 ? base + (x->q_norm - b) : NULL;
+        y->k_norm = x->k_norm >= 0 ? base + (x->k_norm - b) : NULL;
+        y->ln2 = base + (x->ln2 - b); y->router = base + (x->router - b);
+        y->w_gate = base + (x->w_gate - b); y->w_up = base + (x->w_up - b); y->w_down = base + (x->w_down - b);
+    }
+}
+
+void fm_model_bind_group(fm_model *m, int64_t g, fm_act *weights, fm_act *grads) {
+    FM_ASSERT(g >= 0 && g <= m->cfg.num_hidden_layers + 1);
+    if (weights) set_group_ptrs(m, &m->w, g, weights);
+    if (grads) set_group_ptrs(m, &m->g, g, grads);
+}
+
+int64_t fm_model_group_begin(const fm_model *m, int64_t g) {
+    const int64_t L = m->cfg.num_hidden_layers;
+    FM_ASSERT(g >= 0 && g <= L + 2);
+    if (g == 0) return m->o_embed;
+    if (g == L + 1) return m->o_norm;
+    if (g == L + 2) return m->n_params;
+    return ((const layer_offsets *)m->offsets)[g - 1].ln1;
+}
+
+void fm_model_layer_expert_offsets(const fm_model *m, int64_t l, int64_t *gate, int64_t *up, int64_t *down) {
+    const layer_offsets *x = &((const layer_offsets *)m->offsets)[l];
+    *gate = x->w_gate;
+    *up = x->w_up;
+    *down = x->w_down;
 }
 
 const fm_param *fm_model_find_param(const fm_model *m, const char *name) {
@@ -176,20 +240,30 @@ static inline uint64_t counter_u64(uint64_t key, uint64_t i) {
     return z ^ (z >> 31);
 }
 
-fm_status fm_model_init_weights(fm_model *m, uint64_t seed) {
+/* The index of table tensor i in the table of all experts (fm_model_create_ep's tables are
+ * subsequences of it): the initial weights are drawn by that index, so every --ep draws the
+ * one-rank model's. Layer l's tensors: nne non-expert ones, then gate, up, down per expert. */
+static uint64_t full_index(const fm_model *m, int i) {
+    if (m->ep <= 1) return (uint64_t)i;
+    const int64_t L = m->cfg.num_hidden_layers, E = m->cfg.num_experts, El = m->E_loc;
+    const int64_t n_end = m->cfg.tie_word_embeddings ? 1 : 2, nll = (m->n_tensors - 1 - n_end) / L, nne = nll - 3 * El;
+    const int64_t nlf = nne + 3 * E;
+    if (i < 1) return (uint64_t)i;
+    if (i >= 1 + L * nll) return (uint64_t)(i + L * (nlf - nll));
+    const int64_t l = (i - 1) / nll, p = (i - 1) % nll;
+    const int64_t q = p < nne ? p : nne + (p - nne) / El * E + m->ep_rank * El + (p - nne) % El;
+    return (uint64_t)(1 + l * nlf + q);
+}
+
+void fm_model_init_weights_host(const fm_model *m, uint64_t seed, float *w) {
     const float std = (float)m->cfg.initializer_range;
-    /* drawn straight into the master when the host can write it (the CPU's, or the streamed
-     * optimizer's pinned one: no second 4 B/param host copy next to it) */
-    const bool host = m->be.ops->host_memory || m->master_host;
-    float *w = host ? m->master : fm_malloc(sizeof(float) * (size_t)m->n_params);
-    if (!w) return fm_error(FM_ERR_NOMEM, "memory: cannot stage %lld initial weights on the host", (long long)m->n_params);
     /* Normal(0, std) by Box-Muller on counter-based uniforms: tensor i uses the key
      * hash(seed, i), element j the counters 2j and 2j+1 — the same values for any thread count,
      * in parallel (a 7B-parameter model initializes in seconds, not minutes). */
     for (int i = 0; i < m->n_tensors; i++) {
         const fm_param *p = &m->table[i];
         float *x = w + p->offset;
-        const uint64_t key = counter_u64(seed ^ 0x5EEDull, (uint64_t)i);
+        const uint64_t key = counter_u64(seed ^ 0x5EEDull, full_index(m, i));
         const int64_t n = p->numel;
         const bool ones = p->ndim == 1;
 #pragma omp parallel for schedule(static) if (n > 65536)
@@ -204,6 +278,15 @@ fm_status fm_model_init_weights(fm_model *m, uint64_t seed) {
             x[j] = std * (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
         }
     }
+}
+
+fm_status fm_model_init_weights(fm_model *m, uint64_t seed) {
+    /* drawn straight into the master when the host can write it (the CPU's, or the streamed
+     * optimizer's pinned one: no second 4 B/param host copy next to it) */
+    const bool host = m->be.ops->host_memory || m->master_host;
+    float *w = host ? m->master : fm_malloc(sizeof(float) * (size_t)m->n_params);
+    if (!w) return fm_error(FM_ERR_NOMEM, "memory: cannot stage %lld initial weights on the host", (long long)m->n_params);
+    fm_model_init_weights_host(m, seed, w);
     fm_model_upload_master(m, w);
     if (!host) fm_free(w);
     return FM_OK;
@@ -242,6 +325,7 @@ void fm_model_free(fm_model *m) {
     fm_free(m->w.layers);
     fm_free(m->g.layers);
     fm_free(m->recompute);
+    fm_free(m->moe_ep_counts_host);
     memset(m, 0, sizeof *m);
 }
 

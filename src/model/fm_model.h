@@ -18,6 +18,7 @@
 
 #include "../backend/fm_backend.h"
 #include "../bounded/fm_moe_dispatch.h"
+#include "../bounded/fm_moe_ep.h"
 #include "../core/fm_arena.h"
 #include "fm_attn_sp.h"
 #include "fm_config.h"
@@ -147,6 +148,21 @@ typedef struct fm_model {
     fm_act *logits;             /* [N,V] (plain vocabulary projection; NULL under linear CE) */
     float *token_loss;          /* [N] */
 
+    /* Expert parallelism (--ep, README "Many ranks"; bounded/fm_moe_ep.h): with ep > 1 the table
+     * holds this rank's E_loc = E/ep experts of every layer (experts ep_rank*E_loc .., under their
+     * global Hugging Face names; fm_model_create_ep) and the MoE block runs fm_moe_ep_forward /
+     * backward over moe_ep_comm with the working set moe_ep_ws (the expert-dispatch live set,
+     * laid out by fm_model_layout) instead of the local dispatch. ep 1: all experts, local. */
+    int ep, ep_rank;
+    int64_t E_loc;
+    const fm_comm *moe_ep_comm; /* the ep group (backend memory); NULL: the local MoE */
+    fm_llep_opts moe_llep;      /* least-loaded placement (--llep); .on false: plain EP */
+    fm_moe_ep_ws moe_ep_ws;
+    fm_status moe_ep_status;    /* the first EP error of a layer backward (which returns void); the
+                                   trainer checks it after the backward (fm_train_step) */
+    int32_t *moe_ep_counts_host; /* [N*k] host copy of top-k ids for the expert-load counts when the
+                                   backend's memory is not host memory (fm_malloc'd at layout) */
+
     fm_arena arena[FM_LIVE_COUNT]; /* the activation live sets; [FM_LIVE_MODEL_STATE] stays empty: the
                                      model state is the parameter store's (train/fm_param_store.h) */
     fm_arena host_arena;        /* pinned host memory the step shares with the device (MoE expert
@@ -159,10 +175,37 @@ typedef struct fm_model {
  * FM_ERR_NOMEM. */
 fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be);
 
+/* The same for rank ep_rank of an expert-parallel group of ep ranks: the table holds every
+ * non-expert tensor and, of each layer's experts, only ep_rank*E/ep .. (ep_rank+1)*E/ep - 1
+ * (stacked [E/ep, I, H] / [E/ep, H, I], rows named by their global expert index), so the
+ * parameter store, the optimizer and the gradients hold E/ep experts (the model-state bound of
+ * fm_model_ep_num_params). ep 1 is fm_model_create. Errors: FM_ERR_ARG when ep < 1, ep does not
+ * divide num_experts or ep_rank is outside [0, ep) (naming --ep and the fix); FM_ERR_NOMEM. */
+fm_status fm_model_create_ep(fm_model *m, const fm_config *cfg, fm_backend be, int ep, int ep_rank);
+
+/* Parameters of one rank's table under expert parallelism of degree ep (E % ep == 0):
+ * fm_config_num_params less L * (E - E/ep) * 3 * H * I (the other ranks' experts). */
+int64_t fm_model_ep_num_params(const fm_config *cfg, int ep);
+
 /* Points the model at its parameters: weights and grads [n_params] fm_act and the fp32 master
  * weights [n_params] (== weights when fm_act is fp32), backend memory in the table's layout
  * (fm_param.offset); sets the per-layer views m->w and m->g. */
 void fm_model_bind_params(fm_model *m, fm_act *weights, fm_act *grads, float *master);
+
+/* Parameter groups (ZeRO-3's unit of gathering, train/fm_zero3.h; the optimizer overlap's
+ * groups): group 0 the embedding (with tied embeddings also the LM head), group 1 + l layer l,
+ * group L + 1 the final norm and the untied LM head; each a contiguous range of the flat buffer,
+ * in forward order. fm_model_group_begin gives group g's first flat offset (g = L + 2:
+ * n_params, the end). fm_model_bind_group points the weight views (weights non-NULL) and the
+ * gradient views (grads non-NULL) of group g at buffers that hold the group's range from its
+ * first element, [fm_model_group_begin(g + 1) - fm_model_group_begin(g)] fm_act each, leaving
+ * the other groups' views as they were (ZeRO-3 points them at its gather slots). */
+int64_t fm_model_group_begin(const fm_model *m, int64_t g);
+void fm_model_bind_group(fm_model *m, int64_t g, fm_act *weights, fm_act *grads);
+
+/* Flat offsets (elements) of layer l's stacked expert weights gate [E,I,H], up [E,I,H] and down
+ * [E,H,I] (the Hugging Face mapping's experts, io/fm_hf_weights.h). */
+void fm_model_layer_expert_offsets(const fm_model *m, int64_t l, int64_t *gate, int64_t *up, int64_t *down);
 
 /* How activations are laid out: which layers are recomputed, and the MoE chunking. */
 typedef struct fm_layout_opts {
@@ -182,6 +225,11 @@ typedef struct fm_layout_opts {
                                   attention output att [N, heads*head_dim] and lse [B, heads, T]
                                   (schedule/fm_recompute.h: keep-attention); ignored where
                                   recompute[l] is false */
+    int ep, ep_rank;           /* expert parallelism (0 or 1: none): the expert-dispatch live set is
+                                  fm_moe_ep_ws_layout's for the cap moe_chunk_tokens (> 0 required),
+                                  instead of the local dispatch's; fm_model_layout requires the
+                                  model's own ep and ep_rank (fm_model_create_ep) */
+    const fm_llep_opts *llep;  /* least-loaded placement with ep > 1 (NULL or .on false: plain EP) */
     int64_t sp;                /* Ulysses sequence-parallel degree (0 or 1: none). > 1: T is this
                                   rank's slice of every sequence (the full length sp x T), m->sp_comm
                                   must be a group of sp ranks, and the working set holds
@@ -240,6 +288,9 @@ void fm_model_set_shape(fm_model *m, int64_t B, int64_t T);
 /* Normal(0, initializer_range) for matrices and embeddings, 1 for norm weights (HF init),
  * generated on the host in fp32 and uploaded. */
 fm_status fm_model_init_weights(fm_model *m, uint64_t seed);
+/* The same initial fp32 weights drawn into host memory w [n_params] (table layout) only: nothing
+ * uploaded (ZeRO-3 scatters them to the ranks' shards). */
+void fm_model_init_weights_host(const fm_model *m, uint64_t seed, float *w);
 
 /* Host <-> backend transfer of the fp32 master weights (n_params floats, table layout); upload
  * also refreshes the fm_act weights. */

@@ -60,3 +60,30 @@ void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_we
         fm_moe_chunk_scatter(be, dtopk_w, ws->dtopk_w, tok, n, d->k * (int64_t)sizeof(float));
     }
 }
+
+/* ---- expert parallelism ---- */
+
+fm_status fm_moe_ep_layer_forward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
+                                  const fm_moe_weights *w, fm_act *y, const fm_act *x, const int32_t *topk_idx,
+                                  const float *topk_w, int64_t N, int64_t K, const int32_t *chunk_tokens,
+                                  fm_moe_ep_ws *ws, int64_t *counts, int32_t *counts_host) {
+    if (counts && N > 0) { /* this rank's routes per expert, as the local dispatch counts them */
+        const int32_t *idx = topk_idx;
+        if (!be->ops->host_memory) {
+            be->ops->copy(be->ctx, counts_host, topk_idx, sizeof(int32_t) * (size_t)(N * d->k), FM_COPY_D2H);
+            idx = counts_host;
+        }
+        for (int64_t i = 0; i < N * d->k; i++)
+            if (idx[i] >= 0 && idx[i] < d->E) counts[idx[i]]++;
+    }
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
+    return fm_moe_ep_forward(be, comm, d, w, y, x, topk_idx, topk_w, N, K, chunk_tokens, ws, 0);
+}
+
+fm_status fm_moe_ep_layer_backward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
+                                   const fm_moe_weights *w, const fm_moe_grads *g, fm_act *dx, float *dtopk_w,
+                                   const fm_act *dy, const fm_act *x, const int32_t *topk_idx, const float *topk_w,
+                                   int64_t N, int64_t K, const int32_t *chunk_tokens, fm_moe_ep_ws *ws) {
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
+    return fm_moe_ep_backward(be, comm, d, w, g, dx, dtopk_w, dy, x, topk_idx, topk_w, N, K, chunk_tokens, ws, 0);
+}

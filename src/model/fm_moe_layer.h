@@ -15,6 +15,7 @@
 #define FM_MOE_LAYER_H
 
 #include "../bounded/fm_moe_dispatch.h"
+#include "../bounded/fm_moe_ep.h"
 
 /* Forward: y [N,H] (assigned) = sum_j topk_w[n,j] * expert_{topk_idx[n,j]}(x[n]), x [N,H],
  * topk_idx/topk_w [N,k]. Plain twin: `saved` (routes over N) receives the intermediates.
@@ -30,5 +31,23 @@ void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_we
                      const fm_moe_grads *g, fm_act *dx, float *dtopk_w, const fm_act *dy, const fm_act *x,
                      const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
                      const int32_t *chunk_tokens, const fm_moe_routes *saved, fm_moe_ws *ws);
+
+/* ---- expert parallelism (bounded/fm_moe_ep.h) -------------------------------------------------
+ * The MoE block of a layer under --ep: the same contract as fm_moe_forward / fm_moe_backward in
+ * the chunked form, but the experts of topk_idx (global ids in [0, E)) live on the ranks of the
+ * ep group `comm` and w / g are this rank's E/ep experts; the chunks are the EP operator's
+ * (K = chunks agreed over the group, every rank running every chunk's collectives, a rank with
+ * zero tokens routed to it too). counts [E] (NULL: none) += this rank's routes per expert (the
+ * trainer's expert-load record, as count_load does for the local dispatch), read from topk_idx
+ * (through counts_host [N*k] int32, a host copy, when the backend's memory is not host memory).
+ * Errors: those of fm_moe_ep_forward / fm_moe_ep_backward (the same on every rank of comm). */
+fm_status fm_moe_ep_layer_forward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
+                                  const fm_moe_weights *w, fm_act *y, const fm_act *x, const int32_t *topk_idx,
+                                  const float *topk_w, int64_t N, int64_t K, const int32_t *chunk_tokens,
+                                  fm_moe_ep_ws *ws, int64_t *counts, int32_t *counts_host);
+fm_status fm_moe_ep_layer_backward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
+                                   const fm_moe_weights *w, const fm_moe_grads *g, fm_act *dx, float *dtopk_w,
+                                   const fm_act *dy, const fm_act *x, const int32_t *topk_idx, const float *topk_w,
+                                   int64_t N, int64_t K, const int32_t *chunk_tokens, fm_moe_ep_ws *ws);
 
 #endif

@@ -27,6 +27,13 @@ typedef struct fm_router_opts {
     bool norm_topk;          /* renormalize the k weights to sum 1 (norm_topk_prob) */
     double aux_loss_coef;    /* router_aux_loss_coef */
     double z_loss_coef;      /* router_z_loss_coef (flatmoe extension; 0 = off) */
+    /* Test hook (adversarial routing, tests/mpi_train_ep.sh; the trainer sets it from
+     * FLATMOE_TEST_FORCE_ROUTE): every token's top-k becomes experts force_first .. force_first
+     * + k - 1 (mod E), their weights the softmax probabilities of those experts (renormalized with
+     * norm_topk), so forward, statistics and backward stay those of a router that chose them.
+     * Host-memory backends only (the CPU); false: the router's own choice. */
+    bool force_route;
+    int64_t force_first;
 } fm_router_opts;
 
 /* The router options of a config (softmax scores; the config's E, k, norm_topk_prob, coefs). */

@@ -80,7 +80,15 @@ void fm_calib_default(fm_calib *c, const char *backend) {
         c->elementwise_bw = c->dispatch_bw = c->adamw_bw = 5e9;
         c->h2d = c->d2h = c->h2d_duplex = c->d2h_duplex = 5e9;
     }
+    fm_calib_mesh_link_default(c, c->backend);
     snprintf(c->source, sizeof c->source, "built-in default (%s; docs/plan.md)", c->device);
+}
+
+void fm_calib_mesh_link_default(fm_calib *c, const char *backend) {
+    const bool cuda = backend && !strcmp(backend, "cuda");
+    c->intra_node_bw = cuda ? 450e9 : 5e9;
+    c->inter_node_bw = cuda ? 50e9 : 5e9;
+    c->mesh_link_measured = false;
 }
 
 /* ---- JSON ---------------------------------------------------------------------------------- */
@@ -177,7 +185,7 @@ fm_status fm_calib_load(fm_calib *c, const char *path) {
     fm_status s = FM_OK;
     char fmt[64] = "";
     double ver = 0, ab = 0;
-    const cJSON *rates = NULL, *link = NULL;
+    const cJSON *rates = NULL, *link = NULL, *mesh = NULL;
     if ((s = need_str(j, "format", path, fmt, sizeof fmt))) goto out;
     if (strcmp(fmt, FM_CALIB_FORMAT)) {
         s = fm_error(FM_ERR_FORMAT, "%s: \"format\" is \"%s\", expected \"%s\"", path, fmt, FM_CALIB_FORMAT);
@@ -225,6 +233,24 @@ fm_status fm_calib_load(fm_calib *c, const char *path) {
     if ((s = need_num(link, "d2h", path, true, &c->d2h))) goto out;
     if ((s = need_num(link, "h2d_duplex", path, true, &c->h2d_duplex))) goto out;
     if ((s = need_num(link, "d2h_duplex", path, true, &c->d2h_duplex))) goto out;
+    /* optional (tables written before the mesh planner have none): the nominal links */
+    fm_calib_mesh_link_default(c, c->backend);
+    mesh = cJSON_GetObjectItemCaseSensitive(j, "mesh_link");
+    if (mesh) {
+        if (!cJSON_IsObject(mesh)) {
+            s = fm_error(FM_ERR_FORMAT, "%s: \"mesh_link\" must be an object of B/s figures (intra_node, inter_node) "
+                         "and \"measured\" (true or false); remove it for the nominal figures", path);
+            goto out;
+        }
+        if ((s = need_num(mesh, "intra_node", path, true, &c->intra_node_bw))) goto out;
+        if ((s = need_num(mesh, "inter_node", path, true, &c->inter_node_bw))) goto out;
+        const cJSON *m = cJSON_GetObjectItemCaseSensitive(mesh, "measured");
+        if (m && !cJSON_IsBool(m)) {
+            s = fm_error(FM_ERR_FORMAT, "%s: \"mesh_link\".\"measured\" must be true or false", path);
+            goto out;
+        }
+        c->mesh_link_measured = m && cJSON_IsTrue(m);
+    }
     snprintf(c->source, sizeof c->source, "%s", path);
 out:
     cJSON_Delete(j);
@@ -266,6 +292,12 @@ fm_status fm_calib_save(const fm_calib *c, const char *path) {
     cJSON_AddNumberToObject(l, "d2h", c->d2h);
     cJSON_AddNumberToObject(l, "h2d_duplex", c->h2d_duplex);
     cJSON_AddNumberToObject(l, "d2h_duplex", c->d2h_duplex);
+    if (c->intra_node_bw > 0 && c->inter_node_bw > 0) {
+        cJSON *m = cJSON_AddObjectToObject(j, "mesh_link");
+        cJSON_AddNumberToObject(m, "intra_node", c->intra_node_bw);
+        cJSON_AddNumberToObject(m, "inter_node", c->inter_node_bw);
+        cJSON_AddBoolToObject(m, "measured", c->mesh_link_measured);
+    }
     char *text = cJSON_Print(j);
     cJSON_Delete(j);
     if (!text) return fm_error(FM_ERR_NOMEM, "%s: out of memory formatting the calibration table", path);

@@ -47,7 +47,20 @@ typedef struct fm_calib {
     double h2d_duplex, d2h_duplex; /* B/s of each direction while both run at once */
     double context_bytes;       /* device bytes the CUDA context and libraries take (0 CPU) */
     double host_pinnable_bytes; /* the measuring host's default --host-mem-budget (0: unknown) */
+    /* The links a mesh's collectives cross (plan/fm_mesh.h), B/s per GPU per direction: within a
+     * node (NVLink) and across nodes (InfiniBand). Optional in the file ("mesh_link": {"intra_node",
+     * "inter_node", "measured"}); absent, fm_calib_mesh_link_default's NOMINAL figures, not
+     * measured (mesh_link_measured false). */
+    double intra_node_bw, inter_node_bw;
+    bool mesh_link_measured;
 } fm_calib;
+
+/* The nominal mesh links of a backend: "cuda" an H200 HGX node, NVLink 450 GB/s per direction per
+ * GPU within a node (NVLink 4, 18 links x 25 GB/s) and 50 GB/s per GPU across nodes (one 400 Gb/s
+ * InfiniBand NDR adapter per GPU); "cpu" 5 GB/s both (MPI over shared memory / Ethernet, a guess).
+ * Nominal datasheet figures, not measured: the achieved bus bandwidth of NCCL is lower. Sets
+ * intra_node_bw, inter_node_bw and mesh_link_measured = false. Never fails. */
+void fm_calib_mesh_link_default(fm_calib *c, const char *backend);
 
 /* The built-in default table for a backend ("cpu" or "cuda"), with source set to say so. The
  * CUDA one is an H200 (bf16) estimate from the measurements of issue 10 (docs/plan.md); the CPU

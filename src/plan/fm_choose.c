@@ -102,7 +102,7 @@ static bool search_all(fm_plan_req *r, const fm_choose_opts *o, bool *rc) {
     int64_t chunks[64], n_ch = 0;
     if (o->fix_moe_chunk) chunks[n_ch++] = -1;
     else {
-        chunks[n_ch++] = 0; /* unchunked: the plain twin */
+        if (!(r->mesh.on && r->mesh.ep > 1)) chunks[n_ch++] = 0; /* unchunked: the plain twin (EP is chunked) */
         for (int64_t c = N;; c = (c + 1) / 2) {
             if (c < FM_PLAN_MIN_CHUNK) c = FM_PLAN_MIN_CHUNK;
             chunks[n_ch++] = c;
@@ -117,6 +117,8 @@ static bool search_all(fm_plan_req *r, const fm_choose_opts *o, bool *rc) {
             for (int opt = 0; opt < n_opt; opt++)
                 for (int64_t j = 0; j < n_ch; j++)
                     for (int ce = 0; ce < n_ce; ce++) {
+                        /* a mesh of more than one rank has the vocabulary ring: linear CE only */
+                        if (!o->fix_ce && ce == 0 && r->mesh.on && r->mesh.dp * r->mesh.sp > 1) continue;
                         cand c = {nrs[i], o->fix_keep_attention ? -1 : ka, o->fix_offload_boundaries ? -1 : -2,
                                   o->fix_offload_optimizer ? -1 : opt, chunks[j], o->fix_ce ? -1 : ce};
                         try_cand(r, o, c, rc, &s);
@@ -253,8 +255,8 @@ void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o0, char *buf,
         if (lo >= 1) add_item(list, sizeof list, &items, "--seq-len %lld%s", (long long)(lo * g),
                               g > 1 ? " (the longest that fits, in steps of 1024)" : " (the longest that fits)");
     }
-    /* 6. ranks: ZeRO-3 shards the model state over W ranks */
-    {
+    /* 6. ranks: ZeRO-3 shards the model state over W ranks (a mesh plan has its degrees) */
+    if (!req->mesh.on) {
         int64_t lo = 2, hi = 4096;
         fm_plan_req r = *req;
         r.ranks = hi;

@@ -8,6 +8,8 @@
 
 #include "../backend/fm_backend_plan.h"
 #include "../bounded/fm_linear_ce.h"
+#include "fm_mesh_bound.h"
+#include "../bounded/fm_moe_ep.h"
 #include "../schedule/fm_recompute.h"
 #include "../schedule/fm_sco.h"
 
@@ -29,9 +31,9 @@ fm_status fm_plan_check_shape(const fm_config *cfg, int64_t B, int64_t T) {
 void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     memset(p, 0, sizeof *p);
     const fm_config *c = &r->cfg;
-    /* Ulysses sequence parallelism (--sp): this rank's activations hold Tl = T/sp tokens per
-     * sequence; FLOPs per token stay the full sequence's */
-    const int64_t sp = r->sp > 1 ? r->sp : 1, Tl = r->T / sp;
+    /* a mesh rank holds T / sp of each sequence's tokens (Ulysses); one rank: all of them */
+    /* (r->sp: the trainer's --sp run, exact to its arenas; r->mesh.sp: a mesh rank's what-if) */
+    const int64_t sp = r->mesh.on && r->mesh.sp > 1 ? r->mesh.sp : r->sp > 1 ? r->sp : 1, Tl = r->T / sp;
     const int64_t L = c->num_hidden_layers, N = r->B * Tl, H = c->hidden_size, I = c->moe_intermediate_size;
     const int64_t k = c->num_experts_per_tok, E = c->num_experts;
     const fm_recompute_policy rp = {r->recompute, L, r->keep_attention}; /* the policy's bound */
@@ -67,7 +69,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
      * device, n_off on the host (schedule/fm_sco.h) */
     const int64_t n_off = r->n_offloaded_boundaries, n_bnd = fm_sco_device_boundaries(L, n_off);
     p->n_offloaded_boundaries = n_off;
-    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_n(c, r->B, Tl, r->moe_chunk_tokens > 0, n_bnd, a);
+    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_n(c, r->B, Tl, r->moe_chunk_tokens > 0 || r->ep > 1, n_bnd, a);
     p->host_bytes = fm_sco_host_bytes(N, H, n_off, a) + p->host_optimizer_bytes;
     if (n_off > 0)
         snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 - %lld offloaded + %d slots = %lld) x N x H x %d B, N = %lld, "
@@ -90,7 +92,13 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
 
     const fm_moe_dims md = {H, I, E, k};
     fm_moe_chunks(N, r->moe_chunk_tokens, &p->moe_K, &p->moe_c_eff);
-    if (r->moe_chunk_tokens > 0) {
+    if (r->ep > 1) { /* expert parallelism: the EP operator's bound for one chunk of <= c_eff tokens per source */
+        fm_moe_ep_bound eb;
+        p->bytes[FM_LIVE_EXPERT] = fm_arena_round(fm_moe_ep_bound_bytes(&md, r->ep, p->moe_c_eff, a, r->llep, &eb));
+        snprintf(p->inputs[FM_LIVE_EXPERT], 200, "EP over %d ranks: K = %lld chunks of <= %lld tokens per source, "
+                 "R_max = %lld rows x (4H + 6I) x %d B + c x k source rows%s", r->ep, (long long)p->moe_K,
+                 (long long)p->moe_c_eff, (long long)eb.rows_max, (int)a, r->llep && r->llep->on ? " + LLEP weights" : "");
+    } else if (r->moe_chunk_tokens > 0) {
         p->bytes[FM_LIVE_EXPERT] = fm_arena_round(fm_moe_ws_bytes(&md, p->moe_c_eff, true, a));
         snprintf(p->inputs[FM_LIVE_EXPERT], 200, "one chunk fwd+bwd: K = %lld chunks of <= %lld tokens x k = %lld routes, "
                  "(2H + 3I) x %d B per route", (long long)p->moe_K, (long long)p->moe_c_eff, (long long)k, (int)a);
@@ -101,11 +109,11 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     }
 
     const bool cuda = tgt == FM_PLAN_TARGET_CUDA || (tgt == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4);
-    /* (sp > 1: attention runs over the whole sequence on nh/sp heads and their kv heads) */
-    const int64_t nkv_sp = sp > 1 ? (c->num_key_value_heads >= sp ? c->num_key_value_heads / sp : 1)
-                                  : c->num_key_value_heads;
+    /* under sp, attention runs over the whole sequence with heads / sp query heads and
+     * fm_mesh_kv_heads key/value heads (replicated when fewer than sp) */
     const fm_backend_plan_req breq = {.B = r->B, .T = r->T, .nh = c->num_attention_heads / sp,
-                                      .nkv = nkv_sp, .hd = c->head_dim, .threads = r->threads,
+                                      .nkv = sp > 1 ? fm_mesh_kv_heads(c, sp) : c->num_key_value_heads,
+                                      .hd = c->head_dim, .threads = r->threads,
                                       .tile_q = r->att_tile_q, .tile_kv = r->att_tile_kv,
                                       .gpu_workspace = r->gpu_workspace};
     fm_backend_plan_info bw;
@@ -129,7 +137,8 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
 
     p->bytes[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(c, N, a);
     snprintf(p->inputs[FM_LIVE_WORKING_SET], 200, "one layer's backward: 4 x N x H (5 if heads x head_dim < H) + q/k/v grads + router grads");
-    if (sp > 1) { /* Ulysses: the head-sharded q/k/v/o and their grads, the all-to-all blocks, index tables */
+    if (r->sp > 1 && !r->mesh.on) { /* the trainer's Ulysses: the head-sharded q/k/v/o and their grads, the
+                                        all-to-all blocks, index tables (a mesh counts them in its comm set) */
         const fm_attn_sp_dims sd = {r->B, Tl, c->num_attention_heads, c->num_key_value_heads, c->head_dim, (int)sp};
         const size_t spb = fm_attn_sp_bytes(&sd, a);
         p->bytes[FM_LIVE_WORKING_SET] += spb;
@@ -149,7 +158,9 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
         snprintf(p->inputs[FM_LIVE_VOCAB], 200, "plain logits N x V x %d B, V = %lld (+ final norm)", (int)a, (long long)c->vocab_size);
     }
 
+    if (r->mesh.on) fm_mesh_plan_sets(r, p); /* model state, experts, vocabulary, comm buffers per rank */
     for (int i = 0; i < FM_PLAN_SETS; i++) p->total += p->bytes[i];
+    p->total += p->comm_bytes;
 
     /* FLOPs (Megatron's count; REFERENCES.md "FLOPs and MFU"): 6 per active matmul parameter
      * per token, plus causal attention 6 * L * (nh*hd) * T. Hardware FLOPs add the forwards run
@@ -161,10 +172,11 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     const double layer_active = (double)(p->n_active - c->vocab_size * H - H) / (double)L;
     double hw = p->flops_model_token;
     hw += (double)nr * 2.0 * layer_active + (double)(nr - nka) * 2.0 * h_attn * (double)r->T;
-    if (r->moe_chunk_tokens > 0) hw += (double)(L - nr) * 2.0 * (double)k * 3.0 * (double)H * (double)I;
+    if (r->moe_chunk_tokens > 0 || r->ep > 1) hw += (double)(L - nr) * 2.0 * (double)k * 3.0 * (double)H * (double)I;
     if (lce) hw += 2.0 * (double)c->vocab_size * (double)H; /* the logits formed twice */
     p->flops_hw_token = hw;
-    p->tokens_per_step = N * (r->grad_accum > 0 ? r->grad_accum : 1);
+    /* the whole step's tokens: dp ranks' sequences (sp ranks share theirs) */
+    p->tokens_per_step = N * sp * (r->mesh.on && r->mesh.dp > 1 ? r->mesh.dp : 1) * (r->grad_accum > 0 ? r->grad_accum : 1);
     p->bf16_moments = r->bf16_moments;
 }
 

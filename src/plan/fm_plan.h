@@ -27,6 +27,15 @@ typedef enum fm_plan_target {
     FM_PLAN_TARGET_CUDA,      /* bf16 activations, the CUDA backend's fixed workspaces */
 } fm_plan_target;
 
+/* The mesh a rank is one of (DESIGN.md §6; plan/fm_mesh.h plans and chooses it). A zeroed one
+ * (on false): one rank, the plan as before. world = dp x sp ranks; ep divides the world; rank
+ * layout: sp innermost (rank = dp_index x sp + sp_index), ep groups blocks of ep consecutive ranks. */
+typedef struct fm_mesh_dims {
+    bool on;               /* plan one rank of this mesh (ZeRO-3 over dp x sp) */
+    int64_t dp, ep, sp;    /* data-parallel, expert-parallel and sequence-parallel degrees (>= 1) */
+    int64_t gpus_per_node; /* ranks per node: which links the collectives cross (>= 1) */
+} fm_mesh_dims;
+
 typedef struct fm_plan_req {
     fm_config cfg;
     int64_t B, T;              /* micro-batch, sequence length */
@@ -62,6 +71,16 @@ typedef struct fm_plan_req {
     bool optimizer_overlap;     /* the update overlaps the next step's forward (train/fm_optim_overlap.h):
                                    the projection counts only the part of the optimizer's time
                                    longer than one micro-batch's forward */
+    fm_mesh_dims mesh;          /* on: the plan is per rank of this mesh; T stays the whole
+                                   sequence (each rank holds T / sp of its tokens) and
+                                   model_state_bytes is not asked (fm_mesh_plan_sets) */
+    /* Expert parallelism (--ep; bounded/fm_moe_ep.h). ep > 1: the expert-dispatch live set is
+     * the EP operator's chunk working set, fm_moe_ep_bound_bytes for the cap c = moe_chunk_tokens
+     * (0: N, one chunk) and llep, its host part joins the pinned host bytes the model's layout
+     * takes; the model state's bound is model_state_bytes's, which the caller gives for this
+     * rank's E/ep experts (train/fm_train_ep.h). 0 or 1: the local dispatch. */
+    int ep;
+    const fm_llep_opts *llep;   /* least-loaded placement (NULL or .on false: plain EP) */
     int64_t sp;                 /* Ulysses sequence parallelism (model/fm_attn_sp.h, --sp; 0 or 1:
                                    off): every activation live set is this rank's T/sp tokens per
                                    sequence; the working set adds the head-sharded attention
@@ -90,6 +109,11 @@ typedef struct fm_plan {
                                        device memory */
     size_t host_optimizer_bytes;    /* of host_bytes, the streamed optimizer's (0: not offloaded) */
     int64_t n_offloaded_boundaries;
+    /* mesh plans only (req->mesh.on; 0 otherwise): the communication buffers' bound (in total),
+     * its formula, and the parameters this rank updates (its ZeRO-3 shard and its experts) */
+    size_t comm_bytes;
+    char comm_inputs[200];
+    int64_t n_params_rank;
 } fm_plan;
 
 /* Checks that a shape is one flatmoe can index: B, T >= 1, B*T*top-k routes < 2^31 (int32 route

@@ -58,11 +58,22 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     if (r->bf16_moments) fprintf(f, " --bf16-moments");
     if (r->sp > 1) fprintf(f, " --sp %lld", (long long)r->sp);
     if (r->T > c->max_position_embeddings) fprintf(f, " --max-position-embeddings %lld", (long long)r->T);
+    const fm_mesh_dims *m = &r->mesh;
+    if (m->on) {
+        fprintf(f, " --zero 3 --dp %lld --ep %lld --sp %lld", (long long)m->dp, (long long)m->ep, (long long)m->sp);
+        fprintf(f, "\nmesh: world %lld = dp %lld x sp %lld, ep %lld (%lld GPUs per node); the bounds below are PER RANK: "
+                "N = micro-batch x seq-len / sp = %lld local tokens", (long long)(m->dp * m->sp), (long long)m->dp,
+                (long long)m->sp, (long long)m->ep, (long long)m->gpus_per_node, (long long)(r->B * (r->T / m->sp)));
+    }
     fprintf(f, "\n\n%-24s %20s %12s   %s\n", "live set", "bytes", "GiB", "bound");
     char g[32];
     for (int i = 0; i < FM_PLAN_SETS; i++) {
         human(g, sizeof g, p->bytes[i]);
         fprintf(f, "%-24s %20zu %12s   %s\n", fm_plan_set_name(i), p->bytes[i], g, p->inputs[i]);
+    }
+    if (m->on) {
+        human(g, sizeof g, p->comm_bytes);
+        fprintf(f, "%-24s %20zu %12s   %s\n", "communication buffers", p->comm_bytes, g, p->comm_inputs);
     }
     human(g, sizeof g, p->total);
     fprintf(f, "%-24s %20zu %12s\n", "total", p->total, g);
@@ -75,7 +86,8 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
                      r->target == FM_PLAN_TARGET_CPU ? 4 : r->target == FM_PLAN_TARGET_CUDA ? 2 : (int)sizeof(fm_act));
         if (p->host_optimizer_bytes > 0)
             snprintf(what + strlen(what), sizeof what - strlen(what), "%soptimizer %s x %lld params (fp32 master, Adam "
-                     "m, v)", what[0] ? " + " : "", r->bf16_moments ? "8 B/param" : "12 B/param", (long long)p->n_params);
+                     "m, v)", what[0] ? " + " : "", r->bf16_moments ? "8 B/param" : "12 B/param",
+                     (long long)(r->mesh.on ? p->n_params_rank : p->n_params));
         if (!what[0]) snprintf(what, sizeof what, "nothing offloaded");
         char hb[64] = "";
         if (host_limited) snprintf(hb, sizeof hb, "; host budget %.3f GiB", x->host_budget / 1073741824.0);
@@ -112,6 +124,36 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
             fprintf(f, "  (checkpoint offload copies %.4g s in all, %.4g s of it not hidden)\n", pr->offload_copy_s,
                     pr->sec[FM_PROJ_OFFLOAD]);
         if (pr->opt_link_s > 0) fprintf(f, "  (streamed optimizer: host link %.4g s)\n", pr->opt_link_s);
+        if (m->on && x->calib)
+            fprintf(f, "  (collectives at %s links: %.0f GB/s within a node, %.0f GB/s across, per GPU per direction; "
+                    "only the time compute does not hide is counted: fm_project.h)\n",
+                    x->calib->mesh_link_measured ? "measured" : "NOMINAL (not measured)", x->calib->intra_node_bw / 1e9,
+                    x->calib->inter_node_bw / 1e9);
+    }
+    if (m->on) { /* the launch line: the same knobs as train flags */
+        fprintf(f, "\nlaunch: mpirun -np %lld %s train --config %s --data DATA --seq-len %lld --micro-batch %lld --zero 3 "
+                "--dp %lld --ep %lld --sp %lld", (long long)(m->dp * m->sp),
+                r->target == FM_PLAN_TARGET_CUDA || (r->target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4)
+                    ? "flatmoe-cuda" : "flatmoe",
+                x->config_path ? x->config_path : "CONFIG", (long long)r->T, (long long)r->B, (long long)m->dp,
+                (long long)m->ep, (long long)m->sp);
+        fprintf(f, " --recompute ");
+        if (p->n_recomputed == 0) fprintf(f, "none");
+        else if (p->n_recomputed == L) fprintf(f, "full");
+        else
+            for (int64_t l = 0, k = 0; l < L; l++)
+                if (r->recompute && r->recompute[l]) fprintf(f, "%s%lld", k++ ? "," : "", (long long)l);
+        if (p->n_recomputed > 0)
+            fprintf(f, p->n_keep_attention == p->n_recomputed ? " --recompute-keep-attention"
+                       : p->n_keep_attention == 0 ? " --no-recompute-keep-attention" : "");
+        fprintf(f, " --moe-chunk-tokens %lld --ce-block-tokens %lld --ce-block-vocab %lld --offload-boundaries %lld%s%s",
+                (long long)r->moe_chunk_tokens,
+                (long long)(r->ce_block_tokens > 0 ? r->ce_block_tokens : FM_LCE_DEFAULT_BLOCK_TOKENS),
+                (long long)(r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB),
+                (long long)p->n_offloaded_boundaries, r->offload_optimizer ? " --offload-optimizer" : "",
+                r->bf16_moments ? " --bf16-moments" : "");
+        if (r->T > c->max_position_embeddings) fprintf(f, " --max-position-embeddings %lld", (long long)r->T);
+        fprintf(f, "\n");
     }
 }
 
@@ -124,6 +166,7 @@ void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_re
             (long long)(r->sp > 1 ? r->sp : 1), (long long)p->n_recomputed, (long long)p->n_keep_attention, (long long)r->moe_chunk_tokens, (long long)p->moe_K,
             (long long)r->ce_block_tokens, (long long)r->ce_block_vocab, r->bf16_moments ? "bf16" : "fp32");
     for (int i = 0; i < FM_PLAN_SETS; i++) fprintf(f, "%s\"%s\":%zu", i ? "," : "", fm_plan_set_name(i), p->bytes[i]);
+    if (r->mesh.on) fprintf(f, ",\"communication buffers\":%zu", p->comm_bytes);
     const bool host_ok = x->host_budget == FM_HOST_BUDGET_UNLIMITED || p->host_bytes <= x->host_budget;
     fprintf(f, "},\"total_bytes\":%zu,\"budget_bytes\":%zu,\"fits\":%s,\"flops_per_token_model\":%.17g,"
             "\"flops_per_token_hardware\":%.17g,\"tokens_per_step\":%lld,\"offloaded_boundaries\":%lld,"
@@ -132,6 +175,10 @@ void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_re
             p->flops_hw_token, (long long)p->tokens_per_step, (long long)p->n_offloaded_boundaries, p->host_bytes,
             r->offload_optimizer ? "true" : "false", x->device_mem, x->context_bytes);
     if (x->host_budget != FM_HOST_BUDGET_UNLIMITED) fprintf(f, ",\"host_budget_bytes\":%zu", x->host_budget);
+    if (r->mesh.on)
+        fprintf(f, ",\"mesh\":{\"world\":%lld,\"dp\":%lld,\"ep\":%lld,\"sp\":%lld,\"gpus_per_node\":%lld,"
+                "\"params_rank\":%lld}", (long long)(r->mesh.dp * r->mesh.sp), (long long)r->mesh.dp, (long long)r->mesh.ep,
+                (long long)r->mesh.sp, (long long)r->mesh.gpus_per_node, (long long)p->n_params_rank);
     if (x->proj) {
         const fm_projection *pr = x->proj;
         fprintf(f, ",\"projected\":{\"step_s\":%.6g,\"tokens_per_s\":%.6g,\"mfu\":%.6g,\"peak_flops\":%.6g,"
@@ -140,7 +187,8 @@ void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_re
             if (*c == '"' || *c == '\\') fprintf(f, "\\%c", *c);
             else if ((unsigned char)*c >= 0x20) fputc(*c, f);
         fprintf(f, "\",\"phases_s\":{");
-        for (int i = 0; i < FM_PROJ_PHASES; i++) fprintf(f, "%s\"%s\":%.6g", i ? "," : "", fm_proj_phase_names[i], pr->sec[i]);
+        const int nph = r->mesh.on ? FM_PROJ_PHASES : FM_PROJ_OPTIMIZER + 1; /* one rank: as before */
+        for (int i = 0; i < nph; i++) fprintf(f, "%s\"%s\":%.6g", i ? "," : "", fm_proj_phase_names[i], pr->sec[i]);
         fprintf(f, "}}");
     }
     fprintf(f, "}\n");

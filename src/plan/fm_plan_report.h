@@ -19,11 +19,15 @@ typedef struct fm_plan_report {
     size_t host_budget;       /* pinned host bytes allowed; FM_HOST_BUDGET_UNLIMITED: none */
     const fm_projection *proj; /* may be NULL: no time lines */
     const fm_calib *calib;    /* the projection's table (its source and peak are printed) */
+    const char *config_path;  /* mesh plans: the --config of the printed launch line (NULL: C) */
 } fm_plan_report;
 
-/* Prints the report as text. */
+/* Prints the report as text. A mesh plan (req->mesh.on) adds its degrees, the communication
+ * buffers' row, the collectives' phases and a copy-paste launch line (mpirun -np W ... --zero 3
+ * --dp --ep --sp); a one-rank plan prints as before. */
 void fm_plan_print(const fm_plan_req *req, const fm_plan *p, const fm_plan_report *x, FILE *f);
-/* The same as one JSON object (one line). */
+/* The same as one JSON object (one line); a mesh plan adds "mesh" (degrees), the
+ * "communication buffers" live set and the collectives' phases. */
 void fm_plan_print_json(const fm_plan_req *req, const fm_plan *p, const fm_plan_report *x, FILE *f);
 
 #endif

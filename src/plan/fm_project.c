@@ -4,10 +4,13 @@
 #include <string.h>
 
 #include "../bounded/fm_linear_ce.h"
+#include "../bounded/fm_linear_ce_ring.h"
+#include "fm_mesh_bound.h"
 
 const char *const fm_proj_phase_names[FM_PROJ_PHASES] = {
     "attention", "dense GEMMs", "expert GEMMs", "memory traffic", "LM head + loss",
-    "recompute", "MoE chunk recompute", "offload (unhidden)", "optimizer"};
+    "recompute", "MoE chunk recompute", "offload (unhidden)", "optimizer",
+    "ZeRO-3 gather/scatter", "EP all-to-all", "SP all-to-all", "vocab ring"};
 
 double fm_project_adamw_bytes(int a, bool bf16_moments) {
     const double mv = bf16_moments ? 2.0 : 4.0;
@@ -30,10 +33,9 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     memset(o, 0, sizeof *o);
     const fm_config *c = &r->cfg;
     const double a = act_bytes_of(r);
-    /* Ulysses (--sp): this rank's T/sp tokens per sequence, attention over all T on nh/sp heads
-     * (the all-to-alls' time is not projected yet) */
-    const double sp = r->sp > 1 ? (double)r->sp : 1.0;
-    const double B = (double)r->B, T = (double)r->T, N = B * T / sp, H = (double)c->hidden_size;
+    const bool mesh = r->mesh.on;
+    const double sp = mesh ? (double)r->mesh.sp : r->sp > 1 ? (double)r->sp : 1.0, ep = mesh ? (double)r->mesh.ep : 1.0;
+    const double B = (double)r->B, T = (double)r->T, N = B * (double)(r->T / (int64_t)sp), H = (double)c->hidden_size;
     const double L = (double)c->num_hidden_layers, E = (double)c->num_experts, k = (double)c->num_experts_per_tok;
     const double I = (double)c->moe_intermediate_size, V = (double)c->vocab_size;
     const double qd = (double)(c->num_attention_heads * c->head_dim), kd = (double)(c->num_key_value_heads * c->head_dim);
@@ -47,7 +49,7 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     const double dense_flops = 2.0 * N * H * (qd + 2.0 * kd) + 2.0 * N * qd * H + 2.0 * N * H * E;
     const double gemm_rate = fm_calib_rate(&cb->gemm, N);
     const double dense_f = at(dense_flops, gemm_rate), dense_b = at(2.0 * dense_flops, gemm_rate);
-    const double rpe = k * c_eff / (E > 0 ? E : 1);
+    const double rpe = k * c_eff * ep / (E > 0 ? E : 1);
     const double exp_flops = 2.0 * N * k * 3.0 * H * I;
     const double exp_f = at(exp_flops, fm_calib_rate(&cb->expert_fwd, rpe));
     const double exp_b = at(2.0 * exp_flops, fm_calib_rate(&cb->expert_bwd, rpe));
@@ -107,7 +109,7 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     o->offload_copy_s *= ga;
 
     /* optimizer */
-    const double P = (double)p->n_params;
+    const double P = (double)(mesh ? p->n_params_rank : p->n_params);
     const double adam_b = fm_project_adamw_bytes((int)a, r->bf16_moments);
     const double t_gpu = P * adam_b / cb->adamw_bw;
     double t_opt = 2.0 * a * P / cb->elementwise_bw; /* gradient zeroing and global norm */
@@ -135,8 +137,13 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
         t_opt = fmax(0.0, t_opt - hide);
     }
     o->sec[FM_PROJ_OPTIMIZER] = t_opt;
+    if (mesh) {
+        const fm_mesh_layer_times lt = {att_f, att_b, dense_f, dense_b, exp_f, exp_b, mem_f, head};
+        fm_mesh_project_comm(r, p, cb, &lt, o);
+    }
     for (int i = 0; i < FM_PROJ_PHASES; i++) o->step_s += o->sec[i];
     const double tokens = (double)p->tokens_per_step;
     o->tokens_per_s = o->step_s > 0 ? tokens / o->step_s : 0;
-    o->mfu = o->step_s > 0 && cb->peak_flops > 0 ? p->flops_model_token * tokens / o->step_s / cb->peak_flops : 0;
+    const double world = mesh ? (double)(r->mesh.dp * r->mesh.sp) : 1.0;
+    o->mfu = o->step_s > 0 && cb->peak_flops > 0 ? p->flops_model_token * tokens / o->step_s / cb->peak_flops / world : 0;
 }

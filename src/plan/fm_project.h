@@ -26,6 +26,35 @@
  * step's forward: the on-device AdamW, bound by HBM bandwidth like the short-sequence forward, is
  * hidden only by the layers' attention forward; the streamed one, bound by the host link, by the
  * whole forward of the layers; only the excess counts.
+ *
+ * A mesh rank (req->mesh.on; fm_mesh_bound.h for the links): its N = B T / sp tokens everywhere,
+ * but attention over the whole T with heads / sp (2 B T^2 qd / sp forward); expert GEMM rows per
+ * expert k c ep / E (each owner gets c tokens' rows from every ep source, router balanced); the
+ * optimizer over the rank's parameters (fm_plan.n_params_rank); MFU against world x peak. The
+ * collectives, per micro-batch, and what hides them (assumptions, not measurements):
+ *   ZeRO-3       per layer, all-gather of its non-expert weights (a x params) over W in forward
+ *                and again in backward, reduce-scatter of its gradients in backward; layer l+1's
+ *                gather runs on the communication stream during layer l's forward, l-1's gather
+ *                and l's reduce-scatter during l's backward: only the excess over that layer's
+ *                compute counts; the embedding's gather and reduce-scatter are not hidden. The
+ *                experts' gradients (Θ_exp / ep) are all-reduced over the W / ep ranks holding the
+ *                same experts once per step, hidden behind the last micro-batch's backward.
+ *   EP           per layer 6 row all-to-alls of N k H a bytes (dispatch and combine forward; the
+ *                recomputed dispatch, its return, dye out and dx back in backward), 2 more per
+ *                recomputed layer; chunk i+1's exchange overlaps chunk i's expert GEMMs
+ *                (PipelinedLLEP's schedule, issue 11 item 3; the CPU operator does not overlap
+ *                yet): excess over the expert GEMMs counts, plus one chunk's exchange (the
+ *                pipeline's fill); K = 1 hides nothing.
+ *   SP           per layer, forward q, k, v to heads and o back, backward q, k, v, o again, do
+ *                to heads and dq, dk, dv back: 6 (qd + kd') N a bytes x (sp-1)/sp (kd' the k/v
+ *                width sent, sp x hd when k/v heads are replicated); on the critical path
+ *                (attention waits for them): never hidden.
+ *   ring         P - 1 hops each way of the Ring-DTP message (activations: N (H a + 16) forward,
+ *                N (2 H a + 16) backward; weights: V/P H a, twice in backward), double-buffered
+ *                behind the head's block GEMMs: the excess counts, plus the first hop.
+ * Links: ring collectives at the slowest link of the group (inter_node_bw when it spans more than
+ * gpus_per_node ranks), all-to-all by its on-node and off-node peers at once; no latency term
+ * (small messages are rare here: the smallest are a layer's weights or a chunk's rows).
  */
 #ifndef FM_PROJECT_H
 #define FM_PROJECT_H
@@ -43,6 +72,11 @@ typedef enum fm_proj_phase {
     FM_PROJ_MOE_RECOMPUTE, /* the chunked MoE's expert forward again */
     FM_PROJ_OFFLOAD,       /* checkpoint-offload copies that their layer's compute does not hide */
     FM_PROJ_OPTIMIZER,     /* AdamW (on device or streamed), gradient zeroing and norm */
+    /* mesh plans only (fm_plan_req.mesh.on): the collectives' time that compute does not hide */
+    FM_PROJ_ZERO3,         /* ZeRO-3 all-gathers and reduce-scatters, the experts' all-reduce */
+    FM_PROJ_EP,            /* expert-parallel dispatch and combine all-to-alls */
+    FM_PROJ_SP,            /* Ulysses all-to-alls (sequence <-> heads) */
+    FM_PROJ_RING,          /* the vocabulary ring's hops */
     FM_PROJ_PHASES
 } fm_proj_phase;
 

@@ -3,7 +3,9 @@
 
 const char *fm_hook_point_name(fm_hook_point p) {
     static const char *const names[FM_HOOK_COUNT] = {"before_forward", "after_forward", "before_backward",
-                                                     "after_backward"};
+                                                     "after_backward",  "before_embed",  "before_head",
+                                                     "after_head_backward", "before_embed_backward",
+                                                     "after_embed_backward"};
     return p >= 0 && p < FM_HOOK_COUNT ? names[p] : "?";
 }
 
@@ -21,12 +23,21 @@ fm_status fm_schedule_add_hook(fm_schedule *s, fm_hook_fn fn, void *user) {
                         FM_SCHEDULE_MAX_HOOKS);
     s->hooks[s->n_hooks].fn = fn;
     s->hooks[s->n_hooks].user = user;
+    s->hooks[s->n_hooks].groups = false;
     s->n_hooks++;
     return FM_OK;
 }
 
+fm_status fm_schedule_add_group_hook(fm_schedule *s, fm_hook_fn fn, void *user) {
+    FM_TRY(fm_schedule_add_hook(s, fn, user));
+    s->hooks[s->n_hooks - 1].groups = true;
+    return FM_OK;
+}
+
 static fm_status run_hooks(fm_schedule *s, fm_model *m, fm_hook_point p, int64_t l) {
-    for (int i = 0; i < s->n_hooks; i++) FM_TRY(s->hooks[i].fn(s->hooks[i].user, m, p, l));
+    const bool group_point = p >= FM_HOOK_BEFORE_EMBED;
+    for (int i = 0; i < s->n_hooks; i++)
+        if (!group_point || s->hooks[i].groups) FM_TRY(s->hooks[i].fn(s->hooks[i].user, m, p, l));
     return FM_OK;
 }
 
@@ -39,6 +50,7 @@ static void wait_params(const fm_schedule *s, fm_model *m, int64_t g) {
 static fm_status forward_layers(fm_schedule *s, fm_model *m, bool with_targets) {
     const int64_t L = m->cfg.num_hidden_layers;
     wait_params(s, m, 0);
+    FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_EMBED, -1));
     fm_model_embed_forward(m, with_targets);
     for (int64_t l = 0; l < L; l++) {
         wait_params(s, m, 1 + l);
@@ -76,14 +88,16 @@ static fm_status backward_layers(fm_schedule *s, fm_model *m, float scale) {
         dx = t;
         FM_TRY(run_hooks(s, m, FM_HOOK_AFTER_BACKWARD, l));
     }
+    FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_EMBED_BACKWARD, -1));
     fm_model_embed_backward(m, dy);
-    return FM_OK;
+    return run_hooks(s, m, FM_HOOK_AFTER_EMBED_BACKWARD, -1);
 }
 
 fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm_loss *out) {
     fm_loss r;
     FM_TRY(forward_layers(s, m, with_targets));
     wait_params(s, m, m->cfg.num_hidden_layers + 1);
+    FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_HEAD, m->cfg.num_hidden_layers));
     FM_TRY(fm_model_head_forward(m, with_targets, &r));
     if (out) fm_model_read_loss(m, out);
     return FM_OK;
@@ -92,6 +106,7 @@ fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm
 fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale) {
     FM_TRY(check_restores(s, m));
     fm_model_head_backward(m, scale);
+    FM_TRY(run_hooks(s, m, FM_HOOK_AFTER_HEAD_BACKWARD, m->cfg.num_hidden_layers));
     return backward_layers(s, m, scale);
 }
 
@@ -100,7 +115,9 @@ fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, float scale, fm_lo
     FM_TRY(check_restores(s, m));
     FM_TRY(forward_layers(s, m, true));
     wait_params(s, m, m->cfg.num_hidden_layers + 1);
+    FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_HEAD, m->cfg.num_hidden_layers));
     FM_TRY(fm_model_head_train(m, scale, &r));
+    FM_TRY(run_hooks(s, m, FM_HOOK_AFTER_HEAD_BACKWARD, m->cfg.num_hidden_layers));
     FM_TRY(backward_layers(s, m, scale));
     if (out) fm_model_read_loss(m, out);
     return FM_OK;

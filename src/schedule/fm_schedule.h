@@ -12,6 +12,9 @@
  *                     its attention forward under keep-attention],
  *                     layer_backward(l), AFTER_BACKWARD(l);
  *   embedding backward.
+ * A group hook (fm_schedule_add_group_hook) is also called at BEFORE_EMBED (layer -1) before the
+ * embedding, BEFORE_HEAD (layer L) before the head, AFTER_HEAD_BACKWARD (L) after the head's
+ * backward, and BEFORE_EMBED_BACKWARD / AFTER_EMBED_BACKWARD (-1) around the embedding's backward.
  * Hooks run in the order they were added. A hook that returns an error stops the step there and
  * the status is returned (the step's gradients are then incomplete). */
 #ifndef FM_SCHEDULE_H
@@ -25,6 +28,14 @@ typedef enum fm_hook_point {
     FM_HOOK_AFTER_FORWARD,
     FM_HOOK_BEFORE_BACKWARD, /* before the layer's recompute (a restored boundary is needed by it) */
     FM_HOOK_AFTER_BACKWARD,  /* the layer's parameter gradients for this micro-batch are complete */
+    /* The parameter groups outside the layers (ZeRO-3's gathers and reduce-scatters,
+     * train/fm_zero3.h), called only for hooks added with fm_schedule_add_group_hook; layer is
+     * -1 at the embedding's points and L at the head's. */
+    FM_HOOK_BEFORE_EMBED,          /* before the embedding's forward */
+    FM_HOOK_BEFORE_HEAD,           /* before the final norm and head (forward, or forward and backward) */
+    FM_HOOK_AFTER_HEAD_BACKWARD,   /* the final norm's and head's gradients are complete */
+    FM_HOOK_BEFORE_EMBED_BACKWARD, /* before the embedding's backward */
+    FM_HOOK_AFTER_EMBED_BACKWARD,  /* the embedding's gradients are complete */
     FM_HOOK_COUNT
 } fm_hook_point;
 
@@ -41,6 +52,7 @@ typedef struct fm_schedule {
     struct {
         fm_hook_fn fn;
         void *user;
+        bool groups; /* also called at the embedding's and head's points */
     } hooks[FM_SCHEDULE_MAX_HOOKS];
     int n_hooks;
     int64_t restores_boundaries; /* offloaded boundaries a hook brings back in backward (the
@@ -60,6 +72,9 @@ void fm_schedule_init(fm_schedule *s, const fm_model *m);
 /* Adds a hook (called at every point; it filters the points it wants). Errors: FM_ERR_ARG when
  * FM_SCHEDULE_MAX_HOOKS are already added or fn is NULL. */
 fm_status fm_schedule_add_hook(fm_schedule *s, fm_hook_fn fn, void *user);
+/* The same for a hook that is also called at the embedding's and head's points (BEFORE_EMBED ..
+ * AFTER_EMBED_BACKWARD, the header's comment). Errors: as fm_schedule_add_hook. */
+fm_status fm_schedule_add_group_hook(fm_schedule *s, fm_hook_fn fn, void *user);
 
 /* Forward of m->h_tokens [B,T] (and m->h_targets with targets) through the loss, saving what
  * backward needs. The losses land in m->results; with out non-NULL the call ends with a sync

@@ -14,6 +14,11 @@
 
 fm_status fm_evaluate(fm_model *m, const fm_dataset *ds, int64_t max_batches, double *mean_loss,
                       int64_t *n_tokens_out) {
+    return fm_evaluate_sched(NULL, m, ds, max_batches, mean_loss, n_tokens_out);
+}
+
+fm_status fm_evaluate_sched(fm_schedule *s, fm_model *m, const fm_dataset *ds, int64_t max_batches, double *mean_loss,
+                            int64_t *n_tokens_out) {
     const int64_t sp = m->sp > 1 ? m->sp : 1, B = m->B, T = m->T, Tw = T * sp; /* T: this rank's slice */
     const int64_t nwin = fm_dataset_eval_windows(ds, Tw);
     const int64_t W = (m->comm ? fm_comm_size(m->comm) : 1) / sp, q = (m->comm ? fm_comm_rank(m->comm) : 0) / sp;
@@ -28,7 +33,7 @@ fm_status fm_evaluate(fm_model *m, const fm_dataset *ds, int64_t max_batches, do
             m->h_targets[i] = -100;
         }
         fm_loss l;
-        FM_TRY(fm_schedule_default_forward(m, true, &l));
+        FM_TRY(s ? fm_schedule_forward(s, m, true, &l) : fm_schedule_default_forward(m, true, &l));
         sum += l.ce * (double)l.n_valid;
         count += l.n_valid;
         batches++;

@@ -1,6 +1,7 @@
 /* AdamW behind the optimizer interface, the gradients' sum of squares, the learning-rate
  * schedule (fm_optim.h). */
 #include "fm_optim.h"
+#include "fm_zero3.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -9,12 +10,17 @@ size_t fm_adamw_state_bytes(int64_t n_params, bool bf16_moments) {
     return 2 * fm_arena_round((size_t)n_params * (bf16_moments ? 2 : sizeof(float)));
 }
 
-static int bound_world = 1; /* fm_model_state_bound_set_dp: 1 unless ZeRO-1/2 over several ranks */
+static int bound_world = 1; /* fm_model_state_bound_set_dp: 1 unless ZeRO-1/2 or ZeRO-3 over several ranks */
+static int bound_zero = 0;
 
-void fm_model_state_bound_set_dp(int world, int zero) { bound_world = zero && world > 1 ? world : 1; }
+void fm_model_state_bound_set_dp(int world, int zero) {
+    bound_world = zero && world > 1 ? world : 1;
+    bound_zero = bound_world > 1 ? zero : 0;
+}
 
 size_t fm_model_state_bound(const fm_config *cfg, size_t a, bool bf16_moments, char desc[200]) {
     const int64_t n = fm_config_num_params(cfg);
+    if (bound_world > 1 && bound_zero == 3) return fm_zero3_state_bytes(cfg, a, bound_world, bf16_moments, desc);
     if (bound_world > 1) { /* ZeRO-1/2: weights and grads whole (padded), master whole on bf16 builds, m, v / W */
         const int W = bound_world;
         const int64_t S = fm_param_store_shard_len(n, W);
@@ -86,11 +92,12 @@ static void adamw_step_range(void *self, fm_model *m, int t0, int t1, double lr,
     }
 }
 
-/* The update of flat parameters [p0, p1): runs of consecutive tensors with one decay flag, clipped
- * to the range, one launch each; the moments at (parameter - state_begin). */
-static void adamw_step_shard(void *self, fm_model *m, int64_t p0, int64_t p1, double lr, float grad_scale) {
-    fm_adamw *opt = self;
-    FM_ASSERT(opt->step > 0 && p0 >= opt->state_begin && p1 <= opt->state_begin + opt->state_len && p0 <= p1);
+/* The update of flat parameters [p0, p1) whose weights, grads and master start at w, g, ms
+ * (element p0; ms NULL: the weights are the master), moments at state element s0: runs of
+ * consecutive tensors with one decay flag, clipped to the range, one launch each. */
+static void adamw_flat(fm_adamw *opt, fm_model *m, int64_t p0, int64_t p1, fm_act *w, const fm_act *g, float *ms,
+                       int64_t s0, double lr, float grad_scale) {
+    FM_ASSERT(opt->step > 0 && s0 >= 0 && s0 + (p1 - p0) <= opt->state_len && p0 <= p1);
     const float bc1 = (float)(1.0 - pow(opt->beta1, (double)opt->step));
     const float bc2 = (float)(1.0 - pow(opt->beta2, (double)opt->step));
     const size_t es = fm_dtype_size(opt->moments_dtype);
@@ -103,13 +110,26 @@ static void adamw_step_shard(void *self, fm_model *m, int64_t p0, int64_t p1, do
         while (j < m->n_tensors && m->table[j].decay == decay && m->table[j].offset == b && b < p1)
             b += m->table[j++].numel;
         if (b > p1) b = p1;
-        float *master = (void *)m->master == (void *)m->params ? NULL : m->master + a;
-        const size_t mo = (size_t)(a - opt->state_begin) * es;
-        m->be.ops->adamw(m->be.ctx, m->params + a, m->grads + a, master, (char *)opt->m + mo, (char *)opt->v + mo,
-                         opt->moments_dtype, b - a, (float)lr, (float)opt->beta1, (float)opt->beta2, (float)opt->eps,
-                         decay ? (float)opt->weight_decay : 0.0f, bc1, bc2, grad_scale);
+        const size_t mo = (size_t)(s0 + (a - p0)) * es;
+        m->be.ops->adamw(m->be.ctx, w + (a - p0), g + (a - p0), ms ? ms + (a - p0) : NULL, (char *)opt->m + mo,
+                         (char *)opt->v + mo, opt->moments_dtype, b - a, (float)lr, (float)opt->beta1,
+                         (float)opt->beta2, (float)opt->eps, decay ? (float)opt->weight_decay : 0.0f, bc1, bc2,
+                         grad_scale);
         i = j;
     }
+}
+
+/* ZeRO-1/2: [p0, p1) of m's buffers, the moments at (parameter - state_begin). */
+static void adamw_step_shard(void *self, fm_model *m, int64_t p0, int64_t p1, double lr, float grad_scale) {
+    fm_adamw *opt = self;
+    FM_ASSERT(p0 >= opt->state_begin && p1 <= opt->state_begin + opt->state_len);
+    float *master = (void *)m->master == (void *)m->params ? NULL : m->master + p0;
+    adamw_flat(opt, m, p0, p1, m->params + p0, m->grads + p0, master, p0 - opt->state_begin, lr, grad_scale);
+}
+
+static void adamw_step_at(void *self, fm_model *m, int64_t p0, int64_t p1, fm_act *w, const fm_act *g, float *master,
+                          int64_t s0, double lr, float grad_scale) {
+    adamw_flat(self, m, p0, p1, w, g, master, s0, lr, grad_scale);
 }
 
 static int adamw_state_tensors(void *self, fm_optim_state *out, int cap) {
@@ -121,7 +141,7 @@ static int adamw_state_tensors(void *self, fm_optim_state *out, int cap) {
 }
 
 const fm_optimizer_ops fm_adamw_ops = {"adamw", adamw_state_bytes, adamw_init, adamw_step_begin, adamw_step_range,
-                                       adamw_state_tensors, adamw_step_shard};
+                                       adamw_state_tensors, adamw_step_shard, adamw_step_at};
 
 void fm_grad_sumsq(fm_model *m, double *out) { m->be.ops->sumsq(m->be.ctx, out, m->grads, m->n_params, false); }
 

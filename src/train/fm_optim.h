@@ -41,6 +41,13 @@ typedef struct fm_optimizer_ops {
      * each table tensor's decay flag applies to its part of the range. NULL: the optimizer cannot
      * run on a shard (the streamed AdamW). Issues work only. */
     void (*step_shard)(void *self, fm_model *m, int64_t p0, int64_t p1, double lr, float grad_scale);
+    /* ZeRO-3 (train/fm_zero3.h): the update of the flat parameters [p0, p1) held elsewhere than
+     * m's buffers: their weights at w, gradients at g and fp32 master at master (NULL: the
+     * weights are the master, fp32 builds), each element p0 first, backend memory; their state
+     * from state element s0. Each table tensor's decay flag applies to its part of the range.
+     * NULL: the optimizer cannot (the streamed AdamW). Issues work only. */
+    void (*step_at)(void *self, fm_model *m, int64_t p0, int64_t p1, fm_act *w, const fm_act *g, float *master,
+                    int64_t s0, double lr, float grad_scale);
 } fm_optimizer_ops;
 
 /* AdamW (Loshchilov & Hutter, arXiv 1711.05101) with per-tensor weight-decay masks. State: Adam
@@ -73,8 +80,10 @@ size_t fm_model_state_bound(const fm_config *cfg, size_t act_bytes, bool bf16_mo
 /* The data-parallel layout fm_model_state_bound answers for, process-wide (the plan request's
  * callback has no room for it): world data-parallel ranks, zero 1: ZeRO-1/2 (the store of
  * fm_param_store_create_sharded, weights and grads padded to world * S, Adam m and v of S =
- * ceil(n / world) parameters: a per-rank bound); zero 0 or world 1: the whole replica (the
- * default). train and plan set it before planning. */
+ * ceil(n / world) parameters: a per-rank bound); zero 3: ZeRO-3 (train/fm_zero3.h:
+ * fm_zero3_state_bytes, the shard's 16 B/param plus two gathered groups and one group's
+ * gradients); zero 0 or world 1: the whole replica (the default). train and plan set it before
+ * planning. */
 void fm_model_state_bound_set_dp(int world, int zero);
 
 /* The sum of squares of all gradients (double) into *out (backend memory, assigned): the global

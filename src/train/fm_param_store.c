@@ -1,6 +1,8 @@
 /* The parameter store (fm_param_store.h). */
 #include "fm_param_store.h"
 
+#include "fm_zero3.h"
+
 size_t fm_param_store_bytes(const fm_config *cfg, size_t a) {
     const int64_t n = fm_config_num_params(cfg);
     size_t b = 2 * fm_arena_round((size_t)n * a);
@@ -59,8 +61,11 @@ static fm_status create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes,
     ps->shard_begin = (int64_t)rank * ps->shard_len;
     if (ps->shard_begin > m->n_params) ps->shard_begin = m->n_params;
     ps->shard_end = ps->shard_begin + ps->shard_len < m->n_params ? ps->shard_begin + ps->shard_len : m->n_params;
-    const size_t state = host_master ? fm_param_store_bytes_no_master(&m->cfg, sizeof(fm_act))
-                                     : fm_param_store_bytes_sharded(&m->cfg, sizeof(fm_act), world),
+    /* fm_param_store_bytes(_sharded, _no_master) of the table's count (with --ep, fm_model_create_ep's
+     * E/ep experts: fewer than the config's) */
+    const size_t na = (size_t)ps->n_alloc, a = sizeof(fm_act);
+    const size_t state = 2 * fm_arena_round(na * a) +
+                         (host_master || a == sizeof(float) ? 0 : fm_arena_round((size_t)m->n_params * sizeof(float))),
                  total = state + optimizer_bytes;
     ps->be = m->be;
     fm_status st = fm_arena_init_backend(&ps->arena, fm_live_set_names[FM_LIVE_MODEL_STATE], total, &ps->be);
@@ -92,6 +97,42 @@ fm_status fm_param_store_create_sharded(fm_param_store *ps, fm_model *m, int ran
 fm_status fm_param_store_create_host_master(fm_param_store *ps, fm_model *m, size_t optimizer_bytes, float *master) {
     FM_ASSERT(master);
     return create(ps, m, optimizer_bytes, master, 0, 1);
+}
+
+fm_status fm_param_store_create_zero3(fm_param_store *ps, fm_model *m, const fm_zero3 *z, size_t optimizer_bytes) {
+    memset(ps, 0, sizeof *ps);
+    FM_ASSERT(z->n_params == m->n_params);
+    ps->n_params = m->n_params;
+    ps->rank = z->rank;
+    ps->world = z->W;
+    ps->sharded = true;
+    ps->zero3 = true;
+    ps->shard_begin = 0; /* the optimizer's state element i is shard element i */
+    ps->shard_len = ps->shard_end = ps->n_alloc = z->shard_len;
+    ps->slot_len = z->slot_len;
+    ps->gbuf_len = z->gbuf_len;
+    const size_t total = fm_zero3_store_bytes(z, sizeof(fm_act)) + optimizer_bytes;
+    ps->be = m->be;
+    if (fm_arena_init_backend(&ps->arena, fm_live_set_names[FM_LIVE_MODEL_STATE], total, &ps->be))
+        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the ZeRO-3 model state (%lld of %lld parameters on "
+                        "this rank, %.3f GiB); use more ranks or a smaller config%s", (long long)z->shard_len,
+                        (long long)m->n_params, total / 1073741824.0, optimizer_bytes ? ", or --bf16-moments" : "");
+    /* the walk fm_zero3_store_bytes counts */
+    const size_t S = (size_t)z->shard_len, a = sizeof(fm_act);
+    ps->weights = fm_arena_alloc(&ps->arena, S * a);
+    ps->grads = fm_arena_alloc(&ps->arena, S * a);
+    ps->master = a == sizeof(float) ? (float *)(void *)ps->weights : fm_arena_alloc(&ps->arena, S * sizeof(float));
+    ps->slot[0] = fm_arena_alloc(&ps->arena, (size_t)z->slot_len * a);
+    ps->slot[1] = fm_arena_alloc(&ps->arena, (size_t)z->slot_len * a);
+    ps->gbuf = fm_arena_alloc(&ps->arena, (size_t)z->gbuf_len * a);
+    ps->be.ops->mem_set(ps->be.ctx, ps->weights, 0, S * a);
+    ps->be.ops->mem_set(ps->be.ctx, ps->grads, 0, S * a);
+    if ((void *)ps->master != (void *)ps->weights) ps->be.ops->mem_set(ps->be.ctx, ps->master, 0, S * sizeof(float));
+    m->params = ps->weights;
+    m->grads = ps->grads;
+    m->master = ps->master;
+    m->master_host = false;
+    return FM_OK;
 }
 
 void *fm_param_store_take(fm_param_store *ps, size_t bytes) { return fm_arena_alloc(&ps->arena, bytes); }

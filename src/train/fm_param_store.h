@@ -9,8 +9,9 @@
  * kernels; the last ranks may own fewer, or no, parameters); the weights and gradients
  * stay whole but are padded to W S elements (zeros past n_params), so that the gradients'
  * reduce-scatter and the weights' all-gather are equal blocks in place; the optimizer keeps the
- * state of the shard only (S elements). Under ZeRO-3 the weights and grads would be sharded too
- * and gathered layer by layer in the schedule's hooks (not built yet).
+ * state of the shard only (S elements). ZeRO-3 (fm_param_store_create_zero3, --zero 3;
+ * train/fm_zero3.h): the weights, grads and master are this rank's shard only, S elements of
+ * per-group pieces, beside two gather slots and one group's full gradients.
  *
  * Bound (the model-state live set, DESIGN.md §2): weights and grads 2 * r(n_params * a) plus the
  * master r(n_params * 4) when a != 4 (a = bytes per fm_act), plus the optimizer's state
@@ -32,6 +33,10 @@ typedef struct fm_param_store {
     float *master;               /* [n_params] fp32 master weights; == weights when fm_act is fp32;
                                     the optimizer's (host) memory in the no-master mode */
     bool host_master;            /* fm_param_store_create_host_master: master is not in the arena */
+    bool zero3;                  /* fm_param_store_create_zero3: weights, grads, master [shard_len]
+                                    (shard_begin 0: the optimizer's state is the shard's) */
+    fm_act *slot[2], *gbuf;      /* ZeRO-3: the gather slots [slot_len] and the gradient buffer [gbuf_len] */
+    int64_t slot_len, gbuf_len;
     fm_arena arena;              /* the model-state live set (backend memory) */
     fm_backend be;               /* the backend of the arena (a copy: the store may outlive the model) */
 } fm_param_store;
@@ -67,6 +72,15 @@ fm_status fm_param_store_create_host_master(fm_param_store *ps, fm_model *m, siz
  * optimizer_bytes for the shard's optimizer state. world == 1 is fm_param_store_create. Errors:
  * as fm_param_store_create. */
 fm_status fm_param_store_create_sharded(fm_param_store *ps, fm_model *m, int rank, int world, size_t optimizer_bytes);
+
+/* ZeRO-3 (train/fm_zero3.h): the store of rank z->rank of z->W: weights and grads [z->shard_len]
+ * fm_act (zeroed), the master [z->shard_len] fp32 (fp32 builds: the weights), the two gather
+ * slots [z->slot_len] and the gradient buffer [z->gbuf_len], fm_zero3_store_bytes(z) in all, and
+ * optimizer_bytes for the shard's optimizer state. m's master/params/grads point at the shard;
+ * its views are the schedule hook's to bind (fm_zero3_bind, fm_model_bind_group). Errors: as
+ * fm_param_store_create. */
+struct fm_zero3;
+fm_status fm_param_store_create_zero3(fm_param_store *ps, fm_model *m, const struct fm_zero3 *z, size_t optimizer_bytes);
 
 #define FM_SHARD_ALIGN 64
 

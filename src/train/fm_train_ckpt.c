@@ -27,10 +27,13 @@ fm_status fm_train_hf_init(fm_train_hf *h, const fm_model *m) {
         const fm_param *p = &m->table[i];
         h->params[i] = (fm_hf_param){p->name, p->ndim, {p->shape[0], p->shape[1]}, p->offset};
     }
-    for (int64_t l = 0; l < L; l++)
-        h->experts[l] = (fm_hf_experts){m->w.layers[l].w_gate - m->params, m->w.layers[l].w_up - m->params,
-                                        m->w.layers[l].w_down - m->params};
-    h->t = (fm_hf_table){h->params, m->n_tensors, L, c->num_experts, c->hidden_size, c->moe_intermediate_size,
+    for (int64_t l = 0; l < L; l++) { /* a table-only model without a layout (--ep's full table) has none */
+        int64_t g = 0, u = 0, d = 0;
+        if (m->offsets) fm_model_layer_expert_offsets(m, l, &g, &u, &d);
+        h->experts[l] = (fm_hf_experts){g, u, d};
+    }
+    h->t = (fm_hf_table){h->params, m->n_tensors, L, m->E_loc > 0 ? m->E_loc : c->num_experts, c->hidden_size,
+                         c->moe_intermediate_size,
                          c->model_type == FM_MODEL_MIXTRAL ? "block_sparse_moe" : "mlp", h->experts,
                          c->tie_word_embeddings, c->model_type_name};
     return FM_OK;
@@ -44,15 +47,28 @@ void fm_train_hf_free(fm_train_hf *h) {
 
 /* ---- loading tensors into backend buffers --------------------------------------------------- */
 
+/* fm_hf_read, except that under expert parallelism (m->ep > 1: the table holds this rank's
+ * experts) the other ranks' experts in the file are skipped, not an error. */
+static fm_status hf_read(const fm_model *m, const fm_hf_table *t, const char *path, const char *prefix, float *base) {
+    if (m->ep <= 1) return fm_hf_read(t, path, prefix, base);
+    fm_hf_files f;
+    FM_TRY(fm_hf_files_open(&f, path));
+    char extra[256];
+    const fm_hf_read_opts ro = {false, extra, sizeof extra};
+    const fm_status s = fm_hf_read_files(t, &f, prefix, base, &ro);
+    fm_hf_files_close(&f);
+    return s;
+}
+
 /* Loads a safetensors file's fp32 tensors (with the name prefix) into a backend buffer [n_params]
  * of dtype in table layout (bf16: rounded to nearest even): directly when the backend's memory is
  * host memory and dtype fp32, else through a host staging copy. */
 static fm_status load_fp32_as_ex(fm_model *m, const fm_hf_table *t, const char *path, const char *prefix, void *dst,
                                  fm_dtype dtype, bool host) {
-    if ((host || m->be.ops->host_memory) && dtype == FM_DTYPE_F32) return fm_hf_read(t, path, prefix, dst);
+    if ((host || m->be.ops->host_memory) && dtype == FM_DTYPE_F32) return hf_read(m, t, path, prefix, dst);
     float *stage = fm_malloc(sizeof(float) * (size_t)m->n_params);
     if (!stage) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)m->n_params);
-    fm_status s = fm_hf_read(t, path, prefix, stage);
+    fm_status s = hf_read(m, t, path, prefix, stage);
     if (s == FM_OK && dtype == FM_DTYPE_BF16) {
         uint16_t *h = (uint16_t *)stage; /* narrowing in increasing order never overtakes the reads */
         for (int64_t i = 0; i < m->n_params; i++) h[i] = fm_f32_to_bf16(stage[i]);
@@ -210,12 +226,14 @@ static void fetch_from_backend(void *ctx, float *buf) {
 /* Names the table's tensors of a [n_params] buffer of dtype as fp32 tensors (host memory and
  * fp32: data pointers; otherwise fetched one tensor at a time while writing, bf16 widened
  * exactly, so no host copy of the whole state is made). */
-static fm_status name_state(run *r, const void *base, fm_dtype dtype, bool host, const char *prefix, int slot) {
+static fm_status name_state(run *r, const fm_hf_table *t, const void *base, fm_dtype dtype, bool host,
+                            const char *prefix, int slot) {
     fm_model *m = &r->m;
-    const int n = m->n_tensors;
+    const int n = t->n_params;
     const bool direct = (host || m->be.ops->host_memory) && dtype == FM_DTYPE_F32;
-    FM_TRY(fm_hf_name_tensors(&r->hf.t, direct ? base : NULL, prefix, r->named + slot * n, r->names + slot * n));
+    FM_TRY(fm_hf_name_tensors(t, direct ? base : NULL, prefix, r->named + slot * n, r->names + slot * n));
     if (direct) return FM_OK;
+    FM_ASSERT(t == &r->hf.t); /* fetched from the backend: this rank's table (the gathered full one is host fp32) */
     for (int i = 0; i < n; i++) {
         fm_fetch_src *f = &r->fetch[slot * n + i];
         f->be = &m->be;
@@ -238,15 +256,17 @@ static const fm_optim_state *optim_master(const fm_optim_state *os, int n) {
 }
 
 fm_status fm_train_ckpt_init(run *r) {
-    const int n = r->m.n_tensors;
+    const int n = r->ep.full_ok ? r->ep.full.n_tensors : r->m.n_tensors; /* --ep: the full table's names */
     r->named = fm_malloc(sizeof(fm_named_tensor) * (size_t)(4 * n));
     r->names = fm_malloc(sizeof(*r->names) * (size_t)(4 * n));
     r->fetch = fm_malloc(sizeof(*r->fetch) * (size_t)(4 * n));
     if (!r->named || !r->names || !r->fetch) return fm_error(FM_ERR_NOMEM, "out of memory for the tensor name table");
+    if (r->ep.full_ok) FM_TRY(fm_train_hf_init(&r->ep_hf, &r->ep.full)); /* --ep: the checkpoint's full names */
     return fm_train_hf_init(&r->hf, &r->m);
 }
 
-static fm_status save_named(run *r, const train_state *ts, fm_optim_state *os, int nos, const float *gmaster);
+static fm_status save_named(run *r, const train_state *ts, fm_optim_state *os, int nos, const float *gmaster,
+                            const fm_hf_table *t);
 
 /* ---- many ranks: rank 0 writes; ZeRO-1/2's shards gathered to it, loaded by each owner ---- */
 
@@ -281,6 +301,24 @@ static fm_status gather_state(run *r, const void *shard, fm_dtype dtype, void **
     return st;
 }
 
+/* ZeRO-3: the full fp32 tensors of path with the prefix into a new host buffer *out [n_params]. */
+static fm_status read_full(run *r, const char *path, const char *prefix, float **out) {
+    *out = fm_malloc(sizeof(float) * (size_t)r->m.n_params);
+    if (!*out) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)r->m.n_params);
+    const fm_status s = fm_hf_read(&r->hf.t, path, prefix, *out);
+    if (s != FM_OK) fm_free(*out), *out = NULL;
+    return s;
+}
+
+/* ZeRO-3: this rank's shard of the optimizer state os from the full tensors of path (any world size). */
+static fm_status load_state_zero3(run *r, const char *path, const fm_optim_state *os) {
+    float *full;
+    FM_TRY(read_full(r, path, os->prefix, &full));
+    const fm_status s = fm_zero3_scatter_full(&r->z3, &r->m, full, os->base, os->dtype);
+    fm_free(full);
+    return s;
+}
+
 /* Loads the optimizer state os (this rank's shard of a sharded store) from the full tensors of
  * path: the whole fp32 tensor staged on the host, this rank's range copied (bf16: narrowed). */
 static fm_status load_state_shard(run *r, const char *path, const fm_optim_state *os) {
@@ -310,7 +348,34 @@ fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
     const int nos = r->optim->state_tensors(r->opt_self, os, 3);
     void *gathered[3] = {NULL, NULL, NULL};
     float *gmaster = NULL;
-    if (r->ps.sharded) { /* ZeRO-1/2: every rank sends its shards; rank 0 names the full host copies */
+    if (r->ep.full_ok) { /* --ep: full tensors, the experts gathered from their owners to rank 0 */
+        fm_status st = fm_train_ep_gather(&r->ep, m, m->master, FM_DTYPE_F32, false, &gmaster);
+        for (int i = 0; i < nos && st == FM_OK; i++) {
+            float *g = NULL;
+            st = fm_train_ep_gather(&r->ep, m, os[i].base, os[i].dtype, os[i].host, &g);
+            gathered[i] = g;
+            os[i].base = g, os[i].host = true, os[i].dtype = FM_DTYPE_F32;
+        }
+        if (st == FM_OK && r->rank == 0) st = save_named(r, ts, os, nos, gmaster, &r->ep_hf.t);
+        for (int i = 0; i < nos; i++) fm_free(gathered[i]);
+        fm_free(gmaster);
+        return st;
+    }
+    if (r->zero3) { /* ZeRO-3: every rank's shards of master, m, v; rank 0 names the full host copies */
+        fm_status st = FM_OK;
+        for (int i = 0; i < nos && st == FM_OK; i++) {
+            st = fm_zero3_gather_full(&r->z3, m, os[i].base, os[i].dtype, &gathered[i]);
+            os[i].base = gathered[i], os[i].host = true;
+        }
+        void *g = NULL;
+        if (st == FM_OK) st = fm_zero3_gather_full(&r->z3, m, r->z3.master, FM_DTYPE_F32, &g);
+        gmaster = g;
+        if (st != FM_OK) {
+            for (int i = 0; i < nos; i++) fm_free(gathered[i]);
+            fm_free(gmaster);
+            return st;
+        }
+    } else if (r->ps.sharded) { /* ZeRO-1/2: every rank sends its shards; rank 0 names the full host copies */
         for (int i = 0; i < nos; i++) {
             FM_TRY(gather_state(r, os[i].base, os[i].dtype, &gathered[i]));
             os[i].base = gathered[i], os[i].host = true;
@@ -326,7 +391,7 @@ fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
         }
     }
     if (r->rank != 0) return FM_OK; /* rank 0 writes the files */
-    fm_status s = save_named(r, ts, os, nos, gmaster);
+    fm_status s = save_named(r, ts, os, nos, gmaster, &r->hf.t);
     for (int i = 0; i < nos; i++) fm_free(gathered[i]);
     fm_free(gmaster);
     return s;
@@ -360,16 +425,17 @@ static fm_status copy_tokenizer(run *r, const char *dir) {
 
 /* Rank 0's part: names master, m, v (gmaster: the gathered master, host memory; NULL: the
  * model's) and writes the checkpoint. */
-static fm_status save_named(run *r, const train_state *ts, fm_optim_state *os, int nos, const float *gmaster) {
+static fm_status save_named(run *r, const train_state *ts, fm_optim_state *os, int nos, const float *gmaster,
+                            const fm_hf_table *t) {
     fm_model *m = &r->m;
-    const int n = m->n_tensors;
+    const int n = t->n_params;
     const fm_optim_state *ms = optim_master(os, nos);
     const void *master = gmaster ? (const void *)gmaster : ms ? ms->base : m->master;
     const bool mhost = gmaster || (ms && ms->host);
-    FM_TRY(name_state(r, master, FM_DTYPE_F32, mhost, "", 0));
-    FM_TRY(name_state(r, master, FM_DTYPE_F32, mhost, "master.", 1));
+    FM_TRY(name_state(r, t, master, FM_DTYPE_F32, mhost, "", 0));
+    FM_TRY(name_state(r, t, master, FM_DTYPE_F32, mhost, "master.", 1));
     for (int i = 0, k = 2; i < nos; i++) /* bf16: widened */
-        if (&os[i] != ms) FM_TRY(name_state(r, os[i].base, os[i].dtype, os[i].host, os[i].prefix, k++));
+        if (&os[i] != ms) FM_TRY(name_state(r, t, os[i].base, os[i].dtype, os[i].host, os[i].prefix, k++));
     char *state = state_to_json(r, ts);
     fm_status s = state ? FM_OK : fm_error(FM_ERR_NOMEM, "out of memory writing state.json");
     char dir[4096];
@@ -462,11 +528,17 @@ static fm_status verify_model_file(run *r, const char *dir, bool master_on_host)
                 break;
             }
     }
-    if (s == FM_OK && st.n_tensors != m->n_tensors) { /* every table tensor is there: name one it lacks */
+    /* --ep: the file holds every rank's experts, the table this rank's */
+    const int64_t n_expect = m->n_tensors + (int64_t)(m->ep - 1) * m->cfg.num_hidden_layers * 3 * m->E_loc;
+    if (s == FM_OK && st.n_tensors != n_expect) { /* every table tensor is there: name one it lacks */
         for (int i = 0; i < st.n_tensors && s == FM_OK; i++)
-            if (!fm_model_find_param(m, st.tensors[i].name))
+            if (m->ep <= 1 && !fm_model_find_param(m, st.tensors[i].name))
                 s = fm_error(FM_ERR_FORMAT, "--resume: %s holds tensor '%s', which is not a parameter of this model; the "
                              "file was changed after the checkpoint was written: %s", path, st.tensors[i].name, how);
+        if (s == FM_OK && m->ep > 1)
+            s = fm_error(FM_ERR_FORMAT, "--resume: %s holds %d tensors; the model with all its experts has %lld: the "
+                         "file was changed after the checkpoint was written: %s", path, st.n_tensors,
+                         (long long)n_expect, how);
     }
     fm_free(file);
     fm_free(mst);
@@ -499,7 +571,10 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
     fm_optim_state os[3];
     const int nos = r->optim->state_tensors(r->opt_self, os, 3);
     const fm_optim_state *ms = optim_master(os, nos);
-    if (ms) {
+    float *z3_full = NULL; /* ZeRO-3: the full master, checked, then this rank's shard taken from it */
+    if (r->zero3) {
+        FM_TRY(read_full(r, path, "master.", &z3_full));
+    } else if (ms) {
         FM_TRY(load_fp32_as_ex(&r->m, &r->hf.t, path, "master.", ms->base, FM_DTYPE_F32, ms->host));
         /* the weights from it (the model's master view is this memory: fm_param_store_create_host_master) */
         FM_ASSERT((const void *)r->m.master == ms->base);
@@ -510,14 +585,27 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
     if (r->o->resume_trust_optimizer) {
         if (!r->o->quiet) printf("--resume-trust-optimizer: %s/%s is not checked against the master copy\n", dir,
                                  FM_CKPT_MODEL_FILE);
+    } else if (r->zero3) { /* checked against the full host copy */
+        float *shard = r->m.master;
+        r->m.master = z3_full;
+        const fm_status s = verify_model_file(r, dir, true);
+        r->m.master = shard;
+        if (s != FM_OK) fm_free(z3_full);
+        FM_TRY(s);
     } else {
         FM_TRY(verify_model_file(r, dir, r->m.be.ops->host_memory || (ms && ms->host)));
+    }
+    if (r->zero3) {
+        const fm_status s = fm_zero3_set_master(&r->z3, &r->m, z3_full);
+        fm_free(z3_full);
+        FM_TRY(s);
     }
     /* bf16 moments: narrowed to nearest even, exact for moments a bf16 run saved; ZeRO-1/2: this
      * rank's range of the full tensors (any world size) */
     for (int i = 0; i < nos; i++)
         if (&os[i] != ms) {
-            if (r->ps.sharded) FM_TRY(load_state_shard(r, path, &os[i]));
+            if (r->zero3) FM_TRY(load_state_zero3(r, path, &os[i]));
+            else if (r->ps.sharded) FM_TRY(load_state_shard(r, path, &os[i]));
             else FM_TRY(load_fp32_as_ex(&r->m, &r->hf.t, path, os[i].prefix, os[i].base, os[i].dtype, os[i].host));
         }
     r->opt.step = ts->opt_step;

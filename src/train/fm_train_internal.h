@@ -20,8 +20,10 @@
 #include "../comm/fm_comm.h"
 #include "../schedule/fm_sco.h"
 #include "fm_offload_adamw.h"
+#include "fm_train_ep.h"
 #include "fm_train_step.h"
 #include "fm_trainer.h"
+#include "fm_zero3.h"
 
 /* The model's parameter table as the Hugging Face mapping (io/fm_hf_weights.h) reads it; the
  * rows' names point into the model's table. */
@@ -85,6 +87,11 @@ typedef struct run {
     int sp;                         /* the sequence-parallel degree (1: none) */
     char tokenizer_dir[4096];       /* the last checkpoint written with a tokenizer (copy_tokenizer) */
     fm_sco sco;                     /* checkpoint offload (--offload-boundaries; n_off 0: off, no hook) */
+    bool zero3;                     /* --zero 3 over several ranks: z3 and ps are the shards (fm_zero3.h) */
+    fm_zero3 z3;
+    fm_schedule eval_sched;         /* ZeRO-3: evaluation's forwards with z3's gathering hook */
+    fm_train_ep ep;                 /* expert parallelism (--ep; ep.ep 1 or 0: off) */
+    fm_train_hf ep_hf;              /* --ep: the full table (ep.full) as the checkpoint writer names it */
 } run;
 
 /* The arena of live set i: the parameter store's for the model state, the model's otherwise. */

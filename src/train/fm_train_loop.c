@@ -52,7 +52,8 @@ static fm_status save_checked(run *r, const train_state *ts, fm_run_records *rec
     /* An update can overflow the weights while the loss and gradients it came from were
      * finite: never save such weights as the last good checkpoint. */
     double wsq;
-    m->be.ops->sumsq(m->be.ctx, m->results + FM_RESULT_SUMSQ, m->params, m->n_params, false);
+    if (r->zero3) FM_TRY(fm_zero3_weight_sumsq(&r->z3, m, m->results + FM_RESULT_SUMSQ)); /* the shards' sum */
+    else m->be.ops->sumsq(m->be.ctx, m->results + FM_RESULT_SUMSQ, m->params, m->n_params, false);
     m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "checkpoint" */
     m->be.ops->copy(m->be.ctx, &wsq, m->results + FM_RESULT_SUMSQ, sizeof wsq, FM_COPY_D2H);
     if (!isfinite(wsq))
@@ -142,7 +143,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         if (eval || save || last || stop || (o->report_memory && ran == 1)) /* they read the weights, or measure */
             fm_step_ws_flush(&r->step, m);
         if (eval) {
-            FM_TRY(fm_evaluate(m, &r->val, o->eval_batches, &rep.val, NULL));
+            FM_TRY(fm_evaluate_sched(r->zero3 ? &r->eval_sched : NULL, m, &r->val, o->eval_batches, &rep.val, NULL));
             rec->final_val = rep.val;
             if (isnan(rec->best_val) || rep.val < rec->best_val) {
                 rec->best_val = rep.val;

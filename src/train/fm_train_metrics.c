@@ -20,8 +20,11 @@ void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_
     const fm_model *m = &r->m;
     const fm_plan *plan = &r->plan;
     printf("model %s: %lld parameters (%lld active per token), %lld layers, %lld experts top-%lld\n",
-           c->model_type_name, (long long)m->n_params, (long long)fm_config_num_active_params(c),
+           c->model_type_name, (long long)fm_config_num_params(c), (long long)fm_config_num_active_params(c),
            (long long)c->num_hidden_layers, (long long)c->num_experts, (long long)c->num_experts_per_tok);
+    if (m->ep > 1) /* --ep: this rank's table */
+        printf("expert parallelism: --ep %d, %lld experts per rank, %lld parameters per rank\n", m->ep,
+               (long long)m->E_loc, (long long)m->n_params);
     printf("data: train %lld tokens, validation %lld tokens; %lld tokens per step (%lld x %lld x %lld)\n",
            (long long)r->train.n_tokens, (long long)r->val.n_tokens, (long long)tokens_per_step,
            (long long)o->micro_batch, (long long)o->seq_len, (long long)o->grad_accum);
@@ -112,13 +115,23 @@ static void report_memory(const run *r, size_t dev_used, size_t dev_total) {
 }
 
 void fm_train_metrics_memory(run *r) {
-    if (!r->metrics) return; /* a rank other than 0 */
     const fm_model *m = &r->m;
+    if (m->moe_ep_comm) { /* --ep: every rank's dispatch against its bound (fm_train_ep.h; ranks > 0 are quiet) */
+        char line[400];
+        fm_train_ep_report(m, line, sizeof line);
+        printf("rank %d of %d: %s\n", r->rank, r->n_ranks, line);
+        fflush(stdout);
+    }
+    if (!r->metrics) return; /* a rank other than 0 */
     fprintf(r->metrics, ",\"memory\":{");
     for (int i = 0; i < FM_LIVE_COUNT; i++)
         fprintf(r->metrics, "%s\"%s\":{\"bound\":%zu,\"high_water\":%zu}", i ? "," : "", fm_live_set_names[i],
                 r->plan.bytes[i], i == FM_LIVE_MODEL_STATE ? r->ps.arena.high : fm_arena_touched(&m->arena[i]));
     fprintf(r->metrics, "}");
+    if (m->moe_ep_comm) /* rank 0's expert-parallel dispatch: rows per chunk against R_max */
+        fprintf(r->metrics, ",\"ep_dispatch\":{\"rows_max\":%lld,\"recv_rows_high\":%lld,\"send_rows_high\":%lld,"
+                "\"llep_chunks\":%lld}", (long long)m->moe_ep_ws.rows_max, (long long)m->moe_ep_ws.recv_rows_high,
+                (long long)m->moe_ep_ws.send_rows_high, (long long)m->moe_ep_ws.llep_chunks);
     if (r->plan.host_bytes > 0)
         fprintf(r->metrics, ",\"host_pinned\":{\"bound\":%zu,\"used\":%zu}", r->plan.host_bytes,
                 r->sco.host.high + r->oopt.host.high);

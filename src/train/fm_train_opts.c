@@ -28,6 +28,9 @@ void fm_train_opts_default(fm_train_opts *o) {
     o->eval_batches = 20;
     o->save_every = 1000;
     o->save_every_minutes = 30;
+    o->ep = 1;
+    o->llep_lambda = 1.3;
+    o->llep_min_piece = 1024;
     o->expert_counts_every = 100;
     o->peak_flops = 0;
     o->log_every = 1;
@@ -81,10 +84,16 @@ fm_status fm_train_opts_check(const fm_train_opts *o) {
         return fm_error(FM_ERR_ARG, "--sp %d with --zero %d is not built yet (ZeRO shards the optimizer state over the "
                         "data-parallel ranks, and the sp ranks of a sequence are not data-parallel); use --zero 0 with "
                         "--sp, or --sp 1", o->sp, o->zero);
+    if (o->sp > 1 && o->ep > 1)
+        return fm_error(FM_ERR_ARG, "--sp %d with --ep %d is not built yet (the expert-parallel groups are drawn from the "
+                        "data-parallel ranks only); use --ep 1 with --sp, or --sp 1", o->sp, o->ep);
     if (o->dp < 0) return fm_error(FM_ERR_ARG, "--dp must be >= 1 (0 = the number of ranks), found %d", o->dp);
-    if (o->zero < 0 || o->zero > 1)
-        return fm_error(FM_ERR_ARG, "--zero must be 0 (replicas) or 1 (optimizer state sharded over dp), found %d",
-                        o->zero);
+    if (o->zero != 0 && o->zero != 1 && o->zero != 3)
+        return fm_error(FM_ERR_ARG, "--zero must be 0 (replicas), 1 (optimizer state sharded over dp) or 3 (weights, "
+                        "gradients and optimizer state sharded over dp), found %d", o->zero);
+    if (o->zero == 3 && o->offload_optimizer)
+        return fm_error(FM_ERR_ARG, "--zero 3 and --offload-optimizer do not go together yet (the streamed AdamW "
+                        "runs on the whole replica, ZeRO-3 keeps only a shard of it); drop one of them");
     if (o->zero && o->offload_optimizer)
         return fm_error(FM_ERR_ARG, "--zero 1 and --offload-optimizer do not go together yet (the streamed AdamW "
                         "runs on the whole replica); drop one of them");

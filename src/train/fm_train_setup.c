@@ -2,6 +2,7 @@
  * checkpoint's when resuming), the data, the memory plan, and the backend, model and optimizer
  * allocated from it; then the checkpoint's state or fresh weights, and metrics.jsonl. */
 #include <errno.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -19,8 +20,10 @@ void fm_train_run_free(run *r) {
     fm_step_ws_free(&r->step); /* before the backend whose memory it holds */
     fm_sco_free(&r->sco);
     if (r->mesh_ok) fm_comm_group_free(&r->mesh); /* before the world it was split from */
+    fm_train_ep_free(&r->ep); /* its groups are splits of the world */
     if (r->world_ok) fm_comm_free(&r->world);
     fm_param_store_free(&r->ps);
+    fm_zero3_free(&r->z3);
     fm_offload_adamw_free(&r->oopt);
     if (r->model_ok) fm_model_free(&r->m);
     if (r->be_ok) fm_backend_default_free(&r->be);
@@ -32,6 +35,7 @@ void fm_train_run_free(run *r) {
     fm_free(r->rc);
     fm_free(r->fetch);
     fm_train_hf_free(&r->hf);
+    fm_train_hf_free(&r->ep_hf);
 }
 
 /* Whether two paths name the same file (both exist, same device and inode). */
@@ -47,7 +51,8 @@ static fm_status init_from_folder(run *r, const char *dir) {
     fm_model *m = &r->m;
     fm_hf_files f;
     FM_TRY(fm_hf_files_open(&f, dir));
-    const bool host = m->be.ops->host_memory || m->master_host; /* straight into a host master */
+    /* straight into a host master (ZeRO-3: the shard is not the table; staged, then scattered) */
+    const bool host = (m->be.ops->host_memory || m->master_host) && !r->zero3;
     float *w = host ? m->master : fm_malloc(sizeof(float) * (size_t)m->n_params);
     if (!w) {
         fm_hf_files_close(&f);
@@ -57,8 +62,10 @@ static fm_status init_from_folder(run *r, const char *dir) {
     const fm_hf_read_opts ro = {true, extra, sizeof extra};
     fm_status s = fm_hf_read_files(&r->hf.t, &f, "", w, &ro);
     if (s == FM_OK) {
-        fm_model_upload_master(m, w);
-        if (extra[0]) fprintf(stderr, "warning: --init-from %s: %s\n", dir, extra);
+        if (r->zero3) s = fm_zero3_set_master(&r->z3, m, w);
+        else fm_model_upload_master(m, w);
+        if (extra[0] && m->ep <= 1) /* --ep: the other ranks' experts are the extras */
+            fprintf(stderr, "warning: --init-from %s: %s\n", dir, extra);
         if (!r->o->quiet)
             printf("initialized from %s (%d tensors, %lld parameters; optimizer state fresh)\n", f.where, m->n_tensors,
                    (long long)m->n_params);
@@ -200,6 +207,19 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                         "pass --sp %d, or use --dp %d (or leave --dp out)", dp, W, W / dp, sp, W / dp, W / sp);
     FM_TRY(fm_attn_sp_check(c, sp, o->seq_len)); /* seq-len and the head counts divisible by --sp */
     fm_model_state_bound_set_dp(W, o->zero);
+#ifdef FM_ACT_BF16
+    if (W > 1) { /* GPU ranks: this rank's device is its node-local rank's, chosen before any CUDA context */
+        int local_rank = 0, local_size = 1;
+        FM_TRY(fm_comm_local(&local_rank, &local_size, NULL));
+        FM_TRY(fm_backend_default_select_device(local_rank, NULL));
+    }
+#endif
+    /* expert parallelism (train/fm_train_ep.h): E/ep experts per rank, the EP dispatch's bound */
+    FM_TRY(fm_train_ep_check(o, c, W));
+    const int ep = o->ep > 1 ? o->ep : 1;
+    fm_train_ep_bound_set(ep);
+    const fm_llep_opts llep = fm_train_ep_llep(o);
+    const int64_t moe_c = ep > 1 && o->ep_cap_tokens > 0 ? o->ep_cap_tokens : o->moe_chunk_tokens;
 
     /* Plan: every live set's bound, from the config and flags alone, before any allocation. */
     const int64_t L = c->num_hidden_layers;
@@ -212,7 +232,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_sco_parse(o->offload_boundaries, L, &n_off));
     const int64_t bucket = o->offload_optimizer_bucket > 0 ? o->offload_optimizer_bucket : FM_OFFLOAD_DEFAULT_BUCKET;
     fm_plan_req req = {*c, o->micro_batch, o->seq_len, o->grad_accum, rc,
-                       o->moe_chunk_tokens > 0 ? o->moe_chunk_tokens : 0,
+                       moe_c > 0 ? moe_c : 0,
                        o->ce_block_tokens > 0 ? o->ce_block_tokens : 0,
                        o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads, o->att_tile_q, o->att_tile_kv,
                        FM_PLAN_TARGET_BUILD, o->gpu_workspace, o->bf16_moments, fm_model_state_bound, n_off,
@@ -220,6 +240,11 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                        keep};
     req.optimizer_overlap = !o->no_optimizer_overlap && !(o->zero && W > 1); /* as fm_step_ws_enable_overlap below */
     req.sp = sp; /* activations of seq-len/sp tokens per sequence, plus the head-sharded attention buffers */
+    if (ep > 1) {
+        req.model_state_bytes = fm_train_ep_model_state_bound;
+        req.ep = ep;
+        req.llep = &llep;
+    }
     fm_plan plan;
     /* The budgets: --mem-budget, else (CUDA) the device's free memory less the context and
      * libraries' growth, measured (plan/fm_plan_device.h); --host-mem-budget, else what this host
@@ -237,12 +262,14 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_calib_find(&cal, NULL, sizeof(fm_act) == 4 ? "cpu" : "cuda", dev.total ? dev.name : NULL, note));
     const fm_choose_opts co = {budget, o->mem_budget ? "--mem-budget" : "the GPU's measured free memory (no --mem-budget given)",
                                host_budget, "--host-mem-budget", &cal, o->recompute != NULL, o->recompute_keep_attention || o->no_recompute_keep_attention,
-                               o->offload_boundaries != NULL, o->offload_optimizer, o->moe_chunk_tokens >= 0,
+                               o->offload_boundaries != NULL, o->offload_optimizer, moe_c >= 0,
                                o->ce_block_tokens >= 0 || o->ce_block_vocab >= 0};
     fm_projection proj;
     FM_TRY(fm_plan_fit(&req, &co, rc, &plan, &proj));
     n_off = req.n_offloaded_boundaries;
     keep = (bool *)req.keep_attention;
+    if (ep > 1 && req.moe_chunk_tokens <= 0) /* no cap given or chosen: one chunk of the micro-batch (the same plan) */
+        req.moe_chunk_tokens = o->micro_batch * o->seq_len;
     if (!o->quiet && o->mem_budget == 0 && budget > 0)
         printf("memory budget: %.1f MiB (the GPU's %.1f MiB: %.1f MiB free with the context, less %.1f MiB the libraries "
                "took when loaded and %.0f MiB for kernels loaded later; --mem-budget sets it)\n", budget / 1048576.0,
@@ -262,11 +289,15 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     r->backend_opts = bo;
     FM_TRY(fm_backend_default_init_opts(&r->be, &bo));
     r->be_ok = true;
-    FM_TRY(fm_model_create(&r->m, c, r->be));
+    FM_TRY(fm_model_create_ep(&r->m, c, r->be, ep, r->rank % ep));
     r->model_ok = true;
     fm_model *m = &r->m;
-    FM_TRY(fm_comm_world_create(&r->world, &r->be, o->comm_timeout));
+    fm_comm_kind comm_kind = FM_COMM_KIND_AUTO; /* --comm: self on one rank (auto), mpi or nccl */
+    FM_TRY(fm_comm_world_create_kind(&r->world, &r->be, o->comm_timeout, (fm_comm_kind)o->comm_kind, o->comm_check,
+                                     &comm_kind));
     r->world_ok = true;
+    if (!o->quiet && r->rank == 0 && comm_kind != FM_COMM_KIND_AUTO)
+        printf("communicator: %s over %d rank%s\n", r->world.ops->name, W, W == 1 ? "" : "s");
     m->comm = &r->world; /* the batch's valid targets, loss sums and router statistics */
     if (sp > 1) { /* Ulysses: the mesh's sp group carries attention's all-to-alls */
         FM_TRY(fm_comm_group_create(&r->mesh, &r->world, dp, 1, sp));
@@ -276,6 +307,13 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         const int sp_rank = fm_comm_rank(m->sp_comm);
         FM_TRY(fm_dataset_set_seq_slice(&r->train, sp_rank, sp));
         FM_TRY(fm_dataset_set_seq_slice(&r->val, sp_rank, sp));
+    }
+    r->ep.ep = 1;
+    if (ep > 1) FM_TRY(fm_train_ep_init(&r->ep, &r->world, ep, m)); /* the ep and expert-data-parallel groups */
+    const char *force = getenv("FLATMOE_TEST_FORCE_ROUTE"); /* test hook: adversarial routing (fm_router.h) */
+    if (force && *force) {
+        m->router.force_route = true;
+        m->router.force_first = strtoll(force, NULL, 10);
     }
     /* the sampling cursor: this rank of the data-parallel ranks (fm_dataset_sample_batch) */
     FM_TRY(fm_dataset_set_ranks(&r->train, sp > 1 ? fm_comm_rank(&r->mesh.axis[FM_AXIS_DP].comm) : fm_comm_rank(&r->world),
@@ -293,6 +331,18 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         r->opt_self = &r->oopt;
         FM_TRY(fm_param_store_create_host_master(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params),
                                                  r->oopt.h_master));
+    } else if (o->zero == 3 && W > 1) { /* ZeRO-3: the shards, two gather slots, one group's gradients */
+        r->optim = &fm_adamw_ops;
+        r->opt_self = &r->opt;
+        FM_TRY(fm_zero3_layout_model(&r->z3, m, r->rank, W));
+        FM_TRY(fm_param_store_create_zero3(&r->ps, m, &r->z3, r->optim->state_bytes(r->opt_self, r->z3.shard_len)));
+        r->zero3 = true;
+    } else if (o->zero && W > 1 && comm_kind == FM_COMM_KIND_NCCL) {
+        /* the checkpoint gathers the Adam shards into a host buffer on rank 0 (fm_train_ckpt.c), which
+         * NCCL cannot write: refused here rather than failing at the first save */
+        return fm_error(FM_ERR_ARG, "--zero 1 with the nccl communicator: its checkpoints gather Adam's shards into "
+                                    "host memory, which NCCL cannot write; use --zero 3 (whose gathers stay on the "
+                                    "device) or --comm mpi");
     } else if (o->zero && W > 1) { /* ZeRO-1/2: the store padded to W blocks, AdamW's state of this rank's */
         r->optim = &fm_adamw_ops;
         r->opt_self = &r->opt;
@@ -304,8 +354,9 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         FM_TRY(fm_param_store_create(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params)));
     }
     r->optim->init(r->opt_self, &r->ps, &r->be);
-    const fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab, n_off,
-                               keep, sp};
+    fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab, n_off,
+                               keep, ep, r->rank % ep, &llep};
+    lo.sp = sp;
     FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len / sp, &lo)); /* this rank's slice of each sequence */
     for (int i = 0; i < FM_LIVE_COUNT; i++) {
         const fm_arena *a = fm_train_arena(r, i);
@@ -317,9 +368,18 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         }
     }
     FM_TRY(fm_step_ws_init(&r->step, m, o->grad_accum));
-    r->step.zero_ps = r->ps.sharded ? &r->ps : NULL; /* ZeRO-1/2: the step updates this rank's shard */
-    /* the optimizer overlap (not with ZeRO-1/2, whose update ends in an all-gather of the weights) */
-    if (!o->no_optimizer_overlap && !r->step.zero_ps) FM_TRY(fm_step_ws_enable_overlap(&r->step, m));
+    r->step.zero_ps = r->ps.sharded && !r->zero3 ? &r->ps : NULL; /* ZeRO-1/2: the step updates this rank's shard */
+    if (r->zero3) { /* ZeRO-3: the step's and evaluation's schedules gather and reduce-scatter in its hook */
+        fm_zero3_bind(&r->z3, m, &r->ps, &r->world);
+        r->step.zero3 = &r->z3;
+        FM_TRY(fm_schedule_add_group_hook(&r->step.sched, fm_zero3_hook, &r->z3));
+        fm_schedule_init(&r->eval_sched, m);
+        FM_TRY(fm_schedule_add_group_hook(&r->eval_sched, fm_zero3_hook, &r->z3));
+    }
+    r->step.ep = ep > 1 ? &r->ep : NULL; /* expert parallelism: its gradients' reduction */
+    /* the optimizer overlap (not with ZeRO-1/2, whose update ends in an all-gather of the weights,
+     * nor ZeRO-3, whose weights are gathered group by group) */
+    if (!o->no_optimizer_overlap && !r->step.zero_ps && !r->zero3) FM_TRY(fm_step_ws_enable_overlap(&r->step, m));
     if (n_off > 0) { /* the offload policy: its pinned host copies, as planned, and its hook */
         FM_TRY(fm_sco_create(&r->sco, m));
         if (r->sco.host.capacity != fm_arena_round(plan.host_bytes - plan.host_optimizer_bytes)) {
@@ -353,7 +413,15 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         if (!o->quiet) printf("resumed from %s (step %lld)\n", ckpt, (long long)ts->step);
     } else {
         if (o->init_from) FM_TRY(init_from_folder(r, o->init_from));
-        else FM_TRY(fm_model_init_weights(m, o->seed));
+        else if (r->zero3) { /* every rank draws the full initial weights and keeps its shard */
+            float *w = fm_malloc(sizeof(float) * (size_t)m->n_params);
+            if (!w) return fm_error(FM_ERR_NOMEM, "memory: cannot stage %lld initial weights on the host",
+                                    (long long)m->n_params);
+            fm_model_init_weights_host(m, o->seed, w);
+            const fm_status st = fm_zero3_set_master(&r->z3, m, w);
+            fm_free(w);
+            FM_TRY(st);
+        } else FM_TRY(fm_model_init_weights(m, o->seed));
         fm_rng_seed(data_rng, o->seed ^ 0xDA7A5EEDull);
         ts->seed = o->seed;
     }

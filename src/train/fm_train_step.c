@@ -3,6 +3,8 @@
 
 #include "../io/fm_checkpoint.h"
 #include "fm_param_store.h"
+#include "fm_zero3.h"
+#include "fm_train_ep.h"
 
 #include <math.h>
 #include <string.h>
@@ -55,7 +57,8 @@ static const fm_comm_dtype act_comm_dtype = sizeof(fm_act) == sizeof(float) ? FM
  * global norm's square on every rank): all-reduced whole (replicas), or reduce-scattered so
  * that this rank's block of the padded buffer holds its shard's sum (ZeRO-1/2), squares summed
  * over the shard and then over dp. One rank: the sum of squares of the whole table. */
-static fm_status reduce_grads(fm_model *m, const fm_comm *dp, const fm_param_store *zps) {
+static fm_status reduce_grads(fm_model *m, const fm_comm *dp, const fm_param_store *zps, const fm_train_ep *ep) {
+    if (ep) return fm_train_ep_reduce_grads(m, dp, ep); /* expert parallelism (fm_train_ep.h) */
     double *sq = m->results + FM_RESULT_SUMSQ;
     if (!dp || fm_comm_size(dp) == 1) { /* one rank: as before data parallelism */
         fm_grad_sumsq(m, sq);
@@ -90,7 +93,8 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
     const int64_t G = o->grad_accum, n_res = w->n_res;
     const size_t res_bytes = (size_t)n_res * sizeof(double);
     fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
-    if (!(w->overlap_on && w->overlap.grads_zeroed)) /* else the last update zeroed them, group by group */
+    if (w->zero3) fm_zero3_zero_grads(w->zero3, m); /* the shard's: the hooks add each group's into it */
+    else if (!(w->overlap_on && w->overlap.grads_zeroed)) /* else the last update zeroed them, group by group */
         m->be.ops->mem_set(m->be.ctx, m->grads, 0, sizeof(fm_act) * (size_t)m->n_params);
     w->overlap.grads_zeroed = false;
     for (int64_t g = 0; g < G; g++) {
@@ -98,12 +102,14 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
          * cursor, fm_dataset_set_ranks over the world) */
         fm_dataset_sample_batch(train, data_rng, o->micro_batch, o->seq_len, m->h_tokens, m->h_targets);
         FM_TRY(fm_schedule_train_step(&w->sched, m, 1.0f / (float)G, NULL));
+        FM_TRY(m->moe_ep_status); /* an expert-parallel layer backward's error (fm_model.h) */
         w->n_valid[g] = m->n_valid;
         /* the micro-batch's losses to pinned memory, read at the step's sync point */
         m->be.ops->copy_async(m->be.ctx, w->res + g * n_res, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
     }
     fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
-    FM_TRY(reduce_grads(m, dp, w->zero_ps)); /* data parallelism: the gradients' sum and its global norm */
+    if (w->zero3) FM_TRY(fm_zero3_grad_sumsq(w->zero3, m, m->results + FM_RESULT_SUMSQ)); /* reduced in the hooks */
+    else FM_TRY(reduce_grads(m, dp, w->zero_ps, w->ep)); /* data parallelism: the gradients' sum and its global norm */
     const double *gres = w->res + G * n_res;
     m->be.ops->copy_async(m->be.ctx, (double *)gres, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
     m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "step end": losses, gradient norm */
@@ -129,7 +135,10 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
                         last_good(o, lg, sizeof lg), lg);
     const float clip = (o->grad_clip > 0 && gnorm > o->grad_clip) ? (float)(o->grad_clip / gnorm) : 1.0f;
     const double lr = fm_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr);
-    if (w->zero_ps && dp && fm_comm_size(dp) > 1) { /* ZeRO-1/2: this rank's shard, then the weights gathered */
+    if (w->zero3) { /* ZeRO-3: this rank's shard; the next forward gathers the weights */
+        FM_TRY(fm_zero3_update(w->zero3, m, optim, opt, lr, clip));
+        m->be.ops->sync(m->be.ctx); /* sync point "step clock" */
+    } else if (w->zero_ps && dp && fm_comm_size(dp) > 1) { /* ZeRO-1/2: this rank's shard, then the weights gathered */
         FM_TRY(update_shard(m, optim, opt, dp, w->zero_ps, lr, clip));
         m->be.ops->sync(m->be.ctx); /* sync point "step clock": the step's time includes its update */
     } else {

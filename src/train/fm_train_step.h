@@ -26,6 +26,12 @@ typedef struct fm_step_ws {
      * (fm_param_store_create_sharded over dp) whose shard this rank updates; NULL: every rank
      * updates its whole replica. */
     const struct fm_param_store *zero_ps;
+    /* ZeRO-3 (train/fm_zero3.h; set by the trainer, whose schedule carries its hook): the step
+     * zeroes, norms and updates the shard only; NULL: not ZeRO-3. */
+    struct fm_zero3 *zero3;
+    /* Expert parallelism (train/fm_train_ep.h; NULL: none): the gradients are reduced by
+     * fm_train_ep_reduce_grads (experts over the ranks holding them, the rest over dp). */
+    const struct fm_train_ep *ep;
 } fm_step_ws;
 
 /* Sets up w for model m (its default schedule) and grad_accum micro-batches per step; pinned
@@ -72,7 +78,9 @@ typedef struct fm_step_stats {
  * The loss is the mean over the global valid targets (the model reduces over m->comm), so the
  * gradient is the SUM of the ranks' gradients: all-reduced (w->zero_ps NULL; every rank then
  * updates its replica), or reduce-scattered to the shard's owner, which updates its shard, the
- * updated weights then all-gathered (ZeRO-1/2, w->zero_ps).
+ * updated weights then all-gathered (ZeRO-1/2, w->zero_ps); or, under ZeRO-3 (w->zero3), reduce-
+ * scattered group by group in the schedule's hooks into the shard, whose sum of squares is
+ * all-reduced and which alone is updated (the weights stay sharded: the next forward gathers).
  * Phase marks: the zeroing and the update are the optimizer phase. Allocates nothing.
  * Errors: FM_ERR_NUMERIC when a micro-batch's loss or the gradient norm is not finite (the
  * message names the step and says that the last good checkpoint in o->out_dir stays); the

@@ -83,12 +83,27 @@ typedef struct fm_train_opts {
     int dp;                       /* --dp: data-parallel degree; 0: the world size W (sp = ep = 1) */
     int zero;                     /* --zero: 0 replicas (gradients all-reduced); 1 ZeRO-1/2: Adam
                                      moments sharded by parameter range over dp, gradients
-                                     reduce-scattered to their owner, updated weights all-gathered */
+                                     reduce-scattered to their owner, updated weights all-gathered;
+                                     3 ZeRO-3: weights, gradients, master and moments sharded by
+                                     parameter group over dp, each group gathered just in time
+                                     (train/fm_zero3.h) */
     double comm_timeout;          /* --comm-timeout: seconds a collective waits (0: 300) */
     int sp;                       /* --sp: Ulysses sequence-parallel degree (0 or 1: off). The world
                                      is dp x sp ranks; the sp ranks of one data-parallel rank read
                                      the same sequences and each keeps a contiguous seq_len/sp slice
                                      of every one (model/fm_attn_sp.h); not with --zero 1 yet */
+    int comm_kind;                /* --comm: fm_comm_kind (comm/fm_comm.h; 0 auto: self on one rank,
+                                     nccl when every rank has its own GPU, else mpi) */
+    int comm_check;               /* --comm-check: fm_comm_nccl_check (comm/fm_comm_nccl.h; 0 deferred:
+                                     nccl collectives checked at the step's sync points) */
+    /* Expert parallelism (train/fm_train_ep.h, bounded/fm_moe_ep.h). */
+    int ep;                       /* --ep: expert-parallel degree, dividing the world and num_experts (1) */
+    int64_t ep_cap_tokens;        /* --ep-cap-tokens: tokens per source per dispatch chunk; 0: chosen
+                                     (--moe-chunk-tokens, or the chooser's chunk under a budget, else
+                                     the micro-batch's N: one chunk) */
+    bool llep;                    /* --llep: least-loaded expert placement (LLEP) */
+    double llep_lambda;           /* --llep-lambda: the imbalance that triggers it (1.3) */
+    int64_t llep_min_piece;       /* --llep-min-piece: smallest spilled range of rows (1024) */
 } fm_train_opts;
 
 /* Sets every option to its default (the values the CLI's --help names). */
@@ -115,5 +130,10 @@ fm_status fm_load_for_inference(fm_model *m, fm_param_store *ps, const char *ckp
 struct fm_dataset;
 fm_status fm_evaluate(fm_model *m, const struct fm_dataset *ds, int64_t max_batches, double *mean_loss,
                       int64_t *n_tokens_out);
+/* The same with schedule s for the forwards (NULL: m's default schedule; ZeRO-3 passes one with
+ * its gathering hook, train/fm_zero3.h). Errors: a hook's, the model's communicator's. */
+struct fm_schedule;
+fm_status fm_evaluate_sched(struct fm_schedule *s, fm_model *m, const struct fm_dataset *ds, int64_t max_batches,
+                            double *mean_loss, int64_t *n_tokens_out);
 
 #endif

@@ -55,6 +55,12 @@ typedef struct fm_cuda_ctx {
     int prof_n, prof_cap;
     double prof_acc[FM_PHASE_COUNT]; /* milliseconds per phase folded so far */
     uint64_t host_syncs;           /* times the host waited for the device (host_sync_count) */
+    /* The host-wait watchdog (fm_cuda_backend_set_wait_hook; NULL: none): while set, every host
+     * wait asks it and, unless it answers idle, polls the stream or event and asks again between
+     * polls; a non-OK return ends the wait and becomes the context's error. The nccl
+     * communicator's deferred mode sets it. */
+    fm_status (*wait_hook)(void *arg, bool *idle);
+    void *wait_hook_arg;
     /* The first device error since creation (sticky; fm_backend.h's status): FM_OK when none. */
     fm_status err;
     char err_msg[768];             /* names the failing call, its error, file and line */

@@ -3,12 +3,17 @@
  * for), the buffer kinds (device, pinned, host), copy_async on the streams, set_op_stream, the event pool
  * (record, wait, sync), stream_sync and sync, status (the sticky first error and the device-error
  * flags) and the count of host waits. Allocation is for launch time; no op of a step allocates.
- * Every host wait (copy, event_sync, stream_sync, sync) adds one to host_syncs.
+ * Every host wait (copy, event_sync, stream_sync, sync) adds one to host_syncs, and goes through
+ * host_wait (the wait hook's watchdog, when one is set). The accessors for code that must order
+ * its own CUDA work with the backend's (the nccl communicator): fm_cuda_backend_stream, _device,
+ * _set_wait_hook (fm_backend_cuda.h).
  */
 #include "cuda_internal.h"
 
 #include <cstdio>
 #include <cstring>
+#include <ctime>
+#include <sched.h>
 
 namespace {
 
@@ -53,6 +58,45 @@ void check_flags(fm_cuda_ctx *c) {
         }
 }
 
+/* The host waits for stream s (ev NULL) or event ev: cudaStreamSynchronize / cudaEventSynchronize,
+ * unless a wait hook is set (fm_cuda_backend_set_wait_hook): then the hook is asked first and
+ * between polls of the stream or event (cudaStreamQuery / cudaEventQuery; sched_yield for the
+ * first second, then 1 ms sleeps), so that work which will never finish (a collective whose peer
+ * died) ends the wait with the hook's error, recorded as the context's (status returns it),
+ * instead of hanging. Once the hook answers idle (nothing of its own is pending on the device),
+ * the rest is the blocking wait, so a hook costs nothing when no collective is in flight.
+ * Returns false when the wait failed (the error is recorded). */
+bool host_wait(fm_cuda_ctx *c, cudaStream_t s, cudaEvent_t ev) {
+    if (c->wait_hook) {
+        struct timespec t0;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        for (;;) {
+            bool idle = false;
+            const fm_status st = c->wait_hook(c->wait_hook_arg, &idle);
+            if (st != FM_OK) {
+                if (c->err == FM_OK) {
+                    c->err = st;
+                    snprintf(c->err_msg, sizeof c->err_msg, "%s", fm_errmsg());
+                }
+                return false;
+            }
+            if (idle) break;
+            const cudaError_t e = ev ? cudaEventQuery(ev) : cudaStreamQuery(s);
+            if (e == cudaSuccess) return true;
+            if (e != cudaErrorNotReady) return FM_CUDA_OK(c, e);
+            struct timespec t;
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((double)(t.tv_sec - t0.tv_sec) + 1e-9 * (double)(t.tv_nsec - t0.tv_nsec) < 1.0) {
+                sched_yield();
+            } else {
+                const struct timespec ms = {0, 1000000L};
+                nanosleep(&ms, NULL);
+            }
+        }
+    }
+    return ev ? FM_CUDA_OK(c, cudaEventSynchronize(ev)) : FM_CUDA_OK(c, cudaStreamSynchronize(s));
+}
+
 } // namespace
 
 extern "C" {
@@ -94,7 +138,7 @@ void fm_cuda_copy(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_k
     if (bytes == 0 || dst == src) return;
     c->host_syncs++;
     FM_CUDA_CHECK(c, cudaMemcpyAsync(dst, src, bytes, memcpy_kind(kind), c->stream));
-    FM_CUDA_CHECK(c, cudaStreamSynchronize(c->stream));
+    (void)host_wait(c, c->stream, NULL);
 }
 
 /* DEVICE: mem_alloc. PINNED: cudaHostAlloc (page-aligned), zero-filled on the host. HOST:
@@ -148,14 +192,14 @@ void fm_cuda_event_sync(void *ctx, int event) {
     fm_cuda_ctx *c = ctx_of(ctx);
     const cudaEvent_t ev = event_of(c, event);
     c->host_syncs++;
-    FM_CUDA_CHECK(c, cudaEventSynchronize(ev));
+    (void)host_wait(c, NULL, ev);
 }
 
 void fm_cuda_stream_sync(void *ctx, fm_stream stream) {
     fm_cuda_ctx *c = ctx_of(ctx);
     const cudaStream_t s = stream_of(c, stream);
     c->host_syncs++;
-    FM_CUDA_CHECK(c, cudaStreamSynchronize(s));
+    (void)host_wait(c, s, NULL);
 }
 
 /* The op stream moves to compute or update; cuBLAS and cuDNN follow it. */
@@ -179,10 +223,9 @@ void fm_cuda_set_op_stream(void *ctx, fm_stream stream) {
 void fm_cuda_sync(void *ctx) {
     fm_cuda_ctx *c = ctx_of(ctx);
     c->host_syncs++;
-    FM_CUDA_CHECK(c, cudaStreamSynchronize(c->compute));
-    FM_CUDA_CHECK(c, cudaStreamSynchronize(c->update));
-    FM_CUDA_CHECK(c, cudaStreamSynchronize(c->copy_in));
-    FM_CUDA_CHECK(c, cudaStreamSynchronize(c->copy_out));
+    const cudaStream_t all[4] = {c->compute, c->update, c->copy_in, c->copy_out};
+    for (int i = 0; i < 4; i++)
+        if (!host_wait(c, all[i], NULL)) return;
 }
 
 /* The first recorded error (with its message through fm_error), else a raised device-error flag
@@ -196,5 +239,42 @@ fm_status fm_cuda_status(void *ctx) {
 }
 
 uint64_t fm_cuda_host_sync_count(void *ctx) { return ctx_of(ctx)->host_syncs; }
+
+/* ---- accessors (fm_backend_cuda.h) ---- */
+
+static fm_cuda_ctx *cuda_ctx_of_backend(const fm_backend *b) {
+    return b && b->ops && b->ops->name && !strcmp(b->ops->name, "cuda") ? ctx_of(b->ctx) : NULL;
+}
+
+void *fm_cuda_backend_stream(const fm_backend *b, fm_stream stream) {
+    fm_cuda_ctx *c = cuda_ctx_of_backend(b);
+    if (!c || stream < 0 || stream >= FM_STREAM_COUNT) return NULL;
+    return (void *)stream_of(c, stream);
+}
+
+int fm_cuda_backend_device(const fm_backend *b) {
+    const fm_cuda_ctx *c = cuda_ctx_of_backend(b);
+    return c ? c->device : -1;
+}
+
+bool fm_cuda_backend_set_wait_hook(const fm_backend *b, fm_status (*hook)(void *arg, bool *idle), void *arg) {
+    fm_cuda_ctx *c = cuda_ctx_of_backend(b);
+    if (!c) return false;
+    c->wait_hook = hook;
+    c->wait_hook_arg = hook ? arg : NULL;
+    return true;
+}
+
+fm_status fm_cuda_device_count(int *count) {
+    *count = 0;
+    const cudaError_t e = cudaGetDeviceCount(count);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        *count = 0;
+        return fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaGetDeviceCount failed: %s (no CUDA driver or device)",
+                        cudaGetErrorString(e));
+    }
+    return FM_OK;
+}
 
 } /* extern "C" */

@@ -40,6 +40,29 @@ fm_status fm_cuda_device_memory(int device, size_t *free_bytes, size_t *total_by
  * fm_cuda_backend_workspace_bytes_for (fm_backend_plan.h, the plan-facing arithmetic). */
 size_t fm_cuda_backend_workspace_bytes(int64_t max_head_dim, size_t cudnn_workspace_bytes);
 
+/* ---- accessors for code that orders its own CUDA work with the backend's (the nccl
+ * communicator, comm/fm_comm_nccl.c). They take any fm_backend and answer "not CUDA" for others,
+ * so callers need no cast. */
+
+/* The cudaStream_t of `stream` (FM_STREAM_OPS: the op stream now, compute or update), as void *
+ * so that this header needs no cuda_runtime.h; NULL when b is not a CUDA backend. */
+void *fm_cuda_backend_stream(const fm_backend *b, fm_stream stream);
+/* The CUDA device index b was created on; -1 when b is not a CUDA backend. */
+int fm_cuda_backend_device(const fm_backend *b);
+/* Sets (hook non-NULL) or clears the host-wait watchdog: while set, every host wait of the
+ * backend (copy, event_sync, stream_sync, sync) first calls hook(arg, &idle); unless it sets idle
+ * (nothing of the hook's owner is pending on the device: the ordinary blocking wait follows), the
+ * wait polls the stream or event instead of blocking and calls the hook between polls
+ * (sched_yield for the first second, then every 1 ms). A non-OK return ends the wait and becomes
+ * the backend's sticky error (status returns it, with the hook's fm_errmsg), so the caller's
+ * existing sync points fail instead of hanging on device work that will never finish (a
+ * collective whose peer died). The hook must not wait for the device. Returns false (nothing
+ * set) when b is not a CUDA backend. */
+bool fm_cuda_backend_set_wait_hook(const fm_backend *b, fm_status (*hook)(void *arg, bool *idle), void *arg);
+/* The number of CUDA devices this process sees (cudaGetDeviceCount). Errors: FM_ERR_UNSUPPORTED
+ * (no driver or device; *count = 0), naming the call. */
+fm_status fm_cuda_device_count(int *count);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,323 @@
+/* ZeRO-3 over dp: shard arithmetic, the schedule hook's gathers and reduce-scatters, the shard's
+ * update and the checkpoints' full tensors (fm_zero3.h). */
+#include "fm_zero3.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static const fm_comm_dtype act_dtype = sizeof(fm_act) == sizeof(float) ? FM_COMM_F32 : FM_COMM_BF16;
+
+int64_t fm_zero3_piece_len(int64_t n, int W) {
+    const int64_t s = (n + W - 1) / W;
+    return (s + FM_SHARD_ALIGN - 1) / FM_SHARD_ALIGN * FM_SHARD_ALIGN;
+}
+
+void fm_zero3_free(fm_zero3 *z) {
+    fm_free(z->begin);
+    memset(z, 0, sizeof *z);
+}
+
+fm_status fm_zero3_layout(fm_zero3 *z, const int64_t *begin, int n_groups, bool tied, int rank, int W) {
+    memset(z, 0, sizeof *z);
+    if (W < 1 || rank < 0 || rank >= W || n_groups < 2)
+        return fm_error(FM_ERR_ARG, "ZeRO-3 layout: rank %d of %d ranks over %d parameter groups; expected 0 <= rank < "
+                        "ranks and at least 2 groups", rank, W, n_groups);
+    for (int g = 0; g < n_groups; g++)
+        if (begin[g + 1] < begin[g] || begin[0] != 0)
+            return fm_error(FM_ERR_ARG, "ZeRO-3 layout: parameter group %d starts at %lld and ends at %lld; the groups "
+                            "must tile the flat parameters from 0 in order", g, (long long)begin[g],
+                            (long long)begin[g + 1]);
+    z->begin = fm_malloc(sizeof(int64_t) * (size_t)(3 * n_groups + 1));
+    if (!z->begin) return fm_error(FM_ERR_NOMEM, "memory: ZeRO-3's table of %d parameter groups", n_groups);
+    z->piece = z->begin + n_groups + 1;
+    z->local = z->piece + n_groups;
+    memcpy(z->begin, begin, sizeof(int64_t) * (size_t)(n_groups + 1));
+    z->W = W;
+    z->rank = rank;
+    z->n_groups = n_groups;
+    z->L = n_groups - 2;
+    z->tied = tied;
+    z->n_params = begin[n_groups];
+    int64_t o = 0, mx = 0;
+    for (int g = 0; g < n_groups; g++) {
+        z->piece[g] = fm_zero3_piece_len(begin[g + 1] - begin[g], W);
+        z->local[g] = o;
+        o += z->piece[g];
+        if (z->piece[g] > mx) mx = z->piece[g];
+    }
+    z->shard_len = o;
+    z->slot_len = (int64_t)W * mx;
+    const int64_t head_both = (int64_t)W * (z->piece[0] + z->piece[n_groups - 1]);
+    z->gbuf_len = tied && head_both > z->slot_len ? head_both : z->slot_len;
+    z->slot_group[0] = z->slot_group[1] = -1;
+    return FM_OK;
+}
+
+fm_status fm_zero3_layout_model(fm_zero3 *z, const fm_model *m, int rank, int W) {
+    const int ng = (int)m->cfg.num_hidden_layers + 2;
+    int64_t *b = fm_malloc(sizeof(int64_t) * (size_t)(ng + 1));
+    if (!b) return fm_error(FM_ERR_NOMEM, "memory: ZeRO-3's table of %d parameter groups", ng);
+    for (int g = 0; g <= ng; g++) b[g] = fm_model_group_begin(m, g);
+    const fm_status s = fm_zero3_layout(z, b, ng, m->o_head == m->o_embed, rank, W);
+    fm_free(b);
+    return s;
+}
+
+/* The groups' sizes from a config (the table's, model/fm_model.c: the embedding V H; the layers
+ * all alike; the final norm H and the untied head V H). */
+static void group_sizes(const fm_config *c, int64_t *n0, int64_t *nl, int64_t *nh) {
+    const int64_t n = fm_config_num_params(c), VH = c->vocab_size * c->hidden_size, L = c->num_hidden_layers;
+    *n0 = VH;
+    *nh = c->hidden_size + (c->tie_word_embeddings ? 0 : VH);
+    *nl = L > 0 ? (n - *n0 - *nh) / L : 0;
+}
+
+/* Bytes of the store's walk (fm_param_store_create_zero3) for shard S, slot and gradient buffer. */
+static size_t store_bytes(int64_t S, int64_t slot, int64_t gbuf, size_t a) {
+    size_t b = 2 * fm_arena_round((size_t)S * a) + 2 * fm_arena_round((size_t)slot * a) + fm_arena_round((size_t)gbuf * a);
+    if (a != sizeof(float)) b += fm_arena_round((size_t)S * sizeof(float));
+    return b;
+}
+
+size_t fm_zero3_store_bytes(const fm_zero3 *z, size_t a) { return store_bytes(z->shard_len, z->slot_len, z->gbuf_len, a); }
+
+size_t fm_zero3_state_bytes(const fm_config *c, size_t a, int W, bool bf16_moments, char desc[200]) {
+    int64_t n0, nl, nh;
+    group_sizes(c, &n0, &nl, &nh);
+    const int64_t L = c->num_hidden_layers;
+    const int64_t p0 = fm_zero3_piece_len(n0, W), pl = fm_zero3_piece_len(nl, W), ph = fm_zero3_piece_len(nh, W);
+    const int64_t S = p0 + L * pl + ph;
+    int64_t mx = p0 > ph ? p0 : ph;
+    if (L > 0 && pl > mx) mx = pl;
+    const int64_t slot = (int64_t)W * mx, both = (int64_t)W * (p0 + ph);
+    const int64_t gbuf = c->tie_word_embeddings && both > slot ? both : slot;
+    if (desc)
+        snprintf(desc, 200, "ZeRO-3 over %d: %d B/param x %lld params (shard) + %d B x (2 x %lld + %lld) (2 gathered "
+                 "groups, 1 group's grads)", W, 8 + (bf16_moments ? 4 : 8), (long long)S, (int)a, (long long)slot,
+                 (long long)gbuf);
+    return store_bytes(S, slot, gbuf, a) + fm_adamw_state_bytes(S, bf16_moments);
+}
+
+/* ---- host packing ---- */
+
+/* Rank q's valid elements of group g: flat [begin + q p, begin + q p + *n). */
+static int64_t valid(const fm_zero3 *z, int g, int q, int64_t *first) {
+    const int64_t n = z->begin[g + 1] - z->begin[g], a = (int64_t)q * z->piece[g];
+    *first = z->begin[g] + a;
+    const int64_t v = n - a;
+    return v < 0 ? 0 : v > z->piece[g] ? z->piece[g] : v;
+}
+
+void fm_zero3_pack(const fm_zero3 *z, int q, const void *full, void *local, size_t es) {
+    memset(local, 0, (size_t)z->shard_len * es);
+    for (int g = 0; g < z->n_groups; g++) {
+        int64_t f;
+        const int64_t v = valid(z, g, q, &f);
+        if (v > 0) memcpy((char *)local + (size_t)z->local[g] * es, (const char *)full + (size_t)f * es, (size_t)v * es);
+    }
+}
+
+void fm_zero3_unpack(const fm_zero3 *z, int q, const void *local, void *full, size_t es) {
+    for (int g = 0; g < z->n_groups; g++) {
+        int64_t f;
+        const int64_t v = valid(z, g, q, &f);
+        if (v > 0) memcpy((char *)full + (size_t)f * es, (const char *)local + (size_t)z->local[g] * es, (size_t)v * es);
+    }
+}
+
+void fm_zero3_owner(const fm_zero3 *z, int64_t p, int *rank, int64_t *local) {
+    int g = 0;
+    while (g + 1 < z->n_groups && z->begin[g + 1] <= p) g++;
+    const int64_t i = p - z->begin[g];
+    *rank = (int)(i / z->piece[g]);
+    *local = z->local[g] + i % z->piece[g];
+}
+
+/* ---- the schedule hook ---- */
+
+void fm_zero3_bind(fm_zero3 *z, fm_model *m, const fm_param_store *ps, const fm_comm *dp) {
+    FM_ASSERT(ps->zero3 && ps->shard_len == z->shard_len && ps->slot_len == z->slot_len && ps->gbuf_len == z->gbuf_len);
+    z->weights = ps->weights;
+    z->grads = ps->grads;
+    z->master = ps->master;
+    z->slot[0] = ps->slot[0];
+    z->slot[1] = ps->slot[1];
+    z->gbuf = ps->gbuf;
+    FM_ASSERT(z->slot[1] == z->slot[0] + z->slot_len); /* one buffer for the checkpoints' fp32 gathers */
+    z->dp = dp;
+    m->params = ps->weights;
+    m->grads = ps->grads;
+    m->master = ps->master;
+    fm_zero3_invalidate(z);
+}
+
+void fm_zero3_invalidate(fm_zero3 *z) { z->slot_group[0] = z->slot_group[1] = -1; }
+
+/* Group g's full weights in a slot (gathered unless a slot holds them; the least recently used
+ * slot other than the one holding `keep` is overwritten) and the model's views pointed there. */
+static fm_status ensure(fm_zero3 *z, fm_model *m, int g, int keep) {
+    int s = z->slot_group[0] == g ? 0 : z->slot_group[1] == g ? 1 : -1;
+    if (s < 0) {
+        if (z->slot_group[0] == keep && keep >= 0) s = 1;
+        else if (z->slot_group[1] == keep && keep >= 0) s = 0;
+        else s = z->slot_used[0] <= z->slot_used[1] ? 0 : 1;
+        z->slot_group[s] = -1; /* a failed gather leaves the slot empty */
+        FM_TRY(fm_comm_all_gather(z->dp, z->weights + z->local[g], z->slot[s], z->piece[g], act_dtype, 0));
+        z->slot_group[s] = g;
+        z->gathers++;
+    }
+    z->slot_used[s] = ++z->clock;
+    fm_model_bind_group(m, g, z->slot[s], NULL);
+    return FM_OK;
+}
+
+/* The gradient buffer at element off for group g: zeroed (padding included) and the model's
+ * gradient views pointed there. */
+static void grads_at(fm_zero3 *z, fm_model *m, int g, int64_t off) {
+    FM_ASSERT(off + (int64_t)z->W * z->piece[g] <= z->gbuf_len);
+    m->be.ops->mem_set(m->be.ctx, z->gbuf + off, 0, sizeof(fm_act) * (size_t)z->W * (size_t)z->piece[g]);
+    fm_model_bind_group(m, g, NULL, z->gbuf + off);
+}
+
+/* Group g's full gradients at gbuf + off reduce-scattered (in place: block r is this rank's)
+ * and added into piece g of the shard's gradients. */
+static fm_status reduce(fm_zero3 *z, fm_model *m, int g, int64_t off) {
+    fm_act *full = z->gbuf + off, *mine = full + (size_t)z->rank * (size_t)z->piece[g];
+    FM_TRY(fm_comm_reduce_scatter(z->dp, full, mine, z->piece[g], act_dtype, FM_COMM_SUM, 0));
+    m->be.ops->add(m->be.ctx, z->grads + z->local[g], mine, z->piece[g]);
+    z->reduce_scatters++;
+    return FM_OK;
+}
+
+fm_status fm_zero3_hook(void *user, fm_model *m, fm_hook_point p, int64_t layer) {
+    fm_zero3 *z = user;
+    const int L = (int)z->L, head = L + 1, g = (int)layer + 1; /* layer l's group; the embedding's at -1 */
+    switch (p) {
+    case FM_HOOK_BEFORE_EMBED:
+        FM_TRY(ensure(z, m, 0, -1));
+        return ensure(z, m, L > 0 ? 1 : head, 0); /* prefetch layer 0 */
+    case FM_HOOK_BEFORE_FORWARD:
+        FM_TRY(ensure(z, m, g, -1));
+        return ensure(z, m, g + 1, g); /* prefetch layer l + 1 (the head after the last layer) */
+    case FM_HOOK_BEFORE_HEAD:
+        FM_TRY(ensure(z, m, head, -1));
+        if (z->tied) { /* the head's weight is the embedding's: both groups at once */
+            FM_TRY(ensure(z, m, 0, head));
+            grads_at(z, m, 0, 0);
+            grads_at(z, m, head, (int64_t)z->W * z->piece[0]);
+        } else {
+            grads_at(z, m, head, 0);
+        }
+        return FM_OK;
+    case FM_HOOK_AFTER_HEAD_BACKWARD:
+        if (z->tied) {
+            FM_TRY(reduce(z, m, 0, 0)); /* the head's part of the embedding's gradient */
+            return reduce(z, m, head, (int64_t)z->W * z->piece[0]);
+        }
+        return reduce(z, m, head, 0);
+    case FM_HOOK_BEFORE_BACKWARD:
+        FM_TRY(ensure(z, m, g, -1)); /* for the recompute and the backward */
+        if (g > 1) FM_TRY(ensure(z, m, g - 1, g)); /* prefetch layer l - 1 (the embedding's backward needs none) */
+        grads_at(z, m, g, 0);
+        return FM_OK;
+    case FM_HOOK_AFTER_BACKWARD:
+        return reduce(z, m, g, 0);
+    case FM_HOOK_BEFORE_EMBED_BACKWARD:
+        grads_at(z, m, 0, 0);
+        return FM_OK;
+    case FM_HOOK_AFTER_EMBED_BACKWARD:
+        return reduce(z, m, 0, 0);
+    default:
+        return FM_OK;
+    }
+}
+
+/* ---- the step ---- */
+
+void fm_zero3_zero_grads(fm_zero3 *z, fm_model *m) {
+    m->be.ops->mem_set(m->be.ctx, z->grads, 0, sizeof(fm_act) * (size_t)z->shard_len);
+}
+
+static fm_status sumsq_all(fm_zero3 *z, fm_model *m, const fm_act *x, double *dev_out) {
+    m->be.ops->sumsq(m->be.ctx, dev_out, x, z->shard_len, false); /* the padding is zero */
+    return fm_comm_all_reduce(z->dp, dev_out, dev_out, 1, FM_COMM_F64, FM_COMM_SUM, 0);
+}
+
+fm_status fm_zero3_grad_sumsq(fm_zero3 *z, fm_model *m, double *dev_out) { return sumsq_all(z, m, z->grads, dev_out); }
+
+fm_status fm_zero3_weight_sumsq(fm_zero3 *z, fm_model *m, double *dev_out) {
+    return sumsq_all(z, m, z->weights, dev_out);
+}
+
+fm_status fm_zero3_update(fm_zero3 *z, fm_model *m, const fm_optimizer_ops *optim, void *opt, double lr, float clip) {
+    if (!optim->step_at)
+        return fm_error(FM_ERR_UNSUPPORTED, "--zero 3: the optimizer %s cannot update a shard; use the on-device AdamW "
+                        "(drop --offload-optimizer)", optim->name);
+    optim->step_begin(opt);
+    const bool own_master = (void *)z->master != (void *)z->weights;
+    for (int g = 0; g < z->n_groups; g++) {
+        int64_t f;
+        const int64_t v = valid(z, g, z->rank, &f), o = z->local[g];
+        if (v > 0)
+            optim->step_at(opt, m, f, f + v, z->weights + o, z->grads + o, own_master ? z->master + o : NULL, o, lr, clip);
+    }
+    fm_zero3_invalidate(z); /* the next forward gathers the updated weights */
+    return FM_OK;
+}
+
+/* ---- checkpoints ---- */
+
+fm_status fm_zero3_gather_full(fm_zero3 *z, const fm_model *m, const void *local, fm_dtype dtype, void **full) {
+    const int W = z->W, r = z->rank;
+    const size_t es = fm_dtype_size(dtype);
+    *full = NULL;
+    FM_ASSERT(es <= 2 * sizeof(fm_act)); /* a group of W p_g fits in the two slots together */
+    void *out = r == 0 ? fm_malloc(es * (size_t)z->n_params) : NULL;
+    /* an allocation failure returns before the collectives: the CLI then ends every rank */
+    if (r == 0 && !out)
+        return fm_error(FM_ERR_NOMEM, "rank 0 of %d: cannot gather %lld values of the ZeRO-3 shards for the checkpoint "
+                        "on the host", W, (long long)z->n_params);
+    /* group by group through the two gather slots (backend memory the plan holds; adjacent: one
+     * buffer of 2 slot_len fm_act), each group's full range copied out on rank 0 */
+    void *buf = z->slot[0];
+    fm_zero3_invalidate(z);
+    fm_status st = FM_OK;
+    for (int g = 0; g < z->n_groups && st == FM_OK; g++) {
+        st = fm_comm_all_gather(z->dp, (const char *)local + es * (size_t)z->local[g], buf, z->piece[g],
+                                dtype == FM_DTYPE_BF16 ? FM_COMM_BF16 : FM_COMM_F32, 0);
+        const size_t n = (size_t)(z->begin[g + 1] - z->begin[g]) * es;
+        if (st == FM_OK && r == 0 && n > 0) {
+            char *dst = (char *)out + es * (size_t)z->begin[g];
+            if (m->be.ops->host_memory) memcpy(dst, buf, n);
+            else m->be.ops->copy(m->be.ctx, dst, buf, n, FM_COPY_D2H);
+        }
+    }
+    if (st != FM_OK) fm_free(out), out = NULL;
+    *full = out;
+    return st;
+}
+
+fm_status fm_zero3_scatter_full(fm_zero3 *z, fm_model *m, const float *full, void *local, fm_dtype dtype) {
+    const size_t S = (size_t)z->shard_len;
+    float *h = fm_malloc(sizeof(float) * S);
+    if (!h) return fm_error(FM_ERR_NOMEM, "memory: cannot stage this rank's %lld-element ZeRO-3 shard on the host",
+                            (long long)z->shard_len);
+    fm_zero3_pack(z, z->rank, full, h, sizeof(float));
+    if (dtype == FM_DTYPE_BF16) {
+        uint16_t *b = (uint16_t *)h; /* narrowing in increasing order never overtakes the reads */
+        for (size_t i = 0; i < S; i++) b[i] = fm_f32_to_bf16(h[i]);
+    }
+    const size_t bytes = fm_dtype_size(dtype) * S;
+    if (m->be.ops->host_memory) memcpy(local, h, bytes);
+    else m->be.ops->copy(m->be.ctx, local, h, bytes, FM_COPY_H2D);
+    fm_free(h);
+    fm_zero3_invalidate(z);
+    return FM_OK;
+}
+
+fm_status fm_zero3_set_master(fm_zero3 *z, fm_model *m, const float *full) {
+    FM_TRY(fm_zero3_scatter_full(z, m, full, z->master, FM_DTYPE_F32));
+    if ((void *)z->master != (void *)z->weights)
+        m->be.ops->convert(m->be.ctx, z->weights, FM_ACT_DTYPE, z->master, FM_DTYPE_F32, z->shard_len);
+    return FM_OK;
+}

@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# Expert parallelism in the trainer (--ep; README "Many ranks", src/train/fm_train_ep.h) under
+# mpirun, as ctest runs it:
+#   bash tests/mpi_train_ep.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | adversarial | resume | badinput
+# np2, np4: 20 steps of tests/data/micro.json (E = 4 experts, top-2) at --micro-batch 4/W on W ranks
+#   with --ep 2 (np 2: dp = ep, no expert all-reduce; np 4: each expert on 2 ranks) and --ep 4
+#   (one expert per rank), give the losses of one rank at --micro-batch 4 to 1e-6 relative, the
+#   gradient norms to 1e-5, the final weights, master and Adam moments within 5e-4 of each
+#   tensor's scale (tests/mpi_train.sh says why), under the checkpoint's full Hugging Face names;
+#   each rank's model state is E/ep experts' (bound = high-water, 16 B/param of the local table).
+# adversarial: FLATMOE_TEST_FORCE_ROUTE=0 (fm_router.h's test hook) sends every token to experts 0
+#   and 1: with --ep 2 both live on rank 0 (rank 1 gets no tokens), with --ep 4 on ranks 0 and 1
+#   (ranks 2 and 3 get none); the losses still match one rank under the same routing, every
+#   rank's rows received per chunk stay within R_max = ep x cap x min(k, E/ep) (rank 0's reaches
+#   it), the expert-dispatch arena's high-water mark equals its planned bound; --llep with
+#   --llep-min-piece 1 spills the hot experts to the idle ranks (rows received drop to half of
+#   R_max) and still matches.
+# resume: 10 steps at np 2 --ep 2, then 10 at np 4 --ep 4; and 10 at np 4 --ep 2 then 10 at np 1:
+#   both end with the losses and weights of 20 uninterrupted one-rank steps; --init-from a run
+#   folder at np 2 --ep 2 trains as one rank does from it.
+# badinput: --ep not dividing the ranks, not dividing num_experts (np 3), --zero 1 with --ep,
+#   --llep without --ep: a clear error naming the flag, the values and the fix, non-zero exit.
+set -u
+MPIEXEC=$1 FM=$(readlink -f "$2") MODE=$3
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+FLAGS=(--oversubscribe --allow-run-as-root --bind-to none --mca btl self,vader
+       --mca btl_vader_single_copy_mechanism none --mca pml ob1)
+export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1
+TMP=$(mktemp -d /tmp/flatmoe-mpi-train-ep.XXXXXX); trap 'rm -rf "$TMP"' EXIT
+TEXT="$ROOT/../shared/data/tinyshakespeare.txt"
+[ -f "$TEXT" ] || TEXT=/usr/share/games/fortunes/fortunes
+[ -f "$TEXT" ] || TEXT="$ROOT/README.md"
+CFG="$ROOT/tests/data/micro.json"
+COMMON=(--config "$CFG" --data "$TEXT" --seq-len 32 --grad-accum 2 --steps 20 --warmup 2 --lr 3e-3
+        --eval-every 10 --eval-batches 2 --threads 1 --quiet)
+FAILED=0
+bad() { FAILED=$((FAILED + 1)); echo "FAIL: $*" >&2; }
+mpi() { # np, then flatmoe's arguments
+    local np=$1; shift
+    timeout 120 "$MPIEXEC" "${FLAGS[@]}" -x FLATMOE_TEST_FORCE_ROUTE -np "$np" "$FM" "$@"
+}
+export FLATMOE_TEST_FORCE_ROUTE=""
+# compare REF RUN: losses to 1e-6 relative, gradient norms to 1e-5, final tensors to 5e-4 of scale
+compare() {
+    python3 - "$1" "$2" <<'PY'
+import json, struct, sys, array
+ref, run = sys.argv[1], sys.argv[2]
+def steps(d):
+    return [r for r in map(json.loads, open(d + "/metrics.jsonl")) if r.get("type", "step") == "step"]
+a, b = steps(ref), steps(run)
+ok = len(a) == len(b) == 20
+if not ok: print(f"FAIL: {run}: {len(b)} step records, reference {len(a)}")
+worst = 0.0
+for x, y in zip(a, b):
+    for k, tol in (("loss", 1e-6), ("aux_loss", 1e-6), ("z_loss", 1e-6), ("grad_norm", 1e-5), ("val_loss", 1e-6)):
+        if (k in x) != (k in y):
+            ok = False; print(f"FAIL: {run}: step {x['step']}: {k} in only one of the runs"); continue
+        if k not in x: continue
+        rel = abs(x[k] - y[k]) / max(abs(x[k]), 1e-30)
+        if k == "loss": worst = max(worst, rel)
+        if rel > tol:
+            ok = False; print(f"FAIL: {run}: step {x['step']} {k} {y[k]!r} vs one rank's {x[k]!r} ({rel:.2e} > {tol})")
+def tensors(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]; hdr = json.loads(f.read(n)); data = f.read()
+    out = {}
+    for k, v in hdr.items():
+        if k == "__metadata__": continue
+        assert v["dtype"] == "F32", v["dtype"]
+        s, e = v["data_offsets"]; t = array.array("f"); t.frombytes(data[s:e]); out[k] = t
+    return out
+wworst = 0.0
+for f in ("model.safetensors", "optimizer.safetensors"):
+    ta, tb = tensors(f"{ref}/step_000020/{f}"), tensors(f"{run}/step_000020/{f}")
+    if sorted(ta) != sorted(tb):
+        ok = False; print(f"FAIL: {run}/{f}: other tensor names ({len(tb)} vs {len(ta)})"); continue
+    for k in ta:
+        scale = max(abs(v) for v in ta[k]) or 1.0
+        d = max(abs(p - q) for p, q in zip(ta[k], tb[k])) / scale
+        wworst = max(wworst, d)
+        if d > 5e-4: ok = False; print(f"FAIL: {run}/{f}: {k} differs by {d:.2e} of its scale (> 5e-4)")
+print(f"{run}: losses within {worst:.2e} relative, tensors within {wworst:.2e} of their scale: "
+      + ("ok" if ok else "FAILED"))
+sys.exit(0 if ok else 1)
+PY
+}
+one_rank() { # DIR: 20 one-rank steps at --micro-batch 4 (under the current FLATMOE_TEST_FORCE_ROUTE)
+    "$FM" train "${COMMON[@]}" --micro-batch 4 --out "$1" >/dev/null || bad "one-rank run $1 failed"
+}
+# model_state RUN EP: rank 0's model-state bound = high-water = 16 B x (39424 - 2 x (4 - 4/EP) x 3 x 32 x 32)
+model_state() {
+    python3 - "$1/metrics.jsonl" "$2" <<'PY' || bad "$1: the model state is not E/ep experts'"
+import json, sys
+rec = [r for r in map(json.loads, open(sys.argv[1])) if r.get("type", "step") == "step"][0]["memory"]["model state"]
+ep = int(sys.argv[2]); n = 39424 - 2 * (4 - 4 // ep) * 3 * 32 * 32
+ok = rec["bound"] == rec["high_water"] == 16 * n
+print(f"model state per rank at --ep {ep}: bound {rec['bound']} B, high-water {rec['high_water']} B, "
+      f"16 B x {n} params: " + ("ok" if ok else "FAILED"))
+sys.exit(0 if ok else 1)
+PY
+}
+# dispatch LOG RUN EP CAP WANT0: every rank's "rows received per chunk high X of R_max R" within
+# R = EP x CAP x min(2, 4/EP), rank 0's high equal to WANT0 (-1: any), ranks listed in ZERO got none;
+# the expert-dispatch arena's high-water mark is its bound
+dispatch() {
+    python3 - "$@" <<'PY' || bad "$2: the dispatch's bound"
+import json, re, sys
+log, run, ep, cap, want0 = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+zero = [int(x) for x in sys.argv[6:]]
+rmax = ep * cap * min(2, 4 // ep)
+high = {}
+for l in open(log):
+    m = re.match(r"rank (\d+) of \d+: ep dispatch: rows received per chunk high (\d+) of R_max (\d+)", l)
+    if m: high[int(m[1])] = max(high.get(int(m[1]), 0), int(m[2])); assert int(m[3]) == rmax, l
+ok = sorted(high) == list(range(ep))  # every rank of the (single) ep group reported
+ok = ok and all(h <= rmax for h in high.values()) and (want0 < 0 or high.get(0) == want0)
+ok = ok and all(high.get(q, -1) == 0 for q in zero)
+mem = [r for r in map(json.loads, open(run + "/metrics.jsonl")) if r.get("type", "step") == "step"][0]["memory"]
+ed = mem["expert dispatch"]
+ok = ok and ed["high_water"] <= ed["bound"] and (want0 != rmax or ed["high_water"] == ed["bound"])
+print(f"{run}: rows received per chunk by rank {high}, R_max {rmax}; expert dispatch high-water "
+      f"{ed['high_water']} of bound {ed['bound']}: " + ("ok" if ok else "FAILED"))
+sys.exit(0 if ok else 1)
+PY
+}
+
+case $MODE in
+np2|np4)
+    np=${MODE#np}; mb=$((4 / np))
+    one_rank "$TMP/one"
+    for ep in 2 4; do
+        [ "$ep" -gt "$np" ] && continue
+        t0=$SECONDS
+        mpi "$np" train "${COMMON[@]}" --micro-batch $mb --ep $ep --report-memory --out "$TMP/ep$ep" ||
+            bad "np $np --ep $ep failed"
+        echo "== mpirun -np $np train --micro-batch $mb --ep $ep: $((SECONDS - t0)) s"
+        compare "$TMP/one" "$TMP/ep$ep" || bad "np $np --ep $ep differs from one rank at --micro-batch 4"
+        model_state "$TMP/ep$ep" $ep
+        [ "$(grep -c '"type":"step"' "$TMP/ep$ep/metrics.jsonl")" -eq 20 ] || bad "np $np --ep $ep: not 20 step records"
+    done ;;
+adversarial)
+    export FLATMOE_TEST_FORCE_ROUTE=0
+    one_rank "$TMP/one"
+    # --ep 2 at np 2: every token to rank 0's experts, rank 1 receives none; cap 16 (4 chunks)
+    mpi 2 train "${COMMON[@]}" --micro-batch 2 --ep 2 --ep-cap-tokens 16 --report-memory --out "$TMP/a2" \
+        >"$TMP/a2.log" 2>&1 || { bad "adversarial np 2 --ep 2 failed"; cat "$TMP/a2.log" >&2; }
+    compare "$TMP/one" "$TMP/a2" || bad "adversarial np 2 --ep 2 differs from one rank"
+    dispatch "$TMP/a2.log" "$TMP/a2" 2 16 64 1
+    # --ep 4 at np 4: experts 0 and 1 on ranks 0 and 1, ranks 2 and 3 receive none; cap 8
+    mpi 4 train "${COMMON[@]}" --micro-batch 1 --ep 4 --ep-cap-tokens 8 --report-memory --out "$TMP/a4" \
+        >"$TMP/a4.log" 2>&1 || { bad "adversarial np 4 --ep 4 failed"; cat "$TMP/a4.log" >&2; }
+    compare "$TMP/one" "$TMP/a4" || bad "adversarial np 4 --ep 4 differs from one rank"
+    dispatch "$TMP/a4.log" "$TMP/a4" 4 8 32 2 3
+    # least-loaded placement: the hot experts' rows spill to rank 1, which then receives as many
+    mpi 2 train "${COMMON[@]}" --micro-batch 2 --ep 2 --ep-cap-tokens 16 --llep --llep-min-piece 1 --report-memory \
+        --out "$TMP/l2" >"$TMP/l2.log" 2>&1 || { bad "adversarial np 2 --ep 2 --llep failed"; cat "$TMP/l2.log" >&2; }
+    compare "$TMP/one" "$TMP/l2" || bad "adversarial np 2 --ep 2 --llep differs from one rank"
+    dispatch "$TMP/l2.log" "$TMP/l2" 2 16 32
+    grep -q "rank 1 of 2: ep dispatch: rows received per chunk high 32 .*moved rows [1-9]" "$TMP/l2.log" ||
+        bad "--llep moved no rows to rank 1: $(grep 'rank 1 of 2' "$TMP/l2.log" | tail -1)" ;;
+resume)
+    one_rank "$TMP/one"
+    mpi 2 train "${COMMON[@]}" --micro-batch 2 --ep 2 --exit-after 10 --out "$TMP/a" || bad "np 2 --ep 2 first half failed"
+    # (no --micro-batch: the run's 4 sequences per micro-batch over 4 ranks, from state.json)
+    mpi 4 train "${COMMON[@]}" --ep 4 --resume --out "$TMP/a" 2>"$TMP/a.err" || bad "np 4 --ep 4 resume failed"
+    grep -q "will not match" "$TMP/a.err" && bad "resume at np 4 --ep 4 warned: $(cat "$TMP/a.err")"
+    compare "$TMP/one" "$TMP/a" || bad "np 2 --ep 2 -> np 4 --ep 4 differs from 20 one-rank steps"
+    mpi 4 train "${COMMON[@]}" --micro-batch 1 --ep 2 --exit-after 10 --out "$TMP/b" || bad "np 4 --ep 2 first half failed"
+    "$FM" train "${COMMON[@]}" --micro-batch 4 --resume --out "$TMP/b" 2>"$TMP/b.err" || bad "np 1 resume failed"
+    grep -q "will not match" "$TMP/b.err" && bad "resume at np 1 warned: $(cat "$TMP/b.err")"
+    compare "$TMP/one" "$TMP/b" || bad "np 4 --ep 2 -> np 1 differs from 20 one-rank steps"
+    # --init-from a run folder (its full Hugging Face tensors): each rank reads its own experts
+    INIT=("${COMMON[@]:2}") # COMMON without --config: the folder's config.json
+    "$FM" train --init-from "$TMP/one" "${INIT[@]}" --micro-batch 4 --out "$TMP/i1" >/dev/null || bad "np 1 --init-from failed"
+    mpi 2 train --init-from "$TMP/one" "${INIT[@]}" --micro-batch 2 --ep 2 --out "$TMP/i2" 2>"$TMP/i2.err" ||
+        bad "np 2 --ep 2 --init-from failed: $(cat "$TMP/i2.err")"
+    grep -q "warning" "$TMP/i2.err" && bad "np 2 --ep 2 --init-from warned: $(cat "$TMP/i2.err")"
+    compare "$TMP/i1" "$TMP/i2" || bad "np 2 --ep 2 --init-from differs from one rank" ;;
+badinput)
+    check() { # np, needle, flags...
+        local np=$1 needle=$2; shift 2
+        out=$(mpi "$np" train "${COMMON[@]}" --micro-batch 1 "$@" --out "$TMP/bad" 2>&1); rc=$?
+        { [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -q -- "$needle" <<<"$out"; } || bad "np $np $*: rc $rc: $out"
+        echo "== np $np $*: exit $rc: $(grep -m1 -- "$needle" <<<"$out" | cut -c1-200)"
+    }
+    check 4 "--ep 3 does not divide the 4 ranks running .*expected one of 1, 2, 4; use such an --ep" --ep 3
+    check 3 "--ep 3 does not divide num_experts 4 of the model config .*expected one of 1, 2, 4" --ep 3
+    check 2 "--zero 1 with --ep 2: .*use --zero 0 with --ep" --ep 2 --zero 1
+    check 2 "--llep places experts over the ranks of an expert-parallel group, but --ep is 1" --llep
+    check 2 "--llep-lambda must be >= 1 .*found 0.5" --ep 2 --llep --llep-lambda 0.5 ;;
+*) echo "unknown mode $MODE"; exit 2 ;;
+esac
+[ $FAILED -eq 0 ] && echo "mpi_train_ep $MODE: passed" || echo "mpi_train_ep $MODE: $FAILED failed"
+[ $FAILED -eq 0 ]
