@@ -12,7 +12,7 @@
  * the final bf16 rounding); the reference recomputes them on the host, so nothing big is copied.
  *
  * Environment: GG_VERSIONS (e.g. "v1,v2.128"), GG_CASES (substring of case names), GG_ITERS (20),
- * GG_NOTIME=1 (validate only). Build and run: make -C dev/cuda/grouped_gemm run
+ * GG_NOTIME=1 (validate only), GG_LIST=1 (print the cases, no GPU). Build and run: make -C dev/cuda/grouped_gemm run
  */
 #include "v0_cublas.cuh"
 #include "v1_mma.cuh"
@@ -232,8 +232,9 @@ static void nanfill(bf16 *p, int64_t n) {
     CK(cudaGetLastError());
 }
 
-static void print_row(const std::string &cs, const char *proj, const char *prod, int64_t avg, double flops, const cell *c) {
-    printf("%-16s %-4s %-8s %8lld", cs.c_str(), proj, prod, (long long)avg);
+static void print_row(const std::string &cs, const char *proj, const char *prod, int64_t avg, int64_t R, double flops,
+                      const cell *c) {
+    printf("%-16s %-4s %-8s %8lld %8lld", cs.c_str(), proj, prod, (long long)avg, (long long)R);
     for (int v = 0; v < NV; v++) {
         if (!c[v].ran) printf(" %9s", "-");
         else if (c[v].na) printf(" %9s", "n/a");
@@ -346,10 +347,10 @@ static void run_projection(const gcase &gc, const char *proj, int64_t in, int64_
             if (!c[v].ok) sum[v].ok = false;
             sum[v].ms = (c[v].ms > 0.0 && sum[v].ms >= 0.0) ? sum[v].ms + c[v].ms : -1.0;
         }
-        print_row(gc.name, proj, prods[kind], gc.avg, flops, c);
+        print_row(gc.name, proj, prods[kind], gc.avg, R, flops, c);
         cudaFree(didx), cudaFree(dgot);
     }
-    print_row(gc.name, proj, "fwd+bwd", gc.avg, 3.0 * flops, sum);
+    print_row(gc.name, proj, "fwd+bwd", gc.avg, R, 3.0 * flops, sum);
     cudaFree(X), cudaFree(W), cudaFree(Y), cudaFree(DY), cudaFree(DX), cudaFree(DW), cudaFree(doffs);
 }
 
@@ -357,6 +358,17 @@ int main() {
     if (getenv("GG_ITERS")) g_iters = std::max(1, atoi(getenv("GG_ITERS")));
     g_notime = getenv("GG_NOTIME") && atoi(getenv("GG_NOTIME"));
     const char *filter = getenv("GG_CASES");
+    const std::vector<gcase> cases = make_cases();
+    if (getenv("GG_LIST")) { /* the cases only, no GPU: name, rows, first counts */
+        for (const gcase &gc : cases) {
+            int64_t R = 0;
+            for (int64_t m : gc.counts) R += m;
+            printf("%-16s E %3zu R %8lld counts", gc.name.c_str(), gc.counts.size(), (long long)R);
+            for (size_t e = 0; e < gc.counts.size() && e < 6; e++) printf(" %lld", (long long)gc.counts[e]);
+            printf("\n");
+        }
+        return 0;
+    }
     int dev;
     cudaDeviceProp prop;
     CK(cudaGetDevice(&dev));
@@ -365,10 +377,10 @@ int main() {
            prop.name, prop.major, prop.minor, prop.multiProcessorCount, g_iters);
     printf("# gu: in H=2048 out I=1024 (gate, up); dn: in I out H (down); fwd y=x W^T, dx=dy W, dW+=dy^T x; "
            "'ok' = validated, not timed\n");
-    printf("%-16s %-4s %-8s %8s", "case", "proj", "product", "rows/exp");
+    printf("%-16s %-4s %-8s %8s %8s", "case", "proj", "product", "rows/exp", "R");
     for (int v = 0; v < NV; v++) printf(" %9s", VERSIONS[v].name);
     printf("\n");
-    for (const gcase &gc : make_cases()) {
+    for (const gcase &gc : cases) {
         if (filter && *filter && gc.name.find(filter) == std::string::npos) continue;
         run_projection(gc, "gu", gc.H, gc.I);
         run_projection(gc, "dn", gc.I, gc.H);
