@@ -52,8 +52,10 @@ __global__ void gather_kernel(const bf16 *c, const int64_t *idx, int n, float *o
     if (i < n) out[i] = __bfloat162float(c[idx[i]]);
 }
 
+static std::string g_current = "setup"; /* the version and case being run, for error messages */
 static void die(const char *what, cudaError_t e) {
-    fprintf(stderr, "grouped_gemm: %s: %s\n", what, cudaGetErrorString(e));
+    fflush(stdout);
+    fprintf(stderr, "grouped_gemm: %s (during %s): %s\n", what, g_current.c_str(), cudaGetErrorString(e));
     exit(2);
 }
 #define CK(x)                                                                                                  \
@@ -209,7 +211,7 @@ static std::vector<int64_t> samples(const host_problem &h, bool full) {
 struct cell {
     bool ran = false, ok = true, na = false;
     double ms = 0.0, err = 0.0;
-    int64_t bad = -1;
+    int64_t bad = -1, nbad = 0;
     float got = 0.0f;
     double want = 0.0;
 };
@@ -234,13 +236,13 @@ static void nanfill(bf16 *p, int64_t n) {
 
 static void print_row(const std::string &cs, const char *proj, const char *prod, int64_t avg, int64_t R, double flops,
                       const cell *c) {
-    printf("%-16s %-4s %-8s %8lld %8lld", cs.c_str(), proj, prod, (long long)avg, (long long)R);
+    printf("%-13s %-3s %-7s %6lld %8lld", cs.c_str(), proj, prod, (long long)avg, (long long)R);
     for (int v = 0; v < NV; v++) {
-        if (!c[v].ran) printf(" %9s", "-");
-        else if (c[v].na) printf(" %9s", "n/a");
-        else if (!c[v].ok) printf(" %9s", "FAIL");
-        else if (c[v].ms <= 0.0) printf(" %9s", "ok");
-        else printf(" %9.1f", flops / (c[v].ms * 1e-3) / 1e12);
+        if (!c[v].ran) printf(" %7s", "-");
+        else if (c[v].na) printf(" %7s", "n/a");
+        else if (!c[v].ok) printf(" %7s", "FAIL");
+        else if (c[v].ms <= 0.0) printf(" %7s", "ok");
+        else printf(" %7.1f", flops / (c[v].ms * 1e-3) / 1e12);
     }
     printf("\n");
     fflush(stdout);
@@ -297,7 +299,8 @@ static void run_projection(const gcase &gc, const char *proj, int64_t in, int64_
             if (p.beta != 0.0f) fill(p.C, csize, kind == 1 ? SEED_DX0 : SEED_DW0);
             else nanfill(p.C, csize);
             CK(cudaDeviceSynchronize());
-            fprintf(stderr, "[run] %s %s\n", VERSIONS[v].name, where.c_str());
+            g_current = std::string(VERSIONS[v].name) + " " + where;
+            if (getenv("GG_VERBOSE")) fprintf(stderr, "[run] %s\n", g_current.c_str());
             const cudaError_t le = VERSIONS[v].fn(p, 0);
             if (le == cudaErrorInvalidValue) { c[v].na = true; continue; }
             if (le != cudaSuccess) {
@@ -312,14 +315,25 @@ static void run_projection(const gcase &gc, const char *proj, int64_t in, int64_
             for (size_t i = 0; i < idx.size(); i++) {
                 const double d = std::fabs((double)got[i] - want[i]), tol = 0.0078125 * std::fabs(want[i]) + 1e-3;
                 if (!(d <= tol)) { /* NaN fails too */
-                    if (c[v].ok || d > c[v].err) c[v].err = d, c[v].bad = idx[i], c[v].got = got[i], c[v].want = want[i];
+                    c[v].nbad++;
+                    if (c[v].ok || d > c[v].err || d != d) c[v].err = d, c[v].bad = idx[i], c[v].got = got[i], c[v].want = want[i];
                     c[v].ok = false;
                 }
             }
             if (!c[v].ok) {
                 char line[512];
-                snprintf(line, sizeof line, "FAIL %s %s: element %lld got %g want %g (|err| %g; %zu checked)",
-                         VERSIONS[v].name, where.c_str(), (long long)c[v].bad, c[v].got, c[v].want, c[v].err, idx.size());
+                const int64_t b = c[v].bad, N = kind == 0 ? out : in;
+                char at[160];
+                if (kind == 2) snprintf(at, sizeof at, "dW[e %lld][n %lld][k %lld]", (long long)(b / (out * in)),
+                                        (long long)(b / in % out), (long long)(b % in));
+                else {
+                    const int64_t r = b / N;
+                    const int e = group_of(offs, r);
+                    snprintf(at, sizeof at, "row %lld (group %d, its row %lld of %lld) col %lld", (long long)r, e,
+                             (long long)(r - offs[e]), (long long)(offs[e + 1] - offs[e]), (long long)(b % N));
+                }
+                snprintf(line, sizeof line, "FAIL %s %s: %lld of %zu checked wrong; worst %s got %g want %g",
+                         VERSIONS[v].name, where.c_str(), (long long)c[v].nbad, idx.size(), at, c[v].got, c[v].want);
                 g_fail_lines.push_back(line);
                 g_failures++;
                 continue;
@@ -377,8 +391,8 @@ int main() {
            prop.name, prop.major, prop.minor, prop.multiProcessorCount, g_iters);
     printf("# gu: in H=2048 out I=1024 (gate, up); dn: in I out H (down); fwd y=x W^T, dx=dy W, dW+=dy^T x; "
            "'ok' = validated, not timed\n");
-    printf("%-16s %-4s %-8s %8s %8s", "case", "proj", "product", "rows/exp", "R");
-    for (int v = 0; v < NV; v++) printf(" %9s", VERSIONS[v].name);
+    printf("%-13s %-3s %-7s %6s %8s", "case", "prj", "product", "avg", "R");
+    for (int v = 0; v < NV; v++) printf(" %7s", VERSIONS[v].name);
     printf("\n");
     for (const gcase &gc : cases) {
         if (filter && *filter && gc.name.find(filter) == std::string::npos) continue;

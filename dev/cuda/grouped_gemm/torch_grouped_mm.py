@@ -6,9 +6,12 @@ Products as in gg_common.cuh, W [E, out, in]: fwd y = x W^T (_grouped_mm(x, W.tr
 offs)), dx = dy W (_grouped_mm(dy, W, offs)), dW = dy^T x per group (_grouped_mm(dy.t(), x, offs):
 a fresh dW, not accumulated as the lab's dW += does), and fwd+bwd = autograd over the forward
 (torch.autograd.grad: one forward and both gradients, the issue's "forward+backward" measurement).
-Edge cases are left out (timing only). Run: python3 dev/cuda/grouped_gemm/torch_grouped_mm.py
+Edge cases are left out (timing only). Run: python3 dev/cuda/grouped_gemm/torch_grouped_mm.py [LAB]
+With LAB (the lab's table, e.g. gg_lab.txt), each row is the lab's row plus a torch column and
+"ours/torch" (the best of the sync-free versions v1, v2.* over torch); without it, torch alone.
 Environment: GG_CASES (substring), GG_ITERS (20)."""
 import os
+import sys
 import torch
 
 ITERS = max(1, int(os.environ.get("GG_ITERS", "20")))
@@ -56,12 +59,52 @@ def timed(fn):
     return ms[ITERS // 2]
 
 
+def read_lab(path):
+    """The lab's table: header columns and {(case, prj, product): line}."""
+    cols, rows = None, {}
+    for line in open(path):
+        f = line.split()
+        if not f or line.startswith("#") or line.startswith("FAIL"):
+            continue
+        if f[0] == "case":
+            cols = f
+            continue
+        if cols and len(f) == len(cols):
+            rows[(f[0], f[1], f[2])] = line.rstrip("\n")
+    return cols, rows
+
+
+def emit(lab, name, proj, prod, avg, R, cell, tf):
+    cols, rows = lab
+    if cols is None:
+        print(f"{name:<13} {proj:<3} {prod:<7} {avg:>6} {R:>8} {cell}", flush=True)
+        return
+    line = rows.get((name, proj, prod))
+    if line is None:
+        line = f"{name:<13} {proj:<3} {prod:<7} {avg:>6} {R:>8}" + "".join(f" {'-':>7}" for _ in cols[5:])
+    ours = []
+    for c, v in zip(cols, line.split()):
+        if c.startswith("v1") or c.startswith("v2"):
+            try:
+                ours.append(float(v))
+            except ValueError:
+                pass
+    ratio = f"{max(ours) / tf:7.2f}" if ours and tf else f"{'-':>7}"
+    if line.split()[4] != str(R):  # the lab had other row counts: the comparison is void
+        ratio += " R-mismatch"
+    print(f"{line} {cell} {ratio}", flush=True)
+
+
 def main():
     gm = torch._grouped_mm
     dev = torch.device("cuda")
+    lab = read_lab(sys.argv[1]) if len(sys.argv) > 1 else (None, {})
     print(f"# torch._grouped_mm on {torch.cuda.get_device_name()} (torch {torch.__version__}); "
-          f"TFLOP/s = 2*R*in*out / median time of {ITERS} calls")
-    print(f"{'case':<16} {'proj':<4} {'product':<8} {'rows/exp':>8} {'R':>8} {'torch':>9}")
+          f"TFLOP/s = 2*R*in*out / median time of {ITERS} calls; torch's dW is a fresh tensor, ours dW +=")
+    if lab[0] is None:
+        print(f"{'case':<13} {'prj':<3} {'product':<7} {'avg':>6} {'R':>8} {'torch':>7}")
+    else:
+        print(" ".join(f"{c:>7}" if i >= 5 else c for i, c in enumerate(lab[0])) + f" {'torch':>7} {'ours/t':>7}")
     filt = os.environ.get("GG_CASES", "")
     H, I = 2048, 1024
     for name, avg, counts in cases():
@@ -86,12 +129,14 @@ def main():
                 return torch.autograd.grad(y, (xg, Wg), dy)
 
             for prod, fl, fn in prods + (("fwd+bwd", 3 * flops, fwd_bwd),):
+                tf = None
                 try:
-                    cell = f"{fl / (timed(fn) * 1e-3) / 1e12:9.1f}"
+                    tf = fl / (timed(fn) * 1e-3) / 1e12
+                    cell = f"{tf:7.1f}"
                 except Exception as exc:  # an unsupported layout or shape: say so, go on
-                    cell = f"{'n/a':>9}"
+                    cell = f"{'n/a':>7}"
                     print(f"# {name} {proj} {prod}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
-                print(f"{name:<16} {proj:<4} {prod:<8} {avg:>8} {R:>8} {cell}", flush=True)
+                emit(lab, name, proj, prod, avg, R, cell, tf)
             del x, W, dy, xg, Wg
 
 
