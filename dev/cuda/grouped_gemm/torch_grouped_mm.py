@@ -6,8 +6,8 @@ Products as in gg_common.cuh, W [E, out, in]: fwd y = x W^T (_grouped_mm(x, W.tr
 offs)), dx = dy W (_grouped_mm(dy, W, offs)), dW = dy^T x per group (_grouped_mm(dy.t(), x, offs):
 a fresh dW, not accumulated as the lab's dW += does), and fwd+bwd = autograd over the forward
 (torch.autograd.grad: one forward and both gradients, the issue's "forward+backward" measurement).
-Edge cases are left out (timing only). Run: python3 dev/cuda/grouped_gemm/torch_grouped_mm.py [LAB]
-With LAB (the lab's table, e.g. gg_lab.txt), each row is the lab's row plus a torch column and
+Edge cases are left out (timing only). Run: python3 dev/cuda/grouped_gemm/torch_grouped_mm.py [LAB...]
+With LAB (the lab's table, e.g. gg_lab.txt; several are merged cell by cell), each row is the lab's row plus a torch column and
 "ours/torch" (the best of the sync-free versions v1, v2.* over torch); without it, torch alone.
 Environment: GG_CASES (substring), GG_ITERS (20)."""
 import os
@@ -59,18 +59,30 @@ def timed(fn):
     return ms[ITERS // 2]
 
 
-def read_lab(path):
-    """The lab's table: header columns and {(case, prj, product): line}."""
+def read_lab(paths):
+    """The lab's table from one or more lab outputs (several: one run per version after a crash;
+    a cell is taken from the first file where it is not "-"): header columns and
+    {(case, prj, product): line}."""
     cols, rows = None, {}
-    for line in open(path):
-        f = line.split()
-        if not f or line.startswith("#") or line.startswith("FAIL"):
+    for path in paths:
+        try:
+            lines = open(path).read().splitlines()
+        except OSError:
             continue
-        if f[0] == "case":
-            cols = f
-            continue
-        if cols and len(f) == len(cols):
-            rows[(f[0], f[1], f[2])] = line.rstrip("\n")
+        for line in lines:
+            f = line.split()
+            if not f or line.startswith("#") or line.startswith("FAIL"):
+                continue
+            if f[0] == "case":
+                cols = cols or f
+                continue
+            if not cols or len(f) != len(cols):
+                continue
+            key = (f[0], f[1], f[2])
+            if key in rows:
+                old = rows[key].split()
+                f = [o if o != "-" else n for o, n in zip(old, f)]
+            rows[key] = f"{f[0]:<13} {f[1]:<3} {f[2]:<7} {f[3]:>6} {f[4]:>8}" + "".join(f" {c:>7}" for c in f[5:])
     return cols, rows
 
 
@@ -98,7 +110,7 @@ def emit(lab, name, proj, prod, avg, R, cell, tf):
 def main():
     gm = torch._grouped_mm
     dev = torch.device("cuda")
-    lab = read_lab(sys.argv[1]) if len(sys.argv) > 1 else (None, {})
+    lab = read_lab(sys.argv[1:]) if len(sys.argv) > 1 else (None, {})
     print(f"# torch._grouped_mm on {torch.cuda.get_device_name()} (torch {torch.__version__}); "
           f"TFLOP/s = 2*R*in*out / median time of {ITERS} calls; torch's dW is a fresh tensor, ours dW +=")
     if lab[0] is None:
