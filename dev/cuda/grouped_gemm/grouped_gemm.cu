@@ -335,6 +335,21 @@ static void run_projection(const gcase &gc, const char *proj, int64_t in, int64_
                 snprintf(line, sizeof line, "FAIL %s %s: %lld of %zu checked wrong; worst %s got %g want %g",
                          VERSIONS[v].name, where.c_str(), (long long)c[v].nbad, idx.size(), at, c[v].got, c[v].want);
                 g_fail_lines.push_back(line);
+                if (gc.full) { /* where the wrong elements are: by row and column mod 64 (a layout
+                                * or swizzle mistake shows as a pattern) */
+                    int byr[64] = {0}, byc[64] = {0};
+                    for (size_t i = 0; i < idx.size(); i++) {
+                        const double d = std::fabs((double)got[i] - want[i]), tol = 0.0078125 * std::fabs(want[i]) + 1e-3;
+                        if (d <= tol) continue;
+                        const int64_t rr = kind == 2 ? idx[i] / in % out : idx[i] / N, cc = idx[i] % N;
+                        byr[rr % 64]++, byc[cc % 64]++;
+                    }
+                    std::string m = "FAILMAP " + std::string(VERSIONS[v].name) + " " + where + " wrong by row%64:";
+                    for (int i = 0; i < 64; i++) m += " " + std::to_string(byr[i]);
+                    m += " | by col%64:";
+                    for (int i = 0; i < 64; i++) m += " " + std::to_string(byc[i]);
+                    g_fail_lines.push_back(m);
+                }
                 g_failures++;
                 continue;
             }
