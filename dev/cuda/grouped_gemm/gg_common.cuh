@@ -43,7 +43,7 @@ __host__ __device__ inline int64_t gg_ndim(const gg_problem &p) { return p.kind 
 
 /* Tiles of group e with m_e rows: kinds 0/1 ceil(m_e/BM) x N/BN; kind 2 out/BM x N/BN, none when
  * m_e == 0 and beta == 1 (dW_e is left as it is). */
-__device__ inline int gg_group_tiles(const gg_problem &p, int64_t me, int BM, int BN) {
+__host__ __device__ inline int gg_group_tiles(const gg_problem &p, int64_t me, int BM, int BN) {
     const int ntn = (int)(gg_ndim(p) / BN);
     if (p.kind == 2) return (me == 0 && p.beta == 1.0f) ? 0 : (int)(p.out / BM) * ntn;
     return (int)((me + BM - 1) / BM) * ntn;
@@ -57,17 +57,20 @@ struct gg_sched {
     int tile[GG_MAX_E + 1];
 };
 
+/* The tile prefix from s.offs (serial; E is small). Host-callable for the lab's self-test. */
+__host__ __device__ inline void gg_sched_prefix(gg_sched &s, const gg_problem &p, int BM, int BN) {
+    int acc = 0;
+    s.tile[0] = 0;
+    for (int e = 0; e < p.E; e++) {
+        acc += gg_group_tiles(p, s.offs[e + 1] - s.offs[e], BM, BN);
+        s.tile[e + 1] = acc;
+    }
+}
+
 __device__ inline void gg_sched_build(gg_sched &s, const gg_problem &p, int BM, int BN) {
     for (int i = threadIdx.x; i <= p.E; i += blockDim.x) s.offs[i] = p.offs[i];
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int acc = 0;
-        s.tile[0] = 0;
-        for (int e = 0; e < p.E; e++) {
-            acc += gg_group_tiles(p, s.offs[e + 1] - s.offs[e], BM, BN);
-            s.tile[e + 1] = acc;
-        }
-    }
+    if (threadIdx.x == 0) gg_sched_prefix(s, p, BM, BN);
     __syncthreads();
 }
 
@@ -78,7 +81,7 @@ struct gg_tile {
     int64_t r0, me; /* the group's first row and rows */
 };
 
-__device__ inline gg_tile gg_tile_of(const gg_sched &s, const gg_problem &p, int t, int BN) {
+__host__ __device__ inline gg_tile gg_tile_of(const gg_sched &s, const gg_problem &p, int t, int BN) {
     int lo = 0, hi = p.E - 1; /* the last e with s.tile[e] <= t; empty groups have equal prefixes */
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;

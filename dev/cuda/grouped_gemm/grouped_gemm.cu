@@ -383,11 +383,50 @@ static void run_projection(const gcase &gc, const char *proj, int64_t in, int64_
     cudaFree(X), cudaFree(W), cudaFree(Y), cudaFree(DY), cudaFree(DX), cudaFree(DW), cudaFree(doffs);
 }
 
+/* Host self-test of the shared tile list (gg_common.cuh), run before anything touches the GPU:
+ * over every case, kind and tile shape, each tile of each group is listed exactly once. */
+static bool sched_selftest(const std::vector<gcase> &cases) {
+    static gg_sched s;
+    for (const gcase &gc : cases) {
+        const int E = (int)gc.counts.size();
+        s.offs[0] = 0;
+        for (int e = 0; e < E; e++) s.offs[e + 1] = s.offs[e] + gc.counts[e];
+        for (int kind = 0; kind < 3; kind++)
+            for (int BN : {128, 256}) {
+                gg_problem p{};
+                p.kind = kind, p.E = E, p.in = gc.H, p.out = gc.I, p.beta = 1.0f;
+                gg_sched_prefix(s, p, 128, BN);
+                const int ntn = (int)(gg_ndim(p) / BN);
+                std::vector<std::vector<char>> seen(E);
+                for (int e = 0; e < E; e++) seen[e].assign((size_t)gg_group_tiles(p, gc.counts[e], 128, BN), 0);
+                for (int t = 0; t < s.tile[E]; t++) {
+                    const gg_tile g = gg_tile_of(s, p, t, BN);
+                    const int64_t i = (int64_t)g.mt * ntn + g.nt;
+                    if (g.e < 0 || g.e >= E || g.r0 != s.offs[g.e] || g.me != gc.counts[g.e] || i >= (int64_t)seen[g.e].size() ||
+                        seen[g.e][i]++) {
+                        fprintf(stderr, "grouped_gemm: tile list wrong: case %s kind %d BN %d tile %d -> e %d mt %d nt %d\n",
+                                gc.name.c_str(), kind, BN, t, g.e, g.mt, g.nt);
+                        return false;
+                    }
+                }
+                for (int e = 0; e < E; e++)
+                    for (char c : seen[e])
+                        if (c != 1) {
+                            fprintf(stderr, "grouped_gemm: tile list misses a tile of group %d (case %s kind %d)\n", e,
+                                    gc.name.c_str(), kind);
+                            return false;
+                        }
+            }
+    }
+    return true;
+}
+
 int main() {
     if (getenv("GG_ITERS")) g_iters = std::max(1, atoi(getenv("GG_ITERS")));
     g_notime = getenv("GG_NOTIME") && atoi(getenv("GG_NOTIME"));
     const char *filter = getenv("GG_CASES");
     const std::vector<gcase> cases = make_cases();
+    if (!sched_selftest(cases)) return 2;
     if (getenv("GG_LIST")) { /* the cases only, no GPU: name, rows, first counts */
         for (const gcase &gc : cases) {
             int64_t R = 0;
