@@ -100,6 +100,8 @@ static const version VERSIONS[] = {
     {"v1", gg_v1_launch},            /* mma.sync + cp.async, persistent, sync-free */
     {"v2.128", gg_v2_launch<128>},   /* wgmma + TMA, 128x128 tiles */
     {"v2.256", gg_v2_launch<256>},   /* wgmma + TMA, 128x256 tiles */
+    {"v2.128p", gg_v2_launch<128, true>}, /* the same, one k-block of wgmmas kept in flight */
+    {"v2.256p", gg_v2_launch<256, true>},
 };
 constexpr int NV = sizeof(VERSIONS) / sizeof(VERSIONS[0]);
 

@@ -7,7 +7,8 @@
  * warpgroups 0 and 1 are consumers, each computing 64 rows of the 128 x BN tile with
  * wgmma.mma_async.m64nBNk16 (bf16 in, fp32 accumulators in registers, 4 k16 steps per 64-deep
  * stage) and storing straight from registers, rows past the group's end masked. setmaxnreg moves
- * registers from the producer to the consumers.
+ * registers from the producer to the consumers. The PIPE form (v2.*p) keeps one k-block of wgmmas
+ * in flight per consumer (wait_group 1) and releases the stage before it.
  *
  * Operands, per gg_common.cuh: K-major tiles (x, dy for kinds 0/1; W for kind 0) are one TMA box
  * {64 k, rows} (128 B per row, 8-row 1024-byte swizzle atoms; descriptor SBO 1024, k16 step +32 B);
@@ -74,7 +75,7 @@ template <int KIND> __device__ inline int nk_of(const gg_problem &p, const gg_ti
     return KIND == 2 ? (int)((t.me + BK - 1) / BK) : (int)((KIND == 0 ? p.in : p.out) / BK);
 }
 
-template <int KIND, int BN>
+template <int KIND, int BN, bool PIPE>
 __global__ void __launch_bounds__(THREADS, 1)
 kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB, gg_problem p) {
     using C = cfg<BN>;
@@ -124,12 +125,14 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
     uint32_t it = 0;
+    int prev = -1; /* PIPE: the stage whose wgmmas may still run */
     for (int ti = blockIdx.x; ti < total; ti += gridDim.x) {
         const gg_tile t = gg_tile_of(sched, p, ti, BN);
         const int nk = nk_of<KIND>(p, t);
         float acc[BN / 2];
 #pragma unroll
         for (int i = 0; i < BN / 2; i++) acc[i] = 0.0f;
+        if (PIPE) acc_fence(acc); /* once: touching acc between in-flight wgmmas would make ptxas wait */
         for (int kb = 0; kb < nk; kb++, it++) {
             const int s = it % C::STAGES;
             mbar_wait(&full[s], (it / C::STAGES) & 1);
@@ -147,7 +150,7 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
                     asm volatile("bar.sync 1, 256;\n" ::: "memory");
                 }
             }
-            acc_fence(acc);
+            if (!PIPE) acc_fence(acc);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
             for (int kk = 0; kk < BK / 16; kk++) {
@@ -158,9 +161,21 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
                 else wgmma_m64n256<AMN, BMN>(acc, da, db);
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            if (PIPE) { /* keep this k-block's wgmmas in flight; the previous one's are done */
+                asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+                prev = s;
+            } else {
+                asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+                acc_fence(acc);
+                if (lane == 0) mbar_arrive(&empty[s]);
+            }
+        }
+        if (PIPE) { /* the tile's last wgmmas: wait, release their stage */
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             acc_fence(acc);
-            if (lane == 0) mbar_arrive(&empty[s]);
+            if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+            prev = -1;
         }
         /* epilogue: accumulator fragment d[4j + {0,1}] = (row, 8j + 2(lane%4) + {0,1}),
          * d[4j + {2,3}] = row + 8, row = 16 warp + lane/4 within the warpgroup's 64 rows */
@@ -195,9 +210,9 @@ static cudaError_t make_map(CUtensorMap *m, const void *base, uint64_t inner, ui
     return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <int KIND, int BN> static cudaError_t launch_kind(const gg_problem &p, cudaStream_t stream) {
+template <int KIND, int BN, bool PIPE> static cudaError_t launch_kind(const gg_problem &p, cudaStream_t stream) {
     static int grid = 0;
-    auto fn = kernel<KIND, BN>;
+    auto fn = kernel<KIND, BN, PIPE>;
     if (!grid) {
         int dev;
         cudaGetDevice(&dev);
@@ -225,13 +240,15 @@ template <int KIND, int BN> static cudaError_t launch_kind(const gg_problem &p, 
 
 } // namespace v2
 
-/* Launch v2 with a 128 x BN tile (BN 128 or 256) for p on stream. Returns a CUDA error code;
- * cudaErrorInvalidValue when a shape is not served (in, out not multiples of BN; rows past 2^31). */
-template <int BN> static cudaError_t gg_v2_launch(const gg_problem &p, cudaStream_t stream) {
+/* Launch v2 with a 128 x BN tile (BN 128 or 256) for p on stream; PIPE keeps one k-block of
+ * wgmmas in flight (wait_group 1, the previous stage released) instead of waiting for each
+ * (wait_group 0). Returns a CUDA error code; cudaErrorInvalidValue when a shape is not served
+ * (in, out not multiples of BN; rows past 2^31). */
+template <int BN, bool PIPE = false> static cudaError_t gg_v2_launch(const gg_problem &p, cudaStream_t stream) {
     if (p.in % BN || p.out % BN || p.out % v2::BM || p.E > GG_MAX_E || p.rcap >= INT32_MAX ||
         (int64_t)p.E * p.out >= INT32_MAX)
         return cudaErrorInvalidValue;
-    if (p.kind == 0) return v2::launch_kind<0, BN>(p, stream);
-    if (p.kind == 1) return v2::launch_kind<1, BN>(p, stream);
-    return v2::launch_kind<2, BN>(p, stream);
+    if (p.kind == 0) return v2::launch_kind<0, BN, PIPE>(p, stream);
+    if (p.kind == 1) return v2::launch_kind<1, BN, PIPE>(p, stream);
+    return v2::launch_kind<2, BN, PIPE>(p, stream);
 }
