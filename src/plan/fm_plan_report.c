@@ -154,6 +154,13 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
                 r->bf16_moments ? " --bf16-moments" : "");
         if (r->T > c->max_position_embeddings) fprintf(f, " --max-position-embeddings %lld", (long long)r->T);
         fprintf(f, "\n");
+        /* what the trainer of this tree cannot run of this plan yet (README "Many ranks") */
+        if (m->dp * m->sp > 1)
+            fprintf(f, "note: the trainer does not run this plan as planned yet:%s the vocabulary is its local linear "
+                    "cross-entropy, not the Ring-DTP ring (the operator is built, the trainer does not call it); train "
+                    "prints its own plan at launch\n",
+                    m->ep > 1 || m->sp > 1 ? " ZeRO-3 beside --ep or --sp is not built (--ep and --sp run with --zero 0);"
+                                           : "");
     }
 }
 
