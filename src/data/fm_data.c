@@ -223,6 +223,23 @@ fm_status fm_dataset_set_ranks(fm_dataset *ds, int rank, int world) {
     return FM_OK;
 }
 
+fm_status fm_dataset_set_seq_slice(fm_dataset *ds, int part, int parts) {
+    FM_ASSERT(ds != NULL);
+    if (parts < 1 || part < 0 || part >= parts)
+        return fm_error(FM_ERR_ARG, "data: sequence slice %d of %d; expected 0 <= slice < slices", part, parts);
+    ds->seq_part = part;
+    ds->seq_parts = parts;
+    return FM_OK;
+}
+
+/* The slice of a window of T tokens this data set keeps: its offset and length. */
+static void seq_slice(const fm_dataset *ds, int64_t T, int64_t *off, int64_t *len) {
+    const int64_t P = ds->seq_parts > 0 ? ds->seq_parts : 1;
+    FM_ASSERT(T % P == 0 && ds->seq_part >= 0 && ds->seq_part < P);
+    *len = T / P;
+    *off = (int64_t)ds->seq_part * *len;
+}
+
 fm_status fm_dataset_check_windows(const fm_dataset *ds, int64_t seq_len, const char *what) {
     FM_ASSERT(ds != NULL);
     if (!what) what = "data";
@@ -243,12 +260,14 @@ void fm_dataset_sample_batch(const fm_dataset *ds, fm_rng *rng, int64_t B, int64
     FM_ASSERT(ds->rank >= 0 && ds->rank < world);
     const uint64_t n_starts = (uint64_t)(ds->n_tokens - T); /* s in [0, n_tokens - T - 1] */
     const int64_t mine = (int64_t)ds->rank * B;
+    int64_t off, len;
+    seq_slice(ds, T, &off, &len);
     for (int64_t j = 0; j < (int64_t)world * B; j++) {
         const int64_t s = (int64_t)fm_rng_below(rng, n_starts);
         if (j < mine || j >= mine + B) continue; /* another rank's window */
         const int64_t b = j - mine;
-        copy_range(ds, s, T, inputs + b * T, false);
-        copy_range(ds, s + 1, T, targets + b * T, true);
+        copy_range(ds, s + off, len, inputs + b * len, false);
+        copy_range(ds, s + off + 1, len, targets + b * len, true);
     }
 }
 
@@ -263,10 +282,11 @@ void fm_dataset_eval_batch(const fm_dataset *ds, int64_t first_window, int64_t B
     FM_ASSERT(ds && inputs && targets && n_filled);
     FM_ASSERT(B >= 1 && T >= 1 && first_window >= 0);
     int64_t nw = fm_dataset_eval_windows(ds, T);
-    int64_t rows = 0;
+    int64_t rows = 0, off, len;
+    seq_slice(ds, T, &off, &len);
     for (int64_t w = first_window; w < nw && rows < B; w++, rows++) {
-        copy_range(ds, w * T, T, inputs + rows * T, false);
-        copy_range(ds, w * T + 1, T, targets + rows * T, true);
+        copy_range(ds, w * T + off, len, inputs + rows * len, false);
+        copy_range(ds, w * T + off + 1, len, targets + rows * len, true);
     }
     *n_filled = rows;
 }

@@ -89,6 +89,8 @@ typedef struct fm_dataset {
     bool has_mask;        /* some part carries a loss mask */
     int rank, world;      /* the sampling cursor: this rank and the number of ranks (0 and 1 after
                              loading; fm_dataset_set_ranks) */
+    int seq_part, seq_parts; /* sequence parallelism: the slice of every window this rank keeps
+                             (0 and 1 after loading: the whole window; fm_dataset_set_seq_slice) */
     char desc[256];       /* human-readable summary, e.g. "3 text files, 1115394 tokens (bytes)" */
 } fm_dataset;
 
@@ -129,6 +131,14 @@ fm_status fm_dataset_split(const fm_dataset *all, double val_fraction, fm_datase
  * (fm_dataset_sample_batch). Errors: FM_ERR_ARG unless 0 <= rank < world. */
 fm_status fm_dataset_set_ranks(fm_dataset *ds, int rank, int world);
 
+/* Sequence parallelism (Ulysses, model/fm_attn_sp.h): this process keeps slice `part` of `parts`
+ * of every window: of a window of T tokens, positions [part T/parts, (part + 1) T/parts), so a
+ * batch of B windows fills [B, T/parts] rows (fm_dataset_sample_batch, fm_dataset_eval_batch:
+ * T must then be divisible by parts, asserted). The windows drawn do not change: the sp ranks of
+ * one data-parallel rank (the same fm_dataset_set_ranks) read the same windows. parts = 1: the
+ * whole window (the default). Errors: FM_ERR_ARG unless 0 <= part < parts. */
+fm_status fm_dataset_set_seq_slice(fm_dataset *ds, int part, int parts);
+
 /* Checks that the data holds at least one window of seq_len inputs plus the shifted target,
  * i.e. n_tokens >= seq_len + 1. `what` names the data in the message ("validation data").
  * Errors: FM_ERR_ARG when seq_len < 1 or the data is too short (message says how many tokens it
@@ -141,7 +151,9 @@ fm_status fm_dataset_check_windows(const fm_dataset *ds, int64_t seq_len, const 
  * 0 .. B-1: inputs[b*T+t] = token[s+t], targets[b*T+t] = token[s+t+1], or FM_IGNORE_INDEX where
  * that target's mask byte is 0. With world = 1 this is B draws, one per row in row order. Every
  * rank's RNG stays identical, so the RNG state (saved in state.json) is the whole cursor, and the
- * global batch does not depend on how it is split over ranks.
+ * global batch does not depend on how it is split over ranks. With a sequence slice
+ * (fm_dataset_set_seq_slice: part p of P) each row keeps positions [p T/P, (p + 1) T/P) of its
+ * window and rows are T/P long: inputs[b*(T/P) + t] = token[s + p T/P + t].
  * Precondition (asserted): B >= 1, T >= 1, n_tokens >= T + 1 (see fm_dataset_check_windows). */
 void fm_dataset_sample_batch(const fm_dataset *ds, fm_rng *rng, int64_t B, int64_t T,
                              int32_t *inputs, int32_t *targets);
@@ -153,7 +165,8 @@ int64_t fm_dataset_eval_windows(const fm_dataset *ds, int64_t T);
 
 /* Fills up to B rows of inputs and targets ([B, T] int32 each) with the sequential windows
  * first_window, first_window + 1, ... (window w starts at token w*T), stopping at the last window;
- * masked targets are FM_IGNORE_INDEX (not rank-aware: every rank fills the same windows);
+ * masked targets are FM_IGNORE_INDEX (not rank-aware: every rank fills the same windows; a
+ * sequence slice applies as in fm_dataset_sample_batch: rows of T/P);
  * *n_filled = number of rows written (0 when first_window >=
  * fm_dataset_eval_windows). Rows past *n_filled are left untouched.
  * Precondition (asserted): B >= 1, T >= 1, first_window >= 0. */

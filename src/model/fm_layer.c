@@ -1,6 +1,8 @@
 /* One decoder layer's forward and backward (fm_model.h: fm_model_layer_forward/backward):
  *   x -> RMSNorm -> causal GQA attention (RoPE, optional QK-norm) -> +x = x_mid
  *   x_mid -> RMSNorm -> router -> MoE (dispatch, experts, combine) -> +x_mid = y
+ * With sequence parallelism (m->sp > 1) the attention op is fm_attn_sp's (Ulysses all-to-alls
+ * around it); every other op runs on this rank's tokens as it is.
  * The loop over layers is the schedule's (schedule/fm_schedule.h), never the model's. */
 #include "fm_model.h"
 
@@ -68,7 +70,10 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
     OPS->rope_fwd(CTX, a->kr, m->rope_cos, m->rope_sin, B, T, nkv, hd);
     if (!skip_attention) { /* keep-attention's recompute: att and lse are the forward's, kept */
         PHASE(ATTENTION);
-        OPS->attention_fwd(CTX, a->att, a->lse, a->qr, a->kr, a->v, B, T, nh, nkv, hd);
+        if (m->sp > 1) /* Ulysses: to head-sharded, attention over the whole sequence, back */
+            FM_TRY(fm_attn_sp_forward(&m->sp_attn, &m->be, a->att, a->lse, a->qr, a->kr, a->v));
+        else
+            OPS->attention_fwd(CTX, a->att, a->lse, a->qr, a->kr, a->v, B, T, nh, nkv, hd);
         PHASE(DENSE);
     }
     linear_fwd(m, a->x_mid, a->att, w->wo, N, qd, H);
@@ -107,7 +112,7 @@ fm_status fm_model_layer_recompute(fm_model *m, int64_t l, fm_act *y, bool skip_
 /* dy [N,H]: gradient of the layer output, clobbered (its buffer holds d att once dy is added
  * into d x_mid). Writes dx [N,H] (assigned); until its last op dx holds ln2, then ln1, formed
  * again from x_mid and x. */
-void fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx, float scale) {
+fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx, float scale) {
     const fm_config *c = &m->cfg;
     FM_ASSERT(l >= 0 && l < c->num_hidden_layers);
     const fm_act *x = m->boundary[l];
@@ -150,7 +155,11 @@ void fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx, flo
     /* attention block: x_mid = x + o_proj(attn(rope(qknorm(q,k)), v)) */
     linear_bwd(m, datt, 0.0f, g->wo, dxmid, a->att, w->wo, N, qd, H);
     PHASE(ATTENTION);
-    OPS->attention_bwd(CTX, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att, a->lse, B, T, nh, nkv, hd);
+    if (m->sp > 1) /* Ulysses: the transposed all-to-alls around the attention backward */
+        FM_TRY(fm_attn_sp_backward(&m->sp_attn, &m->be, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att,
+                                   a->lse));
+    else
+        OPS->attention_bwd(CTX, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att, a->lse, B, T, nh, nkv, hd);
     PHASE(DENSE);
     OPS->rope_bwd(CTX, ws->dq, m->rope_cos, m->rope_sin, B, T, nh, hd);
     OPS->rope_bwd(CTX, ws->dk, m->rope_cos, m->rope_sin, B, T, nkv, hd);
@@ -173,4 +182,5 @@ void fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx, flo
     linear_bwd(m, dln1, 1.0f, g->wv, ws->dv, ln1, w->wv, N, H, kd);
     OPS->rmsnorm_bwd(CTX, dx, g->ln1, dln1, x, w->ln1, a->rstd1, N, H);
     OPS->add(CTX, dx, dxmid, N * H);
+    return FM_OK;
 }

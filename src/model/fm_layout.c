@@ -120,6 +120,9 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
         fm_moe_ws_layout(&m->moe_ws, ex, host, &md, chunked ? c_eff : N, chunked);
     }
     layout_ws(&m->ws, ws, c, N);
+    /* Ulysses sequence parallelism: the head-sharded attention buffers, in the working set */
+    const fm_attn_sp_dims sd = {m->B, m->T, c->num_attention_heads, c->num_key_value_heads, hd, m->sp > 1 ? m->sp : 1};
+    fm_attn_sp_layout(&m->sp_attn, ws, &sd);
     m->xf = TAKE(voc, fm_act, N * H);
     m->rstd_f = TAKE(voc, float, N);
     m->logits = m->linear_ce ? NULL : TAKE(voc, fm_act, N * c->vocab_size);
@@ -198,6 +201,7 @@ size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_
 }
 
 void fm_model_free_layout(fm_model *m) {
+    fm_attn_sp_free(&m->sp_attn);
     for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_free(&m->arena[i]);
     fm_arena_free(&m->host_arena);
     fm_free(m->boundary);
@@ -222,6 +226,7 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
     m.ce_block_tokens = opts ? opts->ce_block_tokens : 0;
     m.ce_block_vocab = opts ? opts->ce_block_vocab : 0;
     m.n_offloaded_boundaries = opts ? opts->n_offloaded_boundaries : 0;
+    m.sp = opts && opts->sp > 1 ? (int)opts->sp : 1;
     m.ep = opts && opts->ep > 1 ? opts->ep : 1;
     m.ep_rank = opts && opts->ep > 1 ? opts->ep_rank : 0;
     if (opts && opts->ep > 1 && opts->llep) m.moe_llep = *opts->llep;
@@ -257,6 +262,18 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     const bool *recompute = opts ? opts->recompute : NULL;
     const fm_config *c = &m->cfg;
     const int64_t L = c->num_hidden_layers;
+    const int64_t sp = opts && opts->sp > 1 ? opts->sp : 1;
+    if (sp > 1) { /* Ulysses: T is this rank's slice; the sp group is the caller's */
+        FM_TRY(fm_attn_sp_check(c, sp, sp * T));
+        if (!m->sp_comm || fm_comm_size(m->sp_comm) != sp)
+            return fm_error(FM_ERR_ARG, "sequence parallelism over %lld ranks: the model's sp group (m->sp_comm) has %d "
+                            "ranks; set it to the mesh's sp communicator before fm_model_layout", (long long)sp,
+                            m->sp_comm ? fm_comm_size(m->sp_comm) : 0);
+    }
+    if (sp * T > c->max_position_embeddings)
+        return fm_error(FM_ERR_ARG, "a sequence of %lld tokens (--seq-len) exceeds the model's max_position_embeddings "
+                        "(%lld); use at most %lld", (long long)(sp * T), (long long)c->max_position_embeddings,
+                        (long long)c->max_position_embeddings);
     if (T > c->max_position_embeddings)
         return fm_error(FM_ERR_ARG, "a sequence of %lld tokens (--seq-len, or sample's --context) exceeds the model's "
                         "max_position_embeddings (%lld); use at most %lld", (long long)T,
@@ -298,8 +315,11 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
                             (long long)m->moe_chunk_tokens);
         FM_TRY(fm_moe_ep_check(&md, ep, m->moe_chunk_tokens));
     }
+    m->sp = (int)sp;
+    m->sp_rank = sp > 1 ? fm_comm_rank(m->sp_comm) : 0;
     fm_layout_opts o = {m->recompute, m->moe_chunk_tokens, m->ce_block_tokens, m->ce_block_vocab,
                         m->n_offloaded_boundaries, m->keep_attention, ep, m->ep_rank, &m->moe_llep};
+    o.sp = sp;
     size_t bytes[FM_LIVE_COUNT];
     size_t host_bytes = 0;
     plan_bytes(c, B, T, &o, bytes, &host_bytes);
@@ -330,6 +350,11 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
         return st;
     }
     layout_all(m, m->arena, &m->host_arena);
+    st = fm_attn_sp_init(&m->sp_attn, &m->be, m->sp_comm);
+    if (st) {
+        fm_model_free_layout(m);
+        return st;
+    }
     fm_free(m->moe_ep_counts_host);
     m->moe_ep_counts_host = NULL;
     if (m->ep > 1 && !m->be.ops->host_memory) { /* the expert-load counts' host copy of top-k ids */
@@ -340,7 +365,8 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
         }
     }
     /* RoPE tables (HF: inv_freq[i] = theta^(-2i/hd); angle = t * inv_freq[i]), in double, made on
-     * the host and uploaded; and the chunked MoE's token order. */
+     * the host and uploaded; and the chunked MoE's token order. Sequence parallelism: row t of the
+     * tables is global position sp_rank T + t (this rank's slice). */
     const int64_t half = c->head_dim / 2;
     float *tab = fm_malloc(sizeof(float) * (size_t)(2 * T * half + 1));
     int32_t *order = m->moe_chunk_order ? fm_malloc(sizeof(int32_t) * (size_t)m->N) : NULL;
@@ -352,7 +378,7 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < half; i++) {
             double inv = pow(c->rope_theta, -2.0 * (double)i / (double)c->head_dim);
-            double ang = (double)t * inv;
+            double ang = (double)(m->sp_rank * T + t) * inv;
             tab[t * half + i] = (float)cos(ang);
             tab[T * half + t * half + i] = (float)sin(ang);
         }

@@ -20,6 +20,7 @@
 #include "../bounded/fm_moe_dispatch.h"
 #include "../bounded/fm_moe_ep.h"
 #include "../core/fm_arena.h"
+#include "fm_attn_sp.h"
 #include "fm_config.h"
 #include "fm_router.h"
 
@@ -54,7 +55,8 @@ typedef struct fm_layer_acts {
     fm_act *q, *k, *v;           /* projections before QK-norm/RoPE: [N,nh*hd], [N,nkv*hd] x2 */
     fm_act *qr, *kr;             /* after QK-norm and RoPE: attention inputs */
     float *rstd_q, *rstd_k;      /* QK-norm rstd ([N*nh] per head, [N] full) */
-    fm_act *att; float *lse;     /* [N,nh*hd], [B,nh,T] */
+    fm_act *att; float *lse;     /* [N,nh*hd], [B,nh,T] (sequence parallelism: lse head-sharded
+                                    [B,nh/sp,sp T], fm_attn_sp.h) */
     fm_act *x_mid;               /* [N,H] residual after attention */
     float *rstd2;                /* [N] */
     fm_router_saved router;      /* probs [N,E], lse [N], top-k [N,k], statistics [E] (fm_router.h) */
@@ -134,6 +136,14 @@ typedef struct fm_model {
     const fm_comm *comm;        /* the ranks that see this batch's tokens (dp x sp), backend memory:
                                    the valid-target count, the loss sums and the router statistics
                                    are reduced over it; NULL: this rank alone (tests, inference) */
+    /* Ulysses sequence parallelism (fm_attn_sp.h; fm_layout_opts.sp > 1): this rank holds
+     * positions [sp_rank T, (sp_rank + 1) T) of each of the B sequences (T the local length, the
+     * full one sp x T); RoPE is by global position (the tables start at sp_rank T) and attention
+     * runs through sp_attn's all-to-alls over sp_comm. Everything else runs on the local tokens. */
+    const fm_comm *sp_comm;     /* the sp group over the backend's memory; set before fm_model_layout
+                                   with opts->sp > 1 (NULL: no sequence parallelism) */
+    int sp, sp_rank;            /* degree (1: none) and this rank's index in the group */
+    fm_attn_sp sp_attn;         /* its buffers and tables, in the working-set live set */
     fm_act *xf; float *rstd_f;  /* [N,H], [N] */
     fm_act *logits;             /* [N,V] (plain vocabulary projection; NULL under linear CE) */
     float *token_loss;          /* [N] */
@@ -220,12 +230,19 @@ typedef struct fm_layout_opts {
                                   instead of the local dispatch's; fm_model_layout requires the
                                   model's own ep and ep_rank (fm_model_create_ep) */
     const fm_llep_opts *llep;  /* least-loaded placement with ep > 1 (NULL or .on false: plain EP) */
+    int64_t sp;                /* Ulysses sequence-parallel degree (0 or 1: none). > 1: T is this
+                                  rank's slice of every sequence (the full length sp x T), m->sp_comm
+                                  must be a group of sp ranks, and the working set holds
+                                  fm_attn_sp_bytes more (the head-sharded q/k/v/o, their gradients,
+                                  the all-to-all blocks and index tables) */
 } fm_layout_opts;
 
 /* Lays out and allocates activation memory for micro-batch B x sequence T (opts NULL: no
  * recompute, plain MoE). Errors: FM_ERR_ARG if T > max_position_embeddings (names --seq-len)
  * or B, T < 1, or n_offloaded_boundaries outside [0, L] (names --offload-boundaries); FM_ERR_NOMEM naming the live set. May be called again with another shape
- * (frees the previous layout). */
+ * (frees the previous layout). With opts->sp > 1 (sequence parallelism): T is the local slice,
+ * sp x T must be within max_position_embeddings, the config must pass fm_attn_sp_check and
+ * m->sp_comm must have sp ranks (FM_ERR_ARG otherwise). */
 fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opts *opts);
 
 /* Bytes each live set needs for this config and shape, measured by running the layout code
@@ -321,7 +338,8 @@ void fm_model_embed_forward(fm_model *m, bool with_targets);
 /* Layer l's forward from boundary l into y [N,H] (boundary l+1, or the free gradient buffer
  * when the schedule recomputes the layer in backward), saving into layer l's saved set (shared
  * by the recomputed layers). The router's loss terms of the layer land in m->results at
- * FM_RESULT_LAYERS + 2l (fm_router.h). Errors: m->comm's (the router statistics' all-reduce). */
+ * FM_RESULT_LAYERS + 2l (fm_router.h). Errors: m->comm's (the router statistics' all-reduce),
+ * m->sp_comm's (attention's all-to-alls under sequence parallelism). */
 fm_status fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y);
 /* The recompute of layer l in backward: fm_model_layer_forward again into y, except that with
  * skip_attention the attention forward does not run and the layer's kept att and lse (written
@@ -332,8 +350,9 @@ fm_status fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y);
 fm_status fm_model_layer_recompute(fm_model *m, int64_t l, fm_act *y, bool skip_attention);
 /* Layer l's backward from its output gradient dy [N,H] (clobbered) into dx [N,H] (assigned),
  * reading boundary l and the layer's saved set (recomputed by the schedule first if the layer is
- * recomputed). dy and dx are the two gradient buffers. */
-void fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx, float scale);
+ * recomputed). dy and dx are the two gradient buffers. Errors: with sequence parallelism, the
+ * sp group's (attention's all-to-alls); FM_OK otherwise. */
+fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx, float scale);
 /* Final norm of boundary L and the loss: plain logits (and, with targets, the cross-entropy and
  * its gradient formed in place), or the linear cross-entropy (targets required). The loss sum
  * lands in m->results[FM_RESULT_CE]; sets r->n_valid (and m->n_valid), counted on the host.

@@ -32,7 +32,8 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     memset(p, 0, sizeof *p);
     const fm_config *c = &r->cfg;
     /* a mesh rank holds T / sp of each sequence's tokens (Ulysses); one rank: all of them */
-    const int64_t sp = r->mesh.on && r->mesh.sp > 1 ? r->mesh.sp : 1, Tl = r->T / sp;
+    /* (r->sp: the trainer's --sp run, exact to its arenas; r->mesh.sp: a mesh rank's what-if) */
+    const int64_t sp = r->mesh.on && r->mesh.sp > 1 ? r->mesh.sp : r->sp > 1 ? r->sp : 1, Tl = r->T / sp;
     const int64_t L = c->num_hidden_layers, N = r->B * Tl, H = c->hidden_size, I = c->moe_intermediate_size;
     const int64_t k = c->num_experts_per_tok, E = c->num_experts;
     const fm_recompute_policy rp = {r->recompute, L, r->keep_attention}; /* the policy's bound */
@@ -136,6 +137,15 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
 
     p->bytes[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(c, N, a);
     snprintf(p->inputs[FM_LIVE_WORKING_SET], 200, "one layer's backward: 4 x N x H (5 if heads x head_dim < H) + q/k/v grads + router grads");
+    if (r->sp > 1 && !r->mesh.on) { /* the trainer's Ulysses: the head-sharded q/k/v/o and their grads, the
+                                        all-to-all blocks, index tables (a mesh counts them in its comm set) */
+        const fm_attn_sp_dims sd = {r->B, Tl, c->num_attention_heads, c->num_key_value_heads, c->head_dim, (int)sp};
+        const size_t spb = fm_attn_sp_bytes(&sd, a);
+        p->bytes[FM_LIVE_WORKING_SET] += spb;
+        snprintf(p->inputs[FM_LIVE_WORKING_SET], 200, "one layer's backward at N = B x T/sp = %lld + Ulysses sp = %lld: "
+                 "head-sharded q/k/v/o + grads [B,T,heads/sp] and 2 all-to-all blocks, %.1f MiB", (long long)N,
+                 (long long)sp, spb / 1048576.0);
+    }
 
     const bool lce = r->ce_block_tokens > 0 || r->ce_block_vocab > 0;
     if (lce) {

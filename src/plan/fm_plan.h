@@ -81,6 +81,12 @@ typedef struct fm_plan_req {
      * rank's E/ep experts (train/fm_train_ep.h). 0 or 1: the local dispatch. */
     int ep;
     const fm_llep_opts *llep;   /* least-loaded placement (NULL or .on false: plain EP) */
+    int64_t sp;                 /* Ulysses sequence parallelism (model/fm_attn_sp.h, --sp; 0 or 1:
+                                   off): every activation live set is this rank's T/sp tokens per
+                                   sequence; the working set adds the head-sharded attention
+                                   buffers and the all-to-all blocks (fm_attn_sp_bytes); the
+                                   attention workspace is planned for [B, T, nh/sp heads]. T must
+                                   be divisible by sp (fm_attn_sp_check) */
 } fm_plan_req;
 
 typedef struct fm_plan {

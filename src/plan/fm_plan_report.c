@@ -33,6 +33,9 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     fprintf(f, "; vocabulary %s", (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear cross-entropy" : "plain logits");
     fprintf(f, "; %lld offloaded boundaries; optimizer %s", (long long)p->n_offloaded_boundaries,
             r->offload_optimizer ? "streamed from pinned host memory (--offload-optimizer)" : "on the device");
+    if (r->sp > 1) /* Ulysses: the bounds are per rank, of its slice */
+        fprintf(f, "; sequence parallel over %lld ranks (%lld tokens of each sequence per rank)", (long long)r->sp,
+                (long long)(r->T / r->sp));
     /* the same knobs as train flags, to copy */
     const int64_t L = c->num_hidden_layers;
     fprintf(f, "\ntrain flags: --seq-len %lld --micro-batch %lld --recompute ", (long long)r->T, (long long)r->B);
@@ -53,6 +56,7 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     fprintf(f, " --offload-boundaries %lld", (long long)p->n_offloaded_boundaries);
     if (r->offload_optimizer) fprintf(f, " --offload-optimizer");
     if (r->bf16_moments) fprintf(f, " --bf16-moments");
+    if (r->sp > 1) fprintf(f, " --sp %lld", (long long)r->sp);
     if (r->T > c->max_position_embeddings) fprintf(f, " --max-position-embeddings %lld", (long long)r->T);
     const fm_mesh_dims *m = &r->mesh;
     if (m->on) {
@@ -162,11 +166,11 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
 
 void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_report *x, FILE *f) {
     const size_t budget = x->budget;
-    fprintf(f, "{\"model_type\":\"%s\",\"params\":%lld,\"active_params\":%lld,\"micro_batch\":%lld,\"seq_len\":%lld,"
+    fprintf(f, "{\"model_type\":\"%s\",\"params\":%lld,\"active_params\":%lld,\"micro_batch\":%lld,\"seq_len\":%lld,\"sp\":%lld,"
             "\"recomputed_layers\":%lld,\"keep_attention_layers\":%lld,\"moe_chunk_tokens\":%lld,\"moe_chunks\":%lld,\"ce_block_tokens\":%lld,"
             "\"ce_block_vocab\":%lld,\"adam_moments\":\"%s\",\"live_sets\":{",
             r->cfg.model_type_name, (long long)p->n_params, (long long)p->n_active, (long long)r->B, (long long)r->T,
-            (long long)p->n_recomputed, (long long)p->n_keep_attention, (long long)r->moe_chunk_tokens, (long long)p->moe_K,
+            (long long)(r->sp > 1 ? r->sp : 1), (long long)p->n_recomputed, (long long)p->n_keep_attention, (long long)r->moe_chunk_tokens, (long long)p->moe_K,
             (long long)r->ce_block_tokens, (long long)r->ce_block_vocab, r->bf16_moments ? "bf16" : "fp32");
     for (int i = 0; i < FM_PLAN_SETS; i++) fprintf(f, "%s\"%s\":%zu", i ? "," : "", fm_plan_set_name(i), p->bytes[i]);
     if (r->mesh.on) fprintf(f, ",\"communication buffers\":%zu", p->comm_bytes);

@@ -34,7 +34,7 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     const fm_config *c = &r->cfg;
     const double a = act_bytes_of(r);
     const bool mesh = r->mesh.on;
-    const double sp = mesh ? (double)r->mesh.sp : 1.0, ep = mesh ? (double)r->mesh.ep : 1.0;
+    const double sp = mesh ? (double)r->mesh.sp : r->sp > 1 ? (double)r->sp : 1.0, ep = mesh ? (double)r->mesh.ep : 1.0;
     const double B = (double)r->B, T = (double)r->T, N = B * (double)(r->T / (int64_t)sp), H = (double)c->hidden_size;
     const double L = (double)c->num_hidden_layers, E = (double)c->num_experts, k = (double)c->num_experts_per_tok;
     const double I = (double)c->moe_intermediate_size, V = (double)c->vocab_size;

@@ -82,7 +82,7 @@ static fm_status backward_layers(fm_schedule *s, fm_model *m, float scale) {
          * layer's recompute skips the attention forward: its att and lse were kept. */
         if (fm_recompute_layer(&s->recompute, l))
             FM_TRY(fm_model_layer_recompute(m, l, dx, fm_recompute_keeps_attention(&s->recompute, l)));
-        fm_model_layer_backward(m, l, dy, dx, scale);
+        FM_TRY(fm_model_layer_backward(m, l, dy, dx, scale));
         fm_act *t = dy;
         dy = dx;
         dx = t;

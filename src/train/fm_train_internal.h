@@ -80,6 +80,11 @@ typedef struct run {
                                        metrics.jsonl, step lines and checkpoint files */
     fm_backend_opts backend_opts;   /* what the backend was created with (metrics.jsonl "backend") */
     bool world_ok;
+    fm_comm_group mesh;             /* --sp > 1: the dp x sp mesh over world (its sp group is
+                                       m->sp_comm); gradients, losses and router statistics still
+                                       reduce over the whole world */
+    bool mesh_ok;
+    int sp;                         /* the sequence-parallel degree (1: none) */
     char tokenizer_dir[4096];       /* the last checkpoint written with a tokenizer (copy_tokenizer) */
     fm_sco sco;                     /* checkpoint offload (--offload-boundaries; n_off 0: off, no hook) */
     bool zero3;                     /* --zero 3 over several ranks: z3 and ps are the shards (fm_zero3.h) */

@@ -158,7 +158,8 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
             int_tok = 0;
         }
         fm_train_metrics_begin(r, &rep);
-        fm_train_metrics_step_extra(r, rec, rep.step_s, tokens_per_step,
+        /* (MFU per device: under --sp, the sp ranks of a data-parallel rank share its tokens) */
+        fm_train_metrics_step_extra(r, rec, rep.step_s, tokens_per_step / (r->sp > 1 ? r->sp : 1),
                                     o->expert_counts_every > 0 && step % o->expert_counts_every == 0);
         if (o->report_memory && (ran == 1 || last)) {
             fm_train_metrics_memory(r);
@@ -254,7 +255,8 @@ fm_status fm_train(const fm_train_opts *o) {
         if (oo.seq_len == 0) oo.seq_len = have && ts.seq_len > 0 ? ts.seq_len : dflt.seq_len;
         if (oo.micro_batch == 0) { /* many ranks: the run's sequences per micro-batch, over this launch's ranks */
             const int64_t global = have && ts.micro_batch > 0 ? ts.micro_batch * (ts.dp > 0 ? ts.dp : 1) : 0;
-            oo.micro_batch = global > 0 && global % launch_size == 0 ? global / launch_size
+            const int dp_launch = launch_size / (oo.sp > 1 && launch_size % oo.sp == 0 ? oo.sp : 1);
+            oo.micro_batch = global > 0 && global % dp_launch == 0 ? global / dp_launch
                            : have && ts.micro_batch > 0 ? ts.micro_batch : dflt.micro_batch;
         }
         if (oo.grad_accum == 0) oo.grad_accum = have && ts.grad_accum > 0 ? ts.grad_accum : dflt.grad_accum;

@@ -88,6 +88,7 @@ static cJSON *flags_json(const fm_train_opts *o) {
     cJSON_AddBoolToObject(f, "no_checkpoint", o->no_checkpoint);
     cJSON_AddBoolToObject(f, "no_optimizer_overlap", o->no_optimizer_overlap);
     cJSON_AddNumberToObject(f, "dp", o->dp);
+    cJSON_AddNumberToObject(f, "sp", o->sp > 1 ? o->sp : 1);
     cJSON_AddNumberToObject(f, "zero", o->zero);
     cJSON_AddNumberToObject(f, "comm_timeout", o->comm_timeout);
     if (o->init_from) cJSON_AddStringToObject(f, "init_from", o->init_from);

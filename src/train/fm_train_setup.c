@@ -19,6 +19,7 @@ void fm_train_run_free(run *r) {
     if (r->metrics) fclose(r->metrics);
     fm_step_ws_free(&r->step); /* before the backend whose memory it holds */
     fm_sco_free(&r->sco);
+    if (r->mesh_ok) fm_comm_group_free(&r->mesh); /* before the world it was split from */
     fm_train_ep_free(&r->ep); /* its groups are splits of the world */
     if (r->world_ok) fm_comm_free(&r->world);
     fm_param_store_free(&r->ps);
@@ -190,16 +191,21 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_dataset_check_windows(&r->train, o->seq_len, "training data"));
     FM_TRY(fm_dataset_check_windows(&r->val, o->seq_len, "validation data"));
 
-    /* Many ranks: the launcher's world (created over the backend below); --dp is all of it while
-     * the trainer has no expert or sequence parallelism. The model state's bound is per rank. */
+    /* Many ranks: the launcher's world (created over the backend below) is dp x sp ranks (--sp:
+     * Ulysses sequence parallelism; --dp defaults to W / sp). The model state's bound is per rank. */
     FM_TRY(fm_comm_launcher(&r->rank, &r->n_ranks, NULL));
-    const int W = r->n_ranks, dp = o->dp > 0 ? o->dp : W;
+    const int W = r->n_ranks, sp = r->sp = o->sp > 1 ? o->sp : 1;
+    if (W % sp != 0)
+        return fm_error(FM_ERR_ARG, "--sp %d does not divide the %d rank%s running (the world is dp x sp ranks); "
+                        "launch a multiple of %d ranks, or use an --sp that divides %d", sp, W, W == 1 ? "" : "s", sp, W);
+    const int dp = o->dp > 0 ? o->dp : W / sp;
     if (W % dp != 0)
         return fm_error(FM_ERR_ARG, "--dp %d does not divide the %d rank%s running (the world is dp x sp ranks); "
-                        "use --dp %d or launch a multiple of %d ranks", dp, W, W == 1 ? "" : "s", W, dp);
-    if (dp != W)
-        return fm_error(FM_ERR_ARG, "--dp %d with %d ranks leaves sp = %d, but the trainer has no sequence or expert "
-                        "parallelism yet; use --dp %d (or leave --dp out)", dp, W, W / dp, W);
+                        "use --dp %d or launch a multiple of %d ranks", dp, W, W == 1 ? "" : "s", W / sp, dp);
+    if (dp * sp != W)
+        return fm_error(FM_ERR_ARG, "--dp %d with %d ranks leaves sp = %d, but --sp is %d (the world is dp x sp ranks); "
+                        "pass --sp %d, or use --dp %d (or leave --dp out)", dp, W, W / dp, sp, W / dp, W / sp);
+    FM_TRY(fm_attn_sp_check(c, sp, o->seq_len)); /* seq-len and the head counts divisible by --sp */
     fm_model_state_bound_set_dp(W, o->zero);
 #ifdef FM_ACT_BF16
     if (W > 1) { /* GPU ranks: this rank's device is its node-local rank's, chosen before any CUDA context */
@@ -233,6 +239,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                        o->offload_optimizer, bucket, o->offload_optimizer_slots, fm_offload_model_state_bound,
                        keep};
     req.optimizer_overlap = !o->no_optimizer_overlap && !(o->zero && W > 1); /* as fm_step_ws_enable_overlap below */
+    req.sp = sp; /* activations of seq-len/sp tokens per sequence, plus the head-sharded attention buffers */
     if (ep > 1) {
         req.model_state_bytes = fm_train_ep_model_state_bound;
         req.ep = ep;
@@ -292,6 +299,15 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     if (!o->quiet && r->rank == 0 && comm_kind != FM_COMM_KIND_AUTO)
         printf("communicator: %s over %d rank%s\n", r->world.ops->name, W, W == 1 ? "" : "s");
     m->comm = &r->world; /* the batch's valid targets, loss sums and router statistics */
+    if (sp > 1) { /* Ulysses: the mesh's sp group carries attention's all-to-alls */
+        FM_TRY(fm_comm_group_create(&r->mesh, &r->world, dp, 1, sp));
+        r->mesh_ok = true;
+        m->sp_comm = &r->mesh.axis[FM_AXIS_SP].comm;
+        /* the sp ranks of a data-parallel rank read its windows and keep their slice of each */
+        const int sp_rank = fm_comm_rank(m->sp_comm);
+        FM_TRY(fm_dataset_set_seq_slice(&r->train, sp_rank, sp));
+        FM_TRY(fm_dataset_set_seq_slice(&r->val, sp_rank, sp));
+    }
     r->ep.ep = 1;
     if (ep > 1) FM_TRY(fm_train_ep_init(&r->ep, &r->world, ep, m)); /* the ep and expert-data-parallel groups */
     const char *force = getenv("FLATMOE_TEST_FORCE_ROUTE"); /* test hook: adversarial routing (fm_router.h) */
@@ -300,7 +316,8 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         m->router.force_first = strtoll(force, NULL, 10);
     }
     /* the sampling cursor: this rank of the data-parallel ranks (fm_dataset_sample_batch) */
-    FM_TRY(fm_dataset_set_ranks(&r->train, fm_comm_rank(&r->world), fm_comm_size(&r->world)));
+    FM_TRY(fm_dataset_set_ranks(&r->train, sp > 1 ? fm_comm_rank(&r->mesh.axis[FM_AXIS_DP].comm) : fm_comm_rank(&r->world),
+                                dp));
     fm_adamw_config(&r->opt, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
     if (req.offload_optimizer) { /* the streamed AdamW: its host state, as planned; the store without master */
         FM_TRY(fm_offload_adamw_create(&r->oopt, &r->opt, m->n_params, bucket, o->offload_optimizer_slots, &r->be));
@@ -337,9 +354,10 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         FM_TRY(fm_param_store_create(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params)));
     }
     r->optim->init(r->opt_self, &r->ps, &r->be);
-    const fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab, n_off,
+    fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab, n_off,
                                keep, ep, r->rank % ep, &llep};
-    FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len, &lo));
+    lo.sp = sp;
+    FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len / sp, &lo)); /* this rank's slice of each sequence */
     for (int i = 0; i < FM_LIVE_COUNT; i++) {
         const fm_arena *a = fm_train_arena(r, i);
         if (a->capacity != fm_arena_round(plan.bytes[i])) {
@@ -380,12 +398,12 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         /* many ranks: the sequences per micro-batch are micro_batch x dp (a resume at another W
          * continues the same run when that product is kept) */
         const int64_t ts_dp = ts->dp > 0 ? ts->dp : 1;
-        if (ts->seq_len != o->seq_len || ts->micro_batch * ts_dp != o->micro_batch * W ||
+        if (ts->seq_len != o->seq_len || ts->micro_batch * ts_dp != o->micro_batch * dp ||
             ts->grad_accum != o->grad_accum)
-            fprintf(stderr, "warning: resuming with --seq-len/--micro-batch/--grad-accum %lld/%lld/%lld on %d rank%s, "
+            fprintf(stderr, "warning: resuming with --seq-len/--micro-batch/--grad-accum %lld/%lld/%lld on %d data-parallel rank%s, "
                     "but the checkpoint was trained with %lld/%lld/%lld on %lld: the run will not match an "
-                    "uninterrupted one (keep micro-batch x ranks)\n", (long long)o->seq_len,
-                    (long long)o->micro_batch, (long long)o->grad_accum, W, W == 1 ? "" : "s",
+                    "uninterrupted one (keep micro-batch x data-parallel ranks)\n", (long long)o->seq_len,
+                    (long long)o->micro_batch, (long long)o->grad_accum, dp, dp == 1 ? "" : "s",
                     (long long)ts->seq_len, (long long)ts->micro_batch, (long long)ts->grad_accum, (long long)ts_dp);
         if (ts->bf16_moments != o->bf16_moments)
             fprintf(stderr, "warning: resuming with %s Adam moments, but the checkpoint was trained with %s: the run "
@@ -409,7 +427,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     }
     ts->seq_len = o->seq_len;
     ts->micro_batch = o->micro_batch;
-    ts->dp = W;
+    ts->dp = dp;
     ts->bf16_moments = o->bf16_moments;
     ts->grad_accum = o->grad_accum;
     ts->steps = o->steps;

@@ -88,6 +88,10 @@ typedef struct fm_train_opts {
                                      parameter group over dp, each group gathered just in time
                                      (train/fm_zero3.h) */
     double comm_timeout;          /* --comm-timeout: seconds a collective waits (0: 300) */
+    int sp;                       /* --sp: Ulysses sequence-parallel degree (0 or 1: off). The world
+                                     is dp x sp ranks; the sp ranks of one data-parallel rank read
+                                     the same sequences and each keeps a contiguous seq_len/sp slice
+                                     of every one (model/fm_attn_sp.h); not with --zero 1 yet */
     int comm_kind;                /* --comm: fm_comm_kind (comm/fm_comm.h; 0 auto: self on one rank,
                                      nccl when every rank has its own GPU, else mpi) */
     int comm_check;               /* --comm-check: fm_comm_nccl_check (comm/fm_comm_nccl.h; 0 deferred:

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Ulysses sequence parallelism on the GPU (label gpu; $1 is flatmoe-cuda): `mpirun -np 2
+# flatmoe-cuda train --sp 2 --micro-batch 4` against one rank at --micro-batch 4 (the same
+# sequences per step; each rank holds half of every sequence, attention all-to-alls around the
+# cuDNN attention), on the small OLMoE-shaped config (4 heads, 4 kv heads: 2 per rank) and on it
+# with 1 kv head (replicated on both ranks, its gradient's copies summed in bf16), at seq-len 256.
+# --comm auto: one GPU -> the host-staged mpi communicator, 2+ GPUs -> nccl. The losses must match
+# one rank's to bf16 tolerance (1e-2 relative per step, as tests/gpu/cli_comm_ranks.sh), and the
+# working set's high-water mark must equal its bound (the head-sharded buffers are planned
+# exactly). Also with the FlashAttention-2 fallback (FLATMOE_ATTENTION=fallback). Needs mpirun
+# (skipped with a note otherwise).
+source "$(dirname "$0")/../lib_cli.sh"
+MPIRUN=$(command -v mpirun || true)
+if [ -z "$MPIRUN" ]; then echo "note: no mpirun on this machine: --sp runs not tested"; finish; exit $?; fi
+FLAGS=(--oversubscribe --allow-run-as-root --bind-to none --mca btl self,vader
+       --mca btl_vader_single_copy_mechanism none --mca pml ob1)
+python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['num_key_value_heads'] = 1; json.dump(c, open(sys.argv[2], 'w'))" \
+    "$ROOT/bench/configs/small-olmoe.json" "$TMP/kv1.json"
+# every memory knob given: the two ranks on one GPU see different free memory, the chooser must not run
+common=(--data "$TEXT" --seq-len 256 --micro-batch 4 --steps 6 --warmup 2 --lr 3e-3 --eval-every 0 --eval-batches 1
+        --no-checkpoint --comm-timeout 60 --recompute none --moe-chunk-tokens 0 --ce-block-tokens 0 --ce-block-vocab 0
+        --offload-boundaries 0 --mem-budget 16GiB --report-memory)
+for att in cudnn fallback; do
+    for cfg in "$ROOT/bench/configs/small-olmoe.json" "$TMP/kv1.json"; do
+        n=$(basename "$cfg" .json)-$att
+        export FLATMOE_ATTENTION=$att # cudnn: the cuDNN fused attention; fallback: our FlashAttention-2 kernels
+        "$FM" train --config "$cfg" "${common[@]}" --quiet --out "$TMP/one-$n" || bad "one-rank run $n failed"
+        timeout 300 "$MPIRUN" "${FLAGS[@]}" -x FLATMOE_ATTENTION -np 2 "$FM" train --config "$cfg" \
+            "${common[@]}" --sp 2 --quiet --out "$TMP/sp-$n" > "$TMP/sp-$n.log" 2>&1 ||
+            { cat "$TMP/sp-$n.log" >&2; bad "mpirun -np 2 --sp 2 ($n) failed"; continue; }
+        python3 - "$TMP/one-$n/metrics.jsonl" "$TMP/sp-$n/metrics.jsonl" "$n" <<'PY' && ok || bad "--sp 2 ($n) differs from one rank beyond 1e-2, or its working set's high-water mark is not its bound"
+import json, sys
+def steps(p): return [r for r in map(json.loads, open(p)) if r.get("type") == "step"]
+a, b = steps(sys.argv[1]), steps(sys.argv[2])
+la, lb = [r["loss"] for r in a], [r["loss"] for r in b]
+ws = b[0]["memory"]["layer working set"]
+print(sys.argv[3], "one rank:", la); print(sys.argv[3], "--sp 2:  ", lb)
+print(sys.argv[3], "working set high-water", ws["high_water"], "bound", ws["bound"])
+sys.exit(0 if len(la) == len(lb) == 6 and all(abs(x - y) <= 1e-2 * abs(x) for x, y in zip(la, lb))
+         and ws["high_water"] == ws["bound"] else 1)
+PY
+    done
+done
+finish

@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Ulysses sequence parallelism in the trainer (--sp; README "Sequence parallelism") under mpirun,
+# as ctest runs it:
+#   bash tests/mpi_train_sp.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | bad
+# np2: -np 2 --sp 2 at --micro-batch 4 gives the losses of one rank at --micro-batch 4 over 20
+#   steps to 1e-6 relative (loss, aux, z, validation; grad norm 1e-5; final weights and Adam state
+#   to 5e-4 of each tensor's scale, tests/mpi_train.sh's tolerances and their reasons), for
+#   tests/data/micro_sp.json (4 heads, 2 kv heads: one per rank) and tests/data/micro.json (2 heads,
+#   1 kv head: replicated on both ranks); the same with recompute, keep-attention, chunked MoE
+#   the linear cross-entropy and an offloaded boundary; every live set's high-water mark within its bound, the working
+#   set's (where the head-sharded buffers live) equal to it and to `flatmoe plan --sp 2 --zero 0`'s; and a
+#   run of 10 steps at -np 2 --sp 2 resumed for 10 at one rank ends as 20 one-rank steps.
+# np4: -np 4 --sp 2 (dp 2, --micro-batch 2), -np 4 --sp 4 (kv heads replicated on 2 ranks each)
+#   and a qwen3_moe config (QK-norm per head) at -np 4 --sp 4, against one rank at
+#   --micro-batch 4.
+# bad: an --sp that does not divide the ranks, --seq-len or the heads, and --sp with --zero 1 or --ep, each
+#   a clear error naming the flag, the expected and found values and the fix; a rank that stops
+#   answering ends the job within the timeout with a message naming the rank and the collective.
+set -u
+MPIEXEC=$1 FM=$(readlink -f "$2") MODE=$3
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+FLAGS=(--oversubscribe --allow-run-as-root --bind-to none --mca btl self,vader
+       --mca btl_vader_single_copy_mechanism none --mca pml ob1)
+export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1
+TMP=$(mktemp -d /tmp/flatmoe-mpi-sp.XXXXXX); trap 'rm -rf "$TMP"' EXIT
+TEXT="$ROOT/../shared/data/tinyshakespeare.txt"
+[ -f "$TEXT" ] || TEXT=/usr/share/games/fortunes/fortunes
+[ -f "$TEXT" ] || TEXT="$ROOT/README.md"
+SP="$ROOT/tests/data/micro_sp.json" MICRO="$ROOT/tests/data/micro.json"
+COMMON=(--data "$TEXT" --seq-len 32 --grad-accum 2 --steps 20 --warmup 2 --lr 3e-3
+        --eval-every 10 --eval-batches 2 --threads 1 --quiet)
+FAILED=0
+bad() { FAILED=$((FAILED + 1)); echo "FAIL: $*" >&2; }
+mpi() { local np=$1; shift; timeout 120 "$MPIEXEC" "${FLAGS[@]}" -np "$np" "$FM" "$@"; }
+# compare REF RUN: 20 step records, losses to 1e-6 relative, final tensors to 5e-4 of their scale
+compare() {
+    python3 - "$1" "$2" <<'PY'
+import json, struct, sys, array
+ref, run = sys.argv[1], sys.argv[2]
+steps = lambda d: [r for r in map(json.loads, open(d + "/metrics.jsonl")) if r.get("type", "step") == "step"]
+a, b = steps(ref), steps(run)
+ok = len(a) == len(b) == 20
+if not ok: print(f"FAIL: {run}: {len(b)} step records, reference {len(a)}")
+worst = 0.0
+for x, y in zip(a, b):
+    for k, tol in (("loss", 1e-6), ("aux_loss", 1e-6), ("z_loss", 1e-6), ("grad_norm", 1e-5), ("val_loss", 1e-6)):
+        if (k in x) != (k in y):
+            ok = False; print(f"FAIL: {run}: step {x['step']}: {k} in only one run"); continue
+        if k not in x: continue
+        rel = abs(x[k] - y[k]) / max(abs(x[k]), 1e-30)
+        if k != "grad_norm": worst = max(worst, rel)
+        if rel > tol:
+            ok = False; print(f"FAIL: {run}: step {x['step']} {k} {y[k]!r} vs one rank's {x[k]!r} ({rel:.2e} > {tol})")
+def tensors(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]; hdr = json.loads(f.read(n)); data = f.read()
+    out = {}
+    for k, v in hdr.items():
+        if k == "__metadata__": continue
+        s, e = v["data_offsets"]; t = array.array("f"); t.frombytes(data[s:e]); out[k] = t
+    return out
+wworst = 0.0
+for f in ("model.safetensors", "optimizer.safetensors"):
+    ta, tb = tensors(f"{ref}/step_000020/{f}"), tensors(f"{run}/step_000020/{f}")
+    if sorted(ta) != sorted(tb): ok = False; print(f"FAIL: {run}/{f}: other tensor names"); continue
+    for k in ta:
+        d = max(abs(p - q) for p, q in zip(ta[k], tb[k])) / (max(abs(v) for v in ta[k]) or 1.0)
+        wworst = max(wworst, d)
+        if d > 5e-4: ok = False; print(f"FAIL: {run}/{f}: {k} differs by {d:.2e} of its scale (> 5e-4)")
+print(f"{run}: losses within {worst:.2e} relative, tensors within {wworst:.2e} of their scale: " + ("ok" if ok else "FAILED"))
+sys.exit(0 if ok else 1)
+PY
+}
+# memory RUN CONFIG SP: every high-water mark within its bound, the working set's equal to its bound
+# and to `flatmoe plan --sp SP --zero 0`'s (the trainer's run, not a mesh) for the same shape
+memory() {
+    local plan; plan=$("$FM" plan --config "$2" --seq-len 32 --micro-batch "$4" --sp "$3" --zero 0 --recompute none \
+        --moe-chunk-tokens 0 --ce-block-tokens 0 --ce-block-vocab 0 --offload-boundaries 0 --json 2>/dev/null)
+    python3 - "$1/metrics.jsonl" "$plan" <<'PY'
+import json, sys
+mem = [r for r in map(json.loads, open(sys.argv[1])) if r.get("type", "step") == "step"][0]["memory"]
+plan = json.loads(sys.argv[2])
+ok = all(v["high_water"] <= v["bound"] for v in mem.values())
+ws = mem["layer working set"]
+planned = plan["live_sets"]["layer working set"]
+ok = ok and ws["high_water"] == ws["bound"] == planned
+print(f"memory: working set high-water {ws['high_water']} B, bound {ws['bound']} B, plan {planned} B; all within bounds: "
+      + ("ok" if ok else "FAILED " + json.dumps(mem)))
+sys.exit(0 if ok else 1)
+PY
+}
+one() { # out config extra flags: the one-rank reference at --micro-batch 4
+    local out=$1 cfg=$2; shift 2
+    "$FM" train --config "$cfg" "${COMMON[@]}" --micro-batch 4 "$@" --out "$out" >/dev/null || bad "one-rank $out failed"
+}
+case $MODE in
+np2)
+    for cfg in "$SP" "$MICRO"; do
+        n=$(basename "$cfg" .json)
+        one "$TMP/one_$n" "$cfg"
+        mpi 2 train --config "$cfg" "${COMMON[@]}" --micro-batch 4 --sp 2 --report-memory --out "$TMP/sp_$n" ||
+            bad "np 2 --sp 2 $n failed"
+        compare "$TMP/one_$n" "$TMP/sp_$n" || bad "np 2 --sp 2 ($n) differs from one rank"
+        memory "$TMP/sp_$n" "$cfg" 2 4 || bad "np 2 --sp 2 ($n): memory"
+    done
+    BOUNDED=(--recompute full --recompute-keep-attention --moe-chunk-tokens 16 --ce-block-tokens 16 --ce-block-vocab 64
+             --offload-boundaries 1)
+    one "$TMP/one_b" "$SP" "${BOUNDED[@]}"
+    mpi 2 train --config "$SP" "${COMMON[@]}" --micro-batch 4 --sp 2 "${BOUNDED[@]}" --out "$TMP/sp_b" ||
+        bad "np 2 --sp 2 with the bounded operators failed"
+    compare "$TMP/one_b" "$TMP/sp_b" || bad "np 2 --sp 2 with recompute/keep-attention/chunks/linear CE differs"
+    # 10 steps at np 2 --sp 2, 10 more at one rank: 20 uninterrupted one-rank steps
+    mpi 2 train --config "$SP" "${COMMON[@]}" --micro-batch 4 --sp 2 --exit-after 10 --out "$TMP/res" ||
+        bad "np 2 --sp 2 first half failed"
+    "$FM" train --config "$SP" "${COMMON[@]}" --micro-batch 4 --resume --out "$TMP/res" 2>"$TMP/res.err" >/dev/null ||
+        bad "np 1 resume of an --sp 2 run failed"
+    grep -q "will not match" "$TMP/res.err" && bad "resume at np 1 warned: $(cat "$TMP/res.err")"
+    compare "$TMP/one_micro_sp" "$TMP/res" || bad "np 2 --sp 2 -> np 1 differs from 20 one-rank steps" ;;
+np4)
+    one "$TMP/one" "$SP"
+    mpi 4 train --config "$SP" "${COMMON[@]}" --micro-batch 2 --sp 2 --out "$TMP/dp2sp2" || bad "np 4 --sp 2 failed"
+    compare "$TMP/one" "$TMP/dp2sp2" || bad "np 4 --sp 2 (dp 2) differs from one rank"
+    mpi 4 train --config "$SP" "${COMMON[@]}" --micro-batch 4 --sp 4 --report-memory --out "$TMP/sp4" ||
+        bad "np 4 --sp 4 failed"
+    compare "$TMP/one" "$TMP/sp4" || bad "np 4 --sp 4 (kv heads on 2 ranks each) differs from one rank"
+    memory "$TMP/sp4" "$SP" 4 4 || bad "np 4 --sp 4: memory"
+    # qwen3_moe (QK-norm per head); its 2 kv heads replicated on 2 ranks each
+    python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c.update(model_type='qwen3_moe',
+architectures=['Qwen3MoeForCausalLM'], moe_intermediate_size=32); json.dump(c, open(sys.argv[2], 'w'))" \
+        "$SP" "$TMP/q3.json"
+    one "$TMP/one_q3" "$TMP/q3.json"
+    mpi 4 train --config "$TMP/q3.json" "${COMMON[@]}" --micro-batch 4 --sp 4 --out "$TMP/q3sp4" || bad "np 4 --sp 4 qwen3 failed"
+    compare "$TMP/one_q3" "$TMP/q3sp4" || bad "np 4 --sp 4 (qwen3_moe) differs from one rank" ;;
+bad)
+    expect() { # np, needle, then train's flags
+        local np=$1 needle=$2; shift 2
+        out=$(mpi "$np" train "${COMMON[@]}" --micro-batch 2 --out "$TMP/bad" "$@" 2>&1); rc=$?
+        if [ $rc -eq 0 ] || ! grep -qF -- "$needle" <<<"$out"; then bad "np $np $*: rc $rc, no '$needle': $out"
+        else echo "ok: np $np $*: $(grep -m1 -F -- "$needle" <<<"$out")"; fi
+    }
+    expect 2 "--sp 4 does not divide the 2 ranks running" --config "$SP" --sp 4
+    expect 2 "--sp 2: --seq-len (33) must be divisible by --sp" --config "$SP" --sp 2 --seq-len 33
+    expect 4 "--sp 4: num_attention_heads (2) of the model config must be divisible by --sp" --config "$MICRO" --sp 4
+    expect 4 "use --sp 1 or 2" --config "$MICRO" --sp 4
+    expect 2 "--sp 2 with --zero 1 is not built yet" --config "$SP" --sp 2 --zero 1
+    expect 4 "--dp 4 with 4 ranks leaves sp = 1, but --sp is 2" --config "$SP" --sp 2 --dp 4
+    # a rank that stops answering mid-run (SIGSTOP after 2 s): the other's collective (an attention
+    # all-to-all, most likely) times out after --comm-timeout 4 s naming its rank, and the job ends
+    export FM SP TEXT TMP
+    cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (sleep 2; kill -STOP $$) & fi; exec "$FM" train --config "$SP" --data "$TEXT" --seq-len 32 --micro-batch 2 --sp 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint --comm-timeout 4 --out "$TMP/stop"'
+    t0=$SECONDS
+    timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c "$cmd" >"$TMP/stop.log" 2>&1; rc=$?
+    needle="error on rank 0 of 2: rank 0 of 2: .* timed out after 4 s"
+    echo "== stop: exit $rc after $((SECONDS - t0)) s: $(grep -m1 -E "$needle" "$TMP/stop.log")"
+    if [ $rc -eq 0 ] || [ $rc -eq 124 ] || ! grep -qE "$needle" "$TMP/stop.log"; then
+        bad "stop: the job ended with status $rc (0: went on; 124: hung) or without '$needle'"; cat "$TMP/stop.log" >&2
+    fi
+    expect 2 "--sp 2 with --ep 2 is not built yet" --config "$SP" --sp 2 --ep 2
+    out=$("$FM" plan --config "$SP" --seq-len 30 --sp 4 --zero 0 2>&1); rc=$?
+    { [ $rc -ne 0 ] && grep -qF -- "--sp 4: --seq-len (30) must be divisible by --sp" <<<"$out"; } ||
+        bad "plan --seq-len 30 --sp 4 --zero 0: rc $rc: $out" ;;
+*) echo "unknown mode $MODE"; exit 2 ;;
+esac
+[ $FAILED -eq 0 ] && echo "mpi_train_sp $MODE: passed" || echo "mpi_train_sp $MODE: $FAILED failed"
+[ $FAILED -eq 0 ]
