@@ -13,7 +13,9 @@
 set -u
 BUILD=${1:-build-cuda}
 TEXT=${2:-/work/shared/data/tinyshakespeare.txt}
-FM=$(readlink -f "$BUILD/flatmoe")
+FM=$(readlink -f "$BUILD/flatmoe-cuda") # the CUDA engine (a CUDA build's plain `flatmoe` is the CPU one)
+[ -x "$FM" ] || FM=$(readlink -f "$BUILD/flatmoe")
+echo "ep_gpu: $FM"
 TMP=$(mktemp -d /tmp/flatmoe-ep-gpu.XXXXXX); trap 'rm -rf "$TMP"' EXIT
 C=(--config bench/configs/small-olmoe.json --data "$TEXT" --seq-len 256 --grad-accum 1 --steps 20 --warmup 2
    --lr 1e-3 --eval-every 0 --quiet --no-checkpoint --mem-budget 8GiB --moe-chunk-tokens 128)

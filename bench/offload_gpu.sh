@@ -8,6 +8,8 @@
 #   bash bench/offload_gpu.sh overlap        # the optimizer overlap on and off at 4K and 16K (and G = 16, bf16 moments)
 #   bash bench/offload_gpu.sh peer [T...]     # the PyTorch peer, compiled or not, checkpointed or not (+ 4K G=16)
 #   bash bench/offload_gpu.sh ours [T...]     # flatmoe with the chooser's knobs (+ 4K G=16, --bf16-moments)
+#   bash bench/offload_gpu.sh ranks           # --ep on 2 ranks sharing the GPU; the nccl communicator's overhead
+#   bash bench/offload_gpu.sh lab             # the grouped GEMM kernel lab (dev/cuda/grouped_gemm)
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
 # (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
 set -uo pipefail
@@ -114,6 +116,12 @@ ours) # issue 10's side by side, flatmoe's half: the chooser's own knobs at each
     run1 ours-4096-g16 4096 2 --grad-accum 16
     run1 ours-4096-bf16 4096 3 --bf16-moments
     run1 ours-4096-g16-bf16 4096 2 --grad-accum 16 --bf16-moments ;;
+ranks) # issue 11 on one GPU: expert parallelism with 2 ranks sharing it, the nccl communicator's overhead
+    # at one rank (the ctest -L gpu part, `test`, runs cli_cuda_zero3/cli_cuda_sp/test_comm_nccl/cli_comm_*)
+    bash bench/ep_gpu.sh build-gpu "$TEXT" > "$OUT/ep_gpu.log" 2>&1; echo "ep_gpu: $?"; tail -12 "$OUT/ep_gpu.log"
+    REBUILD=0 bash bench/comm_nccl.sh > "$OUT/comm_nccl.log" 2>&1; echo "comm_nccl: $?"; tail -14 "$OUT/comm_nccl.log" ;;
+lab) # issue 14's kernel lab: validate and time every grouped GEMM version, torch._grouped_mm beside it
+    OUT="$OUT" timeout 560 make -C dev/cuda/grouped_gemm run > "$OUT/lab.log" 2>&1; echo "lab: $?"; tail -60 "$OUT/lab.log" ;;
 run) shift; run1 "$@" ;;
-*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|collect|peer|ours|run"; exit 2 ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|collect|peer|ours|ranks|lab|run"; exit 2 ;;
 esac
