@@ -309,7 +309,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         FM_TRY(fm_dataset_set_seq_slice(&r->val, sp_rank, sp));
     }
     r->ep.ep = 1;
-    if (ep > 1) FM_TRY(fm_train_ep_init(&r->ep, &r->world, ep, m)); /* the ep and expert-data-parallel groups */
+    if (ep > 1) FM_TRY(fm_train_ep_init(&r->ep, &r->world, dp, ep, sp, m)); /* the ep and expert-data-parallel groups */
     const char *force = getenv("FLATMOE_TEST_FORCE_ROUTE"); /* test hook: adversarial routing (fm_router.h) */
     if (force && *force) {
         m->router.force_route = true;
