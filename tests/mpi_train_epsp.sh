@@ -18,7 +18,9 @@
 #   np 4 --ep 4 --sp 2 on ranks 0 and 1 (ranks 2 and 3 receive none), at np 2 --ep 2 --sp 2 on rank
 #   0; the losses still match one rank under the same routing, every rank's rows received per chunk
 #   stay within R_max = ep x cap x min(k, E/ep), the loaded ranks reach it and the expert-dispatch
-#   arena's high-water mark equals its planned bound.
+#   arena's high-water mark equals its planned bound; --llep --llep-min-piece 1 at np 4 --ep 2 --sp 2
+#   spills the hot experts to the idle rank of each ep group (rows received drop to half of R_max)
+#   and still matches.
 # resume: 10 steps at np 4 --ep 2 --sp 2, 10 more at one rank; and 10 at one rank, 10 more at np 4
 #   --ep 4 --sp 2: both end with the losses and weights of 20 uninterrupted one-rank steps.
 # bad: what still does not go together (--sp with --zero 1 or 3 beside --ep) and an --ep that
@@ -157,6 +159,15 @@ adversarial)
         # shellcheck disable=SC2086
         dispatch "$out.log" "$out" "$np" "$ep" "$cap" $loaded || bad "adversarial np $np --ep $ep --sp $sp: the dispatch's bound"
         memory "$out" "$mb" "$ep" "$sp" "$cap" || bad "adversarial np $np --ep $ep --sp $sp: memory"
+    done
+    # least-loaded placement: in each ep group the hot experts' rows spill to the idle rank (1, 3)
+    out="$TMP/l_np4ep2sp2"
+    mpi 4 train "${COMMON[@]}" --micro-batch 2 --ep 2 --sp 2 --ep-cap-tokens 16 --llep --llep-min-piece 1 --report-memory \
+        --out "$out" >"$out.log" 2>&1 || { bad "adversarial np 4 --ep 2 --sp 2 --llep failed"; cat "$out.log" >&2; }
+    compare "$TMP/one" "$out" || bad "adversarial np 4 --ep 2 --sp 2 --llep differs from one rank"
+    for q in 1 3; do
+        grep -q "rank $q of 4: ep dispatch: rows received per chunk high 32 of R_max 64.*moved rows [1-9]" "$out.log" ||
+            bad "--llep moved no rows to rank $q: $(grep "rank $q of 4: ep dispatch" "$out.log" | tail -1)"
     done ;;
 resume)
     one_rank "$TMP/one"
