@@ -12,7 +12,7 @@
 #   says why), under the checkpoint's full Hugging Face names; each rank's model state is E/ep
 #   experts' (its high-water mark equal to its bound, 16 B/param of the local table); every live
 #   set's bound equals `flatmoe plan --ep E --sp S --zero 0`'s (the trainer's own run, not a mesh) and
-#   holds its high-water mark.
+#   holds its high-water mark. Under --mem-budget the chooser keeps AdamW on the device.
 # adversarial: FLATMOE_TEST_FORCE_ROUTE=0 (fm_router.h's test hook) sends every token to experts 0
 #   and 1: at np 4 --ep 2 --sp 2 they live on ranks 0 and 2 (ranks 1 and 3 receive no rows), at
 #   np 4 --ep 4 --sp 2 on ranks 0 and 1 (ranks 2 and 3 receive none), at np 2 --ep 2 --sp 2 on rank
@@ -145,7 +145,10 @@ runs)
         echo "== mpirun -np $np train --micro-batch $mb --ep $ep --sp $sp: $((SECONDS - t0)) s"
         compare "$TMP/one" "$out" || bad "np $np --ep $ep --sp $sp differs from one rank at --micro-batch 4"
         memory "$out" "$mb" "$ep" "$sp" 0 || bad "np $np --ep $ep --sp $sp: memory"
-    done ;;
+    done
+    # under a budget the chooser keeps AdamW on the device (the streamed one is not built for --ep)
+    mpi 2 train "${COMMON[@]}" --micro-batch 4 --ep 2 --sp 2 --seq-len 64 --mem-budget 1GiB --steps 2 --no-checkpoint --out "$TMP/budget" \
+        >"$TMP/budget.log" 2>&1 || { bad "np 2 --ep 2 --sp 2 --mem-budget 1GiB failed"; cat "$TMP/budget.log" >&2; } ;;
 adversarial)
     export FLATMOE_TEST_FORCE_ROUTE=0
     one_rank "$TMP/one"

@@ -219,7 +219,8 @@ int cmd_plan(int argc, char **argv) {
     }
     fm_choose_opts co = {budget, what[0] ? what : "--mem-budget", host_budget,
                          host_mem ? "--host-mem-budget" : "the host budget (--host-mem-budget; default: what the host can pin)",
-                         &cal, recompute != NULL, keep_att || no_keep, offload != NULL, offopt, chunk >= 0, ce_bt >= 0 || ce_bv >= 0};
+                         &cal, recompute != NULL, keep_att || no_keep, offload != NULL, offopt || req.ep > 1, /* --ep: no streamed AdamW, as train */
+                         chunk >= 0, ce_bt >= 0 || ce_bv >= 0};
     fm_plan p;
     fm_projection proj;
     if (mesh && per_node > 1)
