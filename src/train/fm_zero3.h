@@ -31,7 +31,7 @@
  *
  * Bound (per rank, the model-state live set): the shard, 2 a S (weights, grads) + 4 S (master,
  * a != 4) + the optimizer's state of S parameters (8 S with fp32 moments) = 16 S on bf16 builds,
- * S ~ Θ / W; plus two gather slots of max_g W p_g fm_act each and one gradient buffer of as many
+ * S ~ Θ / W (beside --ep: Θ_non-expert / W + the rank's experts, Θ_experts / ep); plus two gather slots of max_g W p_g fm_act each and one gradient buffer of as many
  * (tied: at least W (p_0 + p_{L+1}), the head's two groups at once). All of it is in the parameter
  * store's arena (fm_param_store_create_zero3), planned by fm_zero3_state_bytes; nothing is
  * allocated in a step.
