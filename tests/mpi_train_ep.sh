@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Expert parallelism in the trainer (--ep; README "Many ranks", src/train/fm_train_ep.h) under
 # mpirun, as ctest runs it:
-#   bash tests/mpi_train_ep.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | adversarial | resume | badinput
+#   bash tests/mpi_train_ep.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | adversarial | resume | zero3 | badinput
 # np2, np4: 20 steps of tests/data/micro.json (E = 4 experts, top-2) at --micro-batch 4/W on W ranks
 #   with --ep 2 (np 2: dp = ep, no expert all-reduce; np 4: each expert on 2 ranks) and --ep 4
 #   (one expert per rank), give the losses of one rank at --micro-batch 4 to 1e-6 relative, the
@@ -18,6 +18,14 @@
 # resume: 10 steps at np 2 --ep 2, then 10 at np 4 --ep 4; and 10 at np 4 --ep 2 then 10 at np 1:
 #   both end with the losses and weights of 20 uninterrupted one-rank steps; --init-from a run
 #   folder at np 2 --ep 2 trains as one rank does from it.
+# zero3: --zero 3 --ep 2 (ZeRO-3 of the non-expert parameters over the world, each rank's E/ep
+#   experts whole, their gradients all-reduced over the ranks holding them; src/train/fm_zero3.h):
+#   np 4 (each expert on 2 ranks) and np 2 (dp = ep) give one rank's losses to 1e-6 and its final
+#   tensors; the model state's bound = high-water = the shard layout's bytes from the config; under
+#   FLATMOE_TEST_FORCE_ROUTE=0 (experts 0 and 1 on ep rank 0: world ranks 0 and 2 receive every
+#   row, 1 and 3 none) it still matches one rank with the dispatch within R_max; resume: 10 steps
+#   at np 4 --zero 3 --ep 2, then 10 at np 2 --ep 2 --zero 0 and (same checkpoint) at np 1; and 10
+#   at np 2 --ep 2 --zero 0, then 10 at np 4 --zero 3 --ep 2: each ends as 20 one-rank steps.
 # badinput: --ep not dividing the ranks, not dividing num_experts (np 3), --zero 1 with --ep,
 #   --llep without --ep: a clear error naming the flag, the values and the fix, non-zero exit.
 set -u
@@ -112,7 +120,8 @@ high = {}
 for l in open(log):
     m = re.match(r"rank (\d+) of \d+: ep dispatch: rows received per chunk high (\d+) of R_max (\d+)", l)
     if m: high[int(m[1])] = max(high.get(int(m[1]), 0), int(m[2])); assert int(m[3]) == rmax, l
-ok = sorted(high) == list(range(ep))  # every rank of the (single) ep group reported
+import os
+ok = sorted(high) == list(range(int(os.environ.get("DISPATCH_NP", ep))))  # every rank reported
 ok = ok and all(h <= rmax for h in high.values()) and (want0 < 0 or high.get(0) == want0)
 ok = ok and all(high.get(q, -1) == 0 for q in zero)
 mem = [r for r in map(json.loads, open(run + "/metrics.jsonl")) if r.get("type", "step") == "step"][0]["memory"]
@@ -176,6 +185,59 @@ resume)
         bad "np 2 --ep 2 --init-from failed: $(cat "$TMP/i2.err")"
     grep -q "warning" "$TMP/i2.err" && bad "np 2 --ep 2 --init-from warned: $(cat "$TMP/i2.err")"
     compare "$TMP/i1" "$TMP/i2" || bad "np 2 --ep 2 --init-from differs from one rank" ;;
+zero3)
+    # model_state_z3 RUN W EP: bound = high-water = 4 B x (4 S + 2 slot + gbuf) (fp32 build: weights,
+    # grads, Adam m, v of the shard; two gather slots; the tied head's gradient buffer), S the pieces
+    # p(n) = ceil(n / W) rounded up to 64 of the embedding (256 x 32), each layer's non-expert part
+    # (norms 32 + 32, q 32 x 32, k, v 16 x 32, o 32 x 32, q/k norms 32 + 16, router 4 x 32) and the
+    # final norm (32), plus each layer's 4/EP experts (3 x 32 x 32 each) whole
+    model_state_z3() {
+        python3 - "$1/metrics.jsonl" "$2" "$3" <<'PY' || bad "$1: the --zero 3 --ep model state"
+import json, sys
+rec = [r for r in map(json.loads, open(sys.argv[1])) if r.get("type", "step") == "step"][0]["memory"]["model state"]
+W, ep = int(sys.argv[2]), int(sys.argv[3])
+p = lambda n: -(-(-(-n // W)) // 64) * 64
+layer = 32 + 32 + 32 * 32 + 2 * 16 * 32 + 32 * 32 + 32 + 16 + 4 * 32
+S = p(256 * 32) + 2 * p(layer) + p(32) + 2 * (4 // ep) * 3 * 32 * 32
+slot = W * max(p(256 * 32), p(layer), p(32)); gbuf = max(slot, W * (p(256 * 32) + p(32)))
+want = 4 * (4 * S + 2 * slot + gbuf)
+ok = rec["bound"] == rec["high_water"] == want
+print(f"--zero 3 --ep {ep} at np {W}: model state bound {rec['bound']} B, high-water {rec['high_water']} B, "
+      f"layout {want} B (S = {S}): " + ("ok" if ok else "FAILED"))
+sys.exit(0 if ok else 1)
+PY
+    }
+    one_rank "$TMP/one"
+    for np in 4 2; do
+        t0=$SECONDS
+        mpi $np train "${COMMON[@]}" --micro-batch $((4 / np)) --zero 3 --ep 2 --report-memory --out "$TMP/z$np" \
+            >"$TMP/z$np.log" 2>&1 || { bad "np $np --zero 3 --ep 2 failed"; cat "$TMP/z$np.log" >&2; }
+        echo "== mpirun -np $np train --zero 3 --ep 2: $((SECONDS - t0)) s"
+        compare "$TMP/one" "$TMP/z$np" || bad "np $np --zero 3 --ep 2 differs from one rank at --micro-batch 4"
+        model_state_z3 "$TMP/z$np" $np 2
+    done
+    # adversarial routing: every token to experts 0 and 1 (ep rank 0: world ranks 0 and 2)
+    FLATMOE_TEST_FORCE_ROUTE=0 one_rank "$TMP/onef"
+    FLATMOE_TEST_FORCE_ROUTE=0 mpi 4 train "${COMMON[@]}" --micro-batch 1 --zero 3 --ep 2 --ep-cap-tokens 16 \
+        --report-memory --out "$TMP/zf" >"$TMP/zf.log" 2>&1 || { bad "adversarial np 4 --zero 3 --ep 2 failed"; cat "$TMP/zf.log" >&2; }
+    compare "$TMP/onef" "$TMP/zf" || bad "adversarial np 4 --zero 3 --ep 2 differs from one rank"
+    DISPATCH_NP=4 dispatch "$TMP/zf.log" "$TMP/zf" 2 16 64 1 3
+    grep -q "rank 2 of 4: ep dispatch: rows received per chunk high 64 " "$TMP/zf.log" ||
+        bad "adversarial: rank 2 (experts 0 and 1) did not receive R_max rows: $(grep 'rank 2 of 4' "$TMP/zf.log" | tail -1)"
+    # resume across zero and world sizes from full Hugging Face tensors
+    mpi 4 train "${COMMON[@]}" --micro-batch 1 --zero 3 --ep 2 --exit-after 10 --out "$TMP/c" ||
+        bad "np 4 --zero 3 --ep 2 first half failed"
+    cp -r "$TMP/c" "$TMP/c1"
+    mpi 2 train "${COMMON[@]}" --ep 2 --zero 0 --resume --out "$TMP/c" 2>"$TMP/c.err" || bad "np 2 --ep 2 resume failed"
+    grep -q "will not match" "$TMP/c.err" && bad "resume at np 2 --ep 2 warned: $(cat "$TMP/c.err")"
+    compare "$TMP/one" "$TMP/c" || bad "np 4 --zero 3 --ep 2 -> np 2 --ep 2 --zero 0 differs from 20 one-rank steps"
+    "$FM" train "${COMMON[@]}" --micro-batch 4 --resume --out "$TMP/c1" 2>"$TMP/c1.err" || bad "np 1 resume failed"
+    grep -q "will not match" "$TMP/c1.err" && bad "resume at np 1 warned: $(cat "$TMP/c1.err")"
+    compare "$TMP/one" "$TMP/c1" || bad "np 4 --zero 3 --ep 2 -> np 1 differs from 20 one-rank steps"
+    mpi 2 train "${COMMON[@]}" --micro-batch 2 --ep 2 --exit-after 10 --out "$TMP/d" || bad "np 2 --ep 2 first half failed"
+    mpi 4 train "${COMMON[@]}" --zero 3 --ep 2 --resume --out "$TMP/d" 2>"$TMP/d.err" || bad "np 4 --zero 3 --ep 2 resume failed"
+    grep -q "will not match" "$TMP/d.err" && bad "resume at np 4 --zero 3 --ep 2 warned: $(cat "$TMP/d.err")"
+    compare "$TMP/one" "$TMP/d" || bad "np 2 --ep 2 -> np 4 --zero 3 --ep 2 differs from 20 one-rank steps" ;;
 badinput)
     check() { # np, needle, flags...
         local np=$1 needle=$2; shift 2

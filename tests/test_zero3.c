@@ -5,6 +5,7 @@
  *    padding, a group's all-gather (the W pieces concatenated) equal to its flat range then
  *    zeros, a reduce-scatter (each rank's block the sum over ranks); the planned bytes of a
  *    config equal the store's layout for its model, tied and untied;
+ *  - the whole parts of --zero 3 beside --ep (test_keep);
  *  - the hook on one rank (the self communicator, W = 1: gathers are copies, reduce-scatters the
  *    identity): 2 steps of G micro-batches through the schedule with the group hook against the
  *    default schedule on a plain store: the losses, the gradients and, after the update
@@ -121,6 +122,70 @@ static void test_arith(void) {
             fm_zero3_free(&z);
             fm_model_free(&m);
         }
+}
+
+/* --zero 3 beside --ep (the whole parts): a layout whose layer groups keep their trailing
+ * experts whole: the pieces cover only each group's head, the whole parts follow all pieces in
+ * group order on every rank, pack/unpack over the ranks is the identity (each rank's own whole
+ * part), the slots are sized by the pieces only; bad keeps refused; and the planned bytes of a
+ * config with ep = 2, 4 equal the store's layout for fm_model_create_ep's model, tied and untied
+ * (world rank < ep counts the whole parts). */
+static void test_keep(void) {
+    const int64_t sizes[4] = {130, 1000, 700, 7}, keep[4] = {0, 600, 512, 0};
+    int64_t begin[5] = {0};
+    for (int g = 0; g < 4; g++) begin[g + 1] = begin[g] + sizes[g];
+    const int64_t n = begin[4];
+    static float full[1837], back[1837], local[4][2400];
+    for (int64_t i = 0; i < n; i++) full[i] = (float)(i + 1);
+    for (int W = 1; W <= 4; W++) {
+        fm_zero3 z;
+        CHECK(fm_zero3_layout_keep(&z, begin, keep, 4, false, 0, W, true) == FM_OK);
+        int64_t P = 0, mx = 0;
+        for (int g = 0; g < 4; g++) {
+            CHECK(z.keep[g] == keep[g] && z.piece[g] == fm_zero3_piece_len(sizes[g] - keep[g], W) && z.local[g] == P);
+            P += z.piece[g];
+            mx = z.piece[g] > mx ? z.piece[g] : mx;
+        }
+        CHECK(z.piece_total == P && z.shard_len == P + 600 + 512 && z.wlocal[1] == P && z.wlocal[2] == P + 600);
+        CHECK(z.slot_len == W * mx && z.whole_sq);
+        FM_ASSERT(z.shard_len <= 2400);
+        memset(back, 0, sizeof back);
+        for (int q = 0; q < W; q++) {
+            fm_zero3 zq;
+            FM_ASSERT(fm_zero3_layout_keep(&zq, begin, keep, 4, false, q, W, q == 0) == FM_OK);
+            fm_zero3_pack(&zq, q, full, local[q], sizeof(float));
+            for (int g = 1; g <= 2; g++) /* the whole part: the group's last keep[g] elements, on every rank */
+                CHECK(!memcmp(local[q] + zq.wlocal[g], full + begin[g + 1] - keep[g], sizeof(float) * (size_t)keep[g]));
+            fm_zero3_unpack(&zq, q, local[q], back, sizeof(float));
+            fm_zero3_free(&zq);
+        }
+        CHECK_MSG(!memcmp(full, back, sizeof(float) * (size_t)n), "keep, W %d: pack/unpack is not the identity", W);
+        fm_zero3_free(&z);
+    }
+    fm_zero3 z;
+    const int64_t bad_keep[4] = {0, 1001, 0, 0}, head_keep[4] = {10, 0, 0, 0};
+    CHECK(fm_zero3_layout_keep(&z, begin, bad_keep, 4, false, 0, 2, false) == FM_ERR_ARG && strstr(fm_errmsg(), "group 1"));
+    CHECK(fm_zero3_layout_keep(&z, begin, head_keep, 4, false, 0, 2, false) == FM_ERR_ARG && strstr(fm_errmsg(), "group 0"));
+    for (int tied = 0; tied < 2; tied++)
+        for (int ep = 2; ep <= 4; ep *= 2)
+            for (int W = ep; W <= 8; W *= 2) {
+                fm_config c = fm_test_small_config(FM_MODEL_QWEN3_MOE, 3, tied, 2);
+                c.num_experts = 4; /* divisible by ep */
+                fm_model m;
+                FM_ASSERT(fm_model_create_ep(&m, &c, g_be, ep, (W - 1) % ep) == FM_OK);
+                CHECK(fm_zero3_layout_model(&z, &m, W - 1, W) == FM_OK);
+                const int64_t span = 3 * (c.num_experts / ep) * c.hidden_size * c.moe_intermediate_size;
+                CHECK(z.keep[0] == 0 && z.keep[1] == span && z.keep[c.num_hidden_layers] == span &&
+                      z.keep[c.num_hidden_layers + 1] == 0 && z.whole_sq == (W - 1 < ep));
+                const size_t want = fm_zero3_store_bytes(&z, 4) + fm_adamw_state_bytes(z.shard_len, false);
+                char desc[200];
+                CHECK_MSG(fm_zero3_state_bytes_ep(&c, 4, W, ep, false, desc) == want,
+                          "tied %d ep %d W %d: planned %zu, laid out %zu", tied, ep, W,
+                          fm_zero3_state_bytes_ep(&c, 4, W, ep, false, NULL), want);
+                CHECK(strstr(desc, "experts / ep") != NULL);
+                fm_zero3_free(&z);
+                fm_model_free(&m);
+            }
 }
 
 /* Checks, at BEFORE_FORWARD of layer l (added after the ZeRO-3 hook), that layer l and the group
@@ -251,6 +316,7 @@ static void test_hook_exact(bool tied, bool recompute_all, int G) {
 int main(void) {
     CHECK(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
     test_arith();
+    test_keep();
     test_hook_exact(false, false, 1);
     test_hook_exact(false, true, 1);
     test_hook_exact(false, false, 2);

@@ -163,8 +163,7 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
             fprintf(f, "note: the trainer does not run this plan as planned yet:%s the vocabulary is its local linear "
                     "cross-entropy, not the Ring-DTP ring (the operator is built, the trainer does not call it); train "
                     "prints its own plan at launch\n",
-                    m->ep > 1 || m->sp > 1 ? " ZeRO-3 beside --ep or --sp is not built (--ep and --sp run with --zero 0);"
-                                           : "");
+                    m->sp > 1 ? " ZeRO-3 beside --sp is not built (--sp runs with --zero 0);" : "");
     }
 }
 

@@ -305,7 +305,7 @@ static fm_status gather_state(run *r, const void *shard, fm_dtype dtype, void **
 static fm_status read_full(run *r, const char *path, const char *prefix, float **out) {
     *out = fm_malloc(sizeof(float) * (size_t)r->m.n_params);
     if (!*out) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)r->m.n_params);
-    const fm_status s = fm_hf_read(&r->hf.t, path, prefix, *out);
+    const fm_status s = hf_read(&r->m, &r->hf.t, path, prefix, *out); /* --ep: this rank's experts of the file's */
     if (s != FM_OK) fm_free(*out), *out = NULL;
     return s;
 }
@@ -340,6 +340,31 @@ static fm_status load_state_shard(run *r, const char *path, const fm_optim_state
     return s;
 }
 
+/* --zero 3 --ep: the full tensors of master and of each optimizer state os[i] from the shards
+ * (every rank's table in full, fm_zero3_gather_all) and the experts from their owners
+ * (fm_train_ep_gather), written by rank 0; a collective of the world. Errors: as the gathers',
+ * save_named's. */
+static fm_status save_zero3_ep(run *r, const train_state *ts, fm_optim_state *os, int nos) {
+    fm_model *m = &r->m;
+    float *gathered[3] = {NULL, NULL, NULL}, *gmaster = NULL;
+    fm_status st = FM_OK;
+    for (int i = -1; i < nos && st == FM_OK; i++) { /* -1: the master */
+        const void *src = i < 0 ? (const void *)r->z3.master : os[i].base;
+        const fm_dtype dt = i < 0 ? FM_DTYPE_F32 : os[i].dtype;
+        void *local = NULL;
+        st = fm_zero3_gather_all(&r->z3, m, src, dt, &local);
+        float *g = NULL;
+        if (st == FM_OK) st = fm_train_ep_gather(&r->ep, m, local, dt, true, &g);
+        fm_free(local);
+        if (i < 0) gmaster = g;
+        else gathered[i] = g, os[i].base = g, os[i].host = true, os[i].dtype = FM_DTYPE_F32;
+    }
+    if (st == FM_OK && r->rank == 0) st = save_named(r, ts, os, nos, gmaster, &r->ep_hf.t);
+    for (int i = 0; i < nos; i++) fm_free(gathered[i]);
+    fm_free(gmaster);
+    return st;
+}
+
 fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
     fm_model *m = &r->m;
     /* fp32 master (as model.safetensors and master.*: the model's, or the optimizer's when it
@@ -348,6 +373,7 @@ fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
     const int nos = r->optim->state_tensors(r->opt_self, os, 3);
     void *gathered[3] = {NULL, NULL, NULL};
     float *gmaster = NULL;
+    if (r->ep.full_ok && r->zero3) return save_zero3_ep(r, ts, os, nos);
     if (r->ep.full_ok) { /* --ep: full tensors, the experts gathered from their owners to rank 0 */
         fm_status st = fm_train_ep_gather(&r->ep, m, m->master, FM_DTYPE_F32, false, &gmaster);
         for (int i = 0; i < nos && st == FM_OK; i++) {

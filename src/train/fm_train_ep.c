@@ -48,12 +48,11 @@ fm_status fm_train_ep_check(const fm_train_opts *o, const fm_config *c, int W) {
                             "--ep N, or use --moe-chunk-tokens for the local MoE's chunks", (long long)o->ep_cap_tokens);
         return FM_OK;
     }
-    if (o->zero)
-        return fm_error(FM_ERR_ARG, "--zero %d with --ep %d: ZeRO-%s shards the parameters over dp as if every rank "
-                        "held the same tensors, but under expert parallelism each rank holds other experts (ZeRO-3 of "
-                        "the non-expert parameters beside --ep is not built yet); use --zero 0 with --ep (each rank "
-                        "already keeps only E/ep experts' state), or --ep 1",
-                        o->zero, ep, o->zero == 3 ? "3" : "1/2");
+    if (o->zero == 1) /* --zero 3 beside --ep shards only the non-expert parameters (train/fm_zero3.h) */
+        return fm_error(FM_ERR_ARG, "--zero 1 with --ep %d: ZeRO-1/2 shards the optimizer state over dp as if every "
+                        "rank held the same tensors, but under expert parallelism each rank holds other experts; use "
+                        "--zero 0 with --ep (each rank already keeps only E/ep experts' state), or --zero 3 (the "
+                        "non-expert parameters sharded too, each rank's experts whole), or --ep 1", ep);
     if (o->offload_optimizer)
         return fm_error(FM_ERR_ARG, "--offload-optimizer with --ep %d is not supported yet (the streamed AdamW's "
                         "bound counts every expert); drop one of them", ep);

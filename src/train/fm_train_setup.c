@@ -240,8 +240,9 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                        keep};
     req.optimizer_overlap = !o->no_optimizer_overlap && !(o->zero && W > 1); /* as fm_step_ws_enable_overlap below */
     req.sp = sp; /* activations of seq-len/sp tokens per sequence, plus the head-sharded attention buffers */
-    if (ep > 1) {
-        req.model_state_bytes = fm_train_ep_model_state_bound;
+    if (ep > 1) { /* --zero 3 --ep: the non-expert parameters sharded, E/ep experts whole (fm_zero3.h) */
+        fm_zero3_ep_bound_set(W, ep);
+        req.model_state_bytes = o->zero == 3 && W > 1 ? fm_zero3_ep_model_state_bound : fm_train_ep_model_state_bound;
         req.ep = ep;
         req.llep = &llep;
     }
@@ -371,6 +372,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     r->step.zero_ps = r->ps.sharded && !r->zero3 ? &r->ps : NULL; /* ZeRO-1/2: the step updates this rank's shard */
     if (r->zero3) { /* ZeRO-3: the step's and evaluation's schedules gather and reduce-scatter in its hook */
         fm_zero3_bind(&r->z3, m, &r->ps, &r->world);
+        if (ep > 1) fm_zero3_set_edp(&r->z3, &r->ep.edp); /* the experts' gradients: over the ranks holding them */
         r->step.zero3 = &r->z3;
         FM_TRY(fm_schedule_add_group_hook(&r->step.sched, fm_zero3_hook, &r->z3));
         fm_schedule_init(&r->eval_sched, m);

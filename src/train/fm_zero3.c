@@ -18,32 +18,52 @@ void fm_zero3_free(fm_zero3 *z) {
 }
 
 fm_status fm_zero3_layout(fm_zero3 *z, const int64_t *begin, int n_groups, bool tied, int rank, int W) {
+    return fm_zero3_layout_keep(z, begin, NULL, n_groups, tied, rank, W, false);
+}
+
+fm_status fm_zero3_layout_keep(fm_zero3 *z, const int64_t *begin, const int64_t *keep, int n_groups, bool tied, int rank,
+                               int W, bool whole_sq) {
     memset(z, 0, sizeof *z);
     if (W < 1 || rank < 0 || rank >= W || n_groups < 2)
         return fm_error(FM_ERR_ARG, "ZeRO-3 layout: rank %d of %d ranks over %d parameter groups; expected 0 <= rank < "
                         "ranks and at least 2 groups", rank, W, n_groups);
-    for (int g = 0; g < n_groups; g++)
+    for (int g = 0; g < n_groups; g++) {
         if (begin[g + 1] < begin[g] || begin[0] != 0)
             return fm_error(FM_ERR_ARG, "ZeRO-3 layout: parameter group %d starts at %lld and ends at %lld; the groups "
                             "must tile the flat parameters from 0 in order", g, (long long)begin[g],
                             (long long)begin[g + 1]);
-    z->begin = fm_malloc(sizeof(int64_t) * (size_t)(3 * n_groups + 1));
+        const int64_t k = keep ? keep[g] : 0;
+        if (k < 0 || k > begin[g + 1] - begin[g] || (k > 0 && (g == 0 || g == n_groups - 1)))
+            return fm_error(FM_ERR_ARG, "ZeRO-3 layout: group %d of %lld elements keeps %lld whole; expected 0 to its "
+                            "size, and 0 for the embedding and head groups", g, (long long)(begin[g + 1] - begin[g]),
+                            (long long)k);
+    }
+    z->begin = fm_malloc(sizeof(int64_t) * (size_t)(5 * n_groups + 1));
     if (!z->begin) return fm_error(FM_ERR_NOMEM, "memory: ZeRO-3's table of %d parameter groups", n_groups);
     z->piece = z->begin + n_groups + 1;
     z->local = z->piece + n_groups;
+    z->keep = z->local + n_groups;
+    z->wlocal = z->keep + n_groups;
     memcpy(z->begin, begin, sizeof(int64_t) * (size_t)(n_groups + 1));
     z->W = W;
     z->rank = rank;
     z->n_groups = n_groups;
     z->L = n_groups - 2;
     z->tied = tied;
+    z->whole_sq = whole_sq;
     z->n_params = begin[n_groups];
     int64_t o = 0, mx = 0;
     for (int g = 0; g < n_groups; g++) {
-        z->piece[g] = fm_zero3_piece_len(begin[g + 1] - begin[g], W);
+        z->keep[g] = keep ? keep[g] : 0;
+        z->piece[g] = fm_zero3_piece_len(begin[g + 1] - begin[g] - z->keep[g], W);
         z->local[g] = o;
         o += z->piece[g];
         if (z->piece[g] > mx) mx = z->piece[g];
+    }
+    z->piece_total = o;
+    for (int g = 0; g < n_groups; g++) { /* the whole parts after the pieces */
+        z->wlocal[g] = o;
+        o += z->keep[g];
     }
     z->shard_len = o;
     z->slot_len = (int64_t)W * mx;
@@ -55,10 +75,18 @@ fm_status fm_zero3_layout(fm_zero3 *z, const int64_t *begin, int n_groups, bool 
 
 fm_status fm_zero3_layout_model(fm_zero3 *z, const fm_model *m, int rank, int W) {
     const int ng = (int)m->cfg.num_hidden_layers + 2;
-    int64_t *b = fm_malloc(sizeof(int64_t) * (size_t)(ng + 1));
+    int64_t *b = fm_malloc(sizeof(int64_t) * (size_t)(2 * ng + 1));
     if (!b) return fm_error(FM_ERR_NOMEM, "memory: ZeRO-3's table of %d parameter groups", ng);
+    int64_t *keep = b + ng + 1;
     for (int g = 0; g <= ng; g++) b[g] = fm_model_group_begin(m, g);
-    const fm_status s = fm_zero3_layout(z, b, ng, m->o_head == m->o_embed, rank, W);
+    for (int g = 0; g < ng; g++) keep[g] = 0;
+    if (m->ep > 1) /* expert parallelism: each layer's E/ep experts [w_gate, end) stay whole */
+        for (int g = 1; g + 1 < ng; g++) {
+            int64_t gate, up, down;
+            fm_model_layer_expert_offsets(m, g - 1, &gate, &up, &down);
+            keep[g] = b[g + 1] - gate;
+        }
+    const fm_status s = fm_zero3_layout_keep(z, b, keep, ng, m->o_head == m->o_embed, rank, W, rank < m->ep);
     fm_free(b);
     return s;
 }
@@ -81,28 +109,50 @@ static size_t store_bytes(int64_t S, int64_t slot, int64_t gbuf, size_t a) {
 
 size_t fm_zero3_store_bytes(const fm_zero3 *z, size_t a) { return store_bytes(z->shard_len, z->slot_len, z->gbuf_len, a); }
 
-size_t fm_zero3_state_bytes(const fm_config *c, size_t a, int W, bool bf16_moments, char desc[200]) {
+size_t fm_zero3_state_bytes_ep(const fm_config *c, size_t a, int W, int ep, bool bf16_moments, char desc[200]) {
     int64_t n0, nl, nh;
     group_sizes(c, &n0, &nl, &nh);
     const int64_t L = c->num_hidden_layers;
+    /* --ep: the layers' groups are fm_model_create_ep's (E/ep experts each), the experts kept whole */
+    const int64_t span = ep > 1 ? 3 * (c->num_experts / ep) * c->hidden_size * c->moe_intermediate_size : 0;
+    if (ep > 1 && L > 0) nl = (fm_model_ep_num_params(c, ep) - n0 - nh) / L - span;
     const int64_t p0 = fm_zero3_piece_len(n0, W), pl = fm_zero3_piece_len(nl, W), ph = fm_zero3_piece_len(nh, W);
-    const int64_t S = p0 + L * pl + ph;
+    const int64_t S = p0 + L * pl + ph + L * span;
     int64_t mx = p0 > ph ? p0 : ph;
     if (L > 0 && pl > mx) mx = pl;
     const int64_t slot = (int64_t)W * mx, both = (int64_t)W * (p0 + ph);
     const int64_t gbuf = c->tie_word_embeddings && both > slot ? both : slot;
-    if (desc)
+    if (desc && ep > 1)
+        snprintf(desc, 200, "ZeRO-3 over %d, experts / ep = %d whole: %d B/param x (%lld shard + %lld experts) + %d B x "
+                 "(2 x %lld + %lld) (2 gathered groups, 1 group's grads)", W, ep, 8 + (bf16_moments ? 4 : 8),
+                 (long long)(S - L * span), (long long)(L * span), (int)a, (long long)slot, (long long)gbuf);
+    else if (desc)
         snprintf(desc, 200, "ZeRO-3 over %d: %d B/param x %lld params (shard) + %d B x (2 x %lld + %lld) (2 gathered "
                  "groups, 1 group's grads)", W, 8 + (bf16_moments ? 4 : 8), (long long)S, (int)a, (long long)slot,
                  (long long)gbuf);
     return store_bytes(S, slot, gbuf, a) + fm_adamw_state_bytes(S, bf16_moments);
 }
 
+size_t fm_zero3_state_bytes(const fm_config *c, size_t a, int W, bool bf16_moments, char desc[200]) {
+    return fm_zero3_state_bytes_ep(c, a, W, 1, bf16_moments, desc);
+}
+
+static int bound_W = 1, bound_ep = 1;
+
+void fm_zero3_ep_bound_set(int W, int ep) {
+    bound_W = W > 1 ? W : 1;
+    bound_ep = ep > 1 ? ep : 1;
+}
+
+size_t fm_zero3_ep_model_state_bound(const fm_config *cfg, size_t a, bool bf16_moments, char desc[200]) {
+    return fm_zero3_state_bytes_ep(cfg, a, bound_W, bound_ep, bf16_moments, desc);
+}
+
 /* ---- host packing ---- */
 
-/* Rank q's valid elements of group g: flat [begin + q p, begin + q p + *n). */
+/* Rank q's valid elements of group g's sharded part: flat [begin + q p, begin + q p + *n). */
 static int64_t valid(const fm_zero3 *z, int g, int q, int64_t *first) {
-    const int64_t n = z->begin[g + 1] - z->begin[g], a = (int64_t)q * z->piece[g];
+    const int64_t n = z->begin[g + 1] - z->begin[g] - z->keep[g], a = (int64_t)q * z->piece[g];
     *first = z->begin[g] + a;
     const int64_t v = n - a;
     return v < 0 ? 0 : v > z->piece[g] ? z->piece[g] : v;
@@ -114,6 +164,9 @@ void fm_zero3_pack(const fm_zero3 *z, int q, const void *full, void *local, size
         int64_t f;
         const int64_t v = valid(z, g, q, &f);
         if (v > 0) memcpy((char *)local + (size_t)z->local[g] * es, (const char *)full + (size_t)f * es, (size_t)v * es);
+        if (z->keep[g] > 0) /* the whole part: this rank's own */
+            memcpy((char *)local + (size_t)z->wlocal[g] * es, (const char *)full + (size_t)(z->begin[g + 1] - z->keep[g]) * es,
+                   (size_t)z->keep[g] * es);
     }
 }
 
@@ -122,6 +175,9 @@ void fm_zero3_unpack(const fm_zero3 *z, int q, const void *local, void *full, si
         int64_t f;
         const int64_t v = valid(z, g, q, &f);
         if (v > 0) memcpy((char *)full + (size_t)f * es, (const char *)local + (size_t)z->local[g] * es, (size_t)v * es);
+        if (z->keep[g] > 0 && q == z->rank) /* the whole part: this rank's own */
+            memcpy((char *)full + (size_t)(z->begin[g + 1] - z->keep[g]) * es, (const char *)local + (size_t)z->wlocal[g] * es,
+                   (size_t)z->keep[g] * es);
     }
 }
 
@@ -134,6 +190,23 @@ void fm_zero3_owner(const fm_zero3 *z, int64_t p, int *rank, int64_t *local) {
 }
 
 /* ---- the schedule hook ---- */
+
+/* Group g's whole part (a layer's experts, fm_model_create_ep's [w_gate, end)) in the model's
+ * views: weights (when w) and gradients (when gr) at the shard's whole part. */
+static void bind_whole(fm_zero3 *z, fm_model *m, int g, bool w, bool gr) {
+    if (z->keep[g] == 0) return;
+    int64_t gate, up, down;
+    fm_model_layer_expert_offsets(m, g - 1, &gate, &up, &down);
+    FM_ASSERT(gate == z->begin[g + 1] - z->keep[g]);
+    fm_layer_ptrs *y[2] = {w ? &m->w.layers[g - 1] : NULL, gr ? &m->g.layers[g - 1] : NULL};
+    fm_act *base[2] = {z->weights + z->wlocal[g], z->grads + z->wlocal[g]};
+    for (int i = 0; i < 2; i++)
+        if (y[i]) {
+            y[i]->w_gate = base[i];
+            y[i]->w_up = base[i] + (up - gate);
+            y[i]->w_down = base[i] + (down - gate);
+        }
+}
 
 void fm_zero3_bind(fm_zero3 *z, fm_model *m, const fm_param_store *ps, const fm_comm *dp) {
     FM_ASSERT(ps->zero3 && ps->shard_len == z->shard_len && ps->slot_len == z->slot_len && ps->gbuf_len == z->gbuf_len);
@@ -148,8 +221,12 @@ void fm_zero3_bind(fm_zero3 *z, fm_model *m, const fm_param_store *ps, const fm_
     m->params = ps->weights;
     m->grads = ps->grads;
     m->master = ps->master;
+    z->edp = NULL;
+    for (int g = 1; g + 1 < z->n_groups; g++) bind_whole(z, m, g, true, true);
     fm_zero3_invalidate(z);
 }
+
+void fm_zero3_set_edp(fm_zero3 *z, const fm_comm *edp) { z->edp = edp && fm_comm_size(edp) > 1 ? edp : NULL; }
 
 void fm_zero3_invalidate(fm_zero3 *z) { z->slot_group[0] = z->slot_group[1] = -1; }
 
@@ -168,6 +245,7 @@ static fm_status ensure(fm_zero3 *z, fm_model *m, int g, int keep) {
     }
     z->slot_used[s] = ++z->clock;
     fm_model_bind_group(m, g, z->slot[s], NULL);
+    bind_whole(z, m, g, true, false);
     return FM_OK;
 }
 
@@ -177,6 +255,7 @@ static void grads_at(fm_zero3 *z, fm_model *m, int g, int64_t off) {
     FM_ASSERT(off + (int64_t)z->W * z->piece[g] <= z->gbuf_len);
     m->be.ops->mem_set(m->be.ctx, z->gbuf + off, 0, sizeof(fm_act) * (size_t)z->W * (size_t)z->piece[g]);
     fm_model_bind_group(m, g, NULL, z->gbuf + off);
+    bind_whole(z, m, g, false, true); /* the experts' gradients accumulate whole, over the micro-batches */
 }
 
 /* Group g's full gradients at gbuf + off reduce-scattered (in place: block r is this rank's)
@@ -238,12 +317,22 @@ void fm_zero3_zero_grads(fm_zero3 *z, fm_model *m) {
     m->be.ops->mem_set(m->be.ctx, z->grads, 0, sizeof(fm_act) * (size_t)z->shard_len);
 }
 
+/* The squares of the pieces (padding zero) plus, on a rank with whole_sq, of the whole parts,
+ * summed over dp. */
 static fm_status sumsq_all(fm_zero3 *z, fm_model *m, const fm_act *x, double *dev_out) {
-    m->be.ops->sumsq(m->be.ctx, dev_out, x, z->shard_len, false); /* the padding is zero */
+    m->be.ops->sumsq(m->be.ctx, dev_out, x, z->piece_total, false); /* the padding is zero */
+    if (z->whole_sq && z->shard_len > z->piece_total)
+        m->be.ops->sumsq(m->be.ctx, dev_out, x + z->piece_total, z->shard_len - z->piece_total, true);
     return fm_comm_all_reduce(z->dp, dev_out, dev_out, 1, FM_COMM_F64, FM_COMM_SUM, 0);
 }
 
-fm_status fm_zero3_grad_sumsq(fm_zero3 *z, fm_model *m, double *dev_out) { return sumsq_all(z, m, z->grads, dev_out); }
+fm_status fm_zero3_grad_sumsq(fm_zero3 *z, fm_model *m, double *dev_out) {
+    const int64_t whole = z->shard_len - z->piece_total;
+    if (z->edp && whole > 0) /* the experts' gradients: the sum over the ranks holding them */
+        FM_TRY(fm_comm_all_reduce(z->edp, z->grads + z->piece_total, z->grads + z->piece_total, whole, act_dtype,
+                                  FM_COMM_SUM, 0));
+    return sumsq_all(z, m, z->grads, dev_out);
+}
 
 fm_status fm_zero3_weight_sumsq(fm_zero3 *z, fm_model *m, double *dev_out) {
     return sumsq_all(z, m, z->weights, dev_out);
@@ -261,22 +350,29 @@ fm_status fm_zero3_update(fm_zero3 *z, fm_model *m, const fm_optimizer_ops *opti
         if (v > 0)
             optim->step_at(opt, m, f, f + v, z->weights + o, z->grads + o, own_master ? z->master + o : NULL, o, lr, clip);
     }
+    for (int g = 0; g < z->n_groups; g++) { /* the whole parts */
+        const int64_t k = z->keep[g], f = z->begin[g + 1] - k, o = z->wlocal[g];
+        if (k > 0)
+            optim->step_at(opt, m, f, f + k, z->weights + o, z->grads + o, own_master ? z->master + o : NULL, o, lr, clip);
+    }
     fm_zero3_invalidate(z); /* the next forward gathers the updated weights */
     return FM_OK;
 }
 
 /* ---- checkpoints ---- */
 
-fm_status fm_zero3_gather_full(fm_zero3 *z, const fm_model *m, const void *local, fm_dtype dtype, void **full) {
+/* fm_zero3_gather_full (all false: rank 0 only) and fm_zero3_gather_all (all true). */
+static fm_status gather(fm_zero3 *z, const fm_model *m, const void *local, fm_dtype dtype, bool all, void **full) {
     const int W = z->W, r = z->rank;
+    const bool mine = all || r == 0;
     const size_t es = fm_dtype_size(dtype);
     *full = NULL;
     FM_ASSERT(es <= 2 * sizeof(fm_act)); /* a group of W p_g fits in the two slots together */
-    void *out = r == 0 ? fm_malloc(es * (size_t)z->n_params) : NULL;
+    void *out = mine ? fm_malloc(es * (size_t)z->n_params) : NULL;
     /* an allocation failure returns before the collectives: the CLI then ends every rank */
-    if (r == 0 && !out)
-        return fm_error(FM_ERR_NOMEM, "rank 0 of %d: cannot gather %lld values of the ZeRO-3 shards for the checkpoint "
-                        "on the host", W, (long long)z->n_params);
+    if (mine && !out)
+        return fm_error(FM_ERR_NOMEM, "rank %d of %d: cannot gather %lld values of the ZeRO-3 shards for the checkpoint "
+                        "on the host", r, W, (long long)z->n_params);
     /* group by group through the two gather slots (backend memory the plan holds; adjacent: one
      * buffer of 2 slot_len fm_act), each group's full range copied out on rank 0 */
     void *buf = z->slot[0];
@@ -285,16 +381,30 @@ fm_status fm_zero3_gather_full(fm_zero3 *z, const fm_model *m, const void *local
     for (int g = 0; g < z->n_groups && st == FM_OK; g++) {
         st = fm_comm_all_gather(z->dp, (const char *)local + es * (size_t)z->local[g], buf, z->piece[g],
                                 dtype == FM_DTYPE_BF16 ? FM_COMM_BF16 : FM_COMM_F32, 0);
-        const size_t n = (size_t)(z->begin[g + 1] - z->begin[g]) * es;
-        if (st == FM_OK && r == 0 && n > 0) {
+        const size_t n = (size_t)(z->begin[g + 1] - z->begin[g] - z->keep[g]) * es;
+        if (st == FM_OK && mine && n > 0) {
             char *dst = (char *)out + es * (size_t)z->begin[g];
             if (m->be.ops->host_memory) memcpy(dst, buf, n);
             else m->be.ops->copy(m->be.ctx, dst, buf, n, FM_COPY_D2H);
+        }
+        if (st == FM_OK && mine && z->keep[g] > 0) { /* the whole part: this rank's own */
+            char *dst = (char *)out + es * (size_t)(z->begin[g + 1] - z->keep[g]);
+            const char *src = (const char *)local + es * (size_t)z->wlocal[g];
+            if (m->be.ops->host_memory) memcpy(dst, src, es * (size_t)z->keep[g]);
+            else m->be.ops->copy(m->be.ctx, dst, src, es * (size_t)z->keep[g], FM_COPY_D2H);
         }
     }
     if (st != FM_OK) fm_free(out), out = NULL;
     *full = out;
     return st;
+}
+
+fm_status fm_zero3_gather_full(fm_zero3 *z, const fm_model *m, const void *local, fm_dtype dtype, void **full) {
+    return gather(z, m, local, dtype, false, full);
+}
+
+fm_status fm_zero3_gather_all(fm_zero3 *z, const fm_model *m, const void *local, fm_dtype dtype, void **full) {
+    return gather(z, m, local, dtype, true, full);
 }
 
 fm_status fm_zero3_scatter_full(fm_zero3 *z, fm_model *m, const float *full, void *local, fm_dtype dtype) {

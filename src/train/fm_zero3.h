@@ -31,10 +31,21 @@
  *
  * Bound (per rank, the model-state live set): the shard, 2 a S (weights, grads) + 4 S (master,
  * a != 4) + the optimizer's state of S parameters (8 S with fp32 moments) = 16 S on bf16 builds,
- * S ~ Θ / W; plus two gather slots of max_g W p_g fm_act each and one gradient buffer of as many
+ * S ~ Θ / W (beside --ep: Θ_non-expert / W + the rank's experts, Θ_experts / ep); plus two gather slots of max_g W p_g fm_act each and one gradient buffer of as many
  * (tied: at least W (p_0 + p_{L+1}), the head's two groups at once). All of it is in the parameter
  * store's arena (fm_param_store_create_zero3), planned by fm_zero3_state_bytes; nothing is
  * allocated in a step.
+ *
+ * Beside expert parallelism (--zero 3 --ep N; the mesh planner's layout, plan/fm_mesh_bound.c):
+ * each layer group's trailing range [w_gate, end) holds this rank's E/ep experts (fm_model_create_ep),
+ * and those elements are kept whole on the rank instead of sharded: group g's keep_g trailing
+ * elements follow all the pieces in the shard (at local offset w_g = sum_g' p_g' + sum_{g' < g}
+ * keep_g'), so the shard is [S] = [sum_g p_g + sum_g keep_g]; gathers, reduce-scatters and the
+ * slots cover only the pieces (attention, norms, router; embedding and head), and the model's
+ * expert views point into the whole part (fm_zero3_hook rebinds them after each group bind). The
+ * experts' gradients accumulate there; before the norm they are all-reduced over the
+ * expert-data-parallel group (fm_zero3_set_edp: the W/ep ranks holding the same experts), and
+ * the norm counts them on one rank of each such group (world rank < ep). AdamW updates them whole.
  *
  * Exactness: the global gradient norm is the fp64 sum of squares of the shard gradients (padding
  * is zero) all-reduced over dp; AdamW is elementwise, so the shard update is the replica's
@@ -56,7 +67,10 @@ typedef struct fm_zero3 {
     int64_t *begin;       /* [n_groups + 1]: group g is flat [begin[g], begin[g + 1]) */
     int64_t *piece;       /* [n_groups]: p_g */
     int64_t *local;       /* [n_groups]: o_g, the piece's offset in the shard */
-    int64_t shard_len;    /* S */
+    int64_t *keep;        /* [n_groups]: trailing elements of group g kept whole (its experts; 0: none) */
+    int64_t *wlocal;      /* [n_groups]: offset of group g's whole part in the shard */
+    int64_t piece_total;  /* sum_g p_g: the shard's sharded part; the whole parts follow it */
+    int64_t shard_len;    /* S: piece_total + sum_g keep_g */
     int64_t slot_len;     /* elements of one gather slot: max_g W p_g */
     int64_t gbuf_len;     /* elements of the full-size gradient buffer */
     /* bound by fm_zero3_bind: the store's buffers and the dp communicator */
@@ -65,6 +79,8 @@ typedef struct fm_zero3 {
     fm_act *slot[2];         /* [slot_len] each: gathered weights */
     fm_act *gbuf;            /* [gbuf_len]: one group's full gradients */
     const fm_comm *dp;
+    const fm_comm *edp;      /* the ranks holding the same whole parts (NULL: none; fm_zero3_set_edp) */
+    bool whole_sq;           /* this rank counts the whole parts in the norms (one rank per edp group) */
     int slot_group[2];       /* the group each slot holds (-1: none) */
     uint64_t slot_used[2], clock; /* least recently used slot is evicted */
     int64_t gathers, reduce_scatters; /* counts, for tests and the report */
@@ -79,7 +95,16 @@ int64_t fm_zero3_piece_len(int64_t n, int W);
  * FM_ERR_NOMEM. */
 fm_status fm_zero3_layout(fm_zero3 *z, const int64_t *begin, int n_groups, bool tied, int rank, int W);
 
-/* The same for model m's groups (fm_model_group_begin). Errors: as fm_zero3_layout. */
+/* The same with keep [n_groups] (NULL: all zero): group g's last keep[g] elements (0 <= keep[g]
+ * <= its size; only layer groups, 1..n_groups - 2, may keep) stay whole on the rank, after the
+ * pieces (the header's --ep layout); whole_sq as the struct's. Errors: as fm_zero3_layout, and
+ * FM_ERR_ARG for a keep out of range. */
+fm_status fm_zero3_layout_keep(fm_zero3 *z, const int64_t *begin, const int64_t *keep, int n_groups, bool tied, int rank,
+                               int W, bool whole_sq);
+
+/* The same for model m's groups (fm_model_group_begin). A model of several expert-parallel ranks
+ * (m->ep > 1, fm_model_create_ep) keeps each layer's experts [w_gate, end) whole, and world rank
+ * `rank` < m->ep counts them in the norms. Errors: as fm_zero3_layout. */
 fm_status fm_zero3_layout_model(fm_zero3 *z, const fm_model *m, int rank, int W);
 
 /* Frees the layout's tables (not the store's buffers: fm_param_store_free). Safe on a zeroed z. */
@@ -94,6 +119,15 @@ size_t fm_zero3_store_bytes(const fm_zero3 *z, size_t a);
  * AdamW's moments of S parameters; desc (200 bytes, may be NULL) gets the formula. */
 size_t fm_zero3_state_bytes(const fm_config *cfg, size_t a, int W, bool bf16_moments, char desc[200]);
 
+/* The same beside expert parallelism of degree ep (ep <= 1: fm_zero3_state_bytes): each layer's
+ * E/ep experts, 3 (E/ep) H I elements, kept whole (the header's --ep layout), the rest sharded. */
+size_t fm_zero3_state_bytes_ep(const fm_config *cfg, size_t a, int W, int ep, bool bf16_moments, char desc[200]);
+
+/* The plan's model-state callback (fm_model_state_bound's signature) for --zero 3 --ep: the
+ * degrees set process-wide by fm_zero3_ep_bound_set (the callback has no room for them). */
+void fm_zero3_ep_bound_set(int W, int ep);
+size_t fm_zero3_ep_model_state_bound(const fm_config *cfg, size_t a, bool bf16_moments, char desc[200]);
+
 /* Host packing (checkpoints, the initial weights; also the unit test's reference): rank q's
  * shard local [S] (elements of es bytes) from the full table-layout vector full [n_params], zeros
  * in the padding; and its inverse, rank q's valid elements written back into full. */
@@ -107,6 +141,10 @@ void fm_zero3_owner(const fm_zero3 *z, int64_t p, int *rank, int64_t *local);
  * ranks, this rank z->rank), and the model's master/params/grads pointers at the shard. */
 void fm_zero3_bind(fm_zero3 *z, fm_model *m, const fm_param_store *ps, const fm_comm *dp);
 
+/* The expert-data-parallel group edp (backend memory; NULL or one rank: none) over which the
+ * whole parts' gradients are all-reduced in fm_zero3_grad_sumsq. */
+void fm_zero3_set_edp(fm_zero3 *z, const fm_comm *edp);
+
 /* The schedule's group hook (fm_schedule_add_group_hook with user = z): the gathers, prefetches,
  * gradient zeroing and reduce-scatters of the header's comment. Errors: the communicator's. */
 fm_status fm_zero3_hook(void *user, fm_model *m, fm_hook_point p, int64_t layer);
@@ -115,7 +153,8 @@ fm_status fm_zero3_hook(void *user, fm_model *m, fm_hook_point p, int64_t layer)
 void fm_zero3_invalidate(fm_zero3 *z);
 
 /* The step's parts: zero the shard's gradients; the global sum of squares of the gradients
- * (fp64, into *dev_out, backend memory) as the sum over ranks of their shards'; the sum of
+ * (fp64, into *dev_out, backend memory) as the sum over ranks of their shards' (the whole parts
+ * first all-reduced over edp, then counted on the ranks with whole_sq); the sum of
  * squares of the weights likewise (a checkpoint's finite check); the optimizer's update of this
  * rank's pieces (optim->step_at over each piece's valid elements, after step_begin) at lr with
  * gradient scale clip. Errors: the communicator's; FM_ERR_UNSUPPORTED when the optimizer has no
@@ -129,11 +168,14 @@ fm_status fm_zero3_update(fm_zero3 *z, fm_model *m, const fm_optimizer_ops *opti
  * backend memory) into a full table-layout host vector [n_params] of dtype on rank 0 (*full,
  * allocated here; NULL on the other ranks), a collective of dp: group by group all-gathered into
  * the two gather slots (adjacent, so 2 slot_len fm_act hold W p_g fp32 values; no device memory
- * beyond the plan) and copied out on rank 0; the slots then hold no group. fm_zero3_scatter_full: this rank's shard [S] of dtype
+ * beyond the plan) and copied out on rank 0 (with its own whole parts); the slots then hold no group.
+ * fm_zero3_gather_all: the same, every rank getting the full vector of its table with its own
+ * whole parts (the --ep checkpoint then gathers the experts, fm_train_ep_gather). fm_zero3_scatter_full: this rank's shard [S] of dtype
  * (backend memory) from a full fp32 host vector (bf16: rounded to nearest even).
  * fm_zero3_set_master: the shard master from full fp32 weights, and the fm_act weights from it.
  * Errors: FM_ERR_NOMEM, the communicator's. */
 fm_status fm_zero3_gather_full(fm_zero3 *z, const fm_model *m, const void *local, fm_dtype dtype, void **full);
+fm_status fm_zero3_gather_all(fm_zero3 *z, const fm_model *m, const void *local, fm_dtype dtype, void **full);
 fm_status fm_zero3_scatter_full(fm_zero3 *z, fm_model *m, const float *full, void *local, fm_dtype dtype);
 fm_status fm_zero3_set_master(fm_zero3 *z, fm_model *m, const float *full);
 

@@ -9,7 +9,8 @@
 #    by 20%;
 #  - the model state's high-water mark equals its bound on every report;
 #  - a checkpoint of the np 2 run at step 6 resumes at np 1 (--zero 0) with the losses of the np 2
-#    run continued, to 2e-2.
+#    run continued, to 2e-2;
+#  - the same for --zero 3 --ep 2 (the non-expert parameters sharded, each rank's experts whole).
 # Without mpirun on the PATH the test says so and passes.
 source "$(dirname "$0")/../lib_cli.sh"
 export FLATMOE_ATTENTION=fallback OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1
@@ -52,5 +53,15 @@ for cfg in "$ROOT/tests/data/micro.json" "$TMP/untied.json"; do
         --out "$TMP/$name-half" || bad "$name: np 2 --zero 3 first half failed"
     "$FM" train "${common[@]}" --micro-batch 4 --resume --out "$TMP/$name-half" || bad "$name: np 1 resume failed"
     compare "$TMP/$name-z3" "$TMP/$name-half" 7 && ok || bad "$name: the np 1 resume differs from the np 2 run"
+    # --zero 3 --ep 2: the non-expert parameters sharded, each rank's 2 experts whole
+    timeout 300 "$MPIEXEC" "${FLAGS[@]}" -np 2 "$FM" train "${common[@]}" --micro-batch 2 --zero 3 --ep 2 \
+        --out "$TMP/$name-z3ep" || bad "$name: np 2 --zero 3 --ep 2 failed"
+    compare "$TMP/$name-one" "$TMP/$name-z3ep" 1 && ok || bad "$name: np 2 --zero 3 --ep 2 differs from one rank"
+    timeout 300 "$MPIEXEC" "${FLAGS[@]}" -np 2 "$FM" train "${common[@]}" --micro-batch 2 --zero 3 --ep 2 \
+        --exit-after 6 --out "$TMP/$name-z3ep-half" || bad "$name: np 2 --zero 3 --ep 2 first half failed"
+    "$FM" train "${common[@]}" --micro-batch 4 --resume --out "$TMP/$name-z3ep-half" ||
+        bad "$name: np 1 resume of --zero 3 --ep 2 failed"
+    compare "$TMP/$name-z3ep" "$TMP/$name-z3ep-half" 7 && ok ||
+        bad "$name: the np 1 resume differs from the np 2 --zero 3 --ep 2 run"
 done
 finish
