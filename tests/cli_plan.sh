@@ -157,6 +157,17 @@ ms() { sed -E 's/.*"model state":([0-9]+).*/\1/' <<<"$1"; }
 [ "$(ms "$j8")" -lt "$(ms "$j1")" ] && grep -q '"mesh":{"world":8,"dp":8,"ep":8,"sp":1' <<<"$j8" &&
     grep -q '"communication buffers":' <<<"$j8" && ok || bad "mesh JSON: model state not falling with ep, or no mesh: $j8"
 if command -v python3 >/dev/null; then python3 -c "import json,sys; json.loads(sys.argv[1])" "$j8" && ok || bad "mesh --json is not JSON"; fi
+# --zero 0 with --ep and/or --sp (no --world) plans the trainer's own run (replicas of the non-expert
+# state, E/ep experts per rank; tests/mpi_train_epsp.sh checks it against the arenas): no mesh, the
+# degrees in the JSON and the train flags, the model state falling with ep; --zero 3 stays the mesh
+t1=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --seq-len 32768 --sp 8 --zero 0 --json 2>/dev/null)
+t8=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --seq-len 32768 --ep 8 --sp 8 --zero 0 --json 2>/dev/null)
+[ -n "$t8" ] && [ "$(ms "$t8")" -lt "$(ms "$t1")" ] && grep -q '"sp":8,"ep":8,' <<<"$t8" && ! grep -q '"mesh":' <<<"$t8" && ok ||
+    bad "plan --ep 8 --sp 8 --zero 0: not the trainer's run: $t8"
+t=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --seq-len 32768 --ep 8 --sp 8 --zero 0 2>/dev/null)
+grep -q "^train flags: .* --ep 8 --sp 8$" <<<"$t" && ! grep -q "^mesh:" <<<"$t" && ok || bad "plan --ep 8 --sp 8 --zero 0: train flags: $t"
+t=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --seq-len 32768 --ep 8 --sp 8 --zero 3 2>/dev/null)
+grep -q "^mesh: world 8 = dp 1 x sp 8, ep 8" <<<"$t" && ok || bad "plan --ep 8 --sp 8 --zero 3: not the mesh: $t"
 # bad mesh input: flag, expected, found, fix
 expect_fail "plan dp x sp != world" "--dp 4 x --sp 4 = 16 but --world is 8" "$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --seq-len 4096 --world 8 --dp 4 --sp 4
 expect_fail "plan ep not dividing E" "use one of" "$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --seq-len 4096 --dp 6 --ep 3

@@ -13,6 +13,7 @@
 #include "schedule/fm_recompute.h"
 #include "schedule/fm_sco.h"
 #include "train/fm_offload_adamw.h"
+#include "train/fm_train_ep.h"
 #include "train/fm_trainer.h"
 
 int cmd_plan(int argc, char **argv) {
@@ -51,10 +52,10 @@ int cmd_plan(int argc, char **argv) {
         {"offload-optimizer-bucket", F_I64, &off_bucket, NULL, "parameters per bucket of --offload-optimizer, 0 = 100M (0)"},
         {"offload-optimizer-slots", F_I64, &off_slots, NULL, "device staging slots of --offload-optimizer, in [1, 16] (2)"},
         {"dp", F_INT, &dp, NULL, "data-parallel ranks the bounds are per rank of (train's --dp; with --zero 1 the Adam state is 1/dp; with --zero 3 or --world a mesh degree) (1)"},
-        {"zero", F_INT, &zero, NULL, "0: replicas; 1: ZeRO-1/2, Adam m and v sharded over --dp; 3: ZeRO-3, weights, grads, master and Adam state sharded over --dp, two layers gathered (train's flag); with --world/--ep/--sp the mesh plan is ZeRO-3 over dp x sp (0; 3 with a mesh)"},
+        {"zero", F_INT, &zero, NULL, "0: replicas; 1: ZeRO-1/2, Adam m and v sharded over --dp; 3: ZeRO-3, weights, grads, master and Adam state sharded over --dp, two layers gathered (train's flag); with --world, or --ep/--sp without --zero 0, the mesh plan is ZeRO-3 over dp x sp (0; 3 with a mesh)"},
         {"world", F_I64, &world, NULL, "ranks (GPUs) of a mesh: plan one rank of it; the degrees not given (--dp/--sp, --ep) are chosen under the budget (plan/fm_mesh.h) (off)"},
-        {"ep", F_I64, &ep, NULL, "expert-parallel degree of the mesh: divides num_experts and dp x sp (train's flag) (chosen with --world, else 1)"},
-        {"sp", F_I64, &sp, NULL, "sequence-parallel (Ulysses) degree: divides the heads and --seq-len (train's flag; with --zero 0 and no --world/--ep: the trainer's --sp run, replicas, exact to its arenas) (chosen with --world, else 1)"},
+        {"ep", F_I64, &ep, NULL, "expert-parallel degree: divides num_experts and dp x sp (train's flag; with --zero 0 and no --world: the trainer's --ep run, E/ep experts per rank, exact to its arenas; else the mesh's) (chosen with --world, else 1)"},
+        {"sp", F_I64, &sp, NULL, "sequence-parallel (Ulysses) degree: divides the heads and --seq-len (train's flag; with --zero 0 and no --world: the trainer's --sp run (beside --ep when given), replicas, exact to its arenas; else the mesh's) (chosen with --world, else 1)"},
         {"gpus-per-node", F_I64, &gpus_per_node, NULL, "ranks per node, for which links the mesh's collectives cross (NVLink within, InfiniBand across) (8)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
     };
@@ -103,9 +104,10 @@ int cmd_plan(int argc, char **argv) {
     req.att_tile_q = tq;
     req.att_tile_kv = tkv;
     req.bf16_moments = bf16m;
-    /* --sp N --zero 0 (no --world, --ep): the trainer's sequence parallelism (train --sp, replicas) */
-    const bool trainer_sp = sp > 1 && zero == 0 && world == 0 && ep <= 1;
-    const bool mesh = world > 0 || ep > 1 || (sp > 1 && !trainer_sp); /* --gpus-per-node alone: no mesh; --dp W --zero 3 alone: the trainer's ZeRO-3 */
+    /* --zero 0 with --ep and/or --sp (no --world): the trainer's own run (train --ep/--sp, replicas of
+     * the non-expert state), exact to its arenas; --world, or --ep/--sp without --zero 0, the mesh */
+    const bool trainer_mp = (sp > 1 || ep > 1) && zero == 0 && world == 0;
+    const bool mesh = world > 0 || ((ep > 1 || sp > 1) && !trainer_mp); /* --gpus-per-node alone: no mesh; --dp W --zero 3 alone: the trainer's ZeRO-3 */
     bool choose_ep = false, choose_sp = false;
     if (mesh) { /* one rank of a mesh: ZeRO-3 over dp x sp, experts over ep (plan/fm_mesh.h) */
         if (zero != -1 && zero != 3)
@@ -141,11 +143,23 @@ int cmd_plan(int argc, char **argv) {
     if (zero == 3 && offopt) return cli_usage_error("plan", "%s", "--zero 3 and --offload-optimizer do not go together yet");
     if (zero && offopt) return cli_usage_error("plan", "%s", "--zero 1 and --offload-optimizer do not go together yet");
     fm_model_state_bound_set_dp(dp, zero); /* the model state's per-rank bound (train/fm_optim.h) */
-    if (trainer_sp) { /* --sp N --zero 0 alone: the trainer's Ulysses run, exact to its arenas */
-        if ((s = fm_attn_sp_check(&req.cfg, sp, req.T))) return cli_fail("plan", s);
-        req.sp = sp;
-    }
     req.model_state_bytes = fm_model_state_bound;
+    if (trainer_mp) { /* the trainer's --ep/--sp run (replicas), exact to its arenas */
+        if (sp > 1) { /* Ulysses: seq-len/sp tokens per rank, the head-sharded attention buffers */
+            if ((s = fm_attn_sp_check(&req.cfg, sp, req.T))) return cli_fail("plan", s);
+            req.sp = sp;
+        }
+        if (ep > 1) { /* E/ep experts per rank, the capped EP dispatch (train/fm_train_ep.h) */
+            if (req.cfg.num_experts % ep != 0)
+                return cli_fail("plan", fm_error(FM_ERR_ARG, "--ep %lld does not divide num_experts %lld of the model "
+                                                 "config (each rank holds E/ep experts); use an --ep that divides it",
+                                                 (long long)ep, (long long)req.cfg.num_experts));
+            if (offopt) return cli_usage_error("plan", "%s", "--offload-optimizer with --ep is not supported yet");
+            req.ep = (int)ep;
+            fm_train_ep_bound_set((int)ep);
+            req.model_state_bytes = fm_train_ep_model_state_bound;
+        }
+    }
     if (off_bucket < 0 || off_slots < 1 || off_slots > 16)
         return cli_usage_error("plan", "%s", "--offload-optimizer-bucket must be >= 0 (0 = 100M) and --offload-optimizer-slots in [1, 16]");
     req.offload_optimizer = offopt;
@@ -205,7 +219,8 @@ int cmd_plan(int argc, char **argv) {
     }
     fm_choose_opts co = {budget, what[0] ? what : "--mem-budget", host_budget,
                          host_mem ? "--host-mem-budget" : "the host budget (--host-mem-budget; default: what the host can pin)",
-                         &cal, recompute != NULL, keep_att || no_keep, offload != NULL, offopt, chunk >= 0, ce_bt >= 0 || ce_bv >= 0};
+                         &cal, recompute != NULL, keep_att || no_keep, offload != NULL, offopt || req.ep > 1, /* --ep: no streamed AdamW, as train */
+                         chunk >= 0, ce_bt >= 0 || ce_bv >= 0};
     fm_plan p;
     fm_projection proj;
     if (mesh && per_node > 1)

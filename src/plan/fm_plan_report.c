@@ -27,8 +27,8 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
             (long long)c->num_hidden_layers);
     if (p->n_keep_attention > 0)
         fprintf(f, " (%lld keep their attention output)", (long long)p->n_keep_attention);
-    fprintf(f, "; MoE %s", r->moe_chunk_tokens > 0 ? "chunked" : "unchunked (plain)");
-    if (r->moe_chunk_tokens > 0)
+    fprintf(f, "; MoE %s", r->ep > 1 ? "dispatched over ep" : r->moe_chunk_tokens > 0 ? "chunked" : "unchunked (plain)");
+    if (r->moe_chunk_tokens > 0 || r->ep > 1)
         fprintf(f, ", %lld chunks of <= %lld tokens", (long long)p->moe_K, (long long)p->moe_c_eff);
     fprintf(f, "; vocabulary %s", (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear cross-entropy" : "plain logits");
     fprintf(f, "; %lld offloaded boundaries; optimizer %s", (long long)p->n_offloaded_boundaries,
@@ -36,6 +36,9 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     if (r->sp > 1) /* Ulysses: the bounds are per rank, of its slice */
         fprintf(f, "; sequence parallel over %lld ranks (%lld tokens of each sequence per rank)", (long long)r->sp,
                 (long long)(r->T / r->sp));
+    if (r->ep > 1) /* the trainer's expert parallelism: this rank's experts, the capped dispatch */
+        fprintf(f, "; expert parallel over %d ranks (%lld experts per rank)", r->ep,
+                (long long)(c->num_experts / r->ep));
     /* the same knobs as train flags, to copy */
     const int64_t L = c->num_hidden_layers;
     fprintf(f, "\ntrain flags: --seq-len %lld --micro-batch %lld --recompute ", (long long)r->T, (long long)r->B);
@@ -56,6 +59,7 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     fprintf(f, " --offload-boundaries %lld", (long long)p->n_offloaded_boundaries);
     if (r->offload_optimizer) fprintf(f, " --offload-optimizer");
     if (r->bf16_moments) fprintf(f, " --bf16-moments");
+    if (r->ep > 1) fprintf(f, " --ep %d", r->ep);
     if (r->sp > 1) fprintf(f, " --sp %lld", (long long)r->sp);
     if (r->T > c->max_position_embeddings) fprintf(f, " --max-position-embeddings %lld", (long long)r->T);
     const fm_mesh_dims *m = &r->mesh;
@@ -165,11 +169,11 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
 
 void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_report *x, FILE *f) {
     const size_t budget = x->budget;
-    fprintf(f, "{\"model_type\":\"%s\",\"params\":%lld,\"active_params\":%lld,\"micro_batch\":%lld,\"seq_len\":%lld,\"sp\":%lld,"
+    fprintf(f, "{\"model_type\":\"%s\",\"params\":%lld,\"active_params\":%lld,\"micro_batch\":%lld,\"seq_len\":%lld,\"sp\":%lld,\"ep\":%lld,"
             "\"recomputed_layers\":%lld,\"keep_attention_layers\":%lld,\"moe_chunk_tokens\":%lld,\"moe_chunks\":%lld,\"ce_block_tokens\":%lld,"
             "\"ce_block_vocab\":%lld,\"adam_moments\":\"%s\",\"live_sets\":{",
             r->cfg.model_type_name, (long long)p->n_params, (long long)p->n_active, (long long)r->B, (long long)r->T,
-            (long long)(r->sp > 1 ? r->sp : 1), (long long)p->n_recomputed, (long long)p->n_keep_attention, (long long)r->moe_chunk_tokens, (long long)p->moe_K,
+            (long long)(r->sp > 1 ? r->sp : 1), (long long)(r->ep > 1 ? r->ep : 1), (long long)p->n_recomputed, (long long)p->n_keep_attention, (long long)r->moe_chunk_tokens, (long long)p->moe_K,
             (long long)r->ce_block_tokens, (long long)r->ce_block_vocab, r->bf16_moments ? "bf16" : "fp32");
     for (int i = 0; i < FM_PLAN_SETS; i++) fprintf(f, "%s\"%s\":%zu", i ? "," : "", fm_plan_set_name(i), p->bytes[i]);
     if (r->mesh.on) fprintf(f, ",\"communication buffers\":%zu", p->comm_bytes);

@@ -99,14 +99,14 @@ void fm_train_ep_free(fm_train_ep *x) {
     x->ep = 1;
 }
 
-fm_status fm_train_ep_init(fm_train_ep *x, const fm_comm *world, int ep, fm_model *m) {
+fm_status fm_train_ep_init(fm_train_ep *x, const fm_comm *world, int dp, int ep, int sp, fm_model *m) {
     memset(x, 0, sizeof *x);
     x->ep = ep;
     x->world_rank = fm_comm_rank(world);
     x->world = fm_comm_size(world);
     x->rank = x->world_rank % ep;
     FM_ASSERT(ep > 1 && m->ep == ep && m->ep_rank == x->rank);
-    FM_TRY(fm_comm_group_create(&x->group, world, x->world, ep, 1));
+    FM_TRY(fm_comm_group_create(&x->group, world, dp, ep, sp)); /* ep: the block [r - r % ep, + ep), any sp ranks */
     x->group_ok = true;
     FM_TRY(world->ops->split(world->ctx, x->rank, x->world_rank, &x->edp)); /* same experts: same r % ep */
     x->edp_ok = true;

@@ -3,15 +3,18 @@
  * are partitioned over ep ranks. The MoE operator itself is bounded/fm_moe_ep.h; the model's
  * table of this rank's experts is fm_model_create_ep.
  *
- * Layout over the W = dp ranks of the world (sp = 1 in this trainer): the ep group of world rank
- * r is the contiguous block [r - r % ep, + ep) (comm/fm_comm.h, fm_comm_group_create), and r owns
- * experts (r % ep) * E/ep .. + E/ep - 1 of every layer. Non-expert parameters are replicas over
- * dp, their gradients all-reduced over dp (the world); an expert's gradient already holds the
- * sum over its ep group's tokens (the dispatch brought them to its owner), and is all-reduced
- * over the W/ep ranks that hold the same experts (world ranks with the same r % ep: the
- * "expert-data-parallel" group; none when W == ep). The router's statistics stay reduced over
- * the world (every rank that sees the batch's tokens), so the aux loss is the one-rank run's on
- * the same global batch.
+ * Layout over the W = dp x sp ranks of the world (--sp: Ulysses, world rank r = dp_index x sp +
+ * sp_index): the ep group of world rank r is the contiguous block [r - r % ep, + ep) (comm/fm_comm.h,
+ * fm_comm_group_create), whatever sequence slices its ranks hold (the dispatch works per token,
+ * wherever the token lives: an ep group may be one sequence's sp ranks, several dp ranks, or
+ * both), and r owns experts (r % ep) * E/ep .. + E/ep - 1 of every layer. Each rank's MoE runs on
+ * its own B x T/sp tokens. Non-expert parameters are replicas over the world, their gradients
+ * all-reduced over all W ranks (dp x sp: the sp ranks hold other tokens of the same sequences);
+ * an expert's gradient already holds the sum over its ep group's tokens (the dispatch brought
+ * them to its owner), and is all-reduced over the W/ep ranks that hold the same experts (world
+ * ranks with the same r % ep: the "expert-data-parallel" group; none when W == ep). The router's
+ * statistics stay reduced over the world (every rank that sees the batch's tokens), so the aux
+ * loss is the one-rank run's on the same global batch.
  *
  * ZeRO-1/2 (--zero 1) and the streamed optimizer (--offload-optimizer) are refused with --ep > 1:
  * both shard or stream the flat parameter range as if every rank held the same tensors. --zero 3
@@ -28,7 +31,7 @@ typedef struct fm_train_ep {
     int ep;                 /* the degree (1: no expert parallelism; nothing below is set) */
     int rank;               /* this rank's index in its ep group (world rank % ep) */
     int world_rank, world;  /* this rank of the world, and W */
-    fm_comm_group group;    /* the mesh dp x ep x 1 over the world (backend memory) */
+    fm_comm_group group;    /* the mesh dp x ep x sp over the world (backend memory) */
     bool group_ok;
     fm_comm edp;            /* the ranks holding the same experts (W/ep of them; backend memory) */
     bool edp_ok;
@@ -60,12 +63,13 @@ size_t fm_train_ep_model_state_bound(const fm_config *cfg, size_t a, bool bf16_m
  * room for it). */
 void fm_train_ep_bound_set(int ep);
 
-/* Sets up x over the world communicator (backend memory) for degree ep > 1 and model m (created
- * with fm_model_create_ep(.., ep, world_rank % ep)): the mesh groups, the expert-data-parallel
- * group, the host-memory world for checkpoints, the full table; points m->moe_ep_comm at the ep
- * group. A collective call on world. Errors: the communicators' (FM_ERR_ARG, FM_ERR_IO,
- * FM_ERR_UNSUPPORTED), FM_ERR_NOMEM. */
-fm_status fm_train_ep_init(fm_train_ep *x, const fm_comm *world, int ep, fm_model *m);
+/* Sets up x over the world communicator (backend memory) of dp x sp ranks for degree ep > 1 (ep
+ * divides dp x sp) and model m (created with fm_model_create_ep(.., ep, world_rank % ep)): the
+ * mesh groups dp x ep x sp, the expert-data-parallel group, the host-memory world for
+ * checkpoints, the full table; points m->moe_ep_comm at the ep group. A collective call on world.
+ * Errors: the communicators' (FM_ERR_ARG: dp x sp is not the world size, or ep does not divide
+ * it; FM_ERR_IO, FM_ERR_UNSUPPORTED), FM_ERR_NOMEM. */
+fm_status fm_train_ep_init(fm_train_ep *x, const fm_comm *world, int dp, int ep, int sp, fm_model *m);
 void fm_train_ep_free(fm_train_ep *x);
 
 /* The accumulated gradients summed as the header says (non-expert ranges over dp, each layer's

@@ -84,9 +84,6 @@ fm_status fm_train_opts_check(const fm_train_opts *o) {
         return fm_error(FM_ERR_ARG, "--sp %d with --zero %d is not built yet (ZeRO shards the optimizer state over the "
                         "data-parallel ranks, and the sp ranks of a sequence are not data-parallel); use --zero 0 with "
                         "--sp, or --sp 1", o->sp, o->zero);
-    if (o->sp > 1 && o->ep > 1)
-        return fm_error(FM_ERR_ARG, "--sp %d with --ep %d is not built yet (the expert-parallel groups are drawn from the "
-                        "data-parallel ranks only); use --ep 1 with --sp, or --sp 1", o->sp, o->ep);
     if (o->dp < 0) return fm_error(FM_ERR_ARG, "--dp must be >= 1 (0 = the number of ranks), found %d", o->dp);
     if (o->zero != 0 && o->zero != 1 && o->zero != 3)
         return fm_error(FM_ERR_ARG, "--zero must be 0 (replicas), 1 (optimizer state sharded over dp) or 3 (weights, "

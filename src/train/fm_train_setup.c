@@ -263,7 +263,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_calib_find(&cal, NULL, sizeof(fm_act) == 4 ? "cpu" : "cuda", dev.total ? dev.name : NULL, note));
     const fm_choose_opts co = {budget, o->mem_budget ? "--mem-budget" : "the GPU's measured free memory (no --mem-budget given)",
                                host_budget, "--host-mem-budget", &cal, o->recompute != NULL, o->recompute_keep_attention || o->no_recompute_keep_attention,
-                               o->offload_boundaries != NULL, o->offload_optimizer, moe_c >= 0,
+                               o->offload_boundaries != NULL, o->offload_optimizer || ep > 1, moe_c >= 0, /* --ep: no streamed AdamW */
                                o->ce_block_tokens >= 0 || o->ce_block_vocab >= 0};
     fm_projection proj;
     FM_TRY(fm_plan_fit(&req, &co, rc, &plan, &proj));
@@ -310,7 +310,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         FM_TRY(fm_dataset_set_seq_slice(&r->val, sp_rank, sp));
     }
     r->ep.ep = 1;
-    if (ep > 1) FM_TRY(fm_train_ep_init(&r->ep, &r->world, ep, m)); /* the ep and expert-data-parallel groups */
+    if (ep > 1) FM_TRY(fm_train_ep_init(&r->ep, &r->world, dp, ep, sp, m)); /* the ep and expert-data-parallel groups */
     const char *force = getenv("FLATMOE_TEST_FORCE_ROUTE"); /* test hook: adversarial routing (fm_router.h) */
     if (force && *force) {
         m->router.force_route = true;

@@ -7,7 +7,8 @@
 # --comm auto: one GPU -> the host-staged mpi communicator, 2+ GPUs -> nccl. The losses must match
 # one rank's to bf16 tolerance (1e-2 relative per step, as tests/gpu/cli_comm_ranks.sh), and the
 # working set's high-water mark must equal its bound (the head-sharded buffers are planned
-# exactly). Also with the FlashAttention-2 fallback (FLATMOE_ATTENTION=fallback). Needs mpirun
+# exactly). Also with the FlashAttention-2 fallback (FLATMOE_ATTENTION=fallback), and --ep 2 beside
+# --sp 2 on the same two ranks (model state = bound: E/ep experts' state). Needs mpirun
 # (skipped with a note otherwise).
 source "$(dirname "$0")/../lib_cli.sh"
 MPIRUN=$(command -v mpirun || true)
@@ -41,4 +42,24 @@ sys.exit(0 if len(la) == len(lb) == 6 and all(abs(x - y) <= 1e-2 * abs(x) for x,
 PY
     done
 done
+# --ep 2 beside --sp 2 on the two ranks (dp 1: the ep group is the sequence's two sp ranks, 4 of the 8
+# experts each): the same losses as one rank to bf16 tolerance, the model state's high-water mark
+# equal to its bound (E/ep experts' state) and the expert dispatch's within its bound
+export FLATMOE_ATTENTION=cudnn
+n=small-olmoe-cudnn
+timeout 300 "$MPIRUN" "${FLAGS[@]}" -x FLATMOE_ATTENTION -np 2 "$FM" train --config "$ROOT/bench/configs/small-olmoe.json" \
+    "${common[@]}" --ep 2 --sp 2 --quiet --out "$TMP/epsp" > "$TMP/epsp.log" 2>&1 ||
+    { cat "$TMP/epsp.log" >&2; bad "mpirun -np 2 --ep 2 --sp 2 failed"; }
+python3 - "$TMP/one-$n/metrics.jsonl" "$TMP/epsp/metrics.jsonl" <<'PY' && ok || bad "--ep 2 --sp 2 differs from one rank beyond 1e-2, or its memory is not within its bounds"
+import json, sys
+def steps(p): return [r for r in map(json.loads, open(p)) if r.get("type") == "step"]
+a, b = steps(sys.argv[1]), steps(sys.argv[2])
+la, lb = [r["loss"] for r in a], [r["loss"] for r in b]
+mem = b[0]["memory"]
+print("one rank:       ", la); print("--ep 2 --sp 2:  ", lb)
+print("model state", mem["model state"], "expert dispatch", mem["expert dispatch"])
+sys.exit(0 if len(la) == len(lb) == 6 and all(abs(x - y) <= 1e-2 * abs(x) for x, y in zip(la, lb))
+         and mem["model state"]["high_water"] == mem["model state"]["bound"]
+         and all(v["high_water"] <= v["bound"] for v in mem.values()) else 1)
+PY
 finish
