@@ -89,6 +89,11 @@ static cJSON *flags_json(const fm_train_opts *o) {
     cJSON_AddBoolToObject(f, "no_optimizer_overlap", o->no_optimizer_overlap);
     cJSON_AddNumberToObject(f, "dp", o->dp);
     cJSON_AddNumberToObject(f, "sp", o->sp > 1 ? o->sp : 1);
+    cJSON_AddNumberToObject(f, "ep", o->ep > 1 ? o->ep : 1);
+    add_int(f, "ep_cap_tokens", o->ep_cap_tokens);
+    cJSON_AddBoolToObject(f, "llep", o->llep);
+    if (o->llep) cJSON_AddNumberToObject(f, "llep_lambda", o->llep_lambda);
+    cJSON_AddStringToObject(f, "comm", o->comm_kind == FM_COMM_KIND_MPI ? "mpi" : o->comm_kind == FM_COMM_KIND_NCCL ? "nccl" : "auto");
     cJSON_AddNumberToObject(f, "zero", o->zero);
     cJSON_AddNumberToObject(f, "comm_timeout", o->comm_timeout);
     if (o->init_from) cJSON_AddStringToObject(f, "init_from", o->init_from);
