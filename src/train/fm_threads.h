@@ -4,7 +4,8 @@
  * with another busy process makes every loop wait for it (and the others spin meanwhile):
  * measured on a 2-core machine with one core busy, 2 threads trained at half the speed of 1
  * (bench/RESULTS.md). Results are the same for any thread count (the CPU ops split work by
- * output, never a reduction, by thread), so the choice changes speed only. */
+ * output, never a reduction, by thread), so the choice changes speed only. Ranks of one launch
+ * that share the machine's cores unbound divide the free cores between them. */
 #ifndef FM_THREADS_H
 #define FM_THREADS_H
 
@@ -14,6 +15,9 @@ typedef struct fm_threads_probe {
     int busy;        /* of those, CPUs more than half busy over the sample (another process's work) */
     int threads;     /* the choice: allowed - busy, at least 1; OMP_NUM_THREADS when it is set */
     int from_env;    /* 1: OMP_NUM_THREADS was set and is used as given */
+    int local_ranks; /* processes of the launch on this node (OMPI_COMM_WORLD_LOCAL_SIZE,
+                        MPI_LOCALNRANKS, SLURM_NTASKS_PER_NODE; 1 if none): when the affinity mask
+                        is the whole machine (no binding), the choice is divided by them */
 } fm_threads_probe;
 
 /* Chooses the thread count as above, sampling /proc/stat over sample_ms milliseconds (0: no
