@@ -155,4 +155,14 @@ cmp -s "$TMP/th_straight/step_000004/model.safetensors" "$TMP/th_split/step_0000
     bad "threads: resumed at the run's thread count, the weights differ from the straight run"
 w=$("$FM" train "${nt[@]}" --quiet --steps 6 --threads 1 --resume --out "$TMP/th_split" 2>&1 >/dev/null)
 grep -q "will not match an uninterrupted one" <<<"$w" && ok || bad "threads: no warning for another --threads: $w"
+# the learning-rate schedule: a resume given only --data and --out keeps the run's --lr, --min-lr
+# and --warmup (state.json "schedule"), so it ends with the straight run's weights
+sc=(--config "$cfg" --data "$TEXT" --seq-len 32 --micro-batch 4 --steps 6 --lr 3e-3 --min-lr 1e-4 --warmup 2
+    --eval-every 0 --eval-batches 1 --threads 1)
+"$FM" train "${sc[@]}" --quiet --out "$TMP/sc_straight" || bad "schedule: straight run failed"
+"$FM" train "${sc[@]}" --quiet --exit-after 3 --out "$TMP/sc_split" || bad "schedule: first half failed"
+out=$("$FM" train --data "$TEXT" --resume --out "$TMP/sc_split" 2>&1) || bad "schedule: resume failed: $out"
+grep -q -- "--resume: --lr 0.003 --min-lr 0.0001 --warmup 2" <<<"$out" && ok || bad "schedule: no --resume line for it: $out"
+cmp -s "$TMP/sc_straight/step_000006/model.safetensors" "$TMP/sc_split/step_000006/model.safetensors" && ok ||
+    bad "schedule: resumed without the schedule's flags, the weights differ from the straight run"
 finish

@@ -1,4 +1,5 @@
 /* flatmoe train: flags into fm_train_opts, then fm_train. */
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -24,6 +25,10 @@ int cmd_train(int argc, char **argv) {
     fm_train_opts_default(&o);
     /* "not given" for the memory flags (fm_train_opts' -1 means: choose), told apart from a given -1 */
     o.moe_chunk_tokens = o.ce_block_tokens = o.ce_block_vocab = INT64_MIN;
+    const double dflt_lr = o.lr, dflt_min_lr = o.min_lr; /* "not given" for the schedule (--resume keeps the run's) */
+    const int64_t dflt_warmup = o.warmup;
+    o.lr = o.min_lr = NAN;
+    o.warmup = INT64_MIN;
     static const char *data[MAX_FILES], *val[MAX_FILES];
     const char *mem_budget = NULL, *gpu_ws = NULL, *host_mem = NULL, *comm = NULL, *comm_check = NULL;
     flag flags[] = {
@@ -99,6 +104,10 @@ int cmd_train(int argc, char **argv) {
     }
     o.data = data;
     o.val_data = o.n_val_data ? val : NULL;
+    o.lr_given = !isnan(o.lr), o.min_lr_given = !isnan(o.min_lr), o.warmup_given = o.warmup != INT64_MIN;
+    if (!o.lr_given) o.lr = dflt_lr;
+    if (!o.min_lr_given) o.min_lr = dflt_min_lr;
+    if (!o.warmup_given) o.warmup = dflt_warmup;
     fm_status s;
     if (mem_budget && (s = fm_parse_bytes(mem_budget, "--mem-budget", &o.mem_budget))) return cli_fail("train", s);
     if (mem_budget && o.mem_budget == 0) return cli_usage_error("train", "%s", "--mem-budget must be > 0 (omit it for no budget)");

@@ -126,6 +126,10 @@ static char *state_to_json(const run *r, const train_state *s) {
     cJSON_AddNumberToObject(o, "grad_accum", (double)s->grad_accum);
     cJSON_AddNumberToObject(o, "steps", (double)s->steps);
     cJSON_AddNumberToObject(o, "threads", (double)r->o->threads);
+    cJSON *sch = cJSON_AddObjectToObject(o, "schedule"); /* what --resume keeps unless given again */
+    cJSON_AddNumberToObject(sch, "lr", r->o->lr);
+    cJSON_AddNumberToObject(sch, "min_lr", r->o->min_lr);
+    cJSON_AddNumberToObject(sch, "warmup", (double)r->o->warmup);
     cJSON_AddStringToObject(o, "adam_moments", s->bf16_moments ? "bf16" : "fp32");
     /* the sampling cursor (fm_dataset_sample_batch): the RNG state is all of it; rank, world and
      * the training tokens say what it was drawn over */
@@ -160,6 +164,11 @@ fm_status fm_train_state_read(const char *path, train_state *s) {
     s->steps = json_i64(o, "steps", 0);
     s->threads = json_i64(o, "threads", 0);
     s->dp = json_i64(o, "data_parallel", 1);
+    const cJSON *sch = cJSON_GetObjectItemCaseSensitive(o, "schedule");
+    const cJSON *lr = cJSON_GetObjectItemCaseSensitive(sch, "lr"), *mlr = cJSON_GetObjectItemCaseSensitive(sch, "min_lr");
+    s->lr = cJSON_IsNumber(lr) ? lr->valuedouble : NAN;
+    s->min_lr = cJSON_IsNumber(mlr) ? mlr->valuedouble : NAN;
+    s->warmup = cJSON_IsObject(sch) ? json_i64(sch, "warmup", -1) : -1;
     const cJSON *mom = cJSON_GetObjectItemCaseSensitive(o, "adam_moments");
     s->bf16_moments = cJSON_IsString(mom) && strcmp(mom->valuestring, "bf16") == 0;
     fm_status st = FM_OK;

@@ -244,6 +244,17 @@ fm_status fm_train(const fm_train_opts *o) {
                     (long long)ts.threads);
         }
     }
+    if (oo.resume && have) { /* the learning-rate schedule not given again: the run's own (state.json) */
+        char said[160] = "";
+        size_t at = 0;
+        if (!oo.lr_given && !isnan(ts.lr) && ts.lr != oo.lr)
+            oo.lr = ts.lr, at += (size_t)snprintf(said + at, sizeof said - at, " --lr %g", oo.lr);
+        if (!oo.min_lr_given && !isnan(ts.min_lr) && ts.min_lr != oo.min_lr && at < sizeof said)
+            oo.min_lr = ts.min_lr, at += (size_t)snprintf(said + at, sizeof said - at, " --min-lr %g", oo.min_lr);
+        if (!oo.warmup_given && ts.warmup >= 0 && ts.warmup != oo.warmup && at < sizeof said)
+            oo.warmup = ts.warmup, at += (size_t)snprintf(said + at, sizeof said - at, " --warmup %lld", (long long)oo.warmup);
+        if (at && !oo.quiet) printf("--resume:%s (the run's schedule; the flags set others)\n", said);
+    }
     if (oo.resume && need) { /* flags not given: the run's own total and shape, from its latest checkpoint */
         fm_train_opts dflt;
         fm_train_opts_default(&dflt);

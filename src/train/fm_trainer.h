@@ -51,6 +51,8 @@ typedef struct fm_train_opts {
                                      streamed optimizer); used when host_mem_budget_given, else what
                                      the host can pin (plan/fm_choose.h: fm_host_mem_budget_default) */
     bool host_mem_budget_given;
+    bool lr_given, min_lr_given, warmup_given; /* --lr, --min-lr, --warmup given: a --resume keeps
+                                                  the run's own schedule (state.json) for the others */
     int64_t att_tile_q, att_tile_kv; /* --attention-tile-q/-kv (0: 64) */
     size_t gpu_workspace;         /* --gpu-workspace: CUDA cuDNN workspace bytes (0: planned) */
     fm_backend_opts backend;      /* the backend's init options (attention path, expert-GEMM strategy,
