@@ -374,7 +374,7 @@ static fm_status save_zero3_ep(run *r, const train_state *ts, fm_optim_state *os
     return st;
 }
 
-fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
+static fm_status save_checkpoint(run *r, const train_state *ts) {
     fm_model *m = &r->m;
     /* fp32 master (as model.safetensors and master.*: the model's, or the optimizer's when it
      * names one), m, v */
@@ -678,4 +678,15 @@ fm_status fm_load_for_inference(fm_model *m, fm_param_store *ps, const char *ckp
         fm_param_store_free(ps);
     }
     return s;
+}
+
+/* Every rank waits for rank 0's writes to end in a barrier of its own long timeout: the next
+ * collective's --comm-timeout (300 s) would otherwise count rank 0's writing, which for a large
+ * model takes longer (measured: a 1 s timeout failed a 3-step run saving every step). */
+#define FM_SAVE_BARRIER_TIMEOUT_S (4.0 * 3600.0)
+fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
+    const fm_status s = save_checkpoint(r, ts);
+    if (s != FM_OK || r->n_ranks <= 1) return s;
+    const double t = r->o->comm_timeout > FM_SAVE_BARRIER_TIMEOUT_S ? r->o->comm_timeout : FM_SAVE_BARRIER_TIMEOUT_S;
+    return fm_comm_barrier(&r->world, t);
 }
