@@ -106,6 +106,12 @@ int cmd_plan(int argc, char **argv) {
     req.bf16_moments = bf16m;
     /* --zero 0 with --ep and/or --sp (no --world): the trainer's own run (train --ep/--sp, replicas of
      * the non-expert state), exact to its arenas; --world, or --ep/--sp without --zero 0, the mesh */
+    if (world < 0 || ep < 0 || sp < 0 || gpus_per_node < 0 || dp < 0) {
+        char v[160];
+        snprintf(v, sizeof v, "--world %lld, --dp %lld, --ep %lld, --sp %lld, --gpus-per-node %lld", (long long)world,
+                 (long long)dp, (long long)ep, (long long)sp, (long long)gpus_per_node);
+        return cli_usage_error("plan", "the mesh's degrees must be >= 1 (or left out), found %s; give positive values", v);
+    }
     const bool trainer_mp = (sp > 1 || ep > 1) && zero == 0 && world == 0;
     const bool mesh = world > 0 || ((ep > 1 || sp > 1) && !trainer_mp); /* --gpus-per-node alone: no mesh; --dp W --zero 3 alone: the trainer's ZeRO-3 */
     bool choose_ep = false, choose_sp = false;
