@@ -117,6 +117,8 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         rec->step_s_sum += rep.step_s;
         int_s += rep.step_s;
         int_tok += tokens_per_step;
+        if (r->n_ranks > 1 && rec->counts) /* every rank's routes of the step (a host reduction, no device wait) */
+            FM_TRY(fm_comm_allreduce_sum_i64(&r->world, rec->counts, rec->L * rec->E, 0));
         load_stats(rec);
         int64_t valid = 0;
         for (int64_t g = 0; g < o->grad_accum; g++) valid += r->step.n_valid[g];
