@@ -176,7 +176,7 @@ failure)
     export FM CFG TEXT TMP
     long='--config $CFG --data $TEXT --seq-len 32 --micro-batch 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint --comm-timeout 4'
     # case: what rank 1 does to itself after 2 s (or its own arguments); needle: what the output must say
-    for case in kill stop nodata; do
+    for case in kill stop nodata flags; do
         case $case in
         kill)   cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (sleep 2; kill -KILL $$) & fi; exec "$FM" train '"$long"' --out "$TMP/k"'
                 needle="rank 1" ;;
@@ -184,6 +184,8 @@ failure)
                 needle="error on rank 0 of 2: rank 0 of 2: .* timed out after 4 s" ;;
         nodata) cmd='d=$TEXT; [ "$OMPI_COMM_WORLD_RANK" = 1 ] && d=$TMP/missing.txt; exec "$FM" train '"${long/--data \$TEXT/--data \$d}"' --out "$TMP/n"'
                 needle="error on rank 1 of 2: .*missing.txt" ;;
+        flags)  cmd='b=2; [ "$OMPI_COMM_WORLD_RANK" = 1 ] && b=3; exec "$FM" train '"${long/--micro-batch 2/--micro-batch \$b}"' --out "$TMP/f"'
+                needle="error on rank [01] of 2: .*micro-batch differs between the ranks of this launch" ;;
         esac
         t0=$SECONDS
         timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c "$cmd" >"$TMP/$case.log" 2>&1; rc=$?

@@ -13,6 +13,7 @@
 #include "../plan/fm_choose.h"
 #include "../plan/fm_plan_device.h"
 #include "../schedule/fm_recompute.h"
+#include "fm_train_agree.h"
 #include "fm_train_internal.h"
 
 void fm_train_run_free(run *r) {
@@ -299,6 +300,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     r->world_ok = true;
     if (!o->quiet && r->rank == 0 && comm_kind != FM_COMM_KIND_AUTO)
         printf("communicator: %s over %d rank%s\n", r->world.ops->name, W, W == 1 ? "" : "s");
+    FM_TRY(fm_train_agree(&r->world, o, c)); /* every rank with the same flags, before any other collective */
     m->comm = &r->world; /* the batch's valid targets, loss sums and router statistics */
     if (sp > 1) { /* Ulysses: the mesh's sp group carries attention's all-to-alls */
         FM_TRY(fm_comm_group_create(&r->mesh, &r->world, dp, 1, sp));
