@@ -590,11 +590,11 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
         const cJSON *cur = cJSON_GetObjectItemCaseSensitive(so, "data_cursor");
         if (cJSON_IsObject(cur)) {
             const int64_t w = json_i64(cur, "world", 1), nt = json_i64(cur, "train_tokens", -1);
-            if (w != r->train.world)
-                fprintf(stderr, "warning: --resume: the checkpoint's data cursor was drawn over %lld rank(s), this run has "
-                        "%d: each step's global batch is the same, its split over ranks is not\n", (long long)w,
-                        r->train.world);
-            if (nt >= 0 && nt != r->train.n_tokens)
+            if (w != r->train.world && r->rank == 0) /* rank 0 speaks for all: the same on every rank */
+                fprintf(stderr, "note: --resume: the checkpoint's data cursor was drawn over %lld rank(s), this run has "
+                        "%d: the same sequences are drawn, split over other ranks (the global batch is micro-batch x "
+                        "data-parallel ranks; a warning follows if that changed)\n", (long long)w, r->train.world);
+            if (nt >= 0 && nt != r->train.n_tokens && r->rank == 0)
                 fprintf(stderr, "warning: --resume: the training data holds %lld tokens, the checkpoint's was %lld: the "
                         "data order will not match an uninterrupted run\n", (long long)r->train.n_tokens, (long long)nt);
         }

@@ -402,11 +402,11 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         /* many ranks: the sequences per micro-batch are micro_batch x dp (a resume at another W
          * continues the same run when that product is kept) */
         const int64_t ts_dp = ts->dp > 0 ? ts->dp : 1;
-        if (ts->seq_len != o->seq_len || ts->micro_batch * ts_dp != o->micro_batch * dp ||
-            ts->grad_accum != o->grad_accum)
+        if ((ts->seq_len != o->seq_len || ts->micro_batch * ts_dp != o->micro_batch * dp ||
+             ts->grad_accum != o->grad_accum) && r->rank == 0)
             fprintf(stderr, "warning: resuming with --seq-len/--micro-batch/--grad-accum %lld/%lld/%lld on %d data-parallel rank%s, "
-                    "but the checkpoint was trained with %lld/%lld/%lld on %lld: the run will not match an "
-                    "uninterrupted one (keep micro-batch x data-parallel ranks)\n", (long long)o->seq_len,
+                    "but the checkpoint was trained with %lld/%lld/%lld on %lld: the global batch changed, so the run "
+                    "will not match an uninterrupted one (keep micro-batch x data-parallel ranks)\n", (long long)o->seq_len,
                     (long long)o->micro_batch, (long long)o->grad_accum, dp, dp == 1 ? "" : "s",
                     (long long)ts->seq_len, (long long)ts->micro_batch, (long long)ts->grad_accum, (long long)ts_dp);
         if (ts->bf16_moments != o->bf16_moments)
