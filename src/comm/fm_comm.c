@@ -102,6 +102,54 @@ fm_status fm_comm_check_disjoint(int rank, int size, const char *what, const cha
     return FM_OK;
 }
 
+/* The byte extent [lo, hi) of the nonempty blocks (lo == hi: none). */
+static void extent(const int64_t *counts, const int64_t *displs, int W, size_t es, size_t *lo, size_t *hi) {
+    *lo = SIZE_MAX, *hi = 0;
+    for (int q = 0; q < W; q++) {
+        if (counts[q] == 0) continue;
+        const size_t a = (size_t)displs[q] * es, b = a + (size_t)counts[q] * es;
+        if (a < *lo) *lo = a;
+        if (b > *hi) *hi = b;
+    }
+    if (*lo > *hi) *lo = *hi = 0;
+}
+
+fm_status fm_comm_check_all_to_all_v(int r, int W, const char *tag, const char *what, const void *send,
+                                     const int64_t *send_counts, const int64_t *send_displs, const void *recv,
+                                     const int64_t *recv_counts, const int64_t *recv_displs, fm_comm_dtype dtype,
+                                     int64_t total[2], int64_t *biggest) {
+    if (!send_counts || !send_displs || !recv_counts || !recv_displs)
+        return fm_error(FM_ERR_ARG, "rank %d of %d%s: %s: send_counts, send_displs, recv_counts and recv_displs must "
+                        "be host arrays of %d elements (the communicator's size), found %s NULL", r, W, tag, what, W,
+                        !send_counts ? "send_counts" : !send_displs ? "send_displs" : !recv_counts ? "recv_counts"
+                                                                                                     : "recv_displs");
+    const int64_t *arr[4] = {send_counts, send_displs, recv_counts, recv_displs};
+    static const char *const names[4] = {"send_counts", "send_displs", "recv_counts", "recv_displs"};
+    total[0] = total[1] = *biggest = 0;
+    for (int a = 0; a < 4; a++)
+        for (int q = 0; q < W; q++) {
+            if (arr[a][q] < 0)
+                return fm_error(FM_ERR_ARG, "rank %d of %d%s: %s: %s[%d] = %lld is negative", r, W, tag, what,
+                                names[a], q, (long long)arr[a][q]);
+            if (a % 2 == 0) total[a / 2] += arr[a][q];
+            if (a % 2 == 0 && arr[a][q] > *biggest) *biggest = arr[a][q];
+        }
+    if (send_counts[r] != recv_counts[r])
+        return fm_error(FM_ERR_ARG, "rank %d of %d%s: %s: rank %d sends %lld elements to itself (send_counts[%d]) but "
+                        "expects %lld from itself (recv_counts[%d]); they must be equal", r, W, tag, what, r,
+                        (long long)send_counts[r], r, (long long)recv_counts[r], r);
+    FM_TRY(fm_comm_check_buf(r, W, what, "send", send, total[0]));
+    FM_TRY(fm_comm_check_buf(r, W, what, "recv", recv, total[1]));
+    const size_t es = fm_comm_dtype_size(dtype);
+    size_t slo, shi, rlo, rhi;
+    extent(send_counts, send_displs, W, es, &slo, &shi);
+    extent(recv_counts, recv_displs, W, es, &rlo, &rhi);
+    if (shi > slo && rhi > rlo)
+        FM_TRY(fm_comm_check_disjoint(r, W, what, "send blocks", (const char *)send + slo, shi - slo, "recv blocks",
+                                      (const char *)recv + rlo, rhi - rlo));
+    return FM_OK;
+}
+
 void fm_comm_free(fm_comm *c) {
     if (!c) return;
     if (c->ops && c->ctx) c->ops->destroy(c->ctx);

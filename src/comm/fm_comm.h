@@ -368,6 +368,16 @@ fm_status fm_comm_check_type(int rank, int size, const char *what, fm_comm_dtype
 /* FM_ERR_ARG unless count >= 0 and (count == 0 or buf != NULL); names the buffer ("send"). */
 fm_status fm_comm_check_buf(int rank, int size, const char *what, const char *buf_name, const void *buf,
                             int64_t count);
+/* The arguments of all_to_all_v on rank r of W (the communicator's table, fm_comm_h): the four
+ * count/displacement host arrays of W elements non-NULL and >= 0, the self-block's send and
+ * receive counts equal, the buffers present for their totals, the send and receive blocks'
+ * byte extents disjoint. tag follows "rank R of W" in the messages ("" or " (nccl)"). Gives
+ * total[0] / total[1], the elements sent / received, and *biggest, the largest send count.
+ * Errors: FM_ERR_ARG naming the array, element and value. */
+fm_status fm_comm_check_all_to_all_v(int r, int W, const char *tag, const char *what, const void *send,
+                                     const int64_t *send_counts, const int64_t *send_displs, const void *recv,
+                                     const int64_t *recv_counts, const int64_t *recv_displs, fm_comm_dtype dtype,
+                                     int64_t total[2], int64_t *biggest);
 /* FM_ERR_ARG when the byte ranges [a, a+na) and [b, b+nb) overlap (empty ranges never do). */
 fm_status fm_comm_check_disjoint(int rank, int size, const char *what, const char *a_name, const void *a, size_t na,
                                  const char *b_name, const void *b, size_t nb);

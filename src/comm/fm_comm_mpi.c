@@ -290,55 +290,24 @@ static fm_status mpi_all_gather(void *ctx, const void *send, void *recv, int64_t
     return FM_OK;
 }
 
-/* The byte extent [lo, hi) of the nonempty blocks (lo == hi: none). */
-static void extent(const int64_t *counts, const int64_t *displs, int W, size_t es, size_t *lo, size_t *hi) {
-    *lo = SIZE_MAX, *hi = 0;
-    for (int q = 0; q < W; q++) {
-        if (counts[q] == 0) continue;
-        const size_t a = (size_t)displs[q] * es, b = a + (size_t)counts[q] * es;
-        if (a < *lo) *lo = a;
-        if (b > *hi) *hi = b;
-    }
-    if (*lo > *hi) *lo = *hi = 0;
-}
-
 static fm_status mpi_all_to_all_v(void *ctx, const void *send, const int64_t *send_counts,
                                   const int64_t *send_displs, void *recv, const int64_t *recv_counts,
                                   const int64_t *recv_displs, fm_comm_dtype dtype, double timeout_s) {
     MPI_BEGIN("all_to_all_v", dtype, -1, -1);
     const int W = m->size, r = m->rank;
-    if (!send_counts || !send_displs || !recv_counts || !recv_displs)
-        return fm_error(FM_ERR_ARG, "rank %d of %d: %s: send_counts, send_displs, recv_counts and recv_displs must "
-                        "be host arrays of %d elements (the communicator's size), found %s NULL", r, W, what, W,
-                        !send_counts ? "send_counts" : !send_displs ? "send_displs" : !recv_counts ? "recv_counts"
-                                                                                                     : "recv_displs");
+    int64_t total[2], biggest;
+    FM_TRY(fm_comm_check_all_to_all_v(r, W, "", what, send, send_counts, send_displs, recv, recv_counts, recv_displs,
+                                      dtype, total, &biggest));
     const int64_t *arr[4] = {send_counts, send_displs, recv_counts, recv_displs};
     static const char *const names[4] = {"send_counts", "send_displs", "recv_counts", "recv_displs"};
-    int64_t total[2] = {0, 0}, biggest = 0;
-    for (int a = 0; a < 4; a++)
-        for (int q = 0; q < W; q++) {
-            char nm[48];
-            snprintf(nm, sizeof nm, "%s[%d] =", names[a], q);
-            if (arr[a][q] < 0)
-                return fm_error(FM_ERR_ARG, "rank %d of %d: %s: %s[%d] = %lld is negative", r, W, what, names[a], q,
-                                (long long)arr[a][q]);
-            if (!m->staged) FM_TRY(check_int(m, what, nm, arr[a][q]));
-            if (a % 2 == 0) total[a / 2] += arr[a][q];
-            if (a % 2 == 0 && arr[a][q] > biggest) biggest = arr[a][q];
-        }
-    if (send_counts[r] != recv_counts[r])
-        return fm_error(FM_ERR_ARG, "rank %d of %d: %s: rank %d sends %lld elements to itself (send_counts[%d]) but "
-                        "expects %lld from itself (recv_counts[%d]); they must be equal", r, W, what, r,
-                        (long long)send_counts[r], r, (long long)recv_counts[r], r);
-    FM_TRY(fm_comm_check_buf(r, W, what, "send", send, total[0]));
-    FM_TRY(fm_comm_check_buf(r, W, what, "recv", recv, total[1]));
+    if (!m->staged) /* MPI's own counts and displacements are int */
+        for (int a = 0; a < 4; a++)
+            for (int q = 0; q < W; q++) {
+                char nm[48];
+                snprintf(nm, sizeof nm, "%s[%d] =", names[a], q);
+                FM_TRY(check_int(m, what, nm, arr[a][q]));
+            }
     const size_t es = fm_comm_dtype_size(dtype);
-    size_t slo, shi, rlo, rhi;
-    extent(send_counts, send_displs, W, es, &slo, &shi);
-    extent(recv_counts, recv_displs, W, es, &rlo, &rhi);
-    if (shi > slo && rhi > rlo)
-        FM_TRY(fm_comm_check_disjoint(r, W, what, "send blocks", (const char *)send + slo, shi - slo, "recv blocks",
-                                      (char *)recv + rlo, rhi - rlo));
     if (!m->staged) {
         for (int a = 0; a < 4; a++)
             for (int q = 0; q < W; q++) m->ic[a][q] = (int)arr[a][q];
