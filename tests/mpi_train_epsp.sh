@@ -46,45 +46,7 @@ mpi() { # np, then flatmoe's arguments
 }
 export FLATMOE_TEST_FORCE_ROUTE=""
 # compare REF RUN: 20 step records, losses to 1e-6 relative, grad norms 1e-5, final tensors 5e-4 of scale
-compare() {
-    python3 - "$1" "$2" <<'PY'
-import json, struct, sys, array
-ref, run = sys.argv[1], sys.argv[2]
-steps = lambda d: [r for r in map(json.loads, open(d + "/metrics.jsonl")) if r.get("type", "step") == "step"]
-a, b = steps(ref), steps(run)
-ok = len(a) == len(b) == 20
-if not ok: print(f"FAIL: {run}: {len(b)} step records, reference {len(a)}")
-worst = 0.0
-for x, y in zip(a, b):
-    for k, tol in (("loss", 1e-6), ("aux_loss", 1e-6), ("z_loss", 1e-6), ("grad_norm", 1e-5), ("val_loss", 1e-6)):
-        if (k in x) != (k in y):
-            ok = False; print(f"FAIL: {run}: step {x['step']}: {k} in only one run"); continue
-        if k not in x: continue
-        rel = abs(x[k] - y[k]) / max(abs(x[k]), 1e-30)
-        if k != "grad_norm": worst = max(worst, rel)
-        if rel > tol:
-            ok = False; print(f"FAIL: {run}: step {x['step']} {k} {y[k]!r} vs one rank's {x[k]!r} ({rel:.2e} > {tol})")
-def tensors(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]; hdr = json.loads(f.read(n)); data = f.read()
-    out = {}
-    for k, v in hdr.items():
-        if k == "__metadata__": continue
-        assert v["dtype"] == "F32", v["dtype"]
-        s, e = v["data_offsets"]; t = array.array("f"); t.frombytes(data[s:e]); out[k] = t
-    return out
-wworst = 0.0
-for f in ("model.safetensors", "optimizer.safetensors"):
-    ta, tb = tensors(f"{ref}/step_000020/{f}"), tensors(f"{run}/step_000020/{f}")
-    if sorted(ta) != sorted(tb): ok = False; print(f"FAIL: {run}/{f}: other tensor names ({len(tb)} vs {len(ta)})"); continue
-    for k in ta:
-        d = max(abs(p - q) for p, q in zip(ta[k], tb[k])) / (max(abs(v) for v in ta[k]) or 1.0)
-        wworst = max(wworst, d)
-        if d > 5e-4: ok = False; print(f"FAIL: {run}/{f}: {k} differs by {d:.2e} of its scale (> 5e-4)")
-print(f"{run}: losses within {worst:.2e} relative, tensors within {wworst:.2e} of their scale: " + ("ok" if ok else "FAILED"))
-sys.exit(0 if ok else 1)
-PY
-}
+compare() { python3 "$ROOT/tests/mpi_compare.py" "$1" "$2"; }
 one_rank() { # DIR: 20 one-rank steps at --micro-batch 4 (under the current FLATMOE_TEST_FORCE_ROUTE)
     "$FM" train "${COMMON[@]}" --micro-batch 4 --out "$1" >/dev/null || bad "one-rank run $1 failed"
 }

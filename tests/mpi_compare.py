@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""A many-rank run against its one-rank reference (tests/mpi_train*.sh):
+    python3 tests/mpi_compare.py REF RUN [--grad-norm-tol T]
+Both folders hold metrics.jsonl with 20 step records and step_000020/{model,optimizer}.safetensors
+(fp32). Losses, aux, z and validation losses must agree to 1e-6 relative, gradient norms to T
+(1e-5), every final tensor to 5e-4 of its largest value. Prints one verdict line (and a FAIL line
+per difference); exits 1 when anything differs."""
+import argparse, array, json, struct, sys
+
+ap = argparse.ArgumentParser()
+ap.add_argument("ref")
+ap.add_argument("run")
+ap.add_argument("--grad-norm-tol", type=float, default=1e-5)
+A = ap.parse_args()
+ref, run = A.ref, A.run
+
+
+def steps(d):
+    return [r for r in map(json.loads, open(d + "/metrics.jsonl")) if r.get("type", "step") == "step"]
+
+
+a, b = steps(ref), steps(run)
+ok = len(a) == len(b) == 20
+if not ok: print(f"FAIL: {run}: {len(b)} step records, reference {len(a)}")
+worst = 0.0
+tols = (("loss", 1e-6), ("aux_loss", 1e-6), ("z_loss", 1e-6), ("grad_norm", A.grad_norm_tol), ("val_loss", 1e-6))
+for x, y in zip(a, b):
+    for k, tol in tols:
+        if (k in x) != (k in y):
+            ok = False; print(f"FAIL: {run}: step {x['step']}: {k} in only one of the runs"); continue
+        if k not in x: continue
+        rel = abs(x[k] - y[k]) / max(abs(x[k]), 1e-30)
+        if k != "grad_norm": worst = max(worst, rel)
+        if rel > tol:
+            ok = False; print(f"FAIL: {run}: step {x['step']} {k} {y[k]!r} vs one rank's {x[k]!r} ({rel:.2e} > {tol})")
+
+
+def tensors(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]; hdr = json.loads(f.read(n)); data = f.read()
+    out = {}
+    for k, v in hdr.items():
+        if k == "__metadata__": continue
+        assert v["dtype"] == "F32", v["dtype"]
+        s, e = v["data_offsets"]; t = array.array("f"); t.frombytes(data[s:e]); out[k] = t
+    return out
+
+
+wworst = 0.0
+for f in ("model.safetensors", "optimizer.safetensors"):
+    ta, tb = tensors(f"{ref}/step_000020/{f}"), tensors(f"{run}/step_000020/{f}")
+    if sorted(ta) != sorted(tb):
+        ok = False; print(f"FAIL: {run}/{f}: other tensor names ({len(tb)} vs {len(ta)})"); continue
+    for k in ta:
+        d = max(abs(p - q) for p, q in zip(ta[k], tb[k])) / (max(abs(v) for v in ta[k]) or 1.0)
+        wworst = max(wworst, d)
+        if d > 5e-4: ok = False; print(f"FAIL: {run}/{f}: {k} differs by {d:.2e} of its scale (> 5e-4)")
+print(f"{run}: losses within {worst:.2e} relative, tensors within {wworst:.2e} of their scale: "
+      + ("ok" if ok else "FAILED"))
+sys.exit(0 if ok else 1)
