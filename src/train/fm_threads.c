@@ -77,7 +77,7 @@ int fm_threads_auto(int sample_ms, fm_threads_probe *p) {
     q.threads = q.allowed - q.busy;
     /* ranks of one launch on this node that share the whole machine (no binding): each takes its
      * share, or they oversubscribe the cores together (measured: 4 ranks on 2 cores with 2 threads
-     * each trained 58x slower than with 1); a launcher that binds ranks gives each a smaller mask */
+     * each trained 55x slower than with 1: bench/RESULTS.md); a launcher that binds ranks gives each a smaller mask */
     q.local_ranks = local_ranks();
     if (q.local_ranks > 1 && online > 0 && q.allowed >= (int)online) q.threads /= q.local_ranks;
     if (q.threads < 1) q.threads = 1;
