@@ -57,6 +57,7 @@ bool fm_comm_nccl_usable(const struct fm_backend *be, int local_size, char *why,
 
 typedef struct nccl_ctx {
     ncclComm_t comm;      /* NULL once aborted (broken) or destroyed */
+    ncclComm_t split_out; /* where a non-blocking split's job stores the child (it may do so late) */
     int rank, size, device;
     fm_backend be;
     fm_comm_nccl_check check;
@@ -595,13 +596,42 @@ static fm_status nccl_split(void *ctx, int color, int key, fm_comm *out) {
     fm_comm host = {0};   /* the host values' mpi communicator, split the same way */
     if (n->host.ops) FM_TRY(n->host.ops->split(n->host.ctx, color, key, &host));
     ncclConfig_t cfg = nonblocking_config();
-    ncclComm_t nc = NULL;
-    const ncclResult_t r = ncclCommSplit(n->comm, color, key, &nc, &cfg);
+    n->split_out = NULL;
+    ncclResult_t r = ncclCommSplit(n->comm, color, key, &n->split_out, &cfg);
     if (r != ncclSuccess && r != ncclInProgress) {
         fm_comm_free(&host);
         return nccl_failed(n, what, "ncclCommSplit", r);
     }
-    const fm_status s = wait_ready(nc, r, n->rank, n->size, what, n->default_timeout); /* the child's creation */
+    /* A non-blocking split runs as a job of the parent: NCCL stores the child into nc only when
+     * that job completes (init.cc: "*newcomm should be NCCL_COMM_NULL until comm split fully
+     * complete"), and the parent answers ncclInProgress until then. So poll the parent first,
+     * re-reading nc, then the child's own creation. */
+    const double t0 = now_s();
+    for (long polls = 0; r == ncclInProgress && !__atomic_load_n(&n->split_out, __ATOMIC_ACQUIRE); polls++) {
+        ncclResult_t a = ncclSuccess;
+        const ncclResult_t q = ncclCommGetAsyncError(n->comm, &a);
+        r = q != ncclSuccess ? q : a;
+        if (r != ncclInProgress) break;
+        if (now_s() - t0 > n->default_timeout) {
+            fm_comm_free(&host);
+            BROKE(n, "rank %d of %d (nccl): %s did not complete within %g s (another rank did not join it, or died); "
+                  "the communicator is aborted and the job must stop", n->rank, n->size, what, n->default_timeout);
+        }
+        nap(polls);
+    }
+    ncclComm_t nc = __atomic_load_n(&n->split_out, __ATOMIC_ACQUIRE);
+    n->split_out = NULL;
+    if (r != ncclSuccess && r != ncclInProgress) {
+        fm_comm_free(&host);
+        return nccl_failed(n, what, "ncclCommSplit (the parent's split job)", r);
+    }
+    if (!nc) {
+        fm_comm_free(&host);
+        BROKE(n, "rank %d of %d (nccl): %s completed without a communicator (NCCL made none for color %d)", n->rank,
+              n->size, what, color);
+    }
+    /* the child's own state: polled until ready */
+    const fm_status s = wait_ready(nc, ncclInProgress, n->rank, n->size, what, n->default_timeout);
     if (s != FM_OK) {
         fm_comm_free(&host);
         return s;
