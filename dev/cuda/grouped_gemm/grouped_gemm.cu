@@ -304,7 +304,7 @@ static void run_projection(const gcase &gc, const char *proj, int64_t in, int64_
             g_current = std::string(VERSIONS[v].name) + " " + where;
             if (getenv("GG_VERBOSE")) fprintf(stderr, "[run] %s\n", g_current.c_str());
             const cudaError_t le = VERSIONS[v].fn(p, 0);
-            if (le == cudaErrorInvalidValue) { c[v].na = true; continue; }
+            if (le == GG_NOT_SERVED) { c[v].na = true; continue; }
             if (le != cudaSuccess) {
                 fprintf(stderr, "grouped_gemm: %s on %s: launch: %s\n", VERSIONS[v].name, where.c_str(), cudaGetErrorString(le));
                 c[v].ok = false;
