@@ -42,6 +42,7 @@ struct fp8_bufs {
     std::vector<uint8_t> hWq, hWqT;
     std::vector<float> hsW;
     std::vector<int> pblk; /* host twin of the kernel's token-block prefix */
+    bool wbad = false;     /* the weights' quantization mismatched (every product's cells FAIL) */
 };
 
 template <typename T> static void d2h(std::vector<T> &h, const T *d, int64_t n) {
@@ -76,14 +77,15 @@ static void qmismatch(const char *what, int64_t a, int64_t b, double got, double
         g_qfirst = m;
     }
 }
-static void qreport(const std::string &where, const char *what, int64_t checked) {
-    if (!g_qbad) return;
+static bool qreport(const std::string &where, const char *what, int64_t checked) { /* true: mismatches */
+    if (!g_qbad) return false;
     char line[512];
     snprintf(line, sizeof line, "FAIL v3 %s quant-%s: %d of %lld checked codes/scales differ; first %s", where.c_str(), what,
              g_qbad, (long long)checked, g_qfirst.c_str());
     g_fail_lines.push_back(line);
     g_failures++;
     g_qbad = 0;
+    return true;
 }
 
 static void fp8_setup(fp8_bufs &f, const std::vector<int64_t> &offs, int E, int64_t in, int64_t out, int64_t rcap,
@@ -134,7 +136,7 @@ static void fp8_setup(fp8_bufs &f, const std::vector<int64_t> &offs, int E, int6
                 if (f.hWqT[(e * in + kk) * out + n] != q[r * 128 + k]) qmismatch("WqT", kk, n, f.hWqT[(e * in + kk) * out + n], q[r * 128 + k]);
             }
     }
-    qreport(where, "weight", (int64_t)blks.size() * (2 * 16384 + 1));
+    f.wbad = qreport(where, "weight", (int64_t)blks.size() * (2 * 16384 + 1));
 }
 
 static void fp8_free(fp8_bufs &f) {
@@ -198,7 +200,7 @@ static double refq_elem(const fp8_bufs &f, const fp8_host &h, const std::vector<
 }
 
 /* Check the GPU's activation codes for the sampled outputs against the CPU's quantization. */
-static void check_act_quant(const fp8_bufs &f, const fp8_host &h, const std::vector<int64_t> &offs, int kind,
+static bool check_act_quant(const fp8_bufs &f, const fp8_host &h, const std::vector<int64_t> &offs, int kind,
                             const std::vector<int64_t> &idx, const std::string &where) {
     int64_t checked = 0;
     float v[128];
@@ -217,8 +219,7 @@ static void check_act_quant(const fp8_bufs &f, const fp8_host &h, const std::vec
                     if (h.a[r * C + b * 128 + k] != q[k]) qmismatch("row code (row, k)", r, b * 128 + k, h.a[r * C + b * 128 + k], q[k]);
                 checked += 129;
             }
-        qreport(where, kind == 0 ? "x" : "dy", checked);
-        return;
+        return qreport(where, kind == 0 ? "x" : "dy", checked);
     }
     /* dW: the channels of the sampled elements, every token block of their group */
     std::set<std::pair<int64_t, int64_t>> chans[2]; /* (group, channel) of dyT and xT */
@@ -247,7 +248,7 @@ static void check_act_quant(const fp8_bufs &f, const fp8_host &h, const std::vec
             }
         }
     }
-    qreport(where, "dyT/xT", checked);
+    return qreport(where, "dyT/xT", checked);
 }
 
 /* One product of v3: fills c[0] (v3: GEMM) and c[1] (v3q: activation quantization + GEMM). */
@@ -304,7 +305,7 @@ static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_
         d2h(h.a, f.dyT, out * f.kcap), d2h(h.sa, f.sdyT, f.kcap / 128 * out);
         d2h(h.b, f.xT, in * f.kcap), d2h(h.sb, f.sxT, f.kcap / 128 * in);
     }
-    check_act_quant(f, h, offs, kind, idx, where);
+    const bool qbad = check_act_quant(f, h, offs, kind, idx, where);
     snr_acc vs_bf16, cpu_bf16, vs_q;
     int64_t nbad = 0, worst = -1;
     double werr = -1.0, wgot = 0.0, wwant = 0.0;
@@ -320,6 +321,7 @@ static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_
         }
     }
     const bool ok = nbad == 0 && vs_q.db() >= FP8_MATCH_SNR_MIN && vs_bf16.db() >= FP8_SNR_MIN;
+    if (qbad || f.wbad) c[0].ok = c[1].ok = false; /* counted by qreport */
     char line[512];
     snprintf(line, sizeof line, "SNR v3 %-22s %6.1f dB vs bf16 (the CPU's fp8 math %6.1f dB); %6.1f dB vs the fp8 reference; %zu elements",
              where.c_str(), vs_bf16.db(), cpu_bf16.db(), vs_q.db(), idx.size());
@@ -333,7 +335,7 @@ static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_
         c[0].ok = c[1].ok = false;
         return;
     }
-    if (!timed || g_notime) return;
+    if (!c[0].ok || !timed || g_notime) return;
     for (int v = 0; v < 2; v++) {
         if (!on[v]) continue;
         auto call = [&]() {

@@ -11,7 +11,9 @@
  * element's index (multiples of 1/8 in [-1, 1], so every fp32 sum is exact and the only error is
  * the final bf16 rounding); the reference recomputes them on the host, so nothing big is copied.
  *
- * Environment: GG_VERSIONS (e.g. "v1,v2.128"), GG_CASES (substring of case names), GG_ITERS (20),
+ * The FP8 option (v3, v3q: v3_fp8.cuh) has its own inputs, quantizers and checks: fp8_lab.cuh.
+ *
+ * Environment: GG_VERSIONS (e.g. "v1,v2.128,v3"), GG_CASES (substring of case names), GG_ITERS (20),
  * GG_NOTIME=1 (validate only), GG_LIST=1 (print the cases, no GPU). Build and run: make -C dev/cuda/grouped_gemm run
  */
 #include "v0_cublas.cuh"
