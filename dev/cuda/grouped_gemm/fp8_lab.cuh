@@ -251,6 +251,41 @@ static bool check_act_quant(const fp8_bufs &f, const fp8_host &h, const std::vec
     return qreport(where, "dyT/xT", checked);
 }
 
+/* The checks of one v3 product (this file's header, 1 and 2): h holds the GPU's activation codes
+ * and scales, got the sampled outputs. Pushes the SNR line; false (with a FAIL line) if wrong. */
+static bool fp8_check(const fp8_bufs &f, const fp8_host &h, const std::vector<int64_t> &offs, int kind, float beta,
+                      const std::vector<int64_t> &idx, const std::vector<float> &got, const std::string &where) {
+    const bool qbad = check_act_quant(f, h, offs, kind, idx, where);
+    snr_acc vs_bf16, cpu_bf16, vs_q;
+    int64_t nbad = 0, worst = -1;
+    double werr = -1.0, wgot = 0.0, wwant = 0.0;
+    for (size_t i = 0; i < idx.size(); i++) {
+        double sabs;
+        const double old = beta != 0.0f ? (double)beta * gg_val(kind == 1 ? SEED_DX0 : SEED_DW0, (uint64_t)idx[i]) : 0.0;
+        const double q = refq_elem(f, h, offs, kind, idx[i], &sabs), x = ref3_elem(f, offs, kind, idx[i]);
+        const double g = (double)got[i] - old, d = std::fabs(g - q), tol = 0.0078125 * std::fabs(q + old) + sabs / 1024.0 + 1e-3;
+        vs_bf16.add(x, g), cpu_bf16.add(x, q), vs_q.add(q, g);
+        if (!(d <= tol)) {
+            nbad++;
+            if (d > werr || d != d) werr = d, worst = idx[i], wgot = got[i], wwant = q + old;
+        }
+    }
+    const bool ok = nbad == 0 && vs_q.db() >= FP8_MATCH_SNR_MIN && vs_bf16.db() >= FP8_SNR_MIN;
+    char line[512];
+    snprintf(line, sizeof line, "SNR v3 %-22s %6.1f dB vs bf16 (the CPU's fp8 math %6.1f dB); %6.1f dB vs the fp8 reference; %zu elements",
+             where.c_str(), vs_bf16.db(), cpu_bf16.db(), vs_q.db(), idx.size());
+    g_snr_lines.push_back(line);
+    if (!ok) {
+        snprintf(line, sizeof line, "FAIL v3 %s: %lld of %zu checked beyond tolerance (worst flat index %lld got %g want %g); SNR %.1f dB "
+                 "vs bf16 (min %.0f), %.1f vs the fp8 reference (min %.0f)", where.c_str(), (long long)nbad, idx.size(),
+                 (long long)worst, wgot, wwant, vs_bf16.db(), FP8_SNR_MIN, vs_q.db(), FP8_MATCH_SNR_MIN);
+        g_fail_lines.push_back(line);
+        g_failures++;
+        return false;
+    }
+    return !qbad && !f.wbad; /* a quantizer mismatch was counted by qreport */
+}
+
 /* One product of v3: fills c[0] (v3: GEMM) and c[1] (v3q: activation quantization + GEMM). */
 static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_t> &offs, const int64_t *doffs,
                      const std::vector<int64_t> &idx, const int64_t *didx, float *dgot, bool timed, const std::string &where,
@@ -305,33 +340,7 @@ static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_
         d2h(h.a, f.dyT, out * f.kcap), d2h(h.sa, f.sdyT, f.kcap / 128 * out);
         d2h(h.b, f.xT, in * f.kcap), d2h(h.sb, f.sxT, f.kcap / 128 * in);
     }
-    const bool qbad = check_act_quant(f, h, offs, kind, idx, where);
-    snr_acc vs_bf16, cpu_bf16, vs_q;
-    int64_t nbad = 0, worst = -1;
-    double werr = -1.0, wgot = 0.0, wwant = 0.0;
-    for (size_t i = 0; i < idx.size(); i++) {
-        double sabs;
-        const double old = beta != 0.0f ? (double)beta * gg_val(kind == 1 ? SEED_DX0 : SEED_DW0, (uint64_t)idx[i]) : 0.0;
-        const double q = refq_elem(f, h, offs, kind, idx[i], &sabs), x = ref3_elem(f, offs, kind, idx[i]);
-        const double g = (double)got[i] - old, d = std::fabs(g - q), tol = 0.0078125 * std::fabs(q + old) + sabs / 1024.0 + 1e-3;
-        vs_bf16.add(x, g), cpu_bf16.add(x, q), vs_q.add(q, g);
-        if (!(d <= tol)) {
-            nbad++;
-            if (d > werr || d != d) werr = d, worst = idx[i], wgot = got[i], wwant = q + old;
-        }
-    }
-    const bool ok = nbad == 0 && vs_q.db() >= FP8_MATCH_SNR_MIN && vs_bf16.db() >= FP8_SNR_MIN;
-    if (qbad || f.wbad) c[0].ok = c[1].ok = false; /* counted by qreport */
-    char line[512];
-    snprintf(line, sizeof line, "SNR v3 %-22s %6.1f dB vs bf16 (the CPU's fp8 math %6.1f dB); %6.1f dB vs the fp8 reference; %zu elements",
-             where.c_str(), vs_bf16.db(), cpu_bf16.db(), vs_q.db(), idx.size());
-    g_snr_lines.push_back(line);
-    if (!ok) {
-        snprintf(line, sizeof line, "FAIL v3 %s: %lld of %zu checked beyond tolerance (worst flat index %lld got %g want %g); SNR %.1f dB "
-                 "vs bf16 (min %.0f), %.1f vs the fp8 reference (min %.0f)", where.c_str(), (long long)nbad, idx.size(),
-                 (long long)worst, wgot, wwant, vs_bf16.db(), FP8_SNR_MIN, vs_q.db(), FP8_MATCH_SNR_MIN);
-        g_fail_lines.push_back(line);
-        g_failures++;
+    if (!fp8_check(f, h, offs, kind, beta, idx, got, where)) {
         c[0].ok = c[1].ok = false;
         return;
     }
@@ -357,4 +366,106 @@ static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_
         std::sort(ms.begin(), ms.end());
         c[v].ms = ms[g_iters / 2];
     }
+}
+
+/* ---- GG_FP8_HOSTSIM=1: the checks above on the CPU alone (no GPU; make check runs it) ----
+ * The quantization kernels' outputs are emulated on the CPU in their layouts (the kernels' index
+ * formulas, fp8_ref.h's arithmetic) and the GEMM's output as a perfect one (the fp8 math rounded
+ * to bf16), on small-full's groups (0, 1, 130, 257, 63 rows) for both projections and all three
+ * products; every check must pass and its SNR match the host check's. Then two planted faults
+ * must fail: outputs 3% off (the fp8 reference check), and one row scale and one code changed
+ * (the quantizer check). Tests the layouts and indexing of this file's references and checks. */
+static void emu_rows(const fp8_bufs &f, uint32_t seed, int64_t C, int64_t R, fp8_host &h) {
+    h.a.assign((size_t)(f.rcap * C), 0), h.sa.assign((size_t)(C / 128 * f.rpad), 0.0f);
+    float v[128];
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t b = 0; b < C / 128; b++) {
+            for (int k = 0; k < 128; k++) v[k] = gg_val3(seed, r, b * 128 + k, C);
+            h.sa[b * f.rpad + r] = cpu_quant(v, 128, 128, &h.a[r * C + b * 128]);
+        }
+}
+static void emu_tokens_t(const fp8_bufs &f, const std::vector<int64_t> &offs, uint32_t seed, int64_t C, std::vector<uint8_t> &aT,
+                         std::vector<float> &sT) {
+    aT.assign((size_t)(C * f.kcap), 0xFF), sT.assign((size_t)(f.kcap / 128 * C), NAN); /* unwritten: NaN codes */
+    float v[128];
+    uint8_t q[128];
+    for (int e = 0; e < f.E; e++)
+        for (int64_t b = f.pblk[e]; b < f.pblk[e + 1]; b++) {
+            const int64_t t0 = offs[e] + (b - f.pblk[e]) * 128;
+            const int n = (int)std::min<int64_t>(128, offs[e + 1] - t0);
+            for (int64_t c = 0; c < C; c++) {
+                for (int t = 0; t < n; t++) v[t] = gg_val3(seed, t0 + t, c, C);
+                sT[b * C + c] = cpu_quant(v, n, 128, q);
+                memcpy(&aT[c * f.kcap + b * 128], q, 128);
+            }
+        }
+}
+static void emu_weights(fp8_bufs &f) {
+    const int64_t in = f.in, out = f.out, WN = (int64_t)f.E * out * in;
+    f.hWq.assign((size_t)WN, 0), f.hWqT.assign((size_t)WN, 0), f.hsW.assign((size_t)(WN / 16384), 0.0f);
+    std::vector<float> v(16384);
+    std::vector<uint8_t> q(16384);
+    for (int64_t e = 0; e < f.E; e++)
+        for (int64_t nb = 0; nb < out / 128; nb++)
+            for (int64_t kb = 0; kb < in / 128; kb++) {
+                for (int r = 0; r < 128; r++)
+                    for (int k = 0; k < 128; k++) v[r * 128 + k] = gg_val3(SEED3_W, e * out + nb * 128 + r, kb * 128 + k, in);
+                f.hsW[(e * (out / 128) + nb) * (in / 128) + kb] = cpu_quant(v.data(), 16384, 16384, q.data());
+                for (int r = 0; r < 128; r++)
+                    for (int k = 0; k < 128; k++) {
+                        f.hWq[(e * out + nb * 128 + r) * in + kb * 128 + k] = q[r * 128 + k];
+                        f.hWqT[(e * in + kb * 128 + k) * out + nb * 128 + r] = q[r * 128 + k];
+                    }
+            }
+}
+
+static int fp8_hostsim() {
+    const std::vector<int64_t> counts = {0, 1, 130, 257, 63};
+    const int E = (int)counts.size();
+    std::vector<int64_t> offs(E + 1, 0);
+    for (int e = 0; e < E; e++) offs[e + 1] = offs[e] + counts[e];
+    const int64_t R = offs[E];
+    int bad = 0;
+    for (int proj = 0; proj < 2; proj++) {
+        fp8_bufs f;
+        f.E = E, f.in = proj == 0 ? 512 : 256, f.out = proj == 0 ? 256 : 512, f.rcap = R;
+        f.rpad = gg_fp8_rpad(R), f.kcap = gg_fp8_kcap(R, E);
+        f.pblk.assign(E + 1, 0);
+        for (int e = 0; e < E; e++) f.pblk[e + 1] = f.pblk[e] + (int)((counts[e] + 127) / 128);
+        emu_weights(f);
+        for (int kind = 0; kind < 3; kind++) {
+            const float beta = kind == 0 ? 0.0f : kind == 1 ? (proj == 0 ? 1.0f : 0.0f) : 1.0f;
+            fp8_host h;
+            if (kind == 0) emu_rows(f, SEED3_X, f.in, R, h);
+            else if (kind == 1) emu_rows(f, SEED3_DY, f.out, R, h);
+            else emu_tokens_t(f, offs, SEED3_DY, f.out, h.a, h.sa), emu_tokens_t(f, offs, SEED3_X, f.in, h.b, h.sb);
+            const host_problem hp{kind, E, f.in, f.out, (double)beta, &offs};
+            const std::vector<int64_t> idx = samples(hp, true);
+            std::vector<float> got(idx.size()), off(idx.size());
+            for (size_t i = 0; i < idx.size(); i++) {
+                double sabs;
+                const float old = beta != 0.0f ? beta * gg_val(kind == 1 ? SEED_DX0 : SEED_DW0, (uint64_t)idx[i]) : 0.0f;
+                const float fin = (float)refq_elem(f, h, offs, kind, idx[i], &sabs);
+                got[i] = __bfloat162float(__float2bfloat16(fin + old));
+                off[i] = __bfloat162float(__float2bfloat16(fin * 1.03f + old));
+            }
+            const std::string where = std::string("hostsim/") + (proj ? "dn/" : "gu/") + (kind == 0 ? "fwd" : kind == 1 ? "dx" : "dW");
+            const int f0 = g_failures;
+            if (!fp8_check(f, h, offs, kind, beta, idx, got, where)) bad++, printf("FAIL hostsim: %s's perfect output fails\n", where.c_str());
+            if (fp8_check(f, h, offs, kind, beta, idx, off, where + "(3% off)"))
+                bad++, printf("FAIL hostsim: %s's output 3%% off passes\n", where.c_str());
+            h.sa[kind == 2 ? f.pblk[2] * f.out + 5 : 1 * f.rpad + 0] *= 2.0f; /* a scale of a checked block */
+            h.a[kind == 2 ? 7 * f.kcap + f.pblk[3] * 128 + 3 : 2 * (kind == 0 ? f.in : f.out) + 9] ^= 1; /* a code */
+            g_qbad = 0;
+            const bool qb = check_act_quant(f, h, offs, kind, idx, where + "(planted)");
+            if (!qb || g_fail_lines.empty() || g_fail_lines.back().find("2 of") == std::string::npos)
+                bad++, printf("FAIL hostsim: %s's planted scale and code are not both found (%s)\n", where.c_str(),
+                              g_fail_lines.empty() ? "-" : g_fail_lines.back().c_str());
+            g_failures = f0; /* the planted faults' FAIL lines are not the lab's */
+            while (!g_fail_lines.empty() && g_fail_lines.back().find("hostsim/") != std::string::npos) g_fail_lines.pop_back();
+        }
+    }
+    for (const std::string &l : g_snr_lines) printf("%s\n", l.c_str());
+    printf("# fp8 host simulation %s: %d problem(s)\n", bad ? "FAILED" : "passed", bad);
+    return bad ? 1 : 0;
 }

@@ -439,6 +439,7 @@ int main() {
     const char *filter = getenv("GG_CASES");
     const std::vector<gcase> cases = make_cases();
     if (!sched_selftest(cases)) return 2;
+    if (getenv("GG_FP8_HOSTSIM")) return fp8_hostsim(); /* the FP8 checks on the CPU alone (fp8_lab.cuh) */
     if (getenv("GG_LIST")) { /* the cases only, no GPU: name, rows, first counts */
         for (const gcase &gc : cases) {
             int64_t R = 0;
