@@ -323,6 +323,7 @@ static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_
     }
     if (le != cudaSuccess) {
         fprintf(stderr, "grouped_gemm: v3 on %s: launch: %s\n", where.c_str(), cudaGetErrorString(le));
+        g_fail_lines.push_back("FAIL v3 " + where + ": launch: " + cudaGetErrorString(le));
         c[0].ok = c[1].ok = false;
         g_failures++;
         return;
