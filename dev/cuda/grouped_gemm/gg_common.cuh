@@ -20,9 +20,15 @@
  */
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 #include <cstdint>
 
 typedef __nv_bfloat16 bf16;
+
+/* What a version's launch returns for a shape it does not serve (the table's "n/a"): a code no
+ * CUDA call of the lab returns, so that a real error (an invalid launch, a tensor map the driver
+ * refuses) is never shown as "n/a". */
+constexpr cudaError_t GG_NOT_SERVED = cudaErrorNotYetImplemented;
 
 #define GG_MAX_E 256 /* groups a kernel of this lab serves (smem copy of offs) */
 

@@ -11,12 +11,15 @@
  * element's index (multiples of 1/8 in [-1, 1], so every fp32 sum is exact and the only error is
  * the final bf16 rounding); the reference recomputes them on the host, so nothing big is copied.
  *
- * Environment: GG_VERSIONS (e.g. "v1,v2.128"), GG_CASES (substring of case names), GG_ITERS (20),
+ * The FP8 option (v3, v3q: v3_fp8.cuh) has its own inputs, quantizers and checks: fp8_lab.cuh.
+ *
+ * Environment: GG_VERSIONS (e.g. "v1,v2.128,v3"), GG_CASES (substring of case names), GG_ITERS (20),
  * GG_NOTIME=1 (validate only), GG_LIST=1 (print the cases, no GPU). Build and run: make -C dev/cuda/grouped_gemm run
  */
 #include "v0_cublas.cuh"
 #include "v1_mma.cuh"
 #include "v2_wgmma.cuh"
+#include "gg_inputs.h"
 
 #include <algorithm>
 #include <chrono>
@@ -29,14 +32,7 @@
 #include <unistd.h>
 #include <vector>
 
-/* ---- inputs: a hash of (tensor seed, flat index) -> multiples of 1/8 in [-1, 1] ---- */
-__host__ __device__ inline float gg_val(uint32_t seed, uint64_t i) {
-    uint64_t z = i + 0x9E3779B97F4A7C15ull * (seed + 1);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return (float)((int)(z % 17) - 8) * 0.125f;
-}
+/* ---- inputs: gg_inputs.h (a hash of (tensor seed, flat index); multiples of 1/8 in [-1, 1]) ---- */
 enum { SEED_X = 1, SEED_W = 2, SEED_DY = 3, SEED_DX0 = 4, SEED_DW0 = 5 };
 
 __global__ void fill_kernel(bf16 *p, int64_t n, uint32_t seed) {
@@ -104,6 +100,10 @@ static const version VERSIONS[] = {
     {"v2.256p", gg_v2_launch<256, true>},
 };
 constexpr int NV = sizeof(VERSIONS) / sizeof(VERSIONS[0]);
+/* table columns: the bf16 versions, then the FP8 option (fp8_lab.cuh): v3 its GEMM alone, v3q the
+ * activations' quantization + the GEMM */
+constexpr int NC = NV + 2;
+static const char *col_name(int v) { return v < NV ? VERSIONS[v].name : v == NV ? "v3" : "v3q"; }
 
 /* ---- cases ---- */
 struct gcase {
@@ -236,10 +236,12 @@ static void nanfill(bf16 *p, int64_t n) {
     CK(cudaGetLastError());
 }
 
+#include "fp8_lab.cuh"
+
 static void print_row(const std::string &cs, const char *proj, const char *prod, int64_t avg, int64_t R, double flops,
                       const cell *c) {
     printf("%-13s %-3s %-7s %6lld %8lld", cs.c_str(), proj, prod, (long long)avg, (long long)R);
-    for (int v = 0; v < NV; v++) {
+    for (int v = 0; v < NC; v++) {
         if (!c[v].ran) printf(" %7s", "-");
         else if (c[v].na) printf(" %7s", "n/a");
         else if (!c[v].ok) printf(" %7s", "FAIL");
@@ -270,8 +272,14 @@ static void run_projection(const gcase &gc, const char *proj, int64_t in, int64_
 
     const char *prods[3] = {"fwd", "dx", "dW"};
     const double flops = 2.0 * (double)R * in * out;
-    cell sum[NV];
-    for (int v = 0; v < NV; v++) sum[v].ran = true;
+    cell sum[NC];
+    for (int v = 0; v < NC; v++) sum[v].ran = true;
+    fp8_bufs f8;
+    const bool fp8_on = enabled("v3") || enabled("v3q");
+    if (fp8_on) {
+        g_current = "v3 setup " + gc.name + "/" + proj;
+        fp8_setup(f8, offs, E, in, out, rcap, gc.name + "/" + proj);
+    }
     for (int kind = 0; kind < 3; kind++) {
         gg_problem p;
         p.kind = kind, p.E = E, p.in = in, p.out = out, p.rcap = rcap, p.offs = doffs;
@@ -292,7 +300,7 @@ static void run_projection(const gcase &gc, const char *proj, int64_t in, int64_
         std::vector<float> got(idx.size());
         const std::string where = gc.name + "/" + proj + "/" + prods[kind];
 
-        cell c[NV];
+        cell c[NC];
         for (int v = 0; v < NV; v++) {
             if (!enabled(VERSIONS[v].name)) continue;
             c[v].ran = true;
@@ -304,7 +312,7 @@ static void run_projection(const gcase &gc, const char *proj, int64_t in, int64_
             g_current = std::string(VERSIONS[v].name) + " " + where;
             if (getenv("GG_VERBOSE")) fprintf(stderr, "[run] %s\n", g_current.c_str());
             const cudaError_t le = VERSIONS[v].fn(p, 0);
-            if (le == cudaErrorInvalidValue) { c[v].na = true; continue; }
+            if (le == GG_NOT_SERVED) { c[v].na = true; continue; }
             if (le != cudaSuccess) {
                 fprintf(stderr, "grouped_gemm: %s on %s: launch: %s\n", VERSIONS[v].name, where.c_str(), cudaGetErrorString(le));
                 c[v].ok = false;
@@ -372,7 +380,8 @@ static void run_projection(const gcase &gc, const char *proj, int64_t in, int64_
             std::sort(ms.begin(), ms.end());
             c[v].ms = ms[g_iters / 2];
         }
-        for (int v = 0; v < NV; v++) { /* fwd+bwd: the three products' times summed */
+        if (fp8_on) fp8_kind(f8, kind, p.beta, offs, doffs, idx, didx, dgot, gc.timed, where, c + NV);
+        for (int v = 0; v < NC; v++) { /* fwd+bwd: the three products' times summed */
             if (!c[v].ran) sum[v].ran = false;
             if (c[v].na) sum[v].na = true;
             if (!c[v].ok) sum[v].ok = false;
@@ -383,6 +392,7 @@ static void run_projection(const gcase &gc, const char *proj, int64_t in, int64_
     }
     print_row(gc.name, proj, "fwd+bwd", gc.avg, R, 3.0 * flops, sum);
     cudaFree(X), cudaFree(W), cudaFree(Y), cudaFree(DY), cudaFree(DX), cudaFree(DW), cudaFree(doffs);
+    if (fp8_on) fp8_free(f8);
 }
 
 /* Host self-test of the shared tile list (gg_common.cuh), run before anything touches the GPU:
@@ -429,6 +439,7 @@ int main() {
     const char *filter = getenv("GG_CASES");
     const std::vector<gcase> cases = make_cases();
     if (!sched_selftest(cases)) return 2;
+    if (getenv("GG_FP8_HOSTSIM")) return fp8_hostsim(); /* the FP8 checks on the CPU alone (fp8_lab.cuh) */
     if (getenv("GG_LIST")) { /* the cases only, no GPU: name, rows, first counts */
         for (const gcase &gc : cases) {
             int64_t R = 0;
@@ -448,13 +459,14 @@ int main() {
     printf("# gu: in H=2048 out I=1024 (gate, up); dn: in I out H (down); fwd y=x W^T, dx=dy W, dW+=dy^T x; "
            "'ok' = validated, not timed\n");
     printf("%-13s %-3s %-7s %6s %8s", "case", "prj", "product", "avg", "R");
-    for (int v = 0; v < NV; v++) printf(" %7s", VERSIONS[v].name);
+    for (int v = 0; v < NC; v++) printf(" %7s", col_name(v));
     printf("\n");
     for (const gcase &gc : cases) {
         if (filter && *filter && gc.name.find(filter) == std::string::npos) continue;
         run_projection(gc, "gu", gc.H, gc.I);
         run_projection(gc, "dn", gc.I, gc.H);
     }
+    for (const std::string &l : g_snr_lines) printf("%s\n", l.c_str());
     for (const std::string &l : g_fail_lines) printf("%s\n", l.c_str());
     printf("# %s: %d wrong result(s)\n", g_failures ? "FAILED" : "all versions correct", g_failures);
     return g_failures ? 1 : 0;

@@ -79,7 +79,7 @@ static cudaError_t run(const gg_problem &p, cudaStream_t stream, int64_t own) {
     for (int64_t e = 0; e < p.E; e++) {
         const int64_t r0 = s.offs[e], m = s.offs[e + 1] - r0;
         if (m <= 0) continue;
-        if (m > INT_MAX) return cudaErrorInvalidValue;
+        if (m > INT_MAX) return GG_NOT_SERVED;
         int64_t mo = 0;
         const void *a, *b;
         void *c;
@@ -109,10 +109,10 @@ static cudaError_t run(const gg_problem &p, cudaStream_t stream, int64_t own) {
 /* v0 as the backend's default (auto) form, and the pure grouped form; p.beta for dW must be 1
  * (the backend's only dW form: dW_e += dy_e^T x_e). */
 static cudaError_t gg_v0_launch(const gg_problem &p, cudaStream_t stream) {
-    if (p.kind == 2 && p.beta != 1.0f) return cudaErrorInvalidValue;
+    if (p.kind == 2 && p.beta != 1.0f) return GG_NOT_SERVED;
     return v0::run(p, stream, v0::OWN_ROWS);
 }
 static cudaError_t gg_v0_grouped_launch(const gg_problem &p, cudaStream_t stream) {
-    if (p.kind == 2 && p.beta != 1.0f) return cudaErrorInvalidValue;
+    if (p.kind == 2 && p.beta != 1.0f) return GG_NOT_SERVED;
     return v0::run(p, stream, INT64_MAX);
 }

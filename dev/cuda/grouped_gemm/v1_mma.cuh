@@ -164,10 +164,10 @@ __global__ void __launch_bounds__(THREADS) kernel(gg_problem p) {
 } // namespace v1
 
 /* Launch v1 for p on stream (a persistent grid of SMs x resident CTAs). Returns a CUDA error code;
- * cudaErrorInvalidValue for a shape it does not serve (in, out not multiples of 128; E > GG_MAX_E). */
+ * GG_NOT_SERVED for a shape it does not serve (in, out not multiples of 128; E > GG_MAX_E). */
 static cudaError_t gg_v1_launch(const gg_problem &p, cudaStream_t stream) {
     static int grid[3] = {0, 0, 0};
-    if (p.in % v1::BM || p.out % v1::BM || p.E > GG_MAX_E) return cudaErrorInvalidValue; /* not served */
+    if (p.in % v1::BM || p.out % v1::BM || p.E > GG_MAX_E) return GG_NOT_SERVED;
     const void *fn = p.kind == 0 ? (const void *)v1::kernel<0> : p.kind == 1 ? (const void *)v1::kernel<1>
                                                                            : (const void *)v1::kernel<2>;
     if (!grid[p.kind]) {

@@ -29,6 +29,7 @@
 #include "wgmma_ops.cuh"
 #include <cuda.h>
 #include <cudaTypedefs.h>
+#include <cstdio>
 
 namespace v2 {
 
@@ -190,10 +191,13 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
     }
 }
 
-/* A 2-D bf16 tensor map over a row-major [outer, inner] tensor with a {box_inner, box_outer} box,
- * 128-byte swizzle, zero fill out of bounds. */
+/* A 2-D tensor map over a row-major [outer, inner] tensor of dtype (elem bytes each, rows of
+ * inner elements) with a {box_inner, box_outer} box, swizzle (default 128-byte), zero fill out of
+ * bounds. A refusal by the driver is a real error (cudaErrorInvalidValue, with the CUresult and
+ * the arguments on stderr), never "not served". */
 static cudaError_t make_map(CUtensorMap *m, const void *base, uint64_t inner, uint64_t outer, uint32_t box_inner,
-                            uint32_t box_outer) {
+                            uint32_t box_outer, CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                            uint32_t elem = 2, CUtensorMapSwizzle swz = CU_TENSOR_MAP_SWIZZLE_128B) {
     static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
     if (!encode) {
         cudaDriverEntryPointQueryResult q;
@@ -202,23 +206,26 @@ static cudaError_t make_map(CUtensorMap *m, const void *base, uint64_t inner, ui
         if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn) return cudaErrorNotSupported;
         encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
     }
-    const cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner * 2};
+    const cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner * elem};
     const cuuint32_t box[2] = {box_inner, box_outer}, es[2] = {1, 1};
-    const CUresult r = encode(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dims, strides, box, es,
-                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+    const CUresult r = encode(m, dtype, 2, const_cast<void *>(base), dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              swz, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r == CUDA_SUCCESS) return cudaSuccess;
+    fprintf(stderr, "grouped_gemm: cuTensorMapEncodeTiled refused (CUresult %d): base %p dims {%llu, %llu} box {%u, %u} elem %u\n",
+            (int)r, base, (unsigned long long)inner, (unsigned long long)outer, box_inner, box_outer, elem);
+    return cudaErrorInvalidValue;
 }
 
 template <int KIND, int BN, bool PIPE> static cudaError_t launch_kind(const gg_problem &p, cudaStream_t stream) {
-    static int grid = 0;
+    static int grid = 0; /* set once the attribute is: a failed first call is retried, not launched bare */
     auto fn = kernel<KIND, BN, PIPE>;
     if (!grid) {
-        int dev;
+        int dev, sms = 0;
         cudaGetDevice(&dev);
-        cudaDeviceGetAttribute(&grid, cudaDevAttrMultiProcessorCount, dev);
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
         const cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg<BN>::SMEM);
         if (err != cudaSuccess) return err;
+        grid = sms;
     }
     CUtensorMap ta, tb;
     const uint64_t Wrows = (uint64_t)p.E * p.out;
@@ -242,12 +249,12 @@ template <int KIND, int BN, bool PIPE> static cudaError_t launch_kind(const gg_p
 
 /* Launch v2 with a 128 x BN tile (BN 128 or 256) for p on stream; PIPE keeps one k-block of
  * wgmmas in flight (wait_group 1, the previous stage released) instead of waiting for each
- * (wait_group 0). Returns a CUDA error code; cudaErrorInvalidValue when a shape is not served
+ * (wait_group 0). Returns a CUDA error code; GG_NOT_SERVED when a shape is not served
  * (in, out not multiples of BN; rows past 2^31). */
 template <int BN, bool PIPE = false> static cudaError_t gg_v2_launch(const gg_problem &p, cudaStream_t stream) {
     if (p.in % BN || p.out % BN || p.out % v2::BM || p.E > GG_MAX_E || p.rcap >= INT32_MAX ||
         (int64_t)p.E * p.out >= INT32_MAX)
-        return cudaErrorInvalidValue;
+        return GG_NOT_SERVED;
     if (p.kind == 0) return v2::launch_kind<0, BN, PIPE>(p, stream);
     if (p.kind == 1) return v2::launch_kind<1, BN, PIPE>(p, stream);
     return v2::launch_kind<2, BN, PIPE>(p, stream);
