@@ -10,6 +10,7 @@
 #   bash bench/offload_gpu.sh ours [T...]     # flatmoe with the chooser's knobs (+ 4K G=16, --bf16-moments)
 #   bash bench/offload_gpu.sh ranks           # --ep on 2 ranks sharing the GPU; the nccl communicator's overhead
 #   bash bench/offload_gpu.sh lab             # the grouped GEMM kernel lab (dev/cuda/grouped_gemm)
+#   bash bench/offload_gpu.sh long            # 512K (chooser), then the longest fit (1.25M, detached: collect)
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
 # (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
 set -uo pipefail
@@ -41,7 +42,7 @@ run1() { # name T steps flags...
     local data=("$TEXT"); for ((i = 1; i < ${COPIES:-1}; i++)); do data+=("$TEXT"); done
     FLATMOE_PROFILE=1 "$BIN" train --config configs/olmoe-1b-7b.json --data "${data[@]}" --seq-len "$T" --micro-batch 1 \
         --steps "$steps" --warmup 1 --lr 1e-4 --min-lr 1e-5 --eval-every 0 --eval-batches 1 --val-fraction "${VF:-0.3}" \
-        --max-position-embeddings 1048576 --no-checkpoint --report-memory --out "/tmp/r-$name" "$@" > "$OUT/$name.log" 2>&1
+        --max-position-embeddings ${MAXPOS:-1048576} --no-checkpoint --report-memory --out "/tmp/r-$name" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name T=$T exit $? wall $(( $(date +%s) - t0 )) s flags: $*"
     grep -E "^plan|high-water|error|Error" "$OUT/$name.log" | cut -c1-200 | head -14
     cp "/tmp/r-$name/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null; summ "$OUT/$name.jsonl"
@@ -81,6 +82,13 @@ million) # OLMoE-1B-7B at 1,048,576 tokens (issue 10): ~10 min a step, so it run
         --recompute full --moe-chunk-tokens 4096 --ce-block-tokens 1024 --offload-optimizer \
         --offload-boundaries ${NOFF:-8} > /tmp/m1/summary.txt 2>&1 < /dev/null &
     echo "started; collect with: bash bench/offload_gpu.sh collect" ;;
+long) # issue 10's "alone" lengths: 512K with the chooser's knobs (2 steps, ~5 min with pinning), then the
+    # longest fit, 1,245,184 tokens with --bf16-moments (plan: 894 s a step), one step, detached like
+    # `million` (then: bash bench/offload_gpu.sh collect)
+    COPIES=3 VF=0.34 run1 ours-524288 524288 2
+    mkdir -p /tmp/m1; MAXPOS=${LONG_T:-1245184} OUT=/tmp/m1 COPIES=4 VF=0.3 setsid nohup bash bench/offload_gpu.sh run m1 ${LONG_T:-1245184} ${STEPS:-1} \
+        --bf16-moments > /tmp/m1/summary.txt 2>&1 < /dev/null &
+    echo "started the longest fit; collect with: bash bench/offload_gpu.sh collect" ;;
 collect)
     for i in $(seq 1 ${WAIT_S:-580}); do grep -q "^== m1" /tmp/m1/summary.txt 2>/dev/null && sleep 5 && break; sleep 1; done
     cat /tmp/m1/summary.txt; cp /tmp/m1/* "$OUT"/ 2>/dev/null; tail -5 /tmp/m1/m1.log ;;
@@ -123,5 +131,5 @@ ranks) # issue 11 on one GPU: expert parallelism with 2 ranks sharing it, the nc
 lab) # issue 14's kernel lab: validate and time every grouped GEMM version, torch._grouped_mm beside it
     OUT="$OUT" timeout 560 make -C dev/cuda/grouped_gemm run > "$OUT/lab.log" 2>&1; echo "lab: $?"; tail -60 "$OUT/lab.log" ;;
 run) shift; run1 "$@" ;;
-*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|collect|peer|ours|ranks|lab|run"; exit 2 ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|collect|peer|ours|ranks|lab|run"; exit 2 ;;
 esac
