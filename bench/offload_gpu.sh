@@ -11,6 +11,7 @@
 #   bash bench/offload_gpu.sh ranks           # --ep on 2 ranks sharing the GPU; the nccl communicator's overhead
 #   bash bench/offload_gpu.sh lab             # the grouped GEMM kernel lab (dev/cuda/grouped_gemm)
 #   bash bench/offload_gpu.sh long            # 512K (chooser), then the longest fit (1.25M, detached: collect)
+#   bash bench/offload_gpu.sh sm90 [T...]     # the sync-free expert GEMMs against cuBLAS (issue 14)
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
 # (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
 set -uo pipefail
@@ -130,6 +131,12 @@ ranks) # issue 11 on one GPU: expert parallelism with 2 ranks sharing it, the nc
     REBUILD=0 bash bench/comm_nccl.sh > "$OUT/comm_nccl.log" 2>&1; echo "comm_nccl: $?"; tail -14 "$OUT/comm_nccl.log" ;;
 lab) # issue 14's kernel lab: validate and time every grouped GEMM version, torch._grouped_mm beside it
     OUT="$OUT" timeout 560 make -C dev/cuda/grouped_gemm run > "$OUT/lab.log" 2>&1; echo "lab: $?"; tail -60 "$OUT/lab.log" ;;
+sm90) # issue 14: the sync-free expert GEMMs (FLATMOE_EXPERT_GEMM=sm90) against cuBLAS (auto) with the
+    # chooser's knobs, 3 steps each, host syncs per step in the summary (T list: ${@:2}, default 4K..64K)
+    shift; for T in ${*:-4096 16384 32768 65536}; do
+        FLATMOE_EXPERT_GEMM=auto run1 gemm-auto-$T $T 3
+        FLATMOE_EXPERT_GEMM=sm90 run1 gemm-sm90-$T $T 3
+    done ;;
 run) shift; run1 "$@" ;;
-*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|collect|peer|ours|ranks|lab|run"; exit 2 ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|sm90|collect|peer|ours|ranks|lab|run"; exit 2 ;;
 esac

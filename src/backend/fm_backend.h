@@ -135,11 +135,32 @@ typedef struct fm_ops {
      * Either may be NULL: fm_expert_linear_fwd/bwd below then loop over gemm, one call per
      * expert (the CPU). CUDA: one grouped cuBLAS call per product (cublasGemmGroupedBatchedEx),
      * experts with many rows get their own gemm; the expert_gemm option (fm_backend_opts.h,
-     * FLATMOE_EXPERT_GEMM=loop|grouped) forces one form. */
+     * FLATMOE_EXPERT_GEMM=loop|grouped) forces one form; sm90 runs the _dev ops below instead. */
     void (*expert_linear_fwd)(void *ctx, fm_act *y, const fm_act *x, const fm_act *W, const int64_t *offsets,
                               int64_t E, int64_t in, int64_t out);
     void (*expert_linear_bwd)(void *ctx, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
                               const fm_act *W, const int64_t *offsets, int64_t E, int64_t in, int64_t out);
+
+    /* ---- sync-free expert GEMMs (optional; NULL: the backend has none) ---------------------
+     * expert_sync_free: whether this backend runs an MoE layer of E experts, hidden H and
+     * intermediate I over dispatches of up to rows_max rows through the _dev ops below (the
+     * expert_gemm option asked for it, the device and the shapes are served). When it does, the
+     * dispatcher does not wait for moe_route_index's offsets: the _dev ops read them where the
+     * device reads them (the same pinned host array, through unified addressing, after
+     * moe_route_index's copy in stream order), and the expert-load counts are added on the
+     * device (moe_count_add).
+     * expert_linear_fwd_dev / _bwd_dev: expert_linear_fwd/bwd's contract, with `offsets`
+     * device-readable and `rows` (= offsets[E], known to the caller as n*k) the rows of x, y, dx,
+     * dy. CUDA: backend/cuda/sm90/gg_sm90.h.
+     * moe_count_add: counts[e] += offsets[e+1] - offsets[e], e < E, on the stream; counts is pinned
+     * host memory (buffer_alloc FM_BUFFER_PINNED), read by the host after a sync point. */
+    bool (*expert_sync_free)(void *ctx, int64_t E, int64_t H, int64_t I, int64_t rows_max);
+    void (*expert_linear_fwd_dev)(void *ctx, fm_act *y, const fm_act *x, const fm_act *W, const int64_t *offsets,
+                                  int64_t rows, int64_t E, int64_t in, int64_t out);
+    void (*expert_linear_bwd_dev)(void *ctx, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
+                                  const fm_act *W, const int64_t *offsets, int64_t rows, int64_t E, int64_t in,
+                                  int64_t out);
+    void (*moe_count_add)(void *ctx, int64_t *counts, const int64_t *offsets, int64_t E);
 
     /* ---- elementwise / reductions -------------------------------------------------------- */
 

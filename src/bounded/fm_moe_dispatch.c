@@ -82,15 +82,17 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
 void fm_moe_dispatch(const fm_backend *be, const fm_moe_dims *d, fm_moe_routes *r, const fm_act *x,
                      const int32_t *topk_idx, int64_t n) {
     fm_phase_mark(be, FM_PHASE_DISPATCH);
-    if (n == 0) {
+    if (n == 0) { /* (sync-free: the device may still read the previous dispatch's offsets) */
+        if (d->sync_free) be->ops->stream_sync(be->ctx, FM_STREAM_COMPUTE);
         memset(r->offsets, 0, sizeof(int64_t) * (size_t)(d->E + 1));
         return;
     }
     be->ops->moe_route_index(be->ctx, r->offsets, r->row_route, r->route_row, topk_idx, n, d->E, d->k);
     be->ops->moe_gather(be->ctx, r->xe, x, r->row_route, n * d->k, d->k, d->H);
     /* sync point "MoE offsets": the expert GEMMs' sizes (pinned host memory) are read on the
-     * host — once per dispatch, the only wait of an MoE chunk */
-    be->ops->stream_sync(be->ctx, FM_STREAM_COMPUTE);
+     * host — once per dispatch, the only wait of an MoE chunk; none when the GEMMs read them on
+     * the device (d->sync_free) */
+    if (!d->sync_free) be->ops->stream_sync(be->ctx, FM_STREAM_COMPUTE);
 }
 
 void fm_moe_combine(const fm_backend *be, const fm_moe_dims *d, const fm_moe_routes *r, fm_act *y,

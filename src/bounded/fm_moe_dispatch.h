@@ -29,9 +29,13 @@ typedef struct fm_moe_grads {
     fm_act *w_gate, *w_up, *w_down; /* accumulated (+=) */
 } fm_moe_grads;
 
-/* The dims of the block. */
+/* The dims of the block. sync_free: the backend runs the expert GEMMs from device-readable
+ * offsets (fm_backend.h, expert_sync_free), so a dispatch does not wait for the host and the
+ * expert-load counts are added on the device; false (the default of a 4-value initializer) keeps
+ * the host-offset path. */
 typedef struct fm_moe_dims {
     int64_t H, I, E, k;
+    bool sync_free;
 } fm_moe_dims;
 
 /* Buffers of one dispatch over n tokens (R = n*k routes): the routing index and the expert

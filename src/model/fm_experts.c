@@ -6,6 +6,13 @@ void fm_experts_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe
     const int64_t H = d->H, I = d->I, E = d->E, R = n * d->k;
     fm_phase_mark(be, FM_PHASE_EXPERTS);
     if (n == 0) return;
+    if (d->sync_free) { /* the offsets as the device reads them: no host wait (fm_moe_dims) */
+        be->ops->expert_linear_fwd_dev(be->ctx, r->h_gate, r->xe, w->w_gate, r->offsets, R, E, H, I);
+        be->ops->expert_linear_fwd_dev(be->ctx, r->h_up, r->xe, w->w_up, r->offsets, R, E, H, I);
+        be->ops->swiglu_fwd(be->ctx, r->h_act, r->h_gate, r->h_up, R * I);
+        be->ops->expert_linear_fwd_dev(be->ctx, r->ye, r->h_act, w->w_down, r->offsets, R, E, I, H);
+        return;
+    }
     fm_expert_linear_fwd(be, r->h_gate, r->xe, w->w_gate, r->offsets, E, H, I);
     fm_expert_linear_fwd(be, r->h_up, r->xe, w->w_up, r->offsets, E, H, I);
     /* elementwise: one launch over every expert's rows */
@@ -18,6 +25,16 @@ void fm_experts_backward(const fm_backend *be, const fm_moe_dims *d, const fm_mo
     const int64_t H = d->H, I = d->I, E = d->E, R = n * d->k;
     fm_phase_mark(be, FM_PHASE_EXPERTS);
     if (n == 0) return;
+    if (d->sync_free) {
+        be->ops->expert_linear_bwd_dev(be->ctx, ws->dact, 0.0f, g->w_down, ws->dye, r->h_act, w->w_down, r->offsets,
+                                       R, E, I, H);
+        be->ops->swiglu_bwd(be->ctx, ws->dh_gate, ws->dh_up, ws->dact, r->h_gate, r->h_up, R * I);
+        be->ops->expert_linear_bwd_dev(be->ctx, ws->dxe, 0.0f, g->w_gate, ws->dh_gate, r->xe, w->w_gate, r->offsets,
+                                       R, E, H, I);
+        be->ops->expert_linear_bwd_dev(be->ctx, ws->dxe, 1.0f, g->w_up, ws->dh_up, r->xe, w->w_up, r->offsets, R, E,
+                                       H, I);
+        return;
+    }
     fm_expert_linear_bwd(be, ws->dact, 0.0f, g->w_down, ws->dye, r->h_act, w->w_down, r->offsets, E, I, H);
     be->ops->swiglu_bwd(be->ctx, ws->dh_gate, ws->dh_up, ws->dact, r->h_gate, r->h_up, R * I);
     fm_expert_linear_bwd(be, ws->dxe, 0.0f, g->w_gate, ws->dh_gate, r->xe, w->w_gate, r->offsets, E, H, I);

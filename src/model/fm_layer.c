@@ -21,8 +21,10 @@ static void linear_bwd(fm_model *m, fm_act *dx, float beta, fm_act *dW, const fm
     fm_linear_bwd(&m->be, dx, beta, dW, dy, x, W, N, in, out, 1.0f);
 }
 
-static fm_moe_dims moe_dims(const fm_config *c) {
-    fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok};
+static fm_moe_dims moe_dims(const fm_model *m) {
+    const fm_config *c = &m->cfg;
+    fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok,
+                     m->moe_sync_free};
     return d;
 }
 
@@ -85,7 +87,7 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
     /* router logits: fp32, transient in the working set (backward needs only probs and lse) */
     FM_TRY(fm_router_forward(&m->be, &m->router, m->comm, m->ws.dlogits_r, &a->router, m->results + FM_RESULT_SCRATCH,
                              m->results + FM_RESULT_LAYERS + 2 * l, ln2, w->router, N, H));
-    const fm_moe_dims md = moe_dims(c);
+    const fm_moe_dims md = moe_dims(m);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     if (m->moe_ep_comm) /* expert parallelism (--ep): the experts of the ep group */
         FM_TRY(fm_moe_ep_layer_forward(&m->be, m->moe_ep_comm, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w,
@@ -129,7 +131,7 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     PHASE(DENSE);
     fm_act *ln2 = dx;
     OPS->rmsnorm_fwd(CTX, ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
-    const fm_moe_dims md = moe_dims(c);
+    const fm_moe_dims md = moe_dims(m);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down};
     if (m->moe_ep_comm) { /* expert parallelism: an error is kept for the trainer (m->moe_ep_status) */

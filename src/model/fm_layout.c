@@ -317,6 +317,14 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     }
     m->sp = (int)sp;
     m->sp_rank = sp > 1 ? fm_comm_rank(m->sp_comm) : 0;
+    { /* sync-free experts: the backend's own choice for this shape (not beside --ep, whose
+       * all-to-all needs the counts on the host anyway) */
+        int64_t K, c_eff;
+        fm_moe_chunks(m->N, m->moe_chunk_tokens, &K, &c_eff);
+        m->moe_sync_free = ep == 1 && m->be.ops->expert_sync_free &&
+                           m->be.ops->expert_sync_free(m->be.ctx, c->num_experts, c->hidden_size,
+                                                       c->moe_intermediate_size, c_eff * c->num_experts_per_tok);
+    }
     fm_layout_opts o = {m->recompute, m->moe_chunk_tokens, m->ce_block_tokens, m->ce_block_vocab,
                         m->n_offloaded_boundaries, m->keep_attention, ep, m->ep_rank, &m->moe_llep};
     o.sp = sp;

@@ -131,6 +131,9 @@ typedef struct fm_model {
     int64_t ce_block_tokens, ce_block_vocab;
     int64_t n_valid;            /* valid targets of the last forward */
     int64_t moe_K;              /* chunks per micro-batch (1 for the plain twin) */
+    bool moe_sync_free;         /* the backend's expert GEMMs read the offsets on the device
+                                   (fm_backend.h expert_sync_free; set by fm_model_layout): no host
+                                   wait per dispatch */
     fm_moe_ws moe_ws;           /* expert-dispatch working set */
     fm_router_opts router;      /* the router's options, from the config */
     const fm_comm *comm;        /* the ranks that see this batch's tokens (dp x sp), backend memory:

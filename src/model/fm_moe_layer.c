@@ -3,9 +3,15 @@
 
 #include "fm_experts.h"
 
-/* The expert load of one dispatch into ws->counts [E] (when set): rows per expert. */
-static void count_load(const fm_moe_dims *d, const fm_moe_ws *ws, const fm_moe_routes *r) {
+/* The expert load of one dispatch into ws->counts [E] (when set): rows per expert. Sync-free
+ * (the offsets not yet on the host): added on the device, into counts in pinned host memory
+ * (the trainer's, fm_train_loop.c), which the host reads after the step's sync. */
+static void count_load(const fm_backend *be, const fm_moe_dims *d, const fm_moe_ws *ws, const fm_moe_routes *r) {
     if (!ws || !ws->counts) return;
+    if (d->sync_free) {
+        be->ops->moe_count_add(be->ctx, ws->counts, r->offsets, d->E);
+        return;
+    }
     for (int64_t e = 0; e < d->E; e++) ws->counts[e] += r->offsets[e + 1] - r->offsets[e];
 }
 
@@ -14,7 +20,7 @@ void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_wei
                     const int32_t *chunk_tokens, fm_moe_routes *saved, fm_moe_ws *ws) {
     if (saved) {
         fm_moe_dispatch(be, d, saved, x, topk_idx, N);
-        count_load(d, ws, saved);
+        count_load(be, d, ws, saved);
         fm_experts_forward(be, d, w, saved, N);
         fm_moe_combine(be, d, saved, y, topk_w, N);
         return;
@@ -26,7 +32,7 @@ void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_wei
         start += n;
         fm_moe_chunk_gather(be, d, ws, x, topk_idx, topk_w, tok, n);
         fm_moe_dispatch(be, d, &ws->r, ws->xc, ws->topk_idx, n);
-        count_load(d, ws, &ws->r);
+        count_load(be, d, ws, &ws->r);
         fm_experts_forward(be, d, w, &ws->r, n);
         fm_moe_combine(be, d, &ws->r, ws->yc, ws->topk_w, n);
         fm_moe_chunk_scatter(be, y, ws->yc, tok, n, Hb);

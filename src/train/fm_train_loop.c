@@ -207,7 +207,12 @@ static fm_status train_impl(run *r, fm_run_records *rec) {
     const fm_config *c = &r->cfg;
     rec->L = c->num_hidden_layers;
     rec->E = c->num_experts;
-    rec->counts = fm_malloc(sizeof(int64_t) * (size_t)(rec->L * rec->E));
+    /* Sync-free experts add the counts on the device (fm_moe_layer.c): then they live in pinned
+     * host memory the device writes, freed below before the backend goes. */
+    const size_t counts_bytes = sizeof(int64_t) * (size_t)(rec->L * rec->E);
+    const bool pinned_counts = r->m.moe_sync_free;
+    rec->counts = pinned_counts ? r->m.be.ops->buffer_alloc(r->m.be.ctx, FM_BUFFER_PINNED, counts_bytes)
+                                : fm_malloc(counts_bytes);
     rec->load = fm_malloc(sizeof(double) * (size_t)rec->L);
     if (!rec->counts || !rec->load)
         return fm_error(FM_ERR_NOMEM, "out of memory for the expert-load counts (%lld layers x %lld experts)",
@@ -218,6 +223,10 @@ static fm_status train_impl(run *r, fm_run_records *rec) {
     FM_TRY(fm_train_metrics_header(r, rec, ts.step));
     fm_status s = train_loop(r, &ts, &data_rng, rec);
     r->m.moe_ws.counts = NULL;
+    if (pinned_counts) { /* the device's last count_add ran before the last step's sync */
+        r->m.be.ops->buffer_free(r->m.be.ctx, FM_BUFFER_PINNED, rec->counts);
+        rec->counts = NULL;
+    }
     return s;
 }
 

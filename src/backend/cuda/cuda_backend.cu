@@ -5,6 +5,7 @@
  * workspace, all sized here from the options (fm_backend_opts.h) and never again.
  */
 #include "cuda_internal.h"
+#include "sm90/gg_sm90.h"
 
 #include <cstdio>
 #include <cstring>
@@ -51,6 +52,10 @@ static fm_ops make_cuda_ops(void) {
     o.gemm = fm_cuda_gemm;
     o.expert_linear_fwd = fm_cuda_expert_linear_fwd;
     o.expert_linear_bwd = fm_cuda_expert_linear_bwd;
+    o.expert_sync_free = fm_cuda_expert_sync_free;
+    o.expert_linear_fwd_dev = fm_cuda_expert_linear_fwd_dev;
+    o.expert_linear_bwd_dev = fm_cuda_expert_linear_bwd_dev;
+    o.moe_count_add = fm_cuda_moe_count_add;
     o.add = fm_cuda_add;
     o.sumsq = fm_cuda_sumsq;
     o.embedding_fwd = fm_cuda_embedding_fwd;
@@ -174,8 +179,8 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
         return fm_error(FM_ERR_ARG, "cuda backend: attention option %d: expected auto, cudnn or fallback",
                         (int)o->attention);
     if (o->expert_gemm != FM_EXPERT_GEMM_AUTO && o->expert_gemm != FM_EXPERT_GEMM_LOOP &&
-        o->expert_gemm != FM_EXPERT_GEMM_GROUPED)
-        return fm_error(FM_ERR_ARG, "cuda backend: expert_gemm option %d: expected auto, loop or grouped",
+        o->expert_gemm != FM_EXPERT_GEMM_GROUPED && o->expert_gemm != FM_EXPERT_GEMM_SM90)
+        return fm_error(FM_ERR_ARG, "cuda backend: expert_gemm option %d: expected auto, loop, grouped or sm90",
                         (int)o->expert_gemm);
     if (device < 0) return fm_error(FM_ERR_ARG, "cuda backend: device must be >= 0, got %d", device);
     if (max_head_dim < 1)
@@ -204,6 +209,11 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
                         "cuda backend: device %d (%s) has compute capability %d.%d, but this build's kernels are "
                         "for sm_90 (Hopper: H100/H200) only; run on a Hopper GPU or use the CPU build",
                         device, prop.name, prop.major, prop.minor);
+    if (o->expert_gemm == FM_EXPERT_GEMM_SM90 && !fm_gg_sm90_device_ok(device))
+        return fm_error(FM_ERR_UNSUPPORTED,
+                        "cuda backend: FLATMOE_EXPERT_GEMM=sm90 needs compute capability 9.0 (H100/H200) for its "
+                        "sm_90a kernel; device %d (%s) has %d.%d: use FLATMOE_EXPERT_GEMM=auto",
+                        device, prop.name, prop.major, prop.minor);
     e = cudaSetDevice(device);
     if (e != cudaSuccess)
         return fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaSetDevice(%d) failed: %s", device, cudaGetErrorString(e));
@@ -214,6 +224,7 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
     c->device = device;
     c->max_head_dim = max_head_dim;
     c->expert_gemm = o->expert_gemm;
+    c->sm_count = prop.multiProcessorCount;
     const size_t ws = resolve_workspace(workspace_bytes);
     fm_status s = FM_OK;
 

@@ -8,6 +8,7 @@
  * checked; nothing allocates after init. cuBLAS sums in fp32 (CUBLAS_COMPUTE_32F).
  */
 #include "cuda_internal.h"
+#include "sm90/gg_sm90.h"
 
 #include <climits>
 #include <cstdint>
@@ -195,6 +196,38 @@ void fm_cuda_expert_linear_bwd(void *ctx, fm_act *dx, float beta, fm_act *dW, co
                                const fm_act *W, const int64_t *offsets, int64_t E, int64_t in, int64_t out) {
     if (dx) expert_gemm(ctx, 1, dx, dy, W, beta, offsets, E, in, out);
     expert_gemm(ctx, 2, dW, dy, x, 1.0f, offsets, E, in, out);
+}
+
+/* ---- sync-free expert GEMMs (the sm90 option; sm90/gg_sm90.h) -------------------------------- */
+
+bool fm_cuda_expert_sync_free(void *ctx, int64_t E, int64_t H, int64_t I, int64_t rows_max) {
+    const fm_cuda_ctx *c = ctx_of(ctx);
+    /* the gate/up products map H -> I and down I -> H; every product must be served */
+    return c->expert_gemm == FM_EXPERT_GEMM_SM90 && c->sm_count > 0 && fm_gg_sm90_serves(E, H, I, rows_max) &&
+           fm_gg_sm90_serves(E, I, H, rows_max);
+}
+
+static void sm90_call(fm_cuda_ctx *c, int kind, void *C, const fm_act *A, const fm_act *B, float beta,
+                      const int64_t *offsets, int64_t rows, int64_t E, int64_t in, int64_t out) {
+    FM_ASSERT(fm_gg_sm90_serves(E, in, out, rows));
+    if (rows == 0) return; /* no rows: y, dx have none; dW_e += 0 */
+    fm_gg_problem p;
+    p.kind = kind, p.A = A, p.B = B, p.C = C, p.offs = offsets, p.E = (int)E;
+    p.in = in, p.out = out, p.rcap = rows, p.beta = beta;
+    FM_CUDA_CHECK(c, fm_gg_sm90_launch(&p, c->sm_count, c->stream));
+}
+
+void fm_cuda_expert_linear_fwd_dev(void *ctx, fm_act *y, const fm_act *x, const fm_act *W, const int64_t *offsets,
+                                   int64_t rows, int64_t E, int64_t in, int64_t out) {
+    sm90_call(ctx_of(ctx), 0, y, x, W, 0.0f, offsets, rows, E, in, out);
+}
+
+void fm_cuda_expert_linear_bwd_dev(void *ctx, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
+                                   const fm_act *W, const int64_t *offsets, int64_t rows, int64_t E, int64_t in,
+                                   int64_t out) {
+    fm_cuda_ctx *c = ctx_of(ctx);
+    if (dx) sm90_call(c, 1, dx, dy, W, beta, offsets, rows, E, in, out);
+    sm90_call(c, 2, dW, dy, x, 1.0f, offsets, rows, E, in, out);
 }
 
 } /* extern "C" */

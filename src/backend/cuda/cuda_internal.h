@@ -48,6 +48,7 @@ typedef struct fm_cuda_ctx {
     volatile int *flags_host;      /* [FM_CUDA_FLAGS] */
     int *flags_dev;                /* the same memory as the device sees it */
     fm_expert_gemm expert_gemm;    /* the expert GEMMs' form (fm_backend_opts.h), fixed at init */
+    int sm_count;                  /* the device's multiprocessors (the sm90 kernel's persistent grid) */
     /* profiling (the profile option at init): a pool of timing events recorded on the stream at
      * each phase mark, summed per phase at collect */
     cudaEvent_t *prof_ev;          /* [prof_cap], NULL when profiling is off */
@@ -127,6 +128,12 @@ void fm_cuda_expert_linear_fwd(void *ctx, fm_act *y, const fm_act *x, const fm_a
                                int64_t E, int64_t in, int64_t out);
 void fm_cuda_expert_linear_bwd(void *ctx, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
                                const fm_act *W, const int64_t *offsets, int64_t E, int64_t in, int64_t out);
+bool fm_cuda_expert_sync_free(void *ctx, int64_t E, int64_t H, int64_t I, int64_t rows_max);
+void fm_cuda_expert_linear_fwd_dev(void *ctx, fm_act *y, const fm_act *x, const fm_act *W, const int64_t *offsets,
+                                   int64_t rows, int64_t E, int64_t in, int64_t out);
+void fm_cuda_expert_linear_bwd_dev(void *ctx, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
+                                   const fm_act *W, const int64_t *offsets, int64_t rows, int64_t E, int64_t in,
+                                   int64_t out);
 
 /* cuda_elementwise.cu */
 void fm_cuda_add(void *ctx, fm_act *y, const fm_act *x, int64_t n);
@@ -206,6 +213,8 @@ void fm_cuda_router_aux_grad(void *ctx, float *dprobs, const float *count, doubl
 /* cuda_permute.cu */
 void fm_cuda_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,
                              const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
+/* moe_count_add (fm_backend.h): counts [E] pinned host memory, offsets [E+1] device-readable. */
+void fm_cuda_moe_count_add(void *ctx, int64_t *counts, const int64_t *offsets, int64_t E);
 void fm_cuda_moe_gather(void *ctx, fm_act *xe, const fm_act *x, const int32_t *row_route, int64_t R,
                         int64_t k, int64_t H);
 void fm_cuda_moe_gather_bwd(void *ctx, fm_act *dx, const fm_act *dxe, const int32_t *route_row, int64_t N,

@@ -297,7 +297,20 @@ __global__ void __launch_bounds__(256)
 
 } // namespace
 
+/* counts[e] += offsets[e+1] - offsets[e] (one thread per expert; counts is pinned host memory,
+ * reached through unified addressing). */
+static __global__ void count_add_kernel(int64_t *counts, const int64_t *offsets, int E) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] += offsets[e + 1] - offsets[e];
+}
+
 extern "C" {
+
+void fm_cuda_moe_count_add(void *ctx, int64_t *counts, const int64_t *offsets, int64_t E) {
+    fm_cuda_ctx *c = ctx_of(ctx);
+    FM_ASSERT(E >= 1 && E <= 4096 && counts && offsets);
+    count_add_kernel<<<1, 256, 0, c->stream>>>(counts, offsets, (int)E);
+    FM_CUDA_LAUNCH_CHECK(c);
+}
 
 /* The stable counting sort on the stream (four kernels, launch shapes from N, E and k only), then
  * the offsets [E+1] copied asynchronously from scratch into `offsets` (pinned host memory) on

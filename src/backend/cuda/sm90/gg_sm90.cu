@@ -1,0 +1,341 @@
+/* Our grouped expert GEMM for Hopper (gg_sm90.h): the kernel lab's v2 (dev/cuda/grouped_gemm,
+ * v2_wgmma.cuh), promoted with a 128 x 256 tile.
+ *
+ * CTA: 3 warpgroups (384 threads), one CTA per SM, persistent over a tile list that every CTA
+ * builds in shared memory from offs (the expert offsets, read from memory the device reads: no
+ * host sync). Warpgroup 2 is the producer: one thread issues cp.async.bulk.tensor loads
+ * (128-byte swizzle) into a ring of STAGES stages, each with a "full" mbarrier (expect-tx bytes)
+ * and an "empty" one (one arrival per consumer warp). Warpgroups 0 and 1 are consumers, each
+ * computing 64 rows of the 128 x BN tile with wgmma.mma_async.m64nBNk16 (bf16 in, fp32
+ * accumulators in registers, 4 k16 steps per 64-deep stage) and storing straight from registers,
+ * rows past the expert's end masked. setmaxnreg moves registers from the producer to the
+ * consumers.
+ *
+ * As GEMMs C[M,N] = sum_k A[m,k] B[n,k] per expert:
+ *   kind 0: M = m_e, N = out, K = in;  A = x  (K-major),  B = W_e (K-major)
+ *   kind 1: M = m_e, N = in,  K = out; A = dy (K-major),  B = W_e (MN-major: [K=out][N=in])
+ *   kind 2: M = out, N = in,  K = m_e; A = dy (MN-major: [K=rows][M=out]), B = x (MN-major)
+ * K-major tiles are one TMA box {64 k, rows} (128 B per row, 8-row 1024-byte swizzle atoms;
+ * descriptor SBO 1024, k16 step +32 B); MN-major tiles are boxes {64 mn, 64 k} per 64 columns
+ * (descriptor with the transpose bit, LBO 8192 B between 64-column chunks, SBO 1024 B between
+ * 8-row k groups, k16 step +2048 B). kind 2's K is the expert's rows: the last stage's rows past
+ * its end (another expert's rows, or rows past rcap, which TMA fills with zeros) are zeroed in
+ * shared memory by the consumers before the wgmma (fence.proxy.async, then a named barrier).
+ *
+ * Techniques learned from the public CUTLASS sm90 collective mainloop (TMA + mbarrier pipeline,
+ * warp-specialized producer/consumer, the GMMA descriptor's canonical layouts) and DeepGEMM's
+ * sm90 kernels (persistent grouped scheduling); the code is our own. Compiled for sm_90a only
+ * (wgmma and setmaxnreg need the arch-specific target); elsewhere the kernel body is empty and
+ * fm_gg_sm90_device_ok answers false. */
+#include "gg_sm90.h"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cudaTypedefs.h>
+
+#include "wgmma_bf16.cuh"
+
+namespace {
+
+typedef __nv_bfloat16 bf16;
+
+constexpr int MAX_E = 256;
+constexpr int BM = 128, BK = 64, BN = 256, THREADS = 384, STAGES = 4;
+constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int SMEM = STAGES * STAGE_BYTES + 1024; /* + room to align to 1024 */
+constexpr uint32_t CHUNK = 64 * 128;              /* bytes of one {64, 64} box */
+
+/* The tile list: offs copied to shared memory and the tile prefix over experts. */
+struct sched {
+    int64_t offs[MAX_E + 1];
+    int tile[MAX_E + 1];
+};
+
+__host__ __device__ inline int64_t ndim(const fm_gg_problem &p) { return p.kind == 0 ? p.out : p.in; }
+
+/* Tiles of expert e with m_e rows: kinds 0/1 ceil(m_e/BM) x N/BN; kind 2 out/BM x N/BN, none when
+ * m_e == 0 and beta == 1 (dW_e is left as it is). */
+__device__ inline int expert_tiles(const fm_gg_problem &p, int64_t me) {
+    const int ntn = (int)(ndim(p) / BN);
+    if (p.kind == 2) return (me == 0 && p.beta == 1.0f) ? 0 : (int)(p.out / BM) * ntn;
+    return (int)((me + BM - 1) / BM) * ntn;
+}
+
+__device__ inline void sched_build(sched &s, const fm_gg_problem &p) {
+    for (int i = threadIdx.x; i <= p.E; i += blockDim.x) s.offs[i] = p.offs[i];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        s.tile[0] = 0;
+        for (int e = 0; e < p.E; e++) {
+            acc += expert_tiles(p, s.offs[e + 1] - s.offs[e]);
+            s.tile[e + 1] = acc;
+        }
+    }
+    __syncthreads();
+}
+
+struct tile {
+    int e, mt, nt;
+    int64_t r0, me; /* the expert's first row and rows */
+};
+
+/* Tile t (< s.tile[E]) as expert e, m-tile mt, n-tile nt (n fastest, so CTAs running at the same
+ * time share the A rows and W_e). Binary search on the prefix (empty experts have equal ones). */
+__device__ inline tile tile_of(const sched &s, const fm_gg_problem &p, int t) {
+    int lo = 0, hi = p.E - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s.tile[mid] <= t) lo = mid;
+        else hi = mid - 1;
+    }
+    const int ntn = (int)(ndim(p) / BN), local = t - s.tile[lo];
+    tile r;
+    r.e = lo, r.mt = local / ntn, r.nt = local % ntn;
+    r.r0 = s.offs[lo], r.me = s.offs[lo + 1] - s.offs[lo];
+    return r;
+}
+
+__device__ inline uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ inline void mbar_init(uint64_t *b, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count));
+}
+__device__ inline void mbar_wait(uint64_t *b, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(smem_u32(b)), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+__device__ inline void mbar_expect_tx(uint64_t *b, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+}
+__device__ inline void mbar_arrive(uint64_t *b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ inline void tma_2d(uint32_t dst, const CUtensorMap *m, uint64_t *bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+            dst),
+        "l"(reinterpret_cast<uint64_t>(m)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+        : "memory");
+}
+/* sm90 shared-memory matrix descriptor: start >> 4 [0,14), LBO >> 4 [16,30), SBO >> 4 [32,46),
+ * layout type [62,64) = 1 (128-byte swizzle). */
+__device__ inline uint64_t sdesc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
+           (1ull << 62);
+}
+template <int N> __device__ inline void acc_fence(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+#endif
+
+/* Two adjacent fp32 results (row, col), (row, col+1) of C stored as bf16 with beta; c2 is
+ * 4-byte aligned (col even). */
+__device__ inline void store2(bf16 *c2, float v0, float v1, float beta) {
+    __nv_bfloat162 *q = reinterpret_cast<__nv_bfloat162 *>(c2);
+    if (beta != 0.0f) {
+        const float2 old = __bfloat1622float2(*q);
+        v0 += beta * old.x, v1 += beta * old.y;
+    }
+    *q = __floats2bfloat162_rn(v0, v1);
+}
+
+__device__ inline bf16 *c_ptr(const fm_gg_problem &p, const tile &t, int64_t row, int64_t col) {
+    bf16 *C = static_cast<bf16 *>(p.C);
+    if (p.kind == 0) return C + (t.r0 + row) * p.out + col;
+    if (p.kind == 1) return C + (t.r0 + row) * p.in + col;
+    return C + (int64_t)t.e * p.out * p.in + row * p.in + col;
+}
+
+/* k-blocks of a tile: kinds 0/1 K/BK, kind 2 ceil(m_e/BK). */
+template <int KIND> __device__ inline int nk_of(const fm_gg_problem &p, const tile &t) {
+    return KIND == 2 ? (int)((t.me + BK - 1) / BK) : (int)((KIND == 0 ? p.in : p.out) / BK);
+}
+
+template <int KIND>
+__global__ void __launch_bounds__(THREADS, 1)
+gg_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB, fm_gg_problem p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr bool AMN = KIND == 2, BMN = KIND != 0;
+    extern __shared__ uint8_t smem_raw[];
+    __shared__ sched sc;
+    __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
+    const uint32_t smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    uint8_t *smem_ptr = smem_raw + (smem - smem_u32(smem_raw));
+
+    sched_build(sc, p);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], 8);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int total = sc.tile[p.E], wg = threadIdx.x / 128;
+
+    if (wg == 2) { /* producer */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (threadIdx.x != 256) return;
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmA)) : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmB)) : "memory");
+        uint32_t it = 0;
+        for (int ti = blockIdx.x; ti < total; ti += gridDim.x) {
+            const tile t = tile_of(sc, p, ti);
+            const int nk = nk_of<KIND>(p, t);
+            const int m0 = t.mt * BM, n0 = t.nt * BN, r0 = (int)t.r0, wrow = (int)(t.e * p.out);
+            for (int kb = 0; kb < nk; kb++, it++) {
+                const int s = it % STAGES, k0 = kb * BK;
+                mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+                const uint32_t sa = smem + s * STAGE_BYTES, sb = sa + A_BYTES;
+                mbar_expect_tx(&full[s], STAGE_BYTES);
+                if (!AMN) tma_2d(sa, &tmA, &full[s], k0, r0 + m0);
+                else
+                    for (int c = 0; c < BM / 64; c++) tma_2d(sa + c * CHUNK, &tmA, &full[s], m0 + 64 * c, r0 + k0);
+                if (KIND == 0) tma_2d(sb, &tmB, &full[s], k0, wrow + n0);
+                else
+                    for (int c = 0; c < BN / 64; c++)
+                        tma_2d(sb + c * CHUNK, &tmB, &full[s], n0 + 64 * c, (KIND == 1 ? wrow : r0) + k0);
+            }
+        }
+        return;
+    }
+
+    /* consumers: warpgroup wg owns rows wg*64 .. wg*64+63 of the tile */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
+    uint32_t it = 0;
+    for (int ti = blockIdx.x; ti < total; ti += gridDim.x) {
+        const tile t = tile_of(sc, p, ti);
+        const int nk = nk_of<KIND>(p, t);
+        float acc[BN / 2];
+#pragma unroll
+        for (int i = 0; i < BN / 2; i++) acc[i] = 0.0f;
+        for (int kb = 0; kb < nk; kb++, it++) {
+            const int s = it % STAGES;
+            mbar_wait(&full[s], (it / STAGES) & 1);
+            const uint32_t sa = smem + s * STAGE_BYTES, sb = sa + A_BYTES;
+            if (KIND == 2) {
+                const int valid = (int)(t.me - (int64_t)kb * BK);
+                if (valid < BK) { /* zero k rows valid..63 of both A chunks and every B chunk */
+                    const int rows = BK - valid, per = rows * 8, n = (BM / 64 + BN / 64) * per;
+                    for (int i = threadIdx.x; i < n; i += 256) {
+                        const int c = i / per, r = valid + (i % per) / 8, q = i % 8;
+                        uint8_t *base = smem_ptr + s * STAGE_BYTES +
+                                        (c < BM / 64 ? c * CHUNK : A_BYTES + (c - BM / 64) * CHUNK);
+                        reinterpret_cast<uint4 *>(base + r * 128)[q] = make_uint4(0, 0, 0, 0);
+                    }
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+                }
+            }
+            acc_fence(acc);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; kk++) {
+                const uint64_t da = AMN ? sdesc(sa + wg * CHUNK + kk * 2048, CHUNK, 1024)
+                                        : sdesc(sa + wg * CHUNK + kk * 32, 0, 1024);
+                const uint64_t db = BMN ? sdesc(sb + kk * 2048, CHUNK, 1024) : sdesc(sb + kk * 32, 0, 1024);
+                wgmma_m64n256<AMN, BMN>(acc, da, db);
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            acc_fence(acc);
+            if (lane == 0) mbar_arrive(&empty[s]);
+        }
+        /* epilogue: accumulator fragment d[4j + {0,1}] = (row, 8j + 2(lane%4) + {0,1}),
+         * d[4j + {2,3}] = row + 8, row = 16 warp + lane/4 within the warpgroup's 64 rows */
+        const int64_t mlim = KIND == 2 ? p.out : t.me;
+        const int64_t row = (int64_t)t.mt * BM + wg * 64 + warp * 16 + (lane >> 2);
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+            const int64_t col = (int64_t)t.nt * BN + j * 8 + (lane & 3) * 2;
+            if (row < mlim) store2(c_ptr(p, t, row, col), acc[4 * j], acc[4 * j + 1], p.beta);
+            if (row + 8 < mlim) store2(c_ptr(p, t, row + 8, col), acc[4 * j + 2], acc[4 * j + 3], p.beta);
+        }
+    }
+#else
+    __trap(); /* built without sm_90a: fm_gg_sm90_device_ok keeps callers away */
+#endif
+}
+
+/* A 2-D tensor map over a row-major bf16 [outer, inner] tensor with a {box_inner, box_outer} box,
+ * 128-byte swizzle, zeros out of bounds. */
+cudaError_t make_map(CUtensorMap *m, const void *base, uint64_t inner, uint64_t outer, uint32_t box_inner,
+                     uint32_t box_outer) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    if (!encode) {
+        cudaDriverEntryPointQueryResult q;
+        void *fn = nullptr;
+        const cudaError_t err =
+            cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+        if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn) return cudaErrorNotSupported;
+        encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }
+    const cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner * 2};
+    const cuuint32_t box[2] = {box_inner, box_outer}, es[2] = {1, 1};
+    const CUresult r = encode(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dims, strides, box, es,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <int KIND> cudaError_t launch_kind(const fm_gg_problem &p, int sm_count, cudaStream_t stream) {
+    static bool attr = false; /* set once the attribute is: a failed first call is retried */
+    auto fn = gg_kernel<KIND>;
+    if (!attr) {
+        const cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+        if (err != cudaSuccess) return err;
+        attr = true;
+    }
+    CUtensorMap ta, tb;
+    const uint64_t wrows = (uint64_t)p.E * (uint64_t)p.out, rc = (uint64_t)p.rcap;
+    cudaError_t err;
+    if (KIND == 0) {
+        err = make_map(&ta, p.A, (uint64_t)p.in, rc, 64, BM);
+        if (err == cudaSuccess) err = make_map(&tb, p.B, (uint64_t)p.in, wrows, 64, BN);
+    } else if (KIND == 1) {
+        err = make_map(&ta, p.A, (uint64_t)p.out, rc, 64, BM);
+        if (err == cudaSuccess) err = make_map(&tb, p.B, (uint64_t)p.in, wrows, 64, 64);
+    } else {
+        err = make_map(&ta, p.A, (uint64_t)p.out, rc, 64, 64);
+        if (err == cudaSuccess) err = make_map(&tb, p.B, (uint64_t)p.in, rc, 64, 64);
+    }
+    if (err != cudaSuccess) return err;
+    fn<<<sm_count, THREADS, SMEM, stream>>>(ta, tb, p);
+    return cudaGetLastError();
+}
+
+} // namespace
+
+extern "C" {
+
+bool fm_gg_sm90_serves(int64_t E, int64_t in, int64_t out, int64_t rcap) {
+    return E >= 1 && E <= MAX_E && in >= BN && out >= BN && in % BN == 0 && out % BN == 0 && rcap >= 0 &&
+           rcap < INT32_MAX && E * out < INT32_MAX;
+}
+
+bool fm_gg_sm90_device_ok(int device) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    return major == 9 && minor == 0;
+}
+
+cudaError_t fm_gg_sm90_launch(const fm_gg_problem *p, int sm_count, cudaStream_t stream) {
+    if (!p || !fm_gg_sm90_serves(p->E, p->in, p->out, p->rcap) || p->kind < 0 || p->kind > 2 || sm_count < 1)
+        return cudaErrorInvalidValue;
+    if (p->rcap == 0) return cudaSuccess;
+    if (p->kind == 0) return launch_kind<0>(*p, sm_count, stream);
+    if (p->kind == 1) return launch_kind<1>(*p, sm_count, stream);
+    return launch_kind<2>(*p, sm_count, stream);
+}
+
+} /* extern "C" */
