@@ -99,7 +99,8 @@ static const version VERSIONS[] = {
     {"v2.256", gg_v2_launch<256>},   /* wgmma + TMA, 128x256 tiles */
     {"v2.128p", gg_v2_launch<128, true>}, /* the same, one k-block of wgmmas kept in flight */
     {"v2.256p", gg_v2_launch<256, true>},
-    {"v4", gg_v4_launch},            /* ping-pong consumers, TMA source load + TMA store epilogue */
+    {"v4", gg_v4_launch<false>},     /* ping-pong consumers, TMA source load + TMA store epilogue */
+    {"v4r", gg_v4_launch<true>},     /* the same mainloop, register epilogue (old values batched) */
 };
 constexpr int NV = sizeof(VERSIONS) / sizeof(VERSIONS[0]);
 /* table columns: the bf16 versions, then the FP8 option (fp8_lab.cuh): v3 its GEMM alone, v3q the

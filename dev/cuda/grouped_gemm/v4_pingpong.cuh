@@ -35,8 +35,13 @@
  *     store from registers with the row mask, as v2. dW tiles are always full.
  * beta == 0 (fwd always; dx of down and gate; dW's first touch) loads nothing: the SRC = false
  * kernels have no source path at all.
+ * v4r (REG): change 1 alone, with v2's register epilogue except that each row's 16 old pairs are
+ * loaded together before its stores (16 loads in flight, 4 latencies per tile instead of 64), no
+ * C buffers, 6 stages: v4r against v2.128p is the ping-pong's share, v4 against v4r the TMA
+ * epilogue's.
  *
- * Shared memory: 4 stages of 32 KB (A 128 x 64, B 128 x 64) + 2 C buffers of 32 KB = 192 KB.
+ * Shared memory: 4 stages of 32 KB (A 128 x 64, B 128 x 64) + 2 C buffers of 32 KB = 192 KB
+ * (v4r: 6 stages, 192 KB).
  * Requires in, out multiples of 128; TMA coordinates int32 (rcap, E*out < 2^31), as v2.
  * Techniques learned from CUTLASS's sm90 pingpong kernel and its TMA epilogue (source load into
  * shared memory, TMA store); the code is our own.
@@ -53,10 +58,14 @@ using v2::mbar_wait;
 using v2::sdesc;
 using v2::tma_2d;
 
-constexpr int BM = 128, BN = 128, BK = 64, THREADS = 384, STAGES = 4;
+constexpr int BM = 128, BN = 128, BK = 64, THREADS = 384, MAX_STAGES = 6;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int C_BYTES = BM * BN * 2, C_BOX = 64 * BM * 2; /* a C buffer; one {64, 128} box of it */
-constexpr int SMEM = STAGES * STAGE_BYTES + 2 * C_BYTES + 1024; /* + room to align to 1024 */
+/* REG (v4r): the register epilogue, no C buffers, 6 stages; else 4 stages + 2 C buffers */
+template <bool REG> struct shape {
+    static constexpr int STAGES = REG ? 6 : 4;
+    static constexpr int SMEM = STAGES * STAGE_BYTES + (REG ? 0 : 2 * C_BYTES) + 1024; /* + room to align to 1024 */
+};
 constexpr uint32_t CHUNK = 64 * 128;
 
 template <int N> __device__ inline void acc_fence(float (&d)[N]) {
@@ -85,14 +94,16 @@ __device__ inline int c_row(const gg_problem &p, const gg_tile &t, int kind) {
     return kind == 2 ? (int)(t.e * p.out) + t.mt * BM : (int)t.r0 + t.mt * BM;
 }
 
-template <int KIND, bool SRC>
+template <int KIND, bool SRC, bool REG>
 __global__ void __launch_bounds__(THREADS, 1)
 kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
        const __grid_constant__ CUtensorMap tmC, gg_problem p) {
     constexpr bool AMN = KIND == 2, BMN = KIND != 0;
+    constexpr int STAGES = shape<REG>::STAGES;
+    static_assert(!(SRC && REG), "the register epilogue reads the old C itself");
     extern __shared__ uint8_t smem_raw[];
     __shared__ gg_sched sched;
-    __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES], cfull[2], cempty[2], order[2];
+    __shared__ __align__(8) uint64_t full[MAX_STAGES], empty[MAX_STAGES], cfull[2], cempty[2], order[2];
     const uint32_t smem = (gg_smem_u32(smem_raw) + 1023u) & ~1023u;
     uint8_t *smem_ptr = smem_raw + (smem - gg_smem_u32(smem_raw));
     const uint32_t cbuf0 = smem + STAGES * STAGE_BYTES; /* C buffer of warpgroup w: cbuf0 + w * C_BYTES */
@@ -215,7 +226,7 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
         /* epilogue. Fragment: acc[h][4jj + 2r8 + {0,1}] = (row h*64 + 16 warp + 8 r8 + lane/4,
          * col 8jj + 2(lane%4) + {0,1}); in the C buffer (two {64, 128} boxes, 128-byte swizzle)
          * at box jj/8, row*128 + 16 ((jj%8) ^ (row%8)) + 4 (lane%4), row%8 = lane/4. */
-        const bool tma_tile = KIND == 2 || (int64_t)(t.mt + 1) * BM <= t.me;
+        const bool tma_tile = !REG && (KIND == 2 || (int64_t)(t.mt + 1) * BM <= t.me);
         const int64_t mlim = KIND == 2 ? p.out : t.me;
         if (SRC) {
             mbar_wait(&cfull[wg], cn & 1);
@@ -230,13 +241,22 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
             for (int r8 = 0; r8 < 2; r8++) {
                 const int r = h * 64 + warp * 16 + r8 * 8 + (lane >> 2);
                 const int64_t grow = (int64_t)t.mt * BM + r;
+                __nv_bfloat162 oldr[BN / 8]; /* REG: this row's 16 old pairs, loaded together */
+                if (REG) {
+                    const bool rd = beta != 0.0f && grow < mlim;
+#pragma unroll
+                    for (int jj = 0; jj < BN / 8; jj++)
+                        oldr[jj] = rd ? *reinterpret_cast<const __nv_bfloat162 *>(
+                                            gg_c_ptr(p, t, grow, (int64_t)t.nt * BN + jj * 8 + (lane & 3) * 2))
+                                      : __float2bfloat162_rn(0.0f);
+                }
 #pragma unroll
                 for (int jj = 0; jj < BN / 8; jj++) {
                     const uint32_t off = (jj >> 3) * C_BOX + r * 128 + (((jj & 7) ^ (lane >> 2)) << 4) + (lane & 3) * 4;
                     __nv_bfloat162 *q = reinterpret_cast<__nv_bfloat162 *>(cb_ptr + off);
                     float v0 = acc[h][4 * jj + 2 * r8], v1 = acc[h][4 * jj + 2 * r8 + 1];
-                    if (SRC) {
-                        const float2 old = __bfloat1622float2(*q);
+                    if (SRC || (REG && beta != 0.0f)) {
+                        const float2 old = __bfloat1622float2(SRC ? *q : oldr[jj]);
                         v0 += beta * old.x, v1 += beta * old.y;
                     }
                     const __nv_bfloat162 o = __floats2bfloat162_rn(v0, v1);
@@ -268,9 +288,10 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
     if (tid == 0) bulk_wait0(); /* the last TMA stores complete before the CTA exits */
 }
 
-template <int KIND, bool SRC> static cudaError_t launch_kind(const gg_problem &p, cudaStream_t stream) {
+template <int KIND, bool SRC, bool REG> static cudaError_t launch_kind(const gg_problem &p, cudaStream_t stream) {
     static int grid = 0; /* set once the attribute is: a failed first call is retried, not launched bare */
-    auto fn = kernel<KIND, SRC>;
+    auto fn = kernel<KIND, SRC, REG>;
+    constexpr int SMEM = shape<REG>::SMEM;
     if (!grid) {
         int dev, sms = 0;
         cudaGetDevice(&dev);
@@ -303,14 +324,21 @@ template <int KIND, bool SRC> static cudaError_t launch_kind(const gg_problem &p
 } // namespace v4
 
 /* Launch v4 (ping-pong consumers, TMA source load and TMA store epilogue, 128 x 128 tiles) for p
- * on stream. beta as gg_common.cuh (kind 0 ignores it; 0 reads nothing). Returns a CUDA error
+ * on stream; REG (v4r): the same ping-pong mainloop with a register epilogue (each row's 16 old
+ * values loaded together, then the masked stores; 6 stages, no C buffers), to tell the two
+ * changes apart. beta as gg_common.cuh (kind 0 ignores it; 0 reads nothing). Returns a CUDA error
  * code; GG_NOT_SERVED when the shape is not served (in, out not multiples of 128; E > GG_MAX_E;
  * rows or E*out past int32 TMA coordinates). */
-static cudaError_t gg_v4_launch(const gg_problem &p, cudaStream_t stream) {
+template <bool REG = false> static cudaError_t gg_v4_launch(const gg_problem &p, cudaStream_t stream) {
     if (p.in % v4::BN || p.out % v4::BM || p.E > GG_MAX_E || p.rcap >= INT32_MAX || (int64_t)p.E * p.out >= INT32_MAX)
         return GG_NOT_SERVED;
     const bool src = p.kind != 0 && p.beta != 0.0f;
-    if (p.kind == 0) return v4::launch_kind<0, false>(p, stream);
-    if (p.kind == 1) return src ? v4::launch_kind<1, true>(p, stream) : v4::launch_kind<1, false>(p, stream);
-    return src ? v4::launch_kind<2, true>(p, stream) : v4::launch_kind<2, false>(p, stream);
+    if (REG) {
+        if (p.kind == 0) return v4::launch_kind<0, false, true>(p, stream);
+        if (p.kind == 1) return v4::launch_kind<1, false, true>(p, stream);
+        return v4::launch_kind<2, false, true>(p, stream);
+    }
+    if (p.kind == 0) return v4::launch_kind<0, false, false>(p, stream);
+    if (p.kind == 1) return src ? v4::launch_kind<1, true, false>(p, stream) : v4::launch_kind<1, false, false>(p, stream);
+    return src ? v4::launch_kind<2, true, false>(p, stream) : v4::launch_kind<2, false, false>(p, stream);
 }
