@@ -14,11 +14,12 @@
  * The FP8 option (v3, v3q: v3_fp8.cuh) has its own inputs, quantizers and checks: fp8_lab.cuh.
  *
  * Environment: GG_VERSIONS (e.g. "v1,v2.128,v3"), GG_CASES (substring of case names), GG_ITERS (20),
- * GG_NOTIME=1 (validate only), GG_LIST=1 (print the cases, no GPU). Build and run: make -C dev/cuda/grouped_gemm run
+ * GG_NOTIME=1 (validate only), GG_LIST=1 (print the cases, no GPU), GG_DW_BETA=0 (dW without +=). Build and run: make -C dev/cuda/grouped_gemm run
  */
 #include "v0_cublas.cuh"
 #include "v1_mma.cuh"
 #include "v2_wgmma.cuh"
+#include "v4_pingpong.cuh"
 #include "gg_inputs.h"
 
 #include <algorithm>
@@ -98,6 +99,8 @@ static const version VERSIONS[] = {
     {"v2.256", gg_v2_launch<256>},   /* wgmma + TMA, 128x256 tiles */
     {"v2.128p", gg_v2_launch<128, true>}, /* the same, one k-block of wgmmas kept in flight */
     {"v2.256p", gg_v2_launch<256, true>},
+    {"v4", gg_v4_launch<false>},     /* ping-pong consumers, TMA source load + TMA store epilogue */
+    {"v4r", gg_v4_launch<true>},     /* the same mainloop, register epilogue (old values batched) */
 };
 constexpr int NV = sizeof(VERSIONS) / sizeof(VERSIONS[0]);
 /* table columns: the bf16 versions, then the FP8 option (fp8_lab.cuh): v3 its GEMM alone, v3q the
@@ -224,6 +227,9 @@ static bool enabled(const char *name) {
     return list.find(std::string(",") + name + ",") != std::string::npos;
 }
 static int g_iters = 20, g_failures = 0;
+/* dW's beta: 1 (dW += dy^T x, the backend's form) unless GG_DW_BETA=0 (the first touch: dW = dy^T x,
+ * nothing read; v0 serves only 1 and shows n/a) */
+static float g_dw_beta = 1.0f;
 static bool g_notime = false;
 static std::vector<std::string> g_fail_lines;
 
@@ -283,7 +289,7 @@ static void run_projection(const gcase &gc, const char *proj, int64_t in, int64_
     for (int kind = 0; kind < 3; kind++) {
         gg_problem p;
         p.kind = kind, p.E = E, p.in = in, p.out = out, p.rcap = rcap, p.offs = doffs;
-        p.beta = kind == 0 ? 0.0f : kind == 1 ? (strcmp(proj, "gu") == 0 ? 1.0f : 0.0f) : 1.0f;
+        p.beta = kind == 0 ? 0.0f : kind == 1 ? (strcmp(proj, "gu") == 0 ? 1.0f : 0.0f) : g_dw_beta;
         p.A = kind == 0 ? X : DY;
         p.B = kind == 2 ? X : W;
         p.C = kind == 0 ? Y : kind == 1 ? DX : DW;
@@ -436,6 +442,7 @@ static bool sched_selftest(const std::vector<gcase> &cases) {
 int main() {
     if (getenv("GG_ITERS")) g_iters = std::max(1, atoi(getenv("GG_ITERS")));
     g_notime = getenv("GG_NOTIME") && atoi(getenv("GG_NOTIME"));
+    if (getenv("GG_DW_BETA")) g_dw_beta = (float)atof(getenv("GG_DW_BETA"));
     const char *filter = getenv("GG_CASES");
     const std::vector<gcase> cases = make_cases();
     if (!sched_selftest(cases)) return 2;

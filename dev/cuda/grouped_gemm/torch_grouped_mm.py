@@ -8,7 +8,7 @@ a fresh dW, not accumulated as the lab's dW += does), and fwd+bwd = autograd ove
 (torch.autograd.grad: one forward and both gradients, the issue's "forward+backward" measurement).
 Edge cases are left out (timing only). Run: python3 dev/cuda/grouped_gemm/torch_grouped_mm.py [LAB...]
 With LAB (the lab's table, e.g. gg_lab.txt; several are merged cell by cell), each row is the lab's row plus a torch column and
-"ours/torch" (the best of the sync-free versions v1, v2.* over torch), and with a v3 column "v3/ours"
+"ours/torch" (the best of the sync-free versions v1, v2.*, v4 over torch), and with a v3 column "v3/ours"
 (the FP8 GEMM over that best bf16 one); without it, torch alone.
 Environment: GG_CASES (substring), GG_ITERS (20)."""
 import os
@@ -98,7 +98,7 @@ def emit(lab, name, proj, prod, avg, R, cell, tf):
     ours, fp8 = [], None
     for c, v in zip(cols, line.split()):
         try:
-            if c.startswith("v1") or c.startswith("v2"):
+            if c.startswith("v1") or c.startswith("v2") or c.startswith("v4"):
                 ours.append(float(v))
             elif c == "v3":
                 fp8 = float(v)
