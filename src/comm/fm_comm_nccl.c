@@ -596,6 +596,29 @@ static fm_status nccl_split(void *ctx, int color, int key, fm_comm *out) {
     fm_comm host = {0};   /* the host values' mpi communicator, split the same way */
     if (n->host.ops) FM_TRY(n->host.ops->split(n->host.ctx, color, key, &host));
     ncclConfig_t cfg = nonblocking_config();
+    if (n->size == 1) {
+        /* One rank: the child is a fresh one-rank communicator of its own id. NCCL 2.28.3's
+         * ncclCommSplit fails on a one-rank parent (its bootstrapSplit returns ncclInternalError,
+         * init.cc:1519; measured on the H200, test_comm_nccl), and a split of one rank has
+         * nothing to agree on. */
+        ncclUniqueId id;
+        ncclComm_t nc = NULL;
+        ncclResult_t r = ncclGetUniqueId(&id);
+        if (r == ncclSuccess) r = ncclCommInitRankConfig(&nc, 1, id, 0, &cfg);
+        if (r != ncclSuccess && r != ncclInProgress) {
+            if (nc) (void)ncclCommAbort(nc);
+            fm_comm_free(&host);
+            return fm_error(FM_ERR_IO, "rank 0 of 1 (nccl): %s: the one-rank child (ncclGetUniqueId, "
+                            "ncclCommInitRankConfig) failed: %s", what, ncclGetErrorString(r));
+        }
+        const fm_status s1 = wait_ready(nc, r, 0, 1, what, n->default_timeout);
+        if (s1 != FM_OK) {
+            fm_comm_free(&host);
+            return s1;
+        }
+        if (host.ops) fm_comm_free(&host);
+        return nccl_new(out, nc, &host, &n->be, n->default_timeout, n->check);
+    }
     n->split_out = NULL;
     ncclResult_t r = ncclCommSplit(n->comm, color, key, &n->split_out, &cfg);
     if (r != ncclSuccess && r != ncclInProgress) {
