@@ -108,7 +108,16 @@ typedef struct fm_train_opts {
     bool llep;                    /* --llep: least-loaded expert placement (LLEP) */
     double llep_lambda;           /* --llep-lambda: the imbalance that triggers it (1.3) */
     int64_t llep_min_piece;       /* --llep-min-piece: smallest spilled range of rows (1024) */
+    /* Ring-DTP (--vocab-parallel ring; bounded/fm_linear_ce_ring.h, README "Many ranks"): the
+     * linear cross-entropy over the world's P = dp x sp ranks, each keeping its own tokens and
+     * the head rows fm_lce_ring_shard gives it (V/P of them); the vocabulary live set is the
+     * ring's bound. Needs the linear CE (blocks > 0; the defaults when neither --ce-block flag is
+     * given) and --zero 0 or 1; one rank: the one-rank linear CE (the same operator at P = 1). */
+    int vocab_parallel;           /* FM_VOCAB_PARALLEL_* */
 } fm_train_opts;
+
+/* --vocab-parallel: off (every rank projects its tokens on the whole head) or ring (Ring-DTP). */
+enum { FM_VOCAB_PARALLEL_OFF = 0, FM_VOCAB_PARALLEL_RING = 1 };
 
 /* Sets every option to its default (the values the CLI's --help names). */
 void fm_train_opts_default(fm_train_opts *o);
