@@ -9,14 +9,17 @@
 # runs at the micro-batch of all the data-parallel ranks together.
 # np2: -np 2 dp 2 on tests/data/micro.json (tied embeddings, V 256: two shards of 128 rows),
 #   moving activations (N = 64 tokens per rank <= V/P) and moving weight shards (seq-len 64,
-#   N = 256 > V/P); an untied head with V = 257 (shards 129 and 128); --zero 1; the default
-#   blocks (no --ce-block flag); -np 2 --sp 2. The vocabulary live set's --report-memory
-#   high-water mark equals its bound and `flatmoe plan --vocab-parallel ring`'s figure for it
-#   (both modes), every other live set within its bound.
+#   N = 256 > V/P); an untied head with V = 257 (shards 129 and 128); --zero 1; --zero 3 (the
+#   head group gathered as for the one-rank op, each rank computing with its shard's rows); the
+#   default blocks (no --ce-block flag); -np 2 --sp 2; -np 2 --ep 2. The vocabulary live set's
+#   --report-memory high-water mark equals its bound and `flatmoe plan --vocab-parallel ring`'s
+#   figure for it (both modes, and with --zero 3 the model state's too), every other live set
+#   within its bound.
 # np4: -np 4 dp 4 (activations), dp 4 moving weights, -np 4 --sp 2 (dp 2 x sp 2), the untied
-#   V = 257 head (shards 65, 65, 65, 62), each against one rank; high-water == plan at np 4.
-# bad: the flag on one rank only, an unknown value, plain logits with the flag, --zero 3 (train
-#   and plan): each a clear error naming the flag.
+#   V = 257 head (shards 65, 65, 65, 62) under --zero 0 and --zero 3, --ep 2 --sp 2, each against
+#   one rank; high-water == plan at np 4.
+# bad: the flag on one rank only, an unknown value (train and plan), plain logits with the flag:
+#   each a clear error naming the flag.
 set -u
 MPIEXEC=$1 FM=$(readlink -f "$2") MODE=$3
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -54,8 +57,9 @@ plan = json.loads(sys.argv[2])
 ok = all(v["high_water"] <= v["bound"] for v in mem.values())
 v = mem["vocabulary projection"]
 planned = plan["live_sets"]["vocabulary projection"]
-ok = ok and v["high_water"] == v["bound"] == planned
-print(f"memory: vocabulary high-water {v['high_water']} B, bound {v['bound']} B, plan {planned} B; all within bounds: "
+ok = ok and v["high_water"] == v["bound"] == planned and mem["model state"]["bound"] == plan["live_sets"]["model state"]
+print(f"memory: vocabulary high-water {v['high_water']} B, bound {v['bound']} B, plan {planned} B; model state bound "
+      f"{mem['model state']['bound']} B, plan {plan['live_sets']['model state']} B; all within bounds: "
       + ("ok" if ok else "FAILED " + json.dumps(mem)))
 sys.exit(0 if ok else 1)
 PY
@@ -78,6 +82,9 @@ np2)
     REF=$TMP/one_a ring 2 "$TMP/act" "$MICRO" 32 2 "${CE[@]}" --report-memory
     memory "$TMP/act" --config "$MICRO" --seq-len 32 --micro-batch 2 --dp 2 "${CE[@]}" || bad "np 2 activations: memory"
     REF=$TMP/one_a ring 2 "$TMP/z1" "$MICRO" 32 2 "${CE[@]}" --zero 1
+    REF=$TMP/one_a ring 2 "$TMP/z3" "$MICRO" 32 2 "${CE[@]}" --zero 3 --report-memory
+    memory "$TMP/z3" --config "$MICRO" --seq-len 32 --micro-batch 2 --dp 2 --zero 3 "${CE[@]}" || bad "np 2 --zero 3: memory"
+    REF=$TMP/one_a ring 2 "$TMP/ep" "$MICRO" 32 2 "${CE[@]}" --ep 2
     one "$TMP/one_sp" "$SP" 32 4 "${CE[@]}"
     REF=$TMP/one_sp ring 2 "$TMP/sp" "$SP" 32 4 "${CE[@]}" --sp 2
     one "$TMP/one_w" "$MICRO" 64 8 "${CE[@]}"
@@ -100,7 +107,12 @@ np4)
     memory "$TMP/sp" --config "$SP" --seq-len 32 --micro-batch 2 --dp 2 --sp 2 --zero 0 "${CE[@]}" ||
         bad "np 4 --sp 2: memory"
     one "$TMP/one_u" "$UNTIED" 32 4 "${CE[@]}"
-    REF=$TMP/one_u ring 4 "$TMP/untied" "$UNTIED" 32 1 "${CE[@]}" ;;
+    REF=$TMP/one_u ring 4 "$TMP/untied" "$UNTIED" 32 1 "${CE[@]}"
+    REF=$TMP/one_u ring 4 "$TMP/untied_z3" "$UNTIED" 32 1 "${CE[@]}" --zero 3 --report-memory
+    memory "$TMP/untied_z3" --config "$UNTIED" --seq-len 32 --micro-batch 1 --dp 4 --zero 3 "${CE[@]}" ||
+        bad "np 4 --zero 3 untied: memory"
+    one "$TMP/one_m" "$MICRO" 32 4 "${CE[@]}"
+    REF=$TMP/one_m ring 4 "$TMP/epsp" "$MICRO" 32 2 "${CE[@]}" --ep 2 --sp 2 ;;
 bad)
     expect() { # np, needle, then train's flags
         local np=$1 needle=$2; shift 2
@@ -112,7 +124,6 @@ bad)
     expect 2 "--vocab-parallel: expected off or ring, found 'tensor'" --vocab-parallel tensor
     expect 2 "--vocab-parallel ring with --ce-block-tokens 0 --ce-block-vocab 0 (plain logits)" --vocab-parallel ring \
         --ce-block-tokens 0 --ce-block-vocab 0
-    expect 2 "--vocab-parallel ring with --zero 3 is not built yet" --vocab-parallel ring --zero 3
     # the flag on rank 1 only: the ranks' flags are compared before any other collective
     export FM MICRO TEXT TMP
     cmd='x=; [ "$OMPI_COMM_WORLD_RANK" = 1 ] && x="--vocab-parallel ring"; exec "$FM" train --config "$MICRO" --data "$TEXT" --seq-len 32 --micro-batch 2 --steps 2 --threads 1 --quiet --ce-block-tokens 16 --comm-timeout 20 --out "$TMP/one_rank" $x'
@@ -120,9 +131,10 @@ bad)
     needle="--vocab-parallel differs between the ranks of this launch"
     if [ $rc -eq 0 ] || [ $rc -eq 124 ] || ! grep -qF -- "$needle" <<<"$out"; then bad "flag on one rank: rc $rc: $out"
     else echo "ok: flag on one rank: $(grep -m1 -F -- "$needle" <<<"$out")"; fi
-    out=$("$FM" plan --config "$MICRO" --seq-len 32 --dp 2 --zero 3 --vocab-parallel ring 2>&1); rc=$?
-    { [ $rc -ne 0 ] && grep -qF -- "--vocab-parallel ring with --zero 3 is not built yet" <<<"$out"; } ||
-        bad "plan --zero 3 --vocab-parallel ring: rc $rc: $out"
+    out=$("$FM" plan --config "$MICRO" --seq-len 32 --dp 2 --vocab-parallel ring --ce-block-tokens 0 --ce-block-vocab 0 2>&1)
+    rc=$?
+    { [ $rc -ne 0 ] && grep -qF -- "--vocab-parallel ring with --ce-block-tokens 0 --ce-block-vocab 0" <<<"$out"; } ||
+        bad "plan --vocab-parallel ring with plain logits: rc $rc: $out"
     out=$("$FM" plan --config "$MICRO" --seq-len 32 --dp 2 --vocab-parallel tensor 2>&1); rc=$?
     { [ $rc -ne 0 ] && grep -qF -- "--vocab-parallel: expected off or ring" <<<"$out"; } ||
         bad "plan --vocab-parallel tensor: rc $rc: $out" ;;

@@ -150,9 +150,6 @@ int cmd_plan(int argc, char **argv) {
     if (vocab_par && strcmp(vocab_par, "ring") != 0 && strcmp(vocab_par, "off") != 0)
         return cli_usage_error("plan", "--vocab-parallel: expected off or ring, found '%s'", vocab_par);
     if (vocab_par && !strcmp(vocab_par, "ring") && !mesh) { /* train's Ring-DTP over its dp x sp ranks */
-        if (zero == 3)
-            return cli_usage_error("plan", "%s", "--vocab-parallel ring with --zero 3 is not built yet (train refuses it: "
-                                   "ZeRO-3 gathers the whole LM head); use --zero 0 or 1");
         if (ce_bt == 0 && ce_bv == 0)
             return cli_usage_error("plan", "%s", "--vocab-parallel ring with --ce-block-tokens 0 --ce-block-vocab 0 (plain "
                                    "logits): the ring is the linear cross-entropy; give blocks > 0 or leave both out");

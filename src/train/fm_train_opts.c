@@ -100,10 +100,6 @@ fm_status fm_train_opts_check(const fm_train_opts *o) {
         return fm_error(FM_ERR_ARG, "--vocab-parallel ring with --ce-block-tokens 0 --ce-block-vocab 0 (plain logits): "
                         "the ring is the linear cross-entropy over the ranks; give blocks > 0 or leave both flags out "
                         "(then 1024 x 4096)");
-    if (o->vocab_parallel == FM_VOCAB_PARALLEL_RING && o->zero == 3)
-        return fm_error(FM_ERR_ARG, "--vocab-parallel ring with --zero 3 is not built yet (ZeRO-3 gathers the whole LM "
-                        "head group on every rank, so no rank would keep only its vocabulary shard); use --zero 0 or "
-                        "--zero 1 with the ring, or drop --vocab-parallel");
     if (!(o->comm_timeout >= 0) || !isfinite(o->comm_timeout))
         return fm_error(FM_ERR_ARG, "--comm-timeout must be finite and >= 0 s (0 = 300), found %g", o->comm_timeout);
     if (!(o->val_fraction > 0 && o->val_fraction < 1) && o->n_val_data == 0)
