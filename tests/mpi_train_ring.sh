@@ -11,7 +11,8 @@
 #   moving activations (N = 64 tokens per rank <= V/P) and moving weight shards (seq-len 64,
 #   N = 256 > V/P); an untied head with V = 257 (shards 129 and 128); --zero 1; --zero 3 (the
 #   head group gathered as for the one-rank op, each rank computing with its shard's rows); the
-#   default blocks (no --ce-block flag); -np 2 --sp 2; -np 2 --ep 2. The vocabulary live set's
+#   default blocks (no --ce-block flag); -np 2 --sp 2; -np 2 --ep 2; 10 ring steps at np 2 resumed
+#   for 10 at one rank without the flag against 20 one-rank steps. The vocabulary live set's
 #   --report-memory high-water mark equals its bound and `flatmoe plan --vocab-parallel ring`'s
 #   figure for it (both modes, and with --zero 3 the model state's too), every other live set
 #   within its bound.
@@ -94,7 +95,14 @@ np2)
     one "$TMP/one_u" "$UNTIED" 32 4 "${CE[@]}"
     REF=$TMP/one_u ring 2 "$TMP/untied" "$UNTIED" 32 2 "${CE[@]}"
     one "$TMP/one_d" "$MICRO" 32 4 --ce-block-tokens 1024 --ce-block-vocab 4096 # the flag's default blocks
-    REF=$TMP/one_d ring 2 "$TMP/dflt" "$MICRO" 32 2 ;;
+    REF=$TMP/one_d ring 2 "$TMP/dflt" "$MICRO" 32 2
+    # 10 steps at np 2 with the ring, 10 more at one rank without it: 20 one-rank steps (checkpoints
+    # hold the whole head whatever the shards)
+    mpi 2 train --config "$MICRO" --data "$TEXT" --seq-len 32 --micro-batch 2 "${COMMON[@]}" "${CE[@]}" --vocab-parallel ring \
+        --exit-after 10 --out "$TMP/res" || bad "np 2 ring first half failed"
+    "$FM" train --config "$MICRO" --data "$TEXT" --seq-len 32 --micro-batch 4 "${COMMON[@]}" "${CE[@]}" --resume \
+        --out "$TMP/res" >/dev/null 2>"$TMP/res.err" || bad "np 1 resume of a ring run failed: $(cat "$TMP/res.err")"
+    compare "$TMP/one_a" "$TMP/res" || bad "np 2 ring -> np 1 differs from 20 one-rank steps" ;;
 np4)
     one "$TMP/one_a" "$MICRO" 32 4 "${CE[@]}"
     REF=$TMP/one_a ring 4 "$TMP/act" "$MICRO" 32 1 "${CE[@]}" --report-memory
