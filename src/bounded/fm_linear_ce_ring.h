@@ -36,6 +36,11 @@
  * Messages go through fm_comm_all_to_all_v with bytes for the successor (or predecessor) only
  * and zero counts elsewhere (the communicator table has no send/recv): one collective per hop.
  * Byte counts per hop must fit in int for the MPI communicator (FM_ERR_ARG otherwise).
+ *
+ * The trainer runs it under --vocab-parallel ring (README "Vocabulary parallelism"): the model's
+ * head (model/fm_head.c) calls it over the world with the rank's shard rows of the LM head and
+ * of its gradient, and the vocabulary live set is laid out for fm_linear_ce_ring_bound_bytes
+ * (fm_model_vocab_ring_bytes), which the plan prints and --report-memory's high-water mark meets.
  */
 #ifndef FM_LINEAR_CE_RING_H
 #define FM_LINEAR_CE_RING_H

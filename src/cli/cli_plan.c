@@ -18,7 +18,7 @@
 
 int cmd_plan(int argc, char **argv) {
     const char *config = NULL, *recompute = NULL, *offload = NULL, *device_mem = NULL, *backend = NULL, *gpu_ws_plan = NULL;
-    const char *mem_budget = NULL, *host_mem = NULL, *calib_path = NULL;
+    const char *mem_budget = NULL, *host_mem = NULL, *calib_path = NULL, *vocab_par = NULL;
     int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = INT64_MIN, ce_bt = INT64_MIN, ce_bv = INT64_MIN, tq = 0, tkv = 0;
     int threads = 0;
     bool json = false, bf16m = false, offopt = false, keep_att = false, no_keep = false, no_overlap = false;
@@ -58,6 +58,7 @@ int cmd_plan(int argc, char **argv) {
         {"sp", F_I64, &sp, NULL, "sequence-parallel (Ulysses) degree: divides the heads and --seq-len (train's flag; with --zero 0 and no --world: the trainer's --sp run (beside --ep when given), replicas, exact to its arenas; else the mesh's) (chosen with --world, else 1)"},
         {"gpus-per-node", F_I64, &gpus_per_node, NULL, "ranks per node, for which links the mesh's collectives cross (NVLink within, InfiniBand across) (8)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
+        {"vocab-parallel", F_STR, &vocab_par, NULL, "off | ring: plan train's --vocab-parallel ring, the vocabulary live set as Ring-DTP's bound over dp x sp ranks (a mesh plan always has it) (off)"},
     };
     int r = cli_parse_flags("plan", "--config C --seq-len S [--micro-batch B] [--device-mem BYTES] [flags]", argc, argv, flags,
                         sizeof flags / sizeof flags[0]);
@@ -146,6 +147,21 @@ int cmd_plan(int argc, char **argv) {
     if (zero == -1) zero = 0;
     if (dp < 1 || (zero != 0 && zero != 1 && zero != 3))
         return cli_usage_error("plan", "%s", "--dp must be >= 1 and --zero 0, 1 or 3");
+    if (vocab_par && strcmp(vocab_par, "ring") != 0 && strcmp(vocab_par, "off") != 0)
+        return cli_usage_error("plan", "--vocab-parallel: expected off or ring, found '%s'", vocab_par);
+    if (vocab_par && !strcmp(vocab_par, "ring") && !mesh) { /* train's Ring-DTP over its dp x sp ranks */
+        if (ce_bt == 0 && ce_bv == 0)
+            return cli_usage_error("plan", "%s", "--vocab-parallel ring with --ce-block-tokens 0 --ce-block-vocab 0 (plain "
+                                   "logits): the ring is the linear cross-entropy; give blocks > 0 or leave both out");
+        if (ce_bt <= 0 && ce_bv <= 0) { /* train's defaults for the flag */
+            ce_bt = FM_LCE_DEFAULT_BLOCK_TOKENS;
+            ce_bv = FM_LCE_DEFAULT_BLOCK_VOCAB;
+            req.ce_block_tokens = ce_bt;
+            req.ce_block_vocab = ce_bv;
+        }
+        const int64_t P = (int64_t)dp * (sp > 1 ? sp : 1);
+        req.vocab_ring = P > 1 ? P : 0;
+    }
     if (zero == 3 && offopt) return cli_usage_error("plan", "%s", "--zero 3 and --offload-optimizer do not go together yet");
     if (zero && offopt) return cli_usage_error("plan", "%s", "--zero 1 and --offload-optimizer do not go together yet");
     fm_model_state_bound_set_dp(dp, zero); /* the model state's per-rank bound (train/fm_optim.h) */

@@ -31,6 +31,7 @@ int cmd_train(int argc, char **argv) {
     o.warmup = INT64_MIN;
     static const char *data[MAX_FILES], *val[MAX_FILES];
     const char *mem_budget = NULL, *gpu_ws = NULL, *host_mem = NULL, *comm = NULL, *comm_check = NULL;
+    const char *vocab_par = NULL;
     flag flags[] = {
         {"config", F_STR, &o.config_path, NULL, "Hugging Face config.json of the model (required unless --resume or --init-from)"},
         {"init-from", F_STR, &o.init_from, NULL, "start from a Hugging Face model folder: its config.json and weights (model.safetensors, or model.safetensors.index.json and its shards; fp32, bf16 or fp16); the optimizer starts fresh; --resume wins when --out has a checkpoint (off)"},
@@ -93,6 +94,7 @@ int cmd_train(int argc, char **argv) {
         {"llep", F_BOOL, &o.llep, NULL, "--ep: least-loaded expert placement (LLEP): when the busiest rank's routed rows exceed --llep-lambda x the mean, the heaviest experts' rows spill to the least-loaded ranks, which get those experts' weights (off)"},
         {"llep-lambda", F_F64, &o.llep_lambda, NULL, "--llep: the imbalance (busiest rank's rows over the mean) that triggers the placement, >= 1 (1.3)"},
         {"llep-min-piece", F_I64, &o.llep_min_piece, NULL, "--llep: the smallest range of rows that spills to another rank (1024)"},
+        {"vocab-parallel", F_STR, &vocab_par, NULL, "off | ring: ring = Ring-DTP, the vocabulary-parallel linear cross-entropy over every rank (dp x sp): each rank keeps its own tokens and V/P rows of the LM head, and over P rounds every token block meets every shard (activations move when tokens per rank <= V/P, else the weight shards); the vocabulary live set is the ring's bound; needs the linear CE (1024 x 4096 blocks unless --ce-block-* are given); with --zero 0, 1 or 3 (under 3 the head is still gathered whole, each rank computing with its rows) (off)"},
     };
     int r = cli_parse_flags("train", "(--config C | --init-from DIR) --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
     if (r) return r == 1 ? 0 : r;
@@ -118,6 +120,9 @@ int cmd_train(int argc, char **argv) {
     fm_comm_nccl_check cc = FM_COMM_NCCL_CHECK_DEFERRED;
     if (comm && (s = fm_comm_kind_parse(comm, &ck))) return cli_fail("train", s);
     if (comm_check && (s = fm_comm_nccl_check_parse(comm_check, &cc))) return cli_fail("train", s);
+    if (vocab_par && !strcmp(vocab_par, "ring")) o.vocab_parallel = FM_VOCAB_PARALLEL_RING;
+    else if (vocab_par && strcmp(vocab_par, "off") != 0)
+        return cli_usage_error("train", "--vocab-parallel: expected off or ring, found '%s'", vocab_par);
     o.comm_kind = (int)ck;
     o.comm_check = (int)cc;
     if (o.threads < 0) return cli_usage_error("train", "%s", "--threads must be >= 0 (0 = all cores)");

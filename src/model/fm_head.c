@@ -1,11 +1,13 @@
 /* The pieces of the model outside its layers (fm_model.h): the token embedding, and the head —
- * final RMSNorm, LM head and cross-entropy (plain logits, or the linear cross-entropy of
- * bounded/fm_linear_ce.h) — forward and backward. */
+ * final RMSNorm, LM head and cross-entropy (plain logits, the linear cross-entropy of
+ * bounded/fm_linear_ce.h, or its ring over the ranks, bounded/fm_linear_ce_ring.h, under
+ * --vocab-parallel ring) — forward and backward. */
 #include "fm_model.h"
 
 #include <string.h>
 
 #include "../bounded/fm_linear_ce.h"
+#include "../bounded/fm_linear_ce_ring.h"
 
 #define OPS (m->be.ops)
 #define CTX (m->be.ctx)
@@ -43,22 +45,36 @@ static fm_status count_valid(fm_model *m, fm_loss *r) {
 
 /* The loss sum of the batch: summed over m->comm in backend memory. */
 static fm_status reduce_loss(fm_model *m) {
-    if (!m->comm) return FM_OK;
+    if (!m->comm || (m->linear_ce && m->vocab_P > 1)) return FM_OK; /* Ring-DTP's sums are the group's */
     return fm_comm_all_reduce(m->comm, m->results + FM_RESULT_CE, m->results + FM_RESULT_CE, 2, FM_COMM_F64,
                               FM_COMM_SUM, 0);
 }
 
 /* The linear cross-entropy over xf and the LM head; with grads, dxf -> ws.dtmp and the head's
- * gradient accumulated, scaled by scale/valid. The loss sums land in results[CE], [ZSQ]. */
-static void linear_ce(fm_model *m, bool grads, float scale) {
+ * gradient accumulated, scaled by scale/valid. The loss sums land in results[CE], [ZSQ].
+ * Ring-DTP (m->vocab_P > 1): fm_linear_ce_ring over m->vocab_comm with this rank's shard rows of
+ * the head and of its gradient; the sums it writes are the group's. Errors: the ring's (its
+ * communicator's, or arguments that differ between the ranks); FM_OK for the one-rank op. */
+static fm_status linear_ce(fm_model *m, bool grads, float scale) {
     const fm_config *c = &m->cfg;
     fm_lce_opts o = fm_lce_opts_default();
     o.block_tokens = m->ce_block_tokens;
     o.block_vocab = m->ce_block_vocab;
     const int64_t valid = m->n_valid;
+    const float gs = valid ? scale / (float)valid : 0.0f;
+    if (m->vocab_P > 1) {
+        fm_lce_ring_opts ro = fm_lce_ring_opts_default();
+        ro.lce = o;
+        const int64_t off = m->vocab_first * c->hidden_size; /* this rank's rows of the [V,H] head */
+        return fm_linear_ce_ring(&m->be, m->vocab_comm, &m->arena[FM_LIVE_VOCAB], m->token_loss,
+                                 grads ? m->ws.dtmp : NULL, grads ? m->g.lm_head + off : NULL, m->xf,
+                                 m->w.lm_head + off, m->targets, m->N, c->hidden_size, c->vocab_size, gs, &ro,
+                                 m->results + FM_RESULT_CE, NULL);
+    }
     fm_linear_ce(&m->be, &m->arena[FM_LIVE_VOCAB], m->token_loss, grads ? m->ws.dtmp : NULL,
                  grads ? m->g.lm_head : NULL, m->xf, m->w.lm_head, m->targets, m->N, c->hidden_size, c->vocab_size,
-                 valid ? scale / (float)valid : 0.0f, &o, m->results + FM_RESULT_CE);
+                 gs, &o, m->results + FM_RESULT_CE);
+    return FM_OK;
 }
 
 /* final RMSNorm of boundary L into xf */
@@ -78,7 +94,7 @@ fm_status fm_model_head_forward(fm_model *m, bool with_targets, fm_loss *r) {
     if (with_targets) FM_TRY(count_valid(m, r));
     if (m->linear_ce) {
         FM_ASSERT(with_targets); /* a linear-CE layout has no logits to sample from */
-        linear_ce(m, false, 1.0f);
+        FM_TRY(linear_ce(m, false, 1.0f));
         return reduce_loss(m);
     }
     fm_linear_fwd(&m->be, m->logits, FM_ACT_DTYPE, m->xf, m->w.lm_head, N, H, V);
@@ -102,7 +118,8 @@ void fm_model_head_backward(fm_model *m, float scale) {
     const fm_config *c = &m->cfg;
     PHASE(LOSS);
     if (m->linear_ce) {
-        linear_ce(m, true, scale);
+        const fm_status st = linear_ce(m, true, scale);
+        if (st != FM_OK && m->vocab_status == FM_OK) m->vocab_status = st;
     } else {
         /* m->logits holds dloss/dlogits (mean CE) from the forward; the GEMMs scale it (alpha)
          * for accumulation. */
@@ -120,7 +137,7 @@ fm_status fm_model_head_train(fm_model *m, float scale, fm_loss *r) {
     }
     final_norm(m);
     FM_TRY(count_valid(m, r));
-    linear_ce(m, true, scale); /* loss and gradients in one pass over the strips */
+    FM_TRY(linear_ce(m, true, scale)); /* loss and gradients in one pass over the strips */
     FM_TRY(reduce_loss(m));
     final_norm_backward(m);
     return FM_OK;

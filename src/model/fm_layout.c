@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "../bounded/fm_linear_ce.h"
+#include "../bounded/fm_linear_ce_ring.h"
 #include "fm_model_internal.h"
 
 /* ------------------------------------------------------------------------------------------ */
@@ -68,6 +69,16 @@ static fm_moe_dims moe_dims(const fm_config *c) {
     return d;
 }
 
+/* Ring-DTP's scratch for training calls (dh and dW wanted, no token weights or entropy) with
+ * this rank's N as the group's largest count, in the mode AUTO picks. */
+static size_t ring_scratch_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab, int P,
+                                 size_t a) {
+    fm_lce_opts lo = fm_lce_opts_default();
+    lo.block_tokens = block_tokens;
+    lo.block_vocab = block_vocab;
+    return fm_linear_ce_ring_bound_bytes_a(FM_LCE_RING_AUTO, N, c->hidden_size, c->vocab_size, P, true, true, &lo, a);
+}
+
 static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     const fm_config *c = &m->cfg;
     const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size, hd = c->head_dim;
@@ -127,8 +138,10 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     m->rstd_f = TAKE(voc, float, N);
     m->logits = m->linear_ce ? NULL : TAKE(voc, fm_act, N * c->vocab_size);
     m->token_loss = TAKE(voc, float, N);
-    if (m->linear_ce) { /* the operator's strip: carved and released inside each call */
-        size_t strip = fm_linear_ce_bound_bytes(m->ce_block_tokens, m->ce_block_vocab);
+    if (m->linear_ce) { /* the operator's strip (Ring-DTP: its messages too): carved and released inside each call */
+        size_t strip = m->vocab_P > 1 ? ring_scratch_bytes(c, N, m->ce_block_tokens, m->ce_block_vocab, m->vocab_P,
+                                                           sizeof(fm_act))
+                                      : fm_linear_ce_bound_bytes(m->ce_block_tokens, m->ce_block_vocab);
         if (fm_arena_is_measure(voc)) { /* the real arena was sized from this measurement */
             voc->used += strip;
             if (voc->used > voc->high) voc->high = voc->used;
@@ -200,6 +213,11 @@ size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_
     return BA(N * c->hidden_size) + 2 * B4(N) + fm_linear_ce_bound_bytes_a(block_tokens, block_vocab, a);
 }
 
+size_t fm_model_vocab_ring_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab, int P,
+                                 size_t a) {
+    return BA(N * c->hidden_size) + 2 * B4(N) + ring_scratch_bytes(c, N, block_tokens, block_vocab, P, a);
+}
+
 void fm_model_free_layout(fm_model *m) {
     fm_attn_sp_free(&m->sp_attn);
     for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_free(&m->arena[i]);
@@ -227,6 +245,7 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
     m.ce_block_vocab = opts ? opts->ce_block_vocab : 0;
     m.n_offloaded_boundaries = opts ? opts->n_offloaded_boundaries : 0;
     m.sp = opts && opts->sp > 1 ? (int)opts->sp : 1;
+    m.vocab_P = opts && opts->vocab_ring > 1 ? opts->vocab_ring : 0;
     m.ep = opts && opts->ep > 1 ? opts->ep : 1;
     m.ep_rank = opts && opts->ep > 1 ? opts->ep_rank : 0;
     if (opts && opts->ep > 1 && opts->llep) m.moe_llep = *opts->llep;
@@ -256,6 +275,30 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
 void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layout_opts *opts,
                          size_t bytes[FM_LIVE_COUNT]) {
     plan_bytes(cfg, B, T, opts, bytes, NULL);
+}
+
+/* Ring-DTP over P ranks (P <= 1: off): the communicator's size, the linear CE, this rank's shard. */
+static fm_status vocab_ring_setup(fm_model *m, int P) {
+    m->vocab_P = 0;
+    m->vocab_rank = 0;
+    m->vocab_first = 0;
+    m->vocab_rows = m->cfg.vocab_size;
+    m->vocab_status = FM_OK;
+    if (P <= 1) return FM_OK;
+    if (!m->linear_ce)
+        return fm_error(FM_ERR_ARG, "--vocab-parallel ring: the ring is the linear cross-entropy, but the layout has plain "
+                        "logits (--ce-block-tokens 0 --ce-block-vocab 0); give blocks > 0 or leave both flags out");
+    if (!m->vocab_comm || fm_comm_size(m->vocab_comm) != P)
+        return fm_error(FM_ERR_ARG, "--vocab-parallel ring over %d ranks: the model's ring communicator (m->vocab_comm) "
+                        "has %d ranks; set it to the world before fm_model_layout", P,
+                        m->vocab_comm ? fm_comm_size(m->vocab_comm) : 0);
+    if (P > FM_LCE_RING_MAX_RANKS)
+        return fm_error(FM_ERR_ARG, "--vocab-parallel ring over %d ranks: the ring takes at most %d; launch fewer ranks or "
+                        "drop the flag", P, FM_LCE_RING_MAX_RANKS);
+    m->vocab_P = P;
+    m->vocab_rank = fm_comm_rank(m->vocab_comm);
+    fm_lce_ring_shard(m->cfg.vocab_size, P, m->vocab_rank, &m->vocab_first, &m->vocab_rows);
+    return FM_OK;
 }
 
 fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opts *opts) {
@@ -325,9 +368,11 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
                            m->be.ops->expert_sync_free(m->be.ctx, c->num_experts, c->hidden_size,
                                                        c->moe_intermediate_size, c_eff * c->num_experts_per_tok);
     }
+    FM_TRY(vocab_ring_setup(m, opts ? opts->vocab_ring : 0));
     fm_layout_opts o = {m->recompute, m->moe_chunk_tokens, m->ce_block_tokens, m->ce_block_vocab,
                         m->n_offloaded_boundaries, m->keep_attention, ep, m->ep_rank, &m->moe_llep};
     o.sp = sp;
+    o.vocab_ring = m->vocab_P;
     size_t bytes[FM_LIVE_COUNT];
     size_t host_bytes = 0;
     plan_bytes(c, B, T, &o, bytes, &host_bytes);

@@ -150,6 +150,19 @@ typedef struct fm_model {
     fm_act *xf; float *rstd_f;  /* [N,H], [N] */
     fm_act *logits;             /* [N,V] (plain vocabulary projection; NULL under linear CE) */
     float *token_loss;          /* [N] */
+    /* Ring-DTP (--vocab-parallel ring, README "Many ranks"; bounded/fm_linear_ce_ring.h): with
+     * vocab_P > 1 the linear cross-entropy runs as fm_linear_ce_ring over vocab_comm (P ranks,
+     * this one vocab_rank): this rank's N tokens meet every rank's V/P head shard; it reads and
+     * writes only its own shard's rows [vocab_first, vocab_first + vocab_rows) of w.lm_head and
+     * g.lm_head (fm_lce_ring_shard), the rows of the others' gradient stay as they were (zero
+     * after the step's zeroing: the trainer's all-reduce of the head gradient sums the shards),
+     * and the loss sums it writes are already the group's (not reduced again over m->comm).
+     * vocab_P 0 or 1: the one-rank fm_linear_ce with the whole head. */
+    const fm_comm *vocab_comm;  /* the ring's ranks (the world), backend memory; set before the layout */
+    int vocab_P, vocab_rank;
+    int64_t vocab_first, vocab_rows;
+    fm_status vocab_status;     /* the ring's first error in fm_model_head_backward (which returns
+                                   void); FM_OK otherwise. fm_model_head_train returns its errors */
 
     /* Expert parallelism (--ep, README "Many ranks"; bounded/fm_moe_ep.h): with ep > 1 the table
      * holds this rank's E_loc = E/ep experts of every layer (experts ep_rank*E_loc .., under their
@@ -238,6 +251,10 @@ typedef struct fm_layout_opts {
                                   must be a group of sp ranks, and the working set holds
                                   fm_attn_sp_bytes more (the head-sharded q/k/v/o, their gradients,
                                   the all-to-all blocks and index tables) */
+    int vocab_ring;            /* Ring-DTP over this many ranks (0 or 1: none; > 1 needs the linear
+                                  CE, ce_block_* > 0, and fm_model_layout requires m->vocab_comm of
+                                  that size): the vocabulary live set holds the ring's bound
+                                  (fm_model_vocab_ring_bytes) instead of the one-rank strip */
 } fm_layout_opts;
 
 /* Lays out and allocates activation memory for micro-batch B x sequence T (opts NULL: no
@@ -282,6 +299,15 @@ size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N, size_t act_byte
  * plus the operator's strip bound (fm_linear_ce_bound_bytes), independent of V. */
 size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab,
                                    size_t act_bytes);
+
+/* The same under Ring-DTP over P > 1 ranks (--vocab-parallel ring): final-norm output, rstd and
+ * per-token loss, plus fm_linear_ce_ring_bound_bytes_a for this rank's N tokens as the group's
+ * largest count (every rank of a training run holds N = B x T/sp), with dh and dW wanted, no
+ * token weights or entropy, the mode AUTO picks (one V/P x H shard and its dW accumulator in
+ * flight and received when the weights move; the N-token block, its dh and state when the
+ * activations do). The forward-only call (evaluation) takes at most this. */
+size_t fm_model_vocab_ring_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab, int P,
+                                 size_t act_bytes);
 
 /* Sets the active micro-batch and sequence length for the next forward/backward, within the
  * laid-out capacity (asserted). Tokens and targets are then read as [B,T]. */

@@ -8,6 +8,7 @@
 
 #include "../backend/fm_backend_plan.h"
 #include "../bounded/fm_linear_ce.h"
+#include "../bounded/fm_linear_ce_ring.h"
 #include "fm_mesh_bound.h"
 #include "../bounded/fm_moe_ep.h"
 #include "../schedule/fm_recompute.h"
@@ -148,7 +149,16 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     }
 
     const bool lce = r->ce_block_tokens > 0 || r->ce_block_vocab > 0;
-    if (lce) {
+    if (lce && r->vocab_ring > 1) { /* --vocab-parallel ring: Ring-DTP over the world's P ranks */
+        const int P = (int)r->vocab_ring;
+        const fm_lce_ring_mode mode = fm_lce_ring_choose(N, c->vocab_size, P);
+        p->bytes[FM_LIVE_VOCAB] = fm_model_vocab_ring_bytes(c, N, r->ce_block_tokens, r->ce_block_vocab, P, a);
+        snprintf(p->inputs[FM_LIVE_VOCAB], 200, "Ring-DTP over P = %d, moving %s: one %lld x %lld fp32 strip + 2 messages "
+                 "of %s (+ final norm N x H)", P, mode == FM_LCE_RING_ACTIVATIONS ? "activations" : "weights",
+                 (long long)(r->ce_block_tokens > 0 ? r->ce_block_tokens : FM_LCE_DEFAULT_BLOCK_TOKENS),
+                 (long long)(r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB),
+                 mode == FM_LCE_RING_ACTIVATIONS ? "N x H h, dh and state" : "a V/P x H shard and its dW");
+    } else if (lce) {
         p->bytes[FM_LIVE_VOCAB] = fm_model_vocab_linear_bytes(c, N, r->ce_block_tokens, r->ce_block_vocab, a);
         snprintf(p->inputs[FM_LIVE_VOCAB], 200, "linear CE: one %lld x %lld fp32 strip (+ final norm N x H)",
                  (long long)(r->ce_block_tokens > 0 ? r->ce_block_tokens : FM_LCE_DEFAULT_BLOCK_TOKENS),

@@ -87,6 +87,11 @@ typedef struct fm_plan_req {
                                    buffers and the all-to-all blocks (fm_attn_sp_bytes); the
                                    attention workspace is planned for [B, T, nh/sp heads]. T must
                                    be divisible by sp (fm_attn_sp_check) */
+    int64_t vocab_ring;         /* the trainer's --vocab-parallel ring over this many ranks (the world,
+                                   dp x sp; 0 or 1: off; needs the linear CE's blocks > 0): the
+                                   vocabulary live set is Ring-DTP's bound, fm_model_vocab_ring_bytes
+                                   (one V/P x H shard or one token block in flight, never the whole
+                                   head's strip); not with mesh.on (a mesh always plans the ring) */
 } fm_plan_req;
 
 typedef struct fm_plan {

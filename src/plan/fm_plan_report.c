@@ -31,6 +31,9 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     if (r->moe_chunk_tokens > 0 || r->ep > 1)
         fprintf(f, ", %lld chunks of <= %lld tokens", (long long)p->moe_K, (long long)p->moe_c_eff);
     fprintf(f, "; vocabulary %s", (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear cross-entropy" : "plain logits");
+    if (r->vocab_ring > 1 && !r->mesh.on)
+        fprintf(f, " as Ring-DTP over %lld ranks (V/P = %lld head rows each)", (long long)r->vocab_ring,
+                (long long)((c->vocab_size + r->vocab_ring - 1) / r->vocab_ring));
     fprintf(f, "; %lld offloaded boundaries; optimizer %s", (long long)p->n_offloaded_boundaries,
             r->offload_optimizer ? "streamed from pinned host memory (--offload-optimizer)" : "on the device");
     if (r->sp > 1) /* Ulysses: the bounds are per rank, of its slice */
@@ -61,6 +64,7 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     if (r->bf16_moments) fprintf(f, " --bf16-moments");
     if (r->ep > 1) fprintf(f, " --ep %d", r->ep);
     if (r->sp > 1) fprintf(f, " --sp %lld", (long long)r->sp);
+    if (r->vocab_ring > 1 && !r->mesh.on) fprintf(f, " --vocab-parallel ring");
     if (r->T > c->max_position_embeddings) fprintf(f, " --max-position-embeddings %lld", (long long)r->T);
     const fm_mesh_dims *m = &r->mesh;
     if (m->on) {

@@ -25,14 +25,14 @@ fm_status fm_train_agree(const fm_comm *world, const fm_train_opts *o, const fm_
                            "--offload-optimizer", "--offload-boundaries", "--recompute", "--bf16-moments", "--lr",
                            "--min-lr", "--warmup", "--weight-decay", "--grad-clip", "--ep-cap-tokens", "--llep",
                            "the config's hidden_size", "the config's num_hidden_layers", "the config's num_experts",
-                           "the config's vocab_size"};
+                           "the config's vocab_size", "--vocab-parallel"};
     enum { N = sizeof names / sizeof names[0] };
     int64_t v[2 * N] = {o->seq_len, o->micro_batch, o->grad_accum, o->steps, (int64_t)(o->seed >> 1), o->dp, o->ep,
                         o->sp, o->zero, o->moe_chunk_tokens, o->ce_block_tokens, o->ce_block_vocab,
                         (int64_t)o->mem_budget, o->offload_optimizer, str_hash(o->offload_boundaries),
                         str_hash(o->recompute), o->bf16_moments, f64_bits(o->lr), f64_bits(o->min_lr), o->warmup,
                         f64_bits(o->weight_decay), f64_bits(o->grad_clip), o->ep_cap_tokens, o->llep,
-                        c->hidden_size, c->num_hidden_layers, c->num_experts, c->vocab_size};
+                        c->hidden_size, c->num_hidden_layers, c->num_experts, c->vocab_size, o->vocab_parallel};
     int64_t mine[N];
     memcpy(mine, v, sizeof mine);
     for (int i = 0; i < N; i++) v[N + i] = ~v[i]; /* max of ~x is ~min x (order-reversing, no overflow) */

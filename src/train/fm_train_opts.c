@@ -94,6 +94,12 @@ fm_status fm_train_opts_check(const fm_train_opts *o) {
     if (o->zero && o->offload_optimizer)
         return fm_error(FM_ERR_ARG, "--zero 1 and --offload-optimizer do not go together yet (the streamed AdamW "
                         "runs on the whole replica); drop one of them");
+    if (o->vocab_parallel != FM_VOCAB_PARALLEL_OFF && o->vocab_parallel != FM_VOCAB_PARALLEL_RING)
+        return fm_error(FM_ERR_ARG, "--vocab-parallel: expected off or ring, found value %d", o->vocab_parallel);
+    if (o->vocab_parallel == FM_VOCAB_PARALLEL_RING && o->ce_block_tokens == 0 && o->ce_block_vocab == 0)
+        return fm_error(FM_ERR_ARG, "--vocab-parallel ring with --ce-block-tokens 0 --ce-block-vocab 0 (plain logits): "
+                        "the ring is the linear cross-entropy over the ranks; give blocks > 0 or leave both flags out "
+                        "(then 1024 x 4096)");
     if (!(o->comm_timeout >= 0) || !isfinite(o->comm_timeout))
         return fm_error(FM_ERR_ARG, "--comm-timeout must be finite and >= 0 s (0 = 300), found %g", o->comm_timeout);
     if (!(o->val_fraction > 0 && o->val_fraction < 1) && o->n_val_data == 0)

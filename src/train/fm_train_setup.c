@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "../backend/fm_backend_default.h"
+#include "../bounded/fm_linear_ce_ring.h"
 #include "../io/fm_checkpoint.h"
 #include "../plan/fm_choose.h"
 #include "../plan/fm_plan_device.h"
@@ -241,6 +242,14 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                        keep};
     req.optimizer_overlap = !o->no_optimizer_overlap && !(o->zero && W > 1); /* as fm_step_ws_enable_overlap below */
     req.sp = sp; /* activations of seq-len/sp tokens per sequence, plus the head-sharded attention buffers */
+    /* --vocab-parallel ring: the linear CE (default blocks when neither flag is given), over the
+     * world's W ranks when W > 1 (Ring-DTP's bound for the vocabulary live set) */
+    const bool vocab_flag = o->vocab_parallel == FM_VOCAB_PARALLEL_RING, vocab_ring = vocab_flag && W > 1;
+    if (vocab_flag && req.ce_block_tokens <= 0 && req.ce_block_vocab <= 0) {
+        req.ce_block_tokens = FM_LCE_DEFAULT_BLOCK_TOKENS;
+        req.ce_block_vocab = FM_LCE_DEFAULT_BLOCK_VOCAB;
+    }
+    req.vocab_ring = vocab_ring ? W : 0;
     if (ep > 1) { /* --zero 3 --ep: the non-expert parameters sharded, E/ep experts whole (fm_zero3.h) */
         fm_zero3_ep_bound_set(W, ep);
         req.model_state_bytes = o->zero == 3 && W > 1 ? fm_zero3_ep_model_state_bound : fm_train_ep_model_state_bound;
@@ -265,7 +274,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     const fm_choose_opts co = {budget, o->mem_budget ? "--mem-budget" : "the GPU's measured free memory (no --mem-budget given)",
                                host_budget, "--host-mem-budget", &cal, o->recompute != NULL, o->recompute_keep_attention || o->no_recompute_keep_attention,
                                o->offload_boundaries != NULL, o->offload_optimizer || ep > 1, moe_c >= 0, /* --ep: no streamed AdamW */
-                               o->ce_block_tokens >= 0 || o->ce_block_vocab >= 0};
+                               o->ce_block_tokens >= 0 || o->ce_block_vocab >= 0 || vocab_flag};
     fm_projection proj;
     FM_TRY(fm_plan_fit(&req, &co, rc, &plan, &proj));
     n_off = req.n_offloaded_boundaries;
@@ -302,6 +311,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         printf("communicator: %s over %d rank%s\n", r->world.ops->name, W, W == 1 ? "" : "s");
     FM_TRY(fm_train_agree(&r->world, o, c)); /* every rank with the same flags, before any other collective */
     m->comm = &r->world; /* the batch's valid targets, loss sums and router statistics */
+    if (vocab_ring) m->vocab_comm = &r->world; /* Ring-DTP over every rank (fm_layout_opts.vocab_ring) */
     if (sp > 1) { /* Ulysses: the mesh's sp group carries attention's all-to-alls */
         FM_TRY(fm_comm_group_create(&r->mesh, &r->world, dp, 1, sp));
         r->mesh_ok = true;
@@ -360,7 +370,16 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab, n_off,
                                keep, ep, r->rank % ep, &llep};
     lo.sp = sp;
+    lo.vocab_ring = vocab_ring ? W : 0;
     FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len / sp, &lo)); /* this rank's slice of each sequence */
+    if (vocab_ring && !o->quiet)
+        printf("vocab-parallel: Ring-DTP over %d ranks, head rows [%lld, %lld) on this rank (%lld of %lld), moving %s\n", W,
+               (long long)m->vocab_first, (long long)(m->vocab_first + m->vocab_rows), (long long)m->vocab_rows,
+               (long long)c->vocab_size,
+               fm_lce_ring_choose(m->N, c->vocab_size, W) == FM_LCE_RING_ACTIVATIONS ? "activations (N <= V/P)"
+                                                                                      : "weight shards (N > V/P)");
+    else if (vocab_flag && !o->quiet)
+        printf("vocab-parallel: one rank, so the one-rank linear cross-entropy (the ring at P = 1)\n");
     for (int i = 0; i < FM_LIVE_COUNT; i++) {
         const fm_arena *a = fm_train_arena(r, i);
         if (a->capacity != fm_arena_round(plan.bytes[i])) {

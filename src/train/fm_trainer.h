@@ -108,7 +108,22 @@ typedef struct fm_train_opts {
     bool llep;                    /* --llep: least-loaded expert placement (LLEP) */
     double llep_lambda;           /* --llep-lambda: the imbalance that triggers it (1.3) */
     int64_t llep_min_piece;       /* --llep-min-piece: smallest spilled range of rows (1024) */
+    /* Ring-DTP (--vocab-parallel ring; bounded/fm_linear_ce_ring.h, README "Many ranks"): the
+     * linear cross-entropy over the world's P = dp x sp ranks, each keeping its own tokens and
+     * the head rows fm_lce_ring_shard gives it (V/P of them); the vocabulary live set is the
+     * ring's bound. Needs the linear CE (blocks > 0; the defaults when neither --ce-block flag is
+     * given). Where the head lives: --zero 0/1 every rank's replica, of which the ring reads and
+     * writes only the rank's rows (the others' gradient rows stay zero, so the usual all-reduce or
+     * reduce-scatter of the gradients sums the shards: exact); --zero 3 the head group is still
+     * gathered whole before the head as without the flag (tied or untied), the ring computes on
+     * the rank's rows of the gathered slot and the reduce-scatter sums the shards' gradient rows:
+     * the activation memory is the ring's, the head's gather slot is not saved (yet). Beside
+     * --sp and --ep alike. One rank: the one-rank linear CE (the same operator at P = 1). */
+    int vocab_parallel;           /* FM_VOCAB_PARALLEL_* */
 } fm_train_opts;
+
+/* --vocab-parallel: off (every rank projects its tokens on the whole head) or ring (Ring-DTP). */
+enum { FM_VOCAB_PARALLEL_OFF = 0, FM_VOCAB_PARALLEL_RING = 1 };
 
 /* Sets every option to its default (the values the CLI's --help names). */
 void fm_train_opts_default(fm_train_opts *o);
