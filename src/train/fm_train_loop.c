@@ -76,7 +76,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
     const int64_t first = ts->step + 1;
     rec->first_step = first;
     rec->last_step = ts->step;
-    if (first > o->steps)
+    if (first > o->steps && r->rank == 0) /* many ranks: the same on every rank, said once */
         fprintf(stderr, "note: --resume: the run is at step %lld, already at or past --steps %lld: nothing to train "
                 "(give a larger --steps to continue it)\n", (long long)ts->step, (long long)o->steps);
     int64_t ran = 0;
@@ -184,7 +184,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
     if (!rec->stopped_by) rec->stopped_by = fm_stop_requested();
     rec->elapsed_s = now_s() - t0;
     fm_train_metrics_summary(r, rec);
-    if (rec->stopped_by) {
+    if (rec->stopped_by && r->rank == 0) { /* many ranks: every rank stops after the same step; rank 0 says so */
         fflush(stdout);
         if (ran == 0)
             fprintf(stderr, "flatmoe train: %s received before step %lld: stopped without training; the run folder "
@@ -240,7 +240,7 @@ fm_status fm_train(const fm_train_opts *o) {
             oo.threads = (int)ts.threads;
             if (!oo.quiet) printf("--resume: --threads %d (the run's: results depend on the thread count; --threads sets "
                                   "another)\n", oo.threads);
-        } else if (oo.threads != ts.threads) {
+        } else if (oo.threads != ts.threads && launch_rank == 0) { /* the same on every rank: said once */
             fprintf(stderr, "warning: --resume with --threads %d, the run trained with %lld: the CPU's sums run in "
                     "another order, so the run will not match an uninterrupted one bit for bit\n", oo.threads,
                     (long long)ts.threads);
@@ -294,6 +294,8 @@ fm_status fm_train(const fm_train_opts *o) {
     run r;
     memset(&r, 0, sizeof r);
     r.o = o;
+    r.rank = launch_rank; /* before fm_train_setup finds it again: its first messages are rank 0's alone */
+    r.n_ranks = launch_size;
     fm_status s = train_impl(&r, &rec);
     fm_free(rec.counts);
     fm_free(rec.load);
