@@ -3,7 +3,8 @@
     python3 tests/mpi_compare.py REF RUN [--grad-norm-tol T]
 Both folders hold metrics.jsonl with 20 step records and step_000020/{model,optimizer}.safetensors
 (fp32). Losses, aux, z and validation losses must agree to 1e-6 relative, gradient norms to T
-(1e-5), every final tensor to 5e-4 of its largest value. Prints one verdict line (and a FAIL line
+(1e-5), every final tensor to 5e-4 of its largest value; the tokens seen (each step record's "tokens",
+state.json's tokens_seen: every rank's, the sp ranks of a sequence counted once) exactly. Prints one verdict line (and a FAIL line
 per difference); exits 1 when anything differs."""
 import argparse, array, json, struct, sys
 
@@ -33,6 +34,11 @@ for x, y in zip(a, b):
         if k != "grad_norm": worst = max(worst, rel)
         if rel > tol:
             ok = False; print(f"FAIL: {run}: step {x['step']} {k} {y[k]!r} vs one rank's {x[k]!r} ({rel:.2e} > {tol})")
+    if x.get("tokens") != y.get("tokens"):
+        ok = False; print(f"FAIL: {run}: step {x['step']} tokens {y.get('tokens')} vs one rank's {x.get('tokens')}")
+seen = [json.load(open(f"{d}/step_000020/state.json")).get("tokens_seen") for d in (ref, run)]
+if seen[0] != seen[1]:
+    ok = False; print(f"FAIL: {run}: state.json tokens_seen {seen[1]} vs one rank's {seen[0]}")
 
 
 def tensors(path):
