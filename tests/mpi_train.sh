@@ -9,7 +9,7 @@
 #   then 10 at np 2 (--zero 1): both end with the weights of 20 uninterrupted one-rank steps; and
 #   10 at np 2 (--zero 3), then 10 more at np 1 and, from the same checkpoint, at np 4 (--zero 3).
 # warnings: what every rank would print alike (resume notes and warnings, the stop's line) is
-#   printed once, by rank 0.
+#   printed once, by rank 0; flatmoe eval and sample at np 2 print what they print on one rank.
 # failure: a rank killed mid-step (SIGKILL), a rank that stops answering (SIGSTOP: the others'
 #   collective times out after --comm-timeout 4 s) and a rank whose setup fails (missing data)
 #   each end the whole job within 60 s, non-zero, the last two with a message naming the rank.
@@ -140,6 +140,14 @@ warnings)
                   "warning: resuming with bf16 Adam moments" "is not used (it only starts a run)"; do
         n=$(grep -cF -- "$needle" "$TMP/w.err")
         [ "$n" -eq 1 ] && echo "== once: $needle" || bad "'$needle' printed $n times at np 2 (want once): $(cat "$TMP/w.err")"
+    done
+    # eval and sample under mpirun: rank 0 scores / samples once, what one rank prints
+    for cmd in "eval --ckpt $TMP/w/step_000002 --data $TEXT --max-batches 2 --threads 1" \
+               "sample --ckpt $TMP/w/step_000002 --prompt The --max-new-tokens 8 --seed 1 --threads 1"; do
+        one=$("$FM" $cmd 2>&1) || bad "one rank: flatmoe $cmd failed: $one"
+        two=$(mpi 2 $cmd 2>&1) || bad "np 2: flatmoe $cmd failed: $two"
+        [ -n "$one" ] && [ "$one" = "$two" ] && echo "== np 2 prints what one rank does: flatmoe ${cmd%% *}" ||
+            bad "np 2 flatmoe ${cmd%% *} printed other than one rank: [$two] vs [$one]"
     done
     long='--config $CFG --data $TEXT --seq-len 32 --micro-batch 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint'
     export FM CFG TEXT TMP
