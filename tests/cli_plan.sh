@@ -103,6 +103,14 @@ while read -r name bound hw; do
 done < <(grep "^memory:" "$TMP/fit.log" | awk '/live set/{n=0} {a[n++]=$0} END{for(i=0;i<n;i++) print a[i]}' | \
          grep -v "attention\|live set" | \
          sed -E 's/^memory: (.*[a-z)]) +([0-9]+) +([0-9]+) .*/\1|\2|\3/' | tr '|' ' ' | awk '{hw=$NF; b=$(NF-1); $NF=""; $(NF)=""; print $1"_"$2, b, hw}')
+# The linear cross-entropy's blocks are clamped to N x V, as the call clamps them (micro.json:
+# V = 256, N = 2 x 16 = 32 tokens): its bound is what the step takes (high-water = bound), not the
+# default 1024 x 4096 strip.
+"$FM" train --config "$ROOT/tests/data/micro.json" --data "$TEXT" --seq-len 16 --micro-batch 2 --steps 1 --threads 2 \
+    --eval-batches 1 --ce-block-tokens 1024 --report-memory --no-checkpoint --out "$TMP/lce" > "$TMP/lce.log" || bad "the linear-CE run failed"
+read -r vb vhw < <(grep "^memory: vocabulary projection" "$TMP/lce.log" | awk '{print $(NF-2), $(NF-1)}')
+[ -n "$vb" ] && [ "$vb" = "$vhw" ] && [ "$vb" -lt 65536 ] && ok ||
+    bad "linear CE at N 32, V 256: vocabulary bound ${vb:-?} B, high-water ${vhw:-?} B (want equal, < 64 KiB)"
 # The trainer used the chooser of `plan` (same budgets, same table): the same knobs.
 pj=$("$FM" plan --config "$cfg" --seq-len 256 --micro-batch 4 --threads 2 --mem-budget "$budget" --json 2>/dev/null)
 nr=$(sed -E 's/.*"recomputed_layers":([0-9]+).*/\1/' <<<"$pj")

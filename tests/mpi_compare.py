@@ -2,8 +2,10 @@
 """A many-rank run against its one-rank reference (tests/mpi_train*.sh):
     python3 tests/mpi_compare.py REF RUN [--grad-norm-tol T]
 Both folders hold metrics.jsonl with 20 step records and step_000020/{model,optimizer}.safetensors
-(fp32). Losses, aux, z and validation losses must agree to 1e-6 relative, gradient norms to T
-(1e-5), every final tensor to 5e-4 of its largest value. Prints one verdict line (and a FAIL line
+(fp32). Losses, aux, z and validation losses must agree to 1e-6 relative (a val_loss must be in
+both runs: it is never skipped), gradient norms to T (1e-5), every final tensor to 5e-4 of its
+largest value, the tokens seen (each step record's "tokens", state.json's tokens_seen: every
+rank's, the sp ranks of a sequence counted once) exactly. Prints one verdict line (and a FAIL line
 per difference); exits 1 when anything differs."""
 import argparse, array, json, struct, sys
 
@@ -23,6 +25,9 @@ a, b = steps(ref), steps(run)
 ok = len(a) == len(b) == 20
 if not ok: print(f"FAIL: {run}: {len(b)} step records, reference {len(a)}")
 worst = 0.0
+n_val = sum("val_loss" in x and "val_loss" in y for x, y in zip(a, b))
+if n_val == 0:  # the validation loss (reduced over the ranks' windows) is compared, never skipped
+    ok = False; print(f"FAIL: {run}: no step record of both runs has a val_loss to compare (give --eval-every)")
 tols = (("loss", 1e-6), ("aux_loss", 1e-6), ("z_loss", 1e-6), ("grad_norm", A.grad_norm_tol), ("val_loss", 1e-6))
 for x, y in zip(a, b):
     for k, tol in tols:
@@ -33,6 +38,11 @@ for x, y in zip(a, b):
         if k != "grad_norm": worst = max(worst, rel)
         if rel > tol:
             ok = False; print(f"FAIL: {run}: step {x['step']} {k} {y[k]!r} vs one rank's {x[k]!r} ({rel:.2e} > {tol})")
+    if x.get("tokens") != y.get("tokens"):
+        ok = False; print(f"FAIL: {run}: step {x['step']} tokens {y.get('tokens')} vs one rank's {x.get('tokens')}")
+seen = [json.load(open(f"{d}/step_000020/state.json")).get("tokens_seen") for d in (ref, run)]
+if seen[0] != seen[1]:
+    ok = False; print(f"FAIL: {run}: state.json tokens_seen {seen[1]} vs one rank's {seen[0]}")
 
 
 def tensors(path):

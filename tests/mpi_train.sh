@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Data parallelism in the trainer (README "Many ranks") under mpirun, as ctest runs it:
-#   bash tests/mpi_train.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | resume | failure
+#   bash tests/mpi_train.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | resume | warnings | failure
 # np2, np4: 20 steps of tests/data/micro.json at --micro-batch 4/W on W ranks, replicas (--zero 0),
 #   ZeRO-1/2 (--zero 1) and ZeRO-3 (--zero 3; src/train/fm_zero3.h), give the losses of one rank at --micro-batch 4 to 1e-6 relative, the
 #   gradient norms to 1e-5 (AdamW is blind to a gradient's scale; the norm is not), and final
@@ -8,6 +8,8 @@
 # resume: 10 steps at np 2 (--zero 1), then 10 more at np 1 from its checkpoint; and 10 at np 1
 #   then 10 at np 2 (--zero 1): both end with the weights of 20 uninterrupted one-rank steps; and
 #   10 at np 2 (--zero 3), then 10 more at np 1 and, from the same checkpoint, at np 4 (--zero 3).
+# warnings: what every rank would print alike (resume notes and warnings, the stop's line) is
+#   printed once, by rank 0; flatmoe eval and sample at np 2 print what they print on one rank.
 # failure: a rank killed mid-step (SIGKILL), a rank that stops answering (SIGSTOP: the others'
 #   collective times out after --comm-timeout 4 s) and a rank whose setup fails (missing data)
 #   each end the whole job within 60 s, non-zero, the last two with a message naming the rank.
@@ -127,6 +129,32 @@ resume)
     mpi 4 train "${COMMON[@]}" --zero 3 --resume --out "$TMP/c4" 2>"$TMP/c4.err" || bad "np 4 resume of --zero 3 failed"
     grep -q "will not match" "$TMP/c4.err" && bad "resume of --zero 3 at np 4 warned: $(cat "$TMP/c4.err")"
     compare "$TMP/one" "$TMP/c4" || bad "np 2 --zero 3 -> np 4 differs from 20 one-rank steps" ;;
+warnings)
+    # what every rank would say alike is said once, by rank 0: a resume that trains nothing (the
+    # note), with another --threads and --bf16-moments (the warnings) and an unused --init-from
+    # (the note); and the stop's line after SIGTERM to both ranks
+    mpi 2 train "${COMMON[@]}" --micro-batch 2 --exit-after 2 --out "$TMP/w" >/dev/null || bad "np 2 first run failed"
+    mpi 2 train "${COMMON[@]}" --micro-batch 2 --steps 2 --threads 2 --bf16-moments --resume \
+        --init-from "$TMP/w/step_000002" --out "$TMP/w" >/dev/null 2>"$TMP/w.err" || bad "np 2 resume failed"
+    for needle in "already at or past --steps 2" "warning: --resume with --threads 2, the run trained with 1" \
+                  "warning: resuming with bf16 Adam moments" "is not used (it only starts a run)"; do
+        n=$(grep -cF -- "$needle" "$TMP/w.err")
+        [ "$n" -eq 1 ] && echo "== once: $needle" || bad "'$needle' printed $n times at np 2 (want once): $(cat "$TMP/w.err")"
+    done
+    # eval and sample under mpirun: rank 0 scores / samples once, what one rank prints
+    for cmd in "eval --ckpt $TMP/w/step_000002 --data $TEXT --max-batches 2 --threads 1" \
+               "sample --ckpt $TMP/w/step_000002 --prompt The --max-new-tokens 8 --seed 1 --threads 1"; do
+        one=$("$FM" $cmd 2>&1) || bad "one rank: flatmoe $cmd failed: $one"
+        two=$(mpi 2 $cmd 2>&1) || bad "np 2: flatmoe $cmd failed: $two"
+        [ -n "$one" ] && [ "$one" = "$two" ] && echo "== np 2 prints what one rank does: flatmoe ${cmd%% *}" ||
+            bad "np 2 flatmoe ${cmd%% *} printed other than one rank: [$two] vs [$one]"
+    done
+    long='--config $CFG --data $TEXT --seq-len 32 --micro-batch 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint'
+    export FM CFG TEXT TMP
+    timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c '(sleep 3; kill -TERM $$) & exec "$FM" train '"$long"' --out "$TMP/t"' \
+        >/dev/null 2>"$TMP/t.err"
+    n=$(grep -c "SIGTERM received" "$TMP/t.err")
+    [ "$n" -eq 1 ] && echo "== once: SIGTERM received" || bad "the stop's line printed $n times at np 2 (want once): $(cat "$TMP/t.err")" ;;
 failure)
     export FM CFG TEXT TMP
     long='--config $CFG --data $TEXT --seq-len 32 --micro-batch 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint --comm-timeout 4'

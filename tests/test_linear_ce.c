@@ -514,6 +514,25 @@ static void test_bound(void) {
     CHECK(m2.high == fm_linear_ce_plain_bytes(1 << 14, 151936));
     printf("bound: 1M tokens x V 151936: blocked %zu bytes; plain twin at 16K tokens %.1f GiB\n",
            m.high, m2.high / 1073741824.0);
+
+    /* one call's bytes (the trainer's plan): blocks larger than N and V clamped to N x V as the
+     * call clamps them, the entropy vector only when asked for: exactly the call's peak */
+    CHECK(fm_linear_ce_call_bytes_a(Nb, Vb, N, V, true, sizeof(fm_act)) == bound); /* nothing to clamp */
+    for (int ent = 0; ent < 2; ent++) {
+        fm_arena c;
+        fm_arena_init_measure(&c, "vocabulary projection (clamped)");
+        fm_lce_opts co = fm_lce_opts_default();
+        co.block_tokens = 4096;
+        co.block_vocab = 8192;
+        co.out_entropy = ent ? b.entropy : NULL;
+        lce_sync(fm_linear_ce, &g_be, &c, b.loss, b.dh, b.dW, p.h, p.W, p.tg, N, H, V, 1.0f, &co, NULL);
+        const size_t want = fm_linear_ce_call_bytes_a(4096, 8192, N, V, ent, sizeof(fm_act));
+        CHECK_MSG(c.high == want, "blocks 4096 x 8192 at N %lld V %lld, entropy %d: peak %zu, call bytes %zu",
+                  (long long)N, (long long)V, ent, c.high, want);
+        CHECK(want == fm_arena_round(N * V * 4) + (ent ? 4 : 3) * fm_arena_round(N * 4) +
+                          (sizeof(fm_act) == 4 ? 0 : fm_arena_round(N * V * sizeof(fm_act))));
+        CHECK(want < fm_linear_ce_bound_bytes(4096, 8192));
+    }
     run_free(&b);
     run_free(&q);
     problem_free(&p);

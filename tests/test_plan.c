@@ -141,11 +141,17 @@ static void test_hand_arithmetic(void) {
     CHECK(q.moe_K == 8 && q.moe_c_eff == 512);
     CHECK(q.bytes[FM_LIVE_EXPERT] * 50 < p.bytes[FM_LIVE_EXPERT]);
     CHECK_CLOSE(q.flops_hw_token - q.flops_model_token, 16 * 2 * 8 * 3 * 2048.0 * 1024, 1e-12);
-    /* linear CE: one 1024 x 4096 fp32 strip + 4 per-token vectors, instead of N x V logits */
+    /* linear CE: one 1024 x 4096 fp32 strip + 3 per-token vectors (m, z, tgt: the trainer asks for
+     * no entropy), instead of N x V logits */
     req.ce_block_tokens = 1024;
     req.ce_block_vocab = 4096;
     fm_plan_compute(&req, &q);
-    CHECK_CLOSE((double)q.bytes[FM_LIVE_VOCAB], N * H * 4 + 2 * N * 4 + 1024 * 4096 * 4.0 + 4 * 1024 * 4, 1e-12);
+    CHECK_CLOSE((double)q.bytes[FM_LIVE_VOCAB], N * H * 4 + 2 * N * 4 + 1024 * 4096 * 4.0 + 3 * 1024 * 4, 1e-12);
+    /* blocks larger than the batch or the vocabulary are clamped to N x V, as the call clamps them */
+    req.ce_block_tokens = 8192;
+    req.ce_block_vocab = 65536;
+    fm_plan_compute(&req, &q);
+    CHECK_CLOSE((double)q.bytes[FM_LIVE_VOCAB], N * H * 4 + 2 * N * 4 + N * V * 4.0 + 3 * N * 4, 1e-12);
     CHECK_CLOSE(q.flops_hw_token - p.flops_hw_token, 2 * 8 * 3 * 2048.0 * 1024 * 16 + 2 * V * H, 1e-12);
     req.ce_block_tokens = req.ce_block_vocab = 0;
 }

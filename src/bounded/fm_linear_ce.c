@@ -9,7 +9,9 @@
  *
  * bytes, round() = fm_arena_round (64-byte pieces, as fm_arena_alloc hands them out). It does
  * not depend on N or V: a run uses min(Nb, N) x min(Vb, V), which is never more; ent is taken
- * only when the entropy is asked for. The plain twin takes
+ * only when the entropy is asked for. fm_linear_ce_call_bytes_a is the same formula at those
+ * clamped blocks, with ent only when asked for: what one call takes (the trainer's plan). The
+ * plain twin takes
  *
  *   plain = 2 * round(N * V * 4) + 4 * round(N * 4)
  *
@@ -51,6 +53,17 @@ size_t fm_linear_ce_bound_bytes_a(int64_t block_tokens, int64_t block_vocab, siz
     const int64_t vb = lce_block(block_vocab, FM_LCE_DEFAULT_BLOCK_VOCAB);
     return fm_arena_round((size_t)(nb * vb * FM_LCE_F32)) + act_copy_bytes_a(nb * vb, act_bytes) +
            4 * fm_arena_round((size_t)(nb * FM_LCE_F32));
+}
+
+size_t fm_linear_ce_call_bytes_a(int64_t block_tokens, int64_t block_vocab, int64_t N, int64_t V, bool want_entropy,
+                                 size_t act_bytes) {
+    FM_ASSERT(N >= 0 && V >= 1);
+    int64_t nb = lce_block(block_tokens, FM_LCE_DEFAULT_BLOCK_TOKENS);
+    int64_t vb = lce_block(block_vocab, FM_LCE_DEFAULT_BLOCK_VOCAB);
+    if (nb > N) nb = N; /* as fm_linear_ce clamps them */
+    if (vb > V) vb = V;
+    return fm_arena_round((size_t)(nb * vb * FM_LCE_F32)) + act_copy_bytes_a(nb * vb, act_bytes) +
+           (want_entropy ? 4 : 3) * fm_arena_round((size_t)(nb * FM_LCE_F32));
 }
 
 size_t fm_linear_ce_strip_bytes_a(int64_t nb, int64_t vb, size_t act_bytes) {

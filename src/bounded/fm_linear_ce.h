@@ -50,6 +50,14 @@ fm_lce_opts fm_lce_opts_default(void);
 size_t fm_linear_ce_bound_bytes(int64_t block_tokens, int64_t block_vocab);
 /* The same for an activation element of act_bytes bytes (to plan another build's run). */
 size_t fm_linear_ce_bound_bytes_a(int64_t block_tokens, int64_t block_vocab, size_t act_bytes);
+/* What one fm_linear_ce call over N >= 0 tokens and a V >= 1 entry vocabulary takes from its
+ * arena: the bound above with the blocks clamped to min(Nb, N) x min(Vb, V), as the call clamps
+ * them, and the entropy vector only when want_entropy (the call takes it only when
+ * opts->out_entropy is set). With at least one full token block the call's high-water mark is
+ * this (the last [Nb] vector's 64-byte rounding aside), so a planner sized by it has no slack;
+ * never more than fm_linear_ce_bound_bytes_a. Block sizes <= 0 mean the defaults. */
+size_t fm_linear_ce_call_bytes_a(int64_t block_tokens, int64_t block_vocab, int64_t N, int64_t V, bool want_entropy,
+                                 size_t act_bytes);
 
 /* Bytes the plain twin takes from its arena for N tokens and a V-entry vocabulary: the N x V
  * fp32 logits and their N x V fp32 gradient, plus the four [N] fp32 per-token vectors, each

@@ -12,6 +12,7 @@
 
 #include "backend/fm_backend_default.h"
 #include "cli.h"
+#include "comm/fm_comm.h"
 #include "data/fm_data.h"
 #include "tok/fm_tokenizer.h"
 #include "train/fm_trainer.h"
@@ -93,6 +94,8 @@ int cmd_eval(int argc, char **argv) {
     };
     int r = cli_parse_flags("eval", "--ckpt DIR --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
     if (r) return r == 1 ? 0 : r;
+    int rank = 0, size = 1; /* under mpirun / srun: rank 0 evaluates the checkpoint on every window and prints its loss once; the others have nothing to add */
+    if (fm_comm_launcher(&rank, &size, NULL) == FM_OK && rank != 0) return 0;
     if (!ckpt_arg) return cli_usage_error("eval", "%s", "--ckpt is required");
     if (n_data == 0) return cli_usage_error("eval", "%s", "--data is required");
     if (micro_batch < 1 || seq_len < 0 || max_batches < 0)

@@ -8,6 +8,7 @@
 
 #include "backend/fm_backend_default.h"
 #include "cli.h"
+#include "comm/fm_comm.h"
 #include "tok/fm_tokenizer.h"
 #include "train/fm_sample.h"
 #include "train/fm_trainer.h"
@@ -65,6 +66,8 @@ int cmd_sample(int argc, char **argv) {
     };
     int r = cli_parse_flags("sample", "--ckpt DIR [--prompt TEXT] [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
     if (r) return r == 1 ? 0 : r;
+    int rank = 0, size = 1; /* under mpirun / srun: rank 0 samples and prints the text once; the others have nothing to add */
+    if (fm_comm_launcher(&rank, &size, NULL) == FM_OK && rank != 0) return 0;
     if (!ckpt_arg) return cli_usage_error("sample", "%s", "--ckpt is required");
     if (max_new < 0 || top_k < 0 || temperature < 0 || ctx_len < 0)
         return cli_usage_error("sample", "%s", "--max-new-tokens, --top-k, --temperature and --context must be >= 0");

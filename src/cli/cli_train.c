@@ -136,12 +136,14 @@ int cmd_train(int argc, char **argv) {
         }
     }
     if ((s = fm_backend_opts_from_env(&o.backend))) return cli_fail("train", s); /* FLATMOE_* -> init options */
+    int rank = 0, size = 1; /* many ranks: rank 0 prints what every rank would */
+    (void)fm_comm_launcher(&rank, &size, NULL);
     static char init_dir[4096]; /* --init-from a flatmoe run folder: its latest checkpoint (an HF-format folder) */
     if (o.init_from) {
         char probe[4200];
         snprintf(probe, sizeof probe, "%s/config.json", o.init_from);
         if (access(probe, R_OK) != 0 && fm_ckpt_find_latest(o.init_from, init_dir, sizeof init_dir, NULL) == FM_OK) {
-            if (!o.quiet) printf("--init-from %s: its latest checkpoint, %s\n", o.init_from, init_dir);
+            if (!o.quiet && rank == 0) printf("--init-from %s: its latest checkpoint, %s\n", o.init_from, init_dir);
             o.init_from = init_dir;
         }
     }
@@ -149,8 +151,6 @@ int cmd_train(int argc, char **argv) {
     s = fm_train(&o);
     /* many ranks: a failure on one rank ends every rank (the message names this one); success
      * finalizes MPI when the world initialized it */
-    int rank = 0, size = 1;
-    (void)fm_comm_launcher(&rank, &size, NULL);
     if (s && size > 1) {
         fflush(stdout);
         fprintf(stderr, "flatmoe train: error on rank %d of %d: %s\nflatmoe train: rank %d ends the job (MPI_Abort)\n",

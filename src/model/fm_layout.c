@@ -139,9 +139,11 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     m->logits = m->linear_ce ? NULL : TAKE(voc, fm_act, N * c->vocab_size);
     m->token_loss = TAKE(voc, float, N);
     if (m->linear_ce) { /* the operator's strip (Ring-DTP: its messages too): carved and released inside each call */
+        /* one rank: blocks clamped to N x V as the call clamps them, no entropy vector: what the call takes */
         size_t strip = m->vocab_P > 1 ? ring_scratch_bytes(c, N, m->ce_block_tokens, m->ce_block_vocab, m->vocab_P,
                                                            sizeof(fm_act))
-                                      : fm_linear_ce_bound_bytes(m->ce_block_tokens, m->ce_block_vocab);
+                                      : fm_linear_ce_call_bytes_a(m->ce_block_tokens, m->ce_block_vocab, N,
+                                                                  c->vocab_size, false, sizeof(fm_act));
         if (fm_arena_is_measure(voc)) { /* the real arena was sized from this measurement */
             voc->used += strip;
             if (voc->used > voc->high) voc->high = voc->used;
@@ -210,7 +212,8 @@ size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N, size_t a) {
 
 size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab,
                                    size_t a) {
-    return BA(N * c->hidden_size) + 2 * B4(N) + fm_linear_ce_bound_bytes_a(block_tokens, block_vocab, a);
+    return BA(N * c->hidden_size) + 2 * B4(N) + fm_linear_ce_call_bytes_a(block_tokens, block_vocab, N, c->vocab_size,
+                                                                          false, a);
 }
 
 size_t fm_model_vocab_ring_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab, int P,

@@ -296,7 +296,8 @@ size_t fm_model_kept_attention_bytes(const fm_config *c, int64_t B, int64_t T, s
 size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t act_bytes);
 size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N, size_t act_bytes);
 /* Vocabulary projection by the linear cross-entropy: final-norm output, rstd and per-token loss,
- * plus the operator's strip bound (fm_linear_ce_bound_bytes), independent of V. */
+ * plus what the operator takes for N tokens and this vocabulary (fm_linear_ce_call_bytes_a: the
+ * blocks clamped to N x V, no entropy vector), so the measured high-water mark meets it. */
 size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab,
                                    size_t act_bytes);
 

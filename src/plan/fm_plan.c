@@ -160,9 +160,10 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
                  mode == FM_LCE_RING_ACTIVATIONS ? "N x H h, dh and state" : "a V/P x H shard and its dW");
     } else if (lce) {
         p->bytes[FM_LIVE_VOCAB] = fm_model_vocab_linear_bytes(c, N, r->ce_block_tokens, r->ce_block_vocab, a);
+        const int64_t nb = r->ce_block_tokens > 0 ? r->ce_block_tokens : FM_LCE_DEFAULT_BLOCK_TOKENS;
+        const int64_t vb = r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB;
         snprintf(p->inputs[FM_LIVE_VOCAB], 200, "linear CE: one %lld x %lld fp32 strip (+ final norm N x H)",
-                 (long long)(r->ce_block_tokens > 0 ? r->ce_block_tokens : FM_LCE_DEFAULT_BLOCK_TOKENS),
-                 (long long)(r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB));
+                 (long long)(nb < N ? nb : N), (long long)(vb < c->vocab_size ? vb : c->vocab_size)); /* as the call clamps them */
     } else {
         p->bytes[FM_LIVE_VOCAB] = fm_model_vocab_plain_bytes(c, N, a);
         snprintf(p->inputs[FM_LIVE_VOCAB], 200, "plain logits N x V x %d B, V = %lld (+ final norm)", (int)a, (long long)c->vocab_size);

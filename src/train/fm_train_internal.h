@@ -117,7 +117,8 @@ void fm_train_run_free(run *r);
 
 /* ---- fm_train_metrics.c ---- */
 
-/* The header lines of a run: model, data, plan and FLOPs per token. */
+/* The header lines of a run: model, data, plan and FLOPs per token. tokens_per_step: one
+ * data-parallel rank's (micro-batch x seq-len x grad-accum); the line gives every rank's. */
 void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_per_step);
 
 /* What one step measured, for its lines and its metrics.jsonl record. */

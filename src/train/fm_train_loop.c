@@ -68,7 +68,11 @@ static fm_status save_checked(run *r, const train_state *ts, fm_run_records *rec
 static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_records *rec) {
     const fm_train_opts *o = r->o;
     fm_model *m = &r->m;
-    const int64_t tokens_per_step = o->micro_batch * o->seq_len * o->grad_accum;
+    const int64_t tokens_per_step = o->micro_batch * o->seq_len * o->grad_accum; /* one data-parallel rank's */
+    /* the step's tokens over every rank: the dp ranks' summed, the sp ranks of a sequence counted once
+     * (tokens, tokens/s, tokens_seen; the MFU below stays per device) */
+    const int sp = r->sp > 1 ? r->sp : 1;
+    const int64_t global_tokens = tokens_per_step * (r->n_ranks > sp ? r->n_ranks / sp : 1);
     double phase_discard[FM_PHASE_COUNT];
     (void)m->be.ops->prof_collect(m->be.ctx, phase_discard); /* the profile starts with step 1 */
     const double t0 = now_s();
@@ -76,7 +80,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
     const int64_t first = ts->step + 1;
     rec->first_step = first;
     rec->last_step = ts->step;
-    if (first > o->steps)
+    if (first > o->steps && r->rank == 0) /* many ranks: the same on every rank, said once */
         fprintf(stderr, "note: --resume: the run is at step %lld, already at or past --steps %lld: nothing to train "
                 "(give a larger --steps to continue it)\n", (long long)ts->step, (long long)o->steps);
     int64_t ran = 0;
@@ -96,7 +100,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         const uint64_t syncs1 = m->be.ops->host_sync_count(m->be.ctx);
         ts->step = step;
         ts->opt_step = r->opt.step;
-        ts->tokens_seen += tokens_per_step;
+        ts->tokens_seen += global_tokens;
         ts->data_rng = data_rng->state;
         ran++;
 
@@ -104,7 +108,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         fm_step_report rep = {step, st.ce, st.aux, st.z, st.lr, st.gnorm};
         rep.step_s = t1 - ts0;
         rep.elapsed = t1 - t0;
-        rep.tok_s = (double)tokens_per_step / rep.step_s;
+        rep.tok_s = (double)global_tokens / rep.step_s;
         rep.eta = rep.elapsed / (double)ran * (double)(o->steps - step);
         rep.val = NAN;
         rep.first = ran == 1;
@@ -113,10 +117,10 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         rep.tokens_seen = ts->tokens_seen;
         rec->last_step = step;
         rec->steps_run = ran;
-        rec->tokens_run += tokens_per_step;
+        rec->tokens_run += global_tokens;
         rec->step_s_sum += rep.step_s;
         int_s += rep.step_s;
-        int_tok += tokens_per_step;
+        int_tok += global_tokens;
         if (r->n_ranks > 1 && rec->counts) /* every rank's routes of the step (a host reduction, no device wait) */
             FM_TRY(fm_comm_allreduce_sum_i64(&r->world, rec->counts, rec->L * rec->E, 0));
         load_stats(rec);
@@ -161,7 +165,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         }
         fm_train_metrics_begin(r, &rep);
         /* (MFU per device: under --sp, the sp ranks of a data-parallel rank share its tokens) */
-        fm_train_metrics_step_extra(r, rec, rep.step_s, tokens_per_step / (r->sp > 1 ? r->sp : 1),
+        fm_train_metrics_step_extra(r, rec, rep.step_s, tokens_per_step / sp,
                                     o->expert_counts_every > 0 && step % o->expert_counts_every == 0);
         if (o->report_memory && (ran == 1 || last)) {
             fm_train_metrics_memory(r);
@@ -184,7 +188,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
     if (!rec->stopped_by) rec->stopped_by = fm_stop_requested();
     rec->elapsed_s = now_s() - t0;
     fm_train_metrics_summary(r, rec);
-    if (rec->stopped_by) {
+    if (rec->stopped_by && r->rank == 0) { /* many ranks: every rank stops after the same step; rank 0 says so */
         fflush(stdout);
         if (ran == 0)
             fprintf(stderr, "flatmoe train: %s received before step %lld: stopped without training; the run folder "
@@ -249,7 +253,7 @@ fm_status fm_train(const fm_train_opts *o) {
             oo.threads = (int)ts.threads;
             if (!oo.quiet) printf("--resume: --threads %d (the run's: results depend on the thread count; --threads sets "
                                   "another)\n", oo.threads);
-        } else if (oo.threads != ts.threads) {
+        } else if (oo.threads != ts.threads && launch_rank == 0) { /* the same on every rank: said once */
             fprintf(stderr, "warning: --resume with --threads %d, the run trained with %lld: the CPU's sums run in "
                     "another order, so the run will not match an uninterrupted one bit for bit\n", oo.threads,
                     (long long)ts.threads);
@@ -303,6 +307,8 @@ fm_status fm_train(const fm_train_opts *o) {
     run r;
     memset(&r, 0, sizeof r);
     r.o = o;
+    r.rank = launch_rank; /* before fm_train_setup finds it again: its first messages are rank 0's alone */
+    r.n_ranks = launch_size;
     fm_status s = train_impl(&r, &rec);
     fm_free(rec.counts);
     fm_free(rec.load);

@@ -25,9 +25,12 @@ void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_
     if (m->ep > 1) /* --ep: this rank's table */
         printf("expert parallelism: --ep %d, %lld experts per rank, %lld parameters per rank\n", m->ep,
                (long long)m->E_loc, (long long)m->n_params);
-    printf("data: train %lld tokens, validation %lld tokens; %lld tokens per step (%lld x %lld x %lld)\n",
-           (long long)r->train.n_tokens, (long long)r->val.n_tokens, (long long)tokens_per_step,
-           (long long)o->micro_batch, (long long)o->seq_len, (long long)o->grad_accum);
+    const int dp = r->n_ranks > 1 ? r->n_ranks / (r->sp > 1 ? r->sp : 1) : 1; /* every rank's tokens, as metrics.jsonl's */
+    printf("data: train %lld tokens, validation %lld tokens; %lld tokens per step (%lld x %lld x %lld", (long long)r->train.n_tokens,
+           (long long)r->val.n_tokens, (long long)(tokens_per_step * dp), (long long)o->micro_batch, (long long)o->seq_len,
+           (long long)o->grad_accum);
+    if (dp > 1) printf(" x %d data-parallel ranks", dp);
+    printf(")\n");
     printf("plan: %.1f MiB =", plan->total / 1048576.0);
     for (int i = 0; i < FM_PLAN_SETS; i++)
         printf("%s %s %.1f", i ? "," : "", i < FM_LIVE_COUNT ? fm_live_set_names[i] : "attention tiles",

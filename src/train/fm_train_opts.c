@@ -29,6 +29,7 @@ void fm_train_opts_default(fm_train_opts *o) {
     o->save_every = 1000;
     o->save_every_minutes = 30;
     o->ep = 1;
+    o->sp = 1;
     o->llep_lambda = 1.3;
     o->llep_min_piece = 1024;
     o->expert_counts_every = 100;
@@ -70,6 +71,9 @@ fm_status fm_train_opts_check(const fm_train_opts *o) {
     if (o->att_tile_q < 0 || o->att_tile_q > 4096 || o->att_tile_kv < 0 || o->att_tile_kv > 4096)
         return fm_error(FM_ERR_ARG, "--attention-tile-q/-kv must be in [1, 4096] (0 = 64), found %lld x %lld",
                         (long long)o->att_tile_q, (long long)o->att_tile_kv);
+    /* --ep / --sp 0 is not "off": say so rather than take it as 1 (fm_train_opts_default sets 1) */
+    if (o->ep < 1) return fm_error(FM_ERR_ARG, "--ep must be >= 1 (expert-parallel ranks; 1 = off), found %d", o->ep);
+    if (o->sp < 1) return fm_error(FM_ERR_ARG, "--sp must be >= 1 (sequence-parallel ranks; 1 = off), found %d", o->sp);
     if (o->no_checkpoint && o->exit_after > 0)
         return fm_error(FM_ERR_ARG, "--exit-after stops with a checkpoint to resume from, but --no-checkpoint writes "
                         "none; drop one of them");

@@ -66,7 +66,7 @@ static fm_status init_from_folder(run *r, const char *dir) {
     if (s == FM_OK) {
         if (r->zero3) s = fm_zero3_set_master(&r->z3, m, w);
         else fm_model_upload_master(m, w);
-        if (extra[0] && m->ep <= 1) /* --ep: the other ranks' experts are the extras */
+        if (extra[0] && m->ep <= 1 && r->rank == 0) /* --ep: the other ranks' experts are the extras; rank 0 speaks */
             fprintf(stderr, "warning: --init-from %s: %s\n", dir, extra);
         if (!r->o->quiet)
             printf("initialized from %s (%d tensors, %lld parameters; optimizer state fresh)\n", f.where, m->n_tensors,
@@ -105,7 +105,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         if (!ckpt[0] && !o->quiet)
             printf("--resume: no checkpoint in %s yet; starting from step 0%s%s\n", o->out_dir,
                    o->init_from ? " with the weights of --init-from " : "", o->init_from ? o->init_from : "");
-        if (ckpt[0] && o->init_from)
+        if (ckpt[0] && o->init_from && r->rank == 0) /* many ranks: the same on every rank, said once */
             fprintf(stderr, "note: --resume continues the run in %s from %s; --init-from %s is not used (it only "
                     "starts a run)\n", o->out_dir, ckpt, o->init_from);
     } else {
@@ -428,7 +428,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                     "will not match an uninterrupted one (keep micro-batch x data-parallel ranks)\n", (long long)o->seq_len,
                     (long long)o->micro_batch, (long long)o->grad_accum, dp, dp == 1 ? "" : "s",
                     (long long)ts->seq_len, (long long)ts->micro_batch, (long long)ts->grad_accum, (long long)ts_dp);
-        if (ts->bf16_moments != o->bf16_moments)
+        if (ts->bf16_moments != o->bf16_moments && r->rank == 0)
             fprintf(stderr, "warning: resuming with %s Adam moments, but the checkpoint was trained with %s: the run "
                     "will not match an uninterrupted one (%s to continue it as it was)\n",
                     o->bf16_moments ? "bf16" : "fp32", ts->bf16_moments ? "--bf16-moments" : "fp32 moments",

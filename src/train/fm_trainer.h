@@ -90,7 +90,7 @@ typedef struct fm_train_opts {
                                      parameter group over dp, each group gathered just in time
                                      (train/fm_zero3.h) */
     double comm_timeout;          /* --comm-timeout: seconds a collective waits (0: 300) */
-    int sp;                       /* --sp: Ulysses sequence-parallel degree (0 or 1: off). The world
+    int sp;                       /* --sp: Ulysses sequence-parallel degree, >= 1 (1: off). The world
                                      is dp x sp ranks; the sp ranks of one data-parallel rank read
                                      the same sequences and each keeps a contiguous seq_len/sp slice
                                      of every one (model/fm_attn_sp.h); with --zero 0 only, beside
@@ -100,8 +100,8 @@ typedef struct fm_train_opts {
     int comm_check;               /* --comm-check: fm_comm_nccl_check (comm/fm_comm_nccl.h; 0 deferred:
                                      nccl collectives checked at the step's sync points) */
     /* Expert parallelism (train/fm_train_ep.h, bounded/fm_moe_ep.h). */
-    int ep;                       /* --ep: expert-parallel degree, dividing the world (dp x sp)
-                                     and num_experts (1) */
+    int ep;                       /* --ep: expert-parallel degree, >= 1, dividing the world
+                                     (dp x sp) and num_experts (1: off) */
     int64_t ep_cap_tokens;        /* --ep-cap-tokens: tokens per source per dispatch chunk; 0: chosen
                                      (--moe-chunk-tokens, or the chooser's chunk under a budget, else
                                      the micro-batch's N: one chunk) */
