@@ -98,7 +98,7 @@ static void op_case(const char *label, int64_t E, const int64_t *rows, int64_t i
         O->copy(g_be.ctx, dev_off, off, sizeof(int64_t) * (size_t)(E + 1), FM_COPY_H2D);
         d_off = dev_off;
     }
-    CHECK_MSG(O->expert_sync_free(g_be.ctx, E, in, out, R) == (in % 256 == 0 && out % 256 == 0),
+    CHECK_MSG(O->expert_sync_free(g_be.ctx, E, in, out, R) == (in % 128 == 0 && out % 128 == 0),
               "%s: expert_sync_free for in %lld out %lld", label, (long long)in, (long long)out);
     float *x = normal_bf(R * in, 1.0), *W = normal_bf(nw, 0.05), *dy = normal_bf(R * out, 1.0);
     float *dx0 = normal_bf(R * in, 1.0), *dW0 = normal_bf(nw, 1.0);
@@ -148,6 +148,8 @@ static void test_ops(void) {
     op_case("one expert owns every row", 4, one, 256, 768, false);
     const int64_t few[3] = {1, 2, 3};
     op_case("a few rows", 3, few, 256, 256, false);
+    const int64_t odd[5] = {129, 0, 255, 128, 1}; /* partial last m-tiles beside whole ones */
+    op_case("128-multiples, partial tiles", 5, odd, 384, 128, false);
     /* not served (in 48): expert_sync_free must say no */
     CHECK(!g_be.ops->expert_sync_free(g_be.ctx, 8, 48, 24, 100));
     CHECK(!g_be.ops->expert_sync_free(g_be.ctx, 300, 256, 256, 100)); /* more experts than the kernel's 256 */

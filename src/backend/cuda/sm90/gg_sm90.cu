@@ -1,15 +1,24 @@
-/* Our grouped expert GEMM for Hopper (gg_sm90.h): the kernel lab's v2 (dev/cuda/grouped_gemm,
- * v2_wgmma.cuh), promoted with a 128 x 256 tile.
+/* Our grouped expert GEMM for Hopper (gg_sm90.h): the kernel lab's v4 (dev/cuda/grouped_gemm,
+ * v4_pingpong.cuh, validated and timed there on the H200: bench/RESULTS.md, session 7), promoted.
  *
- * CTA: 3 warpgroups (384 threads), one CTA per SM, persistent over a tile list that every CTA
- * builds in shared memory from offs (the expert offsets, read from memory the device reads: no
- * host sync). Warpgroup 2 is the producer: one thread issues cp.async.bulk.tensor loads
- * (128-byte swizzle) into a ring of STAGES stages, each with a "full" mbarrier (expect-tx bytes)
- * and an "empty" one (one arrival per consumer warp). Warpgroups 0 and 1 are consumers, each
- * computing 64 rows of the 128 x BN tile with wgmma.mma_async.m64nBNk16 (bf16 in, fp32
- * accumulators in registers, 4 k16 steps per 64-deep stage) and storing straight from registers,
- * rows past the expert's end masked. setmaxnreg moves registers from the producer to the
- * consumers.
+ * CTA: 3 warpgroups (384 threads), one CTA per SM, persistent over a tile list of 128 x 128 tiles
+ * that every CTA builds in shared memory from offs (the expert offsets, read from memory the
+ * device reads: no host sync). Warpgroup 2 is the producer: one thread issues
+ * cp.async.bulk.tensor loads (128-byte swizzle) into a ring of STAGES stages, each with a "full"
+ * mbarrier (expect-tx bytes) and an "empty" one (one arrival per consumer warp), in the CTA's
+ * tile order. Warpgroups 0 and 1 are ping-pong consumers (CUTLASS's sm90 "pingpong" schedule):
+ * each computes a whole tile (two wgmma.m64n128k16 per k16 step, fp32 accumulators in registers,
+ * one k-block of wgmmas in flight), warpgroup 0 the CTA's even tiles and 1 its odd ones, so one
+ * warpgroup's epilogue runs while the other's MMAs do. A warpgroup starts a tile's mainloop only
+ * after the other has passed every "full" wait of the previous tile (the "order" mbarriers: a
+ * parity wait cannot tell a phase two ahead from the one before; the lab's v4_protocol_sim.py
+ * shows the failure without them). setmaxnreg moves registers from the producer to the consumers.
+ *
+ * Epilogue: with beta != 0 the producer loads the tile's old C by TMA into the consumer's 32 KB C
+ * buffer during the tile's MMAs; the consumer writes beta C + acc as bf16 into that swizzled
+ * buffer and one thread stores it with two asynchronous TMA stores (full 128-byte lines). A
+ * group's last, partial m-tile in fwd / dx stores from registers with the row mask (a TMA store
+ * would write the next expert's rows); dW tiles are always whole.
  *
  * As GEMMs C[M,N] = sum_k A[m,k] B[n,k] per expert:
  *   kind 0: M = m_e, N = out, K = in;  A = x  (K-major),  B = W_e (K-major)
@@ -20,13 +29,14 @@
  * (descriptor with the transpose bit, LBO 8192 B between 64-column chunks, SBO 1024 B between
  * 8-row k groups, k16 step +2048 B). kind 2's K is the expert's rows: the last stage's rows past
  * its end (another expert's rows, or rows past rcap, which TMA fills with zeros) are zeroed in
- * shared memory by the consumers before the wgmma (fence.proxy.async, then a named barrier).
+ * shared memory by the consumer before the wgmma (fence.proxy.async, then a warpgroup barrier).
  *
- * Techniques learned from the public CUTLASS sm90 collective mainloop (TMA + mbarrier pipeline,
- * warp-specialized producer/consumer, the GMMA descriptor's canonical layouts) and DeepGEMM's
- * sm90 kernels (persistent grouped scheduling); the code is our own. Compiled for sm_90a only
- * (wgmma and setmaxnreg need the arch-specific target); elsewhere the kernel body is empty and
- * fm_gg_sm90_device_ok answers false. */
+ * Shared memory: 4 stages of 32 KB + 2 C buffers of 32 KB = 192 KB (+ 1 KB alignment, the tile list).
+ * Techniques learned from the public CUTLASS sm90 collective mainloop and pingpong kernel (TMA +
+ * mbarrier pipeline, warp-specialized producer/consumer, the GMMA descriptor's canonical layouts,
+ * the TMA epilogue) and DeepGEMM's sm90 kernels (persistent grouped scheduling); the code is our
+ * own. Compiled for sm_90a only (wgmma and setmaxnreg need the arch-specific target); elsewhere
+ * the kernel body traps and fm_gg_sm90_device_ok answers false. */
 #include "gg_sm90.h"
 
 #include <cuda.h>
@@ -40,10 +50,11 @@ namespace {
 typedef __nv_bfloat16 bf16;
 
 constexpr int MAX_E = 256;
-constexpr int BM = 128, BK = 64, BN = 256, THREADS = 384, STAGES = 4;
+constexpr int BM = 128, BN = 128, BK = 64, THREADS = 384, STAGES = 4;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int SMEM = STAGES * STAGE_BYTES + 1024; /* + room to align to 1024 */
-constexpr uint32_t CHUNK = 64 * 128;              /* bytes of one {64, 64} box */
+constexpr int C_BYTES = BM * BN * 2, C_BOX = 64 * BM * 2; /* a C buffer; one {64, 128} box of it */
+constexpr int SMEM = STAGES * STAGE_BYTES + 2 * C_BYTES + 1024; /* + room to align to 1024 */
+constexpr uint32_t CHUNK = 64 * 128;                            /* bytes of one {64, 64} box */
 
 /* The tile list: offs copied to shared memory and the tile prefix over experts. */
 struct sched {
@@ -98,6 +109,22 @@ __device__ inline tile tile_of(const sched &s, const fm_gg_problem &p, int t) {
 
 __device__ inline uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
+__device__ inline bf16 *c_ptr(const fm_gg_problem &p, const tile &t, int64_t row, int64_t col) {
+    bf16 *C = static_cast<bf16 *>(p.C);
+    if (p.kind == 0) return C + (t.r0 + row) * p.out + col;
+    if (p.kind == 1) return C + (t.r0 + row) * p.in + col;
+    return C + (int64_t)t.e * p.out * p.in + row * p.in + col;
+}
+
+/* k-blocks of a tile: kinds 0/1 K/BK, kind 2 ceil(m_e/BK). */
+template <int KIND> __device__ inline int nk_of(const fm_gg_problem &p, const tile &t) {
+    return KIND == 2 ? (int)((t.me + BK - 1) / BK) : (int)((KIND == 0 ? p.in : p.out) / BK);
+}
+/* the tile's first row in C's tensor map (kinds 0/1: [rcap, N]; kind 2: [E*out, in]) */
+__device__ inline int c_row(const fm_gg_problem &p, const tile &t) {
+    return p.kind == 2 ? (int)(t.e * p.out) + t.mt * BM : (int)t.r0 + t.mt * BM;
+}
+
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ inline void mbar_init(uint64_t *b, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count));
@@ -124,6 +151,20 @@ __device__ inline void tma_2d(uint32_t dst, const CUtensorMap *m, uint64_t *bar,
         "l"(reinterpret_cast<uint64_t>(m)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
         : "memory");
 }
+__device__ inline void tma_store_2d(const CUtensorMap *m, uint32_t src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(m)),
+                 "r"(c0), "r"(c1), "r"(src)
+                 : "memory");
+}
+__device__ inline void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ inline void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ inline void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+/* the consumer warpgroup wg's named barrier (ids 2, 3; 0 is __syncthreads) */
+__device__ inline void wg_bar(int wg) {
+    if (wg == 0) asm volatile("bar.sync 2, 128;\n" ::: "memory");
+    else asm volatile("bar.sync 3, 128;\n" ::: "memory");
+}
 /* sm90 shared-memory matrix descriptor: start >> 4 [0,14), LBO >> 4 [16,30), SBO >> 4 [32,46),
  * layout type [62,64) = 1 (128-byte swizzle). */
 __device__ inline uint64_t sdesc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
@@ -136,55 +177,39 @@ template <int N> __device__ inline void acc_fence(float (&d)[N]) {
 }
 #endif
 
-/* Two adjacent fp32 results (row, col), (row, col+1) of C stored as bf16 with beta; c2 is
- * 4-byte aligned (col even). */
-__device__ inline void store2(bf16 *c2, float v0, float v1, float beta) {
-    __nv_bfloat162 *q = reinterpret_cast<__nv_bfloat162 *>(c2);
-    if (beta != 0.0f) {
-        const float2 old = __bfloat1622float2(*q);
-        v0 += beta * old.x, v1 += beta * old.y;
-    }
-    *q = __floats2bfloat162_rn(v0, v1);
-}
-
-__device__ inline bf16 *c_ptr(const fm_gg_problem &p, const tile &t, int64_t row, int64_t col) {
-    bf16 *C = static_cast<bf16 *>(p.C);
-    if (p.kind == 0) return C + (t.r0 + row) * p.out + col;
-    if (p.kind == 1) return C + (t.r0 + row) * p.in + col;
-    return C + (int64_t)t.e * p.out * p.in + row * p.in + col;
-}
-
-/* k-blocks of a tile: kinds 0/1 K/BK, kind 2 ceil(m_e/BK). */
-template <int KIND> __device__ inline int nk_of(const fm_gg_problem &p, const tile &t) {
-    return KIND == 2 ? (int)((t.me + BK - 1) / BK) : (int)((KIND == 0 ? p.in : p.out) / BK);
-}
-
-template <int KIND>
+/* SRC: beta != 0 for kinds 1, 2 (the old C comes by TMA); kind 0 never reads C. */
+template <int KIND, bool SRC>
 __global__ void __launch_bounds__(THREADS, 1)
-gg_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB, fm_gg_problem p) {
+gg_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+          const __grid_constant__ CUtensorMap tmC, fm_gg_problem p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr bool AMN = KIND == 2, BMN = KIND != 0;
     extern __shared__ uint8_t smem_raw[];
     __shared__ sched sc;
-    __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
+    __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES], cfull[2], cempty[2], order[2];
     const uint32_t smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
     uint8_t *smem_ptr = smem_raw + (smem - smem_u32(smem_raw));
+    const uint32_t cbuf0 = smem + STAGES * STAGE_BYTES; /* C buffer of warpgroup w: cbuf0 + w * C_BYTES */
 
     sched_build(sc, p);
     if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], 8);
+        for (int s = 0; s < STAGES; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], 4);
+        for (int w = 0; w < 2; w++) mbar_init(&cfull[w], 1), mbar_init(&cempty[w], 1), mbar_init(&order[w], 4);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
     const int total = sc.tile[p.E], wg = threadIdx.x / 128;
+    const float beta = KIND == 0 ? 0.0f : p.beta;
 
-    if (wg == 2) { /* producer */
+    if (wg == 2) { /* producer: the tiles' k-blocks in order, and (SRC) each tile's old C after them */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (threadIdx.x != 256) return;
         asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmA)) : "memory");
         asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmB)) : "memory");
-        uint32_t it = 0;
-        for (int ti = blockIdx.x; ti < total; ti += gridDim.x) {
+        if (SRC) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmC)) : "memory");
+        uint32_t it = 0, cn0 = 0, cn1 = 0; /* old-C loads so far per warpgroup */
+        int j = 0;
+        for (int ti = blockIdx.x; ti < total; ti += gridDim.x, j ^= 1) {
             const tile t = tile_of(sc, p, ti);
             const int nk = nk_of<KIND>(p, t);
             const int m0 = t.mt * BM, n0 = t.nt * BN, r0 = (int)t.r0, wrow = (int)(t.e * p.out);
@@ -201,63 +226,138 @@ gg_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUten
                     for (int c = 0; c < BN / 64; c++)
                         tma_2d(sb + c * CHUNK, &tmB, &full[s], n0 + 64 * c, (KIND == 1 ? wrow : r0) + k0);
             }
+            if (SRC) { /* the old C of this tile into its warpgroup's buffer, once that is free */
+                const uint32_t n = j ? cn1++ : cn0++;
+                mbar_wait(&cempty[j], (n & 1) ^ 1);
+                const uint32_t cb = cbuf0 + j * C_BYTES;
+                mbar_expect_tx(&cfull[j], C_BYTES);
+                const int cr = c_row(p, t);
+                tma_2d(cb, &tmC, &cfull[j], n0, cr);
+                tma_2d(cb + C_BOX, &tmC, &cfull[j], n0 + 64, cr);
+            }
         }
         return;
     }
 
-    /* consumers: warpgroup wg owns rows wg*64 .. wg*64+63 of the tile */
+    /* consumers: warpgroup wg computes the CTA's tiles j = wg, wg + 2, ... (128 x 128 each) */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
-    uint32_t it = 0;
-    for (int ti = blockIdx.x; ti < total; ti += gridDim.x) {
+    const uint32_t cb = cbuf0 + wg * C_BYTES;
+    uint8_t *cb_ptr = smem_ptr + STAGES * STAGE_BYTES + wg * C_BYTES;
+    uint32_t it = 0, cn = 0, own = 0; /* own: this warpgroup's tiles so far */
+    int j = 0;
+    for (int ti = blockIdx.x; ti < total; ti += gridDim.x, j ^= 1) {
         const tile t = tile_of(sc, p, ti);
         const int nk = nk_of<KIND>(p, t);
-        float acc[BN / 2];
+        if (j != wg) { /* the other warpgroup's tile: skip its stages */
+            it += nk;
+            continue;
+        }
+        /* Mainloop order: start only after the other warpgroup has passed every "full" wait of
+         * the CTA's previous tile. Signal n to order[w] is the end of the other warpgroup's n-th
+         * mainloop: warpgroup 1's k-th tile waits signal k, warpgroup 0's k-th (k >= 1) k - 1. */
+        if (wg == 1) mbar_wait(&order[1], own & 1);
+        else if (own > 0) mbar_wait(&order[0], (own - 1) & 1);
+        own++;
+        float acc[2][64]; /* rows h*64 .. h*64+63 of the tile */
 #pragma unroll
-        for (int i = 0; i < BN / 2; i++) acc[i] = 0.0f;
+        for (int i = 0; i < 64; i++) acc[0][i] = 0.0f, acc[1][i] = 0.0f;
+        acc_fence(acc[0]), acc_fence(acc[1]);
+        int prev = -1; /* the stage whose wgmmas may still run */
         for (int kb = 0; kb < nk; kb++, it++) {
             const int s = it % STAGES;
             mbar_wait(&full[s], (it / STAGES) & 1);
             const uint32_t sa = smem + s * STAGE_BYTES, sb = sa + A_BYTES;
             if (KIND == 2) {
                 const int valid = (int)(t.me - (int64_t)kb * BK);
-                if (valid < BK) { /* zero k rows valid..63 of both A chunks and every B chunk */
+                if (valid < BK) { /* zero k rows valid..63 of both A chunks and both B chunks */
                     const int rows = BK - valid, per = rows * 8, n = (BM / 64 + BN / 64) * per;
-                    for (int i = threadIdx.x; i < n; i += 256) {
+                    for (int i = tid; i < n; i += 128) {
                         const int c = i / per, r = valid + (i % per) / 8, q = i % 8;
                         uint8_t *base = smem_ptr + s * STAGE_BYTES +
                                         (c < BM / 64 ? c * CHUNK : A_BYTES + (c - BM / 64) * CHUNK);
                         reinterpret_cast<uint4 *>(base + r * 128)[q] = make_uint4(0, 0, 0, 0);
                     }
                     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+                    wg_bar(wg);
                 }
             }
-            acc_fence(acc);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
             for (int kk = 0; kk < BK / 16; kk++) {
-                const uint64_t da = AMN ? sdesc(sa + wg * CHUNK + kk * 2048, CHUNK, 1024)
-                                        : sdesc(sa + wg * CHUNK + kk * 32, 0, 1024);
                 const uint64_t db = BMN ? sdesc(sb + kk * 2048, CHUNK, 1024) : sdesc(sb + kk * 32, 0, 1024);
-                wgmma_m64n256<AMN, BMN>(acc, da, db);
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const uint64_t da = AMN ? sdesc(sa + h * CHUNK + kk * 2048, CHUNK, 1024)
+                                            : sdesc(sa + h * CHUNK + kk * 32, 0, 1024);
+                    wgmma_m64n128<AMN, BMN>(acc[h], da, db);
+                }
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-            acc_fence(acc);
-            if (lane == 0) mbar_arrive(&empty[s]);
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+            prev = s;
         }
-        /* epilogue: accumulator fragment d[4j + {0,1}] = (row, 8j + 2(lane%4) + {0,1}),
-         * d[4j + {2,3}] = row + 8, row = 16 warp + lane/4 within the warpgroup's 64 rows */
+        if (lane == 0) mbar_arrive(&order[wg ^ 1]); /* every full wait of this tile passed */
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        acc_fence(acc[0]), acc_fence(acc[1]);
+        if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+
+        /* epilogue. Fragment: acc[h][4jj + 2r8 + {0,1}] = (row h*64 + 16 warp + 8 r8 + lane/4,
+         * col 8jj + 2(lane%4) + {0,1}); in the C buffer (two {64, 128} boxes, 128-byte swizzle)
+         * at box jj/8, row*128 + 16 ((jj%8) ^ (row%8)) + 4 (lane%4), row%8 = lane/4. */
+        const bool tma_tile = KIND == 2 || (int64_t)(t.mt + 1) * BM <= t.me;
         const int64_t mlim = KIND == 2 ? p.out : t.me;
-        const int64_t row = (int64_t)t.mt * BM + wg * 64 + warp * 16 + (lane >> 2);
+        if (SRC) {
+            mbar_wait(&cfull[wg], cn & 1);
+            cn++;
+        } else if (tma_tile) { /* the buffer's previous TMA store must have read it */
+            if (tid == 0) bulk_wait_read0();
+            wg_bar(wg);
+        }
 #pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            const int64_t col = (int64_t)t.nt * BN + j * 8 + (lane & 3) * 2;
-            if (row < mlim) store2(c_ptr(p, t, row, col), acc[4 * j], acc[4 * j + 1], p.beta);
-            if (row + 8 < mlim) store2(c_ptr(p, t, row + 8, col), acc[4 * j + 2], acc[4 * j + 3], p.beta);
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int r8 = 0; r8 < 2; r8++) {
+                const int r = h * 64 + warp * 16 + r8 * 8 + (lane >> 2);
+                const int64_t grow = (int64_t)t.mt * BM + r;
+#pragma unroll
+                for (int jj = 0; jj < BN / 8; jj++) {
+                    const uint32_t off =
+                        (jj >> 3) * C_BOX + r * 128 + (((jj & 7) ^ (lane >> 2)) << 4) + (lane & 3) * 4;
+                    __nv_bfloat162 *q = reinterpret_cast<__nv_bfloat162 *>(cb_ptr + off);
+                    float v0 = acc[h][4 * jj + 2 * r8], v1 = acc[h][4 * jj + 2 * r8 + 1];
+                    if (SRC) {
+                        const float2 old = __bfloat1622float2(*q);
+                        v0 += beta * old.x, v1 += beta * old.y;
+                    }
+                    const __nv_bfloat162 o = __floats2bfloat162_rn(v0, v1);
+                    if (tma_tile) *q = o;
+                    else if (grow < mlim)
+                        *reinterpret_cast<__nv_bfloat162 *>(c_ptr(p, t, grow, (int64_t)t.nt * BN + jj * 8 + (lane & 3) * 2)) = o;
+                }
+            }
+        if (tma_tile) {
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); /* our writes, then the TMA's reads */
+            wg_bar(wg);
+            if (tid == 0) {
+                const int cr = c_row(p, t), n0 = t.nt * BN;
+                tma_store_2d(&tmC, cb, n0, cr);
+                tma_store_2d(&tmC, cb + C_BOX, n0 + 64, cr);
+                bulk_commit();
+                if (SRC) { /* the producer may load the next old C once the store has read the buffer */
+                    bulk_wait_read0();
+                    mbar_arrive(&cempty[wg]);
+                }
+            }
+            __syncwarp(); /* warp 0 whole again before the next tile's .aligned wgmma instructions */
+        } else if (SRC) { /* every thread has read its old values */
+            wg_bar(wg);
+            if (tid == 0) mbar_arrive(&cempty[wg]);
+            __syncwarp();
         }
     }
+    if (tid == 0) bulk_wait0(); /* the last TMA stores complete before the CTA exits */
 #else
     __trap(); /* built without sm_90a: fm_gg_sm90_device_ok keeps callers away */
 #endif
@@ -284,29 +384,33 @@ cudaError_t make_map(CUtensorMap *m, const void *base, uint64_t inner, uint64_t 
     return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <int KIND> cudaError_t launch_kind(const fm_gg_problem &p, int sm_count, cudaStream_t stream) {
+template <int KIND, bool SRC> cudaError_t launch_kind(const fm_gg_problem &p, int sm_count, cudaStream_t stream) {
     static bool attr = false; /* set once the attribute is: a failed first call is retried */
-    auto fn = gg_kernel<KIND>;
+    auto fn = gg_kernel<KIND, SRC>;
     if (!attr) {
         const cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
         if (err != cudaSuccess) return err;
         attr = true;
     }
-    CUtensorMap ta, tb;
+    CUtensorMap ta, tb, tc;
     const uint64_t wrows = (uint64_t)p.E * (uint64_t)p.out, rc = (uint64_t)p.rcap;
+    const uint64_t in = (uint64_t)p.in, out = (uint64_t)p.out;
     cudaError_t err;
     if (KIND == 0) {
-        err = make_map(&ta, p.A, (uint64_t)p.in, rc, 64, BM);
-        if (err == cudaSuccess) err = make_map(&tb, p.B, (uint64_t)p.in, wrows, 64, BN);
+        err = make_map(&ta, p.A, in, rc, 64, BM);
+        if (err == cudaSuccess) err = make_map(&tb, p.B, in, wrows, 64, BN);
+        if (err == cudaSuccess) err = make_map(&tc, p.C, out, rc, 64, BM);
     } else if (KIND == 1) {
-        err = make_map(&ta, p.A, (uint64_t)p.out, rc, 64, BM);
-        if (err == cudaSuccess) err = make_map(&tb, p.B, (uint64_t)p.in, wrows, 64, 64);
+        err = make_map(&ta, p.A, out, rc, 64, BM);
+        if (err == cudaSuccess) err = make_map(&tb, p.B, in, wrows, 64, 64);
+        if (err == cudaSuccess) err = make_map(&tc, p.C, in, rc, 64, BM);
     } else {
-        err = make_map(&ta, p.A, (uint64_t)p.out, rc, 64, 64);
-        if (err == cudaSuccess) err = make_map(&tb, p.B, (uint64_t)p.in, rc, 64, 64);
+        err = make_map(&ta, p.A, out, rc, 64, 64);
+        if (err == cudaSuccess) err = make_map(&tb, p.B, in, rc, 64, 64);
+        if (err == cudaSuccess) err = make_map(&tc, p.C, in, wrows, 64, BM);
     }
     if (err != cudaSuccess) return err;
-    fn<<<sm_count, THREADS, SMEM, stream>>>(ta, tb, p);
+    fn<<<sm_count, THREADS, SMEM, stream>>>(ta, tb, tc, p);
     return cudaGetLastError();
 }
 
@@ -315,7 +419,7 @@ template <int KIND> cudaError_t launch_kind(const fm_gg_problem &p, int sm_count
 extern "C" {
 
 bool fm_gg_sm90_serves(int64_t E, int64_t in, int64_t out, int64_t rcap) {
-    return E >= 1 && E <= MAX_E && in >= BN && out >= BN && in % BN == 0 && out % BN == 0 && rcap >= 0 &&
+    return E >= 1 && E <= MAX_E && in >= BN && out >= BM && in % BN == 0 && out % BM == 0 && rcap >= 0 &&
            rcap < INT32_MAX && E * out < INT32_MAX;
 }
 
@@ -333,9 +437,10 @@ cudaError_t fm_gg_sm90_launch(const fm_gg_problem *p, int sm_count, cudaStream_t
     if (!p || !fm_gg_sm90_serves(p->E, p->in, p->out, p->rcap) || p->kind < 0 || p->kind > 2 || sm_count < 1)
         return cudaErrorInvalidValue;
     if (p->rcap == 0) return cudaSuccess;
-    if (p->kind == 0) return launch_kind<0>(*p, sm_count, stream);
-    if (p->kind == 1) return launch_kind<1>(*p, sm_count, stream);
-    return launch_kind<2>(*p, sm_count, stream);
+    const bool src = p->kind != 0 && p->beta != 0.0f;
+    if (p->kind == 0) return launch_kind<0, false>(*p, sm_count, stream);
+    if (p->kind == 1) return src ? launch_kind<1, true>(*p, sm_count, stream) : launch_kind<1, false>(*p, sm_count, stream);
+    return src ? launch_kind<2, true>(*p, sm_count, stream) : launch_kind<2, false>(*p, sm_count, stream);
 }
 
 } /* extern "C" */

@@ -2,8 +2,8 @@
  * accelerator (TMA), a persistent tile scheduler that reads each expert's row offset from memory
  * the device reads (device memory, or pinned host memory through unified addressing), so nothing
  * waits for the host. Promoted from the kernel lab's v2 (dev/cuda/grouped_gemm: its validator and
- * timer, bench/RESULTS.md 2026-12-01 session 7 for the H200's rates); the lab stays the place to
- * develop the next version.
+ * timer, bench/RESULTS.md 2026-12-01 session 7 for the H200's rates: its v4, ping-pong consumers
+ * and a TMA epilogue); the lab stays the place to develop the next version.
  *
  * The three products of training over E experts; expert e owns rows [offs[e], offs[e+1]) of the
  * row tensors (offs int64 [E+1], offs[0] = 0, nondecreasing, offs[E] <= rcap; any m_e may be 0;
@@ -14,7 +14,7 @@
  *   kind 2 (dW):  dW_e [out,in]  = beta dW_e + dy_e^T x_e          (empty e with beta 1: untouched)
  * beta 0 overwrites C without reading it.
  *
- * Served shapes (fm_gg_sm90_serves): in and out multiples of 256, 1 <= E <= 256, rcap and E*out
+ * Served shapes (fm_gg_sm90_serves): in and out multiples of 128, 1 <= E <= 256, rcap and E*out
  * below 2^31 (TMA coordinates are int32 rows); every index product is int64, so the row tensors
  * may hold more than 2^31 elements. The caller keeps the cuBLAS path (cuda_gemm.cu) for the rest.
  * Plain C interface; the .cu is compiled for sm_90a only (CMakeLists.txt: flatmoe_cuda_sm90). */
@@ -47,8 +47,8 @@ bool fm_gg_sm90_serves(int64_t E, int64_t in, int64_t out, int64_t rcap);
 /* Whether device `device` can run it (compute capability 9.0: H100, H200). Errors: none (false). */
 bool fm_gg_sm90_device_ok(int device);
 
-/* Launches one product p on stream (persistent: sm_count CTAs of 384 threads, one per SM; ~197 KiB
- * of shared memory each). Nothing allocates; the two TMA descriptors are built on the host for
+/* Launches one product p on stream (persistent: sm_count CTAs of 384 threads, one per SM; ~196 KiB
+ * of shared memory each). Nothing allocates; the three TMA descriptors are built on the host for
  * each call (cuTensorMapEncodeTiled, through cudaGetDriverEntryPointByVersion: no -lcuda).
  * rcap == 0 launches nothing. Returns cudaSuccess, cudaErrorInvalidValue for a shape it does not
  * serve or a descriptor the driver refuses, cudaErrorNotSupported without the driver entry point,
