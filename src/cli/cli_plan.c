@@ -3,6 +3,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "backend/fm_backend_opts.h"
+#include "backend/fm_backend_plan.h"
 #include "bounded/fm_linear_ce.h"
 #include "cli.h"
 #include "plan/fm_choose.h"
@@ -198,6 +200,14 @@ int cmd_plan(int argc, char **argv) {
         return cli_usage_error("plan", "%s", "--attention-tile-q/-kv must be in [1, 4096] (0 = 64)");
     /* the device and the rates: this build's device when planning for it, else the table's */
     const bool cuda = req.target == FM_PLAN_TARGET_CUDA || (req.target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4);
+    { /* FLATMOE_EXPERT_GEMM=sm90, as train reads it: the projection times the sm90 kernel where it serves */
+        fm_backend_opts bo = fm_backend_opts_default();
+        if ((s = fm_backend_opts_from_env(&bo))) return cli_fail("plan", s);
+        req.expert_sync_free = cuda && bo.expert_gemm == FM_EXPERT_GEMM_SM90 && req.ep <= 1 && !req.mesh.on &&
+                               fm_cuda_sm90_expert_gemm_serves(req.cfg.num_experts, req.cfg.hidden_size,
+                                                               req.cfg.moe_intermediate_size,
+                                                               req.B * req.T * req.cfg.num_experts_per_tok);
+    }
     const bool cross = req.target == FM_PLAN_TARGET_CUDA ? sizeof(fm_act) == 4 : req.target == FM_PLAN_TARGET_CPU ? sizeof(fm_act) != 4 : false;
     fm_device_budget dev = {0};
     bool measured = false;
