@@ -95,7 +95,7 @@ collect)
     for i in $(seq 1 ${WAIT_S:-580}); do grep -q "^== m1" /tmp/m1/summary.txt 2>/dev/null && sleep 5 && break; sleep 1; done
     cat /tmp/m1/summary.txt; cp /tmp/m1/* "$OUT"/ 2>/dev/null; tail -5 /tmp/m1/m1.log ;;
 calib) # the H200 calibration table (plan/fm_calibrate.h), then the plan's projection per length
-    t0=$(date +%s); "$BIN" calibrate --out "$OUT/h200.json" > "$OUT/calib.log" 2>&1
+    t0=$(date +%s); FLATMOE_EXPERT_GEMM=${CAL_EXPERT_GEMM:-sm90} "$BIN" calibrate --out "$OUT/h200.json" > "$OUT/calib.log" 2>&1
     echo "calibrate: $? in $(( $(date +%s) - t0 )) s"; tail -40 "$OUT/calib.log" ;;
 lengths) # the chooser's own knobs (no memory flag) at each length, 3 steps
     shift; for T in ${*:-32768 65536}; do run1 len-$T $T 3; done ;;

@@ -438,8 +438,10 @@ fm_status fm_calibrate_run(const fm_calibrate_opts *o, fm_calib *out) {
     fm_calib_kind_of(out->backend, out->device, out->kind);
     out->host_pinnable_bytes = (double)fm_host_mem_budget_default();
     fm_backend_opts bo = fm_backend_opts_default();
+    FM_TRY(fm_backend_opts_from_env(&bo)); /* FLATMOE_EXPERT_GEMM=sm90: the sm90 expert curves too */
     bo.threads = o->threads;
     bo.max_head_dim = 128;
+    bo.profile = false;
     /* cuDNN's workspace sized for the longest attention backward measured (as a run plans it) */
     bo.gpu_workspace = c.gpu ? fm_cuda_cudnn_workspace_auto(1, att_tmax(o, true), 16, 16, 128) : 0;
     FM_TRY(fm_backend_default_init_opts(&c.be, &bo));
