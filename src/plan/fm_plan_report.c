@@ -164,10 +164,9 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
         fprintf(f, "\n");
         /* what the trainer of this tree cannot run of this plan yet (README "Many ranks") */
         if (m->dp * m->sp > 1)
-            fprintf(f, "note: the trainer does not run this plan as planned yet:%s the vocabulary is its local linear "
+            fprintf(f, "note: the trainer does not run this plan as planned yet: the vocabulary is its local linear "
                     "cross-entropy, not the Ring-DTP ring (the operator is built, the trainer does not call it); train "
-                    "prints its own plan at launch\n",
-                    m->sp > 1 ? " ZeRO-3 beside --sp is not built (--sp runs with --zero 0);" : "");
+                    "prints its own plan at launch (this plan's flags without --world plan that run)\n");
     }
 }
 

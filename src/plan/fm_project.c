@@ -145,6 +145,7 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     for (int i = 0; i < FM_PROJ_PHASES; i++) o->step_s += o->sec[i];
     const double tokens = (double)p->tokens_per_step;
     o->tokens_per_s = o->step_s > 0 ? tokens / o->step_s : 0;
-    const double world = mesh ? (double)(r->mesh.dp * r->mesh.sp) : 1.0;
+    /* the devices the step's tokens run on: a mesh's dp x sp, the trainer's --sp run's sp (MFU per device) */
+    const double world = mesh ? (double)(r->mesh.dp * r->mesh.sp) : sp;
     o->mfu = o->step_s > 0 && cb->peak_flops > 0 ? p->flops_model_token * tokens / o->step_s / cb->peak_flops / world : 0;
 }
