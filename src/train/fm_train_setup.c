@@ -34,8 +34,8 @@ void fm_train_run_free(run *r) {
     fm_free(r->named);
     fm_free(r->names);
     fm_free(r->rc);
-    fm_free(r->fetch);
     fm_train_hf_free(&r->hf);
+    fm_ckpt_stage_free(r);
     fm_train_hf_free(&r->ep_hf);
 }
 
