@@ -348,6 +348,22 @@ static int own_ranges(const run *r, st_kind k, const fm_param *p, int64_t a[2], 
     return 1;
 }
 
+/* ZeRO-3: zeros in the padding of this rank's pieces of state s. */
+static void zero_padding(run *r, const st_desc *s) {
+    fm_ckpt_stage *c = &r->cst;
+    const fm_zero3 *z = &r->z3;
+    for (int g = 0; g < z->n_groups; g++) {
+        const int64_t vb = z->begin[g] + (int64_t)z->rank * z->piece[g], wb = z->begin[g + 1] - z->keep[g];
+        int64_t v = wb - vb;
+        v = v < 0 ? 0 : v > z->piece[g] ? z->piece[g] : v;
+        for (int64_t x = v; x < z->piece[g]; x += c->chunk) {
+            const int64_t n = z->piece[g] - x < c->chunk ? z->piece[g] - x : c->chunk;
+            memset(c->send, 0, 4 * (size_t)n);
+            store_local(r, s, z->local[g] + x, c->send, n);
+        }
+    }
+}
+
 /* How many tensors of st carry prefix (non-empty: the optimizer file holds master., exp_avg., ...). */
 static int count_prefix(const fm_safetensors *st, const char *prefix) {
     const size_t n = strlen(prefix);
@@ -396,19 +412,7 @@ static fm_status load_state(run *r, const fm_safetensors *opt, const fm_safetens
                 store_local(r, s, d[q] + x - a[q], c->send, n);
             }
     }
-    if (s->kind == K_ZERO3) { /* the pieces' padding: zeros */
-        const fm_zero3 *z = &r->z3;
-        for (int g = 0; g < z->n_groups; g++) {
-            const int64_t vb = z->begin[g] + (int64_t)z->rank * z->piece[g], wb = z->begin[g + 1] - z->keep[g];
-            int64_t v = wb - vb;
-            v = v < 0 ? 0 : v > z->piece[g] ? z->piece[g] : v;
-            for (int64_t x = v; x < z->piece[g]; x += c->chunk) {
-                const int64_t n = z->piece[g] - x < c->chunk ? z->piece[g] - x : c->chunk;
-                memset(c->send, 0, 4 * (size_t)n);
-                store_local(r, s, z->local[g] + x, c->send, n);
-            }
-        }
-    }
+    if (s->kind == K_ZERO3) zero_padding(r, s);
     return FM_OK;
 }
 
@@ -450,4 +454,29 @@ fm_status fm_ckpt_stream_load(run *r, const char *dir, bool verify) {
     fm_st_close(&model);
     fm_st_close(&opt);
     return s;
+}
+
+/* ---- ZeRO-3's initial weights ---------------------------------------------------------------- */
+
+fm_status fm_ckpt_stream_init_zero3(run *r, uint64_t seed) {
+    fm_model *m = &r->m;
+    fm_ckpt_stage *c = &r->cst;
+    const fm_zero3 *z = &r->z3;
+    const st_desc s = {z->master, FM_DTYPE_F32, false, K_ZERO3};
+    for (int j = 0; j < m->n_tensors; j++) { /* this rank's ranges only: the draw is counter-based */
+        int64_t a[2], b[2], d[2];
+        const int nr = own_ranges(r, K_ZERO3, &m->table[j], a, b, d);
+        for (int q = 0; q < nr; q++)
+            for (int64_t x = a[q]; x < b[q]; x += c->chunk) {
+                const int64_t n = b[q] - x < c->chunk ? b[q] - x : c->chunk;
+                fm_model_init_weights_range(m, seed, j, x, n, c->send);
+                note_high(c, 4 * (size_t)n);
+                store_local(r, &s, d[q] + x - a[q], c->send, n);
+            }
+    }
+    zero_padding(r, &s);
+    if ((void *)z->master != (void *)z->weights)
+        m->be.ops->convert(m->be.ctx, z->weights, FM_ACT_DTYPE, z->master, FM_DTYPE_F32, z->shard_len);
+    fm_zero3_invalidate(&r->z3);
+    return FM_OK;
 }

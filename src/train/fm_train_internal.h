@@ -122,6 +122,9 @@ fm_status fm_ckpt_stream_serve(run *r, int n_slots);
  * dir/model.safetensors rounded to its dtype. Errors: FM_ERR_FORMAT (a missing tensor, a shape,
  * a count of a prefix's tensors, a value that differs: naming it), FM_ERR_IO. */
 fm_status fm_ckpt_stream_load(run *r, const char *dir, bool verify);
+/* ZeRO-3's initial weights (fm_model_init_weights_host's values) drawn range by range into this
+ * rank's shard master (padding zero) through the staging, then its fm_act weights. */
+fm_status fm_ckpt_stream_init_zero3(run *r, uint64_t seed);
 /* fm_train_ckpt.c: whether a value read from a file stored as dtype (fm_st_dtype) equals the
  * master value rounded to it; and how to proceed when model.safetensors disagrees. */
 bool fm_train_same_rounded(float master, float stored, int dtype);
