@@ -20,6 +20,9 @@ fm_status fm_hf_name_tensors(const fm_hf_table *t, const float *base, const char
         out[i].data = base ? base + p->offset : NULL;
         out[i].fetch = NULL;
         out[i].fetch_ctx = NULL;
+        out[i].fetch_range = NULL;
+        out[i].stage = NULL;
+        out[i].stage_len = 0;
         out[i].ndim = p->ndim;
         memset(out[i].shape, 0, sizeof out[i].shape);
         for (int d = 0; d < p->ndim; d++) out[i].shape[d] = p->shape[d];

@@ -67,7 +67,7 @@ typedef struct fm_hf_table {
 /* Fills out[0..n_params) with the table's tensors under their Hugging Face names with `prefix`
  * prepended (e.g. "exp_avg." for an optimizer state), names[i] holding the i-th name. With base
  * non-NULL, out[i].data = base + params[i].offset (fp32); with base NULL, data is NULL for the
- * caller to set (or a fetch callback). fetch and fetch_ctx are cleared. Allocates nothing.
+ * caller to set (or a fetch callback). fetch, fetch_ctx, fetch_range and stage are cleared. Allocates nothing.
  * Errors: FM_ERR_ARG when a prefixed name does not fit in FM_HF_NAME_CAP. */
 fm_status fm_hf_name_tensors(const fm_hf_table *t, const float *base, const char *prefix,
                              fm_named_tensor *out, char (*names)[FM_HF_NAME_CAP]);

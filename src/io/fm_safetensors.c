@@ -463,8 +463,9 @@ static float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-fm_status fm_st_read_f32(const fm_safetensors *st, const char *name, float *dst, int ndim,
-                         const int64_t *shape) {
+/* The tensor `name` of st after the checks of fm_st_read_f32 (present, the expected shape). */
+static fm_status find_checked(const fm_safetensors *st, const char *name, int ndim, const int64_t *shape,
+                              const fm_st_tensor **out) {
     if (!st || !st->path || !name)
         return fm_error(FM_ERR_ARG, "fm_st_read_f32: no open file or no tensor name");
     if (ndim < 0 || ndim > FM_ST_MAX_DIMS || (ndim > 0 && !shape))
@@ -491,11 +492,17 @@ fm_status fm_st_read_f32(const fm_safetensors *st, const char *name, float *dst,
                         st->path, name, fmt_shape(a, sizeof a, ndim, shape),
                         fmt_shape(b, sizeof b, t->ndim, t->shape));
     }
+    *out = t;
+    return FM_OK;
+}
+
+/* Elements [first, first + numel) of tensor t into dst, converted to fp32. */
+static fm_status read_span(const fm_safetensors *st, const fm_st_tensor *t, const char *name, uint64_t first,
+                           uint64_t numel, float *dst) {
     size_t esz = fm_st_dtype_size(t->dtype);
-    uint64_t numel = (t->end - t->begin) / esz;
     if (numel > 0 && !dst)
         return fm_error(FM_ERR_ARG, "fm_st_read_f32(%s, '%s'): NULL destination", st->path, name);
-    uint64_t off = st->data_start + t->begin;
+    uint64_t off = st->data_start + t->begin + first * esz;
     char what[320];
     snprintf(what, sizeof what, "tensor '%s'", name);
     switch (t->dtype) {
@@ -529,6 +536,26 @@ fm_status fm_st_read_f32(const fm_safetensors *st, const char *name, float *dst,
         }
     }
     return FM_OK;
+}
+
+fm_status fm_st_read_f32(const fm_safetensors *st, const char *name, float *dst, int ndim,
+                         const int64_t *shape) {
+    const fm_st_tensor *t;
+    FM_TRY(find_checked(st, name, ndim, shape, &t));
+    const size_t esz = fm_st_dtype_size(t->dtype);
+    return read_span(st, t, name, 0, esz ? (t->end - t->begin) / esz : 0, dst);
+}
+
+fm_status fm_st_read_f32_range(const fm_safetensors *st, const char *name, int64_t first, int64_t count, float *dst,
+                               int ndim, const int64_t *shape) {
+    const fm_st_tensor *t;
+    FM_TRY(find_checked(st, name, ndim, shape, &t));
+    const size_t esz = fm_st_dtype_size(t->dtype);
+    const int64_t numel = esz ? (int64_t)((t->end - t->begin) / esz) : 0;
+    if (first < 0 || count < 0 || first > numel || count > numel - first)
+        return fm_error(FM_ERR_ARG, "%s: tensor '%s': elements [%lld, %lld) are outside its %lld elements", st->path,
+                        name, (long long)first, (long long)(first + count), (long long)numel);
+    return read_span(st, t, name, (uint64_t)first, (uint64_t)count, dst);
 }
 
 /* ----------------------------------------------------------------------------------------- */
@@ -603,7 +630,7 @@ static fm_status check_write_args(const char *path, const fm_named_tensor *t, in
             return fm_error(FM_ERR_ARG, "%s: tensor '%s' has an invalid shape %s (negative or "
                                         "overflowing size)",
                             path, t[i].name, fmt_shape(sbuf_, sizeof sbuf_, t[i].ndim, t[i].shape));
-        if (numel > 0 && !t[i].data && !t[i].fetch)
+        if (numel > 0 && !t[i].data && !t[i].fetch && !(t[i].fetch_range && t[i].stage && t[i].stage_len > 0))
             return fm_error(FM_ERR_ARG, "%s: tensor '%s' has %" PRIu64 " elements but NULL data",
                             path, t[i].name, numel);
         bytes[i] = numel * 4;
@@ -688,6 +715,16 @@ fm_status fm_st_write(const char *path, const fm_named_tensor *t, int n,
     if ((s = fm_atomic_write(&f, h.p, h.len)) != FM_OK) goto done;
     for (int i = 0; i < n; i++) {
         const void *src = t[i].data;
+        if (!src && bytes[i] > 0 && t[i].fetch_range) { /* streamed through the caller's stage */
+            const int64_t numel = (int64_t)(bytes[i] / 4);
+            for (int64_t a = 0; a < numel && s == FM_OK; a += t[i].stage_len) {
+                const int64_t cnt = numel - a < t[i].stage_len ? numel - a : t[i].stage_len;
+                s = t[i].fetch_range(t[i].fetch_ctx, a, cnt, t[i].stage);
+                if (s == FM_OK) s = fm_atomic_write(&f, t[i].stage, 4 * (size_t)cnt);
+            }
+            if (s != FM_OK) goto done;
+            continue;
+        }
         if (!src && bytes[i] > 0) { /* a fetched tensor: through one bounce buffer, grown as needed */
             if (bytes[i] > bounce_cap) {
                 fm_free(bounce);

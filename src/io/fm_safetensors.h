@@ -107,13 +107,27 @@ const char *fm_st_metadata(const fm_safetensors *st, const char *key);
 fm_status fm_st_read_f32(const fm_safetensors *st, const char *name, float *dst, int ndim,
                          const int64_t *shape);
 
+/* Reads elements [first, first + count) (row-major, 0 <= first, first + count <= numel) of
+ * tensor `name` into dst [count] fp32, converting as fm_st_read_f32 does (one pread of the byte
+ * range [begin + first * size, + count * size) for F32; 64 KiB pieces otherwise), so a rank reads
+ * only its shard of a tensor. shape as fm_st_read_f32's. Errors: those of fm_st_read_f32, and
+ * FM_ERR_ARG naming the tensor when the range is outside it. Allocates nothing. */
+fm_status fm_st_read_f32_range(const fm_safetensors *st, const char *name, int64_t first, int64_t count, float *dst,
+                               int ndim, const int64_t *shape);
+
 /* Releases everything fm_st_open made and zeroes *st. Safe on a closed or zeroed struct. */
 void fm_st_close(fm_safetensors *st);
 
 /* An fp32 tensor to write: `data` holds numel(shape) values, row-major. Or, with data NULL and
  * `fetch` set, the writer calls fetch(fetch_ctx, buf) to fill a bounce buffer with the values
  * just before writing them (a device-resident tensor streams through one tensor's worth of host
- * memory instead of being staged whole). */
+ * memory instead of being staged whole). Or, with data NULL and `fetch_range` set (it wins over
+ * fetch), the writer streams the tensor through the caller's buffer stage [stage_len fp32]:
+ * for first = 0, stage_len, 2 stage_len, ... < numel it calls fetch_range(fetch_ctx, first,
+ * count = min(stage_len, numel - first), stage) to fill stage[0, count) with the elements
+ * [first, first + count) and writes them, in this order, allocating nothing (the sharded
+ * trainers' checkpoints: rank 0 receives each range from its owner, train/fm_train_ckpt_stream.c).
+ * A fetch_range error ends the write with that status (the .tmp file removed). */
 typedef struct fm_named_tensor {
     const char *name;
     const float *data;
@@ -121,6 +135,9 @@ typedef struct fm_named_tensor {
     int64_t shape[FM_ST_MAX_DIMS];
     void (*fetch)(void *fetch_ctx, float *buf);
     void *fetch_ctx;
+    fm_status (*fetch_range)(void *fetch_ctx, int64_t first, int64_t count, float *stage);
+    float *stage;       /* [stage_len]: fetch_range's buffer, the caller's */
+    int64_t stage_len;  /* > 0 with fetch_range */
 } fm_named_tensor;
 
 /* Writes the n tensors t[0..n) as F32 to `path`, packed in the order given, with the optional

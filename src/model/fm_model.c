@@ -255,29 +255,32 @@ static uint64_t full_index(const fm_model *m, int i) {
     return (uint64_t)(1 + l * nlf + q);
 }
 
-void fm_model_init_weights_host(const fm_model *m, uint64_t seed, float *w) {
+void fm_model_init_weights_range(const fm_model *m, uint64_t seed, int i, int64_t first, int64_t count, float *out) {
     const float std = (float)m->cfg.initializer_range;
     /* Normal(0, std) by Box-Muller on counter-based uniforms: tensor i uses the key
      * hash(seed, i), element j the counters 2j and 2j+1 — the same values for any thread count,
-     * in parallel (a 7B-parameter model initializes in seconds, not minutes). */
-    for (int i = 0; i < m->n_tensors; i++) {
-        const fm_param *p = &m->table[i];
-        float *x = w + p->offset;
-        const uint64_t key = counter_u64(seed ^ 0x5EEDull, full_index(m, i));
-        const int64_t n = p->numel;
-        const bool ones = p->ndim == 1;
-#pragma omp parallel for schedule(static) if (n > 65536)
-        for (int64_t j = 0; j < n; j++) {
-            if (ones) {
-                x[j] = 1.0f;
-                continue;
-            }
-            double u1 = (double)(counter_u64(key, 2 * (uint64_t)j) >> 11) * (1.0 / 9007199254740992.0);
-            double u2 = (double)(counter_u64(key, 2 * (uint64_t)j + 1) >> 11) * (1.0 / 9007199254740992.0);
-            if (u1 < 1e-300) u1 = 1e-300;
-            x[j] = std * (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+     * in parallel (a 7B-parameter model initializes in seconds, not minutes), and any range of
+     * a tensor without the rest (ZeRO-3's shards) */
+    const fm_param *p = &m->table[i];
+    const uint64_t key = counter_u64(seed ^ 0x5EEDull, full_index(m, i));
+    const bool ones = p->ndim == 1;
+#pragma omp parallel for schedule(static) if (count > 65536)
+    for (int64_t k = 0; k < count; k++) {
+        if (ones) {
+            out[k] = 1.0f;
+            continue;
         }
+        const uint64_t j = (uint64_t)(first + k);
+        double u1 = (double)(counter_u64(key, 2 * j) >> 11) * (1.0 / 9007199254740992.0);
+        double u2 = (double)(counter_u64(key, 2 * j + 1) >> 11) * (1.0 / 9007199254740992.0);
+        if (u1 < 1e-300) u1 = 1e-300;
+        out[k] = std * (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
     }
+}
+
+void fm_model_init_weights_host(const fm_model *m, uint64_t seed, float *w) {
+    for (int i = 0; i < m->n_tensors; i++)
+        fm_model_init_weights_range(m, seed, i, 0, m->table[i].numel, w + m->table[i].offset);
 }
 
 fm_status fm_model_init_weights(fm_model *m, uint64_t seed) {

@@ -321,6 +321,9 @@ fm_status fm_model_init_weights(fm_model *m, uint64_t seed);
 /* The same initial fp32 weights drawn into host memory w [n_params] (table layout) only: nothing
  * uploaded (ZeRO-3 scatters them to the ranks' shards). */
 void fm_model_init_weights_host(const fm_model *m, uint64_t seed, float *w);
+/* Elements [first, first + count) of table tensor i of the initial weights above into out
+ * [count] (the same values as fm_model_init_weights_host's; ZeRO-3 draws only its shard). */
+void fm_model_init_weights_range(const fm_model *m, uint64_t seed, int i, int64_t first, int64_t count, float *out);
 
 /* Host <-> backend transfer of the fp32 master weights (n_params floats, table layout); upload
  * also refreshes the fm_act weights. */

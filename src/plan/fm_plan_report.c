@@ -1,6 +1,7 @@
 #include "fm_plan_report.h"
 
 #include "../bounded/fm_linear_ce.h"
+#include "../train/fm_train_ckpt_stream.h"
 
 #include <string.h>
 
@@ -100,6 +101,13 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
         char hb[64] = "";
         if (host_limited) snprintf(hb, sizeof hb, "; host budget %.3f GiB", x->host_budget / 1073741824.0);
         fprintf(f, "%-24s %20zu %12s   %s (not in the device total%s)\n", "host (pinned):", p->host_bytes, g, what, hb);
+    }
+    { /* the sharded checkpoints' host staging (train/fm_train_ckpt_stream.h): per rank, not pinned */
+        const size_t cs = fm_ckpt_stage_bound(fm_ckpt_max_tensor_numel(c), FM_CKPT_CHUNK_ELEMS);
+        human(g, sizeof g, cs);
+        fprintf(f, "%-24s %20zu %12s   8 B x min(%lld-element pieces, largest tensor %lld) (host, per rank, not in the "
+                "device total)\n", "checkpoint staging:", cs, g, (long long)FM_CKPT_CHUNK_ELEMS,
+                (long long)fm_ckpt_max_tensor_numel(c));
     }
     if (budget) {
         char b[32];

@@ -204,57 +204,11 @@ fm_status fm_train_truncate_metrics(const char *path, int64_t last_step) {
 
 /* ---- saving and loading a run's checkpoint -------------------------------------------------- */
 
-/* A tensor of the backend's fp32 buffers, fetched to the host when the writer reaches it. */
-typedef struct fm_fetch_src {
-    const fm_backend *be;
-    const void *src;
-    int64_t numel;
-    bool bf16;   /* src holds bf16: widened to fp32 */
-    bool host;   /* src is host memory (the streamed optimizer's pinned state) */
-} fm_fetch_src;
-
-static void fetch_from_backend(void *ctx, float *buf) {
-    const fm_fetch_src *f = ctx;
-    if (f->host && !f->bf16) {
-        memcpy(buf, f->src, sizeof(float) * (size_t)f->numel);
-        return;
-    }
-    if (!f->bf16) {
-        f->be->ops->copy(f->be->ctx, buf, f->src, sizeof(float) * (size_t)f->numel, FM_COPY_D2H);
-        return;
-    }
-    /* the bf16 values land in the upper half of buf and widen in increasing order: element i's
-     * 4 bytes end at or before the first bf16 value not yet read */
-    const size_t n = (size_t)f->numel;
-    uint16_t *h = (uint16_t *)((char *)buf + 2 * n);
-    if (f->host) memcpy(h, f->src, 2 * n);
-    else f->be->ops->copy(f->be->ctx, h, f->src, 2 * n, FM_COPY_D2H);
-    for (size_t i = 0; i < n; i++) buf[i] = fm_bf16_to_f32(h[i]);
-}
-
-/* Names the table's tensors of a [n_params] buffer of dtype as fp32 tensors (host memory and
- * fp32: data pointers; otherwise fetched one tensor at a time while writing, bf16 widened
- * exactly, so no host copy of the whole state is made). */
-static fm_status name_state(run *r, const fm_hf_table *t, const void *base, fm_dtype dtype, bool host,
-                            const char *prefix, int slot) {
-    fm_model *m = &r->m;
+/* Names the table's tensors of a [n_params] fp32 host buffer (data pointers: the writer reads
+ * them in place; every other case streams through the staging, fm_train_ckpt_stream.c). */
+static fm_status name_state(run *r, const fm_hf_table *t, const void *base, const char *prefix, int slot) {
     const int n = t->n_params;
-    const bool direct = (host || m->be.ops->host_memory) && dtype == FM_DTYPE_F32;
-    FM_TRY(fm_hf_name_tensors(t, direct ? base : NULL, prefix, r->named + slot * n, r->names + slot * n));
-    if (direct) return FM_OK;
-    FM_ASSERT(t == &r->hf.t); /* fetched from the backend: this rank's table (the gathered full one is host fp32) */
-    for (int i = 0; i < n; i++) {
-        fm_fetch_src *f = &r->fetch[slot * n + i];
-        f->be = &m->be;
-        f->src = (const char *)base + (size_t)m->table[i].offset * fm_dtype_size(dtype);
-        f->numel = m->table[i].numel;
-        f->bf16 = dtype == FM_DTYPE_BF16;
-        f->host = host;
-        r->named[slot * n + i].data = NULL;
-        r->named[slot * n + i].fetch = fetch_from_backend;
-        r->named[slot * n + i].fetch_ctx = f;
-    }
-    return FM_OK;
+    return fm_hf_name_tensors(t, base, prefix, r->named + slot * n, r->names + slot * n);
 }
 
 /* The optimizer's own fp32 master among its state tensors ("master."), or NULL. */
@@ -268,168 +222,28 @@ fm_status fm_train_ckpt_init(run *r) {
     const int n = r->ep.full_ok ? r->ep.full.n_tensors : r->m.n_tensors; /* --ep: the full table's names */
     r->named = fm_malloc(sizeof(fm_named_tensor) * (size_t)(4 * n));
     r->names = fm_malloc(sizeof(*r->names) * (size_t)(4 * n));
-    r->fetch = fm_malloc(sizeof(*r->fetch) * (size_t)(4 * n));
-    if (!r->named || !r->names || !r->fetch) return fm_error(FM_ERR_NOMEM, "out of memory for the tensor name table");
+    if (!r->named || !r->names) return fm_error(FM_ERR_NOMEM, "out of memory for the tensor name table");
     if (r->ep.full_ok) FM_TRY(fm_train_hf_init(&r->ep_hf, &r->ep.full)); /* --ep: the checkpoint's full names */
-    return fm_train_hf_init(&r->hf, &r->m);
+    FM_TRY(fm_train_hf_init(&r->hf, &r->m));
+    return fm_ckpt_stage_init(r); /* the checkpoint staging, once (fm_train_ckpt_stream.h) */
 }
 
-static fm_status save_named(run *r, const train_state *ts, fm_optim_state *os, int nos, const float *gmaster,
-                            const fm_hf_table *t);
+static fm_status save_named(run *r, const train_state *ts, const fm_optim_state *os, int nos);
 
-/* ---- many ranks: rank 0 writes; ZeRO-1/2's shards gathered to it, loaded by each owner ---- */
+/* ---- many ranks: rank 0 writes, the owners stream their pieces to it (fm_train_ckpt_stream.c) ---- */
 
-/* The shards of a sharded optimizer state (os->base: this rank's [shard_len] of os->dtype) into
- * full [n_params] host buffers on rank 0 (*full, allocated here; NULL elsewhere); a collective
- * of r->world. Errors: FM_ERR_NOMEM, the communicator's. */
-static fm_status gather_state(run *r, const void *shard, fm_dtype dtype, void **full) {
-    const fm_param_store *ps = &r->ps;
-    const int W = r->n_ranks;
-    const size_t es = fm_dtype_size(dtype);
-    *full = NULL;
-    int64_t *cnt = fm_malloc(sizeof(int64_t) * 4 * (size_t)W);
-    if (!cnt) return fm_error(FM_ERR_NOMEM, "rank %d of %d: memory for the checkpoint gather's counts", r->rank, W);
-    int64_t *sc = cnt, *sd = cnt + W, *rc = cnt + 2 * W, *rd = cnt + 3 * W;
-    for (int q = 0; q < W; q++) {
-        const int64_t b = (int64_t)q * ps->shard_len, e = b + ps->shard_len;
-        sc[q] = sd[q] = 0;
-        rd[q] = b < ps->n_params ? b : ps->n_params;
-        rc[q] = r->rank == 0 ? (e < ps->n_params ? e : ps->n_params) - rd[q] : 0;
-    }
-    sc[0] = ps->shard_end - ps->shard_begin;
-    fm_status st = FM_OK;
-    if (r->rank == 0 && !(*full = fm_malloc(es * (size_t)ps->n_params)))
-        st = fm_error(FM_ERR_NOMEM, "rank 0 of %d: cannot gather %lld optimizer values for the checkpoint on the host",
-                      W, (long long)ps->n_params);
-    /* an allocation failure on rank 0 returns before the collective: the CLI then ends every rank */
-    if (st == FM_OK)
-        st = fm_comm_all_to_all_v(&r->world, shard, sc, sd, *full, rc, rd,
-                                  dtype == FM_DTYPE_BF16 ? FM_COMM_BF16 : FM_COMM_F32, 0);
-    fm_free(cnt);
-    if (st != FM_OK) fm_free(*full), *full = NULL;
-    return st;
-}
-
-/* ZeRO-3: the full fp32 tensors of path with the prefix into a new host buffer *out [n_params]. */
-static fm_status read_full(run *r, const char *path, const char *prefix, float **out) {
-    *out = fm_malloc(sizeof(float) * (size_t)r->m.n_params);
-    if (!*out) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)r->m.n_params);
-    const fm_status s = hf_read(&r->m, &r->hf.t, path, prefix, *out); /* --ep: this rank's experts of the file's */
-    if (s != FM_OK) fm_free(*out), *out = NULL;
-    return s;
-}
-
-/* ZeRO-3: this rank's shard of the optimizer state os from the full tensors of path (any world size). */
-static fm_status load_state_zero3(run *r, const char *path, const fm_optim_state *os) {
-    float *full;
-    FM_TRY(read_full(r, path, os->prefix, &full));
-    const fm_status s = fm_zero3_scatter_full(&r->z3, &r->m, full, os->base, os->dtype);
-    fm_free(full);
-    return s;
-}
-
-/* Loads the optimizer state os (this rank's shard of a sharded store) from the full tensors of
- * path: the whole fp32 tensor staged on the host, this rank's range copied (bf16: narrowed). */
-static fm_status load_state_shard(run *r, const char *path, const fm_optim_state *os) {
-    const fm_param_store *ps = &r->ps;
-    float *stage = fm_malloc(sizeof(float) * (size_t)ps->n_params);
-    if (!stage) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)ps->n_params);
-    fm_status s = fm_hf_read(&r->hf.t, path, os->prefix, stage);
-    const int64_t len = ps->shard_end - ps->shard_begin;
-    const float *src = stage + ps->shard_begin;
-    if (s == FM_OK && os->dtype == FM_DTYPE_BF16) {
-        uint16_t *h = (uint16_t *)stage; /* narrowing in increasing order never overtakes the reads */
-        for (int64_t i = 0; i < len; i++) h[i] = fm_f32_to_bf16(src[i]);
-        src = stage;
-    }
-    const size_t bytes = fm_dtype_size(os->dtype) * (size_t)len;
-    if (s == FM_OK && (os->host || r->m.be.ops->host_memory)) memmove(os->base, src, bytes);
-    else if (s == FM_OK) r->m.be.ops->copy(r->m.be.ctx, os->base, src, bytes, FM_COPY_H2D);
-    fm_free(stage);
-    return s;
-}
-
-/* --zero 3 --ep: the full tensors of master and of each optimizer state os[i] from the shards
- * (every rank's table in full, fm_zero3_gather_all) and the experts from their owners
- * (fm_train_ep_gather), written by rank 0; a collective of the world. Errors: as the gathers',
- * save_named's. */
-static fm_status save_zero3_ep(run *r, const train_state *ts, fm_optim_state *os, int nos) {
-    fm_model *m = &r->m;
-    float *gathered[3] = {NULL, NULL, NULL}, *gmaster = NULL;
-    fm_status st = FM_OK;
-    for (int i = -1; i < nos && st == FM_OK; i++) { /* -1: the master */
-        const void *src = i < 0 ? (const void *)r->z3.master : os[i].base;
-        const fm_dtype dt = i < 0 ? FM_DTYPE_F32 : os[i].dtype;
-        void *local = NULL;
-        st = fm_zero3_gather_all(&r->z3, m, src, dt, &local);
-        float *g = NULL;
-        if (st == FM_OK) st = fm_train_ep_gather(&r->ep, m, local, dt, true, &g);
-        fm_free(local);
-        if (i < 0) gmaster = g;
-        else gathered[i] = g, os[i].base = g, os[i].host = true, os[i].dtype = FM_DTYPE_F32;
-    }
-    if (st == FM_OK && r->rank == 0) st = save_named(r, ts, os, nos, gmaster, &r->ep_hf.t);
-    for (int i = 0; i < nos; i++) fm_free(gathered[i]);
-    fm_free(gmaster);
-    return st;
-}
+static fm_status write_named(run *r, const train_state *ts, int n, int n_optim);
 
 static fm_status save_checkpoint(run *r, const train_state *ts) {
-    fm_model *m = &r->m;
     /* fp32 master (as model.safetensors and master.*: the model's, or the optimizer's when it
      * names one), m, v */
     fm_optim_state os[3];
     const int nos = r->optim->state_tensors(r->opt_self, os, 3);
-    void *gathered[3] = {NULL, NULL, NULL};
-    float *gmaster = NULL;
-    if (r->ep.full_ok && r->zero3) return save_zero3_ep(r, ts, os, nos);
-    if (r->ep.full_ok) { /* --ep: full tensors, the experts gathered from their owners to rank 0 */
-        fm_status st = fm_train_ep_gather(&r->ep, m, m->master, FM_DTYPE_F32, false, &gmaster);
-        for (int i = 0; i < nos && st == FM_OK; i++) {
-            float *g = NULL;
-            st = fm_train_ep_gather(&r->ep, m, os[i].base, os[i].dtype, os[i].host, &g);
-            gathered[i] = g;
-            os[i].base = g, os[i].host = true, os[i].dtype = FM_DTYPE_F32;
-        }
-        if (st == FM_OK && r->rank == 0) st = save_named(r, ts, os, nos, gmaster, &r->ep_hf.t);
-        for (int i = 0; i < nos; i++) fm_free(gathered[i]);
-        fm_free(gmaster);
-        return st;
-    }
-    if (r->zero3) { /* ZeRO-3: every rank's shards of master, m, v; rank 0 names the full host copies */
-        fm_status st = FM_OK;
-        for (int i = 0; i < nos && st == FM_OK; i++) {
-            st = fm_zero3_gather_full(&r->z3, m, os[i].base, os[i].dtype, &gathered[i]);
-            os[i].base = gathered[i], os[i].host = true;
-        }
-        void *g = NULL;
-        if (st == FM_OK) st = fm_zero3_gather_full(&r->z3, m, r->z3.master, FM_DTYPE_F32, &g);
-        gmaster = g;
-        if (st != FM_OK) {
-            for (int i = 0; i < nos; i++) fm_free(gathered[i]);
-            fm_free(gmaster);
-            return st;
-        }
-    } else if (r->ps.sharded) { /* ZeRO-1/2: every rank sends its shards; rank 0 names the full host copies */
-        for (int i = 0; i < nos; i++) {
-            FM_TRY(gather_state(r, os[i].base, os[i].dtype, &gathered[i]));
-            os[i].base = gathered[i], os[i].host = true;
-        }
-        if ((void *)m->master != (void *)m->params) { /* bf16 weights: the owners' master ranges */
-            void *g = NULL;
-            fm_status st = gather_state(r, m->master + r->ps.shard_begin, FM_DTYPE_F32, &g);
-            gmaster = g;
-            if (st != FM_OK) {
-                for (int i = 0; i < nos; i++) fm_free(gathered[i]);
-                return st;
-            }
-        }
-    }
-    if (r->rank != 0) return FM_OK; /* rank 0 writes the files */
-    fm_status s = save_named(r, ts, os, nos, gmaster, &r->hf.t);
-    for (int i = 0; i < nos; i++) fm_free(gathered[i]);
-    fm_free(gmaster);
-    return s;
+    if (!fm_ckpt_stream_wanted(r, os, nos)) return save_named(r, ts, os, nos); /* in place */
+    int slots;
+    FM_TRY(fm_ckpt_stream_prepare(r, os, nos, &slots));
+    if (r->rank != 0) return fm_ckpt_stream_serve(r, slots); /* rank 0 writes the files */
+    return write_named(r, ts, r->cst.n_full, (slots - 1) * r->cst.n_full);
 }
 
 /* The tokenizer beside the weights (sample and eval find it there; transformers loads the folder
@@ -458,24 +272,29 @@ static fm_status copy_tokenizer(run *r, const char *dir) {
     return FM_OK;
 }
 
-/* Rank 0's part: names master, m, v (gmaster: the gathered master, host memory; NULL: the
- * model's) and writes the checkpoint. */
-static fm_status save_named(run *r, const train_state *ts, fm_optim_state *os, int nos, const float *gmaster,
-                            const fm_hf_table *t) {
-    fm_model *m = &r->m;
+/* One rank whose master, m and v are fp32 host buffers (fm_ckpt_stream_wanted false): names
+ * them in place (the optimizer's master when it names one, else the model's) and writes. */
+static fm_status save_named(run *r, const train_state *ts, const fm_optim_state *os, int nos) {
+    const fm_hf_table *t = &r->hf.t;
     const int n = t->n_params;
     const fm_optim_state *ms = optim_master(os, nos);
-    const void *master = gmaster ? (const void *)gmaster : ms ? ms->base : m->master;
-    const bool mhost = gmaster || (ms && ms->host);
-    FM_TRY(name_state(r, t, master, FM_DTYPE_F32, mhost, "", 0));
-    FM_TRY(name_state(r, t, master, FM_DTYPE_F32, mhost, "master.", 1));
-    for (int i = 0, k = 2; i < nos; i++) /* bf16: widened */
-        if (&os[i] != ms) FM_TRY(name_state(r, t, os[i].base, os[i].dtype, os[i].host, os[i].prefix, k++));
+    const void *master = ms ? ms->base : r->m.master;
+    FM_TRY(name_state(r, t, master, "", 0));
+    FM_TRY(name_state(r, t, master, "master.", 1));
+    int k = 2;
+    for (int i = 0; i < nos; i++)
+        if (&os[i] != ms) FM_TRY(name_state(r, t, os[i].base, os[i].prefix, k++));
+    return write_named(r, ts, n, (k - 1) * n);
+}
+
+/* Rank 0: writes the checkpoint of r->named (model [n], then the optimizer's [n_optim]),
+ * state.json and the tokenizer. */
+static fm_status write_named(run *r, const train_state *ts, int n, int n_optim) {
     char *state = state_to_json(r, ts);
     fm_status s = state ? FM_OK : fm_error(FM_ERR_NOMEM, "out of memory writing state.json");
     char dir[4096];
     if (s == FM_OK)
-        s = fm_ckpt_write(r->o->out_dir, ts->step, r->named, n, r->named + n, 3 * n, r->config_json, state, dir,
+        s = fm_ckpt_write(r->o->out_dir, ts->step, r->named, n, r->named + n, n_optim, r->config_json, state, dir,
                           sizeof dir);
     fm_free(state);
     if (s == FM_OK) s = copy_tokenizer(r, dir);
@@ -502,7 +321,7 @@ static uint16_t f32_to_f16(float f) {
 }
 
 /* Whether a value read from a file stored as dtype equals the master value rounded to dtype. */
-static bool same_rounded(float master, float stored, int dtype) {
+bool fm_train_same_rounded(float master, float stored, int dtype) {
     uint32_t a, b;
     if (dtype == FM_ST_BF16) return fm_f32_to_bf16(master) == fm_f32_to_bf16(stored);
     if (dtype == FM_ST_F16) return f32_to_f16(master) == f32_to_f16(stored);
@@ -511,25 +330,18 @@ static bool same_rounded(float master, float stored, int dtype) {
     return a == b;
 }
 
-/* --resume: model.safetensors must hold the optimizer's master copy (already in r->m.master):
- * the table's names and shapes, each value equal to the master rounded to the stored dtype, and
- * nothing else. Reads one tensor at a time. Errors: FM_ERR_FORMAT naming the first tensor that
- * differs, and how to proceed. */
-static fm_status verify_model_file(run *r, const char *dir, bool master_on_host) {
+/* --resume: model.safetensors must hold the optimizer's master copy: the table's names and
+ * shapes, float dtypes, and nothing else (its values are checked against the master range by
+ * range as it loads, fm_ckpt_stream_load). Reads the header only. Errors: FM_ERR_FORMAT naming
+ * the first tensor that differs, and how to proceed. */
+static fm_status check_model_file(run *r, const char *dir) {
     fm_model *m = &r->m;
     char path[4200], a[96], b[96];
     snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_MODEL_FILE);
     fm_safetensors st;
     fm_status s = fm_st_open(&st, path);
     if (s != FM_OK) return s;
-    int64_t max_numel = 1;
-    for (int i = 0; i < m->n_tensors; i++) max_numel = m->table[i].numel > max_numel ? m->table[i].numel : max_numel;
-    float *file = fm_malloc(sizeof(float) * (size_t)max_numel);
-    float *mst = master_on_host ? NULL : fm_malloc(sizeof(float) * (size_t)max_numel);
-    const char *how = "pass --resume-trust-optimizer to resume from the optimizer's master copy (optimizer.safetensors) "
-                      "anyway, or --init-from with that folder and a new --out to start a run from the edited weights, "
-                      "or move the folder away to resume from the checkpoint before it";
-    if (!file || (!master_on_host && !mst)) s = fm_error(FM_ERR_NOMEM, "%s: out of memory checking it", path);
+    const char *how = FM_TRAIN_RESUME_HOW;
     for (int i = 0; i < m->n_tensors && s == FM_OK; i++) {
         const fm_param *p = &m->table[i];
         const fm_st_tensor *t = fm_st_find(&st, p->name);
@@ -548,20 +360,6 @@ static fm_status verify_model_file(run *r, const char *dir, bool master_on_host)
                          p->name, fm_st_dtype_name(t->dtype), how);
             break;
         }
-        if ((s = fm_st_read_f32(&st, p->name, file, p->ndim, p->shape))) break;
-        const float *w = m->master + p->offset;
-        if (!master_on_host) {
-            m->be.ops->copy(m->be.ctx, mst, w, sizeof(float) * (size_t)p->numel, FM_COPY_D2H);
-            w = mst;
-        }
-        for (int64_t j = 0; j < p->numel; j++)
-            if (!same_rounded(w[j], file[j], t->dtype)) {
-                s = fm_error(FM_ERR_FORMAT, "--resume: %s disagrees with the optimizer's master copy at tensor '%s', element "
-                             "%lld: %.9g in the file, %.9g in the master (stored as %s); the weights were changed after "
-                             "the checkpoint was written, or the file is damaged: %s", path, p->name, (long long)j,
-                             (double)file[j], (double)w[j], fm_st_dtype_name(t->dtype), how);
-                break;
-            }
     }
     /* --ep: the file holds every rank's experts, the table this rank's */
     const int64_t n_expect = m->n_tensors + (int64_t)(m->ep - 1) * m->cfg.num_hidden_layers * 3 * m->E_loc;
@@ -575,8 +373,6 @@ static fm_status verify_model_file(run *r, const char *dir, bool master_on_host)
                          "file was changed after the checkpoint was written: %s", path, st.n_tensors,
                          (long long)n_expect, how);
     }
-    fm_free(file);
-    fm_free(mst);
     fm_st_close(&st);
     return s;
 }
@@ -600,50 +396,18 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
         }
         cJSON_Delete(so);
     }
-    snprintf(path, sizeof path, "%s/%s", dir, FM_CKPT_OPTIM_FILE);
-    /* the fp32 master from the optimizer file (model.safetensors holds the same values): into the
-     * model's master, or the optimizer's (host) one, then converted into the weights */
-    fm_optim_state os[3];
-    const int nos = r->optim->state_tensors(r->opt_self, os, 3);
-    const fm_optim_state *ms = optim_master(os, nos);
-    float *z3_full = NULL; /* ZeRO-3: the full master, checked, then this rank's shard taken from it */
-    if (r->zero3) {
-        FM_TRY(read_full(r, path, "master.", &z3_full));
-    } else if (ms) {
-        FM_TRY(load_fp32_as_ex(&r->m, &r->hf.t, path, "master.", ms->base, FM_DTYPE_F32, ms->host));
-        /* the weights from it (the model's master view is this memory: fm_param_store_create_host_master) */
-        FM_ASSERT((const void *)r->m.master == ms->base);
-        r->m.be.ops->convert(r->m.be.ctx, r->m.params, FM_ACT_DTYPE, r->m.master, FM_DTYPE_F32, r->m.n_params);
-    } else {
-        FM_TRY(load_master(&r->m, &r->hf.t, path, "master."));
-    }
-    if (r->o->resume_trust_optimizer) {
-        if (!r->o->quiet) printf("--resume-trust-optimizer: %s/%s is not checked against the master copy\n", dir,
-                                 FM_CKPT_MODEL_FILE);
-    } else if (r->zero3) { /* checked against the full host copy */
-        float *shard = r->m.master;
-        r->m.master = z3_full;
-        const fm_status s = verify_model_file(r, dir, true);
-        r->m.master = shard;
-        if (s != FM_OK) fm_free(z3_full);
-        FM_TRY(s);
-    } else {
-        FM_TRY(verify_model_file(r, dir, r->m.be.ops->host_memory || (ms && ms->host)));
-    }
-    if (r->zero3) {
-        const fm_status s = fm_zero3_set_master(&r->z3, &r->m, z3_full);
-        fm_free(z3_full);
-        FM_TRY(s);
-    }
-    /* bf16 moments: narrowed to nearest even, exact for moments a bf16 run saved; ZeRO-1/2: this
-     * rank's range of the full tensors (any world size) */
-    for (int i = 0; i < nos; i++)
-        if (&os[i] != ms) {
-            if (r->zero3) FM_TRY(load_state_zero3(r, path, &os[i]));
-            else if (r->ps.sharded) FM_TRY(load_state_shard(r, path, &os[i]));
-            else FM_TRY(load_fp32_as_ex(&r->m, &r->hf.t, path, os[i].prefix, os[i].base, os[i].dtype, os[i].host));
-        }
+    /* this rank's ranges of the fp32 master (model.safetensors holds the same values, checked
+     * range by range) and of the optimizer's state, from optimizer.safetensors at any world size */
+    const bool trust = r->o->resume_trust_optimizer;
+    if (trust && !r->o->quiet)
+        printf("--resume-trust-optimizer: %s/%s is not checked against the master copy\n", dir, FM_CKPT_MODEL_FILE);
+    if (!trust) FM_TRY(check_model_file(r, dir)); /* names, shapes, dtypes, count */
+    FM_TRY(fm_ckpt_stream_load(r, dir, !trust));
     r->opt.step = ts->opt_step;
+    /* test hook (tests/mpi_ckpt.sh): write the loaded state again at once, so that a checkpoint
+     * read at one world size and written at another can be compared byte for byte */
+    const char *resave = getenv("FLATMOE_TEST_CKPT_RESAVE");
+    if (resave && *resave) FM_TRY(fm_train_save_checkpoint(r, ts));
     return FM_OK;
 }
 
@@ -683,7 +447,7 @@ fm_status fm_load_for_inference(fm_model *m, fm_param_store *ps, const char *ckp
 /* Every rank waits for rank 0's writes to end in a barrier of its own long timeout: the next
  * collective's --comm-timeout (300 s) would otherwise count rank 0's writing, which for a large
  * model takes longer (measured: a 1 s timeout failed a 3-step run saving every step). */
-#define FM_SAVE_BARRIER_TIMEOUT_S (4.0 * 3600.0)
+#define FM_SAVE_BARRIER_TIMEOUT_S FM_CKPT_SAVE_TIMEOUT_S
 fm_status fm_train_save_checkpoint(run *r, const train_state *ts) {
     const fm_status s = save_checkpoint(r, ts);
     if (s != FM_OK || r->n_ranks <= 1) return s;

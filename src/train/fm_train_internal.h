@@ -24,6 +24,7 @@
 #include "fm_train_step.h"
 #include "fm_trainer.h"
 #include "fm_zero3.h"
+#include "fm_train_ckpt_stream.h"
 
 /* The model's parameter table as the Hugging Face mapping (io/fm_hf_weights.h) reads it; the
  * rows' names point into the model's table. */
@@ -50,7 +51,6 @@ typedef struct train_state {
     int64_t warmup;    /* "schedule": its warmup steps (absent: -1) */
 } train_state;
 
-struct fm_fetch_src;
 
 /* One training run: everything fm_train allocates, released by fm_train_run_free. */
 typedef struct run {
@@ -71,7 +71,6 @@ typedef struct run {
     FILE *metrics;
     fm_plan plan;
     bool *rc;
-    struct fm_fetch_src *fetch;     /* [4 * n_tensors]: save sources on a device backend */
     fm_step_ws step;                /* the step's schedule and pinned results (fm_train_step.h) */
     fm_param_store ps;              /* the model-state live set: weights, grads, master, optimizer state */
     const fm_optimizer_ops *optim;  /* the optimizer's interface over r->opt */
@@ -94,12 +93,44 @@ typedef struct run {
     fm_schedule eval_sched;         /* ZeRO-3: evaluation's forwards with z3's gathering hook */
     fm_train_ep ep;                 /* expert parallelism (--ep; ep.ep 1 or 0: off) */
     fm_train_hf ep_hf;              /* --ep: the full table (ep.full) as the checkpoint writer names it */
+    fm_ckpt_stage cst;              /* the checkpoint staging (fm_train_ckpt_stream.h), from fm_train_ckpt_init */
 } run;
 
 /* The arena of live set i: the parameter store's for the model state, the model's otherwise. */
 static inline const fm_arena *fm_train_arena(const run *r, int i) {
     return i == FM_LIVE_MODEL_STATE ? &r->ps.arena : &r->m.arena[i];
 }
+
+/* ---- fm_train_ckpt_stream.c (fm_train_ckpt_stream.h: the design and the bound) ---- */
+
+/* Allocates r->cst (8 C_e bytes and the owner tables; several ranks: its host world, and a
+ * collective of the world that learns who holds each tensor). After the model, store and
+ * ZeRO-3 layout exist. Errors: FM_ERR_NOMEM, the communicator's. */
+fm_status fm_ckpt_stage_init(run *r);
+void fm_ckpt_stage_free(run *r);
+/* Whether a save streams through the staging (several ranks, ZeRO-3, --ep, a device backend or
+ * a bf16 state); false: one rank's fp32 host buffers, named in place. */
+bool fm_ckpt_stream_wanted(const run *r, const fm_optim_state *os, int nos);
+/* Names the save's states (master twice, then the optimizer's others: *n_slots) with the
+ * streaming fetch on rank 0 (r->named [n_slots x n_full]); the other ranks only count them. */
+fm_status fm_ckpt_stream_prepare(run *r, const fm_optim_state *os, int nos, int *n_slots);
+/* Ranks other than 0, while rank 0 writes: send their parts of every piece in file order (a
+ * collective with rank 0's writer). Errors: the communicator's. */
+fm_status fm_ckpt_stream_serve(run *r, int n_slots);
+/* Loads this rank's part of the master (then its fm_act weights) and of every optimizer state
+ * from dir/optimizer.safetensors by ranges; verify: each range of the master checked against
+ * dir/model.safetensors rounded to its dtype. Errors: FM_ERR_FORMAT (a missing tensor, a shape,
+ * a count of a prefix's tensors, a value that differs: naming it), FM_ERR_IO. */
+fm_status fm_ckpt_stream_load(run *r, const char *dir, bool verify);
+/* ZeRO-3's initial weights (fm_model_init_weights_host's values) drawn range by range into this
+ * rank's shard master (padding zero) through the staging, then its fm_act weights. */
+fm_status fm_ckpt_stream_init_zero3(run *r, uint64_t seed);
+/* fm_train_ckpt.c: whether a value read from a file stored as dtype (fm_st_dtype) equals the
+ * master value rounded to it; and how to proceed when model.safetensors disagrees. */
+bool fm_train_same_rounded(float master, float stored, int dtype);
+#define FM_TRAIN_RESUME_HOW "pass --resume-trust-optimizer to resume from the optimizer's master copy (optimizer.safetensors) " \
+    "anyway, or --init-from with that folder and a new --out to start a run from the edited weights, or move the folder " \
+    "away to resume from the checkpoint before it"
 
 /* ---- fm_train_opts.c ---- */
 
@@ -154,8 +185,9 @@ fm_status fm_train_state_read(const char *path, train_state *s);
  * its checkpoint; -1 keeps none). A missing file is not an error. Errors: FM_ERR_NOMEM, FM_ERR_IO. */
 fm_status fm_train_truncate_metrics(const char *path, int64_t last_step);
 
-/* Allocates the run's tables for saving and loading checkpoints (names, fetch sources, the
- * Hugging Face table of r->m; released by fm_train_run_free). Errors: FM_ERR_NOMEM. */
+/* Allocates the run's tables for saving and loading checkpoints (names, the Hugging Face table
+ * of r->m, the checkpoint staging r->cst: fm_ckpt_stage_init, a collective of the world with
+ * several ranks; released by fm_train_run_free). Errors: FM_ERR_NOMEM, the communicator's. */
 fm_status fm_train_ckpt_init(run *r);
 
 /* Writes the checkpoint of ts->step into the run folder (weights, master, moments, config,

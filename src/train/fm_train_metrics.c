@@ -107,6 +107,9 @@ static void report_memory(const run *r, size_t dev_used, size_t dev_total) {
         printf("memory: %-22s %14zu %14zu %6.1f%%\n", fm_live_set_names[i], r->plan.bytes[i], hw,
                r->plan.bytes[i] ? 100.0 * (double)hw / (double)r->plan.bytes[i] : 0.0);
     }
+    if (r->cst.high > 0) /* host: the loads and saves so far that staged (a one-rank fp32 host save names its buffers) */
+        printf("memory: %-22s %14zu %14zu %6.1f%%\n", "checkpoint staging", r->cst.bytes, r->cst.high,
+               100.0 * (double)r->cst.high / (double)r->cst.bytes);
     const size_t host_used = r->sco.host.high + r->oopt.host.high; /* offloaded boundaries + optimizer */
     if (r->plan.host_bytes > 0)
         printf("memory: %-22s %14zu %14zu %6.1f%%\n", "host (pinned)", r->plan.host_bytes, host_used,

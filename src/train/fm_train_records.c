@@ -216,6 +216,7 @@ void fm_train_metrics_summary(run *r, const fm_run_records *rec) {
     if (r->plan.host_bytes > 0)
         fprintf(f, ",\"host (pinned)\":{\"bound\":%zu,\"high_water\":%zu}", r->plan.host_bytes,
                 r->sco.host.high + r->oopt.host.high);
+    fprintf(f, ",\"checkpoint staging\":{\"bound\":%zu,\"high_water\":%zu}", r->cst.bytes, r->cst.high); /* host, rank 0 */
     fprintf(f, "}}\n");
     fflush(f);
     if (r->o->quiet) return;

@@ -36,8 +36,8 @@ void fm_train_run_free(run *r) {
     fm_free(r->named);
     fm_free(r->names);
     fm_free(r->rc);
-    fm_free(r->fetch);
     fm_train_hf_free(&r->hf);
+    fm_ckpt_stage_free(r);
     fm_train_hf_free(&r->ep_hf);
 }
 
@@ -442,14 +442,8 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         if (!o->quiet) printf("resumed from %s (step %lld)\n", ckpt, (long long)ts->step);
     } else {
         if (o->init_from) FM_TRY(init_from_folder(r, o->init_from));
-        else if (r->zero3) { /* every rank draws the full initial weights and keeps its shard */
-            float *w = fm_malloc(sizeof(float) * (size_t)m->n_params);
-            if (!w) return fm_error(FM_ERR_NOMEM, "memory: cannot stage %lld initial weights on the host",
-                                    (long long)m->n_params);
-            fm_model_init_weights_host(m, o->seed, w);
-            const fm_status st = fm_zero3_set_master(&r->z3, m, w);
-            fm_free(w);
-            FM_TRY(st);
+        else if (r->zero3) { /* every rank draws only its shard of the initial weights (bounded staging) */
+            FM_TRY(fm_ckpt_stream_init_zero3(r, o->seed));
         } else FM_TRY(fm_model_init_weights(m, o->seed));
         fm_rng_seed(data_rng, o->seed ^ 0xDA7A5EEDull);
         ts->seed = o->seed;
