@@ -140,7 +140,10 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
     w->exp_ws.dact = TAKE(dev, fm_act, Rm * I);
     w->exp_ws.dh_gate = TAKE(dev, fm_act, Rm * I);
     w->exp_ws.dh_up = TAKE(dev, fm_act, Rm * I);
-    for (int s = 0; s < S; s++) w->perm_s[s] = TAKE(dev, int32_t, Rm);
+    /* set 1's permutation below set 0's: the working set's top byte is set 0's last row, written
+     * whenever a chunk of the serial schedule (set 0 only) fills R_max, so the painted high-water
+     * mark reaches the bound there as it did with one set */
+    for (int s = S - 1; s >= 0; s--) w->perm_s[s] = TAKE(dev, int32_t, Rm);
     w->exp_ws.dye = w->exp.ye; /* ye is sent back before dye arrives */
     if (llep_on(llep)) {
         w->llep = *llep;
