@@ -578,6 +578,26 @@ static void run_errors(const fm_comm *comm) {
                    "must lay it out alike");
         fm_arena_free(&dev2), fm_arena_free(&host2);
     }
+    /* rank 0 pipelined, the others serial (the exchanges would pair up wrongly): refused at chunk
+     * 0's agreement on every rank, before any rows move */
+    if (P > 1) {
+        for (int64_t t = 0; t < N; t++)
+            for (int64_t j = 0; j < k; j++) idx[t * k + j] = (int32_t)((t + j) % d.E);
+        ws.schedule = me == 0 ? FM_MOE_EP_PIPELINED : FM_MOE_EP_SERIAL;
+        EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_forward(&g_be, comm, &d, &w, y, x, idx, tw, N, K, order, &ws, 30),
+                   "run the same schedule");
+        ws.schedule = FM_MOE_EP_AUTO;
+    }
+    /* the schedule from the environment */
+    fm_moe_ep_schedule sch;
+    setenv("FLATMOE_EP_SCHEDULE", "serial", 1);
+    CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_OK && sch == FM_MOE_EP_SERIAL);
+    setenv("FLATMOE_EP_SCHEDULE", "pipelined", 1);
+    CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_OK && sch == FM_MOE_EP_PIPELINED);
+    setenv("FLATMOE_EP_SCHEDULE", "overlap", 1);
+    CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_ERR_ARG && strstr(fm_errmsg(), "\"overlap\": expected auto"));
+    unsetenv("FLATMOE_EP_SCHEDULE");
+    CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_OK && sch == FM_MOE_EP_AUTO);
     /* after refused calls the group still works (every rank left every collective alike) */
     CHECK(fm_moe_ep_chunks(comm, N, c, 30, &K) == FM_OK && K == 2);
     fm_arena_free(&dev), fm_arena_free(&host);

@@ -3,6 +3,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../model/fm_experts.h"
@@ -14,7 +15,7 @@
 #endif
 
 /* The count table: per rank, E counts then these five: its K, its chunk size, an error flag, its
- * cap c and a fingerprint of its placement options (the layouts must agree: checked, so a
+ * cap c and a fingerprint of its placement options and schedule (the layouts must agree: checked, so a
  * mismatch fails on every rank alike instead of desynchronizing the exchanges). */
 enum { T_K = 0, T_N, T_ERR, T_C, T_OPTS, T_EXTRA };
 /* Error flags a rank puts in the table at chunk 0 (agreed, so every rank fails together). */
@@ -173,8 +174,17 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
         w->pair_local = TAKE(host, int32_t, w->pairs_max);
         fm_llep_plan_layout(&w->plan, host, ep, d->E, w->F);
     }
-    w->schedule = FM_MOE_EP_AUTO;
     ep_view(w, 0);
+    return fm_moe_ep_schedule_from_env(&w->schedule);
+}
+
+fm_status fm_moe_ep_schedule_from_env(fm_moe_ep_schedule *s) {
+    const char *v = getenv("FLATMOE_EP_SCHEDULE");
+    if (!v || !*v || !strcmp(v, "auto")) *s = FM_MOE_EP_AUTO;
+    else if (!strcmp(v, "serial")) *s = FM_MOE_EP_SERIAL;
+    else if (!strcmp(v, "pipelined")) *s = FM_MOE_EP_PIPELINED;
+    else
+        return fm_error(FM_ERR_ARG, "FLATMOE_EP_SCHEDULE=\"%s\": expected auto, serial or pipelined (unset: auto)", v);
     return FM_OK;
 }
 
@@ -284,7 +294,7 @@ static fm_status ep_agree(const ep_call *c, int64_t j, int64_t n, int64_t err, i
     mine[E + T_N] = n;
     mine[E + T_ERR] = err;
     mine[E + T_C] = ws->c;
-    mine[E + T_OPTS] = ep_opts_print(ws);
+    mine[E + T_OPTS] = ep_opts_print(ws) + (c->pipe ? 1 : 0); /* the schedule too: the exchanges' order differs */
     const fm_status st = fm_comm_allreduce_sum_i64(c->comm, t, (int64_t)P * S, c->timeout_s);
     if (st != FM_OK) return ep_comm_fail(c, st, j);
     /* the verdict, the same on every rank: the first offending rank */
@@ -292,8 +302,8 @@ static fm_status ep_agree(const ep_call *c, int64_t j, int64_t n, int64_t err, i
         const int64_t *tp = t + (int64_t)p * S;
         if (tp[E + T_C] != ws->c || tp[E + T_OPTS] != mine[E + T_OPTS])
             return fm_error(FM_ERR_ARG, "moe_ep %s (rank %d of %d): rank %d's working set was laid out with cap c = "
-                            "%lld and placement options %s this rank's (c = %lld); every rank of the ep group "
-                            "must lay it out alike", c->what, me, P, p, (long long)tp[E + T_C],
+                            "%lld and placement options and schedule %s this rank's (c = %lld); every rank of the ep group "
+                            "must lay it out alike and run the same schedule (FLATMOE_EP_SCHEDULE)", c->what, me, P, p, (long long)tp[E + T_C],
                             tp[E + T_OPTS] == mine[E + T_OPTS] ? "equal to" : "other than", (long long)ws->c);
         if (tp[E + T_ERR] == EP_ERR_K_BAD || tp[E + T_K] < 1)
             return fm_error(FM_ERR_ARG, "moe_ep %s (rank %d of %d): rank %d passed K = %lld chunks; expected >= 1 "

@@ -68,7 +68,9 @@
  * the all-to-all counts; the route index and router weights thrice (three chunks' routing is
  * live: the one being combined, the one at the owners, the one being dispatched); the expert
  * intermediates, the count table and the rest once.
- * Which schedule runs (fm_moe_ep_ws.schedule): FM_MOE_EP_AUTO (the default) pipelines when the
+ * Which schedule runs (fm_moe_ep_ws.schedule, set at layout from FLATMOE_EP_SCHEDULE; the
+ * count table carries it, so ranks that differ fail at chunk 0 alike): FM_MOE_EP_AUTO (the
+ * default) pipelines when the
  * communicator has async exchanges (fm_comm_has_async: nccl) and the layout has two sets;
  * FM_MOE_EP_SERIAL runs the chunks one after another (today's order); FM_MOE_EP_PIPELINED
  * pipelines on any communicator (on the blocking self and mpi communicators the exchanges then
@@ -195,7 +197,7 @@ typedef struct fm_moe_ep_ws {
     int64_t *wsend_counts, *wsend_displs, *wrecv_counts, *wrecv_displs; /* [ep] host, elements */
     /* the pipelined schedule's sets (sets == 2; NULL otherwise) */
     int sets;                    /* 2 or 1 (fm_moe_ep_bound.sets) */
-    fm_moe_ep_schedule schedule; /* the caller's choice; FM_MOE_EP_AUTO after layout */
+    fm_moe_ep_schedule schedule; /* the caller's choice; after layout: FLATMOE_EP_SCHEDULE's (default auto) */
     fm_act *recv_s[2], *xe_s[2], *ye_s[2];
     int32_t *perm_s[2], *perm_host_s[2];
     int64_t *exp_off_s[2], *cnt_s[2][4]; /* host: expert offsets; send counts/displs, recv counts/displs */
@@ -214,9 +216,15 @@ typedef struct fm_moe_ep_ws {
  * c, and least-loaded placement llep (NULL or llep->on false: plain EP; every rank of the group
  * must pass the same). A measuring arena gives the bytes. Errors: those of fm_moe_ep_check;
  * FM_ERR_ARG for a rank outside [0, ep), LLEP options out of range (lambda < 1, alpha <= 0,
- * min_piece < 1, max_foreign < 1). */
+ * min_piece < 1, max_foreign < 1); those of fm_moe_ep_schedule_from_env (w->schedule is set from
+ * it). */
 fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, const fm_moe_dims *d, int ep,
                               int rank, int64_t c, const fm_llep_opts *llep);
+
+/* *s := the schedule FLATMOE_EP_SCHEDULE names: auto (or unset/empty), serial, pipelined -- for
+ * A/B runs of the trainer (the same losses bit for bit; the step time shows the overlap). Every
+ * rank of a group must see the same value (mpirun -x). Errors: FM_ERR_ARG naming the value. */
+fm_status fm_moe_ep_schedule_from_env(fm_moe_ep_schedule *s);
 
 /* The number of chunks every rank of the group runs: K = max over ranks of ceil(N_r / c) (at
  * least 1: a group whose ranks all have zero tokens still runs one chunk). A collective call
