@@ -588,6 +588,11 @@ static void run_errors(const fm_comm *comm) {
                    "run the same schedule");
         ws.schedule = FM_MOE_EP_AUTO;
     }
+    /* rank 0's FLATMOE_EP_SCHEDULE was bad at layout (the layout itself succeeds): refused everywhere */
+    ws.schedule_bad = me == 0;
+    EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_forward(&g_be, comm, &d, &w, y, x, idx, tw, N, K, order, &ws, 30),
+               "rank 0's FLATMOE_EP_SCHEDULE is not one of auto, serial, pipelined");
+    ws.schedule_bad = false;
     /* the schedule from the environment */
     fm_moe_ep_schedule sch;
     setenv("FLATMOE_EP_SCHEDULE", "serial", 1);
@@ -596,6 +601,13 @@ static void run_errors(const fm_comm *comm) {
     CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_OK && sch == FM_MOE_EP_PIPELINED);
     setenv("FLATMOE_EP_SCHEDULE", "overlap", 1);
     CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_ERR_ARG && strstr(fm_errmsg(), "\"overlap\": expected auto"));
+    {
+        fm_arena mdv, mhs;
+        fm_moe_ep_ws wb;
+        fm_arena_init_measure(&mdv, "ep bad schedule");
+        fm_arena_init_measure(&mhs, "ep bad schedule host");
+        CHECK(fm_moe_ep_ws_layout(&wb, &mdv, &mhs, &d, P, me, c, NULL) == FM_OK && wb.schedule_bad);
+    }
     unsetenv("FLATMOE_EP_SCHEDULE");
     CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_OK && sch == FM_MOE_EP_AUTO);
     /* after refused calls the group still works (every rank left every collective alike) */

@@ -19,7 +19,7 @@
  * mismatch fails on every rank alike instead of desynchronizing the exchanges). */
 enum { T_K = 0, T_N, T_ERR, T_C, T_OPTS, T_EXTRA };
 /* Error flags a rank puts in the table at chunk 0 (agreed, so every rank fails together). */
-enum { EP_ERR_NONE = 0, EP_ERR_K_SMALL = 1, EP_ERR_K_BAD = 2 };
+enum { EP_ERR_NONE = 0, EP_ERR_K_SMALL = 1, EP_ERR_K_BAD = 2, EP_ERR_SCHEDULE = 3 };
 
 #define R4(x) fm_arena_round((size_t)(x) * 4)
 #define R8(x) fm_arena_round((size_t)(x) * 8)
@@ -175,7 +175,10 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
         fm_llep_plan_layout(&w->plan, host, ep, d->E, w->F);
     }
     ep_view(w, 0);
-    return fm_moe_ep_schedule_from_env(&w->schedule);
+    /* a bad value does not fail the layout (the model's layout is checked before it is made): it is
+     * agreed at the first chunk, where every rank refuses it alike */
+    if (fm_moe_ep_schedule_from_env(&w->schedule) != FM_OK) w->schedule = FM_MOE_EP_AUTO, w->schedule_bad = true;
+    return FM_OK;
 }
 
 fm_status fm_moe_ep_schedule_from_env(fm_moe_ep_schedule *s) {
@@ -300,6 +303,9 @@ static fm_status ep_agree(const ep_call *c, int64_t j, int64_t n, int64_t err, i
     /* the verdict, the same on every rank: the first offending rank */
     for (int p = 0; p < P; p++) {
         const int64_t *tp = t + (int64_t)p * S;
+        if (tp[E + T_ERR] == EP_ERR_SCHEDULE)
+            return fm_error(FM_ERR_ARG, "moe_ep %s (rank %d of %d): rank %d's FLATMOE_EP_SCHEDULE is not one of auto, "
+                            "serial, pipelined (unset it, or set the same valid value on every rank)", c->what, me, P, p);
         if (tp[E + T_C] != ws->c || tp[E + T_OPTS] != mine[E + T_OPTS])
             return fm_error(FM_ERR_ARG, "moe_ep %s (rank %d of %d): rank %d's working set was laid out with cap c = "
                             "%lld and placement options and schedule %s this rank's (c = %lld); every rank of the ep group "
@@ -547,6 +553,7 @@ static fm_status ep_begin(ep_call *c, int64_t N, int64_t K, int64_t *err) {
     c->K = K;
     ep_view(c->ws, 0);
     *err = K < 1 ? EP_ERR_K_BAD : (N + (K > 0 ? K : 1) - 1) / (K > 0 ? K : 1) > ws->c ? EP_ERR_K_SMALL : EP_ERR_NONE;
+    if (ws->schedule_bad) *err = EP_ERR_SCHEDULE;
     return FM_OK;
 }
 

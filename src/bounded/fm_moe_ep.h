@@ -198,6 +198,7 @@ typedef struct fm_moe_ep_ws {
     /* the pipelined schedule's sets (sets == 2; NULL otherwise) */
     int sets;                    /* 2 or 1 (fm_moe_ep_bound.sets) */
     fm_moe_ep_schedule schedule; /* the caller's choice; after layout: FLATMOE_EP_SCHEDULE's (default auto) */
+    bool schedule_bad;           /* FLATMOE_EP_SCHEDULE held another value: refused at the first chunk */
     fm_act *recv_s[2], *xe_s[2], *ye_s[2];
     int32_t *perm_s[2], *perm_host_s[2];
     int64_t *exp_off_s[2], *cnt_s[2][4]; /* host: expert offsets; send counts/displs, recv counts/displs */
@@ -216,8 +217,9 @@ typedef struct fm_moe_ep_ws {
  * c, and least-loaded placement llep (NULL or llep->on false: plain EP; every rank of the group
  * must pass the same). A measuring arena gives the bytes. Errors: those of fm_moe_ep_check;
  * FM_ERR_ARG for a rank outside [0, ep), LLEP options out of range (lambda < 1, alpha <= 0,
- * min_piece < 1, max_foreign < 1); those of fm_moe_ep_schedule_from_env (w->schedule is set from
- * it). */
+ * min_piece < 1, max_foreign < 1). w->schedule is set from FLATMOE_EP_SCHEDULE
+ * (fm_moe_ep_schedule_from_env); a bad value does not fail the layout: the first forward or
+ * backward refuses it on every rank of the group (FM_ERR_ARG, naming the rank). */
 fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, const fm_moe_dims *d, int ep,
                               int rank, int64_t c, const fm_llep_opts *llep);
 
@@ -244,7 +246,8 @@ fm_status fm_moe_ep_chunks(const fm_comm *comm, int64_t N, int64_t c, double tim
  * (fm_moe_chunk_order(., N, K)). A collective call: every rank of comm calls it with its own N
  * (0 allowed: x, y, topk may then be NULL). timeout_s: per collective (0: the default).
  * Errors (the same on every rank: the checks travel in the first chunk's count table):
- *   FM_ERR_ARG  a rank's working set was laid out with another cap or placement options, a
+ *   FM_ERR_ARG  a rank's FLATMOE_EP_SCHEDULE is not auto, serial or pipelined, or it runs
+ *               another schedule than the others; a rank's working set was laid out with another cap or placement options, a
  *               rank's K differs from another's, or K < 1, or a chunk of a rank holds more
  *               than c tokens (K < ceil(N/c)), or a rank would send more than c*min(k,E_loc)
  *               rows to one owner (duplicate experts in a token's top-k) -- naming the rank;
