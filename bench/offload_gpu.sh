@@ -12,6 +12,7 @@
 #   bash bench/offload_gpu.sh lab             # the grouped GEMM kernel lab (dev/cuda/grouped_gemm)
 #   bash bench/offload_gpu.sh long            # 512K (chooser), then the longest fit (1.25M, detached: collect)
 #   bash bench/offload_gpu.sh sm90 [T...]     # the sync-free expert GEMMs against cuBLAS (issue 14)
+#   bash bench/offload_gpu.sh verify          # build + ctest -L gpu + the lab's checks (a session's first call)
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
 # (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
 set -uo pipefail
@@ -94,7 +95,7 @@ collect)
     for i in $(seq 1 ${WAIT_S:-580}); do grep -q "^== m1" /tmp/m1/summary.txt 2>/dev/null && sleep 5 && break; sleep 1; done
     cat /tmp/m1/summary.txt; cp /tmp/m1/* "$OUT"/ 2>/dev/null; tail -5 /tmp/m1/m1.log ;;
 calib) # the H200 calibration table (plan/fm_calibrate.h), then the plan's projection per length
-    t0=$(date +%s); "$BIN" calibrate --out "$OUT/h200.json" > "$OUT/calib.log" 2>&1
+    t0=$(date +%s); FLATMOE_EXPERT_GEMM=${CAL_EXPERT_GEMM:-sm90} "$BIN" calibrate --out "$OUT/h200.json" > "$OUT/calib.log" 2>&1
     echo "calibrate: $? in $(( $(date +%s) - t0 )) s"; tail -40 "$OUT/calib.log" ;;
 lengths) # the chooser's own knobs (no memory flag) at each length, 3 steps
     shift; for T in ${*:-32768 65536}; do run1 len-$T $T 3; done ;;
@@ -131,6 +132,12 @@ ranks) # issue 11 on one GPU: expert parallelism with 2 ranks sharing it, the nc
     REBUILD=0 bash bench/comm_nccl.sh > "$OUT/comm_nccl.log" 2>&1; echo "comm_nccl: $?"; tail -14 "$OUT/comm_nccl.log" ;;
 lab) # issue 14's kernel lab: validate and time every grouped GEMM version, torch._grouped_mm beside it
     OUT="$OUT" timeout 560 make -C dev/cuda/grouped_gemm run > "$OUT/lab.log" 2>&1; echo "lab: $?"; tail -60 "$OUT/lab.log" ;;
+verify) # the first call of a session after CUDA changes: build, ctest -L gpu (the sm90 engine test and
+    # test_comm_nccl among them), the lab's host checks and v3/v4's validation on the small full case
+    bash "$0" build && bash "$0" test
+    (cd dev/cuda/grouped_gemm && timeout 240 make check > "$OUT/lab-check.log" 2>&1; echo "lab make check: $?";
+     tail -3 "$OUT/lab-check.log"; GG_CASES=small-full GG_NOTIME=1 timeout 120 ./grouped_gemm > "$OUT/lab-small.txt" 2>&1;
+     echo "lab small-full: $?"; grep -E "FAIL|SNR|^small-full.*fwd\+bwd" "$OUT/lab-small.txt" | head -20) ;;
 sm90) # issue 14: the sync-free expert GEMMs (FLATMOE_EXPERT_GEMM=sm90) against cuBLAS (auto) with the
     # chooser's knobs, 3 steps each, host syncs per step in the summary (T list: ${@:2}, default 4K..64K)
     shift; for T in ${*:-4096 16384 32768 65536}; do
@@ -138,5 +145,5 @@ sm90) # issue 14: the sync-free expert GEMMs (FLATMOE_EXPERT_GEMM=sm90) against 
         FLATMOE_EXPERT_GEMM=sm90 run1 gemm-sm90-$T $T 3
     done ;;
 run) shift; run1 "$@" ;;
-*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|sm90|collect|peer|ours|ranks|lab|run"; exit 2 ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|sm90|verify|collect|peer|ours|ranks|lab|run"; exit 2 ;;
 esac

@@ -147,35 +147,40 @@ b=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --device
     bad "the train flags line ($flags) does not reproduce the plan: $(grep -E '^(shape|total)' <<<"$a") / $(grep -E '^(shape|total)' <<<"$b")"
 
 # A mesh (plan/fm_mesh.h): --world alone chooses the degrees; the candidates, the per-rank table with
-# its communication buffers, the collectives' phases and a launch line; replanning with the train
-# flags it prints (explicit --zero 3 --dp --ep --sp) gives the same per-rank total.
+# its communication buffers, the collectives' phases and a launch line; replanning the mesh with the
+# train flags it prints (explicit --zero 3 --dp --ep --sp, with --world: without it they plan the
+# trainer's own run) gives the same per-rank total.
 m=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --seq-len 32768 --world 8 --device-mem 139GiB --host-mem-budget 110GiB 2>/dev/null) || bad "plan --world 8 failed"
 grep -q "<- chosen" <<<"$m" && grep -q "^communication buffers" <<<"$m" && grep -q "^launch: mpirun -np 8 flatmoe-cuda train" <<<"$m" &&
     grep -q "EP all-to-all" <<<"$m" && grep -q "NOMINAL" <<<"$m" && ok || bad "plan --world 8: no candidates, comm row, launch line or collectives: $m"
 flags=$(sed -n 's/^train flags: //p' <<<"$m")
 grep -q -- "--zero 3 --dp [0-9]* --ep [0-9]* --sp [0-9]*" <<<"$flags" && ok || bad "mesh train flags lack the degrees: $flags"
 # shellcheck disable=SC2086
-b=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --device-mem 139GiB --host-mem-budget 110GiB $flags 2>/dev/null)
+b=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --device-mem 139GiB --host-mem-budget 110GiB --world 8 $flags 2>/dev/null)
 [ "$(grep '^total' <<<"$m")" = "$(grep '^total' <<<"$b")" ] && [ -n "$(grep '^total' <<<"$b")" ] && ok ||
     bad "the mesh train flags ($flags) do not reproduce the plan: $(grep '^total' <<<"$m") / $(grep '^total' <<<"$b")"
 # the per-rank model state falls with ep (experts / ep) and the JSON carries the mesh
-j1=$("$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --backend cuda --seq-len 4096 --zero 3 --dp 8 --ep 2 --json 2>/dev/null)
-j8=$("$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --backend cuda --seq-len 4096 --zero 3 --dp 8 --ep 8 --json 2>/dev/null)
+j1=$("$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --backend cuda --seq-len 4096 --world 8 --zero 3 --dp 8 --ep 2 --json 2>/dev/null)
+j8=$("$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --backend cuda --seq-len 4096 --world 8 --zero 3 --dp 8 --ep 8 --json 2>/dev/null)
 ms() { sed -E 's/.*"model state":([0-9]+).*/\1/' <<<"$1"; }
 [ "$(ms "$j8")" -lt "$(ms "$j1")" ] && grep -q '"mesh":{"world":8,"dp":8,"ep":8,"sp":1' <<<"$j8" &&
     grep -q '"communication buffers":' <<<"$j8" && ok || bad "mesh JSON: model state not falling with ep, or no mesh: $j8"
 if command -v python3 >/dev/null; then python3 -c "import json,sys; json.loads(sys.argv[1])" "$j8" && ok || bad "mesh --json is not JSON"; fi
-# --zero 0 with --ep and/or --sp (no --world) plans the trainer's own run (replicas of the non-expert
-# state, E/ep experts per rank; tests/mpi_train_epsp.sh checks it against the arenas): no mesh, the
-# degrees in the JSON and the train flags, the model state falling with ep; --zero 3 stays the mesh
+# --zero 0 (or 3) with --ep and/or --sp (no --world) plans the trainer's own run (replicas of the
+# non-expert state, or their ZeRO-3 shards over dp x sp; E/ep experts per rank; tests/mpi_train_epsp.sh
+# and mpi_train_sp.sh check it against the arenas): no mesh, the degrees in the JSON and the train
+# flags, the model state falling with ep and with --zero 3; with --world it is the mesh
 t1=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --seq-len 32768 --sp 8 --zero 0 --json 2>/dev/null)
 t8=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --seq-len 32768 --ep 8 --sp 8 --zero 0 --json 2>/dev/null)
 [ -n "$t8" ] && [ "$(ms "$t8")" -lt "$(ms "$t1")" ] && grep -q '"sp":8,"ep":8,' <<<"$t8" && ! grep -q '"mesh":' <<<"$t8" && ok ||
     bad "plan --ep 8 --sp 8 --zero 0: not the trainer's run: $t8"
 t=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --seq-len 32768 --ep 8 --sp 8 --zero 0 2>/dev/null)
 grep -q "^train flags: .* --ep 8 --sp 8$" <<<"$t" && ! grep -q "^mesh:" <<<"$t" && ok || bad "plan --ep 8 --sp 8 --zero 0: train flags: $t"
-t=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --seq-len 32768 --ep 8 --sp 8 --zero 3 2>/dev/null)
-grep -q "^mesh: world 8 = dp 1 x sp 8, ep 8" <<<"$t" && ok || bad "plan --ep 8 --sp 8 --zero 3: not the mesh: $t"
+t=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --seq-len 32768 --world 8 --ep 8 --sp 8 --zero 3 2>/dev/null)
+grep -q "^mesh: world 8 = dp 1 x sp 8, ep 8" <<<"$t" && ok || bad "plan --world 8 --ep 8 --sp 8 --zero 3: not the mesh: $t"
+z8=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --seq-len 32768 --ep 8 --sp 8 --zero 3 --json 2>/dev/null)
+[ -n "$z8" ] && [ "$(ms "$z8")" -lt "$(ms "$t8")" ] && grep -q '"sp":8,"ep":8,' <<<"$z8" && ! grep -q '"mesh":' <<<"$z8" && ok ||
+    bad "plan --ep 8 --sp 8 --zero 3: not the trainer's ZeRO-3 run (model state below --zero 0's $(ms "$t8")): $z8"
 # bad mesh input: flag, expected, found, fix
 expect_fail "plan dp x sp != world" "--dp 4 x --sp 4 = 16 but --world is 8" "$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --seq-len 4096 --world 8 --dp 4 --sp 4
 expect_fail "plan ep not dividing E" "use one of" "$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --seq-len 4096 --dp 6 --ep 3

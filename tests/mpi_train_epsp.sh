@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Expert parallelism beside Ulysses sequence parallelism in the trainer (--ep E --sp S, --zero 0;
+# Expert parallelism beside Ulysses sequence parallelism in the trainer (--ep E --sp S, --zero 0 or 3;
 # README "Many ranks") under mpirun, as ctest runs it:
 #   bash tests/mpi_train_epsp.sh MPIEXEC FLATMOE MODE      MODE: runs | adversarial | resume | bad
 # The world is dp x sp ranks (sp groups: contiguous blocks of S); the ep groups are contiguous
@@ -12,7 +12,11 @@
 #   says why), under the checkpoint's full Hugging Face names; each rank's model state is E/ep
 #   experts' (its high-water mark equal to its bound, 16 B/param of the local table); every live
 #   set's bound equals `flatmoe plan --ep E --sp S --zero 0`'s (the trainer's own run, not a mesh) and
-#   holds its high-water mark. Under --mem-budget the chooser keeps AdamW on the device.
+#   holds its high-water mark. Under --mem-budget the chooser keeps AdamW on the device. The same three
+#   meshes with --zero 3 (the mesh planner's layout, train/fm_zero3.h: each rank's E/ep experts whole,
+#   the rest sharded over all dp x sp ranks) give the same losses; every live set's bound equals
+#   `flatmoe plan --ep E --sp S --dp D --zero 3`'s and holds its high-water mark, the model state's
+#   high-water mark equal to its bound and below the --zero 0 run's.
 # adversarial: FLATMOE_TEST_FORCE_ROUTE=0 (fm_router.h's test hook) sends every token to experts 0
 #   and 1: at np 4 --ep 2 --sp 2 they live on ranks 0 and 2 (ranks 1 and 3 receive no rows), at
 #   np 4 --ep 4 --sp 2 on ranks 0 and 1 (ranks 2 and 3 receive none), at np 2 --ep 2 --sp 2 on rank
@@ -20,10 +24,12 @@
 #   stay within R_max = ep x cap x min(k, E/ep), the loaded ranks reach it and the expert-dispatch
 #   arena's high-water mark equals its planned bound; --llep --llep-min-piece 1 at np 4 --ep 2 --sp 2
 #   spills the hot experts to the idle rank of each ep group (rows received drop to half of R_max)
-#   and still matches.
+#   and still matches; np 4 --ep 2 --sp 2 --zero 3 under the same routing matches too.
 # resume: 10 steps at np 4 --ep 2 --sp 2, 10 more at one rank; and 10 at one rank, 10 more at np 4
-#   --ep 4 --sp 2: both end with the losses and weights of 20 uninterrupted one-rank steps.
-# bad: what still does not go together (--sp with --zero 1 or 3 beside --ep) and an --ep that
+#   --ep 4 --sp 2: both end with the losses and weights of 20 uninterrupted one-rank steps; and 10 at
+#   np 4 --ep 2 --sp 2 --zero 3, 10 more at np 2 --ep 2 --sp 2 --zero 3 (the shards over 4 ranks read
+#   back over 2) likewise.
+# bad: what still does not go together (--zero 1 beside --ep, in train and plan) and an --ep that
 #   does not divide the ranks or num_experts: a clear error naming the flags, non-zero exit.
 set -u
 MPIEXEC=$1 FM=$(readlink -f "$2") MODE=$3
@@ -72,6 +78,27 @@ print(f"memory: every bound = plan --ep {ep} --zero 0, within it; model state {m
 sys.exit(0 if ok else 1)
 PY
 }
+# memory_z3 RUN MB EP SP DP ZERO0_RUN: every live set's bound equals `flatmoe plan --ep EP --sp SP --dp DP
+# --zero 3`'s and holds its high-water mark; the model state's high-water mark equals its bound and is
+# below the --zero 0 run ZERO0_RUN's (the non-expert parameters sharded over dp x sp)
+memory_z3() {
+    local plan; plan=$("$FM" plan --config "$CFG" --seq-len 32 --micro-batch "$2" --ep "$3" --sp "$4" --dp "$5" --zero 3 \
+        --recompute none --moe-chunk-tokens 0 --ce-block-tokens 0 --ce-block-vocab 0 --offload-boundaries 0 \
+        --json 2>/dev/null) || { echo "plan --ep $3 --sp $4 --dp $5 --zero 3 failed"; return 1; }
+    python3 - "$1/metrics.jsonl" "$6/metrics.jsonl" "$plan" <<'PY'
+import json, sys
+first = lambda p: [r for r in map(json.loads, open(p)) if r.get("type", "step") == "step"][0]["memory"]
+mem, z0, plan = first(sys.argv[1]), first(sys.argv[2]), json.loads(sys.argv[3])["live_sets"]
+ok = all(v["high_water"] <= v["bound"] for v in mem.values())
+for k, v in mem.items():
+    if plan.get(k) != v["bound"]: ok = False; print(f"FAIL: {k}: bound {v['bound']} B, plan {plan.get(k)} B")
+ms = mem["model state"]
+ok = ok and ms["high_water"] == ms["bound"] < z0["model state"]["bound"]
+print(f"memory: every bound = plan --zero 3, within it; model state {ms['high_water']} B = its bound, --zero 0's "
+      f"{z0['model state']['bound']} B: " + ("ok" if ok else "FAILED " + json.dumps(mem)))
+sys.exit(0 if ok else 1)
+PY
+}
 # dispatch LOG RUN NP EP CAP LOADED...: every rank's "rows received per chunk high X of R_max R" within
 # R = EP x CAP x min(2, 4/EP), the LOADED ranks' high equal to R, the others' 0; the expert-dispatch
 # arena's high-water mark equals its bound
@@ -107,6 +134,11 @@ runs)
         echo "== mpirun -np $np train --micro-batch $mb --ep $ep --sp $sp: $((SECONDS - t0)) s"
         compare "$TMP/one" "$out" || bad "np $np --ep $ep --sp $sp differs from one rank at --micro-batch 4"
         memory "$out" "$mb" "$ep" "$sp" 0 || bad "np $np --ep $ep --sp $sp: memory"
+        # --zero 3: the same mesh with the non-expert parameters sharded over the np ranks
+        mpi "$np" train "${COMMON[@]}" --micro-batch "$mb" --ep "$ep" --sp "$sp" --zero 3 --report-memory --out "$out.z3" \
+            >"$out.z3.log" 2>&1 || { bad "np $np --ep $ep --sp $sp --zero 3 failed"; cat "$out.z3.log" >&2; }
+        compare "$TMP/one" "$out.z3" || bad "np $np --ep $ep --sp $sp --zero 3 differs from one rank at --micro-batch 4"
+        memory_z3 "$out.z3" "$mb" "$ep" "$sp" $((np / sp)) "$out" || bad "np $np --ep $ep --sp $sp --zero 3: memory"
     done
     # under a budget the chooser keeps AdamW on the device (the streamed one is not built for --ep)
     mpi 2 train "${COMMON[@]}" --micro-batch 4 --ep 2 --sp 2 --seq-len 64 --mem-budget 1GiB --steps 2 --no-checkpoint --out "$TMP/budget" \
@@ -133,7 +165,13 @@ adversarial)
     for q in 1 3; do
         grep -q "rank $q of 4: ep dispatch: rows received per chunk high 32 of R_max 64.*moved rows [1-9]" "$out.log" ||
             bad "--llep moved no rows to rank $q: $(grep "rank $q of 4: ep dispatch" "$out.log" | tail -1)"
-    done ;;
+    done
+    # --zero 3 under the same routing: the loaded ranks' experts whole, the rest sharded
+    out="$TMP/a_np4ep2sp2z3"
+    mpi 4 train "${COMMON[@]}" --micro-batch 2 --ep 2 --sp 2 --zero 3 --ep-cap-tokens 16 --report-memory --out "$out" \
+        >"$out.log" 2>&1 || { bad "adversarial np 4 --ep 2 --sp 2 --zero 3 failed"; cat "$out.log" >&2; }
+    compare "$TMP/one" "$out" || bad "adversarial np 4 --ep 2 --sp 2 --zero 3 differs from one rank"
+    dispatch "$out.log" "$out" 4 2 16 0 2 || bad "adversarial np 4 --ep 2 --sp 2 --zero 3: the dispatch's bound" ;;
 resume)
     one_rank "$TMP/one"
     mpi 4 train "${COMMON[@]}" --micro-batch 2 --ep 2 --sp 2 --exit-after 10 --out "$TMP/a" >/dev/null ||
@@ -145,7 +183,13 @@ resume)
     mpi 4 train "${COMMON[@]}" --micro-batch 2 --ep 4 --sp 2 --resume --out "$TMP/b" 2>"$TMP/b.err" >/dev/null ||
         bad "np 4 --ep 4 --sp 2 resume failed: $(cat "$TMP/b.err")"
     grep -q "will not match" "$TMP/b.err" && bad "resume at np 4 --ep 4 --sp 2 warned: $(cat "$TMP/b.err")"
-    compare "$TMP/one" "$TMP/b" || bad "np 1 -> np 4 --ep 4 --sp 2 differs from 20 one-rank steps" ;;
+    compare "$TMP/one" "$TMP/b" || bad "np 1 -> np 4 --ep 4 --sp 2 differs from 20 one-rank steps"
+    mpi 4 train "${COMMON[@]}" --micro-batch 2 --ep 2 --sp 2 --zero 3 --exit-after 10 --out "$TMP/c" >/dev/null ||
+        bad "np 4 --ep 2 --sp 2 --zero 3 first half failed"
+    mpi 2 train "${COMMON[@]}" --micro-batch 4 --ep 2 --sp 2 --zero 3 --resume --out "$TMP/c" 2>"$TMP/c.err" >/dev/null ||
+        bad "np 2 --ep 2 --sp 2 --zero 3 resume failed: $(cat "$TMP/c.err")"
+    grep -q "will not match" "$TMP/c.err" && bad "resume at np 2 --zero 3 warned: $(cat "$TMP/c.err")"
+    compare "$TMP/one" "$TMP/c" || bad "np 4 -> np 2 --ep 2 --sp 2 --zero 3 differs from 20 one-rank steps" ;;
 bad)
     check() { # np, needle, flags...
         local np=$1 needle=$2; shift 2
@@ -153,13 +197,18 @@ bad)
         { [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -qF -- "$needle" <<<"$out"; } || bad "np $np $*: rc $rc: $out"
         echo "== np $np $*: exit $rc: $(grep -m1 -F -- "$needle" <<<"$out" | cut -c1-200)"
     }
-    check 2 "--sp 2 with --zero 1 is not built yet" --ep 2 --sp 2 --zero 1
-    check 2 "--sp 2 with --zero 3 is not built yet" --ep 2 --sp 2 --zero 3
+    check 2 "--zero 1 with --ep 2: ZeRO-1/2 shards the optimizer state" --ep 2 --sp 2 --zero 1
     check 4 "--ep 3 does not divide the 4 ranks running" --ep 3 --sp 2
     check 2 "--ep 4 does not divide the 2 ranks running" --ep 4 --sp 2
     out=$("$FM" plan --config "$CFG" --seq-len 32 --ep 3 --sp 2 --zero 0 2>&1); rc=$?
     { [ $rc -ne 0 ] && grep -qF -- "--ep 3 does not divide num_experts 4" <<<"$out"; } ||
-        bad "plan --ep 3 --sp 2 --zero 0: rc $rc: $out" ;;
+        bad "plan --ep 3 --sp 2 --zero 0: rc $rc: $out"
+    out=$("$FM" plan --config "$CFG" --seq-len 32 --ep 2 --sp 2 --zero 1 2>&1); rc=$?
+    { [ $rc -ne 0 ] && grep -qF -- "--zero 1 with --ep: the trainer refuses it" <<<"$out"; } ||
+        bad "plan --ep 2 --sp 2 --zero 1: rc $rc: $out"
+    out=$("$FM" plan --config "$CFG" --seq-len 32 --ep 4 --sp 2 --zero 3 2>&1); rc=$?
+    { [ $rc -ne 0 ] && grep -qF -- "--ep 4 does not divide the 2 ranks (--dp 1 x --sp 2)" <<<"$out"; } ||
+        bad "plan --ep 4 --sp 2 --zero 3: rc $rc: $out" ;;
 *) echo "unknown mode $MODE"; exit 2 ;;
 esac
 [ $FAILED -eq 0 ] && echo "mpi_train_epsp $MODE: passed" || echo "mpi_train_epsp $MODE: $FAILED failed"

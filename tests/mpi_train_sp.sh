@@ -9,11 +9,18 @@
 #   1 kv head: replicated on both ranks); the same with recompute, keep-attention, chunked MoE
 #   the linear cross-entropy and an offloaded boundary; every live set's high-water mark within its bound, the working
 #   set's (where the head-sharded buffers live) equal to it and to `flatmoe plan --sp 2 --zero 0`'s; and a
-#   run of 10 steps at -np 2 --sp 2 resumed for 10 at one rank ends as 20 one-rank steps.
+#   run of 10 steps at -np 2 --sp 2 resumed for 10 at one rank ends as 20 one-rank steps. ZeRO beside
+#   --sp (train/fm_zero3.h: the shards over all dp x sp ranks): -np 2 --sp 2 --zero 3 and --zero 1
+#   against the same one rank, every live set's bound equal to `flatmoe plan --sp 2 --zero Z`'s and
+#   holding its high-water mark, the model state's high-water mark equal to its bound.
 # np4: -np 4 --sp 2 (dp 2, --micro-batch 2), -np 4 --sp 4 (kv heads replicated on 2 ranks each)
 #   and a qwen3_moe config (QK-norm per head) at -np 4 --sp 4, against one rank at
-#   --micro-batch 4.
-# bad: an --sp that does not divide the ranks, --seq-len or the heads, and --sp with --zero 1, each
+#   --micro-batch 4. ZeRO beside --sp: -np 4 --sp 2 --zero 3 and --zero 1 (dp 2: the shards over the 4
+#   ranks) and -np 4 --sp 4 --zero 3 against one rank, the --zero 3 bounds equal to `flatmoe plan --sp 2
+#   --dp 2 --zero 3`'s; 10 steps at -np 4 --sp 2 --zero 3 resumed for 10 at -np 2 --sp 2 --zero 3 (a
+#   shard of W = 4 read back as one of W = 2) end as 20 one-rank steps.
+# bad: an --sp that does not divide the ranks, --seq-len or the heads, and --sp with --zero 3 and
+#   --offload-optimizer, each
 #   a clear error naming the flag, the expected and found values and the fix; a rank that stops
 #   answering ends the job within the timeout with a message naming the rank and the collective.
 set -u
@@ -37,21 +44,25 @@ mpi() { local np=$1; shift; timeout 120 "$MPIEXEC" "${FLAGS[@]}" -np "$np" "$FM"
 # run in another order, which moved one step's norm by 1.1e-4 in the qwen3 case, at --sp 2 as at
 # --sp 4, while the losses stayed within 1e-7)
 compare() { python3 "$ROOT/tests/mpi_compare.py" "$1" "$2" --grad-norm-tol 1e-3; }
-# memory RUN CONFIG SP: every high-water mark within its bound, the working set's equal to its bound
-# and to `flatmoe plan --sp SP --zero 0`'s (the trainer's run, not a mesh) for the same shape
+# memory RUN CONFIG SP MB [ZERO DP]: every high-water mark within its bound and every bound equal to
+# `flatmoe plan --sp SP --dp DP --zero ZERO`'s (the trainer's run over dp x sp ranks, not a mesh; ZERO
+# 0, DP 1 when left out) for the same shape; the working set's high-water mark equal to its bound, and
+# under --zero 1/3 the model state's (the shards, the gather slots and the gradient buffer)
 memory() {
-    local plan; plan=$("$FM" plan --config "$2" --seq-len 32 --micro-batch "$4" --sp "$3" --zero 0 --recompute none \
-        --moe-chunk-tokens 0 --ce-block-tokens 0 --ce-block-vocab 0 --offload-boundaries 0 --json 2>/dev/null)
-    python3 - "$1/metrics.jsonl" "$plan" <<'PY'
+    local plan; plan=$("$FM" plan --config "$2" --seq-len 32 --micro-batch "$4" --sp "$3" --dp "${6:-1}" --zero "${5:-0}" \
+        --recompute none --moe-chunk-tokens 0 --ce-block-tokens 0 --ce-block-vocab 0 --offload-boundaries 0 --json \
+        2>/dev/null) || { echo "plan --sp $3 --dp ${6:-1} --zero ${5:-0} failed"; return 1; }
+    python3 - "$1/metrics.jsonl" "$plan" "${5:-0}" <<'PY'
 import json, sys
 mem = [r for r in map(json.loads, open(sys.argv[1])) if r.get("type", "step") == "step"][0]["memory"]
-plan = json.loads(sys.argv[2])
+plan, zero = json.loads(sys.argv[2])["live_sets"], int(sys.argv[3])
 ok = all(v["high_water"] <= v["bound"] for v in mem.values())
-ws = mem["layer working set"]
-planned = plan["live_sets"]["layer working set"]
-ok = ok and ws["high_water"] == ws["bound"] == planned
-print(f"memory: working set high-water {ws['high_water']} B, bound {ws['bound']} B, plan {planned} B; all within bounds: "
-      + ("ok" if ok else "FAILED " + json.dumps(mem)))
+for k, v in mem.items():
+    if plan.get(k) != v["bound"]: ok = False; print(f"FAIL: {k}: bound {v['bound']} B, plan {plan.get(k)} B")
+ws, ms = mem["layer working set"], mem["model state"]
+ok = ok and ws["high_water"] == ws["bound"] and (zero == 0 or ms["high_water"] == ms["bound"])
+print(f"memory (--zero {zero}): working set high-water {ws['high_water']} B, model state high-water {ms['high_water']} "
+      f"of {ms['bound']} B; every bound = the plan's, within it: " + ("ok" if ok else "FAILED " + json.dumps(mem)))
 sys.exit(0 if ok else 1)
 PY
 }
@@ -81,7 +92,14 @@ np2)
     "$FM" train --config "$SP" "${COMMON[@]}" --micro-batch 4 --resume --out "$TMP/res" 2>"$TMP/res.err" >/dev/null ||
         bad "np 1 resume of an --sp 2 run failed"
     grep -q "will not match" "$TMP/res.err" && bad "resume at np 1 warned: $(cat "$TMP/res.err")"
-    compare "$TMP/one_micro_sp" "$TMP/res" || bad "np 2 --sp 2 -> np 1 differs from 20 one-rank steps" ;;
+    compare "$TMP/one_micro_sp" "$TMP/res" || bad "np 2 --sp 2 -> np 1 differs from 20 one-rank steps"
+    # ZeRO beside --sp: the shards over both ranks (each holds half the model state), the one rank's losses
+    for z in 3 1; do
+        mpi 2 train --config "$SP" "${COMMON[@]}" --micro-batch 4 --sp 2 --zero $z --report-memory --out "$TMP/z${z}" ||
+            bad "np 2 --sp 2 --zero $z failed"
+        compare "$TMP/one_micro_sp" "$TMP/z${z}" || bad "np 2 --sp 2 --zero $z differs from one rank"
+        memory "$TMP/z${z}" "$SP" 2 4 $z 1 || bad "np 2 --sp 2 --zero $z: memory"
+    done ;;
 np4)
     one "$TMP/one" "$SP"
     mpi 4 train --config "$SP" "${COMMON[@]}" --micro-batch 2 --sp 2 --out "$TMP/dp2sp2" || bad "np 4 --sp 2 failed"
@@ -96,7 +114,24 @@ architectures=['Qwen3MoeForCausalLM'], moe_intermediate_size=32); json.dump(c, o
         "$SP" "$TMP/q3.json"
     one "$TMP/one_q3" "$TMP/q3.json"
     mpi 4 train --config "$TMP/q3.json" "${COMMON[@]}" --micro-batch 4 --sp 4 --out "$TMP/q3sp4" || bad "np 4 --sp 4 qwen3 failed"
-    compare "$TMP/one_q3" "$TMP/q3sp4" || bad "np 4 --sp 4 (qwen3_moe) differs from one rank" ;;
+    compare "$TMP/one_q3" "$TMP/q3sp4" || bad "np 4 --sp 4 (qwen3_moe) differs from one rank"
+    # ZeRO beside --sp: the shards over all 4 ranks (dp 2 x sp 2, and sp 4)
+    for z in 3 1; do
+        mpi 4 train --config "$SP" "${COMMON[@]}" --micro-batch 2 --sp 2 --zero $z --report-memory --out "$TMP/z${z}dp2" ||
+            bad "np 4 --sp 2 --zero $z failed"
+        compare "$TMP/one" "$TMP/z${z}dp2" || bad "np 4 --sp 2 --zero $z (dp 2) differs from one rank"
+        memory "$TMP/z${z}dp2" "$SP" 2 2 $z 2 || bad "np 4 --sp 2 --zero $z: memory"
+    done
+    mpi 4 train --config "$SP" "${COMMON[@]}" --micro-batch 4 --sp 4 --zero 3 --out "$TMP/z3sp4" || bad "np 4 --sp 4 --zero 3 failed"
+    compare "$TMP/one" "$TMP/z3sp4" || bad "np 4 --sp 4 --zero 3 differs from one rank"
+    # 10 steps at np 4 --sp 2 --zero 3 (dp 2), 10 more at np 2 --sp 2 --zero 3 (dp 1): the shards of 4
+    # ranks gathered to full tensors, scattered again over 2
+    mpi 4 train --config "$SP" "${COMMON[@]}" --micro-batch 2 --sp 2 --zero 3 --exit-after 10 --out "$TMP/zres" ||
+        bad "np 4 --sp 2 --zero 3 first half failed"
+    mpi 2 train --config "$SP" "${COMMON[@]}" --micro-batch 4 --sp 2 --zero 3 --resume --out "$TMP/zres" 2>"$TMP/zres.err" \
+        >/dev/null || bad "np 2 --sp 2 --zero 3 resume failed: $(cat "$TMP/zres.err")"
+    grep -q "will not match" "$TMP/zres.err" && bad "resume at np 2 --zero 3 warned: $(cat "$TMP/zres.err")"
+    compare "$TMP/one" "$TMP/zres" || bad "np 4 --sp 2 --zero 3 -> np 2 --sp 2 --zero 3 differs from 20 one-rank steps" ;;
 bad)
     expect() { # np, needle, then train's flags
         local np=$1 needle=$2; shift 2
@@ -108,7 +143,7 @@ bad)
     expect 2 "--sp 2: --seq-len (33) must be divisible by --sp" --config "$SP" --sp 2 --seq-len 33
     expect 4 "--sp 4: num_attention_heads (2) of the model config must be divisible by --sp" --config "$MICRO" --sp 4
     expect 4 "use --sp 1 or 2" --config "$MICRO" --sp 4
-    expect 2 "--sp 2 with --zero 1 is not built yet" --config "$SP" --sp 2 --zero 1
+    expect 2 "--zero 3 and --offload-optimizer do not go together yet" --config "$SP" --sp 2 --zero 3 --offload-optimizer
     expect 4 "--dp 4 with 4 ranks leaves sp = 1, but --sp is 2" --config "$SP" --sp 2 --dp 4
     # a rank that stops answering mid-run (SIGSTOP after 2 s): the other's collective (an attention
     # all-to-all, most likely) times out after --comm-timeout 4 s naming its rank, and the job ends

@@ -175,10 +175,23 @@ static void test_plan_workspaces(void) {
     CHECK(w.total > 0);
 }
 
+/* The sm90 expert GEMM's served shapes, as the planner and the CUDA backend both ask them. */
+static void test_sm90_serves(void) {
+    CHECK(fm_cuda_sm90_expert_gemm_serves(64, 2048, 1024, 4096 * 8));  /* OLMoE-1B-7B */
+    CHECK(fm_cuda_sm90_expert_gemm_serves(128, 2048, 768, 32768 * 8)); /* Qwen3-30B-A3B */
+    CHECK(fm_cuda_sm90_expert_gemm_serves(8, 4096, 14336, 65536 * 2)); /* Mixtral-8x7B */
+    CHECK(!fm_cuda_sm90_expert_gemm_serves(8, 64, 32, 100));           /* tiny test configs: cuBLAS */
+    CHECK(!fm_cuda_sm90_expert_gemm_serves(64, 2048, 1000, 100));      /* I not a multiple of 128 */
+    CHECK(!fm_cuda_sm90_expert_gemm_serves(257, 2048, 1024, 100));     /* more experts than the kernel's 256 */
+    CHECK(!fm_cuda_sm90_expert_gemm_serves(64, 2048, 1024, (int64_t)1 << 31)); /* TMA rows are int32 */
+    CHECK(fm_cuda_sm90_expert_gemm_serves(64, 2048, 1024, 0));          /* no rows: nothing to launch */
+}
+
 int main(void) {
     test_defaults();
     test_from_env();
     test_json();
+    test_sm90_serves();
     test_cpu_init();
     test_plan_workspaces();
     return fm_test_finish();

@@ -279,6 +279,24 @@ static void test_projection_by_hand(void) {
     fm_project(&req, &q, &c, &qr);
     const double beta = fmin((double)FM_OFFLOAD_DEFAULT_BUCKET, P);
     CHECK_CLOSE(qr.sec[FM_PROJ_OPTIMIZER], 2 * a * P / bw + P * 12 / 1e10 + beta * (12 / 1e10 + 28 / bw + 12 / 1e10), 1e-12);
+    /* the sm90 expert curves: used only when the request says the run uses them and the table has them */
+    {
+        fm_calib s9 = c;
+        fm_calib_add(&s9.expert_fwd_sm90, 1024, 2e12);
+        fm_calib_add(&s9.expert_bwd_sm90, 1024, 4e12);
+        fm_plan_req r9 = req;
+        r9.offload_optimizer = false;
+        fm_plan p9;
+        fm_plan_compute(&r9, &p9);
+        fm_projection a9, b9;
+        fm_project(&r9, &p9, &s9, &a9); /* not asked: the cuBLAS curves */
+        CHECK_CLOSE(a9.sec[FM_PROJ_EXPERTS], pr.sec[FM_PROJ_EXPERTS], 1e-12);
+        r9.expert_sync_free = true;
+        fm_project(&r9, &p9, &s9, &b9);
+        CHECK_CLOSE(b9.sec[FM_PROJ_EXPERTS], L * 2 * N * k * 3 * H * I * (1 / 2e12 + 2 / 4e12), 1e-12);
+        fm_project(&r9, &p9, &c, &b9); /* asked, but the table has none: the cuBLAS curves */
+        CHECK_CLOSE(b9.sec[FM_PROJ_EXPERTS], pr.sec[FM_PROJ_EXPERTS], 1e-12);
+    }
     /* the log-T interpolation */
     fm_calib_curve cv = {0};
     fm_calib_add(&cv, 1024, 100);
@@ -437,6 +455,13 @@ static void test_calib_files(void) {
         CHECK(fm_calib_load(&d, path) == FM_ERR_FORMAT);
         CHECK_MSG(strstr(fm_errmsg(), bad[i].needle) && strstr(fm_errmsg(), path), "case %zu: %s", i, fm_errmsg());
     }
+    /* the optional sm90 expert curves: absent in the default table, kept through save and load */
+    CHECK(d.expert_fwd_sm90.n == 0 && d.expert_bwd_sm90.n == 0);
+    fm_calib_add(&c.expert_fwd_sm90, 512, 6e14);
+    fm_calib_add(&c.expert_bwd_sm90, 512, 5e14);
+    CHECK(fm_calib_save(&c, path) == FM_OK);
+    CHECK(fm_calib_load(&d, path) == FM_OK);
+    CHECK(d.expert_fwd_sm90.n == 1 && d.expert_fwd_sm90.rate[0] == 6e14 && d.expert_bwd_sm90.rate[0] == 5e14);
     remove(path);
     CHECK(fm_calib_load(&d, "/nonexistent/calib.json") == FM_ERR_IO);
     char kind[32];

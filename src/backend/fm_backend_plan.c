@@ -1,5 +1,6 @@
 /* The backends' workspaces for the planner (fm_backend_plan.h). */
 #include "fm_backend_plan.h"
+#include <stdint.h>
 
 #ifndef FM_ACT_BF16
 #include "cpu/fm_backend_cpu.h" /* the CPU build: its backend's tile arithmetic */
@@ -65,4 +66,10 @@ void fm_backend_plan_workspaces(fm_backend_kind kind, const fm_backend_plan_req 
                                                               r->tile_kv > 0 ? r->tile_kv : 64);
     out->total = out->attention_tiles;
 #endif
+}
+
+bool fm_cuda_sm90_expert_gemm_serves(int64_t E, int64_t H, int64_t I, int64_t rows_max) {
+    const int64_t wide = H > I ? H : I;
+    return E >= 1 && E <= 256 && H >= 128 && I >= 128 && H % 128 == 0 && I % 128 == 0 && rows_max >= 0 &&
+           rows_max < INT32_MAX && E * wide < INT32_MAX;
 }

@@ -48,6 +48,14 @@ bool fm_cuda_attention_pick_chunks(size_t cap, bool bwd, int64_t B, int64_t T, i
  * a chunk) and 256K (4 heads). A config with nkv < 1 or nh % nkv != 0 is planned as nkv = nh. */
 size_t fm_cuda_cudnn_workspace_auto(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
 
+/* Whether the CUDA backend's sm90 grouped expert GEMM (FLATMOE_EXPERT_GEMM=sm90;
+ * backend/cuda/sm90/gg_sm90.h, whose launch checks the same) serves an MoE layer of E experts,
+ * hidden H and intermediate I over dispatches of up to rows_max rows: both products (H -> I and
+ * I -> H) need multiples of 128 of at least 128, 1 <= E <= 256, and int32 TMA coordinates (rows_max
+ * and E * max(H, I) below 2^31). Plain arithmetic, so the planner on the CPU build answers as the
+ * backend does. */
+bool fm_cuda_sm90_expert_gemm_serves(int64_t E, int64_t H, int64_t I, int64_t rows_max);
+
 /* ---- the descriptor ------------------------------------------------------------------------- */
 
 typedef enum fm_backend_kind { FM_BACKEND_KIND_CPU = 0, FM_BACKEND_KIND_CUDA = 1 } fm_backend_kind;

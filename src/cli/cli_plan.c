@@ -3,6 +3,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "backend/fm_backend_opts.h"
+#include "backend/fm_backend_plan.h"
 #include "bounded/fm_linear_ce.h"
 #include "cli.h"
 #include "plan/fm_choose.h"
@@ -15,6 +17,7 @@
 #include "train/fm_offload_adamw.h"
 #include "train/fm_train_ep.h"
 #include "train/fm_trainer.h"
+#include "train/fm_zero3.h"
 
 int cmd_plan(int argc, char **argv) {
     const char *config = NULL, *recompute = NULL, *offload = NULL, *device_mem = NULL, *backend = NULL, *gpu_ws_plan = NULL;
@@ -51,11 +54,11 @@ int cmd_plan(int argc, char **argv) {
         {"offload-optimizer", F_BOOL, &offopt, NULL, "the streamed AdamW: master, Adam m, v in pinned host memory (train's flag) (off)"},
         {"offload-optimizer-bucket", F_I64, &off_bucket, NULL, "parameters per bucket of --offload-optimizer, 0 = 100M (0)"},
         {"offload-optimizer-slots", F_I64, &off_slots, NULL, "device staging slots of --offload-optimizer, in [1, 16] (2)"},
-        {"dp", F_INT, &dp, NULL, "data-parallel ranks the bounds are per rank of (train's --dp; with --zero 1 the Adam state is 1/dp; with --zero 3 or --world a mesh degree) (1)"},
-        {"zero", F_INT, &zero, NULL, "0: replicas; 1: ZeRO-1/2, Adam m and v sharded over --dp; 3: ZeRO-3, weights, grads, master and Adam state sharded over --dp, two layers gathered (train's flag); with --world, or --ep/--sp without --zero 0, the mesh plan is ZeRO-3 over dp x sp (0; 3 with a mesh)"},
+        {"dp", F_INT, &dp, NULL, "data-parallel ranks the bounds are per rank of (train's --dp; with --zero 1 the Adam state is 1/(dp x sp), with --zero 3 the shards too; with --world a mesh degree) (1)"},
+        {"zero", F_INT, &zero, NULL, "0: replicas; 1: ZeRO-1/2, Adam m and v sharded over the --dp x --sp ranks; 3: ZeRO-3, weights, grads, master and Adam state sharded over the --dp x --sp ranks (experts whole beside --ep), two layers gathered (train's flag); with --world, or --ep/--sp without --zero, the mesh plan is ZeRO-3 over dp x sp (0; 3 with a mesh)"},
         {"world", F_I64, &world, NULL, "ranks (GPUs) of a mesh: plan one rank of it; the degrees not given (--dp/--sp, --ep) are chosen under the budget (plan/fm_mesh.h) (off)"},
-        {"ep", F_I64, &ep, NULL, "expert-parallel degree: divides num_experts and dp x sp (train's flag; with --zero 0 and no --world: the trainer's --ep run, E/ep experts per rank, exact to its arenas; else the mesh's) (chosen with --world, else 1)"},
-        {"sp", F_I64, &sp, NULL, "sequence-parallel (Ulysses) degree: divides the heads and --seq-len (train's flag; with --zero 0 and no --world: the trainer's --sp run (beside --ep when given), replicas, exact to its arenas; else the mesh's) (chosen with --world, else 1)"},
+        {"ep", F_I64, &ep, NULL, "expert-parallel degree: divides num_experts and dp x sp (train's flag; with --zero 0 or 3 and no --world: the trainer's --ep run, E/ep experts per rank, exact to its arenas; else the mesh's) (chosen with --world, else 1)"},
+        {"sp", F_I64, &sp, NULL, "sequence-parallel (Ulysses) degree: divides the heads and --seq-len (train's flag; with --zero 0, 1 or 3 and no --world: the trainer's --sp run (beside --ep when given), exact to its arenas; else the mesh's) (chosen with --world, else 1)"},
         {"gpus-per-node", F_I64, &gpus_per_node, NULL, "ranks per node, for which links the mesh's collectives cross (NVLink within, InfiniBand across) (8)"},
         {"json", F_BOOL, &json, NULL, "print one JSON object instead of the table"},
         {"vocab-parallel", F_STR, &vocab_par, NULL, "off | ring: plan train's --vocab-parallel ring, the vocabulary live set as Ring-DTP's bound over dp x sp ranks (a mesh plan always has it) (off)"},
@@ -105,15 +108,15 @@ int cmd_plan(int argc, char **argv) {
     req.att_tile_q = tq;
     req.att_tile_kv = tkv;
     req.bf16_moments = bf16m;
-    /* --zero 0 with --ep and/or --sp (no --world): the trainer's own run (train --ep/--sp, replicas of
-     * the non-expert state), exact to its arenas; --world, or --ep/--sp without --zero 0, the mesh */
+    /* --zero 0, 1 or 3 with --ep and/or --sp (no --world): the trainer's own run (train --ep/--sp
+     * --zero Z over dp x sp ranks), exact to its arenas; --world, or --ep/--sp without --zero, the mesh */
     if (world < 0 || ep < 0 || sp < 0 || gpus_per_node < 0 || dp < 0) {
         char v[160];
         snprintf(v, sizeof v, "--world %lld, --dp %lld, --ep %lld, --sp %lld, --gpus-per-node %lld", (long long)world,
                  (long long)dp, (long long)ep, (long long)sp, (long long)gpus_per_node);
         return cli_usage_error("plan", "the mesh's degrees must be >= 1 (or left out), found %s; give positive values", v);
     }
-    const bool trainer_mp = (sp > 1 || ep > 1) && zero == 0 && world == 0;
+    const bool trainer_mp = (sp > 1 || ep > 1) && zero != -1 && world == 0;
     const bool mesh = world > 0 || ((ep > 1 || sp > 1) && !trainer_mp); /* --gpus-per-node alone: no mesh; --dp W --zero 3 alone: the trainer's ZeRO-3 */
     bool choose_ep = false, choose_sp = false;
     if (mesh) { /* one rank of a mesh: ZeRO-3 over dp x sp, experts over ep (plan/fm_mesh.h) */
@@ -164,9 +167,11 @@ int cmd_plan(int argc, char **argv) {
     }
     if (zero == 3 && offopt) return cli_usage_error("plan", "%s", "--zero 3 and --offload-optimizer do not go together yet");
     if (zero && offopt) return cli_usage_error("plan", "%s", "--zero 1 and --offload-optimizer do not go together yet");
-    fm_model_state_bound_set_dp(dp, zero); /* the model state's per-rank bound (train/fm_optim.h) */
+    /* the trainer's ranks: dp x sp (train's world; ZeRO shards over all of them, fm_zero3.h) */
+    const int ranks = trainer_mp && sp > 1 ? dp * (int)sp : dp;
+    fm_model_state_bound_set_dp(ranks, zero); /* the model state's per-rank bound (train/fm_optim.h) */
     req.model_state_bytes = fm_model_state_bound;
-    if (trainer_mp) { /* the trainer's --ep/--sp run (replicas), exact to its arenas */
+    if (trainer_mp) { /* the trainer's --ep/--sp run over dp x sp ranks, exact to its arenas */
         if (sp > 1) { /* Ulysses: seq-len/sp tokens per rank, the head-sharded attention buffers */
             if ((s = fm_attn_sp_check(&req.cfg, sp, req.T))) return cli_fail("plan", s);
             req.sp = sp;
@@ -177,16 +182,30 @@ int cmd_plan(int argc, char **argv) {
                                                  "config (each rank holds E/ep experts); use an --ep that divides it",
                                                  (long long)ep, (long long)req.cfg.num_experts));
             if (offopt) return cli_usage_error("plan", "%s", "--offload-optimizer with --ep is not supported yet");
+            if (zero == 1)
+                return cli_usage_error("plan", "%s", "--zero 1 with --ep: the trainer refuses it (ZeRO-1/2 treats the flat "
+                                       "parameters as the same tensors on every rank); give --zero 0 or --zero 3");
+            if (zero == 3 && ranks % ep != 0) {
+                char v[120];
+                snprintf(v, sizeof v, "%lld does not divide the %d ranks (--dp %d x --sp %lld)", (long long)ep, ranks, dp,
+                         (long long)(sp > 1 ? sp : 1));
+                return cli_usage_error("plan", "--ep %s (expert-parallel groups are drawn from the trainer's dp x sp "
+                                       "ranks); give a --dp that makes dp x sp a multiple of --ep", v);
+            }
             req.ep = (int)ep;
             fm_train_ep_bound_set((int)ep);
             req.model_state_bytes = fm_train_ep_model_state_bound;
+            if (zero == 3 && ranks > 1) { /* the non-expert parameters sharded over dp x sp, E/ep experts whole */
+                fm_zero3_ep_bound_set(ranks, (int)ep);
+                req.model_state_bytes = fm_zero3_ep_model_state_bound;
+            }
         }
     }
     if (off_bucket < 0 || off_slots < 1 || off_slots > 16)
         return cli_usage_error("plan", "%s", "--offload-optimizer-bucket must be >= 0 (0 = 100M) and --offload-optimizer-slots in [1, 16]");
     req.offload_optimizer = offopt;
     /* a mesh: the update of a ZeRO-3 shard must end before the next forward gathers it: not overlapped */
-    req.optimizer_overlap = !no_overlap && !(zero && dp > 1) && !mesh;
+    req.optimizer_overlap = !no_overlap && !(zero && ranks > 1) && !mesh;
     req.offload_bucket = off_bucket > 0 ? off_bucket : FM_OFFLOAD_DEFAULT_BUCKET;
     req.offload_slots = off_slots;
     req.offload_state_bytes = fm_offload_model_state_bound;
@@ -198,6 +217,14 @@ int cmd_plan(int argc, char **argv) {
         return cli_usage_error("plan", "%s", "--attention-tile-q/-kv must be in [1, 4096] (0 = 64)");
     /* the device and the rates: this build's device when planning for it, else the table's */
     const bool cuda = req.target == FM_PLAN_TARGET_CUDA || (req.target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4);
+    { /* FLATMOE_EXPERT_GEMM=sm90, as train reads it: the projection times the sm90 kernel where it serves */
+        fm_backend_opts bo = fm_backend_opts_default();
+        if ((s = fm_backend_opts_from_env(&bo))) return cli_fail("plan", s);
+        req.expert_sync_free = cuda && bo.expert_gemm == FM_EXPERT_GEMM_SM90 && req.ep <= 1 && !req.mesh.on &&
+                               fm_cuda_sm90_expert_gemm_serves(req.cfg.num_experts, req.cfg.hidden_size,
+                                                               req.cfg.moe_intermediate_size,
+                                                               req.B * req.T * req.cfg.num_experts_per_tok);
+    }
     const bool cross = req.target == FM_PLAN_TARGET_CUDA ? sizeof(fm_act) == 4 : req.target == FM_PLAN_TARGET_CPU ? sizeof(fm_act) != 4 : false;
     fm_device_budget dev = {0};
     bool measured = false;

@@ -212,6 +212,11 @@ fm_status fm_calib_load(fm_calib *c, const char *path) {
     if ((s = need_curve(j, "gemm", "m", path, &c->gemm))) goto out;
     if ((s = need_curve(j, "expert_fwd", "rows_per_expert", path, &c->expert_fwd))) goto out;
     if ((s = need_curve(j, "expert_bwd", "rows_per_expert", path, &c->expert_bwd))) goto out;
+    c->expert_fwd_sm90.n = c->expert_bwd_sm90.n = 0; /* optional: measured with FLATMOE_EXPERT_GEMM=sm90 */
+    if (cJSON_GetObjectItemCaseSensitive(j, "expert_fwd_sm90") &&
+        ((s = need_curve(j, "expert_fwd_sm90", "rows_per_expert", path, &c->expert_fwd_sm90)) ||
+         (s = need_curve(j, "expert_bwd_sm90", "rows_per_expert", path, &c->expert_bwd_sm90))))
+        goto out;
     if ((s = need_curve(j, "attention_fwd", "t", path, &c->att_fwd))) goto out;
     if ((s = need_curve(j, "attention_bwd", "t", path, &c->att_bwd))) goto out;
     rates = cJSON_GetObjectItemCaseSensitive(j, "bandwidth");
@@ -281,6 +286,10 @@ fm_status fm_calib_save(const fm_calib *c, const char *path) {
     put_curve(j, "gemm", "m", &c->gemm);
     put_curve(j, "expert_fwd", "rows_per_expert", &c->expert_fwd);
     put_curve(j, "expert_bwd", "rows_per_expert", &c->expert_bwd);
+    if (c->expert_fwd_sm90.n > 0 && c->expert_bwd_sm90.n > 0) {
+        put_curve(j, "expert_fwd_sm90", "rows_per_expert", &c->expert_fwd_sm90);
+        put_curve(j, "expert_bwd_sm90", "rows_per_expert", &c->expert_bwd_sm90);
+    }
     put_curve(j, "attention_fwd", "t", &c->att_fwd);
     put_curve(j, "attention_bwd", "t", &c->att_bwd);
     cJSON *b = cJSON_AddObjectToObject(j, "bandwidth");

@@ -141,10 +141,19 @@ static fm_status cal_gemm(cal *c, fm_calib *out) {
 }
 
 /* ---- grouped expert GEMMs --------------------------------------------------------------- */
-typedef struct exp_arg { fm_act *x, *W, *y, *dx, *dW; int64_t *offs; int64_t E, H, I; bool bwd; } exp_arg;
+typedef struct exp_arg {
+    fm_act *x, *W, *y, *dx, *dW;
+    int64_t *offs;
+    int64_t E, H, I, rows;
+    bool bwd, sm90; /* sm90: the sync-free ops (FLATMOE_EXPERT_GEMM=sm90), rows = offs[E] */
+} exp_arg;
 static void run_exp(cal *c, void *p) {
     exp_arg *a = p;
-    if (a->bwd) fm_expert_linear_bwd(&c->be, a->dx, 0.0f, a->dW, a->y, a->x, a->W, a->offs, a->E, a->H, a->I);
+    const fm_ops *o = c->be.ops;
+    if (a->sm90 && a->bwd)
+        o->expert_linear_bwd_dev(c->be.ctx, a->dx, 0.0f, a->dW, a->y, a->x, a->W, a->offs, a->rows, a->E, a->H, a->I);
+    else if (a->sm90) o->expert_linear_fwd_dev(c->be.ctx, a->y, a->x, a->W, a->offs, a->rows, a->E, a->H, a->I);
+    else if (a->bwd) fm_expert_linear_bwd(&c->be, a->dx, 0.0f, a->dW, a->y, a->x, a->W, a->offs, a->E, a->H, a->I);
     else fm_expert_linear_fwd(&c->be, a->y, a->x, a->W, a->offs, a->E, a->H, a->I);
 }
 
@@ -164,7 +173,8 @@ static fm_status cal_experts(cal *c, fm_calib *out) {
                  dev_alloc(c, (size_t)E * I * H * sizeof(fm_act), "the experts' W", &st),
                  dev_alloc(c, (size_t)R * in * sizeof(fm_act), "the experts' y", &st),
                  dev_alloc(c, (size_t)R * in * sizeof(fm_act), "the experts' dx", &st),
-                 dev_alloc(c, (size_t)E * I * H * sizeof(fm_act), "the experts' dW", &st), NULL, E, H, I, false};
+                 dev_alloc(c, (size_t)E * I * H * sizeof(fm_act), "the experts' dW", &st), NULL, E, H, I, 0, false,
+                 false};
     void *offs = st ? NULL : c->be.ops->buffer_alloc(c->be.ctx, FM_BUFFER_PINNED, (size_t)(E + 1) * sizeof(int64_t));
     if (!st && !offs) st = fm_error(FM_ERR_NOMEM, "calibrate: cannot allocate the expert offsets in pinned memory");
     a.offs = offs;
@@ -173,9 +183,14 @@ static fm_status cal_experts(cal *c, fm_calib *out) {
         fill_act(c, a.W, E * I * H);
         fill_act(c, a.y, R * in);
         out->expert_fwd.n = out->expert_bwd.n = 0;
+        out->expert_fwd_sm90.n = out->expert_bwd_sm90.n = 0;
         const int64_t prod[3][2] = {{H, I}, {H, I}, {I, H}}; /* gate, up, down: input -> output width */
+        /* the sm90 kernel too when the backend runs it (FLATMOE_EXPERT_GEMM=sm90): its own curves */
+        const bool sm90 = c->be.ops->expert_sync_free && c->be.ops->expert_sync_free(c->be.ctx, E, H, I, R);
+        for (int pass = 0; pass < (sm90 ? 2 : 1); pass++)
         for (int i = 0; i < n; i++) {
             for (int64_t e = 0; e <= E; e++) a.offs[e] = e * rs[i];
+            a.sm90 = pass == 1, a.rows = rs[i] * E;
             double f = 0, tf = 0, tb = 0;
             for (int p = 0; p < 3; p++) {
                 a.H = prod[p][0], a.I = prod[p][1];
@@ -185,10 +200,10 @@ static fm_status cal_experts(cal *c, fm_calib *out) {
                 a.bwd = true;
                 tb += time_op(c, run_exp, &a, c->reps);
             }
-            fm_calib_add(&out->expert_fwd, (double)rs[i], f / tf);
-            fm_calib_add(&out->expert_bwd, (double)rs[i], 2.0 * f / tb);
-            logf_(c, "experts       %lld x %5lld rows, %lld -> 2 x %lld -> %lld   fwd %8.3f ms %7.2f TFLOP/s, bwd %8.3f ms %7.2f TFLOP/s",
-                  (long long)E, (long long)rs[i], (long long)H, (long long)I, (long long)H, 1e3 * tf,
+            fm_calib_add(a.sm90 ? &out->expert_fwd_sm90 : &out->expert_fwd, (double)rs[i], f / tf);
+            fm_calib_add(a.sm90 ? &out->expert_bwd_sm90 : &out->expert_bwd, (double)rs[i], 2.0 * f / tb);
+            logf_(c, "experts%s  %lld x %5lld rows, %lld -> 2 x %lld -> %lld   fwd %8.3f ms %7.2f TFLOP/s, bwd %8.3f ms %7.2f TFLOP/s",
+                  a.sm90 ? " sm90" : "     ", (long long)E, (long long)rs[i], (long long)H, (long long)I, (long long)H, 1e3 * tf,
                   f / tf / 1e12, 1e3 * tb, 2.0 * f / tb / 1e12);
         }
         st = c->be.ops->status(c->be.ctx);
@@ -423,8 +438,10 @@ fm_status fm_calibrate_run(const fm_calibrate_opts *o, fm_calib *out) {
     fm_calib_kind_of(out->backend, out->device, out->kind);
     out->host_pinnable_bytes = (double)fm_host_mem_budget_default();
     fm_backend_opts bo = fm_backend_opts_default();
+    FM_TRY(fm_backend_opts_from_env(&bo)); /* FLATMOE_EXPERT_GEMM=sm90: the sm90 expert curves too */
     bo.threads = o->threads;
     bo.max_head_dim = 128;
+    bo.profile = false;
     /* cuDNN's workspace sized for the longest attention backward measured (as a run plans it) */
     bo.gpu_workspace = c.gpu ? fm_cuda_cudnn_workspace_auto(1, att_tmax(o, true), 16, 16, 128) : 0;
     FM_TRY(fm_backend_default_init_opts(&c.be, &bo));

@@ -161,13 +161,13 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
                 (long long)p->n_offloaded_boundaries, r->offload_optimizer ? " --offload-optimizer" : "",
                 r->bf16_moments ? " --bf16-moments" : "");
         if (r->T > c->max_position_embeddings) fprintf(f, " --max-position-embeddings %lld", (long long)r->T);
+        if (m->dp * m->sp > 1) fprintf(f, " --vocab-parallel ring");
         fprintf(f, "\n");
-        /* what the trainer of this tree cannot run of this plan yet (README "Many ranks") */
+        /* where the trainer of this tree departs from this plan (README "Vocabulary parallelism") */
         if (m->dp * m->sp > 1)
-            fprintf(f, "note: the trainer does not run this plan as planned yet:%s the vocabulary is its local linear "
-                    "cross-entropy, not the Ring-DTP ring (the operator is built, the trainer does not call it); train "
-                    "prints its own plan at launch\n",
-                    m->sp > 1 ? " ZeRO-3 beside --sp is not built (--sp runs with --zero 0);" : "");
+            fprintf(f, "note: under --zero 3 the trainer gathers the head group whole before the Ring-DTP ring (this "
+                    "plan keeps each rank's vocabulary shard only), so its model state holds one head gather more; "
+                    "train prints its own plan at launch (this plan's flags without --world plan that run)\n");
     }
 }
 

@@ -51,8 +51,9 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     const double dense_f = at(dense_flops, gemm_rate), dense_b = at(2.0 * dense_flops, gemm_rate);
     const double rpe = k * c_eff * ep / (E > 0 ? E : 1);
     const double exp_flops = 2.0 * N * k * 3.0 * H * I;
-    const double exp_f = at(exp_flops, fm_calib_rate(&cb->expert_fwd, rpe));
-    const double exp_b = at(2.0 * exp_flops, fm_calib_rate(&cb->expert_bwd, rpe));
+    const bool sm90 = r->expert_sync_free && cb->expert_fwd_sm90.n > 0 && cb->expert_bwd_sm90.n > 0;
+    const double exp_f = at(exp_flops, fm_calib_rate(sm90 ? &cb->expert_fwd_sm90 : &cb->expert_fwd, rpe));
+    const double exp_b = at(2.0 * exp_flops, fm_calib_rate(sm90 ? &cb->expert_bwd_sm90 : &cb->expert_bwd, rpe));
     /* bytes: 2 RMSNorms (read x, write y), 2 residual adds (3 tensors), RoPE in place on q and k,
      * router probabilities (fp32 N x E: logits in, probs out, read by top-k), SwiGLU (gate, up,
      * out over N k I); the dispatch's gather (x rows read k times, xe written) and combine (ye
@@ -144,6 +145,7 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     for (int i = 0; i < FM_PROJ_PHASES; i++) o->step_s += o->sec[i];
     const double tokens = (double)p->tokens_per_step;
     o->tokens_per_s = o->step_s > 0 ? tokens / o->step_s : 0;
-    const double world = mesh ? (double)(r->mesh.dp * r->mesh.sp) : 1.0;
+    /* the devices the step's tokens run on: a mesh's dp x sp, the trainer's --sp run's sp (MFU per device) */
+    const double world = mesh ? (double)(r->mesh.dp * r->mesh.sp) : sp;
     o->mfu = o->step_s > 0 && cb->peak_flops > 0 ? p->flops_model_token * tokens / o->step_s / cb->peak_flops / world : 0;
 }

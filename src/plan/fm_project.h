@@ -8,7 +8,8 @@
  *   dense GEMMs    q/k/v/o and router, 2 N H (qd + 2 kd) + 2 N qd H + 2 N H E forward, twice that
  *                  backward, at gemm(N)
  *   expert GEMMs   2 N k 3 H I forward at expert_fwd(k c / E), twice that backward at
- *                  expert_bwd(k c / E), c the MoE chunk's tokens (N unchunked)
+ *                  expert_bwd(k c / E), c the MoE chunk's tokens (N unchunked); the sm90
+ *                  curves instead when req->expert_sync_free and the table has them
  *   memory traffic RMSNorms, residual adds, RoPE, router softmax, SwiGLU at elementwise_bw;
  *                  gather and combine at dispatch_bw; backward twice the forward's bytes
  *   recompute      a recomputed layer's forward again (without attention when it keeps it); a

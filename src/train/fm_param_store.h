@@ -3,7 +3,8 @@
  * taken from the same arena — and the range of the flat parameters this rank holds.
  *
  * W = 1, or replicas over dp (--zero 0): the store holds the whole replica, shard [0, n_params).
- * ZeRO-1/2 over W data-parallel ranks (fm_param_store_create_sharded, --zero 1): rank r owns the
+ * ZeRO-1/2 over W ranks (the world's dp x sp: under --sp every rank holds the same weights;
+ * fm_param_store_create_sharded, --zero 1): rank r owns the
  * flat range [r S, min((r + 1) S, n_params)), S = ceil(n_params / W) rounded up to a multiple of
  * FM_SHARD_ALIGN elements (so every shard starts 128-byte aligned for the backend's vector
  * kernels; the last ranks may own fewer, or no, parameters); the weights and gradients

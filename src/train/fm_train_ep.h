@@ -18,7 +18,8 @@
  *
  * ZeRO-1/2 (--zero 1) and the streamed optimizer (--offload-optimizer) are refused with --ep > 1:
  * both shard or stream the flat parameter range as if every rank held the same tensors. --zero 3
- * with --ep shards only the non-expert parameters and keeps each rank's experts whole (its
+ * with --ep shards only the non-expert parameters, over all W = dp x sp ranks (beside --sp too),
+ * and keeps each rank's experts whole (its
  * gradients' reduction, norm and checkpoint gather are train/fm_zero3.h's, then fm_train_ep_gather). */
 #ifndef FM_TRAIN_EP_H
 #define FM_TRAIN_EP_H

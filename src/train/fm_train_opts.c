@@ -84,13 +84,9 @@ fm_status fm_train_opts_check(const fm_train_opts *o) {
         return fm_error(FM_ERR_ARG, "--offload-optimizer-slots must be in [1, 16], found %lld",
                         (long long)o->offload_optimizer_slots);
     if (o->zero != 0 && o->zero != 1 && o->zero != 3)
-        return fm_error(FM_ERR_ARG, "--zero must be 0 (replicas), 1 (optimizer state sharded over dp) or 3 (weights, "
-                        "gradients and optimizer state sharded over dp), found %d", o->zero);
+        return fm_error(FM_ERR_ARG, "--zero must be 0 (replicas), 1 (optimizer state sharded over the dp x sp ranks) "
+                        "or 3 (weights, gradients and optimizer state sharded over the dp x sp ranks), found %d", o->zero);
     if (o->sp < 0) return fm_error(FM_ERR_ARG, "--sp must be >= 1 (sequence-parallel ranks; 1 = off), found %d", o->sp);
-    if (o->sp > 1 && o->zero)
-        return fm_error(FM_ERR_ARG, "--sp %d with --zero %d is not built yet (ZeRO shards the optimizer state over the "
-                        "data-parallel ranks, and the sp ranks of a sequence are not data-parallel); use --zero 0 with "
-                        "--sp, or --sp 1", o->sp, o->zero);
     if (o->dp < 0) return fm_error(FM_ERR_ARG, "--dp must be >= 1 (0 = the number of ranks), found %d", o->dp);
     if (o->zero == 3 && o->offload_optimizer)
         return fm_error(FM_ERR_ARG, "--zero 3 and --offload-optimizer do not go together yet (the streamed AdamW "

@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "../backend/fm_backend_default.h"
+#include "../backend/fm_backend_plan.h"
 #include "../bounded/fm_linear_ce_ring.h"
 #include "../io/fm_checkpoint.h"
 #include "../plan/fm_choose.h"
@@ -250,6 +251,11 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         req.ce_block_vocab = FM_LCE_DEFAULT_BLOCK_VOCAB;
     }
     req.vocab_ring = vocab_ring ? W : 0;
+    /* sm90 expert GEMMs (FLATMOE_EXPERT_GEMM=sm90): what fm_model_layout will find the CUDA backend
+     * answering (fm_cuda_sm90_expert_gemm_serves), so the projection times the sm90 kernel */
+    req.expert_sync_free = sizeof(fm_act) != 4 && o->backend.expert_gemm == FM_EXPERT_GEMM_SM90 && ep <= 1 &&
+                           fm_cuda_sm90_expert_gemm_serves(c->num_experts, c->hidden_size, c->moe_intermediate_size,
+                                                           o->micro_batch * o->seq_len * c->num_experts_per_tok);
     if (ep > 1) { /* --zero 3 --ep: the non-expert parameters sharded, E/ep experts whole (fm_zero3.h) */
         fm_zero3_ep_bound_set(W, ep);
         req.model_state_bytes = o->zero == 3 && W > 1 ? fm_zero3_ep_model_state_bound : fm_train_ep_model_state_bound;

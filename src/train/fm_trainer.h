@@ -84,17 +84,18 @@ typedef struct fm_train_opts {
      * fm_comm_world_create); micro_batch is per data-parallel rank. */
     int dp;                       /* --dp: data-parallel degree; 0: the world size W (sp = ep = 1) */
     int zero;                     /* --zero: 0 replicas (gradients all-reduced); 1 ZeRO-1/2: Adam
-                                     moments sharded by parameter range over dp, gradients
-                                     reduce-scattered to their owner, updated weights all-gathered;
-                                     3 ZeRO-3: weights, gradients, master and moments sharded by
-                                     parameter group over dp, each group gathered just in time
-                                     (train/fm_zero3.h) */
+                                     moments sharded by parameter range over the world's dp x sp
+                                     ranks, gradients reduce-scattered to their owner, updated
+                                     weights all-gathered; 3 ZeRO-3: weights, gradients, master and
+                                     moments sharded by parameter group over the dp x sp ranks (each
+                                     rank's experts whole beside --ep), each group gathered just in
+                                     time (train/fm_zero3.h) */
     double comm_timeout;          /* --comm-timeout: seconds a collective waits (0: 300) */
     int sp;                       /* --sp: Ulysses sequence-parallel degree, >= 1 (1: off). The world
                                      is dp x sp ranks; the sp ranks of one data-parallel rank read
                                      the same sequences and each keeps a contiguous seq_len/sp slice
-                                     of every one (model/fm_attn_sp.h); with --zero 0 only, beside
-                                     --ep or not */
+                                     of every one (model/fm_attn_sp.h); with --zero 0, 1 or 3 (the
+                                     shards over all dp x sp ranks), beside --ep or not (not --zero 1) */
     int comm_kind;                /* --comm: fm_comm_kind (comm/fm_comm.h; 0 auto: self on one rank,
                                      nccl when every rank has its own GPU, else mpi) */
     int comm_check;               /* --comm-check: fm_comm_nccl_check (comm/fm_comm_nccl.h; 0 deferred:

@@ -1,4 +1,4 @@
-/* ZeRO-3 over dp: shard arithmetic, the schedule hook's gathers and reduce-scatters, the shard's
+/* ZeRO-3 over the world's dp x sp ranks: shard arithmetic, the schedule hook's gathers and reduce-scatters, the shard's
  * update and the checkpoints' full tensors (fm_zero3.h). */
 #include "fm_zero3.h"
 
@@ -318,7 +318,7 @@ void fm_zero3_zero_grads(fm_zero3 *z, fm_model *m) {
 }
 
 /* The squares of the pieces (padding zero) plus, on a rank with whole_sq, of the whole parts,
- * summed over dp. */
+ * summed over the W ranks. */
 static fm_status sumsq_all(fm_zero3 *z, fm_model *m, const fm_act *x, double *dev_out) {
     m->be.ops->sumsq(m->be.ctx, dev_out, x, z->piece_total, false); /* the padding is zero */
     if (z->whole_sq && z->shard_len > z->piece_total)

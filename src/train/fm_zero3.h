@@ -1,8 +1,14 @@
-/* ZeRO-3 over the data-parallel ranks (--zero 3; ZeRO: Rajbhandari et al., arXiv 1910.02054,
+/* ZeRO-3 over the world's ranks (--zero 3; ZeRO: Rajbhandari et al., arXiv 1910.02054,
  * stage 3 "P_os+g+p"; the per-unit flat shards and the just-in-time gather with one unit
  * prefetched are PyTorch FSDP's, arXiv 2304.11277): every rank keeps only its shard of the
  * weights (fm_act), the gradients, the fp32 master and the Adam moments; a parameter group's
  * full weights exist only while that group computes.
+ *
+ * The ranks. W is the whole world, dp x sp ranks (the trainer binds the world communicator): under
+ * Ulysses sequence parallelism (--sp) every rank holds the same weights and contributes the
+ * gradient of its own slice of the sequence, so the gradient is the sum over all W ranks and the
+ * shards, gathers and reduce-scatters span them all, as torchtitan shards FSDP over dp_shard x cp
+ * and Megatron-LM's distributed optimizer over dp x cp. Without --sp, W = dp.
  *
  * Shards. The flat parameter vector is cut into the model's parameter groups (model/fm_model.h:
  * group 0 the embedding (and the tied LM head), group 1 + l layer l, group L + 1 the final norm
@@ -48,8 +54,10 @@
  * the norm counts them on one rank of each such group (world rank < ep). AdamW updates them whole.
  *
  * Exactness: the global gradient norm is the fp64 sum of squares of the shard gradients (padding
- * is zero) all-reduced over dp; AdamW is elementwise, so the shard update is the replica's
- * update restricted to the shard (tests/mpi_train.sh: the losses of one rank to 1e-6). */
+ * is zero) all-reduced over the W ranks, so each parameter is counted once (the pieces partition
+ * the flat range; a whole part on one rank of its edp group); AdamW is elementwise, so the shard
+ * update is the replica's update restricted to the shard (tests/mpi_train.sh, mpi_train_sp.sh,
+ * mpi_train_epsp.sh: the losses of one rank to 1e-6, with --sp and --ep beside). */
 #ifndef FM_ZERO3_H
 #define FM_ZERO3_H
 
@@ -59,7 +67,7 @@
 #include "fm_param_store.h"
 
 typedef struct fm_zero3 {
-    int W, rank;          /* dp ranks and this rank */
+    int W, rank;          /* the ranks the shards span (the world: dp x sp) and this rank */
     int64_t L;
     int n_groups;         /* L + 2 */
     bool tied;            /* tie_word_embeddings: the head's weight is group 0's */
@@ -78,7 +86,7 @@ typedef struct fm_zero3 {
     float *master;           /* [S] fp32 master; == weights when fm_act is fp32 */
     fm_act *slot[2];         /* [slot_len] each: gathered weights */
     fm_act *gbuf;            /* [gbuf_len]: one group's full gradients */
-    const fm_comm *dp;
+    const fm_comm *dp;       /* the W ranks (the trainer's world, dp x sp) */
     const fm_comm *edp;      /* the ranks holding the same whole parts (NULL: none; fm_zero3_set_edp) */
     bool whole_sq;           /* this rank counts the whole parts in the norms (one rank per edp group) */
     int slot_group[2];       /* the group each slot holds (-1: none) */
@@ -138,7 +146,8 @@ void fm_zero3_unpack(const fm_zero3 *z, int q, const void *local, void *full, si
 void fm_zero3_owner(const fm_zero3 *z, int64_t p, int *rank, int64_t *local);
 
 /* Points z at store ps's ZeRO-3 buffers (fm_param_store_create_zero3) and communicator dp (W
- * ranks, this rank z->rank), and the model's master/params/grads pointers at the shard. */
+ * ranks, this rank z->rank: the trainer's world of dp x sp ranks), and the model's
+ * master/params/grads pointers at the shard. */
 void fm_zero3_bind(fm_zero3 *z, fm_model *m, const fm_param_store *ps, const fm_comm *dp);
 
 /* The expert-data-parallel group edp (backend memory; NULL or one rank: none) over which the

@@ -203,8 +203,8 @@ void fm_cuda_expert_linear_bwd(void *ctx, fm_act *dx, float beta, fm_act *dW, co
 bool fm_cuda_expert_sync_free(void *ctx, int64_t E, int64_t H, int64_t I, int64_t rows_max) {
     const fm_cuda_ctx *c = ctx_of(ctx);
     /* the gate/up products map H -> I and down I -> H; every product must be served */
-    return c->expert_gemm == FM_EXPERT_GEMM_SM90 && c->sm_count > 0 && fm_gg_sm90_serves(E, H, I, rows_max) &&
-           fm_gg_sm90_serves(E, I, H, rows_max);
+    return c->expert_gemm == FM_EXPERT_GEMM_SM90 && c->sm_count > 0 &&
+           fm_cuda_sm90_expert_gemm_serves(E, H, I, rows_max);
 }
 
 static void sm90_call(fm_cuda_ctx *c, int kind, void *C, const fm_act *A, const fm_act *B, float beta,
