@@ -105,6 +105,129 @@ static double l1_rel(const float *a, const float *b, int64_t n) {
     return den > 0 ? num / den : (num > 0 ? INFINITY : 0);
 }
 
+/* ---- a lazy async communicator: the pipelined schedule's hazards on CPU ranks ---------------
+ * The blocking communicators run fm_comm_all_to_all_v_async at once (the earliest an exchange
+ * may run). This wrapper of one of them runs each async exchange as LATE as fm_comm.h allows:
+ * at the join of its ticket (or of a later one), in issue order; at issue it copies the counts
+ * (the caller may rewrite them) and fills the receive regions with NaN (those that no earlier
+ * queued exchange still reads: on a FIFO stream the write comes after those reads). So an operator that
+ * reads a receive buffer before joining, or rewrites a send buffer before joining, computes
+ * with NaN or with the wrong rows, and the bit-for-bit comparison with the serial schedule
+ * fails. Every rank joins at the same program points, so the MPI exchanges still match. */
+#define LAZY_Q 16
+typedef struct lazy_op {
+    const void *send;
+    void *recv;
+    int64_t sc[8], sd[8], rc[8], rd[8];
+    fm_comm_dtype t;
+    double to;
+    int ticket;
+} lazy_op;
+static struct {
+    const fm_comm_ops *base;
+    fm_comm_ops ops;
+    lazy_op q[LAZY_Q];
+    int head, n, next;
+    fm_status failed;
+} g_lazy;
+
+static fm_status lazy_mark(void *ctx, int *mark) {
+    (void)ctx;
+    *mark = -1; /* the CPU's op stream is always done */
+    return FM_OK;
+}
+static fm_status lazy_a2a(void *ctx, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
+                          const int64_t *rc, const int64_t *rd, fm_comm_dtype t, double to, int after, int *ticket) {
+    (void)after;
+    const int W = g_lazy.base->size(ctx);
+    FM_ASSERT(g_lazy.n < LAZY_Q && W <= 8);
+    FM_ASSERT(t == FM_COMM_F32);
+    for (int p = 0; p < W; p++) {
+        const float *lo = (const float *)recv + rd[p], *hi = lo + rc[p];
+        bool read_earlier = false;
+        for (int i = 0; i < g_lazy.n; i++) {
+            const lazy_op *e = &g_lazy.q[(g_lazy.head + i) % LAZY_Q];
+            for (int q = 0; q < W; q++) {
+                const float *elo = (const float *)e->send + e->sd[q], *ehi = elo + e->sc[q];
+                read_earlier |= e->sc[q] > 0 && rc[p] > 0 && lo < ehi && elo < hi;
+            }
+        }
+        if (!read_earlier)
+            for (int64_t i = 0; i < rc[p]; i++) ((float *)recv)[rd[p] + i] = NAN;
+    }
+    lazy_op *o = &g_lazy.q[(g_lazy.head + g_lazy.n++) % LAZY_Q];
+    o->send = send, o->recv = recv, o->t = t, o->to = to;
+    for (int p = 0; p < W; p++) o->sc[p] = sc[p], o->sd[p] = sd[p], o->rc[p] = rc[p], o->rd[p] = rd[p];
+    o->ticket = g_lazy.next;
+    g_lazy.next = (g_lazy.next + 1) % FM_COMM_ASYNC_RING;
+    *ticket = o->ticket;
+    return FM_OK;
+}
+static fm_status lazy_join(void *ctx, int ticket) {
+    bool queued = false;
+    for (int i = 0; i < g_lazy.n; i++) queued |= g_lazy.q[(g_lazy.head + i) % LAZY_Q].ticket == ticket;
+    while (queued && g_lazy.n > 0) {
+        lazy_op *o = &g_lazy.q[g_lazy.head];
+        g_lazy.head = (g_lazy.head + 1) % LAZY_Q, g_lazy.n--;
+        const fm_status st = g_lazy.base->all_to_all_v(ctx, o->send, o->sc, o->sd, o->recv, o->rc, o->rd, o->t, o->to);
+        if (st != FM_OK) return st;
+        if (o->ticket == ticket) break;
+    }
+    return FM_OK;
+}
+/* *out: comm with the lazy async exchanges (the same context; every other op is comm's). */
+static void lazy_wrap(fm_comm *out, const fm_comm *comm) {
+    g_lazy.base = comm->ops;
+    g_lazy.ops = *comm->ops;
+    g_lazy.ops.mark = lazy_mark;
+    g_lazy.ops.all_to_all_v_async = lazy_a2a;
+    g_lazy.ops.join = lazy_join;
+    g_lazy.head = g_lazy.n = 0;
+    out->ops = &g_lazy.ops;
+    out->ctx = comm->ctx;
+}
+
+/* The pipelined schedule equals the serial one bit for bit (ws ran the serial one for y, dx, dtw
+ * and the weight gradients g3 [3][lw]): forced on the blocking communicator (exchanges at once)
+ * and by default on the lazy one (exchanges as late as allowed); with one set (LLEP) both run
+ * serially. */
+static void check_pipelined(const fm_comm *comm, const ep_case *cs, fm_moe_ep_ws *ws, const fm_moe_weights *wl,
+                            const rank_data *mine, int64_t K, const int32_t *order, const float *y, const float *dx,
+                            const float *dtw, float *const g3[3], int64_t lw) {
+    const int me = fm_comm_rank(comm);
+    const int64_t N = mine->N, H = cs->d.H, k = cs->d.k;
+    CHECK_MSG(ws->pipelined_calls == 0, "%s: the blocking communicator ran the pipelined schedule by default", cs->name);
+    CHECK(ws->sets == (cs->llep.on ? 1 : 2));
+    for (int mode = 0; mode < 2; mode++) {
+        fm_comm lz;
+        const fm_comm *cc = comm;
+        if (mode == 1) lazy_wrap(&lz, comm), cc = &lz;
+        ws->schedule = mode == 0 ? FM_MOE_EP_PIPELINED : FM_MOE_EP_AUTO;
+        const int64_t calls0 = ws->pipelined_calls, high0 = ws->recv_rows_high;
+        float *y2 = fnew(N * H), *dx2 = fnew(N * H), *dtw2 = fnew(N * k);
+        float *g2[3] = {fnew(lw), fnew(lw), fnew(lw)};
+        const fm_moe_grads gl2 = {g2[0], g2[1], g2[2]};
+        fm_status st = fm_moe_ep_forward(&g_be, cc, &cs->d, wl, y2, N ? mine->x : NULL, N ? mine->idx : NULL,
+                                         N ? mine->tw : NULL, N, K, order, ws, 30);
+        CHECK_MSG(st == FM_OK, "%s: pipelined forward: %s", cs->name, fm_errmsg());
+        st = fm_moe_ep_backward(&g_be, cc, &cs->d, wl, &gl2, dx2, dtw2, mine->dy, mine->x, mine->idx, mine->tw, N, K,
+                                order, ws, 30);
+        CHECK_MSG(st == FM_OK, "%s: pipelined backward: %s", cs->name, fm_errmsg());
+        const char *how = mode == 0 ? "pipelined (exchanges at once)" : "pipelined (lazy exchanges)";
+        CHECK_MSG(ws->pipelined_calls == calls0 + (ws->sets == 2 ? 2 : 0), "%s: %s: %lld pipelined calls, want %lld",
+                  cs->name, how, (long long)(ws->pipelined_calls - calls0), (long long)(ws->sets == 2 ? 2 : 0));
+        CHECK_MSG(mode == 0 || g_lazy.n == 0, "%s: %lld exchanges never joined", cs->name, (long long)g_lazy.n);
+        bool same = !memcmp(y, y2, sizeof(float) * (size_t)(N * H)) && !memcmp(dx, dx2, sizeof(float) * (size_t)(N * H)) &&
+                    !memcmp(dtw, dtw2, sizeof(float) * (size_t)(N * k));
+        for (int m = 0; m < 3; m++) same &= !memcmp(g3[m], g2[m], sizeof(float) * (size_t)lw);
+        CHECK_MSG(same, "%s: rank %d: the %s schedule differs from the serial one", cs->name, me, how);
+        CHECK_MSG(ws->recv_rows_high == high0, "%s: %s: receive high %lld, serial %lld", cs->name, how,
+                  (long long)ws->recv_rows_high, (long long)high0);
+        free(y2), free(dx2), free(dtw2), free(g2[0]), free(g2[1]), free(g2[2]);
+    }
+    ws->schedule = FM_MOE_EP_AUTO;
+}
+
 /* Runs one case over the ep group `comm`; salt separates the data of independent groups. */
 static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
     const int P = fm_comm_size(comm), me = fm_comm_rank(comm);
@@ -186,6 +309,8 @@ static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
     st = fm_moe_ep_backward(&g_be, comm, d, &wl, &gl, dx, dtw, mine->dy, mine->x, mine->idx, mine->tw, N, K, order,
                             &ws, 30);
     CHECK_MSG(st == FM_OK, "%s: backward: %s", cs->name, fm_errmsg());
+    float *const g3[3] = {gg, gu, gd};
+    check_pipelined(comm, cs, &ws, &wl, mine, K, order, y, dx, dtw, g3, lw);
     const size_t touched = fm_arena_touched(&dev);
     CHECK_MSG(touched <= b.device, "%s: rank %d wrote %zu bytes into a working set bounded at %zu", cs->name, me,
               touched, b.device);
@@ -453,6 +578,38 @@ static void run_errors(const fm_comm *comm) {
                    "must lay it out alike");
         fm_arena_free(&dev2), fm_arena_free(&host2);
     }
+    /* rank 0 pipelined, the others serial (the exchanges would pair up wrongly): refused at chunk
+     * 0's agreement on every rank, before any rows move */
+    if (P > 1) {
+        for (int64_t t = 0; t < N; t++)
+            for (int64_t j = 0; j < k; j++) idx[t * k + j] = (int32_t)((t + j) % d.E);
+        ws.schedule = me == 0 ? FM_MOE_EP_PIPELINED : FM_MOE_EP_SERIAL;
+        EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_forward(&g_be, comm, &d, &w, y, x, idx, tw, N, K, order, &ws, 30),
+                   "run the same schedule");
+        ws.schedule = FM_MOE_EP_AUTO;
+    }
+    /* rank 0's FLATMOE_EP_SCHEDULE was bad at layout (the layout itself succeeds): refused everywhere */
+    ws.schedule_bad = me == 0;
+    EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_forward(&g_be, comm, &d, &w, y, x, idx, tw, N, K, order, &ws, 30),
+               "rank 0's FLATMOE_EP_SCHEDULE is not one of auto, serial, pipelined");
+    ws.schedule_bad = false;
+    /* the schedule from the environment */
+    fm_moe_ep_schedule sch;
+    setenv("FLATMOE_EP_SCHEDULE", "serial", 1);
+    CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_OK && sch == FM_MOE_EP_SERIAL);
+    setenv("FLATMOE_EP_SCHEDULE", "pipelined", 1);
+    CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_OK && sch == FM_MOE_EP_PIPELINED);
+    setenv("FLATMOE_EP_SCHEDULE", "overlap", 1);
+    CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_ERR_ARG && strstr(fm_errmsg(), "\"overlap\": expected auto"));
+    {
+        fm_arena mdv, mhs;
+        fm_moe_ep_ws wb;
+        fm_arena_init_measure(&mdv, "ep bad schedule");
+        fm_arena_init_measure(&mhs, "ep bad schedule host");
+        CHECK(fm_moe_ep_ws_layout(&wb, &mdv, &mhs, &d, P, me, c, NULL) == FM_OK && wb.schedule_bad);
+    }
+    unsetenv("FLATMOE_EP_SCHEDULE");
+    CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_OK && sch == FM_MOE_EP_AUTO);
     /* after refused calls the group still works (every rank left every collective alike) */
     CHECK(fm_moe_ep_chunks(comm, N, c, 30, &K) == FM_OK && K == 2);
     fm_arena_free(&dev), fm_arena_free(&host);

@@ -3,6 +3,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../model/fm_experts.h"
@@ -14,11 +15,11 @@
 #endif
 
 /* The count table: per rank, E counts then these five: its K, its chunk size, an error flag, its
- * cap c and a fingerprint of its placement options (the layouts must agree: checked, so a
+ * cap c and a fingerprint of its placement options and schedule (the layouts must agree: checked, so a
  * mismatch fails on every rank alike instead of desynchronizing the exchanges). */
 enum { T_K = 0, T_N, T_ERR, T_C, T_OPTS, T_EXTRA };
 /* Error flags a rank puts in the table at chunk 0 (agreed, so every rank fails together). */
-enum { EP_ERR_NONE = 0, EP_ERR_K_SMALL = 1, EP_ERR_K_BAD = 2 };
+enum { EP_ERR_NONE = 0, EP_ERR_K_SMALL = 1, EP_ERR_K_BAD = 2, EP_ERR_SCHEDULE = 3 };
 
 #define R4(x) fm_arena_round((size_t)(x) * 4)
 #define R8(x) fm_arena_round((size_t)(x) * 8)
@@ -54,12 +55,15 @@ size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t a, 
     if (ep < 1 || c < 1 || d->E % ep != 0) return 0;
     const int64_t H = d->H, I = d->I, k = d->k, E_loc = d->E / ep;
     const int64_t Rm = (int64_t)ep * c * min64(k, E_loc);
+    const int S = llep_on(llep) ? 1 : 2, T = S == 2 ? 3 : 1; /* sets; routing sets */
     z.rows_max = Rm;
-    z.recv = RA(Rm * H);
-    z.send = 2 * RA(c * k * H);
-    z.source = 3 * RA(c * H) + 5 * R4(c * k);
-    z.experts = 3 * RA(Rm * H) + 6 * RA(Rm * I) + R4(Rm);
-    z.host = R8(d->E + 1) + R8(E_loc + 1) + R8((int64_t)ep * (d->E + T_EXTRA)) + 5 * R8(ep) + R4(Rm);
+    z.sets = S;
+    z.recv = S * RA(Rm * H);
+    z.send = 2 * S * RA(c * k * H);
+    z.source = 3 * RA(c * H) + (2 + 3 * T) * R4(c * k);
+    z.experts = 3 * RA(Rm * H) + 6 * RA(Rm * I) + S * R4(Rm);
+    z.host = R8(d->E + 1) + S * R8(E_loc + 1) + R8((int64_t)ep * (d->E + T_EXTRA)) + (4 * S + 1) * R8(ep) +
+             S * R4(Rm);
     if (llep_on(llep)) {
         const int64_t F = llep->max_foreign, PM = (int64_t)(ep - 1) * min64(F, E_loc);
         z.llep = 6 * RA(F * I * H) + 3 * RA(PM * I * H) + R4(c * k);
@@ -68,6 +72,24 @@ size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t a, 
     z.device = z.recv + z.send + z.source + z.experts + z.llep;
     if (b) *b = z;
     return z.device;
+}
+
+/* Points the per-chunk views of w at chunk j's sets (fm_moe_ep_ws; one set: set 0 always). */
+static void ep_view(fm_moe_ep_ws *w, int64_t j) {
+    const int a = w->sets == 2 ? (int)(j & 1) : 0, b = w->sets == 2 ? (int)(j % 3) : 0;
+    w->recv = w->recv_s[a];
+    w->src.xe = w->xe_s[a];
+    w->src.ye = w->ye_s[a];
+    w->perm = w->perm_s[a];
+    w->perm_host = w->perm_host_s[a];
+    w->exp.offsets = w->exp_off_s[a];
+    w->send_counts = w->cnt_s[a][0];
+    w->send_displs = w->cnt_s[a][1];
+    w->recv_counts = w->cnt_s[a][2];
+    w->recv_displs = w->cnt_s[a][3];
+    w->topk_w = w->topk_w_s[b];
+    w->src.row_route = w->row_route_s[b];
+    w->src.route_row = w->route_row_s[b];
 }
 
 #define TAKE(ar, type, count) ((type *)fm_arena_alloc((ar), sizeof(type) * (size_t)(count)))
@@ -92,18 +114,24 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
     w->rows_per_src = c * min64(k, w->E_loc);
     w->rows_max = (int64_t)ep * w->rows_per_src;
     const int64_t Rm = w->rows_max;
+    const int S = llep_on(llep) ? 1 : 2, T = S == 2 ? 3 : 1; /* as fm_moe_ep_bound_bytes */
+    w->sets = S;
     /* device: recv, send, source, experts (the order of fm_moe_ep_bound) */
-    w->recv = TAKE(dev, fm_act, Rm * H);
-    w->src.xe = TAKE(dev, fm_act, c * k * H);
-    w->src.ye = TAKE(dev, fm_act, c * k * H);
+    for (int s = 0; s < S; s++) w->recv_s[s] = TAKE(dev, fm_act, Rm * H);
+    for (int s = 0; s < S; s++) {
+        w->xe_s[s] = TAKE(dev, fm_act, c * k * H);
+        w->ye_s[s] = TAKE(dev, fm_act, c * k * H);
+    }
     w->xc = TAKE(dev, fm_act, c * H);
     w->yc = TAKE(dev, fm_act, c * H);
     w->dxc = TAKE(dev, fm_act, c * H);
     w->topk_idx = TAKE(dev, int32_t, c * k);
-    w->topk_w = TAKE(dev, float, c * k);
+    for (int s = 0; s < T; s++) w->topk_w_s[s] = TAKE(dev, float, c * k);
     w->dtopk_w = TAKE(dev, float, c * k);
-    w->src.row_route = TAKE(dev, int32_t, c * k);
-    w->src.route_row = TAKE(dev, int32_t, c * k);
+    for (int s = 0; s < T; s++) {
+        w->row_route_s[s] = TAKE(dev, int32_t, c * k);
+        w->route_row_s[s] = TAKE(dev, int32_t, c * k);
+    }
     w->exp.xe = TAKE(dev, fm_act, Rm * H);
     w->exp.ye = TAKE(dev, fm_act, Rm * H);
     w->exp_ws.dxe = TAKE(dev, fm_act, Rm * H);
@@ -113,7 +141,10 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
     w->exp_ws.dact = TAKE(dev, fm_act, Rm * I);
     w->exp_ws.dh_gate = TAKE(dev, fm_act, Rm * I);
     w->exp_ws.dh_up = TAKE(dev, fm_act, Rm * I);
-    w->perm = TAKE(dev, int32_t, Rm);
+    /* set 1's permutation below set 0's: the working set's top byte is set 0's last row, written
+     * whenever a chunk of the serial schedule (set 0 only) fills R_max, so the painted high-water
+     * mark reaches the bound there as it did with one set */
+    for (int s = S - 1; s >= 0; s--) w->perm_s[s] = TAKE(dev, int32_t, Rm);
     w->exp_ws.dye = w->exp.ye; /* ye is sent back before dye arrives */
     if (llep_on(llep)) {
         w->llep = *llep;
@@ -126,14 +157,12 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
     }
     /* host */
     w->src.offsets = TAKE(host, int64_t, d->E + 1);
-    w->exp.offsets = TAKE(host, int64_t, w->E_loc + 1);
+    for (int s = 0; s < S; s++) w->exp_off_s[s] = TAKE(host, int64_t, w->E_loc + 1);
     w->table = TAKE(host, int64_t, (int64_t)ep * (d->E + T_EXTRA));
-    w->send_counts = TAKE(host, int64_t, ep);
-    w->send_displs = TAKE(host, int64_t, ep);
-    w->recv_counts = TAKE(host, int64_t, ep);
-    w->recv_displs = TAKE(host, int64_t, ep);
+    for (int s = 0; s < S; s++)
+        for (int a = 0; a < 4; a++) w->cnt_s[s][a] = TAKE(host, int64_t, ep);
     w->cursor = TAKE(host, int64_t, ep);
-    w->perm_host = TAKE(host, int32_t, Rm);
+    for (int s = 0; s < S; s++) w->perm_host_s[s] = TAKE(host, int32_t, Rm);
     if (llep_on(llep)) {
         w->pack_host = TAKE(host, int32_t, c * k);
         w->wsend_counts = TAKE(host, int64_t, ep);
@@ -145,6 +174,20 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
         w->pair_local = TAKE(host, int32_t, w->pairs_max);
         fm_llep_plan_layout(&w->plan, host, ep, d->E, w->F);
     }
+    ep_view(w, 0);
+    /* a bad value does not fail the layout (the model's layout is checked before it is made): it is
+     * agreed at the first chunk, where every rank refuses it alike */
+    if (fm_moe_ep_schedule_from_env(&w->schedule) != FM_OK) w->schedule = FM_MOE_EP_AUTO, w->schedule_bad = true;
+    return FM_OK;
+}
+
+fm_status fm_moe_ep_schedule_from_env(fm_moe_ep_schedule *s) {
+    const char *v = getenv("FLATMOE_EP_SCHEDULE");
+    if (!v || !*v || !strcmp(v, "auto")) *s = FM_MOE_EP_AUTO;
+    else if (!strcmp(v, "serial")) *s = FM_MOE_EP_SERIAL;
+    else if (!strcmp(v, "pipelined")) *s = FM_MOE_EP_PIPELINED;
+    else
+        return fm_error(FM_ERR_ARG, "FLATMOE_EP_SCHEDULE=\"%s\": expected auto, serial or pipelined (unset: auto)", v);
     return FM_OK;
 }
 
@@ -169,6 +212,7 @@ typedef struct ep_call {
     double timeout_s;
     const char *what; /* "forward" | "backward" */
     int64_t K;
+    bool pipe;        /* the pipelined schedule: the permutation goes up by copy_async */
 } ep_call;
 
 /* Wraps a communicator failure with the operator and chunk. */
@@ -253,16 +297,19 @@ static fm_status ep_agree(const ep_call *c, int64_t j, int64_t n, int64_t err, i
     mine[E + T_N] = n;
     mine[E + T_ERR] = err;
     mine[E + T_C] = ws->c;
-    mine[E + T_OPTS] = ep_opts_print(ws);
+    mine[E + T_OPTS] = ep_opts_print(ws) + (c->pipe ? 1 : 0); /* the schedule too: the exchanges' order differs */
     const fm_status st = fm_comm_allreduce_sum_i64(c->comm, t, (int64_t)P * S, c->timeout_s);
     if (st != FM_OK) return ep_comm_fail(c, st, j);
     /* the verdict, the same on every rank: the first offending rank */
     for (int p = 0; p < P; p++) {
         const int64_t *tp = t + (int64_t)p * S;
+        if (tp[E + T_ERR] == EP_ERR_SCHEDULE)
+            return fm_error(FM_ERR_ARG, "moe_ep %s (rank %d of %d): rank %d's FLATMOE_EP_SCHEDULE is not one of auto, "
+                            "serial, pipelined (unset it, or set the same valid value on every rank)", c->what, me, P, p);
         if (tp[E + T_C] != ws->c || tp[E + T_OPTS] != mine[E + T_OPTS])
             return fm_error(FM_ERR_ARG, "moe_ep %s (rank %d of %d): rank %d's working set was laid out with cap c = "
-                            "%lld and placement options %s this rank's (c = %lld); every rank of the ep group "
-                            "must lay it out alike", c->what, me, P, p, (long long)tp[E + T_C],
+                            "%lld and placement options and schedule %s this rank's (c = %lld); every rank of the ep group "
+                            "must lay it out alike and run the same schedule (FLATMOE_EP_SCHEDULE)", c->what, me, P, p, (long long)tp[E + T_C],
                             tp[E + T_OPTS] == mine[E + T_OPTS] ? "equal to" : "other than", (long long)ws->c);
         if (tp[E + T_ERR] == EP_ERR_K_BAD || tp[E + T_K] < 1)
             return fm_error(FM_ERR_ARG, "moe_ep %s (rank %d of %d): rank %d passed K = %lld chunks; expected >= 1 "
@@ -346,7 +393,12 @@ static fm_status ep_agree(const ep_call *c, int64_t j, int64_t n, int64_t err, i
     }
     if (ws->foff) ws->foff[0] = 0;
     FM_ASSERT(pos == rows && rows <= ws->rows_max);
-    if (rows > 0) c->be->ops->copy(c->be->ctx, ws->perm, ws->perm_host, sizeof(int32_t) * (size_t)rows, FM_COPY_H2D);
+    if (rows > 0 && c->pipe) /* on the op stream: its host copy is not rewritten before the set's next chunk,
+                                whose agreement comes after a host wait past this copy */
+        c->be->ops->copy_async(c->be->ctx, ws->perm, ws->perm_host, sizeof(int32_t) * (size_t)rows, FM_COPY_H2D,
+                               FM_STREAM_OPS);
+    else if (rows > 0)
+        c->be->ops->copy(c->be->ctx, ws->perm, ws->perm_host, sizeof(int32_t) * (size_t)rows, FM_COPY_H2D);
     if (rows > ws->recv_rows_high) ws->recv_rows_high = rows;
     if (n * d->k > ws->send_rows_high) ws->send_rows_high = n * d->k;
     if (ws->spill) ep_weight_counts(ws, d);
@@ -361,6 +413,20 @@ static fm_status ep_exchange(const ep_call *c, int64_t j, bool to_owner, const f
                                                    ws->recv_counts, ws->recv_displs, EP_ACT_DTYPE, c->timeout_s)
                             : fm_comm_all_to_all_v(c->comm, send, ws->recv_counts, ws->recv_displs, recv,
                                                    ws->send_counts, ws->send_displs, EP_ACT_DTYPE, c->timeout_s);
+    return st == FM_OK ? FM_OK : ep_comm_fail(c, st, j);
+}
+
+/* ep_exchange issued on the communicator's stream after the op stream's mark `after`
+ * (fm_comm_all_to_all_v_async); *ticket names its completion. */
+static fm_status ep_exchange_async(const ep_call *c, int64_t j, bool to_owner, const fm_act *send, fm_act *recv,
+                                   int after, int *ticket) {
+    const fm_moe_ep_ws *ws = c->ws;
+    fm_status st = to_owner ? fm_comm_all_to_all_v_async(c->comm, send, ws->send_counts, ws->send_displs, recv,
+                                                         ws->recv_counts, ws->recv_displs, EP_ACT_DTYPE, c->timeout_s,
+                                                         after, ticket)
+                            : fm_comm_all_to_all_v_async(c->comm, send, ws->recv_counts, ws->recv_displs, recv,
+                                                         ws->send_counts, ws->send_displs, EP_ACT_DTYPE, c->timeout_s,
+                                                         after, ticket);
     return st == FM_OK ? FM_OK : ep_comm_fail(c, st, j);
 }
 
@@ -485,7 +551,197 @@ static fm_status ep_begin(ep_call *c, int64_t N, int64_t K, int64_t *err) {
                         "device memory; create the communicator over the backend", c->what);
     if (N < 0) return fm_error(FM_ERR_ARG, "moe_ep %s: N = %lld tokens; expected >= 0", c->what, (long long)N);
     c->K = K;
+    ep_view(c->ws, 0);
     *err = K < 1 ? EP_ERR_K_BAD : (N + (K > 0 ? K : 1) - 1) / (K > 0 ? K : 1) > ws->c ? EP_ERR_K_SMALL : EP_ERR_NONE;
+    if (ws->schedule_bad) *err = EP_ERR_SCHEDULE;
+    return FM_OK;
+}
+
+/* ---- the pipelined schedule (fm_moe_ep.h "Overlap") ------------------------------------------- */
+
+/* One chunk in flight: its tokens, rows received, and the marks and tickets of its exchanges. */
+typedef struct ep_chunk {
+    int64_t n, R;
+    const int32_t *tok;
+    int mark;   /* the op stream after this chunk's last op before an exchange */
+    int ticket; /* its latest exchange */
+} ep_chunk;
+
+static bool ep_pipelined(const ep_call *c) {
+    const fm_moe_ep_ws *ws = c->ws;
+    if (ws->sets != 2 || ws->llep.on) return false;
+    return ws->schedule == FM_MOE_EP_PIPELINED || (ws->schedule == FM_MOE_EP_AUTO && fm_comm_has_async(c->comm));
+}
+
+/* Chunk j's gather and dispatch on the op stream, without the host wait: the backend event
+ * FM_MOE_EP_EVENT and a communicator mark follow it. */
+static fm_status ep_pipe_route(const ep_call *c, int64_t j, const fm_act *x, const int32_t *topk_idx,
+                               const float *topk_w, ep_chunk *ch) {
+    const fm_backend *be = c->be;
+    fm_moe_ep_ws *ws = c->ws;
+    const fm_moe_dims *d = c->d;
+    const int64_t n = ch->n;
+    ep_view(ws, j);
+    fm_moe_chunk_gather_rows(be, ws->xc, x, ch->tok, n, d->H * (int64_t)sizeof(fm_act));
+    fm_moe_chunk_gather_rows(be, ws->topk_idx, topk_idx, ch->tok, n, d->k * (int64_t)sizeof(int32_t));
+    fm_moe_chunk_gather_rows(be, ws->topk_w, topk_w, ch->tok, n, d->k * (int64_t)sizeof(float));
+    if (n > 0) {
+        fm_moe_dims ds = *d;
+        ds.sync_free = true; /* the same ops; the host waits below on the event, not the stream */
+        fm_moe_dispatch(be, &ds, &ws->src, ws->xc, ws->topk_idx, n);
+        be->ops->event_record(be->ctx, FM_MOE_EP_EVENT, FM_STREAM_OPS);
+    } else {
+        fm_moe_dispatch(be, d, &ws->src, ws->xc, ws->topk_idx, 0); /* the offsets are zero, no wait */
+    }
+    const fm_status st = fm_comm_mark(c->comm, &ch->mark);
+    return st == FM_OK ? FM_OK : ep_comm_fail(c, st, j);
+}
+
+/* Chunk j's agreement (the host waits for its dispatch only: the "MoE offsets" sync point) and
+ * its rows out to the owners, async after the dispatch's mark. */
+static fm_status ep_pipe_send(const ep_call *c, int64_t j, int64_t err, ep_chunk *ch) {
+    fm_moe_ep_ws *ws = c->ws;
+    ep_view(ws, j);
+    if (ch->n > 0) c->be->ops->event_sync(c->be->ctx, FM_MOE_EP_EVENT);
+    FM_TRY(ep_agree(c, j, ch->n, err, &ch->R));
+    return ep_exchange_async(c, j, true, ws->src.xe, ws->recv, ch->mark, &ch->ticket);
+}
+
+/* The owner's part of chunk j, after joining the exchange that brought its rows: the forward
+ * (backward = false: gather, experts, outputs into the receive buffer) or the backward (dye
+ * gathered, the experts' backward, dxe into the receive buffer); then a mark. */
+static fm_status ep_pipe_owner(const ep_call *c, int64_t j, bool backward, const fm_moe_grads *g, ep_chunk *ch) {
+    const fm_backend *be = c->be;
+    fm_moe_ep_ws *ws = c->ws;
+    const fm_moe_dims *d = c->d;
+    const int64_t Hb = d->H * (int64_t)sizeof(fm_act), R = ch->R;
+    const fm_moe_dims dl = {d->H, d->I, ws->E_loc, 1};
+    ep_view(ws, j);
+    fm_status st = fm_comm_join(c->comm, ch->ticket);
+    if (st != FM_OK) return ep_comm_fail(c, st, j);
+    if (R > 0 && !backward) {
+        be->ops->gather_rows(be->ctx, ws->exp.xe, ws->recv, ws->perm, R, Hb);
+        fm_experts_forward(be, &dl, c->w, &ws->exp, R);
+        be->ops->scatter_rows(be->ctx, ws->recv, ws->exp.ye, ws->perm, R, Hb);
+    } else if (R > 0) {
+        be->ops->gather_rows(be->ctx, ws->exp_ws.dye, ws->recv, ws->perm, R, Hb);
+        fm_experts_backward(be, &dl, c->w, g, &ws->exp, &ws->exp_ws, R);
+        be->ops->scatter_rows(be->ctx, ws->recv, ws->exp_ws.dxe, ws->perm, R, Hb);
+    }
+    st = fm_comm_mark(c->comm, &ch->mark);
+    return st == FM_OK ? FM_OK : ep_comm_fail(c, st, j);
+}
+
+/* Chunk j's receive buffer back to its sources' returned-rows buffer (async, after the mark). */
+static fm_status ep_pipe_back(const ep_call *c, int64_t j, ep_chunk *ch) {
+    fm_moe_ep_ws *ws = c->ws;
+    ep_view(ws, j);
+    return ep_exchange_async(c, j, false, ws->recv, ws->src.ye, ch->mark, &ch->ticket);
+}
+
+/* Joins chunk j's latest exchange and points the views at its sets. */
+static fm_status ep_pipe_join(const ep_call *c, int64_t j, const ep_chunk *ch) {
+    ep_view(c->ws, j);
+    const fm_status st = fm_comm_join(c->comm, ch->ticket);
+    return st == FM_OK ? FM_OK : ep_comm_fail(c, st, j);
+}
+
+static int64_t ep_chunks_setup(ep_chunk *ch, int64_t j, int64_t N, int64_t K, int64_t err, const int32_t *chunk_tokens,
+                               int64_t *start) {
+    ch->n = err ? 0 : fm_moe_chunk_size(N, K, j);
+    ch->tok = chunk_tokens + *start;
+    ch->R = 0, ch->mark = -1, ch->ticket = -1;
+    *start += ch->n;
+    return ch->n;
+}
+
+/* The forward, pipelined: iteration i issues chunk i+1's dispatch, chunk i's experts, chunk
+ * i+1's agreement and exchange out, chunk i's exchange back, chunk i-1's combine. */
+static fm_status ep_pipe_forward(ep_call *c, fm_act *y, const fm_act *x, const int32_t *topk_idx,
+                                 const float *topk_w, int64_t N, const int32_t *chunk_tokens, int64_t err) {
+    const fm_backend *be = c->be;
+    fm_moe_ep_ws *ws = c->ws;
+    const fm_moe_dims *d = c->d;
+    const int64_t Hb = d->H * (int64_t)sizeof(fm_act), K = c->K, Kr = K > 0 ? K : 1;
+    ep_chunk ch[3];
+    int64_t start = 0;
+    c->pipe = true;
+    ws->pipelined_calls++;
+    ep_chunks_setup(&ch[0], 0, N, K, err, chunk_tokens, &start);
+    FM_TRY(ep_pipe_route(c, 0, x, topk_idx, topk_w, &ch[0]));
+    FM_TRY(ep_pipe_send(c, 0, err, &ch[0]));
+    for (int64_t i = 0; i < Kr; i++) {
+        ep_chunk *cur = &ch[i % 3], *nxt = &ch[(i + 1) % 3], *prv = &ch[(i + 2) % 3];
+        if (i + 1 < Kr) {
+            ep_chunks_setup(nxt, i + 1, N, K, err, chunk_tokens, &start);
+            FM_TRY(ep_pipe_route(c, i + 1, x, topk_idx, topk_w, nxt));
+        }
+        FM_TRY(ep_pipe_owner(c, i, false, NULL, cur));
+        if (i + 1 < Kr) FM_TRY(ep_pipe_send(c, i + 1, 0, nxt));
+        FM_TRY(ep_pipe_back(c, i, cur));
+        if (i > 0) {
+            FM_TRY(ep_pipe_join(c, i - 1, prv));
+            fm_moe_combine(be, d, &ws->src, ws->yc, ws->topk_w, prv->n);
+            fm_moe_chunk_scatter(be, y, ws->yc, prv->tok, prv->n, Hb);
+        }
+    }
+    ep_chunk *last = &ch[(Kr - 1) % 3];
+    FM_TRY(ep_pipe_join(c, Kr - 1, last));
+    fm_moe_combine(be, d, &ws->src, ws->yc, ws->topk_w, last->n);
+    fm_moe_chunk_scatter(be, y, ws->yc, last->tok, last->n, Hb);
+    ep_view(ws, 0);
+    return FM_OK;
+}
+
+/* Chunk j's dispatch backward on the source (after joining its row gradients' return). */
+static fm_status ep_pipe_dx(const ep_call *c, int64_t j, const ep_chunk *ch, fm_act *dx) {
+    fm_moe_ep_ws *ws = c->ws;
+    FM_TRY(ep_pipe_join(c, j, ch));
+    fm_moe_dispatch_backward(c->be, c->d, &ws->src, ws->dxc, ws->src.ye, ch->n);
+    fm_moe_chunk_scatter(c->be, dx, ws->dxc, ch->tok, ch->n, c->d->H * (int64_t)sizeof(fm_act));
+    return FM_OK;
+}
+
+/* The backward, pipelined: iteration j issues chunk j+1's dispatch, chunk j's expert recompute,
+ * chunk j+1's agreement and exchange out, chunk j's outputs back, its combine backward, dye out,
+ * its experts' backward, its row gradients back, chunk j-1's dispatch backward. */
+static fm_status ep_pipe_backward(ep_call *c, const fm_moe_grads *g, fm_act *dx, float *dtopk_w, const fm_act *dy,
+                                  const fm_act *x, const int32_t *topk_idx, const float *topk_w, int64_t N,
+                                  const int32_t *chunk_tokens, int64_t err) {
+    const fm_backend *be = c->be;
+    fm_moe_ep_ws *ws = c->ws;
+    const fm_moe_dims *d = c->d;
+    const int64_t Hb = d->H * (int64_t)sizeof(fm_act), K = c->K, Kr = K > 0 ? K : 1;
+    ep_chunk ch[3];
+    int64_t start = 0;
+    c->pipe = true;
+    ws->pipelined_calls++;
+    ep_chunks_setup(&ch[0], 0, N, K, err, chunk_tokens, &start);
+    FM_TRY(ep_pipe_route(c, 0, x, topk_idx, topk_w, &ch[0]));
+    FM_TRY(ep_pipe_send(c, 0, err, &ch[0]));
+    for (int64_t j = 0; j < Kr; j++) {
+        ep_chunk *cur = &ch[j % 3], *nxt = &ch[(j + 1) % 3], *prv = &ch[(j + 2) % 3];
+        if (j + 1 < Kr) {
+            ep_chunks_setup(nxt, j + 1, N, K, err, chunk_tokens, &start);
+            FM_TRY(ep_pipe_route(c, j + 1, x, topk_idx, topk_w, nxt));
+        }
+        FM_TRY(ep_pipe_owner(c, j, false, NULL, cur)); /* the recompute */
+        if (j + 1 < Kr) FM_TRY(ep_pipe_send(c, j + 1, 0, nxt));
+        FM_TRY(ep_pipe_back(c, j, cur));
+        /* the source: the combine's backward, dye into the outgoing buffer (its x rows were sent) */
+        FM_TRY(ep_pipe_join(c, j, cur));
+        fm_moe_chunk_gather_rows(be, ws->yc, dy, cur->tok, cur->n, Hb);
+        fm_moe_combine_backward(be, d, &ws->src, ws->src.xe, ws->dtopk_w, ws->yc, ws->topk_w, cur->n);
+        fm_moe_chunk_scatter(be, dtopk_w, ws->dtopk_w, cur->tok, cur->n, d->k * (int64_t)sizeof(float));
+        fm_status st = fm_comm_mark(c->comm, &cur->mark);
+        if (st != FM_OK) return ep_comm_fail(c, st, j);
+        FM_TRY(ep_exchange_async(c, j, true, ws->src.xe, ws->recv, cur->mark, &cur->ticket));
+        FM_TRY(ep_pipe_owner(c, j, true, g, cur)); /* the experts' backward */
+        FM_TRY(ep_pipe_back(c, j, cur));           /* the rows' input gradients into the returned-rows buffer */
+        if (j > 0) FM_TRY(ep_pipe_dx(c, j - 1, prv, dx));
+    }
+    FM_TRY(ep_pipe_dx(c, Kr - 1, &ch[(Kr - 1) % 3], dx));
+    ep_view(ws, 0);
     return FM_OK;
 }
 
@@ -493,9 +749,10 @@ fm_status fm_moe_ep_forward(const fm_backend *be, const fm_comm *comm, const fm_
                             const fm_moe_weights *w, fm_act *y, const fm_act *x, const int32_t *topk_idx,
                             const float *topk_w, int64_t N, int64_t K, const int32_t *chunk_tokens,
                             fm_moe_ep_ws *ws, double timeout_s) {
-    ep_call c = {be, comm, d, w, ws, timeout_s, "forward", K};
+    ep_call c = {be, comm, d, w, ws, timeout_s, "forward", K, false};
     int64_t err;
     FM_TRY(ep_begin(&c, N, K, &err));
+    if (ep_pipelined(&c)) return ep_pipe_forward(&c, y, x, topk_idx, topk_w, N, chunk_tokens, err);
     const int64_t Hb = d->H * (int64_t)sizeof(fm_act), Kr = K > 0 ? K : 1;
     for (int64_t j = 0, start = 0; j < Kr; j++) {
         const int64_t n = err ? 0 : fm_moe_chunk_size(N, K, j);
@@ -514,9 +771,11 @@ fm_status fm_moe_ep_backward(const fm_backend *be, const fm_comm *comm, const fm
                              const fm_act *dy, const fm_act *x, const int32_t *topk_idx, const float *topk_w,
                              int64_t N, int64_t K, const int32_t *chunk_tokens, fm_moe_ep_ws *ws,
                              double timeout_s) {
-    ep_call c = {be, comm, d, w, ws, timeout_s, "backward", K};
+    ep_call c = {be, comm, d, w, ws, timeout_s, "backward", K, false};
     int64_t err;
     FM_TRY(ep_begin(&c, N, K, &err));
+    if (ep_pipelined(&c))
+        return ep_pipe_backward(&c, g, dx, dtopk_w, dy, x, topk_idx, topk_w, N, chunk_tokens, err);
     const int64_t Hb = d->H * (int64_t)sizeof(fm_act), Kr = K > 0 ? K : 1;
     const fm_moe_dims dl = {d->H, d->I, ws->E_loc, 1};
     for (int64_t j = 0, start = 0; j < Kr; j++) {

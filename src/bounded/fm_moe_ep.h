@@ -43,10 +43,43 @@
  * rows and the source's buffers those of c tokens. Routing that would exceed it (duplicate
  * experts in a token's top-k) is refused on every rank before anything is sent.
  *
- * Overlap: none yet. On CPU ranks every collective is blocking (fm_comm.h) and the chunks run
- * one after another: chunk i+1's dispatch does not overlap chunk i's expert GEMMs. The phases
- * are separated so that a GPU version can issue chunk i+1's gather/dispatch and its row exchange
- * on a communication stream while chunk i's experts run (two sets of source buffers and events).
+ * Overlap (the pipelined schedule, plain EP): the chunks form a software pipeline. In forward,
+ * iteration i issues, in this order: chunk i+1's gather and dispatch on the op stream (no host
+ * wait yet; backend event FM_MOE_EP_EVENT and a communicator mark after it); chunk i's expert
+ * GEMMs (after joining chunk i's row exchange); then the host waits for chunk i+1's dispatch
+ * only (event_sync FM_MOE_EP_EVENT: the "MoE offsets" sync point, one per chunk as before; it
+ * waits for the op stream up to chunk i+1's dispatch, behind chunk i-1's GEMMs, while chunk i's
+ * GEMMs stay queued, so the device does not idle), agrees chunk i+1's count table (the host
+ * all-reduce; the device runs chunk i's GEMMs meanwhile), uploads its permutation (copy_async on
+ * the op stream) and issues chunk i+1's row exchange to the owners (fm_comm_all_to_all_v_async,
+ * after the mark); then chunk i's outputs back to their sources (async, after chunk i's GEMMs);
+ * then chunk i-1's combine and scatter (after joining chunk i-1's return). So chunk i+1's
+ * dispatch exchange overlaps chunk i's expert GEMMs, and chunk i's combine exchange overlaps
+ * chunk i+1's dispatch and GEMMs. Backward, iteration j: chunk j+1's gather/dispatch, chunk j's
+ * expert recompute, chunk j+1's agreement and row exchange, chunk j's outputs back, chunk j's
+ * combine backward, dye out, chunk j's expert backward, its row gradients back (async), chunk
+ * j-1's dispatch backward and scatter: chunk j+1's dispatch overlaps chunk j's recompute GEMMs
+ * and chunk j's input-gradient return overlaps chunk j+1's; the round trip between a chunk's
+ * recompute and its backward (outputs back, combine backward, dye out) stays exposed, since
+ * the owner's expert intermediates are one set. The communication stream is FIFO, so the
+ * exchanges are issued in the order that keeps each behind only what it needs.
+ * Buffers this needs twice (fm_moe_ep_bound: sets = 2): the receive buffer, the source's
+ * outgoing and returned rows, the owner's permutation (device and host), its expert offsets and
+ * the all-to-all counts; the route index and router weights thrice (three chunks' routing is
+ * live: the one being combined, the one at the owners, the one being dispatched); the expert
+ * intermediates, the count table and the rest once.
+ * Which schedule runs (fm_moe_ep_ws.schedule, set at layout from FLATMOE_EP_SCHEDULE; the
+ * count table carries it, so ranks that differ fail at chunk 0 alike): FM_MOE_EP_AUTO (the
+ * default) pipelines when the
+ * communicator has async exchanges (fm_comm_has_async: nccl) and the layout has two sets;
+ * FM_MOE_EP_SERIAL runs the chunks one after another (today's order); FM_MOE_EP_PIPELINED
+ * pipelines on any communicator (on the blocking self and mpi communicators the exchanges then
+ * complete at once: the same results, no overlap -- the tests compare it with the serial one).
+ * Both schedules do the same arithmetic on the same rows in the same order per chunk, and the
+ * experts' weight gradients accumulate chunk by chunk in the same order, so every output and
+ * gradient is bit-identical between them. Least-loaded placement (LLEP) runs serially (its
+ * layout has one set): a spilled chunk's weight exchange would need the hosted experts' weights
+ * twice as well.
  *
  * Least-loaded placement (LLEP, arXiv 2601.17111; fm_moe_llep.h), an option of the layout: per
  * chunk, from the agreed count table (no extra collective), when the busiest rank's routed rows
@@ -68,12 +101,14 @@
 
 /* The byte bound of one EP layer's chunk working set, by part (bytes, each buffer rounded as
  * fm_arena_alloc rounds; a = bytes per activation, R_max = ep * c * min(k, E_loc)):
- *   recv    = r(R_max*H*a)                        the receive buffer (both directions reuse it)
- *   send    = 2*r(c*k*H*a)                        the source's outgoing rows (x, then dye) and
+ * S = sets (2 for plain EP: the pipelined schedule's second set; 1 with LLEP), T = 3 when S = 2
+ * (three chunks' routing live), else 1:
+ *   recv    = S*r(R_max*H*a)                      the receive buffer (both directions reuse it)
+ *   send    = 2*S*r(c*k*H*a)                      the source's outgoing rows (x, then dye) and
  *                                                 returned rows (ye, then dxe)
- *   source  = 3*r(c*H*a) + 5*r(c*k*4)             the chunk's x, y|dy, dx rows; top-k idx, w,
- *                                                 dw; route index row_route, route_row
- *   experts = 3*r(R_max*H*a) + 6*r(R_max*I*a) + r(R_max*4)
+ *   source  = 3*r(c*H*a) + (2+3T)*r(c*k*4)        the chunk's x, y|dy, dx rows; top-k idx, dw;
+ *                                                 T x (w, route index row_route, route_row)
+ *   experts = 3*r(R_max*H*a) + 6*r(R_max*I*a) + S*r(R_max*4)
  *                                                 owner: xe, ye|dye, dxe; h_gate, h_up, h_act,
  *                                                 dact, dh_gate, dh_up; the permutation
  *   llep    = 6*r(F*I*H*a) + 3*r(PM*I*H*a) + r(c*k*4)   (0 without LLEP; F = max_foreign,
@@ -83,7 +118,7 @@
  *                                                 and the gradients it gets back, the sources'
  *                                                 packing order
  *   device  = recv + send + source + experts + llep   (what fm_moe_ep_ws_layout takes from `dev`)
- *   host    = r((E+1)*8) + r((E_loc+1)*8) + r(ep*(E+5)*8) + 5*r(ep*8) + r(R_max*4)
+ *   host    = r((E+1)*8) + S*r((E_loc+1)*8) + r(ep*(E+5)*8) + (4S+1)*r(ep*8) + S*r(R_max*4)
  *             (+ with LLEP: r(c*k*4) + 4*r(ep*8) + r((F+1)*8) + r(E*8) + r(PM*4) + the plan,
  *             fm_llep_plan_bytes)            expert offsets, the count table, the all-to-all
  *                                                 counts, displacements and cursors, the
@@ -91,6 +126,7 @@
  * None of it depends on N, on the routing or on L. */
 typedef struct fm_moe_ep_bound {
     int64_t rows_max; /* R_max: rows a receiver may get per chunk per direction */
+    int sets;         /* 2: plain EP, laid out for the pipelined schedule; 1: with LLEP (serial) */
     size_t recv, send, source, experts, llep, device, host;
 } fm_moe_ep_bound;
 
@@ -106,8 +142,22 @@ fm_status fm_moe_ep_check(const fm_moe_dims *d, int ep, int64_t c);
 size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t act_bytes, const fm_llep_opts *llep,
                              fm_moe_ep_bound *b);
 
+/* Which chunk schedule the operator runs (fm_moe_ep.h "Overlap"). */
+typedef enum fm_moe_ep_schedule {
+    FM_MOE_EP_AUTO = 0,  /* pipelined when the communicator has async exchanges and sets == 2 */
+    FM_MOE_EP_SERIAL,    /* one chunk after another */
+    FM_MOE_EP_PIPELINED, /* pipelined on any communicator (needs sets == 2; else serial) */
+} fm_moe_ep_schedule;
+
+/* The backend event the pipelined schedule records after a chunk's dispatch and the host waits
+ * on (fm_backend.h's pool: past fm_offload_adamw's, below the optimizer overlap's). */
+#define FM_MOE_EP_EVENT (FM_EVENT_FIRST_FREE + 64)
+
 /* The working set of the EP operator for one chunk (any layer: nothing survives a chunk), laid
- * out once at launch. Pointers are backend memory unless marked host. */
+ * out once at launch. Pointers are backend memory unless marked host. With two sets (plain EP)
+ * the per-chunk pointers below (recv, perm, perm_host, src.xe, src.ye, src.row_route,
+ * src.route_row, topk_w, exp.offsets and the four count arrays) are views the operator points at
+ * the current chunk's set (the *_s arrays). */
 typedef struct fm_moe_ep_ws {
     int ep, rank;           /* the group's size and this rank's index in it */
     int64_t E_loc, c;       /* experts per rank; the per-source cap */
@@ -145,7 +195,17 @@ typedef struct fm_moe_ep_ws {
     int64_t *load;          /* [E] host: rows per expert in the chunk */
     int64_t *foff;          /* [F+1] host: the hosted experts' row offsets (from 0) */
     int64_t *wsend_counts, *wsend_displs, *wrecv_counts, *wrecv_displs; /* [ep] host, elements */
+    /* the pipelined schedule's sets (sets == 2; NULL otherwise) */
+    int sets;                    /* 2 or 1 (fm_moe_ep_bound.sets) */
+    fm_moe_ep_schedule schedule; /* the caller's choice; after layout: FLATMOE_EP_SCHEDULE's (default auto) */
+    bool schedule_bad;           /* FLATMOE_EP_SCHEDULE held another value: refused at the first chunk */
+    fm_act *recv_s[2], *xe_s[2], *ye_s[2];
+    int32_t *perm_s[2], *perm_host_s[2];
+    int64_t *exp_off_s[2], *cnt_s[2][4]; /* host: expert offsets; send counts/displs, recv counts/displs */
+    int32_t *row_route_s[3], *route_row_s[3];
+    float *topk_w_s[3];
     /* measured (reset by the caller when it wants; the operator only raises them) */
+    int64_t pipelined_calls; /* forward and backward calls that ran the pipelined schedule */
     int64_t recv_rows_high; /* most rows this rank received in one chunk */
     int64_t send_rows_high; /* most rows this rank sent in one chunk */
     int64_t llep_chunks;    /* chunk passes (forward and backward each count) whose placement moved rows */
@@ -157,9 +217,16 @@ typedef struct fm_moe_ep_ws {
  * c, and least-loaded placement llep (NULL or llep->on false: plain EP; every rank of the group
  * must pass the same). A measuring arena gives the bytes. Errors: those of fm_moe_ep_check;
  * FM_ERR_ARG for a rank outside [0, ep), LLEP options out of range (lambda < 1, alpha <= 0,
- * min_piece < 1, max_foreign < 1). */
+ * min_piece < 1, max_foreign < 1). w->schedule is set from FLATMOE_EP_SCHEDULE
+ * (fm_moe_ep_schedule_from_env); a bad value does not fail the layout: the first forward or
+ * backward refuses it on every rank of the group (FM_ERR_ARG, naming the rank). */
 fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, const fm_moe_dims *d, int ep,
                               int rank, int64_t c, const fm_llep_opts *llep);
+
+/* *s := the schedule FLATMOE_EP_SCHEDULE names: auto (or unset/empty), serial, pipelined -- for
+ * A/B runs of the trainer (the same losses bit for bit; the step time shows the overlap). Every
+ * rank of a group must see the same value (mpirun -x). Errors: FM_ERR_ARG naming the value. */
+fm_status fm_moe_ep_schedule_from_env(fm_moe_ep_schedule *s);
 
 /* The number of chunks every rank of the group runs: K = max over ranks of ceil(N_r / c) (at
  * least 1: a group whose ranks all have zero tokens still runs one chunk). A collective call
@@ -179,7 +246,8 @@ fm_status fm_moe_ep_chunks(const fm_comm *comm, int64_t N, int64_t c, double tim
  * (fm_moe_chunk_order(., N, K)). A collective call: every rank of comm calls it with its own N
  * (0 allowed: x, y, topk may then be NULL). timeout_s: per collective (0: the default).
  * Errors (the same on every rank: the checks travel in the first chunk's count table):
- *   FM_ERR_ARG  a rank's working set was laid out with another cap or placement options, a
+ *   FM_ERR_ARG  a rank's FLATMOE_EP_SCHEDULE is not auto, serial or pipelined, or it runs
+ *               another schedule than the others; a rank's working set was laid out with another cap or placement options, a
  *               rank's K differs from another's, or K < 1, or a chunk of a rank holds more
  *               than c tokens (K < ceil(N/c)), or a rank would send more than c*min(k,E_loc)
  *               rows to one owner (duplicate experts in a token's top-k) -- naming the rank;

@@ -30,7 +30,8 @@
  *   or op), FM_ERR_UNSUPPORTED (a dtype/op pair the implementation cannot serve), FM_ERR_IO (a
  *   transport error or a timeout; the run must stop on every rank).
  * - Collectives are blocking from the caller's view: on return the receive buffer is final for
- *   host memory, and ordered before later work on the backend's stream for device memory.
+ *   host memory, and ordered before later work on the backend's stream for device memory. The
+ *   one exception is all_to_all_v_async (below), whose completion the caller orders with join.
  *
  * Sources: the semantics are MPI 4.0's (MPI_Allreduce, MPI_Reduce_scatter_block,
  * MPI_Allgather, MPI_Alltoallv, MPI_Bcast, MPI_Barrier, MPI_Comm_split) with NCCL's in-place
@@ -132,7 +133,37 @@ typedef struct fm_comm_ops {
      * its explicit check (the backend's host waits check too). timeout_s: as the collectives'
      * (0: each pending collective's own deadline). Not a collective call. */
     fm_status (*wait)(void *ctx, double timeout_s);
+
+    /* ---- asynchronous all-to-all-v on a communication stream (optional: all three or none).
+     * NULL (the self and mpi communicators, whose collectives are blocking and host-staged): the
+     * fm_comm_mark / fm_comm_all_to_all_v_async / fm_comm_join wrappers below run the blocking
+     * all_to_all_v at once -- the same result, complete on return, no overlap. The nccl
+     * communicator (fm_comm_nccl.h) issues the exchange on a stream of its own, ordered against
+     * the backend's op stream by CUDA events, so an expert-parallel chunk's exchange runs while
+     * the op stream computes (fm_moe_ep.h "Overlap").
+     * mark: *mark := the point the backend's op stream has reached now (the host does not wait).
+     * all_to_all_v_async: all_to_all_v's exchange (same arguments, checks, errors, timeout and
+     *   result), issued on the communication stream: it starts once the op stream has reached
+     *   `after` (a mark; -1: the point it has reached now) and the communicator's earlier async
+     *   exchanges are done; the host does not wait. The four count/displacement arrays are read
+     *   before it returns (the caller may rewrite them). *ticket names its completion. Until
+     *   join(*ticket) has been called, work issued on the op stream must not write `send` nor
+     *   read or write `recv` (the caller double-buffers them).
+     * join: work issued on the op stream from now on waits for exchange `ticket` and every async
+     *   exchange issued before it (the host does not wait).
+     * Marks and tickets are slots of a ring of FM_COMM_ASYNC_RING events: each stays valid while
+     * fewer than FM_COMM_ASYNC_RING further marks and tickets are made. Not collective calls
+     * (mark, join); all_to_all_v_async is one, in the order of every other collective. */
+    fm_status (*mark)(void *ctx, int *mark);
+    fm_status (*all_to_all_v_async)(void *ctx, const void *send, const int64_t *send_counts,
+                                    const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                    const int64_t *recv_displs, fm_comm_dtype dtype, double timeout_s, int after,
+                                    int *ticket);
+    fm_status (*join)(void *ctx, int ticket);
 } fm_comm_ops;
+
+/* The events of the async exchanges' ring (fm_comm_ops.mark). */
+#define FM_COMM_ASYNC_RING 64
 
 /* A communicator: its table and its context. */
 struct fm_comm {
@@ -170,6 +201,33 @@ static inline fm_status fm_comm_broadcast(const fm_comm *c, const void *send, vo
 }
 static inline fm_status fm_comm_barrier(const fm_comm *c, double timeout_s) {
     return c->ops->barrier(c->ctx, timeout_s);
+}
+
+/* Whether c issues all_to_all_v_async on a stream of its own (false: the wrappers below are the
+ * blocking collective). */
+static inline bool fm_comm_has_async(const fm_comm *c) { return c->ops->all_to_all_v_async != NULL; }
+/* fm_comm_ops.mark, or *mark = -1 (nothing to mark) when c has no async exchanges. */
+static inline fm_status fm_comm_mark(const fm_comm *c, int *mark) {
+    if (c->ops->mark) return c->ops->mark(c->ctx, mark);
+    *mark = -1;
+    return FM_OK;
+}
+/* fm_comm_ops.all_to_all_v_async, or (no async exchanges) all_to_all_v itself, complete on
+ * return, with *ticket = -1. */
+static inline fm_status fm_comm_all_to_all_v_async(const fm_comm *c, const void *send, const int64_t *send_counts,
+                                                   const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                                   const int64_t *recv_displs, fm_comm_dtype dtype, double timeout_s,
+                                                   int after, int *ticket) {
+    if (c->ops->all_to_all_v_async)
+        return c->ops->all_to_all_v_async(c->ctx, send, send_counts, send_displs, recv, recv_counts, recv_displs,
+                                          dtype, timeout_s, after, ticket);
+    *ticket = -1;
+    return c->ops->all_to_all_v(c->ctx, send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype,
+                                timeout_s);
+}
+/* fm_comm_ops.join; FM_OK at once for ticket < 0 or a communicator without async exchanges. */
+static inline fm_status fm_comm_join(const fm_comm *c, int ticket) {
+    return ticket >= 0 && c->ops->join ? c->ops->join(c->ctx, ticket) : FM_OK;
 }
 
 /* c->ops->wait when the communicator has one, else FM_OK at once (fm_comm_ops.wait). */

@@ -73,6 +73,10 @@ typedef struct nccl_ctx {
     int head, pending;
     double t_enq[PENDING], tmo[PENDING];
     char what[PENDING][112];
+    /* the async exchanges (fm_comm_ops.mark): their stream and the ring of order events */
+    cudaStream_t cs;      /* the communication stream (non-blocking); NULL until created */
+    cudaEvent_t order[FM_COMM_ASYNC_RING];
+    int n_order, next_order;
 } nccl_ctx;
 
 /* ---- the live communicators: the backend's wait hook checks every one of them -------------- */
@@ -208,7 +212,8 @@ static fm_status poll_ctx(nccl_ctx *n) {
     const double now = n->pending > 0 ? now_s() : 0;
     for (int j = 0; j < n->pending; j++) {
         const int i = (n->head + j) % PENDING;
-        if (now - n->t_enq[i] > n->tmo[i])
+        if (now - n->t_enq[i] > n->tmo[i] && cudaEventQuery(n->ev[i]) == cudaErrorNotReady) /* two streams:
+                                       a later one may complete before the head */
             BROKE(n, "rank %d of %d (nccl): %s did not complete within its timeout of %g s (another rank did not "
                   "join it, or died); the communicator is aborted and the job must stop", n->rank, n->size,
                   n->what[i], n->tmo[i]);
@@ -382,10 +387,13 @@ static fm_status nccl_all_gather(void *ctx, const void *send, void *recv, int64_
     return FM_OK;
 }
 
-static fm_status nccl_all_to_all_v(void *ctx, const void *send, const int64_t *send_counts,
-                                   const int64_t *send_displs, void *recv, const int64_t *recv_counts,
-                                   const int64_t *recv_displs, fm_comm_dtype dtype, double timeout_s) {
-    NCCL_BEGIN("all_to_all_v", dtype, -1, -1);
+/* all_to_all_v's checks and its ncclSend/ncclRecv group on stream st (the op stream, or the
+ * communication stream of the async form, which `pre` prepares once the checks passed and
+ * something is to be sent: it makes st wait for the op stream's mark). */
+static fm_status a2a_issue(nccl_ctx *n, const char *what, double to, cudaStream_t st, const void *send,
+                           const int64_t *send_counts, const int64_t *send_displs, void *recv,
+                           const int64_t *recv_counts, const int64_t *recv_displs, fm_comm_dtype dtype,
+                           fm_status (*pre)(nccl_ctx *, const char *, int), int after) {
     const int W = n->size, r = n->rank;
     int64_t total[2], biggest;
     FM_TRY(fm_comm_check_all_to_all_v(r, W, " (nccl)", what, send, send_counts, send_displs, recv, recv_counts,
@@ -397,6 +405,7 @@ static fm_status nccl_all_to_all_v(void *ctx, const void *send, const int64_t *s
     FM_TRY(check_device(n, what, "send", send, total[0]));
     FM_TRY(check_device(n, what, "recv", recv, total[1]));
     FM_TRY(reserve(n));
+    if (pre) FM_TRY(pre(n, what, after));
     const ncclDataType_t ty = nccl_type(dtype);
     ncclResult_t e = ncclGroupStart();
     if (e != ncclSuccess) return nccl_failed(n, what, "ncclGroupStart", e);
@@ -416,6 +425,88 @@ static fm_status nccl_all_to_all_v(void *ctx, const void *send, const int64_t *s
     if (first != ncclSuccess) return nccl_failed(n, what, first_call, first);
     FM_TRY(settle(n, what, "ncclGroupEnd", e, to));
     return enqueued(n, what, to, st);
+}
+
+static fm_status nccl_all_to_all_v(void *ctx, const void *send, const int64_t *send_counts,
+                                   const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                   const int64_t *recv_displs, fm_comm_dtype dtype, double timeout_s) {
+    NCCL_BEGIN("all_to_all_v", dtype, -1, -1);
+    return a2a_issue(n, what, to, st, send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype, NULL, 0);
+}
+
+/* ---- async exchanges on the communication stream (fm_comm_ops.mark) ---------------------------- */
+
+/* The next slot of the order ring, recorded on stream s. */
+static fm_status order_record(nccl_ctx *n, const char *what, cudaStream_t s, int *slot) {
+    const int i = n->next_order;
+    n->next_order = (n->next_order + 1) % FM_COMM_ASYNC_RING;
+    const cudaError_t e = cudaEventRecord(n->order[i], s);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        BROKE(n, "rank %d of %d (nccl): %s: cudaEventRecord (order event %d) failed: %s; the communicator is "
+              "aborted and the job must stop", n->rank, n->size, what, i, cudaGetErrorString(e));
+    }
+    *slot = i;
+    return FM_OK;
+}
+
+static fm_status check_slot(const nccl_ctx *n, const char *what, const char *name, int slot) {
+    if (slot < 0 || slot >= FM_COMM_ASYNC_RING)
+        return fm_error(FM_ERR_ARG, "rank %d of %d (nccl): %s: %s %d is not a slot of the async ring (expected "
+                        "0..%d, or -1 where allowed)", n->rank, n->size, what, name, slot, FM_COMM_ASYNC_RING - 1);
+    return FM_OK;
+}
+
+static fm_status nccl_mark(void *ctx, int *mark) {
+    nccl_ctx *n = ctx;
+    if (n->broken)
+        return fm_error(FM_ERR_IO, "rank %d of %d (nccl): mark: an earlier failure aborted this communicator (%s)",
+                        n->rank, n->size, n->broke);
+    return order_record(n, "mark", (cudaStream_t)fm_cuda_backend_stream(&n->be, FM_STREAM_OPS), mark);
+}
+
+/* The communication stream waits for the op stream's mark `after` (-1: its point now). */
+static fm_status comm_after(nccl_ctx *n, const char *what, int after) {
+    if (after < 0) FM_TRY(order_record(n, what, (cudaStream_t)fm_cuda_backend_stream(&n->be, FM_STREAM_OPS), &after));
+    const cudaError_t e = cudaStreamWaitEvent(n->cs, n->order[after], 0);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        BROKE(n, "rank %d of %d (nccl): %s: cudaStreamWaitEvent (the communication stream after mark %d) failed: %s; "
+              "the communicator is aborted and the job must stop", n->rank, n->size, what, after, cudaGetErrorString(e));
+    }
+    return FM_OK;
+}
+
+static fm_status nccl_all_to_all_v_async(void *ctx, const void *send, const int64_t *send_counts,
+                                         const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                         const int64_t *recv_displs, fm_comm_dtype dtype, double timeout_s, int after,
+                                         int *ticket) {
+    NCCL_BEGIN("all_to_all_v_async", dtype, -1, -1);
+    (void)st;
+    if (!ticket) return fm_error(FM_ERR_ARG, "rank %d of %d (nccl): %s: ticket is NULL", n->rank, n->size, what);
+    *ticket = -1;
+    if (after != -1) FM_TRY(check_slot(n, what, "mark", after));
+    FM_TRY(a2a_issue(n, what, to, n->cs, send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype,
+                     comm_after, after));
+    /* the ticket: the communication stream's point now (an exchange of nothing on this rank has
+     * nothing of its own to wait for, but the ticket still orders every earlier one) */
+    return order_record(n, what, n->cs, ticket);
+}
+
+static fm_status nccl_join(void *ctx, int ticket) {
+    nccl_ctx *n = ctx;
+    FM_TRY(check_slot(n, "join", "ticket", ticket));
+    if (n->broken)
+        return fm_error(FM_ERR_IO, "rank %d of %d (nccl): join: an earlier failure aborted this communicator (%s)",
+                        n->rank, n->size, n->broke);
+    const cudaError_t e =
+        cudaStreamWaitEvent((cudaStream_t)fm_cuda_backend_stream(&n->be, FM_STREAM_OPS), n->order[ticket], 0);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        BROKE(n, "rank %d of %d (nccl): join(ticket %d): cudaStreamWaitEvent failed: %s; the communicator is aborted "
+              "and the job must stop", n->rank, n->size, ticket, cudaGetErrorString(e));
+    }
+    return FM_OK;
 }
 
 static fm_status nccl_broadcast(void *ctx, const void *send, void *recv, int64_t count, fm_comm_dtype dtype, int root,
@@ -474,6 +565,8 @@ static void nccl_destroy(void *ctx) {
     }
     /* broken: ncclCommAbort already freed the communicator */
     for (int i = 0; i < n->n_ev; i++) (void)cudaEventDestroy(n->ev[i]);
+    for (int i = 0; i < n->n_order; i++) (void)cudaEventDestroy(n->order[i]);
+    if (n->cs) (void)cudaStreamDestroy(n->cs);
     if (n->stage) n->be.ops->mem_free(n->be.ctx, n->stage);
     fm_comm_free(&n->host);
     fm_free(n);
@@ -497,6 +590,9 @@ static const fm_comm_ops nccl_ops = {
     .split = nccl_split,
     .destroy = nccl_destroy,
     .wait = nccl_wait,
+    .mark = nccl_mark,
+    .all_to_all_v_async = nccl_all_to_all_v_async,
+    .join = nccl_join,
 };
 
 /* A context over the initialized communicator `comm` and *host, the mpi communicator of the same
@@ -532,6 +628,22 @@ static fm_status nccl_new(fm_comm *out, ncclComm_t comm, fm_comm *host, const fm
             nccl_destroy(n);
             return s == FM_OK ? FM_ERR_IO : s;
         }
+    for (; n->n_order < FM_COMM_ASYNC_RING; n->n_order++)
+        if (cudaEventCreateWithFlags(&n->order[n->n_order], cudaEventDisableTiming) != cudaSuccess) {
+            (void)cudaGetLastError();
+            const fm_status s = broke_with(n, "nccl communicator: cudaEventCreateWithFlags failed (the async "
+                                           "exchanges' order events)");
+            nccl_destroy(n);
+            return s == FM_OK ? FM_ERR_IO : s;
+        }
+    if (cudaStreamCreateWithFlags(&n->cs, cudaStreamNonBlocking) != cudaSuccess) {
+        (void)cudaGetLastError();
+        n->cs = NULL;
+        const fm_status s = broke_with(n, "nccl communicator: cudaStreamCreateWithFlags failed (the communication "
+                                       "stream)");
+        nccl_destroy(n);
+        return s == FM_OK ? FM_ERR_IO : s;
+    }
     n->stage = be->ops->mem_alloc(be->ctx, STAGE_BYTES);
     if (!n->stage) {
         (void)broke_with(n, "nccl communicator: no device memory for its barrier's value");

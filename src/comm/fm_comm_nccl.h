@@ -20,6 +20,20 @@
  * all_reduce of a device scratch value followed by a wait. Reductions: sum and max of fp32,
  * fp64, int64 and bf16 (bf16 summed by NCCL in its own order; fm_comm.h).
  *
+ * Async exchanges (fm_comm_ops.mark / all_to_all_v_async / join): the communicator owns a
+ * communication stream (cudaStreamNonBlocking, made at creation) and a ring of
+ * FM_COMM_ASYNC_RING order events. mark records one on the backend's op stream;
+ * all_to_all_v_async makes the communication stream wait for the mark (cudaStreamWaitEvent;
+ * -1: a mark of the op stream's point now), issues the same ncclSend/ncclRecv group there, and
+ * records the ticket's event on it; join makes the op stream wait for that event. The
+ * communication stream is FIFO: an exchange starts after every earlier async one. NCCL keeps a
+ * communicator's operations in issue order whatever stream they are on, and every rank issues
+ * them in the same order, so the two streams cannot deadlock. Its completion is tracked in the
+ * same ring of pending events, with the same deadlines and aborts (a deadline counts as missed
+ * only if that collective's own event has not completed: with two streams a later collective can
+ * finish before the oldest). In the COLLECTIVE check mode the host waits for it as for any other
+ * collective (no overlap).
+ *
  * Timeouts and failures: the communicator is non-blocking (ncclConfig_t.blocking = 0), so no
  * NCCL call blocks the host: a call that returns ncclInProgress is polled with
  * ncclCommGetAsyncError against the deadline. Completion on the device is tracked with one CUDA
