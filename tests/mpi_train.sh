@@ -159,7 +159,7 @@ failure)
     export FM CFG TEXT TMP
     long='--config $CFG --data $TEXT --seq-len 32 --micro-batch 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint --comm-timeout 4'
     # case: what rank 1 does to itself after 2 s (or its own arguments); needle: what the output must say
-    for case in kill stop nodata flags; do
+    for case in kill stop nodata flags evalflag; do
         case $case in
         kill)   cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (sleep 2; kill -KILL $$) & fi; exec "$FM" train '"$long"' --out "$TMP/k"'
                 needle="rank 1" ;;
@@ -169,6 +169,9 @@ failure)
                 needle="error on rank 1 of 2: .*missing.txt" ;;
         flags)  cmd='b=2; [ "$OMPI_COMM_WORLD_RANK" = 1 ] && b=3; exec "$FM" train '"${long/--micro-batch 2/--micro-batch \$b}"' --out "$TMP/f"'
                 needle="error on rank [01] of 2: .*micro-batch differs between the ranks of this launch" ;;
+        evalflag) # a flag that decides which collectives a step runs (the evaluation's), before any step
+                cmd='e=0; [ "$OMPI_COMM_WORLD_RANK" = 1 ] && e=5; exec "$FM" train '"${long/--eval-every 0/--eval-every \$e}"' --out "$TMP/e"'
+                needle="error on rank [01] of 2: .*--eval-every differs between the ranks of this launch \(this rank's value (0|5); the ranks' values span 0 to 5\)" ;;
         esac
         t0=$SECONDS
         timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c "$cmd" >"$TMP/$case.log" 2>&1; rc=$?

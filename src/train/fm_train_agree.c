@@ -18,34 +18,68 @@ static int64_t f64_bits(double v) {
     return b;
 }
 
+/* The FNV-1a hashes of a list of strings, combined in order (a list of data files). */
+static int64_t list_hash(const char *const *list, int n) {
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < n; i++) h = (h ^ (uint64_t)str_hash(list[i])) * 1099511628211ull;
+    return (int64_t)(h >> 1);
+}
+
+enum { K_INT = 0, K_F64 = 1, K_HASH = 2 }; /* how a value compares and prints */
+
 fm_status fm_train_agree(const fm_comm *world, const fm_train_opts *o, const fm_config *c) {
     if (!world || fm_comm_size(world) == 1) return FM_OK;
-    const char *names[] = {"--seq-len", "--micro-batch", "--grad-accum", "--steps", "--seed", "--dp", "--ep", "--sp",
-                           "--zero", "--moe-chunk-tokens", "--ce-block-tokens", "--ce-block-vocab", "--mem-budget",
-                           "--offload-optimizer", "--offload-boundaries", "--recompute", "--bf16-moments", "--lr",
-                           "--min-lr", "--warmup", "--weight-decay", "--grad-clip", "--ep-cap-tokens", "--llep",
-                           "the config's hidden_size", "the config's num_hidden_layers", "the config's num_experts",
-                           "the config's vocab_size", "--vocab-parallel"};
-    enum { N = sizeof names / sizeof names[0] };
-    int64_t v[2 * N] = {o->seq_len, o->micro_batch, o->grad_accum, o->steps, (int64_t)(o->seed >> 1), o->dp, o->ep,
-                        o->sp, o->zero, o->moe_chunk_tokens, o->ce_block_tokens, o->ce_block_vocab,
-                        (int64_t)o->mem_budget, o->offload_optimizer, str_hash(o->offload_boundaries),
-                        str_hash(o->recompute), o->bf16_moments, f64_bits(o->lr), f64_bits(o->min_lr), o->warmup,
-                        f64_bits(o->weight_decay), f64_bits(o->grad_clip), o->ep_cap_tokens, o->llep,
-                        c->hidden_size, c->num_hidden_layers, c->num_experts, c->vocab_size, o->vocab_parallel};
-    int64_t mine[N];
-    memcpy(mine, v, sizeof mine);
-    for (int i = 0; i < N; i++) v[N + i] = ~v[i]; /* max of ~x is ~min x (order-reversing, no overflow) */
+    /* The flags that shape the run or decide which collectives a step runs (evaluation, checkpoints,
+     * the stop), the data, and the config's values that make the model: a difference would hang or
+     * break a collective, or train a different model on each rank. */
+    const struct { const char *name; int kind; int64_t v; } f[] = {
+        {"--seq-len", K_INT, o->seq_len}, {"--micro-batch", K_INT, o->micro_batch}, {"--grad-accum", K_INT, o->grad_accum},
+        {"--steps", K_INT, o->steps}, {"--seed", K_INT, (int64_t)(o->seed >> 1)}, {"--dp", K_INT, o->dp},
+        {"--ep", K_INT, o->ep}, {"--sp", K_INT, o->sp}, {"--zero", K_INT, o->zero},
+        {"--moe-chunk-tokens", K_INT, o->moe_chunk_tokens}, {"--ce-block-tokens", K_INT, o->ce_block_tokens},
+        {"--ce-block-vocab", K_INT, o->ce_block_vocab}, {"--mem-budget", K_INT, (int64_t)o->mem_budget},
+        {"--offload-optimizer", K_INT, o->offload_optimizer}, {"--offload-boundaries", K_HASH, str_hash(o->offload_boundaries)},
+        {"--recompute", K_HASH, str_hash(o->recompute)}, {"--bf16-moments", K_INT, o->bf16_moments},
+        {"--lr", K_F64, f64_bits(o->lr)}, {"--min-lr", K_F64, f64_bits(o->min_lr)}, {"--warmup", K_INT, o->warmup},
+        {"--weight-decay", K_F64, f64_bits(o->weight_decay)}, {"--grad-clip", K_F64, f64_bits(o->grad_clip)},
+        {"--ep-cap-tokens", K_INT, o->ep_cap_tokens}, {"--llep", K_INT, o->llep},
+        {"the config's hidden_size", K_INT, c->hidden_size}, {"the config's num_hidden_layers", K_INT, c->num_hidden_layers},
+        {"the config's num_experts", K_INT, c->num_experts}, {"the config's vocab_size", K_INT, c->vocab_size},
+        {"--vocab-parallel", K_INT, o->vocab_parallel},
+        {"--eval-every", K_INT, o->eval_every}, {"--eval-batches", K_INT, o->eval_batches},
+        {"--save-every", K_INT, o->save_every}, {"--save-every-minutes", K_F64, f64_bits(o->save_every_minutes)},
+        {"--exit-after", K_INT, o->exit_after}, {"--no-checkpoint", K_INT, o->no_checkpoint},
+        {"--data (the file list)", K_HASH, list_hash(o->data, o->n_data)},
+        {"--val-data (the file list)", K_HASH, list_hash(o->val_data, o->n_val_data)},
+        {"--val-fraction", K_F64, f64_bits(o->val_fraction)},
+        {"the config's moe_intermediate_size", K_INT, c->moe_intermediate_size},
+        {"the config's num_experts_per_tok", K_INT, c->num_experts_per_tok},
+        {"the config's num_attention_heads", K_INT, c->num_attention_heads},
+        {"the config's rope_theta", K_F64, f64_bits(c->rope_theta)},
+        {"the config's router_aux_loss_coef", K_F64, f64_bits(c->router_aux_loss_coef)},
+        {"the config's router_z_loss_coef", K_F64, f64_bits(c->router_z_loss_coef)},
+    };
+    enum { N = sizeof f / sizeof f[0] };
+    int64_t v[2 * N], mine[N];
+    for (int i = 0; i < N; i++) mine[i] = v[i] = f[i].v, v[N + i] = ~f[i].v; /* max of ~x is ~min x */
     FM_TRY(fm_comm_allreduce_max_i64(world, v, 2 * N, 0));
     for (int i = 0; i < N; i++) {
         const int64_t mx = v[i], mn = ~v[N + i];
-        if (mx != mn)
-            return fm_error(FM_ERR_ARG, "rank %d of %d: %s differs between the ranks of this launch (this rank's value "
-                            "%s %lld; the ranks span %lld to %lld%s); every rank must be started with the same flags "
-                            "and config", fm_comm_rank(world), fm_comm_size(world), names[i],
-                            mine[i] == mx ? "is the largest," : mine[i] == mn ? "is the smallest," : "lies between,",
-                            (long long)mine[i], (long long)mn, (long long)mx,
-                            i == 4 || i == 14 || i == 15 || (i >= 17 && i <= 21 && i != 19) ? ", as bits or a hash" : "");
+        if (mx == mn) continue;
+        char mine_s[64], lo[64], hi[64];
+        const int64_t vals[3] = {mine[i], mn, mx};
+        char *out[3] = {mine_s, lo, hi};
+        for (int j = 0; j < 3; j++) {
+            double d;
+            memcpy(&d, &vals[j], sizeof d);
+            if (f[i].kind == K_F64) snprintf(out[j], 64, "%.17g", d);
+            else if (f[i].kind == K_HASH) snprintf(out[j], 64, "hash %llx", (unsigned long long)vals[j]);
+            else snprintf(out[j], 64, "%lld", (long long)(i == 4 ? vals[j] << 1 : vals[j]));
+        }
+        return fm_error(FM_ERR_ARG, "rank %d of %d: %s differs between the ranks of this launch (this rank's value %s; "
+                        "the ranks' values span %s to %s%s); every rank must be started with the same flags, data "
+                        "and config", fm_comm_rank(world), fm_comm_size(world), f[i].name, mine_s, lo, hi,
+                        i == 4 ? ", seeds compared without their lowest bit" : "");
     }
     return FM_OK;
 }

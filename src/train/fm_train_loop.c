@@ -143,8 +143,16 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         const bool last = step == o->steps || (o->exit_after > 0 && ran == o->exit_after);
         const bool eval = ((o->eval_every > 0 && step % o->eval_every == 0) || last) && !stop;
         const double t_now = now_s();
-        const bool due = (o->save_every > 0 && step % o->save_every == 0) ||
-                         (o->save_every_minutes > 0 && t_now - t_saved >= 60.0 * o->save_every_minutes);
+        int due_time = o->save_every_minutes > 0 && t_now - t_saved >= 60.0 * o->save_every_minutes;
+        if (o->save_every_minutes > 0 && fm_comm_size(&r->world) > 1) {
+            /* each rank's clock says something else: every rank saves after the same step (the max) */
+            double v = (double)due_time, *d = m->results + FM_RESULT_SCRATCH;
+            m->be.ops->copy(m->be.ctx, d, &v, sizeof v, FM_COPY_H2D);
+            FM_TRY(fm_comm_all_reduce(&r->world, d, d, 1, FM_COMM_F64, FM_COMM_MAX, 0));
+            m->be.ops->copy(m->be.ctx, &v, d, sizeof v, FM_COPY_D2H);
+            due_time = (int)v;
+        }
+        const bool due = (o->save_every > 0 && step % o->save_every == 0) || due_time;
         const bool save = !o->no_checkpoint && (due || last || stop);
         if (eval || save || last || stop || (o->report_memory && ran == 1)) /* they read the weights, or measure */
             fm_step_ws_flush(&r->step, m);
