@@ -67,7 +67,7 @@ expect_fail "offload over the host budget" "pinned host memory needed" "$FM" pla
 # Advice: 80 GiB cannot hold OLMoE's fp32 model state with no host memory; every knob it names fits
 # when applied (and --micro-batch is not named at micro-batch 1).
 out=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 65536 --device-mem 80GiB --host-mem-budget 0 2>&1 >/dev/null)
-grep -q "needs 2 ranks" <<<"$out" && ! grep -q -- "--micro-batch" <<<"$out" && ok || bad "advice at 80 GiB: $out"
+grep -q "2 ranks with --zero 3" <<<"$out" && ! grep -q -- "--micro-batch" <<<"$out" && ok || bad "advice at 80 GiB: $out"
 if grep -q -- "--bf16-moments" <<<"$out"; then
     "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 65536 --device-mem 80GiB --host-mem-budget 0 --bf16-moments >/dev/null && ok || bad "advice named --bf16-moments, which does not fit"
 fi

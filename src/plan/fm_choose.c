@@ -267,8 +267,8 @@ void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o0, char *buf,
                 if (try_fit(&r, &o, NULL, 0)) hi = mid;
                 else lo = mid + 1;
             }
-            add_item(list, sizeof list, &items, "needs %lld ranks (ZeRO-3 sharding of the model state; multi-rank "
-                     "training is not built yet)", (long long)hi);
+            add_item(list, sizeof list, &items, "%lld ranks with --zero 3 (the model state sharded: mpirun -np "
+                     "%lld ... --zero 3, or plan a mesh with --world)", (long long)hi, (long long)hi);
         }
     }
     if (items) snprintf(buf, n, "It would fit with any one of: %s", list);

@@ -61,7 +61,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
         p->bytes[FM_LIVE_MODEL_STATE] = r->model_state_bytes(c, a, r->bf16_moments, p->inputs[FM_LIVE_MODEL_STATE]);
     }
 
-    if (r->ranks > 1) { /* ZeRO-3 over `ranks` ranks (the advice's what-if; not built yet) */
+    if (r->ranks > 1) { /* ZeRO-3 over `ranks` ranks (the advice's what-if: the rank count to suggest) */
         p->bytes[FM_LIVE_MODEL_STATE] = (p->bytes[FM_LIVE_MODEL_STATE] + (size_t)r->ranks - 1) / (size_t)r->ranks;
         p->host_optimizer_bytes = (p->host_optimizer_bytes + (size_t)r->ranks - 1) / (size_t)r->ranks;
     }
