@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "fm_test.h"
+#include "model/fm_attn_sp.h"
 #include "bounded/fm_linear_ce.h"
 #include "bounded/fm_linear_ce_ring.h"
 #include "bounded/fm_moe_ep.h"
@@ -133,11 +134,14 @@ static void test_rank_bounds(void) {
     lo.block_vocab = FM_LCE_DEFAULT_BLOCK_VOCAB;
     CHECK(p.bytes[FM_LIVE_VOCAB] == fm_linear_ce_ring_bound_bytes_a(FM_LCE_RING_AUTO, 4096, 2048, 50304, 8, true, true, &lo, 2) +
                                         rnd(4096 * H * a) + 2 * rnd(4096 * 4.0));
-    /* communication: 4 head-sharded [T, 8 x 128] + 4 [T, 8 x 128] (16 kv heads / 2) + staging
-     * [4096, 2048] + the reduce-scatter's shard + 4 groups (world, ep 4, sp 2, expert replicas 2) */
+    /* communication: the trainer's Ulysses buffers (fm_attn_sp_bytes: 4 head-sharded [T, 8 x 128]
+     * + 4 [T, 8 x 128] (16 kv heads / 2) + the send and receive blocks [4096, 2048] + its index
+     * tables) + the reduce-scatter's shard + 4 groups (world, ep 4, sp 2, expert replicas 2) */
     const double qd_loc = 8 * 128, kd_loc = 8 * 128;
-    const size_t comm = 4 * rnd(8192 * qd_loc * a) + 4 * rnd(8192 * kd_loc * a) + rnd(4096 * 2048 * a) +
-                        rnd(ceil(U / W) * a) + 4 * FM_MESH_NCCL_GROUP_BYTES;
+    const fm_attn_sp_dims sd = {1, 4096, 16, 16, 128, 2};
+    const size_t sp_bytes = fm_attn_sp_bytes(&sd, 2);
+    CHECK(sp_bytes >= 4 * rnd(8192 * qd_loc * a) + 4 * rnd(8192 * kd_loc * a) + 2 * rnd(4096 * 2048 * a));
+    const size_t comm = sp_bytes + rnd(ceil(U / W) * a) + 4 * FM_MESH_NCCL_GROUP_BYTES;
     CHECK_MSG(p.comm_bytes == comm, "comm %zu vs %zu", p.comm_bytes, comm);
     size_t sum = p.comm_bytes;
     for (int i = 0; i < FM_PLAN_SETS; i++) sum += p.bytes[i];

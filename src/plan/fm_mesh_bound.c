@@ -8,6 +8,7 @@
 #include "../bounded/fm_linear_ce.h"
 #include "../bounded/fm_linear_ce_ring.h"
 #include "../bounded/fm_moe_ep.h"
+#include "../model/fm_attn_sp.h"
 
 int64_t fm_mesh_kv_heads(const fm_config *c, int64_t sp) {
     const int64_t nkv = c->num_key_value_heads;
@@ -95,11 +96,17 @@ void fm_mesh_plan_sets(const fm_plan_req *r, fm_plan *p) {
     /* communication buffers */
     size_t comm = 0;
     char sp_part[90] = "", z_part[60] = "";
-    if (sp > 1) {
-        const int64_t qd_loc = nh / sp * hd, kd_loc = fm_mesh_kv_heads(c, sp) * hd, BT = r->B * r->T;
-        comm += 4 * r_((double)BT * (double)qd_loc * (double)a) + 4 * r_((double)BT * (double)kd_loc * (double)a) +
-                r_((double)Nl * (double)(nh * hd) * (double)a);
-        snprintf(sp_part, sizeof sp_part, "SP: q, o, k, v + grads [B T, %lld | %lld] + a2a staging [N, %lld]",
+    if (sp > 1) { /* the trainer's own bound (fm_attn_sp_bytes), so its launch fits as this plan does */
+        const int64_t qd_loc = nh / sp * hd, kd_loc = fm_mesh_kv_heads(c, sp) * hd;
+        const int64_t nkv = c->num_key_value_heads;
+        const fm_attn_sp_dims sd = {r->B, r->T / sp, nh, nkv, hd, sp};
+        if (r->T / sp >= 1 && nkv >= 1 && nh % sp == 0 && nh % nkv == 0 && (nkv % sp == 0 || sp % nkv == 0))
+            comm += fm_attn_sp_bytes(&sd, (size_t)a);
+        else /* a degree Ulysses cannot serve (the mesh chooser refuses it): the same buffers, roughly */
+            comm += 4 * r_((double)r->B * (double)r->T * (double)qd_loc * (double)a) +
+                    4 * r_((double)r->B * (double)r->T * (double)kd_loc * (double)a) +
+                    2 * r_((double)Nl * (double)(nh * hd) * (double)a);
+        snprintf(sp_part, sizeof sp_part, "SP: q, o, k, v + grads [B T, %lld | %lld] + a2a send, receive [N, %lld]",
                  (long long)qd_loc, (long long)kd_loc, (long long)(nh * hd));
     }
     if (W > 1) {
