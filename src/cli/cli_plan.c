@@ -148,8 +148,13 @@ int cmd_plan(int argc, char **argv) {
         dp = 1;
     }
     if (zero == -1) zero = 0;
-    if (dp < 1 || (zero != 0 && zero != 1 && zero != 3))
-        return cli_usage_error("plan", "%s", "--dp must be >= 1 and --zero 0, 1 or 3");
+    char found[24];
+    snprintf(found, sizeof found, "%d", dp < 1 ? dp : zero);
+    if (dp < 1) return cli_usage_error("plan", "--dp must be >= 1, found %s", found);
+    if (zero != 0 && zero != 1 && zero != 3)
+        return cli_usage_error("plan", "--zero must be 0, 1 or 3 (ZeRO-2 is --zero 1's gradient sharding), found %s",
+                               found);
+    if (!mesh) req.train_dp = dp, req.train_zero = zero; /* the train flags line */
     if (vocab_par && strcmp(vocab_par, "ring") != 0 && strcmp(vocab_par, "off") != 0)
         return cli_usage_error("plan", "--vocab-parallel: expected off or ring, found '%s'", vocab_par);
     if (vocab_par && !strcmp(vocab_par, "ring") && !mesh) { /* train's Ring-DTP over its dp x sp ranks */

@@ -65,11 +65,16 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     if (r->bf16_moments) fprintf(f, " --bf16-moments");
     if (r->ep > 1) fprintf(f, " --ep %d", r->ep);
     if (r->sp > 1) fprintf(f, " --sp %lld", (long long)r->sp);
+    if (!r->mesh.on && (r->train_dp > 1 || r->train_zero > 0)) {
+        if (r->train_dp > 1) fprintf(f, " --dp %d", r->train_dp);
+        if (r->train_zero > 0) fprintf(f, " --zero %d", r->train_zero);
+    }
     if (r->vocab_ring > 1 && !r->mesh.on) fprintf(f, " --vocab-parallel ring");
     if (r->T > c->max_position_embeddings) fprintf(f, " --max-position-embeddings %lld", (long long)r->T);
     const fm_mesh_dims *m = &r->mesh;
     if (m->on) {
-        fprintf(f, " --zero 3 --dp %lld --ep %lld --sp %lld", (long long)m->dp, (long long)m->ep, (long long)m->sp);
+        fprintf(f, " --zero 3 --dp %lld --ep %lld --sp %lld%s", (long long)m->dp, (long long)m->ep, (long long)m->sp,
+                m->dp * m->sp > 1 ? " --vocab-parallel ring" : "");
         fprintf(f, "\nmesh: world %lld = dp %lld x sp %lld, ep %lld (%lld GPUs per node); the bounds below are PER RANK: "
                 "N = micro-batch x seq-len / sp = %lld local tokens", (long long)(m->dp * m->sp), (long long)m->dp,
                 (long long)m->sp, (long long)m->ep, (long long)m->gpus_per_node, (long long)(r->B * (r->T / m->sp)));
