@@ -262,6 +262,26 @@ static void test_projection_by_hand(void) {
     CHECK_CLOSE(pr.step_s, sum, 1e-12);
     CHECK_CLOSE(pr.tokens_per_s, N / sum, 1e-12);
     CHECK_CLOSE(pr.mfu, p.flops_model_token * N / sum / 1e12, 1e-12);
+    /* ZeRO over 8 ranks: each updates (zeroes, norms) 1/8 of the parameters; beside --ep 4 under
+     * --zero 3, 1/8 of the non-expert part and a quarter of the experts; --zero 0 --ep 4: a quarter
+     * of the experts and all the rest */
+    {
+        fm_plan_req z = req;
+        z.train_dp = 8, z.train_zero = 3;
+        fm_projection zr;
+        fm_project(&z, &p, &c, &zr);
+        CHECK_CLOSE(zr.sec[FM_PROJ_OPTIMIZER], (P / 8) * 28 / bw + 2 * a * (P / 8) / bw, 1e-12);
+        z.train_zero = 1;
+        fm_project(&z, &p, &c, &zr);
+        CHECK_CLOSE(zr.sec[FM_PROJ_OPTIMIZER], (P / 8) * 28 / bw + 2 * a * (P / 8) / bw, 1e-12);
+        const double Pexp = L * E * 3 * H * I, Pz3 = (P - Pexp) / 8 + Pexp / 4, Pz0 = (P - Pexp) + Pexp / 4;
+        z.train_zero = 3, z.ep = 4;
+        fm_project(&z, &p, &c, &zr);
+        CHECK_CLOSE(zr.sec[FM_PROJ_OPTIMIZER], Pz3 * 28 / bw + 2 * a * Pz3 / bw, 1e-12);
+        z.train_zero = 0;
+        fm_project(&z, &p, &c, &zr);
+        CHECK_CLOSE(zr.sec[FM_PROJ_OPTIMIZER], Pz0 * 28 / bw + 2 * a * Pz0 / bw, 1e-12);
+    }
     /* full recompute: every layer's forward once more, attention included */
     bool rc[16];
     for (int l = 0; l < 16; l++) rc[l] = true;

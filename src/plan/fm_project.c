@@ -110,7 +110,17 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     o->offload_copy_s *= ga;
 
     /* optimizer */
-    const double P = (double)(mesh ? p->n_params_rank : p->n_params);
+    /* the parameters this rank updates: a mesh's per-rank count; the trainer's run under --ep
+     * (E/ep experts per rank) and ZeRO (--zero 1 and 3: 1/W of everything; --zero 3 beside --ep:
+     * 1/W of the non-expert part and the rank's whole E/ep experts), W = dp x sp */
+    double P = (double)(mesh ? p->n_params_rank : p->n_params);
+    if (!mesh) {
+        const double Wz = (double)(r->train_dp > 1 ? r->train_dp : 1) * sp, epd = r->ep > 1 ? (double)r->ep : 1.0;
+        const double Pexp = L * E * 3.0 * H * I, Pne = P - Pexp;
+        if (r->train_zero == 1 && Wz > 1) P = P / Wz;
+        else if (r->train_zero == 3 && Wz > 1) P = epd > 1 ? Pne / Wz + Pexp / epd : P / Wz;
+        else if (epd > 1) P = Pne + Pexp / epd;
+    }
     const double adam_b = fm_project_adamw_bytes((int)a, r->bf16_moments);
     const double t_gpu = P * adam_b / cb->adamw_bw;
     double t_opt = 2.0 * a * P / cb->elementwise_bw; /* gradient zeroing and global norm */

@@ -254,6 +254,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         req.ce_block_vocab = FM_LCE_DEFAULT_BLOCK_VOCAB;
     }
     req.vocab_ring = vocab_ring ? W : 0;
+    req.train_dp = W / sp, req.train_zero = o->zero; /* the projection's per-rank update, the train flags line */
     /* sm90 expert GEMMs (FLATMOE_EXPERT_GEMM=sm90): what fm_model_layout will find the CUDA backend
      * answering (fm_cuda_sm90_expert_gemm_serves), so the projection times the sm90 kernel */
     req.expert_sync_free = sizeof(fm_act) != 4 && o->backend.expert_gemm == FM_EXPERT_GEMM_SM90 && ep <= 1 &&
