@@ -165,7 +165,6 @@ typedef struct reader {
     const fm_hf_files *f;
     bool **used;  /* [f->n][n_tensors of file] */
     const fm_hf_read_opts *o;
-    bool dry;     /* check presence, shape and dtype only; read nothing (fm_hf_check_files) */
 } reader;
 
 /* The file holding `name` (its index in *k and the tensor), or NULL. */
@@ -223,7 +222,7 @@ static fm_status read_tensor(reader *r, const char *name, float *dst, int ndim, 
                         "too)%s", path, name, fmt_shape(a, sizeof a, ndim, shape), fm_st_dtype_name(x->dtype),
                         r->o && r->o->float_only ? ": save the model in one of them, e.g. "
                         "model.to(torch.bfloat16).save_pretrained(DIR), without quantization" : "");
-    if (!r->dry) FM_TRY(fm_st_read_f32(&r->f->st[k], name, dst, ndim, shape));
+    FM_TRY(fm_st_read_f32(&r->f->st[k], name, dst, ndim, shape));
     r->used[k][x - r->f->st[k].tensors] = true;
     return FM_OK;
 }
@@ -238,12 +237,12 @@ static fm_status read_fused(reader *r, const char *prefix, int64_t l, float *tmp
     snprintf(name, sizeof name, "%smodel.layers.%lld.%s.experts.gate_up_proj", prefix, (long long)l, t->moe_module);
     FM_TRY(read_tensor(r, name, tmp, 3, gu_shape));
     const fm_hf_experts *x = &t->experts[l];
-    for (int64_t e = 0; e < E && !r->dry; e++) {
+    for (int64_t e = 0; e < E; e++) {
         memcpy(base + x->gate + e * I * H, tmp + e * 2 * I * H, sizeof(float) * (size_t)(I * H));
         memcpy(base + x->up + e * I * H, tmp + e * 2 * I * H + I * H, sizeof(float) * (size_t)(I * H));
     }
     snprintf(name, sizeof name, "%smodel.layers.%lld.%s.experts.down_proj", prefix, (long long)l, t->moe_module);
-    return read_tensor(r, name, r->dry ? NULL : base + x->down, 3, d_shape);
+    return read_tensor(r, name, base + x->down, 3, d_shape);
 }
 
 /* Lists (or refuses) the tensors of the files with the prefix that were not read. */
@@ -281,11 +280,10 @@ static fm_status check_extras(const reader *r, const char *prefix) {
     return FM_OK;
 }
 
-/* fm_hf_read_files, or with dry (base unused) fm_hf_check_files. */
-static fm_status walk(const fm_hf_table *t, const fm_hf_files *f, const char *prefix, float *base,
-                      const fm_hf_read_opts *opts, bool dry) {
+fm_status fm_hf_read_files(const fm_hf_table *t, const fm_hf_files *f, const char *prefix, float *base,
+                           const fm_hf_read_opts *opts) {
     const int64_t L = t->n_layers, E = t->n_experts, H = t->hidden, I = t->expert_width;
-    reader r = {t, f, NULL, opts, dry};
+    reader r = {t, f, NULL, opts};
     fm_status s = FM_OK;
     bool *fused = fm_malloc((size_t)(L > 0 ? L : 1));
     r.used = fm_malloc(sizeof(bool *) * (size_t)(f->n > 0 ? f->n : 1));
@@ -303,7 +301,7 @@ static fm_status walk(const fm_hf_table *t, const fm_hf_files *f, const char *pr
         int k;
         fused[l] = find(&r, name, &k) != NULL;
         if (!fused[l]) continue;
-        if (!dry && !tmp && !(tmp = fm_malloc(sizeof(float) * (size_t)(E * 2 * I * H)))) {
+        if (!tmp && !(tmp = fm_malloc(sizeof(float) * (size_t)(E * 2 * I * H)))) {
             s = fm_error(FM_ERR_NOMEM, "%s: out of memory reading fused experts", f->where);
             break;
         }
@@ -319,61 +317,13 @@ static fm_status walk(const fm_hf_table *t, const fm_hf_files *f, const char *pr
         }
         if (in_fused) continue;
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
-        s = read_tensor(&r, name, dry ? NULL : base + p->offset, p->ndim, p->shape);
+        s = read_tensor(&r, name, base + p->offset, p->ndim, p->shape);
     }
     if (s == FM_OK) s = check_extras(&r, prefix);
     for (int k = 0; r.used && k < f->n; k++) fm_free(r.used[k]);
     fm_free(r.used);
     fm_free(fused);
     return s;
-}
-
-fm_status fm_hf_read_files(const fm_hf_table *t, const fm_hf_files *f, const char *prefix, float *base,
-                           const fm_hf_read_opts *opts) {
-    return walk(t, f, prefix, base, opts, false);
-}
-
-fm_status fm_hf_check_files(const fm_hf_table *t, const fm_hf_files *f, const char *prefix,
-                            const fm_hf_read_opts *opts) {
-    return walk(t, f, prefix, NULL, opts, true);
-}
-
-/* The file of f holding `name`, or NULL. */
-static const fm_safetensors *file_of(const fm_hf_files *f, const char *name) {
-    for (int i = 0; i < f->n; i++)
-        if (fm_st_find(&f->st[i], name)) return &f->st[i];
-    return NULL;
-}
-
-fm_status fm_hf_read_range(const fm_hf_table *t, const fm_hf_files *f, const char *prefix, int i, int64_t first,
-                           int64_t count, float *dst) {
-    FM_ASSERT(i >= 0 && i < t->n_params);
-    const fm_hf_param *p = &t->params[i];
-    const int64_t E = t->n_experts, H = t->hidden, I = t->expert_width;
-    char name[256];
-    for (int64_t l = 0; l < t->n_layers; l++) { /* a stacked expert of a fused layer? */
-        const fm_hf_experts *x = &t->experts[l];
-        if (p->offset < x->gate || p->offset >= x->down + E * H * I) continue;
-        snprintf(name, sizeof name, "%smodel.layers.%lld.%s.experts.gate_up_proj", prefix, (long long)l, t->moe_module);
-        const fm_safetensors *gu = file_of(f, name);
-        if (!gu) break; /* per expert: the tensor's own name */
-        const int64_t gu_shape[3] = {E, 2 * I, H}, d_shape[3] = {E, H, I};
-        if (p->offset >= x->down && p->offset < x->down + E * H * I) { /* expert e's [H, I] of down_proj [E, H, I] */
-            snprintf(name, sizeof name, "%smodel.layers.%lld.%s.experts.down_proj", prefix, (long long)l,
-                     t->moe_module);
-            const fm_safetensors *d = file_of(f, name);
-            if (!d) return fm_error(FM_ERR_FORMAT, "%s: no tensor named '%s'", f->where, name);
-            return fm_st_read_f32_range(d, name, p->offset - x->down + first, count, dst, 3, d_shape);
-        }
-        const bool up = p->offset >= x->up && p->offset < x->up + E * I * H; /* rows I..2I-1 of expert e's [2I, H] */
-        const int64_t k = p->offset - (up ? x->up : x->gate), e = k / (I * H);
-        const int64_t at = e * 2 * I * H + (up ? I * H : 0) + k % (I * H) + first;
-        return fm_st_read_f32_range(gu, name, at, count, dst, 3, gu_shape);
-    }
-    snprintf(name, sizeof name, "%s%s", prefix, p->name);
-    const fm_safetensors *st = file_of(f, name);
-    if (!st) return fm_error(FM_ERR_FORMAT, "%s: no tensor named '%s'", f->where, name);
-    return fm_st_read_f32_range(st, name, first, count, dst, p->ndim, p->shape);
 }
 
 fm_status fm_hf_read(const fm_hf_table *t, const char *path, const char *prefix, float *base) {

@@ -121,26 +121,6 @@ typedef struct fm_hf_read_opts {
 fm_status fm_hf_read_files(const fm_hf_table *t, const fm_hf_files *f, const char *prefix, float *base,
                            const fm_hf_read_opts *opts);
 
-/* Checks, reading no values, what fm_hf_read_files checks: every tensor of the table with the
- * prefix is in the files f with its shape and a float dtype (per expert or fused per layer), and
- * the files' other tensors with the prefix are refused (opts NULL) or listed in opts->extra.
- * For a ranged read after it (fm_hf_read_range). Errors: those of fm_hf_read_files, except I/O
- * of values; FM_ERR_NOMEM (a bool per tensor of the files, and one per layer). */
-fm_status fm_hf_check_files(const fm_hf_table *t, const fm_hf_files *f, const char *prefix,
-                            const fm_hf_read_opts *opts);
-
-/* Reads elements [first, first + count) (row-major) of table tensor i (params[i]) from the
- * files f into dst [count] fp32 (dtype converted, fm_st_read_f32_range; pread, nothing
- * allocated): from the file tensor of its name (prefix prepended), or, when its layer's experts
- * are fused in the files, from the contiguous slice of "...experts.gate_up_proj" [E, 2I, H]
- * (gate: expert e's rows 0..I-1, up: I..2I-1) or "...experts.down_proj" [E, H, I] that holds it.
- * The element range lies in one expert's [I, H] or [H, I] block, so every range is one run of
- * the file tensor. Call fm_hf_check_files first (the messages for a missing tensor or a wrong
- * shape are its). Errors: FM_ERR_FORMAT (the tensor is not in the files; its shape differs),
- * FM_ERR_ARG (the range is outside the tensor), FM_ERR_IO. */
-fm_status fm_hf_read_range(const fm_hf_table *t, const fm_hf_files *f, const char *prefix, int i, int64_t first,
-                           int64_t count, float *dst);
-
 #ifdef __cplusplus
 }
 #endif

@@ -480,35 +480,3 @@ fm_status fm_ckpt_stream_init_zero3(run *r, uint64_t seed) {
     fm_zero3_invalidate(&r->z3);
     return FM_OK;
 }
-
-/* ---- --init-from: this rank's ranges of a Hugging Face folder -------------------------------- */
-
-fm_status fm_ckpt_stream_init_from(run *r, const fm_hf_files *f) {
-    fm_model *m = &r->m;
-    fm_ckpt_stage *c = &r->cst;
-    const st_kind k = r->zero3 ? K_ZERO3 : K_TABLE;
-    const st_desc s = r->zero3 ? (st_desc){r->z3.master, FM_DTYPE_F32, false, K_ZERO3}
-                               : (st_desc){m->master, FM_DTYPE_F32, m->master_host, K_TABLE};
-    const int64_t piece = 2 * c->chunk; /* nothing to check against: both halves of the one allocation */
-    FM_ASSERT(r->hf.t.n_params == m->n_tensors); /* the table's rows are the model's tensors, in order */
-    for (int j = 0; j < m->n_tensors; j++) {
-        int64_t a[2], b[2], d[2];
-        const int nr = own_ranges(r, k, &m->table[j], a, b, d);
-        for (int q = 0; q < nr; q++)
-            for (int64_t x = a[q]; x < b[q]; x += piece) {
-                const int64_t n = b[q] - x < piece ? b[q] - x : piece;
-                FM_TRY(fm_hf_read_range(&r->hf.t, f, "", j, x, n, c->send));
-                note_high(c, 4 * (size_t)n);
-                store_local(r, &s, d[q] + x - a[q], c->send, n);
-            }
-    }
-    if (r->zero3) {
-        zero_padding(r, &s);
-        if ((void *)r->z3.master != (void *)r->z3.weights)
-            m->be.ops->convert(m->be.ctx, r->z3.weights, FM_ACT_DTYPE, r->z3.master, FM_DTYPE_F32, r->z3.shard_len);
-        fm_zero3_invalidate(&r->z3);
-    } else if ((void *)m->master != (void *)m->params) {
-        m->be.ops->convert(m->be.ctx, m->params, FM_ACT_DTYPE, m->master, FM_DTYPE_F32, m->n_params);
-    }
-    return FM_OK;
-}

@@ -125,12 +125,6 @@ fm_status fm_ckpt_stream_load(run *r, const char *dir, bool verify);
 /* ZeRO-3's initial weights (fm_model_init_weights_host's values) drawn range by range into this
  * rank's shard master (padding zero) through the staging, then its fm_act weights. */
 fm_status fm_ckpt_stream_init_zero3(run *r, uint64_t seed);
-/* --init-from on the sharded or device paths: this rank's ranges of the Hugging Face files f
- * (checked first, fm_hf_check_files) into its master (ZeRO-3: its shard; else its table, on the
- * device or the host), pieces of 2 C_e elements (the whole staging, 8 C_e bytes: send and recv
- * are one allocation) read by pread (fm_hf_read_range: fused experts read as slices); then the
- * fm_act weights from it. Errors: those of fm_hf_read_range. */
-fm_status fm_ckpt_stream_init_from(run *r, const fm_hf_files *f);
 /* fm_train_ckpt.c: whether a value read from a file stored as dtype (fm_st_dtype) equals the
  * master value rounded to it; and how to proceed when model.safetensors disagrees. */
 bool fm_train_same_rounded(float master, float stored, int dtype);

@@ -49,34 +49,31 @@ static bool same_file(const char *a, const char *b) {
 
 /* --init-from: the fp32 master from the folder's weights (every tensor of the table, each
  * widened to fp32; nothing random), the fm_act weights rounded from it as a fresh run's are.
- * Tensors of the folder the model does not use are named in one warning. A host master of the
- * rank's whole table (one CPU rank, --ep or --zero 1 on the CPU) is read in place, tensor by
- * tensor (a fused layer's experts as slices of its gate_up_proj and down_proj: no buffer); else
- * (ZeRO-3, a device's master) the rank reads only its ranges through the checkpoint staging
- * (fm_ckpt_stream_init_from), never n_params on the host. */
+ * Tensors of the folder the model does not use are named in one warning. */
 static fm_status init_from_folder(run *r, const char *dir) {
     fm_model *m = &r->m;
     fm_hf_files f;
     FM_TRY(fm_hf_files_open(&f, dir));
+    /* straight into a host master (ZeRO-3: the shard is not the table; staged, then scattered) */
     const bool host = (m->be.ops->host_memory || m->master_host) && !r->zero3;
+    float *w = host ? m->master : fm_malloc(sizeof(float) * (size_t)m->n_params);
+    if (!w) {
+        fm_hf_files_close(&f);
+        return fm_error(FM_ERR_NOMEM, "--init-from: cannot stage %lld weights on the host", (long long)m->n_params);
+    }
     char extra[2048];
     const fm_hf_read_opts ro = {true, extra, sizeof extra};
-    fm_status s = fm_hf_check_files(&r->hf.t, &f, "", &ro);
-    if (s == FM_OK && !host) s = fm_ckpt_stream_init_from(r, &f);
-    for (int j = 0; s == FM_OK && host && j < m->n_tensors; j++) /* each tensor in place (a fused expert: its slices) */
-        s = fm_hf_read_range(&r->hf.t, &f, "", j, 0, m->table[j].numel, m->master + m->table[j].offset);
-    if (s == FM_OK && host) fm_model_upload_master(m, m->master);
+    fm_status s = fm_hf_read_files(&r->hf.t, &f, "", w, &ro);
     if (s == FM_OK) {
+        if (r->zero3) s = fm_zero3_set_master(&r->z3, m, w);
+        else fm_model_upload_master(m, w);
         if (extra[0] && m->ep <= 1 && r->rank == 0) /* --ep: the other ranks' experts are the extras; rank 0 speaks */
             fprintf(stderr, "warning: --init-from %s: %s\n", dir, extra);
-        if (!r->o->quiet && host)
+        if (!r->o->quiet)
             printf("initialized from %s (%d tensors, %lld parameters; optimizer state fresh)\n", f.where, m->n_tensors,
                    (long long)m->n_params);
-        else if (!r->o->quiet)
-            printf("initialized from %s (%d tensors, %lld parameters; optimizer state fresh; this rank's ranges read "
-                   "through the checkpoint staging: high-water %zu of %zu B)\n", f.where, m->n_tensors,
-                   (long long)m->n_params, r->cst.high, r->cst.bytes);
     }
+    if (!host) fm_free(w);
     fm_hf_files_close(&f);
     return s;
 }
