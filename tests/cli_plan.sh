@@ -191,4 +191,9 @@ expect_fail "plan --zero 1 with a mesh" "expected 3" "$FM" plan --config "$ROOT/
 expect_fail "plan mesh plain logits" "Ring-DTP" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --world 2 --dp 2 --sp 1 --ep 1 --ce-block-tokens 0 --ce-block-vocab 0
 expect_fail "plan mesh too small" "no mesh of --world 2 fits" "$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --backend cuda --seq-len 4096 --world 2 --mem-budget 40GiB
 
+# a degree given as 0 is refused, as train refuses --ep 0 / --sp 0 (left out: chosen or 1)
+for f in "--ep 0" "--sp 0" "--world 0"; do
+    out=$("$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 64 --micro-batch 1 $f 2>&1) && bad "plan $f accepted" ||
+        { grep -q "degrees must be >= 1 (or left out), found $f" <<<"$out" && ok || bad "plan $f: $out"; }
+done
 finish

@@ -27,7 +27,7 @@ int cmd_plan(int argc, char **argv) {
     bool json = false, bf16m = false, offopt = false, keep_att = false, no_keep = false, no_overlap = false;
     int64_t off_bucket = 0, off_slots = 2;
     int dp = 0, zero = -1;                                        /* 0, -1: not given */
-    int64_t world = 0, ep = 0, sp = 0, gpus_per_node = 0;         /* 0: not given */
+    int64_t world = -1, ep = -1, sp = -1, gpus_per_node = -1;     /* -1: not given (0 afterwards) */
     flag flags[] = {
         {"config", F_STR, &config, NULL, "Hugging Face config.json of the model (required)"},
         {"seq-len", F_I64, &seq_len, NULL, "tokens per sequence (required)"},
@@ -110,11 +110,21 @@ int cmd_plan(int argc, char **argv) {
     req.bf16_moments = bf16m;
     /* --zero 0, 1 or 3 with --ep and/or --sp (no --world): the trainer's own run (train --ep/--sp
      * --zero Z over dp x sp ranks), exact to its arenas; --world, or --ep/--sp without --zero, the mesh */
-    if (world < 0 || ep < 0 || sp < 0 || gpus_per_node < 0 || dp < 0) {
-        char v[160];
-        snprintf(v, sizeof v, "--world %lld, --dp %lld, --ep %lld, --sp %lld, --gpus-per-node %lld", (long long)world,
-                 (long long)dp, (long long)ep, (long long)sp, (long long)gpus_per_node);
-        return cli_usage_error("plan", "the mesh's degrees must be >= 1 (or left out), found %s; give positive values", v);
+    { /* the degrees given must be >= 1 (train refuses --ep 0 and --sp 0 too); left out: 0 below */
+        const char *names[5] = {"--world", "--dp", "--ep", "--sp", "--gpus-per-node"};
+        int64_t *vals[5] = {&world, NULL, &ep, &sp, &gpus_per_node};
+        const int64_t dpv = dp;
+        for (int i = 0; i < 5; i++) {
+            const int64_t v = vals[i] ? *vals[i] : dpv;
+            const bool given = vals[i] ? v != -1 : v != 0;
+            if (given && v < 1) {
+                char msg[120];
+                snprintf(msg, sizeof msg, "%s %lld", names[i], (long long)v);
+                return cli_usage_error("plan", "the mesh's degrees must be >= 1 (or left out), found %s; give a positive "
+                                       "value or leave the flag out", msg);
+            }
+            if (vals[i] && v == -1) *vals[i] = 0;
+        }
     }
     const bool trainer_mp = (sp > 1 || ep > 1) && zero != -1 && world == 0;
     const bool mesh = world > 0 || ((ep > 1 || sp > 1) && !trainer_mp); /* --gpus-per-node alone: no mesh; --dp W --zero 3 alone: the trainer's ZeRO-3 */
