@@ -275,6 +275,12 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     }
     size_t host_budget = o->host_mem_budget_given ? o->host_mem_budget : fm_host_mem_budget_default();
     if (host_budget == 0 && !o->host_mem_budget_given) host_budget = FM_HOST_BUDGET_UNLIMITED; /* unknown */
+    if (!o->host_mem_budget_given && host_budget != FM_HOST_BUDGET_UNLIMITED && W > 1) {
+        /* the node's pinnable memory is shared by its ranks (as plan --world splits it): each
+         * rank plans its share; --host-mem-budget gives one rank's budget as it is */
+        int local_rank = 0, local_size = 1;
+        if (fm_comm_local(&local_rank, &local_size, NULL) == FM_OK && local_size > 1) host_budget /= (size_t)local_size;
+    }
     fm_calib cal;
     char note[1400];
     FM_TRY(fm_calib_find(&cal, NULL, sizeof(fm_act) == 4 ? "cpu" : "cuda", dev.total ? dev.name : NULL, note));
