@@ -196,4 +196,14 @@ for f in "--ep 0" "--sp 0" "--world 0"; do
     out=$("$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 64 --micro-batch 1 $f 2>&1) && bad "plan $f accepted" ||
         { grep -q "degrees must be >= 1 (or left out), found $f" <<<"$out" && ok || bad "plan $f: $out"; }
 done
+# a mesh that does not fit prints no launch line (it would be refused)
+out=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --seq-len 32768 --world 8 --dp 8 --ep 1 --sp 1 \
+      --device-mem 40GiB 2>&1)
+grep -q "^launch: none (this mesh does not fit" <<<"$out" && ! grep -q "^launch: mpirun" <<<"$out" && ok ||
+    bad "a mesh that does not fit: $(grep launch <<<"$out")"
+# plan --json carries the checkpoint staging the text prints
+j=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 64 --micro-batch 1 --json 2>/dev/null | tail -1)
+t=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 64 --micro-batch 1 2>/dev/null | awk '/^checkpoint staging:/ {print $3}')
+[ -n "$t" ] && python3 -c "import json,sys; sys.exit(0 if json.loads(sys.argv[1])['checkpoint_staging_bytes'] == int(sys.argv[2]) else 1)" "$j" "$t" &&
+    ok || bad "plan --json checkpoint_staging_bytes vs the text's $t"
 finish

@@ -151,7 +151,10 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
                     x->calib->mesh_link_measured ? "measured" : "NOMINAL (not measured)", x->calib->intra_node_bw / 1e9,
                     x->calib->inter_node_bw / 1e9);
     }
-    if (m->on) { /* the launch line: the same knobs as train flags */
+    const bool fits = (!budget || p->total <= budget) && !(host_limited && p->host_bytes > x->host_budget);
+    if (m->on && !fits) /* no launch line for a plan that does not fit: it would be refused */
+        fprintf(f, "\nlaunch: none (this mesh does not fit: see above)\n");
+    else if (m->on) { /* the launch line: the same knobs as train flags */
         fprintf(f, "\nlaunch: mpirun -np %lld %s train --config %s --data DATA --seq-len %lld --micro-batch %lld --zero 3 "
                 "--dp %lld --ep %lld --sp %lld", (long long)(m->dp * m->sp),
                 r->target == FM_PLAN_TARGET_CUDA || (r->target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4)
@@ -202,6 +205,8 @@ void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_re
             p->flops_hw_token, (long long)p->tokens_per_step, (long long)p->n_offloaded_boundaries, p->host_bytes,
             r->offload_optimizer ? "true" : "false", x->device_mem, x->context_bytes);
     if (x->host_budget != FM_HOST_BUDGET_UNLIMITED) fprintf(f, ",\"host_budget_bytes\":%zu", x->host_budget);
+    fprintf(f, ",\"checkpoint_staging_bytes\":%zu", /* per rank, host, not pinned (the text's line) */
+            fm_ckpt_stage_bound(fm_ckpt_max_tensor_numel(&r->cfg), FM_CKPT_CHUNK_ELEMS));
     if (r->mesh.on)
         fprintf(f, ",\"mesh\":{\"world\":%lld,\"dp\":%lld,\"ep\":%lld,\"sp\":%lld,\"gpus_per_node\":%lld,"
                 "\"params_rank\":%lld}", (long long)(r->mesh.dp * r->mesh.sp), (long long)r->mesh.dp, (long long)r->mesh.ep,
