@@ -655,6 +655,23 @@ static int64_t ep_chunks_setup(ep_chunk *ch, int64_t j, int64_t N, int64_t K, in
     return ch->n;
 }
 
+/* Chunk i's source side (its tokens, then its routing and dispatch: ep_chunks_setup, ep_pipe_route),
+ * as both pipelined passes issue it one chunk ahead. */
+static fm_status ep_pipe_next(ep_call *c, ep_chunk *ch, int64_t i, int64_t N, int64_t err, const int32_t *chunk_tokens,
+                              int64_t *start, const fm_act *x, const int32_t *topk_idx, const float *topk_w) {
+    ep_chunks_setup(ch, i, N, c->K, err, chunk_tokens, start);
+    return ep_pipe_route(c, i, x, topk_idx, topk_w, ch);
+}
+
+/* Both pipelined passes' start: chunk 0 routed and its exchange out issued. */
+static fm_status ep_pipe_begin(ep_call *c, ep_chunk *ch, int64_t N, int64_t err, const int32_t *chunk_tokens,
+                               int64_t *start, const fm_act *x, const int32_t *topk_idx, const float *topk_w) {
+    c->pipe = true;
+    c->ws->pipelined_calls++;
+    FM_TRY(ep_pipe_next(c, &ch[0], 0, N, err, chunk_tokens, start, x, topk_idx, topk_w));
+    return ep_pipe_send(c, 0, err, &ch[0]);
+}
+
 /* The forward, pipelined: iteration i issues chunk i+1's dispatch, chunk i's experts, chunk
  * i+1's agreement and exchange out, chunk i's exchange back, chunk i-1's combine. */
 static fm_status ep_pipe_forward(ep_call *c, fm_act *y, const fm_act *x, const int32_t *topk_idx,
@@ -665,17 +682,10 @@ static fm_status ep_pipe_forward(ep_call *c, fm_act *y, const fm_act *x, const i
     const int64_t Hb = d->H * (int64_t)sizeof(fm_act), K = c->K, Kr = K > 0 ? K : 1;
     ep_chunk ch[3];
     int64_t start = 0;
-    c->pipe = true;
-    ws->pipelined_calls++;
-    ep_chunks_setup(&ch[0], 0, N, K, err, chunk_tokens, &start);
-    FM_TRY(ep_pipe_route(c, 0, x, topk_idx, topk_w, &ch[0]));
-    FM_TRY(ep_pipe_send(c, 0, err, &ch[0]));
+    FM_TRY(ep_pipe_begin(c, ch, N, err, chunk_tokens, &start, x, topk_idx, topk_w));
     for (int64_t i = 0; i < Kr; i++) {
         ep_chunk *cur = &ch[i % 3], *nxt = &ch[(i + 1) % 3], *prv = &ch[(i + 2) % 3];
-        if (i + 1 < Kr) {
-            ep_chunks_setup(nxt, i + 1, N, K, err, chunk_tokens, &start);
-            FM_TRY(ep_pipe_route(c, i + 1, x, topk_idx, topk_w, nxt));
-        }
+        if (i + 1 < Kr) FM_TRY(ep_pipe_next(c, nxt, i + 1, N, err, chunk_tokens, &start, x, topk_idx, topk_w));
         FM_TRY(ep_pipe_owner(c, i, false, NULL, cur));
         if (i + 1 < Kr) FM_TRY(ep_pipe_send(c, i + 1, 0, nxt));
         FM_TRY(ep_pipe_back(c, i, cur));
@@ -714,17 +724,10 @@ static fm_status ep_pipe_backward(ep_call *c, const fm_moe_grads *g, fm_act *dx,
     const int64_t Hb = d->H * (int64_t)sizeof(fm_act), K = c->K, Kr = K > 0 ? K : 1;
     ep_chunk ch[3];
     int64_t start = 0;
-    c->pipe = true;
-    ws->pipelined_calls++;
-    ep_chunks_setup(&ch[0], 0, N, K, err, chunk_tokens, &start);
-    FM_TRY(ep_pipe_route(c, 0, x, topk_idx, topk_w, &ch[0]));
-    FM_TRY(ep_pipe_send(c, 0, err, &ch[0]));
+    FM_TRY(ep_pipe_begin(c, ch, N, err, chunk_tokens, &start, x, topk_idx, topk_w));
     for (int64_t j = 0; j < Kr; j++) {
         ep_chunk *cur = &ch[j % 3], *nxt = &ch[(j + 1) % 3], *prv = &ch[(j + 2) % 3];
-        if (j + 1 < Kr) {
-            ep_chunks_setup(nxt, j + 1, N, K, err, chunk_tokens, &start);
-            FM_TRY(ep_pipe_route(c, j + 1, x, topk_idx, topk_w, nxt));
-        }
+        if (j + 1 < Kr) FM_TRY(ep_pipe_next(c, nxt, j + 1, N, err, chunk_tokens, &start, x, topk_idx, topk_w));
         FM_TRY(ep_pipe_owner(c, j, false, NULL, cur)); /* the recompute */
         if (j + 1 < Kr) FM_TRY(ep_pipe_send(c, j + 1, 0, nxt));
         FM_TRY(ep_pipe_back(c, j, cur));

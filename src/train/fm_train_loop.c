@@ -132,26 +132,16 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
                     "data and its .mask files\n", (long long)step, (long long)o->grad_accum);
             warned_no_targets = true;
         }
-        int stop = fm_stop_requested();
-        if (fm_comm_size(&r->world) > 1) { /* every rank stops after the same step: the flag's max over the ranks */
-            double v = (double)stop, *d = m->results + FM_RESULT_SCRATCH;
-            m->be.ops->copy(m->be.ctx, d, &v, sizeof v, FM_COPY_H2D);
-            FM_TRY(fm_comm_all_reduce(&r->world, d, d, 1, FM_COMM_F64, FM_COMM_MAX, 0));
-            m->be.ops->copy(m->be.ctx, &v, d, sizeof v, FM_COPY_D2H);
-            stop = (int)v;
-        }
+        /* the stop flag and the time-based save: each rank's own (a signal, its clock), agreed as
+         * their max over the ranks in one host collective, so every rank stops or saves after the
+         * same step */
+        int64_t flags[2] = {fm_stop_requested(),
+                            o->save_every_minutes > 0 && now_s() - t_saved >= 60.0 * o->save_every_minutes};
+        if (fm_comm_size(&r->world) > 1) FM_TRY(fm_comm_allreduce_max_i64(&r->world, flags, 2, 0));
+        const int stop = (int)flags[0];
         const bool last = step == o->steps || (o->exit_after > 0 && ran == o->exit_after);
         const bool eval = ((o->eval_every > 0 && step % o->eval_every == 0) || last) && !stop;
-        const double t_now = now_s();
-        int due_time = o->save_every_minutes > 0 && t_now - t_saved >= 60.0 * o->save_every_minutes;
-        if (o->save_every_minutes > 0 && fm_comm_size(&r->world) > 1) {
-            /* each rank's clock says something else: every rank saves after the same step (the max) */
-            double v = (double)due_time, *d = m->results + FM_RESULT_SCRATCH;
-            m->be.ops->copy(m->be.ctx, d, &v, sizeof v, FM_COPY_H2D);
-            FM_TRY(fm_comm_all_reduce(&r->world, d, d, 1, FM_COMM_F64, FM_COMM_MAX, 0));
-            m->be.ops->copy(m->be.ctx, &v, d, sizeof v, FM_COPY_D2H);
-            due_time = (int)v;
-        }
+        const bool due_time = flags[1] != 0;
         const bool due = (o->save_every > 0 && step % o->save_every == 0) || due_time;
         const bool save = !o->no_checkpoint && (due || last || stop);
         if (eval || save || last || stop || (o->report_memory && ran == 1)) /* they read the weights, or measure */
