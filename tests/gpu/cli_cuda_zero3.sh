@@ -2,11 +2,14 @@
 # ZeRO-3 on the CUDA engine (label gpu; $1 is flatmoe-cuda): two ranks sharing the GPU through the
 # mpi communicator (host-staged device buffers), --zero 3 at --micro-batch 2, against one rank at
 # --micro-batch 4 on tests/data/micro.json (tied) and an untied copy of it, 12 steps:
-#  - step 1's loss to 2e-3 relative (the same bf16 weights; cuBLAS may pick other kernels for the
-#    half micro-batch, and the loss sums run in another order), every
-#    later loss and every gradient norm to 2e-2 (bf16 gradients summed per group in another order);
-#    a lost gradient (e.g. the tied head's part of the embedding's) moves the first gradient norm
-#    by 20%;
+#  - step 1's loss to 2e-3 relative and step 1's gradient norm to 1e-2 (the same bf16 weights;
+#    cuBLAS may pick other kernels for the half micro-batch, and the sums run in another order; a
+#    lost gradient, e.g. the tied head's part of the embedding's, moves the first gradient norm by
+#    20%); every later loss and gradient norm to 2e-2 untied and 5e-2 tied (bf16 gradients summed
+#    per group in another order, amplified by training: on the H200, 2026-12-01, the tied config's
+#    np 2 run and its own resume at np 1 from the same step-6 weights drifted 1.2e-2 apart in six
+#    steps, the untied config's 4e-4; --zero 3 --ep 2 against one rank reached 2.5e-2 at step 11,
+#    --zero 3 alone 2.0e-2);
 #  - the model state's high-water mark equals its bound on every report;
 #  - a checkpoint of the np 2 run at step 6 resumes at np 1 (--zero 0) with the losses of the np 2
 #    run continued, to 2e-2;
@@ -19,17 +22,17 @@ if [ -z "$MPIEXEC" ]; then echo "note: no mpirun: the ZeRO-3 GPU test is skipped
 FLAGS=(--oversubscribe --allow-run-as-root --bind-to none --mca btl self,vader
        --mca btl_vader_single_copy_mechanism none --mca pml ob1)
 sed 's/"tie_word_embeddings": true/"tie_word_embeddings": false/' "$ROOT/tests/data/micro.json" > "$TMP/untied.json"
-compare() { # REF RUN FIRST_STEP
-    python3 - "$1" "$2" "$3" <<'PY'
+compare() { # REF RUN FIRST_STEP LATER_TOL
+    python3 - "$1" "$2" "$3" "$4" <<'PY'
 import json, sys
 steps = lambda d: {r["step"]: r for r in map(json.loads, open(d + "/metrics.jsonl")) if r.get("type", "step") == "step"}
-a, b, first = steps(sys.argv[1]), steps(sys.argv[2]), int(sys.argv[3])
+a, b, first, later = steps(sys.argv[1]), steps(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 ok, worst = True, 0.0
 for s in sorted(b):
     if s < first: continue
     for k in ("loss", "grad_norm"):
         rel = abs(a[s][k] - b[s][k]) / max(abs(a[s][k]), 1e-30)
-        tol = 2e-3 if (s == 1 and k == "loss") else 2e-2
+        tol = (2e-3 if k == "loss" else 1e-2) if s == 1 else later
         worst = max(worst, rel)
         if rel > tol:
             ok = False
@@ -43,25 +46,26 @@ PY
 }
 for cfg in "$ROOT/tests/data/micro.json" "$TMP/untied.json"; do
     name=$(basename "$cfg" .json)
+    tol=$([ "$name" = micro ] && echo 5e-2 || echo 2e-2) # tied (micro) drifts more: see the header
     common=(--config "$cfg" --data "$TEXT" --seq-len 32 --grad-accum 2 --steps 12 --warmup 2 --lr 3e-3
             --eval-every 6 --eval-batches 2 --quiet --report-memory)
     "$FM" train "${common[@]}" --micro-batch 4 --out "$TMP/$name-one" || bad "$name: one rank failed"
     timeout 300 "$MPIEXEC" "${FLAGS[@]}" -np 2 "$FM" train "${common[@]}" --micro-batch 2 --zero 3 --out "$TMP/$name-z3" ||
         bad "$name: np 2 --zero 3 failed"
-    compare "$TMP/$name-one" "$TMP/$name-z3" 1 && ok || bad "$name: np 2 --zero 3 differs from one rank"
+    compare "$TMP/$name-one" "$TMP/$name-z3" 1 "$tol" && ok || bad "$name: np 2 --zero 3 differs from one rank"
     timeout 300 "$MPIEXEC" "${FLAGS[@]}" -np 2 "$FM" train "${common[@]}" --micro-batch 2 --zero 3 --exit-after 6 \
         --out "$TMP/$name-half" || bad "$name: np 2 --zero 3 first half failed"
     "$FM" train "${common[@]}" --micro-batch 4 --resume --out "$TMP/$name-half" || bad "$name: np 1 resume failed"
-    compare "$TMP/$name-z3" "$TMP/$name-half" 7 && ok || bad "$name: the np 1 resume differs from the np 2 run"
+    compare "$TMP/$name-z3" "$TMP/$name-half" 7 "$tol" && ok || bad "$name: the np 1 resume differs from the np 2 run"
     # --zero 3 --ep 2: the non-expert parameters sharded, each rank's 2 experts whole
     timeout 300 "$MPIEXEC" "${FLAGS[@]}" -np 2 "$FM" train "${common[@]}" --micro-batch 2 --zero 3 --ep 2 \
         --out "$TMP/$name-z3ep" || bad "$name: np 2 --zero 3 --ep 2 failed"
-    compare "$TMP/$name-one" "$TMP/$name-z3ep" 1 && ok || bad "$name: np 2 --zero 3 --ep 2 differs from one rank"
+    compare "$TMP/$name-one" "$TMP/$name-z3ep" 1 "$tol" && ok || bad "$name: np 2 --zero 3 --ep 2 differs from one rank"
     timeout 300 "$MPIEXEC" "${FLAGS[@]}" -np 2 "$FM" train "${common[@]}" --micro-batch 2 --zero 3 --ep 2 \
         --exit-after 6 --out "$TMP/$name-z3ep-half" || bad "$name: np 2 --zero 3 --ep 2 first half failed"
     "$FM" train "${common[@]}" --micro-batch 4 --resume --out "$TMP/$name-z3ep-half" ||
         bad "$name: np 1 resume of --zero 3 --ep 2 failed"
-    compare "$TMP/$name-z3ep" "$TMP/$name-z3ep-half" 7 && ok ||
+    compare "$TMP/$name-z3ep" "$TMP/$name-z3ep-half" 7 "$tol" && ok ||
         bad "$name: the np 1 resume differs from the np 2 --zero 3 --ep 2 run"
 done
 finish
