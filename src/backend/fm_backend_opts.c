@@ -15,6 +15,7 @@ fm_backend_opts fm_backend_opts_default(void) {
     o.attention_verbose = false;
     o.expert_gemm = FM_EXPERT_GEMM_AUTO;
     o.profile = false;
+    o.update_blocks = 0;
     return o;
 }
 
@@ -44,6 +45,22 @@ static fm_status env_bool(const char *var, bool *out) {
     return FM_OK;
 }
 
+/* Decimal digits alone, their value in [lo, hi] (lo >= 0); an unset or empty variable keeps *out. */
+static fm_status env_int(const char *var, int lo, int hi, int *out) {
+    const char *v = getenv(var);
+    if (!v || !v[0]) return FM_OK;
+    long x = 0;
+    bool ok = strlen(v) <= 9;
+    for (const char *p = v; ok && *p; p++) {
+        ok = *p >= '0' && *p <= '9';
+        x = 10 * x + (*p - '0');
+    }
+    if (!ok || x < lo || x > hi)
+        return fm_error(FM_ERR_ARG, "%s=%s: expected an integer in [%d, %d]", var, v, lo, hi);
+    *out = (int)x;
+    return FM_OK;
+}
+
 fm_status fm_backend_opts_from_env(fm_backend_opts *o) {
     FM_ASSERT(o);
     FM_TRY(env_bool("FLATMOE_PROFILE", &o->profile));
@@ -67,6 +84,7 @@ fm_status fm_backend_opts_from_env(fm_backend_opts *o) {
         FM_TRY(env_choice("FLATMOE_EXPERT_GEMM", names, vals, 4, "auto, loop, grouped or sm90", &v, &set));
         if (set) o->expert_gemm = (fm_expert_gemm)v;
     }
+    FM_TRY(env_int("FLATMOE_UPDATE_BLOCKS", 0, 1 << 20, &o->update_blocks));
     return FM_OK;
 }
 
@@ -93,11 +111,12 @@ fm_status fm_backend_opts_json(const fm_backend_opts *o, char *buf, size_t cap) 
     FM_ASSERT(o && (buf || cap == 0));
     const int n = snprintf(buf, cap,
                            "{\"threads\":%d,\"max_head_dim\":%lld,\"tile_q\":%lld,\"tile_kv\":%lld,\"gpu_workspace\":%zu,"
-                           "\"attention\":\"%s\",\"attention_verbose\":%s,\"expert_gemm\":\"%s\",\"profile\":%s}",
+                           "\"attention\":\"%s\",\"attention_verbose\":%s,\"expert_gemm\":\"%s\",\"profile\":%s,"
+                           "\"update_blocks\":%d}",
                            o->threads, (long long)o->max_head_dim, (long long)o->tile_q, (long long)o->tile_kv,
                            o->gpu_workspace, fm_attention_path_name(o->attention),
                            o->attention_verbose ? "true" : "false", fm_expert_gemm_name(o->expert_gemm),
-                           o->profile ? "true" : "false");
+                           o->profile ? "true" : "false", o->update_blocks);
     if (n < 0 || (size_t)n >= cap) {
         if (cap) buf[0] = '\0';
         return fm_error(FM_ERR_ARG, "backend options as JSON: %d bytes do not fit the %zu-byte buffer", n + 1, cap);

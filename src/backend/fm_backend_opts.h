@@ -41,10 +41,18 @@ typedef struct fm_backend_opts {
                                   * (FLATMOE_ATTENTION_VERBOSE) */
     fm_expert_gemm expert_gemm;  /* CUDA: FLATMOE_EXPERT_GEMM */
     bool profile;                /* both: time each phase (prof_mark / prof_collect; FLATMOE_PROFILE) */
+    int update_blocks;           /* CUDA: FLATMOE_UPDATE_BLOCKS, >= 0. 0 (the default): the update stream
+                                  * (the optimizer overlap's, FM_STREAM_UPDATE) runs at the compute
+                                  * stream's priority and AdamW launches its usual grid. n > 0: the
+                                  * compute stream gets the device's highest priority, the update stream
+                                  * its lowest, and an AdamW launched on the update stream uses at most n
+                                  * blocks of 256 threads, so the next step's forward is not starved of
+                                  * multiprocessors by the update it overlaps. The same elements get the
+                                  * same arithmetic either way: the weights are bit-identical. */
 } fm_backend_opts;
 
 /* threads 0, max_head_dim 128, tiles 0 x 0 (64 x 64), gpu_workspace 0 (64 MiB), attention auto,
- * not verbose, expert GEMMs auto, no profiling. */
+ * not verbose, expert GEMMs auto, no profiling, update_blocks 0. */
 fm_backend_opts fm_backend_opts_default(void);
 
 /* Sets the fields the environment names, leaves the others as they are:
@@ -52,6 +60,7 @@ fm_backend_opts fm_backend_opts_default(void);
  *   FLATMOE_ATTENTION          auto|cudnn|fallback (flash, ours: fallback) -> attention
  *   FLATMOE_ATTENTION_VERBOSE  0|1 (as FLATMOE_PROFILE)                -> attention_verbose
  *   FLATMOE_EXPERT_GEMM        auto|loop|grouped|sm90                   -> expert_gemm
+ *   FLATMOE_UPDATE_BLOCKS      an integer in [0, 1048576]               -> update_blocks
  * An unset or empty variable keeps the field. Errors: FM_ERR_ARG for any other value, naming the
  * variable, the value found and the values accepted (o is then partly updated). */
 fm_status fm_backend_opts_from_env(fm_backend_opts *o);
@@ -61,11 +70,11 @@ const char *fm_attention_path_name(fm_attention_path p);
 const char *fm_expert_gemm_name(fm_expert_gemm g);
 
 /* Enough for fm_backend_opts_json's object with any field values. */
-#define FM_BACKEND_OPTS_JSON_MAX 320
+#define FM_BACKEND_OPTS_JSON_MAX 360
 
 /* Writes the options as one JSON object (no newline, NUL-terminated) into buf[cap], e.g.
  *   {"threads":0,"max_head_dim":128,"tile_q":0,"tile_kv":0,"gpu_workspace":0,"attention":"auto",
- *    "attention_verbose":false,"expert_gemm":"auto","profile":false}
+ *    "attention_verbose":false,"expert_gemm":"auto","profile":false,"update_blocks":0}
  * for a metrics.jsonl line (`,"backend_opts":` followed by it). Errors: FM_ERR_ARG when it does
  * not fit (buf then holds ""; FM_BACKEND_OPTS_JSON_MAX always fits). */
 fm_status fm_backend_opts_json(const fm_backend_opts *o, char *buf, size_t cap);

@@ -86,7 +86,11 @@ template <typename MV>
 static void adamw_launch(fm_cuda_ctx *c, fm_act *p, const fm_act *g, float *master, MV *m, MV *v, int64_t n,
                          float lr, float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale) {
     const bool vec = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && (!master || aligned16(master));
-    const unsigned blocks = ew_blocks(vec ? n / 8 + 8 : n);
+    unsigned blocks = ew_blocks(vec ? n / 8 + 8 : n);
+    /* on the overlap's update stream, at most update_blocks (FLATMOE_UPDATE_BLOCKS) blocks: a
+     * grid-stride loop, so every element gets the same arithmetic whatever the grid */
+    if (c->update_blocks > 0 && c->stream == c->update && blocks > (unsigned)c->update_blocks)
+        blocks = (unsigned)c->update_blocks;
     if (master)
         adamw_kernel<true, MV><<<blocks, EW_THREADS, 0, c->stream>>>(BF(p), CBF(g), master, m, v, n, vec, lr, b1, b2,
                                                                      eps, wd, bc1, bc2, grad_scale);

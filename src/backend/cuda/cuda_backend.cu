@@ -182,6 +182,9 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
         o->expert_gemm != FM_EXPERT_GEMM_GROUPED && o->expert_gemm != FM_EXPERT_GEMM_SM90)
         return fm_error(FM_ERR_ARG, "cuda backend: expert_gemm option %d: expected auto, loop, grouped or sm90",
                         (int)o->expert_gemm);
+    if (o->update_blocks < 0)
+        return fm_error(FM_ERR_ARG, "cuda backend: update_blocks (FLATMOE_UPDATE_BLOCKS) must be >= 0, got %d",
+                        o->update_blocks);
     if (device < 0) return fm_error(FM_ERR_ARG, "cuda backend: device must be >= 0, got %d", device);
     if (max_head_dim < 1)
         return fm_error(FM_ERR_ARG, "cuda backend: max_head_dim must be >= 1, got %lld", (long long)max_head_dim);
@@ -225,13 +228,26 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
     c->max_head_dim = max_head_dim;
     c->expert_gemm = o->expert_gemm;
     c->sm_count = prop.multiProcessorCount;
+    c->update_blocks = o->update_blocks;
     const size_t ws = resolve_workspace(workspace_bytes);
     fm_status s = FM_OK;
 
     {
+        /* FLATMOE_UPDATE_BLOCKS > 0: the compute stream at the device's highest priority and the
+         * update stream at its lowest, so the block scheduler serves the next step's forward first
+         * while the optimizer overlap's update runs beside it; priorities order kernels only (copies
+         * are the copy engines'). Otherwise every stream at the default priority. */
+        int least = 0, greatest = 0;
+        if (o->update_blocks > 0 && (e = cudaDeviceGetStreamPriorityRange(&least, &greatest)) != cudaSuccess) {
+            s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaDeviceGetStreamPriorityRange failed: %s",
+                         cudaGetErrorString(e));
+            goto fail;
+        }
         cudaStream_t *streams[4] = {&c->compute, &c->copy_in, &c->copy_out, &c->update};
+        const int prio[4] = {greatest, 0, 0, least};
         for (int i = 0; i < 4; i++)
-            if ((e = cudaStreamCreateWithFlags(streams[i], cudaStreamNonBlocking)) != cudaSuccess) {
+            if ((e = o->update_blocks > 0 ? cudaStreamCreateWithPriority(streams[i], cudaStreamNonBlocking, prio[i])
+                                          : cudaStreamCreateWithFlags(streams[i], cudaStreamNonBlocking)) != cudaSuccess) {
                 *streams[i] = NULL;
                 s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaStreamCreateWithFlags (stream %d of 4) failed: %s",
                              i, cudaGetErrorString(e));

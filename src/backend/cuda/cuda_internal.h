@@ -49,6 +49,8 @@ typedef struct fm_cuda_ctx {
     int *flags_dev;                /* the same memory as the device sees it */
     fm_expert_gemm expert_gemm;    /* the expert GEMMs' form (fm_backend_opts.h), fixed at init */
     int sm_count;                  /* the device's multiprocessors (the sm90 kernel's persistent grid) */
+    int update_blocks;             /* > 0: AdamW on the update stream uses at most this many blocks, and the
+                                    * update stream runs at the lowest priority (FLATMOE_UPDATE_BLOCKS) */
     /* profiling (the profile option at init): a pool of timing events recorded on the stream at
      * each phase mark, summed per phase at collect */
     cudaEvent_t *prof_ev;          /* [prof_cap], NULL when profiling is off */
