@@ -79,14 +79,19 @@ typedef enum fm_buffer_kind {
 /* Streams: ops run on the op stream, FM_STREAM_COMPUTE unless set_op_stream moved it to
  * FM_STREAM_UPDATE (a second compute stream: the optimizer overlap updates layer l on it while
  * the next step's forward runs on compute); copies may run on the copy-in (host to device) and
- * copy-out (device to host) streams, ordered against the others with events. FM_STREAM_OPS names
- * whichever stream the op stream is now (for code such as the streamed optimizer that records
- * and waits on the stream its own ops run on). */
+ * copy-out (device to host) streams, ordered against the others with events. The streamed
+ * optimizer's copies have a pair of copy streams of their own (FM_STREAM_OPT_COPY_IN/OUT): it
+ * issues a whole step's state traffic at once, and on the shared pair the next forward's
+ * checkpoint-offload copies would queue behind all of it. FM_STREAM_OPS names whichever stream the
+ * op stream is now (for code such as the streamed optimizer that records and waits on the stream
+ * its own ops run on). */
 typedef enum fm_stream {
     FM_STREAM_COMPUTE = 0,
     FM_STREAM_COPY_IN,
     FM_STREAM_COPY_OUT,
     FM_STREAM_UPDATE,
+    FM_STREAM_OPT_COPY_IN,
+    FM_STREAM_OPT_COPY_OUT,
     FM_STREAM_OPS,
     FM_STREAM_COUNT
 } fm_stream;

@@ -98,11 +98,11 @@ static void offload_step_range(void *self, fm_model *m, int t0, int t1, double l
         const int s = (int)(o->bucket_no % o->slots);
         const int ev_in = FM_OFFLOAD_EVENT0 + 3 * s, ev_up = ev_in + 1, ev_out = ev_in + 2;
         /* copy-in: after the copy-out that last used this slot */
-        if (o->used[s]) ops->event_wait(ctx, FM_STREAM_COPY_IN, ev_out);
-        ops->copy_async(ctx, o->d_master[s], o->h_master + b0, (size_t)nb * sizeof(float), FM_COPY_H2D, FM_STREAM_COPY_IN);
-        ops->copy_async(ctx, o->d_m[s], (char *)o->h_m + (size_t)b0 * mb, (size_t)nb * mb, FM_COPY_H2D, FM_STREAM_COPY_IN);
-        ops->copy_async(ctx, o->d_v[s], (char *)o->h_v + (size_t)b0 * mb, (size_t)nb * mb, FM_COPY_H2D, FM_STREAM_COPY_IN);
-        ops->event_record(ctx, ev_in, FM_STREAM_COPY_IN);
+        if (o->used[s]) ops->event_wait(ctx, FM_STREAM_OPT_COPY_IN, ev_out);
+        ops->copy_async(ctx, o->d_master[s], o->h_master + b0, (size_t)nb * sizeof(float), FM_COPY_H2D, FM_STREAM_OPT_COPY_IN);
+        ops->copy_async(ctx, o->d_m[s], (char *)o->h_m + (size_t)b0 * mb, (size_t)nb * mb, FM_COPY_H2D, FM_STREAM_OPT_COPY_IN);
+        ops->copy_async(ctx, o->d_v[s], (char *)o->h_v + (size_t)b0 * mb, (size_t)nb * mb, FM_COPY_H2D, FM_STREAM_OPT_COPY_IN);
+        ops->event_record(ctx, ev_in, FM_STREAM_OPT_COPY_IN);
         /* update: one launch per contiguous same-decay run of tensors inside the bucket */
         ops->event_wait(ctx, FM_STREAM_OPS, ev_in); /* the op stream: compute, or update under the overlap */
         while (ti < t1 && m->table[ti].offset + m->table[ti].numel <= b0) ti++;
@@ -128,11 +128,11 @@ static void offload_step_range(void *self, fm_model *m, int t0, int t1, double l
         }
         ops->event_record(ctx, ev_up, FM_STREAM_OPS);
         /* copy-out: after the update */
-        ops->event_wait(ctx, FM_STREAM_COPY_OUT, ev_up);
-        ops->copy_async(ctx, o->h_master + b0, o->d_master[s], (size_t)nb * sizeof(float), FM_COPY_D2H, FM_STREAM_COPY_OUT);
-        ops->copy_async(ctx, (char *)o->h_m + (size_t)b0 * mb, o->d_m[s], (size_t)nb * mb, FM_COPY_D2H, FM_STREAM_COPY_OUT);
-        ops->copy_async(ctx, (char *)o->h_v + (size_t)b0 * mb, o->d_v[s], (size_t)nb * mb, FM_COPY_D2H, FM_STREAM_COPY_OUT);
-        ops->event_record(ctx, ev_out, FM_STREAM_COPY_OUT);
+        ops->event_wait(ctx, FM_STREAM_OPT_COPY_OUT, ev_up);
+        ops->copy_async(ctx, o->h_master + b0, o->d_master[s], (size_t)nb * sizeof(float), FM_COPY_D2H, FM_STREAM_OPT_COPY_OUT);
+        ops->copy_async(ctx, (char *)o->h_m + (size_t)b0 * mb, o->d_m[s], (size_t)nb * mb, FM_COPY_D2H, FM_STREAM_OPT_COPY_OUT);
+        ops->copy_async(ctx, (char *)o->h_v + (size_t)b0 * mb, o->d_v[s], (size_t)nb * mb, FM_COPY_D2H, FM_STREAM_OPT_COPY_OUT);
+        ops->event_record(ctx, ev_out, FM_STREAM_OPT_COPY_OUT);
         o->used[s] = true;
     }
 }

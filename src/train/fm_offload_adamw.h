@@ -9,6 +9,9 @@
  *   compute stream:  waits for that copy-in; adamw on the slot (gradients from the parameter
  *                    store's grads, weights written in place into the store's weights);
  *   copy-out stream: waits for that update; master, m, v slot -> host.
+ * The copy streams are the optimizer's own (FM_STREAM_OPT_COPY_IN/OUT): under the optimizer
+ * overlap a step's whole state traffic is queued at once, and the next forward's checkpoint
+ * offload (src/schedule/fm_sco.c, FM_STREAM_COPY_OUT) must not wait behind it.
  * Events (fm_backend.h): FM_EVENT_FIRST_FREE + 8 + 3 s + {0 copy-in done, 1 update done,
  * 2 copy-out done}; src/schedule/fm_sco.c uses FM_EVENT_FIRST_FREE + 0..3, so ours start at +8.
  * Global-norm clipping is exact: the clip scale is step_range's argument, computed before.

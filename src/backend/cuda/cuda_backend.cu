@@ -139,6 +139,8 @@ static void ctx_destroy(fm_cuda_ctx *c, bool attention_up) {
     if (c->update) (void)cudaStreamSynchronize(c->update);
     if (c->copy_in) (void)cudaStreamSynchronize(c->copy_in);
     if (c->copy_out) (void)cudaStreamSynchronize(c->copy_out);
+    if (c->opt_in) (void)cudaStreamSynchronize(c->opt_in);
+    if (c->opt_out) (void)cudaStreamSynchronize(c->opt_out);
     if (attention_up) fm_cuda_attention_free(c);
     fm_cuda_prof_free(c);
     if (c->cudnn) (void)cudnnDestroy(c->cudnn);
@@ -149,6 +151,8 @@ static void ctx_destroy(fm_cuda_ctx *c, bool attention_up) {
     if (c->scratch) (void)cudaFree(c->scratch);
     if (c->flags_host) (void)cudaFreeHost((void *)c->flags_host);
     for (int i = 0; i < c->events_made; i++) (void)cudaEventDestroy(c->events[i]);
+    if (c->opt_out) (void)cudaStreamDestroy(c->opt_out);
+    if (c->opt_in) (void)cudaStreamDestroy(c->opt_in);
     if (c->copy_out) (void)cudaStreamDestroy(c->copy_out);
     if (c->copy_in) (void)cudaStreamDestroy(c->copy_in);
     if (c->update) (void)cudaStreamDestroy(c->update);
@@ -243,13 +247,13 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
                          cudaGetErrorString(e));
             goto fail;
         }
-        cudaStream_t *streams[4] = {&c->compute, &c->copy_in, &c->copy_out, &c->update};
-        const int prio[4] = {greatest, 0, 0, least};
-        for (int i = 0; i < 4; i++)
+        cudaStream_t *streams[6] = {&c->compute, &c->copy_in, &c->copy_out, &c->update, &c->opt_in, &c->opt_out};
+        const int prio[6] = {greatest, 0, 0, least, 0, 0};
+        for (int i = 0; i < 6; i++)
             if ((e = o->update_blocks > 0 ? cudaStreamCreateWithPriority(streams[i], cudaStreamNonBlocking, prio[i])
                                           : cudaStreamCreateWithFlags(streams[i], cudaStreamNonBlocking)) != cudaSuccess) {
                 *streams[i] = NULL;
-                s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaStreamCreateWithFlags (stream %d of 4) failed: %s",
+                s = fm_error(FM_ERR_UNSUPPORTED, "cuda backend: cudaStreamCreate (stream %d of 6) failed: %s",
                              i, cudaGetErrorString(e));
                 goto fail;
             }

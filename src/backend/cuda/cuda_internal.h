@@ -30,6 +30,7 @@ typedef struct fm_cuda_ctx {
     cudaStream_t update;           /* FM_STREAM_UPDATE (the optimizer overlap's updates), non-blocking */
     cudaStream_t copy_in;          /* FM_STREAM_COPY_IN (host to device copies), non-blocking */
     cudaStream_t copy_out;         /* FM_STREAM_COPY_OUT (device to host copies), non-blocking */
+    cudaStream_t opt_in, opt_out;  /* FM_STREAM_OPT_COPY_IN/OUT (the streamed optimizer's copies), non-blocking */
     cudaEvent_t events[FM_EVENT_POOL]; /* the event pool (timing disabled), each recorded once at init */
     int events_made;               /* how many of events[] exist (init's error paths) */
     cublasHandle_t cublas;

@@ -31,6 +31,8 @@ cudaStream_t stream_of(fm_cuda_ctx *c, fm_stream s) {
     case FM_STREAM_COPY_IN: return c->copy_in;
     case FM_STREAM_COPY_OUT: return c->copy_out;
     case FM_STREAM_UPDATE: return c->update;
+    case FM_STREAM_OPT_COPY_IN: return c->opt_in;
+    case FM_STREAM_OPT_COPY_OUT: return c->opt_out;
     case FM_STREAM_OPS: return c->stream;
     default: return c->compute;
     }
@@ -219,12 +221,12 @@ void fm_cuda_set_op_stream(void *ctx, fm_stream stream) {
     }
 }
 
-/* All four streams; one host sync. */
+/* All six streams; one host sync. */
 void fm_cuda_sync(void *ctx) {
     fm_cuda_ctx *c = ctx_of(ctx);
     c->host_syncs++;
-    const cudaStream_t all[4] = {c->compute, c->update, c->copy_in, c->copy_out};
-    for (int i = 0; i < 4; i++)
+    const cudaStream_t all[6] = {c->compute, c->update, c->copy_in, c->copy_out, c->opt_in, c->opt_out};
+    for (int i = 0; i < 6; i++)
         if (!host_wait(c, all[i], NULL)) return;
 }
 
