@@ -13,6 +13,8 @@
 #   bash bench/offload_gpu.sh long            # 512K (chooser), then the longest fit (1.25M, detached: collect)
 #   bash bench/offload_gpu.sh sm90 [T...]     # the sync-free expert GEMMs against cuBLAS (issue 14)
 #   bash bench/offload_gpu.sh verify          # build + ctest -L gpu + the lab's checks (a session's first call)
+#   bash bench/offload_gpu.sh updblocks [n..] # FLATMOE_UPDATE_BLOCKS A/B at 4K (6 steps each)
+#   bash bench/offload_gpu.sh pack            # tar $OUT into one file (the device returns at most 8)
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
 # (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
 set -uo pipefail
@@ -144,6 +146,26 @@ sm90) # issue 14: the sync-free expert GEMMs (FLATMOE_EXPERT_GEMM=sm90) against 
         FLATMOE_EXPERT_GEMM=auto run1 gemm-auto-$T $T 3
         FLATMOE_EXPERT_GEMM=sm90 run1 gemm-sm90-$T $T 3
     done ;;
+updblocks) # the optimizer overlap's update stream at low priority with a capped AdamW grid
+    # (FLATMOE_UPDATE_BLOCKS) against today's, 4K, 6 steps each: steps 3..6 are the steady state
+    # (--report-memory waits for step 1's update, so step 2 has none beside it); losses must be
+    # bit-identical across the runs
+    shift; for n in ${*:-0 132 264 528}; do FLATMOE_UPDATE_BLOCKS=$n run1 upd-$n 4096 6; done
+    python3 - "$OUT" ${*:-0 132 264 528} <<'PY'
+import json, sys
+out, ns = sys.argv[1], sys.argv[2:]
+ref = None
+for n in ns:
+    rows = [r for r in map(json.loads, open(f"{out}/upd-{n}.jsonl")) if r.get("type", "step") == "step"]
+    tail = [r["tokens_per_s"] for r in rows if r["step"] >= 3]
+    losses = [r["loss"] for r in rows]
+    same = "" if ref is None else (" losses bit-identical" if losses == ref else " LOSSES DIFFER")
+    ref = ref or losses
+    print(f"FLATMOE_UPDATE_BLOCKS={n}: steps 3..{rows[-1]['step']} mean {sum(tail)/len(tail):.0f} tok/s{same}")
+PY
+    ;;
+pack) # every file under $OUT into one $OUT/pack.tgz (the device returns at most 8 files)
+    (cd "$OUT" && tar czf /tmp/pack.tgz --exclude=pack.tgz . && rm -rf ./* && mv /tmp/pack.tgz .); ls -la "$OUT" ;;
 run) shift; run1 "$@" ;;
-*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|sm90|verify|collect|peer|ours|ranks|lab|run"; exit 2 ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|sm90|verify|collect|peer|ours|ranks|lab|updblocks|pack|run"; exit 2 ;;
 esac
