@@ -369,6 +369,76 @@ static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_
     }
 }
 
+/* ---- host check of v3's TMA boxes (v3_fp8.cuh's boxes_of, which the producer issues) ----
+ * Over every case, projection, kind, tile and k-block of the lab: each box starts at a global
+ * address that is a multiple of 16 bytes along its innermost dimension (the rule whose breach, in
+ * the row-scale box of 7ba8ac5, raised cudaErrorIllegalInstruction on the H200), starts inside its
+ * tensor, and the consumers' row scales (lead + 0..127) lie inside the row-scale box. The cases must
+ * also keep covering groups that start at rows not a multiple of 4 (where the old box start broke
+ * the rule), or the check proves nothing. Run before any GPU work and by make check (verbose: one
+ * summary line). Returns false, with a message on stderr, on the first violation. */
+static bool fp8_tma_selftest(const std::vector<gcase> &cases, bool verbose) {
+    static gg_sched s;
+    int64_t boxes = 0, old_bad = 0;
+    for (const gcase &gc : cases) {
+        const int E = (int)gc.counts.size();
+        std::vector<int> pblk(E + 1, 0);
+        s.offs[0] = 0;
+        for (int e = 0; e < E; e++) {
+            s.offs[e + 1] = s.offs[e] + gc.counts[e];
+            pblk[e + 1] = pblk[e] + (int)((gc.counts[e] + 127) / 128);
+        }
+        const int64_t rcap = std::max<int64_t>(s.offs[E], 1), rpad = gg_fp8_rpad(rcap), kcap = gg_fp8_kcap(rcap, E);
+        for (int proj = 0; proj < 2; proj++) {
+            const int64_t in = proj ? gc.I : gc.H, out = proj ? gc.H : gc.I;
+            for (int kind = 0; kind < 3; kind++) {
+                gg_problem p{};
+                p.kind = kind, p.E = E, p.in = in, p.out = out, p.beta = 1.0f;
+                gg_sched_prefix(s, p, v3::BM, v3::BN);
+                const int64_t K = kind == 0 ? in : out; /* kinds 0/1: the reduction; kind 2 its channels are out, in */
+                const int64_t inner[4] = {kind == 2 ? kcap : K, kind == 2 ? kcap : K, kind == 2 ? out : rpad, in};
+                const int64_t outer[4] = {kind == 2 ? out : rcap, kind == 2 ? in : E * (kind == 0 ? out : in),
+                                          kind == 2 ? kcap / 128 : K / 128, kcap / 128};
+                for (int ti = 0; ti < s.tile[E]; ti++) {
+                    const gg_tile t = gg_tile_of(s, p, ti, v3::BN);
+                    const int nk = kind == 2 ? (int)((t.me + v3::BK - 1) / v3::BK) : (int)(K / v3::BK);
+                    const int brow = kind == 2 ? 0 : (int)(t.e * (kind == 0 ? out : in)), pb = kind == 2 ? pblk[t.e] : 0;
+                    for (int kb = 0; kb < nk; kb++) {
+                        const v3::stage_boxes b = kind == 0   ? v3::boxes_of<0>(t, kb, brow, pb)
+                                                  : kind == 1 ? v3::boxes_of<1>(t, kb, brow, pb)
+                                                              : v3::boxes_of<2>(t, kb, brow, pb);
+                        for (int i = 0; i < b.n; i++, boxes++)
+                            if ((int64_t)b.c0[i] * v3::box_elem(i) % 16 != 0 || b.c0[i] < 0 || b.c1[i] < 0 || b.c0[i] >= inner[i] ||
+                                b.c1[i] >= outer[i]) {
+                                fprintf(stderr,
+                                        "grouped_gemm: v3 TMA box %d of %s/%s kind %d tile %d k-block %d starts at (%d, %d) of a "
+                                        "{%lld, %lld} tensor of %d-byte elements: the inner start must be a multiple of 16 bytes "
+                                        "and inside the tensor\n",
+                                        i, gc.name.c_str(), proj ? "dn" : "gu", kind, ti, kb, b.c0[i], b.c1[i], (long long)inner[i],
+                                        (long long)outer[i], v3::box_elem(i));
+                                return false;
+                            }
+                        if (b.lead < 0 || b.lead + v3::BM > v3::box_inner(kind, 2)) {
+                            fprintf(stderr, "grouped_gemm: v3 row scales %d..%d of %s kind %d tile %d lie outside the %d-scale box\n",
+                                    b.lead, b.lead + v3::BM - 1, gc.name.c_str(), kind, ti, v3::box_inner(kind, 2));
+                            return false;
+                        }
+                        if (kind != 2 && (t.r0 + (int64_t)t.mt * v3::BM) % 4 != 0) old_bad++;
+                    }
+                }
+            }
+        }
+    }
+    if (old_bad == 0) {
+        fprintf(stderr, "grouped_gemm: no case has a group starting at a row not a multiple of 4: the v3 TMA check proves nothing\n");
+        return false;
+    }
+    if (verbose)
+        printf("# v3 TMA boxes: %lld checked, every start 16-byte aligned (the row-scale start of 7ba8ac5 was not in %lld)\n",
+               (long long)boxes, (long long)old_bad);
+    return true;
+}
+
 /* ---- GG_FP8_HOSTSIM=1: the checks above on the CPU alone (no GPU; make check runs it) ----
  * The quantization kernels' outputs are emulated on the CPU in their layouts (the kernels' index
  * formulas, fp8_ref.h's arithmetic) and the GEMM's output as a perfect one (the fp8 math rounded

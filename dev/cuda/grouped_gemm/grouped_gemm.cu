@@ -446,6 +446,7 @@ int main() {
     const char *filter = getenv("GG_CASES");
     const std::vector<gcase> cases = make_cases();
     if (!sched_selftest(cases)) return 2;
+    if (!fp8_tma_selftest(cases, getenv("GG_FP8_HOSTSIM") != nullptr)) return 2; /* v3's TMA boxes (fp8_lab.cuh) */
     if (getenv("GG_FP8_HOSTSIM")) return fp8_hostsim(); /* the FP8 checks on the CPU alone (fp8_lab.cuh) */
     if (getenv("GG_LIST")) { /* the cases only, no GPU: name, rows, first counts */
         for (const gcase &gc : cases) {

@@ -32,6 +32,23 @@
  * learned from DeepGEMM (deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh); the code is our own.
  * Requires in, out multiples of 128, E <= GG_MAX_E, rcap, kcap, E*in, E*out below 2^31 (TMA int32
  * coordinates); else GG_NOT_SERVED.
+ *
+ * TMA rule this kernel must keep (and broke in its first version, 7ba8ac5): the global address a
+ * cp.async.bulk.tensor box starts at, base + c0 * element size along the innermost dimension, must
+ * be a multiple of 16 bytes; a box that starts elsewhere raises cudaErrorIllegalInstruction (not a
+ * misaligned-address error) and kills the context. The A/B boxes start at k-block offsets (multiples
+ * of 128 B) and kind 2's scale boxes at tile offsets (multiples of 512 B), but the row-scale box of
+ * kinds 0/1 started at the tile's first row r0 + m0: any group starting at a row not a multiple of 4
+ * (fp32) broke the rule (small-full's third group starts at row 1). So that box now starts at
+ * (r0 + m0) rounded down to a multiple of 4 and is SA_BOX = 132 scales long; the consumers read
+ * their rows at lead = r0 % 4 past its start (boxes_of below; the lab checks every box of every
+ * case, tile and k-block on the host: fp8_tma_selftest in fp8_lab.cuh).
+ *
+ * GG_V3_DEBUG=1 (make grouped_gemm_v3dbg): no setmaxnreg (so printf is safe in every warp), every
+ * TMA box's alignment, the warp's convergence before the wgmmas and the launch shape checked on the
+ * device, mbarrier waits bounded (about 20 s); a failed check prints "v3 debug: kernel<K> block b
+ * thread t: <stage> ..." and traps (cudaErrorLaunchFailure, "unspecified launch failure", so a
+ * trap is told apart from an illegal instruction).
  */
 #pragma once
 #include "v2_wgmma.cuh"
@@ -56,6 +73,77 @@ constexpr int BM = 128, BN = 128, BK = 128, THREADS = 384, STAGES = 6;
 constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int SC_BYTES = (BM + BN) * 4;                         /* per stage: A scales, B scales (kind 2) */
 constexpr int SMEM = STAGES * (STAGE_BYTES + SC_BYTES) + 1024; /* + room to align to 1024 */
+/* kinds 0/1: the row-scale box, from the tile's first row rounded down to a multiple of 4 (16 B) */
+constexpr int SA_BOX = BM + 4;
+static_assert(SA_BOX * 4 <= SC_BYTES && SA_BOX * 4 % 16 == 0 && SA_BOX <= 256, "row-scale box");
+constexpr int REG_PRODUCER = 40, REG_CONSUMER = 232; /* setmaxnreg counts: need 168 a thread at launch */
+
+/* The TMA boxes of k-block kb of tile t, as the producer issues them: [0] A, [1] B, [2] A's scales,
+ * [3] B's scales (kind 2 only; n = 3 or 4). c0 is the innermost coordinate (elements of box_elem(i)
+ * bytes), c1 the outer one. brow: W_e's first row in Wq / WqT (kinds 0/1); pb: the group's first
+ * token block (kind 2). lead: where the tile's first row scale lies in box [2] (0 for kind 2). */
+struct stage_boxes {
+    int n, lead;
+    int c0[4], c1[4];
+};
+__host__ __device__ inline int box_elem(int i) { return i < 2 ? 1 : 4; } /* bytes an element of box i */
+__host__ __device__ inline int box_inner(int kind, int i) { return i < 2 ? BK : kind == 2 ? BM : SA_BOX; }
+__host__ __device__ inline int box_outer(int kind, int i) { return i < 2 ? BM : 1; }
+__host__ __device__ inline int stage_tx_bytes(int kind) { return STAGE_BYTES + (kind == 2 ? 2 * BM * 4 : SA_BOX * 4); }
+template <int KIND> __host__ __device__ inline stage_boxes boxes_of(const gg_tile &t, int kb, int brow, int pb) {
+    stage_boxes b;
+    const int m0 = t.mt * BM, n0 = t.nt * BN, r0 = (int)t.r0;
+    if (KIND != 2) {
+        b.n = 3, b.lead = r0 & 3;
+        b.c0[0] = kb * BK, b.c1[0] = r0 + m0;
+        b.c0[1] = kb * BK, b.c1[1] = brow + n0;
+        b.c0[2] = r0 + m0 - b.lead, b.c1[2] = kb; /* a 16-byte aligned start (the rule above) */
+        b.c0[3] = b.c1[3] = 0;
+    } else {
+        const int kt = (pb + kb) * BK;
+        b.n = 4, b.lead = 0;
+        b.c0[0] = kt, b.c1[0] = m0;
+        b.c0[1] = kt, b.c1[1] = n0;
+        b.c0[2] = m0, b.c1[2] = pb + kb;
+        b.c0[3] = n0, b.c1[3] = pb + kb;
+    }
+    return b;
+}
+
+#ifndef GG_V3_DEBUG
+#define GG_V3_DEBUG 0
+#endif
+#if GG_V3_DEBUG
+#define V3_CHECK(cond, ...)                                                                                \
+    do {                                                                                                  \
+        if (!(cond)) {                                                                                    \
+            printf("v3 debug: kernel<%d> block %d thread %d: ", KIND, (int)blockIdx.x, (int)threadIdx.x); \
+            printf(__VA_ARGS__);                                                                          \
+            printf("\n");                                                                                 \
+            __trap();                                                                                     \
+        }                                                                                                 \
+    } while (0)
+#else
+#define V3_CHECK(cond, ...) \
+    do {                    \
+    } while (0)
+#endif
+
+/* v2::mbar_wait; in debug builds bounded (4e10 clock64 ticks, about 20 s) and named (what, it) */
+template <int KIND> __device__ inline void mbar_wait_dbg(uint64_t *b, uint32_t parity, const char *what, uint32_t it) {
+#if GG_V3_DEBUG
+    const long long t0 = clock64();
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(gg_smem_u32(b)), "r"(parity) : "memory");
+        V3_CHECK(done || clock64() - t0 < 40000000000ll, "%s: phase %u never completed (k-block count %u)", what, parity, it);
+    } while (!done);
+#else
+    (void)what, (void)it;
+    v2::mbar_wait(b, parity);
+#endif
+}
 
 /* token-block prefix of the dW layout: pblk[e] = sum_{e' < e} ceil(m_e' / 128) */
 struct sched {
@@ -68,8 +156,6 @@ __device__ inline void pblk_build(int *pblk, const int64_t *offs, int E) {
     for (int e = 0; e < E; e++) pblk[e + 1] = acc += (int)((offs[e + 1] - offs[e] + 127) / 128);
 }
 
-__device__ inline void tma_2d_f(uint32_t dst, const CUtensorMap *m, uint64_t *bar, int c0, int c1) { v2::tma_2d(dst, m, bar, c0, c1); }
-
 template <int KIND>
 __global__ void __launch_bounds__(THREADS, 1)
 kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
@@ -80,6 +166,14 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
     const uint32_t smem = (gg_smem_u32(smem_raw) + 1023u) & ~1023u;
     const float *sscale = reinterpret_cast<const float *>(smem_raw + (smem - gg_smem_u32(smem_raw)) + STAGES * STAGE_BYTES);
     const uint32_t sscale_u32 = smem + STAGES * STAGE_BYTES;
+#if GG_V3_DEBUG
+    {
+        uint32_t dyn;
+        asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
+        V3_CHECK(blockDim.x == THREADS && blockDim.y == 1 && dyn >= (uint32_t)SMEM, "launch: %d threads (want %d), %u B dynamic smem (want %d)",
+                 (int)blockDim.x, THREADS, dyn, SMEM);
+    }
+#endif
 
     gg_problem gp; /* the tile list's view of the problem */
     gp.kind = KIND, gp.E = p.E, gp.in = p.in, gp.out = p.out, gp.beta = p.beta, gp.offs = p.offs, gp.C = p.C;
@@ -94,32 +188,34 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
     const int total = sc.s.tile[p.E], wg = threadIdx.x / 128;
 
     if (wg == 2) { /* producer */
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+#if !GG_V3_DEBUG
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REG_PRODUCER));
+#endif
         if (threadIdx.x != 256) return;
         asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmA)) : "memory");
         asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmB)) : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmSA)) : "memory");
+        if (KIND == 2) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmSB)) : "memory");
+        const CUtensorMap *maps[4] = {&tmA, &tmB, &tmSA, &tmSB};
         uint32_t it = 0;
         for (int ti = blockIdx.x; ti < total; ti += gridDim.x) {
             const gg_tile t = gg_tile_of(sc.s, gp, ti, BN);
             const int nk = KIND == 2 ? (int)((t.me + BK - 1) / BK) : (int)((KIND == 0 ? p.in : p.out) / BK);
-            const int m0 = t.mt * BM, n0 = t.nt * BN, r0 = (int)t.r0;
-            const int brow = (int)(t.e * (KIND == 0 ? p.out : p.in)); /* W_e's first row in Wq / WqT */
+            const int brow = KIND == 2 ? 0 : (int)(t.e * (KIND == 0 ? p.out : p.in)); /* W_e's first row in Wq / WqT */
             const int pb = KIND == 2 ? sc.pblk[t.e] : 0;
             for (int kb = 0; kb < nk; kb++, it++) {
                 const int s = it % STAGES;
-                v2::mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
-                const uint32_t sa = smem + s * STAGE_BYTES, sb = sa + A_BYTES, ssa = sscale_u32 + s * SC_BYTES;
-                v2::mbar_expect_tx(&full[s], STAGE_BYTES + (KIND == 2 ? 2 : 1) * BM * 4);
-                if (KIND != 2) {
-                    tma_2d_f(sa, &tmA, &full[s], kb * BK, r0 + m0);
-                    tma_2d_f(sb, &tmB, &full[s], kb * BK, brow + n0);
-                    tma_2d_f(ssa, &tmSA, &full[s], r0 + m0, kb);
-                } else {
-                    const int kt = (pb + kb) * BK;
-                    tma_2d_f(sa, &tmA, &full[s], kt, m0);
-                    tma_2d_f(sb, &tmB, &full[s], kt, n0);
-                    tma_2d_f(ssa, &tmSA, &full[s], m0, pb + kb);
-                    tma_2d_f(ssa + BM * 4, &tmSB, &full[s], n0, pb + kb);
+                mbar_wait_dbg<KIND>(&empty[s], ((it / STAGES) & 1) ^ 1, "producer: empty wait", it);
+                const uint32_t sa = smem + s * STAGE_BYTES, ssa = sscale_u32 + s * SC_BYTES;
+                const uint32_t dst[4] = {sa, sa + A_BYTES, ssa, ssa + BM * 4};
+                const stage_boxes b = boxes_of<KIND>(t, kb, brow, pb);
+                v2::mbar_expect_tx(&full[s], stage_tx_bytes(KIND));
+#pragma unroll
+                for (int i = 0; i < (KIND == 2 ? 4 : 3); i++) {
+                    V3_CHECK(b.c0[i] >= 0 && b.c1[i] >= 0 && (int64_t)b.c0[i] * box_elem(i) % 16 == 0 && dst[i] % (i < 2 ? 1024 : 128) == 0,
+                             "producer: TMA box %d of tile %d k-block %d starts at (%d, %d), smem 0x%x: inner offset not 16-byte "
+                             "aligned or smem misaligned", i, ti, kb, b.c0[i], b.c1[i], dst[i]);
+                    v2::tma_2d(dst[i], maps[i], &full[s], b.c0[i], b.c1[i]);
                 }
             }
         }
@@ -127,7 +223,9 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
     }
 
     /* consumers: warpgroup wg owns rows wg*64 .. wg*64+63 of the tile */
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+#if !GG_V3_DEBUG
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REG_CONSUMER));
+#endif
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
     const int rl = wg * 64 + warp * 16 + (lane >> 2); /* this thread's first row in the tile (and rl + 8) */
     const int64_t kb_in = p.in / 128, kb_out = p.out / 128;
@@ -135,6 +233,7 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
     for (int ti = blockIdx.x; ti < total; ti += gridDim.x) {
         const gg_tile t = gg_tile_of(sc.s, gp, ti, BN);
         const int nk = KIND == 2 ? (int)((t.me + BK - 1) / BK) : (int)((KIND == 0 ? p.in : p.out) / BK);
+        const int lead = KIND == 2 ? 0 : (int)(t.r0 & 3); /* boxes_of: the row-scale box starts lead rows early */
         /* the weight scales of this tile (kinds 0/1): kind 0 block (n-block nt, k-block kb) of
          * W_e, kind 1 block (kb, nt): W_e^T's blocks are W_e's, transposed */
         const float *wsc = KIND == 0 ? p.sB + ((int64_t)t.e * kb_out + t.nt) * kb_in
@@ -146,10 +245,10 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
         for (int kb = 0; kb < nk; kb++, it++) {
             const int s = it % STAGES;
             const float sbw = KIND != 2 ? __ldg(wsc + kb * wstep) : 0.0f;
-            v2::mbar_wait(&full[s], (it / STAGES) & 1);
+            mbar_wait_dbg<KIND>(&full[s], (it / STAGES) & 1, "consumer: full wait", it);
             const uint32_t sa = smem + s * STAGE_BYTES, sb = sa + A_BYTES;
             const float *ss = sscale + s * (SC_BYTES / 4);
-            const float sa0 = ss[rl], sa1 = ss[rl + 8];
+            const float sa0 = ss[lead + rl], sa1 = ss[lead + rl + 8];
             float sbc[32]; /* kind 2: the B scales of this thread's 32 columns */
             if (KIND == 2) {
 #pragma unroll
@@ -158,10 +257,14 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
                     sbc[2 * j] = v.x, sbc[2 * j + 1] = v.y;
                 }
             }
+            V3_CHECK(__activemask() == 0xffffffffu, "consumer: warp not converged before the wgmmas (mask 0x%x, tile %d k-block %d)",
+                     __activemask(), ti, kb);
             v2::acc_fence(acc);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
             for (int kk = 0; kk < BK / 32; kk++) {
+                /* K-major, 128-byte swizzle: a tile row is 128 fp8 (128 B), 8-row atoms 1024 B apart
+                 * (SBO), LBO unused; the k32 step is +32 B inside the swizzled row, as v2's k16 */
                 const uint64_t da = v2::sdesc(sa + wg * (64 * 128) + kk * 32, 0, 1024);
                 const uint64_t db = v2::sdesc(sb + kk * 32, 0, 1024);
                 wgmma_fp8_m64n128(acc, da, db, kk > 0);
@@ -331,8 +434,18 @@ template <int KIND> static cudaError_t launch_kind(const gg_fp8_problem &p, cuda
         int dev, sms = 0;
         cudaGetDevice(&dev);
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-        const cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+        cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
         if (err != cudaSuccess) return err;
+        /* setmaxnreg.inc waits until the CTA's pool (registers a thread at launch x THREADS) holds
+         * the consumers' REG_CONSUMER and the producer's REG_PRODUCER: with fewer it waits forever */
+        cudaFuncAttributes fa;
+        err = cudaFuncGetAttributes(&fa, fn);
+        if (err != cudaSuccess) return err;
+        if (!GG_V3_DEBUG && fa.numRegs * THREADS < 256 * REG_CONSUMER + 128 * REG_PRODUCER) {
+            fprintf(stderr, "grouped_gemm: v3 kernel<%d> has %d registers a thread; setmaxnreg %d/%d needs %d\n", KIND, fa.numRegs,
+                    REG_PRODUCER, REG_CONSUMER, (256 * REG_CONSUMER + 128 * REG_PRODUCER + THREADS - 1) / THREADS);
+            return cudaErrorInvalidConfiguration;
+        }
         grid = sms;
     }
     const CUtensorMapDataType U8 = CU_TENSOR_MAP_DATA_TYPE_UINT8, F32 = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
@@ -343,12 +456,12 @@ template <int KIND> static cudaError_t launch_kind(const gg_fp8_problem &p, cuda
     if (KIND == 0) {
         err = v2::make_map(&ta, p.A, p.in, p.rcap, 128, BM, U8, 1);
         if (!err) err = v2::make_map(&tb, p.B, p.in, (uint64_t)p.E * p.out, 128, BN, U8, 1);
-        if (!err) err = v2::make_map(&tsa, p.sA, rpad, p.in / 128, BM, 1, F32, 4, NOSW);
+        if (!err) err = v2::make_map(&tsa, p.sA, rpad, p.in / 128, SA_BOX, 1, F32, 4, NOSW);
         tsb = tsa;
     } else if (KIND == 1) {
         err = v2::make_map(&ta, p.A, p.out, p.rcap, 128, BM, U8, 1);
         if (!err) err = v2::make_map(&tb, p.B, p.out, (uint64_t)p.E * p.in, 128, BN, U8, 1);
-        if (!err) err = v2::make_map(&tsa, p.sA, rpad, p.out / 128, BM, 1, F32, 4, NOSW);
+        if (!err) err = v2::make_map(&tsa, p.sA, rpad, p.out / 128, SA_BOX, 1, F32, 4, NOSW);
         tsb = tsa;
     } else {
         err = v2::make_map(&ta, p.A, p.kcap, p.out, 128, BM, U8, 1);
