@@ -86,7 +86,7 @@ TEXT=${TEXT:-$ROOT/.data/tinyshakespeare.txt}
 [ -f "$TEXT" ] || TEXT=/work/shared/data/tinyshakespeare.txt
 MPI=(mpirun --allow-run-as-root --bind-to none --mca btl self,vader --mca btl_vader_single_copy_mechanism none
      --mca pml ob1 "${OVERSUB[@]}")
-export FLATMOE_PROFILE=1
+export FLATMOE_PROFILE=${FLATMOE_PROFILE:-1} # the per-phase step times (FLATMOE_PROFILE=0: off)
 
 need() { # mode, GPUs it needs: 0 when present, else says it is skipped
     if [ "$NGPU" -lt "$2" ]; then echo "== $1: SKIPPED: needs $2 GPUs, found $NGPU (nvidia-smi -L)"; return 1; fi
@@ -309,7 +309,7 @@ plans) # what qwen and sp8 would launch (any machine: plans only)
     sp8_pick && echo "sp8 $SP8_RUN_T: $(plan_line $OLMOE "$SP8_RUN_T" "$SP8_W" --sp "$SP8_SP")" ;;
 all) # every mode that the GPUs allow, in order, skipping what the estimates say would pass the budget
     t0=$SECONDS; budget=${ALL_BUDGET_S:-540}
-    declare -A EST=([two]=360 [kill]=150 [qwen]=420 [skew]=220 [sp8]=90)
+    declare -A EST=([two]=360 [kill]=150 [qwen]=420 [skew]=360 [sp8]=120)
     [ "$DRY" = 1 ] && EST=([two]=20 [kill]=20 [qwen]=30 [skew]=20 [sp8]=10)
     for m in two qwen skew kill sp8; do
         if [ $((SECONDS - t0 + ${EST[$m]})) -gt "$budget" ]; then

@@ -10,7 +10,8 @@
  *   cuda_norm.cu        RMSNorm                        cuda_loss.cu     cross-entropy, linear-CE strips
  *   cuda_rope.cu        RoPE                           cuda_adamw.cu    AdamW
  *   cuda_attention.cu   attention dispatch and state; cuda_attention_cudnn.cu the cuDNN graph path;
- *   cuda_attention_fwd.cu / _bwd.cu our own kernels (the fallback forward and backward). */
+ *   cuda_attention_fwd.cu / _bwd.cu our own kernels (the fallback forward and backward);
+ *   cuda_router_force.cu the forced routing of the FLATMOE_TEST_FORCE_ROUTE test hook. */
 #ifndef FM_CUDA_INTERNAL_H
 #define FM_CUDA_INTERNAL_H
 
