@@ -260,6 +260,17 @@ typedef struct fm_ops {
      * dprobs[e] = (float)(coef * E * (count_e / N) / N), in double, ASSIGNED; dprobs, count [E]
      * backend memory; coef = router_aux_loss_coef * loss scale / L. */
     void (*router_aux_grad)(void *ctx, float *dprobs, const float *count, double coef, int64_t N, int64_t E);
+    /* Forced routing (a test hook: FLATMOE_TEST_FORCE_ROUTE, fm_router.h), run after router_fwd:
+     * token n in [0,N) is forced when n*percent/100 < (n+1)*percent/100 in integer arithmetic
+     * (percent in [0,100] of the tokens, spread evenly; 100: every token, 0: none); a forced
+     * token's topk_idx[n,j] = (first + j) mod E and topk_w[n,j] = probs[n, that expert], j < k
+     * (k <= E: k distinct experts), divided by their sum (accumulated in double, j ascending;
+     * the quotient in double, rounded once to float) when norm_topk; the other tokens' rows are
+     * left as router_fwd wrote them. probs [N,E] fp32, topk_idx [N,k] int32, topk_w [N,k] fp32,
+     * backend memory; first >= 0. The same bits on every backend (cpu_router_force.c,
+     * cuda_router_force.cu). NULL in a backend without it. */
+    void (*router_force)(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
+                         int64_t k, int64_t first, int percent, bool norm_topk);
 
     /* ---- MoE permutation (dropless) --------------------------------------------------------
      * R = N*k routes; route r = n*k + j is token n's j-th choice. The permuted ("expert-major")

@@ -15,20 +15,12 @@ fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const
     fm_linear_fwd(be, logits, FM_DTYPE_F32, x, W, N, H, E);
     be->ops->router_fwd(be->ctx, s->probs, s->lse, s->topk_idx, s->topk_w, logits, N, E, k, o->norm_topk);
     if (o->force_route) { /* test hook (fm_router_opts): the top-k forced, weights from the probabilities */
-        if (!be->ops->host_memory)
-            return fm_error(FM_ERR_UNSUPPORTED, "FLATMOE_TEST_FORCE_ROUTE: the forced routing (a test hook) runs on "
-                            "host-memory backends only (the CPU build); unset it");
-        for (int64_t n = 0; n < N; n++) {
-            double sum = 0;
-            for (int64_t j = 0; j < k; j++) {
-                const int64_t e = (o->force_first + j) % E;
-                s->topk_idx[n * k + j] = (int32_t)e;
-                s->topk_w[n * k + j] = s->probs[n * E + e];
-                sum += s->probs[n * E + e];
-            }
-            if (o->norm_topk)
-                for (int64_t j = 0; j < k; j++) s->topk_w[n * k + j] = (float)(s->topk_w[n * k + j] / sum);
-        }
+        if (!be->ops->router_force)
+            return fm_error(FM_ERR_UNSUPPORTED, "FLATMOE_TEST_FORCE_ROUTE: the %s backend has no router_force op (the "
+                            "forced routing, a test hook, runs on the cpu and cuda backends); unset it",
+                            be->ops->name ? be->ops->name : "this");
+        be->ops->router_force(be->ctx, s->topk_idx, s->topk_w, s->probs, N, E, k, o->force_first, o->force_percent,
+                              o->norm_topk);
     }
     be->ops->router_stats(be->ctx, s->count, s->prob_sum, lse_sq, s->probs, s->lse, s->topk_idx, N, E, k);
     int64_t n_tot = N;

@@ -31,9 +31,14 @@ typedef struct fm_router_opts {
      * FLATMOE_TEST_FORCE_ROUTE): every token's top-k becomes experts force_first .. force_first
      * + k - 1 (mod E), their weights the softmax probabilities of those experts (renormalized with
      * norm_topk), so forward, statistics and backward stay those of a router that chose them.
-     * Host-memory backends only (the CPU); false: the router's own choice. */
+     * force_percent (in [0,100]) of each call's tokens are forced, spread evenly (token n when
+     * n*pct/100 < (n+1)*pct/100), the rest keep the router's own choice: the skewed form
+     * (FLATMOE_TEST_FORCE_ROUTE=FIRST:PCT; plain FIRST is 100). Runs as the backend's
+     * router_force op after router_fwd (the CPU and the CUDA backends, the same bits); false:
+     * the router's own choice. */
     bool force_route;
-    int64_t force_first;
+    int64_t force_first;   /* >= 0 */
+    int force_percent;     /* [0,100] */
 } fm_router_opts;
 
 /* The router options of a config (softmax scores; the config's E, k, norm_topk_prob, coefs). */

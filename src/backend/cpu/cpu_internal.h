@@ -146,6 +146,9 @@ void fm_cpu_router_aux_grad(void *ctx, float *dprobs, const float *count, double
 void fm_cpu_router_stats(void *ctx, float *count, float *prob_sum, double *lse_sq, const float *probs,
                            const float *lse, const int32_t *topk_idx, int64_t N, int64_t E,
                            int64_t k);
+/* cpu_router_force.c: the forced routing of FLATMOE_TEST_FORCE_ROUTE (fm_backend.h router_force) */
+void fm_cpu_router_force(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
+                         int64_t k, int64_t first, int percent, bool norm_topk);
 void fm_cpu_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,
                             const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
 void fm_cpu_moe_gather(void *ctx, float *xe, const float *x, const int32_t *row_route, int64_t R,
