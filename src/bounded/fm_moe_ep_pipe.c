@@ -117,6 +117,19 @@ static fm_status ep_pipe_begin(ep_call *c, ep_chunk *ch, int64_t N, int64_t err,
     return ep_pipe_send(c, 0, err, &ch[0]);
 }
 
+/* Both pipelined passes' iteration i up to chunk i's return (ch: the three chunks in flight, chunk
+ * i at ch[i % 3]): chunk i+1's routing and dispatch, chunk i's experts forward (in the backward:
+ * the recompute), chunk i+1's agreement and exchange out, chunk i's outputs back to its sources. */
+static fm_status ep_pipe_ahead(ep_call *c, ep_chunk *ch, int64_t i, int64_t N, int64_t err, const int32_t *chunk_tokens,
+                               int64_t *start, const fm_act *x, const int32_t *topk_idx, const float *topk_w) {
+    const int64_t Kr = c->K > 0 ? c->K : 1;
+    ep_chunk *cur = &ch[i % 3], *nxt = &ch[(i + 1) % 3];
+    if (i + 1 < Kr) FM_TRY(ep_pipe_next(c, nxt, i + 1, N, err, chunk_tokens, start, x, topk_idx, topk_w));
+    FM_TRY(ep_pipe_owner(c, i, false, NULL, cur));
+    if (i + 1 < Kr) FM_TRY(ep_pipe_send(c, i + 1, 0, nxt));
+    return ep_pipe_back(c, i, cur);
+}
+
 /* The forward, pipelined: iteration i issues chunk i+1's dispatch, chunk i's experts, chunk
  * i+1's agreement and exchange out, chunk i's exchange back, chunk i-1's combine. */
 fm_status fm_ep_pipe_forward(ep_call *c, fm_act *y, const fm_act *x, const int32_t *topk_idx,
@@ -129,11 +142,8 @@ fm_status fm_ep_pipe_forward(ep_call *c, fm_act *y, const fm_act *x, const int32
     int64_t start = 0;
     FM_TRY(ep_pipe_begin(c, ch, N, err, chunk_tokens, &start, x, topk_idx, topk_w));
     for (int64_t i = 0; i < Kr; i++) {
-        ep_chunk *cur = &ch[i % 3], *nxt = &ch[(i + 1) % 3], *prv = &ch[(i + 2) % 3];
-        if (i + 1 < Kr) FM_TRY(ep_pipe_next(c, nxt, i + 1, N, err, chunk_tokens, &start, x, topk_idx, topk_w));
-        FM_TRY(ep_pipe_owner(c, i, false, NULL, cur));
-        if (i + 1 < Kr) FM_TRY(ep_pipe_send(c, i + 1, 0, nxt));
-        FM_TRY(ep_pipe_back(c, i, cur));
+        ep_chunk *prv = &ch[(i + 2) % 3];
+        FM_TRY(ep_pipe_ahead(c, ch, i, N, err, chunk_tokens, &start, x, topk_idx, topk_w));
         if (i > 0) {
             FM_TRY(ep_pipe_join(c, i - 1, prv));
             fm_moe_combine(be, d, &ws->src, ws->yc, ws->topk_w, prv->n);
@@ -171,11 +181,8 @@ fm_status fm_ep_pipe_backward(ep_call *c, const fm_moe_grads *g, fm_act *dx, flo
     int64_t start = 0;
     FM_TRY(ep_pipe_begin(c, ch, N, err, chunk_tokens, &start, x, topk_idx, topk_w));
     for (int64_t j = 0; j < Kr; j++) {
-        ep_chunk *cur = &ch[j % 3], *nxt = &ch[(j + 1) % 3], *prv = &ch[(j + 2) % 3];
-        if (j + 1 < Kr) FM_TRY(ep_pipe_next(c, nxt, j + 1, N, err, chunk_tokens, &start, x, topk_idx, topk_w));
-        FM_TRY(ep_pipe_owner(c, j, false, NULL, cur)); /* the recompute */
-        if (j + 1 < Kr) FM_TRY(ep_pipe_send(c, j + 1, 0, nxt));
-        FM_TRY(ep_pipe_back(c, j, cur));
+        ep_chunk *cur = &ch[j % 3], *prv = &ch[(j + 2) % 3];
+        FM_TRY(ep_pipe_ahead(c, ch, j, N, err, chunk_tokens, &start, x, topk_idx, topk_w)); /* the recompute */
         /* the source: the combine's backward, dye into the outgoing buffer (its x rows were sent) */
         FM_TRY(ep_pipe_join(c, j, cur));
         fm_moe_chunk_gather_rows(be, ws->yc, dy, cur->tok, cur->n, Hb);
