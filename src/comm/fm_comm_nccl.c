@@ -263,12 +263,8 @@ static fm_status nccl_reduce_scatter(void *ctx, const void *send, void *recv, in
     const int W = n->size;
     FM_TRY(fm_comm_check_buf(n->rank, W, what, "send", send, recv_count));
     FM_TRY(fm_comm_check_buf(n->rank, W, what, "recv", recv, recv_count));
-    if (recv_count > INT64_MAX / W)
-        return fm_error(FM_ERR_ARG, "rank %d of %d (nccl): %s: %d x %lld elements overflow", n->rank, W, what, W,
-                        (long long)recv_count);
-    const size_t rb = (size_t)recv_count * fm_comm_dtype_size(dtype);
-    const bool in_place = recv == (const char *)send + (size_t)n->rank * rb; /* NCCL's in-place form */
-    if (!in_place) FM_TRY(fm_comm_check_disjoint(n->rank, W, what, "send", send, (size_t)W * rb, "recv", recv, rb));
+    bool in_place; /* NCCL's in-place form: recv is this rank's block of send */
+    FM_TRY(fm_comm_check_blocks(n->rank, W, " (nccl)", what, send, recv, recv_count, dtype, true, &in_place));
     if (recv_count == 0) return FM_OK;
     FM_TRY(check_device(n, what, "send", send, recv_count));
     FM_TRY(check_device(n, what, "recv", recv, recv_count));
@@ -283,12 +279,8 @@ static fm_status nccl_all_gather(void *ctx, const void *send, void *recv, int64_
     const int W = n->size;
     FM_TRY(fm_comm_check_buf(n->rank, W, what, "send", send, send_count));
     FM_TRY(fm_comm_check_buf(n->rank, W, what, "recv", recv, send_count));
-    if (send_count > INT64_MAX / W)
-        return fm_error(FM_ERR_ARG, "rank %d of %d (nccl): %s: %d x %lld elements overflow", n->rank, W, what, W,
-                        (long long)send_count);
-    const size_t sb = (size_t)send_count * fm_comm_dtype_size(dtype);
-    const bool in_place = send == (const char *)recv + (size_t)n->rank * sb; /* NCCL's in-place form */
-    if (!in_place) FM_TRY(fm_comm_check_disjoint(n->rank, W, what, "send", send, sb, "recv", recv, (size_t)W * sb));
+    bool in_place; /* NCCL's in-place form: send is this rank's block of recv */
+    FM_TRY(fm_comm_check_blocks(n->rank, W, " (nccl)", what, send, recv, send_count, dtype, false, &in_place));
     if (send_count == 0) return FM_OK;
     FM_TRY(check_device(n, what, "send", send, send_count));
     FM_TRY(check_device(n, what, "recv", recv, send_count));
