@@ -170,4 +170,20 @@ static inline double now_s(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+
+/* The CUDA backend on device 0 (g_be, OPS, CTX), checked to be "cuda"; false, with a failed
+ * check and the reason on stderr, when it cannot be made. */
+static inline bool dense_test_backend(void) {
+    fm_status s = gt_cuda_init(&g_be, 0, 128, 0);
+    if (s != FM_OK) {
+        fprintf(stderr, "cannot create the CUDA backend: %s: %s\n", fm_status_name(s), fm_errmsg());
+        CHECK(s == FM_OK);
+        return false;
+    }
+    OPS = g_be.ops;
+    CTX = g_be.ctx;
+    CHECK(strcmp(OPS->name, "cuda") == 0);
+    return true;
+}
+
 #endif

@@ -220,6 +220,32 @@ static inline float *rounded_normal(int64_t n, double scale) {
     return x;
 }
 
+/* ---- the test's start ------------------------------------------------------------------------ */
+
+/* The seed (FLATMOE_TEST_SEED, else dflt; printed) and the CUDA backend on device 0 (g_be, OPS,
+ * CTX); false, with a failed check, when the backend cannot be made. */
+static inline bool moe_test_begin(unsigned long long dflt) {
+    fm_rng_seed(&g_rng, fm_test_seed(dflt));
+    const fm_status st = gt_cuda_init(&g_be, 0, 128, 0);
+    CHECK_MSG(st == FM_OK, "fm_cuda_backend_init: %s", fm_errmsg());
+    if (st != FM_OK) return false;
+    OPS = g_be.ops;
+    CTX = g_be.ctx;
+    return true;
+}
+
+/* FLATMOE_TEST_ONLY=text runs only the sections whose name holds it (e.g. under a sanitizer):
+ * test_only() is that text (NULL: every section), SECTION runs `call` under `name` if chosen. */
+static inline const char *test_only(void) { return getenv("FLATMOE_TEST_ONLY"); }
+#define SECTION(name, call)                                                                        \
+    do {                                                                                           \
+        const char *only_ = test_only();                                                           \
+        if (only_ && !strstr(name, only_)) break;                                                  \
+        printf("%s\n", name);                                                                      \
+        fflush(stdout);                                                                            \
+        call;                                                                                      \
+    } while (0)
+
 /* ---- timings -------------------------------------------------------------------------------- */
 
 /* Seconds on the monotonic clock; BENCH: the mean time of 5 calls after a warm-up call, printed. */

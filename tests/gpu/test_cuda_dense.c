@@ -534,15 +534,7 @@ int main(void) {
     fm_rng_seed(&g_rng, fm_test_seed(20241129));
     const double t0 = now_s();
     test_init_errors();
-    fm_status s = gt_cuda_init(&g_be, 0, 128, 0);
-    if (s != FM_OK) {
-        fprintf(stderr, "cannot create the CUDA backend: %s: %s\n", fm_status_name(s), fm_errmsg());
-        CHECK(s == FM_OK);
-        return fm_test_finish();
-    }
-    OPS = g_be.ops;
-    CTX = g_be.ctx;
-    CHECK(strcmp(OPS->name, "cuda") == 0);
+    if (!dense_test_backend()) return fm_test_finish();
 
     test_memory();
     test_buffers();

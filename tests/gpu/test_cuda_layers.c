@@ -420,15 +420,7 @@ static void test_adamw_bf16_moments(int step, int off) {
 int main(void) {
     fm_rng_seed(&g_rng, fm_test_seed(20241129));
     const double t0 = now_s();
-    fm_status s = gt_cuda_init(&g_be, 0, 128, 0);
-    if (s != FM_OK) {
-        fprintf(stderr, "cannot create the CUDA backend: %s: %s\n", fm_status_name(s), fm_errmsg());
-        CHECK(s == FM_OK);
-        return fm_test_finish();
-    }
-    OPS = g_be.ops;
-    CTX = g_be.ctx;
-    CHECK(strcmp(OPS->name, "cuda") == 0);
+    if (!dense_test_backend()) return fm_test_finish();
 
     test_embedding(40, 11, 130, true);    /* scalar path (H % 8 != 0) */
     test_embedding(100, 11, 256, true);   /* 16-byte path */

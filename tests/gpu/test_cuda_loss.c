@@ -402,22 +402,8 @@ static void bench_loss(void) {
 /* ==== main ===================================================================================== */
 
 int main(void) {
-    fm_rng_seed(&g_rng, fm_test_seed(20240611));
-    const fm_status st = gt_cuda_init(&g_be, 0, 128, 0);
-    CHECK_MSG(st == FM_OK, "fm_cuda_backend_init: %s", fm_errmsg());
-    if (st != FM_OK) return fm_test_finish();
-    OPS = g_be.ops;
-    CTX = g_be.ctx;
-
-    /* FLATMOE_TEST_ONLY=text runs only the sections whose name holds it (e.g. under a sanitizer). */
-    const char *only = getenv("FLATMOE_TEST_ONLY");
-#define SECTION(name, call)                                                                        \
-    do {                                                                                           \
-        if (only && !strstr(name, only)) break;                                                    \
-        printf("%s\n", name);                                                                      \
-        fflush(stdout);                                                                            \
-        call;                                                                                      \
-    } while (0)
+    if (!moe_test_begin(20240611)) return fm_test_finish();
+    const char *only = test_only(); /* FLATMOE_TEST_ONLY: the sections to run (gpu_moe_test.h) */
     SECTION("cross_entropy", {
         test_cross_entropy(1.0, 37, 1000, -1);
         test_cross_entropy(1.0, 37, 1001, -1); /* V % 8 != 0: the scalar path */
