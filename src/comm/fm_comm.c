@@ -102,6 +102,18 @@ fm_status fm_comm_check_disjoint(int rank, int size, const char *what, const cha
     return FM_OK;
 }
 
+fm_status fm_comm_check_blocks(int r, int W, const char *tag, const char *what, const void *send, const void *recv,
+                               int64_t count, fm_comm_dtype dtype, bool send_whole, bool *in_place) {
+    if (count > INT64_MAX / W)
+        return fm_error(FM_ERR_ARG, "rank %d of %d%s: %s: %d x %lld elements overflow", r, W, tag, what, W,
+                        (long long)count);
+    const size_t b = (size_t)count * fm_comm_dtype_size(dtype), wb = (size_t)W * b;
+    const void *whole = send_whole ? send : recv, *block = send_whole ? recv : send;
+    *in_place = block == (const char *)whole + (size_t)r * b; /* MPI's and NCCL's in-place forms */
+    if (*in_place) return FM_OK;
+    return fm_comm_check_disjoint(r, W, what, "send", send, send_whole ? wb : b, "recv", recv, send_whole ? b : wb);
+}
+
 /* The byte extent [lo, hi) of the nonempty blocks (lo == hi: none). */
 static void extent(const int64_t *counts, const int64_t *displs, int W, size_t es, size_t *lo, size_t *hi) {
     *lo = SIZE_MAX, *hi = 0;

@@ -436,6 +436,13 @@ fm_status fm_comm_check_all_to_all_v(int r, int W, const char *tag, const char *
                                      const int64_t *send_counts, const int64_t *send_displs, const void *recv,
                                      const int64_t *recv_counts, const int64_t *recv_displs, fm_comm_dtype dtype,
                                      int64_t total[2], int64_t *biggest);
+/* The extents of reduce_scatter (send_whole: send holds W blocks of count elements, recv one) or
+ * all_gather (recv holds the W blocks, send one) on rank r of W: W * count must not overflow, and
+ * the one-block buffer is either rank r's block of the whole one (the in-place form: *in_place)
+ * or disjoint from it. tag follows "rank R of W" in the overflow message ("" or " (nccl)").
+ * Errors: FM_ERR_ARG (the overflow; fm_comm_check_disjoint's, naming "send" and "recv"). */
+fm_status fm_comm_check_blocks(int r, int W, const char *tag, const char *what, const void *send, const void *recv,
+                               int64_t count, fm_comm_dtype dtype, bool send_whole, bool *in_place);
 /* FM_ERR_ARG when the byte ranges [a, a+na) and [b, b+nb) overlap (empty ranges never do). */
 fm_status fm_comm_check_disjoint(int rank, int size, const char *what, const char *a_name, const void *a, size_t na,
                                  const char *b_name, const void *b, size_t nb);

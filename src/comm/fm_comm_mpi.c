@@ -227,14 +227,9 @@ static fm_status mpi_reduce_scatter(void *ctx, const void *send, void *recv, int
     FM_TRY(fm_comm_check_buf(m->rank, W, what, "send", send, recv_count));
     FM_TRY(fm_comm_check_buf(m->rank, W, what, "recv", recv, recv_count));
     FM_TRY(check_reducible(m, what, dtype));
-    if (recv_count > INT64_MAX / W)
-        return fm_error(FM_ERR_ARG, "rank %d of %d: %s: %d x %lld elements overflow", m->rank, W, what, W,
-                        (long long)recv_count);
+    bool in_place;
+    FM_TRY(fm_comm_check_blocks(m->rank, W, "", what, send, recv, recv_count, dtype, true, &in_place));
     const size_t es = fm_comm_dtype_size(dtype), rb = (size_t)recv_count * es;
-    const char *mine = (const char *)send + (size_t)m->rank * rb;
-    const bool in_place = recv == mine;
-    if (!in_place)
-        FM_TRY(fm_comm_check_disjoint(m->rank, W, what, "send", send, (size_t)W * rb, "recv", recv, rb));
     if (recv_count == 0) return FM_OK;
     if (!m->staged && !in_place) {
         FM_TRY(check_int(m, what, "recv_count", recv_count));
@@ -262,12 +257,9 @@ static fm_status mpi_all_gather(void *ctx, const void *send, void *recv, int64_t
     const int W = m->size;
     FM_TRY(fm_comm_check_buf(m->rank, W, what, "send", send, send_count));
     FM_TRY(fm_comm_check_buf(m->rank, W, what, "recv", recv, send_count));
-    if (send_count > INT64_MAX / W)
-        return fm_error(FM_ERR_ARG, "rank %d of %d: %s: %d x %lld elements overflow", m->rank, W, what, W,
-                        (long long)send_count);
+    bool in_place;
+    FM_TRY(fm_comm_check_blocks(m->rank, W, "", what, send, recv, send_count, dtype, false, &in_place));
     const size_t es = fm_comm_dtype_size(dtype), sb = (size_t)send_count * es;
-    const bool in_place = send == (const char *)recv + (size_t)m->rank * sb;
-    if (!in_place) FM_TRY(fm_comm_check_disjoint(m->rank, W, what, "send", send, sb, "recv", recv, (size_t)W * sb));
     if (send_count == 0) return FM_OK;
     if (!m->staged) {
         FM_TRY(check_int(m, what, "send_count", send_count));
@@ -468,6 +460,25 @@ static fm_status mpi_split(void *ctx, int color, int key, fm_comm *out) {
     return mpi_new(out, nc, m->be.ops ? &m->be : NULL, m->default_timeout, m->stage_bytes);
 }
 
+/* MPI initialized once: MPI_Init_thread at MPI_THREAD_FUNNELED unless the process did it already.
+ * `who` names the caller in the messages; check_level: a thread level below FUNNELED is refused.
+ * Errors: FM_ERR_UNSUPPORTED (MPI already finalized, the thread level), FM_ERR_IO (MPI_Init_thread). */
+static fm_status mpi_init(const char *who, bool check_level) {
+    int inited = 0, finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return fm_error(FM_ERR_UNSUPPORTED, "%s: MPI is already finalized", who);
+    MPI_Initialized(&inited);
+    if (!inited) {
+        int provided = 0;
+        const int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided);
+        if (rc != MPI_SUCCESS) return fm_error(FM_ERR_IO, "%s: MPI_Init_thread failed (code %d)", who, rc);
+        if (check_level && provided < MPI_THREAD_FUNNELED)
+            return fm_error(FM_ERR_UNSUPPORTED, "%s: MPI provides thread level %d, below MPI_THREAD_FUNNELED", who,
+                            provided);
+    }
+    return FM_OK;
+}
+
 bool fm_comm_mpi_built(void) { return true; }
 
 fm_status fm_comm_mpi_world(fm_comm *out, const fm_backend *be, double default_timeout_s, size_t stage_bytes) {
@@ -479,18 +490,7 @@ fm_status fm_comm_mpi_world(fm_comm *out, const fm_backend *be, double default_t
                         default_timeout_s, FM_COMM_DEFAULT_TIMEOUT_S);
     if (be && (!be->ops || !be->ops->copy))
         return fm_error(FM_ERR_ARG, "fm_comm_mpi_world: the backend has no copy op");
-    int inited = 0, finalized = 0;
-    MPI_Finalized(&finalized);
-    if (finalized) return fm_error(FM_ERR_UNSUPPORTED, "fm_comm_mpi_world: MPI is already finalized");
-    MPI_Initialized(&inited);
-    if (!inited) {
-        int provided = 0;
-        const int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided);
-        if (rc != MPI_SUCCESS) return fm_error(FM_ERR_IO, "fm_comm_mpi_world: MPI_Init_thread failed (code %d)", rc);
-        if (provided < MPI_THREAD_FUNNELED)
-            return fm_error(FM_ERR_UNSUPPORTED, "fm_comm_mpi_world: MPI provides thread level %d, below "
-                            "MPI_THREAD_FUNNELED", provided);
-    }
+    FM_TRY(mpi_init("fm_comm_mpi_world", true));
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     if (bf16_sum_op == MPI_OP_NULL && MPI_Op_create(bf16_sum_fn, 1, &bf16_sum_op) != MPI_SUCCESS)
         bf16_sum_op = MPI_OP_NULL; /* bf16 reductions then fail with FM_ERR_UNSUPPORTED (check_reducible) */
@@ -510,15 +510,7 @@ fm_status fm_comm_mpi_world(fm_comm *out, const fm_backend *be, double default_t
 
 fm_status fm_comm_mpi_local(int *local_rank, int *local_size) {
     *local_rank = 0, *local_size = 1;
-    int inited = 0, finalized = 0;
-    MPI_Finalized(&finalized);
-    if (finalized) return fm_error(FM_ERR_UNSUPPORTED, "fm_comm_mpi_local: MPI is already finalized");
-    MPI_Initialized(&inited);
-    if (!inited) {
-        int provided = 0;
-        const int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided);
-        if (rc != MPI_SUCCESS) return fm_error(FM_ERR_IO, "fm_comm_mpi_local: MPI_Init_thread failed (code %d)", rc);
-    }
+    FM_TRY(mpi_init("fm_comm_mpi_local", false));
     MPI_Comm node = MPI_COMM_NULL;
     int rank = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);

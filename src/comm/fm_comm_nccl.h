@@ -1,4 +1,4 @@
-/* The NCCL communicator (fm_comm_nccl.c): GPU ranks, one GPU per rank, behind the table of
+/* The NCCL communicator (fm_comm_nccl*.c): GPU ranks, one GPU per rank, behind the table of
  * fm_comm.h. Built when FLATMOE_CUDA=ON and CMake finds NCCL (nccl.h and libnccl); otherwise
  * these functions exist, fm_comm_nccl_built() is false and fm_comm_nccl_world returns
  * FM_ERR_UNSUPPORTED. This header includes neither nccl.h nor cuda_runtime.h.
