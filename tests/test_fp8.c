@@ -23,7 +23,9 @@
  *   sums); the chunked form's outputs and input gradients equal the plain twin's bit for bit
  *   (row tiles do not depend on the chunking), its weight gradients are close (the 128 x 1
  *   tiles follow the chunk's rows); the fp8 outputs differ from the native ones by a few
- *   percent; the working set's bytes grow by exactly the fp8 term. */
+ *   percent; the working set's bytes grow by exactly the fp8 term. The layer's inputs have row and
+ *   column scales over several binades, so a wrong tiling anywhere changes the block scales
+ *   (with i.i.d. data all tiles share one binade of amax and every tiling gives the same bits). */
 #include <string.h>
 
 #include "backend/cpu/fm_backend_cpu.h"
@@ -192,36 +194,53 @@ static double snr_db(const double *ref, const double *got, int64_t n) {
     return 10.0 * log10(s / e);
 }
 
+/* The fp64 products below also give, when mag is not NULL, each output's sum of |terms| (the
+ * scale its fp32 rounding error is relative to). */
 /* y_e [m_e, out] = A_e [m_e, K] B_e^T, B_e [out, K] (fp64 sums). */
-static void gemm_nt(double *y, const float *A, const float *B, const int64_t *off, int64_t E, int64_t K, int64_t out) {
+static void gemm_nt(double *y, const float *A, const float *B, const int64_t *off, int64_t E, int64_t K, int64_t out,
+                    double *mag) {
     for (int64_t e = 0; e < E; e++)
         for (int64_t r = off[e]; r < off[e + 1]; r++)
             for (int64_t j = 0; j < out; j++) {
-                double s = 0;
-                for (int64_t k = 0; k < K; k++) s += (double)A[r * K + k] * B[e * out * K + j * K + k];
+                double s = 0, m = 0;
+                for (int64_t k = 0; k < K; k++) {
+                    const double t = (double)A[r * K + k] * B[e * out * K + j * K + k];
+                    s += t, m += fabs(t);
+                }
                 y[r * out + j] = s;
+                if (mag) mag[r * out + j] = m;
             }
 }
 
 /* dx_e [m_e, in] = dy_e [m_e, out] W_e, W_e [out, in] (fp64 sums). */
-static void gemm_nn(double *dx, const float *dy, const float *W, const int64_t *off, int64_t E, int64_t in, int64_t out) {
+static void gemm_nn(double *dx, const float *dy, const float *W, const int64_t *off, int64_t E, int64_t in, int64_t out,
+                    double *mag) {
     for (int64_t e = 0; e < E; e++)
         for (int64_t r = off[e]; r < off[e + 1]; r++)
             for (int64_t j = 0; j < in; j++) {
-                double s = 0;
-                for (int64_t k = 0; k < out; k++) s += (double)dy[r * out + k] * W[e * out * in + k * in + j];
+                double s = 0, m = 0;
+                for (int64_t k = 0; k < out; k++) {
+                    const double t = (double)dy[r * out + k] * W[e * out * in + k * in + j];
+                    s += t, m += fabs(t);
+                }
                 dx[r * in + j] = s;
+                if (mag) mag[r * in + j] = m;
             }
 }
 
 /* dW_e [out, in] = dy_e^T x_e over the expert's rows (fp64 sums). */
-static void gemm_tn(double *dW, const float *dy, const float *x, const int64_t *off, int64_t E, int64_t in, int64_t out) {
+static void gemm_tn(double *dW, const float *dy, const float *x, const int64_t *off, int64_t E, int64_t in, int64_t out,
+                    double *mag) {
     for (int64_t e = 0; e < E; e++)
         for (int64_t i = 0; i < out; i++)
             for (int64_t j = 0; j < in; j++) {
-                double s = 0;
-                for (int64_t r = off[e]; r < off[e + 1]; r++) s += (double)dy[r * out + i] * x[r * in + j];
+                double s = 0, m = 0;
+                for (int64_t r = off[e]; r < off[e + 1]; r++) {
+                    const double t = (double)dy[r * out + i] * x[r * in + j];
+                    s += t, m += fabs(t);
+                }
                 dW[e * out * in + i * in + j] = s;
+                if (mag) mag[e * out * in + i * in + j] = m;
             }
 }
 
@@ -249,17 +268,17 @@ static void test_snr(fm_rng *r) {
     g_be.ops->quant_fp8_rows(g_be.ctx, qh, h, R, I);
     g_be.ops->quant_fp8_rows(g_be.ctx, qdy, dy, R, H);
     g_be.ops->quant_fp8_rows(g_be.ctx, qdh, dh, R, I);
-    gemm_nt(ref, x, Wg, off, E, H, I), gemm_nt(got, qx, qWg, off, E, H, I), snr[0] = snr_db(ref, got, R * I);
-    gemm_nt(ref, h, Wd, off, E, I, H), gemm_nt(got, qh, qWd, off, E, I, H), snr[1] = snr_db(ref, got, R * H);
-    gemm_nn(ref, dy, Wd, off, E, I, H), gemm_nn(got, qdy, qWd, off, E, I, H), snr[2] = snr_db(ref, got, R * I);
-    gemm_nn(ref, dh, Wg, off, E, H, I), gemm_nn(got, qdh, qWg, off, E, H, I), snr[3] = snr_db(ref, got, R * H);
+    gemm_nt(ref, x, Wg, off, E, H, I, NULL), gemm_nt(got, qx, qWg, off, E, H, I, NULL), snr[0] = snr_db(ref, got, R * I);
+    gemm_nt(ref, h, Wd, off, E, I, H, NULL), gemm_nt(got, qh, qWd, off, E, I, H, NULL), snr[1] = snr_db(ref, got, R * H);
+    gemm_nn(ref, dy, Wd, off, E, I, H, NULL), gemm_nn(got, qdy, qWd, off, E, I, H, NULL), snr[2] = snr_db(ref, got, R * I);
+    gemm_nn(ref, dh, Wg, off, E, H, I, NULL), gemm_nn(got, qdh, qWg, off, E, H, I, NULL), snr[3] = snr_db(ref, got, R * H);
     /* wgrad: each expert's 128 x 1 tiles */
     g_be.ops->quant_fp8_cols_grouped(g_be.ctx, qx, x, off, E, H);
     g_be.ops->quant_fp8_cols_grouped(g_be.ctx, qh, h, off, E, I);
     g_be.ops->quant_fp8_cols_grouped(g_be.ctx, qdy, dy, off, E, H);
     g_be.ops->quant_fp8_cols_grouped(g_be.ctx, qdh, dh, off, E, I);
-    gemm_tn(ref, dy, h, off, E, I, H), gemm_tn(got, qdy, qh, off, E, I, H), snr[4] = snr_db(ref, got, E * H * I);
-    gemm_tn(ref, dh, x, off, E, H, I), gemm_tn(got, qdh, qx, off, E, H, I), snr[5] = snr_db(ref, got, E * I * H);
+    gemm_tn(ref, dy, h, off, E, I, H, NULL), gemm_tn(got, qdy, qh, off, E, I, H, NULL), snr[4] = snr_db(ref, got, E * H * I);
+    gemm_tn(ref, dh, x, off, E, H, I, NULL), gemm_tn(got, qdh, qx, off, E, H, I, NULL), snr[5] = snr_db(ref, got, E * I * H);
     printf("SNR of fp8 (E4M3, power-of-two block scales) against fp32, E %lld H %lld I %lld rows 200/0/77/300:\n",
            (long long)E, (long long)H, (long long)I);
     for (int i = 0; i < 6; i++) {
@@ -272,14 +291,13 @@ static void test_snr(fm_rng *r) {
 
 /* ---- the fp8 MoE layer ----------------------------------------------------------------------- */
 
-/* max |got - ref| / max(|ref|) over n: the relative error of a product */
-static double rel_err(const float *got, const double *ref, int64_t n) {
-    double m = 0, d = 0;
-    for (int64_t i = 0; i < n; i++) {
-        m = fmax(m, fabs(ref[i]));
-        d = fmax(d, fabs((double)got[i] - ref[i]));
-    }
-    return m > 0 ? d / m : d;
+/* max over the outputs of |got - ref| / (sum of |terms|): each output's error relative to its own
+ * scale (fp32 sums keep it near 1e-7), so small outputs made of small operands count as much as
+ * large ones; an output with no terms must be exactly 0. */
+static double rel_err(const float *got, const double *ref, const double *mag, int64_t n) {
+    double d = 0;
+    for (int64_t i = 0; i < n; i++) d = fmax(d, mag[i] > 0 ? fabs((double)got[i] - ref[i]) / mag[i] : fabs((double)got[i]));
+    return d;
 }
 
 static void test_layer(fm_rng *r) {
@@ -294,12 +312,28 @@ static void test_layer(fm_rng *r) {
     float *dx = fnew(N * H), *dxc = fnew(N * H), *dtw = fnew(N * d.k), *dtwc = fnew(N * d.k);
     float *gg = fnew(EIH), *gu = fnew(EIH), *gd = fnew(EIH), *ggc = fnew(EIH), *guc = fnew(EIH), *gdc = fnew(EIH);
     int32_t *idx = inew(N * d.k), *order = inew(N);
+    /* Scales 2^-16 apart between rows and between columns: with power-of-two scales E4M3's
+     * rounding is the same at any scale in its normal range, so a tiling shows only in which
+     * values fall below it (about 2^-15 under their tile's amax). Every 4th column and every
+     * 3rd row of x and dy, and every 4th row of the weights and every 5th of their columns, are
+     * 2^-16 times the rest, so each wrong tiling (rows for columns, rows for blocks, ...) moves
+     * some values across that line; the error is measured per output against its own scale
+     * (rel_err), where those small values decide the small outputs. */
+    const float t16 = ldexpf(1.0f, -16);
     for (int64_t i = 0; i < EIH; i++) {
-        Wg[i] = (float)fm_rng_normal(r) * 0.05f;
-        Wu[i] = (float)fm_rng_normal(r) * 0.05f;
-        Wd[i] = (float)fm_rng_normal(r) * 0.05f;
+        const int64_t row = i / H, col = i % H; /* gate/up [E*I, H] */
+        const float sc = 0.05f * (row % 4 == 1 ? t16 : 1.0f) * (col % 5 == 2 ? t16 : 1.0f);
+        Wg[i] = (float)fm_rng_normal(r) * sc;
+        Wu[i] = (float)fm_rng_normal(r) * sc;
+        const int64_t rd = i / I, cd = i % I; /* down [E*H, I] */
+        Wd[i] = (float)fm_rng_normal(r) * 0.05f * (rd % 4 == 1 ? t16 : 1.0f) * (cd % 5 == 2 ? t16 : 1.0f);
     }
-    for (int64_t i = 0; i < N * H; i++) { x[i] = (float)fm_rng_normal(r); dy[i] = (float)fm_rng_normal(r); }
+    for (int64_t i = 0; i < N * H; i++) {
+        const int64_t n = i / H, j = i % H;
+        const float sc = (n % 3 == 0 ? t16 : 1.0f) * (j % 4 == 0 ? t16 : 1.0f);
+        x[i] = (float)fm_rng_normal(r) * sc;
+        dy[i] = (float)fm_rng_normal(r) * sc;
+    }
     for (int64_t n = 0; n < N; n++) { /* uneven: expert 3 gets no route, expert 0 most */
         const int32_t a = n % 5 < 4 ? 0 : 1, b = n % 2 ? 2 : (a == 0 ? 1 : 0);
         idx[n * 2] = a, idx[n * 2 + 1] = b;
@@ -334,18 +368,18 @@ static void test_layer(fm_rng *r) {
     CHECK(off[4] == R && off[4] - off[3] == 0 && off[1] - off[0] > 128); /* an empty expert, a partial tile */
     /* each forward product from the layer's own intermediates */
     float *qa = fnew(R * H), *qw = fnew(EIH);
-    double *ref = dnew(R * H > EIH ? R * H : EIH);
+    double *ref = dnew(R * H > EIH ? R * H : EIH), *mag = dnew(R * H > EIH ? R * H : EIH);
     fm_fp8_ref_rows(qa, saved.xe, R, H);
     fm_fp8_ref_blocks(qw, Wg, E, I, H);
-    gemm_nt(ref, qa, qw, off, E, H, I);
-    const double e_gate = rel_err(saved.h_gate, ref, R * I);
+    gemm_nt(ref, qa, qw, off, E, H, I, mag);
+    const double e_gate = rel_err(saved.h_gate, ref, mag, R * I);
     fm_fp8_ref_blocks(qw, Wu, E, I, H);
-    gemm_nt(ref, qa, qw, off, E, H, I);
-    const double e_up = rel_err(saved.h_up, ref, R * I);
+    gemm_nt(ref, qa, qw, off, E, H, I, mag);
+    const double e_up = rel_err(saved.h_up, ref, mag, R * I);
     fm_fp8_ref_rows(qa, saved.h_act, R, I);
     fm_fp8_ref_blocks(qw, Wd, E, H, I);
-    gemm_nt(ref, qa, qw, off, E, I, H);
-    const double e_down = rel_err(saved.ye, ref, R * H);
+    gemm_nt(ref, qa, qw, off, E, I, H, mag);
+    const double e_down = rel_err(saved.ye, ref, mag, R * H);
     CHECK_MSG(e_gate < 1e-5 && e_up < 1e-5 && e_down < 1e-5, "forward products: %g %g %g", e_gate, e_up, e_down);
     /* the fp8 layer is not the native one, but close */
     double num = 0, den = 0;
@@ -358,30 +392,31 @@ static void test_layer(fm_rng *r) {
     float *qb = fnew(R * H);
     fm_fp8_ref_rows(qa, ws.dye, R, H);
     fm_fp8_ref_blocks(qw, Wd, E, H, I);
-    gemm_nn(ref, qa, qw, off, E, I, H);
-    const double e_dact = rel_err(ws.dact, ref, R * I);
+    gemm_nn(ref, qa, qw, off, E, I, H, mag);
+    const double e_dact = rel_err(ws.dact, ref, mag, R * I);
     fm_fp8_ref_cols_grouped(qa, ws.dye, off, E, H);
     fm_fp8_ref_cols_grouped(qb, saved.h_act, off, E, I);
-    gemm_tn(ref, qa, qb, off, E, I, H);
-    const double e_gd = rel_err(gd, ref, EIH);
+    gemm_tn(ref, qa, qb, off, E, I, H, mag);
+    const double e_gd = rel_err(gd, ref, mag, EIH);
     /* wgrad gate / up from ws->dh_gate, dh_up and saved.xe */
     fm_fp8_ref_cols_grouped(qb, saved.xe, off, E, H);
     fm_fp8_ref_cols_grouped(qa, ws.dh_gate, off, E, I);
-    gemm_tn(ref, qa, qb, off, E, H, I);
-    const double e_gg = rel_err(gg, ref, EIH);
+    gemm_tn(ref, qa, qb, off, E, H, I, mag);
+    const double e_gg = rel_err(gg, ref, mag, EIH);
     fm_fp8_ref_cols_grouped(qa, ws.dh_up, off, E, I);
-    gemm_tn(ref, qa, qb, off, E, H, I);
-    const double e_gu = rel_err(gu, ref, EIH);
+    gemm_tn(ref, qa, qb, off, E, H, I, mag);
+    const double e_gu = rel_err(gu, ref, mag, EIH);
     /* dgrad gate + up: dxe = q(dh_gate) q(Wg) + q(dh_up) q(Wu) */
-    double *ref2 = dnew(R * H);
+    double *ref2 = dnew(R * H), *mag2 = dnew(R * H);
     fm_fp8_ref_rows(qa, ws.dh_gate, R, I);
     fm_fp8_ref_blocks(qw, Wg, E, I, H);
-    gemm_nn(ref, qa, qw, off, E, H, I);
+    gemm_nn(ref, qa, qw, off, E, H, I, mag);
     fm_fp8_ref_rows(qa, ws.dh_up, R, I);
     fm_fp8_ref_blocks(qw, Wu, E, I, H);
-    gemm_nn(ref2, qa, qw, off, E, H, I);
-    for (int64_t i = 0; i < R * H; i++) ref[i] += ref2[i];
-    const double e_dxe = rel_err(ws.dxe, ref, R * H);
+    gemm_nn(ref2, qa, qw, off, E, H, I, mag2);
+    for (int64_t i = 0; i < R * H; i++) ref[i] += ref2[i], mag[i] += mag2[i];
+    const double e_dxe = rel_err(ws.dxe, ref, mag, R * H);
+    printf("backward product errors: dact %g dW down %g dW gate %g dW up %g dxe %g\n", e_dact, e_gd, e_gg, e_gu, e_dxe);
     CHECK_MSG(e_dact < 1e-5 && e_gd < 1e-5 && e_gg < 1e-5 && e_gu < 1e-5 && e_dxe < 1e-5,
               "backward products: dact %g, dW down %g, dW gate %g, dW up %g, dxe %g", e_dact, e_gd, e_gg, e_gu, e_dxe);
     /* chunked: the same outputs and input gradients, close weight gradients */
@@ -398,7 +433,7 @@ static void test_layer(fm_rng *r) {
     fm_arena_free(&hn);
     free(Wg); free(Wu); free(Wd); free(x); free(tw); free(y); free(yc); free(yn); free(dy); free(dx); free(dxc);
     free(dtw); free(dtwc); free(gg); free(gu); free(gd); free(ggc); free(guc); free(gdc); free(idx); free(order);
-    free(qa); free(qb); free(qw); free(ref); free(ref2);
+    free(qa); free(qb); free(qw); free(ref); free(ref2); free(mag); free(mag2);
 }
 
 int main(void) {
