@@ -19,8 +19,10 @@
  *   error (uniform within half an ulp) gives ~25-30 dB; above 40 dB the operands would not be
  *   quantized at all (a test that can fail both ways);
  * - the fp8 MoE layer (plain twin and chunked): each expert GEMM equals the fp64 product of the
- *   fake-quantized operands, read from the layer's own intermediates (relative 1e-5: fp32
- *   sums); the chunked form's outputs and input gradients equal the plain twin's bit for bit
+ *   fake-quantized operands, read from the layer's own intermediates (each output within 1e-5
+ *   of its sum of |terms|: fp32 sums), on operands scaled 2^-16 apart by row and column so that
+ *   a wrong tiling fails (power-of-two scales make E4M3 rounding scale-free in its normal
+ *   range: a tiling shows only in which values underflow; i.i.d. data would hide it); the chunked form's outputs and input gradients equal the plain twin's bit for bit
  *   (row tiles do not depend on the chunking), its weight gradients are close (the 128 x 1
  *   tiles follow the chunk's rows); the fp8 outputs differ from the native ones by a few
  *   percent; the working set's bytes grow by exactly the fp8 term. The layer's inputs have row and
