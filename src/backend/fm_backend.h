@@ -167,6 +167,22 @@ typedef struct fm_ops {
                                   int64_t out);
     void (*moe_count_add)(void *ctx, int64_t *counts, const int64_t *offsets, int64_t E);
 
+    /* ---- FP8 fake quantization (optional; NULL: the backend has none) ----------------------
+     * The numerics of blockwise FP8 expert GEMMs (--expert-precision fp8): y = q(x), each tile
+     * with its power-of-two scale, every value rounded to E4M3 and scaled back (backend/fm_fp8.h:
+     * the recipe, the rounding, the non-finite rule; DeepSeek-V3 §3.3). fm_act in and out; y may
+     * alias x. The same bits on every backend for the same input (CUDA: the header's code in
+     * kernels, bf16 in and out; CPU: fp32).
+     *   quant_fp8_rows: x [rows, cols] in 1 x 128 tiles along each row (activations, dy: K = cols)
+     *   quant_fp8_blocks: mats matrices [rows, cols] in 128 x 128 blocks (expert weights [E,out,in])
+     *   quant_fp8_cols_grouped: x [offsets[E], cols] in 128 x 1 tiles along the rows of each group
+     *     [offsets[g], offsets[g+1]) (offsets: host int64 [E+1], as expert_linear_fwd's; the
+     *     weight gradient's operands, K = a group's rows) */
+    void (*quant_fp8_rows)(void *ctx, fm_act *y, const fm_act *x, int64_t rows, int64_t cols);
+    void (*quant_fp8_blocks)(void *ctx, fm_act *y, const fm_act *x, int64_t mats, int64_t rows, int64_t cols);
+    void (*quant_fp8_cols_grouped)(void *ctx, fm_act *y, const fm_act *x, const int64_t *offsets, int64_t E,
+                                   int64_t cols);
+
     /* ---- elementwise / reductions -------------------------------------------------------- */
 
     /* y[i] += x[i], i < n. */

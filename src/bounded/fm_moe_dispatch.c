@@ -25,6 +25,7 @@ size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked, size_t a) 
     const int64_t R = n * d->k;
     size_t b = 2 * RA(R * d->H) + 3 * RA(R * d->I);
     if (chunked) b += 3 * R4(n * d->k) + 3 * RA(n * d->H) + fm_moe_routes_bytes(d, n, a);
+    if (d->fp8) b += 3 * RA(d->E * d->H * d->I) + 2 * RA(R * (d->H > d->I ? d->H : d->I));
     return b;
 }
 
@@ -74,6 +75,14 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
         w->topk_idx = NULL;
         w->topk_w = w->dtopk_w = NULL;
         w->xc = w->yc = w->dxc = NULL;
+    }
+    w->q_gate = w->q_up = w->q_down = w->q_a = w->q_b = NULL;
+    if (d->fp8) { /* model/fm_experts_fp8.h */
+        w->q_gate = TAKE(a, fm_act, d->E * d->I * d->H);
+        w->q_up = TAKE(a, fm_act, d->E * d->I * d->H);
+        w->q_down = TAKE(a, fm_act, d->E * d->H * d->I);
+        w->q_a = TAKE(a, fm_act, R * (d->H > d->I ? d->H : d->I));
+        w->q_b = TAKE(a, fm_act, R * (d->H > d->I ? d->H : d->I));
     }
 }
 

@@ -36,6 +36,8 @@ typedef struct fm_moe_grads {
 typedef struct fm_moe_dims {
     int64_t H, I, E, k;
     bool sync_free;
+    bool fp8; /* --expert-precision fp8: the expert GEMMs' operands fake-quantized to blockwise E4M3
+                 (model/fm_experts_fp8.h); the working set then holds the quantized copies */
 } fm_moe_dims;
 
 /* Buffers of one dispatch over n tokens (R = n*k routes): the routing index and the expert
@@ -59,6 +61,9 @@ typedef struct fm_moe_ws {
     float *topk_w, *dtopk_w;           /* [c,k] */
     fm_act *xc, *yc, *dxc;             /* [c,H]: inputs, outputs / output grads, input grads */
     fm_moe_routes r;                   /* the chunk's routes */
+    /* d->fp8 only (NULL otherwise; model/fm_experts_fp8.h): the layer's quantized expert weights
+     * (gate, up [E,I,H], down [E,H,I]) and two [R, max(H,I)] buffers of quantized operands */
+    fm_act *q_gate, *q_up, *q_down, *q_a, *q_b;
     /* Expert load: NULL, or host int64 [E] to which fm_moe_forward adds each dispatch's tokens
      * per expert (offsets[e+1] - offsets[e], read from the pinned offsets after the dispatch's
      * sync point: no extra wait). Only the forward counts, never the recompute inside
@@ -76,7 +81,8 @@ void fm_moe_chunks(int64_t N, int64_t chunk_tokens, int64_t *K, int64_t *c_eff);
  *   plain saved    = routes(N) per layer (saved for backward);  plain ws = n*k*(2H + 3I)*a with n = N
  *   chunked ws     = routes(c) + c*k*(2H + 3I)*a + 3*c*k*4 + 3*c*H*a with c = c_eff:
  *                    one chunk's forward and backward, whatever the routing (dropless: a chunk's
- *                    c*k routes fill exactly c*k rows however they are spread over experts). */
+ *                    c*k routes fill exactly c*k rows however they are spread over experts).
+ *   fp8 (d->fp8)   adds 3*E*H*I*a (the layer's quantized weights) + 2*n*k*max(H,I)*a to either ws. */
 size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n, size_t act_bytes);
 size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked, size_t act_bytes);
 

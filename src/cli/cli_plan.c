@@ -21,7 +21,8 @@
 
 int cmd_plan(int argc, char **argv) {
     const char *config = NULL, *recompute = NULL, *offload = NULL, *device_mem = NULL, *backend = NULL, *gpu_ws_plan = NULL;
-    const char *mem_budget = NULL, *host_mem = NULL, *calib_path = NULL, *vocab_par = NULL;
+    const char *mem_budget = NULL, *host_mem = NULL, *calib_path = NULL, *vocab_par = NULL,
+               *expert_prec = NULL;
     int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = INT64_MIN, ce_bt = INT64_MIN, ce_bv = INT64_MIN, tq = 0, tkv = 0;
     int threads = 0;
     bool json = false, bf16m = false, offopt = false, keep_att = false, no_keep = false, no_overlap = false;
@@ -48,6 +49,7 @@ int cmd_plan(int argc, char **argv) {
         {"attention-tile-kv", F_I64, &tkv, NULL, "CPU attention tile: key columns (64)"},
         {"gpu-workspace", F_STR, &gpu_ws_plan, NULL, "CUDA: bytes of the cuDNN workspace (default: sized by the planner)"},
         {"backend", F_STR, &backend, NULL, "plan for cpu (fp32) or cuda (bf16) (this binary's backend)"},
+        {"expert-precision", F_STR, &expert_prec, NULL, "bf16 | fp8: plan train's --expert-precision fp8 (the expert live set holds the quantized weights, 3 E H I elements, and two N k max(H,I) operand buffers) (bf16)"},
         {"bf16-moments", F_BOOL, &bf16m, NULL, "AdamW moments in bf16 (4 instead of 8 bytes per parameter) (off)"},
         {"offload-boundaries", F_STR, &offload, NULL, "N | all: boundaries 0..N-1 in pinned host memory (train's flag; 0 = off)"},
         {"no-optimizer-overlap", F_BOOL, &no_overlap, NULL, "project the update after the backward instead of beside the next forward (train's flag) (overlapped)"},
@@ -108,6 +110,9 @@ int cmd_plan(int argc, char **argv) {
     req.att_tile_q = tq;
     req.att_tile_kv = tkv;
     req.bf16_moments = bf16m;
+    if (expert_prec && !strcmp(expert_prec, "fp8")) req.expert_fp8 = true;
+    else if (expert_prec && strcmp(expert_prec, "bf16") != 0)
+        return cli_usage_error("plan", "--expert-precision: expected bf16 or fp8, found '%s'", expert_prec);
     /* --zero 0, 1 or 3 with --ep and/or --sp (no --world): the trainer's own run (train --ep/--sp
      * --zero Z over dp x sp ranks), exact to its arenas; --world, or --ep/--sp without --zero, the mesh */
     { /* the degrees given must be >= 1 (train refuses --ep 0 and --sp 0 too); left out: 0 below */
@@ -165,6 +170,9 @@ int cmd_plan(int argc, char **argv) {
         return cli_usage_error("plan", "--zero must be 0, 1 or 3 (ZeRO-2 is --zero 1's gradient sharding), found %s",
                                found);
     if (!mesh) req.train_dp = dp, req.train_zero = zero; /* the train flags line */
+    if (req.expert_fp8 && (ep > 1 || mesh))
+        return cli_usage_error("plan", "%s", "--expert-precision fp8 with --ep > 1 or --world: the FP8 experts are not "
+                               "built for expert parallelism or a mesh plan yet; drop one of them");
     if (vocab_par && strcmp(vocab_par, "ring") != 0 && strcmp(vocab_par, "off") != 0)
         return cli_usage_error("plan", "--vocab-parallel: expected off or ring, found '%s'", vocab_par);
     if (vocab_par && !strcmp(vocab_par, "ring") && !mesh) { /* train's Ring-DTP over its dp x sp ranks */

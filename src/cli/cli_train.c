@@ -31,7 +31,7 @@ int cmd_train(int argc, char **argv) {
     o.warmup = INT64_MIN;
     static const char *data[MAX_FILES], *val[MAX_FILES];
     const char *mem_budget = NULL, *gpu_ws = NULL, *host_mem = NULL, *comm = NULL, *comm_check = NULL;
-    const char *vocab_par = NULL;
+    const char *vocab_par = NULL, *expert_prec = NULL;
     flag flags[] = {
         {"config", F_STR, &o.config_path, NULL, "Hugging Face config.json of the model (required unless --resume or --init-from)"},
         {"init-from", F_STR, &o.init_from, NULL, "start from a Hugging Face model folder: its config.json and weights (model.safetensors, or model.safetensors.index.json and its shards; fp32, bf16 or fp16); the optimizer starts fresh; --resume wins when --out has a checkpoint (off)"},
@@ -49,6 +49,7 @@ int cmd_train(int argc, char **argv) {
         {"grad-clip", F_F64, &o.grad_clip, NULL, "global gradient-norm clip, 0 = off (1.0)"},
         {"beta1", F_F64, &o.beta1, NULL, "AdamW beta1 (0.9)"},
         {"beta2", F_F64, &o.beta2, NULL, "AdamW beta2 (0.95)"},
+        {"expert-precision", F_STR, &expert_prec, NULL, "bf16 | fp8: fp8 runs the MoE expert GEMMs (gate+up, down; forward, dgrad, wgrad) on operands fake-quantized to E4M3 with power-of-two block scales (DeepSeek-V3's 1x128 activation / 128x128 weight / 128x1 wgrad tiles), fp32 accumulation: the FP8 recipe's numerics, emulated, not its speed; bf16 = the backend's native precision (fp32 on the CPU build); not with --ep > 1 or FLATMOE_EXPERT_GEMM=sm90 (bf16)"},
         {"bf16-moments", F_BOOL, &o.bf16_moments, NULL, "keep the AdamW moments m and v in bf16 (4 instead of 8 bytes per parameter; the update is computed in fp32, checkpoints hold them as fp32) (off)"},
         {"no-optimizer-overlap", F_BOOL, &o.no_optimizer_overlap, NULL, "run the update after the backward, with the step waiting for it, instead of layer by layer on a side stream while the next step's forward runs (the same weights either way) (overlapped)"},
         {"offload-optimizer", F_BOOL, &o.offload_optimizer, NULL, "the streamed AdamW: fp32 master, Adam m and v in pinned host memory (12 B/param, 8 with --bf16-moments), streamed through device slots bucket by bucket; the device keeps weights and grads (checkpoints unchanged) (off)"},
@@ -123,6 +124,9 @@ int cmd_train(int argc, char **argv) {
     if (vocab_par && !strcmp(vocab_par, "ring")) o.vocab_parallel = FM_VOCAB_PARALLEL_RING;
     else if (vocab_par && strcmp(vocab_par, "off") != 0)
         return cli_usage_error("train", "--vocab-parallel: expected off or ring, found '%s'", vocab_par);
+    if (expert_prec && !strcmp(expert_prec, "fp8")) o.expert_fp8 = true;
+    else if (expert_prec && strcmp(expert_prec, "bf16") != 0)
+        return cli_usage_error("train", "--expert-precision: expected bf16 or fp8, found '%s'", expert_prec);
     o.comm_kind = (int)ck;
     o.comm_check = (int)cc;
     if (o.threads < 0) return cli_usage_error("train", "%s", "--threads must be >= 0 (0 = all cores)");

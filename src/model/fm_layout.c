@@ -84,7 +84,8 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size, hd = c->head_dim;
     fm_arena *bnd = &ar[FM_LIVE_BOUNDARIES], *acts = &ar[FM_LIVE_LAYER_ACTS],
              *ws = &ar[FM_LIVE_WORKING_SET], *voc = &ar[FM_LIVE_VOCAB], *ex = &ar[FM_LIVE_EXPERT];
-    const fm_moe_dims md = moe_dims(c);
+    fm_moe_dims md = moe_dims(c);
+    md.fp8 = m->moe_fp8;
     const bool chunked = m->moe_chunk_tokens > 0;
     int64_t c_eff;
     fm_moe_chunks(N, m->moe_chunk_tokens, &m->moe_K, &c_eff);
@@ -250,6 +251,7 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
     m.sp = opts && opts->sp > 1 ? (int)opts->sp : 1;
     m.vocab_P = opts && opts->vocab_ring > 1 ? opts->vocab_ring : 0;
     m.ep = opts && opts->ep > 1 ? opts->ep : 1;
+    m.moe_fp8 = opts && opts->expert_fp8;
     m.ep_rank = opts && opts->ep > 1 ? opts->ep_rank : 0;
     if (opts && opts->ep > 1 && opts->llep) m.moe_llep = *opts->llep;
     bool *rc = fm_malloc((size_t)(2 * L + 1));
@@ -340,6 +342,13 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     if (opts && (opts->ce_block_tokens < 0 || opts->ce_block_vocab < 0))
         return fm_error(FM_ERR_ARG, "--ce-block-tokens and --ce-block-vocab must be >= 0");
     m->moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
+    m->moe_fp8 = opts && opts->expert_fp8;
+    if (m->moe_fp8 && opts->ep > 1)
+        return fm_error(FM_ERR_ARG, "--expert-precision fp8 with --ep %d: the FP8 experts are not built for expert "
+                        "parallelism yet; drop --ep or use --expert-precision bf16", opts->ep);
+    if (m->moe_fp8 && !(m->be.ops->quant_fp8_rows && m->be.ops->quant_fp8_blocks && m->be.ops->quant_fp8_cols_grouped))
+        return fm_error(FM_ERR_UNSUPPORTED, "--expert-precision fp8: the %s backend has no FP8 quantization ops "
+                        "(quant_fp8_*); use --expert-precision bf16", m->be.ops->name);
     m->linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
     m->ce_block_tokens = opts ? opts->ce_block_tokens : 0;
     m->ce_block_vocab = opts ? opts->ce_block_vocab : 0;
@@ -367,7 +376,7 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
        * all-to-all needs the counts on the host anyway) */
         int64_t K, c_eff;
         fm_moe_chunks(m->N, m->moe_chunk_tokens, &K, &c_eff);
-        m->moe_sync_free = ep == 1 && m->be.ops->expert_sync_free &&
+        m->moe_sync_free = ep == 1 && !m->moe_fp8 && m->be.ops->expert_sync_free &&
                            m->be.ops->expert_sync_free(m->be.ctx, c->num_experts, c->hidden_size,
                                                        c->moe_intermediate_size, c_eff * c->num_experts_per_tok);
     }
@@ -376,6 +385,7 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
                         m->n_offloaded_boundaries, m->keep_attention, ep, m->ep_rank, &m->moe_llep};
     o.sp = sp;
     o.vocab_ring = m->vocab_P;
+    o.expert_fp8 = m->moe_fp8;
     size_t bytes[FM_LIVE_COUNT];
     size_t host_bytes = 0;
     plan_bytes(c, B, T, &o, bytes, &host_bytes);

@@ -134,6 +134,7 @@ typedef struct fm_model {
     bool moe_sync_free;         /* the backend's expert GEMMs read the offsets on the device
                                    (fm_backend.h expert_sync_free; set by fm_model_layout): no host
                                    wait per dispatch */
+    bool moe_fp8;               /* --expert-precision fp8 (fm_layout_opts.expert_fp8; fm_experts_fp8.h) */
     fm_moe_ws moe_ws;           /* expert-dispatch working set */
     fm_router_opts router;      /* the router's options, from the config */
     const fm_comm *comm;        /* the ranks that see this batch's tokens (dp x sp), backend memory:
@@ -255,6 +256,11 @@ typedef struct fm_layout_opts {
                                   CE, ce_block_* > 0, and fm_model_layout requires m->vocab_comm of
                                   that size): the vocabulary live set holds the ring's bound
                                   (fm_model_vocab_ring_bytes) instead of the one-rank strip */
+    bool expert_fp8;           /* --expert-precision fp8: the expert GEMMs on blockwise-E4M3
+                                  fake-quantized operands (model/fm_experts_fp8.h); the expert
+                                  live set holds the quantized copies (fm_moe_ws_bytes). Needs the
+                                  backend's quant_fp8_* ops and ep <= 1; the expert GEMMs then run
+                                  on the host offsets (never sync-free) */
 } fm_layout_opts;
 
 /* Lays out and allocates activation memory for micro-batch B x sequence T (opts NULL: no

@@ -2,6 +2,7 @@
 #include "fm_moe_layer.h"
 
 #include "fm_experts.h"
+#include "fm_experts_fp8.h"
 
 /* The expert load of one dispatch into ws->counts [E] (when set): rows per expert. Sync-free
  * (the offsets not yet on the host): added on the device, into counts in pinned host memory
@@ -15,13 +16,32 @@ static void count_load(const fm_backend *be, const fm_moe_dims *d, const fm_moe_
     for (int64_t e = 0; e < d->E; e++) ws->counts[e] += r->offsets[e + 1] - r->offsets[e];
 }
 
+/* The experts of one dispatch in the layer's precision: --expert-precision fp8 runs them on the
+ * quantized weights wq (fm_experts_fp8.h), bf16 (native) as they are. */
+static void experts_fwd(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_routes *r,
+                        fm_moe_ws *ws, int64_t n) {
+    if (d->fp8) fm_experts_fp8_forward(be, d, w, r, ws, n);
+    else fm_experts_forward(be, d, w, r, n);
+}
+
+static void experts_bwd(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, const fm_moe_grads *g,
+                        const fm_moe_routes *r, fm_moe_ws *ws, int64_t n) {
+    if (d->fp8) fm_experts_fp8_backward(be, d, w, g, r, ws, n);
+    else fm_experts_backward(be, d, w, g, r, ws, n);
+}
+
 void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_act *y,
                     const fm_act *x, const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
                     const int32_t *chunk_tokens, fm_moe_routes *saved, fm_moe_ws *ws) {
+    fm_moe_weights wq;
+    if (d->fp8) { /* the layer's weights quantized once, for every chunk */
+        fm_experts_fp8_weights(be, d, w, ws, &wq);
+        w = &wq;
+    }
     if (saved) {
         fm_moe_dispatch(be, d, saved, x, topk_idx, N);
         count_load(be, d, ws, saved);
-        fm_experts_forward(be, d, w, saved, N);
+        experts_fwd(be, d, w, saved, ws, N);
         fm_moe_combine(be, d, saved, y, topk_w, N);
         return;
     }
@@ -33,7 +53,7 @@ void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_wei
         fm_moe_chunk_gather(be, d, ws, x, topk_idx, topk_w, tok, n);
         fm_moe_dispatch(be, d, &ws->r, ws->xc, ws->topk_idx, n);
         count_load(be, d, ws, &ws->r);
-        fm_experts_forward(be, d, w, &ws->r, n);
+        experts_fwd(be, d, w, &ws->r, ws, n);
         fm_moe_combine(be, d, &ws->r, ws->yc, ws->topk_w, n);
         fm_moe_chunk_scatter(be, y, ws->yc, tok, n, Hb);
     }
@@ -43,9 +63,14 @@ void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_we
                      const fm_moe_grads *g, fm_act *dx, float *dtopk_w, const fm_act *dy, const fm_act *x,
                      const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
                      const int32_t *chunk_tokens, const fm_moe_routes *saved, fm_moe_ws *ws) {
+    fm_moe_weights wq;
+    if (d->fp8) { /* quantized again (the forward's copy was another layer's since): the same bits */
+        fm_experts_fp8_weights(be, d, w, ws, &wq);
+        w = &wq;
+    }
     if (saved) {
         fm_moe_combine_backward(be, d, saved, ws->dye, dtopk_w, dy, topk_w, N);
-        fm_experts_backward(be, d, w, g, saved, ws, N);
+        experts_bwd(be, d, w, g, saved, ws, N);
         fm_moe_dispatch_backward(be, d, saved, dx, ws->dxe, N);
         return;
     }
@@ -57,10 +82,10 @@ void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_we
         fm_moe_chunk_gather(be, d, ws, x, topk_idx, topk_w, tok, n);
         /* recompute the chunk's dispatch and experts (no combine: backward needs only ye) */
         fm_moe_dispatch(be, d, &ws->r, ws->xc, ws->topk_idx, n);
-        fm_experts_forward(be, d, w, &ws->r, n);
+        experts_fwd(be, d, w, &ws->r, ws, n);
         fm_moe_chunk_gather_rows(be, ws->yc, dy, tok, n, Hb);
         fm_moe_combine_backward(be, d, &ws->r, ws->dye, ws->dtopk_w, ws->yc, ws->topk_w, n);
-        fm_experts_backward(be, d, w, g, &ws->r, ws, n);
+        experts_bwd(be, d, w, g, &ws->r, ws, n);
         fm_moe_dispatch_backward(be, d, &ws->r, ws->dxc, ws->dxe, n);
         fm_moe_chunk_scatter(be, dx, ws->dxc, tok, n, Hb);
         fm_moe_chunk_scatter(be, dtopk_w, ws->dtopk_w, tok, n, d->k * (int64_t)sizeof(float));

@@ -73,6 +73,8 @@ typedef struct fm_plan_req {
     bool expert_sync_free;      /* CUDA: the expert GEMMs run as the sm90 kernel (FLATMOE_EXPERT_GEMM=sm90
                                    where fm_cuda_sm90_expert_gemm_serves): the projection times them at
                                    the calibration's sm90 curves when the table has them */
+    bool expert_fp8;            /* --expert-precision fp8: the expert live set holds the quantized
+                                   weights and operands (fm_moe_ws_bytes's fp8 term; not with ep > 1) */
     bool optimizer_overlap;     /* the update overlaps the next step's forward (train/fm_optim_overlap.h):
                                    the projection counts only the part of the optimizer's time
                                    longer than one micro-batch's forward */

@@ -31,6 +31,7 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     fprintf(f, "; MoE %s", r->ep > 1 ? "dispatched over ep" : r->moe_chunk_tokens > 0 ? "chunked" : "unchunked (plain)");
     if (r->moe_chunk_tokens > 0 || r->ep > 1)
         fprintf(f, ", %lld chunks of <= %lld tokens", (long long)p->moe_K, (long long)p->moe_c_eff);
+    if (r->expert_fp8) fprintf(f, ", expert GEMMs fp8 (blockwise E4M3, emulated)");
     fprintf(f, "; vocabulary %s", (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear cross-entropy" : "plain logits");
     if (r->vocab_ring > 1 && !r->mesh.on)
         fprintf(f, " as Ring-DTP over %lld ranks (V/P = %lld head rows each)", (long long)r->vocab_ring,
@@ -63,6 +64,7 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     fprintf(f, " --offload-boundaries %lld", (long long)p->n_offloaded_boundaries);
     if (r->offload_optimizer) fprintf(f, " --offload-optimizer");
     if (r->bf16_moments) fprintf(f, " --bf16-moments");
+    if (r->expert_fp8) fprintf(f, " --expert-precision fp8");
     if (r->ep > 1) fprintf(f, " --ep %d", r->ep);
     if (r->sp > 1) fprintf(f, " --sp %lld", (long long)r->sp);
     if (!r->mesh.on && (r->train_dp > 1 || r->train_zero > 0)) {
@@ -191,10 +193,11 @@ void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_re
     const size_t budget = x->budget;
     fprintf(f, "{\"model_type\":\"%s\",\"params\":%lld,\"active_params\":%lld,\"micro_batch\":%lld,\"seq_len\":%lld,\"sp\":%lld,\"ep\":%lld,"
             "\"recomputed_layers\":%lld,\"keep_attention_layers\":%lld,\"moe_chunk_tokens\":%lld,\"moe_chunks\":%lld,\"ce_block_tokens\":%lld,"
-            "\"ce_block_vocab\":%lld,\"adam_moments\":\"%s\",\"live_sets\":{",
+            "\"ce_block_vocab\":%lld,\"adam_moments\":\"%s\",\"expert_precision\":\"%s\",\"live_sets\":{",
             r->cfg.model_type_name, (long long)p->n_params, (long long)p->n_active, (long long)r->B, (long long)r->T,
             (long long)(r->sp > 1 ? r->sp : 1), (long long)(r->ep > 1 ? r->ep : 1), (long long)p->n_recomputed, (long long)p->n_keep_attention, (long long)r->moe_chunk_tokens, (long long)p->moe_K,
-            (long long)r->ce_block_tokens, (long long)r->ce_block_vocab, r->bf16_moments ? "bf16" : "fp32");
+            (long long)r->ce_block_tokens, (long long)r->ce_block_vocab, r->bf16_moments ? "bf16" : "fp32",
+            r->expert_fp8 ? "fp8" : "bf16");
     for (int i = 0; i < FM_PLAN_SETS; i++) fprintf(f, "%s\"%s\":%zu", i ? "," : "", fm_plan_set_name(i), p->bytes[i]);
     if (r->mesh.on) fprintf(f, ",\"communication buffers\":%zu", p->comm_bytes);
     const bool host_ok = x->host_budget == FM_HOST_BUDGET_UNLIMITED || p->host_bytes <= x->host_budget;

@@ -131,6 +131,7 @@ static char *state_to_json(const run *r, const train_state *s) {
     cJSON_AddNumberToObject(sch, "min_lr", r->o->min_lr);
     cJSON_AddNumberToObject(sch, "warmup", (double)r->o->warmup);
     cJSON_AddStringToObject(o, "adam_moments", s->bf16_moments ? "bf16" : "fp32");
+    cJSON_AddStringToObject(o, "expert_precision", s->expert_fp8 ? "fp8" : "bf16");
     /* the sampling cursor (fm_dataset_sample_batch): the RNG state is all of it; rank, world and
      * the training tokens say what it was drawn over */
     cJSON *cur = cJSON_AddObjectToObject(o, "data_cursor");
@@ -171,6 +172,8 @@ fm_status fm_train_state_read(const char *path, train_state *s) {
     s->warmup = cJSON_IsObject(sch) ? json_i64(sch, "warmup", -1) : -1;
     const cJSON *mom = cJSON_GetObjectItemCaseSensitive(o, "adam_moments");
     s->bf16_moments = cJSON_IsString(mom) && strcmp(mom->valuestring, "bf16") == 0;
+    const cJSON *ep8 = cJSON_GetObjectItemCaseSensitive(o, "expert_precision");
+    s->expert_fp8 = cJSON_IsString(ep8) && strcmp(ep8->valuestring, "fp8") == 0;
     fm_status st = FM_OK;
     if (s->step < 0 || s->opt_step < 0 || !cJSON_IsString(rng) || !cJSON_IsString(seed))
         st = fm_error(FM_ERR_FORMAT, "%s: expected fields step, optimizer_step, data_rng_state and seed", path);

@@ -79,6 +79,7 @@ static cJSON *flags_json(const fm_train_opts *o) {
     add_int(f, "attention_tile_kv", o->att_tile_kv);
     add_u64(f, "gpu_workspace", o->gpu_workspace);
     cJSON_AddBoolToObject(f, "bf16_moments", o->bf16_moments);
+    cJSON_AddStringToObject(f, "expert_precision", o->expert_fp8 ? "fp8" : "bf16");
     cJSON_AddBoolToObject(f, "offload_optimizer", o->offload_optimizer);
     add_int(f, "offload_optimizer_bucket", o->offload_optimizer_bucket);
     add_int(f, "offload_optimizer_slots", o->offload_optimizer_slots);

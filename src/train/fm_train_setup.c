@@ -242,6 +242,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                        o->offload_optimizer, bucket, o->offload_optimizer_slots, fm_offload_model_state_bound,
                        keep};
     req.optimizer_overlap = !o->no_optimizer_overlap && !(o->zero && W > 1); /* as fm_step_ws_enable_overlap below */
+    req.expert_fp8 = o->expert_fp8; /* the quantized copies in the expert live set */
     req.sp = sp; /* activations of seq-len/sp tokens per sequence, plus the head-sharded attention buffers */
     /* --vocab-parallel ring: the linear CE (default blocks when neither flag is given), over the
      * world's W ranks when W > 1 (Ring-DTP's bound for the vocabulary live set) */
@@ -397,6 +398,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                                keep, ep, r->rank % ep, &llep};
     lo.sp = sp;
     lo.vocab_ring = vocab_ring ? W : 0;
+    lo.expert_fp8 = o->expert_fp8;
     FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len / sp, &lo)); /* this rank's slice of each sequence */
     if (vocab_ring && !o->quiet)
         printf("vocab-parallel: Ring-DTP over %d ranks, head rows [%lld, %lld) on this rank (%lld of %lld), moving %s\n", W,
@@ -459,6 +461,11 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                     "will not match an uninterrupted one (%s to continue it as it was)\n",
                     o->bf16_moments ? "bf16" : "fp32", ts->bf16_moments ? "--bf16-moments" : "fp32 moments",
                     ts->bf16_moments ? "pass --bf16-moments" : "drop --bf16-moments");
+        if (ts->expert_fp8 != o->expert_fp8 && r->rank == 0)
+            fprintf(stderr, "warning: resuming with --expert-precision %s, but the checkpoint was trained with "
+                    "--expert-precision %s: the run will not match an uninterrupted one (pass --expert-precision %s "
+                    "to continue it as it was)\n", o->expert_fp8 ? "fp8" : "bf16", ts->expert_fp8 ? "fp8" : "bf16",
+                    ts->expert_fp8 ? "fp8" : "bf16");
         if (!o->quiet) printf("resumed from %s (step %lld)\n", ckpt, (long long)ts->step);
     } else {
         if (o->init_from) FM_TRY(init_from_folder(r, o->init_from));
@@ -472,6 +479,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     ts->micro_batch = o->micro_batch;
     ts->dp = dp;
     ts->bf16_moments = o->bf16_moments;
+    ts->expert_fp8 = o->expert_fp8;
     ts->grad_accum = o->grad_accum;
     ts->steps = o->steps;
 

@@ -61,6 +61,9 @@ typedef struct fm_train_opts {
                                      workspace come from the fields above and the plan. Recorded in
                                      metrics.jsonl ("backend") on the first step of each invocation. */
     bool bf16_moments;            /* --bf16-moments: AdamW m and v in bf16 (checkpoints keep fp32) */
+    bool expert_fp8;              /* --expert-precision fp8: the expert GEMMs' operands fake-quantized
+                                     to blockwise E4M3 (model/fm_experts_fp8.h); false: bf16, the
+                                     backend's native precision (fp32 on the CPU) */
     bool offload_optimizer;       /* --offload-optimizer: the streamed AdamW (train/fm_offload_adamw.h):
                                      master, m, v in pinned host memory */
     int64_t offload_optimizer_bucket; /* --offload-optimizer-bucket: parameters per bucket (0: 100M,

@@ -179,4 +179,10 @@ void fm_cpu_lce_strip_grad(void *ctx, float *grad, const float *strip, const flo
                            int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index,
                            float grad_scale, float z_coef);
 
+/* cpu_fp8.c: FP8 fake quantization (fm_backend.h quant_fp8_*; backend/fm_fp8.h's reference) */
+void fm_cpu_quant_fp8_rows(void *ctx, float *y, const float *x, int64_t rows, int64_t cols);
+void fm_cpu_quant_fp8_blocks(void *ctx, float *y, const float *x, int64_t mats, int64_t rows, int64_t cols);
+void fm_cpu_quant_fp8_cols_grouped(void *ctx, float *y, const float *x, const int64_t *offsets, int64_t E,
+                                   int64_t cols);
+
 #endif

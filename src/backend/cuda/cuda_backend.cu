@@ -5,6 +5,7 @@
  * workspace, all sized here from the options (fm_backend_opts.h) and never again.
  */
 #include "cuda_internal.h"
+#include "cuda_fp8.h"
 #include "sm90/gg_sm90.h"
 
 #include <cstdio>
@@ -56,6 +57,9 @@ static fm_ops make_cuda_ops(void) {
     o.expert_linear_fwd_dev = fm_cuda_expert_linear_fwd_dev;
     o.expert_linear_bwd_dev = fm_cuda_expert_linear_bwd_dev;
     o.moe_count_add = fm_cuda_moe_count_add;
+    o.quant_fp8_rows = fm_cuda_quant_fp8_rows; /* cuda_fp8.h */
+    o.quant_fp8_blocks = fm_cuda_quant_fp8_blocks;
+    o.quant_fp8_cols_grouped = fm_cuda_quant_fp8_cols_grouped;
     o.add = fm_cuda_add;
     o.sumsq = fm_cuda_sumsq;
     o.embedding_fwd = fm_cuda_embedding_fwd;

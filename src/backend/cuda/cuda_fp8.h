@@ -1,0 +1,31 @@
+/* The CUDA backend's FP8 fake quantization ops (fm_backend.h quant_fp8_*; the recipe, rounding
+ * and non-finite rule: backend/fm_fp8.h, whose code the kernels run, so they give the C
+ * reference's bits on the same bf16 input). bf16 in, bf16 out (the E4M3 value times its
+ * power-of-two scale is exact in bf16); y may alias x. Issued on the context's stream; launch
+ * errors are recorded in the context (fm_cuda_status). Algorithm: DeepSeek-V3 §3.3 (arXiv
+ * 2412.19437), fine-grained 1 x 128 / 128 x 128 / 128 x 1 tiles with UE8M0 scales.
+ *   fm_cuda_quant_fp8_rows: x [rows, cols], 1 x 128 tiles along each row; one warp per tile,
+ *     the tile's amax by a warp butterfly (__shfl_xor_sync), 4 elements per lane.
+ *   fm_cuda_quant_fp8_blocks: mats x [rows, cols], 128 x 128 blocks; one 256-thread block per
+ *     block, amax by warp butterflies and a shared-memory tree.
+ *   fm_cuda_quant_fp8_cols_grouped: x [offsets[E], cols], 128 x 1 tiles along each group's rows
+ *     (offsets host int64 [E+1]); one launch per non-empty group, one thread per column and
+ *     128-row tile (coalesced across the columns), amax by a loop over the tile's rows. */
+#ifndef FM_CUDA_FP8_H
+#define FM_CUDA_FP8_H
+
+#include "../fm_backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+void fm_cuda_quant_fp8_rows(void *ctx, fm_act *y, const fm_act *x, int64_t rows, int64_t cols);
+void fm_cuda_quant_fp8_blocks(void *ctx, fm_act *y, const fm_act *x, int64_t mats, int64_t rows, int64_t cols);
+void fm_cuda_quant_fp8_cols_grouped(void *ctx, fm_act *y, const fm_act *x, const int64_t *offsets, int64_t E,
+                                    int64_t cols);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

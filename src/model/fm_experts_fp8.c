@@ -1,0 +1,71 @@
+/* FP8 blockwise experts, emulated by fake quantization (fm_experts_fp8.h; DeepSeek-V3 §3.3). */
+#include "fm_experts_fp8.h"
+
+void fm_experts_fp8_weights(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_ws *ws,
+                            fm_moe_weights *wq) {
+    FM_ASSERT(ws->q_gate && ws->q_up && ws->q_down); /* laid out with d->fp8 */
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
+    be->ops->quant_fp8_blocks(be->ctx, ws->q_gate, w->w_gate, d->E, d->I, d->H);
+    be->ops->quant_fp8_blocks(be->ctx, ws->q_up, w->w_up, d->E, d->I, d->H);
+    be->ops->quant_fp8_blocks(be->ctx, ws->q_down, w->w_down, d->E, d->H, d->I);
+    wq->w_gate = ws->q_gate;
+    wq->w_up = ws->q_up;
+    wq->w_down = ws->q_down;
+}
+
+void fm_experts_fp8_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *wq, fm_moe_routes *r,
+                            fm_moe_ws *ws, int64_t n) {
+    const int64_t H = d->H, I = d->I, E = d->E, R = n * d->k;
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
+    if (n == 0) return;
+    be->ops->quant_fp8_rows(be->ctx, ws->q_a, r->xe, R, H); /* K = H */
+    fm_expert_linear_fwd(be, r->h_gate, ws->q_a, wq->w_gate, r->offsets, E, H, I);
+    fm_expert_linear_fwd(be, r->h_up, ws->q_a, wq->w_up, r->offsets, E, H, I);
+    be->ops->swiglu_fwd(be->ctx, r->h_act, r->h_gate, r->h_up, R * I);
+    be->ops->quant_fp8_rows(be->ctx, ws->q_a, r->h_act, R, I); /* K = I */
+    fm_expert_linear_fwd(be, r->ye, ws->q_a, wq->w_down, r->offsets, E, I, H);
+}
+
+/* dx_e [m_e,in] = beta dx_e + dy_e W_e per expert with rows (the dgrad alone: the fp8 wgrad
+ * takes differently quantized operands). */
+static void dgrad(const fm_backend *be, fm_act *dx, float beta, const fm_act *dy, const fm_act *W,
+                  const int64_t *offsets, int64_t E, int64_t in, int64_t out) {
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t r0 = offsets[e], m = offsets[e + 1] - r0;
+        if (m == 0) continue;
+        be->ops->gemm(be->ctx, false, false, m, in, out, 1.0f, dy + r0 * out, out, W + e * out * in, in, beta,
+                      dx + r0 * in, FM_ACT_DTYPE, in);
+    }
+}
+
+/* dW_e += dy_e^T x_e (the wgrad alone: the grouped bwd with dx NULL). */
+static void wgrad(const fm_backend *be, fm_act *dW, const fm_act *dy, const fm_act *x, const fm_act *W,
+                  const int64_t *offsets, int64_t E, int64_t in, int64_t out) {
+    fm_expert_linear_bwd(be, NULL, 0.0f, dW, dy, x, W, offsets, E, in, out);
+}
+
+void fm_experts_fp8_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *wq,
+                             const fm_moe_grads *g, const fm_moe_routes *r, fm_moe_ws *ws, int64_t n) {
+    const int64_t H = d->H, I = d->I, E = d->E, R = n * d->k;
+    const int64_t *off = r->offsets;
+    fm_act *A = ws->q_a, *B = ws->q_b;
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
+    if (n == 0) return;
+    /* down: ye = h_act D^T (in = I, out = H) */
+    be->ops->quant_fp8_rows(be->ctx, A, ws->dye, R, H);
+    dgrad(be, ws->dact, 0.0f, A, wq->w_down, off, E, I, H);
+    be->ops->quant_fp8_cols_grouped(be->ctx, A, ws->dye, off, E, H);
+    be->ops->quant_fp8_cols_grouped(be->ctx, B, r->h_act, off, E, I);
+    wgrad(be, g->w_down, A, B, wq->w_down, off, E, I, H);
+    be->ops->swiglu_bwd(be->ctx, ws->dh_gate, ws->dh_up, ws->dact, r->h_gate, r->h_up, R * I);
+    /* gate and up: h = xe W^T (in = H, out = I); B holds xe in column tiles for both wgrads */
+    be->ops->quant_fp8_rows(be->ctx, A, ws->dh_gate, R, I);
+    dgrad(be, ws->dxe, 0.0f, A, wq->w_gate, off, E, H, I);
+    be->ops->quant_fp8_cols_grouped(be->ctx, B, r->xe, off, E, H);
+    be->ops->quant_fp8_cols_grouped(be->ctx, A, ws->dh_gate, off, E, I);
+    wgrad(be, g->w_gate, A, B, wq->w_gate, off, E, H, I);
+    be->ops->quant_fp8_rows(be->ctx, A, ws->dh_up, R, I);
+    dgrad(be, ws->dxe, 1.0f, A, wq->w_up, off, E, H, I);
+    be->ops->quant_fp8_cols_grouped(be->ctx, A, ws->dh_up, off, E, I);
+    wgrad(be, g->w_up, A, B, wq->w_up, off, E, H, I);
+}

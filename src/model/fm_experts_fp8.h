@@ -1,0 +1,40 @@
+/* FP8 blockwise experts (--expert-precision fp8): the numerics of E4M3 expert GEMMs with
+ * DeepSeek-V3's fine-grained scaling (arXiv 2412.19437 §3.3; power-of-two UE8M0 scales as in
+ * DeepSeek-V3.1 / MXFP8), emulated: before each expert GEMM its operands are fake-quantized
+ * (backend op quant_fp8_*, backend/fm_fp8.h) into the working set, and the backend's plain
+ * expert GEMM (fp32 accumulation) runs on them. Since every quantized value is exact in fm_act,
+ * this equals the FP8 GEMM with per-tile scales up to the order of the fp32 sums. It gives the
+ * recipe's numerics, not its speed (that waits for an sm_90 FP8 grouped GEMM).
+ *
+ * Tiles per product (K: the GEMM's reduction dimension):
+ *   forward  y = x W^T (K = in):   x in 1 x 128 tiles per row, W [E,out,in] in 128 x 128 blocks
+ *   dgrad    dx = dy W (K = out):  dy in 1 x 128 tiles per row, the same quantized W
+ *   wgrad    dW = dy^T x (K = the expert's rows): dy and x in 128 x 1 tiles along the rows of
+ *            each expert (rows [offsets[e], offsets[e+1]); its last tile shorter)
+ * The master weights, the weight gradients and everything outside the expert GEMMs (router,
+ * SwiGLU, combine) stay as they are. The weights are quantized once per call of fm_moe_forward
+ * / fm_moe_backward for a layer (before the chunk loop; a chunked backward's recompute uses the
+ * same copy), into ws->q_gate, q_up, q_down: deterministic, so a recompute sees the same bits.
+ * The activation operands use ws->q_a and q_b ([R, max(H,I)]). Bytes: fm_moe_ws_bytes's fp8
+ * term. Needs the backend's quant_fp8_* ops and the host-offset expert GEMMs (not sync-free). */
+#ifndef FM_EXPERTS_FP8_H
+#define FM_EXPERTS_FP8_H
+
+#include "../bounded/fm_moe_dispatch.h"
+
+/* Quantizes w's gate, up [E,I,H] and down [E,H,I] in 128 x 128 blocks into ws->q_*, and points
+ * *wq at them. */
+void fm_experts_fp8_weights(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_ws *ws,
+                            fm_moe_weights *wq);
+
+/* fm_experts_forward's contract with wq the quantized weights (fm_experts_fp8_weights); the
+ * GEMMs' activation operands quantized into ws->q_a. */
+void fm_experts_fp8_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *wq, fm_moe_routes *r,
+                            fm_moe_ws *ws, int64_t n);
+
+/* fm_experts_backward's contract with wq the quantized weights: each dgrad on dy quantized in
+ * row tiles, each wgrad on dy and x quantized in each expert's row tiles (ws->q_a, q_b). */
+void fm_experts_fp8_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *wq,
+                             const fm_moe_grads *g, const fm_moe_routes *r, fm_moe_ws *ws, int64_t n);
+
+#endif

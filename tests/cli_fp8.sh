@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# --expert-precision fp8 end to end (model/fm_experts_fp8.h): a few training steps with finite
+# losses close to (but not equal to) the native run's, every arena's high-water mark equal to its
+# bound with the fp8 copies in the expert live set (plain, chunked + recompute + grad-accum), the
+# flag in metrics.jsonl's header, state.json and plan's lines and --json, plan's expert bytes
+# larger by exactly 3 E H I + 2 N k max(H, I) elements, a resume with the other precision warned
+# about, and bad values / unsupported combinations refused with a clear message.
+source "$(dirname "$0")/lib_cli.sh"
+cfg="$ROOT/configs/tiny.json" # H 128, I 128, E 8, top-2: whole 128-wide tiles
+base=(--config "$cfg" --data "$TEXT" --seq-len 64 --micro-batch 4 --steps 3 --threads 2 --eval-every 3 --eval-batches 1 --seed 7)
+
+losses() { python3 -c '
+import json, sys
+print(" ".join(repr(r["loss"]) for r in map(json.loads, open(sys.argv[1])) if "loss" in r))' "$1"; }
+
+# high-water = bound for every arena in a --report-memory log
+check_memory() { # NAME LOG
+    local n=0
+    while read -r set bound hw; do
+        n=$((n + 1))
+        [ "$hw" -le "$bound" ] && [ $(( hw + 64 )) -ge "$bound" ] && ok || bad "$1: $set high-water $hw vs bound $bound"
+    done < <(grep "^memory:" "$2" | grep -v "live set\|attention" | sed -E 's/^memory: +(.*[a-z)]) +([0-9]+) +([0-9]+) .*/\1|\2|\3/' | \
+             awk -F'|' '{gsub(/ /, "_", $1); print $1, $2, $3}')
+    [ $n -ge 6 ] && ok || bad "$1: found $n memory lines"
+}
+
+"$FM" train "${base[@]}" --report-memory --out "$TMP/native" > "$TMP/native.log" 2>&1 || bad "native run failed: $(tail -3 "$TMP/native.log")"
+"$FM" train "${base[@]}" --report-memory --expert-precision fp8 --out "$TMP/fp8" > "$TMP/fp8.log" 2>&1 || bad "fp8 run failed: $(tail -3 "$TMP/fp8.log")"
+grep -q "expert GEMMs fp8" "$TMP/fp8.log" && ok || bad "the fp8 run's header does not say fp8"
+check_memory plain "$TMP/fp8.log"
+ln=$(losses "$TMP/native/metrics.jsonl"); lf=$(losses "$TMP/fp8/metrics.jsonl")
+echo "native losses: $ln"; echo "fp8 losses:    $lf"
+python3 - "$ln" "$lf" <<'PY' && ok || bad "fp8 losses not finite / not close to native / identical to native"
+import math, sys
+a = [float(x) for x in sys.argv[1].split()]; b = [float(x) for x in sys.argv[2].split()]
+assert len(a) == len(b) == 3 and all(math.isfinite(x) for x in b)
+assert all(abs(x - y) < 0.05 for x, y in zip(a, b)), (a, b)
+assert a != b
+PY
+grep -m1 '"type": *"header"' "$TMP/fp8/metrics.jsonl" | grep -q '"expert_precision":[[:space:]]*"fp8"' && ok || bad "metrics header lacks expert_precision fp8"
+grep -m1 '"type": *"header"' "$TMP/native/metrics.jsonl" | grep -q '"expert_precision":[[:space:]]*"bf16"' && ok || bad "metrics header lacks expert_precision bf16"
+grep -q '"expert_precision":[[:space:]]*"fp8"' "$TMP/fp8/step_000003/state.json" && ok || bad "state.json lacks expert_precision fp8"
+
+# chunked MoE + recompute + grad-accum
+"$FM" train "${base[@]}" --report-memory --expert-precision fp8 --moe-chunk-tokens 48 --recompute 0,2 --grad-accum 2 \
+    --out "$TMP/chunk" > "$TMP/chunk.log" 2>&1 || bad "fp8 chunked run failed: $(tail -3 "$TMP/chunk.log")"
+check_memory chunked "$TMP/chunk.log"
+python3 -c 'import sys, math; v = [float(x) for x in sys.argv[1].split()]; assert len(v) == 3 and all(math.isfinite(x) for x in v)' \
+    "$(losses "$TMP/chunk/metrics.jsonl")" && ok || bad "fp8 chunked losses not finite"
+
+# resume with the other precision: warned
+"$FM" train "${base[@]}" --steps 4 --resume --out "$TMP/fp8" > "$TMP/resume.log" 2>&1 || bad "resume failed: $(tail -3 "$TMP/resume.log")"
+grep -q "warning: resuming with --expert-precision bf16, but the checkpoint was trained with --expert-precision fp8" "$TMP/resume.log" \
+    && ok || bad "no warning on a resume with another --expert-precision: $(grep -i warn "$TMP/resume.log")"
+
+# plan: the expert live set grows by exactly the fp8 term (plain: N = 4 x 64, k = 2)
+pj() { "$FM" plan --config "$cfg" --seq-len 64 --micro-batch 4 --moe-chunk-tokens 0 --threads 2 --json "$@" 2>/dev/null; }
+b16=$(pj); b8=$(pj --expert-precision fp8)
+python3 - "$b16" "$b8" <<'PY' && ok || bad "plan's fp8 expert bytes are not the bf16 ones + 3 E H I + 2 N k max(H,I)"
+import json, sys
+a, b = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+r = lambda n: (n + 63) // 64 * 64
+E, H, I, N, k = 8, 128, 128, 256, 2
+term = 3 * r(E * H * I * 4) + 2 * r(N * k * max(H, I) * 4)
+assert b["expert_precision"] == "fp8" and a["expert_precision"] == "bf16"
+assert b["live_sets"]["expert dispatch"] == a["live_sets"]["expert dispatch"] + term, (a["live_sets"], b["live_sets"], term)
+assert b["total_bytes"] == a["total_bytes"] + term
+print("plan: expert dispatch", a["live_sets"]["expert dispatch"], "->", b["live_sets"]["expert dispatch"], "(+%d)" % term)
+PY
+"$FM" plan --config "$cfg" --seq-len 64 --micro-batch 4 --expert-precision fp8 2>/dev/null | grep -q "^train flags:.*--expert-precision fp8" \
+    && ok || bad "plan's train flags line lacks --expert-precision fp8"
+
+expect_fail "train --expert-precision fp16" "--expert-precision: expected bf16 or fp8, found 'fp16'" "$FM" train "${base[@]}" --expert-precision fp16 --out "$TMP/bad"
+expect_fail "plan --expert-precision fp16" "--expert-precision: expected bf16 or fp8, found 'fp16'" "$FM" plan --config "$cfg" --seq-len 64 --expert-precision fp16
+expect_fail "fp8 with --ep 2" "--expert-precision fp8 with --ep 2" "$FM" train "${base[@]}" --expert-precision fp8 --ep 2 --out "$TMP/bad"
+expect_fail "fp8 with FLATMOE_EXPERT_GEMM=sm90" "--expert-precision fp8 with FLATMOE_EXPERT_GEMM=sm90" env FLATMOE_EXPERT_GEMM=sm90 "$FM" train "${base[@]}" --expert-precision fp8 --out "$TMP/bad"
+finish
