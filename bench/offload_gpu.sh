@@ -12,6 +12,7 @@
 #   bash bench/offload_gpu.sh lab             # the grouped GEMM kernel lab (dev/cuda/grouped_gemm)
 #   bash bench/offload_gpu.sh long            # 512K (chooser), then the longest fit (1.25M, detached: collect)
 #   bash bench/offload_gpu.sh sm90 [T...]     # the sync-free expert GEMMs against cuBLAS (issue 14)
+#   bash bench/offload_gpu.sh autogemm [T...] # FLATMOE_EXPERT_GEMM=auto's pick in train (4K: sm90, 32K: cuBLAS)
 #   bash bench/offload_gpu.sh verify          # build + ctest -L gpu + the lab's checks (a session's first call)
 #   bash bench/offload_gpu.sh updblocks [n..] # FLATMOE_UPDATE_BLOCKS A/B at 4K (6 steps each)
 #   bash bench/offload_gpu.sh pack            # tar $OUT into one file (the device returns at most 8)
@@ -140,10 +141,10 @@ verify) # the first call of a session after CUDA changes: build, ctest -L gpu (t
     (cd dev/cuda/grouped_gemm && timeout 240 make check > "$OUT/lab-check.log" 2>&1; echo "lab make check: $?";
      tail -3 "$OUT/lab-check.log"; GG_CASES=small-full GG_NOTIME=1 timeout 120 ./grouped_gemm > "$OUT/lab-small.txt" 2>&1;
      echo "lab small-full: $?"; grep -E "FAIL|SNR|^small-full.*fwd\+bwd" "$OUT/lab-small.txt" | head -20) ;;
-sm90) # issue 14: the sync-free expert GEMMs (FLATMOE_EXPERT_GEMM=sm90) against cuBLAS (auto) with the
+sm90) # issue 14: the sync-free expert GEMMs (FLATMOE_EXPERT_GEMM=sm90) against cuBLAS (cublas) with the
     # chooser's knobs, 3 steps each, host syncs per step in the summary (T list: ${@:2}, default 4K..64K)
     shift; for T in ${*:-4096 16384 32768 65536}; do
-        FLATMOE_EXPERT_GEMM=auto run1 gemm-auto-$T $T 3
+        FLATMOE_EXPERT_GEMM=cublas run1 gemm-cublas-$T $T 3
         FLATMOE_EXPERT_GEMM=sm90 run1 gemm-sm90-$T $T 3
     done ;;
 updblocks) # the optimizer overlap's update stream at low priority with a capped AdamW grid
@@ -166,6 +167,13 @@ PY
     ;;
 pack) # every file under $OUT into one $OUT/pack.tgz (the device returns at most 8 files)
     (cd "$OUT" && tar czf /tmp/pack.tgz --exclude=pack.tgz . && rm -rf ./* && mv /tmp/pack.tgz .); ls -la "$OUT" ;;
+autogemm) # FLATMOE_EXPERT_GEMM=auto's pick (plan/fm_expert_choice.h) in train: its line, the metrics
+    # header's expert_gemm and the backend it created, 3 steps each (T list: ${@:2}, default 4K, 32K)
+    shift; for T in ${*:-4096 32768}; do
+        FLATMOE_EXPERT_GEMM=auto run1 gemm-auto-$T $T 3; grep "^expert GEMM:" "$OUT/gemm-auto-$T.log"
+        head -1 "$OUT/gemm-auto-$T.jsonl" | grep -o '"expert_gemm":{[^}]*}'
+        grep -m1 '"type":"step"' "$OUT/gemm-auto-$T.jsonl" | grep -o '"expert_gemm":"[a-z0-9]*"'
+    done ;;
 run) shift; run1 "$@" ;;
-*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|sm90|verify|collect|peer|ours|ranks|lab|updblocks|pack|run"; exit 2 ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|sm90|autogemm|verify|collect|peer|ours|ranks|lab|updblocks|pack|run"; exit 2 ;;
 esac

@@ -12,7 +12,7 @@ expect_fail "non-numeric flag" "expects an integer, found 'ten'" "$FM" train --c
 expect_fail "a given -1 memory flag" "must be >= 0, found -1" "$FM" train --config "$cfg" "${base[@]}" --ce-block-tokens -1 --out "$TMP/a"
 expect_fail "byte count beyond 2^64" "beyond what a byte count can hold" "$FM" plan --config "$cfg" --seq-len 16 --device-mem 99999999999999999999
 expect_fail "byte count below one byte" "less than one byte" "$FM" plan --config "$cfg" --seq-len 16 --device-mem 0.5
-expect_fail "bad FLATMOE_EXPERT_GEMM" "FLATMOE_EXPERT_GEMM=bogus: expected auto, loop, grouped or sm90" env FLATMOE_EXPERT_GEMM=bogus "$FM" train --config "$cfg" "${base[@]}" --out "$TMP/a"
+expect_fail "bad FLATMOE_EXPERT_GEMM" "FLATMOE_EXPERT_GEMM=bogus: expected auto, cublas, loop, grouped or sm90" env FLATMOE_EXPERT_GEMM=bogus "$FM" train --config "$cfg" "${base[@]}" --out "$TMP/a"
 expect_fail "missing config file" "nope.json: cannot open" "$FM" train --config "$TMP/nope.json" "${base[@]}" --out "$TMP/a"
 expect_fail "missing data file" "missing.txt" "$FM" train --config "$cfg" --data "$TMP/missing.txt" --seq-len 16 --out "$TMP/a" --quiet
 printf '{"model_type": "olmoe", "hidden_size": 32,,}' > "$TMP/malformed.json"

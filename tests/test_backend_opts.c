@@ -68,10 +68,12 @@ static void test_from_env(void) {
     CHECK(from("FLATMOE_EXPERT_GEMM", "grouped", &o) == FM_OK && o.expert_gemm == FM_EXPERT_GEMM_GROUPED);
     CHECK(from("FLATMOE_EXPERT_GEMM", "sm90", &o) == FM_OK && o.expert_gemm == FM_EXPERT_GEMM_SM90);
     CHECK(strcmp(fm_expert_gemm_name(FM_EXPERT_GEMM_SM90), "sm90") == 0);
+    CHECK(from("FLATMOE_EXPERT_GEMM", "cublas", &o) == FM_OK && o.expert_gemm == FM_EXPERT_GEMM_CUBLAS);
+    CHECK(strcmp(fm_expert_gemm_name(FM_EXPERT_GEMM_CUBLAS), "cublas") == 0);
     CHECK(from("FLATMOE_EXPERT_GEMM", "auto", &o) == FM_OK && o.expert_gemm == FM_EXPERT_GEMM_AUTO);
     CHECK(from("FLATMOE_EXPERT_GEMM", "batched", &o) == FM_ERR_ARG);
-    CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_EXPERT_GEMM=batched") && strstr(fm_errmsg(), "auto, loop, grouped or sm90"), "%s",
-              fm_errmsg());
+    CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_EXPERT_GEMM=batched") &&
+                  strstr(fm_errmsg(), "auto, cublas, loop, grouped or sm90"), "%s", fm_errmsg());
 
     CHECK(from("FLATMOE_UPDATE_BLOCKS", "264", &o) == FM_OK && o.update_blocks == 264);
     CHECK(from("FLATMOE_UPDATE_BLOCKS", "0", &o) == FM_OK && o.update_blocks == 0);

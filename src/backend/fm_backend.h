@@ -140,7 +140,8 @@ typedef struct fm_ops {
      * Either may be NULL: fm_expert_linear_fwd/bwd below then loop over gemm, one call per
      * expert (the CPU). CUDA: one grouped cuBLAS call per product (cublasGemmGroupedBatchedEx),
      * experts with many rows get their own gemm; the expert_gemm option (fm_backend_opts.h,
-     * FLATMOE_EXPERT_GEMM=loop|grouped) forces one form; sm90 runs the _dev ops below instead. */
+     * FLATMOE_EXPERT_GEMM=loop|grouped) forces one form; sm90 (forced, or auto's choice where the
+     * calibration table projects it faster: plan/fm_expert_choice.h) runs the _dev ops below. */
     void (*expert_linear_fwd)(void *ctx, fm_act *y, const fm_act *x, const fm_act *W, const int64_t *offsets,
                               int64_t E, int64_t in, int64_t out);
     void (*expert_linear_bwd)(void *ctx, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,

@@ -26,6 +26,7 @@ size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim,
     return fm_cuda_backend_workspace_bytes(max_head_dim, gpu_workspace);
 }
 void fm_backend_default_free(fm_backend *b) { fm_cuda_backend_free(b); }
+int fm_backend_default_expert_sm90_ok(void) { return fm_cuda_expert_sm90_device_ok(default_device); }
 fm_status fm_backend_default_device_memory(size_t *free_bytes, size_t *total) {
     return fm_cuda_device_memory(default_device, free_bytes, total);
 }
@@ -40,6 +41,7 @@ fm_status fm_backend_default_select_device(int local_rank, int *device) {
 }
 fm_status fm_backend_default_init_opts(fm_backend *b, const fm_backend_opts *o) { return fm_cpu_backend_init_opts(b, o); }
 void fm_backend_default_free(fm_backend *b) { fm_cpu_backend_free(b); }
+int fm_backend_default_expert_sm90_ok(void) { return 0; }
 fm_status fm_backend_default_device_memory(size_t *free_bytes, size_t *total) {
     *free_bytes = *total = 0;
     return FM_OK;

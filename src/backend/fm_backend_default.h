@@ -36,6 +36,11 @@ fm_status fm_backend_default_memory_budget(size_t *budget, size_t *total);
 /* The device's free and total bytes now (CUDA: cudaMemGetInfo, so the whole device's use, the
  * CUDA context and libraries included); both 0 on the CPU. */
 fm_status fm_backend_default_device_memory(size_t *free_bytes, size_t *total);
+/* Whether this build's device (the one fm_backend_default_init_opts would use) runs the sm90
+ * expert GEMM (fm_cuda_expert_sm90_device_ok): 1 yes, 0 no, -1 no device to ask; the CPU build 0.
+ * Asked before the backend is created, to resolve FLATMOE_EXPERT_GEMM=auto
+ * (plan/fm_expert_choice.h). */
+int fm_backend_default_expert_sm90_ok(void);
 /* Bytes the backend holds itself (attention tiles, library workspaces), for the planner. */
 size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim, int64_t tile_q, int64_t tile_kv,
                                               size_t gpu_workspace);

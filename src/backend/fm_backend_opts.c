@@ -76,12 +76,12 @@ fm_status fm_backend_opts_from_env(fm_backend_opts *o) {
     }
     FM_TRY(env_bool("FLATMOE_ATTENTION_VERBOSE", &o->attention_verbose));
     {
-        static const char *const names[] = {"auto", "loop", "grouped", "sm90"};
-        static const int vals[] = {FM_EXPERT_GEMM_AUTO, FM_EXPERT_GEMM_LOOP, FM_EXPERT_GEMM_GROUPED,
-                                   FM_EXPERT_GEMM_SM90};
+        static const char *const names[] = {"auto", "cublas", "loop", "grouped", "sm90"};
+        static const int vals[] = {FM_EXPERT_GEMM_AUTO, FM_EXPERT_GEMM_CUBLAS, FM_EXPERT_GEMM_LOOP,
+                                   FM_EXPERT_GEMM_GROUPED, FM_EXPERT_GEMM_SM90};
         int v = 0;
         bool set = false;
-        FM_TRY(env_choice("FLATMOE_EXPERT_GEMM", names, vals, 4, "auto, loop, grouped or sm90", &v, &set));
+        FM_TRY(env_choice("FLATMOE_EXPERT_GEMM", names, vals, 5, "auto, cublas, loop, grouped or sm90", &v, &set));
         if (set) o->expert_gemm = (fm_expert_gemm)v;
     }
     FM_TRY(env_int("FLATMOE_UPDATE_BLOCKS", 0, 1 << 20, &o->update_blocks));
@@ -103,6 +103,7 @@ const char *fm_expert_gemm_name(fm_expert_gemm g) {
     case FM_EXPERT_GEMM_LOOP: return "loop";
     case FM_EXPERT_GEMM_GROUPED: return "grouped";
     case FM_EXPERT_GEMM_SM90: return "sm90";
+    case FM_EXPERT_GEMM_CUBLAS: return "cublas";
     }
     return "?";
 }

@@ -21,12 +21,17 @@ typedef enum fm_attention_path {
 
 /* How the CUDA backend runs a dispatch's expert GEMMs (expert_linear_fwd/bwd in fm_backend.h). */
 typedef enum fm_expert_gemm {
-    FM_EXPERT_GEMM_AUTO = 0,    /* one grouped cuBLAS call, experts of >= 1024 rows in calls of their own */
+    FM_EXPERT_GEMM_AUTO = 0,    /* the trainer and `plan` resolve it before the backend is created
+                                 * (plan/fm_expert_choice.h): sm90 where the calibration table
+                                 * projects it faster, else cublas; a backend created with auto
+                                 * runs cublas */
     FM_EXPERT_GEMM_LOOP = 1,    /* one cuBLAS call per expert */
     FM_EXPERT_GEMM_GROUPED = 2, /* every expert in the grouped call */
     FM_EXPERT_GEMM_SM90 = 3,    /* our sync-free wgmma kernel (backend/cuda/sm90/gg_sm90.h) where it
                                  * serves the shape: the expert offsets stay on the device, so a
-                                 * dispatch does not wait for the host; cuBLAS (auto) elsewhere */
+                                 * dispatch does not wait for the host; cuBLAS (cublas) elsewhere */
+    FM_EXPERT_GEMM_CUBLAS = 4,  /* one grouped cuBLAS call, experts of >= 1024 rows in calls of their
+                                 * own (what auto ran before it could choose sm90) */
 } fm_expert_gemm;
 
 typedef struct fm_backend_opts {
@@ -59,13 +64,13 @@ fm_backend_opts fm_backend_opts_default(void);
  *   FLATMOE_PROFILE            0|1 (also false|true, off|on, no|yes)   -> profile
  *   FLATMOE_ATTENTION          auto|cudnn|fallback (flash, ours: fallback) -> attention
  *   FLATMOE_ATTENTION_VERBOSE  0|1 (as FLATMOE_PROFILE)                -> attention_verbose
- *   FLATMOE_EXPERT_GEMM        auto|loop|grouped|sm90                   -> expert_gemm
+ *   FLATMOE_EXPERT_GEMM        auto|cublas|loop|grouped|sm90            -> expert_gemm
  *   FLATMOE_UPDATE_BLOCKS      an integer in [0, 1048576]               -> update_blocks
  * An unset or empty variable keeps the field. Errors: FM_ERR_ARG for any other value, naming the
  * variable, the value found and the values accepted (o is then partly updated). */
 fm_status fm_backend_opts_from_env(fm_backend_opts *o);
 
-/* "auto", "cudnn", "fallback"; "auto", "loop", "grouped", "sm90"; "?" outside the enums. */
+/* "auto", "cudnn", "fallback"; "auto", "loop", "grouped", "sm90", "cublas"; "?" outside the enums. */
 const char *fm_attention_path_name(fm_attention_path p);
 const char *fm_expert_gemm_name(fm_expert_gemm g);
 

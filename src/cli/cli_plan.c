@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "backend/fm_backend_default.h"
 #include "backend/fm_backend_opts.h"
 #include "backend/fm_backend_plan.h"
 #include "bounded/fm_linear_ce.h"
@@ -240,13 +241,11 @@ int cmd_plan(int argc, char **argv) {
         return cli_usage_error("plan", "%s", "--attention-tile-q/-kv must be in [1, 4096] (0 = 64)");
     /* the device and the rates: this build's device when planning for it, else the table's */
     const bool cuda = req.target == FM_PLAN_TARGET_CUDA || (req.target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4);
-    { /* FLATMOE_EXPERT_GEMM=sm90, as train reads it: the projection times the sm90 kernel where it serves */
+    fm_expert_ask eask = {FM_EXPERT_GEMM_AUTO, cuda, true};
+    { /* FLATMOE_EXPERT_GEMM, as train reads it (plan/fm_expert_choice.h decides the form below) */
         fm_backend_opts bo = fm_backend_opts_default();
         if ((s = fm_backend_opts_from_env(&bo))) return cli_fail("plan", s);
-        req.expert_sync_free = cuda && bo.expert_gemm == FM_EXPERT_GEMM_SM90 && req.ep <= 1 && !req.mesh.on &&
-                               fm_cuda_sm90_expert_gemm_serves(req.cfg.num_experts, req.cfg.hidden_size,
-                                                               req.cfg.moe_intermediate_size,
-                                                               req.B * req.T * req.cfg.num_experts_per_tok);
+        eask.requested = bo.expert_gemm;
     }
     const bool cross = req.target == FM_PLAN_TARGET_CUDA ? sizeof(fm_act) == 4 : req.target == FM_PLAN_TARGET_CPU ? sizeof(fm_act) != 4 : false;
     fm_device_budget dev = {0};
@@ -260,6 +259,10 @@ int cmd_plan(int argc, char **argv) {
     char note[1400];
     if ((s = fm_calib_find(&cal, calib_path, cuda ? "cuda" : "cpu", measured ? dev.name : NULL, note))) return cli_fail("plan", s);
     fprintf(json ? stderr : stdout, "%s\n", note);
+    /* the sm90 expert GEMM's device: this GPU when planning it, else (a cross plan, or no device
+     * to ask) the table's, whose sm90 curves were measured running the kernel */
+    if (cuda && !cross && fm_backend_default_expert_sm90_ok() == 0) eask.device_sm90 = false;
+    fm_expert_choice_prepare(&req, &eask, &cal); /* the chooser weighs each candidate at its faster form */
     size_t context = 0;
     char what[400] = "";
     if (dev_mem) {
@@ -309,11 +312,14 @@ int cmd_plan(int argc, char **argv) {
         }
     }
     s = fm_plan_fit(&req, &co, rc, &p, &proj);
+    fm_expert_choice ech;
+    fm_expert_choice_finish(&req, &p, &eask, &cal, &ech); /* the form at the chosen chunk, as train decides it */
     if (seq_len > req.cfg.max_position_embeddings)
         fprintf(stderr, "note: --seq-len %lld exceeds the config's max_position_embeddings (%lld); train needs "
                 "--max-position-embeddings to run it\n",
                 (long long)seq_len, (long long)req.cfg.max_position_embeddings);
-    const fm_plan_report x = {budget, what[0] ? what : NULL, dev_mem, context, host_budget, &proj, &cal, config};
+    const fm_plan_report x = {budget, what[0] ? what : NULL, dev_mem, context, host_budget, &proj, &cal, config,
+                              cuda ? &ech : NULL};
     if (json) fm_plan_print_json(&req, &p, &x, stdout);
     else fm_plan_print(&req, &p, &x, stdout);
     fm_free(rc);

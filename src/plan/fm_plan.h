@@ -71,8 +71,15 @@ typedef struct fm_plan_req {
     int train_dp, train_zero;   /* the trainer run's --dp and --zero, for the "train flags" line only
                                    (0: not given; the bounds come from model_state_bytes) */
     bool expert_sync_free;      /* CUDA: the expert GEMMs run as the sm90 kernel (FLATMOE_EXPERT_GEMM=sm90
-                                   where fm_cuda_sm90_expert_gemm_serves): the projection times them at
-                                   the calibration's sm90 curves when the table has them */
+                                   where fm_cuda_sm90_expert_gemm_serves, or auto's choice): the
+                                   projection times them at the calibration's sm90 curves when the
+                                   table has them */
+    bool expert_gemm_auto;      /* CUDA, FLATMOE_EXPERT_GEMM=auto with the sm90 kernel a candidate
+                                   (fm_expert_choice_prepare, plan/fm_expert_choice.h): the projection
+                                   times the expert GEMMs in whichever form the table projects faster
+                                   at this plan's rows per expert (fm_project_expert_s; ties cuBLAS),
+                                   so the chooser weighs each candidate chunk at its better form;
+                                   fm_expert_choice_finish settles it into expert_sync_free */
     bool expert_fp8;            /* --expert-precision fp8: the expert live set holds the quantized
                                    weights and operands (fm_moe_ws_bytes's fp8 term; not with ep > 1) */
     bool optimizer_overlap;     /* the update overlaps the next step's forward (train/fm_optim_overlap.h):

@@ -147,6 +147,11 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
             fprintf(f, "  (checkpoint offload copies %.4g s in all, %.4g s of it not hidden)\n", pr->offload_copy_s,
                     pr->sec[FM_PROJ_OFFLOAD]);
         if (pr->opt_link_s > 0) fprintf(f, "  (streamed optimizer: host link %.4g s)\n", pr->opt_link_s);
+        if (x->expert) {
+            char line[600];
+            fm_expert_choice_line(x->expert, line, sizeof line);
+            fprintf(f, "%s\n", line);
+        }
         if (m->on && x->calib)
             fprintf(f, "  (collectives at %s links: %.0f GB/s within a node, %.0f GB/s across, per GPU per direction; "
                     "only the time compute does not hide is counted: fm_project.h)\n",
@@ -214,6 +219,8 @@ void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_re
         fprintf(f, ",\"mesh\":{\"world\":%lld,\"dp\":%lld,\"ep\":%lld,\"sp\":%lld,\"gpus_per_node\":%lld,"
                 "\"params_rank\":%lld}", (long long)(r->mesh.dp * r->mesh.sp), (long long)r->mesh.dp, (long long)r->mesh.ep,
                 (long long)r->mesh.sp, (long long)r->mesh.gpus_per_node, (long long)p->n_params_rank);
+    char ej[FM_EXPERT_CHOICE_JSON_MAX];
+    if (x->expert && fm_expert_choice_json(x->expert, ej, sizeof ej) == FM_OK) fprintf(f, ",\"expert_gemm\":%s", ej);
     if (x->proj) {
         const fm_projection *pr = x->proj;
         fprintf(f, ",\"projected\":{\"step_s\":%.6g,\"tokens_per_s\":%.6g,\"mfu\":%.6g,\"peak_flops\":%.6g,"

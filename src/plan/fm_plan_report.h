@@ -8,6 +8,7 @@
 
 #include "fm_calib.h"
 #include "fm_choose.h"
+#include "fm_expert_choice.h"
 #include "fm_plan.h"
 #include "fm_project.h"
 
@@ -20,6 +21,9 @@ typedef struct fm_plan_report {
     const fm_projection *proj; /* may be NULL: no time lines */
     const fm_calib *calib;    /* the projection's table (its source and peak are printed) */
     const char *config_path;  /* mesh plans: the --config of the printed launch line (NULL: C) */
+    const fm_expert_choice *expert; /* CUDA plans: the expert GEMMs' form (fm_expert_choice.h), printed
+                                       as its line after the projection and as "expert_gemm" in the
+                                       JSON; NULL: neither */
 } fm_plan_report;
 
 /* Prints the report as text. A mesh plan (req->mesh.on) adds its degrees, the communication

@@ -29,19 +29,57 @@ static double act_bytes_of(const fm_plan_req *r) {
 /* Seconds of `flops` at `rate` FLOP/s (0 FLOPs: 0). */
 static double at(double flops, double rate) { return flops > 0 ? flops / rate : 0.0; }
 
+/* The expert GEMMs of one layer's forward (*f) and backward (*b), seconds per micro-batch, in
+ * the sm90 form (the table's sm90 curves; cuBLAS's when it has none) or cuBLAS's: 2 N k 3 H I
+ * FLOPs forward at expert_fwd(rpe), twice that backward at expert_bwd(rpe). */
+double fm_project_rows_per_expert(const fm_plan_req *r, const fm_plan *p) {
+    const fm_config *c = &r->cfg;
+    const int64_t sp = r->mesh.on ? r->mesh.sp : r->sp > 1 ? r->sp : 1, ep = r->mesh.on ? r->mesh.ep : 1;
+    const double N = (double)r->B * (double)(r->T / sp);
+    const double c_eff = r->moe_chunk_tokens > 0 ? (double)p->moe_c_eff : N;
+    return (double)c->num_experts_per_tok * c_eff * (double)ep / (double)(c->num_experts > 0 ? c->num_experts : 1);
+}
+
+static void expert_layer_s(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, bool sm90, double *f, double *b) {
+    const fm_config *c = &r->cfg;
+    const int64_t sp = r->mesh.on ? r->mesh.sp : r->sp > 1 ? r->sp : 1;
+    const double N = (double)r->B * (double)(r->T / sp), rpe = fm_project_rows_per_expert(r, p);
+    const double exp_flops = 2.0 * N * (double)c->num_experts_per_tok * 3.0 * (double)c->hidden_size *
+                             (double)c->moe_intermediate_size;
+    const bool s9 = sm90 && cb->expert_fwd_sm90.n > 0 && cb->expert_bwd_sm90.n > 0;
+    *f = at(exp_flops, fm_calib_rate(s9 ? &cb->expert_fwd_sm90 : &cb->expert_fwd, rpe));
+    *b = at(2.0 * exp_flops, fm_calib_rate(s9 ? &cb->expert_bwd_sm90 : &cb->expert_bwd, rpe));
+}
+
+double fm_project_expert_s(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, bool sm90) {
+    double f = 0, b = 0;
+    expert_layer_s(r, p, cb, sm90, &f, &b);
+    const double L = (double)r->cfg.num_hidden_layers, nr = (double)p->n_recomputed;
+    const double ga = (double)(r->grad_accum > 0 ? r->grad_accum : 1);
+    /* every layer's forward and backward, the recomputed layers' forward again, and under chunked
+     * MoE the other layers' expert forward again (fm_project's EXPERTS, RECOMPUTE, MOE_RECOMPUTE) */
+    return ga * (L * (f + b) + nr * f + (r->moe_chunk_tokens > 0 ? (L - nr) * f : 0.0));
+}
+
+bool fm_project_expert_sm90(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb) {
+    if (cb->expert_fwd_sm90.n == 0 || cb->expert_bwd_sm90.n == 0) return false;
+    if (r->expert_sync_free) return true;
+    if (!r->expert_gemm_auto || r->ep > 1 || (r->mesh.on && r->mesh.ep > 1)) return false; /* --ep: cuBLAS */
+    return fm_project_expert_s(r, p, cb, true) < fm_project_expert_s(r, p, cb, false); /* ties: cuBLAS */
+}
+
 void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_projection *o) {
     memset(o, 0, sizeof *o);
     const fm_config *c = &r->cfg;
     const double a = act_bytes_of(r);
     const bool mesh = r->mesh.on;
-    const double sp = mesh ? (double)r->mesh.sp : r->sp > 1 ? (double)r->sp : 1.0, ep = mesh ? (double)r->mesh.ep : 1.0;
+    const double sp = mesh ? (double)r->mesh.sp : r->sp > 1 ? (double)r->sp : 1.0;
     const double B = (double)r->B, T = (double)r->T, N = B * (double)(r->T / (int64_t)sp), H = (double)c->hidden_size;
     const double L = (double)c->num_hidden_layers, E = (double)c->num_experts, k = (double)c->num_experts_per_tok;
     const double I = (double)c->moe_intermediate_size, V = (double)c->vocab_size;
     const double qd = (double)(c->num_attention_heads * c->head_dim), kd = (double)(c->num_key_value_heads * c->head_dim);
     const double nr = (double)p->n_recomputed, nka = (double)p->n_keep_attention;
     const bool chunked = r->moe_chunk_tokens > 0;
-    const double c_eff = chunked ? (double)p->moe_c_eff : N;
 
     /* one layer's forward, by part */
     const double att_f = at(2.0 * B * T * T * qd / sp, fm_calib_rate(&cb->att_fwd, T));
@@ -49,11 +87,11 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     const double dense_flops = 2.0 * N * H * (qd + 2.0 * kd) + 2.0 * N * qd * H + 2.0 * N * H * E;
     const double gemm_rate = fm_calib_rate(&cb->gemm, N);
     const double dense_f = at(dense_flops, gemm_rate), dense_b = at(2.0 * dense_flops, gemm_rate);
-    const double rpe = k * c_eff * ep / (E > 0 ? E : 1);
-    const double exp_flops = 2.0 * N * k * 3.0 * H * I;
-    const bool sm90 = r->expert_sync_free && cb->expert_fwd_sm90.n > 0 && cb->expert_bwd_sm90.n > 0;
-    const double exp_f = at(exp_flops, fm_calib_rate(sm90 ? &cb->expert_fwd_sm90 : &cb->expert_fwd, rpe));
-    const double exp_b = at(2.0 * exp_flops, fm_calib_rate(sm90 ? &cb->expert_bwd_sm90 : &cb->expert_bwd, rpe));
+    /* the expert GEMMs: the sm90 kernel's curves when the run uses it (forced, or auto where the
+     * table projects it faster: fm_project_expert_sm90), else cuBLAS's */
+    o->expert_sm90 = fm_project_expert_sm90(r, p, cb);
+    double exp_f = 0, exp_b = 0;
+    expert_layer_s(r, p, cb, o->expert_sm90, &exp_f, &exp_b);
     /* bytes: 2 RMSNorms (read x, write y), 2 residual adds (3 tensors), RoPE in place on q and k,
      * router probabilities (fp32 N x E: logits in, probs out, read by top-k), SwiGLU (gate, up,
      * out over N k I); the dispatch's gather (x rows read k times, xe written) and combine (ye

@@ -9,7 +9,9 @@
  *                  backward, at gemm(N)
  *   expert GEMMs   2 N k 3 H I forward at expert_fwd(k c / E), twice that backward at
  *                  expert_bwd(k c / E), c the MoE chunk's tokens (N unchunked); the sm90
- *                  curves instead when req->expert_sync_free and the table has them
+ *                  curves instead when req->expert_sync_free and the table has them, or under
+ *                  req->expert_gemm_auto when they project this plan's experts faster
+ *                  (fm_project_expert_sm90)
  *   memory traffic RMSNorms, residual adds, RoPE, router softmax, SwiGLU at elementwise_bw;
  *                  gather and combine at dispatch_bw; backward twice the forward's bytes
  *   recompute      a recomputed layer's forward again (without attention when it keeps it); a
@@ -90,11 +92,28 @@ typedef struct fm_projection {
     double mfu;                 /* model FLOPs per step / step_s / peak_flops */
     double opt_link_s;          /* streamed optimizer: the link's share (0 on device) */
     double offload_copy_s;      /* checkpoint offload: all copy time, hidden or not */
+    bool expert_sm90;           /* the expert GEMMs were timed at the sm90 curves
+                                   (fm_project_expert_sm90) */
 } fm_projection;
 
 /* Bytes of device traffic per parameter of one AdamW step (read g, write p, read+write master
  * when a != 4, read+write m and v): 28 with fp32 moments on both builds, 20 with bf16 moments. */
 double fm_project_adamw_bytes(int act_bytes, bool bf16_moments);
+
+/* Rows per expert of one MoE dispatch of plan p: k c ep / E, c the chunk's tokens (p->moe_c_eff,
+ * N = B T / sp unchunked), ep the mesh's (1 off a mesh). */
+double fm_project_rows_per_expert(const fm_plan_req *req, const fm_plan *p);
+
+/* Seconds per step of the expert GEMMs alone (forward, backward, and the forwards recomputed:
+ * the recomputed layers' and, chunked, every other layer's), the part of fm_project's expert GEMMs,
+ * recompute and MoE chunk recompute phases they make up, at the table's sm90 curves (sm90 true;
+ * cuBLAS's when the table has none) or its cuBLAS curves (expert_fwd/bwd). Never fails. */
+double fm_project_expert_s(const fm_plan_req *req, const fm_plan *p, const fm_calib *c, bool sm90);
+
+/* Whether fm_project times the expert GEMMs at the sm90 curves: the table has both and either
+ * req->expert_sync_free (the run uses the kernel) or req->expert_gemm_auto, no --ep (req->ep and
+ * a mesh's ep <= 1) and fm_project_expert_s(sm90) < fm_project_expert_s(cuBLAS) (ties: cuBLAS). */
+bool fm_project_expert_sm90(const fm_plan_req *req, const fm_plan *p, const fm_calib *c);
 
 /* Projects the step of plan `p` (computed from `req` by fm_plan_compute) at the rates of `c`.
  * The activation element size is the plan's target's. Never fails. */

@@ -16,6 +16,7 @@
 #include "../core/fm_rng.h"
 #include "../data/fm_data.h"
 #include "../io/fm_hf_weights.h"
+#include "../plan/fm_expert_choice.h"
 #include "../plan/fm_plan.h"
 #include "../comm/fm_comm.h"
 #include "../schedule/fm_sco.h"
@@ -81,6 +82,8 @@ typedef struct run {
     int rank, n_ranks;              /* this rank of the world (the launcher's); only rank 0 writes
                                        metrics.jsonl, step lines and checkpoint files */
     fm_backend_opts backend_opts;   /* what the backend was created with (metrics.jsonl "backend") */
+    fm_expert_choice expert_choice; /* the expert GEMMs' form and why (plan/fm_expert_choice.h; the
+                                       metrics header's "expert_gemm") */
     bool world_ok;
     fm_comm_group mesh;             /* --sp > 1: the dp x sp mesh over world (its sp group is
                                        m->sp_comm); gradients, losses and router statistics still

@@ -136,6 +136,10 @@ fm_status fm_train_metrics_header(run *r, const fm_run_records *rec, int64_t res
     add_int(pl, "offloaded_boundaries", p->n_offloaded_boundaries);
     add_num(pl, "flops_model_per_token", p->flops_model_token);
     add_num(pl, "flops_hardware_per_token", p->flops_hw_token);
+    { /* the expert GEMMs' form, an init option of the backend, and why (plan/fm_expert_choice.h) */
+        char ej[FM_EXPERT_CHOICE_JSON_MAX];
+        if (fm_expert_choice_json(&r->expert_choice, ej, sizeof ej) == FM_OK) cJSON_AddRawToObject(h, "expert_gemm", ej);
+    }
     cJSON *host = cJSON_AddObjectToObject(h, "host");
     char hn[256] = "";
     if (gethostname(hn, sizeof hn - 1) != 0) hn[0] = 0;

@@ -13,6 +13,7 @@
 #include "../bounded/fm_linear_ce_ring.h"
 #include "../io/fm_checkpoint.h"
 #include "../plan/fm_choose.h"
+#include "../plan/fm_expert_choice.h"
 #include "../plan/fm_plan_device.h"
 #include "../schedule/fm_recompute.h"
 #include "fm_train_agree.h"
@@ -253,11 +254,6 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     }
     req.vocab_ring = vocab_ring ? W : 0;
     req.train_dp = W / sp, req.train_zero = o->zero; /* the projection's per-rank update, the train flags line */
-    /* sm90 expert GEMMs (FLATMOE_EXPERT_GEMM=sm90): what fm_model_layout will find the CUDA backend
-     * answering (fm_cuda_sm90_expert_gemm_serves), so the projection times the sm90 kernel */
-    req.expert_sync_free = sizeof(fm_act) != 4 && o->backend.expert_gemm == FM_EXPERT_GEMM_SM90 && ep <= 1 &&
-                           fm_cuda_sm90_expert_gemm_serves(c->num_experts, c->hidden_size, c->moe_intermediate_size,
-                                                           o->micro_batch * o->seq_len * c->num_experts_per_tok);
     if (ep > 1) { /* --zero 3 --ep: the non-expert parameters sharded, E/ep experts whole (fm_zero3.h) */
         fm_zero3_ep_bound_set(W, ep);
         req.model_state_bytes = o->zero == 3 && W > 1 ? fm_zero3_ep_model_state_bound : fm_train_ep_model_state_bound;
@@ -285,12 +281,20 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     fm_calib cal;
     char note[1400];
     FM_TRY(fm_calib_find(&cal, NULL, sizeof(fm_act) == 4 ? "cpu" : "cuda", dev.total ? dev.name : NULL, note));
+    /* The expert GEMMs' form (plan/fm_expert_choice.h): FLATMOE_EXPERT_GEMM forces one; auto weighs
+     * the sm90 kernel against cuBLAS at every chunk the chooser tries, then settles it at the chunk
+     * chosen; the backend below is created with it (bo.expert_gemm), so fm_model_layout finds it
+     * answering expert_sync_free for the sm90 form (no host wait per MoE chunk). */
+    const fm_expert_ask eask = {o->backend.expert_gemm, sizeof(fm_act) != 4,
+                                sizeof(fm_act) != 4 && fm_backend_default_expert_sm90_ok() == 1};
+    fm_expert_choice_prepare(&req, &eask, &cal);
     const fm_choose_opts co = {budget, o->mem_budget ? "--mem-budget" : "the GPU's measured free memory (no --mem-budget given)",
                                host_budget, "--host-mem-budget", &cal, o->recompute != NULL, o->recompute_keep_attention || o->no_recompute_keep_attention,
                                o->offload_boundaries != NULL, o->offload_optimizer || ep > 1, moe_c >= 0, /* --ep: no streamed AdamW */
                                o->ce_block_tokens >= 0 || o->ce_block_vocab >= 0 || vocab_flag};
     fm_projection proj;
     FM_TRY(fm_plan_fit(&req, &co, rc, &plan, &proj));
+    fm_expert_choice_finish(&req, &plan, &eask, &cal, &r->expert_choice);
     n_off = req.n_offloaded_boundaries;
     keep = (bool *)req.keep_attention;
     if (ep > 1 && req.moe_chunk_tokens <= 0) /* no cap given or chosen: one chunk of the micro-batch (the same plan) */
@@ -302,6 +306,11 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                FM_PLAN_LATE_LOAD_MARGIN / 1048576.0);
     if (!o->quiet && budget > 0)
         printf("%s\nprojected step: %.4g s, %.0f tokens/s, MFU %.1f%%\n", note, proj.step_s, proj.tokens_per_s, 100.0 * proj.mfu);
+    if (!o->quiet && eask.cuda_bf16 && r->rank == 0) {
+        char line[600];
+        fm_expert_choice_line(&r->expert_choice, line, sizeof line);
+        printf("%s\n", line);
+    }
     r->plan = plan;
 
     /* Backend, model, optimizer: allocated from the plan. */
@@ -311,6 +320,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     bo.tile_q = o->att_tile_q;
     bo.tile_kv = o->att_tile_kv;
     bo.gpu_workspace = plan.gpu_workspace;
+    bo.expert_gemm = r->expert_choice.gemm; /* auto resolved: sm90 or cublas (forced forms as given) */
     r->backend_opts = bo;
     FM_TRY(fm_backend_default_init_opts(&r->be, &bo));
     r->be_ok = true;

@@ -188,8 +188,9 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
         return fm_error(FM_ERR_ARG, "cuda backend: attention option %d: expected auto, cudnn or fallback",
                         (int)o->attention);
     if (o->expert_gemm != FM_EXPERT_GEMM_AUTO && o->expert_gemm != FM_EXPERT_GEMM_LOOP &&
-        o->expert_gemm != FM_EXPERT_GEMM_GROUPED && o->expert_gemm != FM_EXPERT_GEMM_SM90)
-        return fm_error(FM_ERR_ARG, "cuda backend: expert_gemm option %d: expected auto, loop, grouped or sm90",
+        o->expert_gemm != FM_EXPERT_GEMM_GROUPED && o->expert_gemm != FM_EXPERT_GEMM_SM90 &&
+        o->expert_gemm != FM_EXPERT_GEMM_CUBLAS)
+        return fm_error(FM_ERR_ARG, "cuda backend: expert_gemm option %d: expected auto, cublas, loop, grouped or sm90",
                         (int)o->expert_gemm);
     if (o->update_blocks < 0)
         return fm_error(FM_ERR_ARG, "cuda backend: update_blocks (FLATMOE_UPDATE_BLOCKS) must be >= 0, got %d",
@@ -370,3 +371,12 @@ extern "C" void fm_cuda_backend_free(fm_backend *b) {
     b->ops = NULL;
 }
 
+
+extern "C" int fm_cuda_expert_sm90_device_ok(int device) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+        (void)cudaGetLastError();
+        return -1; /* no device to ask */
+    }
+    return fm_gg_sm90_device_ok(device) ? 1 : 0;
+}

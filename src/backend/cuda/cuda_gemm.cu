@@ -79,8 +79,9 @@ static void grouped_call(fm_cuda_ctx *c, bool ta, bool tb, int n, const int *M, 
 #define FM_CUDA_OWN_CALL_QUANTUM 256
 
 /* The row threshold of the context's expert_gemm option (fm_backend_opts.h): loop 1 (every expert
- * its own call), grouped INT64_MAX (every expert in the grouped call), auto
- * FM_CUDA_GROUP_ROWS_MAX. */
+ * its own call), grouped INT64_MAX (every expert in the grouped call), cublas and auto (which the
+ * trainer resolves to sm90 or cublas before creating the backend: plan/fm_expert_choice.h), and
+ * sm90 for the shapes its kernel does not serve, FM_CUDA_GROUP_ROWS_MAX. */
 static int64_t expert_own_call_rows(const fm_cuda_ctx *c) {
     return c->expert_gemm == FM_EXPERT_GEMM_LOOP      ? 1
            : c->expert_gemm == FM_EXPERT_GEMM_GROUPED ? INT64_MAX

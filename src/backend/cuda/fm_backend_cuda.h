@@ -62,6 +62,11 @@ bool fm_cuda_backend_set_wait_hook(const fm_backend *b, fm_status (*hook)(void *
 /* The number of CUDA devices this process sees (cudaGetDeviceCount). Errors: FM_ERR_UNSUPPORTED
  * (no driver or device; *count = 0), naming the call. */
 fm_status fm_cuda_device_count(int *count);
+/* Whether device `device` can run the sm90 expert GEMM (FLATMOE_EXPERT_GEMM=sm90: compute
+ * capability 9.0 and this build's sm_90a kernel; backend/cuda/sm90/gg_sm90.h
+ * fm_gg_sm90_device_ok): 1 yes, 0 no, -1 no such device (no driver, or device out of range).
+ * Creates no context. Used by plan/fm_expert_choice.h's callers before a backend exists. */
+int fm_cuda_expert_sm90_device_ok(int device);
 
 #ifdef __cplusplus
 }
