@@ -74,6 +74,15 @@ static void test_rule(void) {
     CHECK(!ch.sm90 && ch.gemm == FM_EXPERT_GEMM_CUBLAS && ch.why == FM_EXPERT_WHY_NO_CURVES && !ch.projected);
     /* the rest with sm90 faster, so only the failed condition can make it cuBLAS */
     table(&c, 300e12, 600e12);
+    fm_plan_req f = r;
+    f.expert_fp8 = true; /* --expert-precision fp8: the emulation feeds cuBLAS */
+    choose(&f, &c, FM_EXPERT_GEMM_AUTO, true, true, &ch);
+    CHECK(!ch.sm90 && ch.gemm == FM_EXPERT_GEMM_CUBLAS && ch.why == FM_EXPERT_WHY_FP8);
+    {
+        char line[512];
+        fm_expert_choice_line(&ch, line, sizeof line);
+        CHECK_MSG(strstr(line, "expert GEMM: cuBLAS") && strstr(line, "fp8"), "%s", line);
+    }
     fm_plan_req u = r;
     u.cfg.moe_intermediate_size = 1000; /* not a multiple of 128: the kernel does not serve it */
     choose(&u, &c, FM_EXPERT_GEMM_AUTO, true, true, &ch);

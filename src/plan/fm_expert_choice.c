@@ -24,6 +24,7 @@ static bool served(const fm_plan_req *r) {
 static fm_expert_why candidate(const fm_plan_req *r, const fm_expert_ask *a, const fm_calib *cb, bool forced,
                                bool check_ep) {
     if (!a->cuda_bf16) return FM_EXPERT_WHY_NOT_CUDA;
+    if (r->expert_fp8) return FM_EXPERT_WHY_FP8;
     if (check_ep && ep_of(r) > 1) return FM_EXPERT_WHY_EP;
     if (!served(r)) return FM_EXPERT_WHY_SHAPE;
     if (forced) return FM_EXPERT_WHY_FASTER; /* the backend checks the device itself, and refuses */
@@ -95,6 +96,7 @@ static const char *why_key(fm_expert_why w) {
     case FM_EXPERT_WHY_SHAPE: return "shape";
     case FM_EXPERT_WHY_DEVICE: return "device";
     case FM_EXPERT_WHY_NO_CURVES: return "no_curves";
+    case FM_EXPERT_WHY_FP8: return "fp8";
     }
     return "?";
 }
@@ -142,6 +144,9 @@ void fm_expert_choice_why(const fm_expert_choice *ch, char *buf, size_t n) {
     case FM_EXPERT_WHY_NO_CURVES:
         snprintf(buf, n, "%s: the calibration table has no sm90 curves (expert_fwd_sm90, expert_bwd_sm90; "
                  "FLATMOE_EXPERT_GEMM=sm90 flatmoe-cuda calibrate measures them)%s", head, tail);
+        return;
+    case FM_EXPERT_WHY_FP8:
+        snprintf(buf, n, "%s: --expert-precision fp8 quantizes the operands for cuBLAS's forms", head);
         return;
     }
     snprintf(buf, n, "%s", head);

@@ -7,6 +7,7 @@
  *
  * The rule (auto): sm90 when all of these hold, else cuBLAS (the backend's cublas form):
  *   - the CUDA backend in bf16 (not the CPU build's fp32);
+ *   - not --expert-precision fp8 (its fake quantization feeds the cuBLAS forms);
  *   - no expert parallelism (--ep and a mesh's ep <= 1: the all-to-all needs the counts on the host);
  *   - the kernel serves the shape (fm_cuda_sm90_expert_gemm_serves: E, H, I, N k rows);
  *   - the device is compute capability 9.0 (a plan for the table's device takes the table's word:
@@ -37,6 +38,7 @@ typedef enum fm_expert_why {
     FM_EXPERT_WHY_SHAPE,       /* the sm90 kernel does not serve the layer's shape */
     FM_EXPERT_WHY_DEVICE,      /* the device is not compute capability 9.0 */
     FM_EXPERT_WHY_NO_CURVES,   /* the calibration table has no sm90 curves */
+    FM_EXPERT_WHY_FP8,         /* --expert-precision fp8: its emulation runs the cuBLAS forms */
 } fm_expert_why;
 
 /* What the decision is asked with, besides the request and the table. */
