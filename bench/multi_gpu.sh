@@ -298,7 +298,9 @@ _sp8run) # (detached by sp8) T NP STEPS FLAGS...
     echo "== sp8 done" ;;
 collect)
     SD=/tmp/multi-gpu-sp8
-    for _ in $(seq 1 "${WAIT_S:-580}"); do grep -q "^== sp8 done" "$SD/summary.txt" 2>/dev/null && break; sleep 1; done
+    for _ in $(seq 1 "${WAIT_S:-580}"); do grep -q "^== sp8 done" "$SD/summary.txt" 2>/dev/null && break
+        pgrep -f "_sp8run" > /dev/null || { echo "== collect: the detached sp8 run is no longer running"; break; }
+        sleep 1; done
     grep -q "^== sp8 done" "$SD/summary.txt" 2>/dev/null || echo "== collect: sp8 still running after ${WAIT_S:-580} s (call collect again); last lines:"
     cat "$SD/summary.txt" 2>/dev/null; grep -E '^(step|profile) ' "$SD"/sp8-*.log 2>/dev/null | tail -4 | cut -c1-240
     mkdir -p "$OUT/sp8"; cp "$SD"/* "$OUT/sp8/" 2>/dev/null; true ;;

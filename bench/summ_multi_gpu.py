@@ -102,7 +102,12 @@ def run(out, name, gpus, ref=None):
         else:
             print("   loss vs %s: no common steps" % ref)
     st = steady(rows)
-    tps, step_s, mfu = mean([r.get("tokens_per_s") for r in st]), mean([r.get("step_s") for r in st]), mean([r.get("mfu") for r in st])
+    step_s, mfu = mean([r.get("step_s") for r in st]), mean([r.get("mfu") for r in st])
+    # tokens/s over the steady steps as their tokens over their time (a mean of per-step rates
+    # disagrees with the mean step time when the steps differ)
+    tim = [(r.get("tokens_per_s"), r.get("step_s")) for r in st]
+    tim = [(a * b, b) for a, b in tim if a is not None and b]
+    tps = sum(a for a, _ in tim) / sum(b for _, b in tim) if tim else None
     print("   steady (steps %s): step %s s, %s tokens/s (%s per GPU over %d), MFU %s" % (
         ",".join(str(r["step"]) for r in st), fmt(step_s), fmt(tps, "%.0f"),
         fmt(tps / gpus if tps else None, "%.0f"), gpus, fmt(100 * mfu if mfu is not None else None, "%.1f%%")))

@@ -74,4 +74,6 @@ expect_fail "train --expert-precision fp16" "--expert-precision: expected bf16 o
 expect_fail "plan --expert-precision fp16" "--expert-precision: expected bf16 or fp8, found 'fp16'" "$FM" plan --config "$cfg" --seq-len 64 --expert-precision fp16
 expect_fail "fp8 with --ep 2" "--expert-precision fp8 with --ep 2" "$FM" train "${base[@]}" --expert-precision fp8 --ep 2 --out "$TMP/bad"
 expect_fail "fp8 with FLATMOE_EXPERT_GEMM=sm90" "--expert-precision fp8 with FLATMOE_EXPERT_GEMM=sm90" env FLATMOE_EXPERT_GEMM=sm90 "$FM" train "${base[@]}" --expert-precision fp8 --out "$TMP/bad"
+expect_fail "plan fp8 with FLATMOE_EXPERT_GEMM=sm90" "--expert-precision fp8 with FLATMOE_EXPERT_GEMM=sm90" env FLATMOE_EXPERT_GEMM=sm90 "$FM" plan --backend cuda --config "$cfg" --seq-len 64 --expert-precision fp8
+expect_fail "plan fp8 with --sp 2 (a mesh plan)" "--expert-precision fp8 with a mesh plan" "$FM" plan --config "$cfg" --seq-len 64 --micro-batch 2 --sp 2 --expert-precision fp8
 finish

@@ -71,7 +71,8 @@ FM_FP8_HD float fm_fp8_u2f(uint32_t u) {
 FM_FP8_HD float fm_fp8_pow2(int k) { return fm_fp8_u2f((uint32_t)(k + 127) << 23); }
 
 /* x * 2^k, exact whenever the result is a normal fp32 (one fp32 rounding if it is subnormal):
- * two multiplications by powers of two, the first one exact. k in [-300, 300]. */
+ * two multiplications by powers of two, the first one exact. k in [-252, 252] (each half within
+ * fm_fp8_pow2's [-126, 127]); the scale exponents used here stay within +-157. */
 FM_FP8_HD float fm_fp8_ldexp(float x, int k) {
     const int k1 = k / 2, k2 = k - k1;
     return (x * fm_fp8_pow2(k1)) * fm_fp8_pow2(k2);

@@ -172,8 +172,12 @@ int cmd_plan(int argc, char **argv) {
                                found);
     if (!mesh) req.train_dp = dp, req.train_zero = zero; /* the train flags line */
     if (req.expert_fp8 && (ep > 1 || mesh))
-        return cli_usage_error("plan", "%s", "--expert-precision fp8 with --ep > 1 or --world: the FP8 experts are not "
-                               "built for expert parallelism or a mesh plan yet; drop one of them");
+        return cli_usage_error("plan", "%s",
+                               ep > 1 ? "--expert-precision fp8 with --ep > 1: the FP8 experts are not built for "
+                                        "expert parallelism yet; drop --ep or use --expert-precision bf16"
+                                      : "--expert-precision fp8 with a mesh plan (--world, or --sp without --zero): "
+                                        "the FP8 experts are not built for a mesh plan yet; plan one rank with "
+                                        "--zero 0 (or drop --world/--sp), or use --expert-precision bf16");
     if (vocab_par && strcmp(vocab_par, "ring") != 0 && strcmp(vocab_par, "off") != 0)
         return cli_usage_error("plan", "--vocab-parallel: expected off or ring, found '%s'", vocab_par);
     if (vocab_par && !strcmp(vocab_par, "ring") && !mesh) { /* train's Ring-DTP over its dp x sp ranks */
@@ -246,6 +250,10 @@ int cmd_plan(int argc, char **argv) {
         fm_backend_opts bo = fm_backend_opts_default();
         if ((s = fm_backend_opts_from_env(&bo))) return cli_fail("plan", s);
         eask.requested = bo.expert_gemm;
+        if (req.expert_fp8 && bo.expert_gemm == FM_EXPERT_GEMM_SM90) /* as train refuses it (fm_train_opts.c) */
+            return cli_usage_error("plan", "%s", "--expert-precision fp8 with FLATMOE_EXPERT_GEMM=sm90: the FP8 "
+                                   "emulation runs on the host-offset expert GEMMs, not the sync-free sm90 kernel; "
+                                   "unset FLATMOE_EXPERT_GEMM (or set it to auto or cublas) or use --expert-precision bf16");
     }
     const bool cross = req.target == FM_PLAN_TARGET_CUDA ? sizeof(fm_act) == 4 : req.target == FM_PLAN_TARGET_CPU ? sizeof(fm_act) != 4 : false;
     fm_device_budget dev = {0};

@@ -79,7 +79,11 @@ static void offload_init(void *self, fm_param_store *ps, const fm_backend *be) {
     o->adam->step = 0;
 }
 
-static void offload_step_begin(void *self) { ((fm_offload_adamw *)self)->adam->step++; }
+static void offload_step_begin(void *self) {
+    fm_offload_adamw *o = self;
+    o->adam->step++;
+    o->step_fresh = true;
+}
 
 static void offload_step_range(void *self, fm_model *m, int t0, int t1, double lr, float grad_scale) {
     fm_offload_adamw *o = self;
@@ -97,7 +101,14 @@ static void offload_step_range(void *self, fm_model *m, int t0, int t1, double l
         const int64_t b1 = b0 + o->bucket < e1 ? b0 + o->bucket : e1, nb = b1 - b0;
         const int s = (int)(o->bucket_no % o->slots);
         const int ev_in = FM_OFFLOAD_EVENT0 + 3 * s, ev_up = ev_in + 1, ev_out = ev_in + 2;
-        /* copy-in: after the copy-out that last used this slot */
+        /* copy-in: after the copy-out that last used this slot; a step's first also after the last
+         * copy-out of the step before (a range read now may have been written then from another
+         * slot: with more slots than a step has buckets, slot reuse alone would not order them) */
+        if (o->step_fresh && o->bucket_no > 0) {
+            const int last = (int)((o->bucket_no - 1) % o->slots);
+            ops->event_wait(ctx, FM_STREAM_OPT_COPY_IN, FM_OFFLOAD_EVENT0 + 3 * last + 2);
+        }
+        o->step_fresh = false;
         if (o->used[s]) ops->event_wait(ctx, FM_STREAM_OPT_COPY_IN, ev_out);
         ops->copy_async(ctx, o->d_master[s], o->h_master + b0, (size_t)nb * sizeof(float), FM_COPY_H2D, FM_STREAM_OPT_COPY_IN);
         ops->copy_async(ctx, o->d_m[s], (char *)o->h_m + (size_t)b0 * mb, (size_t)nb * mb, FM_COPY_H2D, FM_STREAM_OPT_COPY_IN);

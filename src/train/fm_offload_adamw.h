@@ -52,6 +52,9 @@ typedef struct fm_offload_adamw {
     void *d_m[FM_OFFLOAD_MAX_SLOTS], *d_v[FM_OFFLOAD_MAX_SLOTS];
     int64_t bucket_no;       /* buckets issued so far: the slot rotation continues across calls */
     bool used[FM_OFFLOAD_MAX_SLOTS]; /* slot has a copy-out event to wait for */
+    bool step_fresh;         /* step_begin ran and no bucket of the step was issued yet: the step's
+                                first copy-in waits for the previous step's last copy-out (the copy-out
+                                stream is in order, so that covers every write of the host state) */
 } fm_offload_adamw;
 
 extern const fm_optimizer_ops fm_offload_adamw_ops;

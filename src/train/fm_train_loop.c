@@ -54,7 +54,10 @@ static fm_status save_checked(run *r, const train_state *ts, fm_run_records *rec
     double wsq;
     if (r->zero3) FM_TRY(fm_zero3_weight_sumsq(&r->z3, m, m->results + FM_RESULT_SUMSQ)); /* the shards' sum */
     else m->be.ops->sumsq(m->be.ctx, m->results + FM_RESULT_SUMSQ, m->params, m->n_params, false);
-    m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "checkpoint" */
+    /* sync point "checkpoint": every stream, so the streamed optimizer's last copies of the host
+     * state (its own copy-out stream, which the overlap's flush does not wait for) are complete
+     * before the save reads that state */
+    m->be.ops->sync(m->be.ctx);
     m->be.ops->copy(m->be.ctx, &wsq, m->results + FM_RESULT_SUMSQ, sizeof wsq, FM_COPY_D2H);
     if (!isfinite(wsq))
         return fm_error(FM_ERR_NUMERIC, "step %lld: the weights are no longer finite after the optimizer update "
