@@ -135,6 +135,16 @@ def run(out, name, gpus, ref=None):
         dev = re.findall(r"^memory: device in use ([0-9.]+) MiB of ([0-9.]+) MiB \(plan ([0-9.]+) MiB", last, re.M)
         if dev:
             print("   rank 0 device in use %s MiB of %s (plan %s MiB)" % dev[-1])
+    # the other ranks' one-line reports (fm_train_metrics.c), the last of each rank
+    others = {}
+    for rk, body in re.findall(r"^rank (\d+) of \d+: memory \(high-water / bound, B\): (.*)$", log, re.M):
+        others[int(rk)] = body
+    for rk, body in sorted(others.items()):
+        sets = re.findall(r"([a-z ()]+?) (\d+) / (\d+)", body)
+        over = [n.strip() for n, h, b in sets if int(h) > int(b)]
+        dev = re.search(r"device in use ([0-9.]+) MiB of ([0-9.]+) MiB \(plan ([0-9.]+) MiB\)", body)
+        print("   rank %d live sets: %s%s" % (rk, "every high-water <= its bound" if not over else
+              "OVER BOUND: " + ", ".join(over), "; device in use %s MiB of %s (plan %s MiB)" % dev.groups() if dev else ""))
     ep = {}
     for rk, w, hi, rmax, sent, llep in re.findall(
             r"rank (\d+) of (\d+): ep dispatch: rows received per chunk high (\d+) of R_max (\d+).*?sent high (\d+); LLEP chunk passes that moved rows (\d+)", log):

@@ -129,7 +129,26 @@ void fm_train_metrics_memory(run *r) {
         printf("rank %d of %d: %s\n", r->rank, r->n_ranks, line);
         fflush(stdout);
     }
-    if (!r->metrics) return; /* a rank other than 0 */
+    if (!r->metrics) { /* a rank other than 0: its own arenas against its plan, one line */
+        char line[1600];
+        size_t n = 0;
+        n += (size_t)snprintf(line + n, sizeof line - n, "rank %d of %d: memory (high-water / bound, B):", r->rank,
+                              r->n_ranks);
+        for (int i = 0; i < FM_LIVE_COUNT && n < sizeof line; i++)
+            n += (size_t)snprintf(line + n, sizeof line - n, "%s %s %zu / %zu", i ? ";" : "", fm_live_set_names[i],
+                                  i == FM_LIVE_MODEL_STATE ? r->ps.arena.high : fm_arena_touched(&m->arena[i]),
+                                  r->plan.bytes[i]);
+        if (r->plan.host_bytes > 0 && n < sizeof line)
+            n += (size_t)snprintf(line + n, sizeof line - n, "; host (pinned) %zu / %zu", r->sco.host.high + r->oopt.host.high,
+                                  r->plan.host_bytes);
+        size_t df = 0, dt = 0;
+        if (fm_backend_default_device_memory(&df, &dt) == FM_OK && dt > 0 && n < sizeof line)
+            snprintf(line + n, sizeof line - n, "; device in use %.1f MiB of %.1f MiB (plan %.1f MiB)",
+                     (dt - df) / 1048576.0, dt / 1048576.0, r->plan.total / 1048576.0);
+        printf("%s\n", line);
+        fflush(stdout);
+        return;
+    }
     fprintf(r->metrics, ",\"memory\":{");
     for (int i = 0; i < FM_LIVE_COUNT; i++)
         fprintf(r->metrics, "%s\"%s\":{\"bound\":%zu,\"high_water\":%zu}", i ? "," : "", fm_live_set_names[i],
