@@ -11,6 +11,7 @@
 #   bash bench/offload_gpu.sh ranks           # --ep on 2 ranks sharing the GPU; the nccl communicator's overhead
 #   bash bench/offload_gpu.sh lab             # the grouped GEMM kernel lab (dev/cuda/grouped_gemm)
 #   bash bench/offload_gpu.sh long            # 512K (chooser), then the longest fit (1.25M, detached: collect)
+#   bash bench/offload_gpu.sh longest         # the longest fit alone (1.25M, detached: collect)
 #   bash bench/offload_gpu.sh sm90 [T...]     # the sync-free expert GEMMs against cuBLAS (issue 14)
 #   bash bench/offload_gpu.sh autogemm [T...] # FLATMOE_EXPERT_GEMM=auto's pick in train (4K: sm90, 32K: cuBLAS)
 #   bash bench/offload_gpu.sh verify          # build + ctest -L gpu + the lab's checks (a session's first call)
@@ -89,10 +90,10 @@ million) # OLMoE-1B-7B at 1,048,576 tokens (issue 10): ~10 min a step, so it run
         --recompute full --moe-chunk-tokens 4096 --ce-block-tokens 1024 --offload-optimizer \
         --offload-boundaries ${NOFF:-8} > /tmp/m1/summary.txt 2>&1 < /dev/null &
     echo "started; collect with: bash bench/offload_gpu.sh collect" ;;
-long) # issue 10's "alone" lengths: 512K with the chooser's knobs (2 steps, ~5 min with pinning), then the
-    # longest fit, 1,245,184 tokens with --bf16-moments (plan: 894 s a step), one step, detached like
-    # `million` (then: bash bench/offload_gpu.sh collect)
-    COPIES=3 VF=0.34 run1 ours-524288 524288 2
+long|longest) # issue 10's "alone" lengths: 512K with the chooser's knobs (2 steps, ~5 min with pinning;
+    # `long` only, measured in session 8), then the longest fit, 1,245,184 tokens with --bf16-moments
+    # (plan: 884 s a step), one step, detached like `million` (then: bash bench/offload_gpu.sh collect)
+    [ "$1" = long ] && COPIES=3 VF=0.34 run1 ours-524288 524288 2
     mkdir -p /tmp/m1; MAXPOS=${LONG_T:-1245184} OUT=/tmp/m1 COPIES=4 VF=0.3 setsid nohup bash bench/offload_gpu.sh run m1 ${LONG_T:-1245184} ${STEPS:-1} \
         --bf16-moments > /tmp/m1/summary.txt 2>&1 < /dev/null &
     echo "started the longest fit; collect with: bash bench/offload_gpu.sh collect" ;;
@@ -196,5 +197,5 @@ autogemm) # FLATMOE_EXPERT_GEMM=auto's pick (plan/fm_expert_choice.h) in train: 
         grep -m1 '"type":"step"' "$OUT/gemm-auto-$T.jsonl" | grep -o '"expert_gemm":"[a-z0-9]*"'
     done ;;
 run) shift; run1 "$@" ;;
-*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|sm90|autogemm|verify|collect|peer|ours|ranks|lab|updblocks|fp8loss|streamopt|pack|run"; exit 2 ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|longest|sm90|autogemm|verify|collect|peer|ours|ranks|lab|updblocks|fp8loss|streamopt|pack|run"; exit 2 ;;
 esac
