@@ -59,10 +59,11 @@ static float dec8(uint8_t c) {
     return t[c];
 }
 
-/* CPU quantization of one block given by n values v[0..n) (zeros past n up to 128): codes, scale */
+/* CPU quantization of one block given by n values v[0..n) (zeros past n up to len): codes, scale
+ * (fp8_ref.h: the engine's power-of-two scale, NaN and codes 0x7F for a non-finite block) */
 static float cpu_quant(const float *v, int n, int len, uint8_t *codes) {
     float amax = 0.0f;
-    for (int i = 0; i < n; i++) amax = std::max(amax, std::fabs(v[i]));
+    for (int i = 0; i < n; i++) amax = fp8_amax_fold(amax, v[i]);
     const float s = fp8_scale(amax);
     for (int i = 0; i < len; i++) codes[i] = i < n ? fp8_code(v[i], s) : 0;
     return s;

@@ -1,58 +1,70 @@
 /* Host reference of the FP8 version (v3_fp8.cuh): the E4M3 code, block quantization and the SNR.
- * Plain C++ (no CUDA): used by the lab driver's validator and by fp8_host_check.cu.
+ * Plain C++ (no CUDA needed): used by the lab driver's validator, by fp8_host_check.cu, and (the
+ * FM_FP8_HD helpers) by v3_fp8.cuh's quantization kernels.
+ *
+ * One definition with the engine: the E4M3 rounding and the block scale are src/backend/fm_fp8.h's
+ * (included below; the engine's --expert-precision fp8 recipe), not a copy.
  *
  * E4M3 (OCP 8-bit floating point, "FN" variant as in NVIDIA's __nv_fp8_e4m3): 1 sign, 4 exponent
  * (bias 7), 3 mantissa bits; no infinities, 0x7F/0xFF NaN; largest 448 = 1.75 * 2^8, smallest
- * normal 2^-6, subnormals m * 2^-9. Encoding rounds to nearest, ties to even, and saturates
- * finite values (and infinities) to +-448, as the kernels' cvt.rn.satfinite.e4m3x2.f32 does.
+ * normal 2^-6, subnormals m * 2^-9. fm_e4m3_encode rounds to nearest, ties to even, and saturates
+ * finite values to +-448, as the kernels' cvt.rn.satfinite.e4m3x2.f32 does (fp8_host_check proves
+ * the two equal on every bf16 pattern and 2^20 random floats); NaN and infinities -> NaN (the
+ * kernels never convert those: a non-finite tile is coded NaN before any conversion).
  *
- * Block quantization (the DeepSeek-V3 recipe, arXiv 2412.19437 section 3.3): over a block (1 x 128
- * of an activation row, 128 tokens of one channel for the weight gradient's operands, 128 x 128
- * of a weight), amax = max |v| and scale = amax / 448 (fp32 division); each element is coded as
- * e4m3(v / scale) (fp32 division), and v ~ decode(code) * scale. A block of zeros has scale 0
- * and codes 0. The kernels do the same fp32 operations (IEEE division: no fast math), so the
- * codes and scales agree bit for bit.
+ * Block quantization (the DeepSeek-V3 recipe, arXiv 2412.19437 section 3.3, with power-of-two
+ * scales, UE8M0-style, as fm_fp8.h): over a block (1 x 128 of an activation row, 128 tokens of one
+ * channel for the weight gradient's operands, 128 x 128 of a weight), amax = max |v| and the scale
+ * s = 2^e, e = fm_fp8_scale_exp(amax) the smallest integer with amax <= 448 * 2^e (computed exactly
+ * from amax's exponent: s = 2^ceil(log2(amax / 448))); a block of zeros gets s = 1 and codes 0.
+ * Each element is coded as e4m3(v * 2^-e) (an exact scaling, fm_fp8_ldexp), so amax codes into
+ * [224, 448] and decode(code) * s is exactly the engine's fake-quantized value fm_fp8_fake(v, e).
+ * A block holding a non-finite value has scale NaN and every code 0x7F (NaN): the engine's
+ * quantizer makes such a tile all NaN. The scales are stored as fp32 (2^e, exact; e >= -149
+ * holds for bf16 inputs, whose amax >= 2^-133 gives e >= -141); the GEMM multiplies by them.
+ * The kernels do the same operations, so the codes and scales agree bit for bit.
  */
 #pragma once
+#include "../../../src/backend/fm_fp8.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-/* float -> e4m3 code (round to nearest even, saturating). NaN -> 0x7F. */
-inline uint8_t e4m3_encode(float x) {
-    if (x != x) return 0x7F;
-    const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
-    const double a = std::fabs((double)x);
-    if (a >= 448.0) return sign | 0x7E; /* satfinite (infinities too) */
-    uint32_t code;
-    if (a < 0.015625) { /* below 2^-6: subnormal steps of 2^-9; q == 8 is the smallest normal, code 8 */
-        code = (uint32_t)std::nearbyint(a * 512.0);
-    } else {
-        int e;
-        const double f = std::frexp(a, &e); /* a = f 2^e, f in [0.5, 1) */
-        const int ex = e - 1;               /* a = (2f) 2^ex, 2f in [1, 2), ex in [-6, 8] */
-        uint32_t m = (uint32_t)std::nearbyint((2.0 * f - 1.0) * 8.0);
-        int ee = ex + 7;
-        if (m == 8) m = 0, ee++;
-        code = ((uint32_t)ee << 3) | m;
-        if (code > 0x7E) code = 0x7E; /* 448 < a < 464 rounds to 448 anyway; 480 does not exist */
-    }
-    return sign | (uint8_t)code;
+/* float -> e4m3 code: fm_e4m3_encode (round to nearest even, saturating; NaN, +-inf -> 0x7F | sign). */
+inline uint8_t e4m3_encode(float x) { return fm_e4m3_encode(x); }
+
+/* e4m3 code -> value (NaN for 0x7F/0xFF): fm_e4m3_decode. */
+inline float e4m3_decode(uint8_t c) { return fm_e4m3_decode(c); }
+
+/* A block's amax with v folded in; a non-finite v makes it +inf (fmaxf alone would drop a NaN). */
+FM_FP8_HD float fp8_amax_fold(float amax, float v) {
+    const float a = fabsf(v);
+    return fmaxf(amax, a <= 3.4028235e38f ? a : fm_fp8_u2f(0x7F800000u));
 }
 
-/* e4m3 code -> value (NaN for 0x7F/0xFF). */
-inline float e4m3_decode(uint8_t c) {
-    const int ex = (c >> 3) & 15, m = c & 7;
-    if (ex == 15 && m == 7) return NAN;
-    const double v = ex == 0 ? m * (1.0 / 512.0) : (1.0 + m / 8.0) * std::ldexp(1.0, ex - 7);
-    return (float)((c & 0x80) ? -v : v);
+/* Whether a block with this folded amax held a non-finite value. */
+FM_FP8_HD bool fp8_block_bad(float amax) { return !(amax <= 3.4028235e38f); }
+
+/* 2^e as fp32, exact for e in [-149, 127] (fp32 subnormal below -126). */
+FM_FP8_HD float fp8_scale_of_exp(int e) { return fm_fp8_ldexp(1.0f, e); }
+
+/* The scale of a block with folded amax: 2^fm_fp8_scale_exp(amax) (1 for amax 0); NaN if bad. */
+FM_FP8_HD float fp8_scale(float amax) {
+    return fp8_block_bad(amax) ? fm_fp8_u2f(0x7FC00000u) : fp8_scale_of_exp(fm_fp8_scale_exp(amax));
 }
 
-/* The scale of a block with max |v| = amax (fp32, as the kernels). */
-inline float fp8_scale(float amax) { return amax / 448.0f; }
+/* The exponent e of a scale s = 2^e (fp8_scale's finite values, subnormal ones included). */
+inline int fp8_exp_of_scale(float s) {
+    int p;
+    (void)std::frexp(s, &p);
+    return p - 1;
+}
 
-/* The code of v in a block of scale s (s == 0: the block is zero). */
-inline uint8_t fp8_code(float v, float s) { return s > 0.0f ? e4m3_encode(v / s) : (uint8_t)0; }
+/* The code of v in a block of scale s: e4m3(v * 2^-e) for s = 2^e; NaN scale (a bad block): 0x7F. */
+inline uint8_t fp8_code(float v, float s) {
+    return s == s ? fm_e4m3_encode(fm_fp8_ldexp(v, -fp8_exp_of_scale(s))) : (uint8_t)0x7F;
+}
 
 /* Signal-to-noise ratio in dB of an approximation against a reference: 10 log10(sum ref^2 /
  * sum (got - ref)^2) over the compared elements (the form of Primus-Turbo's check_snr). Exact

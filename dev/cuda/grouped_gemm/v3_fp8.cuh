@@ -1,9 +1,10 @@
 /* v3: the FP8 option of the grouped expert GEMMs (gg_common.cuh's three kinds): E4M3 operands with
  * DeepSeek-V3's block scales (arXiv 2412.19437 section 3.3: 1 x 128 tiles of activations, 128 x
- * 128 blocks of weights, scale = amax / 448), fp32 accumulation with the scales applied when each
- * 128-deep k-block's partial sum is promoted into fp32 registers, bf16 out (one rounding, beta as
- * in gg_common.cuh). The quantization kernels are here too (bf16 -> e4m3 + fp32 scales; fp8_ref.h
- * is their host twin and states the arithmetic).
+ * 128 blocks of weights) as powers of two, the engine's recipe (src/backend/fm_fp8.h: scale
+ * 2^ceil(log2(amax / 448)), 1 for a zero block), fp32 accumulation with the scales applied when
+ * each 128-deep k-block's partial sum is promoted into fp32 registers, bf16 out (one rounding, beta
+ * as in gg_common.cuh). The quantization kernels are here too (bf16 -> e4m3 + fp32 scales; fp8_ref.h
+ * is their host twin, states the arithmetic and holds the shared helpers, fm_fp8.h's included).
  *
  * sm_90's fp8 wgmma reads both operands K-major only (no transpose for 8-bit types), so every
  * product gets operands whose reduction dimension is contiguous:
@@ -51,6 +52,7 @@
  * trap is told apart from an illegal instruction).
  */
 #pragma once
+#include "fp8_ref.h"
 #include "v2_wgmma.cuh"
 #include <cuda_fp8.h>
 
@@ -300,9 +302,13 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
     }
 }
 
-/* ---- quantization (fp8_ref.h states the arithmetic; the kernels match it bit for bit) ---- */
-__device__ inline uint8_t q8(float v, float s) {
-    return s > 0.0f ? (uint8_t)__nv_cvt_float_to_fp8(v / s, __NV_SATFINITE, __NV_E4M3) : (uint8_t)0;
+/* ---- quantization (fp8_ref.h states the arithmetic; the kernels match it bit for bit) ----
+ * A block's scale is 2^e, e = fm_fp8_scale_exp(amax) (src/backend/fm_fp8.h, the engine's), stored
+ * as fp32 (fp8_scale); each value is coded as the hardware e4m3(v * 2^-e) (fm_fp8_ldexp: exact),
+ * which equals fm_e4m3_encode for the finite values it gets (fp8_host_check); a block with a
+ * non-finite value (fp8_amax_fold makes its amax +inf) gets scale NaN and codes 0x7F (NaN). */
+__device__ inline uint8_t q8(float v, int e, bool bad) {
+    return bad ? (uint8_t)0x7F : (uint8_t)__nv_cvt_float_to_fp8(fm_fp8_ldexp(v, -e), __NV_SATFINITE, __NV_E4M3);
 }
 __device__ inline float warp_max(float v) {
 #pragma unroll
@@ -320,10 +326,13 @@ __global__ void quant_rows(const bf16 *a, int64_t K, const int64_t *offs, int E,
         const uint2 raw = *reinterpret_cast<const uint2 *>(a + i);
         const float2 v01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.x));
         const float2 v23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.y));
-        const float amax = warp_max(fmaxf(fmaxf(fabsf(v01.x), fabsf(v01.y)), fmaxf(fabsf(v23.x), fabsf(v23.y))));
-        const float sc = amax / 448.0f;
-        const uint32_t pk = (uint32_t)q8(v01.x, sc) | (uint32_t)q8(v01.y, sc) << 8 | (uint32_t)q8(v23.x, sc) << 16 |
-                            (uint32_t)q8(v23.y, sc) << 24;
+        const float amax =
+            warp_max(fp8_amax_fold(fp8_amax_fold(fp8_amax_fold(fp8_amax_fold(0.0f, v01.x), v01.y), v23.x), v23.y));
+        const float sc = fp8_scale(amax);
+        const int ex = fm_fp8_scale_exp(amax);
+        const bool bad = fp8_block_bad(amax);
+        const uint32_t pk = (uint32_t)q8(v01.x, ex, bad) | (uint32_t)q8(v01.y, ex, bad) << 8 | (uint32_t)q8(v23.x, ex, bad) << 16 |
+                            (uint32_t)q8(v23.y, ex, bad) << 24;
         *reinterpret_cast<uint32_t *>(q + i) = pk;
         if (lane == 0) s[b * rpad + r] = sc;
     }
@@ -347,7 +356,7 @@ __global__ void __launch_bounds__(256) quant_weight(const bf16 *W, int64_t out, 
         for (int j = 0; j < 4; j++) {
             const float2 f = __bfloat1622float2(b2[j]);
             v[c * 8 + 2 * j] = f.x, v[c * 8 + 2 * j + 1] = f.y;
-            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+            amax = fp8_amax_fold(fp8_amax_fold(amax, f.x), f.y);
         }
     }
     amax = warp_max(amax);
@@ -355,7 +364,9 @@ __global__ void __launch_bounds__(256) quant_weight(const bf16 *W, int64_t out, 
     __syncthreads();
     amax = wmax[0];
     for (int i = 1; i < 8; i++) amax = fmaxf(amax, wmax[i]);
-    const float sc = amax / 448.0f;
+    const float sc = fp8_scale(amax);
+    const int ex = fm_fp8_scale_exp(amax);
+    const bool bad = fp8_block_bad(amax);
     uint8_t *dst = Wq + (e * out + n0 + r) * in + k0 + h * 64;
 #pragma unroll
     for (int c = 0; c < 4; c++) {
@@ -366,7 +377,7 @@ __global__ void __launch_bounds__(256) quant_weight(const bf16 *W, int64_t out, 
             uint32_t pk = 0;
 #pragma unroll
             for (int b = 0; b < 4; b++) {
-                const uint8_t code = q8(v[k + b], sc);
+                const uint8_t code = q8(v[k + b], ex, bad);
                 pk |= (uint32_t)code << (8 * b);
                 qt[h * 64 + k + b][r] = code;
             }
@@ -416,13 +427,15 @@ __global__ void __launch_bounds__(256) quant_tokens_t(const bf16 *a, int64_t C, 
             const uint32_t w = tile[lane + 32 * j][c >> 1];
             const __nv_bfloat162 p2 = *reinterpret_cast<const __nv_bfloat162 *>(&w);
             v[j] = (c & 1) ? __high2float(p2) : __low2float(p2);
-            amax = fmaxf(amax, fabsf(v[j]));
+            amax = fp8_amax_fold(amax, v[j]);
         }
         amax = warp_max(amax);
-        const float sc = amax / 448.0f;
+        const float sc = fp8_scale(amax);
+        const int ex = fm_fp8_scale_exp(amax);
+        const bool bad = fp8_block_bad(amax);
         uint8_t *dst = aT + (c0 + c) * kcap + (int64_t)b * 128;
 #pragma unroll
-        for (int j = 0; j < 4; j++) dst[lane + 32 * j] = q8(v[j], sc);
+        for (int j = 0; j < 4; j++) dst[lane + 32 * j] = lane + 32 * j < valid ? q8(v[j], ex, bad) : (uint8_t)0;
         if (lane == 0) sT[(int64_t)b * C + c0 + c] = sc;
     }
 }
