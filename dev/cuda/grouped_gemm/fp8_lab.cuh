@@ -445,7 +445,8 @@ static bool fp8_tma_selftest(const std::vector<gcase> &cases, bool verbose) {
  * formulas, fp8_ref.h's arithmetic) and the GEMM's output as a perfect one (the fp8 math rounded
  * to bf16), on small-full's groups (0, 1, 130, 257, 63 rows) for both projections and all three
  * products; every check must pass and its SNR match the host check's. Then two planted faults
- * must fail: outputs 3% off (the fp8 reference check), and one row scale and one code changed
+ * must fail: outputs 3% off (the fp8 reference check), one block quantized with the old fp32
+ * amax / 448 scale instead of the engine's power of two, and one row scale and one code changed
  * (the quantizer check). Tests the layouts and indexing of this file's references and checks. */
 static void emu_rows(const fp8_bufs &f, uint32_t seed, int64_t C, int64_t R, fp8_host &h) {
     h.a.assign((size_t)(f.rcap * C), 0), h.sa.assign((size_t)(C / 128 * f.rpad), 0.0f);
@@ -526,6 +527,23 @@ static int fp8_hostsim() {
             if (!fp8_check(f, h, offs, kind, beta, idx, got, where)) bad++, printf("FAIL hostsim: %s's perfect output fails\n", where.c_str());
             if (fp8_check(f, h, offs, kind, beta, idx, off, where + "(3% off)"))
                 bad++, printf("FAIL hostsim: %s's output 3%% off passes\n", where.c_str());
+            { /* a quantizer with the old convention (scale amax / 448, codes e4m3(v / s)) on one checked block */
+                fp8_host o = h;
+                const int64_t C = kind == 0 ? f.in : f.out;
+                float v[128], amax = 0.0f;
+                for (int k = 0; k < 128; k++) {
+                    v[k] = kind == 2 ? gg_val3(SEED3_DY, offs[2] + k, 5, f.out) : gg_val3(kind == 0 ? SEED3_X : SEED3_DY, 0, k, C);
+                    amax = std::max(amax, std::fabs(v[k]));
+                }
+                const float s = amax / 448.0f;
+                for (int k = 0; k < 128; k++) (kind == 2 ? o.a[5 * f.kcap + f.pblk[2] * 128 + k] : o.a[k]) = e4m3_encode(v[k] / s);
+                (kind == 2 ? o.sa[f.pblk[2] * f.out + 5] : o.sa[0]) = s;
+                g_qbad = 0;
+                if (!check_act_quant(f, o, offs, kind, idx, where + "(amax/448 scales)"))
+                    bad++, printf("FAIL hostsim: %s's block quantized with amax / 448 scales is not found\n", where.c_str());
+                else if (g_fail_lines.back().find("checked codes/scales differ") != std::string::npos)
+                    printf("# hostsim: %s with one amax/448 block: %s\n", where.c_str(), g_fail_lines.back().c_str() + 5);
+            }
             h.sa[kind == 2 ? f.pblk[2] * f.out + 5 : 1 * f.rpad + 0] *= 2.0f; /* a scale of a checked block */
             h.a[kind == 2 ? 7 * f.kcap + f.pblk[3] * 128 + 3 : 2 * (kind == 0 ? f.in : f.out) + 9] ^= 1; /* a code */
             g_qbad = 0;
