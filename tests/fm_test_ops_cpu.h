@@ -8,6 +8,7 @@
 #include "core/fm_rng.h"
 #include "fm_ref_ops.h"
 #include "fm_test.h"
+#include "fm_test_fd.h"
 
 #include <float.h>
 #include <stdint.h>
@@ -91,80 +92,15 @@ static inline double nerr(const float *got, const double *ref, int64_t n, double
 
 /* ---- finite differences ------------------------------------------------------------------- */
 
-typedef double (*objective_fn)(void *state);
-
-enum { FD_ELEMS = 24, FD_DIRS = 3 };
-static const double FD_H = 1e-6;
 /* A directional difference averages the rounding noise of n elements, so it is held to a
  * tighter tolerance than single elements: it catches a gradient off by a relative 1e-4
  * everywhere (a wrong constant), which single elements at tol 1e-4 cannot. */
 static const double FD_DIR_TOL_FACTOR = 0.1;
 
-/* Checks `grad` (the op's gradient of the objective w.r.t. x, n elements) against central
- * differences (f(x+h e) - f(x-h e)) / 2h of the fp64 objective `f`, which reads x (a double
- * copy of the op's input, perturbed here in place and restored). Elementwise on every element
- * when n <= FD_ELEMS, else on FD_ELEMS random ones, error normalized by max(max|grad|, floor);
- * then on FD_DIRS random directions u over the whole vector (<grad, u> against the directional
- * difference, normalized by max(sum|grad_i u_i|, floor sum|u_i|), tolerance
- * tol * FD_DIR_TOL_FACTOR), which sees an error in any element. `floor` only matters where the
- * exact gradient is ~0; h is the step (FD_H, larger where the objective is huge). */
+/* fm_fd_check (fm_test_fd.h) on g_rng, directions at tol * FD_DIR_TOL_FACTOR. */
 static inline void fd_check_ex(const char *what, objective_fn f, void *st, double *x, int64_t n,
                                const double *grad, double tol, double floor, double h) {
-    double gmax = floor > 1e-12 ? floor : 1e-12;
-    for (int64_t i = 0; i < n; i++) {
-        if (!isfinite(grad[i])) {
-            CHECK_MSG(0, "%s: gradient element %lld is %g", what, (long long)i, grad[i]);
-            return;
-        }
-        gmax = fabs(grad[i]) > gmax ? fabs(grad[i]) : gmax;
-    }
-    double worst = 0;
-    int64_t worst_i = -1;
-    double worst_fd = 0;
-    const int64_t ne = n <= FD_ELEMS ? n : FD_ELEMS;
-    for (int64_t s = 0; s < ne; s++) {
-        const int64_t i = n <= FD_ELEMS ? s : (int64_t)fm_rng_below(&g_rng, (uint64_t)n);
-        const double x0 = x[i];
-        x[i] = x0 + h;
-        const double fp = f(st);
-        x[i] = x0 - h;
-        const double fm = f(st);
-        x[i] = x0;
-        const double fd = (fp - fm) / (2 * h);
-        const double e = fabs(fd - grad[i]) / (gmax > fabs(fd) ? gmax : fabs(fd));
-        if (e > worst) {
-            worst = e;
-            worst_i = i;
-            worst_fd = fd;
-        }
-    }
-    CHECK_MSG(worst <= tol,
-              "%s: element %lld: op %.9g vs finite difference %.9g (nerr %.3g > %.3g)", what,
-              (long long)worst_i, worst_i >= 0 ? grad[worst_i] : 0.0, worst_fd, worst, tol);
-    double *x0 = dnew(n), *u = dnew(n);
-    memcpy(x0, x, (size_t)n * sizeof(double));
-    for (int d = 0; d < FD_DIRS; d++) {
-        double an = 0, mag = 1e-300, umag = 0;
-        for (int64_t i = 0; i < n; i++) {
-            u[i] = rnd_normal();
-            an += grad[i] * u[i];
-            mag += fabs(grad[i] * u[i]);
-            umag += fabs(u[i]);
-        }
-        mag = mag > floor * umag ? mag : floor * umag;
-        for (int64_t i = 0; i < n; i++) x[i] = x0[i] + h * u[i];
-        const double fp = f(st);
-        for (int64_t i = 0; i < n; i++) x[i] = x0[i] - h * u[i];
-        const double fm = f(st);
-        memcpy(x, x0, (size_t)n * sizeof(double));
-        const double fd = (fp - fm) / (2 * h), e = fabs(fd - an) / mag;
-        const double dtol = tol * FD_DIR_TOL_FACTOR;
-        CHECK_MSG(e <= dtol,
-                  "%s: direction %d: <grad,u> %.9g vs finite difference %.9g (nerr %.3g > %.3g)",
-                  what, d, an, fd, e, dtol);
-    }
-    free(x0);
-    free(u);
+    fm_fd_check(what, f, st, x, n, grad, tol, floor, h, FD_DIR_TOL_FACTOR, &g_rng);
 }
 
 static inline void fd_check(const char *what, objective_fn f, void *st, double *x, int64_t n,

@@ -20,6 +20,7 @@
 #include "core/fm_rng.h"
 #include "fm_ref_ops.h"
 #include "gpu_test.h"
+#include "fm_test_fd.h"
 
 #include <float.h>
 #include <stdint.h>
@@ -103,64 +104,14 @@ static inline void *off1(void *p) { return (uint16_t *)p + 1; }
 
 /* ---- finite differences (tests/test_ops_cpu.c's scheme, bf16 tolerances) -------------------- */
 
-typedef double (*objective_fn)(void *state);
-enum { FD_ELEMS = 24, FD_DIRS = 3 };
-static const double FD_H = 1e-6;
 /* A direction averages the bf16 rounding noise of many elements, but with as few as 16 elements
  * only by a factor ~3: 0.25 (CPU test: 0.1) still sees a 1% error in every element. */
 static const double FD_DIR_TOL_FACTOR = 0.25;
 
-/* `grad` (the op's gradient w.r.t. x, n elements) against central differences of the fp64
- * objective f, which reads x (perturbed in place and restored): on FD_ELEMS random elements
- * (error normalized by max|grad|), then on FD_DIRS random directions (tolerance
- * tol * FD_DIR_TOL_FACTOR: a direction averages the bf16 rounding noise of many elements). */
+/* fm_fd_check (fm_test_fd.h) on g_rng, floor 0, directions at tol * FD_DIR_TOL_FACTOR. */
 static inline void fd_check(const char *what, objective_fn f, void *st, double *x, int64_t n, const double *grad,
                             double tol) {
-    double gmax = 1e-12;
-    for (int64_t i = 0; i < n; i++) {
-        if (!isfinite(grad[i])) {
-            CHECK_MSG(0, "%s: gradient element %lld is %g", what, (long long)i, grad[i]);
-            return;
-        }
-        gmax = fabs(grad[i]) > gmax ? fabs(grad[i]) : gmax;
-    }
-    double worst = 0, worst_fd = 0;
-    int64_t worst_i = -1;
-    const int64_t ne = n <= FD_ELEMS ? n : FD_ELEMS;
-    for (int64_t s = 0; s < ne; s++) {
-        const int64_t i = n <= FD_ELEMS ? s : (int64_t)fm_rng_below(&g_rng, (uint64_t)n);
-        const double x0 = x[i];
-        x[i] = x0 + FD_H;
-        const double fp = f(st);
-        x[i] = x0 - FD_H;
-        const double fm = f(st);
-        x[i] = x0;
-        const double fd = (fp - fm) / (2 * FD_H);
-        const double e = fabs(fd - grad[i]) / (gmax > fabs(fd) ? gmax : fabs(fd));
-        if (e > worst) worst = e, worst_i = i, worst_fd = fd;
-    }
-    CHECK_MSG(worst <= tol, "%s: element %lld: op %.9g vs finite difference %.9g (nerr %.3g > %.3g)", what,
-              (long long)worst_i, worst_i >= 0 ? grad[worst_i] : 0.0, worst_fd, worst, tol);
-    double *x0 = dnew(n), *u = dnew(n);
-    memcpy(x0, x, (size_t)n * sizeof(double));
-    for (int d = 0; d < FD_DIRS; d++) {
-        double an = 0, mag = 1e-300;
-        for (int64_t i = 0; i < n; i++) {
-            u[i] = rnd_normal();
-            an += grad[i] * u[i];
-            mag += fabs(grad[i] * u[i]);
-        }
-        for (int64_t i = 0; i < n; i++) x[i] = x0[i] + FD_H * u[i];
-        const double fp = f(st);
-        for (int64_t i = 0; i < n; i++) x[i] = x0[i] - FD_H * u[i];
-        const double fm = f(st);
-        memcpy(x, x0, (size_t)n * sizeof(double));
-        const double fd = (fp - fm) / (2 * FD_H), e = fabs(fd - an) / mag, dtol = tol * FD_DIR_TOL_FACTOR;
-        CHECK_MSG(e <= dtol, "%s: direction %d: <grad,u> %.9g vs finite difference %.9g (nerr %.3g > %.3g)", what,
-                  d, an, fd, e, dtol);
-    }
-    free(x0);
-    free(u);
+    fm_fd_check(what, f, st, x, n, grad, tol, 0.0, FD_H, FD_DIR_TOL_FACTOR, &g_rng);
 }
 
 /* Seconds on the monotonic clock. */

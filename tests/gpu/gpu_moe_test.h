@@ -24,6 +24,7 @@
 #include "core/fm_rng.h"
 #include "fm_ref_ops.h"
 #include "gpu_test.h"
+#include "fm_test_fd.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -127,65 +128,11 @@ static inline double nerr_floor(const float *a, const double *ref, int64_t n, do
 
 /* ---- finite differences (as tests/test_ops_cpu.c) ------------------------------------------ */
 
-typedef double (*objective_fn)(void *state);
-enum { FD_ELEMS = 24, FD_DIRS = 3 };
-static const double FD_H = 1e-6;
-
-/* grad (n elements) against central differences of the fp64 objective f, which reads x (perturbed
- * in place and restored): FD_ELEMS random elements, error normalized by max(max|grad|, floor), at
- * tol; then FD_DIRS random directions at tol / 10. */
+/* fm_fd_check (fm_test_fd.h) on g_rng: errors normalized by max(max|grad|, floor), directions at
+ * tol / 10. */
 static inline void fd_check(const char *what, objective_fn f, void *st, double *x, int64_t n, const double *grad,
                             double tol, double floor) {
-    double gmax = floor > 1e-12 ? floor : 1e-12;
-    for (int64_t i = 0; i < n; i++) {
-        if (!isfinite(grad[i])) {
-            CHECK_MSG(0, "%s: gradient element %lld is %g", what, (long long)i, grad[i]);
-            return;
-        }
-        gmax = fabs(grad[i]) > gmax ? fabs(grad[i]) : gmax;
-    }
-    double worst = 0, worst_fd = 0;
-    int64_t worst_i = -1;
-    const int64_t ne = n <= FD_ELEMS ? n : FD_ELEMS;
-    for (int64_t s = 0; s < ne; s++) {
-        const int64_t i = n <= FD_ELEMS ? s : (int64_t)fm_rng_below(&g_rng, (uint64_t)n);
-        const double x0 = x[i];
-        x[i] = x0 + FD_H;
-        const double fp = f(st);
-        x[i] = x0 - FD_H;
-        const double fm = f(st);
-        x[i] = x0;
-        const double fd = (fp - fm) / (2 * FD_H);
-        const double e = fabs(fd - grad[i]) / (gmax > fabs(fd) ? gmax : fabs(fd));
-        if (e > worst) {
-            worst = e;
-            worst_i = i;
-            worst_fd = fd;
-        }
-    }
-    CHECK_MSG(worst <= tol, "%s: element %lld: op %.9g vs finite difference %.9g (nerr %.3g > %.3g)", what,
-              (long long)worst_i, worst_i >= 0 ? grad[worst_i] : 0.0, worst_fd, worst, tol);
-    double *x0 = dnew(n), *u = dnew(n);
-    memcpy(x0, x, (size_t)n * sizeof(double));
-    for (int d = 0; d < FD_DIRS; d++) {
-        double an = 0, mag = 1e-300, umag = 0;
-        for (int64_t i = 0; i < n; i++) {
-            u[i] = rnd_normal();
-            an += grad[i] * u[i];
-            mag += fabs(grad[i] * u[i]);
-            umag += fabs(u[i]);
-        }
-        mag = mag > floor * umag ? mag : floor * umag;
-        for (int64_t i = 0; i < n; i++) x[i] = x0[i] + FD_H * u[i];
-        const double fp = f(st);
-        for (int64_t i = 0; i < n; i++) x[i] = x0[i] - FD_H * u[i];
-        const double fm = f(st);
-        memcpy(x, x0, (size_t)n * sizeof(double));
-        const double fd = (fp - fm) / (2 * FD_H), e = fabs(fd - an) / mag;
-        CHECK_MSG(e <= tol * 0.1, "%s: direction %d: <grad,u> %.9g vs finite difference %.9g (nerr %.3g > %.3g)",
-                  what, d, an, fd, e, tol * 0.1);
-    }
-    free(x0), free(u);
+    fm_fd_check(what, f, st, x, n, grad, tol, floor, FD_H, 0.1, &g_rng);
 }
 
 /* Random top-k ids: k distinct experts per token drawn from [0,E) minus `skip` (-1: none). */
