@@ -33,6 +33,7 @@
 #include "backend/cpu/fm_backend_cpu.h"
 #include "backend/fm_fp8.h"
 #include "core/fm_rng.h"
+#include "fm_ref_ops.h"
 #include "fm_test.h"
 #include "model/fm_moe_layer.h"
 
@@ -196,54 +197,47 @@ static double snr_db(const double *ref, const double *got, int64_t n) {
     return 10.0 * log10(s / e);
 }
 
-/* The fp64 products below also give, when mag is not NULL, each output's sum of |terms| (the
- * scale its fp32 rounding error is relative to). */
-/* y_e [m_e, out] = A_e [m_e, K] B_e^T, B_e [out, K] (fp64 sums). */
+/* The fp64 products below (tests/fm_ref_ops.h's grouped expert references on the widened
+ * operands) also give, when mag is not NULL, each output's sum of |terms| (the scale its fp32
+ * rounding error is relative to): the same product of the operands' absolute values. */
+static double *widened(const float *x, int64_t n, bool absolute) {
+    double *d = fm_ref_widen(x, n);
+    if (absolute)
+        for (int64_t i = 0; i < n; i++) d[i] = fabs(d[i]);
+    return d;
+}
+
+/* y_e [m_e, out] = A_e [m_e, K] B_e^T, B_e [out, K]. */
 static void gemm_nt(double *y, const float *A, const float *B, const int64_t *off, int64_t E, int64_t K, int64_t out,
                     double *mag) {
-    for (int64_t e = 0; e < E; e++)
-        for (int64_t r = off[e]; r < off[e + 1]; r++)
-            for (int64_t j = 0; j < out; j++) {
-                double s = 0, m = 0;
-                for (int64_t k = 0; k < K; k++) {
-                    const double t = (double)A[r * K + k] * B[e * out * K + j * K + k];
-                    s += t, m += fabs(t);
-                }
-                y[r * out + j] = s;
-                if (mag) mag[r * out + j] = m;
-            }
+    for (int pass = 0; pass < (mag ? 2 : 1); pass++) {
+        double *a = widened(A, off[E] * K, pass), *b = widened(B, E * out * K, pass);
+        fm_ref_expert_linear_fwd(pass ? mag : y, a, b, off, E, K, out);
+        free(a), free(b);
+    }
 }
 
-/* dx_e [m_e, in] = dy_e [m_e, out] W_e, W_e [out, in] (fp64 sums). */
+/* dx_e [m_e, in] = dy_e [m_e, out] W_e, W_e [out, in]. */
 static void gemm_nn(double *dx, const float *dy, const float *W, const int64_t *off, int64_t E, int64_t in, int64_t out,
                     double *mag) {
-    for (int64_t e = 0; e < E; e++)
-        for (int64_t r = off[e]; r < off[e + 1]; r++)
-            for (int64_t j = 0; j < in; j++) {
-                double s = 0, m = 0;
-                for (int64_t k = 0; k < out; k++) {
-                    const double t = (double)dy[r * out + k] * W[e * out * in + k * in + j];
-                    s += t, m += fabs(t);
-                }
-                dx[r * in + j] = s;
-                if (mag) mag[r * in + j] = m;
-            }
+    double *x0 = dnew(off[E] * in), *dW = dnew(E * out * in); /* the reference's weight gradient: unused */
+    for (int pass = 0; pass < (mag ? 2 : 1); pass++) {
+        double *g = widened(dy, off[E] * out, pass), *w = widened(W, E * out * in, pass);
+        fm_ref_expert_linear_bwd(pass ? mag : dx, dW, g, x0, w, off, E, in, out);
+        free(g), free(w);
+    }
+    free(x0), free(dW);
 }
 
-/* dW_e [out, in] = dy_e^T x_e over the expert's rows (fp64 sums). */
+/* dW_e [out, in] = dy_e^T x_e over the expert's rows. */
 static void gemm_tn(double *dW, const float *dy, const float *x, const int64_t *off, int64_t E, int64_t in, int64_t out,
                     double *mag) {
-    for (int64_t e = 0; e < E; e++)
-        for (int64_t i = 0; i < out; i++)
-            for (int64_t j = 0; j < in; j++) {
-                double s = 0, m = 0;
-                for (int64_t r = off[e]; r < off[e + 1]; r++) {
-                    const double t = (double)dy[r * out + i] * x[r * in + j];
-                    s += t, m += fabs(t);
-                }
-                dW[e * out * in + i * in + j] = s;
-                if (mag) mag[e * out * in + i * in + j] = m;
-            }
+    for (int pass = 0; pass < (mag ? 2 : 1); pass++) {
+        double *to = pass ? mag : dW, *g = widened(dy, off[E] * out, pass), *a = widened(x, off[E] * in, pass);
+        memset(to, 0, (size_t)(E * out * in) * sizeof(double)); /* the reference accumulates */
+        fm_ref_expert_linear_bwd(NULL, to, g, a, to, off, E, in, out); /* W is not read without dx */
+        free(g), free(a);
+    }
 }
 
 static void test_snr(fm_rng *r) {
