@@ -100,6 +100,15 @@ typedef struct run {
     fm_ckpt_stage cst;              /* the checkpoint staging (fm_train_ckpt_stream.h), from fm_train_ckpt_init */
 } run;
 
+/* Live set i's measured high-water mark in bytes (the parameter store's arena for model state,
+ * the model's arena otherwise), as --report-memory, metrics.jsonl and run.json report it. */
+static inline size_t fm_run_live_high(const run *r, int i) {
+    return i == FM_LIVE_MODEL_STATE ? r->ps.arena.high : fm_arena_touched(&r->m.arena[i]);
+}
+
+/* Pinned host bytes in use: the offloaded boundaries and the streamed optimizer's state. */
+static inline size_t fm_run_host_pinned_used(const run *r) { return r->sco.host.high + r->oopt.host.high; }
+
 /* The arena of live set i: the parameter store's for the model state, the model's otherwise. */
 static inline const fm_arena *fm_train_arena(const run *r, int i) {
     return i == FM_LIVE_MODEL_STATE ? &r->ps.arena : &r->m.arena[i];

@@ -97,21 +97,20 @@ void fm_train_metrics_begin(run *r, const fm_step_report *s) {
 /* Measured high-water mark of every arena (painted at layout) next to its planned bound.
  * dev_used, dev_total: the device's memory in use and its size (0: no device to report). */
 static void report_memory(const run *r, size_t dev_used, size_t dev_total) {
-    const fm_model *m = &r->m;
     printf("memory: %-22s %14s %14s %7s\n", "live set", "bound (B)", "high-water (B)", "used");
     for (int i = 0; i < FM_PLAN_SETS; i++) {
         if (i == FM_LIVE_COUNT) {
             printf("memory: %-22s %14zu %14s %7s\n", "attention tiles", r->plan.bytes[i], "(backend)", "");
             continue;
         }
-        size_t hw = i == FM_LIVE_MODEL_STATE ? r->ps.arena.high : fm_arena_touched(&m->arena[i]);
+        size_t hw = fm_run_live_high(r, i);
         printf("memory: %-22s %14zu %14zu %6.1f%%\n", fm_live_set_names[i], r->plan.bytes[i], hw,
                r->plan.bytes[i] ? 100.0 * (double)hw / (double)r->plan.bytes[i] : 0.0);
     }
     if (r->cst.high > 0) /* host: the loads and saves so far that staged (a one-rank fp32 host save names its buffers) */
         printf("memory: %-22s %14zu %14zu %6.1f%%\n", "checkpoint staging", r->cst.bytes, r->cst.high,
                100.0 * (double)r->cst.high / (double)r->cst.bytes);
-    const size_t host_used = r->sco.host.high + r->oopt.host.high; /* offloaded boundaries + optimizer */
+    const size_t host_used = fm_run_host_pinned_used(r); /* offloaded boundaries + optimizer */
     if (r->plan.host_bytes > 0)
         printf("memory: %-22s %14zu %14zu %6.1f%%\n", "host (pinned)", r->plan.host_bytes, host_used,
                100.0 * (double)host_used / (double)r->plan.host_bytes);
@@ -136,10 +135,10 @@ void fm_train_metrics_memory(run *r) {
                               r->n_ranks);
         for (int i = 0; i < FM_LIVE_COUNT && n < sizeof line; i++)
             n += (size_t)snprintf(line + n, sizeof line - n, "%s %s %zu / %zu", i ? ";" : "", fm_live_set_names[i],
-                                  i == FM_LIVE_MODEL_STATE ? r->ps.arena.high : fm_arena_touched(&m->arena[i]),
+                                  fm_run_live_high(r, i),
                                   r->plan.bytes[i]);
         if (r->plan.host_bytes > 0 && n < sizeof line)
-            n += (size_t)snprintf(line + n, sizeof line - n, "; host (pinned) %zu / %zu", r->sco.host.high + r->oopt.host.high,
+            n += (size_t)snprintf(line + n, sizeof line - n, "; host (pinned) %zu / %zu", fm_run_host_pinned_used(r),
                                   r->plan.host_bytes);
         size_t df = 0, dt = 0;
         if (fm_backend_default_device_memory(&df, &dt) == FM_OK && dt > 0 && n < sizeof line)
@@ -152,7 +151,7 @@ void fm_train_metrics_memory(run *r) {
     fprintf(r->metrics, ",\"memory\":{");
     for (int i = 0; i < FM_LIVE_COUNT; i++)
         fprintf(r->metrics, "%s\"%s\":{\"bound\":%zu,\"high_water\":%zu}", i ? "," : "", fm_live_set_names[i],
-                r->plan.bytes[i], i == FM_LIVE_MODEL_STATE ? r->ps.arena.high : fm_arena_touched(&m->arena[i]));
+                r->plan.bytes[i], fm_run_live_high(r, i));
     fprintf(r->metrics, "}");
     if (m->moe_ep_comm) /* rank 0's expert-parallel dispatch: rows per chunk against R_max */
         fprintf(r->metrics, ",\"ep_dispatch\":{\"rows_max\":%lld,\"recv_rows_high\":%lld,\"send_rows_high\":%lld,"
@@ -160,7 +159,7 @@ void fm_train_metrics_memory(run *r) {
                 (long long)m->moe_ep_ws.send_rows_high, (long long)m->moe_ep_ws.llep_chunks);
     if (r->plan.host_bytes > 0)
         fprintf(r->metrics, ",\"host_pinned\":{\"bound\":%zu,\"used\":%zu}", r->plan.host_bytes,
-                r->sco.host.high + r->oopt.host.high);
+                fm_run_host_pinned_used(r));
     size_t dfree = 0, dtotal = 0;
     if (fm_backend_default_device_memory(&dfree, &dtotal) != FM_OK) dfree = dtotal = 0;
     if (dtotal > 0)

@@ -214,13 +214,13 @@ void fm_train_metrics_summary(run *r, const fm_run_records *rec) {
         fprintf(f, "%s\"%s\":{\"bound\":%zu", i ? "," : "", set_name(i), r->plan.bytes[i]);
         if (i < FM_LIVE_COUNT)
             fprintf(f, ",\"high_water\":%zu}",
-                    i == FM_LIVE_MODEL_STATE ? r->ps.arena.high : fm_arena_touched(&r->m.arena[i]));
+                    fm_run_live_high(r, i));
         else
             fprintf(f, ",\"high_water\":null}"); /* the backend's own: not measured */
     }
     if (r->plan.host_bytes > 0)
         fprintf(f, ",\"host (pinned)\":{\"bound\":%zu,\"high_water\":%zu}", r->plan.host_bytes,
-                r->sco.host.high + r->oopt.host.high);
+                fm_run_host_pinned_used(r));
     fprintf(f, ",\"checkpoint staging\":{\"bound\":%zu,\"high_water\":%zu}", r->cst.bytes, r->cst.high); /* host, rank 0 */
     fprintf(f, "}}\n");
     fflush(f);
