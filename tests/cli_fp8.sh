@@ -19,7 +19,7 @@ check_memory() { # NAME LOG
     while read -r set bound hw; do
         n=$((n + 1))
         [ "$hw" -le "$bound" ] && [ $(( hw + 64 )) -ge "$bound" ] && ok || bad "$1: $set high-water $hw vs bound $bound"
-    done < <(grep "^memory:" "$2" | grep -v "live set\|attention" | sed -E 's/^memory: +(.*[a-z)]) +([0-9]+) +([0-9]+) .*/\1|\2|\3/' | \
+    done < <(grep "^memory:" "$2" | grep -v "live set\|attention\|device in use" | sed -E 's/^memory: +(.*[a-z)]) +([0-9]+) +([0-9]+) .*/\1|\2|\3/' | \
              awk -F'|' '{gsub(/ /, "_", $1); print $1, $2, $3}')
     [ $n -ge 6 ] && ok || bad "$1: found $n memory lines"
 }

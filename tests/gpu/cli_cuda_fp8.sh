@@ -29,7 +29,7 @@ PY
 for log in "$TMP/fp8.log"; do
     while read -r set bound hw; do
         [ "$hw" -le "$bound" ] && [ $(( hw + 64 )) -ge "$bound" ] && ok || bad "$set: high-water $hw vs bound $bound"
-    done < <(grep "^memory:" "$log" | grep -v "live set\|attention" | sed -E 's/^memory: +(.*[a-z)]) +([0-9]+) +([0-9]+) .*/\1|\2|\3/' | \
+    done < <(grep "^memory:" "$log" | grep -v "live set\|attention\|device in use" | sed -E 's/^memory: +(.*[a-z)]) +([0-9]+) +([0-9]+) .*/\1|\2|\3/' | \
              awk -F'|' '{gsub(/ /, "_", $1); print $1, $2, $3}')
 done
 "$FM" train "${common[@]}" --expert-precision fp8 --moe-chunk-tokens 256 --recompute full --out "$TMP/chunk" > "$TMP/chunk.log" 2>&1 \
