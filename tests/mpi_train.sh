@@ -200,6 +200,15 @@ failure)
         timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c 'exec "$FM" train '"${sig/--steps 1000000/--steps $((last + 2))}"' --resume --out "$TMP/t"' \
             >"$TMP/term2.log" 2>&1 || { bad "term: the resume failed"; cat "$TMP/term2.log" >&2; }
         [ "$(grep -c '"type":"step"' "$TMP/t/metrics.jsonl")" -eq $((last + 2)) ] || bad "term: the resume did not add 2 steps"
+    fi
+    # the race window: rank 1's stop flag rises just after step 3's agreement (a signal landing
+    # there). Every rank must still stop after the same step (4) and rank 0 save it; a rank-local
+    # check before the next step let rank 1 leave while rank 0 waited in the step's first collective
+    FLATMOE_TEST_SIGNAL_AFTER=1:3 timeout 60 "$MPIEXEC" "${FLAGS[@]}" -x FLATMOE_TEST_SIGNAL_AFTER -np 2 \
+        bash -c 'exec "$FM" train '"$sig"' --out "$TMP/w"' >"$TMP/window.log" 2>&1; rc=$?
+    echo "== window: exit $rc: $(grep -m1 'SIGTERM received' "$TMP/window.log")"
+    if [ $rc -ne 143 ] || ! grep -q "SIGTERM received: finished step 4, saved" "$TMP/window.log" || [ ! -d "$TMP/w/step_000004" ]; then
+        bad "window: status $rc (want 143, the stop after step 4 and its checkpoint on every rank alike)"; cat "$TMP/window.log" >&2
     fi ;;
 *) echo "unknown mode $MODE"; exit 2 ;;
 esac

@@ -5,7 +5,9 @@
  * (fm_signal.h): the step in flight finishes, a checkpoint is written, the summary record
  * closes metrics.jsonl. */
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -91,8 +93,23 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
     double int_s = 0; /* the logging interval's step time and tokens: the step line's tok/s */
     int64_t int_tok = 0;
     uint64_t syncs0 = m->be.ops->host_sync_count(m->be.ctx);
+    int test_signal_rank = -1; /* FLATMOE_TEST_SIGNAL_AFTER=RANK:STEP (tests/mpi_train.sh) */
+    long long test_signal_step = -1;
+    const char *tsig = getenv("FLATMOE_TEST_SIGNAL_AFTER");
+    if (tsig && sscanf(tsig, "%d:%lld", &test_signal_rank, &test_signal_step) != 2) test_signal_rank = -1;
     for (int64_t step = first; step <= o->steps; step++) {
-        if (fm_stop_requested()) break; /* before the first step: nothing to finish or save */
+        if (ran == 0) { /* a signal before the first step: nothing to finish or save. Later steps need no
+                         * check here: the agreed flag after each step decides, on every rank alike (a
+                         * rank-local check here would let the signalled rank leave while the others
+                         * wait in the step's first collective) */
+            int64_t early = fm_stop_requested();
+            if (fm_comm_size(&r->world) > 1) FM_TRY(fm_comm_allreduce_max_i64(&r->world, &early, 1, 0));
+            if (early) {
+                rec->stopped_by = (int)early;
+                if (!fm_stop_requested()) fm_stop_request((int)early); /* every rank exits 128 + signal */
+                break;
+            }
+        }
         const double ts0 = now_s();
         fm_step_stats st;
         memset(rec->counts, 0, sizeof(int64_t) * (size_t)(rec->L * rec->E));
@@ -175,12 +192,15 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         }
         fm_train_metrics_end(r);
 
+        if (!stop && test_signal_rank == r->rank && step == test_signal_step)
+            fm_stop_request(SIGTERM); /* test hook: SIGTERM's flag raised just after the agreement (the race window) */
         if (save) {
             FM_TRY(save_checked(r, ts, rec));
             t_saved = now_s();
         }
         if (stop) {
             rec->stopped_by = stop;
+            if (!fm_stop_requested()) fm_stop_request(stop); /* a rank the signal did not reach exits alike */
             break;
         }
         if (o->exit_after > 0 && ran == o->exit_after) break;
