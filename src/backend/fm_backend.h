@@ -184,6 +184,36 @@ typedef struct fm_ops {
     void (*quant_fp8_cols_grouped)(void *ctx, fm_act *y, const fm_act *x, const int64_t *offsets, int64_t E,
                                    int64_t cols);
 
+    /* ---- FP8 expert GEMMs on E4M3 codes (optional; NULL: the backend has none) ---------------
+     * The fast path of --expert-precision fp8 (model/fm_experts_fp8.c): the operands quantized
+     * into E4M3 codes with fp32 power-of-two scales, in backend/fm_fp8_layout.h's byte layouts
+     * (a code times its scale is exactly the value quant_fp8_* gives: fm_fp8.h's recipe and
+     * bits), then the grouped products with each 128-deep k-block's partial sum taken in fp32 and
+     * scaled into an fp32 total (DeepSeek-V3 §3.3's promotion), one rounding to fm_act at the
+     * store. offsets and rows as the _dev ops (device-readable int64 [E+1], offsets[E] <= rcap,
+     * the buffers' row capacity); nothing waits for the host. Every K, in, out, C a multiple of
+     * 128 (fm_fp8_layout_serves); E <= 256.
+     *   expert_fp8_serves: whether this backend runs a layer of E experts, hidden H, intermediate
+     *     I over dispatches of up to rows_max rows through these ops (CUDA: sm_90 and the shapes;
+     *     CPU: only under the test hook FLATMOE_TEST_FP8_CODES=1, as the layouts' reference)
+     *   fp8_quant_weight: W [E, out, in] -> w8 (weight layout: Wq, WqT, scales)
+     *   fp8_quant_rows: a [offsets[E], K] -> a8 (rows layout of rcap rows); rows past offsets[E]
+     *     are not written (the GEMMs never read them)
+     *   fp8_quant_tokens: a [offsets[E], C] -> t8 (tokens layout, kcap = fm_fp8_kcap(rcap, E))
+     *   expert_fp8_gemm, kind 0: y_e [m_e,out] = x_e W_e^T; A8 x's rows operand (K = in), B8 W's
+     *     weight operand. kind 1: dx_e [m_e,in] = beta dx_e + dy_e W_e; A8 dy's rows operand
+     *     (K = out), B8 W's weight operand (its WqT). kind 2: dW_e [out,in] = beta dW_e + dy_e^T
+     *     x_e; A8 dy's tokens operand (C = out), B8 x's (C = in); an empty expert with beta 1
+     *     leaves dW_e as it was. beta 0 overwrites C without reading it. */
+    bool (*expert_fp8_serves)(void *ctx, int64_t E, int64_t H, int64_t I, int64_t rows_max);
+    void (*fp8_quant_weight)(void *ctx, void *w8, const fm_act *W, int64_t E, int64_t out, int64_t in);
+    void (*fp8_quant_rows)(void *ctx, void *a8, const fm_act *a, const int64_t *offsets, int64_t rcap, int64_t E,
+                           int64_t K);
+    void (*fp8_quant_tokens)(void *ctx, void *t8, const fm_act *a, const int64_t *offsets, int64_t rcap, int64_t E,
+                             int64_t C);
+    void (*expert_fp8_gemm)(void *ctx, int kind, fm_act *C, float beta, const void *A8, const void *B8,
+                            const int64_t *offsets, int64_t rcap, int64_t E, int64_t in, int64_t out);
+
     /* ---- elementwise / reductions -------------------------------------------------------- */
 
     /* y[i] += x[i], i < n. */
