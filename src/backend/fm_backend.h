@@ -136,7 +136,7 @@ typedef struct fm_ops {
      * dW_e is left as it was (zero gradient); one expert may own every row.
      *   expert_linear_fwd: y_e [m_e,out] = x_e [m_e,in] W_e^T
      *   expert_linear_bwd: dx_e [m_e,in] = beta*dx_e + dy_e W_e (skipped when dx is NULL);
-     *                      dW_e [out,in] += dy_e^T x_e
+     *                      dW_e [out,in] += dy_e^T x_e (skipped when dW is NULL; x is then unread)
      * Either may be NULL: fm_expert_linear_fwd/bwd below then loop over gemm, one call per
      * expert (the CPU). CUDA: one grouped cuBLAS call per product (cublasGemmGroupedBatchedEx),
      * experts with many rows get their own gemm; the expert_gemm option (fm_backend_opts.h,
@@ -552,6 +552,12 @@ static inline void fm_expert_linear_bwd(const fm_backend *be, fm_act *dx, float 
     for (int64_t e = 0; e < E; e++) {
         const int64_t r0 = offsets[e], m = offsets[e + 1] - r0;
         if (m == 0) continue;
+        if (!dW) { /* the dgrad alone */
+            if (dx)
+                be->ops->gemm(be->ctx, false, false, m, in, out, 1.0f, dy + r0 * out, out, W + e * out * in, in, beta,
+                              dx + r0 * in, FM_ACT_DTYPE, in);
+            continue;
+        }
         fm_linear_bwd(be, dx ? dx + r0 * in : NULL, beta, dW + e * out * in, dy + r0 * out, x + r0 * in,
                       W + e * out * in, m, in, out, 1.0f);
     }

@@ -2,6 +2,8 @@
 
 #include <string.h>
 
+#include "../backend/fm_fp8_layout.h"
+
 /* Bound (see the header; a = sizeof(fm_act)): a dispatch over n tokens holds
  *   routes(n) = row_route, route_row 2*n*k*4 + xe, ye 2*n*k*H*a  (+ the host offsets (E+1)*8)
  *               + h_gate, h_up, h_act 3*n*k*I*a
@@ -21,11 +23,23 @@ size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n, size_t a) {
 
 size_t fm_moe_routes_host_bytes(const fm_moe_dims *d) { return R8(d->E + 1); }
 
+/* The fp8 term (the header): the emulation's buffers or the code operands, whichever is larger. */
+static size_t fp8_emu_bytes(const fm_moe_dims *d, int64_t R, size_t a) {
+    return 3 * RA(d->E * d->H * d->I) + 2 * RA(R * (d->H > d->I ? d->H : d->I));
+}
+static size_t fp8_codes_bytes(const fm_moe_dims *d, int64_t R) {
+    return fm_fp8_layout_serves(d->H, d->I) ? (size_t)fm_fp8_dev_ws_bytes(d->E, d->H, d->I, R, 64) : 0;
+}
+static size_t fp8_bytes(const fm_moe_dims *d, int64_t R, size_t a) {
+    const size_t e = fp8_emu_bytes(d, R, a), c = fp8_codes_bytes(d, R);
+    return e > c ? e : c;
+}
+
 size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked, size_t a) {
     const int64_t R = n * d->k;
     size_t b = 2 * RA(R * d->H) + 3 * RA(R * d->I);
     if (chunked) b += 3 * R4(n * d->k) + 3 * RA(n * d->H) + fm_moe_routes_bytes(d, n, a);
-    if (d->fp8) b += 3 * RA(d->E * d->H * d->I) + 2 * RA(R * (d->H > d->I ? d->H : d->I));
+    if (d->fp8) b += fp8_bytes(d, R, sizeof(fm_act));
     return b;
 }
 
@@ -77,12 +91,34 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
         w->xc = w->yc = w->dxc = NULL;
     }
     w->q_gate = w->q_up = w->q_down = w->q_a = w->q_b = NULL;
-    if (d->fp8) { /* model/fm_experts_fp8.h */
-        w->q_gate = TAKE(a, fm_act, d->E * d->I * d->H);
-        w->q_up = TAKE(a, fm_act, d->E * d->I * d->H);
-        w->q_down = TAKE(a, fm_act, d->E * d->H * d->I);
-        w->q_a = TAKE(a, fm_act, R * (d->H > d->I ? d->H : d->I));
-        w->q_b = TAKE(a, fm_act, R * (d->H > d->I ? d->H : d->I));
+    w->w8[0] = w->w8[1] = w->w8[2] = w->a8 = w->t8[0] = w->t8[1] = NULL;
+    w->fp8_rcap = 0;
+    if (d->fp8) { /* model/fm_experts_fp8.h: one block of fp8_bytes, carved for the path taken */
+        uint8_t *q = TAKE(a, uint8_t, fp8_bytes(d, R, sizeof(fm_act)));
+        size_t at = 0;
+#define CARVE(bytes) (at += fm_arena_round((size_t)(bytes)), q ? (void *)(q + at - fm_arena_round((size_t)(bytes))) : NULL)
+        const int64_t M = d->H > d->I ? d->H : d->I;
+        if (d->fp8_codes) {
+            FM_ASSERT(fm_fp8_layout_serves(d->H, d->I));
+            const int64_t kcap = fm_fp8_kcap(R, d->E);
+            w->w8[0] = CARVE(fm_fp8_weight_bytes(d->E, d->I, d->H));
+            w->w8[1] = CARVE(fm_fp8_weight_bytes(d->E, d->I, d->H));
+            w->w8[2] = CARVE(fm_fp8_weight_bytes(d->E, d->H, d->I));
+            w->a8 = CARVE(fm_fp8_rows_bytes(R, M));
+            w->t8[0] = CARVE(fm_fp8_tokens_bytes(kcap, M));
+            w->t8[1] = CARVE(fm_fp8_tokens_bytes(kcap, M));
+            w->fp8_rcap = R;
+            FM_ASSERT(at == fp8_codes_bytes(d, R));
+        } else {
+            const size_t ab = sizeof(fm_act);
+            w->q_gate = CARVE(ab * (size_t)(d->E * d->I * d->H));
+            w->q_up = CARVE(ab * (size_t)(d->E * d->I * d->H));
+            w->q_down = CARVE(ab * (size_t)(d->E * d->H * d->I));
+            w->q_a = CARVE(ab * (size_t)(R * M));
+            w->q_b = CARVE(ab * (size_t)(R * M));
+            FM_ASSERT(at == fp8_emu_bytes(d, R, ab));
+        }
+#undef CARVE
     }
 }
 

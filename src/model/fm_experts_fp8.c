@@ -3,6 +3,15 @@
 
 void fm_experts_fp8_weights(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_ws *ws,
                             fm_moe_weights *wq) {
+    if (d->fp8_codes) {
+        FM_ASSERT(ws->w8[0] && ws->w8[1] && ws->w8[2]);
+        fm_phase_mark(be, FM_PHASE_EXPERTS);
+        be->ops->fp8_quant_weight(be->ctx, ws->w8[0], w->w_gate, d->E, d->I, d->H);
+        be->ops->fp8_quant_weight(be->ctx, ws->w8[1], w->w_up, d->E, d->I, d->H);
+        be->ops->fp8_quant_weight(be->ctx, ws->w8[2], w->w_down, d->E, d->H, d->I);
+        *wq = *w;
+        return;
+    }
     FM_ASSERT(ws->q_gate && ws->q_up && ws->q_down); /* laid out with d->fp8 */
     fm_phase_mark(be, FM_PHASE_EXPERTS);
     be->ops->quant_fp8_blocks(be->ctx, ws->q_gate, w->w_gate, d->E, d->I, d->H);
@@ -13,11 +22,60 @@ void fm_experts_fp8_weights(const fm_backend *be, const fm_moe_dims *d, const fm
     wq->w_down = ws->q_down;
 }
 
+/* ---- the fast path: E4M3 codes (d->fp8_codes; fm_experts_fp8.h) ---- */
+
+/* The forward over n tokens' R = n*k rows: x, then h_act, quantized into the rows operand. */
+static void codes_forward(const fm_backend *be, const fm_moe_dims *d, fm_moe_routes *r, const fm_moe_ws *ws,
+                          int64_t n) {
+    const int64_t H = d->H, I = d->I, E = d->E, rc = ws->fp8_rcap;
+    const int64_t *off = r->offsets;
+    FM_ASSERT(n * d->k <= rc);
+    be->ops->fp8_quant_rows(be->ctx, ws->a8, r->xe, off, rc, E, H);
+    be->ops->expert_fp8_gemm(be->ctx, 0, r->h_gate, 0.0f, ws->a8, ws->w8[0], off, rc, E, H, I);
+    be->ops->expert_fp8_gemm(be->ctx, 0, r->h_up, 0.0f, ws->a8, ws->w8[1], off, rc, E, H, I);
+    be->ops->swiglu_fwd(be->ctx, r->h_act, r->h_gate, r->h_up, n * d->k * I);
+    be->ops->fp8_quant_rows(be->ctx, ws->a8, r->h_act, off, rc, E, I);
+    be->ops->expert_fp8_gemm(be->ctx, 0, r->ye, 0.0f, ws->a8, ws->w8[2], off, rc, E, I, H);
+}
+
+/* The backward: each dgrad on dy's rows operand (ws->a8) and the weight's codes (their WqT),
+ * each wgrad on dy's and x's tokens operands (ws->t8[0], t8[1]; x's serves gate and up). */
+static void codes_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_grads *g,
+                           const fm_moe_routes *r, fm_moe_ws *ws, int64_t n) {
+    const int64_t H = d->H, I = d->I, E = d->E, rc = ws->fp8_rcap;
+    const int64_t *off = r->offsets;
+    void *A = ws->a8, *T0 = ws->t8[0], *T1 = ws->t8[1];
+    FM_ASSERT(n * d->k <= rc);
+    /* down: ye = h_act D^T (in = I, out = H) */
+    be->ops->fp8_quant_rows(be->ctx, A, ws->dye, off, rc, E, H);
+    be->ops->expert_fp8_gemm(be->ctx, 1, ws->dact, 0.0f, A, ws->w8[2], off, rc, E, I, H);
+    be->ops->fp8_quant_tokens(be->ctx, T0, ws->dye, off, rc, E, H);
+    be->ops->fp8_quant_tokens(be->ctx, T1, r->h_act, off, rc, E, I);
+    be->ops->expert_fp8_gemm(be->ctx, 2, g->w_down, 1.0f, T0, T1, off, rc, E, I, H);
+    be->ops->swiglu_bwd(be->ctx, ws->dh_gate, ws->dh_up, ws->dact, r->h_gate, r->h_up, n * d->k * I);
+    /* gate and up: h = xe W^T (in = H, out = I) */
+    be->ops->fp8_quant_rows(be->ctx, A, ws->dh_gate, off, rc, E, I);
+    be->ops->expert_fp8_gemm(be->ctx, 1, ws->dxe, 0.0f, A, ws->w8[0], off, rc, E, H, I);
+    be->ops->fp8_quant_tokens(be->ctx, T1, r->xe, off, rc, E, H);
+    be->ops->fp8_quant_tokens(be->ctx, T0, ws->dh_gate, off, rc, E, I);
+    be->ops->expert_fp8_gemm(be->ctx, 2, g->w_gate, 1.0f, T0, T1, off, rc, E, H, I);
+    be->ops->fp8_quant_rows(be->ctx, A, ws->dh_up, off, rc, E, I);
+    be->ops->expert_fp8_gemm(be->ctx, 1, ws->dxe, 1.0f, A, ws->w8[1], off, rc, E, H, I);
+    be->ops->fp8_quant_tokens(be->ctx, T0, ws->dh_up, off, rc, E, I);
+    be->ops->expert_fp8_gemm(be->ctx, 2, g->w_up, 1.0f, T0, T1, off, rc, E, H, I);
+}
+
+/* ---- the emulation ---- */
+
 void fm_experts_fp8_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *wq, fm_moe_routes *r,
                             fm_moe_ws *ws, int64_t n) {
     const int64_t H = d->H, I = d->I, E = d->E, R = n * d->k;
     fm_phase_mark(be, FM_PHASE_EXPERTS);
     if (n == 0) return;
+    if (d->fp8_codes) {
+        codes_forward(be, d, r, ws, n);
+        return;
+    }
     be->ops->quant_fp8_rows(be->ctx, ws->q_a, r->xe, R, H); /* K = H */
     fm_expert_linear_fwd(be, r->h_gate, ws->q_a, wq->w_gate, r->offsets, E, H, I);
     fm_expert_linear_fwd(be, r->h_up, ws->q_a, wq->w_up, r->offsets, E, H, I);
@@ -26,16 +84,11 @@ void fm_experts_fp8_forward(const fm_backend *be, const fm_moe_dims *d, const fm
     fm_expert_linear_fwd(be, r->ye, ws->q_a, wq->w_down, r->offsets, E, I, H);
 }
 
-/* dx_e [m_e,in] = beta dx_e + dy_e W_e per expert with rows (the dgrad alone: the fp8 wgrad
- * takes differently quantized operands). */
+/* dx_e [m_e,in] = beta dx_e + dy_e W_e (the dgrad alone, one grouped call: the fp8 wgrad takes
+ * differently quantized operands) */
 static void dgrad(const fm_backend *be, fm_act *dx, float beta, const fm_act *dy, const fm_act *W,
                   const int64_t *offsets, int64_t E, int64_t in, int64_t out) {
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t r0 = offsets[e], m = offsets[e + 1] - r0;
-        if (m == 0) continue;
-        be->ops->gemm(be->ctx, false, false, m, in, out, 1.0f, dy + r0 * out, out, W + e * out * in, in, beta,
-                      dx + r0 * in, FM_ACT_DTYPE, in);
-    }
+    fm_expert_linear_bwd(be, dx, beta, NULL, dy, NULL, W, offsets, E, in, out);
 }
 
 /* dW_e += dy_e^T x_e (the wgrad alone: the grouped bwd with dx NULL). */
@@ -51,6 +104,10 @@ void fm_experts_fp8_backward(const fm_backend *be, const fm_moe_dims *d, const f
     fm_act *A = ws->q_a, *B = ws->q_b;
     fm_phase_mark(be, FM_PHASE_EXPERTS);
     if (n == 0) return;
+    if (d->fp8_codes) {
+        codes_backward(be, d, g, r, ws, n);
+        return;
+    }
     /* down: ye = h_act D^T (in = I, out = H) */
     be->ops->quant_fp8_rows(be->ctx, A, ws->dye, R, H);
     dgrad(be, ws->dact, 0.0f, A, wq->w_down, off, E, I, H);

@@ -4,7 +4,15 @@
  * (backend op quant_fp8_*, backend/fm_fp8.h) into the working set, and the backend's plain
  * expert GEMM (fp32 accumulation) runs on them. Since every quantized value is exact in fm_act,
  * this equals the FP8 GEMM with per-tile scales up to the order of the fp32 sums. It gives the
- * recipe's numerics, not its speed (that waits for an sm_90 FP8 grouped GEMM).
+ * recipe's numerics, not its speed.
+ *
+ * The fast path (d->fp8_codes: the backend's expert_fp8_serves, CUDA on sm_90): the same
+ * operands quantized into real E4M3 codes with their scales (backend op fp8_quant_*, the byte
+ * layouts of backend/fm_fp8_layout.h, the same recipe and bits) and the backend's FP8 grouped
+ * GEMM (expert_fp8_gemm: each 128-deep k-block's partial sum promoted into fp32 times the two
+ * scales). The offsets are read where the device reads them, so this path is sync-free. The
+ * products and the quantization of each operand are the emulation's, one for one; only the
+ * order of the fp32 sums differs (tests/test_fp8_codes.c: the two paths agree).
  *
  * Tiles per product (K: the GEMM's reduction dimension):
  *   forward  y = x W^T (K = in):   x in 1 x 128 tiles per row, W [E,out,in] in 128 x 128 blocks
@@ -15,15 +23,16 @@
  * SwiGLU, combine) stay as they are. The weights are quantized once per call of fm_moe_forward
  * / fm_moe_backward for a layer (before the chunk loop; a chunked backward's recompute uses the
  * same copy), into ws->q_gate, q_up, q_down: deterministic, so a recompute sees the same bits.
- * The activation operands use ws->q_a and q_b ([R, max(H,I)]). Bytes: fm_moe_ws_bytes's fp8
- * term. Needs the backend's quant_fp8_* ops and the host-offset expert GEMMs (not sync-free). */
+ * The activation operands use ws->q_a and q_b ([R, max(H,I)]); the fast path uses ws->w8, a8
+ * and t8 instead. Bytes: fm_moe_ws_bytes's fp8 term. The emulation needs the backend's
+ * quant_fp8_* ops and the host-offset expert GEMMs (not sync-free). */
 #ifndef FM_EXPERTS_FP8_H
 #define FM_EXPERTS_FP8_H
 
 #include "../bounded/fm_moe_dispatch.h"
 
 /* Quantizes w's gate, up [E,I,H] and down [E,H,I] in 128 x 128 blocks into ws->q_*, and points
- * *wq at them. */
+ * *wq at them (the fast path: into ws->w8's code operands; *wq = *w, unused). */
 void fm_experts_fp8_weights(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_ws *ws,
                             fm_moe_weights *wq);
 

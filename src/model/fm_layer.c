@@ -24,7 +24,7 @@ static void linear_bwd(fm_model *m, fm_act *dx, float beta, fm_act *dW, const fm
 static fm_moe_dims moe_dims(const fm_model *m) {
     const fm_config *c = &m->cfg;
     fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok,
-                     m->moe_sync_free, m->moe_fp8};
+                     m->moe_sync_free, m->moe_fp8, m->moe_fp8_codes};
     return d;
 }
 

@@ -86,6 +86,7 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
              *ws = &ar[FM_LIVE_WORKING_SET], *voc = &ar[FM_LIVE_VOCAB], *ex = &ar[FM_LIVE_EXPERT];
     fm_moe_dims md = moe_dims(c);
     md.fp8 = m->moe_fp8;
+    md.fp8_codes = m->moe_fp8_codes; /* (the same bytes either way: fm_moe_ws_bytes) */
     const bool chunked = m->moe_chunk_tokens > 0;
     int64_t c_eff;
     fm_moe_chunks(N, m->moe_chunk_tokens, &m->moe_K, &c_eff);
@@ -376,9 +377,21 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
        * all-to-all needs the counts on the host anyway) */
         int64_t K, c_eff;
         fm_moe_chunks(m->N, m->moe_chunk_tokens, &K, &c_eff);
-        m->moe_sync_free = ep == 1 && !m->moe_fp8 && m->be.ops->expert_sync_free &&
-                           m->be.ops->expert_sync_free(m->be.ctx, c->num_experts, c->hidden_size,
-                                                       c->moe_intermediate_size, c_eff * c->num_experts_per_tok);
+        const int64_t rows_max = c_eff * c->num_experts_per_tok;
+        /* fp8: the backend's E4M3 code ops where it serves the shape (else the emulation); they
+         * read the offsets on the device, so the dispatch is sync-free where the backend adds
+         * the expert-load counts on the device too */
+        m->moe_fp8_codes = ep == 1 && m->moe_fp8 && m->be.ops->expert_fp8_serves &&
+                           m->be.ops->fp8_quant_weight && m->be.ops->fp8_quant_rows && m->be.ops->fp8_quant_tokens &&
+                           m->be.ops->expert_fp8_gemm &&
+                           m->be.ops->expert_fp8_serves(m->be.ctx, c->num_experts, c->hidden_size,
+                                                        c->moe_intermediate_size, rows_max);
+        if (m->moe_fp8)
+            m->moe_sync_free = m->moe_fp8_codes && m->be.ops->moe_count_add != NULL;
+        else
+            m->moe_sync_free = ep == 1 && m->be.ops->expert_sync_free &&
+                               m->be.ops->expert_sync_free(m->be.ctx, c->num_experts, c->hidden_size,
+                                                           c->moe_intermediate_size, rows_max);
     }
     FM_TRY(vocab_ring_setup(m, opts ? opts->vocab_ring : 0));
     fm_layout_opts o = {m->recompute, m->moe_chunk_tokens, m->ce_block_tokens, m->ce_block_vocab,

@@ -135,6 +135,8 @@ typedef struct fm_model {
                                    (fm_backend.h expert_sync_free; set by fm_model_layout): no host
                                    wait per dispatch */
     bool moe_fp8;               /* --expert-precision fp8 (fm_layout_opts.expert_fp8; fm_experts_fp8.h) */
+    bool moe_fp8_codes;         /* with moe_fp8: the backend's FP8 code ops run the expert GEMMs
+                                   (fm_backend.h expert_fp8_serves; set by fm_model_layout) */
     fm_moe_ws moe_ws;           /* expert-dispatch working set */
     fm_router_opts router;      /* the router's options, from the config */
     const fm_comm *comm;        /* the ranks that see this batch's tokens (dp x sp), backend memory:

@@ -184,5 +184,14 @@ void fm_cpu_quant_fp8_rows(void *ctx, float *y, const float *x, int64_t rows, in
 void fm_cpu_quant_fp8_blocks(void *ctx, float *y, const float *x, int64_t mats, int64_t rows, int64_t cols);
 void fm_cpu_quant_fp8_cols_grouped(void *ctx, float *y, const float *x, const int64_t *offsets, int64_t E,
                                    int64_t cols);
+/* cpu_fp8_gemm.c: the FP8 code ops (fm_backend.h; the layouts' reference) */
+bool fm_cpu_expert_fp8_serves(void *ctx, int64_t E, int64_t H, int64_t I, int64_t rows_max);
+void fm_cpu_fp8_quant_weight(void *ctx, void *w8, const float *W, int64_t E, int64_t out, int64_t in);
+void fm_cpu_fp8_quant_rows(void *ctx, void *a8, const float *a, const int64_t *offsets, int64_t rcap, int64_t E,
+                           int64_t K);
+void fm_cpu_fp8_quant_tokens(void *ctx, void *t8, const float *a, const int64_t *offsets, int64_t rcap, int64_t E,
+                             int64_t C);
+void fm_cpu_expert_fp8_gemm(void *ctx, int kind, float *C, float beta, const void *A8, const void *B8,
+                            const int64_t *offsets, int64_t rcap, int64_t E, int64_t in, int64_t out);
 
 #endif

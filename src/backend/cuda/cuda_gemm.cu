@@ -196,7 +196,7 @@ void fm_cuda_expert_linear_fwd(void *ctx, fm_act *y, const fm_act *x, const fm_a
 void fm_cuda_expert_linear_bwd(void *ctx, fm_act *dx, float beta, fm_act *dW, const fm_act *dy, const fm_act *x,
                                const fm_act *W, const int64_t *offsets, int64_t E, int64_t in, int64_t out) {
     if (dx) expert_gemm(ctx, 1, dx, dy, W, beta, offsets, E, in, out);
-    expert_gemm(ctx, 2, dW, dy, x, 1.0f, offsets, E, in, out);
+    if (dW) expert_gemm(ctx, 2, dW, dy, x, 1.0f, offsets, E, in, out);
 }
 
 /* ---- sync-free expert GEMMs (the sm90 option; sm90/gg_sm90.h) -------------------------------- */
@@ -228,7 +228,7 @@ void fm_cuda_expert_linear_bwd_dev(void *ctx, fm_act *dx, float beta, fm_act *dW
                                    int64_t out) {
     fm_cuda_ctx *c = ctx_of(ctx);
     if (dx) sm90_call(c, 1, dx, dy, W, beta, offsets, rows, E, in, out);
-    sm90_call(c, 2, dW, dy, x, 1.0f, offsets, rows, E, in, out);
+    if (dW) sm90_call(c, 2, dW, dy, x, 1.0f, offsets, rows, E, in, out);
 }
 
 } /* extern "C" */

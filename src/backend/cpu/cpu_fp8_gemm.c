@@ -1,0 +1,176 @@
+/* The CPU backend's FP8 code ops (fm_backend.h "FP8 expert GEMMs on E4M3 codes"): the reference
+ * of backend/fm_fp8_layout.h's byte layouts and of the device kernels' arithmetic, in plain C.
+ * Quantization: fm_fp8.h's recipe tile by tile (scale 2^fm_fp8_scale_exp(amax), code
+ * fm_e4m3_encode(x / scale); a tile with a non-finite value: scale NaN, codes 0x7F), so the
+ * codes and scales are the bits the CUDA kernels must give. GEMMs: per output element, each
+ * 128-deep k-block's sum of decoded code products in fp32, promoted into an fp32 total times the
+ * two scales (DeepSeek-V3 §3.3; the order the sm_90 kernel promotes in), one rounding to the
+ * output. The training step uses these ops on the CPU only under FLATMOE_TEST_FP8_CODES=1 (the
+ * emulation, cpu_fp8.c, is the CPU's path otherwise): they are the layouts' executable spec.
+ * Threads split output rows (or dW's experts' rows), never a sum: the bits do not depend on the
+ * thread count. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_internal.h"
+
+#include "../fm_fp8.h"
+#include "../fm_fp8_layout.h"
+
+#define T8 FM_FP8_TILE
+
+static inline int cpu_threads(void *ctx) { return ((const fm_cpu_ctx *)ctx)->threads; }
+
+static float g_dec[256]; /* fm_e4m3_decode of every byte (filled once; pure) */
+static int g_dec_ready;
+static void dec_init(void) {
+    if (g_dec_ready) return;
+    for (int b = 0; b < 256; b++) g_dec[b] = fm_e4m3_decode((uint8_t)b);
+    g_dec_ready = 1;
+}
+
+/* One tile: n values at x[i*stride], i < n: their scale, and codes into q[i*qstride]. */
+static float quant_tile(uint8_t *q, int64_t qstride, const float *x, int64_t stride, int64_t n) {
+    float amax = 0.0f;
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float a = fabsf(x[i * stride]);
+        if (!(a <= 3.4028235e38f)) bad = 1;
+        else if (a > amax) amax = a;
+    }
+    const int e = fm_fp8_scale_exp(amax);
+    for (int64_t i = 0; i < n; i++) q[i * qstride] = bad ? (uint8_t)0x7F : fm_e4m3_encode(fm_fp8_ldexp(x[i * stride], -e));
+    return bad ? NAN : fm_fp8_pow2(e);
+}
+
+bool fm_cpu_expert_fp8_serves(void *ctx, int64_t E, int64_t H, int64_t I, int64_t rows_max) {
+    (void)ctx;
+    const char *t = getenv("FLATMOE_TEST_FP8_CODES");
+    return t && strcmp(t, "1") == 0 && E >= 1 && E <= 256 && rows_max >= 0 && fm_fp8_layout_serves(H, I);
+}
+
+void fm_cpu_fp8_quant_weight(void *ctx, void *w8, const float *W, int64_t E, int64_t out, int64_t in) {
+    FM_ASSERT(E >= 1 && out % T8 == 0 && in % T8 == 0);
+    uint8_t *Wq = w8, *WqT = (uint8_t *)w8 + fm_fp8_weight_t_at(E, out, in);
+    float *sW = (float *)((uint8_t *)w8 + fm_fp8_weight_scales_at(E, out, in));
+    const int64_t bo = out / T8, bi = in / T8, nb = E * bo * bi;
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (E * out * in >= 65536)
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t e = b / (bo * bi), n0 = (b / bi % bo) * T8, k0 = b % bi * T8;
+        const float *src = W + (e * out + n0) * in + k0;
+        float amax = 0.0f;
+        int bad = 0;
+        for (int64_t i = 0; i < T8; i++)
+            for (int64_t j = 0; j < T8; j++) {
+                const float a = fabsf(src[i * in + j]);
+                if (!(a <= 3.4028235e38f)) bad = 1;
+                else if (a > amax) amax = a;
+            }
+        const int ex = fm_fp8_scale_exp(amax);
+        for (int64_t i = 0; i < T8; i++)
+            for (int64_t j = 0; j < T8; j++) {
+                const uint8_t c = bad ? (uint8_t)0x7F : fm_e4m3_encode(fm_fp8_ldexp(src[i * in + j], -ex));
+                Wq[(e * out + n0 + i) * in + k0 + j] = c;
+                WqT[(e * in + k0 + j) * out + n0 + i] = c;
+            }
+        sW[b] = bad ? NAN : fm_fp8_pow2(ex); /* b = (e * bo + n-block) * bi + k-block */
+    }
+}
+
+void fm_cpu_fp8_quant_rows(void *ctx, void *a8, const float *a, const int64_t *offsets, int64_t rcap, int64_t E,
+                           int64_t K) {
+    const int64_t R = offsets[E], nb = K / T8, rpad = fm_fp8_rpad(rcap);
+    FM_ASSERT(K % T8 == 0 && R <= rcap);
+    uint8_t *q = a8;
+    float *s = (float *)((uint8_t *)a8 + fm_fp8_rows_scales_at(rcap, K));
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (R * K >= 65536)
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t b = 0; b < nb; b++) s[b * rpad + r] = quant_tile(q + r * K + b * T8, 1, a + r * K + b * T8, 1, T8);
+}
+
+/* pblk[e] = sum_{e' < e} ceil(m_e' / 128), e <= E (fm_fp8_layout.h's tokens operand). */
+static void token_blocks(int64_t *pblk, const int64_t *offsets, int64_t E) {
+    pblk[0] = 0;
+    for (int64_t e = 0; e < E; e++) pblk[e + 1] = pblk[e] + (offsets[e + 1] - offsets[e] + T8 - 1) / T8;
+}
+
+void fm_cpu_fp8_quant_tokens(void *ctx, void *t8, const float *a, const int64_t *offsets, int64_t rcap, int64_t E,
+                             int64_t C) {
+    FM_ASSERT(C % T8 == 0 && E >= 1 && E <= 256 && offsets[E] <= rcap);
+    const int64_t kcap = fm_fp8_kcap(rcap, E);
+    int64_t pblk[257];
+    token_blocks(pblk, offsets, E);
+    uint8_t *q = t8;
+    float *s = (float *)((uint8_t *)t8 + fm_fp8_tokens_scales_at(kcap, C));
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t r0 = offsets[e], m = offsets[e + 1] - r0;
+        for (int64_t b = 0; b * T8 < m; b++) {
+            const int64_t t0 = r0 + b * T8, n = m - b * T8 < T8 ? m - b * T8 : T8, kb = pblk[e] + b;
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (n * C >= 65536)
+            for (int64_t c = 0; c < C; c++) {
+                uint8_t *dst = q + c * kcap + kb * T8;
+                s[kb * C + c] = quant_tile(dst, 1, a + t0 * C + c, C, n);
+                memset(dst + n, 0, (size_t)(T8 - n)); /* the tile's tail: zero codes */
+            }
+        }
+    }
+}
+
+/* out = beta * out + v (beta 0: out is not read). */
+static inline void store(float *out, float v, float beta) { *out = beta == 0.0f ? v : beta * *out + v; }
+
+void fm_cpu_expert_fp8_gemm(void *ctx, int kind, float *C, float beta, const void *A8, const void *B8,
+                            const int64_t *offsets, int64_t rcap, int64_t E, int64_t in, int64_t out) {
+    FM_ASSERT(kind >= 0 && kind <= 2 && in % T8 == 0 && out % T8 == 0 && E >= 1 && E <= 256);
+    dec_init();
+    const uint8_t *a = A8, *b = B8;
+    if (kind != 2) {
+        /* rows: K = in (kind 0) or out (kind 1); N = out or in */
+        const int64_t K = kind == 0 ? in : out, N = kind == 0 ? out : in, nk = K / T8, rpad = fm_fp8_rpad(rcap);
+        const float *sa = (const float *)(a + fm_fp8_rows_scales_at(rcap, K));
+        const uint8_t *w = kind == 0 ? b : b + fm_fp8_weight_t_at(E, out, in);
+        const float *sw = (const float *)(b + fm_fp8_weight_scales_at(E, out, in));
+        const int64_t bi = in / T8, bo = out / T8;
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t r0 = offsets[e], r1 = offsets[e + 1];
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if ((r1 - r0) * N * K >= 65536)
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t n = 0; n < N; n++) {
+                    const uint8_t *xa = a + r * K, *xb = w + (e * N + n) * K;
+                    float fin = 0.0f;
+                    for (int64_t kb = 0; kb < nk; kb++) {
+                        float acc = 0.0f;
+                        for (int64_t k = kb * T8; k < kb * T8 + T8; k++) acc += g_dec[xa[k]] * g_dec[xb[k]];
+                        /* W_e's block (n-block, k-block): kind 0 (n / 128, kb); kind 1 reads W_e^T, (kb, n / 128) */
+                        const float swb = kind == 0 ? sw[(e * bo + n / T8) * bi + kb] : sw[(e * bo + kb) * bi + n / T8];
+                        fin += sa[kb * rpad + r] * swb * acc;
+                    }
+                    store(C + r * N + n, fin, beta);
+                }
+        }
+        return;
+    }
+    /* dW_e [out, in] = beta dW_e + sum over e's token tiles */
+    const int64_t kcap = fm_fp8_kcap(rcap, E);
+    const float *sa = (const float *)(a + fm_fp8_tokens_scales_at(kcap, out));
+    const float *sb = (const float *)(b + fm_fp8_tokens_scales_at(kcap, in));
+    int64_t pblk[257];
+    token_blocks(pblk, offsets, E);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t nt = pblk[e + 1] - pblk[e];
+        if (nt == 0 && beta == 1.0f) continue; /* no rows: dW_e as it was */
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (out * in * nt * T8 >= 65536)
+        for (int64_t m = 0; m < out; m++)
+            for (int64_t n = 0; n < in; n++) {
+                float fin = 0.0f;
+                for (int64_t kb = pblk[e]; kb < pblk[e + 1]; kb++) {
+                    const uint8_t *xa = a + m * kcap + kb * T8, *xb = b + n * kcap + kb * T8;
+                    float acc = 0.0f;
+                    for (int64_t t = 0; t < T8; t++) acc += g_dec[xa[t]] * g_dec[xb[t]];
+                    fin += sa[kb * out + m] * sb[kb * in + n] * acc;
+                }
+                store(C + (e * out + m) * in + n, fin, beta);
+            }
+    }
+}

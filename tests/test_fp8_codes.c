@@ -1,0 +1,317 @@
+/* The FP8 code ops (fm_backend.h "FP8 expert GEMMs on E4M3 codes", backend/fm_fp8_layout.h) on
+ * the CPU backend, their layouts' reference, against the emulation (quant_fp8_*, fm_fp8.h):
+ * - quantization: every code times its scale equals the emulation's fake-quantized value, bit
+ *   for bit (rows operand 1 x 128, weight 128 x 128 with WqT its transpose, tokens operand
+ *   128 x 1 per group from token block pblk[e], zero tails); a tile with a NaN: scale NaN, codes
+ *   0x7F, the other tiles untouched; rows past offsets[E] not written;
+ * - the GEMMs: each kind against the fp64 product of the fake-quantized operands, each output
+ *   within 1e-5 of its sum of |terms| (fp32 sums in another order), over uneven experts (an
+ *   empty one, one with a partial tile, one starting at an odd row); beta 0 does not read C
+ *   (C filled with NaN first), beta 1 adds, an empty expert's dW with beta 1 untouched;
+ * - the MoE layer with d.fp8_codes against the emulation (plain twin and chunked): outputs within
+ *   1e-5 relative L2, every gradient within 1e-3 (a last-bit difference can flip one E4M3
+ *   rounding downstream), the same working-set bytes, the codes path's buffers written.
+ * The operands' rows and columns carry scales 2^-16 apart, so a wrong tiling moves values
+ * across E4M3's underflow and fails the bit-exact checks (test_fp8.c explains the trick). */
+#include <string.h>
+
+#include "backend/cpu/fm_backend_cpu.h"
+#include "backend/fm_fp8.h"
+#include "backend/fm_fp8_layout.h"
+#include "core/fm_rng.h"
+#include "fm_test.h"
+#include "model/fm_moe_layer.h"
+
+static fm_backend g_be;
+
+/* rows x cols values, row i and column j scaled 2^-16 when i % ri == 0 / j % cj == 0 */
+static void fill(fm_rng *r, float *x, int64_t rows, int64_t cols, int ri, int cj, float s) {
+    const float t16 = ldexpf(1.0f, -16);
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++)
+            x[i * cols + j] = (float)fm_rng_normal(r) * s * (i % ri == 1 ? t16 : 1.0f) * (j % cj == 2 ? t16 : 1.0f);
+}
+
+static bool same_float(float a, float b) { return (isnan(a) && isnan(b)) || memcmp(&a, &b, 4) == 0; }
+
+/* the number of values where code * scale != want */
+static int64_t rows_mismatch(const uint8_t *a8, const float *want, int64_t R, int64_t rcap, int64_t K) {
+    const float *s = (const float *)(a8 + fm_fp8_rows_scales_at(rcap, K));
+    int64_t bad = 0;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t k = 0; k < K; k++)
+            bad += !same_float(fm_e4m3_decode(a8[r * K + k]) * s[(k / 128) * fm_fp8_rpad(rcap) + r], want[r * K + k]);
+    return bad;
+}
+
+static void pblk_of(int64_t *pblk, const int64_t *off, int64_t E) {
+    pblk[0] = 0;
+    for (int64_t e = 0; e < E; e++) pblk[e + 1] = pblk[e] + (off[e + 1] - off[e] + 127) / 128;
+}
+
+static int64_t tokens_mismatch(const uint8_t *t8, const float *want, const int64_t *off, int64_t E, int64_t rcap,
+                               int64_t C, int64_t *tails_bad) {
+    const int64_t kcap = fm_fp8_kcap(rcap, E);
+    const float *s = (const float *)(t8 + fm_fp8_tokens_scales_at(kcap, C));
+    int64_t pblk[65], bad = 0;
+    pblk_of(pblk, off, E);
+    *tails_bad = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t m = off[e + 1] - off[e];
+        for (int64_t c = 0; c < C; c++) {
+            for (int64_t t = 0; t < m; t++) {
+                const int64_t kb = pblk[e] + t / 128;
+                const float v = fm_e4m3_decode(t8[c * kcap + pblk[e] * 128 + t]) * s[kb * C + c];
+                bad += !same_float(v, want[(off[e] + t) * C + c]);
+            }
+            for (int64_t t = m; t < (pblk[e + 1] - pblk[e]) * 128; t++) *tails_bad += t8[c * kcap + pblk[e] * 128 + t] != 0;
+        }
+    }
+    return bad;
+}
+
+enum { E = 5, H = 256, I = 128 };
+static const int64_t g_off[E + 1] = {0, 201, 202, 202, 330, 457}; /* m = 201, 1 (odd start next), 0, 128, 127 */
+
+static void test_quant(fm_rng *r) {
+    const int64_t R = g_off[E], rcap = R + 7, K = H;
+    float *x = fnew(rcap * K), *fq = fnew(rcap * K);
+    fill(r, x, R, K, 3, 4, 1.0f);
+    x[5 * K + 130] = NAN; /* row 5's second tile */
+    uint8_t *a8 = malloc((size_t)fm_fp8_rows_bytes(rcap, K));
+    FM_ASSERT(a8);
+    memset(a8, 0xAB, (size_t)fm_fp8_rows_bytes(rcap, K));
+    g_be.ops->fp8_quant_rows(g_be.ctx, a8, x, g_off, rcap, E, K);
+    g_be.ops->quant_fp8_rows(g_be.ctx, fq, x, R, K);
+    CHECK_MSG(rows_mismatch(a8, fq, R, rcap, K) == 0, "rows: %lld values differ", (long long)rows_mismatch(a8, fq, R, rcap, K));
+    const float *sr = (const float *)(a8 + fm_fp8_rows_scales_at(rcap, K));
+    CHECK(isnan(sr[1 * fm_fp8_rpad(rcap) + 5]) && a8[5 * K + 128] == 0x7F && a8[5 * K + 255] == 0x7F);
+    CHECK(!isnan(sr[5]) && a8[5 * K + 3] != 0x7F); /* row 5's first tile as usual */
+    CHECK(a8[R * K] == 0xAB && a8[(rcap - 1) * K + K - 1] == 0xAB); /* rows past offsets[E]: not written */
+    x[5 * K + 130] = 1.0f;
+
+    /* weight: [E, out = I, in = H] */
+    const int64_t out = I, in = H, EW = E * out * in;
+    float *W = fnew(EW), *Wf = fnew(EW);
+    fill(r, W, E * out, in, 4, 5, 0.05f);
+    uint8_t *w8 = malloc((size_t)fm_fp8_weight_bytes(E, out, in));
+    FM_ASSERT(w8);
+    g_be.ops->fp8_quant_weight(g_be.ctx, w8, W, E, out, in);
+    g_be.ops->quant_fp8_blocks(g_be.ctx, Wf, W, E, out, in);
+    const uint8_t *WqT = w8 + fm_fp8_weight_t_at(E, out, in);
+    const float *sW = (const float *)(w8 + fm_fp8_weight_scales_at(E, out, in));
+    int64_t bad = 0, tbad = 0;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t n = 0; n < out; n++)
+            for (int64_t k = 0; k < in; k++) {
+                const int64_t i = (e * out + n) * in + k;
+                bad += !same_float(fm_e4m3_decode(w8[i]) * sW[(e * (out / 128) + n / 128) * (in / 128) + k / 128], Wf[i]);
+                tbad += WqT[(e * in + k) * out + n] != w8[i];
+            }
+    CHECK_MSG(bad == 0 && tbad == 0, "weight: %lld values differ, %lld transposed codes differ", (long long)bad,
+              (long long)tbad);
+
+    /* tokens: x [R, C] per group */
+    const int64_t C = H;
+    uint8_t *t8 = malloc((size_t)fm_fp8_tokens_bytes(fm_fp8_kcap(rcap, E), C));
+    FM_ASSERT(t8);
+    memset(t8, 0xCD, (size_t)fm_fp8_tokens_bytes(fm_fp8_kcap(rcap, E), C));
+    g_be.ops->fp8_quant_tokens(g_be.ctx, t8, x, g_off, rcap, E, C);
+    g_be.ops->quant_fp8_cols_grouped(g_be.ctx, fq, x, g_off, E, C);
+    int64_t tails;
+    bad = tokens_mismatch(t8, fq, g_off, E, rcap, C, &tails);
+    CHECK_MSG(bad == 0 && tails == 0, "tokens: %lld values differ, %lld tail codes not zero", (long long)bad,
+              (long long)tails);
+    free(x), free(fq), free(a8), free(W), free(Wf), free(w8), free(t8);
+}
+
+/* fp64 references over fake-quantized operands: kind 0 y = a W^T, 1 dx = a W, 2 dW = a^T b */
+static void ref_product(int kind, double *y, double *mag, const float *a, const float *b, const int64_t *off,
+                        int64_t in, int64_t out) {
+    for (int64_t e = 0; e < E; e++) {
+        const float *We = b + e * out * in;
+        for (int64_t r = off[e]; r < off[e + 1]; r++) {
+            if (kind == 0)
+                for (int64_t n = 0; n < out; n++) {
+                    double s = 0, m = 0;
+                    for (int64_t k = 0; k < in; k++) s += (double)a[r * in + k] * We[n * in + k], m += fabs((double)a[r * in + k] * We[n * in + k]);
+                    y[r * out + n] = s, mag[r * out + n] = m;
+                }
+            else if (kind == 1)
+                for (int64_t n = 0; n < in; n++) {
+                    double s = 0, m = 0;
+                    for (int64_t k = 0; k < out; k++) s += (double)a[r * out + k] * We[k * in + n], m += fabs((double)a[r * out + k] * We[k * in + n]);
+                    y[r * in + n] = s, mag[r * in + n] = m;
+                }
+        }
+        if (kind == 2)
+            for (int64_t m0 = 0; m0 < out; m0++)
+                for (int64_t n = 0; n < in; n++) {
+                    double s = 0, m = 0;
+                    for (int64_t r = off[e]; r < off[e + 1]; r++) s += (double)a[r * out + m0] * b[r * in + n], m += fabs((double)a[r * out + m0] * b[r * in + n]);
+                    y[(e * out + m0) * in + n] = s, mag[(e * out + m0) * in + n] = m;
+                }
+    }
+}
+
+/* max over outputs of |got - (base + ref)| / (|base| + mag) */
+static double rel_err(const float *got, const float *base, const double *ref, const double *mag, int64_t n) {
+    double d = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double b = base ? base[i] : 0.0, want = b + ref[i], m = fabs(b) + mag[i];
+        const double err = fabs((double)got[i] - want);
+        d = fmax(d, isnan(got[i]) ? INFINITY : (m > 0 ? err / m : err));
+    }
+    return d;
+}
+
+static void test_gemms(fm_rng *r) {
+    const int64_t R = g_off[E], rcap = R + 3, kcap = fm_fp8_kcap(rcap, E), in = H, out = I, EW = E * out * in;
+    float *x = fnew(rcap * in), *dy = fnew(rcap * out), *W = fnew(EW);
+    float *qx = fnew(rcap * in), *qdy = fnew(rcap * out), *qW = fnew(EW);
+    fill(r, x, R, in, 3, 4, 1.0f);
+    fill(r, dy, R, out, 5, 3, 1.0f);
+    fill(r, W, E * out, in, 4, 5, 0.05f);
+    uint8_t *a8 = malloc((size_t)fm_fp8_rows_bytes(rcap, in)), *w8 = malloc((size_t)fm_fp8_weight_bytes(E, out, in));
+    uint8_t *t0 = malloc((size_t)fm_fp8_tokens_bytes(kcap, out)), *t1 = malloc((size_t)fm_fp8_tokens_bytes(kcap, in));
+    FM_ASSERT(a8 && w8 && t0 && t1);
+    const int64_t big = rcap * in > EW ? rcap * in : EW;
+    double *ref = dnew(big), *mag = dnew(big);
+    float *C = fnew(big), *base = fnew(big);
+    g_be.ops->fp8_quant_weight(g_be.ctx, w8, W, E, out, in);
+    g_be.ops->quant_fp8_blocks(g_be.ctx, qW, W, E, out, in);
+
+    /* kind 0: y = x W^T, beta 0 over NaN */
+    g_be.ops->fp8_quant_rows(g_be.ctx, a8, x, g_off, rcap, E, in);
+    g_be.ops->quant_fp8_rows(g_be.ctx, qx, x, R, in);
+    for (int64_t i = 0; i < R * out; i++) C[i] = NAN;
+    g_be.ops->expert_fp8_gemm(g_be.ctx, 0, C, 0.0f, a8, w8, g_off, rcap, E, in, out);
+    ref_product(0, ref, mag, qx, qW, g_off, in, out);
+    const double e0 = rel_err(C, NULL, ref, mag, R * out);
+
+    /* kind 1: dx = beta dx + dy W, beta 0 over NaN, then beta 1 onto a base */
+    g_be.ops->fp8_quant_rows(g_be.ctx, a8, dy, g_off, rcap, E, out);
+    g_be.ops->quant_fp8_rows(g_be.ctx, qdy, dy, R, out);
+    for (int64_t i = 0; i < R * in; i++) C[i] = NAN;
+    g_be.ops->expert_fp8_gemm(g_be.ctx, 1, C, 0.0f, a8, w8, g_off, rcap, E, in, out);
+    ref_product(1, ref, mag, qdy, qW, g_off, in, out);
+    const double e1 = rel_err(C, NULL, ref, mag, R * in);
+    fill(r, base, R, in, 7, 7, 1.0f);
+    memcpy(C, base, sizeof(float) * (size_t)(R * in));
+    g_be.ops->expert_fp8_gemm(g_be.ctx, 1, C, 1.0f, a8, w8, g_off, rcap, E, in, out);
+    const double e1b = rel_err(C, base, ref, mag, R * in);
+
+    /* kind 2: dW = dW + dy^T x; empty expert 2 keeps its sentinel */
+    g_be.ops->fp8_quant_tokens(g_be.ctx, t0, dy, g_off, rcap, E, out);
+    g_be.ops->fp8_quant_tokens(g_be.ctx, t1, x, g_off, rcap, E, in);
+    g_be.ops->quant_fp8_cols_grouped(g_be.ctx, qdy, dy, g_off, E, out);
+    g_be.ops->quant_fp8_cols_grouped(g_be.ctx, qx, x, g_off, E, in);
+    fill(r, base, E * out, in, 7, 7, 1.0f);
+    for (int64_t i = 2 * out * in; i < 3 * out * in; i++) base[i] = 12345.0f;
+    memcpy(C, base, sizeof(float) * (size_t)EW);
+    g_be.ops->expert_fp8_gemm(g_be.ctx, 2, C, 1.0f, t0, t1, g_off, rcap, E, in, out);
+    ref_product(2, ref, mag, qdy, qx, g_off, in, out);
+    const double e2 = rel_err(C, base, ref, mag, EW);
+    bool untouched = true;
+    for (int64_t i = 2 * out * in; i < 3 * out * in; i++) untouched = untouched && C[i] == 12345.0f;
+    for (int64_t i = 0; i < EW; i++) C[i] = NAN;
+    g_be.ops->expert_fp8_gemm(g_be.ctx, 2, C, 0.0f, t0, t1, g_off, rcap, E, in, out);
+    const double e2z = rel_err(C, NULL, ref, mag, EW); /* beta 0: the empty expert's dW_e = 0 */
+    printf("fp8 code GEMMs vs the emulation's fp64 products: fwd %.3g, dx %.3g / %.3g (beta 1), dW %.3g / %.3g (beta 0)\n",
+           e0, e1, e1b, e2, e2z);
+    CHECK_MSG(e0 < 1e-5 && e1 < 1e-5 && e1b < 1e-5 && e2 < 1e-5 && e2z < 1e-5, "errors %g %g %g %g %g", e0, e1, e1b, e2, e2z);
+    CHECK(untouched);
+    free(x), free(dy), free(W), free(qx), free(qdy), free(qW), free(a8), free(w8), free(t0), free(t1);
+    free(ref), free(mag), free(C), free(base);
+}
+
+static double rel_l2(const float *a, const float *b, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]), den += (double)b[i] * b[i];
+    return den > 0 ? sqrt(num / den) : (num > 0 ? INFINITY : 0);
+}
+
+/* The layer over both paths; chunks K (1: the plain twin with saved routes). */
+static void test_layer(fm_rng *r, int64_t K) {
+    const fm_moe_dims de = {H, I, 4, 2, false, true, false};
+    fm_moe_dims dc = de;
+    dc.fp8_codes = true;
+    const int64_t N = 150, Ex = de.E, EIH = Ex * I * H;
+    const bool chunked = K > 1;
+    int64_t Kc = 1, c_eff = N;
+    if (chunked) fm_moe_chunks(N, (N + K - 1) / K, &Kc, &c_eff);
+    CHECK(fm_moe_ws_bytes(&de, c_eff, chunked, 4) == fm_moe_ws_bytes(&dc, c_eff, chunked, 4));
+    float *Wg = fnew(EIH), *Wu = fnew(EIH), *Wd = fnew(EIH), *x = fnew(N * H), *tw = fnew(N * 2), *dy = fnew(N * H);
+    fill(r, Wg, Ex * I, H, 4, 5, 0.05f);
+    fill(r, Wu, Ex * I, H, 4, 5, 0.05f);
+    fill(r, Wd, Ex * H, I, 4, 5, 0.05f);
+    fill(r, x, N, H, 3, 4, 1.0f);
+    fill(r, dy, N, H, 3, 4, 1.0f);
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)(N * 2)), *order = malloc(sizeof(int32_t) * (size_t)N);
+    FM_ASSERT(idx && order);
+    for (int64_t n = 0; n < N; n++) { /* uneven: expert 3 gets no route */
+        const int32_t a = n % 5 < 4 ? 0 : 1, b = n % 2 ? 2 : (a == 0 ? 1 : 0);
+        idx[n * 2] = a, idx[n * 2 + 1] = b, tw[n * 2] = 0.6f, tw[n * 2 + 1] = 0.4f;
+    }
+    fm_moe_chunk_order(order, N, Kc);
+    float *y[2], *dx[2], *dtw[2], *gg[2], *gu[2], *gd[2];
+    bool codes_ran = false;
+    for (int p = 0; p < 2; p++) {
+        const fm_moe_dims *d = p ? &dc : &de;
+        y[p] = fnew(N * H), dx[p] = fnew(N * H), dtw[p] = fnew(N * 2);
+        gg[p] = fnew(EIH), gu[p] = fnew(EIH), gd[p] = fnew(EIH);
+        fm_arena a, h;
+        const size_t bytes = (chunked ? 0 : fm_moe_routes_bytes(d, N, 4)) + fm_moe_ws_bytes(d, c_eff, chunked, 4);
+        FM_ASSERT(fm_arena_init(&a, "moe", bytes) == FM_OK);
+        FM_ASSERT(fm_arena_init(&h, "host", 2 * fm_moe_routes_host_bytes(d)) == FM_OK);
+        fm_moe_routes saved;
+        fm_moe_ws ws;
+        if (!chunked) fm_moe_routes_layout(&saved, &a, &h, d, N);
+        fm_moe_ws_layout(&ws, &a, &h, d, c_eff, chunked);
+        CHECK(a.used == a.capacity);
+        CHECK(p ? (ws.a8 && ws.t8[1] && !ws.q_a) : (ws.q_a && !ws.a8));
+        const fm_moe_weights w = {Wg, Wu, Wd};
+        const fm_moe_grads g = {gg[p], gu[p], gd[p]};
+        fm_moe_forward(&g_be, d, &w, y[p], x, idx, tw, N, Kc, chunked ? order : NULL, chunked ? NULL : &saved, &ws);
+        fm_moe_backward(&g_be, d, &w, &g, dx[p], dtw[p], dy, x, idx, tw, N, Kc, chunked ? order : NULL,
+                        chunked ? NULL : &saved, &ws);
+        if (p) { /* the codes path ran: gate's weight operand holds block (0, 0)'s scale */
+            float amax = 0;
+            for (int64_t i = 0; i < 128; i++)
+                for (int64_t k = 0; k < 128; k++) amax = fmaxf(amax, fabsf(Wg[i * H + k]));
+            const float *sw = (const float *)((const uint8_t *)ws.w8[0] + fm_fp8_weight_scales_at(Ex, I, H));
+            codes_ran = sw[0] == fm_fp8_pow2(fm_fp8_scale_exp(amax));
+        }
+        fm_arena_free(&a), fm_arena_free(&h);
+    }
+    const double ey = rel_l2(y[1], y[0], N * H), edx = rel_l2(dx[1], dx[0], N * H), edt = rel_l2(dtw[1], dtw[0], N * 2);
+    const double eg = rel_l2(gg[1], gg[0], EIH), eu = rel_l2(gu[1], gu[0], EIH), ed = rel_l2(gd[1], gd[0], EIH);
+    printf("MoE layer (K = %lld), codes vs emulation, relative L2: y %.3g dx %.3g dtopk_w %.3g dW gate %.3g up %.3g "
+           "down %.3g\n", (long long)Kc, ey, edx, edt, eg, eu, ed);
+    /* The products agree to fp32 rounding (test_gemms), but a last-bit difference upstream can flip
+     * one E4M3 rounding downstream (a 2^-4 step of one term), so the gradients are compared
+     * normwise at 1e-3: a wiring error (a wrong operand, buffer or tiling) is O(1) */
+    CHECK_MSG(ey < 1e-5 && edx < 1e-3 && edt < 1e-3 && eg < 1e-3 && eu < 1e-3 && ed < 1e-3, "layer K %lld",
+              (long long)Kc);
+    CHECK(codes_ran);
+    for (int p = 0; p < 2; p++) free(y[p]), free(dx[p]), free(dtw[p]), free(gg[p]), free(gu[p]), free(gd[p]);
+    free(Wg), free(Wu), free(Wd), free(x), free(tw), free(dy), free(idx), free(order);
+}
+
+int main(void) {
+    fm_rng r;
+    fm_rng_seed(&r, fm_test_seed(14));
+    FM_ASSERT(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
+    CHECK(g_be.ops->expert_fp8_serves && g_be.ops->fp8_quant_rows && g_be.ops->expert_fp8_gemm);
+    setenv("FLATMOE_TEST_FP8_CODES", "1", 1);
+    CHECK(g_be.ops->expert_fp8_serves(g_be.ctx, E, H, I, 1000) && !g_be.ops->expert_fp8_serves(g_be.ctx, E, 64, I, 1000));
+    unsetenv("FLATMOE_TEST_FP8_CODES");
+    CHECK(!g_be.ops->expert_fp8_serves(g_be.ctx, E, H, I, 1000)); /* the CPU's path is the emulation */
+    test_quant(&r);
+    test_gemms(&r);
+    test_layer(&r, 1);
+    test_layer(&r, 3);
+    fm_cpu_backend_free(&g_be);
+    printf("%d passed, %d failed\n", fm_test_passed, fm_test_failed);
+    return fm_test_failed ? 1 : 0;
+}
