@@ -10,7 +10,8 @@
  *   (C filled with NaN first), beta 1 adds, an empty expert's dW with beta 1 untouched;
  * - the MoE layer with d.fp8_codes against the emulation (plain twin and chunked): outputs within
  *   1e-5 relative L2, every gradient within 1e-3 (a last-bit difference can flip one E4M3
- *   rounding downstream), the same working-set bytes, the codes path's buffers written.
+ *   rounding downstream), the working set larger by exactly the code operands' bytes, the codes
+ *   path's buffers written.
  * The operands' rows and columns carry scales 2^-16 apart, so a wrong tiling moves values
  * across E4M3's underflow and fails the bit-exact checks (test_fp8.c explains the trick). */
 #include <string.h>
@@ -240,7 +241,10 @@ static void test_layer(fm_rng *r, int64_t K) {
     const bool chunked = K > 1;
     int64_t Kc = 1, c_eff = N;
     if (chunked) fm_moe_chunks(N, (N + K - 1) / K, &Kc, &c_eff);
-    CHECK(fm_moe_ws_bytes(&de, c_eff, chunked, 4) == fm_moe_ws_bytes(&dc, c_eff, chunked, 4));
+    fm_moe_dims dn = de; /* the working set without fp8: the codes path adds exactly its operands */
+    dn.fp8 = false;
+    CHECK(fm_moe_ws_bytes(&dc, c_eff, chunked, 4) ==
+          fm_moe_ws_bytes(&dn, c_eff, chunked, 4) + (size_t)fm_fp8_dev_ws_bytes(de.E, H, I, c_eff * de.k, 64));
     float *Wg = fnew(EIH), *Wu = fnew(EIH), *Wd = fnew(EIH), *x = fnew(N * H), *tw = fnew(N * 2), *dy = fnew(N * H);
     fill(r, Wg, Ex * I, H, 4, 5, 0.05f);
     fill(r, Wu, Ex * I, H, 4, 5, 0.05f);

@@ -527,6 +527,15 @@ static inline void fm_linear_bwd(const fm_backend *be, fm_act *dx, float beta, f
     be->ops->gemm(be->ctx, true, false, out, in, n, alpha, dy, out, x, in, 1.0f, dW, FM_ACT_DTYPE, in);
 }
 
+/* Whether be runs the FP8 experts' fast path (the fp8 code ops, above) for E experts of hidden H,
+ * intermediate I over dispatches of up to rows_max rows: every op present and expert_fp8_serves. */
+static inline bool fm_backend_fp8_codes_serves(const fm_backend *be, int64_t E, int64_t H, int64_t I,
+                                               int64_t rows_max) {
+    const fm_ops *o = be->ops;
+    return o->expert_fp8_serves && o->fp8_quant_weight && o->fp8_quant_rows && o->fp8_quant_tokens &&
+           o->expert_fp8_gemm && o->expert_fp8_serves(be->ctx, E, H, I, rows_max);
+}
+
 /* The table's expert_linear_fwd/bwd, or one fm_linear call per expert with rows when the table
  * has none (same contract; see expert_linear_fwd). */
 static inline void fm_expert_linear_fwd(const fm_backend *be, fm_act *y, const fm_act *x, const fm_act *W,

@@ -31,8 +31,7 @@ static size_t fp8_codes_bytes(const fm_moe_dims *d, int64_t R) {
     return fm_fp8_layout_serves(d->H, d->I) ? (size_t)fm_fp8_dev_ws_bytes(d->E, d->H, d->I, R, 64) : 0;
 }
 static size_t fp8_bytes(const fm_moe_dims *d, int64_t R, size_t a) {
-    const size_t e = fp8_emu_bytes(d, R, a), c = fp8_codes_bytes(d, R);
-    return e > c ? e : c;
+    return d->fp8_codes ? fp8_codes_bytes(d, R) : fp8_emu_bytes(d, R, a);
 }
 
 size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked, size_t a) {
@@ -93,7 +92,7 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
     w->q_gate = w->q_up = w->q_down = w->q_a = w->q_b = NULL;
     w->w8[0] = w->w8[1] = w->w8[2] = w->a8 = w->t8[0] = w->t8[1] = NULL;
     w->fp8_rcap = 0;
-    if (d->fp8) { /* model/fm_experts_fp8.h: one block of fp8_bytes, carved for the path taken */
+    if (d->fp8) { /* model/fm_experts_fp8.h: one block of fp8_bytes, carved for the path */
         uint8_t *q = TAKE(a, uint8_t, fp8_bytes(d, R, sizeof(fm_act)));
         size_t at = 0;
 #define CARVE(bytes) (at += fm_arena_round((size_t)(bytes)), q ? (void *)(q + at - fm_arena_round((size_t)(bytes))) : NULL)
@@ -101,12 +100,15 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
         if (d->fp8_codes) {
             FM_ASSERT(fm_fp8_layout_serves(d->H, d->I));
             const int64_t kcap = fm_fp8_kcap(R, d->E);
-            w->w8[0] = CARVE(fm_fp8_weight_bytes(d->E, d->I, d->H));
-            w->w8[1] = CARVE(fm_fp8_weight_bytes(d->E, d->I, d->H));
-            w->w8[2] = CARVE(fm_fp8_weight_bytes(d->E, d->H, d->I));
+            /* the weights last: written whole every step, so the arena's high-water mark reaches its
+             * bound (a tokens operand's last padding blocks are touched only when many experts' rows
+             * end just past a 128-row tile) */
             w->a8 = CARVE(fm_fp8_rows_bytes(R, M));
             w->t8[0] = CARVE(fm_fp8_tokens_bytes(kcap, M));
             w->t8[1] = CARVE(fm_fp8_tokens_bytes(kcap, M));
+            w->w8[0] = CARVE(fm_fp8_weight_bytes(d->E, d->I, d->H));
+            w->w8[1] = CARVE(fm_fp8_weight_bytes(d->E, d->I, d->H));
+            w->w8[2] = CARVE(fm_fp8_weight_bytes(d->E, d->H, d->I));
             w->fp8_rcap = R;
             FM_ASSERT(at == fp8_codes_bytes(d, R));
         } else {

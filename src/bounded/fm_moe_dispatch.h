@@ -39,8 +39,8 @@ typedef struct fm_moe_dims {
     bool fp8; /* --expert-precision fp8: the expert GEMMs' operands fake-quantized to blockwise E4M3
                  (model/fm_experts_fp8.h); the working set then holds the quantized copies */
     bool fp8_codes; /* with fp8: the backend runs the expert GEMMs on E4M3 codes (fm_backend.h
-                       expert_fp8_serves; model/fm_experts_fp8.h's fast path), the working set's
-                       fp8 bytes then hold the code operands (backend/fm_fp8_layout.h) */
+                       expert_fp8_serves; model/fm_experts_fp8.h's fast path), the working set
+                       then holds the code operands (backend/fm_fp8_layout.h) instead */
 } fm_moe_dims;
 
 /* Buffers of one dispatch over n tokens (R = n*k routes): the routing index and the expert
@@ -90,10 +90,10 @@ void fm_moe_chunks(int64_t N, int64_t chunk_tokens, int64_t *K, int64_t *c_eff);
  *   chunked ws     = routes(c) + c*k*(2H + 3I)*a + 3*c*k*4 + 3*c*H*a with c = c_eff:
  *                    one chunk's forward and backward, whatever the routing (dropless: a chunk's
  *                    c*k routes fill exactly c*k rows however they are spread over experts).
- *   fp8 (d->fp8)   adds to either ws the larger of the emulation's 3*E*H*I*a (the layer's quantized
- *                  weights) + 2*n*k*max(H,I)*a and the code operands' fm_fp8_dev_ws_bytes (H and I
- *                  multiples of 128; about 6*E*H*I + 3*n*k*max(H,I) + 256*E*max(H,I) bytes), so
- *                  the bound holds whichever path the backend takes. */
+ *   fp8 (d->fp8)   adds to either ws the emulation's 3*E*H*I*a (the layer's quantized weights) +
+ *                  2*n*k*max(H,I)*a, or with d->fp8_codes the code operands' fm_fp8_dev_ws_bytes
+ *                  (H and I multiples of 128; about 6*E*H*I + 3*n*k*max(H,I) + 256*E*max(H,I)
+ *                  bytes). */
 size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n, size_t act_bytes);
 size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked, size_t act_bytes);
 

@@ -250,10 +250,6 @@ int cmd_plan(int argc, char **argv) {
         fm_backend_opts bo = fm_backend_opts_default();
         if ((s = fm_backend_opts_from_env(&bo))) return cli_fail("plan", s);
         eask.requested = bo.expert_gemm;
-        if (req.expert_fp8 && bo.expert_gemm == FM_EXPERT_GEMM_SM90) /* as train refuses it (fm_train_opts.c) */
-            return cli_usage_error("plan", "%s", "--expert-precision fp8 with FLATMOE_EXPERT_GEMM=sm90: the FP8 "
-                                   "emulation runs on the host-offset expert GEMMs, not the sync-free sm90 kernel; "
-                                   "unset FLATMOE_EXPERT_GEMM (or set it to auto or cublas) or use --expert-precision bf16");
     }
     const bool cross = req.target == FM_PLAN_TARGET_CUDA ? sizeof(fm_act) == 4 : req.target == FM_PLAN_TARGET_CPU ? sizeof(fm_act) != 4 : false;
     fm_device_budget dev = {0};
@@ -270,6 +266,7 @@ int cmd_plan(int argc, char **argv) {
     /* the sm90 expert GEMM's device: this GPU when planning it, else (a cross plan, or no device
      * to ask) the table's, whose sm90 curves were measured running the kernel */
     if (cuda && !cross && fm_backend_default_expert_sm90_ok() == 0) eask.device_sm90 = false;
+    req.expert_fp8_codes = fm_expert_fp8_codes(&req, &eask); /* fp8: the codes' buffers or the emulation's */
     fm_expert_choice_prepare(&req, &eask, &cal); /* the chooser weighs each candidate at its faster form */
     size_t context = 0;
     char what[400] = "";

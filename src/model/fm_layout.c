@@ -253,6 +253,7 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
     m.vocab_P = opts && opts->vocab_ring > 1 ? opts->vocab_ring : 0;
     m.ep = opts && opts->ep > 1 ? opts->ep : 1;
     m.moe_fp8 = opts && opts->expert_fp8;
+    m.moe_fp8_codes = m.moe_fp8 && opts->expert_fp8_codes;
     m.ep_rank = opts && opts->ep > 1 ? opts->ep_rank : 0;
     if (opts && opts->ep > 1 && opts->llep) m.moe_llep = *opts->llep;
     bool *rc = fm_malloc((size_t)(2 * L + 1));
@@ -378,14 +379,17 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
         int64_t K, c_eff;
         fm_moe_chunks(m->N, m->moe_chunk_tokens, &K, &c_eff);
         const int64_t rows_max = c_eff * c->num_experts_per_tok;
-        /* fp8: the backend's E4M3 code ops where it serves the shape (else the emulation); they
-         * read the offsets on the device, so the dispatch is sync-free where the backend adds
-         * the expert-load counts on the device too */
-        m->moe_fp8_codes = ep == 1 && m->moe_fp8 && m->be.ops->expert_fp8_serves &&
-                           m->be.ops->fp8_quant_weight && m->be.ops->fp8_quant_rows && m->be.ops->fp8_quant_tokens &&
-                           m->be.ops->expert_fp8_gemm &&
-                           m->be.ops->expert_fp8_serves(m->be.ctx, c->num_experts, c->hidden_size,
-                                                        c->moe_intermediate_size, rows_max);
+        /* fp8: the fast path on E4M3 codes when the caller asks (train asks where the backend
+         * serves the shape: fm_backend_fp8_codes_serves); its ops read the offsets on the device,
+         * so the dispatch is sync-free where the backend adds the expert-load counts there too */
+        m->moe_fp8_codes = m->moe_fp8 && opts->expert_fp8_codes;
+        if (m->moe_fp8_codes && !(ep == 1 && fm_backend_fp8_codes_serves(&m->be, c->num_experts, c->hidden_size,
+                                                                         c->moe_intermediate_size, rows_max)))
+            return fm_error(FM_ERR_UNSUPPORTED, "--expert-precision fp8 on E4M3 codes: the %s backend does not serve "
+                            "%lld experts of hidden %lld, intermediate %lld over %lld rows (needs the fp8 code ops, "
+                            "sizes multiples of 128, no --ep); leave fm_layout_opts.expert_fp8_codes unset for the "
+                            "emulation", m->be.ops->name, (long long)c->num_experts, (long long)c->hidden_size,
+                            (long long)c->moe_intermediate_size, (long long)rows_max);
         if (m->moe_fp8)
             m->moe_sync_free = m->moe_fp8_codes && m->be.ops->moe_count_add != NULL;
         else
@@ -399,6 +403,7 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     o.sp = sp;
     o.vocab_ring = m->vocab_P;
     o.expert_fp8 = m->moe_fp8;
+    o.expert_fp8_codes = m->moe_fp8_codes;
     size_t bytes[FM_LIVE_COUNT];
     size_t host_bytes = 0;
     plan_bytes(c, B, T, &o, bytes, &host_bytes);

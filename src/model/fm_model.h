@@ -136,7 +136,7 @@ typedef struct fm_model {
                                    wait per dispatch */
     bool moe_fp8;               /* --expert-precision fp8 (fm_layout_opts.expert_fp8; fm_experts_fp8.h) */
     bool moe_fp8_codes;         /* with moe_fp8: the backend's FP8 code ops run the expert GEMMs
-                                   (fm_backend.h expert_fp8_serves; set by fm_model_layout) */
+                                   (fm_layout_opts.expert_fp8_codes; fm_experts_fp8.h) */
     fm_moe_ws moe_ws;           /* expert-dispatch working set */
     fm_router_opts router;      /* the router's options, from the config */
     const fm_comm *comm;        /* the ranks that see this batch's tokens (dp x sp), backend memory:
@@ -263,6 +263,11 @@ typedef struct fm_layout_opts {
                                   live set holds the quantized copies (fm_moe_ws_bytes). Needs the
                                   backend's quant_fp8_* ops and ep <= 1; the expert GEMMs then run
                                   on the host offsets (never sync-free) */
+    bool expert_fp8_codes;     /* with expert_fp8: the fast path on E4M3 codes (the backend's
+                                  fp8 code ops; fm_backend_fp8_codes_serves must hold, else
+                                  fm_model_layout fails): the expert live set holds the code
+                                  operands instead (fm_moe_ws_bytes); sync-free where the backend
+                                  adds the expert-load counts on the device */
 } fm_layout_opts;
 
 /* Lays out and allocates activation memory for micro-batch B x sequence T (opts NULL: no

@@ -2,9 +2,11 @@
 #include "fm_expert_choice.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../backend/fm_backend_plan.h"
+#include "../backend/fm_fp8_layout.h"
 #include "fm_project.h"
 
 static bool has_curves(const fm_calib *cb) { return cb->expert_fwd_sm90.n > 0 && cb->expert_bwd_sm90.n > 0; }
@@ -171,4 +173,19 @@ fm_status fm_expert_choice_json(const fm_expert_choice *ch, char *buf, size_t ca
         return fm_error(FM_ERR_ARG, "expert GEMM choice as JSON: %d bytes do not fit the %zu-byte buffer", w + 1, cap);
     }
     return FM_OK;
+}
+
+bool fm_expert_fp8_codes(const fm_plan_req *r, const fm_expert_ask *a) {
+    const fm_config *c = &r->cfg;
+    if (!r->expert_fp8 || ep_of(r) > 1) return false;
+    const int64_t E = c->num_experts, rows = r->B * r->T * c->num_experts_per_tok;
+    const int64_t M = c->hidden_size > c->moe_intermediate_size ? c->hidden_size : c->moe_intermediate_size;
+    if (!fm_fp8_layout_serves(c->hidden_size, c->moe_intermediate_size) || E < 1 || E > 256 || rows >= INT32_MAX ||
+        fm_fp8_kcap(rows, E) >= INT32_MAX || E * M >= INT32_MAX)
+        return false;
+    if (!a->cuda_bf16) {
+        const char *t = getenv("FLATMOE_TEST_FP8_CODES");
+        return t && strcmp(t, "1") == 0;
+    }
+    return a->device_sm90 && (a->requested == FM_EXPERT_GEMM_AUTO || a->requested == FM_EXPERT_GEMM_SM90);
 }

@@ -100,4 +100,12 @@ void fm_expert_choice_line(const fm_expert_choice *ch, char *buf, size_t n);
 #define FM_EXPERT_CHOICE_JSON_MAX 256
 fm_status fm_expert_choice_json(const fm_expert_choice *ch, char *buf, size_t cap);
 
+/* --expert-precision fp8's path (model/fm_experts_fp8.h), decided before the backend exists, as
+ * the backend's expert_fp8_serves then answers: the fast path on E4M3 codes for a CUDA run on an
+ * sm_90 device (a->device_sm90) with FLATMOE_EXPERT_GEMM auto or sm90 (cublas, grouped and loop
+ * keep the emulation, the plain twin), or on the CPU under FLATMOE_TEST_FP8_CODES=1 (the code
+ * ops' reference); no --ep; hidden and intermediate sizes multiples of 128, at most 256 experts,
+ * the dispatch's rows (B T k) and the padded token count below 2^31. False without fp8. */
+bool fm_expert_fp8_codes(const fm_plan_req *r, const fm_expert_ask *a);
+
 #endif

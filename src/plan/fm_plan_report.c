@@ -31,7 +31,8 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     fprintf(f, "; MoE %s", r->ep > 1 ? "dispatched over ep" : r->moe_chunk_tokens > 0 ? "chunked" : "unchunked (plain)");
     if (r->moe_chunk_tokens > 0 || r->ep > 1)
         fprintf(f, ", %lld chunks of <= %lld tokens", (long long)p->moe_K, (long long)p->moe_c_eff);
-    if (r->expert_fp8) fprintf(f, ", expert GEMMs fp8 (blockwise E4M3, emulated)");
+    if (r->expert_fp8)
+        fprintf(f, ", expert GEMMs fp8 (blockwise E4M3, %s)", r->expert_fp8_codes ? "on E4M3 codes" : "emulated");
     fprintf(f, "; vocabulary %s", (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear cross-entropy" : "plain logits");
     if (r->vocab_ring > 1 && !r->mesh.on)
         fprintf(f, " as Ring-DTP over %lld ranks (V/P = %lld head rows each)", (long long)r->vocab_ring,

@@ -97,10 +97,6 @@ fm_status fm_train_opts_check(const fm_train_opts *o) {
     if (o->expert_fp8 && o->ep > 1)
         return fm_error(FM_ERR_ARG, "--expert-precision fp8 with --ep %d: the FP8 experts are not built for expert "
                         "parallelism yet; drop --ep or use --expert-precision bf16", o->ep);
-    if (o->expert_fp8 && o->backend.expert_gemm == FM_EXPERT_GEMM_SM90)
-        return fm_error(FM_ERR_ARG, "--expert-precision fp8 with FLATMOE_EXPERT_GEMM=sm90: the FP8 emulation runs on "
-                        "the host-offset expert GEMMs, not the sync-free sm90 kernel; unset FLATMOE_EXPERT_GEMM (or set "
-                        "it to auto, cublas, grouped or loop) or use --expert-precision bf16");
     if (o->vocab_parallel != FM_VOCAB_PARALLEL_OFF && o->vocab_parallel != FM_VOCAB_PARALLEL_RING)
         return fm_error(FM_ERR_ARG, "--vocab-parallel: expected off or ring, found value %d", o->vocab_parallel);
     if (o->vocab_parallel == FM_VOCAB_PARALLEL_RING && o->ce_block_tokens == 0 && o->ce_block_vocab == 0)

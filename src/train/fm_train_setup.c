@@ -287,6 +287,8 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
      * answering expert_sync_free for the sm90 form (no host wait per MoE chunk). */
     const fm_expert_ask eask = {o->backend.expert_gemm, sizeof(fm_act) != 4,
                                 sizeof(fm_act) != 4 && fm_backend_default_expert_sm90_ok() == 1};
+    /* --expert-precision fp8: on E4M3 codes where the backend will serve it, else emulated */
+    req.expert_fp8_codes = fm_expert_fp8_codes(&req, &eask);
     fm_expert_choice_prepare(&req, &eask, &cal);
     const fm_choose_opts co = {budget, o->mem_budget ? "--mem-budget" : "the GPU's measured free memory (no --mem-budget given)",
                                host_budget, "--host-mem-budget", &cal, o->recompute != NULL, o->recompute_keep_attention || o->no_recompute_keep_attention,
@@ -321,6 +323,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     bo.tile_kv = o->att_tile_kv;
     bo.gpu_workspace = plan.gpu_workspace;
     bo.expert_gemm = r->expert_choice.gemm; /* auto resolved: sm90 or cublas (forced forms as given) */
+    if (req.expert_fp8_codes) bo.expert_gemm = o->backend.expert_gemm; /* auto or sm90: the FP8 kernel serves */
     r->backend_opts = bo;
     FM_TRY(fm_backend_default_init_opts(&r->be, &bo));
     r->be_ok = true;
@@ -409,6 +412,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     lo.sp = sp;
     lo.vocab_ring = vocab_ring ? W : 0;
     lo.expert_fp8 = o->expert_fp8;
+    lo.expert_fp8_codes = req.expert_fp8_codes;
     FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len / sp, &lo)); /* this rank's slice of each sequence */
     if (vocab_ring && !o->quiet)
         printf("vocab-parallel: Ring-DTP over %d ranks, head rows [%lld, %lld) on this rank (%lld of %lld), moving %s\n", W,
