@@ -18,10 +18,13 @@
  *     error: the reference is quantized the same way; against the unquantized product the error
  *     is ~3% of the rms, which this bound would reject). beta 0 over NaN (C must not be read),
  *     beta 1 over random old values; rows at or past offsets[E] of y and dx untouched; kind 2's
- *     empty experts bit for bit untouched with beta 1, exactly zero with beta 0. */
+ *     empty experts bit for bit untouched with beta 1, exactly zero with beta 0.
+ * Then (unless FLATMOE_TEST_NO_BENCH=1) timings at OLMoE's expert shape, FP8 against the bf16 sm90
+ * kernel. */
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "backend/fm_backend_opts.h"
 #include "backend/fm_fp8.h"
@@ -416,6 +419,74 @@ static void run_case(const fp8_case *tc) {
     free(x), free(dy), free(W);
 }
 
+/* ---- timings (FLATMOE_TEST_NO_BENCH=1 skips them) ---- */
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+/* The mean seconds of 10 calls after 2 warm-up calls (host clock around a sync). */
+#define TIME_IT(dt, call)                                      \
+    do {                                                       \
+        for (int w_ = 0; w_ < 2; w_++) call;                   \
+        g_be.ops->sync(g_be.ctx);                              \
+        const double t0_ = now_s();                            \
+        for (int r_ = 0; r_ < 10; r_++) call;                  \
+        g_be.ops->sync(g_be.ctx);                              \
+        (dt) = (now_s() - t0_) / 10;                           \
+    } while (0)
+
+/* OLMoE's expert layer (64 experts, hidden 2048, intermediate 1024, 4096 tokens x top-8: 512 rows
+ * an expert), its gate/up product H -> I: each FP8 op, then the three FP8 products against the
+ * bf16 sm90 kernel's (expert_linear_fwd_dev / _bwd_dev) on the same shape. */
+static void bench(void) {
+    const int64_t E = 64, H = 2048, I = 1024, R = 4096 * 8, kcap = fm_fp8_kcap(R, E);
+    const fm_ops *O = g_be.ops;
+    void *ctx = g_be.ctx;
+    printf("timings: E %lld, in %lld, out %lld, %lld rows (%lld an expert)\n", (long long)E, (long long)H, (long long)I,
+           (long long)R, (long long)(R / E));
+    int64_t *off = O->buffer_alloc(ctx, FM_BUFFER_PINNED, sizeof(int64_t) * (size_t)(E + 1));
+    FM_ASSERT(off != NULL);
+    for (int64_t e = 0; e <= E; e++) off[e] = e * (R / E);
+    float *h = fnew(E * I * H);
+    for (int64_t i = 0; i < E * I * H; i++) h[i] = 0.05f * (fm_rng_uniform(&g_rng) - 0.5f);
+    fm_act *W = gt_upload(&g_be, h, E * I * H, FM_DTYPE_BF16), *dW = dev_bytes(E * I * H * 2);
+    fm_act *x = gt_upload(&g_be, h, R * H, FM_DTYPE_BF16), *dx = dev_bytes(R * H * 2); /* R H < E I H */
+    fm_act *dy = gt_upload(&g_be, h, R * I, FM_DTYPE_BF16), *y = dev_bytes(R * I * 2);
+    free(h);
+    void *w8 = dev_bytes(fm_fp8_weight_bytes(E, I, H)), *xr = dev_bytes(fm_fp8_rows_bytes(R, H));
+    void *yr = dev_bytes(fm_fp8_rows_bytes(R, I)), *xt = dev_bytes(fm_fp8_tokens_bytes(kcap, H));
+    void *yt = dev_bytes(fm_fp8_tokens_bytes(kcap, I));
+    double t;
+    const double flop = 2.0 * (double)R * (double)H * (double)I;
+    TIME_IT(t, O->fp8_quant_weight(ctx, w8, W, E, I, H));
+    printf("  fp8_quant_weight [%lld, %lld, %lld]        %8.3f ms  %6.0f GB/s\n", (long long)E, (long long)I, (long long)H,
+           t * 1e3, (double)(E * I * H * 4) / t * 1e-9);
+    TIME_IT(t, O->fp8_quant_rows(ctx, xr, x, off, R, E, H));
+    printf("  fp8_quant_rows x [%lld, %lld]               %8.3f ms  %6.0f GB/s\n", (long long)R, (long long)H, t * 1e3,
+           (double)(R * H * 3) / t * 1e-9);
+    TIME_IT(t, O->fp8_quant_tokens(ctx, xt, x, off, R, E, H));
+    printf("  fp8_quant_tokens x [%lld, %lld]             %8.3f ms  %6.0f GB/s\n", (long long)R, (long long)H, t * 1e3,
+           (double)(R * H * 3) / t * 1e-9);
+    O->fp8_quant_rows(ctx, yr, dy, off, R, E, I);
+    O->fp8_quant_tokens(ctx, yt, dy, off, R, E, I);
+    double f0, f1, f2, b0, b12;
+    TIME_IT(f0, O->expert_fp8_gemm(ctx, 0, y, 0.0f, xr, w8, off, R, E, H, I));
+    TIME_IT(f1, O->expert_fp8_gemm(ctx, 1, dx, 0.0f, yr, w8, off, R, E, H, I));
+    TIME_IT(f2, O->expert_fp8_gemm(ctx, 2, dW, 1.0f, yt, xt, off, R, E, H, I));
+    TIME_IT(b0, O->expert_linear_fwd_dev(ctx, y, x, W, off, R, E, H, I));
+    TIME_IT(b12, O->expert_linear_bwd_dev(ctx, dx, 0.0f, dW, dy, x, W, off, R, E, H, I));
+    printf("  fp8 y = x W^T     %8.3f ms %6.0f TFLOP/s   bf16 sm90 %8.3f ms %6.0f TFLOP/s\n", f0 * 1e3,
+           flop / f0 * 1e-12, b0 * 1e3, flop / b0 * 1e-12);
+    printf("  fp8 dx, dW        %8.3f ms %6.0f TFLOP/s   bf16 sm90 %8.3f ms %6.0f TFLOP/s (dx %.3f ms, dW %.3f ms)\n",
+           (f1 + f2) * 1e3, 2 * flop / (f1 + f2) * 1e-12, b12 * 1e3, 2 * flop / b12 * 1e-12, f1 * 1e3, f2 * 1e3);
+    CHECK_BACKEND_OK(&g_be);
+    void *d[11] = {W, dW, x, dx, dy, y, w8, xr, yr, xt, yt};
+    for (int i = 0; i < 11; i++) O->mem_free(ctx, d[i]);
+    O->buffer_free(ctx, FM_BUFFER_PINNED, off);
+}
+
 /* expert_fp8_serves on a backend created with expert_gemm `g` for a served shape. */
 static int serves_with(fm_expert_gemm g) {
     fm_backend b;
@@ -474,6 +545,8 @@ int main(void) {
         {"non-finite tiles (quantizers)", 2, 256, 256, 203, {130, 70}, true, true},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
+
+    if (!getenv("FLATMOE_TEST_NO_BENCH")) bench();
 
     /* a shape outside the kernels is an error of the op, recorded in the context */
     O->expert_fp8_gemm(g_be.ctx, 0, NULL, 0.0f, NULL, NULL, NULL, 10, 4, 100, 128);
