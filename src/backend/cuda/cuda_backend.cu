@@ -60,6 +60,11 @@ static fm_ops make_cuda_ops(void) {
     o.quant_fp8_rows = fm_cuda_quant_fp8_rows; /* cuda_fp8.h */
     o.quant_fp8_blocks = fm_cuda_quant_fp8_blocks;
     o.quant_fp8_cols_grouped = fm_cuda_quant_fp8_cols_grouped;
+    o.expert_fp8_serves = fm_cuda_expert_fp8_serves; /* cuda_fp8.h: the FP8 expert GEMMs (sm90/gg_sm90_fp8.h) */
+    o.fp8_quant_weight = fm_cuda_fp8_quant_weight;
+    o.fp8_quant_rows = fm_cuda_fp8_quant_rows;
+    o.fp8_quant_tokens = fm_cuda_fp8_quant_tokens;
+    o.expert_fp8_gemm = fm_cuda_expert_fp8_gemm;
     o.add = fm_cuda_add;
     o.sumsq = fm_cuda_sumsq;
     o.embedding_fwd = fm_cuda_embedding_fwd;

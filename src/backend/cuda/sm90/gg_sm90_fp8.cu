@@ -1,0 +1,644 @@
+/* Our FP8 grouped expert GEMM for Hopper and its quantization kernels (gg_sm90_fp8.h): the kernel
+ * lab's v3 (dev/cuda/grouped_gemm/v3_fp8.cuh, validated on the H200), promoted into the engine's
+ * byte layouts (backend/fm_fp8_layout.h: every sub-pointer comes from its functions).
+ *
+ * sm_90's fp8 wgmma reads both operands K-major only (no transpose for 8-bit types), so every
+ * product has operands whose reduction dimension is contiguous (fm_fp8_layout.h):
+ *   kind 0 y = x W^T:   A = x's codes [rcap, in], scales [in/128][rpad];  B = Wq [E*out, in], sW [E][out/128][in/128]
+ *   kind 1 dx = dy W:   A = dy's codes [rcap, out], scales [out/128][rpad]; B = WqT [E*in, out], sW read transposed
+ *   kind 2 dW = dy^T x: A = dy's tokens [out, kcap], scales [kcap/128][out]; B = x's tokens [in, kcap], [kcap/128][in]
+ * Kind 2's operands hold each group's tokens from a 128-token block boundary (pblk[e], the tail of
+ * its last block zero), so no 128-token k-block mixes two experts and the kernel needs no masking.
+ *
+ * GEMM kernel: 3 warpgroups (384 threads), one CTA per SM, persistent over a tile list of 128 x 128
+ * output tiles that every CTA builds in shared memory from offs (n fastest). Warpgroup 2 is the
+ * producer: one thread issues cp.async.bulk.tensor loads (128-byte swizzle for the codes, none for
+ * the scales) into a ring of 6 stages, each with a "full" mbarrier (expect-tx bytes) and an "empty"
+ * one (one arrival per consumer warp). Warpgroups 0 and 1 each own 64 rows of the tile. BK = 128
+ * (one 128-byte swizzled row of fp8 per tile row); per k-block: 4 wgmma.m64n128k32.e4m3 into a
+ * fresh fp32 accumulator (the first with scale-d 0), wait, then fin += sa[row] * sb * acc (sb: one
+ * weight scale per tile and k-block for kinds 0/1; per column, from shared memory, for kind 2), as
+ * DeepGEMM's sm90 fp8 kernel promotes. The store is from registers, rows past the group's end
+ * masked. setmaxnreg moves registers from the producer to the consumers (40 / 232: the kernel must
+ * start with >= 168 registers a thread, checked at launch). Techniques learned from DeepGEMM
+ * (deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh) and the public CUTLASS sm90 collective mainloop; the
+ * code is our own.
+ *
+ * TMA rule this kernel keeps (the lab's first version broke it): the global address a
+ * cp.async.bulk.tensor box starts at, base + c0 * element size along the innermost dimension, must
+ * be a multiple of 16 bytes; a box that starts elsewhere raises cudaErrorIllegalInstruction and
+ * kills the context. The code and kind-2 scale boxes start at k-block / tile offsets (multiples of
+ * 128 B and 512 B); the row-scale box of kinds 0/1 would start at the tile's first row r0 + m0, so
+ * it starts at that row rounded down to a multiple of 4 (fp32: 16 B) and is SA_BOX = 132 scales
+ * long; the consumers read their rows at lead = r0 % 4 past its start (boxes_of). The lab checks
+ * every box of every case on the host (fp8_tma_selftest in fp8_lab.cuh) and, in its GG_V3_DEBUG
+ * build, on the device.
+ *
+ * Quantization (bf16 -> e4m3 + fp32 scales), fm_fp8.h's recipe with its functions: a tile's scale
+ * is 2^e, e = fm_fp8_scale_exp(amax) (1 for an all-zero tile), stored as fp32; each value is coded
+ * as fm_e4m3_encode(fm_fp8_ldexp(v, -e)) (an exact scaling, then round to nearest even, saturating);
+ * a tile holding a non-finite value has scale NaN and every code 0x7F (NaN), as fm_fp8.h's fake
+ * quantizer makes such a tile all NaN. */
+#include "gg_sm90_fp8.h"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cudaTypedefs.h>
+
+#include "../../fm_fp8.h"
+#include "../../fm_fp8_layout.h"
+#include "wgmma_fp8.cuh"
+
+namespace {
+
+typedef __nv_bfloat16 bf16;
+
+constexpr int MAX_E = 256;
+constexpr int BM = 128, BN = 128, BK = 128, THREADS = 384, STAGES = 6;
+constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int SC_BYTES = (BM + BN) * 4;                         /* per stage: A scales, B scales (kind 2) */
+constexpr int SMEM = STAGES * (STAGE_BYTES + SC_BYTES) + 1024; /* + room to align to 1024 */
+/* kinds 0/1: the row-scale box, from the tile's first row rounded down to a multiple of 4 (16 B) */
+constexpr int SA_BOX = BM + 4;
+static_assert(SA_BOX * 4 <= SC_BYTES && SA_BOX * 4 % 16 == 0 && SA_BOX <= 256, "row-scale box");
+constexpr int REG_PRODUCER = 40, REG_CONSUMER = 232; /* setmaxnreg counts: need 168 a thread at launch */
+
+struct problem {
+    int kind;             /* 0 fwd, 1 dx, 2 dW */
+    const uint8_t *A, *B; /* e4m3 codes (the header's layouts) */
+    const float *sA, *sB; /* kind 0: x's, W's scales; 1: dy's, W's; 2: dy's, x's token scales */
+    bf16 *C;
+    const int64_t *offs; /* [E+1], device-readable */
+    int E;
+    int64_t in, out, rcap, kcap;
+    float beta;
+};
+
+/* ---- the tile list (the lab's gg_common.cuh, over this kernel's problem) ---- */
+
+struct sched {
+    int64_t offs[MAX_E + 1];
+    int tile[MAX_E + 1]; /* the tile prefix over experts */
+    int pblk[MAX_E + 1]; /* kind 2: the first 128-token block of each group */
+};
+
+__host__ __device__ inline int64_t ndim(const problem &p) { return p.kind == 0 ? p.out : p.in; }
+
+/* Tiles of expert e with m_e rows: kinds 0/1 ceil(m_e/BM) x N/BN; kind 2 out/BM x N/BN, none when
+ * m_e == 0 and beta == 1 (dW_e is left as it is). */
+__device__ inline int expert_tiles(const problem &p, int64_t me) {
+    const int ntn = (int)(ndim(p) / BN);
+    if (p.kind == 2) return (me == 0 && p.beta == 1.0f) ? 0 : (int)(p.out / BM) * ntn;
+    return (int)((me + BM - 1) / BM) * ntn;
+}
+
+/* pblk[e] = sum_{e' < e} ceil(m_e' / 128) (fm_fp8_layout.h's tokens layout), from offs. */
+__device__ inline void pblk_build(int *pblk, const int64_t *offs, int E) {
+    int acc = 0;
+    pblk[0] = 0;
+    for (int e = 0; e < E; e++) pblk[e + 1] = acc += (int)((offs[e + 1] - offs[e] + 127) / 128);
+}
+
+/* The whole CTA: offs into shared memory (one parallel read of the device-readable array), then
+ * the prefixes. Every CTA builds the same list. */
+__device__ inline void sched_build(sched &s, const problem &p) {
+    for (int i = threadIdx.x; i <= p.E; i += blockDim.x) s.offs[i] = p.offs[i];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        s.tile[0] = 0;
+        for (int e = 0; e < p.E; e++) s.tile[e + 1] = acc += expert_tiles(p, s.offs[e + 1] - s.offs[e]);
+        if (p.kind == 2) pblk_build(s.pblk, s.offs, p.E);
+    }
+    __syncthreads();
+}
+
+struct tile {
+    int e, mt, nt;
+    int64_t r0, me; /* the expert's first row and rows */
+};
+
+/* Tile t (< s.tile[E]) as expert e, m-tile mt, n-tile nt. Binary search on the prefix (empty
+ * experts have equal ones). */
+__device__ inline tile tile_of(const sched &s, const problem &p, int t) {
+    int lo = 0, hi = p.E - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s.tile[mid] <= t) lo = mid;
+        else hi = mid - 1;
+    }
+    const int ntn = (int)(ndim(p) / BN), local = t - s.tile[lo];
+    tile r;
+    r.e = lo, r.mt = local / ntn, r.nt = local % ntn;
+    r.r0 = s.offs[lo], r.me = s.offs[lo + 1] - s.offs[lo];
+    return r;
+}
+
+__device__ inline bf16 *c_ptr(const problem &p, const tile &t, int64_t row, int64_t col) {
+    if (p.kind == 0) return p.C + (t.r0 + row) * p.out + col;
+    if (p.kind == 1) return p.C + (t.r0 + row) * p.in + col;
+    return p.C + (int64_t)t.e * p.out * p.in + row * p.in + col;
+}
+
+/* Two adjacent fp32 results (row, col), (row, col + 1) as bf16 with beta (0: C is not read). */
+__device__ inline void store2(bf16 *c2, float v0, float v1, float beta) {
+    __nv_bfloat162 *q = reinterpret_cast<__nv_bfloat162 *>(c2);
+    if (beta != 0.0f) {
+        const float2 old = __bfloat1622float2(*q);
+        v0 += beta * old.x, v1 += beta * old.y;
+    }
+    *q = __floats2bfloat162_rn(v0, v1);
+}
+
+/* The TMA boxes of k-block kb of tile t as the producer issues them: [0] A, [1] B, [2] A's scales,
+ * [3] B's scales (kind 2 only). c0 is the innermost coordinate, c1 the outer one. brow: W_e's first
+ * row in Wq / WqT (kinds 0/1); pb: the group's first token block (kind 2). lead: where the tile's
+ * first row scale lies in box [2] (0 for kind 2). */
+struct stage_boxes {
+    int lead;
+    int c0[4], c1[4];
+};
+template <int KIND> __device__ inline stage_boxes boxes_of(const tile &t, int kb, int brow, int pb) {
+    stage_boxes b;
+    const int m0 = t.mt * BM, n0 = t.nt * BN, r0 = (int)t.r0;
+    if (KIND != 2) {
+        b.lead = r0 & 3;
+        b.c0[0] = kb * BK, b.c1[0] = r0 + m0;
+        b.c0[1] = kb * BK, b.c1[1] = brow + n0;
+        b.c0[2] = r0 + m0 - b.lead, b.c1[2] = kb; /* a 16-byte aligned start (the TMA rule above) */
+        b.c0[3] = b.c1[3] = 0;
+    } else {
+        const int kt = (pb + kb) * BK;
+        b.lead = 0;
+        b.c0[0] = kt, b.c1[0] = m0;
+        b.c0[1] = kt, b.c1[1] = n0;
+        b.c0[2] = m0, b.c1[2] = pb + kb;
+        b.c0[3] = n0, b.c1[3] = pb + kb;
+    }
+    return b;
+}
+__host__ __device__ inline int stage_tx_bytes(int kind) { return STAGE_BYTES + (kind == 2 ? 2 * BM * 4 : SA_BOX * 4); }
+
+__device__ inline uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ inline void mbar_init(uint64_t *b, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count));
+}
+__device__ inline void mbar_wait(uint64_t *b, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(smem_u32(b)), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+__device__ inline void mbar_expect_tx(uint64_t *b, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+}
+__device__ inline void mbar_arrive(uint64_t *b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ inline void tma_2d(uint32_t dst, const CUtensorMap *m, uint64_t *bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+            dst),
+        "l"(reinterpret_cast<uint64_t>(m)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+        : "memory");
+}
+/* sm90 shared-memory matrix descriptor: start >> 4 [0,14), LBO >> 4 [16,30), SBO >> 4 [32,46),
+ * layout type [62,64) = 1 (128-byte swizzle). */
+__device__ inline uint64_t sdesc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
+           (1ull << 62);
+}
+template <int N> __device__ inline void acc_fence(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+#endif
+
+template <int KIND>
+__global__ void __launch_bounds__(THREADS, 1)
+gg8_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+           const __grid_constant__ CUtensorMap tmSA, const __grid_constant__ CUtensorMap tmSB, problem p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ uint8_t smem_raw[];
+    __shared__ sched sc;
+    __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
+    const uint32_t smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const float *sscale = reinterpret_cast<const float *>(smem_raw + (smem - smem_u32(smem_raw)) + STAGES * STAGE_BYTES);
+    const uint32_t sscale_u32 = smem + STAGES * STAGE_BYTES;
+
+    sched_build(sc, p);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], 8);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int total = sc.tile[p.E], wg = threadIdx.x / 128;
+
+    if (wg == 2) { /* producer */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REG_PRODUCER));
+        if (threadIdx.x != 256) return;
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmA)) : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmB)) : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmSA)) : "memory");
+        if (KIND == 2) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmSB)) : "memory");
+        const CUtensorMap *maps[4] = {&tmA, &tmB, &tmSA, &tmSB};
+        uint32_t it = 0;
+        for (int ti = blockIdx.x; ti < total; ti += gridDim.x) {
+            const tile t = tile_of(sc, p, ti);
+            const int nk = KIND == 2 ? (int)((t.me + BK - 1) / BK) : (int)((KIND == 0 ? p.in : p.out) / BK);
+            const int brow = KIND == 2 ? 0 : (int)(t.e * (KIND == 0 ? p.out : p.in)); /* W_e's first row in Wq / WqT */
+            const int pb = KIND == 2 ? sc.pblk[t.e] : 0;
+            for (int kb = 0; kb < nk; kb++, it++) {
+                const int s = it % STAGES;
+                mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+                const uint32_t sa = smem + s * STAGE_BYTES, ssa = sscale_u32 + s * SC_BYTES;
+                const uint32_t dst[4] = {sa, sa + A_BYTES, ssa, ssa + BM * 4};
+                const stage_boxes b = boxes_of<KIND>(t, kb, brow, pb);
+                mbar_expect_tx(&full[s], stage_tx_bytes(KIND));
+#pragma unroll
+                for (int i = 0; i < (KIND == 2 ? 4 : 3); i++) tma_2d(dst[i], maps[i], &full[s], b.c0[i], b.c1[i]);
+            }
+        }
+        return;
+    }
+
+    /* consumers: warpgroup wg owns rows wg*64 .. wg*64+63 of the tile */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REG_CONSUMER));
+    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
+    const int rl = wg * 64 + warp * 16 + (lane >> 2); /* this thread's first row in the tile (and rl + 8) */
+    const int64_t kb_in = p.in / 128, kb_out = p.out / 128;
+    const float beta = KIND == 0 ? 0.0f : p.beta;
+    uint32_t it = 0;
+    for (int ti = blockIdx.x; ti < total; ti += gridDim.x) {
+        const tile t = tile_of(sc, p, ti);
+        const int nk = KIND == 2 ? (int)((t.me + BK - 1) / BK) : (int)((KIND == 0 ? p.in : p.out) / BK);
+        const int lead = KIND == 2 ? 0 : (int)(t.r0 & 3); /* boxes_of: the row-scale box starts lead rows early */
+        /* the weight scales of this tile (kinds 0/1): kind 0 block (n-block nt, k-block kb) of
+         * W_e, kind 1 block (kb, nt): W_e^T's blocks are W_e's, transposed */
+        const float *wsc = KIND == 0 ? p.sB + ((int64_t)t.e * kb_out + t.nt) * kb_in
+                                     : p.sB + (int64_t)t.e * kb_out * kb_in + t.nt;
+        const int64_t wstep = KIND == 0 ? 1 : kb_in;
+        float acc[64], fin[64];
+#pragma unroll
+        for (int i = 0; i < 64; i++) fin[i] = 0.0f, acc[i] = 0.0f; /* acc: overwritten by each block's first wgmma */
+        for (int kb = 0; kb < nk; kb++, it++) {
+            const int s = it % STAGES;
+            const float sbw = KIND != 2 ? __ldg(wsc + kb * wstep) : 0.0f;
+            mbar_wait(&full[s], (it / STAGES) & 1);
+            const uint32_t sa = smem + s * STAGE_BYTES, sb = sa + A_BYTES;
+            const float *ss = sscale + s * (SC_BYTES / 4);
+            const float sa0 = ss[lead + rl], sa1 = ss[lead + rl + 8];
+            float sbc[32]; /* kind 2: the B scales of this thread's 32 columns */
+            if (KIND == 2) {
+#pragma unroll
+                for (int j = 0; j < 16; j++) {
+                    const float2 v = *reinterpret_cast<const float2 *>(ss + BM + j * 8 + (lane & 3) * 2);
+                    sbc[2 * j] = v.x, sbc[2 * j + 1] = v.y;
+                }
+            }
+            acc_fence(acc);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int kk = 0; kk < BK / 32; kk++) {
+                /* K-major, 128-byte swizzle: a tile row is 128 fp8 (128 B), 8-row atoms 1024 B apart
+                 * (SBO), LBO unused; the k32 step is +32 B inside the swizzled row */
+                const uint64_t da = sdesc(sa + wg * (64 * 128) + kk * 32, 0, 1024);
+                const uint64_t db = sdesc(sb + kk * 32, 0, 1024);
+                wgmma_fp8_m64n128(acc, da, db, kk > 0);
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            acc_fence(acc);
+            if (lane == 0) mbar_arrive(&empty[s]); /* operands and scales of stage s all read */
+            /* promotion: d[4j + {0,1}] = (rl, 8j + 2(lane%4) + {0,1}), d[4j + {2,3}] = row rl + 8 */
+            if (KIND != 2) {
+                const float s0 = sa0 * sbw, s1 = sa1 * sbw;
+#pragma unroll
+                for (int j = 0; j < 16; j++) {
+                    fin[4 * j] += s0 * acc[4 * j], fin[4 * j + 1] += s0 * acc[4 * j + 1];
+                    fin[4 * j + 2] += s1 * acc[4 * j + 2], fin[4 * j + 3] += s1 * acc[4 * j + 3];
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 16; j++) {
+                    fin[4 * j] += sa0 * sbc[2 * j] * acc[4 * j], fin[4 * j + 1] += sa0 * sbc[2 * j + 1] * acc[4 * j + 1];
+                    fin[4 * j + 2] += sa1 * sbc[2 * j] * acc[4 * j + 2], fin[4 * j + 3] += sa1 * sbc[2 * j + 1] * acc[4 * j + 3];
+                }
+            }
+        }
+        const int64_t mlim = KIND == 2 ? p.out : t.me;
+        const int64_t row = (int64_t)t.mt * BM + rl;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const int64_t col = (int64_t)t.nt * BN + j * 8 + (lane & 3) * 2;
+            if (row < mlim) store2(c_ptr(p, t, row, col), fin[4 * j], fin[4 * j + 1], beta);
+            if (row + 8 < mlim) store2(c_ptr(p, t, row + 8, col), fin[4 * j + 2], fin[4 * j + 3], beta);
+        }
+    }
+#else
+    __trap(); /* built without sm_90a: fm_gg_sm90_device_ok keeps callers away */
+#endif
+}
+
+/* ---- quantization (fm_fp8.h's recipe and functions; the codes and scales are the CPU's) ---- */
+
+/* A tile's amax with v folded in; a non-finite v makes it +inf (fmaxf alone would drop a NaN). */
+__device__ inline float amax_fold(float amax, float v) {
+    const float a = fabsf(v);
+    return fmaxf(amax, a <= 3.4028235e38f ? a : fm_fp8_u2f(0x7F800000u));
+}
+__device__ inline bool tile_bad(float amax) { return !(amax <= 3.4028235e38f); } /* held a NaN or inf */
+/* The scale of a tile with folded amax: 2^fm_fp8_scale_exp(amax) (exact in fp32: e >= -141 for bf16 inputs); NaN if bad. */
+__device__ inline float scale_of(float amax, int e) {
+    return tile_bad(amax) ? fm_fp8_u2f(0x7FC00000u) : fm_fp8_ldexp(1.0f, e);
+}
+/* The code of v in a tile of scale 2^e: fm_e4m3_encode(v 2^-e); 0x7F (NaN) for a bad tile. */
+__device__ inline uint8_t q8(float v, int e, bool bad) { return bad ? (uint8_t)0x7F : fm_e4m3_encode(fm_fp8_ldexp(v, -e)); }
+__device__ inline float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* 1 x 128 row tiles: a [R, K] bf16 (R = min(offs[E], rcap), read here) -> q [rcap, K] e4m3 and
+ * s [K/128][rpad] fp32 (row scales scale-major). One warp per (row, tile), 4 elements a lane. */
+__global__ void __launch_bounds__(256) quant_rows(const bf16 *a, int64_t K, const int64_t *offs, int E, int64_t rcap,
+                                                  int64_t rpad, uint8_t *q, float *s) {
+    __shared__ int64_t s_rows;
+    if (threadIdx.x == 0) {
+        const int64_t r = offs[E];
+        s_rows = r < rcap ? r : rcap;
+    }
+    __syncthreads();
+    const int64_t R = s_rows, nb = K / 128, nw = R * nb;
+    const int lane = threadIdx.x & 31;
+    for (int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < nw;
+         w += ((int64_t)gridDim.x * blockDim.x) >> 5) {
+        const int64_t r = w / nb, b = w % nb, i = r * K + b * 128 + lane * 4;
+        const uint2 raw = *reinterpret_cast<const uint2 *>(a + i);
+        const float2 v01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.x));
+        const float2 v23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.y));
+        const float amax = warp_max(amax_fold(amax_fold(amax_fold(amax_fold(0.0f, v01.x), v01.y), v23.x), v23.y));
+        const int ex = fm_fp8_scale_exp(amax);
+        const bool bad = tile_bad(amax);
+        const uint32_t pk = (uint32_t)q8(v01.x, ex, bad) | (uint32_t)q8(v01.y, ex, bad) << 8 |
+                            (uint32_t)q8(v23.x, ex, bad) << 16 | (uint32_t)q8(v23.y, ex, bad) << 24;
+        *reinterpret_cast<uint32_t *>(q + i) = pk;
+        if (lane == 0) s[b * rpad + r] = scale_of(amax, ex);
+    }
+}
+
+/* 128 x 128 weight blocks: W [E*out, in] bf16 -> Wq [E*out, in], WqT [E*in, out] (W_e^T, the same
+ * codes), sW [E][out/128][in/128]. Grid (in/128, out/128, E), 256 threads: thread t has row t/2,
+ * columns 64 (t%2) .. +63 of the block. */
+__global__ void __launch_bounds__(256) quant_weight(const bf16 *W, int64_t out, int64_t in, uint8_t *Wq, uint8_t *WqT,
+                                                    float *sW) {
+    __shared__ uint8_t qt[128][128 + 4]; /* the block's codes, [column][row] */
+    __shared__ float wmax[8];
+    const int64_t e = blockIdx.z, n0 = (int64_t)blockIdx.y * 128, k0 = (int64_t)blockIdx.x * 128;
+    const int r = threadIdx.x >> 1, h = threadIdx.x & 1;
+    const bf16 *src = W + (e * out + n0 + r) * in + k0 + h * 64;
+    float v[64], amax = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 8; c++) {
+        const uint4 raw = reinterpret_cast<const uint4 *>(src)[c];
+        const __nv_bfloat162 *b2 = reinterpret_cast<const __nv_bfloat162 *>(&raw);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float2 f = __bfloat1622float2(b2[j]);
+            v[c * 8 + 2 * j] = f.x, v[c * 8 + 2 * j + 1] = f.y;
+            amax = amax_fold(amax_fold(amax, f.x), f.y);
+        }
+    }
+    amax = warp_max(amax);
+    if ((threadIdx.x & 31) == 0) wmax[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = wmax[0];
+    for (int i = 1; i < 8; i++) amax = fmaxf(amax, wmax[i]);
+    const int ex = fm_fp8_scale_exp(amax);
+    const bool bad = tile_bad(amax);
+    uint8_t *dst = Wq + (e * out + n0 + r) * in + k0 + h * 64;
+#pragma unroll
+    for (int c = 0; c < 4; c++) {
+        uint32_t w4[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int k = c * 16 + j * 4;
+            uint32_t pk = 0;
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                const uint8_t code = q8(v[k + b], ex, bad);
+                pk |= (uint32_t)code << (8 * b);
+                qt[h * 64 + k + b][r] = code;
+            }
+            w4[j] = pk;
+        }
+        reinterpret_cast<uint4 *>(dst)[c] = make_uint4(w4[0], w4[1], w4[2], w4[3]);
+    }
+    if (threadIdx.x == 0) sW[(e * (out / 128) + blockIdx.y) * (in / 128) + blockIdx.x] = scale_of(amax, ex);
+    __syncthreads();
+    /* W_e^T rows k0 + t/2 (an in channel), columns n0 + 64 (t%2) .. +63 (out channels) */
+    uint8_t *dt = WqT + (e * in + k0 + r) * out + n0 + h * 64;
+#pragma unroll
+    for (int c = 0; c < 16; c++)
+        reinterpret_cast<uint32_t *>(dt)[c] = *reinterpret_cast<const uint32_t *>(&qt[r][h * 64 + c * 4]);
+}
+
+/* 128 x 1 token tiles for dW: a [R, C] bf16 with groups offs -> aT [C, kcap] e4m3 (token-major,
+ * group e's tokens from token block pblk[e], the tail of its last block zero) and sT [kcap/128][C]
+ * fp32. Grid (kcap/128, C/128), 256 threads; a CTA past the last group's blocks returns. */
+__global__ void __launch_bounds__(256) quant_tokens_t(const bf16 *a, int64_t C, const int64_t *offs, int E,
+                                                      int64_t kcap, uint8_t *aT, float *sT) {
+    __shared__ int64_t s_offs[MAX_E + 1];
+    __shared__ int pblk[MAX_E + 1];
+    __shared__ uint32_t tile[128][65]; /* 128 tokens x 128 channels as bf16 pairs, padded */
+    for (int i = threadIdx.x; i <= E; i += blockDim.x) s_offs[i] = offs[i]; /* one parallel read */
+    __syncthreads();
+    if (threadIdx.x == 0) pblk_build(pblk, s_offs, E);
+    __syncthreads();
+    const int b = blockIdx.x;
+    if (b >= pblk[E]) return;
+    int lo = 0, hi = E - 1; /* the group of block b: the last e with pblk[e] <= b */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (pblk[mid] <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    const int64_t t0 = s_offs[lo] + (int64_t)(b - pblk[lo]) * 128, c0 = (int64_t)blockIdx.y * 128;
+    const int valid = (int)min((int64_t)128, s_offs[lo + 1] - t0);
+    for (int i = threadIdx.x; i < 128 * 16; i += 256) { /* 16 x 16 bytes a token */
+        const int t = i >> 4, qq = i & 15;
+        uint4 raw = make_uint4(0, 0, 0, 0);
+        if (t < valid) raw = *reinterpret_cast<const uint4 *>(a + (t0 + t) * C + c0 + qq * 8);
+        tile[t][qq * 4] = raw.x, tile[t][qq * 4 + 1] = raw.y, tile[t][qq * 4 + 2] = raw.z, tile[t][qq * 4 + 3] = raw.w;
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int c = warp * 16; c < warp * 16 + 16; c++) {
+        float v[4], amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const uint32_t w = tile[lane + 32 * j][c >> 1];
+            const __nv_bfloat162 p2 = *reinterpret_cast<const __nv_bfloat162 *>(&w);
+            v[j] = (c & 1) ? __high2float(p2) : __low2float(p2);
+            amax = amax_fold(amax, v[j]);
+        }
+        amax = warp_max(amax);
+        const int ex = fm_fp8_scale_exp(amax);
+        const bool bad = tile_bad(amax);
+        uint8_t *dst = aT + (c0 + c) * kcap + (int64_t)b * 128;
+#pragma unroll
+        for (int j = 0; j < 4; j++) dst[lane + 32 * j] = lane + 32 * j < valid ? q8(v[j], ex, bad) : (uint8_t)0;
+        if (lane == 0) sT[(int64_t)b * C + c0 + c] = scale_of(amax, ex);
+    }
+}
+
+/* ---- host side ---- */
+
+/* cuTensorMapEncodeTiled from the driver (no -lcuda); NULL when the driver has none. The lookup
+ * runs once (a function-local static: thread-safe initialization, the same for every device). */
+PFN_cuTensorMapEncodeTiled_v12000 encoder() {
+    static const PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
+        cudaDriverEntryPointQueryResult q;
+        void *f = nullptr;
+        const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
+        if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || !f) {
+            (void)cudaGetLastError();
+            return nullptr;
+        }
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+    }();
+    return fn;
+}
+
+/* A 2-D tensor map over a row-major [outer, inner] tensor (rows of inner elements of elem bytes)
+ * with a {box_inner, box_outer} box, swizzle, zeros out of bounds. */
+cudaError_t make_map(CUtensorMap *m, const void *base, uint64_t inner, uint64_t outer, uint32_t box_inner,
+                     uint32_t box_outer, CUtensorMapDataType dtype, uint32_t elem, CUtensorMapSwizzle swz) {
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
+    if (!encode) return cudaErrorNotSupported;
+    const cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner * elem};
+    const cuuint32_t box[2] = {box_inner, box_outer}, es[2] = {1, 1};
+    const CUresult r = encode(m, dtype, 2, const_cast<void *>(base), dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              swz, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+/* p is a multiple of a bytes (NULL passes: the callers check the pointers that must exist) */
+bool aligned(const void *p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
+
+template <int KIND> cudaError_t launch_kind(const problem &p, int sm_count, cudaStream_t stream) {
+    auto fn = gg8_kernel<KIND>;
+    /* per call, not cached: the attribute belongs to the current device's copy of the kernel */
+    cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+    if (err != cudaSuccess) return err;
+    /* setmaxnreg.inc waits until the CTA's pool (registers a thread at launch x THREADS) holds the
+     * consumers' REG_CONSUMER and the producer's REG_PRODUCER: with fewer it waits forever */
+    cudaFuncAttributes fa;
+    if ((err = cudaFuncGetAttributes(&fa, fn)) != cudaSuccess) return err;
+    if (fa.numRegs * THREADS < 256 * REG_CONSUMER + 128 * REG_PRODUCER) return cudaErrorInvalidConfiguration;
+    const CUtensorMapDataType U8 = CU_TENSOR_MAP_DATA_TYPE_UINT8, F32 = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+    const CUtensorMapSwizzle SW = CU_TENSOR_MAP_SWIZZLE_128B, NOSW = CU_TENSOR_MAP_SWIZZLE_NONE;
+    const uint64_t rpad = (uint64_t)fm_fp8_rpad(p.rcap), E = (uint64_t)p.E, in = (uint64_t)p.in, out = (uint64_t)p.out;
+    const uint64_t rc = (uint64_t)p.rcap, kc = (uint64_t)p.kcap;
+    CUtensorMap ta, tb, tsa, tsb;
+    if (KIND == 0) {
+        err = make_map(&ta, p.A, in, rc, BK, BM, U8, 1, SW);
+        if (err == cudaSuccess) err = make_map(&tb, p.B, in, E * out, BK, BN, U8, 1, SW);
+        if (err == cudaSuccess) err = make_map(&tsa, p.sA, rpad, in / 128, SA_BOX, 1, F32, 4, NOSW);
+        tsb = tsa;
+    } else if (KIND == 1) {
+        err = make_map(&ta, p.A, out, rc, BK, BM, U8, 1, SW);
+        if (err == cudaSuccess) err = make_map(&tb, p.B, out, E * in, BK, BN, U8, 1, SW);
+        if (err == cudaSuccess) err = make_map(&tsa, p.sA, rpad, out / 128, SA_BOX, 1, F32, 4, NOSW);
+        tsb = tsa;
+    } else {
+        err = make_map(&ta, p.A, kc, out, BK, BM, U8, 1, SW);
+        if (err == cudaSuccess) err = make_map(&tb, p.B, kc, in, BK, BN, U8, 1, SW);
+        if (err == cudaSuccess) err = make_map(&tsa, p.sA, out, kc / 128, BM, 1, F32, 4, NOSW);
+        if (err == cudaSuccess) err = make_map(&tsb, p.sB, in, kc / 128, BN, 1, F32, 4, NOSW);
+    }
+    if (err != cudaSuccess) return err;
+    fn<<<sm_count, THREADS, SMEM, stream>>>(ta, tb, tsa, tsb, p);
+    return cudaGetLastError();
+}
+
+bool groups_ok(int64_t E) { return E >= 1 && E <= MAX_E; }
+
+} // namespace
+
+extern "C" {
+
+bool fm_gg8_serves(int64_t E, int64_t in, int64_t out, int64_t rcap) {
+    return groups_ok(E) && in >= 128 && out >= 128 && in % 128 == 0 && out % 128 == 0 && rcap >= 0 &&
+           rcap < INT32_MAX && fm_fp8_kcap(rcap, E) < INT32_MAX && E * in < INT32_MAX && E * out < INT32_MAX;
+}
+
+cudaError_t fm_gg8_launch(int kind, void *C, float beta, const void *A8, const void *B8, const int64_t *offs,
+                          int64_t rcap, int64_t E, int64_t in, int64_t out, int sm_count, cudaStream_t stream) {
+    if (!fm_gg8_serves(E, in, out, rcap) || kind < 0 || kind > 2 || sm_count < 1 || !offs || !C || !A8 || !B8 ||
+        !aligned(C, 4) || !aligned(A8, 16) || !aligned(B8, 16))
+        return cudaErrorInvalidValue;
+    if (kind != 2 && rcap == 0) return cudaSuccess; /* no rows: y, dx have none */
+    const uint8_t *a8 = static_cast<const uint8_t *>(A8), *b8 = static_cast<const uint8_t *>(B8);
+    problem p;
+    p.kind = kind, p.C = static_cast<bf16 *>(C), p.offs = offs, p.E = (int)E;
+    p.in = in, p.out = out, p.rcap = rcap, p.kcap = fm_fp8_kcap(rcap, E), p.beta = kind == 0 ? 0.0f : beta;
+    if (kind == 0) { /* x's rows operand (K = in), W's weight operand */
+        p.A = a8, p.sA = reinterpret_cast<const float *>(a8 + fm_fp8_rows_scales_at(rcap, in));
+        p.B = b8, p.sB = reinterpret_cast<const float *>(b8 + fm_fp8_weight_scales_at(E, out, in));
+        return launch_kind<0>(p, sm_count, stream);
+    }
+    if (kind == 1) { /* dy's rows operand (K = out), W's WqT */
+        p.A = a8, p.sA = reinterpret_cast<const float *>(a8 + fm_fp8_rows_scales_at(rcap, out));
+        p.B = b8 + fm_fp8_weight_t_at(E, out, in), p.sB = reinterpret_cast<const float *>(b8 + fm_fp8_weight_scales_at(E, out, in));
+        return launch_kind<1>(p, sm_count, stream);
+    }
+    /* dy's tokens operand (C = out), x's (C = in) */
+    p.A = a8, p.sA = reinterpret_cast<const float *>(a8 + fm_fp8_tokens_scales_at(p.kcap, out));
+    p.B = b8, p.sB = reinterpret_cast<const float *>(b8 + fm_fp8_tokens_scales_at(p.kcap, in));
+    return launch_kind<2>(p, sm_count, stream);
+}
+
+cudaError_t fm_gg8_quant_weight(void *w8, const void *W, int64_t E, int64_t out, int64_t in, cudaStream_t stream) {
+    if (!groups_ok(E) || out < 128 || in < 128 || out % 128 || in % 128 || out / 128 > 65535 || !w8 || !W || !aligned(w8, 16) ||
+        !aligned(W, 16))
+        return cudaErrorInvalidValue;
+    uint8_t *b = static_cast<uint8_t *>(w8);
+    quant_weight<<<dim3((unsigned)(in / 128), (unsigned)(out / 128), (unsigned)E), 256, 0, stream>>>(
+        static_cast<const bf16 *>(W), out, in, b, b + fm_fp8_weight_t_at(E, out, in),
+        reinterpret_cast<float *>(b + fm_fp8_weight_scales_at(E, out, in)));
+    return cudaGetLastError();
+}
+
+cudaError_t fm_gg8_quant_rows(void *a8, const void *a, const int64_t *offs, int64_t rcap, int64_t E, int64_t K,
+                              int sm_count, cudaStream_t stream) {
+    if (!groups_ok(E) || K < 128 || K % 128 || rcap < 0 || rcap >= INT32_MAX || sm_count < 1 || !offs || !a8 ||
+        !aligned(a8, 16) || !aligned(a, 16))
+        return cudaErrorInvalidValue;
+    if (rcap == 0) return cudaSuccess;
+    uint8_t *b = static_cast<uint8_t *>(a8);
+    quant_rows<<<8 * sm_count, 256, 0, stream>>>(static_cast<const bf16 *>(a), K, offs, (int)E, rcap, fm_fp8_rpad(rcap), b,
+                                                 reinterpret_cast<float *>(b + fm_fp8_rows_scales_at(rcap, K)));
+    return cudaGetLastError();
+}
+
+cudaError_t fm_gg8_quant_tokens(void *t8, const void *a, const int64_t *offs, int64_t rcap, int64_t E, int64_t C,
+                                cudaStream_t stream) {
+    if (!groups_ok(E) || C < 128 || C % 128 || C / 128 > 65535 || rcap < 0 || fm_fp8_kcap(rcap, E) >= INT32_MAX ||
+        !offs || !t8 || !aligned(t8, 16) || !aligned(a, 16))
+        return cudaErrorInvalidValue;
+    if (rcap == 0) return cudaSuccess; /* no group has a token */
+    const int64_t kcap = fm_fp8_kcap(rcap, E);
+    uint8_t *b = static_cast<uint8_t *>(t8);
+    quant_tokens_t<<<dim3((unsigned)(kcap / 128), (unsigned)(C / 128)), 256, 0, stream>>>(
+        static_cast<const bf16 *>(a), C, offs, (int)E, kcap, b, reinterpret_cast<float *>(b + fm_fp8_tokens_scales_at(kcap, C)));
+    return cudaGetLastError();
+}
+
+} /* extern "C" */

@@ -1,0 +1,80 @@
+/* Our FP8 grouped expert GEMM for Hopper (sm_90a) and its quantization kernels: the kernel lab's v3
+ * (dev/cuda/grouped_gemm/v3_fp8.cuh, validated on the H200: SNR 29-30 dB against bf16, >= 55 dB
+ * against its FP8 reference, every TMA box's alignment checked), promoted. The lab stays the place
+ * to develop the next version.
+ *
+ * Operands are E4M3 codes with fp32 power-of-two scales in backend/fm_fp8_layout.h's byte layouts
+ * (one buffer per operand: codes, then scales at the *_scales_at offsets; a weight buffer holds
+ * Wq, WqT at fm_fp8_weight_t_at, then the scales), quantized by backend/fm_fp8.h's recipe with
+ * its functions (fm_fp8_scale_exp, fm_fp8_ldexp, fm_e4m3_encode), so the codes and scales equal
+ * the CPU backend's bit for bit. Algorithm: DeepSeek-V3 §3.3 (arXiv 2412.19437): 1 x 128 tiles of
+ * activations, 128 x 128 blocks of weights, 128 x 1 token tiles for the weight gradient, each
+ * 128-deep k-block's partial sum taken by wgmma in fp32 and promoted (times the two scales) into
+ * an fp32 total in registers; one rounding to bf16 (nearest even) at the store.
+ *
+ * The three products over E experts; expert e owns rows [offs[e], offs[e+1]) (offs int64 [E+1],
+ * offs[0] = 0, nondecreasing, offs[E] <= rcap; any m_e may be 0, one may own every row), read by
+ * the kernels where the device reads them (device memory, or pinned host memory through unified
+ * addressing, after its writer in stream order): nothing waits for the host.
+ *   kind 0: y_e  [m_e,out] = x_e W_e^T               A8 x's rows operand (K = in), B8 W's weight operand
+ *   kind 1: dx_e [m_e,in]  = beta dx_e + dy_e W_e    A8 dy's rows operand (K = out), B8 W's (its WqT)
+ *   kind 2: dW_e [out,in]  = beta dW_e + dy_e^T x_e  A8 dy's tokens operand (C = out), B8 x's (C = in)
+ * C is bf16 (y, dx [rows, N] row-major; dW [E, out, in]). beta 0 overwrites C without reading it;
+ * kind 0 ignores beta (0); kind 2 with m_e = 0 and beta 1 leaves dW_e untouched (no tile).
+ *
+ * Served shapes (fm_gg8_serves): in, out multiples of 128, 1 <= E <= 256, rcap, kcap =
+ * fm_fp8_kcap(rcap, E), E*in and E*out below 2^31 (TMA coordinates are int32). Every pointer
+ * 16-byte aligned (TMA; the kernels' vector loads), C 4-byte aligned. Plain C interface; the .cu is
+ * compiled for sm_90a only (CMakeLists.txt: flatmoe_cuda_sm90). Nothing allocates, nothing
+ * synchronizes with the host; no state is kept between calls (the persistent grid is the caller's
+ * sm_count), so two devices in one process are fine. Every launch returns cudaSuccess,
+ * cudaErrorInvalidValue (a shape not served, a misaligned or NULL pointer, kind outside 0..2,
+ * sm_count < 1, a tensor map the driver refuses), cudaErrorNotSupported (no cuTensorMapEncodeTiled
+ * entry point in the driver), cudaErrorInvalidConfiguration (the GEMM kernel was compiled with
+ * fewer registers than its setmaxnreg split needs: it would hang), or the launch's error. */
+#ifndef FM_GG_SM90_FP8_H
+#define FM_GG_SM90_FP8_H
+
+#include <cuda_runtime.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Whether the GEMM serves E experts of in -> out features over operands of rcap rows. */
+bool fm_gg8_serves(int64_t E, int64_t in, int64_t out, int64_t rcap);
+
+/* One product (kind 0, 1, 2 above) on stream: persistent, sm_count CTAs of 384 threads (one
+ * producer warpgroup issuing TMA into a 6-stage ring, two consumer warpgroups of 64 rows), about
+ * 200 KiB of shared memory each. A8, B8: fm_fp8_layout.h buffers of rcap rows (kind 2: kcap =
+ * fm_fp8_kcap(rcap, E) tokens); the four TMA descriptors are built on the host for each call.
+ * Kinds 0, 1 with rcap == 0 launch nothing. */
+cudaError_t fm_gg8_launch(int kind, void *C, float beta, const void *A8, const void *B8, const int64_t *offs,
+                          int64_t rcap, int64_t E, int64_t in, int64_t out, int sm_count, cudaStream_t stream);
+
+/* W [E, out, in] bf16 -> w8 (the weight layout of fm_fp8_weight_bytes(E, out, in) bytes: Wq
+ * [E*out, in], WqT [E*in, out] (each W_e^T, the same codes), scales [E][out/128][in/128]). One
+ * 256-thread CTA per 128 x 128 block. out, in multiples of 128, 1 <= E <= 256. */
+cudaError_t fm_gg8_quant_weight(void *w8, const void *W, int64_t E, int64_t out, int64_t in, cudaStream_t stream);
+
+/* a [offs[E], K] bf16 -> a8 (the rows layout of fm_fp8_rows_bytes(rcap, K) bytes: codes [rcap, K],
+ * scales [K/128][fm_fp8_rpad(rcap)]); rows at or past offs[E] (read on the device, clamped to
+ * rcap) are not written. One warp per 1 x 128 tile, grid 8 sm_count CTAs of 256 threads. K a
+ * multiple of 128, 1 <= E <= 256, rcap < 2^31; rcap == 0 launches nothing. */
+cudaError_t fm_gg8_quant_rows(void *a8, const void *a, const int64_t *offs, int64_t rcap, int64_t E, int64_t K,
+                              int sm_count, cudaStream_t stream);
+
+/* a [offs[E], C] bf16 -> t8 (the tokens layout of fm_fp8_tokens_bytes(kcap, C) bytes, kcap =
+ * fm_fp8_kcap(rcap, E): codes [C, kcap], group e's tokens from token 128 pblk[e], its last tile
+ * zero past its rows; scales [kcap/128][C]). Tiles past the last group's are not written. Grid
+ * (kcap/128, C/128) of 256 threads; a CTA past the last group's tiles returns. C a multiple of
+ * 128, 1 <= E <= 256, kcap < 2^31. */
+cudaError_t fm_gg8_quant_tokens(void *t8, const void *a, const int64_t *offs, int64_t rcap, int64_t E, int64_t C,
+                                cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,556 @@
+/* The CUDA backend's FP8 expert GEMMs on E4M3 codes (fm_backend.h: expert_fp8_serves,
+ * fp8_quant_weight / _rows / _tokens, expert_fp8_gemm; backend/cuda/sm90/gg_sm90_fp8.h, the kernel
+ * lab's v3) against host references built here from backend/fm_fp8.h and backend/fm_fp8_layout.h.
+ * Label gpu; skipped (77) without a CUDA device of compute capability 9.0.
+ *
+ * Cases: E = 4..8 experts, in/out 128..512, uneven groups with empty ones, one group owning every
+ * row, groups starting at odd rows and rows not a multiple of 4 (the row-scale TMA box's rule),
+ * rcap above offsets[E] (rows past it must stay unwritten), fewer rows than one 128-row tile,
+ * offsets in pinned host memory (as the dispatcher passes them) and in device memory.
+ * (a) Every byte of the rows and weight buffers (codes, scales, the unwritten rows and padding,
+ *     which start as a sentinel) and every code and scale of the tokens buffers' groups' tiles
+ *     (zero tails included) equals the reference: scale 2^fm_fp8_scale_exp(amax) as fp32 (ldexpf),
+ *     code fm_e4m3_encode(ldexpf(v, -e)) on the bf16 value, a tile with a NaN or inf scale NaN and
+ *     codes 0x7F; a separate case puts NaN and inf into tiles.
+ * (b) Each GEMM kind against an fp64 sum over the reference's decoded codes times scales:
+ *     |gpu - ref| <= 1e-2 rms(ref) + 2^-8 |ref| per element (the second term: the one rounding to
+ *     bf16; the first: the fp32 partial sums inside wgmma. Quantization itself is not in this
+ *     error: the reference is quantized the same way; against the unquantized product the error
+ *     is ~3% of the rms, which this bound would reject). beta 0 over NaN (C must not be read),
+ *     beta 1 over random old values; rows at or past offsets[E] of y and dx untouched; kind 2's
+ *     empty experts bit for bit untouched with beta 1, exactly zero with beta 0.
+ * Then (unless FLATMOE_TEST_NO_BENCH=1) timings at OLMoE's expert shape, FP8 against the bf16 sm90
+ * kernel. */
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend/fm_backend_opts.h"
+#include "backend/fm_fp8.h"
+#include "backend/fm_fp8_layout.h"
+#include "core/fm_rng.h"
+#include "gpu_test.h"
+
+static fm_backend g_be;
+static fm_rng g_rng;
+
+#define SENTINEL 0xA5
+#define BF16_NAN 0x7FC0u
+
+static float f_nan(void) { return fm_fp8_u2f(0x7FC00000u); }
+
+/* ---- host reference quantization (fm_fp8.h) ---- */
+
+/* One tile of n values x[i * xs] -> codes q[i * qs] and *scale. */
+static void ref_tile(const float *x, int64_t n, int64_t xs, uint8_t *q, int64_t qs, float *scale) {
+    float amax = 0.0f;
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float a = fabsf(x[i * xs]);
+        if (!(a <= 3.4028235e38f)) bad = 1;
+        else if (a > amax) amax = a;
+    }
+    const int e = fm_fp8_scale_exp(amax);
+    *scale = bad ? f_nan() : ldexpf(1.0f, e);
+    for (int64_t i = 0; i < n; i++) q[i * qs] = bad ? (uint8_t)0x7F : fm_e4m3_encode(ldexpf(x[i * xs], -e));
+}
+
+/* The rows layout of a [R, K] into img (fm_fp8_rows_bytes(rcap, K) bytes, preset to SENTINEL). */
+static void ref_rows(uint8_t *img, const float *a, int64_t R, int64_t rcap, int64_t K) {
+    float *s = (float *)(img + fm_fp8_rows_scales_at(rcap, K));
+    const int64_t rpad = fm_fp8_rpad(rcap);
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t b = 0; b < K / 128; b++) ref_tile(a + r * K + b * 128, 128, 1, img + r * K + b * 128, 1, &s[b * rpad + r]);
+}
+
+/* The weight layout of W [E, out, in] into img (fm_fp8_weight_bytes bytes). */
+static void ref_weight(uint8_t *img, const float *W, int64_t E, int64_t out, int64_t in) {
+    uint8_t *wt = img + fm_fp8_weight_t_at(E, out, in);
+    float *s = (float *)(img + fm_fp8_weight_scales_at(E, out, in));
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t nb = 0; nb < out / 128; nb++)
+            for (int64_t kb = 0; kb < in / 128; kb++) {
+                float amax = 0.0f;
+                int bad = 0;
+                const float *w0 = W + (e * out + nb * 128) * in + kb * 128;
+                for (int64_t i = 0; i < 128; i++)
+                    for (int64_t j = 0; j < 128; j++) {
+                        const float a = fabsf(w0[i * in + j]);
+                        if (!(a <= 3.4028235e38f)) bad = 1;
+                        else if (a > amax) amax = a;
+                    }
+                const int ex = fm_fp8_scale_exp(amax);
+                s[(e * (out / 128) + nb) * (in / 128) + kb] = bad ? f_nan() : ldexpf(1.0f, ex);
+                for (int64_t i = 0; i < 128; i++)
+                    for (int64_t j = 0; j < 128; j++) {
+                        const uint8_t c = bad ? (uint8_t)0x7F : fm_e4m3_encode(ldexpf(w0[i * in + j], -ex));
+                        img[(e * out + nb * 128 + i) * in + kb * 128 + j] = c;
+                        wt[(e * in + kb * 128 + j) * out + nb * 128 + i] = c;
+                    }
+            }
+}
+
+/* pblk[e] = sum_{e' < e} ceil(m_e' / 128) */
+static void pblk_of(int64_t *pblk, const int64_t *off, int64_t E) {
+    pblk[0] = 0;
+    for (int64_t e = 0; e < E; e++) pblk[e + 1] = pblk[e] + (off[e + 1] - off[e] + 127) / 128;
+}
+
+/* The tokens layout of a [off[E], C] into img (fm_fp8_tokens_bytes(kcap, C) bytes). */
+static void ref_tokens(uint8_t *img, const float *a, const int64_t *off, int64_t E, int64_t kcap, int64_t C) {
+    float *s = (float *)(img + fm_fp8_tokens_scales_at(kcap, C));
+    int64_t pblk[257];
+    pblk_of(pblk, off, E);
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t b = 0; b < pblk[e + 1] - pblk[e]; b++) {
+            const int64_t t0 = off[e] + 128 * b, n = off[e + 1] - t0 < 128 ? off[e + 1] - t0 : 128, tb = pblk[e] + b;
+            for (int64_t c = 0; c < C; c++) {
+                uint8_t *q = img + c * kcap + tb * 128;
+                ref_tile(a + t0 * C + c, n, C, q, 1, &s[tb * C + c]);
+                for (int64_t j = n; j < 128; j++) q[j] = 0; /* the zero tail */
+            }
+        }
+}
+
+/* Compares n bytes of got and want; reports the first difference. */
+static int same_bytes(const char *what, const uint8_t *got, const uint8_t *want, int64_t n, int64_t base) {
+    int64_t bad = 0, first = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (got[i] != want[i]) {
+            if (first < 0) first = i;
+            bad++;
+        }
+    CHECK_MSG(bad == 0, "%s: %lld of %lld bytes differ (first at byte %lld: gpu 0x%02x, reference 0x%02x)", what,
+              (long long)bad, (long long)n, (long long)(base + first), first >= 0 ? got[first] : 0,
+              first >= 0 ? want[first] : 0);
+    return bad == 0;
+}
+
+/* ---- device helpers ---- */
+
+static void *dev_bytes(int64_t n) {
+    void *d = g_be.ops->mem_alloc(g_be.ctx, (size_t)(n > 0 ? n : 1));
+    FM_ASSERT(d != NULL);
+    return d;
+}
+static void *dev_sentinel(int64_t n) {
+    void *d = dev_bytes(n);
+    g_be.ops->mem_set(g_be.ctx, d, SENTINEL, (size_t)n);
+    return d;
+}
+static void *host_sentinel(int64_t n) {
+    uint8_t *h = malloc((size_t)(n > 0 ? n : 1));
+    FM_ASSERT(h != NULL);
+    memset(h, SENTINEL, (size_t)n);
+    return h;
+}
+static void down_bytes(void *h, const void *d, int64_t n) {
+    g_be.ops->stream_sync(g_be.ctx, FM_STREAM_COMPUTE);
+    g_be.ops->copy(g_be.ctx, h, d, (size_t)n, FM_COPY_D2H);
+}
+static void up_bits(void *d, const uint16_t *h, int64_t n) { g_be.ops->copy(g_be.ctx, d, h, (size_t)n * 2, FM_COPY_H2D); }
+
+/* rows x cols bf16 normals of `scale`, each row scaled by 2^(-2..2) (so the tiles' scales differ). */
+static float *randn(int64_t rows, int64_t cols, double scale) {
+    float *x = fnew(rows * cols);
+    for (int64_t r = 0; r < rows; r++) {
+        const double rs = scale * ldexp(1.0, (int)fm_rng_below(&g_rng, 5) - 2);
+        for (int64_t j = 0; j < cols; j++) x[r * cols + j] = (float)(rs * fm_rng_normal(&g_rng));
+    }
+    gt_round_bf16(x, rows * cols);
+    return x;
+}
+
+/* ---- decoding the reference images ---- */
+
+/* rows image -> values [R, K] (fp64) */
+static double *dec_rows(const uint8_t *img, int64_t R, int64_t rcap, int64_t K) {
+    const float *s = (const float *)(img + fm_fp8_rows_scales_at(rcap, K));
+    const int64_t rpad = fm_fp8_rpad(rcap);
+    double *v = dnew(R * K);
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t k = 0; k < K; k++) v[r * K + k] = (double)fm_e4m3_decode(img[r * K + k]) * s[(k / 128) * rpad + r];
+    return v;
+}
+/* weight image -> W values [E, out, in] (from Wq) */
+static double *dec_weight(const uint8_t *img, int64_t E, int64_t out, int64_t in) {
+    const float *s = (const float *)(img + fm_fp8_weight_scales_at(E, out, in));
+    double *v = dnew(E * out * in);
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t n = 0; n < out; n++)
+            for (int64_t k = 0; k < in; k++) {
+                const int64_t i = (e * out + n) * in + k;
+                v[i] = (double)fm_e4m3_decode(img[i]) * s[(e * (out / 128) + n / 128) * (in / 128) + k / 128];
+            }
+    return v;
+}
+/* tokens image -> values [C, kcap] (tiles past the groups' zero) */
+static double *dec_tokens(const uint8_t *img, int64_t ntiles, int64_t kcap, int64_t C) {
+    const float *s = (const float *)(img + fm_fp8_tokens_scales_at(kcap, C));
+    double *v = dnew(C * kcap);
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t t = 0; t < ntiles * 128; t++) v[c * kcap + t] = (double)fm_e4m3_decode(img[c * kcap + t]) * s[(t / 128) * C + c];
+    return v;
+}
+
+/* ---- GEMM checks ---- */
+
+/* got (bf16 bits) against ref over the elements where mask is 1: the bound of the header. */
+static void check_close(const char *what, const uint16_t *got, const double *ref, const uint8_t *mask, int64_t n) {
+    double ss = 0;
+    int64_t cnt = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (mask[i]) ss += ref[i] * ref[i], cnt++;
+    const double rms = cnt ? sqrt(ss / (double)cnt) : 0.0;
+    int64_t bad = 0, first = -1;
+    double worst = 0, used = 0; /* the largest |err| / rms, and |err| / bound */
+    for (int64_t i = 0; i < n; i++) {
+        if (!mask[i]) continue;
+        const double g = gt_bf16_to_f32(got[i]), d = fabs(g - ref[i]), tol = 1e-2 * rms + ldexp(fabs(ref[i]), -8);
+        if (!(d <= tol)) {
+            if (first < 0) first = i;
+            bad++;
+        }
+        if (rms > 0 && d / rms > worst) worst = d / rms;
+        if (tol > 0 && d / tol > used) used = d / tol;
+    }
+    CHECK_MSG(bad == 0 && cnt > 0, "%s: %lld of %lld elements outside 1e-2 rms + 2^-8 |ref| (rms %g; first at %lld: gpu %g, "
+              "reference %g)", what, (long long)bad, (long long)cnt, rms, (long long)first,
+              first >= 0 ? gt_bf16_to_f32(got[first]) : 0.0, first >= 0 ? ref[first] : 0.0);
+    printf("  %s: %lld elements, worst |err| %.2e rms (%.2f of the bound)\n", what, (long long)cnt, worst, used);
+}
+
+/* Elements where mask is 0 keep the bits `want`. */
+static void check_untouched(const char *what, const uint16_t *got, const uint16_t *want, const uint8_t *mask, int64_t n) {
+    int64_t bad = 0, first = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (!mask[i] && got[i] != want[i]) {
+            if (first < 0) first = i;
+            bad++;
+        }
+    CHECK_MSG(bad == 0, "%s: %lld elements changed that must stay untouched (first at %lld: 0x%04x, was 0x%04x)", what,
+              (long long)bad, (long long)first, first >= 0 ? got[first] : 0, first >= 0 ? want[first] : 0);
+}
+
+/* Runs kind on a C buffer preset to `init` (bf16 bits [n]) and returns the result (bits [n]). */
+static uint16_t *run_gemm(int kind, float beta, const uint16_t *init, int64_t n, const void *A8, const void *B8,
+                          const int64_t *off, int64_t rcap, int64_t E, int64_t in, int64_t out) {
+    void *dC = dev_bytes(n * 2);
+    up_bits(dC, init, n);
+    g_be.ops->expert_fp8_gemm(g_be.ctx, kind, dC, beta, A8, B8, off, rcap, E, in, out);
+    uint16_t *h = malloc((size_t)n * 2);
+    down_bytes(h, dC, n * 2);
+    g_be.ops->mem_free(g_be.ctx, dC);
+    return h;
+}
+
+typedef struct fp8_case {
+    const char *name;
+    int64_t E, in, out, rcap;
+    int64_t m[8];
+    bool pinned; /* offsets in pinned host memory, else device memory */
+    bool nonfinite; /* put NaN and inf into tiles; quantizers only */
+} fp8_case;
+
+static void run_case(const fp8_case *tc) {
+    const int64_t E = tc->E, in = tc->in, out = tc->out, rcap = tc->rcap, kcap = fm_fp8_kcap(rcap, E);
+    int64_t off[9], pblk[9];
+    off[0] = 0;
+    for (int64_t e = 0; e < E; e++) off[e + 1] = off[e] + tc->m[e];
+    const int64_t R = off[E];
+    FM_ASSERT(R <= rcap);
+    pblk_of(pblk, off, E);
+    printf("%s: E %lld, in %lld, out %lld, rows %lld of rcap %lld, offsets in %s memory\n", tc->name, (long long)E,
+           (long long)in, (long long)out, (long long)R, (long long)rcap, tc->pinned ? "pinned host" : "device");
+
+    float *x = randn(R, in, 1.0), *dy = randn(R, out, 0.5), *W = randn(E * out, in, 0.05);
+    if (tc->nonfinite) {
+        x[0 * in + 10] = f_nan();           /* row 0, tile 0; tokens: group 0, channel 10 */
+        x[(R - 1) * in + 200] = INFINITY;   /* the last row, tile 1 */
+        dy[3 * out + 130] = -INFINITY;
+        W[(1 * out + 5) * in + 129] = f_nan(); /* expert 1, block (0, 1) */
+    }
+    int64_t *doff;
+    if (tc->pinned) {
+        doff = g_be.ops->buffer_alloc(g_be.ctx, FM_BUFFER_PINNED, sizeof(int64_t) * (size_t)(E + 1));
+        FM_ASSERT(doff != NULL);
+        memcpy(doff, off, sizeof(int64_t) * (size_t)(E + 1));
+    } else {
+        doff = dev_bytes((int64_t)sizeof(int64_t) * (E + 1));
+        g_be.ops->copy(g_be.ctx, doff, off, sizeof(int64_t) * (size_t)(E + 1), FM_COPY_H2D);
+    }
+    fm_act *dX = gt_upload(&g_be, x, R * in, FM_DTYPE_BF16), *dDY = gt_upload(&g_be, dy, R * out, FM_DTYPE_BF16);
+    fm_act *dW = gt_upload(&g_be, W, E * out * in, FM_DTYPE_BF16);
+
+    /* (a) the quantizers */
+    const int64_t nw = fm_fp8_weight_bytes(E, out, in), nxr = fm_fp8_rows_bytes(rcap, in), nyr = fm_fp8_rows_bytes(rcap, out);
+    const int64_t nyt = fm_fp8_tokens_bytes(kcap, out), nxt = fm_fp8_tokens_bytes(kcap, in);
+    void *w8 = dev_sentinel(nw), *xr8 = dev_sentinel(nxr), *yr8 = dev_sentinel(nyr), *yt8 = dev_sentinel(nyt),
+         *xt8 = dev_sentinel(nxt);
+    g_be.ops->fp8_quant_weight(g_be.ctx, w8, dW, E, out, in);
+    g_be.ops->fp8_quant_rows(g_be.ctx, xr8, dX, doff, rcap, E, in);
+    g_be.ops->fp8_quant_rows(g_be.ctx, yr8, dDY, doff, rcap, E, out);
+    g_be.ops->fp8_quant_tokens(g_be.ctx, yt8, dDY, doff, rcap, E, out);
+    g_be.ops->fp8_quant_tokens(g_be.ctx, xt8, dX, doff, rcap, E, in);
+    CHECK_BACKEND_OK(&g_be);
+
+    uint8_t *rw = host_sentinel(nw), *rxr = host_sentinel(nxr), *ryr = host_sentinel(nyr), *ryt = host_sentinel(nyt),
+            *rxt = host_sentinel(nxt);
+    ref_weight(rw, W, E, out, in);
+    ref_rows(rxr, x, R, rcap, in);
+    ref_rows(ryr, dy, R, rcap, out);
+    ref_tokens(ryt, dy, off, E, kcap, out);
+    ref_tokens(rxt, x, off, E, kcap, in);
+    uint8_t *gw = host_sentinel(nw), *gxr = host_sentinel(nxr), *gyr = host_sentinel(nyr), *gyt = host_sentinel(nyt),
+            *gxt = host_sentinel(nxt);
+    down_bytes(gw, w8, nw), down_bytes(gxr, xr8, nxr), down_bytes(gyr, yr8, nyr), down_bytes(gyt, yt8, nyt),
+        down_bytes(gxt, xt8, nxt);
+    same_bytes("fp8_quant_weight: Wq, WqT, scales (the whole buffer)", gw, rw, nw, 0);
+    same_bytes("fp8_quant_rows x: codes, scales, unwritten rows (the whole buffer)", gxr, rxr, nxr, 0);
+    same_bytes("fp8_quant_rows dy: the whole buffer", gyr, ryr, nyr, 0);
+    /* tokens: every channel's codes of the groups' tiles (zero tails included), and their scales */
+    const int64_t nt = pblk[E];
+    struct { const char *what; const uint8_t *g, *r; int64_t C; } tk[2] = {
+        {"fp8_quant_tokens dy", gyt, ryt, out}, {"fp8_quant_tokens x", gxt, rxt, in}};
+    for (int i = 0; i < 2; i++) {
+        int ok = 1;
+        for (int64_t c = 0; c < tk[i].C && ok; c++)
+            ok = same_bytes(tk[i].what, tk[i].g + c * kcap, tk[i].r + c * kcap, nt * 128, c * kcap);
+        const int64_t so = fm_fp8_tokens_scales_at(kcap, tk[i].C);
+        same_bytes(tk[i].what, tk[i].g + so, tk[i].r + so, nt * tk[i].C * 4, so);
+    }
+
+    if (!tc->nonfinite) {
+        /* (b) the GEMMs, on the reference's decoded values */
+        double *xd = dec_rows(rxr, R, rcap, in), *yd = dec_rows(ryr, R, rcap, out), *wd = dec_weight(rw, E, out, in);
+        double *ytd = dec_tokens(ryt, nt, kcap, out), *xtd = dec_tokens(rxt, nt, kcap, in);
+        int64_t *grp = calloc((size_t)(R > 0 ? R : 1), sizeof(int64_t));
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t r = off[e]; r < off[e + 1]; r++) grp[r] = e;
+
+        /* kind 0: y [rcap, out], rows < R */
+        const int64_t ny = rcap * out;
+        double *ref = dnew(ny);
+        uint8_t *mask = calloc((size_t)ny, 1);
+        uint16_t *init = malloc((size_t)ny * 2);
+        for (int64_t i = 0; i < ny; i++) init[i] = BF16_NAN;
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t o = 0; o < out; o++) {
+                const double *xr = xd + r * in, *wr = wd + (grp[r] * out + o) * in;
+                double s = 0;
+                for (int64_t k = 0; k < in; k++) s += xr[k] * wr[k];
+                ref[r * out + o] = s, mask[r * out + o] = 1;
+            }
+        uint16_t *got = run_gemm(0, 0.0f, init, ny, xr8, w8, doff, rcap, E, in, out);
+        check_close("kind 0 (y = x W^T)", got, ref, mask, ny);
+        check_untouched("kind 0: rows at or past offsets[E]", got, init, mask, ny);
+        free(got), free(ref), free(mask), free(init);
+
+        /* kind 1: dx [rcap, in] = beta dx + dy W, rows < R */
+        const int64_t nx = rcap * in;
+        double *sum = dnew(nx);
+        mask = calloc((size_t)nx, 1);
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t i = 0; i < in; i++) {
+                const double *yr = yd + r * out, *wc = wd + grp[r] * out * in + i;
+                double s = 0;
+                for (int64_t o = 0; o < out; o++) s += yr[o] * wc[o * in];
+                sum[r * in + i] = s, mask[r * in + i] = 1;
+            }
+        init = malloc((size_t)nx * 2);
+        for (int64_t i = 0; i < nx; i++) init[i] = BF16_NAN;
+        got = run_gemm(1, 0.0f, init, nx, yr8, w8, doff, rcap, E, in, out);
+        check_close("kind 1 (dx = dy W), beta 0 over NaN", got, sum, mask, nx);
+        check_untouched("kind 1, beta 0: rows at or past offsets[E]", got, init, mask, nx);
+        free(got);
+        ref = dnew(nx);
+        for (int64_t i = 0; i < nx; i++)
+            if (mask[i]) {
+                const float old = (float)(0.5 * fm_rng_normal(&g_rng));
+                init[i] = gt_f32_to_bf16(old);
+                ref[i] = (double)gt_bf16_to_f32(init[i]) + sum[i];
+            }
+        got = run_gemm(1, 1.0f, init, nx, yr8, w8, doff, rcap, E, in, out);
+        check_close("kind 1, beta 1 over random values", got, ref, mask, nx);
+        check_untouched("kind 1, beta 1: rows at or past offsets[E]", got, init, mask, nx);
+        free(got), free(ref), free(sum), free(mask), free(init);
+
+        /* kind 2: dW [E, out, in] = beta dW + dy^T x, over each group's tokens */
+        const int64_t nW = E * out * in;
+        sum = dnew(nW);
+        mask = calloc((size_t)nW, 1);
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t me = off[e + 1] - off[e], t0 = pblk[e] * 128;
+            for (int64_t o = 0; o < out; o++)
+                for (int64_t i = 0; i < in; i++) {
+                    const double *a = ytd + o * kcap + t0, *b = xtd + i * kcap + t0;
+                    double s = 0;
+                    for (int64_t j = 0; j < me; j++) s += a[j] * b[j];
+                    sum[(e * out + o) * in + i] = s, mask[(e * out + o) * in + i] = me > 0;
+                }
+        }
+        init = malloc((size_t)nW * 2);
+        for (int64_t i = 0; i < nW; i++) init[i] = BF16_NAN;
+        got = run_gemm(2, 0.0f, init, nW, yt8, xt8, doff, rcap, E, in, out);
+        check_close("kind 2 (dW = dy^T x), beta 0 over NaN", got, sum, mask, nW);
+        int64_t nz = 0;
+        for (int64_t i = 0; i < nW; i++) nz += !mask[i] && got[i] != 0;
+        CHECK_MSG(nz == 0, "kind 2, beta 0: %lld elements of empty experts are not +0", (long long)nz);
+        free(got);
+        ref = dnew(nW);
+        for (int64_t i = 0; i < nW; i++) {
+            init[i] = gt_f32_to_bf16((float)(0.01 * fm_rng_normal(&g_rng)));
+            ref[i] = (double)gt_bf16_to_f32(init[i]) + sum[i];
+        }
+        got = run_gemm(2, 1.0f, init, nW, yt8, xt8, doff, rcap, E, in, out);
+        check_close("kind 2, beta 1 over random values", got, ref, mask, nW);
+        check_untouched("kind 2, beta 1: the empty experts' dW_e", got, init, mask, nW);
+        free(got), free(ref), free(sum), free(mask), free(init);
+        free(xd), free(yd), free(wd), free(ytd), free(xtd), free(grp);
+    }
+    CHECK_BACKEND_OK(&g_be);
+
+    free(rw), free(rxr), free(ryr), free(ryt), free(rxt), free(gw), free(gxr), free(gyr), free(gyt), free(gxt);
+    void *dbufs[8] = {w8, xr8, yr8, yt8, xt8, dX, dDY, dW};
+    for (int i = 0; i < 8; i++) g_be.ops->mem_free(g_be.ctx, dbufs[i]);
+    if (tc->pinned) g_be.ops->buffer_free(g_be.ctx, FM_BUFFER_PINNED, doff);
+    else g_be.ops->mem_free(g_be.ctx, doff);
+    free(x), free(dy), free(W);
+}
+
+/* ---- timings (FLATMOE_TEST_NO_BENCH=1 skips them) ---- */
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+/* The mean seconds of 10 calls after 2 warm-up calls (host clock around a sync). */
+#define TIME_IT(dt, call)                                      \
+    do {                                                       \
+        for (int w_ = 0; w_ < 2; w_++) call;                   \
+        g_be.ops->sync(g_be.ctx);                              \
+        const double t0_ = now_s();                            \
+        for (int r_ = 0; r_ < 10; r_++) call;                  \
+        g_be.ops->sync(g_be.ctx);                              \
+        (dt) = (now_s() - t0_) / 10;                           \
+    } while (0)
+
+/* OLMoE's expert layer (64 experts, hidden 2048, intermediate 1024, 4096 tokens x top-8: 512 rows
+ * an expert), its gate/up product H -> I: each FP8 op, then the three FP8 products against the
+ * bf16 sm90 kernel's (expert_linear_fwd_dev / _bwd_dev) on the same shape. */
+static void bench(void) {
+    const int64_t E = 64, H = 2048, I = 1024, R = 4096 * 8, kcap = fm_fp8_kcap(R, E);
+    const fm_ops *O = g_be.ops;
+    void *ctx = g_be.ctx;
+    printf("timings: E %lld, in %lld, out %lld, %lld rows (%lld an expert)\n", (long long)E, (long long)H, (long long)I,
+           (long long)R, (long long)(R / E));
+    int64_t *off = O->buffer_alloc(ctx, FM_BUFFER_PINNED, sizeof(int64_t) * (size_t)(E + 1));
+    FM_ASSERT(off != NULL);
+    for (int64_t e = 0; e <= E; e++) off[e] = e * (R / E);
+    float *h = fnew(E * I * H);
+    for (int64_t i = 0; i < E * I * H; i++) h[i] = 0.05f * (fm_rng_uniform(&g_rng) - 0.5f);
+    fm_act *W = gt_upload(&g_be, h, E * I * H, FM_DTYPE_BF16), *dW = dev_bytes(E * I * H * 2);
+    fm_act *x = gt_upload(&g_be, h, R * H, FM_DTYPE_BF16), *dx = dev_bytes(R * H * 2); /* R H < E I H */
+    fm_act *dy = gt_upload(&g_be, h, R * I, FM_DTYPE_BF16), *y = dev_bytes(R * I * 2);
+    free(h);
+    void *w8 = dev_bytes(fm_fp8_weight_bytes(E, I, H)), *xr = dev_bytes(fm_fp8_rows_bytes(R, H));
+    void *yr = dev_bytes(fm_fp8_rows_bytes(R, I)), *xt = dev_bytes(fm_fp8_tokens_bytes(kcap, H));
+    void *yt = dev_bytes(fm_fp8_tokens_bytes(kcap, I));
+    double t;
+    const double flop = 2.0 * (double)R * (double)H * (double)I;
+    TIME_IT(t, O->fp8_quant_weight(ctx, w8, W, E, I, H));
+    printf("  fp8_quant_weight [%lld, %lld, %lld]        %8.3f ms  %6.0f GB/s\n", (long long)E, (long long)I, (long long)H,
+           t * 1e3, (double)(E * I * H * 4) / t * 1e-9);
+    TIME_IT(t, O->fp8_quant_rows(ctx, xr, x, off, R, E, H));
+    printf("  fp8_quant_rows x [%lld, %lld]               %8.3f ms  %6.0f GB/s\n", (long long)R, (long long)H, t * 1e3,
+           (double)(R * H * 3) / t * 1e-9);
+    TIME_IT(t, O->fp8_quant_tokens(ctx, xt, x, off, R, E, H));
+    printf("  fp8_quant_tokens x [%lld, %lld]             %8.3f ms  %6.0f GB/s\n", (long long)R, (long long)H, t * 1e3,
+           (double)(R * H * 3) / t * 1e-9);
+    O->fp8_quant_rows(ctx, yr, dy, off, R, E, I);
+    O->fp8_quant_tokens(ctx, yt, dy, off, R, E, I);
+    double f0, f1, f2, b0, b12;
+    TIME_IT(f0, O->expert_fp8_gemm(ctx, 0, y, 0.0f, xr, w8, off, R, E, H, I));
+    TIME_IT(f1, O->expert_fp8_gemm(ctx, 1, dx, 0.0f, yr, w8, off, R, E, H, I));
+    TIME_IT(f2, O->expert_fp8_gemm(ctx, 2, dW, 1.0f, yt, xt, off, R, E, H, I));
+    TIME_IT(b0, O->expert_linear_fwd_dev(ctx, y, x, W, off, R, E, H, I));
+    TIME_IT(b12, O->expert_linear_bwd_dev(ctx, dx, 0.0f, dW, dy, x, W, off, R, E, H, I));
+    printf("  fp8 y = x W^T     %8.3f ms %6.0f TFLOP/s   bf16 sm90 %8.3f ms %6.0f TFLOP/s\n", f0 * 1e3,
+           flop / f0 * 1e-12, b0 * 1e3, flop / b0 * 1e-12);
+    printf("  fp8 dx, dW        %8.3f ms %6.0f TFLOP/s   bf16 sm90 %8.3f ms %6.0f TFLOP/s (dx %.3f ms, dW %.3f ms)\n",
+           (f1 + f2) * 1e3, 2 * flop / (f1 + f2) * 1e-12, b12 * 1e3, 2 * flop / b12 * 1e-12, f1 * 1e3, f2 * 1e3);
+    CHECK_BACKEND_OK(&g_be);
+    void *d[11] = {W, dW, x, dx, dy, y, w8, xr, yr, xt, yt};
+    for (int i = 0; i < 11; i++) O->mem_free(ctx, d[i]);
+    O->buffer_free(ctx, FM_BUFFER_PINNED, off);
+}
+
+/* expert_fp8_serves on a backend created with expert_gemm `g` for a served shape. */
+static int serves_with(fm_expert_gemm g) {
+    fm_backend b;
+    fm_backend_opts o = fm_backend_opts_default();
+    o.expert_gemm = g;
+    if (fm_cuda_backend_init(&b, 0, &o) != FM_OK) return -1;
+    const int r = b.ops->expert_fp8_serves(b.ctx, 8, 256, 512, 4096) ? 1 : 0;
+    fm_cuda_backend_free(&b);
+    return r;
+}
+
+int main(void) {
+    fm_backend_opts o = fm_backend_opts_default(); /* expert_gemm auto: the fp8 ops are served on sm_90 */
+    const fm_status st = fm_cuda_backend_init(&g_be, 0, &o);
+    if (st == FM_ERR_UNSUPPORTED) {
+        printf("skipped: %s\n", fm_errmsg());
+        return 77;
+    }
+    if (st != FM_OK) {
+        fprintf(stderr, "cuda backend: %s\n", fm_errmsg());
+        return 1;
+    }
+    if (fm_cuda_expert_sm90_device_ok(0) != 1) {
+        printf("skipped: device 0 is not compute capability 9.0: the FP8 expert GEMMs' sm_90a kernels do not run\n");
+        fm_cuda_backend_free(&g_be);
+        return 77;
+    }
+    const fm_ops *O = g_be.ops;
+    const bool have = O->expert_fp8_serves && O->fp8_quant_weight && O->fp8_quant_rows && O->fp8_quant_tokens &&
+                      O->expert_fp8_gemm;
+    CHECK_MSG(have, "the CUDA backend's op table lacks an FP8 code op");
+    if (!have) return fm_test_finish();
+    CHECK_MSG(O->expert_fp8_serves(g_be.ctx, 8, 256, 512, 4096), "expert_fp8_serves is false on an sm_90 device");
+    /* the shapes and the option */
+    CHECK(!O->expert_fp8_serves(g_be.ctx, 8, 100, 512, 4096));
+    CHECK(!O->expert_fp8_serves(g_be.ctx, 8, 256, 200, 4096));
+    CHECK(!O->expert_fp8_serves(g_be.ctx, 257, 256, 512, 4096));
+    CHECK(!O->expert_fp8_serves(g_be.ctx, 8, 256, 512, (int64_t)1 << 31));
+    CHECK(O->expert_fp8_serves(g_be.ctx, 256, 2048, 768, 65536));
+    CHECK(serves_with(FM_EXPERT_GEMM_SM90) == 1);
+    CHECK(serves_with(FM_EXPERT_GEMM_CUBLAS) == 0);
+    CHECK(serves_with(FM_EXPERT_GEMM_LOOP) == 0);
+    CHECK(serves_with(FM_EXPERT_GEMM_GROUPED) == 0);
+
+    fm_rng_seed(&g_rng, fm_test_seed(20261201));
+    static const fp8_case cases[] = {
+        /* empty expert 1; expert 2 starts at row 130 (not a multiple of 4), expert 3 at odd row 387 */
+        {"uneven", 4, 256, 384, 400, {130, 0, 257, 1}, true, false},
+        /* one expert owns every row; the others are empty */
+        {"one expert owns all", 8, 512, 128, 300, {0, 0, 0, 300, 0, 0, 0, 0}, false, false},
+        /* experts at odd rows 1, 129 (twice: an empty one between), 206 */
+        {"odd starts", 5, 128, 512, 461, {1, 128, 0, 77, 255}, true, false},
+        {"odd starts, two empty", 6, 384, 256, 401, {3, 200, 0, 0, 129, 64}, true, false},
+        /* fewer rows than a tile, rpad (44) shorter than the row-scale box (132): TMA fills the rest */
+        {"few rows", 4, 128, 256, 43, {10, 0, 29, 1}, false, false},
+        {"non-finite tiles (quantizers)", 2, 256, 256, 203, {130, 70}, true, true},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
+
+    if (!getenv("FLATMOE_TEST_NO_BENCH")) bench();
+
+    /* a shape outside the kernels is an error of the op, recorded in the context */
+    O->expert_fp8_gemm(g_be.ctx, 0, NULL, 0.0f, NULL, NULL, NULL, 10, 4, 100, 128);
+    CHECK(O->status(g_be.ctx) == FM_ERR_ARG);
+    fm_cuda_backend_free(&g_be);
+    return fm_test_finish();
+}
