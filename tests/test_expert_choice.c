@@ -237,8 +237,46 @@ static void test_words(void) {
     CHECK_MSG(strcmp(line, "expert GEMM: loop (FLATMOE_EXPERT_GEMM=loop)") == 0, "%s", line);
 }
 
+/* --expert-precision fp8's path (fm_expert_fp8_codes): codes on an sm_90 CUDA run with auto or
+ * sm90, else emulated; the form and the line say so. */
+static void test_fp8_codes(void) {
+    fm_plan_req r;
+    olmoe_req(&r, 1, 4096);
+    const fm_expert_ask auto90 = {FM_EXPERT_GEMM_AUTO, true, true}, sm90 = {FM_EXPERT_GEMM_SM90, true, true},
+                        cub = {FM_EXPERT_GEMM_CUBLAS, true, true}, grp = {FM_EXPERT_GEMM_GROUPED, true, true},
+                        other = {FM_EXPERT_GEMM_AUTO, true, false}, cpu = {FM_EXPERT_GEMM_AUTO, false, false};
+    CHECK(!fm_expert_fp8_codes(&r, &auto90)); /* no fp8 */
+    r.expert_fp8 = true;
+    CHECK(fm_expert_fp8_codes(&r, &auto90) && fm_expert_fp8_codes(&r, &sm90));
+    CHECK(!fm_expert_fp8_codes(&r, &cub) && !fm_expert_fp8_codes(&r, &grp) && !fm_expert_fp8_codes(&r, &other));
+    unsetenv("FLATMOE_TEST_FP8_CODES");
+    CHECK(!fm_expert_fp8_codes(&r, &cpu));
+    setenv("FLATMOE_TEST_FP8_CODES", "1", 1);
+    CHECK(fm_expert_fp8_codes(&r, &cpu));
+    unsetenv("FLATMOE_TEST_FP8_CODES");
+    r.ep = 2;
+    CHECK(!fm_expert_fp8_codes(&r, &auto90));
+    r.ep = 1;
+    r.cfg.moe_intermediate_size = 1000; /* not a multiple of 128 */
+    CHECK(!fm_expert_fp8_codes(&r, &auto90));
+    r.cfg.moe_intermediate_size = 1024;
+    r.expert_fp8_codes = fm_expert_fp8_codes(&r, &auto90);
+    fm_calib c;
+    table(&c, 300e12, 600e12);
+    fm_expert_choice ch;
+    choose(&r, &c, FM_EXPERT_GEMM_AUTO, true, true, &ch);
+    CHECK(ch.fp8_codes && strcmp(fm_expert_choice_form(&ch), "fp8-sm90") == 0 && !ch.sm90);
+    char why[400];
+    fm_expert_choice_why(&ch, why, sizeof why);
+    CHECK_MSG(strstr(why, "E4M3 codes") != NULL, "%s", why);
+    r.expert_fp8_codes = false;
+    choose(&r, &c, FM_EXPERT_GEMM_AUTO, true, true, &ch);
+    CHECK(!ch.fp8_codes && strcmp(fm_expert_choice_form(&ch), "cublas") == 0);
+}
+
 int main(void) {
     test_rule();
+    test_fp8_codes();
     test_rows_per_expert();
     test_prepare_fit_finish();
     test_words();

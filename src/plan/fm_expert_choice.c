@@ -42,6 +42,7 @@ void fm_expert_choose(const fm_plan_req *r, const fm_plan *p, const fm_expert_as
     out->E = r->cfg.num_experts, out->H = r->cfg.hidden_size, out->I = r->cfg.moe_intermediate_size;
     out->ep = ep_of(r);
     out->rows_per_expert = fm_project_rows_per_expert(r, p);
+    out->fp8_codes = r->expert_fp8 && r->expert_fp8_codes;
     if (a->cuda_bf16 && has_curves(cb)) {
         out->projected = true;
         out->sm90_s = fm_project_expert_s(r, p, cb, true);
@@ -81,6 +82,7 @@ void fm_expert_choice_finish(fm_plan_req *r, const fm_plan *p, const fm_expert_a
 }
 
 const char *fm_expert_choice_form(const fm_expert_choice *ch) {
+    if (ch->fp8_codes) return ch->why == FM_EXPERT_WHY_NOT_CUDA ? "fp8-cpu-codes" : "fp8-sm90";
     if (ch->why == FM_EXPERT_WHY_NOT_CUDA) return "cpu";
     if (ch->sm90) return "sm90";
     if (ch->gemm == FM_EXPERT_GEMM_GROUPED) return "grouped";
@@ -148,7 +150,9 @@ void fm_expert_choice_why(const fm_expert_choice *ch, char *buf, size_t n) {
                  "FLATMOE_EXPERT_GEMM=sm90 flatmoe-cuda calibrate measures them)%s", head, tail);
         return;
     case FM_EXPERT_WHY_FP8:
-        snprintf(buf, n, "%s: --expert-precision fp8 quantizes the operands for cuBLAS's forms", head);
+        if (ch->fp8_codes)
+            snprintf(buf, n, "%s: --expert-precision fp8 runs on E4M3 codes, our FP8 grouped GEMM for sm_90 (sync-free)", head);
+        else snprintf(buf, n, "%s: --expert-precision fp8 quantizes the operands for cuBLAS's forms", head);
         return;
     }
     snprintf(buf, n, "%s", head);

@@ -54,6 +54,8 @@ typedef struct fm_expert_choice {
     fm_expert_gemm gemm;      /* what the backend is created with: requested, with auto resolved to
                                  sm90 or cublas on CUDA (left auto off CUDA, which ignores it) */
     bool sm90;                /* the expert GEMMs run as the sm90 kernel (fm_plan_req.expert_sync_free) */
+    bool fp8_codes;           /* --expert-precision fp8 on E4M3 codes (fm_plan_req.expert_fp8_codes):
+                                 our FP8 grouped GEMM; form "fp8-sm90" */
     fm_expert_why why;
     bool projected;           /* sm90_s and cublas_s hold both forms' times (the table has the sm90
                                  curves and the run is CUDA; else both 0) */
