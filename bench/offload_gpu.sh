@@ -19,6 +19,7 @@
 #   bash bench/offload_gpu.sh pack            # tar $OUT into one file (the device returns at most 8)
 #   bash bench/offload_gpu.sh fp8loss         # 200 steps at 4K, --expert-precision bf16 vs fp8 (issue 14)
 #   bash bench/offload_gpu.sh streamopt       # 128K, 5 steps: the streamed AdamW's own copy streams
+#   bash bench/offload_gpu.sh fp8codes [T...] # the FP8 fast path: its GPU test, then OLMoE steps bf16 / fp8 codes / fp8 emulated
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
 # (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
 set -uo pipefail
@@ -183,6 +184,17 @@ for p in ("bf16", "fp8"):
     print(f"{p}: mean {sum(t) / len(t):.0f} tok/s over steps 3..{c[p][-1]['step']}")
 PY
     ;;
+fp8codes) # issue 14's FP8 fast path (E4M3 codes, our sm_90 FP8 grouped GEMM): its GPU test (the code
+    # ops against the C reference, with timings at OLMoE's shape), the FP8 CLI test, then OLMoE-1B-7B
+    # steps at each T (default 4K, 16K): bf16, fp8 on codes (auto), fp8 emulated (FLATMOE_EXPERT_GEMM=cublas)
+    cmake --build build-gpu -j16 --target test_cuda_fp8_codes > "$OUT/fp8codes-build.log" 2>&1 || tail -20 "$OUT/fp8codes-build.log"
+    ./build-gpu/test_cuda_fp8_codes > "$OUT/fp8codes-test.log" 2>&1; echo "== test_cuda_fp8_codes exit $?"; tail -25 "$OUT/fp8codes-test.log"
+    (cd build-gpu && ctest -R cli_cuda_fp8 --output-on-failure > "$OUT/fp8codes-cli.log" 2>&1; echo "== cli_cuda_fp8 exit $?"; tail -5 "$OUT/fp8codes-cli.log")
+    shift; for T in ${*:-4096 16384}; do
+        run1 fp8-bf16-$T $T ${STEPS:-4}
+        run1 fp8-codes-$T $T ${STEPS:-4} --expert-precision fp8; grep -o '"expert_fp8_path": *"[a-z]*"' "$OUT/fp8-codes-$T.jsonl" | head -1
+        FLATMOE_EXPERT_GEMM=cublas run1 fp8-emu-$T $T ${STEPS:-4} --expert-precision fp8
+    done ;;
 streamopt) # the streamed AdamW beside checkpoint offload under the overlap (128K, the chooser's knobs,
     # 5 steps): with its own copy streams, steps 3..5 should be as fast as step 2 less the update's
     # non-hidden part (session 7: step 3's dense phase waited 1.8 s behind the optimizer's copies)
