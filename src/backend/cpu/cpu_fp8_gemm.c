@@ -41,7 +41,7 @@ static float quant_tile(uint8_t *q, int64_t qstride, const float *x, int64_t str
     }
     const int e = fm_fp8_scale_exp(amax);
     for (int64_t i = 0; i < n; i++) q[i * qstride] = bad ? (uint8_t)0x7F : fm_e4m3_encode(fm_fp8_ldexp(x[i * stride], -e));
-    return bad ? NAN : fm_fp8_pow2(e);
+    return bad ? NAN : fm_fp8_ldexp(1.0f, e); /* e may be below -126 for a tiny tile: as the CUDA kernels */
 }
 
 bool fm_cpu_expert_fp8_serves(void *ctx, int64_t E, int64_t H, int64_t I, int64_t rows_max) {
@@ -74,7 +74,7 @@ void fm_cpu_fp8_quant_weight(void *ctx, void *w8, const float *W, int64_t E, int
                 Wq[(e * out + n0 + i) * in + k0 + j] = c;
                 WqT[(e * in + k0 + j) * out + n0 + i] = c;
             }
-        sW[b] = bad ? NAN : fm_fp8_pow2(ex); /* b = (e * bo + n-block) * bi + k-block */
+        sW[b] = bad ? NAN : fm_fp8_ldexp(1.0f, ex); /* b = (e * bo + n-block) * bi + k-block */
     }
 }
 
