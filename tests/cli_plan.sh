@@ -79,6 +79,26 @@ python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert d['format']=
 [ ! -e "$TMP/calib.json.tmp" ] && ok || bad "calibrate left its temporary file"
 p=$("$FM" plan --config "$cfg0" --seq-len 256 --micro-batch 4 --threads 2 --mem-budget 1GiB --calib "$TMP/calib.json")
 grep -q "projection: calibration table $TMP/calib.json" <<<"$p" && grep -q "^projected step" <<<"$p" && ok || bad "plan --calib: $p"
+# the fp8 code ops' curves (expert_*_fp8): measured where the backend serves them (the CPU's reference
+# ops under FLATMOE_TEST_FP8_CODES=1), absent otherwise; plan projects fp8 on codes with them
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert 'expert_fwd_fp8' not in d, d.keys()" "$TMP/calib.json" \
+    && ok || bad "calibrate wrote fp8 curves without the fp8 code ops"
+FLATMOE_TEST_FP8_CODES=1 "$FM" calibrate --quick --out "$TMP/calib8.json" > "$TMP/calib8.log" || bad "calibrate --quick (fp8 codes) failed: $(tail -3 "$TMP/calib8.log")"
+grep "experts fp8" "$TMP/calib8.log"
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert len(d['expert_fwd_fp8']) >= 2 and len(d['expert_bwd_fp8']) >= 2, d.keys()" \
+    "$TMP/calib8.json" && ok || bad "calibrate (fp8 codes) wrote no expert_fwd_fp8 / expert_bwd_fp8 curves"
+python3 - "$TMP/calib8.json" "$TMP/calib8x.json" <<'PY' # the same table with fp8 rates 100x the bf16 ones
+import json, sys
+d = json.load(open(sys.argv[1]))
+for k in ("expert_fwd", "expert_bwd"):
+    d[k + "_fp8"] = [dict(p, **{kk: vv * 100 for kk, vv in p.items() if kk != "rows_per_expert"}) for p in d[k]]
+json.dump(d, open(sys.argv[2], "w"))
+PY
+pp() { "$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 256 --micro-batch 4 --threads 2 --calib "$TMP/calib8x.json" --expert-precision fp8 | grep "^projected step"; }
+p_emu=$(pp); p_codes=$(FLATMOE_TEST_FP8_CODES=1 pp)
+echo "fp8 emulated: $p_emu"; echo "fp8 codes:    $p_codes"
+python3 -c "import sys; f=lambda s: float(s.split()[2]); assert f(sys.argv[2]) < f(sys.argv[1]), sys.argv" "$p_emu" "$p_codes" \
+    && ok || bad "plan's fp8 projection on codes does not use the fp8 curves"
 echo '{"format":"flatmoe-calibration","version":1}' > "$TMP/bad.json"
 expect_fail "plan --calib bad table" "\"backend\" must be a string" "$FM" plan --config "$cfg0" --seq-len 64 --calib "$TMP/bad.json"
 expect_fail "plan --calib missing table" "cannot open the calibration table" "$FM" plan --config "$cfg0" --seq-len 64 --calib "$TMP/none.json"

@@ -213,6 +213,11 @@ fm_status fm_calib_load(fm_calib *c, const char *path) {
     if ((s = need_curve(j, "expert_fwd", "rows_per_expert", path, &c->expert_fwd))) goto out;
     if ((s = need_curve(j, "expert_bwd", "rows_per_expert", path, &c->expert_bwd))) goto out;
     c->expert_fwd_sm90.n = c->expert_bwd_sm90.n = 0; /* optional: measured with FLATMOE_EXPERT_GEMM=sm90 */
+    c->expert_fwd_fp8.n = c->expert_bwd_fp8.n = 0;   /* optional: measured where the fp8 code ops run */
+    if (cJSON_GetObjectItemCaseSensitive(j, "expert_fwd_fp8") &&
+        ((s = need_curve(j, "expert_fwd_fp8", "rows_per_expert", path, &c->expert_fwd_fp8)) ||
+         (s = need_curve(j, "expert_bwd_fp8", "rows_per_expert", path, &c->expert_bwd_fp8))))
+        goto out;
     if (cJSON_GetObjectItemCaseSensitive(j, "expert_fwd_sm90") &&
         ((s = need_curve(j, "expert_fwd_sm90", "rows_per_expert", path, &c->expert_fwd_sm90)) ||
          (s = need_curve(j, "expert_bwd_sm90", "rows_per_expert", path, &c->expert_bwd_sm90))))
@@ -289,6 +294,10 @@ fm_status fm_calib_save(const fm_calib *c, const char *path) {
     if (c->expert_fwd_sm90.n > 0 && c->expert_bwd_sm90.n > 0) {
         put_curve(j, "expert_fwd_sm90", "rows_per_expert", &c->expert_fwd_sm90);
         put_curve(j, "expert_bwd_sm90", "rows_per_expert", &c->expert_bwd_sm90);
+    }
+    if (c->expert_fwd_fp8.n > 0 && c->expert_bwd_fp8.n > 0) {
+        put_curve(j, "expert_fwd_fp8", "rows_per_expert", &c->expert_fwd_fp8);
+        put_curve(j, "expert_bwd_fp8", "rows_per_expert", &c->expert_bwd_fp8);
     }
     put_curve(j, "attention_fwd", "t", &c->att_fwd);
     put_curve(j, "attention_bwd", "t", &c->att_bwd);

@@ -41,6 +41,10 @@ typedef struct fm_calib {
     fm_calib_curve expert_fwd_sm90, expert_bwd_sm90; /* the same for the sm90 kernel
                                   (FLATMOE_EXPERT_GEMM=sm90), measured when calibrate runs with it;
                                   n = 0: absent (the projection then uses expert_fwd/bwd) */
+    fm_calib_curve expert_fwd_fp8, expert_bwd_fp8; /* --expert-precision fp8 on E4M3 codes (the
+                                  backend's fp8 code ops, quantization included), measured when
+                                  the backend serves them; n = 0: absent (the projection then
+                                  uses the sm90 curves, else expert_fwd/bwd) */
     fm_calib_curve att_fwd;     /* causal attention forward (2 B T^2 heads hd FLOPs), by T */
     fm_calib_curve att_bwd;     /* causal attention backward (5 B T^2 heads hd FLOPs), by T */
     double elementwise_bw;      /* B/s of a bandwidth-bound elementwise op (add: 3 n a bytes) */

@@ -8,6 +8,7 @@
 
 #include "../backend/fm_backend_default.h"
 #include "../backend/fm_backend_plan.h"
+#include "../backend/fm_fp8_layout.h"
 #include "fm_choose.h"
 #include "fm_plan_device.h"
 #include "fm_project.h"
@@ -147,6 +148,34 @@ typedef struct exp_arg {
     int64_t E, H, I, rows;
     bool bwd, sm90; /* sm90: the sync-free ops (FLATMOE_EXPERT_GEMM=sm90), rows = offs[E] */
 } exp_arg;
+/* --expert-precision fp8 on E4M3 codes: one product as model/fm_experts_fp8.c runs it, its
+ * quantization included (the weight's, done once per layer per pass there, and the activation
+ * operands'). fwd: q(W), q(x) rows, y = x W^T. bwd: q(W), q(dy) rows, dx = dy W, q(dy), q(x)
+ * tokens, dW += dy^T x (the layer shares x's tokens between gate and up: charged here per product,
+ * a little pessimistic). Buffers of fm_fp8_layout.h: w8, a8 rows, t0/t1 tokens. */
+typedef struct exp8_arg {
+    exp_arg *e;
+    void *w8, *a8, *t0, *t1;
+} exp8_arg;
+static void run_exp8(cal *c, void *p) {
+    const exp8_arg *q = p;
+    const exp_arg *a = q->e;
+    const fm_ops *o = c->be.ops;
+    void *ctx = c->be.ctx;
+    const int64_t in = a->H, out = a->I, R = a->rows;
+    o->fp8_quant_weight(ctx, q->w8, a->W, a->E, out, in);
+    if (!a->bwd) {
+        o->fp8_quant_rows(ctx, q->a8, a->x, a->offs, R, a->E, in);
+        o->expert_fp8_gemm(ctx, 0, a->y, 0.0f, q->a8, q->w8, a->offs, R, a->E, in, out);
+        return;
+    }
+    o->fp8_quant_rows(ctx, q->a8, a->y, a->offs, R, a->E, out);
+    o->expert_fp8_gemm(ctx, 1, a->dx, 0.0f, q->a8, q->w8, a->offs, R, a->E, in, out);
+    o->fp8_quant_tokens(ctx, q->t0, a->y, a->offs, R, a->E, out);
+    o->fp8_quant_tokens(ctx, q->t1, a->x, a->offs, R, a->E, in);
+    o->expert_fp8_gemm(ctx, 2, a->dW, 1.0f, q->t0, q->t1, a->offs, R, a->E, in, out);
+}
+
 static void run_exp(cal *c, void *p) {
     exp_arg *a = p;
     const fm_ops *o = c->be.ops;
@@ -185,28 +214,47 @@ static fm_status cal_experts(cal *c, fm_calib *out) {
         out->expert_fwd.n = out->expert_bwd.n = 0;
         out->expert_fwd_sm90.n = out->expert_bwd_sm90.n = 0;
         const int64_t prod[3][2] = {{H, I}, {H, I}, {I, H}}; /* gate, up, down: input -> output width */
-        /* the sm90 kernel too when the backend runs it (FLATMOE_EXPERT_GEMM=sm90): its own curves */
+        out->expert_fwd_fp8.n = out->expert_bwd_fp8.n = 0;
+        /* the sm90 kernel too when the backend runs it (FLATMOE_EXPERT_GEMM=sm90): its own curves;
+         * and the fp8 code ops where the backend serves them (pass 2: expert_*_fp8) */
         const bool sm90 = c->be.ops->expert_sync_free && c->be.ops->expert_sync_free(c->be.ctx, E, H, I, R);
-        for (int pass = 0; pass < (sm90 ? 2 : 1); pass++)
-        for (int i = 0; i < n; i++) {
-            for (int64_t e = 0; e <= E; e++) a.offs[e] = e * rs[i];
-            a.sm90 = pass == 1, a.rows = rs[i] * E;
-            double f = 0, tf = 0, tb = 0;
-            for (int p = 0; p < 3; p++) {
-                a.H = prod[p][0], a.I = prod[p][1];
-                f += 2.0 * (double)(rs[i] * E) * (double)a.H * (double)a.I;
-                a.bwd = false;
-                tf += time_op(c, run_exp, &a, c->reps);
-                a.bwd = true;
-                tb += time_op(c, run_exp, &a, c->reps);
-            }
-            fm_calib_add(a.sm90 ? &out->expert_fwd_sm90 : &out->expert_fwd, (double)rs[i], f / tf);
-            fm_calib_add(a.sm90 ? &out->expert_bwd_sm90 : &out->expert_bwd, (double)rs[i], 2.0 * f / tb);
-            logf_(c, "experts%s  %lld x %5lld rows, %lld -> 2 x %lld -> %lld   fwd %8.3f ms %7.2f TFLOP/s, bwd %8.3f ms %7.2f TFLOP/s",
-                  a.sm90 ? " sm90" : "     ", (long long)E, (long long)rs[i], (long long)H, (long long)I, (long long)H, 1e3 * tf,
-                  f / tf / 1e12, 1e3 * tb, 2.0 * f / tb / 1e12);
+        const bool fp8 = fm_backend_fp8_codes_serves(&c->be, E, H, I, R);
+        const int64_t M = H > I ? H : I, kcap = fm_fp8_kcap(R, E);
+        exp8_arg q = {&a, NULL, NULL, NULL, NULL};
+        if (fp8) {
+            q.w8 = dev_alloc(c, (size_t)fm_fp8_weight_bytes(E, I, H), "the fp8 weight codes", &st);
+            q.a8 = dev_alloc(c, (size_t)fm_fp8_rows_bytes(R, M), "the fp8 row codes", &st);
+            q.t0 = dev_alloc(c, (size_t)fm_fp8_tokens_bytes(kcap, M), "the fp8 token codes", &st);
+            q.t1 = dev_alloc(c, (size_t)fm_fp8_tokens_bytes(kcap, M), "the fp8 token codes", &st);
         }
-        st = c->be.ops->status(c->be.ctx);
+        for (int pass = 0; pass < 3 && st == FM_OK; pass++) {
+            if ((pass == 1 && !sm90) || (pass == 2 && !fp8)) continue;
+            for (int i = 0; i < n; i++) {
+                for (int64_t e = 0; e <= E; e++) a.offs[e] = e * rs[i];
+                a.sm90 = pass == 1, a.rows = rs[i] * E;
+                double f = 0, tf = 0, tb = 0;
+                for (int p = 0; p < 3; p++) {
+                    a.H = prod[p][0], a.I = prod[p][1];
+                    f += 2.0 * (double)(rs[i] * E) * (double)a.H * (double)a.I;
+                    a.bwd = false;
+                    tf += pass == 2 ? time_op(c, run_exp8, &q, c->reps) : time_op(c, run_exp, &a, c->reps);
+                    a.bwd = true;
+                    tb += pass == 2 ? time_op(c, run_exp8, &q, c->reps) : time_op(c, run_exp, &a, c->reps);
+                }
+                fm_calib_curve *cf = pass == 2 ? &out->expert_fwd_fp8 : pass == 1 ? &out->expert_fwd_sm90 : &out->expert_fwd;
+                fm_calib_curve *cb = pass == 2 ? &out->expert_bwd_fp8 : pass == 1 ? &out->expert_bwd_sm90 : &out->expert_bwd;
+                fm_calib_add(cf, (double)rs[i], f / tf);
+                fm_calib_add(cb, (double)rs[i], 2.0 * f / tb);
+                logf_(c, "experts%s  %lld x %5lld rows, %lld -> 2 x %lld -> %lld   fwd %8.3f ms %7.2f TFLOP/s, bwd %8.3f ms %7.2f TFLOP/s",
+                      pass == 2 ? " fp8 " : pass == 1 ? " sm90" : "     ", (long long)E, (long long)rs[i], (long long)H,
+                      (long long)I, (long long)H, 1e3 * tf, f / tf / 1e12, 1e3 * tb, 2.0 * f / tb / 1e12);
+            }
+        }
+        dev_free(c, q.w8);
+        dev_free(c, q.a8);
+        dev_free(c, q.t0);
+        dev_free(c, q.t1);
+        if (st == FM_OK) st = c->be.ops->status(c->be.ctx);
     }
     if (offs) c->be.ops->buffer_free(c->be.ctx, FM_BUFFER_PINNED, offs);
     dev_free(c, a.x);

@@ -46,7 +46,15 @@ static void expert_layer_s(const fm_plan_req *r, const fm_plan *p, const fm_cali
     const double N = (double)r->B * (double)(r->T / sp), rpe = fm_project_rows_per_expert(r, p);
     const double exp_flops = 2.0 * N * (double)c->num_experts_per_tok * 3.0 * (double)c->hidden_size *
                              (double)c->moe_intermediate_size;
-    const bool s9 = sm90 && cb->expert_fwd_sm90.n > 0 && cb->expert_bwd_sm90.n > 0;
+    /* --expert-precision fp8 on E4M3 codes: the table's fp8 curves (quantization included), else
+     * the sm90 kernel's (the same sync-free schedule at bf16 rates), else cuBLAS's */
+    if (r->expert_fp8 && r->expert_fp8_codes && cb->expert_fwd_fp8.n > 0 && cb->expert_bwd_fp8.n > 0) {
+        *f = at(exp_flops, fm_calib_rate(&cb->expert_fwd_fp8, rpe));
+        *b = at(2.0 * exp_flops, fm_calib_rate(&cb->expert_bwd_fp8, rpe));
+        return;
+    }
+    const bool s9 = (sm90 || (r->expert_fp8 && r->expert_fp8_codes)) && cb->expert_fwd_sm90.n > 0 &&
+                    cb->expert_bwd_sm90.n > 0;
     *f = at(exp_flops, fm_calib_rate(s9 ? &cb->expert_fwd_sm90 : &cb->expert_fwd, rpe));
     *b = at(2.0 * exp_flops, fm_calib_rate(s9 ? &cb->expert_bwd_sm90 : &cb->expert_bwd, rpe));
 }
