@@ -43,6 +43,7 @@
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
 
+#include "sm90_common.cuh"
 #include "wgmma_bf16.cuh"
 
 namespace {
@@ -107,8 +108,6 @@ __device__ inline tile tile_of(const sched &s, const fm_gg_problem &p, int t) {
     return r;
 }
 
-__device__ inline uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
 __device__ inline bf16 *c_ptr(const fm_gg_problem &p, const tile &t, int64_t row, int64_t col) {
     bf16 *C = static_cast<bf16 *>(p.C);
     if (p.kind == 0) return C + (t.r0 + row) * p.out + col;
@@ -126,54 +125,10 @@ __device__ inline int c_row(const fm_gg_problem &p, const tile &t) {
 }
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ inline void mbar_init(uint64_t *b, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count));
-}
-__device__ inline void mbar_wait(uint64_t *b, uint32_t parity) {
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(smem_u32(b)), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-__device__ inline void mbar_expect_tx(uint64_t *b, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
-}
-__device__ inline void mbar_arrive(uint64_t *b) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(b)) : "memory");
-}
-__device__ inline void tma_2d(uint32_t dst, const CUtensorMap *m, uint64_t *bar, int c0, int c1) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-            dst),
-        "l"(reinterpret_cast<uint64_t>(m)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
-        : "memory");
-}
-__device__ inline void tma_store_2d(const CUtensorMap *m, uint32_t src, int c0, int c1) {
-    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
-                     reinterpret_cast<uint64_t>(m)),
-                 "r"(c0), "r"(c1), "r"(src)
-                 : "memory");
-}
-__device__ inline void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-__device__ inline void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-__device__ inline void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 /* the consumer warpgroup wg's named barrier (ids 2, 3; 0 is __syncthreads) */
 __device__ inline void wg_bar(int wg) {
     if (wg == 0) asm volatile("bar.sync 2, 128;\n" ::: "memory");
     else asm volatile("bar.sync 3, 128;\n" ::: "memory");
-}
-/* sm90 shared-memory matrix descriptor: start >> 4 [0,14), LBO >> 4 [16,30), SBO >> 4 [32,46),
- * layout type [62,64) = 1 (128-byte swizzle). */
-__device__ inline uint64_t sdesc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
-           (1ull << 62);
-}
-template <int N> __device__ inline void acc_fence(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 #endif
 
@@ -364,24 +319,11 @@ gg_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUten
 }
 
 /* A 2-D tensor map over a row-major bf16 [outer, inner] tensor with a {box_inner, box_outer} box,
- * 128-byte swizzle, zeros out of bounds. */
+ * 128-byte swizzle, zeros out of bounds (sm90_common.cuh). */
 cudaError_t make_map(CUtensorMap *m, const void *base, uint64_t inner, uint64_t outer, uint32_t box_inner,
                      uint32_t box_outer) {
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-    if (!encode) {
-        cudaDriverEntryPointQueryResult q;
-        void *fn = nullptr;
-        const cudaError_t err =
-            cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
-        if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn) return cudaErrorNotSupported;
-        encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-    }
-    const cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner * 2};
-    const cuuint32_t box[2] = {box_inner, box_outer}, es[2] = {1, 1};
-    const CUresult r = encode(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dims, strides, box, es,
-                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+    return sm90_make_map(m, base, inner, outer, box_inner, box_outer, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+                         CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 template <int KIND, bool SRC> cudaError_t launch_kind(const fm_gg_problem &p, int sm_count, cudaStream_t stream) {
