@@ -12,7 +12,10 @@
 #   printed once, by rank 0; flatmoe eval and sample at np 2 print what they print on one rank.
 # failure: a rank killed mid-step (SIGKILL), a rank that stops answering (SIGSTOP: the others'
 #   collective times out after --comm-timeout 4 s) and a rank whose setup fails (missing data)
-#   each end the whole job within 60 s, non-zero, the last two with a message naming the rank.
+#   each end the whole job within 60 s, non-zero, the last two with a message naming the rank;
+#   SIGTERM to one rank, also in the race windows around a step's agreed stop flag
+#   (FLATMOE_TEST_SIGNAL_AFTER=RANK:STEP raises it just after that step's agreement), stops every
+#   rank after the same step with its checkpoint.
 # Tolerances. Losses: 1e-6 relative (the issue's). Weights: the ranks' sums run in another order
 # than one rank's (the valid-target count is exact, but the router statistics, the loss sums and
 # each gradient element are fp32/fp64 sums over the ranks' partial sums, MPI's order), so they
@@ -209,6 +212,18 @@ failure)
     echo "== window: exit $rc: $(grep -m1 'SIGTERM received' "$TMP/window.log")"
     if [ $rc -ne 143 ] || ! grep -q "SIGTERM received: finished step 4, saved" "$TMP/window.log" || [ ! -d "$TMP/w/step_000004" ]; then
         bad "window: status $rc (want 143, the stop after step 4 and its checkpoint on every rank alike)"; cat "$TMP/window.log" >&2
+    fi
+    # one SIGTERM per rank at other moments (a launcher forwards it to each): rank 1's lands in step
+    # 3, rank 0's just after step 4's agreement told it to stop for rank 1's. Rank 0's is its own
+    # first signal: it must still save step 4 and close metrics.jsonl, not take it for a second
+    # signal and end at once (it did when the agreed stop counted as this rank's first signal)
+    timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c 'if [ "$OMPI_COMM_WORLD_RANK" = 0 ]; then s=0:4; else s=1:3; fi
+        export FLATMOE_TEST_SIGNAL_AFTER=$s; exec "$FM" train '"$sig"' --out "$TMP/w2"' >"$TMP/window2.log" 2>&1; rc=$?
+    echo "== window2: exit $rc: $(grep -m1 'SIGTERM received' "$TMP/window2.log")"
+    if [ $rc -ne 143 ] || ! grep -q "SIGTERM received: finished step 4, saved" "$TMP/window2.log" || [ ! -d "$TMP/w2/step_000004" ] ||
+       ! tail -1 "$TMP/w2/metrics.jsonl" | grep -q '"type":"summary".*"stopped_by":"SIGTERM"'; then
+        bad "window2: status $rc (want 143, step 4 saved and the summary record, rank 0's late SIGTERM a first signal)"
+        cat "$TMP/window2.log" >&2
     fi ;;
 *) echo "unknown mode $MODE"; exit 2 ;;
 esac
