@@ -153,20 +153,21 @@ warnings)
             bad "np 2 flatmoe ${cmd%% *} printed other than one rank: [$two] vs [$one]"
     done
     long='--config $CFG --data $TEXT --seq-len 32 --micro-batch 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint'
-    export FM CFG TEXT TMP
-    timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c '(sleep 3; kill -TERM $$) & exec "$FM" train '"$long"' --out "$TMP/t"' \
+    export FM CFG TEXT TMP AFTER="$ROOT/tests/mpi_after_step.sh" # each rank signals itself 1 s into training
+    timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c '(bash "$AFTER" "$TMP/t"; kill -TERM $$) & exec "$FM" train '"$long"' --out "$TMP/t"' \
         >/dev/null 2>"$TMP/t.err"
     n=$(grep -c "SIGTERM received" "$TMP/t.err")
     [ "$n" -eq 1 ] && echo "== once: SIGTERM received" || bad "the stop's line printed $n times at np 2 (want once): $(cat "$TMP/t.err")" ;;
 failure)
-    export FM CFG TEXT TMP
+    export FM CFG TEXT TMP AFTER="$ROOT/tests/mpi_after_step.sh"
     long='--config $CFG --data $TEXT --seq-len 32 --micro-batch 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint --comm-timeout 4'
-    # case: what rank 1 does to itself after 2 s (or its own arguments); needle: what the output must say
+    # case: what rank 1 does to itself 1 s into training (tests/mpi_after_step.sh; or its own
+    # arguments); needle: what the output must say
     for case in kill stop nodata flags evalflag; do
         case $case in
-        kill)   cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (sleep 2; kill -KILL $$) & fi; exec "$FM" train '"$long"' --out "$TMP/k"'
+        kill)   cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (bash "$AFTER" "$TMP/k"; kill -KILL $$) & fi; exec "$FM" train '"$long"' --out "$TMP/k"'
                 needle="rank 1" ;;
-        stop)   cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (sleep 2; kill -STOP $$) & fi; exec "$FM" train '"$long"' --out "$TMP/s"'
+        stop)   cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (bash "$AFTER" "$TMP/s"; kill -STOP $$) & fi; exec "$FM" train '"$long"' --out "$TMP/s"'
                 needle="error on rank 0 of 2: rank 0 of 2: .* timed out after 4 s" ;;
         nodata) cmd='d=$TEXT; [ "$OMPI_COMM_WORLD_RANK" = 1 ] && d=$TMP/missing.txt; exec "$FM" train '"${long/--data \$TEXT/--data \$d}"' --out "$TMP/n"'
                 needle="error on rank 1 of 2: .*missing.txt" ;;
@@ -189,7 +190,7 @@ failure)
     # SIGTERM to rank 1 alone: every rank stops after the same step (the stop flag is all-reduced),
     # rank 0 saves that step's checkpoint, the job ends with 143, and a resume continues from it
     sig=${long/--no-checkpoint/}
-    cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (sleep 3; kill -TERM $$) & fi; exec "$FM" train '"$sig"' --out "$TMP/t"'
+    cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (bash "$AFTER" "$TMP/t"; kill -TERM $$) & fi; exec "$FM" train '"$sig"' --out "$TMP/t"'
     t0=$SECONDS
     timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c "$cmd" >"$TMP/term.log" 2>&1; rc=$?
     n=$(ls -d "$TMP"/t/step_* 2>/dev/null | wc -l)
