@@ -12,7 +12,10 @@
 #   printed once, by rank 0; flatmoe eval and sample at np 2 print what they print on one rank.
 # failure: a rank killed mid-step (SIGKILL), a rank that stops answering (SIGSTOP: the others'
 #   collective times out after --comm-timeout 4 s) and a rank whose setup fails (missing data)
-#   each end the whole job within 60 s, non-zero, the last two with a message naming the rank.
+#   each end the whole job within 60 s, non-zero, the last two with a message naming the rank;
+#   SIGTERM to one rank, also in the race windows around a step's agreed stop flag
+#   (FLATMOE_TEST_SIGNAL_AFTER=RANK:STEP raises it just after that step's agreement), stops every
+#   rank after the same step with its checkpoint.
 # Tolerances. Losses: 1e-6 relative (the issue's). Weights: the ranks' sums run in another order
 # than one rank's (the valid-target count is exact, but the router statistics, the loss sums and
 # each gradient element are fp32/fp64 sums over the ranks' partial sums, MPI's order), so they
@@ -150,20 +153,21 @@ warnings)
             bad "np 2 flatmoe ${cmd%% *} printed other than one rank: [$two] vs [$one]"
     done
     long='--config $CFG --data $TEXT --seq-len 32 --micro-batch 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint'
-    export FM CFG TEXT TMP
-    timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c '(sleep 3; kill -TERM $$) & exec "$FM" train '"$long"' --out "$TMP/t"' \
+    export FM CFG TEXT TMP AFTER="$ROOT/tests/mpi_after_step.sh" # each rank signals itself 1 s into training
+    timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c '(bash "$AFTER" "$TMP/t"; kill -TERM $$) & exec "$FM" train '"$long"' --out "$TMP/t"' \
         >/dev/null 2>"$TMP/t.err"
     n=$(grep -c "SIGTERM received" "$TMP/t.err")
     [ "$n" -eq 1 ] && echo "== once: SIGTERM received" || bad "the stop's line printed $n times at np 2 (want once): $(cat "$TMP/t.err")" ;;
 failure)
-    export FM CFG TEXT TMP
+    export FM CFG TEXT TMP AFTER="$ROOT/tests/mpi_after_step.sh"
     long='--config $CFG --data $TEXT --seq-len 32 --micro-batch 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint --comm-timeout 4'
-    # case: what rank 1 does to itself after 2 s (or its own arguments); needle: what the output must say
+    # case: what rank 1 does to itself 1 s into training (tests/mpi_after_step.sh; or its own
+    # arguments); needle: what the output must say
     for case in kill stop nodata flags evalflag; do
         case $case in
-        kill)   cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (sleep 2; kill -KILL $$) & fi; exec "$FM" train '"$long"' --out "$TMP/k"'
+        kill)   cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (bash "$AFTER" "$TMP/k"; kill -KILL $$) & fi; exec "$FM" train '"$long"' --out "$TMP/k"'
                 needle="rank 1" ;;
-        stop)   cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (sleep 2; kill -STOP $$) & fi; exec "$FM" train '"$long"' --out "$TMP/s"'
+        stop)   cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (bash "$AFTER" "$TMP/s"; kill -STOP $$) & fi; exec "$FM" train '"$long"' --out "$TMP/s"'
                 needle="error on rank 0 of 2: rank 0 of 2: .* timed out after 4 s" ;;
         nodata) cmd='d=$TEXT; [ "$OMPI_COMM_WORLD_RANK" = 1 ] && d=$TMP/missing.txt; exec "$FM" train '"${long/--data \$TEXT/--data \$d}"' --out "$TMP/n"'
                 needle="error on rank 1 of 2: .*missing.txt" ;;
@@ -186,7 +190,7 @@ failure)
     # SIGTERM to rank 1 alone: every rank stops after the same step (the stop flag is all-reduced),
     # rank 0 saves that step's checkpoint, the job ends with 143, and a resume continues from it
     sig=${long/--no-checkpoint/}
-    cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (sleep 3; kill -TERM $$) & fi; exec "$FM" train '"$sig"' --out "$TMP/t"'
+    cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (bash "$AFTER" "$TMP/t"; kill -TERM $$) & fi; exec "$FM" train '"$sig"' --out "$TMP/t"'
     t0=$SECONDS
     timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c "$cmd" >"$TMP/term.log" 2>&1; rc=$?
     n=$(ls -d "$TMP"/t/step_* 2>/dev/null | wc -l)
@@ -209,6 +213,18 @@ failure)
     echo "== window: exit $rc: $(grep -m1 'SIGTERM received' "$TMP/window.log")"
     if [ $rc -ne 143 ] || ! grep -q "SIGTERM received: finished step 4, saved" "$TMP/window.log" || [ ! -d "$TMP/w/step_000004" ]; then
         bad "window: status $rc (want 143, the stop after step 4 and its checkpoint on every rank alike)"; cat "$TMP/window.log" >&2
+    fi
+    # one SIGTERM per rank at other moments (a launcher forwards it to each): rank 1's lands in step
+    # 3, rank 0's just after step 4's agreement told it to stop for rank 1's. Rank 0's is its own
+    # first signal: it must still save step 4 and close metrics.jsonl, not take it for a second
+    # signal and end at once (it did when the agreed stop counted as this rank's first signal)
+    timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c 'if [ "$OMPI_COMM_WORLD_RANK" = 0 ]; then s=0:4; else s=1:3; fi
+        export FLATMOE_TEST_SIGNAL_AFTER=$s; exec "$FM" train '"$sig"' --out "$TMP/w2"' >"$TMP/window2.log" 2>&1; rc=$?
+    echo "== window2: exit $rc: $(grep -m1 'SIGTERM received' "$TMP/window2.log")"
+    if [ $rc -ne 143 ] || ! grep -q "SIGTERM received: finished step 4, saved" "$TMP/window2.log" || [ ! -d "$TMP/w2/step_000004" ] ||
+       ! tail -1 "$TMP/w2/metrics.jsonl" | grep -q '"type":"summary".*"stopped_by":"SIGTERM"'; then
+        bad "window2: status $rc (want 143, step 4 saved and the summary record, rank 0's late SIGTERM a first signal)"
+        cat "$TMP/window2.log" >&2
     fi ;;
 *) echo "unknown mode $MODE"; exit 2 ;;
 esac

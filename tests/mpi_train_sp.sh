@@ -145,10 +145,11 @@ bad)
     expect 4 "use --sp 1 or 2" --config "$MICRO" --sp 4
     expect 2 "--zero 3 and --offload-optimizer do not go together yet" --config "$SP" --sp 2 --zero 3 --offload-optimizer
     expect 4 "--dp 4 with 4 ranks leaves sp = 1, but --sp is 2" --config "$SP" --sp 2 --dp 4
-    # a rank that stops answering mid-run (SIGSTOP after 2 s): the other's collective (an attention
-    # all-to-all, most likely) times out after --comm-timeout 4 s naming its rank, and the job ends
-    export FM SP TEXT TMP
-    cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (sleep 2; kill -STOP $$) & fi; exec "$FM" train --config "$SP" --data "$TEXT" --seq-len 32 --micro-batch 2 --sp 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint --comm-timeout 4 --out "$TMP/stop"'
+    # a rank that stops answering mid-run (SIGSTOP 1 s into training: tests/mpi_after_step.sh): the
+    # other's collective (an attention all-to-all, most likely) times out after --comm-timeout 4 s
+    # naming its rank, and the job ends
+    export FM SP TEXT TMP AFTER="$ROOT/tests/mpi_after_step.sh"
+    cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (bash "$AFTER" "$TMP/stop"; kill -STOP $$) & fi; exec "$FM" train --config "$SP" --data "$TEXT" --seq-len 32 --micro-batch 2 --sp 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint --comm-timeout 4 --out "$TMP/stop"'
     t0=$SECONDS
     timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c "$cmd" >"$TMP/stop.log" 2>&1; rc=$?
     needle="error on rank 0 of 2: rank 0 of 2: .* timed out after 4 s"

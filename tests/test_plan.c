@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "fm_test.h"
 #include "backend/cuda/fm_backend_cuda.h"
@@ -450,7 +451,8 @@ static void test_chooser(void) {
 static void test_calib_files(void) {
     fm_calib c, d;
     fm_calib_default(&c, "cuda");
-    const char *path = "/tmp/flatmoe-test-calib.json";
+    char path[64]; /* this process's own: test suites of other checkouts run beside it */
+    snprintf(path, sizeof path, "/tmp/flatmoe-test-calib-%d.json", (int)getpid());
     CHECK(fm_calib_save(&c, path) == FM_OK);
     CHECK(fm_calib_load(&d, path) == FM_OK);
     CHECK(d.att_fwd.n == c.att_fwd.n && d.att_fwd.rate[2] == c.att_fwd.rate[2] && d.h2d == c.h2d &&

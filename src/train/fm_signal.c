@@ -5,7 +5,9 @@
 #include <signal.h>
 #include <string.h>
 
-static volatile sig_atomic_t g_stop;
+static volatile sig_atomic_t g_stop;   /* the first stop signal this process received (or fm_stop_request's) */
+static volatile sig_atomic_t g_follow; /* a stop another rank received, followed here (fm_stop_follow); kept
+                                        * apart so that this process's own first signal is not its second */
 
 static void on_stop(int sig) {
     if (g_stop) { /* the second signal: no more waiting for the step */
@@ -23,13 +25,16 @@ void fm_stop_install(void) {
     sigemptyset(&sa.sa_mask);
     sa.sa_flags = SA_RESTART;
     g_stop = 0;
+    g_follow = 0;
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
 }
 
-int fm_stop_requested(void) { return (int)g_stop; }
+int fm_stop_requested(void) { return g_stop ? (int)g_stop : (int)g_follow; }
 
 void fm_stop_request(int sig) { g_stop = sig; }
+
+void fm_stop_follow(int sig) { g_follow = sig; }
 
 const char *fm_signal_name(int sig) {
     static char buf[16];

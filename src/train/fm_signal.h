@@ -14,11 +14,17 @@
 void fm_stop_install(void);
 
 /* The signal number (SIGINT 2, SIGTERM 15) of the first stop signal received since
- * fm_stop_install, or 0. Async-signal-safe to read. */
+ * fm_stop_install, else that of fm_stop_follow's, or 0. Async-signal-safe to read. */
 int fm_stop_requested(void);
 
 /* Records `sig` as if it had been received (tests and embedders that stop a run themselves). */
 void fm_stop_request(int sig);
+
+/* Records a stop that another rank of the launch received (the trainer's agreed stop flag): from
+ * now fm_stop_requested returns `sig` (the run stops alike and exits 128 + sig) while no signal of
+ * this process's own came, but it is not this process's first signal: one arriving later is
+ * recorded as the first, not taken for a second (which would end the process at once, unsaved). */
+void fm_stop_follow(int sig);
 
 /* "SIGINT", "SIGTERM" or "signal N" (a static string; N up to 99). */
 const char *fm_signal_name(int sig);

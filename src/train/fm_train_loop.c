@@ -106,7 +106,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
             if (fm_comm_size(&r->world) > 1) FM_TRY(fm_comm_allreduce_max_i64(&r->world, &early, 1, 0));
             if (early) {
                 rec->stopped_by = (int)early;
-                if (!fm_stop_requested()) fm_stop_request((int)early); /* every rank exits 128 + signal */
+                if (!fm_stop_requested()) fm_stop_follow((int)early); /* every rank exits 128 + signal */
                 break;
             }
         }
@@ -159,6 +159,12 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
                             o->save_every_minutes > 0 && now_s() - t_saved >= 60.0 * o->save_every_minutes};
         if (fm_comm_size(&r->world) > 1) FM_TRY(fm_comm_allreduce_max_i64(&r->world, flags, 2, 0));
         const int stop = (int)flags[0];
+        /* a stop another rank received: this one stops alike and exits 128 + signal. Its own signal
+         * may still land later (a launcher forwards one to every rank, each at its own moment): that
+         * is its first, recorded, not a second that ends it at once (fm_stop_follow, fm_signal.h) */
+        if (stop && !fm_stop_requested()) fm_stop_follow(stop);
+        if (test_signal_rank == r->rank && step == test_signal_step)
+            raise(SIGTERM); /* test hook: a real SIGTERM landing just after the step's agreement (the race windows) */
         const bool last = step == o->steps || (o->exit_after > 0 && ran == o->exit_after);
         const bool eval = ((o->eval_every > 0 && step % o->eval_every == 0) || last) && !stop;
         const bool due_time = flags[1] != 0;
@@ -192,15 +198,12 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         }
         fm_train_metrics_end(r);
 
-        if (!stop && test_signal_rank == r->rank && step == test_signal_step)
-            fm_stop_request(SIGTERM); /* test hook: SIGTERM's flag raised just after the agreement (the race window) */
         if (save) {
             FM_TRY(save_checked(r, ts, rec));
             t_saved = now_s();
         }
         if (stop) {
             rec->stopped_by = stop;
-            if (!fm_stop_requested()) fm_stop_request(stop); /* a rank the signal did not reach exits alike */
             break;
         }
         if (o->exit_after > 0 && ran == o->exit_after) break;
