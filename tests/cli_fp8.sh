@@ -62,6 +62,27 @@ FLATMOE_TEST_FP8_CODES=1 "$FM" train "${base[@]}" --report-memory --expert-preci
     --grad-accum 2 --out "$TMP/codes_chunk" > "$TMP/codes_chunk.log" 2>&1 || bad "fp8 codes chunked run failed: $(tail -3 "$TMP/codes_chunk.log")"
 check_memory codes_chunked "$TMP/codes_chunk.log"
 
+# --fp8-weight-cache: every layer's weight codes kept for the step, quantized once a step: the same
+# bits as quantizing at every forward, backward and recompute (so the invalidation after each
+# update and before each evaluation is right), high-water = bound with the cache in the expert set
+wc=(--expert-precision fp8 --grad-accum 2 --recompute 0,2 --eval-every 2 --steps 4)
+FLATMOE_TEST_FP8_CODES=1 "$FM" train "${base[@]}" "${wc[@]}" --out "$TMP/wc0" > "$TMP/wc0.log" 2>&1 || bad "fp8 codes (no cache) failed: $(tail -3 "$TMP/wc0.log")"
+FLATMOE_TEST_FP8_CODES=1 "$FM" train "${base[@]}" "${wc[@]}" --fp8-weight-cache --report-memory --out "$TMP/wc1" > "$TMP/wc1.log" 2>&1 \
+    || bad "fp8 codes with --fp8-weight-cache failed: $(tail -3 "$TMP/wc1.log")"
+vl() { python3 -c '
+import json, sys
+print(" ".join(repr((r.get("loss"), r.get("val_loss"))) for r in map(json.loads, open(sys.argv[1])) if r.get("type", "step") == "step"))' "$1"; }
+[ -n "$(vl "$TMP/wc0/metrics.jsonl")" ] && [ "$(vl "$TMP/wc0/metrics.jsonl")" = "$(vl "$TMP/wc1/metrics.jsonl")" ] && ok \
+    || bad "--fp8-weight-cache changed the losses: $(vl "$TMP/wc0/metrics.jsonl") vs $(vl "$TMP/wc1/metrics.jsonl")"
+check_memory weight_cache "$TMP/wc1.log"
+grep -q "every layer's weight codes kept" "$TMP/wc1.log" && grep -m1 '"type": *"header"' "$TMP/wc1/metrics.jsonl" | grep -q '"fp8_weight_cache":[[:space:]]*true' \
+    && ok || bad "the cache run's header / metrics do not say --fp8-weight-cache"
+expect_fail "--fp8-weight-cache on the emulation" "--fp8-weight-cache keeps the E4M3 weight codes" \
+    "$FM" train "${base[@]}" --expert-precision fp8 --fp8-weight-cache --out "$TMP/bad"
+expect_fail "--fp8-weight-cache without fp8" "--expert-precision is bf16" "$FM" train "${base[@]}" --fp8-weight-cache --out "$TMP/bad"
+expect_fail "plan --fp8-weight-cache on the emulation" "--fp8-weight-cache keeps the E4M3 weight codes" \
+    "$FM" plan --config "$cfg" --seq-len 64 --expert-precision fp8 --fp8-weight-cache
+
 # chunked MoE + recompute + grad-accum
 "$FM" train "${base[@]}" --report-memory --expert-precision fp8 --moe-chunk-tokens 48 --recompute 0,2 --grad-accum 2 \
     --out "$TMP/chunk" > "$TMP/chunk.log" 2>&1 || bad "fp8 chunked run failed: $(tail -3 "$TMP/chunk.log")"

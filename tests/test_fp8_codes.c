@@ -234,7 +234,7 @@ static double rel_l2(const float *a, const float *b, int64_t n) {
 
 /* The layer over both paths; chunks K (1: the plain twin with saved routes). */
 static void test_layer(fm_rng *r, int64_t K) {
-    const fm_moe_dims de = {H, I, 4, 2, false, true, false};
+    const fm_moe_dims de = {H, I, 4, 2, false, true, false, 0};
     fm_moe_dims dc = de;
     dc.fp8_codes = true;
     const int64_t N = 150, Ex = de.E, EIH = Ex * I * H;
@@ -302,6 +302,50 @@ static void test_layer(fm_rng *r, int64_t K) {
     free(Wg), free(Wu), free(Wd), free(x), free(tw), free(dy), free(idx), free(order);
 }
 
+/* --fp8-weight-cache's mechanism: two layers' weight codes in one ws; a layer whose codes are
+ * fresh is not quantized again (its output uses them even after its weights change), one marked
+ * stale is; the other layer's set is its own. */
+static void test_cache(fm_rng *r) {
+    fm_moe_dims d = {H, I, 4, 2, false, true, true, 2};
+    const int64_t N = 40, Ex = d.E, EIH = Ex * I * H;
+    float *Wg = fnew(EIH), *Wu = fnew(EIH), *Wd = fnew(EIH), *x = fnew(N * H), *tw = fnew(N * 2);
+    float *y0 = fnew(N * H), *y1 = fnew(N * H), *y2 = fnew(N * H), *y3 = fnew(N * H);
+    fill(r, Wg, Ex * I, H, 4, 5, 0.05f), fill(r, Wu, Ex * I, H, 4, 5, 0.05f), fill(r, Wd, Ex * H, I, 4, 5, 0.05f);
+    fill(r, x, N, H, 3, 4, 1.0f);
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)(N * 2));
+    FM_ASSERT(idx);
+    for (int64_t n = 0; n < N; n++) idx[2 * n] = (int32_t)(n % 4), idx[2 * n + 1] = (int32_t)((n + 1) % 4), tw[2 * n] = 0.5f, tw[2 * n + 1] = 0.5f;
+    fm_moe_dims d1 = d;
+    d1.fp8_cache_layers = 0;
+    CHECK(fm_moe_ws_bytes(&d, N, false, 4) > fm_moe_ws_bytes(&d1, N, false, 4)); /* a second set of weights */
+    fm_arena a, h;
+    FM_ASSERT(fm_arena_init(&a, "moe", fm_moe_routes_bytes(&d, N, 4) + fm_moe_ws_bytes(&d, N, false, 4)) == FM_OK);
+    FM_ASSERT(fm_arena_init(&h, "host", 2 * fm_moe_routes_host_bytes(&d)) == FM_OK);
+    fm_moe_routes saved;
+    fm_moe_ws ws;
+    fm_moe_routes_layout(&saved, &a, &h, &d, N);
+    fm_moe_ws_layout(&ws, &a, &h, &d, N, false);
+    CHECK(a.used == a.capacity && ws.w8_cache != NULL);
+    bool fresh[2] = {false, false};
+    ws.w8_fresh = fresh;
+    const fm_moe_weights w = {Wg, Wu, Wd};
+    ws.w8_layer = 0;
+    fm_moe_forward(&g_be, &d, &w, y0, x, idx, tw, N, 1, NULL, &saved, &ws);
+    CHECK(fresh[0] && !fresh[1]);
+    for (int64_t i = 0; i < EIH; i++) Wg[i] *= 3.0f; /* the weights change; layer 0's codes do not */
+    fm_moe_forward(&g_be, &d, &w, y1, x, idx, tw, N, 1, NULL, &saved, &ws);
+    CHECK(memcmp(y0, y1, sizeof(float) * (size_t)(N * H)) == 0);
+    ws.w8_layer = 1; /* layer 1: its own set, quantized from the new weights */
+    fm_moe_forward(&g_be, &d, &w, y2, x, idx, tw, N, 1, NULL, &saved, &ws);
+    CHECK(fresh[1] && memcmp(y0, y2, sizeof(float) * (size_t)(N * H)) != 0);
+    fresh[0] = fresh[1] = false; /* fm_model_fp8_cache_invalidate */
+    ws.w8_layer = 0;
+    fm_moe_forward(&g_be, &d, &w, y3, x, idx, tw, N, 1, NULL, &saved, &ws);
+    CHECK(memcmp(y2, y3, sizeof(float) * (size_t)(N * H)) == 0);
+    fm_arena_free(&a), fm_arena_free(&h);
+    free(Wg), free(Wu), free(Wd), free(x), free(tw), free(y0), free(y1), free(y2), free(y3), free(idx);
+}
+
 int main(void) {
     fm_rng r;
     fm_rng_seed(&r, fm_test_seed(14));
@@ -315,6 +359,7 @@ int main(void) {
     test_gemms(&r);
     test_layer(&r, 1);
     test_layer(&r, 3);
+    test_cache(&r);
     fm_cpu_backend_free(&g_be);
     printf("%d passed, %d failed\n", fm_test_passed, fm_test_failed);
     return fm_test_failed ? 1 : 0;

@@ -27,8 +27,16 @@ size_t fm_moe_routes_host_bytes(const fm_moe_dims *d) { return R8(d->E + 1); }
 static size_t fp8_emu_bytes(const fm_moe_dims *d, int64_t R, size_t a) {
     return 3 * RA(d->E * d->H * d->I) + 2 * RA(R * (d->H > d->I ? d->H : d->I));
 }
+/* one layer's three weight operands (gate, up, down), each rounded as the arena rounds */
+static size_t fp8_weights_bytes(const fm_moe_dims *d) {
+    return 2 * fm_arena_round((size_t)fm_fp8_weight_bytes(d->E, d->I, d->H)) +
+           fm_arena_round((size_t)fm_fp8_weight_bytes(d->E, d->H, d->I));
+}
 static size_t fp8_codes_bytes(const fm_moe_dims *d, int64_t R) {
-    return fm_fp8_layout_serves(d->H, d->I) ? (size_t)fm_fp8_dev_ws_bytes(d->E, d->H, d->I, R, 64) : 0;
+    if (!fm_fp8_layout_serves(d->H, d->I)) return 0;
+    const size_t one = (size_t)fm_fp8_dev_ws_bytes(d->E, d->H, d->I, R, 64); /* one set of weights */
+    return d->fp8_cache_layers > 0 ? one - fp8_weights_bytes(d) + (size_t)d->fp8_cache_layers * fp8_weights_bytes(d)
+                                   : one;
 }
 static size_t fp8_bytes(const fm_moe_dims *d, int64_t R, size_t a) {
     return d->fp8_codes ? fp8_codes_bytes(d, R) : fp8_emu_bytes(d, R, a);
@@ -92,6 +100,7 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
     w->q_gate = w->q_up = w->q_down = w->q_a = w->q_b = NULL;
     w->w8[0] = w->w8[1] = w->w8[2] = w->a8 = w->t8[0] = w->t8[1] = NULL;
     w->fp8_rcap = 0;
+    w->w8_cache = NULL, w->w8_stride = 0, w->w8_layer = -1, w->w8_fresh = NULL;
     if (d->fp8) { /* model/fm_experts_fp8.h: one block of fp8_bytes, carved for the path */
         uint8_t *q = TAKE(a, uint8_t, fp8_bytes(d, R, sizeof(fm_act)));
         size_t at = 0;
@@ -106,9 +115,14 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
             w->a8 = CARVE(fm_fp8_rows_bytes(R, M));
             w->t8[0] = CARVE(fm_fp8_tokens_bytes(kcap, M));
             w->t8[1] = CARVE(fm_fp8_tokens_bytes(kcap, M));
-            w->w8[0] = CARVE(fm_fp8_weight_bytes(d->E, d->I, d->H));
-            w->w8[1] = CARVE(fm_fp8_weight_bytes(d->E, d->I, d->H));
-            w->w8[2] = CARVE(fm_fp8_weight_bytes(d->E, d->H, d->I));
+            if (d->fp8_cache_layers > 0) { /* every layer's set; fm_experts_fp8_weights points w8 at one */
+                w->w8_stride = (int64_t)fp8_weights_bytes(d);
+                w->w8_cache = CARVE((size_t)d->fp8_cache_layers * fp8_weights_bytes(d));
+            } else {
+                w->w8[0] = CARVE(fm_fp8_weight_bytes(d->E, d->I, d->H));
+                w->w8[1] = CARVE(fm_fp8_weight_bytes(d->E, d->I, d->H));
+                w->w8[2] = CARVE(fm_fp8_weight_bytes(d->E, d->H, d->I));
+            }
             w->fp8_rcap = R;
             FM_ASSERT(at == fp8_codes_bytes(d, R));
         } else {

@@ -41,6 +41,8 @@ typedef struct fm_moe_dims {
     bool fp8_codes; /* with fp8: the backend runs the expert GEMMs on E4M3 codes (fm_backend.h
                        expert_fp8_serves; model/fm_experts_fp8.h's fast path), the working set
                        then holds the code operands (backend/fm_fp8_layout.h) instead */
+    int64_t fp8_cache_layers; /* with fp8_codes: > 0 keeps that many layers' weight operands
+                                 (ws->w8_cache) instead of one set; 0: none */
 } fm_moe_dims;
 
 /* Buffers of one dispatch over n tokens (R = n*k routes): the routing index and the expert
@@ -72,6 +74,13 @@ typedef struct fm_moe_ws {
      * the weights' (gate, up, down), one rows operand, two tokens operands of max(H,I) columns */
     void *w8[3], *a8, *t8[2];
     int64_t fp8_rcap;
+    /* d->fp8_cache_layers > 0: layer l's weight operands at w8_cache + l * w8_stride (gate, up,
+     * down), quantized when w8_fresh[l] is false (then set); w8_layer: the layer the next
+     * fm_moe_forward / fm_moe_backward runs (its caller sets it); w8_fresh [layers] host flags
+     * (the model's). NULL / 0 without the cache. */
+    uint8_t *w8_cache;
+    int64_t w8_stride, w8_layer;
+    bool *w8_fresh;
     /* Expert load: NULL, or host int64 [E] to which fm_moe_forward adds each dispatch's tokens
      * per expert (offsets[e+1] - offsets[e], read from the pinned offsets after the dispatch's
      * sync point: no extra wait). Only the forward counts, never the recompute inside
@@ -93,7 +102,8 @@ void fm_moe_chunks(int64_t N, int64_t chunk_tokens, int64_t *K, int64_t *c_eff);
  *   fp8 (d->fp8)   adds to either ws the emulation's 3*E*H*I*a (the layer's quantized weights) +
  *                  2*n*k*max(H,I)*a, or with d->fp8_codes the code operands' fm_fp8_dev_ws_bytes
  *                  (H and I multiples of 128; about 6*E*H*I + 3*n*k*max(H,I) + 256*E*max(H,I)
- *                  bytes). */
+ *                  bytes); with d->fp8_cache_layers = L > 0 the weights' 6*E*H*I (+ scales)
+ *                  L times. */
 size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n, size_t act_bytes);
 size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked, size_t act_bytes);
 

@@ -24,8 +24,13 @@ static void linear_bwd(fm_model *m, fm_act *dx, float beta, fm_act *dW, const fm
 static fm_moe_dims moe_dims(const fm_model *m) {
     const fm_config *c = &m->cfg;
     fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok,
-                     m->moe_sync_free, m->moe_fp8, m->moe_fp8_codes};
+                     m->moe_sync_free, m->moe_fp8, m->moe_fp8_codes,
+                     m->moe_fp8_cache ? c->num_hidden_layers : 0};
     return d;
+}
+
+void fm_model_fp8_cache_invalidate(fm_model *m) {
+    if (m->moe_fp8_fresh) memset(m->moe_fp8_fresh, 0, sizeof(bool) * (size_t)m->cfg.num_hidden_layers);
 }
 
 fm_act *fm_model_boundary(fm_model *m, int64_t l) {
@@ -93,9 +98,11 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
         FM_TRY(fm_moe_ep_layer_forward(&m->be, m->moe_ep_comm, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w,
                                        N, m->moe_K, m->moe_chunk_order, &m->moe_ep_ws, m->moe_ws.counts,
                                        m->moe_ep_counts_host));
-    else
+    else {
+        m->moe_ws.w8_layer = l; /* --fp8-weight-cache: this layer's codes */
         fm_moe_forward(&m->be, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w, N, m->moe_K,
                        m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
+    }
     PHASE(DENSE);
     OPS->add(CTX, y, a->x_mid, N * H);
     return FM_OK;
@@ -140,6 +147,7 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
                                                         ln2, a->router.topk_idx, a->router.topk_w, N, m->moe_K,
                                                         m->moe_chunk_order, &m->moe_ep_ws);
     } else {
+        m->moe_ws.w8_layer = l;
         fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2, a->router.topk_idx, a->router.topk_w, N,
                         m->moe_K, m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
     }

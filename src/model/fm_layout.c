@@ -86,7 +86,8 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
              *ws = &ar[FM_LIVE_WORKING_SET], *voc = &ar[FM_LIVE_VOCAB], *ex = &ar[FM_LIVE_EXPERT];
     fm_moe_dims md = moe_dims(c);
     md.fp8 = m->moe_fp8;
-    md.fp8_codes = m->moe_fp8_codes; /* (the same bytes either way: fm_moe_ws_bytes) */
+    md.fp8_codes = m->moe_fp8_codes;
+    md.fp8_cache_layers = m->moe_fp8_cache ? L : 0;
     const bool chunked = m->moe_chunk_tokens > 0;
     int64_t c_eff;
     fm_moe_chunks(N, m->moe_chunk_tokens, &m->moe_K, &c_eff);
@@ -228,6 +229,8 @@ void fm_model_free_layout(fm_model *m) {
     for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_free(&m->arena[i]);
     fm_arena_free(&m->host_arena);
     fm_free(m->boundary);
+    fm_free(m->moe_fp8_fresh);
+    m->moe_fp8_fresh = NULL;
     fm_free(m->acts);
     fm_free(m->h_tokens);
     fm_free(m->h_targets);
@@ -254,6 +257,7 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
     m.ep = opts && opts->ep > 1 ? opts->ep : 1;
     m.moe_fp8 = opts && opts->expert_fp8;
     m.moe_fp8_codes = m.moe_fp8 && opts->expert_fp8_codes;
+    m.moe_fp8_cache = m.moe_fp8_codes && opts->expert_fp8_cache;
     m.ep_rank = opts && opts->ep > 1 ? opts->ep_rank : 0;
     if (opts && opts->ep > 1 && opts->llep) m.moe_llep = *opts->llep;
     bool *rc = fm_malloc((size_t)(2 * L + 1));
@@ -383,6 +387,11 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
          * serves the shape: fm_backend_fp8_codes_serves); its ops read the offsets on the device,
          * so the dispatch is sync-free where the backend adds the expert-load counts there too */
         m->moe_fp8_codes = m->moe_fp8 && opts->expert_fp8_codes;
+        m->moe_fp8_cache = m->moe_fp8_codes && opts->expert_fp8_cache;
+        if (opts && opts->expert_fp8_cache && !m->moe_fp8_codes)
+            return fm_error(FM_ERR_ARG, "--fp8-weight-cache keeps the E4M3 weight codes of --expert-precision fp8's fast "
+                            "path, but this run's experts %s; drop --fp8-weight-cache",
+                            m->moe_fp8 ? "run the fp8 emulation (no E4M3 codes here)" : "are not fp8");
         if (m->moe_fp8_codes && !(ep == 1 && fm_backend_fp8_codes_serves(&m->be, c->num_experts, c->hidden_size,
                                                                          c->moe_intermediate_size, rows_max)))
             return fm_error(FM_ERR_UNSUPPORTED, "--expert-precision fp8 on E4M3 codes: the %s backend does not serve "
@@ -404,6 +413,7 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     o.vocab_ring = m->vocab_P;
     o.expert_fp8 = m->moe_fp8;
     o.expert_fp8_codes = m->moe_fp8_codes;
+    o.expert_fp8_cache = m->moe_fp8_cache;
     size_t bytes[FM_LIVE_COUNT];
     size_t host_bytes = 0;
     plan_bytes(c, B, T, &o, bytes, &host_bytes);
@@ -434,6 +444,14 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
         return st;
     }
     layout_all(m, m->arena, &m->host_arena);
+    fm_free(m->moe_fp8_fresh);
+    m->moe_fp8_fresh = NULL;
+    if (m->moe_fp8_cache) { /* every layer's codes stale until its first use */
+        m->moe_fp8_fresh = fm_malloc(sizeof(bool) * (size_t)L);
+        FM_ASSERT(m->moe_fp8_fresh); /* L bytes, at layout */
+        memset(m->moe_fp8_fresh, 0, sizeof(bool) * (size_t)L);
+        m->moe_ws.w8_fresh = m->moe_fp8_fresh;
+    }
     st = fm_attn_sp_init(&m->sp_attn, &m->be, m->sp_comm);
     if (st) {
         fm_model_free_layout(m);

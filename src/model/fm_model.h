@@ -137,6 +137,8 @@ typedef struct fm_model {
     bool moe_fp8;               /* --expert-precision fp8 (fm_layout_opts.expert_fp8; fm_experts_fp8.h) */
     bool moe_fp8_codes;         /* with moe_fp8: the backend's FP8 code ops run the expert GEMMs
                                    (fm_layout_opts.expert_fp8_codes; fm_experts_fp8.h) */
+    bool moe_fp8_cache;         /* with moe_fp8_codes: every layer's weight codes kept for the step */
+    bool *moe_fp8_fresh;        /* [L] (moe_fp8_cache): layer l's codes are its weights' (host) */
     fm_moe_ws moe_ws;           /* expert-dispatch working set */
     fm_router_opts router;      /* the router's options, from the config */
     const fm_comm *comm;        /* the ranks that see this batch's tokens (dp x sp), backend memory:
@@ -268,6 +270,11 @@ typedef struct fm_layout_opts {
                                   fm_model_layout fails): the expert live set holds the code
                                   operands instead (fm_moe_ws_bytes); sync-free where the backend
                                   adds the expert-load counts on the device */
+    bool expert_fp8_cache;     /* with expert_fp8_codes: the weight codes of every layer kept for
+                                  a step (fm_moe_ws's w8_cache: L x 3 weight operands instead of
+                                  one set), quantized at a layer's first use after
+                                  fm_model_fp8_cache_invalidate (the trainer: each step and each
+                                  evaluation) */
 } fm_layout_opts;
 
 /* Lays out and allocates activation memory for micro-batch B x sequence T (opts NULL: no
@@ -417,6 +424,13 @@ void fm_model_embed_backward(fm_model *m, const fm_act *dx0);
 /* The residual-stream boundary l in [0, L] ([N,H]), and the two [N,H] gradient buffers
  * (i = 0, 1) of the backward. */
 fm_act *fm_model_boundary(fm_model *m, int64_t l);
+
+/* --fp8-weight-cache (fm_layout_opts.expert_fp8_cache): marks every layer's cached expert weight
+ * codes stale, so each layer quantizes its weights again at its next forward or backward. The
+ * trainer calls it wherever the weights may have changed since: at the start of each training
+ * step (the previous step's update, overlapped or not, completes before a layer's forward reads
+ * its weights) and of each evaluation. No-op without the cache. */
+void fm_model_fp8_cache_invalidate(fm_model *m);
 fm_act *fm_model_grad_buffer(fm_model *m, int i);
 
 /* The micro-batch's losses from a host copy of its results (fm_model_results_count doubles)

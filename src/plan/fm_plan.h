@@ -84,6 +84,8 @@ typedef struct fm_plan_req {
                                    weights and operands (fm_moe_ws_bytes's fp8 term; not with ep > 1) */
     bool expert_fp8_codes;      /* with expert_fp8: the E4M3 code operands of the fast path instead
                                    of the emulation's copies (fm_layout_opts.expert_fp8_codes) */
+    bool expert_fp8_cache;      /* with expert_fp8_codes: every layer's weight codes kept for the
+                                   step (fm_layout_opts.expert_fp8_cache) */
     bool optimizer_overlap;     /* the update overlaps the next step's forward (train/fm_optim_overlap.h):
                                    the projection counts only the part of the optimizer's time
                                    longer than one micro-batch's forward */

@@ -32,7 +32,8 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     if (r->moe_chunk_tokens > 0 || r->ep > 1)
         fprintf(f, ", %lld chunks of <= %lld tokens", (long long)p->moe_K, (long long)p->moe_c_eff);
     if (r->expert_fp8)
-        fprintf(f, ", expert GEMMs fp8 (blockwise E4M3, %s)", r->expert_fp8_codes ? "on E4M3 codes" : "emulated");
+        fprintf(f, ", expert GEMMs fp8 (blockwise E4M3, %s%s)", r->expert_fp8_codes ? "on E4M3 codes" : "emulated",
+                r->expert_fp8_cache ? ", every layer's weight codes kept" : "");
     fprintf(f, "; vocabulary %s", (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear cross-entropy" : "plain logits");
     if (r->vocab_ring > 1 && !r->mesh.on)
         fprintf(f, " as Ring-DTP over %lld ranks (V/P = %lld head rows each)", (long long)r->vocab_ring,
@@ -66,6 +67,7 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     if (r->offload_optimizer) fprintf(f, " --offload-optimizer");
     if (r->bf16_moments) fprintf(f, " --bf16-moments");
     if (r->expert_fp8) fprintf(f, " --expert-precision fp8");
+    if (r->expert_fp8_cache) fprintf(f, " --fp8-weight-cache");
     if (r->ep > 1) fprintf(f, " --ep %d", r->ep);
     if (r->sp > 1) fprintf(f, " --sp %lld", (long long)r->sp);
     if (!r->mesh.on && (r->train_dp > 1 || r->train_zero > 0)) {

@@ -20,6 +20,7 @@ fm_status fm_evaluate(fm_model *m, const fm_dataset *ds, int64_t max_batches, do
 fm_status fm_evaluate_sched(fm_schedule *s, fm_model *m, const fm_dataset *ds, int64_t max_batches, double *mean_loss,
                             int64_t *n_tokens_out) {
     const int64_t sp = m->sp > 1 ? m->sp : 1, B = m->B, T = m->T, Tw = T * sp; /* T: this rank's slice */
+    fm_model_fp8_cache_invalidate(m); /* --fp8-weight-cache: the weights after the last update */
     const int64_t nwin = fm_dataset_eval_windows(ds, Tw);
     const int64_t W = (m->comm ? fm_comm_size(m->comm) : 1) / sp, q = (m->comm ? fm_comm_rank(m->comm) : 0) / sp;
     double sum = 0;

@@ -42,7 +42,8 @@ void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_
     printf(", vocabulary %s", req->ce_block_tokens > 0 || req->ce_block_vocab > 0 ? "linear cross-entropy" : "plain logits");
     printf(", AdamW moments %s", o->bf16_moments ? "bf16" : "fp32");
     if (o->expert_fp8)
-        printf(", expert GEMMs fp8 (blockwise E4M3, %s)", m->moe_fp8_codes ? "on E4M3 codes" : "emulated");
+        printf(", expert GEMMs fp8 (blockwise E4M3, %s%s)", m->moe_fp8_codes ? "on E4M3 codes" : "emulated",
+               m->moe_fp8_cache ? ", every layer's weight codes kept" : "");
     if (plan->n_offloaded_boundaries > 0)
         printf(", %lld boundaries offloaded (%.1f MiB pinned host memory)", (long long)plan->n_offloaded_boundaries,
                (plan->host_bytes - plan->host_optimizer_bytes) / 1048576.0);

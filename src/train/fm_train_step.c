@@ -90,6 +90,7 @@ static fm_status update_shard(fm_model *m, const fm_optimizer_ops *optim, void *
 fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
                         const fm_train_opts *o, int64_t step, fm_step_stats *out) {
     FM_ASSERT(w->grad_accum == o->grad_accum);
+    fm_model_fp8_cache_invalidate(m); /* --fp8-weight-cache: the last update changed the weights */
     const int64_t G = o->grad_accum, n_res = w->n_res;
     const size_t res_bytes = (size_t)n_res * sizeof(double);
     fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);

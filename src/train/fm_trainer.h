@@ -64,6 +64,9 @@ typedef struct fm_train_opts {
     bool expert_fp8;              /* --expert-precision fp8: the expert GEMMs' operands fake-quantized
                                      to blockwise E4M3 (model/fm_experts_fp8.h); false: bf16, the
                                      backend's native precision (fp32 on the CPU) */
+    bool fp8_weight_cache;        /* --fp8-weight-cache: with fp8 on E4M3 codes, every layer's expert
+                                     weight codes kept for the step (quantized once a step, not at
+                                     each forward and backward): L x 6 E H I bytes more */
     bool offload_optimizer;       /* --offload-optimizer: the streamed AdamW (train/fm_offload_adamw.h):
                                      master, m, v in pinned host memory */
     int64_t offload_optimizer_bucket; /* --offload-optimizer-bucket: parameters per bucket (0: 100M,
