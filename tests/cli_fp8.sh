@@ -88,6 +88,15 @@ assert b["live_sets"]["expert dispatch"] == a["live_sets"]["expert dispatch"] + 
 assert b["total_bytes"] == a["total_bytes"] + term
 print("plan: expert dispatch", a["live_sets"]["expert dispatch"], "->", b["live_sets"]["expert dispatch"], "(+%d)" % term)
 PY
+# plan --json says which path (README: recorded in plan --json) and plans the codes run's arenas
+# exactly: its expert dispatch bound is the one the codes run above allocated (--report-memory)
+pjc=$(FLATMOE_TEST_FP8_CODES=1 "$FM" plan "${base[@]:0:2}" --seq-len 64 --micro-batch 4 --threads 2 --expert-precision fp8 --json 2>/dev/null)
+python3 - "$b8" "$pjc" "$(grep -m1 '^memory: expert dispatch' "$TMP/codes.log")" <<'PY' && ok || bad "plan --json's expert_fp8_path / codes bytes do not match the run"
+import json, sys
+e, c = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+assert e.get("expert_fp8_path") == "emulated" and c.get("expert_fp8_path") == "codes", (e.get("expert_fp8_path"), c.get("expert_fp8_path"))
+assert c["live_sets"]["expert dispatch"] == int(sys.argv[3].split()[3]), (c["live_sets"], sys.argv[3])
+PY
 "$FM" plan --config "$cfg" --seq-len 64 --micro-batch 4 --expert-precision fp8 2>/dev/null | grep -q "^train flags:.*--expert-precision fp8" \
     && ok || bad "plan's train flags line lacks --expert-precision fp8"
 
