@@ -74,6 +74,11 @@ python3 -c 'import sys, math; v = [float(x) for x in sys.argv[1].split()]; asser
 grep -q "warning: resuming with --expert-precision bf16, but the checkpoint was trained with --expert-precision fp8" "$TMP/resume.log" \
     && ok || bad "no warning on a resume with another --expert-precision: $(grep -i warn "$TMP/resume.log")"
 
+# resume a codes run on the emulation (no FLATMOE_TEST_FP8_CODES): the same precision, no warning
+"$FM" train "${base[@]}" --steps 4 --resume --expert-precision fp8 --out "$TMP/codes" > "$TMP/resume_path.log" 2>&1 \
+    && ! grep -q "warning" "$TMP/resume_path.log" && grep -q '"expert_fp8_path":[[:space:]]*"emulated"' "$TMP/codes/metrics.jsonl" \
+    && ok || bad "a codes run resumed on the emulation: $(grep -i "warn\|error" "$TMP/resume_path.log")"
+
 # plan: the expert live set grows by exactly the fp8 term (plain: N = 4 x 64, k = 2)
 pj() { "$FM" plan --config "$cfg" --seq-len 64 --micro-batch 4 --moe-chunk-tokens 0 --threads 2 --json "$@" 2>/dev/null; }
 b16=$(pj); b8=$(pj --expert-precision fp8)
