@@ -95,6 +95,11 @@ python3 -c 'import sys, math; v = [float(x) for x in sys.argv[1].split()]; asser
 grep -q "warning: resuming with --expert-precision bf16, but the checkpoint was trained with --expert-precision fp8" "$TMP/resume.log" \
     && ok || bad "no warning on a resume with another --expert-precision: $(grep -i warn "$TMP/resume.log")"
 
+# resume a codes run on the emulation (no FLATMOE_TEST_FP8_CODES): the same precision, no warning
+"$FM" train "${base[@]}" --steps 4 --resume --expert-precision fp8 --out "$TMP/codes" > "$TMP/resume_path.log" 2>&1 \
+    && ! grep -q "warning" "$TMP/resume_path.log" && grep -q '"expert_fp8_path":[[:space:]]*"emulated"' "$TMP/codes/metrics.jsonl" \
+    && ok || bad "a codes run resumed on the emulation: $(grep -i "warn\|error" "$TMP/resume_path.log")"
+
 # plan: the expert live set grows by exactly the fp8 term (plain: N = 4 x 64, k = 2)
 pj() { "$FM" plan --config "$cfg" --seq-len 64 --micro-batch 4 --moe-chunk-tokens 0 --threads 2 --json "$@" 2>/dev/null; }
 b16=$(pj); b8=$(pj --expert-precision fp8)
@@ -108,6 +113,15 @@ assert b["expert_precision"] == "fp8" and a["expert_precision"] == "bf16"
 assert b["live_sets"]["expert dispatch"] == a["live_sets"]["expert dispatch"] + term, (a["live_sets"], b["live_sets"], term)
 assert b["total_bytes"] == a["total_bytes"] + term
 print("plan: expert dispatch", a["live_sets"]["expert dispatch"], "->", b["live_sets"]["expert dispatch"], "(+%d)" % term)
+PY
+# plan --json says which path (README: recorded in plan --json) and plans the codes run's arenas
+# exactly: its expert dispatch bound is the one the codes run above allocated (--report-memory)
+pjc=$(FLATMOE_TEST_FP8_CODES=1 "$FM" plan "${base[@]:0:2}" --seq-len 64 --micro-batch 4 --threads 2 --expert-precision fp8 --json 2>/dev/null)
+python3 - "$b8" "$pjc" "$(grep -m1 '^memory: expert dispatch' "$TMP/codes.log")" <<'PY' && ok || bad "plan --json's expert_fp8_path / codes bytes do not match the run"
+import json, sys
+e, c = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+assert e.get("expert_fp8_path") == "emulated" and c.get("expert_fp8_path") == "codes", (e.get("expert_fp8_path"), c.get("expert_fp8_path"))
+assert c["live_sets"]["expert dispatch"] == int(sys.argv[3].split()[3]), (c["live_sets"], sys.argv[3])
 PY
 "$FM" plan --config "$cfg" --seq-len 64 --micro-batch 4 --expert-precision fp8 2>/dev/null | grep -q "^train flags:.*--expert-precision fp8" \
     && ok || bad "plan's train flags line lacks --expert-precision fp8"

@@ -3,7 +3,8 @@
  * - quantization: every code times its scale equals the emulation's fake-quantized value, bit
  *   for bit (rows operand 1 x 128, weight 128 x 128 with WqT its transpose, tokens operand
  *   128 x 1 per group from token block pblk[e], zero tails); a tile with a NaN: scale NaN, codes
- *   0x7F, the other tiles untouched; rows past offsets[E] not written;
+ *   0x7F, the other tiles untouched; rows past offsets[E] not written; tiles of tiny magnitude
+ *   (scales below fp32's normal range, amax down to fp32's subnormals) as exact;
  * - the GEMMs: each kind against the fp64 product of the fake-quantized operands, each output
  *   within 1e-5 of its sum of |terms| (fp32 sums in another order), over uneven experts (an
  *   empty one, one with a partial tile, one starting at an odd row); beta 0 does not read C
@@ -124,6 +125,49 @@ static void test_quant(fm_rng *r) {
     CHECK_MSG(bad == 0 && tails == 0, "tokens: %lld values differ, %lld tail codes not zero", (long long)bad,
               (long long)tails);
     free(x), free(fq), free(a8), free(W), free(Wf), free(w8), free(t8);
+}
+
+/* Tiles of tiny magnitude (fp32 amax from 2^-100 down to fp32's subnormals, 2^-149): the block
+ * scale 2^e with e below fp32's normal range (-126; down to -157 for a subnormal amax). Every
+ * code times its scale must still be the emulation's value bit for bit (a scale built as a
+ * normal fp32 from e's bits is garbage there). */
+static void test_tiny_scales(fm_rng *r) {
+    enum { TR = 12 };
+    static const int mag[TR] = {-100, -118, -122, -126, -128, -132, -136, -140, -144, -147, -149, -152};
+    const int64_t K = 256, rcap = TR;
+    const int64_t off[2] = {0, TR};
+    float *x = fnew(rcap * K), *fq = fnew(rcap * K);
+    for (int64_t i = 0; i < TR; i++)
+        for (int64_t k = 0; k < K; k++) x[i * K + k] = ldexpf((float)fm_rng_normal(r), mag[i]);
+    for (int64_t k = 0; k < K; k += 2) x[(TR - 2) * K + k] = ldexpf(k % 4 ? 1.0f : -1.0f, -149); /* 0 or +-2^-149 */
+    uint8_t *a8 = malloc((size_t)fm_fp8_rows_bytes(rcap, K)), *t8 = malloc((size_t)fm_fp8_tokens_bytes(fm_fp8_kcap(rcap, 1), K));
+    FM_ASSERT(a8 && t8);
+    g_be.ops->fp8_quant_rows(g_be.ctx, a8, x, off, rcap, 1, K);
+    g_be.ops->quant_fp8_rows(g_be.ctx, fq, x, TR, K);
+    const int64_t rbad = rows_mismatch(a8, fq, TR, rcap, K);
+    CHECK_MSG(rbad == 0, "tiny rows tiles: %lld values differ", (long long)rbad);
+    /* tokens: one group of TR tokens; the 128 x 1 tiles mix the magnitudes, so scale the
+     * channels instead: channel c's tokens all at 2^mag[c % TR] */
+    for (int64_t i = 0; i < TR; i++)
+        for (int64_t k = 0; k < K; k++) x[i * K + k] = ldexpf((float)fm_rng_normal(r), mag[k % TR]);
+    g_be.ops->fp8_quant_tokens(g_be.ctx, t8, x, off, rcap, 1, K);
+    g_be.ops->quant_fp8_cols_grouped(g_be.ctx, fq, x, off, 1, K);
+    int64_t tails;
+    const int64_t tbad = tokens_mismatch(t8, fq, off, 1, rcap, K, &tails);
+    CHECK_MSG(tbad == 0 && tails == 0, "tiny token tiles: %lld values differ", (long long)tbad);
+    /* weight: E = TR matrices of one 128 x 128 block each, matrix e at 2^mag[e] */
+    const int64_t EW = TR * 128 * 128;
+    float *W = fnew(EW), *Wf = fnew(EW);
+    for (int64_t i = 0; i < EW; i++) W[i] = ldexpf((float)fm_rng_normal(r), mag[i / (128 * 128)]);
+    uint8_t *w8 = malloc((size_t)fm_fp8_weight_bytes(TR, 128, 128));
+    FM_ASSERT(w8);
+    g_be.ops->fp8_quant_weight(g_be.ctx, w8, W, TR, 128, 128);
+    g_be.ops->quant_fp8_blocks(g_be.ctx, Wf, W, TR, 128, 128);
+    const float *sW = (const float *)(w8 + fm_fp8_weight_scales_at(TR, 128, 128));
+    int64_t wbad = 0;
+    for (int64_t i = 0; i < EW; i++) wbad += !same_float(fm_e4m3_decode(w8[i]) * sW[i / (128 * 128)], Wf[i]);
+    CHECK_MSG(wbad == 0, "tiny weight blocks: %lld values differ", (long long)wbad);
+    free(x), free(fq), free(a8), free(t8), free(W), free(Wf), free(w8);
 }
 
 /* fp64 references over fake-quantized operands: kind 0 y = a W^T, 1 dx = a W, 2 dW = a^T b */
@@ -356,6 +400,7 @@ int main(void) {
     unsetenv("FLATMOE_TEST_FP8_CODES");
     CHECK(!g_be.ops->expert_fp8_serves(g_be.ctx, E, H, I, 1000)); /* the CPU's path is the emulation */
     test_quant(&r);
+    test_tiny_scales(&r);
     test_gemms(&r);
     test_layer(&r, 1);
     test_layer(&r, 3);

@@ -23,7 +23,7 @@ size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n, size_t a) {
 
 size_t fm_moe_routes_host_bytes(const fm_moe_dims *d) { return R8(d->E + 1); }
 
-/* The fp8 term (the header): the emulation's buffers or the code operands, whichever is larger. */
+/* The fp8 term (the header): the emulation's buffers, or with d->fp8_codes the code operands. */
 static size_t fp8_emu_bytes(const fm_moe_dims *d, int64_t R, size_t a) {
     return 3 * RA(d->E * d->H * d->I) + 2 * RA(R * (d->H > d->I ? d->H : d->I));
 }

@@ -86,7 +86,7 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
              *ws = &ar[FM_LIVE_WORKING_SET], *voc = &ar[FM_LIVE_VOCAB], *ex = &ar[FM_LIVE_EXPERT];
     fm_moe_dims md = moe_dims(c);
     md.fp8 = m->moe_fp8;
-    md.fp8_codes = m->moe_fp8_codes;
+    md.fp8_codes = m->moe_fp8_codes; /* (the path's own bytes, as planned: fm_moe_ws_bytes) */
     md.fp8_cache_layers = m->moe_fp8_cache ? L : 0;
     const bool chunked = m->moe_chunk_tokens > 0;
     int64_t c_eff;

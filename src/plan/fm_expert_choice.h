@@ -55,7 +55,8 @@ typedef struct fm_expert_choice {
                                  sm90 or cublas on CUDA (left auto off CUDA, which ignores it) */
     bool sm90;                /* the expert GEMMs run as the sm90 kernel (fm_plan_req.expert_sync_free) */
     bool fp8_codes;           /* --expert-precision fp8 on E4M3 codes (fm_plan_req.expert_fp8_codes):
-                                 our FP8 grouped GEMM; form "fp8-sm90" */
+                                 our FP8 grouped GEMM; form "fp8-sm90" (on the CPU, the test
+                                 hook FLATMOE_TEST_FP8_CODES=1's reference ops: "fp8-cpu-codes") */
     fm_expert_why why;
     bool projected;           /* sm90_s and cublas_s hold both forms' times (the table has the sm90
                                  curves and the run is CUDA; else both 0) */

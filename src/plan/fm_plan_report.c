@@ -224,6 +224,9 @@ void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_re
                 (long long)r->mesh.sp, (long long)r->mesh.gpus_per_node, (long long)p->n_params_rank);
     char ej[FM_EXPERT_CHOICE_JSON_MAX];
     if (x->expert && fm_expert_choice_json(x->expert, ej, sizeof ej) == FM_OK) fprintf(f, ",\"expert_gemm\":%s", ej);
+    /* fp8: which path the expert live set was planned for (metrics.jsonl's header key) */
+    if (r->expert_fp8) fprintf(f, ",\"expert_fp8_path\":\"%s\"", r->expert_fp8_codes ? "codes" : "emulated");
+    if (r->expert_fp8) fprintf(f, ",\"fp8_weight_cache\":%s", r->expert_fp8_cache ? "true" : "false");
     if (x->proj) {
         const fm_projection *pr = x->proj;
         fprintf(f, ",\"projected\":{\"step_s\":%.6g,\"tokens_per_s\":%.6g,\"mfu\":%.6g,\"peak_flops\":%.6g,"

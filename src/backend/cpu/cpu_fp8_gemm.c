@@ -1,6 +1,6 @@
 /* The CPU backend's FP8 code ops (fm_backend.h "FP8 expert GEMMs on E4M3 codes"): the reference
  * of backend/fm_fp8_layout.h's byte layouts and of the device kernels' arithmetic, in plain C.
- * Quantization: fm_fp8.h's recipe tile by tile (scale 2^fm_fp8_scale_exp(amax), code
+ * Quantization: fm_fp8.h's recipe tile by tile (scale 2^fm_fp8_scale_exp(amax), at least 2^-149: code_exp; code
  * fm_e4m3_encode(x / scale); a tile with a non-finite value: scale NaN, codes 0x7F), so the
  * codes and scales are the bits the CUDA kernels must give. GEMMs: per output element, each
  * 128-deep k-block's sum of decoded code products in fp32, promoted into an fp32 total times the
@@ -30,6 +30,19 @@ static void dec_init(void) {
     g_dec_ready = 1;
 }
 
+/* A tile's scale exponent and scale on this path. fm_fp8_scale_exp goes below fp32's normal range
+ * for tiny tiles (amax < 448 * 2^-127; down to -157 for a subnormal amax), where fm_fp8_pow2 (a
+ * normal fp32 built from e's bits) is garbage: the scale is 2^e through fm_fp8_ldexp instead (an
+ * exact fp32 subnormal for e >= -149), and e is raised to -149 below that. Both keep code * scale
+ * bit-equal to the emulation's q(x): a tile with e < -149 holds only multiples m 2^-149 with
+ * |m| <= 224, and E4M3's rounding of m 2^(-149-e) is its rounding of m, times 2^(-149-e). (The
+ * CUDA kernels read bf16, whose amax keeps e >= -141: the same codes and scales.) */
+static inline int code_exp(float amax) {
+    const int e = fm_fp8_scale_exp(amax);
+    return e < -149 ? -149 : e;
+}
+static inline float code_scale(int e) { return fm_fp8_ldexp(1.0f, e); }
+
 /* One tile: n values at x[i*stride], i < n: their scale, and codes into q[i*qstride]. */
 static float quant_tile(uint8_t *q, int64_t qstride, const float *x, int64_t stride, int64_t n) {
     float amax = 0.0f;
@@ -39,9 +52,9 @@ static float quant_tile(uint8_t *q, int64_t qstride, const float *x, int64_t str
         if (!(a <= 3.4028235e38f)) bad = 1;
         else if (a > amax) amax = a;
     }
-    const int e = fm_fp8_scale_exp(amax);
+    const int e = code_exp(amax);
     for (int64_t i = 0; i < n; i++) q[i * qstride] = bad ? (uint8_t)0x7F : fm_e4m3_encode(fm_fp8_ldexp(x[i * stride], -e));
-    return bad ? NAN : fm_fp8_ldexp(1.0f, e); /* e may be below -126 for a tiny tile: as the CUDA kernels */
+    return bad ? NAN : code_scale(e);
 }
 
 bool fm_cpu_expert_fp8_serves(void *ctx, int64_t E, int64_t H, int64_t I, int64_t rows_max) {
@@ -67,14 +80,14 @@ void fm_cpu_fp8_quant_weight(void *ctx, void *w8, const float *W, int64_t E, int
                 if (!(a <= 3.4028235e38f)) bad = 1;
                 else if (a > amax) amax = a;
             }
-        const int ex = fm_fp8_scale_exp(amax);
+        const int ex = code_exp(amax);
         for (int64_t i = 0; i < T8; i++)
             for (int64_t j = 0; j < T8; j++) {
                 const uint8_t c = bad ? (uint8_t)0x7F : fm_e4m3_encode(fm_fp8_ldexp(src[i * in + j], -ex));
                 Wq[(e * out + n0 + i) * in + k0 + j] = c;
                 WqT[(e * in + k0 + j) * out + n0 + i] = c;
             }
-        sW[b] = bad ? NAN : fm_fp8_ldexp(1.0f, ex); /* b = (e * bo + n-block) * bi + k-block */
+        sW[b] = bad ? NAN : code_scale(ex); /* b = (e * bo + n-block) * bi + k-block */
     }
 }
 
