@@ -200,8 +200,8 @@ typedef struct fm_ops {
      *   fp8_quant_rows: a [offsets[E], K] -> a8 (rows layout of rcap rows); rows past offsets[E]
      *     are not written (the GEMMs never read them)
      *   fp8_quant_tokens: a [offsets[E], C] -> t8 (tokens layout, kcap = fm_fp8_kcap(rcap, E))
-     *   expert_fp8_gemm, kind 0: y_e [m_e,out] = x_e W_e^T; A8 x's rows operand (K = in), B8 W's
-     *     weight operand. kind 1: dx_e [m_e,in] = beta dx_e + dy_e W_e; A8 dy's rows operand
+     *   expert_fp8_gemm, kind 0: y_e [m_e,out] = x_e W_e^T (beta ignored: y is overwritten); A8
+     *     x's rows operand (K = in), B8 W's weight operand. kind 1: dx_e [m_e,in] = beta dx_e + dy_e W_e; A8 dy's rows operand
      *     (K = out), B8 W's weight operand (its WqT). kind 2: dW_e [out,in] = beta dW_e + dy_e^T
      *     x_e; A8 dy's tokens operand (C = out), B8 x's (C = in); an empty expert with beta 1
      *     leaves dW_e as it was. beta 0 overwrites C without reading it. */

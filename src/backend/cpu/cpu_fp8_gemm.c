@@ -159,7 +159,7 @@ void fm_cpu_expert_fp8_gemm(void *ctx, int kind, float *C, float beta, const voi
                         const float swb = kind == 0 ? sw[(e * bo + n / T8) * bi + kb] : sw[(e * bo + kb) * bi + n / T8];
                         fin += sa[kb * rpad + r] * swb * acc;
                     }
-                    store(C + r * N + n, fin, beta);
+                    store(C + r * N + n, fin, kind == 0 ? 0.0f : beta); /* kind 0 has no beta (as CUDA) */
                 }
         }
         return;
