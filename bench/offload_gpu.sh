@@ -186,13 +186,15 @@ PY
     ;;
 fp8codes) # issue 14's FP8 fast path (E4M3 codes, our sm_90 FP8 grouped GEMM): its GPU test (the code
     # ops against the C reference, with timings at OLMoE's shape), the FP8 CLI test, then OLMoE-1B-7B
-    # steps at each T (default 4K, 16K): bf16, fp8 on codes (auto), fp8 emulated (FLATMOE_EXPERT_GEMM=cublas)
+    # steps at each T (default 4K, 16K): bf16, fp8 on codes (auto), the same with --fp8-weight-cache,
+    # fp8 emulated (FLATMOE_EXPERT_GEMM=cublas)
     cmake --build build-gpu -j16 --target test_cuda_fp8_codes > "$OUT/fp8codes-build.log" 2>&1 || tail -20 "$OUT/fp8codes-build.log"
     ./build-gpu/test_cuda_fp8_codes > "$OUT/fp8codes-test.log" 2>&1; echo "== test_cuda_fp8_codes exit $?"; tail -25 "$OUT/fp8codes-test.log"
     (cd build-gpu && ctest -R cli_cuda_fp8 --output-on-failure > "$OUT/fp8codes-cli.log" 2>&1; echo "== cli_cuda_fp8 exit $?"; tail -5 "$OUT/fp8codes-cli.log")
     shift; for T in ${*:-4096 16384}; do
         run1 fp8-bf16-$T $T ${STEPS:-4}
         run1 fp8-codes-$T $T ${STEPS:-4} --expert-precision fp8; grep -o '"expert_fp8_path": *"[a-z]*"' "$OUT/fp8-codes-$T.jsonl" | head -1
+        run1 fp8-cache-$T $T ${STEPS:-4} --expert-precision fp8 --fp8-weight-cache
         FLATMOE_EXPERT_GEMM=cublas run1 fp8-emu-$T $T ${STEPS:-4} --expert-precision fp8
     done ;;
 streamopt) # the streamed AdamW beside checkpoint offload under the overlap (128K, the chooser's knobs,
