@@ -20,6 +20,7 @@
 #   bash bench/offload_gpu.sh fp8loss         # 200 steps at 4K, --expert-precision bf16 vs fp8 (issue 14)
 #   bash bench/offload_gpu.sh streamopt       # 128K, 5 steps: the streamed AdamW's own copy streams
 #   bash bench/offload_gpu.sh fp8codes [T...] # the FP8 fast path: its GPU test, then OLMoE steps bf16 / fp8 codes / fp8 emulated
+#   bash bench/offload_gpu.sh calib           # calibrate with FLATMOE_EXPERT_GEMM=sm90 (bf16, sm90 and fp8 curves) -> $OUT/h200.json
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
 # (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
 set -uo pipefail
@@ -197,6 +198,10 @@ fp8codes) # issue 14's FP8 fast path (E4M3 codes, our sm_90 FP8 grouped GEMM): i
         run1 fp8-cache-$T $T ${STEPS:-4} --expert-precision fp8 --fp8-weight-cache
         FLATMOE_EXPERT_GEMM=cublas run1 fp8-emu-$T $T ${STEPS:-4} --expert-precision fp8
     done ;;
+calib) # the H200's calibration table with every expert curve (cuBLAS, sm90, fp8 codes): commit it as
+    # configs/calib/h200.json after reading it (FLATMOE_EXPERT_GEMM=sm90 times the sm90 kernel; the fp8
+    # code ops run under auto or sm90)
+    FLATMOE_EXPERT_GEMM=sm90 "$BIN" calibrate --out "$OUT/h200.json" 2>&1 | tee "$OUT/calib.log" | tail -30 ;;
 streamopt) # the streamed AdamW beside checkpoint offload under the overlap (128K, the chooser's knobs,
     # 5 steps): with its own copy streams, steps 3..5 should be as fast as step 2 less the update's
     # non-hidden part (session 7: step 3's dense phase waited 1.8 s behind the optimizer's copies)
