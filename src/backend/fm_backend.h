@@ -192,7 +192,7 @@ typedef struct fm_ops {
      * scaled into an fp32 total (DeepSeek-V3 §3.3's promotion), one rounding to fm_act at the
      * store. offsets and rows as the _dev ops (device-readable int64 [E+1], offsets[E] <= rcap,
      * the buffers' row capacity); nothing waits for the host. Every K, in, out, C a multiple of
-     * 128 (fm_fp8_layout_serves); E <= 256.
+     * 128, E <= 256 (fm_fp8_layer_serves, the one shape rule of every backend and the planner).
      *   expert_fp8_serves: whether this backend runs a layer of E experts, hidden H, intermediate
      *     I over dispatches of up to rows_max rows through these ops (CUDA: sm_90 and the shapes;
      *     CPU: only under the test hook FLATMOE_TEST_FP8_CODES=1, as the layouts' reference)

@@ -72,6 +72,16 @@ FM_FP8L_HD int64_t fm_fp8_tokens_bytes(int64_t kcap, int64_t C) {
 /* Whether these layouts take a layer of hidden H and intermediate I: both multiples of 128. */
 FM_FP8L_HD bool fm_fp8_layout_serves(int64_t H, int64_t I) { return H > 0 && I > 0 && H % 128 == 0 && I % 128 == 0; }
 
+/* Whether the FP8 code ops take a layer of E experts, hidden H, intermediate I over dispatches of
+ * up to rows_max rows (one rule for the planner, the CPU's reference ops and the CUDA kernels):
+ * the layouts serve H and I, 1 <= E <= 256, and the rows, the padded tokens and E * max(H, I) stay
+ * below 2^31 (the kernels' TMA coordinates are int32). */
+FM_FP8L_HD bool fm_fp8_layer_serves(int64_t E, int64_t H, int64_t I, int64_t rows_max) {
+    const int64_t M = H > I ? H : I;
+    return fm_fp8_layout_serves(H, I) && E >= 1 && E <= 256 && rows_max >= 0 && rows_max < INT32_MAX &&
+           fm_fp8_kcap(rows_max, E) < INT32_MAX && E * M < INT32_MAX;
+}
+
 /* The working set of one MoE dispatch of rcap rows on this path (model/fm_experts_fp8.c): the
  * three weight operands (gate, up [E,I,H]; down [E,H,I]), one rows operand and two tokens
  * operands of max(H, I) columns; each buffer rounded up to `round` bytes (the arena's rounding). */

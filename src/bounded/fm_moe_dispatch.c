@@ -104,7 +104,7 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
     if (d->fp8) { /* model/fm_experts_fp8.h: one block of fp8_bytes, carved for the path */
         uint8_t *q = TAKE(a, uint8_t, fp8_bytes(d, R, sizeof(fm_act)));
         size_t at = 0;
-#define CARVE(bytes) (at += fm_arena_round((size_t)(bytes)), q ? (void *)(q + at - fm_arena_round((size_t)(bytes))) : NULL)
+#define CARVE(bytes) ((void *)(q + (at += fm_arena_round((size_t)(bytes))) - fm_arena_round((size_t)(bytes))))
         const int64_t M = d->H > d->I ? d->H : d->I;
         if (d->fp8_codes) {
             FM_ASSERT(fm_fp8_layout_serves(d->H, d->I));
@@ -136,6 +136,13 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
         }
 #undef CARVE
     }
+}
+
+void fm_moe_ws_fp8_layer(fm_moe_ws *w, const fm_moe_dims *d, int64_t l) {
+    FM_ASSERT(w->w8_cache && l >= 0 && l < d->fp8_cache_layers);
+    uint8_t *base = w->w8_cache + l * w->w8_stride;
+    const size_t gu = fm_arena_round((size_t)fm_fp8_weight_bytes(d->E, d->I, d->H)); /* fp8_weights_bytes's order */
+    w->w8[0] = base, w->w8[1] = base + gu, w->w8[2] = base + 2 * gu;
 }
 
 /* ---- the dispatcher's phases --------------------------------------------------------------- */

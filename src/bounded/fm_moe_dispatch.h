@@ -89,6 +89,10 @@ typedef struct fm_moe_ws {
     int64_t *counts;
 } fm_moe_ws;
 
+/* --fp8-weight-cache (d->fp8_cache_layers > 0): points w->w8 at layer l's weight operands in
+ * w->w8_cache (gate, up, down, as fm_moe_ws_layout carves them). */
+void fm_moe_ws_fp8_layer(fm_moe_ws *w, const fm_moe_dims *d, int64_t l);
+
 /* Chunk geometry: K = ceil(N / chunk_tokens), c_eff = ceil(N / K) (the largest chunk). With
  * chunk_tokens = 0 or >= N: K = 1, c_eff = N. */
 void fm_moe_chunks(int64_t N, int64_t chunk_tokens, int64_t *K, int64_t *c_eff);

@@ -130,31 +130,29 @@ static fm_status ep_pipe_ahead(ep_call *c, ep_chunk *ch, int64_t i, int64_t N, i
     return ep_pipe_back(c, i, cur);
 }
 
+/* Chunk i's combine on the source (after joining its outputs' return), scattered into y. */
+static fm_status ep_pipe_y(const ep_call *c, int64_t i, const ep_chunk *ch, fm_act *y) {
+    fm_moe_ep_ws *ws = c->ws;
+    FM_TRY(ep_pipe_join(c, i, ch));
+    fm_moe_combine(c->be, c->d, &ws->src, ws->yc, ws->topk_w, ch->n);
+    fm_moe_chunk_scatter(c->be, y, ws->yc, ch->tok, ch->n, c->d->H * (int64_t)sizeof(fm_act));
+    return FM_OK;
+}
+
 /* The forward, pipelined: iteration i issues chunk i+1's dispatch, chunk i's experts, chunk
  * i+1's agreement and exchange out, chunk i's exchange back, chunk i-1's combine. */
 fm_status fm_ep_pipe_forward(ep_call *c, fm_act *y, const fm_act *x, const int32_t *topk_idx,
                              const float *topk_w, int64_t N, const int32_t *chunk_tokens, int64_t err) {
-    const fm_backend *be = c->be;
-    fm_moe_ep_ws *ws = c->ws;
-    const fm_moe_dims *d = c->d;
-    const int64_t Hb = d->H * (int64_t)sizeof(fm_act), K = c->K, Kr = K > 0 ? K : 1;
+    const int64_t K = c->K, Kr = K > 0 ? K : 1;
     ep_chunk ch[3];
     int64_t start = 0;
     FM_TRY(ep_pipe_begin(c, ch, N, err, chunk_tokens, &start, x, topk_idx, topk_w));
     for (int64_t i = 0; i < Kr; i++) {
-        ep_chunk *prv = &ch[(i + 2) % 3];
         FM_TRY(ep_pipe_ahead(c, ch, i, N, err, chunk_tokens, &start, x, topk_idx, topk_w));
-        if (i > 0) {
-            FM_TRY(ep_pipe_join(c, i - 1, prv));
-            fm_moe_combine(be, d, &ws->src, ws->yc, ws->topk_w, prv->n);
-            fm_moe_chunk_scatter(be, y, ws->yc, prv->tok, prv->n, Hb);
-        }
+        if (i > 0) FM_TRY(ep_pipe_y(c, i - 1, &ch[(i + 2) % 3], y));
     }
-    ep_chunk *last = &ch[(Kr - 1) % 3];
-    FM_TRY(ep_pipe_join(c, Kr - 1, last));
-    fm_moe_combine(be, d, &ws->src, ws->yc, ws->topk_w, last->n);
-    fm_moe_chunk_scatter(be, y, ws->yc, last->tok, last->n, Hb);
-    fm_ep_view(ws, 0);
+    FM_TRY(ep_pipe_y(c, Kr - 1, &ch[(Kr - 1) % 3], y));
+    fm_ep_view(c->ws, 0);
     return FM_OK;
 }
 

@@ -1,27 +1,21 @@
 /* FP8 blockwise experts, emulated by fake quantization (fm_experts_fp8.h; DeepSeek-V3 §3.3). */
 #include "fm_experts_fp8.h"
 
-#include "../backend/fm_fp8_layout.h"
-
 void fm_experts_fp8_weights(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_ws *ws,
                             fm_moe_weights *wq) {
     if (d->fp8_codes) {
+        *wq = *w; /* unused: the codes path reads ws->w8 */
         if (ws->w8_cache) { /* --fp8-weight-cache: layer w8_layer's own set, quantized once a step */
-            const int64_t l = ws->w8_layer;
-            FM_ASSERT(l >= 0 && l < d->fp8_cache_layers && ws->w8_fresh);
-            uint8_t *base = ws->w8_cache + l * ws->w8_stride;
-            const int64_t gu = (int64_t)fm_arena_round((size_t)fm_fp8_weight_bytes(d->E, d->I, d->H));
-            ws->w8[0] = base, ws->w8[1] = base + gu, ws->w8[2] = base + 2 * gu;
-            *wq = *w;
-            if (ws->w8_fresh[l]) return;
-            ws->w8_fresh[l] = true;
+            FM_ASSERT(ws->w8_fresh);
+            fm_moe_ws_fp8_layer(ws, d, ws->w8_layer);
+            if (ws->w8_fresh[ws->w8_layer]) return;
+            ws->w8_fresh[ws->w8_layer] = true;
         }
         FM_ASSERT(ws->w8[0] && ws->w8[1] && ws->w8[2]);
         fm_phase_mark(be, FM_PHASE_EXPERTS);
         be->ops->fp8_quant_weight(be->ctx, ws->w8[0], w->w_gate, d->E, d->I, d->H);
         be->ops->fp8_quant_weight(be->ctx, ws->w8[1], w->w_up, d->E, d->I, d->H);
         be->ops->fp8_quant_weight(be->ctx, ws->w8[2], w->w_down, d->E, d->H, d->I);
-        *wq = *w;
         return;
     }
     FM_ASSERT(ws->q_gate && ws->q_up && ws->q_down); /* laid out with d->fp8 */

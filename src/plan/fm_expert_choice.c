@@ -182,10 +182,8 @@ fm_status fm_expert_choice_json(const fm_expert_choice *ch, char *buf, size_t ca
 bool fm_expert_fp8_codes(const fm_plan_req *r, const fm_expert_ask *a) {
     const fm_config *c = &r->cfg;
     if (!r->expert_fp8 || ep_of(r) > 1) return false;
-    const int64_t E = c->num_experts, rows = r->B * r->T * c->num_experts_per_tok;
-    const int64_t M = c->hidden_size > c->moe_intermediate_size ? c->hidden_size : c->moe_intermediate_size;
-    if (!fm_fp8_layout_serves(c->hidden_size, c->moe_intermediate_size) || E < 1 || E > 256 || rows >= INT32_MAX ||
-        fm_fp8_kcap(rows, E) >= INT32_MAX || E * M >= INT32_MAX)
+    if (!fm_fp8_layer_serves(c->num_experts, c->hidden_size, c->moe_intermediate_size,
+                             r->B * r->T * c->num_experts_per_tok))
         return false;
     if (!a->cuda_bf16) {
         const char *t = getenv("FLATMOE_TEST_FP8_CODES");

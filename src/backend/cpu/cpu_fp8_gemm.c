@@ -60,7 +60,7 @@ static float quant_tile(uint8_t *q, int64_t qstride, const float *x, int64_t str
 bool fm_cpu_expert_fp8_serves(void *ctx, int64_t E, int64_t H, int64_t I, int64_t rows_max) {
     (void)ctx;
     const char *t = getenv("FLATMOE_TEST_FP8_CODES");
-    return t && strcmp(t, "1") == 0 && E >= 1 && E <= 256 && rows_max >= 0 && fm_fp8_layout_serves(H, I);
+    return t && strcmp(t, "1") == 0 && fm_fp8_layer_serves(E, H, I, rows_max);
 }
 
 void fm_cpu_fp8_quant_weight(void *ctx, void *w8, const float *W, int64_t E, int64_t out, int64_t in) {

@@ -29,7 +29,7 @@ void fm_cuda_quant_fp8_cols_grouped(void *ctx, fm_act *y, const fm_act *x, const
  * _tokens, expert_fp8_gemm; cuda_fp8_gemm.cu over sm90/gg_sm90_fp8.h, the kernel lab's v3): the
  * contract's signatures, buffers in backend/fm_fp8_layout.h's layouts. expert_fp8_serves: the
  * expert_gemm option auto or sm90, an sm_90 device (fm_gg_sm90_device_ok) and the shapes
- * (fm_fp8_layout_serves, fm_gg8_serves for H -> I and I -> H). A shape outside the kernels' is
+ * (fm_fp8_layer_serves, backend/fm_fp8_layout.h: the planner's and the CPU's rule too). A shape outside the kernels' is
  * recorded as FM_ERR_ARG; launch errors as FM_ERR_UNSUPPORTED (fm_cuda_status). */
 bool fm_cuda_expert_fp8_serves(void *ctx, int64_t E, int64_t H, int64_t I, int64_t rows_max);
 void fm_cuda_fp8_quant_weight(void *ctx, void *w8, const fm_act *W, int64_t E, int64_t out, int64_t in);

@@ -33,7 +33,7 @@ bool fm_cuda_expert_fp8_serves(void *ctx, int64_t E, int64_t H, int64_t I, int64
     if (c->expert_gemm != FM_EXPERT_GEMM_AUTO && c->expert_gemm != FM_EXPERT_GEMM_SM90) return false;
     if (c->sm_count <= 0 || !fm_gg_sm90_device_ok(c->device)) return false;
     /* gate/up map H -> I, down I -> H: every product and quantizer of both must be served */
-    return fm_fp8_layout_serves(H, I) && fm_gg8_serves(E, H, I, rows_max) && fm_gg8_serves(E, I, H, rows_max);
+    return fm_fp8_layer_serves(E, H, I, rows_max);
 }
 
 void fm_cuda_fp8_quant_weight(void *ctx, void *w8, const fm_act *W, int64_t E, int64_t out, int64_t in) {

@@ -513,8 +513,7 @@ bool groups_ok(int64_t E) { return E >= 1 && E <= MAX_E; }
 extern "C" {
 
 bool fm_gg8_serves(int64_t E, int64_t in, int64_t out, int64_t rcap) {
-    return groups_ok(E) && in >= 128 && out >= 128 && in % 128 == 0 && out % 128 == 0 && rcap >= 0 &&
-           rcap < INT32_MAX && fm_fp8_kcap(rcap, E) < INT32_MAX && E * in < INT32_MAX && E * out < INT32_MAX;
+    return fm_fp8_layer_serves(E, in, out, rcap); /* fm_fp8_layout.h: the one rule (symmetric in in, out) */
 }
 
 cudaError_t fm_gg8_launch(int kind, void *C, float beta, const void *A8, const void *B8, const int64_t *offs,
