@@ -1,6 +1,7 @@
-/* Our FP8 grouped expert GEMM for Hopper and its quantization kernels (gg_sm90_fp8.h): the kernel
- * lab's v3 (dev/cuda/grouped_gemm/v3_fp8.cuh, validated on the H200), promoted into the engine's
- * byte layouts (backend/fm_fp8_layout.h: every sub-pointer comes from its functions).
+/* Our FP8 grouped expert GEMM for Hopper (gg_sm90_fp8.h; its quantization kernels are in
+ * gg_sm90_fp8_quant.cu): the kernel lab's v3 (dev/cuda/grouped_gemm/v3_fp8.cuh, validated on the
+ * H200), promoted into the engine's byte layouts (backend/fm_fp8_layout.h: every sub-pointer comes
+ * from its functions).
  *
  * sm_90's fp8 wgmma reads both operands K-major only (no transpose for 8-bit types), so every
  * product has operands whose reduction dimension is contiguous (fm_fp8_layout.h):

@@ -6,8 +6,9 @@
  * Operands are E4M3 codes with fp32 power-of-two scales in backend/fm_fp8_layout.h's byte layouts
  * (one buffer per operand: codes, then scales at the *_scales_at offsets; a weight buffer holds
  * Wq, WqT at fm_fp8_weight_t_at, then the scales), quantized by backend/fm_fp8.h's recipe with
- * its functions (fm_fp8_scale_exp, fm_fp8_ldexp, fm_e4m3_encode), so the codes and scales equal
- * the CPU backend's bit for bit. Algorithm: DeepSeek-V3 §3.3 (arXiv 2412.19437): 1 x 128 tiles of
+ * its functions (fm_fp8_scale_exp, fm_fp8_ldexp, fm_e4m3_encode; the quantizers use the hardware's
+ * E4M3 conversion, proven to give the same bits: gg_sm90_fp8_quant.cu), so the codes and scales
+ * equal the CPU backend's bit for bit. Algorithm: DeepSeek-V3 §3.3 (arXiv 2412.19437): 1 x 128 tiles of
  * activations, 128 x 128 blocks of weights, 128 x 1 token tiles for the weight gradient, each
  * 128-deep k-block's partial sum taken by wgmma in fp32 and promoted (times the two scales) into
  * an fp32 total in registers; one rounding to bf16 (nearest even) at the store.
