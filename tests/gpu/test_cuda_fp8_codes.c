@@ -11,7 +11,13 @@
  *     which start as a sentinel) and every code and scale of the tokens buffers' groups' tiles
  *     (zero tails included) equals the reference: scale 2^fm_fp8_scale_exp(amax) as fp32 (ldexpf),
  *     code fm_e4m3_encode(ldexpf(v, -e)) on the bf16 value, a tile with a NaN or inf scale NaN and
- *     codes 0x7F; a separate case puts NaN and inf into tiles.
+ *     codes 0x7F; a separate case puts NaN and inf into tiles, and two "corners" cases fill every
+ *     tile of every tiling with the values where a fast conversion could differ: each E4M3 value
+ *     and each rounding tie (exactly, and one bf16 ulp either side) times the tile's scale (an
+ *     anchor 448 2^G in every 128 along rows and columns fixes the scale), E4M3 subnormals, values
+ *     whose scaled product is an fp32 subnormal, negative zeros, all-zero tiles, amax from 2^-133
+ *     (scale 2^-141) to bf16's largest (2^120), scales whose inverse is not an fp32 (2^-128) and an
+ *     amax just past 448 2^G (450: the next binade's scale).
  * (b) Each GEMM kind against an fp64 sum over the reference's decoded codes times scales:
  *     |gpu - ref| <= 1e-2 rms(ref) + 2^-8 |ref| per element (the second term: the one rounding to
  *     bf16; the first: the fp32 partial sums inside wgmma. Quantization itself is not in this
@@ -162,6 +168,79 @@ static float *randn(int64_t rows, int64_t cols, double scale) {
     return x;
 }
 
+/* ---- corner values (the "corners" cases: the quantizers' fast path at every rounding corner) ---- */
+
+/* Scaled values a tile's codes see (multiples of its scale 2^G): every non-negative E4M3 value,
+ * every midpoint between neighbours (a tie: to the even code), values around half the smallest
+ * subnormal, zero. */
+static float g_pat[2 * 127 + 4];
+static int g_npat, g_nmid; /* patterns; the midpoints are g_pat[0 .. g_nmid) */
+static void pat_init(void) {
+    g_npat = 0;
+    for (int c = 0; c < 126; c++) g_pat[g_npat++] = 0.5f * (fm_e4m3_decode((uint8_t)c) + fm_e4m3_decode((uint8_t)(c + 1)));
+    g_nmid = g_npat;
+    for (int c = 0; c < 127; c++) g_pat[g_npat++] = fm_e4m3_decode((uint8_t)c);
+    g_pat[g_npat++] = ldexpf(1.0f, -11), g_pat[g_npat++] = ldexpf(0.75f, -10), g_pat[g_npat++] = ldexpf(1.25f, -10);
+    g_pat[g_npat++] = 0.0f;
+}
+static uint64_t mix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+/* Tile classes: the exponent G of the anchor 448 2^G that one element of every 128 (along a row and
+ * along a column: position c % 128 == 7 r % 128) holds, so the tile's scale is 2^G and the
+ * patterns times 2^G are exact ties after scaling. */
+enum { C_ZERO, C_ONE, C_TINY, C_MIN, C_HUGE, C_MAX, C_450, C_NOREP, C_SMALL, C_COUNT };
+static const int g_cls_G[C_COUNT] = {0, 0, -138, -141, 119, 119, 3, -128, -40};
+/* The bf16 value of element (r, c) of a tile of class cls (h: a hash of the element). */
+static float corner_value(int cls, int64_t r, int64_t c, uint64_t h) {
+    const int anchor = c % 128 == (7 * r) % 128;
+    const int neg = (int)(h >> 16 & 1);
+    if (cls == C_ZERO) return neg ? -0.0f : 0.0f; /* an all-zero tile with negative zeros */
+    if (cls == C_MIN) { /* amax 2^-133 (bf16's smallest subnormal): e = -141 */
+        if (anchor) return ldexpf(1.0f, -133);
+        return h % 3 == 0 ? (neg ? -ldexpf(1.0f, -133) : ldexpf(1.0f, -133)) : (neg ? -0.0f : 0.0f);
+    }
+    if (cls == C_MAX && anchor) return gt_bf16_to_f32(0x7F7Fu); /* bf16's largest: e = 120 */
+    const int G = g_cls_G[cls];
+    if (anchor) return ldexpf(cls == C_450 ? 450.0f : 448.0f, G); /* 450 > 448: the scale one binade up */
+    /* tiny values in tiles of large scale: products below fp32's normal range (or 0) */
+    if ((cls == C_ONE || cls == C_HUGE || cls == C_450 || cls == C_SMALL) && (h >> 20) % 11 == 0) {
+        static const float tiny_m[4] = {1.0f, 3.0f, 128.0f, 192.0f}; /* times 2^-133: 2^-133, 3 2^-133, 2^-126, 1.5 2^-126 */
+        const float t = ldexpf(tiny_m[(h >> 24) & 3], -133);
+        return neg ? -t : t;
+    }
+    const int k = (int)((h >> 32) % (uint64_t)g_npat);
+    uint16_t b = gt_f32_to_bf16(ldexpf(g_pat[k], G));
+    const int var = (int)((h >> 40) % 3); /* a midpoint exactly, or one bf16 ulp above / below */
+    if (k < g_nmid && (b & 0x7FFFu) != 0) b = (uint16_t)(var == 1 ? b + 1 : var == 2 ? b - 1 : b);
+    if (neg) b |= 0x8000u;
+    return gt_bf16_to_f32(b);
+}
+/* Activations a [R, C] over groups off: a tile class per (token tile, 128-column block), so that
+ * every 1 x 128 row tile and every 128 x 1 token tile lies in one class. */
+static void corner_acts(float *a, int64_t C, const int64_t *off, const int64_t *pblk, int64_t E, int salt) {
+    for (int64_t g = 0; g < E; g++)
+        for (int64_t r = off[g]; r < off[g + 1]; r++) {
+            const int64_t tb = pblk[g] + (r - off[g]) / 128;
+            for (int64_t c = 0; c < C; c++) {
+                const int cls = (int)((tb * 5 + (c / 128) * 3 + salt) % C_COUNT);
+                a[r * C + c] = corner_value(cls, r, c, mix64((uint64_t)(r * C + c) * 8 + (uint64_t)salt));
+            }
+        }
+}
+/* W [E*out, in]: a class per 128 x 128 block */
+static void corner_weight(float *W, int64_t E, int64_t out, int64_t in) {
+    for (int64_t r = 0; r < E * out; r++)
+        for (int64_t c = 0; c < in; c++) {
+            const int64_t e = r / out, nb = r % out / 128, kb = c / 128;
+            const int cls = (int)((e * 7 + nb * 3 + kb + 1) % C_COUNT);
+            W[r * in + c] = corner_value(cls, r, c, mix64((uint64_t)(r * in + c) * 8 + 7));
+        }
+}
+
 /* ---- decoding the reference images ---- */
 
 /* rows image -> values [R, K] (fp64) */
@@ -251,6 +330,7 @@ typedef struct fp8_case {
     int64_t m[8];
     bool pinned; /* offsets in pinned host memory, else device memory */
     bool nonfinite; /* put NaN and inf into tiles; quantizers only */
+    bool corners;   /* corner values (corner_acts, corner_weight) in every tiling; quantizers only */
 } fp8_case;
 
 static void run_case(const fp8_case *tc) {
@@ -265,6 +345,11 @@ static void run_case(const fp8_case *tc) {
            (long long)in, (long long)out, (long long)R, (long long)rcap, tc->pinned ? "pinned host" : "device");
 
     float *x = randn(R, in, 1.0), *dy = randn(R, out, 0.5), *W = randn(E * out, in, 0.05);
+    if (tc->corners) {
+        corner_acts(x, in, off, pblk, E, 1);
+        corner_acts(dy, out, off, pblk, E, 4);
+        corner_weight(W, E, out, in);
+    }
     if (tc->nonfinite) {
         x[0 * in + 10] = f_nan();           /* row 0, tile 0; tokens: group 0, channel 10 */
         x[(R - 1) * in + 200] = INFINITY;   /* the last row, tile 1 */
@@ -321,7 +406,7 @@ static void run_case(const fp8_case *tc) {
         same_bytes(tk[i].what, tk[i].g + so, tk[i].r + so, nt * tk[i].C * 4, so);
     }
 
-    if (!tc->nonfinite) {
+    if (!tc->nonfinite && !tc->corners) {
         /* (b) the GEMMs, on the reference's decoded values */
         double *xd = dec_rows(rxr, R, rcap, in), *yd = dec_rows(ryr, R, rcap, out), *wd = dec_weight(rw, E, out, in);
         double *ytd = dec_tokens(ryt, nt, kcap, out), *xtd = dec_tokens(rxt, nt, kcap, in);
@@ -532,17 +617,22 @@ int main(void) {
     CHECK(serves_with(FM_EXPERT_GEMM_GROUPED) == 0);
 
     fm_rng_seed(&g_rng, fm_test_seed(20261201));
+    pat_init();
     static const fp8_case cases[] = {
         /* empty expert 1; expert 2 starts at row 130 (not a multiple of 4), expert 3 at odd row 387 */
-        {"uneven", 4, 256, 384, 400, {130, 0, 257, 1}, true, false},
+        {"uneven", 4, 256, 384, 400, {130, 0, 257, 1}, true, false, false},
         /* one expert owns every row; the others are empty */
-        {"one expert owns all", 8, 512, 128, 300, {0, 0, 0, 300, 0, 0, 0, 0}, false, false},
+        {"one expert owns all", 8, 512, 128, 300, {0, 0, 0, 300, 0, 0, 0, 0}, false, false, false},
         /* experts at odd rows 1, 129 (twice: an empty one between), 206 */
-        {"odd starts", 5, 128, 512, 461, {1, 128, 0, 77, 255}, true, false},
-        {"odd starts, two empty", 6, 384, 256, 401, {3, 200, 0, 0, 129, 64}, true, false},
+        {"odd starts", 5, 128, 512, 461, {1, 128, 0, 77, 255}, true, false, false},
+        {"odd starts, two empty", 6, 384, 256, 401, {3, 200, 0, 0, 129, 64}, true, false, false},
         /* fewer rows than a tile, rpad (44) shorter than the row-scale box (132): TMA fills the rest */
-        {"few rows", 4, 128, 256, 43, {10, 0, 29, 1}, false, false},
-        {"non-finite tiles (quantizers)", 2, 256, 256, 203, {130, 70}, true, true},
+        {"few rows", 4, 128, 256, 43, {10, 0, 29, 1}, false, false, false},
+        {"non-finite tiles (quantizers)", 2, 256, 256, 203, {130, 70}, true, true, false},
+        /* rounding ties, E4M3 subnormals, fp32-subnormal products, amax 2^-133 .. bf16's largest,
+         * all-zero tiles with -0, a scale one binade up (450): every tiling, every corner */
+        {"corners (quantizers)", 4, 512, 256, 1100, {300, 0, 513, 270}, true, false, true},
+        {"corners, short groups (quantizers)", 6, 256, 384, 500, {5, 130, 0, 1, 128, 200}, false, false, true},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
 

@@ -1,6 +1,7 @@
-/* Our FP8 grouped expert GEMM for Hopper and its quantization kernels (gg_sm90_fp8.h): the kernel
- * lab's v3 (dev/cuda/grouped_gemm/v3_fp8.cuh, validated on the H200), promoted into the engine's
- * byte layouts (backend/fm_fp8_layout.h: every sub-pointer comes from its functions).
+/* Our FP8 grouped expert GEMM for Hopper (gg_sm90_fp8.h; its quantization kernels are in
+ * gg_sm90_fp8_quant.cu): the kernel lab's v3 (dev/cuda/grouped_gemm/v3_fp8.cuh, validated on the
+ * H200), promoted into the engine's byte layouts (backend/fm_fp8_layout.h: every sub-pointer comes
+ * from its functions).
  *
  * sm_90's fp8 wgmma reads both operands K-major only (no transpose for 8-bit types), so every
  * product has operands whose reduction dimension is contiguous (fm_fp8_layout.h):
@@ -34,18 +35,14 @@
  * every box of every case on the host (fp8_tma_selftest in fp8_lab.cuh) and, in its GG_V3_DEBUG
  * build, on the device.
  *
- * Quantization (bf16 -> e4m3 + fp32 scales), fm_fp8.h's recipe with its functions: a tile's scale
- * is 2^e, e = fm_fp8_scale_exp(amax) (1 for an all-zero tile), stored as fp32; each value is coded
- * as fm_e4m3_encode(fm_fp8_ldexp(v, -e)) (an exact scaling, then round to nearest even, saturating);
- * a tile holding a non-finite value has scale NaN and every code 0x7F (NaN), as fm_fp8.h's fake
- * quantizer makes such a tile all NaN. */
+ * The quantizers (bf16 -> e4m3 + fp32 scales: fm_gg8_quant_weight, _rows, _tokens) are in
+ * gg_sm90_fp8_quant.cu. */
 #include "gg_sm90_fp8.h"
 
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
 
-#include "../../fm_fp8.h"
 #include "../../fm_fp8_layout.h"
 #include "sm90_common.cuh"
 #include "wgmma_fp8.cuh"
@@ -307,159 +304,6 @@ gg8_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUte
 #endif
 }
 
-/* ---- quantization (fm_fp8.h's recipe and functions; the codes and scales are the CPU's) ---- */
-
-/* A tile's amax with v folded in; a non-finite v makes it +inf (fmaxf alone would drop a NaN). */
-__device__ inline float amax_fold(float amax, float v) {
-    const float a = fabsf(v);
-    return fmaxf(amax, a <= 3.4028235e38f ? a : fm_fp8_u2f(0x7F800000u));
-}
-__device__ inline bool tile_bad(float amax) { return !(amax <= 3.4028235e38f); } /* held a NaN or inf */
-/* The scale of a tile with folded amax: 2^fm_fp8_scale_exp(amax) (exact in fp32: e >= -141 for bf16 inputs); NaN if bad. */
-__device__ inline float scale_of(float amax, int e) {
-    return tile_bad(amax) ? fm_fp8_u2f(0x7FC00000u) : fm_fp8_ldexp(1.0f, e);
-}
-/* The code of v in a tile of scale 2^e: fm_e4m3_encode(v 2^-e); 0x7F (NaN) for a bad tile. */
-__device__ inline uint8_t q8(float v, int e, bool bad) { return bad ? (uint8_t)0x7F : fm_e4m3_encode(fm_fp8_ldexp(v, -e)); }
-__device__ inline float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-/* 1 x 128 row tiles: a [R, K] bf16 (R = min(offs[E], rcap), read here) -> q [rcap, K] e4m3 and
- * s [K/128][rpad] fp32 (row scales scale-major). One warp per (row, tile), 4 elements a lane. */
-__global__ void __launch_bounds__(256) quant_rows(const bf16 *a, int64_t K, const int64_t *offs, int E, int64_t rcap,
-                                                  int64_t rpad, uint8_t *q, float *s) {
-    __shared__ int64_t s_rows;
-    if (threadIdx.x == 0) {
-        const int64_t r = offs[E];
-        s_rows = r < rcap ? r : rcap;
-    }
-    __syncthreads();
-    const int64_t R = s_rows, nb = K / 128, nw = R * nb;
-    const int lane = threadIdx.x & 31;
-    for (int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < nw;
-         w += ((int64_t)gridDim.x * blockDim.x) >> 5) {
-        const int64_t r = w / nb, b = w % nb, i = r * K + b * 128 + lane * 4;
-        const uint2 raw = *reinterpret_cast<const uint2 *>(a + i);
-        const float2 v01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.x));
-        const float2 v23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.y));
-        const float amax = warp_max(amax_fold(amax_fold(amax_fold(amax_fold(0.0f, v01.x), v01.y), v23.x), v23.y));
-        const int ex = fm_fp8_scale_exp(amax);
-        const bool bad = tile_bad(amax);
-        const uint32_t pk = (uint32_t)q8(v01.x, ex, bad) | (uint32_t)q8(v01.y, ex, bad) << 8 |
-                            (uint32_t)q8(v23.x, ex, bad) << 16 | (uint32_t)q8(v23.y, ex, bad) << 24;
-        *reinterpret_cast<uint32_t *>(q + i) = pk;
-        if (lane == 0) s[b * rpad + r] = scale_of(amax, ex);
-    }
-}
-
-/* 128 x 128 weight blocks: W [E*out, in] bf16 -> Wq [E*out, in], WqT [E*in, out] (W_e^T, the same
- * codes), sW [E][out/128][in/128]. Grid (in/128, out/128, E), 256 threads: thread t has row t/2,
- * columns 64 (t%2) .. +63 of the block. */
-__global__ void __launch_bounds__(256) quant_weight(const bf16 *W, int64_t out, int64_t in, uint8_t *Wq, uint8_t *WqT,
-                                                    float *sW) {
-    __shared__ uint8_t qt[128][128 + 4]; /* the block's codes, [column][row] */
-    __shared__ float wmax[8];
-    const int64_t e = blockIdx.z, n0 = (int64_t)blockIdx.y * 128, k0 = (int64_t)blockIdx.x * 128;
-    const int r = threadIdx.x >> 1, h = threadIdx.x & 1;
-    const bf16 *src = W + (e * out + n0 + r) * in + k0 + h * 64;
-    float v[64], amax = 0.0f;
-#pragma unroll
-    for (int c = 0; c < 8; c++) {
-        const uint4 raw = reinterpret_cast<const uint4 *>(src)[c];
-        const __nv_bfloat162 *b2 = reinterpret_cast<const __nv_bfloat162 *>(&raw);
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float2 f = __bfloat1622float2(b2[j]);
-            v[c * 8 + 2 * j] = f.x, v[c * 8 + 2 * j + 1] = f.y;
-            amax = amax_fold(amax_fold(amax, f.x), f.y);
-        }
-    }
-    amax = warp_max(amax);
-    if ((threadIdx.x & 31) == 0) wmax[threadIdx.x >> 5] = amax;
-    __syncthreads();
-    amax = wmax[0];
-    for (int i = 1; i < 8; i++) amax = fmaxf(amax, wmax[i]);
-    const int ex = fm_fp8_scale_exp(amax);
-    const bool bad = tile_bad(amax);
-    uint8_t *dst = Wq + (e * out + n0 + r) * in + k0 + h * 64;
-#pragma unroll
-    for (int c = 0; c < 4; c++) {
-        uint32_t w4[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int k = c * 16 + j * 4;
-            uint32_t pk = 0;
-#pragma unroll
-            for (int b = 0; b < 4; b++) {
-                const uint8_t code = q8(v[k + b], ex, bad);
-                pk |= (uint32_t)code << (8 * b);
-                qt[h * 64 + k + b][r] = code;
-            }
-            w4[j] = pk;
-        }
-        reinterpret_cast<uint4 *>(dst)[c] = make_uint4(w4[0], w4[1], w4[2], w4[3]);
-    }
-    if (threadIdx.x == 0) sW[(e * (out / 128) + blockIdx.y) * (in / 128) + blockIdx.x] = scale_of(amax, ex);
-    __syncthreads();
-    /* W_e^T rows k0 + t/2 (an in channel), columns n0 + 64 (t%2) .. +63 (out channels) */
-    uint8_t *dt = WqT + (e * in + k0 + r) * out + n0 + h * 64;
-#pragma unroll
-    for (int c = 0; c < 16; c++)
-        reinterpret_cast<uint32_t *>(dt)[c] = *reinterpret_cast<const uint32_t *>(&qt[r][h * 64 + c * 4]);
-}
-
-/* 128 x 1 token tiles for dW: a [R, C] bf16 with groups offs -> aT [C, kcap] e4m3 (token-major,
- * group e's tokens from token block pblk[e], the tail of its last block zero) and sT [kcap/128][C]
- * fp32. Grid (kcap/128, C/128), 256 threads; a CTA past the last group's blocks returns. */
-__global__ void __launch_bounds__(256) quant_tokens_t(const bf16 *a, int64_t C, const int64_t *offs, int E,
-                                                      int64_t kcap, uint8_t *aT, float *sT) {
-    __shared__ int64_t s_offs[MAX_E + 1];
-    __shared__ int pblk[MAX_E + 1];
-    __shared__ uint32_t tile[128][65]; /* 128 tokens x 128 channels as bf16 pairs, padded */
-    for (int i = threadIdx.x; i <= E; i += blockDim.x) s_offs[i] = offs[i]; /* one parallel read */
-    __syncthreads();
-    if (threadIdx.x == 0) pblk_build(pblk, s_offs, E);
-    __syncthreads();
-    const int b = blockIdx.x;
-    if (b >= pblk[E]) return;
-    int lo = 0, hi = E - 1; /* the group of block b: the last e with pblk[e] <= b */
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (pblk[mid] <= b) lo = mid;
-        else hi = mid - 1;
-    }
-    const int64_t t0 = s_offs[lo] + (int64_t)(b - pblk[lo]) * 128, c0 = (int64_t)blockIdx.y * 128;
-    const int valid = (int)min((int64_t)128, s_offs[lo + 1] - t0);
-    for (int i = threadIdx.x; i < 128 * 16; i += 256) { /* 16 x 16 bytes a token */
-        const int t = i >> 4, qq = i & 15;
-        uint4 raw = make_uint4(0, 0, 0, 0);
-        if (t < valid) raw = *reinterpret_cast<const uint4 *>(a + (t0 + t) * C + c0 + qq * 8);
-        tile[t][qq * 4] = raw.x, tile[t][qq * 4 + 1] = raw.y, tile[t][qq * 4 + 2] = raw.z, tile[t][qq * 4 + 3] = raw.w;
-    }
-    __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int c = warp * 16; c < warp * 16 + 16; c++) {
-        float v[4], amax = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const uint32_t w = tile[lane + 32 * j][c >> 1];
-            const __nv_bfloat162 p2 = *reinterpret_cast<const __nv_bfloat162 *>(&w);
-            v[j] = (c & 1) ? __high2float(p2) : __low2float(p2);
-            amax = amax_fold(amax, v[j]);
-        }
-        amax = warp_max(amax);
-        const int ex = fm_fp8_scale_exp(amax);
-        const bool bad = tile_bad(amax);
-        uint8_t *dst = aT + (c0 + c) * kcap + (int64_t)b * 128;
-#pragma unroll
-        for (int j = 0; j < 4; j++) dst[lane + 32 * j] = lane + 32 * j < valid ? q8(v[j], ex, bad) : (uint8_t)0;
-        if (lane == 0) sT[(int64_t)b * C + c0 + c] = scale_of(amax, ex);
-    }
-}
-
 /* ---- host side ---- */
 
 cudaError_t make_map(CUtensorMap *m, const void *base, uint64_t inner, uint64_t outer, uint32_t box_inner,
@@ -506,8 +350,6 @@ template <int KIND> cudaError_t launch_kind(const problem &p, int sm_count, cuda
     return cudaGetLastError();
 }
 
-bool groups_ok(int64_t E) { return E >= 1 && E <= MAX_E; }
-
 } // namespace
 
 extern "C" {
@@ -540,42 +382,6 @@ cudaError_t fm_gg8_launch(int kind, void *C, float beta, const void *A8, const v
     p.A = a8, p.sA = reinterpret_cast<const float *>(a8 + fm_fp8_tokens_scales_at(p.kcap, out));
     p.B = b8, p.sB = reinterpret_cast<const float *>(b8 + fm_fp8_tokens_scales_at(p.kcap, in));
     return launch_kind<2>(p, sm_count, stream);
-}
-
-cudaError_t fm_gg8_quant_weight(void *w8, const void *W, int64_t E, int64_t out, int64_t in, cudaStream_t stream) {
-    if (!groups_ok(E) || out < 128 || in < 128 || out % 128 || in % 128 || out / 128 > 65535 || !w8 || !W || !aligned(w8, 16) ||
-        !aligned(W, 16))
-        return cudaErrorInvalidValue;
-    uint8_t *b = static_cast<uint8_t *>(w8);
-    quant_weight<<<dim3((unsigned)(in / 128), (unsigned)(out / 128), (unsigned)E), 256, 0, stream>>>(
-        static_cast<const bf16 *>(W), out, in, b, b + fm_fp8_weight_t_at(E, out, in),
-        reinterpret_cast<float *>(b + fm_fp8_weight_scales_at(E, out, in)));
-    return cudaGetLastError();
-}
-
-cudaError_t fm_gg8_quant_rows(void *a8, const void *a, const int64_t *offs, int64_t rcap, int64_t E, int64_t K,
-                              int sm_count, cudaStream_t stream) {
-    if (!groups_ok(E) || K < 128 || K % 128 || rcap < 0 || rcap >= INT32_MAX || sm_count < 1 || !offs || !a8 ||
-        !aligned(a8, 16) || !aligned(a, 16))
-        return cudaErrorInvalidValue;
-    if (rcap == 0) return cudaSuccess;
-    uint8_t *b = static_cast<uint8_t *>(a8);
-    quant_rows<<<8 * sm_count, 256, 0, stream>>>(static_cast<const bf16 *>(a), K, offs, (int)E, rcap, fm_fp8_rpad(rcap), b,
-                                                 reinterpret_cast<float *>(b + fm_fp8_rows_scales_at(rcap, K)));
-    return cudaGetLastError();
-}
-
-cudaError_t fm_gg8_quant_tokens(void *t8, const void *a, const int64_t *offs, int64_t rcap, int64_t E, int64_t C,
-                                cudaStream_t stream) {
-    if (!groups_ok(E) || C < 128 || C % 128 || C / 128 > 65535 || rcap < 0 || fm_fp8_kcap(rcap, E) >= INT32_MAX ||
-        !offs || !t8 || !aligned(t8, 16) || !aligned(a, 16))
-        return cudaErrorInvalidValue;
-    if (rcap == 0) return cudaSuccess; /* no group has a token */
-    const int64_t kcap = fm_fp8_kcap(rcap, E);
-    uint8_t *b = static_cast<uint8_t *>(t8);
-    quant_tokens_t<<<dim3((unsigned)(kcap / 128), (unsigned)(C / 128)), 256, 0, stream>>>(
-        static_cast<const bf16 *>(a), C, offs, (int)E, kcap, b, reinterpret_cast<float *>(b + fm_fp8_tokens_scales_at(kcap, C)));
-    return cudaGetLastError();
 }
 
 } /* extern "C" */

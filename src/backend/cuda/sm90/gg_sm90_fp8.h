@@ -6,8 +6,9 @@
  * Operands are E4M3 codes with fp32 power-of-two scales in backend/fm_fp8_layout.h's byte layouts
  * (one buffer per operand: codes, then scales at the *_scales_at offsets; a weight buffer holds
  * Wq, WqT at fm_fp8_weight_t_at, then the scales), quantized by backend/fm_fp8.h's recipe with
- * its functions (fm_fp8_scale_exp, fm_fp8_ldexp, fm_e4m3_encode), so the codes and scales equal
- * the CPU backend's bit for bit. Algorithm: DeepSeek-V3 §3.3 (arXiv 2412.19437): 1 x 128 tiles of
+ * its functions (fm_fp8_scale_exp, fm_fp8_ldexp, fm_e4m3_encode; the quantizers use the hardware's
+ * E4M3 conversion, proven to give the same bits: gg_sm90_fp8_quant.cu), so the codes and scales
+ * equal the CPU backend's bit for bit. Algorithm: DeepSeek-V3 §3.3 (arXiv 2412.19437): 1 x 128 tiles of
  * activations, 128 x 128 blocks of weights, 128 x 1 token tiles for the weight gradient, each
  * 128-deep k-block's partial sum taken by wgmma in fp32 and promoted (times the two scales) into
  * an fp32 total in registers; one rounding to bf16 (nearest even) at the store.
@@ -56,21 +57,23 @@ cudaError_t fm_gg8_launch(int kind, void *C, float beta, const void *A8, const v
 
 /* W [E, out, in] bf16 -> w8 (the weight layout of fm_fp8_weight_bytes(E, out, in) bytes: Wq
  * [E*out, in], WqT [E*in, out] (each W_e^T, the same codes), scales [E][out/128][in/128]). One
- * 256-thread CTA per 128 x 128 block. out, in multiples of 128, 1 <= E <= 256. */
+ * 256-thread CTA per 128 x 128 block (gg_sm90_fp8_quant.cu). out, in multiples of 128, 1 <= E <= 256. */
 cudaError_t fm_gg8_quant_weight(void *w8, const void *W, int64_t E, int64_t out, int64_t in, cudaStream_t stream);
 
 /* a [offs[E], K] bf16 -> a8 (the rows layout of fm_fp8_rows_bytes(rcap, K) bytes: codes [rcap, K],
  * scales [K/128][fm_fp8_rpad(rcap)]); rows at or past offs[E] (read on the device, clamped to
- * rcap) are not written. One warp per 1 x 128 tile, grid 8 sm_count CTAs of 256 threads. K a
- * multiple of 128, 1 <= E <= 256, rcap < 2^31; rcap == 0 launches nothing. */
+ * rcap) are not written. Half a warp per 1 x 128 tile, a grid-stride loop over CTAs of 256 threads
+ * as many as the device holds at once (sm_count is checked, the grid comes from an occupancy
+ * query). K a multiple of 128, 1 <= E <= 256, rcap < 2^31; rcap == 0 launches nothing. */
 cudaError_t fm_gg8_quant_rows(void *a8, const void *a, const int64_t *offs, int64_t rcap, int64_t E, int64_t K,
                               int sm_count, cudaStream_t stream);
 
 /* a [offs[E], C] bf16 -> t8 (the tokens layout of fm_fp8_tokens_bytes(kcap, C) bytes, kcap =
  * fm_fp8_kcap(rcap, E): codes [C, kcap], group e's tokens from token 128 pblk[e], its last tile
- * zero past its rows; scales [kcap/128][C]). Tiles past the last group's are not written. Grid
- * (kcap/128, C/128) of 256 threads; a CTA past the last group's tiles returns. C a multiple of
- * 128, 1 <= E <= 256, kcap < 2^31. */
+ * zero past its rows; scales [kcap/128][C]). Tiles past the last group's are not written.
+ * Persistent CTAs of 256 threads with 64 KiB of dynamic shared memory, as many as the device holds
+ * at once, over the (128-token, 128-channel) blocks of the groups. C a multiple of 128, C/128 <=
+ * 65535, 1 <= E <= 256, kcap < 2^31. */
 cudaError_t fm_gg8_quant_tokens(void *t8, const void *a, const int64_t *offs, int64_t rcap, int64_t E, int64_t C,
                                 cudaStream_t stream);
 
