@@ -163,17 +163,7 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
             const int nk = KIND == 2 ? (int)((t.me + BK - 1) / BK) : (int)((KIND == 0 ? p.in : p.out) / BK);
             const int brow = KIND == 2 ? 0 : (int)(t.e * (KIND == 0 ? p.out : p.in));
             const int pb = KIND == 2 ? sc.pblk[t.e] : 0;
-            for (int kb = 0; kb < nk; kb++, it++) {
-                const int s = it % STAGES;
-                v3::mbar_wait_dbg<KIND>(&empty[s], ((it / STAGES) & 1) ^ 1, "v5 producer: empty wait", it);
-                const uint32_t sa = smem + s * STAGE_BYTES, ssa = sscale_u32 + s * SC_BYTES;
-                const uint32_t dst[4] = {sa, sa + A_BYTES, ssa, ssa + BM * 4};
-                const v3::stage_boxes b = v3::boxes_of<KIND>(t, kb, brow, pb);
-                v2::mbar_expect_tx(&full[s], v3::stage_tx_bytes(KIND));
-#pragma unroll
-                for (int i = 0; i < (KIND == 2 ? 4 : 3); i++) v2::tma_2d(dst[i], maps[i], &full[s], b.c0[i], b.c1[i]);
-            }
-            if (SRC && tma_tile(KIND, t)) { /* the old C into buffer cn % CB, each half once its last store has read it */
+            auto old_c = [&]() { /* the old C into buffer cn % CB, each half once its last store has read it */
                 const int bi = CB == 2 ? (int)(cn & 1) : 0;
                 const uint32_t n = CB == 2 ? cn >> 1 : cn; /* earlier uses of buffer bi */
                 cn++;
@@ -186,7 +176,24 @@ kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensor
                         v2::tma_2d(cbuf0 + bi * C_BYTES + w * C_HALF + c * C_BOX, &tmC, &cfull[bi][w], c0, c1);
                     }
                 }
+            };
+            /* CB 2: before the tile's k-blocks (its buffer was last used two TMA tiles back, whose store
+             * read it during the previous tile's mainloop: no wait in practice, and the load gets a whole
+             * tile to land); CB 1: after them (the buffer frees only at the previous tile's epilogue, and
+             * waiting for it first would hold back this tile's k-blocks), as v4 */
+            const bool ld = SRC && tma_tile(KIND, t);
+            if (ld && CB == 2) old_c();
+            for (int kb = 0; kb < nk; kb++, it++) {
+                const int s = it % STAGES;
+                v3::mbar_wait_dbg<KIND>(&empty[s], ((it / STAGES) & 1) ^ 1, "v5 producer: empty wait", it);
+                const uint32_t sa = smem + s * STAGE_BYTES, ssa = sscale_u32 + s * SC_BYTES;
+                const uint32_t dst[4] = {sa, sa + A_BYTES, ssa, ssa + BM * 4};
+                const v3::stage_boxes b = v3::boxes_of<KIND>(t, kb, brow, pb);
+                v2::mbar_expect_tx(&full[s], v3::stage_tx_bytes(KIND));
+#pragma unroll
+                for (int i = 0; i < (KIND == 2 ? 4 : 3); i++) v2::tma_2d(dst[i], maps[i], &full[s], b.c0[i], b.c1[i]);
             }
+            if (ld && CB != 2) old_c();
         }
         return;
     }

@@ -6,7 +6,8 @@ random interleavings over tile lists like the lab's (k-blocks a tile 0..40, beta
 m-tiles), for every variant: OVL (promotion of k-block kb-1 after kb's wgmmas are issued; the
 stage of kb-1 released after that promotion, since it reads the stage's scales) or not, and CB
 0 / 1 / 2 C buffers (per buffer and half: cfull / cempty, v4's protocol; the buffer of a TMA tile
-is its TMA-tile count mod CB; partial tiles neither load old C nor touch a buffer).
+is its TMA-tile count mod CB; partial tiles neither load old C nor touch a buffer; the producer
+loads a tile's old C after its k-blocks with 1 buffer, before them with 2).
 Checks: no deadlock; every stage read (wgmma operands at issue, scales at promotion) holds the
 k-block it should; every old C a warpgroup reads is its own tile's; no old-C load and no epilogue
 write lands in a half whose TMA store has not read it; every store reads what its tile wrote.
@@ -71,7 +72,28 @@ def run(tiles, src, ovl, cb, rng):
 
     def producer():
         it, cn = 0, 0
+
+        def old_c(ti):
+            nonlocal cn
+            b = cn & 1 if cb == 2 else 0
+            n = cn >> 1 if cb == 2 else cn
+            cn += 1
+            for w in range(2):
+                if FAULT != "--no-cempty":
+                    while not cempty[b][w].done((n & 1) ^ 1):
+                        yield
+                cfull[b][w].expect_tx(1)
+
+                def cland(b=b, w=w, ti=ti):
+                    if any(pb == b for pb, _ in pend[w]):
+                        fail(f"old C of tile {ti} landed in buffer {b} half {w} before its TMA store read it")
+                    cbuf[b][w] = ("old", ti)
+                    cfull[b][w].complete_tx(1)
+                events.append(cland)
+
         for ti, (nk, tt) in enumerate(tiles):
+            if src and tt and cb == 2:  # CB 2: the old C before the tile's k-blocks
+                yield from old_c(ti)
             for kb in range(nk):
                 s = it % stages
                 while not empty[s].done(((it // stages) & 1) ^ 1):
@@ -83,22 +105,8 @@ def run(tiles, src, ovl, cb, rng):
                     full[s].complete_tx(1)
                 events.append(land)
                 it += 1
-            if src and tt:
-                b = cn & 1 if cb == 2 else 0
-                n = cn >> 1 if cb == 2 else cn
-                cn += 1
-                for w in range(2):
-                    if FAULT != "--no-cempty":
-                        while not cempty[b][w].done((n & 1) ^ 1):
-                            yield
-                    cfull[b][w].expect_tx(1)
-
-                    def cland(b=b, w=w, ti=ti):
-                        if any(pb == b for pb, _ in pend[w]):
-                            fail(f"old C of tile {ti} landed in buffer {b} half {w} before its TMA store read it")
-                        cbuf[b][w] = ("old", ti)
-                        cfull[b][w].complete_tx(1)
-                    events.append(cland)
+            if src and tt and cb != 2:  # CB 1: after them, as v4
+                yield from old_c(ti)
 
     def check_stage(s, ti, kb, what):
         if stage[s] != (ti, kb):
