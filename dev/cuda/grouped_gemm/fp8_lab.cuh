@@ -255,18 +255,32 @@ static bool check_act_quant(const fp8_bufs &f, const fp8_host &h, const std::vec
 
 /* The checks of one v3 product (this file's header, 1 and 2): h holds the GPU's activation codes
  * and scales, got the sampled outputs. Pushes the SNR line; false (with a FAIL line) if wrong. */
+/* The references of the sampled outputs (they depend on the inputs and the GPU's codes, not on the
+ * GEMM): the quantized math q, its sum of |terms| abs, the exact bf16 product x; computed once a
+ * product for every FP8 column. */
+struct fp8_refs {
+    std::vector<double> q, abs, x;
+};
+static void fp8_refs_fill(fp8_refs &r, const fp8_bufs &f, const fp8_host &h, const std::vector<int64_t> &offs, int kind,
+                          const std::vector<int64_t> &idx) {
+    r.q.resize(idx.size()), r.abs.resize(idx.size()), r.x.resize(idx.size());
+    for (size_t i = 0; i < idx.size(); i++) r.q[i] = refq_elem(f, h, offs, kind, idx[i], &r.abs[i]), r.x[i] = ref3_elem(f, offs, kind, idx[i]);
+}
+
 static bool fp8_check(const fp8_bufs &f, const fp8_host &h, const std::vector<int64_t> &offs, int kind, float beta,
                       const std::vector<int64_t> &idx, const std::vector<float> &got, const std::string &where,
-                      const char *ver = "v3", int qstate = -1) {
-    /* qstate: the activation quantizers' verdict when already checked for this product (1 bad), -1 check here */
+                      const char *ver = "v3", int qstate = -1, const fp8_refs *refs = nullptr) {
+    /* qstate: the activation quantizers' verdict when already checked for this product (1 bad), -1 check here;
+     * refs: the references when already computed (fp8_refs_fill), else computed here */
     const bool qbad = qstate < 0 ? check_act_quant(f, h, offs, kind, idx, where) : qstate != 0;
+    fp8_refs own;
+    if (!refs) fp8_refs_fill(own, f, h, offs, kind, idx), refs = &own;
     snr_acc vs_bf16, cpu_bf16, vs_q;
     int64_t nbad = 0, worst = -1;
     double werr = -1.0, wgot = 0.0, wwant = 0.0;
     for (size_t i = 0; i < idx.size(); i++) {
-        double sabs;
         const double old = beta != 0.0f ? (double)beta * gg_val(kind == 1 ? SEED_DX0 : SEED_DW0, (uint64_t)idx[i]) : 0.0;
-        const double q = refq_elem(f, h, offs, kind, idx[i], &sabs), x = ref3_elem(f, offs, kind, idx[i]);
+        const double q = refs->q[i], x = refs->x[i], sabs = refs->abs[i];
         const double g = (double)got[i] - old, d = std::fabs(g - q), tol = 0.0078125 * std::fabs(q + old) + sabs / 1024.0 + 1e-3;
         vs_bf16.add(x, g), cpu_bf16.add(x, q), vs_q.add(q, g);
         if (!(d <= tol)) {
@@ -350,6 +364,8 @@ static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_
         d2h(h.b, f.xT, in * f.kcap), d2h(h.sb, f.sxT, f.kcap / 128 * in);
     }
     const int qstate = check_act_quant(f, h, offs, kind, idx, where) ? 1 : 0;
+    fp8_refs refs;
+    fp8_refs_fill(refs, f, h, offs, kind, idx);
     const int64_t csize = kind == 0 ? f.rcap * out : kind == 1 ? f.rcap * in : (int64_t)E * out * in;
     std::vector<float> got(idx.size());
     for (int v = 0; v < NF8; v++) { /* validation of each GEMM */
@@ -376,7 +392,7 @@ static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_
         gather_kernel<<<(unsigned)((idx.size() + 255) / 256), 256>>>(p.C, didx, (int)idx.size(), dgot);
         CK(cudaGetLastError());
         CK(cudaMemcpy(got.data(), dgot, idx.size() * sizeof(float), cudaMemcpyDeviceToHost));
-        if (!fp8_check(f, h, offs, kind, beta, idx, got, where, fv.name, qstate)) c[v].ok = false;
+        if (!fp8_check(f, h, offs, kind, beta, idx, got, where, fv.name, qstate, &refs)) c[v].ok = false;
     }
     for (int v = 0; v < NF8; v++) { /* a q column shares its GEMM's verdict */
         const fp8_version &fv = FP8_VERSIONS[v];
