@@ -7,8 +7,10 @@
  *     and kb-1 is promoted, fin += sa * sb * acc[(kb-1) % 2], while the tensor cores run kb. The
  *     stage of kb-1 is released only after its promotion (its row / column scales are read from
  *     shared memory there), so a consumer holds at most two stages. 64 + 64 + 64 fp32 per thread
- *     (fin and two accumulators) within setmaxnreg's 232: ptxas shows no spills (README). Without
- *     OVL: v3's loop (wait_group 0 after each k-block, then the promotion).
+ *     (fin and two accumulators) within setmaxnreg's 232: ptxas shows no spills (README). The
+ *     k-loop runs in straight-line chunks of 8 / 4 / 2 / 1 k-blocks, each ending with wait_group 0
+ *     (a wgmma group in flight across a loop's back edge makes ptxas serialize them all: C7514).
+ *     Without OVL: v3's loop (wait_group 0 after each k-block, then the promotion).
  *  CB (epilogue): 0 v3's register epilogue (8-byte fragments to global, beta read per pair);
  *     1 or 2 a TMA-store epilogue with CB shared-memory C tiles of 32 KB (each 128 x 128 bf16 as
  *     two 16 KB halves, one per consumer warpgroup, each half two {64 col, 64 row} boxes with
@@ -16,10 +18,11 @@
  *     (16-byte chunk (col/8 % 8) ^ (row % 8)), fence.proxy.async, its named barrier, and its
  *     thread 0 stores the half with two cp.async.bulk.tensor stores (full lines, asynchronous).
  *     With beta != 0 (the SRC kernels) the producer loads the tile's old C by TMA into the tile's
- *     C buffer (b = the tile's TMA-tile count mod CB) after the tile's k-blocks, so it lands
- *     during the MMAs; per (buffer, half) cfull / cempty mbarriers, v4's protocol. CB 2 lets the
- *     old C of tile i+1 load while tile i's epilogue still owns the other buffer (dW at 512 rows
- *     has 4 k-blocks a tile: one C buffer leaves the load about one mainloop to land in).
+ *     C buffer (b = the tile's TMA-tile count mod CB) after the tile's k-blocks (CB 1) or before
+ *     them (CB 2), so it lands during the MMAs; per (buffer, half) cfull / cempty mbarriers, v4's
+ *     protocol. CB 2 lets the old C of tile i+1 load while tile i's epilogue still owns the other
+ *     buffer (dW at 512 rows has 4 k-blocks a tile: one C buffer leaves the load about one
+ *     mainloop to land in).
  *     A group's last m-tile with rows past the group's end (kinds 0/1) is stored from registers
  *     with the row mask (a TMA store would write the next group's rows; each row's 16 old pairs
  *     loaded together, as v4r), and its old C is not loaded by TMA (producer and consumers test
