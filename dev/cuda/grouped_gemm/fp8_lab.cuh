@@ -19,6 +19,7 @@
 #include "fp8_ref.h"
 #include "gg_inputs.h"
 #include "v3_fp8.cuh"
+#include "v5_fp8.cuh"
 
 #include <functional>
 #include <set>
@@ -254,16 +255,32 @@ static bool check_act_quant(const fp8_bufs &f, const fp8_host &h, const std::vec
 
 /* The checks of one v3 product (this file's header, 1 and 2): h holds the GPU's activation codes
  * and scales, got the sampled outputs. Pushes the SNR line; false (with a FAIL line) if wrong. */
+/* The references of the sampled outputs (they depend on the inputs and the GPU's codes, not on the
+ * GEMM): the quantized math q, its sum of |terms| abs, the exact bf16 product x; computed once a
+ * product for every FP8 column. */
+struct fp8_refs {
+    std::vector<double> q, abs, x;
+};
+static void fp8_refs_fill(fp8_refs &r, const fp8_bufs &f, const fp8_host &h, const std::vector<int64_t> &offs, int kind,
+                          const std::vector<int64_t> &idx) {
+    r.q.resize(idx.size()), r.abs.resize(idx.size()), r.x.resize(idx.size());
+    for (size_t i = 0; i < idx.size(); i++) r.q[i] = refq_elem(f, h, offs, kind, idx[i], &r.abs[i]), r.x[i] = ref3_elem(f, offs, kind, idx[i]);
+}
+
 static bool fp8_check(const fp8_bufs &f, const fp8_host &h, const std::vector<int64_t> &offs, int kind, float beta,
-                      const std::vector<int64_t> &idx, const std::vector<float> &got, const std::string &where) {
-    const bool qbad = check_act_quant(f, h, offs, kind, idx, where);
+                      const std::vector<int64_t> &idx, const std::vector<float> &got, const std::string &where,
+                      const char *ver = "v3", int qstate = -1, const fp8_refs *refs = nullptr) {
+    /* qstate: the activation quantizers' verdict when already checked for this product (1 bad), -1 check here;
+     * refs: the references when already computed (fp8_refs_fill), else computed here */
+    const bool qbad = qstate < 0 ? check_act_quant(f, h, offs, kind, idx, where) : qstate != 0;
+    fp8_refs own;
+    if (!refs) fp8_refs_fill(own, f, h, offs, kind, idx), refs = &own;
     snr_acc vs_bf16, cpu_bf16, vs_q;
     int64_t nbad = 0, worst = -1;
     double werr = -1.0, wgot = 0.0, wwant = 0.0;
     for (size_t i = 0; i < idx.size(); i++) {
-        double sabs;
         const double old = beta != 0.0f ? (double)beta * gg_val(kind == 1 ? SEED_DX0 : SEED_DW0, (uint64_t)idx[i]) : 0.0;
-        const double q = refq_elem(f, h, offs, kind, idx[i], &sabs), x = ref3_elem(f, offs, kind, idx[i]);
+        const double q = refs->q[i], x = refs->x[i], sabs = refs->abs[i];
         const double g = (double)got[i] - old, d = std::fabs(g - q), tol = 0.0078125 * std::fabs(q + old) + sabs / 1024.0 + 1e-3;
         vs_bf16.add(x, g), cpu_bf16.add(x, q), vs_q.add(q, g);
         if (!(d <= tol)) {
@@ -273,12 +290,12 @@ static bool fp8_check(const fp8_bufs &f, const fp8_host &h, const std::vector<in
     }
     const bool ok = nbad == 0 && vs_q.db() >= FP8_MATCH_SNR_MIN && vs_bf16.db() >= FP8_SNR_MIN;
     char line[512];
-    snprintf(line, sizeof line, "SNR v3 %-22s %6.1f dB vs bf16 (the CPU's fp8 math %6.1f dB); %6.1f dB vs the fp8 reference; %zu elements",
-             where.c_str(), vs_bf16.db(), cpu_bf16.db(), vs_q.db(), idx.size());
+    snprintf(line, sizeof line, "SNR %-3s %-22s %6.1f dB vs bf16 (the CPU's fp8 math %6.1f dB); %6.1f dB vs the fp8 reference; %zu elements",
+             ver, where.c_str(), vs_bf16.db(), cpu_bf16.db(), vs_q.db(), idx.size());
     g_snr_lines.push_back(line);
     if (!ok) {
-        snprintf(line, sizeof line, "FAIL v3 %s: %lld of %zu checked beyond tolerance (worst flat index %lld got %g want %g); SNR %.1f dB "
-                 "vs bf16 (min %.0f), %.1f vs the fp8 reference (min %.0f)", where.c_str(), (long long)nbad, idx.size(),
+        snprintf(line, sizeof line, "FAIL %s %s: %lld of %zu checked beyond tolerance (worst flat index %lld got %g want %g); SNR %.1f dB "
+                 "vs bf16 (min %.0f), %.1f vs the fp8 reference (min %.0f)", ver, where.c_str(), (long long)nbad, idx.size(),
                  (long long)worst, wgot, wwant, vs_bf16.db(), FP8_SNR_MIN, vs_q.db(), FP8_MATCH_SNR_MIN);
         g_fail_lines.push_back(line);
         g_failures++;
@@ -287,13 +304,40 @@ static bool fp8_check(const fp8_bufs &f, const fp8_host &h, const std::vector<in
     return !qbad && !f.wbad; /* a quantizer mismatch was counted by qreport */
 }
 
-/* One product of v3: fills c[0] (v3: GEMM) and c[1] (v3q: activation quantization + GEMM). */
+/* The FP8 columns of the table: GEMMs over the same quantized operands (v3_fp8.cuh's layouts),
+ * each validated on its own (a wrong one fails alone); q: the column times the activations'
+ * quantization + the GEMM of column base (validated there). */
+struct fp8_version {
+    const char *name;
+    cudaError_t (*fn)(const gg_fp8_problem &, cudaStream_t);
+    bool q;
+    int base;
+};
+static const fp8_version FP8_VERSIONS[] = {
+    {"v3", gg_v3_launch, false, 0},            /* v3_fp8.cuh */
+    {"v3q", gg_v3_launch, true, 0},            /* quantization + v3 */
+    {"v5", gg_v5_launch<true, 1>, false, 2},   /* v5_fp8.cuh: promotion overlapped + TMA-store epilogue, 1 C buffer */
+    {"v5a", gg_v5_launch<false, 1>, false, 3}, /* TMA-store epilogue alone (v3's promotion) */
+    {"v5b", gg_v5_launch<true, 0>, false, 4},  /* overlapped promotion alone (v3's register epilogue) */
+    {"v5c", gg_v5_launch<true, 2>, false, 5},  /* v5 with 2 C buffers (4 stages) */
+};
+constexpr int NF8 = sizeof(FP8_VERSIONS) / sizeof(FP8_VERSIONS[0]);
+static bool fp8_any_enabled() {
+    for (const fp8_version &v : FP8_VERSIONS)
+        if (enabled(v.name)) return true;
+    return false;
+}
+
+/* One product of the FP8 columns: fills c[0 .. NF8) (FP8_VERSIONS' order). */
 static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_t> &offs, const int64_t *doffs,
                      const std::vector<int64_t> &idx, const int64_t *didx, float *dgot, bool timed, const std::string &where,
                      cell *c) {
-    const bool on[2] = {enabled("v3"), enabled("v3q")};
-    if (!on[0] && !on[1]) return;
-    c[0].ran = on[0], c[1].ran = on[1];
+    bool on[NF8], need[NF8]; /* need: the GEMM is validated (its column or a q column on it is on) */
+    bool any = false;
+    for (int v = 0; v < NF8; v++) on[v] = enabled(FP8_VERSIONS[v].name), need[v] = false, any |= on[v];
+    if (!any) return;
+    for (int v = 0; v < NF8; v++)
+        if (on[v]) c[v].ran = true, need[FP8_VERSIONS[v].base] = true;
     const int E = f.E;
     const int64_t in = f.in, out = f.out;
     gg_fp8_problem p;
@@ -312,47 +356,57 @@ static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_
     g_current = "v3 quantization " + where;
     CK(quant());
     sync_or_die("v3 quantization", where.c_str(), 60);
-    const int64_t csize = kind == 0 ? f.rcap * out : kind == 1 ? f.rcap * in : (int64_t)E * out * in;
-    if (beta != 0.0f) fill(p.C, csize, kind == 1 ? SEED_DX0 : SEED_DW0);
-    else nanfill(p.C, csize);
-    CK(cudaDeviceSynchronize());
-    g_current = "v3 " + where;
-    const cudaError_t le = gg_v3_launch(p, 0);
-    if (le == GG_NOT_SERVED) {
-        c[0].na = c[1].na = true;
-        return;
-    }
-    if (le != cudaSuccess) {
-        fprintf(stderr, "grouped_gemm: v3 on %s: launch: %s\n", where.c_str(), cudaGetErrorString(le));
-        g_fail_lines.push_back("FAIL v3 " + where + ": launch: " + cudaGetErrorString(le));
-        c[0].ok = c[1].ok = false;
-        g_failures++;
-        return;
-    }
-    sync_or_die("v3", where.c_str(), 60);
-    std::vector<float> got(idx.size());
-    gather_kernel<<<(unsigned)((idx.size() + 255) / 256), 256>>>(p.C, didx, (int)idx.size(), dgot);
-    CK(cudaGetLastError());
-    CK(cudaMemcpy(got.data(), dgot, idx.size() * sizeof(float), cudaMemcpyDeviceToHost));
-
-    fp8_host h; /* the GPU's activation codes and scales */
+    fp8_host h; /* the GPU's activation codes and scales, checked once for every column */
     if (kind == 0) d2h(h.a, f.xq, f.rcap * in), d2h(h.sa, f.sx, in / 128 * f.rpad);
     else if (kind == 1) d2h(h.a, f.dyq, f.rcap * out), d2h(h.sa, f.sdy, out / 128 * f.rpad);
     else {
         d2h(h.a, f.dyT, out * f.kcap), d2h(h.sa, f.sdyT, f.kcap / 128 * out);
         d2h(h.b, f.xT, in * f.kcap), d2h(h.sb, f.sxT, f.kcap / 128 * in);
     }
-    if (!fp8_check(f, h, offs, kind, beta, idx, got, where)) {
-        c[0].ok = c[1].ok = false;
-        return;
+    const int qstate = check_act_quant(f, h, offs, kind, idx, where) ? 1 : 0;
+    fp8_refs refs;
+    fp8_refs_fill(refs, f, h, offs, kind, idx);
+    const int64_t csize = kind == 0 ? f.rcap * out : kind == 1 ? f.rcap * in : (int64_t)E * out * in;
+    std::vector<float> got(idx.size());
+    for (int v = 0; v < NF8; v++) { /* validation of each GEMM */
+        const fp8_version &fv = FP8_VERSIONS[v];
+        if (!need[v] || fv.q) continue;
+        if (beta != 0.0f) fill(p.C, csize, kind == 1 ? SEED_DX0 : SEED_DW0);
+        else nanfill(p.C, csize);
+        CK(cudaDeviceSynchronize());
+        g_current = std::string(fv.name) + " " + where;
+        if (getenv("GG_VERBOSE")) fprintf(stderr, "[run] %s\n", g_current.c_str());
+        const cudaError_t le = fv.fn(p, 0);
+        if (le == GG_NOT_SERVED) {
+            c[v].na = true;
+            continue;
+        }
+        if (le != cudaSuccess) {
+            fprintf(stderr, "grouped_gemm: %s on %s: launch: %s\n", fv.name, where.c_str(), cudaGetErrorString(le));
+            g_fail_lines.push_back(std::string("FAIL ") + fv.name + " " + where + ": launch: " + cudaGetErrorString(le));
+            c[v].ok = false;
+            g_failures++;
+            continue;
+        }
+        sync_or_die(fv.name, where.c_str(), 60);
+        gather_kernel<<<(unsigned)((idx.size() + 255) / 256), 256>>>(p.C, didx, (int)idx.size(), dgot);
+        CK(cudaGetLastError());
+        CK(cudaMemcpy(got.data(), dgot, idx.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        if (!fp8_check(f, h, offs, kind, beta, idx, got, where, fv.name, qstate, &refs)) c[v].ok = false;
     }
-    if (!c[0].ok || !timed || g_notime) return;
-    for (int v = 0; v < 2; v++) {
-        if (!on[v]) continue;
+    for (int v = 0; v < NF8; v++) { /* a q column shares its GEMM's verdict */
+        const fp8_version &fv = FP8_VERSIONS[v];
+        if (fv.q) c[v].na = c[fv.base].na, c[v].ok = c[fv.base].ok;
+    }
+    if (!timed || g_notime) return;
+    for (int v = 0; v < NF8; v++) {
+        const fp8_version &fv = FP8_VERSIONS[v];
+        if (!on[v] || c[v].na || !c[v].ok) continue;
         auto call = [&]() {
-            if (v == 1) CK(quant());
-            CK(gg_v3_launch(p, 0));
+            if (fv.q) CK(quant());
+            CK(fv.fn(p, 0));
         };
+        g_current = std::string(fv.name) + " timing " + where;
         for (int w = 0; w < 2; w++) call();
         std::vector<cudaEvent_t> ev(g_iters + 1);
         for (auto &e : ev) CK(cudaEventCreate(&e));
@@ -361,7 +415,7 @@ static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_
             call();
             CK(cudaEventRecord(ev[i + 1], 0));
         }
-        sync_or_die(v ? "v3q" : "v3", where.c_str(), 120);
+        sync_or_die(fv.name, where.c_str(), 120);
         std::vector<float> ms(g_iters);
         for (int i = 0; i < g_iters; i++) CK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
         for (auto &e : ev) cudaEventDestroy(e);
@@ -370,7 +424,8 @@ static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_
     }
 }
 
-/* ---- host check of v3's TMA boxes (v3_fp8.cuh's boxes_of, which the producer issues) ----
+/* ---- host check of v3's TMA boxes (v3_fp8.cuh's boxes_of, which the producer issues; v5 too)
+ * and of v5's C boxes (v5_fp8.cuh's c_box: whole tiles only, each box inside C and the group) ----
  * Over every case, projection, kind, tile and k-block of the lab: each box starts at a global
  * address that is a multiple of 16 bytes along its innermost dimension (the rule whose breach, in
  * the row-scale box of 7ba8ac5, raised cudaErrorIllegalInstruction on the H200), starts inside its
@@ -380,7 +435,7 @@ static void fp8_kind(fp8_bufs &f, int kind, float beta, const std::vector<int64_
  * summary line). Returns false, with a message on stderr, on the first violation. */
 static bool fp8_tma_selftest(const std::vector<gcase> &cases, bool verbose) {
     static gg_sched s;
-    int64_t boxes = 0, old_bad = 0;
+    int64_t boxes = 0, old_bad = 0, cboxes = 0, partial = 0;
     for (const gcase &gc : cases) {
         const int E = (int)gc.counts.size();
         std::vector<int> pblk(E + 1, 0);
@@ -400,8 +455,32 @@ static bool fp8_tma_selftest(const std::vector<gcase> &cases, bool verbose) {
                 const int64_t inner[4] = {kind == 2 ? kcap : K, kind == 2 ? kcap : K, kind == 2 ? out : rpad, in};
                 const int64_t outer[4] = {kind == 2 ? out : rcap, kind == 2 ? in : E * (kind == 0 ? out : in),
                                           kind == 2 ? kcap / 128 : K / 128, kcap / 128};
+                const int64_t N = kind == 0 ? out : in, crows = kind == 2 ? E * out : rcap; /* C's tensor map (v5) */
                 for (int ti = 0; ti < s.tile[E]; ti++) {
                     const gg_tile t = gg_tile_of(s, p, ti, v3::BN);
+                    /* v5's C boxes (v5::c_box; old-C loads and TMA stores use the same): a whole TMA tile, every box
+                     * 16-byte aligned, inside C and inside the tile's group (kinds 0/1: its rows; kind 2: dW_e) */
+                    const bool tt = v5::tma_tile(kind, t);
+                    if (!tt && (kind == 2 || (int64_t)(t.mt + 1) * v3::BM <= t.me)) {
+                        fprintf(stderr, "grouped_gemm: v5 tile %d of %s kind %d is whole but not stored by TMA\n", ti, gc.name.c_str(), kind);
+                        return false;
+                    }
+                    for (int i = 0; tt && i < 4; i++, cboxes++) {
+                        int c0, c1;
+                        v5::c_box(kind, t, out, i, &c0, &c1);
+                        const int64_t glo = kind == 2 ? (int64_t)t.e * out : t.r0, ghi = kind == 2 ? glo + out : t.r0 + t.me;
+                        if ((int64_t)c0 * 2 % 16 != 0 || c0 < 0 || c0 + 64 > N || c1 < glo || c1 + 64 > ghi || c1 + 64 > crows ||
+                            (c0 - t.nt * v3::BN) != 64 * (i & 1) || (c1 - (glo + (int64_t)t.mt * v3::BM)) != 64 * (i >> 1)) {
+                            fprintf(stderr,
+                                    "grouped_gemm: v5 C box %d of %s/%s kind %d tile %d starts at (%d, %d) of a {%lld, %lld} bf16 "
+                                    "tensor, group rows [%lld, %lld): must be 16-byte aligned, inside C and the group, at its "
+                                    "half / column chunk\n",
+                                    i, gc.name.c_str(), proj ? "dn" : "gu", kind, ti, c0, c1, (long long)N, (long long)crows,
+                                    (long long)glo, (long long)ghi);
+                            return false;
+                        }
+                    }
+                    if (!tt) partial++;
                     const int nk = kind == 2 ? (int)((t.me + v3::BK - 1) / v3::BK) : (int)(K / v3::BK);
                     const int brow = kind == 2 ? 0 : (int)(t.e * (kind == 0 ? out : in)), pb = kind == 2 ? pblk[t.e] : 0;
                     for (int kb = 0; kb < nk; kb++) {
@@ -434,9 +513,16 @@ static bool fp8_tma_selftest(const std::vector<gcase> &cases, bool verbose) {
         fprintf(stderr, "grouped_gemm: no case has a group starting at a row not a multiple of 4: the v3 TMA check proves nothing\n");
         return false;
     }
-    if (verbose)
+    if (partial == 0) {
+        fprintf(stderr, "grouped_gemm: no case has a partial m-tile: the v5 C-box check proves nothing about them\n");
+        return false;
+    }
+    if (verbose) {
         printf("# v3 TMA boxes: %lld checked, every start 16-byte aligned (the row-scale start of 7ba8ac5 was not in %lld)\n",
                (long long)boxes, (long long)old_bad);
+        printf("# v5 C boxes (old-C loads, TMA stores): %lld checked, 16-byte aligned, inside C and the tile's group; %lld partial "
+               "m-tiles stored from registers (v5's A / B / scale boxes are v3's, above)\n", (long long)cboxes, (long long)partial);
+    }
     return true;
 }
 

@@ -11,7 +11,8 @@
  * element's index (multiples of 1/8 in [-1, 1], so every fp32 sum is exact and the only error is
  * the final bf16 rounding); the reference recomputes them on the host, so nothing big is copied.
  *
- * The FP8 option (v3, v3q: v3_fp8.cuh) has its own inputs, quantizers and checks: fp8_lab.cuh.
+ * The FP8 option (v3, v3q: v3_fp8.cuh; v5, v5a, v5b, v5c: v5_fp8.cuh) has its own inputs, quantizers
+ * and checks: fp8_lab.cuh.
  *
  * Environment: GG_VERSIONS (e.g. "v1,v2.128,v3"), GG_CASES (substring of case names), GG_ITERS (20),
  * GG_NOTIME=1 (validate only), GG_LIST=1 (print the cases, no GPU), GG_DW_BETA=0 (dW without +=). Build and run: make -C dev/cuda/grouped_gemm run
@@ -103,10 +104,6 @@ static const version VERSIONS[] = {
     {"v4r", gg_v4_launch<true>},     /* the same mainloop, register epilogue (old values batched) */
 };
 constexpr int NV = sizeof(VERSIONS) / sizeof(VERSIONS[0]);
-/* table columns: the bf16 versions, then the FP8 option (fp8_lab.cuh): v3 its GEMM alone, v3q the
- * activations' quantization + the GEMM */
-constexpr int NC = NV + 2;
-static const char *col_name(int v) { return v < NV ? VERSIONS[v].name : v == NV ? "v3" : "v3q"; }
 
 /* ---- cases ---- */
 struct gcase {
@@ -244,6 +241,11 @@ static void nanfill(bf16 *p, int64_t n) {
 
 #include "fp8_lab.cuh"
 
+/* table columns: the bf16 versions, then the FP8 ones (fp8_lab.cuh's FP8_VERSIONS: v3 its GEMM
+ * alone, v3q the activations' quantization + v3, v5* the v5_fp8.cuh variants) */
+constexpr int NC = NV + NF8;
+static const char *col_name(int v) { return v < NV ? VERSIONS[v].name : FP8_VERSIONS[v - NV].name; }
+
 static void print_row(const std::string &cs, const char *proj, const char *prod, int64_t avg, int64_t R, double flops,
                       const cell *c) {
     printf("%-13s %-3s %-7s %6lld %8lld", cs.c_str(), proj, prod, (long long)avg, (long long)R);
@@ -281,7 +283,7 @@ static void run_projection(const gcase &gc, const char *proj, int64_t in, int64_
     cell sum[NC];
     for (int v = 0; v < NC; v++) sum[v].ran = true;
     fp8_bufs f8;
-    const bool fp8_on = enabled("v3") || enabled("v3q");
+    const bool fp8_on = fp8_any_enabled();
     if (fp8_on) {
         g_current = "v3 setup " + gc.name + "/" + proj;
         fp8_setup(f8, offs, E, in, out, rcap, gc.name + "/" + proj);
