@@ -21,6 +21,7 @@
 #   bash bench/offload_gpu.sh streamopt       # 128K, 5 steps: the streamed AdamW's own copy streams
 #   bash bench/offload_gpu.sh fp8codes [T...] # the FP8 fast path: its GPU test, then OLMoE steps bf16 / fp8 codes / fp8 emulated
 #   bash bench/offload_gpu.sh calib           # calibrate with FLATMOE_EXPERT_GEMM=sm90 (bf16, sm90 and fp8 curves) -> $OUT/h200.json
+#   bash bench/offload_gpu.sh fp8next         # the rewritten FP8 quantizers' test and the lab's v5 variants (then pack)
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
 # (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
 set -uo pipefail
@@ -215,6 +216,16 @@ autogemm) # FLATMOE_EXPERT_GEMM=auto's pick (plan/fm_expert_choice.h) in train: 
         head -1 "$OUT/gemm-auto-$T.jsonl" | grep -o '"expert_gemm":{[^}]*}'
         grep -m1 '"type":"step"' "$OUT/gemm-auto-$T.jsonl" | grep -o '"expert_gemm":"[a-z0-9]*"'
     done ;;
+fp8next) # session 10's unrun FP8 work, first call of the next session (~8 min): build, the rewritten
+    # quantizers against the C reference byte for byte (corner cases included) and their GB/s, the FP8 CLI
+    # test, then the lab's v5 variants (smoke each alone, then v3/v4/v5* timed at the 512-row cases;
+    # GG_CASES overrides) -> pack
+    bash "$0" build
+    ./build-gpu/test_cuda_fp8_codes > "$OUT/fp8codes-test.log" 2>&1; echo "== test_cuda_fp8_codes exit $?"
+    grep -E "FAIL|passed|GB/s|TFLOP/s" "$OUT/fp8codes-test.log" | head -20
+    (cd build-gpu && ctest -R cli_cuda_fp8 --output-on-failure > "$OUT/fp8codes-cli.log" 2>&1; echo "== cli_cuda_fp8 exit $?")
+    GG_CASES=${GG_CASES:-512} timeout 420 bash dev/cuda/grouped_gemm/v5_gpu.sh 2>&1 | tail -45
+    bash "$0" pack > /dev/null ;;
 run) shift; run1 "$@" ;;
 *) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|longest|sm90|autogemm|verify|collect|peer|ours|ranks|lab|updblocks|fp8loss|streamopt|pack|run"; exit 2 ;;
 esac
