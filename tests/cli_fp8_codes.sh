@@ -11,7 +11,8 @@
 #     the two paths at one point; the paths differ only in fp32 summation order, which can flip
 #     one E4M3 rounding of a requantized operand, hence the tolerance), high-water = bound;
 #   - a hidden size that is not a multiple of 128: the codes path falls back to the emulation, in
-#     train and plan alike (the same bytes), and --fp8-weight-cache is refused naming the sizes.
+#     train and plan alike (the same bytes), and --fp8-weight-cache is refused naming the sizes;
+#   - a --mem-budget that the weight cache overflows: the error advises dropping --fp8-weight-cache.
 source "$(dirname "$0")/lib_cli.sh"
 cfg="$ROOT/configs/tiny.json" # H 128, I 128, E 8, top-2
 base=(--config "$cfg" --data "$TEXT" --seq-len 32 --micro-batch 2 --threads 1 --seed 7 --expert-precision fp8 --eval-batches 1)
@@ -91,4 +92,12 @@ assert p["live_sets"]["expert dispatch"] == int(sys.argv[2].split()[3]), (p["liv
 PY
 expect_fail "--fp8-weight-cache at hidden 96" "sizes multiples of 128" \
     env FLATMOE_TEST_FP8_CODES=1 "$FM" train "${h96[@]}" --steps 1 --fp8-weight-cache --out "$TMP/bad"
+
+# ---- a budget that fits without --fp8-weight-cache but not with it: the advice names the flag ----
+mb=(--config "$cfg" --seq-len 64 --micro-batch 4 --threads 1 --expert-precision fp8 --mem-budget 36MiB)
+FLATMOE_TEST_FP8_CODES=1 "$FM" plan "${mb[@]}" > /dev/null 2>&1 && ok || bad "the 36 MiB plan without the cache does not fit"
+expect_fail "plan: the cache over the budget" "drop --fp8-weight-cache" \
+    env FLATMOE_TEST_FP8_CODES=1 "$FM" plan "${mb[@]}" --fp8-weight-cache
+expect_fail "train: the cache over the budget" "drop --fp8-weight-cache" \
+    env FLATMOE_TEST_FP8_CODES=1 "$FM" train "${mb[@]}" --data "$TEXT" --steps 1 --fp8-weight-cache --out "$TMP/bad"
 finish
