@@ -163,7 +163,7 @@ failure)
     long='--config $CFG --data $TEXT --seq-len 32 --micro-batch 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint --comm-timeout 4'
     # case: what rank 1 does to itself 1 s into training (tests/mpi_after_step.sh; or its own
     # arguments); needle: what the output must say
-    for case in kill stop nodata flags evalflag; do
+    for case in kill stop nodata flags evalflag precision; do
         case $case in
         kill)   cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (bash "$AFTER" "$TMP/k"; kill -KILL $$) & fi; exec "$FM" train '"$long"' --out "$TMP/k"'
                 needle="rank 1" ;;
@@ -176,6 +176,9 @@ failure)
         evalflag) # a flag that decides which collectives a step runs (the evaluation's), before any step
                 cmd='e=0; [ "$OMPI_COMM_WORLD_RANK" = 1 ] && e=5; exec "$FM" train '"${long/--eval-every 0/--eval-every \$e}"' --out "$TMP/e"'
                 needle="error on rank [01] of 2: .*--eval-every differs between the ranks of this launch \(this rank's value (0|5); the ranks' values span 0 to 5\)" ;;
+        precision) # the experts' precision: fp8 on one rank, bf16 on the other (a gradient of two recipes)
+                cmd='p=bf16; [ "$OMPI_COMM_WORLD_RANK" = 1 ] && p=fp8; exec "$FM" train '"$long"' --expert-precision $p --out "$TMP/p"'
+                needle="error on rank [01] of 2: .*--expert-precision differs between the ranks of this launch" ;;
         esac
         t0=$SECONDS
         timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c "$cmd" >"$TMP/$case.log" 2>&1; rc=$?

@@ -228,6 +228,14 @@ void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o0, char *buf,
         r.bf16_moments = true;
         if (try_fit(&r, &o, NULL, 0)) add_item(list, sizeof list, &items, "--bf16-moments (AdamW m and v in bf16: 4 B/param less)");
     }
+    /* 2b. --fp8-weight-cache dropped: its L x 6 E H I bytes of weight codes (one layer's set instead) */
+    if (req->expert_fp8_cache) {
+        fm_plan_req r = *req;
+        r.expert_fp8_cache = false;
+        if (try_fit(&r, &o, NULL, 0))
+            add_item(list, sizeof list, &items, "drop --fp8-weight-cache (every layer's expert weight codes, L x 6 E H I "
+                     "bytes: quantized at each use instead)");
+    }
     /* 3. the streamed optimizer when the user fixed it off cannot be said (a switch has no off);
      *    it is a chooser knob, so a fit with it was tried. 4. a smaller micro-batch */
     if (req->B > 1) {

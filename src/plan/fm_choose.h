@@ -38,8 +38,8 @@ typedef struct fm_choose_opts {
 fm_status fm_plan_fit(fm_plan_req *req, const fm_choose_opts *o, bool *rc_storage, fm_plan *out, fm_projection *proj);
 
 /* The knobs that would make `req` (as the user gave it; the free knobs per o) fit, each checked
- * by fitting again with it alone: the fixed chooser knobs freed, --bf16-moments, the streamed
- * optimizer, a smaller --micro-batch or --seq-len (the largest that fits), and the rank count
+ * by fitting again with it alone: the fixed chooser knobs freed, --bf16-moments, --fp8-weight-cache
+ * dropped, the streamed optimizer, a smaller --micro-batch or --seq-len (the largest that fits), and the rank count
  * ZeRO-3 would need (text only: multi-rank training is not built yet). Writes a sentence into
  * buf ("nothing short of a larger budget fits" when none). Never fails. */
 void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o, char *buf, size_t n);

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# --expert-precision fp8's fast path on E4M3 codes (the CPU's reference of the code ops,
+# FLATMOE_TEST_FP8_CODES=1) in the combinations tests/cli_fp8.sh leaves out:
+#   - exact resume across --fp8-weight-cache: 4 steps straight without the cache give the same
+#     losses, gradient norms and final weights, bit for bit, as 2 steps with the cache, a resume,
+#     and 2 more without it (grad accumulation, MoE chunks, recompute, an evaluation between steps);
+#   - the bits do not depend on --threads (cpu_fp8_gemm.c splits rows, never a sum);
+#   - adversarial routing (FLATMOE_TEST_FORCE_ROUTE): all routes on two experts (six empty), and
+#     half of them forced in chunks of 12 tokens (some experts empty in a chunk): the codes and the
+#     emulation agree on the same weights (--lr 1e-20: the weights stay put, so each step compares
+#     the two paths at one point; the paths differ only in fp32 summation order, which can flip
+#     one E4M3 rounding of a requantized operand, hence the tolerance), high-water = bound;
+#   - a hidden size that is not a multiple of 128: the codes path falls back to the emulation, in
+#     train and plan alike (the same bytes), and --fp8-weight-cache is refused naming the sizes;
+#   - a --mem-budget that the weight cache overflows: the error advises dropping --fp8-weight-cache.
+source "$(dirname "$0")/lib_cli.sh"
+cfg="$ROOT/configs/tiny.json" # H 128, I 128, E 8, top-2
+base=(--config "$cfg" --data "$TEXT" --seq-len 32 --micro-batch 2 --threads 1 --seed 7 --expert-precision fp8 --eval-batches 1)
+codes() { FLATMOE_TEST_FP8_CODES=1 "$FM" train "$@"; }
+emu() { (unset FLATMOE_TEST_FP8_CODES; "$FM" train "$@"); }
+
+steps() { # METRICS: "step loss grad_norm" per step record, exact reprs
+    python3 -c '
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    if r.get("type") == "step": print(r["step"], repr(r["loss"]), repr(r["grad_norm"]))' "$1"; }
+
+# ---- exact resume across the weight cache ----
+rs=(--steps 4 --grad-accum 2 --moe-chunk-tokens 20 --recompute 1,2 --eval-every 2 --warmup 1
+    --lr 3e-3 --save-every 2)
+codes "${base[@]}" "${rs[@]}" --out "$TMP/straight" > "$TMP/straight.log" 2>&1 || bad "straight run failed: $(tail -2 "$TMP/straight.log")"
+codes "${base[@]}" "${rs[@]}" --fp8-weight-cache --exit-after 2 --out "$TMP/split" > "$TMP/split1.log" 2>&1 \
+    || bad "first half (cache) failed: $(tail -2 "$TMP/split1.log")"
+codes "${base[@]}" "${rs[@]}" --resume --out "$TMP/split" > "$TMP/split2.log" 2>&1 || bad "resume failed: $(tail -2 "$TMP/split2.log")"
+grep -q "on E4M3 codes" "$TMP/split2.log" && ok || bad "the resumed run is not on E4M3 codes"
+a=$(steps "$TMP/straight/metrics.jsonl"); b=$(steps "$TMP/split/metrics.jsonl")
+[ "$(wc -l <<<"$a")" -eq 4 ] && [ "$a" = "$b" ] && ok || bad "resume across --fp8-weight-cache changed the steps: $a vs $b"
+cmp -s "$TMP/straight/step_000004/model.safetensors" "$TMP/split/step_000004/model.safetensors" && ok \
+    || bad "resume across --fp8-weight-cache: the weights differ"
+
+# ---- threads ----
+th=(--steps 2 --grad-accum 2 --moe-chunk-tokens 40 --eval-every 0 --no-checkpoint)
+codes "${base[@]}" "${th[@]}" --fp8-weight-cache --out "$TMP/t1" > "$TMP/t1.log" 2>&1 || bad "threads 1 failed: $(tail -2 "$TMP/t1.log")"
+codes "${base[@]}" "${th[@]}" --fp8-weight-cache --threads 2 --out "$TMP/t2" > "$TMP/t2.log" 2>&1 || bad "threads 2 failed: $(tail -2 "$TMP/t2.log")"
+[ -n "$(steps "$TMP/t1/metrics.jsonl")" ] && [ "$(steps "$TMP/t1/metrics.jsonl")" = "$(steps "$TMP/t2/metrics.jsonl")" ] && ok \
+    || bad "the codes path's bits depend on --threads"
+
+# ---- adversarial routing: codes against the emulation on the same weights ----
+agree() { # NAME EMU_METRICS CODES_METRICS
+    python3 - "$2" "$3" <<'PY' && ok || bad "$1: the codes and the emulation disagree (or high-water != bound)"
+import json, math, sys
+def load(p): return [r for r in map(json.loads, open(p)) if r.get("type") == "step"]
+e, c = load(sys.argv[1]), load(sys.argv[2])
+assert len(e) == len(c) == 2, (len(e), len(c))
+for x, y in zip(e, c):
+    assert math.isfinite(y["loss"]) and math.isfinite(y["grad_norm"])
+    assert abs(x["loss"] - y["loss"]) <= 1e-4 * abs(x["loss"]), (x["loss"], y["loss"])
+    assert abs(x["grad_norm"] - y["grad_norm"]) <= 2e-3 * abs(x["grad_norm"]), (x["grad_norm"], y["grad_norm"])
+mem = [y["memory"] for y in c if "memory" in y] # --report-memory: the first and the last step
+assert mem
+for name, m in ((n, v) for d in mem for n, v in d.items()):
+    assert m["high_water"] <= m["bound"] < m["high_water"] + 64, (name, m)
+PY
+}
+fr=(--steps 2 --lr 1e-20 --min-lr 0 --eval-every 0 --no-checkpoint --report-memory)
+for route in "3:" "5:50:--moe-chunk-tokens 12"; do
+    r=${route%%:*}; rest=${route#*:}; pct=${rest%%:*}; extra=${rest#*:}; [ -n "$pct" ] && r="$r:$pct"
+    n=route_${r/:/_}
+    FLATMOE_TEST_FORCE_ROUTE=$r emu "${base[@]}" "${fr[@]}" $extra --out "$TMP/${n}_e" > "$TMP/${n}_e.log" 2>&1 \
+        || bad "$n emulated failed: $(tail -2 "$TMP/${n}_e.log")"
+    FLATMOE_TEST_FORCE_ROUTE=$r codes "${base[@]}" "${fr[@]}" $extra --fp8-weight-cache --out "$TMP/${n}_c" > "$TMP/${n}_c.log" 2>&1 \
+        || bad "$n codes failed: $(tail -2 "$TMP/${n}_c.log")"
+    agree "$n" "$TMP/${n}_e/metrics.jsonl" "$TMP/${n}_c/metrics.jsonl"
+done
+
+# ---- hidden 96: no codes path; train and plan fall back to the emulation alike ----
+python3 - "$cfg" "$TMP/h96.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); c.update(hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
+json.dump(c, open(sys.argv[2], "w"))
+PY
+h96=(--config "$TMP/h96.json" "${base[@]:2}")
+codes "${h96[@]}" --steps 1 --eval-every 0 --no-checkpoint --report-memory --out "$TMP/h96" > "$TMP/h96.log" 2>&1 \
+    || bad "hidden 96 failed: $(tail -2 "$TMP/h96.log")"
+grep -q "expert GEMMs fp8 (blockwise E4M3, emulated)" "$TMP/h96.log" && ok || bad "hidden 96 did not fall back to the emulation"
+pj=$(FLATMOE_TEST_FP8_CODES=1 "$FM" plan --config "$TMP/h96.json" --seq-len 32 --micro-batch 2 --threads 1 --expert-precision fp8 --json 2>/dev/null)
+python3 - "$pj" "$(grep -m1 '^memory: expert dispatch' "$TMP/h96.log")" <<'PY' && ok || bad "hidden 96: plan disagrees with train"
+import json, sys
+p = json.loads(sys.argv[1])
+assert p["expert_fp8_path"] == "emulated", p["expert_fp8_path"]
+assert p["live_sets"]["expert dispatch"] == int(sys.argv[2].split()[3]), (p["live_sets"], sys.argv[2])
+PY
+expect_fail "--fp8-weight-cache at hidden 96" "sizes multiples of 128" \
+    env FLATMOE_TEST_FP8_CODES=1 "$FM" train "${h96[@]}" --steps 1 --fp8-weight-cache --out "$TMP/bad"
+
+# ---- a budget that fits without --fp8-weight-cache but not with it: the advice names the flag ----
+mb=(--config "$cfg" --seq-len 64 --micro-batch 4 --threads 1 --expert-precision fp8 --mem-budget 36MiB)
+FLATMOE_TEST_FP8_CODES=1 "$FM" plan "${mb[@]}" > /dev/null 2>&1 && ok || bad "the 36 MiB plan without the cache does not fit"
+expect_fail "plan: the cache over the budget" "drop --fp8-weight-cache" \
+    env FLATMOE_TEST_FP8_CODES=1 "$FM" plan "${mb[@]}" --fp8-weight-cache
+expect_fail "train: the cache over the budget" "drop --fp8-weight-cache" \
+    env FLATMOE_TEST_FP8_CODES=1 "$FM" train "${mb[@]}" --data "$TEXT" --steps 1 --fp8-weight-cache --out "$TMP/bad"
+finish
