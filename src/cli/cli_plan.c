@@ -51,7 +51,7 @@ int cmd_plan(int argc, char **argv) {
         {"gpu-workspace", F_STR, &gpu_ws_plan, NULL, "CUDA: bytes of the cuDNN workspace (default: sized by the planner)"},
         {"backend", F_STR, &backend, NULL, "plan for cpu (fp32) or cuda (bf16) (this binary's backend)"},
         {"expert-precision", F_STR, &expert_prec, NULL, "bf16 | fp8: plan train's --expert-precision fp8 (the expert live set holds, emulated, the quantized weights, 3 E H I elements, and two N k max(H,I) operand buffers; on E4M3 codes, train's path where it serves, their code operands, backend/fm_fp8_layout.h) (bf16)"},
-        {"fp8-weight-cache", F_BOOL, &fp8_cache, NULL, "plan train's --fp8-weight-cache (with fp8 on E4M3 codes: every layer's weight codes kept, L x 6 E H I bytes more) (off)"},
+        {"fp8-weight-cache", F_BOOL, &fp8_cache, NULL, "plan train's --fp8-weight-cache (with fp8 on E4M3 codes: every layer's weight codes kept, (L - 1) x 6 E H I bytes more) (off)"},
         {"bf16-moments", F_BOOL, &bf16m, NULL, "AdamW moments in bf16 (4 instead of 8 bytes per parameter) (off)"},
         {"offload-boundaries", F_STR, &offload, NULL, "N | all: boundaries 0..N-1 in pinned host memory (train's flag; 0 = off)"},
         {"no-optimizer-overlap", F_BOOL, &no_overlap, NULL, "project the update after the backward instead of beside the next forward (train's flag) (overlapped)"},
