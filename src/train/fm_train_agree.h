@@ -9,7 +9,7 @@
 #include "fm_trainer.h"
 
 /* Compares the flags that shape the run (shape, schedule, seed, mesh degrees, memory knobs, the
- * model's main dimensions) over the world: one all-reduce (max) of 2 x 28 int64 in host memory
+ * model's main dimensions) over the world: one all-reduce (max) of 2 x (the table's length) int64 in host memory
  * (each value and its bitwise complement, so min and max come from one call); doubles compare
  * by their bits, strings by a 63-bit FNV-1a hash. A collective: every rank calls it. Errors:
  * FM_ERR_ARG naming the first flag that differs, this rank's value and the ranks' range; the
