@@ -226,4 +226,14 @@ j=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 64 --micro-ba
 t=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 64 --micro-batch 1 2>/dev/null | awk '/^checkpoint staging:/ {print $3}')
 [ -n "$t" ] && python3 -c "import json,sys; sys.exit(0 if json.loads(sys.argv[1])['checkpoint_staging_bytes'] == int(sys.argv[2]) else 1)" "$j" "$t" &&
     ok || bad "plan --json checkpoint_staging_bytes vs the text's $t"
+# A budget only MoE chunks under FM_PLAN_MIN_CHUNK (256 tokens) meet: the chooser falls back to them
+# (before, it refused a run that fits), and train boots with them within every bound.
+sm=$("$FM" plan --config "$cfg" --seq-len 256 --micro-batch 8 --threads 2 --mem-budget 47MiB 2>&1) &&
+    grep -qE "^shape: .*MoE chunked, [0-9]+ chunks of <= (128|64|32|16|8|4|2|1) tokens" <<<"$sm" && ok ||
+    bad "47 MiB: no fallback to chunks under 256 tokens: $(grep -E '^shape|error' <<<"$sm")"
+"$FM" train --config "$cfg" --data "$TEXT" --seq-len 256 --micro-batch 8 --steps 1 --threads 2 --eval-every 0 \
+    --mem-budget 47MiB --report-memory --out "$TMP/smallchunk" > "$TMP/smallchunk.log" 2>&1 && ok ||
+    bad "train at 47 MiB (small chunks) failed: $(tail -3 "$TMP/smallchunk.log")"
+grep -E "^memory: [a-z ]+ [0-9]+ +[0-9]+ " "$TMP/smallchunk.log" | awk '$(NF-1) + 0 > $(NF-2) + 0 {x=1} END {exit x}' && ok ||
+    bad "train at 47 MiB: a high-water mark over its bound: $(grep '^memory:' "$TMP/smallchunk.log")"
 finish

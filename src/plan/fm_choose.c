@@ -90,7 +90,29 @@ static void try_cand(fm_plan_req *r, const fm_choose_opts *o, cand c, bool *rc, 
     }
 }
 
-/* The search; req ends holding the best candidate (or the smallest one when none fits). */
+/* Every candidate over recompute counts nrs and MoE chunks `chunks` (the other knobs free per o). */
+static void search_grid(fm_plan_req *r, const fm_choose_opts *o, bool *rc, search *s, const int64_t *nrs, int64_t n_nr,
+                        const int64_t *chunks, int64_t n_ch) {
+    const int n_ka = o->fix_keep_attention ? 1 : 2, n_opt = o->fix_offload_optimizer ? 1 : 2, n_ce = o->fix_ce ? 1 : 2;
+    for (int64_t i = 0; i < n_nr; i++)
+        for (int ka = 0; ka < n_ka; ka++) {
+            /* keep-attention only matters for recomputed layers */
+            if (!o->fix_keep_attention && ka == 1 && nrs[i] == 0) continue;
+            for (int opt = 0; opt < n_opt; opt++)
+                for (int64_t j = 0; j < n_ch; j++)
+                    for (int ce = 0; ce < n_ce; ce++) {
+                        /* a mesh of more than one rank has the vocabulary ring: linear CE only */
+                        if (!o->fix_ce && ce == 0 && r->mesh.on && r->mesh.dp * r->mesh.sp > 1) continue;
+                        cand c = {nrs[i], o->fix_keep_attention ? -1 : ka, o->fix_offload_boundaries ? -1 : -2,
+                                  o->fix_offload_optimizer ? -1 : opt, chunks[j], o->fix_ce ? -1 : ce};
+                        try_cand(r, o, c, rc, s);
+                    }
+        }
+}
+
+/* The search; req ends holding the best candidate (or the smallest one when none fits). MoE chunks
+ * below FM_PLAN_MIN_CHUNK tokens are tried only when nothing else fits (slow, but a small model
+ * under a tight budget then still boots). */
 static bool search_all(fm_plan_req *r, const fm_choose_opts *o, bool *rc) {
     const int64_t L = r->cfg.num_hidden_layers, N = r->B * r->T;
     search s = {.small_total = SIZE_MAX};
@@ -109,21 +131,13 @@ static bool search_all(fm_plan_req *r, const fm_choose_opts *o, bool *rc) {
             if (c <= FM_PLAN_MIN_CHUNK || n_ch >= 64) break;
         }
     }
-    const int n_ka = o->fix_keep_attention ? 1 : 2, n_opt = o->fix_offload_optimizer ? 1 : 2, n_ce = o->fix_ce ? 1 : 2;
-    for (int64_t i = 0; i < n_nr; i++)
-        for (int ka = 0; ka < n_ka; ka++) {
-            /* keep-attention only matters for recomputed layers */
-            if (!o->fix_keep_attention && ka == 1 && nrs[i] == 0) continue;
-            for (int opt = 0; opt < n_opt; opt++)
-                for (int64_t j = 0; j < n_ch; j++)
-                    for (int ce = 0; ce < n_ce; ce++) {
-                        /* a mesh of more than one rank has the vocabulary ring: linear CE only */
-                        if (!o->fix_ce && ce == 0 && r->mesh.on && r->mesh.dp * r->mesh.sp > 1) continue;
-                        cand c = {nrs[i], o->fix_keep_attention ? -1 : ka, o->fix_offload_boundaries ? -1 : -2,
-                                  o->fix_offload_optimizer ? -1 : opt, chunks[j], o->fix_ce ? -1 : ce};
-                        try_cand(r, o, c, rc, &s);
-                    }
-        }
+    search_grid(r, o, rc, &s, nrs, n_nr, chunks, n_ch);
+    if (!s.found && !o->fix_moe_chunk) { /* the fallback: chunks of FM_PLAN_MIN_CHUNK / 2 .. 1 tokens */
+        int64_t small[64], n_small = 0;
+        for (int64_t c = (N < FM_PLAN_MIN_CHUNK ? N : FM_PLAN_MIN_CHUNK) / 2; c >= 1 && n_small < 64; c /= 2)
+            small[n_small++] = c;
+        search_grid(r, o, rc, &s, nrs, n_nr, small, n_small);
+    }
     apply(r, s.found ? &s.best : &s.small, rc);
     return s.found;
 }

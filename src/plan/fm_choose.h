@@ -30,7 +30,8 @@ typedef struct fm_choose_opts {
 /* Plans `req` within the budgets. With a device budget, the free knobs are chosen (a search over
  * recompute 0, 2..L with and without keep-attention, the fewest offloaded boundaries that fit,
  * the optimizer on device or streamed, MoE chunks unchunked, N, N/2, ... down to
- * FM_PLAN_MIN_CHUNK, plain or linear CE) for the least projected step time, and written into req
+ * FM_PLAN_MIN_CHUNK (and, only when nothing fits so, FM_PLAN_MIN_CHUNK/2 ... 1), plain or linear
+ * CE) for the least projected step time, and written into req
  * (recompute and keep-attention point into rc_storage [2L]). Without one, req is planned as given
  * and only the host budget is checked. *out gets the plan, *proj its projection.
  * Errors: FM_ERR_NOMEM when nothing fits: the message names the budget, the need, the largest
