@@ -6,10 +6,11 @@
  * Cases: E = 4..8 experts, in/out 128..512, uneven groups with empty ones, one group owning every
  * row, groups starting at odd rows and rows not a multiple of 4 (the row-scale TMA box's rule),
  * rcap above offsets[E] (rows past it must stay unwritten), fewer rows than one 128-row tile,
- * offsets in pinned host memory (as the dispatcher passes them) and in device memory.
+ * offsets in pinned host memory (as the dispatcher passes them) and in device memory, E = 1.
  * (a) Every byte of the rows and weight buffers (codes, scales, the unwritten rows and padding,
- *     which start as a sentinel) and every code and scale of the tokens buffers' groups' tiles
- *     (zero tails included) equals the reference: scale 2^fm_fp8_scale_exp(amax) as fp32 (ldexpf),
+ *     which start as a sentinel) and every byte of the tokens buffers (the groups' tiles' codes
+ *     and scales, zero tails included; tiles past the groups' and the padding the sentinel) equals
+ *     the reference: scale 2^fm_fp8_scale_exp(amax) as fp32 (ldexpf),
  *     code fm_e4m3_encode(ldexpf(v, -e)) on the bf16 value, a tile with a NaN or inf scale NaN and
  *     codes 0x7F; a separate case puts NaN and inf into tiles, and two "corners" cases fill every
  *     tile of every tiling with the values where a fast conversion could differ: each E4M3 value
@@ -396,14 +397,17 @@ static void run_case(const fp8_case *tc) {
     same_bytes("fp8_quant_rows dy: the whole buffer", gyr, ryr, nyr, 0);
     /* tokens: every channel's codes of the groups' tiles (zero tails included), and their scales */
     const int64_t nt = pblk[E];
-    struct { const char *what; const uint8_t *g, *r; int64_t C; } tk[2] = {
-        {"fp8_quant_tokens dy", gyt, ryt, out}, {"fp8_quant_tokens x", gxt, rxt, in}};
+    struct { const char *what; const uint8_t *g, *r; int64_t C, n; } tk[2] = {
+        {"fp8_quant_tokens dy", gyt, ryt, out, nyt}, {"fp8_quant_tokens x", gxt, rxt, in, nxt}};
     for (int i = 0; i < 2; i++) {
         int ok = 1;
         for (int64_t c = 0; c < tk[i].C && ok; c++)
             ok = same_bytes(tk[i].what, tk[i].g + c * kcap, tk[i].r + c * kcap, nt * 128, c * kcap);
         const int64_t so = fm_fp8_tokens_scales_at(kcap, tk[i].C);
         same_bytes(tk[i].what, tk[i].g + so, tk[i].r + so, nt * tk[i].C * 4, so);
+        /* the whole buffer: token tiles past the groups' (pblk[E] .. kcap/128), their scales and the
+         * padding stay the sentinel (nothing written past the groups' tiles) */
+        if (ok) same_bytes(tk[i].what, tk[i].g, tk[i].r, tk[i].n, 0);
     }
 
     if (!tc->nonfinite && !tc->corners) {
@@ -633,6 +637,9 @@ int main(void) {
          * all-zero tiles with -0, a scale one binade up (450): every tiling, every corner */
         {"corners (quantizers)", 4, 512, 256, 1100, {300, 0, 513, 270}, true, false, true},
         {"corners, short groups (quantizers)", 6, 256, 384, 500, {5, 130, 0, 1, 128, 200}, false, false, true},
+        /* E = 1: one group, rcap (133) neither a multiple of 4 nor of 128 and above offsets[E] (130):
+         * two token tiles, the second of 2 tokens; row-scale padding past rpad's rows unwritten */
+        {"one group, corners (quantizers)", 1, 384, 128, 133, {130}, true, false, true},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
 
