@@ -223,6 +223,8 @@ fp8next) # session 10's unrun FP8 work, first call of the next session (~8 min):
     bash "$0" build
     ./build-gpu/test_cuda_fp8_codes > "$OUT/fp8codes-test.log" 2>&1; echo "== test_cuda_fp8_codes exit $?"
     grep -E "FAIL|passed|GB/s|TFLOP/s" "$OUT/fp8codes-test.log" | head -20
+    [ -n "${SAN:-}" ] && { FLATMOE_TEST_NO_BENCH=1 timeout 400 compute-sanitizer --tool memcheck ./build-gpu/test_cuda_fp8_codes \
+        > "$OUT/fp8codes-memcheck.log" 2>&1; echo "== memcheck exit $?"; tail -4 "$OUT/fp8codes-memcheck.log"; }
     (cd build-gpu && ctest -R cli_cuda_fp8 --output-on-failure > "$OUT/fp8codes-cli.log" 2>&1; echo "== cli_cuda_fp8 exit $?")
     GG_CASES=${GG_CASES:-512} timeout 420 bash dev/cuda/grouped_gemm/v5_gpu.sh 2>&1 | tail -45
     bash "$0" pack > /dev/null ;;
