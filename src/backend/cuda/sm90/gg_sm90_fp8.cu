@@ -47,6 +47,8 @@
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
 
+#include <type_traits> /* gg_sm90_fp8_v5.cuh: std::integral_constant */
+
 #include "../../fm_backend_opts.h"
 #include "../../fm_fp8_layout.h"
 #include "sm90_common.cuh"

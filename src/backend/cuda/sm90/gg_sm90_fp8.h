@@ -25,14 +25,15 @@
  *
  * Served shapes (fm_gg8_serves): in, out multiples of 128, 1 <= E <= 256, rcap, kcap =
  * fm_fp8_kcap(rcap, E), E*in and E*out below 2^31 (TMA coordinates are int32). Every pointer
- * 16-byte aligned (TMA; the kernels' vector loads), C 4-byte aligned (16 for the v5 TMA epilogues). Plain C interface; the .cu is
- * compiled for sm_90a only (CMakeLists.txt: flatmoe_cuda_sm90). Nothing allocates, nothing
- * synchronizes with the host; no state is kept between calls (the persistent grid is the caller's
- * sm_count), so two devices in one process are fine. Every launch returns cudaSuccess,
- * cudaErrorInvalidValue (a shape not served, a misaligned or NULL pointer, kind outside 0..2,
- * sm_count < 1, a tensor map the driver refuses), cudaErrorNotSupported (no cuTensorMapEncodeTiled
- * entry point in the driver), cudaErrorInvalidConfiguration (the GEMM kernel was compiled with
- * fewer registers than its setmaxnreg split needs: it would hang), or the launch's error. */
+ * 16-byte aligned (TMA; the kernels' vector loads), C 4-byte aligned (16 under the v5 schedules'
+ * TMA epilogues). Plain C interface; the .cu is compiled for sm_90a only (CMakeLists.txt:
+ * flatmoe_cuda_sm90). Nothing allocates, nothing synchronizes with the host; no state is kept
+ * between calls (the persistent grid is the caller's sm_count), so two devices in one process are
+ * fine. Every launch returns cudaSuccess, cudaErrorInvalidValue (a shape not served, a misaligned
+ * or NULL pointer, kind outside 0..2, a schedule outside fm_gg8_launch's, sm_count < 1, a tensor
+ * map the driver refuses), cudaErrorNotSupported (no cuTensorMapEncodeTiled entry point in the
+ * driver), cudaErrorInvalidConfiguration (the GEMM kernel was compiled with fewer registers than
+ * its setmaxnreg split needs: it would hang), or the launch's error. */
 #ifndef FM_GG_SM90_FP8_H
 #define FM_GG_SM90_FP8_H
 

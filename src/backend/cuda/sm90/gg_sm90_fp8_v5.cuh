@@ -36,8 +36,8 @@
  * Techniques learned from DeepGEMM's sm90 fp8 kernel (promotion) and CUTLASS's sm90 TMA epilogue;
  * the code is our own. */
 #pragma once
-
-#include <type_traits>
+/* (no includes here: this file is read inside gg_sm90_fp8.cu's anonymous namespace, which
+ * includes what it needs, <type_traits> for std::integral_constant among them) */
 
 namespace v5 {
 
