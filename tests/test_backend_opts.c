@@ -10,7 +10,7 @@
 #include "fm_test.h"
 
 static const char *const k_vars[] = {"FLATMOE_PROFILE", "FLATMOE_ATTENTION", "FLATMOE_ATTENTION_VERBOSE",
-                                     "FLATMOE_EXPERT_GEMM", "FLATMOE_UPDATE_BLOCKS"};
+                                     "FLATMOE_EXPERT_GEMM", "FLATMOE_FP8_GEMM", "FLATMOE_UPDATE_BLOCKS"};
 
 static void clear_env(void) {
     for (size_t i = 0; i < sizeof k_vars / sizeof k_vars[0]; i++) unsetenv(k_vars[i]);
@@ -20,7 +20,8 @@ static void test_defaults(void) {
     const fm_backend_opts o = fm_backend_opts_default();
     CHECK(o.threads == 0 && o.max_head_dim == 128 && o.tile_q == 0 && o.tile_kv == 0 && o.gpu_workspace == 0);
     CHECK(o.attention == FM_ATTENTION_AUTO && !o.attention_verbose && o.expert_gemm == FM_EXPERT_GEMM_AUTO);
-    CHECK(!o.profile && o.update_blocks == 0);
+    CHECK(!o.profile && o.update_blocks == 0 && o.fp8_gemm == FM_FP8_GEMM_V3);
+    CHECK(strcmp(fm_fp8_gemm_name(FM_FP8_GEMM_V5C), "v5c") == 0 && strcmp(fm_fp8_gemm_name((fm_fp8_gemm)9), "?") == 0);
     CHECK(strcmp(fm_attention_path_name(FM_ATTENTION_FALLBACK), "fallback") == 0);
     CHECK(strcmp(fm_expert_gemm_name(FM_EXPERT_GEMM_GROUPED), "grouped") == 0);
     CHECK(strcmp(fm_expert_gemm_name((fm_expert_gemm)9), "?") == 0);
@@ -75,6 +76,16 @@ static void test_from_env(void) {
     CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_EXPERT_GEMM=batched") &&
                   strstr(fm_errmsg(), "auto, cublas, loop, grouped or sm90"), "%s", fm_errmsg());
 
+    CHECK(from("FLATMOE_FP8_GEMM", "v5", &o) == FM_OK && o.fp8_gemm == FM_FP8_GEMM_V5);
+    CHECK(from("FLATMOE_FP8_GEMM", "v5a", &o) == FM_OK && o.fp8_gemm == FM_FP8_GEMM_V5A);
+    CHECK(from("FLATMOE_FP8_GEMM", "v5b", &o) == FM_OK && o.fp8_gemm == FM_FP8_GEMM_V5B);
+    CHECK(from("FLATMOE_FP8_GEMM", "v5c", &o) == FM_OK && o.fp8_gemm == FM_FP8_GEMM_V5C);
+    CHECK(from("FLATMOE_FP8_GEMM", "v3", &o) == FM_OK && o.fp8_gemm == FM_FP8_GEMM_V3);
+    CHECK(from("FLATMOE_FP8_GEMM", "", &o) == FM_OK && o.fp8_gemm == FM_FP8_GEMM_V3);
+    CHECK(from("FLATMOE_FP8_GEMM", "v4", &o) == FM_ERR_ARG);
+    CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_FP8_GEMM=v4") && strstr(fm_errmsg(), "v3, v5, v5a, v5b or v5c"), "%s",
+              fm_errmsg());
+
     CHECK(from("FLATMOE_UPDATE_BLOCKS", "264", &o) == FM_OK && o.update_blocks == 264);
     CHECK(from("FLATMOE_UPDATE_BLOCKS", "0", &o) == FM_OK && o.update_blocks == 0);
     CHECK(from("FLATMOE_UPDATE_BLOCKS", "1048576", &o) == FM_OK && o.update_blocks == 1048576);
@@ -92,7 +103,7 @@ static void test_json(void) {
     CHECK(fm_backend_opts_json(&o, buf, sizeof buf) == FM_OK);
     CHECK_MSG(strcmp(buf, "{\"threads\":0,\"max_head_dim\":128,\"tile_q\":0,\"tile_kv\":0,\"gpu_workspace\":0,"
                           "\"attention\":\"auto\",\"attention_verbose\":false,\"expert_gemm\":\"auto\","
-                          "\"profile\":false,\"update_blocks\":0}") == 0,
+                          "\"fp8_gemm\":\"v3\",\"profile\":false,\"update_blocks\":0}") == 0,
               "%s", buf);
     /* the widest values still fit the documented maximum */
     o.threads = -2147483647 - 1;
@@ -101,10 +112,11 @@ static void test_json(void) {
     o.attention = FM_ATTENTION_FALLBACK;
     o.attention_verbose = o.profile = true;
     o.expert_gemm = FM_EXPERT_GEMM_GROUPED;
+    o.fp8_gemm = FM_FP8_GEMM_V5C;
     o.update_blocks = -2147483647 - 1;
     CHECK_MSG(fm_backend_opts_json(&o, buf, sizeof buf) == FM_OK, "%s", fm_errmsg());
     CHECK(strstr(buf, "\"attention\":\"fallback\",\"attention_verbose\":true,\"expert_gemm\":\"grouped\","
-                      "\"profile\":true,\"update_blocks\":-2147483648}") != NULL);
+                      "\"fp8_gemm\":\"v5c\",\"profile\":true,\"update_blocks\":-2147483648}") != NULL);
     char small[16] = "x";
     CHECK(fm_backend_opts_json(&o, small, sizeof small) == FM_ERR_ARG && small[0] == '\0');
 }

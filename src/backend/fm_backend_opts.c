@@ -14,6 +14,7 @@ fm_backend_opts fm_backend_opts_default(void) {
     o.attention = FM_ATTENTION_AUTO;
     o.attention_verbose = false;
     o.expert_gemm = FM_EXPERT_GEMM_AUTO;
+    o.fp8_gemm = FM_FP8_GEMM_V3;
     o.profile = false;
     o.update_blocks = 0;
     return o;
@@ -84,6 +85,14 @@ fm_status fm_backend_opts_from_env(fm_backend_opts *o) {
         FM_TRY(env_choice("FLATMOE_EXPERT_GEMM", names, vals, 5, "auto, cublas, loop, grouped or sm90", &v, &set));
         if (set) o->expert_gemm = (fm_expert_gemm)v;
     }
+    {
+        static const char *const names[] = {"v3", "v5", "v5a", "v5b", "v5c"};
+        static const int vals[] = {FM_FP8_GEMM_V3, FM_FP8_GEMM_V5, FM_FP8_GEMM_V5A, FM_FP8_GEMM_V5B, FM_FP8_GEMM_V5C};
+        int v = 0;
+        bool set = false;
+        FM_TRY(env_choice("FLATMOE_FP8_GEMM", names, vals, 5, "v3, v5, v5a, v5b or v5c", &v, &set));
+        if (set) o->fp8_gemm = (fm_fp8_gemm)v;
+    }
     FM_TRY(env_int("FLATMOE_UPDATE_BLOCKS", 0, 1 << 20, &o->update_blocks));
     return FM_OK;
 }
@@ -108,16 +117,27 @@ const char *fm_expert_gemm_name(fm_expert_gemm g) {
     return "?";
 }
 
+const char *fm_fp8_gemm_name(fm_fp8_gemm g) {
+    switch (g) {
+    case FM_FP8_GEMM_V3: return "v3";
+    case FM_FP8_GEMM_V5: return "v5";
+    case FM_FP8_GEMM_V5A: return "v5a";
+    case FM_FP8_GEMM_V5B: return "v5b";
+    case FM_FP8_GEMM_V5C: return "v5c";
+    }
+    return "?";
+}
+
 fm_status fm_backend_opts_json(const fm_backend_opts *o, char *buf, size_t cap) {
     FM_ASSERT(o && (buf || cap == 0));
     const int n = snprintf(buf, cap,
                            "{\"threads\":%d,\"max_head_dim\":%lld,\"tile_q\":%lld,\"tile_kv\":%lld,\"gpu_workspace\":%zu,"
-                           "\"attention\":\"%s\",\"attention_verbose\":%s,\"expert_gemm\":\"%s\",\"profile\":%s,"
+                           "\"attention\":\"%s\",\"attention_verbose\":%s,\"expert_gemm\":\"%s\",\"fp8_gemm\":\"%s\",\"profile\":%s,"
                            "\"update_blocks\":%d}",
                            o->threads, (long long)o->max_head_dim, (long long)o->tile_q, (long long)o->tile_kv,
                            o->gpu_workspace, fm_attention_path_name(o->attention),
                            o->attention_verbose ? "true" : "false", fm_expert_gemm_name(o->expert_gemm),
-                           o->profile ? "true" : "false", o->update_blocks);
+                           fm_fp8_gemm_name(o->fp8_gemm), o->profile ? "true" : "false", o->update_blocks);
     if (n < 0 || (size_t)n >= cap) {
         if (cap) buf[0] = '\0';
         return fm_error(FM_ERR_ARG, "backend options as JSON: %d bytes do not fit the %zu-byte buffer", n + 1, cap);

@@ -34,6 +34,17 @@ typedef enum fm_expert_gemm {
                                  * own (what auto ran before it could choose sm90) */
 } fm_expert_gemm;
 
+/* The schedule of the CUDA backend's FP8 grouped GEMM (backend/cuda/sm90/gg_sm90_fp8.h,
+ * fm_gg8_launch's schedule): the kernel lab's versions (dev/cuda/grouped_gemm/README.md). */
+typedef enum fm_fp8_gemm {
+    FM_FP8_GEMM_V3 = 0,  /* the lab's v3 (validated on the H200): the default */
+    FM_FP8_GEMM_V5 = 1,  /* v5: promotion overlapped with the next k-block's MMAs + a TMA-store
+                          * epilogue with one C buffer (not yet validated on a GPU) */
+    FM_FP8_GEMM_V5A = 2, /* v5a: v5's TMA-store epilogue alone (v3's promotion) */
+    FM_FP8_GEMM_V5B = 3, /* v5b: v5's overlapped promotion alone (v3's register epilogue) */
+    FM_FP8_GEMM_V5C = 4, /* v5c: v5 with two C buffers (the old C loads a tile early: dW) */
+} fm_fp8_gemm;
+
 typedef struct fm_backend_opts {
     int threads;                 /* CPU: OpenMP and BLAS threads, >= 0 (0: OpenMP's default) */
     int64_t max_head_dim;        /* both: attention serves head_dim <= this, >= 1 */
@@ -45,6 +56,7 @@ typedef struct fm_backend_opts {
     bool attention_verbose;      /* CUDA: print cuDNN's plan choices and refusals to stderr
                                   * (FLATMOE_ATTENTION_VERBOSE) */
     fm_expert_gemm expert_gemm;  /* CUDA: FLATMOE_EXPERT_GEMM */
+    fm_fp8_gemm fp8_gemm;        /* CUDA: FLATMOE_FP8_GEMM (the FP8 expert GEMM's schedule) */
     bool profile;                /* both: time each phase (prof_mark / prof_collect; FLATMOE_PROFILE) */
     int update_blocks;           /* CUDA: FLATMOE_UPDATE_BLOCKS, >= 0. 0 (the default): the update stream
                                   * (the optimizer overlap's, FM_STREAM_UPDATE) runs at the compute
@@ -57,7 +69,7 @@ typedef struct fm_backend_opts {
 } fm_backend_opts;
 
 /* threads 0, max_head_dim 128, tiles 0 x 0 (64 x 64), gpu_workspace 0 (64 MiB), attention auto,
- * not verbose, expert GEMMs auto, no profiling, update_blocks 0. */
+ * not verbose, expert GEMMs auto, FP8 GEMM v3, no profiling, update_blocks 0. */
 fm_backend_opts fm_backend_opts_default(void);
 
 /* Sets the fields the environment names, leaves the others as they are:
@@ -65,21 +77,24 @@ fm_backend_opts fm_backend_opts_default(void);
  *   FLATMOE_ATTENTION          auto|cudnn|fallback (flash, ours: fallback) -> attention
  *   FLATMOE_ATTENTION_VERBOSE  0|1 (as FLATMOE_PROFILE)                -> attention_verbose
  *   FLATMOE_EXPERT_GEMM        auto|cublas|loop|grouped|sm90            -> expert_gemm
+ *   FLATMOE_FP8_GEMM           v3|v5|v5a|v5b|v5c                        -> fp8_gemm
  *   FLATMOE_UPDATE_BLOCKS      an integer in [0, 1048576]               -> update_blocks
  * An unset or empty variable keeps the field. Errors: FM_ERR_ARG for any other value, naming the
  * variable, the value found and the values accepted (o is then partly updated). */
 fm_status fm_backend_opts_from_env(fm_backend_opts *o);
 
-/* "auto", "cudnn", "fallback"; "auto", "loop", "grouped", "sm90", "cublas"; "?" outside the enums. */
+/* "auto", "cudnn", "fallback"; "auto", "loop", "grouped", "sm90", "cublas"; "v3", "v5", "v5a",
+ * "v5b", "v5c"; "?" outside the enums. */
 const char *fm_attention_path_name(fm_attention_path p);
 const char *fm_expert_gemm_name(fm_expert_gemm g);
+const char *fm_fp8_gemm_name(fm_fp8_gemm g);
 
 /* Enough for fm_backend_opts_json's object with any field values. */
-#define FM_BACKEND_OPTS_JSON_MAX 360
+#define FM_BACKEND_OPTS_JSON_MAX 384
 
 /* Writes the options as one JSON object (no newline, NUL-terminated) into buf[cap], e.g.
  *   {"threads":0,"max_head_dim":128,"tile_q":0,"tile_kv":0,"gpu_workspace":0,"attention":"auto",
- *    "attention_verbose":false,"expert_gemm":"auto","profile":false,"update_blocks":0}
+ *    "attention_verbose":false,"expert_gemm":"auto","fp8_gemm":"v3","profile":false,"update_blocks":0}
  * for a metrics.jsonl line (`,"backend_opts":` followed by it). Errors: FM_ERR_ARG when it does
  * not fit (buf then holds ""; FM_BACKEND_OPTS_JSON_MAX always fits). */
 fm_status fm_backend_opts_json(const fm_backend_opts *o, char *buf, size_t cap);

@@ -26,8 +26,13 @@
  *     is ~3% of the rms, which this bound would reject). beta 0 over NaN (C must not be read),
  *     beta 1 over random old values; rows at or past offsets[E] of y and dx untouched; kind 2's
  *     empty experts bit for bit untouched with beta 1, exactly zero with beta 0.
+ * (b) runs for each GEMM schedule (FLATMOE_FP8_GEMM's v3, v5, v5a, v5b, v5c: a backend created
+ * with each fp8_gemm option), v3 first; every message names the schedule ("[v5] kind 0 ..."), and
+ * (a) is checked once, with v3. FLATMOE_TEST_FP8_SCHEDULES=v3,v5 (a comma-separated list) limits
+ * the v5 variants run (v3 always runs first).
  * Then (unless FLATMOE_TEST_NO_BENCH=1) timings at OLMoE's expert shape, FP8 against the bf16 sm90
- * kernel. */
+ * kernel, v3 after its checks and each v5 variant after its own (with its speed-up over v3), and
+ * all the GEMM lines together at the end. */
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -41,6 +46,22 @@
 
 static fm_backend g_be;
 static fm_rng g_rng;
+
+/* The GEMM schedules (fm_backend_opts.h's fm_fp8_gemm), v3 first; g_gbe: the backend created with
+ * the schedule under test (g_be for v3), g_si its index. */
+#define N_SCHED 5
+static const fm_fp8_gemm g_sched[N_SCHED] = {FM_FP8_GEMM_V3, FM_FP8_GEMM_V5B, FM_FP8_GEMM_V5A, FM_FP8_GEMM_V5,
+                                             FM_FP8_GEMM_V5C};
+static fm_backend g_bes[N_SCHED];
+static fm_backend *g_gbe = &g_be;
+static int g_si = 0;
+
+/* "[v5] what" (a static buffer: one label at a time) */
+static const char *lbl(const char *what) {
+    static char b[256];
+    snprintf(b, sizeof b, "[%s] %s", fm_fp8_gemm_name(g_sched[g_si]), what);
+    return b;
+}
 
 #define SENTINEL 0xA5
 #define BF16_NAN 0x7FC0u
@@ -313,12 +334,15 @@ static void check_untouched(const char *what, const uint16_t *got, const uint16_
               (long long)bad, (long long)first, first >= 0 ? got[first] : 0, first >= 0 ? want[first] : 0);
 }
 
-/* Runs kind on a C buffer preset to `init` (bf16 bits [n]) and returns the result (bits [n]). */
+/* Runs kind with the schedule under test (g_gbe) on a C buffer preset to `init` (bf16 bits [n])
+ * and returns the result (bits [n]). */
 static uint16_t *run_gemm(int kind, float beta, const uint16_t *init, int64_t n, const void *A8, const void *B8,
                           const int64_t *off, int64_t rcap, int64_t E, int64_t in, int64_t out) {
     void *dC = dev_bytes(n * 2);
     up_bits(dC, init, n);
-    g_be.ops->expert_fp8_gemm(g_be.ctx, kind, dC, beta, A8, B8, off, rcap, E, in, out);
+    g_be.ops->stream_sync(g_be.ctx, FM_STREAM_COMPUTE); /* the upload and the quantizers, then g_gbe's stream */
+    g_gbe->ops->expert_fp8_gemm(g_gbe->ctx, kind, dC, beta, A8, B8, off, rcap, E, in, out);
+    g_gbe->ops->stream_sync(g_gbe->ctx, FM_STREAM_COMPUTE);
     uint16_t *h = malloc((size_t)n * 2);
     down_bytes(h, dC, n * 2);
     g_be.ops->mem_free(g_be.ctx, dC);
@@ -342,8 +366,9 @@ static void run_case(const fp8_case *tc) {
     const int64_t R = off[E];
     FM_ASSERT(R <= rcap);
     pblk_of(pblk, off, E);
-    printf("%s: E %lld, in %lld, out %lld, rows %lld of rcap %lld, offsets in %s memory\n", tc->name, (long long)E,
-           (long long)in, (long long)out, (long long)R, (long long)rcap, tc->pinned ? "pinned host" : "device");
+    printf("[%s] %s: E %lld, in %lld, out %lld, rows %lld of rcap %lld, offsets in %s memory\n",
+           fm_fp8_gemm_name(g_sched[g_si]), tc->name, (long long)E, (long long)in, (long long)out, (long long)R,
+           (long long)rcap, tc->pinned ? "pinned host" : "device");
 
     float *x = randn(R, in, 1.0), *dy = randn(R, out, 0.5), *W = randn(E * out, in, 0.05);
     if (tc->corners) {
@@ -392,22 +417,24 @@ static void run_case(const fp8_case *tc) {
             *gxt = host_sentinel(nxt);
     down_bytes(gw, w8, nw), down_bytes(gxr, xr8, nxr), down_bytes(gyr, yr8, nyr), down_bytes(gyt, yt8, nyt),
         down_bytes(gxt, xt8, nxt);
-    same_bytes("fp8_quant_weight: Wq, WqT, scales (the whole buffer)", gw, rw, nw, 0);
-    same_bytes("fp8_quant_rows x: codes, scales, unwritten rows (the whole buffer)", gxr, rxr, nxr, 0);
-    same_bytes("fp8_quant_rows dy: the whole buffer", gyr, ryr, nyr, 0);
-    /* tokens: every channel's codes of the groups' tiles (zero tails included), and their scales */
     const int64_t nt = pblk[E];
-    struct { const char *what; const uint8_t *g, *r; int64_t C, n; } tk[2] = {
-        {"fp8_quant_tokens dy", gyt, ryt, out, nyt}, {"fp8_quant_tokens x", gxt, rxt, in, nxt}};
-    for (int i = 0; i < 2; i++) {
-        int ok = 1;
-        for (int64_t c = 0; c < tk[i].C && ok; c++)
-            ok = same_bytes(tk[i].what, tk[i].g + c * kcap, tk[i].r + c * kcap, nt * 128, c * kcap);
-        const int64_t so = fm_fp8_tokens_scales_at(kcap, tk[i].C);
-        same_bytes(tk[i].what, tk[i].g + so, tk[i].r + so, nt * tk[i].C * 4, so);
-        /* the whole buffer: token tiles past the groups' (pblk[E] .. kcap/128), their scales and the
-         * padding stay the sentinel (nothing written past the groups' tiles) */
-        if (ok) same_bytes(tk[i].what, tk[i].g, tk[i].r, tk[i].n, 0);
+    if (g_si == 0) { /* the quantizers: checked once, with the first schedule */
+        same_bytes("fp8_quant_weight: Wq, WqT, scales (the whole buffer)", gw, rw, nw, 0);
+        same_bytes("fp8_quant_rows x: codes, scales, unwritten rows (the whole buffer)", gxr, rxr, nxr, 0);
+        same_bytes("fp8_quant_rows dy: the whole buffer", gyr, ryr, nyr, 0);
+        /* tokens: every channel's codes of the groups' tiles (zero tails included), and their scales */
+        struct { const char *what; const uint8_t *g, *r; int64_t C, n; } tk[2] = {
+            {"fp8_quant_tokens dy", gyt, ryt, out, nyt}, {"fp8_quant_tokens x", gxt, rxt, in, nxt}};
+        for (int i = 0; i < 2; i++) {
+            int ok = 1;
+            for (int64_t c = 0; c < tk[i].C && ok; c++)
+                ok = same_bytes(tk[i].what, tk[i].g + c * kcap, tk[i].r + c * kcap, nt * 128, c * kcap);
+            const int64_t so = fm_fp8_tokens_scales_at(kcap, tk[i].C);
+            same_bytes(tk[i].what, tk[i].g + so, tk[i].r + so, nt * tk[i].C * 4, so);
+            /* the whole buffer: token tiles past the groups' (pblk[E] .. kcap/128), their scales and the
+             * padding stay the sentinel (nothing written past the groups' tiles) */
+            if (ok) same_bytes(tk[i].what, tk[i].g, tk[i].r, tk[i].n, 0);
+        }
     }
 
     if (!tc->nonfinite && !tc->corners) {
@@ -432,8 +459,8 @@ static void run_case(const fp8_case *tc) {
                 ref[r * out + o] = s, mask[r * out + o] = 1;
             }
         uint16_t *got = run_gemm(0, 0.0f, init, ny, xr8, w8, doff, rcap, E, in, out);
-        check_close("kind 0 (y = x W^T)", got, ref, mask, ny);
-        check_untouched("kind 0: rows at or past offsets[E]", got, init, mask, ny);
+        check_close(lbl("kind 0 (y = x W^T)"), got, ref, mask, ny);
+        check_untouched(lbl("kind 0: rows at or past offsets[E]"), got, init, mask, ny);
         free(got), free(ref), free(mask), free(init);
 
         /* kind 1: dx [rcap, in] = beta dx + dy W, rows < R */
@@ -450,8 +477,8 @@ static void run_case(const fp8_case *tc) {
         init = malloc((size_t)nx * 2);
         for (int64_t i = 0; i < nx; i++) init[i] = BF16_NAN;
         got = run_gemm(1, 0.0f, init, nx, yr8, w8, doff, rcap, E, in, out);
-        check_close("kind 1 (dx = dy W), beta 0 over NaN", got, sum, mask, nx);
-        check_untouched("kind 1, beta 0: rows at or past offsets[E]", got, init, mask, nx);
+        check_close(lbl("kind 1 (dx = dy W), beta 0 over NaN"), got, sum, mask, nx);
+        check_untouched(lbl("kind 1, beta 0: rows at or past offsets[E]"), got, init, mask, nx);
         free(got);
         ref = dnew(nx);
         for (int64_t i = 0; i < nx; i++)
@@ -461,8 +488,8 @@ static void run_case(const fp8_case *tc) {
                 ref[i] = (double)gt_bf16_to_f32(init[i]) + sum[i];
             }
         got = run_gemm(1, 1.0f, init, nx, yr8, w8, doff, rcap, E, in, out);
-        check_close("kind 1, beta 1 over random values", got, ref, mask, nx);
-        check_untouched("kind 1, beta 1: rows at or past offsets[E]", got, init, mask, nx);
+        check_close(lbl("kind 1, beta 1 over random values"), got, ref, mask, nx);
+        check_untouched(lbl("kind 1, beta 1: rows at or past offsets[E]"), got, init, mask, nx);
         free(got), free(ref), free(sum), free(mask), free(init);
 
         /* kind 2: dW [E, out, in] = beta dW + dy^T x, over each group's tokens */
@@ -482,10 +509,11 @@ static void run_case(const fp8_case *tc) {
         init = malloc((size_t)nW * 2);
         for (int64_t i = 0; i < nW; i++) init[i] = BF16_NAN;
         got = run_gemm(2, 0.0f, init, nW, yt8, xt8, doff, rcap, E, in, out);
-        check_close("kind 2 (dW = dy^T x), beta 0 over NaN", got, sum, mask, nW);
+        check_close(lbl("kind 2 (dW = dy^T x), beta 0 over NaN"), got, sum, mask, nW);
         int64_t nz = 0;
         for (int64_t i = 0; i < nW; i++) nz += !mask[i] && got[i] != 0;
-        CHECK_MSG(nz == 0, "kind 2, beta 0: %lld elements of empty experts are not +0", (long long)nz);
+        CHECK_MSG(nz == 0, "[%s] kind 2, beta 0: %lld elements of empty experts are not +0", fm_fp8_gemm_name(g_sched[g_si]),
+                  (long long)nz);
         free(got);
         ref = dnew(nW);
         for (int64_t i = 0; i < nW; i++) {
@@ -493,12 +521,17 @@ static void run_case(const fp8_case *tc) {
             ref[i] = (double)gt_bf16_to_f32(init[i]) + sum[i];
         }
         got = run_gemm(2, 1.0f, init, nW, yt8, xt8, doff, rcap, E, in, out);
-        check_close("kind 2, beta 1 over random values", got, ref, mask, nW);
-        check_untouched("kind 2, beta 1: the empty experts' dW_e", got, init, mask, nW);
+        check_close(lbl("kind 2, beta 1 over random values"), got, ref, mask, nW);
+        check_untouched(lbl("kind 2, beta 1: the empty experts' dW_e"), got, init, mask, nW);
         free(got), free(ref), free(sum), free(mask), free(init);
         free(xd), free(yd), free(wd), free(ytd), free(xtd), free(grp);
     }
     CHECK_BACKEND_OK(&g_be);
+    if (g_gbe != &g_be) {
+        const fm_status gs = g_gbe->ops->status(g_gbe->ctx);
+        CHECK_MSG(gs == FM_OK, "[%s] %s: the GEMM backend's status %s: %s", fm_fp8_gemm_name(g_sched[g_si]), tc->name,
+                  fm_status_name(gs), gs == FM_OK ? "" : fm_errmsg());
+    }
 
     free(rw), free(rxr), free(ryr), free(ryt), free(rxt), free(gw), free(gxr), free(gyr), free(gyt), free(gxt);
     void *dbufs[8] = {w8, xr8, yr8, yt8, xt8, dX, dDY, dW};
@@ -515,65 +548,123 @@ static double now_s(void) {
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
-/* The mean seconds of 10 calls after 2 warm-up calls (host clock around a sync). */
-#define TIME_IT(dt, call)                                      \
+/* The mean seconds of 10 calls on backend be after 2 warm-up calls (host clock around a sync). */
+#define TIME_IT(be, dt, call)                                  \
     do {                                                       \
         for (int w_ = 0; w_ < 2; w_++) call;                   \
-        g_be.ops->sync(g_be.ctx);                              \
+        (be)->ops->sync((be)->ctx);                            \
         const double t0_ = now_s();                            \
         for (int r_ = 0; r_ < 10; r_++) call;                  \
-        g_be.ops->sync(g_be.ctx);                              \
+        (be)->ops->sync((be)->ctx);                            \
         (dt) = (now_s() - t0_) / 10;                           \
     } while (0)
 
 /* OLMoE's expert layer (64 experts, hidden 2048, intermediate 1024, 4096 tokens x top-8: 512 rows
  * an expert), its gate/up product H -> I: each FP8 op, then the three FP8 products against the
- * bf16 sm90 kernel's (expert_linear_fwd_dev / _bwd_dev) on the same shape. */
-static void bench(void) {
-    const int64_t E = 64, H = 2048, I = 1024, R = 4096 * 8, kcap = fm_fp8_kcap(R, E);
+ * bf16 sm90 kernel's (expert_linear_fwd_dev / _bwd_dev) on the same shape; bench_gemms times the
+ * FP8 products again under each v5 schedule. The buffers live from bench_open to bench_close. */
+static const int64_t B_E = 64, B_H = 2048, B_I = 1024, B_R = 4096 * 8;
+static struct {
+    bool open;
+    int64_t *off;
+    fm_act *W, *dW, *x, *dx, *dy, *y;
+    void *w8, *xr, *yr, *xt, *yt;
+    double v3[3];          /* v3's y, dx, dW seconds */
+    double t[N_SCHED][3];  /* each schedule's (0: not timed) */
+} g_b;
+static double bench_flop(void) { return 2.0 * (double)B_R * (double)B_H * (double)B_I; }
+
+static void bench_open(void) {
+    const int64_t E = B_E, H = B_H, I = B_I, R = B_R, kcap = fm_fp8_kcap(R, E);
     const fm_ops *O = g_be.ops;
     void *ctx = g_be.ctx;
     printf("timings: E %lld, in %lld, out %lld, %lld rows (%lld an expert)\n", (long long)E, (long long)H, (long long)I,
            (long long)R, (long long)(R / E));
-    int64_t *off = O->buffer_alloc(ctx, FM_BUFFER_PINNED, sizeof(int64_t) * (size_t)(E + 1));
-    FM_ASSERT(off != NULL);
-    for (int64_t e = 0; e <= E; e++) off[e] = e * (R / E);
+    g_b.off = O->buffer_alloc(ctx, FM_BUFFER_PINNED, sizeof(int64_t) * (size_t)(E + 1));
+    FM_ASSERT(g_b.off != NULL);
+    for (int64_t e = 0; e <= E; e++) g_b.off[e] = e * (R / E);
     float *h = fnew(E * I * H);
     for (int64_t i = 0; i < E * I * H; i++) h[i] = 0.05f * (fm_rng_uniform(&g_rng) - 0.5f);
-    fm_act *W = gt_upload(&g_be, h, E * I * H, FM_DTYPE_BF16), *dW = dev_bytes(E * I * H * 2);
-    fm_act *x = gt_upload(&g_be, h, R * H, FM_DTYPE_BF16), *dx = dev_bytes(R * H * 2); /* R H < E I H */
-    fm_act *dy = gt_upload(&g_be, h, R * I, FM_DTYPE_BF16), *y = dev_bytes(R * I * 2);
+    g_b.W = gt_upload(&g_be, h, E * I * H, FM_DTYPE_BF16), g_b.dW = dev_bytes(E * I * H * 2);
+    g_b.x = gt_upload(&g_be, h, R * H, FM_DTYPE_BF16), g_b.dx = dev_bytes(R * H * 2); /* R H < E I H */
+    g_b.dy = gt_upload(&g_be, h, R * I, FM_DTYPE_BF16), g_b.y = dev_bytes(R * I * 2);
     free(h);
-    void *w8 = dev_bytes(fm_fp8_weight_bytes(E, I, H)), *xr = dev_bytes(fm_fp8_rows_bytes(R, H));
-    void *yr = dev_bytes(fm_fp8_rows_bytes(R, I)), *xt = dev_bytes(fm_fp8_tokens_bytes(kcap, H));
-    void *yt = dev_bytes(fm_fp8_tokens_bytes(kcap, I));
+    g_b.w8 = dev_bytes(fm_fp8_weight_bytes(E, I, H)), g_b.xr = dev_bytes(fm_fp8_rows_bytes(R, H));
+    g_b.yr = dev_bytes(fm_fp8_rows_bytes(R, I)), g_b.xt = dev_bytes(fm_fp8_tokens_bytes(kcap, H));
+    g_b.yt = dev_bytes(fm_fp8_tokens_bytes(kcap, I));
     double t;
-    const double flop = 2.0 * (double)R * (double)H * (double)I;
-    TIME_IT(t, O->fp8_quant_weight(ctx, w8, W, E, I, H));
+    TIME_IT(&g_be, t, O->fp8_quant_weight(ctx, g_b.w8, g_b.W, E, I, H));
     printf("  fp8_quant_weight [%lld, %lld, %lld]        %8.3f ms  %6.0f GB/s\n", (long long)E, (long long)I, (long long)H,
            t * 1e3, (double)(E * I * H * 4) / t * 1e-9);
-    TIME_IT(t, O->fp8_quant_rows(ctx, xr, x, off, R, E, H));
+    TIME_IT(&g_be, t, O->fp8_quant_rows(ctx, g_b.xr, g_b.x, g_b.off, R, E, H));
     printf("  fp8_quant_rows x [%lld, %lld]               %8.3f ms  %6.0f GB/s\n", (long long)R, (long long)H, t * 1e3,
            (double)(R * H * 3) / t * 1e-9);
-    TIME_IT(t, O->fp8_quant_tokens(ctx, xt, x, off, R, E, H));
+    TIME_IT(&g_be, t, O->fp8_quant_tokens(ctx, g_b.xt, g_b.x, g_b.off, R, E, H));
     printf("  fp8_quant_tokens x [%lld, %lld]             %8.3f ms  %6.0f GB/s\n", (long long)R, (long long)H, t * 1e3,
            (double)(R * H * 3) / t * 1e-9);
-    O->fp8_quant_rows(ctx, yr, dy, off, R, E, I);
-    O->fp8_quant_tokens(ctx, yt, dy, off, R, E, I);
-    double f0, f1, f2, b0, b12;
-    TIME_IT(f0, O->expert_fp8_gemm(ctx, 0, y, 0.0f, xr, w8, off, R, E, H, I));
-    TIME_IT(f1, O->expert_fp8_gemm(ctx, 1, dx, 0.0f, yr, w8, off, R, E, H, I));
-    TIME_IT(f2, O->expert_fp8_gemm(ctx, 2, dW, 1.0f, yt, xt, off, R, E, H, I));
-    TIME_IT(b0, O->expert_linear_fwd_dev(ctx, y, x, W, off, R, E, H, I));
-    TIME_IT(b12, O->expert_linear_bwd_dev(ctx, dx, 0.0f, dW, dy, x, W, off, R, E, H, I));
-    printf("  fp8 y = x W^T     %8.3f ms %6.0f TFLOP/s   bf16 sm90 %8.3f ms %6.0f TFLOP/s\n", f0 * 1e3,
+    O->fp8_quant_rows(ctx, g_b.yr, g_b.dy, g_b.off, R, E, I);
+    O->fp8_quant_tokens(ctx, g_b.yt, g_b.dy, g_b.off, R, E, I);
+    O->sync(ctx);
+    g_b.open = true;
+}
+
+/* A v5 variant's GEMM lines (si > 0), beside v3's; nothing when it was not timed. */
+static void bench_print(int si) {
+    const double flop = bench_flop(), *f = g_b.t[si], *v = g_b.v3;
+    const char *nm = fm_fp8_gemm_name(g_sched[si]);
+    if (f[0] <= 0 || v[0] <= 0) return;
+    printf("  fp8 y = x W^T %-3s %8.3f ms %6.0f TFLOP/s   v3 %8.3f ms: %.2fx v3's speed\n", nm, f[0] * 1e3,
+           flop / f[0] * 1e-12, v[0] * 1e3, v[0] / f[0]);
+    printf("  fp8 dx, dW    %-3s %8.3f ms %6.0f TFLOP/s   v3 %8.3f ms: %.2fx (dx %.3f ms, dW %.3f ms; v3 dx %.3f ms, dW %.3f "
+           "ms: %.2fx, %.2fx)\n",
+           nm, (f[1] + f[2]) * 1e3, 2 * flop / (f[1] + f[2]) * 1e-12, (v[1] + v[2]) * 1e3, (v[1] + v[2]) / (f[1] + f[2]),
+           f[1] * 1e3, f[2] * 1e3, v[1] * 1e3, v[2] * 1e3, v[1] / f[1], v[2] / f[2]);
+}
+
+/* The three FP8 products under schedule si (g_bes[si]; dx beta 0, dW beta 1 as training runs
+ * them). Not timed when the schedule's backend has an error already. */
+static void bench_gemms(int si) {
+    fm_backend *b = &g_bes[si];
+    const fm_ops *O = b->ops;
+    void *ctx = b->ctx;
+    const int64_t E = B_E, H = B_H, I = B_I, R = B_R;
+    if (!g_b.open || O->status(ctx) != FM_OK) return;
+    double *f = g_b.t[si];
+    TIME_IT(b, f[0], O->expert_fp8_gemm(ctx, 0, g_b.y, 0.0f, g_b.xr, g_b.w8, g_b.off, R, E, H, I));
+    TIME_IT(b, f[1], O->expert_fp8_gemm(ctx, 1, g_b.dx, 0.0f, g_b.yr, g_b.w8, g_b.off, R, E, H, I));
+    TIME_IT(b, f[2], O->expert_fp8_gemm(ctx, 2, g_b.dW, 1.0f, g_b.yt, g_b.xt, g_b.off, R, E, H, I));
+    const fm_status st = O->status(ctx);
+    CHECK_MSG(st == FM_OK, "[%s] timings: backend status %s: %s", fm_fp8_gemm_name(g_sched[si]), fm_status_name(st),
+              st == FM_OK ? "" : fm_errmsg());
+    if (st != FM_OK) f[0] = f[1] = f[2] = 0;
+    if (si == 0) memcpy(g_b.v3, f, sizeof g_b.v3);
+}
+
+/* v3's products and the bf16 sm90 kernel's */
+static void bench_v3(void) {
+    const fm_ops *O = g_be.ops;
+    void *ctx = g_be.ctx;
+    const int64_t E = B_E, H = B_H, I = B_I, R = B_R;
+    const double flop = bench_flop();
+    bench_gemms(0);
+    const double f0 = g_b.v3[0], f1 = g_b.v3[1], f2 = g_b.v3[2];
+    double b0, b12;
+    TIME_IT(&g_be, b0, O->expert_linear_fwd_dev(ctx, g_b.y, g_b.x, g_b.W, g_b.off, R, E, H, I));
+    TIME_IT(&g_be, b12, O->expert_linear_bwd_dev(ctx, g_b.dx, 0.0f, g_b.dW, g_b.dy, g_b.x, g_b.W, g_b.off, R, E, H, I));
+    printf("  fp8 y = x W^T v3  %8.3f ms %6.0f TFLOP/s   bf16 sm90 %8.3f ms %6.0f TFLOP/s\n", f0 * 1e3,
            flop / f0 * 1e-12, b0 * 1e3, flop / b0 * 1e-12);
-    printf("  fp8 dx, dW        %8.3f ms %6.0f TFLOP/s   bf16 sm90 %8.3f ms %6.0f TFLOP/s (dx %.3f ms, dW %.3f ms)\n",
+    printf("  fp8 dx, dW    v3  %8.3f ms %6.0f TFLOP/s   bf16 sm90 %8.3f ms %6.0f TFLOP/s (dx %.3f ms, dW %.3f ms)\n",
            (f1 + f2) * 1e3, 2 * flop / (f1 + f2) * 1e-12, b12 * 1e3, 2 * flop / b12 * 1e-12, f1 * 1e3, f2 * 1e3);
     CHECK_BACKEND_OK(&g_be);
-    void *d[11] = {W, dW, x, dx, dy, y, w8, xr, yr, xt, yt};
-    for (int i = 0; i < 11; i++) O->mem_free(ctx, d[i]);
-    O->buffer_free(ctx, FM_BUFFER_PINNED, off);
+}
+
+static void bench_close(void) {
+    if (!g_b.open) return;
+    const fm_ops *O = g_be.ops;
+    void *d[11] = {g_b.W, g_b.dW, g_b.x, g_b.dx, g_b.dy, g_b.y, g_b.w8, g_b.xr, g_b.yr, g_b.xt, g_b.yt};
+    for (int i = 0; i < 11; i++) O->mem_free(g_be.ctx, d[i]);
+    O->buffer_free(g_be.ctx, FM_BUFFER_PINNED, g_b.off);
+    g_b.open = false;
 }
 
 /* expert_fp8_serves on a backend created with expert_gemm `g` for a served shape. */
@@ -588,6 +679,7 @@ static int serves_with(fm_expert_gemm g) {
 }
 
 int main(void) {
+    setvbuf(stdout, NULL, _IOLBF, 0); /* each line out before a kernel that could hang */
     fm_backend_opts o = fm_backend_opts_default(); /* expert_gemm auto: the fp8 ops are served on sm_90 */
     const fm_status st = fm_cuda_backend_init(&g_be, 0, &o);
     if (st == FM_ERR_UNSUPPORTED) {
@@ -620,6 +712,35 @@ int main(void) {
     CHECK(serves_with(FM_EXPERT_GEMM_LOOP) == 0);
     CHECK(serves_with(FM_EXPERT_GEMM_GROUPED) == 0);
 
+    /* the schedule option: an unknown value is refused at creation */
+    {
+        fm_backend bad;
+        fm_backend_opts ob = fm_backend_opts_default();
+        ob.fp8_gemm = (fm_fp8_gemm)9;
+        CHECK(fm_cuda_backend_init(&bad, 0, &ob) == FM_ERR_ARG);
+        CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_FP8_GEMM") != NULL, "%s", fm_errmsg());
+    }
+    /* a backend per schedule (g_be is v3's); FLATMOE_TEST_FP8_SCHEDULES limits the v5 variants */
+    const char *only = getenv("FLATMOE_TEST_FP8_SCHEDULES");
+    bool run_si[N_SCHED];
+    g_bes[0] = g_be;
+    for (int si = 0; si < N_SCHED; si++) {
+        run_si[si] = si == 0;
+        if (si == 0) continue;
+        const char *nm = fm_fp8_gemm_name(g_sched[si]);
+        if (only && only[0]) { /* nm as a whole comma-separated item */
+            const size_t n = strlen(nm);
+            for (const char *q = only; (q = strstr(q, nm)) != NULL; q += n)
+                if ((q == only || q[-1] == ',') && (q[n] == ',' || q[n] == '\0')) run_si[si] = true;
+            if (!run_si[si]) continue;
+        }
+        fm_backend_opts os = fm_backend_opts_default();
+        os.fp8_gemm = g_sched[si];
+        const fm_status bs = fm_cuda_backend_init(&g_bes[si], 0, &os);
+        CHECK_MSG(bs == FM_OK, "[%s] cuda backend: %s", nm, fm_errmsg());
+        run_si[si] = bs == FM_OK;
+    }
+
     fm_rng_seed(&g_rng, fm_test_seed(20261201));
     pat_init();
     static const fp8_case cases[] = {
@@ -632,6 +753,9 @@ int main(void) {
         {"odd starts, two empty", 6, 384, 256, 401, {3, 200, 0, 0, 129, 64}, true, false, false},
         /* fewer rows than a tile, rpad (44) shorter than the row-scale box (132): TMA fills the rest */
         {"few rows", 4, 128, 256, 43, {10, 0, 29, 1}, false, false, false},
+        /* more k-blocks (v5's overlapped chunks: kind 0 9 = 8 + 1, kind 1 5 = 4 + 1, kind 2 2, 1, 2)
+         * and whole 128-row tiles (v5's TMA-store epilogue) beside a partial one */
+        {"long K, whole tiles", 3, 1152, 640, 700, {256, 128, 205}, false, false, false},
         {"non-finite tiles (quantizers)", 2, 256, 256, 203, {130, 70}, true, true, false},
         /* rounding ties, E4M3 subnormals, fp32-subnormal products, amax 2^-133 .. bf16's largest,
          * all-zero tiles with -0, a scale one binade up (450): every tiling, every corner */
@@ -641,9 +765,37 @@ int main(void) {
          * two token tiles, the second of 2 tokens; row-scale padding past rpad's rows unwritten */
         {"one group, corners (quantizers)", 1, 384, 128, 133, {130}, true, false, true},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
-
-    if (!getenv("FLATMOE_TEST_NO_BENCH")) bench();
+    const bool bench_on = !getenv("FLATMOE_TEST_NO_BENCH");
+    /* v3 first (its checks and timings are printed before any v5 kernel runs), then each v5
+     * variant: its checks, then its timings beside v3's */
+    for (int si = 0; si < N_SCHED; si++) {
+        if (!run_si[si]) continue;
+        g_si = si, g_gbe = si == 0 ? &g_be : &g_bes[si];
+        printf("== schedule %s (FLATMOE_FP8_GEMM=%s)\n", fm_fp8_gemm_name(g_sched[si]), fm_fp8_gemm_name(g_sched[si]));
+        fflush(stdout);
+        const int failed0 = fm_test_failed;
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+            if (si == 0 || (!cases[i].nonfinite && !cases[i].corners)) run_case(&cases[i]); /* quantizer-only cases once */
+        printf("== schedule %s: %s\n", fm_fp8_gemm_name(g_sched[si]), fm_test_failed == failed0 ? "every GEMM check passed" : "FAILED");
+        if (bench_on) {
+            if (si == 0) bench_open(), bench_v3();
+            else bench_gemms(si), bench_print(si);
+        }
+        fflush(stdout);
+    }
+    if (bench_on && g_b.open) { /* every schedule's GEMM lines together */
+        printf("timings, every schedule (E %lld, in %lld, out %lld, %lld rows):\n", (long long)B_E, (long long)B_H,
+               (long long)B_I, (long long)B_R);
+        const double flop = bench_flop();
+        const double *v = g_b.v3;
+        if (v[0] > 0)
+            printf("  fp8 y = x W^T v3  %8.3f ms %6.0f TFLOP/s; fp8 dx, dW v3  %8.3f ms (dx %.3f ms, dW %.3f ms)\n", v[0] * 1e3,
+                   flop / v[0] * 1e-12, (v[1] + v[2]) * 1e3, v[1] * 1e3, v[2] * 1e3);
+        for (int si = 1; si < N_SCHED; si++) bench_print(si);
+        bench_close();
+    }
+    for (int si = 1; si < N_SCHED; si++)
+        if (run_si[si]) fm_cuda_backend_free(&g_bes[si]);
 
     /* a shape outside the kernels is an error of the op, recorded in the context */
     O->expert_fp8_gemm(g_be.ctx, 0, NULL, 0.0f, NULL, NULL, NULL, 10, 4, 100, 128);

@@ -197,6 +197,10 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
         o->expert_gemm != FM_EXPERT_GEMM_CUBLAS)
         return fm_error(FM_ERR_ARG, "cuda backend: expert_gemm option %d: expected auto, cublas, loop, grouped or sm90",
                         (int)o->expert_gemm);
+    if (o->fp8_gemm != FM_FP8_GEMM_V3 && o->fp8_gemm != FM_FP8_GEMM_V5 && o->fp8_gemm != FM_FP8_GEMM_V5A &&
+        o->fp8_gemm != FM_FP8_GEMM_V5B && o->fp8_gemm != FM_FP8_GEMM_V5C)
+        return fm_error(FM_ERR_ARG, "cuda backend: fp8_gemm option (FLATMOE_FP8_GEMM) %d: expected v3, v5, v5a, v5b or v5c",
+                        (int)o->fp8_gemm);
     if (o->update_blocks < 0)
         return fm_error(FM_ERR_ARG, "cuda backend: update_blocks (FLATMOE_UPDATE_BLOCKS) must be >= 0, got %d",
                         o->update_blocks);
@@ -242,6 +246,7 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
     c->device = device;
     c->max_head_dim = max_head_dim;
     c->expert_gemm = o->expert_gemm;
+    c->fp8_gemm = o->fp8_gemm;
     c->sm_count = prop.multiProcessorCount;
     c->update_blocks = o->update_blocks;
     const size_t ws = resolve_workspace(workspace_bytes);

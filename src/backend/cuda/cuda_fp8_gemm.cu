@@ -1,8 +1,9 @@
 /* The CUDA backend's FP8 expert GEMMs on E4M3 codes (fm_backend.h: expert_fp8_serves,
  * fp8_quant_weight / _rows / _tokens, expert_fp8_gemm; declared in cuda_fp8.h): thin wrappers over
- * the sm_90a kernels of sm90/gg_sm90_fp8.h (the kernel lab's v3, promoted), on the context's op
- * stream. The byte layouts are backend/fm_fp8_layout.h's; the codes and scales are fm_fp8.h's, bit
- * for bit the CPU backend's. Nothing here allocates or waits for the host: the offsets are read
+ * the sm_90a kernels of sm90/gg_sm90_fp8.h (the kernel lab's v3, promoted; the GEMM's schedule is
+ * the context's fp8_gemm option, FLATMOE_FP8_GEMM, fixed at init), on the context's op stream. The
+ * byte layouts are backend/fm_fp8_layout.h's; the codes and scales are fm_fp8.h's, bit for bit the
+ * CPU backend's. Nothing here allocates or waits for the host: the offsets are read
  * by the kernels where the device reads them (device memory, or the dispatcher's pinned host
  * array through unified addressing). A shape the kernels do not serve (the caller skipped
  * expert_fp8_serves) is recorded as FM_ERR_ARG naming the op and the shape; a launch error
@@ -83,7 +84,8 @@ void fm_cuda_expert_fp8_gemm(void *ctx, int kind, fm_act *C, float beta, const v
                  kind, (long long)E, (long long)in, (long long)out, (long long)rcap);
         return not_served(c, "expert_fp8_gemm", m, __FILE__, __LINE__);
     }
-    FM_CUDA_CHECK(c, fm_gg8_launch(kind, C, beta, A8, B8, offsets, rcap, E, in, out, c->sm_count, c->stream));
+    FM_CUDA_CHECK(c, fm_gg8_launch((int)c->fp8_gemm, kind, C, beta, A8, B8, offsets, rcap, E, in, out, c->sm_count,
+                                   c->stream));
 }
 
 } /* extern "C" */

@@ -50,6 +50,7 @@ typedef struct fm_cuda_ctx {
     volatile int *flags_host;      /* [FM_CUDA_FLAGS] */
     int *flags_dev;                /* the same memory as the device sees it */
     fm_expert_gemm expert_gemm;    /* the expert GEMMs' form (fm_backend_opts.h), fixed at init */
+    fm_fp8_gemm fp8_gemm;          /* the FP8 expert GEMM's schedule (FLATMOE_FP8_GEMM), fixed at init */
     int sm_count;                  /* the device's multiprocessors (the sm90 kernel's persistent grid) */
     int update_blocks;             /* > 0: AdamW on the update stream uses at most this many blocks, and the
                                     * update stream runs at the lowest priority (FLATMOE_UPDATE_BLOCKS) */

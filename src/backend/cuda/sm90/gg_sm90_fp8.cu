@@ -35,6 +35,10 @@
  * every box of every case on the host (fp8_tma_selftest in fp8_lab.cuh) and, in its GG_V3_DEBUG
  * build, on the device.
  *
+ * fm_gg8_launch's schedule picks this kernel (v3, the default) or one of the lab's v5 variants
+ * (gg_sm90_fp8_v5.cuh, included below: the same tile list, boxes and results contract, promotion
+ * overlapped with the MMAs and / or a TMA-store epilogue; not yet validated on a GPU).
+ *
  * The quantizers (bf16 -> e4m3 + fp32 scales: fm_gg8_quant_weight, _rows, _tokens) are in
  * gg_sm90_fp8_quant.cu. */
 #include "gg_sm90_fp8.h"
@@ -43,6 +47,9 @@
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
 
+#include <type_traits> /* gg_sm90_fp8_v5.cuh: std::integral_constant */
+
+#include "../../fm_backend_opts.h"
 #include "../../fm_fp8_layout.h"
 #include "sm90_common.cuh"
 #include "wgmma_fp8.cuh"
@@ -350,6 +357,24 @@ template <int KIND> cudaError_t launch_kind(const problem &p, int sm_count, cuda
     return cudaGetLastError();
 }
 
+/* The v5 schedules (FLATMOE_FP8_GEMM=v5|v5a|v5b|v5c), over this file's tile list and boxes */
+#include "gg_sm90_fp8_v5.cuh"
+
+/* One product of p under the schedule (fm_backend_opts.h's fm_fp8_gemm values) */
+cudaError_t launch_schedule(int schedule, const problem &p, int sm_count, cudaStream_t stream) {
+    switch (schedule) {
+    case FM_FP8_GEMM_V3:
+        return p.kind == 0 ? launch_kind<0>(p, sm_count, stream)
+               : p.kind == 1 ? launch_kind<1>(p, sm_count, stream)
+                             : launch_kind<2>(p, sm_count, stream);
+    case FM_FP8_GEMM_V5: return v5::launch<true, 1>(p, sm_count, stream);
+    case FM_FP8_GEMM_V5A: return v5::launch<false, 1>(p, sm_count, stream);
+    case FM_FP8_GEMM_V5B: return v5::launch<true, 0>(p, sm_count, stream);
+    case FM_FP8_GEMM_V5C: return v5::launch<true, 2>(p, sm_count, stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
 } // namespace
 
 extern "C" {
@@ -358,11 +383,15 @@ bool fm_gg8_serves(int64_t E, int64_t in, int64_t out, int64_t rcap) {
     return fm_fp8_layer_serves(E, in, out, rcap); /* fm_fp8_layout.h: the one rule (symmetric in in, out) */
 }
 
-cudaError_t fm_gg8_launch(int kind, void *C, float beta, const void *A8, const void *B8, const int64_t *offs,
-                          int64_t rcap, int64_t E, int64_t in, int64_t out, int sm_count, cudaStream_t stream) {
+cudaError_t fm_gg8_launch(int schedule, int kind, void *C, float beta, const void *A8, const void *B8,
+                          const int64_t *offs, int64_t rcap, int64_t E, int64_t in, int64_t out, int sm_count,
+                          cudaStream_t stream) {
     if (!fm_gg8_serves(E, in, out, rcap) || kind < 0 || kind > 2 || sm_count < 1 || !offs || !C || !A8 || !B8 ||
-        !aligned(C, 4) || !aligned(A8, 16) || !aligned(B8, 16))
+        !aligned(C, 4) || !aligned(A8, 16) || !aligned(B8, 16) || schedule < FM_FP8_GEMM_V3 ||
+        schedule > FM_FP8_GEMM_V5C)
         return cudaErrorInvalidValue;
+    /* the TMA-store epilogues (v5, v5a, v5c) store C by TMA: its base 16-byte aligned (the TMA rule) */
+    if (schedule != FM_FP8_GEMM_V3 && schedule != FM_FP8_GEMM_V5B && !aligned(C, 16)) return cudaErrorInvalidValue;
     if (kind != 2 && rcap == 0) return cudaSuccess; /* no rows: y, dx have none */
     const uint8_t *a8 = static_cast<const uint8_t *>(A8), *b8 = static_cast<const uint8_t *>(B8);
     problem p;
@@ -371,17 +400,17 @@ cudaError_t fm_gg8_launch(int kind, void *C, float beta, const void *A8, const v
     if (kind == 0) { /* x's rows operand (K = in), W's weight operand */
         p.A = a8, p.sA = reinterpret_cast<const float *>(a8 + fm_fp8_rows_scales_at(rcap, in));
         p.B = b8, p.sB = reinterpret_cast<const float *>(b8 + fm_fp8_weight_scales_at(E, out, in));
-        return launch_kind<0>(p, sm_count, stream);
+        return launch_schedule(schedule, p, sm_count, stream);
     }
     if (kind == 1) { /* dy's rows operand (K = out), W's WqT */
         p.A = a8, p.sA = reinterpret_cast<const float *>(a8 + fm_fp8_rows_scales_at(rcap, out));
         p.B = b8 + fm_fp8_weight_t_at(E, out, in), p.sB = reinterpret_cast<const float *>(b8 + fm_fp8_weight_scales_at(E, out, in));
-        return launch_kind<1>(p, sm_count, stream);
+        return launch_schedule(schedule, p, sm_count, stream);
     }
     /* dy's tokens operand (C = out), x's (C = in) */
     p.A = a8, p.sA = reinterpret_cast<const float *>(a8 + fm_fp8_tokens_scales_at(p.kcap, out));
     p.B = b8, p.sB = reinterpret_cast<const float *>(b8 + fm_fp8_tokens_scales_at(p.kcap, in));
-    return launch_kind<2>(p, sm_count, stream);
+    return launch_schedule(schedule, p, sm_count, stream);
 }
 
 } /* extern "C" */

@@ -25,14 +25,15 @@
  *
  * Served shapes (fm_gg8_serves): in, out multiples of 128, 1 <= E <= 256, rcap, kcap =
  * fm_fp8_kcap(rcap, E), E*in and E*out below 2^31 (TMA coordinates are int32). Every pointer
- * 16-byte aligned (TMA; the kernels' vector loads), C 4-byte aligned. Plain C interface; the .cu is
- * compiled for sm_90a only (CMakeLists.txt: flatmoe_cuda_sm90). Nothing allocates, nothing
- * synchronizes with the host; no state is kept between calls (the persistent grid is the caller's
- * sm_count), so two devices in one process are fine. Every launch returns cudaSuccess,
- * cudaErrorInvalidValue (a shape not served, a misaligned or NULL pointer, kind outside 0..2,
- * sm_count < 1, a tensor map the driver refuses), cudaErrorNotSupported (no cuTensorMapEncodeTiled
- * entry point in the driver), cudaErrorInvalidConfiguration (the GEMM kernel was compiled with
- * fewer registers than its setmaxnreg split needs: it would hang), or the launch's error. */
+ * 16-byte aligned (TMA; the kernels' vector loads), C 4-byte aligned (16 under the v5 schedules'
+ * TMA epilogues). Plain C interface; the .cu is compiled for sm_90a only (CMakeLists.txt:
+ * flatmoe_cuda_sm90). Nothing allocates, nothing synchronizes with the host; no state is kept
+ * between calls (the persistent grid is the caller's sm_count), so two devices in one process are
+ * fine. Every launch returns cudaSuccess, cudaErrorInvalidValue (a shape not served, a misaligned
+ * or NULL pointer, kind outside 0..2, a schedule outside fm_gg8_launch's, sm_count < 1, a tensor
+ * map the driver refuses), cudaErrorNotSupported (no cuTensorMapEncodeTiled entry point in the
+ * driver), cudaErrorInvalidConfiguration (the GEMM kernel was compiled with fewer registers than
+ * its setmaxnreg split needs: it would hang), or the launch's error. */
 #ifndef FM_GG_SM90_FP8_H
 #define FM_GG_SM90_FP8_H
 
@@ -48,12 +49,19 @@ extern "C" {
 bool fm_gg8_serves(int64_t E, int64_t in, int64_t out, int64_t rcap);
 
 /* One product (kind 0, 1, 2 above) on stream: persistent, sm_count CTAs of 384 threads (one
- * producer warpgroup issuing TMA into a 6-stage ring, two consumer warpgroups of 64 rows), about
+ * producer warpgroup issuing TMA into a ring of stages, two consumer warpgroups of 64 rows), about
  * 200 KiB of shared memory each. A8, B8: fm_fp8_layout.h buffers of rcap rows (kind 2: kcap =
- * fm_fp8_kcap(rcap, E) tokens); the four TMA descriptors are built on the host for each call.
- * Kinds 0, 1 with rcap == 0 launch nothing. */
-cudaError_t fm_gg8_launch(int kind, void *C, float beta, const void *A8, const void *B8, const int64_t *offs,
-                          int64_t rcap, int64_t E, int64_t in, int64_t out, int sm_count, cudaStream_t stream);
+ * fm_fp8_kcap(rcap, E) tokens); the TMA descriptors are built on the host for each call.
+ * Kinds 0, 1 with rcap == 0 launch nothing. schedule: the kernel, one of fm_backend_opts.h's
+ * fm_fp8_gemm values (FLATMOE_FP8_GEMM, read once at the backend's creation): 0 v3 (the lab's v3,
+ * validated on the H200; 6 stages, register epilogue), 1 v5, 2 v5a, 3 v5b, 4 v5c (the lab's v5
+ * variants, gg_sm90_fp8_v5.cuh: promotion overlapped with the MMAs and / or a TMA-store epilogue;
+ * NOT YET VALIDATED ON A GPU); the same results up to fp32 summation order. Another value is
+ * cudaErrorInvalidValue, and so is a C that is not 16-byte aligned under v5, v5a, v5c (their
+ * epilogue stores C by TMA). */
+cudaError_t fm_gg8_launch(int schedule, int kind, void *C, float beta, const void *A8, const void *B8,
+                          const int64_t *offs, int64_t rcap, int64_t E, int64_t in, int64_t out, int sm_count,
+                          cudaStream_t stream);
 
 /* W [E, out, in] bf16 -> w8 (the weight layout of fm_fp8_weight_bytes(E, out, in) bytes: Wq
  * [E*out, in], WqT [E*in, out] (each W_e^T, the same codes), scales [E][out/128][in/128]). One
