@@ -217,16 +217,17 @@ autogemm) # FLATMOE_EXPERT_GEMM=auto's pick (plan/fm_expert_choice.h) in train: 
         grep -m1 '"type":"step"' "$OUT/gemm-auto-$T.jsonl" | grep -o '"expert_gemm":"[a-z0-9]*"'
     done ;;
 fp8next) # session 10's unrun FP8 work, first call of the next session (~8 min): build, the rewritten
-    # quantizers against the C reference byte for byte (corner cases included) and their GB/s, the FP8 CLI
+    # quantizers against the C reference byte for byte (corner cases included) and their GB/s, the engine's
+    # FP8 GEMM schedules (v3, then FLATMOE_FP8_GEMM's v5 variants: every GEMM check, timings), the FP8 CLI
     # test, then the lab's v5 variants (smoke each alone, then v3/v4/v5* timed at the 512-row cases;
     # GG_CASES overrides) -> pack
     bash "$0" build
-    ./build-gpu/test_cuda_fp8_codes > "$OUT/fp8codes-test.log" 2>&1; echo "== test_cuda_fp8_codes exit $?"
-    grep -E "FAIL|passed|GB/s|TFLOP/s" "$OUT/fp8codes-test.log" | head -20
+    timeout 300 ./build-gpu/test_cuda_fp8_codes > "$OUT/fp8codes-test.log" 2>&1; echo "== test_cuda_fp8_codes exit $?"
+    grep -E "FAIL|passed|== schedule|GB/s|TFLOP/s" "$OUT/fp8codes-test.log" | head -40
     [ -n "${SAN:-}" ] && { FLATMOE_TEST_NO_BENCH=1 timeout 400 compute-sanitizer --tool memcheck ./build-gpu/test_cuda_fp8_codes \
         > "$OUT/fp8codes-memcheck.log" 2>&1; echo "== memcheck exit $?"; tail -4 "$OUT/fp8codes-memcheck.log"; }
     (cd build-gpu && ctest -R cli_cuda_fp8 --output-on-failure > "$OUT/fp8codes-cli.log" 2>&1; echo "== cli_cuda_fp8 exit $?")
-    GG_CASES=${GG_CASES:-512} timeout 420 bash dev/cuda/grouped_gemm/v5_gpu.sh 2>&1 | tail -45
+    GG_CASES=${GG_CASES:-512} timeout 300 bash dev/cuda/grouped_gemm/v5_gpu.sh 2>&1 | tail -45
     bash "$0" pack > /dev/null ;;
 run) shift; run1 "$@" ;;
 *) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|longest|sm90|autogemm|verify|collect|peer|ours|ranks|lab|updblocks|fp8loss|streamopt|pack|run"; exit 2 ;;
