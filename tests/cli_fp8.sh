@@ -38,6 +38,12 @@ assert len(a) == len(b) == 3 and all(math.isfinite(x) for x in b)
 assert all(abs(x - y) < 0.05 for x, y in zip(a, b)), (a, b)
 assert a != b
 PY
+# flatmoe eval scores with native experts and says so for an fp8 checkpoint (not for a native one)
+"$FM" eval --ckpt "$TMP/fp8" --data "$TEXT" --max-batches 1 --threads 2 > "$TMP/eval8.txt" 2>&1 &&
+    grep -q "^experts: native precision (the checkpoint trained with --expert-precision fp8" "$TMP/eval8.txt" && ok ||
+    bad "eval of the fp8 checkpoint: $(cat "$TMP/eval8.txt")"
+"$FM" eval --ckpt "$TMP/native" --data "$TEXT" --max-batches 1 --threads 2 > "$TMP/eval16.txt" 2>&1 &&
+    ! grep -q "^experts:" "$TMP/eval16.txt" && ok || bad "eval of the native checkpoint: $(cat "$TMP/eval16.txt")"
 grep -m1 '"type": *"header"' "$TMP/fp8/metrics.jsonl" | grep -q '"expert_precision":[[:space:]]*"fp8"' && ok || bad "metrics header lacks expert_precision fp8"
 grep -m1 '"type": *"header"' "$TMP/native/metrics.jsonl" | grep -q '"expert_precision":[[:space:]]*"bf16"' && ok || bad "metrics header lacks expert_precision bf16"
 grep -q '"expert_precision":[[:space:]]*"fp8"' "$TMP/fp8/step_000003/state.json" && ok || bad "state.json lacks expert_precision fp8"
