@@ -10,29 +10,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cjson/cJSON.h>
-
 #include "backend/fm_backend_default.h"
 #include "cli.h"
 #include "comm/fm_comm.h"
 #include "data/fm_data.h"
-#include "io/fm_checkpoint.h"
 #include "tok/fm_tokenizer.h"
 #include "train/fm_trainer.h"
-
-/* True when ckpt/state.json says the run trained with --expert-precision fp8 (absent or unreadable:
- * false; eval itself always runs the native precision). */
-static bool trained_fp8(const char *ckpt) {
-    char path[4200], *text = NULL;
-    snprintf(path, sizeof path, "%s/state.json", ckpt);
-    if (fm_ckpt_read_text(path, &text) != FM_OK) return false;
-    cJSON *o = cJSON_Parse(text);
-    fm_free(text);
-    const cJSON *ep = cJSON_GetObjectItemCaseSensitive(o, "expert_precision");
-    const bool fp8 = cJSON_IsString(ep) && strcmp(ep->valuestring, "fp8") == 0;
-    cJSON_Delete(o);
-    return fp8;
-}
 
 /* True when path starts like an llm.c shard (>= 1024 bytes, a known magic). */
 static bool looks_like_shard(const char *path) {
@@ -146,7 +129,8 @@ int cmd_eval(int argc, char **argv) {
     fm_model m;
     fm_param_store ps;
     memset(&ps, 0, sizeof ps);
-    if ((s = fm_load_for_inference(&m, &ps, ckpt, be, micro_batch, seq_len, NULL))) return cli_fail("eval", s);
+    fm_trained_info trained;
+    if ((s = fm_load_for_inference(&m, &ps, ckpt, be, micro_batch, seq_len, &trained))) return cli_fail("eval", s);
     if ((s = fm_dataset_check_windows(&ds, m.T_cap, "--data"))) return cli_fail("eval", s);
     double loss;
     int64_t ntok;
@@ -159,7 +143,7 @@ int cmd_eval(int argc, char **argv) {
     }
     printf("checkpoint %s\ndata %s\ntokens scored %lld (windows of %lld)\nloss %.4f nats/token\nperplexity %.3f\n", ckpt,
            ds.desc, (long long)ntok, (long long)m.T_cap, loss, exp(loss));
-    if (trained_fp8(ckpt))
+    if (trained.expert_fp8)
         printf("experts: native precision (the checkpoint trained with --expert-precision fp8; eval does not "
                "quantize: train's own evaluation does)\n");
     if (ntok == 0) {

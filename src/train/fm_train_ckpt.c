@@ -111,6 +111,12 @@ static int64_t json_i64(const cJSON *o, const char *key, int64_t dflt) {
     return cJSON_IsNumber(it) ? (int64_t)it->valuedouble : dflt;
 }
 
+/* state.json's "expert_precision" is "fp8" (absent in older checkpoints: bf16) */
+static bool json_is_fp8(const cJSON *o) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, "expert_precision");
+    return cJSON_IsString(it) && strcmp(it->valuestring, "fp8") == 0;
+}
+
 static char *state_to_json(const run *r, const train_state *s) {
     cJSON *o = cJSON_CreateObject();
     char hex[32];
@@ -172,8 +178,7 @@ fm_status fm_train_state_read(const char *path, train_state *s) {
     s->warmup = cJSON_IsObject(sch) ? json_i64(sch, "warmup", -1) : -1;
     const cJSON *mom = cJSON_GetObjectItemCaseSensitive(o, "adam_moments");
     s->bf16_moments = cJSON_IsString(mom) && strcmp(mom->valuestring, "bf16") == 0;
-    const cJSON *ep8 = cJSON_GetObjectItemCaseSensitive(o, "expert_precision");
-    s->expert_fp8 = cJSON_IsString(ep8) && strcmp(ep8->valuestring, "fp8") == 0;
+    s->expert_fp8 = json_is_fp8(o);
     fm_status st = FM_OK;
     if (s->step < 0 || s->opt_step < 0 || !cJSON_IsString(rng) || !cJSON_IsString(seed))
         st = fm_error(FM_ERR_FORMAT, "%s: expected fields step, optimizer_step, data_rng_state and seed", path);
@@ -417,20 +422,21 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
 /* ---- loading a checkpoint for inference ----------------------------------------------------- */
 
 fm_status fm_load_for_inference(fm_model *m, fm_param_store *ps, const char *ckpt_dir, fm_backend be, int64_t B, int64_t T,
-                                int64_t *trained_seq_len) {
+                                fm_trained_info *trained) {
     char path[4096];
     fm_config cfg;
     snprintf(path, sizeof path, "%s/%s", ckpt_dir, FM_CKPT_CONFIG_FILE);
     FM_TRY(fm_config_load(&cfg, path));
-    int64_t tsl = 0;
+    fm_trained_info info = {0, false};
     snprintf(path, sizeof path, "%s/%s", ckpt_dir, FM_CKPT_STATE_FILE);
     cJSON *state;
     if (read_json_file(path, &state) == FM_OK) { /* optional: a bare model folder has none */
-        tsl = json_i64(state, "seq_len", 0);
+        info.seq_len = json_i64(state, "seq_len", 0);
+        info.expert_fp8 = json_is_fp8(state);
         cJSON_Delete(state);
     }
-    if (trained_seq_len) *trained_seq_len = tsl;
-    if (T <= 0) T = tsl > 0 ? tsl : cfg.max_position_embeddings;
+    if (trained) *trained = info;
+    if (T <= 0) T = info.seq_len > 0 ? info.seq_len : cfg.max_position_embeddings;
     FM_TRY(fm_model_create(m, &cfg, be));
     fm_status s = fm_param_store_create(ps, m, 0);
     if (s == FM_OK) s = fm_model_layout(m, B, T, NULL);

@@ -141,14 +141,20 @@ void fm_train_opts_default(fm_train_opts *o);
 fm_status fm_train(const fm_train_opts *o);
 
 
+/* What a checkpoint's state.json says of the run that wrote it (zero / false when absent). */
+typedef struct fm_trained_info {
+    int64_t seq_len; /* the trained sequence length */
+    bool expert_fp8; /* trained with --expert-precision fp8 (inference runs the native precision) */
+} fm_trained_info;
+
 /* Loads a checkpoint folder's config.json and model.safetensors into a new model on backend
  * `be`, laid out for micro-batch B and sequence T (T = 0: the checkpoint's trained seq_len from
- * state.json, or max_position_embeddings). *trained_seq_len gets state.json's seq_len (0 if
- * absent). The weights live in *ps (a parameter store without optimizer state, created here):
- * free it with fm_param_store_free after fm_model_free. Errors: FM_ERR_IO/FORMAT/CONFIG with the
- * file named, FM_ERR_NOMEM. */
+ * state.json, or max_position_embeddings). *trained (may be NULL) gets state.json's fields. The
+ * weights live in *ps (a parameter store without optimizer state, created here): free it with
+ * fm_param_store_free after fm_model_free. Errors: FM_ERR_IO/FORMAT/CONFIG with the file named,
+ * FM_ERR_NOMEM. */
 fm_status fm_load_for_inference(fm_model *m, fm_param_store *ps, const char *ckpt_dir, fm_backend be, int64_t B, int64_t T,
-                                int64_t *trained_seq_len);
+                                fm_trained_info *trained);
 
 /* Validation loss of the model over up to max_batches micro-batches of sequential windows of
  * `ds` (0: all windows). Writes mean nats/token; n_tokens_out gets the tokens scored. Errors:
