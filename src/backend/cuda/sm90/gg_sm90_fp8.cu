@@ -185,6 +185,23 @@ template <int KIND> __device__ inline stage_boxes boxes_of(const tile &t, int kb
 __host__ __device__ inline int stage_tx_bytes(int kind) { return STAGE_BYTES + (kind == 2 ? 2 * BM * 4 : SA_BOX * 4); }
 
 
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* The 4 wgmma.m64n128k32.e4m3 of one k-block into acc (the first overwrites), committed as a group
+ * (v3 and v5). K-major, 128-byte swizzle: a tile row is 128 fp8 (128 B), 8-row atoms 1024 B apart
+ * (SBO), LBO unused; the k32 step is +32 B inside the swizzled row. */
+__device__ __forceinline__ void mma_kblock(float (&acc)[64], uint32_t sa, uint32_t sb, int wg) {
+    acc_fence(acc);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < BK / 32; kk++) {
+        const uint64_t da = sdesc(sa + wg * (64 * 128) + kk * 32, 0, 1024);
+        const uint64_t db = sdesc(sb + kk * 32, 0, 1024);
+        wgmma_fp8_m64n128(acc, da, db, kk > 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+#endif
+
 template <int KIND>
 __global__ void __launch_bounds__(THREADS, 1)
 gg8_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
@@ -267,17 +284,7 @@ gg8_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUte
                     sbc[2 * j] = v.x, sbc[2 * j + 1] = v.y;
                 }
             }
-            acc_fence(acc);
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-            for (int kk = 0; kk < BK / 32; kk++) {
-                /* K-major, 128-byte swizzle: a tile row is 128 fp8 (128 B), 8-row atoms 1024 B apart
-                 * (SBO), LBO unused; the k32 step is +32 B inside the swizzled row */
-                const uint64_t da = sdesc(sa + wg * (64 * 128) + kk * 32, 0, 1024);
-                const uint64_t db = sdesc(sb + kk * 32, 0, 1024);
-                wgmma_fp8_m64n128(acc, da, db, kk > 0);
-            }
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            mma_kblock(acc, sa, sb, wg);
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             acc_fence(acc);
             if (lane == 0) mbar_arrive(&empty[s]); /* operands and scales of stage s all read */

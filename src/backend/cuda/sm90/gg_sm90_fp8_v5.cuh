@@ -103,18 +103,6 @@ __device__ __forceinline__ void promote(float (&fin)[64], const float (&acc)[64]
     }
 }
 
-/* the 4 wgmma.m64n128k32.e4m3 of one k-block into acc (the first overwrites), committed as a group */
-__device__ __forceinline__ void mma_kblock(float (&acc)[64], uint32_t sa, uint32_t sb, int wg) {
-    acc_fence(acc);
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-    for (int kk = 0; kk < BK / 32; kk++) {
-        const uint64_t da = sdesc(sa + wg * (64 * 128) + kk * 32, 0, 1024);
-        const uint64_t db = sdesc(sb + kk * 32, 0, 1024);
-        wgmma_fp8_m64n128(acc, da, db, kk > 0);
-    }
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
 #endif
 
 template <int KIND, bool SRC, bool OVL, int CB>
