@@ -64,7 +64,7 @@ build)
     cmake -S . -B build-gpu "${CM[@]}" > "$OUT/build.log" 2>&1 && cmake --build build-gpu -j16 >> "$OUT/build.log" 2>&1
     echo "build: $? in $(( $(date +%s) - t0 )) s"; grep -E "error|warning" "$OUT/build.log" | head -20; true ;;
 test)
-    (cd build-gpu && ctest -L gpu --output-on-failure --timeout 600 > "$OUT/ctest-gpu.log" 2>&1; echo "ctest -L gpu: $?")
+    (cd build-gpu && ctest -L gpu --output-on-failure --timeout 240 > "$OUT/ctest-gpu.log" 2>&1; echo "ctest -L gpu: $?")
     grep -E "Test +#|tests passed|FAIL" "$OUT/ctest-gpu.log" | head -40 ;;
 tok)
     rm -rf /tmp/tok && python3 tools/tok_golden.py "$TEXT" /tmp/tok > "$OUT/tok.log" 2>&1; echo "tok_golden: $?"
