@@ -11,6 +11,11 @@
 #    np 2 run and its own resume at np 1 from the same step-6 weights drifted 1.2e-2 apart in six
 #    steps, the untied config's 4e-4; --zero 3 --ep 2 against one rank reached 2.5e-2 at step 11,
 #    --zero 3 alone 2.0e-2);
+#  - or, where more, to 5 times the deviation of a one-rank twin (--micro-batch 2 --grad-accum 4: the same
+#    math as --micro-batch 4 --grad-accum 2, summed in another order) from the one-rank run at that step: a
+#    gradient-norm spike is ill-conditioned (on the H200, 2026-12-02, with the README as text, step 10's norm
+#    was 2.05 between neighbours of 1.2, and the twin differed there by 2.1e-2, --zero 3 by 5.2e-2,
+#    --zero 3 --ep 2 by 6.6e-2, while every loss agreed to 5e-5);
 #  - the model state's high-water mark equals its bound on every report;
 #  - a checkpoint of the np 2 run at step 6 resumes at np 1 (--zero 0) with the losses of the np 2
 #    run continued, to 2e-2;
@@ -23,17 +28,20 @@ if [ -z "$MPIEXEC" ]; then echo "note: no mpirun: the ZeRO-3 GPU test is skipped
 FLAGS=(--oversubscribe --allow-run-as-root --bind-to none --mca btl self,vader
        --mca btl_vader_single_copy_mechanism none --mca pml ob1)
 sed 's/"tie_word_embeddings": true/"tie_word_embeddings": false/' "$ROOT/tests/data/micro.json" > "$TMP/untied.json"
-compare() { # REF RUN FIRST_STEP LATER_TOL
-    python3 - "$1" "$2" "$3" "$4" <<'PY'
+compare() { # REF RUN FIRST_STEP LATER_TOL TWIN_A TWIN_B (the noise floor: TWIN_B's deviation from TWIN_A)
+    python3 - "$1" "$2" "$3" "$4" "$5" "$6" <<'PY'
 import json, sys
 steps = lambda d: {r["step"]: r for r in map(json.loads, open(d + "/metrics.jsonl")) if r.get("type", "step") == "step"}
 a, b, first, later = steps(sys.argv[1]), steps(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+ta, tb = steps(sys.argv[5]), steps(sys.argv[6])
+dev = lambda x, y, s, k: abs(x[s][k] - y[s][k]) / max(abs(x[s][k]), 1e-30)
 ok, worst = True, 0.0
 for s in sorted(b):
     if s < first: continue
     for k in ("loss", "grad_norm"):
-        rel = abs(a[s][k] - b[s][k]) / max(abs(a[s][k]), 1e-30)
-        tol = (2e-3 if k == "loss" else 1e-2) if s == first else later  # the first compared step: the same weights
+        rel = dev(a, b, s, k)
+        # the first compared step: the same weights; later: bf16 drift, or 5 x the twin's at a spike
+        tol = (2e-3 if k == "loss" else 1e-2) if s == first else max(later, 5 * dev(ta, tb, s, k))
         worst = max(worst, rel)
         if rel > tol:
             ok = False
@@ -51,22 +59,25 @@ for cfg in "$ROOT/tests/data/micro.json" "$TMP/untied.json"; do
     common=(--config "$cfg" --data "$TEXT" --seq-len 32 --grad-accum 2 --steps 12 --warmup 2 --lr 3e-3
             --eval-every 6 --eval-batches 2 --quiet --report-memory)
     "$FM" train "${common[@]}" --micro-batch 4 --out "$TMP/$name-one" || bad "$name: one rank failed"
+    "$FM" train "${common[@]}" --micro-batch 2 --grad-accum 4 --out "$TMP/$name-twin" ||
+        bad "$name: the one-rank twin failed"
+    twin=("$TMP/$name-one" "$TMP/$name-twin") # (the later --grad-accum wins)
     timeout 300 "$MPIEXEC" "${FLAGS[@]}" -np 2 "$FM" train "${common[@]}" --micro-batch 2 --zero 3 --out "$TMP/$name-z3" ||
         bad "$name: np 2 --zero 3 failed"
-    compare "$TMP/$name-one" "$TMP/$name-z3" 1 "$tol" && ok || bad "$name: np 2 --zero 3 differs from one rank"
+    compare "$TMP/$name-one" "$TMP/$name-z3" 1 "$tol" "${twin[@]}" && ok || bad "$name: np 2 --zero 3 differs from one rank"
     timeout 300 "$MPIEXEC" "${FLAGS[@]}" -np 2 "$FM" train "${common[@]}" --micro-batch 2 --zero 3 --exit-after 6 \
         --out "$TMP/$name-half" || bad "$name: np 2 --zero 3 first half failed"
     "$FM" train "${common[@]}" --micro-batch 4 --resume --out "$TMP/$name-half" || bad "$name: np 1 resume failed"
-    compare "$TMP/$name-z3" "$TMP/$name-half" 7 "$tol" && ok || bad "$name: the np 1 resume differs from the np 2 run"
+    compare "$TMP/$name-z3" "$TMP/$name-half" 7 "$tol" "${twin[@]}" && ok || bad "$name: the np 1 resume differs from the np 2 run"
     # --zero 3 --ep 2: the non-expert parameters sharded, each rank's 2 experts whole
     timeout 300 "$MPIEXEC" "${FLAGS[@]}" -np 2 "$FM" train "${common[@]}" --micro-batch 2 --zero 3 --ep 2 \
         --out "$TMP/$name-z3ep" || bad "$name: np 2 --zero 3 --ep 2 failed"
-    compare "$TMP/$name-one" "$TMP/$name-z3ep" 1 "$tol" && ok || bad "$name: np 2 --zero 3 --ep 2 differs from one rank"
+    compare "$TMP/$name-one" "$TMP/$name-z3ep" 1 "$tol" "${twin[@]}" && ok || bad "$name: np 2 --zero 3 --ep 2 differs from one rank"
     timeout 300 "$MPIEXEC" "${FLAGS[@]}" -np 2 "$FM" train "${common[@]}" --micro-batch 2 --zero 3 --ep 2 \
         --exit-after 6 --out "$TMP/$name-z3ep-half" || bad "$name: np 2 --zero 3 --ep 2 first half failed"
     "$FM" train "${common[@]}" --micro-batch 4 --resume --out "$TMP/$name-z3ep-half" ||
         bad "$name: np 1 resume of --zero 3 --ep 2 failed"
-    compare "$TMP/$name-z3ep" "$TMP/$name-z3ep-half" 7 "$tol" && ok ||
+    compare "$TMP/$name-z3ep" "$TMP/$name-z3ep-half" 7 "$tol" "${twin[@]}" && ok ||
         bad "$name: the np 1 resume differs from the np 2 --zero 3 --ep 2 run"
 done
 finish
