@@ -20,7 +20,7 @@ static void test_defaults(void) {
     const fm_backend_opts o = fm_backend_opts_default();
     CHECK(o.threads == 0 && o.max_head_dim == 128 && o.tile_q == 0 && o.tile_kv == 0 && o.gpu_workspace == 0);
     CHECK(o.attention == FM_ATTENTION_AUTO && !o.attention_verbose && o.expert_gemm == FM_EXPERT_GEMM_AUTO);
-    CHECK(!o.profile && o.update_blocks == 0 && o.fp8_gemm == FM_FP8_GEMM_V3);
+    CHECK(!o.profile && o.update_blocks == 0 && o.fp8_gemm == FM_FP8_GEMM_V5);
     CHECK(strcmp(fm_fp8_gemm_name(FM_FP8_GEMM_V5C), "v5c") == 0 && strcmp(fm_fp8_gemm_name((fm_fp8_gemm)9), "?") == 0);
     CHECK(strcmp(fm_attention_path_name(FM_ATTENTION_FALLBACK), "fallback") == 0);
     CHECK(strcmp(fm_expert_gemm_name(FM_EXPERT_GEMM_GROUPED), "grouped") == 0);
@@ -81,7 +81,7 @@ static void test_from_env(void) {
     CHECK(from("FLATMOE_FP8_GEMM", "v5b", &o) == FM_OK && o.fp8_gemm == FM_FP8_GEMM_V5B);
     CHECK(from("FLATMOE_FP8_GEMM", "v5c", &o) == FM_OK && o.fp8_gemm == FM_FP8_GEMM_V5C);
     CHECK(from("FLATMOE_FP8_GEMM", "v3", &o) == FM_OK && o.fp8_gemm == FM_FP8_GEMM_V3);
-    CHECK(from("FLATMOE_FP8_GEMM", "", &o) == FM_OK && o.fp8_gemm == FM_FP8_GEMM_V3);
+    CHECK(from("FLATMOE_FP8_GEMM", "", &o) == FM_OK && o.fp8_gemm == FM_FP8_GEMM_V5);
     CHECK(from("FLATMOE_FP8_GEMM", "v4", &o) == FM_ERR_ARG);
     CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_FP8_GEMM=v4") && strstr(fm_errmsg(), "v3, v5, v5a, v5b or v5c"), "%s",
               fm_errmsg());
@@ -103,7 +103,7 @@ static void test_json(void) {
     CHECK(fm_backend_opts_json(&o, buf, sizeof buf) == FM_OK);
     CHECK_MSG(strcmp(buf, "{\"threads\":0,\"max_head_dim\":128,\"tile_q\":0,\"tile_kv\":0,\"gpu_workspace\":0,"
                           "\"attention\":\"auto\",\"attention_verbose\":false,\"expert_gemm\":\"auto\","
-                          "\"fp8_gemm\":\"v3\",\"profile\":false,\"update_blocks\":0}") == 0,
+                          "\"fp8_gemm\":\"v5\",\"profile\":false,\"update_blocks\":0}") == 0,
               "%s", buf);
     /* the widest values still fit the documented maximum */
     o.threads = -2147483647 - 1;

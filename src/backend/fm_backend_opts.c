@@ -14,7 +14,7 @@ fm_backend_opts fm_backend_opts_default(void) {
     o.attention = FM_ATTENTION_AUTO;
     o.attention_verbose = false;
     o.expert_gemm = FM_EXPERT_GEMM_AUTO;
-    o.fp8_gemm = FM_FP8_GEMM_V3;
+    o.fp8_gemm = FM_FP8_GEMM_V5;
     o.profile = false;
     o.update_blocks = 0;
     return o;

@@ -37,9 +37,10 @@ typedef enum fm_expert_gemm {
 /* The schedule of the CUDA backend's FP8 grouped GEMM (backend/cuda/sm90/gg_sm90_fp8.h,
  * fm_gg8_launch's schedule): the kernel lab's versions (dev/cuda/grouped_gemm/README.md). */
 typedef enum fm_fp8_gemm {
-    FM_FP8_GEMM_V3 = 0,  /* the lab's v3 (validated on the H200): the default */
+    FM_FP8_GEMM_V3 = 0,  /* the lab's v3 (validated on the H200, 2026-12-01) */
     FM_FP8_GEMM_V5 = 1,  /* v5: promotion overlapped with the next k-block's MMAs + a TMA-store
-                          * epilogue with one C buffer (not yet validated on a GPU) */
+                          * epilogue with one C buffer: the default (validated on the H200,
+                          * 2026-12-02, and the fastest there: bench/RESULTS.md, session 11) */
     FM_FP8_GEMM_V5A = 2, /* v5a: v5's TMA-store epilogue alone (v3's promotion) */
     FM_FP8_GEMM_V5B = 3, /* v5b: v5's overlapped promotion alone (v3's register epilogue) */
     FM_FP8_GEMM_V5C = 4, /* v5c: v5 with two C buffers (the old C loads a tile early: dW) */
@@ -69,7 +70,7 @@ typedef struct fm_backend_opts {
 } fm_backend_opts;
 
 /* threads 0, max_head_dim 128, tiles 0 x 0 (64 x 64), gpu_workspace 0 (64 MiB), attention auto,
- * not verbose, expert GEMMs auto, FP8 GEMM v3, no profiling, update_blocks 0. */
+ * not verbose, expert GEMMs auto, FP8 GEMM v5, no profiling, update_blocks 0. */
 fm_backend_opts fm_backend_opts_default(void);
 
 /* Sets the fields the environment names, leaves the others as they are:
@@ -94,7 +95,7 @@ const char *fm_fp8_gemm_name(fm_fp8_gemm g);
 
 /* Writes the options as one JSON object (no newline, NUL-terminated) into buf[cap], e.g.
  *   {"threads":0,"max_head_dim":128,"tile_q":0,"tile_kv":0,"gpu_workspace":0,"attention":"auto",
- *    "attention_verbose":false,"expert_gemm":"auto","fp8_gemm":"v3","profile":false,"update_blocks":0}
+ *    "attention_verbose":false,"expert_gemm":"auto","fp8_gemm":"v5","profile":false,"update_blocks":0}
  * for a metrics.jsonl line (`,"backend_opts":` followed by it). Errors: FM_ERR_ARG when it does
  * not fit (buf then holds ""; FM_BACKEND_OPTS_JSON_MAX always fits). */
 fm_status fm_backend_opts_json(const fm_backend_opts *o, char *buf, size_t cap);

@@ -1,6 +1,6 @@
 /* The CUDA backend's FP8 expert GEMMs on E4M3 codes (fm_backend.h: expert_fp8_serves,
  * fp8_quant_weight / _rows / _tokens, expert_fp8_gemm; declared in cuda_fp8.h): thin wrappers over
- * the sm_90a kernels of sm90/gg_sm90_fp8.h (the kernel lab's v3, promoted; the GEMM's schedule is
+ * the sm_90a kernels of sm90/gg_sm90_fp8.h (the kernel lab's v3 and v5, promoted; the GEMM's schedule is
  * the context's fp8_gemm option, FLATMOE_FP8_GEMM, fixed at init), on the context's op stream. The
  * byte layouts are backend/fm_fp8_layout.h's; the codes and scales are fm_fp8.h's, bit for bit the
  * CPU backend's. Nothing here allocates or waits for the host: the offsets are read
