@@ -12,7 +12,9 @@
 #     one E4M3 rounding of a requantized operand, hence the tolerance), high-water = bound;
 #   - a hidden size that is not a multiple of 128: the codes path falls back to the emulation, in
 #     train and plan alike (the same bytes), and --fp8-weight-cache is refused naming the sizes;
-#   - a --mem-budget that the weight cache overflows: the error advises dropping --fp8-weight-cache.
+#   - a --mem-budget that the weight cache overflows: the error advises dropping --fp8-weight-cache,
+#     and without either cache flag the planner leaves the cache off there; with room for it, the
+#     planner keeps it (train and plan say so), --no-fp8-weight-cache keeps it off, both flags are refused.
 source "$(dirname "$0")/lib_cli.sh"
 cfg="$ROOT/configs/tiny.json" # H 128, I 128, E 8, top-2
 base=(--config "$cfg" --data "$TEXT" --seq-len 32 --micro-batch 2 --threads 1 --seed 7 --expert-precision fp8 --eval-batches 1)
@@ -28,10 +30,10 @@ for r in map(json.loads, open(sys.argv[1])):
 # ---- exact resume across the weight cache ----
 rs=(--steps 4 --grad-accum 2 --moe-chunk-tokens 20 --recompute 1,2 --eval-every 2 --warmup 1
     --lr 3e-3 --save-every 2)
-codes "${base[@]}" "${rs[@]}" --out "$TMP/straight" > "$TMP/straight.log" 2>&1 || bad "straight run failed: $(tail -2 "$TMP/straight.log")"
+codes "${base[@]}" "${rs[@]}" --no-fp8-weight-cache --out "$TMP/straight" > "$TMP/straight.log" 2>&1 || bad "straight run failed: $(tail -2 "$TMP/straight.log")"
 codes "${base[@]}" "${rs[@]}" --fp8-weight-cache --exit-after 2 --out "$TMP/split" > "$TMP/split1.log" 2>&1 \
     || bad "first half (cache) failed: $(tail -2 "$TMP/split1.log")"
-codes "${base[@]}" "${rs[@]}" --resume --out "$TMP/split" > "$TMP/split2.log" 2>&1 || bad "resume failed: $(tail -2 "$TMP/split2.log")"
+codes "${base[@]}" "${rs[@]}" --no-fp8-weight-cache --resume --out "$TMP/split" > "$TMP/split2.log" 2>&1 || bad "resume failed: $(tail -2 "$TMP/split2.log")"
 grep -q "on E4M3 codes" "$TMP/split2.log" && ok || bad "the resumed run is not on E4M3 codes"
 a=$(steps "$TMP/straight/metrics.jsonl"); b=$(steps "$TMP/split/metrics.jsonl")
 [ "$(wc -l <<<"$a")" -eq 4 ] && [ "$a" = "$b" ] && ok || bad "resume across --fp8-weight-cache changed the steps: $a vs $b"
@@ -101,4 +103,30 @@ expect_fail "plan: the cache over the budget" "drop --fp8-weight-cache" \
     env FLATMOE_TEST_FP8_CODES=1 "$FM" plan "${mb[@]}" --fp8-weight-cache
 expect_fail "train: the cache over the budget" "drop --fp8-weight-cache" \
     env FLATMOE_TEST_FP8_CODES=1 "$FM" train "${mb[@]}" --data "$TEXT" --steps 1 --fp8-weight-cache --out "$TMP/bad"
+# the planner's own choice of the cache (neither flag): off where it does not fit beside the plan chosen
+# without it (at 40,000 KiB that plan spends the room on less recompute), on where it does (60,000 KiB)
+pcache() { FLATMOE_TEST_FP8_CODES=1 "$FM" plan "$@" --json 2>/dev/null | python3 -c 'import json, sys; print(json.load(sys.stdin)["fp8_weight_cache"])'; }
+[ "$(pcache "${mb[@]}")" = False ] && ok || bad "at 33,300 KiB the planner kept the cache, which does not fit"
+big=("${mb[@]}" --mem-budget 60000KiB) # the later --mem-budget wins
+[ "$(pcache "${big[@]}")" = True ] && ok || bad "at 60,000 KiB the planner did not keep the cache"
+[ "$(pcache "${big[@]}" --no-fp8-weight-cache)" = False ] && ok || bad "--no-fp8-weight-cache did not keep the cache off"
+codes "${big[@]}" --data "$TEXT" --steps 1 --eval-every 0 --no-checkpoint --report-memory --out "$TMP/auto" > "$TMP/auto.log" 2>&1 \
+    || bad "train at 60,000 KiB failed: $(tail -2 "$TMP/auto.log")"
+grep -q "on E4M3 codes, every layer's weight codes kept" "$TMP/auto.log" && grep -q '"fp8_weight_cache":[[:space:]]*true' "$TMP/auto/metrics.jsonl" \
+    && ok || bad "train at 60,000 KiB did not keep the cache (or did not say so)"
+python3 - "$TMP/auto.log" <<'PY' && ok || bad "train at 60,000 KiB: a live set over its bound, or the cache's bytes unused"
+import sys
+rows = {}
+for l in open(sys.argv[1]):
+    f = l.split()
+    if l.startswith("memory: ") and len(f) >= 5 and f[-3].isdigit() and f[-2].isdigit():
+        rows[" ".join(f[1:-3])] = (int(f[-3]), int(f[-2]))
+assert rows and all(hw <= b for b, hw in rows.values()), rows
+b, hw = rows["expert dispatch"]
+assert b - hw <= 4096, rows # the weight codes' sets are carved and reached, not only counted
+PY
+expect_fail "both cache flags" "--no-fp8-weight-cache both given" \
+    env FLATMOE_TEST_FP8_CODES=1 "$FM" train "${big[@]}" --data "$TEXT" --steps 1 --fp8-weight-cache --no-fp8-weight-cache --out "$TMP/bad"
+expect_fail "plan: both cache flags" "--no-fp8-weight-cache both given" \
+    env FLATMOE_TEST_FP8_CODES=1 "$FM" plan "${big[@]}" --fp8-weight-cache --no-fp8-weight-cache
 finish

@@ -26,7 +26,8 @@ int cmd_plan(int argc, char **argv) {
                *expert_prec = NULL;
     int64_t seq_len = 0, micro_batch = 1, grad_accum = 1, chunk = INT64_MIN, ce_bt = INT64_MIN, ce_bv = INT64_MIN, tq = 0, tkv = 0;
     int threads = 0;
-    bool json = false, bf16m = false, offopt = false, keep_att = false, no_keep = false, no_overlap = false, fp8_cache = false;
+    bool json = false, bf16m = false, offopt = false, keep_att = false, no_keep = false, no_overlap = false, fp8_cache = false,
+         no_fp8_cache = false;
     int64_t off_bucket = 0, off_slots = 2;
     int dp = 0, zero = -1;                                        /* 0, -1: not given */
     int64_t world = -1, ep = -1, sp = -1, gpus_per_node = -1;     /* -1: not given (0 afterwards) */
@@ -51,7 +52,8 @@ int cmd_plan(int argc, char **argv) {
         {"gpu-workspace", F_STR, &gpu_ws_plan, NULL, "CUDA: bytes of the cuDNN workspace (default: sized by the planner)"},
         {"backend", F_STR, &backend, NULL, "plan for cpu (fp32) or cuda (bf16) (this binary's backend)"},
         {"expert-precision", F_STR, &expert_prec, NULL, "bf16 | fp8: plan train's --expert-precision fp8 (the expert live set holds, emulated, the quantized weights, 3 E H I elements, and two N k max(H,I) operand buffers; on E4M3 codes, train's path where it serves, their code operands, backend/fm_fp8_layout.h) (bf16)"},
-        {"fp8-weight-cache", F_BOOL, &fp8_cache, NULL, "plan train's --fp8-weight-cache (with fp8 on E4M3 codes: every layer's weight codes kept, (L - 1) x 6 E H I bytes more) (off)"},
+        {"fp8-weight-cache", F_BOOL, &fp8_cache, NULL, "plan train's --fp8-weight-cache (with fp8 on E4M3 codes: every layer's weight codes kept, (L - 1) x 6 E H I bytes more) (default, as train's: kept when the plan still fits with them)"},
+        {"no-fp8-weight-cache", F_BOOL, &no_fp8_cache, NULL, "plan train's --no-fp8-weight-cache (never keep them) (the planner's choice)"},
         {"bf16-moments", F_BOOL, &bf16m, NULL, "AdamW moments in bf16 (4 instead of 8 bytes per parameter) (off)"},
         {"offload-boundaries", F_STR, &offload, NULL, "N | all: boundaries 0..N-1 in pinned host memory (train's flag; 0 = off)"},
         {"no-optimizer-overlap", F_BOOL, &no_overlap, NULL, "project the update after the backward instead of beside the next forward (train's flag) (overlapped)"},
@@ -268,12 +270,16 @@ int cmd_plan(int argc, char **argv) {
      * to ask) the table's, whose sm90 curves were measured running the kernel */
     if (cuda && !cross && fm_backend_default_expert_sm90_ok() == 0) eask.device_sm90 = false;
     req.expert_fp8_codes = fm_expert_fp8_codes(&req, &eask); /* fp8: the codes' buffers or the emulation's */
+    if (fp8_cache && no_fp8_cache)
+        return cli_usage_error("plan", "%s", "--fp8-weight-cache and --no-fp8-weight-cache both given: keep one, or "
+                               "neither (then the planner keeps every layer's weight codes when its plan still fits with them)");
     if (fp8_cache && !req.expert_fp8_codes)
         return cli_usage_error("plan", "%s", "--fp8-weight-cache keeps the E4M3 weight codes of --expert-precision fp8's "
                                "fast path, which this plan does not run (bf16, or the fp8 emulation: the fast path needs "
                                "--backend cuda on an sm_90 GPU, FLATMOE_EXPERT_GEMM auto or sm90, sizes multiples of 128); "
                                "drop --fp8-weight-cache");
     req.expert_fp8_cache = fp8_cache;
+    req.expert_fp8_cache_auto = req.expert_fp8_codes && !fp8_cache && !no_fp8_cache;
     fm_expert_choice_prepare(&req, &eask, &cal); /* the chooser weighs each candidate at its faster form */
     size_t context = 0;
     char what[400] = "";

@@ -167,9 +167,24 @@ static bool fit_quiet(fm_plan_req *r, const fm_choose_opts *o, bool *rc, fm_plan
     return fits(p, o);
 }
 
+/* The FP8 weight cache, where it is the chooser's (fm_plan_req.expert_fp8_cache_auto): on when the
+ * plan chosen without it still fits both budgets with it. It gives the same bits and only saves
+ * the weight quantization at each use (on the H200, 2026-12-01, OLMoE-1B-7B at 4K: 0.57x -> 0.65x
+ * bf16's tokens/s), so memory the plan does not need is spent on it, and nothing else is given up
+ * for it: the other knobs stay as chosen. */
+static void auto_fp8_cache(fm_plan_req *req, const fm_choose_opts *o, fm_plan *out) {
+    if (!req->expert_fp8_cache_auto || !req->expert_fp8_codes || req->expert_fp8_cache) return;
+    req->expert_fp8_cache = true;
+    fm_plan p;
+    fm_plan_compute(req, &p);
+    if (fits(&p, o)) *out = p;
+    else req->expert_fp8_cache = false;
+}
+
 fm_status fm_plan_fit(fm_plan_req *req, const fm_choose_opts *o, bool *rc, fm_plan *out, fm_projection *proj) {
     const fm_plan_req given = *req;
     const bool ok = fit_quiet(req, o, rc, out);
+    if (ok) auto_fp8_cache(req, o, out);
     fm_project(req, out, o->calib, proj);
     if (ok) return FM_OK;
     int big = 0;

@@ -33,7 +33,9 @@ typedef struct fm_choose_opts {
  * FM_PLAN_MIN_CHUNK (and, only when nothing fits so, FM_PLAN_MIN_CHUNK/2 ... 1), plain or linear
  * CE) for the least projected step time, and written into req
  * (recompute and keep-attention point into rc_storage [2L]). Without one, req is planned as given
- * and only the host budget is checked. *out gets the plan, *proj its projection.
+ * and only the host budget is checked. Then, with req->expert_fp8_cache_auto, the FP8 weight cache
+ * is turned on (req->expert_fp8_cache) if that plan still fits with it. *out gets the plan, *proj
+ * its projection.
  * Errors: FM_ERR_NOMEM when nothing fits: the message names the budget, the need, the largest
  * live set, and the advice (fm_plan_advise); req then holds the smallest plan tried. */
 fm_status fm_plan_fit(fm_plan_req *req, const fm_choose_opts *o, bool *rc_storage, fm_plan *out, fm_projection *proj);

@@ -86,6 +86,10 @@ typedef struct fm_plan_req {
                                    of the emulation's copies (fm_layout_opts.expert_fp8_codes) */
     bool expert_fp8_cache;      /* with expert_fp8_codes: every layer's weight codes kept for the
                                    step (fm_layout_opts.expert_fp8_cache) */
+    bool expert_fp8_cache_auto; /* with expert_fp8_codes and !expert_fp8_cache: fm_plan_fit turns
+                                   the cache on when the plan it chose still fits with it, its other
+                                   knobs unchanged (neither --fp8-weight-cache nor
+                                   --no-fp8-weight-cache given) */
     bool optimizer_overlap;     /* the update overlaps the next step's forward (train/fm_optim_overlap.h):
                                    the projection counts only the part of the optimizer's time
                                    longer than one micro-batch's forward */

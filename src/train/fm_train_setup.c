@@ -289,6 +289,9 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                                 sizeof(fm_act) != 4 && fm_backend_default_expert_sm90_ok() == 1};
     /* --expert-precision fp8: on E4M3 codes where the backend will serve it, else emulated */
     req.expert_fp8_codes = fm_expert_fp8_codes(&req, &eask);
+    if (o->fp8_weight_cache && o->no_fp8_weight_cache)
+        return fm_error(FM_ERR_ARG, "--fp8-weight-cache and --no-fp8-weight-cache both given: keep one, or neither "
+                        "(then the planner keeps every layer's weight codes when its plan still fits with them)");
     if (o->fp8_weight_cache && !req.expert_fp8_codes)
         return fm_error(FM_ERR_ARG, "--fp8-weight-cache keeps the E4M3 weight codes of --expert-precision fp8's fast path, "
                         "but %s; drop --fp8-weight-cache",
@@ -296,6 +299,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                                        : "this run's fp8 experts are emulated (the fast path needs an sm_90 GPU, "
                                          "FLATMOE_EXPERT_GEMM auto or sm90, sizes multiples of 128, no --ep)");
     req.expert_fp8_cache = o->fp8_weight_cache;
+    req.expert_fp8_cache_auto = req.expert_fp8_codes && !o->fp8_weight_cache && !o->no_fp8_weight_cache;
     fm_expert_choice_prepare(&req, &eask, &cal);
     const fm_choose_opts co = {budget, o->mem_budget ? "--mem-budget" : "the GPU's measured free memory (no --mem-budget given)",
                                host_budget, "--host-mem-budget", &cal, o->recompute != NULL, o->recompute_keep_attention || o->no_recompute_keep_attention,

@@ -66,7 +66,10 @@ typedef struct fm_train_opts {
                                      backend's native precision (fp32 on the CPU) */
     bool fp8_weight_cache;        /* --fp8-weight-cache: with fp8 on E4M3 codes, every layer's expert
                                      weight codes kept for the step (quantized once a step, not at
-                                     each forward and backward): L x 6 E H I bytes more */
+                                     each forward and backward): (L - 1) x 6 E H I bytes more. With
+                                     neither it nor no_fp8_weight_cache, the planner keeps them when
+                                     its plan still fits with them (fm_plan_req.expert_fp8_cache_auto) */
+    bool no_fp8_weight_cache;     /* --no-fp8-weight-cache: never keep them (quantize at each use) */
     bool offload_optimizer;       /* --offload-optimizer: the streamed AdamW (train/fm_offload_adamw.h):
                                      master, m, v in pinned host memory */
     int64_t offload_optimizer_bucket; /* --offload-optimizer-bucket: parameters per bucket (0: 100M,
