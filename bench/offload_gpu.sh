@@ -22,6 +22,7 @@
 #   bash bench/offload_gpu.sh fp8codes [T...] # the FP8 fast path: its GPU test, then OLMoE steps bf16 / fp8 codes / fp8 emulated
 #   bash bench/offload_gpu.sh calib           # calibrate with FLATMOE_EXPERT_GEMM=sm90 (bf16, sm90 and fp8 curves) -> $OUT/h200.json
 #   bash bench/offload_gpu.sh fp8next         # the rewritten FP8 quantizers' test and the lab's v5 variants (then pack)
+#   bash bench/offload_gpu.sh next            # session 12's first call: the FP8 tests, 4K/16K bf16 vs fp8 runs, calib (then pack)
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
 # (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
 set -uo pipefail
@@ -103,7 +104,8 @@ long|longest) # issue 10's "alone" lengths: 512K with the chooser's knobs (2 ste
 collect)
     for i in $(seq 1 ${WAIT_S:-580}); do grep -q "^== m1" /tmp/m1/summary.txt 2>/dev/null && sleep 5 && break; sleep 1; done
     cat /tmp/m1/summary.txt; cp /tmp/m1/* "$OUT"/ 2>/dev/null; tail -5 /tmp/m1/m1.log ;;
-calib) # the H200 calibration table (plan/fm_calibrate.h), then the plan's projection per length
+calib) # the H200 calibration table (plan/fm_calibrate.h) with every expert curve (cuBLAS, sm90, fp8 codes:
+    # FLATMOE_EXPERT_GEMM=sm90 times the sm90 kernel): commit it as configs/calib/h200.json after reading it
     t0=$(date +%s); FLATMOE_EXPERT_GEMM=${CAL_EXPERT_GEMM:-sm90} "$BIN" calibrate --out "$OUT/h200.json" > "$OUT/calib.log" 2>&1
     echo "calibrate: $? in $(( $(date +%s) - t0 )) s"; tail -40 "$OUT/calib.log" ;;
 lengths) # the chooser's own knobs (no memory flag) at each length, 3 steps
@@ -171,8 +173,8 @@ for n in ns:
     print(f"FLATMOE_UPDATE_BLOCKS={n}: steps 3..{rows[-1]['step']} mean {sum(tail)/len(tail):.0f} tok/s{same}")
 PY
     ;;
-fp8loss) # issue 14: OLMoE-1B-7B at 4K, 200 steps, --expert-precision bf16 then fp8 (the emulation:
-    # the recipe's numerics, not the FP8 kernel's speed): both loss curves and each run's step time
+fp8loss) # issue 14: OLMoE-1B-7B at 4K, 200 steps, --expert-precision bf16 then fp8 (on E4M3 codes on an
+    # sm_90 GPU, the weight cache as the planner picks it): both loss curves and each run's step time
     for p in bf16 fp8; do run1 fp8loss-$p 4096 ${STEPS:-200} --expert-precision $p --log-every 20; done
     python3 - "$OUT" <<'PY'
 import json, sys
@@ -188,21 +190,18 @@ PY
     ;;
 fp8codes) # issue 14's FP8 fast path (E4M3 codes, our sm_90 FP8 grouped GEMM): its GPU test (the code
     # ops against the C reference, with timings at OLMoE's shape), the FP8 CLI test, then OLMoE-1B-7B
-    # steps at each T (default 4K, 16K): bf16, fp8 on codes (auto), the same with --fp8-weight-cache,
-    # fp8 emulated (FLATMOE_EXPERT_GEMM=cublas)
+    # steps at each T (default 4K, 16K): bf16, fp8 on codes without the weight cache, fp8 on codes with
+    # the planner's choice of the cache (the default), fp8 emulated (FLATMOE_EXPERT_GEMM=cublas)
     cmake --build build-gpu -j16 --target test_cuda_fp8_codes > "$OUT/fp8codes-build.log" 2>&1 || tail -20 "$OUT/fp8codes-build.log"
     ./build-gpu/test_cuda_fp8_codes > "$OUT/fp8codes-test.log" 2>&1; echo "== test_cuda_fp8_codes exit $?"; tail -25 "$OUT/fp8codes-test.log"
     (cd build-gpu && ctest -R cli_cuda_fp8 --output-on-failure > "$OUT/fp8codes-cli.log" 2>&1; echo "== cli_cuda_fp8 exit $?"; tail -5 "$OUT/fp8codes-cli.log")
     shift; for T in ${*:-4096 16384}; do
         run1 fp8-bf16-$T $T ${STEPS:-4}
-        run1 fp8-codes-$T $T ${STEPS:-4} --expert-precision fp8; grep -o '"expert_fp8_path": *"[a-z]*"' "$OUT/fp8-codes-$T.jsonl" | head -1
-        run1 fp8-cache-$T $T ${STEPS:-4} --expert-precision fp8 --fp8-weight-cache
+        run1 fp8-codes-$T $T ${STEPS:-4} --expert-precision fp8 --no-fp8-weight-cache
+        grep -o '"expert_fp8_path": *"[a-z]*"' "$OUT/fp8-codes-$T.jsonl" | head -1
+        run1 fp8-auto-$T $T ${STEPS:-4} --expert-precision fp8; grep -o '"fp8_weight_cache": *[a-z]*' "$OUT/fp8-auto-$T.jsonl" | head -1
         FLATMOE_EXPERT_GEMM=cublas run1 fp8-emu-$T $T ${STEPS:-4} --expert-precision fp8
     done ;;
-calib) # the H200's calibration table with every expert curve (cuBLAS, sm90, fp8 codes): commit it as
-    # configs/calib/h200.json after reading it (FLATMOE_EXPERT_GEMM=sm90 times the sm90 kernel; the fp8
-    # code ops run under auto or sm90)
-    FLATMOE_EXPERT_GEMM=sm90 "$BIN" calibrate --out "$OUT/h200.json" 2>&1 | tee "$OUT/calib.log" | tail -30 ;;
 streamopt) # the streamed AdamW beside checkpoint offload under the overlap (128K, the chooser's knobs,
     # 5 steps): with its own copy streams, steps 3..5 should be as fast as step 2 less the update's
     # non-hidden part (session 7: step 3's dense phase waited 1.8 s behind the optimizer's copies)
@@ -215,6 +214,24 @@ autogemm) # FLATMOE_EXPERT_GEMM=auto's pick (plan/fm_expert_choice.h) in train: 
         FLATMOE_EXPERT_GEMM=auto run1 gemm-auto-$T $T 3; grep "^expert GEMM:" "$OUT/gemm-auto-$T.log"
         head -1 "$OUT/gemm-auto-$T.jsonl" | grep -o '"expert_gemm":{[^}]*}'
         grep -m1 '"type":"step"' "$OUT/gemm-auto-$T.jsonl" | grep -o '"expert_gemm":"[a-z0-9]*"'
+    done ;;
+next) # session 11's unrun work, the first call of session 12 (~9 min): build, test_cuda_fp8_codes (the fused
+    # quantization ops if merged, every FP8 schedule, timings), cli_cuda_fp8 and cli_cuda_zero3 (its twin-based
+    # tolerance), OLMoE-1B-7B at 4K and 16K (bf16 / fp8 without the cache / fp8 with the planner's cache / emulated),
+    # then the calibration with the v5 FP8 GEMM (commit its fp8 curves into configs/calib/h200.json) -> pack.
+    # Then, second call: bash bench/offload_gpu.sh fp8loss; GG_CASES=2048 bash dev/cuda/grouped_gemm/v5_gpu.sh
+    bash "$0" build
+    timeout 240 ./build-gpu/test_cuda_fp8_codes > "$OUT/fp8codes-test.log" 2>&1; echo "== test_cuda_fp8_codes exit $?"
+    grep -E "FAIL|passed|== schedule|GB/s|TFLOP/s|fused" "$OUT/fp8codes-test.log" | head -50
+    (cd build-gpu && ctest -R 'cli_cuda_fp8|cli_cuda_zero3' --output-on-failure --timeout 200 > "$OUT/next-cli.log" 2>&1
+     echo "== cli_cuda_fp8, cli_cuda_zero3: $?"; grep -E "Test +#|FAIL" "$OUT/next-cli.log" | head)
+    STEPS=4 bash "$0" fp8codes-runs 4096 16384
+    bash "$0" calib | tail -12
+    bash "$0" pack > /dev/null ;;
+fp8codes-runs) shift; for T in ${*:-4096 16384}; do
+        run1 fp8-bf16-$T $T ${STEPS:-4}
+        run1 fp8-codes-$T $T ${STEPS:-4} --expert-precision fp8 --no-fp8-weight-cache
+        run1 fp8-auto-$T $T ${STEPS:-4} --expert-precision fp8; grep -o '"fp8_weight_cache": *[a-z]*' "$OUT/fp8-auto-$T.jsonl" | head -1
     done ;;
 fp8next) # session 10's unrun FP8 work, first call of the next session (~8 min): build, the rewritten
     # quantizers against the C reference byte for byte (corner cases included) and their GB/s, the engine's
@@ -230,5 +247,5 @@ fp8next) # session 10's unrun FP8 work, first call of the next session (~8 min):
     GG_CASES=${GG_CASES:-512} timeout 300 bash dev/cuda/grouped_gemm/v5_gpu.sh 2>&1 | tail -45
     bash "$0" pack > /dev/null ;;
 run) shift; run1 "$@" ;;
-*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|longest|sm90|autogemm|verify|collect|peer|ours|ranks|lab|updblocks|fp8loss|streamopt|pack|run"; exit 2 ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|longest|sm90|autogemm|verify|collect|peer|ours|ranks|lab|updblocks|fp8loss|streamopt|fp8codes|fp8next|next|pack|run"; exit 2 ;;
 esac
