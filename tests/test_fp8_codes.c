@@ -11,8 +11,12 @@
  *   (C filled with NaN first), beta 1 adds, an empty expert's dW with beta 1 untouched;
  * - the MoE layer with d.fp8_codes against the emulation (plain twin and chunked): outputs within
  *   1e-5 relative L2, every gradient within 1e-3 (a last-bit difference can flip one E4M3
- *   rounding downstream), the working set larger by exactly the code operands' bytes, the codes
- *   path's buffers written.
+ *   rounding downstream), the working set larger by exactly the code operands' bytes less
+ *   dh_gate, dh_up's (the codes path has none), the codes path's buffers written;
+ * - the fused quantizations (fp8_quant_dual, fp8_swiglu_bwd_quant, fp8_swiglu_fwd_quant): every
+ *   output byte equal to the composed ops' on adversarial groups (empty ones, one holding every
+ *   row, odd starts, fewer than 128 rows, non-finite values in a tile), bytes past the written
+ *   rows untouched.
  * The operands' rows and columns carry scales 2^-16 apart, so a wrong tiling moves values
  * across E4M3's underflow and fails the bit-exact checks (test_fp8.c explains the trick). */
 #include <string.h>
@@ -170,6 +174,90 @@ static void test_tiny_scales(fm_rng *r) {
     free(x), free(fq), free(a8), free(t8), free(W), free(Wf), free(w8);
 }
 
+/* ---- the fused quantizations against the ops they compose ---- */
+
+/* n bytes of a fresh buffer preset to byte b */
+static uint8_t *bytes_of(int64_t n, int b) {
+    uint8_t *p = malloc((size_t)n);
+    FM_ASSERT(p);
+    memset(p, b, (size_t)n);
+    return p;
+}
+
+/* The number of differing bytes (and the first), over n. */
+static int64_t bytes_differ(const void *a, const void *b, int64_t n, int64_t *first) {
+    const uint8_t *x = a, *y = b;
+    int64_t d = 0;
+    *first = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (x[i] != y[i]) d += 1, *first = *first < 0 ? i : *first;
+    return d;
+}
+
+#define SAME_BYTES(what, got, want, n)                                                                                 \
+    do {                                                                                                               \
+        int64_t first_;                                                                                                \
+        const int64_t d_ = bytes_differ(got, want, n, &first_);                                                        \
+        CHECK_MSG(d_ == 0, "%s (case %s): %lld of %lld bytes differ, the first at %lld", what, name, (long long)d_,     \
+                  (long long)(n), (long long)first_);                                                                  \
+    } while (0)
+
+/* One set of groups: dual over K = 256 columns, the SwiGLU pair over I = 256; rcap = rows + 5. */
+static void fused_case(fm_rng *r, const char *name, const int64_t *off, int64_t Eg) {
+    const int64_t R = off[Eg], rcap = R + 5, C = 256, kcap = fm_fp8_kcap(rcap, Eg);
+    const int64_t nr = fm_fp8_rows_bytes(rcap, C), nt = fm_fp8_tokens_bytes(kcap, C);
+    float *a = fnew(rcap * C), *g = fnew(rcap * C), *u = fnew(rcap * C), *dg = fnew(rcap * C), *du = fnew(rcap * C);
+    fill(r, a, R, C, 3, 5, 1.0f);
+    fill(r, g, R, C, 7, 3, 4.0f);
+    fill(r, u, R, C, 2, 7, 1.0f);
+    if (R > 3) { /* non-finite values: a NaN in one tile, an inf in another; SwiGLU saturating */
+        a[2 * C + 7] = NAN, a[(R - 1) * C + 200] = INFINITY;
+        u[1 * C + 130] = NAN, g[3 * C + 5] = -INFINITY, g[(R - 2) * C + 140] = 1e30f;
+        g[(R / 2) * C + 3] = -100.0f, g[(R / 2) * C + 4] = 100.0f; /* sigmoid exactly 0 and 1 */
+    }
+    /* fp8_quant_dual = fp8_quant_rows + fp8_quant_tokens */
+    uint8_t *q0 = bytes_of(nr, 0xAB), *t0 = bytes_of(nt, 0xCD), *q1 = bytes_of(nr, 0xAB), *t1 = bytes_of(nt, 0xCD);
+    g_be.ops->fp8_quant_rows(g_be.ctx, q0, a, off, rcap, Eg, C);
+    g_be.ops->fp8_quant_tokens(g_be.ctx, t0, a, off, rcap, Eg, C);
+    g_be.ops->fp8_quant_dual(g_be.ctx, q1, t1, a, off, rcap, Eg, C);
+    SAME_BYTES("fp8_quant_dual rows operand", q1, q0, nr);
+    SAME_BYTES("fp8_quant_dual tokens operand", t1, t0, nt);
+    /* fp8_swiglu_bwd_quant = swiglu_bwd + the four quantizations (a as dout) */
+    uint8_t *q2 = bytes_of(nr, 0xAB), *t2 = bytes_of(nt, 0xCD), *q3 = bytes_of(nr, 0xAB), *t3 = bytes_of(nt, 0xCD);
+    g_be.ops->swiglu_bwd(g_be.ctx, dg, du, a, g, u, R * C);
+    g_be.ops->fp8_quant_rows(g_be.ctx, q0, dg, off, rcap, Eg, C);
+    g_be.ops->fp8_quant_tokens(g_be.ctx, t0, dg, off, rcap, Eg, C);
+    g_be.ops->fp8_quant_rows(g_be.ctx, q1, du, off, rcap, Eg, C);
+    g_be.ops->fp8_quant_tokens(g_be.ctx, t1, du, off, rcap, Eg, C);
+    g_be.ops->fp8_swiglu_bwd_quant(g_be.ctx, q2, q3, t2, t3, a, g, u, off, rcap, Eg, C);
+    SAME_BYTES("fp8_swiglu_bwd_quant dgate rows operand", q2, q0, nr);
+    SAME_BYTES("fp8_swiglu_bwd_quant dgate tokens operand", t2, t0, nt);
+    SAME_BYTES("fp8_swiglu_bwd_quant dup rows operand", q3, q1, nr);
+    SAME_BYTES("fp8_swiglu_bwd_quant dup tokens operand", t3, t1, nt);
+    /* fp8_swiglu_fwd_quant = swiglu_fwd + fp8_quant_rows; rows past offsets[E] of out untouched */
+    memset(q0, 0xAB, (size_t)nr), memset(q1, 0xAB, (size_t)nr);
+    for (int64_t i = 0; i < rcap * C; i++) dg[i] = du[i] = -7.0f;
+    g_be.ops->swiglu_fwd(g_be.ctx, dg, g, u, R * C);
+    g_be.ops->fp8_quant_rows(g_be.ctx, q0, dg, off, rcap, Eg, C);
+    g_be.ops->fp8_swiglu_fwd_quant(g_be.ctx, du, q1, g, u, off, rcap, Eg, C);
+    SAME_BYTES("fp8_swiglu_fwd_quant out", du, dg, rcap * C * (int64_t)sizeof(float));
+    SAME_BYTES("fp8_swiglu_fwd_quant rows operand", q1, q0, nr);
+    free(a), free(g), free(u), free(dg), free(du);
+    free(q0), free(t0), free(q1), free(t1), free(q2), free(t2), free(q3), free(t3);
+}
+
+static void test_fused(fm_rng *r) {
+    static const int64_t all[5] = {0, 0, 300, 300, 300};          /* one group holds every row */
+    static const int64_t one[2] = {0, 77};                        /* E = 1, fewer rows than a tile */
+    static const int64_t tiny[4] = {0, 1, 2, 3};                  /* one row a group */
+    static const int64_t edge[5] = {0, 0, 129, 129, 385};         /* empty first, 128 + 1, 256 from an odd start */
+    fused_case(r, "uneven", g_off, E);
+    fused_case(r, "one group holds every row", all, 4);
+    fused_case(r, "E 1, 77 rows", one, 1);
+    fused_case(r, "a row a group", tiny, 3);
+    fused_case(r, "empty first, 129, 256", edge, 4);
+}
+
 /* fp64 references over fake-quantized operands: kind 0 y = a W^T, 1 dx = a W, 2 dW = a^T b */
 static void ref_product(int kind, double *y, double *mag, const float *a, const float *b, const int64_t *off,
                         int64_t in, int64_t out) {
@@ -287,8 +375,10 @@ static void test_layer(fm_rng *r, int64_t K) {
     if (chunked) fm_moe_chunks(N, (N + K - 1) / K, &Kc, &c_eff);
     fm_moe_dims dn = de; /* the working set without fp8: the codes path adds exactly its operands */
     dn.fp8 = false;
-    CHECK(fm_moe_ws_bytes(&dc, c_eff, chunked, 4) ==
-          fm_moe_ws_bytes(&dn, c_eff, chunked, 4) + (size_t)fm_fp8_dev_ws_bytes(de.E, H, I, c_eff * de.k, 64));
+    /* ... less dh_gate, dh_up (fp8_swiglu_bwd_quant codes dgate, dup without storing them) */
+    CHECK(fm_moe_ws_bytes(&dc, c_eff, chunked, 4) == fm_moe_ws_bytes(&dn, c_eff, chunked, 4) +
+                                                          (size_t)fm_fp8_dev_ws_bytes(de.E, H, I, c_eff * de.k, 64) -
+                                                          2 * fm_arena_round((size_t)(c_eff * de.k * I) * 4));
     float *Wg = fnew(EIH), *Wu = fnew(EIH), *Wd = fnew(EIH), *x = fnew(N * H), *tw = fnew(N * 2), *dy = fnew(N * H);
     fill(r, Wg, Ex * I, H, 4, 5, 0.05f);
     fill(r, Wu, Ex * I, H, 4, 5, 0.05f);
@@ -317,7 +407,8 @@ static void test_layer(fm_rng *r, int64_t K) {
         if (!chunked) fm_moe_routes_layout(&saved, &a, &h, d, N);
         fm_moe_ws_layout(&ws, &a, &h, d, c_eff, chunked);
         CHECK(a.used == a.capacity);
-        CHECK(p ? (ws.a8 && ws.t8[1] && !ws.q_a) : (ws.q_a && !ws.a8));
+        CHECK(p ? (ws.a8 && ws.t8[1] && ws.a8u && ws.t8[2] && !ws.q_a && !ws.dh_gate && !ws.dh_up)
+                : (ws.q_a && !ws.a8 && !ws.a8u && ws.dh_gate && ws.dh_up));
         const fm_moe_weights w = {Wg, Wu, Wd};
         const fm_moe_grads g = {gg[p], gu[p], gd[p]};
         fm_moe_forward(&g_be, d, &w, y[p], x, idx, tw, N, Kc, chunked ? order : NULL, chunked ? NULL : &saved, &ws);
@@ -405,6 +496,7 @@ int main(void) {
     test_layer(&r, 1);
     test_layer(&r, 3);
     test_cache(&r);
+    test_fused(&r); /* last: the tests above see the random stream they saw before it */
     fm_cpu_backend_free(&g_be);
     printf("%d passed, %d failed\n", fm_test_passed, fm_test_failed);
     return fm_test_failed ? 1 : 0;

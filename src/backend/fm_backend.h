@@ -204,7 +204,22 @@ typedef struct fm_ops {
      *     x's rows operand (K = in), B8 W's weight operand. kind 1: dx_e [m_e,in] = beta dx_e + dy_e W_e; A8 dy's rows operand
      *     (K = out), B8 W's weight operand (its WqT). kind 2: dW_e [out,in] = beta dW_e + dy_e^T
      *     x_e; A8 dy's tokens operand (C = out), B8 x's (C = in); an empty expert with beta 1
-     *     leaves dW_e as it was. beta 0 overwrites C without reading it. */
+     *     leaves dW_e as it was. beta 0 overwrites C without reading it.
+     * The fused quantizations (each gives exactly the bytes of the composed ops it replaces, in
+     * the same layouts; fewer reads of the bf16 tensors, fewer launches; the CPU's are those
+     * compositions, the executable spec):
+     *   fp8_quant_dual: a [offsets[E], K] -> a8 (rows layout, K columns) and t8 (tokens layout,
+     *     C = K): fp8_quant_rows(a8, a) and fp8_quant_tokens(t8, a) from one read of a
+     *   fp8_swiglu_bwd_quant: from dout, the saved gate, up [offsets[E], I], the SwiGLU backward's
+     *     dgate, dup exactly as swiglu_bwd gives them (the same formula and fm_act rounding), never
+     *     stored as fm_act: dg8, du8 their rows operands (K = I), dgT8, duT8 their tokens operands
+     *     (C = I); = swiglu_bwd(dgate, dup, ...) then fp8_quant_rows and fp8_quant_tokens of each
+     *   fp8_swiglu_fwd_quant: out [offsets[E], I] = swiglu_fwd(gate, up) (written: the backward
+     *     reads it) and a8 its rows operand (K = I); = swiglu_fwd then fp8_quant_rows(a8, out)
+     *   Rows at or past offsets[E] are not written (rows operands, out); a tokens operand is
+     *   written as fp8_quant_tokens writes it. Every output distinct from every input; K, I
+     *   multiples of 128, 1 <= E <= 256, fm_fp8_kcap(rcap, E) < 2^31 (a shape outside is the
+     *   backend's recorded FM_ERR_ARG on CUDA, an assertion on the CPU, as the ops above). */
     bool (*expert_fp8_serves)(void *ctx, int64_t E, int64_t H, int64_t I, int64_t rows_max);
     void (*fp8_quant_weight)(void *ctx, void *w8, const fm_act *W, int64_t E, int64_t out, int64_t in);
     void (*fp8_quant_rows)(void *ctx, void *a8, const fm_act *a, const int64_t *offsets, int64_t rcap, int64_t E,
@@ -213,6 +228,13 @@ typedef struct fm_ops {
                              int64_t C);
     void (*expert_fp8_gemm)(void *ctx, int kind, fm_act *C, float beta, const void *A8, const void *B8,
                             const int64_t *offsets, int64_t rcap, int64_t E, int64_t in, int64_t out);
+    void (*fp8_quant_dual)(void *ctx, void *a8, void *t8, const fm_act *a, const int64_t *offsets, int64_t rcap,
+                           int64_t E, int64_t K);
+    void (*fp8_swiglu_bwd_quant)(void *ctx, void *dg8, void *du8, void *dgT8, void *duT8, const fm_act *dout,
+                                 const fm_act *gate, const fm_act *up, const int64_t *offsets, int64_t rcap,
+                                 int64_t E, int64_t I);
+    void (*fp8_swiglu_fwd_quant)(void *ctx, fm_act *out, void *a8, const fm_act *gate, const fm_act *up,
+                                 const int64_t *offsets, int64_t rcap, int64_t E, int64_t I);
 
     /* ---- elementwise / reductions -------------------------------------------------------- */
 
@@ -533,7 +555,8 @@ static inline bool fm_backend_fp8_codes_serves(const fm_backend *be, int64_t E, 
                                                int64_t rows_max) {
     const fm_ops *o = be->ops;
     return o->expert_fp8_serves && o->fp8_quant_weight && o->fp8_quant_rows && o->fp8_quant_tokens &&
-           o->expert_fp8_gemm && o->expert_fp8_serves(be->ctx, E, H, I, rows_max);
+           o->expert_fp8_gemm && o->fp8_quant_dual && o->fp8_swiglu_bwd_quant && o->fp8_swiglu_fwd_quant &&
+           o->expert_fp8_serves(be->ctx, E, H, I, rows_max);
 }
 
 /* The table's expert_linear_fwd/bwd, or one fm_linear call per expert with rows when the table

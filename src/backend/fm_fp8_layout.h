@@ -84,12 +84,15 @@ FM_FP8L_HD bool fm_fp8_layer_serves(int64_t E, int64_t H, int64_t I, int64_t row
 
 /* The working set of one MoE dispatch of rcap rows on this path (model/fm_experts_fp8.c): the
  * three weight operands (gate, up [E,I,H]; down [E,H,I]), one rows operand and two tokens
- * operands of max(H, I) columns; each buffer rounded up to `round` bytes (the arena's rounding). */
+ * operands of max(H, I) columns (x's, dy's), and dup's rows and tokens operands of I columns
+ * (fp8_swiglu_bwd_quant writes dgate's and dup's at once, while x's tokens operand serves both
+ * wgrads); each buffer rounded up to `round` bytes (the arena's rounding). */
 FM_FP8L_HD int64_t fm_fp8_dev_ws_bytes(int64_t E, int64_t H, int64_t I, int64_t rcap, int64_t round) {
     const int64_t M = H > I ? H : I, kcap = fm_fp8_kcap(rcap, E);
     return 2 * fm_fp8_round_up(fm_fp8_weight_bytes(E, I, H), round) +
            fm_fp8_round_up(fm_fp8_weight_bytes(E, H, I), round) + fm_fp8_round_up(fm_fp8_rows_bytes(rcap, M), round) +
-           2 * fm_fp8_round_up(fm_fp8_tokens_bytes(kcap, M), round);
+           2 * fm_fp8_round_up(fm_fp8_tokens_bytes(kcap, M), round) + fm_fp8_round_up(fm_fp8_rows_bytes(rcap, I), round) +
+           fm_fp8_round_up(fm_fp8_tokens_bytes(kcap, I), round);
 }
 
 #endif

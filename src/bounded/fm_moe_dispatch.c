@@ -7,7 +7,8 @@
 /* Bound (see the header; a = sizeof(fm_act)): a dispatch over n tokens holds
  *   routes(n) = row_route, route_row 2*n*k*4 + xe, ye 2*n*k*H*a  (+ the host offsets (E+1)*8)
  *               + h_gate, h_up, h_act 3*n*k*I*a
- * and its backward dye, dxe 2*n*k*H*a + dact, dh_gate, dh_up 3*n*k*I*a. The chunked form adds
+ * and its backward dye, dxe 2*n*k*H*a + dact, dh_gate, dh_up 3*n*k*I*a (the FP8 codes path: dact
+ * alone, 1*n*k*I*a; its code operands replace dh_gate, dh_up). The chunked form adds
  * the chunk's top-k rows 3*c*k*4 (idx, w, dw) and xc, yc, dxc 3*c*H*a, and holds routes(c)
  * itself (the chunk-major token order [N] int32 lives with the boundaries). Nothing here depends on how the router spreads the routes: a
  * dispatch of n tokens has exactly n*k rows (dropless). */
@@ -42,9 +43,13 @@ static size_t fp8_bytes(const fm_moe_dims *d, int64_t R, size_t a) {
     return d->fp8_codes ? fp8_codes_bytes(d, R) : fp8_emu_bytes(d, R, a);
 }
 
+/* The codes path's own buffers replace dh_gate, dh_up (fp8_swiglu_bwd_quant codes dgate, dup
+ * without storing them): the layout has no fm_act dh_gate, dh_up then. */
+static bool codes_ws(const fm_moe_dims *d) { return d->fp8 && d->fp8_codes && fm_fp8_layout_serves(d->H, d->I); }
+
 size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked, size_t a) {
     const int64_t R = n * d->k;
-    size_t b = 2 * RA(R * d->H) + 3 * RA(R * d->I);
+    size_t b = 2 * RA(R * d->H) + (codes_ws(d) ? 1 : 3) * RA(R * d->I);
     if (chunked) b += 3 * R4(n * d->k) + 3 * RA(n * d->H) + fm_moe_routes_bytes(d, n, a);
     if (d->fp8) b += fp8_bytes(d, R, sizeof(fm_act));
     return b;
@@ -82,8 +87,8 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
     w->dye = TAKE(a, fm_act, R * d->H);
     w->dxe = TAKE(a, fm_act, R * d->H);
     w->dact = TAKE(a, fm_act, R * d->I);
-    w->dh_gate = TAKE(a, fm_act, R * d->I);
-    w->dh_up = TAKE(a, fm_act, R * d->I);
+    w->dh_gate = codes_ws(d) ? NULL : TAKE(a, fm_act, R * d->I);
+    w->dh_up = codes_ws(d) ? NULL : TAKE(a, fm_act, R * d->I);
     if (chunked) {
         w->topk_idx = TAKE(a, int32_t, n * d->k);
         w->topk_w = TAKE(a, float, n * d->k);
@@ -98,7 +103,7 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
         w->xc = w->yc = w->dxc = NULL;
     }
     w->q_gate = w->q_up = w->q_down = w->q_a = w->q_b = NULL;
-    w->w8[0] = w->w8[1] = w->w8[2] = w->a8 = w->t8[0] = w->t8[1] = NULL;
+    w->w8[0] = w->w8[1] = w->w8[2] = w->a8 = w->a8u = w->t8[0] = w->t8[1] = w->t8[2] = NULL;
     w->fp8_rcap = 0;
     w->w8_cache = NULL, w->w8_stride = 0, w->w8_layer = -1, w->w8_fresh = NULL;
     if (d->fp8) { /* model/fm_experts_fp8.h: one block of fp8_bytes, carved for the path */
@@ -115,6 +120,8 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
             w->a8 = CARVE(fm_fp8_rows_bytes(R, M));
             w->t8[0] = CARVE(fm_fp8_tokens_bytes(kcap, M));
             w->t8[1] = CARVE(fm_fp8_tokens_bytes(kcap, M));
+            w->a8u = CARVE(fm_fp8_rows_bytes(R, d->I));
+            w->t8[2] = CARVE(fm_fp8_tokens_bytes(kcap, d->I));
             if (d->fp8_cache_layers > 0) { /* every layer's set; fm_experts_fp8_weights points w8 at one */
                 w->w8_stride = (int64_t)fp8_weights_bytes(d);
                 w->w8_cache = CARVE((size_t)d->fp8_cache_layers * fp8_weights_bytes(d));

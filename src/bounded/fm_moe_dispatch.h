@@ -71,8 +71,10 @@ typedef struct fm_moe_ws {
     fm_act *q_gate, *q_up, *q_down, *q_a, *q_b;
     /* d->fp8 with d->fp8_codes instead (the q_* above NULL): the same bytes hold E4M3 operands
      * in backend/fm_fp8_layout.h's layouts, for fp8_rcap rows (the n*k this ws was laid out for):
-     * the weights' (gate, up, down), one rows operand, two tokens operands of max(H,I) columns */
-    void *w8[3], *a8, *t8[2];
+     * the weights' (gate, up, down), one rows operand (a8) and two tokens operands (t8[0], t8[1])
+     * of max(H,I) columns, and dup's rows (a8u) and tokens (t8[2]) operands of I columns; dh_gate,
+     * dh_up are NULL then (fp8_swiglu_bwd_quant codes dgate, dup without storing them) */
+    void *w8[3], *a8, *a8u, *t8[3];
     int64_t fp8_rcap;
     /* d->fp8_cache_layers > 0: layer l's weight operands at w8_cache + l * w8_stride (gate, up,
      * down), quantized when w8_fresh[l] is false (then set); w8_layer: the layer the next
@@ -106,8 +108,8 @@ void fm_moe_chunks(int64_t N, int64_t chunk_tokens, int64_t *K, int64_t *c_eff);
  *   fp8 (d->fp8)   adds to either ws the emulation's 3*E*H*I*a (the layer's quantized weights) +
  *                  2*n*k*max(H,I)*a, or with d->fp8_codes the code operands' fm_fp8_dev_ws_bytes
  *                  (H and I multiples of 128; about 6*E*H*I + 3*n*k*max(H,I) + 256*E*max(H,I)
- *                  bytes); with d->fp8_cache_layers = L > 0 the weights' 6*E*H*I (+ scales)
- *                  L times. */
+ *                  + 2*n*k*I + 128*E*I bytes) less dh_gate, dh_up's 2*n*k*I*a; with
+ *                  d->fp8_cache_layers = L > 0 the weights' 6*E*H*I (+ scales) L times. */
 size_t fm_moe_routes_bytes(const fm_moe_dims *d, int64_t n, size_t act_bytes);
 size_t fm_moe_ws_bytes(const fm_moe_dims *d, int64_t n, bool chunked, size_t act_bytes);
 

@@ -30,7 +30,8 @@ void fm_experts_fp8_weights(const fm_backend *be, const fm_moe_dims *d, const fm
 
 /* ---- the fast path: E4M3 codes (d->fp8_codes; fm_experts_fp8.h) ---- */
 
-/* The forward over n tokens' R = n*k rows: x, then h_act, quantized into the rows operand. */
+/* The forward over n tokens' R = n*k rows: x quantized into the rows operand, then h_act and
+ * its rows operand from one fused op. */
 static void codes_forward(const fm_backend *be, const fm_moe_dims *d, fm_moe_routes *r, const fm_moe_ws *ws,
                           int64_t n) {
     const int64_t H = d->H, I = d->I, E = d->E, rc = ws->fp8_rcap;
@@ -39,36 +40,32 @@ static void codes_forward(const fm_backend *be, const fm_moe_dims *d, fm_moe_rou
     be->ops->fp8_quant_rows(be->ctx, ws->a8, r->xe, off, rc, E, H);
     be->ops->expert_fp8_gemm(be->ctx, 0, r->h_gate, 0.0f, ws->a8, ws->w8[0], off, rc, E, H, I);
     be->ops->expert_fp8_gemm(be->ctx, 0, r->h_up, 0.0f, ws->a8, ws->w8[1], off, rc, E, H, I);
-    be->ops->swiglu_fwd(be->ctx, r->h_act, r->h_gate, r->h_up, n * d->k * I);
-    be->ops->fp8_quant_rows(be->ctx, ws->a8, r->h_act, off, rc, E, I);
+    be->ops->fp8_swiglu_fwd_quant(be->ctx, r->h_act, ws->a8, r->h_gate, r->h_up, off, rc, E, I);
     be->ops->expert_fp8_gemm(be->ctx, 0, r->ye, 0.0f, ws->a8, ws->w8[2], off, rc, E, I, H);
 }
 
-/* The backward: each dgrad on dy's rows operand (ws->a8) and the weight's codes (their WqT),
- * each wgrad on dy's and x's tokens operands (ws->t8[0], t8[1]; x's serves gate and up). */
+/* The backward: each dgrad on dy's rows operand (ws->a8; dup's: ws->a8u) and the weight's codes
+ * (their WqT), each wgrad on dy's and x's tokens operands (ws->t8[0] or, dup's, t8[2]; x's t8[1]
+ * serves gate and up). dye's two operands come from one pass (fp8_quant_dual); dgate's and dup's
+ * four from the SwiGLU backward itself (fp8_swiglu_bwd_quant: no fm_act dh_gate, dh_up). */
 static void codes_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_grads *g,
                            const fm_moe_routes *r, fm_moe_ws *ws, int64_t n) {
     const int64_t H = d->H, I = d->I, E = d->E, rc = ws->fp8_rcap;
     const int64_t *off = r->offsets;
-    void *A = ws->a8, *T0 = ws->t8[0], *T1 = ws->t8[1];
-    FM_ASSERT(n * d->k <= rc);
+    void *A = ws->a8, *A2 = ws->a8u, *T0 = ws->t8[0], *T1 = ws->t8[1], *T2 = ws->t8[2];
+    FM_ASSERT(n * d->k <= rc && A2 && T2);
     /* down: ye = h_act D^T (in = I, out = H) */
-    be->ops->fp8_quant_rows(be->ctx, A, ws->dye, off, rc, E, H);
+    be->ops->fp8_quant_dual(be->ctx, A, T0, ws->dye, off, rc, E, H);
     be->ops->expert_fp8_gemm(be->ctx, 1, ws->dact, 0.0f, A, ws->w8[2], off, rc, E, I, H);
-    be->ops->fp8_quant_tokens(be->ctx, T0, ws->dye, off, rc, E, H);
     be->ops->fp8_quant_tokens(be->ctx, T1, r->h_act, off, rc, E, I);
     be->ops->expert_fp8_gemm(be->ctx, 2, g->w_down, 1.0f, T0, T1, off, rc, E, I, H);
-    be->ops->swiglu_bwd(be->ctx, ws->dh_gate, ws->dh_up, ws->dact, r->h_gate, r->h_up, n * d->k * I);
+    be->ops->fp8_swiglu_bwd_quant(be->ctx, A, A2, T0, T2, ws->dact, r->h_gate, r->h_up, off, rc, E, I);
     /* gate and up: h = xe W^T (in = H, out = I) */
-    be->ops->fp8_quant_rows(be->ctx, A, ws->dh_gate, off, rc, E, I);
-    be->ops->expert_fp8_gemm(be->ctx, 1, ws->dxe, 0.0f, A, ws->w8[0], off, rc, E, H, I);
     be->ops->fp8_quant_tokens(be->ctx, T1, r->xe, off, rc, E, H);
-    be->ops->fp8_quant_tokens(be->ctx, T0, ws->dh_gate, off, rc, E, I);
+    be->ops->expert_fp8_gemm(be->ctx, 1, ws->dxe, 0.0f, A, ws->w8[0], off, rc, E, H, I);
     be->ops->expert_fp8_gemm(be->ctx, 2, g->w_gate, 1.0f, T0, T1, off, rc, E, H, I);
-    be->ops->fp8_quant_rows(be->ctx, A, ws->dh_up, off, rc, E, I);
-    be->ops->expert_fp8_gemm(be->ctx, 1, ws->dxe, 1.0f, A, ws->w8[1], off, rc, E, H, I);
-    be->ops->fp8_quant_tokens(be->ctx, T0, ws->dh_up, off, rc, E, I);
-    be->ops->expert_fp8_gemm(be->ctx, 2, g->w_up, 1.0f, T0, T1, off, rc, E, H, I);
+    be->ops->expert_fp8_gemm(be->ctx, 1, ws->dxe, 1.0f, A2, ws->w8[1], off, rc, E, H, I);
+    be->ops->expert_fp8_gemm(be->ctx, 2, g->w_up, 1.0f, T2, T1, off, rc, E, H, I);
 }
 
 /* ---- the emulation ---- */

@@ -23,8 +23,12 @@
  * SwiGLU, combine) stay as they are. The weights are quantized once per call of fm_moe_forward
  * / fm_moe_backward for a layer (before the chunk loop; a chunked backward's recompute uses the
  * same copy), into ws->q_gate, q_up, q_down: deterministic, so a recompute sees the same bits.
- * The activation operands use ws->q_a and q_b ([R, max(H,I)]); the fast path uses ws->w8, a8
- * and t8 instead. Bytes: fm_moe_ws_bytes's fp8 term. The emulation needs the backend's
+ * The activation operands use ws->q_a and q_b ([R, max(H,I)]); the fast path uses ws->w8, a8,
+ * a8u and t8 instead, and quantizes fused where an operand's source was just made: SwiGLU's
+ * output with its rows operand (fp8_swiglu_fwd_quant), dy's two operands in one pass
+ * (fp8_quant_dual), and the SwiGLU backward's dgate, dup straight into their four operands
+ * (fp8_swiglu_bwd_quant: no fm_act dh_gate, dh_up on this path); the same bytes as the unfused
+ * ops. Bytes: fm_moe_ws_bytes's fp8 term. The emulation needs the backend's
  * quant_fp8_* ops and the host-offset expert GEMMs (not sync-free). */
 #ifndef FM_EXPERTS_FP8_H
 #define FM_EXPERTS_FP8_H

@@ -228,7 +228,7 @@ static inline fm_cpu_v4f load_part(const float *x, int64_t n) {
 
 /* out = silu(gate) * up, silu(g) = g * sigmoid(g); n elements each. Vectorized in blocks of 4
  * (each element's value does not depend on its position). */
-static void cpu_swiglu_fwd(void *ctx, float *out, const float *gate, const float *up, int64_t n) {
+void fm_cpu_swiglu_fwd(void *ctx, float *out, const float *gate, const float *up, int64_t n) {
     const int64_t nv = (n + 3) / 4;
 #pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (n >= FM_CPU_PAR_MIN)
     for (int64_t b = 0; b < nv; b++) {
@@ -247,8 +247,8 @@ static void cpu_swiglu_fwd(void *ctx, float *out, const float *gate, const float
 }
 
 /* dgate = dout * up * s * (1 + g (1 - s)), dup = dout * g * s with s = sigmoid(g); assigned. */
-static void cpu_swiglu_bwd(void *ctx, float *dgate, float *dup, const float *dout,
-                           const float *gate, const float *up, int64_t n) {
+void fm_cpu_swiglu_bwd(void *ctx, float *dgate, float *dup, const float *dout,
+                       const float *gate, const float *up, int64_t n) {
     const int64_t nv = (n + 3) / 4;
 #pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (n >= FM_CPU_PAR_MIN)
     for (int64_t b = 0; b < nv; b++) {
@@ -470,8 +470,8 @@ static const fm_ops fm_cpu_ops = {
     .rope_bwd = cpu_rope_bwd,
     .attention_fwd = fm_cpu_attention_fwd,
     .attention_bwd = fm_cpu_attention_bwd,
-    .swiglu_fwd = cpu_swiglu_fwd,
-    .swiglu_bwd = cpu_swiglu_bwd,
+    .swiglu_fwd = fm_cpu_swiglu_fwd,
+    .swiglu_bwd = fm_cpu_swiglu_bwd,
     .quant_fp8_rows = fm_cpu_quant_fp8_rows, /* cpu_fp8.c */
     .quant_fp8_blocks = fm_cpu_quant_fp8_blocks,
     .quant_fp8_cols_grouped = fm_cpu_quant_fp8_cols_grouped,
@@ -480,6 +480,9 @@ static const fm_ops fm_cpu_ops = {
     .fp8_quant_rows = fm_cpu_fp8_quant_rows,
     .fp8_quant_tokens = fm_cpu_fp8_quant_tokens,
     .expert_fp8_gemm = fm_cpu_expert_fp8_gemm,
+    .fp8_quant_dual = fm_cpu_fp8_quant_dual,
+    .fp8_swiglu_bwd_quant = fm_cpu_fp8_swiglu_bwd_quant,
+    .fp8_swiglu_fwd_quant = fm_cpu_fp8_swiglu_fwd_quant,
     .router_fwd = fm_cpu_router_fwd,
     .router_bwd = fm_cpu_router_bwd,
     .router_stats = fm_cpu_router_stats,

@@ -187,3 +187,62 @@ void fm_cpu_expert_fp8_gemm(void *ctx, int kind, float *C, float beta, const voi
             }
     }
 }
+
+/* ---- the fused quantizations: the compositions they replace (fm_backend.h) ---- */
+
+void fm_cpu_fp8_quant_dual(void *ctx, void *a8, void *t8, const float *a, const int64_t *offsets, int64_t rcap,
+                           int64_t E, int64_t K) {
+    fm_cpu_fp8_quant_rows(ctx, a8, a, offsets, rcap, E, K);
+    fm_cpu_fp8_quant_tokens(ctx, t8, a, offsets, rcap, E, K);
+}
+
+void fm_cpu_fp8_swiglu_fwd_quant(void *ctx, float *out, void *a8, const float *gate, const float *up,
+                                 const int64_t *offsets, int64_t rcap, int64_t E, int64_t I) {
+    FM_ASSERT(offsets[E] <= rcap);
+    fm_cpu_swiglu_fwd(ctx, out, gate, up, offsets[E] * I);
+    fm_cpu_fp8_quant_rows(ctx, a8, out, offsets, rcap, E, I);
+}
+
+/* swiglu_bwd then the four quantizations, tile by tile (no [R, I] buffer of dgate, dup): each
+ * tile's values come from fm_cpu_swiglu_bwd on that tile's inputs (an element's value does not
+ * depend on its position), then quant_tile as fp8_quant_rows / fp8_quant_tokens code them. */
+void fm_cpu_fp8_swiglu_bwd_quant(void *ctx, void *dg8, void *du8, void *dgT8, void *duT8, const float *dout,
+                                 const float *gate, const float *up, const int64_t *offsets, int64_t rcap, int64_t E,
+                                 int64_t I) {
+    FM_ASSERT(I % T8 == 0 && E >= 1 && E <= 256 && offsets[E] <= rcap);
+    const int64_t R = offsets[E], nb = I / T8, rpad = fm_fp8_rpad(rcap), kcap = fm_fp8_kcap(rcap, E);
+    uint8_t *qg = dg8, *qu = du8, *tg = dgT8, *tu = duT8;
+    float *sg = (float *)(qg + fm_fp8_rows_scales_at(rcap, I)), *su = (float *)(qu + fm_fp8_rows_scales_at(rcap, I));
+    float *stg = (float *)(tg + fm_fp8_tokens_scales_at(kcap, I)), *stu = (float *)(tu + fm_fp8_tokens_scales_at(kcap, I));
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (R * I >= 65536)
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t at = r * I + b * T8;
+            float dg[T8], du[T8];
+            fm_cpu_swiglu_bwd(ctx, dg, du, dout + at, gate + at, up + at, T8);
+            sg[b * rpad + r] = quant_tile(qg + at, 1, dg, 1, T8);
+            su[b * rpad + r] = quant_tile(qu + at, 1, du, 1, T8);
+        }
+    int64_t pblk[257];
+    token_blocks(pblk, offsets, E);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t r0 = offsets[e], m = offsets[e + 1] - r0;
+        for (int64_t b = 0; b * T8 < m; b++) {
+            const int64_t t0 = r0 + b * T8, n = m - b * T8 < T8 ? m - b * T8 : T8, kb = pblk[e] + b;
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (n * I >= 65536)
+            for (int64_t c = 0; c < I; c++) {
+                float d[T8], g[T8], u[T8], dg[T8], du[T8];
+                for (int64_t t = 0; t < n; t++) {
+                    const int64_t i = (t0 + t) * I + c;
+                    d[t] = dout[i], g[t] = gate[i], u[t] = up[i];
+                }
+                fm_cpu_swiglu_bwd(ctx, dg, du, d, g, u, n);
+                uint8_t *dst_g = tg + c * kcap + kb * T8, *dst_u = tu + c * kcap + kb * T8;
+                stg[kb * I + c] = quant_tile(dst_g, 1, dg, 1, n);
+                stu[kb * I + c] = quant_tile(dst_u, 1, du, 1, n);
+                memset(dst_g + n, 0, (size_t)(T8 - n)); /* the tiles' tails: zero codes */
+                memset(dst_u + n, 0, (size_t)(T8 - n));
+            }
+        }
+    }
+}

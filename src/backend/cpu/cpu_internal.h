@@ -193,5 +193,17 @@ void fm_cpu_fp8_quant_tokens(void *ctx, void *t8, const float *a, const int64_t 
                              int64_t C);
 void fm_cpu_expert_fp8_gemm(void *ctx, int kind, float *C, float beta, const void *A8, const void *B8,
                             const int64_t *offsets, int64_t rcap, int64_t E, int64_t in, int64_t out);
+void fm_cpu_fp8_quant_dual(void *ctx, void *a8, void *t8, const float *a, const int64_t *offsets, int64_t rcap,
+                           int64_t E, int64_t K);
+void fm_cpu_fp8_swiglu_bwd_quant(void *ctx, void *dg8, void *du8, void *dgT8, void *duT8, const float *dout,
+                                 const float *gate, const float *up, const int64_t *offsets, int64_t rcap, int64_t E,
+                                 int64_t I);
+void fm_cpu_fp8_swiglu_fwd_quant(void *ctx, float *out, void *a8, const float *gate, const float *up,
+                                 const int64_t *offsets, int64_t rcap, int64_t E, int64_t I);
+/* cpu_backend.c: SwiGLU (fm_backend.h swiglu_fwd / swiglu_bwd; each element's value does not
+ * depend on its position or on n, so the fused fp8 ops call them on a tile's values) */
+void fm_cpu_swiglu_fwd(void *ctx, float *out, const float *gate, const float *up, int64_t n);
+void fm_cpu_swiglu_bwd(void *ctx, float *dgate, float *dup, const float *dout, const float *gate, const float *up,
+                       int64_t n);
 
 #endif

@@ -65,6 +65,9 @@ static fm_ops make_cuda_ops(void) {
     o.fp8_quant_rows = fm_cuda_fp8_quant_rows;
     o.fp8_quant_tokens = fm_cuda_fp8_quant_tokens;
     o.expert_fp8_gemm = fm_cuda_expert_fp8_gemm;
+    o.fp8_quant_dual = fm_cuda_fp8_quant_dual;
+    o.fp8_swiglu_bwd_quant = fm_cuda_fp8_swiglu_bwd_quant;
+    o.fp8_swiglu_fwd_quant = fm_cuda_fp8_swiglu_fwd_quant;
     o.add = fm_cuda_add;
     o.sumsq = fm_cuda_sumsq;
     o.embedding_fwd = fm_cuda_embedding_fwd;

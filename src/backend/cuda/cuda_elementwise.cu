@@ -9,6 +9,7 @@
  * on n (and the alignment of x) only, so the same inputs give the same bits on every call.
  */
 #include "cuda_internal.h"
+#include "cuda_swiglu.cuh"
 
 #include <cstring>
 
@@ -86,8 +87,7 @@ __global__ void sumsq_final_kernel(const double *part, int nb, double *out, bool
 
 /* ---- SwiGLU ------------------------------------------------------------------------------------ */
 
-/* sigmoid in fp32 with expf: exp(-g) overflows to inf for g < -88.7, giving exactly 0. */
-__device__ __forceinline__ float sigmoidf_(float g) { return 1.0f / (1.0f + expf(-g)); }
+/* The per-element arithmetic: cuda_swiglu.cuh (shared with the FP8 path's fused kernels). */
 
 __global__ void swiglu_fwd_kernel(bf16 *out, const bf16 *gate, const bf16 *up, int64_t n, bool vec) {
     const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
@@ -97,12 +97,11 @@ __global__ void swiglu_fwd_kernel(bf16 *out, const bf16 *gate, const bf16 *up, i
         load8(gate + 8 * v, g);
         load8(up + 8 * v, u);
 #pragma unroll
-        for (int k = 0; k < 8; k++) g[k] = g[k] * sigmoidf_(g[k]) * u[k];
+        for (int k = 0; k < 8; k++) g[k] = fm_swiglu_fwd1(g[k], u[k]);
         store8(out + 8 * v, g);
     }
     for (int64_t i = 8 * nv + tid; i < n; i += stride) {
-        const float g = ld(gate + i);
-        st(out + i, g * sigmoidf_(g) * ld(up + i));
+        st(out + i, fm_swiglu_fwd1(ld(gate + i), ld(up + i)));
     }
 }
 
@@ -117,18 +116,15 @@ __global__ void swiglu_bwd_kernel(bf16 *dgate, bf16 *dup, const bf16 *dout, cons
         load8(up + 8 * v, u);
         load8(dout + 8 * v, d);
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const float s = sigmoidf_(g[k]);
-            dg[k] = d[k] * u[k] * s * (1.0f + g[k] * (1.0f - s));
-            du[k] = d[k] * g[k] * s;
-        }
+        for (int k = 0; k < 8; k++) fm_swiglu_bwd1(d[k], g[k], u[k], &dg[k], &du[k]);
         store8(dgate + 8 * v, dg);
         store8(dup + 8 * v, du);
     }
     for (int64_t i = 8 * nv + tid; i < n; i += stride) {
-        const float g = ld(gate + i), u = ld(up + i), d = ld(dout + i), s = sigmoidf_(g);
-        st(dgate + i, d * u * s * (1.0f + g * (1.0f - s)));
-        st(dup + i, d * g * s);
+        float dg, du;
+        fm_swiglu_bwd1(ld(dout + i), ld(gate + i), ld(up + i), &dg, &du);
+        st(dgate + i, dg);
+        st(dup + i, du);
     }
 }
 

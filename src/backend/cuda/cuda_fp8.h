@@ -39,6 +39,15 @@ void fm_cuda_fp8_quant_tokens(void *ctx, void *t8, const fm_act *a, const int64_
                               int64_t C);
 void fm_cuda_expert_fp8_gemm(void *ctx, int kind, fm_act *C, float beta, const void *A8, const void *B8,
                              const int64_t *offsets, int64_t rcap, int64_t E, int64_t in, int64_t out);
+/* The fused quantizations (fm_backend.h: fp8_quant_dual, fp8_swiglu_bwd_quant,
+ * fp8_swiglu_fwd_quant; sm90/gg_sm90_fp8_fused.cu). */
+void fm_cuda_fp8_quant_dual(void *ctx, void *a8, void *t8, const fm_act *a, const int64_t *offsets, int64_t rcap,
+                            int64_t E, int64_t K);
+void fm_cuda_fp8_swiglu_bwd_quant(void *ctx, void *dg8, void *du8, void *dgT8, void *duT8, const fm_act *dout,
+                                  const fm_act *gate, const fm_act *up, const int64_t *offsets, int64_t rcap,
+                                  int64_t E, int64_t I);
+void fm_cuda_fp8_swiglu_fwd_quant(void *ctx, fm_act *out, void *a8, const fm_act *gate, const fm_act *up,
+                                  const int64_t *offsets, int64_t rcap, int64_t E, int64_t I);
 
 #ifdef __cplusplus
 }

@@ -1,5 +1,6 @@
 /* The CUDA backend's FP8 expert GEMMs on E4M3 codes (fm_backend.h: expert_fp8_serves,
- * fp8_quant_weight / _rows / _tokens, expert_fp8_gemm; declared in cuda_fp8.h): thin wrappers over
+ * fp8_quant_weight / _rows / _tokens, expert_fp8_gemm, the fused fp8_quant_dual /
+ * fp8_swiglu_bwd_quant / fp8_swiglu_fwd_quant; declared in cuda_fp8.h): thin wrappers over
  * the sm_90a kernels of sm90/gg_sm90_fp8.h (the kernel lab's v3 and v5, promoted; the GEMM's schedule is
  * the context's fp8_gemm option, FLATMOE_FP8_GEMM, fixed at init), on the context's op stream. The
  * byte layouts are backend/fm_fp8_layout.h's; the codes and scales are fm_fp8.h's, bit for bit the
@@ -86,6 +87,40 @@ void fm_cuda_expert_fp8_gemm(void *ctx, int kind, fm_act *C, float beta, const v
     }
     FM_CUDA_CHECK(c, fm_gg8_launch((int)c->fp8_gemm, kind, C, beta, A8, B8, offsets, rcap, E, in, out, c->sm_count,
                                    c->stream));
+}
+
+/* The fused quantizations: the shape rule of fp8_quant_tokens (rcap, E and the columns), K or I. */
+static bool fused_served(fm_cuda_ctx *c, const char *op, int64_t rcap, int64_t E, int64_t C) {
+    if (fm_gg8_serves(E, C, 128, rcap)) return true;
+    char m[192];
+    snprintf(m, sizeof m,
+             "E %lld, rcap %lld, columns %lld: expected 1 <= E <= 256, fm_fp8_kcap(rcap, E) < 2^31 and the columns a "
+             "multiple of 128",
+             (long long)E, (long long)rcap, (long long)C);
+    not_served(c, op, m, __FILE__, __LINE__);
+    return false;
+}
+
+void fm_cuda_fp8_quant_dual(void *ctx, void *a8, void *t8, const fm_act *a, const int64_t *offsets, int64_t rcap,
+                            int64_t E, int64_t K) {
+    fm_cuda_ctx *c = ctx_of(ctx);
+    if (!fused_served(c, "fp8_quant_dual", rcap, E, K)) return;
+    FM_CUDA_CHECK(c, fm_gg8_quant_dual(a8, t8, a, offsets, rcap, E, K, c->stream));
+}
+
+void fm_cuda_fp8_swiglu_bwd_quant(void *ctx, void *dg8, void *du8, void *dgT8, void *duT8, const fm_act *dout,
+                                  const fm_act *gate, const fm_act *up, const int64_t *offsets, int64_t rcap,
+                                  int64_t E, int64_t I) {
+    fm_cuda_ctx *c = ctx_of(ctx);
+    if (!fused_served(c, "fp8_swiglu_bwd_quant", rcap, E, I)) return;
+    FM_CUDA_CHECK(c, fm_gg8_swiglu_bwd_quant(dg8, du8, dgT8, duT8, dout, gate, up, offsets, rcap, E, I, c->stream));
+}
+
+void fm_cuda_fp8_swiglu_fwd_quant(void *ctx, fm_act *out, void *a8, const fm_act *gate, const fm_act *up,
+                                  const int64_t *offsets, int64_t rcap, int64_t E, int64_t I) {
+    fm_cuda_ctx *c = ctx_of(ctx);
+    if (!fused_served(c, "fp8_swiglu_fwd_quant", rcap, E, I)) return;
+    FM_CUDA_CHECK(c, fm_gg8_swiglu_fwd_quant(out, a8, gate, up, offsets, rcap, E, I, c->sm_count, c->stream));
 }
 
 } /* extern "C" */

@@ -85,6 +85,27 @@ cudaError_t fm_gg8_quant_rows(void *a8, const void *a, const int64_t *offs, int6
 cudaError_t fm_gg8_quant_tokens(void *t8, const void *a, const int64_t *offs, int64_t rcap, int64_t E, int64_t C,
                                 cudaStream_t stream);
 
+/* The fused quantizers (gg_sm90_fp8_fused.cu): each gives exactly the bytes of the unfused
+ * sequence it replaces, reading its bf16 inputs once. Shapes as fm_gg8_quant_tokens's (the
+ * columns a multiple of 128 and C/128 <= 65535, 1 <= E <= 256, kcap < 2^31; swiglu_fwd_quant: as
+ * fm_gg8_quant_rows's); every pointer 16-byte aligned and non-NULL; rcap == 0 launches nothing.
+ *   fm_gg8_quant_dual: a [offs[E], K] -> a8 (fm_gg8_quant_rows's layout and rows) and t8
+ *     (fm_gg8_quant_tokens's, C = K); persistent CTAs of 256 threads, 64 KiB of dynamic shared
+ *     memory, over the groups' (128-token, 128-channel) blocks, each block's rows operand and
+ *     tokens operand coded from one staged copy.
+ *   fm_gg8_swiglu_bwd_quant: dgate, dup of swiglu_bwd (dout, gate, up [offs[E], I]; rounded to
+ *     bf16 as it stores them, never stored here) -> their rows operands dg8, du8 (K = I) and tokens
+ *     operands dgT8, duT8 (C = I); the same CTAs with three inputs staged (192 KiB: one CTA an SM).
+ *   fm_gg8_swiglu_fwd_quant: out [offs[E], I] = swiglu_fwd(gate, up) (bf16, rows at or past
+ *     offs[E] not written) and a8 its rows operand; quant_rows' grid-stride design. */
+cudaError_t fm_gg8_quant_dual(void *a8, void *t8, const void *a, const int64_t *offs, int64_t rcap, int64_t E,
+                              int64_t K, cudaStream_t stream);
+cudaError_t fm_gg8_swiglu_bwd_quant(void *dg8, void *du8, void *dgT8, void *duT8, const void *dout, const void *gate,
+                                    const void *up, const int64_t *offs, int64_t rcap, int64_t E, int64_t I,
+                                    cudaStream_t stream);
+cudaError_t fm_gg8_swiglu_fwd_quant(void *out, void *a8, const void *gate, const void *up, const int64_t *offs,
+                                    int64_t rcap, int64_t E, int64_t I, int sm_count, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
