@@ -22,7 +22,8 @@
 #   bash bench/offload_gpu.sh fp8codes [T...] # the FP8 fast path: its GPU test, then OLMoE steps bf16 / fp8 codes / fp8 emulated
 #   bash bench/offload_gpu.sh calib           # calibrate with FLATMOE_EXPERT_GEMM=sm90 (bf16, sm90 and fp8 curves) -> $OUT/h200.json
 #   bash bench/offload_gpu.sh fp8next         # the rewritten FP8 quantizers' test and the lab's v5 variants (then pack)
-#   bash bench/offload_gpu.sh next            # session 12's first call: the FP8 tests, 4K/16K bf16 vs fp8 runs, calib (then pack)
+#   bash bench/offload_gpu.sh next            # session 12's first call: the FP8 tests, 4K bf16 vs fp8 runs (then pack)
+#   bash bench/offload_gpu.sh next2           # its second: 16K bf16 vs fp8, calib, the 200-step loss curves (then pack)
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
 # (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
 set -uo pipefail
@@ -215,18 +216,28 @@ autogemm) # FLATMOE_EXPERT_GEMM=auto's pick (plan/fm_expert_choice.h) in train: 
         head -1 "$OUT/gemm-auto-$T.jsonl" | grep -o '"expert_gemm":{[^}]*}'
         grep -m1 '"type":"step"' "$OUT/gemm-auto-$T.jsonl" | grep -o '"expert_gemm":"[a-z0-9]*"'
     done ;;
-next) # session 11's unrun work, the first call of session 12 (~9 min): build, test_cuda_fp8_codes (the fused
-    # quantization ops if merged, every FP8 schedule, timings), cli_cuda_fp8 and cli_cuda_zero3 (its twin-based
-    # tolerance), OLMoE-1B-7B at 4K and 16K (bf16 / fp8 without the cache / fp8 with the planner's cache / emulated),
-    # then the calibration with the v5 FP8 GEMM (commit its fp8 curves into configs/calib/h200.json) -> pack.
-    # Then, second call: bash bench/offload_gpu.sh fp8loss; GG_CASES=2048 bash dev/cuda/grouped_gemm/v5_gpu.sh
+next) # session 11's unrun work, the first call of session 12 (~7 min): build, test_cuda_fp8_fused (the fused
+    # quantization ops against the unfused ones and the reference, byte for byte, and their timings; memcheck
+    # with SAN=1), test_cuda_fp8_codes (every FP8 schedule after the refactor), cli_cuda_fp8 and cli_cuda_zero3
+    # (its twin-based tolerance), OLMoE-1B-7B at 4K: bf16 / fp8 without the cache / fp8 with the planner's
+    # cache -> pack. Then the second call: bash bench/offload_gpu.sh next2
     bash "$0" build
-    timeout 240 ./build-gpu/test_cuda_fp8_codes > "$OUT/fp8codes-test.log" 2>&1; echo "== test_cuda_fp8_codes exit $?"
-    grep -E "FAIL|passed|== schedule|GB/s|TFLOP/s|fused" "$OUT/fp8codes-test.log" | head -50
-    (cd build-gpu && ctest -R 'cli_cuda_fp8|cli_cuda_zero3' --output-on-failure --timeout 200 > "$OUT/next-cli.log" 2>&1
+    timeout 150 ./build-gpu/test_cuda_fp8_fused > "$OUT/fp8fused-test.log" 2>&1; echo "== test_cuda_fp8_fused exit $?"
+    grep -E "FAIL|passed|ms|GB/s" "$OUT/fp8fused-test.log" | head -30
+    [ -n "${SAN:-}" ] && { FLATMOE_TEST_NO_BENCH=1 timeout 200 compute-sanitizer --tool memcheck ./build-gpu/test_cuda_fp8_fused \
+        > "$OUT/fp8fused-memcheck.log" 2>&1; echo "== memcheck exit $?"; tail -3 "$OUT/fp8fused-memcheck.log"; }
+    timeout 150 ./build-gpu/test_cuda_fp8_codes > "$OUT/fp8codes-test.log" 2>&1; echo "== test_cuda_fp8_codes exit $?"
+    grep -E "FAIL|passed|GB/s|TFLOP/s" "$OUT/fp8codes-test.log" | tail -14
+    (cd build-gpu && ctest -R 'cli_cuda_fp8|cli_cuda_zero3' --output-on-failure --timeout 150 > "$OUT/next-cli.log" 2>&1
      echo "== cli_cuda_fp8, cli_cuda_zero3: $?"; grep -E "Test +#|FAIL" "$OUT/next-cli.log" | head)
-    STEPS=4 bash "$0" fp8codes-runs 4096 16384
+    STEPS=4 bash "$0" fp8codes-runs 4096
+    bash "$0" pack > /dev/null ;;
+next2) # session 12's second call (~8 min, the machine warm with next's build): 16K bf16 / fp8 / fp8 with the
+    # planner's cache, the calibration with the v5 FP8 GEMM and the fused ops (commit its fp8 curves), the
+    # 200-step loss curves at 4K (bf16 against fp8 on codes) -> pack
+    STEPS=4 bash "$0" fp8codes-runs 16384
     bash "$0" calib | tail -12
+    bash "$0" fp8loss
     bash "$0" pack > /dev/null ;;
 fp8codes-runs) shift; for T in ${*:-4096 16384}; do
         run1 fp8-bf16-$T $T ${STEPS:-4}
@@ -247,5 +258,5 @@ fp8next) # session 10's unrun FP8 work, first call of the next session (~8 min):
     GG_CASES=${GG_CASES:-512} timeout 300 bash dev/cuda/grouped_gemm/v5_gpu.sh 2>&1 | tail -45
     bash "$0" pack > /dev/null ;;
 run) shift; run1 "$@" ;;
-*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|longest|sm90|autogemm|verify|collect|peer|ours|ranks|lab|updblocks|fp8loss|streamopt|fp8codes|fp8next|next|pack|run"; exit 2 ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|longest|sm90|autogemm|verify|collect|peer|ours|ranks|lab|updblocks|fp8loss|streamopt|fp8codes|fp8next|next|next2|pack|run"; exit 2 ;;
 esac
