@@ -110,6 +110,17 @@ pcache() { FLATMOE_TEST_FP8_CODES=1 "$FM" plan "$@" --json 2>/dev/null | python3
 big=("${mb[@]}" --mem-budget 60000KiB) # the later --mem-budget wins
 [ "$(pcache "${big[@]}")" = True ] && ok || bad "at 60,000 KiB the planner did not keep the cache"
 [ "$(pcache "${big[@]}" --no-fp8-weight-cache)" = False ] && ok || bad "--no-fp8-weight-cache did not keep the cache off"
+# plan's "train flags" line reproduces its choice without the budget (train without --mem-budget on the
+# CPU has no device budget, so the planner would keep the cache there): off at 33,300 KiB, on at 60,000
+tflags() { FLATMOE_TEST_FP8_CODES=1 "$FM" plan "$@" 2>/dev/null | sed -n 's/^train flags: //p'; }
+for b in 33300KiB:false 60000KiB:true; do
+    read -r -a tf <<<"$(tflags "${mb[@]}" --mem-budget "${b%%:*}")"
+    [ ${#tf[@]} -gt 0 ] || bad "plan at ${b%%:*} printed no train flags"
+    codes --config "$cfg" --threads 1 "${tf[@]}" --data "$TEXT" --steps 1 --eval-every 0 --no-checkpoint --out "$TMP/tf_$b" \
+        > "$TMP/tf_$b.log" 2>&1 || bad "train with plan's flags at ${b%%:*} failed: $(tail -2 "$TMP/tf_$b.log")"
+    grep -q "\"fp8_weight_cache\":[[:space:]]*${b#*:}" "$TMP/tf_$b/metrics.jsonl" && ok \
+        || bad "plan's train flags at ${b%%:*} (${tf[*]}) do not reproduce its cache choice (${b#*:})"
+done
 codes "${big[@]}" --data "$TEXT" --steps 1 --eval-every 0 --no-checkpoint --report-memory --out "$TMP/auto" > "$TMP/auto.log" 2>&1 \
     || bad "train at 60,000 KiB failed: $(tail -2 "$TMP/auto.log")"
 grep -q "on E4M3 codes, every layer's weight codes kept" "$TMP/auto.log" && grep -q '"fp8_weight_cache":[[:space:]]*true' "$TMP/auto/metrics.jsonl" \

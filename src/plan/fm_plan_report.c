@@ -67,7 +67,9 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     if (r->offload_optimizer) fprintf(f, " --offload-optimizer");
     if (r->bf16_moments) fprintf(f, " --bf16-moments");
     if (r->expert_fp8) fprintf(f, " --expert-precision fp8");
-    if (r->expert_fp8_cache) fprintf(f, " --fp8-weight-cache");
+    /* the cache either way on the codes path: without the flag, train chooses it against its own
+     * budget (none on the CPU build, the GPU's free memory on CUDA), not this plan's */
+    if (r->expert_fp8_codes) fprintf(f, r->expert_fp8_cache ? " --fp8-weight-cache" : " --no-fp8-weight-cache");
     if (r->ep > 1) fprintf(f, " --ep %d", r->ep);
     if (r->sp > 1) fprintf(f, " --sp %lld", (long long)r->sp);
     if (!r->mesh.on && (r->train_dp > 1 || r->train_zero > 0)) {
