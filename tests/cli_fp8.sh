@@ -68,6 +68,21 @@ FLATMOE_TEST_FP8_CODES=1 "$FM" train "${base[@]}" --report-memory --expert-preci
     --grad-accum 2 --out "$TMP/codes_chunk" > "$TMP/codes_chunk.log" 2>&1 || bad "fp8 codes chunked run failed: $(tail -3 "$TMP/codes_chunk.log")"
 check_memory codes_chunked "$TMP/codes_chunk.log"
 
+# FLATMOE_PROFILE=1: the quantization is its own phase (fp8_quant), beside the expert GEMMs (experts);
+# zero without fp8. Both the emulation and the codes path charge it.
+pq() { python3 -c '
+import json, sys
+r = [r for r in map(json.loads, open(sys.argv[1])) if r.get("type", "step") == "step"][-1]["phase_ms"]
+print("pos" if r["fp8_quant"] > 0 and r["experts"] > 0 else "zero" if r["fp8_quant"] == 0 else "bad %r" % r)' "$1"; }
+for v in emu codes native; do
+    env $([ $v = codes ] && echo FLATMOE_TEST_FP8_CODES=1) FLATMOE_PROFILE=1 "$FM" train "${base[@]}" --steps 1 --eval-every 0 \
+        --no-checkpoint $([ $v = native ] || echo --expert-precision fp8) --out "$TMP/prof-$v" > "$TMP/prof-$v.log" 2>&1 \
+        || bad "profiled $v run failed: $(tail -2 "$TMP/prof-$v.log")"
+    want=$([ $v = native ] && echo zero || echo pos)
+    [ "$(pq "$TMP/prof-$v/metrics.jsonl")" = "$want" ] && grep -q "fp8_quant" "$TMP/prof-$v.log" && ok \
+        || bad "$v: the fp8_quant phase is not $want: $(pq "$TMP/prof-$v/metrics.jsonl")"
+done
+
 # --fp8-weight-cache: every layer's weight codes kept for the step, quantized once a step: the same
 # bits as quantizing at every forward, backward and recompute (so the invalidation after each
 # update and before each evaluation is right), high-water = bound with the cache in the expert set

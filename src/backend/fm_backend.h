@@ -56,15 +56,17 @@ typedef enum fm_phase {
     FM_PHASE_DENSE,      /* q/k/v/o projections, RMSNorm, QK-norm, RoPE, residual adds */
     FM_PHASE_ROUTER,     /* router GEMM, softmax/top-k, load-balancing statistics, router backward */
     FM_PHASE_DISPATCH,   /* MoE permutation: route index, gather, combine, chunk row moves */
-    FM_PHASE_EXPERTS,    /* expert GEMMs and SwiGLU */
+    FM_PHASE_EXPERTS,    /* expert GEMMs and SwiGLU (--expert-precision fp8: the GEMMs alone) */
     FM_PHASE_LOSS,       /* LM head and cross-entropy (plain or linear) */
     FM_PHASE_OPTIMIZER,  /* gradient zeroing, gradient norm, AdamW */
+    FM_PHASE_FP8_QUANT,  /* --expert-precision fp8: the expert operands' and weights' quantization
+                          * (on the codes path the SwiGLU too, fused with it; model/fm_experts_fp8.c) */
     FM_PHASE_COUNT
 } fm_phase;
 
 static inline const char *fm_phase_name(int p) {
-    static const char *const names[FM_PHASE_COUNT] = {"other",    "attention", "dense", "router",
-                                                      "dispatch", "experts",   "loss",  "optimizer"};
+    static const char *const names[FM_PHASE_COUNT] = {"other",    "attention", "dense", "router",   "dispatch",
+                                                      "experts",  "loss",      "optimizer", "fp8_quant"};
     return p >= 0 && p < FM_PHASE_COUNT ? names[p] : "?";
 }
 

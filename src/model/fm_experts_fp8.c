@@ -12,14 +12,14 @@ void fm_experts_fp8_weights(const fm_backend *be, const fm_moe_dims *d, const fm
             ws->w8_fresh[ws->w8_layer] = true;
         }
         FM_ASSERT(ws->w8[0] && ws->w8[1] && ws->w8[2]);
-        fm_phase_mark(be, FM_PHASE_EXPERTS);
+        fm_phase_mark(be, FM_PHASE_FP8_QUANT);
         be->ops->fp8_quant_weight(be->ctx, ws->w8[0], w->w_gate, d->E, d->I, d->H);
         be->ops->fp8_quant_weight(be->ctx, ws->w8[1], w->w_up, d->E, d->I, d->H);
         be->ops->fp8_quant_weight(be->ctx, ws->w8[2], w->w_down, d->E, d->H, d->I);
         return;
     }
     FM_ASSERT(ws->q_gate && ws->q_up && ws->q_down); /* laid out with d->fp8 */
-    fm_phase_mark(be, FM_PHASE_EXPERTS);
+    fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->quant_fp8_blocks(be->ctx, ws->q_gate, w->w_gate, d->E, d->I, d->H);
     be->ops->quant_fp8_blocks(be->ctx, ws->q_up, w->w_up, d->E, d->I, d->H);
     be->ops->quant_fp8_blocks(be->ctx, ws->q_down, w->w_down, d->E, d->H, d->I);
@@ -37,10 +37,14 @@ static void codes_forward(const fm_backend *be, const fm_moe_dims *d, fm_moe_rou
     const int64_t H = d->H, I = d->I, E = d->E, rc = ws->fp8_rcap;
     const int64_t *off = r->offsets;
     FM_ASSERT(n * d->k <= rc);
+    fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->fp8_quant_rows(be->ctx, ws->a8, r->xe, off, rc, E, H);
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     be->ops->expert_fp8_gemm(be->ctx, 0, r->h_gate, 0.0f, ws->a8, ws->w8[0], off, rc, E, H, I);
     be->ops->expert_fp8_gemm(be->ctx, 0, r->h_up, 0.0f, ws->a8, ws->w8[1], off, rc, E, H, I);
+    fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->fp8_swiglu_fwd_quant(be->ctx, r->h_act, ws->a8, r->h_gate, r->h_up, off, rc, E, I);
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     be->ops->expert_fp8_gemm(be->ctx, 0, r->ye, 0.0f, ws->a8, ws->w8[2], off, rc, E, I, H);
 }
 
@@ -55,13 +59,19 @@ static void codes_backward(const fm_backend *be, const fm_moe_dims *d, const fm_
     void *A = ws->a8, *A2 = ws->a8u, *T0 = ws->t8[0], *T1 = ws->t8[1], *T2 = ws->t8[2];
     FM_ASSERT(n * d->k <= rc && A2 && T2);
     /* down: ye = h_act D^T (in = I, out = H) */
+    fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->fp8_quant_dual(be->ctx, A, T0, ws->dye, off, rc, E, H);
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     be->ops->expert_fp8_gemm(be->ctx, 1, ws->dact, 0.0f, A, ws->w8[2], off, rc, E, I, H);
+    fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->fp8_quant_tokens(be->ctx, T1, r->h_act, off, rc, E, I);
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     be->ops->expert_fp8_gemm(be->ctx, 2, g->w_down, 1.0f, T0, T1, off, rc, E, I, H);
+    fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->fp8_swiglu_bwd_quant(be->ctx, A, A2, T0, T2, ws->dact, r->h_gate, r->h_up, off, rc, E, I);
     /* gate and up: h = xe W^T (in = H, out = I) */
     be->ops->fp8_quant_tokens(be->ctx, T1, r->xe, off, rc, E, H);
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     be->ops->expert_fp8_gemm(be->ctx, 1, ws->dxe, 0.0f, A, ws->w8[0], off, rc, E, H, I);
     be->ops->expert_fp8_gemm(be->ctx, 2, g->w_gate, 1.0f, T0, T1, off, rc, E, H, I);
     be->ops->expert_fp8_gemm(be->ctx, 1, ws->dxe, 1.0f, A2, ws->w8[1], off, rc, E, H, I);
@@ -79,11 +89,15 @@ void fm_experts_fp8_forward(const fm_backend *be, const fm_moe_dims *d, const fm
         codes_forward(be, d, r, ws, n);
         return;
     }
+    fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->quant_fp8_rows(be->ctx, ws->q_a, r->xe, R, H); /* K = H */
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     fm_expert_linear_fwd(be, r->h_gate, ws->q_a, wq->w_gate, r->offsets, E, H, I);
     fm_expert_linear_fwd(be, r->h_up, ws->q_a, wq->w_up, r->offsets, E, H, I);
     be->ops->swiglu_fwd(be->ctx, r->h_act, r->h_gate, r->h_up, R * I);
+    fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->quant_fp8_rows(be->ctx, ws->q_a, r->h_act, R, I); /* K = I */
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     fm_expert_linear_fwd(be, r->ye, ws->q_a, wq->w_down, r->offsets, E, I, H);
 }
 
@@ -112,20 +126,32 @@ void fm_experts_fp8_backward(const fm_backend *be, const fm_moe_dims *d, const f
         return;
     }
     /* down: ye = h_act D^T (in = I, out = H) */
+    fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->quant_fp8_rows(be->ctx, A, ws->dye, R, H);
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     dgrad(be, ws->dact, 0.0f, A, wq->w_down, off, E, I, H);
+    fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->quant_fp8_cols_grouped(be->ctx, A, ws->dye, off, E, H);
     be->ops->quant_fp8_cols_grouped(be->ctx, B, r->h_act, off, E, I);
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     wgrad(be, g->w_down, A, B, wq->w_down, off, E, I, H);
     be->ops->swiglu_bwd(be->ctx, ws->dh_gate, ws->dh_up, ws->dact, r->h_gate, r->h_up, R * I);
     /* gate and up: h = xe W^T (in = H, out = I); B holds xe in column tiles for both wgrads */
+    fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->quant_fp8_rows(be->ctx, A, ws->dh_gate, R, I);
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     dgrad(be, ws->dxe, 0.0f, A, wq->w_gate, off, E, H, I);
+    fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->quant_fp8_cols_grouped(be->ctx, B, r->xe, off, E, H);
     be->ops->quant_fp8_cols_grouped(be->ctx, A, ws->dh_gate, off, E, I);
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     wgrad(be, g->w_gate, A, B, wq->w_gate, off, E, H, I);
+    fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->quant_fp8_rows(be->ctx, A, ws->dh_up, R, I);
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     dgrad(be, ws->dxe, 1.0f, A, wq->w_up, off, E, H, I);
+    fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->quant_fp8_cols_grouped(be->ctx, A, ws->dh_up, off, E, I);
+    fm_phase_mark(be, FM_PHASE_EXPERTS);
     wgrad(be, g->w_up, A, B, wq->w_up, off, E, H, I);
 }
