@@ -197,10 +197,7 @@ fp8codes) # issue 14's FP8 fast path (E4M3 codes, our sm_90 FP8 grouped GEMM): i
     ./build-gpu/test_cuda_fp8_codes > "$OUT/fp8codes-test.log" 2>&1; echo "== test_cuda_fp8_codes exit $?"; tail -25 "$OUT/fp8codes-test.log"
     (cd build-gpu && ctest -R cli_cuda_fp8 --output-on-failure > "$OUT/fp8codes-cli.log" 2>&1; echo "== cli_cuda_fp8 exit $?"; tail -5 "$OUT/fp8codes-cli.log")
     shift; for T in ${*:-4096 16384}; do
-        run1 fp8-bf16-$T $T ${STEPS:-4}
-        run1 fp8-codes-$T $T ${STEPS:-4} --expert-precision fp8 --no-fp8-weight-cache
-        grep -o '"expert_fp8_path": *"[a-z]*"' "$OUT/fp8-codes-$T.jsonl" | head -1
-        run1 fp8-auto-$T $T ${STEPS:-4} --expert-precision fp8; grep -o '"fp8_weight_cache": *[a-z]*' "$OUT/fp8-auto-$T.jsonl" | head -1
+        bash "$0" fp8codes-runs $T
         FLATMOE_EXPERT_GEMM=cublas run1 fp8-emu-$T $T ${STEPS:-4} --expert-precision fp8
     done ;;
 streamopt) # the streamed AdamW beside checkpoint offload under the overlap (128K, the chooser's knobs,
@@ -242,6 +239,7 @@ next2) # session 12's second call (~8 min, the machine warm with next's build): 
 fp8codes-runs) shift; for T in ${*:-4096 16384}; do
         run1 fp8-bf16-$T $T ${STEPS:-4}
         run1 fp8-codes-$T $T ${STEPS:-4} --expert-precision fp8 --no-fp8-weight-cache
+        grep -o '"expert_fp8_path": *"[a-z]*"' "$OUT/fp8-codes-$T.jsonl" | head -1
         run1 fp8-auto-$T $T ${STEPS:-4} --expert-precision fp8; grep -o '"fp8_weight_cache": *[a-z]*' "$OUT/fp8-auto-$T.jsonl" | head -1
     done ;;
 fp8next) # session 10's unrun FP8 work, first call of the next session (~8 min): build, the rewritten

@@ -19,6 +19,30 @@
 
 static inline float f_nan(void) { return fm_fp8_u2f(0x7FC00000u); }
 
+/* The CUDA backend on device 0 with the default options (expert_gemm auto: the FP8 ops are served
+ * on sm_90) for an FP8 GPU test: 0 when *be is ready; 77 (ctest's SKIP_RETURN_CODE) when there is
+ * no device or it is not compute capability 9.0, said on stdout; 1 when the backend fails, said on
+ * stderr. */
+static inline int fp8_test_backend(fm_backend *be) {
+    setvbuf(stdout, NULL, _IOLBF, 0); /* each line out before a kernel that could hang */
+    fm_backend_opts o = fm_backend_opts_default();
+    const fm_status st = fm_cuda_backend_init(be, 0, &o);
+    if (st == FM_ERR_UNSUPPORTED) {
+        printf("skipped: %s\n", fm_errmsg());
+        return 77;
+    }
+    if (st != FM_OK) {
+        fprintf(stderr, "cuda backend: %s\n", fm_errmsg());
+        return 1;
+    }
+    if (fm_cuda_expert_sm90_device_ok(0) != 1) {
+        printf("skipped: device 0 is not compute capability 9.0: the FP8 expert path's sm_90a kernels do not run\n");
+        fm_cuda_backend_free(be);
+        return 77;
+    }
+    return 0;
+}
+
 /* ---- host reference quantization (fm_fp8.h) ---- */
 
 /* One tile of n values x[i * xs] -> codes q[i * qs] and *scale. */

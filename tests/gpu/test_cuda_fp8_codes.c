@@ -516,22 +516,8 @@ static int serves_with(fm_expert_gemm g) {
 }
 
 int main(void) {
-    setvbuf(stdout, NULL, _IOLBF, 0); /* each line out before a kernel that could hang */
-    fm_backend_opts o = fm_backend_opts_default(); /* expert_gemm auto: the fp8 ops are served on sm_90 */
-    const fm_status st = fm_cuda_backend_init(&g_be, 0, &o);
-    if (st == FM_ERR_UNSUPPORTED) {
-        printf("skipped: %s\n", fm_errmsg());
-        return 77;
-    }
-    if (st != FM_OK) {
-        fprintf(stderr, "cuda backend: %s\n", fm_errmsg());
-        return 1;
-    }
-    if (fm_cuda_expert_sm90_device_ok(0) != 1) {
-        printf("skipped: device 0 is not compute capability 9.0: the FP8 expert GEMMs' sm_90a kernels do not run\n");
-        fm_cuda_backend_free(&g_be);
-        return 77;
-    }
+    const int rc = fp8_test_backend(&g_be);
+    if (rc) return rc;
     const fm_ops *O = g_be.ops;
     const bool have = O->expert_fp8_serves && O->fp8_quant_weight && O->fp8_quant_rows && O->fp8_quant_tokens &&
                       O->expert_fp8_gemm;

@@ -45,17 +45,11 @@ __device__ __forceinline__ void rows_code(const uint32_t *tb, const qt_item &r, 
     for (int i = 0; i < QT_THREADS / 32; i++) {
         const int tok = h + 16 * i;
         const uint4 v = *reinterpret_cast<const uint4 *>(tb + qt_word(tok, 4 * l));
-        uint32_t am = amax_of2(amax2(amax2(amax2(amax2(0u, v.x), v.y), v.z), v.w));
-#pragma unroll
-        for (int o = 8; o; o >>= 1) am = max(am, __shfl_xor_sync(0xffffffffu, am, o)); /* within the half */
-        const int e = tile_exp(am);
-        const qscale sc = qscale_of(e);
-        uint2 c = make_uint2(enc4(v.x, v.y, sc), enc4(v.z, v.w, sc));
-        if (tile_bad(am)) c = make_uint2(BAD4, BAD4);
+        const row_codes t = row_tile_code(v);
         if (tok < r.valid) {
             const int64_t row = r.t0 + tok;
-            *reinterpret_cast<uint2 *>(q + row * K + r.c0 + 8 * l) = c;
-            if (l == 0) s[cb * rpad + row] = tile_scale(am, e);
+            *reinterpret_cast<uint2 *>(q + row * K + r.c0 + 8 * l) = t.c;
+            if (l == 0) s[cb * rpad + row] = tile_scale(t.am, t.e);
         }
     }
 }
@@ -110,11 +104,8 @@ __global__ void __launch_bounds__(QT_THREADS) dual_tiles(const bf16 *a0, const b
     extern __shared__ __align__(16) uint32_t tbuf[]; /* [2][NIN][QT_BUF_WORDS] */
     __shared__ int64_t s_offs[MAX_E + 1];
     __shared__ int pblk[MAX_E + 1];
-    for (int i = threadIdx.x; i <= E; i += blockDim.x) s_offs[i] = offs[i]; /* one parallel read a CTA */
-    __syncthreads();
+    qt_groups(s_offs, pblk, offs, E);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp == 0) pblk_scan(pblk, s_offs, E, lane);
-    __syncthreads();
     const int ncb = (int)(C / 128);
     const int64_t nitems = (int64_t)pblk[E] * ncb;
     const uint32_t sb0 = (uint32_t)__cvta_generic_to_shared(tbuf), stage = NIN * QT_BUF_WORDS * 4;
@@ -195,19 +186,13 @@ __global__ void __launch_bounds__(SF_THREADS) swiglu_fwd_rows(bf16 *out, const b
             for (int k = 0; k < 4; k++)
                 ow[k] = bf2_of(fm_swiglu_fwd1(bf_lo(gw4[k]), bf_lo(uw4[k])), fm_swiglu_fwd1(bf_hi(gw4[k]), bf_hi(uw4[k])));
             const uint4 v = make_uint4(ow[0], ow[1], ow[2], ow[3]);
-            uint32_t am = amax_of2(amax2(amax2(amax2(amax2(0u, v.x), v.y), v.z), v.w));
-#pragma unroll
-            for (int o = 8; o; o >>= 1) am = max(am, __shfl_xor_sync(0xffffffffu, am, o)); /* within the half */
-            const int e = tile_exp(am);
-            const qscale sc = qscale_of(e);
-            uint2 c = make_uint2(enc4(v.x, v.y, sc), enc4(v.z, v.w, sc));
-            if (tile_bad(am)) c = make_uint2(BAD4, BAD4);
+            const row_codes t = row_tile_code(v);
             if (w < nt) {
                 o16[w * 16 + l] = v;
-                *reinterpret_cast<uint2 *>(q + w * 128 + l * 8) = c;
+                *reinterpret_cast<uint2 *>(q + w * 128 + l * 8) = t.c;
                 if (l == 0) { /* 32-bit division where it fits (the 64-bit one is a long routine) */
                     const int64_t r = nt <= 0xFFFFFFFFll ? (int64_t)((uint32_t)w / (uint32_t)nb) : w / nb, b = w - r * nb;
-                    s[b * rpad + r] = tile_scale(am, e);
+                    s[b * rpad + r] = tile_scale(t.am, t.e);
                 }
             }
         }

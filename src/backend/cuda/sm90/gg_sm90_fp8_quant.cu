@@ -75,18 +75,12 @@ __global__ void __launch_bounds__(QR_THREADS) quant_rows(const bf16 *a, int64_t 
 #pragma unroll
         for (int u = 0; u < QR_UNROLL; u++) {
             const int64_t w = base + u * stride + h;
-            uint32_t am = amax_of2(amax2(amax2(amax2(amax2(0u, v[u].x), v[u].y), v[u].z), v[u].w));
-#pragma unroll
-            for (int o = 8; o; o >>= 1) am = max(am, __shfl_xor_sync(0xffffffffu, am, o)); /* within the half */
-            const int e = tile_exp(am);
-            const qscale sc = qscale_of(e);
-            uint2 c = make_uint2(enc4(v[u].x, v[u].y, sc), enc4(v[u].z, v[u].w, sc));
-            if (tile_bad(am)) c = make_uint2(BAD4, BAD4);
+            const row_codes t = row_tile_code(v[u]);
             if (w < nt) {
-                *reinterpret_cast<uint2 *>(q + w * 128 + l * 8) = c;
+                *reinterpret_cast<uint2 *>(q + w * 128 + l * 8) = t.c;
                 if (l == 0) { /* 32-bit division where it fits (the 64-bit one is a long routine) */
                     const int64_t r = nt <= 0xFFFFFFFFll ? (int64_t)((uint32_t)w / (uint32_t)nb) : w / nb, b = w - r * nb;
-                    s[b * rpad + r] = tile_scale(am, e);
+                    s[b * rpad + r] = tile_scale(t.am, t.e);
                 }
             }
         }
@@ -169,11 +163,8 @@ __global__ void __launch_bounds__(QT_THREADS) quant_tokens_t(const bf16 *a, int6
     extern __shared__ __align__(16) uint32_t tbuf[]; /* [2][QT_BUF_WORDS] */
     __shared__ int64_t s_offs[MAX_E + 1];
     __shared__ int pblk[MAX_E + 1];
-    for (int i = threadIdx.x; i <= E; i += blockDim.x) s_offs[i] = offs[i]; /* one parallel read a CTA */
-    __syncthreads();
+    qt_groups(s_offs, pblk, offs, E);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp == 0) pblk_scan(pblk, s_offs, E, lane);
-    __syncthreads();
     const int ncb = (int)(C / 128);
     const int64_t nitems = (int64_t)pblk[E] * ncb;
     const uint32_t sb0 = (uint32_t)__cvta_generic_to_shared(tbuf);

@@ -60,6 +60,26 @@ __device__ __forceinline__ float tile_scale(uint32_t ab, int e) {
     return tile_bad(ab) ? __uint_as_float(0x7FC00000u) : fm_fp8_ldexp(1.0f, e); /* exact: e >= -141 */
 }
 
+/* One 1 x 128 rows tile held by a half warp, 8 bf16 a lane in v (every lane of the warp calls it:
+ * the amax is shuffled within each half): this lane's 8 codes, and the tile's amax bits and
+ * exponent (tile_scale(am, e) is its stored scale). quant_rows, and the fused rows codings of
+ * gg_sm90_fp8_fused.cu. */
+struct row_codes {
+    uint2 c;
+    uint32_t am;
+    int e;
+};
+__device__ __forceinline__ row_codes row_tile_code(uint4 v) {
+    uint32_t am = amax_of2(amax2(amax2(amax2(amax2(0u, v.x), v.y), v.z), v.w));
+#pragma unroll
+    for (int o = 8; o; o >>= 1) am = max(am, __shfl_xor_sync(0xffffffffu, am, o)); /* within the half */
+    const int e = tile_exp(am);
+    const qscale sc = qscale_of(e);
+    uint2 c = make_uint2(enc4(v.x, v.y, sc), enc4(v.z, v.w, sc));
+    if (tile_bad(am)) c = make_uint2(BAD4, BAD4);
+    return {c, am, e};
+}
+
 
 /* ---- 128 x 1 token tiles ---- */
 
@@ -88,6 +108,16 @@ __device__ inline void pblk_scan(int *pblk, const int64_t *offs, int E, int lane
     for (int k = 0; k < 8; k++)
         if (lane * 8 + k < E) pblk[lane * 8 + k + 1] = excl + run[k];
     if (lane == 0) pblk[0] = 0;
+}
+
+/* The start of a persistent kernel over a groups' token tiles (every thread of the CTA calls it):
+ * offs[0 .. E] into s_offs (one parallel read a CTA: offs may live in pinned host memory), then
+ * pblk (pblk_scan, by warp 0). */
+__device__ __forceinline__ void qt_groups(int64_t *s_offs, int *pblk, const int64_t *offs, int E) {
+    for (int i = threadIdx.x; i <= E; i += blockDim.x) s_offs[i] = offs[i];
+    __syncthreads();
+    if ((threadIdx.x >> 5) == 0) pblk_scan(pblk, s_offs, E, threadIdx.x & 31);
+    __syncthreads();
 }
 
 /* Item it: token block b = it / ncb, channel block it % ncb; the group of b (the last e with
