@@ -516,7 +516,7 @@ static int serves_with(fm_expert_gemm g) {
 }
 
 int main(void) {
-    const int rc = fp8_test_backend(&g_be);
+    const int rc = fp8_test_backend(&g_be, g_sched[0]) /* v3 */;
     if (rc) return rc;
     const fm_ops *O = g_be.ops;
     const bool have = O->expert_fp8_serves && O->fp8_quant_weight && O->fp8_quant_rows && O->fp8_quant_tokens &&

@@ -267,7 +267,7 @@ static void bench(void) {
 }
 
 int main(void) {
-    const int rc = fp8_test_backend(&g_be);
+    const int rc = fp8_test_backend(&g_be, fm_backend_opts_default().fp8_gemm);
     if (rc) return rc;
     const fm_ops *O = g_be.ops;
     const bool have = O->fp8_quant_dual && O->fp8_swiglu_bwd_quant && O->fp8_swiglu_fwd_quant;
