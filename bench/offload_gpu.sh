@@ -158,20 +158,25 @@ sm90) # issue 14: the sync-free expert GEMMs (FLATMOE_EXPERT_GEMM=sm90) against 
     done ;;
 updblocks) # the optimizer overlap's update stream at low priority with a capped AdamW grid
     # (FLATMOE_UPDATE_BLOCKS) against today's, 4K, 6 steps each: steps 3..6 are the steady state
-    # (--report-memory waits for step 1's update, so step 2 has none beside it); losses must be
-    # bit-identical across the runs
-    shift; for n in ${*:-0 132 264 528}; do FLATMOE_UPDATE_BLOCKS=$n run1 upd-$n 4096 6; done
-    python3 - "$OUT" ${*:-0 132 264 528} <<'PY'
+    # (--report-memory waits for step 1's update, so step 2 has none beside it). The first value runs
+    # twice: cuDNN's attention backward is not deterministic, so two runs of the same binary differ
+    # (session 12: 1.2e-4 at step 3, 1.1e-3 by step 6); each run's largest loss difference from the first is printed
+    # beside that repeat's (FLATMOE_ATTENTION=fallback makes them bit-identical, at other speeds)
+    shift; NS=(${*:-0 132 264 528})
+    FLATMOE_UPDATE_BLOCKS=${NS[0]} run1 upd-rep 4096 6
+    for n in "${NS[@]}"; do FLATMOE_UPDATE_BLOCKS=$n run1 upd-$n 4096 6; done
+    python3 - "$OUT" "${NS[@]}" <<'PY'
 import json, sys
 out, ns = sys.argv[1], sys.argv[2:]
-ref = None
+def steps(name): return [r for r in map(json.loads, open(f"{out}/upd-{name}.jsonl")) if r.get("type", "step") == "step"]
+ref = [r["loss"] for r in steps(ns[0])]
+rep = max(abs(a - b) for a, b in zip(ref, [r["loss"] for r in steps("rep")]))
 for n in ns:
-    rows = [r for r in map(json.loads, open(f"{out}/upd-{n}.jsonl")) if r.get("type", "step") == "step"]
+    rows = steps(n)
     tail = [r["tokens_per_s"] for r in rows if r["step"] >= 3]
-    losses = [r["loss"] for r in rows]
-    same = "" if ref is None else (" losses bit-identical" if losses == ref else " LOSSES DIFFER")
-    ref = ref or losses
-    print(f"FLATMOE_UPDATE_BLOCKS={n}: steps 3..{rows[-1]['step']} mean {sum(tail)/len(tail):.0f} tok/s{same}")
+    d = max(abs(a - b) for a, b in zip(ref, [r["loss"] for r in rows]))
+    print(f"FLATMOE_UPDATE_BLOCKS={n}: steps 3..{rows[-1]['step']} mean {sum(tail)/len(tail):.0f} tok/s, "
+          f"largest loss difference from {ns[0]}'s {d:.2e} (a repeat of {ns[0]}: {rep:.2e})")
 PY
     ;;
 fp8loss) # issue 14: OLMoE-1B-7B at 4K, 200 steps, --expert-precision bf16 then fp8 (on E4M3 codes on an
