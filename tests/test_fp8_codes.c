@@ -481,6 +481,72 @@ static void test_cache(fm_rng *r) {
     free(Wg), free(Wu), free(Wd), free(x), free(tw), free(y0), free(y1), free(y2), free(y3), free(idx);
 }
 
+/* Without the cache, a backward right after its own layer's forward (or recompute) uses the codes
+ * that forward made (fm_moe_ws.w8_holds), on either path: planted here by changing the weights
+ * between the two, which the backward then must not see (dx bit-identical to the unchanged run's).
+ * Each case that must quantize again does see them: another layer's forward between, the trainer's
+ * reset (w8_holds = -1), a caller that names no layer (w8_layer -1); a forward always quantizes. */
+static void test_reuse(fm_rng *r, bool codes) {
+    fm_moe_dims d = {H, I, 4, 2, false, true, codes, 0};
+    const int64_t N = 40, Ex = d.E, EIH = Ex * I * H;
+    float *Wg = fnew(EIH), *Wg3 = fnew(EIH), *Wu = fnew(EIH), *Wd = fnew(EIH), *x = fnew(N * H), *tw = fnew(N * 2);
+    float *dy = fnew(N * H), *y = fnew(N * H), *y3 = fnew(N * H), *dtw = fnew(N * 2);
+    float *gg = fnew(EIH), *gu = fnew(EIH), *gd = fnew(EIH), *dx[6];
+    fill(r, Wg, Ex * I, H, 4, 5, 0.05f), fill(r, Wu, Ex * I, H, 4, 5, 0.05f), fill(r, Wd, Ex * H, I, 4, 5, 0.05f);
+    fill(r, x, N, H, 3, 4, 1.0f), fill(r, dy, N, H, 3, 4, 1.0f);
+    for (int64_t i = 0; i < EIH; i++) Wg3[i] = 3.0f * Wg[i];
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)(N * 2));
+    FM_ASSERT(idx);
+    for (int64_t n = 0; n < N; n++) idx[2 * n] = (int32_t)(n % 4), idx[2 * n + 1] = (int32_t)((n + 1) % 4), tw[2 * n] = 0.5f, tw[2 * n + 1] = 0.5f;
+    fm_arena a, h;
+    FM_ASSERT(fm_arena_init(&a, "moe", fm_moe_routes_bytes(&d, N, 4) + fm_moe_ws_bytes(&d, N, false, 4)) == FM_OK);
+    FM_ASSERT(fm_arena_init(&h, "host", 2 * fm_moe_routes_host_bytes(&d)) == FM_OK);
+    fm_moe_routes saved;
+    fm_moe_ws ws;
+    fm_moe_routes_layout(&saved, &a, &h, &d, N);
+    fm_moe_ws_layout(&ws, &a, &h, &d, N, false);
+    CHECK(ws.w8_cache == NULL && ws.w8_holds == -1 && ws.w8_layer == -1);
+    const fm_moe_weights w = {Wg, Wu, Wd}, w3 = {Wg3, Wu, Wd};
+    const fm_moe_grads g = {gg, gu, gd};
+    /* case c: the backward of layer 0 with the gate weights tripled after (or, c 0, without) its forward */
+    for (int c = 0; c < 6; c++) {
+        dx[c] = fnew(N * H);
+        ws.w8_layer = c == 5 ? -1 : 0;
+        fm_moe_forward(&g_be, &d, &w, y, x, idx, tw, N, 1, NULL, &saved, &ws);
+        if (c == 2) { /* another layer's forward between: the set then holds layer 1's codes */
+            ws.w8_layer = 1;
+            fm_moe_forward(&g_be, &d, &w, y3, x, idx, tw, N, 1, NULL, &saved, &ws);
+            CHECK(ws.w8_holds == 1);
+            ws.w8_layer = 0;
+            fm_moe_forward(&g_be, &d, &w, y, x, idx, tw, N, 1, NULL, &saved, &ws); /* layer 0's routes again */
+            ws.w8_layer = 1;
+            fm_moe_forward(&g_be, &d, &w, y3, x, idx, tw, N, 1, NULL, &saved, &ws); /* the routes kept: same x */
+            ws.w8_layer = 0;
+        }
+        if (c == 3) ws.w8_holds = -1; /* fm_model_fp8_cache_invalidate */
+        memset(gg, 0, sizeof(float) * (size_t)EIH), memset(gu, 0, sizeof(float) * (size_t)EIH);
+        memset(gd, 0, sizeof(float) * (size_t)EIH);
+        fm_moe_backward(&g_be, &d, c == 0 ? &w : &w3, &g, dx[c], dtw, dy, x, idx, tw, N, 1, NULL, &saved, &ws);
+    }
+    const size_t nb = sizeof(float) * (size_t)(N * H);
+    CHECK_MSG(memcmp(dx[1], dx[0], nb) == 0, "%s: the backward right after its forward quantized again",
+              codes ? "codes" : "emulation");
+    CHECK_MSG(memcmp(dx[2], dx[0], nb) != 0 && memcmp(dx[3], dx[0], nb) != 0 && memcmp(dx[5], dx[0], nb) != 0,
+              "%s: a backward whose layer's codes were not held used them", codes ? "codes" : "emulation");
+    CHECK(memcmp(dx[2], dx[3], nb) == 0 && memcmp(dx[3], dx[5], nb) == 0); /* each quantized the tripled weights */
+    /* case 4: the same as 1 (a repeat: reuse is not a one-off) */
+    CHECK(memcmp(dx[4], dx[0], nb) == 0);
+    /* a forward always quantizes: the tripled weights change y */
+    ws.w8_layer = 0;
+    fm_moe_forward(&g_be, &d, &w, y, x, idx, tw, N, 1, NULL, &saved, &ws);
+    fm_moe_forward(&g_be, &d, &w3, y3, x, idx, tw, N, 1, NULL, &saved, &ws);
+    CHECK(memcmp(y, y3, nb) != 0);
+    fm_arena_free(&a), fm_arena_free(&h);
+    for (int c = 0; c < 6; c++) free(dx[c]);
+    free(Wg), free(Wg3), free(Wu), free(Wd), free(x), free(tw), free(dy), free(y), free(y3), free(dtw);
+    free(gg), free(gu), free(gd), free(idx);
+}
+
 int main(void) {
     fm_rng r;
     fm_rng_seed(&r, fm_test_seed(14));
@@ -496,7 +562,9 @@ int main(void) {
     test_layer(&r, 1);
     test_layer(&r, 3);
     test_cache(&r);
-    test_fused(&r); /* last: the tests above see the random stream they saw before it */
+    test_fused(&r); /* the tests above see the random stream they saw before it */
+    test_reuse(&r, true); /* then, after all of them, the reuse of a layer's weight codes */
+    test_reuse(&r, false);
     fm_cpu_backend_free(&g_be);
     printf("%d passed, %d failed\n", fm_test_passed, fm_test_failed);
     return fm_test_failed ? 1 : 0;

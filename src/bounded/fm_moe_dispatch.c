@@ -105,7 +105,7 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
     w->q_gate = w->q_up = w->q_down = w->q_a = w->q_b = NULL;
     w->w8[0] = w->w8[1] = w->w8[2] = w->a8 = w->a8u = w->t8[0] = w->t8[1] = w->t8[2] = NULL;
     w->fp8_rcap = 0;
-    w->w8_cache = NULL, w->w8_stride = 0, w->w8_layer = -1, w->w8_fresh = NULL;
+    w->w8_cache = NULL, w->w8_stride = 0, w->w8_layer = -1, w->w8_fresh = NULL, w->w8_holds = -1;
     if (d->fp8) { /* model/fm_experts_fp8.h: one block of fp8_bytes, carved for the path */
         uint8_t *q = TAKE(a, uint8_t, fp8_bytes(d, R, sizeof(fm_act)));
         size_t at = 0;

@@ -83,6 +83,13 @@ typedef struct fm_moe_ws {
     uint8_t *w8_cache;
     int64_t w8_stride, w8_layer;
     bool *w8_fresh;
+    /* Without the cache (d->fp8 on either path): the layer (w8_layer's value) whose quantized
+     * weights the one set (q_* or w8) holds from the last fm_experts_fp8_weights, -1 for none;
+     * fm_moe_backward of that layer uses them instead of quantizing the same weights again (its
+     * forward or recompute ran just before it, no other layer's between). The trainer resets it
+     * to -1 where the weights change (fm_model_fp8_cache_invalidate); a forward always
+     * quantizes. */
+    int64_t w8_holds;
     /* Expert load: NULL, or host int64 [E] to which fm_moe_forward adds each dispatch's tokens
      * per expert (offsets[e+1] - offsets[e], read from the pinned offsets after the dispatch's
      * sync point: no extra wait). Only the forward counts, never the recompute inside

@@ -2,7 +2,10 @@
 #include "fm_experts_fp8.h"
 
 void fm_experts_fp8_weights(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_ws *ws,
-                            fm_moe_weights *wq) {
+                            fm_moe_weights *wq, bool backward) {
+    /* without the cache: a backward right after its layer's forward or recompute keeps its codes */
+    const bool held = !ws->w8_cache && backward && ws->w8_layer >= 0 && ws->w8_holds == ws->w8_layer;
+    if (!ws->w8_cache) ws->w8_holds = ws->w8_layer;
     if (d->fp8_codes) {
         *wq = *w; /* unused: the codes path reads ws->w8 */
         if (ws->w8_cache) { /* --fp8-weight-cache: layer w8_layer's own set, quantized once a step */
@@ -10,7 +13,8 @@ void fm_experts_fp8_weights(const fm_backend *be, const fm_moe_dims *d, const fm
             fm_moe_ws_fp8_layer(ws, d, ws->w8_layer);
             if (ws->w8_fresh[ws->w8_layer]) return;
             ws->w8_fresh[ws->w8_layer] = true;
-        }
+        } else if (held)
+            return;
         FM_ASSERT(ws->w8[0] && ws->w8[1] && ws->w8[2]);
         fm_phase_mark(be, FM_PHASE_FP8_QUANT);
         be->ops->fp8_quant_weight(be->ctx, ws->w8[0], w->w_gate, d->E, d->I, d->H);
@@ -19,13 +23,14 @@ void fm_experts_fp8_weights(const fm_backend *be, const fm_moe_dims *d, const fm
         return;
     }
     FM_ASSERT(ws->q_gate && ws->q_up && ws->q_down); /* laid out with d->fp8 */
+    wq->w_gate = ws->q_gate;
+    wq->w_up = ws->q_up;
+    wq->w_down = ws->q_down;
+    if (held) return;
     fm_phase_mark(be, FM_PHASE_FP8_QUANT);
     be->ops->quant_fp8_blocks(be->ctx, ws->q_gate, w->w_gate, d->E, d->I, d->H);
     be->ops->quant_fp8_blocks(be->ctx, ws->q_up, w->w_up, d->E, d->I, d->H);
     be->ops->quant_fp8_blocks(be->ctx, ws->q_down, w->w_down, d->E, d->H, d->I);
-    wq->w_gate = ws->q_gate;
-    wq->w_up = ws->q_up;
-    wq->w_down = ws->q_down;
 }
 
 /* ---- the fast path: E4M3 codes (d->fp8_codes; fm_experts_fp8.h) ---- */

@@ -36,9 +36,13 @@
 #include "../bounded/fm_moe_dispatch.h"
 
 /* Quantizes w's gate, up [E,I,H] and down [E,H,I] in 128 x 128 blocks into ws->q_*, and points
- * *wq at them (the fast path: into ws->w8's code operands; *wq = *w, unused). */
+ * *wq at them (the fast path: into ws->w8's code operands; *wq = *w, unused). Skipped where the
+ * set already holds layer ws->w8_layer's codes: with the cache, when w8_fresh[layer] says so;
+ * without it, for a backward (`backward`) of the layer ws->w8_holds names (ws->w8_layer >= 0),
+ * whose forward or recompute quantized the same weights last. No errors (the backend's status
+ * carries a kernel's). */
 void fm_experts_fp8_weights(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_ws *ws,
-                            fm_moe_weights *wq);
+                            fm_moe_weights *wq, bool backward);
 
 /* fm_experts_forward's contract with wq the quantized weights (fm_experts_fp8_weights); the
  * GEMMs' activation operands quantized into ws->q_a. */

@@ -31,6 +31,7 @@ static fm_moe_dims moe_dims(const fm_model *m) {
 
 void fm_model_fp8_cache_invalidate(fm_model *m) {
     if (m->moe_fp8_fresh) memset(m->moe_fp8_fresh, 0, sizeof(bool) * (size_t)m->cfg.num_hidden_layers);
+    m->moe_ws.w8_holds = -1; /* without the cache: the one set's codes are of the old weights */
 }
 
 fm_act *fm_model_boundary(fm_model *m, int64_t l) {

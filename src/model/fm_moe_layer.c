@@ -35,7 +35,7 @@ void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_wei
                     const int32_t *chunk_tokens, fm_moe_routes *saved, fm_moe_ws *ws) {
     fm_moe_weights wq;
     if (d->fp8) { /* the layer's weights quantized once, for every chunk */
-        fm_experts_fp8_weights(be, d, w, ws, &wq);
+        fm_experts_fp8_weights(be, d, w, ws, &wq, false);
         w = &wq;
     }
     if (saved) {
@@ -64,8 +64,8 @@ void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_we
                      const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
                      const int32_t *chunk_tokens, const fm_moe_routes *saved, fm_moe_ws *ws) {
     fm_moe_weights wq;
-    if (d->fp8) { /* quantized again (the forward's copy was another layer's since): the same bits */
-        fm_experts_fp8_weights(be, d, w, ws, &wq);
+    if (d->fp8) { /* this layer's codes from its forward or recompute just before, else quantized again (the same bits) */
+        fm_experts_fp8_weights(be, d, w, ws, &wq, true);
         w = &wq;
     }
     if (saved) {
