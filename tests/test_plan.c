@@ -318,6 +318,45 @@ static void test_projection_by_hand(void) {
         fm_project(&r9, &p9, &c, &b9); /* asked, but the table has none: the cuBLAS curves */
         CHECK_CLOSE(b9.sec[FM_PROJ_EXPERTS], pr.sec[FM_PROJ_EXPERTS], 1e-12);
     }
+    /* fp8 on E4M3 codes at the table's fp8 curves: each point holds one layer's weight
+     * quantization (12 E H I bytes, at fp8_weight_quant_bw, else elementwise_bw), taken out and
+     * charged once a step with the weight cache; without it at each forward and recompute and at
+     * the backward of the layers neither recomputed nor last */
+    {
+        fm_calib c8 = c;
+        fm_calib_add(&c8.expert_fwd_fp8, 1024, 2e12);
+        fm_calib_add(&c8.expert_bwd_fp8, 1024, 4e12);
+        c8.fp8_weight_quant_bw = 4e11;
+        fm_plan_req r8 = req;
+        r8.offload_optimizer = false;
+        r8.expert_fp8 = r8.expert_fp8_codes = true;
+        fm_plan p8;
+        fm_plan_compute(&r8, &p8);
+        const double wq = 12.0 * E * H * I / 4e11, gemm = 2 * N * k * 3 * H * I * (1 / 2e12 + 2 / 4e12);
+        CHECK_CLOSE(fm_project_fp8_weight_quant_s(&r8, &c8), wq, 1e-12);
+        fm_projection a8;
+        fm_project(&r8, &p8, &c8, &a8); /* no cache, no recompute: L forwards, L - 1 backwards */
+        CHECK(fm_project_fp8_weight_sets(&r8, &p8) == 2 * L - 1);
+        CHECK_CLOSE(a8.sec[FM_PROJ_EXPERTS], L * (gemm - 2 * wq) + (2 * L - 1) * wq, 1e-12);
+        CHECK_CLOSE(fm_project_expert_s(&r8, &p8, &c8, false), a8.sec[FM_PROJ_EXPERTS], 1e-12);
+        r8.expert_fp8_cache = true; /* the cache: once a step, over grad_accum micro-batches */
+        r8.grad_accum = 4;
+        fm_project(&r8, &p8, &c8, &a8);
+        CHECK_CLOSE(a8.sec[FM_PROJ_EXPERTS], 4 * L * (gemm - 2 * wq) + L * wq, 1e-12);
+        r8.expert_fp8_cache = false, r8.grad_accum = 1;
+        bool rc8[16] = {false}; /* layers 0, 1 and the last recomputed: their backwards reuse */
+        rc8[0] = rc8[1] = rc8[15] = true;
+        r8.recompute = rc8;
+        fm_plan_compute(&r8, &p8);
+        CHECK(p8.n_recomputed == 3 && fm_project_fp8_weight_sets(&r8, &p8) == L + 3 + (L - 3));
+        rc8[15] = false;
+        fm_plan_compute(&r8, &p8);
+        CHECK(fm_project_fp8_weight_sets(&r8, &p8) == L + 2 + (L - 2 - 1));
+        c8.fp8_weight_quant_bw = 0; /* a table without the rate: elementwise's */
+        CHECK_CLOSE(fm_project_fp8_weight_quant_s(&r8, &c8), 12.0 * E * H * I / bw, 1e-12);
+        r8.expert_fp8_codes = false; /* the emulation: no fp8 curves, no weight term */
+        CHECK(fm_project_fp8_weight_quant_s(&r8, &c8) == 0);
+    }
     /* the log-T interpolation */
     fm_calib_curve cv = {0};
     fm_calib_add(&cv, 1024, 100);
@@ -484,6 +523,12 @@ static void test_calib_files(void) {
     CHECK(fm_calib_save(&c, path) == FM_OK);
     CHECK(fm_calib_load(&d, path) == FM_OK);
     CHECK(d.expert_fwd_sm90.n == 1 && d.expert_fwd_sm90.rate[0] == 6e14 && d.expert_bwd_sm90.rate[0] == 5e14);
+    /* the optional fp8 weight-quantization rate: absent (0) by default, kept through save and load */
+    CHECK(d.fp8_weight_quant_bw == 0);
+    c.fp8_weight_quant_bw = 3.8e12;
+    CHECK(fm_calib_save(&c, path) == FM_OK);
+    CHECK(fm_calib_load(&d, path) == FM_OK);
+    CHECK(d.fp8_weight_quant_bw == 3.8e12);
     remove(path);
     CHECK(fm_calib_load(&d, "/nonexistent/calib.json") == FM_ERR_IO);
     char kind[32];

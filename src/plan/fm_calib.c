@@ -233,6 +233,10 @@ fm_status fm_calib_load(fm_calib *c, const char *path) {
     if ((s = need_num(rates, "elementwise", path, true, &c->elementwise_bw))) goto out;
     if ((s = need_num(rates, "dispatch", path, true, &c->dispatch_bw))) goto out;
     if ((s = need_num(rates, "adamw", path, true, &c->adamw_bw))) goto out;
+    c->fp8_weight_quant_bw = 0; /* optional: measured where the fp8 code ops run */
+    if (cJSON_GetObjectItemCaseSensitive(rates, "fp8_weight_quant") &&
+        (s = need_num(rates, "fp8_weight_quant", path, true, &c->fp8_weight_quant_bw)))
+        goto out;
     link = cJSON_GetObjectItemCaseSensitive(j, "link");
     if (!cJSON_IsObject(link)) {
         s = fm_error(FM_ERR_FORMAT, "%s: \"link\" must be an object of B/s figures (h2d, d2h, h2d_duplex, d2h_duplex)",
@@ -305,6 +309,7 @@ fm_status fm_calib_save(const fm_calib *c, const char *path) {
     cJSON_AddNumberToObject(b, "elementwise", c->elementwise_bw);
     cJSON_AddNumberToObject(b, "dispatch", c->dispatch_bw);
     cJSON_AddNumberToObject(b, "adamw", c->adamw_bw);
+    if (c->fp8_weight_quant_bw > 0) cJSON_AddNumberToObject(b, "fp8_weight_quant", c->fp8_weight_quant_bw);
     cJSON *l = cJSON_AddObjectToObject(j, "link");
     cJSON_AddNumberToObject(l, "h2d", c->h2d);
     cJSON_AddNumberToObject(l, "d2h", c->d2h);

@@ -50,6 +50,10 @@ typedef struct fm_calib {
     double elementwise_bw;      /* B/s of a bandwidth-bound elementwise op (add: 3 n a bytes) */
     double dispatch_bw;         /* B/s of the MoE gather and combine (row moves) */
     double adamw_bw;            /* B/s of the AdamW step (fm_project_adamw_bytes per parameter) */
+    double fp8_weight_quant_bw; /* B/s of fp8_quant_weight, 4 bytes counted per weight element (bf16
+                                   read, the codes and the transposed codes written), measured with
+                                   the fp8 curves (optional in the file: "bandwidth"."fp8_weight_quant");
+                                   0: absent (the projection then uses elementwise_bw) */
     double h2d, d2h;            /* B/s of copy_async between device and pinned memory, each alone */
     double h2d_duplex, d2h_duplex; /* B/s of each direction while both run at once */
     double context_bytes;       /* device bytes the CUDA context and libraries take (0 CPU) */

@@ -200,6 +200,13 @@ static void run_exp8(cal *c, void *p) {
     o->expert_fp8_gemm(ctx, 2, a->dW, 1.0f, q->t0, q->t1, a->offs, R, a->E, in, out);
 }
 
+/* One layer-sized weight's quantization (fp8_quant_weight of W [E, I, H] into w8), the rate the
+ * projection charges the weight codes at (fm_calib.fp8_weight_quant_bw). */
+static void run_wq(cal *c, void *p) {
+    const exp8_arg *q = p;
+    c->be.ops->fp8_quant_weight(c->be.ctx, q->w8, q->e->W, q->e->E, q->e->I, q->e->H);
+}
+
 static void run_exp(cal *c, void *p) {
     exp_arg *a = p;
     const fm_ops *o = c->be.ops;
@@ -274,6 +281,13 @@ static fm_status cal_experts(cal *c, fm_calib *out) {
                       (long long)I, (long long)H, 1e3 * tf, f / tf / 1e12, 1e3 * tb, 2.0 * f / tb / 1e12);
             }
         }
+        if (fp8 && st == FM_OK) { /* the weights' quantization alone: 4 bytes a weight element */
+            a.H = H, a.I = I;
+            const double t = time_op_pipelined(c, run_wq, &q, c->reps);
+            out->fp8_weight_quant_bw = 4.0 * (double)(E * I * H) / t;
+            logf_(c, "fp8 weights   %lld x %lld x %lld quantized (codes + transposed codes)  %8.3f ms  %8.1f GB/s", (long long)E,
+                  (long long)I, (long long)H, 1e3 * t, out->fp8_weight_quant_bw / 1e9);
+        } else out->fp8_weight_quant_bw = 0;
         dev_free(c, q.w8);
         dev_free(c, q.a8);
         dev_free(c, q.t0);

@@ -40,17 +40,43 @@ double fm_project_rows_per_expert(const fm_plan_req *r, const fm_plan *p) {
     return (double)c->num_experts_per_tok * c_eff * (double)ep / (double)(c->num_experts > 0 ? c->num_experts : 1);
 }
 
+/* --expert-precision fp8 on E4M3 codes timed at the table's fp8 curves (the run's path where the
+ * table has them). */
+static bool fp8_curves(const fm_plan_req *r, const fm_calib *cb) {
+    return r->expert_fp8 && r->expert_fp8_codes && cb->expert_fwd_fp8.n > 0 && cb->expert_bwd_fp8.n > 0;
+}
+
+double fm_project_fp8_weight_quant_s(const fm_plan_req *r, const fm_calib *cb) {
+    if (!fp8_curves(r, cb)) return 0;
+    const fm_config *c = &r->cfg;
+    const int64_t ep = r->mesh.on ? r->mesh.ep : r->ep > 1 ? r->ep : 1;
+    const double elems = 3.0 * (double)(c->num_experts / ep) * (double)c->hidden_size * (double)c->moe_intermediate_size;
+    return 4.0 * elems / (cb->fp8_weight_quant_bw > 0 ? cb->fp8_weight_quant_bw : cb->elementwise_bw);
+}
+
+double fm_project_fp8_weight_sets(const fm_plan_req *r, const fm_plan *p) {
+    const double L = (double)r->cfg.num_hidden_layers, nr = (double)p->n_recomputed;
+    const double ga = (double)(r->grad_accum > 0 ? r->grad_accum : 1);
+    if (r->expert_fp8_cache) return L / ga;
+    const int64_t last = r->cfg.num_hidden_layers - 1;
+    const bool last_rc = last >= 0 && r->recompute && r->recompute[last];
+    return L + nr + fmax(0.0, L - nr - (last_rc ? 0.0 : 1.0));
+}
+
 static void expert_layer_s(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, bool sm90, double *f, double *b) {
     const fm_config *c = &r->cfg;
     const int64_t sp = r->mesh.on ? r->mesh.sp : r->sp > 1 ? r->sp : 1;
     const double N = (double)r->B * (double)(r->T / sp), rpe = fm_project_rows_per_expert(r, p);
     const double exp_flops = 2.0 * N * (double)c->num_experts_per_tok * 3.0 * (double)c->hidden_size *
                              (double)c->moe_intermediate_size;
-    /* --expert-precision fp8 on E4M3 codes: the table's fp8 curves (quantization included), else
-     * the sm90 kernel's (the same sync-free schedule at bf16 rates), else cuBLAS's */
-    if (r->expert_fp8 && r->expert_fp8_codes && cb->expert_fwd_fp8.n > 0 && cb->expert_bwd_fp8.n > 0) {
-        *f = at(exp_flops, fm_calib_rate(&cb->expert_fwd_fp8, rpe));
-        *b = at(2.0 * exp_flops, fm_calib_rate(&cb->expert_bwd_fp8, rpe));
+    /* --expert-precision fp8 on E4M3 codes: the table's fp8 curves (quantization included) less
+     * the one layer's weight quantization each point holds (calibrate quantizes the weights at
+     * every product; the run does so fm_project_fp8_weight_sets times, charged apart), else the
+     * sm90 kernel's (the same sync-free schedule at bf16 rates), else cuBLAS's */
+    if (fp8_curves(r, cb)) {
+        const double wq = fm_project_fp8_weight_quant_s(r, cb);
+        *f = fmax(0.0, at(exp_flops, fm_calib_rate(&cb->expert_fwd_fp8, rpe)) - wq);
+        *b = fmax(0.0, at(2.0 * exp_flops, fm_calib_rate(&cb->expert_bwd_fp8, rpe)) - wq);
         return;
     }
     const bool s9 = (sm90 || (r->expert_fp8 && r->expert_fp8_codes)) && cb->expert_fwd_sm90.n > 0 &&
@@ -65,8 +91,10 @@ double fm_project_expert_s(const fm_plan_req *r, const fm_plan *p, const fm_cali
     const double L = (double)r->cfg.num_hidden_layers, nr = (double)p->n_recomputed;
     const double ga = (double)(r->grad_accum > 0 ? r->grad_accum : 1);
     /* every layer's forward and backward, the recomputed layers' forward again, and under chunked
-     * MoE the other layers' expert forward again (fm_project's EXPERTS, RECOMPUTE, MOE_RECOMPUTE) */
-    return ga * (L * (f + b) + nr * f + (r->moe_chunk_tokens > 0 ? (L - nr) * f : 0.0));
+     * MoE the other layers' expert forward again (fm_project's EXPERTS, RECOMPUTE, MOE_RECOMPUTE);
+     * fp8 on codes: the weight quantizations apart */
+    return ga * (L * (f + b) + nr * f + (r->moe_chunk_tokens > 0 ? (L - nr) * f : 0.0) +
+                 fm_project_fp8_weight_sets(r, p) * fm_project_fp8_weight_quant_s(r, cb));
 }
 
 bool fm_project_expert_sm90(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb) {
@@ -112,7 +140,9 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     double mb[FM_PROJ_PHASES] = {0};
     mb[FM_PROJ_ATTENTION] = L * (att_f + att_b);
     mb[FM_PROJ_DENSE] = L * (dense_f + dense_b);
-    mb[FM_PROJ_EXPERTS] = L * (exp_f + exp_b);
+    /* fp8 on codes: exp_f, exp_b without the weights' quantization, charged here as often as the
+     * run quantizes them (once a step with the weight cache) */
+    mb[FM_PROJ_EXPERTS] = L * (exp_f + exp_b) + fm_project_fp8_weight_sets(r, p) * fm_project_fp8_weight_quant_s(r, cb);
     mb[FM_PROJ_MEMORY] = L * 3.0 * mem_f;
     /* recomputed forwards: the whole layer, less attention where kept */
     mb[FM_PROJ_RECOMPUTE] = nr * (dense_f + exp_f + mem_f) + (nr - nka) * att_f;

@@ -119,4 +119,17 @@ bool fm_project_expert_sm90(const fm_plan_req *req, const fm_plan *p, const fm_c
  * The activation element size is the plan's target's. Never fails. */
 void fm_project(const fm_plan_req *req, const fm_plan *p, const fm_calib *c, fm_projection *out);
 
+/* --expert-precision fp8 on E4M3 codes at the table's fp8 curves: seconds of one layer's expert
+ * weight quantization (gate, up, down: 3 (E/ep) H I elements, 4 bytes each, at c's
+ * fp8_weight_quant_bw, elementwise_bw when the table has none); 0 on any other path. Each fp8 curve
+ * point holds one such quantization (fm_calibrate.c), which the projection takes out and charges
+ * fm_project_fp8_weight_sets times instead. Never fails. */
+double fm_project_fp8_weight_quant_s(const fm_plan_req *req, const fm_calib *c);
+
+/* Layer weight-code sets the run quantizes per micro-batch (model/fm_experts_fp8.c): with the
+ * weight cache (req->expert_fp8_cache) each layer's once a step, L / grad_accum; without it one at
+ * each forward and recompute, and one at the backward of each layer that is not recomputed, but
+ * the last layer's (its forward ran just before: fm_moe_ws.w8_holds). Never fails. */
+double fm_project_fp8_weight_sets(const fm_plan_req *req, const fm_plan *p);
+
 #endif
