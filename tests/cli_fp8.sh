@@ -103,6 +103,16 @@ expect_fail "--fp8-weight-cache on the emulation" "--fp8-weight-cache keeps the 
 expect_fail "--fp8-weight-cache without fp8" "--expert-precision is bf16" "$FM" train "${base[@]}" --fp8-weight-cache --out "$TMP/bad"
 expect_fail "plan --fp8-weight-cache on the emulation" "--fp8-weight-cache keeps the E4M3 weight codes" \
     "$FM" plan --config "$cfg" --seq-len 64 --expert-precision fp8 --fp8-weight-cache
+# the refusals name the reason found (fm_expert_fp8_codes_why), and --no-fp8-weight-cache without fp8 is refused too
+expect_fail "--fp8-weight-cache on the CPU's emulation: the reason" "emulated, since the backend is cpu" \
+    "$FM" train "${base[@]}" --expert-precision fp8 --fp8-weight-cache --out "$TMP/bad"
+expect_fail "plan --fp8-weight-cache under FLATMOE_EXPERT_GEMM=cublas" "FLATMOE_EXPERT_GEMM=cublas keeps the emulation" \
+    env FLATMOE_EXPERT_GEMM=cublas "$FM" plan --config "$cfg" --seq-len 64 --backend cuda --expert-precision fp8 --fp8-weight-cache
+expect_fail "--no-fp8-weight-cache without fp8" "--no-fp8-weight-cache is for --expert-precision fp8's weight codes, but --expert-precision is bf16" \
+    "$FM" train "${base[@]}" --no-fp8-weight-cache --out "$TMP/bad"
+expect_fail "plan --no-fp8-weight-cache without fp8" "--no-fp8-weight-cache is for --expert-precision fp8's weight codes, but --expert-precision is bf16" \
+    "$FM" plan --config "$cfg" --seq-len 64 --no-fp8-weight-cache
+[ ! -e "$TMP/bad" ] && ok || bad "a refused run wrote its --out folder"
 
 # chunked MoE + recompute + grad-accum
 "$FM" train "${base[@]}" --report-memory --expert-precision fp8 --moe-chunk-tokens 48 --recompute 0,2 --grad-accum 2 \
