@@ -105,6 +105,8 @@ expect_fail "plan: the cache over the budget" "drop --fp8-weight-cache" \
     env FLATMOE_TEST_FP8_CODES=1 "$FM" plan "${mb[@]}" --fp8-weight-cache
 expect_fail "train: the cache over the budget" "drop --fp8-weight-cache" \
     env FLATMOE_TEST_FP8_CODES=1 "$FM" train "${mb[@]}" --data "$TEXT" --steps 1 --fp8-weight-cache --out "$TMP/bad"
+expect_fail "plan: the cache over the budget, bf16 advised without it" "--expert-precision bf16 without --fp8-weight-cache" \
+    env FLATMOE_TEST_FP8_CODES=1 "$FM" plan "${mb[@]}" --fp8-weight-cache
 # the planner's own choice of the cache (neither flag): off where it does not fit beside the plan chosen
 # without it (at 40,000 KiB that plan spends the room on less recompute), on where it does (60,000 KiB)
 pcache() { FLATMOE_TEST_FP8_CODES=1 "$FM" plan "$@" --json 2>/dev/null | python3 -c 'import json, sys; print(json.load(sys.stdin)["fp8_weight_cache"])'; }
