@@ -103,6 +103,25 @@ expect_fail "--fp8-weight-cache on the emulation" "--fp8-weight-cache keeps the 
 expect_fail "--fp8-weight-cache without fp8" "--expert-precision is bf16" "$FM" train "${base[@]}" --fp8-weight-cache --out "$TMP/bad"
 expect_fail "plan --fp8-weight-cache on the emulation" "--fp8-weight-cache keeps the E4M3 weight codes" \
     "$FM" plan --config "$cfg" --seq-len 64 --expert-precision fp8 --fp8-weight-cache
+# the refusals name the reason found (fm_expert_fp8_codes_why), and --no-fp8-weight-cache without fp8 is refused too
+expect_fail "--fp8-weight-cache on the CPU's emulation: the reason" "emulated, since the backend is cpu" \
+    "$FM" train "${base[@]}" --expert-precision fp8 --fp8-weight-cache --out "$TMP/bad"
+expect_fail "plan --fp8-weight-cache under FLATMOE_EXPERT_GEMM=cublas" "FLATMOE_EXPERT_GEMM=cublas keeps the emulation" \
+    env FLATMOE_EXPERT_GEMM=cublas "$FM" plan --config "$cfg" --seq-len 64 --backend cuda --expert-precision fp8 --fp8-weight-cache
+expect_fail "--no-fp8-weight-cache without fp8" "--no-fp8-weight-cache is for --expert-precision fp8's weight codes, but --expert-precision is bf16" \
+    "$FM" train "${base[@]}" --no-fp8-weight-cache --out "$TMP/bad"
+expect_fail "plan --no-fp8-weight-cache without fp8" "--no-fp8-weight-cache is for --expert-precision fp8's weight codes, but --expert-precision is bf16" \
+    "$FM" plan --config "$cfg" --seq-len 64 --no-fp8-weight-cache
+[ ! -e "$TMP/bad" ] && ok || bad "a refused run wrote its --out folder"
+# a budget that the bf16 experts fit (32,387,776 B) and the fp8 emulation's copies do not (34,091,712 B), every
+# chooser knob fixed: the advice names --expert-precision bf16
+fx=(--config "$cfg" --seq-len 32 --micro-batch 2 --threads 2 --recompute none --moe-chunk-tokens 0 --offload-boundaries 0
+    --ce-block-tokens 0 --ce-block-vocab 0 --mem-budget 33000000)
+"$FM" plan "${fx[@]}" > /dev/null 2>&1 && ok || bad "the bf16 plan at 33,000,000 B does not fit"
+expect_fail "plan: fp8 over the budget" "--expert-precision bf16 (the fp8 experts' quantized operands out of the expert live set)" \
+    "$FM" plan "${fx[@]}" --expert-precision fp8
+expect_fail "train: fp8 over the budget" "--expert-precision bf16 (the fp8 experts'" \
+    "$FM" train "${fx[@]}" --data "$TEXT" --steps 1 --expert-precision fp8 --out "$TMP/bad"
 
 # chunked MoE + recompute + grad-accum
 "$FM" train "${base[@]}" --report-memory --expert-precision fp8 --moe-chunk-tokens 48 --recompute 0,2 --grad-accum 2 \

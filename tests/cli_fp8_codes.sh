@@ -92,8 +92,10 @@ p = json.loads(sys.argv[1])
 assert p["expert_fp8_path"] == "emulated", p["expert_fp8_path"]
 assert p["live_sets"]["expert dispatch"] == int(sys.argv[2].split()[3]), (p["live_sets"], sys.argv[2])
 PY
-expect_fail "--fp8-weight-cache at hidden 96" "sizes multiples of 128" \
+expect_fail "--fp8-weight-cache at hidden 96" "hidden_size 96 and moe_intermediate_size 128 are not both multiples of 128 (the fast path needs sizes multiples of 128)" \
     env FLATMOE_TEST_FP8_CODES=1 "$FM" train "${h96[@]}" --steps 1 --fp8-weight-cache --out "$TMP/bad"
+expect_fail "plan --fp8-weight-cache at hidden 96" "hidden_size 96 and moe_intermediate_size 128 are not both multiples of 128" \
+    env FLATMOE_TEST_FP8_CODES=1 "$FM" plan --config "$TMP/h96.json" --seq-len 32 --expert-precision fp8 --fp8-weight-cache
 
 # ---- a budget that fits without --fp8-weight-cache but not with it (32,165 and 34,469 KiB the least that fit,
 # small MoE chunks included): the advice names the flag ----
@@ -103,6 +105,8 @@ expect_fail "plan: the cache over the budget" "drop --fp8-weight-cache" \
     env FLATMOE_TEST_FP8_CODES=1 "$FM" plan "${mb[@]}" --fp8-weight-cache
 expect_fail "train: the cache over the budget" "drop --fp8-weight-cache" \
     env FLATMOE_TEST_FP8_CODES=1 "$FM" train "${mb[@]}" --data "$TEXT" --steps 1 --fp8-weight-cache --out "$TMP/bad"
+expect_fail "plan: the cache over the budget, bf16 advised without it" "--expert-precision bf16 without --fp8-weight-cache" \
+    env FLATMOE_TEST_FP8_CODES=1 "$FM" plan "${mb[@]}" --fp8-weight-cache
 # the planner's own choice of the cache (neither flag): off where it does not fit beside the plan chosen
 # without it (at 40,000 KiB that plan spends the room on less recompute), on where it does (60,000 KiB)
 pcache() { FLATMOE_TEST_FP8_CODES=1 "$FM" plan "$@" --json 2>/dev/null | python3 -c 'import json, sys; print(json.load(sys.stdin)["fp8_weight_cache"])'; }

@@ -56,7 +56,8 @@ typedef enum fm_phase {
     FM_PHASE_DENSE,      /* q/k/v/o projections, RMSNorm, QK-norm, RoPE, residual adds */
     FM_PHASE_ROUTER,     /* router GEMM, softmax/top-k, load-balancing statistics, router backward */
     FM_PHASE_DISPATCH,   /* MoE permutation: route index, gather, combine, chunk row moves */
-    FM_PHASE_EXPERTS,    /* expert GEMMs and SwiGLU (--expert-precision fp8: the GEMMs alone) */
+    FM_PHASE_EXPERTS,    /* expert GEMMs and SwiGLU (--expert-precision fp8 on E4M3 codes: the GEMMs alone,
+                          * the SwiGLU fused into fp8_quant's ops; emulated: the GEMMs and the SwiGLU) */
     FM_PHASE_LOSS,       /* LM head and cross-entropy (plain or linear) */
     FM_PHASE_OPTIMIZER,  /* gradient zeroing, gradient norm, AdamW */
     FM_PHASE_FP8_QUANT,  /* --expert-precision fp8: the expert operands' and weights' quantization

@@ -273,11 +273,16 @@ int cmd_plan(int argc, char **argv) {
     if (fp8_cache && no_fp8_cache)
         return cli_usage_error("plan", "%s", "--fp8-weight-cache and --no-fp8-weight-cache both given: keep one, or "
                                "neither (then the planner keeps every layer's weight codes when its plan still fits with them)");
-    if (fp8_cache && !req.expert_fp8_codes)
-        return cli_usage_error("plan", "%s", "--fp8-weight-cache keeps the E4M3 weight codes of --expert-precision fp8's "
-                               "fast path, which this plan does not run (bf16, or the fp8 emulation: the fast path needs "
-                               "--backend cuda on an sm_90 GPU, FLATMOE_EXPERT_GEMM auto or sm90, sizes multiples of 128); "
-                               "drop --fp8-weight-cache");
+    if (fp8_cache && !req.expert_fp8_codes) {
+        char why[320], msg[640];
+        fm_expert_fp8_codes_why(&req, &eask, why, sizeof why);
+        snprintf(msg, sizeof msg, "%s%s", req.expert_fp8 ? "its fp8 experts are emulated, since " : "", why);
+        return cli_usage_error("plan", "--fp8-weight-cache keeps the E4M3 weight codes of --expert-precision fp8's "
+                               "fast path, which this plan does not run: %s; drop --fp8-weight-cache", msg);
+    }
+    if (no_fp8_cache && !req.expert_fp8)
+        return cli_usage_error("plan", "%s", "--no-fp8-weight-cache is for --expert-precision fp8's weight codes, but "
+                               "--expert-precision is bf16; drop --no-fp8-weight-cache or pass --expert-precision fp8");
     req.expert_fp8_cache = fp8_cache;
     req.expert_fp8_cache_auto = req.expert_fp8_codes && !fp8_cache && !no_fp8_cache;
     fm_expert_choice_prepare(&req, &eask, &cal); /* the chooser weighs each candidate at its faster form */

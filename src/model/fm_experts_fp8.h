@@ -23,6 +23,11 @@
  * SwiGLU, combine) stay as they are. The weights are quantized once per call of fm_moe_forward
  * / fm_moe_backward for a layer (before the chunk loop; a chunked backward's recompute uses the
  * same copy), into ws->q_gate, q_up, q_down: deterministic, so a recompute sees the same bits.
+ * On the fast path they go into ws->w8; with --fp8-weight-cache (d->fp8_cache_layers > 0) into
+ * layer ws->w8_layer's own set in ws->w8_cache, only when ws->w8_fresh[layer] is false: once
+ * between two fm_model_fp8_cache_invalidate calls, which must come after every change of the
+ * master weights (the trainer: at each step's start and each evaluation's), else the codes of
+ * the old weights are used.
  * The activation operands use ws->q_a and q_b ([R, max(H,I)]); the fast path uses ws->w8, a8,
  * a8u and t8 instead, and quantizes fused where an operand's source was just made: SwiGLU's
  * output with its rows operand (fp8_swiglu_fwd_quant), dy's two operands in one pass
@@ -37,7 +42,8 @@
 
 /* Quantizes w's gate, up [E,I,H] and down [E,H,I] in 128 x 128 blocks into ws->q_*, and points
  * *wq at them (the fast path: into ws->w8's code operands; *wq = *w, unused). Skipped where the
- * set already holds layer ws->w8_layer's codes: with the cache, when w8_fresh[layer] says so;
+ * set already holds layer ws->w8_layer's codes: with the weight cache, ws->w8 is first pointed at
+ * layer ws->w8_layer's set, quantized only when that layer's ws->w8_fresh flag is false, then set;
  * without it, for a backward (`backward`) of the layer ws->w8_holds names (ws->w8_layer >= 0),
  * whose forward or recompute quantized the same weights last. No errors (the backend's status
  * carries a kernel's). */
@@ -45,12 +51,13 @@ void fm_experts_fp8_weights(const fm_backend *be, const fm_moe_dims *d, const fm
                             fm_moe_weights *wq, bool backward);
 
 /* fm_experts_forward's contract with wq the quantized weights (fm_experts_fp8_weights); the
- * GEMMs' activation operands quantized into ws->q_a. */
+ * GEMMs' activation operands quantized into ws->q_a (the fast path: ws->a8, and wq unused). */
 void fm_experts_fp8_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *wq, fm_moe_routes *r,
                             fm_moe_ws *ws, int64_t n);
 
 /* fm_experts_backward's contract with wq the quantized weights: each dgrad on dy quantized in
- * row tiles, each wgrad on dy and x quantized in each expert's row tiles (ws->q_a, q_b). */
+ * row tiles, each wgrad on dy and x quantized in each expert's row tiles (ws->q_a, q_b; the fast
+ * path: ws->a8, a8u, t8, wq unused, and ws->dh_gate, dh_up NULL, never written). */
 void fm_experts_fp8_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *wq,
                              const fm_moe_grads *g, const fm_moe_routes *r, fm_moe_ws *ws, int64_t n);
 

@@ -64,7 +64,8 @@ void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_we
                      const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
                      const int32_t *chunk_tokens, const fm_moe_routes *saved, fm_moe_ws *ws) {
     fm_moe_weights wq;
-    if (d->fp8) { /* this layer's codes from its forward or recompute just before, else quantized again (the same bits) */
+    if (d->fp8) { /* this layer's codes from its forward or recompute just before (and with
+                   * --fp8-weight-cache its forward's, kept), else quantized again: the same bits */
         fm_experts_fp8_weights(be, d, w, ws, &wq, true);
         w = &wq;
     }

@@ -265,6 +265,14 @@ void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o0, char *buf,
             add_item(list, sizeof list, &items, "drop --fp8-weight-cache (every layer's expert weight codes, L x 6 E H I "
                      "bytes: quantized at each use instead)");
     }
+    /* 2c. bf16 experts: --expert-precision fp8's buffers (quantized copies or code operands) out */
+    if (req->expert_fp8) {
+        fm_plan_req r = *req;
+        r.expert_fp8 = r.expert_fp8_codes = r.expert_fp8_cache = r.expert_fp8_cache_auto = false;
+        if (try_fit(&r, &o, NULL, 0))
+            add_item(list, sizeof list, &items, "--expert-precision bf16%s (the fp8 experts' quantized operands out of the "
+                     "expert live set)", req->expert_fp8_cache ? " without --fp8-weight-cache" : "");
+    }
     /* 3. the streamed optimizer when the user fixed it off cannot be said (a switch has no off);
      *    it is a chooser knob, so a fit with it was tried. 4. a smaller micro-batch */
     if (req->B > 1) {

@@ -191,3 +191,26 @@ bool fm_expert_fp8_codes(const fm_plan_req *r, const fm_expert_ask *a) {
     }
     return a->device_sm90 && (a->requested == FM_EXPERT_GEMM_AUTO || a->requested == FM_EXPERT_GEMM_SM90);
 }
+
+void fm_expert_fp8_codes_why(const fm_plan_req *r, const fm_expert_ask *a, char *buf, size_t cap) {
+    const fm_config *c = &r->cfg;
+    const long long H = c->hidden_size, I = c->moe_intermediate_size, E = c->num_experts;
+    const long long rows = (long long)(r->B * r->T * c->num_experts_per_tok);
+    buf[0] = '\0';
+    if (fm_expert_fp8_codes(r, a)) return;
+    if (!r->expert_fp8) snprintf(buf, cap, "--expert-precision is bf16");
+    else if (ep_of(r) > 1) snprintf(buf, cap, "--ep is %d (the fast path needs --ep 1)", ep_of(r));
+    else if (H % 128 != 0 || I % 128 != 0 || H <= 0 || I <= 0)
+        snprintf(buf, cap, "hidden_size %lld and moe_intermediate_size %lld are not both multiples of 128 (the fast path "
+                 "needs sizes multiples of 128)", H, I);
+    else if (E < 1 || E > 256) snprintf(buf, cap, "num_experts is %lld (the fast path takes 1 to 256)", E);
+    else if (!fm_fp8_layer_serves(c->num_experts, c->hidden_size, c->moe_intermediate_size, r->B * r->T * c->num_experts_per_tok))
+        snprintf(buf, cap, "the dispatch's %lld rows (micro-batch x seq-len x top-k) or their padded tokens reach 2^31 "
+                 "(a smaller --micro-batch or --seq-len)", rows);
+    else if (!a->cuda_bf16)
+        snprintf(buf, cap, "the backend is cpu (the fast path needs CUDA on an sm_90 GPU: the CUDA build, or plan --backend cuda)");
+    else if (!a->device_sm90) snprintf(buf, cap, "this GPU is not sm_90 (the fast path needs an H100 or H200)");
+    else
+        snprintf(buf, cap, "FLATMOE_EXPERT_GEMM=%s keeps the emulation (the fast path needs FLATMOE_EXPERT_GEMM auto or sm90)",
+                 fm_expert_gemm_name(a->requested));
+}

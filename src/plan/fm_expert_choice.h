@@ -111,4 +111,10 @@ fm_status fm_expert_choice_json(const fm_expert_choice *ch, char *buf, size_t ca
  * the dispatch's rows (B T k) and the padded token count below 2^31. False without fp8. */
 bool fm_expert_fp8_codes(const fm_plan_req *r, const fm_expert_ask *a);
 
+/* Why fm_expert_fp8_codes(r, a) is false, as one clause naming the input and the value found
+ * (e.g. "--expert-precision is bf16", "hidden_size 96 and moe_intermediate_size 128 are not both
+ * multiples of 128 (...)", "FLATMOE_EXPERT_GEMM=cublas keeps the emulation (...)"), for the errors
+ * of --fp8-weight-cache; "" when it is true. Writes at most cap bytes (cap >= 1). Never fails. */
+void fm_expert_fp8_codes_why(const fm_plan_req *r, const fm_expert_ask *a, char *buf, size_t cap);
+
 #endif

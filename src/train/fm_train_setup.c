@@ -292,12 +292,16 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     if (o->fp8_weight_cache && o->no_fp8_weight_cache)
         return fm_error(FM_ERR_ARG, "--fp8-weight-cache and --no-fp8-weight-cache both given: keep one, or neither "
                         "(then the planner keeps every layer's weight codes when its plan still fits with them)");
-    if (o->fp8_weight_cache && !req.expert_fp8_codes)
+    if (o->fp8_weight_cache && !req.expert_fp8_codes) {
+        char why[320];
+        fm_expert_fp8_codes_why(&req, &eask, why, sizeof why);
         return fm_error(FM_ERR_ARG, "--fp8-weight-cache keeps the E4M3 weight codes of --expert-precision fp8's fast path, "
-                        "but %s; drop --fp8-weight-cache",
-                        !o->expert_fp8 ? "--expert-precision is bf16"
-                                       : "this run's fp8 experts are emulated (the fast path needs an sm_90 GPU, "
-                                         "FLATMOE_EXPERT_GEMM auto or sm90, sizes multiples of 128, no --ep)");
+                        "but %s%s; drop --fp8-weight-cache", o->expert_fp8 ? "this run's fp8 experts are emulated, since " : "", why);
+    }
+    if (o->no_fp8_weight_cache && !o->expert_fp8)
+        return fm_error(FM_ERR_ARG, "--no-fp8-weight-cache is for --expert-precision fp8's weight codes, but "
+                        "--expert-precision is bf16; drop --no-fp8-weight-cache (or pass --expert-precision fp8: a "
+                        "--resume does not take the precision from the run)");
     req.expert_fp8_cache = o->fp8_weight_cache;
     req.expert_fp8_cache_auto = req.expert_fp8_codes && !o->fp8_weight_cache && !o->no_fp8_weight_cache;
     fm_expert_choice_prepare(&req, &eask, &cal);

@@ -69,7 +69,9 @@ typedef struct fm_train_opts {
                                      each forward and backward): (L - 1) x 6 E H I bytes more. With
                                      neither it nor no_fp8_weight_cache, the planner keeps them when
                                      its plan still fits with them (fm_plan_req.expert_fp8_cache_auto) */
-    bool no_fp8_weight_cache;     /* --no-fp8-weight-cache: never keep them (quantize at each use) */
+    bool no_fp8_weight_cache;     /* --no-fp8-weight-cache: never keep them (quantize at each use);
+                                     fm_train refuses either flag with bf16 experts (FM_ERR_ARG), and
+                                     fp8_weight_cache where the fast path does not run, naming why */
     bool offload_optimizer;       /* --offload-optimizer: the streamed AdamW (train/fm_offload_adamw.h):
                                      master, m, v in pinned host memory */
     int64_t offload_optimizer_bucket; /* --offload-optimizer-bucket: parameters per bucket (0: 100M,
