@@ -166,6 +166,18 @@ b=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --device
 [ -n "$flags" ] && [ "$(grep '^total' <<<"$a")" = "$(grep '^total' <<<"$b")" ] && [ "$(grep '^shape' <<<"$a")" = "$(grep '^shape' <<<"$b")" ] && ok ||
     bad "the train flags line ($flags) does not reproduce the plan: $(grep -E '^(shape|total)' <<<"$a") / $(grep -E '^(shape|total)' <<<"$b")"
 
+# on the CPU target the line names the thread count the attention scratch was planned for
+# (--threads 0 resolved as train resolves it: the cores not busy now), so train repeats the bound
+c=$("$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 256 --micro-batch 4 --backend cpu --mem-budget 1GiB 2>/dev/null)
+cflags=$(sed -n 's/^train flags: //p' <<<"$c")
+grep -qE -- "--threads [1-9][0-9]*$" <<<"$cflags" && ok || bad "CPU train flags name no thread count: $cflags"
+# shellcheck disable=SC2086
+d=$("$FM" plan --config "$ROOT/configs/tiny.json" --backend cpu --mem-budget 1GiB $cflags 2>/dev/null)
+[ "$(grep '^total' <<<"$c")" = "$(grep '^total' <<<"$d")" ] && ok || bad "the CPU train flags ($cflags) do not reproduce the plan"
+"$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 256 --micro-batch 4 --backend cpu --threads 3 | grep -q -- "^train flags: .* --threads 3$" &&
+    ok || bad "plan --threads 3: the train flags line does not say --threads 3"
+! grep -q -- "--threads" <<<"$(sed -n 's/^train flags: //p' <<<"$a")" && ok || bad "CUDA train flags name a CPU thread count"
+
 # A mesh (plan/fm_mesh.h): --world alone chooses the degrees; the candidates, the per-rank table with
 # its communication buffers, the collectives' phases and a launch line; replanning the mesh with the
 # train flags it prints (explicit --zero 3 --dp --ep --sp, with --world: without it they plan the

@@ -16,6 +16,7 @@
 #include "schedule/fm_recompute.h"
 #include "schedule/fm_sco.h"
 #include "train/fm_offload_adamw.h"
+#include "train/fm_threads.h"
 #include "train/fm_train_ep.h"
 #include "train/fm_trainer.h"
 #include "train/fm_zero3.h"
@@ -248,6 +249,9 @@ int cmd_plan(int argc, char **argv) {
         return cli_usage_error("plan", "%s", "--attention-tile-q/-kv must be in [1, 4096] (0 = 64)");
     /* the device and the rates: this build's device when planning for it, else the table's */
     const bool cuda = req.target == FM_PLAN_TARGET_CUDA || (req.target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4);
+    /* the CPU's attention scratch is per thread: --threads 0 resolved as train resolves it (the
+     * cores not busy now, or OMP_NUM_THREADS; fm_threads.h), and the train flags line names it */
+    if (!cuda && req.threads == 0) req.threads = fm_threads_auto(150, NULL);
     fm_expert_ask eask = {FM_EXPERT_GEMM_AUTO, cuda, true};
     { /* FLATMOE_EXPERT_GEMM, as train reads it (plan/fm_expert_choice.h decides the form below) */
         fm_backend_opts bo = fm_backend_opts_default();

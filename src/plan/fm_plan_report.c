@@ -78,6 +78,10 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     }
     if (r->vocab_ring > 1 && !r->mesh.on) fprintf(f, " --vocab-parallel ring");
     if (r->T > c->max_position_embeddings) fprintf(f, " --max-position-embeddings %lld", (long long)r->T);
+    /* the CPU target: the thread count the attention scratch was planned for (train's --threads 0
+     * may find other cores busy, and so another bound) */
+    const bool cpu = r->target == FM_PLAN_TARGET_CPU || (r->target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) == 4);
+    if (cpu && r->threads > 0) fprintf(f, " --threads %d", r->threads);
     const fm_mesh_dims *m = &r->mesh;
     if (m->on) {
         fprintf(f, " --zero 3 --dp %lld --ep %lld --sp %lld%s", (long long)m->dp, (long long)m->ep, (long long)m->sp,
