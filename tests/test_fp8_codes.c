@@ -437,6 +437,17 @@ static void test_layer(fm_rng *r, int64_t K) {
     free(Wg), free(Wu), free(Wd), free(x), free(tw), free(dy), free(idx), free(order);
 }
 
+/* One MoE layer's saved routes and workspace for N tokens of d in their own arenas (*a, *h; the
+ * caller frees them), and routes idx/tw [N, 2]: token n to experts n % 4 and (n + 1) % 4, 0.5 each. */
+static void open_layer(const fm_moe_dims *d, int64_t N, int32_t *idx, float *tw, fm_arena *a, fm_arena *h,
+                       fm_moe_routes *saved, fm_moe_ws *ws) {
+    for (int64_t n = 0; n < N; n++) idx[2 * n] = (int32_t)(n % 4), idx[2 * n + 1] = (int32_t)((n + 1) % 4), tw[2 * n] = 0.5f, tw[2 * n + 1] = 0.5f;
+    FM_ASSERT(fm_arena_init(a, "moe", fm_moe_routes_bytes(d, N, 4) + fm_moe_ws_bytes(d, N, false, 4)) == FM_OK);
+    FM_ASSERT(fm_arena_init(h, "host", 2 * fm_moe_routes_host_bytes(d)) == FM_OK);
+    fm_moe_routes_layout(saved, a, h, d, N);
+    fm_moe_ws_layout(ws, a, h, d, N, false);
+}
+
 /* --fp8-weight-cache's mechanism: two layers' weight codes in one ws; a layer whose codes are
  * fresh is not quantized again (its output uses them even after its weights change), one marked
  * stale is; the other layer's set is its own. */
@@ -449,17 +460,13 @@ static void test_cache(fm_rng *r) {
     fill(r, x, N, H, 3, 4, 1.0f);
     int32_t *idx = malloc(sizeof(int32_t) * (size_t)(N * 2));
     FM_ASSERT(idx);
-    for (int64_t n = 0; n < N; n++) idx[2 * n] = (int32_t)(n % 4), idx[2 * n + 1] = (int32_t)((n + 1) % 4), tw[2 * n] = 0.5f, tw[2 * n + 1] = 0.5f;
     fm_moe_dims d1 = d;
     d1.fp8_cache_layers = 0;
     CHECK(fm_moe_ws_bytes(&d, N, false, 4) > fm_moe_ws_bytes(&d1, N, false, 4)); /* a second set of weights */
     fm_arena a, h;
-    FM_ASSERT(fm_arena_init(&a, "moe", fm_moe_routes_bytes(&d, N, 4) + fm_moe_ws_bytes(&d, N, false, 4)) == FM_OK);
-    FM_ASSERT(fm_arena_init(&h, "host", 2 * fm_moe_routes_host_bytes(&d)) == FM_OK);
     fm_moe_routes saved;
     fm_moe_ws ws;
-    fm_moe_routes_layout(&saved, &a, &h, &d, N);
-    fm_moe_ws_layout(&ws, &a, &h, &d, N, false);
+    open_layer(&d, N, idx, tw, &a, &h, &saved, &ws);
     CHECK(a.used == a.capacity && ws.w8_cache != NULL);
     bool fresh[2] = {false, false};
     ws.w8_fresh = fresh;
@@ -497,14 +504,10 @@ static void test_reuse(fm_rng *r, bool codes) {
     for (int64_t i = 0; i < EIH; i++) Wg3[i] = 3.0f * Wg[i];
     int32_t *idx = malloc(sizeof(int32_t) * (size_t)(N * 2));
     FM_ASSERT(idx);
-    for (int64_t n = 0; n < N; n++) idx[2 * n] = (int32_t)(n % 4), idx[2 * n + 1] = (int32_t)((n + 1) % 4), tw[2 * n] = 0.5f, tw[2 * n + 1] = 0.5f;
     fm_arena a, h;
-    FM_ASSERT(fm_arena_init(&a, "moe", fm_moe_routes_bytes(&d, N, 4) + fm_moe_ws_bytes(&d, N, false, 4)) == FM_OK);
-    FM_ASSERT(fm_arena_init(&h, "host", 2 * fm_moe_routes_host_bytes(&d)) == FM_OK);
     fm_moe_routes saved;
     fm_moe_ws ws;
-    fm_moe_routes_layout(&saved, &a, &h, &d, N);
-    fm_moe_ws_layout(&ws, &a, &h, &d, N, false);
+    open_layer(&d, N, idx, tw, &a, &h, &saved, &ws);
     CHECK(ws.w8_cache == NULL && ws.w8_holds == -1 && ws.w8_layer == -1);
     const fm_moe_weights w = {Wg, Wu, Wd}, w3 = {Wg3, Wu, Wd};
     const fm_moe_grads g = {gg, gu, gd};
