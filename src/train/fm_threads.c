@@ -2,6 +2,7 @@
 #define _GNU_SOURCE
 #include "fm_threads.h"
 
+#include <dirent.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,6 +36,55 @@ static int read_stat(unsigned long long *busy, unsigned long long *total, int ca
     return n;
 }
 
+/* This process's own threads' CPU time: tid[i], ticks[i] (utime + stime, in the clock ticks
+ * /proc/stat counts) and cpu[i] (the CPU it last ran on), from /proc/self/task/<tid>/stat. Returns
+ * the threads read (at most cap), 0 without /proc. */
+#define MAX_TASKS 512
+static int read_self(int *tid, unsigned long long *ticks, int *cpu, int cap) {
+    DIR *d = opendir("/proc/self/task");
+    if (!d) return 0;
+    int n = 0;
+    struct dirent *e;
+    while (n < cap && (e = readdir(d)) != NULL) {
+        if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+        char path[300], line[1024];
+        snprintf(path, sizeof path, "/proc/self/task/%s/stat", e->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        const char *got = fgets(line, sizeof line, f);
+        fclose(f);
+        const char *p = got ? strrchr(line, ')') : NULL; /* the name may hold spaces: fields after it */
+        if (!p) continue;
+        /* after ")": state (field 3), then fields 4.. ; utime 14, stime 15, processor 39 */
+        unsigned long long ut = 0, st = 0;
+        int proc = -1, field = 3;
+        for (const char *q = p + 2; *q && field <= 39; field++) {
+            if (field == 14) ut = strtoull(q, NULL, 10);
+            if (field == 15) st = strtoull(q, NULL, 10);
+            if (field == 39) proc = atoi(q);
+            const char *sp = strchr(q, ' ');
+            if (!sp) break;
+            q = sp + 1;
+        }
+        tid[n] = atoi(e->d_name), ticks[n] = ut + st, cpu[n] = proc;
+        n++;
+    }
+    closedir(d);
+    return n;
+}
+
+int fm_threads_count_busy(int n, const unsigned long long *dbusy, const unsigned long long *dtotal,
+                          const unsigned long long *dself, const unsigned char *allowed) {
+    int busy = 0;
+    for (int c = 0; c < n; c++) {
+        if (allowed && !allowed[c]) continue;
+        const unsigned long long own = dself ? dself[c] : 0;
+        const unsigned long long other = dbusy[c] > own ? dbusy[c] - own : 0;
+        if (dtotal[c] > 0 && 2 * other > dtotal[c]) busy++;
+    }
+    return busy;
+}
+
 /* The processes of this launch on this node, from the launcher's environment (Open MPI, MPICH /
  * Intel MPI, Slurm); 1 when none says. */
 static int local_ranks(void) {
@@ -62,17 +112,31 @@ int fm_threads_auto(int sample_ms, fm_threads_probe *p) {
         return q.threads;
     }
     if (sample_ms > 0) {
-        static unsigned long long b0[MAX_CPUS], t0[MAX_CPUS], b1[MAX_CPUS], t1[MAX_CPUS];
+        static unsigned long long b0[MAX_CPUS], t0[MAX_CPUS], b1[MAX_CPUS], t1[MAX_CPUS], db[MAX_CPUS], dt[MAX_CPUS],
+            ds[MAX_CPUS], k0[MAX_TASKS], k1[MAX_TASKS];
+        static int id0[MAX_TASKS], id1[MAX_TASKS], c0[MAX_TASKS], c1[MAX_TASKS];
+        static unsigned char ok[MAX_CPUS];
+        const int m0 = read_self(id0, k0, c0, MAX_TASKS);
         int n0 = read_stat(b0, t0, MAX_CPUS);
         struct timespec ts = {sample_ms / 1000, (long)(sample_ms % 1000) * 1000000L};
         nanosleep(&ts, NULL);
         int n1 = read_stat(b1, t1, MAX_CPUS);
+        const int m1 = read_self(id1, k1, c1, MAX_TASKS);
         int n = n0 < n1 ? n0 : n1;
         for (int c = 0; c < n; c++) {
-            if (have_mask && !CPU_ISSET(c, &set)) continue;
-            unsigned long long dt = t1[c] - t0[c], db = b1[c] - b0[c];
-            if (dt > 0 && 2 * db > dt) q.busy++;
+            db[c] = b1[c] - b0[c], dt[c] = t1[c] - t0[c], ds[c] = 0;
+            ok[c] = !have_mask || CPU_ISSET(c, &set);
         }
+        /* this process's own threads (a BLAS library's pool spinning at start, say) are not
+         * another process's work: each one's time over the sample is taken off the CPU it ran on */
+        for (int i = 0; i < m1; i++) {
+            unsigned long long before = 0;
+            for (int j = 0; j < m0; j++)
+                if (id0[j] == id1[i]) before = k0[j];
+            if (c1[i] >= 0 && c1[i] < n && k1[i] > before) ds[c1[i]] += k1[i] - before;
+        }
+        (void)c0;
+        q.busy = fm_threads_count_busy(n, db, dt, ds, ok);
     }
     q.threads = q.allowed - q.busy;
     /* ranks of one launch on this node that share the whole machine (no binding): each takes its

@@ -25,4 +25,13 @@ typedef struct fm_threads_probe {
  * online CPU count. Fills *p when p is not NULL; returns p->threads. */
 int fm_threads_auto(int sample_ms, fm_threads_probe *p);
 
+/* The decision: of n CPUs (allowed[c] 0: outside the affinity mask; NULL: all), the ones busy
+ * with another process's work, that is more than half of dtotal[c] jiffies busy (dbusy[c]) after
+ * this process's own share there (dself[c], NULL: none) is taken off. A process's own threads,
+ * such as a pthread BLAS pool spinning when it starts, must not halve its thread count (measured:
+ * OpenBLAS's pthread build, the Debian alternative libopenblas-dev selects, made one of 2 idle
+ * cores look busy). Never fails. */
+int fm_threads_count_busy(int n, const unsigned long long *dbusy, const unsigned long long *dtotal,
+                          const unsigned long long *dself, const unsigned char *allowed);
+
 #endif

@@ -1,0 +1,59 @@
+/* The default thread count's busy-core rule (train/fm_threads.h): the decision on synthetic
+ * /proc/stat deltas, and fm_threads_auto with a thread of this process spinning, which must not
+ * count as another process's work (a pthread BLAS pool spinning at start halved the count). */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "fm_test.h"
+#include "train/fm_threads.h"
+
+static void test_rule(void) {
+    const unsigned long long tot[4] = {100, 100, 100, 0};
+    const unsigned long long busy[4] = {90, 50, 51, 0};
+    CHECK(fm_threads_count_busy(4, busy, tot, NULL, NULL) == 2); /* 90 and 51 of 100; exactly half is not busy */
+    const unsigned long long self[4] = {80, 0, 0, 0};
+    CHECK(fm_threads_count_busy(4, busy, tot, self, NULL) == 1);  /* 90 - 80 of it ours: cpu 0 is free */
+    const unsigned long long more[4] = {200, 0, 0, 0};
+    CHECK(fm_threads_count_busy(4, busy, tot, more, NULL) == 1); /* more of ours than the CPU's busy: 0, not a wrap */
+    const unsigned char mask[4] = {1, 1, 0, 1};
+    CHECK(fm_threads_count_busy(4, busy, tot, NULL, mask) == 1); /* cpu 2 outside the mask */
+}
+
+static atomic_int g_stop;
+static void *spin(void *arg) {
+    (void)arg;
+    volatile unsigned long long x = 0;
+    while (!atomic_load(&g_stop)) x++;
+    return NULL;
+}
+
+static void test_own_thread(void) {
+    unsetenv("OMP_NUM_THREADS"); /* ctest sets it: fm_threads_auto would take it as given */
+    fm_threads_probe base, with;
+    fm_threads_auto(150, &base);
+    if (base.allowed < 2 || base.busy > 0) { /* no free core to see, or others' load: nothing to compare */
+        printf("skipped the spinning-thread check: %d CPUs allowed, %d busy\n", base.allowed, base.busy);
+        return;
+    }
+    pthread_t t;
+    atomic_store(&g_stop, 0);
+    FM_ASSERT(pthread_create(&t, NULL, spin, NULL) == 0);
+    int busy = 1;
+    for (int tries = 0; tries < 3 && busy > 0; tries++) { /* another process's load may come and go */
+        fm_threads_auto(150, &with);
+        busy = with.busy;
+    }
+    atomic_store(&g_stop, 1);
+    pthread_join(t, NULL);
+    CHECK_MSG(busy == 0, "a spinning thread of this process counted as a busy core (%d of %d)", busy, with.allowed);
+    CHECK(with.threads == with.allowed || with.local_ranks > 1);
+}
+
+int main(void) {
+    test_rule();
+    test_own_thread();
+    return fm_test_finish();
+}
