@@ -85,6 +85,12 @@ int fm_threads_count_busy(int n, const unsigned long long *dbusy, const unsigned
     return busy;
 }
 
+/* OpenBLAS's "parallel" kind (0 sequential, 1 pthreads, 2 OpenMP); weak: absent where no
+ * OpenBLAS is linked */
+int openblas_get_parallel(void) __attribute__((weak));
+
+int fm_threads_blas_pthreads(void) { return openblas_get_parallel && openblas_get_parallel() == 1 ? 1 : 0; }
+
 /* The processes of this launch on this node, from the launcher's environment (Open MPI, MPICH /
  * Intel MPI, Slurm); 1 when none says. */
 static int local_ranks(void) {
@@ -144,6 +150,8 @@ int fm_threads_auto(int sample_ms, fm_threads_probe *p) {
      * each trained 55x slower than with 1: bench/RESULTS.md); a launcher that binds ranks gives each a smaller mask */
     q.local_ranks = local_ranks();
     if (q.local_ranks > 1 && online > 0 && q.allowed >= (int)online) q.threads /= q.local_ranks;
+    q.blas_pthreads = fm_threads_blas_pthreads();
+    if (q.blas_pthreads) q.threads = 1; /* its pool and our OpenMP threads contend (fm_threads.h) */
     if (q.threads < 1) q.threads = 1;
     if (p) *p = q;
     return q.threads;

@@ -15,6 +15,8 @@ typedef struct fm_threads_probe {
     int busy;        /* of those, CPUs more than half busy over the sample (another process's work) */
     int threads;     /* the choice: allowed - busy, at least 1; OMP_NUM_THREADS when it is set */
     int from_env;    /* 1: OMP_NUM_THREADS was set and is used as given */
+    int blas_pthreads; /* 1: the BLAS linked is OpenBLAS's pthread build (fm_threads_blas_pthreads):
+                          the choice is then 1 thread (below) */
     int local_ranks; /* processes of the launch on this node (OMPI_COMM_WORLD_LOCAL_SIZE,
                         MPI_LOCALNRANKS, SLURM_NTASKS_PER_NODE; 1 if none): when the affinity mask
                         is the whole machine (no binding), the choice is divided by them */
@@ -24,6 +26,13 @@ typedef struct fm_threads_probe {
  * sample, busy = 0). Never fails: without /proc/stat or an affinity mask it falls back to the
  * online CPU count. Fills *p when p is not NULL; returns p->threads. */
 int fm_threads_auto(int sample_ms, fm_threads_probe *p);
+
+/* 1 when the OpenBLAS this process runs is its pthread build (openblas_get_parallel() == 1), whose
+ * own thread pool and lock contend with flatmoe's OpenMP threads: measured on 2 cores, tiny.json
+ * trained at 5,080 tok/s with 2 threads against 9,775 with 1 and 13,081 with 2 on the OpenMP build
+ * (bench/RESULTS.md). Debian's libopenblas-dev selects it; fm_threads_auto then chooses 1 thread,
+ * and train says so with the fix. 0 otherwise, and where no OpenBLAS is linked. */
+int fm_threads_blas_pthreads(void);
 
 /* The decision: of n CPUs (allowed[c] 0: outside the affinity mask; NULL: all), the ones busy
  * with another process's work, that is more than half of dtotal[c] jiffies busy (dbusy[c]) after
