@@ -323,17 +323,14 @@ fm_status fm_train(const fm_train_opts *o) {
         oo.threads = fm_threads_auto(150, &tp);
         rec.threads_busy = tp.from_env ? -1 : tp.busy;
         if (!oo.quiet && !tp.from_env && tp.blas_pthreads)
-            printf("threads: 1 (OpenBLAS here is its pthread build, whose thread pool contends with flatmoe's OpenMP "
-                   "threads; --threads sets the count)\n");
+            printf("threads: 1 (OpenBLAS here is its pthread build, whose pool contends with flatmoe's OpenMP threads: "
+                   "on 2 cores 2 threads ran at 0.39x the OpenMP build's speed, 1 at 0.75x; fix: apt-get install "
+                   "libopenblas0-openmp && update-alternatives --set libopenblas.so.0-x86_64-linux-gnu "
+                   "/usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so.0; --threads sets the count)\n");
         else if (!oo.quiet && !tp.from_env && tp.busy > 0)
             printf("threads: %d (%d of the %d cores this process may use are busy with other work; --threads sets "
                    "the count)\n", tp.threads, tp.busy, tp.allowed);
     }
-    if (fm_threads_blas_pthreads() && launch_rank == 0 && sizeof(fm_act) == sizeof(float))
-        fprintf(stderr, "warning: the OpenBLAS this flatmoe runs is the pthread build: its pool and flatmoe's OpenMP "
-                "threads contend (on 2 cores, 2 threads trained at 0.39x the speed of the OpenMP build, 1 thread at "
-                "0.75x). Fix: apt-get install libopenblas0-openmp && update-alternatives --set "
-                "libopenblas.so.0-x86_64-linux-gnu /usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so.0\n");
     rec.threads = oo.threads;
     o = &oo;
     run r;
