@@ -38,7 +38,7 @@ static int read_stat(unsigned long long *busy, unsigned long long *total, int ca
 
 /* This process's own threads' CPU time: tid[i], ticks[i] (utime + stime, in the clock ticks
  * /proc/stat counts) and cpu[i] (the CPU it last ran on), from /proc/self/task/<tid>/stat. Returns
- * the threads read (at most cap), 0 without /proc. */
+ * the threads read (at most cap), 0 without /proc. cpu may be NULL. */
 #define MAX_TASKS 512
 static int read_self(int *tid, unsigned long long *ticks, int *cpu, int cap) {
     DIR *d = opendir("/proc/self/task");
@@ -66,7 +66,8 @@ static int read_self(int *tid, unsigned long long *ticks, int *cpu, int cap) {
             if (!sp) break;
             q = sp + 1;
         }
-        tid[n] = atoi(e->d_name), ticks[n] = ut + st, cpu[n] = proc;
+        tid[n] = atoi(e->d_name), ticks[n] = ut + st;
+        if (cpu) cpu[n] = proc;
         n++;
     }
     closedir(d);
@@ -120,9 +121,9 @@ int fm_threads_auto(int sample_ms, fm_threads_probe *p) {
     if (sample_ms > 0) {
         static unsigned long long b0[MAX_CPUS], t0[MAX_CPUS], b1[MAX_CPUS], t1[MAX_CPUS], db[MAX_CPUS], dt[MAX_CPUS],
             ds[MAX_CPUS], k0[MAX_TASKS], k1[MAX_TASKS];
-        static int id0[MAX_TASKS], id1[MAX_TASKS], c0[MAX_TASKS], c1[MAX_TASKS];
+        static int id0[MAX_TASKS], id1[MAX_TASKS], c1[MAX_TASKS];
         static unsigned char ok[MAX_CPUS];
-        const int m0 = read_self(id0, k0, c0, MAX_TASKS);
+        const int m0 = read_self(id0, k0, NULL, MAX_TASKS); /* the CPU that counts is the last one, read after */
         int n0 = read_stat(b0, t0, MAX_CPUS);
         struct timespec ts = {sample_ms / 1000, (long)(sample_ms % 1000) * 1000000L};
         nanosleep(&ts, NULL);
@@ -141,7 +142,6 @@ int fm_threads_auto(int sample_ms, fm_threads_probe *p) {
                 if (id0[j] == id1[i]) before = k0[j];
             if (c1[i] >= 0 && c1[i] < n && k1[i] > before) ds[c1[i]] += k1[i] - before;
         }
-        (void)c0;
         q.busy = fm_threads_count_busy(n, db, dt, ds, ok);
     }
     q.threads = q.allowed - q.busy;

@@ -8,6 +8,7 @@
 #define FM_FP8_CODES_REF_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend/fm_fp8.h"
@@ -18,6 +19,31 @@
 #define BF16_NAN 0x7FC0u
 
 static inline float f_nan(void) { return fm_fp8_u2f(0x7FC00000u); }
+
+/* The test's CUDA backend (fp8_test_backend starts it) and its byte helpers: device buffers (at
+ * least 1 byte), preset to SENTINEL or not, host buffers preset to SENTINEL, and a device-to-host
+ * copy after the compute stream's work. */
+static fm_backend g_be;
+static void *dev_bytes(int64_t n) {
+    void *d = g_be.ops->mem_alloc(g_be.ctx, (size_t)(n > 0 ? n : 1));
+    FM_ASSERT(d != NULL);
+    return d;
+}
+static void *dev_sentinel(int64_t n) {
+    void *d = dev_bytes(n);
+    g_be.ops->mem_set(g_be.ctx, d, SENTINEL, (size_t)n);
+    return d;
+}
+static uint8_t *host_sentinel(int64_t n) {
+    uint8_t *h = malloc((size_t)(n > 0 ? n : 1));
+    FM_ASSERT(h != NULL);
+    memset(h, SENTINEL, (size_t)n);
+    return h;
+}
+static void down_bytes(void *h, const void *d, int64_t n) {
+    g_be.ops->stream_sync(g_be.ctx, FM_STREAM_COMPUTE);
+    g_be.ops->copy(g_be.ctx, h, d, (size_t)n, FM_COPY_D2H);
+}
 
 /* The CUDA backend on device 0 with the default options (expert_gemm auto: the FP8 ops are served
  * on sm_90) but FP8 GEMM schedule `sched` (test_cuda_fp8_codes runs v3 on it first; the default is

@@ -46,7 +46,6 @@
 #include "gpu_test.h"
 #include "fp8_codes_ref.h"
 
-static fm_backend g_be;
 static fm_rng g_rng;
 
 /* The GEMM schedules (fm_backend_opts.h's fm_fp8_gemm), v3 first; g_gbe: the backend created with
@@ -67,26 +66,6 @@ static const char *lbl(const char *what) {
 
 /* ---- device helpers ---- */
 
-static void *dev_bytes(int64_t n) {
-    void *d = g_be.ops->mem_alloc(g_be.ctx, (size_t)(n > 0 ? n : 1));
-    FM_ASSERT(d != NULL);
-    return d;
-}
-static void *dev_sentinel(int64_t n) {
-    void *d = dev_bytes(n);
-    g_be.ops->mem_set(g_be.ctx, d, SENTINEL, (size_t)n);
-    return d;
-}
-static void *host_sentinel(int64_t n) {
-    uint8_t *h = malloc((size_t)(n > 0 ? n : 1));
-    FM_ASSERT(h != NULL);
-    memset(h, SENTINEL, (size_t)n);
-    return h;
-}
-static void down_bytes(void *h, const void *d, int64_t n) {
-    g_be.ops->stream_sync(g_be.ctx, FM_STREAM_COMPUTE);
-    g_be.ops->copy(g_be.ctx, h, d, (size_t)n, FM_COPY_D2H);
-}
 static void up_bits(void *d, const uint16_t *h, int64_t n) { g_be.ops->copy(g_be.ctx, d, h, (size_t)n * 2, FM_COPY_H2D); }
 
 /* rows x cols bf16 normals of `scale`, each row scaled by 2^(-2..2) (so the tiles' scales differ). */

@@ -34,31 +34,13 @@
 #include "fp8_codes_ref.h"
 #include "gpu_test.h"
 
-static fm_backend g_be;
 static fm_rng g_rng;
 
 /* ---- device helpers ---- */
 
-static void *dev_bytes(int64_t n) {
-    void *d = g_be.ops->mem_alloc(g_be.ctx, (size_t)(n > 0 ? n : 1));
-    FM_ASSERT(d != NULL);
-    return d;
-}
-static void *dev_sentinel(int64_t n) {
-    void *d = dev_bytes(n);
-    g_be.ops->mem_set(g_be.ctx, d, SENTINEL, (size_t)n);
-    return d;
-}
-static uint8_t *host_sentinel(int64_t n) {
-    uint8_t *h = malloc((size_t)(n > 0 ? n : 1));
-    FM_ASSERT(h != NULL);
-    memset(h, SENTINEL, (size_t)n);
-    return h;
-}
 static uint8_t *down(const void *d, int64_t n) {
     uint8_t *h = host_sentinel(n);
-    g_be.ops->stream_sync(g_be.ctx, FM_STREAM_COMPUTE);
-    g_be.ops->copy(g_be.ctx, h, d, (size_t)n, FM_COPY_D2H);
+    down_bytes(h, d, n);
     return h;
 }
 /* rows x cols bf16 normals of `scale`, each row scaled by 2^(-2..2) (the tiles' scales differ). */
