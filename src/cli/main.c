@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "core/fm_log.h"
 #include "train/fm_build_info.h"
 
 static void top_help(void) {
@@ -21,6 +22,7 @@ static void top_help(void) {
 }
 
 int main(int argc, char **argv) {
+    fm_log_set(fm_log_stdio, NULL); /* the library's lines: info to stdout, the rest to stderr */
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
         top_help();
         return argc < 2 ? 2 : 0;
