@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "core/fm_core.h"
+#include "core/fm_test_hooks.h"
 
 #define MAX_FILES 256 /* files one F_FILES flag takes */
 
@@ -44,6 +45,10 @@ int cli_fail(const char *cmd, fm_status s);
 fm_status cli_resolve_ckpt(const char *dir, char *out, size_t cap);
 /* Levenshtein distance of a and b (insert, delete, substitute: 1 each; names up to 63 bytes). */
 int cli_edit_distance(const char *a, const char *b);
+
+/* Fills *h from the FLATMOE_TEST_* variables (cli_env.c; unset: every hook off). Errors: FM_ERR_ARG
+ * naming the variable, its value and the form expected. */
+fm_status cli_test_hooks_from_env(fm_test_hooks *h);
 
 /* The commands: argv holds the arguments after the command's name. Each returns the exit code. */
 int cmd_train(int argc, char **argv);

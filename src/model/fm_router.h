@@ -28,7 +28,7 @@ typedef struct fm_router_opts {
     double aux_loss_coef;    /* router_aux_loss_coef */
     double z_loss_coef;      /* router_z_loss_coef (flatmoe extension; 0 = off) */
     /* Test hook (adversarial routing, tests/mpi_train_ep.sh; the trainer sets it from
-     * FLATMOE_TEST_FORCE_ROUTE): every token's top-k becomes experts force_first .. force_first
+     * the test hook FLATMOE_TEST_FORCE_ROUTE, core/fm_test_hooks.h): every token's top-k becomes experts force_first .. force_first
      * + k - 1 (mod E), their weights the softmax probabilities of those experts (renormalized with
      * norm_topk), so forward, statistics and backward stay those of a router that chose them.
      * force_percent (in [0,100]) of each call's tokens are forced, spread evenly (token n when

@@ -365,23 +365,10 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     }
     r->ep.ep = 1;
     if (ep > 1) FM_TRY(fm_train_ep_init(&r->ep, &r->world, dp, ep, sp, m)); /* the ep and expert-data-parallel groups */
-    const char *force = getenv("FLATMOE_TEST_FORCE_ROUTE"); /* test hook: adversarial routing (fm_router.h) */
-    if (force && *force) { /* FIRST (every token) or FIRST:PCT (PCT% of the tokens, the rest routed as usual) */
-        char *end = NULL;
-        const long long first = strtoll(force, &end, 10);
-        long pct = 100;
-        if (end != force && *end == ':') {
-            const char *p = end + 1;
-            pct = strtol(p, &end, 10);
-            if (end == p) pct = -1;
-        }
-        if (end == force || *end || first < 0 || pct < 0 || pct > 100)
-            return fm_error(FM_ERR_ARG, "FLATMOE_TEST_FORCE_ROUTE='%s': expected FIRST or FIRST:PCT (the first forced "
-                            "expert >= 0, the percent of tokens forced in [0,100]), e.g. 0 or 0:90; unset it to route "
-                            "normally", force);
+    if (o->test_hooks.force_route) { /* test hook: adversarial routing (fm_router.h) */
         m->router.force_route = true;
-        m->router.force_first = first % m->router.num_experts;
-        m->router.force_percent = (int)pct;
+        m->router.force_first = o->test_hooks.force_first % m->router.num_experts;
+        m->router.force_percent = o->test_hooks.force_percent;
     }
     /* the sampling cursor: this rank of the data-parallel ranks (fm_dataset_sample_batch) */
     FM_TRY(fm_dataset_set_ranks(&r->train, sp > 1 ? fm_comm_rank(&r->mesh.axis[FM_AXIS_DP].comm) : fm_comm_rank(&r->world),

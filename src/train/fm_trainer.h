@@ -5,6 +5,7 @@
  * fm_train_step (fm_train_step.h). */
 #ifndef FM_TRAINER_H
 #define FM_TRAINER_H
+#include "../core/fm_test_hooks.h"
 #include "../model/fm_model.h"
 #include "fm_optim.h"
 #include "fm_param_store.h"
@@ -132,6 +133,8 @@ typedef struct fm_train_opts {
      * the activation memory is the ring's, the head's gather slot is not saved (yet). Beside
      * --sp and --ep alike. One rank: the one-rank linear CE (the same operator at P = 1). */
     int vocab_parallel;           /* FM_VOCAB_PARALLEL_* */
+    fm_test_hooks test_hooks;     /* tests only (core/fm_test_hooks.h; the CLI fills it from FLATMOE_TEST_*):
+                                     not a flag, not saved in state.json */
 } fm_train_opts;
 
 /* --vocab-parallel: off (every rank projects its tokens on the whole head) or ring (Ring-DTP). */
