@@ -4,10 +4,11 @@
 #   bash bench/run_gpu.sh [SEQ_LEN ...]     (default 4096 16384)
 # Environment: FM=0 skips flatmoe, PEER=0 skips the peer, STEPS (default 6; 3 from 64K on),
 # OUTDIR (default /tmp/bench-gpu: each flatmoe run's metrics.jsonl and log, peer.jsonl, table.md),
-# APPEND=1 appends the table, with the date, GPU and commit, to bench/RESULTS.md.
+# APPEND=1 appends the table, with the date, GPU and commit, to bench/log/run_gpu-DATE.md (then update
+# bench/RESULTS.md's current table by hand).
 # flatmoe chooses its knobs for the GPU's memory (no --mem-budget: the planner takes the device's
 # free memory less a reserve) and runs with FLATMOE_PROFILE=1 (a per-phase time breakdown per
-# step). bench/gpu_table.py turns OUTDIR into the table of bench/RESULTS.md.
+# step). bench/gpu_table.py turns OUTDIR into a table in RESULTS.md's form.
 set -uo pipefail
 LENS=${*:-4096 16384}
 OUTDIR=${OUTDIR:-/tmp/bench-gpu}
@@ -55,6 +56,6 @@ if [ "${APPEND:-0}" = 1 ]; then
              "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown); STEPS=${STEPS:-default} FM=${FM:-1} PEER=${PEER:-1}"
         echo
         cat "$OUTDIR/table.md"
-    } >> bench/RESULTS.md
-    echo "appended to bench/RESULTS.md"
+    } >> "bench/log/run_gpu-$(date -u +%F).md"
+    echo "appended to bench/log/run_gpu-$(date -u +%F).md"
 fi
