@@ -42,6 +42,17 @@ static inline unsigned long long fm_test_seed(unsigned long long dflt) {
     return seed;
 }
 
+/* The thread count of a test's main CPU backend: dflt, or FLATMOE_TEST_THREADS when set to a
+ * positive count (printed). scripts/test.sh's second pass sets it to 1 (with another OpenBLAS
+ * kernel), so that a check which holds at one thread count only fails here, not on a user's
+ * machine. Tests that compare 1 thread with 2 on purpose make their own backends. */
+static inline int fm_test_threads(int dflt) {
+    const char *s = getenv("FLATMOE_TEST_THREADS");
+    const int t = s && atoi(s) > 0 ? atoi(s) : dflt;
+    printf("threads %d (set FLATMOE_TEST_THREADS to run at another count)\n", t);
+    return t;
+}
+
 /* Zero-filled test buffers (free() them), never NULL: n floats, n doubles, n int32s. */
 static inline float *fnew(int64_t n) {
     float *p = calloc((size_t)(n > 0 ? n : 1), sizeof(float));

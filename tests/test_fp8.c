@@ -540,7 +540,7 @@ static void test_layer(fm_rng *r) {
 int main(void) {
     fm_rng r;
     fm_rng_seed(&r, fm_test_seed(8));
-    FM_ASSERT(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
+    FM_ASSERT(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
     test_e4m3_table();
     test_block_scales(&r);
     test_snr(&r);

@@ -363,9 +363,9 @@ static void test_gemms(fm_rng *r) {
  * CPU (the whole training run's bits do depend on the thread count, through the BLAS's dense
  * GEMMs: tests/cli_fp8_codes.sh). At sizes where the 2-thread context forks (R * K >= 65536). */
 static void test_gemm_threads(fm_rng *r) {
-    fm_backend one;
-    FM_ASSERT(fm_cpu_backend_init(&one, 1, 64) == FM_OK);
-    const fm_backend *be[2] = {&one, &g_be};
+    fm_backend one, two;
+    FM_ASSERT(fm_cpu_backend_init(&one, 1, 64) == FM_OK && fm_cpu_backend_init(&two, 2, 64) == FM_OK);
+    const fm_backend *be[2] = {&one, &two};
     const int64_t R = g_off[E], rcap = R + 3, kcap = fm_fp8_kcap(rcap, E), in = H, out = I, EW = E * out * in;
     float *x = fnew(rcap * in), *dy = fnew(rcap * out), *W = fnew(EW);
     fill(r, x, R, in, 3, 4, 1.0f);
@@ -403,7 +403,7 @@ static void test_gemm_threads(fm_rng *r) {
         for (int q = 0; q < 3; q++) free(C[t][q]);
     }
     free(x), free(dy), free(W);
-    fm_cpu_backend_free(&one);
+    fm_cpu_backend_free(&one), fm_cpu_backend_free(&two);
 }
 
 static double rel_l2(const float *a, const float *b, int64_t n) {
@@ -601,7 +601,7 @@ static void test_reuse(fm_rng *r, bool codes) {
 int main(void) {
     fm_rng r;
     fm_rng_seed(&r, fm_test_seed(14));
-    FM_ASSERT(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
+    FM_ASSERT(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
     CHECK(g_be.ops->expert_fp8_serves && g_be.ops->fp8_quant_rows && g_be.ops->expert_fp8_gemm);
     setenv("FLATMOE_TEST_FP8_CODES", "1", 1);
     CHECK(g_be.ops->expert_fp8_serves(g_be.ctx, E, H, I, 1000) && !g_be.ops->expert_fp8_serves(g_be.ctx, E, 64, I, 1000));

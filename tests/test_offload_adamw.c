@@ -131,7 +131,7 @@ static void test_bad_args(void) {
 }
 
 int main(void) {
-    FM_ASSERT(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
+    FM_ASSERT(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
     fm_model probe;
     const fm_config c = small_config();
     FM_ASSERT(fm_model_create(&probe, &c, g_be) == FM_OK);

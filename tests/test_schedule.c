@@ -320,7 +320,7 @@ static void test_comm(void) {
 }
 
 int main(void) {
-    FM_ASSERT(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
+    FM_ASSERT(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
     test_hooks();
     test_recompute_policy();
     test_router_terms();
