@@ -299,20 +299,6 @@ static double rel_err(const float *got, const double *ref, const double *mag, in
     return d;
 }
 
-/* Per row of width w: max_i |a - b| / max_i |b|, into e[row] (the rows here are 2^-16 apart in
- * scale, so each token's error is taken against its own scale). */
-static void row_rel(double *e, const float *a, const float *b, int64_t n, int64_t w) {
-    for (int64_t t = 0; t < n; t++) {
-        double dm = 0, bm = 0;
-        for (int64_t i = 0; i < w; i++) {
-            const double df = fabs((double)a[t * w + i] - b[t * w + i]);
-            dm = isnan(df) ? INFINITY : fmax(dm, df);
-            bm = fmax(bm, fabs((double)b[t * w + i]));
-        }
-        e[t] = dm / (bm > 1e-30 ? bm : 1e-30);
-    }
-}
-
 /* The chunked form against the plain twin through the real BLAS. They differ only in the row
  * grouping of the expert GEMMs, which on some OpenBLAS kernels (fm_test_fixed_gemm.h) changes the
  * order of a row's fp32 sums: two orders of an n-term sum differ by at most 2 gamma_n sum|terms|
@@ -332,13 +318,14 @@ static void chunked_close(const fm_moe_dims *d, const fm_moe_routes *saved, cons
                           const float *dx, const float *dxc, const float *dtw, const float *dtwc, const float *dy,
                           int64_t N) {
     const int64_t H = d->H, k = d->k, n = d->H + d->I;
-    const double u = ldexp(1.0, -24), tol = 4 * 2 * (n * u / (1 - n * u)), step = 0.125;
+    const double tol = 4 * fm_test_reorder_bound(n), step = 0.125;
     double *e = dnew(N * k), worst[3] = {0, 0, 0};
     int64_t over[3] = {0, 0, 0};
     for (int q = 0; q < 3; q++) {
         int64_t m = N;
-        if (q == 0) row_rel(e, yc, y, N, H);
-        else if (q == 1) row_rel(e, dxc, dx, N, H);
+        if (q < 2) /* per token, against its own scale (the rows here are 2^-16 apart in scale) */
+            for (int64_t t = 0; t < N; t++)
+                e[t] = fm_test_row_rel((q ? dxc : yc) + t * H, (q ? dx : y) + t * H, 1, H);
         else {
             m = N * k;
             for (int64_t t = 0; t < m; t++) {

@@ -183,21 +183,6 @@ static void test_router_terms(void) {
 
 /* ---- an empty chunk passes through every phase ---------------------------------------------- */
 
-/* max over rows of max_i |a - b| / max_i |b| (rows of width w) */
-static double row_rel(const float *a, const float *b, int64_t n, int64_t w) {
-    double worst = 0;
-    for (int64_t t = 0; t < n; t++) {
-        double dm = 0, bm = 0;
-        for (int64_t i = 0; i < w; i++) {
-            const double df = fabs((double)a[t * w + i] - b[t * w + i]);
-            dm = isnan(df) ? INFINITY : fmax(dm, df);
-            bm = fmax(bm, fabs((double)b[t * w + i]));
-        }
-        worst = fmax(worst, dm / (bm > 1e-30 ? bm : 1e-30));
-    }
-    return worst;
-}
-
 /* exact: through the fixed-order gemm, outputs and input gradients bit for bit; else through be's
  * BLAS, whose kernels may round a row by where it falls in their tiling (1-token chunks against
  * 5 rows at once): two orders of an n-term fp32 sum differ by at most 2 gamma_n sum|terms|
@@ -243,12 +228,14 @@ static void test_empty_chunk(const fm_backend *be, bool exact) {
     fm_moe_ws_layout(&ws_c, &a_c, &h_c, &d, 1, true);
     const fm_moe_weights w = {Wg, Wu, Wd};
     const fm_moe_grads gp = {gg_p, gu_p, gd_p}, gc = {gg_c, gu_c, gd_c};
-    const double u = ldexp(1.0, -24), n1 = (double)(d.H + d.I), n2 = (double)(N * d.k + d.H + d.I);
-    const double tol = 8 * n1 * u / (1 - n1 * u), tol_g = 8 * n2 * u / (1 - n2 * u);
+    const double tol = 4 * fm_test_reorder_bound(d.H + d.I);
+    const double tol_g = 4 * fm_test_reorder_bound(N * d.k + d.H + d.I);
     fm_moe_forward(be, &d, &w, y_plain, x, idx, tw, N, 1, NULL, &saved, &ws_p);
     fm_moe_forward(be, &d, &w, y_chunk, x, idx, tw, N, K, order, NULL, &ws_c);
     if (exact) CHECK(memcmp(y_plain, y_chunk, sizeof(float) * (size_t)(N * d.H)) == 0);
-    else CHECK_MSG(row_rel(y_chunk, y_plain, N, d.H) <= tol, "outputs %g", row_rel(y_chunk, y_plain, N, d.H));
+    else
+        CHECK_MSG(fm_test_row_rel(y_chunk, y_plain, N, d.H) <= tol, "outputs %g",
+                  fm_test_row_rel(y_chunk, y_plain, N, d.H));
     /* the last (empty) chunk left the chunk's routes with zero offsets */
     for (int64_t e = 0; e <= d.E; e++) CHECK(ws_c.r.offsets[e] == 0);
     fm_moe_backward(be, &d, &w, &gp, dx_p, dtw_p, dy, x, idx, tw, N, 1, NULL, &saved, &ws_p);
@@ -264,8 +251,8 @@ static void test_empty_chunk(const fm_backend *be, bool exact) {
                 mag += fabs((double)dy[(t / d.k) * d.H + h] * saved.ye[(int64_t)saved.route_row[t] * d.H + h]);
             etw = fmax(etw, fabs((double)dtw_c[t] - dtw_p[t]) / (mag > 0 ? mag : 1e-30));
         }
-        CHECK_MSG(row_rel(dx_c, dx_p, N, d.H) <= tol && etw <= tol, "input grads %g, router-weight grads %g",
-                  row_rel(dx_c, dx_p, N, d.H), etw);
+        CHECK_MSG(fm_test_row_rel(dx_c, dx_p, N, d.H) <= tol && etw <= tol, "input grads %g, router-weight grads %g",
+                  fm_test_row_rel(dx_c, dx_p, N, d.H), etw);
     }
     double num = 0, den = 0;
     for (int64_t i = 0; i < d.E * d.I * d.H; i++) {
