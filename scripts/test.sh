@@ -18,7 +18,10 @@
 #      slow ones among them (cli_plan, cli_train_text: half of pass A's time): the planner, text
 #      training, prepare, report, signals, bad input, model loading, the communicator, timeouts,
 #      killed ranks and checkpoint bytes (PASS_B_SKIP below).
-# Time on 2 cores (CI's machine): see the report lines printed at the end of each pass.
+# Time (2 cores, CI): each pass prints its own. Pass A is about 6.5 min on an idle 2-core machine;
+# pass B's 57 of the 77 tests took 44% of pass A's time in ctest's cost data (431 of 982 s), so
+# about 3 min more: with the set-up, the CPU build and the CUDA compile (~5 min) the whole stays
+# near 20 min, under CI's 30.
 # Extra arguments go to ctest in both passes (e.g. -R test_fp8); FLATMOE_TEST_PASSES=A (or B) runs
 # one pass only.
 set -euo pipefail
