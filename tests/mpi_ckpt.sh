@@ -14,21 +14,11 @@
 #   pieces; np 2 --zero 1 with whole tensors), is within it otherwise (np 4 --zero 3 with whole
 #   tensors: rank 0 sends only its quarter), and --report-memory prints it after a resume.
 set -u
-MPIEXEC=$1 FM=$(readlink -f "$2")
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-FLAGS=(--oversubscribe --allow-run-as-root --bind-to none --mca btl self,vader
-       --mca btl_vader_single_copy_mechanism none --mca pml ob1)
-export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1
-TMP=$(mktemp -d /tmp/flatmoe-mpi-ckpt.XXXXXX); trap 'rm -rf "$TMP"' EXIT
-TEXT="$ROOT/../shared/data/tinyshakespeare.txt"
-[ -f "$TEXT" ] || TEXT=/usr/share/games/fortunes/fortunes
-[ -f "$TEXT" ] || TEXT="$ROOT/README.md"
+source "$(dirname "$0")/lib_mpi.sh"
+mpi_tmp mpi-ckpt
 BASE=(--config "$ROOT/tests/data/micro.json" --data "$TEXT" --seq-len 32 --grad-accum 2 --steps 4 --warmup 2
       --lr 3e-3 --eval-every 10 --eval-batches 2 --threads 1)
 COMMON=("${BASE[@]}" --quiet)
-FAILED=0
-bad() { FAILED=$((FAILED + 1)); echo "FAIL: $*" >&2; }
-mpi() { local np=$1; shift; timeout 120 "$MPIEXEC" "${FLAGS[@]}" -np "$np" "$FM" "$@"; }
 same() { # DIR_A DIR_B what: both safetensors files byte for byte
     for f in model.safetensors optimizer.safetensors; do
         cmp -s "$1/$f" "$2/$f" || bad "$3: $f differs from the reference"

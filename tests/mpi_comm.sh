@@ -6,14 +6,10 @@
 #   job with MPI_Abort(0) once they agree: exit 0 and "timeout test: passed".
 # killed: rank 1 _exit(3)s before a collective; the job must end within 60 s with a non-zero
 #   status (Open MPI tears it down when a rank exits non-zero).
-# Flags: --oversubscribe (4 ranks on a 2-core CI machine), --allow-run-as-root (CI is root),
-# shared memory only (btl self,vader; no network in a container), no single-copy (CMA needs
-# ptrace rights containers often lack), pml ob1 (no UCX probing), no binding.
+# mpirun's flags: tests/lib_mpi.sh.
 set -u
-MPIEXEC=$1 BIN=$2 MODE=$3
-FLAGS=(--oversubscribe --allow-run-as-root --bind-to none --mca btl self,vader
-       --mca btl_vader_single_copy_mechanism none --mca pml ob1)
-export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1
+source "$(dirname "$0")/lib_mpi.sh"
+BIN=$2
 out=$(mktemp); trap 'rm -f "$out"' EXIT
 run() { # np, then the binary's arguments; sets rc and secs
     local np=$1; shift

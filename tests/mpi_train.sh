@@ -27,29 +27,13 @@
 # another data order, a stale shard: differences of 1e-3 and more) cannot meet; the gradient norm's check catches a
 # wrong gradient scale. The norm's 1e-5: its fp64 sum of squares of fp32 gradients that differ
 # in their last bits (measured: 4e-7).
-# mpirun flags: as tests/mpi_comm.sh (oversubscribed shared memory, no binding, CI is root).
+# mpirun flags and the helpers (mpi, compare: tests/mpi_compare.py, bad): tests/lib_mpi.sh.
 set -u
-MPIEXEC=$1 FM=$(readlink -f "$2") MODE=$3
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-FLAGS=(--oversubscribe --allow-run-as-root --bind-to none --mca btl self,vader
-       --mca btl_vader_single_copy_mechanism none --mca pml ob1)
-export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1
-TMP=$(mktemp -d /tmp/flatmoe-mpi-train.XXXXXX); trap 'rm -rf "$TMP"' EXIT
-TEXT="$ROOT/../shared/data/tinyshakespeare.txt"
-[ -f "$TEXT" ] || TEXT=/usr/share/games/fortunes/fortunes
-[ -f "$TEXT" ] || TEXT="$ROOT/README.md"
+source "$(dirname "$0")/lib_mpi.sh"
+mpi_tmp mpi-train
 CFG="$ROOT/tests/data/micro.json"
 COMMON=(--config "$CFG" --data "$TEXT" --seq-len 32 --grad-accum 2 --steps 20 --warmup 2 --lr 3e-3
         --eval-every 10 --eval-batches 2 --threads 1 --quiet)
-FAILED=0
-bad() { FAILED=$((FAILED + 1)); echo "FAIL: $*" >&2; }
-mpi() { # np, then flatmoe's arguments
-    local np=$1; shift
-    timeout 120 "$MPIEXEC" "${FLAGS[@]}" -np "$np" "$FM" "$@"
-}
-# compare REF RUN: losses to 1e-6 relative, gradient norms to 1e-5, final model and optimizer
-# tensors to 5e-4 of each tensor's scale (tests/mpi_compare.py)
-compare() { python3 "$ROOT/tests/mpi_compare.py" "$1" "$2"; }
 one_rank() { "$FM" train "${COMMON[@]}" --micro-batch 4 --out "$TMP/one" >/dev/null || bad "one-rank run failed"; }
 
 case $MODE in
@@ -231,5 +215,4 @@ failure)
     fi ;;
 *) echo "unknown mode $MODE"; exit 2 ;;
 esac
-[ $FAILED -eq 0 ] && echo "mpi_train $MODE: passed" || echo "mpi_train $MODE: $FAILED failed"
-[ $FAILED -eq 0 ]
+mpi_finish "mpi_train $MODE"

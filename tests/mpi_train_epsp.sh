@@ -32,27 +32,13 @@
 # bad: what still does not go together (--zero 1 beside --ep, in train and plan) and an --ep that
 #   does not divide the ranks or num_experts: a clear error naming the flags, non-zero exit.
 set -u
-MPIEXEC=$1 FM=$(readlink -f "$2") MODE=$3
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-FLAGS=(--oversubscribe --allow-run-as-root --bind-to none --mca btl self,vader
-       --mca btl_vader_single_copy_mechanism none --mca pml ob1)
-export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1
-TMP=$(mktemp -d /tmp/flatmoe-mpi-epsp.XXXXXX); trap 'rm -rf "$TMP"' EXIT
-TEXT="$ROOT/../shared/data/tinyshakespeare.txt"
-[ -f "$TEXT" ] || TEXT=/usr/share/games/fortunes/fortunes
-[ -f "$TEXT" ] || TEXT="$ROOT/README.md"
+source "$(dirname "$0")/lib_mpi.sh"
+mpi_tmp mpi-epsp
 CFG="$ROOT/tests/data/micro_sp.json"
 COMMON=(--config "$CFG" --data "$TEXT" --seq-len 32 --grad-accum 2 --steps 20 --warmup 2 --lr 3e-3
         --eval-every 10 --eval-batches 2 --threads 1 --quiet)
-FAILED=0
-bad() { FAILED=$((FAILED + 1)); echo "FAIL: $*" >&2; }
-mpi() { # np, then flatmoe's arguments
-    local np=$1; shift
-    timeout 120 "$MPIEXEC" "${FLAGS[@]}" -x FLATMOE_TEST_FORCE_ROUTE -np "$np" "$FM" "$@"
-}
+MPI_ENV=(-x FLATMOE_TEST_FORCE_ROUTE)
 export FLATMOE_TEST_FORCE_ROUTE=""
-# compare REF RUN: 20 step records, losses to 1e-6 relative, grad norms 1e-5, final tensors 5e-4 of scale
-compare() { python3 "$ROOT/tests/mpi_compare.py" "$1" "$2"; }
 one_rank() { # DIR: 20 one-rank steps at --micro-batch 4 (under the current FLATMOE_TEST_FORCE_ROUTE)
     "$FM" train "${COMMON[@]}" --micro-batch 4 --out "$1" >/dev/null || bad "one-rank run $1 failed"
 }
@@ -211,5 +197,4 @@ bad)
         bad "plan --ep 4 --sp 2 --zero 3: rc $rc: $out" ;;
 *) echo "unknown mode $MODE"; exit 2 ;;
 esac
-[ $FAILED -eq 0 ] && echo "mpi_train_epsp $MODE: passed" || echo "mpi_train_epsp $MODE: $FAILED failed"
-[ $FAILED -eq 0 ]
+mpi_finish "mpi_train_epsp $MODE"

@@ -22,24 +22,14 @@
 # bad: the flag on one rank only, an unknown value (train and plan), plain logits with the flag:
 #   each a clear error naming the flag.
 set -u
-MPIEXEC=$1 FM=$(readlink -f "$2") MODE=$3
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-FLAGS=(--oversubscribe --allow-run-as-root --bind-to none --mca btl self,vader
-       --mca btl_vader_single_copy_mechanism none --mca pml ob1)
-export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1
-TMP=$(mktemp -d /tmp/flatmoe-mpi-ring.XXXXXX); trap 'rm -rf "$TMP"' EXIT
-TEXT="$ROOT/../shared/data/tinyshakespeare.txt"
-[ -f "$TEXT" ] || TEXT=/usr/share/games/fortunes/fortunes
-[ -f "$TEXT" ] || TEXT="$ROOT/README.md"
+source "$(dirname "$0")/lib_mpi.sh"
+mpi_tmp mpi-ring
 MICRO="$ROOT/tests/data/micro.json" SP="$ROOT/tests/data/micro_sp.json"
 UNTIED="$TMP/untied.json" # micro.json with its own LM head and V = 257 (byte tokens use 0..255)
 python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c.update(tie_word_embeddings=False, vocab_size=257);
 json.dump(c, open(sys.argv[2], 'w'))" "$MICRO" "$UNTIED"
 COMMON=(--grad-accum 2 --steps 20 --warmup 2 --lr 3e-3 --eval-every 10 --eval-batches 2 --threads 1 --quiet)
 CE=(--ce-block-tokens 16 --ce-block-vocab 64)
-FAILED=0
-bad() { FAILED=$((FAILED + 1)); echo "FAIL: $*" >&2; }
-mpi() { local np=$1; shift; timeout 120 "$MPIEXEC" "${FLAGS[@]}" -np "$np" "$FM" "$@"; }
 # compare REF RUN: grad norm to 1e-3 (tests/mpi_train_sp.sh's reason: a token whose router scores
 # nearly tie may pick another expert when sums run in another order; on the fortunes text, the
 # fallback data, plain -np 2 dp at seq-len 64 WITHOUT the ring moves step 17's norm by 1.35e-4
@@ -148,5 +138,4 @@ bad)
         bad "plan --vocab-parallel tensor: rc $rc: $out" ;;
 *) echo "unknown mode $MODE"; exit 2 ;;
 esac
-[ $FAILED -eq 0 ] && echo "mpi_train_ring $MODE: passed" || echo "mpi_train_ring $MODE: $FAILED failed"
-[ $FAILED -eq 0 ]
+mpi_finish "mpi_train_ring $MODE"

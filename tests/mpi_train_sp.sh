@@ -24,21 +24,11 @@
 #   a clear error naming the flag, the expected and found values and the fix; a rank that stops
 #   answering ends the job within the timeout with a message naming the rank and the collective.
 set -u
-MPIEXEC=$1 FM=$(readlink -f "$2") MODE=$3
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-FLAGS=(--oversubscribe --allow-run-as-root --bind-to none --mca btl self,vader
-       --mca btl_vader_single_copy_mechanism none --mca pml ob1)
-export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1
-TMP=$(mktemp -d /tmp/flatmoe-mpi-sp.XXXXXX); trap 'rm -rf "$TMP"' EXIT
-TEXT="$ROOT/../shared/data/tinyshakespeare.txt"
-[ -f "$TEXT" ] || TEXT=/usr/share/games/fortunes/fortunes
-[ -f "$TEXT" ] || TEXT="$ROOT/README.md"
+source "$(dirname "$0")/lib_mpi.sh"
+mpi_tmp mpi-sp
 SP="$ROOT/tests/data/micro_sp.json" MICRO="$ROOT/tests/data/micro.json"
 COMMON=(--data "$TEXT" --seq-len 32 --grad-accum 2 --steps 20 --warmup 2 --lr 3e-3
         --eval-every 10 --eval-batches 2 --threads 1 --quiet)
-FAILED=0
-bad() { FAILED=$((FAILED + 1)); echo "FAIL: $*" >&2; }
-mpi() { local np=$1; shift; timeout 120 "$MPIEXEC" "${FLAGS[@]}" -np "$np" "$FM" "$@"; }
 # compare REF RUN: 20 step records, losses to 1e-6 relative, final tensors to 5e-4 of their scale
 # (grad norm to 1e-3: a token whose router scores nearly tie may pick another expert when the sums
 # run in another order, which moved one step's norm by 1.1e-4 in the qwen3 case, at --sp 2 as at
@@ -162,5 +152,4 @@ bad)
         bad "plan --seq-len 30 --sp 4 --zero 0: rc $rc: $out" ;;
 *) echo "unknown mode $MODE"; exit 2 ;;
 esac
-[ $FAILED -eq 0 ] && echo "mpi_train_sp $MODE: passed" || echo "mpi_train_sp $MODE: $FAILED failed"
-[ $FAILED -eq 0 ]
+mpi_finish "mpi_train_sp $MODE"

@@ -358,6 +358,54 @@ static void test_gemms(fm_rng *r) {
     free(ref), free(mag), free(C), free(base);
 }
 
+/* The code ops on 1 and 2 threads give the same bytes: cpu_fp8_gemm.c splits rows, columns or
+ * experts among threads, never a sum, and calls no BLAS, so this holds by construction on every
+ * CPU (the whole training run's bits do depend on the thread count, through the BLAS's dense
+ * GEMMs: tests/cli_fp8_codes.sh). At sizes where the 2-thread context forks (R * K >= 65536). */
+static void test_gemm_threads(fm_rng *r) {
+    fm_backend one, two;
+    FM_ASSERT(fm_cpu_backend_init(&one, 1, 64) == FM_OK && fm_cpu_backend_init(&two, 2, 64) == FM_OK);
+    const fm_backend *be[2] = {&one, &two};
+    const int64_t R = g_off[E], rcap = R + 3, kcap = fm_fp8_kcap(rcap, E), in = H, out = I, EW = E * out * in;
+    float *x = fnew(rcap * in), *dy = fnew(rcap * out), *W = fnew(EW);
+    fill(r, x, R, in, 3, 4, 1.0f);
+    fill(r, dy, R, out, 5, 3, 1.0f);
+    fill(r, W, E * out, in, 4, 5, 0.05f);
+    const int64_t na = fm_fp8_rows_bytes(rcap, in > out ? in : out), nw = fm_fp8_weight_bytes(E, out, in);
+    const int64_t n0 = fm_fp8_tokens_bytes(kcap, out), n1 = fm_fp8_tokens_bytes(kcap, in);
+    const int64_t big = rcap * in > EW ? rcap * in : EW;
+    uint8_t *a8[2], *d8[2], *w8[2], *t0[2], *t1[2];
+    float *C[2][3];
+    for (int t = 0; t < 2; t++) {
+        const fm_ops *o = be[t]->ops;
+        void *c = be[t]->ctx;
+        a8[t] = calloc((size_t)na, 1), d8[t] = calloc((size_t)na, 1), w8[t] = calloc((size_t)nw, 1);
+        t0[t] = calloc((size_t)n0, 1), t1[t] = calloc((size_t)n1, 1);
+        FM_ASSERT(a8[t] && d8[t] && w8[t] && t0[t] && t1[t]);
+        for (int q = 0; q < 3; q++) C[t][q] = fnew(big);
+        o->fp8_quant_weight(c, w8[t], W, E, out, in);
+        o->fp8_quant_rows(c, a8[t], x, g_off, rcap, E, in);
+        o->fp8_quant_rows(c, d8[t], dy, g_off, rcap, E, out);
+        o->fp8_quant_tokens(c, t0[t], dy, g_off, rcap, E, out);
+        o->fp8_quant_tokens(c, t1[t], x, g_off, rcap, E, in);
+        o->expert_fp8_gemm(c, 0, C[t][0], 0.0f, a8[t], w8[t], g_off, rcap, E, in, out);
+        o->expert_fp8_gemm(c, 1, C[t][1], 0.0f, d8[t], w8[t], g_off, rcap, E, in, out);
+        o->expert_fp8_gemm(c, 2, C[t][2], 0.0f, t0[t], t1[t], g_off, rcap, E, in, out);
+    }
+    CHECK_MSG(!memcmp(w8[0], w8[1], (size_t)nw) && !memcmp(a8[0], a8[1], (size_t)na) &&
+              !memcmp(d8[0], d8[1], (size_t)na) && !memcmp(t0[0], t0[1], (size_t)n0) &&
+              !memcmp(t1[0], t1[1], (size_t)n1), "fp8 code quantization: 1 and 2 threads differ");
+    CHECK_MSG(!memcmp(C[0][0], C[1][0], sizeof(float) * (size_t)(R * out)) &&
+              !memcmp(C[0][1], C[1][1], sizeof(float) * (size_t)(R * in)) &&
+              !memcmp(C[0][2], C[1][2], sizeof(float) * (size_t)EW), "fp8 code GEMMs: 1 and 2 threads differ");
+    for (int t = 0; t < 2; t++) {
+        free(a8[t]), free(d8[t]), free(w8[t]), free(t0[t]), free(t1[t]);
+        for (int q = 0; q < 3; q++) free(C[t][q]);
+    }
+    free(x), free(dy), free(W);
+    fm_cpu_backend_free(&one), fm_cpu_backend_free(&two);
+}
+
 static double rel_l2(const float *a, const float *b, int64_t n) {
     double num = 0, den = 0;
     for (int64_t i = 0; i < n; i++) num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]), den += (double)b[i] * b[i];
@@ -553,7 +601,7 @@ static void test_reuse(fm_rng *r, bool codes) {
 int main(void) {
     fm_rng r;
     fm_rng_seed(&r, fm_test_seed(14));
-    FM_ASSERT(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
+    FM_ASSERT(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
     CHECK(g_be.ops->expert_fp8_serves && g_be.ops->fp8_quant_rows && g_be.ops->expert_fp8_gemm);
     setenv("FLATMOE_TEST_FP8_CODES", "1", 1);
     CHECK(g_be.ops->expert_fp8_serves(g_be.ctx, E, H, I, 1000) && !g_be.ops->expert_fp8_serves(g_be.ctx, E, 64, I, 1000));
@@ -568,6 +616,7 @@ int main(void) {
     test_fused(&r); /* the tests above see the random stream they saw before it */
     test_reuse(&r, true); /* then, after all of them, the reuse of a layer's weight codes */
     test_reuse(&r, false);
+    test_gemm_threads(&r); /* last: the tests above see the random stream they saw before */
     fm_cpu_backend_free(&g_be);
     printf("%d passed, %d failed\n", fm_test_passed, fm_test_failed);
     return fm_test_failed ? 1 : 0;

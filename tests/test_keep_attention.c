@@ -180,7 +180,7 @@ static void test_policy(void) {
 }
 
 int main(void) {
-    CHECK(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
+    CHECK(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
     g_cpu_ops = g_be.ops;
     g_count_ops = *g_be.ops;
     g_count_ops.attention_fwd = counting_attention_fwd;

@@ -582,7 +582,7 @@ static void test_threads(void) {
 int main(void) {
     const clock_t t0 = clock();
     fm_rng_seed(&g_rng, fm_test_seed(20240611));
-    FM_ASSERT(fm_cpu_backend_init(&g_be, 0, 64) == FM_OK);
+    FM_ASSERT(fm_cpu_backend_init(&g_be, fm_test_threads(0), 64) == FM_OK);
 
     const ab_case cases[] = {
         /* N   H    V    Nb   Vb  ignore weights z_loss outs */

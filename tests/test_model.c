@@ -505,7 +505,7 @@ static void test_linear_ce_ab(void) {
 
 int main(void) {
     uint64_t seed = fm_test_seed(42);
-    CHECK(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
+    CHECK(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
     test_real_configs();
     test_bad_configs();
     check_model_grad(small_config(FM_MODEL_QWEN3_MOE, false, 2), "qwen3_moe", seed);

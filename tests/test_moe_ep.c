@@ -7,8 +7,9 @@
  * (fm_moe_forward/backward with all experts, saved routes) over ALL ranks' tokens itself; no
  * reference value comes through the communicator under test. Each rank then runs the EP forward
  * and backward over its own tokens and its E/ep experts and checks: outputs, input gradients and
- * router-weight gradients of its tokens (per token, 1e-6 relative), its experts' weight
- * gradients (summed over every rank's tokens; relative L1 1e-6), its receive high-water mark
+ * router-weight gradients of its tokens (per token, relative to its scale), its experts' weight
+ * gradients (summed over every rank's tokens; relative L1), within bounds derived from the fp32
+ * sums' reordering (run_case: OpenBLAS kernels differ by processor), its receive high-water mark
  * (equal to the rows the routing sends it, computed from the generated routing, and within
  * fm_moe_ep_bound_bytes), and that nothing was written past the bound (the working set's arena
  * is painted and its touched extent measured). Routing: random; every token of every rank to one
@@ -84,25 +85,29 @@ static rank_data make_rank(const ep_case *cs, int P, int p, uint64_t salt) {
 }
 static void free_rank(rank_data *rd) { free(rd->x), free(rd->dy), free(rd->tw), free(rd->idx); }
 
-/* max over tokens of max_i |a - b| / max_i |b| (rows of width w). */
-static double row_rel(const float *a, const float *b, int64_t n, int64_t w) {
-    double worst = 0;
-    for (int64_t t = 0; t < n; t++) {
-        double dm = 0, bm = 0;
-        for (int64_t i = 0; i < w; i++) {
-            const double df = fabs((double)a[t * w + i] - b[t * w + i]);
-            dm = df > dm || isnan(df) ? (isnan(df) ? INFINITY : df) : dm;
-            bm = fabs((double)b[t * w + i]) > bm ? fabs((double)b[t * w + i]) : bm;
-        }
-        const double rel = dm / (bm > 1e-30 ? bm : 1e-30);
-        if (rel > worst) worst = rel;
-    }
-    return worst;
-}
 static double l1_rel(const float *a, const float *b, int64_t n) {
     double num = 0, den = 0;
     for (int64_t i = 0; i < n; i++) num += fabs((double)a[i] - b[i]), den += fabs((double)b[i]);
     return den > 0 ? num / den : (num > 0 ? INFINITY : 0);
+}
+
+/* The router-weight gradients dtw[t,s] = dot(dy_t, ye_(t,s)) (in double: fm_moe_combine_bwd)
+ * against the reference's: max over routes of |a - b| / sum_h |dy_t,h ye_(t,s),h|, ye the
+ * reference's expert output of that route (saved: the plain twin over every rank's tokens, the
+ * rank's own from token t0). The dot's own order adds nothing, so its error is ye's, weighted by
+ * |dy|: against the terms' magnitude, not against |dtw|, which cancellation can make as small as
+ * it likes (measured: 1e-6 to 1e-5 of |dtw| on OpenBLAS's Haswell and Zen kernels, issue 24). */
+static double dot_rel(const float *a, const float *b, const float *dy, const fm_moe_routes *saved, int64_t t0,
+                      int64_t n, int64_t k, int64_t H) {
+    double worst = 0;
+    for (int64_t r = 0; r < n * k; r++) {
+        const float *ye = saved->ye + (int64_t)saved->route_row[t0 * k + r] * H, *g = dy + (r / k) * H;
+        double mag = 0;
+        for (int64_t h = 0; h < H; h++) mag += fabs((double)g[h] * ye[h]);
+        const double df = fabs((double)a[r] - b[r]);
+        worst = fmax(worst, isnan(df) ? INFINITY : df / (mag > 1e-30 ? mag : 1e-30));
+    }
+    return worst;
 }
 
 /* ---- a lazy async communicator: the pipelined schedule's hazards on CPU ranks ---------------
@@ -315,14 +320,27 @@ static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
     CHECK_MSG(touched <= b.device, "%s: rank %d wrote %zu bytes into a working set bounded at %zu", cs->name, me,
               touched, b.device);
 
-    const double ey = row_rel(y, y_ref + off[me] * H, N, H), edx = row_rel(dx, dx_ref + off[me] * H, N, H);
-    const double etw = row_rel(dtw, dtw_ref + off[me] * k, N, k);
+    const double ey = fm_test_row_rel(y, y_ref + off[me] * H, N, H);
+    const double edx = fm_test_row_rel(dx, dx_ref + off[me] * H, N, H);
+    const double etw = dot_rel(dtw, dtw_ref + off[me] * k, mine->dy, &saved, off[me], N, k, H);
     const double eg = fmax(l1_rel(gg, gg_ref + me * lw, lw), fmax(l1_rel(gu, gu_ref + me * lw, lw),
                                                                     l1_rel(gd, gd_ref + me * lw, lw)));
-    CHECK_MSG(ey <= 1e-6, "%s: rank %d outputs rel %g", cs->name, me, ey);
-    CHECK_MSG(edx <= 1e-6, "%s: rank %d input grads rel %g", cs->name, me, edx);
-    CHECK_MSG(etw <= 1e-6, "%s: rank %d router-weight grads rel %g", cs->name, me, etw);
-    CHECK_MSG(eg <= 1e-6, "%s: rank %d expert weight grads rel L1 %g", cs->name, me, eg);
+    /* The bounds. EP and the reference differ only in the row grouping of the expert GEMMs (and,
+     * for the weight gradients, the order of the rows summed into each weight), which on some
+     * OpenBLAS kernels changes the order of fp32 sums (tests/fm_test_fixed_gemm.h). Two orders of
+     * an n-term sum differ by at most 2 gamma_n sum|terms| (gamma_n = n u / (1 - n u), u = 2^-24;
+     * Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., §3.1). An output, an input
+     * gradient or a router-weight gradient comes through a chain of an H-term and an I-term sum
+     * (gate/up, then down; dgrad the other way): 2 gamma_(H+I), times 4 for the SwiGLU between
+     * them and the backward's second chain, of the token's scale (fm_test_row_rel, dot_rel). A weight
+     * gradient sums up to Nall k rows after that chain: 2 gamma_(Nall k + H + I) times 4, in
+     * relative L1. Measured, at most: 5.5e-7, 4.1e-7, 3.4e-7 and 1.7e-7 on OpenBLAS's Haswell and
+     * Zen kernels (the first three 0 on SkylakeX and Sandybridge), against 2.3e-5 and ~1e-4. */
+    const double tol = 4 * fm_test_reorder_bound(H + I), tol_g = 4 * fm_test_reorder_bound(Nall * k + H + I);
+    CHECK_MSG(ey <= tol, "%s: rank %d outputs rel %g (bound %g)", cs->name, me, ey, tol);
+    CHECK_MSG(edx <= tol, "%s: rank %d input grads rel %g (bound %g)", cs->name, me, edx, tol);
+    CHECK_MSG(etw <= tol, "%s: rank %d router-weight grads rel %g (bound %g)", cs->name, me, etw, tol);
+    CHECK_MSG(eg <= tol_g, "%s: rank %d expert weight grads rel L1 %g (bound %g)", cs->name, me, eg, tol_g);
     /* the receive high-water mark: the rows the generated routing sends this rank in its busiest
      * chunk (every rank's chunk j is its tokens j, j+K, ...) */
     int64_t want_high = 0, want_send = 0, plain_max = 0; /* plain EP: this rank's and the busiest rank's */

@@ -10,6 +10,7 @@
 #include "backend/cpu/fm_backend_cpu.h"
 #include "core/fm_rng.h"
 #include "fm_test.h"
+#include "fm_test_offload_adamw.h"
 #include "plan/fm_plan.h"
 #include "train/fm_offload_adamw.h"
 
@@ -41,29 +42,17 @@ static void run_case(int64_t bucket, int slots, bool bf16, int pieces) {
     const fm_config c = small_config();
     const int steps = 4;
     /* the reference: AdamW over the store's master (on the CPU: the weights) */
-    fm_model ref, off;
-    FM_ASSERT(fm_model_create(&ref, &c, g_be) == FM_OK);
-    FM_ASSERT(fm_model_create(&off, &c, g_be) == FM_OK);
-    const int64_t n = ref.n_params;
-    fm_adamw ra, oa;
-    fm_adamw_config(&ra, 0.9, 0.95, 1e-8, 0.1, bf16);
-    fm_adamw_config(&oa, 0.9, 0.95, 1e-8, 0.1, bf16);
-    fm_param_store rps, ops;
-    FM_ASSERT(fm_param_store_create(&rps, &ref, fm_adamw_ops.state_bytes(&ra, n)) == FM_OK);
-    fm_adamw_ops.init(&ra, &rps, &g_be);
-    fm_offload_adamw oo;
-    CHECK(fm_offload_adamw_create(&oo, &oa, n, bucket, slots, &g_be) == FM_OK);
-    FM_ASSERT(fm_param_store_create_host_master(&ops, &off, fm_offload_adamw_ops.state_bytes(&oo, n), oo.h_master) ==
-              FM_OK);
-    fm_offload_adamw_ops.init(&oo, &ops, &g_be);
-    CHECK(off.master == oo.h_master && (void *)off.master != (void *)off.params);
+    fm_oa_fixture f;
+    fm_oa_fixture_create(&f, &c, &g_be, bucket, slots, bf16);
+    const int64_t n = f.n;
+    CHECK(f.off.master == f.oo.h_master && (void *)f.off.master != (void *)f.off.params);
     /* bounds: the arenas hold exactly the formula's bytes, and so does the plan */
     size_t host = 0;
     const size_t dev = fm_offload_model_state_bound(&c, sizeof(fm_act), bf16, bucket, slots, &host, NULL);
-    CHECK_MSG(ops.arena.capacity == fm_arena_round(dev), "device arena %zu, bound %zu", ops.arena.capacity, dev);
-    CHECK(ops.arena.capacity == ops.arena.used);
-    CHECK_MSG(oo.host.capacity == fm_arena_round(host), "host arena %zu, bound %zu", oo.host.capacity, host);
-    CHECK(oo.host.capacity == oo.host.used);
+    CHECK_MSG(f.ops.arena.capacity == fm_arena_round(dev), "device arena %zu, bound %zu", f.ops.arena.capacity, dev);
+    CHECK(f.ops.arena.capacity == f.ops.arena.used);
+    CHECK_MSG(f.oo.host.capacity == fm_arena_round(host), "host arena %zu, bound %zu", f.oo.host.capacity, host);
+    CHECK(f.oo.host.capacity == f.oo.host.used);
     CHECK(host == fm_arena_round((size_t)n * 4) + 2 * fm_arena_round((size_t)n * (bf16 ? 2 : 4)));
     fm_plan_req req;
     memset(&req, 0, sizeof req);
@@ -74,47 +63,43 @@ static void run_case(int64_t bucket, int slots, bool bf16, int pieces) {
     fm_plan_compute(&req, &p);
     CHECK(p.bytes[FM_LIVE_MODEL_STATE] == dev && p.host_bytes == host && p.host_optimizer_bytes == host);
 
-    FM_ASSERT(fm_model_init_weights(&ref, 7) == FM_OK);
-    FM_ASSERT(fm_model_init_weights(&off, 7) == FM_OK);
-    CHECK(!memcmp(ref.params, off.params, sizeof(float) * (size_t)n));
-    CHECK(!memcmp(ref.master, off.master, sizeof(float) * (size_t)n));
+    FM_ASSERT(fm_model_init_weights(&f.ref, 7) == FM_OK);
+    FM_ASSERT(fm_model_init_weights(&f.off, 7) == FM_OK);
+    CHECK(!memcmp(f.ref.params, f.off.params, sizeof(float) * (size_t)n));
+    CHECK(!memcmp(f.ref.master, f.off.master, sizeof(float) * (size_t)n));
     bool mixed = false;
-    for (int i = 1; i < ref.n_tensors; i++) mixed |= ref.table[i].decay != ref.table[0].decay;
+    for (int i = 1; i < f.ref.n_tensors; i++) mixed |= f.ref.table[i].decay != f.ref.table[0].decay;
     CHECK(mixed); /* the table has both weight-decay flags */
     for (int s = 1; s <= steps; s++) {
-        fill_grads(&ref, s);
-        fill_grads(&off, s);
+        fill_grads(&f.ref, s);
+        fill_grads(&f.off, s);
         const double lr = 1e-2 * s;
         const float clip = s == 2 ? 0.37f : 1.0f;
-        fm_adamw_ops.step_begin(&ra);
-        fm_adamw_ops.step_range(&ra, &ref, 0, ref.n_tensors, lr, clip);
-        fm_offload_adamw_ops.step_begin(&oo);
+        fm_adamw_ops.step_begin(&f.ra);
+        fm_adamw_ops.step_range(&f.ra, &f.ref, 0, f.ref.n_tensors, lr, clip);
+        fm_offload_adamw_ops.step_begin(&f.oo);
         for (int k = 0; k < pieces; k++) /* the table in `pieces` ranges (layer-wise callers) */
-            fm_offload_adamw_ops.step_range(&oo, &off, (int)((int64_t)off.n_tensors * k / pieces),
-                                            (int)((int64_t)off.n_tensors * (k + 1) / pieces), lr, clip);
+            fm_offload_adamw_ops.step_range(&f.oo, &f.off, (int)((int64_t)f.off.n_tensors * k / pieces),
+                                            (int)((int64_t)f.off.n_tensors * (k + 1) / pieces), lr, clip);
         g_be.ops->sync(g_be.ctx);
     }
     const size_t mb = bf16 ? 2 : 4;
-    const bool w_ok = !memcmp(ref.params, off.params, sizeof(float) * (size_t)n);
-    const bool ms_ok = !memcmp(ref.master, oo.h_master, sizeof(float) * (size_t)n);
-    const bool m_ok = !memcmp(ra.m, oo.h_m, mb * (size_t)n), v_ok = !memcmp(ra.v, oo.h_v, mb * (size_t)n);
+    const bool w_ok = !memcmp(f.ref.params, f.off.params, sizeof(float) * (size_t)n);
+    const bool ms_ok = !memcmp(f.ref.master, f.oo.h_master, sizeof(float) * (size_t)n);
+    const bool m_ok = !memcmp(f.ra.m, f.oo.h_m, mb * (size_t)n), v_ok = !memcmp(f.ra.v, f.oo.h_v, mb * (size_t)n);
     CHECK_MSG(w_ok && ms_ok && m_ok && v_ok, "bucket %lld slots %d %s pieces %d: weights %d master %d m %d v %d",
               (long long)bucket, slots, bf16 ? "bf16" : "fp32", pieces, w_ok, ms_ok, m_ok, v_ok);
-    CHECK(oa.step == steps);
+    CHECK(f.oa.step == steps);
     /* the state moved: not a vacuous comparison */
     double dm = 0;
-    for (int64_t i = 0; i < n; i++) dm += fabs(bf16 ? 0 : ((float *)oo.h_m)[i]);
+    for (int64_t i = 0; i < n; i++) dm += fabs(bf16 ? 0 : ((float *)f.oo.h_m)[i]);
     CHECK(bf16 || dm > 0);
     /* checkpoint view: master, m, v in host memory */
     fm_optim_state st[3];
-    CHECK(fm_offload_adamw_ops.state_tensors(&oo, st, 3) == 3);
-    CHECK(!strcmp(st[2].prefix, "master.") && st[2].base == oo.h_master && st[2].host);
+    CHECK(fm_offload_adamw_ops.state_tensors(&f.oo, st, 3) == 3);
+    CHECK(!strcmp(st[2].prefix, "master.") && st[2].base == f.oo.h_master && st[2].host);
     CHECK(!strcmp(st[0].prefix, "exp_avg.") && !strcmp(st[1].prefix, "exp_avg_sq."));
-    fm_param_store_free(&ops);
-    fm_param_store_free(&rps);
-    fm_offload_adamw_free(&oo);
-    fm_model_free(&off);
-    fm_model_free(&ref);
+    fm_oa_fixture_free(&f);
     g_case++;
 }
 
@@ -131,7 +116,7 @@ static void test_bad_args(void) {
 }
 
 int main(void) {
-    FM_ASSERT(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
+    FM_ASSERT(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
     fm_model probe;
     const fm_config c = small_config();
     FM_ASSERT(fm_model_create(&probe, &c, g_be) == FM_OK);

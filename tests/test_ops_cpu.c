@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "fm_test_ops_cpu.h"
+#include "fm_op_cases.h"
 
 /* ---- backend init ------------------------------------------------------------------------- */
 
@@ -126,25 +127,9 @@ static void test_add_sumsq(void) {
 
 /* ---- embedding ---------------------------------------------------------------------------- */
 
-typedef struct emb_st {
-    double *wte, *dout;
-    const int32_t *tok;
-    int64_t N, H;
-} emb_st;
-
-static double emb_obj(void *p) {
-    emb_st *s = p;
-    double L = 0;
-    for (int64_t n = 0; n < s->N; n++)
-        for (int64_t j = 0; j < s->H; j++)
-            L += s->dout[n * s->H + j] * s->wte[s->tok[n] * s->H + j];
-    return L;
-}
-
 /* fwd exact (a copy); bwd accumulates (pre-fill 1.0) with repeated tokens, columns spanning
  * several 64-column blocks, an unused row untouched; FD tol 1e-5. */
-static void test_embedding(int64_t N) {
-    const int64_t V = 11, H = 130;
+static void test_embedding(int64_t N, int64_t V, int64_t H) {
     int32_t *tok = inew(N);
     for (int64_t n = 0; n < N; n++) tok[n] = (int32_t)fm_rng_below(&g_rng, V - 1); /* V-1 unused */
     tok[3] = tok[7] = tok[30] = 4;
@@ -174,21 +159,6 @@ static void test_embedding(int64_t N) {
 }
 
 /* ---- RMSNorm ------------------------------------------------------------------------------ */
-
-typedef struct rms_st {
-    double *x, *w, *dout;
-    int64_t N, D;
-    double eps;
-} rms_st;
-
-static double rms_obj(void *p) {
-    rms_st *s = p;
-    double *y = dnew(s->N * s->D);
-    fm_ref_rmsnorm_fwd(y, NULL, s->x, s->w, s->N, s->D, s->eps);
-    const double L = dot_d(s->dout, y, s->N * s->D);
-    free(y);
-    return L;
-}
 
 /* x ~ N(0, x_scale^2). fwd out and rstd tol 1e-5; bwd dx (assigned) and dw (accumulated) vs FD
  * tol 1e-5. */
@@ -223,22 +193,6 @@ static void test_rmsnorm(int64_t N, int64_t D, double x_scale) {
 }
 
 /* ---- RoPE --------------------------------------------------------------------------------- */
-
-typedef struct rope_st {
-    double *x, *dout;
-    const float *cs, *sn;
-    int64_t B, T, nh, hd;
-} rope_st;
-
-static double rope_obj(void *p) {
-    rope_st *s = p;
-    const int64_t n = s->B * s->T * s->nh * s->hd;
-    double *y = dnew(n), L = 0;
-    fm_ref_rope(y, s->x, s->cs, s->sn, s->B, s->T, s->nh, s->hd, 1.0);
-    L = dot_d(s->dout, y, n);
-    free(y);
-    return L;
-}
 
 /* Tables are random (not unit-norm), so the backward must be the transpose, not merely an
  * inverse; T < T_max and B > 1 so the position must be t, not b*T + t. Tol 1e-5. */
@@ -450,21 +404,8 @@ static void test_attention(void) {
 
 /* ---- SwiGLU ------------------------------------------------------------------------------- */
 
-typedef struct swi_st {
-    double *g, *u, *dout;
-    int64_t n;
-} swi_st;
-
-static double swi_obj(void *p) {
-    swi_st *s = p;
-    double L = 0;
-    for (int64_t i = 0; i < s->n; i++) L += s->dout[i] * fm_ref_silu(s->g[i]) * s->u[i];
-    return L;
-}
-
 /* Gates up to |g| ~ 30 (saturated sigmoid). fwd tol 1e-5, bwd FD tol 1e-5. */
-static void test_swiglu(void) {
-    const int64_t n = 9001; /* above the single-thread cutoff (8192) */
+static void test_swiglu(int64_t n) {
     float *g = fnew(n), *u = fnew(n), *out = fnew(n), *dout = fnew(n), *dg = fnew(n), *du = fnew(n);
     fill_normal(g, n, 3.0);
     g[0] = 30.0f, g[1] = -30.0f, g[2] = 0.0f;
@@ -504,16 +445,17 @@ int main(void) {
     test_add_sumsq();
     /* Each op runs at least once below and once above the size (8192 elements) where the CPU
      * backend starts its OpenMP team, so both code paths are checked. */
-    test_embedding(40);
-    test_embedding(100);
-    test_rmsnorm(9, 130, 1.5);
-    test_rmsnorm(40, 16, 1.5); /* QK-norm shape: rows = tokens*heads, D = head_dim */
-    test_rmsnorm(80, 130, 1.5);
-    test_rmsnorm(20, 64, 3e-3); /* mean(x^2) ~ eps: eps must enter like the reference */
-    test_rope(2, 5, 8, 3, 16);
-    test_rope(2, 40, 48, 4, 32);
+    /* the layer op cases every backend runs (tests/fm_op_cases.h) */
+    for (int i = 0; i < FM_CASES_COUNT(FM_CASES_EMB); i++)
+        test_embedding(FM_CASES_EMB[i].N, FM_CASES_EMB[i].V, FM_CASES_EMB[i].H);
+    for (int i = 0; i < FM_CASES_COUNT(FM_CASES_RMS); i++)
+        test_rmsnorm(FM_CASES_RMS[i].N, FM_CASES_RMS[i].D, FM_CASES_RMS[i].x_scale);
+    for (int i = 0; i < FM_CASES_COUNT(FM_CASES_ROPE); i++) {
+        const fm_case_rope *c = &FM_CASES_ROPE[i];
+        test_rope(c->B, c->T, c->Tmax, c->nh, c->hd);
+    }
     test_attention();
-    test_swiglu();
+    for (int i = 0; i < FM_CASES_COUNT(FM_CASES_SWIGLU); i++) test_swiglu(FM_CASES_SWIGLU[i]);
 
     /* Attention with other tile sizes (plan inputs: --attention-tile-q/-kv), including tiles
      * that divide nothing and a single-row tile, against the same fp64 reference. */

@@ -191,7 +191,7 @@ static void test_exact(fm_model_type type, bool offload) {
 }
 
 int main(void) {
-    CHECK(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
+    CHECK(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
     g_cpu = g_be.ops;
     g_probe_ops = *g_be.ops;
     g_probe_ops.set_op_stream = probe_set_op_stream;

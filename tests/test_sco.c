@@ -195,7 +195,7 @@ static void test_parse(void) {
 }
 
 int main(void) {
-    FM_ASSERT(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
+    FM_ASSERT(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
     const fm_model_type types[3] = {FM_MODEL_QWEN3_MOE, FM_MODEL_OLMOE, FM_MODEL_MIXTRAL};
     const bool rc[L_] = {false, true, true, false};
     for (int t = 0; t < 3; t++) {

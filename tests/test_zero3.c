@@ -314,7 +314,7 @@ static void test_hook_exact(bool tied, bool recompute_all, int G) {
 }
 
 int main(void) {
-    CHECK(fm_cpu_backend_init(&g_be, 2, 64) == FM_OK);
+    CHECK(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
     test_arith();
     test_keep();
     test_hook_exact(false, false, 1);

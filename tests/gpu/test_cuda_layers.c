@@ -5,23 +5,10 @@
  * The GEMMs, add, sumsq, convert and the memory ops are test_cuda_dense.c's; inputs, tolerances
  * and helpers: gpu_dense_test.h.
  */
+#include "fm_op_cases.h"
 #include "gpu_dense_test.h"
 
 /* ---- embedding ------------------------------------------------------------------------------- */
-
-typedef struct emb_st {
-    double *wte, *dout;
-    const int32_t *tok;
-    int64_t N, H;
-} emb_st;
-
-static double emb_obj(void *p) {
-    emb_st *s = p;
-    double L = 0;
-    for (int64_t n = 0; n < s->N; n++)
-        for (int64_t j = 0; j < s->H; j++) L += s->dout[n * s->H + j] * s->wte[s->tok[n] * s->H + j];
-    return L;
-}
 
 /* fwd bit-exact (a copy); bwd accumulates onto a random pre-fill with repeated tokens (one
  * token takes a third of them), an unused row untouched bit for bit, the same bits on a second
@@ -87,21 +74,6 @@ static void test_embedding(int64_t N, int64_t V, int64_t H, bool fd) {
 }
 
 /* ---- RMSNorm --------------------------------------------------------------------------------- */
-
-typedef struct rms_st {
-    double *x, *w, *dout;
-    int64_t N, D;
-    double eps;
-} rms_st;
-
-static double rms_obj(void *p) {
-    rms_st *s = p;
-    double *y = dnew(s->N * s->D), L = 0;
-    fm_ref_rmsnorm_fwd(y, NULL, s->x, s->w, s->N, s->D, s->eps);
-    for (int64_t i = 0; i < s->N * s->D; i++) L += s->dout[i] * y[i];
-    free(y);
-    return L;
-}
 
 /* x ~ N(0, x_scale^2). fwd out (bf16) and rstd (fp32, tol 1e-5) against fp64; bwd dx (assigned,
  * poisoned) and dw (accumulated onto 0.5) against the analytic fp64 gradient and, when fd, finite
@@ -179,22 +151,6 @@ static void test_rmsnorm(int64_t N, int64_t D, double x_scale, bool fd) {
 
 /* ---- RoPE ------------------------------------------------------------------------------------ */
 
-typedef struct rope_st {
-    double *x, *dout;
-    const float *cs, *sn;
-    int64_t B, T, nh, hd;
-} rope_st;
-
-static double rope_obj(void *p) {
-    rope_st *s = p;
-    const int64_t n = s->B * s->T * s->nh * s->hd;
-    double *y = dnew(n), L = 0;
-    fm_ref_rope(y, s->x, s->cs, s->sn, s->B, s->T, s->nh, s->hd, 1.0);
-    for (int64_t i = 0; i < n; i++) L += s->dout[i] * y[i];
-    free(y);
-    return L;
-}
-
 /* Tables with c^2 + s^2 != 1 (so the backward must be the transpose, not the inverse angle). */
 static void test_rope(int64_t B, int64_t T, int64_t Tmax, int64_t nh, int64_t hd) {
     const int64_t n = B * T * nh * hd;
@@ -232,18 +188,6 @@ static void test_rope(int64_t B, int64_t T, int64_t Tmax, int64_t nh, int64_t hd
 }
 
 /* ---- SwiGLU ---------------------------------------------------------------------------------- */
-
-typedef struct swi_st {
-    double *g, *u, *dout;
-    int64_t n;
-} swi_st;
-
-static double swi_obj(void *p) {
-    swi_st *s = p;
-    double L = 0;
-    for (int64_t i = 0; i < s->n; i++) L += s->dout[i] * fm_ref_silu(s->g[i]) * s->u[i];
-    return L;
-}
 
 /* Gates up to |g| ~ 30 and one at -100 (exp overflows: sigmoid exactly 0); aligned (vector path)
  * and one element off (scalar path). fwd and bwd against fp64, bwd also against FD. */
@@ -422,22 +366,22 @@ int main(void) {
     const double t0 = now_s();
     if (!dense_test_backend()) return fm_test_finish();
 
-    test_embedding(40, 11, 130, true);    /* scalar path (H % 8 != 0) */
-    test_embedding(100, 11, 256, true);   /* 16-byte path */
+    /* the layer op cases every backend runs, with finite differences (tests/fm_op_cases.h) */
+    for (int i = 0; i < FM_CASES_COUNT(FM_CASES_EMB); i++)
+        test_embedding(FM_CASES_EMB[i].N, FM_CASES_EMB[i].V, FM_CASES_EMB[i].H, true);
+    for (int i = 0; i < FM_CASES_COUNT(FM_CASES_RMS); i++)
+        test_rmsnorm(FM_CASES_RMS[i].N, FM_CASES_RMS[i].D, FM_CASES_RMS[i].x_scale, true);
+    for (int i = 0; i < FM_CASES_COUNT(FM_CASES_ROPE); i++) {
+        const fm_case_rope *c = &FM_CASES_ROPE[i];
+        test_rope(c->B, c->T, c->Tmax, c->nh, c->hd);
+    }
+    for (int i = 0; i < FM_CASES_COUNT(FM_CASES_SWIGLU); i++) test_swiglu(FM_CASES_SWIGLU[i], 0);
+    /* and the CUDA kernels' own paths */
     test_embedding(5000, 300, 72, false); /* many runs of repeated ids */
     test_embedding(300000, 500, 16, false); /* more than one sort chunk (2^18 tokens) */
-    test_rmsnorm(9, 130, 1.5, true);
-    test_rmsnorm(40, 16, 1.5, true); /* QK-norm shape: rows = tokens*heads, D = head_dim */
-    test_rmsnorm(80, 256, 1.5, true);
-    test_rmsnorm(20, 64, 3e-3, true); /* mean(x^2) ~ eps: eps must enter like the reference */
     test_rmsnorm(20000, 64, 1.0, false); /* 500 row chunks for dw */
     test_rmsnorm(1000, 2050, 1.0, false); /* wide, scalar path */
-    test_rope(2, 5, 8, 3, 16);   /* 16-byte path (hd/2 % 8 == 0) */
-    test_rope(2, 40, 48, 4, 64);
-    test_rope(2, 7, 9, 3, 12);   /* scalar path */
-    test_swiglu(9001, 0);
-    test_swiglu(9001, 1);
-    test_swiglu(64, 0);
+    test_swiglu(9001, 1); /* one element off: the scalar path */
     test_adamw(1, 0.0f, 1.0f, true);
     test_adamw(5, 0.1f, 0.5f, true);
     test_adamw(1, 0.0f, 1.0f, false);

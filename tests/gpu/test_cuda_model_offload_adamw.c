@@ -9,6 +9,7 @@
 #include "backend/fm_backend_default.h"
 #include "core/fm_rng.h"
 #include "fm_test.h"
+#include "fm_test_offload_adamw.h"
 #include "train/fm_offload_adamw.h"
 
 static fm_backend g_be;
@@ -34,59 +35,44 @@ static void *download(const void *src, size_t bytes) {
 
 static void run_case(int64_t bucket, int slots, bool bf16) {
     const fm_config c = small_config();
-    fm_model ref, off;
-    FM_ASSERT(fm_model_create(&ref, &c, g_be) == FM_OK && fm_model_create(&off, &c, g_be) == FM_OK);
-    const int64_t n = ref.n_params;
-    fm_adamw ra, oa;
-    fm_adamw_config(&ra, 0.9, 0.95, 1e-8, 0.1, bf16);
-    fm_adamw_config(&oa, 0.9, 0.95, 1e-8, 0.1, bf16);
-    fm_param_store rps, ops;
-    FM_ASSERT(fm_param_store_create(&rps, &ref, fm_adamw_ops.state_bytes(&ra, n)) == FM_OK);
-    fm_adamw_ops.init(&ra, &rps, &g_be);
-    fm_offload_adamw oo;
-    FM_ASSERT(fm_offload_adamw_create(&oo, &oa, n, bucket, slots, &g_be) == FM_OK);
-    FM_ASSERT(fm_param_store_create_host_master(&ops, &off, fm_offload_adamw_ops.state_bytes(&oo, n), oo.h_master) ==
-              FM_OK);
-    fm_offload_adamw_ops.init(&oo, &ops, &g_be);
+    fm_oa_fixture f;
+    fm_oa_fixture_create(&f, &c, &g_be, bucket, slots, bf16);
+    const int64_t n = f.n;
     /* the same initial master in both; the weights converted from it */
     float *w0 = fm_malloc(sizeof(float) * (size_t)n), *g = fm_malloc(sizeof(float) * (size_t)n);
     fm_rng r;
     fm_rng_seed(&r, 5);
     for (int64_t i = 0; i < n; i++) w0[i] = (fm_rng_uniform(&r) - 0.5f) * 0.2f;
-    g_be.ops->copy(g_be.ctx, ref.master, w0, sizeof(float) * (size_t)n, FM_COPY_H2D);
-    g_be.ops->convert(g_be.ctx, ref.params, FM_ACT_DTYPE, ref.master, FM_DTYPE_F32, n);
-    memcpy(oo.h_master, w0, sizeof(float) * (size_t)n); /* pinned host memory */
-    g_be.ops->convert(g_be.ctx, off.params, FM_ACT_DTYPE, ref.master, FM_DTYPE_F32, n);
+    g_be.ops->copy(g_be.ctx, f.ref.master, w0, sizeof(float) * (size_t)n, FM_COPY_H2D);
+    g_be.ops->convert(g_be.ctx, f.ref.params, FM_ACT_DTYPE, f.ref.master, FM_DTYPE_F32, n);
+    memcpy(f.oo.h_master, w0, sizeof(float) * (size_t)n); /* pinned host memory */
+    g_be.ops->convert(g_be.ctx, f.off.params, FM_ACT_DTYPE, f.ref.master, FM_DTYPE_F32, n);
     for (int s = 1; s <= 3; s++) {
         for (int64_t i = 0; i < n; i++) g[i] = (fm_rng_uniform(&r) - 0.5f) * 0.1f;
         /* the gradients in the act dtype: uploaded as fp32 (launch-time memory, a test) and converted */
         float *dg = g_be.ops->mem_alloc(g_be.ctx, sizeof(float) * (size_t)n);
         g_be.ops->copy(g_be.ctx, dg, g, sizeof(float) * (size_t)n, FM_COPY_H2D);
-        g_be.ops->convert(g_be.ctx, ref.grads, FM_ACT_DTYPE, dg, FM_DTYPE_F32, n);
-        g_be.ops->convert(g_be.ctx, off.grads, FM_ACT_DTYPE, dg, FM_DTYPE_F32, n);
+        g_be.ops->convert(g_be.ctx, f.ref.grads, FM_ACT_DTYPE, dg, FM_DTYPE_F32, n);
+        g_be.ops->convert(g_be.ctx, f.off.grads, FM_ACT_DTYPE, dg, FM_DTYPE_F32, n);
         g_be.ops->sync(g_be.ctx);
         g_be.ops->mem_free(g_be.ctx, dg);
-        fm_adamw_ops.step_begin(&ra);
-        fm_adamw_ops.step_range(&ra, &ref, 0, ref.n_tensors, 1e-2 * s, s == 2 ? 0.5f : 1.0f);
-        fm_offload_adamw_ops.step_begin(&oo);
-        fm_offload_adamw_ops.step_range(&oo, &off, 0, off.n_tensors, 1e-2 * s, s == 2 ? 0.5f : 1.0f);
+        fm_adamw_ops.step_begin(&f.ra);
+        fm_adamw_ops.step_range(&f.ra, &f.ref, 0, f.ref.n_tensors, 1e-2 * s, s == 2 ? 0.5f : 1.0f);
+        fm_offload_adamw_ops.step_begin(&f.oo);
+        fm_offload_adamw_ops.step_range(&f.oo, &f.off, 0, f.off.n_tensors, 1e-2 * s, s == 2 ? 0.5f : 1.0f);
         g_be.ops->sync(g_be.ctx);
         CHECK(g_be.ops->status(g_be.ctx) == FM_OK);
     }
     const size_t mb = bf16 ? 2 : 4;
-    void *rp = download(ref.params, sizeof(fm_act) * (size_t)n), *op = download(off.params, sizeof(fm_act) * (size_t)n);
-    void *rm = download(ref.master, sizeof(float) * (size_t)n);
-    void *rmm = download(ra.m, mb * (size_t)n), *rvv = download(ra.v, mb * (size_t)n);
-    const bool w_ok = !memcmp(rp, op, sizeof(fm_act) * (size_t)n), ms_ok = !memcmp(rm, oo.h_master, 4 * (size_t)n);
-    const bool m_ok = !memcmp(rmm, oo.h_m, mb * (size_t)n), v_ok = !memcmp(rvv, oo.h_v, mb * (size_t)n);
+    void *rp = download(f.ref.params, sizeof(fm_act) * (size_t)n), *op = download(f.off.params, sizeof(fm_act) * (size_t)n);
+    void *rm = download(f.ref.master, sizeof(float) * (size_t)n);
+    void *rmm = download(f.ra.m, mb * (size_t)n), *rvv = download(f.ra.v, mb * (size_t)n);
+    const bool w_ok = !memcmp(rp, op, sizeof(fm_act) * (size_t)n), ms_ok = !memcmp(rm, f.oo.h_master, 4 * (size_t)n);
+    const bool m_ok = !memcmp(rmm, f.oo.h_m, mb * (size_t)n), v_ok = !memcmp(rvv, f.oo.h_v, mb * (size_t)n);
     CHECK_MSG(w_ok && ms_ok && m_ok && v_ok, "bucket %lld slots %d %s: weights %d master %d m %d v %d",
               (long long)bucket, slots, bf16 ? "bf16" : "fp32", w_ok, ms_ok, m_ok, v_ok);
     fm_free(rp); fm_free(op); fm_free(rm); fm_free(rmm); fm_free(rvv); fm_free(w0); fm_free(g);
-    fm_param_store_free(&ops);
-    fm_param_store_free(&rps);
-    fm_offload_adamw_free(&oo);
-    fm_model_free(&off);
-    fm_model_free(&ref);
+    fm_oa_fixture_free(&f);
 }
 
 int main(void) {

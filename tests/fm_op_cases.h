@@ -1,0 +1,107 @@
+/* One definition of each layer op case, run on every backend (ggml's tests/test-backend-ops.cpp
+ * habit): the shapes every backend's op test runs with finite differences, and the fp64 objective
+ * L = sum(dout o f(x)) whose finite differences check each backward. tests/test_ops_cpu.c runs
+ * them on the CPU backend (fp32, its tolerances), tests/gpu/test_cuda_layers.c on the CUDA
+ * backend (bf16, its tolerances and ulps); each adds only the cases of its own code paths (the
+ * CUDA kernels' large, no-FD shapes). The forwards are tests/fm_ref_ops.h's. */
+#ifndef FM_OP_CASES_H
+#define FM_OP_CASES_H
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "fm_ref_ops.h"
+#include "fm_test.h"
+
+/* ---- the cases ------------------------------------------------------------------------------ */
+
+/* Embedding: N tokens over a vocabulary of V rows of width H (the last row unused). H 130 spans
+ * several 64-column blocks and is the CUDA kernel's scalar path (H % 8 != 0); 256 its 16-byte one. */
+typedef struct fm_case_emb { int64_t N, V, H; } fm_case_emb;
+static const fm_case_emb FM_CASES_EMB[] = {{40, 11, 130}, {100, 11, 130}, {100, 11, 256}};
+
+/* RMSNorm: N rows of D, x ~ N(0, x_scale^2). */
+typedef struct fm_case_rms { int64_t N, D; double x_scale; } fm_case_rms;
+static const fm_case_rms FM_CASES_RMS[] = {
+    {9, 130, 1.5},
+    {40, 16, 1.5},  /* QK-norm shape: rows = tokens*heads, D = head_dim */
+    {80, 130, 1.5}, /* above the CPU's OpenMP cutoff (8192 elements) */
+    {80, 256, 1.5},
+    {20, 64, 3e-3}, /* mean(x^2) ~ eps: eps must enter like the reference */
+};
+
+/* RoPE on [B,T,nh,hd] with tables of Tmax positions: T < Tmax and B > 1 (the position must be t,
+ * not b*T + t); hd/2 % 8 == 0 is the CUDA kernel's 16-byte path, hd 12 its scalar one. */
+typedef struct fm_case_rope { int64_t B, T, Tmax, nh, hd; } fm_case_rope;
+static const fm_case_rope FM_CASES_ROPE[] = {{2, 5, 8, 3, 16}, {2, 40, 48, 4, 32}, {2, 40, 48, 4, 64}, {2, 7, 9, 3, 12}};
+
+/* SwiGLU over n elements: above the CPU's OpenMP cutoff (8192), and a short one. */
+static const int64_t FM_CASES_SWIGLU[] = {9001, 64};
+
+#define FM_CASES_COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+/* ---- the objectives (fm_fd_check's objective_fn) -------------------------------------------- */
+
+static inline double fm_case_dot(const double *a, const double *b, int64_t n) {
+    double L = 0;
+    for (int64_t i = 0; i < n; i++) L += a[i] * b[i];
+    return L;
+}
+
+/* L = sum_n dout[n,:] . wte[tok[n],:] */
+typedef struct emb_st {
+    double *wte, *dout;
+    const int32_t *tok;
+    int64_t N, H;
+} emb_st;
+static inline double emb_obj(void *p) {
+    emb_st *s = p;
+    double L = 0;
+    for (int64_t n = 0; n < s->N; n++) L += fm_case_dot(s->dout + n * s->H, s->wte + s->tok[n] * s->H, s->H);
+    return L;
+}
+
+/* L = sum(dout o rmsnorm(x, w)) */
+typedef struct rms_st {
+    double *x, *w, *dout;
+    int64_t N, D;
+    double eps;
+} rms_st;
+static inline double rms_obj(void *p) {
+    rms_st *s = p;
+    double *y = calloc((size_t)(s->N * s->D), sizeof(double));
+    FM_ASSERT(y);
+    fm_ref_rmsnorm_fwd(y, NULL, s->x, s->w, s->N, s->D, s->eps);
+    const double L = fm_case_dot(s->dout, y, s->N * s->D);
+    free(y);
+    return L;
+}
+
+/* L = sum(dout o rope(x)) */
+typedef struct rope_st {
+    double *x, *dout;
+    const float *cs, *sn;
+    int64_t B, T, nh, hd;
+} rope_st;
+static inline double rope_obj(void *p) {
+    rope_st *s = p;
+    const int64_t n = s->B * s->T * s->nh * s->hd;
+    double *y = calloc((size_t)n, sizeof(double));
+    FM_ASSERT(y);
+    fm_ref_rope(y, s->x, s->cs, s->sn, s->B, s->T, s->nh, s->hd, 1.0);
+    const double L = fm_case_dot(s->dout, y, n);
+    free(y);
+    return L;
+}
+
+/* L = sum(dout o silu(g) o u) */
+typedef struct swi_st {
+    double *g, *u, *dout;
+    int64_t n;
+} swi_st;
+static inline double swi_obj(void *p) {
+    swi_st *s = p;
+    double L = 0;
+    for (int64_t i = 0; i < s->n; i++) L += s->dout[i] * fm_ref_silu(s->g[i]) * s->u[i];
+    return L;
+}
+#endif
