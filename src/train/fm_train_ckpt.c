@@ -414,8 +414,7 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
     r->opt.step = ts->opt_step;
     /* test hook (tests/mpi_ckpt.sh): write the loaded state again at once, so that a checkpoint
      * read at one world size and written at another can be compared byte for byte */
-    const char *resave = getenv("FLATMOE_TEST_CKPT_RESAVE");
-    if (resave && *resave) FM_TRY(fm_train_save_checkpoint(r, ts));
+    if (r->o->test_hooks.ckpt_resave) FM_TRY(fm_train_save_checkpoint(r, ts)); /* FLATMOE_TEST_CKPT_RESAVE=1 */
     return FM_OK;
 }
 

@@ -93,10 +93,9 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
     double int_s = 0; /* the logging interval's step time and tokens: the step line's tok/s */
     int64_t int_tok = 0;
     uint64_t syncs0 = m->be.ops->host_sync_count(m->be.ctx);
-    int test_signal_rank = -1; /* FLATMOE_TEST_SIGNAL_AFTER=RANK:STEP (tests/mpi_train.sh) */
-    long long test_signal_step = -1;
-    const char *tsig = getenv("FLATMOE_TEST_SIGNAL_AFTER");
-    if (tsig && sscanf(tsig, "%d:%lld", &test_signal_rank, &test_signal_step) != 2) test_signal_rank = -1;
+    /* test hook FLATMOE_TEST_SIGNAL_AFTER=RANK:STEP (tests/mpi_train.sh; core/fm_test_hooks.h) */
+    const int test_signal_rank = o->test_hooks.signal_after ? o->test_hooks.signal_rank : -1;
+    const long long test_signal_step = o->test_hooks.signal_after ? (long long)o->test_hooks.signal_step : -1;
     for (int64_t step = first; step <= o->steps; step++) {
         if (ran == 0) { /* a signal before the first step: nothing to finish or save. Later steps need no
                          * check here: the agreed flag after each step decides, on every rank alike (a
@@ -232,6 +231,8 @@ static fm_status train_impl(run *r, fm_run_records *rec) {
     train_state ts = {0};
     fm_rng data_rng;
     FM_TRY(fm_train_setup(r, &ts, &data_rng));
+    if (r->m.ep > 1) /* the EP chunk schedule (FLATMOE_EP_SCHEDULE, read by the CLI): before the first step */
+        fm_moe_ep_ws_set_schedule(&r->m.moe_ep_ws, r->o->backend.ep_schedule);
     const fm_config *c = &r->cfg;
     rec->L = c->num_hidden_layers;
     rec->E = c->num_experts;
@@ -320,7 +321,7 @@ fm_status fm_train(const fm_train_opts *o) {
     rec.threads_busy = -1;
     if (oo.threads == 0) { /* the cores free now (fm_threads.h): one busy core must not halve the speed */
         fm_threads_probe tp;
-        oo.threads = fm_threads_auto(150, &tp);
+        oo.threads = fm_threads_auto(150, &oo.threads_env, &tp);
         rec.threads_busy = tp.from_env ? -1 : tp.busy;
         if (!oo.quiet && !tp.from_env && tp.blas_pthreads)
             printf("threads: 1 (OpenBLAS here is its pthread build, whose pool contends with flatmoe's OpenMP threads: "
