@@ -386,8 +386,8 @@ const char *fm_comm_env_get(const char *name);
 
 /* ---- the run's world (fm_comm.c): from the launcher ------------------------------------------
  * The rank and size the launcher gave this process, from its environment as handed to
- * fm_comm_env_set (read before MPI is initialized, so a one-rank run never initializes MPI): OMPI_COMM_WORLD_RANK/SIZE (Open MPI's
- * mpirun), PMI_RANK/SIZE (MPICH, Intel MPI, srun --mpi=pmi2), SLURM_PROCID/SLURM_NTASKS (srun),
+ * fm_comm_env_set (read before MPI is initialized, so a one-rank run never initializes MPI):
+ * OMPI_COMM_WORLD_RANK/SIZE (Open MPI's mpirun), PMI_RANK/SIZE (MPICH, Intel MPI, srun --mpi=pmi2), SLURM_PROCID/SLURM_NTASKS (srun),
  * in that order; none of them: rank 0 of 1. *source gets the variables' family ("OMPI_COMM_WORLD",
  * "PMI", "SLURM", or "none"). Errors: FM_ERR_ARG when a variable is not an integer or the rank is
  * outside [0, size), naming it. */
