@@ -1,5 +1,5 @@
 /* Backend options (fm_backend_opts.h) and the plan-facing workspace descriptor (fm_backend_plan.h):
- * defaults, the FLATMOE_* variables and their errors, the JSON fragment, the CPU init taking the
+ * defaults, the FLATMOE_* variables' values and their errors, the JSON fragment, the CPU init taking the
  * options, and the workspace bytes against the figures the formulas give by hand. */
 #include <stdlib.h>
 
@@ -27,23 +27,25 @@ static void test_defaults(void) {
     CHECK(strcmp(fm_expert_gemm_name((fm_expert_gemm)9), "?") == 0);
 }
 
-/* Sets var=value, maps the environment over the defaults; *o the result. */
+/* Maps var=value over the defaults (fm_backend_opts_set, as the CLI's fm_backend_opts_from_env
+ * does for each variable); *o the result. */
 static fm_status from(const char *var, const char *value, fm_backend_opts *o) {
-    clear_env();
-    setenv(var, value, 1);
     *o = fm_backend_opts_default();
-    const fm_status s = fm_backend_opts_from_env(o);
-    clear_env();
-    return s;
+    return fm_backend_opts_set(o, var, value);
 }
 
 static void test_from_env(void) {
     fm_backend_opts o;
-    clear_env();
     o = fm_backend_opts_default();
-    o.profile = true; /* unset variables keep the fields */
+    o.profile = true; /* unset (NULL) or empty values keep the fields */
     o.expert_gemm = FM_EXPERT_GEMM_LOOP;
-    CHECK(fm_backend_opts_from_env(&o) == FM_OK && o.profile && o.expert_gemm == FM_EXPERT_GEMM_LOOP);
+    for (int i = 0; fm_backend_opts_vars[i]; i++) {
+        CHECK(fm_backend_opts_set(&o, fm_backend_opts_vars[i], NULL) == FM_OK);
+        CHECK(fm_backend_opts_set(&o, fm_backend_opts_vars[i], "") == FM_OK);
+    }
+    CHECK(o.profile && o.expert_gemm == FM_EXPERT_GEMM_LOOP && o.ep_schedule == 0 && !o.cpu_fp8_codes && !o.calib_dir);
+    CHECK(fm_backend_opts_set(&o, "FLATMOE_NOPE", "1") == FM_ERR_ARG);
+    CHECK_MSG(strstr(fm_errmsg(), "unknown variable FLATMOE_NOPE"), "%s", fm_errmsg());
 
     CHECK(from("FLATMOE_PROFILE", "1", &o) == FM_OK && o.profile);
     CHECK(from("FLATMOE_PROFILE", "yes", &o) == FM_OK && o.profile);
@@ -95,6 +97,21 @@ static void test_from_env(void) {
         CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_UPDATE_BLOCKS=") && strstr(fm_errmsg(), "[0, 1048576]"), "%s",
                   fm_errmsg());
     }
+
+    /* the EP chunk schedule: the operator's enum values; another word -1, not an error here (the
+     * operator refuses it at its first chunk on every rank, tests/test_moe_ep.c) */
+    CHECK(from("FLATMOE_EP_SCHEDULE", "auto", &o) == FM_OK && o.ep_schedule == 0);
+    CHECK(from("FLATMOE_EP_SCHEDULE", "serial", &o) == FM_OK && o.ep_schedule == 1);
+    CHECK(from("FLATMOE_EP_SCHEDULE", "pipelined", &o) == FM_OK && o.ep_schedule == 2);
+    CHECK(from("FLATMOE_EP_SCHEDULE", "overlap", &o) == FM_OK && o.ep_schedule == -1);
+
+    CHECK(from("FLATMOE_TEST_FP8_CODES", "1", &o) == FM_OK && o.cpu_fp8_codes);
+    CHECK(from("FLATMOE_TEST_FP8_CODES", "0", &o) == FM_OK && !o.cpu_fp8_codes);
+    CHECK(from("FLATMOE_TEST_FP8_CODES", "yes", &o) == FM_ERR_ARG && !o.cpu_fp8_codes);
+    CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_TEST_FP8_CODES=yes: expected 1"), "%s", fm_errmsg());
+
+    const char dir[] = "/tmp/calib";
+    CHECK(from("FLATMOE_CALIB_DIR", dir, &o) == FM_OK && o.calib_dir == dir); /* kept, not copied */
 }
 
 static void test_json(void) {
@@ -144,22 +161,21 @@ static void test_cpu_init(void) {
     o.threads = -1;
     CHECK(fm_cpu_backend_init_opts(&b, &o) == FM_ERR_ARG);
 
-    /* the default backend's old entry points read the environment */
+    /* the default backend's old entry points read no environment (the CLI maps FLATMOE_* itself) */
     clear_env();
     setenv("FLATMOE_PROFILE", "1", 1);
-    CHECK(fm_backend_default_init(&b, 1, 64) == FM_OK);
-    CHECK(b.ops->prof_collect(b.ctx, ms));
-    fm_backend_default_free(&b);
-    setenv("FLATMOE_PROFILE", "on", 1);
-    CHECK(fm_backend_default_init_tiles(&b, 1, 64, 0, -3, 0) == FM_OK); /* <= 0: the default tile */
-    CHECK(b.ops->prof_collect(b.ctx, ms));
-    fm_backend_default_free(&b);
     setenv("FLATMOE_EXPERT_GEMM", "fast", 1);
-    CHECK(fm_backend_default_init(&b, 1, 64) == FM_ERR_ARG);
-    CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_EXPERT_GEMM=fast"), "%s", fm_errmsg());
-    clear_env();
     CHECK(fm_backend_default_init(&b, 1, 64) == FM_OK);
     CHECK(!b.ops->prof_collect(b.ctx, ms));
+    fm_backend_default_free(&b);
+    CHECK(fm_backend_default_init_tiles(&b, 1, 64, 0, -3, 0) == FM_OK); /* <= 0: the default tile */
+    CHECK(!b.ops->prof_collect(b.ctx, ms));
+    fm_backend_default_free(&b);
+    clear_env();
+    o = fm_backend_opts_default(); /* the options say it */
+    o.threads = 1, o.max_head_dim = 64, o.profile = true;
+    CHECK(fm_backend_default_init_opts(&b, &o) == FM_OK);
+    CHECK(b.ops->prof_collect(b.ctx, ms));
     fm_backend_default_free(&b);
 }
 

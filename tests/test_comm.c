@@ -342,6 +342,15 @@ static void test_messages(void) {
 
 /* ---- choosing the communicator: --comm, --comm-check, the node-local rank -------------------- */
 
+/* Hands comm the launcher variables kv (name, value, ..., NULL); every other one unset. */
+static void launcher_env(const char *const *kv) {
+    const char *vals[FM_COMM_ENV_COUNT] = {0};
+    for (int k = 0; kv[k]; k += 2)
+        for (int i = 0; i < FM_COMM_ENV_COUNT; i++)
+            if (!strcmp(kv[k], fm_comm_env_names[i])) vals[i] = kv[k + 1];
+    FM_ASSERT(fm_comm_env_set(vals) == FM_OK);
+}
+
 static void test_choice(const fm_backend *cpu) {
     fm_comm_kind k = FM_COMM_KIND_COUNT;
     CHECK(fm_comm_kind_parse("nccl", &k) == FM_OK && k == FM_COMM_KIND_NCCL);
@@ -353,22 +362,33 @@ static void test_choice(const fm_backend *cpu) {
     CHECK(fm_comm_nccl_check_parse("collective", &nc) == FM_OK && nc == FM_COMM_NCCL_CHECK_COLLECTIVE);
     CHECK(fm_comm_nccl_check_parse("deferred", &nc) == FM_OK && nc == FM_COMM_NCCL_CHECK_DEFERRED);
     EXPECT_ARG(fm_comm_nccl_check_parse("never", &nc), "expected deferred or collective");
-    /* the node-local rank from each launcher's variables, in order; a bad one named */
+    /* the node-local rank from each launcher's variables (as the CLI hands them over,
+     * fm_comm_env_set), in order; a bad one named */
     int lr = -1, ls = -1;
     const char *src = NULL;
-    setenv("MPI_LOCALRANKID", "2", 1), setenv("MPI_LOCALNRANKS", "4", 1);
+    launcher_env((const char *const[]){"MPI_LOCALRANKID", "2", "MPI_LOCALNRANKS", "4", NULL});
     CHECK(fm_comm_local(&lr, &ls, &src) == FM_OK && lr == 2 && ls == 4 && !strcmp(src, "MPICH"));
-    setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1", 1), setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "3", 1);
+    launcher_env((const char *const[]){"MPI_LOCALRANKID", "2", "MPI_LOCALNRANKS", "4", "OMPI_COMM_WORLD_LOCAL_RANK", "1",
+                                       "OMPI_COMM_WORLD_LOCAL_SIZE", "3", NULL});
     CHECK(fm_comm_local(&lr, &ls, &src) == FM_OK && lr == 1 && ls == 3 && !strcmp(src, "OMPI")); /* Open MPI first */
-    setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3", 1);
+    launcher_env((const char *const[]){"MPI_LOCALRANKID", "2", "MPI_LOCALNRANKS", "4", "OMPI_COMM_WORLD_LOCAL_RANK", "3",
+                                       "OMPI_COMM_WORLD_LOCAL_SIZE", "3", NULL});
     EXPECT_ARG(fm_comm_local(&lr, &ls, &src), "OMPI_COMM_WORLD_LOCAL_RANK = 3 and OMPI_COMM_WORLD_LOCAL_SIZE = 3");
-    unsetenv("OMPI_COMM_WORLD_LOCAL_RANK"), unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    unsetenv("MPI_LOCALRANKID"), unsetenv("MPI_LOCALNRANKS");
-    setenv("SLURM_LOCALID", "1", 1), setenv("SLURM_NTASKS_PER_NODE", "2", 1);
+    launcher_env((const char *const[]){"SLURM_LOCALID", "1", "SLURM_NTASKS_PER_NODE", "2", NULL});
     CHECK(fm_comm_local(&lr, &ls, &src) == FM_OK && lr == 1 && ls == 2 && !strcmp(src, "SLURM"));
-    setenv("SLURM_NTASKS_PER_NODE", "2(x3)", 1); /* not a plain count: not used; one rank here */
+    /* not a plain count: not used; one rank here */
+    launcher_env((const char *const[]){"SLURM_LOCALID", "1", "SLURM_NTASKS_PER_NODE", "2(x3)", NULL});
     CHECK(fm_comm_local(&lr, &ls, &src) == FM_OK && lr == 0 && ls == 1 && !strcmp(src, "none"));
-    unsetenv("SLURM_LOCALID"), unsetenv("SLURM_NTASKS_PER_NODE");
+    /* the launcher's rank and size; a bad one named */
+    int R = -1, W = -1;
+    launcher_env((const char *const[]){"PMI_RANK", "1", "PMI_SIZE", "3", "SLURM_PROCID", "0", "SLURM_NTASKS", "2", NULL});
+    CHECK(fm_comm_launcher(&R, &W, &src) == FM_OK && R == 1 && W == 3 && !strcmp(src, "PMI")); /* PMI before Slurm */
+    launcher_env((const char *const[]){"OMPI_COMM_WORLD_RANK", "x", "OMPI_COMM_WORLD_SIZE", "2", NULL});
+    EXPECT_ARG(fm_comm_launcher(&R, &W, &src), "environment variable OMPI_COMM_WORLD_RANK = \"x\"");
+    CHECK(fm_comm_env_get("OMPI_COMM_WORLD_SIZE") && !strcmp(fm_comm_env_get("OMPI_COMM_WORLD_SIZE"), "2"));
+    CHECK(fm_comm_env_get("PMI_RANK") == NULL && fm_comm_env_get("HOME") == NULL); /* unset; not comm's */
+    launcher_env((const char *const[]){NULL});
+    CHECK(fm_comm_launcher(&R, &W, &src) == FM_OK && R == 0 && W == 1 && !strcmp(src, "none"));
     CHECK(fm_comm_local(&lr, &ls, &src) == FM_OK && lr == 0 && ls == 1);
     /* one rank, auto: exactly the self communicator; nccl needs a CUDA backend (and the build) */
     fm_comm c;

@@ -249,11 +249,9 @@ static void test_fp8_codes(void) {
     r.expert_fp8 = true;
     CHECK(fm_expert_fp8_codes(&r, &auto90) && fm_expert_fp8_codes(&r, &sm90));
     CHECK(!fm_expert_fp8_codes(&r, &cub) && !fm_expert_fp8_codes(&r, &grp) && !fm_expert_fp8_codes(&r, &other));
-    unsetenv("FLATMOE_TEST_FP8_CODES");
     CHECK(!fm_expert_fp8_codes(&r, &cpu));
-    setenv("FLATMOE_TEST_FP8_CODES", "1", 1);
-    CHECK(fm_expert_fp8_codes(&r, &cpu));
-    unsetenv("FLATMOE_TEST_FP8_CODES");
+    const fm_expert_ask cpu_codes = {FM_EXPERT_GEMM_AUTO, false, false, true}; /* the test hook FLATMOE_TEST_FP8_CODES=1 */
+    CHECK(fm_expert_fp8_codes(&r, &cpu_codes));
     r.ep = 2;
     CHECK(!fm_expert_fp8_codes(&r, &auto90));
     r.ep = 1;

@@ -603,10 +603,15 @@ int main(void) {
     fm_rng_seed(&r, fm_test_seed(14));
     FM_ASSERT(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
     CHECK(g_be.ops->expert_fp8_serves && g_be.ops->fp8_quant_rows && g_be.ops->expert_fp8_gemm);
-    setenv("FLATMOE_TEST_FP8_CODES", "1", 1);
-    CHECK(g_be.ops->expert_fp8_serves(g_be.ctx, E, H, I, 1000) && !g_be.ops->expert_fp8_serves(g_be.ctx, E, 64, I, 1000));
-    unsetenv("FLATMOE_TEST_FP8_CODES");
     CHECK(!g_be.ops->expert_fp8_serves(g_be.ctx, E, H, I, 1000)); /* the CPU's path is the emulation */
+    { /* the test hook (fm_backend_opts.cpu_fp8_codes, FLATMOE_TEST_FP8_CODES=1 in the CLI): the codes path */
+        fm_backend hb;
+        fm_backend_opts o = fm_backend_opts_default();
+        o.threads = 2, o.max_head_dim = 64, o.cpu_fp8_codes = true;
+        FM_ASSERT(fm_cpu_backend_init_opts(&hb, &o) == FM_OK);
+        CHECK(hb.ops->expert_fp8_serves(hb.ctx, E, H, I, 1000) && !hb.ops->expert_fp8_serves(hb.ctx, E, 64, I, 1000));
+        fm_cpu_backend_free(&hb);
+    }
     test_quant(&r);
     test_tiny_scales(&r);
     test_gemms(&r);

@@ -611,23 +611,24 @@ static void run_errors(const fm_comm *comm) {
     EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_forward(&g_be, comm, &d, &w, y, x, idx, tw, N, K, order, &ws, 30),
                "rank 0's FLATMOE_EP_SCHEDULE is not one of auto, serial, pipelined");
     ws.schedule_bad = false;
-    /* the schedule from the environment */
-    fm_moe_ep_schedule sch;
-    setenv("FLATMOE_EP_SCHEDULE", "serial", 1);
-    CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_OK && sch == FM_MOE_EP_SERIAL);
-    setenv("FLATMOE_EP_SCHEDULE", "pipelined", 1);
-    CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_OK && sch == FM_MOE_EP_PIPELINED);
-    setenv("FLATMOE_EP_SCHEDULE", "overlap", 1);
-    CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_ERR_ARG && strstr(fm_errmsg(), "\"overlap\": expected auto"));
+    /* the schedule the caller sets (the CLI's FLATMOE_EP_SCHEDULE, fm_backend_opts.ep_schedule): a
+     * valid one as given, another value (-1) refused at the first chunk (schedule_bad, above) */
     {
         fm_arena mdv, mhs;
         fm_moe_ep_ws wb;
         fm_arena_init_measure(&mdv, "ep bad schedule");
         fm_arena_init_measure(&mhs, "ep bad schedule host");
-        CHECK(fm_moe_ep_ws_layout(&wb, &mdv, &mhs, &d, P, me, c, NULL) == FM_OK && wb.schedule_bad);
+        CHECK(fm_moe_ep_ws_layout(&wb, &mdv, &mhs, &d, P, me, c, NULL) == FM_OK && wb.schedule == FM_MOE_EP_AUTO &&
+              !wb.schedule_bad);
+        fm_moe_ep_ws_set_schedule(&wb, FM_MOE_EP_SERIAL);
+        CHECK(wb.schedule == FM_MOE_EP_SERIAL && !wb.schedule_bad);
+        fm_moe_ep_ws_set_schedule(&wb, FM_MOE_EP_PIPELINED);
+        CHECK(wb.schedule == FM_MOE_EP_PIPELINED && !wb.schedule_bad);
+        fm_moe_ep_ws_set_schedule(&wb, -1);
+        CHECK(wb.schedule == FM_MOE_EP_AUTO && wb.schedule_bad);
+        fm_moe_ep_ws_set_schedule(&wb, FM_MOE_EP_AUTO);
+        CHECK(wb.schedule == FM_MOE_EP_AUTO && !wb.schedule_bad);
     }
-    unsetenv("FLATMOE_EP_SCHEDULE");
-    CHECK(fm_moe_ep_schedule_from_env(&sch) == FM_OK && sch == FM_MOE_EP_AUTO);
     /* after refused calls the group still works (every rank left every collective alike) */
     CHECK(fm_moe_ep_chunks(comm, N, c, 30, &K) == FM_OK && K == 2);
     fm_arena_free(&dev), fm_arena_free(&host);

@@ -6,6 +6,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "fm_test.h"
 #include "train/fm_threads.h"
@@ -31,9 +32,8 @@ static void *spin(void *arg) {
 }
 
 static void test_own_thread(void) {
-    unsetenv("OMP_NUM_THREADS"); /* ctest sets it: fm_threads_auto would take it as given */
-    fm_threads_probe base, with;
-    fm_threads_auto(150, &base);
+    fm_threads_probe base, with; /* no environment (ctest's OMP_NUM_THREADS would be taken as given) */
+    fm_threads_auto(150, NULL, &base);
     if (base.allowed < 2 || base.busy > 0) { /* no free core to see, or others' load: nothing to compare */
         printf("skipped the spinning-thread check: %d CPUs allowed, %d busy\n", base.allowed, base.busy);
         return;
@@ -43,7 +43,7 @@ static void test_own_thread(void) {
     FM_ASSERT(pthread_create(&t, NULL, spin, NULL) == 0);
     int busy = 1;
     for (int tries = 0; tries < 3 && busy > 0; tries++) { /* another process's load may come and go */
-        fm_threads_auto(150, &with);
+        fm_threads_auto(150, NULL, &with);
         busy = with.busy;
     }
     atomic_store(&g_stop, 1);
@@ -54,8 +54,30 @@ static void test_own_thread(void) {
     CHECK(with.threads == (with.blas_pthreads ? 1 : with.allowed) || with.local_ranks > 1);
 }
 
+/* The environment's values as the CLI hands them (fm_threads_env): OMP_NUM_THREADS used as given;
+ * ranks sharing an unbound node divide the cores (never below 1); none: the probe alone. */
+static void test_env(void) {
+    fm_threads_probe none, p;
+    fm_threads_auto(0, NULL, &none);
+    CHECK(!none.from_env && none.local_ranks == 1 && none.threads >= 1);
+    const fm_threads_env omp = {3, 1};
+    CHECK(fm_threads_auto(0, &omp, &p) == 3 && p.from_env && p.threads == 3);
+    const fm_threads_env ranks = {0, 4};
+    fm_threads_auto(0, &ranks, &p);
+    CHECK(!p.from_env && p.local_ranks == 4);
+    CHECK_MSG(p.threads >= 1 && p.threads <= none.threads, "%d threads with 4 local ranks, %d alone", p.threads,
+              none.threads);
+    const long online = sysconf(_SC_NPROCESSORS_ONLN);
+    if (!none.blas_pthreads && none.allowed >= online && none.threads >= 4)
+        CHECK_MSG(p.threads == none.threads / 4, "%d threads with 4 local ranks, %d alone", p.threads, none.threads);
+    const fm_threads_env zero = {0, 0}; /* a zeroed struct says nothing */
+    fm_threads_auto(0, &zero, &p);
+    CHECK(!p.from_env && p.local_ranks == 1 && p.threads == none.threads);
+}
+
 int main(void) {
     test_rule();
+    test_env();
     test_own_thread();
     return fm_test_finish();
 }

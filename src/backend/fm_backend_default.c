@@ -53,11 +53,11 @@ size_t fm_backend_default_scratch_bytes_tiles(int threads, int64_t max_head_dim,
 }
 #endif
 
-/* Both builds: the FLATMOE_* variables over the defaults, then the arguments. */
+/* Both builds: the defaults, then the arguments (no environment: the CLI maps the FLATMOE_*
+ * variables itself and calls fm_backend_default_init_opts). */
 fm_status fm_backend_default_init_tiles(fm_backend *b, int threads, int64_t max_head_dim, int64_t tq, int64_t tkv,
                                         size_t gpu_workspace) {
     fm_backend_opts o = fm_backend_opts_default();
-    FM_TRY(fm_backend_opts_from_env(&o));
     o.threads = threads;
     o.max_head_dim = max_head_dim;
     o.tile_q = tq > 0 ? tq : 0; /* <= 0: the default tile, as always */

@@ -18,8 +18,9 @@ fm_status fm_backend_default_select_device(int local_rank, int *device);
  * Errors: those of the backend's init. */
 fm_status fm_backend_default_init_opts(fm_backend *b, const fm_backend_opts *o);
 /* threads: CPU threads (0: all; ignored on CUDA); max_head_dim: the attention's head_dim bound.
- * The other options are the defaults with the FLATMOE_* variables applied
- * (fm_backend_opts_from_env). Errors: those of fm_backend_opts_from_env and of the init. */
+ * The other options are the defaults (fm_backend_opts_default; no environment variable is read:
+ * a client that honours FLATMOE_* maps them itself, as the CLI's cli_backend_default_init does,
+ * and calls fm_backend_default_init_opts). Errors: those of the init. */
 fm_status fm_backend_default_init(fm_backend *b, int threads, int64_t max_head_dim);
 /* The same with the CPU attention's tile (query rows x key columns; <= 0: the default 64; ignored
  * on CUDA) and the CUDA backend's cuDNN workspace in bytes (0: 64 MiB; ignored on the CPU). A

@@ -1,8 +1,10 @@
 /* Backend options: everything a backend is created with (fm_cpu_backend_init_opts,
- * fm_cuda_backend_init, fm_backend_default_init_opts). A backend never reads the environment;
- * the caller fills these, from flags and, where it wants them, from the FLATMOE_* variables
- * through fm_backend_opts_from_env. Fields a backend has no use for are ignored by it (the CPU
- * ignores the CUDA fields and the reverse). Plain C, no CUDA headers. */
+ * fm_cuda_backend_init, fm_backend_default_init_opts), and the engine's strategy options that
+ * travel with them (the EP chunk schedule, the calibration folder). No library code reads the
+ * environment (DESIGN.md §3): the CLI maps the FLATMOE_* variables onto these fields
+ * (fm_backend_opts_from_env, src/cli/cli_env.c) through fm_backend_opts_set below, which parses
+ * one variable's value. Fields a backend has no use for are ignored by it (the CPU ignores the
+ * CUDA fields and the reverse). Plain C, no CUDA headers. */
 #ifndef FM_BACKEND_OPTS_H
 #define FM_BACKEND_OPTS_H
 
@@ -67,22 +69,43 @@ typedef struct fm_backend_opts {
                                   * blocks of 256 threads, so the next step's forward is not starved of
                                   * multiprocessors by the update it overlaps. The same elements get the
                                   * same arithmetic either way: the weights are bit-identical. */
+    int ep_schedule;             /* engine: FLATMOE_EP_SCHEDULE, the expert-parallel MoE's chunk schedule
+                                  * (bounded/fm_moe_ep.h's fm_moe_ep_schedule, same values: 0 auto, 1
+                                  * serial, 2 pipelined); -1: the variable held another value, which the
+                                  * operator refuses at its first chunk on every rank of the group (a
+                                  * run without --ep never asks) */
+    bool cpu_fp8_codes;          /* CPU: the test hook FLATMOE_TEST_FP8_CODES=1 (core/fm_test_hooks.h's
+                                  * cpu_fp8_codes): the CPU backend serves the FP8 code path with its C
+                                  * reference of the E4M3 code GEMMs, as an sm_90 GPU does */
+    const char *calib_dir;       /* engine: FLATMOE_CALIB_DIR, a folder searched first for the
+                                  * calibration table <kind>.json (plan/fm_calib.h, fm_calib_find);
+                                  * NULL: none. Not owned: the string must outlive the options. */
 } fm_backend_opts;
 
 /* threads 0, max_head_dim 128, tiles 0 x 0 (64 x 64), gpu_workspace 0 (64 MiB), attention auto,
- * not verbose, expert GEMMs auto, FP8 GEMM v5, no profiling, update_blocks 0. */
+ * not verbose, expert GEMMs auto, FP8 GEMM v5, no profiling, update_blocks 0, EP schedule auto,
+ * no CPU FP8 codes, no calibration folder. */
 fm_backend_opts fm_backend_opts_default(void);
 
-/* Sets the fields the environment names, leaves the others as they are:
+/* The variables fm_backend_opts_set takes, in the order the CLI applies them (NULL-terminated):
  *   FLATMOE_PROFILE            0|1 (also false|true, off|on, no|yes)   -> profile
  *   FLATMOE_ATTENTION          auto|cudnn|fallback (flash, ours: fallback) -> attention
  *   FLATMOE_ATTENTION_VERBOSE  0|1 (as FLATMOE_PROFILE)                -> attention_verbose
  *   FLATMOE_EXPERT_GEMM        auto|cublas|loop|grouped|sm90            -> expert_gemm
  *   FLATMOE_FP8_GEMM           v3|v5|v5a|v5b|v5c                        -> fp8_gemm
  *   FLATMOE_UPDATE_BLOCKS      an integer in [0, 1048576]               -> update_blocks
- * An unset or empty variable keeps the field. Errors: FM_ERR_ARG for any other value, naming the
- * variable, the value found and the values accepted (o is then partly updated). */
-fm_status fm_backend_opts_from_env(fm_backend_opts *o);
+ *   FLATMOE_EP_SCHEDULE        auto|serial|pipelined (another value: -1) -> ep_schedule
+ *   FLATMOE_TEST_FP8_CODES     0|1                                      -> cpu_fp8_codes
+ *   FLATMOE_CALIB_DIR          a folder (the pointer is kept)           -> calib_dir */
+extern const char *const fm_backend_opts_vars[];
+
+/* Sets the field variable `name` maps to (the table above) from its value `value`; a NULL or
+ * empty value keeps the field. The value is parsed here, never read from the environment: the
+ * CLI passes the variable's value (src/cli/cli_env.c's fm_backend_opts_from_env), a test its own.
+ * Errors: FM_ERR_ARG for a value outside the forms above, naming the variable, the value found
+ * and the values accepted (FLATMOE_EP_SCHEDULE excepted: -1, refused by the operator); FM_ERR_ARG
+ * for a name not in the table. */
+fm_status fm_backend_opts_set(fm_backend_opts *o, const char *name, const char *value);
 
 /* "auto", "cudnn", "fallback"; "auto", "loop", "grouped", "sm90", "cublas"; "v3", "v5", "v5a",
  * "v5b", "v5c"; "?" outside the enums. */

@@ -160,20 +160,17 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
         fm_llep_plan_layout(&w->plan, host, ep, d->E, w->F);
     }
     fm_ep_view(w, 0);
-    /* a bad value does not fail the layout (the model's layout is checked before it is made): it is
-     * agreed at the first chunk, where every rank refuses it alike */
-    if (fm_moe_ep_schedule_from_env(&w->schedule) != FM_OK) w->schedule = FM_MOE_EP_AUTO, w->schedule_bad = true;
+    w->schedule = FM_MOE_EP_AUTO; /* the caller's choice, if any, after the layout: fm_moe_ep_ws_set_schedule */
+    w->schedule_bad = false;
     return FM_OK;
 }
 
-fm_status fm_moe_ep_schedule_from_env(fm_moe_ep_schedule *s) {
-    const char *v = getenv("FLATMOE_EP_SCHEDULE");
-    if (!v || !*v || !strcmp(v, "auto")) *s = FM_MOE_EP_AUTO;
-    else if (!strcmp(v, "serial")) *s = FM_MOE_EP_SERIAL;
-    else if (!strcmp(v, "pipelined")) *s = FM_MOE_EP_PIPELINED;
-    else
-        return fm_error(FM_ERR_ARG, "FLATMOE_EP_SCHEDULE=\"%s\": expected auto, serial or pipelined (unset: auto)", v);
-    return FM_OK;
+void fm_moe_ep_ws_set_schedule(fm_moe_ep_ws *w, int schedule) {
+    /* a bad value does not fail here (the model's layout is checked before it is made): it is
+     * agreed at the first chunk, where every rank refuses it alike */
+    const bool ok = schedule == FM_MOE_EP_AUTO || schedule == FM_MOE_EP_SERIAL || schedule == FM_MOE_EP_PIPELINED;
+    w->schedule = ok ? (fm_moe_ep_schedule)schedule : FM_MOE_EP_AUTO;
+    w->schedule_bad = !ok;
 }
 
 fm_status fm_moe_ep_chunks(const fm_comm *comm, int64_t N, int64_t c, double timeout_s, int64_t *K) {

@@ -68,7 +68,7 @@
  * the all-to-all counts; the route index and router weights thrice (three chunks' routing is
  * live: the one being combined, the one at the owners, the one being dispatched); the expert
  * intermediates, the count table and the rest once.
- * Which schedule runs (fm_moe_ep_ws.schedule, set at layout from FLATMOE_EP_SCHEDULE; the
+ * Which schedule runs (fm_moe_ep_ws.schedule, set after layout from FLATMOE_EP_SCHEDULE; the
  * count table carries it, so ranks that differ fail at chunk 0 alike): FM_MOE_EP_AUTO (the
  * default) pipelines when the
  * communicator has async exchanges (fm_comm_has_async: nccl) and the layout has two sets;
@@ -197,7 +197,7 @@ typedef struct fm_moe_ep_ws {
     int64_t *wsend_counts, *wsend_displs, *wrecv_counts, *wrecv_displs; /* [ep] host, elements */
     /* the pipelined schedule's sets (sets == 2; NULL otherwise) */
     int sets;                    /* 2 or 1 (fm_moe_ep_bound.sets) */
-    fm_moe_ep_schedule schedule; /* the caller's choice; after layout: FLATMOE_EP_SCHEDULE's (default auto) */
+    fm_moe_ep_schedule schedule; /* auto after layout; the caller's (FLATMOE_EP_SCHEDULE) by fm_moe_ep_ws_set_schedule */
     bool schedule_bad;           /* FLATMOE_EP_SCHEDULE held another value: refused at the first chunk */
     fm_act *recv_s[2], *xe_s[2], *ye_s[2];
     int32_t *perm_s[2], *perm_host_s[2];
@@ -217,16 +217,17 @@ typedef struct fm_moe_ep_ws {
  * c, and least-loaded placement llep (NULL or llep->on false: plain EP; every rank of the group
  * must pass the same). A measuring arena gives the bytes. Errors: those of fm_moe_ep_check;
  * FM_ERR_ARG for a rank outside [0, ep), LLEP options out of range (lambda < 1, alpha <= 0,
- * min_piece < 1, max_foreign < 1). w->schedule is set from FLATMOE_EP_SCHEDULE
- * (fm_moe_ep_schedule_from_env); a bad value does not fail the layout: the first forward or
- * backward refuses it on every rank of the group (FM_ERR_ARG, naming the rank). */
+ * min_piece < 1, max_foreign < 1). w->schedule is auto (fm_moe_ep_ws_set_schedule sets another). */
 fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, const fm_moe_dims *d, int ep,
                               int rank, int64_t c, const fm_llep_opts *llep);
 
-/* *s := the schedule FLATMOE_EP_SCHEDULE names: auto (or unset/empty), serial, pipelined -- for
- * A/B runs of the trainer (the same losses bit for bit; the step time shows the overlap). Every
- * rank of a group must see the same value (mpirun -x). Errors: FM_ERR_ARG naming the value. */
-fm_status fm_moe_ep_schedule_from_env(fm_moe_ep_schedule *s);
+/* Sets the schedule w runs (after fm_moe_ep_ws_layout, which leaves auto): schedule is an
+ * fm_moe_ep_schedule (0 auto, 1 serial, 2 pipelined: the CLI's FLATMOE_EP_SCHEDULE, carried in
+ * fm_backend_opts.ep_schedule), for A/B runs of the trainer (the same losses bit for bit; the step
+ * time shows the overlap). Every rank of a group must pass the same (mpirun -x). Any other value
+ * (-1: the variable held another word) does not fail here: the first forward or backward refuses
+ * it on every rank of the group (FM_ERR_ARG, naming the rank). */
+void fm_moe_ep_ws_set_schedule(fm_moe_ep_ws *w, int schedule);
 
 /* The number of chunks every rank of the group runs: K = max over ranks of ceil(N_r / c) (at
  * least 1: a group whose ranks all have zero tokens still runs one chunk). A collective call

@@ -9,7 +9,10 @@
 #include <stdint.h>
 
 #include "core/fm_core.h"
+#include "backend/fm_backend_default.h"
+#include "backend/fm_backend_opts.h"
 #include "core/fm_test_hooks.h"
+#include "train/fm_threads.h"
 
 #define MAX_FILES 256 /* files one F_FILES flag takes */
 
@@ -46,9 +49,37 @@ fm_status cli_resolve_ckpt(const char *dir, char *out, size_t cap);
 /* Levenshtein distance of a and b (insert, delete, substitute: 1 each; names up to 63 bytes). */
 int cli_edit_distance(const char *a, const char *b);
 
-/* Fills *h from the FLATMOE_TEST_* variables (cli_env.c; unset: every hook off). Errors: FM_ERR_ARG
- * naming the variable, its value and the form expected. */
+/* ---- the environment (cli_env.c): read here, handed down as values ---- */
+
+/* Fills *h from the FLATMOE_TEST_* variables (unset or empty: every hook off):
+ *   FLATMOE_TEST_FORCE_ROUTE   FIRST or FIRST:PCT        -> force_route, force_first, force_percent
+ *   FLATMOE_TEST_SIGNAL_AFTER  RANK:STEP (integers >= 0) -> signal_after, signal_rank, signal_step
+ *   FLATMOE_TEST_CKPT_CHUNK    N >= 1                    -> ckpt_chunk_elems
+ *   FLATMOE_TEST_CKPT_RESAVE   0|1                       -> ckpt_resave
+ *   FLATMOE_TEST_FP8_CODES     0|1                       -> cpu_fp8_codes
+ * Errors: FM_ERR_ARG naming the variable, its value and the form expected. */
 fm_status cli_test_hooks_from_env(fm_test_hooks *h);
+
+/* Sets the fields of *o the FLATMOE_* variables name (fm_backend_opts_vars: FLATMOE_PROFILE,
+ * FLATMOE_ATTENTION, FLATMOE_ATTENTION_VERBOSE, FLATMOE_EXPERT_GEMM, FLATMOE_FP8_GEMM,
+ * FLATMOE_UPDATE_BLOCKS, FLATMOE_EP_SCHEDULE, FLATMOE_TEST_FP8_CODES, FLATMOE_CALIB_DIR), each
+ * value parsed by fm_backend_opts_set; unset or empty ones keep the field. Errors: FM_ERR_ARG
+ * naming the variable, the value found and the values accepted (o is then partly updated). */
+fm_status fm_backend_opts_from_env(fm_backend_opts *o);
+
+/* This build's backend (fm_backend_default_init_opts) with the defaults, the FLATMOE_* variables
+ * over them (fm_backend_opts_from_env), then threads and max_head_dim: what `sample` and `eval`
+ * create. Errors: those of fm_backend_opts_from_env and of the init. */
+fm_status cli_backend_default_init(fm_backend *b, int threads, int64_t max_head_dim);
+
+/* OMP_NUM_THREADS and the node's rank count (OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS,
+ * SLURM_NTASKS_PER_NODE) for the thread choice (train/fm_threads.h); values that are not positive
+ * integers are ignored, as before (never fails). */
+fm_threads_env cli_threads_env(void);
+
+/* Hands comm/ the launcher's variables (fm_comm_env_names: rank and size, node-local rank and
+ * size, NCCL_NVLS_ENABLE) once, at start (main). Errors: FM_ERR_NOMEM. */
+fm_status cli_comm_env_install(void);
 
 /* The commands: argv holds the arguments after the command's name. Each returns the exit code. */
 int cmd_train(int argc, char **argv);

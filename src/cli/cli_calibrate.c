@@ -35,9 +35,12 @@ int cmd_calibrate(int argc, char **argv) {
         return cli_usage_error("calibrate", "--backend %s: this binary measures its own backend; run flatmoe-cuda "
                                "calibrate for cuda, flatmoe calibrate for cpu", backend);
     if (threads < 0) return cli_usage_error("calibrate", "%s", "--threads must be >= 0 (0 = all cores)");
-    const fm_calibrate_opts o = {quick, threads, print_line, NULL};
+    fm_backend_opts bo = fm_backend_opts_default();
+    fm_status s = fm_backend_opts_from_env(&bo); /* FLATMOE_EXPERT_GEMM=sm90: the sm90 expert curves too */
+    if (s) return cli_fail("calibrate", s);
+    const fm_calibrate_opts o = {quick, threads, print_line, NULL, &bo};
     fm_calib c;
-    fm_status s = fm_calibrate_run(&o, &c);
+    s = fm_calibrate_run(&o, &c);
     if (s) return cli_fail("calibrate", s);
     if ((s = fm_calib_save(&c, out))) return cli_fail("calibrate", s);
     printf("wrote %s (%s, kind %s)\n", out, c.device, c.kind);

@@ -125,7 +125,7 @@ int cmd_eval(int argc, char **argv) {
         if (s) return cli_fail("eval", s);
     } else if ((s = fm_dataset_load(&ds, data, n_data, cfg.vocab_size))) return cli_fail("eval", s);
     fm_backend be;
-    if ((s = fm_backend_default_init(&be, threads, cfg.head_dim))) return cli_fail("eval", s);
+    if ((s = cli_backend_default_init(&be, threads, cfg.head_dim))) return cli_fail("eval", s);
     fm_model m;
     fm_param_store ps;
     memset(&ps, 0, sizeof ps);

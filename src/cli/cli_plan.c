@@ -251,12 +251,16 @@ int cmd_plan(int argc, char **argv) {
     const bool cuda = req.target == FM_PLAN_TARGET_CUDA || (req.target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4);
     /* the CPU's attention scratch is per thread: --threads 0 resolved as train resolves it (the
      * cores not busy now, or OMP_NUM_THREADS; fm_threads.h), and the train flags line names it */
-    if (!cuda && req.threads == 0) req.threads = fm_threads_auto(150, NULL);
+    if (!cuda && req.threads == 0) {
+        const fm_threads_env te = cli_threads_env();
+        req.threads = fm_threads_auto(150, &te, NULL);
+    }
     fm_expert_ask eask = {FM_EXPERT_GEMM_AUTO, cuda, true};
+    fm_backend_opts bo = fm_backend_opts_default();
     { /* FLATMOE_EXPERT_GEMM, as train reads it (plan/fm_expert_choice.h decides the form below) */
-        fm_backend_opts bo = fm_backend_opts_default();
         if ((s = fm_backend_opts_from_env(&bo))) return cli_fail("plan", s);
         eask.requested = bo.expert_gemm;
+        eask.cpu_fp8_codes = bo.cpu_fp8_codes; /* the test hook FLATMOE_TEST_FP8_CODES=1 */
     }
     const bool cross = req.target == FM_PLAN_TARGET_CUDA ? sizeof(fm_act) == 4 : req.target == FM_PLAN_TARGET_CPU ? sizeof(fm_act) != 4 : false;
     fm_device_budget dev = {0};
@@ -268,7 +272,7 @@ int cmd_plan(int argc, char **argv) {
     }
     fm_calib cal;
     char note[1400];
-    if ((s = fm_calib_find(&cal, calib_path, cuda ? "cuda" : "cpu", measured ? dev.name : NULL, note))) return cli_fail("plan", s);
+    if ((s = fm_calib_find(&cal, calib_path, bo.calib_dir, cuda ? "cuda" : "cpu", measured ? dev.name : NULL, note))) return cli_fail("plan", s);
     fprintf(json ? stderr : stdout, "%s\n", note);
     /* the sm90 expert GEMM's device: this GPU when planning it, else (a cross plan, or no device
      * to ask) the table's, whose sm90 curves were measured running the kernel */

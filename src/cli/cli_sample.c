@@ -95,7 +95,7 @@ int cmd_sample(int argc, char **argv) {
     char cpath[4200];
     snprintf(cpath, sizeof cpath, "%s/config.json", ckpt);
     if (!s) s = fm_config_load(&cfg, cpath);
-    if (!s) s = fm_backend_default_init(&be, threads, cfg.head_dim);
+    if (!s) s = cli_backend_default_init(&be, threads, cfg.head_dim);
     if (s) {
         fm_free(ids);
         if (have_tok) fm_tokenizer_free(&tok);

@@ -143,6 +143,7 @@ int cmd_train(int argc, char **argv) {
     }
     if ((s = fm_backend_opts_from_env(&o.backend))) return cli_fail("train", s); /* FLATMOE_* -> init options */
     if ((s = cli_test_hooks_from_env(&o.test_hooks))) return cli_fail("train", s); /* FLATMOE_TEST_* */
+    o.threads_env = cli_threads_env(); /* OMP_NUM_THREADS, the node's ranks: --threads 0's choice */
     int rank = 0, size = 1; /* many ranks: rank 0 prints what every rank would */
     (void)fm_comm_launcher(&rank, &size, NULL);
     static char init_dir[4096]; /* --init-from a flatmoe run folder: its latest checkpoint (an HF-format folder) */

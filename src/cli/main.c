@@ -23,6 +23,10 @@ static void top_help(void) {
 
 int main(int argc, char **argv) {
     fm_log_set(fm_log_stdio, NULL); /* the library's lines: info to stdout, the rest to stderr */
+    if (cli_comm_env_install() != FM_OK) { /* the launcher's variables, for comm/ (cli_env.c) */
+        fprintf(stderr, "flatmoe: error: %s\n", fm_errmsg());
+        return 1;
+    }
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
         top_help();
         return argc < 2 ? 2 : 0;

@@ -256,9 +256,42 @@ fm_status fm_comm_group_create(fm_comm_group *g, const fm_comm *world, int dp, i
 
 /* ---- the run's world ------------------------------------------------------------------------- */
 
-/* *out = the integer in environment variable name; false when unset. */
+/* ---- the launcher's environment, as the client handed it ------------------------------------ */
+
+const char *const fm_comm_env_names[FM_COMM_ENV_COUNT] = {
+    "OMPI_COMM_WORLD_RANK",       "OMPI_COMM_WORLD_SIZE",       "PMI_RANK",        "PMI_SIZE",
+    "SLURM_PROCID",               "SLURM_NTASKS",               "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALRANKID",            "MPI_LOCALNRANKS", "SLURM_LOCALID",
+    "SLURM_NTASKS_PER_NODE",      "NCCL_NVLS_ENABLE"};
+static char *g_env[FM_COMM_ENV_COUNT]; /* copies; NULL: unset */
+
+fm_status fm_comm_env_set(const char *const values[FM_COMM_ENV_COUNT]) {
+    char *copy[FM_COMM_ENV_COUNT] = {0};
+    for (int i = 0; i < FM_COMM_ENV_COUNT; i++) {
+        if (!values || !values[i]) continue;
+        copy[i] = strdup(values[i]);
+        if (!copy[i]) {
+            for (int j = 0; j < i; j++) free(copy[j]);
+            return fm_error(FM_ERR_NOMEM, "fm_comm_env_set: no memory for the value of %s (%zu bytes)",
+                            fm_comm_env_names[i], strlen(values[i]) + 1);
+        }
+    }
+    for (int i = 0; i < FM_COMM_ENV_COUNT; i++) {
+        free(g_env[i]);
+        g_env[i] = copy[i];
+    }
+    return FM_OK;
+}
+
+const char *fm_comm_env_get(const char *name) {
+    for (int i = 0; name && i < FM_COMM_ENV_COUNT; i++)
+        if (!strcmp(name, fm_comm_env_names[i])) return g_env[i];
+    return NULL;
+}
+
+/* *out = the integer in the launcher's variable name; false when unset. */
 static fm_status env_int(const char *name, int *out, bool *set) {
-    const char *v = getenv(name);
+    const char *v = fm_comm_env_get(name);
     *set = v && *v;
     if (!*set) return FM_OK;
     char *end;

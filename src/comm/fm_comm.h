@@ -365,10 +365,29 @@ fm_status fm_comm_mpi_local(int *local_rank, int *local_size);
  * MPI is not built or not initialized (the caller then exits). */
 void fm_comm_mpi_abort(int code);
 
+/* ---- the launcher's environment (fm_comm.c) ---------------------------------------------------
+ * comm never reads the environment (DESIGN.md §3): the client reads these variables and hands
+ * their values over once, at start, before any call that uses them (fm_comm_launcher,
+ * fm_comm_local, fm_comm_world_create, fm_comm_world_create_kind, fm_comm_nccl_world). The CLI
+ * does so in main (src/cli/cli_env.c, cli_comm_env_install). Until then every variable reads as
+ * unset: rank 0 of 1, no node-local rank, NVLink multicast turned off. */
+enum { FM_COMM_ENV_COUNT = 13 };
+/* OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, PMI_RANK, PMI_SIZE, SLURM_PROCID, SLURM_NTASKS,
+ * OMPI_COMM_WORLD_LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS,
+ * SLURM_LOCALID, SLURM_NTASKS_PER_NODE, NCCL_NVLS_ENABLE, in that order. */
+extern const char *const fm_comm_env_names[FM_COMM_ENV_COUNT];
+/* Hands comm the variables' values: values[i] is fm_comm_env_names[i]'s (NULL: unset), copied
+ * (the caller's strings may go). Replaces what an earlier call handed. Not thread-safe: call it
+ * before other threads use comm. Errors: FM_ERR_NOMEM (nothing changed). */
+fm_status fm_comm_env_set(const char *const values[FM_COMM_ENV_COUNT]);
+/* The value handed for `name` (one of fm_comm_env_names), NULL when unset, not handed, or not
+ * one of them. */
+const char *fm_comm_env_get(const char *name);
+
 /* ---- the run's world (fm_comm.c): from the launcher ------------------------------------------
- * The rank and size the launcher gave this process, from its environment (read before MPI is
- * initialized, so a one-rank run never initializes MPI): OMPI_COMM_WORLD_RANK/SIZE (Open MPI's
- * mpirun), PMI_RANK/SIZE (MPICH, Intel MPI, srun --mpi=pmi2), SLURM_PROCID/SLURM_NTASKS (srun),
+ * The rank and size the launcher gave this process, from its environment as handed to
+ * fm_comm_env_set (read before MPI is initialized, so a one-rank run never initializes MPI):
+ * OMPI_COMM_WORLD_RANK/SIZE (Open MPI's mpirun), PMI_RANK/SIZE (MPICH, Intel MPI, srun --mpi=pmi2), SLURM_PROCID/SLURM_NTASKS (srun),
  * in that order; none of them: rank 0 of 1. *source gets the variables' family ("OMPI_COMM_WORLD",
  * "PMI", "SLURM", or "none"). Errors: FM_ERR_ARG when a variable is not an integer or the rank is
  * outside [0, size), naming it. */

@@ -65,8 +65,9 @@
  * issued): --comm-timeout must exceed that (the default 300 s does, by far).
  *
  * NVLink multicast: NCCL_NVLS_ENABLE is set to 0 in the environment before NCCL initializes,
- * unless the user set it. NVLS (NVLink SHARP) reserves multicast objects of the NVSwitch fabric
- * per communicator, a resource shared by every job on the node; on the shared H200 machines it
+ * unless the user set it (its value as handed to fm_comm_env_set). NVLS (NVLink SHARP) reserves
+ * multicast objects of the NVSwitch fabric per communicator, a resource shared by every job on
+ * the node; on the shared H200 machines it
  * must stay off (it can fail or starve other tenants' jobs, and NVLS buffers take device memory
  * the plan does not count). Set NCCL_NVLS_ENABLE=1 yourself on a machine of your own.
  *

@@ -269,9 +269,11 @@ fm_status fm_nccl_split(void *ctx, int color, int key, fm_comm *out) {
     return nccl_new(out, nc, &host, &n->be, n->default_timeout, n->check);
 }
 
-/* NCCL_NVLS_ENABLE=0 unless the user set it (fm_comm_nccl.h: NVLink multicast stays off). */
+/* NCCL_NVLS_ENABLE=0 unless the user set it (fm_comm_nccl.h: NVLink multicast stays off). The
+ * user's value is the one the client handed (fm_comm_env_set); NCCL reads the environment itself,
+ * so the override is written there. */
 static void nvls_off(void) {
-    const char *v = getenv("NCCL_NVLS_ENABLE");
+    const char *v = fm_comm_env_get("NCCL_NVLS_ENABLE");
     if (!v || !*v) setenv("NCCL_NVLS_ENABLE", "0", 1);
 }
 

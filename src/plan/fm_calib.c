@@ -362,7 +362,8 @@ void fm_calib_kind_of(const char *backend, const char *name, char kind[32]) {
 
 static bool exists(const char *p) { return access(p, R_OK) == 0; }
 
-fm_status fm_calib_find(fm_calib *c, const char *path, const char *backend, const char *device_name, char note[1400]) {
+fm_status fm_calib_find(fm_calib *c, const char *path, const char *dir, const char *backend, const char *device_name,
+                        char note[1400]) {
     note[0] = 0;
     if (path) {
         FM_TRY(fm_calib_load(c, path));
@@ -371,8 +372,7 @@ fm_status fm_calib_find(fm_calib *c, const char *path, const char *backend, cons
     }
     char kind[32], p[600];
     fm_calib_kind_of(backend, device_name, kind);
-    const char *dir = getenv("FLATMOE_CALIB_DIR");
-    if (dir && *dir) {
+    if (dir && *dir) { /* FLATMOE_CALIB_DIR */
         snprintf(p, sizeof p, "%s/%s.json", dir, kind);
         if (exists(p)) {
             FM_TRY(fm_calib_load(c, p));

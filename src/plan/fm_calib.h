@@ -89,11 +89,14 @@ fm_status fm_calib_load(fm_calib *c, const char *path);
 fm_status fm_calib_save(const fm_calib *c, const char *path);
 
 /* The table for planning a run on `backend` ("cpu" or "cuda"): `path` when given (errors of
- * fm_calib_load), else $FLATMOE_CALIB_DIR/<kind>.json, else <source dir>/configs/calib/<kind>.json
- * (kind: "cpu"; for CUDA the device kind from `device_name` ("h200" for an NVIDIA H200, "h100",
- * ...), or "h200" when the name is NULL), else the built-in default (not an error: *note says
- * which was used, e.g. for printing). A shipped file that exists but is malformed is an error. */
-fm_status fm_calib_find(fm_calib *c, const char *path, const char *backend, const char *device_name, char note[1400]);
+ * fm_calib_load), else <dir>/<kind>.json when dir is a non-empty folder name (the CLI passes
+ * FLATMOE_CALIB_DIR: fm_backend_opts.calib_dir; NULL: none), else <source
+ * dir>/configs/calib/<kind>.json (kind: "cpu"; for CUDA the device kind from `device_name` ("h200"
+ * for an NVIDIA H200, "h100", ...), or "h200" when the name is NULL), else the built-in default
+ * (not an error: *note says which was used, e.g. for printing). A shipped file that exists but is
+ * malformed is an error. */
+fm_status fm_calib_find(fm_calib *c, const char *path, const char *dir, const char *backend, const char *device_name,
+                        char note[1400]);
 
 /* The kind ("h200", "h100", "a100", "cpu", else a lowercase token of the name) of a device. */
 void fm_calib_kind_of(const char *backend, const char *device_name, char kind[32]);

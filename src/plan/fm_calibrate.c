@@ -523,8 +523,8 @@ fm_status fm_calibrate_run(const fm_calibrate_opts *o, fm_calib *out) {
     }
     fm_calib_kind_of(out->backend, out->device, out->kind);
     out->host_pinnable_bytes = (double)fm_host_mem_budget_default();
-    fm_backend_opts bo = fm_backend_opts_default();
-    FM_TRY(fm_backend_opts_from_env(&bo)); /* FLATMOE_EXPERT_GEMM=sm90: the sm90 expert curves too */
+    /* the caller's options (FLATMOE_EXPERT_GEMM=sm90: the sm90 expert curves too) */
+    fm_backend_opts bo = o->backend ? *o->backend : fm_backend_opts_default();
     bo.threads = o->threads;
     bo.max_head_dim = 128;
     bo.profile = false;

@@ -11,6 +11,7 @@
 #ifndef FM_CALIBRATE_H
 #define FM_CALIBRATE_H
 
+#include "../backend/fm_backend_opts.h"
 #include "fm_calib.h"
 
 typedef struct fm_calibrate_opts {
@@ -19,6 +20,10 @@ typedef struct fm_calibrate_opts {
     /* progress, one line per figure (may be NULL): library code does not print */
     void (*log)(void *user, const char *line);
     void *user;
+    /* the backend's options over which threads, head_dim, profiling and the cuDNN workspace are
+     * set here (the CLI's FLATMOE_* variables: FLATMOE_EXPERT_GEMM=sm90 measures the sm90 expert
+     * curves too); NULL: the defaults */
+    const fm_backend_opts *backend;
 } fm_calibrate_opts;
 
 /* Measures a table into *out (backend, device, kind, rates, context and host figures). Errors:

@@ -185,10 +185,7 @@ bool fm_expert_fp8_codes(const fm_plan_req *r, const fm_expert_ask *a) {
     if (!fm_fp8_layer_serves(c->num_experts, c->hidden_size, c->moe_intermediate_size,
                              r->B * r->T * c->num_experts_per_tok))
         return false;
-    if (!a->cuda_bf16) {
-        const char *t = getenv("FLATMOE_TEST_FP8_CODES");
-        return t && strcmp(t, "1") == 0;
-    }
+    if (!a->cuda_bf16) return a->cpu_fp8_codes;
     return a->device_sm90 && (a->requested == FM_EXPERT_GEMM_AUTO || a->requested == FM_EXPERT_GEMM_SM90);
 }
 

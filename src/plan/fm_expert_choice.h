@@ -43,10 +43,12 @@ typedef enum fm_expert_why {
 
 /* What the decision is asked with, besides the request and the table. */
 typedef struct fm_expert_ask {
-    fm_expert_gemm requested; /* FLATMOE_EXPERT_GEMM (fm_backend_opts_from_env; auto when unset) */
+    fm_expert_gemm requested; /* FLATMOE_EXPERT_GEMM (fm_backend_opts.expert_gemm; auto when unset) */
     bool cuda_bf16;           /* the run's backend is CUDA in bf16 */
     bool device_sm90;         /* its device runs the sm90 kernel (fm_backend_default_expert_sm90_ok;
                                  a cross plan: true, the table's device) */
+    bool cpu_fp8_codes;       /* off CUDA: the test hook FLATMOE_TEST_FP8_CODES=1 (fm_backend_opts
+                                 .cpu_fp8_codes): the CPU backend serves the FP8 code path */
 } fm_expert_ask;
 
 typedef struct fm_expert_choice {

@@ -92,18 +92,7 @@ int openblas_get_parallel(void) __attribute__((weak));
 
 int fm_threads_blas_pthreads(void) { return openblas_get_parallel && openblas_get_parallel() == 1 ? 1 : 0; }
 
-/* The processes of this launch on this node, from the launcher's environment (Open MPI, MPICH /
- * Intel MPI, Slurm); 1 when none says. */
-static int local_ranks(void) {
-    const char *vars[] = {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"};
-    for (int i = 0; i < 3; i++) {
-        const char *v = getenv(vars[i]);
-        if (v && atoi(v) > 0) return atoi(v);
-    }
-    return 1;
-}
-
-int fm_threads_auto(int sample_ms, fm_threads_probe *p) {
+int fm_threads_auto(int sample_ms, const fm_threads_env *env, fm_threads_probe *p) {
     fm_threads_probe q = {0};
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     cpu_set_t set;
@@ -111,9 +100,8 @@ int fm_threads_auto(int sample_ms, fm_threads_probe *p) {
     int have_mask = sched_getaffinity(0, sizeof set, &set) == 0;
     q.allowed = have_mask ? CPU_COUNT(&set) : (int)(online > 0 ? online : 1);
     if (q.allowed < 1) q.allowed = 1;
-    const char *env = getenv("OMP_NUM_THREADS");
-    if (env && atoi(env) > 0) {
-        q.threads = atoi(env);
+    if (env && env->omp_num_threads > 0) {
+        q.threads = env->omp_num_threads;
         q.from_env = 1;
         if (p) *p = q;
         return q.threads;
@@ -148,7 +136,7 @@ int fm_threads_auto(int sample_ms, fm_threads_probe *p) {
     /* ranks of one launch on this node that share the whole machine (no binding): each takes its
      * share, or they oversubscribe the cores together (measured: 4 ranks on 2 cores with 2 threads
      * each trained 55x slower than with 1: bench/RESULTS.md); a launcher that binds ranks gives each a smaller mask */
-    q.local_ranks = local_ranks();
+    q.local_ranks = env && env->local_ranks > 1 ? env->local_ranks : 1;
     if (q.local_ranks > 1 && online > 0 && q.allowed >= (int)online) q.threads /= q.local_ranks;
     q.blas_pthreads = fm_threads_blas_pthreads();
     if (q.blas_pthreads) q.threads = 1; /* its pool and our OpenMP threads contend (fm_threads.h) */

@@ -22,10 +22,21 @@ typedef struct fm_threads_probe {
                         is the whole machine (no binding), the choice is divided by them */
 } fm_threads_probe;
 
+/* What the environment says about threads: the CLI fills it (src/cli/cli_env.c, cli_threads_env);
+ * library code never reads the environment. A zeroed struct with local_ranks 0 or 1 says nothing. */
+typedef struct fm_threads_env {
+    int omp_num_threads; /* OMP_NUM_THREADS when it reads as a positive integer (atoi), else 0: a
+                            count the user gave, used as given */
+    int local_ranks;     /* processes of the launch on this node: the first of
+                            OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS, SLURM_NTASKS_PER_NODE that
+                            reads as a positive integer (atoi), else 1 */
+} fm_threads_env;
+
 /* Chooses the thread count as above, sampling /proc/stat over sample_ms milliseconds (0: no
- * sample, busy = 0). Never fails: without /proc/stat or an affinity mask it falls back to the
- * online CPU count. Fills *p when p is not NULL; returns p->threads. */
-int fm_threads_auto(int sample_ms, fm_threads_probe *p);
+ * sample, busy = 0), with env's OMP_NUM_THREADS and node-local rank count (NULL: neither).
+ * Never fails: without /proc/stat or an affinity mask it falls back to the online CPU count.
+ * Fills *p when p is not NULL; returns p->threads. */
+int fm_threads_auto(int sample_ms, const fm_threads_env *env, fm_threads_probe *p);
 
 /* 1 when the OpenBLAS this process runs is its pthread build (openblas_get_parallel() == 1), whose
  * own thread pool and lock contend with flatmoe's OpenMP threads: measured on 2 cores, tiny.json

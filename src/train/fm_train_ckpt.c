@@ -306,7 +306,7 @@ static fm_status write_named(run *r, const train_state *ts, int n, int n_optim) 
                           sizeof dir);
     fm_free(state);
     if (s == FM_OK) s = copy_tokenizer(r, dir);
-    if (s == FM_OK && !r->o->quiet) printf("saved checkpoint %s\n", dir);
+    if (s == FM_OK && !r->o->quiet) fm_log(FM_LOG_INFO, "saved checkpoint %s\n", dir);
     return s;
 }
 
@@ -395,11 +395,11 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
         if (cJSON_IsObject(cur)) {
             const int64_t w = json_i64(cur, "world", 1), nt = json_i64(cur, "train_tokens", -1);
             if (w != r->train.world && r->rank == 0) /* rank 0 speaks for all: the same on every rank */
-                fprintf(stderr, "note: --resume: the checkpoint's data cursor was drawn over %lld rank(s), this run has "
+                fm_log(FM_LOG_NOTE, "note: --resume: the checkpoint's data cursor was drawn over %lld rank(s), this run has "
                         "%d: the same sequences are drawn, split over other ranks (the global batch is micro-batch x "
                         "data-parallel ranks; a warning follows if that changed)\n", (long long)w, r->train.world);
             if (nt >= 0 && nt != r->train.n_tokens && r->rank == 0)
-                fprintf(stderr, "warning: --resume: the training data holds %lld tokens, the checkpoint's was %lld: the "
+                fm_log(FM_LOG_WARN, "warning: --resume: the training data holds %lld tokens, the checkpoint's was %lld: the "
                         "data order will not match an uninterrupted run\n", (long long)r->train.n_tokens, (long long)nt);
         }
         cJSON_Delete(so);
@@ -408,14 +408,13 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
      * range by range) and of the optimizer's state, from optimizer.safetensors at any world size */
     const bool trust = r->o->resume_trust_optimizer;
     if (trust && !r->o->quiet)
-        printf("--resume-trust-optimizer: %s/%s is not checked against the master copy\n", dir, FM_CKPT_MODEL_FILE);
+        fm_log(FM_LOG_INFO, "--resume-trust-optimizer: %s/%s is not checked against the master copy\n", dir, FM_CKPT_MODEL_FILE);
     if (!trust) FM_TRY(check_model_file(r, dir)); /* names, shapes, dtypes, count */
     FM_TRY(fm_ckpt_stream_load(r, dir, !trust));
     r->opt.step = ts->opt_step;
     /* test hook (tests/mpi_ckpt.sh): write the loaded state again at once, so that a checkpoint
      * read at one world size and written at another can be compared byte for byte */
-    const char *resave = getenv("FLATMOE_TEST_CKPT_RESAVE");
-    if (resave && *resave) FM_TRY(fm_train_save_checkpoint(r, ts));
+    if (r->o->test_hooks.ckpt_resave) FM_TRY(fm_train_save_checkpoint(r, ts)); /* FLATMOE_TEST_CKPT_RESAVE=1 */
     return FM_OK;
 }
 

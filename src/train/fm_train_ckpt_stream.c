@@ -21,10 +21,8 @@ int64_t fm_ckpt_max_tensor_numel(const fm_config *c) {
     return mx;
 }
 
-int64_t fm_ckpt_chunk_elems(void) {
-    const char *e = getenv("FLATMOE_TEST_CKPT_CHUNK"); /* test hook: many pieces per tensor */
-    const long long v = e && *e ? strtoll(e, NULL, 10) : 0;
-    return v > 0 ? (int64_t)v : FM_CKPT_CHUNK_ELEMS;
+int64_t fm_ckpt_chunk_elems(const fm_test_hooks *h) { /* test hook: many pieces per tensor */
+    return h && h->ckpt_chunk_elems > 0 ? h->ckpt_chunk_elems : FM_CKPT_CHUNK_ELEMS;
 }
 
 /* ---- what a state is and who holds its elements --------------------------------------------- */
@@ -165,7 +163,7 @@ fm_status fm_ckpt_stage_init(run *r) {
     memset(c, 0, sizeof *c);
     int64_t mx = 1;
     for (int i = 0; i < n; i++) mx = numel_of(&t->params[i]) > mx ? numel_of(&t->params[i]) : mx;
-    c->bytes = fm_ckpt_stage_bound(mx, fm_ckpt_chunk_elems());
+    c->bytes = fm_ckpt_stage_bound(mx, fm_ckpt_chunk_elems(&r->o->test_hooks));
     c->chunk = (int64_t)(c->bytes / 8);
     c->n_full = n;
     c->send = fm_malloc(c->bytes);

@@ -30,6 +30,7 @@
 
 #include "../comm/fm_comm.h"
 #include "../model/fm_config.h"
+#include "../core/fm_test_hooks.h"
 
 /* The timeout of a save's collectives (and the barrier after it): while rank 0 writes (and
  * fsyncs a file of tens of GB) the others wait in the next piece's exchange, which
@@ -67,7 +68,8 @@ size_t fm_ckpt_stage_bound(int64_t max_numel, int64_t chunk);
  * one expert's or the dense MLP's [I, H]), for the plan's line. */
 int64_t fm_ckpt_max_tensor_numel(const fm_config *c);
 
-/* The chunk in effect: FLATMOE_TEST_CKPT_CHUNK when set (> 0), else FM_CKPT_CHUNK_ELEMS. */
-int64_t fm_ckpt_chunk_elems(void);
+/* The chunk in effect: the test hook's (FLATMOE_TEST_CKPT_CHUNK, fm_test_hooks.ckpt_chunk_elems)
+ * when > 0, else FM_CKPT_CHUNK_ELEMS. h may be NULL (no hooks). */
+int64_t fm_ckpt_chunk_elems(const fm_test_hooks *h);
 
 #endif

@@ -13,6 +13,7 @@
 
 #include <stdio.h>
 
+#include "../core/fm_log.h"
 #include "../core/fm_rng.h"
 #include "../data/fm_data.h"
 #include "../io/fm_hf_weights.h"
@@ -164,6 +165,13 @@ void fm_train_run_free(run *r);
 /* The header lines of a run: model, data, plan and FLOPs per token. tokens_per_step: one
  * data-parallel rank's (micro-batch x seq-len x grad-accum); the line gives every rank's. */
 void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_per_step);
+/* One report line built in pieces before it goes to the logging callback whole (core/fm_log.h:
+ * a line per call). fm_line_add appends printf-formatted text; text past the buffer is cut. */
+typedef struct fm_line {
+    char buf[8192];
+    size_t n;
+} fm_line;
+void fm_line_add(fm_line *l, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* What one step measured, for its lines and its metrics.jsonl record. */
 typedef struct fm_step_report {

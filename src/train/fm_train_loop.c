@@ -86,17 +86,16 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
     rec->first_step = first;
     rec->last_step = ts->step;
     if (first > o->steps && r->rank == 0) /* many ranks: the same on every rank, said once */
-        fprintf(stderr, "note: --resume: the run is at step %lld, already at or past --steps %lld: nothing to train "
+        fm_log(FM_LOG_NOTE, "note: --resume: the run is at step %lld, already at or past --steps %lld: nothing to train "
                 "(give a larger --steps to continue it)\n", (long long)ts->step, (long long)o->steps);
     int64_t ran = 0;
     bool warned_no_targets = false;
     double int_s = 0; /* the logging interval's step time and tokens: the step line's tok/s */
     int64_t int_tok = 0;
     uint64_t syncs0 = m->be.ops->host_sync_count(m->be.ctx);
-    int test_signal_rank = -1; /* FLATMOE_TEST_SIGNAL_AFTER=RANK:STEP (tests/mpi_train.sh) */
-    long long test_signal_step = -1;
-    const char *tsig = getenv("FLATMOE_TEST_SIGNAL_AFTER");
-    if (tsig && sscanf(tsig, "%d:%lld", &test_signal_rank, &test_signal_step) != 2) test_signal_rank = -1;
+    /* test hook FLATMOE_TEST_SIGNAL_AFTER=RANK:STEP (tests/mpi_train.sh; core/fm_test_hooks.h) */
+    const int test_signal_rank = o->test_hooks.signal_after ? o->test_hooks.signal_rank : -1;
+    const long long test_signal_step = o->test_hooks.signal_after ? (long long)o->test_hooks.signal_step : -1;
     for (int64_t step = first; step <= o->steps; step++) {
         if (ran == 0) { /* a signal before the first step: nothing to finish or save. Later steps need no
                          * check here: the agreed flag after each step decides, on every rank alike (a
@@ -147,7 +146,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         int64_t valid = 0;
         for (int64_t g = 0; g < o->grad_accum; g++) valid += r->step.n_valid[g];
         if (valid == 0 && !warned_no_targets && r->rank == 0) { /* all masked: a silent loss of 0 trains nothing */
-            fprintf(stderr, "warning: step %lld had no target to learn from: every target of its %lld micro-batch(es) "
+            fm_log(FM_LOG_WARN, "warning: step %lld had no target to learn from: every target of its %lld micro-batch(es) "
                     "is masked (the data's loss mask) or ignored, so its loss is 0 and its gradient is zero; check the "
                     "data and its .mask files\n", (long long)step, (long long)o->grad_accum);
             warned_no_targets = true;
@@ -213,16 +212,15 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
     rec->elapsed_s = now_s() - t0;
     fm_train_metrics_summary(r, rec);
     if (rec->stopped_by && r->rank == 0) { /* many ranks: every rank stops after the same step; rank 0 says so */
-        fflush(stdout);
-        if (ran == 0)
-            fprintf(stderr, "flatmoe train: %s received before step %lld: stopped without training; the run folder "
+        if (ran == 0) /* the sink flushes stdout before it writes stderr */
+            fm_log(FM_LOG_NOTE, "flatmoe train: %s received before step %lld: stopped without training; the run folder "
                     "%s is as it was\n", fm_signal_name(rec->stopped_by), (long long)first, o->out_dir);
         else if (rec->last_ckpt[0])
-            fprintf(stderr, "flatmoe train: %s received: finished step %lld, saved %s; continue with --resume "
+            fm_log(FM_LOG_NOTE, "flatmoe train: %s received: finished step %lld, saved %s; continue with --resume "
                     "(a second signal stops at once, without saving)\n", fm_signal_name(rec->stopped_by),
                     (long long)rec->last_step, rec->last_ckpt);
         else
-            fprintf(stderr, "flatmoe train: %s received: finished step %lld; no checkpoint written "
+            fm_log(FM_LOG_NOTE, "flatmoe train: %s received: finished step %lld; no checkpoint written "
                     "(--no-checkpoint)\n", fm_signal_name(rec->stopped_by), (long long)rec->last_step);
     }
     return FM_OK;
@@ -232,6 +230,8 @@ static fm_status train_impl(run *r, fm_run_records *rec) {
     train_state ts = {0};
     fm_rng data_rng;
     FM_TRY(fm_train_setup(r, &ts, &data_rng));
+    if (r->m.ep > 1) /* the EP chunk schedule (FLATMOE_EP_SCHEDULE, read by the CLI): before the first step */
+        fm_moe_ep_ws_set_schedule(&r->m.moe_ep_ws, r->o->backend.ep_schedule);
     const fm_config *c = &r->cfg;
     rec->L = c->num_hidden_layers;
     rec->E = c->num_experts;
@@ -275,10 +275,10 @@ fm_status fm_train(const fm_train_opts *o) {
     if (oo.resume && have && ts.threads > 0 && sizeof(fm_act) == sizeof(float)) { /* the CPU's reductions depend on the thread count */
         if (oo.threads == 0) {
             oo.threads = (int)ts.threads;
-            if (!oo.quiet) printf("--resume: --threads %d (the run's: results depend on the thread count; --threads sets "
+            if (!oo.quiet) fm_log(FM_LOG_INFO, "--resume: --threads %d (the run's: results depend on the thread count; --threads sets "
                                   "another)\n", oo.threads);
         } else if (oo.threads != ts.threads && launch_rank == 0) { /* the same on every rank: said once */
-            fprintf(stderr, "warning: --resume with --threads %d, the run trained with %lld: the CPU's sums run in "
+            fm_log(FM_LOG_WARN, "warning: --resume with --threads %d, the run trained with %lld: the CPU's sums run in "
                     "another order, so the run will not match an uninterrupted one bit for bit\n", oo.threads,
                     (long long)ts.threads);
         }
@@ -292,14 +292,14 @@ fm_status fm_train(const fm_train_opts *o) {
             oo.min_lr = ts.min_lr, at += (size_t)snprintf(said + at, sizeof said - at, " --min-lr %g", oo.min_lr);
         if (!oo.warmup_given && ts.warmup >= 0 && ts.warmup != oo.warmup && at < sizeof said)
             oo.warmup = ts.warmup, at += (size_t)snprintf(said + at, sizeof said - at, " --warmup %lld", (long long)oo.warmup);
-        if (at && !oo.quiet) printf("--resume:%s (the run's schedule; the flags set others)\n", said);
+        if (at && !oo.quiet) fm_log(FM_LOG_INFO, "--resume:%s (the run's schedule; the flags set others)\n", said);
     }
     if (oo.resume && need) { /* flags not given: the run's own total and shape, from its latest checkpoint */
         fm_train_opts dflt;
         fm_train_opts_default(&dflt);
         if (oo.steps == 0) {
             oo.steps = have && ts.steps > 0 ? ts.steps : 1000;
-            if (!oo.quiet) printf("--resume: --steps %lld (the run's total; --steps sets another)\n", (long long)oo.steps);
+            if (!oo.quiet) fm_log(FM_LOG_INFO, "--resume: --steps %lld (the run's total; --steps sets another)\n", (long long)oo.steps);
         }
         const bool shape = oo.seq_len == 0 || oo.micro_batch == 0 || oo.grad_accum == 0;
         if (oo.seq_len == 0) oo.seq_len = have && ts.seq_len > 0 ? ts.seq_len : dflt.seq_len;
@@ -311,7 +311,7 @@ fm_status fm_train(const fm_train_opts *o) {
         }
         if (oo.grad_accum == 0) oo.grad_accum = have && ts.grad_accum > 0 ? ts.grad_accum : dflt.grad_accum;
         if (shape && !oo.quiet)
-            printf("--resume: --seq-len %lld --micro-batch %lld --grad-accum %lld (the run's; the flags set others)\n",
+            fm_log(FM_LOG_INFO, "--resume: --seq-len %lld --micro-batch %lld --grad-accum %lld (the run's; the flags set others)\n",
                    (long long)oo.seq_len, (long long)oo.micro_batch, (long long)oo.grad_accum);
     }
     fm_run_records rec;
@@ -320,15 +320,15 @@ fm_status fm_train(const fm_train_opts *o) {
     rec.threads_busy = -1;
     if (oo.threads == 0) { /* the cores free now (fm_threads.h): one busy core must not halve the speed */
         fm_threads_probe tp;
-        oo.threads = fm_threads_auto(150, &tp);
+        oo.threads = fm_threads_auto(150, &oo.threads_env, &tp);
         rec.threads_busy = tp.from_env ? -1 : tp.busy;
         if (!oo.quiet && !tp.from_env && tp.blas_pthreads)
-            printf("threads: 1 (OpenBLAS here is its pthread build, whose pool contends with flatmoe's OpenMP threads: "
+            fm_log(FM_LOG_INFO, "threads: 1 (OpenBLAS here is its pthread build, whose pool contends with flatmoe's OpenMP threads: "
                    "on 2 cores 2 threads ran at 0.39x the OpenMP build's speed, 1 at 0.75x; fix: apt-get install "
                    "libopenblas0-openmp && update-alternatives --set libopenblas.so.0-x86_64-linux-gnu "
                    "/usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so.0; --threads sets the count)\n");
         else if (!oo.quiet && !tp.from_env && tp.busy > 0)
-            printf("threads: %d (%d of the %d cores this process may use are busy with other work; --threads sets "
+            fm_log(FM_LOG_INFO, "threads: %d (%d of the %d cores this process may use are busy with other work; --threads sets "
                    "the count)\n", tp.threads, tp.busy, tp.allowed);
     }
     rec.threads = oo.threads;

@@ -1,8 +1,9 @@
 /* What a training run reports: its header lines, one step line (and a profile line) per logged
  * step on stdout, metrics.jsonl's records (a header record, one record per step with its expert
  * load and MFU, a summary record: fm_train_records.h), the memory report (--report-memory) and
- * the summary line. */
+ * the summary line. The lines go to the logging callback (core/fm_log.h); metrics.jsonl is a file. */
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 
 #include "../backend/fm_backend_default.h"
@@ -14,67 +15,81 @@ static void fmt_hms(char *buf, size_t n, double s) {
     snprintf(buf, n, "%ld:%02ld:%02ld", t / 3600, (t / 60) % 60, t % 60);
 }
 
+void fm_line_add(fm_line *l, const char *fmt, ...) {
+    if (l->n >= sizeof l->buf) return;
+    va_list ap;
+    va_start(ap, fmt);
+    const int w = vsnprintf(l->buf + l->n, sizeof l->buf - l->n, fmt, ap);
+    va_end(ap);
+    if (w > 0) l->n = l->n + (size_t)w < sizeof l->buf ? l->n + (size_t)w : sizeof l->buf - 1;
+}
+
 void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_per_step) {
     const fm_train_opts *o = r->o;
     const fm_config *c = &r->cfg;
     const fm_model *m = &r->m;
     const fm_plan *plan = &r->plan;
-    printf("model %s: %lld parameters (%lld active per token), %lld layers, %lld experts top-%lld\n",
+    fm_log(FM_LOG_INFO, "model %s: %lld parameters (%lld active per token), %lld layers, %lld experts top-%lld\n",
            c->model_type_name, (long long)fm_config_num_params(c), (long long)fm_config_num_active_params(c),
            (long long)c->num_hidden_layers, (long long)c->num_experts, (long long)c->num_experts_per_tok);
     if (m->ep > 1) /* --ep: this rank's table */
-        printf("expert parallelism: --ep %d, %lld experts per rank, %lld parameters per rank\n", m->ep,
+        fm_log(FM_LOG_INFO, "expert parallelism: --ep %d, %lld experts per rank, %lld parameters per rank\n", m->ep,
                (long long)m->E_loc, (long long)m->n_params);
     const int dp = r->n_ranks > 1 ? r->n_ranks / (r->sp > 1 ? r->sp : 1) : 1; /* every rank's tokens, as metrics.jsonl's */
-    printf("data: train %lld tokens, validation %lld tokens; %lld tokens per step (%lld x %lld x %lld", (long long)r->train.n_tokens,
-           (long long)r->val.n_tokens, (long long)(tokens_per_step * dp), (long long)o->micro_batch, (long long)o->seq_len,
-           (long long)o->grad_accum);
-    if (dp > 1) printf(" x %d data-parallel ranks", dp);
-    printf(")\n");
-    printf("plan: %.1f MiB =", plan->total / 1048576.0);
+    fm_line l = {.n = 0};
+    fm_line_add(&l, "data: train %lld tokens, validation %lld tokens; %lld tokens per step (%lld x %lld x %lld",
+                (long long)r->train.n_tokens, (long long)r->val.n_tokens, (long long)(tokens_per_step * dp),
+                (long long)o->micro_batch, (long long)o->seq_len, (long long)o->grad_accum);
+    if (dp > 1) fm_line_add(&l, " x %d data-parallel ranks", dp);
+    fm_log(FM_LOG_INFO, "%s)\n", l.buf);
+    l.n = 0;
+    fm_line_add(&l, "plan: %.1f MiB =", plan->total / 1048576.0);
     for (int i = 0; i < FM_PLAN_SETS; i++)
-        printf("%s %s %.1f", i ? "," : "", i < FM_LIVE_COUNT ? fm_live_set_names[i] : "attention tiles",
-               plan->bytes[i] / 1048576.0);
-    printf("; recompute %lld of %lld layers", (long long)plan->n_recomputed, (long long)c->num_hidden_layers);
-    if (plan->n_keep_attention > 0) printf(" (%lld keep their attention output)", (long long)plan->n_keep_attention);
-    printf(", MoE %s", req->moe_chunk_tokens > 0 ? "chunked" : "unchunked");
-    if (req->moe_chunk_tokens > 0) printf(" (%lld chunks of <= %lld tokens)", (long long)plan->moe_K, (long long)plan->moe_c_eff);
-    printf(", vocabulary %s", req->ce_block_tokens > 0 || req->ce_block_vocab > 0 ? "linear cross-entropy" : "plain logits");
-    printf(", AdamW moments %s", o->bf16_moments ? "bf16" : "fp32");
+        fm_line_add(&l, "%s %s %.1f", i ? "," : "", i < FM_LIVE_COUNT ? fm_live_set_names[i] : "attention tiles",
+                    plan->bytes[i] / 1048576.0);
+    fm_line_add(&l, "; recompute %lld of %lld layers", (long long)plan->n_recomputed, (long long)c->num_hidden_layers);
+    if (plan->n_keep_attention > 0) fm_line_add(&l, " (%lld keep their attention output)", (long long)plan->n_keep_attention);
+    fm_line_add(&l, ", MoE %s", req->moe_chunk_tokens > 0 ? "chunked" : "unchunked");
+    if (req->moe_chunk_tokens > 0)
+        fm_line_add(&l, " (%lld chunks of <= %lld tokens)", (long long)plan->moe_K, (long long)plan->moe_c_eff);
+    fm_line_add(&l, ", vocabulary %s", req->ce_block_tokens > 0 || req->ce_block_vocab > 0 ? "linear cross-entropy" : "plain logits");
+    fm_line_add(&l, ", AdamW moments %s", o->bf16_moments ? "bf16" : "fp32");
     if (o->expert_fp8)
-        printf(", expert GEMMs fp8 (blockwise E4M3, %s%s)", m->moe_fp8_codes ? "on E4M3 codes" : "emulated",
-               m->moe_fp8_cache ? ", every layer's weight codes kept" : "");
+        fm_line_add(&l, ", expert GEMMs fp8 (blockwise E4M3, %s%s)", m->moe_fp8_codes ? "on E4M3 codes" : "emulated",
+                    m->moe_fp8_cache ? ", every layer's weight codes kept" : "");
     if (plan->n_offloaded_boundaries > 0)
-        printf(", %lld boundaries offloaded (%.1f MiB pinned host memory)", (long long)plan->n_offloaded_boundaries,
-               (plan->host_bytes - plan->host_optimizer_bytes) / 1048576.0);
+        fm_line_add(&l, ", %lld boundaries offloaded (%.1f MiB pinned host memory)", (long long)plan->n_offloaded_boundaries,
+                    (plan->host_bytes - plan->host_optimizer_bytes) / 1048576.0);
     if (plan->host_optimizer_bytes > 0)
-        printf(", optimizer offloaded (%.1f MiB pinned host memory, %lld slots of %lld parameters)",
-               plan->host_optimizer_bytes / 1048576.0, (long long)req->offload_slots,
-               (long long)(req->offload_bucket < plan->n_params ? req->offload_bucket : plan->n_params));
-    printf("\n");
-    printf("flops per token: model %.4e, hardware %.4e (with the recomputed forwards)\n", plan->flops_model_token,
-           plan->flops_hw_token);
-    fflush(stdout);
+        fm_line_add(&l, ", optimizer offloaded (%.1f MiB pinned host memory, %lld slots of %lld parameters)",
+                    plan->host_optimizer_bytes / 1048576.0, (long long)req->offload_slots,
+                    (long long)(req->offload_bucket < plan->n_params ? req->offload_bucket : plan->n_params));
+    fm_log(FM_LOG_INFO, "%s\n", l.buf);
+    fm_log(FM_LOG_INFO, "flops per token: model %.4e, hardware %.4e (with the recomputed forwards)\n",
+           plan->flops_model_token, plan->flops_hw_token);
+    fflush(stdout); /* progress: the sink writes stdout unflushed */
 }
 
 void fm_train_print_step(const run *r, const fm_step_report *s) {
     char el[32], et[32];
     fmt_hms(el, sizeof el, s->elapsed);
     fmt_hms(et, sizeof et, s->eta);
-    printf("step %6lld/%lld | loss %.4f | aux %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s",
-           (long long)s->step, (long long)r->o->steps, s->ce, s->aux, s->lr, s->gnorm, s->tok_s, el, et);
-    if (!isnan(s->val)) printf(" | val loss %.4f", s->val);
-    printf("\n");
+    fm_line l = {.n = 0};
+    fm_line_add(&l, "step %6lld/%lld | loss %.4f | aux %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s",
+                (long long)s->step, (long long)r->o->steps, s->ce, s->aux, s->lr, s->gnorm, s->tok_s, el, et);
+    if (!isnan(s->val)) fm_line_add(&l, " | val loss %.4f", s->val);
+    fm_log(FM_LOG_INFO, "%s\n", l.buf);
     if (s->phase_ms) {
         double tot = 0;
         for (int i = 0; i < FM_PHASE_COUNT; i++) tot += s->phase_ms[i];
-        printf("profile step %lld: %.1f ms =", (long long)s->step, tot);
+        l.n = 0;
+        fm_line_add(&l, "profile step %lld: %.1f ms =", (long long)s->step, tot);
         for (int i = 0; i < FM_PHASE_COUNT; i++)
-            printf("%s %s %.1f (%.0f%%)", i ? "," : "", fm_phase_name(i), s->phase_ms[i],
-                   tot > 0 ? 100.0 * s->phase_ms[i] / tot : 0.0);
-        printf("; host syncs %llu\n", (unsigned long long)s->host_syncs);
+            fm_line_add(&l, "%s %s %.1f (%.0f%%)", i ? "," : "", fm_phase_name(i), s->phase_ms[i],
+                        tot > 0 ? 100.0 * s->phase_ms[i] / tot : 0.0);
+        fm_log(FM_LOG_INFO, "%s; host syncs %llu\n", l.buf, (unsigned long long)s->host_syncs);
     }
-    fflush(stdout);
+    fflush(stdout); /* progress: the sink writes stdout unflushed */
 }
 
 void fm_train_metrics_begin(run *r, const fm_step_report *s) {
@@ -99,27 +114,27 @@ void fm_train_metrics_begin(run *r, const fm_step_report *s) {
 /* Measured high-water mark of every arena (painted at layout) next to its planned bound.
  * dev_used, dev_total: the device's memory in use and its size (0: no device to report). */
 static void report_memory(const run *r, size_t dev_used, size_t dev_total) {
-    printf("memory: %-22s %14s %14s %7s\n", "live set", "bound (B)", "high-water (B)", "used");
+    fm_log(FM_LOG_INFO, "memory: %-22s %14s %14s %7s\n", "live set", "bound (B)", "high-water (B)", "used");
     for (int i = 0; i < FM_PLAN_SETS; i++) {
         if (i == FM_LIVE_COUNT) {
-            printf("memory: %-22s %14zu %14s %7s\n", "attention tiles", r->plan.bytes[i], "(backend)", "");
+            fm_log(FM_LOG_INFO, "memory: %-22s %14zu %14s %7s\n", "attention tiles", r->plan.bytes[i], "(backend)", "");
             continue;
         }
         size_t hw = fm_run_live_high(r, i);
-        printf("memory: %-22s %14zu %14zu %6.1f%%\n", fm_live_set_names[i], r->plan.bytes[i], hw,
+        fm_log(FM_LOG_INFO, "memory: %-22s %14zu %14zu %6.1f%%\n", fm_live_set_names[i], r->plan.bytes[i], hw,
                r->plan.bytes[i] ? 100.0 * (double)hw / (double)r->plan.bytes[i] : 0.0);
     }
     if (r->cst.high > 0) /* host: the loads and saves so far that staged (a one-rank fp32 host save names its buffers) */
-        printf("memory: %-22s %14zu %14zu %6.1f%%\n", "checkpoint staging", r->cst.bytes, r->cst.high,
+        fm_log(FM_LOG_INFO, "memory: %-22s %14zu %14zu %6.1f%%\n", "checkpoint staging", r->cst.bytes, r->cst.high,
                100.0 * (double)r->cst.high / (double)r->cst.bytes);
     const size_t host_used = fm_run_host_pinned_used(r); /* offloaded boundaries + optimizer */
     if (r->plan.host_bytes > 0)
-        printf("memory: %-22s %14zu %14zu %6.1f%%\n", "host (pinned)", r->plan.host_bytes, host_used,
+        fm_log(FM_LOG_INFO, "memory: %-22s %14zu %14zu %6.1f%%\n", "host (pinned)", r->plan.host_bytes, host_used,
                100.0 * (double)host_used / (double)r->plan.host_bytes);
     if (dev_total > 0)
-        printf("memory: device in use %.1f MiB of %.1f MiB (plan %.1f MiB; the rest is the CUDA context and "
+        fm_log(FM_LOG_INFO, "memory: device in use %.1f MiB of %.1f MiB (plan %.1f MiB; the rest is the CUDA context and "
                "libraries)\n", dev_used / 1048576.0, dev_total / 1048576.0, r->plan.total / 1048576.0);
-    fflush(stdout);
+    fflush(stdout); /* progress: the sink writes stdout unflushed */
 }
 
 void fm_train_metrics_memory(run *r) {
@@ -127,8 +142,8 @@ void fm_train_metrics_memory(run *r) {
     if (m->moe_ep_comm) { /* --ep: every rank's dispatch against its bound (fm_train_ep.h; ranks > 0 are quiet) */
         char line[400];
         fm_train_ep_report(m, line, sizeof line);
-        printf("rank %d of %d: %s\n", r->rank, r->n_ranks, line);
-        fflush(stdout);
+        fm_log(FM_LOG_INFO, "rank %d of %d: %s\n", r->rank, r->n_ranks, line);
+        fflush(stdout); /* progress: the sink writes stdout unflushed */
     }
     if (!r->metrics) { /* a rank other than 0: its own arenas against its plan, one line */
         char line[1600];
@@ -146,8 +161,8 @@ void fm_train_metrics_memory(run *r) {
         if (fm_backend_default_device_memory(&df, &dt) == FM_OK && dt > 0 && n < sizeof line)
             snprintf(line + n, sizeof line - n, "; device in use %.1f MiB of %.1f MiB (plan %.1f MiB)",
                      (dt - df) / 1048576.0, dt / 1048576.0, r->plan.total / 1048576.0);
-        printf("%s\n", line);
-        fflush(stdout);
+        fm_log(FM_LOG_INFO, "%s\n", line);
+        fflush(stdout); /* progress: the sink writes stdout unflushed */
         return;
     }
     fprintf(r->metrics, ",\"memory\":{");

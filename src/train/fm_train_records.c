@@ -231,12 +231,13 @@ void fm_train_metrics_summary(run *r, const fm_run_records *rec) {
 
     char el[32];
     hms(el, sizeof el, rec->elapsed_s);
-    printf("summary: %lld steps (%lld..%lld) in %s, %.0f tok/s mean", (long long)rec->steps_run,
-           (long long)rec->first_step, (long long)rec->last_step, el, mean_tps);
+    fm_line l = {.n = 0};
+    fm_line_add(&l, "summary: %lld steps (%lld..%lld) in %s, %.0f tok/s mean", (long long)rec->steps_run,
+                (long long)rec->first_step, (long long)rec->last_step, el, mean_tps);
     if (!isnan(rec->final_val))
-        printf(" | val loss final %.4f, best %.4f (step %lld)", rec->final_val, rec->best_val,
-               (long long)rec->best_val_step);
-    if (rec->stopped_by) printf(" | stopped by %s", fm_signal_name(rec->stopped_by));
-    printf("\n");
-    fflush(stdout);
+        fm_line_add(&l, " | val loss final %.4f, best %.4f (step %lld)", rec->final_val, rec->best_val,
+                    (long long)rec->best_val_step);
+    if (rec->stopped_by) fm_line_add(&l, " | stopped by %s", fm_signal_name(rec->stopped_by));
+    fm_log(FM_LOG_INFO, "%s\n", l.buf);
+    fflush(stdout); /* progress: the sink writes stdout unflushed */
 }

@@ -280,13 +280,13 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     }
     fm_calib cal;
     char note[1400];
-    FM_TRY(fm_calib_find(&cal, NULL, sizeof(fm_act) == 4 ? "cpu" : "cuda", dev.total ? dev.name : NULL, note));
+    FM_TRY(fm_calib_find(&cal, NULL, o->backend.calib_dir, sizeof(fm_act) == 4 ? "cpu" : "cuda", dev.total ? dev.name : NULL, note));
     /* The expert GEMMs' form (plan/fm_expert_choice.h): FLATMOE_EXPERT_GEMM forces one; auto weighs
      * the sm90 kernel against cuBLAS at every chunk the chooser tries, then settles it at the chunk
      * chosen; the backend below is created with it (bo.expert_gemm), so fm_model_layout finds it
      * answering expert_sync_free for the sm90 form (no host wait per MoE chunk). */
     const fm_expert_ask eask = {o->backend.expert_gemm, sizeof(fm_act) != 4,
-                                sizeof(fm_act) != 4 && fm_backend_default_expert_sm90_ok() == 1};
+                                sizeof(fm_act) != 4 && fm_backend_default_expert_sm90_ok() == 1, o->backend.cpu_fp8_codes};
     /* --expert-precision fp8: on E4M3 codes where the backend will serve it, else emulated */
     req.expert_fp8_codes = fm_expert_fp8_codes(&req, &eask);
     if (o->fp8_weight_cache && o->no_fp8_weight_cache)

@@ -6,6 +6,7 @@
 #ifndef FM_TRAINER_H
 #define FM_TRAINER_H
 #include "../core/fm_test_hooks.h"
+#include "fm_threads.h"
 #include "../model/fm_model.h"
 #include "fm_optim.h"
 #include "fm_param_store.h"
@@ -135,6 +136,8 @@ typedef struct fm_train_opts {
     int vocab_parallel;           /* FM_VOCAB_PARALLEL_* */
     fm_test_hooks test_hooks;     /* tests only (core/fm_test_hooks.h; the CLI fills it from FLATMOE_TEST_*):
                                      not a flag, not saved in state.json */
+    fm_threads_env threads_env;   /* --threads 0: OMP_NUM_THREADS and the node's rank count, as the CLI
+                                     read them (train/fm_threads.h; zeroed: none) */
 } fm_train_opts;
 
 /* --vocab-parallel: off (every rank projects its tokens on the whole head) or ring (Ring-DTP). */

@@ -16,12 +16,14 @@
 #include "fm_test.h"
 
 /* A CUDA backend on `device` for the tests: the default options with the FLATMOE_* variables
- * applied (fm_backend_opts_from_env: FLATMOE_EXPERT_GEMM, FLATMOE_ATTENTION_VERBOSE, ...), head_dim
- * <= max_head_dim and a cuDNN workspace of `workspace` bytes (0: 64 MiB). Errors: those of
- * fm_backend_opts_from_env and fm_cuda_backend_init. */
+ * applied as the CLI applies them (each fm_backend_opts_vars value through fm_backend_opts_set:
+ * FLATMOE_EXPERT_GEMM, FLATMOE_ATTENTION_VERBOSE, ...; the library reads no environment, a test
+ * may), head_dim <= max_head_dim and a cuDNN workspace of `workspace` bytes (0: 64 MiB). Errors:
+ * those of fm_backend_opts_set and fm_cuda_backend_init. */
 static inline fm_status gt_cuda_init(fm_backend *b, int device, int64_t max_head_dim, size_t workspace) {
     fm_backend_opts o = fm_backend_opts_default();
-    FM_TRY(fm_backend_opts_from_env(&o));
+    for (int i = 0; fm_backend_opts_vars[i]; i++)
+        FM_TRY(fm_backend_opts_set(&o, fm_backend_opts_vars[i], getenv(fm_backend_opts_vars[i])));
     o.max_head_dim = max_head_dim;
     o.gpu_workspace = workspace;
     return fm_cuda_backend_init(b, device, &o);

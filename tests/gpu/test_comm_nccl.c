@@ -347,6 +347,14 @@ static void timeout_test(const fm_backend *be) {
 int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "one";
     nvls_user = getenv("NCCL_NVLS_ENABLE") != NULL;
+    { /* the launcher's variables, handed to comm as the CLI hands them (comm reads no environment) */
+        const char *vals[FM_COMM_ENV_COUNT];
+        for (int i = 0; i < FM_COMM_ENV_COUNT; i++) vals[i] = getenv(fm_comm_env_names[i]);
+        if (fm_comm_env_set(vals) != FM_OK) {
+            fprintf(stderr, "fm_comm_env_set: %s\n", fm_errmsg());
+            return 1;
+        }
+    }
     if (!strcmp(mode, "devices")) {
         printf("%d\n", device_count());
         return 0;

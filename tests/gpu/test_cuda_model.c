@@ -1,5 +1,5 @@
 /* Whole-model A/B tests of the bounded operators against their plain twins, on the backend of
- * this build (fm_backend_default_init): built twice by CMake, from this one source,
+ * this build (fm_backend_default_init_opts): built twice by CMake, from this one source,
  *   test_cuda_model  (label gpu) against flatmoe_cuda_lib: the CUDA backend, fm_act = bf16, the
  *                    engine flatmoe-cuda runs;
  *   test_model_ab    (CPU) against flatmoe_lib: the CPU backend, fm_act = fp32, with fp32
@@ -544,10 +544,13 @@ static void test_all_to_one_expert(fm_model_type type, uint64_t seed) {
 
 int main(void) {
     const uint64_t seed = fm_test_seed(42);
-    /* Our deterministic attention kernels on CUDA (cuDNN's backward sums dQ with atomics): read
-     * by the backend at init. No effect on the CPU. */
-    setenv("FLATMOE_ATTENTION", "fallback", 1);
-    fm_status s = fm_backend_default_init(&g_be, 0, 16);
+    /* Our deterministic attention kernels on CUDA (cuDNN's backward sums dQ with atomics; the
+     * CLI's FLATMOE_ATTENTION=fallback). No effect on the CPU. */
+    fm_backend_opts bo = fm_backend_opts_default();
+    bo.threads = 0;
+    bo.max_head_dim = 16;
+    bo.attention = FM_ATTENTION_FALLBACK;
+    fm_status s = fm_backend_default_init_opts(&g_be, &bo);
     CHECK_MSG(s == FM_OK, "backend init: %s", fm_errmsg());
     if (s) return fm_test_finish();
     printf("backend %s, fm_act %s\n", g_be.ops->name, AB_BUILD);

@@ -565,6 +565,7 @@ static fm_status cpu_init(fm_backend *b, int threads, int64_t max_head_dim, int6
     c->att_bc = tile_kv;
     c->att_stride = fm_cpu_att_scratch_floats(max_head_dim, tile_q, tile_kv);
     c->prof_on = profile;
+    c->fp8_codes = false; /* fm_cpu_backend_init_opts sets it from the options */
     c->prof_phase = FM_PHASE_OTHER;
     c->prof_last = cpu_now_s();
     memset(c->prof_acc, 0, sizeof c->prof_acc);
@@ -586,8 +587,10 @@ static fm_status cpu_init(fm_backend *b, int threads, int64_t max_head_dim, int6
 fm_status fm_cpu_backend_init_opts(fm_backend *b, const fm_backend_opts *o) {
     const fm_backend_opts d = fm_backend_opts_default();
     if (!o) o = &d;
-    return cpu_init(b, o->threads, o->max_head_dim, o->tile_q == 0 ? FM_CPU_ATT_BR : o->tile_q,
-                    o->tile_kv == 0 ? FM_CPU_ATT_BC : o->tile_kv, o->profile);
+    FM_TRY(cpu_init(b, o->threads, o->max_head_dim, o->tile_q == 0 ? FM_CPU_ATT_BR : o->tile_q,
+                    o->tile_kv == 0 ? FM_CPU_ATT_BC : o->tile_kv, o->profile));
+    ((fm_cpu_ctx *)b->ctx)->fp8_codes = o->cpu_fp8_codes; /* the test hook FLATMOE_TEST_FP8_CODES=1 */
+    return FM_OK;
 }
 
 fm_status fm_cpu_backend_init(fm_backend *b, int threads, int64_t max_head_dim) {

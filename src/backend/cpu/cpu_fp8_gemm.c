@@ -5,7 +5,7 @@
  * codes and scales are the bits the CUDA kernels must give. GEMMs: per output element, each
  * 128-deep k-block's sum of decoded code products in fp32, promoted into an fp32 total times the
  * two scales (DeepSeek-V3 §3.3; the order the sm_90 kernel promotes in), one rounding to the
- * output. The training step uses these ops on the CPU only under FLATMOE_TEST_FP8_CODES=1 (the
+ * output. The training step uses these ops on the CPU only under the test hook FLATMOE_TEST_FP8_CODES=1 (the
  * emulation, cpu_fp8.c, is the CPU's path otherwise): they are the layouts' executable spec.
  * Threads split output rows (or dW's experts' rows), never a sum: the bits do not depend on the
  * thread count. */
@@ -58,9 +58,7 @@ static float quant_tile(uint8_t *q, int64_t qstride, const float *x, int64_t str
 }
 
 bool fm_cpu_expert_fp8_serves(void *ctx, int64_t E, int64_t H, int64_t I, int64_t rows_max) {
-    (void)ctx;
-    const char *t = getenv("FLATMOE_TEST_FP8_CODES");
-    return t && strcmp(t, "1") == 0 && fm_fp8_layer_serves(E, H, I, rows_max);
+    return ((const fm_cpu_ctx *)ctx)->fp8_codes && fm_fp8_layer_serves(E, H, I, rows_max);
 }
 
 void fm_cpu_fp8_quant_weight(void *ctx, void *w8, const float *W, int64_t E, int64_t out, int64_t in) {

@@ -118,6 +118,7 @@ typedef struct fm_cpu_ctx {
     double prof_last;     /* wall-clock seconds at the last mark */
     double prof_acc[FM_PHASE_COUNT]; /* seconds per phase since the last collect */
     uint64_t host_syncs;      /* calls that would make the host wait on a device (host_sync_count) */
+    bool fp8_codes;           /* serve the FP8 code path (fm_backend_opts.cpu_fp8_codes: a test hook) */
 } fm_cpu_ctx;
 
 /* Floats of attention scratch one thread needs for head_dim <= max_head_dim and Br x Bc tiles
