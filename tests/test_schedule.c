@@ -144,7 +144,7 @@ static void test_router_terms(void) {
     const fm_config c = small_config();
     fm_model m;
     make_model(&m, &c, NULL, 0);
-    fm_model_embed_forward(&m, true);
+    CHECK(fm_model_embed_forward(&m, true) == FM_OK);
     fm_model_layer_forward(&m, 0, fm_model_boundary(&m, 1));
     const double *terms = m.results + FM_RESULT_LAYERS; /* backend memory is host memory on the CPU */
     const int64_t N = m.N, E = c.num_experts, k = c.num_experts_per_tok;

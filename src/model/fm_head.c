@@ -13,7 +13,7 @@
 #define CTX (m->be.ctx)
 #define PHASE(p) fm_phase_mark(&m->be, FM_PHASE_##p)
 
-void fm_model_embed_forward(fm_model *m, bool with_targets) {
+fm_status fm_model_embed_forward(fm_model *m, bool with_targets) {
     const int64_t N = m->N, H = m->cfg.hidden_size;
     const size_t bytes = sizeof(int32_t) * (size_t)N;
     PHASE(OTHER);
@@ -27,11 +27,13 @@ void fm_model_embed_forward(fm_model *m, bool with_targets) {
     }
     OPS->event_record(CTX, FM_EVENT_TOKENS, FM_STREAM_COMPUTE);
     OPS->embedding_fwd(CTX, m->boundary[0], m->tokens, m->w.embed, N, H);
+    return FM_OK;
 }
 
-void fm_model_embed_backward(fm_model *m, const fm_act *dx0) {
+fm_status fm_model_embed_backward(fm_model *m, const fm_act *dx0) {
     PHASE(OTHER);
     OPS->embedding_bwd(CTX, m->g.embed, dx0, m->tokens, m->N, m->cfg.hidden_size);
+    return FM_OK;
 }
 
 /* The batch's valid targets: this rank's, counted on the host, summed over m->comm. */
@@ -114,12 +116,11 @@ static void final_norm_backward(fm_model *m) {
                      m->rstd_f, m->N, c->hidden_size);
 }
 
-void fm_model_head_backward(fm_model *m, float scale) {
+fm_status fm_model_head_backward(fm_model *m, float scale) {
     const fm_config *c = &m->cfg;
     PHASE(LOSS);
     if (m->linear_ce) {
-        const fm_status st = linear_ce(m, true, scale);
-        if (st != FM_OK && m->vocab_status == FM_OK) m->vocab_status = st;
+        FM_TRY(linear_ce(m, true, scale)); /* the ring's error (its communicator's) */
     } else {
         /* m->logits holds dloss/dlogits (mean CE) from the forward; the GEMMs scale it (alpha)
          * for accumulation. */
@@ -127,13 +128,13 @@ void fm_model_head_backward(fm_model *m, float scale) {
                       c->vocab_size, scale);
     }
     final_norm_backward(m);
+    return FM_OK;
 }
 
 fm_status fm_model_head_train(fm_model *m, float scale, fm_loss *r) {
     if (!m->linear_ce) {
         FM_TRY(fm_model_head_forward(m, true, r));
-        fm_model_head_backward(m, scale);
-        return FM_OK;
+        return fm_model_head_backward(m, scale);
     }
     final_norm(m);
     FM_TRY(count_valid(m, r));

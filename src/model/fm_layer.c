@@ -142,12 +142,11 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     const fm_moe_dims md = moe_dims(m);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down};
-    if (m->moe_ep_comm) { /* expert parallelism: an error is kept for the trainer (m->moe_ep_status) */
-        if (m->moe_ep_status == FM_OK)
-            m->moe_ep_status = fm_moe_ep_layer_backward(&m->be, m->moe_ep_comm, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy,
-                                                        ln2, a->router.topk_idx, a->router.topk_w, N, m->moe_K,
-                                                        m->moe_chunk_order, &m->moe_ep_ws);
-    } else {
+    if (m->moe_ep_comm) /* expert parallelism: the ep group's error, the same on every rank */
+        FM_TRY(fm_moe_ep_layer_backward(&m->be, m->moe_ep_comm, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2,
+                                        a->router.topk_idx, a->router.topk_w, N, m->moe_K, m->moe_chunk_order,
+                                        &m->moe_ep_ws));
+    else {
         m->moe_ws.w8_layer = l;
         fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2, a->router.topk_idx, a->router.topk_w, N,
                         m->moe_K, m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);

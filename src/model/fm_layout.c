@@ -294,7 +294,6 @@ static fm_status vocab_ring_setup(fm_model *m, int P) {
     m->vocab_rank = 0;
     m->vocab_first = 0;
     m->vocab_rows = m->cfg.vocab_size;
-    m->vocab_status = FM_OK;
     if (P <= 1) return FM_OK;
     if (!m->linear_ce)
         return fm_error(FM_ERR_ARG, "--vocab-parallel ring: the ring is the linear cross-entropy, but the layout has plain "

@@ -166,8 +166,6 @@ typedef struct fm_model {
     const fm_comm *vocab_comm;  /* the ring's ranks (the world), backend memory; set before the layout */
     int vocab_P, vocab_rank;
     int64_t vocab_first, vocab_rows;
-    fm_status vocab_status;     /* the ring's first error in fm_model_head_backward (which returns
-                                   void); FM_OK otherwise. fm_model_head_train returns its errors */
 
     /* Expert parallelism (--ep, README "Many ranks"; bounded/fm_moe_ep.h): with ep > 1 the table
      * holds this rank's E_loc = E/ep experts of every layer (experts ep_rank*E_loc .., under their
@@ -179,8 +177,6 @@ typedef struct fm_model {
     const fm_comm *moe_ep_comm; /* the ep group (backend memory); NULL: the local MoE */
     fm_llep_opts moe_llep;      /* least-loaded placement (--llep); .on false: plain EP */
     fm_moe_ep_ws moe_ep_ws;
-    fm_status moe_ep_status;    /* the first EP error of a layer backward (which returns void); the
-                                   trainer checks it after the backward (fm_train_step) */
     int32_t *moe_ep_counts_host; /* [N*k] host copy of top-k ids for the expert-load counts when the
                                    backend's memory is not host memory (fm_malloc'd at layout) */
 
@@ -387,7 +383,7 @@ typedef struct fm_loss {
  * boundary 0. The upload goes through pinned staging asynchronously; the host first waits for
  * the previous upload to finish (a sync point, FM_EVENT_TOKENS), so callers may rewrite
  * h_tokens whenever they like. */
-void fm_model_embed_forward(fm_model *m, bool with_targets);
+fm_status fm_model_embed_forward(fm_model *m, bool with_targets);
 /* Layer l's forward from boundary l into y [N,H] (boundary l+1, or the free gradient buffer
  * when the schedule recomputes the layer in backward), saving into layer l's saved set (shared
  * by the recomputed layers). The router's loss terms of the layer land in m->results at
@@ -404,7 +400,8 @@ fm_status fm_model_layer_recompute(fm_model *m, int64_t l, fm_act *y, bool skip_
 /* Layer l's backward from its output gradient dy [N,H] (clobbered) into dx [N,H] (assigned),
  * reading boundary l and the layer's saved set (recomputed by the schedule first if the layer is
  * recomputed). dy and dx are the two gradient buffers. Errors: with sequence parallelism, the
- * sp group's (attention's all-to-alls); FM_OK otherwise. */
+ * sp group's (attention's all-to-alls); under expert parallelism the EP operator's
+ * (fm_moe_ep_backward: the same on every rank of the ep group); FM_OK otherwise. */
 fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx, float scale);
 /* Final norm of boundary L and the loss: plain logits (and, with targets, the cross-entropy and
  * its gradient formed in place), or the linear cross-entropy (targets required). The loss sum
@@ -413,14 +410,17 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
  * (the gradient's mean is over the batch's valid targets). Errors: the communicator's. */
 fm_status fm_model_head_forward(fm_model *m, bool with_targets, fm_loss *r);
 /* Backward of the head after fm_model_head_forward with targets: the LM head's gradient
- * (accumulated) and the gradient of boundary L into grad buffer 0. */
-void fm_model_head_backward(fm_model *m, float scale);
+ * (accumulated) and the gradient of boundary L into grad buffer 0. Errors: under Ring-DTP
+ * (m->vocab_P > 1) the ring's (its communicator's, or arguments that differ between the ranks);
+ * FM_OK otherwise. */
+fm_status fm_model_head_backward(fm_model *m, float scale);
 /* Forward and backward of the head in one call (what training runs): the same results as
  * head_forward + head_backward, but the linear cross-entropy runs once, fused. The loss sums
  * land in m->results (read them after a sync point); r->n_valid is set. */
 fm_status fm_model_head_train(fm_model *m, float scale, fm_loss *r);
-/* Backward of the embedding from the gradient of boundary 0 (accumulated into its weight). */
-void fm_model_embed_backward(fm_model *m, const fm_act *dx0);
+/* Backward of the embedding from the gradient of boundary 0 (accumulated into its weight).
+ * Errors: none today (FM_OK); a status so that the schedule treats every piece alike. */
+fm_status fm_model_embed_backward(fm_model *m, const fm_act *dx0);
 /* The residual-stream boundary l in [0, L] ([N,H]), and the two [N,H] gradient buffers
  * (i = 0, 1) of the backward. */
 fm_act *fm_model_boundary(fm_model *m, int64_t l);

@@ -51,7 +51,7 @@ static fm_status forward_layers(fm_schedule *s, fm_model *m, bool with_targets) 
     const int64_t L = m->cfg.num_hidden_layers;
     wait_params(s, m, 0);
     FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_EMBED, -1));
-    fm_model_embed_forward(m, with_targets);
+    FM_TRY(fm_model_embed_forward(m, with_targets));
     for (int64_t l = 0; l < L; l++) {
         wait_params(s, m, 1 + l);
         FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_FORWARD, l));
@@ -89,7 +89,7 @@ static fm_status backward_layers(fm_schedule *s, fm_model *m, float scale) {
         FM_TRY(run_hooks(s, m, FM_HOOK_AFTER_BACKWARD, l));
     }
     FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_EMBED_BACKWARD, -1));
-    fm_model_embed_backward(m, dy);
+    FM_TRY(fm_model_embed_backward(m, dy));
     return run_hooks(s, m, FM_HOOK_AFTER_EMBED_BACKWARD, -1);
 }
 
@@ -105,7 +105,7 @@ fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm
 
 fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale) {
     FM_TRY(check_restores(s, m));
-    fm_model_head_backward(m, scale);
+    FM_TRY(fm_model_head_backward(m, scale));
     FM_TRY(run_hooks(s, m, FM_HOOK_AFTER_HEAD_BACKWARD, m->cfg.num_hidden_layers));
     return backward_layers(s, m, scale);
 }

@@ -86,7 +86,9 @@ fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm
 
 /* Backward of the last forward with targets: ACCUMULATES into m->grads, scaled by `scale`
  * (1/G for G-step accumulation); under the linear cross-entropy this runs the operator again
- * with gradients. Errors: a hook's, or the model's communicator's; FM_ERR_ARG when m's layout
+ * with gradients. Errors: the first of a hook's, the model's communicator's, the vocabulary
+ * ring's (fm_model_head_backward), the expert-parallel operator's (fm_model_layer_backward),
+ * each returned where it happens (the step stops there); FM_ERR_ARG when m's layout
  * offloads boundaries (m->n_offloaded_boundaries > 0) that no attached policy restores
  * (s->restores_boundaries). */
 fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale);
@@ -94,7 +96,8 @@ fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale);
 /* Forward with targets and backward in one call (what the trainer runs): the same results as
  * fm_schedule_forward + fm_schedule_backward, but the linear cross-entropy runs once, fused.
  * out as in fm_schedule_forward (the trainer passes NULL and copies m->results to pinned
- * memory, read once at the step's end). Errors: a hook's, or the model's communicator's. */
+ * memory, read once at the step's end). Errors: as fm_schedule_forward's and
+ * fm_schedule_backward's, the first one returned. */
 fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, float scale, fm_loss *out);
 
 /* The same with the default schedule of m (its layout's recompute set, no hooks): for

@@ -103,7 +103,6 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
          * cursor, fm_dataset_set_ranks over the world) */
         fm_dataset_sample_batch(train, data_rng, o->micro_batch, o->seq_len, m->h_tokens, m->h_targets);
         FM_TRY(fm_schedule_train_step(&w->sched, m, 1.0f / (float)G, NULL));
-        FM_TRY(m->moe_ep_status); /* an expert-parallel layer backward's error (fm_model.h) */
         w->n_valid[g] = m->n_valid;
         /* the micro-batch's losses to pinned memory, read at the step's sync point */
         m->be.ops->copy_async(m->be.ctx, w->res + g * n_res, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
