@@ -147,9 +147,10 @@ static void test_errors(const fm_comm *world) {
         lo.ce_block_tokens = 4, lo.ce_block_vocab = 16, lo.vocab_ring = g_world;
         run_model r;
         model_make(&r, &c, 1, 0, 1, T, lo, NULL, NULL, &bad, 7);
-        fill_seq(r.m.h_tokens, r.m.h_targets, T, c.vocab_size, 7, g_rank);
+        fm_batch *b = fm_test_batch_of(&r.m);
+        fill_seq(b->tokens, b->targets, T, c.vocab_size, 7, g_rank);
         fm_loss l;
-        CHECK_MSG(fm_schedule_default_forward(&r.m, true, &l) == FM_OK, "ring forward: %s", fm_errmsg());
+        CHECK_MSG(fm_schedule_default_forward(&r.m, b, &l) == FM_OK, "ring forward: %s", fm_errmsg());
         CHECK(isfinite(l.ce) && l.ce > 0);
         g_armed = true, g_failed_calls = 0;
         const fm_status st = fm_schedule_default_backward(&r.m, 1.0f);
@@ -165,8 +166,9 @@ static void test_errors(const fm_comm *world) {
         lo.moe_chunk_tokens = 4;
         run_model r;
         model_make(&r, &c, g_world, g_rank, 1, T, lo, NULL, &bad, NULL, 8);
-        fill_seq(r.m.h_tokens, r.m.h_targets, T, c.vocab_size, 8, g_rank);
-        CHECK_MSG(fm_schedule_default_forward(&r.m, true, NULL) == FM_OK, "ep forward: %s", fm_errmsg());
+        fm_batch *b = fm_test_batch_of(&r.m);
+        fill_seq(b->tokens, b->targets, T, c.vocab_size, 8, g_rank);
+        CHECK_MSG(fm_schedule_default_forward(&r.m, b, NULL) == FM_OK, "ep forward: %s", fm_errmsg());
         g_armed = true, g_failed_calls = 0;
         const fm_status st = fm_schedule_default_backward(&r.m, 1.0f);
         CHECK_MSG(st == FM_ERR_IO && strstr(fm_errmsg(), "planted") && strstr(fm_errmsg(), "moe_ep backward") &&
@@ -176,7 +178,7 @@ static void test_errors(const fm_comm *world) {
         g_armed = false;
         /* the same through the fused step (fm_schedule_default_train_step) */
         g_armed = true;
-        CHECK(fm_schedule_default_train_step(&r.m, 1.0f, NULL) == FM_ERR_IO && strstr(fm_errmsg(), "planted"));
+        CHECK(fm_schedule_default_train_step(&r.m, b, 1.0f, NULL) == FM_ERR_IO && strstr(fm_errmsg(), "planted"));
         g_armed = false;
         model_free(&r);
     }

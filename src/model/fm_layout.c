@@ -232,11 +232,8 @@ void fm_model_free_layout(fm_model *m) {
     fm_free(m->moe_fp8_fresh);
     m->moe_fp8_fresh = NULL;
     fm_free(m->acts);
-    fm_free(m->h_tokens);
-    fm_free(m->h_targets);
     m->boundary = NULL;
     m->acts = NULL;
-    m->h_tokens = m->h_targets = NULL;
 }
 
 static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layout_opts *opts,
@@ -419,11 +416,9 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     fm_status st;
     m->boundary = fm_malloc(sizeof(fm_act *) * (size_t)(L + 1));
     m->acts = fm_malloc(sizeof(fm_layer_acts) * (size_t)L);
-    m->h_tokens = fm_malloc(sizeof(int32_t) * (size_t)(B * T));
-    m->h_targets = fm_malloc(sizeof(int32_t) * (size_t)(B * T));
-    if (!m->boundary || !m->acts || !m->h_tokens || !m->h_targets) {
+    if (!m->boundary || !m->acts) {
         fm_model_free_layout(m);
-        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the layer tables and host staging");
+        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the layer tables");
     }
     for (int i = 1; i < FM_LIVE_COUNT; i++) {
         st = fm_arena_init_backend(&m->arena[i], fm_live_set_names[i], bytes[i], &m->be);

@@ -21,6 +21,7 @@
 #include "../bounded/fm_moe_ep.h"
 #include "../core/fm_arena.h"
 #include "fm_attn_sp.h"
+#include "fm_batch.h"
 #include "fm_config.h"
 #include "fm_router.h"
 
@@ -112,8 +113,7 @@ typedef struct fm_model {
     bool *keep_attention; /* [L]: a recomputed layer with its own attention output and lse
                              (kept to backward, never recomputed); false where not recomputed */
     float *rope_cos, *rope_sin; /* [T, hd/2] backend memory */
-    int32_t *tokens, *targets;  /* [N] backend memory (uploaded from h_tokens/h_targets) */
-    int32_t *h_tokens, *h_targets; /* [B_cap*T_cap] host memory: callers write the batch here */
+    int32_t *tokens, *targets;  /* [N] backend memory (uploaded from the batch, fm_batch.h) */
     int32_t *pin_tokens, *pin_targets; /* [N] pinned staging of the upload (host arena) */
     double *pin_results;        /* [fm_model_results_count] pinned copy of results (host arena) */
     double *results;            /* [fm_model_results_count] backend memory: the micro-batch's
@@ -379,11 +379,12 @@ typedef struct fm_loss {
  * with dy = grad_buffer(0), dx = grad_buffer(1) at the start. Parameter gradients accumulate
  * (+=), scaled by `scale` (1/G for G-step accumulation); activation gradients are assigned. */
 
-/* Uploads m->h_tokens [B,T] (and m->h_targets with targets) and embeds the tokens into
- * boundary 0. The upload goes through pinned staging asynchronously; the host first waits for
- * the previous upload to finish (a sync point, FM_EVENT_TOKENS), so callers may rewrite
- * h_tokens whenever they like. */
-fm_status fm_model_embed_forward(fm_model *m, bool with_targets);
+/* Uploads the batch b's tokens [B,T] (and its targets, when b->targets) and embeds the tokens
+ * into boundary 0. The upload goes through pinned staging asynchronously; the host first waits
+ * for the previous upload to finish (a sync point, FM_EVENT_TOKENS), so callers may rewrite
+ * their batch whenever they like after the call. Errors: FM_ERR_ARG (fm_batch_check) when b's
+ * shape is not the active one (m->B x m->T) or a token or target is out of range. */
+fm_status fm_model_embed_forward(fm_model *m, const fm_batch *b);
 /* Layer l's forward from boundary l into y [N,H] (boundary l+1, or the free gradient buffer
  * when the schedule recomputes the layer in backward), saving into layer l's saved set (shared
  * by the recomputed layers). The router's loss terms of the layer land in m->results at
@@ -407,8 +408,10 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
  * its gradient formed in place), or the linear cross-entropy (targets required). The loss sum
  * lands in m->results[FM_RESULT_CE]; sets r->n_valid (and m->n_valid), counted on the host.
  * With m->comm both are the batch's: the count and the loss sum are all-reduced over its ranks
- * (the gradient's mean is over the batch's valid targets). Errors: the communicator's. */
-fm_status fm_model_head_forward(fm_model *m, bool with_targets, fm_loss *r);
+ * (the gradient's mean is over the batch's valid targets). b: the batch of the last
+ * fm_model_embed_forward (its targets counted on the host; b->targets NULL: no targets, logits
+ * only). Errors: the communicator's. */
+fm_status fm_model_head_forward(fm_model *m, const fm_batch *b, fm_loss *r);
 /* Backward of the head after fm_model_head_forward with targets: the LM head's gradient
  * (accumulated) and the gradient of boundary L into grad buffer 0. Errors: under Ring-DTP
  * (m->vocab_P > 1) the ring's (its communicator's, or arguments that differ between the ranks);
@@ -417,7 +420,7 @@ fm_status fm_model_head_backward(fm_model *m, float scale);
 /* Forward and backward of the head in one call (what training runs): the same results as
  * head_forward + head_backward, but the linear cross-entropy runs once, fused. The loss sums
  * land in m->results (read them after a sync point); r->n_valid is set. */
-fm_status fm_model_head_train(fm_model *m, float scale, fm_loss *r);
+fm_status fm_model_head_train(fm_model *m, const fm_batch *b, float scale, fm_loss *r);
 /* Backward of the embedding from the gradient of boundary 0 (accumulated into its weight).
  * Errors: none today (FM_OK); a status so that the schedule treats every piece alike. */
 fm_status fm_model_embed_backward(fm_model *m, const fm_act *dx0);
