@@ -29,6 +29,7 @@
 #include "comm/fm_comm.h"
 #include "fm_test.h"
 #include "fm_test_model.h"
+#include "model/fm_experts.h"
 #include "schedule/fm_schedule.h"
 #include "train/fm_param_store.h"
 
@@ -187,6 +188,108 @@ static void test_errors(const fm_comm *world) {
     CHECK(fm_comm_allreduce_sum_i64(world, &one, 1, 30) == FM_OK && one == g_world);
 }
 
+/* ---- 2. every expert precision with --ep against one rank ------------------------------------ */
+
+typedef enum prec { PREC_NATIVE, PREC_FP8_EMU, PREC_FP8_CODES } prec;
+static const char *const prec_names[] = {"native", "fp8 emulated", "fp8 codes"};
+
+/* max |got - ref| / max |ref| over n values */
+static double nerr(const float *got, const float *ref, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        num = fmax(num, fabs((double)got[i] - (double)ref[i]));
+        den = fmax(den, fabs((double)ref[i]));
+    }
+    return den > 0 ? num / den : num;
+}
+
+static void test_exact(const fm_comm *world, prec p, int64_t K, bool pipelined) {
+    const int W = g_world;
+    const fm_config c = test_config(p == PREC_FP8_CODES);
+    const int64_t T = 8, c_tok = T / K; /* each rank: one sequence of T tokens, K chunks of c_tok */
+    if (p == PREC_FP8_CODES) setenv("FLATMOE_TEST_FP8_CODES", "1", 1); /* the CPU's codes path (test hook) */
+    fm_layout_opts lo;
+    memset(&lo, 0, sizeof lo);
+    lo.expert_fp8 = p != PREC_NATIVE;
+    lo.expert_fp8_codes = p == PREC_FP8_CODES;
+    lo.moe_chunk_tokens = c_tok;
+    run_model e, r;
+    model_make(&e, &c, W, g_rank, 1, T, lo, world, world, NULL, 21);
+    e.m.moe_ep_ws.schedule = pipelined ? FM_MOE_EP_PIPELINED : FM_MOE_EP_SERIAL;
+    lo.moe_chunk_tokens = W * c_tok; /* the reference: all W sequences, the same K */
+    model_make(&r, &c, 1, 0, W, T, lo, NULL, NULL, NULL, 21);
+    CHECK(e.m.moe_K == K && r.m.moe_K == K);
+    CHECK(e.m.moe_fp8 == (p != PREC_NATIVE) && e.m.moe_fp8_codes == (p == PREC_FP8_CODES) && !e.m.moe_sync_free);
+    /* plan = allocation: the expert live set is the EP bound with the fp8 part, as the planner asks it */
+    const fm_moe_dims md = {c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, false,
+                            lo.expert_fp8, lo.expert_fp8_codes, 0};
+    fm_moe_ep_bound eb;
+    const size_t bound = fm_arena_round(fm_moe_ep_bound_bytes(&md, W, c_tok, sizeof(fm_act), NULL, &eb));
+    CHECK_MSG(e.m.arena[FM_LIVE_EXPERT].capacity == bound && (p == PREC_NATIVE) == (eb.fp8 == 0),
+              "%s: the expert arena holds %zu bytes, the EP bound %zu (fp8 part %zu)", prec_names[p],
+              e.m.arena[FM_LIVE_EXPERT].capacity, bound, eb.fp8);
+    if (p != PREC_NATIVE) { /* the fp8 part is the experts table's working set at the owner */
+        const fm_moe_dims dl = fm_moe_ep_local_dims(&md, W);
+        CHECK(eb.fp8 == fm_experts_select(&dl)->ws_bytes(&dl, eb.rows_max, sizeof(fm_act)) && eb.fp8 > 0);
+    }
+    /* batches: rank q's sequence is sequence q of the reference */
+    fm_batch *be = fm_test_batch_of(&e.m), *br = fm_test_batch_of(&r.m);
+    for (int q = 0; q < W; q++) fill_seq(br->tokens + q * T, br->targets + q * T, T, c.vocab_size, 33, q);
+    fill_seq(be->tokens, be->targets, T, c.vocab_size, 33, g_rank);
+    fm_loss le, lr;
+    memset(e.m.grads, 0, sizeof(fm_act) * (size_t)e.m.n_params);
+    memset(r.m.grads, 0, sizeof(fm_act) * (size_t)r.m.n_params);
+    CHECK_MSG(fm_schedule_default_train_step(&e.m, be, 1.0f, &le) == FM_OK, "%s ep step: %s", prec_names[p],
+              fm_errmsg());
+    CHECK_MSG(fm_schedule_default_train_step(&r.m, br, 1.0f, &lr) == FM_OK, "%s reference step: %s", prec_names[p],
+              fm_errmsg());
+    CHECK(e.m.arena[FM_LIVE_EXPERT].high <= bound);
+    if (pipelined) CHECK(e.m.moe_ep_ws.pipelined_calls > 0);
+    const double rel_ce = fabs(le.ce - lr.ce) / fabs(lr.ce), rel_aux = fabs(le.aux - lr.aux) / fabs(lr.aux);
+    CHECK_MSG(le.n_valid == lr.n_valid && rel_ce <= 2e-6 && rel_aux <= 2e-6 && fabs(le.z - lr.z) <= 2e-6 * fabs(lr.z),
+              "%s K %lld: loss ce %.9g aux %.9g z %.9g (ep) vs %.9g %.9g %.9g (one rank)", prec_names[p], (long long)K,
+              le.ce, le.aux, le.z, lr.ce, lr.aux, lr.z);
+    /* gradients: the dense ones summed over the ranks, this rank's experts' as they are */
+    float *g = malloc(sizeof(float) * (size_t)e.m.n_params);
+    memcpy(g, e.m.grads, sizeof(float) * (size_t)e.m.n_params);
+    CHECK(fm_comm_all_reduce(world, g, g, e.m.n_params, FM_COMM_F32, FM_COMM_SUM, 30) == FM_OK);
+    double worst_dense = 0, worst_expert = 0;
+    for (int i = 0; i < e.m.n_tensors; i++) {
+        const fm_param *pe = &e.m.table[i], *pr = fm_model_find_param(&r.m, pe->name);
+        FM_ASSERT(pr && pr->numel == pe->numel);
+        const bool expert = strstr(pe->name, ".experts.") != NULL;
+        const float *got = expert ? e.m.grads + pe->offset : g + pe->offset;
+        const double err = nerr(got, r.m.grads + pr->offset, pe->numel);
+        if (expert) worst_expert = fmax(worst_expert, err);
+        else worst_dense = fmax(worst_dense, err);
+        CHECK_MSG(err <= 1e-5, "%s K %lld%s: gradient of %s: normalized error %.3g", prec_names[p], (long long)K,
+                  pipelined ? " pipelined" : "", pe->name, err);
+    }
+    if (g_rank == 0)
+        printf("%s, ep %d, K %lld%s: ce %.9g (one rank %.9g); worst normalized gradient error: dense %.2g, "
+               "experts %.2g\n", prec_names[p], W, (long long)K, pipelined ? " (pipelined)" : "", le.ce, lr.ce,
+               worst_dense, worst_expert);
+    free(g);
+    model_free(&e);
+    model_free(&r);
+    unsetenv("FLATMOE_TEST_FP8_CODES");
+}
+
+/* fp8 with least-loaded placement is refused by the experts' table, on every rank alike */
+static void test_fp8_llep_refused(const fm_comm *world) {
+    const fm_config c = test_config(false);
+    fm_model m;
+    FM_ASSERT(fm_model_create_ep(&m, &c, g_be, g_world, g_rank) == FM_OK);
+    fm_llep_opts ll = fm_llep_defaults();
+    ll.on = true;
+    fm_layout_opts lo;
+    memset(&lo, 0, sizeof lo);
+    lo.moe_chunk_tokens = 4, lo.ep = g_world, lo.ep_rank = g_rank, lo.llep = &ll, lo.expert_fp8 = true;
+    m.moe_ep_comm = world;
+    CHECK(fm_model_layout(&m, 1, 8, &lo) == FM_ERR_UNSUPPORTED && strstr(fm_errmsg(), "--llep"));
+    fm_model_free(&m);
+}
+
 int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "self";
     FM_ASSERT(fm_cpu_backend_init(&g_be, 1, 64) == FM_OK);
@@ -200,6 +303,12 @@ int main(int argc, char **argv) {
     g_world = fm_comm_size(&world);
     g_rank = fm_comm_rank(&world);
     test_errors(&world);
+    for (int p = PREC_NATIVE; p <= PREC_FP8_CODES; p++) {
+        test_exact(&world, (prec)p, 1, false);
+        test_exact(&world, (prec)p, 2, false);
+        test_exact(&world, (prec)p, 2, true);
+    }
+    test_fp8_llep_refused(&world);
     int64_t fails = fm_test_failed;
     CHECK(fm_comm_allreduce_sum_i64(&world, &fails, 1, 30) == FM_OK);
     fm_comm_free(&world);

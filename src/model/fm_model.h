@@ -258,12 +258,15 @@ typedef struct fm_layout_opts {
                                   (fm_model_vocab_ring_bytes) instead of the one-rank strip */
     bool expert_fp8;           /* --expert-precision fp8: the expert GEMMs on blockwise-E4M3
                                   fake-quantized operands (model/fm_experts_fp8.h); the expert
-                                  live set holds the quantized copies (fm_moe_ws_bytes). Needs the
-                                  backend's quant_fp8_* ops and ep <= 1; the expert GEMMs then run
-                                  on the host offsets (never sync-free) */
+                                  live set holds the quantized copies (fm_moe_ws_bytes; under ep > 1
+                                  the owner's, fm_moe_ep_bound's fp8 part). The experts' table must
+                                  serve the backend (model/fm_experts.h: fm_moe_experts.serves, the
+                                  backend's quant_fp8_* ops; not with llep); the expert GEMMs then
+                                  run on the host offsets (never sync-free) */
     bool expert_fp8_codes;     /* with expert_fp8: the fast path on E4M3 codes (the backend's
-                                  fp8 code ops; fm_backend_fp8_codes_serves must hold, else
-                                  fm_model_layout fails): the expert live set holds the code
+                                  fp8 code ops; the codes table's serves, fm_backend_fp8_codes_serves
+                                  for E (under ep: E/ep) experts, must hold, else fm_model_layout
+                                  fails): the expert live set holds the code
                                   operands instead (fm_moe_ws_bytes); sync-free where the backend
                                   adds the expert-load counts on the device */
     bool expert_fp8_cache;     /* with expert_fp8_codes: the weight codes of every layer kept for
