@@ -203,7 +203,7 @@ static double nerr(const float *got, const float *ref, int64_t n) {
     return den > 0 ? num / den : num;
 }
 
-static void test_exact(const fm_comm *world, prec p, int64_t K, bool pipelined) {
+static void test_exact(const fm_comm *world, prec p, int64_t K, bool pipelined, bool cache) {
     const int W = g_world;
     const fm_config c = test_config(p == PREC_FP8_CODES);
     const int64_t T = 8, c_tok = T / K; /* each rank: one sequence of T tokens, K chunks of c_tok */
@@ -212,6 +212,7 @@ static void test_exact(const fm_comm *world, prec p, int64_t K, bool pipelined) 
     memset(&lo, 0, sizeof lo);
     lo.expert_fp8 = p != PREC_NATIVE;
     lo.expert_fp8_codes = p == PREC_FP8_CODES;
+    lo.expert_fp8_cache = cache; /* --fp8-weight-cache (codes only): every layer's codes kept */
     lo.moe_chunk_tokens = c_tok;
     run_model e, r;
     model_make(&e, &c, W, g_rank, 1, T, lo, world, world, NULL, 21);
@@ -219,10 +220,11 @@ static void test_exact(const fm_comm *world, prec p, int64_t K, bool pipelined) 
     lo.moe_chunk_tokens = W * c_tok; /* the reference: all W sequences, the same K */
     model_make(&r, &c, 1, 0, W, T, lo, NULL, NULL, NULL, 21);
     CHECK(e.m.moe_K == K && r.m.moe_K == K);
-    CHECK(e.m.moe_fp8 == (p != PREC_NATIVE) && e.m.moe_fp8_codes == (p == PREC_FP8_CODES) && !e.m.moe_sync_free);
+    CHECK(e.m.moe_fp8 == (p != PREC_NATIVE) && e.m.moe_fp8_codes == (p == PREC_FP8_CODES) && !e.m.moe_sync_free &&
+          e.m.moe_fp8_cache == cache);
     /* plan = allocation: the expert live set is the EP bound with the fp8 part, as the planner asks it */
     const fm_moe_dims md = {c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, false,
-                            lo.expert_fp8, lo.expert_fp8_codes, 0};
+                            lo.expert_fp8, lo.expert_fp8_codes, cache ? c.num_hidden_layers : 0};
     fm_moe_ep_bound eb;
     const size_t bound = fm_arena_round(fm_moe_ep_bound_bytes(&md, W, c_tok, sizeof(fm_act), NULL, &eb));
     CHECK_MSG(e.m.arena[FM_LIVE_EXPERT].capacity == bound && (p == PREC_NATIVE) == (eb.fp8 == 0),
@@ -237,6 +239,8 @@ static void test_exact(const fm_comm *world, prec p, int64_t K, bool pipelined) 
     for (int q = 0; q < W; q++) fill_seq(br->tokens + q * T, br->targets + q * T, T, c.vocab_size, 33, q);
     fill_seq(be->tokens, be->targets, T, c.vocab_size, 33, g_rank);
     fm_loss le, lr;
+    fm_model_fp8_cache_invalidate(&e.m); /* as the trainer does at each step's start */
+    fm_model_fp8_cache_invalidate(&r.m);
     memset(e.m.grads, 0, sizeof(fm_act) * (size_t)e.m.n_params);
     memset(r.m.grads, 0, sizeof(fm_act) * (size_t)r.m.n_params);
     CHECK_MSG(fm_schedule_default_train_step(&e.m, be, 1.0f, &le) == FM_OK, "%s ep step: %s", prec_names[p],
@@ -262,12 +266,12 @@ static void test_exact(const fm_comm *world, prec p, int64_t K, bool pipelined) 
         const double err = nerr(got, r.m.grads + pr->offset, pe->numel);
         if (expert) worst_expert = fmax(worst_expert, err);
         else worst_dense = fmax(worst_dense, err);
-        CHECK_MSG(err <= 1e-5, "%s K %lld%s: gradient of %s: normalized error %.3g", prec_names[p], (long long)K,
-                  pipelined ? " pipelined" : "", pe->name, err);
+        CHECK_MSG(err <= 1e-5, "%s K %lld%s%s: gradient of %s: normalized error %.3g", prec_names[p], (long long)K,
+                  pipelined ? " pipelined" : "", cache ? " cache" : "", pe->name, err);
     }
     if (g_rank == 0)
-        printf("%s, ep %d, K %lld%s: ce %.9g (one rank %.9g); worst normalized gradient error: dense %.2g, "
-               "experts %.2g\n", prec_names[p], W, (long long)K, pipelined ? " (pipelined)" : "", le.ce, lr.ce,
+        printf("%s%s, ep %d, K %lld%s: ce %.9g (one rank %.9g); worst normalized gradient error: dense %.2g, "
+               "experts %.2g\n", prec_names[p], cache ? " (weight cache)" : "", W, (long long)K, pipelined ? " (pipelined)" : "", le.ce, lr.ce,
                worst_dense, worst_expert);
     free(g);
     model_free(&e);
@@ -304,10 +308,11 @@ int main(int argc, char **argv) {
     g_rank = fm_comm_rank(&world);
     test_errors(&world);
     for (int p = PREC_NATIVE; p <= PREC_FP8_CODES; p++) {
-        test_exact(&world, (prec)p, 1, false);
-        test_exact(&world, (prec)p, 2, false);
-        test_exact(&world, (prec)p, 2, true);
+        test_exact(&world, (prec)p, 1, false, false);
+        test_exact(&world, (prec)p, 2, false, false);
+        test_exact(&world, (prec)p, 2, true, false);
     }
+    test_exact(&world, PREC_FP8_CODES, 2, true, true);
     test_fp8_llep_refused(&world);
     int64_t fails = fm_test_failed;
     CHECK(fm_comm_allreduce_sum_i64(&world, &fails, 1, 30) == FM_OK);
