@@ -40,15 +40,52 @@ static inline fm_config fm_test_small_config(fm_model_type t, int64_t layers, bo
     return c;
 }
 
-/* Random tokens and targets of m's batch from `seed`; target `ignored` (-1: none) is -100. */
+/* The batch of model m in the tests (model/fm_batch.h: the batch is an argument of the step, not
+ * a field of the model): one host batch per model address, of m's active shape (allocated again
+ * when the shape changes), alive until the test ends. */
+#define FM_TEST_BATCH_SLOTS 32
+static struct {
+    const fm_model *m;
+    fm_batch b;
+} fm_test_batch_slots[FM_TEST_BATCH_SLOTS];
+
+static inline fm_batch *fm_test_batch_of(const fm_model *m) {
+    int free_slot = -1;
+    for (int i = 0; i < FM_TEST_BATCH_SLOTS; i++) {
+        if (fm_test_batch_slots[i].m == m) {
+            fm_batch *b = &fm_test_batch_slots[i].b;
+            if (b->B != m->B || b->T != m->T) {
+                fm_batch_free(b);
+                FM_ASSERT(fm_batch_alloc(b, m->B, m->T, true) == FM_OK);
+            }
+            return b;
+        }
+        if (!fm_test_batch_slots[i].m && free_slot < 0) free_slot = i;
+    }
+    FM_ASSERT(free_slot >= 0); /* more than FM_TEST_BATCH_SLOTS model addresses */
+    fm_test_batch_slots[free_slot].m = m;
+    FM_ASSERT(fm_batch_alloc(&fm_test_batch_slots[free_slot].b, m->B, m->T, true) == FM_OK);
+    return &fm_test_batch_slots[free_slot].b;
+}
+
+/* m's test batch without its targets (a forward for the logits only). */
+static inline fm_batch fm_test_batch_tokens(const fm_model *m) {
+    fm_batch b = *fm_test_batch_of(m);
+    b.targets = NULL;
+    return b;
+}
+
+/* Random tokens and targets of m's batch (fm_test_batch_of) from `seed`; target `ignored` (-1:
+ * none) is -100. */
 static inline void fm_test_fill_batch(fm_model *m, uint64_t seed, int64_t ignored) {
+    fm_batch *b = fm_test_batch_of(m);
     fm_rng r;
     fm_rng_seed(&r, seed);
     for (int64_t i = 0; i < m->N; i++) {
-        m->h_tokens[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
-        m->h_targets[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
+        b->tokens[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
+        b->targets[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
     }
-    if (ignored >= 0) m->h_targets[ignored] = -100;
+    if (ignored >= 0) b->targets[ignored] = -100;
 }
 
 #define FM_TEST_MODEL_SLOTS 16

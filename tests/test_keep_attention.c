@@ -68,11 +68,11 @@ static float *run(const fm_config *cfg, const policy *pol, int64_t chunk, bool f
     }
     g_att_fwd_calls = 0;
     if (fused) {
-        CHECK(fm_schedule_default_train_step(&m, 1.0f, &l) == FM_OK);
+        CHECK(fm_schedule_default_train_step(&m, fm_test_batch_of(&m), 1.0f, &l) == FM_OK);
         CHECK_MSG(g_att_fwd_calls == L_ + n_full, "%s %s: %lld attention forwards in a step, expected %lld",
                   cfg->model_type_name, pol->name, (long long)g_att_fwd_calls, (long long)(L_ + n_full));
     } else {
-        CHECK(fm_schedule_default_forward(&m, true, &l) == FM_OK);
+        CHECK(fm_schedule_default_forward(&m, fm_test_batch_of(&m), &l) == FM_OK);
         CHECK(g_att_fwd_calls == L_);
         g_att_fwd_calls = 0;
         CHECK(fm_schedule_default_backward(&m, 1.0f) == FM_OK);

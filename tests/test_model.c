@@ -2,6 +2,7 @@
  * finite differences for each model_type (aux and z losses on), recompute bit-identical to no
  * recompute, gradient accumulation scaling, and adversarial routing (all tokens to one expert,
  * experts that get nothing). */
+#include <math.h>
 #include <string.h>
 
 #include "backend/cpu/fm_backend_cpu.h"
@@ -91,11 +92,51 @@ static void test_bad_configs(void) {
 static fm_config small_config(fm_model_type t, bool tied, int64_t k) { return fm_test_small_config(t, 2, tied, k); }
 static void fill_batch(fm_model *m, uint64_t seed) { fm_test_fill_batch(m, seed, 3); }
 
-
+/* The batch is the step's argument (model/fm_batch.h): its shape must be the model's active one
+ * and its ids in range, else the forward fails with FM_ERR_ARG naming the input, and a batch
+ * handed over again gives the same loss bits (the model keeps nothing of it but the upload). */
+static void test_batch_argument(void) {
+    fm_config c = small_config(FM_MODEL_QWEN3_MOE, false, 2);
+    fm_model m;
+    CHECK(fm_test_model_create(&m, &c, g_be) == FM_OK);
+    CHECK(fm_model_layout(&m, 2, 7, NULL) == FM_OK);
+    fm_model_init_weights(&m, 5);
+    fill_batch(&m, 6);
+    fm_batch *b = fm_test_batch_of(&m);
+    fm_loss a, a2;
+    CHECK(fm_schedule_default_forward(&m, b, &a) == FM_OK && isfinite(a.ce) && a.n_valid == m.N - 1);
+    fm_batch other; /* another batch, then the first again: the same bits */
+    CHECK(fm_batch_alloc(&other, 2, 7, true) == FM_OK);
+    for (int64_t i = 0; i < 14; i++) other.tokens[i] = (int32_t)(i % c.vocab_size), other.targets[i] = 1;
+    fm_loss o;
+    CHECK(fm_schedule_default_forward(&m, &other, &o) == FM_OK && o.n_valid == 14 && o.ce != a.ce);
+    CHECK(fm_schedule_default_forward(&m, b, &a2) == FM_OK && a2.ce == a.ce && a2.aux == a.aux && a2.z == a.z);
+    /* a token out of range */
+    other.tokens[9] = (int32_t)c.vocab_size;
+    CHECK(fm_schedule_default_forward(&m, &other, &o) == FM_ERR_ARG && strstr(fm_errmsg(), "token 9 (sequence 1, "
+                                                                                "position 2) is 40"));
+    other.tokens[9] = 0;
+    other.targets[3] = -7; /* a target out of range (-100 alone means no loss) */
+    CHECK(fm_schedule_default_forward(&m, &other, &o) == FM_ERR_ARG && strstr(fm_errmsg(), "target 3") &&
+          strstr(fm_errmsg(), "-100"));
+    fm_batch_free(&other);
+    /* another shape than the active one */
+    CHECK(fm_batch_alloc(&other, 1, 7, true) == FM_OK);
+    CHECK(fm_schedule_default_forward(&m, &other, &o) == FM_ERR_ARG && strstr(fm_errmsg(), "1 x 7 tokens") &&
+          strstr(fm_errmsg(), "fm_model_set_shape"));
+    fm_model_set_shape(&m, 1, 7); /* within the layout: now it fits */
+    CHECK(fm_schedule_default_forward(&m, &other, &o) == FM_OK && o.n_valid == 7);
+    /* a training step needs targets */
+    fm_batch tok = other;
+    tok.targets = NULL;
+    CHECK(fm_schedule_default_train_step(&m, &tok, 1.0f, &o) == FM_ERR_ARG && strstr(fm_errmsg(), "no targets"));
+    fm_batch_free(&other);
+    fm_test_model_free(&m);
+}
 
 static double total_loss(fm_model *m) {
     fm_loss l;
-    fm_schedule_default_forward(m, true, &l);
+    fm_schedule_default_forward(m, fm_test_batch_of(m), &l);
     return l.ce + l.aux + l.z;
 }
 
@@ -123,7 +164,7 @@ static void check_model_grad(fm_config cfg, const char *label, uint64_t seed) {
     fill_batch(&m, seed + 1);
     memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
     fm_loss base;
-    fm_schedule_default_forward(&m, true, &base);
+    fm_schedule_default_forward(&m, fm_test_batch_of(&m), &base);
     fm_schedule_default_backward(&m, 1.0f);
     const int64_t nk = m.N * cfg.num_experts_per_tok;
     int32_t *routing = fm_malloc(sizeof(int32_t) * (size_t)(nk * cfg.num_hidden_layers));
@@ -191,7 +232,7 @@ static void test_recompute_exact(void) {
         fill_batch(&m, 8);
         memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
         fm_loss l;
-        fm_schedule_default_forward(&m, true, &l);
+        fm_schedule_default_forward(&m, fm_test_batch_of(&m), &l);
         fm_schedule_default_backward(&m, 1.0f);
         if (s == 0) {
             ref = fm_malloc(sizeof(float) * (size_t)m.n_params);
@@ -240,14 +281,14 @@ static void test_accumulation(void) {
     for (int b = 0; b < 2; b++) {
         fill_batch(&m, 100 + b);
         memset(m.grads, 0, bytes);
-        fm_schedule_default_forward(&m, true, NULL);
+        fm_schedule_default_forward(&m, fm_test_batch_of(&m), NULL);
         fm_schedule_default_backward(&m, 1.0f);
         memcpy(b ? g2 : g1, m.grads, bytes);
     }
     memset(m.grads, 0, bytes);
     for (int b = 0; b < 2; b++) {
         fill_batch(&m, 100 + b);
-        fm_schedule_default_forward(&m, true, NULL);
+        fm_schedule_default_forward(&m, fm_test_batch_of(&m), NULL);
         fm_schedule_default_backward(&m, 0.5f);
     }
     double maxerr = 0, maxg = 0;
@@ -277,7 +318,7 @@ static void test_all_tokens_one_expert(void) {
     fill_batch(&m, 12);
     memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
     fm_loss l;
-    fm_schedule_default_forward(&m, true, &l);
+    fm_schedule_default_forward(&m, fm_test_batch_of(&m), &l);
     CHECK(isfinite(l.ce) && isfinite(l.aux));
     for (int64_t lay = 0; lay < cfg.num_hidden_layers; lay++) {
         CHECK(m.acts[lay].moe.offsets[1] == m.N);
@@ -360,9 +401,9 @@ static void run_step(fm_config *cfg, int64_t B, int64_t T, int64_t chunk, const 
     fill_batch(&m, 6);
     memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
     fm_loss l;
-    if (g_fused) fm_schedule_default_train_step(&m, 1.0f, &l);
+    if (g_fused) fm_schedule_default_train_step(&m, fm_test_batch_of(&m), 1.0f, &l);
     else {
-        fm_schedule_default_forward(&m, true, &l);
+        fm_schedule_default_forward(&m, fm_test_batch_of(&m), &l);
         fm_schedule_default_backward(&m, 1.0f);
     }
     *loss_out = l.ce + l.aux + l.z;
@@ -526,6 +567,7 @@ int main(void) {
     test_chunk_order();
     test_moe_chunked_bound();
     test_linear_ce_ab();
+    test_batch_argument();
     fm_cpu_backend_free(&g_be);
     return fm_test_finish();
 }

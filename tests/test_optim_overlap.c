@@ -155,9 +155,9 @@ static void test_exact(fm_model_type type, bool offload) {
         for (int g = 0; g < 2; g++) {
             fm_test_fill_batch(&ser.m, 100 * (uint64_t)s + (uint64_t)g, g == 1 ? 3 : -1);
             fm_test_fill_batch(&ovl.m, 100 * (uint64_t)s + (uint64_t)g, g == 1 ? 3 : -1);
-            CHECK(fm_schedule_train_step(&ser.sched, &ser.m, 0.5f, NULL) == FM_OK);
+            CHECK(fm_schedule_train_step(&ser.sched, &ser.m, fm_test_batch_of(&ser.m), 0.5f, NULL) == FM_OK);
             const int w0 = g_seen.n_wait;
-            CHECK(fm_schedule_train_step(&ovl.sched, &ovl.m, 0.5f, NULL) == FM_OK);
+            CHECK(fm_schedule_train_step(&ovl.sched, &ovl.m, fm_test_batch_of(&ovl.m), 0.5f, NULL) == FM_OK);
             bool order = g_seen.n_wait - w0 == L_ + 2;
             for (int i = 0; order && i < L_ + 2; i++) order = g_seen.waits[w0 + i] == i;
             CHECK_MSG(order, "step %d micro-batch %d: the forward waited on %d overlap events, not groups 0..%d in order",

@@ -72,7 +72,7 @@ static void test_hooks(void) {
     rec.poison_layer = 1;
     CHECK(fm_schedule_add_hook(&s, record, &rec) == FM_OK);
     fm_loss l;
-    CHECK(fm_schedule_train_step(&s, &m, 1.0f, &l) == FM_OK);
+    CHECK(fm_schedule_train_step(&s, &m, fm_test_batch_of(&m), 1.0f, &l) == FM_OK);
     CHECK(rec.n == 4 * (int)L);
     int i = 0;
     for (int64_t k = 0; k < L; k++) {
@@ -95,7 +95,7 @@ static void test_hooks(void) {
     /* the same step with no hooks: bit-identical */
     memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
     fm_loss l2;
-    fm_schedule_default_train_step(&m, 1.0f, &l2);
+    fm_schedule_default_train_step(&m, fm_test_batch_of(&m), 1.0f, &l2);
     CHECK(l2.ce + l2.aux + l2.z == loss_hooked);
     CHECK(memcmp(g_hooked, m.grads, sizeof(float) * (size_t)m.n_params) == 0);
 
@@ -106,7 +106,7 @@ static void test_hooks(void) {
     r2.poison_layer = -1;
     r2.fail_at = 3; /* AFTER_FORWARD(1) */
     CHECK(fm_schedule_add_hook(&s2, record, &r2) == FM_OK);
-    CHECK(fm_schedule_train_step(&s2, &m, 1.0f, &l) == FM_ERR_NUMERIC);
+    CHECK(fm_schedule_train_step(&s2, &m, fm_test_batch_of(&m), 1.0f, &l) == FM_ERR_NUMERIC);
     CHECK(r2.n == 3);
     CHECK(strstr(fm_errmsg(), "after_forward of layer 1") != NULL);
 
@@ -147,7 +147,7 @@ static void test_router_terms(void) {
     const fm_config c = small_config();
     fm_model m;
     make_model(&m, &c, NULL, 0);
-    fm_model_embed_forward(&m, true);
+    CHECK(fm_model_embed_forward(&m, fm_test_batch_of(&m)) == FM_OK);
     fm_model_layer_forward(&m, 0, fm_model_boundary(&m, 1));
     const double *terms = m.results + FM_RESULT_LAYERS; /* backend memory is host memory on the CPU */
     const int64_t N = m.N, E = c.num_experts, k = c.num_experts_per_tok;
@@ -305,13 +305,13 @@ static void test_comm(void) {
     fm_model m;
     make_model(&m, &c, rc, 3);
     fm_loss a, b;
-    fm_schedule_default_train_step(&m, 1.0f, &a); /* no communicator: this rank alone */
+    fm_schedule_default_train_step(&m, fm_test_batch_of(&m), 1.0f, &a); /* no communicator: this rank alone */
     float *g0 = fm_malloc(sizeof(float) * (size_t)m.n_params);
     memcpy(g0, m.grads, sizeof(float) * (size_t)m.n_params);
     memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
     FM_ASSERT(fm_comm_self_create(&g_self, &g_be, 0) == FM_OK);
     m.comm = &g_self; /* the valid count, the loss sums and the router statistics go through it */
-    fm_schedule_default_train_step(&m, 1.0f, &b);
+    fm_schedule_default_train_step(&m, fm_test_batch_of(&m), 1.0f, &b);
     CHECK(a.ce == b.ce && a.aux == b.aux && a.z == b.z && a.n_valid == b.n_valid);
     CHECK(memcmp(g0, m.grads, sizeof(float) * (size_t)m.n_params) == 0);
     /* two ranks with the same batch: the batch's losses are this rank's, its valid targets twice
@@ -324,7 +324,7 @@ static void test_comm(void) {
     m.comm = &pair;
     memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
     fm_loss d;
-    fm_schedule_default_train_step(&m, 1.0f, &d);
+    fm_schedule_default_train_step(&m, fm_test_batch_of(&m), 1.0f, &d);
     CHECK_MSG(d.ce == a.ce && d.aux == a.aux && d.z == a.z && d.n_valid == 2 * a.n_valid,
               "two ranks: ce %.17g vs %.17g, aux %.17g vs %.17g, valid %lld", d.ce, a.ce, d.aux, a.aux,
               (long long)d.n_valid);
@@ -339,7 +339,7 @@ static void test_comm(void) {
     m.comm = &broken;
     fm_schedule s;
     fm_schedule_init(&s, &m);
-    CHECK(fm_schedule_train_step(&s, &m, 1.0f, NULL) == FM_ERR_IO);
+    CHECK(fm_schedule_train_step(&s, &m, fm_test_batch_of(&m), 1.0f, NULL) == FM_ERR_IO);
     CHECK(strstr(fm_errmsg(), "timed out") != NULL);
     m.comm = NULL;
     fm_comm_free(&g_self);

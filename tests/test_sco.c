@@ -69,9 +69,9 @@ static fm_status count_hook(void *user, fm_model *m, fm_hook_point p, int64_t l)
 /* Two accumulated micro-batches (different tokens), as the trainer runs them. */
 static fm_status two_steps(fm_schedule *s, fm_model *m, fm_loss *out) {
     fill_batch(m, 21);
-    FM_TRY(fm_schedule_train_step(s, m, 0.5f, out));
+    FM_TRY(fm_schedule_train_step(s, m, fm_test_batch_of(m), 0.5f, out));
     fill_batch(m, 22);
-    return fm_schedule_train_step(s, m, 0.5f, out + 1);
+    return fm_schedule_train_step(s, m, fm_test_batch_of(m), 0.5f, out + 1);
 }
 
 static void test_bit_identical(fm_model_type t, const bool *rc, int64_t chunk) {
@@ -149,12 +149,12 @@ static void test_without_policy(void) {
     fill_batch(&ref, 5);
     fill_batch(&m, 5);
     fm_loss a, b;
-    fm_schedule_default_forward(&ref, true, &a);
-    fm_schedule_default_forward(&m, true, &b);
+    fm_schedule_default_forward(&ref, fm_test_batch_of(&ref), &a);
+    fm_schedule_default_forward(&m, fm_test_batch_of(&m), &b);
     CHECK(!memcmp(&a, &b, sizeof a));
     fm_schedule s;
     fm_schedule_init(&s, &m);
-    CHECK(fm_schedule_train_step(&s, &m, 1.0f, &b) == FM_ERR_ARG);
+    CHECK(fm_schedule_train_step(&s, &m, fm_test_batch_of(&m), 1.0f, &b) == FM_ERR_ARG);
     CHECK(strstr(fm_errmsg(), "offloads 4 boundaries") != NULL);
     CHECK(fm_schedule_backward(&s, &m, 1.0f) == FM_ERR_ARG);
     /* n_off = 0 attaches a policy that does nothing */

@@ -269,8 +269,8 @@ static void test_hook_exact(bool tied, bool recompute_all, int G) {
             fm_test_fill_batch(&b, 10 * (uint64_t)s + (uint64_t)g, 3);
             fm_loss la, lb;
             const int64_t rs0 = z.reduce_scatters;
-            CHECK(fm_schedule_train_step(&as, &a, 1.0f / (float)G, &la) == FM_OK);
-            CHECK(fm_schedule_train_step(&bs, &b, 1.0f / (float)G, &lb) == FM_OK);
+            CHECK(fm_schedule_train_step(&as, &a, fm_test_batch_of(&a), 1.0f / (float)G, &la) == FM_OK);
+            CHECK(fm_schedule_train_step(&bs, &b, fm_test_batch_of(&b), 1.0f / (float)G, &lb) == FM_OK);
             const bool same = la.ce == lb.ce && la.aux == lb.aux && la.z == lb.z;
             const double rel = (la.ce > lb.ce ? la.ce - lb.ce : lb.ce - la.ce) / la.ce;
             CHECK_MSG(exact || s == 1 ? same : rel <= 1e-6, "step %d micro-batch %d: losses %.9g %.9g", s, g, la.ce,

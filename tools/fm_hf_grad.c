@@ -51,19 +51,23 @@ int main(int argc, char **argv) {
     fm_param_store ps;
     memset(&ps, 0, sizeof ps);
     if (fm_load_for_inference(&m, &ps, argv[1], be, B, T, NULL)) return die("model");
+    fm_batch batch;
+    if (fm_batch_alloc(&batch, B, T, true)) return die("batch");
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
-            m.h_tokens[b * T + t] = (int32_t)ids[b * T + t];
-            m.h_targets[b * T + t] = t + 1 < T ? (int32_t)ids[b * T + t + 1] : -100;
+            batch.tokens[b * T + t] = (int32_t)ids[b * T + t];
+            batch.targets[b * T + t] = t + 1 < T ? (int32_t)ids[b * T + t + 1] : -100;
         }
+    fm_batch tokens_only = batch;
+    tokens_only.targets = NULL;
     /* logits first (forward without targets keeps them), then the training forward/backward */
     const int64_t V = cfg.vocab_size;
     float *logits = fm_malloc(sizeof(float) * (size_t)(B * T * V));
-    fm_schedule_default_forward(&m, false, NULL);
+    fm_schedule_default_forward(&m, &tokens_only, NULL);
     for (int64_t r = 0; r < B * T; r++) fm_model_logits_row(&m, r, logits + r * V);
     be.ops->mem_set(be.ctx, m.grads, 0, sizeof(fm_act) * (size_t)m.n_params);
     fm_loss l;
-    fm_schedule_default_forward(&m, true, &l);
+    fm_schedule_default_forward(&m, &batch, &l);
     fm_schedule_default_backward(&m, 1.0f);
     float loss = (float)l.ce;
 
@@ -96,5 +100,6 @@ int main(int argc, char **argv) {
     fm_model_free(&m);
     fm_param_store_free(&ps);
     fm_backend_default_free(&be);
+    fm_batch_free(&batch);
     return 0;
 }

@@ -103,7 +103,7 @@ typedef enum fm_stream {
  * indices below are fixed, the rest are for schedule policies (checkpoint offload, ...). */
 #define FM_EVENT_POOL 256
 enum {
-    FM_EVENT_TOKENS = 0,   /* the micro-batch's token/target upload is done (h_tokens may be rewritten) */
+    FM_EVENT_TOKENS = 0,   /* the micro-batch's token/target upload is done (its host batch may be rewritten) */
     FM_EVENT_FIRST_FREE = 8,
     FM_EVENT_OVERLAP0 = 128, /* the optimizer overlap: event 128 + g = group g's update is done
                                 (train/fm_optim_overlap.h), up to FM_EVENT_POOL */

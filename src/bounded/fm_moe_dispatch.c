@@ -43,6 +43,8 @@ static size_t fp8_bytes(const fm_moe_dims *d, int64_t R, size_t a) {
     return d->fp8_codes ? fp8_codes_bytes(d, R) : fp8_emu_bytes(d, R, a);
 }
 
+size_t fm_moe_fp8_bytes(const fm_moe_dims *d, int64_t rows, size_t a) { return d->fp8 ? fp8_bytes(d, rows, a) : 0; }
+
 /* The codes path's own buffers replace dh_gate, dh_up (fp8_swiglu_bwd_quant codes dgate, dup
  * without storing them): the layout has no fm_act dh_gate, dh_up then. */
 static bool codes_ws(const fm_moe_dims *d) { return d->fp8 && d->fp8_codes && fm_fp8_layout_serves(d->H, d->I); }
@@ -102,6 +104,11 @@ void fm_moe_ws_layout(fm_moe_ws *w, fm_arena *a, fm_arena *host, const fm_moe_di
         w->topk_w = w->dtopk_w = NULL;
         w->xc = w->yc = w->dxc = NULL;
     }
+    fm_moe_ws_fp8_layout(w, a, d, R);
+}
+
+void fm_moe_ws_fp8_layout(fm_moe_ws *w, fm_arena *a, const fm_moe_dims *d, int64_t rows) {
+    const int64_t R = rows;
     w->q_gate = w->q_up = w->q_down = w->q_a = w->q_b = NULL;
     w->w8[0] = w->w8[1] = w->w8[2] = w->a8 = w->a8u = w->t8[0] = w->t8[1] = w->t8[2] = NULL;
     w->fp8_rcap = 0;

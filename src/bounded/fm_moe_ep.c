@@ -4,8 +4,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../model/fm_experts.h"
-
 #define R4(x) fm_arena_round((size_t)(x) * 4)
 #define R8(x) fm_arena_round((size_t)(x) * 8)
 #define RA(x) fm_arena_round((size_t)(x) * a)
@@ -32,6 +30,14 @@ fm_status fm_moe_ep_check(const fm_moe_dims *d, int ep, int64_t c) {
 
 static bool llep_on(const fm_llep_opts *o) { return o && o->on; }
 
+fm_moe_dims fm_moe_ep_local_dims(const fm_moe_dims *d, int ep) {
+    fm_moe_dims dl = *d;
+    dl.E = ep > 0 ? d->E / ep : d->E;
+    dl.k = 1;
+    dl.sync_free = false;
+    return dl;
+}
+
 size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t a, const fm_llep_opts *llep,
                              fm_moe_ep_bound *b) {
     fm_moe_ep_bound z;
@@ -47,6 +53,8 @@ size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t a, 
     z.send = 2 * S * RA(c * k * H);
     z.source = 3 * RA(c * H) + (2 + 3 * T) * R4(c * k);
     z.experts = 3 * RA(Rm * H) + 6 * RA(Rm * I) + S * R4(Rm);
+    const fm_moe_dims dl = fm_moe_ep_local_dims(d, ep);
+    z.fp8 = fm_moe_fp8_bytes(&dl, Rm, a);
     z.host = R8(d->E + 1) + S * R8(E_loc + 1) + R8((int64_t)ep * (d->E + T_EXTRA)) + (4 * S + 1) * R8(ep) +
              S * R4(Rm);
     if (llep_on(llep)) {
@@ -54,7 +62,7 @@ size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t a, 
         z.llep = 6 * RA(F * I * H) + 3 * RA(PM * I * H) + R4(c * k);
         z.host += R4(c * k) + 4 * R8(ep) + R8(F + 1) + R8(d->E) + R4(PM) + fm_llep_plan_bytes(ep, d->E, F);
     }
-    z.device = z.recv + z.send + z.source + z.experts + z.llep;
+    z.device = z.recv + z.send + z.source + z.experts + z.fp8 + z.llep;
     if (b) *b = z;
     return z.device;
 }
@@ -87,6 +95,10 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
                         "max_foreign %lld; expected lambda >= 1, alpha > 0, min_piece >= 1, max_foreign >= 1 "
                         "(defaults: fm_llep_defaults)", llep->lambda, llep->alpha, (long long)llep->min_piece,
                         (long long)llep->max_foreign);
+    if (llep_on(llep) && d->fp8)
+        return fm_error(FM_ERR_ARG, "moe_ep: --expert-precision fp8 with least-loaded placement (--llep): a hosted "
+                        "expert arrives as weights, which the fp8 experts would have to quantize again; drop --llep "
+                        "or use --expert-precision bf16");
     if (rank < 0 || rank >= ep)
         return fm_error(FM_ERR_ARG, "moe_ep: rank %d is not in the ep group of %d ranks (expected 0..%d)", rank, ep,
                         ep - 1);
@@ -126,6 +138,9 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
     w->exp_ws.dact = TAKE(dev, fm_act, Rm * I);
     w->exp_ws.dh_gate = TAKE(dev, fm_act, Rm * I);
     w->exp_ws.dh_up = TAKE(dev, fm_act, Rm * I);
+    const fm_moe_dims dl = fm_moe_ep_local_dims(d, ep);
+    fm_moe_ws_fp8_layout(&w->exp_ws, dev, &dl, Rm); /* the fp8 experts' operands (nothing without d->fp8) */
+    w->exp_ws.counts = NULL;
     /* set 1's permutation below set 0's: the working set's top byte is set 0's last row, written
      * whenever a chunk of the serial schedule (set 0 only) fills R_max, so the painted high-water
      * mark reaches the bound there as it did with one set */
@@ -201,10 +216,10 @@ static fm_status ep_begin(ep_call *c, int64_t N, int64_t K, int64_t *err) {
 }
 
 fm_status fm_moe_ep_forward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
-                            const fm_moe_weights *w, fm_act *y, const fm_act *x, const int32_t *topk_idx,
-                            const float *topk_w, int64_t N, int64_t K, const int32_t *chunk_tokens,
-                            fm_moe_ep_ws *ws, double timeout_s) {
-    ep_call c = {be, comm, d, w, ws, timeout_s, "forward", K, false};
+                            const fm_moe_experts *ex, const fm_moe_weights *w, fm_act *y, const fm_act *x,
+                            const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
+                            const int32_t *chunk_tokens, fm_moe_ep_ws *ws, double timeout_s) {
+    ep_call c = {be, comm, d, ex, fm_moe_ep_local_dims(d, ws->ep), w, ws, timeout_s, "forward", K, false};
     int64_t err;
     FM_TRY(ep_begin(&c, N, K, &err));
     if (fm_ep_pipelined(&c)) return fm_ep_pipe_forward(&c, y, x, topk_idx, topk_w, N, chunk_tokens, err);
@@ -222,17 +237,16 @@ fm_status fm_moe_ep_forward(const fm_backend *be, const fm_comm *comm, const fm_
 }
 
 fm_status fm_moe_ep_backward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
-                             const fm_moe_weights *w, const fm_moe_grads *g, fm_act *dx, float *dtopk_w,
-                             const fm_act *dy, const fm_act *x, const int32_t *topk_idx, const float *topk_w,
-                             int64_t N, int64_t K, const int32_t *chunk_tokens, fm_moe_ep_ws *ws,
-                             double timeout_s) {
-    ep_call c = {be, comm, d, w, ws, timeout_s, "backward", K, false};
+                             const fm_moe_experts *ex, const fm_moe_weights *w, const fm_moe_grads *g, fm_act *dx,
+                             float *dtopk_w, const fm_act *dy, const fm_act *x, const int32_t *topk_idx,
+                             const float *topk_w, int64_t N, int64_t K, const int32_t *chunk_tokens,
+                             fm_moe_ep_ws *ws, double timeout_s) {
+    ep_call c = {be, comm, d, ex, fm_moe_ep_local_dims(d, ws->ep), w, ws, timeout_s, "backward", K, false};
     int64_t err;
     FM_TRY(ep_begin(&c, N, K, &err));
     if (fm_ep_pipelined(&c))
         return fm_ep_pipe_backward(&c, g, dx, dtopk_w, dy, x, topk_idx, topk_w, N, chunk_tokens, err);
     const int64_t Hb = d->H * (int64_t)sizeof(fm_act), Kr = K > 0 ? K : 1;
-    const fm_moe_dims dl = {d->H, d->I, ws->E_loc, 1};
     for (int64_t j = 0, start = 0; j < Kr; j++) {
         const int64_t n = err ? 0 : fm_moe_chunk_size(N, K, j);
         const int32_t *tok = chunk_tokens + start;
@@ -247,7 +261,7 @@ fm_status fm_moe_ep_backward(const fm_backend *be, const fm_comm *comm, const fm
         if (R > 0) {
             be->ops->gather_rows(be->ctx, ws->exp_ws.dye, ws->recv, ws->perm, R, Hb);
             const int64_t Rn = ws->exp.offsets[ws->E_loc];
-            fm_experts_backward(be, &dl, w, g, &ws->exp, &ws->exp_ws, Rn);
+            ex->backward(be, &c.dl, w, g, &ws->exp, &ws->exp_ws, Rn);
             if (ws->spill) {
                 fm_moe_routes hv;
                 fm_moe_ws hw;
@@ -257,7 +271,7 @@ fm_status fm_moe_ep_backward(const fm_backend *be, const fm_comm *comm, const fm
                 fm_ep_hosted(&c, &hv, &hw, &wv, &gv, &dv);
                 for (int m = 0; m < 3; m++)
                     be->ops->mem_set(be->ctx, ws->fg[m], 0, sizeof(fm_act) * (size_t)(dv.E * d->I * d->H));
-                fm_experts_backward(be, &dv, &wv, &gv, &hv, &hw, R - Rn);
+                ex->backward(be, &dv, &wv, &gv, &hv, &hw, R - Rn); /* (native: fp8 refuses --llep) */
             }
             be->ops->scatter_rows(be->ctx, ws->recv, ws->exp_ws.dxe, ws->perm, R, Hb);
         } else if (ws->spill) {

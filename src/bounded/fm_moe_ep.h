@@ -16,9 +16,10 @@
  *           every rank knows every count and takes the same decision (an error on one rank is
  *           an error on all, never a hang);
  *   all:    all_to_all_v of the rows to their owners (receive buffer: source-major);
- *   owner:  permute them expert-major over its E_loc experts, run the experts
- *           (model/fm_experts.h: the backend's grouped or per-expert GEMMs, SwiGLU), permute the
- *           outputs back to source-major;
+ *   owner:  permute them expert-major over its E_loc experts, run the experts through the
+ *           table the MoE glue passes (fm_moe_experts, fm_moe_dispatch.h: any expert precision;
+ *           this operator moves rows and never names an implementation), permute the outputs
+ *           back to source-major;
  *   all:    all_to_all_v of the outputs back to their sources;
  *   source: combine with the router weights (fm_moe_combine) and scatter to the layer's rows.
  * Backward, per chunk: the forward's dispatch and experts are recomputed (as the one-rank chunked
@@ -117,7 +118,11 @@
  *                                                 native rank's staging of the weights it sends
  *                                                 and the gradients it gets back, the sources'
  *                                                 packing order
- *   device  = recv + send + source + experts + llep   (what fm_moe_ep_ws_layout takes from `dev`)
+ *   device  = recv + send + source + experts + fp8 + llep   (what fm_moe_ep_ws_layout takes from `dev`)
+ *   fp8     = fm_moe_fp8_bytes(d_loc, R_max)         with d->fp8 (0 otherwise): the experts'
+ *                                                 quantized weights of E_loc experts and
+ *                                                 operands of R_max rows (the owner's
+ *                                                 exp_ws; d_loc = fm_moe_ep_local_dims)
  *   host    = r((E+1)*8) + S*r((E_loc+1)*8) + r(ep*(E+5)*8) + (4S+1)*r(ep*8) + S*r(R_max*4)
  *             (+ with LLEP: r(c*k*4) + 4*r(ep*8) + r((F+1)*8) + r(E*8) + r(PM*4) + the plan,
  *             fm_llep_plan_bytes)            expert offsets, the count table, the all-to-all
@@ -127,13 +132,19 @@
 typedef struct fm_moe_ep_bound {
     int64_t rows_max; /* R_max: rows a receiver may get per chunk per direction */
     int sets;         /* 2: plain EP, laid out for the pipelined schedule; 1: with LLEP (serial) */
-    size_t recv, send, source, experts, llep, device, host;
+    size_t recv, send, source, experts, fp8, llep, device, host;
 } fm_moe_ep_bound;
 
 /* Checks the EP geometry: ep >= 1, E % ep == 0, c >= 1, ep * (E+5) <= FM_COMM_HOST_MAX_ELEMS
  * (the count table travels through all_reduce_host). Errors: FM_ERR_ARG naming the value, the
  * expected one and the fix. */
 fm_status fm_moe_ep_check(const fm_moe_dims *d, int ep, int64_t c);
+
+/* The dims the experts see at an owner of ep ranks (E % ep == 0): d with E = E/ep (this rank's
+ * experts), k = 1 (one row per route received) and the host offsets (sync_free false: the
+ * owner's offsets come from the agreed count table); the precision fields (fp8, fp8_codes,
+ * fp8_cache_layers) as d's. */
+fm_moe_dims fm_moe_ep_local_dims(const fm_moe_dims *d, int ep);
 
 /* The bound of the chunk working set of one EP layer (see fm_moe_ep_bound) for the global dims d
  * (E = all experts), ep ranks and cap c tokens per source per chunk, with least-loaded
@@ -215,9 +226,12 @@ typedef struct fm_moe_ep_ws {
  * the backend can copy to asynchronously -- pinned on a GPU, as fm_moe_routes_layout's `host`:
  * the dispatch's expert offsets are written there by the backend; .host bytes) for the global dims d, an ep group of size ep in which this rank is `rank`, cap
  * c, and least-loaded placement llep (NULL or llep->on false: plain EP; every rank of the group
- * must pass the same). A measuring arena gives the bytes. Errors: those of fm_moe_ep_check;
- * FM_ERR_ARG for a rank outside [0, ep), LLEP options out of range (lambda < 1, alpha <= 0,
- * min_piece < 1, max_foreign < 1). w->schedule is auto (fm_moe_ep_ws_set_schedule sets another). */
+ * must pass the same). A measuring arena gives the bytes. With d->fp8 the owner's experts working
+ * set (w->exp_ws) also holds the fp8 operands (fm_moe_ws_fp8_layout over fm_moe_ep_local_dims(d),
+ * R_max rows). Errors: those of fm_moe_ep_check; FM_ERR_ARG for a rank outside [0, ep), LLEP
+ * options out of range (lambda < 1, alpha <= 0, min_piece < 1, max_foreign < 1), or d->fp8 with
+ * least-loaded placement (the hosted experts arrive as weights, not quantized copies).
+ * w->schedule is auto (fm_moe_ep_ws_set_schedule sets another). */
 fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, const fm_moe_dims *d, int ep,
                               int rank, int64_t c, const fm_llep_opts *llep);
 
@@ -238,6 +252,9 @@ void fm_moe_ep_ws_set_schedule(fm_moe_ep_ws *w, int schedule);
 fm_status fm_moe_ep_chunks(const fm_comm *comm, int64_t N, int64_t c, double timeout_s, int64_t *K);
 
 /* Forward over this rank's N tokens: y [N,H] (assigned) = sum_j topk_w[n,j] * expert_{topk_idx[n,j]}(x[n])
+ * with the experts run by ex (the glue's table, fm_moe_experts: ex->forward at the owner over
+ * fm_moe_ep_local_dims(d) and ws->exp / ws->exp_ws; w as ex->weights made it for ws->exp_ws, e.g.
+ * the quantized copies under fp8)
  * with x [N,H] fm_act, topk_idx [N,k] int32 (values in [0,E), distinct per token) and topk_w
  * [N,k] fp32, all backend memory; the experts of topk_idx live on their owners. w: this rank's
  * E_loc experts (gate and up [E_loc,I,H], down [E_loc,H,I]: experts rank*E_loc ..). comm: the
@@ -257,15 +274,16 @@ fm_status fm_moe_ep_chunks(const fm_comm *comm, int64_t N, int64_t c, double tim
  *   FM_ERR_IO   a collective failed or timed out (the communicator's message, with the chunk):
  *               the process must stop (fm_comm_mpi_abort). */
 fm_status fm_moe_ep_forward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
-                            const fm_moe_weights *w, fm_act *y, const fm_act *x, const int32_t *topk_idx,
+                            const fm_moe_experts *ex, const fm_moe_weights *w, fm_act *y, const fm_act *x, const int32_t *topk_idx,
                             const float *topk_w, int64_t N, int64_t K, const int32_t *chunk_tokens,
                             fm_moe_ep_ws *ws, double timeout_s);
 
 /* Backward: dx [N,H] and dtopk_w [N,k] assigned from dy [N,H], this rank's experts' weight
  * gradients g (shapes of w) accumulated (+=) over every rank's tokens routed to them; recomputes
- * each chunk's forward first. Arguments, collective rules and errors: those of the forward. */
+ * each chunk's forward first (ex->forward, then ex->backward). Arguments, collective rules and
+ * errors: those of the forward. */
 fm_status fm_moe_ep_backward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
-                             const fm_moe_weights *w, const fm_moe_grads *g, fm_act *dx, float *dtopk_w,
+                             const fm_moe_experts *ex, const fm_moe_weights *w, const fm_moe_grads *g, fm_act *dx, float *dtopk_w,
                              const fm_act *dy, const fm_act *x, const int32_t *topk_idx, const float *topk_w,
                              int64_t N, int64_t K, const int32_t *chunk_tokens, fm_moe_ep_ws *ws,
                              double timeout_s);

@@ -7,8 +7,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../model/fm_experts.h"
-
 /* Wraps a communicator failure with the operator and chunk. */
 fm_status fm_ep_comm_fail(const ep_call *c, fm_status st, int64_t j) {
     char msg[512];
@@ -315,11 +313,10 @@ fm_status fm_ep_chunk_experts(const ep_call *c, int64_t j, const fm_act *x, cons
     FM_TRY(fm_ep_agree(c, j, n, err, R));
     if (ws->spill) FM_TRY(ep_weights_out(c, j));
     FM_TRY(fm_ep_to_owners(c, j));
-    const fm_moe_dims dl = {d->H, d->I, ws->E_loc, 1}; /* the owner's rows, one per route */
-    if (*R > 0) {
+    if (*R > 0) { /* the owner's rows, one per route: the experts over c->dl */
         be->ops->gather_rows(be->ctx, ws->exp.xe, ws->recv, ws->perm, *R, Hb);
         const int64_t Rn = ws->exp.offsets[ws->E_loc];
-        fm_experts_forward(be, &dl, c->w, &ws->exp, Rn);
+        c->ex->forward(be, &c->dl, c->w, &ws->exp, &ws->exp_ws, Rn);
         if (ws->spill && *R > Rn) {
             fm_moe_routes hv;
             fm_moe_ws hw;
@@ -327,7 +324,7 @@ fm_status fm_ep_chunk_experts(const ep_call *c, int64_t j, const fm_act *x, cons
             fm_moe_grads gv;
             fm_moe_dims dv;
             fm_ep_hosted(c, &hv, &hw, &wv, &gv, &dv);
-            fm_experts_forward(be, &dv, &wv, &hv, *R - Rn);
+            c->ex->forward(be, &dv, &wv, &hv, &hw, *R - Rn); /* (native: fp8 refuses --llep) */
         }
         be->ops->scatter_rows(be->ctx, ws->recv, ws->exp.ye, ws->perm, *R, Hb);
     }

@@ -27,6 +27,8 @@ typedef struct ep_call {
     const fm_backend *be;
     const fm_comm *comm;
     const fm_moe_dims *d;
+    const fm_moe_experts *ex; /* the experts (the glue's table; fm_moe_dispatch.h) */
+    fm_moe_dims dl;           /* the dims they see at the owner (fm_moe_ep_local_dims) */
     const fm_moe_weights *w;
     fm_moe_ep_ws *ws;
     double timeout_s;

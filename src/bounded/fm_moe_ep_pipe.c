@@ -2,8 +2,6 @@
  * chunk i+1's dispatch exchange beside chunk i's expert GEMMs, chunk i's return beside chunk i+1's. */
 #include "fm_moe_ep_internal.h"
 
-#include "../model/fm_experts.h"
-
 /* One chunk in flight: its tokens, rows received, and the marks and tickets of its exchanges. */
 typedef struct ep_chunk {
     int64_t n, R;
@@ -60,17 +58,16 @@ static fm_status ep_pipe_owner(const ep_call *c, int64_t j, bool backward, const
     fm_moe_ep_ws *ws = c->ws;
     const fm_moe_dims *d = c->d;
     const int64_t Hb = d->H * (int64_t)sizeof(fm_act), R = ch->R;
-    const fm_moe_dims dl = {d->H, d->I, ws->E_loc, 1};
     fm_ep_view(ws, j);
     fm_status st = fm_comm_join(c->comm, ch->ticket);
     if (st != FM_OK) return fm_ep_comm_fail(c, st, j);
     if (R > 0 && !backward) {
         be->ops->gather_rows(be->ctx, ws->exp.xe, ws->recv, ws->perm, R, Hb);
-        fm_experts_forward(be, &dl, c->w, &ws->exp, R);
+        c->ex->forward(be, &c->dl, c->w, &ws->exp, &ws->exp_ws, R);
         be->ops->scatter_rows(be->ctx, ws->recv, ws->exp.ye, ws->perm, R, Hb);
     } else if (R > 0) {
         be->ops->gather_rows(be->ctx, ws->exp_ws.dye, ws->recv, ws->perm, R, Hb);
-        fm_experts_backward(be, &dl, c->w, g, &ws->exp, &ws->exp_ws, R);
+        c->ex->backward(be, &c->dl, c->w, g, &ws->exp, &ws->exp_ws, R);
         be->ops->scatter_rows(be->ctx, ws->recv, ws->exp_ws.dxe, ws->perm, R, Hb);
     }
     st = fm_comm_mark(c->comm, &ch->mark);

@@ -160,3 +160,39 @@ void fm_experts_fp8_backward(const fm_backend *be, const fm_moe_dims *d, const f
     fm_phase_mark(be, FM_PHASE_EXPERTS);
     wgrad(be, g->w_up, A, B, wq->w_up, off, E, H, I);
 }
+
+/* ---- the two tables (fm_moe_experts) ---- */
+
+static fm_status refuse_llep(bool llep, const char *name) {
+    if (!llep) return FM_OK;
+    return fm_error(FM_ERR_UNSUPPORTED, "--expert-precision fp8 (%s) with least-loaded placement (--llep): a hosted "
+                    "expert arrives as weights the fp8 experts would have to quantize again; drop --llep or use "
+                    "--expert-precision bf16", name);
+}
+
+static fm_status emulated_serves(const fm_backend *be, const fm_moe_dims *d, int64_t rows_max, int ep, bool llep) {
+    (void)d, (void)rows_max, (void)ep;
+    if (!(be->ops->quant_fp8_rows && be->ops->quant_fp8_blocks && be->ops->quant_fp8_cols_grouped))
+        return fm_error(FM_ERR_UNSUPPORTED, "--expert-precision fp8: the %s backend has no FP8 quantization ops "
+                        "(quant_fp8_*); use --expert-precision bf16", be->ops->name);
+    return refuse_llep(llep, "emulated");
+}
+
+static fm_status codes_serves(const fm_backend *be, const fm_moe_dims *d, int64_t rows_max, int ep, bool llep) {
+    if (!fm_backend_fp8_codes_serves(be, d->E, d->H, d->I, rows_max))
+        return fm_error(FM_ERR_UNSUPPORTED, "--expert-precision fp8 on E4M3 codes: the %s backend does not serve "
+                        "%lld experts%s of hidden %lld, intermediate %lld over %lld rows (needs the fp8 code ops, "
+                        "sizes multiples of 128); leave fm_layout_opts.expert_fp8_codes unset for the emulation",
+                        be->ops->name, (long long)d->E, ep > 1 ? " per rank" : "", (long long)d->H, (long long)d->I,
+                        (long long)rows_max);
+    return refuse_llep(llep, "E4M3 codes");
+}
+
+static size_t fp8_ws_bytes(const fm_moe_dims *d, int64_t rows, size_t act_bytes) {
+    return fm_moe_fp8_bytes(d, rows, act_bytes);
+}
+
+const fm_moe_experts fm_experts_fp8_emulated = {"fp8 emulated", emulated_serves, fp8_ws_bytes, fm_experts_fp8_weights,
+                                                fm_experts_fp8_forward, fm_experts_fp8_backward};
+const fm_moe_experts fm_experts_fp8_codes = {"fp8 codes", codes_serves, fp8_ws_bytes, fm_experts_fp8_weights,
+                                             fm_experts_fp8_forward, fm_experts_fp8_backward};

@@ -33,8 +33,11 @@
  * output with its rows operand (fp8_swiglu_fwd_quant), dy's two operands in one pass
  * (fp8_quant_dual), and the SwiGLU backward's dgate, dup straight into their four operands
  * (fp8_swiglu_bwd_quant: no fm_act dh_gate, dh_up on this path); the same bytes as the unfused
- * ops. Bytes: fm_moe_ws_bytes's fp8 term. The emulation needs the backend's
- * quant_fp8_* ops and the host-offset expert GEMMs (not sync-free). */
+ * ops. Bytes: fm_moe_fp8_bytes (fm_moe_ws_bytes's fp8 term, fm_moe_ep_bound's fp8 part). The
+ * emulation needs the backend's quant_fp8_* ops and the host-offset expert GEMMs (not
+ * sync-free). Under expert parallelism the same functions run at the owner of the rows over its
+ * E/ep experts (the EP operator's exp_ws holds their operands, quantized by the glue per layer
+ * call). */
 #ifndef FM_EXPERTS_FP8_H
 #define FM_EXPERTS_FP8_H
 
@@ -60,5 +63,15 @@ void fm_experts_fp8_forward(const fm_backend *be, const fm_moe_dims *d, const fm
  * path: ws->a8, a8u, t8, wq unused, and ws->dh_gate, dh_up NULL, never written). */
 void fm_experts_fp8_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *wq,
                              const fm_moe_grads *g, const fm_moe_routes *r, fm_moe_ws *ws, int64_t n);
+
+/* The two fp8 tables (bounded/fm_moe_dispatch.h's fm_moe_experts) over the functions above:
+ * weights fm_experts_fp8_weights, forward and backward as above, ws_bytes fm_moe_fp8_bytes.
+ * fm_experts_fp8_emulated (d->fp8, not d->fp8_codes) serves a backend with the quant_fp8_* ops;
+ * fm_experts_fp8_codes (d->fp8 and d->fp8_codes) one whose fp8 code ops serve E = d->E experts of
+ * d->H x d->I over rows_max rows (fm_backend_fp8_codes_serves). Both serve expert parallelism
+ * (the EP operator runs them at the owner over fm_moe_ep_local_dims) but not least-loaded
+ * placement (llep): FM_ERR_UNSUPPORTED naming the flag to drop. */
+extern const fm_moe_experts fm_experts_fp8_emulated;
+extern const fm_moe_experts fm_experts_fp8_codes;
 
 #endif

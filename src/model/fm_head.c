@@ -13,31 +13,35 @@
 #define CTX (m->be.ctx)
 #define PHASE(p) fm_phase_mark(&m->be, FM_PHASE_##p)
 
-void fm_model_embed_forward(fm_model *m, bool with_targets) {
+fm_status fm_model_embed_forward(fm_model *m, const fm_batch *b) {
     const int64_t N = m->N, H = m->cfg.hidden_size;
     const size_t bytes = sizeof(int32_t) * (size_t)N;
+    FM_TRY(fm_batch_check(b, m->B, m->T, m->cfg.vocab_size));
     PHASE(OTHER);
     /* sync point "token upload": the previous upload has left the pinned staging */
     OPS->event_sync(CTX, FM_EVENT_TOKENS);
-    memcpy(m->pin_tokens, m->h_tokens, bytes);
+    memcpy(m->pin_tokens, b->tokens, bytes);
     OPS->copy_async(CTX, m->tokens, m->pin_tokens, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
-    if (with_targets) {
-        memcpy(m->pin_targets, m->h_targets, bytes);
+    if (b->targets) {
+        memcpy(m->pin_targets, b->targets, bytes);
         OPS->copy_async(CTX, m->targets, m->pin_targets, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
     }
     OPS->event_record(CTX, FM_EVENT_TOKENS, FM_STREAM_COMPUTE);
     OPS->embedding_fwd(CTX, m->boundary[0], m->tokens, m->w.embed, N, H);
+    return FM_OK;
 }
 
-void fm_model_embed_backward(fm_model *m, const fm_act *dx0) {
+fm_status fm_model_embed_backward(fm_model *m, const fm_act *dx0) {
     PHASE(OTHER);
     OPS->embedding_bwd(CTX, m->g.embed, dx0, m->tokens, m->N, m->cfg.hidden_size);
+    return FM_OK;
 }
 
 /* The batch's valid targets: this rank's, counted on the host, summed over m->comm. */
-static fm_status count_valid(fm_model *m, fm_loss *r) {
+static fm_status count_valid(fm_model *m, const fm_batch *b, fm_loss *r) {
     int64_t valid = 0;
-    for (int64_t n = 0; n < m->N; n++) valid += m->h_targets[n] != -100;
+    FM_ASSERT(b->targets && b->B * b->T == m->N);
+    for (int64_t n = 0; n < m->N; n++) valid += b->targets[n] != -100;
     if (m->comm) FM_TRY(fm_comm_allreduce_sum_i64(m->comm, &valid, 1, 0));
     m->n_valid = r->n_valid = valid;
     return FM_OK;
@@ -86,12 +90,13 @@ static void final_norm(fm_model *m) {
     PHASE(LOSS);
 }
 
-fm_status fm_model_head_forward(fm_model *m, bool with_targets, fm_loss *r) {
+fm_status fm_model_head_forward(fm_model *m, const fm_batch *b, fm_loss *r) {
     const fm_config *c = &m->cfg;
     const int64_t N = m->N, H = c->hidden_size, V = c->vocab_size;
+    const bool with_targets = b->targets != NULL;
     final_norm(m);
     m->n_valid = r->n_valid = 0;
-    if (with_targets) FM_TRY(count_valid(m, r));
+    if (with_targets) FM_TRY(count_valid(m, b, r));
     if (m->linear_ce) {
         FM_ASSERT(with_targets); /* a linear-CE layout has no logits to sample from */
         FM_TRY(linear_ce(m, false, 1.0f));
@@ -114,12 +119,11 @@ static void final_norm_backward(fm_model *m) {
                      m->rstd_f, m->N, c->hidden_size);
 }
 
-void fm_model_head_backward(fm_model *m, float scale) {
+fm_status fm_model_head_backward(fm_model *m, float scale) {
     const fm_config *c = &m->cfg;
     PHASE(LOSS);
     if (m->linear_ce) {
-        const fm_status st = linear_ce(m, true, scale);
-        if (st != FM_OK && m->vocab_status == FM_OK) m->vocab_status = st;
+        FM_TRY(linear_ce(m, true, scale)); /* the ring's error (its communicator's) */
     } else {
         /* m->logits holds dloss/dlogits (mean CE) from the forward; the GEMMs scale it (alpha)
          * for accumulation. */
@@ -127,16 +131,17 @@ void fm_model_head_backward(fm_model *m, float scale) {
                       c->vocab_size, scale);
     }
     final_norm_backward(m);
+    return FM_OK;
 }
 
-fm_status fm_model_head_train(fm_model *m, float scale, fm_loss *r) {
+fm_status fm_model_head_train(fm_model *m, const fm_batch *b, float scale, fm_loss *r) {
+    if (!b->targets) return fm_error(FM_ERR_ARG, "training step: the batch has no targets (fm_batch.targets NULL)");
     if (!m->linear_ce) {
-        FM_TRY(fm_model_head_forward(m, true, r));
-        fm_model_head_backward(m, scale);
-        return FM_OK;
+        FM_TRY(fm_model_head_forward(m, b, r));
+        return fm_model_head_backward(m, scale);
     }
     final_norm(m);
-    FM_TRY(count_valid(m, r));
+    FM_TRY(count_valid(m, b, r));
     FM_TRY(linear_ce(m, true, scale)); /* loss and gradients in one pass over the strips */
     FM_TRY(reduce_loss(m));
     final_norm_backward(m);

@@ -32,6 +32,7 @@ static fm_moe_dims moe_dims(const fm_model *m) {
 void fm_model_fp8_cache_invalidate(fm_model *m) {
     if (m->moe_fp8_fresh) memset(m->moe_fp8_fresh, 0, sizeof(bool) * (size_t)m->cfg.num_hidden_layers);
     m->moe_ws.w8_holds = -1; /* without the cache: the one set's codes are of the old weights */
+    m->moe_ep_ws.exp_ws.w8_holds = -1; /* the same for the EP owner's set */
 }
 
 fm_act *fm_model_boundary(fm_model *m, int64_t l) {
@@ -95,11 +96,12 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
                              m->results + FM_RESULT_LAYERS + 2 * l, ln2, w->router, N, H));
     const fm_moe_dims md = moe_dims(m);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
-    if (m->moe_ep_comm) /* expert parallelism (--ep): the experts of the ep group */
+    if (m->moe_ep_comm) { /* expert parallelism (--ep): the experts of the ep group */
+        m->moe_ep_ws.exp_ws.w8_layer = l; /* --fp8-weight-cache: this layer's codes */
         FM_TRY(fm_moe_ep_layer_forward(&m->be, m->moe_ep_comm, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w,
                                        N, m->moe_K, m->moe_chunk_order, &m->moe_ep_ws, m->moe_ws.counts,
                                        m->moe_ep_counts_host));
-    else {
+    } else {
         m->moe_ws.w8_layer = l; /* --fp8-weight-cache: this layer's codes */
         fm_moe_forward(&m->be, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w, N, m->moe_K,
                        m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
@@ -142,11 +144,11 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     const fm_moe_dims md = moe_dims(m);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down};
-    if (m->moe_ep_comm) { /* expert parallelism: an error is kept for the trainer (m->moe_ep_status) */
-        if (m->moe_ep_status == FM_OK)
-            m->moe_ep_status = fm_moe_ep_layer_backward(&m->be, m->moe_ep_comm, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy,
-                                                        ln2, a->router.topk_idx, a->router.topk_w, N, m->moe_K,
-                                                        m->moe_chunk_order, &m->moe_ep_ws);
+    if (m->moe_ep_comm) { /* expert parallelism: the ep group's error, the same on every rank */
+        m->moe_ep_ws.exp_ws.w8_layer = l;
+        FM_TRY(fm_moe_ep_layer_backward(&m->be, m->moe_ep_comm, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2,
+                                        a->router.topk_idx, a->router.topk_w, N, m->moe_K, m->moe_chunk_order,
+                                        &m->moe_ep_ws));
     } else {
         m->moe_ws.w8_layer = l;
         fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2, a->router.topk_idx, a->router.topk_w, N,

@@ -8,6 +8,7 @@
 
 #include "../bounded/fm_linear_ce.h"
 #include "../bounded/fm_linear_ce_ring.h"
+#include "fm_experts.h"
 #include "fm_model_internal.h"
 
 /* ------------------------------------------------------------------------------------------ */
@@ -232,11 +233,8 @@ void fm_model_free_layout(fm_model *m) {
     fm_free(m->moe_fp8_fresh);
     m->moe_fp8_fresh = NULL;
     fm_free(m->acts);
-    fm_free(m->h_tokens);
-    fm_free(m->h_targets);
     m->boundary = NULL;
     m->acts = NULL;
-    m->h_tokens = m->h_targets = NULL;
 }
 
 static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layout_opts *opts,
@@ -294,7 +292,6 @@ static fm_status vocab_ring_setup(fm_model *m, int P) {
     m->vocab_rank = 0;
     m->vocab_first = 0;
     m->vocab_rows = m->cfg.vocab_size;
-    m->vocab_status = FM_OK;
     if (P <= 1) return FM_OK;
     if (!m->linear_ce)
         return fm_error(FM_ERR_ARG, "--vocab-parallel ring: the ring is the linear cross-entropy, but the layout has plain "
@@ -349,12 +346,6 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
         return fm_error(FM_ERR_ARG, "--ce-block-tokens and --ce-block-vocab must be >= 0");
     m->moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
     m->moe_fp8 = opts && opts->expert_fp8;
-    if (m->moe_fp8 && opts->ep > 1)
-        return fm_error(FM_ERR_ARG, "--expert-precision fp8 with --ep %d: the FP8 experts are not built for expert "
-                        "parallelism yet; drop --ep or use --expert-precision bf16", opts->ep);
-    if (m->moe_fp8 && !(m->be.ops->quant_fp8_rows && m->be.ops->quant_fp8_blocks && m->be.ops->quant_fp8_cols_grouped))
-        return fm_error(FM_ERR_UNSUPPORTED, "--expert-precision fp8: the %s backend has no FP8 quantization ops "
-                        "(quant_fp8_*); use --expert-precision bf16", m->be.ops->name);
     m->linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
     m->ce_block_tokens = opts ? opts->ce_block_tokens : 0;
     m->ce_block_vocab = opts ? opts->ce_block_vocab : 0;
@@ -392,15 +383,22 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
             return fm_error(FM_ERR_ARG, "--fp8-weight-cache keeps the E4M3 weight codes of --expert-precision fp8's fast "
                             "path, but this run's experts %s; drop --fp8-weight-cache",
                             m->moe_fp8 ? "run the fp8 emulation (no E4M3 codes here)" : "are not fp8");
-        if (m->moe_fp8_codes && !(ep == 1 && fm_backend_fp8_codes_serves(&m->be, c->num_experts, c->hidden_size,
-                                                                         c->moe_intermediate_size, rows_max)))
-            return fm_error(FM_ERR_UNSUPPORTED, "--expert-precision fp8 on E4M3 codes: the %s backend does not serve "
-                            "%lld experts of hidden %lld, intermediate %lld over %lld rows (needs the fp8 code ops, "
-                            "sizes multiples of 128, no --ep); leave fm_layout_opts.expert_fp8_codes unset for the "
-                            "emulation", m->be.ops->name, (long long)c->num_experts, (long long)c->hidden_size,
-                            (long long)c->moe_intermediate_size, (long long)rows_max);
-        if (m->moe_fp8)
-            m->moe_sync_free = m->moe_fp8_codes && m->be.ops->moe_count_add != NULL;
+        /* the experts' precision must serve this backend and shape (fm_moe_experts.serves): on one
+         * rank over dispatches of rows_max rows; under --ep at the owner over its E/ep experts and
+         * the R_max rows it may receive (fm_moe_ep_bound) */
+        fm_moe_dims ed = moe_dims(c);
+        ed.fp8 = m->moe_fp8;
+        ed.fp8_codes = m->moe_fp8_codes;
+        int64_t ex_rows = rows_max;
+        if (ep > 1) {
+            ed = fm_moe_ep_local_dims(&ed, ep);
+            const int64_t k = c->num_experts_per_tok;
+            ex_rows = (int64_t)ep * c_eff * (k < ed.E ? k : ed.E);
+        }
+        FM_TRY(fm_experts_select(&ed)->serves(&m->be, &ed, ex_rows, ep, ep > 1 && m->moe_llep.on));
+        if (m->moe_fp8) /* sync-free where the codes' ops read the offsets on the device (not under
+                         * --ep: the all-to-all needs the counts on the host) */
+            m->moe_sync_free = ep == 1 && m->moe_fp8_codes && m->be.ops->moe_count_add != NULL;
         else
             m->moe_sync_free = ep == 1 && m->be.ops->expert_sync_free &&
                                m->be.ops->expert_sync_free(m->be.ctx, c->num_experts, c->hidden_size,
@@ -420,11 +418,9 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     fm_status st;
     m->boundary = fm_malloc(sizeof(fm_act *) * (size_t)(L + 1));
     m->acts = fm_malloc(sizeof(fm_layer_acts) * (size_t)L);
-    m->h_tokens = fm_malloc(sizeof(int32_t) * (size_t)(B * T));
-    m->h_targets = fm_malloc(sizeof(int32_t) * (size_t)(B * T));
-    if (!m->boundary || !m->acts || !m->h_tokens || !m->h_targets) {
+    if (!m->boundary || !m->acts) {
         fm_model_free_layout(m);
-        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the layer tables and host staging");
+        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the layer tables");
     }
     for (int i = 1; i < FM_LIVE_COUNT; i++) {
         st = fm_arena_init_backend(&m->arena[i], fm_live_set_names[i], bytes[i], &m->be);
@@ -451,6 +447,7 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
         FM_ASSERT(m->moe_fp8_fresh); /* L bytes, at layout */
         memset(m->moe_fp8_fresh, 0, sizeof(bool) * (size_t)L);
         m->moe_ws.w8_fresh = m->moe_fp8_fresh;
+        m->moe_ep_ws.exp_ws.w8_fresh = m->moe_fp8_fresh; /* (under --ep: the owner's sets) */
     }
     st = fm_attn_sp_init(&m->sp_attn, &m->be, m->sp_comm);
     if (st) {

@@ -21,6 +21,7 @@
 #include "../bounded/fm_moe_ep.h"
 #include "../core/fm_arena.h"
 #include "fm_attn_sp.h"
+#include "fm_batch.h"
 #include "fm_config.h"
 #include "fm_router.h"
 
@@ -112,8 +113,7 @@ typedef struct fm_model {
     bool *keep_attention; /* [L]: a recomputed layer with its own attention output and lse
                              (kept to backward, never recomputed); false where not recomputed */
     float *rope_cos, *rope_sin; /* [T, hd/2] backend memory */
-    int32_t *tokens, *targets;  /* [N] backend memory (uploaded from h_tokens/h_targets) */
-    int32_t *h_tokens, *h_targets; /* [B_cap*T_cap] host memory: callers write the batch here */
+    int32_t *tokens, *targets;  /* [N] backend memory (uploaded from the batch, fm_batch.h) */
     int32_t *pin_tokens, *pin_targets; /* [N] pinned staging of the upload (host arena) */
     double *pin_results;        /* [fm_model_results_count] pinned copy of results (host arena) */
     double *results;            /* [fm_model_results_count] backend memory: the micro-batch's
@@ -166,8 +166,6 @@ typedef struct fm_model {
     const fm_comm *vocab_comm;  /* the ring's ranks (the world), backend memory; set before the layout */
     int vocab_P, vocab_rank;
     int64_t vocab_first, vocab_rows;
-    fm_status vocab_status;     /* the ring's first error in fm_model_head_backward (which returns
-                                   void); FM_OK otherwise. fm_model_head_train returns its errors */
 
     /* Expert parallelism (--ep, README "Many ranks"; bounded/fm_moe_ep.h): with ep > 1 the table
      * holds this rank's E_loc = E/ep experts of every layer (experts ep_rank*E_loc .., under their
@@ -179,8 +177,6 @@ typedef struct fm_model {
     const fm_comm *moe_ep_comm; /* the ep group (backend memory); NULL: the local MoE */
     fm_llep_opts moe_llep;      /* least-loaded placement (--llep); .on false: plain EP */
     fm_moe_ep_ws moe_ep_ws;
-    fm_status moe_ep_status;    /* the first EP error of a layer backward (which returns void); the
-                                   trainer checks it after the backward (fm_train_step) */
     int32_t *moe_ep_counts_host; /* [N*k] host copy of top-k ids for the expert-load counts when the
                                    backend's memory is not host memory (fm_malloc'd at layout) */
 
@@ -262,12 +258,15 @@ typedef struct fm_layout_opts {
                                   (fm_model_vocab_ring_bytes) instead of the one-rank strip */
     bool expert_fp8;           /* --expert-precision fp8: the expert GEMMs on blockwise-E4M3
                                   fake-quantized operands (model/fm_experts_fp8.h); the expert
-                                  live set holds the quantized copies (fm_moe_ws_bytes). Needs the
-                                  backend's quant_fp8_* ops and ep <= 1; the expert GEMMs then run
-                                  on the host offsets (never sync-free) */
+                                  live set holds the quantized copies (fm_moe_ws_bytes; under ep > 1
+                                  the owner's, fm_moe_ep_bound's fp8 part). The experts' table must
+                                  serve the backend (model/fm_experts.h: fm_moe_experts.serves, the
+                                  backend's quant_fp8_* ops; not with llep); the expert GEMMs then
+                                  run on the host offsets (never sync-free) */
     bool expert_fp8_codes;     /* with expert_fp8: the fast path on E4M3 codes (the backend's
-                                  fp8 code ops; fm_backend_fp8_codes_serves must hold, else
-                                  fm_model_layout fails): the expert live set holds the code
+                                  fp8 code ops; the codes table's serves, fm_backend_fp8_codes_serves
+                                  for E (under ep: E/ep) experts, must hold, else fm_model_layout
+                                  fails): the expert live set holds the code
                                   operands instead (fm_moe_ws_bytes); sync-free where the backend
                                   adds the expert-load counts on the device */
     bool expert_fp8_cache;     /* with expert_fp8_codes: the weight codes of every layer kept for
@@ -383,11 +382,12 @@ typedef struct fm_loss {
  * with dy = grad_buffer(0), dx = grad_buffer(1) at the start. Parameter gradients accumulate
  * (+=), scaled by `scale` (1/G for G-step accumulation); activation gradients are assigned. */
 
-/* Uploads m->h_tokens [B,T] (and m->h_targets with targets) and embeds the tokens into
- * boundary 0. The upload goes through pinned staging asynchronously; the host first waits for
- * the previous upload to finish (a sync point, FM_EVENT_TOKENS), so callers may rewrite
- * h_tokens whenever they like. */
-void fm_model_embed_forward(fm_model *m, bool with_targets);
+/* Uploads the batch b's tokens [B,T] (and its targets, when b->targets) and embeds the tokens
+ * into boundary 0. The upload goes through pinned staging asynchronously; the host first waits
+ * for the previous upload to finish (a sync point, FM_EVENT_TOKENS), so callers may rewrite
+ * their batch whenever they like after the call. Errors: FM_ERR_ARG (fm_batch_check) when b's
+ * shape is not the active one (m->B x m->T) or a token or target is out of range. */
+fm_status fm_model_embed_forward(fm_model *m, const fm_batch *b);
 /* Layer l's forward from boundary l into y [N,H] (boundary l+1, or the free gradient buffer
  * when the schedule recomputes the layer in backward), saving into layer l's saved set (shared
  * by the recomputed layers). The router's loss terms of the layer land in m->results at
@@ -404,23 +404,29 @@ fm_status fm_model_layer_recompute(fm_model *m, int64_t l, fm_act *y, bool skip_
 /* Layer l's backward from its output gradient dy [N,H] (clobbered) into dx [N,H] (assigned),
  * reading boundary l and the layer's saved set (recomputed by the schedule first if the layer is
  * recomputed). dy and dx are the two gradient buffers. Errors: with sequence parallelism, the
- * sp group's (attention's all-to-alls); FM_OK otherwise. */
+ * sp group's (attention's all-to-alls); under expert parallelism the EP operator's
+ * (fm_moe_ep_backward: the same on every rank of the ep group); FM_OK otherwise. */
 fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx, float scale);
 /* Final norm of boundary L and the loss: plain logits (and, with targets, the cross-entropy and
  * its gradient formed in place), or the linear cross-entropy (targets required). The loss sum
  * lands in m->results[FM_RESULT_CE]; sets r->n_valid (and m->n_valid), counted on the host.
  * With m->comm both are the batch's: the count and the loss sum are all-reduced over its ranks
- * (the gradient's mean is over the batch's valid targets). Errors: the communicator's. */
-fm_status fm_model_head_forward(fm_model *m, bool with_targets, fm_loss *r);
+ * (the gradient's mean is over the batch's valid targets). b: the batch of the last
+ * fm_model_embed_forward (its targets counted on the host; b->targets NULL: no targets, logits
+ * only). Errors: the communicator's. */
+fm_status fm_model_head_forward(fm_model *m, const fm_batch *b, fm_loss *r);
 /* Backward of the head after fm_model_head_forward with targets: the LM head's gradient
- * (accumulated) and the gradient of boundary L into grad buffer 0. */
-void fm_model_head_backward(fm_model *m, float scale);
+ * (accumulated) and the gradient of boundary L into grad buffer 0. Errors: under Ring-DTP
+ * (m->vocab_P > 1) the ring's (its communicator's, or arguments that differ between the ranks);
+ * FM_OK otherwise. */
+fm_status fm_model_head_backward(fm_model *m, float scale);
 /* Forward and backward of the head in one call (what training runs): the same results as
  * head_forward + head_backward, but the linear cross-entropy runs once, fused. The loss sums
  * land in m->results (read them after a sync point); r->n_valid is set. */
-fm_status fm_model_head_train(fm_model *m, float scale, fm_loss *r);
-/* Backward of the embedding from the gradient of boundary 0 (accumulated into its weight). */
-void fm_model_embed_backward(fm_model *m, const fm_act *dx0);
+fm_status fm_model_head_train(fm_model *m, const fm_batch *b, float scale, fm_loss *r);
+/* Backward of the embedding from the gradient of boundary 0 (accumulated into its weight).
+ * Errors: none today (FM_OK); a status so that the schedule treats every piece alike. */
+fm_status fm_model_embed_backward(fm_model *m, const fm_act *dx0);
 /* The residual-stream boundary l in [0, L] ([N,H]), and the two [N,H] gradient buffers
  * (i = 0, 1) of the backward. */
 fm_act *fm_model_boundary(fm_model *m, int64_t l);

@@ -1,8 +1,9 @@
-/* The MoE block's glue: the dispatcher's schedule around the experts (fm_moe_layer.h). */
+/* The MoE block's glue: the dispatcher's schedule around the experts (fm_moe_layer.h), the only
+ * caller of the experts' table (fm_experts.h: fm_experts_select), on one rank and under expert
+ * parallelism alike. */
 #include "fm_moe_layer.h"
 
 #include "fm_experts.h"
-#include "fm_experts_fp8.h"
 
 /* The expert load of one dispatch into ws->counts [E] (when set): rows per expert. Sync-free
  * (the offsets not yet on the host): added on the device, into counts in pinned host memory
@@ -16,32 +17,17 @@ static void count_load(const fm_backend *be, const fm_moe_dims *d, const fm_moe_
     for (int64_t e = 0; e < d->E; e++) ws->counts[e] += r->offsets[e + 1] - r->offsets[e];
 }
 
-/* The experts of one dispatch in the layer's precision: --expert-precision fp8 runs them on the
- * quantized weights wq (fm_experts_fp8.h), bf16 (native) as they are. */
-static void experts_fwd(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_routes *r,
-                        fm_moe_ws *ws, int64_t n) {
-    if (d->fp8) fm_experts_fp8_forward(be, d, w, r, ws, n);
-    else fm_experts_forward(be, d, w, r, n);
-}
-
-static void experts_bwd(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, const fm_moe_grads *g,
-                        const fm_moe_routes *r, fm_moe_ws *ws, int64_t n) {
-    if (d->fp8) fm_experts_fp8_backward(be, d, w, g, r, ws, n);
-    else fm_experts_backward(be, d, w, g, r, ws, n);
-}
-
 void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_act *y,
                     const fm_act *x, const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
                     const int32_t *chunk_tokens, fm_moe_routes *saved, fm_moe_ws *ws) {
+    const fm_moe_experts *ex = fm_experts_select(d);
     fm_moe_weights wq;
-    if (d->fp8) { /* the layer's weights quantized once, for every chunk */
-        fm_experts_fp8_weights(be, d, w, ws, &wq, false);
-        w = &wq;
-    }
+    ex->weights(be, d, w, ws, &wq, false); /* fp8: the layer's weights quantized once, for every chunk */
+    w = &wq;
     if (saved) {
         fm_moe_dispatch(be, d, saved, x, topk_idx, N);
         count_load(be, d, ws, saved);
-        experts_fwd(be, d, w, saved, ws, N);
+        ex->forward(be, d, w, saved, ws, N);
         fm_moe_combine(be, d, saved, y, topk_w, N);
         return;
     }
@@ -53,7 +39,7 @@ void fm_moe_forward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_wei
         fm_moe_chunk_gather(be, d, ws, x, topk_idx, topk_w, tok, n);
         fm_moe_dispatch(be, d, &ws->r, ws->xc, ws->topk_idx, n);
         count_load(be, d, ws, &ws->r);
-        experts_fwd(be, d, w, &ws->r, ws, n);
+        ex->forward(be, d, w, &ws->r, ws, n);
         fm_moe_combine(be, d, &ws->r, ws->yc, ws->topk_w, n);
         fm_moe_chunk_scatter(be, y, ws->yc, tok, n, Hb);
     }
@@ -63,15 +49,15 @@ void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_we
                      const fm_moe_grads *g, fm_act *dx, float *dtopk_w, const fm_act *dy, const fm_act *x,
                      const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
                      const int32_t *chunk_tokens, const fm_moe_routes *saved, fm_moe_ws *ws) {
+    const fm_moe_experts *ex = fm_experts_select(d);
     fm_moe_weights wq;
-    if (d->fp8) { /* this layer's codes from its forward or recompute just before (and with
-                   * --fp8-weight-cache its forward's, kept), else quantized again: the same bits */
-        fm_experts_fp8_weights(be, d, w, ws, &wq, true);
-        w = &wq;
-    }
+    /* fp8: this layer's codes from its forward or recompute just before (and with
+     * --fp8-weight-cache its forward's, kept), else quantized again: the same bits */
+    ex->weights(be, d, w, ws, &wq, true);
+    w = &wq;
     if (saved) {
         fm_moe_combine_backward(be, d, saved, ws->dye, dtopk_w, dy, topk_w, N);
-        experts_bwd(be, d, w, g, saved, ws, N);
+        ex->backward(be, d, w, g, saved, ws, N);
         fm_moe_dispatch_backward(be, d, saved, dx, ws->dxe, N);
         return;
     }
@@ -83,10 +69,10 @@ void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_we
         fm_moe_chunk_gather(be, d, ws, x, topk_idx, topk_w, tok, n);
         /* recompute the chunk's dispatch and experts (no combine: backward needs only ye) */
         fm_moe_dispatch(be, d, &ws->r, ws->xc, ws->topk_idx, n);
-        experts_fwd(be, d, w, &ws->r, ws, n);
+        ex->forward(be, d, w, &ws->r, ws, n);
         fm_moe_chunk_gather_rows(be, ws->yc, dy, tok, n, Hb);
         fm_moe_combine_backward(be, d, &ws->r, ws->dye, ws->dtopk_w, ws->yc, ws->topk_w, n);
-        experts_bwd(be, d, w, g, &ws->r, ws, n);
+        ex->backward(be, d, w, g, &ws->r, ws, n);
         fm_moe_dispatch_backward(be, d, &ws->r, ws->dxc, ws->dxe, n);
         fm_moe_chunk_scatter(be, dx, ws->dxc, tok, n, Hb);
         fm_moe_chunk_scatter(be, dtopk_w, ws->dtopk_w, tok, n, d->k * (int64_t)sizeof(float));
@@ -108,14 +94,25 @@ fm_status fm_moe_ep_layer_forward(const fm_backend *be, const fm_comm *comm, con
         for (int64_t i = 0; i < N * d->k; i++)
             if (idx[i] >= 0 && idx[i] < d->E) counts[idx[i]]++;
     }
+    /* the experts of this rank at the owner: their table and, under fp8, this layer's weights
+     * quantized into the owner's working set once, for every chunk */
+    const fm_moe_dims dl = fm_moe_ep_local_dims(d, ws->ep);
+    const fm_moe_experts *ex = fm_experts_select(&dl);
+    fm_moe_weights wq;
+    ex->weights(be, &dl, w, &ws->exp_ws, &wq, false);
     fm_phase_mark(be, FM_PHASE_EXPERTS);
-    return fm_moe_ep_forward(be, comm, d, w, y, x, topk_idx, topk_w, N, K, chunk_tokens, ws, 0);
+    return fm_moe_ep_forward(be, comm, d, ex, &wq, y, x, topk_idx, topk_w, N, K, chunk_tokens, ws, 0);
 }
 
 fm_status fm_moe_ep_layer_backward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
                                    const fm_moe_weights *w, const fm_moe_grads *g, fm_act *dx, float *dtopk_w,
                                    const fm_act *dy, const fm_act *x, const int32_t *topk_idx, const float *topk_w,
                                    int64_t N, int64_t K, const int32_t *chunk_tokens, fm_moe_ep_ws *ws) {
+    const fm_moe_dims dl = fm_moe_ep_local_dims(d, ws->ep);
+    const fm_moe_experts *ex = fm_experts_select(&dl);
+    fm_moe_weights wq;
+    ex->weights(be, &dl, w, &ws->exp_ws, &wq, true); /* fp8: the forward's or recompute's codes, kept */
     fm_phase_mark(be, FM_PHASE_EXPERTS);
-    return fm_moe_ep_backward(be, comm, d, w, g, dx, dtopk_w, dy, x, topk_idx, topk_w, N, K, chunk_tokens, ws, 0);
+    return fm_moe_ep_backward(be, comm, d, ex, &wq, g, dx, dtopk_w, dy, x, topk_idx, topk_w, N, K, chunk_tokens, ws,
+                              0);
 }

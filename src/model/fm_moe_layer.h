@@ -35,7 +35,10 @@ void fm_moe_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_we
 /* ---- expert parallelism (bounded/fm_moe_ep.h) -------------------------------------------------
  * The MoE block of a layer under --ep: the same contract as fm_moe_forward / fm_moe_backward in
  * the chunked form, but the experts of topk_idx (global ids in [0, E)) live on the ranks of the
- * ep group `comm` and w / g are this rank's E/ep experts; the chunks are the EP operator's
+ * ep group `comm` and w / g are this rank's E/ep experts, run in d's precision (any table of
+ * fm_experts.h: the glue hands the EP operator the table and the layer's weights as the table
+ * prepares them, in ws->exp_ws; under fp8 ws->exp_ws.w8_layer names the layer, as
+ * fm_moe_ws.w8_layer does on one rank); the chunks are the EP operator's
  * (K = chunks agreed over the group, every rank running every chunk's collectives, a rank with
  * zero tokens routed to it too). counts [E] (NULL: none) += this rank's routes per expert (the
  * trainer's expert-load record, as count_load does for the local dispatch), read from topk_idx

@@ -47,11 +47,11 @@ static void wait_params(const fm_schedule *s, fm_model *m, int64_t g) {
     if (s->param_ready) m->be.ops->event_wait(m->be.ctx, FM_STREAM_COMPUTE, s->param_event0 + (int)g);
 }
 
-static fm_status forward_layers(fm_schedule *s, fm_model *m, bool with_targets) {
+static fm_status forward_layers(fm_schedule *s, fm_model *m, const fm_batch *b) {
     const int64_t L = m->cfg.num_hidden_layers;
     wait_params(s, m, 0);
     FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_EMBED, -1));
-    fm_model_embed_forward(m, with_targets);
+    FM_TRY(fm_model_embed_forward(m, b));
     for (int64_t l = 0; l < L; l++) {
         wait_params(s, m, 1 + l);
         FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_FORWARD, l));
@@ -89,44 +89,45 @@ static fm_status backward_layers(fm_schedule *s, fm_model *m, float scale) {
         FM_TRY(run_hooks(s, m, FM_HOOK_AFTER_BACKWARD, l));
     }
     FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_EMBED_BACKWARD, -1));
-    fm_model_embed_backward(m, dy);
+    FM_TRY(fm_model_embed_backward(m, dy));
     return run_hooks(s, m, FM_HOOK_AFTER_EMBED_BACKWARD, -1);
 }
 
-fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm_loss *out) {
+fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, const fm_batch *b, fm_loss *out) {
     fm_loss r;
-    FM_TRY(forward_layers(s, m, with_targets));
+    FM_TRY(forward_layers(s, m, b));
     wait_params(s, m, m->cfg.num_hidden_layers + 1);
     FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_HEAD, m->cfg.num_hidden_layers));
-    FM_TRY(fm_model_head_forward(m, with_targets, &r));
+    FM_TRY(fm_model_head_forward(m, b, &r));
     if (out) fm_model_read_loss(m, out);
     return FM_OK;
 }
 
 fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale) {
     FM_TRY(check_restores(s, m));
-    fm_model_head_backward(m, scale);
+    FM_TRY(fm_model_head_backward(m, scale));
     FM_TRY(run_hooks(s, m, FM_HOOK_AFTER_HEAD_BACKWARD, m->cfg.num_hidden_layers));
     return backward_layers(s, m, scale);
 }
 
-fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, float scale, fm_loss *out) {
+fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, const fm_batch *b, float scale, fm_loss *out) {
     fm_loss r;
     FM_TRY(check_restores(s, m));
-    FM_TRY(forward_layers(s, m, true));
+    if (!b->targets) return fm_error(FM_ERR_ARG, "training step: the batch has no targets (fm_batch.targets NULL)");
+    FM_TRY(forward_layers(s, m, b));
     wait_params(s, m, m->cfg.num_hidden_layers + 1);
     FM_TRY(run_hooks(s, m, FM_HOOK_BEFORE_HEAD, m->cfg.num_hidden_layers));
-    FM_TRY(fm_model_head_train(m, scale, &r));
+    FM_TRY(fm_model_head_train(m, b, scale, &r));
     FM_TRY(run_hooks(s, m, FM_HOOK_AFTER_HEAD_BACKWARD, m->cfg.num_hidden_layers));
     FM_TRY(backward_layers(s, m, scale));
     if (out) fm_model_read_loss(m, out);
     return FM_OK;
 }
 
-fm_status fm_schedule_default_forward(fm_model *m, bool with_targets, fm_loss *out) {
+fm_status fm_schedule_default_forward(fm_model *m, const fm_batch *b, fm_loss *out) {
     fm_schedule s;
     fm_schedule_init(&s, m);
-    return fm_schedule_forward(&s, m, with_targets, out);
+    return fm_schedule_forward(&s, m, b, out);
 }
 
 fm_status fm_schedule_default_backward(fm_model *m, float scale) {
@@ -135,8 +136,8 @@ fm_status fm_schedule_default_backward(fm_model *m, float scale) {
     return fm_schedule_backward(&s, m, scale);
 }
 
-fm_status fm_schedule_default_train_step(fm_model *m, float scale, fm_loss *out) {
+fm_status fm_schedule_default_train_step(fm_model *m, const fm_batch *b, float scale, fm_loss *out) {
     fm_schedule s;
     fm_schedule_init(&s, m);
-    return fm_schedule_train_step(&s, m, scale, out);
+    return fm_schedule_train_step(&s, m, b, scale, out);
 }

@@ -76,33 +76,38 @@ fm_status fm_schedule_add_hook(fm_schedule *s, fm_hook_fn fn, void *user);
  * AFTER_EMBED_BACKWARD, the header's comment). Errors: as fm_schedule_add_hook. */
 fm_status fm_schedule_add_group_hook(fm_schedule *s, fm_hook_fn fn, void *user);
 
-/* Forward of m->h_tokens [B,T] (and m->h_targets with targets) through the loss, saving what
- * backward needs. The losses land in m->results; with out non-NULL the call ends with a sync
- * point and fills out->ce, aux, z, n_valid (fm_model_read_loss); NULL leaves them on the device
- * and the host never waits. With targets false only m->logits is produced (for sampling; a
- * linear-CE layout needs targets). Errors: a hook's, or the model's communicator's (m->comm:
- * the valid-target count, the loss sums and the router statistics are reduced over it). */
-fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, bool with_targets, fm_loss *out);
+/* Forward of the batch b (model/fm_batch.h: tokens [B,T] of the model's active shape, and its
+ * targets) through the loss, saving what backward needs. The losses land in m->results; with out
+ * non-NULL the call ends with a sync point and fills out->ce, aux, z, n_valid
+ * (fm_model_read_loss); NULL leaves them on the device and the host never waits. Without targets
+ * (b->targets NULL) only m->logits is produced (for sampling; a linear-CE layout needs targets).
+ * Errors: FM_ERR_ARG from fm_batch_check (b's shape is not m's active one, a token or target out
+ * of range); a hook's, or the model's communicator's (m->comm: the valid-target count, the loss
+ * sums and the router statistics are reduced over it). */
+fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, const fm_batch *b, fm_loss *out);
 
 /* Backward of the last forward with targets: ACCUMULATES into m->grads, scaled by `scale`
  * (1/G for G-step accumulation); under the linear cross-entropy this runs the operator again
- * with gradients. Errors: a hook's, or the model's communicator's; FM_ERR_ARG when m's layout
+ * with gradients. Errors: the first of a hook's, the model's communicator's, the vocabulary
+ * ring's (fm_model_head_backward), the expert-parallel operator's (fm_model_layer_backward),
+ * each returned where it happens (the step stops there); FM_ERR_ARG when m's layout
  * offloads boundaries (m->n_offloaded_boundaries > 0) that no attached policy restores
  * (s->restores_boundaries). */
 fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale);
 
 /* Forward with targets and backward in one call (what the trainer runs): the same results as
  * fm_schedule_forward + fm_schedule_backward, but the linear cross-entropy runs once, fused.
- * out as in fm_schedule_forward (the trainer passes NULL and copies m->results to pinned
- * memory, read once at the step's end). Errors: a hook's, or the model's communicator's. */
-fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, float scale, fm_loss *out);
+ * b must have targets (FM_ERR_ARG otherwise). out as in fm_schedule_forward (the trainer passes NULL and copies m->results to pinned
+ * memory, read once at the step's end). Errors: as fm_schedule_forward's and
+ * fm_schedule_backward's, the first one returned. */
+fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, const fm_batch *b, float scale, fm_loss *out);
 
 /* The same with the default schedule of m (its layout's recompute set, no hooks): for
  * evaluation, sampling, tools and tests. Backward and train_step need a layout without offloaded
  * boundaries (FM_ERR_ARG otherwise). Errors: the model's communicator's (none when m->comm is
  * NULL). */
-fm_status fm_schedule_default_forward(fm_model *m, bool with_targets, fm_loss *out);
+fm_status fm_schedule_default_forward(fm_model *m, const fm_batch *b, fm_loss *out);
 fm_status fm_schedule_default_backward(fm_model *m, float scale);
-fm_status fm_schedule_default_train_step(fm_model *m, float scale, fm_loss *out);
+fm_status fm_schedule_default_train_step(fm_model *m, const fm_batch *b, float scale, fm_loss *out);
 
 #endif

@@ -25,20 +25,26 @@ fm_status fm_evaluate_sched(fm_schedule *s, fm_model *m, const fm_dataset *ds, i
     const int64_t W = (m->comm ? fm_comm_size(m->comm) : 1) / sp, q = (m->comm ? fm_comm_rank(m->comm) : 0) / sp;
     double sum = 0;
     int64_t count = 0, batches = 0;
+    fm_batch b; /* the evaluation's own batch, host memory for the call */
+    FM_TRY(fm_batch_alloc(&b, B, T, true));
+    fm_status st = FM_OK;
     for (int64_t w = 0; w < nwin; w += B * W) {
         if (max_batches > 0 && batches >= max_batches) break;
         int64_t filled = 0;
-        fm_dataset_eval_batch(ds, w + q * B, B, Tw, m->h_tokens, m->h_targets, &filled);
+        fm_dataset_eval_batch(ds, w + q * B, B, Tw, b.tokens, b.targets, &filled);
         for (int64_t i = filled * T; i < B * T; i++) {
-            m->h_tokens[i] = 0;
-            m->h_targets[i] = -100;
+            b.tokens[i] = 0;
+            b.targets[i] = -100;
         }
         fm_loss l;
-        FM_TRY(s ? fm_schedule_forward(s, m, true, &l) : fm_schedule_default_forward(m, true, &l));
+        st = s ? fm_schedule_forward(s, m, &b, &l) : fm_schedule_default_forward(m, &b, &l);
+        if (st != FM_OK) break;
         sum += l.ce * (double)l.n_valid;
         count += l.n_valid;
         batches++;
     }
+    fm_batch_free(&b);
+    FM_TRY(st);
     *mean_loss = count ? sum / (double)count : NAN;
     if (n_tokens_out) *n_tokens_out = count;
     return FM_OK;

@@ -95,8 +95,8 @@ fm_status fm_sampler_next(fm_sampler *s, int32_t *token) {
     fm_model *m = s->m;
     const int64_t T = m->T_cap, len = s->n < T ? s->n : T;
     fm_model_set_shape(m, 1, len);
-    memcpy(m->h_tokens, s->seq + s->n - len, sizeof(int32_t) * (size_t)len);
-    FM_TRY(fm_schedule_default_forward(m, false, NULL));
+    const fm_batch b = {s->seq + s->n - len, NULL, 1, len}; /* the window's tokens, no targets */
+    FM_TRY(fm_schedule_default_forward(m, &b, NULL));
     fm_model_logits_row(m, len - 1, s->row);
     for (int64_t v = 0; v < m->cfg.vocab_size; v++)
         if (!isfinite(s->row[v]))

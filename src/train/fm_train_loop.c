@@ -112,7 +112,8 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         const double ts0 = now_s();
         fm_step_stats st;
         memset(rec->counts, 0, sizeof(int64_t) * (size_t)(rec->L * rec->E));
-        FM_TRY(fm_train_step(m, r->optim, r->opt_self, &r->world, &r->step, &r->train, data_rng, o, step, &st));
+        FM_TRY(fm_step_draw(&r->step, &r->train, data_rng, o)); /* this step's micro-batches */
+        FM_TRY(fm_train_step(m, r->optim, r->opt_self, &r->world, &r->step, r->step.batches, o, step, &st));
         double phase_ms[FM_PHASE_COUNT];
         const bool profiled = m->be.ops->prof_collect(m->be.ctx, phase_ms);
         fm_phase_mark(&m->be, FM_PHASE_OTHER);

@@ -18,8 +18,21 @@ fm_status fm_step_ws_init(fm_step_ws *w, fm_model *m, int64_t grad_accum) {
     FM_TRY(fm_arena_init_backend_kind(&w->results, "step results", bytes, &m->be, FM_BUFFER_PINNED));
     w->res = fm_arena_alloc(&w->results, bytes);
     w->n_valid = fm_malloc(sizeof(int64_t) * (size_t)grad_accum);
-    if (!w->n_valid) return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the step's counters (%lld micro-batches)",
-                                     (long long)grad_accum);
+    w->batches = fm_malloc(sizeof(fm_batch) * (size_t)grad_accum);
+    if (!w->n_valid || !w->batches)
+        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the step's counters (%lld micro-batches)",
+                        (long long)grad_accum);
+    memset(w->batches, 0, sizeof(fm_batch) * (size_t)grad_accum);
+    for (int64_t g = 0; g < grad_accum; g++) FM_TRY(fm_batch_alloc(&w->batches[g], m->B, m->T, true));
+    return FM_OK;
+}
+
+fm_status fm_step_draw(fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng, const fm_train_opts *o) {
+    /* this rank's windows of the one-rank draw of W x micro_batch (the dataset's rank-aware cursor,
+     * fm_dataset_set_ranks over the world) */
+    for (int64_t g = 0; g < o->grad_accum; g++)
+        fm_dataset_sample_batch(train, data_rng, o->micro_batch, o->seq_len, w->batches[g].tokens,
+                                w->batches[g].targets);
     return FM_OK;
 }
 
@@ -38,6 +51,9 @@ void fm_step_ws_free(fm_step_ws *w) {
     fm_optim_overlap_free(&w->overlap);
     fm_arena_free(&w->results);
     fm_free(w->n_valid);
+    if (w->batches)
+        for (int64_t g = 0; g < w->grad_accum; g++) fm_batch_free(&w->batches[g]);
+    fm_free(w->batches);
     memset(w, 0, sizeof *w);
 }
 
@@ -87,8 +103,8 @@ static fm_status update_shard(fm_model *m, const fm_optimizer_ops *optim, void *
 
 /* ---- one step ---- */
 
-fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
-                        const fm_train_opts *o, int64_t step, fm_step_stats *out) {
+fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp, fm_step_ws *w,
+                        const fm_batch *mb, const fm_train_opts *o, int64_t step, fm_step_stats *out) {
     FM_ASSERT(w->grad_accum == o->grad_accum);
     fm_model_fp8_cache_invalidate(m); /* --fp8-weight-cache: the last update changed the weights */
     const int64_t G = o->grad_accum, n_res = w->n_res;
@@ -99,11 +115,7 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
         m->be.ops->mem_set(m->be.ctx, m->grads, 0, sizeof(fm_act) * (size_t)m->n_params);
     w->overlap.grads_zeroed = false;
     for (int64_t g = 0; g < G; g++) {
-        /* this rank's windows of the one-rank draw of W x micro_batch (the dataset's rank-aware
-         * cursor, fm_dataset_set_ranks over the world) */
-        fm_dataset_sample_batch(train, data_rng, o->micro_batch, o->seq_len, m->h_tokens, m->h_targets);
-        FM_TRY(fm_schedule_train_step(&w->sched, m, 1.0f / (float)G, NULL));
-        FM_TRY(m->moe_ep_status); /* an expert-parallel layer backward's error (fm_model.h) */
+        FM_TRY(fm_schedule_train_step(&w->sched, m, &mb[g], 1.0f / (float)G, NULL));
         w->n_valid[g] = m->n_valid;
         /* the micro-batch's losses to pinned memory, read at the step's sync point */
         m->be.ops->copy_async(m->be.ctx, w->res + g * n_res, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);

@@ -32,11 +32,21 @@ typedef struct fm_step_ws {
     /* Expert parallelism (train/fm_train_ep.h; NULL: none): the gradients are reduced by
      * fm_train_ep_reduce_grads (experts over the ranks holding them, the rest over dp). */
     const struct fm_train_ep *ep;
+    /* The step's micro-batches as the trainer draws them (fm_step_draw): [grad_accum] host
+     * batches of the model's shape (m->B x m->T), handed to fm_train_step. */
+    fm_batch *batches;
 } fm_step_ws;
 
-/* Sets up w for model m (its default schedule) and grad_accum micro-batches per step; pinned
- * memory from m's backend. Errors: FM_ERR_NOMEM naming what. */
+/* Sets up w for model m (its default schedule, laid out already) and grad_accum micro-batches
+ * per step; pinned memory from m's backend, host memory for grad_accum batches of m->B x m->T
+ * tokens and targets. Errors: FM_ERR_NOMEM naming what. */
 fm_status fm_step_ws_init(fm_step_ws *w, fm_model *m, int64_t grad_accum);
+
+/* Draws the next step's o->grad_accum micro-batches of [o->micro_batch, o->seq_len] tokens from
+ * `train` with data_rng (advanced) into w->batches, as fm_dataset_sample_batch draws them (data
+ * parallelism: this rank's windows of the one-rank draw, fm_train_step's comment). Errors: none
+ * today (FM_OK). */
+fm_status fm_step_draw(fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng, const fm_train_opts *o);
 /* Turns the optimizer overlap on (fm_optim_overlap.h): each step's update is issued on the
  * update stream group by group, and the next step's forward waits per layer for it. Errors:
  * fm_optim_overlap_init's. */
@@ -57,9 +67,9 @@ typedef struct fm_step_stats {
 } fm_step_stats;
 
 /* Runs optimizer step `step` (1-based, of o->steps) on model m with optimizer opt and step
- * workspace w (fm_step_ws_init, with o->grad_accum): draws
- * o->grad_accum micro-batches of [o->micro_batch, o->seq_len] tokens from `train` with data_rng
- * (advanced), each weighted 1/grad_accum; clips the gradients to global norm o->grad_clip
+ * workspace w (fm_step_ws_init, with o->grad_accum) over the micro-batches mb [o->grad_accum]
+ * (model/fm_batch.h; each of the model's shape, e.g. w->batches after fm_step_draw), each
+ * weighted 1/grad_accum; clips the gradients to global norm o->grad_clip
  * (0: off); updates at fm_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr); and returns when the
  * update has finished on the device (backend sync), so that the caller's clock covers it — or,
  * with the optimizer overlap (fm_step_ws_enable_overlap), as soon as the update is issued: the
@@ -74,7 +84,8 @@ typedef struct fm_step_stats {
  * Data parallelism over dp (W ranks, rank q; NULL or one rank: none): micro_batch is per rank, and
  * the W ranks' micro-batches together are the sequences one rank draws at W x micro_batch: every
  * rank advances data_rng by W x micro_batch windows per micro-batch and keeps windows
- * [q micro_batch, (q + 1) micro_batch) (so data_rng stays the same on every rank and at every W).
+ * [q micro_batch, (q + 1) micro_batch) (fm_step_draw; so data_rng stays the same on every rank
+ * and at every W).
  * The loss is the mean over the global valid targets (the model reduces over m->comm), so the
  * gradient is the SUM of the ranks' gradients: all-reduced (w->zero_ps NULL; every rank then
  * updates its replica), or reduce-scattered to the shard's owner, which updates its shard, the
@@ -82,10 +93,11 @@ typedef struct fm_step_stats {
  * scattered group by group in the schedule's hooks into the shard, whose sum of squares is
  * all-reduced and which alone is updated (the weights stay sharded: the next forward gathers).
  * Phase marks: the zeroing and the update are the optimizer phase. Allocates nothing.
- * Errors: FM_ERR_NUMERIC when a micro-batch's loss or the gradient norm is not finite (the
+ * Errors: FM_ERR_ARG from fm_batch_check (a micro-batch of another shape, a token or target out
+ * of range); FM_ERR_NUMERIC when a micro-batch's loss or the gradient norm is not finite (the
  * message names the step and says that the last good checkpoint in o->out_dir stays); the
  * weights are then not updated. */
-fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp, fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng,
-                        const fm_train_opts *o, int64_t step, fm_step_stats *out);
+fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp, fm_step_ws *w,
+                        const fm_batch *mb, const fm_train_opts *o, int64_t step, fm_step_stats *out);
 
 #endif

@@ -130,15 +130,7 @@ static fm_config ab_config(fm_model_type t, int64_t k) {
     return c;
 }
 
-static void fill_batch(fm_model *m, uint64_t seed) {
-    fm_rng r;
-    fm_rng_seed(&r, seed);
-    for (int64_t i = 0; i < m->N; i++) {
-        m->h_tokens[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
-        m->h_targets[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
-    }
-    m->h_targets[3] = -100; /* an ignored target */
-}
+static void fill_batch(fm_model *m, uint64_t seed) { fm_test_fill_batch(m, seed, 3); /* target 3 ignored */ }
 
 /* ---- one training step through the public entry points ------------------------------------ */
 
@@ -204,7 +196,8 @@ static void step(const fm_config *cfg, int64_t B, int64_t T, const ab_run *o, ui
     FM_ASSERT(g_n_params == m.n_params);
     fill_batch(&m, seed + 1);
     if (o->ce_bt == 0 && o->ce_bv == 0) { /* the logits' range, for the linear-CE bound */
-        fm_schedule_default_forward(&m, false, NULL);
+        const fm_batch tokens_only = fm_test_batch_tokens(&m);
+        fm_schedule_default_forward(&m, &tokens_only, NULL);
         float *row = malloc(sizeof(float) * (size_t)cfg->vocab_size);
         FM_ASSERT(row);
         for (int64_t n = 0; n < m.N; n++) {
@@ -215,9 +208,9 @@ static void step(const fm_config *cfg, int64_t B, int64_t T, const ab_run *o, ui
     }
     const size_t gbytes = sizeof(fm_act) * (size_t)m.n_params;
     m.be.ops->mem_set(m.be.ctx, m.grads, 0, gbytes);
-    if (o->fused) fm_schedule_default_train_step(&m, 1.0f, &out->loss);
+    if (o->fused) fm_schedule_default_train_step(&m, fm_test_batch_of(&m), 1.0f, &out->loss);
     else {
-        fm_schedule_default_forward(&m, true, &out->loss);
+        fm_schedule_default_forward(&m, fm_test_batch_of(&m), &out->loss);
         fm_schedule_default_backward(&m, 1.0f);
     }
     out->raw = malloc(gbytes);

@@ -1,0 +1,51 @@
+/* A micro-batch in host memory (fm_batch.h). */
+#include "fm_batch.h"
+
+#include <string.h>
+
+fm_status fm_batch_alloc(fm_batch *b, int64_t B, int64_t T, bool targets) {
+    memset(b, 0, sizeof *b);
+    if (B < 1 || T < 1)
+        return fm_error(FM_ERR_ARG, "batch: %lld sequences of %lld tokens; expected both >= 1", (long long)B,
+                        (long long)T);
+    const size_t bytes = sizeof(int32_t) * (size_t)(B * T);
+    b->tokens = fm_malloc(bytes);
+    b->targets = targets ? fm_malloc(bytes) : NULL;
+    if (!b->tokens || (targets && !b->targets)) {
+        fm_batch_free(b);
+        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate a batch of %lld x %lld tokens (%zu bytes%s)",
+                        (long long)B, (long long)T, bytes, targets ? " twice" : "");
+    }
+    memset(b->tokens, 0, bytes);
+    if (targets) memset(b->targets, 0, bytes);
+    b->B = B;
+    b->T = T;
+    return FM_OK;
+}
+
+void fm_batch_free(fm_batch *b) {
+    fm_free(b->tokens);
+    fm_free(b->targets);
+    memset(b, 0, sizeof *b);
+}
+
+fm_status fm_batch_check(const fm_batch *b, int64_t B, int64_t T, int64_t V) {
+    if (b->B != B || b->T != T)
+        return fm_error(FM_ERR_ARG, "batch: %lld x %lld tokens, but the model's active shape is %lld x %lld; set the "
+                        "model's shape to the batch's (fm_model_set_shape) or pass a batch of its shape",
+                        (long long)b->B, (long long)b->T, (long long)B, (long long)T);
+    if (!b->tokens) return fm_error(FM_ERR_ARG, "batch: no tokens (tokens is NULL)");
+    const int64_t N = B * T;
+    for (int64_t i = 0; i < N; i++)
+        if (b->tokens[i] < 0 || b->tokens[i] >= V)
+            return fm_error(FM_ERR_ARG, "batch: token %lld (sequence %lld, position %lld) is %d; expected an id in "
+                            "[0, %lld) (vocab_size): the data's tokenizer does not match the model",
+                            (long long)i, (long long)(i / T), (long long)(i % T), b->tokens[i], (long long)V);
+    if (b->targets)
+        for (int64_t i = 0; i < N; i++)
+            if (b->targets[i] != -100 && (b->targets[i] < 0 || b->targets[i] >= V))
+                return fm_error(FM_ERR_ARG, "batch: target %lld (sequence %lld, position %lld) is %d; expected an id "
+                                "in [0, %lld) (vocab_size) or -100 (no loss)", (long long)i, (long long)(i / T),
+                                (long long)(i % T), b->targets[i], (long long)V);
+    return FM_OK;
+}
