@@ -26,8 +26,17 @@ expect_fail "top-k > experts" "num_experts_per_tok (9) must be <= num_experts (4
 expect_fail "seq-len beyond max_position_embeddings" "exceeds max_position_embeddings (64)" "$FM" train --config "$cfg" "${base[@]}" --seq-len 65 --out "$TMP/a"
 "$FM" train --config "$cfg" "${base[@]}" --seq-len 65 --max-position-embeddings 80 --out "$TMP/mpe" && ok || bad "--max-position-embeddings did not lift the limit"
 grep -q '"max_position_embeddings":[[:space:]]*80' "$TMP/mpe/step_000002/config.json" && ok || bad "the override is not in the checkpoint's config"
-expect_fail "resume with the original config after raising the limit" "pass --max-position-embeddings 80" \
-    "$FM" train --config "$cfg" "${base[@]}" --steps 3 --resume --out "$TMP/mpe"
+# a resume with the original config: the run spec in state.json restores --max-position-embeddings 80;
+# from an older state.json without the spec it is refused, naming the flag
+cp -r "$TMP/mpe" "$TMP/mpe_old"
+"$FM" train --config "$cfg" "${base[@]}" --steps 3 --resume --out "$TMP/mpe" > /dev/null 2>&1 && ok ||
+    bad "resume with the original config: the run's --max-position-embeddings 80 not restored"
+python3 - "$TMP/mpe_old/step_000002/state.json" <<'PY'
+import json, sys
+p = sys.argv[1]; s = json.load(open(p)); del s["spec"]; json.dump(s, open(p, "w"), indent=1)
+PY
+expect_fail "resume with the original config after raising the limit (no run spec)" "pass --max-position-embeddings 80" \
+    "$FM" train --config "$cfg" "${base[@]}" --steps 3 --resume --out "$TMP/mpe_old"
 expect_fail "--max-position-embeddings beyond 2^30" "must be in [1, 2^30]" "$FM" train --config "$cfg" "${base[@]}" --max-position-embeddings 100000000000 --out "$TMP/a"
 expect_fail "--no-checkpoint with --exit-after" "drop one of them" "$FM" train --config "$cfg" "${base[@]}" --no-checkpoint --exit-after 1 --out "$TMP/a"
 expect_fail "--ep 0" "--ep must be >= 1 (expert-parallel ranks; 1 = off), found 0" "$FM" train --config "$cfg" "${base[@]}" --ep 0 --out "$TMP/a"
@@ -98,6 +107,6 @@ expect_fail "offload-optimizer slots 17" "--offload-optimizer-slots must be in [
     "$FM" train --config "$cfg" "${base[@]}" --offload-optimizer --offload-optimizer-slots 17 --out "$TMP/a"
 expect_fail "offload-optimizer bucket not a number" "offload-optimizer-bucket" \
     "$FM" train --config "$cfg" "${base[@]}" --offload-optimizer --offload-optimizer-bucket lots --out "$TMP/a"
-expect_fail "plan offload-optimizer slots 0" "--offload-optimizer-slots in [1, 16]" \
+expect_fail "plan offload-optimizer slots 0" "--offload-optimizer-slots must be in [1, 16]" \
     "$FM" plan --config "$cfg" --seq-len 16 --offload-optimizer --offload-optimizer-slots 0
 finish

@@ -248,4 +248,45 @@ sm=$("$FM" plan --config "$cfg" --seq-len 256 --micro-batch 8 --threads 2 --mem-
     bad "train at 47 MiB (small chunks) failed: $(tail -3 "$TMP/smallchunk.log")"
 grep -E "^memory: [a-z ]+ [0-9]+ +[0-9]+ " "$TMP/smallchunk.log" | awk '$(NF-1) + 0 > $(NF-2) + 0 {x=1} END {exit x}' && ok ||
     bad "train at 47 MiB: a high-water mark over its bound: $(grep '^memory:' "$TMP/smallchunk.log")"
+# --gpu presets and the local device: `plan --backend cuda` always gives a verdict. --gpu h100 /
+# h200 plan the preset's memory (81559 / 143771 MiB, what the cards report); an H100 without its
+# own calibration table takes the H200's rates, said so; a CUDA plan naming no device on a build
+# without a GPU plans for an H200, said so.
+o=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --gpu h100 2>&1) || bad "plan --gpu h100 failed: $o"
+grep -q "fits in .*--gpu h100 81559.0 MiB less" <<<"$o" && ok || bad "plan --gpu h100: no verdict on the preset's memory: $o"
+if [ ! -f "$ROOT/configs/calib/h100.json" ] && [ -f "$ROOT/configs/calib/h200.json" ]; then
+    grep -q "the projected times use the H200's rates" <<<"$o" && grep -q "calib/h200.json" <<<"$o" && ok ||
+        bad "plan --gpu h100 without h100.json: the H200's rates not said: $o"
+fi
+o=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --gpu h200 2>&1) || bad "plan --gpu h200 failed: $o"
+grep -q "fits in .*--gpu h200 143771.0 MiB less" <<<"$o" && ok || bad "plan --gpu h200: no verdict: $o"
+expect_fail "--gpu with --device-mem" "keep one" "$FM" plan --config "$cfg0" --seq-len 64 --gpu h200 --device-mem 80GiB
+expect_fail "--gpu a100" "--gpu: expected h100 or h200, found 'a100'" "$FM" plan --config "$cfg0" --seq-len 64 --gpu a100
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
+    o=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --backend cuda 2>&1) || bad "plan --backend cuda failed: $o"
+    grep -q "the verdict is for an H200, on the flags as given" <<<"$o" && grep -q "fits in" <<<"$o" && ok ||
+        bad "plan --backend cuda without a device: no verdict: $o"
+fi
+# A plan that does not fit prints no train flags and no launch line as if it did.
+"$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --device-mem 80GiB --host-mem-budget 0 > "$TMP/nf.txt" 2>/dev/null
+grep -q "^train flags: none (this plan does not fit" "$TMP/nf.txt" && ! grep -q "^launch:" "$TMP/nf.txt" && ok ||
+    bad "a plan that does not fit printed flags: $(grep -E '^(train flags|launch)' "$TMP/nf.txt")"
+# plan takes every flag its "train flags" line prints (--max-position-embeddings included), and
+# the same flags give the same plan.
+o=$("$FM" plan --config "$cfg0" --seq-len 2048 --micro-batch 2 --backend cpu --threads 2 --mem-budget 2GiB 2>/dev/null) || bad "plan past max_position_embeddings failed"
+tf=$(sed -n 's/^train flags: //p' <<<"$o")
+grep -q -- "--max-position-embeddings 2048" <<<"$tf" && ok || bad "train flags lack --max-position-embeddings: $tf"
+o2=$("$FM" plan --config "$cfg0" --backend cpu --mem-budget 2GiB $tf 2>&1) && ok || bad "plan refused its own train flags ($tf): $o2"
+[ "$(sed -n 's/^train flags: //p' <<<"$o2")" = "$tf" ] && ok || bad "plan with its own train flags planned another run: $(grep '^train flags' <<<"$o2")"
+# train and plan refuse the same combination with the same message
+for who in train plan; do
+    expect_fail "$who --zero 1 --ep 2" "--zero 1 with --ep 2: ZeRO-1/2 shards the optimizer state" \
+        "$FM" "$who" --config "$cfg0" --data "$TEXT" --seq-len 64 --zero 1 --ep 2 --out "$TMP/z1ep"
+done
+# The launch line runs as printed: a small plan's line, with --data, starts a run (2 steps here).
+o=$("$FM" plan --config "$cfg0" --seq-len 64 --micro-batch 2 --backend cpu --threads 2 --mem-budget 1GiB --data "$TEXT" 2>/dev/null)
+line=$(sed -n 's/^launch: //p' <<<"$o")
+[ -n "$line" ] && ok || bad "a one-rank plan printed no launch line: $o"
+eval "$line --steps 2 --eval-every 0 --eval-batches 1 --quiet --out $TMP/launched" > "$TMP/launched.log" 2>&1 &&
+    [ -d "$TMP/launched/step_000002" ] && ok || bad "the launch line did not run as printed ($line): $(tail -3 "$TMP/launched.log")"
 finish

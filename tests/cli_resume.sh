@@ -46,9 +46,20 @@ cmp -s "$TMP/straight/step_000008/model.safetensors" "$TMP/hstraight/step_000008
     bad "bf16 moments gave the fp32-moment run's weights" || ok
 # state.json records the moments' dtype; resuming with the other one warns
 grep -Eq '"adam_moments":[[:space:]]*"bf16"' "$TMP/hsplit/step_000008/state.json" && ok || bad "state.json lacks adam_moments bf16"
+# (the run spec in state.json restores --bf16-moments on a resume that does not give it; an older
+# state.json without "spec" resumes with the flags given, so without it: fp32 moments, warned)
 "$FM" train "${common[@]}" --bf16-moments --out "$TMP/hswitch" --exit-after 4 || bad "bf16-moments switch run failed"
+cp -r "$TMP/hswitch" "$TMP/hkeep"
+w=$("$FM" train "${common[@]}" --out "$TMP/hkeep" --resume 2>&1 >/dev/null)
+grep -q "checkpoint was trained with" <<<"$w" && bad "a resume without --bf16-moments did not keep the run's bf16 moments: $w" || ok
+cmp -s "$TMP/hsplit/step_000008/model.safetensors" "$TMP/hkeep/step_000008/model.safetensors" && ok ||
+    bad "a resume without --bf16-moments: the weights differ from the bf16-moment run's"
+python3 - "$TMP/hswitch/step_000004/state.json" <<'PY'
+import json, sys
+p = sys.argv[1]; s = json.load(open(p)); del s["spec"]; json.dump(s, open(p, "w"), indent=1)
+PY
 w=$("$FM" train "${common[@]}" --out "$TMP/hswitch" --resume 2>&1 >/dev/null)
-grep -q "checkpoint was trained with --bf16-moments" <<<"$w" && ok || bad "no warning when resuming a bf16-moment run with fp32 moments: $w"
+grep -q "checkpoint was trained with --bf16-moments" <<<"$w" && ok || bad "no warning when resuming a bf16-moment run (no spec) with fp32 moments: $w"
 # --resume without --steps continues to the run's own total (state.json's steps), not the default
 nosteps=(--config "$cfg" --data "$TEXT" --seq-len 32 --micro-batch 4 --warmup 2 --lr 3e-3 --eval-every 0
          --eval-batches 1 --threads 2 --quiet)
@@ -165,4 +176,33 @@ out=$("$FM" train --data "$TEXT" --resume --out "$TMP/sc_split" 2>&1) || bad "sc
 grep -q -- "--resume: --lr 0.003 --min-lr 0.0001 --warmup 2" <<<"$out" && ok || bad "schedule: no --resume line for it: $out"
 cmp -s "$TMP/sc_straight/step_000006/model.safetensors" "$TMP/sc_split/step_000006/model.safetensors" && ok ||
     bad "schedule: resumed without the schedule's flags, the weights differ from the straight run"
+# The run spec (state.json "spec"): `train --out DIR --resume` alone continues a run with every
+# flag it was started with (data, evaluation and save cadence included) and ends with the
+# straight run's weights and optimizer state; a flag given again overrides the run's value with a
+# line saying so and takes effect; a bad value in the spec is refused naming the file, the field,
+# the value and the fix.
+cad=(--config "$cfg" --data "$TEXT" --seq-len 32 --micro-batch 4 --grad-accum 2 --steps 8 --warmup 2 --lr 3e-3
+     --eval-every 2 --eval-batches 1 --save-every 2 --threads 2 --quiet --expert-counts-every 1)
+"$FM" train "${cad[@]}" --out "$TMP/cad_straight" || bad "spec: straight run failed"
+"$FM" train "${cad[@]}" --out "$TMP/cad" --exit-after 3 || bad "spec: first part failed"
+grep -q '"spec"' "$TMP/cad/step_000003/state.json" && grep -q '"eval-every":[[:space:]]*2' "$TMP/cad/step_000003/state.json" &&
+    ok || bad "spec: state.json lacks the run spec: $(cat "$TMP/cad/step_000003/state.json")"
+cp -r "$TMP/cad" "$TMP/cad_over"
+out=$("$FM" train --out "$TMP/cad" --resume 2>&1) || bad "spec: train --out DIR --resume alone failed: $out"
+for s in 4 6 8; do [ -d "$TMP/cad/step_00000$s" ] || bad "spec: the restored --save-every 2 did not save step $s: $(ls "$TMP/cad")"; done
+[ -d "$TMP/cad/step_000005" ] && bad "spec: a checkpoint at step 5 (--save-every not restored)" || ok
+for f in model.safetensors optimizer.safetensors; do
+    cmp -s "$TMP/cad_straight/step_000008/$f" "$TMP/cad/step_000008/$f" && ok || bad "spec: $f differs after --out DIR --resume alone"
+done
+if diff <(fields "$TMP/cad_straight/metrics.jsonl") <(fields "$TMP/cad/metrics.jsonl") >/dev/null; then ok
+else bad "spec: step records differ after --out DIR --resume alone"; fi
+out=$("$FM" train --out "$TMP/cad_over" --resume --eval-every 1 2>&1) || bad "spec: override resume failed: $out"
+grep -q -- "--eval-every 1 overrides the run's 2" <<<"$out" && ok || bad "spec: no override line: $out"
+vals=$(grep '"type":"step"' "$TMP/cad_over/metrics.jsonl" | tail -5 | grep -c '"val_loss":[0-9]')
+[ "$vals" -eq 5 ] && ok || bad "spec: --eval-every 1 given again did not evaluate every step ($vals of the last 5)"
+grep -q '"eval-every":[[:space:]]*1' "$TMP/cad_over/step_000008/state.json" && ok || bad "spec: the override is not in the next state.json"
+cp -r "$TMP/cad_straight" "$TMP/cad_bad"
+sed -i 's/"eval-every":[[:space:]]*2/"eval-every": "often"/' "$TMP/cad_bad/step_000008/state.json"
+expect_fail "spec: a bad value in state.json" "step_000008/state.json: \"spec\" field \"eval-every\" has the value 'often', which --eval-every does not take" \
+    "$FM" train --out "$TMP/cad_bad" --resume --steps 9
 finish

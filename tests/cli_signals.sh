@@ -49,6 +49,15 @@ done
 if diff <(fields "$TMP/straight/metrics.jsonl") <(fields "$TMP/term/metrics.jsonl") >/dev/null; then ok
 else bad "step records differ after the SIGTERM resume"; diff <(fields "$TMP/straight/metrics.jsonl") <(fields "$TMP/term/metrics.jsonl") | head -4 >&2; fi
 stop INT int 130
+# The printed "continue with --resume" works as printed: `train --out DIR --resume` alone (no
+# --config, --data or other flag) continues the run from its state.json's run spec, and its final
+# weights and optimizer state are those of a run never interrupted, byte for byte.
+"$FM" train --out "$TMP/int" --resume > "$TMP/int2.out" 2>&1 || bad "train --out DIR --resume alone after SIGINT failed: $(tail -3 "$TMP/int2.out")"
+"$FM" train "${common[@]}" --out "$TMP/straight400" || bad "straight 400-step run failed"
+for f in model.safetensors optimizer.safetensors; do
+    cmp -s "$TMP/straight400/step_000400/$f" "$TMP/int/step_000400/$f" && ok ||
+        bad "$f differs between 'train --out DIR --resume' after SIGINT and the straight run"
+done
 
 # A second signal while the first waits for the step in flight ends the process at once: no
 # summary record, no checkpoint of that step. The steps here take about a second (2 x 16 x 256

@@ -13,6 +13,7 @@
 #include "backend/fm_backend_opts.h"
 #include "core/fm_test_hooks.h"
 #include "train/fm_threads.h"
+#include "run/fm_run_spec.h"
 
 #define MAX_FILES 256 /* files one F_FILES flag takes */
 
@@ -34,6 +35,14 @@ typedef struct flag {
  * printed (--help or -h: "usage: flatmoe cmd synopsis" and the flags' help lines), 2 on a usage
  * error (message printed to stderr). */
 int cli_parse_flags(const char *cmd, const char *synopsis, int argc, char **argv, flag *flags, int n);
+
+/* Parses argv[0..argc) of `flatmoe cmd` into the run spec s (made by fm_spec_default for the
+ * command) through the flag table (run/fm_spec_flags.c): --name VALUE and --name=VALUE, file
+ * lists up to the next --flag, the nearest flag suggested for an unknown one. Returns 0 on
+ * success, 1 if help was printed (--help or -h: "usage: flatmoe cmd synopsis" and one line per
+ * flag, its default from the table), 2 on a usage error (message printed to stderr). */
+int cli_parse_spec(const char *cmd, const char *synopsis, int argc, char **argv, fm_run_spec *s);
+void cli_print_spec_help(const char *cmd, unsigned cmd_bit, const char *synopsis);
 
 /* Prints "flatmoe cmd: <fmt with arg>" and the --help hint to stderr; returns 2. */
 int cli_usage_error(const char *cmd, const char *fmt, const char *arg);

@@ -79,21 +79,14 @@ static void remove_tmp(const char *tmpdir, int n) {
 }
 
 int cmd_eval(int argc, char **argv) {
-    const char *ckpt_arg = NULL, *tok_arg = NULL;
-    static const char *data[MAX_FILES];
-    int n_data = 0, threads = 0;
-    int64_t seq_len = 0, micro_batch = 8, max_batches = 0;
-    flag flags[] = {
-        {"ckpt", F_STR, &ckpt_arg, NULL, "checkpoint folder, or run folder (its latest checkpoint) (required)"},
-        {"data", F_FILES, data, &n_data, "files to score: text or llm.c shards (required)"},
-        {"seq-len", F_I64, &seq_len, NULL, "tokens per window (default: the trained --seq-len)"},
-        {"micro-batch", F_I64, &micro_batch, NULL, "windows per forward (8)"},
-        {"max-batches", F_I64, &max_batches, NULL, "stop after N micro-batches, 0 = all windows (0)"},
-        {"threads", F_INT, &threads, NULL, "CPU threads, 0 = all cores (0)"},
-        {"tokenizer", F_STR, &tok_arg, NULL, "encode text files with this tokenizer (default: the checkpoint's tokenizer.json, else bytes)"},
-    };
-    int r = cli_parse_flags("eval", "--ckpt DIR --data FILES [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
+    static fm_run_spec sp; /* the flags (run/fm_spec_flags.c rows of eval) */
+    fm_spec_default(&sp, FM_CMD_EVAL);
+    int r = cli_parse_spec("eval", "--ckpt DIR --data FILES [flags]", argc, argv, &sp);
     if (r) return r == 1 ? 0 : r;
+    const char *ckpt_arg = sp.infer.ckpt, *tok_arg = sp.infer.tokenizer;
+    const char **data = sp.data_files;
+    const int n_data = sp.train.n_data, threads = sp.train.threads;
+    const int64_t seq_len = sp.train.seq_len, micro_batch = sp.train.micro_batch, max_batches = sp.infer.max_batches;
     int rank = 0, size = 1; /* under mpirun / srun: rank 0 evaluates the checkpoint on every window and prints its loss once; the others have nothing to add */
     if (fm_comm_launcher(&rank, &size, NULL) == FM_OK && rank != 0) return 0;
     if (!ckpt_arg) return cli_usage_error("eval", "%s", "--ckpt is required");

@@ -56,25 +56,41 @@ static const char *const flag_aliases[][2] = {
     {"max-grad-norm", "grad-clip"}, {"clip-grad", "grad-clip"}, {"train-data", "data"}, {"valid-data", "val-data"},
 };
 
-/* The command's flag nearest to `name` by edit distance, over its flags and the aliases of
- * those flags; NULL when none is within max(2, len/3) edits (a guess further off misleads). */
-static const char *nearest_flag(const char *name, const flag *flags, int n) {
+/* The name nearest to `name` by edit distance among names[0..n) and the aliases of those
+ * names; NULL when none is within max(2, len/3) edits (a guess further off misleads). */
+static const char *nearest_name(const char *name, const char *const *names, int n) {
     const char *best = NULL;
     int bd = 1 << 30;
     const int limit = (int)strlen(name) / 3 > 2 ? (int)strlen(name) / 3 : 2;
     for (int j = 0; j < n; j++) {
-        const int d = cli_edit_distance(name, flags[j].name);
-        if (d < bd) { bd = d; best = flags[j].name; }
+        const int d = cli_edit_distance(name, names[j]);
+        if (d < bd) { bd = d; best = names[j]; }
     }
     for (size_t a = 0; a < sizeof flag_aliases / sizeof flag_aliases[0]; a++) {
-        const flag *target = NULL;
+        const char *target = NULL;
         for (int j = 0; j < n; j++)
-            if (!strcmp(flags[j].name, flag_aliases[a][1])) target = &flags[j];
+            if (!strcmp(names[j], flag_aliases[a][1])) target = names[j];
         if (!target) continue;
         const int d = cli_edit_distance(name, flag_aliases[a][0]);
-        if (d < bd) { bd = d; best = target->name; }
+        if (d < bd) { bd = d; best = target; }
     }
     return bd <= limit ? best : NULL;
+}
+
+/* The command's flag nearest to `name` (nearest_name over its flags). */
+static const char *nearest_flag(const char *name, const flag *flags, int n) {
+    const char *names[128];
+    if (n > 128) n = 128;
+    for (int j = 0; j < n; j++) names[j] = flags[j].name;
+    return nearest_name(name, names, n);
+}
+
+/* "unknown flag '--x'" with the nearest flag of the command when one is close; returns 2. */
+static int unknown_flag(const char *cmd, const char *name, const char *near) {
+    if (!near) return cli_usage_error(cmd, "unknown flag '--%s'", name);
+    fprintf(stderr, "flatmoe %s: unknown flag '--%s'; did you mean --%s?\n", cmd, name, near);
+    fprintf(stderr, "Run 'flatmoe %s --help' for the flags.\n", cmd);
+    return 2;
 }
 
 /* Returns 0 on success, 1 if help was printed, 2 on a usage error (message printed). */
@@ -95,13 +111,7 @@ int cli_parse_flags(const char *cmd, const char *synopsis, int argc, char **argv
         flag *f = NULL;
         for (int j = 0; j < n; j++)
             if (!strcmp(flags[j].name, name)) f = &flags[j];
-        if (!f) {
-            const char *near = nearest_flag(name, flags, n);
-            if (!near) return cli_usage_error(cmd, "unknown flag '--%s'", name);
-            fprintf(stderr, "flatmoe %s: unknown flag '--%s'; did you mean --%s?\n", cmd, name, near);
-            fprintf(stderr, "Run 'flatmoe %s --help' for the flags.\n", cmd);
-            return 2;
-        }
+        if (!f) return unknown_flag(cmd, name, nearest_flag(name, flags, n));
         if (f->kind == F_BOOL) {
             if (eq) return cli_usage_error(cmd, "flag '--%s' takes no value", name);
             *(bool *)f->ptr = true;
@@ -177,4 +187,68 @@ fm_status cli_resolve_ckpt(const char *dir, char *out, size_t cap) {
     if (s) return fm_error(s, "--ckpt %s: neither a checkpoint folder (no %s) nor a run folder with step_* checkpoints",
                            dir, FM_CKPT_MODEL_FILE);
     return FM_OK;
+}
+
+/* ---- the run spec's commands: argv through the flag table (run/fm_spec_flags.c) ---- */
+
+void cli_print_spec_help(const char *cmd, unsigned bit, const char *synopsis) {
+    printf("usage: flatmoe %s %s\n\nflags:\n", cmd, synopsis);
+    for (int i = 0; i < fm_spec_n_flags; i++) {
+        const fm_spec_flag *f = &fm_spec_flags[i];
+        if (!(f->cmds & bit)) continue;
+        char d[400];
+        fm_spec_default_text(f, d, sizeof d);
+        if (d[0]) printf("  --%-18s %s (%s)\n", f->name, f->help, d);
+        else printf("  --%-18s %s\n", f->name, f->help);
+    }
+    printf("  --%-18s %s\n", "help", "print this help");
+}
+
+int cli_parse_spec(const char *cmd, const char *synopsis, int argc, char **argv, fm_run_spec *s) {
+    const unsigned bit = s->cmd;
+    for (int i = 0; i < argc; i++) {
+        char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            cli_print_spec_help(cmd, bit, synopsis);
+            return 1;
+        }
+        if (strncmp(a, "--", 2) != 0) return cli_usage_error(cmd, "unexpected argument '%s' (flags start with --)", a);
+        char name[64];
+        const char *eq = strchr(a + 2, '=');
+        size_t len = eq ? (size_t)(eq - (a + 2)) : strlen(a + 2);
+        if (len >= sizeof name) return cli_usage_error(cmd, "unknown flag '%s'", a);
+        memcpy(name, a + 2, len);
+        name[len] = 0;
+        const fm_spec_flag *f = fm_spec_find(name, bit);
+        if (!f) {
+            const char *names[FM_SPEC_MAX_ROWS];
+            int n = 0;
+            for (int j = 0; j < fm_spec_n_flags; j++)
+                if (fm_spec_flags[j].cmds & bit) names[n++] = fm_spec_flags[j].name;
+            return unknown_flag(cmd, name, nearest_name(name, names, n));
+        }
+        fm_status st;
+        if (f->kind == FM_SPEC_BOOL) {
+            if (eq) return cli_usage_error(cmd, "flag '--%s' takes no value", name);
+            st = fm_spec_set_row(s, f, "true", false);
+        } else if (f->kind == FM_SPEC_FILES) {
+            int *count = (int *)((char *)s + f->count_offset); /* a flag given again adds to its list */
+            if (eq && (st = fm_spec_set_row(s, f, eq + 1, false))) return cli_usage_error(cmd, "%s", fm_errmsg());
+            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0)
+                if ((st = fm_spec_set_row(s, f, argv[++i], false))) return cli_usage_error(cmd, "%s", fm_errmsg());
+            if (*count == 0) return cli_usage_error(cmd, "flag '--%s' needs at least one file", name);
+            st = FM_OK;
+        } else {
+            const char *v = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
+            if (!v) return cli_usage_error(cmd, "flag '--%s' needs a value", name);
+            st = fm_spec_set_row(s, f, v, false);
+        }
+        if (st == FM_ERR_ARG && f->kind == FM_SPEC_CHOICE) return cli_usage_error(cmd, "%s", fm_errmsg());
+        if (st && f->kind == FM_SPEC_BYTES) return cli_fail(cmd, st);
+        if (st) {
+            fprintf(stderr, "flatmoe %s: %s\n", cmd, fm_errmsg());
+            return 2;
+        }
+    }
+    return 0;
 }

@@ -46,26 +46,16 @@ static fm_status print_new_text(fm_tokenizer *tok, const int32_t *seq, int64_t n
 }
 
 int cmd_sample(int argc, char **argv) {
-    const char *ckpt_arg = NULL, *prompt = "\n", *tok_arg = NULL;
-    int64_t max_new = 256, top_k = 0, ctx_len = 0;
-    double temperature = 0.8;
-    uint64_t seed = 1337;
-    int threads = 0;
-    bool ignore_eos = false;
-    flag flags[] = {
-        {"ckpt", F_STR, &ckpt_arg, NULL, "checkpoint folder, or run folder (its latest checkpoint) (required)"},
-        {"prompt", F_STR, &prompt, NULL, "text to continue (a newline)"},
-        {"tokenizer", F_STR, &tok_arg, NULL, "tokenizer.json or a folder with one (default: the checkpoint's, else bytes)"},
-        {"ignore-eos", F_BOOL, &ignore_eos, NULL, "with a tokenizer: go on past its EOS token (off: stop there)"},
-        {"max-new-tokens", F_I64, &max_new, NULL, "tokens to generate (256)"},
-        {"temperature", F_F64, &temperature, NULL, "softmax temperature, 0 = greedy (0.8)"},
-        {"top-k", F_I64, &top_k, NULL, "sample among the k most likely tokens, 0 = all (0)"},
-        {"seed", F_U64, &seed, NULL, "sampling seed (1337)"},
-        {"context", F_I64, &ctx_len, NULL, "context window in tokens (default: the trained --seq-len)"},
-        {"threads", F_INT, &threads, NULL, "CPU threads, 0 = all cores (0)"},
-    };
-    int r = cli_parse_flags("sample", "--ckpt DIR [--prompt TEXT] [flags]", argc, argv, flags, sizeof flags / sizeof flags[0]);
+    static fm_run_spec sp; /* the flags (run/fm_spec_flags.c rows of sample) */
+    fm_spec_default(&sp, FM_CMD_SAMPLE);
+    int r = cli_parse_spec("sample", "--ckpt DIR [--prompt TEXT] [flags]", argc, argv, &sp);
     if (r) return r == 1 ? 0 : r;
+    const char *ckpt_arg = sp.infer.ckpt, *prompt = sp.infer.prompt, *tok_arg = sp.infer.tokenizer;
+    const int64_t max_new = sp.infer.max_new_tokens, top_k = sp.infer.top_k, ctx_len = sp.infer.context;
+    const double temperature = sp.infer.temperature;
+    const uint64_t seed = sp.train.seed;
+    const int threads = sp.train.threads;
+    const bool ignore_eos = sp.infer.ignore_eos;
     int rank = 0, size = 1; /* under mpirun / srun: rank 0 samples and prints the text once; the others have nothing to add */
     if (fm_comm_launcher(&rank, &size, NULL) == FM_OK && rank != 0) return 0;
     if (!ckpt_arg) return cli_usage_error("sample", "%s", "--ckpt is required");

@@ -58,7 +58,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
                                                                r->offload_slots, &p->host_optimizer_bytes,
                                                                p->inputs[FM_LIVE_MODEL_STATE]);
     } else {
-        p->bytes[FM_LIVE_MODEL_STATE] = r->model_state_bytes(c, a, r->bf16_moments, p->inputs[FM_LIVE_MODEL_STATE]);
+        p->bytes[FM_LIVE_MODEL_STATE] = r->model_state_bytes(c, &r->state_layout, a, r->bf16_moments, p->inputs[FM_LIVE_MODEL_STATE]);
     }
 
     if (r->ranks > 1) { /* ZeRO-3 over `ranks` ranks (the advice's what-if: the rank count to suggest) */

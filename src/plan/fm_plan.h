@@ -36,6 +36,14 @@ typedef struct fm_mesh_dims {
     int64_t gpus_per_node; /* ranks per node: which links the collectives cross (>= 1) */
 } fm_mesh_dims;
 
+/* How the model state is laid out over the ranks: the arguments the model-state bound is asked
+ * with (fm_plan_req.model_state_bytes). A zeroed one: one rank, every expert. */
+typedef struct fm_state_layout {
+    int ranks; /* ranks of the world the state may be sharded over (dp x sp; 0 or 1: one) */
+    int zero;  /* ZeRO stage: 0 replicas, 1 Adam state sharded, 3 everything sharded */
+    int ep;    /* expert-parallel degree (0 or 1: every rank holds every expert) */
+} fm_state_layout;
+
 typedef struct fm_plan_req {
     fm_config cfg;
     int64_t B, T;              /* micro-batch, sequence length */
@@ -48,11 +56,13 @@ typedef struct fm_plan_req {
     fm_plan_target target;     /* the backend the run will use (default: this build's) */
     size_t gpu_workspace;      /* CUDA: bytes of the cuDNN workspace (0: the planner sizes it) */
     bool bf16_moments;         /* AdamW moments in bf16 (4 B/param) instead of fp32 (8) */
-    /* The model-state live set's bound for activations of act_bytes (the parameter store's and
-     * the optimizer's, train/fm_optim.h: fm_model_state_bound), desc (200 bytes) its formula in
-     * words. The planner asks its caller: plan/ sits below train/ and includes nothing of it.
-     * Required. */
-    size_t (*model_state_bytes)(const fm_config *cfg, size_t act_bytes, bool bf16_moments, char desc[200]);
+    /* The model-state live set's bound for activations of act_bytes over the layout `lay`
+     * (&state_layout below; the parameter store's and the optimizer's, train/fm_optim.h:
+     * fm_model_state_bound), desc (200 bytes) its formula in words. The planner asks its caller:
+     * plan/ sits below train/ and includes nothing of it. Required. */
+    size_t (*model_state_bytes)(const fm_config *cfg, const fm_state_layout *lay, size_t act_bytes, bool bf16_moments,
+                                char desc[200]);
+    fm_state_layout state_layout; /* the arguments model_state_bytes is called with */
     int64_t n_offloaded_boundaries; /* checkpoint offload (schedule/fm_sco.h, --offload-boundaries):
                                        boundaries 0 .. n-1 on the host, 2 device slots; 0: off */
     /* The streamed AdamW (train/fm_offload_adamw.h, --offload-optimizer): master, m, v on the

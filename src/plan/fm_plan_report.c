@@ -16,6 +16,55 @@ static void human(char *buf, size_t n, size_t bytes) {
     snprintf(buf, n, "%.3f", bytes / 1073741824.0);
 }
 
+/* The trainer's flags that reproduce plan p of request r (one rank's knobs; a mesh adds its
+ * degrees), into buf[cap]. */
+void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size_t cap) {
+    const fm_config *c = &r->cfg;
+    const int64_t L = c->num_hidden_layers;
+    size_t at = 0;
+#define PUT(...) (at += at < cap ? (size_t)snprintf(buf + at, cap - at, __VA_ARGS__) : 0)
+    buf[0] = 0;
+    PUT("--seq-len %lld --micro-batch %lld --recompute ", (long long)r->T, (long long)r->B);
+    if (p->n_recomputed == 0) PUT("none");
+    else if (p->n_recomputed == L) PUT("full");
+    else
+        for (int64_t l = 0, k = 0; l < L; l++)
+            if (r->recompute && r->recompute[l]) PUT("%s%lld", k++ ? "," : "", (long long)l);
+    if (p->n_recomputed > 0)
+        PUT("%s", p->n_keep_attention == p->n_recomputed ? " --recompute-keep-attention"
+                  : p->n_keep_attention == 0 ? " --no-recompute-keep-attention" : "");
+    PUT(" --moe-chunk-tokens %lld", (long long)r->moe_chunk_tokens);
+    if (r->ce_block_tokens > 0 || r->ce_block_vocab > 0)
+        PUT(" --ce-block-tokens %lld --ce-block-vocab %lld",
+            (long long)(r->ce_block_tokens > 0 ? r->ce_block_tokens : FM_LCE_DEFAULT_BLOCK_TOKENS),
+            (long long)(r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB));
+    else PUT(" --ce-block-tokens 0 --ce-block-vocab 0");
+    PUT(" --offload-boundaries %lld", (long long)p->n_offloaded_boundaries);
+    if (r->offload_optimizer) PUT(" --offload-optimizer");
+    if (r->bf16_moments) PUT(" --bf16-moments");
+    if (r->expert_fp8) PUT(" --expert-precision fp8");
+    /* the cache either way on the codes path: without the flag, train chooses it against its own
+     * budget (none on the CPU build, the GPU's free memory on CUDA), not this plan's */
+    if (r->expert_fp8_codes) PUT(r->expert_fp8_cache ? " --fp8-weight-cache" : " --no-fp8-weight-cache");
+    if (r->ep > 1) PUT(" --ep %d", r->ep);
+    if (r->sp > 1) PUT(" --sp %lld", (long long)r->sp);
+    if (!r->mesh.on && (r->train_dp > 1 || r->train_zero > 0)) {
+        if (r->train_dp > 1) PUT(" --dp %d", r->train_dp);
+        if (r->train_zero > 0) PUT(" --zero %d", r->train_zero);
+    }
+    if (r->vocab_ring > 1 && !r->mesh.on) PUT(" --vocab-parallel ring");
+    if (r->T > c->max_position_embeddings) PUT(" --max-position-embeddings %lld", (long long)r->T);
+    /* the CPU target: the thread count the attention scratch was planned for (train's --threads 0
+     * may find other cores busy, and so another bound) */
+    const bool cpu = r->target == FM_PLAN_TARGET_CPU || (r->target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) == 4);
+    if (cpu && r->threads > 0) PUT(" --threads %d", r->threads);
+    const fm_mesh_dims *m = &r->mesh;
+    if (m->on)
+        PUT(" --zero 3 --dp %lld --ep %lld --sp %lld%s", (long long)m->dp, (long long)m->ep, (long long)m->sp,
+            m->dp * m->sp > 1 ? " --vocab-parallel ring" : "");
+#undef PUT
+}
+
 void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report *x, FILE *f) {
     const size_t budget = x->budget;
     const fm_config *c = &r->cfg;
@@ -46,50 +95,24 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     if (r->ep > 1) /* the trainer's expert parallelism: this rank's experts, the capped dispatch */
         fprintf(f, "; expert parallel over %d ranks (%lld experts per rank)", r->ep,
                 (long long)(c->num_experts / r->ep));
-    /* the same knobs as train flags, to copy */
-    const int64_t L = c->num_hidden_layers;
-    fprintf(f, "\ntrain flags: --seq-len %lld --micro-batch %lld --recompute ", (long long)r->T, (long long)r->B);
-    if (p->n_recomputed == 0) fprintf(f, "none");
-    else if (p->n_recomputed == L) fprintf(f, "full");
-    else
-        for (int64_t l = 0, k = 0; l < L; l++)
-            if (r->recompute && r->recompute[l]) fprintf(f, "%s%lld", k++ ? "," : "", (long long)l);
-    if (p->n_recomputed > 0)
-        fprintf(f, p->n_keep_attention == p->n_recomputed ? " --recompute-keep-attention"
-                   : p->n_keep_attention == 0 ? " --no-recompute-keep-attention" : "");
-    fprintf(f, " --moe-chunk-tokens %lld", (long long)r->moe_chunk_tokens);
-    if (r->ce_block_tokens > 0 || r->ce_block_vocab > 0)
-        fprintf(f, " --ce-block-tokens %lld --ce-block-vocab %lld",
-                (long long)(r->ce_block_tokens > 0 ? r->ce_block_tokens : FM_LCE_DEFAULT_BLOCK_TOKENS),
-                (long long)(r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB));
-    else fprintf(f, " --ce-block-tokens 0 --ce-block-vocab 0");
-    fprintf(f, " --offload-boundaries %lld", (long long)p->n_offloaded_boundaries);
-    if (r->offload_optimizer) fprintf(f, " --offload-optimizer");
-    if (r->bf16_moments) fprintf(f, " --bf16-moments");
-    if (r->expert_fp8) fprintf(f, " --expert-precision fp8");
-    /* the cache either way on the codes path: without the flag, train chooses it against its own
-     * budget (none on the CPU build, the GPU's free memory on CUDA), not this plan's */
-    if (r->expert_fp8_codes) fprintf(f, r->expert_fp8_cache ? " --fp8-weight-cache" : " --no-fp8-weight-cache");
-    if (r->ep > 1) fprintf(f, " --ep %d", r->ep);
-    if (r->sp > 1) fprintf(f, " --sp %lld", (long long)r->sp);
-    if (!r->mesh.on && (r->train_dp > 1 || r->train_zero > 0)) {
-        if (r->train_dp > 1) fprintf(f, " --dp %d", r->train_dp);
-        if (r->train_zero > 0) fprintf(f, " --zero %d", r->train_zero);
-    }
-    if (r->vocab_ring > 1 && !r->mesh.on) fprintf(f, " --vocab-parallel ring");
-    if (r->T > c->max_position_embeddings) fprintf(f, " --max-position-embeddings %lld", (long long)r->T);
-    /* the CPU target: the thread count the attention scratch was planned for (train's --threads 0
-     * may find other cores busy, and so another bound) */
-    const bool cpu = r->target == FM_PLAN_TARGET_CPU || (r->target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) == 4);
-    if (cpu && r->threads > 0) fprintf(f, " --threads %d", r->threads);
+    /* the same knobs as train flags, to copy; none when the plan does not fit (train would refuse them) */
+    const bool host_over = x->host_budget != FM_HOST_BUDGET_UNLIMITED && p->host_bytes > x->host_budget;
+    const bool fits = (!budget || p->total <= budget) && !host_over;
     const fm_mesh_dims *m = &r->mesh;
-    if (m->on) {
-        fprintf(f, " --zero 3 --dp %lld --ep %lld --sp %lld%s", (long long)m->dp, (long long)m->ep, (long long)m->sp,
-                m->dp * m->sp > 1 ? " --vocab-parallel ring" : "");
+    char flags[1200];
+    fm_plan_train_flags(r, p, flags, sizeof flags);
+    if (fits) fprintf(f, "\ntrain flags: %s", flags);
+    else fprintf(f, "\ntrain flags: none (this plan does not fit: see below)");
+    if (m->on)
         fprintf(f, "\nmesh: world %lld = dp %lld x sp %lld, ep %lld (%lld GPUs per node); the bounds below are PER RANK: "
                 "N = micro-batch x seq-len / sp = %lld local tokens", (long long)(m->dp * m->sp), (long long)m->dp,
                 (long long)m->sp, (long long)m->ep, (long long)m->gpus_per_node, (long long)(r->B * (r->T / m->sp)));
-    }
+    else if (fits) /* one rank: the launch line, runnable as printed once DATA names the data */
+        fprintf(f, "\nlaunch: %s train --config %s --data %s %s",
+                x->exe ? x->exe
+                : r->target == FM_PLAN_TARGET_CUDA || (r->target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4)
+                    ? "flatmoe-cuda" : "flatmoe",
+                x->config_path ? x->config_path : "CONFIG", x->data ? x->data : "DATA", flags);
     fprintf(f, "\n\n%-24s %20s %12s   %s\n", "live set", "bytes", "GiB", "bound");
     char g[32];
     for (int i = 0; i < FM_PLAN_SETS; i++) {
@@ -167,15 +190,16 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
                     x->calib->mesh_link_measured ? "measured" : "NOMINAL (not measured)", x->calib->intra_node_bw / 1e9,
                     x->calib->inter_node_bw / 1e9);
     }
-    const bool fits = (!budget || p->total <= budget) && !(host_limited && p->host_bytes > x->host_budget);
+    const int64_t L = c->num_hidden_layers;
     if (m->on && !fits) /* no launch line for a plan that does not fit: it would be refused */
         fprintf(f, "\nlaunch: none (this mesh does not fit: see above)\n");
     else if (m->on) { /* the launch line: the same knobs as train flags */
-        fprintf(f, "\nlaunch: mpirun -np %lld %s train --config %s --data DATA --seq-len %lld --micro-batch %lld --zero 3 "
+        fprintf(f, "\nlaunch: mpirun -np %lld %s train --config %s --data %s --seq-len %lld --micro-batch %lld --zero 3 "
                 "--dp %lld --ep %lld --sp %lld", (long long)(m->dp * m->sp),
-                r->target == FM_PLAN_TARGET_CUDA || (r->target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4)
+                x->exe ? x->exe
+                : r->target == FM_PLAN_TARGET_CUDA || (r->target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4)
                     ? "flatmoe-cuda" : "flatmoe",
-                x->config_path ? x->config_path : "CONFIG", (long long)r->T, (long long)r->B, (long long)m->dp,
+                x->config_path ? x->config_path : "CONFIG", x->data ? x->data : "DATA", (long long)r->T, (long long)r->B, (long long)m->dp,
                 (long long)m->ep, (long long)m->sp);
         fprintf(f, " --recompute ");
         if (p->n_recomputed == 0) fprintf(f, "none");

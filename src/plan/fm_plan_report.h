@@ -24,11 +24,18 @@ typedef struct fm_plan_report {
     const fm_expert_choice *expert; /* CUDA plans: the expert GEMMs' form (fm_expert_choice.h), printed
                                        as its line after the projection and as "expert_gemm" in the
                                        JSON; NULL: neither */
+    const char *exe;          /* the launch line's binary (NULL: flatmoe, or flatmoe-cuda for a CUDA plan) */
+    const char *data;         /* the launch line's --data files (NULL: DATA) */
 } fm_plan_report;
+
+/* The trainer's flags that reproduce plan p of request r ("--seq-len ... --recompute ..."; a mesh
+ * adds --zero 3 and its degrees), into buf[cap] (truncated at cap). Never fails. */
+void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size_t cap);
 
 /* Prints the report as text. A mesh plan (req->mesh.on) adds its degrees, the communication
  * buffers' row, the collectives' phases and a copy-paste launch line (mpirun -np W ... --zero 3
- * --dp --ep --sp); a one-rank plan prints as before. */
+ * --dp --ep --sp); a one-rank plan its launch line (exe train --config --data and the train
+ * flags). A plan that does not fit its budgets prints neither flags nor launch line. */
 void fm_plan_print(const fm_plan_req *req, const fm_plan *p, const fm_plan_report *x, FILE *f);
 /* The same as one JSON object (one line); a mesh plan adds "mesh" (degrees), the
  * "communication buffers" live set and the collectives' phases. */

@@ -10,16 +10,12 @@ size_t fm_adamw_state_bytes(int64_t n_params, bool bf16_moments) {
     return 2 * fm_arena_round((size_t)n_params * (bf16_moments ? 2 : sizeof(float)));
 }
 
-static int bound_world = 1; /* fm_model_state_bound_set_dp: 1 unless ZeRO-1/2 or ZeRO-3 over several ranks */
-static int bound_zero = 0;
-
-void fm_model_state_bound_set_dp(int world, int zero) {
-    bound_world = zero && world > 1 ? world : 1;
-    bound_zero = bound_world > 1 ? zero : 0;
-}
-
-size_t fm_model_state_bound(const fm_config *cfg, size_t a, bool bf16_moments, char desc[200]) {
+size_t fm_model_state_bound(const fm_config *cfg, const fm_state_layout *lay, size_t a, bool bf16_moments,
+                            char desc[200]) {
     const int64_t n = fm_config_num_params(cfg);
+    /* one rank unless ZeRO-1/2 or ZeRO-3 over several */
+    const int bound_world = lay && lay->zero && lay->ranks > 1 ? lay->ranks : 1;
+    const int bound_zero = bound_world > 1 ? lay->zero : 0;
     if (bound_world > 1 && bound_zero == 3) return fm_zero3_state_bytes(cfg, a, bound_world, bf16_moments, desc);
     if (bound_world > 1) { /* ZeRO-1/2: weights and grads whole (padded), master whole on bf16 builds, m, v / W */
         const int W = bound_world;

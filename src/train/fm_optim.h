@@ -10,6 +10,7 @@
 #ifndef FM_OPTIM_H
 #define FM_OPTIM_H
 #include "../model/fm_model.h"
+#include "../plan/fm_plan.h"
 #include "fm_param_store.h"
 
 /* One tensor of optimizer state for checkpoints: n_params elements of dtype in the parameter
@@ -73,18 +74,15 @@ void fm_adamw_config(fm_adamw *opt, double beta1, double beta2, double eps, doub
 size_t fm_adamw_state_bytes(int64_t n_params, bool bf16_moments);
 
 /* The model-state live set's bound for a plan (DESIGN.md §2): the parameter store's bytes plus
- * AdamW's, for activations of act_bytes; desc (200 bytes) gets the formula in words. The plan
- * request carries the result (plan/ asks its caller; it includes nothing of train/). */
-size_t fm_model_state_bound(const fm_config *cfg, size_t act_bytes, bool bf16_moments, char desc[200]);
-
-/* The data-parallel layout fm_model_state_bound answers for, process-wide (the plan request's
- * callback has no room for it): world data-parallel ranks, zero 1: ZeRO-1/2 (the store of
- * fm_param_store_create_sharded, weights and grads padded to world * S, Adam m and v of S =
- * ceil(n / world) parameters: a per-rank bound); zero 3: ZeRO-3 (train/fm_zero3.h:
+ * AdamW's, for activations of act_bytes, over the data-parallel layout *lay (NULL or zeroed: the
+ * whole replica): zero 1 over lay->ranks > 1: ZeRO-1/2 (the store of
+ * fm_param_store_create_sharded, weights and grads padded to ranks * S, Adam m and v of S =
+ * ceil(n / ranks) parameters: a per-rank bound); zero 3: ZeRO-3 (train/fm_zero3.h:
  * fm_zero3_state_bytes, the shard's 16 B/param plus two gathered groups and one group's
- * gradients); zero 0 or world 1: the whole replica (the default). train and plan set it before
- * planning. */
-void fm_model_state_bound_set_dp(int world, int zero);
+ * gradients); zero 0 or one rank: the whole replica. desc (200 bytes) gets the formula in words.
+ * The plan request carries it (plan/ asks its caller; it includes nothing of train/). */
+size_t fm_model_state_bound(const fm_config *cfg, const fm_state_layout *lay, size_t act_bytes, bool bf16_moments,
+                            char desc[200]);
 
 /* The sum of squares of all gradients (double) into *out (backend memory, assigned): the global
  * L2 norm's square, read by the host at the step's sync point. Issues work only. */

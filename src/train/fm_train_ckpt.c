@@ -147,6 +147,10 @@ static char *state_to_json(const run *r, const train_state *s) {
     cJSON_AddNumberToObject(cur, "world", r->train.world);
     cJSON_AddNumberToObject(cur, "train_tokens", (double)r->train.n_tokens);
     cJSON_AddNumberToObject(o, "data_parallel", (double)(s->dp > 0 ? s->dp : 1));
+    if (r->o->spec_json) { /* the run spec, restored by --resume (run/fm_spec_resume.h) */
+        cJSON *spec = cJSON_Parse(r->o->spec_json);
+        if (spec) cJSON_AddItemToObject(o, "spec", spec);
+    }
     cJSON_AddStringToObject(o, "format", "flatmoe-state-1");
     char *txt = cJSON_Print(o);
     cJSON_Delete(o);

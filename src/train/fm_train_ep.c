@@ -48,14 +48,7 @@ fm_status fm_train_ep_check(const fm_train_opts *o, const fm_config *c, int W) {
                             "--ep N, or use --moe-chunk-tokens for the local MoE's chunks", (long long)o->ep_cap_tokens);
         return FM_OK;
     }
-    if (o->zero == 1) /* --zero 3 beside --ep shards only the non-expert parameters (train/fm_zero3.h) */
-        return fm_error(FM_ERR_ARG, "--zero 1 with --ep %d: ZeRO-1/2 shards the optimizer state over dp as if every "
-                        "rank held the same tensors, but under expert parallelism each rank holds other experts; use "
-                        "--zero 0 with --ep (each rank already keeps only E/ep experts' state), or --zero 3 (the "
-                        "non-expert parameters sharded too, each rank's experts whole), or --ep 1", ep);
-    if (o->offload_optimizer)
-        return fm_error(FM_ERR_ARG, "--offload-optimizer with --ep %d is not supported yet (the streamed AdamW's "
-                        "bound counts every expert); drop one of them", ep);
+    /* --zero 1 and --offload-optimizer with --ep: fm_train_opts_check_flags (fm_trainer.h) */
     if (o->ep_cap_tokens > 0 && o->moe_chunk_tokens > 0 && o->ep_cap_tokens != o->moe_chunk_tokens)
         return fm_error(FM_ERR_ARG, "--ep-cap-tokens %lld and --moe-chunk-tokens %lld: under --ep the dispatch's "
                         "chunks are the MoE's chunks; give one of them (or the same value)",
@@ -73,11 +66,9 @@ fm_llep_opts fm_train_ep_llep(const fm_train_opts *o) {
 
 /* ---- the model-state bound ---- */
 
-static int bound_ep = 1;
-
-void fm_train_ep_bound_set(int ep) { bound_ep = ep > 1 ? ep : 1; }
-
-size_t fm_train_ep_model_state_bound(const fm_config *cfg, size_t a, bool bf16_moments, char desc[200]) {
+size_t fm_train_ep_model_state_bound(const fm_config *cfg, const fm_state_layout *lay, size_t a, bool bf16_moments,
+                                     char desc[200]) {
+    const int bound_ep = lay->ep > 1 ? lay->ep : 1;
     const int64_t n = fm_model_ep_num_params(cfg, bound_ep);
     if (desc)
         snprintf(desc, 200, "%d B/param (weight, grad%s, Adam m, v) x %lld params (experts / ep = %d)",

@@ -54,15 +54,13 @@ fm_status fm_train_ep_check(const fm_train_opts *o, const fm_config *c, int W);
  * min_piece from the flags). */
 fm_llep_opts fm_train_ep_llep(const fm_train_opts *o);
 
-/* The model-state live set's per-rank bound with this rank's E/ep experts (the degree set by
- * fm_train_ep_bound_set; replicas over dp, AdamW): the parameter store's weights, grads (and the
- * fp32 master when a != 4) and AdamW's m and v, of fm_model_ep_num_params(cfg, ep) parameters,
- * each buffer rounded as the arenas round; desc (200 bytes) the formula. The plan request's
- * model_state_bytes under --ep (the same signature as fm_model_state_bound). */
-size_t fm_train_ep_model_state_bound(const fm_config *cfg, size_t a, bool bf16_moments, char desc[200]);
-/* The degree fm_train_ep_model_state_bound answers for, process-wide (the plan's callback has no
- * room for it). */
-void fm_train_ep_bound_set(int ep);
+/* The model-state live set's per-rank bound with this rank's E/ep experts (ep = lay->ep;
+ * replicas over dp, AdamW): the parameter store's weights, grads (and the fp32 master when
+ * a != 4) and AdamW's m and v, of fm_model_ep_num_params(cfg, ep) parameters, each buffer rounded
+ * as the arenas round; desc (200 bytes) the formula. The plan request's model_state_bytes under
+ * --ep (the same signature as fm_model_state_bound). */
+size_t fm_train_ep_model_state_bound(const fm_config *cfg, const fm_state_layout *lay, size_t a, bool bf16_moments,
+                                     char desc[200]);
 
 /* Sets up x over the world communicator (backend memory) of dp x sp ranks for degree ep > 1 (ep
  * divides dp x sp) and model m (created with fm_model_create_ep(.., ep, world_rank % ep)): the

@@ -47,9 +47,20 @@ void fm_train_opts_default(fm_train_opts *o) {
 fm_status fm_train_opts_check(const fm_train_opts *o) {
     if (o->n_data < 1) return fm_error(FM_ERR_ARG, "--data: give at least one text file or llm.c token shard");
     if (!o->out_dir || !*o->out_dir) return fm_error(FM_ERR_ARG, "--out: give a run folder");
+    return fm_train_opts_check_flags(o, FM_TRAIN_CHECK_TRAIN);
+}
+
+fm_status fm_train_opts_check_flags(const fm_train_opts *o, fm_train_check_for what) {
+    const bool train = what == FM_TRAIN_CHECK_TRAIN;
+    if (o->fp8_weight_cache && o->no_fp8_weight_cache)
+        return fm_error(FM_ERR_ARG, "--fp8-weight-cache and --no-fp8-weight-cache both given: keep one, or neither "
+                        "(then the planner keeps every layer's weight codes when its plan still fits with them)");
+    if (o->no_fp8_weight_cache && !o->expert_fp8)
+        return fm_error(FM_ERR_ARG, "--no-fp8-weight-cache is for --expert-precision fp8's weight codes, but "
+                        "--expert-precision is bf16; drop --no-fp8-weight-cache (or pass --expert-precision fp8)");
     if (o->recompute_keep_attention && o->no_recompute_keep_attention)
         return fm_error(FM_ERR_ARG, "--recompute-keep-attention and --no-recompute-keep-attention: give one, not both");
-    if (o->seq_len < 1 || o->micro_batch < 1 || o->grad_accum < 1 || o->steps < 1)
+    if (train && (o->seq_len < 1 || o->micro_batch < 1 || o->grad_accum < 1 || o->steps < 1))
         return fm_error(FM_ERR_ARG, "--seq-len, --micro-batch, --grad-accum and --steps must be >= 1");
     if (!(o->lr > 0) || !isfinite(o->lr) || !(o->min_lr >= 0) || !(o->min_lr <= o->lr))
         return fm_error(FM_ERR_ARG, "--lr must be finite and > 0, and --min-lr in [0, lr] (found lr %g, min-lr %g)", o->lr,
@@ -94,6 +105,14 @@ fm_status fm_train_opts_check(const fm_train_opts *o) {
     if (o->zero && o->offload_optimizer)
         return fm_error(FM_ERR_ARG, "--zero 1 and --offload-optimizer do not go together yet (the streamed AdamW "
                         "runs on the whole replica); drop one of them");
+    if (o->ep > 1 && o->zero == 1) /* --zero 3 beside --ep shards only the non-expert parameters (train/fm_zero3.h) */
+        return fm_error(FM_ERR_ARG, "--zero 1 with --ep %d: ZeRO-1/2 shards the optimizer state over dp as if every "
+                        "rank held the same tensors, but under expert parallelism each rank holds other experts; use "
+                        "--zero 0 with --ep (each rank already keeps only E/ep experts' state), or --zero 3 (the "
+                        "non-expert parameters sharded too, each rank's experts whole), or --ep 1", o->ep);
+    if (o->ep > 1 && o->offload_optimizer)
+        return fm_error(FM_ERR_ARG, "--offload-optimizer with --ep %d is not supported yet (the streamed AdamW's "
+                        "bound counts every expert); drop one of them", o->ep);
     if (o->expert_fp8 && o->ep > 1)
         return fm_error(FM_ERR_ARG, "--expert-precision fp8 with --ep %d: the FP8 experts are not built for expert "
                         "parallelism yet; drop --ep or use --expert-precision bf16", o->ep);
@@ -105,7 +124,7 @@ fm_status fm_train_opts_check(const fm_train_opts *o) {
                         "(then 1024 x 4096)");
     if (!(o->comm_timeout >= 0) || !isfinite(o->comm_timeout))
         return fm_error(FM_ERR_ARG, "--comm-timeout must be finite and >= 0 s (0 = 300), found %g", o->comm_timeout);
-    if (!(o->val_fraction > 0 && o->val_fraction < 1) && o->n_val_data == 0)
+    if (train && !(o->val_fraction > 0 && o->val_fraction < 1) && o->n_val_data == 0)
         return fm_error(FM_ERR_ARG, "--val-fraction must be in (0, 1), found %g", o->val_fraction);
     return FM_OK;
 }

@@ -15,7 +15,9 @@
 #include "../plan/fm_choose.h"
 #include "../plan/fm_expert_choice.h"
 #include "../plan/fm_plan_device.h"
+#include "../core/fm_log.h"
 #include "../schedule/fm_recompute.h"
+#include "fm_train_plan.h"
 #include "fm_train_agree.h"
 #include "fm_train_internal.h"
 
@@ -69,9 +71,9 @@ static fm_status init_from_folder(run *r, const char *dir) {
         if (r->zero3) s = fm_zero3_set_master(&r->z3, m, w);
         else fm_model_upload_master(m, w);
         if (extra[0] && m->ep <= 1 && r->rank == 0) /* --ep: the other ranks' experts are the extras; rank 0 speaks */
-            fprintf(stderr, "warning: --init-from %s: %s\n", dir, extra);
+            fm_log(FM_LOG_WARN, "warning: --init-from %s: %s\n", dir, extra);
         if (!r->o->quiet)
-            printf("initialized from %s (%d tensors, %lld parameters; optimizer state fresh)\n", f.where, m->n_tensors,
+            fm_log(FM_LOG_INFO, "initialized from %s (%d tensors, %lld parameters; optimizer state fresh)\n", f.where, m->n_tensors,
                    (long long)m->n_params);
     }
     if (!host) fm_free(w);
@@ -79,86 +81,91 @@ static fm_status init_from_folder(run *r, const char *dir) {
     return s;
 }
 
-fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
+/* The resume point: ckpt[cap] gets the latest complete checkpoint of --out with --resume ("" for
+ * a fresh run); a damaged newer one is refused, and a fresh run into a folder with checkpoints. */
+static fm_status setup_resume_point(run *r, char *ckpt, size_t cap) {
     const fm_train_opts *o = r->o;
-    FM_TRY(fm_train_opts_check(o));
-
-    /* Resume point. */
-    char ckpt[4096] = "";
     int64_t ckpt_step = -1;
-    if (o->resume) {
-        if (fm_ckpt_find_latest(o->out_dir, ckpt, sizeof ckpt, &ckpt_step) != FM_OK) {
-            ckpt[0] = 0;
-            ckpt_step = -1;
-        } else { /* its tokenizer goes on into the run's next checkpoints */
-            char tj[4200];
-            snprintf(tj, sizeof tj, "%s/tokenizer.json", ckpt);
-            if (access(tj, R_OK) == 0) snprintf(r->tokenizer_dir, sizeof r->tokenizer_dir, "%s", ckpt);
-        }
-        /* A damaged checkpoint newer than the one we would resume from is not skipped silently:
-         * training on would overwrite it (or start over). */
-        char bad[4096];
-        const char *missing = "";
-        if (fm_ckpt_find_incomplete(o->out_dir, ckpt_step, bad, sizeof bad, &missing))
-            return fm_error(FM_ERR_IO, "--resume: %s is an incomplete checkpoint (no %s)%s%s; restore the file, or "
-                            "move that folder away to resume from %s", bad, missing,
-                            ckpt[0] ? ", newer than " : "", ckpt[0] ? ckpt : "",
-                            ckpt[0] ? "the older checkpoint" : "scratch");
-        if (!ckpt[0] && !o->quiet)
-            printf("--resume: no checkpoint in %s yet; starting from step 0%s%s\n", o->out_dir,
-                   o->init_from ? " with the weights of --init-from " : "", o->init_from ? o->init_from : "");
-        if (ckpt[0] && o->init_from && r->rank == 0) /* many ranks: the same on every rank, said once */
-            fprintf(stderr, "note: --resume continues the run in %s from %s; --init-from %s is not used (it only "
-                    "starts a run)\n", o->out_dir, ckpt, o->init_from);
-    } else {
+    ckpt[0] = 0;
+    if (!o->resume) {
         char probe[4096];
         if (fm_ckpt_find_latest(o->out_dir, probe, sizeof probe, NULL) == FM_OK)
             return fm_error(FM_ERR_ARG, "--out %s already holds checkpoints (latest %s); pass --resume to continue "
                             "that run, or choose a new --out folder", o->out_dir, probe);
+        return FM_OK;
     }
+    if (fm_ckpt_find_latest(o->out_dir, ckpt, cap, &ckpt_step) != FM_OK) {
+        ckpt[0] = 0;
+        ckpt_step = -1;
+    } else { /* its tokenizer goes on into the run's next checkpoints */
+        char tj[4200];
+        snprintf(tj, sizeof tj, "%s/tokenizer.json", ckpt);
+        if (access(tj, R_OK) == 0) snprintf(r->tokenizer_dir, sizeof r->tokenizer_dir, "%s", ckpt);
+    }
+    /* A damaged checkpoint newer than the one we would resume from is not skipped silently:
+     * training on would overwrite it (or start over). */
+    char bad[4096];
+    const char *missing = "";
+    if (fm_ckpt_find_incomplete(o->out_dir, ckpt_step, bad, sizeof bad, &missing))
+        return fm_error(FM_ERR_IO, "--resume: %s is an incomplete checkpoint (no %s)%s%s; restore the file, or "
+                        "move that folder away to resume from %s", bad, missing,
+                        ckpt[0] ? ", newer than " : "", ckpt[0] ? ckpt : "",
+                        ckpt[0] ? "the older checkpoint" : "scratch");
+    if (!ckpt[0] && !o->quiet)
+        fm_log(FM_LOG_INFO, "--resume: no checkpoint in %s yet; starting from step 0%s%s\n", o->out_dir,
+               o->init_from ? " with the weights of --init-from " : "", o->init_from ? o->init_from : "");
+    if (ckpt[0] && o->init_from && r->rank == 0) /* many ranks: the same on every rank, said once */
+        fm_log(FM_LOG_NOTE, "note: --resume continues the run in %s from %s; --init-from %s is not used (it only "
+               "starts a run)\n", o->out_dir, ckpt, o->init_from);
+    return FM_OK;
+}
 
-    /* Config: from --config, checked against the checkpoint's when resuming. */
+/* --config given with --resume: it must be the checkpoint's config p (loaded in r->cfg), but
+ * for --max-position-embeddings; the error names the first field that differs. */
+static fm_status check_config_resumed(const run *r, const char *p) {
+    const fm_train_opts *o = r->o;
+    fm_config given;
+    FM_TRY(fm_config_load(&given, o->config_path));
+    if (o->max_position_embeddings > 0) given.max_position_embeddings = o->max_position_embeddings;
+    char *a = fm_config_to_json(&given), *b = fm_config_to_json(&r->cfg);
+    bool same = a && b && !strcmp(a, b);
+    fm_free(a);
+    fm_free(b);
+    if (same) return FM_OK;
+    if (given.max_position_embeddings != r->cfg.max_position_embeddings) {
+        fm_config g2 = given; /* is it the only difference? */
+        g2.max_position_embeddings = r->cfg.max_position_embeddings;
+        char *x = fm_config_to_json(&g2), *y = fm_config_to_json(&r->cfg);
+        const bool only = x && y && !strcmp(x, y);
+        fm_free(x);
+        fm_free(y);
+        if (only)
+            return fm_error(FM_ERR_CONFIG, "--config %s has max_position_embeddings %lld but the checkpoint %s was "
+                            "trained with %lld; pass --max-position-embeddings %lld (or drop --config)", o->config_path,
+                            (long long)given.max_position_embeddings, p, (long long)r->cfg.max_position_embeddings,
+                            (long long)r->cfg.max_position_embeddings);
+    }
+    const fm_config *c = &r->cfg;
+    const char *field = given.vocab_size != c->vocab_size ? "vocab_size"
+                      : given.hidden_size != c->hidden_size ? "hidden_size"
+                      : given.num_hidden_layers != c->num_hidden_layers ? "num_hidden_layers"
+                      : given.num_experts != c->num_experts ? "the expert count"
+                      : given.moe_intermediate_size != c->moe_intermediate_size ? "the expert width"
+                      : given.model_type != c->model_type ? "model_type" : "a field";
+    return fm_error(FM_ERR_CONFIG, "--config %s differs from the checkpoint's %s (%s differs); resume with the same "
+                    "model config (or drop --config to use the checkpoint's)", o->config_path, p, field);
+}
+
+/* The model config: the checkpoint's (checked against --config), --init-from's, or --config;
+ * then --max-position-embeddings, and --seq-len within it. */
+static fm_status setup_config(run *r, const char *ckpt) {
+    const fm_train_opts *o = r->o;
+    char p[4200];
     if (ckpt[0]) {
-        char p[4200];
         snprintf(p, sizeof p, "%s/%s", ckpt, FM_CKPT_CONFIG_FILE);
         FM_TRY(fm_config_load(&r->cfg, p));
-        if (o->config_path) {
-            fm_config given;
-            FM_TRY(fm_config_load(&given, o->config_path));
-            if (o->max_position_embeddings > 0) given.max_position_embeddings = o->max_position_embeddings;
-            char *a = fm_config_to_json(&given), *b = fm_config_to_json(&r->cfg);
-            bool same = a && b && !strcmp(a, b);
-            fm_free(a);
-            fm_free(b);
-            if (!same) {
-                if (given.max_position_embeddings != r->cfg.max_position_embeddings) {
-                    bool only = true; /* is it the only difference? */
-                    fm_config g2 = given;
-                    g2.max_position_embeddings = r->cfg.max_position_embeddings;
-                    char *x = fm_config_to_json(&g2), *y = fm_config_to_json(&r->cfg);
-                    only = x && y && !strcmp(x, y);
-                    fm_free(x);
-                    fm_free(y);
-                    if (only)
-                        return fm_error(FM_ERR_CONFIG, "--config %s has max_position_embeddings %lld but the checkpoint "
-                                        "%s was trained with %lld; pass --max-position-embeddings %lld (or drop "
-                                        "--config)", o->config_path, (long long)given.max_position_embeddings, p,
-                                        (long long)r->cfg.max_position_embeddings,
-                                        (long long)r->cfg.max_position_embeddings);
-                }
-                const char *field = given.vocab_size != r->cfg.vocab_size ? "vocab_size"
-                                  : given.hidden_size != r->cfg.hidden_size ? "hidden_size"
-                                  : given.num_hidden_layers != r->cfg.num_hidden_layers ? "num_hidden_layers"
-                                  : given.num_experts != r->cfg.num_experts ? "the expert count"
-                                  : given.moe_intermediate_size != r->cfg.moe_intermediate_size ? "the expert width"
-                                  : given.model_type != r->cfg.model_type ? "model_type" : "a field";
-                return fm_error(FM_ERR_CONFIG, "--config %s differs from the checkpoint's %s (%s differs); resume with "
-                                "the same model config (or drop --config to use the checkpoint's)", o->config_path, p,
-                                field);
-            }
-        }
+        if (o->config_path) FM_TRY(check_config_resumed(r, p));
     } else if (o->init_from) {
-        char p[4200];
         snprintf(p, sizeof p, "%s/%s", o->init_from, FM_CKPT_CONFIG_FILE);
         if (o->config_path && !same_file(o->config_path, p))
             return fm_error(FM_ERR_ARG, "--config %s and --init-from %s both give the model config: --init-from takes "
@@ -178,10 +185,13 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         return fm_error(FM_ERR_ARG, "--seq-len %lld exceeds max_position_embeddings (%lld) of the model config; "
                         "use --seq-len <= %lld, or raise the limit with --max-position-embeddings", (long long)o->seq_len,
                         (long long)c->max_position_embeddings, (long long)c->max_position_embeddings);
+    return fm_plan_check_shape(c, o->micro_batch, o->seq_len);
+}
 
-    FM_TRY(fm_plan_check_shape(c, o->micro_batch, o->seq_len));
-
-    /* Data. */
+/* The training and validation data (--val-data, else --val-fraction of --data). */
+static fm_status setup_data(run *r) {
+    const fm_train_opts *o = r->o;
+    const fm_config *c = &r->cfg;
     FM_TRY(fm_dataset_load(&r->train_all, o->data, o->n_data, c->vocab_size));
     if (o->n_val_data > 0) {
         FM_TRY(fm_dataset_load(&r->val_own, o->val_data, o->n_val_data, c->vocab_size));
@@ -193,10 +203,13 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         FM_TRY(fm_dataset_split(&r->train_all, o->val_fraction, &r->train, &r->val));
     }
     FM_TRY(fm_dataset_check_windows(&r->train, o->seq_len, "training data"));
-    FM_TRY(fm_dataset_check_windows(&r->val, o->seq_len, "validation data"));
+    return fm_dataset_check_windows(&r->val, o->seq_len, "validation data");
+}
 
-    /* Many ranks: the launcher's world (created over the backend below) is dp x sp ranks (--sp:
-     * Ulysses sequence parallelism; --dp defaults to W / sp). The model state's bound is per rank. */
+/* Many ranks: the launcher's world (created over the backend later) is dp x sp ranks (--sp:
+ * Ulysses sequence parallelism; --dp defaults to W / sp); *dp gets the data-parallel degree. */
+static fm_status setup_world(run *r, int *dp_out) {
+    const fm_train_opts *o = r->o;
     FM_TRY(fm_comm_launcher(&r->rank, &r->n_ranks, NULL));
     const int W = r->n_ranks, sp = r->sp = o->sp > 1 ? o->sp : 1;
     if (W % sp != 0)
@@ -209,8 +222,7 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     if (dp * sp != W)
         return fm_error(FM_ERR_ARG, "--dp %d with %d ranks leaves sp = %d, but --sp is %d (the world is dp x sp ranks); "
                         "pass --sp %d, or use --dp %d (or leave --dp out)", dp, W, W / dp, sp, W / dp, W / sp);
-    FM_TRY(fm_attn_sp_check(c, sp, o->seq_len)); /* seq-len and the head counts divisible by --sp */
-    fm_model_state_bound_set_dp(W, o->zero);
+    *dp_out = dp;
 #ifdef FM_ACT_BF16
     if (W > 1) { /* GPU ranks: this rank's device is its node-local rank's, chosen before any CUDA context */
         int local_rank = 0, local_size = 1;
@@ -218,52 +230,21 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
         FM_TRY(fm_backend_default_select_device(local_rank, NULL));
     }
 #endif
-    /* expert parallelism (train/fm_train_ep.h): E/ep experts per rank, the EP dispatch's bound */
-    FM_TRY(fm_train_ep_check(o, c, W));
-    const int ep = o->ep > 1 ? o->ep : 1;
-    fm_train_ep_bound_set(ep);
-    const fm_llep_opts llep = fm_train_ep_llep(o);
-    const int64_t moe_c = ep > 1 && o->ep_cap_tokens > 0 ? o->ep_cap_tokens : o->moe_chunk_tokens;
+    return FM_OK;
+}
 
-    /* Plan: every live set's bound, from the config and flags alone, before any allocation. */
-    const int64_t L = c->num_hidden_layers;
-    bool *rc = r->rc = fm_malloc((size_t)(2 * L)); /* recompute [L], keep-attention [L] */
-    if (!rc) return fm_error(FM_ERR_NOMEM, "out of memory for the recompute table (%lld layers)", (long long)L);
-    FM_TRY(fm_recompute_parse(o->recompute, L, rc));
-    bool *keep = rc + L;
-    FM_TRY(fm_recompute_keep_attention_fill(o->recompute_keep_attention, o->recompute != NULL, rc, L, keep));
-    int64_t n_off = 0;
-    FM_TRY(fm_sco_parse(o->offload_boundaries, L, &n_off));
-    const int64_t bucket = o->offload_optimizer_bucket > 0 ? o->offload_optimizer_bucket : FM_OFFLOAD_DEFAULT_BUCKET;
-    fm_plan_req req = {*c, o->micro_batch, o->seq_len, o->grad_accum, rc,
-                       moe_c > 0 ? moe_c : 0,
-                       o->ce_block_tokens > 0 ? o->ce_block_tokens : 0,
-                       o->ce_block_vocab > 0 ? o->ce_block_vocab : 0, o->threads, o->att_tile_q, o->att_tile_kv,
-                       FM_PLAN_TARGET_BUILD, o->gpu_workspace, o->bf16_moments, fm_model_state_bound, n_off,
-                       o->offload_optimizer, bucket, o->offload_optimizer_slots, fm_offload_model_state_bound,
-                       keep};
-    req.optimizer_overlap = !o->no_optimizer_overlap && !(o->zero && W > 1); /* as fm_step_ws_enable_overlap below */
-    req.expert_fp8 = o->expert_fp8; /* the quantized copies in the expert live set */
-    req.sp = sp; /* activations of seq-len/sp tokens per sequence, plus the head-sharded attention buffers */
-    /* --vocab-parallel ring: the linear CE (default blocks when neither flag is given), over the
-     * world's W ranks when W > 1 (Ring-DTP's bound for the vocabulary live set) */
-    const bool vocab_flag = o->vocab_parallel == FM_VOCAB_PARALLEL_RING, vocab_ring = vocab_flag && W > 1;
-    if (vocab_flag && req.ce_block_tokens <= 0 && req.ce_block_vocab <= 0) {
-        req.ce_block_tokens = FM_LCE_DEFAULT_BLOCK_TOKENS;
-        req.ce_block_vocab = FM_LCE_DEFAULT_BLOCK_VOCAB;
-    }
-    req.vocab_ring = vocab_ring ? W : 0;
-    req.train_dp = W / sp, req.train_zero = o->zero; /* the projection's per-rank update, the train flags line */
-    if (ep > 1) { /* --zero 3 --ep: the non-expert parameters sharded, E/ep experts whole (fm_zero3.h) */
-        fm_zero3_ep_bound_set(W, ep);
-        req.model_state_bytes = o->zero == 3 && W > 1 ? fm_zero3_ep_model_state_bound : fm_train_ep_model_state_bound;
-        req.ep = ep;
-        req.llep = &llep;
-    }
-    fm_plan plan;
-    /* The budgets: --mem-budget, else (CUDA) the device's free memory less the context and
-     * libraries' growth, measured (plan/fm_plan_device.h); --host-mem-budget, else what this host
-     * can pin (fm_host_mem_budget_default). The chooser picks every memory knob not given. */
+/* The plan: every live set's bound, from the config and flags alone (fm_train_plan.h, as `flatmoe
+ * plan` derives it), fitted to the budgets: --mem-budget, else (CUDA) the device's free memory
+ * less the context and libraries' growth, measured (plan/fm_plan_device.h); --host-mem-budget,
+ * else what this host can pin. The chooser picks every memory knob not given. */
+static fm_status setup_plan(run *r, fm_train_plan *tp) {
+    const fm_train_opts *o = r->o;
+    const fm_config *c = &r->cfg;
+    const int W = r->n_ranks;
+    FM_TRY(fm_train_plan_request(o, c, W, r->sp, FM_PLAN_TARGET_BUILD, tp));
+    r->rc = tp->rc; /* freed with the run */
+    tp->rc = NULL;
+    fm_plan_req *req = &tp->req;
     size_t budget = o->mem_budget;
     fm_device_budget dev = {0};
     if (budget == 0) {
@@ -283,62 +264,152 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     FM_TRY(fm_calib_find(&cal, NULL, o->backend.calib_dir, sizeof(fm_act) == 4 ? "cpu" : "cuda", dev.total ? dev.name : NULL, note));
     /* The expert GEMMs' form (plan/fm_expert_choice.h): FLATMOE_EXPERT_GEMM forces one; auto weighs
      * the sm90 kernel against cuBLAS at every chunk the chooser tries, then settles it at the chunk
-     * chosen; the backend below is created with it (bo.expert_gemm), so fm_model_layout finds it
+     * chosen; the backend is created with it (bo.expert_gemm), so fm_model_layout finds it
      * answering expert_sync_free for the sm90 form (no host wait per MoE chunk). */
     const fm_expert_ask eask = {o->backend.expert_gemm, sizeof(fm_act) != 4,
                                 sizeof(fm_act) != 4 && fm_backend_default_expert_sm90_ok() == 1, o->backend.cpu_fp8_codes};
-    /* --expert-precision fp8: on E4M3 codes where the backend will serve it, else emulated */
-    req.expert_fp8_codes = fm_expert_fp8_codes(&req, &eask);
-    if (o->fp8_weight_cache && o->no_fp8_weight_cache)
-        return fm_error(FM_ERR_ARG, "--fp8-weight-cache and --no-fp8-weight-cache both given: keep one, or neither "
-                        "(then the planner keeps every layer's weight codes when its plan still fits with them)");
-    if (o->fp8_weight_cache && !req.expert_fp8_codes) {
-        char why[320];
-        fm_expert_fp8_codes_why(&req, &eask, why, sizeof why);
-        return fm_error(FM_ERR_ARG, "--fp8-weight-cache keeps the E4M3 weight codes of --expert-precision fp8's fast path, "
-                        "but %s%s; drop --fp8-weight-cache", o->expert_fp8 ? "this run's fp8 experts are emulated, since " : "", why);
-    }
-    if (o->no_fp8_weight_cache && !o->expert_fp8)
-        return fm_error(FM_ERR_ARG, "--no-fp8-weight-cache is for --expert-precision fp8's weight codes, but "
-                        "--expert-precision is bf16; drop --no-fp8-weight-cache (or pass --expert-precision fp8: a "
-                        "--resume does not take the precision from the run)");
-    req.expert_fp8_cache = o->fp8_weight_cache;
-    req.expert_fp8_cache_auto = req.expert_fp8_codes && !o->fp8_weight_cache && !o->no_fp8_weight_cache;
-    fm_expert_choice_prepare(&req, &eask, &cal);
-    const fm_choose_opts co = {budget, o->mem_budget ? "--mem-budget" : "the GPU's measured free memory (no --mem-budget given)",
-                               host_budget, "--host-mem-budget", &cal, o->recompute != NULL, o->recompute_keep_attention || o->no_recompute_keep_attention,
-                               o->offload_boundaries != NULL, o->offload_optimizer || ep > 1, moe_c >= 0, /* --ep: no streamed AdamW */
-                               o->ce_block_tokens >= 0 || o->ce_block_vocab >= 0 || vocab_flag};
+    FM_TRY(fm_train_plan_experts(tp, o, &eask, &cal));
+    const fm_choose_opts co = fm_train_plan_choose_opts(
+        tp, o, budget, o->mem_budget ? "--mem-budget" : "the GPU's measured free memory (no --mem-budget given)",
+        host_budget, "--host-mem-budget", &cal);
     fm_projection proj;
-    FM_TRY(fm_plan_fit(&req, &co, rc, &plan, &proj));
-    fm_expert_choice_finish(&req, &plan, &eask, &cal, &r->expert_choice);
-    n_off = req.n_offloaded_boundaries;
-    keep = (bool *)req.keep_attention;
-    if (ep > 1 && req.moe_chunk_tokens <= 0) /* no cap given or chosen: one chunk of the micro-batch (the same plan) */
-        req.moe_chunk_tokens = o->micro_batch * o->seq_len;
+    FM_TRY(fm_plan_fit(req, &co, r->rc, &r->plan, &proj));
+    fm_expert_choice_finish(req, &r->plan, &eask, &cal, &r->expert_choice);
+    if (tp->ep > 1 && req->moe_chunk_tokens <= 0) /* no cap given or chosen: one chunk of the micro-batch (the same plan) */
+        req->moe_chunk_tokens = o->micro_batch * o->seq_len;
     if (!o->quiet && o->mem_budget == 0 && budget > 0)
-        printf("memory budget: %.1f MiB (the GPU's %.1f MiB: %.1f MiB free with the context, less %.1f MiB the libraries "
-               "took when loaded and %.0f MiB for kernels loaded later; --mem-budget sets it)\n", budget / 1048576.0,
-               dev.total / 1048576.0, dev.free_start / 1048576.0, dev.library_bytes / 1048576.0,
+        fm_log(FM_LOG_INFO, "memory budget: %.1f MiB (the GPU's %.1f MiB: %.1f MiB free with the context, less %.1f MiB "
+               "the libraries took when loaded and %.0f MiB for kernels loaded later; --mem-budget sets it)\n",
+               budget / 1048576.0, dev.total / 1048576.0, dev.free_start / 1048576.0, dev.library_bytes / 1048576.0,
                FM_PLAN_LATE_LOAD_MARGIN / 1048576.0);
     if (!o->quiet && budget > 0)
-        printf("%s\nprojected step: %.4g s, %.0f tokens/s, MFU %.1f%%\n", note, proj.step_s, proj.tokens_per_s, 100.0 * proj.mfu);
+        fm_log(FM_LOG_INFO, "%s\nprojected step: %.4g s, %.0f tokens/s, MFU %.1f%%\n", note, proj.step_s,
+               proj.tokens_per_s, 100.0 * proj.mfu);
     if (!o->quiet && eask.cuda_bf16 && r->rank == 0) {
         char line[600];
         fm_expert_choice_line(&r->expert_choice, line, sizeof line);
-        printf("%s\n", line);
+        fm_log(FM_LOG_INFO, "%s\n", line);
     }
-    r->plan = plan;
+    return FM_OK;
+}
 
-    /* Backend, model, optimizer: allocated from the plan. */
+/* The optimizer and the parameter store, as planned: streamed AdamW, ZeRO-3 shards, ZeRO-1/2,
+ * or the whole replica. */
+static fm_status setup_optimizer(run *r, const fm_plan_req *req, fm_comm_kind comm_kind) {
+    const fm_train_opts *o = r->o;
+    fm_model *m = &r->m;
+    const int W = r->n_ranks;
+    const fm_plan *plan = &r->plan;
+    fm_adamw_config(&r->opt, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
+    r->optim = &fm_adamw_ops;
+    r->opt_self = &r->opt;
+    if (req->offload_optimizer) { /* the streamed AdamW: its host state, as planned; the store without master */
+        FM_TRY(fm_offload_adamw_create(&r->oopt, &r->opt, m->n_params, req->offload_bucket, o->offload_optimizer_slots,
+                                       &r->be));
+        if (r->oopt.host.capacity != fm_arena_round(plan->host_optimizer_bytes)) {
+            char msg[200];
+            snprintf(msg, sizeof msg, "the offloaded optimizer's host arena holds %zu bytes but the plan says %zu",
+                     r->oopt.host.capacity, plan->host_optimizer_bytes);
+            fm_abort(__FILE__, __LINE__, msg);
+        }
+        r->optim = &fm_offload_adamw_ops;
+        r->opt_self = &r->oopt;
+        FM_TRY(fm_param_store_create_host_master(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params),
+                                                 r->oopt.h_master));
+    } else if (o->zero == 3 && W > 1) { /* ZeRO-3: the shards, two gather slots, one group's gradients */
+        FM_TRY(fm_zero3_layout_model(&r->z3, m, r->rank, W));
+        FM_TRY(fm_param_store_create_zero3(&r->ps, m, &r->z3, r->optim->state_bytes(r->opt_self, r->z3.shard_len)));
+        r->zero3 = true;
+    } else if (o->zero && W > 1 && comm_kind == FM_COMM_KIND_NCCL) {
+        /* the checkpoint gathers the Adam shards into a host buffer on rank 0 (fm_train_ckpt.c), which
+         * NCCL cannot write: refused here rather than failing at the first save */
+        return fm_error(FM_ERR_ARG, "--zero 1 with the nccl communicator: its checkpoints gather Adam's shards into "
+                                    "host memory, which NCCL cannot write; use --zero 3 (whose gathers stay on the "
+                                    "device) or --comm mpi");
+    } else if (o->zero && W > 1) { /* ZeRO-1/2: the store padded to W blocks, AdamW's state of this rank's */
+        FM_TRY(fm_param_store_create_sharded(&r->ps, m, r->rank, W,
+                                             r->optim->state_bytes(r->opt_self, fm_param_store_shard_len(m->n_params, W))));
+    } else {
+        FM_TRY(fm_param_store_create(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params)));
+    }
+    r->optim->init(r->opt_self, &r->ps, &r->be);
+    return FM_OK;
+}
+
+/* The model's arenas as planned, and the step's schedule with its hooks (ZeRO-3's gathers, the
+ * optimizer overlap, the checkpoint offload). */
+static fm_status setup_layout(run *r, const fm_train_plan *tp) {
+    const fm_train_opts *o = r->o;
+    const fm_plan_req *req = &tp->req;
+    fm_model *m = &r->m;
+    const int W = r->n_ranks, ep = tp->ep;
+    const fm_plan *plan = &r->plan;
+    const bool vocab_ring = req->vocab_ring > 1;
+    fm_layout_opts lo = {req->recompute, req->moe_chunk_tokens, req->ce_block_tokens, req->ce_block_vocab,
+                         req->n_offloaded_boundaries, req->keep_attention, ep, r->rank % ep, &tp->llep};
+    lo.sp = r->sp;
+    lo.vocab_ring = vocab_ring ? W : 0;
+    lo.expert_fp8 = o->expert_fp8;
+    lo.expert_fp8_codes = req->expert_fp8_codes;
+    lo.expert_fp8_cache = req->expert_fp8_cache;
+    FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len / r->sp, &lo)); /* this rank's slice of each sequence */
+    if (vocab_ring && !o->quiet)
+        fm_log(FM_LOG_INFO, "vocab-parallel: Ring-DTP over %d ranks, head rows [%lld, %lld) on this rank (%lld of %lld), "
+               "moving %s\n", W, (long long)m->vocab_first, (long long)(m->vocab_first + m->vocab_rows),
+               (long long)m->vocab_rows, (long long)r->cfg.vocab_size,
+               fm_lce_ring_choose(m->N, r->cfg.vocab_size, W) == FM_LCE_RING_ACTIVATIONS ? "activations (N <= V/P)"
+                                                                                         : "weight shards (N > V/P)");
+    else if (tp->vocab_flag && !o->quiet)
+        fm_log(FM_LOG_INFO, "vocab-parallel: one rank, so the one-rank linear cross-entropy (the ring at P = 1)\n");
+    for (int i = 0; i < FM_LIVE_COUNT; i++) {
+        const fm_arena *a = fm_train_arena(r, i);
+        if (a->capacity != fm_arena_round(plan->bytes[i])) {
+            char msg[200];
+            snprintf(msg, sizeof msg, "the %s arena holds %zu bytes but the plan says %zu", fm_live_set_names[i],
+                     a->capacity, plan->bytes[i]);
+            fm_abort(__FILE__, __LINE__, msg);
+        }
+    }
+    FM_TRY(fm_step_ws_init(&r->step, m, o->grad_accum));
+    r->step.zero_ps = r->ps.sharded && !r->zero3 ? &r->ps : NULL; /* ZeRO-1/2: the step updates this rank's shard */
+    if (r->zero3) { /* ZeRO-3: the step's and evaluation's schedules gather and reduce-scatter in its hook */
+        fm_zero3_bind(&r->z3, m, &r->ps, &r->world);
+        if (ep > 1) fm_zero3_set_edp(&r->z3, &r->ep.edp); /* the experts' gradients: over the ranks holding them */
+        r->step.zero3 = &r->z3;
+        FM_TRY(fm_schedule_add_group_hook(&r->step.sched, fm_zero3_hook, &r->z3));
+        fm_schedule_init(&r->eval_sched, m);
+        FM_TRY(fm_schedule_add_group_hook(&r->eval_sched, fm_zero3_hook, &r->z3));
+    }
+    r->step.ep = ep > 1 ? &r->ep : NULL; /* expert parallelism: its gradients' reduction */
+    /* the optimizer overlap (not with ZeRO-1/2, whose update ends in an all-gather of the weights,
+     * nor ZeRO-3, whose weights are gathered group by group) */
+    if (!o->no_optimizer_overlap && !r->step.zero_ps && !r->zero3) FM_TRY(fm_step_ws_enable_overlap(&r->step, m));
+    if (req->n_offloaded_boundaries > 0) { /* the offload policy: its pinned host copies, as planned, and its hook */
+        FM_TRY(fm_sco_create(&r->sco, m));
+        if (r->sco.host.capacity != fm_arena_round(plan->host_bytes - plan->host_optimizer_bytes)) {
+            char msg[200];
+            snprintf(msg, sizeof msg, "the offloaded-boundaries host arena holds %zu bytes but the plan says %zu",
+                     r->sco.host.capacity, plan->host_bytes - plan->host_optimizer_bytes);
+            fm_abort(__FILE__, __LINE__, msg);
+        }
+        FM_TRY(fm_sco_attach(&r->sco, &r->step.sched));
+    }
+    return FM_OK;
+}
+
+/* Backend, model, communicators and optimizer, allocated from the plan. */
+static fm_status setup_allocate(run *r, const fm_train_plan *tp, int dp) {
+    const fm_train_opts *o = r->o;
+    const fm_config *c = &r->cfg;
+    const int W = r->n_ranks, sp = r->sp, ep = tp->ep;
     fm_backend_opts bo = o->backend;
     bo.threads = o->threads;
     bo.max_head_dim = c->head_dim;
     bo.tile_q = o->att_tile_q;
     bo.tile_kv = o->att_tile_kv;
-    bo.gpu_workspace = plan.gpu_workspace;
+    bo.gpu_workspace = r->plan.gpu_workspace;
     bo.expert_gemm = r->expert_choice.gemm; /* auto resolved: sm90 or cublas (forced forms as given) */
-    if (req.expert_fp8_codes) bo.expert_gemm = o->backend.expert_gemm; /* auto or sm90: the FP8 kernel serves */
+    if (tp->req.expert_fp8_codes) bo.expert_gemm = o->backend.expert_gemm; /* auto or sm90: the FP8 kernel serves */
     r->backend_opts = bo;
     FM_TRY(fm_backend_default_init_opts(&r->be, &bo));
     r->be_ok = true;
@@ -350,10 +421,10 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
                                      &comm_kind));
     r->world_ok = true;
     if (!o->quiet && r->rank == 0 && comm_kind != FM_COMM_KIND_AUTO)
-        printf("communicator: %s over %d rank%s\n", r->world.ops->name, W, W == 1 ? "" : "s");
+        fm_log(FM_LOG_INFO, "communicator: %s over %d rank%s\n", r->world.ops->name, W, W == 1 ? "" : "s");
     FM_TRY(fm_train_agree(&r->world, o, c)); /* every rank with the same flags, before any other collective */
     m->comm = &r->world; /* the batch's valid targets, loss sums and router statistics */
-    if (vocab_ring) m->vocab_comm = &r->world; /* Ring-DTP over every rank (fm_layout_opts.vocab_ring) */
+    if (tp->req.vocab_ring > 1) m->vocab_comm = &r->world; /* Ring-DTP over every rank (fm_layout_opts.vocab_ring) */
     if (sp > 1) { /* Ulysses: the mesh's sp group carries attention's all-to-alls */
         FM_TRY(fm_comm_group_create(&r->mesh, &r->world, dp, 1, sp));
         r->mesh_ok = true;
@@ -373,122 +444,49 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     /* the sampling cursor: this rank of the data-parallel ranks (fm_dataset_sample_batch) */
     FM_TRY(fm_dataset_set_ranks(&r->train, sp > 1 ? fm_comm_rank(&r->mesh.axis[FM_AXIS_DP].comm) : fm_comm_rank(&r->world),
                                 dp));
-    fm_adamw_config(&r->opt, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
-    if (req.offload_optimizer) { /* the streamed AdamW: its host state, as planned; the store without master */
-        FM_TRY(fm_offload_adamw_create(&r->oopt, &r->opt, m->n_params, bucket, o->offload_optimizer_slots, &r->be));
-        if (r->oopt.host.capacity != fm_arena_round(plan.host_optimizer_bytes)) {
-            char msg[200];
-            snprintf(msg, sizeof msg, "the offloaded optimizer's host arena holds %zu bytes but the plan says %zu",
-                     r->oopt.host.capacity, plan.host_optimizer_bytes);
-            fm_abort(__FILE__, __LINE__, msg);
-        }
-        r->optim = &fm_offload_adamw_ops;
-        r->opt_self = &r->oopt;
-        FM_TRY(fm_param_store_create_host_master(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params),
-                                                 r->oopt.h_master));
-    } else if (o->zero == 3 && W > 1) { /* ZeRO-3: the shards, two gather slots, one group's gradients */
-        r->optim = &fm_adamw_ops;
-        r->opt_self = &r->opt;
-        FM_TRY(fm_zero3_layout_model(&r->z3, m, r->rank, W));
-        FM_TRY(fm_param_store_create_zero3(&r->ps, m, &r->z3, r->optim->state_bytes(r->opt_self, r->z3.shard_len)));
-        r->zero3 = true;
-    } else if (o->zero && W > 1 && comm_kind == FM_COMM_KIND_NCCL) {
-        /* the checkpoint gathers the Adam shards into a host buffer on rank 0 (fm_train_ckpt.c), which
-         * NCCL cannot write: refused here rather than failing at the first save */
-        return fm_error(FM_ERR_ARG, "--zero 1 with the nccl communicator: its checkpoints gather Adam's shards into "
-                                    "host memory, which NCCL cannot write; use --zero 3 (whose gathers stay on the "
-                                    "device) or --comm mpi");
-    } else if (o->zero && W > 1) { /* ZeRO-1/2: the store padded to W blocks, AdamW's state of this rank's */
-        r->optim = &fm_adamw_ops;
-        r->opt_self = &r->opt;
-        FM_TRY(fm_param_store_create_sharded(&r->ps, m, r->rank, W,
-                                             r->optim->state_bytes(r->opt_self, fm_param_store_shard_len(m->n_params, W))));
-    } else {
-        r->optim = &fm_adamw_ops;
-        r->opt_self = &r->opt;
-        FM_TRY(fm_param_store_create(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params)));
-    }
-    r->optim->init(r->opt_self, &r->ps, &r->be);
-    fm_layout_opts lo = {req.recompute, req.moe_chunk_tokens, req.ce_block_tokens, req.ce_block_vocab, n_off,
-                               keep, ep, r->rank % ep, &llep};
-    lo.sp = sp;
-    lo.vocab_ring = vocab_ring ? W : 0;
-    lo.expert_fp8 = o->expert_fp8;
-    lo.expert_fp8_codes = req.expert_fp8_codes;
-    lo.expert_fp8_cache = req.expert_fp8_cache;
-    FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len / sp, &lo)); /* this rank's slice of each sequence */
-    if (vocab_ring && !o->quiet)
-        printf("vocab-parallel: Ring-DTP over %d ranks, head rows [%lld, %lld) on this rank (%lld of %lld), moving %s\n", W,
-               (long long)m->vocab_first, (long long)(m->vocab_first + m->vocab_rows), (long long)m->vocab_rows,
-               (long long)c->vocab_size,
-               fm_lce_ring_choose(m->N, c->vocab_size, W) == FM_LCE_RING_ACTIVATIONS ? "activations (N <= V/P)"
-                                                                                      : "weight shards (N > V/P)");
-    else if (vocab_flag && !o->quiet)
-        printf("vocab-parallel: one rank, so the one-rank linear cross-entropy (the ring at P = 1)\n");
-    for (int i = 0; i < FM_LIVE_COUNT; i++) {
-        const fm_arena *a = fm_train_arena(r, i);
-        if (a->capacity != fm_arena_round(plan.bytes[i])) {
-            char msg[200];
-            snprintf(msg, sizeof msg, "the %s arena holds %zu bytes but the plan says %zu", fm_live_set_names[i],
-                     a->capacity, plan.bytes[i]);
-            fm_abort(__FILE__, __LINE__, msg);
-        }
-    }
-    FM_TRY(fm_step_ws_init(&r->step, m, o->grad_accum));
-    r->step.zero_ps = r->ps.sharded && !r->zero3 ? &r->ps : NULL; /* ZeRO-1/2: the step updates this rank's shard */
-    if (r->zero3) { /* ZeRO-3: the step's and evaluation's schedules gather and reduce-scatter in its hook */
-        fm_zero3_bind(&r->z3, m, &r->ps, &r->world);
-        if (ep > 1) fm_zero3_set_edp(&r->z3, &r->ep.edp); /* the experts' gradients: over the ranks holding them */
-        r->step.zero3 = &r->z3;
-        FM_TRY(fm_schedule_add_group_hook(&r->step.sched, fm_zero3_hook, &r->z3));
-        fm_schedule_init(&r->eval_sched, m);
-        FM_TRY(fm_schedule_add_group_hook(&r->eval_sched, fm_zero3_hook, &r->z3));
-    }
-    r->step.ep = ep > 1 ? &r->ep : NULL; /* expert parallelism: its gradients' reduction */
-    /* the optimizer overlap (not with ZeRO-1/2, whose update ends in an all-gather of the weights,
-     * nor ZeRO-3, whose weights are gathered group by group) */
-    if (!o->no_optimizer_overlap && !r->step.zero_ps && !r->zero3) FM_TRY(fm_step_ws_enable_overlap(&r->step, m));
-    if (n_off > 0) { /* the offload policy: its pinned host copies, as planned, and its hook */
-        FM_TRY(fm_sco_create(&r->sco, m));
-        if (r->sco.host.capacity != fm_arena_round(plan.host_bytes - plan.host_optimizer_bytes)) {
-            char msg[200];
-            snprintf(msg, sizeof msg, "the offloaded-boundaries host arena holds %zu bytes but the plan says %zu",
-                     r->sco.host.capacity, plan.host_bytes - plan.host_optimizer_bytes);
-            fm_abort(__FILE__, __LINE__, msg);
-        }
-        FM_TRY(fm_sco_attach(&r->sco, &r->step.sched));
-    }
-    FM_TRY(fm_train_ckpt_init(r));
+    FM_TRY(setup_optimizer(r, &tp->req, comm_kind));
+    FM_TRY(setup_layout(r, tp));
+    return fm_train_ckpt_init(r);
+}
 
+/* Warnings of a resume whose fixed-after-step-1 flags differ from the checkpoint's (ts). */
+static void warn_resumed(const run *r, const train_state *ts, int dp) {
+    const fm_train_opts *o = r->o;
+    if (r->rank != 0) return;
+    /* many ranks: the sequences per micro-batch are micro_batch x dp (a resume at another W
+     * continues the same run when that product is kept) */
+    const int64_t ts_dp = ts->dp > 0 ? ts->dp : 1;
+    if (ts->seq_len != o->seq_len || ts->micro_batch * ts_dp != o->micro_batch * dp || ts->grad_accum != o->grad_accum)
+        fm_log(FM_LOG_WARN, "warning: resuming with --seq-len/--micro-batch/--grad-accum %lld/%lld/%lld on %d "
+               "data-parallel rank%s, but the checkpoint was trained with %lld/%lld/%lld on %lld: the global batch "
+               "changed, so the run will not match an uninterrupted one (keep micro-batch x data-parallel ranks)\n",
+               (long long)o->seq_len, (long long)o->micro_batch, (long long)o->grad_accum, dp, dp == 1 ? "" : "s",
+               (long long)ts->seq_len, (long long)ts->micro_batch, (long long)ts->grad_accum, (long long)ts_dp);
+    if (ts->bf16_moments != o->bf16_moments)
+        fm_log(FM_LOG_WARN, "warning: resuming with %s Adam moments, but the checkpoint was trained with %s: the run "
+               "will not match an uninterrupted one (%s to continue it as it was)\n",
+               o->bf16_moments ? "bf16" : "fp32", ts->bf16_moments ? "--bf16-moments" : "fp32 moments",
+               ts->bf16_moments ? "pass --bf16-moments" : "drop --bf16-moments");
+    if (ts->expert_fp8 != o->expert_fp8)
+        fm_log(FM_LOG_WARN, "warning: resuming with --expert-precision %s, but the checkpoint was trained with "
+               "--expert-precision %s: the run will not match an uninterrupted one (pass --expert-precision %s "
+               "to continue it as it was)\n", o->expert_fp8 ? "fp8" : "bf16", ts->expert_fp8 ? "fp8" : "bf16",
+               ts->expert_fp8 ? "fp8" : "bf16");
+}
+
+/* The checkpoint's state (weights, optimizer, data cursor) or fresh weights; *ts for this run. */
+static fm_status setup_state(run *r, const char *ckpt, train_state *ts, fm_rng *data_rng, int dp) {
+    const fm_train_opts *o = r->o;
     if (ckpt[0]) {
         FM_TRY(fm_train_load_checkpoint(r, ckpt, ts));
         data_rng->state = ts->data_rng;
-        /* many ranks: the sequences per micro-batch are micro_batch x dp (a resume at another W
-         * continues the same run when that product is kept) */
-        const int64_t ts_dp = ts->dp > 0 ? ts->dp : 1;
-        if ((ts->seq_len != o->seq_len || ts->micro_batch * ts_dp != o->micro_batch * dp ||
-             ts->grad_accum != o->grad_accum) && r->rank == 0)
-            fprintf(stderr, "warning: resuming with --seq-len/--micro-batch/--grad-accum %lld/%lld/%lld on %d data-parallel rank%s, "
-                    "but the checkpoint was trained with %lld/%lld/%lld on %lld: the global batch changed, so the run "
-                    "will not match an uninterrupted one (keep micro-batch x data-parallel ranks)\n", (long long)o->seq_len,
-                    (long long)o->micro_batch, (long long)o->grad_accum, dp, dp == 1 ? "" : "s",
-                    (long long)ts->seq_len, (long long)ts->micro_batch, (long long)ts->grad_accum, (long long)ts_dp);
-        if (ts->bf16_moments != o->bf16_moments && r->rank == 0)
-            fprintf(stderr, "warning: resuming with %s Adam moments, but the checkpoint was trained with %s: the run "
-                    "will not match an uninterrupted one (%s to continue it as it was)\n",
-                    o->bf16_moments ? "bf16" : "fp32", ts->bf16_moments ? "--bf16-moments" : "fp32 moments",
-                    ts->bf16_moments ? "pass --bf16-moments" : "drop --bf16-moments");
-        if (ts->expert_fp8 != o->expert_fp8 && r->rank == 0)
-            fprintf(stderr, "warning: resuming with --expert-precision %s, but the checkpoint was trained with "
-                    "--expert-precision %s: the run will not match an uninterrupted one (pass --expert-precision %s "
-                    "to continue it as it was)\n", o->expert_fp8 ? "fp8" : "bf16", ts->expert_fp8 ? "fp8" : "bf16",
-                    ts->expert_fp8 ? "fp8" : "bf16");
-        if (!o->quiet) printf("resumed from %s (step %lld)\n", ckpt, (long long)ts->step);
+        warn_resumed(r, ts, dp);
+        if (!o->quiet) fm_log(FM_LOG_INFO, "resumed from %s (step %lld)\n", ckpt, (long long)ts->step);
     } else {
         if (o->init_from) FM_TRY(init_from_folder(r, o->init_from));
         else if (r->zero3) { /* every rank draws only its shard of the initial weights (bounded staging) */
             FM_TRY(fm_ckpt_stream_init_zero3(r, o->seed));
-        } else FM_TRY(fm_model_init_weights(m, o->seed));
+        } else FM_TRY(fm_model_init_weights(&r->m, o->seed));
         fm_rng_seed(data_rng, o->seed ^ 0xDA7A5EEDull);
         ts->seed = o->seed;
     }
@@ -499,17 +497,33 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     ts->expert_fp8 = o->expert_fp8;
     ts->grad_accum = o->grad_accum;
     ts->steps = o->steps;
-
-    /* Run folder and metrics. */
-    FM_TRY(fm_mkdirs(o->out_dir));
-    char mpath[4200];
-    snprintf(mpath, sizeof mpath, "%s/metrics.jsonl", o->out_dir);
-    if (r->rank == 0) { /* many ranks: rank 0 writes metrics.jsonl (r->metrics NULL elsewhere) */
-        FM_TRY(fm_train_truncate_metrics(mpath, ckpt[0] ? ts->step : -1));
-        r->metrics = fopen(mpath, "a");
-        if (!r->metrics) return fm_error(FM_ERR_IO, "%s: cannot open for appending: %s", mpath, strerror(errno));
-    }
-
-    if (!o->quiet) fm_train_print_header(r, &req, o->micro_batch * o->seq_len * o->grad_accum);
     return FM_OK;
+}
+
+fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
+    const fm_train_opts *o = r->o;
+    FM_TRY(fm_train_opts_check(o));
+    char ckpt[4096];
+    FM_TRY(setup_resume_point(r, ckpt, sizeof ckpt));
+    FM_TRY(setup_config(r, ckpt));
+    FM_TRY(setup_data(r));
+    int dp = 1;
+    FM_TRY(setup_world(r, &dp));
+    fm_train_plan tp;
+    fm_status s = setup_plan(r, &tp);
+    if (s == FM_OK) s = setup_allocate(r, &tp, dp);
+    if (s == FM_OK) s = setup_state(r, ckpt, ts, data_rng, dp);
+    if (s == FM_OK) { /* the run folder and metrics.jsonl (many ranks: rank 0 writes it; r->metrics NULL elsewhere) */
+        s = fm_mkdirs(o->out_dir);
+        char mpath[4200];
+        snprintf(mpath, sizeof mpath, "%s/metrics.jsonl", o->out_dir);
+        if (s == FM_OK && r->rank == 0) {
+            s = fm_train_truncate_metrics(mpath, ckpt[0] ? ts->step : -1);
+            if (s == FM_OK && !(r->metrics = fopen(mpath, "a")))
+                s = fm_error(FM_ERR_IO, "%s: cannot open for appending: %s", mpath, strerror(errno));
+        }
+    }
+    if (s == FM_OK && !o->quiet) fm_train_print_header(r, &tp.req, o->micro_batch * o->seq_len * o->grad_accum);
+    fm_train_plan_free(&tp);
+    return s;
 }

@@ -134,6 +134,9 @@ typedef struct fm_train_opts {
      * the activation memory is the ring's, the head's gather slot is not saved (yet). Beside
      * --sp and --ep alike. One rank: the one-rank linear CE (the same operator at P = 1). */
     int vocab_parallel;           /* FM_VOCAB_PARALLEL_* */
+    const char *spec_json;        /* the run spec as a JSON object by flag name (run/fm_run_spec.h:
+                                     the flags given or restored), saved as each checkpoint's
+                                     state.json "spec" so --resume restores it; NULL: none */
     fm_test_hooks test_hooks;     /* tests only (core/fm_test_hooks.h; the CLI fills it from FLATMOE_TEST_*):
                                      not a flag, not saved in state.json */
     fm_threads_env threads_env;   /* --threads 0: OMP_NUM_THREADS and the node's rank count, as the CLI
@@ -145,6 +148,17 @@ enum { FM_VOCAB_PARALLEL_OFF = 0, FM_VOCAB_PARALLEL_RING = 1 };
 
 /* Sets every option to its default (the values the CLI's --help names). */
 void fm_train_opts_default(fm_train_opts *o);
+
+/* Whom fm_train_opts_check_flags checks for: a training run (the shape and --val-fraction too)
+ * or a plan (flatmoe plan: the shape is checked by the planner). */
+typedef enum { FM_TRAIN_CHECK_TRAIN = 0, FM_TRAIN_CHECK_PLAN } fm_train_check_for;
+/* The trainer's rules over its options that need no file (each value in range; the flags that
+ * do not go together: --zero 1/3 with --offload-optimizer, fp8 with --ep, both fp8 weight-cache
+ * forms, the ring with plain logits, ...). Called by fm_train (through fm_train_opts_check, which
+ * adds --data and --out) and by the run spec's fm_spec_check (run/fm_spec_check.h), so train and
+ * plan refuse the same combinations with the same message. Errors: FM_ERR_ARG naming the flags,
+ * the values found and the fix. */
+fm_status fm_train_opts_check_flags(const fm_train_opts *o, fm_train_check_for what);
 
 /* Runs training. Errors: any status from loading config/data/checkpoints (message set), and
  * FM_ERR_NUMERIC when the loss or gradient norm stops being finite (no checkpoint is written

@@ -137,15 +137,10 @@ size_t fm_zero3_state_bytes(const fm_config *c, size_t a, int W, bool bf16_momen
     return fm_zero3_state_bytes_ep(c, a, W, 1, bf16_moments, desc);
 }
 
-static int bound_W = 1, bound_ep = 1;
-
-void fm_zero3_ep_bound_set(int W, int ep) {
-    bound_W = W > 1 ? W : 1;
-    bound_ep = ep > 1 ? ep : 1;
-}
-
-size_t fm_zero3_ep_model_state_bound(const fm_config *cfg, size_t a, bool bf16_moments, char desc[200]) {
-    return fm_zero3_state_bytes_ep(cfg, a, bound_W, bound_ep, bf16_moments, desc);
+size_t fm_zero3_ep_model_state_bound(const fm_config *cfg, const fm_state_layout *lay, size_t a, bool bf16_moments,
+                                     char desc[200]) {
+    return fm_zero3_state_bytes_ep(cfg, a, lay->ranks > 1 ? lay->ranks : 1, lay->ep > 1 ? lay->ep : 1, bf16_moments,
+                                   desc);
 }
 
 /* ---- host packing ---- */

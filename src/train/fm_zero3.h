@@ -132,9 +132,10 @@ size_t fm_zero3_state_bytes(const fm_config *cfg, size_t a, int W, bool bf16_mom
 size_t fm_zero3_state_bytes_ep(const fm_config *cfg, size_t a, int W, int ep, bool bf16_moments, char desc[200]);
 
 /* The plan's model-state callback (fm_model_state_bound's signature) for --zero 3 --ep: the
- * degrees set process-wide by fm_zero3_ep_bound_set (the callback has no room for them). */
-void fm_zero3_ep_bound_set(int W, int ep);
-size_t fm_zero3_ep_model_state_bound(const fm_config *cfg, size_t a, bool bf16_moments, char desc[200]);
+ * non-expert parameters sharded over lay->ranks, lay->ep's share of the experts whole
+ * (fm_zero3_state_bytes_ep). */
+size_t fm_zero3_ep_model_state_bound(const fm_config *cfg, const fm_state_layout *lay, size_t a, bool bf16_moments,
+                                     char desc[200]);
 
 /* Host packing (checkpoints, the initial weights; also the unit test's reference): rank q's
  * shard local [S] (elements of es bytes) from the full table-layout vector full [n_params], zeros

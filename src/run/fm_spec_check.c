@@ -1,0 +1,39 @@
+/* Every cross-flag rule of the run spec, in one function (fm_spec_check.h), for train and plan
+ * alike. The trainer's own rules (those a library caller of fm_train needs too) are
+ * fm_train_opts_check_flags (train/fm_train_opts.c), called from here. */
+#include <stdio.h>
+
+#include "fm_spec_check.h"
+
+fm_status fm_spec_check(const fm_run_spec *s) {
+    fm_train_opts o = fm_spec_train_opts(s);
+    /* the values themselves (fm_spec_train_opts zeroes the shape a --resume takes from the run) */
+    o.steps = s->train.steps, o.seq_len = s->train.seq_len, o.micro_batch = s->train.micro_batch;
+    o.grad_accum = s->train.grad_accum;
+    const bool plan = s->cmd & FM_CMD_PLAN;
+    if (plan && !fm_spec_given(s, "config")) return fm_error(FM_ERR_ARG, "--config is required");
+    if (plan && (s->train.seq_len < 1 || s->train.micro_batch < 1 || s->train.grad_accum < 1))
+        return fm_error(FM_ERR_ARG, "--seq-len (required), --micro-batch and --grad-accum must be >= 1");
+    /* the memory knobs: given, >= 0 (not given: chosen under a budget, else 0) */
+    const char *mem[3] = {"moe-chunk-tokens", "ce-block-tokens", "ce-block-vocab"};
+    const int64_t memv[3] = {s->train.moe_chunk_tokens, s->train.ce_block_tokens, s->train.ce_block_vocab};
+    for (int i = 0; i < 3; i++)
+        if (fm_spec_given(s, mem[i]) && memv[i] < 0)
+            return fm_error(FM_ERR_ARG, "--moe-chunk-tokens, --ce-block-tokens and --ce-block-vocab must be >= 0, found "
+                            "%lld", (long long)memv[i]);
+    if (fm_spec_given(s, "mem-budget") && s->train.mem_budget == 0)
+        return fm_error(FM_ERR_ARG, "--mem-budget must be > 0 (omit it for no budget)");
+    if (plan && fm_spec_given(s, "device-mem") && fm_spec_given(s, "mem-budget"))
+        return fm_error(FM_ERR_ARG, "give --device-mem (the device's memory) or --mem-budget (the planned sets' budget), "
+                        "not both");
+    if (s->train.threads < 0) return fm_error(FM_ERR_ARG, "--threads must be >= 0 (0 = all cores)");
+    if (plan) { /* the mesh's degrees given must be >= 1 (train refuses --ep 0 and --sp 0 too) */
+        const char *names[5] = {"world", "dp", "ep", "sp", "gpus-per-node"};
+        const int64_t vals[5] = {s->planner.world, s->train.dp, s->train.ep, s->train.sp, s->planner.gpus_per_node};
+        for (int i = 0; i < 5; i++)
+            if (fm_spec_given(s, names[i]) && vals[i] < 1)
+                return fm_error(FM_ERR_ARG, "the mesh's degrees must be >= 1 (or left out), found --%s %lld; give a "
+                                "positive value or leave the flag out", names[i], (long long)vals[i]);
+    }
+    return fm_train_opts_check_flags(&o, plan ? FM_TRAIN_CHECK_PLAN : FM_TRAIN_CHECK_TRAIN);
+}
