@@ -1,7 +1,8 @@
 /* CPU backend ops (src/backend/cpu), the dense ones (init, gemm, add, sumsq, embedding, RMSNorm,
  * RoPE, attention, SwiGLU; tests/test_ops_cpu_moe.c has the router, the MoE permutation,
  * cross-entropy, AdamW and thread-count independence) against the plain fp64 references of
- * tests/fm_ref_ops.c (shared with the CUDA op tests); the helpers are tests/fm_test_ops_cpu.h.
+ * tests/fm_ref_ops.c (shared with the CUDA op tests); the helpers are tests/fm_test_ops_cpu.h; the
+ * layer op cases and FD objectives every backend runs are tests/fm_op_cases.h.
  *
  * For every op: the forward against a naive fp64 loop (naive full-matrix softmax for attention)
  * on random inputs from a fixed, printed seed, with outputs poisoned (NaN) before each call so an

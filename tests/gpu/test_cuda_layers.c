@@ -3,7 +3,7 @@
  * backward, the backward also against finite differences) and AdamW (with and without an fp32
  * master, bf16 moments); determinism (two calls, the same bits) of embedding_bwd and rmsnorm_bwd.
  * The GEMMs, add, sumsq, convert and the memory ops are test_cuda_dense.c's; inputs, tolerances
- * and helpers: gpu_dense_test.h.
+ * and helpers: gpu_dense_test.h; the cases and FD objectives every backend runs: fm_op_cases.h.
  */
 #include "fm_op_cases.h"
 #include "gpu_dense_test.h"
