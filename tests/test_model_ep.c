@@ -7,7 +7,7 @@
  *    backward must return its FM_ERR_IO (the vocabulary ring's in the head's backward, the EP
  *    operator's in a layer's backward), not FM_OK with the error parked in a field.
  * 2. Exactness (every expert precision: the backend's native, fp8 emulated, fp8 codes under the
- *    CPU's test hook FLATMOE_TEST_FP8_CODES=1): ep ranks each run their own sequence through a
+ *    CPU's test hook, fm_backend_opts.cpu_fp8_codes): ep ranks each run their own sequence through a
  *    model holding E/ep experts (chunk cap c, K chunks); the reference is the one-rank model over
  *    all ranks' sequences together (B = ep) with the cap ep * c, so K is the same. With N_r even
  *    per rank and the strided chunks, chunk j of the reference holds chunk j of every rank, and an
@@ -33,7 +33,7 @@
 #include "schedule/fm_schedule.h"
 #include "train/fm_param_store.h"
 
-static fm_backend g_be;
+static fm_backend g_be, g_be_codes; /* g_be_codes: the CPU backend with the FP8 codes hook on */
 static int g_rank, g_world;
 
 /* ---- a communicator that fails its next collective once armed --------------------------------- */
@@ -207,7 +207,8 @@ static void test_exact(const fm_comm *world, prec p, int64_t K, bool pipelined, 
     const int W = g_world;
     const fm_config c = test_config(p == PREC_FP8_CODES);
     const int64_t T = 8, c_tok = T / K; /* each rank: one sequence of T tokens, K chunks of c_tok */
-    if (p == PREC_FP8_CODES) setenv("FLATMOE_TEST_FP8_CODES", "1", 1); /* the CPU's codes path (test hook) */
+    const fm_backend be_saved = g_be;
+    if (p == PREC_FP8_CODES) g_be = g_be_codes; /* the CPU's codes path (the test hook, fm_backend_opts.cpu_fp8_codes) */
     fm_layout_opts lo;
     memset(&lo, 0, sizeof lo);
     lo.expert_fp8 = p != PREC_NATIVE;
@@ -276,7 +277,7 @@ static void test_exact(const fm_comm *world, prec p, int64_t K, bool pipelined, 
     free(g);
     model_free(&e);
     model_free(&r);
-    unsetenv("FLATMOE_TEST_FP8_CODES");
+    g_be = be_saved;
 }
 
 /* fp8 with least-loaded placement is refused by the experts' table, on every rank alike */
@@ -297,8 +298,12 @@ static void test_fp8_llep_refused(const fm_comm *world) {
 int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "self";
     FM_ASSERT(fm_cpu_backend_init(&g_be, 1, 64) == FM_OK);
+    fm_backend_opts bo = fm_backend_opts_default();
+    bo.threads = 1, bo.max_head_dim = 64, bo.cpu_fp8_codes = true;
+    FM_ASSERT(fm_cpu_backend_init_opts(&g_be_codes, &bo) == FM_OK);
     if (!strcmp(mode, "self") || !fm_comm_mpi_built()) {
         printf("test_model_ep runs under mpirun (tests/mpi_comm.sh np2: mpi_model_ep_np2): skipped\n");
+        fm_cpu_backend_free(&g_be_codes);
         fm_cpu_backend_free(&g_be);
         return 77;
     }
@@ -318,6 +323,7 @@ int main(int argc, char **argv) {
     CHECK(fm_comm_allreduce_sum_i64(&world, &fails, 1, 30) == FM_OK);
     fm_comm_free(&world);
     CHECK(fm_comm_mpi_finalize() == FM_OK);
+    fm_cpu_backend_free(&g_be_codes);
     fm_cpu_backend_free(&g_be);
     printf("rank %d of %d: ", g_rank, g_world);
     const int rc = fm_test_finish();

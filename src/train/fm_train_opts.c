@@ -113,9 +113,6 @@ fm_status fm_train_opts_check_flags(const fm_train_opts *o, fm_train_check_for w
     if (o->ep > 1 && o->offload_optimizer)
         return fm_error(FM_ERR_ARG, "--offload-optimizer with --ep %d is not supported yet (the streamed AdamW's "
                         "bound counts every expert); drop one of them", o->ep);
-    if (o->expert_fp8 && o->ep > 1)
-        return fm_error(FM_ERR_ARG, "--expert-precision fp8 with --ep %d: the FP8 experts are not built for expert "
-                        "parallelism yet; drop --ep or use --expert-precision bf16", o->ep);
     if (o->vocab_parallel != FM_VOCAB_PARALLEL_OFF && o->vocab_parallel != FM_VOCAB_PARALLEL_RING)
         return fm_error(FM_ERR_ARG, "--vocab-parallel: expected off or ring, found value %d", o->vocab_parallel);
     if (o->vocab_parallel == FM_VOCAB_PARALLEL_RING && o->ce_block_tokens == 0 && o->ce_block_vocab == 0)
