@@ -62,8 +62,10 @@ b2=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-l
 [ "$b2" -eq $(( 141 << 30 )) ] && ok || bad "--mem-budget 141GiB: budget $b2"
 expect_fail "--device-mem and --mem-budget" "not both" "$FM" plan --config "$ROOT/configs/tiny.json" --seq-len 64 --device-mem 1GiB --mem-budget 1GiB
 # A host budget too small for the offload the user asked for: refused, the advice names what works.
+# (--mem-budget 1TiB: without a device budget a CUDA plan's verdict is an H200's, which the device
+# side fails first)
 expect_fail "offload over the host budget" "pinned host memory needed" "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" \
-    --backend cuda --seq-len 65536 --offload-optimizer --host-mem-budget 1GiB
+    --backend cuda --seq-len 65536 --offload-optimizer --host-mem-budget 1GiB --mem-budget 1TiB
 # Advice: 80 GiB cannot hold OLMoE's fp32 model state with no host memory; every knob it names fits
 # when applied (and --micro-batch is not named at micro-batch 1).
 out=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 65536 --device-mem 80GiB --host-mem-budget 0 2>&1 >/dev/null)
@@ -160,7 +162,7 @@ expect_fail "plan keep and no-keep" "give one" "$FM" plan --config "$ROOT/config
 # the "train flags" line reproduces the chosen plan: planning again with exactly those flags gives
 # the same total (here at 1M tokens, where the chooser sets every knob)
 a=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 1048576 --device-mem 141GiB --host-mem-budget 110GiB 2>/dev/null)
-flags=$(sed -n 's/^train flags: //p' <<<"$a" | sed 's/ --max-position-embeddings [0-9]*//')
+flags=$(sed -n 's/^train flags: //p' <<<"$a")
 # shellcheck disable=SC2086
 b=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --device-mem 141GiB --host-mem-budget 110GiB $flags 2>/dev/null)
 [ -n "$flags" ] && [ "$(grep '^total' <<<"$a")" = "$(grep '^total' <<<"$b")" ] && [ "$(grep '^shape' <<<"$a")" = "$(grep '^shape' <<<"$b")" ] && ok ||
@@ -276,13 +278,15 @@ grep -q "^train flags: none (this plan does not fit" "$TMP/nf.txt" && ! grep -q 
 o=$("$FM" plan --config "$cfg0" --seq-len 2048 --micro-batch 2 --backend cpu --threads 2 --mem-budget 2GiB 2>/dev/null) || bad "plan past max_position_embeddings failed"
 tf=$(sed -n 's/^train flags: //p' <<<"$o")
 grep -q -- "--max-position-embeddings 2048" <<<"$tf" && ok || bad "train flags lack --max-position-embeddings: $tf"
+# shellcheck disable=SC2086
 o2=$("$FM" plan --config "$cfg0" --backend cpu --mem-budget 2GiB $tf 2>&1) && ok || bad "plan refused its own train flags ($tf): $o2"
-[ "$(sed -n 's/^train flags: //p' <<<"$o2")" = "$tf" ] && ok || bad "plan with its own train flags planned another run: $(grep '^train flags' <<<"$o2")"
+[ "$(grep -E '^(shape|total)' <<<"$o2")" = "$(grep -E '^(shape|total)' <<<"$o")" ] && ok ||
+    bad "plan with its own train flags planned another run: $(grep -E '^(shape|total)' <<<"$o2") / $(grep -E '^(shape|total)' <<<"$o")"
 # train and plan refuse the same combination with the same message
-for who in train plan; do
-    expect_fail "$who --zero 1 --ep 2" "--zero 1 with --ep 2: ZeRO-1/2 shards the optimizer state" \
-        "$FM" "$who" --config "$cfg0" --data "$TEXT" --seq-len 64 --zero 1 --ep 2 --out "$TMP/z1ep"
-done
+expect_fail "train --zero 1 --ep 2" "--zero 1 with --ep 2: ZeRO-1/2 shards the optimizer state" \
+    "$FM" train --config "$cfg0" --data "$TEXT" --seq-len 64 --zero 1 --ep 2 --out "$TMP/z1ep"
+expect_fail "plan --zero 1 --ep 2" "--zero 1 with --ep 2: ZeRO-1/2 shards the optimizer state" \
+    "$FM" plan --config "$cfg0" --data "$TEXT" --seq-len 64 --zero 1 --ep 2
 # The launch line runs as printed: a small plan's line, with --data, starts a run (2 steps here).
 o=$("$FM" plan --config "$cfg0" --seq-len 64 --micro-batch 2 --backend cpu --threads 2 --mem-budget 1GiB --data "$TEXT" 2>/dev/null)
 line=$(sed -n 's/^launch: //p' <<<"$o")

@@ -187,7 +187,7 @@ bad)
     check 4 "--ep 3 does not divide the 4 ranks running" --ep 3 --sp 2
     check 2 "--ep 4 does not divide the 2 ranks running" --ep 4 --sp 2
     out=$("$FM" plan --config "$CFG" --seq-len 32 --ep 3 --sp 2 --zero 0 2>&1); rc=$?
-    { [ $rc -ne 0 ] && grep -qF -- "--ep 3 does not divide the 2 ranks running" <<<"$out"; } ||
+    { [ $rc -ne 0 ] && grep -qF -- "--ep 3 does not divide num_experts 4" <<<"$out"; } ||
         bad "plan --ep 3 --sp 2 --zero 0: rc $rc: $out"
     out=$("$FM" plan --config "$CFG" --seq-len 32 --ep 2 --sp 2 --zero 1 2>&1); rc=$?
     { [ $rc -ne 0 ] && grep -qF -- "--zero 1 with --ep 2: ZeRO-1/2 shards the optimizer state" <<<"$out"; } ||

@@ -59,7 +59,11 @@ static fm_status plan_degrees(plan_ctx *x) {
     const bool trainer_mp = (sp > 1 || ep > 1) && zero_given && !world;
     x->mesh = world || ((ep > 1 || sp > 1) && !trainer_mp);
     if (!x->mesh) {
+        /* --dp not given: one data-parallel rank; beside --ep with --zero 0 (whose bounds do not depend
+         * on it) the fewest that make dp x sp a multiple of ep, as train's launch must */
         if (o->dp == 0) o->dp = 1;
+        if (trainer_mp && !fm_spec_given(s, "dp") && o->zero == 0 && ep > 1)
+            while ((o->dp * (sp > 1 ? sp : 1)) % ep) o->dp++;
         if (!trainer_mp) o->sp = 1; /* --sp 1 / --ep 1 given alone: one rank's */
         return FM_OK;
     }

@@ -14,7 +14,8 @@
 #define S FM_CMD_SAMPLE
 #define RUN FM_SPEC_RUN
 #define FIXED FM_SPEC_FIXED
-#define NOW FM_SPEC_INVOCATION
+#define NOW FM_SPEC_INVOCATION /* also the launch's own flags (--dp, --zero, --sp, --ep, --comm, --vocab-parallel):
+                                  a resume may run on another number of ranks, so they are given anew */
 
 /* a plain value flag: name, kind, field, default, note, help, commands, life */
 #define V(n, k, f, d, note, h, c, l) {n, k, O(f), 0, 0, NULL, d, note, h, c, l}
@@ -171,39 +172,39 @@ const fm_spec_flag fm_spec_flags[] = {
     /* ---- parallelism ---- */
     V("dp", FM_SPEC_INT, train.dp, "0", NULL,
       "data-parallel ranks, 0 = every rank of the launch (mpirun/srun); --micro-batch is per rank (plan: the ranks "
-      "the bounds are per rank of; with --world a mesh degree)", T | P, RUN),
+      "the bounds are per rank of; with --world a mesh degree)", T | P, NOW),
     V("zero", FM_SPEC_INT, train.zero, "0", "plan: 3 with a mesh",
       "0: every rank keeps the whole optimizer state (gradients all-reduced); 1: ZeRO-1/2, Adam m and v sharded "
       "over the dp x sp ranks by parameter range, gradients reduce-scattered to their owner, weights all-gathered "
       "after the update; 3: ZeRO-3, weights, gradients, fp32 master and Adam state sharded over the dp x sp ranks by "
       "parameter group (beside --ep each rank's experts whole), each layer's weights all-gathered just before it "
       "runs (the next one prefetched) and its gradients reduce-scattered after its backward (one rank: 0)", T | P,
-      RUN),
+      NOW),
     V("sp", FM_SPEC_INT, train.sp, "1", NULL,
       "Ulysses sequence-parallel ranks per sequence: the world is dp x sp ranks, each sp rank holds seq-len/sp "
       "tokens of every sequence and attention runs head-sharded over the whole sequence (seq-len and "
       "num_attention_heads divisible by sp; num_key_value_heads divisible by sp or dividing it); with --zero 0, 1 or "
       "3 (ZeRO shards over all dp x sp ranks); beside --ep the expert-parallel groups are drawn from the same dp x sp "
-      "ranks", T | P, RUN),
+      "ranks", T | P, NOW),
     V("comm-timeout", FM_SPEC_F64, train.comm_timeout, "0", NULL,
       "seconds a collective waits for the other ranks before the run stops, 0 = 300", T, RUN),
     CHOICE("comm", train.comm_kind, 4, comm_choices, "auto",
            "auto | mpi | nccl: the communicator; auto = none on one rank, nccl on several when this is the CUDA build "
-           "with NCCL and every rank on a node has its own GPU, mpi otherwise (host-staged on GPUs)", T, RUN),
+           "with NCCL and every rank on a node has its own GPU, mpi otherwise (host-staged on GPUs)", T, NOW),
     CHOICE("comm-check", train.comm_check, 4, comm_check_choices, "deferred",
            "deferred | collective: when nccl collectives are checked against --comm-timeout: at the step's existing "
-           "sync points (deferred), or each one waited for at once, a host sync per collective", T, RUN),
+           "sync points (deferred), or each one waited for at once, a host sync per collective", T, NOW),
     V("ep", FM_SPEC_INT, train.ep, "1", "plan: chosen with --world",
       "expert-parallel ranks: each holds num_experts/N experts (weights, grads, Adam state) and tokens reach them by "
-      "capped all-to-all-v chunks; N divides the ranks (dp x sp) and num_experts; with --zero 0 or 3", T | P, RUN),
+      "capped all-to-all-v chunks; N divides the ranks (dp x sp) and num_experts; with --zero 0 or 3", T | P, NOW),
     V("ep-cap-tokens", FM_SPEC_I64, train.ep_cap_tokens, "0", NULL,
       "--ep: tokens each rank sends per dispatch chunk (the receive buffers hold ep x cap x min(k, E/ep) rows "
       "whatever the router does); 0 = --moe-chunk-tokens, or chosen under --mem-budget, else the whole micro-batch",
-      T | P, RUN),
+      T | P, NOW),
     V("llep", FM_SPEC_BOOL, train.llep, NULL, "off",
       "--ep: least-loaded expert placement (LLEP): when the busiest rank's routed rows exceed --llep-lambda x the "
       "mean, the heaviest experts' rows spill to the least-loaded ranks, which get those experts' weights", T | P,
-      RUN),
+      NOW),
     V("llep-lambda", FM_SPEC_F64, train.llep_lambda, "1.3", NULL,
       "--llep: the imbalance (busiest rank's rows over the mean) that triggers the placement, >= 1", T | P, RUN),
     V("llep-min-piece", FM_SPEC_I64, train.llep_min_piece, "1024", NULL,
@@ -213,7 +214,7 @@ const fm_spec_flag fm_spec_flags[] = {
            "rank keeps its own tokens and V/P rows of the LM head, and over P rounds every token block meets every "
            "shard (activations move when tokens per rank <= V/P, else the weight shards); the vocabulary live set is "
            "the ring's bound; needs the linear CE (1024 x 4096 blocks unless --ce-block-* are given); with --zero 0, 1 "
-           "or 3 (under 3 the head is still gathered whole, each rank computing with its rows)", T | P, RUN),
+           "or 3 (under 3 the head is still gathered whole, each rank computing with its rows)", T | P, NOW),
     /* ---- the planner's own ---- */
     V("device-mem", FM_SPEC_BYTES, planner.device_mem, NULL,
       "--gpu's, else (--backend cuda) the local GPU's, else no verdict",
