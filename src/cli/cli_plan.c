@@ -17,6 +17,7 @@
 #include "plan/fm_plan.h"
 #include "plan/fm_plan_device.h"
 #include "plan/fm_plan_report.h"
+#include "train/fm_train_ckpt_stream.h"
 #include "run/fm_spec_check.h"
 #include "train/fm_threads.h"
 #include "train/fm_train_plan.h"
@@ -295,6 +296,9 @@ int cmd_plan(int argc, char **argv) {
     static char exe[4200], data[8192];
     launch_words(&x, exe, sizeof exe, data, sizeof data);
     rep.exe = exe[0] ? exe : NULL;
+    rep.ckpt_max_numel = fm_ckpt_max_tensor_numel(&x.cfg); /* the checkpoints' host staging (train/) */
+    rep.ckpt_chunk_elems = FM_CKPT_CHUNK_ELEMS;
+    rep.ckpt_stage_bytes = fm_ckpt_stage_bound(rep.ckpt_max_numel, rep.ckpt_chunk_elems);
     rep.data = data[0] ? data : NULL;
     if (x.json) fm_plan_print_json(req, &p, &rep, stdout);
     else fm_plan_print(req, &p, &rep, stdout);

@@ -1,7 +1,6 @@
 #include "fm_plan_report.h"
 
 #include "../bounded/fm_linear_ce.h"
-#include "../train/fm_train_ckpt_stream.h"
 
 #include <string.h>
 
@@ -141,12 +140,12 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
         if (host_limited) snprintf(hb, sizeof hb, "; host budget %.3f GiB", x->host_budget / 1073741824.0);
         fprintf(f, "%-24s %20zu %12s   %s (not in the device total%s)\n", "host (pinned):", p->host_bytes, g, what, hb);
     }
-    { /* the sharded checkpoints' host staging (train/fm_train_ckpt_stream.h): per rank, not pinned */
-        const size_t cs = fm_ckpt_stage_bound(fm_ckpt_max_tensor_numel(c), FM_CKPT_CHUNK_ELEMS);
+    if (x->ckpt_stage_bytes) { /* the sharded checkpoints' host staging (the caller's figure): per rank, not pinned */
+        const size_t cs = x->ckpt_stage_bytes;
         human(g, sizeof g, cs);
         fprintf(f, "%-24s %20zu %12s   8 B x min(%lld-element pieces, largest tensor %lld) (host, per rank, not in the "
-                "device total)\n", "checkpoint staging:", cs, g, (long long)FM_CKPT_CHUNK_ELEMS,
-                (long long)fm_ckpt_max_tensor_numel(c));
+                "device total)\n", "checkpoint staging:", cs, g, (long long)x->ckpt_chunk_elems,
+                (long long)x->ckpt_max_numel);
     }
     if (budget) {
         char b[32];
@@ -247,7 +246,7 @@ void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_re
             r->offload_optimizer ? "true" : "false", x->device_mem, x->context_bytes);
     if (x->host_budget != FM_HOST_BUDGET_UNLIMITED) fprintf(f, ",\"host_budget_bytes\":%zu", x->host_budget);
     fprintf(f, ",\"checkpoint_staging_bytes\":%zu", /* per rank, host, not pinned (the text's line) */
-            fm_ckpt_stage_bound(fm_ckpt_max_tensor_numel(&r->cfg), FM_CKPT_CHUNK_ELEMS));
+            x->ckpt_stage_bytes);
     if (r->mesh.on)
         fprintf(f, ",\"mesh\":{\"world\":%lld,\"dp\":%lld,\"ep\":%lld,\"sp\":%lld,\"gpus_per_node\":%lld,"
                 "\"params_rank\":%lld}", (long long)(r->mesh.dp * r->mesh.sp), (long long)r->mesh.dp, (long long)r->mesh.ep,

@@ -26,6 +26,11 @@ typedef struct fm_plan_report {
                                        JSON; NULL: neither */
     const char *exe;          /* the launch line's binary (NULL: flatmoe, or flatmoe-cuda for a CUDA plan) */
     const char *data;         /* the launch line's --data files (NULL: DATA) */
+    /* The sharded checkpoints' host staging (train/fm_train_ckpt_stream.h, whose bound the caller
+     * asks: plan/ includes nothing of train/): bytes per rank, the piece size in elements, and the
+     * largest tensor's elements, for its line (all 0: no line, and "checkpoint_staging_bytes" 0) */
+    size_t ckpt_stage_bytes;
+    int64_t ckpt_chunk_elems, ckpt_max_numel;
 } fm_plan_report;
 
 /* The trainer's flags that reproduce plan p of request r ("--seq-len ... --recompute ..."; a mesh
