@@ -163,6 +163,19 @@ fm_status fm_spec_restore_json(fm_run_spec *s, const char *spec_json, const char
         if (fm_spec_row_given(s, fm_spec_row(f))) say_override(s, f, v, say);
         else if (!not_restored(s, f) && (st = restore_row(s, f, v, path))) break;
     }
+    /* a flag given now that the run left at its default: say that it overrides the default */
+    for (int i = 0; st == FM_OK && say && i < fm_spec_n_flags; i++) {
+        const fm_spec_flag *f = &fm_spec_flags[i];
+        if (!saved(f) || f->life != FM_SPEC_RUN || f->kind == FM_SPEC_FILES || !(f->cmds & s->cmd) ||
+            !fm_spec_row_given(s, i) || cJSON_GetObjectItemCaseSensitive(o, f->name))
+            continue;
+        char now[600];
+        fm_spec_format(s, f, now, sizeof now);
+        const char *was = f->dflt ? f->dflt : f->kind == FM_SPEC_BOOL ? "false" : "unset";
+        if (!strcmp(now, was) || (f->kind == FM_SPEC_F64 && f->dflt && strtod(now, NULL) == strtod(was, NULL))) continue;
+        if (f->kind == FM_SPEC_BOOL) fm_log(FM_LOG_INFO, "--%s overrides the run's default (off)\n", f->name);
+        else fm_log(FM_LOG_INFO, "--%s %s overrides the run's default %s\n", f->name, now, was);
+    }
     cJSON_Delete(o);
     return st;
 }
@@ -171,7 +184,13 @@ fm_status fm_spec_resume(fm_run_spec *s, bool say, bool *restored) {
     if (restored) *restored = false;
     if (!s->train.resume || !s->train.out_dir) return FM_OK;
     char ckpt[4096], path[4200];
-    if (fm_ckpt_find_latest(s->train.out_dir, ckpt, sizeof ckpt, NULL) != FM_OK) return FM_OK; /* nothing to resume */
+    if (fm_ckpt_find_latest(s->train.out_dir, ckpt, sizeof ckpt, NULL) != FM_OK) { /* nothing to resume */
+        if (!fm_spec_given(s, "data"))
+            return fm_error(FM_ERR_ARG, "--resume: no checkpoint in %s (no step_* folder) to continue, and no --data to "
+                            "start a run there; give the run folder that holds the checkpoints as --out, or --config "
+                            "(or --init-from) and --data to start one", s->train.out_dir);
+        return FM_OK; /* fm_train starts the run at step 0, and says so */
+    }
     snprintf(path, sizeof path, "%s/%s", ckpt, FM_CKPT_STATE_FILE);
     char *text = NULL;
     if (fm_ckpt_read_text(path, &text) != FM_OK) return FM_OK; /* fm_train says what is wrong with it */
