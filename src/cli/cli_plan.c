@@ -288,7 +288,7 @@ int cmd_plan(int argc, char **argv) {
     s = fm_plan_fit(req, &co, x.tp.rc, &p, &proj);
     fm_expert_choice ech;
     fm_expert_choice_finish(req, &p, &x.eask, &x.cal, &ech); /* the form at the chosen chunk, as train decides it */
-    if (x.o.seq_len > x.cfg.max_position_embeddings)
+    if (x.o.seq_len > x.cfg.max_position_embeddings && x.o.max_position_embeddings == 0)
         fprintf(stderr, "note: --seq-len %lld exceeds the config's max_position_embeddings (%lld); train needs "
                 "--max-position-embeddings to run it\n", (long long)x.o.seq_len, (long long)x.cfg.max_position_embeddings);
     fm_plan_report rep = {x.budget, x.what[0] ? x.what : NULL, x.dev_mem, x.context, x.host_budget, &proj, &x.cal,

@@ -119,6 +119,8 @@ typedef struct fm_plan_req {
                                    buffers and the all-to-all blocks (fm_attn_sp_bytes); the
                                    attention workspace is planned for [B, T, nh/sp heads]. T must
                                    be divisible by sp (fm_attn_sp_check) */
+    int64_t max_position_embeddings_flag; /* the run's --max-position-embeddings (0: not given): the
+                                   train flags line repeats it (cfg holds the value already) */
     int64_t vocab_ring;         /* the trainer's --vocab-parallel ring over this many ranks (the world,
                                    dp x sp; 0 or 1: off; needs the linear CE's blocks > 0): the
                                    vocabulary live set is Ring-DTP's bound, fm_model_vocab_ring_bytes

@@ -52,7 +52,8 @@ void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size
         if (r->train_zero > 0) PUT(" --zero %d", r->train_zero);
     }
     if (r->vocab_ring > 1 && !r->mesh.on) PUT(" --vocab-parallel ring");
-    if (r->T > c->max_position_embeddings) PUT(" --max-position-embeddings %lld", (long long)r->T);
+    if (r->max_position_embeddings_flag > 0) PUT(" --max-position-embeddings %lld", (long long)r->max_position_embeddings_flag);
+    else if (r->T > c->max_position_embeddings) PUT(" --max-position-embeddings %lld", (long long)r->T);
     /* the CPU target: the thread count the attention scratch was planned for (train's --threads 0
      * may find other cores busy, and so another bound) */
     const bool cpu = r->target == FM_PLAN_TARGET_CPU || (r->target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) == 4);
@@ -215,7 +216,9 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
                 (long long)(r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB),
                 (long long)p->n_offloaded_boundaries, r->offload_optimizer ? " --offload-optimizer" : "",
                 r->bf16_moments ? " --bf16-moments" : "");
-        if (r->T > c->max_position_embeddings) fprintf(f, " --max-position-embeddings %lld", (long long)r->T);
+        if (r->max_position_embeddings_flag > 0)
+            fprintf(f, " --max-position-embeddings %lld", (long long)r->max_position_embeddings_flag);
+        else if (r->T > c->max_position_embeddings) fprintf(f, " --max-position-embeddings %lld", (long long)r->T);
         if (m->dp * m->sp > 1) fprintf(f, " --vocab-parallel ring");
         fprintf(f, "\n");
         /* where the trainer of this tree departs from this plan (README "Vocabulary parallelism") */

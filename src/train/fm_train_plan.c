@@ -55,6 +55,7 @@ fm_status fm_train_plan_request(const fm_train_opts *o, const fm_config *c, int 
     FM_TRY(fm_sco_parse(o->offload_boundaries, L, &req->n_offloaded_boundaries));
     req->B = o->micro_batch;
     req->T = o->seq_len;
+    req->max_position_embeddings_flag = o->max_position_embeddings; /* repeated by the train flags line */
     req->grad_accum = o->grad_accum;
     req->recompute = rc;
     req->keep_attention = rc + L;
