@@ -42,6 +42,20 @@ static void test_defaults(void) {
     fm_spec_default(&s, FM_CMD_PLAN);
     CHECK(s.train.seq_len == 0 && s.train.micro_batch == 1);
     CHECK(fm_spec_check(&s) != FM_OK && strstr(fm_errmsg(), "--config is required"));
+    /* prepare, calibrate and report: their own structs, from their own rows (--out is three rows) */
+    fm_spec_default(&s, FM_CMD_PREPARE);
+    CHECK(s.prepare.shard_tokens == 100000000 && !strcmp(s.prepare.format, "auto") && !s.prepare.tokenizer);
+    CHECK(fm_spec_set(&s, "input", "a.txt") == FM_OK && fm_spec_set(&s, "input", "b.jsonl") == FM_OK);
+    CHECK(s.prepare.n_inputs == 2 && !strcmp(s.prepare.inputs[1], "b.jsonl") && s.train.n_data == 0);
+    CHECK(fm_spec_set(&s, "out", "shards/x") == FM_OK && !strcmp(s.prepare.out, "shards/x"));
+    CHECK(fm_spec_set(&s, "lr", "1e-3") == FM_ERR_ARG); /* not a flag of prepare */
+    fm_spec_free(&s);
+    fm_spec_default(&s, FM_CMD_CALIBRATE);
+    CHECK(!s.calibrate.out && !s.calibrate.backend && !s.calibrate.quick && s.calibrate.threads == 0);
+    CHECK(fm_spec_set(&s, "threads", "x") == FM_ERR_ARG && strstr(fm_errmsg(), "'--threads' expects an integer"));
+    fm_spec_free(&s);
+    fm_spec_default(&s, FM_CMD_REPORT);
+    CHECK(!strcmp(s.report.format, "png") && !s.report.out && !fm_spec_find("input", FM_CMD_REPORT));
 }
 
 static void test_set_by_name(void) {

@@ -15,33 +15,15 @@
 #include "train/fm_threads.h"
 #include "run/fm_run_spec.h"
 
-#define MAX_FILES 256 /* files one F_FILES flag takes */
-
-typedef enum { F_STR, F_I64, F_F64, F_U64, F_INT, F_BOOL, F_FILES } flag_kind;
-
-/* One flag: its name without "--", the kind of value, where the value goes (F_STR: const char *,
- * F_I64: int64_t, F_F64: double (finite), F_U64: uint64_t, F_INT: int in [-1e6, 1e6], F_BOOL:
- * bool set to true, F_FILES: const char *[MAX_FILES] filled from the following arguments up to
- * the next --flag, *count of them) and its help line. */
-typedef struct flag {
-    const char *name;
-    flag_kind kind;
-    void *ptr;
-    int *count; /* F_FILES: number of files */
-    const char *help;
-} flag;
-
-/* Parses argv[0..argc) into flags[0..n) for `flatmoe cmd`. Returns 0 on success, 1 if help was
- * printed (--help or -h: "usage: flatmoe cmd synopsis" and the flags' help lines), 2 on a usage
- * error (message printed to stderr). */
-int cli_parse_flags(const char *cmd, const char *synopsis, int argc, char **argv, flag *flags, int n);
-
 /* Parses argv[0..argc) of `flatmoe cmd` into the run spec s (made by fm_spec_default for the
  * command) through the flag table (run/fm_spec_flags.c): --name VALUE and --name=VALUE, file
  * lists up to the next --flag, the nearest flag suggested for an unknown one. Returns 0 on
  * success, 1 if help was printed (--help or -h: "usage: flatmoe cmd synopsis" and one line per
  * flag, its default from the table), 2 on a usage error (message printed to stderr). */
 int cli_parse_spec(const char *cmd, const char *synopsis, int argc, char **argv, fm_run_spec *s);
+/* Prints `flatmoe cmd`'s help to stdout: "usage: flatmoe cmd synopsis", then one line per row of
+ * the flag table whose commands include cmd_bit (FM_CMD_*), its default from the table, then
+ * --help. Never fails. */
 void cli_print_spec_help(const char *cmd, unsigned cmd_bit, const char *synopsis);
 
 /* Prints "flatmoe cmd: <fmt with arg>" and the --help hint to stderr; returns 2. */

@@ -15,18 +15,13 @@ static void print_line(void *user, const char *line) {
 }
 
 int cmd_calibrate(int argc, char **argv) {
-    const char *out = NULL, *backend = NULL;
-    bool quick = false;
-    int threads = 0;
-    flag flags[] = {
-        {"out", F_STR, &out, NULL, "the calibration table to write, e.g. configs/calib/h200.json (required)"},
-        {"backend", F_STR, &backend, NULL, "cpu or cuda: must be this binary's (flatmoe is cpu, flatmoe-cuda cuda)"},
-        {"quick", F_BOOL, &quick, NULL, "fewer, smaller shapes (the CPU in well under a minute) (off)"},
-        {"threads", F_INT, &threads, NULL, "CPU threads, 0 = all cores (0)"},
-    };
-    int r = cli_parse_flags("calibrate", "--out FILE [--backend cpu|cuda] [--quick]", argc, argv, flags,
-                            sizeof flags / sizeof flags[0]);
+    static fm_run_spec sp; /* the flags (run/fm_spec_flags.c rows of calibrate) */
+    fm_spec_default(&sp, FM_CMD_CALIBRATE);
+    int r = cli_parse_spec("calibrate", "--out FILE [--backend cpu|cuda] [--quick]", argc, argv, &sp);
     if (r) return r == 1 ? 0 : r;
+    const char *out = sp.calibrate.out, *backend = sp.calibrate.backend;
+    const bool quick = sp.calibrate.quick;
+    const int threads = sp.calibrate.threads;
     if (!out) return cli_usage_error("calibrate", "%s", "--out is required (e.g. --out configs/calib/cpu.json)");
     const char *mine = sizeof(fm_act) == 4 ? "cpu" : "cuda";
     if (backend && strcmp(backend, "cpu") && strcmp(backend, "cuda"))

@@ -31,7 +31,7 @@ static bool looks_like_shard(const char *path) {
 }
 
 /* Encodes each text file of data[0..n) with tok into tmpdir/NNN.bin and points data[i] at it
- * (paths in names[MAX_FILES][4200]). */
+ * (paths in names[FM_SPEC_MAX_FILES][4200]). */
 static fm_status tokenize_text_files(fm_tokenizer *tok, const char **data, int n, const char *tmpdir,
                                      char (*names)[4200]) {
     for (int i = 0; i < n; i++) {
@@ -106,7 +106,7 @@ int cmd_eval(int argc, char **argv) {
     if (!tok_arg && stat(tpath, &st) == 0) tok_arg = tpath;
     fm_dataset ds;
     if (tok_arg) {
-        static char names[MAX_FILES][4200];
+        static char names[FM_SPEC_MAX_FILES][4200];
         char tmpdir[] = "/tmp/flatmoe-eval-XXXXXX";
         fm_tokenizer tok;
         if ((s = fm_tokenizer_load(&tok, tok_arg))) return cli_fail("eval", s);

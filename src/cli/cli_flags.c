@@ -1,8 +1,6 @@
-/* flatmoe command line: the flag parser shared by every command, the error exits, and --ckpt. */
-#include <errno.h>
-#include <math.h>
+/* flatmoe command line: the flag parser shared by every command (argv through the flag table,
+ * run/fm_spec_flags.c), the error exits, and --ckpt. */
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
@@ -13,12 +11,6 @@ int cli_usage_error(const char *cmd, const char *fmt, const char *arg) {
     fprintf(stderr, fmt, arg);
     fprintf(stderr, "\nRun 'flatmoe %s --help' for the flags.\n", cmd);
     return 2;
-}
-
-static void cli_print_help(const char *cmd, const char *synopsis, const flag *flags, int n) {
-    printf("usage: flatmoe %s %s\n\nflags:\n", cmd, synopsis);
-    for (int i = 0; i < n; i++) printf("  --%-18s %s\n", flags[i].name, flags[i].help);
-    printf("  --%-18s %s\n", "help", "print this help");
 }
 
 /* Levenshtein distance of a and b (insert, delete, substitute: 1 each), capped at 63. */
@@ -77,90 +69,12 @@ static const char *nearest_name(const char *name, const char *const *names, int 
     return bd <= limit ? best : NULL;
 }
 
-/* The command's flag nearest to `name` (nearest_name over its flags). */
-static const char *nearest_flag(const char *name, const flag *flags, int n) {
-    const char *names[128];
-    if (n > 128) n = 128;
-    for (int j = 0; j < n; j++) names[j] = flags[j].name;
-    return nearest_name(name, names, n);
-}
-
 /* "unknown flag '--x'" with the nearest flag of the command when one is close; returns 2. */
 static int unknown_flag(const char *cmd, const char *name, const char *near) {
     if (!near) return cli_usage_error(cmd, "unknown flag '--%s'", name);
     fprintf(stderr, "flatmoe %s: unknown flag '--%s'; did you mean --%s?\n", cmd, name, near);
     fprintf(stderr, "Run 'flatmoe %s --help' for the flags.\n", cmd);
     return 2;
-}
-
-/* Returns 0 on success, 1 if help was printed, 2 on a usage error (message printed). */
-int cli_parse_flags(const char *cmd, const char *synopsis, int argc, char **argv, flag *flags, int n) {
-    for (int i = 0; i < argc; i++) {
-        char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            cli_print_help(cmd, synopsis, flags, n);
-            return 1;
-        }
-        if (strncmp(a, "--", 2) != 0) return cli_usage_error(cmd, "unexpected argument '%s' (flags start with --)", a);
-        char name[64];
-        const char *eq = strchr(a + 2, '=');
-        size_t len = eq ? (size_t)(eq - (a + 2)) : strlen(a + 2);
-        if (len >= sizeof name) return cli_usage_error(cmd, "unknown flag '%s'", a);
-        memcpy(name, a + 2, len);
-        name[len] = 0;
-        flag *f = NULL;
-        for (int j = 0; j < n; j++)
-            if (!strcmp(flags[j].name, name)) f = &flags[j];
-        if (!f) return unknown_flag(cmd, name, nearest_flag(name, flags, n));
-        if (f->kind == F_BOOL) {
-            if (eq) return cli_usage_error(cmd, "flag '--%s' takes no value", name);
-            *(bool *)f->ptr = true;
-            continue;
-        }
-        if (f->kind == F_FILES) {
-            const char **list = f->ptr;
-            if (eq) {
-                if (*f->count >= MAX_FILES) return cli_usage_error(cmd, "too many files for '--%s' (at most 256)", name);
-                list[(*f->count)++] = eq + 1;
-            }
-            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
-                if (*f->count >= MAX_FILES) return cli_usage_error(cmd, "too many files for '--%s' (at most 256)", name);
-                list[(*f->count)++] = argv[++i];
-            }
-            if (*f->count == 0) return cli_usage_error(cmd, "flag '--%s' needs at least one file", name);
-            continue;
-        }
-        const char *v = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
-        if (!v) return cli_usage_error(cmd, "flag '--%s' needs a value", name);
-        char *end = NULL;
-        errno = 0;
-        if (f->kind == F_STR) { /* any text, the empty string included (e.g. --prompt "") */
-            *(const char **)f->ptr = v;
-            continue;
-        }
-        bool bad = !*v || (f->kind == F_U64 && *v == '-');
-        long lv;
-        switch (f->kind) {
-        case F_I64: *(int64_t *)f->ptr = strtoll(v, &end, 10); break;
-        case F_INT:
-            lv = strtol(v, &end, 10);
-            bad |= lv < -1000000 || lv > 1000000;
-            *(int *)f->ptr = (int)lv;
-            break;
-        case F_U64: *(uint64_t *)f->ptr = strtoull(v, &end, 10); break;
-        case F_F64:
-            *(double *)f->ptr = strtod(v, &end);
-            bad |= !isfinite(*(double *)f->ptr);
-            break;
-        default: break;
-        }
-        if (bad || *end || errno) {
-            fprintf(stderr, "flatmoe %s: flag '--%s' expects %s, found '%s'\n", cmd, name,
-                    f->kind == F_F64 ? "a finite number" : f->kind == F_U64 ? "a non-negative integer" : "an integer", v);
-            return 2;
-        }
-    }
-    return 0;
 }
 
 int cli_fail(const char *cmd, fm_status s) {

@@ -56,24 +56,16 @@ static int decode_shard(fm_tokenizer *tok, const char *path, bool show_mask) {
 }
 
 int cmd_prepare(int argc, char **argv) {
-    const char *tok_dir = NULL, *out = NULL, *format = "auto", *decode = NULL;
-    static const char *inputs[MAX_FILES];
-    int n_inputs = 0;
-    int64_t shard_tokens = 100000000;
-    bool no_eos = false, show_mask = false;
-    flag flags[] = {
-        {"tokenizer", F_STR, &tok_dir, NULL, "folder with tokenizer.json (a Hugging Face model folder), or the file (required)"},
-        {"input", F_FILES, inputs, &n_inputs, "text files (one file = one document) and JSONL files (required)"},
-        {"out", F_STR, &out, NULL, "shard prefix: writes PREFIX_000000.bin, ... (and .bin.mask for prompt/chat data) (required)"},
-        {"shard-tokens", F_I64, &shard_tokens, NULL, "tokens per shard (100000000)"},
-        {"format", F_STR, &format, NULL, "text | jsonl | auto: .jsonl/.json are JSONL, the rest text (auto)"},
-        {"no-eos", F_BOOL, &no_eos, NULL, "no EOS token after each document (off)"},
-        {"decode", F_STR, &decode, NULL, "instead: print the text of this shard (with --tokenizer)"},
-        {"show-mask", F_BOOL, &show_mask, NULL, "with --decode: wrap masked (prompt) tokens in [[ ]] (off)"},
-    };
-    int r = cli_parse_flags("prepare", "--tokenizer DIR --input FILES --out SHARD_PREFIX [flags]", argc, argv, flags,
-                            sizeof flags / sizeof flags[0]);
+    static fm_run_spec sp; /* the flags (run/fm_spec_flags.c rows of prepare) */
+    fm_spec_default(&sp, FM_CMD_PREPARE);
+    int r = cli_parse_spec("prepare", "--tokenizer DIR --input FILES --out SHARD_PREFIX [flags]", argc, argv, &sp);
     if (r) return r == 1 ? 0 : r;
+    const fm_spec_prepare *p = &sp.prepare;
+    const char *tok_dir = p->tokenizer, *out = p->out, *format = p->format, *decode = p->decode;
+    const char *const *inputs = p->inputs;
+    const int n_inputs = p->n_inputs;
+    const int64_t shard_tokens = p->shard_tokens;
+    const bool no_eos = p->no_eos, show_mask = p->show_mask;
     if (!tok_dir) return cli_usage_error("prepare", "%s", "--tokenizer is required");
     fm_prep_format fmt = FM_PREP_AUTO;
     if (!strcmp(format, "text")) fmt = FM_PREP_TEXT;

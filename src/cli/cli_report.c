@@ -212,18 +212,16 @@ static int run_gnuplot(const char *gnuplot, const char *dir, const char *script)
 }
 
 int cmd_report(int argc, char **argv) {
-    const char *run_dir = NULL, *out = NULL, *format = "png";
+    static fm_run_spec sp; /* the flags (run/fm_spec_flags.c rows of report); RUN_DIR is positional */
+    fm_spec_default(&sp, FM_CMD_REPORT);
     if (argc > 0 && strncmp(argv[0], "--", 2) != 0 && strcmp(argv[0], "-h") != 0) {
-        run_dir = argv[0];
+        sp.report.run_dir = argv[0];
         argc--;
         argv++;
     }
-    flag flags[] = {
-        {"out", F_STR, &out, NULL, "folder for the images, data files and gnuplot script (RUN_DIR/report)"},
-        {"format", F_STR, &format, NULL, "png | svg (png)"},
-    };
-    int pr = cli_parse_flags("report", "RUN_DIR [--out DIR] [--format png|svg]", argc, argv, flags, 2);
+    int pr = cli_parse_spec("report", "RUN_DIR [--out DIR] [--format png|svg]", argc, argv, &sp);
     if (pr) return pr == 1 ? 0 : pr;
+    const char *run_dir = sp.report.run_dir, *out = sp.report.out, *format = sp.report.format;
     if (!run_dir) return cli_usage_error("report", "%s", "give the run folder: flatmoe report RUN_DIR");
     if (strcmp(format, "png") && strcmp(format, "svg"))
         return cli_usage_error("report", "--format must be png or svg, found '%s'", format);

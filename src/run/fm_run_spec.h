@@ -26,6 +26,9 @@ enum {
     FM_CMD_PLAN = 1 << 1,
     FM_CMD_EVAL = 1 << 2,
     FM_CMD_SAMPLE = 1 << 3,
+    FM_CMD_PREPARE = 1 << 4,
+    FM_CMD_CALIBRATE = 1 << 5,
+    FM_CMD_REPORT = 1 << 6,
 };
 
 /* A value's kind. STR: const char * (any text, "" included); I64: int64_t; INT: int in
@@ -97,6 +100,35 @@ typedef struct fm_spec_infer {
     int64_t max_batches;        /* eval --max-batches (0: all) */
 } fm_spec_infer;
 
+/* flatmoe prepare's settings (text and JSONL files -> token shards; cli_prepare.c). */
+typedef struct fm_spec_prepare {
+    const char *tokenizer;                   /* --tokenizer: folder with tokenizer.json, or the file */
+    const char *inputs[FM_SPEC_MAX_FILES];   /* --input: text and JSONL files */
+    int n_inputs;
+    const char *out;                         /* --out: shard prefix */
+    int64_t shard_tokens;                    /* --shard-tokens */
+    const char *format;                      /* --format text | jsonl | auto (checked by the command) */
+    bool no_eos;                             /* --no-eos */
+    const char *decode;                      /* --decode SHARD: print its text instead */
+    bool show_mask;                          /* --show-mask (with --decode) */
+} fm_spec_prepare;
+
+/* flatmoe calibrate's settings (cli_calibrate.c). */
+typedef struct fm_spec_calibrate {
+    const char *out;                         /* --out: the calibration table to write */
+    const char *backend;                     /* --backend cpu | cuda: must be this binary's (NULL: not given) */
+    bool quick;                              /* --quick */
+    int threads;                             /* --threads, 0 = all cores */
+} fm_spec_calibrate;
+
+/* flatmoe report's settings (cli_report.c). run_dir is the positional RUN_DIR, set by the
+ * command, not by a row. */
+typedef struct fm_spec_report {
+    const char *run_dir;                     /* RUN_DIR (positional) */
+    const char *out;                         /* --out: folder of the images (NULL: RUN_DIR/report) */
+    const char *format;                      /* --format png | svg (checked by the command) */
+} fm_spec_report;
+
 /* The run spec. `train` is the trainer's options (train/fm_trainer.h: shape, optimizer, memory
  * knobs, experts, parallelism, loop and checkpoint cadence, data, model source); the file lists
  * live in data_files / val_files (fm_spec_train_opts points train.data at them). */
@@ -105,6 +137,9 @@ typedef struct fm_run_spec {
     fm_train_opts train;
     fm_spec_planner planner;
     fm_spec_infer infer;
+    fm_spec_prepare prepare;
+    fm_spec_calibrate calibrate;
+    fm_spec_report report;
     const char *data_files[FM_SPEC_MAX_FILES];
     const char *val_files[FM_SPEC_MAX_FILES];
     uint64_t given[(FM_SPEC_MAX_ROWS + 63) / 64]; /* by row index */

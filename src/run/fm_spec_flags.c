@@ -12,6 +12,9 @@
 #define P FM_CMD_PLAN
 #define E FM_CMD_EVAL
 #define S FM_CMD_SAMPLE
+#define PREP FM_CMD_PREPARE
+#define CAL FM_CMD_CALIBRATE
+#define REP FM_CMD_REPORT
 #define RUN FM_SPEC_RUN
 #define FIXED FM_SPEC_FIXED
 #define NOW FM_SPEC_INVOCATION /* also the launch's own flags (--dp, --zero, --sp, --ep, --comm, --vocab-parallel):
@@ -252,6 +255,33 @@ const fm_spec_flag fm_spec_flags[] = {
     V("seed", FM_SPEC_U64, train.seed, "1337", NULL, "sampling seed", S, NOW),
     V("context", FM_SPEC_I64, infer.context, NULL, "the trained --seq-len", "context window in tokens", S, NOW),
     V("threads", FM_SPEC_INT, train.threads, "0", NULL, "CPU threads, 0 = all cores", E | S, NOW),
+    /* ---- prepare: text and JSONL files -> token shards ---- */
+    V("tokenizer", FM_SPEC_STR, prepare.tokenizer, NULL, "required",
+      "folder with tokenizer.json (a Hugging Face model folder), or the file", PREP, NOW),
+    FILES("input", prepare.inputs, prepare.n_inputs, "required",
+          "text files (one file = one document) and JSONL files", PREP, NOW),
+    V("out", FM_SPEC_STR, prepare.out, NULL, "required",
+      "shard prefix: writes PREFIX_000000.bin, ... (and .bin.mask for prompt/chat data)", PREP, NOW),
+    V("shard-tokens", FM_SPEC_I64, prepare.shard_tokens, "100000000", NULL, "tokens per shard", PREP, NOW),
+    V("format", FM_SPEC_STR, prepare.format, "auto", NULL,
+      "text | jsonl | auto: .jsonl/.json are JSONL, the rest text", PREP, NOW),
+    V("no-eos", FM_SPEC_BOOL, prepare.no_eos, NULL, "off", "no EOS token after each document", PREP, NOW),
+    V("decode", FM_SPEC_STR, prepare.decode, NULL, NULL,
+      "instead: print the text of this shard (with --tokenizer)", PREP, NOW),
+    V("show-mask", FM_SPEC_BOOL, prepare.show_mask, NULL, "off",
+      "with --decode: wrap masked (prompt) tokens in [[ ]]", PREP, NOW),
+    /* ---- calibrate: this backend's rates for plan ---- */
+    V("out", FM_SPEC_STR, calibrate.out, NULL, "required",
+      "the calibration table to write, e.g. configs/calib/h200.json", CAL, NOW),
+    V("backend", FM_SPEC_STR, calibrate.backend, NULL, NULL,
+      "cpu or cuda: must be this binary's (flatmoe is cpu, flatmoe-cuda cuda)", CAL, NOW),
+    V("quick", FM_SPEC_BOOL, calibrate.quick, NULL, "off", "fewer, smaller shapes (the CPU in well under a minute)",
+      CAL, NOW),
+    V("threads", FM_SPEC_INT, calibrate.threads, "0", NULL, "CPU threads, 0 = all cores", CAL, NOW),
+    /* ---- report: a run folder's curves (RUN_DIR is positional, set by the command) ---- */
+    V("out", FM_SPEC_STR, report.out, NULL, "RUN_DIR/report",
+      "folder for the images, data files and gnuplot script", REP, NOW),
+    V("format", FM_SPEC_STR, report.format, "png", NULL, "png | svg", REP, NOW),
 };
 
 const int fm_spec_n_flags = (int)(sizeof fm_spec_flags / sizeof fm_spec_flags[0]);
