@@ -48,13 +48,14 @@ done
 
 # ---- --expert-precision fp8 with --ep 2 (the experts behind one interface, EP included): the
 # emulated recipe (codes are not chosen under --ep) at np 2 --ep 2, micro-batch 2 a rank, against
-# one rank with micro-batch 4 (the same 4 sequences a step). Step 1 (the same weights) agrees to
-# 1e-6 relative (measured: loss equal, grad norm 1.4e-9: fp32 sums over other groupings of the same
-# rows). After an update the weights differ by such reassociation (~1e-9), and a weight or activation
-# that sits at an E4M3 rounding boundary flips its code by one step (2^-3 of its value at most), so
-# later steps get 1e-5 on the loss and 1e-3 on the grad norm (measured 1.5e-6 and 1.4e-4 at step 3;
-# the bf16 experts, with no codes to flip, agree to 1e-7 under the same setup). The trainer's own
-# check (every arena = its planned bound, or abort) covers the EP working set's fp8 part. ----
+# one rank with micro-batch 4 (the same 4 sequences a step). The two runs sum the same rows in other
+# groupings (EP's chunks against one rank's, and OpenBLAS's Haswell/Zen kernels round a row by its
+# place in their tiling), so activations and, after an update, weights differ by fp32 reassociation
+# (~1e-9 relative); a value that sits at an E4M3 rounding boundary then flips its code by one step
+# (2^-3 of its value at most). Every step gets 1e-5 on the loss and 1e-3 on the grad norm (measured
+# at step 3: 1.5e-6 and 1.4e-4 with SkylakeX kernels; step 1's grad norm 1.9e-6 with Haswell's; the
+# bf16 experts, with no codes to flip, agree to 1e-7). The trainer's own check (every arena = its
+# planned bound, or abort) covers the EP working set's fp8 part. ----
 es=(--config "$cfg" --data "$TEXT" --seq-len 32 --threads 1 --expert-precision fp8 --seed 7 --steps 3 --eval-every 0
     --warmup 1 --no-checkpoint --report-memory)
 timeout 300 "${MPI[@]}" "$FM" train "${es[@]}" --micro-batch 2 --ep 2 --out "$TMP/ep2" > "$TMP/ep2.log" 2>&1 ||
@@ -66,7 +67,7 @@ import json, sys
 a, b = ([r for r in map(json.loads, open(f)) if r.get("type") == "step"] for f in sys.argv[1:3])
 assert len(a) == len(b) == 3, (len(a), len(b))
 for x, y in zip(a, b):
-    for k, tol in (("loss", 1e-6 if x["step"] == 1 else 1e-5), ("grad_norm", 1e-6 if x["step"] == 1 else 1e-3)):
+    for k, tol in (("loss", 1e-5), ("grad_norm", 1e-3)):
         assert abs(x[k] - y[k]) <= tol * abs(y[k]), (x["step"], k, x[k], y[k], tol)
 print("fp8 --ep 2 vs one rank: losses", [r["loss"] for r in a], [r["loss"] for r in b])
 PY
