@@ -74,8 +74,8 @@ typedef struct fm_backend_opts {
                                   * serial, 2 pipelined); -1: the variable held another value, which the
                                   * operator refuses at its first chunk on every rank of the group (a
                                   * run without --ep never asks) */
-    bool cpu_fp8_codes;          /* CPU: the test hook FLATMOE_TEST_FP8_CODES=1 (core/fm_test_hooks.h's
-                                  * cpu_fp8_codes): the CPU backend serves the FP8 code path with its C
+    bool cpu_fp8_codes;          /* CPU: the test hook FLATMOE_TEST_FP8_CODES=1 (read into
+                                  * this option by the CLI): the CPU backend serves the FP8 code path with its C
                                   * reference of the E4M3 code GEMMs, as an sm_90 GPU does */
     const char *calib_dir;       /* engine: FLATMOE_CALIB_DIR, a folder searched first for the
                                   * calibration table <kind>.json (plan/fm_calib.h, fm_calib_find);

@@ -47,7 +47,7 @@ int cli_edit_distance(const char *a, const char *b);
  *   FLATMOE_TEST_SIGNAL_AFTER  RANK:STEP (integers >= 0) -> signal_after, signal_rank, signal_step
  *   FLATMOE_TEST_CKPT_CHUNK    N >= 1                    -> ckpt_chunk_elems
  *   FLATMOE_TEST_CKPT_RESAVE   0|1                       -> ckpt_resave
- *   FLATMOE_TEST_FP8_CODES     0|1                       -> cpu_fp8_codes
+ * (FLATMOE_TEST_FP8_CODES is a backend option: fm_backend_opts_from_env below.)
  * Errors: FM_ERR_ARG naming the variable, its value and the form expected. */
 fm_status cli_test_hooks_from_env(fm_test_hooks *h);
 

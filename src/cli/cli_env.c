@@ -99,11 +99,7 @@ fm_status cli_test_hooks_from_env(fm_test_hooks *h) {
     FM_TRY(hook_ckpt_chunk(h, getenv("FLATMOE_TEST_CKPT_CHUNK")));
     FM_TRY(hook_bool("FLATMOE_TEST_CKPT_RESAVE", getenv("FLATMOE_TEST_CKPT_RESAVE"),
                      "a resumed run writes the loaded state again at once", &h->ckpt_resave));
-    /* the backend option of the same name (fm_backend_opts.cpu_fp8_codes), through its one parser */
-    fm_backend_opts o = fm_backend_opts_default();
-    FM_TRY(fm_backend_opts_set(&o, "FLATMOE_TEST_FP8_CODES", getenv("FLATMOE_TEST_FP8_CODES")));
-    h->cpu_fp8_codes = o.cpu_fp8_codes;
-    return FM_OK;
+    return FM_OK; /* FLATMOE_TEST_FP8_CODES: a backend option (fm_backend_opts_from_env) */
 }
 
 fm_threads_env cli_threads_env(void) {

@@ -12,8 +12,6 @@ void fm_log_set(fm_log_fn fn, void *user) {
     log_user = user;
 }
 
-int fm_log_enabled(void) { return log_fn != NULL; }
-
 void fm_logv(fm_log_level level, const char *fmt, va_list ap) {
     if (!log_fn) return;
     char small[1024];
@@ -46,8 +44,9 @@ void fm_log(fm_log_level level, const char *fmt, ...) {
 
 void fm_log_stdio(void *user, fm_log_level level, const char *text) {
     (void)user;
-    if (level == FM_LOG_INFO) {
+    if (level == FM_LOG_INFO) { /* progress lines: seen as they come, also through a pipe or a file */
         fputs(text, stdout);
+        fflush(stdout);
         return;
     }
     fflush(stdout);

@@ -28,15 +28,13 @@ typedef void (*fm_log_fn)(void *user, fm_log_level level, const char *text);
 /* Installs the sink (NULL: drop every line). */
 void fm_log_set(fm_log_fn fn, void *user);
 
-/* Whether a sink is installed (callers may skip building expensive text when none is). */
-int fm_log_enabled(void);
-
 /* Formats (printf) and hands the text to the sink. */
 void fm_log(fm_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void fm_logv(fm_log_level level, const char *fmt, va_list ap);
 
-/* The sink the CLI installs: FM_LOG_INFO to stdout, the others to stderr (stdout flushed first,
- * so the two streams interleave in order), written unchanged. */
+/* The sink the CLI installs: FM_LOG_INFO to stdout, flushed (progress lines are read live, by
+ * people and by tests following a run), the others to stderr (stdout flushed first, so the two
+ * streams interleave in order), written unchanged. */
 void fm_log_stdio(void *user, fm_log_level level, const char *text);
 
 #ifdef __cplusplus

@@ -22,9 +22,8 @@ typedef struct fm_test_hooks {
     int64_t ckpt_chunk_elems;
     /* FLATMOE_TEST_CKPT_RESAVE=1: a resumed run writes the loaded state again at once */
     bool ckpt_resave;
-    /* FLATMOE_TEST_FP8_CODES=1: the CPU backend serves the FP8 code path (its C reference of the
-     * E4M3 code GEMMs), as an sm_90 GPU does */
-    bool cpu_fp8_codes;
+    /* FLATMOE_TEST_FP8_CODES=1 is a backend option (fm_backend_opts.cpu_fp8_codes): the CPU
+     * backend and the planner read it there */
 } fm_test_hooks;
 
 #endif

@@ -17,6 +17,13 @@ static void human(char *buf, size_t n, size_t bytes) {
 
 /* The trainer's flags that reproduce plan p of request r (one rank's knobs; a mesh adds its
  * degrees), into buf[cap]. */
+/* The --max-position-embeddings a train line of request r must carry: the one given, else the
+ * sequence length when it exceeds the config's; 0: none. */
+static int64_t train_max_pos(const fm_plan_req *r) {
+    if (r->max_position_embeddings_flag > 0) return r->max_position_embeddings_flag;
+    return r->T > r->cfg.max_position_embeddings ? r->T : 0;
+}
+
 void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size_t cap) {
     const fm_config *c = &r->cfg;
     const int64_t L = c->num_hidden_layers;
@@ -52,8 +59,7 @@ void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size
         if (r->train_zero > 0) PUT(" --zero %d", r->train_zero);
     }
     if (r->vocab_ring > 1 && !r->mesh.on) PUT(" --vocab-parallel ring");
-    if (r->max_position_embeddings_flag > 0) PUT(" --max-position-embeddings %lld", (long long)r->max_position_embeddings_flag);
-    else if (r->T > c->max_position_embeddings) PUT(" --max-position-embeddings %lld", (long long)r->T);
+    if (train_max_pos(r)) PUT(" --max-position-embeddings %lld", (long long)train_max_pos(r));
     /* the CPU target: the thread count the attention scratch was planned for (train's --threads 0
      * may find other cores busy, and so another bound) */
     const bool cpu = r->target == FM_PLAN_TARGET_CPU || (r->target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) == 4);
@@ -216,9 +222,7 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
                 (long long)(r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB),
                 (long long)p->n_offloaded_boundaries, r->offload_optimizer ? " --offload-optimizer" : "",
                 r->bf16_moments ? " --bf16-moments" : "");
-        if (r->max_position_embeddings_flag > 0)
-            fprintf(f, " --max-position-embeddings %lld", (long long)r->max_position_embeddings_flag);
-        else if (r->T > c->max_position_embeddings) fprintf(f, " --max-position-embeddings %lld", (long long)r->T);
+        if (train_max_pos(r)) fprintf(f, " --max-position-embeddings %lld", (long long)train_max_pos(r));
         if (m->dp * m->sp > 1) fprintf(f, " --vocab-parallel ring");
         fprintf(f, "\n");
         /* where the trainer of this tree departs from this plan (README "Vocabulary parallelism") */

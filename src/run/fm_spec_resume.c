@@ -56,6 +56,12 @@ static bool json_text(const fm_spec_flag *f, const cJSON *v, char *out, size_t c
     return true;
 }
 
+/* The line saying that row f given now (text `now`) replaces the run's value `was`. */
+static void log_override(const fm_spec_flag *f, const char *now, const char *was) {
+    if (f->kind == FM_SPEC_BOOL) fm_log(FM_LOG_INFO, "--%s overrides the run's %s\n", f->name, was);
+    else fm_log(FM_LOG_INFO, "--%s %s overrides the run's %s\n", f->name, now, was);
+}
+
 /* Row f given again on this command line, with the run's saved value v: one line saying which
  * wins (the flags that fix the run keep their own refusal or warning in fm_train). */
 static void say_override(const fm_run_spec *s, const fm_spec_flag *f, const cJSON *v, bool say) {
@@ -89,8 +95,7 @@ static void say_override(const fm_run_spec *s, const fm_spec_flag *f, const cJSO
             snprintf(now, sizeof now, "%g", strtod(now, NULL));
         }
     }
-    if (f->kind == FM_SPEC_BOOL) fm_log(FM_LOG_INFO, "--%s overrides the run's %s\n", f->name, was);
-    else fm_log(FM_LOG_INFO, "--%s %s overrides the run's %s\n", f->name, now, was);
+    log_override(f, now, was);
 }
 
 /* Restores row f from the saved value v (f not given on the command line). */
@@ -171,10 +176,11 @@ fm_status fm_spec_restore_json(fm_run_spec *s, const char *spec_json, const char
             continue;
         char now[600];
         fm_spec_format(s, f, now, sizeof now);
-        const char *was = f->dflt ? f->dflt : f->kind == FM_SPEC_BOOL ? "false" : "unset";
-        if (!strcmp(now, was) || (f->kind == FM_SPEC_F64 && f->dflt && strtod(now, NULL) == strtod(was, NULL))) continue;
-        if (f->kind == FM_SPEC_BOOL) fm_log(FM_LOG_INFO, "--%s overrides the run's default (off)\n", f->name);
-        else fm_log(FM_LOG_INFO, "--%s %s overrides the run's default %s\n", f->name, now, was);
+        const char *dflt = f->dflt ? f->dflt : f->kind == FM_SPEC_BOOL ? "false" : "unset";
+        if (!strcmp(now, dflt) || (f->kind == FM_SPEC_F64 && f->dflt && strtod(now, NULL) == strtod(dflt, NULL))) continue;
+        char was[96];
+        snprintf(was, sizeof was, "default %s", f->kind == FM_SPEC_BOOL ? "(off)" : dflt);
+        log_override(f, now, was);
     }
     cJSON_Delete(o);
     return st;

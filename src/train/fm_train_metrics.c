@@ -67,7 +67,6 @@ void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_
     fm_log(FM_LOG_INFO, "%s\n", l.buf);
     fm_log(FM_LOG_INFO, "flops per token: model %.4e, hardware %.4e (with the recomputed forwards)\n",
            plan->flops_model_token, plan->flops_hw_token);
-    fflush(stdout); /* progress: the sink writes stdout unflushed */
 }
 
 void fm_train_print_step(const run *r, const fm_step_report *s) {
@@ -89,7 +88,6 @@ void fm_train_print_step(const run *r, const fm_step_report *s) {
                         tot > 0 ? 100.0 * s->phase_ms[i] / tot : 0.0);
         fm_log(FM_LOG_INFO, "%s; host syncs %llu\n", l.buf, (unsigned long long)s->host_syncs);
     }
-    fflush(stdout); /* progress: the sink writes stdout unflushed */
 }
 
 void fm_train_metrics_begin(run *r, const fm_step_report *s) {
@@ -134,7 +132,6 @@ static void report_memory(const run *r, size_t dev_used, size_t dev_total) {
     if (dev_total > 0)
         fm_log(FM_LOG_INFO, "memory: device in use %.1f MiB of %.1f MiB (plan %.1f MiB; the rest is the CUDA context and "
                "libraries)\n", dev_used / 1048576.0, dev_total / 1048576.0, r->plan.total / 1048576.0);
-    fflush(stdout); /* progress: the sink writes stdout unflushed */
 }
 
 void fm_train_metrics_memory(run *r) {
@@ -143,7 +140,6 @@ void fm_train_metrics_memory(run *r) {
         char line[400];
         fm_train_ep_report(m, line, sizeof line);
         fm_log(FM_LOG_INFO, "rank %d of %d: %s\n", r->rank, r->n_ranks, line);
-        fflush(stdout); /* progress: the sink writes stdout unflushed */
     }
     if (!r->metrics) { /* a rank other than 0: its own arenas against its plan, one line */
         char line[1600];
@@ -162,7 +158,6 @@ void fm_train_metrics_memory(run *r) {
             snprintf(line + n, sizeof line - n, "; device in use %.1f MiB of %.1f MiB (plan %.1f MiB)",
                      (dt - df) / 1048576.0, dt / 1048576.0, r->plan.total / 1048576.0);
         fm_log(FM_LOG_INFO, "%s\n", line);
-        fflush(stdout); /* progress: the sink writes stdout unflushed */
         return;
     }
     fprintf(r->metrics, ",\"memory\":{");

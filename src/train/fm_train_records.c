@@ -239,5 +239,4 @@ void fm_train_metrics_summary(run *r, const fm_run_records *rec) {
                     (long long)rec->best_val_step);
     if (rec->stopped_by) fm_line_add(&l, " | stopped by %s", fm_signal_name(rec->stopped_by));
     fm_log(FM_LOG_INFO, "%s\n", l.buf);
-    fflush(stdout); /* progress: the sink writes stdout unflushed */
 }
