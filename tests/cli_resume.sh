@@ -198,6 +198,13 @@ if diff <(fields "$TMP/cad_straight/metrics.jsonl") <(fields "$TMP/cad/metrics.j
 else bad "spec: step records differ after --out DIR --resume alone"; fi
 out=$("$FM" train --out "$TMP/cad_over" --resume --eval-every 1 2>&1) || bad "spec: override resume failed: $out"
 grep -q -- "--eval-every 1 overrides the run's 2" <<<"$out" && ok || bad "spec: no override line: $out"
+# --quiet hides step lines only; a fixed flag given again is said, and --seed given again is not used
+cp -r "$TMP/cad_straight" "$TMP/cad_fixed"
+out=$("$FM" train --out "$TMP/cad_fixed" --resume --steps 9 --seed 99 --quiet 2>&1) || bad "spec: fixed-flag resume failed: $out"
+grep -q -- "--steps 9 overrides the run's 8" <<<"$out" && ok || bad "spec: --quiet hid the override line: $out"
+grep -q -- "note: --seed 99 is not used on --resume" <<<"$out" && ok || bad "spec: no note for --seed given again: $out"
+python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); sys.exit(0 if s.get("spec",{}).get("seed") in (None,"1337",1337) and s["seed"]=="1337" else 1)' \
+    "$TMP/cad_fixed/step_000009/state.json" && ok || bad "spec: --seed 99 given again reached state.json"
 vals=$(grep '"type":"step"' "$TMP/cad_over/metrics.jsonl" | tail -5 | grep -c '"val_loss":[0-9]')
 [ "$vals" -eq 5 ] && ok || bad "spec: --eval-every 1 given again did not evaluate every step ($vals of the last 5)"
 grep -q '"eval-every":[[:space:]]*1' "$TMP/cad_over/step_000008/state.json" && ok || bad "spec: the override is not in the next state.json"

@@ -24,7 +24,8 @@ int cmd_train(int argc, char **argv) {
     int rank = 0, size = 1; /* many ranks: rank 0 prints what every rank would */
     (void)fm_comm_launcher(&rank, &size, NULL);
     /* --resume: the run's own flags from its latest state.json, the ones given again overriding them */
-    if ((s = fm_spec_resume(&sp, rank == 0 && !sp.train.quiet, NULL))) return cli_fail("train", s);
+    /* (said under --quiet too: these are not step lines) */
+    if ((s = fm_spec_resume(&sp, rank == 0, NULL))) return cli_fail("train", s);
     if ((s = fm_spec_check(&sp))) return cli_fail("train", s);
     fm_train_opts o = fm_spec_train_opts(&sp);
     static char *spec_json; /* saved whole in each checkpoint's state.json */

@@ -62,9 +62,51 @@ static void log_override(const fm_spec_flag *f, const char *now, const char *was
     else fm_log(FM_LOG_INFO, "--%s %s overrides the run's %s\n", f->name, now, was);
 }
 
+/* What a flag that fixes the run (FM_SPEC_FIXED) means when given again with another value on
+ * --resume, for the fixed flags fm_train does not already warn about (the shape, --threads,
+ * --bf16-moments and --expert-precision have their own warning there). */
+static const char *const fixed_consequence[][2] = {
+    {"val-fraction", "the held-out share changes, so training and validation are drawn from another split of --data "
+                     "from here on and the validation loss is not comparable with the run's"},
+    {"max-position-embeddings", "the config's limit changes; the checkpoint's weights are kept"},
+};
+
+/* Fixed row f given again on this command line (text now of its value) where the run had `was`
+ * (its saved value, or its default): a note for the flags of fixed_consequence; --seed given
+ * again is not used (the checkpoint holds the weights and the data order it seeded): returns true
+ * so that the caller puts the run's value back, and a note says so. */
+static bool fixed_given_again(const fm_spec_flag *f, const char *now_text, const char *was_text, bool say) {
+    char now[600], was[600];
+    snprintf(now, sizeof now, "%s", now_text);
+    snprintf(was, sizeof was, "%s", was_text);
+    if (!strcmp(was, now) || (f->kind == FM_SPEC_F64 && strtod(was, NULL) == strtod(now, NULL))) return false;
+    if (!strcmp(f->name, "seed")) {
+        if (say)
+            fm_log(FM_LOG_NOTE, "note: --seed %s is not used on --resume: the run continues its checkpoint's weights and "
+                   "data order, seeded by --seed %s; another seed is another run (a new --out)\n", now, was);
+        return true;
+    }
+    if (f->kind == FM_SPEC_F64) { /* as a person writes them */
+        snprintf(was, sizeof was, "%g", strtod(was, NULL));
+        snprintf(now, sizeof now, "%g", strtod(now, NULL));
+    }
+    for (size_t i = 0; say && i < sizeof fixed_consequence / sizeof fixed_consequence[0]; i++)
+        if (!strcmp(f->name, fixed_consequence[i][0]))
+            fm_log(FM_LOG_NOTE, "note: --%s %s replaces the run's %s: %s\n", f->name, now, was, fixed_consequence[i][1]);
+    return false;
+}
+
 /* Row f given again on this command line, with the run's saved value v: one line saying which
- * wins (the flags that fix the run keep their own refusal or warning in fm_train). */
-static void say_override(const fm_run_spec *s, const fm_spec_flag *f, const cJSON *v, bool say) {
+ * wins (fixed rows: fixed_given_again, whose result lands in *keep_saved). */
+static void say_override(const fm_run_spec *s, const fm_spec_flag *f, const cJSON *v, bool say, bool *keep_saved) {
+    *keep_saved = false;
+    if (f->life == FM_SPEC_FIXED) {
+        char now[600], was[600];
+        if (f->kind == FM_SPEC_FILES || !json_text(f, v, was, sizeof was)) return;
+        fm_spec_format(s, f, now, sizeof now);
+        *keep_saved = fixed_given_again(f, now, was, say);
+        return;
+    }
     if (!say || f->life != FM_SPEC_RUN) return;
     char now[600], was[600] = "";
     if (f->kind == FM_SPEC_FILES) {
@@ -165,17 +207,28 @@ fm_status fm_spec_restore_json(fm_run_spec *s, const char *spec_json, const char
                           "field (this flatmoe does not know it)", path, v->string);
             break;
         }
-        if (fm_spec_row_given(s, fm_spec_row(f))) say_override(s, f, v, say);
-        else if (!not_restored(s, f) && (st = restore_row(s, f, v, path))) break;
+        bool keep_saved = false;
+        if (fm_spec_row_given(s, fm_spec_row(f))) say_override(s, f, v, say, &keep_saved);
+        if ((!fm_spec_row_given(s, fm_spec_row(f)) || keep_saved) && !not_restored(s, f) &&
+            (st = restore_row(s, f, v, path)))
+            break;
     }
     /* a flag given now that the run left at its default: say that it overrides the default */
-    for (int i = 0; st == FM_OK && say && i < fm_spec_n_flags; i++) {
+    for (int i = 0; st == FM_OK && i < fm_spec_n_flags; i++) {
         const fm_spec_flag *f = &fm_spec_flags[i];
-        if (!saved(f) || f->life != FM_SPEC_RUN || f->kind == FM_SPEC_FILES || !(f->cmds & s->cmd) ||
+        if (!saved(f) || f->life == FM_SPEC_INVOCATION || f->kind == FM_SPEC_FILES || !(f->cmds & s->cmd) ||
             !fm_spec_row_given(s, i) || cJSON_GetObjectItemCaseSensitive(o, f->name))
             continue;
         char now[600];
         fm_spec_format(s, f, now, sizeof now);
+        if (f->life == FM_SPEC_FIXED) { /* the run had the default */
+            if (f->dflt && !not_restored(s, f) && fixed_given_again(f, now, f->dflt, say)) {
+                st = fm_spec_set_row(s, f, f->dflt, false);
+                fm_spec_mark_given(s, i, false);
+            }
+            continue;
+        }
+        if (!say) continue;
         const char *dflt = f->dflt ? f->dflt : f->kind == FM_SPEC_BOOL ? "false" : "unset";
         if (!strcmp(now, dflt) || (f->kind == FM_SPEC_F64 && f->dflt && strtod(now, NULL) == strtod(dflt, NULL))) continue;
         char was[96];

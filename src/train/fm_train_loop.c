@@ -302,18 +302,21 @@ fm_status fm_train(const fm_train_opts *o) {
             oo.steps = have && ts.steps > 0 ? ts.steps : 1000;
             if (!oo.quiet) fm_log(FM_LOG_INFO, "--resume: --steps %lld (the run's total; --steps sets another)\n", (long long)oo.steps);
         }
-        const bool shape = oo.seq_len == 0 || oo.micro_batch == 0 || oo.grad_accum == 0;
-        if (oo.seq_len == 0) oo.seq_len = have && ts.seq_len > 0 ? ts.seq_len : dflt.seq_len;
-        if (oo.micro_batch == 0) { /* many ranks: the run's sequences per micro-batch, over this launch's ranks */
+        char taken[160] = ""; /* the shape flags not given, taken from the run (only those are named) */
+        size_t at = 0;
+        if (oo.seq_len == 0) at += (size_t)snprintf(taken + at, sizeof taken - at, " --seq-len %lld",
+                                                    (long long)(oo.seq_len = have && ts.seq_len > 0 ? ts.seq_len : dflt.seq_len));
+        if (oo.micro_batch == 0 && at < sizeof taken) { /* many ranks: the run's sequences per micro-batch, over this launch's ranks */
             const int64_t global = have && ts.micro_batch > 0 ? ts.micro_batch * (ts.dp > 0 ? ts.dp : 1) : 0;
             const int dp_launch = launch_size / (oo.sp > 1 && launch_size % oo.sp == 0 ? oo.sp : 1);
             oo.micro_batch = global > 0 && global % dp_launch == 0 ? global / dp_launch
                            : have && ts.micro_batch > 0 ? ts.micro_batch : dflt.micro_batch;
+            at += (size_t)snprintf(taken + at, sizeof taken - at, " --micro-batch %lld", (long long)oo.micro_batch);
         }
-        if (oo.grad_accum == 0) oo.grad_accum = have && ts.grad_accum > 0 ? ts.grad_accum : dflt.grad_accum;
-        if (shape && !oo.quiet)
-            fm_log(FM_LOG_INFO, "--resume: --seq-len %lld --micro-batch %lld --grad-accum %lld (the run's; the flags set others)\n",
-                   (long long)oo.seq_len, (long long)oo.micro_batch, (long long)oo.grad_accum);
+        if (oo.grad_accum == 0 && at < sizeof taken)
+            at += (size_t)snprintf(taken + at, sizeof taken - at, " --grad-accum %lld",
+                                   (long long)(oo.grad_accum = have && ts.grad_accum > 0 ? ts.grad_accum : dflt.grad_accum));
+        if (at && !oo.quiet) fm_log(FM_LOG_INFO, "--resume:%s (the run's; the flags set others)\n", taken);
     }
     fm_run_records rec;
     memset(&rec, 0, sizeof rec);
