@@ -70,6 +70,17 @@ expect_fail "offload over the host budget" "pinned host memory needed" "$FM" pla
 # when applied (and --micro-batch is not named at micro-batch 1).
 out=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 65536 --device-mem 80GiB --host-mem-budget 0 2>&1 >/dev/null)
 grep -q "2 ranks with --zero 3" <<<"$out" && ! grep -q -- "--micro-batch" <<<"$out" && ok || bad "advice at 80 GiB: $out"
+# The rank count advised is the trainer's own ZeRO-3 run (its model-state bound, no streamed
+# optimizer beside it): --dp W --zero 3 fits and --dp W-1 --zero 3 does not (Mixtral on an H100:
+# the bf16 weights and grads alone are 187 GB, so offload is no way out).
+mx=$("$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --seq-len 4096 --gpu h100 2>&1 >/dev/null)
+W=$(grep -oE "any one of: .*[0-9]+ ranks with --zero 3" <<<"$mx" | grep -oE "[0-9]+ ranks" | grep -oE "[0-9]+")
+if [ -n "$W" ] && [ "$W" -gt 2 ]; then
+    "$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --seq-len 4096 --gpu h100 --dp "$W" --zero 3 >/dev/null 2>&1 && ok ||
+        bad "advice named $W ranks with --zero 3, which does not fit: $mx"
+    "$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --seq-len 4096 --gpu h100 --dp $((W - 1)) --zero 3 >/dev/null 2>&1 &&
+        bad "advice named $W ranks, but $((W - 1)) fit" || ok
+else bad "no rank advice for Mixtral-8x7B on an H100: $mx"; fi
 if grep -q -- "--bf16-moments" <<<"$out"; then
     "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 65536 --device-mem 80GiB --host-mem-budget 0 --bf16-moments >/dev/null && ok || bad "advice named --bf16-moments, which does not fit"
 fi
@@ -293,4 +304,9 @@ line=$(sed -n 's/^launch: //p' <<<"$o")
 [ -n "$line" ] && ok || bad "a one-rank plan printed no launch line: $o"
 eval "$line --steps 2 --eval-every 0 --eval-batches 1 --quiet --out $TMP/launched" > "$TMP/launched.log" 2>&1 &&
     [ -d "$TMP/launched/step_000002" ] && ok || bad "the launch line did not run as printed ($line): $(tail -3 "$TMP/launched.log")"
+# The trainer's own run over several ranks (--dp 2 --zero 3): its launch line starts with mpirun -np 2
+# (and --allow-run-as-root when planned as root, which Open MPI otherwise refuses).
+o=$("$FM" plan --config "$cfg0" --seq-len 64 --micro-batch 2 --backend cpu --threads 2 --mem-budget 1GiB --dp 2 --zero 3 2>/dev/null)
+want="^launch: mpirun -np 2 "; [ "$(id -u)" = 0 ] && want="^launch: mpirun --allow-run-as-root -np 2 "
+grep -qE "${want}[^ ]*flatmoe train .*--dp 2 --zero 3" <<<"$o" && ok || bad "--dp 2 --zero 3: the launch line is not mpirun -np 2: $(grep '^launch' <<<"$o")"
 finish

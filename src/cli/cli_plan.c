@@ -296,6 +296,7 @@ int cmd_plan(int argc, char **argv) {
     static char exe[4200], data[8192];
     launch_words(&x, exe, sizeof exe, data, sizeof data);
     rep.exe = exe[0] ? exe : NULL;
+    rep.mpirun = geteuid() == 0 ? "mpirun --allow-run-as-root" : "mpirun"; /* Open MPI refuses root without it */
     rep.ckpt_max_numel = fm_ckpt_max_tensor_numel(&x.cfg); /* the checkpoints' host staging (train/) */
     rep.ckpt_chunk_elems = FM_CKPT_CHUNK_ELEMS;
     rep.ckpt_stage_bytes = fm_ckpt_stage_bound(rep.ckpt_max_numel, rep.ckpt_chunk_elems);

@@ -234,6 +234,38 @@ static void add_item(char *buf, size_t n, int *items, const char *fmt, ...) {
     (*items)++;
 }
 
+/* The fewest ranks W in [2, 1024] (more than req's own when it is already sharded) on which the trainer's ZeRO-3 run fits (try_fit of req with the
+ * model state laid out as --dp W --zero 3, and --ep e where e > 1 divides both W and E and no
+ * plain ZeRO-3 fits: the largest such e, the dispatch then in chunks of the micro-batch's tokens
+ * when req names none), written as advice into what[n]. False when none fits. A linear scan: the
+ * best e changes with W, so fitting is not monotone in W. */
+static bool fewest_ranks(const fm_plan_req *req, const fm_choose_opts *o, char *what, size_t n) {
+    const int64_t E = req->cfg.num_experts;
+    for (int pass = 0; pass < 2; pass++) /* 0: ZeRO-3 alone; 1: ZeRO-3 beside expert parallelism */
+        for (int W = req->state_layout.ranks > 1 ? req->state_layout.ranks + 1 : 2; W <= 1024; W++) {
+            int e = 1;
+            if (pass == 1) {
+                for (int d = W; d > 1; d--)
+                    if (W % d == 0 && E % d == 0) { e = d; break; }
+                if (e == 1) continue;
+            }
+            fm_plan_req r = *req;
+            r.offload_optimizer = false;
+            r.state_layout.ranks = W, r.state_layout.zero = 3, r.state_layout.ep = e;
+            r.ep = e;
+            if (e > 1 && r.moe_chunk_tokens == 0) r.moe_chunk_tokens = r.B * r.T;
+            if (!try_fit(&r, o, NULL, 0)) continue;
+            if (e > 1)
+                snprintf(what, n, "%d ranks with --zero 3 --ep %d (weights and optimizer state sharded, the experts "
+                         "over the ep ranks: mpirun -np %d ... --zero 3 --ep %d, or plan a mesh with --world)", W, e, W, e);
+            else
+                snprintf(what, n, "%d ranks with --zero 3 (the model state sharded: mpirun -np %d ... --zero 3, or plan "
+                         "a mesh with --world)", W, W);
+            return true;
+        }
+    return false;
+}
+
 void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o0, char *buf, size_t n) {
     char list[1400] = "";
     int items = 0;
@@ -300,21 +332,12 @@ void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o0, char *buf,
         if (lo >= 1) add_item(list, sizeof list, &items, "--seq-len %lld%s", (long long)(lo * g),
                               g > 1 ? " (the longest that fits, in steps of 1024)" : " (the longest that fits)");
     }
-    /* 6. ranks: ZeRO-3 shards the model state over W ranks (a mesh plan has its degrees) */
+    /* 6. ranks: the trainer's ZeRO-3 over W = dp ranks (its model-state bound: each rank's experts
+     *    whole, so where the experts dominate only --ep shards them; no streamed optimizer beside
+     *    ZeRO-3), the fewest W that fit; a mesh plan has its own degrees */
     if (!req->mesh.on) {
-        int64_t lo = 2, hi = 4096;
-        fm_plan_req r = *req;
-        r.ranks = hi;
-        if (try_fit(&r, &o, NULL, 0)) {
-            while (lo < hi) {
-                const int64_t mid = lo + (hi - lo) / 2;
-                r.ranks = mid;
-                if (try_fit(&r, &o, NULL, 0)) hi = mid;
-                else lo = mid + 1;
-            }
-            add_item(list, sizeof list, &items, "%lld ranks with --zero 3 (the model state sharded: mpirun -np "
-                     "%lld ... --zero 3, or plan a mesh with --world)", (long long)hi, (long long)hi);
-        }
+        char what[200];
+        if (fewest_ranks(req, &o, what, sizeof what)) add_item(list, sizeof list, &items, "%s", what);
     }
     if (items) snprintf(buf, n, "It would fit with any one of: %s", list);
     else snprintf(buf, n, "No single knob makes it fit (not --micro-batch, --seq-len, --bf16-moments, offload, recompute "

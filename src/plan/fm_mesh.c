@@ -181,11 +181,12 @@ fm_status fm_mesh_choose(fm_plan_req *req, const fm_choose_opts *o, bool *rc, bo
 void fm_mesh_print_choice(const fm_mesh_choice *ch, FILE *f) {
     fprintf(f, "mesh: --world %lld; ", (long long)ch->world);
     if (ch->chose_ep)
-        fprintf(f, "ep %lld by expert memory (the smallest dividing num_experts and the world with which a plan fits at "
-                "the largest sp); ", (long long)ch->ep0);
+        fprintf(f, "ep >= %lld by expert memory (the smallest dividing num_experts and the world with which a plan fits "
+                "at the largest sp; the next larger is a candidate too); ", (long long)ch->ep0);
     if (ch->chose_sp)
-        fprintf(f, "sp %lld %s; ", (long long)ch->sp0,
-                ch->sp0 == 1 ? "(the whole sequence fits on a rank)" : "(the smallest with which the local sequence fits)");
+        fprintf(f, "sp >= %lld %s; ", (long long)ch->sp0,
+                ch->sp0 == 1 ? "(the whole sequence fits on a rank; the next larger is a candidate too)"
+                             : "(the smallest with which the local sequence fits; the next larger is a candidate too)");
     fprintf(f, "dp = world / sp. Candidates (per rank; step projected):\n");
     fprintf(f, "  %4s %4s %4s  %-4s %12s %12s %12s %12s %7s\n", "dp", "ep", "sp", "fits", "device GiB", "host GiB", "step s",
             "tokens/s", "MFU");

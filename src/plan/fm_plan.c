@@ -61,11 +61,6 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
         p->bytes[FM_LIVE_MODEL_STATE] = r->model_state_bytes(c, &r->state_layout, a, r->bf16_moments, p->inputs[FM_LIVE_MODEL_STATE]);
     }
 
-    if (r->ranks > 1) { /* ZeRO-3 over `ranks` ranks (the advice's what-if: the rank count to suggest) */
-        p->bytes[FM_LIVE_MODEL_STATE] = (p->bytes[FM_LIVE_MODEL_STATE] + (size_t)r->ranks - 1) / (size_t)r->ranks;
-        p->host_optimizer_bytes = (p->host_optimizer_bytes + (size_t)r->ranks - 1) / (size_t)r->ranks;
-    }
-
     /* the offload policy's bound: L+1 - n_off + min(n_off, 2) residual-stream tensors on the
      * device, n_off on the host (schedule/fm_sco.h) */
     const int64_t n_off = r->n_offloaded_boundaries, n_bnd = fm_sco_device_boundaries(L, n_off);

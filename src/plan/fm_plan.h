@@ -76,8 +76,6 @@ typedef struct fm_plan_req {
     const bool *keep_attention; /* [L] or NULL: recomputed layers that keep their attention output
                                    and lse (schedule/fm_recompute.h, --recompute-keep-attention);
                                    the chooser keeps it as given and picks recompute under it */
-    int64_t ranks;              /* > 1: the model state sharded over this many ranks (ZeRO-3; only
-                                   the advice's what-if, multi-rank training is not built yet) */
     int train_dp, train_zero;   /* the trainer run's --dp and --zero, for the "train flags" line only
                                    (0: not given; the bounds come from model_state_bytes) */
     bool expert_sync_free;      /* CUDA: the expert GEMMs run as the sm90 kernel (FLATMOE_EXPERT_GEMM=sm90

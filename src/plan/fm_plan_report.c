@@ -113,12 +113,16 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
         fprintf(f, "\nmesh: world %lld = dp %lld x sp %lld, ep %lld (%lld GPUs per node); the bounds below are PER RANK: "
                 "N = micro-batch x seq-len / sp = %lld local tokens", (long long)(m->dp * m->sp), (long long)m->dp,
                 (long long)m->sp, (long long)m->ep, (long long)m->gpus_per_node, (long long)(r->B * (r->T / m->sp)));
-    else if (fits) /* one rank: the launch line, runnable as printed once DATA names the data */
-        fprintf(f, "\nlaunch: %s train --config %s --data %s %s",
+    else if (fits) { /* the trainer's run: the launch line, runnable as printed once DATA names the data
+                      * (over its dp x sp ranks when it has several) */
+        const int64_t W = (int64_t)r->state_layout.ranks;
+        if (W > 1) fprintf(f, "\nlaunch: %s -np %lld", x->mpirun ? x->mpirun : "mpirun", (long long)W);
+        fprintf(f, W > 1 ? " %s train --config %s --data %s %s" : "\nlaunch: %s train --config %s --data %s %s",
                 x->exe ? x->exe
                 : r->target == FM_PLAN_TARGET_CUDA || (r->target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4)
                     ? "flatmoe-cuda" : "flatmoe",
                 x->config_path ? x->config_path : "CONFIG", x->data ? x->data : "DATA", flags);
+    }
     fprintf(f, "\n\n%-24s %20s %12s   %s\n", "live set", "bytes", "GiB", "bound");
     char g[32];
     for (int i = 0; i < FM_PLAN_SETS; i++) {
@@ -200,8 +204,8 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     if (m->on && !fits) /* no launch line for a plan that does not fit: it would be refused */
         fprintf(f, "\nlaunch: none (this mesh does not fit: see above)\n");
     else if (m->on) { /* the launch line: the same knobs as train flags */
-        fprintf(f, "\nlaunch: mpirun -np %lld %s train --config %s --data %s --seq-len %lld --micro-batch %lld --zero 3 "
-                "--dp %lld --ep %lld --sp %lld", (long long)(m->dp * m->sp),
+        fprintf(f, "\nlaunch: %s -np %lld %s train --config %s --data %s --seq-len %lld --micro-batch %lld --zero 3 "
+                "--dp %lld --ep %lld --sp %lld", x->mpirun ? x->mpirun : "mpirun", (long long)(m->dp * m->sp),
                 x->exe ? x->exe
                 : r->target == FM_PLAN_TARGET_CUDA || (r->target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4)
                     ? "flatmoe-cuda" : "flatmoe",

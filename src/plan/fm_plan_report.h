@@ -26,6 +26,9 @@ typedef struct fm_plan_report {
                                        JSON; NULL: neither */
     const char *exe;          /* the launch line's binary (NULL: flatmoe, or flatmoe-cuda for a CUDA plan) */
     const char *data;         /* the launch line's --data files (NULL: DATA) */
+    const char *mpirun;       /* the launcher of a launch line over several ranks, as the caller
+                                 knows it ("mpirun", or "mpirun --allow-run-as-root" for root;
+                                 NULL: "mpirun") */
     /* The sharded checkpoints' host staging (train/fm_train_ckpt_stream.h, whose bound the caller
      * asks: plan/ includes nothing of train/): bytes per rank, the piece size in elements, and the
      * largest tensor's elements, for its line (all 0: no line, and "checkpoint_staging_bytes" 0) */
