@@ -184,8 +184,10 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     if (r->moe_chunk_tokens > 0 || r->ep > 1) hw += (double)(L - nr) * 2.0 * (double)k * 3.0 * (double)H * (double)I;
     if (lce) hw += 2.0 * (double)c->vocab_size * (double)H; /* the logits formed twice */
     p->flops_hw_token = hw;
-    /* the whole step's tokens: dp ranks' sequences (sp ranks share theirs) */
-    p->tokens_per_step = N * sp * (r->mesh.on && r->mesh.dp > 1 ? r->mesh.dp : 1) * (r->grad_accum > 0 ? r->grad_accum : 1);
+    /* the whole step's tokens: dp ranks' sequences (sp ranks share theirs): a mesh's dp, or the
+     * trainer's run's --dp */
+    const int64_t dp_all = r->mesh.on ? r->mesh.dp : r->train_dp;
+    p->tokens_per_step = N * sp * (dp_all > 1 ? dp_all : 1) * (r->grad_accum > 0 ? r->grad_accum : 1);
     p->bf16_moments = r->bf16_moments;
 }
 

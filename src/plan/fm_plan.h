@@ -76,8 +76,9 @@ typedef struct fm_plan_req {
     const bool *keep_attention; /* [L] or NULL: recomputed layers that keep their attention output
                                    and lse (schedule/fm_recompute.h, --recompute-keep-attention);
                                    the chooser keeps it as given and picks recompute under it */
-    int train_dp, train_zero;   /* the trainer run's --dp and --zero, for the "train flags" line only
-                                   (0: not given; the bounds come from model_state_bytes) */
+    int train_dp, train_zero;   /* the trainer run's --dp and --zero: the "train flags" line, and the
+                                   step's tokens (dp x B x T x grad_accum) and the devices its MFU
+                                   is per (0: not given, one; the bounds come from model_state_bytes) */
     bool expert_sync_free;      /* CUDA: the expert GEMMs run as the sm90 kernel (FLATMOE_EXPERT_GEMM=sm90
                                    where fm_cuda_sm90_expert_gemm_serves, or auto's choice): the
                                    projection times them at the calibration's sm90 curves when the

@@ -194,6 +194,9 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
             fm_expert_choice_line(x->expert, line, sizeof line);
             fprintf(f, "%s\n", line);
         }
+        if (!m->on && r->state_layout.ranks > 1)
+            fprintf(f, "  (compute only: the collectives of this run over %d ranks are not projected; plan it with "
+                    "--world %d and the same --dp/--ep/--sp for them)\n", r->state_layout.ranks, r->state_layout.ranks);
         if (m->on && x->calib)
             fprintf(f, "  (collectives at %s links: %.0f GB/s within a node, %.0f GB/s across, per GPU per direction; "
                     "only the time compute does not hide is counted: fm_project.h)\n",

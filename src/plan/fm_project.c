@@ -34,7 +34,8 @@ static double at(double flops, double rate) { return flops > 0 ? flops / rate : 
  * FLOPs forward at expert_fwd(rpe), twice that backward at expert_bwd(rpe). */
 double fm_project_rows_per_expert(const fm_plan_req *r, const fm_plan *p) {
     const fm_config *c = &r->cfg;
-    const int64_t sp = r->mesh.on ? r->mesh.sp : r->sp > 1 ? r->sp : 1, ep = r->mesh.on ? r->mesh.ep : 1;
+    const int64_t sp = r->mesh.on ? r->mesh.sp : r->sp > 1 ? r->sp : 1;
+    const int64_t ep = r->mesh.on ? r->mesh.ep : r->ep > 1 ? r->ep : 1; /* an owner gets rows from ep sources */
     const double N = (double)r->B * (double)(r->T / sp);
     const double c_eff = r->moe_chunk_tokens > 0 ? (double)p->moe_c_eff : N;
     return (double)c->num_experts_per_tok * c_eff * (double)ep / (double)(c->num_experts > 0 ? c->num_experts : 1);
@@ -231,7 +232,7 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     for (int i = 0; i < FM_PROJ_PHASES; i++) o->step_s += o->sec[i];
     const double tokens = (double)p->tokens_per_step;
     o->tokens_per_s = o->step_s > 0 ? tokens / o->step_s : 0;
-    /* the devices the step's tokens run on: a mesh's dp x sp, the trainer's --sp run's sp (MFU per device) */
-    const double world = mesh ? (double)(r->mesh.dp * r->mesh.sp) : sp;
+    /* the devices the step's tokens run on: a mesh's dp x sp, the trainer's run's --dp x --sp (MFU per device) */
+    const double world = mesh ? (double)(r->mesh.dp * r->mesh.sp) : (double)(r->train_dp > 1 ? r->train_dp : 1) * sp;
     o->mfu = o->step_s > 0 && cb->peak_flops > 0 ? p->flops_model_token * tokens / o->step_s / cb->peak_flops / world : 0;
 }
