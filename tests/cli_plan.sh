@@ -196,7 +196,7 @@ d=$("$FM" plan --config "$ROOT/configs/tiny.json" --backend cpu --mem-budget 1Gi
 # train flags it prints (explicit --zero 3 --dp --ep --sp, with --world: without it they plan the
 # trainer's own run) gives the same per-rank total.
 m=$("$FM" plan --config "$ROOT/configs/qwen3-30b-a3b.json" --backend cuda --seq-len 32768 --world 8 --device-mem 139GiB --host-mem-budget 110GiB 2>/dev/null) || bad "plan --world 8 failed"
-grep -q "<- chosen" <<<"$m" && grep -q "^communication buffers" <<<"$m" && grep -q "^launch: mpirun -np 8 flatmoe-cuda train" <<<"$m" &&
+grep -q "<- chosen" <<<"$m" && grep -q "^communication buffers" <<<"$m" && grep -qE "^launch: mpirun( --allow-run-as-root)? -np 8 flatmoe-cuda train" <<<"$m" &&
     grep -q "EP all-to-all" <<<"$m" && grep -q "NOMINAL" <<<"$m" && ok || bad "plan --world 8: no candidates, comm row, launch line or collectives: $m"
 flags=$(sed -n 's/^train flags: //p' <<<"$m")
 grep -q -- "--zero 3 --dp [0-9]* --ep [0-9]* --sp [0-9]*" <<<"$flags" && ok || bad "mesh train flags lack the degrees: $flags"
