@@ -16,16 +16,17 @@
  *           every rank knows every count and takes the same decision (an error on one rank is
  *           an error on all, never a hang);
  *   all:    all_to_all_v of the rows to their owners (receive buffer: source-major);
- *   owner:  permute them expert-major over its E_loc experts, run the experts through the
- *           table the MoE glue passes (fm_moe_experts, fm_moe_dispatch.h: any expert precision;
- *           this operator moves rows and never names an implementation), permute the outputs
- *           back to source-major;
+ *   owner:  permute them expert-major over its E_loc experts and hand them to the caller (the
+ *           dispatch phase ends: fm_moe_ep_next delivers an fm_moe_ep_work), which runs the
+ *           experts on them (the MoE glue, model/fm_moe_layer.c, through the experts' table:
+ *           any expert precision; this operator moves rows and never calls an expert); at the
+ *           caller's next step (the combine phase) permute the outputs back to source-major;
  *   all:    all_to_all_v of the outputs back to their sources;
  *   source: combine with the router weights (fm_moe_combine) and scatter to the layer's rows.
  * Backward, per chunk: the forward's dispatch and experts are recomputed (as the one-rank chunked
  * MoE does: nothing is kept between chunks), the outputs come back for the combine's backward
- * (dtopk_w = dot(dy, ye) and dye = w * dy, on the source), dye goes to the owners, the owners run
- * the experts' backward (their weight gradients stay with them, accumulated), and the input
+ * (dtopk_w = dot(dy, ye) and dye = w * dy, on the source), dye goes to the owners, the caller runs
+ * the experts' backward there (their weight gradients stay with them, accumulated), and the input
  * gradients of the rows come back to the source, which sums each token's k rows
  * (fm_moe_dispatch_backward). Exchanges per chunk: forward 1 count all-reduce + 2 row
  * all-to-all-v; backward 1 + 4 (a chunk whose least-loaded placement moves rows adds 3 weight
@@ -63,7 +64,10 @@
  * and chunk j's input-gradient return overlaps chunk j+1's; the round trip between a chunk's
  * recompute and its backward (outputs back, combine backward, dye out) stays exposed, since
  * the owner's expert intermediates are one set. The communication stream is FIFO, so the
- * exchanges are issued in the order that keeps each behind only what it needs.
+ * exchanges are issued in the order that keeps each behind only what it needs. The caller issues
+ * "chunk i's expert GEMMs" (fm_moe_ep_next's work): the step that delivers chunk i's work has
+ * issued everything before them (chunk i+1's gather and dispatch, chunk i's join), the step after
+ * it issues everything after them, in the order above.
  * Buffers this needs twice (fm_moe_ep_bound: sets = 2): the receive buffer, the source's
  * outgoing and returned rows, the owner's permutation (device and host), its expert offsets and
  * the all-to-all counts; the route index and router weights thrice (three chunks' routing is
@@ -92,7 +96,10 @@
  * helper hosts at most max_foreign experts per chunk and never more rows than the plain bound
  * R_max, so the receive buffer and expert intermediates keep plain EP's bound; LLEP adds the
  * hosted experts' weights and gradients and the native rank's staging (fm_moe_ep_bound.llep).
- * Exact as plain EP is (only which rank runs which rows' GEMMs changes). */
+ * The weights sent are the stored ones (the caller's w); the caller runs the hosted experts in
+ * the layer's precision from them (fp8: quantized per work into ws->hosted, operands of
+ * max_foreign experts over R_max rows, also in the llep part). Exact as plain EP is (only which
+ * rank runs which rows' GEMMs changes; fp8's wgrad tiles follow the rows, tests/test_model_ep.c). */
 #ifndef FM_MOE_EP_H
 #define FM_MOE_EP_H
 
@@ -282,7 +289,8 @@ fm_status fm_moe_ep_chunks(const fm_comm *comm, int64_t N, int64_t c, double tim
  */
 
 typedef enum fm_moe_ep_work_kind {
-    FM_MOE_EP_WORK_FORWARD = 0, /* the experts' forward: r->h_gate, h_up, h_act [rows,I] and r->ye [rows,H] from r->xe */
+    FM_MOE_EP_WORK_FORWARD = 0, /* the experts' forward: r->h_gate, h_up, h_act [rows,I] and r->ye [rows,H]
+                                   from r->xe */
     FM_MOE_EP_WORK_BACKWARD,    /* their backward, right after this chunk's FORWARD work: from rws->dye [rows,H]
                                    rws->dxe assigned and the weight gradients accumulated (+=) */
 } fm_moe_ep_work_kind;

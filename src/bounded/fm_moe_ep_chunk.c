@@ -328,6 +328,7 @@ fm_status fm_ep_chunk_dispatch(const fm_moe_ep_pass *c, int64_t j, const int32_t
 
 fm_status fm_ep_chunk_return(const fm_moe_ep_pass *c, int64_t j, int64_t R) {
     fm_moe_ep_ws *ws = c->ws;
-    if (R > 0) c->be->ops->scatter_rows(c->be->ctx, ws->recv, ws->exp.ye, ws->perm, R, c->d->H * (int64_t)sizeof(fm_act));
+    const int64_t Hb = c->d->H * (int64_t)sizeof(fm_act);
+    if (R > 0) c->be->ops->scatter_rows(c->be->ctx, ws->recv, ws->exp.ye, ws->perm, R, Hb);
     return fm_ep_from_owners(c, j);
 }
