@@ -37,9 +37,10 @@ typedef struct fm_moe_experts {
      * operands, fm_moe_ws's q_* or w8/a8/t8), beyond the native buffers; 0 for the native table.
      * act_bytes: sizeof(fm_act) of the build the plan is for. The bound of fm_moe_ws_fp8_layout. */
     size_t (*ws_bytes)(const fm_moe_dims *d, int64_t rows, size_t act_bytes);
-    /* The layer's weights as the GEMMs read them, once per layer call before the chunk loop: *wq
-     * := w (native), or the quantized copies in ws (fp8; with `backward` the copy of the forward
-     * or recompute just before is kept: fm_experts_fp8.h). No errors. */
+    /* The layer's weights as the GEMMs read them, once per layer call before the chunk loop (and,
+     * under least-loaded placement, once per work for the experts hosted in a chunk): *wq := w
+     * (native), or the quantized copies in ws (fp8; with `backward` the copy of the forward or
+     * recompute just before is kept: fm_experts_fp8.h). No errors. */
     void (*weights)(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_ws *ws,
                     fm_moe_weights *wq, bool backward);
     /* r->h_gate, h_up, h_act [R,I] and r->ye [R,H] (assigned) from r->xe [R,H], n tokens' R =
