@@ -88,8 +88,9 @@ int main(int argc, char **argv) {
                 int32_t *order = fm_malloc(sizeof(int32_t) * (size_t)N);
                 fm_moe_chunk_order(order, N, K);
                 double t0 = now();
-                fm_moe_forward(&be, &d, &w, y, x, idx, tw, N, K, order, chunked ? NULL : &saved, &ws);
-                fm_moe_backward(&be, &d, &w, &g, dx, dtw, dy, x, idx, tw, N, K, order, chunked ? NULL : &saved, &ws);
+                fm_moe_routes *sv = chunked ? NULL : &saved;
+                FM_ASSERT(fm_moe_forward(&be, &d, &w, y, x, idx, tw, N, K, order, sv, &ws) == FM_OK);
+                FM_ASSERT(fm_moe_backward(&be, &d, &w, &g, dx, dtw, dy, x, idx, tw, N, K, order, sv, &ws) == FM_OK);
                 fm_free(order);
                 double t = now() - t0;
                 printf("%8lld %-12s %-8s %10.3f %16.1f %16.1f\n", (long long)N, adv ? "adversarial" : "random",

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # --expert-precision fp8 on E4M3 codes (the CPU reference, FLATMOE_TEST_FP8_CODES=1) over two ranks,
-# with the FP8 weight cache as the planner's choice (neither cache flag):
+# with the FP8 weight cache as the planner's choice (neither cache flag), and under --ep 2 (codes and
+# emulated, each against one rank of its path):
 #   - --dp 2 and --zero 3 (grad accumulation, MoE chunks, recompute, an evaluation between steps): the
 #     planner keeps the cache (no device budget on the CPU build) and the losses, gradient norms,
 #     validation losses and final model.safetensors are bit for bit those of --no-fp8-weight-cache;
@@ -46,31 +47,40 @@ for mode in "dp:--dp 2" "z3:--zero 3"; do
         bad "$n: the cache changed the final weights"
 done
 
-# ---- --expert-precision fp8 with --ep 2 (the experts behind one interface, EP included): the
-# emulated recipe (codes are not chosen under --ep) at np 2 --ep 2, micro-batch 2 a rank, against
-# one rank with micro-batch 4 (the same 4 sequences a step). The two runs sum the same rows in other
-# groupings (EP's chunks against one rank's, and OpenBLAS's Haswell/Zen kernels round a row by its
-# place in their tiling), so activations and, after an update, weights differ by fp32 reassociation
-# (~1e-9 relative); a value that sits at an E4M3 rounding boundary then flips its code by one step
-# (2^-3 of its value at most). Every step gets 1e-5 on the loss and 1e-3 on the grad norm (measured
-# at step 3: 1.5e-6 and 1.4e-4 with SkylakeX kernels; step 1's grad norm 1.9e-6 with Haswell's; the
-# bf16 experts, with no codes to flip, agree to 1e-7). The trainer's own check (every arena = its
-# planned bound, or abort) covers the EP working set's fp8 part. ----
+# ---- --expert-precision fp8 with --ep 2 (the experts behind one interface, EP included: the EP
+# dispatcher delivers the rows, the MoE glue runs the experts), on E4M3 codes (chosen under --ep
+# where the backend serves a rank's E/ep experts: the CPU's codes under FLATMOE_TEST_FP8_CODES=1)
+# and emulated (FLATMOE_TEST_FP8_CODES=0), each at np 2 --ep 2, micro-batch 2 a rank, against one
+# rank of the same path with micro-batch 4 (the same 4 sequences a step). The two runs sum the same
+# rows in other groupings (EP's chunks against one rank's, and OpenBLAS's Haswell/Zen kernels round
+# a row by its place in their tiling), so activations and, after an update, weights differ by fp32
+# reassociation (~1e-9 relative); a value that sits at an E4M3 rounding boundary then flips its code
+# by one step (2^-3 of its value at most). Every step gets 1e-5 on the loss and 1e-3 on the grad
+# norm (the emulation measured at step 3: 1.5e-6 and 1.4e-4 with SkylakeX kernels; step 1's grad
+# norm 1.9e-6 with Haswell's; the bf16 experts, with no codes to flip, agree to 1e-7). The
+# trainer's own check (every arena = its planned bound, or abort) covers the EP working set's fp8
+# part. ----
 es=(--config "$cfg" --data "$TEXT" --seq-len 32 --threads 1 --expert-precision fp8 --seed 7 --steps 3 --eval-every 0
     --warmup 1 --no-checkpoint --report-memory)
-timeout 300 "${MPI[@]}" "$FM" train "${es[@]}" --micro-batch 2 --ep 2 --out "$TMP/ep2" > "$TMP/ep2.log" 2>&1 ||
-    bad "fp8 --ep 2 at np 2 failed: $(tail -2 "$TMP/ep2.log")"
-FLATMOE_TEST_FP8_CODES=0 timeout 300 "$FM" train "${es[@]}" --micro-batch 4 --out "$TMP/ep1" > "$TMP/ep1.log" 2>&1 ||
-    bad "fp8 at np 1 failed: $(tail -2 "$TMP/ep1.log")"
-python3 - "$TMP/ep2/metrics.jsonl" "$TMP/ep1/metrics.jsonl" <<'PY' && ok || bad "fp8 --ep 2 differs from one rank"
+for path in codes:1 emulated:0; do
+    p=${path%%:*} hook=${path#*:}
+    FLATMOE_TEST_FP8_CODES=$hook timeout 300 "${MPI[@]}" "$FM" train "${es[@]}" --micro-batch 2 --ep 2 \
+        --out "$TMP/ep2_$p" > "$TMP/ep2_$p.log" 2>&1 || bad "fp8 $p --ep 2 at np 2 failed: $(tail -2 "$TMP/ep2_$p.log")"
+    FLATMOE_TEST_FP8_CODES=$hook timeout 300 "$FM" train "${es[@]}" --micro-batch 4 --out "$TMP/ep1_$p" \
+        > "$TMP/ep1_$p.log" 2>&1 || bad "fp8 $p at np 1 failed: $(tail -2 "$TMP/ep1_$p.log")"
+    python3 - "$TMP/ep2_$p/metrics.jsonl" "$TMP/ep1_$p/metrics.jsonl" "$p" <<'PY' && ok || bad "fp8 $p --ep 2 differs from one rank"
 import json, sys
+path = sys.argv[3]
+hdr = [next(json.loads(l) for l in open(f) if '"header"' in l) for f in sys.argv[1:3]]
+assert all(h["expert_fp8_path"] == path for h in hdr), (path, [h["expert_fp8_path"] for h in hdr])
 a, b = ([r for r in map(json.loads, open(f)) if r.get("type") == "step"] for f in sys.argv[1:3])
 assert len(a) == len(b) == 3, (len(a), len(b))
 for x, y in zip(a, b):
     for k, tol in (("loss", 1e-5), ("grad_norm", 1e-3)):
-        assert abs(x[k] - y[k]) <= tol * abs(y[k]), (x["step"], k, x[k], y[k], tol)
-print("fp8 --ep 2 vs one rank: losses", [r["loss"] for r in a], [r["loss"] for r in b])
+        assert abs(x[k] - y[k]) <= tol * abs(y[k]), (path, x["step"], k, x[k], y[k], tol)
+print(f"fp8 {path} --ep 2 vs one rank: losses", [r["loss"] for r in a], [r["loss"] for r in b])
 PY
+done
 
 # ---- plan and train at the threshold (np 2, --zero 3) ----
 pj() { "$FM" plan "${shape[@]}" --dp 2 --zero 3 --json "$@" 2>/dev/null; }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Expert parallelism in the trainer (--ep; README "Many ranks", src/train/fm_train_ep.h) under
 # mpirun, as ctest runs it:
-#   bash tests/mpi_train_ep.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | adversarial | resume | zero3 | badinput
+#   bash tests/mpi_train_ep.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | adversarial | resume | zero3 | fp8llep | badinput
 # np2, np4: 20 steps of tests/data/micro.json (E = 4 experts, top-2) at --micro-batch 4/W on W ranks
 #   with --ep 2 (np 2: dp = ep, no expert all-reduce; np 4: each expert on 2 ranks) and --ep 4
 #   (one expert per rank), give the losses of one rank at --micro-batch 4 to 1e-6 relative, the
@@ -26,6 +26,8 @@
 #   row, 1 and 3 none) it still matches one rank with the dispatch within R_max; resume: 10 steps
 #   at np 4 --zero 3 --ep 2, then 10 at np 2 --ep 2 --zero 0 and (same checkpoint) at np 1; and 10
 #   at np 2 --ep 2 --zero 0, then 10 at np 4 --zero 3 --ep 2: each ends as 20 one-rank steps.
+# fp8llep: --expert-precision fp8 (codes and emulated) with --llep against the same without it, at
+#   np 2 --ep 2 under adversarial routing (the placement moves rows), at stated tolerances.
 # badinput: --ep not dividing the ranks, not dividing num_experts (np 3), --zero 1 with --ep,
 #   --llep without --ep: a clear error naming the flag, the values and the fix, non-zero exit.
 set -u
@@ -182,6 +184,49 @@ PY
     mpi 4 train "${COMMON[@]}" --zero 3 --ep 2 --resume --out "$TMP/d" 2>"$TMP/d.err" || bad "np 4 --zero 3 --ep 2 resume failed"
     grep -q "will not match" "$TMP/d.err" && bad "resume at np 4 --zero 3 --ep 2 warned: $(cat "$TMP/d.err")"
     compare "$TMP/one" "$TMP/d" || bad "np 2 --ep 2 -> np 4 --zero 3 --ep 2 differs from 20 one-rank steps" ;;
+fp8llep)
+    # --expert-precision fp8 with --llep against fp8 without it, on E4M3 codes (the CPU's, under
+    # FLATMOE_TEST_FP8_CODES=1) and emulated (=0): np 2 --ep 2 on configs/tiny.json (H = I = 128, E
+    # 8, top-2) under FLATMOE_TEST_FORCE_ROUTE=0 (every token to experts 0 and 1, both on rank 0),
+    # so the placement spills them to rank 1 (checked: rows moved), whose glue quantizes the hosted
+    # experts' weights as received. LLEP only changes which rank runs which rows: the forward and
+    # the dgrads quantize per row (1 x 128) and per weight block (128 x 128) wherever a row runs, so
+    # step 1's loss agrees to fp32 reassociation (1e-6); the wgrads' 128 x 1 column tiles run over
+    # one expert's rows at one rank, and a spilled expert's tiles split, so its weight gradients
+    # move within E4M3 rounding (tests/test_model_ep.c's LLEP_FP8_EXPERT_TOL): a changed tile scale
+    # moves each of its codes by at most one step, the effect tests/cli_fp8_codes_mpi.sh bounds by
+    # 1e-3 on the grad norm and 1e-5 on the losses after updates (LLEP_GN_TOL, LLEP_LOSS_TOL here;
+    # measured 0 on both paths: with power-of-two scales the split tiles kept theirs).
+    export FLATMOE_TEST_FORCE_ROUTE=0 FLATMOE_TEST_FP8_CODES=""
+    MPI_ENV=(-x FLATMOE_TEST_FORCE_ROUTE -x FLATMOE_TEST_FP8_CODES)
+    F8=(--config "$ROOT/configs/tiny.json" --data "$TEXT" --seq-len 32 --micro-batch 2 --ep 2 --ep-cap-tokens 16
+        --grad-accum 1 --steps 3 --warmup 1 --lr 3e-3 --eval-every 0 --threads 1 --expert-precision fp8
+        --report-memory --no-checkpoint --quiet)
+    for path in codes:1 emulated:0; do
+        p=${path%%:*}; export FLATMOE_TEST_FP8_CODES=${path#*:}
+        mpi 2 train "${F8[@]}" --out "$TMP/n_$p" >"$TMP/n_$p.log" 2>&1 ||
+            { bad "fp8 $p np 2 --ep 2 failed"; cat "$TMP/n_$p.log" >&2; }
+        mpi 2 train "${F8[@]}" --llep --llep-min-piece 1 --out "$TMP/l_$p" >"$TMP/l_$p.log" 2>&1 ||
+            { bad "fp8 $p np 2 --ep 2 --llep failed"; cat "$TMP/l_$p.log" >&2; }
+        grep -q "rank 1 of 2: ep dispatch: .*moved rows [1-9]" "$TMP/l_$p.log" ||
+            bad "fp8 $p --llep moved no rows to rank 1: $(grep 'rank 1 of 2: ep' "$TMP/l_$p.log" | tail -1)"
+        python3 - "$TMP/n_$p/metrics.jsonl" "$TMP/l_$p/metrics.jsonl" "$p" <<'PY' || bad "fp8 $p --llep differs from fp8 without it"
+import json, sys
+LLEP_GN_TOL, LLEP_LOSS_TOL = 1e-3, 1e-5
+path = sys.argv[3]
+hdr = [next(json.loads(l) for l in open(f) if '"header"' in l) for f in sys.argv[1:3]]
+ok = all(h["expert_fp8_path"] == path for h in hdr)
+a, b = ([r for r in map(json.loads, open(f)) if r.get("type") == "step"] for f in sys.argv[1:3])
+ok = ok and len(a) == len(b) == 3
+rel = lambda k, x, y: abs(x[k] - y[k]) / abs(x[k])
+for x, y in zip(a, b):
+    tl = 1e-6 if x["step"] == 1 else LLEP_LOSS_TOL
+    print(f"fp8 {path} step {x['step']}: loss {y['loss']!r} vs {x['loss']!r} ({rel('loss', x, y):.2e} <= {tl}), "
+          f"grad norm {y['grad_norm']!r} vs {x['grad_norm']!r} ({rel('grad_norm', x, y):.2e} <= {LLEP_GN_TOL})")
+    ok = ok and rel("loss", x, y) <= tl and rel("grad_norm", x, y) <= LLEP_GN_TOL
+sys.exit(0 if ok else 1)
+PY
+    done ;;
 badinput)
     check() { # np, needle, flags...
         local np=$1 needle=$2; shift 2

@@ -252,8 +252,9 @@ static void test_fp8_codes(void) {
     CHECK(!fm_expert_fp8_codes(&r, &cpu));
     const fm_expert_ask cpu_codes = {FM_EXPERT_GEMM_AUTO, false, false, true}; /* the test hook FLATMOE_TEST_FP8_CODES=1 */
     CHECK(fm_expert_fp8_codes(&r, &cpu_codes));
-    r.ep = 2;
-    CHECK(!fm_expert_fp8_codes(&r, &auto90));
+    r.ep = 2; /* under --ep the owner's E/ep experts over ep x B T x min(k, E/ep) rows */
+    CHECK(fm_expert_fp8_codes(&r, &auto90) && fm_expert_fp8_codes(&r, &cpu_codes));
+    CHECK(!fm_expert_fp8_codes(&r, &cub) && !fm_expert_fp8_codes(&r, &cpu));
     r.ep = 1;
     r.cfg.moe_intermediate_size = 1000; /* not a multiple of 128 */
     CHECK(!fm_expert_fp8_codes(&r, &auto90));

@@ -374,9 +374,9 @@ static void test_layer_fixed_gemm(const fm_moe_dims *d, const fm_moe_weights *w,
         float *gg = fnew(EIH), *gu = fnew(EIH), *gd = fnew(EIH);
         const fm_moe_grads g = {gg, gu, gd};
         y[c] = fnew(N * H), dx[c] = fnew(N * H), dtw[c] = fnew(N * k);
-        fm_moe_forward(&fb, d, w, y[c], x, idx, tw, N, Kr, c ? order : NULL, c ? NULL : &saved, &ws);
-        fm_moe_backward(&fb, d, w, &g, dx[c], dtw[c], dy, x, idx, tw, N, Kr, c ? order : NULL, c ? NULL : &saved,
-                        &ws);
+        CHECK(fm_moe_forward(&fb, d, w, y[c], x, idx, tw, N, Kr, c ? order : NULL, c ? NULL : &saved, &ws) == FM_OK);
+        CHECK(fm_moe_backward(&fb, d, w, &g, dx[c], dtw[c], dy, x, idx, tw, N, Kr, c ? order : NULL, c ? NULL : &saved,
+                              &ws) == FM_OK);
         fm_arena_free(&a), fm_arena_free(&h);
         free(gg), free(gu), free(gd);
     }
@@ -448,9 +448,9 @@ static void test_layer(fm_rng *r) {
     CHECK(ap.used == ap.capacity && ac.used == ac.capacity); /* the layout takes exactly the bound */
     const fm_moe_weights w = {Wg, Wu, Wd};
     const fm_moe_grads g = {gg, gu, gd}, gc = {ggc, guc, gdc};
-    fm_moe_forward(&g_be, &d, &w, y, x, idx, tw, N, 1, NULL, &saved, &ws);
-    fm_moe_forward(&g_be, &d, &w, yc, x, idx, tw, N, K, order, NULL, &wsc);
-    fm_moe_forward(&g_be, &dn, &w, yn, x, idx, tw, N, 1, NULL, &saved_n, &wsn);
+    CHECK(fm_moe_forward(&g_be, &d, &w, y, x, idx, tw, N, 1, NULL, &saved, &ws) == FM_OK);
+    CHECK(fm_moe_forward(&g_be, &d, &w, yc, x, idx, tw, N, K, order, NULL, &wsc) == FM_OK);
+    CHECK(fm_moe_forward(&g_be, &dn, &w, yn, x, idx, tw, N, 1, NULL, &saved_n, &wsn) == FM_OK);
     const int64_t *off = saved.offsets;
     CHECK(off[4] == R && off[4] - off[3] == 0 && off[1] - off[0] > 128); /* an empty expert, a partial tile */
     /* each forward product from the layer's own intermediates */
@@ -474,7 +474,7 @@ static void test_layer(fm_rng *r) {
     printf("fp8 MoE layer output vs native fp32: relative L2 %.4f\n", sqrt(num / den));
     CHECK_MSG(num > 0 && sqrt(num / den) < 0.15, "relative L2 %g", sqrt(num / den));
 
-    fm_moe_backward(&g_be, &d, &w, &g, dx, dtw, dy, x, idx, tw, N, 1, NULL, &saved, &ws);
+    CHECK(fm_moe_backward(&g_be, &d, &w, &g, dx, dtw, dy, x, idx, tw, N, 1, NULL, &saved, &ws) == FM_OK);
     /* dgrad down and wgrad down from ws->dye, saved.h_act */
     float *qb = fnew(R * H);
     fm_fp8_ref_rows(qa, ws.dye, R, H);
@@ -508,7 +508,7 @@ static void test_layer(fm_rng *r) {
               "backward products: dact %g, dW down %g, dW gate %g, dW up %g, dxe %g", e_dact, e_gd, e_gg, e_gu, e_dxe);
     /* chunked, through the real BLAS: the same outputs and input gradients up to the order of the
      * expert GEMMs' fp32 sums (chunked_close), close weight gradients */
-    fm_moe_backward(&g_be, &d, &w, &gc, dxc, dtwc, dy, x, idx, tw, N, K, order, NULL, &wsc);
+    CHECK(fm_moe_backward(&g_be, &d, &w, &gc, dxc, dtwc, dy, x, idx, tw, N, K, order, NULL, &wsc) == FM_OK);
     chunked_close(&d, &saved, y, yc, dx, dxc, dtw, dtwc, dy, N);
     num = den = 0;
     for (int64_t i = 0; i < EIH; i++) {

@@ -459,9 +459,9 @@ static void test_layer(fm_rng *r, int64_t K) {
                 : (ws.q_a && !ws.a8 && !ws.a8u && ws.dh_gate && ws.dh_up));
         const fm_moe_weights w = {Wg, Wu, Wd};
         const fm_moe_grads g = {gg[p], gu[p], gd[p]};
-        fm_moe_forward(&g_be, d, &w, y[p], x, idx, tw, N, Kc, chunked ? order : NULL, chunked ? NULL : &saved, &ws);
-        fm_moe_backward(&g_be, d, &w, &g, dx[p], dtw[p], dy, x, idx, tw, N, Kc, chunked ? order : NULL,
-                        chunked ? NULL : &saved, &ws);
+        CHECK(fm_moe_forward(&g_be, d, &w, y[p], x, idx, tw, N, Kc, chunked ? order : NULL, chunked ? NULL : &saved, &ws) == FM_OK);
+        CHECK(fm_moe_backward(&g_be, d, &w, &g, dx[p], dtw[p], dy, x, idx, tw, N, Kc, chunked ? order : NULL,
+                              chunked ? NULL : &saved, &ws) == FM_OK);
         if (p) { /* the codes path ran: gate's weight operand holds block (0, 0)'s scale */
             float amax = 0;
             for (int64_t i = 0; i < 128; i++)
@@ -520,17 +520,17 @@ static void test_cache(fm_rng *r) {
     ws.w8_fresh = fresh;
     const fm_moe_weights w = {Wg, Wu, Wd};
     ws.w8_layer = 0;
-    fm_moe_forward(&g_be, &d, &w, y0, x, idx, tw, N, 1, NULL, &saved, &ws);
+    CHECK(fm_moe_forward(&g_be, &d, &w, y0, x, idx, tw, N, 1, NULL, &saved, &ws) == FM_OK);
     CHECK(fresh[0] && !fresh[1]);
     for (int64_t i = 0; i < EIH; i++) Wg[i] *= 3.0f; /* the weights change; layer 0's codes do not */
-    fm_moe_forward(&g_be, &d, &w, y1, x, idx, tw, N, 1, NULL, &saved, &ws);
+    CHECK(fm_moe_forward(&g_be, &d, &w, y1, x, idx, tw, N, 1, NULL, &saved, &ws) == FM_OK);
     CHECK(memcmp(y0, y1, sizeof(float) * (size_t)(N * H)) == 0);
     ws.w8_layer = 1; /* layer 1: its own set, quantized from the new weights */
-    fm_moe_forward(&g_be, &d, &w, y2, x, idx, tw, N, 1, NULL, &saved, &ws);
+    CHECK(fm_moe_forward(&g_be, &d, &w, y2, x, idx, tw, N, 1, NULL, &saved, &ws) == FM_OK);
     CHECK(fresh[1] && memcmp(y0, y2, sizeof(float) * (size_t)(N * H)) != 0);
     fresh[0] = fresh[1] = false; /* fm_model_fp8_cache_invalidate */
     ws.w8_layer = 0;
-    fm_moe_forward(&g_be, &d, &w, y3, x, idx, tw, N, 1, NULL, &saved, &ws);
+    CHECK(fm_moe_forward(&g_be, &d, &w, y3, x, idx, tw, N, 1, NULL, &saved, &ws) == FM_OK);
     CHECK(memcmp(y2, y3, sizeof(float) * (size_t)(N * H)) == 0);
     fm_arena_free(&a), fm_arena_free(&h);
     free(Wg), free(Wu), free(Wd), free(x), free(tw), free(y0), free(y1), free(y2), free(y3), free(idx);
@@ -563,21 +563,21 @@ static void test_reuse(fm_rng *r, bool codes) {
     for (int c = 0; c < 6; c++) {
         dx[c] = fnew(N * H);
         ws.w8_layer = c == 5 ? -1 : 0;
-        fm_moe_forward(&g_be, &d, &w, y, x, idx, tw, N, 1, NULL, &saved, &ws);
+        CHECK(fm_moe_forward(&g_be, &d, &w, y, x, idx, tw, N, 1, NULL, &saved, &ws) == FM_OK);
         if (c == 2) { /* another layer's forward between: the set then holds layer 1's codes */
             ws.w8_layer = 1;
-            fm_moe_forward(&g_be, &d, &w, y3, x, idx, tw, N, 1, NULL, &saved, &ws);
+            CHECK(fm_moe_forward(&g_be, &d, &w, y3, x, idx, tw, N, 1, NULL, &saved, &ws) == FM_OK);
             CHECK(ws.w8_holds == 1);
             ws.w8_layer = 0;
-            fm_moe_forward(&g_be, &d, &w, y, x, idx, tw, N, 1, NULL, &saved, &ws); /* layer 0's routes again */
+            CHECK(fm_moe_forward(&g_be, &d, &w, y, x, idx, tw, N, 1, NULL, &saved, &ws) == FM_OK); /* layer 0's routes again */
             ws.w8_layer = 1;
-            fm_moe_forward(&g_be, &d, &w, y3, x, idx, tw, N, 1, NULL, &saved, &ws); /* the routes kept: same x */
+            CHECK(fm_moe_forward(&g_be, &d, &w, y3, x, idx, tw, N, 1, NULL, &saved, &ws) == FM_OK); /* the routes kept: same x */
             ws.w8_layer = 0;
         }
         if (c == 3) ws.w8_holds = -1; /* fm_model_fp8_cache_invalidate */
         memset(gg, 0, sizeof(float) * (size_t)EIH), memset(gu, 0, sizeof(float) * (size_t)EIH);
         memset(gd, 0, sizeof(float) * (size_t)EIH);
-        fm_moe_backward(&g_be, &d, c == 0 ? &w : &w3, &g, dx[c], dtw, dy, x, idx, tw, N, 1, NULL, &saved, &ws);
+        CHECK(fm_moe_backward(&g_be, &d, c == 0 ? &w : &w3, &g, dx[c], dtw, dy, x, idx, tw, N, 1, NULL, &saved, &ws) == FM_OK);
     }
     const size_t nb = sizeof(float) * (size_t)(N * H);
     CHECK_MSG(memcmp(dx[1], dx[0], nb) == 0, "%s: the backward right after its forward quantized again",
@@ -589,8 +589,8 @@ static void test_reuse(fm_rng *r, bool codes) {
     CHECK(memcmp(dx[4], dx[0], nb) == 0);
     /* a forward always quantizes: the tripled weights change y */
     ws.w8_layer = 0;
-    fm_moe_forward(&g_be, &d, &w, y, x, idx, tw, N, 1, NULL, &saved, &ws);
-    fm_moe_forward(&g_be, &d, &w3, y3, x, idx, tw, N, 1, NULL, &saved, &ws);
+    CHECK(fm_moe_forward(&g_be, &d, &w, y, x, idx, tw, N, 1, NULL, &saved, &ws) == FM_OK);
+    CHECK(fm_moe_forward(&g_be, &d, &w3, y3, x, idx, tw, N, 1, NULL, &saved, &ws) == FM_OK);
     CHECK(memcmp(y, y3, nb) != 0);
     fm_arena_free(&a), fm_arena_free(&h);
     for (int c = 0; c < 6; c++) free(dx[c]);

@@ -213,10 +213,10 @@ static void check_pipelined(const fm_comm *comm, const ep_case *cs, fm_moe_ep_ws
         float *y2 = fnew(N * H), *dx2 = fnew(N * H), *dtw2 = fnew(N * k);
         float *g2[3] = {fnew(lw), fnew(lw), fnew(lw)};
         const fm_moe_grads gl2 = {g2[0], g2[1], g2[2]};
-        fm_status st = fm_moe_ep_forward(&g_be, cc, &cs->d, &fm_experts_native, wl, y2, N ? mine->x : NULL, N ? mine->idx : NULL,
+        fm_status st = fm_moe_ep_block_forward(&g_be, cc, &cs->d, wl, y2, N ? mine->x : NULL, N ? mine->idx : NULL,
                                          N ? mine->tw : NULL, N, K, order, ws, 30);
         CHECK_MSG(st == FM_OK, "%s: pipelined forward: %s", cs->name, fm_errmsg());
-        st = fm_moe_ep_backward(&g_be, cc, &cs->d, &fm_experts_native, wl, &gl2, dx2, dtw2, mine->dy, mine->x, mine->idx, mine->tw, N, K,
+        st = fm_moe_ep_block_backward(&g_be, cc, &cs->d, wl, &gl2, dx2, dtw2, mine->dy, mine->x, mine->idx, mine->tw, N, K,
                                 order, ws, 30);
         CHECK_MSG(st == FM_OK, "%s: pipelined backward: %s", cs->name, fm_errmsg());
         const char *how = mode == 0 ? "pipelined (exchanges at once)" : "pipelined (lazy exchanges)";
@@ -274,8 +274,8 @@ static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
     fm_moe_ws_layout(&wsp, &ap, &hp, d, Nall, false);
     const fm_moe_weights w_all = {Wg, Wu, Wd};
     const fm_moe_grads g_all = {gg_ref, gu_ref, gd_ref};
-    fm_moe_forward(&g_be, d, &w_all, y_ref, xa, idxa, twa, Nall, 1, NULL, &saved, &wsp);
-    fm_moe_backward(&g_be, d, &w_all, &g_all, dx_ref, dtw_ref, dya, xa, idxa, twa, Nall, 1, NULL, &saved, &wsp);
+    CHECK(fm_moe_forward(&g_be, d, &w_all, y_ref, xa, idxa, twa, Nall, 1, NULL, &saved, &wsp) == FM_OK);
+    CHECK(fm_moe_backward(&g_be, d, &w_all, &g_all, dx_ref, dtw_ref, dya, xa, idxa, twa, Nall, 1, NULL, &saved, &wsp) == FM_OK);
 
     /* expert parallel over the group */
     const rank_data *mine = &rd[me];
@@ -309,10 +309,10 @@ static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
     float *y = fnew(N * H), *dx = fnew(N * H), *dtw = fnew(N * k);
     const fm_moe_weights wl = {Wg + me * lw, Wu + me * lw, Wd + me * lw};
     const fm_moe_grads gl = {gg, gu, gd};
-    fm_status st = fm_moe_ep_forward(&g_be, comm, d, &fm_experts_native, &wl, y, N ? mine->x : NULL, N ? mine->idx : NULL,
+    fm_status st = fm_moe_ep_block_forward(&g_be, comm, d, &wl, y, N ? mine->x : NULL, N ? mine->idx : NULL,
                                      N ? mine->tw : NULL, N, K, order, &ws, 30);
     CHECK_MSG(st == FM_OK, "%s: forward: %s", cs->name, fm_errmsg());
-    st = fm_moe_ep_backward(&g_be, comm, d, &fm_experts_native, &wl, &gl, dx, dtw, mine->dy, mine->x, mine->idx, mine->tw, N, K, order,
+    st = fm_moe_ep_block_backward(&g_be, comm, d, &wl, &gl, dx, dtw, mine->dy, mine->x, mine->idx, mine->tw, N, K, order,
                             &ws, 30);
     CHECK_MSG(st == FM_OK, "%s: backward: %s", cs->name, fm_errmsg());
     float *const g3[3] = {gg, gu, gd};
@@ -571,16 +571,16 @@ static void run_errors(const fm_comm *comm) {
     /* rank 0 passes another K: every rank refuses, naming rank 0 */
     if (P > 1)
         EXPECT_ALL(FM_ERR_ARG,
-                   fm_moe_ep_forward(&g_be, comm, &d, &fm_experts_native, &w, y, x, idx, tw, N, me == 0 ? 3 : K, order, &ws, 30),
+                   fm_moe_ep_block_forward(&g_be, comm, &d, &w, y, x, idx, tw, N, me == 0 ? 3 : K, order, &ws, 30),
                    me == 0 ? "must run the same chunks" : "rank 0 passed K = 3 chunks");
     /* every rank passes K = 1, but then the last rank's one chunk holds N = 4 > c tokens */
     const int64_t Nl = me == P - 1 ? N : 2;
     snprintf(piece, sizeof piece, "rank %d's chunks hold more than the cap c = 2", P - 1);
-    EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_backward(&g_be, comm, &d, &fm_experts_native, &w, &g, dx, dtw, y, x, idx, tw, Nl, 1, order, &ws, 30),
+    EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_block_backward(&g_be, comm, &d, &w, &g, dx, dtw, y, x, idx, tw, Nl, 1, order, &ws, 30),
                piece);
     /* duplicate experts (0, 1, 0) of rank 0's two: 3 rows per token to one owner, above c * min(k, E/ep) */
     for (int64_t t = 0; t < N; t++) idx[t * k] = 0, idx[t * k + 1] = 1, idx[t * k + 2] = 0;
-    EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_forward(&g_be, comm, &d, &fm_experts_native, &w, y, x, idx, tw, N, K, order, &ws, 30),
+    EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_block_forward(&g_be, comm, &d, &w, y, x, idx, tw, N, K, order, &ws, 30),
                "a token's top-k experts must be distinct");
     /* rank 0 laid out with least-loaded placement, the others without: refused everywhere */
     if (P > 1) {
@@ -593,7 +593,7 @@ static void run_errors(const fm_comm *comm) {
         FM_ASSERT(fm_arena_init(&dev2, "ep2", b2.device) == FM_OK && fm_arena_init(&host2, "eph2", b2.host) == FM_OK);
         fm_moe_ep_ws ws2;
         FM_ASSERT(fm_moe_ep_ws_layout(&ws2, &dev2, &host2, &d, P, me, c, me == 0 ? &lo : NULL) == FM_OK);
-        EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_forward(&g_be, comm, &d, &fm_experts_native, &w, y, x, idx, tw, N, K, order, &ws2, 30),
+        EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_block_forward(&g_be, comm, &d, &w, y, x, idx, tw, N, K, order, &ws2, 30),
                    "must lay it out alike");
         fm_arena_free(&dev2), fm_arena_free(&host2);
     }
@@ -603,13 +603,13 @@ static void run_errors(const fm_comm *comm) {
         for (int64_t t = 0; t < N; t++)
             for (int64_t j = 0; j < k; j++) idx[t * k + j] = (int32_t)((t + j) % d.E);
         ws.schedule = me == 0 ? FM_MOE_EP_PIPELINED : FM_MOE_EP_SERIAL;
-        EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_forward(&g_be, comm, &d, &fm_experts_native, &w, y, x, idx, tw, N, K, order, &ws, 30),
+        EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_block_forward(&g_be, comm, &d, &w, y, x, idx, tw, N, K, order, &ws, 30),
                    "run the same schedule");
         ws.schedule = FM_MOE_EP_AUTO;
     }
     /* rank 0's FLATMOE_EP_SCHEDULE was bad at layout (the layout itself succeeds): refused everywhere */
     ws.schedule_bad = me == 0;
-    EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_forward(&g_be, comm, &d, &fm_experts_native, &w, y, x, idx, tw, N, K, order, &ws, 30),
+    EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_block_forward(&g_be, comm, &d, &w, y, x, idx, tw, N, K, order, &ws, 30),
                "rank 0's FLATMOE_EP_SCHEDULE is not one of auto, serial, pipelined");
     ws.schedule_bad = false;
     /* the schedule the caller sets (the CLI's FLATMOE_EP_SCHEDULE, fm_backend_opts.ep_schedule): a
@@ -683,7 +683,7 @@ static int mode_timeout(const fm_comm *world) {
     const fm_comm rank0 = {&g_failing_ops, world->ctx};
     CHECK(fm_comm_barrier(world, 30) == FM_OK);
     const double t0 = now_s();
-    const fm_status st = fm_moe_ep_forward(&g_be, me == 0 ? &rank0 : world, &d, &fm_experts_native, &w, y, x, idx, tw, N, K, order, &ws, 2.0);
+    const fm_status st = fm_moe_ep_block_forward(&g_be, me == 0 ? &rank0 : world, &d, &w, y, x, idx, tw, N, K, order, &ws, 2.0);
     const double el = now_s() - t0;
     int64_t fails = 0;
     if (me == 0) CHECK_MSG(st == FM_ERR_IO && strstr(fm_errmsg(), "simulated"), "rank 0: %s", fm_errmsg());

@@ -230,16 +230,16 @@ static void test_empty_chunk(const fm_backend *be, bool exact) {
     const fm_moe_grads gp = {gg_p, gu_p, gd_p}, gc = {gg_c, gu_c, gd_c};
     const double tol = 4 * fm_test_reorder_bound(d.H + d.I);
     const double tol_g = 4 * fm_test_reorder_bound(N * d.k + d.H + d.I);
-    fm_moe_forward(be, &d, &w, y_plain, x, idx, tw, N, 1, NULL, &saved, &ws_p);
-    fm_moe_forward(be, &d, &w, y_chunk, x, idx, tw, N, K, order, NULL, &ws_c);
+    CHECK(fm_moe_forward(be, &d, &w, y_plain, x, idx, tw, N, 1, NULL, &saved, &ws_p) == FM_OK);
+    CHECK(fm_moe_forward(be, &d, &w, y_chunk, x, idx, tw, N, K, order, NULL, &ws_c) == FM_OK);
     if (exact) CHECK(memcmp(y_plain, y_chunk, sizeof(float) * (size_t)(N * d.H)) == 0);
     else
         CHECK_MSG(fm_test_row_rel(y_chunk, y_plain, N, d.H) <= tol, "outputs %g",
                   fm_test_row_rel(y_chunk, y_plain, N, d.H));
     /* the last (empty) chunk left the chunk's routes with zero offsets */
     for (int64_t e = 0; e <= d.E; e++) CHECK(ws_c.r.offsets[e] == 0);
-    fm_moe_backward(be, &d, &w, &gp, dx_p, dtw_p, dy, x, idx, tw, N, 1, NULL, &saved, &ws_p);
-    fm_moe_backward(be, &d, &w, &gc, dx_c, dtw_c, dy, x, idx, tw, N, K, order, NULL, &ws_c);
+    CHECK(fm_moe_backward(be, &d, &w, &gp, dx_p, dtw_p, dy, x, idx, tw, N, 1, NULL, &saved, &ws_p) == FM_OK);
+    CHECK(fm_moe_backward(be, &d, &w, &gc, dx_c, dtw_c, dy, x, idx, tw, N, K, order, NULL, &ws_c) == FM_OK);
     if (exact) {
         CHECK(memcmp(dx_p, dx_c, sizeof(float) * (size_t)(N * d.H)) == 0);
         CHECK(memcmp(dtw_p, dtw_c, sizeof(float) * (size_t)(N * d.k)) == 0);

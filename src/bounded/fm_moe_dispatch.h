@@ -98,41 +98,6 @@ typedef struct fm_moe_ws {
     int64_t *counts;
 } fm_moe_ws;
 
-/* ---- the experts behind one interface (Megatron-Core's GroupedMLP / SequentialMLP behind one
- * forward(permuted_tokens, tokens_per_expert); ggml's supports_op) ----------------------------
- * One table per expert precision: the backend's native experts (fm_act: bf16 on CUDA, fp32 on the
- * CPU), fp8 emulated, fp8 on E4M3 codes. The implementations are the model's
- * (model/fm_experts.h: fm_experts_select picks the table of a fm_moe_dims); the dispatcher sees
- * only this table, which the MoE glue (model/fm_moe_layer.c) hands it: on one rank the glue runs
- * the experts between dispatch and combine itself, under expert parallelism the EP operator
- * (fm_moe_ep.h) runs them at the owner of the rows, through the same table. Every function runs
- * over the expert-major rows of one dispatch (r: offsets [E+1] host, xe [R,H], ...; R = n*d->k
- * rows, E = d->E the experts this call sees). */
-typedef struct fm_moe_experts {
-    const char *name; /* "native", "fp8 emulated", "fp8 codes" (messages, logs) */
-    /* Whether this precision runs on backend be for dims d over dispatches of up to rows_max rows,
-     * under ep ranks of expert parallelism (1: none) with least-loaded placement when llep.
-     * FM_OK, or FM_ERR_UNSUPPORTED naming what is missing and the fix (the flag to change). */
-    fm_status (*serves)(const fm_backend *be, const fm_moe_dims *d, int64_t rows_max, int ep, bool llep);
-    /* Bytes of the precision's own working set for dispatches of `rows` rows (its quantized
-     * operands, fm_moe_ws's q_* or w8/a8/t8), beyond the native buffers; 0 for the native table.
-     * act_bytes: sizeof(fm_act) of the build the plan is for. The bound of fm_moe_ws_fp8_layout. */
-    size_t (*ws_bytes)(const fm_moe_dims *d, int64_t rows, size_t act_bytes);
-    /* The layer's weights as the GEMMs read them, once per layer call before the chunk loop: *wq
-     * := w (native), or the quantized copies in ws (fp8; with `backward` the copy of the forward
-     * or recompute just before is kept: fm_experts_fp8.h). No errors. */
-    void (*weights)(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *w, fm_moe_ws *ws,
-                    fm_moe_weights *wq, bool backward);
-    /* r->h_gate, h_up, h_act [R,I] and r->ye [R,H] (assigned) from r->xe [R,H], n tokens' R =
-     * n*d->k rows, with the weights of `weights`. */
-    void (*forward)(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *wq, fm_moe_routes *r,
-                    fm_moe_ws *ws, int64_t n);
-    /* From ws->dye [R,H]: ws->dxe [R,H] assigned, the weight gradients g accumulated (+=), reading
-     * the forward's r->xe, h_gate, h_up, h_act; ws->dact, dh_gate, dh_up as scratch. */
-    void (*backward)(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *wq, const fm_moe_grads *g,
-                     const fm_moe_routes *r, fm_moe_ws *ws, int64_t n);
-} fm_moe_experts;
-
 /* The fp8 working set for dispatches of `rows` rows over d->E experts (d->fp8; the header's "fp8"
  * bound term: the emulation's quantized weights and operands, or with d->fp8_codes the code
  * operands, with d->fp8_cache_layers sets of weights); 0 without d->fp8. act_bytes as above. */

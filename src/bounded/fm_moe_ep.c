@@ -38,6 +38,15 @@ fm_moe_dims fm_moe_ep_local_dims(const fm_moe_dims *d, int ep) {
     return dl;
 }
 
+fm_moe_dims fm_moe_ep_hosted_dims(const fm_moe_dims *d, int64_t E_host) {
+    fm_moe_dims dh = *d;
+    dh.E = E_host;
+    dh.k = 1;
+    dh.sync_free = false;
+    dh.fp8_cache_layers = 0;
+    return dh;
+}
+
 size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t a, const fm_llep_opts *llep,
                              fm_moe_ep_bound *b) {
     fm_moe_ep_bound z;
@@ -60,6 +69,8 @@ size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t a, 
     if (llep_on(llep)) {
         const int64_t F = llep->max_foreign, PM = (int64_t)(ep - 1) * min64(F, E_loc);
         z.llep = 6 * RA(F * I * H) + 3 * RA(PM * I * H) + R4(c * k);
+        const fm_moe_dims dh = fm_moe_ep_hosted_dims(d, F);
+        z.llep += fm_moe_fp8_bytes(&dh, Rm, a); /* the hosted experts' precision operands (0 without fp8) */
         z.host += R4(c * k) + 4 * R8(ep) + R8(F + 1) + R8(d->E) + R4(PM) + fm_llep_plan_bytes(ep, d->E, F);
     }
     z.device = z.recv + z.send + z.source + z.experts + z.fp8 + z.llep;
@@ -95,10 +106,6 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
                         "max_foreign %lld; expected lambda >= 1, alpha > 0, min_piece >= 1, max_foreign >= 1 "
                         "(defaults: fm_llep_defaults)", llep->lambda, llep->alpha, (long long)llep->min_piece,
                         (long long)llep->max_foreign);
-    if (llep_on(llep) && d->fp8)
-        return fm_error(FM_ERR_ARG, "moe_ep: --expert-precision fp8 with least-loaded placement (--llep): a hosted "
-                        "expert arrives as weights, which the fp8 experts would have to quantize again; drop --llep "
-                        "or use --expert-precision bf16");
     if (rank < 0 || rank >= ep)
         return fm_error(FM_ERR_ARG, "moe_ep: rank %d is not in the ep group of %d ranks (expected 0..%d)", rank, ep,
                         ep - 1);
@@ -154,6 +161,8 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
         for (int m = 0; m < 3; m++) w->fg[m] = TAKE(dev, fm_act, w->F * I * H);
         for (int m = 0; m < 3; m++) w->stage[m] = TAKE(dev, fm_act, w->pairs_max * I * H);
         w->pack = TAKE(dev, int32_t, c * k);
+        const fm_moe_dims dh = fm_moe_ep_hosted_dims(d, w->F);
+        fm_moe_ws_fp8_layout(&w->hosted, dev, &dh, Rm); /* the hosted experts' operands (nothing without d->fp8) */
     }
     /* host */
     w->src.offsets = TAKE(host, int64_t, d->E + 1);
@@ -199,7 +208,7 @@ fm_status fm_moe_ep_chunks(const fm_comm *comm, int64_t N, int64_t c, double tim
 }
 
 /* Local checks before the first collective; a failure here is agreed at chunk 0 (err flag). */
-static fm_status ep_begin(ep_call *c, int64_t N, int64_t K, int64_t *err) {
+static fm_status ep_begin(fm_moe_ep_pass *c, int64_t N, int64_t K) {
     const fm_moe_ep_ws *ws = c->ws;
     if (fm_comm_size(c->comm) != ws->ep || fm_comm_rank(c->comm) != ws->rank)
         return fm_error(FM_ERR_ARG, "moe_ep %s: the communicator is rank %d of %d but the working set was laid out "
@@ -210,80 +219,139 @@ static fm_status ep_begin(ep_call *c, int64_t N, int64_t K, int64_t *err) {
     if (N < 0) return fm_error(FM_ERR_ARG, "moe_ep %s: N = %lld tokens; expected >= 0", c->what, (long long)N);
     c->K = K;
     fm_ep_view(c->ws, 0);
-    *err = K < 1 ? EP_ERR_K_BAD : (N + (K > 0 ? K : 1) - 1) / (K > 0 ? K : 1) > ws->c ? EP_ERR_K_SMALL : EP_ERR_NONE;
-    if (ws->schedule_bad) *err = EP_ERR_SCHEDULE;
+    c->err = K < 1 ? EP_ERR_K_BAD : (N + (K > 0 ? K : 1) - 1) / (K > 0 ? K : 1) > ws->c ? EP_ERR_K_SMALL : EP_ERR_NONE;
+    if (ws->schedule_bad) c->err = EP_ERR_SCHEDULE;
+    c->j = 0, c->start = 0, c->stage = 0;
+    if (fm_ep_pipelined(c)) return fm_ep_pipe_begin(c);
     return FM_OK;
 }
 
-fm_status fm_moe_ep_forward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
-                            const fm_moe_experts *ex, const fm_moe_weights *w, fm_act *y, const fm_act *x,
-                            const int32_t *topk_idx, const float *topk_w, int64_t N, int64_t K,
-                            const int32_t *chunk_tokens, fm_moe_ep_ws *ws, double timeout_s) {
-    ep_call c = {be, comm, d, ex, fm_moe_ep_local_dims(d, ws->ep), w, ws, timeout_s, "forward", K, false};
-    int64_t err;
-    FM_TRY(ep_begin(&c, N, K, &err));
-    if (fm_ep_pipelined(&c)) return fm_ep_pipe_forward(&c, y, x, topk_idx, topk_w, N, chunk_tokens, err);
-    const int64_t Hb = d->H * (int64_t)sizeof(fm_act), Kr = K > 0 ? K : 1;
-    for (int64_t j = 0, start = 0; j < Kr; j++) {
-        const int64_t n = err ? 0 : fm_moe_chunk_size(N, K, j);
-        const int32_t *tok = chunk_tokens + start;
-        start += n;
-        int64_t R;
-        FM_TRY(fm_ep_chunk_experts(&c, j, x, topk_idx, topk_w, tok, n, j == 0 ? err : 0, &R));
+void fm_ep_chunk_setup(fm_moe_ep_pass *c, int64_t j) {
+    fm_moe_ep_chunk *ch = &c->ch[j % 3];
+    ch->n = c->err ? 0 : fm_moe_chunk_size(c->N, c->K, j);
+    ch->tok = c->chunk_tokens + c->start;
+    ch->R = 0, ch->mark = -1, ch->ticket = -1;
+    c->start += ch->n;
+}
+
+static void pass_init(fm_moe_ep_pass *c, const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
+                      const fm_moe_weights *w, fm_moe_ep_ws *ws, int64_t N, const fm_act *x, const int32_t *topk_idx,
+                      const float *topk_w, const int32_t *chunk_tokens, double timeout_s, bool backward) {
+    memset(c, 0, sizeof *c);
+    c->be = be, c->comm = comm, c->d = d, c->dl = fm_moe_ep_local_dims(d, ws->ep), c->w = w, c->ws = ws;
+    c->timeout_s = timeout_s;
+    c->backward = backward;
+    c->what = backward ? "backward" : "forward";
+    c->N = N, c->x = x, c->topk_idx = topk_idx, c->topk_w = topk_w, c->chunk_tokens = chunk_tokens;
+}
+
+fm_status fm_moe_ep_fwd_begin(fm_moe_ep_pass *p, const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
+                              const fm_moe_weights *w, fm_act *y, const fm_act *x, const int32_t *topk_idx,
+                              const float *topk_w, int64_t N, int64_t K, const int32_t *chunk_tokens,
+                              fm_moe_ep_ws *ws, double timeout_s) {
+    pass_init(p, be, comm, d, w, ws, N, x, topk_idx, topk_w, chunk_tokens, timeout_s, false);
+    p->y = y;
+    const fm_status st = ep_begin(p, N, K);
+    if (st != FM_OK) p->stage = 3;
+    return st;
+}
+
+fm_status fm_moe_ep_bwd_begin(fm_moe_ep_pass *p, const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
+                              const fm_moe_weights *w, const fm_moe_grads *g, fm_act *dx, float *dtopk_w,
+                              const fm_act *dy, const fm_act *x, const int32_t *topk_idx, const float *topk_w,
+                              int64_t N, int64_t K, const int32_t *chunk_tokens, fm_moe_ep_ws *ws,
+                              double timeout_s) {
+    pass_init(p, be, comm, d, w, ws, N, x, topk_idx, topk_w, chunk_tokens, timeout_s, true);
+    p->g = g, p->dx = dx, p->dtopk_w = dtopk_w, p->dy = dy;
+    const fm_status st = ep_begin(p, N, K);
+    if (st != FM_OK) p->stage = 3;
+    return st;
+}
+
+/* ---- the serial schedule: one chunk after another ---- */
+
+/* Chunk j's dispatch phase: its FORWARD work (in the backward, the recompute). */
+static fm_status serial_fwd_work(fm_moe_ep_pass *c, int64_t j, fm_moe_ep_work **work) {
+    fm_ep_chunk_setup(c, j);
+    fm_moe_ep_chunk *ch = &c->ch[j % 3];
+    FM_TRY(fm_ep_chunk_dispatch(c, j, ch->tok, ch->n, j == 0 ? c->err : 0, &ch->R));
+    *work = fm_ep_work(c, j, ch->R, FM_MOE_EP_WORK_FORWARD);
+    return FM_OK;
+}
+
+/* After chunk j's FORWARD work: the outputs back; a forward pass combines them into y, a backward
+ * pass runs the combine's backward, sends dye to the owners: its BACKWARD work. */
+static fm_status serial_fwd_done(fm_moe_ep_pass *c, int64_t j, fm_moe_ep_work **work) {
+    const fm_backend *be = c->be;
+    fm_moe_ep_ws *ws = c->ws;
+    const fm_moe_dims *d = c->d;
+    const fm_moe_ep_chunk *ch = &c->ch[j % 3];
+    const int64_t Hb = d->H * (int64_t)sizeof(fm_act), n = ch->n;
+    FM_TRY(fm_ep_chunk_return(c, j, ch->R));
+    if (!c->backward) {
         fm_moe_combine(be, d, &ws->src, ws->yc, ws->topk_w, n);
-        fm_moe_chunk_scatter(be, y, ws->yc, tok, n, Hb);
+        fm_moe_chunk_scatter(be, c->y, ws->yc, ch->tok, n, Hb);
+        return FM_OK;
     }
+    fm_moe_chunk_gather_rows(be, ws->yc, c->dy, ch->tok, n, Hb);
+    /* dye into the outgoing buffer (the x rows there were sent) */
+    fm_moe_combine_backward(be, d, &ws->src, ws->src.xe, ws->dtopk_w, ws->yc, ws->topk_w, n);
+    FM_TRY(fm_ep_to_owners(c, j));
+    if (ch->R > 0) be->ops->gather_rows(be->ctx, ws->exp_ws.dye, ws->recv, ws->perm, ch->R, Hb);
+    *work = fm_ep_work(c, j, ch->R, FM_MOE_EP_WORK_BACKWARD);
     return FM_OK;
 }
 
-fm_status fm_moe_ep_backward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
-                             const fm_moe_experts *ex, const fm_moe_weights *w, const fm_moe_grads *g, fm_act *dx,
-                             float *dtopk_w, const fm_act *dy, const fm_act *x, const int32_t *topk_idx,
-                             const float *topk_w, int64_t N, int64_t K, const int32_t *chunk_tokens,
-                             fm_moe_ep_ws *ws, double timeout_s) {
-    ep_call c = {be, comm, d, ex, fm_moe_ep_local_dims(d, ws->ep), w, ws, timeout_s, "backward", K, false};
-    int64_t err;
-    FM_TRY(ep_begin(&c, N, K, &err));
-    if (fm_ep_pipelined(&c))
-        return fm_ep_pipe_backward(&c, g, dx, dtopk_w, dy, x, topk_idx, topk_w, N, chunk_tokens, err);
-    const int64_t Hb = d->H * (int64_t)sizeof(fm_act), Kr = K > 0 ? K : 1;
-    for (int64_t j = 0, start = 0; j < Kr; j++) {
-        const int64_t n = err ? 0 : fm_moe_chunk_size(N, K, j);
-        const int32_t *tok = chunk_tokens + start;
-        start += n;
-        int64_t R;
-        /* recompute the chunk's dispatch and experts; the outputs come back for the combine's backward */
-        FM_TRY(fm_ep_chunk_experts(&c, j, x, topk_idx, topk_w, tok, n, j == 0 ? err : 0, &R));
-        fm_moe_chunk_gather_rows(be, ws->yc, dy, tok, n, Hb);
-        /* dye into the outgoing buffer (the x rows there were sent) */
-        fm_moe_combine_backward(be, d, &ws->src, ws->src.xe, ws->dtopk_w, ws->yc, ws->topk_w, n);
-        FM_TRY(fm_ep_to_owners(&c, j));
-        if (R > 0) {
-            be->ops->gather_rows(be->ctx, ws->exp_ws.dye, ws->recv, ws->perm, R, Hb);
-            const int64_t Rn = ws->exp.offsets[ws->E_loc];
-            ex->backward(be, &c.dl, w, g, &ws->exp, &ws->exp_ws, Rn);
-            if (ws->spill) {
-                fm_moe_routes hv;
-                fm_moe_ws hw;
-                fm_moe_weights wv;
-                fm_moe_grads gv;
-                fm_moe_dims dv;
-                fm_ep_hosted(&c, &hv, &hw, &wv, &gv, &dv);
-                for (int m = 0; m < 3; m++)
-                    be->ops->mem_set(be->ctx, ws->fg[m], 0, sizeof(fm_act) * (size_t)(dv.E * d->I * d->H));
-                ex->backward(be, &dv, &wv, &gv, &hv, &hw, R - Rn); /* (native: fp8 refuses --llep) */
-            }
-            be->ops->scatter_rows(be->ctx, ws->recv, ws->exp_ws.dxe, ws->perm, R, Hb);
-        } else if (ws->spill) {
-            for (int m = 0; m < 3; m++) /* hosts nothing with rows: its (empty) gradients still go back */
-                be->ops->mem_set(be->ctx, ws->fg[m], 0, sizeof(fm_act) * (size_t)(ws->plan.nforeign[ws->rank] * d->I * d->H));
-        }
-        if (ws->spill) FM_TRY(fm_ep_grads_back(&c, j, g));
-        /* the rows' input gradients back into the returned-rows buffer (ye was consumed) */
-        FM_TRY(fm_ep_from_owners(&c, j));
-        fm_moe_dispatch_backward(be, d, &ws->src, ws->dxc, ws->src.ye, n);
-        fm_moe_chunk_scatter(be, dx, ws->dxc, tok, n, Hb);
-        fm_moe_chunk_scatter(be, dtopk_w, ws->dtopk_w, tok, n, d->k * (int64_t)sizeof(float));
-    }
+/* After chunk j's BACKWARD work: the input gradients (and a spilled chunk's hosted weight
+ * gradients) back, the dispatch's backward, scattered into dx and dtopk_w. */
+static fm_status serial_bwd_done(fm_moe_ep_pass *c, int64_t j) {
+    const fm_backend *be = c->be;
+    fm_moe_ep_ws *ws = c->ws;
+    const fm_moe_dims *d = c->d;
+    const fm_moe_ep_chunk *ch = &c->ch[j % 3];
+    const int64_t Hb = d->H * (int64_t)sizeof(fm_act), n = ch->n;
+    if (ch->R > 0) be->ops->scatter_rows(be->ctx, ws->recv, ws->exp_ws.dxe, ws->perm, ch->R, Hb);
+    if (ws->spill) FM_TRY(fm_ep_grads_back(c, j, c->g));
+    /* the rows' input gradients back into the returned-rows buffer (ye was consumed) */
+    FM_TRY(fm_ep_from_owners(c, j));
+    fm_moe_dispatch_backward(be, d, &ws->src, ws->dxc, ws->src.ye, n);
+    fm_moe_chunk_scatter(be, c->dx, ws->dxc, ch->tok, n, Hb);
+    fm_moe_chunk_scatter(be, c->dtopk_w, ws->dtopk_w, ch->tok, n, d->k * (int64_t)sizeof(float));
     return FM_OK;
+}
+
+/* ---- stepping a pass (either schedule) ---- */
+
+static fm_status ep_step(fm_moe_ep_pass *c, fm_moe_ep_work **work) {
+    const int64_t Kr = c->K > 0 ? c->K : 1;
+    if (c->stage == 1) { /* chunk j's FORWARD work ran */
+        FM_TRY(c->pipe ? fm_ep_pipe_fwd_done(c, c->j, work) : serial_fwd_done(c, c->j, work));
+        if (c->backward) {
+            c->stage = 2;
+            return FM_OK;
+        }
+        c->j++;
+    } else if (c->stage == 2) { /* chunk j's BACKWARD work ran */
+        FM_TRY(c->pipe ? fm_ep_pipe_bwd_done(c, c->j) : serial_bwd_done(c, c->j));
+        c->j++;
+    }
+    if (c->j < Kr) {
+        FM_TRY(c->pipe ? fm_ep_pipe_fwd_work(c, c->j, work) : serial_fwd_work(c, c->j, work));
+        c->stage = 1;
+        return FM_OK;
+    }
+    if (c->pipe) FM_TRY(fm_ep_pipe_end(c));
+    c->stage = 3;
+    return FM_OK;
+}
+
+fm_status fm_moe_ep_next(fm_moe_ep_pass *p, fm_moe_ep_work **work) {
+    *work = NULL;
+    if (p->stage == 3) return FM_OK;
+    const fm_status st = ep_step(p, work);
+    if (st != FM_OK) {
+        *work = NULL;
+        p->stage = 3;
+    }
+    return st;
 }

@@ -16,16 +16,17 @@
  *           every rank knows every count and takes the same decision (an error on one rank is
  *           an error on all, never a hang);
  *   all:    all_to_all_v of the rows to their owners (receive buffer: source-major);
- *   owner:  permute them expert-major over its E_loc experts, run the experts through the
- *           table the MoE glue passes (fm_moe_experts, fm_moe_dispatch.h: any expert precision;
- *           this operator moves rows and never names an implementation), permute the outputs
- *           back to source-major;
+ *   owner:  permute them expert-major over its E_loc experts and hand them to the caller (the
+ *           dispatch phase ends: fm_moe_ep_next delivers an fm_moe_ep_work), which runs the
+ *           experts on them (the MoE glue, model/fm_moe_layer.c, through the experts' table:
+ *           any expert precision; this operator moves rows and never calls an expert); at the
+ *           caller's next step (the combine phase) permute the outputs back to source-major;
  *   all:    all_to_all_v of the outputs back to their sources;
  *   source: combine with the router weights (fm_moe_combine) and scatter to the layer's rows.
  * Backward, per chunk: the forward's dispatch and experts are recomputed (as the one-rank chunked
  * MoE does: nothing is kept between chunks), the outputs come back for the combine's backward
- * (dtopk_w = dot(dy, ye) and dye = w * dy, on the source), dye goes to the owners, the owners run
- * the experts' backward (their weight gradients stay with them, accumulated), and the input
+ * (dtopk_w = dot(dy, ye) and dye = w * dy, on the source), dye goes to the owners, the caller runs
+ * the experts' backward there (their weight gradients stay with them, accumulated), and the input
  * gradients of the rows come back to the source, which sums each token's k rows
  * (fm_moe_dispatch_backward). Exchanges per chunk: forward 1 count all-reduce + 2 row
  * all-to-all-v; backward 1 + 4 (a chunk whose least-loaded placement moves rows adds 3 weight
@@ -63,7 +64,10 @@
  * and chunk j's input-gradient return overlaps chunk j+1's; the round trip between a chunk's
  * recompute and its backward (outputs back, combine backward, dye out) stays exposed, since
  * the owner's expert intermediates are one set. The communication stream is FIFO, so the
- * exchanges are issued in the order that keeps each behind only what it needs.
+ * exchanges are issued in the order that keeps each behind only what it needs. The caller issues
+ * "chunk i's expert GEMMs" (fm_moe_ep_next's work): the step that delivers chunk i's work has
+ * issued everything before them (chunk i+1's gather and dispatch, chunk i's join), the step after
+ * it issues everything after them, in the order above.
  * Buffers this needs twice (fm_moe_ep_bound: sets = 2): the receive buffer, the source's
  * outgoing and returned rows, the owner's permutation (device and host), its expert offsets and
  * the all-to-all counts; the route index and router weights thrice (three chunks' routing is
@@ -92,7 +96,10 @@
  * helper hosts at most max_foreign experts per chunk and never more rows than the plain bound
  * R_max, so the receive buffer and expert intermediates keep plain EP's bound; LLEP adds the
  * hosted experts' weights and gradients and the native rank's staging (fm_moe_ep_bound.llep).
- * Exact as plain EP is (only which rank runs which rows' GEMMs changes). */
+ * The weights sent are the stored ones (the caller's w); the caller runs the hosted experts in
+ * the layer's precision from them (fp8: quantized per work into ws->hosted, operands of
+ * max_foreign experts over R_max rows, also in the llep part). Exact as plain EP is (only which
+ * rank runs which rows' GEMMs changes; fp8's wgrad tiles follow the rows, tests/test_model_ep.c). */
 #ifndef FM_MOE_EP_H
 #define FM_MOE_EP_H
 
@@ -112,12 +119,15 @@
  *   experts = 3*r(R_max*H*a) + 6*r(R_max*I*a) + S*r(R_max*4)
  *                                                 owner: xe, ye|dye, dxe; h_gate, h_up, h_act,
  *                                                 dact, dh_gate, dh_up; the permutation
- *   llep    = 6*r(F*I*H*a) + 3*r(PM*I*H*a) + r(c*k*4)   (0 without LLEP; F = max_foreign,
+ *   llep    = 6*r(F*I*H*a) + 3*r(PM*I*H*a) + r(c*k*4) + fm_moe_fp8_bytes(d_host, R_max)
+ *                                                 (0 without LLEP; F = max_foreign,
  *                                                 PM = (ep-1)*min(F, E_loc)) hosted experts'
  *                                                 weights and gradients (gate, up, down), the
  *                                                 native rank's staging of the weights it sends
  *                                                 and the gradients it gets back, the sources'
- *                                                 packing order
+ *                                                 packing order; with d->fp8 the hosted experts'
+ *                                                 own quantized weights and operands (d_host =
+ *                                                 fm_moe_ep_hosted_dims(d, F), R_max rows)
  *   device  = recv + send + source + experts + fp8 + llep   (what fm_moe_ep_ws_layout takes from `dev`)
  *   fp8     = fm_moe_fp8_bytes(d_loc, R_max)         with d->fp8 (0 otherwise): the experts'
  *                                                 quantized weights of E_loc experts and
@@ -145,6 +155,12 @@ fm_status fm_moe_ep_check(const fm_moe_dims *d, int ep, int64_t c);
  * owner's offsets come from the agreed count table); the precision fields (fp8, fp8_codes,
  * fp8_cache_layers) as d's. */
 fm_moe_dims fm_moe_ep_local_dims(const fm_moe_dims *d, int ep);
+
+/* The dims of E_host experts hosted for other ranks in a spilled chunk (least-loaded placement):
+ * d with E = E_host, k = 1, sync_free false and no weight cache (fp8_cache_layers 0: hosted
+ * experts change from chunk to chunk, their precision's form is made per work); fp8, fp8_codes
+ * as d's. */
+fm_moe_dims fm_moe_ep_hosted_dims(const fm_moe_dims *d, int64_t E_host);
 
 /* The bound of the chunk working set of one EP layer (see fm_moe_ep_bound) for the global dims d
  * (E = all experts), ep ranks and cap c tokens per source per chunk, with least-loaded
@@ -206,6 +222,8 @@ typedef struct fm_moe_ep_ws {
     int64_t *load;          /* [E] host: rows per expert in the chunk */
     int64_t *foff;          /* [F+1] host: the hosted experts' row offsets (from 0) */
     int64_t *wsend_counts, *wsend_displs, *wrecv_counts, *wrecv_displs; /* [ep] host, elements */
+    fm_moe_ws hosted;       /* with d->fp8: the hosted experts' own precision operands (fm_moe_ws_fp8_layout
+                               over F experts, R_max rows, no weight cache); the rest NULL */
     /* the pipelined schedule's sets (sets == 2; NULL otherwise) */
     int sets;                    /* 2 or 1 (fm_moe_ep_bound.sets) */
     fm_moe_ep_schedule schedule; /* auto after layout; the caller's (FLATMOE_EP_SCHEDULE) by fm_moe_ep_ws_set_schedule */
@@ -251,41 +269,137 @@ void fm_moe_ep_ws_set_schedule(fm_moe_ep_ws *w, int schedule);
  * local, before the collective), the communicator's (FM_ERR_IO: a timeout or transport error). */
 fm_status fm_moe_ep_chunks(const fm_comm *comm, int64_t N, int64_t c, double timeout_s, int64_t *K);
 
-/* Forward over this rank's N tokens: y [N,H] (assigned) = sum_j topk_w[n,j] * expert_{topk_idx[n,j]}(x[n])
- * with the experts run by ex (the glue's table, fm_moe_experts: ex->forward at the owner over
- * fm_moe_ep_local_dims(d) and ws->exp / ws->exp_ws; w as ex->weights made it for ws->exp_ws, e.g.
- * the quantized copies under fp8)
- * with x [N,H] fm_act, topk_idx [N,k] int32 (values in [0,E), distinct per token) and topk_w
- * [N,k] fp32, all backend memory; the experts of topk_idx live on their owners. w: this rank's
- * E_loc experts (gate and up [E_loc,I,H], down [E_loc,H,I]: experts rank*E_loc ..). comm: the
- * ep group (its size and rank those of ws's layout); its buffers must be the backend's memory
- * (or host memory when the backend's memory is host memory: the CPU). d: the global dims.
- * K: the agreed chunk count (fm_moe_ep_chunks), chunk_tokens [N] int32 backend memory
- * (fm_moe_chunk_order(., N, K)). A collective call: every rank of comm calls it with its own N
- * (0 allowed: x, y, topk may then be NULL). timeout_s: per collective (0: the default).
- * Errors (the same on every rank: the checks travel in the first chunk's count table):
- *   FM_ERR_ARG  a rank's FLATMOE_EP_SCHEDULE is not auto, serial or pipelined, or it runs
- *               another schedule than the others; a rank's working set was laid out with another cap or placement options, a
- *               rank's K differs from another's, or K < 1, or a chunk of a rank holds more
- *               than c tokens (K < ceil(N/c)), or a rank would send more than c*min(k,E_loc)
- *               rows to one owner (duplicate experts in a token's top-k) -- naming the rank;
- *               comm's size/rank differ from ws's; the comm's memory is host memory but the
- *               backend's is not (local, before any collective);
+/* ---- a pass over the chunks, driven by the MoE glue (the operator moves rows and never calls an
+ * expert: Megatron-Core's token dispatcher, whose dispatch and combine phases surround the
+ * experts' forward(permuted_tokens, tokens_per_expert) in the MoE layer) -------------------------
+ * A pass is begun (fm_moe_ep_fwd_begin / fm_moe_ep_bwd_begin) and then stepped by
+ * fm_moe_ep_next, which per chunk issues the operator's dispatch phase and hands the caller the
+ * rows this rank computes (fm_moe_ep_work); the caller runs the experts on them (any precision:
+ * model/fm_experts.h's tables) and calls fm_moe_ep_next again, which issues the combine phase
+ * (outputs or input gradients back to their sources) and the next chunk's dispatch, in the
+ * schedule's order ("Overlap" above: under the pipelined schedule the call that delivers chunk
+ * i's rows has already issued chunk i+1's gather and dispatch, and the call after chunk i's
+ * experts issues chunk i+1's row exchange before chunk i's return). A forward pass delivers one
+ * work per chunk (kind FORWARD); a backward pass two (the recompute, FORWARD, then BACKWARD).
+ *
+ *   fm_moe_ep_pass p;  fm_moe_ep_work *wk;
+ *   FM_TRY(fm_moe_ep_fwd_begin(&p, ...));
+ *   while ((st = fm_moe_ep_next(&p, &wk)) == FM_OK && wk) { run the experts on *wk }
+ *   FM_TRY(st);
+ */
+
+typedef enum fm_moe_ep_work_kind {
+    FM_MOE_EP_WORK_FORWARD = 0, /* the experts' forward: r->h_gate, h_up, h_act [rows,I] and r->ye [rows,H]
+                                   from r->xe */
+    FM_MOE_EP_WORK_BACKWARD,    /* their backward, right after this chunk's FORWARD work: from rws->dye [rows,H]
+                                   rws->dxe assigned and the weight gradients accumulated (+=) */
+} fm_moe_ep_work_kind;
+
+/* One chunk's rows at this rank (all views of the working set; valid until the next
+ * fm_moe_ep_next). Each part is the expert-major rows of one dispatch with k = 1 (one row per
+ * route), as model/fm_experts.h's tables take them: the caller runs part 1 with
+ * fm_moe_ep_local_dims' dims and this rank's E_loc experts' weights (in its precision's form,
+ * quantized into rws when fp8: the working set's exp_ws holds those operands), and part 2, when
+ * hosted_E > 0, with hd and hw (the hosted experts' weights as stored: the caller makes their
+ * precision's form into hws). An empty part (0 rows) needs no call. */
+typedef struct fm_moe_ep_work {
+    fm_moe_ep_work_kind kind;
+    int64_t chunk;         /* 0-based, of the pass's K */
+    /* part 1: this rank's own experts (rank*E_loc ..), offsets [E_loc+1] host in r */
+    int64_t rows;          /* their rows (Rn) */
+    fm_moe_routes *r;      /* xe, h_gate, h_up, h_act, ye [R_max rows] (ws->exp) */
+    fm_moe_ws *rws;        /* dye, dxe, dact, dh_gate, dh_up and the precision's operands (ws->exp_ws) */
+    /* part 2: least-loaded placement, a spilled chunk: the experts hosted here for other ranks
+     * (hosted_E 0 otherwise), their rows after part 1's */
+    int64_t hosted_E, hosted_rows;
+    fm_moe_dims hd;        /* H, I, E = hosted_E, k = 1, d's precision, no weight cache */
+    fm_moe_routes hr;      /* offsets [hosted_E+1] host (from 0), the buffers of r past part 1's rows */
+    fm_moe_ws hws;         /* rws's buffers past part 1's rows; the precision's operands: ws->hosted's */
+    fm_moe_weights hw;     /* gate, up [hosted_E,I,H], down [hosted_E,H,I]: received from their native ranks */
+    fm_moe_grads hg;       /* their weight gradients: zeroed before a BACKWARD work, after it sent back and
+                              added into the native ranks' g */
+} fm_moe_ep_work;
+
+/* One chunk in flight in a pass: its tokens, rows received, the marks and tickets of its exchanges. */
+typedef struct fm_moe_ep_chunk {
+    int64_t n, R;
+    const int32_t *tok;
+    int mark;   /* the op stream after this chunk's last op before an exchange */
+    int ticket; /* its latest exchange */
+} fm_moe_ep_chunk;
+
+/* A pass's state (the caller's, on its stack; filled by the begin functions, read only by the
+ * operator). */
+typedef struct fm_moe_ep_pass {
+    const fm_backend *be;
+    const fm_comm *comm;
+    const fm_moe_dims *d;
+    fm_moe_dims dl;           /* the dims at the owner (fm_moe_ep_local_dims) */
+    const fm_moe_weights *w;  /* this rank's experts as stored (a spilled chunk sends them to helpers) */
+    const fm_moe_grads *g;    /* backward: their gradients (a spilled chunk's hosted gradients added here) */
+    fm_moe_ep_ws *ws;
+    double timeout_s;
+    const char *what;         /* "forward" | "backward" */
+    int64_t K;
+    bool pipe;                /* the pipelined schedule */
+    bool backward;
+    /* the layer's tensors */
+    fm_act *y, *dx;
+    float *dtopk_w;
+    const fm_act *x, *dy;
+    const int32_t *topk_idx, *chunk_tokens;
+    const float *topk_w;
+    int64_t N;
+    /* progress */
+    int64_t err;              /* this rank's chunk-0 flag (fm_moe_ep_internal.h) */
+    int64_t j, start;         /* the chunk whose work is out; the next chunk's first token in chunk_tokens */
+    int stage;                /* 0: none out; 1: j's FORWARD work out; 2: j's BACKWARD work out; 3: done */
+    fm_moe_ep_chunk ch[3];    /* chunk i at ch[i % 3] */
+    fm_moe_ep_work work;
+} fm_moe_ep_pass;
+
+/* Begins a forward pass over this rank's N tokens: y [N,H] (assigned) = sum_j topk_w[n,j] *
+ * expert_{topk_idx[n,j]}(x[n]) once every chunk's work has been run, with x [N,H] fm_act,
+ * topk_idx [N,k] int32 (values in [0,E), distinct per token) and topk_w [N,k] fp32, all backend
+ * memory; the experts of topk_idx live on their owners. w: this rank's E_loc experts as stored
+ * (gate and up [E_loc,I,H], down [E_loc,H,I]: experts rank*E_loc ..), read only to send a
+ * spilled chunk's experts to their helpers. comm: the ep group (its size and rank those of ws's
+ * layout); its buffers must be the backend's memory (or host memory when the backend's memory is
+ * host memory: the CPU). d: the global dims. K: the agreed chunk count (fm_moe_ep_chunks),
+ * chunk_tokens [N] int32 backend memory (fm_moe_chunk_order(., N, K)). A collective pass: every
+ * rank of comm runs it with its own N (0 allowed: x, y, topk may then be NULL), stepping it to
+ * its end. timeout_s: per collective (0: the default). Errors of the begin and of every
+ * fm_moe_ep_next (the same on every rank: the checks travel in the first chunk's count table):
+ *   FM_ERR_ARG  a rank's schedule (fm_moe_ep_ws_set_schedule) is not auto, serial or pipelined,
+ *               or it runs another schedule than the others; a rank's working set was laid out
+ *               with another cap or placement options, a rank's K differs from another's, or
+ *               K < 1, or a chunk of a rank holds more than c tokens (K < ceil(N/c)), or a rank
+ *               would send more than c*min(k,E_loc) rows to one owner (duplicate experts in a
+ *               token's top-k) -- naming the rank; comm's size/rank differ from ws's; the comm's
+ *               memory is host memory but the backend's is not (local, before any collective);
  *   FM_ERR_IO   a collective failed or timed out (the communicator's message, with the chunk):
  *               the process must stop (fm_comm_mpi_abort). */
-fm_status fm_moe_ep_forward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
-                            const fm_moe_experts *ex, const fm_moe_weights *w, fm_act *y, const fm_act *x, const int32_t *topk_idx,
-                            const float *topk_w, int64_t N, int64_t K, const int32_t *chunk_tokens,
-                            fm_moe_ep_ws *ws, double timeout_s);
+fm_status fm_moe_ep_fwd_begin(fm_moe_ep_pass *p, const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
+                              const fm_moe_weights *w, fm_act *y, const fm_act *x, const int32_t *topk_idx,
+                              const float *topk_w, int64_t N, int64_t K, const int32_t *chunk_tokens,
+                              fm_moe_ep_ws *ws, double timeout_s);
 
-/* Backward: dx [N,H] and dtopk_w [N,k] assigned from dy [N,H], this rank's experts' weight
- * gradients g (shapes of w) accumulated (+=) over every rank's tokens routed to them; recomputes
- * each chunk's forward first (ex->forward, then ex->backward). Arguments, collective rules and
- * errors: those of the forward. */
-fm_status fm_moe_ep_backward(const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
-                             const fm_moe_experts *ex, const fm_moe_weights *w, const fm_moe_grads *g, fm_act *dx, float *dtopk_w,
-                             const fm_act *dy, const fm_act *x, const int32_t *topk_idx, const float *topk_w,
-                             int64_t N, int64_t K, const int32_t *chunk_tokens, fm_moe_ep_ws *ws,
-                             double timeout_s);
+/* Begins a backward pass: dx [N,H] and dtopk_w [N,k] assigned from dy [N,H] once every work has
+ * been run, this rank's experts' weight gradients g (shapes of w) accumulated (+=) by the
+ * caller's BACKWARD works over every rank's tokens routed to them (and, for a spilled chunk, by
+ * the operator adding the hosted gradients its helpers send back); each chunk's forward is
+ * recomputed first (its FORWARD work). Arguments, collective rules and errors: the forward's. */
+fm_status fm_moe_ep_bwd_begin(fm_moe_ep_pass *p, const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,
+                              const fm_moe_weights *w, const fm_moe_grads *g, fm_act *dx, float *dtopk_w,
+                              const fm_act *dy, const fm_act *x, const int32_t *topk_idx, const float *topk_w,
+                              int64_t N, int64_t K, const int32_t *chunk_tokens, fm_moe_ep_ws *ws,
+                              double timeout_s);
+
+/* Steps a pass: finishes the work handed out last (its rows' outputs or input gradients back to
+ * their sources, combined or scattered there) and issues what comes before the next work, into
+ * *work (NULL when the pass is done: every output or gradient written). Every rank of the group
+ * steps alike (the exchanges are collectives), a rank with no rows too. After an error the pass
+ * is done (*work NULL). Errors: those of the begin functions. */
+fm_status fm_moe_ep_next(fm_moe_ep_pass *p, fm_moe_ep_work **work);
 
 #endif

@@ -8,7 +8,7 @@
 #include <string.h>
 
 /* Wraps a communicator failure with the operator and chunk. */
-fm_status fm_ep_comm_fail(const ep_call *c, fm_status st, int64_t j) {
+fm_status fm_ep_comm_fail(const fm_moe_ep_pass *c, fm_status st, int64_t j) {
     char msg[512];
     snprintf(msg, sizeof msg, "%s", fm_errmsg());
     return fm_error(st, "moe_ep %s, chunk %lld of %lld: %s", c->what, (long long)(j + 1), (long long)c->K, msg);
@@ -76,7 +76,7 @@ static int64_t ep_opts_print(const fm_moe_ep_ws *ws) {
  * rank the same table, so the same verdict. Sets the all-to-all counts and displacements of the
  * forward direction (source -> owner) and the owner's permutation and local offsets. Returns the
  * rows this rank receives in *R. */
-fm_status fm_ep_agree(const ep_call *c, int64_t j, int64_t n, int64_t err, int64_t *R) {
+fm_status fm_ep_agree(const fm_moe_ep_pass *c, int64_t j, int64_t n, int64_t err, int64_t *R) {
     fm_moe_ep_ws *ws = c->ws;
     const fm_moe_dims *d = c->d;
     const int P = ws->ep, me = ws->rank;
@@ -199,7 +199,7 @@ fm_status fm_ep_agree(const ep_call *c, int64_t j, int64_t n, int64_t err, int64
 }
 
 /* Rows source -> owner (fwd = true: send_* out of `send`, recv_* into `recv`) or back. */
-static fm_status ep_exchange(const ep_call *c, int64_t j, bool to_owner, const fm_act *send, fm_act *recv) {
+static fm_status ep_exchange(const fm_moe_ep_pass *c, int64_t j, bool to_owner, const fm_act *send, fm_act *recv) {
     const fm_moe_ep_ws *ws = c->ws;
     fm_status st = to_owner ? fm_comm_all_to_all_v(c->comm, send, ws->send_counts, ws->send_displs, recv,
                                                    ws->recv_counts, ws->recv_displs, EP_ACT_DTYPE, c->timeout_s)
@@ -210,7 +210,7 @@ static fm_status ep_exchange(const ep_call *c, int64_t j, bool to_owner, const f
 
 /* ep_exchange issued on the communicator's stream after the op stream's mark `after`
  * (fm_comm_all_to_all_v_async); *ticket names its completion. */
-fm_status fm_ep_exchange_async(const ep_call *c, int64_t j, bool to_owner, const fm_act *send, fm_act *recv,
+fm_status fm_ep_exchange_async(const fm_moe_ep_pass *c, int64_t j, bool to_owner, const fm_act *send, fm_act *recv,
                                int after, int *ticket) {
     const fm_moe_ep_ws *ws = c->ws;
     fm_status st = to_owner ? fm_comm_all_to_all_v_async(c->comm, send, ws->send_counts, ws->send_displs, recv,
@@ -224,7 +224,7 @@ fm_status fm_ep_exchange_async(const ep_call *c, int64_t j, bool to_owner, const
 
 /* The source's rows out of ws->src.xe (expert-major over all E; a spilled chunk packs them by
  * computing rank into ws->src.ye first) into the computing ranks' ws->recv. */
-fm_status fm_ep_to_owners(const ep_call *c, int64_t j) {
+fm_status fm_ep_to_owners(const fm_moe_ep_pass *c, int64_t j) {
     fm_moe_ep_ws *ws = c->ws;
     const fm_act *out = ws->src.xe;
     if (ws->spill && ws->rows_out > 0) {
@@ -237,7 +237,7 @@ fm_status fm_ep_to_owners(const ep_call *c, int64_t j) {
 
 /* The computing ranks' ws->recv back to the sources, into ws->src.ye (expert-major over all E;
  * a spilled chunk lands in ws->src.xe and is unpacked). */
-fm_status fm_ep_from_owners(const ep_call *c, int64_t j) {
+fm_status fm_ep_from_owners(const fm_moe_ep_pass *c, int64_t j) {
     fm_moe_ep_ws *ws = c->ws;
     FM_TRY(ep_exchange(c, j, false, ws->recv, ws->spill ? ws->src.xe : ws->src.ye));
     if (ws->spill && ws->rows_out > 0)
@@ -247,7 +247,7 @@ fm_status fm_ep_from_owners(const ep_call *c, int64_t j) {
 }
 
 /* A spilled chunk's hosted experts' weights, from their native ranks (gate, up, down). */
-static fm_status ep_weights_out(const ep_call *c, int64_t j) {
+static fm_status ep_weights_out(const fm_moe_ep_pass *c, int64_t j) {
     fm_moe_ep_ws *ws = c->ws;
     const int64_t IH = c->d->I * c->d->H, npairs = ws->wsend_displs[ws->ep - 1] / IH + ws->wsend_counts[ws->ep - 1] / IH;
     const fm_act *W[3] = {c->w->w_gate, c->w->w_up, c->w->w_down};
@@ -263,7 +263,7 @@ static fm_status ep_weights_out(const ep_call *c, int64_t j) {
 }
 
 /* A spilled chunk's hosted experts' weight gradients back to their native ranks, added there. */
-fm_status fm_ep_grads_back(const ep_call *c, int64_t j, const fm_moe_grads *g) {
+fm_status fm_ep_grads_back(const fm_moe_ep_pass *c, int64_t j, const fm_moe_grads *g) {
     fm_moe_ep_ws *ws = c->ws;
     const int64_t IH = c->d->I * c->d->H, npairs = ws->wsend_displs[ws->ep - 1] / IH + ws->wsend_counts[ws->ep - 1] / IH;
     fm_act *G[3] = {g->w_gate, g->w_up, g->w_down};
@@ -277,56 +277,58 @@ fm_status fm_ep_grads_back(const ep_call *c, int64_t j, const fm_moe_grads *g) {
     return FM_OK;
 }
 
-/* The hosted experts' part of the rows (after the native experts' Rn rows): views of the
- * owner's buffers and the hosted weights. */
-int64_t fm_ep_hosted(const ep_call *c, fm_moe_routes *hv, fm_moe_ws *hw, fm_moe_weights *wv, fm_moe_grads *gv,
-                     fm_moe_dims *dv) {
+fm_moe_ep_work *fm_ep_work(fm_moe_ep_pass *c, int64_t j, int64_t R, fm_moe_ep_work_kind kind) {
     fm_moe_ep_ws *ws = c->ws;
-    const int64_t H = c->d->H, I = c->d->I, Rn = ws->exp.offsets[ws->E_loc];
-    memset(hv, 0, sizeof *hv);
+    fm_moe_ep_work *wk = &c->work;
+    const int64_t H = c->d->H, I = c->d->I, Rn = R > 0 ? ws->exp.offsets[ws->E_loc] : 0;
+    memset(wk, 0, sizeof *wk);
+    wk->kind = kind;
+    wk->chunk = j;
+    wk->rows = Rn;
+    wk->r = &ws->exp;
+    wk->rws = &ws->exp_ws;
+    if (!ws->spill) return wk;
+    /* the hosted experts: the owner's buffers past the own experts' Rn rows, the weights received */
+    const int64_t F = ws->plan.nforeign[ws->rank];
+    wk->hosted_E = F;
+    wk->hosted_rows = R - Rn;
+    wk->hd = fm_moe_ep_hosted_dims(c->d, F);
+    fm_moe_routes *hv = &wk->hr;
     hv->offsets = ws->foff;
     hv->xe = ws->exp.xe + Rn * H, hv->ye = ws->exp.ye + Rn * H;
     hv->h_gate = ws->exp.h_gate + Rn * I, hv->h_up = ws->exp.h_up + Rn * I, hv->h_act = ws->exp.h_act + Rn * I;
-    *hw = ws->exp_ws;
+    fm_moe_ws *hw = &wk->hws;
+    *hw = ws->hosted; /* the precision's operands (fp8), else nothing */
     hw->dye = ws->exp_ws.dye + Rn * H, hw->dxe = ws->exp_ws.dxe + Rn * H;
     hw->dact = ws->exp_ws.dact + Rn * I, hw->dh_gate = ws->exp_ws.dh_gate + Rn * I, hw->dh_up = ws->exp_ws.dh_up + Rn * I;
-    wv->w_gate = ws->fw[0], wv->w_up = ws->fw[1], wv->w_down = ws->fw[2];
-    gv->w_gate = ws->fg[0], gv->w_up = ws->fg[1], gv->w_down = ws->fg[2];
-    *dv = (fm_moe_dims){H, I, ws->plan.nforeign[ws->rank], 1};
-    return Rn;
+    wk->hw.w_gate = ws->fw[0], wk->hw.w_up = ws->fw[1], wk->hw.w_down = ws->fw[2];
+    wk->hg.w_gate = ws->fg[0], wk->hg.w_up = ws->fg[1], wk->hg.w_down = ws->fg[2];
+    if (kind == FM_MOE_EP_WORK_BACKWARD) /* the glue accumulates into them; they go back after it (none: empty) */
+        for (int m = 0; m < 3; m++) c->be->ops->mem_set(c->be->ctx, ws->fg[m], 0, sizeof(fm_act) * (size_t)(F * I * H));
+    return wk;
 }
 
-/* Chunk j's forward up to the combine: its n tokens `tok` gathered and dispatched, the counts
- * agreed and the placement made, the rows at their computing ranks run through the experts (a
- * spilled chunk: the native experts', then the hosted ones with the weights just received) and
- * the outputs back in ws->src.ye (the source's expert-major layout over all E experts). */
-fm_status fm_ep_chunk_experts(const ep_call *c, int64_t j, const fm_act *x, const int32_t *topk_idx,
-                              const float *topk_w, const int32_t *tok, int64_t n, int64_t err, int64_t *R) {
+fm_status fm_ep_chunk_dispatch(const fm_moe_ep_pass *c, int64_t j, const int32_t *tok, int64_t n, int64_t err,
+                               int64_t *R) {
     const fm_backend *be = c->be;
     fm_moe_ep_ws *ws = c->ws;
     const fm_moe_dims *d = c->d;
     const int64_t Hb = d->H * (int64_t)sizeof(fm_act);
-    fm_moe_chunk_gather_rows(be, ws->xc, x, tok, n, Hb);
-    fm_moe_chunk_gather_rows(be, ws->topk_idx, topk_idx, tok, n, d->k * (int64_t)sizeof(int32_t));
-    fm_moe_chunk_gather_rows(be, ws->topk_w, topk_w, tok, n, d->k * (int64_t)sizeof(float));
+    fm_moe_chunk_gather_rows(be, ws->xc, c->x, tok, n, Hb);
+    fm_moe_chunk_gather_rows(be, ws->topk_idx, c->topk_idx, tok, n, d->k * (int64_t)sizeof(int32_t));
+    fm_moe_chunk_gather_rows(be, ws->topk_w, c->topk_w, tok, n, d->k * (int64_t)sizeof(float));
     fm_moe_dispatch(be, d, &ws->src, ws->xc, ws->topk_idx, n); /* ends with the "MoE offsets" sync */
     FM_TRY(fm_ep_agree(c, j, n, err, R));
     if (ws->spill) FM_TRY(ep_weights_out(c, j));
     FM_TRY(fm_ep_to_owners(c, j));
-    if (*R > 0) { /* the owner's rows, one per route: the experts over c->dl */
+    if (*R > 0) /* the owner's rows, one per route, expert-major over its slots */
         be->ops->gather_rows(be->ctx, ws->exp.xe, ws->recv, ws->perm, *R, Hb);
-        const int64_t Rn = ws->exp.offsets[ws->E_loc];
-        c->ex->forward(be, &c->dl, c->w, &ws->exp, &ws->exp_ws, Rn);
-        if (ws->spill && *R > Rn) {
-            fm_moe_routes hv;
-            fm_moe_ws hw;
-            fm_moe_weights wv;
-            fm_moe_grads gv;
-            fm_moe_dims dv;
-            fm_ep_hosted(c, &hv, &hw, &wv, &gv, &dv);
-            c->ex->forward(be, &dv, &wv, &hv, &hw, *R - Rn); /* (native: fp8 refuses --llep) */
-        }
-        be->ops->scatter_rows(be->ctx, ws->recv, ws->exp.ye, ws->perm, *R, Hb);
-    }
+    return FM_OK;
+}
+
+fm_status fm_ep_chunk_return(const fm_moe_ep_pass *c, int64_t j, int64_t R) {
+    fm_moe_ep_ws *ws = c->ws;
+    const int64_t Hb = c->d->H * (int64_t)sizeof(fm_act);
+    if (R > 0) c->be->ops->scatter_rows(c->be->ctx, ws->recv, ws->exp.ye, ws->perm, R, Hb);
     return fm_ep_from_owners(c, j);
 }

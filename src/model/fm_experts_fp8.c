@@ -163,19 +163,12 @@ void fm_experts_fp8_backward(const fm_backend *be, const fm_moe_dims *d, const f
 
 /* ---- the two tables (fm_moe_experts) ---- */
 
-static fm_status refuse_llep(bool llep, const char *name) {
-    if (!llep) return FM_OK;
-    return fm_error(FM_ERR_UNSUPPORTED, "--expert-precision fp8 (%s) with least-loaded placement (--llep): a hosted "
-                    "expert arrives as weights the fp8 experts would have to quantize again; drop --llep or use "
-                    "--expert-precision bf16", name);
-}
-
 static fm_status emulated_serves(const fm_backend *be, const fm_moe_dims *d, int64_t rows_max, int ep, bool llep) {
-    (void)d, (void)rows_max, (void)ep;
+    (void)d, (void)rows_max, (void)ep, (void)llep; /* hosted experts (llep) are quantized like the own ones */
     if (!(be->ops->quant_fp8_rows && be->ops->quant_fp8_blocks && be->ops->quant_fp8_cols_grouped))
         return fm_error(FM_ERR_UNSUPPORTED, "--expert-precision fp8: the %s backend has no FP8 quantization ops "
                         "(quant_fp8_*); use --expert-precision bf16", be->ops->name);
-    return refuse_llep(llep, "emulated");
+    return FM_OK;
 }
 
 static fm_status codes_serves(const fm_backend *be, const fm_moe_dims *d, int64_t rows_max, int ep, bool llep) {
@@ -185,7 +178,10 @@ static fm_status codes_serves(const fm_backend *be, const fm_moe_dims *d, int64_
                         "sizes multiples of 128); leave fm_layout_opts.expert_fp8_codes unset for the emulation",
                         be->ops->name, (long long)d->E, ep > 1 ? " per rank" : "", (long long)d->H, (long long)d->I,
                         (long long)rows_max);
-    return refuse_llep(llep, "E4M3 codes");
+    /* least-loaded placement: the hosted experts' own operands (fm_moe_ep_hosted_dims) take the
+     * same code ops over at most max_foreign experts, laid out beside these */
+    (void)llep;
+    return FM_OK;
 }
 
 static size_t fp8_ws_bytes(const fm_moe_dims *d, int64_t rows, size_t act_bytes) {

@@ -37,11 +37,12 @@
  * emulation needs the backend's quant_fp8_* ops and the host-offset expert GEMMs (not
  * sync-free). Under expert parallelism the same functions run at the owner of the rows over its
  * E/ep experts (the EP operator's exp_ws holds their operands, quantized by the glue per layer
- * call). */
+ * call), and over the experts hosted for a chunk under least-loaded placement (their own
+ * operands, ws->hosted of fm_moe_ep_ws, quantized by the glue per work). */
 #ifndef FM_EXPERTS_FP8_H
 #define FM_EXPERTS_FP8_H
 
-#include "../bounded/fm_moe_dispatch.h"
+#include "fm_experts.h"
 
 /* Quantizes w's gate, up [E,I,H] and down [E,H,I] in 128 x 128 blocks into ws->q_*, and points
  * *wq at them (the fast path: into ws->w8's code operands; *wq = *w, unused). Skipped where the
@@ -64,13 +65,14 @@ void fm_experts_fp8_forward(const fm_backend *be, const fm_moe_dims *d, const fm
 void fm_experts_fp8_backward(const fm_backend *be, const fm_moe_dims *d, const fm_moe_weights *wq,
                              const fm_moe_grads *g, const fm_moe_routes *r, fm_moe_ws *ws, int64_t n);
 
-/* The two fp8 tables (bounded/fm_moe_dispatch.h's fm_moe_experts) over the functions above:
+/* The two fp8 tables (fm_experts.h's fm_moe_experts) over the functions above:
  * weights fm_experts_fp8_weights, forward and backward as above, ws_bytes fm_moe_fp8_bytes.
  * fm_experts_fp8_emulated (d->fp8, not d->fp8_codes) serves a backend with the quant_fp8_* ops;
  * fm_experts_fp8_codes (d->fp8 and d->fp8_codes) one whose fp8 code ops serve E = d->E experts of
  * d->H x d->I over rows_max rows (fm_backend_fp8_codes_serves). Both serve expert parallelism
- * (the EP operator runs them at the owner over fm_moe_ep_local_dims) but not least-loaded
- * placement (llep): FM_ERR_UNSUPPORTED naming the flag to drop. */
+ * (the glue runs them at the owner over fm_moe_ep_local_dims, on the rows the EP operator
+ * delivers) and least-loaded placement (the experts hosted for a chunk: their weights as
+ * received quantized by `weights` into the operator's hosted operands, every work). */
 extern const fm_moe_experts fm_experts_fp8_emulated;
 extern const fm_moe_experts fm_experts_fp8_codes;
 

@@ -103,8 +103,8 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
                                        m->moe_ep_counts_host));
     } else {
         m->moe_ws.w8_layer = l; /* --fp8-weight-cache: this layer's codes */
-        fm_moe_forward(&m->be, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w, N, m->moe_K,
-                       m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
+        FM_TRY(fm_moe_forward(&m->be, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w, N, m->moe_K,
+                              m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws));
     }
     PHASE(DENSE);
     OPS->add(CTX, y, a->x_mid, N * H);
@@ -151,8 +151,9 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
                                         &m->moe_ep_ws));
     } else {
         m->moe_ws.w8_layer = l;
-        fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2, a->router.topk_idx, a->router.topk_w, N,
-                        m->moe_K, m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws);
+        FM_TRY(fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2, a->router.topk_idx,
+                               a->router.topk_w, N, m->moe_K, m->moe_chunk_order,
+                               m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws));
     }
     PHASE(ROUTER);
     const int64_t n_tot = m->comm ? N * fm_comm_size(m->comm) : N;

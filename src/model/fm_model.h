@@ -261,7 +261,7 @@ typedef struct fm_layout_opts {
                                   live set holds the quantized copies (fm_moe_ws_bytes; under ep > 1
                                   the owner's, fm_moe_ep_bound's fp8 part). The experts' table must
                                   serve the backend (model/fm_experts.h: fm_moe_experts.serves, the
-                                  backend's quant_fp8_* ops; not with llep); the expert GEMMs then
+                                  backend's quant_fp8_* ops; llep too); the expert GEMMs then
                                   run on the host offsets (never sync-free) */
     bool expert_fp8_codes;     /* with expert_fp8: the fast path on E4M3 codes (the backend's
                                   fp8 code ops; the codes table's serves, fm_backend_fp8_codes_serves

@@ -179,31 +179,45 @@ fm_status fm_expert_choice_json(const fm_expert_choice *ch, char *buf, size_t ca
     return FM_OK;
 }
 
+/* The experts and the most rows one call of the codes path sees: all E over the dispatch's B T k
+ * rows on one rank; under --ep the owner's E/ep over at most ep x B T x min(k, E/ep) rows (its
+ * R_max, fm_moe_ep_bound, for a cap of at most B T tokens). */
+static void codes_shape(const fm_plan_req *r, int64_t *E, int64_t *rows) {
+    const fm_config *c = &r->cfg;
+    const int ep = ep_of(r);
+    const int64_t El = c->num_experts / ep, k = c->num_experts_per_tok;
+    *E = El;
+    *rows = ep == 1 ? r->B * r->T * k : (int64_t)ep * r->B * r->T * (k < El ? k : El);
+}
+
 bool fm_expert_fp8_codes(const fm_plan_req *r, const fm_expert_ask *a) {
     const fm_config *c = &r->cfg;
-    if (!r->expert_fp8 || ep_of(r) > 1) return false;
-    if (!fm_fp8_layer_serves(c->num_experts, c->hidden_size, c->moe_intermediate_size,
-                             r->B * r->T * c->num_experts_per_tok))
-        return false;
+    if (!r->expert_fp8) return false;
+    int64_t E, rows;
+    codes_shape(r, &E, &rows);
+    if (!fm_fp8_layer_serves(E, c->hidden_size, c->moe_intermediate_size, rows)) return false;
     if (!a->cuda_bf16) return a->cpu_fp8_codes;
     return a->device_sm90 && (a->requested == FM_EXPERT_GEMM_AUTO || a->requested == FM_EXPERT_GEMM_SM90);
 }
 
 void fm_expert_fp8_codes_why(const fm_plan_req *r, const fm_expert_ask *a, char *buf, size_t cap) {
     const fm_config *c = &r->cfg;
-    const long long H = c->hidden_size, I = c->moe_intermediate_size, E = c->num_experts;
-    const long long rows = (long long)(r->B * r->T * c->num_experts_per_tok);
+    const long long H = c->hidden_size, I = c->moe_intermediate_size;
+    int64_t El, R;
+    codes_shape(r, &El, &R);
+    const long long rows = (long long)R;
     buf[0] = '\0';
     if (fm_expert_fp8_codes(r, a)) return;
     if (!r->expert_fp8) snprintf(buf, cap, "--expert-precision is bf16");
-    else if (ep_of(r) > 1) snprintf(buf, cap, "--ep is %d (the fast path needs --ep 1)", ep_of(r));
     else if (H % 128 != 0 || I % 128 != 0 || H <= 0 || I <= 0)
         snprintf(buf, cap, "hidden_size %lld and moe_intermediate_size %lld are not both multiples of 128 (the fast path "
                  "needs sizes multiples of 128)", H, I);
-    else if (E < 1 || E > 256) snprintf(buf, cap, "num_experts is %lld (the fast path takes 1 to 256)", E);
-    else if (!fm_fp8_layer_serves(c->num_experts, c->hidden_size, c->moe_intermediate_size, r->B * r->T * c->num_experts_per_tok))
-        snprintf(buf, cap, "the dispatch's %lld rows (micro-batch x seq-len x top-k) or their padded tokens reach 2^31 "
-                 "(a smaller --micro-batch or --seq-len)", rows);
+    else if (El < 1 || El > 256)
+        snprintf(buf, cap, "num_experts%s is %lld (the fast path takes 1 to 256%s)", ep_of(r) > 1 ? " / --ep" : "",
+                 (long long)El, ep_of(r) > 1 ? " per rank" : "");
+    else if (!fm_fp8_layer_serves(El, c->hidden_size, c->moe_intermediate_size, R))
+        snprintf(buf, cap, "the dispatch's %lld rows (micro-batch x seq-len x top-k%s) or their padded tokens reach 2^31 "
+                 "(a smaller --micro-batch or --seq-len)", rows, ep_of(r) > 1 ? ", x --ep at an owner" : "");
     else if (!a->cuda_bf16)
         snprintf(buf, cap, "the backend is cpu (the fast path needs CUDA on an sm_90 GPU: the CUDA build, or plan --backend cuda)");
     else if (!a->device_sm90) snprintf(buf, cap, "this GPU is not sm_90 (the fast path needs an H100 or H200)");

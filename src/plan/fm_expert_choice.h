@@ -109,8 +109,10 @@ fm_status fm_expert_choice_json(const fm_expert_choice *ch, char *buf, size_t ca
  * the backend's expert_fp8_serves then answers: the fast path on E4M3 codes for a CUDA run on an
  * sm_90 device (a->device_sm90) with FLATMOE_EXPERT_GEMM auto or sm90 (cublas, grouped and loop
  * keep the emulation, the plain twin), or on the CPU under FLATMOE_TEST_FP8_CODES=1 (the code
- * ops' reference); no --ep; hidden and intermediate sizes multiples of 128, at most 256 experts,
- * the dispatch's rows (B T k) and the padded token count below 2^31. False without fp8. */
+ * ops' reference); hidden and intermediate sizes multiples of 128, at most 256 experts, the
+ * dispatch's rows (B T k) and the padded token count below 2^31; under --ep the same for the
+ * owner's E/ep experts over ep x B T x min(k, E/ep) rows (its receive bound for any cap). False
+ * without fp8. */
 bool fm_expert_fp8_codes(const fm_plan_req *r, const fm_expert_ask *a);
 
 /* Why fm_expert_fp8_codes(r, a) is false, as one clause naming the input and the value found

@@ -74,7 +74,8 @@ const fm_spec_flag fm_spec_flags[] = {
            "multiples of 128 the GEMMs run on real E4M3 codes (our FP8 grouped GEMM, sync-free; "
            "FLATMOE_EXPERT_GEMM=cublas|grouped|loop keep the emulation); elsewhere the recipe's numerics are emulated "
            "on the native GEMMs (not its speed). metrics.jsonl's header says which (expert_fp8_path). bf16 = the "
-           "backend's native precision (fp32 on the CPU build); with --ep the emulated recipe (not with --llep)",
+           "backend's native precision (fp32 on the CPU build). Every precision runs with --ep and --llep (the codes "
+           "where the backend serves a rank's E/ep experts)",
            T | P, FIXED),
     V("fp8-weight-cache", FM_SPEC_BOOL, train.fp8_weight_cache, NULL,
       "default: kept when the plan still fits with them, its other knobs unchanged",

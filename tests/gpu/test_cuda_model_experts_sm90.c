@@ -200,9 +200,10 @@ static void block_run(const fm_moe_dims *d, int64_t N, int64_t K, const void *x,
     float *dtw = O->mem_alloc(g_be.ctx, sizeof(float) * (size_t)(N * k));
     O->sync(g_be.ctx);
     const uint64_t s0 = O->host_sync_count(g_be.ctx);
-    fm_moe_forward(&g_be, d, w, y, x, idx, tw, N, Kc, order, chunked ? NULL : &saved, &ws);
+    FM_ASSERT(fm_moe_forward(&g_be, d, w, y, x, idx, tw, N, Kc, order, chunked ? NULL : &saved, &ws) == FM_OK);
     ws.counts = NULL; /* the trainer counts the forward only */
-    fm_moe_backward(&g_be, d, w, &g, dx, dtw, dy, x, idx, tw, N, Kc, order, chunked ? NULL : &saved, &ws);
+    FM_ASSERT(fm_moe_backward(&g_be, d, w, &g, dx, dtw, dy, x, idx, tw, N, Kc, order, chunked ? NULL : &saved, &ws) ==
+              FM_OK);
     o->syncs = O->host_sync_count(g_be.ctx) - s0;
     O->sync(g_be.ctx);
     o->y = fnew(N * H), o->dx = fnew(N * H), o->dtw = fnew(N * k);
