@@ -85,6 +85,7 @@ int cmd_sample(int argc, char **argv) {
     char cpath[4200];
     snprintf(cpath, sizeof cpath, "%s/config.json", ckpt);
     if (!s) s = fm_config_load(&cfg, cpath);
+    if (!s && have_tok) s = cli_tokenizer_fits(&tok, cfg.vocab_size, cpath, tok_arg ? ckpt : NULL);
     if (!s) s = cli_backend_default_init(&be, threads, cfg.head_dim);
     if (s) {
         fm_free(ids);

@@ -49,7 +49,7 @@ const fm_spec_flag fm_spec_flags[] = {
     /* ---- shape ---- */
     V("seq-len", FM_SPEC_I64, train.seq_len, "128", NULL, "tokens per sequence", T, FIXED),
     V("seq-len", FM_SPEC_I64, train.seq_len, NULL, NULL, "tokens per sequence (required)", P, NOW),
-    V("micro-batch", FM_SPEC_I64, train.micro_batch, "16", NULL, "sequences per micro-batch (per data-parallel rank)",
+    V("micro-batch", FM_SPEC_I64, train.micro_batch, "16", "8 with --init-from", "sequences per micro-batch (per data-parallel rank)",
       T, FIXED),
     V("micro-batch", FM_SPEC_I64, train.micro_batch, "1", NULL, "sequences per micro-batch (per data-parallel rank)",
       P, NOW),
@@ -58,10 +58,10 @@ const fm_spec_flag fm_spec_flags[] = {
     V("steps", FM_SPEC_I64, train.steps, "1000", "with --resume, the run's own total", "optimizer steps in total", T,
       RUN),
     /* ---- the optimizer ---- */
-    V("lr", FM_SPEC_F64, train.lr, "2e-3", NULL, "peak learning rate", T, RUN),
-    V("min-lr", FM_SPEC_F64, train.min_lr, "2e-4", NULL, "learning rate at the end of the cosine decay", T, RUN),
-    V("warmup", FM_SPEC_I64, train.warmup, "50", NULL, "linear warmup steps", T, RUN),
-    V("weight-decay", FM_SPEC_F64, train.weight_decay, "0.1", NULL, "AdamW decoupled weight decay, not on norms", T,
+    V("lr", FM_SPEC_F64, train.lr, "2e-3", "2e-5 with --init-from", "peak learning rate", T, RUN),
+    V("min-lr", FM_SPEC_F64, train.min_lr, "2e-4", "0 with --init-from", "learning rate at the end of the cosine decay", T, RUN),
+    V("warmup", FM_SPEC_I64, train.warmup, "50", "0 with --init-from", "linear warmup steps", T, RUN),
+    V("weight-decay", FM_SPEC_F64, train.weight_decay, "0.1", "0 with --init-from", "AdamW decoupled weight decay, not on norms", T,
       RUN),
     V("grad-clip", FM_SPEC_F64, train.grad_clip, "1.0", NULL, "global gradient-norm clip, 0 = off", T, RUN),
     V("beta1", FM_SPEC_F64, train.beta1, "0.9", NULL, "AdamW beta1", T, RUN),
@@ -103,7 +103,7 @@ const fm_spec_flag fm_spec_flags[] = {
     V("threads", FM_SPEC_INT, train.threads, "0", NULL,
       "CPU threads, 0 = the cores not busy with other work at the start, or OMP_NUM_THREADS when set", T | P, FIXED),
     /* ---- the run folder and its cadence ---- */
-    V("out", FM_SPEC_STR, train.out_dir, "runs/tiny", NULL, "run folder: checkpoints and metrics.jsonl", T, NOW),
+    V("out", FM_SPEC_STR, train.out_dir, "runs/tiny", "runs/ft-NAME with --init-from NAME", "run folder: checkpoints and metrics.jsonl", T, NOW),
     V("resume", FM_SPEC_BOOL, train.resume, NULL, NULL,
       "continue from the latest checkpoint in --out, with the run's own flags (its state.json; a flag given again "
       "overrides its value) (refused when its model.safetensors disagrees with the optimizer's master copy)", T, NOW),
