@@ -111,6 +111,10 @@ typedef struct fm_spec_prepare {
     bool no_eos;                             /* --no-eos */
     const char *decode;                      /* --decode SHARD: print its text instead */
     bool show_mask;                          /* --show-mask (with --decode) */
+    const char *loss_on;                     /* --loss-on assistant | all (checked by the command) */
+    const char *role_map;                    /* --role-map FROM=TO,... */
+    bool skip_bad_records;                   /* --skip-bad-records */
+    bool no_chat_template;                   /* --no-chat-template: flatmoe's own chat form */
 } fm_spec_prepare;
 
 /* flatmoe calibrate's settings (cli_calibrate.c). */

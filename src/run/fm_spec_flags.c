@@ -270,6 +270,19 @@ const fm_spec_flag fm_spec_flags[] = {
       "instead: print the text of this shard (with --tokenizer)", PREP, NOW),
     V("show-mask", FM_SPEC_BOOL, prepare.show_mask, NULL, "off",
       "with --decode: wrap masked (prompt) tokens in [[ ]]", PREP, NOW),
+    /* prepare's chat records (issue 28: the tokenizer's chat template) */
+    V("loss-on", FM_SPEC_STR, prepare.loss_on, "assistant", NULL,
+      "assistant | all: the chat tokens that are loss targets (assistant: the assistant's turns and their end "
+      "marker; all: every token)", PREP, NOW),
+    V("role-map", FM_SPEC_STR, prepare.role_map, NULL, "none",
+      "FROM=TO,...: rename chat roles before the check (roles accepted: system, user, assistant, tool); TO empty "
+      "drops those messages, e.g. bot=assistant,human=user,narrator=", PREP, NOW),
+    V("skip-bad-records", FM_SPEC_BOOL, prepare.skip_bad_records, NULL, "off: stop at the first",
+      "a malformed JSONL line (bad JSON, unknown form or role, refused by the template) is a counted warning", PREP,
+      NOW),
+    V("no-chat-template", FM_SPEC_BOOL, prepare.no_chat_template, NULL, "off: the folder's template when it has one",
+      "render chats in flatmoe's own form (<|role|> lines) even when the tokenizer folder has a chat_template", PREP,
+      NOW),
     /* ---- calibrate: this backend's rates for plan ---- */
     V("out", FM_SPEC_STR, calibrate.out, NULL, "required",
       "the calibration table to write, e.g. configs/calib/h200.json", CAL, NOW),
