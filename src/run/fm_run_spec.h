@@ -93,6 +93,8 @@ typedef struct fm_spec_infer {
     const char *tokenizer;      /* --tokenizer */
     const char *prompt;         /* sample --prompt */
     bool ignore_eos;            /* sample --ignore-eos */
+    bool chat;                  /* sample --chat: the prompt as a user turn of the chat template */
+    const char *system;         /* sample --system: with --chat, a system turn first */
     int64_t max_new_tokens;     /* sample --max-new-tokens */
     double temperature;         /* sample --temperature */
     int64_t top_k;              /* sample --top-k */

@@ -249,6 +249,10 @@ const fm_spec_flag fm_spec_flags[] = {
       "tokenizer.json or a folder with one (eval encodes text files with it)", E | S, NOW),
     V("ignore-eos", FM_SPEC_BOOL, infer.ignore_eos, NULL, "off: stop there",
       "with a tokenizer: go on past its EOS token", S, NOW),
+    V("chat", FM_SPEC_BOOL, infer.chat, NULL, "off: the prompt as plain text",
+      "render --prompt as a user turn with the tokenizer folder's chat template and its generation prompt "
+      "(add_generation_prompt), as transformers' apply_chat_template does", S, NOW),
+    V("system", FM_SPEC_STR, infer.system, NULL, "none", "with --chat: a system turn before the prompt", S, NOW),
     V("max-new-tokens", FM_SPEC_I64, infer.max_new_tokens, "256", NULL, "tokens to generate", S, NOW),
     V("temperature", FM_SPEC_F64, infer.temperature, "0.8", NULL, "softmax temperature, 0 = greedy", S, NOW),
     V("top-k", FM_SPEC_I64, infer.top_k, "0", NULL, "sample among the k most likely tokens, 0 = all", S, NOW),
