@@ -273,8 +273,10 @@ static fm_status chat_template(prep *p, const cJSON *m, const cJSON *tools, cons
                                     MAX_SPANS, &ns);
     if (s) {
         fm_free(full);
-        return s == FM_ERR_FORMAT || s == FM_ERR_ARG
-                   ? fm_error(FM_ERR_FORMAT, "%s:%lld: %s", file, (long long)line, fm_errmsg()) : s;
+        if (s != FM_ERR_FORMAT && s != FM_ERR_ARG) return s;
+        char msg[1024]; /* fm_error formats into the buffer fm_errmsg reads */
+        snprintf(msg, sizeof msg, "%s", fm_errmsg());
+        return fm_error(FM_ERR_FORMAT, "%s:%lld: %s", file, (long long)line, msg);
     }
     p->n_ids = 0;
     s = fm_tokenizer_encode_append(p->tok, full, n, &p->ids, &p->n_ids, &p->cap_ids);
