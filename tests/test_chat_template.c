@@ -106,6 +106,16 @@ static void semantics(void) {
                 "refused the conversation: Conversation roles must alternate");
     check_error("{% if x %}", NULL, FM_ERR_FORMAT, "expected '{% endif %}'");
     check_error("{{ 'a' + [1] }}", NULL, FM_ERR_FORMAT, "arithmetic operator on string and list");
+    { /* nesting is bounded: 300 parentheses are refused, not a stack overflow */
+        char deep[700];
+        memset(deep, '(', 300);
+        strcpy(deep + 300, "1");
+        memset(deep + 301, ')', 300);
+        deep[601] = '\0';
+        char src[720];
+        snprintf(src, sizeof src, "{{ %s }}", deep);
+        check_error(src, NULL, FM_ERR_UNSUPPORTED, "nested deeper than 200");
+    }
 }
 
 /* The golden conversations of one template. */

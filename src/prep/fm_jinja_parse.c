@@ -25,8 +25,11 @@ typedef struct parser {
     jarena *a;
     const char *name;
     tok *toks; int n, cap, at;
+    int depth; /* nesting of expressions and blocks, bounded (MAX_DEPTH) so no input overflows the stack */
     bool oom;
 } parser;
+
+#define MAX_DEPTH 200
 
 static fm_status perr(const parser *P, int line, fm_status code, const char *what) {
     return fm_error(code, "chat template %s, line %d: %s", P->name, line, what);
@@ -422,7 +425,9 @@ static fm_status parse_unary(parser *P, jexpr **out) {
         P->at++;
         jexpr *e = node(P, E_NEG, t->line);
         if (!e) return fm_error(FM_ERR_NOMEM, "chat template: out of memory");
+        if (++P->depth > MAX_DEPTH) return perr(P, t->line, FM_ERR_UNSUPPORTED, "expressions or blocks nested deeper than 200");
         FM_TRY(parse_unary(P, &e->a));
+        P->depth--;
         if (is_op(t, "+")) *out = e->a;
         else *out = e;
         return FM_OK;
@@ -482,7 +487,9 @@ static fm_status parse_not(parser *P, jexpr **out) {
         P->at++;
         jexpr *e = node(P, E_NOT, t->line);
         if (!e) return fm_error(FM_ERR_NOMEM, "chat template: out of memory");
+        if (++P->depth > MAX_DEPTH) return perr(P, t->line, FM_ERR_UNSUPPORTED, "expressions or blocks nested deeper than 200");
         FM_TRY(parse_not(P, &e->a));
+        P->depth--;
         *out = e;
         return FM_OK;
     }
@@ -502,7 +509,16 @@ static fm_status parse_andor(parser *P, bool or, jexpr **out) {
     return FM_OK;
 }
 
+static fm_status parse_expr_in(parser *P, jexpr **out);
+
 static fm_status parse_expr(parser *P, jexpr **out) {
+    if (++P->depth > MAX_DEPTH) return perr(P, peek(P)->line, FM_ERR_UNSUPPORTED, "expressions or blocks nested deeper than 200");
+    fm_status s = parse_expr_in(P, out);
+    P->depth--;
+    return s;
+}
+
+static fm_status parse_expr_in(parser *P, jexpr **out) {
     FM_TRY(parse_andor(P, true, out));
     while (is_name(peek(P), "if")) { /* x if c [else y] */
         jexpr *e = node(P, E_COND, peek(P)->line);
@@ -622,6 +638,7 @@ static fm_status parse_stmt(parser *P, jstmt *s) {
 /* Statements up to a "{% END %}" of ends (NULL-terminated; NULL ends: the template's end).
  * *which = the index of the keyword that ended it (P->at then past the keyword). */
 static fm_status parse_body(parser *P, jbody *b, const char *const *ends, int *which) {
+    if (P->depth > MAX_DEPTH) return perr(P, peek(P)->line, FM_ERR_UNSUPPORTED, "expressions or blocks nested deeper than 200");
     for (;;) {
         tok *t = peek(P);
         if (t->t == T_EOF) {
@@ -649,7 +666,10 @@ static fm_status parse_body(parser *P, jbody *b, const char *const *ends, int *w
                     *which = k;
                     return FM_OK;
                 }
-            FM_TRY(parse_stmt(P, s));
+            P->depth++;
+            fm_status st = parse_stmt(P, s);
+            P->depth--;
+            FM_TRY(st);
         } else return perr(P, t->line, FM_ERR_FORMAT, "unexpected token outside a tag");
         if (!body_push(P, b, s)) return fm_error(FM_ERR_NOMEM, "chat template: out of memory");
     }
