@@ -133,6 +133,13 @@ python3 -c 'import json,sys; s=json.load(open(sys.argv[1]))["spec"]; sys.exit(no
 # no warmup, cosine from 2e-5 to --min-lr 0 over 2 steps: step 1 at half the peak (a from-scratch
 # default would print 2e-3's schedule)
 grep -q 'step *1/2 .*lr 1.00e-05' "$TMP/ft.out" && ok || bad "fine-tuning defaults: step 1's lr is not 1e-5: $(cat "$TMP/ft.out")"
+# a --resume continues with the run's own values: an --init-from given again takes no defaults
+"$FM" train --config "$TMP/micro3072.json" "${loud[@]}" --micro-batch 1 --steps 2 --exit-after 1 --out "$TMP/scratch" >/dev/null 2>&1 \
+    || bad "scratch run failed"
+out=$("$FM" train --init-from "$tk" "${loud[@]}" --steps 2 --resume --out "$TMP/scratch" 2>&1) || bad "resume with --init-from failed: $out"
+# (the from-scratch schedule: warmup 50 to 2e-3, so step 2 at 2e-3 x 2 / 50)
+! grep -q "fine-tuning defaults" <<<"$out" && grep -q 'step *2/2 .*lr 8.00e-05' <<<"$out" && ok ||
+    bad "a resume with --init-from took the fine-tuning defaults: $out"
 # --init-from a flatmoe run folder: its latest checkpoint
 out=$("$FM" train --init-from "$TMP/run-tok" --data "$TMP/one.txt" --val-data "$TMP/one.txt" --seq-len $T --micro-batch 1 --threads 2 --steps 1 --out "$TMP/run-fromrun" 2>&1) && grep -q "its latest checkpoint" <<<"$out" && ok ||
     bad "--init-from a run folder: $out"

@@ -44,9 +44,11 @@ int cmd_train(int argc, char **argv) {
     if (ft_out[0] && rank == 0 && !sp.train.quiet) printf("%s\n", ft_out);
     /* --resume: the run's own flags from its latest state.json, the ones given again overriding them */
     if ((s = fm_spec_resume(&sp, rank == 0 && !sp.train.quiet, NULL))) return cli_fail("train", s);
-    /* --init-from: the flags not given take fine-tuning values (run/fm_spec_finetune.h), said once */
-    char ft_said[512];
-    if ((s = fm_spec_finetune_defaults(&sp, ft_said, sizeof ft_said))) return cli_fail("train", s);
+    /* --init-from starting a run (not a --resume of one): the flags not given take fine-tuning
+     * values (run/fm_spec_finetune.h), said once */
+    char ft_said[512] = "", latest[4096];
+    const bool resuming = sp.train.resume && fm_ckpt_find_latest(sp.train.out_dir, latest, sizeof latest, NULL) == FM_OK;
+    if (!resuming && (s = fm_spec_finetune_defaults(&sp, ft_said, sizeof ft_said))) return cli_fail("train", s);
     if (ft_said[0] && rank == 0 && !sp.train.quiet) printf("%s\n", ft_said);
     if ((s = fm_spec_check(&sp))) return cli_fail("train", s);
     fm_train_opts o = fm_spec_train_opts(&sp);

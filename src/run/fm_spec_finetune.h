@@ -21,7 +21,8 @@ fm_status fm_spec_finetune_out(fm_run_spec *s, char *said, size_t cap);
  * checkpoint, sets it to its fine-tuning value and marks it given (so state.json keeps it and a
  * --resume restores it):
  *   --lr 2e-5, --min-lr 0, --weight-decay 0, --warmup 0, --micro-batch 8.
- * Called after fm_spec_resume. said[cap] gets one line naming the values taken ("" when none: no
+ * Called after fm_spec_resume, and only when the run starts (not when --resume continues a
+ * checkpoint: the run keeps its own values, restored or the defaults it began with). said[cap] gets one line naming the values taken ("" when none: no
  * --init-from, or every one given). Errors: those of fm_spec_set (none for these values). */
 fm_status fm_spec_finetune_defaults(fm_run_spec *s, char *said, size_t cap);
 
