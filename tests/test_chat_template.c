@@ -98,6 +98,8 @@ static void semantics(void) {
                  "{\"m\": [{\"r\": \"u\"}, {\"r\": \"a\"}]}", "u,a|1");
     check_render("{{ d.get('k', 'z') }}{{ d['q'] }}{{ (d.q or 'none') }}", "{\"d\": {\"q\": 5}}", "z55");
     check_render("{% generation %}g{% endgeneration %}", NULL, "g");
+    check_render("{{ '-' * 3 }}{{ 2 * 'ab' }}|{{ 'b' in 'abc' }}{{ 'b' in ['a'] }}{{ 'k' in {'k': 1} }}", NULL,
+                 "---abab|TrueFalseTrue");
     /* errors: the construct and its line; the template's own message */
     check_error("a\n{% macro f() %}{% endmacro %}", NULL, FM_ERR_UNSUPPORTED, "line 2: unsupported construct '{% macro");
     check_error("{{ x | wordwrap }}", NULL, FM_ERR_UNSUPPORTED, "unsupported filter 'wordwrap'");

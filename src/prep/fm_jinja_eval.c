@@ -118,7 +118,9 @@ static fm_status binop(jctx *c, const jexpr *e, jv x, jv y, jv *out) {
     }
     if (op == OP_IN || op == OP_NOTIN) {
         bool in = false;
-        if (y.k == JV_STR && x.k == JV_STR) {
+        if (y.k == JV_STR && x.k != JV_STR)
+            return err(c, e->line, "'in' of a %s in a string; expected a string on its left%s", jv_kind_name(x.k), "");
+        if (y.k == JV_STR) {
             for (size_t i = 0; !in && i + x.u.s.n <= y.u.s.n; i++) in = !memcmp(y.u.s.p + i, x.u.s.p, x.u.s.n);
         } else if (y.k == JV_LIST) {
             for (size_t i = 0; !in && i < y.u.l->n; i++) in = jv_equal(x, y.u.l->v[i]);
@@ -150,6 +152,17 @@ static fm_status binop(jctx *c, const jexpr *e, jv x, jv y, jv *out) {
         memcpy(p + x.u.s.n, y.u.s.p, y.u.s.n);
         *out = jv_str(p, x.u.s.n + y.u.s.n);
         return FM_OK;
+    }
+    if (op == OP_MUL && ((x.k == JV_STR && y.k == JV_INT) || (x.k == JV_INT && y.k == JV_STR))) { /* 'ab' * 3 */
+        const jv str = x.k == JV_STR ? x : y;
+        const int64_t k = x.k == JV_INT ? x.u.i : y.u.i;
+        if (k > 0 && str.u.s.n * (size_t)k > ((size_t)1 << 24))
+            return err(c, e->line, "a string repeated past 16 MiB%s%s", "", "");
+        jbuf b = {0};
+        for (int64_t i = 0; i < k; i++) jb_put(&b, str.u.s.p, str.u.s.n);
+        *out = jv_str_copy(&c->a, b.p ? b.p : "", b.n);
+        fm_free(b.p);
+        return b.oom ? oom() : FM_OK;
     }
     if (op == OP_ADD && x.k == JV_LIST && y.k == JV_LIST) {
         jv l = jv_list(&c->a);
