@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs the build dependencies (Debian 12 / Ubuntu, as root or with sudo) and builds flatmoe
-# into build/. Safe to run again: it only installs what is missing and rebuilds what changed.
+# Installs the build dependencies (Debian 12 / Ubuntu, as root or with sudo), builds flatmoe
+# into build/ and installs it on the PATH (`cmake --install build`: /usr/local/bin as root, else
+# ~/.local/bin; FLATMOE_PREFIX=DIR installs into DIR/bin, FLATMOE_INSTALL=0 skips it). Safe to run
+# again: it only installs what is missing and rebuilds what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pkgs=(build-essential cmake libopenblas-openmp-dev libcjson-dev fortunes openmpi-bin libopenmpi-dev)
@@ -16,3 +18,12 @@ fi
 # FLATMOE_MPI=ON: Open MPI was installed above, so its absence is an error, not a skipped test.
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DFLATMOE_MPI=ON >/dev/null
 cmake --build build -j"$(nproc)"
+if [ "${FLATMOE_INSTALL:-1}" != 0 ]; then
+    prefix=${FLATMOE_PREFIX:-}
+    [ -n "$prefix" ] || { [ "$(id -u)" -eq 0 ] && prefix=/usr/local || prefix=$HOME/.local; }
+    cmake --install build --prefix "$prefix" >/dev/null
+    case ":$PATH:" in
+    *":$prefix/bin:"*) echo "setup: installed $prefix/bin/flatmoe" ;;
+    *) echo "setup: installed $prefix/bin/flatmoe; add it to the PATH: export PATH=\"$prefix/bin:\$PATH\"" ;;
+    esac
+fi

@@ -106,13 +106,40 @@ printf 'FMMASK01\x05\0\0\0\0\0\0\0\0\1\0\1\1' > "$TMP/m.bin.mask"
 expect_fail "bad mask" "loss mask for 5 tokens, but" "$FM" eval --ckpt "$ck" --data "$TMP/m.bin" --seq-len $T --threads 2
 # the folder's tokenizer goes into every checkpoint of the run (sample and eval find it there), on
 # through a resume
-tk="$TMP/olmoe-tok"; cp -r "$TMP/olmoe-dtypef32" "$tk"; cp "$ROOT/tests/data/tok/olmoe/tokenizer.json" "$tk/"
+# (a tokenizer whose ids do not fit the model's vocab_size is refused at load, naming both sizes)
+bad_tk="$TMP/olmoe-badtok"; cp -r "$TMP/olmoe-dtypef32" "$bad_tk"; cp "$ROOT/tests/data/tok/olmoe/tokenizer.json" "$bad_tk/"
+expect_fail "tokenizer larger than the model" "has vocab_size 256: the tokenizer is not this model's" \
+    "$FM" train --init-from "$bad_tk" "${one[@]}" --steps 1 --out "$TMP/r-badtok"
+sed 's/"vocab_size": 256/"vocab_size": 3072/' "$ROOT/tests/data/micro.json" > "$TMP/micro3072.json"
+"$FM" train --config "$TMP/micro3072.json" "${one[@]}" --steps 1 --out "$TMP/v3072" >/dev/null || bad "vocab 3072 source run failed"
+tk="$TMP/olmoe-tok"; "$FX" "$TMP/v3072/step_000001" "$tk" --dtype f32 || bad "vocab 3072 fixture failed"
+cp "$ROOT/tests/data/tok/olmoe/tokenizer.json" "$tk/"
 "$FM" train --init-from "$tk" "${one[@]}" --steps 2 --exit-after 1 --out "$TMP/run-tok" >/dev/null || bad "tokenizer: run failed"
 cmp -s "$tk/tokenizer.json" "$TMP/run-tok/step_000001/tokenizer.json" && ok || bad "tokenizer: the checkpoint lacks the folder's tokenizer.json"
 "$FM" train --init-from "$tk" "${one[@]}" --steps 2 --resume --out "$TMP/run-tok" >/dev/null 2>&1 || bad "tokenizer: resume failed"
 cmp -s "$tk/tokenizer.json" "$TMP/run-tok/step_000002/tokenizer.json" && ok || bad "tokenizer: the resumed run's checkpoint lacks tokenizer.json"
 [ ! -f "$TMP/run-olmoe-dtypef32/step_000001/tokenizer.json" ] && ok || bad "tokenizer: a folder without one gave the checkpoint one"
 
+# the fine-tuning defaults (run/fm_spec_finetune.h): the flags not given take them, said at start,
+# kept in state.json; --out is runs/ft-NAME under the working folder
+loud=(--data "$TMP/one.txt" --val-data "$TMP/one.txt" --seq-len $T --threads 2 --log-every 1)
+(cd "$TMP" && "$FM" train --init-from "$tk" "${loud[@]}" --steps 2 --weight-decay 0.01) > "$TMP/ft.out" 2>&1 || bad "fine-tuning defaults: run failed: $(cat "$TMP/ft.out")"
+grep -qF -- "--out runs/ft-olmoe-tok (the default with --init-from" "$TMP/ft.out" && ok || bad "fine-tuning defaults: no --out line: $(cat "$TMP/ft.out")"
+grep -qF -- "--lr 2e-5, --min-lr 0, --warmup 0, --micro-batch 8 (the fine-tuning defaults" "$TMP/ft.out" && ok ||
+    bad "fine-tuning defaults: the line lacks the values (or names the given --weight-decay): $(cat "$TMP/ft.out")"
+st="$TMP/runs/ft-olmoe-tok/step_000002/state.json"
+python3 -c 'import json,sys; s=json.load(open(sys.argv[1]))["spec"]; sys.exit(not (s["lr"]==2e-5 and s["micro-batch"]==8 and s["weight-decay"]==0.01 and s["warmup"]==0))' "$st" \
+    && ok || bad "fine-tuning defaults: state.json's spec lacks them: $(cat "$st")"
+# no warmup, cosine from 2e-5 to --min-lr 0 over 2 steps: step 1 at half the peak (a from-scratch
+# default would print 2e-3's schedule)
+grep -q 'step *1/2 .*lr 1.00e-05' "$TMP/ft.out" && ok || bad "fine-tuning defaults: step 1's lr is not 1e-5: $(cat "$TMP/ft.out")"
+# a --resume continues with the run's own values: an --init-from given again takes no defaults
+"$FM" train --config "$TMP/micro3072.json" "${loud[@]}" --micro-batch 1 --steps 2 --exit-after 1 --out "$TMP/scratch" >/dev/null 2>&1 \
+    || bad "scratch run failed"
+out=$("$FM" train --init-from "$tk" "${loud[@]}" --steps 2 --resume --out "$TMP/scratch" 2>&1) || bad "resume with --init-from failed: $out"
+# (the from-scratch schedule: warmup 50 to 2e-3, so step 2 at 2e-3 x 2 / 50)
+! grep -q "fine-tuning defaults" <<<"$out" && grep -q 'step *2/2 .*lr 8.00e-05' <<<"$out" && ok ||
+    bad "a resume with --init-from took the fine-tuning defaults: $out"
 # --init-from a flatmoe run folder: its latest checkpoint
 out=$("$FM" train --init-from "$TMP/run-tok" --data "$TMP/one.txt" --val-data "$TMP/one.txt" --seq-len $T --micro-batch 1 --threads 2 --steps 1 --out "$TMP/run-fromrun" 2>&1) && grep -q "its latest checkpoint" <<<"$out" && ok ||
     bad "--init-from a run folder: $out"

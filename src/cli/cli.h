@@ -14,6 +14,7 @@
 #include "core/fm_test_hooks.h"
 #include "train/fm_threads.h"
 #include "run/fm_run_spec.h"
+#include "tok/fm_tokenizer.h"
 
 /* Parses argv[0..argc) of `flatmoe cmd` into the run spec s (made by fm_spec_default for the
  * command) through the flag table (run/fm_spec_flags.c): --name VALUE and --name=VALUE, file
@@ -37,6 +38,12 @@ int cli_fail(const char *cmd, fm_status s);
  * checkpoint), copied to out[cap]. Errors: those of fm_ckpt_find_latest, with a message naming
  * both readings. */
 fm_status cli_resolve_ckpt(const char *dir, char *out, size_t cap);
+/* Refuses a tokenizer that does not fit the model (cli_tok_check.c): tok->vocab_size (1 + its
+ * largest id) above model_vocab (the config's vocab_size; model_path names the model in the
+ * message), or, when own_dir is not NULL and holds a tokenizer.json (the checkpoint's own), a
+ * vocabulary size different from that one's. Errors: FM_ERR_ARG naming both sizes and the fix;
+ * those of fm_tokenizer_load for own_dir's tokenizer. */
+fm_status cli_tokenizer_fits(const fm_tokenizer *tok, int64_t model_vocab, const char *model_path, const char *own_dir);
 /* Levenshtein distance of a and b (insert, delete, substitute: 1 each; names up to 63 bytes). */
 int cli_edit_distance(const char *a, const char *b);
 

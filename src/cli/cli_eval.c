@@ -110,6 +110,10 @@ int cmd_eval(int argc, char **argv) {
         char tmpdir[] = "/tmp/flatmoe-eval-XXXXXX";
         fm_tokenizer tok;
         if ((s = fm_tokenizer_load(&tok, tok_arg))) return cli_fail("eval", s);
+        if ((s = cli_tokenizer_fits(&tok, cfg.vocab_size, cpath, tok_arg != tpath ? ckpt : NULL))) {
+            fm_tokenizer_free(&tok);
+            return cli_fail("eval", s);
+        }
         if (!mkdtemp(tmpdir)) s = fm_error(FM_ERR_IO, "eval: cannot create a temporary folder in /tmp");
         if (!s) s = tokenize_text_files(&tok, data, n_data, tmpdir, names);
         fm_tokenizer_free(&tok);

@@ -6,6 +6,7 @@
 
 #include "cli.h"
 #include "data/fm_data.h"
+#include "prep/fm_chat.h"
 #include "prep/fm_prepare.h"
 #include "tok/fm_tokenizer.h"
 
@@ -81,9 +82,23 @@ int cmd_prepare(int argc, char **argv) {
         fm_tokenizer_free(&tok);
         return rc;
     }
-    fm_prepare_opts o = {inputs, n_inputs, out, shard_tokens, fmt, no_eos, progress, NULL, 1.0};
+    if (strcmp(p->loss_on, "assistant") && strcmp(p->loss_on, "all")) {
+        fm_tokenizer_free(&tok);
+        return cli_usage_error("prepare", "--loss-on %s: expected assistant or all", p->loss_on);
+    }
+    fm_chat_template ct = {0};
+    if (!p->no_chat_template && (s = fm_chat_template_load(&ct, tok_dir))) {
+        fm_tokenizer_free(&tok);
+        return cli_fail("prepare", s);
+    }
+    if (ct.t) printf("chat records: rendered with the chat template of %s\n", ct.path);
+    fm_prepare_opts o = {.inputs = inputs, .n_inputs = n_inputs, .out_prefix = out, .shard_tokens = shard_tokens,
+                         .format = fmt, .no_eos = no_eos, .chat = ct.t ? &ct : NULL,
+                         .loss_all = !strcmp(p->loss_on, "all"), .role_map = p->role_map,
+                         .skip_bad = p->skip_bad_records, .progress = progress, .ctx = NULL, .progress_s = 1.0};
     fm_prepare_stats st;
     s = fm_prepare(&tok, &o, &st);
+    fm_chat_template_free(&ct);
     fm_tokenizer_free(&tok);
     if (s) return cli_fail("prepare", s);
     const double mb = (double)st.bytes / 1e6;
@@ -91,5 +106,12 @@ int cmd_prepare(int argc, char **argv) {
            (long long)st.documents, (long long)st.tokens, (long long)st.masked, (long long)st.shards,
            st.shards == 1 ? "" : "s", out, 0, st.shards > 1 ? " ..." : "", st.seconds, mb,
            st.seconds > 0 ? mb / st.seconds : 0.0);
+    if (st.no_loss)
+        printf("note: %lld record%s without a loss target (no assistant turn, or an empty completion): kept, they only "
+               "give context\n", (long long)st.no_loss, st.no_loss == 1 ? "" : "s");
+    if (st.dropped) printf("--role-map dropped %lld message%s\n", (long long)st.dropped, st.dropped == 1 ? "" : "s");
+    if (st.bad_records)
+        printf("warning: %lld malformed record%s skipped (--skip-bad-records; each named above)\n",
+               (long long)st.bad_records, st.bad_records == 1 ? "" : "s");
     return 0;
 }

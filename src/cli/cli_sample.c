@@ -9,6 +9,7 @@
 #include "backend/fm_backend_default.h"
 #include "cli.h"
 #include "comm/fm_comm.h"
+#include "prep/fm_chat.h"
 #include "tok/fm_tokenizer.h"
 #include "train/fm_sample.h"
 #include "train/fm_trainer.h"
@@ -26,6 +27,34 @@ static fm_status sample_tokenizer(const char *flag, const char *ckpt, fm_tokeniz
     FM_TRY(fm_tokenizer_load(tok, flag));
     *have = true;
     return FM_OK;
+}
+
+/* --chat: the prompt (and --system) rendered by the chat template of the tokenizer's folder with
+ * the generation prompt, into *out (fm_malloc'd). Errors: no template in the folder (FM_ERR_ARG,
+ * naming it); those of fm_chat_template_load and fm_chat_render. */
+static fm_status chat_prompt(const char *tok_path, const char *system, const char *prompt, char **out, size_t *n) {
+    fm_chat_template ct;
+    FM_TRY(fm_chat_template_load(&ct, tok_path));
+    if (!ct.t) {
+        fm_chat_template_free(&ct);
+        return fm_error(FM_ERR_ARG, "--chat: %s has no chat template (chat_template in tokenizer_config.json, or "
+                        "chat_template.jinja); give a tokenizer folder with one, or leave --chat out", tok_path);
+    }
+    cJSON *msgs = cJSON_CreateArray(), *m;
+    if (system && (m = cJSON_CreateObject())) {
+        cJSON_AddStringToObject(m, "role", "system");
+        cJSON_AddStringToObject(m, "content", system);
+        cJSON_AddItemToArray(msgs, m);
+    }
+    if ((m = cJSON_CreateObject())) {
+        cJSON_AddStringToObject(m, "role", "user");
+        cJSON_AddStringToObject(m, "content", prompt);
+        cJSON_AddItemToArray(msgs, m);
+    }
+    fm_status s = fm_chat_render(&ct, msgs, NULL, true, out, n);
+    cJSON_Delete(msgs);
+    fm_chat_template_free(&ct);
+    return s;
 }
 
 /* Prints the decode of seq[0..n) beyond its first *printed bytes, holding back a trailing U+FFFD
@@ -67,11 +96,24 @@ int cmd_sample(int argc, char **argv) {
     fm_tokenizer tok;
     bool have_tok;
     if ((s = sample_tokenizer(tok_arg, ckpt, &tok, &have_tok))) return cli_fail("sample", s);
+    if (sp.infer.chat && !have_tok)
+        return cli_fail("sample", fm_error(FM_ERR_ARG, "--chat needs a tokenizer with a chat template: %s has no "
+                                           "tokenizer.json; give --tokenizer DIR", ckpt));
+    char *rendered = NULL;
+    size_t rendered_n = 0;
+    if (sp.infer.chat) { /* the prompt becomes the template's text up to the assistant's turn */
+        if ((s = chat_prompt(tok_arg ? tok_arg : ckpt, sp.infer.system, prompt, &rendered, &rendered_n))) {
+            fm_tokenizer_free(&tok);
+            return cli_fail("sample", s);
+        }
+        prompt = rendered;
+    }
     int32_t *ids = NULL;
     int64_t n_ids = 0, cap_ids = 0;
     if (have_tok) {
         if ((s = fm_tokenizer_encode_append(&tok, prompt, strlen(prompt), &ids, &n_ids, &cap_ids))) {
             fm_tokenizer_free(&tok);
+            fm_free(rendered);
             return cli_fail("sample", s);
         }
         if (n_ids == 0 && tok.eos_id >= 0) { /* an empty prompt: start after an end of document */
@@ -85,9 +127,11 @@ int cmd_sample(int argc, char **argv) {
     char cpath[4200];
     snprintf(cpath, sizeof cpath, "%s/config.json", ckpt);
     if (!s) s = fm_config_load(&cfg, cpath);
+    if (!s && have_tok) s = cli_tokenizer_fits(&tok, cfg.vocab_size, cpath, tok_arg ? ckpt : NULL);
     if (!s) s = cli_backend_default_init(&be, threads, cfg.head_dim);
     if (s) {
         fm_free(ids);
+        fm_free(rendered);
         if (have_tok) fm_tokenizer_free(&tok);
         return cli_fail("sample", s);
     }
@@ -133,6 +177,7 @@ int cmd_sample(int argc, char **argv) {
     }
     fm_backend_default_free(&be);
     fm_free(ids);
+    fm_free(rendered);
     if (have_tok) fm_tokenizer_free(&tok);
     return s ? cli_fail("sample", s) : 0;
 }

@@ -11,9 +11,25 @@
 #include "comm/fm_comm_nccl.h"
 #include "plan/fm_plan.h"
 #include "run/fm_spec_check.h"
+#include "run/fm_spec_finetune.h"
 #include "run/fm_spec_resume.h"
 #include "train/fm_signal.h"
 #include "train/fm_trainer.h"
+
+/* --init-from DIR with a tokenizer.json: its ids must fit DIR's config.json vocab_size. */
+static fm_status init_tokenizer_fits(const char *dir) {
+    char tj[4200], cj[4200];
+    snprintf(tj, sizeof tj, "%s/tokenizer.json", dir);
+    snprintf(cj, sizeof cj, "%s/config.json", dir);
+    if (access(tj, R_OK) != 0 || access(cj, R_OK) != 0) return FM_OK;
+    fm_config cfg;
+    FM_TRY(fm_config_load(&cfg, cj));
+    fm_tokenizer tok;
+    FM_TRY(fm_tokenizer_load(&tok, tj));
+    fm_status s = cli_tokenizer_fits(&tok, cfg.vocab_size, cj, NULL);
+    fm_tokenizer_free(&tok);
+    return s;
+}
 
 int cmd_train(int argc, char **argv) {
     static fm_run_spec sp; /* every flag (run/fm_spec_flags.c rows of train) */
@@ -23,9 +39,18 @@ int cmd_train(int argc, char **argv) {
     fm_status s;
     int rank = 0, size = 1; /* many ranks: rank 0 prints what every rank would */
     (void)fm_comm_launcher(&rank, &size, NULL);
+    char ft_out[512]; /* --init-from without --out: runs/ft-NAME, before the resume looks there */
+    if ((s = fm_spec_finetune_out(&sp, ft_out, sizeof ft_out))) return cli_fail("train", s);
+    if (ft_out[0] && rank == 0 && !sp.train.quiet) printf("%s\n", ft_out);
     /* --resume: the run's own flags from its latest state.json, the ones given again overriding them */
     /* (said under --quiet too: these are not step lines) */
     if ((s = fm_spec_resume(&sp, rank == 0, NULL))) return cli_fail("train", s);
+    /* --init-from starting a run (not a --resume of one): the flags not given take fine-tuning
+     * values (run/fm_spec_finetune.h), said once */
+    char ft_said[512] = "", latest[4096];
+    const bool resuming = sp.train.resume && fm_ckpt_find_latest(sp.train.out_dir, latest, sizeof latest, NULL) == FM_OK;
+    if (!resuming && (s = fm_spec_finetune_defaults(&sp, ft_said, sizeof ft_said))) return cli_fail("train", s);
+    if (ft_said[0] && rank == 0 && !sp.train.quiet) printf("%s\n", ft_said);
     if ((s = fm_spec_check(&sp))) return cli_fail("train", s);
     fm_train_opts o = fm_spec_train_opts(&sp);
     static char *spec_json; /* saved whole in each checkpoint's state.json */
@@ -43,6 +68,7 @@ int cmd_train(int argc, char **argv) {
             o.init_from = init_dir;
         }
     }
+    if (o.init_from && (s = init_tokenizer_fits(o.init_from))) return cli_fail("train", s);
     fm_stop_install(); /* SIGINT/SIGTERM: finish the step, save, exit 128 + signal; a second one: at once */
     s = fm_train(&o);
     /* many ranks: a failure on one rank ends every rank (the message names this one); success

@@ -369,6 +369,27 @@ static fm_status open_megatron(const char *prefix, int64_t vocab_size, fm_data_p
 
 /* ---- llm.c shards and text ------------------------------------------------------------------ */
 
+/* The first byte of buf past a UTF-8 byte order mark and white space, or 0. */
+static char first_char(const unsigned char *buf, size_t n) {
+    size_t i = n >= 3 && !memcmp(buf, "\xEF\xBB\xBF", 3) ? 3 : 0;
+    while (i < n && (buf[i] == ' ' || buf[i] == '\t' || buf[i] == '\r' || buf[i] == '\n')) i++;
+    return i < n ? (char)buf[i] : 0;
+}
+
+/* Whether a "text" file is JSON or JSONL (chat data that `flatmoe prepare` should tokenize,
+ * issue 28): its first non-blank byte is '{' or '[' and either its name ends in .json / .jsonl
+ * or its first non-blank line ends (white space aside) in '}' or ']'. */
+static bool looks_like_json(const char *path, const unsigned char *buf, size_t n) {
+    const char c = first_char(buf, n);
+    if (c != '{' && c != '[') return false;
+    if (ends_with(path, ".json") || ends_with(path, ".jsonl")) return true;
+    const unsigned char *a = memchr(buf, c, n); /* the first line holding it */
+    const unsigned char *nl = memchr(a, '\n', n - (size_t)(a - buf));
+    const unsigned char *e = nl ? nl : buf + n;
+    while (e > a && (e[-1] == ' ' || e[-1] == '\t' || e[-1] == '\r')) e--;
+    return e > a && (e[-1] == '}' || e[-1] == ']');
+}
+
 static fm_status open_shard_or_text(const char *path, int64_t vocab_size, fm_data_part *p, fm_src_kind *kind,
                                     int *version) {
     int fd;
@@ -442,6 +463,13 @@ static fm_status open_shard_or_text(const char *path, int64_t vocab_size, fm_dat
         s = fm_error(FM_ERR_FORMAT, "%s: not UTF-8 text and not an llm.c shard (first int32 = %d; expected magic %d or "
                      "%d); found a NUL byte at offset %td; pass a text file, an llm.c token shard or a Megatron "
                      "PREFIX", path, magic, FM_SHARD_MAGIC_V1, FM_SHARD_MAGIC_V7, nul - buf);
+        goto out;
+    }
+    if (looks_like_json(path, buf, (size_t)size)) {
+        s = fm_error(FM_ERR_FORMAT, "%s: looks like JSON/JSONL (it starts with '%c'), not text to train on byte by "
+                     "byte; tokenize it first with `flatmoe prepare --tokenizer MODEL_DIR --input %s --out PREFIX` and "
+                     "pass --data PREFIX_000000.bin (to train on its raw bytes anyway: `flatmoe prepare ... --format "
+                     "text`)", path, first_char(buf, (size_t)size), path);
         goto out;
     }
     p->heap = buf;

@@ -10,7 +10,12 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../core/fm_log.h"
 #include "../data/fm_data.h"
+#include "fm_chat.h"
+
+#define MAX_ROLE_MAP 32
+#define MAX_SPANS 1024 /* assistant messages of one conversation */
 
 typedef struct prep {
     fm_tokenizer *tok;
@@ -20,6 +25,12 @@ typedef struct prep {
     int64_t n_shard, cap_shard; /* tokens in it; its capacity (grown up to shard_tokens) */
     int32_t *ids;      /* one part's ids (growable) */
     int64_t n_ids, cap_ids;
+    uint8_t *tmask;    /* the mask of one templated chat (grown with the ids) */
+    int64_t cap_tmask;
+    size_t *span_start, *span_end; /* [MAX_SPANS] */
+    bool *span_content;
+    char map_from[MAX_ROLE_MAP][64], map_to[MAX_ROLE_MAP][64];
+    int n_map;
     bool any_masked_form; /* a prompt/completion or chat record was seen */
     int64_t renamed;      /* shards already under their final names */
     fm_prepare_stats st;
@@ -75,22 +86,30 @@ static fm_status reserve(prep *p, int64_t need) {
     return FM_OK;
 }
 
-/* Appends ids with mask byte m, flushing full shards. */
-static fm_status push(prep *p, const int32_t *ids, int64_t n, uint8_t m) {
+/* Appends ids with mask byte m (or, when masks is not NULL, masks[i] each), flushing full shards. */
+static fm_status push_masks(prep *p, const int32_t *ids, int64_t n, uint8_t m, const uint8_t *masks) {
     while (n > 0) {
         const int64_t room = p->o->shard_tokens - p->n_shard, k = n < room ? n : room;
         FM_TRY(reserve(p, p->n_shard + k));
         memcpy(p->shard + p->n_shard, ids, (size_t)k * sizeof *ids);
-        memset(p->mask + p->n_shard, m, (size_t)k);
+        if (masks) {
+            memcpy(p->mask + p->n_shard, masks, (size_t)k);
+            for (int64_t i = 0; i < k; i++) p->st.masked += !masks[i];
+            masks += k;
+        } else {
+            memset(p->mask + p->n_shard, m, (size_t)k);
+            if (!m) p->st.masked += k;
+        }
         p->n_shard += k;
         p->st.tokens += k;
-        if (!m) p->st.masked += k;
         ids += k;
         n -= k;
         if (p->n_shard == p->o->shard_tokens) FM_TRY(flush_shard(p));
     }
     return FM_OK;
 }
+
+static fm_status push(prep *p, const int32_t *ids, int64_t n, uint8_t m) { return push_masks(p, ids, n, m, NULL); }
 
 /* Encodes one part of a document and appends it with mask byte m. */
 static fm_status part(prep *p, const char *s, size_t n, uint8_t m) {
@@ -99,9 +118,10 @@ static fm_status part(prep *p, const char *s, size_t n, uint8_t m) {
     return push(p, p->ids, p->n_ids, m);
 }
 
-static fm_status end_document(prep *p, uint8_t eos_mask) {
+/* Ends a document: EOS with mask byte eos_mask (eos_mask < 0 or no_eos: none), the progress. */
+static fm_status end_document(prep *p, int eos_mask) {
     p->st.documents++;
-    if (!p->o->no_eos) FM_TRY(push(p, &p->tok->eos_id, 1, eos_mask));
+    if (!p->o->no_eos && eos_mask >= 0) FM_TRY(push(p, &p->tok->eos_id, 1, (uint8_t)eos_mask));
     const double t = now_s();
     if (p->o->progress && t - p->last >= p->o->progress_s) {
         p->last = t;
@@ -143,6 +163,155 @@ static const char *str_field(const cJSON *o, const char *k, bool *present) {
     return cJSON_IsString(v) ? v->valuestring : NULL;
 }
 
+/* ---- chat records ---- */
+
+/* The role map "FROM=TO,..." into p->map_from / map_to. */
+static fm_status parse_role_map(prep *p, const char *map) {
+    for (const char *q = map; q && *q;) {
+        const char *comma = strchr(q, ','), *e = comma ? comma : q + strlen(q), *eq = memchr(q, '=', (size_t)(e - q));
+        if (!eq || eq == q || eq - q >= 64 || e - eq - 1 >= 64 || p->n_map == MAX_ROLE_MAP)
+            return fm_error(FM_ERR_ARG, "--role-map '%s': expected FROM=TO pairs separated by commas (TO empty: drop "
+                            "the message; at most %d pairs, names under 64 bytes), e.g. bot=assistant,narrator=",
+                            map, MAX_ROLE_MAP);
+        snprintf(p->map_from[p->n_map], 64, "%.*s", (int)(eq - q), q);
+        snprintf(p->map_to[p->n_map], 64, "%.*s", (int)(e - eq - 1), eq + 1);
+        p->n_map++;
+        q = comma ? comma + 1 : e;
+    }
+    return FM_OK;
+}
+
+/* The record's messages with the role map applied and the roles checked, as a new array (*out,
+ * the caller deletes it); plain: each content must be a string (flatmoe's own form). */
+static fm_status chat_messages(prep *p, const cJSON *msgs, bool plain, const char *file, int64_t line, cJSON **out) {
+    static const char *const accepted[] = {"system", "user", "assistant", "tool", NULL};
+    *out = NULL;
+    if (!cJSON_IsArray(msgs) || cJSON_GetArraySize(msgs) == 0)
+        return fm_error(FM_ERR_FORMAT, "%s:%lld: \"messages\" must be a non-empty array of {\"role\", \"content\"}",
+                        file, (long long)line);
+    cJSON *m = cJSON_Duplicate(msgs, true);
+    if (!m) return fm_error(FM_ERR_NOMEM, "prepare: out of memory for a record");
+    int k = 0, dropped = 0;
+    for (cJSON *e = m->child, *next; e; e = next, k++) {
+        next = e->next;
+        cJSON *role = cJSON_GetObjectItemCaseSensitive(e, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(e, "content");
+        if (!cJSON_IsObject(e) || !cJSON_IsString(role) || (plain && !cJSON_IsString(content))) {
+            cJSON_Delete(m);
+            return fm_error(FM_ERR_FORMAT, "%s:%lld: messages[%d] needs a \"role\" string and a \"content\" %s", file,
+                            (long long)line, k, plain ? "string" : "(a string, or null beside tool_calls)");
+        }
+        for (int i = 0; i < p->n_map; i++)
+            if (!strcmp(role->valuestring, p->map_from[i])) {
+                if (!p->map_to[i][0]) break;
+                cJSON_SetValuestring(role, p->map_to[i]);
+                break;
+            }
+        bool drop = false;
+        for (int i = 0; i < p->n_map; i++) drop |= !p->map_to[i][0] && !strcmp(role->valuestring, p->map_from[i]);
+        if (drop) {
+            cJSON_Delete(cJSON_DetachItemViaPointer(m, e));
+            dropped++;
+            continue;
+        }
+        int a = 0;
+        while (accepted[a] && strcmp(accepted[a], role->valuestring)) a++;
+        if (!accepted[a]) {
+            fm_status s = fm_error(FM_ERR_FORMAT, "%s:%lld: messages[%d] has role \"%.100s\"; accepted: system, user, "
+                                   "assistant, tool; rename or drop other roles with --role-map (e.g. --role-map "
+                                   "%.100s=assistant, or %.100s= to drop those messages)", file, (long long)line, k,
+                                   role->valuestring, role->valuestring, role->valuestring);
+            cJSON_Delete(m);
+            return s;
+        }
+    }
+    if (!m->child) {
+        cJSON_Delete(m);
+        return fm_error(FM_ERR_FORMAT, "%s:%lld: no message is left after --role-map dropped %d", file, (long long)line,
+                        dropped);
+    }
+    p->st.dropped += dropped;
+    *out = m;
+    return FM_OK;
+}
+
+/* flatmoe's own chat form (no chat template): "<|R|>\n" masked, "X\n" a target when R is the
+ * assistant's, then EOS. */
+static fm_status chat_plain(prep *p, const cJSON *m) {
+    bool last_assistant = false, any = false;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, m) {
+        const char *role = cJSON_GetObjectItemCaseSensitive(e, "role")->valuestring;
+        const char *content = cJSON_GetObjectItemCaseSensitive(e, "content")->valuestring;
+        char head[256];
+        int hn = snprintf(head, sizeof head, "<|%s|>\n", role);
+        last_assistant = !strcmp(role, "assistant");
+        any |= last_assistant;
+        FM_TRY(part(p, head, (size_t)hn, p->o->loss_all ? 1 : 0));
+        const size_t cl = strlen(content); /* content and its newline as one part */
+        char *buf = fm_malloc(cl + 2);
+        if (!buf) return fm_error(FM_ERR_NOMEM, "prepare: out of memory for a %zu-byte message", cl);
+        memcpy(buf, content, cl);
+        buf[cl] = '\n';
+        fm_status s = part(p, buf, cl + 1, last_assistant || p->o->loss_all ? 1 : 0);
+        fm_free(buf);
+        FM_TRY(s);
+    }
+    if (!any && !p->o->loss_all) p->st.no_loss++;
+    return end_document(p, last_assistant || p->o->loss_all ? 1 : 0);
+}
+
+/* The tokenizer's chat template: the whole conversation rendered and encoded as one text, the
+ * assistant spans (prep/fm_chat.h) the loss targets. */
+static fm_status chat_template(prep *p, const cJSON *m, const cJSON *tools, const char *file, int64_t line) {
+    char *full = NULL;
+    size_t n = 0;
+    int ns = 0;
+    fm_status s = fm_chat_render(p->o->chat, m, tools, false, &full, &n);
+    if (!s && !p->o->loss_all)
+        s = fm_chat_assistant_spans(p->o->chat, m, tools, full, n, p->span_start, p->span_end, p->span_content,
+                                    MAX_SPANS, &ns);
+    if (s) {
+        fm_free(full);
+        if (s != FM_ERR_FORMAT && s != FM_ERR_ARG) return s;
+        char msg[1024]; /* fm_error formats into the buffer fm_errmsg reads */
+        snprintf(msg, sizeof msg, "%s", fm_errmsg());
+        return fm_error(FM_ERR_FORMAT, "%s:%lld: %s", file, (long long)line, msg);
+    }
+    p->n_ids = 0;
+    s = fm_tokenizer_encode_append(p->tok, full, n, &p->ids, &p->n_ids, &p->cap_ids);
+    if (!s && p->n_ids > p->cap_tmask) {
+        fm_free(p->tmask);
+        p->cap_tmask = p->cap_ids;
+        if (!(p->tmask = fm_malloc((size_t)p->cap_tmask))) s = fm_error(FM_ERR_NOMEM, "prepare: out of memory for a mask");
+    }
+    if (!s) {
+        memset(p->tmask, p->o->loss_all ? 1 : 0, (size_t)p->n_ids);
+        if (!p->o->loss_all)
+            s = fm_chat_token_mask(p->tok, p->o->chat, full, p->ids, p->n_ids, p->span_start, p->span_end,
+                                   p->span_content, ns, p->tmask);
+    }
+    fm_free(full);
+    FM_TRY(s);
+    bool any = false;
+    for (int64_t i = 0; i < p->n_ids && !any; i++) any = p->tmask[i];
+    if (!any) p->st.no_loss++;
+    FM_TRY(push_masks(p, p->ids, p->n_ids, 0, p->tmask));
+    return end_document(p, -1); /* the template ends its turns */
+}
+
+static fm_status chat_record(prep *p, const cJSON *j, const cJSON *msgs, const char *file, int64_t line) {
+    const cJSON *tools = cJSON_GetObjectItemCaseSensitive(j, "tools");
+    if (tools && !cJSON_IsArray(tools) && !cJSON_IsNull(tools))
+        return fm_error(FM_ERR_FORMAT, "%s:%lld: \"tools\" must be an array of tool descriptions", file, (long long)line);
+    cJSON *m;
+    FM_TRY(chat_messages(p, msgs, !p->o->chat, file, line, &m));
+    p->any_masked_form = true;
+    fm_status s = p->o->chat ? chat_template(p, m, cJSON_IsArray(tools) ? tools : NULL, file, line) : chat_plain(p, m);
+    cJSON_Delete(m);
+    return s;
+}
+
 /* One JSONL record. */
 static fm_status record(prep *p, const cJSON *j, const char *file, int64_t line) {
     if (!cJSON_IsObject(j))
@@ -157,43 +326,12 @@ static fm_status record(prep *p, const cJSON *j, const char *file, int64_t line)
             return fm_error(FM_ERR_FORMAT, "%s:%lld: a prompt/completion record needs both \"prompt\" and \"completion\" "
                             "as strings", file, (long long)line);
         p->any_masked_form = true;
+        if (!compl[0] && p->o->no_eos) p->st.no_loss++;
         FM_TRY(part(p, prompt, strlen(prompt), 0));
         FM_TRY(part(p, compl, strlen(compl), 1));
         return end_document(p, 1);
     }
-    if (msgs) {
-        if (!cJSON_IsArray(msgs) || cJSON_GetArraySize(msgs) == 0)
-            return fm_error(FM_ERR_FORMAT, "%s:%lld: \"messages\" must be a non-empty array of {\"role\", \"content\"}",
-                            file, (long long)line);
-        p->any_masked_form = true;
-        const cJSON *m;
-        int k = 0;
-        bool last_assistant = false;
-        cJSON_ArrayForEach(m, msgs) {
-            bool hr, hc;
-            const char *role = str_field(m, "role", &hr), *content = str_field(m, "content", &hc);
-            if (!role || !content)
-                return fm_error(FM_ERR_FORMAT, "%s:%lld: messages[%d] needs \"role\" and \"content\" strings", file,
-                                (long long)line, k);
-            char head[256];
-            int hn = snprintf(head, sizeof head, "<|%s|>\n", role);
-            if (hn < 0 || hn >= (int)sizeof head)
-                return fm_error(FM_ERR_FORMAT, "%s:%lld: messages[%d]: role longer than 240 bytes", file, (long long)line, k);
-            last_assistant = !strcmp(role, "assistant");
-            FM_TRY(part(p, head, (size_t)hn, 0));
-            /* content and its newline as one part */
-            const size_t cl = strlen(content);
-            char *buf = fm_malloc(cl + 2);
-            if (!buf) return fm_error(FM_ERR_NOMEM, "prepare: out of memory for a %zu-byte message", cl);
-            memcpy(buf, content, cl);
-            buf[cl] = '\n';
-            fm_status s = part(p, buf, cl + 1, last_assistant ? 1 : 0);
-            fm_free(buf);
-            FM_TRY(s);
-            k++;
-        }
-        return end_document(p, last_assistant ? 1 : 0);
-    }
+    if (msgs) return chat_record(p, j, msgs, file, line);
     if (has_text) {
         if (!text) return fm_error(FM_ERR_FORMAT, "%s:%lld: \"text\" must be a string", file, (long long)line);
         FM_TRY(part(p, text, strlen(text), 1));
@@ -230,13 +368,18 @@ static fm_status jsonl_file(prep *p, const char *file, const char *buf, size_t n
                 while (q < buf + e && (*q == ' ' || *q == '\t' || *q == '\r')) q++;
                 trailing = q < buf + e;
             }
-            if (!j || trailing) {
-                cJSON_Delete(j);
-                return fm_error(FM_ERR_FORMAT, "%s:%lld: malformed JSON%s; expected one JSON object per line", file,
-                                (long long)line, trailing ? " (text after the object)" : "");
-            }
-            fm_status s = record(p, j, file, line);
+            fm_status s;
+            if (!j || trailing)
+                s = fm_error(FM_ERR_FORMAT, "%s:%lld: malformed JSON%s; expected one JSON object per line%s", file,
+                             (long long)line, trailing ? " (text after the object)" : "",
+                             p->o->skip_bad ? "" : " (--skip-bad-records skips such lines with a warning)");
+            else s = record(p, j, file, line);
             cJSON_Delete(j);
+            if (s == FM_ERR_FORMAT && p->o->skip_bad) { /* nothing of the record was written: checked first */
+                fm_log(FM_LOG_WARN, "warning: prepare: record skipped: %s\n", fm_errmsg());
+                p->st.bad_records++;
+                s = FM_OK;
+            }
             FM_TRY(s);
         }
         p->st.bytes += (int64_t)(e - i) + (nl ? 1 : 0);
@@ -289,6 +432,29 @@ static fm_status run(prep *p) {
     return FM_OK;
 }
 
+/* Creates the folder of prefix (and its parents) when missing. */
+static fm_status make_parent(const char *prefix) {
+    char dir[4200];
+    snprintf(dir, sizeof dir, "%s", prefix);
+    char *slash = strrchr(dir, '/');
+    if (!slash || slash == dir) return FM_OK;
+    *slash = '\0';
+    for (char *q = dir + 1;; q++) {
+        const bool end = *q == '\0';
+        if (*q == '/' || end) {
+            *q = '\0';
+            struct stat st;
+            if (stat(dir, &st) != 0 && mkdir(dir, 0777) != 0 && errno != EEXIST)
+                return fm_error(FM_ERR_IO, "%s: cannot create the output folder: %s; check --out", dir, strerror(errno));
+            if (stat(dir, &st) == 0 && !S_ISDIR(st.st_mode))
+                return fm_error(FM_ERR_IO, "%s: exists and is not a folder; --out %s needs it to be one", dir, prefix);
+            if (end) break;
+            *q = '/';
+        }
+    }
+    return FM_OK;
+}
+
 fm_status fm_prepare(fm_tokenizer *tok, const fm_prepare_opts *o, fm_prepare_stats *st) {
     memset(st, 0, sizeof *st);
     if (o->n_inputs < 1 || !o->out_prefix)
@@ -304,7 +470,15 @@ fm_status fm_prepare(fm_tokenizer *tok, const fm_prepare_opts *o, fm_prepare_sta
     p.tok = tok;
     p.o = o;
     p.t0 = p.last = now_s();
-    fm_status s = run(&p);
+    fm_status s = parse_role_map(&p, o->role_map);
+    if (!s) s = make_parent(o->out_prefix);
+    if (!s && o->chat) {
+        p.span_start = fm_malloc(sizeof *p.span_start * MAX_SPANS);
+        p.span_end = fm_malloc(sizeof *p.span_end * MAX_SPANS);
+        p.span_content = fm_malloc(sizeof *p.span_content * MAX_SPANS);
+        if (!p.span_start || !p.span_end || !p.span_content) s = fm_error(FM_ERR_NOMEM, "prepare: out of memory");
+    }
+    if (!s) s = run(&p);
     if (s) { /* no partial output: the .part files (and any already renamed) go */
         char path[4300];
         for (int64_t k = 0; k <= p.st.shards; k++) {
@@ -322,5 +496,9 @@ fm_status fm_prepare(fm_tokenizer *tok, const fm_prepare_opts *o, fm_prepare_sta
     fm_free(p.shard);
     fm_free(p.mask);
     fm_free(p.ids);
+    fm_free(p.tmask);
+    fm_free(p.span_start);
+    fm_free(p.span_end);
+    fm_free(p.span_content);
     return s;
 }

@@ -6,11 +6,18 @@
  *   JSONL (.jsonl / .json, or --format jsonl): one JSON object per line (blank lines skipped):
  *     {"text": T}                      a document, every token a loss target;
  *     {"prompt": P, "completion": C}   P then C, each encoded on its own; P's tokens masked;
- *     {"messages": [{"role": R, "content": X}, ...]}  a chat rendered with this template, each
- *         part encoded on its own:  "<|R|>\n" (masked), then "X\n" (a loss target only when R is
- *         "assistant"), message after message.
- *   Each document is followed by the tokenizer's EOS token (unless no_eos), a loss target except
- *   after a chat whose last message is not the assistant's. Documents run on across shards.
+ *     {"messages": [{"role": R, "content": X, ...}, ...], "tools": [...]}  a chat. R must be one
+ *         of system, user, assistant, tool (after role_map; else an error naming the line, the
+ *         role and the accepted ones). With a chat template (o->chat: the tokenizer folder's, see
+ *         prep/fm_chat.h) the whole conversation is rendered by it and encoded as one text (the
+ *         ids of transformers' apply_chat_template(tokenize=True)); the loss targets are the
+ *         assistant spans of fm_chat.h (every token with loss_all); no EOS is added (the template
+ *         ends its turns). Without one, flatmoe's own form, each part encoded on its own:
+ *         "<|R|>\n" (masked), then "X\n" (a loss target only when R is "assistant"), message
+ *         after message, then EOS.
+ *   Each other document is followed by the tokenizer's EOS token (unless no_eos), a loss target
+ *   except after a chat whose last message is not the assistant's. Documents run on across
+ *   shards. A chat with no loss target at all is kept and counted (st->no_loss).
  *   Encoding each part on its own keeps the mask boundaries exact; a sentencepiece-style
  *   tokenizer (Prepend "▁") gives each part its own leading "▁".
  *
@@ -36,6 +43,9 @@ typedef struct fm_prepare_stats {
     int64_t masked;        /* tokens with mask byte 0 */
     int64_t shards;        /* shards written (or being written) */
     int64_t bytes;         /* input bytes read */
+    int64_t no_loss;       /* chat / prompt records with no loss target */
+    int64_t bad_records;   /* malformed records skipped (skip_bad) */
+    int64_t dropped;       /* messages dropped by role_map */
     double seconds;        /* since the start */
     const char *file;      /* the file being read */
 } fm_prepare_stats;
@@ -47,6 +57,12 @@ typedef struct fm_prepare_opts {
     int64_t shard_tokens;      /* tokens per shard, >= 1 (the last shard may hold fewer) */
     fm_prep_format format;     /* AUTO: by extension (.jsonl / .json: JSONL; anything else: text) */
     bool no_eos;               /* no EOS after documents */
+    const struct fm_chat_template *chat; /* the tokenizer's chat template, or NULL (flatmoe's own form) */
+    bool loss_all;             /* chat records: every token a loss target, not only the assistant's */
+    /* "FROM=TO,FROM2=TO2,...": roles renamed before the check (TO empty: the message is dropped),
+     * e.g. "bot=assistant,human=user,narrator="; NULL: none */
+    const char *role_map;
+    bool skip_bad;             /* a malformed record (FM_ERR_FORMAT) is a counted warning, not an error */
     /* Called about every progress_s seconds (and once at the end) with the running totals; NULL:
      * never. The library prints nothing. */
     void (*progress)(const fm_prepare_stats *st, void *ctx);
@@ -55,10 +71,13 @@ typedef struct fm_prepare_opts {
 } fm_prepare_opts;
 
 /* Tokenizes o->inputs with tok into shards (see above); *st gets the totals.
+ * The folder of out_prefix is created (with its parents) when missing.
  * Errors: FM_ERR_ARG (no inputs, shard_tokens < 1, no EOS token while !no_eos, no tokens at all,
- * an id above uint32); FM_ERR_IO (an input missing or unreadable, a shard not writable: naming the
+ * an id above uint32, a malformed role_map); FM_ERR_IO (an input missing or unreadable, a shard not writable: naming the
  * file); FM_ERR_FORMAT (a malformed JSON line or a record of no known form, naming the file and
- * the line); those of the tokenizer; FM_ERR_NOMEM. On error no output file is left. */
+ * the line; an unknown role; the chat template's raise_exception: with skip_bad each of these is a
+ * warning through fm_log and the record is skipped); FM_ERR_UNSUPPORTED (a template construct
+ * outside the subset); those of the tokenizer; FM_ERR_NOMEM. On error no output file is left. */
 fm_status fm_prepare(fm_tokenizer *tok, const fm_prepare_opts *o, fm_prepare_stats *st);
 
 #endif

@@ -93,6 +93,8 @@ typedef struct fm_spec_infer {
     const char *tokenizer;      /* --tokenizer */
     const char *prompt;         /* sample --prompt */
     bool ignore_eos;            /* sample --ignore-eos */
+    bool chat;                  /* sample --chat: the prompt as a user turn of the chat template */
+    const char *system;         /* sample --system: with --chat, a system turn first */
     int64_t max_new_tokens;     /* sample --max-new-tokens */
     double temperature;         /* sample --temperature */
     int64_t top_k;              /* sample --top-k */
@@ -111,6 +113,10 @@ typedef struct fm_spec_prepare {
     bool no_eos;                             /* --no-eos */
     const char *decode;                      /* --decode SHARD: print its text instead */
     bool show_mask;                          /* --show-mask (with --decode) */
+    const char *loss_on;                     /* --loss-on assistant | all (checked by the command) */
+    const char *role_map;                    /* --role-map FROM=TO,... */
+    bool skip_bad_records;                   /* --skip-bad-records */
+    bool no_chat_template;                   /* --no-chat-template: flatmoe's own chat form */
 } fm_spec_prepare;
 
 /* flatmoe calibrate's settings (cli_calibrate.c). */

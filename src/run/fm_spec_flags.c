@@ -49,7 +49,7 @@ const fm_spec_flag fm_spec_flags[] = {
     /* ---- shape ---- */
     V("seq-len", FM_SPEC_I64, train.seq_len, "128", NULL, "tokens per sequence", T, FIXED),
     V("seq-len", FM_SPEC_I64, train.seq_len, NULL, NULL, "tokens per sequence (required)", P, NOW),
-    V("micro-batch", FM_SPEC_I64, train.micro_batch, "16", NULL, "sequences per micro-batch (per data-parallel rank)",
+    V("micro-batch", FM_SPEC_I64, train.micro_batch, "16", "8 with --init-from", "sequences per micro-batch (per data-parallel rank)",
       T, FIXED),
     V("micro-batch", FM_SPEC_I64, train.micro_batch, "1", NULL, "sequences per micro-batch (per data-parallel rank)",
       P, NOW),
@@ -58,10 +58,10 @@ const fm_spec_flag fm_spec_flags[] = {
     V("steps", FM_SPEC_I64, train.steps, "1000", "with --resume, the run's own total", "optimizer steps in total", T,
       RUN),
     /* ---- the optimizer ---- */
-    V("lr", FM_SPEC_F64, train.lr, "2e-3", NULL, "peak learning rate", T, RUN),
-    V("min-lr", FM_SPEC_F64, train.min_lr, "2e-4", NULL, "learning rate at the end of the cosine decay", T, RUN),
-    V("warmup", FM_SPEC_I64, train.warmup, "50", NULL, "linear warmup steps", T, RUN),
-    V("weight-decay", FM_SPEC_F64, train.weight_decay, "0.1", NULL, "AdamW decoupled weight decay, not on norms", T,
+    V("lr", FM_SPEC_F64, train.lr, "2e-3", "2e-5 with --init-from", "peak learning rate", T, RUN),
+    V("min-lr", FM_SPEC_F64, train.min_lr, "2e-4", "0 with --init-from", "learning rate at the end of the cosine decay", T, RUN),
+    V("warmup", FM_SPEC_I64, train.warmup, "50", "0 with --init-from", "linear warmup steps", T, RUN),
+    V("weight-decay", FM_SPEC_F64, train.weight_decay, "0.1", "0 with --init-from", "AdamW decoupled weight decay, not on norms", T,
       RUN),
     V("grad-clip", FM_SPEC_F64, train.grad_clip, "1.0", NULL, "global gradient-norm clip, 0 = off", T, RUN),
     V("beta1", FM_SPEC_F64, train.beta1, "0.9", NULL, "AdamW beta1", T, RUN),
@@ -104,7 +104,7 @@ const fm_spec_flag fm_spec_flags[] = {
     V("threads", FM_SPEC_INT, train.threads, "0", NULL,
       "CPU threads, 0 = the cores not busy with other work at the start, or OMP_NUM_THREADS when set", T | P, FIXED),
     /* ---- the run folder and its cadence ---- */
-    V("out", FM_SPEC_STR, train.out_dir, "runs/tiny", NULL, "run folder: checkpoints and metrics.jsonl", T, NOW),
+    V("out", FM_SPEC_STR, train.out_dir, "runs/tiny", "runs/ft-NAME with --init-from NAME", "run folder: checkpoints and metrics.jsonl", T, NOW),
     V("resume", FM_SPEC_BOOL, train.resume, NULL, NULL,
       "continue from the latest checkpoint in --out, with the run's own flags (its state.json; a flag given again "
       "overrides its value) (refused when its model.safetensors disagrees with the optimizer's master copy)", T, NOW),
@@ -250,6 +250,10 @@ const fm_spec_flag fm_spec_flags[] = {
       "tokenizer.json or a folder with one (eval encodes text files with it)", E | S, NOW),
     V("ignore-eos", FM_SPEC_BOOL, infer.ignore_eos, NULL, "off: stop there",
       "with a tokenizer: go on past its EOS token", S, NOW),
+    V("chat", FM_SPEC_BOOL, infer.chat, NULL, "off: the prompt as plain text",
+      "render --prompt as a user turn with the tokenizer folder's chat template and its generation prompt "
+      "(add_generation_prompt), as transformers' apply_chat_template does", S, NOW),
+    V("system", FM_SPEC_STR, infer.system, NULL, "none", "with --chat: a system turn before the prompt", S, NOW),
     V("max-new-tokens", FM_SPEC_I64, infer.max_new_tokens, "256", NULL, "tokens to generate", S, NOW),
     V("temperature", FM_SPEC_F64, infer.temperature, "0.8", NULL, "softmax temperature, 0 = greedy", S, NOW),
     V("top-k", FM_SPEC_I64, infer.top_k, "0", NULL, "sample among the k most likely tokens, 0 = all", S, NOW),
@@ -271,6 +275,19 @@ const fm_spec_flag fm_spec_flags[] = {
       "instead: print the text of this shard (with --tokenizer)", PREP, NOW),
     V("show-mask", FM_SPEC_BOOL, prepare.show_mask, NULL, "off",
       "with --decode: wrap masked (prompt) tokens in [[ ]]", PREP, NOW),
+    /* prepare's chat records (issue 28: the tokenizer's chat template) */
+    V("loss-on", FM_SPEC_STR, prepare.loss_on, "assistant", NULL,
+      "assistant | all: the chat tokens that are loss targets (assistant: the assistant's turns and their end "
+      "marker; all: every token)", PREP, NOW),
+    V("role-map", FM_SPEC_STR, prepare.role_map, NULL, "none",
+      "FROM=TO,...: rename chat roles before the check (roles accepted: system, user, assistant, tool); TO empty "
+      "drops those messages, e.g. bot=assistant,human=user,narrator=", PREP, NOW),
+    V("skip-bad-records", FM_SPEC_BOOL, prepare.skip_bad_records, NULL, "off: stop at the first",
+      "a malformed JSONL line (bad JSON, unknown form or role, refused by the template) is a counted warning", PREP,
+      NOW),
+    V("no-chat-template", FM_SPEC_BOOL, prepare.no_chat_template, NULL, "off: the folder's template when it has one",
+      "render chats in flatmoe's own form (<|role|> lines) even when the tokenizer folder has a chat_template", PREP,
+      NOW),
     /* ---- calibrate: this backend's rates for plan ---- */
     V("out", FM_SPEC_STR, calibrate.out, NULL, "required",
       "the calibration table to write, e.g. configs/calib/h200.json", CAL, NOW),

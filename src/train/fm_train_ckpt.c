@@ -264,7 +264,7 @@ static fm_status save_checkpoint(run *r, const train_state *ts) {
  * the new checkpoint folder `dir`. None there: nothing to copy. Errors: FM_ERR_IO (the copy). */
 static fm_status copy_tokenizer(run *r, const char *dir) {
     static const char *const names[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                                        "generation_config.json"};
+                                        "generation_config.json", "chat_template.jinja"};
     char src[4096] = "", probe[4200];
     if (r->tokenizer_dir[0]) snprintf(src, sizeof src, "%s", r->tokenizer_dir); /* resumed, or saved before */
     else if (r->o->init_from) snprintf(src, sizeof src, "%s", r->o->init_from);
