@@ -211,10 +211,10 @@ static void test_rope(int64_t B, int64_t T, int64_t Tmax, int64_t nh, int64_t hd
     double *ref = dnew(n);
     fm_ref_rope(ref, s.x, cs, sn, B, T, nh, hd, 1.0);
     memcpy(buf, x, (size_t)n * sizeof(float));
-    OPS->rope_fwd(CTX, buf, cs, sn, B, T, nh, hd);
+    OPS->rope_fwd(CTX, buf, cs, sn, B, T, nh, hd, NULL);
     CHECK_ERR("rope_fwd", nerr(buf, ref, n, 1e-30), 1e-5);
     memcpy(buf, dout, (size_t)n * sizeof(float));
-    OPS->rope_bwd(CTX, buf, cs, sn, B, T, nh, hd);
+    OPS->rope_bwd(CTX, buf, cs, sn, B, T, nh, hd, NULL);
     double *g = dnew(n);
     to_d(g, buf, n);
     fd_check("rope_bwd dx", rope_obj, &s, s.x, n, g, 1e-5);
@@ -278,7 +278,7 @@ static void test_attention_case(int64_t B, int64_t T, int64_t nh, int64_t nkv, i
     fill_normal(a.dout, a.nq, 1.0);
     poison(a.out, a.nq);
     poison(a.lse, a.nl);
-    OPS->attention_fwd(CTX, a.out, a.lse, a.q, a.k, a.v, B, T, nh, nkv, hd);
+    OPS->attention_fwd(CTX, a.out, a.lse, a.q, a.k, a.v, B, T, nh, nkv, hd, NULL);
     att_st s = {dnew(a.nq), dnew(a.nk), dnew(a.nk), dnew(a.nq), dnew(a.nq), dnew(a.nl),
                 B, T, nh, nkv, hd};
     to_d(s.q, a.q, a.nq);
@@ -298,7 +298,7 @@ static void test_attention_case(int64_t B, int64_t T, int64_t nh, int64_t nkv, i
         poison(a.dk, a.nk);
         poison(a.dv, a.nk);
         OPS->attention_bwd(CTX, a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, B, T, nh,
-                           nkv, hd);
+                           nkv, hd, NULL);
         double *g = dnew(a.nq);
         const char *names[3] = {"dq", "dk", "dv"};
         float *grads[3] = {a.dq, a.dk, a.dv};
@@ -331,7 +331,7 @@ static void test_attention_overflow(double pow2) {
     fill_normal(a.dout, a.nq, 1.0);
     poison(a.out, a.nq);
     poison(a.lse, a.nl);
-    OPS->attention_fwd(CTX, a.out, a.lse, a.q, a.k, a.v, B, T, nh, nkv, hd);
+    OPS->attention_fwd(CTX, a.out, a.lse, a.q, a.k, a.v, B, T, nh, nkv, hd, NULL);
     double *q = dnew(a.nq), *k = dnew(a.nk), *v = dnew(a.nk), *out = dnew(a.nq), *lse = dnew(a.nl);
     to_d(q, a.q, a.nq);
     to_d(k, a.k, a.nk);
@@ -346,7 +346,7 @@ static void test_attention_overflow(double pow2) {
     poison(a.dk, a.nk);
     poison(a.dv, a.nk);
     OPS->attention_bwd(CTX, a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, B, T, nh, nkv,
-                       hd);
+                       hd, NULL);
     CHECK_MSG(all_finite(a.dq, a.nq) && all_finite(a.dk, a.nk) && all_finite(a.dv, a.nk),
               "attention_bwd: non-finite gradient with huge scores (2^%g)", pow2);
     free(q), free(k), free(v), free(out), free(lse);
@@ -361,22 +361,22 @@ static void test_attention_determinism(void) {
     fill_normal(a.k, a.nk, 1.0);
     fill_normal(a.v, a.nk, 1.0);
     fill_normal(a.dout, a.nq, 1.0);
-    OPS->attention_fwd(CTX, a.out, a.lse, a.q, a.k, a.v, B, T, nh, nkv, hd);
-    OPS->attention_fwd(CTX, b.out, b.lse, a.q, a.k, a.v, B, T, nh, nkv, hd);
+    OPS->attention_fwd(CTX, a.out, a.lse, a.q, a.k, a.v, B, T, nh, nkv, hd, NULL);
+    OPS->attention_fwd(CTX, b.out, b.lse, a.q, a.k, a.v, B, T, nh, nkv, hd, NULL);
     CHECK_MSG(!memcmp(a.out, b.out, (size_t)a.nq * 4) && !memcmp(a.lse, b.lse, (size_t)a.nl * 4),
               "attention_fwd: two calls differ");
     OPS->attention_bwd(CTX, a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, B, T, nh, nkv,
-                       hd);
+                       hd, NULL);
     OPS->attention_bwd(CTX, b.dq, b.dk, b.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, B, T, nh, nkv,
-                       hd);
+                       hd, NULL);
     CHECK_MSG(!memcmp(a.dq, b.dq, (size_t)a.nq * 4) && !memcmp(a.dk, b.dk, (size_t)a.nk * 4) &&
                   !memcmp(a.dv, b.dv, (size_t)a.nk * 4),
               "attention_bwd: two calls differ");
     fm_backend one;
     CHECK(fm_cpu_backend_init(&one, 1, 64) == FM_OK);
-    one.ops->attention_fwd(one.ctx, b.out, b.lse, a.q, a.k, a.v, B, T, nh, nkv, hd);
+    one.ops->attention_fwd(one.ctx, b.out, b.lse, a.q, a.k, a.v, B, T, nh, nkv, hd, NULL);
     one.ops->attention_bwd(one.ctx, b.dq, b.dk, b.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, B, T, nh,
-                           nkv, hd);
+                           nkv, hd, NULL);
     CHECK_MSG(!memcmp(a.out, b.out, (size_t)a.nq * 4) && !memcmp(a.dq, b.dq, (size_t)a.nq * 4) &&
                   !memcmp(a.dk, b.dk, (size_t)a.nk * 4) && !memcmp(a.dv, b.dv, (size_t)a.nk * 4),
               "attention: 1 thread and 2 threads differ");

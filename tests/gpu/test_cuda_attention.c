@@ -111,11 +111,11 @@ static void dev_poison(const fm_backend *be, att_dev *d, const att_host *a, bool
     }
 }
 static void run_fwd(const fm_backend *be, att_dev *d, const att_host *a) {
-    be->ops->attention_fwd(be->ctx, d->out, d->lse, d->q, d->k, d->v, a->B, a->T, a->nh, a->nkv, a->hd);
+    be->ops->attention_fwd(be->ctx, d->out, d->lse, d->q, d->k, d->v, a->B, a->T, a->nh, a->nkv, a->hd, NULL);
 }
 static void run_bwd(const fm_backend *be, att_dev *d, const att_host *a) {
     be->ops->attention_bwd(be->ctx, d->dq, d->dk, d->dv, d->dout, d->q, d->k, d->v, d->out, d->lse, a->B, a->T,
-                           a->nh, a->nkv, a->hd);
+                           a->nh, a->nkv, a->hd, NULL);
 }
 
 static att_host host_new(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
