@@ -24,6 +24,7 @@
 #include "fm_test.h"
 #include "fm_test_model.h"
 #include "model/fm_model.h"
+#include "data/fm_pack.h"
 #include "schedule/fm_schedule.h"
 
 static fm_backend g_be;
@@ -202,9 +203,121 @@ static void test_batch_check(void) {
     fm_batch_free(&b);
 }
 
+/* ---- the packer (data/fm_pack.h) ------------------------------------------------------------ */
+
+enum { PK_N = 400, PK_T = 24, PK_ROWS = 3 };
+
+/* A data set of tokens 0 .. PK_N-1 (each its own index, so a batch shows where it came from) in
+ * documents of lengths 1 .. 40 (one of 1: skipped; several longer than a row). */
+static int32_t g_pk_tok[PK_N];
+static int64_t g_pk_docs[64];
+static void pk_data(fm_dataset *ds) {
+    for (int i = 0; i < PK_N; i++) g_pk_tok[i] = i;
+    CHECK(fm_dataset_from_tokens(ds, g_pk_tok, PK_N, "packer test") == FM_OK);
+    int64_t n = 0, at = 0;
+    static const int64_t len[] = {7, 1, 30, 12, 3, 40, 9, 24, 25, 2, 18, 5};
+    while (at < PK_N) {
+        g_pk_docs[n] = at;
+        at += len[n % 12];
+        n++;
+    }
+    ds->docs = g_pk_docs;
+    ds->n_docs = n;
+}
+
+/* Checks a batch: each row is documents' pieces then padding; a piece is consecutive data
+ * tokens, each target the next token (within its document), positions from 0, doc_start the
+ * piece's first column; seen[x] counts data token x as an input. */
+static int64_t pk_check_batch(const fm_dataset *ds, const int32_t *tok, const int32_t *tgt, const int32_t *pos,
+                              const int32_t *st, int64_t rows, int *seen) {
+    int64_t valid = 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = 0; t < PK_T; t++) {
+            const int64_t i = r * PK_T + t;
+            CHECK(st[i] <= t && pos[i] == t - st[i]);
+            if (tgt[i] == -100) continue; /* padding (token 0 of no document) */
+            valid++;
+            seen[tok[i]]++;
+            CHECK_MSG(tgt[i] == tok[i] + 1, "row %lld col %lld: target %d after token %d", (long long)r, (long long)t,
+                      tgt[i], tok[i]);
+            if (pos[i] > 0) CHECK(tok[i] == tok[i - 1] + 1);
+            /* the target stays in the token's document */
+            int64_t d = 0;
+            while (d + 1 < ds->n_docs && ds->docs[d + 1] <= tok[i]) d++;
+            CHECK(tgt[i] < ds->docs[d] + fm_dataset_doc_len(ds, d));
+        }
+    return valid;
+}
+
+static void test_packer(void) {
+    fm_dataset ds;
+    pk_data(&ds);
+    int64_t units = 0;
+    for (int64_t d = 0; d < ds.n_docs; d++) units += fm_dataset_doc_len(&ds, d) - 1;
+    fm_packer p;
+    CHECK(fm_packer_init(&p, &ds, PK_T, PK_ROWS, false, false, 9) == FM_ERR_ARG); /* refuse: 40 > 24 */
+    CHECK_MSG(strstr(fm_errmsg(), "--pack-long split") != NULL, "%s", fm_errmsg());
+    for (int pad = 0; pad < 2; pad++) {
+        CHECK(fm_packer_init(&p, &ds, PK_T, PK_ROWS, pad, true, 9) == FM_OK);
+        int32_t tok[PK_ROWS * PK_T], tgt[PK_ROWS * PK_T], pos[PK_ROWS * PK_T], st[PK_ROWS * PK_T];
+        int seen[PK_N] = {0};
+        int64_t valid = 0, batches = 0;
+        while (p.epoch == 0) {
+            const int64_t e = fm_packer_fill(&p, PK_ROWS, tok, tgt, pos, st);
+            if (e != 0) break;
+            batches++;
+            valid += pk_check_batch(&ds, tok, tgt, pos, st, PK_ROWS, seen);
+            if (p.next == ds.n_docs) break;
+        }
+        /* one epoch: every training position exactly once */
+        CHECK_MSG(valid == units, "pad %d: %lld targets in an epoch, expected %lld", pad, (long long)valid,
+                  (long long)units);
+        for (int64_t d = 0; d < ds.n_docs; d++) {
+            const int64_t a = ds.docs[d], n = fm_dataset_doc_len(&ds, d);
+            for (int64_t x = a; x < a + n; x++) CHECK(seen[x] == (x < a + n - 1 ? 1 : 0));
+        }
+        int64_t counted = 0;
+        CHECK(fm_packer_count(&p, PK_ROWS, 1, &counted) == FM_OK);
+        CHECK_MSG(counted == batches, "pad %d: fm_packer_count %lld, filled %lld", pad, (long long)counted,
+                  (long long)batches);
+        int64_t two = 0;
+        CHECK(fm_packer_count(&p, PK_ROWS, 2, &two) == FM_OK);
+        CHECK(two > counted && two <= 2 * counted + 1);
+        /* packing uses fewer rows than padding */
+        if (pad == 0) CHECK(batches * PK_ROWS * PK_T < units * 2);
+        fm_packer_free(&p);
+    }
+    /* the cursor is the whole state: seek to a mid-epoch cursor, the same batches follow */
+    fm_packer a, b;
+    CHECK(fm_packer_init(&a, &ds, PK_T, PK_ROWS, false, true, 21) == FM_OK);
+    CHECK(fm_packer_init(&b, &ds, PK_T, PK_ROWS, false, true, 21) == FM_OK);
+    int32_t t1[PK_ROWS * PK_T], g1[PK_ROWS * PK_T], p1[PK_ROWS * PK_T], s1[PK_ROWS * PK_T];
+    int32_t t2[PK_ROWS * PK_T], g2[PK_ROWS * PK_T], p2[PK_ROWS * PK_T], s2[PK_ROWS * PK_T];
+    for (int i = 0; i < 11; i++) fm_packer_fill(&a, PK_ROWS, t1, g1, p1, s1); /* into the second epoch */
+    CHECK(a.epoch >= 1);
+    CHECK(fm_packer_seek(&b, a.epoch, a.next, a.done) == FM_OK);
+    for (int i = 0; i < 6; i++) {
+        const int64_t ea = fm_packer_fill(&a, PK_ROWS, t1, g1, p1, s1), eb = fm_packer_fill(&b, PK_ROWS, t2, g2, p2, s2);
+        CHECK(ea == eb && !memcmp(t1, t2, sizeof t1) && !memcmp(g1, g2, sizeof g1) && !memcmp(p1, p2, sizeof p1) &&
+              !memcmp(s1, s2, sizeof s1));
+    }
+    /* another seed, another order; epochs differ in order */
+    CHECK(fm_packer_seek(&b, 0, 0, 0) == FM_OK);
+    fm_packer c;
+    CHECK(fm_packer_init(&c, &ds, PK_T, PK_ROWS, false, true, 22) == FM_OK);
+    fm_packer_fill(&b, PK_ROWS, t1, g1, p1, s1);
+    fm_packer_fill(&c, PK_ROWS, t2, g2, p2, s2);
+    CHECK(memcmp(t1, t2, sizeof t1) != 0);
+    CHECK(fm_packer_seek(&b, 0, ds.n_docs + 1, 0) == FM_ERR_ARG);
+    fm_packer_free(&a), fm_packer_free(&b), fm_packer_free(&c);
+    ds.docs = NULL; /* the test's own table */
+    fm_dataset_free(&ds);
+}
+
 int main(void) {
     CHECK(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
     test_batch_check();
+    test_packer();
     test_packed_vs_padded();
     test_packing_matters();
     fm_cpu_backend_free(&g_be);

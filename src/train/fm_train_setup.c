@@ -33,6 +33,8 @@ void fm_train_run_free(run *r) {
     fm_offload_adamw_free(&r->oopt);
     if (r->model_ok) fm_model_free(&r->m);
     if (r->be_ok) fm_backend_default_free(&r->be);
+    fm_dataset_free(&r->train); /* views: their own document tables only */
+    fm_dataset_free(&r->val);
     fm_dataset_free(&r->val_own);
     fm_dataset_free(&r->train_all);
     fm_free(r->config_json);
@@ -196,9 +198,9 @@ static fm_status setup_data(run *r) {
     if (o->n_val_data > 0) {
         FM_TRY(fm_dataset_load(&r->val_own, o->val_data, o->n_val_data, c->vocab_size));
         r->train = r->train_all;
-        r->train.owns = false;
+        r->train.owns = r->train.docs_owned = false;
         r->val = r->val_own;
-        r->val.owns = false;
+        r->val.owns = r->val.docs_owned = false;
     } else {
         FM_TRY(fm_dataset_split(&r->train_all, o->val_fraction, &r->train, &r->val));
     }
