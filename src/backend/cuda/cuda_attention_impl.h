@@ -31,7 +31,7 @@ void fm_att_flash_fwd(cudaStream_t s, __nv_bfloat16 *out, float *lse, const __nv
 void fm_att_flash_bwd(cudaStream_t s, __nv_bfloat16 *dq, __nv_bfloat16 *dk, __nv_bfloat16 *dv,
                       const __nv_bfloat16 *dout, const __nv_bfloat16 *q, const __nv_bfloat16 *k,
                       const __nv_bfloat16 *v, const __nv_bfloat16 *out, const float *lse,
-                      int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+                      int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start);
 
 /* The scalar kernels (any hd, any alignment; slow, O(T^2 hd) without tensor cores). */
 void fm_att_simple_fwd(cudaStream_t s, __nv_bfloat16 *out, float *lse, const __nv_bfloat16 *q,
@@ -40,6 +40,6 @@ void fm_att_simple_fwd(cudaStream_t s, __nv_bfloat16 *out, float *lse, const __n
 void fm_att_simple_bwd(cudaStream_t s, __nv_bfloat16 *dq, __nv_bfloat16 *dk, __nv_bfloat16 *dv,
                        const __nv_bfloat16 *dout, const __nv_bfloat16 *q, const __nv_bfloat16 *k,
                        const __nv_bfloat16 *v, const __nv_bfloat16 *out, const float *lse,
-                       int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+                       int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start);
 
 #endif
