@@ -3,6 +3,8 @@
 
 #include <string.h>
 
+#include "../core/fm_log.h"
+
 const char *fm_train_data_mode_name(int mode) {
     return mode == FM_PACK_ON ? "on" : mode == FM_PACK_PAD ? "pad" : "off";
 }
@@ -14,7 +16,15 @@ fm_status fm_train_data_init(fm_train_data *d, const fm_train_opts *o, const fm_
     d->dp_rank = dp_rank;
     d->n_tokens = train->n_tokens;
     int mode = o->pack;
-    if (mode == FM_PACK_AUTO) mode = resumed_mode > 0 ? resumed_mode : train->docs && o->init_from ? FM_PACK_ON : FM_PACK_OFF;
+    if (mode == FM_PACK_AUTO) {
+        mode = resumed_mode > 0 ? resumed_mode : train->docs && o->init_from ? FM_PACK_ON : FM_PACK_OFF;
+        if (mode != FM_PACK_OFF && o->sp > 1) { /* packed batches are not supported under --sp yet */
+            if (!o->quiet && dp_rank == 0)
+                fm_log(FM_LOG_NOTE, "note: --pack auto: the data has documents, but --sp %d does not pack them yet: "
+                       "windows at random offsets (--pack off)\n", o->sp);
+            mode = FM_PACK_OFF;
+        }
+    }
     d->mode = mode;
     *steps = o->steps;
     const int64_t rows = (int64_t)d->dp * o->micro_batch;

@@ -32,7 +32,8 @@ fm_status fm_train_data_init(fm_train_data *d, const fm_train_opts *o, const fm_
 /* A resume: the packer's cursor from state.json (fm_packer_seek's errors). No-op when off. */
 fm_status fm_train_data_seek(fm_train_data *d, int64_t epoch, int64_t next, int64_t done);
 
-/* Draws the next step's o->grad_accum micro-batches into batches (as fm_step_draw, or packed
+/* Draws the next step's o->grad_accum micro-batches into batches (this rank's windows of the
+ * one-rank draw of W x micro_batch, fm_dataset_sample_batch, fm_train_step.h's comment; or packed
  * rows with their positions and starts), advancing data_rng (off) or the packer; d->epoch gets the
  * step's epoch (off: 1 + the tokens drawn before it over the data's tokens). `tokens_before`: the
  * global tokens of the steps before this one. No allocation. */
