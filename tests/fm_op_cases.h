@@ -34,6 +34,31 @@ static const fm_case_rms FM_CASES_RMS[] = {
 typedef struct fm_case_rope { int64_t B, T, Tmax, nh, hd; } fm_case_rope;
 static const fm_case_rope FM_CASES_ROPE[] = {{2, 5, 8, 3, 16}, {2, 40, 48, 4, 32}, {2, 40, 48, 4, 64}, {2, 7, 9, 3, 12}};
 
+/* Attention over packed documents (fm_backend.h kv_start): each row of T holds documents of the
+ * lengths len[0..n-1] in turn, repeated (the last cut at T). Cases: documents shorter than, across
+ * and longer than the CPU's 64-row query tiles and the CUDA kernels' 64/128-row tiles; a
+ * one-token document; GQA groups 2 and 1; hd 12 (the CUDA tiles' 4-byte loads), 16, 64 and 9 (the
+ * CUDA scalar kernels). */
+typedef struct fm_case_att_docs { int64_t B, T, nh, nkv, hd; int n; int64_t len[4]; } fm_case_att_docs;
+static const fm_case_att_docs FM_CASES_ATT_DOCS[] = {
+    {2, 40, 4, 2, 16, 3, {7, 19, 14}},
+    {1, 150, 2, 1, 64, 4, {1, 70, 50, 29}},
+    {2, 33, 2, 2, 12, 2, {5, 9}},
+    {1, 40, 2, 1, 9, 3, {5, 20, 15}}, /* odd hd: the CUDA scalar kernels */
+};
+
+/* Fills kv_start [B*T] of a case: every token's document's first row-local index. */
+static inline void fm_case_att_kv_start(const fm_case_att_docs *c, int32_t *kvs) {
+    for (int64_t b = 0; b < c->B; b++) {
+        int64_t t = 0, d = 0;
+        while (t < c->T) {
+            const int64_t s = t, e = t + c->len[d % c->n] < c->T ? t + c->len[d % c->n] : c->T;
+            for (; t < e; t++) kvs[b * c->T + t] = (int32_t)s;
+            d++;
+        }
+    }
+}
+
 /* SwiGLU over n elements: above the CPU's OpenMP cutoff (8192), and a short one. */
 static const int64_t FM_CASES_SWIGLU[] = {9001, 64};
 

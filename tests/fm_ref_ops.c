@@ -124,7 +124,8 @@ void fm_ref_attention_row(const fm_ref_att *a, int64_t b, int64_t h, int64_t t, 
     double *s = scratch, *dp = scratch + T;
     const double *qr = a->q + ((b * T + t) * nh + h) * hd;
     double m = -INFINITY;
-    for (int64_t j = 0; j <= t; j++) {
+    const int64_t j0 = a->kv_start ? a->kv_start[b * T + t] : 0; /* packed documents: t's first key */
+    for (int64_t j = j0; j <= t; j++) {
         const double *kr = a->k + ((b * T + j) * nkv + g) * hd;
         double d = 0;
         for (int64_t i = 0; i < hd; i++) d += qr[i] * kr[i];
@@ -132,9 +133,9 @@ void fm_ref_attention_row(const fm_ref_att *a, int64_t b, int64_t h, int64_t t, 
         if (s[j] > m) m = s[j];
     }
     double sum = 0;
-    for (int64_t j = 0; j <= t; j++) sum += (s[j] = exp(s[j] - m));
+    for (int64_t j = j0; j <= t; j++) sum += (s[j] = exp(s[j] - m));
     for (int64_t i = 0; i < hd; i++) o[i] = 0;
-    for (int64_t j = 0; j <= t; j++) {
+    for (int64_t j = j0; j <= t; j++) {
         s[j] /= sum; /* the softmax probability of key j */
         const double *vr = a->v + ((b * T + j) * nkv + g) * hd;
         for (int64_t i = 0; i < hd; i++) o[i] += s[j] * vr[i];
@@ -143,7 +144,7 @@ void fm_ref_attention_row(const fm_ref_att *a, int64_t b, int64_t h, int64_t t, 
     if (!dq) return;
     const double *dor = a->dout + ((b * T + t) * nh + h) * hd;
     double D = 0; /* sum_j p_j dp_j = dot(dout, o) */
-    for (int64_t j = 0; j <= t; j++) {
+    for (int64_t j = j0; j <= t; j++) {
         const double *vr = a->v + ((b * T + j) * nkv + g) * hd;
         double d = 0;
         for (int64_t i = 0; i < hd; i++) d += dor[i] * vr[i];
@@ -151,7 +152,7 @@ void fm_ref_attention_row(const fm_ref_att *a, int64_t b, int64_t h, int64_t t, 
         D += s[j] * d;
     }
     for (int64_t i = 0; i < hd; i++) dq[i] = 0;
-    for (int64_t j = 0; j <= t; j++) {
+    for (int64_t j = j0; j <= t; j++) {
         const double ds = s[j] * (dp[j] - D) * scale; /* dL/dscore_j times the scale */
         const int64_t ko = ((b * T + j) * nkv + g) * hd;
         for (int64_t i = 0; i < hd; i++) dq[i] += ds * a->k[ko + i];

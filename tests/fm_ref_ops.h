@@ -60,6 +60,8 @@ void fm_ref_rope(double *y, const double *x, const float *cos_tab, const float *
 typedef struct fm_ref_att {
     const double *q, *k, *v, *dout;
     int64_t B, T, nh, nkv, hd;
+    const int32_t *kv_start; /* [B*T] or NULL: query (b,t) sees keys kv_start[b*T+t] .. t (packed
+                                documents, fm_backend.h), else 0 .. t */
 } fm_ref_att;
 /* One query row (b, h, t): o [hd] and *lse (natural log of the sum of exp of the scaled scores);
  * with dq != NULL also dq [hd] (assigned), and with dk, dv != NULL this row's contribution ADDED

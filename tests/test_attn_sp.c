@@ -121,8 +121,8 @@ static void run_case(const fm_comm *comm, const sp_case *cs) {
     fill_normal(dog, BT * nh * hd, &r);
     float *og = fnew(BT * nh * hd), *lseg = fnew(B * nh * T), *dqg = fnew(BT * nh * hd), *dkg = fnew(BT * nkv * hd),
           *dvg = fnew(BT * nkv * hd);
-    g_be.ops->attention_fwd(g_be.ctx, og, lseg, qg, kg, vg, B, T, nh, nkv, hd);
-    g_be.ops->attention_bwd(g_be.ctx, dqg, dkg, dvg, dog, qg, kg, vg, og, lseg, B, T, nh, nkv, hd);
+    g_be.ops->attention_fwd(g_be.ctx, og, lseg, qg, kg, vg, B, T, nh, nkv, hd, NULL);
+    g_be.ops->attention_bwd(g_be.ctx, dqg, dkg, dvg, dog, qg, kg, vg, og, lseg, B, T, nh, nkv, hd, NULL);
     slice_seq(ql, qg, B, T, Tl, s, nh * hd);
     slice_seq(kl, kg, B, T, Tl, s, nkv * hd);
     slice_seq(vl, vg, B, T, Tl, s, nkv * hd);

@@ -566,6 +566,9 @@ static void test_megatron(void) {
             fm_dataset_tokens(&ds, 0, N, b);
             CHECK_MSG(memcmp(a, b, sizeof a) == 0, "%s: tokens differ from the llm.c shard's", p);
             CHECK_MSG(strstr(ds.desc, "1 Megatron data set") != NULL, "desc: %s", ds.desc);
+            /* its documents: doc_idx 0..5 over sequences of 100, 1, 499, 250, 150 tokens */
+            CHECK(ds.docs && ds.n_docs == 5 && ds.docs[0] == 0 && ds.docs[1] == 100 && ds.docs[2] == 101 &&
+                  ds.docs[3] == 600 && ds.docs[4] == 850 && fm_dataset_doc_len(&ds, 4) == 150);
             /* same windows as the shard */
             int32_t i1[3 * 50], t1[3 * 50], i2[3 * 50], t2[3 * 50];
             fm_rng r1, r2;
@@ -683,6 +686,56 @@ static void test_ranks(void) {
     fm_dataset_free(&ds);
 }
 
+/* ---- document indexes (fm_data.h "Document index") ------------------------------------------ */
+
+static void test_docs(void) {
+    enum { N = 300 };
+    int32_t tok[N];
+    for (int i = 0; i < N; i++) tok[i] = i % 251;
+    CHECK(fm_shard_write(tpath("docs.bin"), tok, N, 1) == FM_OK);
+    const int64_t st[4] = {0, 17, 18, 200};
+    CHECK(fm_docs_write(tpath("docs.docs"), st, 4, N) == FM_OK); /* found as .bin -> .docs */
+    fm_dataset ds, tr, va;
+    CHECK(load1(&ds, tpath("docs.bin"), 256) == FM_OK);
+    CHECK(ds.n_docs == 4 && ds.docs[3] == 200 && fm_dataset_doc_len(&ds, 3) == 100);
+    CHECK_MSG(strstr(ds.desc, "4 documents") != NULL, "desc: %s", ds.desc);
+    /* a split: the validation view starts a document at its first token */
+    CHECK(fm_dataset_split(&ds, 0.2, &tr, &va) == FM_OK);
+    CHECK(tr.n_docs == 4 && va.n_docs == 1 && va.docs[0] == 0 && fm_dataset_doc_len(&va, 0) == 60);
+    fm_dataset_free(&tr), fm_dataset_free(&va), fm_dataset_free(&ds);
+    /* two shards, one without an index: one document */
+    CHECK(fm_shard_write(tpath("plain.bin"), tok, 50, 1) == FM_OK);
+    const char *two[2] = {tpath("plain.bin"), NULL};
+    char first[256];
+    snprintf(first, sizeof first, "%s", two[0]);
+    two[0] = first;
+    two[1] = tpath("docs.bin");
+    CHECK(fm_dataset_load(&ds, two, 2, 256) == FM_OK);
+    CHECK(ds.n_docs == 5 && ds.docs[0] == 0 && ds.docs[1] == 50 && ds.docs[4] == 250);
+    fm_dataset_free(&ds);
+    /* errors: each names the file and the fix */
+    const int64_t back[3] = {0, 20, 19};
+    expect_err(fm_docs_write(tpath("bad.docs"), back, 3, N), FM_ERR_FORMAT, "docs order", "document 2", NULL);
+    CHECK(fm_docs_write(tpath("docs.docs"), st, 4, N - 1) == FM_OK); /* another token count */
+    expect_err(load1(&ds, tpath("docs.bin"), 256), FM_ERR_FORMAT, "docs count", "docs.docs", "299 tokens",
+               "prepare both again", NULL);
+    FILE *f = fopen(tpath("docs.docs"), "wb");
+    fputs("FMDOCS02 and more bytes than a header", f);
+    fclose(f);
+    expect_err(load1(&ds, tpath("docs.bin"), 256), FM_ERR_FORMAT, "docs magic", "not a document index", NULL);
+    CHECK(fm_docs_write(tpath("docs.docs"), st, 4, N) == FM_OK);
+    f = fopen(tpath("docs.docs"), "r+b");
+    fseek(f, 24 + 8 * 3, SEEK_SET);
+    unsigned char big[8] = {0x2c, 0x01, 0, 0, 0, 0, 0, 0}; /* 300: not below the token count */
+    fwrite(big, 1, 8, f);
+    fclose(f);
+    expect_err(load1(&ds, tpath("docs.bin"), 256), FM_ERR_FORMAT, "docs range", "document 3", "300", NULL);
+    CHECK(truncate(tpath("docs.docs"), 24 + 8 * 2) == 0);
+    expect_err(load1(&ds, tpath("docs.bin"), 256), FM_ERR_FORMAT, "docs truncated", "truncated", NULL);
+    CHECK(ds.parts == NULL);
+    remove(tpath("docs.docs"));
+}
+
 int main(void) {
     unsigned long long seed = fm_test_seed(1234);
     snprintf(g_dir, sizeof g_dir, "/tmp/fm_test_data_XXXXXX");
@@ -698,6 +751,7 @@ int main(void) {
     test_tinyshakespeare();
     test_masks();
     test_megatron();
+    test_docs();
     test_ranks();
     test_mmap_rss();
     int rc = fm_test_finish();

@@ -20,9 +20,10 @@ static const fm_ops *g_cpu_ops;
 static int64_t g_att_fwd_calls;
 
 static void counting_attention_fwd(void *ctx, fm_act *out, float *lse, const fm_act *q, const fm_act *k,
-                                   const fm_act *v, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
+                                   const fm_act *v, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
+                                   const int32_t *kv_start) {
     g_att_fwd_calls++;
-    g_cpu_ops->attention_fwd(ctx, out, lse, q, k, v, B, T, nh, nkv, hd);
+    g_cpu_ops->attention_fwd(ctx, out, lse, q, k, v, B, T, nh, nkv, hd, kv_start);
 }
 
 

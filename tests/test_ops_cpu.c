@@ -211,10 +211,10 @@ static void test_rope(int64_t B, int64_t T, int64_t Tmax, int64_t nh, int64_t hd
     double *ref = dnew(n);
     fm_ref_rope(ref, s.x, cs, sn, B, T, nh, hd, 1.0);
     memcpy(buf, x, (size_t)n * sizeof(float));
-    OPS->rope_fwd(CTX, buf, cs, sn, B, T, nh, hd);
+    OPS->rope_fwd(CTX, buf, cs, sn, B, T, nh, hd, NULL);
     CHECK_ERR("rope_fwd", nerr(buf, ref, n, 1e-30), 1e-5);
     memcpy(buf, dout, (size_t)n * sizeof(float));
-    OPS->rope_bwd(CTX, buf, cs, sn, B, T, nh, hd);
+    OPS->rope_bwd(CTX, buf, cs, sn, B, T, nh, hd, NULL);
     double *g = dnew(n);
     to_d(g, buf, n);
     fd_check("rope_bwd dx", rope_obj, &s, s.x, n, g, 1e-5);
@@ -226,19 +226,20 @@ static void test_rope(int64_t B, int64_t T, int64_t Tmax, int64_t nh, int64_t hd
 typedef struct att_st {
     double *q, *k, *v, *dout, *out, *lse;
     int64_t B, T, nh, nkv, hd;
+    const int32_t *kvs; /* packed documents' starts, or NULL: causal */
 } att_st;
 
 /* fm_ref_attention_fwd (naive causal GQA over the full score row, fp64) on double arrays. */
 static void att_ref(double *out, double *lse, const double *q, const double *k, const double *v,
-                    int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
-    const fm_ref_att a = {q, k, v, NULL, B, T, nh, nkv, hd};
+                    int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kvs) {
+    const fm_ref_att a = {q, k, v, NULL, B, T, nh, nkv, hd, kvs};
     fm_ref_attention_fwd(out, lse, &a);
 }
 
 static double att_obj(void *p) {
     att_st *s = p;
     const int64_t n = s->B * s->T * s->nh * s->hd;
-    att_ref(s->out, NULL, s->q, s->k, s->v, s->B, s->T, s->nh, s->nkv, s->hd);
+    att_ref(s->out, NULL, s->q, s->k, s->v, s->B, s->T, s->nh, s->nkv, s->hd, s->kvs);
     return dot_d(s->dout, s->out, n);
 }
 
@@ -269,8 +270,8 @@ static void att_free(att_bufs *a) {
 /* Forward out tol 1e-5 and lse tol 1e-5 against att_ref; with `grad`, dq, dk, dv (assigned,
  * poisoned) against FD of sum(dout o att_ref) with tol 1e-4 (normalized by max(max|grad|,
  * ATT_GRAD_FLOOR)). */
-static void test_attention_case(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
-                                bool grad) {
+static void test_attention_case_kv(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
+                                   bool grad, const int32_t *kvs) {
     att_bufs a = att_alloc(B, T, nh, nkv, hd);
     fill_normal(a.q, a.nq, 1.5);
     fill_normal(a.k, a.nk, 1.5);
@@ -278,19 +279,19 @@ static void test_attention_case(int64_t B, int64_t T, int64_t nh, int64_t nkv, i
     fill_normal(a.dout, a.nq, 1.0);
     poison(a.out, a.nq);
     poison(a.lse, a.nl);
-    OPS->attention_fwd(CTX, a.out, a.lse, a.q, a.k, a.v, B, T, nh, nkv, hd);
+    OPS->attention_fwd(CTX, a.out, a.lse, a.q, a.k, a.v, B, T, nh, nkv, hd, kvs);
     att_st s = {dnew(a.nq), dnew(a.nk), dnew(a.nk), dnew(a.nq), dnew(a.nq), dnew(a.nl),
-                B, T, nh, nkv, hd};
+                B, T, nh, nkv, hd, kvs};
     to_d(s.q, a.q, a.nq);
     to_d(s.k, a.k, a.nk);
     to_d(s.v, a.v, a.nk);
     to_d(s.dout, a.dout, a.nq);
-    att_ref(s.out, s.lse, s.q, s.k, s.v, B, T, nh, nkv, hd);
+    att_ref(s.out, s.lse, s.q, s.k, s.v, B, T, nh, nkv, hd, kvs);
     char what[128];
-    snprintf(what, sizeof what, "attention_fwd out B=%lld T=%lld nh=%lld nkv=%lld hd=%lld",
+    snprintf(what, sizeof what, kvs ? "attention_fwd (documents) out B=%lld" : "attention_fwd out B=%lld T=%lld nh=%lld nkv=%lld hd=%lld",
              (long long)B, (long long)T, (long long)nh, (long long)nkv, (long long)hd);
     CHECK_ERR(what, nerr(a.out, s.out, a.nq, 1e-30), 1e-5);
-    snprintf(what, sizeof what, "attention_fwd lse B=%lld T=%lld nh=%lld nkv=%lld hd=%lld",
+    snprintf(what, sizeof what, kvs ? "attention_fwd (documents) lse B=%lld" : "attention_fwd lse B=%lld T=%lld nh=%lld nkv=%lld hd=%lld",
              (long long)B, (long long)T, (long long)nh, (long long)nkv, (long long)hd);
     CHECK_ERR(what, nerr(a.lse, s.lse, a.nl, 1.0), 1e-5);
     if (grad) {
@@ -298,7 +299,7 @@ static void test_attention_case(int64_t B, int64_t T, int64_t nh, int64_t nkv, i
         poison(a.dk, a.nk);
         poison(a.dv, a.nk);
         OPS->attention_bwd(CTX, a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, B, T, nh,
-                           nkv, hd);
+                           nkv, hd, kvs);
         double *g = dnew(a.nq);
         const char *names[3] = {"dq", "dk", "dv"};
         float *grads[3] = {a.dq, a.dk, a.dv};
@@ -306,7 +307,7 @@ static void test_attention_case(int64_t B, int64_t T, int64_t nh, int64_t nkv, i
         int64_t ns[3] = {a.nq, a.nk, a.nk};
         for (int i = 0; i < 3; i++) {
             to_d(g, grads[i], ns[i]);
-            snprintf(what, sizeof what, "attention_bwd %s B=%lld T=%lld nh=%lld nkv=%lld hd=%lld",
+            snprintf(what, sizeof what, kvs ? "attention_bwd (documents) %s B=%lld" : "attention_bwd %s B=%lld T=%lld nh=%lld nkv=%lld hd=%lld",
                      names[i], (long long)B, (long long)T, (long long)nh, (long long)nkv,
                      (long long)hd);
             fd_check_ex(what, att_obj, &s, xs[i], ns[i], g, 1e-4, ATT_GRAD_FLOOR, FD_H);
@@ -315,6 +316,50 @@ static void test_attention_case(int64_t B, int64_t T, int64_t nh, int64_t nkv, i
     }
     free(s.q), free(s.k), free(s.v), free(s.dout), free(s.out), free(s.lse);
     att_free(&a);
+}
+
+static void test_attention_case(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, bool grad) {
+    test_attention_case_kv(B, T, nh, nkv, hd, grad, NULL);
+}
+
+/* Packed documents (FM_CASES_ATT_DOCS): against the fp64 reference restricted to each query's
+ * document, forward and finite-difference backward at the causal cases' tolerances. */
+static void test_attention_docs(void) {
+    for (int i = 0; i < FM_CASES_COUNT(FM_CASES_ATT_DOCS); i++) {
+        const fm_case_att_docs *c = &FM_CASES_ATT_DOCS[i];
+        int32_t *kvs = malloc(sizeof(int32_t) * (size_t)(c->B * c->T));
+        fm_case_att_kv_start(c, kvs);
+        test_attention_case_kv(c->B, c->T, c->nh, c->nkv, c->hd, true, kvs);
+        free(kvs);
+    }
+}
+
+/* RoPE by given positions (packed documents restart them): each token rotated by its own
+ * position's table row, as the reference rotates one token at that position; the backward is
+ * the transpose of the same rotation. */
+static void test_rope_positions(void) {
+    const int64_t B = 2, T = 11, nh = 3, hd = 16, half = hd / 2, n = B * T * nh * hd;
+    float *cs = fnew(T * half), *sn = fnew(T * half), *x = fnew(n), *buf = fnew(n);
+    fill_uniform(cs, T * half, -1.2, 1.2);
+    fill_uniform(sn, T * half, -1.2, 1.2);
+    fill_normal(x, n, 1.0);
+    int32_t pos[B * T];
+    for (int64_t i = 0; i < B * T; i++) pos[i] = (int32_t)((i % T) < 4 ? i % T : (i % T) - 4); /* docs 0..3, 4.. */
+    double *xd = dnew(n), *ref = dnew(n);
+    to_d(xd, x, n);
+    for (int64_t bt = 0; bt < B * T; bt++)
+        fm_ref_rope(ref + bt * nh * hd, xd + bt * nh * hd, cs + pos[bt] * half, sn + pos[bt] * half, 1, 1, nh, hd,
+                    1.0);
+    memcpy(buf, x, (size_t)n * sizeof(float));
+    OPS->rope_fwd(CTX, buf, cs, sn, B, T, nh, hd, pos);
+    CHECK_ERR("rope_fwd (positions)", nerr(buf, ref, n, 1e-30), 1e-5);
+    for (int64_t bt = 0; bt < B * T; bt++)
+        fm_ref_rope(ref + bt * nh * hd, xd + bt * nh * hd, cs + pos[bt] * half, sn + pos[bt] * half, 1, 1, nh, hd,
+                    -1.0);
+    memcpy(buf, x, (size_t)n * sizeof(float));
+    OPS->rope_bwd(CTX, buf, cs, sn, B, T, nh, hd, pos);
+    CHECK_ERR("rope_bwd (positions)", nerr(buf, ref, n, 1e-30), 1e-5);
+    free(cs), free(sn), free(x), free(buf), free(xd), free(ref);
 }
 
 /* Scores far beyond exp's fp32 range (|score| ~ 1e4, and ~1e35 near FLT_MAX): q and k hold
@@ -331,12 +376,12 @@ static void test_attention_overflow(double pow2) {
     fill_normal(a.dout, a.nq, 1.0);
     poison(a.out, a.nq);
     poison(a.lse, a.nl);
-    OPS->attention_fwd(CTX, a.out, a.lse, a.q, a.k, a.v, B, T, nh, nkv, hd);
+    OPS->attention_fwd(CTX, a.out, a.lse, a.q, a.k, a.v, B, T, nh, nkv, hd, NULL);
     double *q = dnew(a.nq), *k = dnew(a.nk), *v = dnew(a.nk), *out = dnew(a.nq), *lse = dnew(a.nl);
     to_d(q, a.q, a.nq);
     to_d(k, a.k, a.nk);
     to_d(v, a.v, a.nk);
-    att_ref(out, lse, q, k, v, B, T, nh, nkv, hd);
+    att_ref(out, lse, q, k, v, B, T, nh, nkv, hd, NULL);
     double smax = 0;
     for (int64_t i = 0; i < a.nl; i++) smax = fabs(lse[i]) > smax ? fabs(lse[i]) : smax;
     printf("attention overflow case: max |lse| = %.3g\n", smax);
@@ -346,7 +391,7 @@ static void test_attention_overflow(double pow2) {
     poison(a.dk, a.nk);
     poison(a.dv, a.nk);
     OPS->attention_bwd(CTX, a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, B, T, nh, nkv,
-                       hd);
+                       hd, NULL);
     CHECK_MSG(all_finite(a.dq, a.nq) && all_finite(a.dk, a.nk) && all_finite(a.dv, a.nk),
               "attention_bwd: non-finite gradient with huge scores (2^%g)", pow2);
     free(q), free(k), free(v), free(out), free(lse);
@@ -361,22 +406,22 @@ static void test_attention_determinism(void) {
     fill_normal(a.k, a.nk, 1.0);
     fill_normal(a.v, a.nk, 1.0);
     fill_normal(a.dout, a.nq, 1.0);
-    OPS->attention_fwd(CTX, a.out, a.lse, a.q, a.k, a.v, B, T, nh, nkv, hd);
-    OPS->attention_fwd(CTX, b.out, b.lse, a.q, a.k, a.v, B, T, nh, nkv, hd);
+    OPS->attention_fwd(CTX, a.out, a.lse, a.q, a.k, a.v, B, T, nh, nkv, hd, NULL);
+    OPS->attention_fwd(CTX, b.out, b.lse, a.q, a.k, a.v, B, T, nh, nkv, hd, NULL);
     CHECK_MSG(!memcmp(a.out, b.out, (size_t)a.nq * 4) && !memcmp(a.lse, b.lse, (size_t)a.nl * 4),
               "attention_fwd: two calls differ");
     OPS->attention_bwd(CTX, a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, B, T, nh, nkv,
-                       hd);
+                       hd, NULL);
     OPS->attention_bwd(CTX, b.dq, b.dk, b.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, B, T, nh, nkv,
-                       hd);
+                       hd, NULL);
     CHECK_MSG(!memcmp(a.dq, b.dq, (size_t)a.nq * 4) && !memcmp(a.dk, b.dk, (size_t)a.nk * 4) &&
                   !memcmp(a.dv, b.dv, (size_t)a.nk * 4),
               "attention_bwd: two calls differ");
     fm_backend one;
     CHECK(fm_cpu_backend_init(&one, 1, 64) == FM_OK);
-    one.ops->attention_fwd(one.ctx, b.out, b.lse, a.q, a.k, a.v, B, T, nh, nkv, hd);
+    one.ops->attention_fwd(one.ctx, b.out, b.lse, a.q, a.k, a.v, B, T, nh, nkv, hd, NULL);
     one.ops->attention_bwd(one.ctx, b.dq, b.dk, b.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, B, T, nh,
-                           nkv, hd);
+                           nkv, hd, NULL);
     CHECK_MSG(!memcmp(a.out, b.out, (size_t)a.nq * 4) && !memcmp(a.dq, b.dq, (size_t)a.nq * 4) &&
                   !memcmp(a.dk, b.dk, (size_t)a.nk * 4) && !memcmp(a.dv, b.dv, (size_t)a.nk * 4),
               "attention: 1 thread and 2 threads differ");
@@ -387,6 +432,8 @@ static void test_attention_determinism(void) {
 
 static void test_attention(void) {
     /* Forward only, larger T: tiles 64, T not a multiple, GQA groups 1/2/4, hd 32/64/128. */
+    test_attention_docs();
+    test_rope_positions();
     test_attention_case(1, 1, 1, 1, 32, false);
     test_attention_case(2, 64, 2, 2, 32, false);
     test_attention_case(1, 257, 4, 1, 128, false);

@@ -270,28 +270,37 @@ typedef struct fm_ops {
 
     /* ---- rotary position embedding (Su et al. 2021), HF "rotate_half" layout -------------- */
 
-    /* In place on x [B,T,nh,hd]: for i < hd/2 with c = cos_tab[t*hd/2+i], s = sin_tab[...]:
-     * (x[i], x[i+hd/2]) <- (x[i]*c - x[i+hd/2]*s, x[i+hd/2]*c + x[i]*s). Position of token
-     * (b,t) is t. cos_tab/sin_tab [T_max, hd/2] with T <= T_max. */
+    /* In place on x [B,T,nh,hd]: for i < hd/2 with c = cos_tab[p*hd/2+i], s = sin_tab[...]:
+     * (x[i], x[i+hd/2]) <- (x[i]*c - x[i+hd/2]*s, x[i+hd/2]*c + x[i]*s), p the position of
+     * token (b,t): pos[b*T+t] (device int32 [B*T], each in [0, T_max); packed documents restart
+     * at 0 in each document, fm_batch.h), or t when pos is NULL. cos_tab/sin_tab [T_max, hd/2]
+     * with T <= T_max. */
     void (*rope_fwd)(void *ctx, fm_act *x, const float *cos_tab, const float *sin_tab, int64_t B,
-                     int64_t T, int64_t nh, int64_t hd);
-    /* In place on the gradient dx [B,T,nh,hd]: the transpose (inverse) rotation. */
+                     int64_t T, int64_t nh, int64_t hd, const int32_t *pos);
+    /* In place on the gradient dx [B,T,nh,hd]: the transpose (inverse) rotation, same pos. */
     void (*rope_bwd)(void *ctx, fm_act *dx, const float *cos_tab, const float *sin_tab, int64_t B,
-                     int64_t T, int64_t nh, int64_t hd);
+                     int64_t T, int64_t nh, int64_t hd, const int32_t *pos);
 
     /* ---- causal grouped-query attention, tiled with an online softmax ---------------------
      * (Dao et al., FlashAttention 1 and 2, arXiv 2205.14135 and 2307.08691). Memory grows with
      * T*hd, never T^2: scratch is a fixed per-thread tile set sized at context creation.
      * q [B,T,nh,hd], k and v [B,T,nkv,hd], out [B,T,nh,hd], lse [B,nh,T] (natural-log
      * log-sum-exp of each query's scaled scores, saved for backward). Query head h reads kv
-     * head h / (nh/nkv). Scale 1/sqrt(hd). */
+     * head h / (nh/nkv). Scale 1/sqrt(hd).
+     * kv_start: device int32 [B*T] or NULL. Query (b,t) sees keys kv_start[b*T+t] .. t of its row
+     * (the first token of its document: packed documents, FlashAttention's varlen mask, never
+     * across a boundary); each row's values are non-decreasing, with kv_start[b*T+t] either
+     * kv_start[b*T+t-1] or t (documents contiguous; checked by fm_batch_check). NULL: keys 0..t
+     * (causal, bit for bit today's result). */
     void (*attention_fwd)(void *ctx, fm_act *out, float *lse, const fm_act *q, const fm_act *k,
-                          const fm_act *v, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
-    /* dq, dk, dv assigned (same shapes as q, k, v), from dout and the saved q, k, v, out, lse. */
+                          const fm_act *v, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
+                          const int32_t *kv_start);
+    /* dq, dk, dv assigned (same shapes as q, k, v), from dout and the saved q, k, v, out, lse;
+     * kv_start as the forward's. */
     void (*attention_bwd)(void *ctx, fm_act *dq, fm_act *dk, fm_act *dv, const fm_act *dout,
                           const fm_act *q, const fm_act *k, const fm_act *v, const fm_act *out,
                           const float *lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                          int64_t hd);
+                          int64_t hd, const int32_t *kv_start);
 
     /* ---- SwiGLU (Shazeer 2020): out = silu(gate) * up ------------------------------------- */
 

@@ -61,6 +61,11 @@ void fm_dataset_tokens(const fm_dataset *ds, int64_t start, int64_t n, int32_t *
     if (n > 0) copy_range(ds, start, n, dst, false);
 }
 
+void fm_dataset_targets(const fm_dataset *ds, int64_t start, int64_t n, int32_t *dst) {
+    FM_ASSERT(ds && dst && start >= 0 && n >= 0 && start + n <= ds->n_tokens);
+    if (n > 0) copy_range(ds, start, n, dst, true);
+}
+
 int fm_dataset_mask_at(const fm_dataset *ds, int64_t i) {
     FM_ASSERT(ds && i >= 0 && i < ds->n_tokens);
     const int64_t g = ds->begin + i;
@@ -70,6 +75,7 @@ int fm_dataset_mask_at(const fm_dataset *ds, int64_t i) {
 
 void fm_dataset_free(fm_dataset *ds) {
     if (!ds) return;
+    if (ds->docs_owned) fm_free(ds->docs);
     if (ds->owns) {
         for (int i = 0; i < ds->n_parts; i++) fm_data_part_release(&ds->parts[i]);
         fm_free(ds->parts);
@@ -140,6 +146,7 @@ fm_status fm_dataset_load(fm_dataset *ds, const char *const *paths, int n_paths,
     }
     d.n_tokens = total;
     d.has_mask = n_mask > 0;
+    if ((s = fm_dataset_build_docs(&d))) goto fail;
     size_t at = 0;
     char *desc = d.desc;
     const size_t cap = sizeof d.desc;
@@ -153,6 +160,7 @@ fm_status fm_dataset_load(fm_dataset *ds, const char *const *paths, int n_paths,
         if (nm) desc_add(desc, cap, &at, "%s%d Megatron data set%s", ns ? " + " : "", nm, nm == 1 ? "" : "s");
         desc_add(desc, cap, &at, ", %" PRId64 " tokens, memory-mapped", total);
         if (n_mask) desc_add(desc, cap, &at, ", loss mask on %d of %d", n_mask, n_paths);
+        if (d.docs) desc_add(desc, cap, &at, ", %" PRId64 " documents", d.n_docs);
     }
     *ds = d;
     return FM_OK;
@@ -209,6 +217,13 @@ fm_status fm_dataset_split(const fm_dataset *all, double val_fraction, fm_datase
     v.n_tokens = n_val;
     view_desc(t.desc, sizeof t.desc, "train split", n_train, all->desc);
     view_desc(v.desc, sizeof v.desc, "validation split", n_val, all->desc);
+    fm_status s = fm_dataset_view_docs(all, &t);
+    if (s == FM_OK) s = fm_dataset_view_docs(all, &v);
+    if (s != FM_OK) {
+        fm_dataset_free(&t); /* views: only their document tables */
+        fm_dataset_free(&v);
+        return s;
+    }
     *train = t;
     *val = v;
     return FM_OK;

@@ -28,6 +28,19 @@
  * not. A target whose mask byte is 0 is written as FM_IGNORE_INDEX (-100), which the loss skips
  * (the mean is over the valid targets). Files without a mask: every target counts.
  *
+ * Document index (issue 28): a shard P may have a sidecar P.docs (else P with ".bin" replaced by
+ * ".docs"), written by `flatmoe prepare`: 8 bytes "FMDOCS01" (the format's version is its last
+ * two characters), uint64 little-endian n_tokens (must equal its shard's), uint64 n_docs (1 ..
+ * n_tokens), then n_docs uint64 start offsets: token index of each document's first token,
+ * strictly increasing from 0, each < n_tokens (document d spans [start d, start d+1), the last
+ * to the end). Every field is checked on read. A Megatron data set's documents are its own:
+ * doc_idx groups its sequences into documents (document d: sequences doc_idx[d] ..
+ * doc_idx[d+1]-1; doc_idx must start at 0, not decrease and end at the sequence count), as
+ * Megatron's GPTDataset reads them. Text files have none. In a data set where some part has an
+ * index, a part without one is one document. The data set's table (docs) holds every
+ * document's first token in its own coordinates (fm_dataset_doc_len gives lengths); the packer
+ * (fm_pack.h) fills rows with whole documents from it.
+ *
  * The files of one data set are concatenated in the order given; a window may span two files.
  * Batches are row-major [B, T] int32: row b, position t at index b*T + t. targets[b][t] is the
  * token after inputs[b][t] in the data (or -100 where masked).
@@ -54,6 +67,10 @@ extern "C" {
 #define FM_SHARD_MAGIC_V1 20240520 /* version 1, uint16 tokens */
 #define FM_SHARD_MAGIC_V7 20240801 /* version 7, uint32 tokens */
 
+/* Document-index sidecar constants. */
+#define FM_DOCS_MAGIC "FMDOCS01"
+#define FM_DOCS_HEADER_BYTES 24
+
 /* Loss-mask sidecar constants. */
 #define FM_MASK_MAGIC "FMMASK01"
 #define FM_MASK_HEADER_BYTES 16
@@ -76,6 +93,8 @@ typedef struct fm_data_part {
     void *mask_map;         /* mmap of the mask file (NULL: none) */
     size_t mask_map_bytes;
     void *heap;             /* tokens read into memory (text), freed with the data set */
+    int64_t *doc_starts;    /* [n_docs] heap: its documents' first tokens (part-local), or NULL: no index */
+    int64_t n_docs;
 } fm_data_part;
 
 typedef struct fm_dataset {
@@ -92,6 +111,10 @@ typedef struct fm_dataset {
     int seq_part, seq_parts; /* sequence parallelism: the slice of every window this rank keeps
                              (0 and 1 after loading: the whole window; fm_dataset_set_seq_slice) */
     char desc[256];       /* human-readable summary, e.g. "3 text files, 1115394 tokens (bytes)" */
+    int64_t *docs;        /* [n_docs] first token of each document (this data set's coordinates,
+                             increasing from 0), or NULL: the data has no document index */
+    int64_t n_docs;
+    bool docs_owned;      /* docs is this data set's own (freed by fm_dataset_free) */
 } fm_dataset;
 
 /* Loads and concatenates `n_paths` data sources (in the order given): text files are read into
@@ -117,13 +140,25 @@ fm_status fm_dataset_from_tokens(fm_dataset *ds, const int32_t *tokens, int64_t 
  * Precondition (asserted): 0 <= start, n >= 0, start + n <= ds->n_tokens. */
 void fm_dataset_tokens(const fm_dataset *ds, int64_t start, int64_t n, int32_t *dst);
 
+/* The same as targets: a token whose mask byte is 0 becomes FM_IGNORE_INDEX. */
+void fm_dataset_targets(const fm_dataset *ds, int64_t start, int64_t n, int32_t *dst);
+
+/* Tokens of document d (0 <= d < ds->n_docs; asserted, with ds->docs non-NULL). */
+int64_t fm_dataset_doc_len(const fm_dataset *ds, int64_t d);
+
+/* Writes a document index (format above) for a shard of n_tokens tokens: n_docs starts,
+ * increasing from 0, each < n_tokens; atomic (`path`.tmp renamed). Errors: FM_ERR_FORMAT for
+ * starts that are not so (naming the document); FM_ERR_IO. */
+fm_status fm_docs_write(const char *path, const int64_t *starts, int64_t n_docs, int64_t n_tokens);
+
 /* The mask byte of token i (1 when the data set has no mask there).
  * Precondition (asserted): 0 <= i < ds->n_tokens. */
 int fm_dataset_mask_at(const fm_dataset *ds, int64_t i);
 
 /* Splits `all` into two views (owns = false, sharing all's parts; `all` must outlive them):
  * val = the last round(n_tokens * val_fraction) tokens, train = the tokens before them. For runs
- * that give no separate validation data. The views keep all's ranks.
+ * that give no separate validation data. The views keep all's ranks, and each its own table of
+ * all's documents (one cut at the split starts a document in val). FM_ERR_NOMEM.
  * Errors: FM_ERR_ARG when val_fraction is not in (0, 1) or either part would be empty. */
 fm_status fm_dataset_split(const fm_dataset *all, double val_fraction, fm_dataset *train, fm_dataset *val);
 

@@ -42,6 +42,7 @@ void fm_data_part_release(fm_data_part *p) {
     if (p->map) munmap(p->map, p->map_bytes);
     if (p->mask_map) munmap(p->mask_map, p->mask_map_bytes);
     fm_free(p->heap);
+    fm_free(p->doc_starts);
     memset(p, 0, sizeof *p);
 }
 
@@ -220,6 +221,44 @@ static void find_mask(const char *base, bool megatron, char *out, size_t cap) {
     else if (b[0] && is_file(b)) join(out, cap, b, strlen(b), "");
 }
 
+/* The document index of shard `base` (fm_data.h): base.docs, else base with ".bin" replaced by
+ * ".docs"; "" when none. */
+static void find_docs(const char *base, char *out, size_t cap) {
+    char a[4200], b[4200] = "";
+    join(a, sizeof a, base, strlen(base), ".docs");
+    if (ends_with(base, ".bin")) join(b, sizeof b, base, strlen(base) - 4, ".docs");
+    out[0] = 0;
+    if (is_file(a)) snprintf(out, cap, "%s", a);
+    else if (b[0] && is_file(b)) snprintf(out, cap, "%s", b);
+}
+
+/* Megatron's documents (fm_data.h): doc_idx [D] groups the S sequences of `sizes` [S] into
+ * documents; their first tokens into p->doc_starts (empty documents skipped). */
+static fm_status megatron_docs(const char *idx, const unsigned char *sizes, uint64_t S, const unsigned char *doc_idx,
+                               uint64_t D, fm_data_part *p) {
+    if (D < 2) return FM_OK; /* no document boundaries: the data set is one stream */
+    int64_t *st = fm_malloc(sizeof(int64_t) * (size_t)(D - 1));
+    if (!st) return fm_error(FM_ERR_NOMEM, "%s: out of memory for %" PRIu64 " document starts", idx, D - 1);
+    int64_t n = 0, tok = 0; /* documents kept, tokens before sequence `seq` */
+    uint64_t seq = 0;
+    for (uint64_t d = 0; d < D; d++) {
+        const uint64_t at = le64(doc_idx + 8 * d);
+        if ((d == 0 && at != 0) || at < seq || at > S || (d == D - 1 && at != S)) {
+            fm_free(st);
+            return fm_error(FM_ERR_FORMAT, "%s: doc_idx[%" PRIu64 "] is %" PRIu64 "; expected doc_idx to start at 0, "
+                            "never decrease and end at the %" PRIu64 " sequences; the index is corrupt: build it again",
+                            idx, d, at, S);
+        }
+        for (; seq < at; seq++) tok += (int32_t)le32(sizes + 4 * seq);
+        /* document d starts at token tok; an empty one (same start as the one before) is skipped */
+        if (d + 1 < D && (n == 0 || tok > st[n - 1])) st[n++] = tok;
+    }
+    while (n > 1 && st[n - 1] >= tok) n--; /* empty documents at the end */
+    p->doc_starts = st;
+    p->n_docs = n;
+    return FM_OK;
+}
+
 /* Maps and checks the mask file for a part of p->n tokens from `data_path`. */
 static fm_status open_mask(const char *mpath, const char *data_path, fm_data_part *p) {
     int fd;
@@ -336,6 +375,11 @@ static fm_status open_megatron(const char *prefix, int64_t vocab_size, fm_data_p
     p->type = types[code];
     const size_t es = fm_token_type_size(p->type);
     const unsigned char *sizes = h + MEGATRON_HEADER_BYTES, *ptrs = sizes + 4 * S;
+    s = megatron_docs(idx, sizes, S, ptrs + 8 * S, D, p);
+    if (s) {
+        munmap(im, (size_t)size);
+        return s;
+    }
     int64_t total = 0;
     for (uint64_t i = 0; i < S && !s; i++) {
         int32_t len = (int32_t)le32(sizes + 4 * i);
@@ -502,6 +546,11 @@ fm_status fm_data_open_source(const char *path, int64_t vocab_size, fm_data_part
     if (s == FM_OK && *kind != FM_SRC_TEXT) {
         find_mask(mega ? prefix : path, mega, mask_path, cap);
         if (mask_path[0]) s = open_mask(mask_path, path, p);
+        char dpath[4200];
+        if (!mega && s == FM_OK) {
+            find_docs(path, dpath, sizeof dpath);
+            if (dpath[0]) s = fm_docs_read(dpath, path, p->n, &p->doc_starts, &p->n_docs);
+        }
     }
     if (s != FM_OK) fm_data_part_release(p);
     return s;

@@ -1,7 +1,8 @@
 /* What the data files share (not a public API):
  *   fm_data.c        the data set: loading a list, views, windows and the cursor
  *   fm_data_files.c  one source: text, an llm.c shard or a Megatron data set, and its mask
- *   fm_data_write.c  writing shards and masks */
+ *   fm_data_write.c  writing shards and masks
+ *   fm_docs.c        document indexes: the FMDOCS01 sidecar, the data set's document table */
 #ifndef FM_DATA_INTERNAL_H
 #define FM_DATA_INTERNAL_H
 
@@ -26,6 +27,21 @@ void fm_data_part_release(fm_data_part *p);
  * process's RSS (madvise MADV_DONTNEED over the 2 MiB blocks around them; they stay in the page
  * cache). No-op for parts that are not mapped. */
 void fm_data_part_drop(const fm_data_part *p, int64_t i0, int64_t n);
+
+/* Reads the document index `path` beside data_path (a part of n_tokens tokens) into *starts
+ * (fm_malloc'd [*n_docs]). Errors: FM_ERR_IO, FM_ERR_FORMAT (magic, token count, document count,
+ * truncation, trailing bytes, starts out of order or range; each naming the file and the fix),
+ * FM_ERR_NOMEM. */
+fm_status fm_docs_read(const char *path, const char *data_path, int64_t n_tokens, int64_t **starts, int64_t *n_docs);
+
+/* Checks n_docs starts of an index for n_tokens tokens (fm_data.h); `what` names it. FM_ERR_FORMAT. */
+fm_status fm_docs_check(const char *what, const int64_t *starts, int64_t n_docs, int64_t n_tokens);
+
+/* ds->docs from its parts' indexes (none when no part has one). FM_ERR_NOMEM. */
+fm_status fm_dataset_build_docs(fm_dataset *ds);
+
+/* v's own document table: all's documents within the view v (begin and n_tokens set). FM_ERR_NOMEM. */
+fm_status fm_dataset_view_docs(const fm_dataset *all, fm_dataset *v);
 
 /* Bytes per element of a token type. */
 size_t fm_token_type_size(int type);

@@ -193,7 +193,7 @@ fm_status fm_attn_sp_forward(const fm_attn_sp *s, const fm_backend *be, fm_act *
     FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->qh, q, false));
     FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->kh, k, true));
     FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->vh, v, true));
-    OPS->attention_fwd(CTX, s->oh, lse, s->qh, s->kh, s->vh, s->d.B, s->T, s->nh_l, s->nkv_l, s->d.hd);
+    OPS->attention_fwd(CTX, s->oh, lse, s->qh, s->kh, s->vh, s->d.B, s->T, s->nh_l, s->nkv_l, s->d.hd, NULL);
     return fm_attn_sp_heads_to_seq(s, be, out, s->oh, false);
 }
 
@@ -206,7 +206,7 @@ fm_status fm_attn_sp_backward(const fm_attn_sp *s, const fm_backend *be, fm_act 
     FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->oh, out, false));
     FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->doh, dout, false));
     OPS->attention_bwd(CTX, s->dqh, s->dkh, s->dvh, s->doh, s->qh, s->kh, s->vh, s->oh, lse, s->d.B, s->T, s->nh_l,
-                       s->nkv_l, s->d.hd);
+                       s->nkv_l, s->d.hd, NULL);
     FM_TRY(fm_attn_sp_heads_to_seq(s, be, dq, s->dqh, false));
     FM_TRY(fm_attn_sp_heads_to_seq(s, be, dk, s->dkh, true));
     return fm_attn_sp_heads_to_seq(s, be, dv, s->dvh, true);

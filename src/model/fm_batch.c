@@ -23,9 +23,30 @@ fm_status fm_batch_alloc(fm_batch *b, int64_t B, int64_t T, bool targets) {
     return FM_OK;
 }
 
+fm_status fm_batch_alloc_docs(fm_batch *b) {
+    FM_ASSERT(b->tokens && b->B >= 1 && b->T >= 1);
+    const size_t bytes = sizeof(int32_t) * (size_t)(b->B * b->T);
+    int32_t *pos = fm_malloc(bytes), *start = fm_malloc(bytes);
+    if (!pos || !start) {
+        fm_free(pos);
+        fm_free(start);
+        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the document positions of a batch of %lld x %lld "
+                        "tokens (%zu bytes twice)", (long long)b->B, (long long)b->T, bytes);
+    }
+    for (int64_t i = 0; i < b->B * b->T; i++) {
+        pos[i] = (int32_t)(i % b->T);
+        start[i] = 0;
+    }
+    b->pos = pos;
+    b->doc_start = start;
+    return FM_OK;
+}
+
 void fm_batch_free(fm_batch *b) {
     fm_free(b->tokens);
     fm_free(b->targets);
+    fm_free(b->pos);
+    fm_free(b->doc_start);
     memset(b, 0, sizeof *b);
 }
 
@@ -47,5 +68,18 @@ fm_status fm_batch_check(const fm_batch *b, int64_t B, int64_t T, int64_t V) {
                 return fm_error(FM_ERR_ARG, "batch: target %lld (sequence %lld, position %lld) is %d; expected an id "
                                 "in [0, %lld) (vocab_size) or -100 (no loss)", (long long)i, (long long)(i / T),
                                 (long long)(i % T), b->targets[i], (long long)V);
+    if (!b->pos != !b->doc_start)
+        return fm_error(FM_ERR_ARG, "batch: %s is set but %s is NULL; packed documents need both (or neither)",
+                        b->pos ? "pos" : "doc_start", b->pos ? "doc_start" : "pos");
+    if (b->doc_start)
+        for (int64_t i = 0; i < N; i++) {
+            const int64_t t = i % T, s = b->doc_start[i];
+            const bool ok = t == 0 ? s == 0 : (s == b->doc_start[i - 1] || s == t);
+            if (!ok || b->pos[i] < 0 || b->pos[i] > t)
+                return fm_error(FM_ERR_ARG, "batch: sequence %lld, position %lld: doc_start %lld, pos %d; expected "
+                                "doc_start the previous token's or %lld (a new document), %s, and pos in [0, %lld]",
+                                (long long)(i / T), (long long)t, (long long)s, b->pos[i], (long long)t,
+                                t == 0 ? "0 at position 0" : "documents contiguous", (long long)t);
+        }
     return FM_OK;
 }

@@ -26,6 +26,16 @@ fm_status fm_model_embed_forward(fm_model *m, const fm_batch *b) {
         memcpy(m->pin_targets, b->targets, bytes);
         OPS->copy_async(CTX, m->targets, m->pin_targets, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
     }
+    m->docs = b->doc_start != NULL;
+    if (m->docs) {
+        if (m->sp > 1)
+            return fm_error(FM_ERR_UNSUPPORTED, "packed documents (--pack) with sequence parallelism (--sp %d): "
+                            "not supported yet; train with --sp 1 or with --pack off", m->sp);
+        memcpy(m->pin_doc_pos, b->pos, bytes);
+        memcpy(m->pin_doc_start, b->doc_start, bytes);
+        OPS->copy_async(CTX, m->doc_pos, m->pin_doc_pos, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
+        OPS->copy_async(CTX, m->doc_start, m->pin_doc_start, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
+    }
     OPS->event_record(CTX, FM_EVENT_TOKENS, FM_STREAM_COMPUTE);
     OPS->embedding_fwd(CTX, m->boundary[0], m->tokens, m->w.embed, N, H);
     return FM_OK;

@@ -75,14 +75,15 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
         OPS->rmsnorm_fwd(CTX, a->qr, a->rstd_q, a->q, w->q_norm, N, qd, eps);
         OPS->rmsnorm_fwd(CTX, a->kr, a->rstd_k, a->k, w->k_norm, N, kd, eps);
     } /* else q, k alias qr, kr: RoPE below works in place on the projections */
-    OPS->rope_fwd(CTX, a->qr, m->rope_cos, m->rope_sin, B, T, nh, hd);
-    OPS->rope_fwd(CTX, a->kr, m->rope_cos, m->rope_sin, B, T, nkv, hd);
+    const int32_t *pos = m->docs ? m->doc_pos : NULL, *kvs = m->docs ? m->doc_start : NULL; /* packed */
+    OPS->rope_fwd(CTX, a->qr, m->rope_cos, m->rope_sin, B, T, nh, hd, pos);
+    OPS->rope_fwd(CTX, a->kr, m->rope_cos, m->rope_sin, B, T, nkv, hd, pos);
     if (!skip_attention) { /* keep-attention's recompute: att and lse are the forward's, kept */
         PHASE(ATTENTION);
         if (m->sp > 1) /* Ulysses: to head-sharded, attention over the whole sequence, back */
             FM_TRY(fm_attn_sp_forward(&m->sp_attn, &m->be, a->att, a->lse, a->qr, a->kr, a->v));
         else
-            OPS->attention_fwd(CTX, a->att, a->lse, a->qr, a->kr, a->v, B, T, nh, nkv, hd);
+            OPS->attention_fwd(CTX, a->att, a->lse, a->qr, a->kr, a->v, B, T, nh, nkv, hd, kvs);
         PHASE(DENSE);
     }
     linear_fwd(m, a->x_mid, a->att, w->wo, N, qd, H);
@@ -167,16 +168,18 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     fm_act *datt = ws->datt ? ws->datt : dy; /* dy is dead from here on */
 
     /* attention block: x_mid = x + o_proj(attn(rope(qknorm(q,k)), v)) */
+    const int32_t *pos = m->docs ? m->doc_pos : NULL, *kvs = m->docs ? m->doc_start : NULL; /* packed */
     linear_bwd(m, datt, 0.0f, g->wo, dxmid, a->att, w->wo, N, qd, H);
     PHASE(ATTENTION);
     if (m->sp > 1) /* Ulysses: the transposed all-to-alls around the attention backward */
         FM_TRY(fm_attn_sp_backward(&m->sp_attn, &m->be, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att,
                                    a->lse));
     else
-        OPS->attention_bwd(CTX, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att, a->lse, B, T, nh, nkv, hd);
+        OPS->attention_bwd(CTX, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att, a->lse, B, T, nh, nkv, hd,
+                           kvs);
     PHASE(DENSE);
-    OPS->rope_bwd(CTX, ws->dq, m->rope_cos, m->rope_sin, B, T, nh, hd);
-    OPS->rope_bwd(CTX, ws->dk, m->rope_cos, m->rope_sin, B, T, nkv, hd);
+    OPS->rope_bwd(CTX, ws->dq, m->rope_cos, m->rope_sin, B, T, nh, hd, pos);
+    OPS->rope_bwd(CTX, ws->dk, m->rope_cos, m->rope_sin, B, T, nkv, hd, pos);
     fm_act *dq = ws->dq, *dk = ws->dk;
     if (c->qk_norm != FM_QK_NORM_NONE) {
         /* datt is free now: reuse it for dq before the norm; dln (free) for dk. */

@@ -101,6 +101,10 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     m->rope_cos = TAKE(bnd, float, m->T * hd / 2);
     m->rope_sin = TAKE(bnd, float, m->T * hd / 2);
     m->moe_chunk_order = chunked ? TAKE(bnd, int32_t, N) : NULL;
+    m->doc_pos = TAKE(bnd, int32_t, N); /* packed documents (fm_batch.h): taken whatever the data */
+    m->doc_start = TAKE(bnd, int32_t, N);
+    m->pin_doc_pos = TAKE(host, int32_t, N);
+    m->pin_doc_start = TAKE(host, int32_t, N);
     /* Offloaded boundaries 0 .. n_off-1 rotate through slots 0 and 1 (taken where boundaries 0
      * and 1 would be); with n_off = 0 this is the plain L+1 tensors, in the same order. */
     const int64_t n_off = m->n_offloaded_boundaries;
@@ -172,9 +176,11 @@ size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T,
 size_t fm_model_boundary_bytes_n(const fm_config *c, int64_t B, int64_t T, bool moe_chunked, int64_t n_tensors,
                                  size_t a) {
     const int64_t N = B * T;
-    /* tokens, targets, the micro-batch's device results (4 + 2L doubles), RoPE cos/sin
-     * [T, hd/2], the chunked MoE's token order [N] int32, n_tensors residual-stream tensors [N,H] */
-    return 2 * B4(N) + fm_arena_round((size_t)fm_model_results_count(c) * 8) + 2 * B4(T * c->head_dim / 2) +
+    /* tokens, targets, the packed documents' positions and starts (fm_batch.h; laid out whether
+     * or not the data is packed: packing never changes the bound), the micro-batch's device
+     * results (4 + 2L doubles), RoPE cos/sin [T, hd/2], the chunked MoE's token order [N] int32,
+     * n_tensors residual-stream tensors [N,H] */
+    return 4 * B4(N) + fm_arena_round((size_t)fm_model_results_count(c) * 8) + 2 * B4(T * c->head_dim / 2) +
            (moe_chunked ? B4(N) : 0) +
            (size_t)n_tensors * BA(N * c->hidden_size);
 }

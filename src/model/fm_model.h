@@ -184,6 +184,14 @@ typedef struct fm_model {
                                      model state is the parameter store's (train/fm_param_store.h) */
     fm_arena host_arena;        /* pinned host memory the step shares with the device (MoE expert
                                    offsets, the token upload's staging) */
+
+    /* ---- packed documents (fm_batch.pos / doc_start; issue 28) ---------------------------
+     * Laid out always (2 x [N] int32 in the boundary live set, 2 x [N] pinned), so the bound
+     * does not depend on the data; used when the uploaded batch carries documents. */
+    int32_t *doc_pos, *doc_start;         /* [N] backend memory: RoPE positions, attention starts */
+    int32_t *pin_doc_pos, *pin_doc_start; /* [N] pinned staging of their upload (host arena) */
+    bool docs;                  /* the last uploaded batch carried documents: RoPE and attention
+                                   read doc_pos / doc_start (else NULL: causal, positions t) */
 } fm_model;
 
 /* Builds the parameter table (names, shapes, offsets into the flat parameter buffer) of a config

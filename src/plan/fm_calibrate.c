@@ -309,8 +309,8 @@ static void run_att(cal *c, void *p) {
     att_arg *a = p;
     if (a->bwd)
         c->be.ops->attention_bwd(c->be.ctx, a->dq, a->dk, a->dv, a->d, a->q, a->k, a->v, a->o, a->lse, 1, a->T, a->nh,
-                                 a->nh, a->hd);
-    else c->be.ops->attention_fwd(c->be.ctx, a->o, a->lse, a->q, a->k, a->v, 1, a->T, a->nh, a->nh, a->hd);
+                                 a->nh, a->hd, NULL);
+    else c->be.ops->attention_fwd(c->be.ctx, a->o, a->lse, a->q, a->k, a->v, 1, a->T, a->nh, a->nh, a->hd, NULL);
 }
 
 static int64_t att_tmax(const fm_calibrate_opts *o, bool gpu) {

@@ -48,8 +48,8 @@ static void warm_ops(const fm_backend *be, int64_t hd, void **bufs, int nbuf) {
     o->gemm(ctx, false, false, T, H, H, 1.0f, q, H, kk, H, 0.0f, out, FM_ACT_DTYPE, H);
     o->gemm(ctx, true, false, H, H, T, 1.0f, q, H, kk, H, 1.0f, out, FM_ACT_DTYPE, H);
     o->gemm(ctx, false, true, T, E, H, 1.0f, q, H, kk, H, 0.0f, lse, FM_DTYPE_F32, E);
-    o->attention_fwd(ctx, out, lse, q, kk, v, 1, T, nh, nh, hd);
-    o->attention_bwd(ctx, dq, dk, dv, out, q, kk, v, out, lse, 1, T, nh, nh, hd);
+    o->attention_fwd(ctx, out, lse, q, kk, v, 1, T, nh, nh, hd, NULL);
+    o->attention_bwd(ctx, dq, dk, dv, out, q, kk, v, out, lse, 1, T, nh, nh, hd, NULL);
     int64_t *offs = bufs[8];
     for (int64_t e = 0; e <= E; e++) offs[e] = e * (T / E);
     fm_expert_linear_fwd(be, out, q, kk, offs, E, hd, hd);

@@ -36,6 +36,10 @@ typedef struct prep {
     fm_prepare_stats st;
     double t0, last;
     char path[4200];
+    /* ---- the document index of the shard being filled (issue 28; data/fm_data.h FMDOCS01) */
+    int64_t *docs;        /* [n_docs] shard-local first token of each document in it */
+    int64_t n_docs, cap_docs;
+    bool doc_begin;       /* the next token pushed starts a document */
 } prep;
 
 static double now_s(void) {
@@ -56,8 +60,28 @@ static fm_status flush_shard(prep *p) {
     FM_TRY(fm_shard_write(path, p->shard, p->n_shard, 7));
     part_name(p, p->st.shards, ".mask.part", path, sizeof path);
     FM_TRY(fm_mask_write(path, p->mask, p->n_shard));
+    part_name(p, p->st.shards, ".docs.part", path, sizeof path);
+    FM_TRY(fm_docs_write(path, p->docs, p->n_docs, p->n_shard));
     p->st.shards++;
     p->n_shard = 0;
+    p->n_docs = 0;
+    return FM_OK;
+}
+
+/* Records a document starting at the shard's next token (a document running on from the previous
+ * shard starts this one's index at 0: shards are read alone too). */
+static fm_status doc_mark(prep *p) {
+    if (p->n_docs == p->cap_docs) {
+        const int64_t cap = p->cap_docs ? 2 * p->cap_docs : 1024;
+        int64_t *d = fm_malloc(sizeof(int64_t) * (size_t)cap);
+        if (!d) return fm_error(FM_ERR_NOMEM, "prepare: out of memory for %lld document starts", (long long)cap);
+        if (p->n_docs) memcpy(d, p->docs, sizeof(int64_t) * (size_t)p->n_docs);
+        fm_free(p->docs);
+        p->docs = d;
+        p->cap_docs = cap;
+    }
+    p->docs[p->n_docs++] = p->n_shard;
+    p->doc_begin = false;
     return FM_OK;
 }
 
@@ -91,6 +115,7 @@ static fm_status push_masks(prep *p, const int32_t *ids, int64_t n, uint8_t m, c
     while (n > 0) {
         const int64_t room = p->o->shard_tokens - p->n_shard, k = n < room ? n : room;
         FM_TRY(reserve(p, p->n_shard + k));
+        if (k > 0 && (p->doc_begin || p->n_shard == 0)) FM_TRY(doc_mark(p));
         memcpy(p->shard + p->n_shard, ids, (size_t)k * sizeof *ids);
         if (masks) {
             memcpy(p->mask + p->n_shard, masks, (size_t)k);
@@ -122,6 +147,7 @@ static fm_status part(prep *p, const char *s, size_t n, uint8_t m) {
 static fm_status end_document(prep *p, int eos_mask) {
     p->st.documents++;
     if (!p->o->no_eos && eos_mask >= 0) FM_TRY(push(p, &p->tok->eos_id, 1, (uint8_t)eos_mask));
+    p->doc_begin = true;
     const double t = now_s();
     if (p->o->progress && t - p->last >= p->o->progress_s) {
         p->last = t;
@@ -428,6 +454,10 @@ static fm_status run(prep *p) {
         if (!p->any_masked_form) unlink(from);
         else if (rename(from, to) != 0)
             return fm_error(FM_ERR_IO, "%s: cannot rename %s to it: %s", to, from, strerror(errno));
+        part_name(p, k, ".docs.part", from, sizeof from);
+        part_name(p, k, ".docs", to, sizeof to);
+        if (rename(from, to) != 0)
+            return fm_error(FM_ERR_IO, "%s: cannot rename %s to it: %s", to, from, strerror(errno));
     }
     return FM_OK;
 }
@@ -470,6 +500,7 @@ fm_status fm_prepare(fm_tokenizer *tok, const fm_prepare_opts *o, fm_prepare_sta
     p.tok = tok;
     p.o = o;
     p.t0 = p.last = now_s();
+    p.doc_begin = true;
     fm_status s = parse_role_map(&p, o->role_map);
     if (!s) s = make_parent(o->out_prefix);
     if (!s && o->chat) {
@@ -482,8 +513,9 @@ fm_status fm_prepare(fm_tokenizer *tok, const fm_prepare_opts *o, fm_prepare_sta
     if (s) { /* no partial output: the .part files (and any already renamed) go */
         char path[4300];
         for (int64_t k = 0; k <= p.st.shards; k++) {
-            const char *suffix[] = {".part", ".part.tmp", ".mask.part", ".mask.part.tmp", "", ".mask"};
-            for (int j = 0; j < (k < p.renamed ? 6 : 4); j++) {
+            const char *suffix[] = {".part", ".part.tmp", ".mask.part", ".mask.part.tmp", ".docs.part",
+                                    ".docs.part.tmp", "", ".mask", ".docs"};
+            for (int j = 0; j < (k < p.renamed ? 9 : 6); j++) {
                 part_name(&p, k, suffix[j], path, sizeof path);
                 unlink(path);
             }
@@ -500,5 +532,6 @@ fm_status fm_prepare(fm_tokenizer *tok, const fm_prepare_opts *o, fm_prepare_sta
     fm_free(p.span_start);
     fm_free(p.span_end);
     fm_free(p.span_content);
+    fm_free(p.docs);
     return s;
 }

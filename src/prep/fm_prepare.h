@@ -25,7 +25,10 @@
  * tokens, and, when any record of the run is prompt/completion or chat, PREFIX_%06d.bin.mask
  * (written by fm_mask_write, data/fm_data.h): 8 bytes "FMMASK01", uint64 little-endian n_tokens
  * (the shard's count), n_tokens bytes: byte i is 1 when token i is a loss target (counted when it
- * is predicted), 0 when it is masked. A run of text only writes no masks.
+ * is predicted), 0 when it is masked. A run of text only writes no masks. And PREFIX_%06d.bin.docs,
+ * the shard's document index (fm_docs_write, data/fm_data.h "Document index"): the first token of
+ * every document in the shard (a text file is one document, a JSONL record one); a document that
+ * runs on into the next shard starts that shard's index at 0, so it is cut there.
  * Every file is written under a ".part" name and renamed only after the whole input was read and
  * written without error; on any error the .part files are removed, so no partial output is left.
  */

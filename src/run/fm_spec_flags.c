@@ -29,6 +29,8 @@ static const char *const precision_choices[] = {"bf16", "fp8", NULL};
 static const char *const vocab_choices[] = {"off", "ring", NULL};
 static const char *const comm_choices[] = {"auto", "mpi", "nccl", NULL};           /* fm_comm_kind's order */
 static const char *const comm_check_choices[] = {"deferred", "collective", NULL}; /* fm_comm_nccl_check's */
+static const char *const pack_choices[] = {"auto", "on", "off", "pad", NULL};     /* FM_PACK_* */
+static const char *const pack_long_choices[] = {"split", "refuse", NULL};         /* FM_PACK_LONG_* */
 
 const fm_spec_flag fm_spec_flags[] = {
     /* ---- the model source ---- */
@@ -46,6 +48,22 @@ const fm_spec_flag fm_spec_flags[] = {
     FILES("val-data", val_files, train.n_val_data, "the last --val-fraction of --data", "validation files", T, RUN),
     V("val-fraction", FM_SPEC_F64, train.val_fraction, "0.1", NULL, "share of --data held out when no --val-data", T,
       FIXED),
+    /* ---- documents and epochs (issue 28; data/fm_pack.h) ---- */
+    CHOICE("pack", train.pack, 4, pack_choices, "auto",
+           "auto | on | off | pad: on = each row of a micro-batch filled with whole documents (first-fit in a seeded "
+           "order per epoch), the rest padding, attention never crossing a document and positions restarting in each; "
+           "pad = one document per row; off = windows at random offsets of the token stream; auto = on when the "
+           "training data has a document index (`flatmoe prepare` writes one; Megatron data sets have theirs) and the "
+           "run fine-tunes (--init-from), else off", T, FIXED),
+    CHOICE("pack-long", train.pack_long, 4, pack_long_choices, "split",
+           "split | refuse: a document with more tokens than --seq-len is cut into pieces of --seq-len (each its own "
+           "sequence), or refused with its index and length", T, FIXED),
+    V("epochs", FM_SPEC_I64, train.epochs, "0", NULL,
+      "passes over the training data instead of --steps: packed, every document once per epoch in a seeded order; "
+      "off, as many tokens as the data holds; the steps they take are counted at the start; 0 = --steps", T, FIXED),
+    V("tensorboard", FM_SPEC_STR, train.tensorboard, NULL, "off",
+      "write TensorBoard scalar event files into DIR (loss, lr, grad norm, tokens/s, MFU, expert load, memory): "
+      "`tensorboard --logdir DIR`", T, RUN),
     /* ---- shape ---- */
     V("seq-len", FM_SPEC_I64, train.seq_len, "128", NULL, "tokens per sequence", T, FIXED),
     V("seq-len", FM_SPEC_I64, train.seq_len, NULL, NULL, "tokens per sequence (required)", P, NOW),

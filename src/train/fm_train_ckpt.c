@@ -146,6 +146,14 @@ static char *state_to_json(const run *r, const train_state *s) {
     cJSON_AddNumberToObject(cur, "rank", r->train.rank);
     cJSON_AddNumberToObject(cur, "world", r->train.world);
     cJSON_AddNumberToObject(cur, "train_tokens", (double)r->train.n_tokens);
+    /* packed documents (fm_pack.h): the packer's cursor is all of it */
+    cJSON_AddStringToObject(cur, "pack", fm_train_data_mode_name(r->data.mode));
+    if (r->data.mode != FM_PACK_OFF) {
+        cJSON_AddNumberToObject(cur, "epoch", (double)s->pk_epoch);
+        cJSON_AddNumberToObject(cur, "document", (double)s->pk_next);
+        cJSON_AddNumberToObject(cur, "position", (double)s->pk_done);
+        cJSON_AddNumberToObject(cur, "train_documents", (double)r->train.n_docs);
+    }
     cJSON_AddNumberToObject(o, "data_parallel", (double)(s->dp > 0 ? s->dp : 1));
     if (r->o->spec_json) { /* the run spec, restored by --resume (run/fm_spec_resume.h) */
         cJSON *spec = cJSON_Parse(r->o->spec_json);
@@ -183,6 +191,13 @@ fm_status fm_train_state_read(const char *path, train_state *s) {
     const cJSON *mom = cJSON_GetObjectItemCaseSensitive(o, "adam_moments");
     s->bf16_moments = cJSON_IsString(mom) && strcmp(mom->valuestring, "bf16") == 0;
     s->expert_fp8 = json_is_fp8(o);
+    const cJSON *cur = cJSON_GetObjectItemCaseSensitive(o, "data_cursor");
+    const cJSON *pk = cJSON_GetObjectItemCaseSensitive(cur, "pack");
+    s->pack_mode = !cJSON_IsString(pk) ? 0 : !strcmp(pk->valuestring, "on") ? FM_PACK_ON
+                 : !strcmp(pk->valuestring, "pad") ? FM_PACK_PAD : FM_PACK_OFF;
+    s->pk_epoch = cJSON_IsObject(cur) ? json_i64(cur, "epoch", 0) : 0;
+    s->pk_next = cJSON_IsObject(cur) ? json_i64(cur, "document", 0) : 0;
+    s->pk_done = cJSON_IsObject(cur) ? json_i64(cur, "position", 0) : 0;
     fm_status st = FM_OK;
     if (s->step < 0 || s->opt_step < 0 || !cJSON_IsString(rng) || !cJSON_IsString(seed))
         st = fm_error(FM_ERR_FORMAT, "%s: expected fields step, optimizer_step, data_rng_state and seed", path);

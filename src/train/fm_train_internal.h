@@ -27,6 +27,7 @@
 #include "fm_trainer.h"
 #include "fm_zero3.h"
 #include "fm_train_ckpt_stream.h"
+#include "fm_train_data.h"
 
 /* The model's parameter table as the Hugging Face mapping (io/fm_hf_weights.h) reads it; the
  * rows' names point into the model's table. */
@@ -52,6 +53,9 @@ typedef struct train_state {
     int64_t dp;        /* "data_parallel": the data-parallel ranks micro_batch was per (absent: 1) */
     double lr, min_lr; /* "schedule": the run's peak and final learning rate (absent: NAN) */
     int64_t warmup;    /* "schedule": its warmup steps (absent: -1) */
+    /* ---- packed documents (issue 28): "data_cursor" "pack", "epoch", "document", "position" */
+    int pack_mode;     /* FM_PACK_ON / PAD / OFF of the run (absent: 0, older checkpoints: off) */
+    int64_t pk_epoch, pk_next, pk_done; /* the packer's cursor after the step (fm_pack.h) */
 } train_state;
 
 
@@ -99,6 +103,10 @@ typedef struct run {
     fm_train_ep ep;                 /* expert parallelism (--ep; ep.ep 1 or 0: off) */
     fm_train_hf ep_hf;              /* --ep: the full table (ep.full) as the checkpoint writer names it */
     fm_ckpt_stage cst;              /* the checkpoint staging (fm_train_ckpt_stream.h), from fm_train_ckpt_init */
+    /* ---- documents, epochs, TensorBoard (issue 28) ---- */
+    fm_train_opts *o_rw;            /* o itself, writable: --epochs sets steps once the data is loaded */
+    fm_train_data data;             /* the data draw: windows or packed documents (fm_train_data.h) */
+    struct fm_tensorboard *tb;      /* --tensorboard: the event file writer (fm_tensorboard.h), or NULL */
 } run;
 
 /* Live set i's measured high-water mark in bytes (the parameter store's arena for model state,
@@ -183,6 +191,7 @@ typedef struct fm_step_report {
     uint64_t host_syncs;
     int64_t tokens_seen;
     bool first;                    /* the first step of this invocation: the record names the backend options */
+    int64_t epoch;                 /* 1-based epoch of the step (packed data or --epochs), 0: none shown */
 } fm_step_report;
 
 /* The step line (and the profile line when phase_ms is set) on stdout. */

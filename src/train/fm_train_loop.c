@@ -11,9 +11,11 @@
 #include <string.h>
 #include <time.h>
 
+#include "../backend/fm_backend_default.h"
 #include "../io/fm_checkpoint.h"
 #include "fm_device_info.h"
 #include "fm_signal.h"
+#include "fm_tensorboard.h"
 #include "fm_threads.h"
 #include "fm_train_internal.h"
 #include "fm_train_records.h"
@@ -70,6 +72,49 @@ static fm_status save_checked(run *r, const train_state *ts, fm_run_records *rec
     return FM_OK;
 }
 
+/* The step's scalars as one TensorBoard Event (--tensorboard; fm_tensorboard.h): the losses, lr,
+ * gradient norm, tokens/s, MFU, the epoch, validation, each layer's expert load (max/mean), and
+ * memory: every live set's bound on the first step, the device's memory in use when the backend
+ * has one, and the measured high-water marks on the steps --report-memory measures. */
+static fm_status tb_step(run *r, const fm_run_records *rec, const fm_step_report *rep, int64_t tokens_per_step,
+                         bool measured) {
+    fm_tensorboard *tb = r->tb;
+    fm_tensorboard_begin(tb, rep->step, 0);
+    fm_status s = FM_OK;
+#define TB(tag, v) if (s == FM_OK) s = fm_tensorboard_add(tb, tag, v)
+    TB("train/loss", rep->ce);
+    TB("train/aux_loss", rep->aux);
+    TB("train/z_loss", rep->z);
+    TB("train/lr", rep->lr);
+    TB("train/grad_norm", rep->gnorm);
+    TB("train/tokens_per_s", rep->tok_s);
+    TB("train/step_s", rep->step_s);
+    if (rec->peak_flops > 0 && rep->step_s > 0)
+        TB("train/mfu", r->plan.flops_model_token * (double)tokens_per_step / rep->step_s / rec->peak_flops);
+    if (rep->epoch > 0) TB("train/epoch", (double)rep->epoch);
+    if (!isnan(rep->val)) TB("val/loss", rep->val);
+    char tag[64];
+    for (int64_t l = 0; l < rec->L; l++) {
+        snprintf(tag, sizeof tag, "expert_load/layer_%02lld", (long long)l);
+        TB(tag, rec->load[l]);
+    }
+    for (int i = 0; i < FM_LIVE_COUNT; i++) {
+        if (rep->first) {
+            snprintf(tag, sizeof tag, "memory/bound_bytes/%s", fm_live_set_names[i]);
+            TB(tag, (double)r->plan.bytes[i]);
+        }
+        if (measured) {
+            snprintf(tag, sizeof tag, "memory/high_water_bytes/%s", fm_live_set_names[i]);
+            TB(tag, (double)fm_run_live_high(r, i));
+        }
+    }
+    size_t dfree = 0, dtotal = 0;
+    if (fm_backend_default_device_memory(&dfree, &dtotal) == FM_OK && dtotal > 0)
+        TB("memory/device_used_bytes", (double)(dtotal - dfree));
+#undef TB
+    return s == FM_OK ? fm_tensorboard_end(tb) : s;
+}
+
 static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_records *rec) {
     const fm_train_opts *o = r->o;
     fm_model *m = &r->m;
@@ -112,7 +157,8 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         const double ts0 = now_s();
         fm_step_stats st;
         memset(rec->counts, 0, sizeof(int64_t) * (size_t)(rec->L * rec->E));
-        FM_TRY(fm_step_draw(&r->step, &r->train, data_rng, o)); /* this step's micro-batches */
+        /* this step's micro-batches: windows, or packed documents (fm_train_data.h) */
+        fm_train_data_draw(&r->data, o, &r->train, data_rng, r->step.batches, ts->tokens_seen);
         FM_TRY(fm_train_step(m, r->optim, r->opt_self, &r->world, &r->step, r->step.batches, o, step, &st));
         double phase_ms[FM_PHASE_COUNT];
         const bool profiled = m->be.ops->prof_collect(m->be.ctx, phase_ms);
@@ -122,6 +168,9 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         ts->opt_step = r->opt.step;
         ts->tokens_seen += global_tokens;
         ts->data_rng = data_rng->state;
+        ts->pk_epoch = r->data.pk.epoch;
+        ts->pk_next = r->data.pk.next;
+        ts->pk_done = r->data.pk.done;
         ran++;
 
         const double t1 = now_s();
@@ -135,6 +184,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         rep.phase_ms = profiled ? phase_ms : NULL;
         rep.host_syncs = syncs1 - syncs0;
         rep.tokens_seen = ts->tokens_seen;
+        rep.epoch = r->data.mode != FM_PACK_OFF || o->epochs > 0 ? r->data.epoch : 0;
         rec->last_step = step;
         rec->steps_run = ran;
         rec->tokens_run += global_tokens;
@@ -197,6 +247,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
             (void)m->be.ops->prof_collect(m->be.ctx, discard);
         }
         fm_train_metrics_end(r);
+        if (r->tb) FM_TRY(tb_step(r, rec, &rep, tokens_per_step / sp, o->report_memory && (ran == 1 || last)));
 
         if (save) {
             FM_TRY(save_checked(r, ts, rec));
@@ -340,6 +391,7 @@ fm_status fm_train(const fm_train_opts *o) {
     run r;
     memset(&r, 0, sizeof r);
     r.o = o;
+    r.o_rw = &oo;
     r.rank = launch_rank; /* before fm_train_setup finds it again: its first messages are rank 0's alone */
     r.n_ranks = launch_size;
     fm_status s = train_impl(&r, &rec);

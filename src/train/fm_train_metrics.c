@@ -77,6 +77,10 @@ void fm_train_print_step(const run *r, const fm_step_report *s) {
     fm_line_add(&l, "step %6lld/%lld | loss %.4f | aux %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s",
                 (long long)s->step, (long long)r->o->steps, s->ce, s->aux, s->lr, s->gnorm, s->tok_s, el, et);
     if (!isnan(s->val)) fm_line_add(&l, " | val loss %.4f", s->val);
+    if (s->epoch > 0) {
+        if (r->o->epochs > 0) fm_line_add(&l, " | epoch %lld/%lld", (long long)s->epoch, (long long)r->o->epochs);
+        else fm_line_add(&l, " | epoch %lld", (long long)s->epoch);
+    }
     fm_log(FM_LOG_INFO, "%s\n", l.buf);
     if (s->phase_ms) {
         double tot = 0;
@@ -97,6 +101,7 @@ void fm_train_metrics_begin(run *r, const fm_step_report *s) {
             (long long)s->step, s->ce, s->aux, s->z, s->lr, s->gnorm, (long long)s->tokens_seen, s->tok_s, s->step_s,
             s->elapsed);
     if (!isnan(s->val)) fprintf(r->metrics, ",\"val_loss\":%.17g", s->val);
+    if (s->epoch > 0) fprintf(r->metrics, ",\"epoch\":%lld", (long long)s->epoch);
     fprintf(r->metrics, ",\"host_syncs\":%llu", (unsigned long long)s->host_syncs);
     char bo[FM_BACKEND_OPTS_JSON_MAX];
     if (s->first && fm_backend_opts_json(&r->backend_opts, bo, sizeof bo) == FM_OK)

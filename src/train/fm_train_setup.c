@@ -19,6 +19,7 @@
 #include "../schedule/fm_recompute.h"
 #include "fm_train_plan.h"
 #include "fm_train_agree.h"
+#include "fm_tensorboard.h"
 #include "fm_train_internal.h"
 
 void fm_train_run_free(run *r) {
@@ -33,6 +34,11 @@ void fm_train_run_free(run *r) {
     fm_offload_adamw_free(&r->oopt);
     if (r->model_ok) fm_model_free(&r->m);
     if (r->be_ok) fm_backend_default_free(&r->be);
+    fm_train_data_free(&r->data);
+    fm_tensorboard_close(r->tb);
+    r->tb = NULL;
+    fm_dataset_free(&r->train); /* views: their own document tables only */
+    fm_dataset_free(&r->val);
     fm_dataset_free(&r->val_own);
     fm_dataset_free(&r->train_all);
     fm_free(r->config_json);
@@ -196,9 +202,9 @@ static fm_status setup_data(run *r) {
     if (o->n_val_data > 0) {
         FM_TRY(fm_dataset_load(&r->val_own, o->val_data, o->n_val_data, c->vocab_size));
         r->train = r->train_all;
-        r->train.owns = false;
+        r->train.owns = r->train.docs_owned = false;
         r->val = r->val_own;
-        r->val.owns = false;
+        r->val.owns = r->val.docs_owned = false;
     } else {
         FM_TRY(fm_dataset_split(&r->train_all, o->val_fraction, &r->train, &r->val));
     }
@@ -474,6 +480,34 @@ static void warn_resumed(const run *r, const train_state *ts, int dp) {
                ts->expert_fp8 ? "fp8" : "bf16");
 }
 
+/* The data draw (fm_train_data.h): --pack resolved (a resumed run keeps its own mode), the packer,
+ * and with --epochs the steps they take (set in the options: the loop, the schedule and
+ * state.json read o->steps). */
+static fm_status setup_data_draw(run *r, const char *ckpt, int dp) {
+    const fm_train_opts *o = r->o;
+    int resumed = 0;
+    if (ckpt[0]) {
+        char p[4200];
+        train_state ts0;
+        memset(&ts0, 0, sizeof ts0);
+        snprintf(p, sizeof p, "%s/%s", ckpt, FM_CKPT_STATE_FILE);
+        if (fm_train_state_read(p, &ts0) == FM_OK) resumed = ts0.pack_mode;
+    }
+    int64_t steps = o->steps;
+    FM_TRY(fm_train_data_init(&r->data, o, &r->train, dp, r->train.rank, resumed, r->step.batches, &steps));
+    if (o->epochs > 0 && r->o_rw) {
+        r->o_rw->steps = steps;
+        if (!o->quiet && r->rank == 0)
+            fm_log(FM_LOG_INFO, "--epochs %lld: %lld optimizer steps (%s)\n", (long long)o->epochs, (long long)steps,
+                   r->data.mode == FM_PACK_OFF ? "the data's tokens per epoch" : "the packed batches of each epoch");
+    }
+    if (!o->quiet && r->rank == 0 && r->data.mode != FM_PACK_OFF)
+        fm_log(FM_LOG_INFO, "data: --pack %s: rows of %lld tokens filled with whole documents (%lld documents)%s\n",
+               fm_train_data_mode_name(r->data.mode), (long long)o->seq_len, (long long)r->train.n_docs,
+               o->pack == FM_PACK_AUTO ? " (auto: the data has a document index and the run fine-tunes)" : "");
+    return FM_OK;
+}
+
 /* The checkpoint's state (weights, optimizer, data cursor) or fresh weights; *ts for this run. */
 static fm_status setup_state(run *r, const char *ckpt, train_state *ts, fm_rng *data_rng, int dp) {
     const fm_train_opts *o = r->o;
@@ -512,7 +546,10 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
     fm_train_plan tp;
     fm_status s = setup_plan(r, &tp);
     if (s == FM_OK) s = setup_allocate(r, &tp, dp);
+    if (s == FM_OK) s = setup_data_draw(r, ckpt, dp);
     if (s == FM_OK) s = setup_state(r, ckpt, ts, data_rng, dp);
+    if (s == FM_OK && ckpt[0]) s = fm_train_data_seek(&r->data, ts->pk_epoch, ts->pk_next, ts->pk_done);
+    ts->pack_mode = r->data.mode;
     if (s == FM_OK) { /* the run folder and metrics.jsonl (many ranks: rank 0 writes it; r->metrics NULL elsewhere) */
         s = fm_mkdirs(o->out_dir);
         char mpath[4200];
@@ -522,6 +559,10 @@ fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng) {
             if (s == FM_OK && !(r->metrics = fopen(mpath, "a")))
                 s = fm_error(FM_ERR_IO, "%s: cannot open for appending: %s", mpath, strerror(errno));
         }
+    }
+    if (s == FM_OK && r->rank == 0 && o->tensorboard) { /* --tensorboard: rank 0 writes the events */
+        s = fm_tensorboard_open(&r->tb, o->tensorboard);
+        if (s == FM_OK && !o->quiet) fm_log(FM_LOG_INFO, "tensorboard: %s\n", fm_tensorboard_path(r->tb));
     }
     if (s == FM_OK && !o->quiet) fm_train_print_header(r, &tp.req, o->micro_batch * o->seq_len * o->grad_accum);
     fm_train_plan_free(&tp);

@@ -27,15 +27,6 @@ fm_status fm_step_ws_init(fm_step_ws *w, fm_model *m, int64_t grad_accum) {
     return FM_OK;
 }
 
-fm_status fm_step_draw(fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng, const fm_train_opts *o) {
-    /* this rank's windows of the one-rank draw of W x micro_batch (the dataset's rank-aware cursor,
-     * fm_dataset_set_ranks over the world) */
-    for (int64_t g = 0; g < o->grad_accum; g++)
-        fm_dataset_sample_batch(train, data_rng, o->micro_batch, o->seq_len, w->batches[g].tokens,
-                                w->batches[g].targets);
-    return FM_OK;
-}
-
 fm_status fm_step_ws_enable_overlap(fm_step_ws *w, fm_model *m) {
     FM_TRY(fm_optim_overlap_init(&w->overlap, m));
     fm_optim_overlap_attach(&w->overlap, &w->sched);

@@ -32,7 +32,7 @@ typedef struct fm_step_ws {
     /* Expert parallelism (train/fm_train_ep.h; NULL: none): the gradients are reduced by
      * fm_train_ep_reduce_grads (experts over the ranks holding them, the rest over dp). */
     const struct fm_train_ep *ep;
-    /* The step's micro-batches as the trainer draws them (fm_step_draw): [grad_accum] host
+    /* The step's micro-batches as the trainer draws them (fm_train_data_draw, train/fm_train_data.h): [grad_accum] host
      * batches of the model's shape (m->B x m->T), handed to fm_train_step. */
     fm_batch *batches;
 } fm_step_ws;
@@ -42,11 +42,6 @@ typedef struct fm_step_ws {
  * tokens and targets. Errors: FM_ERR_NOMEM naming what. */
 fm_status fm_step_ws_init(fm_step_ws *w, fm_model *m, int64_t grad_accum);
 
-/* Draws the next step's o->grad_accum micro-batches of [o->micro_batch, o->seq_len] tokens from
- * `train` with data_rng (advanced) into w->batches, as fm_dataset_sample_batch draws them (data
- * parallelism: this rank's windows of the one-rank draw, fm_train_step's comment). Errors: none
- * today (FM_OK). */
-fm_status fm_step_draw(fm_step_ws *w, const fm_dataset *train, fm_rng *data_rng, const fm_train_opts *o);
 /* Turns the optimizer overlap on (fm_optim_overlap.h): each step's update is issued on the
  * update stream group by group, and the next step's forward waits per layer for it. Errors:
  * fm_optim_overlap_init's. */
@@ -68,7 +63,7 @@ typedef struct fm_step_stats {
 
 /* Runs optimizer step `step` (1-based, of o->steps) on model m with optimizer opt and step
  * workspace w (fm_step_ws_init, with o->grad_accum) over the micro-batches mb [o->grad_accum]
- * (model/fm_batch.h; each of the model's shape, e.g. w->batches after fm_step_draw), each
+ * (model/fm_batch.h; each of the model's shape, e.g. w->batches after fm_train_data_draw, train/fm_train_data.h), each
  * weighted 1/grad_accum; clips the gradients to global norm o->grad_clip
  * (0: off); updates at fm_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr); and returns when the
  * update has finished on the device (backend sync), so that the caller's clock covers it — or,
@@ -84,7 +79,7 @@ typedef struct fm_step_stats {
  * Data parallelism over dp (W ranks, rank q; NULL or one rank: none): micro_batch is per rank, and
  * the W ranks' micro-batches together are the sequences one rank draws at W x micro_batch: every
  * rank advances data_rng by W x micro_batch windows per micro-batch and keeps windows
- * [q micro_batch, (q + 1) micro_batch) (fm_step_draw; so data_rng stays the same on every rank
+ * [q micro_batch, (q + 1) micro_batch) (fm_train_data_draw, train/fm_train_data.h; so data_rng stays the same on every rank
  * and at every W).
  * The loss is the mean over the global valid targets (the model reduces over m->comm), so the
  * gradient is the SUM of the ranks' gradients: all-reduced (w->zero_ps NULL; every rank then

@@ -137,11 +137,26 @@ typedef struct fm_train_opts {
     const char *spec_json;        /* the run spec as a JSON object by flag name (run/fm_run_spec.h:
                                      the flags given or restored), saved as each checkpoint's
                                      state.json "spec" so --resume restores it; NULL: none */
+    /* ---- documents, epochs, TensorBoard (issue 28; data/fm_pack.h, train/fm_train_data.h,
+     * train/fm_tensorboard.h) ---- */
+    int pack;                     /* --pack: FM_PACK_* (auto: on when the training data has a document
+                                     index and the run fine-tunes, --init-from; a resume keeps the
+                                     run's own) */
+    int pack_long;                /* --pack-long: FM_PACK_LONG_* (a document longer than --seq-len) */
+    int64_t epochs;               /* --epochs: > 0: passes over the training data, --steps derived from
+                                     them; 0: --steps */
+    const char *tensorboard;      /* --tensorboard DIR: TensorBoard scalar event files there (NULL: none) */
     fm_test_hooks test_hooks;     /* tests only (core/fm_test_hooks.h; the CLI fills it from FLATMOE_TEST_*):
                                      not a flag, not saved in state.json */
     fm_threads_env threads_env;   /* --threads 0: OMP_NUM_THREADS and the node's rank count, as the CLI
                                      read them (train/fm_threads.h; zeroed: none) */
 } fm_train_opts;
+
+/* --pack (the flag table's order): auto, on (whole documents packed into rows), off (windows at
+ * random offsets of the token stream), pad (one document per row: packing's plain twin). */
+enum { FM_PACK_AUTO = 0, FM_PACK_ON = 1, FM_PACK_OFF = 2, FM_PACK_PAD = 3 };
+/* --pack-long: split a document longer than a row into pieces of a row, or refuse the data. */
+enum { FM_PACK_LONG_SPLIT = 0, FM_PACK_LONG_REFUSE = 1 };
 
 /* --vocab-parallel: off (every rank projects its tokens on the whole head) or ring (Ring-DTP). */
 enum { FM_VOCAB_PARALLEL_OFF = 0, FM_VOCAB_PARALLEL_RING = 1 };

@@ -22,6 +22,7 @@
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/fm_backend_cuda.h"
 #include "core/fm_rng.h"
+#include "fm_op_cases.h"
 #include "fm_ref_ops.h"
 #include "gpu_test.h"
 
@@ -43,6 +44,10 @@
 #define ATT_ULPS_GRAD 32
 
 static fm_rng g_rng;
+/* Packed documents (FM_CASES_ATT_DOCS, fm_backend.h kv_start): the case's starts on the host (the
+ * reference's) and on the device (the op's); NULL: causal. */
+static int32_t *g_kvs;
+static void *g_kvs_dev;
 
 static double now_s(void) {
     struct timespec ts;
@@ -111,11 +116,12 @@ static void dev_poison(const fm_backend *be, att_dev *d, const att_host *a, bool
     }
 }
 static void run_fwd(const fm_backend *be, att_dev *d, const att_host *a) {
-    be->ops->attention_fwd(be->ctx, d->out, d->lse, d->q, d->k, d->v, a->B, a->T, a->nh, a->nkv, a->hd);
+    be->ops->attention_fwd(be->ctx, d->out, d->lse, d->q, d->k, d->v, a->B, a->T, a->nh, a->nkv, a->hd,
+                           (const int32_t *)g_kvs_dev);
 }
 static void run_bwd(const fm_backend *be, att_dev *d, const att_host *a) {
     be->ops->attention_bwd(be->ctx, d->dq, d->dk, d->dv, d->dout, d->q, d->k, d->v, d->out, d->lse, a->B, a->T,
-                           a->nh, a->nkv, a->hd);
+                           a->nh, a->nkv, a->hd, (const int32_t *)g_kvs_dev);
 }
 
 static att_host host_new(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
@@ -188,7 +194,7 @@ static void check_case(const fm_backend *be, fm_cuda_att_path path, int64_t B, i
     if (rdk) memset(rdk, 0, (size_t)nk * 8), memset(rdv, 0, (size_t)nk * 8);
     double *qd = fm_ref_widen(a.q, nq), *kd = fm_ref_widen(a.k, nk), *vd = fm_ref_widen(a.v, nk),
            *dod = fm_ref_widen(a.dout, nq);
-    const fm_ref_att ra = {qd, kd, vd, dod, B, T, nh, nkv, hd};
+    const fm_ref_att ra = {qd, kd, vd, dod, B, T, nh, nkv, hd, g_kvs};
     int64_t ri = 0;
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < nh; h++)
@@ -405,6 +411,24 @@ int main(void) {
             check_case(&be, paths[pi], s->B, s->T, s->nh, s->nkv, s->hd, 1000, NULL);
         }
         check_causality(&be, paths[pi]);
+        /* packed documents: attention stops at each document's start (our kernels on both paths) */
+        for (int i = 0; i < FM_CASES_COUNT(FM_CASES_ATT_DOCS); i++) {
+            const fm_case_att_docs *c = &FM_CASES_ATT_DOCS[i];
+            const size_t bytes = sizeof(int32_t) * (size_t)(c->B * c->T);
+            g_kvs = fm_malloc(bytes);
+            fm_case_att_kv_start(c, g_kvs);
+            g_kvs_dev = be.ops->mem_alloc(be.ctx, bytes);
+            FM_ASSERT(g_kvs && g_kvs_dev);
+            be.ops->copy(be.ctx, g_kvs_dev, g_kvs, bytes, FM_COPY_H2D);
+            printf("  documents of %lld, %lld, ... tokens:\n", (long long)c->len[0], (long long)c->len[1]);
+            const char *pb = NULL;
+            check_case(&be, paths[pi], c->B, c->T, c->nh, c->nkv, c->hd, 1000, &pb);
+            CHECK_MSG(strncmp(pb, "cudnn", 5) != 0, "packed documents went to cuDNN (%s)", pb);
+            be.ops->mem_free(be.ctx, g_kvs_dev);
+            fm_free(g_kvs);
+            g_kvs = NULL;
+            g_kvs_dev = NULL;
+        }
         printf("  (%.1f s so far)\n", now_s() - t_start);
     }
     if (g_cudnn_cases)

@@ -166,14 +166,14 @@ static void test_rope(int64_t B, int64_t T, int64_t Tmax, int64_t nh, int64_t hd
     to_d(s.dout, dout, n);
     double *ref = dnew(n);
     fm_ref_rope(ref, s.x, cs, sn, B, T, nh, hd, 1.0);
-    OPS->rope_fwd(CTX, dx, dcs, dsn, B, T, nh, hd);
+    OPS->rope_fwd(CTX, dx, dcs, dsn, B, T, nh, hd, NULL);
     down_act(buf, dx, n);
     char what[96];
     snprintf(what, sizeof what, "rope_fwd B=%lld T=%lld nh=%lld hd=%lld", (long long)B, (long long)T, (long long)nh,
              (long long)hd);
     CHECK_ERR(what, gt_nerr(buf, ref, n), GT_TOL_BF16);
     CHECK_ULPS(what, buf, ref, n, gt_rms(ref, n) / 64, ULPS_ELEMENTWISE);
-    OPS->rope_bwd(CTX, dg, dcs, dsn, B, T, nh, hd);
+    OPS->rope_bwd(CTX, dg, dcs, dsn, B, T, nh, hd, NULL);
     down_act(buf, dg, n);
     fm_ref_rope(ref, s.dout, cs, sn, B, T, nh, hd, -1.0);
     snprintf(what, sizeof what, "rope_bwd B=%lld T=%lld nh=%lld hd=%lld", (long long)B, (long long)T, (long long)nh,

@@ -14,6 +14,12 @@
  *   O  [Br*hd_max] forward output accumulator
  *   m, l, D [Br]   running max, running sum (forward); D = rowsum(dO o O) (backward)
  *
+ * Packed documents (kv_start, fm_backend.h): query t of row b sees keys kv_start[b*T+t] .. t.
+ * The key tiles of a query tile start at its first row's kv_start (the smallest: the values
+ * are non-decreasing in a row) instead of 0, and each row masks the keys before its own start
+ * as the causal mask masks those after it; with kv_start NULL every start is 0 and the loops are
+ * today's, bit for bit. Work is then the sum over documents of their squared lengths, not T^2.
+ *
  * Determinism: forward tasks are (batch, head, query tile), backward tasks (batch, kv head);
  * each output element is written by exactly one task in a fixed order, so results depend
  * neither on the schedule nor on the thread count.
@@ -72,6 +78,18 @@ static inline void tile_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, 
                 (int)M, (int)N, (int)K, alpha, A, (int)lda, B, (int)ldb, beta, C, (int)ldc);
 }
 
+/* First key (row-local index) query t of row b sees: kv_start's value, 0 when NULL. */
+static inline int64_t kv_first(const int32_t *kv_start, int64_t b, int64_t T, int64_t t) {
+    return kv_start ? (int64_t)kv_start[b * T + t] : 0;
+}
+
+/* First valid column of row r of the tile (query i0+r, keys j0..j0+bc): its document's start
+ * minus j0, at least 0. */
+static inline int64_t start_col(const int32_t *kv_start, int64_t b, int64_t T, int64_t i0, int64_t r, int64_t j0) {
+    const int64_t c0 = kv_first(kv_start, b, T, i0 + r) - j0;
+    return c0 > 0 ? c0 : 0;
+}
+
 /* Number of valid (causal) key columns of row r of the tile (query i0+r, keys j0..j0+bc). */
 static inline int64_t causal_cols(int64_t i0, int64_t r, int64_t j0, int64_t bc) {
     int64_t n = i0 + r - j0 + 1;
@@ -87,7 +105,7 @@ static inline int64_t causal_cols(int64_t i0, int64_t r, int64_t j0, int64_t bc)
  * Tiles are handed out round-robin (static, 1) to balance the causal triangle. */
 void fm_cpu_attention_fwd(void *ctx, float *out, float *lse, const float *q, const float *k,
                           const float *v, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                          int64_t hd) {
+                          int64_t hd, const int32_t *kv_start) {
     const fm_cpu_ctx *c = ctx;
     const int64_t BR = c->att_br, BC = c->att_bc;
     att_check(c, B, T, nh, nkv, hd);
@@ -109,8 +127,8 @@ void fm_cpu_attention_fwd(void *ctx, float *out, float *lse, const float *q, con
                 w.l[r] = 0.0f;
             }
             memset(w.O, 0, (size_t)(br * hd) * sizeof(float));
-            const int64_t jend = i0 + br; /* keys 0..jend-1 are visible to some row */
-            for (int64_t j0 = 0; j0 < jend; j0 += BC) {
+            const int64_t jend = i0 + br; /* keys jbeg..jend-1 are visible to some row */
+            for (int64_t j0 = kv_first(kv_start, b, T, i0); j0 < jend; j0 += BC) {
                 const int64_t bc = jend - j0 < BC ? jend - j0 : BC;
                 const float *Kj = k + ((b * T + j0) * nkv + g) * hd;
                 const float *Vj = v + ((b * T + j0) * nkv + g) * hd;
@@ -118,10 +136,15 @@ void fm_cpu_attention_fwd(void *ctx, float *out, float *lse, const float *q, con
                 for (int64_t r = 0; r < br; r++) {
                     float *s = w.S + r * BC;
                     const int64_t nc = causal_cols(i0, r, j0, bc);
+                    const int64_t c0 = start_col(kv_start, b, T, i0, r, j0);
                     for (int64_t cc = nc; cc < bc; cc++) s[cc] = 0.0f;
-                    if (nc == 0) continue; /* the row sees no key of this tile */
-                    const float mx = fm_cpu_max(s, nc, w.m[r]);
-                    const float sum = fm_cpu_exp_sub_sum(s, s, mx, nc);
+                    if (c0 >= nc) { /* the row sees no key of this tile */
+                        for (int64_t cc = 0; cc < nc; cc++) s[cc] = 0.0f;
+                        continue;
+                    }
+                    for (int64_t cc = 0; cc < c0; cc++) s[cc] = 0.0f; /* keys of an earlier document */
+                    const float mx = fm_cpu_max(s + c0, nc - c0, w.m[r]);
+                    const float sum = fm_cpu_exp_sub_sum(s + c0, s + c0, mx, nc - c0);
                     const float corr = fm_cpu_expf(w.m[r] - mx); /* 0 on the first tile */
                     w.l[r] = w.l[r] * corr + sum;
                     w.m[r] = mx;
@@ -155,7 +178,7 @@ void fm_cpu_attention_fwd(void *ctx, float *out, float *lse, const float *q, con
 void fm_cpu_attention_bwd(void *ctx, float *dq, float *dk, float *dv, const float *dout,
                           const float *q, const float *k, const float *v, const float *out,
                           const float *lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                          int64_t hd) {
+                          int64_t hd, const int32_t *kv_start) {
     const fm_cpu_ctx *c = ctx;
     const int64_t BR = c->att_br, BC = c->att_bc;
     att_check(c, B, T, nh, nkv, hd);
@@ -188,7 +211,7 @@ void fm_cpu_attention_bwd(void *ctx, float *dq, float *dk, float *dv, const floa
                         w.D[r] = s;
                     }
                     const int64_t jend = i0 + br;
-                    for (int64_t j0 = 0; j0 < jend; j0 += BC) {
+                    for (int64_t j0 = kv_first(kv_start, b, T, i0); j0 < jend; j0 += BC) {
                         const int64_t bc = jend - j0 < BC ? jend - j0 : BC;
                         const int64_t koff = ((b * T + j0) * nkv + g) * hd;
                         const float *Kj = k + koff, *Vj = v + koff;
@@ -197,8 +220,10 @@ void fm_cpu_attention_bwd(void *ctx, float *dq, float *dk, float *dv, const floa
                         for (int64_t r = 0; r < br; r++) {
                             float *s = w.S + r * BC;
                             const int64_t nc = causal_cols(i0, r, j0, bc);
-                            fm_cpu_exp_sub_sum(s, s, lse_i[r], nc);
-                            for (int64_t cc = nc; cc < bc; cc++) s[cc] = 0.0f;
+                            const int64_t c0 = start_col(kv_start, b, T, i0, r, j0);
+                            if (c0 < nc) fm_cpu_exp_sub_sum(s + c0, s + c0, lse_i[r], nc - c0);
+                            for (int64_t cc = 0; cc < c0 && cc < bc; cc++) s[cc] = 0.0f;
+                            for (int64_t cc = nc > c0 ? nc : c0; cc < bc; cc++) s[cc] = 0.0f;
                         }
                         tile_gemm(true, false, bc, hd, br, 1.0f, w.S, BC, dOi, qs, 1.0f, dVj, ks);
                         tile_gemm(false, true, br, bc, hd, 1.0f, dOi, qs, Vj, ks, 0.0f, w.dP, BC);

@@ -180,12 +180,12 @@ static void cpu_rmsnorm_bwd(void *ctx, float *dx, float *dw, const float *dout, 
  * forward (c, s) = (cos, sin) tables [T_max, hd/2]; backward applies the transpose, i.e. the
  * same loop with s negated. */
 static void rope_apply(int nt, float *x, const float *cos_tab, const float *sin_tab, int64_t B,
-                       int64_t T, int64_t nh, int64_t hd, float sign) {
+                       int64_t T, int64_t nh, int64_t hd, const int32_t *pos, float sign) {
     FM_ASSERT(hd % 2 == 0);
     const int64_t half = hd / 2, BT = B * T;
 #pragma omp parallel for num_threads(nt) schedule(static) if (BT * nh * hd >= FM_CPU_PAR_MIN)
     for (int64_t bt = 0; bt < BT; bt++) {
-        const int64_t t = bt % T;
+        const int64_t t = pos ? (int64_t)pos[bt] : bt % T; /* packed documents: its own position */
         const float *ct = cos_tab + t * half, *st = sin_tab + t * half;
         for (int64_t h = 0; h < nh; h++) {
             float *a = x + (bt * nh + h) * hd, *b = a + half;
@@ -200,15 +200,15 @@ static void rope_apply(int nt, float *x, const float *cos_tab, const float *sin_
 
 /* In place on x [B,T,nh,hd]: (x[i], x[i+hd/2]) <- (x[i] c - x[i+hd/2] s, x[i+hd/2] c + x[i] s). */
 static void cpu_rope_fwd(void *ctx, float *x, const float *cos_tab, const float *sin_tab,
-                         int64_t B, int64_t T, int64_t nh, int64_t hd) {
-    rope_apply(cpu_threads(ctx), x, cos_tab, sin_tab, B, T, nh, hd, 1.0f);
+                         int64_t B, int64_t T, int64_t nh, int64_t hd, const int32_t *pos) {
+    rope_apply(cpu_threads(ctx), x, cos_tab, sin_tab, B, T, nh, hd, pos, 1.0f);
 }
 
 /* In place on dx [B,T,nh,hd]: the transpose rotation (dx[i] c + dx[i+hd/2] s,
  * dx[i+hd/2] c - dx[i] s), exact for any tables (not only c^2 + s^2 = 1). */
 static void cpu_rope_bwd(void *ctx, float *dx, const float *cos_tab, const float *sin_tab,
-                         int64_t B, int64_t T, int64_t nh, int64_t hd) {
-    rope_apply(cpu_threads(ctx), dx, cos_tab, sin_tab, B, T, nh, hd, -1.0f);
+                         int64_t B, int64_t T, int64_t nh, int64_t hd, const int32_t *pos) {
+    rope_apply(cpu_threads(ctx), dx, cos_tab, sin_tab, B, T, nh, hd, pos, -1.0f);
 }
 
 /* ---- SwiGLU (Shazeer 2020, arXiv 2002.05202) -------------------------------------------- */

@@ -128,11 +128,11 @@ size_t fm_cpu_att_scratch_floats(int64_t max_head_dim, int64_t br, int64_t bc);
 /* cpu_attention.c */
 void fm_cpu_attention_fwd(void *ctx, float *out, float *lse, const float *q, const float *k,
                           const float *v, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                          int64_t hd);
+                          int64_t hd, const int32_t *kv_start);
 void fm_cpu_attention_bwd(void *ctx, float *dq, float *dk, float *dv, const float *dout,
                           const float *q, const float *k, const float *v, const float *out,
                           const float *lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                          int64_t hd);
+                          int64_t hd, const int32_t *kv_start);
 
 /* cpu_moe.c: router and dropless permutation */
 void fm_cpu_router_fwd(void *ctx, float *probs, float *lse, int32_t *topk_idx, float *topk_w,

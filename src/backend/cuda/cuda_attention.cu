@@ -2,7 +2,9 @@
  * dispatcher and its state. cuDNN's fused flash attention (cuda_attention_cudnn.cu) where cuDNN
  * serves the shape and the attention option allows it, our own FlashAttention-2 kernels
  * (cuda_attention_fwd.cu, cuda_attention_bwd.cu) everywhere else, the scalar kernels where those
- * cannot serve the shape; see cuda_attention.h for the paths and their switches. */
+ * cannot serve the shape; see cuda_attention.h for the paths and their switches. Packed documents
+ * (kv_start non-NULL, fm_backend.h) always take our own kernels: the cuDNN graphs are built for
+ * the causal mask only (cuDNN 9's ragged offsets and padding masks are not wired yet). */
 #include "cuda_attention_impl.h"
 #include "cuda_attention_state.h"
 
@@ -62,7 +64,7 @@ void fm_cuda_attention_free(fm_cuda_ctx *c) {
 }
 
 void fm_cuda_attention_fwd(void *ctx, fm_act *out, float *lse, const fm_act *q, const fm_act *k, const fm_act *v,
-                           int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
+                           int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start) {
     fm_cuda_ctx *c = (fm_cuda_ctx *)ctx;
     att_state *st = state_of(ctx);
     check_shape(c, B, T, nh, nkv, hd);
@@ -71,17 +73,17 @@ void fm_cuda_attention_fwd(void *ctx, fm_act *out, float *lse, const fm_act *q, 
     const bf16 *qq = (const bf16 *)q, *kk = (const bf16 *)k, *vv = (const bf16 *)v;
 #if FM_ATT_CUDNN
     int64_t chunks = 0;
-    if (st->path != FM_CUDA_ATT_FALLBACK &&
+    if (st->path != FM_CUDA_ATT_FALLBACK && !kv_start && /* packed documents: our kernels (below) */
         fm_att_cudnn_run(c, st, false, o, lse, NULL, NULL, NULL, NULL, qq, kk, vv, NULL, B, T, nh, nkv, hd, &chunks)) {
         st->last_fwd = chunks > 1 ? "cudnn-chunked" : "cudnn";
         return;
     }
 #endif
     if (flash_ok(hd, o, qq, kk, vv, lse)) {
-        fm_att_flash_fwd(c->stream, o, lse, qq, kk, vv, B, T, nh, nkv, hd);
+        fm_att_flash_fwd(c->stream, o, lse, qq, kk, vv, B, T, nh, nkv, hd, kv_start);
         st->last_fwd = "flash";
     } else {
-        fm_att_simple_fwd(c->stream, o, lse, qq, kk, vv, B, T, nh, nkv, hd);
+        fm_att_simple_fwd(c->stream, o, lse, qq, kk, vv, B, T, nh, nkv, hd, kv_start);
         st->last_fwd = "simple";
     }
     FM_CUDA_LAUNCH_CHECK(c);
@@ -89,7 +91,7 @@ void fm_cuda_attention_fwd(void *ctx, fm_act *out, float *lse, const fm_act *q, 
 
 void fm_cuda_attention_bwd(void *ctx, fm_act *dq, fm_act *dk, fm_act *dv, const fm_act *dout, const fm_act *q,
                            const fm_act *k, const fm_act *v, const fm_act *out, const float *lse, int64_t B, int64_t T,
-                           int64_t nh, int64_t nkv, int64_t hd) {
+                           int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start) {
     fm_cuda_ctx *c = (fm_cuda_ctx *)ctx;
     att_state *st = state_of(ctx);
     check_shape(c, B, T, nh, nkv, hd);
@@ -99,17 +101,17 @@ void fm_cuda_attention_bwd(void *ctx, fm_act *dq, fm_act *dk, fm_act *dv, const 
                *oo = (const bf16 *)out;
 #if FM_ATT_CUDNN
     int64_t chunks = 0;
-    if (st->path != FM_CUDA_ATT_FALLBACK &&
+    if (st->path != FM_CUDA_ATT_FALLBACK && !kv_start &&
         fm_att_cudnn_run(c, st, true, NULL, (float *)lse, gq, gk, gv, go, qq, kk, vv, oo, B, T, nh, nkv, hd, &chunks)) {
         st->last_bwd = chunks > 1 ? "cudnn-chunked" : "cudnn";
         return;
     }
 #endif
     if (flash_ok(hd, gq, gk, gv, go, qq, kk, vv, oo) && flash_ok(hd, lse, lse, lse, lse)) {
-        fm_att_flash_bwd(c->stream, gq, gk, gv, go, qq, kk, vv, oo, lse, B, T, nh, nkv, hd);
+        fm_att_flash_bwd(c->stream, gq, gk, gv, go, qq, kk, vv, oo, lse, B, T, nh, nkv, hd, kv_start);
         st->last_bwd = "flash";
     } else {
-        fm_att_simple_bwd(c->stream, gq, gk, gv, go, qq, kk, vv, oo, lse, B, T, nh, nkv, hd);
+        fm_att_simple_bwd(c->stream, gq, gk, gv, go, qq, kk, vv, oo, lse, B, T, nh, nkv, hd, kv_start);
         st->last_bwd = "simple";
     }
     FM_CUDA_LAUNCH_CHECK(c);

@@ -14,6 +14,10 @@
  *   Every gradient element is written by one block, summed in a fixed order: bitwise
  *   deterministic. The two kernels recompute S and dP each (7 tile products instead of 5).
  * Memory is O(T hd): tiles live in shared memory, nothing of size T x T exists.
+ * Packed documents (kvs non-NULL): P is 0 where a key is before its query's document start
+ * (as after it, causally); the dQ kernel starts at the key tile of the block's first start and
+ * a warp skips tiles before its own first start. The dK/dV kernel still walks every query
+ * tile at or after its keys (the masked ones add zeros).
  *
  * Head dims: the tiles are padded with zeros to HDP = 64 (hd <= 64) or 128 (hd <= 128); hd must
  * be even (4-byte rows); 16-byte cp.async loads when hd % 8 == 0 and the pointers are 16-byte
@@ -38,8 +42,9 @@ template <int HDP>
 __global__ void __launch_bounds__(Q_NT) bwd_dq_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout,
                                                       const bf16 *__restrict__ q, const bf16 *__restrict__ k,
                                                       const bf16 *__restrict__ v, const bf16 *__restrict__ out,
-                                                      const float *__restrict__ lse, int T, int nh, int nkv,
-                                                      int hd, float sl2, float scale, int vec) {
+                                                      const float *__restrict__ lse, const int32_t *__restrict__ kvs,
+                                                      int T, int nh, int nkv, int hd, float sl2, float scale,
+                                                      int vec) {
     constexpr int LD = HDP + 8, KT = HDP / 16, NTN = Q_BN / 8, NTD = HDP / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16 *Qs = reinterpret_cast<bf16 *>(smem_raw);
@@ -59,11 +64,13 @@ __global__ void __launch_bounds__(Q_NT) bwd_dq_kernel(bf16 *__restrict__ dq, con
     const bf16 *Vg = v + (int64_t)b * T * ks + (int64_t)g * hd;
     const int jend = min(T, i0 + Q_BM);
     const int nj = (jend + Q_BN - 1) / Q_BN;
+    const int32_t *kvb = kvs ? kvs + (int64_t)b * T : NULL; /* this row's document starts */
+    const int jf = kvb ? kvb[i0] / Q_BN : 0;                /* first key tile any row sees */
 
     load_tile<Q_BM, HDP, Q_NT>(Qs, q + qoff, qs, T - i0, hd, vec, tid, q);
     load_tile<Q_BM, HDP, Q_NT>(dOs, dout + qoff, qs, T - i0, hd, vec, tid, dout);
-    load_tile<Q_BN, HDP, Q_NT>(Ks, Kg, ks, T, hd, vec, tid, k);
-    load_tile<Q_BN, HDP, Q_NT>(Vs, Vg, ks, T, hd, vec, tid, v);
+    load_tile<Q_BN, HDP, Q_NT>(Ks, Kg + (int64_t)jf * Q_BN * ks, ks, T - jf * Q_BN, hd, vec, tid, k);
+    load_tile<Q_BN, HDP, Q_NT>(Vs, Vg + (int64_t)jf * Q_BN * ks, ks, T - jf * Q_BN, hd, vec, tid, v);
     cp_async_commit();
     tile_D_lse<Q_BM, Q_NT>(Ds, lse2s, dout + qoff, out + qoff, qs, lse + (int64_t)bh * T + i0, T - i0, hd, tid);
 
@@ -73,25 +80,28 @@ __global__ void __launch_bounds__(Q_NT) bwd_dq_kernel(bf16 *__restrict__ dq, con
     const int wrow = warp * 16;
     const int r0 = i0 + wrow + gr, r1 = r0 + 8;
     float L0 = 0.0f, L1 = 0.0f, D0 = 0.0f, D1 = 0.0f;
+    const int s0 = kvb ? kvb[min(r0, T - 1)] : 0, s1 = kvb ? kvb[min(r1, T - 1)] : 0; /* rows' starts */
+    const int sw = kvb ? kvb[min(i0 + wrow, T - 1)] : 0; /* the warp's first start */
 
-    for (int j = 0; j < nj; j++) {
+    for (int j = jf; j < nj; j++) {
         cp_async_wait_all();
         __syncthreads();
-        if (j == 0) {
+        if (j == jf) {
             L0 = lse2s[wrow + gr];
             L1 = lse2s[wrow + gr + 8];
             D0 = Ds[wrow + gr];
             D1 = Ds[wrow + gr + 8];
         }
         if (j + 1 < nj) {
-            const int st = (j + 1) & 1, jn = (j + 1) * Q_BN;
+            const int st = (j + 1 - jf) & 1, jn = (j + 1) * Q_BN;
             load_tile<Q_BN, HDP, Q_NT>(Ks + st * Q_BN * LD, Kg + (int64_t)jn * ks, ks, T - jn, hd, vec, tid, k);
             load_tile<Q_BN, HDP, Q_NT>(Vs + st * Q_BN * LD, Vg + (int64_t)jn * ks, ks, T - jn, hd, vec, tid, v);
             cp_async_commit();
         }
         const int j0 = j * Q_BN;
         if (j0 > i0 + wrow + 15) continue;
-        const bf16 *Kc = Ks + (j & 1) * Q_BN * LD, *Vc = Vs + (j & 1) * Q_BN * LD;
+        if (j0 + Q_BN <= sw) continue; /* every key of the tile is before every row's document */
+        const bf16 *Kc = Ks + ((j - jf) & 1) * Q_BN * LD, *Vc = Vs + ((j - jf) & 1) * Q_BN * LD;
 
         float s[NTN][4], dp[NTN][4];
 #pragma unroll
@@ -116,6 +126,7 @@ __global__ void __launch_bounds__(Q_NT) bwd_dq_kernel(bf16 *__restrict__ dq, con
             }
         }
         const bool diag = j0 + Q_BN - 1 > i0 + wrow;
+        const bool lo = j0 < s0 || j0 < s1; /* some key of the tile is before a row's document */
 #pragma unroll
         for (int nt = 0; nt < NTN; nt++)
 #pragma unroll
@@ -125,6 +136,10 @@ __global__ void __launch_bounds__(Q_NT) bwd_dq_kernel(bf16 *__restrict__ dq, con
                 if (diag) {
                     if (col > r0) p0 = 0.0f;
                     if (col > r1) p1 = 0.0f;
+                }
+                if (lo) {
+                    if (col < s0) p0 = 0.0f;
+                    if (col < s1) p1 = 0.0f;
                 }
                 s[nt][e] = p0 * (dp[nt][e] - D0);
                 s[nt][2 + e] = p1 * (dp[nt][2 + e] - D1);
@@ -172,8 +187,8 @@ __global__ void __launch_bounds__(K_NT) bwd_dkdv_kernel(bf16 *__restrict__ dk, b
                                                         const bf16 *__restrict__ dout, const bf16 *__restrict__ q,
                                                         const bf16 *__restrict__ k, const bf16 *__restrict__ v,
                                                         const bf16 *__restrict__ out, const float *__restrict__ lse,
-                                                        int T, int nh, int nkv, int hd, float sl2, float scale,
-                                                        int vec) {
+                                                        const int32_t *__restrict__ kvs, int T, int nh, int nkv,
+                                                        int hd, float sl2, float scale, int vec) {
     constexpr int LD = HDP + 8, KT = HDP / 16, NTQ = K_BM / 8, NTD = HDP / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16 *Ks = reinterpret_cast<bf16 *>(smem_raw);
@@ -276,6 +291,11 @@ __global__ void __launch_bounds__(K_NT) bwd_dkdv_kernel(bf16 *__restrict__ dk, b
                         if (kr0 > qi) p0 = 0.0f;
                         if (kr1 > qi) p1 = 0.0f;
                     }
+                    if (kvs && qi < T) { /* packed: keys before the query's document */
+                        const int sq = kvs[(int64_t)b * T + qi];
+                        if (kr0 < sq) p0 = 0.0f;
+                        if (kr1 < sq) p1 = 0.0f;
+                    }
                     s[nt][e] = p0;
                     s[nt][2 + e] = p1;
                 }
@@ -349,8 +369,9 @@ __global__ void __launch_bounds__(K_NT) bwd_dkdv_kernel(bf16 *__restrict__ dk, b
 
 /* One block per (b, head, query t). Shared: qrow[hd], dorow[hd], acc[hd], p[S_NT], red. */
 __global__ void __launch_bounds__(S_NT) simple_dq_kernel(bf16 *dq, const bf16 *dout, const bf16 *q, const bf16 *k,
-                                                         const bf16 *v, const bf16 *out, const float *lse, int T,
-                                                         int nh, int nkv, int hd, float scale) {
+                                                         const bf16 *v, const bf16 *out, const float *lse,
+                                                         const int32_t *kvs, int T, int nh, int nkv, int hd,
+                                                         float scale) {
     extern __shared__ float sm[];
     float *qrow = sm, *dorow = qrow + hd, *acc = dorow + hd, *p = acc + hd, *red = p + S_NT;
     const int t = blockIdx.x, bh = blockIdx.y, b = bh / nh, h = bh - b * nh, g = h / (nh / nkv);
@@ -366,7 +387,7 @@ __global__ void __launch_bounds__(S_NT) simple_dq_kernel(bf16 *dq, const bf16 *d
     }
     const float D = block_sum(dpart, red); /* also makes qrow, dorow visible */
     const float L = lse[(int64_t)bh * T + t];
-    for (int c0 = 0; c0 <= t; c0 += S_NT) {
+    for (int c0 = kvs ? kvs[(int64_t)b * T + t] : 0; c0 <= t; c0 += S_NT) { /* keys of t's document */
         const int j = c0 + threadIdx.x;
         float ds = 0.0f;
         if (j <= t) {
@@ -391,8 +412,8 @@ __global__ void __launch_bounds__(S_NT) simple_dq_kernel(bf16 *dq, const bf16 *d
  * Shared: krow[hd], vrow[hd], dka[hd], dva[hd], pp[S_NT], pd[S_NT]. */
 __global__ void __launch_bounds__(S_NT) simple_dkdv_kernel(bf16 *dk, bf16 *dv, const bf16 *dout, const bf16 *q,
                                                            const bf16 *k, const bf16 *v, const bf16 *out,
-                                                           const float *lse, int T, int nh, int nkv, int hd,
-                                                           float scale) {
+                                                           const float *lse, const int32_t *kvs, int T, int nh,
+                                                           int nkv, int hd, float scale) {
     extern __shared__ float sm[];
     float *krow = sm, *vrow = krow + hd, *dka = vrow + hd, *dva = dka + hd, *pp = dva + hd, *pd = pp + S_NT;
     const int s = blockIdx.x, bg = blockIdx.y, b = bg / nkv, g = bg - b * nkv, grp = nh / nkv;
@@ -411,7 +432,7 @@ __global__ void __launch_bounds__(S_NT) simple_dkdv_kernel(bf16 *dk, bf16 *dv, c
         for (int c0 = s; c0 < T; c0 += S_NT) {
             const int t = c0 + threadIdx.x;
             float p = 0.0f, ds = 0.0f;
-            if (t < T) {
+            if (t < T && (!kvs || s >= kvs[(int64_t)b * T + t])) { /* packed: t's document holds s */
                 const bf16 *qr = Q + (int64_t)t * qs, *dr = dO + (int64_t)t * qs, *orr = O + (int64_t)t * qs;
                 float sc = 0.0f, dp = 0.0f, D = 0.0f;
                 for (int d = 0; d < hd; d++) {
@@ -448,14 +469,15 @@ __global__ void __launch_bounds__(S_NT) simple_dkdv_kernel(bf16 *dk, bf16 *dv, c
 
 template <int HDP>
 void launch_bwd(cudaStream_t st, bf16 *dq, bf16 *dk, bf16 *dv, const bf16 *dout, const bf16 *q, const bf16 *k,
-                const bf16 *v, const bf16 *out, const float *lse, int B, int T, int nh, int nkv, int hd, int vec) {
+                const bf16 *v, const bf16 *out, const float *lse, const int32_t *kvs, int B, int T, int nh, int nkv,
+                int hd, int vec) {
     const float scale = (float)(1.0 / sqrt((double)hd)), sl2 = scale * kLog2e;
     dim3 gk((T + K_BN - 1) / K_BN, B * nkv);
     dim3 gq((T + Q_BM - 1) / Q_BM, B * nh);
-    bwd_dkdv_kernel<HDP><<<gk, K_NT, dkdv_smem<HDP>(), st>>>(dk, dv, dout, q, k, v, out, lse, T, nh, nkv, hd, sl2,
-                                                              scale, vec);
-    bwd_dq_kernel<HDP><<<gq, Q_NT, dq_smem<HDP>(), st>>>(dq, dout, q, k, v, out, lse, T, nh, nkv, hd, sl2, scale,
-                                                          vec);
+    bwd_dkdv_kernel<HDP><<<gk, K_NT, dkdv_smem<HDP>(), st>>>(dk, dv, dout, q, k, v, out, lse, kvs, T, nh, nkv, hd,
+                                                              sl2, scale, vec);
+    bwd_dq_kernel<HDP><<<gq, Q_NT, dq_smem<HDP>(), st>>>(dq, dout, q, k, v, out, lse, kvs, T, nh, nkv, hd, sl2,
+                                                          scale, vec);
 }
 
 } // namespace
@@ -476,23 +498,26 @@ cudaError_t fm_att_flash_bwd_setup(void) {
 
 void fm_att_flash_bwd(cudaStream_t s, bf16 *dq, bf16 *dk, bf16 *dv, const bf16 *dout, const bf16 *q, const bf16 *k,
                       const bf16 *v, const bf16 *out, const float *lse, int64_t B, int64_t T, int64_t nh,
-                      int64_t nkv, int64_t hd) {
+                      int64_t nkv, int64_t hd, const int32_t *kv_start) {
     const void *p[8] = {dq, dk, dv, dout, q, k, v, out};
     const int vec = vec_ok(hd, p, 8);
     if (hd <= 64)
-        launch_bwd<64>(s, dq, dk, dv, dout, q, k, v, out, lse, (int)B, (int)T, (int)nh, (int)nkv, (int)hd, vec);
+        launch_bwd<64>(s, dq, dk, dv, dout, q, k, v, out, lse, kv_start, (int)B, (int)T, (int)nh, (int)nkv, (int)hd,
+                       vec);
     else
-        launch_bwd<128>(s, dq, dk, dv, dout, q, k, v, out, lse, (int)B, (int)T, (int)nh, (int)nkv, (int)hd, vec);
+        launch_bwd<128>(s, dq, dk, dv, dout, q, k, v, out, lse, kv_start, (int)B, (int)T, (int)nh, (int)nkv,
+                        (int)hd, vec);
 }
 
 void fm_att_simple_bwd(cudaStream_t s, bf16 *dq, bf16 *dk, bf16 *dv, const bf16 *dout, const bf16 *q, const bf16 *k,
                        const bf16 *v, const bf16 *out, const float *lse, int64_t B, int64_t T, int64_t nh,
-                       int64_t nkv, int64_t hd) {
+                       int64_t nkv, int64_t hd, const int32_t *kv_start) {
     const float scale = (float)(1.0 / sqrt((double)hd));
     const size_t smq = ((size_t)3 * hd + S_NT + S_NT / 32) * sizeof(float);
-    simple_dq_kernel<<<dim3((unsigned)T, (unsigned)(B * nh)), S_NT, smq, s>>>(dq, dout, q, k, v, out, lse, (int)T,
-                                                                               (int)nh, (int)nkv, (int)hd, scale);
+    simple_dq_kernel<<<dim3((unsigned)T, (unsigned)(B * nh)), S_NT, smq, s>>>(dq, dout, q, k, v, out, lse, kv_start,
+                                                                               (int)T, (int)nh, (int)nkv, (int)hd,
+                                                                               scale);
     const size_t smk = ((size_t)4 * hd + 2 * S_NT) * sizeof(float);
     simple_dkdv_kernel<<<dim3((unsigned)T, (unsigned)(B * nkv)), S_NT, smk, s>>>(
-        dk, dv, dout, q, k, v, out, lse, (int)T, (int)nh, (int)nkv, (int)hd, scale);
+        dk, dv, dout, q, k, v, out, lse, kv_start, (int)T, (int)nh, (int)nkv, (int)hd, scale);
 }

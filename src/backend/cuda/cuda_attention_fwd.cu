@@ -9,6 +9,11 @@
  *     O = O 2^(m - m') + P V_j  (P rounded to bf16 for the tensor cores)
  *   out = O / l, lse = (m + log2 l) ln 2.
  * Memory is O(T hd): tiles live in shared memory, nothing of size T x T exists.
+ * Packed documents (kvs non-NULL): the key tiles start at the tile holding the block's first
+ * row's kv_start, a warp skips tiles before its first row's start, and each row masks the keys
+ * before its own start as the causal mask masks those after it. A row may then see no key of a
+ * tile: its maximum stays -inf and the exponentials use 0 in its place (FlashAttention's
+ * Check_inf), so nothing becomes NaN; with kvs NULL the arithmetic is unchanged.
  *
  * Head dims: the tiles are padded with zeros to HDP = 64 (hd <= 64) or 128 (hd <= 128); hd must
  * be even (4-byte rows); 16-byte cp.async loads when hd % 8 == 0 and the pointers are 16-byte
@@ -30,8 +35,8 @@ constexpr size_t fwd_smem() { return (size_t)(F_BM + 4 * F_BN) * (HDP + 8) * siz
 template <int HDP>
 __global__ void __launch_bounds__(F_NT) fwd_kernel(bf16 *__restrict__ out, float *__restrict__ lse,
                                                    const bf16 *__restrict__ q, const bf16 *__restrict__ k,
-                                                   const bf16 *__restrict__ v, int T, int nh, int nkv,
-                                                   int hd, float sl2, int vec) {
+                                                   const bf16 *__restrict__ v, const int32_t *__restrict__ kvs,
+                                                   int T, int nh, int nkv, int hd, float sl2, int vec) {
     constexpr int LD = HDP + 8, KT = HDP / 16, NTN = F_BN / 8, NTD = HDP / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16 *Qs = reinterpret_cast<bf16 *>(smem_raw);
@@ -48,10 +53,12 @@ __global__ void __launch_bounds__(F_NT) fwd_kernel(bf16 *__restrict__ out, float
     const bf16 *Vg = v + (int64_t)b * T * ks + (int64_t)g * hd;
     const int jend = min(T, i0 + F_BM);
     const int nj = (jend + F_BN - 1) / F_BN;
+    const int32_t *kvb = kvs ? kvs + (int64_t)b * T : NULL; /* this row's document starts */
+    const int jf = kvb ? kvb[i0] / F_BN : 0;                /* first key tile any row sees */
 
     load_tile<F_BM, HDP, F_NT>(Qs, Qg, qs, T - i0, hd, vec, tid, q);
-    load_tile<F_BN, HDP, F_NT>(Ks, Kg, ks, T, hd, vec, tid, k);
-    load_tile<F_BN, HDP, F_NT>(Vs, Vg, ks, T, hd, vec, tid, v);
+    load_tile<F_BN, HDP, F_NT>(Ks, Kg + (int64_t)jf * F_BN * ks, ks, T - jf * F_BN, hd, vec, tid, k);
+    load_tile<F_BN, HDP, F_NT>(Vs, Vg + (int64_t)jf * F_BN * ks, ks, T - jf * F_BN, hd, vec, tid, v);
     cp_async_commit();
 
     float o[NTD][4];
@@ -60,19 +67,22 @@ __global__ void __launch_bounds__(F_NT) fwd_kernel(bf16 *__restrict__ out, float
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
     const int wrow = warp * 16;
     const int r0 = i0 + wrow + gr, r1 = r0 + 8;
+    const int s0 = kvb ? kvb[min(r0, T - 1)] : 0, s1 = kvb ? kvb[min(r1, T - 1)] : 0; /* rows' starts */
+    const int sw = kvb ? kvb[min(i0 + wrow, T - 1)] : 0; /* the warp's first start */
 
-    for (int j = 0; j < nj; j++) {
+    for (int j = jf; j < nj; j++) {
         cp_async_wait_all();
         __syncthreads();
         if (j + 1 < nj) {
-            const int st = (j + 1) & 1, jn = (j + 1) * F_BN;
+            const int st = (j + 1 - jf) & 1, jn = (j + 1) * F_BN;
             load_tile<F_BN, HDP, F_NT>(Ks + st * F_BN * LD, Kg + (int64_t)jn * ks, ks, T - jn, hd, vec, tid, k);
             load_tile<F_BN, HDP, F_NT>(Vs + st * F_BN * LD, Vg + (int64_t)jn * ks, ks, T - jn, hd, vec, tid, v);
             cp_async_commit();
         }
         const int j0 = j * F_BN;
         if (j0 > i0 + wrow + 15) continue; /* every key of the tile is after every row of this warp */
-        const bf16 *Kc = Ks + (j & 1) * F_BN * LD, *Vc = Vs + (j & 1) * F_BN * LD;
+        if (j0 + F_BN <= sw) continue;     /* every key of the tile is before every row's document */
+        const bf16 *Kc = Ks + ((j - jf) & 1) * F_BN * LD, *Vc = Vs + ((j - jf) & 1) * F_BN * LD;
 
         float s[NTN][4];
 #pragma unroll
@@ -90,6 +100,7 @@ __global__ void __launch_bounds__(F_NT) fwd_kernel(bf16 *__restrict__ out, float
             }
         }
         const bool diag = j0 + F_BN - 1 > i0 + wrow;
+        const bool lo = j0 < s0 || j0 < s1; /* some key of the tile is before a row's document */
         float mx0 = m0, mx1 = m1;
 #pragma unroll
         for (int nt = 0; nt < NTN; nt++)
@@ -101,6 +112,10 @@ __global__ void __launch_bounds__(F_NT) fwd_kernel(bf16 *__restrict__ out, float
                     if (col > r0) x0 = -INFINITY;
                     if (col > r1) x1 = -INFINITY;
                 }
+                if (lo) {
+                    if (col < s0) x0 = -INFINITY;
+                    if (col < s1) x1 = -INFINITY;
+                }
                 s[nt][e] = x0;
                 s[nt][2 + e] = x1;
                 mx0 = fmaxf(mx0, x0);
@@ -110,8 +125,11 @@ __global__ void __launch_bounds__(F_NT) fwd_kernel(bf16 *__restrict__ out, float
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        /* mx is finite: key 0 is visible to every row on the first tile, and m stays finite. */
-        const float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
+        /* Causal: mx is finite (key 0 is visible to every row on the first tile, and m stays
+         * finite). Packed documents: a row that has seen no key yet has mx -inf; 0 stands in
+         * for it, so c = 2^-inf = 0 and every p = 2^-inf = 0. */
+        const float e0 = mx0 == -INFINITY ? 0.0f : mx0, e1 = mx1 == -INFINITY ? 0.0f : mx1;
+        const float c0 = exp2f(m0 - e0), c1 = exp2f(m1 - e1);
         m0 = mx0;
         m1 = mx1;
         float ps0 = 0.0f, ps1 = 0.0f;
@@ -119,8 +137,8 @@ __global__ void __launch_bounds__(F_NT) fwd_kernel(bf16 *__restrict__ out, float
         for (int nt = 0; nt < NTN; nt++)
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                s[nt][e] = exp2f(s[nt][e] - m0);
-                s[nt][2 + e] = exp2f(s[nt][2 + e] - m1);
+                s[nt][e] = exp2f(s[nt][e] - e0);
+                s[nt][2 + e] = exp2f(s[nt][2 + e] - e1);
                 ps0 += s[nt][e];
                 ps1 += s[nt][2 + e];
             }
@@ -176,8 +194,8 @@ __global__ void __launch_bounds__(F_NT) fwd_kernel(bf16 *__restrict__ out, float
 
 /* One block per (b, head, query t). Shared: qrow[hd], o[hd], p[S_NT], red[S_NT/32]. */
 __global__ void __launch_bounds__(S_NT) simple_fwd_kernel(bf16 *out, float *lse, const bf16 *q, const bf16 *k,
-                                                          const bf16 *v, int T, int nh, int nkv, int hd,
-                                                          float scale) {
+                                                          const bf16 *v, const int32_t *kvs, int T, int nh, int nkv,
+                                                          int hd, float scale) {
     extern __shared__ float sm[];
     float *qrow = sm, *o = qrow + hd, *p = o + hd, *red = p + S_NT;
     const int t = blockIdx.x, bh = blockIdx.y, b = bh / nh, h = bh - b * nh, g = h / (nh / nkv);
@@ -190,7 +208,7 @@ __global__ void __launch_bounds__(S_NT) simple_fwd_kernel(bf16 *out, float *lse,
     }
     __syncthreads();
     float m = -INFINITY, l = 0.0f;
-    for (int c0 = 0; c0 <= t; c0 += S_NT) {
+    for (int c0 = kvs ? kvs[(int64_t)b * T + t] : 0; c0 <= t; c0 += S_NT) { /* keys of t's document */
         const int j = c0 + threadIdx.x;
         const float s = j <= t ? dot_sf(qrow, K + (int64_t)j * ks, hd) * scale : -INFINITY;
         const float mn = fmaxf(m, block_max(s, red));
@@ -214,11 +232,11 @@ __global__ void __launch_bounds__(S_NT) simple_fwd_kernel(bf16 *out, float *lse,
 }
 
 template <int HDP>
-void launch_fwd(cudaStream_t st, bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, int B, int T,
-                int nh, int nkv, int hd, int vec) {
+void launch_fwd(cudaStream_t st, bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v,
+                const int32_t *kvs, int B, int T, int nh, int nkv, int hd, int vec) {
     const float sl2 = (float)(1.0 / sqrt((double)hd)) * kLog2e;
     dim3 grid((T + F_BM - 1) / F_BM, B * nh);
-    fwd_kernel<HDP><<<grid, F_NT, fwd_smem<HDP>(), st>>>(out, lse, q, k, v, T, nh, nkv, hd, sl2, vec);
+    fwd_kernel<HDP><<<grid, F_NT, fwd_smem<HDP>(), st>>>(out, lse, q, k, v, kvs, T, nh, nkv, hd, sl2, vec);
 }
 
 } // namespace
@@ -243,17 +261,17 @@ int fm_att_flash_ok(int64_t hd, const void *const *ptrs, int nptrs) {
 }
 
 void fm_att_flash_fwd(cudaStream_t s, bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, int64_t B,
-                      int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
+                      int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start) {
     const void *p[4] = {out, q, k, v};
     const int vec = vec_ok(hd, p, 4);
-    if (hd <= 64) launch_fwd<64>(s, out, lse, q, k, v, (int)B, (int)T, (int)nh, (int)nkv, (int)hd, vec);
-    else launch_fwd<128>(s, out, lse, q, k, v, (int)B, (int)T, (int)nh, (int)nkv, (int)hd, vec);
+    if (hd <= 64) launch_fwd<64>(s, out, lse, q, k, v, kv_start, (int)B, (int)T, (int)nh, (int)nkv, (int)hd, vec);
+    else launch_fwd<128>(s, out, lse, q, k, v, kv_start, (int)B, (int)T, (int)nh, (int)nkv, (int)hd, vec);
 }
 
 void fm_att_simple_fwd(cudaStream_t s, bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, int64_t B,
-                       int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
+                       int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start) {
     const float scale = (float)(1.0 / sqrt((double)hd));
     const size_t sm = ((size_t)2 * hd + S_NT + S_NT / 32) * sizeof(float);
-    simple_fwd_kernel<<<dim3((unsigned)T, (unsigned)(B * nh)), S_NT, sm, s>>>(out, lse, q, k, v, (int)T, (int)nh,
-                                                                               (int)nkv, (int)hd, scale);
+    simple_fwd_kernel<<<dim3((unsigned)T, (unsigned)(B * nh)), S_NT, sm, s>>>(out, lse, q, k, v, kv_start, (int)T,
+                                                                               (int)nh, (int)nkv, (int)hd, scale);
 }

@@ -161,9 +161,9 @@ void fm_cuda_rmsnorm_bwd(void *ctx, fm_act *dx, fm_act *dw, const fm_act *dout, 
 
 /* cuda_rope.cu */
 void fm_cuda_rope_fwd(void *ctx, fm_act *x, const float *cos_tab, const float *sin_tab, int64_t B, int64_t T,
-                      int64_t nh, int64_t hd);
+                      int64_t nh, int64_t hd, const int32_t *pos);
 void fm_cuda_rope_bwd(void *ctx, fm_act *dx, const float *cos_tab, const float *sin_tab, int64_t B, int64_t T,
-                      int64_t nh, int64_t hd);
+                      int64_t nh, int64_t hd, const int32_t *pos);
 
 /* cuda_adamw.cu */
 void fm_cuda_adamw(void *ctx, fm_act *p, const fm_act *g, float *master, void *m, void *v, fm_dtype mv_dtype,
@@ -198,10 +198,12 @@ void fm_cuda_prof_free(fm_cuda_ctx *c);
 fm_status fm_cuda_attention_init(fm_cuda_ctx *c, const fm_backend_opts *o);
 void fm_cuda_attention_free(fm_cuda_ctx *c);
 void fm_cuda_attention_fwd(void *ctx, fm_act *out, float *lse, const fm_act *q, const fm_act *k,
-                           const fm_act *v, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+                           const fm_act *v, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
+                           const int32_t *kv_start);
 void fm_cuda_attention_bwd(void *ctx, fm_act *dq, fm_act *dk, fm_act *dv, const fm_act *dout,
                            const fm_act *q, const fm_act *k, const fm_act *v, const fm_act *out,
-                           const float *lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+                           const float *lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
+                           const int32_t *kv_start);
 
 /* cuda_router.cu */
 void fm_cuda_router_fwd(void *ctx, float *probs, float *lse, int32_t *topk_idx, float *topk_w,
