@@ -55,9 +55,12 @@ done
 # rows in other groupings (EP's chunks against one rank's, and OpenBLAS's Haswell/Zen kernels round
 # a row by its place in their tiling), so activations and, after an update, weights differ by fp32
 # reassociation (~1e-9 relative); a value that sits at an E4M3 rounding boundary then flips its code
-# by one step (2^-3 of its value at most). Every step gets 1e-5 on the loss and 1e-3 on the grad
-# norm (the emulation measured at step 3: 1.5e-6 and 1.4e-4 with SkylakeX kernels; step 1's grad
-# norm 1.9e-6 with Haswell's; the bf16 experts, with no codes to flip, agree to 1e-7). The
+# by one step (2^-3 of its value at most). Every step gets 1e-3 on the grad norm and, on the loss,
+# 1e-5 emulated, 1e-4 on codes (the emulation measured at step 3: 1.5e-6 and 1.4e-4 with SkylakeX
+# kernels; step 1's grad norm 1.9e-6 with Haswell's; the codes path, which also codes the SwiGLU
+# output and dgate, dup, measured 4.9e-6 and 9.4e-6 on the loss at step 3 with this machine's and
+# Haswell's kernels, 6.5e-5 on the grad norm; the bf16 experts, with no codes to flip, agree to
+# 1e-7). The
 # trainer's own check (every arena = its planned bound, or abort) covers the EP working set's fp8
 # part. ----
 es=(--config "$cfg" --data "$TEXT" --seq-len 32 --threads 1 --expert-precision fp8 --seed 7 --steps 3 --eval-every 0
@@ -76,7 +79,7 @@ assert all(h["expert_fp8_path"] == path for h in hdr), (path, [h["expert_fp8_pat
 a, b = ([r for r in map(json.loads, open(f)) if r.get("type") == "step"] for f in sys.argv[1:3])
 assert len(a) == len(b) == 3, (len(a), len(b))
 for x, y in zip(a, b):
-    for k, tol in (("loss", 1e-5), ("grad_norm", 1e-3)):
+    for k, tol in (("loss", 1e-4 if path == "codes" else 1e-5), ("grad_norm", 1e-3)):
         assert abs(x[k] - y[k]) <= tol * abs(y[k]), (path, x["step"], k, x[k], y[k], tol)
 print(f"fp8 {path} --ep 2 vs one rank: losses", [r["loss"] for r in a], [r["loss"] for r in b])
 PY

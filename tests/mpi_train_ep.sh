@@ -195,8 +195,9 @@ fp8llep)
     # one expert's rows at one rank, and a spilled expert's tiles split, so its weight gradients
     # move within E4M3 rounding (tests/test_model_ep.c's LLEP_FP8_EXPERT_TOL): a changed tile scale
     # moves each of its codes by at most one step, the effect tests/cli_fp8_codes_mpi.sh bounds by
-    # 1e-3 on the grad norm and 1e-5 on the losses after updates (LLEP_GN_TOL, LLEP_LOSS_TOL here;
-    # measured 0 on both paths: with power-of-two scales the split tiles kept theirs).
+    # 1e-3 on the grad norm and, on the losses after updates, 1e-5 emulated and 1e-4 on codes
+    # (LLEP_GN_TOL, LLEP_LOSS_TOL here; measured 0 on both paths with this machine's kernels: with
+    # power-of-two scales the split tiles kept theirs).
     export FLATMOE_TEST_FORCE_ROUTE=0 FLATMOE_TEST_FP8_CODES=""
     MPI_ENV=(-x FLATMOE_TEST_FORCE_ROUTE -x FLATMOE_TEST_FP8_CODES)
     F8=(--config "$ROOT/configs/tiny.json" --data "$TEXT" --seq-len 32 --micro-batch 2 --ep 2 --ep-cap-tokens 16
@@ -212,8 +213,8 @@ fp8llep)
             bad "fp8 $p --llep moved no rows to rank 1: $(grep 'rank 1 of 2: ep' "$TMP/l_$p.log" | tail -1)"
         python3 - "$TMP/n_$p/metrics.jsonl" "$TMP/l_$p/metrics.jsonl" "$p" <<'PY' || bad "fp8 $p --llep differs from fp8 without it"
 import json, sys
-LLEP_GN_TOL, LLEP_LOSS_TOL = 1e-3, 1e-5
 path = sys.argv[3]
+LLEP_GN_TOL, LLEP_LOSS_TOL = 1e-3, 1e-4 if path == "codes" else 1e-5
 hdr = [next(json.loads(l) for l in open(f) if '"header"' in l) for f in sys.argv[1:3]]
 ok = all(h["expert_fp8_path"] == path for h in hdr)
 a, b = ([r for r in map(json.loads, open(f)) if r.get("type") == "step"] for f in sys.argv[1:3])
