@@ -9,6 +9,11 @@
 source "$(dirname "$0")/lib_cli.sh"
 cfg="$ROOT/configs/tiny.json" # H 128, I 128, E 8, top-2: whole 128-wide tiles
 base=(--config "$cfg" --data "$TEXT" --seq-len 64 --micro-batch 4 --steps 3 --threads 2 --eval-every 3 --eval-batches 1 --seed 7)
+# The sanitized pass (scripts/test.sh, FLATMOE_TEST_SANITIZED=1): a quarter of the tokens per
+# micro-batch (32 x 2), every check the same; at 64 x 4 the CPU's E4M3 code ops under
+# AddressSanitizer and UBSan ran past 900 s. 64 tokens still span two --moe-chunk-tokens 48 chunks.
+[ "${FLATMOE_TEST_SANITIZED:-0}" = 1 ] && base=(--config "$cfg" --data "$TEXT" --seq-len 32 --micro-batch 2 --steps 3 \
+    --threads 2 --eval-every 3 --eval-batches 1 --seed 7)
 
 losses() { python3 -c '
 import json, sys
