@@ -86,7 +86,7 @@ if [[ $passes == *S* ]]; then
     (cd build-asan && ASAN_OPTIONS=detect_leaks=1:fast_unwind_on_malloc=0 \
         LSAN_OPTIONS="suppressions=$PWD/../tests/lsan.supp:print_suppressions=0" \
         UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 FLATMOE_TEST_SANITIZED=1 \
-        ctest --output-on-failure --timeout 900 "$@") || rc=1
+        ctest -j"$(nproc)" --output-on-failure --timeout 900 "$@") || rc=1
     echo "== pass S: $((SECONDS - t0)) s"
 fi
 if [[ $passes == *F* ]]; then
