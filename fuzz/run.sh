@@ -5,7 +5,8 @@
 # -DFLATMOE_FUZZ=ON: libFuzzer, AddressSanitizer with LeakSanitizer, UBSan). Each run starts from
 # the seeds of fuzz/corpus/TARGET (read only) and a scratch corpus in $FUZZ_WORK (default
 # build-fuzz/fuzz-work/TARGET), where a finding's input is kept too (crash-*, leak-*, timeout-*,
-# oom-*). An input running past 10 s is a hang; past 2 GiB of memory an out-of-memory; an
+# oom-*). An input running past FUZZ_TIMEOUT s (default 10; wall time, so raise it on a machine
+# loaded enough to starve a process) is a hang; past 2 GiB of memory an out-of-memory; an
 # allocation past 1 GiB returns NULL, so the parsers' out-of-memory paths run (a refusal, not a
 # finding). Prints one line per target (executions, seconds, findings) and exits non-zero when
 # any target had a finding. Extra libFuzzer flags: FUZZ_FLAGS="-jobs=2 ...".
@@ -32,7 +33,7 @@ for t in $targets; do
     mkdir -p "$dir/corpus" "$dir/findings"
     log=$dir/run.log
     set +e
-    "build-fuzz/fuzz_$t" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+    "build-fuzz/fuzz_$t" -max_total_time="$secs" -timeout="${FUZZ_TIMEOUT:-10}" -rss_limit_mb=2048 -print_final_stats=1 \
         -artifact_prefix="$dir/findings/" ${FUZZ_FLAGS:-} "$dir/corpus" "fuzz/corpus/$t" >"$log" 2>&1
     status=$?
     set -e
