@@ -37,6 +37,23 @@ p = sys.argv[1]; s = json.load(open(p)); del s["spec"]; json.dump(s, open(p, "w"
 PY
 expect_fail "resume with the original config after raising the limit (no run spec)" "pass --max-position-embeddings 80" \
     "$FM" train --config "$cfg" "${base[@]}" --steps 3 --resume --out "$TMP/mpe_old"
+# state.json's values are range-checked on --resume, naming the file, the field and the range (issue
+# 27: a micro_batch x data_parallel past int64 overflowed and the run exited 0; a grad_accum of 2^31-1
+# asked a 192 GiB step arena; a threads of 2^31 wrapped to a negative int)
+state_bad() { # $1 name, $2 python assignments on s (the latest state.json), $3 the message's field
+    rm -rf "$TMP/st_$1"; cp -r "$TMP/mpe" "$TMP/st_$1"
+    local st; st=$(ls -d "$TMP/st_$1"/step_* | tail -1)/state.json
+    python3 -c "import json,sys; p=sys.argv[1]; s=json.load(open(p)); $2; json.dump(s, open(p,'w'))" "$st"
+    expect_fail "state.json $1 out of range" "$st: field \"$3\" is" "$FM" train --out "$TMP/st_$1" --resume --quiet
+}
+state_bad micro_batch 's["micro_batch"]=4611686018427387904; s["data_parallel"]=4' micro_batch
+state_bad grad_accum 's["grad_accum"]=2147483647' grad_accum
+state_bad threads 's["threads"]=2147483648' threads
+state_bad steps 's["steps"]=-5' steps
+state_bad warmup 's["schedule"]["warmup"]=1e300' schedule.warmup
+state_bad seed 's["seed"]="12x"' seed
+expect_fail "state.json grad_accum's range named" "expected an integer in [1, 1048576]" \
+    "$FM" train --out "$TMP/st_grad_accum" --resume --quiet
 expect_fail "--max-position-embeddings beyond 2^30" "must be in [1, 2^30]" "$FM" train --config "$cfg" "${base[@]}" --max-position-embeddings 100000000000 --out "$TMP/a"
 expect_fail "--no-checkpoint with --exit-after" "drop one of them" "$FM" train --config "$cfg" "${base[@]}" --no-checkpoint --exit-after 1 --out "$TMP/a"
 expect_fail "--ep 0" "--ep must be >= 1 (expert-parallel ranks; 1 = off), found 0" "$FM" train --config "$cfg" "${base[@]}" --ep 0 --out "$TMP/a"

@@ -305,6 +305,9 @@ static void test_split(void) {
                "validation data: 500 tokens, but --seq-len 1024 needs at least 1025; use a shorter --seq-len "
                "or more data", NULL);
     expect_err(fm_dataset_check_windows(&all, 0, "x"), FM_ERR_ARG, "seq_len 0", NULL);
+    fm_dataset_free(&v500); /* their part tables (LeakSanitizer named them in the sanitized pass) */
+    fm_dataset_free(&small);
+    fm_dataset_free(&all);
 }
 
 static void test_batches(unsigned long long seed) {
@@ -383,6 +386,10 @@ static void test_batches(unsigned long long seed) {
     /* The last window's final target is the last token it may use. */
     fm_dataset_eval_batch(&ds, nw - 1, B, T, in1, tg1, &filled);
     CHECK(filled == 1 && tg1[T - 1] == (int32_t)(nw * T) && nw * T <= N - 1);
+    fm_dataset_free(&one);
+    fm_dataset_free(&small);
+    fm_dataset_free(&tiny);
+    fm_dataset_free(&ds);
 }
 
 static void test_tinyshakespeare(void) {

@@ -79,6 +79,13 @@ static void test_bad_configs(void) {
                FM_ERR_CONFIG, "\"intermediate_size\" must be positive");
     expect_bad("{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":32,\"num_experts\":4,"
                "\"rope_parameters\":{\"rope_type\":\"yarn\",\"rope_theta\":5}}", FM_ERR_UNSUPPORTED, "yarn");
+    /* every number read is range-checked, naming the field (issue 27) */
+#define OLMOE "{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":32,\"num_experts\":4,"
+    expect_bad(OLMOE "\"rope_theta\":1e400}", FM_ERR_CONFIG, "rope_theta (inf) must be positive and finite");
+    expect_bad(OLMOE "\"router_z_loss_coef\":1e400}", FM_ERR_CONFIG, "must be finite and >= 0");
+    expect_bad(OLMOE "\"initializer_range\":-1}", FM_ERR_CONFIG, "\"initializer_range\" (-1) must be finite and >= 0");
+    expect_bad(OLMOE "\"head_dim\":2199023255552}", FM_ERR_CONFIG, "\"head_dim\" is 2199023255552; flatmoe supports at most 2^30");
+#undef OLMOE
     fm_config cfg;
     CHECK(fm_config_parse(&cfg, "{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":32,"
                           "\"num_experts\":4,\"rope_parameters\":{\"rope_type\":\"default\",\"rope_theta\":5e5}}", "v5.json") == FM_OK);

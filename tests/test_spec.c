@@ -109,6 +109,10 @@ static void test_state_json(void) {
     fm_spec_default(&b, FM_CMD_TRAIN);
     CHECK(fm_spec_restore_json(&b, "{\"eval-every\": \"often\"}", "run/step_000002/state.json", false) == FM_ERR_FORMAT);
     CHECK(strstr(fm_errmsg(), "run/step_000002/state.json: \"spec\" field \"eval-every\" has the value 'often'") != NULL);
+    /* a number past int64 is refused as text, not converted (an undefined cast before issue 27) */
+    CHECK(fm_spec_restore_json(&b, "{\"eval-every\": 1e300}", "s.json", false) == FM_ERR_FORMAT &&
+          strstr(fm_errmsg(), "\"eval-every\" has the value '1.0000000000000001e+300'"));
+    CHECK(fm_spec_restore_json(&b, "{\"eval-every\": -1e19}", "s.json", false) == FM_ERR_FORMAT);
     CHECK(fm_spec_restore_json(&b, "{\"colour\": 1}", "s.json", false) == FM_ERR_FORMAT &&
           strstr(fm_errmsg(), "\"colour\" is not a flag of train"));
     CHECK(fm_spec_restore_json(&b, "{\"data\": 3}", "s.json", false) == FM_ERR_FORMAT &&

@@ -286,6 +286,61 @@ static void test_bad_inputs(void) {
                       FM_ERR_UNSUPPORTED, "lower2.json");
 }
 
+/* Findings of the fuzzing of 2026-12-07 (issue 27), each failing under AddressSanitizer/UBSan before
+ * its fix (scripts/test.sh's sanitized pass): a Split pre-tokenizer whose behavior is missing or
+ * unknown leaked its compiled pattern (a PCRE2 code with a Regex); a word of no ids (no unk_token,
+ * no byte fallback, a character outside the vocabulary) passed NULL to memcpy; and every
+ * allocation failure of a load frees what the load had made (LeakSanitizer would name it). */
+static void test_fuzz_findings(void) {
+    expect_load_error("split_nobeh.json", "{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0},\"merges\":[]},"
+                      "\"pre_tokenizer\":{\"type\":\"Split\",\"pattern\":{\"String\":\" \"}}}", FM_ERR_FORMAT,
+                      "Split behavior \"(missing)\"");
+    expect_load_error("split_badbeh.json", "{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0},\"merges\":[]},"
+                      "\"pre_tokenizer\":{\"type\":\"Split\",\"pattern\":{\"Regex\":\"\\\\s+\"},\"behavior\":\"Nope\"}}",
+                      FM_ERR_FORMAT, "Split behavior \"Nope\"");
+    expect_load_error("added_big.json", "{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0},\"merges\":[]},"
+                      "\"added_tokens\":[{\"id\":1e300,\"content\":\"x\"}]}", FM_ERR_FORMAT, "0 .. 2^31-1");
+    expect_load_error("strip_big.json", "{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0},\"merges\":[]},"
+                      "\"decoder\":{\"type\":\"Strip\",\"content\":\" \",\"start\":1e300,\"stop\":0}}", FM_ERR_FORMAT,
+                      "decoder Strip");
+    /* a word of no ids */
+    write_text(tpath("noids.json"), "{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0},\"merges\":[]}}");
+    fm_tokenizer t;
+    CHECK(fm_tokenizer_load(&t, tpath("noids.json")) == FM_OK);
+    int32_t buf[8];
+    CHECK(enc(&t, "z", buf, 8) == 0);
+    CHECK(enc(&t, "z", NULL, 0) == 0); /* twice: the second from the word cache, were it cached */
+    const int32_t a2[] = {0, 0};
+    check_ids(&t, "aza", a2, 2);
+    int32_t *ids = NULL;
+    int64_t n = 0, cap = 0;
+    CHECK(fm_tokenizer_encode_append(&t, "zz", 2, &ids, &n, &cap) == FM_OK && n == 0 && ids == NULL);
+    CHECK(fm_tokenizer_encode_append(&t, "a", 1, &ids, &n, &cap) == FM_OK && n == 1 && ids && ids[0] == 0);
+    fm_free(ids);
+    check_decode(&t, NULL, 0, false, "");
+    fm_tokenizer_free(&t);
+    /* every allocation failure of a load with each kind of pattern and added tokens: an error, no leak */
+    write_text(tpath("full.json"),
+               "{\"added_tokens\":[{\"id\":2,\"content\":\"<s>\",\"special\":true},{\"id\":3,\"content\":\"xy\"}],"
+               "\"normalizer\":{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"Replace\",\"pattern\":{\"String\":\" \"},"
+               "\"content\":\"a\"},{\"type\":\"Prepend\",\"prepend\":\"a\"}]},"
+               "\"pre_tokenizer\":{\"type\":\"Split\",\"pattern\":{\"Regex\":\"b+\"},\"behavior\":\"Isolated\"},"
+               "\"decoder\":{\"type\":\"Replace\",\"pattern\":{\"Regex\":\"a\"},\"content\":\" \"},"
+               "\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0,\"b\":1,\"ab\":4},\"merges\":[\"a b\"]}}");
+    int failures = 0;
+    for (int64_t k = 1; k < 10000; k++) {
+        fm_fault_set(k);
+        const fm_status st = fm_tokenizer_load(&t, tpath("full.json"));
+        fm_fault_set(0);
+        if (st == FM_OK) break;
+        CHECK_MSG(st == FM_ERR_NOMEM && t.impl == NULL, "allocation %lld failing: status %d (%s)", (long long)k, st,
+                  fm_errmsg());
+        failures++;
+    }
+    CHECK_MSG(failures > 10 && t.impl != NULL, "the load made %d allocations before it succeeded", failures);
+    fm_tokenizer_free(&t);
+}
+
 /* Split behaviours on a hand-made tokenizer with no merges: each piece of "a-b--c" becomes ids. */
 static void test_split_behaviors(void) {
     static const char *beh[] = {"Isolated", "Removed", "MergedWithPrevious", "MergedWithNext", "Contiguous"};
@@ -406,6 +461,7 @@ int main(void) {
     test_mixtral_style();
     test_split_behaviors();
     test_bad_inputs();
+    test_fuzz_findings();
     test_goldens();
     int rc = fm_test_finish();
     char cmd[128];

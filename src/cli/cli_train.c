@@ -2,6 +2,7 @@
  * its state.json), its trainer options, then fm_train. */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -53,11 +54,11 @@ int cmd_train(int argc, char **argv) {
     if (ft_said[0] && rank == 0 && !sp.train.quiet) printf("%s\n", ft_said);
     if ((s = fm_spec_check(&sp))) return cli_fail("train", s);
     fm_train_opts o = fm_spec_train_opts(&sp);
-    static char *spec_json; /* saved whole in each checkpoint's state.json */
-    if (!(spec_json = fm_spec_to_json(&sp))) return cli_fail("train", fm_error(FM_ERR_NOMEM, "out of memory for the run spec"));
-    o.spec_json = spec_json;
     if ((s = fm_backend_opts_from_env(&o.backend))) return cli_fail("train", s); /* FLATMOE_* -> init options */
     if ((s = cli_test_hooks_from_env(&o.test_hooks))) return cli_fail("train", s); /* FLATMOE_TEST_* */
+    char *spec_json = fm_spec_to_json(&sp); /* saved whole in each checkpoint's state.json; freed after the run */
+    if (!spec_json) return cli_fail("train", fm_error(FM_ERR_NOMEM, "out of memory for the run spec"));
+    o.spec_json = spec_json;
     o.threads_env = cli_threads_env(); /* OMP_NUM_THREADS, the node's ranks: --threads 0's choice */
     static char init_dir[4096]; /* --init-from a flatmoe run folder: its latest checkpoint (an HF-format folder) */
     if (o.init_from) {
@@ -71,6 +72,8 @@ int cmd_train(int argc, char **argv) {
     if (o.init_from && (s = init_tokenizer_fits(o.init_from))) return cli_fail("train", s);
     fm_stop_install(); /* SIGINT/SIGTERM: finish the step, save, exit 128 + signal; a second one: at once */
     s = fm_train(&o);
+    free(spec_json); /* cJSON's allocator (fm_spec_to_json) */
+    o.spec_json = NULL;
     /* many ranks: a failure on one rank ends every rank (the message names this one); success
      * finalizes MPI when the world initialized it */
     if (s && size > 1) {

@@ -424,9 +424,10 @@ static fm_status mpi_new(fm_comm *out, MPI_Comm comm, const fm_backend *be, doub
     m->default_timeout = default_timeout;
     m->stage_bytes = stage;
     if (stage < (size_t)8 * (size_t)m->size) {
+        const int size = m->size; /* read before mpi_destroy frees m */
         mpi_destroy(m);
         return fm_error(FM_ERR_ARG, "mpi communicator: staging buffers of %zu bytes are too small for %d ranks (at "
-                        "least 8 bytes per rank)", stage, m->size);
+                        "least 8 bytes per rank)", stage, size);
     }
     /* staging buffers: always (in-place reduce_scatter on host memory uses them too) */
     m->sa = fm_malloc(stage), m->sb = fm_malloc(stage);

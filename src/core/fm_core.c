@@ -50,6 +50,7 @@ bool fm_fault_hit(void) {
 void *fm_malloc(size_t bytes) {
     if (fm_fault_hit()) return NULL;
     if (bytes == 0) bytes = 1;
+    if (bytes > SIZE_MAX - 63) return NULL; /* the rounding below would wrap */
     size_t rounded = (bytes + 63) & ~(size_t)63;
     void *p = aligned_alloc(64, rounded);
     if (p) memset(p, 0, rounded);

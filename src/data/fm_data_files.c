@@ -15,6 +15,7 @@
 #define SNIFF_BYTES ((size_t)64 << 10)  /* text files: NUL check over this prefix */
 #define CHECK_PIECE ((size_t)64 << 20)  /* mapped bytes checked, then dropped from RSS, at a time */
 #define MEGATRON_MAGIC "MMIDIDX\0\0"
+#define FM_MEGATRON_MAX_TOKENS (INT64_C(1) << 56)
 #define MEGATRON_HEADER_BYTES 34        /* 9 magic + 8 version + 1 dtype + 8 sequences + 8 documents */
 
 size_t fm_token_type_size(int t) {
@@ -390,6 +391,10 @@ static fm_status open_megatron(const char *prefix, int64_t vocab_size, fm_data_p
                          "sets whose sequences lie back to back, as IndexedDatasetBuilder writes them)",
                          idx, i, len, ptr, total * (int64_t)es);
         total += len;
+        if (!s && total > FM_MEGATRON_MAX_TOKENS) /* total * es below stays inside int64 */
+            s = fm_error(FM_ERR_FORMAT, "%s: the sequence lengths of sequences 0 .. %" PRIu64 " add up to %" PRId64
+                         " tokens; expected at most 2^56 in one data set (the index is corrupt: build it again)",
+                         idx, i, total);
     }
     munmap(im, (size_t)size);
     if (s) return s;

@@ -204,13 +204,25 @@ fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *pat
                       (long long)cfg->num_experts_per_tok, experts_key, (long long)cfg->num_experts);
         goto done;
     }
-    if (!(cfg->rms_norm_eps > 0) || !(cfg->rope_theta > 0)) {
-        st = fm_error(FM_ERR_CONFIG, "%s: rms_norm_eps (%g) and rope_theta (%g) must be positive", path,
+    if (!(cfg->rms_norm_eps > 0) || !(cfg->rope_theta > 0) || !isfinite(cfg->rms_norm_eps) || !isfinite(cfg->rope_theta)) {
+        st = fm_error(FM_ERR_CONFIG, "%s: rms_norm_eps (%g) and rope_theta (%g) must be positive and finite", path,
                       cfg->rms_norm_eps, cfg->rope_theta);
         goto done;
     }
-    if (cfg->router_aux_loss_coef < 0 || cfg->router_z_loss_coef < 0) {
-        st = fm_error(FM_ERR_CONFIG, "%s: router_aux_loss_coef and router_z_loss_coef must be >= 0", path);
+    if (!(cfg->router_aux_loss_coef >= 0) || !(cfg->router_z_loss_coef >= 0) || !isfinite(cfg->router_aux_loss_coef) ||
+        !isfinite(cfg->router_z_loss_coef)) {
+        st = fm_error(FM_ERR_CONFIG, "%s: router_aux_loss_coef (%g) and router_z_loss_coef (%g) must be finite and >= 0",
+                      path, cfg->router_aux_loss_coef, cfg->router_z_loss_coef);
+        goto done;
+    }
+    if (!(cfg->initializer_range >= 0) || !isfinite(cfg->initializer_range)) {
+        st = fm_error(FM_ERR_CONFIG, "%s: \"initializer_range\" (%g) must be finite and >= 0 (the std of the initial "
+                      "weights)", path, cfg->initializer_range);
+        goto done;
+    }
+    if (cfg->head_dim > (1LL << 30)) {
+        st = fm_error(FM_ERR_CONFIG, "%s: \"head_dim\" is %lld; flatmoe supports at most 2^30", path,
+                      (long long)cfg->head_dim);
         goto done;
     }
     /* Sizes flatmoe indexes with 64-bit counts: keep every product well inside int64. */

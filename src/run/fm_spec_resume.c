@@ -1,6 +1,7 @@
 /* The run spec in a checkpoint's state.json ("spec": the flags given, by name) and its restore
  * by `train --out DIR --resume` (fm_spec_resume.h). */
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,7 +50,7 @@ static bool json_text(const fm_spec_flag *f, const cJSON *v, char *out, size_t c
     if (cJSON_IsString(v)) snprintf(out, cap, "%s", v->valuestring);
     else if (cJSON_IsBool(v)) snprintf(out, cap, "%s", cJSON_IsTrue(v) ? "true" : "false");
     else if (cJSON_IsNumber(v) && (f->kind == FM_SPEC_F64)) snprintf(out, cap, "%.17g", v->valuedouble);
-    else if (cJSON_IsNumber(v) && v->valuedouble == (double)(int64_t)v->valuedouble)
+    else if (cJSON_IsNumber(v) && fabs(v->valuedouble) < 9.2e18 && v->valuedouble == (double)(int64_t)v->valuedouble)
         snprintf(out, cap, "%" PRId64, (int64_t)v->valuedouble);
     else if (cJSON_IsNumber(v)) snprintf(out, cap, "%.17g", v->valuedouble);
     else return false;

@@ -152,6 +152,7 @@ static fm_status merge_word(struct fm_tok_impl *t, const char *w, size_t n, size
 }
 
 fm_status fm_tok_bpe_word(struct fm_tok_impl *t, const char *w, size_t n, int32_t **ids, size_t *n_ids) {
+    *ids = t->word_ids;
     *n_ids = 0;
     if (n == 0) return FM_OK;
     if (t->ignore_merges) {
@@ -176,7 +177,7 @@ fm_status fm_tok_bpe_word(struct fm_tok_impl *t, const char *w, size_t n, int32_
     FM_TRY(merge_word(t, w, n, &k));
     *ids = t->word_ids;
     *n_ids = k;
-    if (!cacheable) return FM_OK;
+    if (!cacheable || k == 0) return FM_OK; /* a word of no ids (no unk, no byte fallback) is not cached */
     if (t->cache.n >= FM_TOK_CACHE_MAX_WORDS) {
         fm_strmap_clear(&t->cache);
         t->cache_n = 0;

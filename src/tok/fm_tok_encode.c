@@ -129,6 +129,7 @@ typedef struct sink {
 } sink;
 
 static fm_status sink_put(sink *k, const int32_t *ids, size_t m) {
+    if (m == 0) return FM_OK; /* a word of no ids: *k->ids may still be NULL */
     if (k->n + (int64_t)m > k->cap && k->grow) {
         int64_t cap = k->cap ? k->cap : 1024;
         while (cap < k->n + (int64_t)m) cap *= 2;

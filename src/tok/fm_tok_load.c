@@ -113,11 +113,20 @@ static fm_status parse_normalizer(struct fm_tok_impl *t, const cJSON *o) {
         const char *c = get_str(o, "content");
         if (!c) return fm_error(FM_ERR_FORMAT, "%s: normalizer Replace: missing the string \"content\"", t->file);
         op.kind = FM_NORM_REPLACE;
-        FM_TRY(parse_pattern(t, o, &op.pat, "normalizer Replace"));
         op.s_len = strlen(c);
         if (!(op.s = dup_str(c, op.s_len))) return fm_error(FM_ERR_NOMEM, "tokenizer: out of memory");
+        const fm_status s = parse_pattern(t, o, &op.pat, "normalizer Replace");
+        if (s) {
+            fm_free(op.s);
+            return s;
+        }
     } else return unsupported(t, "normalizer", ty, "NFC, Prepend, Replace, Sequence");
-    FM_TRY(grow_ops((void **)&t->norm, t->n_norm, sizeof op));
+    const fm_status s = grow_ops((void **)&t->norm, t->n_norm, sizeof op);
+    if (s) {
+        fm_pattern_free(&op.pat);
+        fm_free(op.s);
+        return s;
+    }
     t->norm[t->n_norm++] = op;
     return FM_OK;
 }
@@ -151,16 +160,16 @@ static fm_status parse_pretok(struct fm_tok_impl *t, const cJSON *o) {
         if (op.use_regex) FM_TRY(fm_pattern_compile(&op.pat, NULL, GPT2_REGEX, t->file, "pre_tokenizer ByteLevel"));
     } else if (!strcmp(ty, "Split")) {
         op.kind = FM_PRE_SPLIT;
-        FM_TRY(parse_pattern(t, o, &op.pat, "pre_tokenizer Split"));
         op.invert = get_bool(o, "invert", false);
         const char *b = get_str(o, "behavior");
         static const char *names[] = {"Isolated", "Removed", "MergedWithPrevious", "MergedWithNext", "Contiguous"};
         int k = 0;
         while (k < 5 && !(b && !strcmp(b, names[k]))) k++;
-        if (k == 5)
+        if (k == 5) /* checked before the pattern is compiled, so nothing is left to free */
             return fm_error(FM_ERR_FORMAT, "%s: pre_tokenizer Split behavior \"%s\"; expected Isolated, Removed, "
                             "MergedWithPrevious, MergedWithNext or Contiguous", t->file, b ? b : "(missing)");
         op.behavior = (fm_split_behavior)k;
+        FM_TRY(parse_pattern(t, o, &op.pat, "pre_tokenizer Split"));
     } else if (!strcmp(ty, "Metaspace")) {
         op.kind = FM_PRE_METASPACE;
         const char *r = get_str(o, "replacement");
@@ -170,7 +179,11 @@ static fm_status parse_pretok(struct fm_tok_impl *t, const cJSON *o) {
         FM_TRY(parse_scheme(t, o, &op.scheme, "pre_tokenizer Metaspace"));
         op.split = get_bool(o, "split", true);
     } else return unsupported(t, "pre_tokenizer", ty, "ByteLevel, Split, Metaspace, Sequence");
-    FM_TRY(grow_ops((void **)&t->pre, t->n_pre, sizeof op));
+    const fm_status s = grow_ops((void **)&t->pre, t->n_pre, sizeof op);
+    if (s) {
+        fm_pattern_free(&op.pat);
+        return s;
+    }
     t->pre[t->n_pre++] = op;
     return FM_OK;
 }
@@ -192,22 +205,37 @@ static fm_status parse_decoder(struct fm_tok_impl *t, const cJSON *o) {
         const char *c = get_str(o, "content");
         if (!c) return fm_error(FM_ERR_FORMAT, "%s: decoder Replace: missing the string \"content\"", t->file);
         op.kind = FM_DEC_REPLACE;
-        FM_TRY(parse_pattern(t, o, &op.pat, "decoder Replace"));
         op.s_len = strlen(c);
         if (!(op.s = dup_str(c, op.s_len))) return fm_error(FM_ERR_NOMEM, "tokenizer: out of memory");
+        const fm_status s = parse_pattern(t, o, &op.pat, "decoder Replace");
+        if (s) {
+            fm_free(op.s);
+            return s;
+        }
     } else if (!strcmp(ty, "Strip")) {
         op.kind = FM_DEC_STRIP;
         op.content = first_cp(get_str(o, "content"));
         const cJSON *a = cJSON_GetObjectItemCaseSensitive(o, "start"), *b = cJSON_GetObjectItemCaseSensitive(o, "stop");
-        op.start = cJSON_IsNumber(a) ? (int64_t)a->valuedouble : 0;
-        op.stop = cJSON_IsNumber(b) ? (int64_t)b->valuedouble : 0;
+        if (cJSON_IsNull(a)) a = NULL;
+        if (cJSON_IsNull(b)) b = NULL;
+        if ((a && !(cJSON_IsNumber(a) && a->valuedouble >= 0 && a->valuedouble <= 2147483647.0)) ||
+            (b && !(cJSON_IsNumber(b) && b->valuedouble >= 0 && b->valuedouble <= 2147483647.0)))
+            return fm_error(FM_ERR_FORMAT, "%s: decoder Strip: \"start\" and \"stop\" must be counts in 0 .. 2^31-1",
+                            t->file);
+        op.start = a ? (int64_t)a->valuedouble : 0;
+        op.stop = b ? (int64_t)b->valuedouble : 0;
     } else if (!strcmp(ty, "Metaspace")) {
         op.kind = FM_DEC_METASPACE;
         const char *r = get_str(o, "replacement");
         op.content = r ? first_cp(r) : 0x2581;
         FM_TRY(parse_scheme(t, o, &op.scheme, "decoder Metaspace"));
     } else return unsupported(t, "decoder", ty, "ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace, Sequence");
-    FM_TRY(grow_ops((void **)&t->dec, t->n_dec, sizeof op));
+    const fm_status s = grow_ops((void **)&t->dec, t->n_dec, sizeof op);
+    if (s) {
+        fm_pattern_free(&op.pat);
+        fm_free(op.s);
+        return s;
+    }
     t->dec[t->n_dec++] = op;
     return FM_OK;
 }
@@ -255,8 +283,9 @@ static fm_status parse_model(struct fm_tok_impl *t, const cJSON *m, const cJSON 
     }
     cJSON_ArrayForEach(it, added) {
         const cJSON *id = cJSON_GetObjectItemCaseSensitive(it, "id");
-        if (!cJSON_IsNumber(id) || id->valuedouble < 0 || !get_str(it, "content"))
-            return fm_error(FM_ERR_FORMAT, "%s: added_tokens: each needs an \"id\" >= 0 and a \"content\" string", t->file);
+        if (!cJSON_IsNumber(id) || !(id->valuedouble >= 0 && id->valuedouble <= 2147483647.0) || !get_str(it, "content"))
+            return fm_error(FM_ERR_FORMAT, "%s: added_tokens: each needs an \"id\" in 0 .. 2^31-1 and a \"content\" "
+                            "string", t->file);
         if ((int64_t)id->valuedouble > max_id) max_id = (int64_t)id->valuedouble;
     }
     t->n_ids = max_id + 1;
@@ -273,15 +302,16 @@ static fm_status parse_model(struct fm_tok_impl *t, const cJSON *m, const cJSON 
         a->len = strlen(c);
         if (a->len == 0) continue;
         if (!(a->content = dup_str(c, a->len))) return fm_error(FM_ERR_NOMEM, "tokenizer: out of memory");
+        a->norm = NULL;
         a->id = (int32_t)cJSON_GetObjectItemCaseSensitive(it, "id")->valuedouble;
         a->special = get_bool(it, "special", false);
         a->lstrip = get_bool(it, "lstrip", false);
         a->rstrip = get_bool(it, "rstrip", false);
         a->single_word = get_bool(it, "single_word", false);
         a->normalized = get_bool(it, "normalized", !a->special);
-        FM_TRY(fm_strmap_put(&t->added_map, a->content, a->len, t->n_added, a->id));
+        t->n_added++; /* counted before the calls below can fail, so fm_tok_impl_free frees its content */
+        FM_TRY(fm_strmap_put(&t->added_map, a->content, a->len, t->n_added - 1, a->id));
         FM_TRY(set_id_str(t, a->id, a->content, a->len));
-        t->n_added++;
     }
     cJSON_ArrayForEach(it, vocab) {
         const size_t n = strlen(it->string);

@@ -33,7 +33,10 @@ fm_status fm_pattern_compile(fm_pattern *p, const char *lit, const char *regex, 
         if (p->mc && p->js) pcre2_jit_stack_assign(p->mc, NULL, p->js);
     }
     p->md = pcre2_match_data_create_from_pattern(p->re, NULL);
-    if (!p->md) return fm_error(FM_ERR_NOMEM, "%s: out of memory for the regex of %s", file, what);
+    if (!p->md) {
+        fm_pattern_free(p);
+        return fm_error(FM_ERR_NOMEM, "%s: out of memory for the regex of %s", file, what);
+    }
     return FM_OK;
 }
 

@@ -2,6 +2,7 @@
  * metrics.jsonl on resume, saving and loading a run's checkpoint, and loading a checkpoint's
  * weights for inference. The tensors themselves are read and named by io/fm_hf_weights. */
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
@@ -106,9 +107,55 @@ static fm_status read_json_file(const char *path, cJSON **out) {
     return FM_OK;
 }
 
-static int64_t json_i64(const cJSON *o, const char *key, int64_t dflt) {
+/* state.json's integer field `key` of object o (named `where` in messages: "" or "schedule.") into
+ * *out: absent or null gives `absent`; else an integer in [lo, hi], or FM_ERR_FORMAT naming the file,
+ * the field, the value found and the range (a value past the range once overflowed a product, or
+ * wrapped an int, on --resume: issue 27). */
+static fm_status state_i64(const cJSON *o, const char *key, const char *where, int64_t lo, int64_t hi,
+                           int64_t absent, const char *path, int64_t *out) {
     const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
-    return cJSON_IsNumber(it) ? (int64_t)it->valuedouble : dflt;
+    *out = absent;
+    if (!it || cJSON_IsNull(it)) return FM_OK;
+    const double v = cJSON_IsNumber(it) ? it->valuedouble : NAN;
+    if (!(v >= (double)lo && v <= (double)hi) || v != floor(v)) {
+        char found[64];
+        if (cJSON_IsNumber(it)) snprintf(found, sizeof found, "%.17g", v);
+        else snprintf(found, sizeof found, "a %s", cJSON_IsString(it) ? "string" : cJSON_IsBool(it) ? "boolean"
+                                                   : cJSON_IsArray(it) ? "list" : "JSON object");
+        return fm_error(FM_ERR_FORMAT, "%s: field \"%s%s\" is %s; expected an integer in [%" PRId64 ", %" PRId64 "] "
+                        "(state.json is written by flatmoe: restore the file from the run, or fix the field)", path,
+                        where, key, found, lo, hi);
+    }
+    *out = (int64_t)v;
+    return FM_OK;
+}
+
+/* state.json's number field `key` of o: absent or null gives NAN; else finite in [lo, hi]. */
+static fm_status state_f64(const cJSON *o, const char *key, const char *where, double lo, double hi, const char *path,
+                           double *out) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+    *out = NAN;
+    if (!it || cJSON_IsNull(it)) return FM_OK;
+    if (!cJSON_IsNumber(it) || !(it->valuedouble >= lo && it->valuedouble <= hi))
+        return fm_error(FM_ERR_FORMAT, "%s: field \"%s%s\" is %s%.17g; expected a number in [%g, %g] (restore the "
+                        "file from the run, or fix the field)", path, where, key, cJSON_IsNumber(it) ? "" : "not a number: ",
+                        cJSON_IsNumber(it) ? it->valuedouble : 0.0, lo, hi);
+    *out = it->valuedouble;
+    return FM_OK;
+}
+
+/* state.json's unsigned 64-bit field `key` (a string of digits in base `base`: 16 or 10). */
+static fm_status state_u64(const cJSON *o, const char *key, int base, const char *path, uint64_t *out) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+    const char *s = cJSON_IsString(it) ? it->valuestring : NULL;
+    char *end = NULL;
+    errno = 0;
+    if (s && *s && *s != '-' && *s != '+' && *s != ' ') *out = strtoull(s, &end, base);
+    if (!end || *end || errno)
+        return fm_error(FM_ERR_FORMAT, "%s: field \"%s\" is %s%s%s; expected a string of %s digits (an unsigned 64-bit "
+                        "value: restore the file from the run, or fix the field)", path, key, s ? "\"" : "",
+                        s ? s : "missing or not a string", s ? "\"" : "", base == 16 ? "hexadecimal" : "decimal");
+    return FM_OK;
 }
 
 /* state.json's "expert_precision" is "fp8" (absent in older checkpoints: bf16) */
@@ -169,25 +216,19 @@ static char *state_to_json(const run *r, const train_state *s) {
     return out;
 }
 
+/* The ranges of state.json's fields: counts exact in a JSON number (2^53), shapes whose products
+ * (micro_batch x data_parallel x seq_len x grad_accum) stay far inside int64, threads as --threads
+ * takes them. 0 (or -1) is "absent" where the field may be missing from older checkpoints. */
+#define FM_STATE_MAX_COUNT (INT64_C(1) << 53)
+#define FM_STATE_MAX_SHAPE (INT64_C(1) << 20)
+#define FM_STATE_MAX_SEQ (INT64_C(1) << 30)
+#define FM_STATE_MAX_THREADS INT64_C(1000000)
+
 fm_status fm_train_state_read(const char *path, train_state *s) {
     cJSON *o;
     FM_TRY(read_json_file(path, &o));
-    const cJSON *rng = cJSON_GetObjectItemCaseSensitive(o, "data_rng_state");
-    const cJSON *seed = cJSON_GetObjectItemCaseSensitive(o, "seed");
-    s->step = json_i64(o, "step", -1);
-    s->opt_step = json_i64(o, "optimizer_step", -1);
-    s->tokens_seen = json_i64(o, "tokens_seen", 0);
-    s->seq_len = json_i64(o, "seq_len", 0);
-    s->micro_batch = json_i64(o, "micro_batch", 0);
-    s->grad_accum = json_i64(o, "grad_accum", 0);
-    s->steps = json_i64(o, "steps", 0);
-    s->threads = json_i64(o, "threads", 0);
-    s->dp = json_i64(o, "data_parallel", 1);
     const cJSON *sch = cJSON_GetObjectItemCaseSensitive(o, "schedule");
-    const cJSON *lr = cJSON_GetObjectItemCaseSensitive(sch, "lr"), *mlr = cJSON_GetObjectItemCaseSensitive(sch, "min_lr");
-    s->lr = cJSON_IsNumber(lr) ? lr->valuedouble : NAN;
-    s->min_lr = cJSON_IsNumber(mlr) ? mlr->valuedouble : NAN;
-    s->warmup = cJSON_IsObject(sch) ? json_i64(sch, "warmup", -1) : -1;
+    if (sch && !cJSON_IsObject(sch)) sch = NULL;
     const cJSON *mom = cJSON_GetObjectItemCaseSensitive(o, "adam_moments");
     s->bf16_moments = cJSON_IsString(mom) && strcmp(mom->valuestring, "bf16") == 0;
     s->expert_fp8 = json_is_fp8(o);
@@ -199,12 +240,22 @@ fm_status fm_train_state_read(const char *path, train_state *s) {
     s->pk_next = cJSON_IsObject(cur) ? json_i64(cur, "document", 0) : 0;
     s->pk_done = cJSON_IsObject(cur) ? json_i64(cur, "position", 0) : 0;
     fm_status st = FM_OK;
-    if (s->step < 0 || s->opt_step < 0 || !cJSON_IsString(rng) || !cJSON_IsString(seed))
+    if (!cJSON_GetObjectItemCaseSensitive(o, "step") || !cJSON_GetObjectItemCaseSensitive(o, "optimizer_step"))
         st = fm_error(FM_ERR_FORMAT, "%s: expected fields step, optimizer_step, data_rng_state and seed", path);
-    else {
-        s->data_rng = strtoull(rng->valuestring, NULL, 16);
-        s->seed = strtoull(seed->valuestring, NULL, 10);
-    }
+    if (!st) st = state_i64(o, "step", "", 0, FM_STATE_MAX_COUNT, -1, path, &s->step);
+    if (!st) st = state_i64(o, "optimizer_step", "", 0, FM_STATE_MAX_COUNT, -1, path, &s->opt_step);
+    if (!st) st = state_i64(o, "tokens_seen", "", 0, FM_STATE_MAX_COUNT, 0, path, &s->tokens_seen);
+    if (!st) st = state_i64(o, "seq_len", "", 1, FM_STATE_MAX_SEQ, 0, path, &s->seq_len);
+    if (!st) st = state_i64(o, "micro_batch", "", 1, FM_STATE_MAX_SHAPE, 0, path, &s->micro_batch);
+    if (!st) st = state_i64(o, "grad_accum", "", 1, FM_STATE_MAX_SHAPE, 0, path, &s->grad_accum);
+    if (!st) st = state_i64(o, "steps", "", 1, FM_STATE_MAX_COUNT, 0, path, &s->steps);
+    if (!st) st = state_i64(o, "threads", "", 0, FM_STATE_MAX_THREADS, 0, path, &s->threads);
+    if (!st) st = state_i64(o, "data_parallel", "", 1, FM_STATE_MAX_SHAPE, 1, path, &s->dp);
+    if (!st) st = state_f64(sch, "lr", "schedule.", 1e-30, 1e6, path, &s->lr);
+    if (!st) st = state_f64(sch, "min_lr", "schedule.", 0, 1e6, path, &s->min_lr);
+    if (!st) st = state_i64(sch, "warmup", "schedule.", 0, FM_STATE_MAX_COUNT, -1, path, &s->warmup);
+    if (!st) st = state_u64(o, "data_rng_state", 16, path, &s->data_rng);
+    if (!st) st = state_u64(o, "seed", 10, path, &s->seed);
     cJSON_Delete(o);
     return st;
 }
@@ -412,7 +463,13 @@ fm_status fm_train_load_checkpoint(run *r, const char *dir, train_state *ts) {
     if (read_json_file(path, &so) == FM_OK) {
         const cJSON *cur = cJSON_GetObjectItemCaseSensitive(so, "data_cursor");
         if (cJSON_IsObject(cur)) {
-            const int64_t w = json_i64(cur, "world", 1), nt = json_i64(cur, "train_tokens", -1);
+            int64_t w, nt;
+            fm_status cs = state_i64(cur, "world", "data_cursor.", 1, FM_STATE_MAX_SHAPE, 1, path, &w);
+            if (!cs) cs = state_i64(cur, "train_tokens", "data_cursor.", 0, FM_STATE_MAX_COUNT, -1, path, &nt);
+            if (cs) {
+                cJSON_Delete(so);
+                return cs;
+            }
             if (w != r->train.world && r->rank == 0) /* rank 0 speaks for all: the same on every rank */
                 fm_log(FM_LOG_NOTE, "note: --resume: the checkpoint's data cursor was drawn over %lld rank(s), this run has "
                         "%d: the same sequences are drawn, split over other ranks (the global batch is micro-batch x "
@@ -449,9 +506,10 @@ fm_status fm_load_for_inference(fm_model *m, fm_param_store *ps, const char *ckp
     snprintf(path, sizeof path, "%s/%s", ckpt_dir, FM_CKPT_STATE_FILE);
     cJSON *state;
     if (read_json_file(path, &state) == FM_OK) { /* optional: a bare model folder has none */
-        info.seq_len = json_i64(state, "seq_len", 0);
+        const fm_status ss = state_i64(state, "seq_len", "", 1, FM_STATE_MAX_SEQ, 0, path, &info.seq_len);
         info.expert_fp8 = json_is_fp8(state);
         cJSON_Delete(state);
+        FM_TRY(ss);
     }
     if (trained) *trained = info;
     if (T <= 0) T = info.seq_len > 0 ? info.seq_len : cfg.max_position_embeddings;

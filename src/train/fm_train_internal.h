@@ -208,7 +208,13 @@ void fm_train_metrics_end(run *r);
 
 /* ---- fm_train_ckpt.c ---- */
 
-/* Reads state.json at path. Errors: FM_ERR_IO/FORMAT naming the file and the missing fields. */
+/* Reads state.json at path into *s. Every field is range-checked (fm_train_ckpt.c: step,
+ * optimizer_step, tokens_seen, steps and schedule.warmup in [0, 2^53]; seq_len in [1, 2^30];
+ * micro_batch, grad_accum and data_parallel in [1, 2^20]; threads in [0, 10^6]; schedule.lr in
+ * (0, 1e6], min_lr in [0, 1e6]; data_rng_state and seed unsigned 64-bit digit strings), a field
+ * missing from older checkpoints taking its "absent" value (train_state's comments).
+ * Errors: FM_ERR_IO (unreadable); FM_ERR_FORMAT naming the file, the field, the value found and
+ * the range (or the missing fields). */
 fm_status fm_train_state_read(const char *path, train_state *s);
 
 /* Keeps only the metrics lines of steps <= last_step (a resumed run rewrites what came after

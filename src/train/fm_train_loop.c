@@ -321,7 +321,8 @@ fm_status fm_train(const fm_train_opts *o) {
         char ck[4096], p[4200];
         if (fm_ckpt_find_latest(oo.out_dir, ck, sizeof ck, NULL) == FM_OK) {
             snprintf(p, sizeof p, "%s/%s", ck, FM_CKPT_STATE_FILE);
-            have = fm_train_state_read(p, &ts) == FM_OK;
+            FM_TRY(fm_train_state_read(p, &ts)); /* a field out of its range: the file and the field named */
+            have = true;
         }
     }
     if (oo.resume && have && ts.threads > 0 && sizeof(fm_act) == sizeof(float)) { /* the CPU's reductions depend on the thread count */

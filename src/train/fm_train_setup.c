@@ -462,7 +462,9 @@ static void warn_resumed(const run *r, const train_state *ts, int dp) {
     /* many ranks: the sequences per micro-batch are micro_batch x dp (a resume at another W
      * continues the same run when that product is kept) */
     const int64_t ts_dp = ts->dp > 0 ? ts->dp : 1;
-    if (ts->seq_len != o->seq_len || ts->micro_batch * ts_dp != o->micro_batch * dp || ts->grad_accum != o->grad_accum)
+    /* the products in 128 bits: neither the flags' nor state.json's values can overflow them */
+    const bool same_global = (__int128)ts->micro_batch * ts_dp == (__int128)o->micro_batch * dp;
+    if (ts->seq_len != o->seq_len || !same_global || ts->grad_accum != o->grad_accum)
         fm_log(FM_LOG_WARN, "warning: resuming with --seq-len/--micro-batch/--grad-accum %lld/%lld/%lld on %d "
                "data-parallel rank%s, but the checkpoint was trained with %lld/%lld/%lld on %lld: the global batch "
                "changed, so the run will not match an uninterrupted one (keep micro-batch x data-parallel ranks)\n",
