@@ -222,7 +222,7 @@ static void test_exact(const fm_comm *world, prec p, int64_t K, bool pipelined, 
     model_make(&r, &c, 1, 0, W, T, lo, NULL, NULL, NULL, 21);
     CHECK(e.m.a.moe_K == K && r.m.a.moe_K == K);
     CHECK(e.m.a.moe_fp8 == (p != PREC_NATIVE) && e.m.a.moe_fp8_codes == (p == PREC_FP8_CODES) && !e.m.a.moe_sync_free &&
-          e.m.a.moe_fp8_cache == cache);
+          e.m.a.opts.expert_fp8_cache == cache);
     /* plan = allocation: the expert live set is the EP bound with the fp8 part, as the planner asks it */
     const fm_moe_dims md = {c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, false,
                             lo.expert_fp8, lo.expert_fp8_codes, cache ? c.num_hidden_layers : 0};

@@ -152,8 +152,7 @@ typedef struct fm_model_acts {
     bool moe_fp8;               /* --expert-precision fp8 (fm_layout_opts.expert_fp8; fm_experts_fp8.h) */
     bool moe_fp8_codes;         /* with moe_fp8: the backend's FP8 code ops run the expert GEMMs
                                    (fm_layout_opts.expert_fp8_codes; fm_experts_fp8.h) */
-    bool moe_fp8_cache;         /* with moe_fp8_codes: every layer's weight codes kept for the step */
-    bool *moe_fp8_fresh;        /* [L] (moe_fp8_cache): layer l's codes are its weights' (host) */
+    bool *moe_fp8_fresh;        /* [L] (opts.expert_fp8_cache): layer l's codes are its weights' (host) */
     fm_moe_ws moe_ws;           /* expert-dispatch working set */
     fm_attn_sp sp_attn;         /* its buffers and tables, in the working-set live set */
     fm_act *xf; float *rstd_f;  /* [N,H], [N] */

@@ -25,7 +25,7 @@ static fm_moe_dims moe_dims(const fm_model *m) {
     const fm_config *c = &m->cfg;
     fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok,
                      m->a.moe_sync_free, m->a.moe_fp8, m->a.moe_fp8_codes,
-                     m->a.moe_fp8_cache ? c->num_hidden_layers : 0};
+                     m->a.opts.expert_fp8_cache ? c->num_hidden_layers : 0};
     return d;
 }
 

@@ -88,7 +88,7 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     fm_moe_dims md = moe_dims(c);
     md.fp8 = m->a.moe_fp8;
     md.fp8_codes = m->a.moe_fp8_codes; /* (the path's own bytes, as planned: fm_moe_ws_bytes) */
-    md.fp8_cache_layers = m->a.moe_fp8_cache ? L : 0;
+    md.fp8_cache_layers = m->a.opts.expert_fp8_cache ? L : 0;
     const bool chunked = m->a.moe_chunk_tokens > 0;
     int64_t c_eff;
     fm_moe_chunks(N, m->a.moe_chunk_tokens, &m->a.moe_K, &c_eff);
@@ -244,6 +244,7 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
     fm_model m;
     memset(&m, 0, sizeof m);
     m.cfg = *cfg;
+    if (opts) m.a.opts = *opts; /* what layout_all reads through m->a.opts, resolved below */
     m.a.B = B; m.a.T = T; m.a.N = B * T;
     m.a.moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
     m.a.linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
@@ -255,7 +256,7 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
     m.p.ep = opts && opts->ep > 1 ? opts->ep : 1;
     m.a.moe_fp8 = opts && opts->expert_fp8;
     m.a.moe_fp8_codes = m.a.moe_fp8 && opts->expert_fp8_codes;
-    m.a.moe_fp8_cache = m.a.moe_fp8_codes && opts->expert_fp8_cache;
+    m.a.opts.expert_fp8_cache = m.a.moe_fp8_codes && opts->expert_fp8_cache;
     m.p.ep_rank = opts && opts->ep > 1 ? opts->ep_rank : 0;
     if (opts && opts->ep > 1 && opts->llep) m.mesh.moe_llep = *opts->llep;
     bool *rc = fm_malloc((size_t)(2 * L + 1));
@@ -378,7 +379,7 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
          * serves the shape: fm_backend_fp8_codes_serves); its ops read the offsets on the device,
          * so the dispatch is sync-free where the backend adds the expert-load counts there too */
         m->a.moe_fp8_codes = m->a.moe_fp8 && opts->expert_fp8_codes;
-        m->a.moe_fp8_cache = m->a.moe_fp8_codes && opts->expert_fp8_cache;
+        m->a.opts.expert_fp8_cache = m->a.moe_fp8_codes && opts->expert_fp8_cache; /* resolved */
         if (opts && opts->expert_fp8_cache && !m->a.moe_fp8_codes)
             return fm_error(FM_ERR_ARG, "--fp8-weight-cache keeps the E4M3 weight codes of --expert-precision fp8's fast "
                             "path, but this run's experts %s; drop --fp8-weight-cache",
@@ -405,13 +406,22 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
                                                            c->moe_intermediate_size, rows_max);
     }
     FM_TRY(vocab_ring_setup(m, opts ? opts->vocab_ring : 0));
-    fm_layout_opts o = {m->a.recompute, m->a.moe_chunk_tokens, m->a.ce_block_tokens, m->a.ce_block_vocab,
-                        m->a.n_offloaded_boundaries, m->a.keep_attention, ep, m->p.ep_rank, &m->mesh.moe_llep};
+    fm_layout_opts o = opts ? *opts : (fm_layout_opts){0}; /* as given (a knob read only through
+                                                               m->a.opts needs no line here) */
+    o.recompute = m->a.recompute; /* ... with the model's own copies and the resolved values: */
+    o.moe_chunk_tokens = m->a.moe_chunk_tokens;
+    o.ce_block_tokens = m->a.ce_block_tokens;
+    o.ce_block_vocab = m->a.ce_block_vocab;
+    o.n_offloaded_boundaries = m->a.n_offloaded_boundaries;
+    o.keep_attention = m->a.keep_attention;
+    o.ep = ep;
+    o.ep_rank = m->p.ep_rank;
+    o.llep = &m->mesh.moe_llep;
     o.sp = sp;
     o.vocab_ring = m->mesh.vocab_P;
     o.expert_fp8 = m->a.moe_fp8;
     o.expert_fp8_codes = m->a.moe_fp8_codes;
-    o.expert_fp8_cache = m->a.moe_fp8_cache;
+    o.expert_fp8_cache = m->a.opts.expert_fp8_cache;
     m->a.opts = o; /* as laid out: its pointers are the model's own (fm_acts.h) */
     size_t bytes[FM_LIVE_COUNT];
     size_t host_bytes = 0;
@@ -443,7 +453,7 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     layout_all(m, m->a.arena, &m->a.host_arena);
     fm_free(m->a.moe_fp8_fresh);
     m->a.moe_fp8_fresh = NULL;
-    if (m->a.moe_fp8_cache) { /* every layer's codes stale until its first use */
+    if (m->a.opts.expert_fp8_cache) { /* every layer's codes stale until its first use */
         m->a.moe_fp8_fresh = fm_malloc(sizeof(bool) * (size_t)L);
         FM_ASSERT(m->a.moe_fp8_fresh); /* L bytes, at layout */
         memset(m->a.moe_fp8_fresh, 0, sizeof(bool) * (size_t)L);

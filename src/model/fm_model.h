@@ -63,6 +63,9 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
 void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layout_opts *opts,
                          size_t bytes[FM_LIVE_COUNT]);
 
+/* Frees the layout (fm_model_layout), the parameter table (fm_params_free) and the recompute
+ * flags, and zeroes m; the bound parameter buffers and the communicators are their owners'.
+ * Safe on a zeroed m. */
 void fm_model_free(fm_model *m);
 
 /* Bound formulas of the live sets the model owns, in bytes (each buffer rounded to 64 as the
@@ -106,9 +109,9 @@ size_t fm_model_vocab_ring_bytes(const fm_config *c, int64_t N, int64_t block_to
  * laid-out capacity (asserted). Tokens and targets are then read as [B,T]. */
 void fm_model_set_shape(fm_model *m, int64_t B, int64_t T);
 
-
-/* Normal(0, initializer_range) for matrices and embeddings, 1 for norm weights (HF init),
- * generated on the host in fp32 and uploaded. */
+/* The initial weights (fm_params_init_weights_host's: Normal(0, initializer_range) for matrices
+ * and embeddings, 1 for norm weights, the HF init) drawn on the host in fp32 and uploaded into
+ * the bound parameters (fm_model_upload_master). Errors: FM_ERR_NOMEM for the host staging. */
 fm_status fm_model_init_weights(fm_model *m, uint64_t seed);
 /* Host <-> backend transfer of the fp32 master weights (n_params floats, table layout); upload
  * also refreshes the fm_act weights. */

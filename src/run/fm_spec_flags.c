@@ -76,7 +76,7 @@ const fm_spec_flag fm_spec_flags[] = {
            "on the native GEMMs (not its speed). metrics.jsonl's header says which (expert_fp8_path). bf16 = the "
            "backend's native precision (fp32 on the CPU build); with --ep the emulated recipe (not with --llep)",
            T | P, FIXED),
-    V("fp8-weight-cache", FM_SPEC_BOOL, train.fp8_weight_cache, NULL,
+    V("fp8-weight-cache", FM_SPEC_BOOL, train.layout.expert_fp8_cache, NULL,
       "default: kept when the plan still fits with them, its other knobs unchanged",
       "with --expert-precision fp8 on E4M3 codes: keep every layer's quantized expert weights for the step "
       "(quantized once a step instead of at every forward, backward and recompute; (L - 1) x 6 E H I bytes more in "

@@ -56,7 +56,7 @@ void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_
     fm_line_add(&l, ", AdamW moments %s", o->bf16_moments ? "bf16" : "fp32");
     if (o->expert_fp8)
         fm_line_add(&l, ", expert GEMMs fp8 (blockwise E4M3, %s%s)", m->a.moe_fp8_codes ? "on E4M3 codes" : "emulated",
-                    m->a.moe_fp8_cache ? ", every layer's weight codes kept" : "");
+                    m->a.opts.expert_fp8_cache ? ", every layer's weight codes kept" : "");
     if (plan->n_offloaded_boundaries > 0)
         fm_line_add(&l, ", %lld boundaries offloaded (%.1f MiB pinned host memory)", (long long)plan->n_offloaded_boundaries,
                     (plan->host_bytes - plan->host_optimizer_bytes) / 1048576.0);

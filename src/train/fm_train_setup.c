@@ -345,13 +345,21 @@ static fm_status setup_layout(run *r, const fm_train_plan *tp) {
     const int W = r->n_ranks, ep = tp->ep;
     const fm_plan *plan = &r->plan;
     const bool vocab_ring = req->vocab_ring > 1;
-    fm_layout_opts lo = {req->recompute, req->moe_chunk_tokens, req->ce_block_tokens, req->ce_block_vocab,
-                         req->n_offloaded_boundaries, req->keep_attention, ep, r->rank % ep, &tp->llep};
+    fm_layout_opts lo = req->layout; /* the flags' layout knobs as planned (the chooser's, e.g. the fp8
+                                        cache), then what this run derives: */
+    lo.recompute = req->recompute;
+    lo.moe_chunk_tokens = req->moe_chunk_tokens;
+    lo.ce_block_tokens = req->ce_block_tokens;
+    lo.ce_block_vocab = req->ce_block_vocab;
+    lo.n_offloaded_boundaries = req->n_offloaded_boundaries;
+    lo.keep_attention = req->keep_attention;
+    lo.ep = ep;
+    lo.ep_rank = r->rank % ep;
+    lo.llep = &tp->llep;
     lo.sp = r->sp;
     lo.vocab_ring = vocab_ring ? W : 0;
     lo.expert_fp8 = o->expert_fp8;
     lo.expert_fp8_codes = req->expert_fp8_codes;
-    lo.expert_fp8_cache = req->expert_fp8_cache;
     FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len / r->sp, &lo)); /* this rank's slice of each sequence */
     if (vocab_ring && !o->quiet)
         fm_log(FM_LOG_INFO, "vocab-parallel: Ring-DTP over %d ranks, head rows [%lld, %lld) on this rank (%lld of %lld), "
