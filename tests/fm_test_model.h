@@ -54,9 +54,9 @@ static inline fm_batch *fm_test_batch_of(const fm_model *m) {
     for (int i = 0; i < FM_TEST_BATCH_SLOTS; i++) {
         if (fm_test_batch_slots[i].m == m) {
             fm_batch *b = &fm_test_batch_slots[i].b;
-            if (b->B != m->B || b->T != m->T) {
+            if (b->B != m->a.B || b->T != m->a.T) {
                 fm_batch_free(b);
-                FM_ASSERT(fm_batch_alloc(b, m->B, m->T, true) == FM_OK);
+                FM_ASSERT(fm_batch_alloc(b, m->a.B, m->a.T, true) == FM_OK);
             }
             return b;
         }
@@ -64,7 +64,7 @@ static inline fm_batch *fm_test_batch_of(const fm_model *m) {
     }
     FM_ASSERT(free_slot >= 0); /* more than FM_TEST_BATCH_SLOTS model addresses */
     fm_test_batch_slots[free_slot].m = m;
-    FM_ASSERT(fm_batch_alloc(&fm_test_batch_slots[free_slot].b, m->B, m->T, true) == FM_OK);
+    FM_ASSERT(fm_batch_alloc(&fm_test_batch_slots[free_slot].b, m->a.B, m->a.T, true) == FM_OK);
     return &fm_test_batch_slots[free_slot].b;
 }
 
@@ -81,7 +81,7 @@ static inline void fm_test_fill_batch(fm_model *m, uint64_t seed, int64_t ignore
     fm_batch *b = fm_test_batch_of(m);
     fm_rng r;
     fm_rng_seed(&r, seed);
-    for (int64_t i = 0; i < m->N; i++) {
+    for (int64_t i = 0; i < m->a.N; i++) {
         b->tokens[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
         b->targets[i] = (int32_t)fm_rng_below(&r, (uint64_t)m->cfg.vocab_size);
     }

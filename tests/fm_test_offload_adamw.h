@@ -23,7 +23,7 @@ typedef struct fm_oa_fixture {
 static inline void fm_oa_fixture_create(fm_oa_fixture *f, const fm_config *c, fm_backend *be, int64_t bucket,
                                              int slots, bool bf16) {
     FM_ASSERT(fm_model_create(&f->ref, c, *be) == FM_OK && fm_model_create(&f->off, c, *be) == FM_OK);
-    f->n = f->ref.n_params;
+    f->n = f->ref.p.n_params;
     fm_adamw_config(&f->ra, 0.9, 0.95, 1e-8, 0.1, bf16);
     fm_adamw_config(&f->oa, 0.9, 0.95, 1e-8, 0.1, bf16);
     FM_ASSERT(fm_param_store_create(&f->rps, &f->ref, fm_adamw_ops.state_bytes(&f->ra, f->n)) == FM_OK);

@@ -59,7 +59,7 @@ static float *run(const fm_config *cfg, const policy *pol, int64_t chunk, bool f
     CHECK(fm_model_layout(&m, B_, T_, &lo) == FM_OK);
     fm_model_init_weights(&m, 7);
     fill_batch(&m, 8);
-    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    memset(m.p.grads, 0, sizeof(float) * (size_t)m.p.n_params);
     fm_loss l;
     int64_t n_full = 0, r = 0, r_att = 0;
     for (int i = 0; i < L_; i++) {
@@ -87,16 +87,16 @@ static float *run(const fm_config *cfg, const policy *pol, int64_t chunk, bool f
     CHECK(fm_recompute_count(&rp) == r && fm_recompute_keep_attention_count(&rp) == r_att);
     const size_t want = (size_t)fm_recompute_saved_sets(&rp) * fm_model_layer_acts_bytes(cfg, B_, T_, sizeof(fm_act)) +
                         (size_t)r_att * fm_model_kept_attention_bytes(cfg, B_, T_, sizeof(fm_act));
-    CHECK_MSG(m.arena[FM_LIVE_LAYER_ACTS].capacity == fm_arena_round(want), "%s %s: layer activations %zu, bound %zu",
-              cfg->model_type_name, pol->name, m.arena[FM_LIVE_LAYER_ACTS].capacity, want);
+    CHECK_MSG(m.a.arena[FM_LIVE_LAYER_ACTS].capacity == fm_arena_round(want), "%s %s: layer activations %zu, bound %zu",
+              cfg->model_type_name, pol->name, m.a.arena[FM_LIVE_LAYER_ACTS].capacity, want);
     /* what the step wrote fills each arena's bound (the kept attention outputs are written) */
     for (int i = 1; i < FM_LIVE_COUNT; i++) {
-        const size_t hw = fm_arena_touched(&m.arena[i]), cap = m.arena[i].capacity;
+        const size_t hw = fm_arena_touched(&m.a.arena[i]), cap = m.a.arena[i].capacity;
         CHECK_MSG(hw <= cap && hw * 10 >= cap * 9, "%s %s: %s wrote %zu of its %zu bytes", cfg->model_type_name,
                   pol->name, fm_live_set_names[i], hw, cap);
     }
-    float *g = fm_malloc(sizeof(float) * (size_t)m.n_params);
-    memcpy(g, m.grads, sizeof(float) * (size_t)m.n_params);
+    float *g = fm_malloc(sizeof(float) * (size_t)m.p.n_params);
+    memcpy(g, m.p.grads, sizeof(float) * (size_t)m.p.n_params);
     fm_test_model_free(&m);
     return g;
 }

@@ -111,7 +111,7 @@ static void test_batch_argument(void) {
     fill_batch(&m, 6);
     fm_batch *b = fm_test_batch_of(&m);
     fm_loss a, a2;
-    CHECK(fm_schedule_default_forward(&m, b, &a) == FM_OK && isfinite(a.ce) && a.n_valid == m.N - 1);
+    CHECK(fm_schedule_default_forward(&m, b, &a) == FM_OK && isfinite(a.ce) && a.n_valid == m.a.N - 1);
     fm_batch other; /* another batch, then the first again: the same bits */
     CHECK(fm_batch_alloc(&other, 2, 7, true) == FM_OK);
     for (int64_t i = 0; i < 14; i++) other.tokens[i] = (int32_t)(i % c.vocab_size), other.targets[i] = 1;
@@ -148,16 +148,16 @@ static double total_loss(fm_model *m) {
 }
 
 static bool same_routing(fm_model *m, int32_t *saved) {
-    const int64_t nk = m->N * m->cfg.num_experts_per_tok;
+    const int64_t nk = m->a.N * m->cfg.num_experts_per_tok;
     for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++)
-        if (memcmp(saved + l * nk, m->acts[l].router.topk_idx, sizeof(int32_t) * (size_t)nk)) return false;
+        if (memcmp(saved + l * nk, m->a.acts[l].router.topk_idx, sizeof(int32_t) * (size_t)nk)) return false;
     return true;
 }
 
 static void save_routing(fm_model *m, int32_t *saved) {
-    const int64_t nk = m->N * m->cfg.num_experts_per_tok;
+    const int64_t nk = m->a.N * m->cfg.num_experts_per_tok;
     for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++)
-        memcpy(saved + l * nk, m->acts[l].router.topk_idx, sizeof(int32_t) * (size_t)nk);
+        memcpy(saved + l * nk, m->a.acts[l].router.topk_idx, sizeof(int32_t) * (size_t)nk);
 }
 
 /* For every tensor: the directional derivative along a random unit direction by central
@@ -169,23 +169,23 @@ static void check_model_grad(fm_config cfg, const char *label, uint64_t seed) {
     CHECK(fm_model_layout(&m, 2, 7, NULL) == FM_OK);
     fm_model_init_weights(&m, seed);
     fill_batch(&m, seed + 1);
-    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    memset(m.p.grads, 0, sizeof(float) * (size_t)m.p.n_params);
     fm_loss base;
     fm_schedule_default_forward(&m, fm_test_batch_of(&m), &base);
     fm_schedule_default_backward(&m, 1.0f);
-    const int64_t nk = m.N * cfg.num_experts_per_tok;
+    const int64_t nk = m.a.N * cfg.num_experts_per_tok;
     int32_t *routing = fm_malloc(sizeof(int32_t) * (size_t)(nk * cfg.num_hidden_layers));
     save_routing(&m, routing);
-    float *dir = fm_malloc(sizeof(float) * (size_t)m.n_params);
+    float *dir = fm_malloc(sizeof(float) * (size_t)m.p.n_params);
     fm_rng r;
     fm_rng_seed(&r, seed + 2);
     int bad = 0, checked = 0;
     double worst = 0;
     const double eps = 1e-2;
-    for (int i = 0; i < m.n_tensors; i++) {
-        const fm_param *p = &m.table[i];
-        float *w = m.params + p->offset;
-        const float *g = m.grads + p->offset;
+    for (int i = 0; i < m.p.n_tensors; i++) {
+        const fm_param *p = &m.p.table[i];
+        float *w = m.p.params + p->offset;
+        const float *g = m.p.grads + p->offset;
         for (int attempt = 0; attempt < 8; attempt++) {
             double nrm = 0;
             for (int64_t j = 0; j < p->numel; j++) { dir[j] = (float)fm_rng_normal(&r); nrm += (double)dir[j] * dir[j]; }
@@ -216,7 +216,7 @@ static void check_model_grad(fm_config cfg, const char *label, uint64_t seed) {
     }
     printf("%s: %d tensors checked by finite differences, worst relative error %.2e\n", label, checked, worst);
     CHECK_MSG(bad == 0, "%s: %d tensors with a wrong gradient", label, bad);
-    CHECK_MSG(checked >= m.n_tensors - 2, "%s: only %d of %d tensors could be checked", label, checked, m.n_tensors);
+    CHECK_MSG(checked >= m.p.n_tensors - 2, "%s: only %d of %d tensors could be checked", label, checked, m.p.n_tensors);
     fm_free(dir);
     fm_free(routing);
     fm_test_model_free(&m);
@@ -237,16 +237,16 @@ static void test_recompute_exact(void) {
         CHECK(fm_model_layout(&m, 2, 9, &lo) == FM_OK);
         fm_model_init_weights(&m, 7);
         fill_batch(&m, 8);
-        memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+        memset(m.p.grads, 0, sizeof(float) * (size_t)m.p.n_params);
         fm_loss l;
         fm_schedule_default_forward(&m, fm_test_batch_of(&m), &l);
         fm_schedule_default_backward(&m, 1.0f);
         if (s == 0) {
-            ref = fm_malloc(sizeof(float) * (size_t)m.n_params);
-            memcpy(ref, m.grads, sizeof(float) * (size_t)m.n_params);
+            ref = fm_malloc(sizeof(float) * (size_t)m.p.n_params);
+            memcpy(ref, m.p.grads, sizeof(float) * (size_t)m.p.n_params);
             ref_loss = l.ce + l.aux + l.z;
         } else {
-            CHECK_MSG(memcmp(ref, m.grads, sizeof(float) * (size_t)m.n_params) == 0,
+            CHECK_MSG(memcmp(ref, m.p.grads, sizeof(float) * (size_t)m.p.n_params) == 0,
                       "recompute %s: gradients differ from no recompute", specs[s]);
             CHECK(ref_loss == l.ce + l.aux + l.z);
             size_t none[FM_LIVE_COUNT], this[FM_LIVE_COUNT];
@@ -261,12 +261,12 @@ static void test_recompute_exact(void) {
          * each of the hand-written per-layer size (not the layout's own measure, which sized the
          * arena); and what the step wrote (painted high-water marks) fills each arena's bound. */
         const size_t copies = s == 0 ? 3 : s == 1 ? 1 : 2;
-        CHECK_MSG(m.arena[FM_LIVE_LAYER_ACTS].capacity ==
+        CHECK_MSG(m.a.arena[FM_LIVE_LAYER_ACTS].capacity ==
                       copies * fm_model_layer_acts_bytes(&cfg, 2, 9, sizeof(fm_act)),
                   "recompute %s: layer activations %zu, expected %zu sets of %zu", specs[s],
-                  m.arena[FM_LIVE_LAYER_ACTS].capacity, copies, fm_model_layer_acts_bytes(&cfg, 2, 9, sizeof(fm_act)));
+                  m.a.arena[FM_LIVE_LAYER_ACTS].capacity, copies, fm_model_layer_acts_bytes(&cfg, 2, 9, sizeof(fm_act)));
         for (int i = 1; i < FM_LIVE_COUNT; i++) {
-            const size_t hw = fm_arena_touched(&m.arena[i]), cap = m.arena[i].capacity;
+            const size_t hw = fm_arena_touched(&m.a.arena[i]), cap = m.a.arena[i].capacity;
             CHECK_MSG(hw <= cap && hw * 10 >= cap * 9, "recompute %s: %s wrote %zu of its %zu bytes", specs[s],
                       fm_live_set_names[i], hw, cap);
         }
@@ -283,25 +283,25 @@ static void test_accumulation(void) {
     CHECK(fm_test_model_create(&m, &cfg, g_be) == FM_OK);
     CHECK(fm_model_layout(&m, 1, 8, NULL) == FM_OK);
     fm_model_init_weights(&m, 3);
-    const size_t bytes = sizeof(float) * (size_t)m.n_params;
+    const size_t bytes = sizeof(float) * (size_t)m.p.n_params;
     float *g1 = fm_malloc(bytes), *g2 = fm_malloc(bytes);
     for (int b = 0; b < 2; b++) {
         fill_batch(&m, 100 + b);
-        memset(m.grads, 0, bytes);
+        memset(m.p.grads, 0, bytes);
         fm_schedule_default_forward(&m, fm_test_batch_of(&m), NULL);
         fm_schedule_default_backward(&m, 1.0f);
-        memcpy(b ? g2 : g1, m.grads, bytes);
+        memcpy(b ? g2 : g1, m.p.grads, bytes);
     }
-    memset(m.grads, 0, bytes);
+    memset(m.p.grads, 0, bytes);
     for (int b = 0; b < 2; b++) {
         fill_batch(&m, 100 + b);
         fm_schedule_default_forward(&m, fm_test_batch_of(&m), NULL);
         fm_schedule_default_backward(&m, 0.5f);
     }
     double maxerr = 0, maxg = 0;
-    for (int64_t i = 0; i < m.n_params; i++) {
+    for (int64_t i = 0; i < m.p.n_params; i++) {
         double want = 0.5 * ((double)g1[i] + g2[i]);
-        maxerr = fmax(maxerr, fabs(m.grads[i] - want));
+        maxerr = fmax(maxerr, fabs(m.p.grads[i] - want));
         maxg = fmax(maxg, fabs(want));
     }
     CHECK_MSG(maxerr <= 1e-5 * maxg, "accumulated gradient off by %g (max %g)", maxerr, maxg);
@@ -321,22 +321,22 @@ static void test_all_tokens_one_expert(void) {
     CHECK(fm_model_layout(&m, 2, 8, NULL) == FM_OK);
     fm_model_init_weights(&m, 11);
     for (int64_t l = 0; l < cfg.num_hidden_layers; l++)
-        memset(m.w.layers[l].router, 0, sizeof(float) * (size_t)(cfg.num_experts * cfg.hidden_size));
+        memset(m.p.w.layers[l].router, 0, sizeof(float) * (size_t)(cfg.num_experts * cfg.hidden_size));
     fill_batch(&m, 12);
-    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    memset(m.p.grads, 0, sizeof(float) * (size_t)m.p.n_params);
     fm_loss l;
     fm_schedule_default_forward(&m, fm_test_batch_of(&m), &l);
     CHECK(isfinite(l.ce) && isfinite(l.aux));
     for (int64_t lay = 0; lay < cfg.num_hidden_layers; lay++) {
-        CHECK(m.acts[lay].moe.offsets[1] == m.N);
-        CHECK(m.acts[lay].moe.offsets[cfg.num_experts] == m.N);
+        CHECK(m.a.acts[lay].moe.offsets[1] == m.a.N);
+        CHECK(m.a.acts[lay].moe.offsets[cfg.num_experts] == m.a.N);
     }
     /* aux = coef * E * sum f_e P_e with f_0 = 1, P_e = 1/E: coef */
     CHECK_CLOSE(l.aux, cfg.router_aux_loss_coef, 1e-6);
     fm_schedule_default_backward(&m, 1.0f);
     const int64_t H = cfg.hidden_size, I = cfg.moe_intermediate_size;
     for (int64_t lay = 0; lay < cfg.num_hidden_layers; lay++) {
-        const fm_layer_ptrs *g = &m.g.layers[lay];
+        const fm_layer_ptrs *g = &m.p.g.layers[lay];
         double e0 = 0, rest = 0;
         for (int64_t j = 0; j < I * H; j++) e0 += fabs(g->w_gate[j]);
         for (int64_t j = I * H; j < cfg.num_experts * I * H; j++) rest += fabs(g->w_gate[j]) + fabs(g->w_up[j]) + fabs(g->w_down[j]);
@@ -344,7 +344,7 @@ static void test_all_tokens_one_expert(void) {
         CHECK(rest == 0);
     }
     double s = 0;
-    for (int64_t i = 0; i < m.n_params; i++) s += m.grads[i];
+    for (int64_t i = 0; i < m.p.n_params; i++) s += m.p.grads[i];
     CHECK(isfinite(s));
     fm_test_model_free(&m);
 }
@@ -367,16 +367,16 @@ static void test_layout_measured(void) {
     CHECK(fm_test_model_create(&m, &cfg, g_be) == FM_OK);
     CHECK(fm_model_layout(&m, B, T, NULL) == FM_OK);
     for (int i = 1; i < FM_LIVE_COUNT; i++)
-        CHECK_MSG(m.arena[i].capacity == fm_arena_round(want[i]), "%s: arena %zu bytes, formula %zu",
-                  fm_live_set_names[i], m.arena[i].capacity, want[i]);
+        CHECK_MSG(m.a.arena[i].capacity == fm_arena_round(want[i]), "%s: arena %zu bytes, formula %zu",
+                  fm_live_set_names[i], m.a.arena[i].capacity, want[i]);
     int64_t numel = 0;
-    for (int i = 0; i < m.n_tensors; i++) numel += m.table[i].numel;
-    CHECK(numel == m.n_params);
+    for (int i = 0; i < m.p.n_tensors; i++) numel += m.p.table[i].numel;
+    CHECK(numel == m.p.n_params);
     size_t state = 2 * fm_arena_round((size_t)numel * a); /* weights and gradients */
     if (a != sizeof(float)) state += fm_arena_round((size_t)numel * sizeof(float)); /* the fp32 master */
     /* the model state is the parameter store's: its measured layout and its formula against the table */
-    CHECK_MSG(fm_param_store_measure(m.n_params) == state && fm_param_store_bytes(&m.cfg, a) == state,
-              "model state %zu bytes (formula %zu), table %zu", fm_param_store_measure(m.n_params),
+    CHECK_MSG(fm_param_store_measure(m.p.n_params) == state && fm_param_store_bytes(&m.cfg, a) == state,
+              "model state %zu bytes (formula %zu), table %zu", fm_param_store_measure(m.p.n_params),
               fm_param_store_bytes(&m.cfg, a), state);
     CHECK(fm_model_layout(&m, 1, 65, NULL) == FM_ERR_ARG); /* beyond max_position_embeddings */
     CHECK(strstr(fm_errmsg(), "max_position_embeddings") != NULL);
@@ -404,9 +404,9 @@ static void run_step(fm_config *cfg, int64_t B, int64_t T, int64_t chunk, const 
     fm_model_init_weights(&m, 5);
     if (zero_router)
         for (int64_t l = 0; l < cfg->num_hidden_layers; l++)
-            memset(m.w.layers[l].router, 0, sizeof(float) * (size_t)(cfg->num_experts * cfg->hidden_size));
+            memset(m.p.w.layers[l].router, 0, sizeof(float) * (size_t)(cfg->num_experts * cfg->hidden_size));
     fill_batch(&m, 6);
-    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    memset(m.p.grads, 0, sizeof(float) * (size_t)m.p.n_params);
     fm_loss l;
     if (g_fused) fm_schedule_default_train_step(&m, fm_test_batch_of(&m), 1.0f, &l);
     else {
@@ -417,13 +417,13 @@ static void run_step(fm_config *cfg, int64_t B, int64_t T, int64_t chunk, const 
     /* every arena a step fills: its measured (painted) high-water mark within [90%, 100%] of the
      * planned bound, for every model_type and memory flag this test runs */
     for (int i = 1; i < FM_LIVE_COUNT; i++) {
-        const size_t hw = fm_arena_touched(&m.arena[i]), cap = m.arena[i].capacity;
+        const size_t hw = fm_arena_touched(&m.a.arena[i]), cap = m.a.arena[i].capacity;
         CHECK_MSG(hw <= cap && hw * 10 >= cap * 9, "%s chunk %lld ce %lld: %s high-water %zu vs bound %zu",
                   cfg->model_type_name, (long long)chunk, (long long)g_ce_block, fm_live_set_names[i], hw, cap);
     }
-    *grads_out = fm_malloc(sizeof(float) * (size_t)m.n_params);
-    memcpy(*grads_out, m.grads, sizeof(float) * (size_t)m.n_params);
-    if (expert_high) *expert_high = fm_arena_touched(&m.arena[FM_LIVE_EXPERT]); /* measured */
+    *grads_out = fm_malloc(sizeof(float) * (size_t)m.p.n_params);
+    memcpy(*grads_out, m.p.grads, sizeof(float) * (size_t)m.p.n_params);
+    if (expert_high) *expert_high = fm_arena_touched(&m.a.arena[FM_LIVE_EXPERT]); /* measured */
     fm_test_model_free(&m);
 }
 

@@ -119,19 +119,19 @@ static void model_make(run_model *r, const fm_config *c, int ep, int rank, int64
     FM_ASSERT(fm_param_store_create(&r->ps, &r->m, 0) == FM_OK);
     fm_model full;
     FM_ASSERT(fm_model_create(&full, c, g_be) == FM_OK);
-    float *wf = malloc(sizeof(float) * (size_t)full.n_params), *we = malloc(sizeof(float) * (size_t)r->m.n_params);
-    fm_model_init_weights_host(&full, seed, wf);
-    for (int i = 0; i < r->m.n_tensors; i++) {
-        const fm_param *p = &r->m.table[i], *q = fm_model_find_param(&full, p->name);
+    float *wf = malloc(sizeof(float) * (size_t)full.p.n_params), *we = malloc(sizeof(float) * (size_t)r->m.p.n_params);
+    fm_params_init_weights_host(&full.p, seed, wf);
+    for (int i = 0; i < r->m.p.n_tensors; i++) {
+        const fm_param *p = &r->m.p.table[i], *q = fm_params_find(&full.p, p->name);
         FM_ASSERT(q && q->numel == p->numel);
         memcpy(we + p->offset, wf + q->offset, sizeof(float) * (size_t)p->numel);
     }
     fm_model_upload_master(&r->m, we);
     free(wf), free(we);
     fm_model_free(&full);
-    r->m.comm = comm;
-    r->m.moe_ep_comm = ep > 1 ? ep_comm : NULL;
-    r->m.vocab_comm = vocab_comm;
+    r->m.mesh.comm = comm;
+    r->m.mesh.moe_ep_comm = ep > 1 ? ep_comm : NULL;
+    r->m.mesh.vocab_comm = vocab_comm;
     lo.ep = ep, lo.ep_rank = rank;
     CHECK_MSG(fm_model_layout(&r->m, B, T, &lo) == FM_OK, "layout: %s", fm_errmsg());
 }
@@ -233,21 +233,21 @@ static void test_exact(const fm_comm *world, prec p, int64_t K, bool pipelined, 
     lo.llep = llep;
     run_model e, r;
     model_make(&e, &c, W, g_rank, 1, T, lo, world, world, NULL, 21);
-    e.m.moe_ep_ws.schedule = pipelined ? FM_MOE_EP_PIPELINED : FM_MOE_EP_SERIAL;
+    e.m.a.moe_ep_ws.schedule = pipelined ? FM_MOE_EP_PIPELINED : FM_MOE_EP_SERIAL;
     lo.moe_chunk_tokens = W * c_tok; /* the reference: all W sequences, the same K */
     lo.llep = NULL;
     model_make(&r, &c, 1, 0, W, T, lo, NULL, NULL, NULL, 21);
-    CHECK(e.m.moe_K == K && r.m.moe_K == K);
-    CHECK(e.m.moe_fp8 == (p != PREC_NATIVE) && e.m.moe_fp8_codes == (p == PREC_FP8_CODES) && !e.m.moe_sync_free &&
-          e.m.moe_fp8_cache == cache);
+    CHECK(e.m.a.moe_K == K && r.m.a.moe_K == K);
+    CHECK(e.m.a.moe_fp8 == (p != PREC_NATIVE) && e.m.a.moe_fp8_codes == (p == PREC_FP8_CODES) && !e.m.a.moe_sync_free &&
+          e.m.a.opts.expert_fp8_cache == cache);
     /* plan = allocation: the expert live set is the EP bound with the fp8 part, as the planner asks it */
     const fm_moe_dims md = {c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, false,
                             lo.expert_fp8, lo.expert_fp8_codes, cache ? c.num_hidden_layers : 0};
     fm_moe_ep_bound eb;
     const size_t bound = fm_arena_round(fm_moe_ep_bound_bytes(&md, W, c_tok, sizeof(fm_act), llep, &eb));
-    CHECK_MSG(e.m.arena[FM_LIVE_EXPERT].capacity == bound && (p == PREC_NATIVE) == (eb.fp8 == 0),
+    CHECK_MSG(e.m.a.arena[FM_LIVE_EXPERT].capacity == bound && (p == PREC_NATIVE) == (eb.fp8 == 0),
               "%s: the expert arena holds %zu bytes, the EP bound %zu (fp8 part %zu)", prec_names[p],
-              e.m.arena[FM_LIVE_EXPERT].capacity, bound, eb.fp8);
+              e.m.a.arena[FM_LIVE_EXPERT].capacity, bound, eb.fp8);
     if (p != PREC_NATIVE) { /* the fp8 part is the experts table's working set at the owner */
         const fm_moe_dims dl = fm_moe_ep_local_dims(&md, W);
         CHECK(eb.fp8 == fm_experts_select(&dl)->ws_bytes(&dl, eb.rows_max, sizeof(fm_act)) && eb.fp8 > 0);
@@ -259,40 +259,40 @@ static void test_exact(const fm_comm *world, prec p, int64_t K, bool pipelined, 
     fm_loss le, lr;
     fm_model_fp8_cache_invalidate(&e.m); /* as the trainer does at each step's start */
     fm_model_fp8_cache_invalidate(&r.m);
-    memset(e.m.grads, 0, sizeof(fm_act) * (size_t)e.m.n_params);
-    memset(r.m.grads, 0, sizeof(fm_act) * (size_t)r.m.n_params);
+    memset(e.m.p.grads, 0, sizeof(fm_act) * (size_t)e.m.p.n_params);
+    memset(r.m.p.grads, 0, sizeof(fm_act) * (size_t)r.m.p.n_params);
     CHECK_MSG(fm_schedule_default_train_step(&e.m, be, 1.0f, &le) == FM_OK, "%s ep step: %s", prec_names[p],
               fm_errmsg());
     CHECK_MSG(fm_schedule_default_train_step(&r.m, br, 1.0f, &lr) == FM_OK, "%s reference step: %s", prec_names[p],
               fm_errmsg());
-    CHECK(e.m.arena[FM_LIVE_EXPERT].high <= bound);
-    if (pipelined) CHECK(e.m.moe_ep_ws.pipelined_calls > 0);
+    CHECK(e.m.a.arena[FM_LIVE_EXPERT].high <= bound);
+    if (pipelined) CHECK(e.m.a.moe_ep_ws.pipelined_calls > 0);
     if (llep) { /* the placement moved rows (lambda 1, pieces of 1 row: any imbalance spills); the bound's LLEP part
                  * is native EP's plus, under fp8, the hosted experts' own operands (the table's working set) */
         fm_moe_ep_bound nb;
         const fm_moe_dims mn = {md.H, md.I, md.E, md.k}, dh = fm_moe_ep_hosted_dims(&md, llep->max_foreign);
         fm_moe_ep_bound_bytes(&mn, W, c_tok, sizeof(fm_act), llep, &nb);
-        CHECK_MSG(e.m.moe_ep_ws.llep_chunks > 0 &&
+        CHECK_MSG(e.m.a.moe_ep_ws.llep_chunks > 0 &&
                   eb.llep == nb.llep + fm_experts_select(&dh)->ws_bytes(&dh, eb.rows_max, sizeof(fm_act)) &&
                   (p == PREC_NATIVE) == (eb.llep == nb.llep),
                   "%s LLEP: %lld chunk passes moved rows, llep bound %zu (native %zu)", prec_names[p],
-                  (long long)e.m.moe_ep_ws.llep_chunks, eb.llep, nb.llep);
+                  (long long)e.m.a.moe_ep_ws.llep_chunks, eb.llep, nb.llep);
     }
     const double rel_ce = fabs(le.ce - lr.ce) / fabs(lr.ce), rel_aux = fabs(le.aux - lr.aux) / fabs(lr.aux);
     CHECK_MSG(le.n_valid == lr.n_valid && rel_ce <= 2e-6 && rel_aux <= 2e-6 && fabs(le.z - lr.z) <= 2e-6 * fabs(lr.z),
               "%s K %lld: loss ce %.9g aux %.9g z %.9g (ep) vs %.9g %.9g %.9g (one rank)", prec_names[p], (long long)K,
               le.ce, le.aux, le.z, lr.ce, lr.aux, lr.z);
     /* gradients: the dense ones summed over the ranks, this rank's experts' as they are */
-    float *g = malloc(sizeof(float) * (size_t)e.m.n_params);
-    memcpy(g, e.m.grads, sizeof(float) * (size_t)e.m.n_params);
-    CHECK(fm_comm_all_reduce(world, g, g, e.m.n_params, FM_COMM_F32, FM_COMM_SUM, 30) == FM_OK);
+    float *g = malloc(sizeof(float) * (size_t)e.m.p.n_params);
+    memcpy(g, e.m.p.grads, sizeof(float) * (size_t)e.m.p.n_params);
+    CHECK(fm_comm_all_reduce(world, g, g, e.m.p.n_params, FM_COMM_F32, FM_COMM_SUM, 30) == FM_OK);
     double worst_dense = 0, worst_expert = 0;
-    for (int i = 0; i < e.m.n_tensors; i++) {
-        const fm_param *pe = &e.m.table[i], *pr = fm_model_find_param(&r.m, pe->name);
+    for (int i = 0; i < e.m.p.n_tensors; i++) {
+        const fm_param *pe = &e.m.p.table[i], *pr = fm_params_find(&r.m.p, pe->name);
         FM_ASSERT(pr && pr->numel == pe->numel);
         const bool expert = strstr(pe->name, ".experts.") != NULL;
-        const float *got = expert ? e.m.grads + pe->offset : g + pe->offset;
-        const double err = nerr(got, r.m.grads + pr->offset, pe->numel);
+        const float *got = expert ? e.m.p.grads + pe->offset : g + pe->offset;
+        const double err = nerr(got, r.m.p.grads + pr->offset, pe->numel);
         if (expert) worst_expert = fmax(worst_expert, err);
         else worst_dense = fmax(worst_dense, err);
         CHECK_MSG(err <= (expert && llep && p != PREC_NATIVE ? LLEP_FP8_EXPERT_TOL : 1e-5),

@@ -33,7 +33,7 @@ static fm_config small_config(void) {
 static void fill_grads(fm_model *m, int s) {
     fm_rng r;
     fm_rng_seed(&r, 1000 + (uint64_t)s);
-    for (int64_t i = 0; i < m->n_params; i++) m->grads[i] = (float)(fm_rng_uniform(&r) * 2.0 - 1.0) * 0.1f;
+    for (int64_t i = 0; i < m->p.n_params; i++) m->p.grads[i] = (float)(fm_rng_uniform(&r) * 2.0 - 1.0) * 0.1f;
 }
 
 static int g_case = 0;
@@ -45,7 +45,7 @@ static void run_case(int64_t bucket, int slots, bool bf16, int pieces) {
     fm_oa_fixture f;
     fm_oa_fixture_create(&f, &c, &g_be, bucket, slots, bf16);
     const int64_t n = f.n;
-    CHECK(f.off.master == f.oo.h_master && (void *)f.off.master != (void *)f.off.params);
+    CHECK(f.off.p.master == f.oo.h_master && (void *)f.off.p.master != (void *)f.off.p.params);
     /* bounds: the arenas hold exactly the formula's bytes, and so does the plan */
     size_t host = 0;
     const size_t dev = fm_offload_model_state_bound(&c, sizeof(fm_act), bf16, bucket, slots, &host, NULL);
@@ -65,10 +65,10 @@ static void run_case(int64_t bucket, int slots, bool bf16, int pieces) {
 
     FM_ASSERT(fm_model_init_weights(&f.ref, 7) == FM_OK);
     FM_ASSERT(fm_model_init_weights(&f.off, 7) == FM_OK);
-    CHECK(!memcmp(f.ref.params, f.off.params, sizeof(float) * (size_t)n));
-    CHECK(!memcmp(f.ref.master, f.off.master, sizeof(float) * (size_t)n));
+    CHECK(!memcmp(f.ref.p.params, f.off.p.params, sizeof(float) * (size_t)n));
+    CHECK(!memcmp(f.ref.p.master, f.off.p.master, sizeof(float) * (size_t)n));
     bool mixed = false;
-    for (int i = 1; i < f.ref.n_tensors; i++) mixed |= f.ref.table[i].decay != f.ref.table[0].decay;
+    for (int i = 1; i < f.ref.p.n_tensors; i++) mixed |= f.ref.p.table[i].decay != f.ref.p.table[0].decay;
     CHECK(mixed); /* the table has both weight-decay flags */
     for (int s = 1; s <= steps; s++) {
         fill_grads(&f.ref, s);
@@ -76,16 +76,16 @@ static void run_case(int64_t bucket, int slots, bool bf16, int pieces) {
         const double lr = 1e-2 * s;
         const float clip = s == 2 ? 0.37f : 1.0f;
         fm_adamw_ops.step_begin(&f.ra);
-        fm_adamw_ops.step_range(&f.ra, &f.ref, 0, f.ref.n_tensors, lr, clip);
+        fm_adamw_ops.step_range(&f.ra, &f.ref, 0, f.ref.p.n_tensors, lr, clip);
         fm_offload_adamw_ops.step_begin(&f.oo);
         for (int k = 0; k < pieces; k++) /* the table in `pieces` ranges (layer-wise callers) */
-            fm_offload_adamw_ops.step_range(&f.oo, &f.off, (int)((int64_t)f.off.n_tensors * k / pieces),
-                                            (int)((int64_t)f.off.n_tensors * (k + 1) / pieces), lr, clip);
+            fm_offload_adamw_ops.step_range(&f.oo, &f.off, (int)((int64_t)f.off.p.n_tensors * k / pieces),
+                                            (int)((int64_t)f.off.p.n_tensors * (k + 1) / pieces), lr, clip);
         g_be.ops->sync(g_be.ctx);
     }
     const size_t mb = bf16 ? 2 : 4;
-    const bool w_ok = !memcmp(f.ref.params, f.off.params, sizeof(float) * (size_t)n);
-    const bool ms_ok = !memcmp(f.ref.master, f.oo.h_master, sizeof(float) * (size_t)n);
+    const bool w_ok = !memcmp(f.ref.p.params, f.off.p.params, sizeof(float) * (size_t)n);
+    const bool ms_ok = !memcmp(f.ref.p.master, f.oo.h_master, sizeof(float) * (size_t)n);
     const bool m_ok = !memcmp(f.ra.m, f.oo.h_m, mb * (size_t)n), v_ok = !memcmp(f.ra.v, f.oo.h_v, mb * (size_t)n);
     CHECK_MSG(w_ok && ms_ok && m_ok && v_ok, "bucket %lld slots %d %s pieces %d: weights %d master %d m %d v %d",
               (long long)bucket, slots, bf16 ? "bf16" : "fp32", pieces, w_ok, ms_ok, m_ok, v_ok);
@@ -120,10 +120,10 @@ int main(void) {
     fm_model probe;
     const fm_config c = small_config();
     FM_ASSERT(fm_model_create(&probe, &c, g_be) == FM_OK);
-    const int64_t n = probe.n_params;
+    const int64_t n = probe.p.n_params;
     int64_t smallest = n;
-    for (int i = 0; i < probe.n_tensors; i++)
-        if (probe.table[i].numel > 1 && probe.table[i].numel < smallest) smallest = probe.table[i].numel;
+    for (int i = 0; i < probe.p.n_tensors; i++)
+        if (probe.p.table[i].numel > 1 && probe.p.table[i].numel < smallest) smallest = probe.p.table[i].numel;
     fm_model_free(&probe);
     /* one smaller than any tensor, one not dividing the parameter count, one larger than the model */
     int64_t odd = n / 7 + 1;

@@ -70,24 +70,24 @@ static void test_groups(void) {
             FM_ASSERT(fm_model_create(&m, &c, g_be) == FM_OK);
             fm_optim_overlap o;
             CHECK(fm_optim_overlap_init(&o, &m) == FM_OK);
-            CHECK(o.n_groups == L_ + 2 && o.t0[0] == 0 && o.t0[o.n_groups] == m.n_tensors);
-            CHECK(o.t0[1] == 1 && !strcmp(m.table[0].name, "model.embed_tokens.weight"));
+            CHECK(o.n_groups == L_ + 2 && o.t0[0] == 0 && o.t0[o.n_groups] == m.p.n_tensors);
+            CHECK(o.t0[1] == 1 && !strcmp(m.p.table[0].name, "model.embed_tokens.weight"));
             for (int g = 1; g <= L_; g++) {
                 char pre[64];
                 snprintf(pre, sizeof pre, "model.layers.%d.", g - 1);
                 CHECK(o.t0[g + 1] > o.t0[g]);
                 bool all = true;
-                for (int i = o.t0[g]; i < o.t0[g + 1]; i++) all &= !strncmp(m.table[i].name, pre, strlen(pre));
+                for (int i = o.t0[g]; i < o.t0[g + 1]; i++) all &= !strncmp(m.p.table[i].name, pre, strlen(pre));
                 CHECK_MSG(all, "group %d holds a tensor of another layer", g);
             }
             CHECK(o.t0[L_ + 2] - o.t0[L_ + 1] == (tied ? 1 : 2));
-            CHECK(!strcmp(m.table[o.t0[L_ + 1]].name, "model.norm.weight"));
+            CHECK(!strcmp(m.p.table[o.t0[L_ + 1]].name, "model.norm.weight"));
             fm_optim_overlap_free(&o);
             /* out of forward order: a layer-1 tensor before layer 0's */
-            fm_param save = m.table[1];
-            snprintf(m.table[1].name, sizeof m.table[1].name, "model.layers.1.input_layernorm.weight");
+            fm_param save = m.p.table[1];
+            snprintf(m.p.table[1].name, sizeof m.p.table[1].name, "model.layers.1.input_layernorm.weight");
             CHECK(fm_optim_overlap_init(&o, &m) == FM_ERR_ARG && strstr(fm_errmsg(), "--no-optimizer-overlap"));
-            m.table[1] = save;
+            m.p.table[1] = save;
             m.cfg.num_hidden_layers = FM_EVENT_POOL; /* more layers than events */
             CHECK(fm_optim_overlap_init(&o, &m) == FM_ERR_ARG && strstr(fm_errmsg(), "update events"));
             m.cfg.num_hidden_layers = L_;
@@ -114,13 +114,13 @@ static void trained_create(trained *t, const fm_config *c, fm_backend be, bool o
     fm_adamw_config(&t->a, 0.9, 0.95, 1e-8, 0.1, false);
     t->offload = offload;
     if (offload) {
-        FM_ASSERT(fm_offload_adamw_create(&t->oo, &t->a, t->m.n_params, 7, 2, &be) == FM_OK);
-        FM_ASSERT(fm_param_store_create_host_master(&t->ps, &t->m, fm_offload_adamw_ops.state_bytes(&t->oo, t->m.n_params),
+        FM_ASSERT(fm_offload_adamw_create(&t->oo, &t->a, t->m.p.n_params, 7, 2, &be) == FM_OK);
+        FM_ASSERT(fm_param_store_create_host_master(&t->ps, &t->m, fm_offload_adamw_ops.state_bytes(&t->oo, t->m.p.n_params),
                                                     t->oo.h_master) == FM_OK);
         t->ops = &fm_offload_adamw_ops;
         t->self = &t->oo;
     } else {
-        FM_ASSERT(fm_param_store_create(&t->ps, &t->m, fm_adamw_ops.state_bytes(&t->a, t->m.n_params)) == FM_OK);
+        FM_ASSERT(fm_param_store_create(&t->ps, &t->m, fm_adamw_ops.state_bytes(&t->a, t->m.p.n_params)) == FM_OK);
         t->ops = &fm_adamw_ops;
         t->self = &t->a;
     }
@@ -144,12 +144,12 @@ static void test_exact(fm_model_type type, bool offload) {
     trained_create(&ovl, &c, g_probe, offload);
     CHECK(fm_optim_overlap_init(&ovl.ov, &ovl.m) == FM_OK);
     fm_optim_overlap_attach(&ovl.ov, &ovl.sched);
-    const int64_t n = ser.m.n_params;
+    const int64_t n = ser.m.p.n_params;
     for (int s = 1; s <= 3; s++) {
         memset(&g_seen, 0, sizeof g_seen);
         /* serial: zero, two micro-batches, the whole table */
-        ser.m.be.ops->mem_set(ser.m.be.ctx, ser.m.grads, 0, sizeof(fm_act) * (size_t)n);
-        if (!ovl.ov.grads_zeroed) ovl.m.be.ops->mem_set(ovl.m.be.ctx, ovl.m.grads, 0, sizeof(fm_act) * (size_t)n);
+        ser.m.be.ops->mem_set(ser.m.be.ctx, ser.m.p.grads, 0, sizeof(fm_act) * (size_t)n);
+        if (!ovl.ov.grads_zeroed) ovl.m.be.ops->mem_set(ovl.m.be.ctx, ovl.m.p.grads, 0, sizeof(fm_act) * (size_t)n);
         CHECK(ovl.ov.grads_zeroed == (s > 1));
         ovl.ov.grads_zeroed = false;
         for (int g = 0; g < 2; g++) {
@@ -163,11 +163,11 @@ static void test_exact(fm_model_type type, bool offload) {
             CHECK_MSG(order, "step %d micro-batch %d: the forward waited on %d overlap events, not groups 0..%d in order",
                       s, g, g_seen.n_wait - w0, L_ + 1);
         }
-        CHECK(!memcmp(ser.m.grads, ovl.m.grads, sizeof(fm_act) * (size_t)n));
+        CHECK(!memcmp(ser.m.p.grads, ovl.m.p.grads, sizeof(fm_act) * (size_t)n));
         const double lr = 1e-2 * s;
         const float clip = s == 2 ? 0.5f : 1.0f;
         ser.ops->step_begin(ser.self);
-        ser.ops->step_range(ser.self, &ser.m, 0, ser.m.n_tensors, lr, clip);
+        ser.ops->step_range(ser.self, &ser.m, 0, ser.m.p.n_tensors, lr, clip);
         ovl.ops->step_begin(ovl.self);
         g_seen.adamw_update = g_seen.adamw_compute = 0;
         g_seen.zeroed_update = 0;
@@ -179,10 +179,10 @@ static void test_exact(fm_model_type type, bool offload) {
         fm_optim_overlap_flush(&ovl.ov, &ovl.m);
         CHECK(!ovl.ov.in_flight);
         bool zero = true;
-        for (int64_t i = 0; i < n; i++) zero &= ovl.m.grads[i] == 0.0f;
+        for (int64_t i = 0; i < n; i++) zero &= ovl.m.p.grads[i] == 0.0f;
         CHECK(zero);
     }
-    CHECK_MSG(!memcmp(ser.m.params, ovl.m.params, sizeof(fm_act) * (size_t)n), "%s %s: weights differ",
+    CHECK_MSG(!memcmp(ser.m.p.params, ovl.m.p.params, sizeof(fm_act) * (size_t)n), "%s %s: weights differ",
               c.model_type_name, offload ? "streamed" : "on-device");
     const void *om = offload ? ovl.oo.h_m : ovl.a.m, *ov = offload ? ovl.oo.h_v : ovl.a.v;
     CHECK(!memcmp(ser.a.m, om, sizeof(float) * (size_t)n) && !memcmp(ser.a.v, ov, sizeof(float) * (size_t)n));

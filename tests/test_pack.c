@@ -93,19 +93,19 @@ static void run(fm_config *cfg, bool packed, int64_t chunk, int64_t ce_block, bo
             b.doc_start[i] = (int32_t)off;
         }
     CHECK(fm_batch_check(&b, B, T, V) == FM_OK);
-    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    memset(m.p.grads, 0, sizeof(float) * (size_t)m.p.n_params);
     fm_loss l;
     CHECK(fm_schedule_default_forward(&m, &b, &l) == FM_OK);
     /* per-token losses (plain logits only: the linear CE keeps none) */
     o->loss = fm_malloc(sizeof(float) * 27);
     int64_t k = 0;
     for (int d = 0; d < NDOC; d++)
-        for (int64_t j = 0; j < DOC_LEN[d]; j++) o->loss[k++] = ce_block ? 0.0f : m.token_loss[where[d][j]];
+        for (int64_t j = 0; j < DOC_LEN[d]; j++) o->loss[k++] = ce_block ? 0.0f : m.a.token_loss[where[d][j]];
     CHECK(fm_schedule_default_backward(&m, 1.0f) == FM_OK);
     o->ce = l.ce;
     o->n_valid = l.n_valid;
-    o->grads = fm_malloc(sizeof(float) * (size_t)m.n_params);
-    memcpy(o->grads, m.grads, sizeof(float) * (size_t)m.n_params);
+    o->grads = fm_malloc(sizeof(float) * (size_t)m.p.n_params);
+    memcpy(o->grads, m.p.grads, sizeof(float) * (size_t)m.p.n_params);
     fm_batch_free(&b);
     fm_test_model_free(&m);
 }
@@ -133,7 +133,7 @@ static void test_packed_vs_padded(void) {
             CHECK_MSG(worst <= 1e-6, "%s variant %d: per-token loss differs by %.3g", cfg.model_type_name, v, worst);
             fm_model m;
             CHECK(fm_test_model_create(&m, &cfg, g_be) == FM_OK);
-            const double gd = rel_diff(p.grads, q.grads, m.n_params);
+            const double gd = rel_diff(p.grads, q.grads, m.p.n_params);
             fm_test_model_free(&m);
             CHECK_MSG(gd <= 1e-6, "%s variant %d: gradients differ by %.3g (normalized)", cfg.model_type_name, v, gd);
             printf("  %s chunk %lld ce %lld rc %d: loss %.9g / %.9g, worst token %.2g, grads %.2g\n",

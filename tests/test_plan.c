@@ -342,11 +342,11 @@ static void test_projection_by_hand(void) {
         CHECK(fm_project_fp8_weight_sets(&r8, &p8) == 2 * L - 1);
         CHECK_CLOSE(a8.sec[FM_PROJ_EXPERTS], L * (gemm - 2 * wq) + (2 * L - 1) * wq, 1e-12);
         CHECK_CLOSE(fm_project_expert_s(&r8, &p8, &c8, false), a8.sec[FM_PROJ_EXPERTS], 1e-12);
-        r8.expert_fp8_cache = true; /* the cache: once a step, over grad_accum micro-batches */
+        r8.layout.expert_fp8_cache = true; /* the cache: once a step, over grad_accum micro-batches */
         r8.grad_accum = 4;
         fm_project(&r8, &p8, &c8, &a8);
         CHECK_CLOSE(a8.sec[FM_PROJ_EXPERTS], 4 * L * (gemm - 2 * wq) + L * wq, 1e-12);
-        r8.expert_fp8_cache = false, r8.grad_accum = 1;
+        r8.layout.expert_fp8_cache = false, r8.grad_accum = 1;
         bool rc8[16] = {false}; /* layers 0, 1 and the last recomputed: their backwards reuse */
         rc8[0] = rc8[1] = rc8[15] = true;
         r8.recompute = rc8;

@@ -30,7 +30,7 @@ static void make_model(fm_model *m, const fm_config *c, const bool *rc, int64_t 
     FM_ASSERT(fm_model_layout(m, 2, 8, &lo) == FM_OK);
     FM_ASSERT(fm_model_init_weights(m, 11) == FM_OK);
     fm_test_fill_batch(m, 12, -1);
-    memset(m->grads, 0, sizeof(float) * (size_t)m->n_params);
+    memset(m->p.grads, 0, sizeof(float) * (size_t)m->p.n_params);
 }
 
 /* ---- hooks: order, failure, no effect ------------------------------------------------------ */
@@ -53,9 +53,9 @@ static fm_status record(void *user, fm_model *m, fm_hook_point p, int64_t l) {
     FM_ASSERT(r->n < 64);
     r->point[r->n] = (int)p;
     r->layer[r->n] = l;
-    r->probe[r->n] = m->acts[l].router.probs[0];
+    r->probe[r->n] = m->a.acts[l].router.probs[0];
     r->n++;
-    if (p == FM_HOOK_BEFORE_BACKWARD && l == r->poison_layer) m->acts[l].router.probs[0] = -7.0f;
+    if (p == FM_HOOK_BEFORE_BACKWARD && l == r->poison_layer) m->a.acts[l].router.probs[0] = -7.0f;
     return FM_OK;
 }
 
@@ -88,16 +88,16 @@ static void test_hooks(void) {
      * AFTER_BACKWARD(1) (event 2L+3) the recompute, which runs after the hook, has rewritten it */
     CHECK(rec.probe[2 * L + 2] == rec.probe[3]);
     CHECK(rec.probe[2 * L + 3] == rec.probe[3] && rec.probe[3] != -7.0f);
-    float *g_hooked = fm_malloc(sizeof(float) * (size_t)m.n_params);
-    memcpy(g_hooked, m.grads, sizeof(float) * (size_t)m.n_params);
+    float *g_hooked = fm_malloc(sizeof(float) * (size_t)m.p.n_params);
+    memcpy(g_hooked, m.p.grads, sizeof(float) * (size_t)m.p.n_params);
     const double loss_hooked = l.ce + l.aux + l.z;
 
     /* the same step with no hooks: bit-identical */
-    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    memset(m.p.grads, 0, sizeof(float) * (size_t)m.p.n_params);
     fm_loss l2;
     fm_schedule_default_train_step(&m, fm_test_batch_of(&m), 1.0f, &l2);
     CHECK(l2.ce + l2.aux + l2.z == loss_hooked);
-    CHECK(memcmp(g_hooked, m.grads, sizeof(float) * (size_t)m.n_params) == 0);
+    CHECK(memcmp(g_hooked, m.p.grads, sizeof(float) * (size_t)m.p.n_params) == 0);
 
     /* a failing hook stops the step: no later event, its status and message come back */
     fm_schedule s2;
@@ -149,9 +149,9 @@ static void test_router_terms(void) {
     make_model(&m, &c, NULL, 0);
     CHECK(fm_model_embed_forward(&m, fm_test_batch_of(&m)) == FM_OK);
     fm_model_layer_forward(&m, 0, fm_model_boundary(&m, 1));
-    const double *terms = m.results + FM_RESULT_LAYERS; /* backend memory is host memory on the CPU */
-    const int64_t N = m.N, E = c.num_experts, k = c.num_experts_per_tok;
-    const fm_router_saved *s = &m.acts[0].router;
+    const double *terms = m.a.results + FM_RESULT_LAYERS; /* backend memory is host memory on the CPU */
+    const int64_t N = m.a.N, E = c.num_experts, k = c.num_experts_per_tok;
+    const fm_router_saved *s = &m.a.acts[0].router;
     double aux = 0, z = 0;
     for (int64_t e = 0; e < E; e++) {
         double f = 0, P = 0;
@@ -306,14 +306,14 @@ static void test_comm(void) {
     make_model(&m, &c, rc, 3);
     fm_loss a, b;
     fm_schedule_default_train_step(&m, fm_test_batch_of(&m), 1.0f, &a); /* no communicator: this rank alone */
-    float *g0 = fm_malloc(sizeof(float) * (size_t)m.n_params);
-    memcpy(g0, m.grads, sizeof(float) * (size_t)m.n_params);
-    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    float *g0 = fm_malloc(sizeof(float) * (size_t)m.p.n_params);
+    memcpy(g0, m.p.grads, sizeof(float) * (size_t)m.p.n_params);
+    memset(m.p.grads, 0, sizeof(float) * (size_t)m.p.n_params);
     FM_ASSERT(fm_comm_self_create(&g_self, &g_be, 0) == FM_OK);
-    m.comm = &g_self; /* the valid count, the loss sums and the router statistics go through it */
+    m.mesh.comm = &g_self; /* the valid count, the loss sums and the router statistics go through it */
     fm_schedule_default_train_step(&m, fm_test_batch_of(&m), 1.0f, &b);
     CHECK(a.ce == b.ce && a.aux == b.aux && a.z == b.z && a.n_valid == b.n_valid);
-    CHECK(memcmp(g0, m.grads, sizeof(float) * (size_t)m.n_params) == 0);
+    CHECK(memcmp(g0, m.p.grads, sizeof(float) * (size_t)m.p.n_params) == 0);
     /* two ranks with the same batch: the batch's losses are this rank's, its valid targets twice
      * as many, and this rank's share of every gradient exactly half (a power of two) */
     fm_comm_ops two = *g_self.ops;
@@ -321,27 +321,27 @@ static void test_comm(void) {
     two.all_reduce = twice_all_reduce;
     two.all_reduce_host = twice_all_reduce_host;
     fm_comm pair = {&two, g_self.ctx};
-    m.comm = &pair;
-    memset(m.grads, 0, sizeof(float) * (size_t)m.n_params);
+    m.mesh.comm = &pair;
+    memset(m.p.grads, 0, sizeof(float) * (size_t)m.p.n_params);
     fm_loss d;
     fm_schedule_default_train_step(&m, fm_test_batch_of(&m), 1.0f, &d);
     CHECK_MSG(d.ce == a.ce && d.aux == a.aux && d.z == a.z && d.n_valid == 2 * a.n_valid,
               "two ranks: ce %.17g vs %.17g, aux %.17g vs %.17g, valid %lld", d.ce, a.ce, d.aux, a.aux,
               (long long)d.n_valid);
     int64_t off = 0;
-    for (int64_t i = 0; i < m.n_params; i++) off += m.grads[i] != 0.5f * g0[i];
+    for (int64_t i = 0; i < m.p.n_params; i++) off += m.p.grads[i] != 0.5f * g0[i];
     CHECK_MSG(off == 0, "two ranks: %lld of %lld gradients are not half of one rank's", (long long)off,
-              (long long)m.n_params);
+              (long long)m.p.n_params);
     /* a collective that fails stops the step with its status and message */
     fm_comm_ops bad = *g_self.ops;
     bad.all_reduce = failing_all_reduce;
     fm_comm broken = {&bad, g_self.ctx};
-    m.comm = &broken;
+    m.mesh.comm = &broken;
     fm_schedule s;
     fm_schedule_init(&s, &m);
     CHECK(fm_schedule_train_step(&s, &m, fm_test_batch_of(&m), 1.0f, NULL) == FM_ERR_IO);
     CHECK(strstr(fm_errmsg(), "timed out") != NULL);
-    m.comm = NULL;
+    m.mesh.comm = NULL;
     fm_comm_free(&g_self);
     fm_free(g0);
     fm_test_model_free(&m);

@@ -33,7 +33,7 @@ static void make_model(fm_model *m, const fm_config *c, const bool *rc, int64_t 
     fm_layout_opts lo = {rc, chunk, 0, 0, n_off};
     FM_ASSERT(fm_model_layout(m, B_, T_, &lo) == FM_OK);
     FM_ASSERT(fm_model_init_weights(m, 11) == FM_OK);
-    memset(m->grads, 0, sizeof(float) * (size_t)m->n_params);
+    memset(m->p.grads, 0, sizeof(float) * (size_t)m->p.n_params);
 }
 
 /* A hook added after the policy: saves each boundary as forward leaves it, poisons the slots at
@@ -88,12 +88,12 @@ static void test_bit_identical(fm_model_type t, const bool *rc, int64_t chunk) {
         const int64_t n_off = offs[i];
         fm_model m;
         make_model(&m, &c, rc, chunk, n_off);
-        CHECK(m.n_offloaded_boundaries == n_off);
+        CHECK(m.a.n_offloaded_boundaries == n_off);
         /* the boundaries arena: exactly the policy's count of [N,H] tensors, as the planner says */
         const size_t a = sizeof(fm_act);
         const size_t want = fm_model_boundary_bytes_n(&c, B_, T_, chunk > 0, fm_sco_device_boundaries(L_, n_off), a);
-        CHECK_MSG(m.arena[FM_LIVE_BOUNDARIES].capacity == fm_arena_round(want), "%s n_off %lld: arena %zu, formula %zu",
-                  c.model_type_name, (long long)n_off, m.arena[FM_LIVE_BOUNDARIES].capacity, want);
+        CHECK_MSG(m.a.arena[FM_LIVE_BOUNDARIES].capacity == fm_arena_round(want), "%s n_off %lld: arena %zu, formula %zu",
+                  c.model_type_name, (long long)n_off, m.a.arena[FM_LIVE_BOUNDARIES].capacity, want);
         CHECK(fm_sco_device_boundaries(L_, n_off) == fm_model_boundary_tensors(L_, n_off));
         fm_plan_req req;
         memset(&req, 0, sizeof req);
@@ -120,7 +120,7 @@ static void test_bit_identical(fm_model_type t, const bool *rc, int64_t chunk) {
         for (int g = 0; g < 2; g++)
             CHECK_MSG(!memcmp(&l[g], &lr[g], sizeof l[g]), "%s n_off %lld: loss %.17g vs %.17g", c.model_type_name,
                       (long long)n_off, l[g].ce + l[g].aux + l[g].z, lr[g].ce + lr[g].aux + lr[g].z);
-        CHECK_MSG(!memcmp(m.grads, ref.grads, sizeof(float) * (size_t)m.n_params),
+        CHECK_MSG(!memcmp(m.p.grads, ref.p.grads, sizeof(float) * (size_t)m.p.n_params),
                   "%s n_off %lld recompute %d chunk %lld: gradients differ", c.model_type_name, (long long)n_off,
                   rc != NULL, (long long)chunk);
         CHECK(before == 2 * 4 * L_ && k.events == 2 * 4 * L_);
@@ -129,9 +129,9 @@ static void test_bit_identical(fm_model_type t, const bool *rc, int64_t chunk) {
         CHECK(p.copies_out == (uint64_t)(2 * n_off) && p.copies_in == (uint64_t)(2 * n_off));
         CHECK(p.host.high == p.host.capacity);
         /* the painted high-water mark: within the arena, and up to its last tensor (boundary L) */
-        const size_t touched = fm_arena_touched(&m.arena[FM_LIVE_BOUNDARIES]);
-        CHECK(touched <= m.arena[FM_LIVE_BOUNDARIES].capacity);
-        CHECK(touched > m.arena[FM_LIVE_BOUNDARIES].capacity - fm_arena_round((size_t)(N * H) * a));
+        const size_t touched = fm_arena_touched(&m.a.arena[FM_LIVE_BOUNDARIES]);
+        CHECK(touched <= m.a.arena[FM_LIVE_BOUNDARIES].capacity);
+        CHECK(touched > m.a.arena[FM_LIVE_BOUNDARIES].capacity - fm_arena_round((size_t)(N * H) * a));
         fm_free(k.saved);
         fm_sco_free(&p);
         fm_test_model_free(&m);

@@ -111,8 +111,8 @@ static void test_arith(void) {
             const fm_config c = fm_test_small_config(FM_MODEL_QWEN3_MOE, 3, tied, 2);
             fm_model m;
             FM_ASSERT(fm_model_create(&m, &c, g_be) == FM_OK);
-            CHECK(fm_zero3_layout_model(&z, &m, W - 1, W) == FM_OK);
-            CHECK(z.tied == (bool)tied && z.n_groups == 5 && z.begin[5] == m.n_params);
+            CHECK(fm_zero3_layout_params(&z, &m.p, W - 1, W) == FM_OK);
+            CHECK(z.tied == (bool)tied && z.n_groups == 5 && z.begin[5] == m.p.n_params);
             const size_t want = fm_zero3_store_bytes(&z, 4) + fm_adamw_state_bytes(z.shard_len, false);
             char desc[200];
             CHECK_MSG(fm_zero3_state_bytes(&c, 4, W, false, desc) == want, "tied %d W %d: planned %zu, laid out %zu",
@@ -173,7 +173,7 @@ static void test_keep(void) {
                 c.num_experts = 4; /* divisible by ep */
                 fm_model m;
                 FM_ASSERT(fm_model_create_ep(&m, &c, g_be, ep, (W - 1) % ep) == FM_OK);
-                CHECK(fm_zero3_layout_model(&z, &m, W - 1, W) == FM_OK);
+                CHECK(fm_zero3_layout_params(&z, &m.p, W - 1, W) == FM_OK);
                 const int64_t span = 3 * (c.num_experts / ep) * c.hidden_size * c.moe_intermediate_size;
                 CHECK(z.keep[0] == 0 && z.keep[1] == span && z.keep[c.num_hidden_layers] == span &&
                       z.keep[c.num_hidden_layers + 1] == 0 && z.whole_sq == (W - 1 < ep));
@@ -230,7 +230,7 @@ static void test_hook_exact(bool tied, bool recompute_all, int G) {
     fm_adamw aopt;
     FM_ASSERT(fm_model_create(&a, &c, g_be) == FM_OK);
     fm_adamw_config(&aopt, 0.9, 0.95, 1e-8, 0.1, false);
-    FM_ASSERT(fm_param_store_create(&aps, &a, fm_adamw_ops.state_bytes(&aopt, a.n_params)) == FM_OK);
+    FM_ASSERT(fm_param_store_create(&aps, &a, fm_adamw_ops.state_bytes(&aopt, a.p.n_params)) == FM_OK);
     fm_adamw_ops.init(&aopt, &aps, &g_be);
     FM_ASSERT(fm_model_init_weights(&a, 5) == FM_OK);
     FM_ASSERT(fm_model_layout(&a, B, T, &lo) == FM_OK);
@@ -244,25 +244,25 @@ static void test_hook_exact(bool tied, bool recompute_all, int G) {
     fm_comm self;
     FM_ASSERT(fm_comm_self_create(&self, &g_be, 0) == FM_OK);
     FM_ASSERT(fm_model_create(&b, &c, g_be) == FM_OK);
-    FM_ASSERT(fm_zero3_layout_model(&z, &b, 0, 1) == FM_OK);
+    FM_ASSERT(fm_zero3_layout_params(&z, &b.p, 0, 1) == FM_OK);
     fm_adamw_config(&bopt, 0.9, 0.95, 1e-8, 0.1, false);
     FM_ASSERT(fm_param_store_create_zero3(&bps, &b, &z, fm_adamw_ops.state_bytes(&bopt, z.shard_len)) == FM_OK);
     CHECK(bps.arena.capacity == fm_arena_round(fm_zero3_state_bytes(&c, 4, 1, false, NULL)));
     fm_adamw_ops.init(&bopt, &bps, &g_be);
     fm_zero3_bind(&z, &b, &bps, &self);
-    float *w = fm_malloc(sizeof(float) * (size_t)b.n_params);
-    fm_model_init_weights_host(&b, 5, w);
+    float *w = fm_malloc(sizeof(float) * (size_t)b.p.n_params);
+    fm_params_init_weights_host(&b.p, 5, w);
     CHECK(fm_zero3_set_master(&z, &b, w) == FM_OK);
     FM_ASSERT(fm_model_layout(&b, B, T, &lo) == FM_OK);
     fm_schedule bs;
     fm_schedule_init(&bs, &b);
     CHECK(fm_schedule_add_group_hook(&bs, fm_zero3_hook, &z) == FM_OK);
     CHECK(fm_schedule_add_hook(&bs, prefetch_probe, &z) == FM_OK);
-    const int64_t n = a.n_params;
+    const int64_t n = a.p.n_params;
     float *full = fm_malloc(sizeof(float) * (size_t)n);
     const bool exact = G == 1 && !tied;
     for (int s = 1; s <= 2; s++) {
-        a.be.ops->mem_set(a.be.ctx, a.grads, 0, sizeof(fm_act) * (size_t)n);
+        a.be.ops->mem_set(a.be.ctx, a.p.grads, 0, sizeof(fm_act) * (size_t)n);
         fm_zero3_zero_grads(&z, &b);
         for (int g = 0; g < G; g++) {
             fm_test_fill_batch(&a, 10 * (uint64_t)s + (uint64_t)g, 3);
@@ -279,12 +279,12 @@ static void test_hook_exact(bool tied, bool recompute_all, int G) {
         }
         memset(full, 0, sizeof(float) * (size_t)n);
         fm_zero3_unpack(&z, 0, z.grads, full, sizeof(float));
-        SAME(full, a.grads, n, exact, 1e-5, "the shard's gradients");
+        SAME(full, a.p.grads, n, exact, 1e-5, "the shard's gradients");
         fm_adamw_ops.step_begin(&aopt);
-        fm_adamw_ops.step_range(&aopt, &a, 0, a.n_tensors, 1e-2, s == 2 ? 0.5f : 1.0f);
+        fm_adamw_ops.step_range(&aopt, &a, 0, a.p.n_tensors, 1e-2, s == 2 ? 0.5f : 1.0f);
         CHECK(fm_zero3_update(&z, &b, &fm_adamw_ops, &bopt, 1e-2, s == 2 ? 0.5f : 1.0f) == FM_OK);
         fm_zero3_unpack(&z, 0, z.weights, full, sizeof(float));
-        SAME(full, a.params, n, exact, 1e-5, "the weights");
+        SAME(full, a.p.params, n, exact, 1e-5, "the weights");
         fm_zero3_unpack(&z, 0, bopt.m, full, sizeof(float));
         SAME(full, aopt.m, n, exact, 1e-5, "Adam m");
         fm_zero3_unpack(&z, 0, bopt.v, full, sizeof(float));
@@ -301,7 +301,7 @@ static void test_hook_exact(bool tied, bool recompute_all, int G) {
     fm_zero3_unpack(&z, 0, z.master, full, sizeof(float));
     CHECK(g && !memcmp(g, full, sizeof(float) * (size_t)n));
     const int s = 2;
-    SAME((const float *)g, a.master, n, exact, 1e-5, "the gathered master");
+    SAME((const float *)g, a.p.master, n, exact, 1e-5, "the gathered master");
     fm_free(g);
     fm_free(full);
     fm_free(w);

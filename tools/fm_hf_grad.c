@@ -65,38 +65,38 @@ int main(int argc, char **argv) {
     float *logits = fm_malloc(sizeof(float) * (size_t)(B * T * V));
     fm_schedule_default_forward(&m, &tokens_only, NULL);
     for (int64_t r = 0; r < B * T; r++) fm_model_logits_row(&m, r, logits + r * V);
-    be.ops->mem_set(be.ctx, m.grads, 0, sizeof(fm_act) * (size_t)m.n_params);
+    be.ops->mem_set(be.ctx, m.p.grads, 0, sizeof(fm_act) * (size_t)m.p.n_params);
     fm_loss l;
     fm_schedule_default_forward(&m, &batch, &l);
     fm_schedule_default_backward(&m, 1.0f);
     float loss = (float)l.ce;
 
     /* gradients to the host in fp32 (bf16 in the CUDA build: the high half of the fp32 bits) */
-    float *grads = fm_malloc(sizeof(float) * (size_t)m.n_params);
+    float *grads = fm_malloc(sizeof(float) * (size_t)m.p.n_params);
     if (sizeof(fm_act) == sizeof(float)) {
-        be.ops->copy(be.ctx, grads, m.grads, sizeof(float) * (size_t)m.n_params, FM_COPY_D2H);
+        be.ops->copy(be.ctx, grads, m.p.grads, sizeof(float) * (size_t)m.p.n_params, FM_COPY_D2H);
     } else {
-        uint16_t *h = fm_malloc(sizeof(uint16_t) * (size_t)m.n_params);
-        be.ops->copy(be.ctx, h, m.grads, sizeof(uint16_t) * (size_t)m.n_params, FM_COPY_D2H);
-        for (int64_t i = 0; i < m.n_params; i++) {
+        uint16_t *h = fm_malloc(sizeof(uint16_t) * (size_t)m.p.n_params);
+        be.ops->copy(be.ctx, h, m.p.grads, sizeof(uint16_t) * (size_t)m.p.n_params, FM_COPY_D2H);
+        for (int64_t i = 0; i < m.p.n_params; i++) {
             uint32_t u = (uint32_t)h[i] << 16;
             memcpy(&grads[i], &u, 4);
         }
         fm_free(h);
     }
-    const int n = m.n_tensors + 2;
+    const int n = m.p.n_tensors + 2;
     fm_named_tensor *t = fm_malloc(sizeof(fm_named_tensor) * (size_t)n);
     char (*names)[160] = fm_malloc(sizeof(*names) * (size_t)n);
     t[0] = (fm_named_tensor){"loss", &loss, 1, {1}};
     t[1] = (fm_named_tensor){"logits", logits, 3, {B, T, V}};
-    for (int i = 0; i < m.n_tensors; i++) {
-        const fm_param *p = &m.table[i];
+    for (int i = 0; i < m.p.n_tensors; i++) {
+        const fm_param *p = &m.p.table[i];
         snprintf(names[i], sizeof names[i], "grad.%s", p->name);
         t[i + 2] = (fm_named_tensor){names[i], grads + p->offset, p->ndim, {p->shape[0], p->shape[1]}};
     }
     if (fm_st_write(argv[3], t, n, NULL)) return die("output");
     printf("fm_hf_grad: %s: loss %.7f over %lld tokens (aux %.3g, z %.3g), %d gradients\n", argv[1], l.ce,
-           (long long)l.n_valid, l.aux, l.z, m.n_tensors);
+           (long long)l.n_valid, l.aux, l.z, m.p.n_tensors);
     fm_model_free(&m);
     fm_param_store_free(&ps);
     fm_backend_default_free(&be);

@@ -128,7 +128,7 @@ int cmd_eval(int argc, char **argv) {
     memset(&ps, 0, sizeof ps);
     fm_trained_info trained;
     if ((s = fm_load_for_inference(&m, &ps, ckpt, be, micro_batch, seq_len, &trained))) return cli_fail("eval", s);
-    if ((s = fm_dataset_check_windows(&ds, m.T_cap, "--data"))) return cli_fail("eval", s);
+    if ((s = fm_dataset_check_windows(&ds, m.a.T_cap, "--data"))) return cli_fail("eval", s);
     double loss;
     int64_t ntok;
     if ((s = fm_evaluate(&m, &ds, max_batches, &loss, &ntok))) {
@@ -139,7 +139,7 @@ int cmd_eval(int argc, char **argv) {
         return cli_fail("eval", s);
     }
     printf("checkpoint %s\ndata %s\ntokens scored %lld (windows of %lld)\nloss %.4f nats/token\nperplexity %.3f\n", ckpt,
-           ds.desc, (long long)ntok, (long long)m.T_cap, loss, exp(loss));
+           ds.desc, (long long)ntok, (long long)m.a.T_cap, loss, exp(loss));
     if (trained.expert_fp8)
         printf("experts: native precision (the checkpoint trained with --expert-precision fp8; eval does not "
                "quantize: train's own evaluation does)\n");

@@ -14,80 +14,80 @@
 #define PHASE(p) fm_phase_mark(&m->be, FM_PHASE_##p)
 
 fm_status fm_model_embed_forward(fm_model *m, const fm_batch *b) {
-    const int64_t N = m->N, H = m->cfg.hidden_size;
+    const int64_t N = m->a.N, H = m->cfg.hidden_size;
     const size_t bytes = sizeof(int32_t) * (size_t)N;
-    FM_TRY(fm_batch_check(b, m->B, m->T, m->cfg.vocab_size));
+    FM_TRY(fm_batch_check(b, m->a.B, m->a.T, m->cfg.vocab_size));
     PHASE(OTHER);
     /* sync point "token upload": the previous upload has left the pinned staging */
     OPS->event_sync(CTX, FM_EVENT_TOKENS);
-    memcpy(m->pin_tokens, b->tokens, bytes);
-    OPS->copy_async(CTX, m->tokens, m->pin_tokens, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
+    memcpy(m->a.pin_tokens, b->tokens, bytes);
+    OPS->copy_async(CTX, m->a.tokens, m->a.pin_tokens, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
     if (b->targets) {
-        memcpy(m->pin_targets, b->targets, bytes);
-        OPS->copy_async(CTX, m->targets, m->pin_targets, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
+        memcpy(m->a.pin_targets, b->targets, bytes);
+        OPS->copy_async(CTX, m->a.targets, m->a.pin_targets, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
     }
-    m->docs = b->doc_start != NULL;
-    if (m->docs) {
-        if (m->sp > 1)
+    m->a.docs = b->doc_start != NULL;
+    if (m->a.docs) {
+        if (m->mesh.sp > 1)
             return fm_error(FM_ERR_UNSUPPORTED, "packed documents (--pack) with sequence parallelism (--sp %d): "
-                            "not supported yet; train with --sp 1 or with --pack off", m->sp);
-        memcpy(m->pin_doc_pos, b->pos, bytes);
-        memcpy(m->pin_doc_start, b->doc_start, bytes);
-        OPS->copy_async(CTX, m->doc_pos, m->pin_doc_pos, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
-        OPS->copy_async(CTX, m->doc_start, m->pin_doc_start, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
+                            "not supported yet; train with --sp 1 or with --pack off", m->mesh.sp);
+        memcpy(m->a.pin_doc_pos, b->pos, bytes);
+        memcpy(m->a.pin_doc_start, b->doc_start, bytes);
+        OPS->copy_async(CTX, m->a.doc_pos, m->a.pin_doc_pos, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
+        OPS->copy_async(CTX, m->a.doc_start, m->a.pin_doc_start, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
     }
     OPS->event_record(CTX, FM_EVENT_TOKENS, FM_STREAM_COMPUTE);
-    OPS->embedding_fwd(CTX, m->boundary[0], m->tokens, m->w.embed, N, H);
+    OPS->embedding_fwd(CTX, m->a.boundary[0], m->a.tokens, m->p.w.embed, N, H);
     return FM_OK;
 }
 
 fm_status fm_model_embed_backward(fm_model *m, const fm_act *dx0) {
     PHASE(OTHER);
-    OPS->embedding_bwd(CTX, m->g.embed, dx0, m->tokens, m->N, m->cfg.hidden_size);
+    OPS->embedding_bwd(CTX, m->p.g.embed, dx0, m->a.tokens, m->a.N, m->cfg.hidden_size);
     return FM_OK;
 }
 
-/* The batch's valid targets: this rank's, counted on the host, summed over m->comm. */
+/* The batch's valid targets: this rank's, counted on the host, summed over m->mesh.comm. */
 static fm_status count_valid(fm_model *m, const fm_batch *b, fm_loss *r) {
     int64_t valid = 0;
-    FM_ASSERT(b->targets && b->B * b->T == m->N);
-    for (int64_t n = 0; n < m->N; n++) valid += b->targets[n] != -100;
-    if (m->comm) FM_TRY(fm_comm_allreduce_sum_i64(m->comm, &valid, 1, 0));
-    m->n_valid = r->n_valid = valid;
+    FM_ASSERT(b->targets && b->B * b->T == m->a.N);
+    for (int64_t n = 0; n < m->a.N; n++) valid += b->targets[n] != -100;
+    if (m->mesh.comm) FM_TRY(fm_comm_allreduce_sum_i64(m->mesh.comm, &valid, 1, 0));
+    m->a.n_valid = r->n_valid = valid;
     return FM_OK;
 }
 
-/* The loss sum of the batch: summed over m->comm in backend memory. */
+/* The loss sum of the batch: summed over m->mesh.comm in backend memory. */
 static fm_status reduce_loss(fm_model *m) {
-    if (!m->comm || (m->linear_ce && m->vocab_P > 1)) return FM_OK; /* Ring-DTP's sums are the group's */
-    return fm_comm_all_reduce(m->comm, m->results + FM_RESULT_CE, m->results + FM_RESULT_CE, 2, FM_COMM_F64,
+    if (!m->mesh.comm || (m->a.linear_ce && m->mesh.vocab_P > 1)) return FM_OK; /* Ring-DTP's sums are the group's */
+    return fm_comm_all_reduce(m->mesh.comm, m->a.results + FM_RESULT_CE, m->a.results + FM_RESULT_CE, 2, FM_COMM_F64,
                               FM_COMM_SUM, 0);
 }
 
 /* The linear cross-entropy over xf and the LM head; with grads, dxf -> ws.dtmp and the head's
  * gradient accumulated, scaled by scale/valid. The loss sums land in results[CE], [ZSQ].
- * Ring-DTP (m->vocab_P > 1): fm_linear_ce_ring over m->vocab_comm with this rank's shard rows of
+ * Ring-DTP (m->mesh.vocab_P > 1): fm_linear_ce_ring over m->mesh.vocab_comm with this rank's shard rows of
  * the head and of its gradient; the sums it writes are the group's. Errors: the ring's (its
  * communicator's, or arguments that differ between the ranks); FM_OK for the one-rank op. */
 static fm_status linear_ce(fm_model *m, bool grads, float scale) {
     const fm_config *c = &m->cfg;
     fm_lce_opts o = fm_lce_opts_default();
-    o.block_tokens = m->ce_block_tokens;
-    o.block_vocab = m->ce_block_vocab;
-    const int64_t valid = m->n_valid;
+    o.block_tokens = m->a.ce_block_tokens;
+    o.block_vocab = m->a.ce_block_vocab;
+    const int64_t valid = m->a.n_valid;
     const float gs = valid ? scale / (float)valid : 0.0f;
-    if (m->vocab_P > 1) {
+    if (m->mesh.vocab_P > 1) {
         fm_lce_ring_opts ro = fm_lce_ring_opts_default();
         ro.lce = o;
-        const int64_t off = m->vocab_first * c->hidden_size; /* this rank's rows of the [V,H] head */
-        return fm_linear_ce_ring(&m->be, m->vocab_comm, &m->arena[FM_LIVE_VOCAB], m->token_loss,
-                                 grads ? m->ws.dtmp : NULL, grads ? m->g.lm_head + off : NULL, m->xf,
-                                 m->w.lm_head + off, m->targets, m->N, c->hidden_size, c->vocab_size, gs, &ro,
-                                 m->results + FM_RESULT_CE, NULL);
+        const int64_t off = m->mesh.vocab_first * c->hidden_size; /* this rank's rows of the [V,H] head */
+        return fm_linear_ce_ring(&m->be, m->mesh.vocab_comm, &m->a.arena[FM_LIVE_VOCAB], m->a.token_loss,
+                                 grads ? m->a.ws.dtmp : NULL, grads ? m->p.g.lm_head + off : NULL, m->a.xf,
+                                 m->p.w.lm_head + off, m->a.targets, m->a.N, c->hidden_size, c->vocab_size, gs, &ro,
+                                 m->a.results + FM_RESULT_CE, NULL);
     }
-    fm_linear_ce(&m->be, &m->arena[FM_LIVE_VOCAB], m->token_loss, grads ? m->ws.dtmp : NULL,
-                 grads ? m->g.lm_head : NULL, m->xf, m->w.lm_head, m->targets, m->N, c->hidden_size, c->vocab_size,
-                 gs, &o, m->results + FM_RESULT_CE);
+    fm_linear_ce(&m->be, &m->a.arena[FM_LIVE_VOCAB], m->a.token_loss, grads ? m->a.ws.dtmp : NULL,
+                 grads ? m->p.g.lm_head : NULL, m->a.xf, m->p.w.lm_head, m->a.targets, m->a.N, c->hidden_size, c->vocab_size,
+                 gs, &o, m->a.results + FM_RESULT_CE);
     return FM_OK;
 }
 
@@ -95,29 +95,29 @@ static fm_status linear_ce(fm_model *m, bool grads, float scale) {
 static void final_norm(fm_model *m) {
     const fm_config *c = &m->cfg;
     PHASE(DENSE);
-    OPS->rmsnorm_fwd(CTX, m->xf, m->rstd_f, m->boundary[c->num_hidden_layers], m->w.final_norm, m->N, c->hidden_size,
+    OPS->rmsnorm_fwd(CTX, m->a.xf, m->a.rstd_f, m->a.boundary[c->num_hidden_layers], m->p.w.final_norm, m->a.N, c->hidden_size,
                      (float)c->rms_norm_eps);
     PHASE(LOSS);
 }
 
 fm_status fm_model_head_forward(fm_model *m, const fm_batch *b, fm_loss *r) {
     const fm_config *c = &m->cfg;
-    const int64_t N = m->N, H = c->hidden_size, V = c->vocab_size;
+    const int64_t N = m->a.N, H = c->hidden_size, V = c->vocab_size;
     const bool with_targets = b->targets != NULL;
     final_norm(m);
-    m->n_valid = r->n_valid = 0;
+    m->a.n_valid = r->n_valid = 0;
     if (with_targets) FM_TRY(count_valid(m, b, r));
-    if (m->linear_ce) {
+    if (m->a.linear_ce) {
         FM_ASSERT(with_targets); /* a linear-CE layout has no logits to sample from */
         FM_TRY(linear_ce(m, false, 1.0f));
         return reduce_loss(m);
     }
-    fm_linear_fwd(&m->be, m->logits, FM_ACT_DTYPE, m->xf, m->w.lm_head, N, H, V);
+    fm_linear_fwd(&m->be, m->a.logits, FM_ACT_DTYPE, m->a.xf, m->p.w.lm_head, N, H, V);
     if (!with_targets) return FM_OK;
     /* The gradient (mean over valid tokens) is formed in place now: the logits are not needed
      * afterwards. fm_model_head_backward scales it for accumulation. */
-    OPS->cross_entropy(CTX, m->token_loss, m->logits, m->logits, m->targets, N, V,
-                       r->n_valid ? 1.0f / (float)r->n_valid : 0.0f, -100, m->results + FM_RESULT_CE);
+    OPS->cross_entropy(CTX, m->a.token_loss, m->a.logits, m->a.logits, m->a.targets, N, V,
+                       r->n_valid ? 1.0f / (float)r->n_valid : 0.0f, -100, m->a.results + FM_RESULT_CE);
     return reduce_loss(m);
 }
 
@@ -125,19 +125,19 @@ fm_status fm_model_head_forward(fm_model *m, const fm_batch *b, fm_loss *r) {
 static void final_norm_backward(fm_model *m) {
     const fm_config *c = &m->cfg;
     PHASE(DENSE);
-    OPS->rmsnorm_bwd(CTX, m->ws.dx_a, m->g.final_norm, m->ws.dtmp, m->boundary[c->num_hidden_layers], m->w.final_norm,
-                     m->rstd_f, m->N, c->hidden_size);
+    OPS->rmsnorm_bwd(CTX, m->a.ws.dx_a, m->p.g.final_norm, m->a.ws.dtmp, m->a.boundary[c->num_hidden_layers], m->p.w.final_norm,
+                     m->a.rstd_f, m->a.N, c->hidden_size);
 }
 
 fm_status fm_model_head_backward(fm_model *m, float scale) {
     const fm_config *c = &m->cfg;
     PHASE(LOSS);
-    if (m->linear_ce) {
+    if (m->a.linear_ce) {
         FM_TRY(linear_ce(m, true, scale)); /* the ring's error (its communicator's) */
     } else {
-        /* m->logits holds dloss/dlogits (mean CE) from the forward; the GEMMs scale it (alpha)
+        /* m->a.logits holds dloss/dlogits (mean CE) from the forward; the GEMMs scale it (alpha)
          * for accumulation. */
-        fm_linear_bwd(&m->be, m->ws.dtmp, 0.0f, m->g.lm_head, m->logits, m->xf, m->w.lm_head, m->N, c->hidden_size,
+        fm_linear_bwd(&m->be, m->a.ws.dtmp, 0.0f, m->p.g.lm_head, m->a.logits, m->a.xf, m->p.w.lm_head, m->a.N, c->hidden_size,
                       c->vocab_size, scale);
     }
     final_norm_backward(m);
@@ -146,7 +146,7 @@ fm_status fm_model_head_backward(fm_model *m, float scale) {
 
 fm_status fm_model_head_train(fm_model *m, const fm_batch *b, float scale, fm_loss *r) {
     if (!b->targets) return fm_error(FM_ERR_ARG, "training step: the batch has no targets (fm_batch.targets NULL)");
-    if (!m->linear_ce) {
+    if (!m->a.linear_ce) {
         FM_TRY(fm_model_head_forward(m, b, r));
         return fm_model_head_backward(m, scale);
     }
@@ -167,7 +167,7 @@ void fm_model_loss_from_results(const fm_model *m, const double *results, int64_
 
 void fm_model_read_loss(fm_model *m, fm_loss *out) {
     const int64_t n = fm_model_results_count(&m->cfg);
-    OPS->copy_async(CTX, m->pin_results, m->results, sizeof(double) * (size_t)n, FM_COPY_D2H, FM_STREAM_COMPUTE);
+    OPS->copy_async(CTX, m->a.pin_results, m->a.results, sizeof(double) * (size_t)n, FM_COPY_D2H, FM_STREAM_COMPUTE);
     OPS->stream_sync(CTX, FM_STREAM_COMPUTE); /* sync point "micro-batch loss" */
-    fm_model_loss_from_results(m, m->pin_results, m->n_valid, out);
+    fm_model_loss_from_results(m, m->a.pin_results, m->a.n_valid, out);
 }

@@ -1,7 +1,7 @@
 /* One decoder layer's forward and backward (fm_model.h: fm_model_layer_forward/backward):
  *   x -> RMSNorm -> causal GQA attention (RoPE, optional QK-norm) -> +x = x_mid
  *   x_mid -> RMSNorm -> router -> MoE (dispatch, experts, combine) -> +x_mid = y
- * With sequence parallelism (m->sp > 1) the attention op is fm_attn_sp's (Ulysses all-to-alls
+ * With sequence parallelism (m->mesh.sp > 1) the attention op is fm_attn_sp's (Ulysses all-to-alls
  * around it); every other op runs on this rank's tokens as it is.
  * The loop over layers is the schedule's (schedule/fm_schedule.h), never the model's. */
 #include "fm_model.h"
@@ -24,25 +24,25 @@ static void linear_bwd(fm_model *m, fm_act *dx, float beta, fm_act *dW, const fm
 static fm_moe_dims moe_dims(const fm_model *m) {
     const fm_config *c = &m->cfg;
     fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok,
-                     m->moe_sync_free, m->moe_fp8, m->moe_fp8_codes,
-                     m->moe_fp8_cache ? c->num_hidden_layers : 0};
+                     m->a.moe_sync_free, m->a.moe_fp8, m->a.moe_fp8_codes,
+                     m->a.opts.expert_fp8_cache ? c->num_hidden_layers : 0};
     return d;
 }
 
 void fm_model_fp8_cache_invalidate(fm_model *m) {
-    if (m->moe_fp8_fresh) memset(m->moe_fp8_fresh, 0, sizeof(bool) * (size_t)m->cfg.num_hidden_layers);
-    m->moe_ws.w8_holds = -1; /* without the cache: the one set's codes are of the old weights */
-    m->moe_ep_ws.exp_ws.w8_holds = -1; /* the same for the EP owner's set */
+    if (m->a.moe_fp8_fresh) memset(m->a.moe_fp8_fresh, 0, sizeof(bool) * (size_t)m->cfg.num_hidden_layers);
+    m->a.moe_ws.w8_holds = -1; /* without the cache: the one set's codes are of the old weights */
+    m->a.moe_ep_ws.exp_ws.w8_holds = -1; /* the same for the EP owner's set */
 }
 
 fm_act *fm_model_boundary(fm_model *m, int64_t l) {
     FM_ASSERT(l >= 0 && l <= m->cfg.num_hidden_layers);
-    return m->boundary[l];
+    return m->a.boundary[l];
 }
 
 fm_act *fm_model_grad_buffer(fm_model *m, int i) {
     FM_ASSERT(i == 0 || i == 1);
-    return i == 0 ? m->ws.dx_a : m->ws.dx_b;
+    return i == 0 ? m->a.ws.dx_a : m->a.ws.dx_b;
 }
 
 /* The norm outputs ln1, ln2 live in the working set's dln and dtmp, free whenever a forward
@@ -51,15 +51,15 @@ fm_act *fm_model_grad_buffer(fm_model *m, int i) {
 static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_attention) {
     const fm_config *c = &m->cfg;
     FM_ASSERT(l >= 0 && l < c->num_hidden_layers);
-    const fm_act *x = m->boundary[l];
-    fm_layer_acts *a = &m->acts[l];
-    const fm_layer_ptrs *w = &m->w.layers[l];
-    const int64_t B = m->B, T = m->T, N = m->N, H = c->hidden_size;
+    const fm_act *x = m->a.boundary[l];
+    fm_layer_acts *a = &m->a.acts[l];
+    const fm_layer_ptrs *w = &m->p.w.layers[l];
+    const int64_t B = m->a.B, T = m->a.T, N = m->a.N, H = c->hidden_size;
     const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads, hd = c->head_dim;
     const int64_t qd = nh * hd, kd = nkv * hd;
     const float eps = (float)c->rms_norm_eps;
 
-    fm_act *ln1 = m->ws.dln, *ln2 = m->ws.dtmp;
+    fm_act *ln1 = m->a.ws.dln, *ln2 = m->a.ws.dtmp;
     FM_ASSERT(y != ln1 && y != ln2);
 
     /* attention block */
@@ -75,13 +75,13 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
         OPS->rmsnorm_fwd(CTX, a->qr, a->rstd_q, a->q, w->q_norm, N, qd, eps);
         OPS->rmsnorm_fwd(CTX, a->kr, a->rstd_k, a->k, w->k_norm, N, kd, eps);
     } /* else q, k alias qr, kr: RoPE below works in place on the projections */
-    const int32_t *pos = m->docs ? m->doc_pos : NULL, *kvs = m->docs ? m->doc_start : NULL; /* packed */
-    OPS->rope_fwd(CTX, a->qr, m->rope_cos, m->rope_sin, B, T, nh, hd, pos);
-    OPS->rope_fwd(CTX, a->kr, m->rope_cos, m->rope_sin, B, T, nkv, hd, pos);
+    const int32_t *pos = m->a.docs ? m->a.doc_pos : NULL, *kvs = m->a.docs ? m->a.doc_start : NULL; /* packed */
+    OPS->rope_fwd(CTX, a->qr, m->a.rope_cos, m->a.rope_sin, B, T, nh, hd, pos);
+    OPS->rope_fwd(CTX, a->kr, m->a.rope_cos, m->a.rope_sin, B, T, nkv, hd, pos);
     if (!skip_attention) { /* keep-attention's recompute: att and lse are the forward's, kept */
         PHASE(ATTENTION);
-        if (m->sp > 1) /* Ulysses: to head-sharded, attention over the whole sequence, back */
-            FM_TRY(fm_attn_sp_forward(&m->sp_attn, &m->be, a->att, a->lse, a->qr, a->kr, a->v));
+        if (m->mesh.sp > 1) /* Ulysses: to head-sharded, attention over the whole sequence, back */
+            FM_TRY(fm_attn_sp_forward(&m->a.sp_attn, &m->be, a->att, a->lse, a->qr, a->kr, a->v));
         else
             OPS->attention_fwd(CTX, a->att, a->lse, a->qr, a->kr, a->v, B, T, nh, nkv, hd, kvs);
         PHASE(DENSE);
@@ -93,19 +93,19 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
     OPS->rmsnorm_fwd(CTX, ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
     PHASE(ROUTER);
     /* router logits: fp32, transient in the working set (backward needs only probs and lse) */
-    FM_TRY(fm_router_forward(&m->be, &m->router, m->comm, m->ws.dlogits_r, &a->router, m->results + FM_RESULT_SCRATCH,
-                             m->results + FM_RESULT_LAYERS + 2 * l, ln2, w->router, N, H));
+    FM_TRY(fm_router_forward(&m->be, &m->router, m->mesh.comm, m->a.ws.dlogits_r, &a->router, m->a.results + FM_RESULT_SCRATCH,
+                             m->a.results + FM_RESULT_LAYERS + 2 * l, ln2, w->router, N, H));
     const fm_moe_dims md = moe_dims(m);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
-    if (m->moe_ep_comm) { /* expert parallelism (--ep): the experts of the ep group */
-        m->moe_ep_ws.exp_ws.w8_layer = l; /* --fp8-weight-cache: this layer's codes */
-        FM_TRY(fm_moe_ep_layer_forward(&m->be, m->moe_ep_comm, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w,
-                                       N, m->moe_K, m->moe_chunk_order, &m->moe_ep_ws, m->moe_ws.counts,
-                                       m->moe_ep_counts_host));
+    if (m->mesh.moe_ep_comm) { /* expert parallelism (--ep): the experts of the ep group */
+        m->a.moe_ep_ws.exp_ws.w8_layer = l; /* --fp8-weight-cache: this layer's codes */
+        FM_TRY(fm_moe_ep_layer_forward(&m->be, m->mesh.moe_ep_comm, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w,
+                                       N, m->a.moe_K, m->a.moe_chunk_order, &m->a.moe_ep_ws, m->a.moe_ws.counts,
+                                       m->a.moe_ep_counts_host));
     } else {
-        m->moe_ws.w8_layer = l; /* --fp8-weight-cache: this layer's codes */
-        FM_TRY(fm_moe_forward(&m->be, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w, N, m->moe_K,
-                              m->moe_chunk_order, m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws));
+        m->a.moe_ws.w8_layer = l; /* --fp8-weight-cache: this layer's codes */
+        FM_TRY(fm_moe_forward(&m->be, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w, N, m->a.moe_K,
+                              m->a.moe_chunk_order, m->a.moe_chunk_tokens > 0 ? NULL : &a->moe, &m->a.moe_ws));
     }
     PHASE(DENSE);
     OPS->add(CTX, y, a->x_mid, N * H);
@@ -116,7 +116,7 @@ fm_status fm_model_layer_forward(fm_model *m, int64_t l, fm_act *y) { return lay
 
 fm_status fm_model_layer_recompute(fm_model *m, int64_t l, fm_act *y, bool skip_attention) {
     FM_ASSERT(l >= 0 && l < m->cfg.num_hidden_layers);
-    if (skip_attention && !(m->keep_attention && m->keep_attention[l]))
+    if (skip_attention && !(m->a.keep_attention && m->a.keep_attention[l]))
         return fm_error(FM_ERR_ARG, "recompute of layer %lld without its attention forward: the layout keeps no "
                         "attention output for it (fm_layout_opts.keep_attention)", (long long)l);
     return layer_forward(m, l, y, skip_attention);
@@ -128,12 +128,12 @@ fm_status fm_model_layer_recompute(fm_model *m, int64_t l, fm_act *y, bool skip_
 fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx, float scale) {
     const fm_config *c = &m->cfg;
     FM_ASSERT(l >= 0 && l < c->num_hidden_layers);
-    const fm_act *x = m->boundary[l];
-    fm_layer_acts *a = &m->acts[l];
-    const fm_layer_ptrs *w = &m->w.layers[l];
-    const fm_layer_ptrs *g = &m->g.layers[l];
-    fm_bwd_ws *ws = &m->ws;
-    const int64_t B = m->B, T = m->T, N = m->N, H = c->hidden_size;
+    const fm_act *x = m->a.boundary[l];
+    fm_layer_acts *a = &m->a.acts[l];
+    const fm_layer_ptrs *w = &m->p.w.layers[l];
+    const fm_layer_ptrs *g = &m->p.g.layers[l];
+    fm_bwd_ws *ws = &m->a.ws;
+    const int64_t B = m->a.B, T = m->a.T, N = m->a.N, H = c->hidden_size;
     const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads, hd = c->head_dim;
     const int64_t qd = nh * hd, kd = nkv * hd;
     const float eps = (float)c->rms_norm_eps;
@@ -145,19 +145,19 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     const fm_moe_dims md = moe_dims(m);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down};
-    if (m->moe_ep_comm) { /* expert parallelism: the ep group's error, the same on every rank */
-        m->moe_ep_ws.exp_ws.w8_layer = l;
-        FM_TRY(fm_moe_ep_layer_backward(&m->be, m->moe_ep_comm, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2,
-                                        a->router.topk_idx, a->router.topk_w, N, m->moe_K, m->moe_chunk_order,
-                                        &m->moe_ep_ws));
+    if (m->mesh.moe_ep_comm) { /* expert parallelism: the ep group's error, the same on every rank */
+        m->a.moe_ep_ws.exp_ws.w8_layer = l;
+        FM_TRY(fm_moe_ep_layer_backward(&m->be, m->mesh.moe_ep_comm, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2,
+                                        a->router.topk_idx, a->router.topk_w, N, m->a.moe_K, m->a.moe_chunk_order,
+                                        &m->a.moe_ep_ws));
     } else {
-        m->moe_ws.w8_layer = l;
+        m->a.moe_ws.w8_layer = l;
         FM_TRY(fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2, a->router.topk_idx,
-                               a->router.topk_w, N, m->moe_K, m->moe_chunk_order,
-                               m->moe_chunk_tokens > 0 ? NULL : &a->moe, &m->moe_ws));
+                               a->router.topk_w, N, m->a.moe_K, m->a.moe_chunk_order,
+                               m->a.moe_chunk_tokens > 0 ? NULL : &a->moe, &m->a.moe_ws));
     }
     PHASE(ROUTER);
-    const int64_t n_tot = m->comm ? N * fm_comm_size(m->comm) : N;
+    const int64_t n_tot = m->mesh.comm ? N * fm_comm_size(m->mesh.comm) : N;
     fm_router_backward(&m->be, &m->router, n_tot, ws->dln, g->router, ws->dlogits_r, ws->dlogits_act, ws->dprobs_e,
                        ws->dtopk_w, &a->router, ln2, w->router, N, H, c->num_hidden_layers, scale);
     /* d x_mid = dy + rmsnorm_bwd(dln) */
@@ -168,18 +168,18 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     fm_act *datt = ws->datt ? ws->datt : dy; /* dy is dead from here on */
 
     /* attention block: x_mid = x + o_proj(attn(rope(qknorm(q,k)), v)) */
-    const int32_t *pos = m->docs ? m->doc_pos : NULL, *kvs = m->docs ? m->doc_start : NULL; /* packed */
+    const int32_t *pos = m->a.docs ? m->a.doc_pos : NULL, *kvs = m->a.docs ? m->a.doc_start : NULL; /* packed */
     linear_bwd(m, datt, 0.0f, g->wo, dxmid, a->att, w->wo, N, qd, H);
     PHASE(ATTENTION);
-    if (m->sp > 1) /* Ulysses: the transposed all-to-alls around the attention backward */
-        FM_TRY(fm_attn_sp_backward(&m->sp_attn, &m->be, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att,
+    if (m->mesh.sp > 1) /* Ulysses: the transposed all-to-alls around the attention backward */
+        FM_TRY(fm_attn_sp_backward(&m->a.sp_attn, &m->be, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att,
                                    a->lse));
     else
         OPS->attention_bwd(CTX, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att, a->lse, B, T, nh, nkv, hd,
                            kvs);
     PHASE(DENSE);
-    OPS->rope_bwd(CTX, ws->dq, m->rope_cos, m->rope_sin, B, T, nh, hd, pos);
-    OPS->rope_bwd(CTX, ws->dk, m->rope_cos, m->rope_sin, B, T, nkv, hd, pos);
+    OPS->rope_bwd(CTX, ws->dq, m->a.rope_cos, m->a.rope_sin, B, T, nh, hd, pos);
+    OPS->rope_bwd(CTX, ws->dk, m->a.rope_cos, m->a.rope_sin, B, T, nkv, hd, pos);
     fm_act *dq = ws->dq, *dk = ws->dk;
     if (c->qk_norm != FM_QK_NORM_NONE) {
         /* datt is free now: reuse it for dq before the norm; dln (free) for dk. */

@@ -63,8 +63,8 @@ static void layout_ws(fm_bwd_ws *w, fm_arena *ar, const fm_config *c, int64_t N)
     w->dprobs_e = TAKE(ar, float, E);
 }
 
-/* Lays out everything but the model state into arenas ar[1..]. Pointer arrays m->boundary and
- * m->acts must already exist. */
+/* Lays out everything but the model state into arenas ar[1..]. Pointer arrays m->a.boundary and
+ * m->a.acts must already exist. */
 static fm_moe_dims moe_dims(const fm_config *c) {
     fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok};
     return d;
@@ -82,75 +82,75 @@ static size_t ring_scratch_bytes(const fm_config *c, int64_t N, int64_t block_to
 
 static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     const fm_config *c = &m->cfg;
-    const int64_t L = c->num_hidden_layers, N = m->N, H = c->hidden_size, hd = c->head_dim;
+    const int64_t L = c->num_hidden_layers, N = m->a.N, H = c->hidden_size, hd = c->head_dim;
     fm_arena *bnd = &ar[FM_LIVE_BOUNDARIES], *acts = &ar[FM_LIVE_LAYER_ACTS],
              *ws = &ar[FM_LIVE_WORKING_SET], *voc = &ar[FM_LIVE_VOCAB], *ex = &ar[FM_LIVE_EXPERT];
     fm_moe_dims md = moe_dims(c);
-    md.fp8 = m->moe_fp8;
-    md.fp8_codes = m->moe_fp8_codes; /* (the path's own bytes, as planned: fm_moe_ws_bytes) */
-    md.fp8_cache_layers = m->moe_fp8_cache ? L : 0;
-    const bool chunked = m->moe_chunk_tokens > 0;
+    md.fp8 = m->a.moe_fp8;
+    md.fp8_codes = m->a.moe_fp8_codes; /* (the path's own bytes, as planned: fm_moe_ws_bytes) */
+    md.fp8_cache_layers = m->a.opts.expert_fp8_cache ? L : 0;
+    const bool chunked = m->a.moe_chunk_tokens > 0;
     int64_t c_eff;
-    fm_moe_chunks(N, m->moe_chunk_tokens, &m->moe_K, &c_eff);
-    m->tokens = TAKE(bnd, int32_t, N);
-    m->targets = TAKE(bnd, int32_t, N);
-    m->results = TAKE(bnd, double, fm_model_results_count(c));
-    m->pin_tokens = TAKE(host, int32_t, N);
-    m->pin_targets = TAKE(host, int32_t, N);
-    m->pin_results = TAKE(host, double, fm_model_results_count(c));
-    m->rope_cos = TAKE(bnd, float, m->T * hd / 2);
-    m->rope_sin = TAKE(bnd, float, m->T * hd / 2);
-    m->moe_chunk_order = chunked ? TAKE(bnd, int32_t, N) : NULL;
-    m->doc_pos = TAKE(bnd, int32_t, N); /* packed documents (fm_batch.h): taken whatever the data */
-    m->doc_start = TAKE(bnd, int32_t, N);
-    m->pin_doc_pos = TAKE(host, int32_t, N);
-    m->pin_doc_start = TAKE(host, int32_t, N);
+    fm_moe_chunks(N, m->a.moe_chunk_tokens, &m->a.moe_K, &c_eff);
+    m->a.tokens = TAKE(bnd, int32_t, N);
+    m->a.targets = TAKE(bnd, int32_t, N);
+    m->a.results = TAKE(bnd, double, fm_model_results_count(c));
+    m->a.pin_tokens = TAKE(host, int32_t, N);
+    m->a.pin_targets = TAKE(host, int32_t, N);
+    m->a.pin_results = TAKE(host, double, fm_model_results_count(c));
+    m->a.rope_cos = TAKE(bnd, float, m->a.T * hd / 2);
+    m->a.rope_sin = TAKE(bnd, float, m->a.T * hd / 2);
+    m->a.moe_chunk_order = chunked ? TAKE(bnd, int32_t, N) : NULL;
+    m->a.doc_pos = TAKE(bnd, int32_t, N); /* packed documents (fm_batch.h): taken whatever the data */
+    m->a.doc_start = TAKE(bnd, int32_t, N);
+    m->a.pin_doc_pos = TAKE(host, int32_t, N);
+    m->a.pin_doc_start = TAKE(host, int32_t, N);
     /* Offloaded boundaries 0 .. n_off-1 rotate through slots 0 and 1 (taken where boundaries 0
      * and 1 would be); with n_off = 0 this is the plain L+1 tensors, in the same order. */
-    const int64_t n_off = m->n_offloaded_boundaries;
+    const int64_t n_off = m->a.n_offloaded_boundaries;
     for (int64_t l = 0; l <= L; l++)
-        m->boundary[l] = l < n_off && l >= 2 ? m->boundary[l % 2] : TAKE(bnd, fm_act, N * H);
+        m->a.boundary[l] = l < n_off && l >= 2 ? m->a.boundary[l % 2] : TAKE(bnd, fm_act, N * H);
     fm_layer_acts shared;
     bool any_recompute = false;
-    for (int64_t l = 0; l < L; l++) any_recompute |= m->recompute[l];
+    for (int64_t l = 0; l < L; l++) any_recompute |= m->a.recompute[l];
     if (any_recompute) {
-        layout_layer_acts(&shared, acts, c, m->B, m->T);
+        layout_layer_acts(&shared, acts, c, m->a.B, m->a.T);
         memset(&shared.moe, 0, sizeof shared.moe);
         if (!chunked) fm_moe_routes_layout(&shared.moe, ex, host, &md, N);
     }
     for (int64_t l = 0; l < L; l++) {
-        if (m->recompute[l]) {
-            m->acts[l] = shared;
-            if (m->keep_attention[l]) { /* keep-attention: its own att and lse, kept to backward */
-                m->acts[l].att = TAKE(acts, fm_act, N * c->num_attention_heads * hd);
-                m->acts[l].lse = TAKE(acts, float, m->B * c->num_attention_heads * m->T);
+        if (m->a.recompute[l]) {
+            m->a.acts[l] = shared;
+            if (m->a.keep_attention[l]) { /* keep-attention: its own att and lse, kept to backward */
+                m->a.acts[l].att = TAKE(acts, fm_act, N * c->num_attention_heads * hd);
+                m->a.acts[l].lse = TAKE(acts, float, m->a.B * c->num_attention_heads * m->a.T);
             }
             continue;
         }
-        layout_layer_acts(&m->acts[l], acts, c, m->B, m->T);
-        memset(&m->acts[l].moe, 0, sizeof m->acts[l].moe);
-        if (!chunked) fm_moe_routes_layout(&m->acts[l].moe, ex, host, &md, N);
+        layout_layer_acts(&m->a.acts[l], acts, c, m->a.B, m->a.T);
+        memset(&m->a.acts[l].moe, 0, sizeof m->a.acts[l].moe);
+        if (!chunked) fm_moe_routes_layout(&m->a.acts[l].moe, ex, host, &md, N);
     }
-    if (m->ep > 1) { /* expert parallelism: the EP operator's chunk working set (its bound) */
-        memset(&m->moe_ws, 0, sizeof m->moe_ws);
-        fm_status st = fm_moe_ep_ws_layout(&m->moe_ep_ws, ex, host, &md, m->ep, m->ep_rank, c_eff, &m->moe_llep);
+    if (m->p.ep > 1) { /* expert parallelism: the EP operator's chunk working set (its bound) */
+        memset(&m->a.moe_ws, 0, sizeof m->a.moe_ws);
+        fm_status st = fm_moe_ep_ws_layout(&m->a.moe_ep_ws, ex, host, &md, m->p.ep, m->p.ep_rank, c_eff, &m->mesh.moe_llep);
         FM_ASSERT(st == FM_OK); /* checked by fm_model_layout before */
     } else {
-        fm_moe_ws_layout(&m->moe_ws, ex, host, &md, chunked ? c_eff : N, chunked);
+        fm_moe_ws_layout(&m->a.moe_ws, ex, host, &md, chunked ? c_eff : N, chunked);
     }
-    layout_ws(&m->ws, ws, c, N);
+    layout_ws(&m->a.ws, ws, c, N);
     /* Ulysses sequence parallelism: the head-sharded attention buffers, in the working set */
-    const fm_attn_sp_dims sd = {m->B, m->T, c->num_attention_heads, c->num_key_value_heads, hd, m->sp > 1 ? m->sp : 1};
-    fm_attn_sp_layout(&m->sp_attn, ws, &sd);
-    m->xf = TAKE(voc, fm_act, N * H);
-    m->rstd_f = TAKE(voc, float, N);
-    m->logits = m->linear_ce ? NULL : TAKE(voc, fm_act, N * c->vocab_size);
-    m->token_loss = TAKE(voc, float, N);
-    if (m->linear_ce) { /* the operator's strip (Ring-DTP: its messages too): carved and released inside each call */
+    const fm_attn_sp_dims sd = {m->a.B, m->a.T, c->num_attention_heads, c->num_key_value_heads, hd, m->mesh.sp > 1 ? m->mesh.sp : 1};
+    fm_attn_sp_layout(&m->a.sp_attn, ws, &sd);
+    m->a.xf = TAKE(voc, fm_act, N * H);
+    m->a.rstd_f = TAKE(voc, float, N);
+    m->a.logits = m->a.linear_ce ? NULL : TAKE(voc, fm_act, N * c->vocab_size);
+    m->a.token_loss = TAKE(voc, float, N);
+    if (m->a.linear_ce) { /* the operator's strip (Ring-DTP: its messages too): carved and released inside each call */
         /* one rank: blocks clamped to N x V as the call clamps them, no entropy vector: what the call takes */
-        size_t strip = m->vocab_P > 1 ? ring_scratch_bytes(c, N, m->ce_block_tokens, m->ce_block_vocab, m->vocab_P,
+        size_t strip = m->mesh.vocab_P > 1 ? ring_scratch_bytes(c, N, m->a.ce_block_tokens, m->a.ce_block_vocab, m->mesh.vocab_P,
                                                            sizeof(fm_act))
-                                      : fm_linear_ce_call_bytes_a(m->ce_block_tokens, m->ce_block_vocab, N,
+                                      : fm_linear_ce_call_bytes_a(m->a.ce_block_tokens, m->a.ce_block_vocab, N,
                                                                   c->vocab_size, false, sizeof(fm_act));
         if (fm_arena_is_measure(voc)) { /* the real arena was sized from this measurement */
             voc->used += strip;
@@ -232,15 +232,15 @@ size_t fm_model_vocab_ring_bytes(const fm_config *c, int64_t N, int64_t block_to
 }
 
 void fm_model_free_layout(fm_model *m) {
-    fm_attn_sp_free(&m->sp_attn);
-    for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_free(&m->arena[i]);
-    fm_arena_free(&m->host_arena);
-    fm_free(m->boundary);
-    fm_free(m->moe_fp8_fresh);
-    m->moe_fp8_fresh = NULL;
-    fm_free(m->acts);
-    m->boundary = NULL;
-    m->acts = NULL;
+    fm_attn_sp_free(&m->a.sp_attn);
+    for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_free(&m->a.arena[i]);
+    fm_arena_free(&m->a.host_arena);
+    fm_free(m->a.boundary);
+    fm_free(m->a.moe_fp8_fresh);
+    m->a.moe_fp8_fresh = NULL;
+    fm_free(m->a.acts);
+    m->a.boundary = NULL;
+    m->a.acts = NULL;
 }
 
 static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layout_opts *opts,
@@ -250,20 +250,21 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
     fm_model m;
     memset(&m, 0, sizeof m);
     m.cfg = *cfg;
-    m.B = B; m.T = T; m.N = B * T;
-    m.moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
-    m.linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
-    m.ce_block_tokens = opts ? opts->ce_block_tokens : 0;
-    m.ce_block_vocab = opts ? opts->ce_block_vocab : 0;
-    m.n_offloaded_boundaries = opts ? opts->n_offloaded_boundaries : 0;
-    m.sp = opts && opts->sp > 1 ? (int)opts->sp : 1;
-    m.vocab_P = opts && opts->vocab_ring > 1 ? opts->vocab_ring : 0;
-    m.ep = opts && opts->ep > 1 ? opts->ep : 1;
-    m.moe_fp8 = opts && opts->expert_fp8;
-    m.moe_fp8_codes = m.moe_fp8 && opts->expert_fp8_codes;
-    m.moe_fp8_cache = m.moe_fp8_codes && opts->expert_fp8_cache;
-    m.ep_rank = opts && opts->ep > 1 ? opts->ep_rank : 0;
-    if (opts && opts->ep > 1 && opts->llep) m.moe_llep = *opts->llep;
+    if (opts) m.a.opts = *opts; /* what layout_all reads through m->a.opts, resolved below */
+    m.a.B = B; m.a.T = T; m.a.N = B * T;
+    m.a.moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
+    m.a.linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
+    m.a.ce_block_tokens = opts ? opts->ce_block_tokens : 0;
+    m.a.ce_block_vocab = opts ? opts->ce_block_vocab : 0;
+    m.a.n_offloaded_boundaries = opts ? opts->n_offloaded_boundaries : 0;
+    m.mesh.sp = opts && opts->sp > 1 ? (int)opts->sp : 1;
+    m.mesh.vocab_P = opts && opts->vocab_ring > 1 ? opts->vocab_ring : 0;
+    m.p.ep = opts && opts->ep > 1 ? opts->ep : 1;
+    m.a.moe_fp8 = opts && opts->expert_fp8;
+    m.a.moe_fp8_codes = m.a.moe_fp8 && opts->expert_fp8_codes;
+    m.a.opts.expert_fp8_cache = m.a.moe_fp8_codes && opts->expert_fp8_cache;
+    m.p.ep_rank = opts && opts->ep > 1 ? opts->ep_rank : 0;
+    if (opts && opts->ep > 1 && opts->llep) m.mesh.moe_llep = *opts->llep;
     bool *rc = fm_malloc((size_t)(2 * L + 1));
     fm_act **bp = fm_malloc(sizeof(fm_act *) * (size_t)(L + 1));
     fm_layer_acts *la = fm_malloc(sizeof(fm_layer_acts) * (size_t)(L + 1));
@@ -271,10 +272,10 @@ static void plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_layo
     const bool *keep = opts ? opts->keep_attention : NULL;
     for (int64_t l = 0; l < L; l++) rc[l] = recompute ? recompute[l] : false;
     for (int64_t l = 0; l < L; l++) rc[L + l] = rc[l] && keep && keep[l];
-    m.recompute = rc;
-    m.keep_attention = rc + L;
-    m.boundary = bp;
-    m.acts = la;
+    m.a.recompute = rc;
+    m.a.keep_attention = rc + L;
+    m.a.boundary = bp;
+    m.a.acts = la;
     fm_arena ar[FM_LIVE_COUNT], host;
     for (int i = 0; i < FM_LIVE_COUNT; i++) fm_arena_init_measure(&ar[i], fm_live_set_names[i]);
     fm_arena_init_measure(&host, "host");
@@ -294,24 +295,24 @@ void fm_model_plan_bytes(const fm_config *cfg, int64_t B, int64_t T, const fm_la
 
 /* Ring-DTP over P ranks (P <= 1: off): the communicator's size, the linear CE, this rank's shard. */
 static fm_status vocab_ring_setup(fm_model *m, int P) {
-    m->vocab_P = 0;
-    m->vocab_rank = 0;
-    m->vocab_first = 0;
-    m->vocab_rows = m->cfg.vocab_size;
+    m->mesh.vocab_P = 0;
+    m->mesh.vocab_rank = 0;
+    m->mesh.vocab_first = 0;
+    m->mesh.vocab_rows = m->cfg.vocab_size;
     if (P <= 1) return FM_OK;
-    if (!m->linear_ce)
+    if (!m->a.linear_ce)
         return fm_error(FM_ERR_ARG, "--vocab-parallel ring: the ring is the linear cross-entropy, but the layout has plain "
                         "logits (--ce-block-tokens 0 --ce-block-vocab 0); give blocks > 0 or leave both flags out");
-    if (!m->vocab_comm || fm_comm_size(m->vocab_comm) != P)
-        return fm_error(FM_ERR_ARG, "--vocab-parallel ring over %d ranks: the model's ring communicator (m->vocab_comm) "
+    if (!m->mesh.vocab_comm || fm_comm_size(m->mesh.vocab_comm) != P)
+        return fm_error(FM_ERR_ARG, "--vocab-parallel ring over %d ranks: the model's ring communicator (m->mesh.vocab_comm) "
                         "has %d ranks; set it to the world before fm_model_layout", P,
-                        m->vocab_comm ? fm_comm_size(m->vocab_comm) : 0);
+                        m->mesh.vocab_comm ? fm_comm_size(m->mesh.vocab_comm) : 0);
     if (P > FM_LCE_RING_MAX_RANKS)
         return fm_error(FM_ERR_ARG, "--vocab-parallel ring over %d ranks: the ring takes at most %d; launch fewer ranks or "
                         "drop the flag", P, FM_LCE_RING_MAX_RANKS);
-    m->vocab_P = P;
-    m->vocab_rank = fm_comm_rank(m->vocab_comm);
-    fm_lce_ring_shard(m->cfg.vocab_size, P, m->vocab_rank, &m->vocab_first, &m->vocab_rows);
+    m->mesh.vocab_P = P;
+    m->mesh.vocab_rank = fm_comm_rank(m->mesh.vocab_comm);
+    fm_lce_ring_shard(m->cfg.vocab_size, P, m->mesh.vocab_rank, &m->mesh.vocab_first, &m->mesh.vocab_rows);
     return FM_OK;
 }
 
@@ -322,10 +323,10 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     const int64_t sp = opts && opts->sp > 1 ? opts->sp : 1;
     if (sp > 1) { /* Ulysses: T is this rank's slice; the sp group is the caller's */
         FM_TRY(fm_attn_sp_check(c, sp, sp * T));
-        if (!m->sp_comm || fm_comm_size(m->sp_comm) != sp)
-            return fm_error(FM_ERR_ARG, "sequence parallelism over %lld ranks: the model's sp group (m->sp_comm) has %d "
+        if (!m->mesh.sp_comm || fm_comm_size(m->mesh.sp_comm) != sp)
+            return fm_error(FM_ERR_ARG, "sequence parallelism over %lld ranks: the model's sp group (m->mesh.sp_comm) has %d "
                             "ranks; set it to the mesh's sp communicator before fm_model_layout", (long long)sp,
-                            m->sp_comm ? fm_comm_size(m->sp_comm) : 0);
+                            m->mesh.sp_comm ? fm_comm_size(m->mesh.sp_comm) : 0);
     }
     if (sp * T > c->max_position_embeddings)
         return fm_error(FM_ERR_ARG, "a sequence of %lld tokens (--seq-len) exceeds the model's max_position_embeddings "
@@ -339,97 +340,107 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
         return fm_error(FM_ERR_ARG, "--micro-batch (%lld) and --seq-len (%lld) must be >= 1", (long long)B,
                         (long long)T);
     fm_model_free_layout(m);
-    m->B = m->B_cap = B;
-    m->T = m->T_cap = T;
-    m->N = B * T;
+    m->a.B = m->a.B_cap = B;
+    m->a.T = m->a.T_cap = T;
+    m->a.N = B * T;
     if (opts && opts->moe_chunk_tokens < 0)
         return fm_error(FM_ERR_ARG, "--moe-chunk-tokens must be >= 0 (0 = unchunked), found %lld",
                         (long long)opts->moe_chunk_tokens);
-    for (int64_t l = 0; l < L; l++) m->recompute[l] = recompute ? recompute[l] : false;
+    for (int64_t l = 0; l < L; l++) m->a.recompute[l] = recompute ? recompute[l] : false;
     for (int64_t l = 0; l < L; l++)
-        m->keep_attention[l] = m->recompute[l] && opts && opts->keep_attention && opts->keep_attention[l];
+        m->a.keep_attention[l] = m->a.recompute[l] && opts && opts->keep_attention && opts->keep_attention[l];
     if (opts && (opts->ce_block_tokens < 0 || opts->ce_block_vocab < 0))
         return fm_error(FM_ERR_ARG, "--ce-block-tokens and --ce-block-vocab must be >= 0");
-    m->moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
-    m->moe_fp8 = opts && opts->expert_fp8;
-    m->linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
-    m->ce_block_tokens = opts ? opts->ce_block_tokens : 0;
-    m->ce_block_vocab = opts ? opts->ce_block_vocab : 0;
+    m->a.moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
+    m->a.moe_fp8 = opts && opts->expert_fp8;
+    m->a.linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
+    m->a.ce_block_tokens = opts ? opts->ce_block_tokens : 0;
+    m->a.ce_block_vocab = opts ? opts->ce_block_vocab : 0;
     if (opts && (opts->n_offloaded_boundaries < 0 || opts->n_offloaded_boundaries > L))
         return fm_error(FM_ERR_ARG, "--offload-boundaries: found %lld; expected 0 .. %lld (the model's layers; "
                         "boundary %lld, the head's input, stays on the device)",
                         (long long)opts->n_offloaded_boundaries, (long long)L, (long long)L);
-    m->n_offloaded_boundaries = opts ? opts->n_offloaded_boundaries : 0;
+    m->a.n_offloaded_boundaries = opts ? opts->n_offloaded_boundaries : 0;
     const int ep = opts && opts->ep > 1 ? opts->ep : 1;
-    if (ep != m->ep || (ep > 1 && opts->ep_rank != m->ep_rank))
+    if (ep != m->p.ep || (ep > 1 && opts->ep_rank != m->p.ep_rank))
         return fm_error(FM_ERR_ARG, "layout for --ep %d (rank %d) of a model created for ep %d (rank %d): create it "
-                        "with fm_model_create_ep", ep, opts ? opts->ep_rank : 0, m->ep, m->ep_rank);
+                        "with fm_model_create_ep", ep, opts ? opts->ep_rank : 0, m->p.ep, m->p.ep_rank);
     if (ep > 1) {
-        memset(&m->moe_llep, 0, sizeof m->moe_llep);
-        if (opts->llep) m->moe_llep = *opts->llep;
+        memset(&m->mesh.moe_llep, 0, sizeof m->mesh.moe_llep);
+        if (opts->llep) m->mesh.moe_llep = *opts->llep;
         const fm_moe_dims md = moe_dims(c);
-        if (m->moe_chunk_tokens <= 0)
+        if (m->a.moe_chunk_tokens <= 0)
             return fm_error(FM_ERR_ARG, "--ep %d needs a token cap per chunk (--ep-cap-tokens >= 1), found %lld", ep,
-                            (long long)m->moe_chunk_tokens);
-        FM_TRY(fm_moe_ep_check(&md, ep, m->moe_chunk_tokens));
+                            (long long)m->a.moe_chunk_tokens);
+        FM_TRY(fm_moe_ep_check(&md, ep, m->a.moe_chunk_tokens));
     }
-    m->sp = (int)sp;
-    m->sp_rank = sp > 1 ? fm_comm_rank(m->sp_comm) : 0;
+    m->mesh.sp = (int)sp;
+    m->mesh.sp_rank = sp > 1 ? fm_comm_rank(m->mesh.sp_comm) : 0;
     { /* sync-free experts: the backend's own choice for this shape (not beside --ep, whose
        * all-to-all needs the counts on the host anyway) */
         int64_t K, c_eff;
-        fm_moe_chunks(m->N, m->moe_chunk_tokens, &K, &c_eff);
+        fm_moe_chunks(m->a.N, m->a.moe_chunk_tokens, &K, &c_eff);
         const int64_t rows_max = c_eff * c->num_experts_per_tok;
         /* fp8: the fast path on E4M3 codes when the caller asks (train asks where the backend
          * serves the shape: fm_backend_fp8_codes_serves); its ops read the offsets on the device,
          * so the dispatch is sync-free where the backend adds the expert-load counts there too */
-        m->moe_fp8_codes = m->moe_fp8 && opts->expert_fp8_codes;
-        m->moe_fp8_cache = m->moe_fp8_codes && opts->expert_fp8_cache;
-        if (opts && opts->expert_fp8_cache && !m->moe_fp8_codes)
+        m->a.moe_fp8_codes = m->a.moe_fp8 && opts->expert_fp8_codes;
+        m->a.opts.expert_fp8_cache = m->a.moe_fp8_codes && opts->expert_fp8_cache; /* resolved */
+        if (opts && opts->expert_fp8_cache && !m->a.moe_fp8_codes)
             return fm_error(FM_ERR_ARG, "--fp8-weight-cache keeps the E4M3 weight codes of --expert-precision fp8's fast "
                             "path, but this run's experts %s; drop --fp8-weight-cache",
-                            m->moe_fp8 ? "run the fp8 emulation (no E4M3 codes here)" : "are not fp8");
+                            m->a.moe_fp8 ? "run the fp8 emulation (no E4M3 codes here)" : "are not fp8");
         /* the experts' precision must serve this backend and shape (fm_moe_experts.serves): on one
          * rank over dispatches of rows_max rows; under --ep at the owner over its E/ep experts and
          * the R_max rows it may receive (fm_moe_ep_bound) */
         fm_moe_dims ed = moe_dims(c);
-        ed.fp8 = m->moe_fp8;
-        ed.fp8_codes = m->moe_fp8_codes;
+        ed.fp8 = m->a.moe_fp8;
+        ed.fp8_codes = m->a.moe_fp8_codes;
         int64_t ex_rows = rows_max;
         if (ep > 1) {
             ed = fm_moe_ep_local_dims(&ed, ep);
             const int64_t k = c->num_experts_per_tok;
             ex_rows = (int64_t)ep * c_eff * (k < ed.E ? k : ed.E);
         }
-        FM_TRY(fm_experts_select(&ed)->serves(&m->be, &ed, ex_rows, ep, ep > 1 && m->moe_llep.on));
-        if (m->moe_fp8) /* sync-free where the codes' ops read the offsets on the device (not under
+        FM_TRY(fm_experts_select(&ed)->serves(&m->be, &ed, ex_rows, ep, ep > 1 && m->mesh.moe_llep.on));
+        if (m->a.moe_fp8) /* sync-free where the codes' ops read the offsets on the device (not under
                          * --ep: the all-to-all needs the counts on the host) */
-            m->moe_sync_free = ep == 1 && m->moe_fp8_codes && m->be.ops->moe_count_add != NULL;
+            m->a.moe_sync_free = ep == 1 && m->a.moe_fp8_codes && m->be.ops->moe_count_add != NULL;
         else
-            m->moe_sync_free = ep == 1 && m->be.ops->expert_sync_free &&
+            m->a.moe_sync_free = ep == 1 && m->be.ops->expert_sync_free &&
                                m->be.ops->expert_sync_free(m->be.ctx, c->num_experts, c->hidden_size,
                                                            c->moe_intermediate_size, rows_max);
     }
     FM_TRY(vocab_ring_setup(m, opts ? opts->vocab_ring : 0));
-    fm_layout_opts o = {m->recompute, m->moe_chunk_tokens, m->ce_block_tokens, m->ce_block_vocab,
-                        m->n_offloaded_boundaries, m->keep_attention, ep, m->ep_rank, &m->moe_llep};
+    fm_layout_opts o = opts ? *opts : (fm_layout_opts){0}; /* as given (a knob read only through
+                                                               m->a.opts needs no line here) */
+    o.recompute = m->a.recompute; /* ... with the model's own copies and the resolved values: */
+    o.moe_chunk_tokens = m->a.moe_chunk_tokens;
+    o.ce_block_tokens = m->a.ce_block_tokens;
+    o.ce_block_vocab = m->a.ce_block_vocab;
+    o.n_offloaded_boundaries = m->a.n_offloaded_boundaries;
+    o.keep_attention = m->a.keep_attention;
+    o.ep = ep;
+    o.ep_rank = m->p.ep_rank;
+    o.llep = &m->mesh.moe_llep;
     o.sp = sp;
-    o.vocab_ring = m->vocab_P;
-    o.expert_fp8 = m->moe_fp8;
-    o.expert_fp8_codes = m->moe_fp8_codes;
-    o.expert_fp8_cache = m->moe_fp8_cache;
+    o.vocab_ring = m->mesh.vocab_P;
+    o.expert_fp8 = m->a.moe_fp8;
+    o.expert_fp8_codes = m->a.moe_fp8_codes;
+    o.expert_fp8_cache = m->a.opts.expert_fp8_cache;
+    m->a.opts = o; /* as laid out: its pointers are the model's own (fm_acts.h) */
     size_t bytes[FM_LIVE_COUNT];
     size_t host_bytes = 0;
     plan_bytes(c, B, T, &o, bytes, &host_bytes);
     fm_status st;
-    m->boundary = fm_malloc(sizeof(fm_act *) * (size_t)(L + 1));
-    m->acts = fm_malloc(sizeof(fm_layer_acts) * (size_t)L);
-    if (!m->boundary || !m->acts) {
+    m->a.boundary = fm_malloc(sizeof(fm_act *) * (size_t)(L + 1));
+    m->a.acts = fm_malloc(sizeof(fm_layer_acts) * (size_t)L);
+    if (!m->a.boundary || !m->a.acts) {
         fm_model_free_layout(m);
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the layer tables");
     }
     for (int i = 1; i < FM_LIVE_COUNT; i++) {
-        st = fm_arena_init_backend(&m->arena[i], fm_live_set_names[i], bytes[i], &m->be);
+        st = fm_arena_init_backend(&m->a.arena[i], fm_live_set_names[i], bytes[i], &m->be);
         if (st) {
             fm_model_free_layout(m);
             return fm_error(FM_ERR_NOMEM, "memory: cannot allocate %.3f GiB for the %s live set at "
@@ -439,32 +450,32 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     }
     /* Painted before anything is written, so fm_arena_touched measures what the run writes (the
      * RoPE tables and the chunk order below are the first writes). One memset per arena, at launch. */
-    for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_paint(&m->arena[i]);
-    st = fm_arena_init_backend_kind(&m->host_arena, "pinned host", host_bytes, &m->be, FM_BUFFER_PINNED);
+    for (int i = 1; i < FM_LIVE_COUNT; i++) fm_arena_paint(&m->a.arena[i]);
+    st = fm_arena_init_backend_kind(&m->a.host_arena, "pinned host", host_bytes, &m->be, FM_BUFFER_PINNED);
     if (st) {
         fm_model_free_layout(m);
         return st;
     }
-    layout_all(m, m->arena, &m->host_arena);
-    fm_free(m->moe_fp8_fresh);
-    m->moe_fp8_fresh = NULL;
-    if (m->moe_fp8_cache) { /* every layer's codes stale until its first use */
-        m->moe_fp8_fresh = fm_malloc(sizeof(bool) * (size_t)L);
-        FM_ASSERT(m->moe_fp8_fresh); /* L bytes, at layout */
-        memset(m->moe_fp8_fresh, 0, sizeof(bool) * (size_t)L);
-        m->moe_ws.w8_fresh = m->moe_fp8_fresh;
-        m->moe_ep_ws.exp_ws.w8_fresh = m->moe_fp8_fresh; /* (under --ep: the owner's sets) */
+    layout_all(m, m->a.arena, &m->a.host_arena);
+    fm_free(m->a.moe_fp8_fresh);
+    m->a.moe_fp8_fresh = NULL;
+    if (m->a.opts.expert_fp8_cache) { /* every layer's codes stale until its first use */
+        m->a.moe_fp8_fresh = fm_malloc(sizeof(bool) * (size_t)L);
+        FM_ASSERT(m->a.moe_fp8_fresh); /* L bytes, at layout */
+        memset(m->a.moe_fp8_fresh, 0, sizeof(bool) * (size_t)L);
+        m->a.moe_ws.w8_fresh = m->a.moe_fp8_fresh;
+        m->a.moe_ep_ws.exp_ws.w8_fresh = m->a.moe_fp8_fresh; /* (under --ep: the owner's sets) */
     }
-    st = fm_attn_sp_init(&m->sp_attn, &m->be, m->sp_comm);
+    st = fm_attn_sp_init(&m->a.sp_attn, &m->be, m->mesh.sp_comm);
     if (st) {
         fm_model_free_layout(m);
         return st;
     }
-    fm_free(m->moe_ep_counts_host);
-    m->moe_ep_counts_host = NULL;
-    if (m->ep > 1 && !m->be.ops->host_memory) { /* the expert-load counts' host copy of top-k ids */
-        m->moe_ep_counts_host = fm_malloc(sizeof(int32_t) * (size_t)(m->N * c->num_experts_per_tok));
-        if (!m->moe_ep_counts_host) {
+    fm_free(m->a.moe_ep_counts_host);
+    m->a.moe_ep_counts_host = NULL;
+    if (m->p.ep > 1 && !m->be.ops->host_memory) { /* the expert-load counts' host copy of top-k ids */
+        m->a.moe_ep_counts_host = fm_malloc(sizeof(int32_t) * (size_t)(m->a.N * c->num_experts_per_tok));
+        if (!m->a.moe_ep_counts_host) {
             fm_model_free_layout(m);
             return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the expert-load counts' staging");
         }
@@ -474,8 +485,8 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
      * tables is global position sp_rank T + t (this rank's slice). */
     const int64_t half = c->head_dim / 2;
     float *tab = fm_malloc(sizeof(float) * (size_t)(2 * T * half + 1));
-    int32_t *order = m->moe_chunk_order ? fm_malloc(sizeof(int32_t) * (size_t)m->N) : NULL;
-    if (!tab || (m->moe_chunk_order && !order)) {
+    int32_t *order = m->a.moe_chunk_order ? fm_malloc(sizeof(int32_t) * (size_t)m->a.N) : NULL;
+    if (!tab || (m->a.moe_chunk_order && !order)) {
         fm_free(tab);
         fm_model_free_layout(m);
         return fm_error(FM_ERR_NOMEM, "memory: cannot stage the RoPE tables");
@@ -483,16 +494,16 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < half; i++) {
             double inv = pow(c->rope_theta, -2.0 * (double)i / (double)c->head_dim);
-            double ang = (double)(m->sp_rank * T + t) * inv;
+            double ang = (double)(m->mesh.sp_rank * T + t) * inv;
             tab[t * half + i] = (float)cos(ang);
             tab[T * half + t * half + i] = (float)sin(ang);
         }
-    m->be.ops->copy(m->be.ctx, m->rope_cos, tab, sizeof(float) * (size_t)(T * half), FM_COPY_H2D);
-    m->be.ops->copy(m->be.ctx, m->rope_sin, tab + T * half, sizeof(float) * (size_t)(T * half), FM_COPY_H2D);
+    m->be.ops->copy(m->be.ctx, m->a.rope_cos, tab, sizeof(float) * (size_t)(T * half), FM_COPY_H2D);
+    m->be.ops->copy(m->be.ctx, m->a.rope_sin, tab + T * half, sizeof(float) * (size_t)(T * half), FM_COPY_H2D);
     fm_free(tab);
     if (order) {
-        fm_moe_chunk_order(order, m->N, m->moe_K);
-        m->be.ops->copy(m->be.ctx, m->moe_chunk_order, order, sizeof(int32_t) * (size_t)m->N, FM_COPY_H2D);
+        fm_moe_chunk_order(order, m->a.N, m->a.moe_K);
+        m->be.ops->copy(m->be.ctx, m->a.moe_chunk_order, order, sizeof(int32_t) * (size_t)m->a.N, FM_COPY_H2D);
         fm_free(order);
     }
     return FM_OK;

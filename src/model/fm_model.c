@@ -2,12 +2,9 @@
 
 #include "fm_model_internal.h"
 
-#include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
-#include "../core/fm_rng.h"
 
 const char *const fm_live_set_names[FM_LIVE_COUNT] = {
     "model state", "checkpoint boundaries", "layer activations", "expert dispatch",
@@ -18,302 +15,70 @@ const char *const fm_live_set_names[FM_LIVE_COUNT] = {
 /* Parameter table                                                                             */
 /* ------------------------------------------------------------------------------------------ */
 
-typedef struct table_builder {
-    fm_param *t;     /* NULL: count only */
-    int n;
-    int64_t offset;
-} table_builder;
-
-static int64_t add_param(table_builder *b, bool decay, int ndim, int64_t d0, int64_t d1, const char *fmt, ...)
-    __attribute__((format(printf, 6, 7)));
-
-static int64_t add_param(table_builder *b, bool decay, int ndim, int64_t d0, int64_t d1, const char *fmt, ...) {
-    int64_t off = b->offset;
-    int64_t numel = ndim == 1 ? d0 : d0 * d1;
-    if (b->t) {
-        fm_param *p = &b->t[b->n];
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(p->name, sizeof p->name, fmt, ap);
-        va_end(ap);
-        p->ndim = ndim;
-        p->shape[0] = d0;
-        p->shape[1] = ndim == 2 ? d1 : 0;
-        p->offset = off;
-        p->numel = numel;
-        p->decay = decay;
-    }
-    b->n++;
-    b->offset += numel;
-    return off;
-}
-
-/* Offsets (in elements) of one layer's tensors within the flat buffer. */
-typedef struct layer_offsets {
-    int64_t ln1, wq, wk, wv, wo, q_norm, k_norm, ln2, router, w_gate, w_up, w_down;
-} layer_offsets;
-
-/* Fills the table (or counts it when b->t is NULL) and the offsets. The order is the flat
- * buffer's order. */
-static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, int64_t *o_norm,
-                        int64_t *o_head, layer_offsets *lo, int64_t e0, int64_t e1) {
-    const int64_t H = c->hidden_size, V = c->vocab_size, I = c->moe_intermediate_size, E = c->num_experts;
-    const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads, hd = c->head_dim;
-    const bool mixtral = c->model_type == FM_MODEL_MIXTRAL;
-    const char *moe = mixtral ? "block_sparse_moe" : "mlp";
-    const char *n_gate = mixtral ? "w1" : "gate_proj", *n_up = mixtral ? "w3" : "up_proj",
-               *n_down = mixtral ? "w2" : "down_proj";
-    *o_embed = add_param(b, true, 2, V, H, "model.embed_tokens.weight");
-    for (int64_t l = 0; l < c->num_hidden_layers; l++) {
-        layer_offsets x;
-        x.ln1 = add_param(b, false, 1, H, 0, "model.layers.%lld.input_layernorm.weight", (long long)l);
-        x.wq = add_param(b, true, 2, nh * hd, H, "model.layers.%lld.self_attn.q_proj.weight", (long long)l);
-        x.wk = add_param(b, true, 2, nkv * hd, H, "model.layers.%lld.self_attn.k_proj.weight", (long long)l);
-        x.wv = add_param(b, true, 2, nkv * hd, H, "model.layers.%lld.self_attn.v_proj.weight", (long long)l);
-        x.wo = add_param(b, true, 2, H, nh * hd, "model.layers.%lld.self_attn.o_proj.weight", (long long)l);
-        x.q_norm = x.k_norm = -1;
-        if (c->qk_norm == FM_QK_NORM_PER_HEAD) {
-            x.q_norm = add_param(b, false, 1, hd, 0, "model.layers.%lld.self_attn.q_norm.weight", (long long)l);
-            x.k_norm = add_param(b, false, 1, hd, 0, "model.layers.%lld.self_attn.k_norm.weight", (long long)l);
-        } else if (c->qk_norm == FM_QK_NORM_FULL) {
-            x.q_norm = add_param(b, false, 1, nh * hd, 0, "model.layers.%lld.self_attn.q_norm.weight", (long long)l);
-            x.k_norm = add_param(b, false, 1, nkv * hd, 0, "model.layers.%lld.self_attn.k_norm.weight", (long long)l);
-        }
-        x.ln2 = add_param(b, false, 1, H, 0, "model.layers.%lld.post_attention_layernorm.weight", (long long)l);
-        x.router = add_param(b, true, 2, E, H, "model.layers.%lld.%s.gate.weight", (long long)l, moe);
-        x.w_gate = b->offset;
-        for (int64_t e = e0; e < e1; e++) /* expert parallelism: this rank's experts only */
-            add_param(b, true, 2, I, H, "model.layers.%lld.%s.experts.%lld.%s.weight", (long long)l, moe, (long long)e, n_gate);
-        x.w_up = b->offset;
-        for (int64_t e = e0; e < e1; e++) /* expert parallelism: this rank's experts only */
-            add_param(b, true, 2, I, H, "model.layers.%lld.%s.experts.%lld.%s.weight", (long long)l, moe, (long long)e, n_up);
-        x.w_down = b->offset;
-        for (int64_t e = e0; e < e1; e++) /* expert parallelism: this rank's experts only */
-            add_param(b, true, 2, H, I, "model.layers.%lld.%s.experts.%lld.%s.weight", (long long)l, moe, (long long)e, n_down);
-        if (lo) lo[l] = x;
-    }
-    *o_norm = add_param(b, false, 1, H, 0, "model.norm.weight");
-    *o_head = c->tie_word_embeddings ? *o_embed : add_param(b, true, 2, V, H, "lm_head.weight");
-}
-
-static void set_ptrs(fm_model_ptrs *p, fm_act *base, const fm_config *c, int64_t o_embed, int64_t o_norm,
-                     int64_t o_head, const layer_offsets *lo) {
-    p->embed = base + o_embed;
-    p->final_norm = base + o_norm;
-    p->lm_head = base + o_head;
-    for (int64_t l = 0; l < c->num_hidden_layers; l++) {
-        const layer_offsets *x = &lo[l];
-        fm_layer_ptrs *y = &p->layers[l];
-        y->ln1 = base + x->ln1; y->wq = base + x->wq; y->wk = base + x->wk; y->wv = base + x->wv;
-        y->wo = base + x->wo;
-        y->q_norm = x->q_norm >= 0 ? base + x->q_norm : NULL;
-        y->k_norm = x->k_norm >= 0 ? base + x->k_norm : NULL;
-        y->ln2 = base + x->ln2; y->router = base + x->router;
-        y->w_gate = base + x->w_gate; y->w_up = base + x->w_up; y->w_down = base + x->w_down;
-    }
-}
-
 fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be) {
     return fm_model_create_ep(m, cfg, be, 1, 0);
 }
 
-int64_t fm_model_ep_num_params(const fm_config *c, int ep) {
-    const int64_t E = c->num_experts, El = ep > 0 ? E / ep : E;
-    return fm_config_num_params(c) - c->num_hidden_layers * (E - El) * 3 * c->hidden_size * c->moe_intermediate_size;
-}
-
 fm_status fm_model_create_ep(fm_model *m, const fm_config *cfg, fm_backend be, int ep, int ep_rank) {
     memset(m, 0, sizeof *m);
-    if (ep < 1 || cfg->num_experts % ep != 0 || ep_rank < 0 || ep_rank >= ep)
-        return fm_error(FM_ERR_ARG, "--ep %d: expected a degree >= 1 that divides num_experts (%lld), rank %d in "
-                        "[0, %d); choose an --ep that divides %lld", ep, (long long)cfg->num_experts, ep_rank, ep,
-                        (long long)cfg->num_experts);
-    m->ep = ep;
-    m->ep_rank = ep_rank;
-    m->E_loc = cfg->num_experts / ep;
-    const int64_t e0 = (int64_t)ep_rank * m->E_loc, e1 = e0 + m->E_loc;
+    FM_TRY(fm_params_create(&m->p, cfg, ep, ep_rank));
     m->cfg = *cfg;
     m->be = be;
     m->router = fm_router_opts_from_config(cfg);
     const int64_t L = cfg->num_hidden_layers;
-    table_builder counter = {0};
-    int64_t oe, on, oh;
-    build_table(cfg, &counter, &oe, &on, &oh, NULL, e0, e1);
-    m->n_tensors = counter.n;
-    m->n_params = counter.offset;
-    m->table = fm_malloc(sizeof(fm_param) * (size_t)counter.n);
-    m->offsets = fm_malloc(sizeof(layer_offsets) * (size_t)L);
-    m->w.layers = fm_malloc(sizeof(fm_layer_ptrs) * (size_t)L);
-    m->g.layers = fm_malloc(sizeof(fm_layer_ptrs) * (size_t)L);
-    m->recompute = fm_malloc((size_t)(2 * L)); /* recompute [L], then keep_attention [L] */
-    m->keep_attention = m->recompute ? m->recompute + L : NULL;
-    if (!m->table || !m->offsets || !m->w.layers || !m->g.layers || !m->recompute) {
+    m->a.recompute = fm_malloc((size_t)(2 * L)); /* recompute [L], then keep_attention [L] */
+    m->a.keep_attention = m->a.recompute ? m->a.recompute + L : NULL;
+    if (!m->a.recompute) {
         fm_model_free(m);
-        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the parameter table (%d tensors)", counter.n);
+        return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the per-layer recompute flags (%lld layers)",
+                        (long long)L);
     }
-    table_builder b = {m->table, 0, 0};
-    build_table(cfg, &b, &m->o_embed, &m->o_norm, &m->o_head, (layer_offsets *)m->offsets, e0, e1);
     return FM_OK;
 }
 
-void fm_model_bind_params(fm_model *m, fm_act *weights, fm_act *grads, float *master) {
-    FM_ASSERT(weights && grads && master);
-    m->params = weights;
-    m->grads = grads;
-    m->master = master;
-    const layer_offsets *lo = m->offsets;
-    set_ptrs(&m->w, m->params, &m->cfg, m->o_embed, m->o_norm, m->o_head, lo);
-    set_ptrs(&m->g, m->grads, &m->cfg, m->o_embed, m->o_norm, m->o_head, lo);
-}
-
-/* One group's views from its buffer (ZeRO-3): base holds the group's flat range from its first
- * element, so a tensor at table offset o is at base + (o - group's first offset). */
-static void set_group_ptrs(fm_model *m, fm_model_ptrs *p, int64_t g, fm_act *base) {
-    const int64_t L = m->cfg.num_hidden_layers;
-    const layer_offsets *lo = m->offsets;
-    const bool tied = m->o_head == m->o_embed;
-    if (g == 0) {
-        p->embed = base;
-        if (tied) p->lm_head = base;
-    } else if (g == L + 1) {
-        p->final_norm = base;
-        if (!tied) p->lm_head = base + (m->o_head - m->o_norm);
-    } else {
-        const layer_offsets *x = &lo[g - 1];
-        const int64_t b = x->ln1;
-        fm_layer_ptrs *y = &p->layers[g - 1];
-        y->ln1 = base; y->wq = base + (x->wq - b); y->wk = base + (x->wk - b); y->wv = base + (x->wv - b);
-        y->wo = base + (x->wo - b);
-        y->q_norm = x->q_norm >= 0 ? base + (x->q_norm - b) : NULL;
-        y->k_norm = x->k_norm >= 0 ? base + (x->k_norm - b) : NULL;
-        y->ln2 = base + (x->ln2 - b); y->router = base + (x->router - b);
-        y->w_gate = base + (x->w_gate - b); y->w_up = base + (x->w_up - b); y->w_down = base + (x->w_down - b);
-    }
-}
-
-void fm_model_bind_group(fm_model *m, int64_t g, fm_act *weights, fm_act *grads) {
-    FM_ASSERT(g >= 0 && g <= m->cfg.num_hidden_layers + 1);
-    if (weights) set_group_ptrs(m, &m->w, g, weights);
-    if (grads) set_group_ptrs(m, &m->g, g, grads);
-}
-
-int64_t fm_model_group_begin(const fm_model *m, int64_t g) {
-    const int64_t L = m->cfg.num_hidden_layers;
-    FM_ASSERT(g >= 0 && g <= L + 2);
-    if (g == 0) return m->o_embed;
-    if (g == L + 1) return m->o_norm;
-    if (g == L + 2) return m->n_params;
-    return ((const layer_offsets *)m->offsets)[g - 1].ln1;
-}
-
-void fm_model_layer_expert_offsets(const fm_model *m, int64_t l, int64_t *gate, int64_t *up, int64_t *down) {
-    const layer_offsets *x = &((const layer_offsets *)m->offsets)[l];
-    *gate = x->w_gate;
-    *up = x->w_up;
-    *down = x->w_down;
-}
-
-const fm_param *fm_model_find_param(const fm_model *m, const char *name) {
-    for (int i = 0; i < m->n_tensors; i++)
-        if (!strcmp(m->table[i].name, name)) return &m->table[i];
-    return NULL;
-}
-
 void fm_model_upload_master(fm_model *m, const float *host) {
-    const size_t n = (size_t)m->n_params;
-    if ((const void *)host != (const void *)m->master)
-        m->be.ops->copy(m->be.ctx, m->master, host, n * sizeof(float), FM_COPY_H2D);
-    if ((void *)m->master != (void *)m->params)
-        m->be.ops->convert(m->be.ctx, m->params, FM_ACT_DTYPE, m->master, FM_DTYPE_F32, (int64_t)n);
+    const size_t n = (size_t)m->p.n_params;
+    if ((const void *)host != (const void *)m->p.master)
+        m->be.ops->copy(m->be.ctx, m->p.master, host, n * sizeof(float), FM_COPY_H2D);
+    if ((void *)m->p.master != (void *)m->p.params)
+        m->be.ops->convert(m->be.ctx, m->p.params, FM_ACT_DTYPE, m->p.master, FM_DTYPE_F32, (int64_t)n);
 }
 
 void fm_model_download_master(const fm_model *m, float *host) {
-    m->be.ops->copy(m->be.ctx, host, m->master, (size_t)m->n_params * sizeof(float), FM_COPY_D2H);
-}
-
-/* splitmix64's output for counter value `i` of a stream: the generator is a hash of a counter,
- * so element j of a tensor can be drawn directly, in any order, by any thread. */
-static inline uint64_t counter_u64(uint64_t key, uint64_t i) {
-    uint64_t z = key + (i + 1) * 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-/* The index of table tensor i in the table of all experts (fm_model_create_ep's tables are
- * subsequences of it): the initial weights are drawn by that index, so every --ep draws the
- * one-rank model's. Layer l's tensors: nne non-expert ones, then gate, up, down per expert. */
-static uint64_t full_index(const fm_model *m, int i) {
-    if (m->ep <= 1) return (uint64_t)i;
-    const int64_t L = m->cfg.num_hidden_layers, E = m->cfg.num_experts, El = m->E_loc;
-    const int64_t n_end = m->cfg.tie_word_embeddings ? 1 : 2, nll = (m->n_tensors - 1 - n_end) / L, nne = nll - 3 * El;
-    const int64_t nlf = nne + 3 * E;
-    if (i < 1) return (uint64_t)i;
-    if (i >= 1 + L * nll) return (uint64_t)(i + L * (nlf - nll));
-    const int64_t l = (i - 1) / nll, p = (i - 1) % nll;
-    const int64_t q = p < nne ? p : nne + (p - nne) / El * E + m->ep_rank * El + (p - nne) % El;
-    return (uint64_t)(1 + l * nlf + q);
-}
-
-void fm_model_init_weights_range(const fm_model *m, uint64_t seed, int i, int64_t first, int64_t count, float *out) {
-    const float std = (float)m->cfg.initializer_range;
-    /* Normal(0, std) by Box-Muller on counter-based uniforms: tensor i uses the key
-     * hash(seed, i), element j the counters 2j and 2j+1 — the same values for any thread count,
-     * in parallel (a 7B-parameter model initializes in seconds, not minutes), and any range of
-     * a tensor without the rest (ZeRO-3's shards) */
-    const fm_param *p = &m->table[i];
-    const uint64_t key = counter_u64(seed ^ 0x5EEDull, full_index(m, i));
-    const bool ones = p->ndim == 1;
-#pragma omp parallel for schedule(static) if (count > 65536)
-    for (int64_t k = 0; k < count; k++) {
-        if (ones) {
-            out[k] = 1.0f;
-            continue;
-        }
-        const uint64_t j = (uint64_t)(first + k);
-        double u1 = (double)(counter_u64(key, 2 * j) >> 11) * (1.0 / 9007199254740992.0);
-        double u2 = (double)(counter_u64(key, 2 * j + 1) >> 11) * (1.0 / 9007199254740992.0);
-        if (u1 < 1e-300) u1 = 1e-300;
-        out[k] = std * (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
-    }
-}
-
-void fm_model_init_weights_host(const fm_model *m, uint64_t seed, float *w) {
-    for (int i = 0; i < m->n_tensors; i++)
-        fm_model_init_weights_range(m, seed, i, 0, m->table[i].numel, w + m->table[i].offset);
+    m->be.ops->copy(m->be.ctx, host, m->p.master, (size_t)m->p.n_params * sizeof(float), FM_COPY_D2H);
 }
 
 fm_status fm_model_init_weights(fm_model *m, uint64_t seed) {
     /* drawn straight into the master when the host can write it (the CPU's, or the streamed
      * optimizer's pinned one: no second 4 B/param host copy next to it) */
-    const bool host = m->be.ops->host_memory || m->master_host;
-    float *w = host ? m->master : fm_malloc(sizeof(float) * (size_t)m->n_params);
-    if (!w) return fm_error(FM_ERR_NOMEM, "memory: cannot stage %lld initial weights on the host", (long long)m->n_params);
-    fm_model_init_weights_host(m, seed, w);
+    const bool host = m->be.ops->host_memory || m->p.master_host;
+    float *w = host ? m->p.master : fm_malloc(sizeof(float) * (size_t)m->p.n_params);
+    if (!w) return fm_error(FM_ERR_NOMEM, "memory: cannot stage %lld initial weights on the host", (long long)m->p.n_params);
+    fm_params_init_weights_host(&m->p, seed, w);
     fm_model_upload_master(m, w);
     if (!host) fm_free(w);
     return FM_OK;
 }
 
 void fm_model_set_shape(fm_model *m, int64_t B, int64_t T) {
-    FM_ASSERT(B >= 1 && T >= 1 && B <= m->B_cap && T <= m->T_cap);
-    FM_ASSERT(m->moe_chunk_tokens == 0 || B * T == m->B_cap * m->T_cap); /* chunk order is for N_cap */
-    m->B = B;
-    m->T = T;
-    m->N = B * T;
+    FM_ASSERT(B >= 1 && T >= 1 && B <= m->a.B_cap && T <= m->a.T_cap);
+    FM_ASSERT(m->a.moe_chunk_tokens == 0 || B * T == m->a.B_cap * m->a.T_cap); /* chunk order is for N_cap */
+    m->a.B = B;
+    m->a.T = T;
+    m->a.N = B * T;
 }
 
 void fm_model_logits_row(const fm_model *m, int64_t row, float *host) {
     const int64_t V = m->cfg.vocab_size;
-    FM_ASSERT(m->logits && row >= 0 && row < m->N);
+    FM_ASSERT(m->a.logits && row >= 0 && row < m->a.N);
     if (sizeof(fm_act) == sizeof(float)) {
-        m->be.ops->copy(m->be.ctx, host, m->logits + row * V, sizeof(float) * (size_t)V, FM_COPY_D2H);
+        m->be.ops->copy(m->be.ctx, host, m->a.logits + row * V, sizeof(float) * (size_t)V, FM_COPY_D2H);
         return;
     }
     /* bf16 -> fp32 on the host: the high half of the fp32 bits (sampling, not a training step) */
     uint16_t *tmp = fm_malloc(sizeof(uint16_t) * (size_t)V);
     FM_ASSERT(tmp);
-    m->be.ops->copy(m->be.ctx, tmp, m->logits + row * V, sizeof(uint16_t) * (size_t)V, FM_COPY_D2H);
+    m->be.ops->copy(m->be.ctx, tmp, m->a.logits + row * V, sizeof(uint16_t) * (size_t)V, FM_COPY_D2H);
     for (int64_t v = 0; v < V; v++) {
         uint32_t u = (uint32_t)tmp[v] << 16;
         memcpy(&host[v], &u, sizeof u);
@@ -323,12 +88,9 @@ void fm_model_logits_row(const fm_model *m, int64_t row, float *host) {
 
 void fm_model_free(fm_model *m) {
     fm_model_free_layout(m);
-    fm_free(m->table);
-    fm_free(m->offsets);
-    fm_free(m->w.layers);
-    fm_free(m->g.layers);
-    fm_free(m->recompute);
-    fm_free(m->moe_ep_counts_host);
+    fm_params_free(&m->p);
+    fm_free(m->a.recompute);
+    fm_free(m->a.moe_ep_counts_host);
     memset(m, 0, sizeof *m);
 }
 

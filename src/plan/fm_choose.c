@@ -173,12 +173,12 @@ static bool fit_quiet(fm_plan_req *r, const fm_choose_opts *o, bool *rc, fm_plan
  * step 2), so memory the plan does not need is spent on it, and nothing else is given up
  * for it: the other knobs stay as chosen. */
 static void auto_fp8_cache(fm_plan_req *req, const fm_choose_opts *o, fm_plan *out) {
-    if (!req->expert_fp8_cache_auto || !req->expert_fp8_codes || req->expert_fp8_cache) return;
-    req->expert_fp8_cache = true;
+    if (!req->expert_fp8_cache_auto || !req->expert_fp8_codes || req->layout.expert_fp8_cache) return;
+    req->layout.expert_fp8_cache = true;
     fm_plan p;
     fm_plan_compute(req, &p);
     if (fits(&p, o)) *out = p;
-    else req->expert_fp8_cache = false;
+    else req->layout.expert_fp8_cache = false;
 }
 
 fm_status fm_plan_fit(fm_plan_req *req, const fm_choose_opts *o, bool *rc, fm_plan *out, fm_projection *proj) {
@@ -290,9 +290,9 @@ void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o0, char *buf,
         if (try_fit(&r, &o, NULL, 0)) add_item(list, sizeof list, &items, "--bf16-moments (AdamW m and v in bf16: 4 B/param less)");
     }
     /* 2b. --fp8-weight-cache dropped: its L x 6 E H I bytes of weight codes (one layer's set instead) */
-    if (req->expert_fp8_cache) {
+    if (req->layout.expert_fp8_cache) {
         fm_plan_req r = *req;
-        r.expert_fp8_cache = false;
+        r.layout.expert_fp8_cache = false;
         if (try_fit(&r, &o, NULL, 0))
             add_item(list, sizeof list, &items, "drop --fp8-weight-cache (every layer's expert weight codes, L x 6 E H I "
                      "bytes: quantized at each use instead)");
@@ -300,10 +300,10 @@ void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o0, char *buf,
     /* 2c. bf16 experts: --expert-precision fp8's buffers (quantized copies or code operands) out */
     if (req->expert_fp8) {
         fm_plan_req r = *req;
-        r.expert_fp8 = r.expert_fp8_codes = r.expert_fp8_cache = r.expert_fp8_cache_auto = false;
+        r.expert_fp8 = r.expert_fp8_codes = r.layout.expert_fp8_cache = r.expert_fp8_cache_auto = false;
         if (try_fit(&r, &o, NULL, 0))
             add_item(list, sizeof list, &items, "--expert-precision bf16%s (the fp8 experts' quantized operands out of the "
-                     "expert live set)", req->expert_fp8_cache ? " without --fp8-weight-cache" : "");
+                     "expert live set)", req->layout.expert_fp8_cache ? " without --fp8-weight-cache" : "");
     }
     /* 3. the streamed optimizer when the user fixed it off cannot be said (a switch has no off);
      *    it is a chooser knob, so a fit with it was tried. 4. a smaller micro-batch */

@@ -34,7 +34,7 @@ typedef struct fm_choose_opts {
  * CE) for the least projected step time, and written into req
  * (recompute and keep-attention point into rc_storage [2L]). Without one, req is planned as given
  * and only the host budget is checked. Then, with req->expert_fp8_cache_auto, the FP8 weight cache
- * is turned on (req->expert_fp8_cache) if that plan still fits with it. *out gets the plan, *proj
+ * is turned on (req->layout.expert_fp8_cache) if that plan still fits with it. *out gets the plan, *proj
  * its projection.
  * Errors: FM_ERR_NOMEM when nothing fits: the message names the budget, the need, the largest
  * live set, and the advice (fm_plan_advise); req then holds the smallest plan tried. */

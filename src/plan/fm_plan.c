@@ -87,7 +87,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
                  (long long)saved_sets, (long long)L, (long long)nr, one / 1048576.0);
 
     const bool fp8c = r->expert_fp8 && r->expert_fp8_codes;
-    const fm_moe_dims md = {H, I, E, k, false, r->expert_fp8, fp8c, fp8c && r->expert_fp8_cache ? L : 0}; /* fm_moe_ws_bytes */
+    const fm_moe_dims md = {H, I, E, k, false, r->expert_fp8, fp8c, fp8c && r->layout.expert_fp8_cache ? L : 0}; /* fm_moe_ws_bytes */
     fm_moe_chunks(N, r->moe_chunk_tokens, &p->moe_K, &p->moe_c_eff);
     if (r->ep > 1) { /* expert parallelism: the EP operator's bound for one chunk of <= c_eff tokens per source */
         fm_moe_ep_bound eb;
@@ -99,12 +99,12 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
         p->bytes[FM_LIVE_EXPERT] = fm_arena_round(fm_moe_ws_bytes(&md, p->moe_c_eff, true, a));
         snprintf(p->inputs[FM_LIVE_EXPERT], 200, "one chunk fwd+bwd: K = %lld chunks of <= %lld tokens x k = %lld routes, "
                  "(2H + 3I) x %d B per route%s", (long long)p->moe_K, (long long)p->moe_c_eff, (long long)k, (int)a,
-                 !r->expert_fp8 ? "" : !r->expert_fp8_codes ? " + fp8 copies" : r->expert_fp8_cache ? " + fp8 code operands, L weight code sets" : " + fp8 code operands");
+                 !r->expert_fp8 ? "" : !r->expert_fp8_codes ? " + fp8 copies" : r->layout.expert_fp8_cache ? " + fp8 code operands, L weight code sets" : " + fp8 code operands");
     } else {
         p->bytes[FM_LIVE_EXPERT] = (size_t)saved_sets * fm_moe_routes_bytes(&md, N, a) + fm_moe_ws_bytes(&md, N, false, a);
         snprintf(p->inputs[FM_LIVE_EXPERT], 200, "plain: %lld saved dispatches of N x k = %lld routes x (2H + 3I) x %d B, "
                  "+ backward%s", (long long)saved_sets, (long long)(N * k), (int)a,
-                 !r->expert_fp8 ? "" : !r->expert_fp8_codes ? " + fp8 copies (3 E H I + 2 N k max(H,I))" : r->expert_fp8_cache ? " + fp8 code operands, L weight code sets (L x 6 E H I)" : " + fp8 code operands");
+                 !r->expert_fp8 ? "" : !r->expert_fp8_codes ? " + fp8 copies (3 E H I + 2 N k max(H,I))" : r->layout.expert_fp8_cache ? " + fp8 code operands, L weight code sets (L x 6 E H I)" : " + fp8 code operands");
     }
 
     const bool cuda = tgt == FM_PLAN_TARGET_CUDA || (tgt == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4);

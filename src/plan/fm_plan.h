@@ -93,9 +93,13 @@ typedef struct fm_plan_req {
                                    weights and operands (fm_moe_ws_bytes's fp8 term; not with ep > 1) */
     bool expert_fp8_codes;      /* with expert_fp8: the E4M3 code operands of the fast path instead
                                    of the emulation's copies (fm_layout_opts.expert_fp8_codes) */
-    bool expert_fp8_cache;      /* with expert_fp8_codes: every layer's weight codes kept for the
-                                   step (fm_layout_opts.expert_fp8_cache) */
-    bool expert_fp8_cache_auto; /* with expert_fp8_codes and !expert_fp8_cache: fm_plan_fit turns
+    fm_layout_opts layout;      /* the layout knobs given as the model takes them (model/fm_acts.h;
+                                   the trainer copies its flags' struct whole): read here are
+                                   layout.expert_fp8_cache (with expert_fp8_codes: every layer's
+                                   weight codes kept for the step); the fields above that the
+                                   chooser picks (recompute, chunk cap, CE blocks, ...) are not yet
+                                   moved in */
+    bool expert_fp8_cache_auto; /* with expert_fp8_codes and !layout.expert_fp8_cache: fm_plan_fit turns
                                    the cache on when the plan it chose still fits with it, its other
                                    knobs unchanged (neither --fp8-weight-cache nor
                                    --no-fp8-weight-cache given) */

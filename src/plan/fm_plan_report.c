@@ -51,7 +51,7 @@ void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size
     if (r->expert_fp8) PUT(" --expert-precision fp8");
     /* the cache either way on the codes path: without the flag, train chooses it against its own
      * budget (none on the CPU build, the GPU's free memory on CUDA), not this plan's */
-    if (r->expert_fp8_codes) PUT(r->expert_fp8_cache ? " --fp8-weight-cache" : " --no-fp8-weight-cache");
+    if (r->expert_fp8_codes) PUT(r->layout.expert_fp8_cache ? " --fp8-weight-cache" : " --no-fp8-weight-cache");
     if (r->ep > 1) PUT(" --ep %d", r->ep);
     if (r->sp > 1) PUT(" --sp %lld", (long long)r->sp);
     if (!r->mesh.on && (r->train_dp > 1 || r->train_zero > 0)) {
@@ -88,7 +88,7 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
         fprintf(f, ", %lld chunks of <= %lld tokens", (long long)p->moe_K, (long long)p->moe_c_eff);
     if (r->expert_fp8)
         fprintf(f, ", expert GEMMs fp8 (blockwise E4M3, %s%s)", r->expert_fp8_codes ? "on E4M3 codes" : "emulated",
-                r->expert_fp8_cache ? ", every layer's weight codes kept" : "");
+                r->layout.expert_fp8_cache ? ", every layer's weight codes kept" : "");
     fprintf(f, "; vocabulary %s", (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear cross-entropy" : "plain logits");
     if (r->vocab_ring > 1 && !r->mesh.on)
         fprintf(f, " as Ring-DTP over %lld ranks (V/P = %lld head rows each)", (long long)r->vocab_ring,
@@ -269,7 +269,7 @@ void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_re
     if (x->expert && fm_expert_choice_json(x->expert, ej, sizeof ej) == FM_OK) fprintf(f, ",\"expert_gemm\":%s", ej);
     /* fp8: which path the expert live set was planned for (metrics.jsonl's header key) */
     if (r->expert_fp8) fprintf(f, ",\"expert_fp8_path\":\"%s\"", r->expert_fp8_codes ? "codes" : "emulated");
-    if (r->expert_fp8) fprintf(f, ",\"fp8_weight_cache\":%s", r->expert_fp8_cache ? "true" : "false");
+    if (r->expert_fp8) fprintf(f, ",\"fp8_weight_cache\":%s", r->layout.expert_fp8_cache ? "true" : "false");
     if (x->proj) {
         const fm_projection *pr = x->proj;
         fprintf(f, ",\"projected\":{\"step_s\":%.6g,\"tokens_per_s\":%.6g,\"mfu\":%.6g,\"peak_flops\":%.6g,"

@@ -58,7 +58,7 @@ double fm_project_fp8_weight_quant_s(const fm_plan_req *r, const fm_calib *cb) {
 double fm_project_fp8_weight_sets(const fm_plan_req *r, const fm_plan *p) {
     const double L = (double)r->cfg.num_hidden_layers, nr = (double)p->n_recomputed;
     const double ga = (double)(r->grad_accum > 0 ? r->grad_accum : 1);
-    if (r->expert_fp8_cache) return L / ga;
+    if (r->layout.expert_fp8_cache) return L / ga;
     const int64_t last = r->cfg.num_hidden_layers - 1;
     const bool last_rc = last >= 0 && r->recompute && r->recompute[last];
     return L + nr + fmax(0.0, L - nr - (last_rc ? 0.0 : 1.0));

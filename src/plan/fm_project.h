@@ -127,7 +127,7 @@ void fm_project(const fm_plan_req *req, const fm_plan *p, const fm_calib *c, fm_
 double fm_project_fp8_weight_quant_s(const fm_plan_req *req, const fm_calib *c);
 
 /* Layer weight-code sets the run quantizes per micro-batch (model/fm_experts_fp8.c): with the
- * weight cache (req->expert_fp8_cache) each layer's once a step, L / grad_accum; without it one at
+ * weight cache (req->layout.expert_fp8_cache) each layer's once a step, L / grad_accum; without it one at
  * each forward and recompute, and one at the backward of each layer that is not recomputed, but
  * the last layer's (its forward ran just before: fm_moe_ws.w8_holds). Never fails. */
 double fm_project_fp8_weight_sets(const fm_plan_req *req, const fm_plan *p);

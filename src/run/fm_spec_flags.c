@@ -95,7 +95,7 @@ const fm_spec_flag fm_spec_flags[] = {
            "backend's native precision (fp32 on the CPU build). Every precision runs with --ep and --llep (the codes "
            "where the backend serves a rank's E/ep experts)",
            T | P, FIXED),
-    V("fp8-weight-cache", FM_SPEC_BOOL, train.fp8_weight_cache, NULL,
+    V("fp8-weight-cache", FM_SPEC_BOOL, train.layout.expert_fp8_cache, NULL,
       "default: kept when the plan still fits with them, its other knobs unchanged",
       "with --expert-precision fp8 on E4M3 codes: keep every layer's quantized expert weights for the step "
       "(quantized once a step instead of at every forward, backward and recompute; (L - 1) x 6 E H I bytes more in "

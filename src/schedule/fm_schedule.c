@@ -11,9 +11,9 @@ const char *fm_hook_point_name(fm_hook_point p) {
 
 void fm_schedule_init(fm_schedule *s, const fm_model *m) {
     memset(s, 0, sizeof *s);
-    s->recompute.layers = m->recompute;
+    s->recompute.layers = m->a.recompute;
     s->recompute.L = m->cfg.num_hidden_layers;
-    s->recompute.keep_attention = m->keep_attention;
+    s->recompute.keep_attention = m->a.keep_attention;
 }
 
 fm_status fm_schedule_add_hook(fm_schedule *s, fm_hook_fn fn, void *user) {
@@ -41,7 +41,7 @@ static fm_status run_hooks(fm_schedule *s, fm_model *m, fm_hook_point p, int64_t
     return FM_OK;
 }
 
-/* Embedding and the layers' forwards (their router loss terms land in m->results). */
+/* Embedding and the layers' forwards (their router loss terms land in m->a.results). */
 /* The optimizer overlap's wait for parameter group g (0: embedding, 1 + l: layer l, L + 1: head). */
 static void wait_params(const fm_schedule *s, fm_model *m, int64_t g) {
     if (s->param_ready) m->be.ops->event_wait(m->be.ctx, FM_STREAM_COMPUTE, s->param_event0 + (int)g);
@@ -63,9 +63,9 @@ static fm_status forward_layers(fm_schedule *s, fm_model *m, const fm_batch *b) 
 
 /* Offloaded boundaries share rotating slots: backward reads them only if a policy restores them. */
 static fm_status check_restores(const fm_schedule *s, const fm_model *m) {
-    if (m->n_offloaded_boundaries > s->restores_boundaries)
+    if (m->a.n_offloaded_boundaries > s->restores_boundaries)
         return fm_error(FM_ERR_ARG, "backward: the layout offloads %lld boundaries but the schedule's hooks restore "
-                        "%lld; attach the offload policy (fm_sco_attach)", (long long)m->n_offloaded_boundaries,
+                        "%lld; attach the offload policy (fm_sco_attach)", (long long)m->a.n_offloaded_boundaries,
                         (long long)s->restores_boundaries);
     return FM_OK;
 }

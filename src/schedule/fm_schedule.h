@@ -57,7 +57,7 @@ typedef struct fm_schedule {
     int n_hooks;
     int64_t restores_boundaries; /* offloaded boundaries a hook brings back in backward (the
                                     offload policy, fm_sco.h, sets it); backward refuses a model
-                                    whose layout offloads more (m->n_offloaded_boundaries) */
+                                    whose layout offloads more (m->a.n_offloaded_boundaries) */
     /* The optimizer overlap (train/fm_optim_overlap.h): when param_ready, the compute stream
      * waits, before the embedding, event param_event0; before layer l's forward (ahead of its
      * BEFORE_FORWARD hooks), param_event0 + 1 + l; before the head, param_event0 + L + 1: each
@@ -66,7 +66,7 @@ typedef struct fm_schedule {
     int param_event0;
 } fm_schedule;
 
-/* A schedule for model m with its layout's recompute set (m->recompute) and no hooks. */
+/* A schedule for model m with its layout's recompute set (m->a.recompute) and no hooks. */
 void fm_schedule_init(fm_schedule *s, const fm_model *m);
 
 /* Adds a hook (called at every point; it filters the points it wants). Errors: FM_ERR_ARG when
@@ -77,34 +77,34 @@ fm_status fm_schedule_add_hook(fm_schedule *s, fm_hook_fn fn, void *user);
 fm_status fm_schedule_add_group_hook(fm_schedule *s, fm_hook_fn fn, void *user);
 
 /* Forward of the batch b (model/fm_batch.h: tokens [B,T] of the model's active shape, and its
- * targets) through the loss, saving what backward needs. The losses land in m->results; with out
+ * targets) through the loss, saving what backward needs. The losses land in m->a.results; with out
  * non-NULL the call ends with a sync point and fills out->ce, aux, z, n_valid
  * (fm_model_read_loss); NULL leaves them on the device and the host never waits. Without targets
- * (b->targets NULL) only m->logits is produced (for sampling; a linear-CE layout needs targets).
+ * (b->targets NULL) only m->a.logits is produced (for sampling; a linear-CE layout needs targets).
  * Errors: FM_ERR_ARG from fm_batch_check (b's shape is not m's active one, a token or target out
- * of range); a hook's, or the model's communicator's (m->comm: the valid-target count, the loss
+ * of range); a hook's, or the model's communicator's (m->mesh.comm: the valid-target count, the loss
  * sums and the router statistics are reduced over it). */
 fm_status fm_schedule_forward(fm_schedule *s, fm_model *m, const fm_batch *b, fm_loss *out);
 
-/* Backward of the last forward with targets: ACCUMULATES into m->grads, scaled by `scale`
+/* Backward of the last forward with targets: ACCUMULATES into m->p.grads, scaled by `scale`
  * (1/G for G-step accumulation); under the linear cross-entropy this runs the operator again
  * with gradients. Errors: the first of a hook's, the model's communicator's, the vocabulary
  * ring's (fm_model_head_backward), the expert-parallel operator's (fm_model_layer_backward),
  * each returned where it happens (the step stops there); FM_ERR_ARG when m's layout
- * offloads boundaries (m->n_offloaded_boundaries > 0) that no attached policy restores
+ * offloads boundaries (m->a.n_offloaded_boundaries > 0) that no attached policy restores
  * (s->restores_boundaries). */
 fm_status fm_schedule_backward(fm_schedule *s, fm_model *m, float scale);
 
 /* Forward with targets and backward in one call (what the trainer runs): the same results as
  * fm_schedule_forward + fm_schedule_backward, but the linear cross-entropy runs once, fused.
- * b must have targets (FM_ERR_ARG otherwise). out as in fm_schedule_forward (the trainer passes NULL and copies m->results to pinned
+ * b must have targets (FM_ERR_ARG otherwise). out as in fm_schedule_forward (the trainer passes NULL and copies m->a.results to pinned
  * memory, read once at the step's end). Errors: as fm_schedule_forward's and
  * fm_schedule_backward's, the first one returned. */
 fm_status fm_schedule_train_step(fm_schedule *s, fm_model *m, const fm_batch *b, float scale, fm_loss *out);
 
 /* The same with the default schedule of m (its layout's recompute set, no hooks): for
  * evaluation, sampling, tools and tests. Backward and train_step need a layout without offloaded
- * boundaries (FM_ERR_ARG otherwise). Errors: the model's communicator's (none when m->comm is
+ * boundaries (FM_ERR_ARG otherwise). Errors: the model's communicator's (none when m->mesh.comm is
  * NULL). */
 fm_status fm_schedule_default_forward(fm_model *m, const fm_batch *b, fm_loss *out);
 fm_status fm_schedule_default_backward(fm_model *m, float scale);

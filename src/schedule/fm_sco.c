@@ -35,9 +35,9 @@ size_t fm_sco_host_bytes(int64_t N, int64_t H, int64_t n_off, size_t act_bytes) 
 fm_status fm_sco_create(fm_sco *p, fm_model *m) {
     memset(p, 0, sizeof *p);
     p->L = m->cfg.num_hidden_layers;
-    p->n_off = m->n_offloaded_boundaries;
+    p->n_off = m->a.n_offloaded_boundaries;
     FM_ASSERT(p->n_off >= 0 && p->n_off <= p->L); /* checked by fm_model_layout */
-    p->bytes = (size_t)m->B_cap * (size_t)m->T_cap * (size_t)m->cfg.hidden_size * sizeof(fm_act);
+    p->bytes = (size_t)m->a.B_cap * (size_t)m->a.T_cap * (size_t)m->cfg.hidden_size * sizeof(fm_act);
     const int base = FM_EVENT_FIRST_FREE + FM_SCO_EVENT_BASE;
     p->ev_compute = base;
     p->ev_out = base + 1;
@@ -45,7 +45,7 @@ fm_status fm_sco_create(fm_sco *p, fm_model *m) {
     p->ev_slot[1] = base + 3;
     p->in_flight[0] = p->in_flight[1] = -1;
     if (p->n_off == 0) return FM_OK;
-    const size_t host = fm_sco_host_bytes(m->B_cap * m->T_cap, m->cfg.hidden_size, p->n_off, sizeof(fm_act));
+    const size_t host = fm_sco_host_bytes(m->a.B_cap * m->a.T_cap, m->cfg.hidden_size, p->n_off, sizeof(fm_act));
     p->host_b = fm_malloc(sizeof(fm_act *) * (size_t)p->n_off);
     if (!p->host_b) return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the offload table (%lld boundaries)",
                                     (long long)p->n_off);
@@ -74,7 +74,7 @@ static void copy_in(fm_sco *p, fm_model *m, int64_t l) {
     o->event_record(c, p->ev_compute, FM_STREAM_COMPUTE);
     o->event_wait(c, FM_STREAM_COPY_IN, p->ev_compute);
     o->event_wait(c, FM_STREAM_COPY_IN, p->ev_out);
-    o->copy_async(c, fm_model_boundary(m, l), p->host_b[l], (size_t)m->N * (size_t)m->cfg.hidden_size * sizeof(fm_act),
+    o->copy_async(c, fm_model_boundary(m, l), p->host_b[l], (size_t)m->a.N * (size_t)m->cfg.hidden_size * sizeof(fm_act),
                   FM_COPY_H2D, FM_STREAM_COPY_IN);
     o->event_record(c, p->ev_slot[s], FM_STREAM_COPY_IN);
     p->in_flight[s] = l;
@@ -96,7 +96,7 @@ fm_status fm_sco_hook(void *user, fm_model *m, fm_hook_point point, int64_t l) {
             o->event_record(c, p->ev_compute, FM_STREAM_COMPUTE);
             o->event_wait(c, FM_STREAM_COPY_OUT, p->ev_compute);
             o->copy_async(c, p->host_b[l], fm_model_boundary(m, l),
-                          (size_t)m->N * (size_t)m->cfg.hidden_size * sizeof(fm_act), FM_COPY_D2H, FM_STREAM_COPY_OUT);
+                          (size_t)m->a.N * (size_t)m->cfg.hidden_size * sizeof(fm_act), FM_COPY_D2H, FM_STREAM_COPY_OUT);
             o->event_record(c, p->ev_slot[l % 2], FM_STREAM_COPY_OUT);
             o->event_record(c, p->ev_out, FM_STREAM_COPY_OUT);
             p->copies_out++;

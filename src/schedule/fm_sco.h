@@ -57,7 +57,7 @@ fm_status fm_sco_parse(const char *spec, int64_t L, int64_t *n_off);
 int64_t fm_sco_device_boundaries(int64_t L, int64_t n_off);
 size_t fm_sco_host_bytes(int64_t N, int64_t H, int64_t n_off, size_t act_bytes);
 
-/* Creates the policy for model m, whose layout offloads m->n_offloaded_boundaries boundaries
+/* Creates the policy for model m, whose layout offloads m->a.n_offloaded_boundaries boundaries
  * (fm_layout_opts.n_offloaded_boundaries; 0 is allowed and does nothing): its pinned host arena
  * of fm_sco_host_bytes from m's backend, sized at launch for m's laid-out shape. Errors:
  * FM_ERR_NOMEM naming the bytes. */

@@ -88,14 +88,14 @@ static void offload_step_begin(void *self) {
 static void offload_step_range(void *self, fm_model *m, int t0, int t1, double lr, float grad_scale) {
     fm_offload_adamw *o = self;
     const fm_adamw *a = o->adam;
-    FM_ASSERT(a->step > 0 && t0 >= 0 && t1 <= m->n_tensors && m->n_params == o->n_params);
+    FM_ASSERT(a->step > 0 && t0 >= 0 && t1 <= m->p.n_tensors && m->p.n_params == o->n_params);
     if (t0 >= t1) return;
     const fm_ops *ops = m->be.ops;
     void *ctx = m->be.ctx;
     const float bc1 = (float)(1.0 - pow(a->beta1, (double)a->step));
     const float bc2 = (float)(1.0 - pow(a->beta2, (double)a->step));
     const size_t mb = fm_dtype_size(a->moments_dtype);
-    const int64_t e0 = m->table[t0].offset, e1 = m->table[t1 - 1].offset + m->table[t1 - 1].numel;
+    const int64_t e0 = m->p.table[t0].offset, e1 = m->p.table[t1 - 1].offset + m->p.table[t1 - 1].numel;
     int ti = t0;           /* first tensor that ends after the bucket's start */
     for (int64_t b0 = e0; b0 < e1; b0 += o->bucket, o->bucket_no++) {
         const int64_t b1 = b0 + o->bucket < e1 ? b0 + o->bucket : e1, nb = b1 - b0;
@@ -116,21 +116,21 @@ static void offload_step_range(void *self, fm_model *m, int t0, int t1, double l
         ops->event_record(ctx, ev_in, FM_STREAM_OPT_COPY_IN);
         /* update: one launch per contiguous same-decay run of tensors inside the bucket */
         ops->event_wait(ctx, FM_STREAM_OPS, ev_in); /* the op stream: compute, or update under the overlap */
-        while (ti < t1 && m->table[ti].offset + m->table[ti].numel <= b0) ti++;
+        while (ti < t1 && m->p.table[ti].offset + m->p.table[ti].numel <= b0) ti++;
         int i = ti;
-        while (i < t1 && m->table[i].offset < b1) {
-            const bool decay = m->table[i].decay;
-            const int64_t r0 = m->table[i].offset > b0 ? m->table[i].offset : b0;
-            int64_t end = m->table[i].offset + m->table[i].numel;
+        while (i < t1 && m->p.table[i].offset < b1) {
+            const bool decay = m->p.table[i].decay;
+            const int64_t r0 = m->p.table[i].offset > b0 ? m->p.table[i].offset : b0;
+            int64_t end = m->p.table[i].offset + m->p.table[i].numel;
             int j = i + 1;
-            while (j < t1 && m->table[j].offset < b1 && m->table[j].decay == decay && m->table[j].offset == end) {
-                end = m->table[j].offset + m->table[j].numel;
+            while (j < t1 && m->p.table[j].offset < b1 && m->p.table[j].decay == decay && m->p.table[j].offset == end) {
+                end = m->p.table[j].offset + m->p.table[j].numel;
                 j++;
             }
             const int64_t r1 = end < b1 ? end : b1;
             if (r1 > r0) {
                 const size_t so = (size_t)(r0 - b0);
-                ops->adamw(ctx, m->params + r0, m->grads + r0, o->d_master[s] + so, (char *)o->d_m[s] + so * mb,
+                ops->adamw(ctx, m->p.params + r0, m->p.grads + r0, o->d_master[s] + so, (char *)o->d_m[s] + so * mb,
                            (char *)o->d_v[s] + so * mb, a->moments_dtype, r1 - r0, (float)lr, (float)a->beta1,
                            (float)a->beta2, (float)a->eps, decay ? (float)a->weight_decay : 0.0f, bc1, bc2, grad_scale);
             }

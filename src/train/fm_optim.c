@@ -65,23 +65,23 @@ static void adamw_step_begin(void *self) { ((fm_adamw *)self)->step++; }
 
 static void adamw_step_range(void *self, fm_model *m, int t0, int t1, double lr, float grad_scale) {
     fm_adamw *opt = self;
-    FM_ASSERT(opt->step > 0 && t0 >= 0 && t1 <= m->n_tensors);
+    FM_ASSERT(opt->step > 0 && t0 >= 0 && t1 <= m->p.n_tensors);
     const float bc1 = (float)(1.0 - pow(opt->beta1, (double)opt->step));
     const float bc2 = (float)(1.0 - pow(opt->beta2, (double)opt->step));
     /* Consecutive tensors with the same decay flag form one launch. */
     int i = t0;
     while (i < t1) {
-        const bool decay = m->table[i].decay;
-        const int64_t off = m->table[i].offset;
+        const bool decay = m->p.table[i].decay;
+        const int64_t off = m->p.table[i].offset;
         int64_t n = 0;
         int j = i;
-        while (j < t1 && m->table[j].decay == decay && m->table[j].offset == off + n) {
-            n += m->table[j].numel;
+        while (j < t1 && m->p.table[j].decay == decay && m->p.table[j].offset == off + n) {
+            n += m->p.table[j].numel;
             j++;
         }
-        float *master = (void *)m->master == (void *)m->params ? NULL : m->master + off;
+        float *master = (void *)m->p.master == (void *)m->p.params ? NULL : m->p.master + off;
         const size_t mo = (size_t)off * fm_dtype_size(opt->moments_dtype);
-        m->be.ops->adamw(m->be.ctx, m->params + off, m->grads + off, master, (char *)opt->m + mo, (char *)opt->v + mo,
+        m->be.ops->adamw(m->be.ctx, m->p.params + off, m->p.grads + off, master, (char *)opt->m + mo, (char *)opt->v + mo,
                          opt->moments_dtype, n, (float)lr, (float)opt->beta1, (float)opt->beta2, (float)opt->eps,
                          decay ? (float)opt->weight_decay : 0.0f, bc1, bc2, grad_scale);
         i = j;
@@ -98,13 +98,13 @@ static void adamw_flat(fm_adamw *opt, fm_model *m, int64_t p0, int64_t p1, fm_ac
     const float bc2 = (float)(1.0 - pow(opt->beta2, (double)opt->step));
     const size_t es = fm_dtype_size(opt->moments_dtype);
     int i = 0;
-    while (i < m->n_tensors && m->table[i].offset + m->table[i].numel <= p0) i++;
-    while (i < m->n_tensors && m->table[i].offset < p1) {
-        const bool decay = m->table[i].decay;
-        int64_t a = m->table[i].offset < p0 ? p0 : m->table[i].offset, b = m->table[i].offset + m->table[i].numel;
+    while (i < m->p.n_tensors && m->p.table[i].offset + m->p.table[i].numel <= p0) i++;
+    while (i < m->p.n_tensors && m->p.table[i].offset < p1) {
+        const bool decay = m->p.table[i].decay;
+        int64_t a = m->p.table[i].offset < p0 ? p0 : m->p.table[i].offset, b = m->p.table[i].offset + m->p.table[i].numel;
         int j = i + 1;
-        while (j < m->n_tensors && m->table[j].decay == decay && m->table[j].offset == b && b < p1)
-            b += m->table[j++].numel;
+        while (j < m->p.n_tensors && m->p.table[j].decay == decay && m->p.table[j].offset == b && b < p1)
+            b += m->p.table[j++].numel;
         if (b > p1) b = p1;
         const size_t mo = (size_t)(s0 + (a - p0)) * es;
         m->be.ops->adamw(m->be.ctx, w + (a - p0), g + (a - p0), ms ? ms + (a - p0) : NULL, (char *)opt->m + mo,
@@ -119,8 +119,8 @@ static void adamw_flat(fm_adamw *opt, fm_model *m, int64_t p0, int64_t p1, fm_ac
 static void adamw_step_shard(void *self, fm_model *m, int64_t p0, int64_t p1, double lr, float grad_scale) {
     fm_adamw *opt = self;
     FM_ASSERT(p0 >= opt->state_begin && p1 <= opt->state_begin + opt->state_len);
-    float *master = (void *)m->master == (void *)m->params ? NULL : m->master + p0;
-    adamw_flat(opt, m, p0, p1, m->params + p0, m->grads + p0, master, p0 - opt->state_begin, lr, grad_scale);
+    float *master = (void *)m->p.master == (void *)m->p.params ? NULL : m->p.master + p0;
+    adamw_flat(opt, m, p0, p1, m->p.params + p0, m->p.grads + p0, master, p0 - opt->state_begin, lr, grad_scale);
 }
 
 static void adamw_step_at(void *self, fm_model *m, int64_t p0, int64_t p1, fm_act *w, const fm_act *g, float *master,
@@ -139,7 +139,7 @@ static int adamw_state_tensors(void *self, fm_optim_state *out, int cap) {
 const fm_optimizer_ops fm_adamw_ops = {"adamw", adamw_state_bytes, adamw_init, adamw_step_begin, adamw_step_range,
                                        adamw_state_tensors, adamw_step_shard, adamw_step_at};
 
-void fm_grad_sumsq(fm_model *m, double *out) { m->be.ops->sumsq(m->be.ctx, out, m->grads, m->n_params, false); }
+void fm_grad_sumsq(fm_model *m, double *out) { m->be.ops->sumsq(m->be.ctx, out, m->p.grads, m->p.n_params, false); }
 
 double fm_lr_at(int64_t s, int64_t total, int64_t warmup, double lr, double min_lr) {
     if (warmup > 0 && s <= warmup) return lr * (double)s / (double)warmup;

@@ -26,18 +26,18 @@ fm_status fm_optim_overlap_init(fm_optim_overlap *o, const fm_model *m) {
      * must visit them in that order (it is the forward order) */
     int g = 0;
     o->t0[0] = 0;
-    for (int i = 0; i < m->n_tensors; i++) {
-        const int64_t l = layer_of(m->table[i].name);
+    for (int i = 0; i < m->p.n_tensors; i++) {
+        const int64_t l = layer_of(m->p.table[i].name);
         const int gi = l >= 0 ? (int)(1 + l) : (g == 0 ? 0 : (int)L + 1);
-        if (gi < g || gi > (int)L + 1 || (i > 0 && m->table[i].offset < m->table[i - 1].offset)) {
+        if (gi < g || gi > (int)L + 1 || (i > 0 && m->p.table[i].offset < m->p.table[i - 1].offset)) {
             fm_optim_overlap_free(o);
             return fm_error(FM_ERR_ARG, "optimizer overlap: tensor %d (%s) is out of forward order in the parameter "
-                            "table; run with --no-optimizer-overlap", i, m->table[i].name);
+                            "table; run with --no-optimizer-overlap", i, m->p.table[i].name);
         }
         while (g < gi) o->t0[++g] = i;
     }
-    while (g < (int)L + 1) o->t0[++g] = m->n_tensors;
-    o->t0[L + 2] = m->n_tensors;
+    while (g < (int)L + 1) o->t0[++g] = m->p.n_tensors;
+    o->t0[L + 2] = m->p.n_tensors;
     return FM_OK;
 }
 
@@ -66,8 +66,8 @@ void fm_optim_overlap_issue(fm_optim_overlap *o, fm_model *m, const fm_optimizer
         const int a = o->t0[g], b = o->t0[g + 1];
         if (b > a) {
             optim->step_range(opt, m, a, b, lr, clip);
-            const int64_t e0 = m->table[a].offset, e1 = m->table[b - 1].offset + m->table[b - 1].numel;
-            ops->mem_set(ctx, m->grads + e0, 0, sizeof(fm_act) * (size_t)(e1 - e0));
+            const int64_t e0 = m->p.table[a].offset, e1 = m->p.table[b - 1].offset + m->p.table[b - 1].numel;
+            ops->mem_set(ctx, m->p.grads + e0, 0, sizeof(fm_act) * (size_t)(e1 - e0));
         }
         ops->event_record(ctx, FM_EVENT_OVERLAP0 + g, FM_STREAM_UPDATE);
     }

@@ -52,36 +52,36 @@ static fm_status create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes,
                         int world) {
     memset(ps, 0, sizeof *ps);
     ps->host_master = host_master != NULL;
-    ps->n_params = m->n_params;
+    ps->n_params = m->p.n_params;
     ps->rank = rank;
     ps->world = world;
     ps->sharded = world > 1;
-    ps->shard_len = fm_param_store_shard_len(m->n_params, world);
+    ps->shard_len = fm_param_store_shard_len(m->p.n_params, world);
     ps->n_alloc = ps->shard_len * world;
     ps->shard_begin = (int64_t)rank * ps->shard_len;
-    if (ps->shard_begin > m->n_params) ps->shard_begin = m->n_params;
-    ps->shard_end = ps->shard_begin + ps->shard_len < m->n_params ? ps->shard_begin + ps->shard_len : m->n_params;
+    if (ps->shard_begin > m->p.n_params) ps->shard_begin = m->p.n_params;
+    ps->shard_end = ps->shard_begin + ps->shard_len < m->p.n_params ? ps->shard_begin + ps->shard_len : m->p.n_params;
     /* fm_param_store_bytes(_sharded, _no_master) of the table's count (with --ep, fm_model_create_ep's
      * E/ep experts: fewer than the config's) */
     const size_t na = (size_t)ps->n_alloc, a = sizeof(fm_act);
     const size_t state = 2 * fm_arena_round(na * a) +
-                         (host_master || a == sizeof(float) ? 0 : fm_arena_round((size_t)m->n_params * sizeof(float))),
+                         (host_master || a == sizeof(float) ? 0 : fm_arena_round((size_t)m->p.n_params * sizeof(float))),
                  total = state + optimizer_bytes;
     ps->be = m->be;
     fm_status st = fm_arena_init_backend(&ps->arena, fm_live_set_names[FM_LIVE_MODEL_STATE], total, &ps->be);
     if (st)
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the model state (%lld parameters, %.3f GiB); "
-                        "use a smaller config%s", (long long)m->n_params, total / 1073741824.0,
+                        "use a smaller config%s", (long long)m->p.n_params, total / 1073741824.0,
                         optimizer_bytes ? ", or --bf16-moments" : "");
-    layout_n(ps, &ps->arena, m->n_params, ps->n_alloc);
-    if (ps->n_alloc > m->n_params) { /* the padding: zeros that every reduce and gather carries */
-        const size_t pad = (size_t)(ps->n_alloc - m->n_params) * sizeof(fm_act);
-        ps->be.ops->mem_set(ps->be.ctx, ps->weights + m->n_params, 0, pad);
-        ps->be.ops->mem_set(ps->be.ctx, ps->grads + m->n_params, 0, pad);
+    layout_n(ps, &ps->arena, m->p.n_params, ps->n_alloc);
+    if (ps->n_alloc > m->p.n_params) { /* the padding: zeros that every reduce and gather carries */
+        const size_t pad = (size_t)(ps->n_alloc - m->p.n_params) * sizeof(fm_act);
+        ps->be.ops->mem_set(ps->be.ctx, ps->weights + m->p.n_params, 0, pad);
+        ps->be.ops->mem_set(ps->be.ctx, ps->grads + m->p.n_params, 0, pad);
     }
     if (host_master) ps->master = host_master;
-    fm_model_bind_params(m, ps->weights, ps->grads, ps->master);
-    m->master_host = host_master != NULL;
+    fm_params_bind(&m->p, ps->weights, ps->grads, ps->master);
+    m->p.master_host = host_master != NULL;
     return FM_OK;
 }
 
@@ -101,8 +101,8 @@ fm_status fm_param_store_create_host_master(fm_param_store *ps, fm_model *m, siz
 
 fm_status fm_param_store_create_zero3(fm_param_store *ps, fm_model *m, const fm_zero3 *z, size_t optimizer_bytes) {
     memset(ps, 0, sizeof *ps);
-    FM_ASSERT(z->n_params == m->n_params);
-    ps->n_params = m->n_params;
+    FM_ASSERT(z->n_params == m->p.n_params);
+    ps->n_params = m->p.n_params;
     ps->rank = z->rank;
     ps->world = z->W;
     ps->sharded = true;
@@ -116,7 +116,7 @@ fm_status fm_param_store_create_zero3(fm_param_store *ps, fm_model *m, const fm_
     if (fm_arena_init_backend(&ps->arena, fm_live_set_names[FM_LIVE_MODEL_STATE], total, &ps->be))
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the ZeRO-3 model state (%lld of %lld parameters on "
                         "this rank, %.3f GiB); use more ranks or a smaller config%s", (long long)z->shard_len,
-                        (long long)m->n_params, total / 1073741824.0, optimizer_bytes ? ", or --bf16-moments" : "");
+                        (long long)m->p.n_params, total / 1073741824.0, optimizer_bytes ? ", or --bf16-moments" : "");
     /* the walk fm_zero3_store_bytes counts */
     const size_t S = (size_t)z->shard_len, a = sizeof(fm_act);
     ps->weights = fm_arena_alloc(&ps->arena, S * a);
@@ -128,10 +128,10 @@ fm_status fm_param_store_create_zero3(fm_param_store *ps, fm_model *m, const fm_
     ps->be.ops->mem_set(ps->be.ctx, ps->weights, 0, S * a);
     ps->be.ops->mem_set(ps->be.ctx, ps->grads, 0, S * a);
     if ((void *)ps->master != (void *)ps->weights) ps->be.ops->mem_set(ps->be.ctx, ps->master, 0, S * sizeof(float));
-    m->params = ps->weights;
-    m->grads = ps->grads;
-    m->master = ps->master;
-    m->master_host = false;
+    m->p.params = ps->weights;
+    m->p.grads = ps->grads;
+    m->p.master = ps->master;
+    m->p.master_host = false;
     return FM_OK;
 }
 

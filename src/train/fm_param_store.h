@@ -56,12 +56,12 @@ size_t fm_param_store_measure(int64_t n_params);
 
 /* Allocates the model-state arena for model m (its table and backend) with optimizer_bytes more
  * for the optimizer (fm_param_store_take), lays out weights, grads and master, zeroes them and
- * binds them into m (fm_model_bind_params). W = 1. Errors: FM_ERR_NOMEM naming the model state's
+ * binds them into m (fm_params_bind). W = 1. Errors: FM_ERR_NOMEM naming the model state's
  * size and the fix. */
 fm_status fm_param_store_create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes);
 
 /* The same without the device master: weights and grads only (fm_param_store_bytes_no_master)
- * plus optimizer_bytes; the model's master view (m->master, ps->master) is bound to `master`
+ * plus optimizer_bytes; the model's master view (m->p.master, ps->master) is bound to `master`
  * [n_params] fp32, memory the optimizer owns (pinned host memory for the streamed AdamW), also
  * on the CPU build, where the fp32 weights are then a separate copy written from it. The weights'
  * init and checkpoint loads write that master and convert it into the weights. Errors: as
@@ -78,7 +78,7 @@ fm_status fm_param_store_create_sharded(fm_param_store *ps, fm_model *m, int ran
  * fm_act (zeroed), the master [z->shard_len] fp32 (fp32 builds: the weights), the two gather
  * slots [z->slot_len] and the gradient buffer [z->gbuf_len], fm_zero3_store_bytes(z) in all, and
  * optimizer_bytes for the shard's optimizer state. m's master/params/grads point at the shard;
- * its views are the schedule hook's to bind (fm_zero3_bind, fm_model_bind_group). Errors: as
+ * its views are the schedule hook's to bind (fm_zero3_bind, fm_params_bind_group). Errors: as
  * fm_param_store_create. */
 struct fm_zero3;
 fm_status fm_param_store_create_zero3(fm_param_store *ps, fm_model *m, const struct fm_zero3 *z, size_t optimizer_bytes);

@@ -93,7 +93,7 @@ fm_status fm_sampler_next(fm_sampler *s, int32_t *token) {
     if (s->generated >= s->max_new)
         return fm_error(FM_ERR_ARG, "sampling: the %lld tokens asked for are generated", (long long)s->max_new);
     fm_model *m = s->m;
-    const int64_t T = m->T_cap, len = s->n < T ? s->n : T;
+    const int64_t T = m->a.T_cap, len = s->n < T ? s->n : T;
     fm_model_set_shape(m, 1, len);
     const fm_batch b = {s->seq + s->n - len, NULL, 1, len}; /* the window's tokens, no targets */
     FM_TRY(fm_schedule_default_forward(m, &b, NULL));

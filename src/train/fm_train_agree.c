@@ -40,7 +40,7 @@ fm_status fm_train_agree(const fm_comm *world, const fm_train_opts *o, const fm_
         {"--ce-block-vocab", K_INT, o->ce_block_vocab}, {"--mem-budget", K_INT, (int64_t)o->mem_budget},
         {"--offload-optimizer", K_INT, o->offload_optimizer}, {"--offload-boundaries", K_HASH, str_hash(o->offload_boundaries)},
         {"--recompute", K_HASH, str_hash(o->recompute)}, {"--bf16-moments", K_INT, o->bf16_moments},
-        {"--expert-precision", K_INT, o->expert_fp8}, {"--fp8-weight-cache", K_INT, o->fp8_weight_cache},
+        {"--expert-precision", K_INT, o->expert_fp8}, {"--fp8-weight-cache", K_INT, o->layout.expert_fp8_cache},
         {"--no-fp8-weight-cache", K_INT, o->no_fp8_weight_cache},
         {"--lr", K_F64, f64_bits(o->lr)}, {"--min-lr", K_F64, f64_bits(o->min_lr)}, {"--warmup", K_INT, o->warmup},
         {"--weight-decay", K_F64, f64_bits(o->weight_decay)}, {"--grad-clip", K_F64, f64_bits(o->grad_clip)},

@@ -14,26 +14,26 @@
 
 /* ---- the model's table for the Hugging Face mapping ----------------------------------------- */
 
-fm_status fm_train_hf_init(fm_train_hf *h, const fm_model *m) {
-    const fm_config *c = &m->cfg;
+fm_status fm_train_hf_init(fm_train_hf *h, const fm_model_params *pp) {
+    const fm_config *c = &pp->cfg;
     const int64_t L = c->num_hidden_layers;
     memset(h, 0, sizeof *h);
-    h->params = fm_malloc(sizeof(fm_hf_param) * (size_t)(m->n_tensors > 0 ? m->n_tensors : 1));
+    h->params = fm_malloc(sizeof(fm_hf_param) * (size_t)(pp->n_tensors > 0 ? pp->n_tensors : 1));
     h->experts = fm_malloc(sizeof(fm_hf_experts) * (size_t)(L > 0 ? L : 1));
     if (!h->params || !h->experts) {
         fm_train_hf_free(h);
-        return fm_error(FM_ERR_NOMEM, "out of memory for the tensor table (%d tensors)", m->n_tensors);
+        return fm_error(FM_ERR_NOMEM, "out of memory for the tensor table (%d tensors)", pp->n_tensors);
     }
-    for (int i = 0; i < m->n_tensors; i++) {
-        const fm_param *p = &m->table[i];
+    for (int i = 0; i < pp->n_tensors; i++) {
+        const fm_param *p = &pp->table[i];
         h->params[i] = (fm_hf_param){p->name, p->ndim, {p->shape[0], p->shape[1]}, p->offset};
     }
     for (int64_t l = 0; l < L; l++) { /* a table-only model without a layout (--ep's full table) has none */
         int64_t g = 0, u = 0, d = 0;
-        if (m->offsets) fm_model_layer_expert_offsets(m, l, &g, &u, &d);
+        if (pp->offsets) fm_params_layer_expert_offsets(pp, l, &g, &u, &d);
         h->experts[l] = (fm_hf_experts){g, u, d};
     }
-    h->t = (fm_hf_table){h->params, m->n_tensors, L, m->E_loc > 0 ? m->E_loc : c->num_experts, c->hidden_size,
+    h->t = (fm_hf_table){h->params, pp->n_tensors, L, pp->E_loc > 0 ? pp->E_loc : c->num_experts, c->hidden_size,
                          c->moe_intermediate_size,
                          c->model_type == FM_MODEL_MIXTRAL ? "block_sparse_moe" : "mlp", h->experts,
                          c->tie_word_embeddings, c->model_type_name};
@@ -48,10 +48,10 @@ void fm_train_hf_free(fm_train_hf *h) {
 
 /* ---- loading tensors into backend buffers --------------------------------------------------- */
 
-/* fm_hf_read, except that under expert parallelism (m->ep > 1: the table holds this rank's
+/* fm_hf_read, except that under expert parallelism (m->p.ep > 1: the table holds this rank's
  * experts) the other ranks' experts in the file are skipped, not an error. */
 static fm_status hf_read(const fm_model *m, const fm_hf_table *t, const char *path, const char *prefix, float *base) {
-    if (m->ep <= 1) return fm_hf_read(t, path, prefix, base);
+    if (m->p.ep <= 1) return fm_hf_read(t, path, prefix, base);
     fm_hf_files f;
     FM_TRY(fm_hf_files_open(&f, path));
     char extra[256];
@@ -67,15 +67,15 @@ static fm_status hf_read(const fm_model *m, const fm_hf_table *t, const char *pa
 static fm_status load_fp32_as_ex(fm_model *m, const fm_hf_table *t, const char *path, const char *prefix, void *dst,
                                  fm_dtype dtype, bool host) {
     if ((host || m->be.ops->host_memory) && dtype == FM_DTYPE_F32) return hf_read(m, t, path, prefix, dst);
-    float *stage = fm_malloc(sizeof(float) * (size_t)m->n_params);
-    if (!stage) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)m->n_params);
+    float *stage = fm_malloc(sizeof(float) * (size_t)m->p.n_params);
+    if (!stage) return fm_error(FM_ERR_NOMEM, "%s: cannot stage %lld values on the host", path, (long long)m->p.n_params);
     fm_status s = hf_read(m, t, path, prefix, stage);
     if (s == FM_OK && dtype == FM_DTYPE_BF16) {
         uint16_t *h = (uint16_t *)stage; /* narrowing in increasing order never overtakes the reads */
-        for (int64_t i = 0; i < m->n_params; i++) h[i] = fm_f32_to_bf16(stage[i]);
+        for (int64_t i = 0; i < m->p.n_params; i++) h[i] = fm_f32_to_bf16(stage[i]);
     }
-    if (s == FM_OK && host) memcpy(dst, stage, fm_dtype_size(dtype) * (size_t)m->n_params);
-    else if (s == FM_OK) m->be.ops->copy(m->be.ctx, dst, stage, fm_dtype_size(dtype) * (size_t)m->n_params, FM_COPY_H2D);
+    if (s == FM_OK && host) memcpy(dst, stage, fm_dtype_size(dtype) * (size_t)m->p.n_params);
+    else if (s == FM_OK) m->be.ops->copy(m->be.ctx, dst, stage, fm_dtype_size(dtype) * (size_t)m->p.n_params, FM_COPY_H2D);
     fm_free(stage);
     return s;
 }
@@ -87,9 +87,9 @@ static fm_status load_fp32_as(fm_model *m, const fm_hf_table *t, const char *pat
 
 /* Loads the weights (with the name prefix) into the fp32 master and refreshes the fm_act weights. */
 static fm_status load_master(fm_model *m, const fm_hf_table *t, const char *path, const char *prefix) {
-    FM_TRY(load_fp32_as(m, t, path, prefix, m->master, FM_DTYPE_F32));
-    if ((void *)m->master != (void *)m->params)
-        m->be.ops->convert(m->be.ctx, m->params, FM_ACT_DTYPE, m->master, FM_DTYPE_F32, m->n_params);
+    FM_TRY(load_fp32_as(m, t, path, prefix, m->p.master, FM_DTYPE_F32));
+    if ((void *)m->p.master != (void *)m->p.params)
+        m->be.ops->convert(m->be.ctx, m->p.params, FM_ACT_DTYPE, m->p.master, FM_DTYPE_F32, m->p.n_params);
     return FM_OK;
 }
 
@@ -236,9 +236,7 @@ fm_status fm_train_state_read(const char *path, train_state *s) {
     const cJSON *pk = cJSON_GetObjectItemCaseSensitive(cur, "pack");
     s->pack_mode = !cJSON_IsString(pk) ? 0 : !strcmp(pk->valuestring, "on") ? FM_PACK_ON
                  : !strcmp(pk->valuestring, "pad") ? FM_PACK_PAD : FM_PACK_OFF;
-    s->pk_epoch = cJSON_IsObject(cur) ? json_i64(cur, "epoch", 0) : 0;
-    s->pk_next = cJSON_IsObject(cur) ? json_i64(cur, "document", 0) : 0;
-    s->pk_done = cJSON_IsObject(cur) ? json_i64(cur, "position", 0) : 0;
+    if (!cJSON_IsObject(cur)) cur = NULL;
     fm_status st = FM_OK;
     if (!cJSON_GetObjectItemCaseSensitive(o, "step") || !cJSON_GetObjectItemCaseSensitive(o, "optimizer_step"))
         st = fm_error(FM_ERR_FORMAT, "%s: expected fields step, optimizer_step, data_rng_state and seed", path);
@@ -256,6 +254,10 @@ fm_status fm_train_state_read(const char *path, train_state *s) {
     if (!st) st = state_i64(sch, "warmup", "schedule.", 0, FM_STATE_MAX_COUNT, -1, path, &s->warmup);
     if (!st) st = state_u64(o, "data_rng_state", 16, path, &s->data_rng);
     if (!st) st = state_u64(o, "seed", 10, path, &s->seed);
+    /* the packer's cursor (fm_pack.h): epoch, next document, tokens of it already placed */
+    if (!st) st = state_i64(cur, "epoch", "data_cursor.", 0, FM_STATE_MAX_COUNT, 0, path, &s->pk_epoch);
+    if (!st) st = state_i64(cur, "document", "data_cursor.", 0, FM_STATE_MAX_COUNT, 0, path, &s->pk_next);
+    if (!st) st = state_i64(cur, "position", "data_cursor.", 0, FM_STATE_MAX_COUNT, 0, path, &s->pk_done);
     cJSON_Delete(o);
     return st;
 }
@@ -297,12 +299,12 @@ static const fm_optim_state *optim_master(const fm_optim_state *os, int n) {
 }
 
 fm_status fm_train_ckpt_init(run *r) {
-    const int n = r->ep.full_ok ? r->ep.full.n_tensors : r->m.n_tensors; /* --ep: the full table's names */
+    const int n = r->ep.full_ok ? r->ep.full.n_tensors : r->m.p.n_tensors; /* --ep: the full table's names */
     r->named = fm_malloc(sizeof(fm_named_tensor) * (size_t)(4 * n));
     r->names = fm_malloc(sizeof(*r->names) * (size_t)(4 * n));
     if (!r->named || !r->names) return fm_error(FM_ERR_NOMEM, "out of memory for the tensor name table");
     if (r->ep.full_ok) FM_TRY(fm_train_hf_init(&r->ep_hf, &r->ep.full)); /* --ep: the checkpoint's full names */
-    FM_TRY(fm_train_hf_init(&r->hf, &r->m));
+    FM_TRY(fm_train_hf_init(&r->hf, &r->m.p));
     return fm_ckpt_stage_init(r); /* the checkpoint staging, once (fm_train_ckpt_stream.h) */
 }
 
@@ -356,7 +358,7 @@ static fm_status save_named(run *r, const train_state *ts, const fm_optim_state 
     const fm_hf_table *t = &r->hf.t;
     const int n = t->n_params;
     const fm_optim_state *ms = optim_master(os, nos);
-    const void *master = ms ? ms->base : r->m.master;
+    const void *master = ms ? ms->base : r->m.p.master;
     FM_TRY(name_state(r, t, master, "", 0));
     FM_TRY(name_state(r, t, master, "master.", 1));
     int k = 2;
@@ -420,8 +422,8 @@ static fm_status check_model_file(run *r, const char *dir) {
     fm_status s = fm_st_open(&st, path);
     if (s != FM_OK) return s;
     const char *how = FM_TRAIN_RESUME_HOW;
-    for (int i = 0; i < m->n_tensors && s == FM_OK; i++) {
-        const fm_param *p = &m->table[i];
+    for (int i = 0; i < m->p.n_tensors && s == FM_OK; i++) {
+        const fm_param *p = &m->p.table[i];
         const fm_st_tensor *t = fm_st_find(&st, p->name);
         bool same_shape = t && t->ndim == p->ndim;
         for (int d = 0; same_shape && d < p->ndim; d++) same_shape = t->shape[d] == p->shape[d];
@@ -440,13 +442,13 @@ static fm_status check_model_file(run *r, const char *dir) {
         }
     }
     /* --ep: the file holds every rank's experts, the table this rank's */
-    const int64_t n_expect = m->n_tensors + (int64_t)(m->ep - 1) * m->cfg.num_hidden_layers * 3 * m->E_loc;
+    const int64_t n_expect = m->p.n_tensors + (int64_t)(m->p.ep - 1) * m->cfg.num_hidden_layers * 3 * m->p.E_loc;
     if (s == FM_OK && st.n_tensors != n_expect) { /* every table tensor is there: name one it lacks */
         for (int i = 0; i < st.n_tensors && s == FM_OK; i++)
-            if (m->ep <= 1 && !fm_model_find_param(m, st.tensors[i].name))
+            if (m->p.ep <= 1 && !fm_params_find(&m->p, st.tensors[i].name))
                 s = fm_error(FM_ERR_FORMAT, "--resume: %s holds tensor '%s', which is not a parameter of this model; the "
                              "file was changed after the checkpoint was written: %s", path, st.tensors[i].name, how);
-        if (s == FM_OK && m->ep > 1)
+        if (s == FM_OK && m->p.ep > 1)
             s = fm_error(FM_ERR_FORMAT, "--resume: %s holds %d tensors; the model with all its experts has %lld: the "
                          "file was changed after the checkpoint was written: %s", path, st.n_tensors,
                          (long long)n_expect, how);
@@ -517,7 +519,7 @@ fm_status fm_load_for_inference(fm_model *m, fm_param_store *ps, const char *ckp
     fm_status s = fm_param_store_create(ps, m, 0);
     if (s == FM_OK) s = fm_model_layout(m, B, T, NULL);
     fm_train_hf hf = {0};
-    if (s == FM_OK) s = fm_train_hf_init(&hf, m);
+    if (s == FM_OK) s = fm_train_hf_init(&hf, &m->p);
     if (s == FM_OK) {
         s = load_master(m, &hf.t, ckpt_dir, ""); /* model.safetensors, or model.safetensors.index.json and shards */
     }

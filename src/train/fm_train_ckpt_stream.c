@@ -29,7 +29,7 @@ int64_t fm_ckpt_chunk_elems(const fm_test_hooks *h) { /* test hook: many pieces 
 
 /* How a state's elements lie on the ranks. */
 typedef enum st_kind {
-    K_TABLE = 0, /* base in this rank's table layout, [m->n_params]; tensor i held whole by the ranks that have it */
+    K_TABLE = 0, /* base in this rank's table layout, [m->p.n_params]; tensor i held whole by the ranks that have it */
     K_SHARD12,   /* ZeRO-1/2: base is this rank's [shard_len], flat [shard_begin, shard_end) */
     K_FULL12,    /* ZeRO-1/2's fp32 master beside bf16 weights: table layout, current on the shard's owner */
     K_ZERO3      /* ZeRO-3: base is this rank's shard [S] (fm_zero3.h) */
@@ -180,7 +180,7 @@ fm_status fm_ckpt_stage_init(run *r) {
         return fm_error(FM_ERR_NOMEM, "rank %d of %d: out of memory for the checkpoint staging (%zu bytes) and its "
                         "tables", r->rank, W, c->bytes);
     for (int i = 0; i < n; i++) {
-        const fm_param *p = fm_model_find_param(&r->m, t->params[i].name);
+        const fm_param *p = fm_params_find(&r->m.p, t->params[i].name);
         c->lo[i] = p ? p->offset : -1;
         c->owner[i] = 0;
         c->shared[i] = true;
@@ -245,9 +245,9 @@ static int save_states(run *r, const fm_optim_state *os, int nos, st_desc *sd, c
     st_desc master;
     if (r->zero3) master = (st_desc){r->z3.master, FM_DTYPE_F32, false, K_ZERO3};
     else if (ms) master = (st_desc){ms->base, FM_DTYPE_F32, ms->host, sk};
-    else if (r->ps.sharded && (void *)m->master != (void *)m->params)
-        master = (st_desc){m->master, FM_DTYPE_F32, false, K_FULL12};
-    else master = (st_desc){m->master, FM_DTYPE_F32, false, K_TABLE};
+    else if (r->ps.sharded && (void *)m->p.master != (void *)m->p.params)
+        master = (st_desc){m->p.master, FM_DTYPE_F32, false, K_FULL12};
+    else master = (st_desc){m->p.master, FM_DTYPE_F32, false, K_TABLE};
     int k = 0;
     sd[k] = master, pre[k++] = "";
     sd[k] = master, pre[k++] = "master.";
@@ -385,8 +385,8 @@ static fm_status load_state(run *r, const fm_safetensors *opt, const fm_safetens
                         "checkpoint was written for another config, or the file was changed", opt->path, have, prefix,
                         want);
     char name[FM_HF_NAME_CAP + 16];
-    for (int j = 0; j < m->n_tensors; j++) {
-        const fm_param *p = &m->table[j];
+    for (int j = 0; j < m->p.n_tensors; j++) {
+        const fm_param *p = &m->p.table[j];
         int64_t a[2], b[2], d[2];
         const int nr = own_ranges(r, s->kind, p, a, b, d);
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
@@ -433,15 +433,15 @@ fm_status fm_ckpt_stream_load(run *r, const char *dir, bool verify) {
      * keeps full weights on every rank) */
     st_desc master = r->zero3 ? (st_desc){r->z3.master, FM_DTYPE_F32, false, K_ZERO3}
                      : ms     ? (st_desc){ms->base, FM_DTYPE_F32, ms->host, K_TABLE}
-                              : (st_desc){m->master, FM_DTYPE_F32, false, K_TABLE};
+                              : (st_desc){m->p.master, FM_DTYPE_F32, false, K_TABLE};
     if (s == FM_OK) s = load_state(r, &opt, verify ? &model : NULL, &master, "master.");
     if (s == FM_OK) {
         if (r->zero3) {
             if ((void *)r->z3.master != (void *)r->z3.weights)
                 m->be.ops->convert(m->be.ctx, r->z3.weights, FM_ACT_DTYPE, r->z3.master, FM_DTYPE_F32, r->z3.shard_len);
             fm_zero3_invalidate(&r->z3);
-        } else if ((void *)m->master != (void *)m->params) {
-            m->be.ops->convert(m->be.ctx, m->params, FM_ACT_DTYPE, m->master, FM_DTYPE_F32, m->n_params);
+        } else if ((void *)m->p.master != (void *)m->p.params) {
+            m->be.ops->convert(m->be.ctx, m->p.params, FM_ACT_DTYPE, m->p.master, FM_DTYPE_F32, m->p.n_params);
         }
     }
     for (int i = 0; i < nos && s == FM_OK; i++)
@@ -461,13 +461,13 @@ fm_status fm_ckpt_stream_init_zero3(run *r, uint64_t seed) {
     fm_ckpt_stage *c = &r->cst;
     const fm_zero3 *z = &r->z3;
     const st_desc s = {z->master, FM_DTYPE_F32, false, K_ZERO3};
-    for (int j = 0; j < m->n_tensors; j++) { /* this rank's ranges only: the draw is counter-based */
+    for (int j = 0; j < m->p.n_tensors; j++) { /* this rank's ranges only: the draw is counter-based */
         int64_t a[2], b[2], d[2];
-        const int nr = own_ranges(r, K_ZERO3, &m->table[j], a, b, d);
+        const int nr = own_ranges(r, K_ZERO3, &m->p.table[j], a, b, d);
         for (int q = 0; q < nr; q++)
             for (int64_t x = a[q]; x < b[q]; x += c->chunk) {
                 const int64_t n = b[q] - x < c->chunk ? b[q] - x : c->chunk;
-                fm_model_init_weights_range(m, seed, j, x, n, c->send);
+                fm_params_init_weights_range(&m->p, seed, j, x, n, c->send);
                 note_high(c, 4 * (size_t)n);
                 store_local(r, &s, d[q] + x - a[q], c->send, n);
             }

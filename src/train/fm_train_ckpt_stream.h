@@ -18,7 +18,7 @@
  * time, and checks model.safetensors' same ranges against the master (rounded to the stored
  * dtype); resume at another world size therefore reads other ranges of the same files. ZeRO-3's
  * initial weights are drawn the same way, range by range into the shard (fm_ckpt_stream_init_zero3;
- * the draw is counter-based, fm_model_init_weights_range).
+ * the draw is counter-based, fm_params_init_weights_range).
  *
  * Bound: two host buffers of C_e = min(C, the largest tensor's elements) fp32 each (a piece
  * being received and the sender's own part; on load, the piece and its model-file check):

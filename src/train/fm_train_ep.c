@@ -69,7 +69,7 @@ fm_llep_opts fm_train_ep_llep(const fm_train_opts *o) {
 size_t fm_train_ep_model_state_bound(const fm_config *cfg, const fm_state_layout *lay, size_t a, bool bf16_moments,
                                      char desc[200]) {
     const int bound_ep = lay->ep > 1 ? lay->ep : 1;
-    const int64_t n = fm_model_ep_num_params(cfg, bound_ep);
+    const int64_t n = fm_params_ep_num_params(cfg, bound_ep);
     if (desc)
         snprintf(desc, 200, "%d B/param (weight, grad%s, Adam m, v) x %lld params (experts / ep = %d)",
                  (int)(2 * a + (a != 4 ? 4 : 0) + (bf16_moments ? 4 : 8)), a != 4 ? ", fp32 master" : "",
@@ -82,7 +82,7 @@ size_t fm_train_ep_model_state_bound(const fm_config *cfg, const fm_state_layout
 /* ---- groups ---- */
 
 void fm_train_ep_free(fm_train_ep *x) {
-    if (x->full_ok) fm_model_free(&x->full);
+    if (x->full_ok) fm_params_free(&x->full);
     if (x->host_ok) fm_comm_free(&x->host_world);
     if (x->edp_ok) fm_comm_free(&x->edp);
     if (x->group_ok) fm_comm_group_free(&x->group);
@@ -96,16 +96,16 @@ fm_status fm_train_ep_init(fm_train_ep *x, const fm_comm *world, int dp, int ep,
     x->world_rank = fm_comm_rank(world);
     x->world = fm_comm_size(world);
     x->rank = x->world_rank % ep;
-    FM_ASSERT(ep > 1 && m->ep == ep && m->ep_rank == x->rank);
+    FM_ASSERT(ep > 1 && m->p.ep == ep && m->p.ep_rank == x->rank);
     FM_TRY(fm_comm_group_create(&x->group, world, dp, ep, sp)); /* ep: the block [r - r % ep, + ep), any sp ranks */
     x->group_ok = true;
     FM_TRY(world->ops->split(world->ctx, x->rank, x->world_rank, &x->edp)); /* same experts: same r % ep */
     x->edp_ok = true;
     FM_TRY(fm_comm_mpi_world(&x->host_world, NULL, world->ops->default_timeout(world->ctx), 0));
     x->host_ok = true;
-    FM_TRY(fm_model_create(&x->full, &m->cfg, m->be)); /* a table only: no parameter memory */
+    FM_TRY(fm_params_create(&x->full, &m->cfg, 1, 0)); /* a table only: no parameter memory */
     x->full_ok = true;
-    m->moe_ep_comm = &x->group.axis[FM_AXIS_EP].comm;
+    m->mesh.moe_ep_comm = &x->group.axis[FM_AXIS_EP].comm;
     return FM_OK;
 }
 
@@ -113,30 +113,30 @@ fm_status fm_train_ep_init(fm_train_ep *x, const fm_comm *world, int dp, int ep,
 
 fm_status fm_train_ep_reduce_grads(fm_model *m, const fm_comm *dp, const fm_train_ep *x) {
     const fm_config *c = &m->cfg;
-    const int64_t L = c->num_hidden_layers, span = 3 * m->E_loc * c->hidden_size * c->moe_intermediate_size;
+    const int64_t L = c->num_hidden_layers, span = 3 * m->p.E_loc * c->hidden_size * c->moe_intermediate_size;
     const fm_comm *ep = &x->group.axis[FM_AXIS_EP].comm;
     const bool edp = fm_comm_size(&x->edp) > 1;
-    fm_act *g = m->grads;
+    fm_act *g = m->p.grads;
     int64_t prev = 0;
     for (int64_t l = 0; l < L; l++) { /* [prev, gate): replicated tensors; [gate, + span): the layer's experts */
-        const int64_t g0 = m->g.layers[l].w_gate - g;
+        const int64_t g0 = m->p.g.layers[l].w_gate - g;
         FM_TRY(fm_comm_all_reduce(dp, g + prev, g + prev, g0 - prev, act_comm_dtype, FM_COMM_SUM, 0));
         if (edp) FM_TRY(fm_comm_all_reduce(&x->edp, g + g0, g + g0, span, act_comm_dtype, FM_COMM_SUM, 0));
         prev = g0 + span;
     }
-    FM_TRY(fm_comm_all_reduce(dp, g + prev, g + prev, m->n_params - prev, act_comm_dtype, FM_COMM_SUM, 0));
+    FM_TRY(fm_comm_all_reduce(dp, g + prev, g + prev, m->p.n_params - prev, act_comm_dtype, FM_COMM_SUM, 0));
     /* squares: every expert once (summed over the ep group), then the replicas' on every rank */
-    double *sq = m->results + FM_RESULT_SUMSQ;
+    double *sq = m->a.results + FM_RESULT_SUMSQ;
     for (int64_t l = 0; l < L; l++)
-        m->be.ops->sumsq(m->be.ctx, sq, m->g.layers[l].w_gate, span, l > 0);
+        m->be.ops->sumsq(m->be.ctx, sq, m->p.g.layers[l].w_gate, span, l > 0);
     FM_TRY(fm_comm_all_reduce(ep, sq, sq, 1, FM_COMM_F64, FM_COMM_SUM, 0));
     prev = 0;
     for (int64_t l = 0; l < L; l++) {
-        const int64_t g0 = m->g.layers[l].w_gate - g;
+        const int64_t g0 = m->p.g.layers[l].w_gate - g;
         if (g0 > prev) m->be.ops->sumsq(m->be.ctx, sq, g + prev, g0 - prev, true);
         prev = g0 + span;
     }
-    if (m->n_params > prev) m->be.ops->sumsq(m->be.ctx, sq, g + prev, m->n_params - prev, true);
+    if (m->p.n_params > prev) m->be.ops->sumsq(m->be.ctx, sq, g + prev, m->p.n_params - prev, true);
     return FM_OK;
 }
 
@@ -160,7 +160,7 @@ fm_status fm_train_ep_gather(const fm_train_ep *x, const fm_model *m, const void
                              float **full) {
     *full = NULL;
     const int ep = x->ep, W = x->world, me = x->world_rank;
-    const int64_t n = m->n_params;
+    const int64_t n = m->p.n_params;
     const bool root = me == 0, sender = me < ep; /* rank 0's ep group is world ranks [0, ep) */
     int64_t *cnt = fm_malloc(sizeof(int64_t) * 4 * (size_t)W);
     float *mine = fm_malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
@@ -183,12 +183,12 @@ fm_status fm_train_ep_gather(const fm_train_ep *x, const fm_model *m, const void
     }
     float *out = NULL;
     if (st == FM_OK && root) { /* each ep rank's table is a subsequence of the full one, in its order */
-        const fm_model *F = &x->full;
+        const fm_model_params *F = &x->full;
         out = fm_malloc(sizeof(float) * (size_t)F->n_params);
         if (!out) st = fm_error(FM_ERR_NOMEM, "rank 0: memory for the checkpoint's %lld values", (long long)F->n_params);
         for (int q = 0; q < ep && st == FM_OK; q++) {
-            fm_model t;
-            st = fm_model_create_ep(&t, &m->cfg, m->be, ep, q);
+            fm_model_params t;
+            st = fm_params_create(&t, &m->cfg, ep, q);
             if (st != FM_OK) break;
             for (int i = 0, j = 0; i < F->n_tensors && j < t.n_tensors; i++)
                 if (!strcmp(F->table[i].name, t.table[j].name)) {
@@ -196,7 +196,7 @@ fm_status fm_train_ep_gather(const fm_train_ep *x, const fm_model *m, const void
                            sizeof(float) * (size_t)F->table[i].numel);
                     j++;
                 }
-            fm_model_free(&t);
+            fm_params_free(&t);
         }
     }
     fm_free(cnt);
@@ -211,7 +211,7 @@ fm_status fm_train_ep_gather(const fm_train_ep *x, const fm_model *m, const void
 }
 
 void fm_train_ep_report(const fm_model *m, char *buf, size_t n) {
-    const fm_moe_ep_ws *w = &m->moe_ep_ws;
+    const fm_moe_ep_ws *w = &m->a.moe_ep_ws;
     snprintf(buf, n, "ep dispatch: rows received per chunk high %lld of R_max %lld (ep %d x cap %lld x min(k, E/ep)); "
              "sent high %lld; LLEP chunk passes that moved rows %lld", (long long)w->recv_rows_high,
              (long long)w->rows_max, w->ep, (long long)w->c, (long long)w->send_rows_high, (long long)w->llep_chunks);

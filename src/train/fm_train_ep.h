@@ -38,7 +38,7 @@ typedef struct fm_train_ep {
     bool edp_ok;
     fm_comm host_world;     /* the world over host memory: the checkpoint gather */
     bool host_ok;
-    fm_model full;          /* a table-only model of all E experts (no memory bound): the names
+    fm_model_params full;   /* the parameter table of all E experts (no memory bound): the names
                                and layout of the checkpoint's full tensors */
     bool full_ok;
 } fm_train_ep;
@@ -56,7 +56,7 @@ fm_llep_opts fm_train_ep_llep(const fm_train_opts *o);
 
 /* The model-state live set's per-rank bound with this rank's E/ep experts (ep = lay->ep;
  * replicas over dp, AdamW): the parameter store's weights, grads (and the fp32 master when
- * a != 4) and AdamW's m and v, of fm_model_ep_num_params(cfg, ep) parameters, each buffer rounded
+ * a != 4) and AdamW's m and v, of fm_params_ep_num_params(cfg, ep) parameters, each buffer rounded
  * as the arenas round; desc (200 bytes) the formula. The plan request's model_state_bytes under
  * --ep (the same signature as fm_model_state_bound). */
 size_t fm_train_ep_model_state_bound(const fm_config *cfg, const fm_state_layout *lay, size_t a, bool bf16_moments,
@@ -65,7 +65,7 @@ size_t fm_train_ep_model_state_bound(const fm_config *cfg, const fm_state_layout
 /* Sets up x over the world communicator (backend memory) of dp x sp ranks for degree ep > 1 (ep
  * divides dp x sp) and model m (created with fm_model_create_ep(.., ep, world_rank % ep)): the
  * mesh groups dp x ep x sp, the expert-data-parallel group, the host-memory world for
- * checkpoints, the full table; points m->moe_ep_comm at the ep group. A collective call on world.
+ * checkpoints, the full table; points m->mesh.moe_ep_comm at the ep group. A collective call on world.
  * Errors: the communicators' (FM_ERR_ARG: dp x sp is not the world size, or ep does not divide
  * it; FM_ERR_IO, FM_ERR_UNSUPPORTED), FM_ERR_NOMEM. */
 fm_status fm_train_ep_init(fm_train_ep *x, const fm_comm *world, int dp, int ep, int sp, fm_model *m);
@@ -73,12 +73,12 @@ void fm_train_ep_free(fm_train_ep *x);
 
 /* The accumulated gradients summed as the header says (non-expert ranges over dp, each layer's
  * experts over the expert-data-parallel group), then their global sum of squares into
- * m->results[FM_RESULT_SUMSQ] on every rank: the experts' squares summed over the ep group (each
+ * m->a.results[FM_RESULT_SUMSQ] on every rank: the experts' squares summed over the ep group (each
  * expert counted once), plus the replicated tensors' squares. dp: the world. A collective call on
  * dp, the ep and edp groups. Errors: the communicators'. */
 fm_status fm_train_ep_reduce_grads(fm_model *m, const fm_comm *dp, const fm_train_ep *x);
 
-/* A checkpoint's full tensor from the owners: src [m->n_params] of dtype (F32 or BF16; backend
+/* A checkpoint's full tensor from the owners: src [m->p.n_params] of dtype (F32 or BF16; backend
  * memory, or host memory when host) in this rank's table layout; on world rank 0 *full gets a
  * new host fp32 buffer [x->full.n_params] in the full table's layout (bf16 widened exactly), the
  * experts of every ep rank of its group in place; NULL elsewhere. A collective call on the host

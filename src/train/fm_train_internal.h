@@ -37,8 +37,9 @@ typedef struct fm_train_hf {
     fm_hf_experts *experts;  /* [L] */
 } fm_train_hf;
 
-/* Builds h from m (which must outlive it). Errors: FM_ERR_NOMEM. */
-fm_status fm_train_hf_init(fm_train_hf *h, const fm_model *m);
+/* Builds h from the parameter table pp (a model's m->p, or a table alone: --ep's full one;
+ * it must outlive h). Errors: FM_ERR_NOMEM. */
+fm_status fm_train_hf_init(fm_train_hf *h, const fm_model_params *pp);
 void fm_train_hf_free(fm_train_hf *h);
 
 /* Trainer state saved in state.json. */
@@ -83,7 +84,7 @@ typedef struct run {
     const fm_optimizer_ops *optim;  /* the optimizer's interface over r->opt */
     fm_comm world;                  /* the run's ranks (fm_comm_world_create over the backend: mpi with
                                        several ranks, self with one); with sp = ep = 1 it is also
-                                       the dp group and m->comm */
+                                       the dp group and m->mesh.comm */
     int rank, n_ranks;              /* this rank of the world (the launcher's); only rank 0 writes
                                        metrics.jsonl, step lines and checkpoint files */
     fm_backend_opts backend_opts;   /* what the backend was created with (metrics.jsonl "backend") */
@@ -91,7 +92,7 @@ typedef struct run {
                                        metrics header's "expert_gemm") */
     bool world_ok;
     fm_comm_group mesh;             /* --sp > 1: the dp x sp mesh over world (its sp group is
-                                       m->sp_comm); gradients, losses and router statistics still
+                                       m->mesh.sp_comm); gradients, losses and router statistics still
                                        reduce over the whole world */
     bool mesh_ok;
     int sp;                         /* the sequence-parallel degree (1: none) */
@@ -112,7 +113,7 @@ typedef struct run {
 /* Live set i's measured high-water mark in bytes (the parameter store's arena for model state,
  * the model's arena otherwise), as --report-memory, metrics.jsonl and run.json report it. */
 static inline size_t fm_run_live_high(const run *r, int i) {
-    return i == FM_LIVE_MODEL_STATE ? r->ps.arena.high : fm_arena_touched(&r->m.arena[i]);
+    return i == FM_LIVE_MODEL_STATE ? r->ps.arena.high : fm_arena_touched(&r->m.a.arena[i]);
 }
 
 /* Pinned host bytes in use: the offloaded boundaries and the streamed optimizer's state. */
@@ -120,7 +121,7 @@ static inline size_t fm_run_host_pinned_used(const run *r) { return r->sco.host.
 
 /* The arena of live set i: the parameter store's for the model state, the model's otherwise. */
 static inline const fm_arena *fm_train_arena(const run *r, int i) {
-    return i == FM_LIVE_MODEL_STATE ? &r->ps.arena : &r->m.arena[i];
+    return i == FM_LIVE_MODEL_STATE ? &r->ps.arena : &r->m.a.arena[i];
 }
 
 /* ---- fm_train_ckpt_stream.c (fm_train_ckpt_stream.h: the design and the bound) ---- */
@@ -144,7 +145,7 @@ fm_status fm_ckpt_stream_serve(run *r, int n_slots);
  * dir/model.safetensors rounded to its dtype. Errors: FM_ERR_FORMAT (a missing tensor, a shape,
  * a count of a prefix's tensors, a value that differs: naming it), FM_ERR_IO. */
 fm_status fm_ckpt_stream_load(run *r, const char *dir, bool verify);
-/* ZeRO-3's initial weights (fm_model_init_weights_host's values) drawn range by range into this
+/* ZeRO-3's initial weights (fm_params_init_weights_host's values) drawn range by range into this
  * rank's shard master (padding zero) through the staging, then its fm_act weights. */
 fm_status fm_ckpt_stream_init_zero3(run *r, uint64_t seed);
 /* fm_train_ckpt.c: whether a value read from a file stored as dtype (fm_st_dtype) equals the

@@ -31,8 +31,8 @@ static double now_s(void) {
  * counts; nothing else does (the recompute of a layer in backward, evaluation, sampling). */
 static fm_status count_hook(void *user, fm_model *m, fm_hook_point p, int64_t l) {
     fm_run_records *rec = user;
-    if (p == FM_HOOK_BEFORE_FORWARD) m->moe_ws.counts = rec->counts + l * rec->E;
-    else if (p == FM_HOOK_AFTER_FORWARD) m->moe_ws.counts = NULL;
+    if (p == FM_HOOK_BEFORE_FORWARD) m->a.moe_ws.counts = rec->counts + l * rec->E;
+    else if (p == FM_HOOK_AFTER_FORWARD) m->a.moe_ws.counts = NULL;
     return FM_OK;
 }
 
@@ -56,13 +56,13 @@ static fm_status save_checked(run *r, const train_state *ts, fm_run_records *rec
     /* An update can overflow the weights while the loss and gradients it came from were
      * finite: never save such weights as the last good checkpoint. */
     double wsq;
-    if (r->zero3) FM_TRY(fm_zero3_weight_sumsq(&r->z3, m, m->results + FM_RESULT_SUMSQ)); /* the shards' sum */
-    else m->be.ops->sumsq(m->be.ctx, m->results + FM_RESULT_SUMSQ, m->params, m->n_params, false);
+    if (r->zero3) FM_TRY(fm_zero3_weight_sumsq(&r->z3, m, m->a.results + FM_RESULT_SUMSQ)); /* the shards' sum */
+    else m->be.ops->sumsq(m->be.ctx, m->a.results + FM_RESULT_SUMSQ, m->p.params, m->p.n_params, false);
     /* sync point "checkpoint": every stream, so the streamed optimizer's last copies of the host
      * state (its own copy-out stream, which the overlap's flush does not wait for) are complete
      * before the save reads that state */
     m->be.ops->sync(m->be.ctx);
-    m->be.ops->copy(m->be.ctx, &wsq, m->results + FM_RESULT_SUMSQ, sizeof wsq, FM_COPY_D2H);
+    m->be.ops->copy(m->be.ctx, &wsq, m->a.results + FM_RESULT_SUMSQ, sizeof wsq, FM_COPY_D2H);
     if (!isfinite(wsq))
         return fm_error(FM_ERR_NUMERIC, "step %lld: the weights are no longer finite after the optimizer update "
                         "(sum of squares %g); no checkpoint was written for this step (the last good one in %s "
@@ -282,15 +282,15 @@ static fm_status train_impl(run *r, fm_run_records *rec) {
     train_state ts = {0};
     fm_rng data_rng;
     FM_TRY(fm_train_setup(r, &ts, &data_rng));
-    if (r->m.ep > 1) /* the EP chunk schedule (FLATMOE_EP_SCHEDULE, read by the CLI): before the first step */
-        fm_moe_ep_ws_set_schedule(&r->m.moe_ep_ws, r->o->backend.ep_schedule);
+    if (r->m.p.ep > 1) /* the EP chunk schedule (FLATMOE_EP_SCHEDULE, read by the CLI): before the first step */
+        fm_moe_ep_ws_set_schedule(&r->m.a.moe_ep_ws, r->o->backend.ep_schedule);
     const fm_config *c = &r->cfg;
     rec->L = c->num_hidden_layers;
     rec->E = c->num_experts;
     /* Sync-free experts add the counts on the device (fm_moe_layer.c): then they live in pinned
      * host memory the device writes, freed below before the backend goes. */
     const size_t counts_bytes = sizeof(int64_t) * (size_t)(rec->L * rec->E);
-    const bool pinned_counts = r->m.moe_sync_free;
+    const bool pinned_counts = r->m.a.moe_sync_free;
     rec->counts = pinned_counts ? r->m.be.ops->buffer_alloc(r->m.be.ctx, FM_BUFFER_PINNED, counts_bytes)
                                 : fm_malloc(counts_bytes);
     rec->load = fm_malloc(sizeof(double) * (size_t)rec->L);
@@ -302,7 +302,7 @@ static fm_status train_impl(run *r, fm_run_records *rec) {
     rec->peak_flops = r->o->peak_flops > 0 ? r->o->peak_flops : fm_device_peak_flops(rec->device);
     FM_TRY(fm_train_metrics_header(r, rec, ts.step));
     fm_status s = train_loop(r, &ts, &data_rng, rec);
-    r->m.moe_ws.counts = NULL;
+    r->m.a.moe_ws.counts = NULL;
     if (pinned_counts) { /* the device's last count_add ran before the last step's sync */
         r->m.be.ops->buffer_free(r->m.be.ctx, FM_BUFFER_PINNED, rec->counts);
         rec->counts = NULL;

@@ -32,9 +32,9 @@ void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_
     fm_log(FM_LOG_INFO, "model %s: %lld parameters (%lld active per token), %lld layers, %lld experts top-%lld\n",
            c->model_type_name, (long long)fm_config_num_params(c), (long long)fm_config_num_active_params(c),
            (long long)c->num_hidden_layers, (long long)c->num_experts, (long long)c->num_experts_per_tok);
-    if (m->ep > 1) /* --ep: this rank's table */
-        fm_log(FM_LOG_INFO, "expert parallelism: --ep %d, %lld experts per rank, %lld parameters per rank\n", m->ep,
-               (long long)m->E_loc, (long long)m->n_params);
+    if (m->p.ep > 1) /* --ep: this rank's table */
+        fm_log(FM_LOG_INFO, "expert parallelism: --ep %d, %lld experts per rank, %lld parameters per rank\n", m->p.ep,
+               (long long)m->p.E_loc, (long long)m->p.n_params);
     const int dp = r->n_ranks > 1 ? r->n_ranks / (r->sp > 1 ? r->sp : 1) : 1; /* every rank's tokens, as metrics.jsonl's */
     fm_line l = {.n = 0};
     fm_line_add(&l, "data: train %lld tokens, validation %lld tokens; %lld tokens per step (%lld x %lld x %lld",
@@ -55,8 +55,8 @@ void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_
     fm_line_add(&l, ", vocabulary %s", req->ce_block_tokens > 0 || req->ce_block_vocab > 0 ? "linear cross-entropy" : "plain logits");
     fm_line_add(&l, ", AdamW moments %s", o->bf16_moments ? "bf16" : "fp32");
     if (o->expert_fp8)
-        fm_line_add(&l, ", expert GEMMs fp8 (blockwise E4M3, %s%s)", m->moe_fp8_codes ? "on E4M3 codes" : "emulated",
-                    m->moe_fp8_cache ? ", every layer's weight codes kept" : "");
+        fm_line_add(&l, ", expert GEMMs fp8 (blockwise E4M3, %s%s)", m->a.moe_fp8_codes ? "on E4M3 codes" : "emulated",
+                    m->a.opts.expert_fp8_cache ? ", every layer's weight codes kept" : "");
     if (plan->n_offloaded_boundaries > 0)
         fm_line_add(&l, ", %lld boundaries offloaded (%.1f MiB pinned host memory)", (long long)plan->n_offloaded_boundaries,
                     (plan->host_bytes - plan->host_optimizer_bytes) / 1048576.0);
@@ -141,7 +141,7 @@ static void report_memory(const run *r, size_t dev_used, size_t dev_total) {
 
 void fm_train_metrics_memory(run *r) {
     const fm_model *m = &r->m;
-    if (m->moe_ep_comm) { /* --ep: every rank's dispatch against its bound (fm_train_ep.h; ranks > 0 are quiet) */
+    if (m->mesh.moe_ep_comm) { /* --ep: every rank's dispatch against its bound (fm_train_ep.h; ranks > 0 are quiet) */
         char line[400];
         fm_train_ep_report(m, line, sizeof line);
         fm_log(FM_LOG_INFO, "rank %d of %d: %s\n", r->rank, r->n_ranks, line);
@@ -170,10 +170,10 @@ void fm_train_metrics_memory(run *r) {
         fprintf(r->metrics, "%s\"%s\":{\"bound\":%zu,\"high_water\":%zu}", i ? "," : "", fm_live_set_names[i],
                 r->plan.bytes[i], fm_run_live_high(r, i));
     fprintf(r->metrics, "}");
-    if (m->moe_ep_comm) /* rank 0's expert-parallel dispatch: rows per chunk against R_max */
+    if (m->mesh.moe_ep_comm) /* rank 0's expert-parallel dispatch: rows per chunk against R_max */
         fprintf(r->metrics, ",\"ep_dispatch\":{\"rows_max\":%lld,\"recv_rows_high\":%lld,\"send_rows_high\":%lld,"
-                "\"llep_chunks\":%lld}", (long long)m->moe_ep_ws.rows_max, (long long)m->moe_ep_ws.recv_rows_high,
-                (long long)m->moe_ep_ws.send_rows_high, (long long)m->moe_ep_ws.llep_chunks);
+                "\"llep_chunks\":%lld}", (long long)m->a.moe_ep_ws.rows_max, (long long)m->a.moe_ep_ws.recv_rows_high,
+                (long long)m->a.moe_ep_ws.send_rows_high, (long long)m->a.moe_ep_ws.llep_chunks);
     if (r->plan.host_bytes > 0)
         fprintf(r->metrics, ",\"host_pinned\":{\"bound\":%zu,\"used\":%zu}", r->plan.host_bytes,
                 fm_run_host_pinned_used(r));

@@ -52,7 +52,7 @@ fm_status fm_train_opts_check(const fm_train_opts *o) {
 
 fm_status fm_train_opts_check_flags(const fm_train_opts *o, fm_train_check_for what) {
     const bool train = what == FM_TRAIN_CHECK_TRAIN;
-    if (o->fp8_weight_cache && o->no_fp8_weight_cache)
+    if (o->layout.expert_fp8_cache && o->no_fp8_weight_cache)
         return fm_error(FM_ERR_ARG, "--fp8-weight-cache and --no-fp8-weight-cache both given: keep one, or neither "
                         "(then the planner keeps every layer's weight codes when its plan still fits with them)");
     if (o->no_fp8_weight_cache && !o->expert_fp8)

@@ -41,6 +41,7 @@ fm_status fm_train_plan_request(const fm_train_opts *o, const fm_config *c, int 
     fm_plan_req *req = &tp->req;
     req->cfg = *c;
     req->target = target;
+    req->layout = o->layout; /* the layout knobs as the flags set them (fm_trainer.h), whole */
     FM_TRY(fm_plan_check_shape(c, o->micro_batch, o->seq_len));
     if (sp > 1) FM_TRY(fm_attn_sp_check(c, sp, o->seq_len)); /* seq-len and the head counts divisible by --sp */
     FM_TRY(fm_train_ep_check(o, c, W)); /* E/ep experts per rank, the EP dispatch's flags */
@@ -84,15 +85,14 @@ fm_status fm_train_plan_experts(fm_train_plan *tp, const fm_train_opts *o, const
                                 const fm_calib *cal) {
     fm_plan_req *req = &tp->req;
     req->expert_fp8_codes = fm_expert_fp8_codes(req, eask); /* on E4M3 codes where the backend serves it */
-    if (o->fp8_weight_cache && !req->expert_fp8_codes) {
+    if (o->layout.expert_fp8_cache && !req->expert_fp8_codes) {
         char why[320];
         fm_expert_fp8_codes_why(req, eask, why, sizeof why);
         return fm_error(FM_ERR_ARG, "--fp8-weight-cache keeps the E4M3 weight codes of --expert-precision fp8's fast path, "
                         "but %s%s; drop --fp8-weight-cache", o->expert_fp8 ? "this run's fp8 experts are emulated, since " : "",
                         why);
     }
-    req->expert_fp8_cache = o->fp8_weight_cache;
-    req->expert_fp8_cache_auto = req->expert_fp8_codes && !o->fp8_weight_cache && !o->no_fp8_weight_cache;
+    req->expert_fp8_cache_auto = req->expert_fp8_codes && !o->layout.expert_fp8_cache && !o->no_fp8_weight_cache;
     fm_expert_choice_prepare(req, eask, cal); /* the chooser weighs each candidate at its faster form */
     return FM_OK;
 }

@@ -140,9 +140,9 @@ fm_status fm_train_metrics_header(run *r, const fm_run_records *rec, int64_t res
         char ej[FM_EXPERT_CHOICE_JSON_MAX];
         if (fm_expert_choice_json(&r->expert_choice, ej, sizeof ej) == FM_OK) cJSON_AddRawToObject(h, "expert_gemm", ej);
     }
-    if (r->m.moe_fp8) /* which FP8 path the experts run (model/fm_experts_fp8.h) */
-        cJSON_AddStringToObject(h, "expert_fp8_path", r->m.moe_fp8_codes ? "codes" : "emulated");
-    if (r->m.moe_fp8) cJSON_AddBoolToObject(h, "fp8_weight_cache", r->m.moe_fp8_cache);
+    if (r->m.a.moe_fp8) /* which FP8 path the experts run (model/fm_experts_fp8.h) */
+        cJSON_AddStringToObject(h, "expert_fp8_path", r->m.a.moe_fp8_codes ? "codes" : "emulated");
+    if (r->m.a.moe_fp8) cJSON_AddBoolToObject(h, "fp8_weight_cache", r->m.a.opts.expert_fp8_cache);
     cJSON *host = cJSON_AddObjectToObject(h, "host");
     char hn[256] = "";
     if (gethostname(hn, sizeof hn - 1) != 0) hn[0] = 0;

@@ -64,11 +64,11 @@ static fm_status init_from_folder(run *r, const char *dir) {
     fm_hf_files f;
     FM_TRY(fm_hf_files_open(&f, dir));
     /* straight into a host master (ZeRO-3: the shard is not the table; staged, then scattered) */
-    const bool host = (m->be.ops->host_memory || m->master_host) && !r->zero3;
-    float *w = host ? m->master : fm_malloc(sizeof(float) * (size_t)m->n_params);
+    const bool host = (m->be.ops->host_memory || m->p.master_host) && !r->zero3;
+    float *w = host ? m->p.master : fm_malloc(sizeof(float) * (size_t)m->p.n_params);
     if (!w) {
         fm_hf_files_close(&f);
-        return fm_error(FM_ERR_NOMEM, "--init-from: cannot stage %lld weights on the host", (long long)m->n_params);
+        return fm_error(FM_ERR_NOMEM, "--init-from: cannot stage %lld weights on the host", (long long)m->p.n_params);
     }
     char extra[2048];
     const fm_hf_read_opts ro = {true, extra, sizeof extra};
@@ -76,11 +76,11 @@ static fm_status init_from_folder(run *r, const char *dir) {
     if (s == FM_OK) {
         if (r->zero3) s = fm_zero3_set_master(&r->z3, m, w);
         else fm_model_upload_master(m, w);
-        if (extra[0] && m->ep <= 1 && r->rank == 0) /* --ep: the other ranks' experts are the extras; rank 0 speaks */
+        if (extra[0] && m->p.ep <= 1 && r->rank == 0) /* --ep: the other ranks' experts are the extras; rank 0 speaks */
             fm_log(FM_LOG_WARN, "warning: --init-from %s: %s\n", dir, extra);
         if (!r->o->quiet)
-            fm_log(FM_LOG_INFO, "initialized from %s (%d tensors, %lld parameters; optimizer state fresh)\n", f.where, m->n_tensors,
-                   (long long)m->n_params);
+            fm_log(FM_LOG_INFO, "initialized from %s (%d tensors, %lld parameters; optimizer state fresh)\n", f.where, m->p.n_tensors,
+                   (long long)m->p.n_params);
     }
     if (!host) fm_free(w);
     fm_hf_files_close(&f);
@@ -310,7 +310,7 @@ static fm_status setup_optimizer(run *r, const fm_plan_req *req, fm_comm_kind co
     r->optim = &fm_adamw_ops;
     r->opt_self = &r->opt;
     if (req->offload_optimizer) { /* the streamed AdamW: its host state, as planned; the store without master */
-        FM_TRY(fm_offload_adamw_create(&r->oopt, &r->opt, m->n_params, req->offload_bucket, o->offload_optimizer_slots,
+        FM_TRY(fm_offload_adamw_create(&r->oopt, &r->opt, m->p.n_params, req->offload_bucket, o->offload_optimizer_slots,
                                        &r->be));
         if (r->oopt.host.capacity != fm_arena_round(plan->host_optimizer_bytes)) {
             char msg[200];
@@ -320,10 +320,10 @@ static fm_status setup_optimizer(run *r, const fm_plan_req *req, fm_comm_kind co
         }
         r->optim = &fm_offload_adamw_ops;
         r->opt_self = &r->oopt;
-        FM_TRY(fm_param_store_create_host_master(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params),
+        FM_TRY(fm_param_store_create_host_master(&r->ps, m, r->optim->state_bytes(r->opt_self, m->p.n_params),
                                                  r->oopt.h_master));
     } else if (o->zero == 3 && W > 1) { /* ZeRO-3: the shards, two gather slots, one group's gradients */
-        FM_TRY(fm_zero3_layout_model(&r->z3, m, r->rank, W));
+        FM_TRY(fm_zero3_layout_params(&r->z3, &m->p, r->rank, W));
         FM_TRY(fm_param_store_create_zero3(&r->ps, m, &r->z3, r->optim->state_bytes(r->opt_self, r->z3.shard_len)));
         r->zero3 = true;
     } else if (o->zero && W > 1 && comm_kind == FM_COMM_KIND_NCCL) {
@@ -334,9 +334,9 @@ static fm_status setup_optimizer(run *r, const fm_plan_req *req, fm_comm_kind co
                                     "device) or --comm mpi");
     } else if (o->zero && W > 1) { /* ZeRO-1/2: the store padded to W blocks, AdamW's state of this rank's */
         FM_TRY(fm_param_store_create_sharded(&r->ps, m, r->rank, W,
-                                             r->optim->state_bytes(r->opt_self, fm_param_store_shard_len(m->n_params, W))));
+                                             r->optim->state_bytes(r->opt_self, fm_param_store_shard_len(m->p.n_params, W))));
     } else {
-        FM_TRY(fm_param_store_create(&r->ps, m, r->optim->state_bytes(r->opt_self, m->n_params)));
+        FM_TRY(fm_param_store_create(&r->ps, m, r->optim->state_bytes(r->opt_self, m->p.n_params)));
     }
     r->optim->init(r->opt_self, &r->ps, &r->be);
     return FM_OK;
@@ -351,19 +351,27 @@ static fm_status setup_layout(run *r, const fm_train_plan *tp) {
     const int W = r->n_ranks, ep = tp->ep;
     const fm_plan *plan = &r->plan;
     const bool vocab_ring = req->vocab_ring > 1;
-    fm_layout_opts lo = {req->recompute, req->moe_chunk_tokens, req->ce_block_tokens, req->ce_block_vocab,
-                         req->n_offloaded_boundaries, req->keep_attention, ep, r->rank % ep, &tp->llep};
+    fm_layout_opts lo = req->layout; /* the flags' layout knobs as planned (the chooser's, e.g. the fp8
+                                        cache), then what this run derives: */
+    lo.recompute = req->recompute;
+    lo.moe_chunk_tokens = req->moe_chunk_tokens;
+    lo.ce_block_tokens = req->ce_block_tokens;
+    lo.ce_block_vocab = req->ce_block_vocab;
+    lo.n_offloaded_boundaries = req->n_offloaded_boundaries;
+    lo.keep_attention = req->keep_attention;
+    lo.ep = ep;
+    lo.ep_rank = r->rank % ep;
+    lo.llep = &tp->llep;
     lo.sp = r->sp;
     lo.vocab_ring = vocab_ring ? W : 0;
     lo.expert_fp8 = o->expert_fp8;
     lo.expert_fp8_codes = req->expert_fp8_codes;
-    lo.expert_fp8_cache = req->expert_fp8_cache;
     FM_TRY(fm_model_layout(m, o->micro_batch, o->seq_len / r->sp, &lo)); /* this rank's slice of each sequence */
     if (vocab_ring && !o->quiet)
         fm_log(FM_LOG_INFO, "vocab-parallel: Ring-DTP over %d ranks, head rows [%lld, %lld) on this rank (%lld of %lld), "
-               "moving %s\n", W, (long long)m->vocab_first, (long long)(m->vocab_first + m->vocab_rows),
-               (long long)m->vocab_rows, (long long)r->cfg.vocab_size,
-               fm_lce_ring_choose(m->N, r->cfg.vocab_size, W) == FM_LCE_RING_ACTIVATIONS ? "activations (N <= V/P)"
+               "moving %s\n", W, (long long)m->mesh.vocab_first, (long long)(m->mesh.vocab_first + m->mesh.vocab_rows),
+               (long long)m->mesh.vocab_rows, (long long)r->cfg.vocab_size,
+               fm_lce_ring_choose(m->a.N, r->cfg.vocab_size, W) == FM_LCE_RING_ACTIVATIONS ? "activations (N <= V/P)"
                                                                                          : "weight shards (N > V/P)");
     else if (tp->vocab_flag && !o->quiet)
         fm_log(FM_LOG_INFO, "vocab-parallel: one rank, so the one-rank linear cross-entropy (the ring at P = 1)\n");
@@ -429,14 +437,14 @@ static fm_status setup_allocate(run *r, const fm_train_plan *tp, int dp) {
     if (!o->quiet && r->rank == 0 && comm_kind != FM_COMM_KIND_AUTO)
         fm_log(FM_LOG_INFO, "communicator: %s over %d rank%s\n", r->world.ops->name, W, W == 1 ? "" : "s");
     FM_TRY(fm_train_agree(&r->world, o, c)); /* every rank with the same flags, before any other collective */
-    m->comm = &r->world; /* the batch's valid targets, loss sums and router statistics */
-    if (tp->req.vocab_ring > 1) m->vocab_comm = &r->world; /* Ring-DTP over every rank (fm_layout_opts.vocab_ring) */
+    m->mesh.comm = &r->world; /* the batch's valid targets, loss sums and router statistics */
+    if (tp->req.vocab_ring > 1) m->mesh.vocab_comm = &r->world; /* Ring-DTP over every rank (fm_layout_opts.vocab_ring) */
     if (sp > 1) { /* Ulysses: the mesh's sp group carries attention's all-to-alls */
         FM_TRY(fm_comm_group_create(&r->mesh, &r->world, dp, 1, sp));
         r->mesh_ok = true;
-        m->sp_comm = &r->mesh.axis[FM_AXIS_SP].comm;
+        m->mesh.sp_comm = &r->mesh.axis[FM_AXIS_SP].comm;
         /* the sp ranks of a data-parallel rank read its windows and keep their slice of each */
-        const int sp_rank = fm_comm_rank(m->sp_comm);
+        const int sp_rank = fm_comm_rank(m->mesh.sp_comm);
         FM_TRY(fm_dataset_set_seq_slice(&r->train, sp_rank, sp));
         FM_TRY(fm_dataset_set_seq_slice(&r->val, sp_rank, sp));
     }

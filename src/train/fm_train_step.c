@@ -23,7 +23,7 @@ fm_status fm_step_ws_init(fm_step_ws *w, fm_model *m, int64_t grad_accum) {
         return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the step's counters (%lld micro-batches)",
                         (long long)grad_accum);
     memset(w->batches, 0, sizeof(fm_batch) * (size_t)grad_accum);
-    for (int64_t g = 0; g < grad_accum; g++) FM_TRY(fm_batch_alloc(&w->batches[g], m->B, m->T, true));
+    for (int64_t g = 0; g < grad_accum; g++) FM_TRY(fm_batch_alloc(&w->batches[g], m->a.B, m->a.T, true));
     return FM_OK;
 }
 
@@ -66,19 +66,19 @@ static const fm_comm_dtype act_comm_dtype = sizeof(fm_act) == sizeof(float) ? FM
  * over the shard and then over dp. One rank: the sum of squares of the whole table. */
 static fm_status reduce_grads(fm_model *m, const fm_comm *dp, const fm_param_store *zps, const fm_train_ep *ep) {
     if (ep) return fm_train_ep_reduce_grads(m, dp, ep); /* expert parallelism (fm_train_ep.h) */
-    double *sq = m->results + FM_RESULT_SUMSQ;
+    double *sq = m->a.results + FM_RESULT_SUMSQ;
     if (!dp || fm_comm_size(dp) == 1) { /* one rank: as before data parallelism */
         fm_grad_sumsq(m, sq);
         return dp ? fm_comm_all_reduce(dp, sq, sq, 1, FM_COMM_F64, FM_COMM_SUM, 0) : FM_OK;
     }
     if (!zps) {
-        FM_TRY(fm_comm_all_reduce(dp, m->grads, m->grads, m->n_params, act_comm_dtype, FM_COMM_SUM, 0));
+        FM_TRY(fm_comm_all_reduce(dp, m->p.grads, m->p.grads, m->p.n_params, act_comm_dtype, FM_COMM_SUM, 0));
         fm_grad_sumsq(m, sq);
         return FM_OK;
     }
     const int64_t S = zps->shard_len;
-    fm_act *mine = m->grads + (size_t)fm_comm_rank(dp) * (size_t)S;
-    FM_TRY(fm_comm_reduce_scatter(dp, m->grads, mine, S, act_comm_dtype, FM_COMM_SUM, 0));
+    fm_act *mine = m->p.grads + (size_t)fm_comm_rank(dp) * (size_t)S;
+    FM_TRY(fm_comm_reduce_scatter(dp, m->p.grads, mine, S, act_comm_dtype, FM_COMM_SUM, 0));
     m->be.ops->sumsq(m->be.ctx, sq, mine, S, false); /* the padding past n_params is zero */
     return fm_comm_all_reduce(dp, sq, sq, 1, FM_COMM_F64, FM_COMM_SUM, 0);
 }
@@ -89,7 +89,7 @@ static fm_status update_shard(fm_model *m, const fm_optimizer_ops *optim, void *
     optim->step_begin(opt);
     optim->step_shard(opt, m, zps->shard_begin, zps->shard_end, lr, clip);
     const int64_t S = zps->shard_len;
-    return fm_comm_all_gather(dp, m->params + (size_t)fm_comm_rank(dp) * (size_t)S, m->params, S, act_comm_dtype, 0);
+    return fm_comm_all_gather(dp, m->p.params + (size_t)fm_comm_rank(dp) * (size_t)S, m->p.params, S, act_comm_dtype, 0);
 }
 
 /* ---- one step ---- */
@@ -103,19 +103,19 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
     fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
     if (w->zero3) fm_zero3_zero_grads(w->zero3, m); /* the shard's: the hooks add each group's into it */
     else if (!(w->overlap_on && w->overlap.grads_zeroed)) /* else the last update zeroed them, group by group */
-        m->be.ops->mem_set(m->be.ctx, m->grads, 0, sizeof(fm_act) * (size_t)m->n_params);
+        m->be.ops->mem_set(m->be.ctx, m->p.grads, 0, sizeof(fm_act) * (size_t)m->p.n_params);
     w->overlap.grads_zeroed = false;
     for (int64_t g = 0; g < G; g++) {
         FM_TRY(fm_schedule_train_step(&w->sched, m, &mb[g], 1.0f / (float)G, NULL));
-        w->n_valid[g] = m->n_valid;
+        w->n_valid[g] = m->a.n_valid;
         /* the micro-batch's losses to pinned memory, read at the step's sync point */
-        m->be.ops->copy_async(m->be.ctx, w->res + g * n_res, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
+        m->be.ops->copy_async(m->be.ctx, w->res + g * n_res, m->a.results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
     }
     fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
-    if (w->zero3) FM_TRY(fm_zero3_grad_sumsq(w->zero3, m, m->results + FM_RESULT_SUMSQ)); /* reduced in the hooks */
+    if (w->zero3) FM_TRY(fm_zero3_grad_sumsq(w->zero3, m, m->a.results + FM_RESULT_SUMSQ)); /* reduced in the hooks */
     else FM_TRY(reduce_grads(m, dp, w->zero_ps, w->ep)); /* data parallelism: the gradients' sum and its global norm */
     const double *gres = w->res + G * n_res;
-    m->be.ops->copy_async(m->be.ctx, (double *)gres, m->results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
+    m->be.ops->copy_async(m->be.ctx, (double *)gres, m->a.results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
     m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "step end": losses, gradient norm */
     FM_TRY(m->be.ops->status(m->be.ctx));
     double ce = 0, aux = 0, z = 0;
@@ -150,7 +150,7 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
         if (w->overlap_on) { /* issued on the update stream; the next step's forward waits per layer */
             fm_optim_overlap_issue(&w->overlap, m, optim, opt, lr, clip);
         } else {
-            optim->step_range(opt, m, 0, m->n_tensors, lr, clip); /* every tensor: the whole table */
+            optim->step_range(opt, m, 0, m->p.n_tensors, lr, clip); /* every tensor: the whole table */
             m->be.ops->sync(m->be.ctx); /* sync point "step clock": the step's time includes its update */
         }
     }

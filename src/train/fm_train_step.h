@@ -33,12 +33,12 @@ typedef struct fm_step_ws {
      * fm_train_ep_reduce_grads (experts over the ranks holding them, the rest over dp). */
     const struct fm_train_ep *ep;
     /* The step's micro-batches as the trainer draws them (fm_train_data_draw, train/fm_train_data.h): [grad_accum] host
-     * batches of the model's shape (m->B x m->T), handed to fm_train_step. */
+     * batches of the model's shape (m->a.B x m->a.T), handed to fm_train_step. */
     fm_batch *batches;
 } fm_step_ws;
 
 /* Sets up w for model m (its default schedule, laid out already) and grad_accum micro-batches
- * per step; pinned memory from m's backend, host memory for grad_accum batches of m->B x m->T
+ * per step; pinned memory from m's backend, host memory for grad_accum batches of m->a.B x m->a.T
  * tokens and targets. Errors: FM_ERR_NOMEM naming what. */
 fm_status fm_step_ws_init(fm_step_ws *w, fm_model *m, int64_t grad_accum);
 
@@ -81,7 +81,7 @@ typedef struct fm_step_stats {
  * rank advances data_rng by W x micro_batch windows per micro-batch and keeps windows
  * [q micro_batch, (q + 1) micro_batch) (fm_train_data_draw, train/fm_train_data.h; so data_rng stays the same on every rank
  * and at every W).
- * The loss is the mean over the global valid targets (the model reduces over m->comm), so the
+ * The loss is the mean over the global valid targets (the model reduces over m->mesh.comm), so the
  * gradient is the SUM of the ranks' gradients: all-reduced (w->zero_ps NULL; every rank then
  * updates its replica), or reduce-scattered to the shard's owner, which updates its shard, the
  * updated weights then all-gathered (ZeRO-1/2, w->zero_ps); or, under ZeRO-3 (w->zero3), reduce-

@@ -66,14 +66,20 @@ typedef struct fm_train_opts {
     bool expert_fp8;              /* --expert-precision fp8: the expert GEMMs' operands fake-quantized
                                      to blockwise E4M3 (model/fm_experts_fp8.h); false: bf16, the
                                      backend's native precision (fp32 on the CPU) */
-    bool fp8_weight_cache;        /* --fp8-weight-cache: with fp8 on E4M3 codes, every layer's expert
-                                     weight codes kept for the step (quantized once a step, not at
-                                     each forward and backward): (L - 1) x 6 E H I bytes more. With
-                                     neither it nor no_fp8_weight_cache, the planner keeps them when
-                                     its plan still fits with them (fm_plan_req.expert_fp8_cache_auto) */
+    fm_layout_opts layout;        /* the layout knobs the flag table writes straight into the model's
+                                     own options (model/fm_acts.h); they travel whole to the plan
+                                     request (fm_plan_req.layout) and to fm_model_layout, which adds
+                                     the ones the run derives (recompute, chunk cap, mesh, fp8 path).
+                                     A new layout knob: a row, a field there, its use and its bound.
+                                     Today: expert_fp8_cache, --fp8-weight-cache: with fp8 on E4M3
+                                     codes, every layer's expert weight codes kept for the step
+                                     (quantized once a step, not at each forward and backward):
+                                     (L - 1) x 6 E H I bytes more. With neither it nor
+                                     no_fp8_weight_cache, the planner keeps them when its plan still
+                                     fits with them (fm_plan_req.expert_fp8_cache_auto) */
     bool no_fp8_weight_cache;     /* --no-fp8-weight-cache: never keep them (quantize at each use);
                                      fm_train refuses either flag with bf16 experts (FM_ERR_ARG), and
-                                     fp8_weight_cache where the fast path does not run, naming why */
+                                     layout.expert_fp8_cache where the fast path does not run, naming why */
     bool offload_optimizer;       /* --offload-optimizer: the streamed AdamW (train/fm_offload_adamw.h):
                                      master, m, v in pinned host memory */
     int64_t offload_optimizer_bucket; /* --offload-optimizer-bucket: parameters per bucket (0: 100M,

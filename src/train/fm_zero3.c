@@ -73,25 +73,25 @@ fm_status fm_zero3_layout_keep(fm_zero3 *z, const int64_t *begin, const int64_t 
     return FM_OK;
 }
 
-fm_status fm_zero3_layout_model(fm_zero3 *z, const fm_model *m, int rank, int W) {
-    const int ng = (int)m->cfg.num_hidden_layers + 2;
+fm_status fm_zero3_layout_params(fm_zero3 *z, const fm_model_params *pp, int rank, int W) {
+    const int ng = (int)pp->cfg.num_hidden_layers + 2;
     int64_t *b = fm_malloc(sizeof(int64_t) * (size_t)(2 * ng + 1));
     if (!b) return fm_error(FM_ERR_NOMEM, "memory: ZeRO-3's table of %d parameter groups", ng);
     int64_t *keep = b + ng + 1;
-    for (int g = 0; g <= ng; g++) b[g] = fm_model_group_begin(m, g);
+    for (int g = 0; g <= ng; g++) b[g] = fm_params_group_begin(pp, g);
     for (int g = 0; g < ng; g++) keep[g] = 0;
-    if (m->ep > 1) /* expert parallelism: each layer's E/ep experts [w_gate, end) stay whole */
+    if (pp->ep > 1) /* expert parallelism: each layer's E/ep experts [w_gate, end) stay whole */
         for (int g = 1; g + 1 < ng; g++) {
             int64_t gate, up, down;
-            fm_model_layer_expert_offsets(m, g - 1, &gate, &up, &down);
+            fm_params_layer_expert_offsets(pp, g - 1, &gate, &up, &down);
             keep[g] = b[g + 1] - gate;
         }
-    const fm_status s = fm_zero3_layout_keep(z, b, keep, ng, m->o_head == m->o_embed, rank, W, rank < m->ep);
+    const fm_status s = fm_zero3_layout_keep(z, b, keep, ng, pp->o_head == pp->o_embed, rank, W, rank < pp->ep);
     fm_free(b);
     return s;
 }
 
-/* The groups' sizes from a config (the table's, model/fm_model.c: the embedding V H; the layers
+/* The groups' sizes from a config (the table's, model/fm_params.c: the embedding V H; the layers
  * all alike; the final norm H and the untied head V H). */
 static void group_sizes(const fm_config *c, int64_t *n0, int64_t *nl, int64_t *nh) {
     const int64_t n = fm_config_num_params(c), VH = c->vocab_size * c->hidden_size, L = c->num_hidden_layers;
@@ -115,7 +115,7 @@ size_t fm_zero3_state_bytes_ep(const fm_config *c, size_t a, int W, int ep, bool
     const int64_t L = c->num_hidden_layers;
     /* --ep: the layers' groups are fm_model_create_ep's (E/ep experts each), the experts kept whole */
     const int64_t span = ep > 1 ? 3 * (c->num_experts / ep) * c->hidden_size * c->moe_intermediate_size : 0;
-    if (ep > 1 && L > 0) nl = (fm_model_ep_num_params(c, ep) - n0 - nh) / L - span;
+    if (ep > 1 && L > 0) nl = (fm_params_ep_num_params(c, ep) - n0 - nh) / L - span;
     const int64_t p0 = fm_zero3_piece_len(n0, W), pl = fm_zero3_piece_len(nl, W), ph = fm_zero3_piece_len(nh, W);
     const int64_t S = p0 + L * pl + ph + L * span;
     int64_t mx = p0 > ph ? p0 : ph;
@@ -191,9 +191,9 @@ void fm_zero3_owner(const fm_zero3 *z, int64_t p, int *rank, int64_t *local) {
 static void bind_whole(fm_zero3 *z, fm_model *m, int g, bool w, bool gr) {
     if (z->keep[g] == 0) return;
     int64_t gate, up, down;
-    fm_model_layer_expert_offsets(m, g - 1, &gate, &up, &down);
+    fm_params_layer_expert_offsets(&m->p, g - 1, &gate, &up, &down);
     FM_ASSERT(gate == z->begin[g + 1] - z->keep[g]);
-    fm_layer_ptrs *y[2] = {w ? &m->w.layers[g - 1] : NULL, gr ? &m->g.layers[g - 1] : NULL};
+    fm_layer_ptrs *y[2] = {w ? &m->p.w.layers[g - 1] : NULL, gr ? &m->p.g.layers[g - 1] : NULL};
     fm_act *base[2] = {z->weights + z->wlocal[g], z->grads + z->wlocal[g]};
     for (int i = 0; i < 2; i++)
         if (y[i]) {
@@ -213,9 +213,9 @@ void fm_zero3_bind(fm_zero3 *z, fm_model *m, const fm_param_store *ps, const fm_
     z->gbuf = ps->gbuf;
     FM_ASSERT(z->slot[1] == z->slot[0] + z->slot_len); /* one buffer for the checkpoints' fp32 gathers */
     z->dp = dp;
-    m->params = ps->weights;
-    m->grads = ps->grads;
-    m->master = ps->master;
+    m->p.params = ps->weights;
+    m->p.grads = ps->grads;
+    m->p.master = ps->master;
     z->edp = NULL;
     for (int g = 1; g + 1 < z->n_groups; g++) bind_whole(z, m, g, true, true);
     fm_zero3_invalidate(z);
@@ -239,7 +239,7 @@ static fm_status ensure(fm_zero3 *z, fm_model *m, int g, int keep) {
         z->gathers++;
     }
     z->slot_used[s] = ++z->clock;
-    fm_model_bind_group(m, g, z->slot[s], NULL);
+    fm_params_bind_group(&m->p, g, z->slot[s], NULL);
     bind_whole(z, m, g, true, false);
     return FM_OK;
 }
@@ -249,7 +249,7 @@ static fm_status ensure(fm_zero3 *z, fm_model *m, int g, int keep) {
 static void grads_at(fm_zero3 *z, fm_model *m, int g, int64_t off) {
     FM_ASSERT(off + (int64_t)z->W * z->piece[g] <= z->gbuf_len);
     m->be.ops->mem_set(m->be.ctx, z->gbuf + off, 0, sizeof(fm_act) * (size_t)z->W * (size_t)z->piece[g]);
-    fm_model_bind_group(m, g, NULL, z->gbuf + off);
+    fm_params_bind_group(&m->p, g, NULL, z->gbuf + off);
     bind_whole(z, m, g, false, true); /* the experts' gradients accumulate whole, over the micro-batches */
 }
 

@@ -19,7 +19,7 @@
  * on many ranks). A rank's shard is its pieces in group order: [S] elements, S = sum_g p_g,
  * piece g at local offset o_g = sum_{g' < g} p_g'. Gathering group g is one all-gather of
  * p_g elements into a [W p_g] slot, which then holds the group's flat range from its first
- * element (the model's views are pointed there, fm_model_bind_group); its gradients are one
+ * element (the model's views are pointed there, fm_params_bind_group); its gradients are one
  * reduce-scatter of a [W p_g] buffer whose block r is added to piece g of rank r's shard.
  *
  * The schedule (a group hook, fm_zero3_hook; schedule/fm_schedule.h): before the embedding,
@@ -110,10 +110,11 @@ fm_status fm_zero3_layout(fm_zero3 *z, const int64_t *begin, int n_groups, bool 
 fm_status fm_zero3_layout_keep(fm_zero3 *z, const int64_t *begin, const int64_t *keep, int n_groups, bool tied, int rank,
                                int W, bool whole_sq);
 
-/* The same for model m's groups (fm_model_group_begin). A model of several expert-parallel ranks
- * (m->ep > 1, fm_model_create_ep) keeps each layer's experts [w_gate, end) whole, and world rank
- * `rank` < m->ep counts them in the norms. Errors: as fm_zero3_layout. */
-fm_status fm_zero3_layout_model(fm_zero3 *z, const fm_model *m, int rank, int W);
+/* The same for the groups of parameter table pp (fm_params_group_begin; a model's m->p). The
+ * table of one of several expert-parallel ranks (pp->ep > 1, fm_params_create) keeps each layer's
+ * experts [w_gate, end) whole, and world rank `rank` < pp->ep counts them in the norms. Errors: as
+ * fm_zero3_layout. */
+fm_status fm_zero3_layout_params(fm_zero3 *z, const fm_model_params *pp, int rank, int W);
 
 /* Frees the layout's tables (not the store's buffers: fm_param_store_free). Safe on a zeroed z. */
 void fm_zero3_free(fm_zero3 *z);

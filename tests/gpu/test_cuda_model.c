@@ -172,14 +172,14 @@ static void step(const fm_config *cfg, int64_t B, int64_t T, const ab_run *o, ui
     if (s) exit(1);
     CHECK(fm_model_init_weights(&m, seed) == FM_OK);
     if (o->zero_router) { /* through the fp32 master weights, as a checkpoint load would */
-        float *w = malloc(sizeof(float) * (size_t)m.n_params);
+        float *w = malloc(sizeof(float) * (size_t)m.p.n_params);
         FM_ASSERT(w);
         fm_model_download_master(&m, w);
         const char *moe = cfg->model_type == FM_MODEL_MIXTRAL ? "block_sparse_moe" : "mlp";
         for (int64_t l = 0; l < cfg->num_hidden_layers; l++) {
             char name[128];
             snprintf(name, sizeof name, "model.layers.%lld.%s.gate.weight", (long long)l, moe);
-            const fm_param *p = fm_model_find_param(&m, name);
+            const fm_param *p = fm_params_find(&m.p, name);
             CHECK_MSG(p != NULL, "no tensor %s", name);
             if (p) memset(w + p->offset, 0, sizeof(float) * (size_t)p->numel);
         }
@@ -187,37 +187,37 @@ static void step(const fm_config *cfg, int64_t B, int64_t T, const ab_run *o, ui
         free(w);
     }
     if (!g_table) {
-        g_n_tensors = m.n_tensors;
-        g_n_params = m.n_params;
-        g_table = malloc(sizeof(fm_param) * (size_t)m.n_tensors);
+        g_n_tensors = m.p.n_tensors;
+        g_n_params = m.p.n_params;
+        g_table = malloc(sizeof(fm_param) * (size_t)m.p.n_tensors);
         FM_ASSERT(g_table);
-        memcpy(g_table, m.table, sizeof(fm_param) * (size_t)m.n_tensors);
+        memcpy(g_table, m.p.table, sizeof(fm_param) * (size_t)m.p.n_tensors);
     }
-    FM_ASSERT(g_n_params == m.n_params);
+    FM_ASSERT(g_n_params == m.p.n_params);
     fill_batch(&m, seed + 1);
     if (o->ce_bt == 0 && o->ce_bv == 0) { /* the logits' range, for the linear-CE bound */
         const fm_batch tokens_only = fm_test_batch_tokens(&m);
         fm_schedule_default_forward(&m, &tokens_only, NULL);
         float *row = malloc(sizeof(float) * (size_t)cfg->vocab_size);
         FM_ASSERT(row);
-        for (int64_t n = 0; n < m.N; n++) {
+        for (int64_t n = 0; n < m.a.N; n++) {
             fm_model_logits_row(&m, n, row);
             for (int64_t v = 0; v < cfg->vocab_size; v++) out->zmax = fmax(out->zmax, fabs(row[v]));
         }
         free(row);
     }
-    const size_t gbytes = sizeof(fm_act) * (size_t)m.n_params;
-    m.be.ops->mem_set(m.be.ctx, m.grads, 0, gbytes);
+    const size_t gbytes = sizeof(fm_act) * (size_t)m.p.n_params;
+    m.be.ops->mem_set(m.be.ctx, m.p.grads, 0, gbytes);
     if (o->fused) fm_schedule_default_train_step(&m, fm_test_batch_of(&m), 1.0f, &out->loss);
     else {
         fm_schedule_default_forward(&m, fm_test_batch_of(&m), &out->loss);
         fm_schedule_default_backward(&m, 1.0f);
     }
     out->raw = malloc(gbytes);
-    out->g = malloc(sizeof(float) * (size_t)m.n_params);
+    out->g = malloc(sizeof(float) * (size_t)m.p.n_params);
     FM_ASSERT(out->raw && out->g);
-    m.be.ops->copy(m.be.ctx, out->raw, m.grads, gbytes, FM_COPY_D2H); /* synchronous */
-    for (int64_t i = 0; i < m.n_params; i++) out->g[i] = act_bits_to_f32(out->raw, i);
+    m.be.ops->copy(m.be.ctx, out->raw, m.p.grads, gbytes, FM_COPY_D2H); /* synchronous */
+    for (int64_t i = 0; i < m.p.n_params; i++) out->g[i] = act_bits_to_f32(out->raw, i);
     fm_test_model_free(&m);
 }
 

@@ -43,29 +43,29 @@ static void run_case(int64_t bucket, int slots, bool bf16) {
     fm_rng r;
     fm_rng_seed(&r, 5);
     for (int64_t i = 0; i < n; i++) w0[i] = (fm_rng_uniform(&r) - 0.5f) * 0.2f;
-    g_be.ops->copy(g_be.ctx, f.ref.master, w0, sizeof(float) * (size_t)n, FM_COPY_H2D);
-    g_be.ops->convert(g_be.ctx, f.ref.params, FM_ACT_DTYPE, f.ref.master, FM_DTYPE_F32, n);
+    g_be.ops->copy(g_be.ctx, f.ref.p.master, w0, sizeof(float) * (size_t)n, FM_COPY_H2D);
+    g_be.ops->convert(g_be.ctx, f.ref.p.params, FM_ACT_DTYPE, f.ref.p.master, FM_DTYPE_F32, n);
     memcpy(f.oo.h_master, w0, sizeof(float) * (size_t)n); /* pinned host memory */
-    g_be.ops->convert(g_be.ctx, f.off.params, FM_ACT_DTYPE, f.ref.master, FM_DTYPE_F32, n);
+    g_be.ops->convert(g_be.ctx, f.off.p.params, FM_ACT_DTYPE, f.ref.p.master, FM_DTYPE_F32, n);
     for (int s = 1; s <= 3; s++) {
         for (int64_t i = 0; i < n; i++) g[i] = (fm_rng_uniform(&r) - 0.5f) * 0.1f;
         /* the gradients in the act dtype: uploaded as fp32 (launch-time memory, a test) and converted */
         float *dg = g_be.ops->mem_alloc(g_be.ctx, sizeof(float) * (size_t)n);
         g_be.ops->copy(g_be.ctx, dg, g, sizeof(float) * (size_t)n, FM_COPY_H2D);
-        g_be.ops->convert(g_be.ctx, f.ref.grads, FM_ACT_DTYPE, dg, FM_DTYPE_F32, n);
-        g_be.ops->convert(g_be.ctx, f.off.grads, FM_ACT_DTYPE, dg, FM_DTYPE_F32, n);
+        g_be.ops->convert(g_be.ctx, f.ref.p.grads, FM_ACT_DTYPE, dg, FM_DTYPE_F32, n);
+        g_be.ops->convert(g_be.ctx, f.off.p.grads, FM_ACT_DTYPE, dg, FM_DTYPE_F32, n);
         g_be.ops->sync(g_be.ctx);
         g_be.ops->mem_free(g_be.ctx, dg);
         fm_adamw_ops.step_begin(&f.ra);
-        fm_adamw_ops.step_range(&f.ra, &f.ref, 0, f.ref.n_tensors, 1e-2 * s, s == 2 ? 0.5f : 1.0f);
+        fm_adamw_ops.step_range(&f.ra, &f.ref, 0, f.ref.p.n_tensors, 1e-2 * s, s == 2 ? 0.5f : 1.0f);
         fm_offload_adamw_ops.step_begin(&f.oo);
-        fm_offload_adamw_ops.step_range(&f.oo, &f.off, 0, f.off.n_tensors, 1e-2 * s, s == 2 ? 0.5f : 1.0f);
+        fm_offload_adamw_ops.step_range(&f.oo, &f.off, 0, f.off.p.n_tensors, 1e-2 * s, s == 2 ? 0.5f : 1.0f);
         g_be.ops->sync(g_be.ctx);
         CHECK(g_be.ops->status(g_be.ctx) == FM_OK);
     }
     const size_t mb = bf16 ? 2 : 4;
-    void *rp = download(f.ref.params, sizeof(fm_act) * (size_t)n), *op = download(f.off.params, sizeof(fm_act) * (size_t)n);
-    void *rm = download(f.ref.master, sizeof(float) * (size_t)n);
+    void *rp = download(f.ref.p.params, sizeof(fm_act) * (size_t)n), *op = download(f.off.p.params, sizeof(fm_act) * (size_t)n);
+    void *rm = download(f.ref.p.master, sizeof(float) * (size_t)n);
     void *rmm = download(f.ra.m, mb * (size_t)n), *rvv = download(f.ra.v, mb * (size_t)n);
     const bool w_ok = !memcmp(rp, op, sizeof(fm_act) * (size_t)n), ms_ok = !memcmp(rm, f.oo.h_master, 4 * (size_t)n);
     const bool m_ok = !memcmp(rmm, f.oo.h_m, mb * (size_t)n), v_ok = !memcmp(rvv, f.oo.h_v, mb * (size_t)n);

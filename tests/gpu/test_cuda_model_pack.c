@@ -124,26 +124,26 @@ static void run(const fm_config *cfg, bool packed, int64_t chunk, int64_t ce, bo
     }
     if (packed)
         for (int64_t i = off; i < T; i++) b.pos[i] = (int32_t)(i - off), b.doc_start[i] = (int32_t)off;
-    const size_t gb = sizeof(fm_act) * (size_t)m.n_params;
-    m.be.ops->mem_set(m.be.ctx, m.grads, 0, gb);
+    const size_t gb = sizeof(fm_act) * (size_t)m.p.n_params;
+    m.be.ops->mem_set(m.be.ctx, m.p.grads, 0, gb);
     fm_loss l;
     CHECK(fm_schedule_default_forward(&m, &b, &l) == FM_OK);
     memset(o->loss, 0, sizeof o->loss);
     if (!ce) {
-        float *tl = malloc(sizeof(float) * (size_t)m.N);
+        float *tl = malloc(sizeof(float) * (size_t)m.a.N);
         FM_ASSERT(tl);
-        m.be.ops->copy(m.be.ctx, tl, m.token_loss, sizeof(float) * (size_t)m.N, FM_COPY_D2H);
+        m.be.ops->copy(m.be.ctx, tl, m.a.token_loss, sizeof(float) * (size_t)m.a.N, FM_COPY_D2H);
         for (int i = 0; i < NTOK; i++) o->loss[i] = tl[where[i]];
         free(tl);
     }
     CHECK(fm_schedule_default_backward(&m, 1.0f) == FM_OK);
     void *raw = malloc(gb);
-    o->g = malloc(sizeof(float) * (size_t)m.n_params);
+    o->g = malloc(sizeof(float) * (size_t)m.p.n_params);
     FM_ASSERT(raw && o->g);
-    m.be.ops->copy(m.be.ctx, raw, m.grads, gb, FM_COPY_D2H);
-    for (int64_t i = 0; i < m.n_params; i++) o->g[i] = act_to_f32(raw, i);
+    m.be.ops->copy(m.be.ctx, raw, m.p.grads, gb, FM_COPY_D2H);
+    for (int64_t i = 0; i < m.p.n_params; i++) o->g[i] = act_to_f32(raw, i);
     free(raw);
-    o->n = m.n_params;
+    o->n = m.p.n_params;
     o->ce = l.ce;
     o->n_valid = l.n_valid;
     fm_batch_free(&b);

@@ -1,0 +1,129 @@
+/* The model split (issue 24): the parameter table stands alone. Built from a config (and an
+ * expert-parallel slice) with no backend, no activation layout and no communicator: this file
+ * includes model/fm_params.h only. Checked against what is computed another way:
+ *   - n_params against fm_config_num_params (the config's closed formula, fm_config.c) for the
+ *     shipped real configs, whose counts are also pinned to the published ones;
+ *   - the table is a partition of [0, n_params) in order, and its numels add up to n_params;
+ *   - the parameter groups (fm_params_group_begin) are contiguous, start at 0 and end at n_params;
+ *   - under --ep the ranks' tables hold fm_params_ep_num_params each, every non-expert tensor,
+ *     and their experts together are the one-rank table's, each exactly once, in order;
+ *   - the initial weights of a rank's expert equal the one-rank table's for the same name. */
+#include <string.h>
+
+#include "fm_test.h"
+#include "model/fm_params.h"
+
+/* Partition and groups of one table. */
+static void check_table(const fm_model_params *p, const char *what) {
+    int64_t off = 0, sum = 0;
+    bool in_order = true;
+    for (int i = 0; i < p->n_tensors; i++) {
+        const fm_param *t = &p->table[i];
+        if (t->offset != off) in_order = false;
+        off = t->offset + t->numel;
+        sum += t->numel;
+        const int64_t want = t->ndim == 1 ? t->shape[0] : t->shape[0] * t->shape[1];
+        if (t->numel != want) in_order = false;
+    }
+    CHECK_MSG(in_order && off == p->n_params && sum == p->n_params,
+              "%s: the table's %d tensors end at %lld, add up to %lld, n_params %lld", what, p->n_tensors,
+              (long long)off, (long long)sum, (long long)p->n_params);
+    const int64_t L = p->cfg.num_hidden_layers;
+    bool groups = fm_params_group_begin(p, 0) == 0 && fm_params_group_begin(p, L + 2) == p->n_params;
+    for (int64_t g = 0; g < L + 2; g++)
+        if (fm_params_group_begin(p, g) >= fm_params_group_begin(p, g + 1)) groups = false;
+    CHECK_MSG(groups, "%s: parameter groups not contiguous over [0, n_params)", what);
+}
+
+static void test_real_tables(void) {
+    struct { const char *path; int64_t params; } c[] = {
+        {"configs/olmoe-1b-7b.json", 6919161856LL},
+        {"configs/qwen3-30b-a3b.json", 30532122624LL},
+        {"configs/mixtral-8x7b.json", 46702792704LL},
+        {"configs/tiny.json", 0},
+    };
+    for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
+        fm_config cfg;
+        fm_status s = fm_config_load(&cfg, c[i].path);
+        CHECK_MSG(s == FM_OK, "%s: %s", c[i].path, fm_errmsg());
+        if (s) continue;
+        fm_model_params p;
+        CHECK(fm_params_create(&p, &cfg, 1, 0) == FM_OK);
+        CHECK_MSG(p.n_params == fm_config_num_params(&cfg), "%s: table %lld params, config %lld", c[i].path,
+                  (long long)p.n_params, (long long)fm_config_num_params(&cfg));
+        if (c[i].params) CHECK(p.n_params == c[i].params);
+        CHECK(p.ep == 1 && p.E_loc == cfg.num_experts && p.params == NULL && p.grads == NULL);
+        check_table(&p, c[i].path);
+        printf("  %-28s %lld parameters in %d tensors, the table alone\n", c[i].path, (long long)p.n_params,
+               p.n_tensors);
+        fm_params_free(&p);
+    }
+}
+
+/* --ep: each rank's table against the one-rank table. */
+static void test_ep_tables(const char *path, int ep) {
+    fm_config cfg;
+    CHECK(fm_config_load(&cfg, path) == FM_OK);
+    fm_model_params full;
+    CHECK(fm_params_create(&full, &cfg, 1, 0) == FM_OK);
+    int *seen = calloc((size_t)full.n_tensors, sizeof(int));
+    for (int r = 0; r < ep; r++) {
+        fm_model_params p;
+        CHECK(fm_params_create(&p, &cfg, ep, r) == FM_OK);
+        CHECK_MSG(p.n_params == fm_params_ep_num_params(&cfg, ep), "%s --ep %d rank %d: %lld params, expected %lld",
+                  path, ep, r, (long long)p.n_params, (long long)fm_params_ep_num_params(&cfg, ep));
+        check_table(&p, path);
+        int last = -1;
+        bool ordered = true, found = true;
+        for (int i = 0; i < p.n_tensors; i++) {
+            const fm_param *q = fm_params_find(&full, p.table[i].name);
+            if (!q) { found = false; continue; }
+            const int j = (int)(q - full.table);
+            if (j <= last) ordered = false;
+            last = j;
+            if (strstr(q->name, ".experts.")) seen[j]++;
+            else seen[j] = 1;
+            if (q->numel != p.table[i].numel) found = false;
+        }
+        CHECK_MSG(found && ordered, "%s --ep %d rank %d: the table is not a subsequence of the one-rank table", path,
+                  ep, r);
+        if (r == ep - 1 && p.n_tensors > 0) { /* the last tensor of an expert, drawn by both tables */
+            int e = -1;
+            for (int i = p.n_tensors - 1; i >= 0 && e < 0; i--)
+                if (strstr(p.table[i].name, ".experts.")) e = i;
+            CHECK(e >= 0);
+            const fm_param *q = fm_params_find(&full, p.table[e].name);
+            const int64_t n = p.table[e].numel < 64 ? p.table[e].numel : 64;
+            float a[64], b[64];
+            fm_params_init_weights_range(&p, 7, e, 0, n, a);
+            fm_params_init_weights_range(&full, 7, (int)(q - full.table), 0, n, b);
+            CHECK_MSG(memcmp(a, b, sizeof(float) * (size_t)n) == 0, "%s --ep %d: %s's initial weights differ", path, ep,
+                      q->name);
+        }
+        fm_params_free(&p);
+    }
+    bool once = true;
+    for (int j = 0; j < full.n_tensors; j++)
+        if (seen[j] != 1) once = false;
+    CHECK_MSG(once, "%s --ep %d: every tensor of the one-rank table once among the ranks", path, ep);
+    free(seen);
+    fm_params_free(&full);
+}
+
+static void test_bad_ep(void) {
+    fm_config cfg;
+    CHECK(fm_config_load(&cfg, "configs/tiny.json") == FM_OK);
+    fm_model_params p;
+    CHECK(fm_params_create(&p, &cfg, (int)cfg.num_experts + 1, 0) == FM_ERR_ARG);
+    CHECK(strstr(fm_errmsg(), "--ep") != NULL);
+    CHECK(p.table == NULL && p.n_params == 0);
+    CHECK(fm_params_create(&p, &cfg, 1, 1) == FM_ERR_ARG);
+}
+
+int main(void) {
+    test_real_tables();
+    test_ep_tables("configs/tiny.json", 2);
+    test_ep_tables("configs/olmoe-1b-7b.json", 8);
+    test_bad_ep();
+    return fm_test_finish();
+}
