@@ -9,7 +9,8 @@
  * recompute and the linear cross-entropy.
  *
  * Tolerances. fp32 (CPU): the same operations on the same values in another order only (tiles and
- * GEMM blockings at other row offsets): 1e-6 relative (DESIGN.md §5), as tests/test_pack.c.
+ * GEMM blockings at other row offsets): 1e-6 relative (DESIGN.md §5) for losses, as tests/test_pack.c;
+ * gradients at 5e-6 (below).
  * bf16 (CUDA): the packed row's attention tiles see other key partitions, so the running maximum
  * and the probabilities P rounded to bf16 (u = 2^-8) differ per element, and cuBLAS may pick
  * other kernels for 32 and 48 rows (fp32 accumulation order, which flips a bf16 rounding of an
@@ -37,7 +38,10 @@
 #else
 #define PK_TOK_ABS 1e-6 /* times max(1, |loss|) */
 #define PK_MEAN_REL 1e-6
-#define PK_GRAD 1e-6
+#define PK_GRAD 5e-6 /* the gradients: sums of up to K = 64 terms reassociated by the other row
+                        offsets' GEMM blockings, gamma_64 = 64 u = 3.8e-6 (Higham 3.1), as
+                        test_model_ab bounds them; measured 6.9e-7 here (tests/test_pack.c keeps
+                        1e-6 on its own smaller shapes) */
 #endif
 
 static fm_backend g_be;
