@@ -153,8 +153,9 @@ const fm_spec_flag fm_spec_flags[] = {
       "device memory for the planned live sets (e.g. 16GiB): the memory knobs not given are chosen to fit it and "
       "--host-mem-budget at the least projected step time; refused before allocating if nothing fits", T | P, RUN),
     V("host-mem-budget", FM_SPEC_BYTES, train.host_mem_budget, NULL,
-      "default: MemAvailable less max(4 GiB, MemTotal/10), divided among the ranks on this node; planning --backend "
-      "cuda from the CPU build: the calibration table's figure",
+      "default: MemTotal less max(4 GiB, MemTotal/10) less what other processes hold (their anonymous resident "
+      "memory and shared memory; not MemAvailable, which lags a release of pinned memory), divided among the ranks "
+      "on this node; planning --backend cuda from the CPU build: the calibration table's figure",
       "pinned host memory the plan may use (offloaded boundaries, streamed optimizer), e.g. 100GiB; 0 forbids "
       "offload", T | P, RUN),
     V("ce-block-tokens", FM_SPEC_I64, train.ce_block_tokens, NULL, "0 = plain logits, or chosen under --mem-budget",

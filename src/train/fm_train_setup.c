@@ -287,6 +287,11 @@ static fm_status setup_plan(run *r, fm_train_plan *tp) {
     if (!o->quiet && budget > 0)
         fm_log(FM_LOG_INFO, "%s\nprojected step: %.4g s, %.0f tokens/s, MFU %.1f%%\n", note, proj.step_s,
                proj.tokens_per_s, 100.0 * proj.mfu);
+    if (!o->quiet && budget > 0 && r->rank == 0) { /* a cheaper state recipe that would be faster: named only */
+        char rnote[1200];
+        fm_plan_recipe_note(req, &co, proj.step_s, rnote, sizeof rnote);
+        if (rnote[0]) fm_log(FM_LOG_NOTE, "%s\n", rnote);
+    }
     if (!o->quiet && eask.cuda_bf16 && r->rank == 0) {
         char line[600];
         fm_expert_choice_line(&r->expert_choice, line, sizeof line);
