@@ -24,6 +24,7 @@
 #   bash bench/offload_gpu.sh fp8next         # the rewritten FP8 quantizers' test and the lab's v5 variants (then pack)
 #   bash bench/offload_gpu.sh next            # session 12's first call: the FP8 tests, 4K bf16 vs fp8 runs (then pack)
 #   bash bench/offload_gpu.sh next2           # its second: 16K bf16 vs fp8, calib, the 200-step loss curves (then pack)
+#   bash bench/offload_gpu.sh state           # issue 25: recipe GPU tests, calibrate, 4K bf16-sr / fp32 and the peer
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
 # (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
 set -uo pipefail
@@ -138,6 +139,28 @@ ours) # issue 10's side by side, flatmoe's half: the chooser's own knobs at each
     run1 ours-4096-g16 4096 2 --grad-accum 16
     run1 ours-4096-bf16 4096 3 --bf16-moments
     run1 ours-4096-g16-bf16 4096 2 --grad-accum 16 --bf16-moments ;;
+state) # issue 25's first call (about 9 minutes): the GPU tests the state recipes touch, OLMoE-1B-7B at
+    # 4K with the peer's state bytes (--master-weights bf16-sr --bf16-moments) and with fp32 master
+    # weights (the chooser's knobs), plan's projection of each, the compiled peer, then the card's
+    # calibration table; everything packed into $OUT/state.tgz (the device returns at most 8 files)
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $card"
+    kind=$(grep -q H100 <<<"$card" && echo h100 || echo h200)
+    (cd build-gpu && FLATMOE_TEST_NO_BENCH=1 timeout ${TEST_S:-120} ctest -R "test_cuda_layers|cli_cuda_resume" \
+        --output-on-failure > "$OUT/ctest-state.log" 2>&1; echo "ctest state: $?")
+    grep -E "Test +#|tests passed|FAIL" "$OUT/ctest-state.log" | head
+    for f in "--master-weights bf16-sr --bf16-moments" ""; do
+        "$BIN" plan --config configs/olmoe-1b-7b.json --seq-len 4096 $f 2>&1 | grep -E "^(shape|projected step|  optimizer|note)" | cut -c1-330
+    done
+    timeout ${RUN_S:-90} bash "$0" run state-sr-4096 4096 4 --master-weights bf16-sr --bf16-moments
+    timeout ${RUN_S:-90} bash "$0" run state-fp32-4096 4096 3
+    PYTHONUNBUFFERED=1 timeout ${PEER_S:-110} python3 bench/peer_hf.py configs/olmoe-1b-7b.json 4096 --steps 3 --compile \
+        --json "$OUT/peer-compiled.jsonl" 2>&1 | grep -E "^hf-peer"
+    tar -czf /tmp/state.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/state.tgz "$OUT"/
+    [ "$kind" = h200 ] && [ -z "${CAL_S:-}" ] && CAL_S=1 # configs/calib/h200.json exists: no time spent on it
+    t0=$(date +%s); FLATMOE_EXPERT_GEMM=sm90 timeout ${CAL_S:-75} "$BIN" calibrate --out "$OUT/$kind.json" > "$OUT/calib.log" 2>&1
+    echo "calibrate ($kind): $? in $(( $(date +%s) - t0 )) s"
+    [ -s "$OUT/$kind.json" ] && "$BIN" plan --config configs/olmoe-1b-7b.json --seq-len 4096 --calib "$OUT/$kind.json" \
+        2>&1 | grep -E "^projected step" | cut -c1-200 ;;
 ranks) # issue 11 on one GPU: expert parallelism with 2 ranks sharing it, the nccl communicator's overhead
     # at one rank (the ctest -L gpu part, `test`, runs cli_cuda_zero3/cli_cuda_sp/test_comm_nccl/cli_comm_*)
     bash bench/ep_gpu.sh build-gpu "$TEXT" > "$OUT/ep_gpu.log" 2>&1; echo "ep_gpu: $?"; tail -12 "$OUT/ep_gpu.log"

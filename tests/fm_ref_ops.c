@@ -2,6 +2,8 @@
  * definition in src/backend/fm_backend.h; no code shared with any backend. */
 #include "fm_ref_ops.h"
 
+#include "backend/fm_adamw_lowp.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -390,5 +392,58 @@ void fm_ref_adamw(double *update, double *m_new, double *v_new, const double *w,
         m_new[i] = b1 * m[i] + (1.0 - b1) * gg;
         v_new[i] = b2 * v[i] + (1.0 - b2) * gg * gg;
         update[i] = -lr * ((m_new[i] / bc1) / (sqrt(v_new[i] / bc2) + eps) + wd * w[i]);
+    }
+}
+
+/* fp32 -> bf16 bits, round to nearest even (NaN kept quiet). */
+static uint16_t ref_bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    const uint32_t lsb = (u >> 16) & 1u;
+    return (uint16_t)((u + 0x7fffu + lsb) >> 16);
+}
+
+static float ref_bf16_value(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* x stored through a volatile: one rounding to fp32, never fused with its neighbours */
+static float R(float x) {
+    volatile float t = x;
+    return t;
+}
+
+void fm_ref_adamw_bf16w(float *p, const float *g, uint16_t *comp, float *m, float *v, int64_t n, float lr, float b1,
+                        float b2, float eps, float wd, float bc1, float bc2, float grad_scale, uint64_t key,
+                        int64_t idx0) {
+    for (int64_t i = 0; i < n; i++) { /* R(): each operation's result stored, so rounded on its own */
+        const float gi = R(g[i] * grad_scale);
+        const float mi = R(R(b1 * m[i]) + R(R(1.0f - b1) * gi));
+        const float vi = R(R(b2 * v[i]) + R(R(R(1.0f - b2) * gi) * gi));
+        m[i] = mi;
+        v[i] = vi;
+        const float w = ref_bf16_value(ref_bf16_bits(p[i]));
+        const float den = R(R(sqrtf(R(vi / bc2))) + eps);
+        const float upd = R(R(R(mi / bc1) / den) + R(wd * w));
+        const float d = -R(lr * upd);
+        if (comp) {
+            const float c = R(ref_bf16_value(comp[i]) + d);
+            const float wn = ref_bf16_value(ref_bf16_bits(R(w + c)));
+            comp[i] = ref_bf16_bits(R(c - R(wn - w)));
+            p[i] = wn;
+        } else {
+            const float x = R(w + d);
+            uint32_t u;
+            memcpy(&u, &x, 4);
+            const uint32_t r = fm_sr_bits(key, idx0 + i);
+            /* finite: add the 16 random bits below the kept half, truncate (magnitude rounds up with
+             * probability low/2^16) */
+            const uint16_t b = (u & 0x7fffffffu) >= 0x7f800000u ? ref_bf16_bits(x) : (uint16_t)((u + r) >> 16);
+            p[i] = ref_bf16_value(b);
+        }
     }
 }

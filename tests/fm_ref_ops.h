@@ -145,6 +145,15 @@ void fm_ref_adamw(double *update, double *m_new, double *v_new, const double *w,
                   const double *v, int64_t n, double lr, double b1, double b2, double eps, double wd, double bc1,
                   double bc2, double grad_scale);
 
+/* AdamW on bf16 weights (fm_backend.h's adamw_bf16w), fp32 moments: the fp32 bit model, each
+ * operation rounded on its own, in place on p [n] (bf16 values as fp32), m, v [n]; comp [n] bf16
+ * bits (Kahan) or NULL (stochastic rounding with fm_sr_bits(key, idx0 + i), fm_adamw_lowp.h).
+ * Written from the op's definition (bf16 rounding on the bits here), so a backend that matches it
+ * bit for bit computes that definition. */
+void fm_ref_adamw_bf16w(float *p, const float *g, uint16_t *comp, float *m, float *v, int64_t n, float lr, float b1,
+                        float b2, float eps, float wd, float bc1, float bc2, float grad_scale, uint64_t key,
+                        int64_t idx0);
+
 #ifdef __cplusplus
 }
 #endif

@@ -27,6 +27,7 @@
 
 #include "../core/fm_arena.h"
 #include "../core/fm_core.h"
+#include "fm_adamw_lowp.h"   /* the state recipes of adamw_bf16w */
 #include "fm_backend_opts.h" /* what a backend is created with */
 
 #ifdef __cplusplus
@@ -413,6 +414,21 @@ typedef struct fm_ops {
     void (*adamw)(void *ctx, fm_act *p, const fm_act *g, float *master, void *m, void *v, fm_dtype mv_dtype,
                   int64_t n, float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
                   float grad_scale);
+
+    /* AdamW on bf16 weights without an fp32 master (--master-weights bf16-kahan | bf16-sr;
+     * fm_adamw_lowp.h gives the recipes and their sources). The moments and the step are adamw's,
+     * in fp32, from w = p rounded to bf16 (on the CUDA build p is bf16; the CPU build's fp32 p
+     * holds bf16 values, so the rounding is exact there too):
+     *   d = -(lr * ((m/bc1) / (sqrt(v/bc2) + eps) + wd * w))
+     * comp [n] bf16 bits (Kahan): c = comp + d; p = bf16(w + c); comp = bf16(c - (p - w)).
+     * comp NULL (stochastic rounding): p = fm_sr_round_bits(w + d, fm_sr_bits(sr_key, idx0 + i)),
+     * i the element, idx0 its flat parameter index, so every split of a tensor into launches gives
+     * the same bits. Rounding to bf16 is to nearest even (bf16(x)). Every operation is rounded on
+     * its own (no FMA): the CPU and CUDA backends give the same bits. p on the CPU build stores
+     * the bf16 value widened to fp32. m, v as adamw's. */
+    void (*adamw_bf16w)(void *ctx, fm_act *p, const fm_act *g, uint16_t *comp, void *m, void *v, fm_dtype mv_dtype,
+                        int64_t n, float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
+                        float grad_scale, uint64_t sr_key, int64_t idx0);
 
     /* ---- linear cross-entropy strips (bounded/fm_linear_ce.c) ------------------------------
      * The vocabulary projection never holds N x V logits (DESIGN.md §2): the caller forms one

@@ -303,6 +303,11 @@ int cmd_plan(int argc, char **argv) {
     rep.data = data[0] ? data : NULL;
     if (x.json) fm_plan_print_json(req, &p, &rep, stdout);
     else fm_plan_print(req, &p, &rep, stdout);
+    if (s == FM_OK) { /* a cheaper state recipe that would be faster: named, never chosen */
+        char note[1200];
+        fm_plan_recipe_note(req, &co, proj.step_s, note, sizeof note);
+        if (note[0]) fprintf(x.json ? stderr : stdout, "%s\n", note);
+    }
     fm_train_plan_free(&x.tp);
     if (s) return cli_fail("plan", s);
     return 0;

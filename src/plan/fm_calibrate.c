@@ -434,7 +434,7 @@ static fm_status cal_memory(cal *c, fm_calib *out) {
     if (st == FM_OK) {
         fill_act(c, w.g, n);
         const double t = time_op(c, run_mem, &w, c->reps);
-        const double bytes = (double)n * fm_project_adamw_bytes((int)a, false);
+        const double bytes = (double)n * fm_project_adamw_bytes((int)a, false, FM_MASTER_FP32);
         out->adamw_bw = bytes / t;
         logf_(c, "adamw         %lld parameters (fp32 moments)    %8.3f ms  %8.1f GB/s", (long long)n, 1e3 * t,
               out->adamw_bw / 1e9);

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "../bounded/fm_linear_ce.h"
+#include "fm_host_mem.h"
 
 static bool fits(const fm_plan *p, const fm_choose_opts *o) {
     return (o->budget == 0 || p->total <= o->budget) && p->host_bytes <= o->host_budget;
@@ -199,12 +200,15 @@ fm_status fm_plan_fit(fm_plan_req *req, const fm_choose_opts *o, bool *rc, fm_pl
                         "is %s (%.1f MiB)%s. %s", out->total / 1048576.0, bn, o->budget / 1048576.0,
                         fm_plan_set_name(big), out->bytes[big] / 1048576.0,
                         any_free(o) ? " (the smallest plan the chooser found)" : "", advice);
-    return fm_error(FM_ERR_NOMEM, "plan: %.1f MiB of pinned host memory needed but %s is %.1f MiB. %s",
-                    out->host_bytes / 1048576.0, hn, o->host_budget / 1048576.0, advice);
+    char who[600];
+    fm_host_mem_describe(who, sizeof who); /* what holds the host's memory */
+    return fm_error(FM_ERR_NOMEM, "plan: %.1f MiB of pinned host memory needed but %s is %.1f MiB (%s). %s",
+                    out->host_bytes / 1048576.0, hn, o->host_budget / 1048576.0, who, advice);
 }
 
-/* Does req (with the knobs free per o) fit? Works on a copy with its own recompute tables. */
-static bool try_fit(const fm_plan_req *req, const fm_choose_opts *o, char *desc, size_t n) {
+/* Does req (with the knobs free per o) fit? Works on a copy with its own recompute tables; *step_s
+ * (when given) gets the fitting plan's projected step time. */
+static bool try_fit_s(const fm_plan_req *req, const fm_choose_opts *o, char *desc, size_t n, double *step_s) {
     const int64_t L = req->cfg.num_hidden_layers;
     fm_plan_req r = *req;
     bool *rc = fm_malloc((size_t)(2 * L));
@@ -218,8 +222,61 @@ static bool try_fit(const fm_plan_req *req, const fm_choose_opts *o, char *desc,
     fm_plan p;
     const bool ok = fm_plan_check_shape(&r.cfg, r.B, r.T) == FM_OK && fit_quiet(&r, o, rc, &p);
     if (ok && desc) describe(&r, &p, desc, n);
+    if (ok && step_s) {
+        fm_projection pr;
+        fm_project(&r, &p, o->calib, &pr);
+        *step_s = pr.step_s;
+    }
     fm_free(rc);
     return ok;
+}
+
+static bool try_fit(const fm_plan_req *req, const fm_choose_opts *o, char *desc, size_t n) {
+    return try_fit_s(req, o, desc, n, NULL);
+}
+
+/* The state recipes (--master-weights x moments) of fewer bytes per parameter than req's, cheapest
+ * last: k of them into rc[] and bf16m[]. */
+static int cheaper_recipes(const fm_plan_req *req, int rc[5], bool bf16m[5]) {
+    static const int cand_rc[5] = {FM_MASTER_FP32, FM_MASTER_BF16_KAHAN, FM_MASTER_BF16_SR, FM_MASTER_BF16_KAHAN,
+                                   FM_MASTER_BF16_SR};
+    static const bool cand_m[5] = {true, false, false, true, true}; /* 12, 14, 12, 10, 8 B/param on bf16 */
+    const int a = 2; /* the ranking: bytes on a bf16 build (the CPU build's differ by the master only) */
+    const int cur = fm_master_extra_bytes((fm_master_recipe)req->state_layout.master_recipe, a) + (req->bf16_moments ? 4 : 8);
+    int k = 0;
+    for (int i = 0; i < 5; i++)
+        if (fm_master_extra_bytes((fm_master_recipe)cand_rc[i], a) + (cand_m[i] ? 4 : 8) < cur &&
+            (cand_m[i] || !req->bf16_moments))
+            rc[k] = cand_rc[i], bf16m[k++] = cand_m[i];
+    return k;
+}
+
+void fm_plan_recipe_note(const fm_plan_req *req, const fm_choose_opts *o, double step_s, char *buf, size_t n) {
+    buf[0] = 0;
+    if (req->mesh.on || req->ep > 1 || (req->state_layout.zero == 3 && req->state_layout.ranks > 1)) return;
+    int rc[5], k = 0;
+    bool bm[5];
+    const int nc = cheaper_recipes(req, rc, bm);
+    char list[900] = "";
+    for (int i = 0; i < nc; i++) {
+        fm_plan_req r = *req;
+        r.state_layout.master_recipe = rc[i];
+        r.bf16_moments = bm[i];
+        fm_choose_opts f = *o;
+        if (rc[i] != FM_MASTER_FP32) f.fix_offload_optimizer = true, r.offload_optimizer = false; /* no streamed master */
+        if (!o->fix_offload_optimizer && rc[i] == FM_MASTER_FP32) r.offload_optimizer = false;
+        double t = 0;
+        if (!try_fit_s(&r, &f, NULL, 0, &t) || !(t < 0.99 * step_s)) continue;
+        const size_t len = strlen(list);
+        char what[80] = "";
+        if (rc[i] != FM_MASTER_FP32) snprintf(what, sizeof what, "--master-weights %s", fm_master_recipe_name((fm_master_recipe)rc[i]));
+        if (bm[i]) snprintf(what + strlen(what), sizeof what - strlen(what), "%s--bf16-moments", what[0] ? " " : "");
+        snprintf(list + len, sizeof list - len, "%s%s: %.4g s (%.0f%% of it)", k++ ? "; " : "", what, t, 100.0 * t / step_s);
+    }
+    if (k)
+        snprintf(buf, n, "note: a cheaper state recipe would be faster (projected step of each; this plan: %.4g s). It "
+                 "changes the numerics (docs/training.md \"State recipes\"), so it is never chosen for you: %s", step_s,
+                 list);
 }
 
 static void add_item(char *buf, size_t n, int *items, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
@@ -289,6 +346,31 @@ void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o0, char *buf,
         r.bf16_moments = true;
         if (try_fit(&r, &o, NULL, 0)) add_item(list, sizeof list, &items, "--bf16-moments (AdamW m and v in bf16: 4 B/param less)");
     }
+    /* 2a. a cheaper state recipe (--master-weights; it changes the numerics: named, never chosen),
+     *     with its projected step time */
+    {
+        int rc[5];
+        bool bm[5];
+        const int nc = req->mesh.on || req->ep > 1 ? 0 : cheaper_recipes(req, rc, bm);
+        for (int i = 0; i < nc; i++) {
+            if (rc[i] == FM_MASTER_FP32) continue; /* --bf16-moments alone: above */
+            fm_plan_req r = *req;
+            r.state_layout.master_recipe = rc[i];
+            r.bf16_moments = bm[i];
+            r.offload_optimizer = false; /* the streamed AdamW keeps an fp32 master */
+            fm_choose_opts f = o;
+            f.fix_offload_optimizer = true;
+            double t = 0;
+            if (try_fit_s(&r, &f, NULL, 0, &t))
+                add_item(list, sizeof list, &items, "--master-weights %s%s%s (a state recipe of %d B/param less: it "
+                         "changes the numerics; projected %.4g s a step)", fm_master_recipe_name((fm_master_recipe)rc[i]),
+                         bm[i] && !req->bf16_moments ? " --bf16-moments" : "",
+                         req->offload_optimizer ? " without --offload-optimizer" : "",
+                         fm_master_extra_bytes((fm_master_recipe)req->state_layout.master_recipe, 2) +
+                             (req->bf16_moments ? 4 : 8) - fm_master_extra_bytes((fm_master_recipe)rc[i], 2) -
+                             (bm[i] ? 4 : 8), t);
+        }
+    }
     /* 2b. --fp8-weight-cache dropped: its L x 6 E H I bytes of weight codes (one layer's set instead) */
     if (req->layout.expert_fp8_cache) {
         fm_plan_req r = *req;
@@ -345,18 +427,8 @@ void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o0, char *buf,
 }
 
 size_t fm_host_mem_budget_default(void) {
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (!f) return 0;
-    char line[256];
-    double avail = -1, total = -1;
-    while (fgets(line, sizeof line, f)) {
-        double v;
-        if (sscanf(line, "MemAvailable: %lf kB", &v) == 1) avail = v * 1024.0;
-        if (sscanf(line, "MemTotal: %lf kB", &v) == 1) total = v * 1024.0;
-    }
-    fclose(f);
-    if (avail < 0 || total < 0) return 0;
-    double reserve = total / 10.0;
-    if (reserve < 4.0 * 1073741824.0) reserve = 4.0 * 1073741824.0;
-    return avail > reserve ? (size_t)(avail - reserve) : 0;
+    fm_host_mem m;
+    if (fm_host_mem_read(&m) != 0) return 0;
+    const double b = m.total - fm_host_mem_reserve(m.total) - m.held;
+    return b > 0 ? (size_t)b : 0;
 }

@@ -3,8 +3,9 @@
  * (fm_project.h). The knobs it picks, unless the user fixed them: the recomputed layer count
  * (the first n layers) and whether they keep their attention, the offloaded checkpoint
  * boundaries, the optimizer's placement (on device, or streamed from pinned host memory), the MoE
- * chunk, and plain logits or the linear cross-entropy. --bf16-moments (it changes the numbers),
- * the shape and the rank count are never chosen; when nothing fits, the advice names each of
+ * chunk, and plain logits or the linear cross-entropy. --bf16-moments and --master-weights (they
+ * change the numbers), the shape and the rank count are never chosen (fm_plan_recipe_note names a
+ * faster recipe, with its projected time); when nothing fits, the advice names each of
  * them, and each freed knob, that would make it fit, each one checked by planning with it.
  */
 #ifndef FM_CHOOSE_H
@@ -47,10 +48,21 @@ fm_status fm_plan_fit(fm_plan_req *req, const fm_choose_opts *o, bool *rc_storag
  * buf ("nothing short of a larger budget fits" when none). Never fails. */
 void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o, char *buf, size_t n);
 
-/* The default --host-mem-budget of this host: MemAvailable from /proc/meminfo less a reserve of
- * max(4 GiB, MemTotal / 10) (the operating system, page cache, other processes). RLIMIT_MEMLOCK is
- * not applied: cudaHostAlloc's pinned memory is not charged to it, and the CPU build's "pinned"
- * buffers are ordinary memory. 0 when /proc/meminfo cannot be read. */
+/* A note when a state recipe of fewer bytes per parameter (--master-weights bf16-kahan | bf16-sr,
+ * --bf16-moments; DESIGN.md §5: it changes the numerics, so the chooser never picks it) fits the
+ * budgets and projects a step faster than step_s (by more than 1%), each planned with the chooser
+ * (the streamed optimizer off for a bf16 recipe) and named with its projected step time. buf gets
+ * "" when none is (or for a mesh, --ep or ZeRO-3, where the recipes do not run yet). */
+void fm_plan_recipe_note(const fm_plan_req *req, const fm_choose_opts *o, double step_s, char *buf, size_t n);
+
+/* The default --host-mem-budget of this host: MemTotal less a reserve of max(4 GiB, MemTotal / 10)
+ * (the operating system and what the estimate misses) less the memory other processes hold (their
+ * anonymous resident memory, pinned buffers included, and the shared memory: plan/fm_host_mem.h).
+ * Not MemAvailable: that lags a release of pinned memory by another process for a minute or more
+ * (issue 25: 35 GiB right after a run freed 79 GB, 124 GiB a minute later). RLIMIT_MEMLOCK is not
+ * applied: cudaHostAlloc's pinned memory is not charged to it, and the CPU build's "pinned" buffers
+ * are ordinary memory. 0 when /proc/meminfo cannot be read. A refusal over the host budget names
+ * what holds the memory (fm_host_mem_describe). */
 size_t fm_host_mem_budget_default(void);
 
 #endif

@@ -42,6 +42,7 @@ typedef struct fm_state_layout {
     int ranks; /* ranks of the world the state may be sharded over (dp x sp; 0 or 1: one) */
     int zero;  /* ZeRO stage: 0 replicas, 1 Adam state sharded, 3 everything sharded */
     int ep;    /* expert-parallel degree (0 or 1: every rank holds every expert) */
+    int master_recipe; /* fm_master_recipe (backend/fm_adamw_lowp.h, --master-weights): 0 fp32 master */
 } fm_state_layout;
 
 typedef struct fm_plan_req {

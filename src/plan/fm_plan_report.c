@@ -24,6 +24,12 @@ static int64_t train_max_pos(const fm_plan_req *r) {
     return r->T > r->cfg.max_position_embeddings ? r->T : 0;
 }
 
+int fm_plan_state_bytes_per_param(const fm_plan_req *r) {
+    const int a = r->target == FM_PLAN_TARGET_CPU ? 4 : r->target == FM_PLAN_TARGET_CUDA ? 2 : (int)sizeof(fm_act);
+    const fm_master_recipe rc = (fm_master_recipe)r->state_layout.master_recipe;
+    return 2 * a + fm_master_extra_bytes(rc, a) + (r->bf16_moments ? 4 : 8);
+}
+
 void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size_t cap) {
     const fm_config *c = &r->cfg;
     const int64_t L = c->num_hidden_layers;
@@ -48,6 +54,8 @@ void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size
     PUT(" --offload-boundaries %lld", (long long)p->n_offloaded_boundaries);
     if (r->offload_optimizer) PUT(" --offload-optimizer");
     if (r->bf16_moments) PUT(" --bf16-moments");
+    if (r->state_layout.master_recipe != FM_MASTER_FP32)
+        PUT(" --master-weights %s", fm_master_recipe_name((fm_master_recipe)r->state_layout.master_recipe));
     if (r->expert_fp8) PUT(" --expert-precision fp8");
     /* the cache either way on the codes path: without the flag, train chooses it against its own
      * budget (none on the CPU build, the GPU's free memory on CUDA), not this plan's */
@@ -95,6 +103,9 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
                 (long long)((c->vocab_size + r->vocab_ring - 1) / r->vocab_ring));
     fprintf(f, "; %lld offloaded boundaries; optimizer %s", (long long)p->n_offloaded_boundaries,
             r->offload_optimizer ? "streamed from pinned host memory (--offload-optimizer)" : "on the device");
+    fprintf(f, "; state recipe: master weights %s, moments %s (%d B/param)",
+            fm_master_recipe_name((fm_master_recipe)r->state_layout.master_recipe), r->bf16_moments ? "bf16" : "fp32",
+            fm_plan_state_bytes_per_param(r));
     if (r->sp > 1) /* Ulysses: the bounds are per rank, of its slice */
         fprintf(f, "; sequence parallel over %lld ranks (%lld tokens of each sequence per rank)", (long long)r->sp,
                 (long long)(r->T / r->sp));
@@ -229,6 +240,8 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
                 (long long)(r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB),
                 (long long)p->n_offloaded_boundaries, r->offload_optimizer ? " --offload-optimizer" : "",
                 r->bf16_moments ? " --bf16-moments" : "");
+        if (r->state_layout.master_recipe != FM_MASTER_FP32)
+            fprintf(f, " --master-weights %s", fm_master_recipe_name((fm_master_recipe)r->state_layout.master_recipe));
         if (train_max_pos(r)) fprintf(f, " --max-position-embeddings %lld", (long long)train_max_pos(r));
         if (m->dp * m->sp > 1) fprintf(f, " --vocab-parallel ring");
         fprintf(f, "\n");
@@ -261,6 +274,8 @@ void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_re
     if (x->host_budget != FM_HOST_BUDGET_UNLIMITED) fprintf(f, ",\"host_budget_bytes\":%zu", x->host_budget);
     fprintf(f, ",\"checkpoint_staging_bytes\":%zu", /* per rank, host, not pinned (the text's line) */
             x->ckpt_stage_bytes);
+    fprintf(f, ",\"master_weights\":\"%s\",\"state_bytes_per_param\":%d",
+            fm_master_recipe_name((fm_master_recipe)r->state_layout.master_recipe), fm_plan_state_bytes_per_param(r));
     if (r->mesh.on)
         fprintf(f, ",\"mesh\":{\"world\":%lld,\"dp\":%lld,\"ep\":%lld,\"sp\":%lld,\"gpus_per_node\":%lld,"
                 "\"params_rank\":%lld}", (long long)(r->mesh.dp * r->mesh.sp), (long long)r->mesh.dp, (long long)r->mesh.ep,

@@ -38,6 +38,12 @@ typedef struct fm_plan_report {
 
 /* The trainer's flags that reproduce plan p of request r ("--seq-len ... --recompute ..."; a mesh
  * adds --zero 3 and its degrees), into buf[cap] (truncated at cap). Never fails. */
+/* The state recipe's bytes per parameter on one rank (DESIGN.md §2 "model state"): weights and
+ * grads (2 act_bytes of the plan's target), the recipe's master or Kahan buffer
+ * (fm_master_extra_bytes), Adam m and v (8, or 4 with bf16 moments): 16, 14, 12, 10 or 8 on a
+ * bf16 target. */
+int fm_plan_state_bytes_per_param(const fm_plan_req *r);
+
 void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size_t cap);
 
 /* Prints the report as text. A mesh plan (req->mesh.on) adds its degrees, the communication

@@ -12,8 +12,10 @@ const char *const fm_proj_phase_names[FM_PROJ_PHASES] = {
     "recompute", "MoE chunk recompute", "offload (unhidden)", "optimizer",
     "ZeRO-3 gather/scatter", "EP all-to-all", "SP all-to-all", "vocab ring"};
 
-double fm_project_adamw_bytes(int a, bool bf16_moments) {
+double fm_project_adamw_bytes(int a, bool bf16_moments, int master_recipe) {
     const double mv = bf16_moments ? 2.0 : 4.0;
+    if (master_recipe != FM_MASTER_FP32) /* g read, p read and written; Kahan's buffer read and written */
+        return 3.0 * a + (master_recipe == FM_MASTER_BF16_KAHAN ? 4.0 : 0.0) + 4.0 * mv;
     /* g read, p written (a each), master read+written when the weights are not the master
      * (a != 4; on the CPU p is the master, read and written), m and v read and written */
     const double w = a == 4 ? 4.0 + 8.0 : 2.0 * a + 8.0;
@@ -198,7 +200,7 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
         else if (r->train_zero == 3 && Wz > 1) P = epd > 1 ? Pne / Wz + Pexp / epd : P / Wz;
         else if (epd > 1) P = Pne + Pexp / epd;
     }
-    const double adam_b = fm_project_adamw_bytes((int)a, r->bf16_moments);
+    const double adam_b = fm_project_adamw_bytes((int)a, r->bf16_moments, r->state_layout.master_recipe);
     const double t_gpu = P * adam_b / cb->adamw_bw;
     double t_opt = 2.0 * a * P / cb->elementwise_bw; /* gradient zeroing and global norm */
     if (r->offload_optimizer) {

@@ -97,8 +97,10 @@ typedef struct fm_projection {
 } fm_projection;
 
 /* Bytes of device traffic per parameter of one AdamW step (read g, write p, read+write master
- * when a != 4, read+write m and v): 28 with fp32 moments on both builds, 20 with bf16 moments. */
-double fm_project_adamw_bytes(int act_bytes, bool bf16_moments);
+ * when a != 4, read+write m and v): 28 with fp32 moments on both builds, 20 with bf16 moments.
+ * A bf16 state recipe (master_recipe, fm_master_recipe): read g, read+write p, read+write Kahan's
+ * buffer (bf16-kahan), read+write m and v: 22 / 14 (Kahan), 18 / 10 (stochastic rounding) on bf16. */
+double fm_project_adamw_bytes(int act_bytes, bool bf16_moments, int master_recipe);
 
 /* Rows per expert of one MoE dispatch of plan p: k c ep / E, c the chunk's tokens (p->moe_c_eff,
  * N = B T / sp unchunked), ep the mesh's (1 off a mesh). */

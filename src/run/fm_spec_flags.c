@@ -27,6 +27,7 @@
 
 static const char *const precision_choices[] = {"bf16", "fp8", NULL};
 static const char *const vocab_choices[] = {"off", "ring", NULL};
+static const char *const master_choices[] = {"fp32", "bf16-kahan", "bf16-sr", NULL}; /* fm_master_recipe's order */
 static const char *const comm_choices[] = {"auto", "mpi", "nccl", NULL};           /* fm_comm_kind's order */
 static const char *const comm_check_choices[] = {"deferred", "collective", NULL}; /* fm_comm_nccl_check's */
 static const char *const pack_choices[] = {"auto", "on", "off", "pad", NULL};     /* FM_PACK_* */
@@ -107,6 +108,15 @@ const fm_spec_flag fm_spec_flags[] = {
     V("bf16-moments", FM_SPEC_BOOL, train.bf16_moments, NULL, "off",
       "keep the AdamW moments m and v in bf16 (4 instead of 8 bytes per parameter; the update is computed in fp32, "
       "checkpoints hold them as fp32)", T | P, FIXED),
+    CHOICE("master-weights", train.master_weights, 4, master_choices, "fp32",
+           "fp32 | bf16-kahan | bf16-sr: the weights' precision in the optimizer (a state recipe; it changes the "
+           "numerics, and the plan never picks it for you). fp32: an fp32 master copy beside the bf16 weights "
+           "(16 B/param, 12 with --bf16-moments). bf16-kahan: bf16 weights plus a bf16 Kahan compensation buffer "
+           "(14 B/param, 10). bf16-sr: bf16 weights updated with stochastic rounding, its random bits a hash of "
+           "(--seed, step, parameter index), so runs repeat and resume exactly (12 B/param, 8: the bytes of a bf16 "
+           "AdamW). On the CPU build the weights are kept at bf16 values. Checkpoints hold fp32 weights and load "
+           "under any recipe. Not yet with --offload-optimizer, --zero 3 or --ep",
+           T | P, FIXED),
     V("no-optimizer-overlap", FM_SPEC_BOOL, train.no_optimizer_overlap, NULL, "overlapped",
       "run the update after the backward, with the step waiting for it, instead of layer by layer on a side stream "
       "while the next step's forward runs (the same weights either way)", T | P, RUN),
@@ -162,8 +172,9 @@ const fm_spec_flag fm_spec_flags[] = {
       "device memory for the planned live sets (e.g. 16GiB): the memory knobs not given are chosen to fit it and "
       "--host-mem-budget at the least projected step time; refused before allocating if nothing fits", T | P, RUN),
     V("host-mem-budget", FM_SPEC_BYTES, train.host_mem_budget, NULL,
-      "default: MemAvailable less max(4 GiB, MemTotal/10), divided among the ranks on this node; planning --backend "
-      "cuda from the CPU build: the calibration table's figure",
+      "default: MemTotal less max(4 GiB, MemTotal/10) less what other processes hold (their anonymous resident "
+      "memory and shared memory; not MemAvailable, which lags a release of pinned memory), divided among the ranks "
+      "on this node; planning --backend cuda from the CPU build: the calibration table's figure",
       "pinned host memory the plan may use (offloaded boundaries, streamed optimizer), e.g. 100GiB; 0 forbids "
       "offload", T | P, RUN),
     V("ce-block-tokens", FM_SPEC_I64, train.ce_block_tokens, NULL, "0 = plain logits, or chosen under --mem-budget",

@@ -17,6 +17,10 @@
  * table's layout, saved as "<prefix><HF name>" (fp32 on disk). An optimizer that owns the fp32
  * master (the streamed AdamW) names it too, prefix "master."; the checkpoint then saves the
  * weights and "master." from it. At most 3 per optimizer. */
+/* The prefix of bf16-kahan's compensation buffer in the optimizer file; a checkpoint without it
+ * (another recipe's) loads with the buffer at zero. */
+#define FM_KAHAN_PREFIX "kahan_comp."
+
 typedef struct fm_optim_state {
     const char *prefix; /* "exp_avg.", "exp_avg_sq.", "master." */
     void *base;         /* backend memory */
@@ -57,6 +61,11 @@ typedef struct fm_optimizer_ops {
  * the stored moments are rounded); on the CPU backend the fp32 parameters are the master weights. */
 typedef struct fm_adamw {
     void *m, *v;       /* [n_params] each of moments_dtype, taken from the parameter store's arena */
+    fm_master_recipe recipe; /* --master-weights (fm_adamw_lowp.h): fp32 master (the adamw op), or bf16
+                                weights updated by adamw_bf16w, Kahan-compensated or stochastically
+                                rounded */
+    uint16_t *comp;    /* bf16-kahan: the compensation buffer [state_len] bf16, from the store's arena */
+    uint64_t seed;     /* bf16-sr: the run's seed (the random bits of step s: fm_sr_key(seed, s)) */
     fm_dtype moments_dtype; /* FM_DTYPE_F32 or FM_DTYPE_BF16 */
     int64_t step;      /* optimizer steps taken (bias correction uses step+1 on the next) */
     int64_t state_begin, state_len; /* m and v hold parameters [state_begin, + state_len): the
@@ -73,9 +82,24 @@ void fm_adamw_config(fm_adamw *opt, double beta1, double beta2, double eps, doub
  * moments, 4 with bf16_moments. */
 size_t fm_adamw_state_bytes(int64_t n_params, bool bf16_moments);
 
+/* The state recipe (--master-weights; fm_adamw_lowp.h) of an AdamW configured by
+ * fm_adamw_config (which sets fp32), before init: its state then adds fm_adamw_recipe_bytes and
+ * the update runs the backend's adamw_bf16w with the random bits of (seed, step, index). Where the
+ * weights are fp32 (the CPU build) the caller keeps them at bf16 values (fm_adamw_round_weights). */
+void fm_adamw_set_recipe(fm_adamw *opt, fm_master_recipe recipe, uint64_t seed);
+
+/* Bytes the recipe adds to AdamW's state for n_params parameters: r(2 n) for bf16-kahan's
+ * buffer, else 0 (the fp32 master, where there is one, is the parameter store's). */
+size_t fm_adamw_recipe_bytes(int64_t n_params, fm_master_recipe recipe);
+
+/* Rounds n fp32 weights w (host memory) to bf16 values in place (nearest even): the fp32 build's
+ * weights under a bf16 recipe, after an init or a load (an fp32 run's checkpoint). */
+void fm_adamw_round_weights(float *w, int64_t n);
+
 /* The model-state live set's bound for a plan (DESIGN.md §2): the parameter store's bytes plus
  * AdamW's, for activations of act_bytes, over the data-parallel layout *lay (NULL or zeroed: the
- * whole replica): zero 1 over lay->ranks > 1: ZeRO-1/2 (the store of
+ * whole replica; lay->master_recipe: a bf16 recipe drops the store's fp32 master where there is
+ * one (fm_param_store_bytes_recipe) and bf16-kahan adds its buffer; one rank or ZeRO-1/2): zero 1 over lay->ranks > 1: ZeRO-1/2 (the store of
  * fm_param_store_create_sharded, weights and grads padded to ranks * S, Adam m and v of S =
  * ceil(n / ranks) parameters: a per-rank bound); zero 3: ZeRO-3 (train/fm_zero3.h:
  * fm_zero3_state_bytes, the shard's 16 B/param plus two gathered groups and one group's

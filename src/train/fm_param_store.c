@@ -28,6 +28,12 @@ size_t fm_param_store_bytes_sharded(const fm_config *cfg, size_t a, int world) {
     return b;
 }
 
+size_t fm_param_store_bytes_recipe(const fm_config *cfg, size_t a, int world, fm_master_recipe recipe) {
+    if (recipe == FM_MASTER_FP32) return fm_param_store_bytes_sharded(cfg, a, world);
+    const int64_t n = fm_config_num_params(cfg), n_alloc = fm_param_store_shard_len(n, world) * (world > 1 ? world : 1);
+    return 2 * fm_arena_round((size_t)n_alloc * a);
+}
+
 /* The store's layout in its arena (the same walk for a measuring arena): weights and grads of
  * n_alloc elements, the master of n_params. */
 static void layout_n(fm_param_store *ps, fm_arena *a, int64_t n_params, int64_t n_alloc) {
@@ -35,6 +41,10 @@ static void layout_n(fm_param_store *ps, fm_arena *a, int64_t n_params, int64_t 
     ps->weights = fm_arena_alloc(a, na * sizeof(fm_act));
     ps->grads = fm_arena_alloc(a, na * sizeof(fm_act));
     if (ps->host_master) return; /* the optimizer's */
+    if (ps->no_master) { /* a bf16 recipe: the weights are the master (an alias, fm_act elements) */
+        ps->master = (float *)(void *)ps->weights;
+        return;
+    }
     ps->master = sizeof(fm_act) == sizeof(float) ? (float *)(void *)ps->weights : fm_arena_alloc(a, n * sizeof(float));
 }
 
@@ -49,9 +59,10 @@ size_t fm_param_store_measure(int64_t n_params) {
 }
 
 static fm_status create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes, float *host_master, int rank,
-                        int world) {
+                        int world, bool no_master) {
     memset(ps, 0, sizeof *ps);
     ps->host_master = host_master != NULL;
+    ps->no_master = no_master && sizeof(fm_act) != sizeof(float); /* fp32 weights are their own master */
     ps->n_params = m->p.n_params;
     ps->rank = rank;
     ps->world = world;
@@ -65,7 +76,9 @@ static fm_status create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes,
      * E/ep experts: fewer than the config's) */
     const size_t na = (size_t)ps->n_alloc, a = sizeof(fm_act);
     const size_t state = 2 * fm_arena_round(na * a) +
-                         (host_master || a == sizeof(float) ? 0 : fm_arena_round((size_t)m->p.n_params * sizeof(float))),
+                         (host_master || ps->no_master || a == sizeof(float)
+                              ? 0
+                              : fm_arena_round((size_t)m->p.n_params * sizeof(float))),
                  total = state + optimizer_bytes;
     ps->be = m->be;
     fm_status st = fm_arena_init_backend(&ps->arena, fm_live_set_names[FM_LIVE_MODEL_STATE], total, &ps->be);
@@ -86,17 +99,43 @@ static fm_status create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes,
 }
 
 fm_status fm_param_store_create(fm_param_store *ps, fm_model *m, size_t optimizer_bytes) {
-    return create(ps, m, optimizer_bytes, NULL, 0, 1);
+    return create(ps, m, optimizer_bytes, NULL, 0, 1, false);
+}
+
+fm_status fm_param_store_create_bf16(fm_param_store *ps, fm_model *m, int rank, int world, size_t optimizer_bytes) {
+    FM_ASSERT(world >= 1 && rank >= 0 && rank < world);
+    return create(ps, m, optimizer_bytes, NULL, rank, world, true);
+}
+
+fm_status fm_param_store_upload_f32(const fm_param_store *ps, fm_model *m, const float *w) {
+    if (!ps->no_master) {
+        fm_model_upload_master(m, w);
+        return FM_OK;
+    }
+    /* bf16 weights with no master: rounded on the host (nearest even, as the convert op) in
+     * pieces of 1M, then copied */
+    const int64_t piece = (int64_t)1 << 20, n = m->p.n_params;
+    uint16_t *h = fm_malloc(sizeof(uint16_t) * (size_t)(n < piece ? n : piece));
+    if (!h) return fm_error(FM_ERR_NOMEM, "memory: cannot stage the bf16 weights on the host (%lld bytes)",
+                            (long long)(2 * (n < piece ? n : piece)));
+    for (int64_t a = 0; a < n; a += piece) {
+        const int64_t k = n - a < piece ? n - a : piece;
+        for (int64_t i = 0; i < k; i++) h[i] = fm_f32_to_bf16(w[a + i]);
+        m->be.ops->copy(m->be.ctx, (uint16_t *)(void *)m->p.params + a, h, 2 * (size_t)k, FM_COPY_H2D);
+    }
+    m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* h is freed next */
+    fm_free(h);
+    return FM_OK;
 }
 
 fm_status fm_param_store_create_sharded(fm_param_store *ps, fm_model *m, int rank, int world, size_t optimizer_bytes) {
     FM_ASSERT(world >= 1 && rank >= 0 && rank < world);
-    return create(ps, m, optimizer_bytes, NULL, rank, world);
+    return create(ps, m, optimizer_bytes, NULL, rank, world, false);
 }
 
 fm_status fm_param_store_create_host_master(fm_param_store *ps, fm_model *m, size_t optimizer_bytes, float *master) {
     FM_ASSERT(master);
-    return create(ps, m, optimizer_bytes, master, 0, 1);
+    return create(ps, m, optimizer_bytes, master, 0, 1, false);
 }
 
 fm_status fm_param_store_create_zero3(fm_param_store *ps, fm_model *m, const fm_zero3 *z, size_t optimizer_bytes) {

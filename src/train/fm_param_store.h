@@ -34,6 +34,8 @@ typedef struct fm_param_store {
     float *master;               /* [n_params] fp32 master weights; == weights when fm_act is fp32;
                                     the optimizer's (host) memory in the no-master mode */
     bool host_master;            /* fm_param_store_create_host_master: master is not in the arena */
+    bool no_master;              /* fm_param_store_create_bf16 on a bf16 build: no fp32 master; master
+                                    aliases the weights (fm_act elements, not fp32) */
     bool zero3;                  /* fm_param_store_create_zero3: weights, grads, master [shard_len]
                                     (shard_begin 0: the optimizer's state is the shard's) */
     fm_act *slot[2], *gbuf;      /* ZeRO-3: the gather slots [slot_len] and the gradient buffer [gbuf_len] */
@@ -91,6 +93,24 @@ int64_t fm_param_store_shard_len(int64_t n_params, int world);
 
 /* Bytes of weights, grads and master of the sharded store (fm_param_store_bytes for world 1). */
 size_t fm_param_store_bytes_sharded(const fm_config *cfg, size_t act_bytes, int world);
+
+/* Bytes of weights, grads and master of the store a state recipe (--master-weights) runs with
+ * over `world` ZeRO-1/2 ranks (1: unsharded): fm_param_store_bytes_sharded for fp32; a bf16
+ * recipe has no master: 2 r(n_alloc * act_bytes), n_alloc = world * S (n unsharded). */
+size_t fm_param_store_bytes_recipe(const fm_config *cfg, size_t act_bytes, int world, fm_master_recipe recipe);
+
+/* The store of a bf16 recipe (--master-weights bf16-kahan | bf16-sr): as fm_param_store_create
+ * (world 1) or _sharded, without the fp32 master: m->p.master and ps->master alias the weights
+ * (on the fp32 build that is the existing layout; on a bf16 build ps->no_master says the alias
+ * holds fm_act, and weights are written with fm_param_store_upload_f32). Errors: as
+ * fm_param_store_create. */
+fm_status fm_param_store_create_bf16(fm_param_store *ps, fm_model *m, int rank, int world, size_t optimizer_bytes);
+
+/* The initial or loaded weights w [n_params] fp32 (host memory) into the store's model: through
+ * the master (fm_model_upload_master), or, with no master (no_master), rounded to bf16 on the
+ * host and copied in pieces of 1M elements (a 2 MiB host staging, freed before it returns).
+ * Errors: FM_ERR_NOMEM (the staging). */
+fm_status fm_param_store_upload_f32(const fm_param_store *ps, fm_model *m, const float *w);
 
 /* `bytes` of the model-state arena for the optimizer's state (backend memory, 64-byte aligned).
  * Taking more than fm_param_store_create was given is a planning bug (aborts). */

@@ -184,6 +184,7 @@ static char *state_to_json(const run *r, const train_state *s) {
     cJSON_AddNumberToObject(sch, "min_lr", r->o->min_lr);
     cJSON_AddNumberToObject(sch, "warmup", (double)r->o->warmup);
     cJSON_AddStringToObject(o, "adam_moments", s->bf16_moments ? "bf16" : "fp32");
+    cJSON_AddStringToObject(o, "master_weights", fm_master_recipe_name((fm_master_recipe)s->master_weights));
     cJSON_AddStringToObject(o, "expert_precision", s->expert_fp8 ? "fp8" : "bf16");
     /* the sampling cursor (fm_dataset_sample_batch): the RNG state is all of it; rank, world and
      * the training tokens say what it was drawn over */
@@ -231,6 +232,10 @@ fm_status fm_train_state_read(const char *path, train_state *s) {
     if (sch && !cJSON_IsObject(sch)) sch = NULL;
     const cJSON *mom = cJSON_GetObjectItemCaseSensitive(o, "adam_moments");
     s->bf16_moments = cJSON_IsString(mom) && strcmp(mom->valuestring, "bf16") == 0;
+    const cJSON *mw = cJSON_GetObjectItemCaseSensitive(o, "master_weights");
+    s->master_weights = FM_MASTER_FP32;
+    for (int k = FM_MASTER_BF16_KAHAN; k <= FM_MASTER_BF16_SR && cJSON_IsString(mw); k++)
+        if (!strcmp(mw->valuestring, fm_master_recipe_name((fm_master_recipe)k))) s->master_weights = k;
     s->expert_fp8 = json_is_fp8(o);
     const cJSON *cur = cJSON_GetObjectItemCaseSensitive(o, "data_cursor");
     const cJSON *pk = cJSON_GetObjectItemCaseSensitive(cur, "pack");
@@ -300,8 +305,8 @@ static const fm_optim_state *optim_master(const fm_optim_state *os, int n) {
 
 fm_status fm_train_ckpt_init(run *r) {
     const int n = r->ep.full_ok ? r->ep.full.n_tensors : r->m.p.n_tensors; /* --ep: the full table's names */
-    r->named = fm_malloc(sizeof(fm_named_tensor) * (size_t)(4 * n));
-    r->names = fm_malloc(sizeof(*r->names) * (size_t)(4 * n));
+    r->named = fm_malloc(sizeof(fm_named_tensor) * (size_t)(FM_CKPT_MAX_STATES * n));
+    r->names = fm_malloc(sizeof(*r->names) * (size_t)(FM_CKPT_MAX_STATES * n));
     if (!r->named || !r->names) return fm_error(FM_ERR_NOMEM, "out of memory for the tensor name table");
     if (r->ep.full_ok) FM_TRY(fm_train_hf_init(&r->ep_hf, &r->ep.full)); /* --ep: the checkpoint's full names */
     FM_TRY(fm_train_hf_init(&r->hf, &r->m.p));

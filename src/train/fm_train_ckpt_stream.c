@@ -172,8 +172,8 @@ fm_status fm_ckpt_stage_init(run *r) {
     c->owner = fm_malloc(sizeof(int) * (size_t)(n > 0 ? n : 1));
     c->shared = fm_malloc(sizeof(bool) * (size_t)(n > 0 ? n : 1));
     c->lo = fm_malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
-    c->src = fm_malloc(sizeof(fm_ckpt_src) * (size_t)(4 * (n > 0 ? n : 1)));
-    c->states = fm_malloc(sizeof(st_desc) * 4);
+    c->src = fm_malloc(sizeof(fm_ckpt_src) * (size_t)(FM_CKPT_MAX_STATES * (n > 0 ? n : 1)));
+    c->states = fm_malloc(sizeof(st_desc) * FM_CKPT_MAX_STATES);
     const int zw = r->zero3 ? r->z3.W : 1;
     c->z3world = fm_malloc(sizeof(int) * (size_t)zw);
     if (!c->send || !c->cnt || !c->owner || !c->shared || !c->lo || !c->src || !c->states || !c->z3world)
@@ -243,7 +243,8 @@ static int save_states(run *r, const fm_optim_state *os, int nos, st_desc *sd, c
     const fm_optim_state *ms = master_of(os, nos);
     const st_kind sk = r->zero3 ? K_ZERO3 : r->ps.sharded ? K_SHARD12 : K_TABLE;
     st_desc master;
-    if (r->zero3) master = (st_desc){r->z3.master, FM_DTYPE_F32, false, K_ZERO3};
+    if (r->ps.no_master) master = (st_desc){m->p.params, FM_ACT_DTYPE, false, K_TABLE}; /* a bf16 recipe: the weights */
+    else if (r->zero3) master = (st_desc){r->z3.master, FM_DTYPE_F32, false, K_ZERO3};
     else if (ms) master = (st_desc){ms->base, FM_DTYPE_F32, ms->host, sk};
     else if (r->ps.sharded && (void *)m->p.master != (void *)m->p.params)
         master = (st_desc){m->p.master, FM_DTYPE_F32, false, K_FULL12};
@@ -251,7 +252,7 @@ static int save_states(run *r, const fm_optim_state *os, int nos, st_desc *sd, c
     int k = 0;
     sd[k] = master, pre[k++] = "";
     sd[k] = master, pre[k++] = "master.";
-    for (int i = 0; i < nos && k < 4; i++)
+    for (int i = 0; i < nos && k < FM_CKPT_MAX_STATES; i++)
         if (&os[i] != ms) sd[k] = (st_desc){os[i].base, os[i].dtype, os[i].host, sk}, pre[k++] = os[i].prefix;
     return k;
 }
@@ -267,7 +268,7 @@ bool fm_ckpt_stream_wanted(const run *r, const fm_optim_state *os, int nos) {
 fm_status fm_ckpt_stream_prepare(run *r, const fm_optim_state *os, int nos, int *n_slots) {
     fm_ckpt_stage *c = &r->cst;
     st_desc *sd = c->states;
-    const char *pre[4];
+    const char *pre[FM_CKPT_MAX_STATES];
     const int k = save_states(r, os, nos, sd, pre);
     const fm_hf_table *t = full_table(r);
     const int n = t->n_params;
@@ -431,7 +432,8 @@ fm_status fm_ckpt_stream_load(run *r, const char *dir, bool verify) {
     const st_kind sk = r->zero3 ? K_ZERO3 : r->ps.sharded ? K_SHARD12 : K_TABLE;
     /* the master: the shard's (ZeRO-3), the optimizer's own, or the model's full one (ZeRO-1/2
      * keeps full weights on every rank) */
-    st_desc master = r->zero3 ? (st_desc){r->z3.master, FM_DTYPE_F32, false, K_ZERO3}
+    st_desc master = r->ps.no_master ? (st_desc){m->p.params, FM_ACT_DTYPE, false, K_TABLE}
+                     : r->zero3 ? (st_desc){r->z3.master, FM_DTYPE_F32, false, K_ZERO3}
                      : ms     ? (st_desc){ms->base, FM_DTYPE_F32, ms->host, K_TABLE}
                               : (st_desc){m->p.master, FM_DTYPE_F32, false, K_TABLE};
     if (s == FM_OK) s = load_state(r, &opt, verify ? &model : NULL, &master, "master.");
@@ -445,7 +447,8 @@ fm_status fm_ckpt_stream_load(run *r, const char *dir, bool verify) {
         }
     }
     for (int i = 0; i < nos && s == FM_OK; i++)
-        if (&os[i] != ms) {
+        if (&os[i] != ms && !(!strcmp(os[i].prefix, FM_KAHAN_PREFIX) && count_prefix(&opt, FM_KAHAN_PREFIX) == 0)) {
+            /* (a checkpoint of another recipe has no Kahan buffer: it stays at zero) */
             const st_desc d = {os[i].base, os[i].dtype, os[i].host, sk};
             s = load_state(r, &opt, NULL, &d, os[i].prefix);
         }

@@ -40,6 +40,10 @@
 /* Elements of one staged piece (4 Mi: 16 MiB per buffer, 32 MiB in all). */
 #define FM_CKPT_CHUNK_ELEMS ((int64_t)4 << 20)
 
+/* States a checkpoint names per tensor: the weights (model file), master., exp_avg., exp_avg_sq.
+ * and bf16-kahan's buffer (FM_KAHAN_PREFIX). */
+#define FM_CKPT_MAX_STATES 5
+
 struct fm_ckpt_src;
 
 typedef struct fm_ckpt_stage {

@@ -50,6 +50,7 @@ typedef struct train_state {
     int64_t seq_len, micro_batch, grad_accum, steps;
     int64_t threads; /* the CPU threads the run trained with (results depend on the count); 0: unknown */
     bool bf16_moments; /* "adam_moments": "bf16" (absent in older checkpoints: fp32) */
+    int master_weights; /* "master_weights": fm_master_recipe (absent in older checkpoints: fp32) */
     bool expert_fp8;   /* "expert_precision": "fp8" (absent in older checkpoints: bf16) */
     int64_t dp;        /* "data_parallel": the data-parallel ranks micro_batch was per (absent: 1) */
     double lr, min_lr; /* "schedule": the run's peak and final learning rate (absent: NAN) */

@@ -7,6 +7,7 @@
 #include <stdio.h>
 
 #include "../backend/fm_backend_default.h"
+#include "../plan/fm_plan_report.h"
 #include "fm_train_internal.h"
 
 static void fmt_hms(char *buf, size_t n, double s) {
@@ -53,7 +54,8 @@ void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_
     if (req->moe_chunk_tokens > 0)
         fm_line_add(&l, " (%lld chunks of <= %lld tokens)", (long long)plan->moe_K, (long long)plan->moe_c_eff);
     fm_line_add(&l, ", vocabulary %s", req->ce_block_tokens > 0 || req->ce_block_vocab > 0 ? "linear cross-entropy" : "plain logits");
-    fm_line_add(&l, ", AdamW moments %s", o->bf16_moments ? "bf16" : "fp32");
+    fm_line_add(&l, ", AdamW moments %s, master weights %s (%d B/param)", o->bf16_moments ? "bf16" : "fp32",
+                fm_master_recipe_name((fm_master_recipe)o->master_weights), fm_plan_state_bytes_per_param(req));
     if (o->expert_fp8)
         fm_line_add(&l, ", expert GEMMs fp8 (blockwise E4M3, %s%s)", m->a.moe_fp8_codes ? "on E4M3 codes" : "emulated",
                     m->a.opts.expert_fp8_cache ? ", every layer's weight codes kept" : "");

@@ -113,6 +113,15 @@ fm_status fm_train_opts_check_flags(const fm_train_opts *o, fm_train_check_for w
     if (o->ep > 1 && o->offload_optimizer)
         return fm_error(FM_ERR_ARG, "--offload-optimizer with --ep %d is not supported yet (the streamed AdamW's "
                         "bound counts every expert); drop one of them", o->ep);
+    if (o->master_weights < FM_MASTER_FP32 || o->master_weights > FM_MASTER_BF16_SR)
+        return fm_error(FM_ERR_ARG, "--master-weights: expected fp32, bf16-kahan or bf16-sr, found value %d",
+                        o->master_weights);
+    if (o->master_weights != FM_MASTER_FP32 && (o->offload_optimizer || o->zero == 3 || o->ep > 1))
+        return fm_error(FM_ERR_ARG, "--master-weights %s with %s is not supported yet (the streamed AdamW and the "
+                        "ZeRO-3 and expert-parallel stores keep an fp32 master); use --master-weights fp32 or drop %s",
+                        fm_master_recipe_name((fm_master_recipe)o->master_weights),
+                        o->offload_optimizer ? "--offload-optimizer" : o->zero == 3 ? "--zero 3" : "--ep",
+                        o->offload_optimizer ? "--offload-optimizer" : o->zero == 3 ? "--zero 3" : "--ep");
     if (o->vocab_parallel != FM_VOCAB_PARALLEL_OFF && o->vocab_parallel != FM_VOCAB_PARALLEL_RING)
         return fm_error(FM_ERR_ARG, "--vocab-parallel: expected off or ring, found value %d", o->vocab_parallel);
     if (o->vocab_parallel == FM_VOCAB_PARALLEL_RING && o->ce_block_tokens == 0 && o->ce_block_vocab == 0)

@@ -18,7 +18,7 @@ void fm_train_plan_free(fm_train_plan *tp) {
 /* The model state's layout and bound: ZeRO over the world, --ep's share of the experts. */
 static void plan_state(fm_train_plan *tp, const fm_train_opts *o, int W) {
     fm_plan_req *req = &tp->req;
-    req->state_layout = (fm_state_layout){W, o->zero, tp->ep};
+    req->state_layout = (fm_state_layout){W, o->zero, tp->ep, o->master_weights};
     req->model_state_bytes = fm_model_state_bound;
     if (tp->ep > 1) { /* --zero 3 --ep: the non-expert parameters sharded, E/ep experts whole (fm_zero3.h) */
         req->model_state_bytes = o->zero == 3 && W > 1 ? fm_zero3_ep_model_state_bound : fm_train_ep_model_state_bound;
@@ -102,7 +102,9 @@ fm_choose_opts fm_train_plan_choose_opts(const fm_train_plan *tp, const fm_train
                                          const fm_calib *cal) {
     const fm_choose_opts co = {budget, budget_name, host_budget, host_budget_name, cal, o->recompute != NULL,
                                o->recompute_keep_attention || o->no_recompute_keep_attention,
-                               o->offload_boundaries != NULL, o->offload_optimizer || tp->ep > 1, /* --ep: no streamed AdamW */
+                               o->offload_boundaries != NULL,
+                               /* --ep or a bf16 recipe: no streamed AdamW (it keeps an fp32 master) */
+                               o->offload_optimizer || tp->ep > 1 || o->master_weights != FM_MASTER_FP32,
                                tp->moe_c >= 0, o->ce_block_tokens >= 0 || o->ce_block_vocab >= 0 || tp->vocab_flag};
     return co;
 }

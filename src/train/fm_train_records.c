@@ -79,6 +79,7 @@ static cJSON *flags_json(const fm_train_opts *o) {
     add_int(f, "attention_tile_kv", o->att_tile_kv);
     add_u64(f, "gpu_workspace", o->gpu_workspace);
     cJSON_AddBoolToObject(f, "bf16_moments", o->bf16_moments);
+    cJSON_AddStringToObject(f, "master_weights", fm_master_recipe_name((fm_master_recipe)o->master_weights));
     cJSON_AddStringToObject(f, "expert_precision", o->expert_fp8 ? "fp8" : "bf16");
     cJSON_AddBoolToObject(f, "offload_optimizer", o->offload_optimizer);
     add_int(f, "offload_optimizer_bucket", o->offload_optimizer_bucket);
@@ -128,6 +129,14 @@ fm_status fm_train_metrics_header(run *r, const fm_run_records *rec, int64_t res
     for (int i = 0; i < FM_PLAN_SETS; i++) add_u64(b, set_name(i), p->bytes[i]);
     add_u64(pl, "total_bytes", p->total);
     add_u64(pl, "host_pinned_bytes", p->host_bytes);
+    { /* the state recipe (--master-weights, --bf16-moments) and its bytes per parameter on one rank */
+        cJSON *sr = cJSON_AddObjectToObject(pl, "state_recipe");
+        const fm_master_recipe rc = (fm_master_recipe)r->o->master_weights;
+        const int a = (int)sizeof(fm_act);
+        cJSON_AddStringToObject(sr, "master_weights", fm_master_recipe_name(rc));
+        cJSON_AddStringToObject(sr, "moments", r->o->bf16_moments ? "bf16" : "fp32");
+        add_int(sr, "bytes_per_param", 2 * a + fm_master_extra_bytes(rc, a) + (r->o->bf16_moments ? 4 : 8));
+    }
     add_int(pl, "n_params", p->n_params);
     add_int(pl, "n_active_params", p->n_active);
     add_int(pl, "recomputed_layers", p->n_recomputed);

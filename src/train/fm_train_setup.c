@@ -74,8 +74,10 @@ static fm_status init_from_folder(run *r, const char *dir) {
     const fm_hf_read_opts ro = {true, extra, sizeof extra};
     fm_status s = fm_hf_read_files(&r->hf.t, &f, "", w, &ro);
     if (s == FM_OK) {
+        if (r->o->master_weights != FM_MASTER_FP32 && sizeof(fm_act) == sizeof(float))
+            fm_adamw_round_weights(w, m->p.n_params); /* the recipe's weights are bf16 values */
         if (r->zero3) s = fm_zero3_set_master(&r->z3, m, w);
-        else fm_model_upload_master(m, w);
+        else s = fm_param_store_upload_f32(&r->ps, m, w);
         if (extra[0] && m->p.ep <= 1 && r->rank == 0) /* --ep: the other ranks' experts are the extras; rank 0 speaks */
             fm_log(FM_LOG_WARN, "warning: --init-from %s: %s\n", dir, extra);
         if (!r->o->quiet)
@@ -291,6 +293,11 @@ static fm_status setup_plan(run *r, fm_train_plan *tp) {
     if (!o->quiet && budget > 0)
         fm_log(FM_LOG_INFO, "%s\nprojected step: %.4g s, %.0f tokens/s, MFU %.1f%%\n", note, proj.step_s,
                proj.tokens_per_s, 100.0 * proj.mfu);
+    if (!o->quiet && budget > 0 && r->rank == 0) { /* a cheaper state recipe that would be faster: named only */
+        char rnote[1200];
+        fm_plan_recipe_note(req, &co, proj.step_s, rnote, sizeof rnote);
+        if (rnote[0]) fm_log(FM_LOG_NOTE, "%s\n", rnote);
+    }
     if (!o->quiet && eask.cuda_bf16 && r->rank == 0) {
         char line[600];
         fm_expert_choice_line(&r->expert_choice, line, sizeof line);
@@ -307,6 +314,9 @@ static fm_status setup_optimizer(run *r, const fm_plan_req *req, fm_comm_kind co
     const int W = r->n_ranks;
     const fm_plan *plan = &r->plan;
     fm_adamw_config(&r->opt, o->beta1, o->beta2, o->adam_eps, o->weight_decay, o->bf16_moments);
+    fm_adamw_set_recipe(&r->opt, (fm_master_recipe)o->master_weights, o->seed);
+    const bool bf16w = o->master_weights != FM_MASTER_FP32; /* no fp32 master (fm_train_opts_check_flags: no
+                                                                 offload, ZeRO-3 or --ep with it) */
     r->optim = &fm_adamw_ops;
     r->opt_self = &r->opt;
     if (req->offload_optimizer) { /* the streamed AdamW: its host state, as planned; the store without master */
@@ -333,8 +343,11 @@ static fm_status setup_optimizer(run *r, const fm_plan_req *req, fm_comm_kind co
                                     "host memory, which NCCL cannot write; use --zero 3 (whose gathers stay on the "
                                     "device) or --comm mpi");
     } else if (o->zero && W > 1) { /* ZeRO-1/2: the store padded to W blocks, AdamW's state of this rank's */
-        FM_TRY(fm_param_store_create_sharded(&r->ps, m, r->rank, W,
-                                             r->optim->state_bytes(r->opt_self, fm_param_store_shard_len(m->p.n_params, W))));
+        const size_t ob = r->optim->state_bytes(r->opt_self, fm_param_store_shard_len(m->p.n_params, W));
+        FM_TRY(bf16w ? fm_param_store_create_bf16(&r->ps, m, r->rank, W, ob)
+                     : fm_param_store_create_sharded(&r->ps, m, r->rank, W, ob));
+    } else if (bf16w) { /* a bf16 recipe: weights and grads, no master */
+        FM_TRY(fm_param_store_create_bf16(&r->ps, m, 0, 1, r->optim->state_bytes(r->opt_self, m->p.n_params)));
     } else {
         FM_TRY(fm_param_store_create(&r->ps, m, r->optim->state_bytes(r->opt_self, m->p.n_params)));
     }
@@ -483,6 +496,13 @@ static void warn_resumed(const run *r, const train_state *ts, int dp) {
                "will not match an uninterrupted one (%s to continue it as it was)\n",
                o->bf16_moments ? "bf16" : "fp32", ts->bf16_moments ? "--bf16-moments" : "fp32 moments",
                ts->bf16_moments ? "pass --bf16-moments" : "drop --bf16-moments");
+    if (ts->master_weights != o->master_weights) { /* the checkpoint's fp32 weights load under any recipe */
+        const char *now = fm_master_recipe_name((fm_master_recipe)o->master_weights),
+                   *was = fm_master_recipe_name((fm_master_recipe)ts->master_weights);
+        fm_log(FM_LOG_WARN, "warning: resuming with --master-weights %s, but the checkpoint was trained with "
+               "--master-weights %s: the run will not match an uninterrupted one (pass --master-weights %s to "
+               "continue it as it was)\n", now, was, was);
+    }
     if (ts->expert_fp8 != o->expert_fp8)
         fm_log(FM_LOG_WARN, "warning: resuming with --expert-precision %s, but the checkpoint was trained with "
                "--expert-precision %s: the run will not match an uninterrupted one (pass --expert-precision %s "
@@ -518,11 +538,27 @@ static fm_status setup_data_draw(run *r, const char *ckpt, int dp) {
     return FM_OK;
 }
 
+/* A bf16 recipe's initial weights: drawn as fm_model_init_weights draws them, rounded to bf16
+ * (nearest even), into the store (fm_param_store_upload_f32). */
+static fm_status init_weights_bf16(run *r, uint64_t seed) {
+    fm_model *m = &r->m;
+    const bool host = m->be.ops->host_memory; /* the fp32 build's weights: written in place */
+    float *w = host ? (float *)(void *)m->p.params : fm_malloc(sizeof(float) * (size_t)m->p.n_params);
+    if (!w) return fm_error(FM_ERR_NOMEM, "memory: cannot stage %lld initial weights on the host", (long long)m->p.n_params);
+    fm_params_init_weights_host(&m->p, seed, w);
+    fm_adamw_round_weights(w, m->p.n_params);
+    const fm_status s = host ? FM_OK : fm_param_store_upload_f32(&r->ps, m, w);
+    if (!host) fm_free(w);
+    return s;
+}
+
 /* The checkpoint's state (weights, optimizer, data cursor) or fresh weights; *ts for this run. */
 static fm_status setup_state(run *r, const char *ckpt, train_state *ts, fm_rng *data_rng, int dp) {
     const fm_train_opts *o = r->o;
     if (ckpt[0]) {
         FM_TRY(fm_train_load_checkpoint(r, ckpt, ts));
+        if (o->master_weights != FM_MASTER_FP32 && r->m.be.ops->host_memory) /* another recipe's fp32 weights */
+            fm_adamw_round_weights((float *)(void *)r->m.p.params, r->ps.n_alloc);
         data_rng->state = ts->data_rng;
         warn_resumed(r, ts, dp);
         if (!o->quiet) fm_log(FM_LOG_INFO, "resumed from %s (step %lld)\n", ckpt, (long long)ts->step);
@@ -530,6 +566,8 @@ static fm_status setup_state(run *r, const char *ckpt, train_state *ts, fm_rng *
         if (o->init_from) FM_TRY(init_from_folder(r, o->init_from));
         else if (r->zero3) { /* every rank draws only its shard of the initial weights (bounded staging) */
             FM_TRY(fm_ckpt_stream_init_zero3(r, o->seed));
+        } else if (o->master_weights != FM_MASTER_FP32) { /* bf16 values, and no master to go through */
+            FM_TRY(init_weights_bf16(r, o->seed));
         } else FM_TRY(fm_model_init_weights(&r->m, o->seed));
         fm_rng_seed(data_rng, o->seed ^ 0xDA7A5EEDull);
         ts->seed = o->seed;
@@ -538,6 +576,7 @@ static fm_status setup_state(run *r, const char *ckpt, train_state *ts, fm_rng *
     ts->micro_batch = o->micro_batch;
     ts->dp = dp;
     ts->bf16_moments = o->bf16_moments;
+    ts->master_weights = o->master_weights;
     ts->expert_fp8 = o->expert_fp8;
     ts->grad_accum = o->grad_accum;
     ts->steps = o->steps;

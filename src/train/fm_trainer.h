@@ -63,6 +63,8 @@ typedef struct fm_train_opts {
                                      workspace come from the fields above and the plan. Recorded in
                                      metrics.jsonl ("backend") on the first step of each invocation. */
     bool bf16_moments;            /* --bf16-moments: AdamW m and v in bf16 (checkpoints keep fp32) */
+    int master_weights;           /* --master-weights: fm_master_recipe (backend/fm_adamw_lowp.h): 0 fp32
+                                     master, 1 bf16-kahan, 2 bf16-sr (checkpoints keep fp32) */
     bool expert_fp8;              /* --expert-precision fp8: the expert GEMMs' operands fake-quantized
                                      to blockwise E4M3 (model/fm_experts_fp8.h); false: bf16, the
                                      backend's native precision (fp32 on the CPU) */

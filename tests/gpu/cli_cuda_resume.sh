@@ -2,7 +2,8 @@
 # Exact resume on the CUDA engine (label gpu; $1 is flatmoe-cuda): 4 steps, save, resume, 4 more
 # steps give the same losses, gradient norms and final weights and optimizer state, bit for bit, as
 # 8 steps straight — on configs/tiny.json, plain and with the bounded operators (chunked MoE,
-# linear cross-entropy), the resumed half with recompute. Modeled on tests/cli_resume.sh.
+# linear cross-entropy), the resumed half with recompute; and under the bf16 state recipes
+# (--master-weights bf16-kahan | bf16-sr). Modeled on tests/cli_resume.sh.
 # FLATMOE_ATTENTION=fallback: our bitwise-deterministic attention kernels (cuDNN's backward sums
 # dQ with atomics, so two identical runs need not agree in the last bit). Everything else on the
 # CUDA backend is deterministic by construction (no floating-point atomics; cuBLAS is
@@ -39,6 +40,17 @@ bounded=(--moe-chunk-tokens 64 --ce-block-tokens 128 --ce-block-vocab 100)
 "$FM" train "${common[@]}" "${bounded[@]}" --out "$TMP/bsplit" --exit-after 4 || bad "bounded first half failed"
 "$FM" train "${common[@]}" "${bounded[@]}" --out "$TMP/bsplit" --resume --recompute 0,2 || bad "bounded resumed run failed"
 same_run bounded "$TMP/bstraight" "$TMP/bsplit"
+# the state recipes (--master-weights): bf16 weights with no fp32 master; the Kahan buffer and the
+# stochastic rounding's bits (a hash of seed, step and index) resume exactly too, and each is a
+# different run from the fp32 master's
+for rc in bf16-kahan bf16-sr; do
+    "$FM" train "${common[@]}" --master-weights $rc --bf16-moments --out "$TMP/${rc}straight" || bad "$rc straight run failed"
+    "$FM" train "${common[@]}" --master-weights $rc --bf16-moments --out "$TMP/${rc}split" --exit-after 4 || bad "$rc first half failed"
+    "$FM" train "${common[@]}" --out "$TMP/${rc}split" --resume || bad "$rc resumed run failed"
+    same_run "$rc" "$TMP/${rc}straight" "$TMP/${rc}split"
+    cmp -s "$TMP/straight/step_000008/model.safetensors" "$TMP/${rc}straight/step_000008/model.safetensors" &&
+        bad "$rc gave the fp32 master's weights" || ok
+done
 # the bounded run is a different computation in bf16 (not the plain run's bits), but close
 cmp -s "$TMP/straight/step_000008/model.safetensors" "$TMP/bstraight/step_000008/model.safetensors" &&
     echo "note: bounded and plain runs gave identical weights" >&2

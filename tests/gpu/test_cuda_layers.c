@@ -1,7 +1,7 @@
 /* CUDA backend layer ops (src/backend/cuda/cuda_*.cu) against the plain fp64 host references of
  * tests/fm_ref_ops.c (shared with the CPU tests): embedding, RMSNorm, RoPE, SwiGLU (forward and
  * backward, the backward also against finite differences) and AdamW (with and without an fp32
- * master, bf16 moments); determinism (two calls, the same bits) of embedding_bwd and rmsnorm_bwd.
+ * master, bf16 moments; on bf16 weights with Kahan or stochastic rounding, --master-weights); determinism (two calls, the same bits) of embedding_bwd and rmsnorm_bwd.
  * The GEMMs, add, sumsq, convert and the memory ops are test_cuda_dense.c's; inputs, tolerances
  * and helpers: gpu_dense_test.h; the cases and FD objectives every backend runs: fm_op_cases.h.
  */
@@ -361,6 +361,64 @@ static void test_adamw_bf16_moments(int step, int off) {
     free(w), free(g), free(m), free(v), free(p1), free(p2), free(w1), free(w2), free(mf), free(vf), free(mb), free(vb);
 }
 
+/* AdamW on bf16 weights (adamw_bf16w: Kahan, or stochastic rounding; vector path and, one element
+ * off, the scalar path; fp32 and bf16 moments) against its fp32 bit model (tests/fm_ref_ops.c),
+ * bit for bit: every operation of the kernel is rounded on its own and the random bits are the
+ * same hash of (key, index), so the CUDA and CPU backends give the same weights. With bf16 moments
+ * (from moments bf16 holds exactly) the weights are the fp32-moment step's and the moments are
+ * its moments rounded to nearest even. */
+static void test_adamw_bf16w(bool kahan, int step, int off) {
+    const int64_t n = 20001, N = n + 1;
+    const float lr = 5e-3f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f;
+    const float bc1 = 1.0f - powf(b1, (float)step), bc2 = 1.0f - powf(b2, (float)step);
+    const uint64_t key = fm_sr_key(99, step);
+    float *w = fnew(N), *g = fnew(N), *m = fnew(N), *v = fnew(N), *c = fnew(N), *out = fnew(N), *mo = fnew(N),
+          *vo = fnew(N), *co = fnew(N);
+    fill_normal_bf(w, N, 1.0);
+    fill_normal_bf(g, N, 1.0);
+    fill_normal_bf(m, N, step > 1 ? 0.1 : 0.0);
+    fill_normal_bf(c, N, kahan ? 1e-3 : 0.0);
+    for (int64_t i = 0; i < N; i++) v[i] = step > 1 ? gt_bf16_to_f32(gt_f32_to_bf16((float)(0.01 * fabs(rnd_normal())))) : 0.0f;
+    uint16_t *c16 = malloc(2 * (size_t)N);
+    for (int64_t i = 0; i < N; i++) c16[i] = gt_f32_to_bf16(c[i]);
+    void *dP = up_act(w, N), *dP2 = up_act(w, N), *dG = up_act(g, N), *dM = up_f32(m, N), *dV = up_f32(v, N),
+         *dC = up_act(c, N), *dC2 = up_act(c, N), *dMh = up_act(m, N), *dVh = up_act(v, N);
+    const size_t o4 = (size_t)off * 4, o2 = (size_t)off * 2;
+    OPS->adamw_bf16w(CTX, (fm_act *)((char *)dP + o2), (const fm_act *)((char *)dG + o2),
+                     kahan ? (uint16_t *)((char *)dC + o2) : NULL, (char *)dM + o4, (char *)dV + o4, FM_DTYPE_F32, n, lr,
+                     b1, b2, eps, wd, bc1, bc2, 0.5f, key, 1234);
+    OPS->adamw_bf16w(CTX, (fm_act *)((char *)dP2 + o2), (const fm_act *)((char *)dG + o2),
+                     kahan ? (uint16_t *)((char *)dC2 + o2) : NULL, (char *)dMh + o2, (char *)dVh + o2, FM_DTYPE_BF16, n,
+                     lr, b1, b2, eps, wd, bc1, bc2, 0.5f, key, 1234);
+    fm_ref_adamw_bf16w(w + off, g + off, kahan ? c16 + off : NULL, m + off, v + off, n, lr, b1, b2, eps, wd, bc1, bc2,
+                       0.5f, key, 1234);
+    down_act(out, dP, N);
+    down_f32(mo, dM, N);
+    down_f32(vo, dV, N);
+    down_act(co, dC, N);
+    int64_t bad = 0, badc = 0;
+    for (int64_t i = off; i < n + off; i++) {
+        bad += out[i] != w[i] || mo[i] != m[i] || vo[i] != v[i];
+        badc += kahan && gt_f32_to_bf16(co[i]) != c16[i];
+    }
+    CHECK_MSG(bad == 0 && badc == 0, "adamw_bf16w %s step %d offset %d: %lld weights/moments and %lld buffer elements "
+              "differ from the bit model", kahan ? "kahan" : "sr", step, off, (long long)bad, (long long)badc);
+    float *out2 = fnew(N), *co2 = fnew(N), *mh = fnew(N), *vh = fnew(N);
+    down_act(out2, dP2, N);
+    down_act(co2, dC2, N);
+    down_act(mh, dMh, N);
+    down_act(vh, dVh, N);
+    bad = 0;
+    for (int64_t i = off; i < n + off; i++)
+        bad += out2[i] != out[i] || (kahan && co2[i] != co[i]) || gt_f32_to_bf16(mo[i]) != gt_f32_to_bf16(mh[i]) ||
+               gt_f32_to_bf16(vo[i]) != gt_f32_to_bf16(vh[i]);
+    CHECK_MSG(bad == 0, "adamw_bf16w %s step %d offset %d, bf16 moments: %lld elements differ from the fp32-moment step",
+              kahan ? "kahan" : "sr", step, off, (long long)bad);
+    dfree(dP), dfree(dP2), dfree(dG), dfree(dM), dfree(dV), dfree(dC), dfree(dC2), dfree(dMh), dfree(dVh);
+    free(w), free(g), free(m), free(v), free(c), free(out), free(mo), free(vo), free(co), free(c16), free(out2), free(co2),
+        free(mh), free(vh);
+}
+
 int main(void) {
     fm_rng_seed(&g_rng, fm_test_seed(20241129));
     const double t0 = now_s();
@@ -389,6 +447,11 @@ int main(void) {
     test_adamw_bf16_moments(1, 0);
     test_adamw_bf16_moments(6, 0);
     test_adamw_bf16_moments(6, 1); /* unaligned: the scalar path */
+    for (int k = 0; k < 2; k++) { /* the state recipes (--master-weights): Kahan, stochastic rounding */
+        test_adamw_bf16w(k, 1, 0);
+        test_adamw_bf16w(k, 6, 0);
+        test_adamw_bf16w(k, 6, 1); /* unaligned: the scalar path */
+    }
     CHECK_BACKEND_OK(&g_be); /* no op above recorded an error */
     printf("checks done in %.2f s\n", now_s() - t0);
 

@@ -343,6 +343,44 @@ static void cpu_adamw(void *ctx, float *p, const float *g, float *master, void *
     }
 }
 
+/* AdamW on bf16-valued weights, Kahan-compensated (comp) or stochastically rounded (comp NULL):
+ * fm_backend.h's adamw_bf16w, the recipes of fm_adamw_lowp.h (Zamirai et al. 2020). p holds
+ * bf16 values widened to fp32. */
+static void cpu_adamw_bf16w(void *ctx, float *p, const float *g, uint16_t *comp, void *mv_m, void *mv_v,
+                            fm_dtype mv_dtype, int64_t n, float lr, float b1, float b2, float eps, float wd, float bc1,
+                            float bc2, float grad_scale, uint64_t sr_key, int64_t idx0) {
+    const bool half = mv_dtype == FM_DTYPE_BF16;
+    float *m = mv_m, *v = mv_v;
+    uint16_t *mh = mv_m, *vh = mv_v;
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (n >= FM_CPU_PAR_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        const float gi = g[i] * grad_scale;
+        const float m0 = half ? fm_bf16_to_f32(mh[i]) : m[i], v0 = half ? fm_bf16_to_f32(vh[i]) : v[i];
+        const float mi = b1 * m0 + (1.0f - b1) * gi;
+        const float vi = b2 * v0 + (1.0f - b2) * gi * gi;
+        if (half) {
+            mh[i] = fm_f32_to_bf16(mi);
+            vh[i] = fm_f32_to_bf16(vi);
+        } else {
+            m[i] = mi;
+            v[i] = vi;
+        }
+        const float w = fm_bf16_to_f32(fm_f32_to_bf16(p[i]));
+        const float d = -(lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * w));
+        if (comp) {
+            const float c = fm_bf16_to_f32(comp[i]) + d;
+            const float wn = fm_bf16_to_f32(fm_f32_to_bf16(w + c));
+            comp[i] = fm_f32_to_bf16(c - (wn - w));
+            p[i] = wn;
+        } else {
+            const float x = w + d;
+            uint32_t u;
+            memcpy(&u, &x, sizeof u);
+            p[i] = fm_bf16_to_f32(fm_sr_round_bits(u, fm_sr_bits(sr_key, idx0 + i)));
+        }
+    }
+}
+
 /* ---- memory: host memory on the CPU backend -------------------------------------------------- */
 
 static void *cpu_mem_alloc(void *ctx, size_t bytes) {
@@ -498,6 +536,7 @@ static const fm_ops fm_cpu_ops = {
     .scatter_rows = fm_cpu_scatter_rows,
     .cross_entropy = cpu_cross_entropy,
     .adamw = cpu_adamw,
+    .adamw_bf16w = cpu_adamw_bf16w,
     .mem_alloc = cpu_mem_alloc,
     .mem_free = cpu_mem_free,
     .mem_set = cpu_mem_set,

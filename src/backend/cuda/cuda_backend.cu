@@ -95,6 +95,7 @@ static fm_ops make_cuda_ops(void) {
     o.scatter_rows = fm_cuda_scatter_rows;
     o.cross_entropy = fm_cuda_cross_entropy;
     o.adamw = fm_cuda_adamw;
+    o.adamw_bf16w = fm_cuda_adamw_bf16w;
     o.lce_fold = fm_cuda_lce_fold;
     o.lce_finalize = fm_cuda_lce_finalize;
     o.lce_strip_grad = fm_cuda_lce_strip_grad;

@@ -169,6 +169,9 @@ void fm_cuda_rope_bwd(void *ctx, fm_act *dx, const float *cos_tab, const float *
 void fm_cuda_adamw(void *ctx, fm_act *p, const fm_act *g, float *master, void *m, void *v, fm_dtype mv_dtype,
                    int64_t n, float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
                    float grad_scale);
+void fm_cuda_adamw_bf16w(void *ctx, fm_act *p, const fm_act *g, uint16_t *comp, void *m, void *v, fm_dtype mv_dtype,
+                         int64_t n, float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
+                         float grad_scale, uint64_t sr_key, int64_t idx0);
 
 /* cuda_memory.cu: memory, buffers, streams, events, syncs, status */
 void *fm_cuda_mem_alloc(void *ctx, size_t bytes);
