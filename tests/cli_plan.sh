@@ -81,8 +81,12 @@ if [ -n "$W" ] && [ "$W" -gt 2 ]; then
     "$FM" plan --config "$ROOT/configs/mixtral-8x7b.json" --seq-len 4096 --gpu h100 --dp $((W - 1)) --zero 3 >/dev/null 2>&1 &&
         bad "advice named $W ranks, but $((W - 1)) fit" || ok
 else bad "no rank advice for Mixtral-8x7B on an H100: $mx"; fi
-if grep -q -- "--bf16-moments" <<<"$out"; then
+# (the --bf16-moments item alone: a state recipe's item names it beside --master-weights, checked below)
+if grep -q -- "--bf16-moments (AdamW" <<<"$out"; then
     "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 65536 --device-mem 80GiB --host-mem-budget 0 --bf16-moments >/dev/null && ok || bad "advice named --bf16-moments, which does not fit"
+fi
+if grep -q -- "--master-weights bf16-sr --bf16-moments" <<<"$out"; then
+    "$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --backend cuda --seq-len 65536 --device-mem 80GiB --host-mem-budget 0 --master-weights bf16-sr --bf16-moments >/dev/null && ok || bad "advice named --master-weights bf16-sr --bf16-moments, which does not fit"
 fi
 # calibrate --quick on this build writes a table that plan then reads; bad tables are refused.
 start=$(date +%s)
