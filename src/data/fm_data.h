@@ -132,6 +132,14 @@ typedef struct fm_dataset {
  * the offset); FM_ERR_NOMEM. */
 fm_status fm_dataset_load(fm_dataset *ds, const char *const *paths, int n_paths, int64_t vocab_size);
 
+/* The guard against training or scoring chat data as raw text (issue 28): buf (n bytes, the
+ * file's start or whole) of the text file `path` looks like JSON or JSONL when its first
+ * non-blank byte (past a UTF-8 BOM) is '{' or '[' and either the name ends in .json / .jsonl or
+ * that first line ends in '}' or ']'. fm_dataset_load applies it to every text file; eval applies
+ * it before tokenizing a text file. Errors: FM_ERR_FORMAT naming the file, the byte found and the
+ * `flatmoe prepare` command to run instead. */
+fm_status fm_data_refuse_json(const char *path, const void *buf, size_t n);
+
 /* A data set over the caller's tokens[0..n) (int32, which must outlive it; no mask): for tests
  * and tools. owns = true (of its one-part table only). Errors: FM_ERR_ARG (n < 1), FM_ERR_NOMEM. */
 fm_status fm_dataset_from_tokens(fm_dataset *ds, const int32_t *tokens, int64_t n, const char *desc);

@@ -439,6 +439,15 @@ static bool looks_like_json(const char *path, const unsigned char *buf, size_t n
     return e > a && (e[-1] == '}' || e[-1] == ']');
 }
 
+fm_status fm_data_refuse_json(const char *path, const void *buf, size_t n) {
+    const unsigned char *b = buf;
+    if (!looks_like_json(path, b, n)) return FM_OK;
+    return fm_error(FM_ERR_FORMAT, "%s: looks like JSON/JSONL (it starts with '%c'), not text to train on byte by "
+                    "byte; tokenize it first with `flatmoe prepare --tokenizer MODEL_DIR --input %s --out PREFIX` and "
+                    "pass --data PREFIX_000000.bin (to train on its raw bytes anyway: `flatmoe prepare ... --format "
+                    "text`)", path, first_char(b, n), path);
+}
+
 static fm_status open_shard_or_text(const char *path, int64_t vocab_size, fm_data_part *p, fm_src_kind *kind,
                                     int *version) {
     int fd;
@@ -514,13 +523,7 @@ static fm_status open_shard_or_text(const char *path, int64_t vocab_size, fm_dat
                      "PREFIX", path, magic, FM_SHARD_MAGIC_V1, FM_SHARD_MAGIC_V7, nul - buf);
         goto out;
     }
-    if (looks_like_json(path, buf, (size_t)size)) {
-        s = fm_error(FM_ERR_FORMAT, "%s: looks like JSON/JSONL (it starts with '%c'), not text to train on byte by "
-                     "byte; tokenize it first with `flatmoe prepare --tokenizer MODEL_DIR --input %s --out PREFIX` and "
-                     "pass --data PREFIX_000000.bin (to train on its raw bytes anyway: `flatmoe prepare ... --format "
-                     "text`)", path, first_char(buf, (size_t)size), path);
-        goto out;
-    }
+    if ((s = fm_data_refuse_json(path, buf, (size_t)size))) goto out;
     p->heap = buf;
     buf = NULL;
     p->tokens = p->heap;
