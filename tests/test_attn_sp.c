@@ -15,7 +15,8 @@
  * - attention: fm_attn_sp_forward's output and lse, and fm_attn_sp_backward's dq, dk, dv, equal the
  *   one-rank attention of the whole sequence (the backend's attention_fwd/bwd on [B, T, nh, nkv]),
  *   sliced: out, lse and dq bit for bit (each head's arithmetic is the same), dk and dv to 1e-6
- *   of their scale (replicated heads' copies are summed in another order);
+ *   of their scale (replicated heads' copies are summed in another order); the same with packed
+ *   documents (issue 28): the whole rows' doc_start [B, T], documents crossing the slices;
  * - the arena: the layout takes exactly fm_attn_sp_bytes, and the run writes nothing past it. */
 #include <math.h>
 #include <string.h>
@@ -114,45 +115,59 @@ static void run_case(const fm_comm *comm, const sp_case *cs) {
     CHECK_MSG(max_diff(back_k, kl, Nl * nkv * hd) == 0, "kv heads->seq is not %lld x the slice (case %d)",
               (long long)rep, (int)(cs - cases));
 
-    /* 2. attention against the one-rank attention of the whole sequence */
-    fill_normal(qg, BT * nh * hd, &r);
-    fill_normal(kg, BT * nkv * hd, &r);
-    fill_normal(vg, BT * nkv * hd, &r);
-    fill_normal(dog, BT * nh * hd, &r);
-    float *og = fnew(BT * nh * hd), *lseg = fnew(B * nh * T), *dqg = fnew(BT * nh * hd), *dkg = fnew(BT * nkv * hd),
-          *dvg = fnew(BT * nkv * hd);
-    g_be.ops->attention_fwd(g_be.ctx, og, lseg, qg, kg, vg, B, T, nh, nkv, hd, NULL);
-    g_be.ops->attention_bwd(g_be.ctx, dqg, dkg, dvg, dog, qg, kg, vg, og, lseg, B, T, nh, nkv, hd, NULL);
-    slice_seq(ql, qg, B, T, Tl, s, nh * hd);
-    slice_seq(kl, kg, B, T, Tl, s, nkv * hd);
-    slice_seq(vl, vg, B, T, Tl, s, nkv * hd);
-    slice_seq(dol, dog, B, T, Tl, s, nh * hd);
-    float *o = fnew(Nl * nh * hd), *lse = fnew(B * nhl * T), *dq = fnew(Nl * nh * hd), *dk = fnew(Nl * nkv * hd),
-          *dv = fnew(Nl * nkv * hd), *ref = fnew(BT * nh * hd + B * nh * T);
-    CHECK(fm_attn_sp_forward(&a, &g_be, o, lse, ql, kl, vl) == FM_OK);
-    slice_seq(ref, og, B, T, Tl, s, nh * hd);
-    CHECK_MSG(max_diff(o, ref, Nl * nh * hd) == 0, "attention output differs from the one-rank one by %g (case %d)",
-              max_diff(o, ref, Nl * nh * hd), (int)(cs - cases));
-    for (int64_t b = 0; b < B; b++) /* lse [B, nh, T] -> this rank's heads [B, nhl, T] */
-        memcpy(ref + b * nhl * T, lseg + (b * nh + s * nhl) * T, sizeof(float) * (size_t)(nhl * T));
-    CHECK_MSG(max_diff(lse, ref, B * nhl * T) == 0, "lse differs from the one-rank one (case %d)", (int)(cs - cases));
-    CHECK(fm_attn_sp_backward(&a, &g_be, dq, dk, dv, dol, ql, kl, vl, o, lse) == FM_OK);
-    slice_seq(ref, dqg, B, T, Tl, s, nh * hd);
-    CHECK_MSG(max_diff(dq, ref, Nl * nh * hd) == 0, "dq differs from the one-rank one by %g (case %d)",
-              max_diff(dq, ref, Nl * nh * hd), (int)(cs - cases));
-    slice_seq(ref, dkg, B, T, Tl, s, nkv * hd);
-    const double ek = max_diff(dk, ref, Nl * nkv * hd) / fmax(max_abs(ref, Nl * nkv * hd), 1e-30);
-    slice_seq(ref, dvg, B, T, Tl, s, nkv * hd);
-    const double ev = max_diff(dv, ref, Nl * nkv * hd) / fmax(max_abs(ref, Nl * nkv * hd), 1e-30);
-    CHECK_MSG(ek <= 1e-6 && ev <= 1e-6, "dk/dv differ from the one-rank ones by %.3g / %.3g of their scale (case %d)",
-              ek, ev, (int)(cs - cases));
+    /* 2. attention against the one-rank attention of the whole sequence: causal rows, then packed
+     * documents (issue 28: the whole rows' starts, with documents that cross the ranks' slices) */
+    int32_t *starts = malloc(sizeof(int32_t) * (size_t)BT);
+    FM_ASSERT(starts);
+    for (int64_t b = 0; b < B; b++) /* row b: a first document of 1 + b % 4 tokens, then lengths 1 to 5 */
+        for (int64_t t = 0, st = 0, len = 1 + b % 4; t < T; t++) {
+            if (t - st == len) { st = t; len = 1 + (len + b + 2) % 5; }
+            starts[b * T + t] = (int32_t)st;
+        }
+    double ek = 0, ev = 0;
+    for (int pk = 0; pk < 2; pk++) {
+        const int32_t *docs = pk ? starts : NULL;
+        fill_normal(qg, BT * nh * hd, &r);
+        fill_normal(kg, BT * nkv * hd, &r);
+        fill_normal(vg, BT * nkv * hd, &r);
+        fill_normal(dog, BT * nh * hd, &r);
+        float *og = fnew(BT * nh * hd), *lseg = fnew(B * nh * T), *dqg = fnew(BT * nh * hd), *dkg = fnew(BT * nkv * hd),
+              *dvg = fnew(BT * nkv * hd);
+        g_be.ops->attention_fwd(g_be.ctx, og, lseg, qg, kg, vg, B, T, nh, nkv, hd, docs);
+        g_be.ops->attention_bwd(g_be.ctx, dqg, dkg, dvg, dog, qg, kg, vg, og, lseg, B, T, nh, nkv, hd, docs);
+        slice_seq(ql, qg, B, T, Tl, s, nh * hd);
+        slice_seq(kl, kg, B, T, Tl, s, nkv * hd);
+        slice_seq(vl, vg, B, T, Tl, s, nkv * hd);
+        slice_seq(dol, dog, B, T, Tl, s, nh * hd);
+        float *o = fnew(Nl * nh * hd), *lse = fnew(B * nhl * T), *dq = fnew(Nl * nh * hd), *dk = fnew(Nl * nkv * hd),
+              *dv = fnew(Nl * nkv * hd), *ref = fnew(BT * nh * hd + B * nh * T);
+        CHECK(fm_attn_sp_forward(&a, &g_be, o, lse, ql, kl, vl, docs) == FM_OK);
+        slice_seq(ref, og, B, T, Tl, s, nh * hd);
+        CHECK_MSG(max_diff(o, ref, Nl * nh * hd) == 0, "attention output differs from the one-rank one by %g (case %d%s)",
+                  max_diff(o, ref, Nl * nh * hd), (int)(cs - cases), pk ? ", packed" : "");
+        for (int64_t b = 0; b < B; b++) /* lse [B, nh, T] -> this rank's heads [B, nhl, T] */
+            memcpy(ref + b * nhl * T, lseg + (b * nh + s * nhl) * T, sizeof(float) * (size_t)(nhl * T));
+        CHECK_MSG(max_diff(lse, ref, B * nhl * T) == 0, "lse differs from the one-rank one (case %d%s)", (int)(cs - cases), pk ? ", packed" : "");
+        CHECK(fm_attn_sp_backward(&a, &g_be, dq, dk, dv, dol, ql, kl, vl, o, lse, docs) == FM_OK);
+        slice_seq(ref, dqg, B, T, Tl, s, nh * hd);
+        CHECK_MSG(max_diff(dq, ref, Nl * nh * hd) == 0, "dq differs from the one-rank one by %g (case %d%s)",
+                  max_diff(dq, ref, Nl * nh * hd), (int)(cs - cases), pk ? ", packed" : "");
+        slice_seq(ref, dkg, B, T, Tl, s, nkv * hd);
+        ek = max_diff(dk, ref, Nl * nkv * hd) / fmax(max_abs(ref, Nl * nkv * hd), 1e-30);
+        slice_seq(ref, dvg, B, T, Tl, s, nkv * hd);
+        ev = max_diff(dv, ref, Nl * nkv * hd) / fmax(max_abs(ref, Nl * nkv * hd), 1e-30);
+        CHECK_MSG(ek <= 1e-6 && ev <= 1e-6, "dk/dv differ from the one-rank ones by %.3g / %.3g of their scale (case %d%s)",
+                  ek, ev, (int)(cs - cases), pk ? ", packed" : "");
+        free(og); free(lseg); free(dqg); free(dkg); free(dvg); free(o); free(lse); free(dq); free(dk); free(dv);
+        free(ref);
+    }
+    free(starts);
     CHECK_MSG(fm_arena_touched(&ar) <= bytes, "wrote %zu bytes past the %zu-byte bound", fm_arena_touched(&ar), bytes);
     printf("rank %d (world %d) sp %d B %lld Tl %lld nh %lld nkv %lld (kv on %lld rank%s): layout ok, dk %.2g dv %.2g\n",
            s, g_world_rank, sp, (long long)B, (long long)Tl, (long long)nh, (long long)nkv, (long long)rep,
            rep == 1 ? "" : "s", ek, ev);
     free(qg); free(kg); free(vg); free(dog); free(ql); free(kl); free(vl); free(dol);
     free(qh_ref); free(kh_ref); free(qh); free(kh); free(back_q); free(back_k);
-    free(og); free(lseg); free(dqg); free(dkg); free(dvg); free(o); free(lse); free(dq); free(dk); free(dv); free(ref);
     fm_attn_sp_free(&a);
     fm_arena_free(&ar);
 }

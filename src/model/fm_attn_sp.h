@@ -102,15 +102,17 @@ fm_status fm_attn_sp_heads_to_seq(const fm_attn_sp *s, const fm_backend *be, fm_
  * RoPE by global position) -> out [B,Tl,nh,hd] and lse [B,nh_l,T] (head-sharded; the backward
  * reads it as it is), with the backend's attention_fwd on [B, T, nh_l / nkv_l heads]. Equal to
  * the one-rank attention of the whole sequence, sliced (bit for bit on the CPU: each head's
- * arithmetic is the same). Errors: the communicator's. */
+ * arithmetic is the same). doc_start: NULL (causal rows), or packed documents' starts of the WHOLE
+ * rows, [B, T] int32 backend memory (fm_batch.h; the bound's doc_start is [B sp Tl]): the head-
+ * sharded attention runs on whole rows, so it reads them as they are. Errors: the communicator's. */
 fm_status fm_attn_sp_forward(const fm_attn_sp *s, const fm_backend *be, fm_act *out, float *lse, const fm_act *q,
-                             const fm_act *k, const fm_act *v);
+                             const fm_act *k, const fm_act *v, const int32_t *doc_start);
 /* Attention backward: dq [B,Tl,nh,hd], dk, dv [B,Tl,nkv,hd] assigned from dout [B,Tl,nh,hd] and
  * the forward's q, k, v, out (sequence-sharded) and lse (head-sharded); the backend's
  * attention_bwd on the head-sharded tensors. dk, dv: the sum over every query of the whole
- * sequence (replicated kv heads' copies summed). Errors: the communicator's. */
+ * sequence (replicated kv heads' copies summed); doc_start as the forward's. Errors: the communicator's. */
 fm_status fm_attn_sp_backward(const fm_attn_sp *s, const fm_backend *be, fm_act *dq, fm_act *dk, fm_act *dv,
                               const fm_act *dout, const fm_act *q, const fm_act *k, const fm_act *v,
-                              const fm_act *out, const float *lse);
+                              const fm_act *out, const float *lse, const int32_t *doc_start);
 
 #endif

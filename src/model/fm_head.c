@@ -28,13 +28,20 @@ fm_status fm_model_embed_forward(fm_model *m, const fm_batch *b) {
     }
     m->a.docs = b->doc_start != NULL;
     if (m->a.docs) {
-        if (m->mesh.sp > 1)
-            return fm_error(FM_ERR_UNSUPPORTED, "packed documents (--pack) with sequence parallelism (--sp %d): "
-                            "not supported yet; train with --sp 1 or with --pack off", m->mesh.sp);
+        /* under sequence parallelism: pos is this rank's slice, doc_start the whole rows (fm_batch.h) */
+        const int64_t sp = m->mesh.sp > 1 ? m->mesh.sp : 1, Tf = b->T_full > 0 ? b->T_full : b->T;
+        const int64_t t0 = b->T_full > 0 ? b->t0 : 0;
+        if (Tf != sp * m->a.T || t0 != (int64_t)m->mesh.sp_rank * m->a.T)
+            return fm_error(FM_ERR_ARG, "batch: document starts for rows of %lld tokens at slice %lld, but the model "
+                            "runs --sp %lld (rank %d): expected rows of %lld tokens and slice %lld; fill the batch "
+                            "with fm_batch_alloc_docs_sp(b, %lld, %d)", (long long)Tf, (long long)t0, (long long)sp,
+                            m->mesh.sp_rank, (long long)(sp * m->a.T), (long long)m->mesh.sp_rank * m->a.T,
+                            (long long)sp, m->mesh.sp_rank);
+        const size_t fbytes = bytes * (size_t)sp;
         memcpy(m->a.pin_doc_pos, b->pos, bytes);
-        memcpy(m->a.pin_doc_start, b->doc_start, bytes);
+        memcpy(m->a.pin_doc_start, b->doc_start, fbytes);
         OPS->copy_async(CTX, m->a.doc_pos, m->a.pin_doc_pos, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
-        OPS->copy_async(CTX, m->a.doc_start, m->a.pin_doc_start, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
+        OPS->copy_async(CTX, m->a.doc_start, m->a.pin_doc_start, fbytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
     }
     OPS->event_record(CTX, FM_EVENT_TOKENS, FM_STREAM_COMPUTE);
     OPS->embedding_fwd(CTX, m->a.boundary[0], m->a.tokens, m->p.w.embed, N, H);

@@ -48,6 +48,14 @@ fm_act *fm_model_grad_buffer(fm_model *m, int i) {
 /* The norm outputs ln1, ln2 live in the working set's dln and dtmp, free whenever a forward
  * runs (before backward, and during a recompute: the schedule's dy and dx are the other
  * buffers); y must be neither. */
+/* The RoPE table rows this rank reads: the whole row's [sp T, hd/2] table (fm_layout.c) indexed
+ * by the packed positions (doc_pos), else rows sp_rank T .. sp_rank T + T - 1 of it (positions t). */
+static void rope_rows(const fm_model *m, const float **cos_t, const float **sin_t) {
+    const int64_t off = m->a.docs ? 0 : (int64_t)m->mesh.sp_rank * m->a.T * (m->cfg.head_dim / 2);
+    *cos_t = m->a.rope_cos + off;
+    *sin_t = m->a.rope_sin + off;
+}
+
 static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_attention) {
     const fm_config *c = &m->cfg;
     FM_ASSERT(l >= 0 && l < c->num_hidden_layers);
@@ -76,12 +84,14 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
         OPS->rmsnorm_fwd(CTX, a->kr, a->rstd_k, a->k, w->k_norm, N, kd, eps);
     } /* else q, k alias qr, kr: RoPE below works in place on the projections */
     const int32_t *pos = m->a.docs ? m->a.doc_pos : NULL, *kvs = m->a.docs ? m->a.doc_start : NULL; /* packed */
-    OPS->rope_fwd(CTX, a->qr, m->a.rope_cos, m->a.rope_sin, B, T, nh, hd, pos);
-    OPS->rope_fwd(CTX, a->kr, m->a.rope_cos, m->a.rope_sin, B, T, nkv, hd, pos);
+    const float *rc, *rs;
+    rope_rows(m, &rc, &rs);
+    OPS->rope_fwd(CTX, a->qr, rc, rs, B, T, nh, hd, pos);
+    OPS->rope_fwd(CTX, a->kr, rc, rs, B, T, nkv, hd, pos);
     if (!skip_attention) { /* keep-attention's recompute: att and lse are the forward's, kept */
         PHASE(ATTENTION);
         if (m->mesh.sp > 1) /* Ulysses: to head-sharded, attention over the whole sequence, back */
-            FM_TRY(fm_attn_sp_forward(&m->a.sp_attn, &m->be, a->att, a->lse, a->qr, a->kr, a->v));
+            FM_TRY(fm_attn_sp_forward(&m->a.sp_attn, &m->be, a->att, a->lse, a->qr, a->kr, a->v, kvs));
         else
             OPS->attention_fwd(CTX, a->att, a->lse, a->qr, a->kr, a->v, B, T, nh, nkv, hd, kvs);
         PHASE(DENSE);
@@ -173,13 +183,15 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     PHASE(ATTENTION);
     if (m->mesh.sp > 1) /* Ulysses: the transposed all-to-alls around the attention backward */
         FM_TRY(fm_attn_sp_backward(&m->a.sp_attn, &m->be, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att,
-                                   a->lse));
+                                   a->lse, kvs));
     else
         OPS->attention_bwd(CTX, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att, a->lse, B, T, nh, nkv, hd,
                            kvs);
     PHASE(DENSE);
-    OPS->rope_bwd(CTX, ws->dq, m->a.rope_cos, m->a.rope_sin, B, T, nh, hd, pos);
-    OPS->rope_bwd(CTX, ws->dk, m->a.rope_cos, m->a.rope_sin, B, T, nkv, hd, pos);
+    const float *rc, *rs;
+    rope_rows(m, &rc, &rs);
+    OPS->rope_bwd(CTX, ws->dq, rc, rs, B, T, nh, hd, pos);
+    OPS->rope_bwd(CTX, ws->dk, rc, rs, B, T, nkv, hd, pos);
     fm_act *dq = ws->dq, *dk = ws->dk;
     if (c->qk_norm != FM_QK_NORM_NONE) {
         /* datt is free now: reuse it for dq before the norm; dln (free) for dk. */

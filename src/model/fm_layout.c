@@ -98,13 +98,16 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     m->a.pin_tokens = TAKE(host, int32_t, N);
     m->a.pin_targets = TAKE(host, int32_t, N);
     m->a.pin_results = TAKE(host, double, fm_model_results_count(c));
-    m->a.rope_cos = TAKE(bnd, float, m->a.T * hd / 2);
-    m->a.rope_sin = TAKE(bnd, float, m->a.T * hd / 2);
+    const int64_t Tf = m->a.T * (m->mesh.sp > 1 ? m->mesh.sp : 1); /* whole rows under sp (packed positions) */
+    m->a.rope_cos = TAKE(bnd, float, Tf * hd / 2);
+    m->a.rope_sin = TAKE(bnd, float, Tf * hd / 2);
     m->a.moe_chunk_order = chunked ? TAKE(bnd, int32_t, N) : NULL;
     m->a.doc_pos = TAKE(bnd, int32_t, N); /* packed documents (fm_batch.h): taken whatever the data */
-    m->a.doc_start = TAKE(bnd, int32_t, N);
+    /* attention's document starts: whole rows [B, sp T] under sequence parallelism (fm_attn_sp.h) */
+    const int64_t Nf = N * (m->mesh.sp > 1 ? m->mesh.sp : 1);
+    m->a.doc_start = TAKE(bnd, int32_t, Nf);
     m->a.pin_doc_pos = TAKE(host, int32_t, N);
-    m->a.pin_doc_start = TAKE(host, int32_t, N);
+    m->a.pin_doc_start = TAKE(host, int32_t, Nf);
     /* Offloaded boundaries 0 .. n_off-1 rotate through slots 0 and 1 (taken where boundaries 0
      * and 1 would be); with n_off = 0 this is the plain L+1 tensors, in the same order. */
     const int64_t n_off = m->a.n_offloaded_boundaries;
@@ -482,24 +485,25 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
     }
     /* RoPE tables (HF: inv_freq[i] = theta^(-2i/hd); angle = t * inv_freq[i]), in double, made on
      * the host and uploaded; and the chunked MoE's token order. Sequence parallelism: row t of the
-     * tables is global position sp_rank T + t (this rank's slice). */
-    const int64_t half = c->head_dim / 2;
-    float *tab = fm_malloc(sizeof(float) * (size_t)(2 * T * half + 1));
+     * tables is global position t of the whole row [0, sp T) (a packed document's positions
+     * reach past this rank's slice); unpacked, a rank reads rows sp_rank T + t (fm_layer.c). */
+    const int64_t half = c->head_dim / 2, Tf = T * (m->mesh.sp > 1 ? m->mesh.sp : 1);
+    float *tab = fm_malloc(sizeof(float) * (size_t)(2 * Tf * half + 1));
     int32_t *order = m->a.moe_chunk_order ? fm_malloc(sizeof(int32_t) * (size_t)m->a.N) : NULL;
     if (!tab || (m->a.moe_chunk_order && !order)) {
         fm_free(tab);
         fm_model_free_layout(m);
         return fm_error(FM_ERR_NOMEM, "memory: cannot stage the RoPE tables");
     }
-    for (int64_t t = 0; t < T; t++)
+    for (int64_t t = 0; t < Tf; t++)
         for (int64_t i = 0; i < half; i++) {
             double inv = pow(c->rope_theta, -2.0 * (double)i / (double)c->head_dim);
-            double ang = (double)(m->mesh.sp_rank * T + t) * inv;
+            double ang = (double)t * inv;
             tab[t * half + i] = (float)cos(ang);
-            tab[T * half + t * half + i] = (float)sin(ang);
+            tab[Tf * half + t * half + i] = (float)sin(ang);
         }
-    m->be.ops->copy(m->be.ctx, m->a.rope_cos, tab, sizeof(float) * (size_t)(T * half), FM_COPY_H2D);
-    m->be.ops->copy(m->be.ctx, m->a.rope_sin, tab + T * half, sizeof(float) * (size_t)(T * half), FM_COPY_H2D);
+    m->be.ops->copy(m->be.ctx, m->a.rope_cos, tab, sizeof(float) * (size_t)(Tf * half), FM_COPY_H2D);
+    m->be.ops->copy(m->be.ctx, m->a.rope_sin, tab + Tf * half, sizeof(float) * (size_t)(Tf * half), FM_COPY_H2D);
     fm_free(tab);
     if (order) {
         fm_moe_chunk_order(order, m->a.N, m->a.moe_K);

@@ -18,12 +18,6 @@ fm_status fm_train_data_init(fm_train_data *d, const fm_train_opts *o, const fm_
     int mode = o->pack;
     if (mode == FM_PACK_AUTO) {
         mode = resumed_mode > 0 ? resumed_mode : train->docs && o->init_from ? FM_PACK_ON : FM_PACK_OFF;
-        if (mode != FM_PACK_OFF && o->sp > 1) { /* packed batches are not supported under --sp yet */
-            if (!o->quiet && dp_rank == 0)
-                fm_log(FM_LOG_NOTE, "note: --pack auto: the data has documents, but --sp %d does not pack them yet: "
-                       "windows at random offsets (--pack off)\n", o->sp);
-            mode = FM_PACK_OFF;
-        }
     }
     d->mode = mode;
     *steps = o->steps;
@@ -32,12 +26,14 @@ fm_status fm_train_data_init(fm_train_data *d, const fm_train_opts *o, const fm_
         FM_TRY(fm_packer_init(&d->pk, train, o->seq_len, rows, mode == FM_PACK_PAD, o->pack_long == FM_PACK_LONG_SPLIT,
                               o->seed));
         const size_t n = (size_t)(rows * o->seq_len);
-        if (d->dp > 1 && !(d->global = fm_malloc(4 * sizeof(int32_t) * n))) {
+        d->sp = train->seq_parts > 1 ? train->seq_parts : 1;
+        d->sp_rank = d->sp > 1 ? train->seq_part : 0;
+        if ((d->dp > 1 || d->sp > 1) && !(d->global = fm_malloc(4 * sizeof(int32_t) * n))) {
             fm_train_data_free(d);
             return fm_error(FM_ERR_NOMEM, "--pack: out of memory for the global batch (%zu tokens)", n);
         }
         for (int64_t g = 0; g < o->grad_accum; g++)
-            if (!batches[g].pos) FM_TRY(fm_batch_alloc_docs(&batches[g]));
+            if (!batches[g].pos) FM_TRY(fm_batch_alloc_docs_sp(&batches[g], d->sp, d->sp_rank));
     }
     if (o->epochs > 0) {
         if (mode != FM_PACK_OFF) {
@@ -70,15 +66,20 @@ void fm_train_data_draw(fm_train_data *d, const fm_train_opts *o, const fm_datas
     for (int64_t g = 0; g < o->grad_accum; g++) {
         fm_batch *b = &batches[g];
         int64_t e;
-        if (d->dp == 1) {
+        if (d->dp == 1 && d->sp == 1) {
             e = fm_packer_fill(&d->pk, rows, b->tokens, b->targets, b->pos, b->doc_start);
-        } else { /* every rank fills the global batch; rank q keeps rows [q B, (q + 1) B) */
+        } else { /* every rank fills the global batch; rank q keeps rows [q B, (q + 1) B), and under
+                  * sequence parallelism positions [s Tl, (s + 1) Tl) of each, but whole rows of
+                  * document starts (the attention runs over whole rows: fm_batch.h) */
             int32_t *tk = d->global, *tg = tk + n, *ps = tg + n, *st = ps + n;
             e = fm_packer_fill(&d->pk, rows, tk, tg, ps, st);
-            const int64_t off = (int64_t)d->dp_rank * mine;
-            memcpy(b->tokens, tk + off, sizeof(int32_t) * (size_t)mine);
-            memcpy(b->targets, tg + off, sizeof(int32_t) * (size_t)mine);
-            memcpy(b->pos, ps + off, sizeof(int32_t) * (size_t)mine);
+            const int64_t off = (int64_t)d->dp_rank * mine, Tl = T / d->sp, t0 = (int64_t)d->sp_rank * Tl;
+            const size_t rb = sizeof(int32_t) * (size_t)Tl;
+            for (int64_t r = 0; r < B; r++) {
+                memcpy(b->tokens + r * Tl, tk + off + r * T + t0, rb);
+                memcpy(b->targets + r * Tl, tg + off + r * T + t0, rb);
+                memcpy(b->pos + r * Tl, ps + off + r * T + t0, rb);
+            }
             memcpy(b->doc_start, st + off, sizeof(int32_t) * (size_t)mine);
         }
         if (g == 0) d->epoch = e + 1;

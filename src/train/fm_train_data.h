@@ -12,9 +12,10 @@
 typedef struct fm_train_data {
     int mode;            /* FM_PACK_ON, FM_PACK_PAD or FM_PACK_OFF: resolved from --pack */
     fm_packer pk;        /* on / pad: the packer over the global batch's W x B rows */
-    int32_t *global;     /* on / pad with W > 1 data-parallel ranks: [4 x W x B x T] the global batch's
+    int32_t *global;     /* on / pad with W > 1 data-parallel ranks or sp > 1: [4 x W x B x T] the global batch's
                             tokens, targets, positions, starts (every rank fills it, keeps its rows) */
     int dp, dp_rank;     /* W and this rank's index among them */
+    int sp, sp_rank;     /* sequence-parallel ranks per row (the dataset's seq_parts) and this one's */
     int64_t epoch;       /* 1-based epoch of the last step drawn (0 before the first) */
     int64_t n_tokens;    /* off: the training tokens (an epoch's worth) */
 } fm_train_data;

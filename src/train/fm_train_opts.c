@@ -133,10 +133,6 @@ fm_status fm_train_opts_check_flags(const fm_train_opts *o, fm_train_check_for w
     if (o->pack_long != FM_PACK_LONG_SPLIT && o->pack_long != FM_PACK_LONG_REFUSE)
         return fm_error(FM_ERR_ARG, "--pack-long: expected split or refuse, found value %d", o->pack_long);
     if (o->epochs < 0) return fm_error(FM_ERR_ARG, "--epochs must be >= 0 (0: --steps), found %lld", (long long)o->epochs);
-    if ((o->pack == FM_PACK_ON || o->pack == FM_PACK_PAD) && o->sp > 1)
-        return fm_error(FM_ERR_ARG, "--pack %s with --sp %d: packed documents under sequence parallelism are not "
-                        "supported yet (each sp rank would need every document start of the whole row); use --sp 1, "
-                        "or --pack off", o->pack == FM_PACK_ON ? "on" : "pad", o->sp);
     if (!(o->comm_timeout >= 0) || !isfinite(o->comm_timeout))
         return fm_error(FM_ERR_ARG, "--comm-timeout must be finite and >= 0 s (0 = 300), found %g", o->comm_timeout);
     if (train && !(o->val_fraction > 0 && o->val_fraction < 1) && o->n_val_data == 0)
