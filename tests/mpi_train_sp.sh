@@ -12,7 +12,8 @@
 #   run of 10 steps at -np 2 --sp 2 resumed for 10 at one rank ends as 20 one-rank steps. ZeRO beside
 #   --sp (train/fm_zero3.h: the shards over all dp x sp ranks): -np 2 --sp 2 --zero 3 and --zero 1
 #   against the same one rank, every live set's bound equal to `flatmoe plan --sp 2 --zero Z`'s and
-#   holding its high-water mark, the model state's high-water mark equal to its bound.
+#   holding its high-water mark, the model state's high-water mark equal to its bound. Packed
+#   documents (--pack on, issue 28): -np 2 --sp 2 against one rank, for both configs.
 # np4: -np 4 --sp 2 (dp 2, --micro-batch 2), -np 4 --sp 4 (kv heads replicated on 2 ranks each)
 #   and a qwen3_moe config (QK-norm per head) at -np 4 --sp 4, against one rank at
 #   --micro-batch 4. ZeRO beside --sp: -np 4 --sp 2 --zero 3 and --zero 1 (dp 2: the shards over the 4
@@ -89,6 +90,34 @@ np2)
             bad "np 2 --sp 2 --zero $z failed"
         compare "$TMP/one_micro_sp" "$TMP/z${z}" || bad "np 2 --sp 2 --zero $z differs from one rank"
         memory "$TMP/z${z}" "$SP" 2 4 $z 1 || bad "np 2 --sp 2 --zero $z: memory"
+    done
+    # packed documents (issue 28): 40 documents of 3 to 120 byte tokens in an llm.c shard with its
+    # FMDOCS01 index (as tests/cli_pack.sh writes them), --pack on: rows of whole documents that
+    # cross the ranks' halves; each rank keeps its half of the tokens and positions and the whole
+    # rows' document starts. -np 2 --sp 2 against one rank, at the tolerances above.
+    python3 - "$TMP/w" <<'PY'
+import random, struct, sys
+r = random.Random(7)
+docs = [[r.randrange(256) for _ in range(r.randint(3, 120))] for _ in range(40)]
+toks = [t for d in docs for t in d]
+with open(sys.argv[1] + ".bin", "wb") as f:
+    f.write(struct.pack("<256i", 20240801, 7, len(toks), *([0] * 253)))
+    f.write(struct.pack("<%dI" % len(toks), *toks))
+starts, at = [], 0
+for d in docs:
+    starts.append(at); at += len(d)
+with open(sys.argv[1] + ".docs", "wb") as f:
+    f.write(b"FMDOCS01" + struct.pack("<QQ", len(toks), len(starts)) + struct.pack("<%dQ" % len(starts), *starts))
+PY
+    PACK=(--data "$TMP/w.bin" --val-fraction 0.2 --seq-len 32 --grad-accum 2 --steps 20 --warmup 2 --lr 3e-3
+          --eval-every 10 --eval-batches 1 --threads 1 --quiet --pack on --micro-batch 4)
+    for cfg in "$SP" "$MICRO"; do
+        n=$(basename "$cfg" .json)
+        "$FM" train --config "$cfg" "${PACK[@]}" --out "$TMP/pone_$n" >/dev/null || bad "one-rank packed $n failed"
+        mpi 2 train --config "$cfg" "${PACK[@]}" --sp 2 --report-memory --out "$TMP/psp_$n" ||
+            bad "np 2 --sp 2 --pack on $n failed"
+        compare "$TMP/pone_$n" "$TMP/psp_$n" || bad "np 2 --sp 2 --pack on ($n) differs from one rank"
+        memory "$TMP/psp_$n" "$cfg" 2 4 || bad "np 2 --sp 2 --pack on ($n): memory"
     done ;;
 np4)
     one "$TMP/one" "$SP"

@@ -178,14 +178,19 @@ size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T,
 
 size_t fm_model_boundary_bytes_n(const fm_config *c, int64_t B, int64_t T, bool moe_chunked, int64_t n_tensors,
                                  size_t a) {
-    const int64_t N = B * T;
-    /* tokens, targets, the packed documents' positions and starts (fm_batch.h; laid out whether
-     * or not the data is packed: packing never changes the bound), the micro-batch's device
-     * results (4 + 2L doubles), RoPE cos/sin [T, hd/2], the chunked MoE's token order [N] int32,
-     * n_tensors residual-stream tensors [N,H] */
-    return 4 * B4(N) + fm_arena_round((size_t)fm_model_results_count(c) * 8) + 2 * B4(T * c->head_dim / 2) +
-           (moe_chunked ? B4(N) : 0) +
-           (size_t)n_tensors * BA(N * c->hidden_size);
+    return fm_model_boundary_bytes_sp(c, B, T, 1, moe_chunked, n_tensors, a);
+}
+
+size_t fm_model_boundary_bytes_sp(const fm_config *c, int64_t B, int64_t T, int64_t sp, bool moe_chunked,
+                                  int64_t n_tensors, size_t a) {
+    const int64_t N = B * T, Tf = T * (sp > 1 ? sp : 1);
+    /* tokens, targets, the packed documents' positions [N] and starts [B, sp T] (fm_batch.h: the
+     * whole rows' under sequence parallelism; laid out whether or not the data is packed:
+     * packing never changes the bound), the micro-batch's device results (4 + 2L doubles), RoPE
+     * cos/sin [sp T, hd/2] (whole rows), the chunked MoE's token order [N] int32, n_tensors
+     * residual-stream tensors [N,H] */
+    return 3 * B4(N) + B4(B * Tf) + fm_arena_round((size_t)fm_model_results_count(c) * 8) +
+           2 * B4(Tf * c->head_dim / 2) + (moe_chunked ? B4(N) : 0) + (size_t)n_tensors * BA(N * c->hidden_size);
 }
 
 size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_t a) {

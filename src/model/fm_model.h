@@ -81,6 +81,10 @@ size_t fm_model_boundary_bytes_chunked(const fm_config *c, int64_t B, int64_t T,
  * count, fm_sco_device_boundaries). */
 size_t fm_model_boundary_bytes_n(const fm_config *c, int64_t B, int64_t T, bool moe_chunked, int64_t n_tensors,
                                  size_t act_bytes);
+/* The same for one rank of sp sequence-parallel ranks (T: its slice; sp >= 1): the packed
+ * documents' starts and the RoPE tables cover the whole rows of sp T tokens (fm_attn_sp.h). */
+size_t fm_model_boundary_bytes_sp(const fm_config *c, int64_t B, int64_t T, int64_t sp, bool moe_chunked,
+                                  int64_t n_tensors, size_t act_bytes);
 /* Residual-stream tensors the layout allocates with n_off offloaded boundaries (0 <= n_off <= L):
  * L+1 - n_off + min(n_off, 2). The offload policy's bound (schedule/fm_sco.h) is this count. */
 int64_t fm_model_boundary_tensors(int64_t L, int64_t n_off);

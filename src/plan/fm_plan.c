@@ -65,7 +65,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
      * device, n_off on the host (schedule/fm_sco.h) */
     const int64_t n_off = r->n_offloaded_boundaries, n_bnd = fm_sco_device_boundaries(L, n_off);
     p->n_offloaded_boundaries = n_off;
-    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_n(c, r->B, Tl, r->moe_chunk_tokens > 0 || r->ep > 1, n_bnd, a);
+    p->bytes[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_sp(c, r->B, Tl, sp, r->moe_chunk_tokens > 0 || r->ep > 1, n_bnd, a);
     p->host_bytes = fm_sco_host_bytes(N, H, n_off, a) + p->host_optimizer_bytes;
     if (n_off > 0)
         snprintf(p->inputs[FM_LIVE_BOUNDARIES], 200, "(L+1 - %lld offloaded + %d slots = %lld) x N x H x %d B, N = %lld, "
