@@ -172,6 +172,8 @@ static int shard_mode(int argc, char **argv) {
     snprintf(mp, sizeof mp, "%s.mask", argv[2]);
     remove(mp);
     if (!strcmp(argv[4], "tail") && fm_mask_write(mp, mask, (int64_t)n) != FM_OK) die(fm_errmsg(), NULL);
+    free(tok);
+    free(mask);
     return 0;
 }
 
@@ -248,6 +250,7 @@ int main(int argc, char **argv) {
         for (int i = 0; i < g_n; i++) idx[i] = i;
         snprintf(p, sizeof p, "%s/model.safetensors", out);
         write_st(p, idx, g_n);
+        free(idx);
         return 0;
     }
     snprintf(p, sizeof p, "%s/model.safetensors.index.json", out);
@@ -269,5 +272,6 @@ int main(int argc, char **argv) {
     }
     fprintf(ix, "\n  }\n}\n");
     fclose(ix);
+    free(idx);
     return 0;
 }
