@@ -144,8 +144,10 @@ static void fuse(void) {
         snprintf(b->name, sizeof b->name, "%s.experts.down_proj", base);
     }
     int w = 0;
-    for (int i = 0; i < g_n; i++)
+    for (int i = 0; i < g_n; i++) {
         if (g_t[i].name[0]) g_t[w++] = g_t[i];
+        else free(g_t[i].data);
+    }
     g_n = w;
 }
 
@@ -215,6 +217,8 @@ int main(int argc, char **argv) {
         tensor *t = find(drop);
         if (!t) die("no tensor to drop", drop);
         t->name[0] = 0;
+        free(t->data);
+        t->data = NULL;
         int w = 0;
         for (int i = 0; i < g_n; i++)
             if (g_t[i].name[0]) g_t[w++] = g_t[i];
