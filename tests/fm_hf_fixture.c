@@ -144,8 +144,10 @@ static void fuse(void) {
         snprintf(b->name, sizeof b->name, "%s.experts.down_proj", base);
     }
     int w = 0;
-    for (int i = 0; i < g_n; i++)
+    for (int i = 0; i < g_n; i++) {
         if (g_t[i].name[0]) g_t[w++] = g_t[i];
+        else free(g_t[i].data);
+    }
     g_n = w;
 }
 
@@ -172,6 +174,8 @@ static int shard_mode(int argc, char **argv) {
     snprintf(mp, sizeof mp, "%s.mask", argv[2]);
     remove(mp);
     if (!strcmp(argv[4], "tail") && fm_mask_write(mp, mask, (int64_t)n) != FM_OK) die(fm_errmsg(), NULL);
+    free(tok);
+    free(mask);
     return 0;
 }
 
@@ -213,6 +217,8 @@ int main(int argc, char **argv) {
         tensor *t = find(drop);
         if (!t) die("no tensor to drop", drop);
         t->name[0] = 0;
+        free(t->data);
+        t->data = NULL;
         int w = 0;
         for (int i = 0; i < g_n; i++)
             if (g_t[i].name[0]) g_t[w++] = g_t[i];
@@ -248,6 +254,7 @@ int main(int argc, char **argv) {
         for (int i = 0; i < g_n; i++) idx[i] = i;
         snprintf(p, sizeof p, "%s/model.safetensors", out);
         write_st(p, idx, g_n);
+        free(idx);
         return 0;
     }
     snprintf(p, sizeof p, "%s/model.safetensors.index.json", out);
@@ -269,5 +276,6 @@ int main(int argc, char **argv) {
     }
     fprintf(ix, "\n  }\n}\n");
     fclose(ix);
+    free(idx);
     return 0;
 }

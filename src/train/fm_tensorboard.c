@@ -104,8 +104,14 @@ fm_status fm_tensorboard_open(fm_tensorboard **out, const char *dir) {
     gethostname(host, sizeof host - 1);
     host[sizeof host - 1] = 0;
     const double wall = now_wall();
-    snprintf(tb->path, sizeof tb->path, "%s/events.out.tfevents.%lld.%s.flatmoe", dir, (long long)wall, host);
-    tb->f = fopen(tb->path, "ab");
+    /* one new file per invocation, as TensorFlow's writer names them (time, host, pid, a counter):
+     * a resumed run started within the same second gets its own file, never the earlier one's */
+    for (int k = 0; k < 1000 && !tb->f; k++) {
+        snprintf(tb->path, sizeof tb->path, "%s/events.out.tfevents.%lld.%s.%ld.%d", dir, (long long)wall, host,
+                 (long)getpid(), k);
+        tb->f = fopen(tb->path, "wbx");
+        if (!tb->f && errno != EEXIST) break;
+    }
     if (!tb->f) {
         fm_status s = fm_error(FM_ERR_IO, "%s: cannot create the TensorBoard event file: %s; check that --tensorboard "
                                "names a writable folder", tb->path, strerror(errno));
