@@ -43,7 +43,7 @@ enum { NT = 48, NS = 5 };
 static int32_t tok[NT];
 static int64_t lens[NS] = {16, 9, 7, 12, 4};
 static uint8_t mask[NT];
-static float adv[NT], oldlp[NT], rollout[NT], ref[NT];
+static float adv[NT];
 
 static void make_batch(flatmoe_batch *b, fm_rng *g) {
     memset(b, 0, sizeof *b);
@@ -213,6 +213,46 @@ static void test_logprobs(fm_rng *g) {
     flatmoe_close(s);
 }
 
+/* --ckpt: a run that `flatmoe train` wrote (2 steps), opened at its step with its optimizer; its
+ * log-probs equal bit for bit those of a session opened with --init-from on the checkpoint folder
+ * (a Hugging Face folder: the same weights through the other loader). */
+static void test_ckpt(void) {
+    const char *bin = getenv("FLATMOE_BIN"); /* ctest sets it (CMakeLists.txt) */
+    CHECK_MSG(bin != NULL, "FLATMOE_BIN is not set: run this test through ctest");
+    if (!bin) return;
+    char dir[96], text[128], cmd[1024], ck[160];
+    snprintf(dir, sizeof dir, "/tmp/flatmoe-capi-run-%d", (int)getpid());
+    snprintf(text, sizeof text, "%s.txt", dir);
+    FILE *f = fopen(text, "w");
+    for (int i = 0; f && i < 200; i++) fprintf(f, "line %d: the quick brown fox jumps over the lazy dog\n", i);
+    if (f) fclose(f);
+    snprintf(cmd, sizeof cmd, "%s train --config tests/data/micro.json --data %s --steps 2 --seq-len 16 --micro-batch 2 "
+             "--threads 2 --warmup 0 --eval-every 0 --quiet --out %s > /dev/null", bin, text, dir);
+    CHECK_MSG(system(cmd) == 0, "%s", cmd);
+    const char *a1[] = {"--ckpt", dir, "--seq-len", "16", "--micro-batch", "2", "--threads", threads_s, "--quiet"};
+    flatmoe_session *s = NULL, *h = NULL;
+    CHECK_MSG(flatmoe_open(&s, 9, a1) == FLATMOE_OK, "%s", flatmoe_last_error());
+    snprintf(ck, sizeof ck, "%s/step_000002", dir);
+    const char *a2[] = {"--init-from", ck, "--seq-len", "16", "--micro-batch", "2", "--threads", threads_s, "--quiet"};
+    CHECK_MSG(flatmoe_open(&h, 9, a2) == FLATMOE_OK, "%s", flatmoe_last_error());
+    if (s && h) {
+        flatmoe_info i1, i2;
+        CHECK(flatmoe_get_info(s, &i1) == FLATMOE_OK && i1.step == 2);
+        CHECK(flatmoe_get_info(h, &i2) == FLATMOE_OK && i2.step == 0);
+        int32_t tk[20];
+        for (int i = 0; i < 20; i++) tk[i] = "the lazy dog jumps!!"[i];
+        int64_t ln[2] = {12, 8};
+        flatmoe_batch b = {20, tk, 2, ln, NULL, NULL, NULL, NULL, NULL};
+        float l1[20], l2[20];
+        CHECK(flatmoe_logprobs(s, &b, l1, NULL) == FLATMOE_OK && flatmoe_logprobs(h, &b, l2, NULL) == FLATMOE_OK);
+        CHECK(memcmp(l1, l2, sizeof l1) == 0);
+    }
+    flatmoe_close(s);
+    flatmoe_close(h);
+    snprintf(cmd, sizeof cmd, "rm -rf %s %s", dir, text);
+    CHECK(system(cmd) == 0);
+}
+
 int main(void) {
     const unsigned long long seed = fm_test_seed(29);
     snprintf(threads_s, sizeof threads_s, "%d", fm_test_threads(2));
@@ -226,6 +266,7 @@ int main(void) {
     fm_rng_seed(&g, seed);
     test_refusals();
     test_logprobs(&g);
+    test_ckpt();
     unlink(cfg_path);
     printf("%d passed, %d failed\n", fm_test_passed, fm_test_failed);
     return fm_test_failed != 0;
