@@ -76,6 +76,10 @@ static void test_refusals(void) {
     const char *a4[] = {"--config", cfg_path, "--seq-len", "100", "--quiet"}; /* past max_position_embeddings: train's refusal */
     CHECK(flatmoe_open(&s, 5, a4) == FLATMOE_ERR_ARG);
     CHECK_MSG(strstr(flatmoe_last_error(), "max_position_embeddings") != NULL, "%s", flatmoe_last_error());
+    /* the plan, before anything is allocated: train's refusal of a budget it cannot fit */
+    const char *a5[] = {"--config", cfg_path, "--seq-len", "16", "--micro-batch", "3", "--mem-budget", "4KiB", "--quiet"};
+    CHECK(flatmoe_open(&s, 9, a5) == FLATMOE_ERR_NOMEM && s == NULL);
+    CHECK_MSG(strstr(flatmoe_last_error(), "--mem-budget") != NULL, "%s", flatmoe_last_error());
     s = open_micro("7");
     if (!s) return;
     flatmoe_info info;
