@@ -48,8 +48,15 @@ const char *flatmoe_last_error(void);
  * checked (against --mem-budget, or the GPU's free memory) before anything is allocated, with
  * train's refusal messages. Not in this slice (FLATMOE_ERR_UNSUPPORTED or FLATMOE_ERR_ARG, named):
  * several ranks, --vocab-parallel ring, plain logits (--ce-block-tokens 0 --ce-block-vocab 0).
- * *out gets the session (NULL on error). Log lines go to stderr unless --quiet. */
+ * *out gets the session (NULL on error). Its log lines (the plan, the weights loaded; none with
+ * --quiet) go to the callback of flatmoe_set_log, or nowhere. */
 int flatmoe_open(flatmoe_session **out, int argc, const char *const *argv);
+
+/* Where the library's log lines go: fn(user, level, text) with level 0 info, 1 note, 2 warning, 3
+ * error and text one line ending in a newline; fn NULL: nowhere (the default). Process-wide (the
+ * engine's one sink, src/core/fm_log.h); set it before flatmoe_open. */
+typedef void (*flatmoe_log_fn)(void *user, int level, const char *text);
+void flatmoe_set_log(flatmoe_log_fn fn, void *user);
 
 /* Frees the session and everything it holds. NULL is a no-op. */
 void flatmoe_close(flatmoe_session *s);

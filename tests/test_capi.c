@@ -257,6 +257,24 @@ static void test_ckpt(void) {
     CHECK(system(cmd) == 0);
 }
 
+/* flatmoe_set_log: a session opened without --quiet under a budget says its plan's projection
+ * through the callback. */
+static int log_lines;
+static void count_log(void *user, int level, const char *text) {
+    (void)user;
+    log_lines += level >= 0 && level <= 3 && text[0] != 0;
+}
+static void test_log(void) {
+    flatmoe_set_log(count_log, NULL);
+    const char *a[] = {"--config", cfg_path, "--seq-len", "16", "--micro-batch", "3", "--threads", threads_s,
+                       "--mem-budget", "1GiB"};
+    flatmoe_session *s = NULL;
+    CHECK_MSG(flatmoe_open(&s, 10, a) == FLATMOE_OK, "%s", flatmoe_last_error());
+    CHECK_MSG(log_lines > 0, "no log line came to the callback");
+    flatmoe_set_log(NULL, NULL);
+    flatmoe_close(s);
+}
+
 int main(void) {
     const unsigned long long seed = fm_test_seed(29);
     snprintf(threads_s, sizeof threads_s, "%d", fm_test_threads(2));
@@ -271,6 +289,7 @@ int main(void) {
     test_refusals();
     test_logprobs(&g);
     test_ckpt();
+    test_log();
     unlink(cfg_path);
     printf("%d passed, %d failed\n", fm_test_passed, fm_test_failed);
     return fm_test_failed != 0;

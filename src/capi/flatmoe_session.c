@@ -13,6 +13,15 @@
 
 const char *flatmoe_last_error(void) { return fm_errmsg(); }
 
+/* flatmoe_set_log's callback behind the engine's sink (its level is fm_log_level's value). */
+static flatmoe_log_fn user_log;
+static void log_adapter(void *user, fm_log_level level, const char *text) { user_log(user, (int)level, text); }
+
+void flatmoe_set_log(flatmoe_log_fn fn, void *user) {
+    user_log = fn;
+    fm_log_set(fn ? log_adapter : NULL, user);
+}
+
 /* --ckpt DIR: a checkpoint folder (config.json beside model.safetensors), or a run folder whose
  * latest checkpoint is taken. */
 static fm_status resolve_ckpt(const char *dir, char *out, size_t cap) {

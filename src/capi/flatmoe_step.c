@@ -128,6 +128,7 @@ static fm_status weighted_backward(flatmoe_session *s, const flatmoe_batch *b) {
     memset(s->weight, 0, sizeof(float) * (size_t)s->budget);
     for (int64_t t = 0; t < b->n_tokens; t++)
         if (s->in_loss[t]) s->weight[s->pos_of[t - 1]] = (float)-s->coef[t]; /* w = -dL/dlog p: loss_t = -log p_t */
+    /* a blocking copy (sync point "token weights"): the host made them after the forward's read-back */
     m->be.ops->copy(m->be.ctx, m->a.rl_weight, s->weight, sizeof(float) * (size_t)s->budget, FM_COPY_H2D);
     m->a.rl_weighted = true;
     const fm_status st = fm_schedule_backward(&w->sched, m, 1.0f);
