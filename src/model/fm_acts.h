@@ -113,6 +113,11 @@ typedef struct fm_layout_opts {
                                   one set), quantized at a layer's first use after
                                   fm_model_fp8_cache_invalidate (the trainer: each step and each
                                   evaluation) */
+    bool rl_head;              /* the RL head (include/flatmoe.h, docs/rl.md): the vocabulary live set
+                                  also holds per-token loss weights and entropies [N] fp32 each
+                                  (rl_weight, rl_entropy) and the linear CE's entropy state
+                                  (fm_model_vocab_rl_bytes); needs the linear CE (ce_block_* > 0)
+                                  and one vocabulary rank (vocab_ring 0) */
 } fm_layout_opts;
 
 typedef struct fm_model_acts {
@@ -165,6 +170,12 @@ typedef struct fm_model_acts {
     fm_act *xf; float *rstd_f;  /* [N,H], [N] */
     fm_act *logits;             /* [N,V] (plain vocabulary projection; NULL under linear CE) */
     float *token_loss;          /* [N] */
+    /* The RL head (fm_layout_opts.rl_head; NULL / false otherwise). The next head call reads them:
+     * with rl_weighted its linear CE weighs token t by rl_weight[t] with gradient scale `scale`
+     * (not scale / valid targets: the weights carry the whole coefficient); with rl_entropy_on
+     * its forward writes the entropy of each position's next-token distribution to rl_entropy. */
+    float *rl_weight, *rl_entropy; /* [N] backend fp32 each */
+    bool rl_weighted, rl_entropy_on;
     fm_moe_ep_ws moe_ep_ws;     /* expert parallelism's working set (the expert-dispatch live set;
                                    bounded/fm_moe_ep.h), laid out when p.ep > 1 */
     int32_t *moe_ep_counts_host; /* [N*k] host copy of top-k ids for the expert-load counts when the

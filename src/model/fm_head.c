@@ -82,7 +82,12 @@ static fm_status linear_ce(fm_model *m, bool grads, float scale) {
     o.block_tokens = m->a.ce_block_tokens;
     o.block_vocab = m->a.ce_block_vocab;
     const int64_t valid = m->a.n_valid;
-    const float gs = valid ? scale / (float)valid : 0.0f;
+    float gs = valid ? scale / (float)valid : 0.0f;
+    if (m->a.rl_weighted) { /* the RL head (fm_acts.h): the weights carry the whole per-token coefficient */
+        o.token_weight = m->a.rl_weight;
+        gs = scale;
+    }
+    if (m->a.rl_entropy_on && !grads) o.out_entropy = m->a.rl_entropy; /* the forward's entropies */
     if (m->mesh.vocab_P > 1) {
         fm_lce_ring_opts ro = fm_lce_ring_opts_default();
         ro.lce = o;

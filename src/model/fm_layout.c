@@ -149,12 +149,15 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     m->a.rstd_f = TAKE(voc, float, N);
     m->a.logits = m->a.linear_ce ? NULL : TAKE(voc, fm_act, N * c->vocab_size);
     m->a.token_loss = TAKE(voc, float, N);
+    const bool rl = m->a.opts.rl_head && m->a.linear_ce && m->mesh.vocab_P <= 1;
+    m->a.rl_weight = rl ? TAKE(voc, float, N) : NULL; /* the RL head's per-token weights and entropies */
+    m->a.rl_entropy = rl ? TAKE(voc, float, N) : NULL;
     if (m->a.linear_ce) { /* the operator's strip (Ring-DTP: its messages too): carved and released inside each call */
         /* one rank: blocks clamped to N x V as the call clamps them, no entropy vector: what the call takes */
         size_t strip = m->mesh.vocab_P > 1 ? ring_scratch_bytes(c, N, m->a.ce_block_tokens, m->a.ce_block_vocab, m->mesh.vocab_P,
                                                            sizeof(fm_act))
                                       : fm_linear_ce_call_bytes_a(m->a.ce_block_tokens, m->a.ce_block_vocab, N,
-                                                                  c->vocab_size, false, sizeof(fm_act));
+                                                                  c->vocab_size, rl, sizeof(fm_act));
         if (fm_arena_is_measure(voc)) { /* the real arena was sized from this measurement */
             voc->used += strip;
             if (voc->used > voc->high) voc->high = voc->used;
@@ -232,6 +235,13 @@ size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_
                                    size_t a) {
     return BA(N * c->hidden_size) + 2 * B4(N) + fm_linear_ce_call_bytes_a(block_tokens, block_vocab, N, c->vocab_size,
                                                                           false, a);
+}
+
+size_t fm_model_vocab_rl_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab, size_t a) {
+    /* rl_weight and rl_entropy [N] fp32, and the linear CE call's entropy state (the call with
+     * the entropy less the call without) */
+    return 2 * B4(N) + fm_linear_ce_call_bytes_a(block_tokens, block_vocab, N, c->vocab_size, true, a) -
+           fm_linear_ce_call_bytes_a(block_tokens, block_vocab, N, c->vocab_size, false, a);
 }
 
 size_t fm_model_vocab_ring_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab, int P,

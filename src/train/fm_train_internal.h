@@ -169,6 +169,13 @@ fm_status fm_train_opts_check(const fm_train_opts *o);
  * metrics.jsonl and prints the run's header. Errors: those of each part, message set. */
 fm_status fm_train_setup(run *r, train_state *ts, fm_rng *data_rng);
 void fm_train_run_free(run *r);
+/* The same path for the library session (include/flatmoe.h, src/capi/): the options' checks, the
+ * config (ckpt: a checkpoint folder, whose config, weights, optimizer and state are loaded; "" for
+ * --init-from or --config), the plan fitted to the budgets before anything is allocated, then
+ * backend, model, optimizer and weights; no data, no run folder, no metrics.jsonl, one rank.
+ * Errors: those of each part (the plan's refusals as fm_train_setup gives them); FM_ERR_ARG under a
+ * launcher of several ranks. */
+fm_status fm_train_setup_session(run *r, const char *ckpt, train_state *ts);
 
 /* ---- fm_train_metrics.c ---- */
 

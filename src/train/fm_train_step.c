@@ -94,45 +94,30 @@ static fm_status update_shard(fm_model *m, const fm_optimizer_ops *optim, void *
 
 /* ---- one step ---- */
 
-fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp, fm_step_ws *w,
-                        const fm_batch *mb, const fm_train_opts *o, int64_t step, fm_step_stats *out) {
-    FM_ASSERT(w->grad_accum == o->grad_accum);
+void fm_train_step_zero_grads(fm_model *m, fm_step_ws *w) {
     fm_model_fp8_cache_invalidate(m); /* --fp8-weight-cache: the last update changed the weights */
-    const int64_t G = o->grad_accum, n_res = w->n_res;
-    const size_t res_bytes = (size_t)n_res * sizeof(double);
     fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
     if (w->zero3) fm_zero3_zero_grads(w->zero3, m); /* the shard's: the hooks add each group's into it */
     else if (!(w->overlap_on && w->overlap.grads_zeroed)) /* else the last update zeroed them, group by group */
         m->be.ops->mem_set(m->be.ctx, m->p.grads, 0, sizeof(fm_act) * (size_t)m->p.n_params);
     w->overlap.grads_zeroed = false;
-    for (int64_t g = 0; g < G; g++) {
-        FM_TRY(fm_schedule_train_step(&w->sched, m, &mb[g], 1.0f / (float)G, NULL));
-        w->n_valid[g] = m->a.n_valid;
-        /* the micro-batch's losses to pinned memory, read at the step's sync point */
-        m->be.ops->copy_async(m->be.ctx, w->res + g * n_res, m->a.results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
-    }
+}
+
+fm_status fm_train_step_reduce(fm_model *m, const fm_comm *dp, fm_step_ws *w) {
+    const size_t res_bytes = (size_t)w->n_res * sizeof(double);
     fm_phase_mark(&m->be, FM_PHASE_OPTIMIZER);
     if (w->zero3) FM_TRY(fm_zero3_grad_sumsq(w->zero3, m, m->a.results + FM_RESULT_SUMSQ)); /* reduced in the hooks */
     else FM_TRY(reduce_grads(m, dp, w->zero_ps, w->ep)); /* data parallelism: the gradients' sum and its global norm */
-    const double *gres = w->res + G * n_res;
+    const double *gres = w->res + w->grad_accum * w->n_res;
     m->be.ops->copy_async(m->be.ctx, (double *)gres, m->a.results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
     m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "step end": losses, gradient norm */
-    FM_TRY(m->be.ops->status(m->be.ctx));
-    double ce = 0, aux = 0, z = 0;
+    return m->be.ops->status(m->be.ctx);
+}
+
+fm_status fm_train_step_apply(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp, fm_step_ws *w,
+                              const fm_train_opts *o, int64_t step, double *gnorm_out, double *lr_out) {
     char lg[4096];
-    for (int64_t g = 0; g < G; g++) {
-        fm_loss l;
-        fm_model_loss_from_results(m, w->res + g * n_res, w->n_valid[g], &l);
-        if (!isfinite(l.ce) || !isfinite(l.aux) || !isfinite(l.z))
-            return fm_error(FM_ERR_NUMERIC, "step %lld: the loss is not finite (cross-entropy %g, aux %g, z %g); "
-                            "training stopped and no checkpoint was written for this step (%s%s); lower --lr or "
-                            "raise --warmup", (long long)step, l.ce, l.aux, l.z, last_good(o, lg, sizeof lg),
-                            lg);
-        ce += l.ce / (double)G;
-        aux += l.aux / (double)G;
-        z += l.z / (double)G;
-    }
-    const double gnorm = sqrt(gres[FM_RESULT_SUMSQ]);
+    const double gnorm = sqrt(w->res[w->grad_accum * w->n_res + FM_RESULT_SUMSQ]);
     if (!isfinite(gnorm))
         return fm_error(FM_ERR_NUMERIC, "step %lld: the gradient norm is not finite (%g); training stopped and no "
                         "checkpoint was written for this step (%s%s); lower --lr", (long long)step, gnorm,
@@ -155,10 +140,41 @@ fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, c
         }
     }
     FM_TRY(m->be.ops->status(m->be.ctx));
+    *gnorm_out = gnorm;
+    *lr_out = lr;
+    return FM_OK;
+}
+
+fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp, fm_step_ws *w,
+                        const fm_batch *mb, const fm_train_opts *o, int64_t step, fm_step_stats *out) {
+    FM_ASSERT(w->grad_accum == o->grad_accum);
+    const int64_t G = o->grad_accum, n_res = w->n_res;
+    const size_t res_bytes = (size_t)n_res * sizeof(double);
+    fm_train_step_zero_grads(m, w);
+    for (int64_t g = 0; g < G; g++) {
+        FM_TRY(fm_schedule_train_step(&w->sched, m, &mb[g], 1.0f / (float)G, NULL));
+        w->n_valid[g] = m->a.n_valid;
+        /* the micro-batch's losses to pinned memory, read at the step's sync point */
+        m->be.ops->copy_async(m->be.ctx, w->res + g * n_res, m->a.results, res_bytes, FM_COPY_D2H, FM_STREAM_COMPUTE);
+    }
+    FM_TRY(fm_train_step_reduce(m, dp, w));
+    double ce = 0, aux = 0, z = 0;
+    char lg[4096];
+    for (int64_t g = 0; g < G; g++) {
+        fm_loss l;
+        fm_model_loss_from_results(m, w->res + g * n_res, w->n_valid[g], &l);
+        if (!isfinite(l.ce) || !isfinite(l.aux) || !isfinite(l.z))
+            return fm_error(FM_ERR_NUMERIC, "step %lld: the loss is not finite (cross-entropy %g, aux %g, z %g); "
+                            "training stopped and no checkpoint was written for this step (%s%s); lower --lr or "
+                            "raise --warmup", (long long)step, l.ce, l.aux, l.z, last_good(o, lg, sizeof lg),
+                            lg);
+        ce += l.ce / (double)G;
+        aux += l.aux / (double)G;
+        z += l.z / (double)G;
+    }
+    FM_TRY(fm_train_step_apply(m, optim, opt, dp, w, o, step, &out->gnorm, &out->lr));
     out->ce = ce;
     out->aux = aux;
     out->z = z;
-    out->gnorm = gnorm;
-    out->lr = lr;
     return FM_OK;
 }

@@ -95,4 +95,19 @@ typedef struct fm_step_stats {
 fm_status fm_train_step(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp, fm_step_ws *w,
                         const fm_batch *mb, const fm_train_opts *o, int64_t step, fm_step_stats *out);
 
+/* fm_train_step's three parts, for a caller that runs its own forward and backward between them
+ * (the library's RL step, src/capi/flatmoe_step.c; fm_train_step is exactly: zero, the
+ * micro-batches, reduce, the loss checks, apply):
+ * fm_train_step_zero_grads: the gradients zeroed (or found zeroed by the overlapped update).
+ * fm_train_step_reduce: the gradients reduced over dp and their sum of squares, the results copied
+ *   to w->res [grad_accum x n_res] (the micro-batches' copies are the caller's), then the sync
+ *   point "step end". Errors: the communicator's, the backend's sticky status.
+ * fm_train_step_apply: the global norm from w->res (FM_ERR_NUMERIC when not finite; nothing
+ *   updated), the clip, the learning rate of `step` and the update; *gnorm_out, *lr_out. Errors:
+ *   as fm_train_step's update. Allocate nothing. */
+void fm_train_step_zero_grads(fm_model *m, fm_step_ws *w);
+fm_status fm_train_step_reduce(fm_model *m, const fm_comm *dp, fm_step_ws *w);
+fm_status fm_train_step_apply(fm_model *m, const fm_optimizer_ops *optim, void *opt, const fm_comm *dp, fm_step_ws *w,
+                              const fm_train_opts *o, int64_t step, double *gnorm_out, double *lr_out);
+
 #endif

@@ -1,0 +1,159 @@
+"""flatmoe: a ctypes binding of libflatmoe (include/flatmoe.h; docs/rl.md), NumPy arrays in and out.
+
+    import numpy as np, flatmoe
+    s = flatmoe.Session("--init-from", "path/to/hf_folder", "--seq-len", "4096", "--micro-batch", "4")
+    logp, ent = s.logprobs(tokens, seq_lens)                  # [N] float32 each
+    stats = s.train_step(tokens, seq_lens, loss_mask=mask, advantages=adv,
+                         old_logprobs=old, loss="pg", agg="seq-mean-token-mean",
+                         clip_low=0.2, clip_high=0.28, kl="k3", kl_coef=0.001, ref_logprobs=ref)
+
+The library is found at $FLATMOE_LIB, else as libflatmoe.so on the loader's path (cmake --install
+puts it in PREFIX/lib). Errors raise FlatmoeError with the library's message.
+"""
+import ctypes
+import os
+
+import numpy as np
+
+__all__ = ["Session", "FlatmoeError"]
+
+_i64 = ctypes.c_int64
+
+
+class FlatmoeError(RuntimeError):
+    """A libflatmoe error: .code is the status (FLATMOE_ERR_*), str() the library's message."""
+
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code = code
+
+
+class _Info(ctypes.Structure):
+    _fields_ = [(n, _i64) for n in ("vocab_size", "micro_batch", "seq_len", "token_budget", "num_layers",
+                                    "num_experts", "hidden_size", "step")]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [("n_tokens", _i64), ("tokens", ctypes.c_void_p), ("n_seqs", _i64), ("seq_lens", ctypes.c_void_p),
+                ("loss_mask", ctypes.c_void_p), ("advantages", ctypes.c_void_p), ("old_logprobs", ctypes.c_void_p),
+                ("rollout_logprobs", ctypes.c_void_p), ("ref_logprobs", ctypes.c_void_p)]
+
+
+class _LossSpec(ctypes.Structure):
+    _fields_ = [("loss", ctypes.c_int), ("agg", ctypes.c_int), ("clip_low", ctypes.c_double),
+                ("clip_high", ctypes.c_double), ("clip_dual", ctypes.c_double), ("tis_cap", ctypes.c_double),
+                ("kl", ctypes.c_int), ("kl_coef", ctypes.c_double)]
+
+
+_STAT_DOUBLES = ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_frac", "clip_frac_low", "clip_frac_high",
+                 "dual_clip_frac", "tis_mean", "router_aux", "router_z", "grad_norm", "lr")
+
+
+class _Stats(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_double) for n in _STAT_DOUBLES] + [
+        ("n_loss_tokens", _i64), ("n_loss_seqs", _i64), ("step", _i64)]
+
+
+_LOSS = {"sft": 0, "pg": 1}
+_AGG = {"token-mean": 0, "seq-mean-token-sum": 1, "seq-mean-token-mean": 2}
+_KL = {None: 0, "none": 0, "k1": 1, "k3": 2}
+
+_lib = None
+
+
+def _load():
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL(os.environ.get("FLATMOE_LIB", "libflatmoe.so"))
+        lib.flatmoe_last_error.restype = ctypes.c_char_p
+        lib.flatmoe_open.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.flatmoe_close.argtypes = [ctypes.c_void_p]
+        lib.flatmoe_close.restype = None
+        lib.flatmoe_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Info)]
+        lib.flatmoe_logprobs.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Batch), ctypes.c_void_p, ctypes.c_void_p]
+        lib.flatmoe_train_step.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Batch), ctypes.POINTER(_LossSpec),
+                                           ctypes.POINTER(_Stats)]
+        _lib = lib
+    return _lib
+
+
+def _check(rc):
+    if rc != 0:
+        raise FlatmoeError(rc, _lib.flatmoe_last_error().decode("utf-8", "replace"))
+
+
+def _arr(x, dtype, n, name):
+    """x as a C-contiguous array of dtype and length n (None stays None); kept alive by the caller."""
+    if x is None:
+        return None
+    a = np.ascontiguousarray(x, dtype=dtype)
+    if a.ndim != 1 or a.shape[0] != n:
+        raise ValueError(f"{name}: expected a 1-d array of {n} entries, found shape {a.shape}")
+    return a
+
+
+def _ptr(a):
+    return None if a is None else a.ctypes.data
+
+
+class Session:
+    """A libflatmoe session: Session(*options), options spelled as `flatmoe train`'s flags."""
+
+    def __init__(self, *options):
+        if len(options) == 1 and isinstance(options[0], (list, tuple)):
+            options = tuple(options[0])
+        lib = _load()
+        enc = [str(o).encode() for o in options]
+        argv = (ctypes.c_char_p * max(len(enc), 1))(*enc)
+        h = ctypes.c_void_p()
+        _check(lib.flatmoe_open(ctypes.byref(h), len(enc), argv))
+        self._h = h
+
+    def close(self):
+        if getattr(self, "_h", None):
+            _lib.flatmoe_close(self._h)
+            self._h = None
+
+    def __del__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def info(self):
+        i = _Info()
+        _check(_lib.flatmoe_get_info(self._h, ctypes.byref(i)))
+        return {n: getattr(i, n) for n, _ in _Info._fields_}
+
+    def _batch(self, tokens, seq_lens, loss_mask=None, advantages=None, old_logprobs=None, rollout_logprobs=None,
+               ref_logprobs=None):
+        tok = _arr(tokens, np.int32, np.asarray(tokens).shape[0], "tokens")
+        n = tok.shape[0]
+        keep = [tok, _arr(seq_lens, np.int64, np.asarray(seq_lens).shape[0], "seq_lens"),
+                _arr(loss_mask, np.uint8, n, "loss_mask"), _arr(advantages, np.float32, n, "advantages"),
+                _arr(old_logprobs, np.float32, n, "old_logprobs"), _arr(rollout_logprobs, np.float32, n, "rollout_logprobs"),
+                _arr(ref_logprobs, np.float32, n, "ref_logprobs")]
+        b = _Batch(n, _ptr(keep[0]), keep[1].shape[0], _ptr(keep[1]), *[_ptr(a) for a in keep[2:]])
+        return b, keep
+
+    def logprobs(self, tokens, seq_lens, entropy=True):
+        """Per-token log-probs (and entropies) [N] float32 of the packed sequences; 0 at each first token."""
+        b, keep = self._batch(tokens, seq_lens)
+        lp = np.empty(b.n_tokens, np.float32)
+        ent = np.empty(b.n_tokens, np.float32) if entropy else None
+        _check(_lib.flatmoe_logprobs(self._h, ctypes.byref(b), _ptr(lp), _ptr(ent)))
+        return (lp, ent) if entropy else lp
+
+    def train_step(self, tokens, seq_lens, loss_mask=None, advantages=None, old_logprobs=None, rollout_logprobs=None,
+                   ref_logprobs=None, loss="sft", agg="token-mean", clip_low=0.2, clip_high=0.2, clip_dual=0.0,
+                   tis_cap=0.0, kl=None, kl_coef=0.0):
+        """One optimizer step; returns the step's statistics as a dict (flatmoe_step_stats)."""
+        b, keep = self._batch(tokens, seq_lens, loss_mask, advantages, old_logprobs, rollout_logprobs, ref_logprobs)
+        spec = _LossSpec(_LOSS[loss], _AGG[agg], clip_low, clip_high, clip_dual, tis_cap, _KL[kl], kl_coef)
+        st = _Stats()
+        _check(_lib.flatmoe_train_step(self._h, ctypes.byref(b), ctypes.byref(spec), ctypes.byref(st)))
+        return {n: getattr(st, n) for n, _ in _Stats._fields_}

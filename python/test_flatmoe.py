@@ -1,0 +1,88 @@
+"""The Python binding (python/flatmoe) over libflatmoe.so on a micro config (ctest python_flatmoe).
+Exit 77 (skipped) where numpy is not importable. Checks, each against something computed another way:
+  - log-probs of every vocabulary entry after one prefix sum to 1 (exp), and their entropy
+    -sum p log p equals the library's entropy at that position (fp32: 1e-4);
+  - each sequence's first token has log-prob and entropy 0; entropy in [0, log V];
+  - SFT steps on one batch lower its loss; a PG step returns finite statistics in range;
+  - a batch over the token budget raises FlatmoeError naming the budget."""
+import json
+import math
+import os
+import sys
+import tempfile
+
+try:
+    import numpy as np
+except ImportError:
+    print("numpy is not importable: the binding's test is skipped")
+    sys.exit(77)
+
+import flatmoe
+
+CFG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": 32,
+       "intermediate_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+       "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu", "max_position_embeddings": 64,
+       "rope_theta": 10000.0, "rms_norm_eps": 1e-06, "attention_bias": False, "num_experts": 4,
+       "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+       "router_aux_loss_coef": 0.01, "initializer_range": 0.2, "tie_word_embeddings": False, "torch_dtype": "float32"}
+
+failed = 0
+
+
+def check(cond, what):
+    global failed
+    if not cond:
+        failed += 1
+        print("FAIL", what)
+
+
+with tempfile.TemporaryDirectory() as d:
+    cfg = os.path.join(d, "config.json")
+    with open(cfg, "w") as f:
+        json.dump(CFG, f)
+    opts = ["--config", cfg, "--seq-len", "16", "--micro-batch", "13", "--threads", "2", "--ce-block-tokens", "32",
+            "--ce-block-vocab", "40", "--seed", "5", "--lr", "3e-3", "--warmup", "0", "--quiet"]
+    with flatmoe.Session(*opts) as s:
+        info = s.info
+        check(info["token_budget"] == 13 * 16 and info["vocab_size"] == 100, f"info {info}")
+        V = 100
+        # every vocabulary entry after the prefix [7]: 100 sequences of 2 tokens (8 to a row, 13 rows)
+        toks = np.stack([np.full(V, 7), np.arange(V)], axis=1).reshape(-1).astype(np.int32)
+        lens = np.full(V, 2, np.int64)
+        lp, ent = s.logprobs(toks, lens)
+        check(lp.dtype == np.float32 and lp.shape == (2 * V,), "shape and dtype")
+        check(np.all(lp[0::2] == 0) and np.all(ent[0::2] == 0), "first tokens: 0")
+        last = lp[1::2].astype(np.float64)
+        total = math.fsum(np.exp(last))
+        check(abs(total - 1.0) < 1e-4, f"sum of exp(log p) over the vocabulary: {total}")
+        h_ref = -math.fsum(np.exp(last) * last)
+        check(np.all(np.abs(ent[1::2] - h_ref) < 1e-4), f"entropy {ent[1]} vs -sum p log p {h_ref}")
+        check(0 <= ent[1] <= math.log(V) + 1e-5, f"entropy in [0, log V]: {ent[1]}")
+
+        rng = np.random.default_rng(3)
+        lens = np.array([16, 9, 7, 12, 4], np.int64)
+        n = int(lens.sum())
+        toks = rng.integers(0, V, n).astype(np.int32)
+        mask = np.ones(n, np.uint8)
+        losses = [s.train_step(toks, lens, loss_mask=mask)["loss"] for _ in range(8)]
+        check(losses[-1] < losses[0] - 0.05, f"SFT losses on one batch do not fall: {losses}")
+        lp0 = s.logprobs(toks, lens, entropy=False)
+        adv = rng.normal(size=n).astype(np.float32)
+        st = s.train_step(toks, lens, loss_mask=mask, advantages=adv, old_logprobs=lp0 - 0.1, loss="pg",
+                          agg="seq-mean-token-mean", clip_high=0.28, clip_dual=3.0, kl="k3", kl_coef=0.01,
+                          ref_logprobs=lp0)
+        check(all(math.isfinite(v) for v in st.values()), f"finite statistics {st}")
+        check(0 <= st["clip_frac"] <= 1 and st["n_loss_tokens"] == n - len(lens) and st["step"] == 9, f"stats {st}")
+        try:
+            s.logprobs(np.zeros(13 * 16 + 1, np.int32), np.array([16] * 13 + [1], np.int64))
+            check(False, "a batch over the budget was accepted")
+        except flatmoe.FlatmoeError as e:
+            check("token budget of 208" in str(e), f"the budget is named: {e}")
+    try:
+        flatmoe.Session("--config", cfg, "--no-such-flag", "1")
+        check(False, "an unknown option was accepted")
+    except flatmoe.FlatmoeError as e:
+        check(e.code == 1 and "--no-such-flag" in str(e), f"unknown option: {e}")
+
+print("python binding:", "FAILED" if failed else "passed")
+sys.exit(1 if failed else 0)

@@ -1,0 +1,200 @@
+/* libflatmoe's session (include/flatmoe.h): options through the run spec's flag table, the
+ * trainer's setup path (fm_train_setup_session: the plan checked before anything is allocated),
+ * the batch scratch of the token budget, and the error message. */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../bounded/fm_linear_ce.h"
+#include "../io/fm_checkpoint.h"
+#include "../run/fm_spec_check.h"
+#include "../run/fm_spec_finetune.h"
+#include "fm_capi.h"
+
+const char *flatmoe_last_error(void) { return fm_errmsg(); }
+
+/* flatmoe_set_log's callback behind the engine's sink (its level is fm_log_level's value). */
+static flatmoe_log_fn user_log;
+static void log_adapter(void *user, fm_log_level level, const char *text) { user_log(user, (int)level, text); }
+
+void flatmoe_set_log(flatmoe_log_fn fn, void *user) {
+    user_log = fn;
+    fm_log_set(fn ? log_adapter : NULL, user);
+}
+
+/* --ckpt DIR: a checkpoint folder (config.json beside model.safetensors), or a run folder whose
+ * latest checkpoint is taken. */
+static fm_status resolve_ckpt(const char *dir, char *out, size_t cap) {
+    char probe[4200];
+    snprintf(probe, sizeof probe, "%s/%s", dir, FM_CKPT_CONFIG_FILE);
+    if (access(probe, R_OK) == 0) {
+        snprintf(out, cap, "%s", dir);
+        return FM_OK;
+    }
+    if (fm_ckpt_find_latest(dir, out, cap, NULL) == FM_OK) return FM_OK;
+    return fm_error(FM_ERR_IO, "--ckpt %s: neither a checkpoint folder (no %s) nor a run folder with a complete "
+                    "checkpoint; give a folder that `flatmoe train` wrote", dir, FM_CKPT_CONFIG_FILE);
+}
+
+/* The options, argv-like, through the flag table rows of `train`; --ckpt and --backend are the
+ * session's own. */
+static fm_status parse_options(flatmoe_session *s, int argc, const char *const *argv, const char **ckpt_arg) {
+    fm_run_spec *sp = &s->spec;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (!a || strncmp(a, "--", 2) != 0)
+            return fm_error(FM_ERR_ARG, "flatmoe_open: option %d is '%s', expected a flag such as --seq-len (the "
+                            "options are `flatmoe train`'s flags, and --ckpt DIR)", i, a ? a : "(null)");
+        const char *name = a + 2;
+        const fm_spec_flag *f = fm_spec_find(name, FM_CMD_TRAIN);
+        const bool own = !strcmp(name, "ckpt") || !strcmp(name, "backend");
+        if (!f && !own)
+            return fm_error(FM_ERR_ARG, "flatmoe_open: unknown option '--%s'; the options are `flatmoe train`'s "
+                            "flags (flatmoe train --help), and --ckpt DIR and --backend cpu|cuda", name);
+        if (f && (!strcmp(name, "data") || !strcmp(name, "val-data")))
+            return fm_error(FM_ERR_ARG, "flatmoe_open: --%s: a session takes its batches from flatmoe_logprobs and "
+                            "flatmoe_train_step, not from files; drop --%s", name, name);
+        if (f && f->kind == FM_SPEC_BOOL) {
+            FM_TRY(fm_spec_set_row(sp, f, "true", true));
+            continue;
+        }
+        if (i + 1 >= argc || !argv[i + 1])
+            return fm_error(FM_ERR_ARG, "flatmoe_open: --%s expects a value after it", name);
+        const char *v = argv[++i];
+        if (!strcmp(name, "ckpt")) {
+            *ckpt_arg = v;
+        } else if (!strcmp(name, "backend")) {
+            const char *mine = sizeof(fm_act) == sizeof(float) ? "cpu" : "cuda";
+            if (strcmp(v, mine) != 0)
+                return fm_error(FM_ERR_ARG, "flatmoe_open: --backend %s, but this library is the %s build (fm_act %s); "
+                                "load the %s build's library, or pass --backend %s", v, mine,
+                                sizeof(fm_act) == sizeof(float) ? "fp32" : "bf16", v, mine);
+        } else {
+            FM_TRY(fm_spec_set_row(sp, f, v, true));
+        }
+    }
+    return FM_OK;
+}
+
+/* The session's rules over the trainer's options: the linear CE (default blocks when not given),
+ * the RL head laid out, one vocabulary rank. */
+static fm_status session_options(flatmoe_session *s, const char *ckpt_arg) {
+    fm_train_opts *o = &s->o;
+    if (o->ce_block_tokens == 0 && o->ce_block_vocab == 0)
+        return fm_error(FM_ERR_ARG, "flatmoe_open: --ce-block-tokens 0 --ce-block-vocab 0 asks for plain logits, but a "
+                        "session's log-probs and losses run through the linear cross-entropy (never N x V); give blocks "
+                        "> 0 or leave both out (then %d x %d)", FM_LCE_DEFAULT_BLOCK_TOKENS, FM_LCE_DEFAULT_BLOCK_VOCAB);
+    if (o->ce_block_tokens < 0) o->ce_block_tokens = FM_LCE_DEFAULT_BLOCK_TOKENS;
+    if (o->ce_block_vocab < 0) o->ce_block_vocab = FM_LCE_DEFAULT_BLOCK_VOCAB;
+    if (o->vocab_parallel != FM_VOCAB_PARALLEL_OFF)
+        return fm_error(FM_ERR_UNSUPPORTED, "flatmoe_open: --vocab-parallel ring is not in this slice of the library "
+                        "(one rank); drop it");
+    if (o->grad_accum != 1)
+        return fm_error(FM_ERR_ARG, "flatmoe_open: --grad-accum %lld: a session's train step is one packed batch of "
+                        "the token budget; pass --grad-accum 1 (or leave it out) and call flatmoe_train_step per batch",
+                        (long long)o->grad_accum);
+    o->layout.rl_head = true;
+    s->ckpt[0] = 0;
+    if (ckpt_arg) {
+        if (o->init_from || o->config_path)
+            return fm_error(FM_ERR_ARG, "flatmoe_open: --ckpt %s and %s %s both give the model; keep one", ckpt_arg,
+                            o->init_from ? "--init-from" : "--config", o->init_from ? o->init_from : o->config_path);
+        FM_TRY(resolve_ckpt(ckpt_arg, s->ckpt, sizeof s->ckpt));
+    } else if (!o->init_from && !o->config_path) {
+        return fm_error(FM_ERR_ARG, "flatmoe_open: no model: give --init-from DIR (a Hugging Face folder), --ckpt DIR "
+                        "(a flatmoe checkpoint) or --config FILE (fresh weights from --seed)");
+    }
+    return FM_OK;
+}
+
+/* Host scratch of one batch of the token budget (allocated once: the steps allocate nothing). */
+static fm_status alloc_scratch(flatmoe_session *s) {
+    const size_t n = (size_t)s->budget;
+    FM_TRY(fm_batch_alloc(&s->fb, s->B, s->T, true));
+    FM_TRY(fm_batch_alloc_docs(&s->fb));
+    s->pos_of = fm_malloc(n * sizeof *s->pos_of);
+    s->seq_of = fm_malloc(n * sizeof *s->seq_of);
+    s->in_loss = fm_malloc(n);
+    s->tok_loss = fm_malloc(n * sizeof(float));
+    s->tok_ent = fm_malloc(n * sizeof(float));
+    s->logp = fm_malloc(n * sizeof(float));
+    s->ent = fm_malloc(n * sizeof(float));
+    s->coef = fm_malloc(n * sizeof(double));
+    s->seq_count = fm_malloc(n * sizeof(int64_t));
+    s->weight = fm_malloc(n * sizeof(float));
+    if (!s->pos_of || !s->seq_of || !s->in_loss || !s->tok_loss || !s->tok_ent || !s->logp || !s->ent || !s->coef ||
+        !s->seq_count || !s->weight)
+        return fm_error(FM_ERR_NOMEM, "flatmoe_open: cannot allocate the batch scratch (%lld tokens)", (long long)n);
+    return FM_OK;
+}
+
+static fm_status session_open(flatmoe_session *s, int argc, const char *const *argv) {
+    fm_spec_default(&s->spec, FM_CMD_TRAIN);
+    const char *ckpt_arg = NULL;
+    FM_TRY(parse_options(s, argc, argv, &ckpt_arg));
+    char said[512] = "";
+    if (!ckpt_arg) FM_TRY(fm_spec_finetune_defaults(&s->spec, said, sizeof said)); /* --init-from: train's values */
+    if (said[0] && !s->spec.train.quiet) fm_log(FM_LOG_INFO, "%s\n", said);
+    FM_TRY(fm_spec_check(&s->spec));
+    s->o = fm_spec_train_opts(&s->spec);
+    FM_TRY(session_options(s, ckpt_arg));
+    s->r.o = &s->o;
+    s->r.o_rw = &s->o;
+    FM_TRY(fm_train_setup_session(&s->r, s->ckpt, &s->ts));
+    s->B = s->r.m.a.B;
+    s->T = s->r.m.a.T;
+    s->budget = s->B * s->T;
+    return alloc_scratch(s);
+}
+
+int flatmoe_open(flatmoe_session **out, int argc, const char *const *argv) {
+    if (!out) return fm_error(FM_ERR_ARG, "flatmoe_open: out is NULL; pass the address of a flatmoe_session *");
+    *out = NULL;
+    if (argc < 0 || (argc > 0 && !argv))
+        return fm_error(FM_ERR_ARG, "flatmoe_open: argc %d with argv %s; pass argc >= 0 options in argv", argc,
+                        argv ? "set" : "NULL");
+    flatmoe_session *s = calloc(1, sizeof *s);
+    if (!s) return fm_error(FM_ERR_NOMEM, "flatmoe_open: cannot allocate the session (%zu bytes)", sizeof *s);
+    const fm_status st = session_open(s, argc, argv);
+    if (st != FM_OK) {
+        char msg[2048]; /* the message outlives the frees below */
+        snprintf(msg, sizeof msg, "%s", fm_errmsg());
+        flatmoe_close(s);
+        return fm_error(st, "%s", msg);
+    }
+    *out = s;
+    return FLATMOE_OK;
+}
+
+void flatmoe_close(flatmoe_session *s) {
+    if (!s) return;
+    if (s->r.model_ok) fm_step_ws_flush(&s->r.step, &s->r.m); /* an overlapped update still in flight */
+    fm_train_run_free(&s->r);
+    fm_batch_free(&s->fb);
+    fm_free(s->pos_of);
+    fm_free(s->seq_of);
+    fm_free(s->in_loss);
+    fm_free(s->tok_loss);
+    fm_free(s->tok_ent);
+    fm_free(s->logp);
+    fm_free(s->ent);
+    fm_free(s->coef);
+    fm_free(s->seq_count);
+    fm_free(s->weight);
+    fm_spec_free(&s->spec);
+    free(s);
+}
+
+int flatmoe_get_info(const flatmoe_session *s, flatmoe_info *out) {
+    if (!s || !out) return fm_error(FM_ERR_ARG, "flatmoe_get_info: %s is NULL", s ? "out" : "the session");
+    const fm_config *c = &s->r.cfg;
+    out->vocab_size = c->vocab_size;
+    out->micro_batch = s->B;
+    out->seq_len = s->T;
+    out->token_budget = s->budget;
+    out->num_layers = c->num_hidden_layers;
+    out->num_experts = c->num_experts;
+    out->hidden_size = c->hidden_size;
+    out->step = s->ts.step;
+    return FLATMOE_OK;
+}
