@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 pkgs=(build-essential cmake libopenblas-openmp-dev libcjson-dev fortunes openmpi-bin libopenmpi-dev)
 pkgs+=(gnuplot-nox) # flatmoe report (tests/cli_report.sh)
 pkgs+=(libpcre2-dev libutf8proc-dev) # the tokenizer (src/tok): PCRE2 regexes, utf8proc NFC
+pkgs+=(python3-numpy) # the Python binding's test (python/run_test.sh)
 pkgs+=(clang libclang-rt-dev libomp-dev) # the fuzz targets (fuzz/run.sh: libFuzzer, clang's OpenMP)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
