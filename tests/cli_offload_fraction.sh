@@ -5,7 +5,8 @@
 # step records bit for bit; F may change on resume (0.5, then 0.25) with the same bits; the plan's
 # bounds (model state, pinned host) equal the measured high-water marks for F = 0.5 and follow F;
 # the chooser's pick under a budget between the all-streamed and the all-resident plans is the
-# fewest streamed buckets that fit (strictly between 0 and 1); bad values are refused.
+# fewest streamed buckets that fit (strictly between 0 and 1), and OLMoE-1B-7B at 4K on an 80 GB
+# card streams part of its state; bad values are refused.
 source "$(dirname "$0")/lib_cli.sh"
 cfg="$ROOT/tests/data/micro.json"
 common=(--config "$cfg" --data "$TEXT" --seq-len 32 --micro-batch 4 --grad-accum 2 --steps 8 --warmup 2
@@ -21,7 +22,9 @@ same_run() { # same_run NAME DIR: DIR's step-8 checkpoint and step records are t
 }
 "$FM" train "${common[@]}" --out "$TMP/plain" || bad "plain run failed"
 "$FM" train "${common[@]}" "${off[@]}" --out "$TMP/f1" || bad "F = 1 run failed"
-"$FM" train "${common[@]}" "${off[@]}" --optimizer-offload-fraction 0.5 --report-memory --out "$TMP/f05" ||
+# (F = 0.5 saves at steps 3 and 6 too: the resident master is copied back for the save and in again
+# for the next step within the run)
+"$FM" train "${common[@]}" "${off[@]}" --optimizer-offload-fraction 0.5 --report-memory --save-every 3 --out "$TMP/f05" ||
     bad "F = 0.5 run failed"
 same_run "F = 1" "$TMP/f1"
 same_run "F = 0.5" "$TMP/f05"
@@ -90,6 +93,17 @@ txt=$("$FM" plan --config "$cfg" --seq-len 32 --micro-batch 4 --threads 2 "${fix
 grep -q "offload fraction .*: the last $sb of $nb buckets stream" <<<"$txt" && ok || bad "plan text lacks the fraction: $txt"
 grep -q "train flags: .*--offload-optimizer --optimizer-offload-fraction 0\." <<<"$txt" && ok || bad "train flags lack the fraction"
 grep -q "streamed optimizer: host link" <<<"$txt" && ok || bad "plan text lacks the streamed link time"
+
+# OLMoE-1B-7B at 4K with fp32 master weights on an 80 GB card (issue 25): the state (110 GB) does
+# not fit beside the weights, so the optimizer streams, but only part of it: 0 < F < 1, fitting
+olmoe=$("$FM" plan --config "$ROOT/configs/olmoe-1b-7b.json" --seq-len 4096 --backend cuda --device-mem 80GiB --host-mem-budget 100GiB --json 2>/dev/null)
+python3 - "$olmoe" <<'EOF' && ok || bad "OLMoE-1B-7B at 4K on 80 GiB: $(head -c 600 <<<"$olmoe")"
+import json, sys
+p = json.loads(sys.argv[1])
+o = p["optimizer_offload"]
+assert p["fits"] and p["offload_optimizer"] and 0 < o["fraction"] < 1 and o["resident_params"] > 0, o
+assert 0 < o["link_s"] < p["projected"]["step_s"], (o, p["projected"])
+EOF
 
 # bad values: 0, 1.5, not a number, and the fraction without the switch
 expect_fail "fraction 0" "--optimizer-offload-fraction must be in (0, 1]" \

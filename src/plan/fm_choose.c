@@ -73,45 +73,77 @@ static int64_t fewest_streamed(fm_plan_req *r, const fm_choose_opts *o, cand c, 
     return up;
 }
 
+/* Candidate c's offloaded boundaries, when free (free_off; c->n_off 0 on entry): the fewest that
+ * fit the device budget; *p gets the plan of c as resolved. */
+static void resolve_off(fm_plan_req *r, const fm_choose_opts *o, cand *c, bool free_off, bool *rc, fm_plan *p) {
+    const int64_t L = r->cfg.num_hidden_layers;
+    apply(r, c, rc);
+    fm_plan_compute(r, p);
+    if (!(free_off && o->budget && p->total > o->budget && L >= 2)) return;
+    /* device bytes fall as n grows (n = 1 saves nothing): the smallest n in [2, L] that fits */
+    cand hi = *c;
+    hi.n_off = L;
+    apply(r, &hi, rc);
+    fm_plan_compute(r, p);
+    if (p->total > o->budget) {
+        c->n_off = L; /* the smallest device total of this candidate */
+        return;
+    }
+    int64_t lo = 2, up = L; /* up fits */
+    while (lo < up) {
+        const int64_t mid = lo + (up - lo) / 2;
+        cand m = *c;
+        m.n_off = mid;
+        apply(r, &m, rc);
+        fm_plan_compute(r, p);
+        if (p->total <= o->budget) up = mid;
+        else lo = mid + 1;
+    }
+    c->n_off = up;
+    apply(r, c, rc);
+    fm_plan_compute(r, p);
+}
+
+/* Whether candidate c with s streamed buckets (its boundaries resolved) fits both budgets. */
+static bool fits_streamed(fm_plan_req *r, const fm_choose_opts *o, cand c, bool free_off, int64_t s, bool *rc) {
+    fm_plan p;
+    c.sb = s;
+    if (free_off) c.n_off = 0;
+    resolve_off(r, o, &c, free_off, rc, &p);
+    return fits(&p, o);
+}
+
+/* Candidate c's streamed buckets when they are free: nb when the optimizer is on the device (then
+ * unused); else the fewest that fit the device budget (fewest_streamed), or, when the boundaries
+ * that then go to the host overrun the host budget (each streamed bucket's m, v leave the device,
+ * so fewer boundaries need to), the fewest from there on with which both budgets hold, by
+ * bisection (the boundaries resolved at each); nb when none does. */
+static int64_t pick_streamed(fm_plan_req *r, const fm_choose_opts *o, cand c, bool free_off, bool *rc) {
+    const int64_t nb = fm_offload_buckets(fm_config_num_params(&r->cfg), r->offload_bucket);
+    c.sb = nb;
+    apply(r, &c, rc);
+    if (!(r->offload_optimizer && o->budget && !r->mesh.on)) return nb;
+    const int64_t lo = fewest_streamed(r, o, c, free_off, rc);
+    if (lo >= nb || fits_streamed(r, o, c, free_off, lo, rc)) return lo;
+    if (!fits_streamed(r, o, c, free_off, nb, rc)) return nb;
+    int64_t a = lo, up = nb; /* a does not fit, up does */
+    while (up - a > 1) {
+        const int64_t mid = a + (up - a) / 2;
+        if (fits_streamed(r, o, c, free_off, mid, rc)) up = mid;
+        else a = mid;
+    }
+    return up;
+}
+
 /* Plans candidate c (with the fewest offloaded boundaries that fit, when they are free, and the
  * fewest streamed optimizer buckets, when streamed and free) and keeps it when it fits and is
  * faster. */
 static void try_cand(fm_plan_req *r, const fm_choose_opts *o, cand c, bool *rc, search *s) {
     fm_plan p;
-    const int64_t L = r->cfg.num_hidden_layers;
     const bool free_off = c.n_off == -2; /* -2: search the offload count */
     if (free_off) c.n_off = 0;
-    if (c.sb == -2) { /* the fraction: searched when the optimizer streams, else all buckets (unused) */
-        c.sb = fm_offload_buckets(fm_config_num_params(&r->cfg), r->offload_bucket);
-        apply(r, &c, rc);
-        if (r->offload_optimizer && o->budget && !r->mesh.on) c.sb = fewest_streamed(r, o, c, free_off, rc);
-    }
-    apply(r, &c, rc);
-    fm_plan_compute(r, &p);
-    if (free_off && o->budget && p.total > o->budget && L >= 2) {
-        /* device bytes fall as n grows (n = 1 saves nothing): the smallest n in [2, L] that fits */
-        cand hi = c;
-        hi.n_off = L;
-        apply(r, &hi, rc);
-        fm_plan_compute(r, &p);
-        if (p.total <= o->budget) {
-            int64_t lo = 2, up = L; /* up fits */
-            while (lo < up) {
-                const int64_t mid = lo + (up - lo) / 2;
-                cand m = c;
-                m.n_off = mid;
-                apply(r, &m, rc);
-                fm_plan_compute(r, &p);
-                if (p.total <= o->budget) up = mid;
-                else lo = mid + 1;
-            }
-            c.n_off = up;
-            apply(r, &c, rc);
-            fm_plan_compute(r, &p);
-        } else {
-            c.n_off = L; /* the smallest device total of this candidate */
-        }
-    }
+    if (c.sb == -2) c.sb = pick_streamed(r, o, c, free_off, rc); /* the fraction */
+    resolve_off(r, o, &c, free_off, rc, &p);
     if (p.total < s->small_total) {
         s->small_total = p.total;
         s->small = c;
