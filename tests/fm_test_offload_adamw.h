@@ -18,20 +18,27 @@ typedef struct fm_oa_fixture {
     int64_t n;               /* parameters */
 } fm_oa_fixture;
 
-/* Builds the pair for `bucket` parameters per bucket and `slots` staging slots (valid arguments:
- * the bad ones are test_offload_adamw's test_bad_args); every step asserted. */
-static inline void fm_oa_fixture_create(fm_oa_fixture *f, const fm_config *c, fm_backend *be, int64_t bucket,
-                                             int slots, bool bf16) {
+/* Builds the pair for `bucket` parameters per bucket, `slots` staging slots and offload fraction
+ * F in (0, 1] (--optimizer-offload-fraction; valid arguments: the bad ones are test_offload_adamw's
+ * test_bad_args); every step asserted. */
+static inline void fm_oa_fixture_create_f(fm_oa_fixture *f, const fm_config *c, fm_backend *be, int64_t bucket,
+                                          int slots, bool bf16, double F) {
     FM_ASSERT(fm_model_create(&f->ref, c, *be) == FM_OK && fm_model_create(&f->off, c, *be) == FM_OK);
     f->n = f->ref.p.n_params;
     fm_adamw_config(&f->ra, 0.9, 0.95, 1e-8, 0.1, bf16);
     fm_adamw_config(&f->oa, 0.9, 0.95, 1e-8, 0.1, bf16);
     FM_ASSERT(fm_param_store_create(&f->rps, &f->ref, fm_adamw_ops.state_bytes(&f->ra, f->n)) == FM_OK);
     fm_adamw_ops.init(&f->ra, &f->rps, be);
-    FM_ASSERT(fm_offload_adamw_create(&f->oo, &f->oa, f->n, bucket, slots, be) == FM_OK);
+    FM_ASSERT(fm_offload_adamw_create_split(&f->oo, &f->oa, f->n, bucket, slots, F, be) == FM_OK);
     FM_ASSERT(fm_param_store_create_host_master(&f->ops, &f->off, fm_offload_adamw_ops.state_bytes(&f->oo, f->n),
                                                 f->oo.h_master) == FM_OK);
     fm_offload_adamw_ops.init(&f->oo, &f->ops, be);
+}
+
+/* The same with every bucket streamed (F = 1). */
+static inline void fm_oa_fixture_create(fm_oa_fixture *f, const fm_config *c, fm_backend *be, int64_t bucket,
+                                        int slots, bool bf16) {
+    fm_oa_fixture_create_f(f, c, be, bucket, slots, bf16, 1.0);
 }
 
 static inline void fm_oa_fixture_free(fm_oa_fixture *f) {

@@ -272,7 +272,7 @@ int cmd_plan(int argc, char **argv) {
         &x.cal);
     if (x.verdict_only) /* a verdict on the knobs as given (their defaults), none chosen */
         co.fix_recompute = co.fix_keep_attention = co.fix_offload_boundaries = co.fix_offload_optimizer =
-            co.fix_moe_chunk = co.fix_ce = true;
+            co.fix_moe_chunk = co.fix_ce = co.fix_offload_fraction = true;
     if (x.mesh && (x.choose_ep || x.choose_sp)) {
         fm_mesh_choice *ch = fm_malloc(sizeof *ch);
         s = ch ? fm_mesh_choose(req, &co, x.tp.rc, x.choose_ep, x.choose_sp, ch) : FM_ERR_NOMEM;

@@ -15,6 +15,7 @@ static bool fits(const fm_plan *p, const fm_choose_opts *o) {
 /* One point of the search; -1 in a field: as the request has it (a fixed knob). */
 typedef struct cand {
     int64_t nr, ka, n_off, opt, chunk, lce;
+    int64_t sb; /* streamed optimizer buckets (fm_offload_streamed_buckets); -2: search it */
 } cand;
 
 static void apply(fm_plan_req *r, const cand *c, bool *rc) {
@@ -29,6 +30,10 @@ static void apply(fm_plan_req *r, const cand *c, bool *rc) {
     }
     if (c->n_off >= 0) r->n_offloaded_boundaries = c->n_off;
     if (c->opt >= 0) r->offload_optimizer = c->opt != 0;
+    if (c->sb >= 0) { /* F = s / nb gives s buckets again (fm_offload_streamed_buckets) */
+        const int64_t nb = fm_offload_buckets(fm_config_num_params(&r->cfg), r->offload_bucket);
+        r->offload_fraction = nb > 0 && c->sb < nb ? (double)c->sb / (double)nb : 1.0;
+    }
     if (c->chunk >= 0) r->moe_chunk_tokens = c->chunk;
     if (c->lce >= 0) {
         r->ce_block_tokens = c->lce ? FM_LCE_DEFAULT_BLOCK_TOKENS : 0;
@@ -44,39 +49,101 @@ typedef struct search {
     cand small;
 } search;
 
-/* Plans candidate c (with the fewest offloaded boundaries that fit, when they are free) and
- * keeps it when it fits and is faster. */
-static void try_cand(fm_plan_req *r, const fm_choose_opts *o, cand c, bool *rc, search *s) {
+/* The fewest streamed optimizer buckets s in [1, nb] with which candidate c (its optimizer
+ * streamed; the offloaded boundaries at their most when free) fits the device budget: the device
+ * total falls as s grows (fm_offload_model_state_bound), the host bytes grow with it, so the least
+ * s that fits the device is the best for both. nb when none fits. */
+static int64_t fewest_streamed(fm_plan_req *r, const fm_choose_opts *o, cand c, bool free_off, bool *rc) {
+    const int64_t L = r->cfg.num_hidden_layers, nb = fm_offload_buckets(fm_config_num_params(&r->cfg), r->offload_bucket);
+    if (free_off) c.n_off = L >= 2 ? L : 0;
     fm_plan p;
-    const int64_t L = r->cfg.num_hidden_layers;
-    const bool free_off = c.n_off == -2; /* -2: search the offload count */
-    if (free_off) c.n_off = 0;
+    int64_t lo = 1, up = nb; /* up fits (checked first) */
+    c.sb = nb;
     apply(r, &c, rc);
     fm_plan_compute(r, &p);
-    if (free_off && o->budget && p.total > o->budget && L >= 2) {
-        /* device bytes fall as n grows (n = 1 saves nothing): the smallest n in [2, L] that fits */
-        cand hi = c;
-        hi.n_off = L;
-        apply(r, &hi, rc);
+    if (p.total > o->budget) return nb;
+    while (lo < up) {
+        const int64_t mid = lo + (up - lo) / 2;
+        c.sb = mid;
+        apply(r, &c, rc);
         fm_plan_compute(r, &p);
-        if (p.total <= o->budget) {
-            int64_t lo = 2, up = L; /* up fits */
-            while (lo < up) {
-                const int64_t mid = lo + (up - lo) / 2;
-                cand m = c;
-                m.n_off = mid;
-                apply(r, &m, rc);
-                fm_plan_compute(r, &p);
-                if (p.total <= o->budget) up = mid;
-                else lo = mid + 1;
-            }
-            c.n_off = up;
-            apply(r, &c, rc);
-            fm_plan_compute(r, &p);
-        } else {
-            c.n_off = L; /* the smallest device total of this candidate */
-        }
+        if (p.total <= o->budget) up = mid;
+        else lo = mid + 1;
     }
+    return up;
+}
+
+/* Candidate c's offloaded boundaries, when free (free_off; c->n_off 0 on entry): the fewest that
+ * fit the device budget; *p gets the plan of c as resolved. */
+static void resolve_off(fm_plan_req *r, const fm_choose_opts *o, cand *c, bool free_off, bool *rc, fm_plan *p) {
+    const int64_t L = r->cfg.num_hidden_layers;
+    apply(r, c, rc);
+    fm_plan_compute(r, p);
+    if (!(free_off && o->budget && p->total > o->budget && L >= 2)) return;
+    /* device bytes fall as n grows (n = 1 saves nothing): the smallest n in [2, L] that fits */
+    cand hi = *c;
+    hi.n_off = L;
+    apply(r, &hi, rc);
+    fm_plan_compute(r, p);
+    if (p->total > o->budget) {
+        c->n_off = L; /* the smallest device total of this candidate */
+        return;
+    }
+    int64_t lo = 2, up = L; /* up fits */
+    while (lo < up) {
+        const int64_t mid = lo + (up - lo) / 2;
+        cand m = *c;
+        m.n_off = mid;
+        apply(r, &m, rc);
+        fm_plan_compute(r, p);
+        if (p->total <= o->budget) up = mid;
+        else lo = mid + 1;
+    }
+    c->n_off = up;
+    apply(r, c, rc);
+    fm_plan_compute(r, p);
+}
+
+/* Whether candidate c with s streamed buckets (its boundaries resolved) fits both budgets. */
+static bool fits_streamed(fm_plan_req *r, const fm_choose_opts *o, cand c, bool free_off, int64_t s, bool *rc) {
+    fm_plan p;
+    c.sb = s;
+    if (free_off) c.n_off = 0;
+    resolve_off(r, o, &c, free_off, rc, &p);
+    return fits(&p, o);
+}
+
+/* Candidate c's streamed buckets when they are free: nb when the optimizer is on the device (then
+ * unused); else the fewest that fit the device budget (fewest_streamed), or, when the boundaries
+ * that then go to the host overrun the host budget (each streamed bucket's m, v leave the device,
+ * so fewer boundaries need to), the fewest from there on with which both budgets hold, by
+ * bisection (the boundaries resolved at each); nb when none does. */
+static int64_t pick_streamed(fm_plan_req *r, const fm_choose_opts *o, cand c, bool free_off, bool *rc) {
+    const int64_t nb = fm_offload_buckets(fm_config_num_params(&r->cfg), r->offload_bucket);
+    c.sb = nb;
+    apply(r, &c, rc);
+    if (!(r->offload_optimizer && o->budget && !r->mesh.on)) return nb;
+    const int64_t lo = fewest_streamed(r, o, c, free_off, rc);
+    if (lo >= nb || fits_streamed(r, o, c, free_off, lo, rc)) return lo;
+    if (!fits_streamed(r, o, c, free_off, nb, rc)) return nb;
+    int64_t a = lo, up = nb; /* a does not fit, up does */
+    while (up - a > 1) {
+        const int64_t mid = a + (up - a) / 2;
+        if (fits_streamed(r, o, c, free_off, mid, rc)) up = mid;
+        else a = mid;
+    }
+    return up;
+}
+
+/* Plans candidate c (with the fewest offloaded boundaries that fit, when they are free, and the
+ * fewest streamed optimizer buckets, when streamed and free) and keeps it when it fits and is
+ * faster. */
+static void try_cand(fm_plan_req *r, const fm_choose_opts *o, cand c, bool *rc, search *s) {
+    fm_plan p;
+    const bool free_off = c.n_off == -2; /* -2: search the offload count */
+    if (free_off) c.n_off = 0;
+    if (c.sb == -2) c.sb = pick_streamed(r, o, c, free_off, rc); /* the fraction */
+    resolve_off(r, o, &c, free_off, rc, &p);
     if (p.total < s->small_total) {
         s->small_total = p.total;
         s->small = c;
@@ -105,7 +172,8 @@ static void search_grid(fm_plan_req *r, const fm_choose_opts *o, bool *rc, searc
                         /* a mesh of more than one rank has the vocabulary ring: linear CE only */
                         if (!o->fix_ce && ce == 0 && r->mesh.on && r->mesh.dp * r->mesh.sp > 1) continue;
                         cand c = {nrs[i], o->fix_keep_attention ? -1 : ka, o->fix_offload_boundaries ? -1 : -2,
-                                  o->fix_offload_optimizer ? -1 : opt, chunks[j], o->fix_ce ? -1 : ce};
+                                  o->fix_offload_optimizer ? -1 : opt, chunks[j], o->fix_ce ? -1 : ce,
+                                  o->fix_offload_fraction ? -1 : -2};
                         try_cand(r, o, c, rc, s);
                     }
         }
@@ -147,7 +215,9 @@ static void describe(const fm_plan_req *r, const fm_plan *p, char *b, size_t n) 
     snprintf(b, n, "recompute %lld of %lld layers%s, %lld offloaded boundaries, optimizer %s, MoE %s%lld, %s",
              (long long)p->n_recomputed, (long long)r->cfg.num_hidden_layers,
              p->n_keep_attention ? " keeping attention" : "", (long long)p->n_offloaded_boundaries,
-             r->offload_optimizer ? "streamed from the host" : "on the device",
+             r->offload_optimizer ? (p->offload_streamed_buckets < p->offload_buckets ? "partly streamed from the host"
+                                                                                       : "streamed from the host")
+                                  : "on the device",
              r->moe_chunk_tokens > 0 ? "chunks of " : "unchunked", (long long)(r->moe_chunk_tokens > 0 ? r->moe_chunk_tokens : 0),
              (r->ce_block_tokens > 0 || r->ce_block_vocab > 0) ? "linear CE" : "plain logits");
     if (r->moe_chunk_tokens <= 0) { /* drop the 0 after "unchunked" */
@@ -158,7 +228,7 @@ static void describe(const fm_plan_req *r, const fm_plan *p, char *b, size_t n) 
 
 static bool any_free(const fm_choose_opts *o) {
     return !(o->fix_recompute && o->fix_keep_attention && o->fix_offload_boundaries && o->fix_offload_optimizer &&
-             o->fix_moe_chunk && o->fix_ce);
+             o->fix_moe_chunk && o->fix_ce && o->fix_offload_fraction);
 }
 
 /* fit without advice: the plan and whether it fits */
@@ -328,12 +398,13 @@ void fm_plan_advise(const fm_plan_req *req, const fm_choose_opts *o0, char *buf,
     int items = 0;
     const fm_choose_opts o = *o0;
     /* 1. a fixed chooser knob, freed */
-    static const char *const names[6] = {"--recompute", "--recompute-keep-attention", "--offload-boundaries",
-                                         "--offload-optimizer", "--moe-chunk-tokens", "--ce-block-tokens/--ce-block-vocab"};
-    for (int k = 0; k < 6; k++) {
+    static const char *const names[7] = {"--recompute", "--recompute-keep-attention", "--offload-boundaries",
+                                         "--offload-optimizer", "--moe-chunk-tokens", "--ce-block-tokens/--ce-block-vocab",
+                                         "--optimizer-offload-fraction"};
+    for (int k = 0; k < 7; k++) {
         fm_choose_opts f = o;
-        bool *fx[6] = {&f.fix_recompute, &f.fix_keep_attention, &f.fix_offload_boundaries, &f.fix_offload_optimizer,
-                       &f.fix_moe_chunk, &f.fix_ce};
+        bool *fx[7] = {&f.fix_recompute, &f.fix_keep_attention, &f.fix_offload_boundaries, &f.fix_offload_optimizer,
+                       &f.fix_moe_chunk, &f.fix_ce, &f.fix_offload_fraction};
         if (!*fx[k]) continue;
         *fx[k] = false;
         if (f.budget == 0) continue; /* nothing is chosen without a budget */

@@ -26,11 +26,14 @@ typedef struct fm_choose_opts {
     const fm_calib *calib;    /* rates for the projection (required) */
     /* the knobs the user gave (fixed as in req); the others are chosen */
     bool fix_recompute, fix_keep_attention, fix_offload_boundaries, fix_offload_optimizer, fix_moe_chunk, fix_ce;
+    bool fix_offload_fraction; /* --optimizer-offload-fraction given: req->offload_fraction as it is */
 } fm_choose_opts;
 
 /* Plans `req` within the budgets. With a device budget, the free knobs are chosen (a search over
  * recompute 0, 2..L with and without keep-attention, the fewest offloaded boundaries that fit,
- * the optimizer on device or streamed, MoE chunks unchunked, N, N/2, ... down to
+ * the optimizer on device or streamed (streamed: the fewest streamed buckets that fit, the least
+ * --optimizer-offload-fraction, searched with the boundaries offloaded at their most when free and
+ * the boundaries' count then searched at it; never for a mesh), MoE chunks unchunked, N, N/2, ... down to
  * FM_PLAN_MIN_CHUNK (and, only when nothing fits so, FM_PLAN_MIN_CHUNK/2 ... 1), plain or linear
  * CE) for the least projected step time, and written into req
  * (recompute and keep-attention point into rc_storage [2L]). Without one, req is planned as given

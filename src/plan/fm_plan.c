@@ -14,6 +14,23 @@
 #include "../schedule/fm_recompute.h"
 #include "../schedule/fm_sco.h"
 
+int64_t fm_offload_buckets(int64_t n_params, int64_t bucket) {
+    const int64_t b = bucket < n_params ? bucket : n_params;
+    return b > 0 ? (n_params + b - 1) / b : 0;
+}
+
+int64_t fm_offload_streamed_buckets(int64_t n_params, int64_t bucket, double fraction) {
+    const int64_t nb = fm_offload_buckets(n_params, bucket);
+    if (!(fraction > 0) || fraction >= 1) return nb;
+    const int64_t s = (int64_t)ceil(fraction * (double)nb - 1e-9);
+    return s < 1 ? 1 : s > nb ? nb : s;
+}
+
+int64_t fm_offload_resident_params(int64_t n_params, int64_t bucket, double fraction) {
+    const int64_t nb = fm_offload_buckets(n_params, bucket);
+    return (nb - fm_offload_streamed_buckets(n_params, bucket, fraction)) * (bucket < n_params ? bucket : n_params);
+}
+
 const char *fm_plan_set_name(int i) {
     return i == FM_PLAN_ATTENTION ? "attention tiles" : fm_live_set_names[i];
 }
@@ -55,8 +72,12 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     if (r->offload_optimizer) {
         FM_ASSERT(r->offload_state_bytes && r->offload_bucket >= 1 && r->offload_slots >= 1);
         p->bytes[FM_LIVE_MODEL_STATE] = r->offload_state_bytes(c, a, r->bf16_moments, r->offload_bucket,
-                                                               r->offload_slots, &p->host_optimizer_bytes,
-                                                               p->inputs[FM_LIVE_MODEL_STATE]);
+                                                               r->offload_slots, r->offload_fraction,
+                                                               &p->host_optimizer_bytes, p->inputs[FM_LIVE_MODEL_STATE]);
+        const int64_t n = fm_config_num_params(c);
+        p->offload_buckets = fm_offload_buckets(n, r->offload_bucket);
+        p->offload_streamed_buckets = fm_offload_streamed_buckets(n, r->offload_bucket, r->offload_fraction);
+        p->offload_resident = fm_offload_resident_params(n, r->offload_bucket, r->offload_fraction);
     } else {
         p->bytes[FM_LIVE_MODEL_STATE] = r->model_state_bytes(c, &r->state_layout, a, r->bf16_moments, p->inputs[FM_LIVE_MODEL_STATE]);
     }

@@ -71,9 +71,12 @@ typedef struct fm_plan_req {
      * master plus the staging slots), and its host bytes join host_bytes. */
     bool offload_optimizer;
     int64_t offload_bucket, offload_slots; /* parameters per bucket (>= 1), staging slots */
+    double offload_fraction;    /* --optimizer-offload-fraction F: the last ceil(F nb) buckets stream,
+                                   the first keep their state on the device (fm_offload_resident_params);
+                                   0 or 1: all stream. The chooser picks it unless fix_offload_fraction */
     /* Required when offload_optimizer (train/fm_offload_adamw.h: fm_offload_model_state_bound). */
     size_t (*offload_state_bytes)(const fm_config *cfg, size_t act_bytes, bool bf16_moments, int64_t bucket,
-                                  int64_t slots, size_t *host, char desc[200]);
+                                  int64_t slots, double fraction, size_t *host, char desc[200]);
     const bool *keep_attention; /* [L] or NULL: recomputed layers that keep their attention output
                                    and lse (schedule/fm_recompute.h, --recompute-keep-attention);
                                    the chooser keeps it as given and picks recompute under it */
@@ -151,6 +154,8 @@ typedef struct fm_plan {
                                        plus the streamed optimizer's state; not in total, which is
                                        device memory */
     size_t host_optimizer_bytes;    /* of host_bytes, the streamed optimizer's (0: not offloaded) */
+    int64_t offload_buckets, offload_streamed_buckets; /* the streamed optimizer's nb and s (0: not offloaded) */
+    int64_t offload_resident;       /* its parameters whose state stays on the device, [0, R) */
     int64_t n_offloaded_boundaries;
     /* mesh plans only (req->mesh.on; 0 otherwise): the communication buffers' bound (in total),
      * its formula, and the parameters this rank updates (its ZeRO-3 shard and its experts) */
@@ -173,6 +178,15 @@ fm_status fm_plan_check(const fm_plan *p, size_t budget, const char *flag_budget
 
 /* The name of live set i (< FM_PLAN_SETS): fm_live_set_names, or "attention tiles". */
 const char *fm_plan_set_name(int i);
+
+/* The streamed optimizer's buckets (train/fm_offload_adamw.h, --optimizer-offload-fraction F):
+ * the flat order in nb = ceil(n / beta') buckets, beta' = min(bucket, n) (n, bucket >= 1). */
+int64_t fm_offload_buckets(int64_t n_params, int64_t bucket);
+/* The buckets that stream for fraction F, the last ones: ceil(F nb) in [1, nb] (F <= 0 or >= 1:
+ * all of them). F nb is rounded up past a 1e-9 slack, so F = s / nb gives s again. */
+int64_t fm_offload_streamed_buckets(int64_t n_params, int64_t bucket, double fraction);
+/* R, the parameters [0, R) whose state stays on the device for fraction F: (nb - s) beta'. */
+int64_t fm_offload_resident_params(int64_t n_params, int64_t bucket, double fraction);
 
 /* Smallest MoE chunk the chooser considers (tokens); --moe-chunk-tokens may go lower. */
 #define FM_PLAN_MIN_CHUNK 256

@@ -2,6 +2,7 @@
 
 #include "../bounded/fm_linear_ce.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 static int largest_set(const fm_plan *p) {
@@ -30,6 +31,14 @@ int fm_plan_state_bytes_per_param(const fm_plan_req *r) {
     return 2 * a + fm_master_extra_bytes(rc, a) + (r->bf16_moments ? 4 : 8);
 }
 
+void fm_plan_offload_fraction_text(const fm_plan *p, char *buf, size_t n) {
+    const double F = p->offload_buckets > 0 ? (double)p->offload_streamed_buckets / (double)p->offload_buckets : 1.0;
+    for (int prec = 4; prec <= 17; prec++) { /* the fewest digits that give the same bucket count again */
+        snprintf(buf, n, "%.*g", prec, F);
+        if (fm_offload_streamed_buckets(p->offload_buckets, 1, strtod(buf, NULL)) == p->offload_streamed_buckets) return;
+    }
+}
+
 void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size_t cap) {
     const fm_config *c = &r->cfg;
     const int64_t L = c->num_hidden_layers;
@@ -53,6 +62,11 @@ void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size
     else PUT(" --ce-block-tokens 0 --ce-block-vocab 0");
     PUT(" --offload-boundaries %lld", (long long)p->n_offloaded_boundaries);
     if (r->offload_optimizer) PUT(" --offload-optimizer");
+    if (r->offload_optimizer && !r->mesh.on && p->offload_streamed_buckets < p->offload_buckets) {
+        char fr[32];
+        fm_plan_offload_fraction_text(p, fr, sizeof fr);
+        PUT(" --optimizer-offload-fraction %s", fr);
+    }
     if (r->bf16_moments) PUT(" --bf16-moments");
     if (r->state_layout.master_recipe != FM_MASTER_FP32)
         PUT(" --master-weights %s", fm_master_recipe_name((fm_master_recipe)r->state_layout.master_recipe));
@@ -103,6 +117,16 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
                 (long long)((c->vocab_size + r->vocab_ring - 1) / r->vocab_ring));
     fprintf(f, "; %lld offloaded boundaries; optimizer %s", (long long)p->n_offloaded_boundaries,
             r->offload_optimizer ? "streamed from pinned host memory (--offload-optimizer)" : "on the device");
+    if (r->offload_optimizer && !r->mesh.on) { /* --optimizer-offload-fraction: what streams, what stays */
+        const double per = 4.0 + 2.0 * (r->bf16_moments ? 2.0 : 4.0); /* master, m, v */
+        char fr[32];
+        fm_plan_offload_fraction_text(p, fr, sizeof fr);
+        fprintf(f, ", offload fraction %s: the last %lld of %lld buckets stream (%.2f GiB of state each way a step), "
+                "the first %lld parameters' state stays on the device (%.2f GiB)", fr,
+                (long long)p->offload_streamed_buckets, (long long)p->offload_buckets,
+                (double)(p->n_params - p->offload_resident) * per / 1073741824.0, (long long)p->offload_resident,
+                (double)p->offload_resident * per / 1073741824.0);
+    }
     fprintf(f, "; state recipe: master weights %s, moments %s (%d B/param)",
             fm_master_recipe_name((fm_master_recipe)r->state_layout.master_recipe), r->bf16_moments ? "bf16" : "fp32",
             fm_plan_state_bytes_per_param(r));
@@ -153,7 +177,11 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
         if (p->n_offloaded_boundaries > 0)
             snprintf(what, sizeof what, "%lld offloaded boundaries x N x H x %d B", (long long)p->n_offloaded_boundaries,
                      r->target == FM_PLAN_TARGET_CPU ? 4 : r->target == FM_PLAN_TARGET_CUDA ? 2 : (int)sizeof(fm_act));
-        if (p->host_optimizer_bytes > 0)
+        if (p->host_optimizer_bytes > 0 && p->offload_resident > 0 && !r->mesh.on)
+            snprintf(what + strlen(what), sizeof what - strlen(what), "%soptimizer: fp32 master 4 B x %lld params + Adam "
+                     "m, v %d B x %lld streamed params", what[0] ? " + " : "", (long long)p->n_params,
+                     r->bf16_moments ? 4 : 8, (long long)(p->n_params - p->offload_resident));
+        else if (p->host_optimizer_bytes > 0)
             snprintf(what + strlen(what), sizeof what - strlen(what), "%soptimizer %s x %lld params (fp32 master, Adam "
                      "m, v)", what[0] ? " + " : "", r->bf16_moments ? "8 B/param" : "12 B/param",
                      (long long)(r->mesh.on ? p->n_params_rank : p->n_params));
@@ -199,7 +227,9 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
         if (pr->offload_copy_s > 0)
             fprintf(f, "  (checkpoint offload copies %.4g s in all, %.4g s of it not hidden)\n", pr->offload_copy_s,
                     pr->sec[FM_PROJ_OFFLOAD]);
-        if (pr->opt_link_s > 0) fprintf(f, "  (streamed optimizer: host link %.4g s)\n", pr->opt_link_s);
+        if (pr->opt_link_s > 0)
+            fprintf(f, "  (streamed optimizer: host link %.4g s for the %lld streamed parameters)\n", pr->opt_link_s,
+                    (long long)(p->n_params - p->offload_resident));
         if (x->expert) {
             char line[600];
             fm_expert_choice_line(x->expert, line, sizeof line);
@@ -271,6 +301,16 @@ void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_re
             p->total, budget, ((budget == 0 || p->total <= budget) && host_ok) ? "true" : "false", p->flops_model_token,
             p->flops_hw_token, (long long)p->tokens_per_step, (long long)p->n_offloaded_boundaries, p->host_bytes,
             r->offload_optimizer ? "true" : "false", x->device_mem, x->context_bytes);
+    if (r->offload_optimizer && !r->mesh.on) { /* --optimizer-offload-fraction: the split */
+        const double per = 4.0 + 2.0 * (r->bf16_moments ? 2.0 : 4.0);
+        char fr[32];
+        fm_plan_offload_fraction_text(p, fr, sizeof fr);
+        fprintf(f, ",\"optimizer_offload\":{\"fraction\":%s,\"buckets\":%lld,\"streamed_buckets\":%lld,"
+                "\"resident_params\":%lld,\"resident_bytes\":%.0f,\"streamed_bytes\":%.0f,\"link_s\":%.6g}", fr,
+                (long long)p->offload_buckets, (long long)p->offload_streamed_buckets, (long long)p->offload_resident,
+                (double)p->offload_resident * per, (double)(p->n_params - p->offload_resident) * per,
+                x->proj ? x->proj->opt_link_s : 0.0);
+    }
     if (x->host_budget != FM_HOST_BUDGET_UNLIMITED) fprintf(f, ",\"host_budget_bytes\":%zu", x->host_budget);
     fprintf(f, ",\"checkpoint_staging_bytes\":%zu", /* per rank, host, not pinned (the text's line) */
             x->ckpt_stage_bytes);

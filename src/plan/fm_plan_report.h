@@ -46,6 +46,11 @@ int fm_plan_state_bytes_per_param(const fm_plan_req *r);
 
 void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size_t cap);
 
+/* The streamed optimizer's offload fraction of plan p, s / nb (offload_streamed_buckets of
+ * offload_buckets), as text of the fewest significant digits (4 to 17) that give s buckets again
+ * as --optimizer-offload-fraction (fm_offload_streamed_buckets), into buf[n]. */
+void fm_plan_offload_fraction_text(const fm_plan *p, char *buf, size_t n);
+
 /* Prints the report as text. A mesh plan (req->mesh.on) adds its degrees, the communication
  * buffers' row, the collectives' phases and a copy-paste launch line (mpirun -np W ... --zero 3
  * --dp --ep --sp); a one-rank plan its launch line (exe train --config --data and the train

@@ -204,16 +204,20 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     const double t_gpu = P * adam_b / cb->adamw_bw;
     double t_opt = 2.0 * a * P / cb->elementwise_bw; /* gradient zeroing and global norm */
     if (r->offload_optimizer) {
+        /* --optimizer-offload-fraction: only the streamed part Ps crosses the link; the resident
+         * part is updated on the device as the on-device AdamW is (a mesh streams all of it) */
+        const double Ps = mesh || p->n_params <= 0 ? P : P * (double)(p->n_params - p->offload_resident) / (double)p->n_params;
         const double per = 4.0 + 2.0 * (r->bf16_moments ? 2.0 : 4.0); /* master, m, v each way */
-        const double beta = fmin((double)(r->offload_bucket > 0 ? r->offload_bucket : 1), P);
+        const double beta = fmin((double)(r->offload_bucket > 0 ? r->offload_bucket : 1), Ps);
+        t_opt += (P - Ps) * adam_b / cb->adamw_bw;
         if (r->offload_slots >= 2) {
-            const double up = P * per / cb->h2d_duplex, down = P * per / cb->d2h_duplex;
+            const double up = Ps * per / cb->h2d_duplex, down = Ps * per / cb->d2h_duplex;
             const double fill = beta * (per / cb->h2d + adam_b / cb->adamw_bw + per / cb->d2h);
-            t_opt += fmax(fmax(up, down), t_gpu) + fill;
+            t_opt += fmax(fmax(up, down), Ps * adam_b / cb->adamw_bw) + fill;
             o->opt_link_s = fmax(up, down);
         } else {
-            t_opt += P * (per / cb->h2d + adam_b / cb->adamw_bw + per / cb->d2h);
-            o->opt_link_s = P * per * (1.0 / cb->h2d + 1.0 / cb->d2h);
+            t_opt += Ps * (per / cb->h2d + adam_b / cb->adamw_bw + per / cb->d2h);
+            o->opt_link_s = Ps * per * (1.0 / cb->h2d + 1.0 / cb->d2h);
         }
     } else {
         t_opt += t_gpu;

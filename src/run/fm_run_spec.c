@@ -217,6 +217,7 @@ fm_train_opts fm_spec_train_opts(const fm_run_spec *s) {
     if (!fm_spec_given(s, "moe-chunk-tokens")) o.moe_chunk_tokens = -1;
     if (!fm_spec_given(s, "ce-block-tokens")) o.ce_block_tokens = -1;
     if (!fm_spec_given(s, "ce-block-vocab")) o.ce_block_vocab = -1;
+    if (!fm_spec_given(s, "optimizer-offload-fraction")) o.optimizer_offload_fraction = -1; /* chosen, else 1 */
     o.host_mem_budget_given = fm_spec_given(s, "host-mem-budget");
     /* --resume: the schedule and shape not given by the user are the checkpoint's (fm_train reads
      * them from state.json, with a line saying so) */

@@ -21,6 +21,11 @@ fm_status fm_spec_check(const fm_run_spec *s) {
         if (fm_spec_given(s, mem[i]) && memv[i] < 0)
             return fm_error(FM_ERR_ARG, "--moe-chunk-tokens, --ce-block-tokens and --ce-block-vocab must be >= 0, found "
                             "%lld", (long long)memv[i]);
+    /* given: in (0, 1] (not given is -1 in the trainer's options: fm_train_opts_check_flags) */
+    const double F = s->train.optimizer_offload_fraction;
+    if (fm_spec_given(s, "optimizer-offload-fraction") && !(F > 0 && F <= 1))
+        return fm_error(FM_ERR_ARG, "--optimizer-offload-fraction must be in (0, 1] (the share of the optimizer's "
+                        "buckets streamed from the host; 1 = all), found %g; leave it out to let the plan choose", F);
     if (fm_spec_given(s, "mem-budget") && s->train.mem_budget == 0)
         return fm_error(FM_ERR_ARG, "--mem-budget must be > 0 (omit it for no budget)");
     if (plan && fm_spec_given(s, "device-mem") && fm_spec_given(s, "mem-budget"))

@@ -128,6 +128,11 @@ const fm_spec_flag fm_spec_flags[] = {
       "parameters per bucket of --offload-optimizer, 0 = 100M (at most the model's count)", T | P, RUN),
     V("offload-optimizer-slots", FM_SPEC_I64, train.offload_optimizer_slots, "2", NULL,
       "device staging slots of --offload-optimizer, in [1, 16]", T | P, RUN),
+    V("optimizer-offload-fraction", FM_SPEC_F64, train.optimizer_offload_fraction, NULL,
+      "the plan's choice under a budget (the least that fits), else 1",
+      "with --offload-optimizer: the share F in (0, 1] of its buckets that stream from the host, the last "
+      "ceil(F x buckets); the first keep master, m and v on the device, updated there by the same AdamW op (the same "
+      "bits as F = 1). Less F: fewer bytes over the host link each step, more device memory", T | P, RUN),
     V("seed", FM_SPEC_U64, train.seed, "1337", NULL, "seed of the weights and the data order", T, FIXED),
     V("threads", FM_SPEC_INT, train.threads, "0", NULL,
       "CPU threads, 0 = the cores not busy with other work at the start, or OMP_NUM_THREADS when set", T | P, FIXED),

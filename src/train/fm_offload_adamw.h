@@ -29,25 +29,56 @@
  * p = w). Every element goes through the same fp32 operations as fm_adamw_ops, so weights,
  * master, m and v are bit-identical to it (tests/test_offload_adamw.c).
  *
+ * Partial offload (--optimizer-offload-fraction F; the anchor: Megatron-Core's
+ * --optimizer-cpu-offload --optimizer-offload-fraction, megatron/core/optimizer/cpu_offloading/
+ * hybrid_optimizer.py, which offloads whole tensors in parameter order until F of the count is on
+ * the host and updates them with a CPU AdamW): of the nb = ceil(n / beta) buckets of the flat
+ * order, the last s = ceil(F nb) (at least 1) stream as above; the first nb - s keep their fp32
+ * master, m and v resident on the device, R = (nb - s) beta parameters [0, R), and are updated
+ * there by the same adamw op over the same elements with the same arguments, so weights, master,
+ * m and v are bit-identical to F = 1 and to fm_adamw_ops by construction. The first buckets are
+ * the resident ones: the next forward needs the embedding and the first layers first. Bounds with
+ * R resident (R = 0: the whole state streams, the formulas above), beta'' = min(beta, n - R):
+ *   device: 2 r(n a) + r(R 4) + 2 r(R mb) + S (r(beta'' 4) + 2 r(beta'' mb));
+ *   host (pinned): r(n 4) + 2 r((n - R) mb): the moments of the streamed part only; the master
+ *           stays whole on the host, as the model's master view (m->p.master: the weights' init,
+ *           --init-from and checkpoint loads write it and the weights are converted from it),
+ *           its resident part a mirror: the device's copy is the one updated; state_tensors copies
+ *           it back to the host (a synchronous copy: call it after a sync, as a checkpoint does)
+ *           and the next step_begin copies the host's in again (the host's is then the newer:
+ *           after the init, a load or a save; one copy of r(R 4) bytes, waited on by the first
+ *           resident update through FM_OFFLOAD_PULL_EVENT).
+ *
  * Checkpoints: state_tensors names "master.", "exp_avg." and "exp_avg_sq." in host memory
- * (fm_optim_state.host); the checkpoint format is fm_adamw_ops's, so a run may switch the
- * offload on or off on resume. */
+ * (fm_optim_state.host); with R > 0 the moments' first R elements are the device's
+ * (fm_optim_state.dev, dev_len). The checkpoint format is fm_adamw_ops's, so a run may switch
+ * the offload on or off, or change F or the bucket, on resume. */
 #ifndef FM_OFFLOAD_ADAMW_H
 #define FM_OFFLOAD_ADAMW_H
+#include "../plan/fm_plan.h"
 #include "fm_optim.h"
 
 #define FM_OFFLOAD_MAX_SLOTS 16
 #define FM_OFFLOAD_DEFAULT_BUCKET 100000000LL /* parameters per bucket (100M) */
 #define FM_OFFLOAD_EVENT0 (FM_EVENT_FIRST_FREE + 8) /* after fm_sco.c's 4 events */
+/* the resident master's copy-in (after the slots' 3 x 16 events; below fm_moe_ep.h's) */
+#define FM_OFFLOAD_PULL_EVENT (FM_OFFLOAD_EVENT0 + 3 * FM_OFFLOAD_MAX_SLOTS)
 
 typedef struct fm_offload_adamw {
     fm_adamw *adam;          /* hyper-parameters, moments dtype and the step counter (m, v unused) */
     int64_t bucket, n_params; /* beta' = min(beta, n_params) */
     int slots;
     fm_backend be;
-    fm_arena host;           /* pinned: master [n] fp32, m, v [n] of moments dtype */
+    int64_t resident;        /* R: parameters [0, R) keep their state on the device (whole buckets) */
+    fm_arena host;           /* pinned: master [n] fp32, m, v [n - R] of moments dtype (element i of
+                                h_m, h_v is parameter R + i) */
     float *h_master;
     void *h_m, *h_v;
+    float *d_res_master;     /* [R] the resident master, m, v (from the store's arena; NULL when R = 0) */
+    void *d_res_m, *d_res_v;
+    bool pull;               /* the host master's [0, R) is newer than d_res_master: copy it in at
+                                the next step_begin */
+    bool pull_wait;          /* that copy is issued: the first resident update waits for it */
     float *d_master[FM_OFFLOAD_MAX_SLOTS]; /* staging slots [beta'] (taken from the store's arena) */
     void *d_m[FM_OFFLOAD_MAX_SLOTS], *d_v[FM_OFFLOAD_MAX_SLOTS];
     int64_t bucket_no;       /* buckets issued so far: the slot rotation continues across calls */
@@ -65,18 +96,32 @@ size_t fm_offload_adamw_state_bytes(int64_t n_params, int64_t bucket, int64_t sl
 /* Pinned host bytes: r(n 4) + 2 r(n mb). */
 size_t fm_offload_adamw_host_bytes(int64_t n_params, bool bf16_moments);
 
+/* (the split of fraction F into buckets: fm_offload_buckets ... in plan/fm_plan.h) */
+/* Device bytes with R resident: r(R 4) + 2 r(R mb) + S (r(beta'' 4) + 2 r(beta'' mb)),
+ * beta'' = min(bucket, n - R) (R in [0, n)). */
+size_t fm_offload_adamw_state_bytes_split(int64_t n_params, int64_t bucket, int64_t slots, bool bf16_moments,
+                                          int64_t resident);
+/* Pinned host bytes with R resident: r(n 4) + 2 r((n - R) mb). */
+size_t fm_offload_adamw_host_bytes_split(int64_t n_params, bool bf16_moments, int64_t resident);
+
 /* Configures over adam (its hyper-parameters and step; fm_adamw_config first) and allocates the
  * pinned host arena for n_params (zeroed). bucket >= 1 parameters, slots in [1, 16]. Errors:
  * FM_ERR_ARG for bad bucket/slots, FM_ERR_NOMEM naming the host bytes. The host master is
  * opt->h_master: give it to fm_param_store_create_host_master. */
 fm_status fm_offload_adamw_create(fm_offload_adamw *opt, fm_adamw *adam, int64_t n_params, int64_t bucket,
                                   int64_t slots, const fm_backend *be);
+/* The same with the last ceil(F nb) buckets streamed and the first resident (F in (0, 1]; 1: as
+ * fm_offload_adamw_create). Errors: as fm_offload_adamw_create, and FM_ERR_ARG for F outside
+ * (0, 1] naming --optimizer-offload-fraction. */
+fm_status fm_offload_adamw_create_split(fm_offload_adamw *opt, fm_adamw *adam, int64_t n_params, int64_t bucket,
+                                        int64_t slots, double fraction, const fm_backend *be);
 /* Frees the host arena (before the backend). Safe on a zeroed struct. */
 void fm_offload_adamw_free(fm_offload_adamw *opt);
 
 /* The model-state live set's device bound with the streamed optimizer (the plan's
- * offload_state_bytes): the store without master plus the staging; *host gets the host bytes;
- * desc (200 bytes) the formula in words. */
+ * offload_state_bytes): the store without master, the resident state of fraction F's resident
+ * buckets (F <= 0 or >= 1: none) and the staging; *host gets the host bytes; desc (200 bytes) the
+ * formula in words. */
 size_t fm_offload_model_state_bound(const fm_config *cfg, size_t act_bytes, bool bf16_moments, int64_t bucket,
-                                    int64_t slots, size_t *host, char desc[200]);
+                                    int64_t slots, double fraction, size_t *host, char desc[200]);
 #endif

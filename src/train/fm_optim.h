@@ -26,6 +26,10 @@ typedef struct fm_optim_state {
     void *base;         /* backend memory */
     fm_dtype dtype;
     bool host;          /* base is host memory (pinned: the streamed optimizer's), not the backend's */
+    void *dev;          /* dev_len > 0: elements [0, dev_len) are at dev (backend memory) and element
+                           i >= dev_len at base + (i - dev_len) (the partially offloaded AdamW's
+                           moments, fm_offload_adamw.h); 0: every element at base */
+    int64_t dev_len;
 } fm_optim_state;
 
 typedef struct fm_optimizer_ops {

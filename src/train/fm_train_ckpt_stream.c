@@ -40,6 +40,9 @@ typedef struct st_desc {
     fm_dtype dtype;
     bool host; /* host memory (else the backend's) */
     st_kind kind;
+    const void *dev; /* dev_len > 0 (K_TABLE only): elements [0, dev_len) at dev (backend memory), element
+                        i >= dev_len at base + (i - dev_len) (fm_optim_state.dev) */
+    int64_t dev_len;
 } st_desc;
 
 typedef struct fm_ckpt_src {
@@ -88,8 +91,23 @@ static void segment(const run *r, const st_desc *s, int i, int64_t a, int64_t n,
     }
 }
 
-/* Elements [pos, pos + n) of state s into dst (fp32; bf16 widened exactly). */
-static void fetch_local(const run *r, const st_desc *s, int64_t pos, int64_t n, float *dst) {
+/* A state split at dev_len (st_desc.dev): the part [pos, pos + *n) on one side of the split, as
+ * a plain descriptor *one at element *at; *n shortened to the side's end. */
+static void split_side(const st_desc *s, int64_t pos, int64_t *n, st_desc *one, int64_t *at) {
+    *one = *s;
+    one->dev = NULL, one->dev_len = 0;
+    *at = pos;
+    if (s->dev_len <= 0) return;
+    if (pos < s->dev_len) {
+        one->base = s->dev, one->host = false;
+        if (pos + *n > s->dev_len) *n = s->dev_len - pos;
+    } else {
+        *at = pos - s->dev_len;
+    }
+}
+
+/* Elements [pos, pos + n) of state s (one side of a split) into dst (fp32; bf16 widened exactly). */
+static void fetch_side(const run *r, const st_desc *s, int64_t pos, int64_t n, float *dst) {
     const fm_backend *be = &r->m.be;
     const bool host = s->host || be->ops->host_memory;
     const size_t es = fm_dtype_size(s->dtype);
@@ -104,6 +122,17 @@ static void fetch_local(const run *r, const st_desc *s, int64_t pos, int64_t n, 
     if (host) memcpy(h, src, 2 * (size_t)n);
     else be->ops->copy(be->ctx, h, src, 2 * (size_t)n, FM_COPY_D2H);
     for (int64_t k = 0; k < n; k++) dst[k] = fm_bf16_to_f32(h[k]);
+}
+
+/* Elements [pos, pos + n) of state s into dst: one piece per side of a split state. */
+static void fetch_local(const run *r, const st_desc *s, int64_t pos, int64_t n, float *dst) {
+    for (int64_t done = 0; done < n;) {
+        st_desc one;
+        int64_t at, k = n - done;
+        split_side(s, pos + done, &k, &one, &at);
+        fetch_side(r, &one, at, k, dst + done);
+        done += k;
+    }
 }
 
 static void note_high(fm_ckpt_stage *c, size_t used) {
@@ -253,7 +282,8 @@ static int save_states(run *r, const fm_optim_state *os, int nos, st_desc *sd, c
     sd[k] = master, pre[k++] = "";
     sd[k] = master, pre[k++] = "master.";
     for (int i = 0; i < nos && k < FM_CKPT_MAX_STATES; i++)
-        if (&os[i] != ms) sd[k] = (st_desc){os[i].base, os[i].dtype, os[i].host, sk}, pre[k++] = os[i].prefix;
+        if (&os[i] != ms)
+            sd[k] = (st_desc){os[i].base, os[i].dtype, os[i].host, sk, os[i].dev, os[i].dev_len}, pre[k++] = os[i].prefix;
     return k;
 }
 
@@ -261,7 +291,7 @@ bool fm_ckpt_stream_wanted(const run *r, const fm_optim_state *os, int nos) {
     if (r->n_ranks > 1 || r->zero3 || r->ep.full_ok) return true;
     if (!r->m.be.ops->host_memory) return true; /* a device's buffers: through the staging */
     for (int i = 0; i < nos; i++)
-        if (os[i].dtype != FM_DTYPE_F32) return true;
+        if (os[i].dtype != FM_DTYPE_F32 || os[i].dev_len > 0) return true; /* narrowed, or split */
     return false; /* one rank's fp32 host buffers: the writer reads them in place */
 }
 
@@ -304,8 +334,9 @@ fm_status fm_ckpt_stream_serve(run *r, int n_slots) {
 
 /* ---- load ------------------------------------------------------------------------------------ */
 
-/* Narrows n fp32 values in place to dtype and stores them at element pos of state s. */
-static void store_local(const run *r, const st_desc *s, int64_t pos, float *v, int64_t n) {
+/* Narrows n fp32 values in place to dtype and stores them at element pos of state s (one side of
+ * a split). */
+static void store_side(const run *r, const st_desc *s, int64_t pos, float *v, int64_t n) {
     const fm_backend *be = &r->m.be;
     const bool host = s->host || be->ops->host_memory;
     const size_t es = fm_dtype_size(s->dtype);
@@ -316,6 +347,17 @@ static void store_local(const run *r, const st_desc *s, int64_t pos, float *v, i
     char *dst = (char *)s->base + es * (size_t)pos;
     if (host) memcpy(dst, v, es * (size_t)n);
     else be->ops->copy(be->ctx, dst, v, es * (size_t)n, FM_COPY_H2D);
+}
+
+/* The same for state s: one piece per side of a split state. */
+static void store_local(const run *r, const st_desc *s, int64_t pos, float *v, int64_t n) {
+    for (int64_t done = 0; done < n;) {
+        st_desc one;
+        int64_t at, k = n - done;
+        split_side(s, pos + done, &k, &one, &at);
+        store_side(r, &one, at, v + done, k);
+        done += k;
+    }
 }
 
 /* The ranges of this rank's table tensor p that state kind k stores here: *nr of them, elements
@@ -449,7 +491,7 @@ fm_status fm_ckpt_stream_load(run *r, const char *dir, bool verify) {
     for (int i = 0; i < nos && s == FM_OK; i++)
         if (&os[i] != ms && !(!strcmp(os[i].prefix, FM_KAHAN_PREFIX) && count_prefix(&opt, FM_KAHAN_PREFIX) == 0)) {
             /* (a checkpoint of another recipe has no Kahan buffer: it stays at zero) */
-            const st_desc d = {os[i].base, os[i].dtype, os[i].host, sk};
+            const st_desc d = {os[i].base, os[i].dtype, os[i].host, sk, os[i].dev, os[i].dev_len};
             s = load_state(r, &opt, NULL, &d, os[i].prefix);
         }
     fm_st_close(&model);

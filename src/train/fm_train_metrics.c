@@ -63,9 +63,13 @@ void fm_train_print_header(const run *r, const fm_plan_req *req, int64_t tokens_
         fm_line_add(&l, ", %lld boundaries offloaded (%.1f MiB pinned host memory)", (long long)plan->n_offloaded_boundaries,
                     (plan->host_bytes - plan->host_optimizer_bytes) / 1048576.0);
     if (plan->host_optimizer_bytes > 0)
-        fm_line_add(&l, ", optimizer offloaded (%.1f MiB pinned host memory, %lld slots of %lld parameters)",
+        fm_line_add(&l, ", optimizer offloaded (%.1f MiB pinned host memory, %lld slots of %lld parameters; %lld of "
+                    "%lld buckets streamed, the first %lld parameters' state on the device)",
                     plan->host_optimizer_bytes / 1048576.0, (long long)req->offload_slots,
-                    (long long)(req->offload_bucket < plan->n_params ? req->offload_bucket : plan->n_params));
+                    (long long)(req->offload_bucket < plan->n_params - plan->offload_resident
+                                    ? req->offload_bucket : plan->n_params - plan->offload_resident),
+                    (long long)plan->offload_streamed_buckets, (long long)plan->offload_buckets,
+                    (long long)plan->offload_resident);
     fm_log(FM_LOG_INFO, "%s\n", l.buf);
     fm_log(FM_LOG_INFO, "flops per token: model %.4e, hardware %.4e (with the recomputed forwards)\n",
            plan->flops_model_token, plan->flops_hw_token);

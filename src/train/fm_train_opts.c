@@ -42,6 +42,7 @@ void fm_train_opts_default(fm_train_opts *o) {
     o->ce_block_vocab = -1;
     o->offload_optimizer_bucket = 0;
     o->offload_optimizer_slots = 2;
+    o->optimizer_offload_fraction = -1;
 }
 
 fm_status fm_train_opts_check(const fm_train_opts *o) {
@@ -94,6 +95,18 @@ fm_status fm_train_opts_check_flags(const fm_train_opts *o, fm_train_check_for w
     if (o->offload_optimizer_slots < 1 || o->offload_optimizer_slots > 16)
         return fm_error(FM_ERR_ARG, "--offload-optimizer-slots must be in [1, 16], found %lld",
                         (long long)o->offload_optimizer_slots);
+    if (o->optimizer_offload_fraction != -1 && !(o->optimizer_offload_fraction > 0 && o->optimizer_offload_fraction <= 1))
+        return fm_error(FM_ERR_ARG, "--optimizer-offload-fraction must be in (0, 1] (the share of the optimizer's "
+                        "buckets streamed from the host; 1 = all), found %g; leave it out to let the plan choose",
+                        o->optimizer_offload_fraction);
+    /* refused alone rather than implying the switch: a value flag never turns a mode on by itself
+     * (a resume restores both flags; without --offload-optimizer the chooser decides whether the
+     * optimizer streams at all, and a fraction of nothing means nothing) */
+    if (o->optimizer_offload_fraction != -1 && !o->offload_optimizer)
+        return fm_error(FM_ERR_ARG, "--optimizer-offload-fraction %g without --offload-optimizer: it is the share of "
+                        "the streamed optimizer's buckets that stream; add --offload-optimizer, or drop the fraction "
+                        "(the plan then chooses where the optimizer lives and how much of it streams)",
+                        o->optimizer_offload_fraction);
     if (o->zero != 0 && o->zero != 1 && o->zero != 3)
         return fm_error(FM_ERR_ARG, "--zero must be 0 (replicas), 1 (optimizer state sharded over the dp x sp ranks) "
                         "or 3 (weights, gradients and optimizer state sharded over the dp x sp ranks), found %d", o->zero);

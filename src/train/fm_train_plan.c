@@ -28,6 +28,7 @@ static void plan_state(fm_train_plan *tp, const fm_train_opts *o, int W) {
     req->offload_optimizer = o->offload_optimizer;
     req->offload_bucket = o->offload_optimizer_bucket > 0 ? o->offload_optimizer_bucket : FM_OFFLOAD_DEFAULT_BUCKET;
     req->offload_slots = o->offload_optimizer_slots;
+    req->offload_fraction = o->optimizer_offload_fraction > 0 ? o->optimizer_offload_fraction : 1.0; /* chooser: less */
     req->offload_state_bytes = fm_offload_model_state_bound;
     req->bf16_moments = o->bf16_moments;
     /* the update overlaps the next forward, but not under ZeRO (its update ends in a gather) */
@@ -105,6 +106,7 @@ fm_choose_opts fm_train_plan_choose_opts(const fm_train_plan *tp, const fm_train
                                o->offload_boundaries != NULL,
                                /* --ep or a bf16 recipe: no streamed AdamW (it keeps an fp32 master) */
                                o->offload_optimizer || tp->ep > 1 || o->master_weights != FM_MASTER_FP32,
-                               tp->moe_c >= 0, o->ce_block_tokens >= 0 || o->ce_block_vocab >= 0 || tp->vocab_flag};
+                               tp->moe_c >= 0, o->ce_block_tokens >= 0 || o->ce_block_vocab >= 0 || tp->vocab_flag,
+                               o->optimizer_offload_fraction > 0};
     return co;
 }

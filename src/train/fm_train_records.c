@@ -84,6 +84,8 @@ static cJSON *flags_json(const fm_train_opts *o) {
     cJSON_AddBoolToObject(f, "offload_optimizer", o->offload_optimizer);
     add_int(f, "offload_optimizer_bucket", o->offload_optimizer_bucket);
     add_int(f, "offload_optimizer_slots", o->offload_optimizer_slots);
+    if (o->optimizer_offload_fraction > 0) add_num(f, "optimizer_offload_fraction", o->optimizer_offload_fraction);
+    else cJSON_AddNullToObject(f, "optimizer_offload_fraction"); /* not given: the plan's (below) */
     add_str(f, "offload_boundaries", o->offload_boundaries);
     cJSON_AddBoolToObject(f, "report_memory", o->report_memory);
     cJSON_AddBoolToObject(f, "quiet", o->quiet);
@@ -143,6 +145,13 @@ fm_status fm_train_metrics_header(run *r, const fm_run_records *rec, int64_t res
     add_int(pl, "keep_attention_layers", p->n_keep_attention);
     add_int(pl, "moe_chunks", p->moe_K);
     add_int(pl, "offloaded_boundaries", p->n_offloaded_boundaries);
+    if (p->offload_buckets > 0) { /* the streamed optimizer as run: --optimizer-offload-fraction's split */
+        cJSON *oo = cJSON_AddObjectToObject(pl, "optimizer_offload");
+        add_num(oo, "fraction", (double)p->offload_streamed_buckets / (double)p->offload_buckets);
+        add_int(oo, "buckets", p->offload_buckets);
+        add_int(oo, "streamed_buckets", p->offload_streamed_buckets);
+        add_int(oo, "resident_params", p->offload_resident);
+    }
     add_num(pl, "flops_model_per_token", p->flops_model_token);
     add_num(pl, "flops_hardware_per_token", p->flops_hw_token);
     { /* the expert GEMMs' form, an init option of the backend, and why (plan/fm_expert_choice.h) */

@@ -320,8 +320,9 @@ static fm_status setup_optimizer(run *r, const fm_plan_req *req, fm_comm_kind co
     r->optim = &fm_adamw_ops;
     r->opt_self = &r->opt;
     if (req->offload_optimizer) { /* the streamed AdamW: its host state, as planned; the store without master */
-        FM_TRY(fm_offload_adamw_create(&r->oopt, &r->opt, m->p.n_params, req->offload_bucket, o->offload_optimizer_slots,
-                                       &r->be));
+        FM_TRY(fm_offload_adamw_create_split(&r->oopt, &r->opt, m->p.n_params, req->offload_bucket,
+                                             o->offload_optimizer_slots,
+                                             req->offload_fraction > 0 ? req->offload_fraction : 1.0, &r->be));
         if (r->oopt.host.capacity != fm_arena_round(plan->host_optimizer_bytes)) {
             char msg[200];
             snprintf(msg, sizeof msg, "the offloaded optimizer's host arena holds %zu bytes but the plan says %zu",

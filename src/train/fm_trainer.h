@@ -87,6 +87,10 @@ typedef struct fm_train_opts {
     int64_t offload_optimizer_bucket; /* --offload-optimizer-bucket: parameters per bucket (0: 100M,
                                      at most the model's parameter count) */
     int64_t offload_optimizer_slots;  /* --offload-optimizer-slots: device staging slots, [1, 16] (2) */
+    double optimizer_offload_fraction; /* --optimizer-offload-fraction F in (0, 1]: the last ceil(F nb)
+                                     buckets stream, the first keep their state on the device; -1: not
+                                     given (the chooser picks it under a budget, else 1); needs
+                                     offload_optimizer (fm_train_opts_check_flags refuses it alone) */
     bool report_memory;           /* --report-memory: measured high-water marks vs the plan */
     bool no_optimizer_overlap;    /* --no-optimizer-overlap: the update runs after the backward and the
                                      step waits for it (train/fm_optim_overlap.h; default: overlapped) */

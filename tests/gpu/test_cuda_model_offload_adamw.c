@@ -2,7 +2,10 @@
  * flatmoe_cuda_lib: pinned host state, copy-in/copy-out streams, events): over the same
  * gradients, 3 steps give bf16 weights, fp32 master and Adam m, v bit-identical to fm_adamw_ops
  * (the adamw kernel is elementwise, so launching it per bucket changes no bit), for buckets
- * smaller than a tensor and not dividing the parameter count, 1-3 slots, fp32 and bf16 moments. */
+ * smaller than a tensor and not dividing the parameter count, 1-3 slots, fp32 and bf16 moments;
+ * every bucket streamed, or the first ones' state resident on the device
+ * (--optimizer-offload-fraction F = 0.5, 0.01: the resident master copied in from the pinned host
+ * master at the first step, and back by state_tensors). */
 #include <stdio.h>
 #include <string.h>
 
@@ -33,11 +36,12 @@ static void *download(const void *src, size_t bytes) {
     return h;
 }
 
-static void run_case(int64_t bucket, int slots, bool bf16) {
+static void run_case(int64_t bucket, int slots, bool bf16, double F) {
     const fm_config c = small_config();
     fm_oa_fixture f;
-    fm_oa_fixture_create(&f, &c, &g_be, bucket, slots, bf16);
-    const int64_t n = f.n;
+    fm_oa_fixture_create_f(&f, &c, &g_be, bucket, slots, bf16, F);
+    const int64_t n = f.n, R = f.oo.resident;
+    CHECK(F >= 1 || bucket >= n || R > 0);
     /* the same initial master in both; the weights converted from it */
     float *w0 = fm_malloc(sizeof(float) * (size_t)n), *g = fm_malloc(sizeof(float) * (size_t)n);
     fm_rng r;
@@ -64,13 +68,27 @@ static void run_case(int64_t bucket, int slots, bool bf16) {
         CHECK(g_be.ops->status(g_be.ctx) == FM_OK);
     }
     const size_t mb = bf16 ? 2 : 4;
+    fm_optim_state st[3]; /* the checkpoint's view: the resident master back in the host's */
+    CHECK(fm_offload_adamw_ops.state_tensors(&f.oo, st, 3) == 3 && st[0].dev_len == R);
+    if (R > 0) { /* the resident moments: the device's [0, R), then the host's */
+        void *dm = download(f.oo.d_res_m, mb * (size_t)R), *dv = download(f.oo.d_res_v, mb * (size_t)R);
+        void *hm = fm_malloc(mb * (size_t)n), *hv = fm_malloc(mb * (size_t)n);
+        FM_ASSERT(hm && hv);
+        memcpy(hm, dm, mb * (size_t)R), memcpy(hv, dv, mb * (size_t)R);
+        memcpy((char *)hm + mb * (size_t)R, f.oo.h_m, mb * (size_t)(n - R));
+        memcpy((char *)hv + mb * (size_t)R, f.oo.h_v, mb * (size_t)(n - R));
+        void *rmm = download(f.ra.m, mb * (size_t)n), *rvv = download(f.ra.v, mb * (size_t)n);
+        CHECK_MSG(!memcmp(rmm, hm, mb * (size_t)n) && !memcmp(rvv, hv, mb * (size_t)n),
+                  "F %g bucket %lld: the split moments differ", F, (long long)bucket);
+        fm_free(dm); fm_free(dv); fm_free(hm); fm_free(hv); fm_free(rmm); fm_free(rvv);
+    }
     void *rp = download(f.ref.p.params, sizeof(fm_act) * (size_t)n), *op = download(f.off.p.params, sizeof(fm_act) * (size_t)n);
     void *rm = download(f.ref.p.master, sizeof(float) * (size_t)n);
     void *rmm = download(f.ra.m, mb * (size_t)n), *rvv = download(f.ra.v, mb * (size_t)n);
     const bool w_ok = !memcmp(rp, op, sizeof(fm_act) * (size_t)n), ms_ok = !memcmp(rm, f.oo.h_master, 4 * (size_t)n);
-    const bool m_ok = !memcmp(rmm, f.oo.h_m, mb * (size_t)n), v_ok = !memcmp(rvv, f.oo.h_v, mb * (size_t)n);
-    CHECK_MSG(w_ok && ms_ok && m_ok && v_ok, "bucket %lld slots %d %s: weights %d master %d m %d v %d",
-              (long long)bucket, slots, bf16 ? "bf16" : "fp32", w_ok, ms_ok, m_ok, v_ok);
+    const bool m_ok = R > 0 || !memcmp(rmm, f.oo.h_m, mb * (size_t)n), v_ok = R > 0 || !memcmp(rvv, f.oo.h_v, mb * (size_t)n);
+    CHECK_MSG(w_ok && ms_ok && m_ok && v_ok, "bucket %lld slots %d %s F %g: weights %d master %d m %d v %d",
+              (long long)bucket, slots, bf16 ? "bf16" : "fp32", F, w_ok, ms_ok, m_ok, v_ok);
     fm_free(rp); fm_free(op); fm_free(rm); fm_free(rmm); fm_free(rvv); fm_free(w0); fm_free(g);
     fm_oa_fixture_free(&f);
 }
@@ -80,7 +98,12 @@ int main(void) {
     const int64_t buckets[3] = {7, 1001, 1 << 30};
     for (int b = 0; b < 3; b++)
         for (int s = 1; s <= 3; s++)
-            for (int h = 0; h < 2; h++) run_case(buckets[b], s, h == 1);
+            for (int h = 0; h < 2; h++) run_case(buckets[b], s, h == 1, 1.0);
+    for (int b = 0; b < 2; b++) /* --optimizer-offload-fraction */
+        for (int h = 0; h < 2; h++) {
+            run_case(buckets[b], 1 + b + h, h == 1, 0.5);
+            run_case(buckets[b], 2, h == 1, 0.01);
+        }
     fm_backend_default_free(&g_be);
     printf("%d passed, %d failed\n", fm_test_passed, fm_test_failed);
     return fm_test_failed ? 1 : 0;
