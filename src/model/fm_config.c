@@ -1,12 +1,10 @@
 #include "fm_config.h"
 
 #include <cjson/cJSON.h>
-#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 /* ---- JSON field helpers: each names the file and the field in its message ---------------- */
 
@@ -317,24 +315,8 @@ fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *pat
 }
 
 fm_status fm_config_load(fm_config *cfg, const char *path) {
-    struct stat sb;
-    if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode))
-        return fm_error(FM_ERR_IO, "%s: is not a file; expected a Hugging Face config.json", path);
-    FILE *f = fopen(path, "rb");
-    if (!f) return fm_error(FM_ERR_IO, "%s: cannot open the model config: %s", path, strerror(errno));
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    if (n < 0 || n > (1 << 24)) {
-        fclose(f);
-        return fm_error(FM_ERR_FORMAT, "%s: expected a config.json of at most 16 MiB, found %ld bytes", path, n);
-    }
-    char *text = fm_malloc((size_t)n + 1);
-    if (!text) { fclose(f); return fm_error(FM_ERR_NOMEM, "%s: out of memory reading the config", path); }
-    size_t got = fread(text, 1, (size_t)n, f);
-    fclose(f);
-    if (got != (size_t)n) { fm_free(text); return fm_error(FM_ERR_IO, "%s: short read", path); }
-    text[n] = 0;
+    char *text;
+    FM_TRY(fm_config_read_text(path, &text));
     fm_status st = fm_config_parse(cfg, text, path);
     fm_free(text);
     return st;

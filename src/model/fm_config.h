@@ -76,8 +76,23 @@ fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *pat
 /* Reads and parses a config.json file. Errors: FM_ERR_IO if unreadable, else as above. */
 fm_status fm_config_load(fm_config *cfg, const char *path);
 
-/* Writes the config back as Hugging Face config.json text (fields for its model_type,
- * "architectures", "torch_dtype":"float32"), into an fm_malloc'd string. */
+/* The text of the file at path, fm_malloc'd into *text (the caller frees it). Errors: FM_ERR_IO
+ * (not a file, unreadable), FM_ERR_FORMAT (over 16 MiB), FM_ERR_NOMEM. (fm_config_json.c) */
+fm_status fm_config_read_text(const char *path, char **text);
+
+/* config.json as read: `text` (the file a model came from, which parses to cfg but for the
+ * fields flatmoe changes) with only those fields set to cfg's values, into a new fm_malloc'd
+ * *out; everything else is the file's own bytes (unknown fields, number spellings, order). The
+ * fields flatmoe changes: max_position_embeddings (--max-position-embeddings), replaced where
+ * the file has it, else inserted as the first member. Errors: the parse's for text (naming
+ * path); FM_ERR_ARG when cfg differs from text in another field; FM_ERR_NOMEM.
+ * (fm_config_json.c) */
+fm_status fm_config_json_as_read(const char *text, const fm_config *cfg, const char *path, char **out);
+
+/* The config as Hugging Face config.json text (fields for its model_type, "architectures",
+ * "torch_dtype":"float32"), into an fm_malloc'd string: a canonical form (two configs are the
+ * same model when their texts are equal) and the config of a model made without a file; a
+ * checkpoint writes fm_config_json_as_read's text instead. */
 char *fm_config_to_json(const fm_config *cfg);
 
 /* Whether layer l (in [0, num_hidden_layers)) is an MoE layer (router and experts), else a dense
