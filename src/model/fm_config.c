@@ -225,9 +225,6 @@ static fm_status check_fields(fm_config *cfg, const char *path, int64_t hd_given
         return fm_error(FM_ERR_CONFIG, "%s: no layer is an MoE layer (decoder_sparse_step %lld, mlp_only_layers, %lld "
                         "layers); flatmoe trains MoE models: make at least one layer MoE", path,
                         (long long)cfg->decoder_sparse_step, (long long)cfg->num_hidden_layers);
-    if (n_moe < cfg->num_hidden_layers) /* DENSE-TODO: until the dense MLP lands */
-        return fm_error(FM_ERR_UNSUPPORTED, "%s: decoder_sparse_step / mlp_only_layers make dense (non-MoE) layers, "
-                        "which flatmoe does not support yet", path);
     if (hd_given < 0)
         return fm_error(FM_ERR_CONFIG, "%s: \"head_dim\" must be positive, found %lld", path, (long long)hd_given);
     if (hd_given > 0) cfg->head_dim = hd_given;

@@ -195,7 +195,7 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     double P = (double)(mesh ? p->n_params_rank : p->n_params);
     if (!mesh) {
         const double Wz = (double)(r->train_dp > 1 ? r->train_dp : 1) * sp, epd = r->ep > 1 ? (double)r->ep : 1.0;
-        const double Pexp = L * E * 3.0 * H * I, Pne = P - Pexp;
+        const double Pexp = (double)fm_config_num_moe_layers(&r->cfg) * E * 3.0 * H * I, Pne = P - Pexp;
         if (r->train_zero == 1 && Wz > 1) P = P / Wz;
         else if (r->train_zero == 3 && Wz > 1) P = epd > 1 ? Pne / Wz + Pexp / epd : P / Wz;
         else if (epd > 1) P = Pne + Pexp / epd;
