@@ -21,8 +21,11 @@ static void test_real_configs(void) {
         {"configs/olmoe-1b-7b.json", 6919161856LL},
         {"configs/qwen3-30b-a3b.json", 30532122624LL},
         {"configs/mixtral-8x7b.json", 46702792704LL},
+        /* Qwen3-235B-A22B: 235.09e9 from its shapes (the model card: 235B, 234B without the
+         * embeddings; 233,848,970,752 here) */
+        {"configs/qwen3-235b-a22b.json", 235093634560LL},
     };
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         fm_config cfg;
         fm_status s = fm_config_load(&cfg, c[i].path);
         CHECK_MSG(s == FM_OK, "%s: %s", c[i].path, fm_errmsg());
