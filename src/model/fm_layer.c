@@ -27,8 +27,15 @@ static fm_moe_dims moe_dims(const fm_model *m) {
     const fm_config *c = &m->cfg;
     fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok,
                      m->a.moe_sync_free, m->a.moe_fp8, m->a.moe_fp8_codes,
-                     m->a.opts.expert_fp8_cache ? c->num_hidden_layers : 0};
+                     m->a.opts.expert_fp8_cache ? fm_config_num_moe_layers(c) : 0}; /* a set per MoE layer */
     return d;
+}
+
+/* MoE layer l's index among the MoE layers (the fp8 weight cache's set: one per MoE layer). */
+static int64_t moe_index(const fm_config *c, int64_t l) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < l; j++) n += fm_config_layer_is_moe(c, j);
+    return n;
 }
 
 void fm_model_fp8_cache_invalidate(fm_model *m) {
@@ -116,12 +123,12 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
     const fm_moe_dims md = moe_dims(m);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     if (m->mesh.moe_ep_comm) { /* expert parallelism (--ep): the experts of the ep group */
-        m->a.moe_ep_ws.exp_ws.w8_layer = l; /* --fp8-weight-cache: this layer's codes */
+        m->a.moe_ep_ws.exp_ws.w8_layer = moe_index(c, l); /* --fp8-weight-cache: this layer's codes */
         FM_TRY(fm_moe_ep_layer_forward(&m->be, m->mesh.moe_ep_comm, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w,
                                        N, m->a.moe_K, m->a.moe_chunk_order, &m->a.moe_ep_ws, m->a.moe_ws.counts,
                                        m->a.moe_ep_counts_host));
     } else {
-        m->a.moe_ws.w8_layer = l; /* --fp8-weight-cache: this layer's codes */
+        m->a.moe_ws.w8_layer = moe_index(c, l); /* --fp8-weight-cache: this layer's codes */
         FM_TRY(fm_moe_forward(&m->be, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w, N, m->a.moe_K,
                               m->a.moe_chunk_order, m->a.moe_chunk_tokens > 0 ? NULL : &a->moe, &m->a.moe_ws));
     }
@@ -153,12 +160,12 @@ static fm_status moe_block_backward(fm_model *m, int64_t l, const fm_act *dy, co
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down};
     if (m->mesh.moe_ep_comm) { /* expert parallelism: the ep group's error, the same on every rank */
-        m->a.moe_ep_ws.exp_ws.w8_layer = l;
+        m->a.moe_ep_ws.exp_ws.w8_layer = moe_index(c, l);
         FM_TRY(fm_moe_ep_layer_backward(&m->be, m->mesh.moe_ep_comm, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2,
                                         a->router.topk_idx, a->router.topk_w, N, m->a.moe_K, m->a.moe_chunk_order,
                                         &m->a.moe_ep_ws));
     } else {
-        m->a.moe_ws.w8_layer = l;
+        m->a.moe_ws.w8_layer = moe_index(c, l);
         FM_TRY(fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2, a->router.topk_idx,
                                a->router.topk_w, N, m->a.moe_K, m->a.moe_chunk_order,
                                m->a.moe_chunk_tokens > 0 ? NULL : &a->moe, &m->a.moe_ws));

@@ -100,7 +100,7 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     fm_moe_dims md = moe_dims(c);
     md.fp8 = m->a.moe_fp8;
     md.fp8_codes = m->a.moe_fp8_codes; /* (the path's own bytes, as planned: fm_moe_ws_bytes) */
-    md.fp8_cache_layers = m->a.opts.expert_fp8_cache ? L : 0;
+    md.fp8_cache_layers = m->a.opts.expert_fp8_cache ? fm_config_num_moe_layers(c) : 0; /* a set per MoE layer */
     const bool chunked = m->a.moe_chunk_tokens > 0;
     int64_t c_eff;
     fm_moe_chunks(N, m->a.moe_chunk_tokens, &m->a.moe_K, &c_eff);

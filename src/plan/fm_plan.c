@@ -97,7 +97,8 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
                  (long long)saved_sets, (long long)L, (long long)nr, one / 1048576.0);
 
     const bool fp8c = r->expert_fp8 && r->expert_fp8_codes;
-    const fm_moe_dims md = {H, I, E, k, false, r->expert_fp8, fp8c, fp8c && r->layout.expert_fp8_cache ? L : 0}; /* fm_moe_ws_bytes */
+    const fm_moe_dims md = {H, I, E, k, false, r->expert_fp8, fp8c,
+                            fp8c && r->layout.expert_fp8_cache ? fm_config_num_moe_layers(c) : 0}; /* fm_moe_ws_bytes */
     fm_moe_chunks(N, r->moe_chunk_tokens, &p->moe_K, &p->moe_c_eff);
     if (r->ep > 1) { /* expert parallelism: the EP operator's bound for one chunk of <= c_eff tokens per source */
         fm_moe_ep_bound eb;
