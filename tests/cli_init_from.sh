@@ -81,6 +81,27 @@ expect_fail "resume: names the way on" "--resume-trust-optimizer" "$FM" train "$
 out=$("$FM" train --init-from "$TMP/qwen3-dtypef32" "${one[@]}" --steps 4 --out "$TMP/edit-ok" --resume 2>&1 >/dev/null) \
     && grep -q "is not used" <<<"$out" && ok || bad "--resume with --init-from: $out"
 
+# A Hugging Face folder whose config.json leaves num_key_value_heads out: transformers'
+# Qwen3MoeConfig builds 4 kv heads, so its k_proj is [4 x head_dim, hidden] = [16, 32]; flatmoe
+# builds the same and loads it (an explicit 8 would need [32, 32]: refused, naming the tensor).
+python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c.update(num_attention_heads=8, head_dim=4)
+del c["num_key_value_heads"]; json.dump(c, open(sys.argv[2], "w"))' "$TMP/qwen3.json" "$TMP/qwen3-nokv.json"
+"$FM" train --config "$TMP/qwen3-nokv.json" "${one[@]}" --steps 1 --out "$TMP/nokv-src" >/dev/null || bad "no kv heads: source run failed"
+"$FX" "$TMP/nokv-src/step_000001" "$TMP/nokv" --dtype bf16 || bad "no kv heads: fixture failed"
+python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c.pop("num_key_value_heads", None)
+json.dump(c, open(sys.argv[1], "w"))' "$TMP/nokv/config.json"
+python3 -c 'import json, struct, sys; f = open(sys.argv[1], "rb"); n = struct.unpack("<Q", f.read(8))[0]
+h = json.loads(f.read(n)); sys.exit(h["model.layers.0.self_attn.k_proj.weight"]["shape"] != [16, 32])' \
+    "$TMP/nokv/model.safetensors" && ok || bad "no kv heads: the folder's k_proj is not [16, 32]"
+"$FM" train --init-from "$TMP/nokv" "${one[@]}" --steps 1 --out "$TMP/run-nokv" && ok || bad "no kv heads: --init-from failed"
+a=$(step1_loss "$TMP/run-nokv"); b=$(eval_loss "$TMP/nokv" "$TMP/one.txt")
+close "$a" "$b" && ok || bad "no kv heads: step-1 loss $a, eval of the folder $b"
+cp -r "$TMP/nokv" "$TMP/kv8"
+python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_key_value_heads"] = 8
+json.dump(c, open(sys.argv[1], "w"))' "$TMP/kv8/config.json"
+expect_fail "explicit kv heads 8" "model.layers.0.self_attn.k_proj.weight' has the wrong shape: expected [32, 32], found [16, 32]" \
+    "$FM" train --init-from "$TMP/kv8" "${one[@]}" --steps 1 --out "$TMP/r-kv8"
+
 # Loss masks: the second half of the targets masked; changing the last token (only ever a target)
 # moves the loss without the mask and not with it; the masked loss is another loss.
 ck="$TMP/olmoe-dtypef32"

@@ -40,6 +40,15 @@ static inline fm_config fm_test_small_config(fm_model_type t, int64_t layers, bo
     return c;
 }
 
+/* Makes c's layers dense as qwen3_moe's decoder_sparse_step 2 and mlp_only_layers [0] do
+ * (layers 0, 2, 4, ... dense; model/fm_config.h), the dense MLP of width Id. */
+static inline void fm_test_dense_layers(fm_config *c, int64_t Id) {
+    c->decoder_sparse_step = 2;
+    memset(c->mlp_only_mask, 0, sizeof c->mlp_only_mask);
+    c->mlp_only_mask[0] = 1;
+    c->dense_intermediate_size = Id;
+}
+
 /* The batch of model m in the tests (model/fm_batch.h: the batch is an argument of the step, not
  * a field of the model): one host batch per model address, of m's active shape (allocated again
  * when the shape changes), alive until the test ends. */

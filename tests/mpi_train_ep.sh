@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Expert parallelism in the trainer (--ep; README "Many ranks", src/train/fm_train_ep.h) under
 # mpirun, as ctest runs it:
-#   bash tests/mpi_train_ep.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | adversarial | resume | zero3 | fp8llep | badinput
+#   bash tests/mpi_train_ep.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | adversarial | resume | zero3 | fp8llep | dense | badinput
 # np2, np4: 20 steps of tests/data/micro.json (E = 4 experts, top-2) at --micro-batch 4/W on W ranks
 #   with --ep 2 (np 2: dp = ep, no expert all-reduce; np 4: each expert on 2 ranks) and --ep 4
 #   (one expert per rank), give the losses of one rank at --micro-batch 4 to 1e-6 relative, the
@@ -28,6 +28,7 @@
 #   at np 2 --ep 2 --zero 0, then 10 at np 4 --zero 3 --ep 2: each ends as 20 one-rank steps.
 # fp8llep: --expert-precision fp8 (codes and emulated) with --llep against the same without it, at
 #   np 2 --ep 2 under adversarial routing (the placement moves rows), at stated tolerances.
+# dense: qwen3_moe with dense layers at np 2 --ep 2 and --zero 3 --ep 2 against one rank.
 # badinput: --ep not dividing the ranks, not dividing num_experts (np 3), --zero 1 with --ep,
 #   --llep without --ep: a clear error naming the flag, the values and the fix, non-zero exit.
 set -u
@@ -228,6 +229,19 @@ for x, y in zip(a, b):
 sys.exit(0 if ok else 1)
 PY
     done ;;
+dense)
+    # qwen3_moe with dense layers (decoder_sparse_step 2, mlp_only_layers [0]: layers 0 and 2 dense,
+    # 1 and 3 MoE): each dense MLP replicated on every rank, its gradients all-reduced like the
+    # attention's; np 2 --ep 2 and np 2 --zero 3 --ep 2 give one rank's losses and weights
+    python3 -c 'import json, sys; c = json.load(open(sys.argv[1]))
+c.update(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[0], intermediate_size=48)
+json.dump(c, open(sys.argv[2], "w"))' "$ROOT/tests/data/micro_qwen3.json" "$TMP/dense.json"
+    COMMON[1]="$TMP/dense.json"
+    one_rank "$TMP/one"
+    mpi 2 train "${COMMON[@]}" --micro-batch 2 --ep 2 --report-memory --out "$TMP/d2" || bad "dense np 2 --ep 2 failed"
+    compare "$TMP/one" "$TMP/d2" || bad "dense np 2 --ep 2 differs from one rank"
+    mpi 2 train "${COMMON[@]}" --micro-batch 2 --ep 2 --zero 3 --out "$TMP/z2" || bad "dense np 2 --zero 3 --ep 2 failed"
+    compare "$TMP/one" "$TMP/z2" || bad "dense np 2 --zero 3 --ep 2 differs from one rank" ;;
 badinput)
     check() { # np, needle, flags...
         local np=$1 needle=$2; shift 2

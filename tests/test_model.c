@@ -21,8 +21,11 @@ static void test_real_configs(void) {
         {"configs/olmoe-1b-7b.json", 6919161856LL},
         {"configs/qwen3-30b-a3b.json", 30532122624LL},
         {"configs/mixtral-8x7b.json", 46702792704LL},
+        /* Qwen3-235B-A22B: 235.09e9 from its shapes (the model card: 235B, 234B without the
+         * embeddings; 233,848,970,752 here) */
+        {"configs/qwen3-235b-a22b.json", 235093634560LL},
     };
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         fm_config cfg;
         fm_status s = fm_config_load(&cfg, c[i].path);
         CHECK_MSG(s == FM_OK, "%s: %s", c[i].path, fm_errmsg());
@@ -67,11 +70,11 @@ static void test_bad_configs(void) {
     expect_bad("{\"model_type\":\"olmoe\",\"vocab_size\":256,\"hidden_size\":64,\"num_hidden_layers\":2,\"max_position_embeddings\":64,"
                "\"num_experts_per_tok\":5,\"num_attention_heads\":4,\"intermediate_size\":32,\"num_experts\":4}",
                FM_ERR_CONFIG, "num_experts_per_tok (5) must be <= num_experts (4)");
-    expect_bad("{\"model_type\":\"mixtral\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":32}", FM_ERR_CONFIG,
-               "\"num_local_experts\" is missing");
+    /* (a field left out is transformers' default, not an error: tests/test_config.c) */
     expect_bad("{\"model_type\":\"qwen3_moe\"," BASE ",\"num_attention_heads\":\"4\",\"moe_intermediate_size\":32,\"num_experts\":4}",
                FM_ERR_FORMAT, "\"num_attention_heads\" must be an integer");
-    expect_bad("{\"model_type\":\"qwen3_moe\"," BASE ",\"num_attention_heads\":4,\"moe_intermediate_size\":32,\"num_experts\":4,"
+    /* (qwen3_moe's dense layers are built: tests/test_dense_layers.c; other types have none) */
+    expect_bad("{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":32,\"num_experts\":4,"
                "\"mlp_only_layers\":[0]}", FM_ERR_UNSUPPORTED, "mlp_only_layers");
     expect_bad("{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":32,\"num_experts\":4,"
                "\"clip_qkv\":8}", FM_ERR_UNSUPPORTED, "clip_qkv");
@@ -149,15 +152,18 @@ static double total_loss(fm_model *m) {
 
 static bool same_routing(fm_model *m, int32_t *saved) {
     const int64_t nk = m->a.N * m->cfg.num_experts_per_tok;
-    for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++)
-        if (memcmp(saved + l * nk, m->a.acts[l].router.topk_idx, sizeof(int32_t) * (size_t)nk)) return false;
+    for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++) /* (a dense layer routes nothing) */
+        if (m->a.acts[l].router.topk_idx &&
+            memcmp(saved + l * nk, m->a.acts[l].router.topk_idx, sizeof(int32_t) * (size_t)nk))
+            return false;
     return true;
 }
 
 static void save_routing(fm_model *m, int32_t *saved) {
     const int64_t nk = m->a.N * m->cfg.num_experts_per_tok;
     for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++)
-        memcpy(saved + l * nk, m->a.acts[l].router.topk_idx, sizeof(int32_t) * (size_t)nk);
+        if (m->a.acts[l].router.topk_idx)
+            memcpy(saved + l * nk, m->a.acts[l].router.topk_idx, sizeof(int32_t) * (size_t)nk);
 }
 
 /* For every tensor: the directional derivative along a random unit direction by central
@@ -566,6 +572,11 @@ int main(void) {
     narrow = small_config(FM_MODEL_MIXTRAL, false, 2);
     narrow.head_dim = 4;
     check_model_grad(narrow, "mixtral (heads x head_dim < hidden)", seed + 40);
+    /* qwen3_moe with dense layers (decoder_sparse_step 2, mlp_only_layers [0]: layers 0 and 2
+     * dense, 1 and 3 MoE): the dense MLP's weights and everything below them */
+    fm_config dense = fm_test_small_config(FM_MODEL_QWEN3_MOE, 4, false, 2);
+    fm_test_dense_layers(&dense, 20);
+    check_model_grad(dense, "qwen3_moe (dense layers 0, 2)", seed + 50);
     test_recompute_exact();
     test_accumulation();
     test_all_tokens_one_expert();

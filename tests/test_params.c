@@ -40,6 +40,9 @@ static void test_real_tables(void) {
         {"configs/olmoe-1b-7b.json", 6919161856LL},
         {"configs/qwen3-30b-a3b.json", 30532122624LL},
         {"configs/mixtral-8x7b.json", 46702792704LL},
+        /* Qwen3-235B-A22B: 235.09e9 from its shapes (the model card: 235B, 234B without the
+         * embeddings; 233,848,970,752 here) */
+        {"configs/qwen3-235b-a22b.json", 235093634560LL},
         {"configs/tiny.json", 0},
     };
     for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {

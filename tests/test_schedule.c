@@ -170,7 +170,7 @@ static void test_router_terms(void) {
     /* the losses: coefficient times the mean over layers of the terms */
     const double two[4] = {terms[0], terms[1], 3 * terms[0], 5 * terms[1]};
     double la, lz;
-    fm_router_losses(&m.router, two, 2, &la, &lz);
+    fm_router_losses(&m.router, two, 2, NULL, &la, &lz);
     CHECK_CLOSE(la, c.router_aux_loss_coef * 2 * terms[0], 1e-15);
     CHECK_CLOSE(lz, c.router_z_loss_coef * 3 * terms[1], 1e-15);
     /* the aux-loss gradient on the device from the device counts: coef * E * f_e / N */

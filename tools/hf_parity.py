@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Hugging Face parity of flatmoe's CPU backend (fp32) and of its CUDA backend (bf16).
 
-For each model family (OlmoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM) this builds a
-small random model with transformers, saves it, and compares against flatmoe (tools/fm_hf_grad):
+For each model family (OlmoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, and
+Qwen3MoeForCausalLM with dense layers: decoder_sparse_step 2, mlp_only_layers [0]) this builds a
+small random model with transformers, saves it, and compares against flatmoe (tools/fm_hf_grad),
+after checking that flatmoe counts the parameters transformers built:
   1. transformers -> flatmoe: the loss, the logits and every parameter's gradient on one batch;
   2. flatmoe -> transformers: a checkpoint flatmoe trained (`flatmoe train`, 2 steps) loads in
      transformers and gives the same logits as flatmoe on the same batch.
@@ -46,6 +48,7 @@ import copy
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -84,6 +87,14 @@ def configs():
                                                    **common)
     yield "mixtral", transformers.MixtralConfig(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
                                                 rope_theta=1e6, sliding_window=None, **common)
+    # dense layers among MoE layers (Qwen3MoeDecoderLayer: MoE when (i + 1) % decoder_sparse_step == 0
+    # and i not in mlp_only_layers): layers 0 (mlp_only_layers) and 2 ((2 + 1) % 2 != 0) are a
+    # Qwen3MoeMLP of intermediate_size, 1 and 3 MoE
+    dense = dict(common, num_hidden_layers=4)
+    yield "qwen3_moe_dense", transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                                         num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
+                                                         rope_theta=1e6, decoder_sparse_step=2, mlp_only_layers=[0],
+                                                         **dense)
 
 
 def nerr(a, b):
@@ -443,6 +454,14 @@ def main():
             print(f"{name}: saved {len(names)} tensors, e.g. {[n for n in names if 'expert' in n][:2]}")
             ids = torch.randint(0, cfg.vocab_size, (2, 24))
             n_fail0 = len(failures)
+            # the parameter count: flatmoe's (`flatmoe plan`) against the model transformers built
+            plan = subprocess.run([os.path.join(build, FLATMOE), "plan", "--config", os.path.join(d, "config.json"),
+                                   "--seq-len", "32", "--micro-batch", "1"], capture_output=True, text=True)
+            m = re.search(r"model \w+: (\d+) parameters", plan.stdout)
+            n_hf = sum(p.numel() for p in model.parameters())  # (tied weights counted once)
+            print(f"  {name}: parameters transformers {n_hf}, flatmoe {m.group(1) if m else 'n/a'}")
+            if not m or int(m.group(1)) != n_hf:
+                failures.append(f"{name}: flatmoe counts {m.group(1) if m else 'no'} parameters, transformers {n_hf}")
             rec = dict(model=name, mode="bf16-baseline" if bf16 else "fp32", flatmoe=FLATMOE, tol=TOL)
             # 1. transformers -> flatmoe
             model.zero_grad()

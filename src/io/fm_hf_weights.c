@@ -297,6 +297,8 @@ fm_status fm_hf_read_files(const fm_hf_table *t, const fm_hf_files *f, const cha
     }
     char name[256];
     for (int64_t l = 0; l < L && s == FM_OK; l++) {
+        fused[l] = false;
+        if (t->experts[l].gate < 0) continue; /* a dense layer */
         snprintf(name, sizeof name, "%smodel.layers.%lld.%s.experts.gate_up_proj", prefix, (long long)l, t->moe_module);
         int k;
         fused[l] = find(&r, name, &k) != NULL;

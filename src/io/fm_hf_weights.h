@@ -45,7 +45,8 @@ typedef struct fm_hf_param {
 
 /* Where one layer's stacked experts lie in the flat buffer, in elements: gate [E, I, H], up
  * [E, I, H] and down [E, H, I]. The range [gate, down + E*H*I) holds those three and nothing
- * else (the per-expert rows of the table that a fused file replaces). */
+ * else (the per-expert rows of the table that a fused file replaces). gate < 0: the layer has
+ * no experts (a dense layer: its mlp.{gate,up,down}_proj are ordinary rows of the table). */
 typedef struct fm_hf_experts {
     int64_t gate, up, down;
 } fm_hf_experts;

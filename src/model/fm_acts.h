@@ -16,6 +16,7 @@
 #include "../core/fm_arena.h"
 #include "fm_attn_sp.h"
 #include "fm_config.h"
+#include "fm_dense_mlp.h"
 #include "fm_router.h"
 
 /* Saved activations of one layer's forward (what its backward reads). The two RMSNorm outputs
@@ -31,7 +32,8 @@ typedef struct fm_layer_acts {
                                     [B,nh/sp,sp T], fm_attn_sp.h) */
     fm_act *x_mid;               /* [N,H] residual after attention */
     float *rstd2;                /* [N] */
-    fm_router_saved router;      /* probs [N,E], lse [N], top-k [N,k], statistics [E] (fm_router.h) */
+    fm_router_saved router;      /* probs [N,E], lse [N], top-k [N,k], statistics [E] (fm_router.h);
+                                    NULL each in a dense layer's set (no router) */
     fm_moe_routes moe;           /* plain MoE twin only: the layer's dispatch (expert dispatch set) */
 } fm_layer_acts;
 
@@ -47,6 +49,8 @@ typedef struct fm_bwd_ws {
     fm_act *dlogits_act;                  /* [N,E] fm_act copy for the router GEMMs (aliases
                                              dlogits_r when fm_act is fp32) */
     float *dprobs_e;                      /* [E] */
+    fm_dense_mlp_ws dense;                /* dense layers' SwiGLU MLP (fm_dense_mlp.h): 5 x [N,Id],
+                                             NULL each when every layer is MoE */
 } fm_bwd_ws;
 
 typedef enum fm_live_set {

@@ -1,22 +1,16 @@
 #include "fm_config.h"
 
 #include <cjson/cJSON.h>
-#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 /* ---- JSON field helpers: each names the file and the field in its message ---------------- */
 
-static fm_status get_int(const cJSON *root, const char *path, const char *key, bool required,
-                         int64_t dflt, int64_t *out) {
+static fm_status get_int(const cJSON *root, const char *path, const char *key, int64_t dflt, int64_t *out) {
     const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
     if (!it || cJSON_IsNull(it)) {
-        if (required)
-            return fm_error(FM_ERR_CONFIG, "%s: required field \"%s\" is missing; add it (an integer)",
-                            path, key);
         *out = dflt;
         return FM_OK;
     }
@@ -55,6 +49,231 @@ static fm_status reject_if_set(const cJSON *root, const char *path, const char *
                     "remove the field or set it to null/false", path, key, why);
 }
 
+/* ---- transformers' defaults per model_type ------------------------------------------------
+ * The default of every field flatmoe reads, as transformers' config classes give it
+ * (transformers src/transformers/models/{qwen3_moe,olmoe,mixtral}/configuration_*.py:
+ * Qwen3MoeConfig, OlmoeConfig, MixtralConfig; rope_theta the class's default_theta, 10000 unless
+ * the class sets it). Every model_type: initializer_range 0.02, tie_word_embeddings false,
+ * norm_topk_prob false (mixtral: always renormalized), decoder_sparse_step 1, mlp_only_layers []. */
+typedef struct hf_defaults {
+    const char *name;
+    fm_model_type type;
+    int64_t vocab_size, hidden_size;
+    int64_t intermediate_size;     /* olmoe, mixtral: the experts'; qwen3_moe: the dense MLP's */
+    int64_t moe_intermediate_size; /* qwen3_moe only (0: the field is not read) */
+    int64_t num_hidden_layers, num_attention_heads;
+    int64_t num_key_value_heads;   /* 0: num_attention_heads (OlmoeConfig's None) */
+    int64_t max_position_embeddings, num_experts, num_experts_per_tok;
+    double rope_theta, rms_norm_eps, router_aux_loss_coef;
+} hf_defaults;
+
+static const hf_defaults k_hf_defaults[] = {
+    {"qwen3_moe", FM_MODEL_QWEN3_MOE, 151936, 2048, 6144, 768, 24, 32, 4, 32768, 128, 8, 10000.0, 1e-6, 0.001},
+    {"olmoe", FM_MODEL_OLMOE, 50304, 2048, 2048, 0, 16, 16, 0, 4096, 64, 8, 10000.0, 1e-5, 0.01},
+    {"mixtral", FM_MODEL_MIXTRAL, 32000, 4096, 14336, 0, 32, 32, 8, 4096 * 32, 8, 2, 1e6, 1e-5, 0.001},
+};
+
+/* The field's value or, absent, its default; *defaulted says which (for messages). */
+static fm_status get_int_d(const cJSON *root, const char *path, const char *key, int64_t dflt, int64_t *out,
+                           bool *defaulted) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    if (defaulted) *defaulted = !it || cJSON_IsNull(it);
+    return get_int(root, path, key, dflt, out);
+}
+
+/* dense layers (qwen3_moe): decoder_sparse_step and mlp_only_layers into cfg; other model_types
+ * refuse them (transformers' classes for them have no dense layers). */
+static fm_status parse_dense_layers(fm_config *cfg, const cJSON *root, const char *path) {
+    cfg->decoder_sparse_step = 1;
+    memset(cfg->mlp_only_mask, 0, sizeof cfg->mlp_only_mask);
+    const cJSON *mo = cJSON_GetObjectItemCaseSensitive(root, "mlp_only_layers");
+    const cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, "decoder_sparse_step");
+    if (cfg->model_type != FM_MODEL_QWEN3_MOE) {
+        if (mo && !cJSON_IsNull(mo) && !(cJSON_IsArray(mo) && cJSON_GetArraySize(mo) == 0))
+            return fm_error(FM_ERR_UNSUPPORTED, "%s: \"mlp_only_layers\" is set, but %s has no dense layers (only "
+                            "qwen3_moe reads the field); remove it", path, cfg->model_type_name);
+        if (ds && !cJSON_IsNull(ds) && !(cJSON_IsNumber(ds) && ds->valuedouble == 1))
+            return fm_error(FM_ERR_UNSUPPORTED, "%s: \"decoder_sparse_step\" is set, but %s has no dense layers (only "
+                            "qwen3_moe reads the field); remove it or set it to 1", path, cfg->model_type_name);
+        return FM_OK;
+    }
+    FM_TRY(get_int(root, path, "decoder_sparse_step", 1, &cfg->decoder_sparse_step));
+    if (cfg->decoder_sparse_step < 1)
+        return fm_error(FM_ERR_CONFIG, "%s: \"decoder_sparse_step\" must be >= 1 (layer i is MoE when (i + 1) %% step "
+                        "== 0), found %lld", path, (long long)cfg->decoder_sparse_step);
+    if (!mo || cJSON_IsNull(mo)) return FM_OK;
+    if (!cJSON_IsArray(mo))
+        return fm_error(FM_ERR_FORMAT, "%s: \"mlp_only_layers\" must be a list of layer indices", path);
+    const cJSON *it;
+    cJSON_ArrayForEach(it, mo) {
+        if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) || it->valuedouble < 0 ||
+            it->valuedouble >= FM_CONFIG_MLP_ONLY_MAX)
+            return fm_error(FM_ERR_CONFIG, "%s: \"mlp_only_layers\" holds %s; expected layer indices in [0, %d)", path,
+                            cJSON_IsNumber(it) ? "a number outside the integers it takes" : "a non-number",
+                            FM_CONFIG_MLP_ONLY_MAX);
+        const int64_t l = (int64_t)it->valuedouble;
+        cfg->mlp_only_mask[l / 64] |= 1ull << (l % 64);
+    }
+    return FM_OK;
+}
+
+bool fm_config_layer_is_moe(const fm_config *c, int64_t l) {
+    if (l < FM_CONFIG_MLP_ONLY_MAX && (c->mlp_only_mask[l / 64] >> (l % 64) & 1)) return false;
+    return c->num_experts > 0 && (l + 1) % (c->decoder_sparse_step > 0 ? c->decoder_sparse_step : 1) == 0;
+}
+
+int64_t fm_config_num_moe_layers(const fm_config *c) {
+    int64_t n = 0;
+    for (int64_t l = 0; l < c->num_hidden_layers; l++) n += fm_config_layer_is_moe(c, l);
+    return n;
+}
+
+/* Reads every field (absent: transformers' default, d) into cfg; head_dim as given (0: absent)
+ * into *hd_given. */
+static fm_status parse_fields(fm_config *cfg, const cJSON *root, const char *path, const hf_defaults *d,
+                              int64_t *hd_given, bool *kv_defaulted) {
+    const fm_model_type t = cfg->model_type;
+    FM_TRY(get_int(root, path, "vocab_size", d->vocab_size, &cfg->vocab_size));
+    FM_TRY(get_int(root, path, "hidden_size", d->hidden_size, &cfg->hidden_size));
+    FM_TRY(get_int(root, path, "num_hidden_layers", d->num_hidden_layers, &cfg->num_hidden_layers));
+    FM_TRY(get_int(root, path, "num_attention_heads", d->num_attention_heads, &cfg->num_attention_heads));
+    /* absent: the class's default; null (None): the attention heads, as MixtralConfig's and
+     * OlmoeConfig's __post_init__ make it */
+    const cJSON *kv = cJSON_GetObjectItemCaseSensitive(root, "num_key_value_heads");
+    FM_TRY(get_int_d(root, path, "num_key_value_heads",
+                     d->num_key_value_heads > 0 && !kv ? d->num_key_value_heads : cfg->num_attention_heads,
+                     &cfg->num_key_value_heads, kv_defaulted));
+    FM_TRY(get_int(root, path, "max_position_embeddings", d->max_position_embeddings,
+                   &cfg->max_position_embeddings));
+    if (t == FM_MODEL_QWEN3_MOE) {
+        FM_TRY(get_int(root, path, "moe_intermediate_size", d->moe_intermediate_size, &cfg->moe_intermediate_size));
+        FM_TRY(get_int(root, path, "intermediate_size", d->intermediate_size, &cfg->dense_intermediate_size));
+    } else {
+        FM_TRY(get_int(root, path, "intermediate_size", d->intermediate_size, &cfg->moe_intermediate_size));
+    }
+    /* transformers 5 writes qwen3_moe's expert count as num_local_experts: accept either name */
+    const char *experts_key = t == FM_MODEL_MIXTRAL ? "num_local_experts" : "num_experts";
+    const char *experts_alt = t == FM_MODEL_MIXTRAL ? "num_experts" : "num_local_experts";
+    if (!cJSON_GetObjectItemCaseSensitive(root, experts_key) && cJSON_GetObjectItemCaseSensitive(root, experts_alt))
+        experts_key = experts_alt;
+    FM_TRY(get_int(root, path, experts_key, d->num_experts, &cfg->num_experts));
+    FM_TRY(get_int(root, path, "num_experts_per_tok", d->num_experts_per_tok, &cfg->num_experts_per_tok));
+    FM_TRY(get_num(root, path, "rope_theta", d->rope_theta, &cfg->rope_theta));
+    /* transformers 5 writes RoPE settings as "rope_parameters": {"rope_type", "rope_theta", ...} */
+    const cJSON *rp = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
+    if (rp && !cJSON_IsNull(rp)) {
+        if (!cJSON_IsObject(rp)) return fm_error(FM_ERR_FORMAT, "%s: \"rope_parameters\" must be an object", path);
+        const cJSON *rt = cJSON_GetObjectItemCaseSensitive(rp, "rope_type");
+        if (rt && cJSON_IsString(rt) && strcmp(rt->valuestring, "default") != 0)
+            return fm_error(FM_ERR_UNSUPPORTED, "%s: rope_parameters.rope_type is \"%s\", but flatmoe supports only "
+                            "\"default\" RoPE yet", path, rt->valuestring);
+        FM_TRY(get_num(rp, path, "rope_theta", cfg->rope_theta, &cfg->rope_theta));
+    }
+    FM_TRY(get_num(root, path, "rms_norm_eps", d->rms_norm_eps, &cfg->rms_norm_eps));
+    FM_TRY(get_bool(root, path, "tie_word_embeddings", false, &cfg->tie_word_embeddings));
+    FM_TRY(get_num(root, path, "router_aux_loss_coef", d->router_aux_loss_coef, &cfg->router_aux_loss_coef));
+    FM_TRY(get_num(root, path, "router_z_loss_coef", 0.0, &cfg->router_z_loss_coef));
+    FM_TRY(get_num(root, path, "initializer_range", 0.02, &cfg->initializer_range));
+    if (t == FM_MODEL_MIXTRAL) cfg->norm_topk_prob = true;
+    else FM_TRY(get_bool(root, path, "norm_topk_prob", false, &cfg->norm_topk_prob));
+    cfg->qk_norm = t == FM_MODEL_QWEN3_MOE ? FM_QK_NORM_PER_HEAD
+                 : t == FM_MODEL_OLMOE ? FM_QK_NORM_FULL : FM_QK_NORM_NONE;
+    FM_TRY(get_int(root, path, "head_dim", 0, hd_given));
+    return parse_dense_layers(cfg, root, path);
+}
+
+/* Features not implemented: refuse rather than train something else. */
+static fm_status reject_unsupported(const fm_config *cfg, const cJSON *root, const char *path) {
+    FM_TRY(reject_if_set(root, path, "attention_bias", "biases in the attention projections"));
+    FM_TRY(reject_if_set(root, path, "clip_qkv", "clipping of q, k, v"));
+    FM_TRY(reject_if_set(root, path, "rope_scaling", "RoPE scaling"));
+    FM_TRY(reject_if_set(root, path, "use_sliding_window", "sliding-window attention"));
+    FM_TRY(reject_if_set(root, path, "shared_expert_intermediate_size", "shared experts"));
+    if (cfg->model_type == FM_MODEL_MIXTRAL) {
+        const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
+        if (sw && !cJSON_IsNull(sw))
+            return fm_error(FM_ERR_UNSUPPORTED, "%s: \"sliding_window\" is %g, but flatmoe does not support "
+                            "sliding-window attention yet; set it to null", path,
+                            cJSON_IsNumber(sw) ? sw->valuedouble : 0.0);
+    }
+    const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, "hidden_act");
+    if (act && cJSON_IsString(act) && strcmp(act->valuestring, "silu") != 0)
+        return fm_error(FM_ERR_UNSUPPORTED, "%s: \"hidden_act\" is \"%s\"; flatmoe's experts are SwiGLU and "
+                        "need \"silu\"", path, act->valuestring);
+    return FM_OK;
+}
+
+/* Consistency of the values read (or defaulted). */
+static fm_status check_fields(fm_config *cfg, const char *path, int64_t hd_given, bool kv_defaulted) {
+    const fm_model_type t = cfg->model_type;
+    const char *width_key = t == FM_MODEL_QWEN3_MOE ? "moe_intermediate_size" : "intermediate_size";
+    const char *experts_key = t == FM_MODEL_MIXTRAL ? "num_local_experts" : "num_experts";
+    const int64_t n_moe = fm_config_num_moe_layers(cfg);
+    struct { const char *name; int64_t v; } pos[] = {
+        {"vocab_size", cfg->vocab_size}, {"hidden_size", cfg->hidden_size},
+        {"num_hidden_layers", cfg->num_hidden_layers}, {"num_attention_heads", cfg->num_attention_heads},
+        {"num_key_value_heads", cfg->num_key_value_heads}, {"max_position_embeddings", cfg->max_position_embeddings},
+        {width_key, cfg->moe_intermediate_size}, {experts_key, cfg->num_experts},
+        {"num_experts_per_tok", cfg->num_experts_per_tok},
+        {"intermediate_size", n_moe < cfg->num_hidden_layers ? cfg->dense_intermediate_size : 1},
+    };
+    for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
+        if (pos[i].v <= 0)
+            return fm_error(FM_ERR_CONFIG, "%s: \"%s\" must be positive, found %lld", path, pos[i].name,
+                            (long long)pos[i].v);
+    if (n_moe == 0)
+        return fm_error(FM_ERR_CONFIG, "%s: no layer is an MoE layer (decoder_sparse_step %lld, mlp_only_layers, %lld "
+                        "layers); flatmoe trains MoE models: make at least one layer MoE", path,
+                        (long long)cfg->decoder_sparse_step, (long long)cfg->num_hidden_layers);
+    if (hd_given < 0)
+        return fm_error(FM_ERR_CONFIG, "%s: \"head_dim\" must be positive, found %lld", path, (long long)hd_given);
+    if (hd_given > 0) cfg->head_dim = hd_given;
+    else {
+        if (cfg->hidden_size % cfg->num_attention_heads)
+            return fm_error(FM_ERR_CONFIG, "%s: num_attention_heads (%lld) must divide hidden_size (%lld); "
+                            "change one of them or give head_dim", path, (long long)cfg->num_attention_heads,
+                            (long long)cfg->hidden_size);
+        cfg->head_dim = cfg->hidden_size / cfg->num_attention_heads;
+    }
+    if (cfg->head_dim % 2)
+        return fm_error(FM_ERR_CONFIG, "%s: head_dim (%lld) must be even for rotary embeddings", path,
+                        (long long)cfg->head_dim);
+    if (cfg->num_attention_heads % cfg->num_key_value_heads)
+        return fm_error(FM_ERR_CONFIG, "%s: num_key_value_heads (%lld%s) must divide num_attention_heads (%lld)%s",
+                        path, (long long)cfg->num_key_value_heads,
+                        kv_defaulted ? ", transformers' default for this model_type: the field is absent" : "",
+                        (long long)cfg->num_attention_heads, kv_defaulted ? "; give num_key_value_heads" : "");
+    if (cfg->num_experts_per_tok > cfg->num_experts)
+        return fm_error(FM_ERR_CONFIG, "%s: num_experts_per_tok (%lld) must be <= %s (%lld)", path,
+                        (long long)cfg->num_experts_per_tok, experts_key, (long long)cfg->num_experts);
+    if (!(cfg->rms_norm_eps > 0) || !(cfg->rope_theta > 0) || !isfinite(cfg->rms_norm_eps) || !isfinite(cfg->rope_theta))
+        return fm_error(FM_ERR_CONFIG, "%s: rms_norm_eps (%g) and rope_theta (%g) must be positive and finite", path,
+                        cfg->rms_norm_eps, cfg->rope_theta);
+    if (!(cfg->router_aux_loss_coef >= 0) || !(cfg->router_z_loss_coef >= 0) || !isfinite(cfg->router_aux_loss_coef) ||
+        !isfinite(cfg->router_z_loss_coef))
+        return fm_error(FM_ERR_CONFIG, "%s: router_aux_loss_coef (%g) and router_z_loss_coef (%g) must be finite and >= 0",
+                        path, cfg->router_aux_loss_coef, cfg->router_z_loss_coef);
+    if (!(cfg->initializer_range >= 0) || !isfinite(cfg->initializer_range))
+        return fm_error(FM_ERR_CONFIG, "%s: \"initializer_range\" (%g) must be finite and >= 0 (the std of the initial "
+                        "weights)", path, cfg->initializer_range);
+    if (cfg->head_dim > (1LL << 30))
+        return fm_error(FM_ERR_CONFIG, "%s: \"head_dim\" is %lld; flatmoe supports at most 2^30", path,
+                        (long long)cfg->head_dim);
+    /* Sizes flatmoe indexes with 64-bit counts: keep every product well inside int64. */
+    for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
+        if (pos[i].v > (1LL << 30))
+            return fm_error(FM_ERR_CONFIG, "%s: \"%s\" is %lld; flatmoe supports at most 2^30", path, pos[i].name,
+                            (long long)pos[i].v);
+    const double H = (double)cfg->hidden_size, I = (double)cfg->moe_intermediate_size, E = (double)cfg->num_experts;
+    const double hd = (double)cfg->head_dim, nh = (double)cfg->num_attention_heads, V = (double)cfg->vocab_size;
+    const double Id = (double)cfg->dense_intermediate_size;
+    const double params = (double)cfg->num_hidden_layers * (E * 3 * H * I + 3 * H * Id + 4 * H * nh * hd) + 2 * V * H;
+    if (params > 1e15)
+        return fm_error(FM_ERR_CONFIG, "%s: the config describes about %.3g parameters; flatmoe supports at most "
+                        "1e15 (check hidden_size, num_hidden_layers, the expert sizes)", path, params);
+    return FM_OK;
+}
+
 fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *path) {
     memset(cfg, 0, sizeof *cfg);
     cJSON *root = cJSON_Parse(json_text);
@@ -65,208 +284,36 @@ fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *pat
                         "config.json object", path, off);
     }
     fm_status st = FM_OK;
+    const cJSON *mt = cJSON_GetObjectItemCaseSensitive(root, "model_type");
+    const hf_defaults *d = NULL;
     if (!cJSON_IsObject(root)) {
         st = fm_error(FM_ERR_FORMAT, "%s: expected a JSON object at the top level", path);
-        goto done;
-    }
-    const cJSON *mt = cJSON_GetObjectItemCaseSensitive(root, "model_type");
-    if (!cJSON_IsString(mt)) {
+    } else if (!cJSON_IsString(mt)) {
         st = fm_error(FM_ERR_CONFIG, "%s: field \"model_type\" is missing or not a string; expected "
                       "one of qwen3_moe, olmoe, mixtral", path);
-        goto done;
+    } else {
+        for (size_t i = 0; i < sizeof k_hf_defaults / sizeof k_hf_defaults[0]; i++)
+            if (!strcmp(mt->valuestring, k_hf_defaults[i].name)) d = &k_hf_defaults[i];
+        if (!d)
+            st = fm_error(FM_ERR_CONFIG, "%s: unknown model_type \"%s\"; expected one of qwen3_moe, olmoe, "
+                          "mixtral", path, mt->valuestring);
     }
-    snprintf(cfg->model_type_name, sizeof cfg->model_type_name, "%s", mt->valuestring);
-    if (!strcmp(mt->valuestring, "qwen3_moe")) cfg->model_type = FM_MODEL_QWEN3_MOE;
-    else if (!strcmp(mt->valuestring, "olmoe")) cfg->model_type = FM_MODEL_OLMOE;
-    else if (!strcmp(mt->valuestring, "mixtral")) cfg->model_type = FM_MODEL_MIXTRAL;
-    else {
-        st = fm_error(FM_ERR_CONFIG, "%s: unknown model_type \"%s\"; expected one of qwen3_moe, olmoe, "
-                      "mixtral", path, mt->valuestring);
-        goto done;
+    if (st == FM_OK) {
+        snprintf(cfg->model_type_name, sizeof cfg->model_type_name, "%s", mt->valuestring);
+        cfg->model_type = d->type;
+        int64_t hd_given = 0;
+        bool kv_defaulted = false;
+        st = parse_fields(cfg, root, path, d, &hd_given, &kv_defaulted);
+        if (st == FM_OK) st = reject_unsupported(cfg, root, path);
+        if (st == FM_OK) st = check_fields(cfg, path, hd_given, kv_defaulted);
     }
-    const fm_model_type t = cfg->model_type;
-
-#define TRY(x) do { st = (x); if (st != FM_OK) goto done; } while (0)
-    TRY(get_int(root, path, "vocab_size", true, 0, &cfg->vocab_size));
-    TRY(get_int(root, path, "hidden_size", true, 0, &cfg->hidden_size));
-    TRY(get_int(root, path, "num_hidden_layers", true, 0, &cfg->num_hidden_layers));
-    TRY(get_int(root, path, "num_attention_heads", true, 0, &cfg->num_attention_heads));
-    TRY(get_int(root, path, "num_key_value_heads", false, cfg->num_attention_heads, &cfg->num_key_value_heads));
-    TRY(get_int(root, path, "max_position_embeddings", true, 0, &cfg->max_position_embeddings));
-    const char *width_key = t == FM_MODEL_QWEN3_MOE ? "moe_intermediate_size" : "intermediate_size";
-    TRY(get_int(root, path, width_key, true, 0, &cfg->moe_intermediate_size));
-    /* transformers 5 writes qwen3_moe's expert count as num_local_experts: accept either name */
-    const char *experts_key = t == FM_MODEL_MIXTRAL ? "num_local_experts" : "num_experts";
-    const char *experts_alt = t == FM_MODEL_MIXTRAL ? "num_experts" : "num_local_experts";
-    if (!cJSON_GetObjectItemCaseSensitive(root, experts_key) && cJSON_GetObjectItemCaseSensitive(root, experts_alt))
-        experts_key = experts_alt;
-    TRY(get_int(root, path, experts_key, true, 0, &cfg->num_experts));
-    TRY(get_int(root, path, "num_experts_per_tok", true, 0, &cfg->num_experts_per_tok));
-    TRY(get_num(root, path, "rope_theta", t == FM_MODEL_MIXTRAL ? 1e6 : 10000.0, &cfg->rope_theta));
-    /* transformers 5 writes RoPE settings as "rope_parameters": {"rope_type", "rope_theta", ...} */
-    const cJSON *rp = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
-    if (rp && !cJSON_IsNull(rp)) {
-        if (!cJSON_IsObject(rp)) {
-            st = fm_error(FM_ERR_FORMAT, "%s: \"rope_parameters\" must be an object", path);
-            goto done;
-        }
-        const cJSON *rt = cJSON_GetObjectItemCaseSensitive(rp, "rope_type");
-        if (rt && cJSON_IsString(rt) && strcmp(rt->valuestring, "default") != 0) {
-            st = fm_error(FM_ERR_UNSUPPORTED, "%s: rope_parameters.rope_type is \"%s\", but flatmoe supports only "
-                          "\"default\" RoPE yet", path, rt->valuestring);
-            goto done;
-        }
-        TRY(get_num(rp, path, "rope_theta", cfg->rope_theta, &cfg->rope_theta));
-    }
-    TRY(get_num(root, path, "rms_norm_eps", t == FM_MODEL_QWEN3_MOE ? 1e-6 : 1e-5, &cfg->rms_norm_eps));
-    TRY(get_bool(root, path, "tie_word_embeddings", false, &cfg->tie_word_embeddings));
-    TRY(get_num(root, path, "router_aux_loss_coef", t == FM_MODEL_QWEN3_MOE ? 0.001 : (t == FM_MODEL_OLMOE ? 0.01 : 0.001),
-                &cfg->router_aux_loss_coef));
-    TRY(get_num(root, path, "router_z_loss_coef", 0.0, &cfg->router_z_loss_coef));
-    TRY(get_num(root, path, "initializer_range", 0.02, &cfg->initializer_range));
-    if (t == FM_MODEL_MIXTRAL) cfg->norm_topk_prob = true;
-    else TRY(get_bool(root, path, "norm_topk_prob", false, &cfg->norm_topk_prob));
-    cfg->qk_norm = t == FM_MODEL_QWEN3_MOE ? FM_QK_NORM_PER_HEAD
-                 : t == FM_MODEL_OLMOE ? FM_QK_NORM_FULL : FM_QK_NORM_NONE;
-
-    int64_t hd_given = 0;
-    TRY(get_int(root, path, "head_dim", false, 0, &hd_given));
-
-    /* Features not implemented: refuse rather than train something else. */
-    TRY(reject_if_set(root, path, "attention_bias", "biases in the attention projections"));
-    TRY(reject_if_set(root, path, "clip_qkv", "clipping of q, k, v"));
-    TRY(reject_if_set(root, path, "rope_scaling", "RoPE scaling"));
-    TRY(reject_if_set(root, path, "use_sliding_window", "sliding-window attention"));
-    TRY(reject_if_set(root, path, "mlp_only_layers", "dense (non-MoE) layers"));
-    TRY(reject_if_set(root, path, "shared_expert_intermediate_size", "shared experts"));
-    if (t == FM_MODEL_MIXTRAL) {
-        const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
-        if (sw && !cJSON_IsNull(sw)) {
-            st = fm_error(FM_ERR_UNSUPPORTED, "%s: \"sliding_window\" is %g, but flatmoe does not support "
-                          "sliding-window attention yet; set it to null", path, cJSON_IsNumber(sw) ? sw->valuedouble : 0.0);
-            goto done;
-        }
-    }
-    int64_t sparse_step = 1;
-    TRY(get_int(root, path, "decoder_sparse_step", false, 1, &sparse_step));
-    if (sparse_step != 1) {
-        st = fm_error(FM_ERR_UNSUPPORTED, "%s: \"decoder_sparse_step\" is %lld; flatmoe supports only 1 "
-                      "(every layer MoE)", path, (long long)sparse_step);
-        goto done;
-    }
-    const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, "hidden_act");
-    if (act && cJSON_IsString(act) && strcmp(act->valuestring, "silu") != 0) {
-        st = fm_error(FM_ERR_UNSUPPORTED, "%s: \"hidden_act\" is \"%s\"; flatmoe's experts are SwiGLU and "
-                      "need \"silu\"", path, act->valuestring);
-        goto done;
-    }
-
-    /* Consistency. */
-    struct { const char *name; int64_t v; } pos[] = {
-        {"vocab_size", cfg->vocab_size}, {"hidden_size", cfg->hidden_size},
-        {"num_hidden_layers", cfg->num_hidden_layers}, {"num_attention_heads", cfg->num_attention_heads},
-        {"num_key_value_heads", cfg->num_key_value_heads}, {"max_position_embeddings", cfg->max_position_embeddings},
-        {width_key, cfg->moe_intermediate_size}, {experts_key, cfg->num_experts},
-        {"num_experts_per_tok", cfg->num_experts_per_tok},
-    };
-    for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
-        if (pos[i].v <= 0) {
-            st = fm_error(FM_ERR_CONFIG, "%s: \"%s\" must be positive, found %lld", path, pos[i].name,
-                          (long long)pos[i].v);
-            goto done;
-        }
-    if (hd_given < 0) {
-        st = fm_error(FM_ERR_CONFIG, "%s: \"head_dim\" must be positive, found %lld", path, (long long)hd_given);
-        goto done;
-    }
-    if (hd_given > 0) cfg->head_dim = hd_given;
-    else {
-        if (cfg->hidden_size % cfg->num_attention_heads) {
-            st = fm_error(FM_ERR_CONFIG, "%s: num_attention_heads (%lld) must divide hidden_size (%lld); "
-                          "change one of them or give head_dim", path, (long long)cfg->num_attention_heads,
-                          (long long)cfg->hidden_size);
-            goto done;
-        }
-        cfg->head_dim = cfg->hidden_size / cfg->num_attention_heads;
-    }
-    if (cfg->head_dim % 2) {
-        st = fm_error(FM_ERR_CONFIG, "%s: head_dim (%lld) must be even for rotary embeddings", path,
-                      (long long)cfg->head_dim);
-        goto done;
-    }
-    if (cfg->num_attention_heads % cfg->num_key_value_heads) {
-        st = fm_error(FM_ERR_CONFIG, "%s: num_key_value_heads (%lld) must divide num_attention_heads (%lld)",
-                      path, (long long)cfg->num_key_value_heads, (long long)cfg->num_attention_heads);
-        goto done;
-    }
-    if (cfg->num_experts_per_tok > cfg->num_experts) {
-        st = fm_error(FM_ERR_CONFIG, "%s: num_experts_per_tok (%lld) must be <= %s (%lld)", path,
-                      (long long)cfg->num_experts_per_tok, experts_key, (long long)cfg->num_experts);
-        goto done;
-    }
-    if (!(cfg->rms_norm_eps > 0) || !(cfg->rope_theta > 0) || !isfinite(cfg->rms_norm_eps) || !isfinite(cfg->rope_theta)) {
-        st = fm_error(FM_ERR_CONFIG, "%s: rms_norm_eps (%g) and rope_theta (%g) must be positive and finite", path,
-                      cfg->rms_norm_eps, cfg->rope_theta);
-        goto done;
-    }
-    if (!(cfg->router_aux_loss_coef >= 0) || !(cfg->router_z_loss_coef >= 0) || !isfinite(cfg->router_aux_loss_coef) ||
-        !isfinite(cfg->router_z_loss_coef)) {
-        st = fm_error(FM_ERR_CONFIG, "%s: router_aux_loss_coef (%g) and router_z_loss_coef (%g) must be finite and >= 0",
-                      path, cfg->router_aux_loss_coef, cfg->router_z_loss_coef);
-        goto done;
-    }
-    if (!(cfg->initializer_range >= 0) || !isfinite(cfg->initializer_range)) {
-        st = fm_error(FM_ERR_CONFIG, "%s: \"initializer_range\" (%g) must be finite and >= 0 (the std of the initial "
-                      "weights)", path, cfg->initializer_range);
-        goto done;
-    }
-    if (cfg->head_dim > (1LL << 30)) {
-        st = fm_error(FM_ERR_CONFIG, "%s: \"head_dim\" is %lld; flatmoe supports at most 2^30", path,
-                      (long long)cfg->head_dim);
-        goto done;
-    }
-    /* Sizes flatmoe indexes with 64-bit counts: keep every product well inside int64. */
-    for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
-        if (pos[i].v > (1LL << 30)) {
-            st = fm_error(FM_ERR_CONFIG, "%s: \"%s\" is %lld; flatmoe supports at most 2^30", path, pos[i].name,
-                          (long long)pos[i].v);
-            goto done;
-        }
-    {
-        const double H = (double)cfg->hidden_size, I = (double)cfg->moe_intermediate_size, E = (double)cfg->num_experts;
-        const double hd = (double)cfg->head_dim, nh = (double)cfg->num_attention_heads, V = (double)cfg->vocab_size;
-        const double params = (double)cfg->num_hidden_layers * (E * 3 * H * I + 4 * H * nh * hd) + 2 * V * H;
-        if (params > 1e15) {
-            st = fm_error(FM_ERR_CONFIG, "%s: the config describes about %.3g parameters; flatmoe supports at most "
-                          "1e15 (check hidden_size, num_hidden_layers, the expert sizes)", path, params);
-            goto done;
-        }
-    }
-#undef TRY
-done:
     cJSON_Delete(root);
     return st;
 }
 
 fm_status fm_config_load(fm_config *cfg, const char *path) {
-    struct stat sb;
-    if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode))
-        return fm_error(FM_ERR_IO, "%s: is not a file; expected a Hugging Face config.json", path);
-    FILE *f = fopen(path, "rb");
-    if (!f) return fm_error(FM_ERR_IO, "%s: cannot open the model config: %s", path, strerror(errno));
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    if (n < 0 || n > (1 << 24)) {
-        fclose(f);
-        return fm_error(FM_ERR_FORMAT, "%s: expected a config.json of at most 16 MiB, found %ld bytes", path, n);
-    }
-    char *text = fm_malloc((size_t)n + 1);
-    if (!text) { fclose(f); return fm_error(FM_ERR_NOMEM, "%s: out of memory reading the config", path); }
-    size_t got = fread(text, 1, (size_t)n, f);
-    fclose(f);
-    if (got != (size_t)n) { fm_free(text); return fm_error(FM_ERR_IO, "%s: short read", path); }
-    text[n] = 0;
+    char *text;
+    FM_TRY(fm_config_read_text(path, &text));
     fm_status st = fm_config_parse(cfg, text, path);
     fm_free(text);
     return st;
@@ -293,7 +340,7 @@ char *fm_config_to_json(const fm_config *c) {
     cJSON_AddNumberToObject(o, "hidden_size", (double)c->hidden_size);
     if (c->model_type == FM_MODEL_QWEN3_MOE) {
         cJSON_AddNumberToObject(o, "moe_intermediate_size", (double)c->moe_intermediate_size);
-        cJSON_AddNumberToObject(o, "intermediate_size", (double)c->moe_intermediate_size);
+        cJSON_AddNumberToObject(o, "intermediate_size", (double)c->dense_intermediate_size);
     } else {
         cJSON_AddNumberToObject(o, "intermediate_size", (double)c->moe_intermediate_size);
     }
@@ -311,8 +358,10 @@ char *fm_config_to_json(const fm_config *c) {
     cJSON_AddNumberToObject(o, "num_experts_per_tok", (double)c->num_experts_per_tok);
     if (c->model_type != FM_MODEL_MIXTRAL) cJSON_AddBoolToObject(o, "norm_topk_prob", c->norm_topk_prob);
     if (c->model_type == FM_MODEL_QWEN3_MOE) {
-        cJSON_AddNumberToObject(o, "decoder_sparse_step", 1);
-        cJSON_AddItemToObject(o, "mlp_only_layers", cJSON_CreateArray());
+        cJSON_AddNumberToObject(o, "decoder_sparse_step", (double)c->decoder_sparse_step);
+        cJSON *mo = cJSON_AddArrayToObject(o, "mlp_only_layers");
+        for (int64_t l = 0; l < FM_CONFIG_MLP_ONLY_MAX; l++)
+            if (c->mlp_only_mask[l / 64] >> (l % 64) & 1) cJSON_AddItemToArray(mo, cJSON_CreateNumber((double)l));
     }
     add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
     if (c->router_z_loss_coef > 0) add_float(o, "router_z_loss_coef", c->router_z_loss_coef);
@@ -336,15 +385,21 @@ static int64_t attn_params(const fm_config *c) {
     return p;
 }
 
+/* One dense layer's MLP: gate, up [Id,H] and down [H,Id]. */
+static int64_t dense_params(const fm_config *c) { return 3 * c->hidden_size * c->dense_intermediate_size; }
+
 int64_t fm_config_num_params(const fm_config *c) {
     int64_t H = c->hidden_size, I = c->moe_intermediate_size, E = c->num_experts, V = c->vocab_size;
-    int64_t layer = attn_params(c) + 2 * H + E * H + E * 3 * H * I;
-    return V * H * (c->tie_word_embeddings ? 1 : 2) + c->num_hidden_layers * layer + H;
+    const int64_t L = c->num_hidden_layers, Lm = fm_config_num_moe_layers(c);
+    int64_t layer = attn_params(c) + 2 * H;
+    return V * H * (c->tie_word_embeddings ? 1 : 2) + L * layer + Lm * (E * H + E * 3 * H * I) +
+           (L - Lm) * dense_params(c) + H;
 }
 
 int64_t fm_config_num_active_params(const fm_config *c) {
     int64_t H = c->hidden_size, I = c->moe_intermediate_size, E = c->num_experts, V = c->vocab_size;
     int64_t k = c->num_experts_per_tok;
-    int64_t layer = attn_params(c) + 2 * H + E * H + k * 3 * H * I;
-    return V * H + c->num_hidden_layers * layer + H;
+    const int64_t L = c->num_hidden_layers, Lm = fm_config_num_moe_layers(c);
+    int64_t layer = attn_params(c) + 2 * H;
+    return V * H + L * layer + Lm * (E * H + k * 3 * H * I) + (L - Lm) * dense_params(c) + H;
 }

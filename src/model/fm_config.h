@@ -5,7 +5,17 @@
  *   QK-norm:       qwen3_moe RMSNorm per head over head_dim; olmoe RMSNorm over the whole q and k
  *                  projections; mixtral none
  *   norm_topk_prob: qwen3_moe and olmoe read it (HF defaults false); mixtral always renormalizes
- * flatmoe extension (absent from HF files, default 0): router_z_loss_coef. */
+ * flatmoe extension (absent from HF files, default 0): router_z_loss_coef.
+ *
+ * A field absent from the file (or null) takes transformers' own default for its model_type
+ * (Qwen3MoeConfig, OlmoeConfig, MixtralConfig; one table in fm_config.c), so the same file builds
+ * the same model here and in transformers: e.g. num_key_value_heads is 4 for qwen3_moe, 8 for
+ * mixtral, num_attention_heads for olmoe. Only model_type is required.
+ *
+ * Dense layers (qwen3_moe only, as transformers' Qwen3MoeDecoderLayer decides): layer i is MoE
+ * when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; else its MLP is a
+ * dense SwiGLU of width intermediate_size (model.layers.i.mlp.{gate,up,down}_proj.weight) and it
+ * has no router. */
 #ifndef FM_CONFIG_H
 #define FM_CONFIG_H
 #include "../core/fm_core.h"
@@ -22,6 +32,10 @@ typedef enum fm_qk_norm {
     FM_QK_NORM_FULL,     /* olmoe: weights [heads*head_dim] and [kv_heads*head_dim] */
 } fm_qk_norm;
 
+/* mlp_only_layers entries must be below this (entries >= num_hidden_layers are ignored, as
+ * transformers ignores them). */
+#define FM_CONFIG_MLP_ONLY_MAX 4096
+
 typedef struct fm_config {
     fm_model_type model_type;
     char model_type_name[32];       /* as written in config.json */
@@ -30,7 +44,7 @@ typedef struct fm_config {
     int64_t moe_intermediate_size;  /* I: width of one expert's SwiGLU */
     int64_t num_hidden_layers;      /* L */
     int64_t num_attention_heads;    /* nh */
-    int64_t num_key_value_heads;    /* nkv (defaults to nh) */
+    int64_t num_key_value_heads;    /* nkv (default: per model_type, see above) */
     int64_t head_dim;               /* hd (qwen3_moe may set it; else H / nh) */
     int64_t max_position_embeddings;
     int64_t num_experts;            /* E */
@@ -43,26 +57,53 @@ typedef struct fm_config {
     double router_z_loss_coef;
     double initializer_range;       /* std of normal init (HF default 0.02) */
     fm_qk_norm qk_norm;
+    /* dense layers (qwen3_moe; olmoe and mixtral: every layer MoE, step 1, no mask) */
+    int64_t dense_intermediate_size; /* Id: the dense MLP's width (qwen3_moe intermediate_size) */
+    int64_t decoder_sparse_step;     /* >= 1 */
+    uint64_t mlp_only_mask[FM_CONFIG_MLP_ONLY_MAX / 64]; /* bit i: layer i in mlp_only_layers */
 } fm_config;
 
 /* Parses config.json text. `path` is only used in messages. Errors (each names the file and the
  * field): FM_ERR_FORMAT malformed JSON or a field of the wrong JSON type; FM_ERR_CONFIG unknown
- * model_type, missing required field, non-positive sizes, num_attention_heads not dividing
+ * or missing model_type, non-positive sizes (a defaulted value is named as the default), num_attention_heads not dividing
  * hidden_size (when head_dim is not given), num_key_value_heads not dividing
  * num_attention_heads, odd head_dim, top-k outside [1, num_experts]; FM_ERR_UNSUPPORTED for
- * features flatmoe does not implement yet (attention_bias, clip_qkv, rope_scaling, dense
- * layers via mlp_only_layers/decoder_sparse_step, sliding window, shared experts). */
+ * features flatmoe does not implement yet (attention_bias, clip_qkv, rope_scaling, sliding
+ * window, shared experts; decoder_sparse_step / mlp_only_layers outside qwen3_moe, or leaving no
+ * MoE layer). */
 fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *path);
 
 /* Reads and parses a config.json file. Errors: FM_ERR_IO if unreadable, else as above. */
 fm_status fm_config_load(fm_config *cfg, const char *path);
 
-/* Writes the config back as Hugging Face config.json text (fields for its model_type,
- * "architectures", "torch_dtype":"float32"), into an fm_malloc'd string. */
+/* The text of the file at path, fm_malloc'd into *text (the caller frees it). Errors: FM_ERR_IO
+ * (not a file, unreadable), FM_ERR_FORMAT (over 16 MiB), FM_ERR_NOMEM. (fm_config_json.c) */
+fm_status fm_config_read_text(const char *path, char **text);
+
+/* config.json as read: `text` (the file a model came from, which parses to cfg but for the
+ * fields flatmoe changes) with only those fields set to cfg's values, into a new fm_malloc'd
+ * *out; everything else is the file's own bytes (unknown fields, number spellings, order). The
+ * fields flatmoe changes: max_position_embeddings (--max-position-embeddings), replaced where
+ * the file has it, else inserted as the first member. Errors: the parse's for text (naming
+ * path); FM_ERR_ARG when cfg differs from text in another field; FM_ERR_NOMEM.
+ * (fm_config_json.c) */
+fm_status fm_config_json_as_read(const char *text, const fm_config *cfg, const char *path, char **out);
+
+/* The config as Hugging Face config.json text (fields for its model_type, "architectures",
+ * "torch_dtype":"float32"), into an fm_malloc'd string: a canonical form (two configs are the
+ * same model when their texts are equal) and the config of a model made without a file; a
+ * checkpoint writes fm_config_json_as_read's text instead. */
 char *fm_config_to_json(const fm_config *cfg);
 
-/* Parameter counts: total (all experts, embeddings, untied head) and active per token (the
- * attention, the router, k of E experts, norms, and the LM head; the embedding lookup is not a
+/* Whether layer l (in [0, num_hidden_layers)) is an MoE layer (router and experts), else a dense
+ * SwiGLU MLP of dense_intermediate_size (transformers' Qwen3MoeDecoderLayer rule, above). */
+bool fm_config_layer_is_moe(const fm_config *cfg, int64_t l);
+
+/* The number of MoE layers (>= 1 for a parsed config). */
+int64_t fm_config_num_moe_layers(const fm_config *cfg);
+
+/* Parameter counts: total (all experts, embeddings, untied head, dense MLPs) and active per token
+ * (the attention, the router, k of E experts, the dense MLPs, norms, and the LM head; the embedding lookup is not a
  * matmul and is excluded, as in Megatron's FLOP count). */
 int64_t fm_config_num_params(const fm_config *cfg);
 int64_t fm_config_num_active_params(const fm_config *cfg);

@@ -174,7 +174,7 @@ void fm_model_loss_from_results(const fm_model *m, const double *results, int64_
     memset(out, 0, sizeof *out);
     out->n_valid = n_valid;
     out->ce = n_valid ? results[FM_RESULT_CE] / (double)n_valid : 0.0;
-    fm_router_losses(&m->router, results + FM_RESULT_LAYERS, m->cfg.num_hidden_layers, &out->aux, &out->z);
+    fm_router_losses(&m->router, results + FM_RESULT_LAYERS, m->cfg.num_hidden_layers, &m->cfg, &out->aux, &out->z);
 }
 
 void fm_model_read_loss(fm_model *m, fm_loss *out) {

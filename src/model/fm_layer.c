@@ -1,11 +1,13 @@
 /* One decoder layer's forward and backward (fm_model.h: fm_model_layer_forward/backward):
  *   x -> RMSNorm -> causal GQA attention (RoPE, optional QK-norm) -> +x = x_mid
  *   x_mid -> RMSNorm -> router -> MoE (dispatch, experts, combine) -> +x_mid = y
+ *   (a dense layer, fm_config_layer_is_moe false: x_mid -> RMSNorm -> SwiGLU MLP -> +x_mid = y)
  * With sequence parallelism (m->mesh.sp > 1) the attention op is fm_attn_sp's (Ulysses all-to-alls
  * around it); every other op runs on this rank's tokens as it is.
  * The loop over layers is the schedule's (schedule/fm_schedule.h), never the model's. */
 #include "fm_model.h"
 
+#include "fm_dense_mlp.h"
 #include "fm_moe_layer.h"
 
 #define OPS (m->be.ops)
@@ -25,8 +27,15 @@ static fm_moe_dims moe_dims(const fm_model *m) {
     const fm_config *c = &m->cfg;
     fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok,
                      m->a.moe_sync_free, m->a.moe_fp8, m->a.moe_fp8_codes,
-                     m->a.opts.expert_fp8_cache ? c->num_hidden_layers : 0};
+                     m->a.opts.expert_fp8_cache ? fm_config_num_moe_layers(c) : 0}; /* a set per MoE layer */
     return d;
+}
+
+/* MoE layer l's index among the MoE layers (the fp8 weight cache's set: one per MoE layer). */
+static int64_t moe_index(const fm_config *c, int64_t l) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < l; j++) n += fm_config_layer_is_moe(c, j);
+    return n;
 }
 
 void fm_model_fp8_cache_invalidate(fm_model *m) {
@@ -99,8 +108,14 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
     linear_fwd(m, a->x_mid, a->att, w->wo, N, qd, H);
     OPS->add(CTX, a->x_mid, x, N * H);
 
-    /* MoE block: router, then the experts through the dispatcher */
     OPS->rmsnorm_fwd(CTX, ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
+    if (!w->router) { /* a dense layer (fm_config_layer_is_moe): the SwiGLU MLP, no router */
+        fm_dense_mlp_forward(&m->be, y, ln2, w->mlp_gate, w->mlp_up, w->mlp_down, N, H, c->dense_intermediate_size,
+                             &m->a.ws.dense);
+        OPS->add(CTX, y, a->x_mid, N * H);
+        return FM_OK;
+    }
+    /* MoE block: router, then the experts through the dispatcher */
     PHASE(ROUTER);
     /* router logits: fp32, transient in the working set (backward needs only probs and lse) */
     FM_TRY(fm_router_forward(&m->be, &m->router, m->mesh.comm, m->a.ws.dlogits_r, &a->router, m->a.results + FM_RESULT_SCRATCH,
@@ -108,12 +123,12 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
     const fm_moe_dims md = moe_dims(m);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     if (m->mesh.moe_ep_comm) { /* expert parallelism (--ep): the experts of the ep group */
-        m->a.moe_ep_ws.exp_ws.w8_layer = l; /* --fp8-weight-cache: this layer's codes */
+        m->a.moe_ep_ws.exp_ws.w8_layer = moe_index(c, l); /* --fp8-weight-cache: this layer's codes */
         FM_TRY(fm_moe_ep_layer_forward(&m->be, m->mesh.moe_ep_comm, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w,
                                        N, m->a.moe_K, m->a.moe_chunk_order, &m->a.moe_ep_ws, m->a.moe_ws.counts,
                                        m->a.moe_ep_counts_host));
     } else {
-        m->a.moe_ws.w8_layer = l; /* --fp8-weight-cache: this layer's codes */
+        m->a.moe_ws.w8_layer = moe_index(c, l); /* --fp8-weight-cache: this layer's codes */
         FM_TRY(fm_moe_forward(&m->be, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w, N, m->a.moe_K,
                               m->a.moe_chunk_order, m->a.moe_chunk_tokens > 0 ? NULL : &a->moe, &m->a.moe_ws));
     }
@@ -130,6 +145,36 @@ fm_status fm_model_layer_recompute(fm_model *m, int64_t l, fm_act *y, bool skip_
         return fm_error(FM_ERR_ARG, "recompute of layer %lld without its attention forward: the layout keeps no "
                         "attention output for it (fm_layout_opts.keep_attention)", (long long)l);
     return layer_forward(m, l, y, skip_attention);
+}
+
+/* The MoE block's backward of layer l: d ln2 into ws.dln (assigned) from dy, the experts' and
+ * the router's weight gradients accumulated; ln2 [N,H] the block's input, formed again. */
+static fm_status moe_block_backward(fm_model *m, int64_t l, const fm_act *dy, const fm_act *ln2, float scale) {
+    const fm_config *c = &m->cfg;
+    fm_layer_acts *a = &m->a.acts[l];
+    const fm_layer_ptrs *w = &m->p.w.layers[l];
+    const fm_layer_ptrs *g = &m->p.g.layers[l];
+    fm_bwd_ws *ws = &m->a.ws;
+    const int64_t N = m->a.N, H = c->hidden_size;
+    const fm_moe_dims md = moe_dims(m);
+    const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
+    const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down};
+    if (m->mesh.moe_ep_comm) { /* expert parallelism: the ep group's error, the same on every rank */
+        m->a.moe_ep_ws.exp_ws.w8_layer = moe_index(c, l);
+        FM_TRY(fm_moe_ep_layer_backward(&m->be, m->mesh.moe_ep_comm, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2,
+                                        a->router.topk_idx, a->router.topk_w, N, m->a.moe_K, m->a.moe_chunk_order,
+                                        &m->a.moe_ep_ws));
+    } else {
+        m->a.moe_ws.w8_layer = moe_index(c, l);
+        FM_TRY(fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2, a->router.topk_idx,
+                               a->router.topk_w, N, m->a.moe_K, m->a.moe_chunk_order,
+                               m->a.moe_chunk_tokens > 0 ? NULL : &a->moe, &m->a.moe_ws));
+    }
+    PHASE(ROUTER);
+    const int64_t n_tot = m->mesh.comm ? N * fm_comm_size(m->mesh.comm) : N;
+    fm_router_backward(&m->be, &m->router, n_tot, ws->dln, g->router, ws->dlogits_r, ws->dlogits_act, ws->dprobs_e,
+                       ws->dtopk_w, &a->router, ln2, w->router, N, H, fm_config_num_moe_layers(c), scale);
+    return FM_OK;
 }
 
 /* dy [N,H]: gradient of the layer output, clobbered (its buffer holds d att once dy is added
@@ -152,24 +197,11 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     PHASE(DENSE);
     fm_act *ln2 = dx;
     OPS->rmsnorm_fwd(CTX, ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
-    const fm_moe_dims md = moe_dims(m);
-    const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
-    const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down};
-    if (m->mesh.moe_ep_comm) { /* expert parallelism: the ep group's error, the same on every rank */
-        m->a.moe_ep_ws.exp_ws.w8_layer = l;
-        FM_TRY(fm_moe_ep_layer_backward(&m->be, m->mesh.moe_ep_comm, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2,
-                                        a->router.topk_idx, a->router.topk_w, N, m->a.moe_K, m->a.moe_chunk_order,
-                                        &m->a.moe_ep_ws));
-    } else {
-        m->a.moe_ws.w8_layer = l;
-        FM_TRY(fm_moe_backward(&m->be, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2, a->router.topk_idx,
-                               a->router.topk_w, N, m->a.moe_K, m->a.moe_chunk_order,
-                               m->a.moe_chunk_tokens > 0 ? NULL : &a->moe, &m->a.moe_ws));
-    }
-    PHASE(ROUTER);
-    const int64_t n_tot = m->mesh.comm ? N * fm_comm_size(m->mesh.comm) : N;
-    fm_router_backward(&m->be, &m->router, n_tot, ws->dln, g->router, ws->dlogits_r, ws->dlogits_act, ws->dprobs_e,
-                       ws->dtopk_w, &a->router, ln2, w->router, N, H, c->num_hidden_layers, scale);
+    if (!w->router) /* a dense layer: d ln2 from the SwiGLU MLP (gate and up formed again) */
+        fm_dense_mlp_backward(&m->be, ws->dln, g->mlp_gate, g->mlp_up, g->mlp_down, dy, ln2, w->mlp_gate, w->mlp_up,
+                              w->mlp_down, N, H, c->dense_intermediate_size, &ws->dense);
+    else
+        FM_TRY(moe_block_backward(m, l, dy, ln2, scale));
     /* d x_mid = dy + rmsnorm_bwd(dln) */
     PHASE(DENSE);
     OPS->rmsnorm_bwd(CTX, ws->dtmp, g->ln2, ws->dln, a->x_mid, w->ln2, a->rstd2, N, H);

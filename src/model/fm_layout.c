@@ -17,7 +17,8 @@
 
 #define TAKE(arena, type, count) ((type *)fm_arena_alloc((arena), sizeof(type) * (size_t)(count)))
 
-static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c, int64_t B, int64_t T) {
+/* One layer's saved set; moe false: a dense layer's, without the router's part. */
+static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c, int64_t B, int64_t T, bool moe) {
     const int64_t N = B * T, H = c->hidden_size, E = c->num_experts, k = c->num_experts_per_tok;
     const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
     a->rstd1 = TAKE(ar, float, N);
@@ -36,6 +37,8 @@ static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c
     a->lse = TAKE(ar, float, B * c->num_attention_heads * T);
     a->x_mid = TAKE(ar, fm_act, N * H);
     a->rstd2 = TAKE(ar, float, N);
+    memset(&a->router, 0, sizeof a->router);
+    if (!moe) return;
     a->router.probs = TAKE(ar, float, N * E);
     a->router.lse = TAKE(ar, float, N);
     a->router.topk_idx = TAKE(ar, int32_t, N * k);
@@ -61,6 +64,15 @@ static void layout_ws(fm_bwd_ws *w, fm_arena *ar, const fm_config *c, int64_t N)
     w->dlogits_r = TAKE(ar, float, N * E);
     w->dlogits_act = sizeof(fm_act) == sizeof(float) ? (fm_act *)(void *)w->dlogits_r : TAKE(ar, fm_act, N * E);
     w->dprobs_e = TAKE(ar, float, E);
+    memset(&w->dense, 0, sizeof w->dense);
+    if (fm_config_num_moe_layers(c) < c->num_hidden_layers) { /* dense layers' MLP (fm_dense_mlp.h) */
+        const int64_t Id = c->dense_intermediate_size;
+        w->dense.gate = TAKE(ar, fm_act, N * Id);
+        w->dense.up = TAKE(ar, fm_act, N * Id);
+        w->dense.h = TAKE(ar, fm_act, N * Id);
+        w->dense.dgate = TAKE(ar, fm_act, N * Id);
+        w->dense.dup = TAKE(ar, fm_act, N * Id);
+    }
 }
 
 /* Lays out everything but the model state into arenas ar[1..]. Pointer arrays m->a.boundary and
@@ -88,7 +100,7 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     fm_moe_dims md = moe_dims(c);
     md.fp8 = m->a.moe_fp8;
     md.fp8_codes = m->a.moe_fp8_codes; /* (the path's own bytes, as planned: fm_moe_ws_bytes) */
-    md.fp8_cache_layers = m->a.opts.expert_fp8_cache ? L : 0;
+    md.fp8_cache_layers = m->a.opts.expert_fp8_cache ? fm_config_num_moe_layers(c) : 0; /* a set per MoE layer */
     const bool chunked = m->a.moe_chunk_tokens > 0;
     int64_t c_eff;
     fm_moe_chunks(N, m->a.moe_chunk_tokens, &m->a.moe_K, &c_eff);
@@ -113,15 +125,21 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     const int64_t n_off = m->a.n_offloaded_boundaries;
     for (int64_t l = 0; l <= L; l++)
         m->a.boundary[l] = l < n_off && l >= 2 ? m->a.boundary[l % 2] : TAKE(bnd, fm_act, N * H);
+    /* the recomputed layers share one set: an MoE layer's when any of them is MoE, else a dense
+     * layer's (fm_model_saved_sets) */
     fm_layer_acts shared;
-    bool any_recompute = false;
-    for (int64_t l = 0; l < L; l++) any_recompute |= m->a.recompute[l];
+    bool any_recompute = false, shared_moe = false;
+    for (int64_t l = 0; l < L; l++) {
+        any_recompute |= m->a.recompute[l];
+        shared_moe |= m->a.recompute[l] && fm_config_layer_is_moe(c, l);
+    }
     if (any_recompute) {
-        layout_layer_acts(&shared, acts, c, m->a.B, m->a.T);
+        layout_layer_acts(&shared, acts, c, m->a.B, m->a.T, shared_moe);
         memset(&shared.moe, 0, sizeof shared.moe);
-        if (!chunked) fm_moe_routes_layout(&shared.moe, ex, host, &md, N);
+        if (!chunked && shared_moe) fm_moe_routes_layout(&shared.moe, ex, host, &md, N);
     }
     for (int64_t l = 0; l < L; l++) {
+        const bool moe = fm_config_layer_is_moe(c, l);
         if (m->a.recompute[l]) {
             m->a.acts[l] = shared;
             if (m->a.keep_attention[l]) { /* keep-attention: its own att and lse, kept to backward */
@@ -130,9 +148,9 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
             }
             continue;
         }
-        layout_layer_acts(&m->a.acts[l], acts, c, m->a.B, m->a.T);
+        layout_layer_acts(&m->a.acts[l], acts, c, m->a.B, m->a.T, moe);
         memset(&m->a.acts[l].moe, 0, sizeof m->a.acts[l].moe);
-        if (!chunked) fm_moe_routes_layout(&m->a.acts[l].moe, ex, host, &md, N);
+        if (!chunked && moe) fm_moe_routes_layout(&m->a.acts[l].moe, ex, host, &md, N);
     }
     if (m->p.ep > 1) { /* expert parallelism: the EP operator's chunk working set (its bound) */
         memset(&m->a.moe_ws, 0, sizeof m->a.moe_ws);
@@ -211,6 +229,24 @@ size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_
     return b;
 }
 
+size_t fm_model_dense_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_t a) {
+    const int64_t N = B * T, E = c->num_experts, k = c->num_experts_per_tok;
+    /* the MoE layer's set less the router's: probs, lse, top-k ids and weights, expert stats */
+    return fm_model_layer_acts_bytes(c, B, T, a) - (B4(N * E) + B4(N) + 2 * B4(N * k) + 2 * B4(E));
+}
+
+void fm_model_saved_sets(const fm_config *c, const bool *recompute, int64_t *n_moe, int64_t *n_dense) {
+    bool any = false, shared_moe = false;
+    *n_moe = *n_dense = 0;
+    for (int64_t l = 0; l < c->num_hidden_layers; l++) {
+        const bool moe = fm_config_layer_is_moe(c, l), rc = recompute && recompute[l];
+        any |= rc;
+        shared_moe |= rc && moe;
+        if (!rc) *(moe ? n_moe : n_dense) += 1;
+    }
+    if (any) *(shared_moe ? n_moe : n_dense) += 1;
+}
+
 size_t fm_model_kept_attention_bytes(const fm_config *c, int64_t B, int64_t T, size_t a) {
     const int64_t nh = c->num_attention_heads;
     return BA(B * T * nh * c->head_dim) + B4(B * nh * T); /* att, its log-sum-exp */
@@ -222,8 +258,11 @@ size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t a) {
     /* dx ping-pong, dtmp, dln [N,H] (+ dln1 when qd < H); dq, dk, dv (+ datt when qd > H, else
      * it reuses the incoming-gradient buffer); dtopk_w; router logits/grad (fp32, + an fm_act
      * copy when fm_act is not fp32); dprobs */
+    /* + with dense layers, their MLP's five [N, Id] buffers (fm_dense_mlp.h) */
+    const bool dense = fm_config_num_moe_layers(c) < c->num_hidden_layers;
     return (qd < H ? 5 : 4) * BA(N * H) + (qd > H ? 2 : 1) * BA(N * qd) + 2 * BA(N * kd) + B4(N * k) + B4(N * E) +
-           (a == sizeof(float) ? 0 : BA(N * E)) + B4(E);
+           (a == sizeof(float) ? 0 : BA(N * E)) + B4(E) +
+           (dense ? FM_DENSE_MLP_WS_BUFFERS * BA(N * c->dense_intermediate_size) : 0);
 }
 
 size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N, size_t a) {

@@ -92,6 +92,14 @@ size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_
 /* A keep-attention layer's own buffers (schedule/fm_recompute.h): the attention output
  * [B*T, heads*head_dim] act_bytes each and its log-sum-exp [B, heads, T] fp32, each rounded. */
 size_t fm_model_kept_attention_bytes(const fm_config *c, int64_t B, int64_t T, size_t act_bytes);
+/* A dense layer's saved set (fm_model_layer_acts_bytes less the router's part). */
+size_t fm_model_dense_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_t act_bytes);
+/* The saved sets a layout takes for the recompute policy recompute [L] (NULL: none): *n_moe of
+ * an MoE layer's shape (fm_model_layer_acts_bytes, and under the plain MoE twin a saved
+ * dispatch each) and *n_dense of a dense layer's (fm_model_dense_layer_acts_bytes): one per
+ * layer not recomputed, plus one shared by the recomputed layers, MoE-shaped when any of them
+ * is MoE. */
+void fm_model_saved_sets(const fm_config *c, const bool *recompute, int64_t *n_moe, int64_t *n_dense);
 size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t act_bytes);
 size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N, size_t act_bytes);
 /* Vocabulary projection by the linear cross-entropy: final-norm output, rstd and per-token loss,

@@ -39,7 +39,8 @@ static int64_t add_param(table_builder *b, bool decay, int ndim, int64_t d0, int
 
 /* Offsets (in elements) of one layer's tensors within the flat buffer. */
 typedef struct layer_offsets {
-    int64_t ln1, wq, wk, wv, wo, q_norm, k_norm, ln2, router, w_gate, w_up, w_down;
+    int64_t ln1, wq, wk, wv, wo, q_norm, k_norm, ln2, router, w_gate, w_up, w_down; /* -1: absent */
+    int64_t mlp_gate, mlp_up, mlp_down; /* dense layer only, else -1 */
 } layer_offsets;
 
 /* Fills the table (or counts it when b->t is NULL) and the offsets. The order is the flat
@@ -69,6 +70,16 @@ static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, 
             x.k_norm = add_param(b, false, 1, nkv * hd, 0, "model.layers.%lld.self_attn.k_norm.weight", (long long)l);
         }
         x.ln2 = add_param(b, false, 1, H, 0, "model.layers.%lld.post_attention_layernorm.weight", (long long)l);
+        x.mlp_gate = x.mlp_up = x.mlp_down = -1;
+        if (!fm_config_layer_is_moe(c, l)) { /* dense SwiGLU MLP (qwen3_moe's Qwen3MoeMLP), no router */
+            const int64_t Id = c->dense_intermediate_size;
+            x.router = x.w_gate = x.w_up = x.w_down = -1;
+            x.mlp_gate = add_param(b, true, 2, Id, H, "model.layers.%lld.mlp.gate_proj.weight", (long long)l);
+            x.mlp_up = add_param(b, true, 2, Id, H, "model.layers.%lld.mlp.up_proj.weight", (long long)l);
+            x.mlp_down = add_param(b, true, 2, H, Id, "model.layers.%lld.mlp.down_proj.weight", (long long)l);
+            if (lo) lo[l] = x;
+            continue;
+        }
         x.router = add_param(b, true, 2, E, H, "model.layers.%lld.%s.gate.weight", (long long)l, moe);
         x.w_gate = b->offset;
         for (int64_t e = e0; e < e1; e++) /* expert parallelism: this rank's experts only */
@@ -85,6 +96,9 @@ static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, 
     *o_head = c->tie_word_embeddings ? *o_embed : add_param(b, true, 2, V, H, "lm_head.weight");
 }
 
+/* base + (off - first), or NULL for an absent tensor (off -1). */
+static fm_act *at(fm_act *base, int64_t off, int64_t first) { return off >= 0 ? base + (off - first) : NULL; }
+
 static void set_ptrs(fm_model_ptrs *p, fm_act *base, const fm_config *c, int64_t o_embed, int64_t o_norm,
                      int64_t o_head, const layer_offsets *lo) {
     p->embed = base + o_embed;
@@ -97,14 +111,17 @@ static void set_ptrs(fm_model_ptrs *p, fm_act *base, const fm_config *c, int64_t
         y->wo = base + x->wo;
         y->q_norm = x->q_norm >= 0 ? base + x->q_norm : NULL;
         y->k_norm = x->k_norm >= 0 ? base + x->k_norm : NULL;
-        y->ln2 = base + x->ln2; y->router = base + x->router;
-        y->w_gate = base + x->w_gate; y->w_up = base + x->w_up; y->w_down = base + x->w_down;
+        y->ln2 = base + x->ln2;
+        y->router = at(base, x->router, 0);
+        y->w_gate = at(base, x->w_gate, 0); y->w_up = at(base, x->w_up, 0); y->w_down = at(base, x->w_down, 0);
+        y->mlp_gate = at(base, x->mlp_gate, 0); y->mlp_up = at(base, x->mlp_up, 0);
+        y->mlp_down = at(base, x->mlp_down, 0);
     }
 }
 
 int64_t fm_params_ep_num_params(const fm_config *c, int ep) {
     const int64_t E = c->num_experts, El = ep > 0 ? E / ep : E;
-    return fm_config_num_params(c) - c->num_hidden_layers * (E - El) * 3 * c->hidden_size * c->moe_intermediate_size;
+    return fm_config_num_params(c) - fm_config_num_moe_layers(c) * (E - El) * 3 * c->hidden_size * c->moe_intermediate_size;
 }
 
 fm_status fm_params_create(fm_model_params *p, const fm_config *cfg, int ep, int ep_rank) {
@@ -175,8 +192,11 @@ static void set_group_ptrs(fm_model_params *pp, fm_model_ptrs *p, int64_t g, fm_
         y->wo = base + (x->wo - b);
         y->q_norm = x->q_norm >= 0 ? base + (x->q_norm - b) : NULL;
         y->k_norm = x->k_norm >= 0 ? base + (x->k_norm - b) : NULL;
-        y->ln2 = base + (x->ln2 - b); y->router = base + (x->router - b);
-        y->w_gate = base + (x->w_gate - b); y->w_up = base + (x->w_up - b); y->w_down = base + (x->w_down - b);
+        y->ln2 = base + (x->ln2 - b);
+        y->router = at(base, x->router, b);
+        y->w_gate = at(base, x->w_gate, b); y->w_up = at(base, x->w_up, b); y->w_down = at(base, x->w_down, b);
+        y->mlp_gate = at(base, x->mlp_gate, b); y->mlp_up = at(base, x->mlp_up, b);
+        y->mlp_down = at(base, x->mlp_down, b);
     }
 }
 
@@ -219,17 +239,26 @@ static inline uint64_t counter_u64(uint64_t key, uint64_t i) {
 
 /* The index of table tensor i in the table of all experts (fm_params_create's tables are
  * subsequences of it): the initial weights are drawn by that index, so every --ep draws the
- * one-rank model's. Layer l's tensors: nne non-expert ones, then gate, up, down per expert. */
+ * one-rank model's. Layer l's tensors: its non-expert ones (nne), then, in an MoE layer, gate,
+ * up, down per expert (E_loc of them here, E in the full table). */
 static uint64_t full_index(const fm_model_params *pp, int i) {
-    if (pp->ep <= 1) return (uint64_t)i;
-    const int64_t L = pp->cfg.num_hidden_layers, E = pp->cfg.num_experts, El = pp->E_loc;
-    const int64_t n_end = pp->cfg.tie_word_embeddings ? 1 : 2, nll = (pp->n_tensors - 1 - n_end) / L, nne = nll - 3 * El;
-    const int64_t nlf = nne + 3 * E;
-    if (i < 1) return (uint64_t)i;
-    if (i >= 1 + L * nll) return (uint64_t)(i + L * (nlf - nll));
-    const int64_t l = (i - 1) / nll, p = (i - 1) % nll;
-    const int64_t q = p < nne ? p : nne + (p - nne) / El * E + pp->ep_rank * El + (p - nne) % El;
-    return (uint64_t)(1 + l * nlf + q);
+    if (pp->ep <= 1 || i < 1) return (uint64_t)i;
+    const fm_config *c = &pp->cfg;
+    const int64_t L = c->num_hidden_layers, E = c->num_experts, El = pp->E_loc;
+    const int64_t attn = 6 + (c->qk_norm != FM_QK_NORM_NONE ? 2 : 0); /* ln1, q, k, v, o, (q/k norm), ln2 */
+    int64_t ti = 1, fi = 1; /* the layer's first index in this table and in the full one */
+    for (int64_t l = 0; l < L; l++) {
+        const bool moe = fm_config_layer_is_moe(c, l);
+        const int64_t nne = attn + (moe ? 1 : 3), nt = nne + (moe ? 3 * El : 0), nf = nne + (moe ? 3 * E : 0);
+        if (i < ti + nt) {
+            const int64_t p = i - ti;
+            const int64_t q = p < nne ? p : nne + (p - nne) / El * E + pp->ep_rank * El + (p - nne) % El;
+            return (uint64_t)(fi + q);
+        }
+        ti += nt;
+        fi += nf;
+    }
+    return (uint64_t)(fi + (i - ti)); /* the final norm and the LM head */
 }
 
 void fm_params_init_weights_range(const fm_model_params *pp, uint64_t seed, int i, int64_t first, int64_t count, float *out) {

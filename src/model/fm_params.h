@@ -23,10 +23,13 @@ typedef struct fm_param {
     bool decay;       /* AdamW weight decay applies (false for norm weights) */
 } fm_param;
 
-/* Pointers into one flat buffer (weights or gradients) for one layer. */
+/* Pointers into one flat buffer (weights or gradients) for one layer. An MoE layer has router
+ * and experts (mlp_* NULL); a dense layer (fm_config_layer_is_moe false) the dense SwiGLU MLP
+ * model.layers.N.mlp.{gate,up,down}_proj.weight (router and w_* NULL). */
 typedef struct fm_layer_ptrs {
     fm_act *ln1, *wq, *wk, *wv, *wo, *q_norm, *k_norm, *ln2, *router;
     fm_act *w_gate, *w_up, *w_down; /* [E,I,H], [E,I,H], [E,H,I] */
+    fm_act *mlp_gate, *mlp_up, *mlp_down; /* dense layer: [Id,H], [Id,H], [H,Id] */
 } fm_layer_ptrs;
 
 typedef struct fm_model_ptrs {
@@ -70,7 +73,8 @@ fm_status fm_params_create(fm_model_params *p, const fm_config *cfg, int ep, int
 void fm_params_free(fm_model_params *p);
 
 /* Parameters of one rank's table under expert parallelism of degree ep (E % ep == 0):
- * fm_config_num_params less L * (E - E/ep) * 3 * H * I (the other ranks' experts). */
+ * fm_config_num_params less L_moe * (E - E/ep) * 3 * H * I (the other ranks' experts; L_moe the
+ * MoE layers, fm_config_num_moe_layers). */
 int64_t fm_params_ep_num_params(const fm_config *cfg, int ep);
 
 /* Points the parameters at their buffers: weights and grads [n_params] fm_act and the fp32
@@ -90,7 +94,7 @@ int64_t fm_params_group_begin(const fm_model_params *p, int64_t g);
 void fm_params_bind_group(fm_model_params *p, int64_t g, fm_act *weights, fm_act *grads);
 
 /* Flat offsets (elements) of layer l's stacked expert weights gate [E,I,H], up [E,I,H] and down
- * [E,H,I] (the Hugging Face mapping's experts, io/fm_hf_weights.h). */
+ * [E,H,I] (the Hugging Face mapping's experts, io/fm_hf_weights.h); -1 each for a dense layer. */
 void fm_params_layer_expert_offsets(const fm_model_params *p, int64_t l, int64_t *gate, int64_t *up,
                                     int64_t *down);
 

@@ -34,14 +34,18 @@ fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const
     return FM_OK;
 }
 
-void fm_router_losses(const fm_router_opts *o, const double *terms, int64_t L, double *aux, double *z) {
+void fm_router_losses(const fm_router_opts *o, const double *terms, int64_t L, const fm_config *layers, double *aux,
+                      double *z) {
     double sa = 0, sz = 0;
+    int64_t n = 0;
     for (int64_t l = 0; l < L; l++) {
+        if (layers && !fm_config_layer_is_moe(layers, l)) continue;
         sa += terms[2 * l];
         sz += terms[2 * l + 1];
+        n++;
     }
-    *aux = o->aux_loss_coef * sa / (double)L;
-    *z = o->z_loss_coef * sz / (double)L;
+    *aux = n ? o->aux_loss_coef * sa / (double)n : 0.0;
+    *z = n ? o->z_loss_coef * sz / (double)n : 0.0;
 }
 
 void fm_router_backward(const fm_backend *be, const fm_router_opts *o, int64_t N_tot, fm_act *dx, fm_act *dW, float *dlogits,

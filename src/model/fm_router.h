@@ -67,16 +67,19 @@ fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const
                             int64_t N, int64_t H);
 
 /* The router losses of a micro-batch from its L layers' terms (host copies, [L][2], summed in
- * layer order): *aux = aux_loss_coef * sum_l aux_l / L, *z = z_loss_coef * sum_l z_l / L
- * (per-layer mean, as Megatron-Core; DESIGN.md §5). */
-void fm_router_losses(const fm_router_opts *o, const double *terms, int64_t L, double *aux, double *z);
+ * layer order over the MoE layers, fm_config_layer_is_moe of `layers`; NULL: all L, a dense
+ * layer's terms are never read): *aux = aux_loss_coef * sum_l aux_l / L_moe, *z = z_loss_coef *
+ * sum_l z_l / L_moe (per-layer mean over the L_moe MoE layers, as Megatron-Core; DESIGN.md §5). */
+void fm_router_losses(const fm_router_opts *o, const double *terms, int64_t L, const fm_config *layers, double *aux,
+                      double *z);
 
 /* Backward: dlogits [N,E] fp32 (ASSIGNED, scratch) from dtopk_w [N,k] (the top-k weights'
  * gradient), plus the load-balancing loss's gradient (coef * scale / L) * E * f_e / N on every
  * probs[n,e] (f_e from s->count, held constant; router_aux_grad, on the device) and the
  * z-loss's (zcoef * scale / (L N)) * 2 lse_n probs[n,e]; then through the linear layer:
  * dx [N,H] += dlogits W (beta 1: dx holds the experts' input gradient) and dW [E,H] +=
- * dlogits^T x. scale is the micro-batch's loss scale (1/G for G-step accumulation). dprobs [E]
+ * dlogits^T x. scale is the micro-batch's loss scale (1/G for G-step accumulation); L the number
+ * of layers the losses are averaged over (the MoE layers, fm_config_num_moe_layers). dprobs [E]
  * is backend scratch, dlogits_act [N,E] an fm_act copy of the logit gradient for the GEMMs
  * (== dlogits when fm_act is fp32). N_tot as in the forward (N x the statistics communicator's
  * size): the aux gradient uses the batch's f_e and P_e's normalization. Issues work only. */

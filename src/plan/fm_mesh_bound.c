@@ -16,13 +16,18 @@ int64_t fm_mesh_kv_heads(const fm_config *c, int64_t sp) {
 }
 
 int64_t fm_mesh_expert_params(const fm_config *c) {
-    return c->num_hidden_layers * c->num_experts * 3 * c->hidden_size * c->moe_intermediate_size;
+    return fm_config_num_moe_layers(c) * c->num_experts * 3 * c->hidden_size * c->moe_intermediate_size;
 }
 
 int64_t fm_mesh_gather_unit(const fm_config *c) {
     const int64_t H = c->hidden_size, V = c->vocab_size, L = c->num_hidden_layers;
     const int64_t rest = fm_config_num_params(c) - fm_mesh_expert_params(c) - V * H * (c->tie_word_embeddings ? 1 : 2) - H;
-    const int64_t layer = L > 0 ? rest / L : 0; /* attention, router, the two norms */
+    int64_t layer = L > 0 ? rest / L : 0; /* attention, router, the two norms */
+    const int64_t Lm = fm_config_num_moe_layers(c), D = 3 * H * c->dense_intermediate_size, R = c->num_experts * H;
+    if (Lm < L && L > 0) { /* rest = L A + Lm R + (L - Lm) D: the larger of an MoE layer's A + R and a dense one's A + D */
+        const int64_t A = (rest - Lm * R - (L - Lm) * D) / L;
+        layer = A + (D > R ? D : R);
+    }
     return layer > V * H ? layer : V * H;
 }
 

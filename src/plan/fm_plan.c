@@ -98,8 +98,18 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
 
     const size_t one = fm_model_layer_acts_bytes(c, r->B, Tl, a);
     const size_t kept_att = fm_model_kept_attention_bytes(c, r->B, Tl, a);
-    p->bytes[FM_LIVE_LAYER_ACTS] = (size_t)saved_sets * one + (size_t)nka * kept_att;
-    if (nka > 0)
+    /* dense layers (qwen3_moe's decoder_sparse_step / mlp_only_layers) save no router's part and
+     * no dispatch: the sets of each shape, as the layout takes them */
+    int64_t sets_moe, sets_dense;
+    fm_model_saved_sets(c, r->recompute, &sets_moe, &sets_dense);
+    p->bytes[FM_LIVE_LAYER_ACTS] = (size_t)sets_moe * one + (size_t)sets_dense * fm_model_dense_layer_acts_bytes(c, r->B, Tl, a) +
+                                   (size_t)nka * kept_att;
+    if (sets_dense > 0)
+        snprintf(p->inputs[FM_LIVE_LAYER_ACTS], 200, "%lld saved sets (%lld layers, %lld recomputed): %lld MoE x %.1f MiB + "
+                 "%lld dense x %.1f MiB%s", (long long)saved_sets, (long long)L, (long long)nr, (long long)sets_moe,
+                 one / 1048576.0, (long long)sets_dense, fm_model_dense_layer_acts_bytes(c, r->B, Tl, a) / 1048576.0,
+                 nka > 0 ? " + kept attention outputs" : "");
+    else if (nka > 0)
         snprintf(p->inputs[FM_LIVE_LAYER_ACTS], 200, "%lld saved sets (%lld layers, %lld recomputed) x %.1f MiB per layer "
                  "+ %lld kept attention outputs x %.1f MiB", (long long)saved_sets, (long long)L, (long long)nr,
                  one / 1048576.0, (long long)nka, kept_att / 1048576.0);
@@ -108,7 +118,8 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
                  (long long)saved_sets, (long long)L, (long long)nr, one / 1048576.0);
 
     const bool fp8c = r->expert_fp8 && r->expert_fp8_codes;
-    const fm_moe_dims md = {H, I, E, k, false, r->expert_fp8, fp8c, fp8c && r->layout.expert_fp8_cache ? L : 0}; /* fm_moe_ws_bytes */
+    const fm_moe_dims md = {H, I, E, k, false, r->expert_fp8, fp8c,
+                            fp8c && r->layout.expert_fp8_cache ? fm_config_num_moe_layers(c) : 0}; /* fm_moe_ws_bytes */
     fm_moe_chunks(N, r->moe_chunk_tokens, &p->moe_K, &p->moe_c_eff);
     if (r->ep > 1) { /* expert parallelism: the EP operator's bound for one chunk of <= c_eff tokens per source */
         fm_moe_ep_bound eb;
@@ -122,9 +133,9 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
                  "(2H + 3I) x %d B per route%s", (long long)p->moe_K, (long long)p->moe_c_eff, (long long)k, (int)a,
                  !r->expert_fp8 ? "" : !r->expert_fp8_codes ? " + fp8 copies" : r->layout.expert_fp8_cache ? " + fp8 code operands, L weight code sets" : " + fp8 code operands");
     } else {
-        p->bytes[FM_LIVE_EXPERT] = (size_t)saved_sets * fm_moe_routes_bytes(&md, N, a) + fm_moe_ws_bytes(&md, N, false, a);
+        p->bytes[FM_LIVE_EXPERT] = (size_t)sets_moe * fm_moe_routes_bytes(&md, N, a) + fm_moe_ws_bytes(&md, N, false, a);
         snprintf(p->inputs[FM_LIVE_EXPERT], 200, "plain: %lld saved dispatches of N x k = %lld routes x (2H + 3I) x %d B, "
-                 "+ backward%s", (long long)saved_sets, (long long)(N * k), (int)a,
+                 "+ backward%s", (long long)sets_moe, (long long)(N * k), (int)a,
                  !r->expert_fp8 ? "" : !r->expert_fp8_codes ? " + fp8 copies (3 E H I + 2 N k max(H,I))" : r->layout.expert_fp8_cache ? " + fp8 code operands, L weight code sets (L x 6 E H I)" : " + fp8 code operands");
     }
 
@@ -156,7 +167,8 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     }
 
     p->bytes[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(c, N, a);
-    snprintf(p->inputs[FM_LIVE_WORKING_SET], 200, "one layer's backward: 4 x N x H (5 if heads x head_dim < H) + q/k/v grads + router grads");
+    snprintf(p->inputs[FM_LIVE_WORKING_SET], 200, "one layer's backward: 4 x N x H (5 if heads x head_dim < H) + q/k/v grads + "
+             "router grads%s", fm_config_num_moe_layers(c) < L ? " + dense MLP 5 x N x intermediate_size" : "");
     if (r->sp > 1 && !r->mesh.on) { /* the trainer's Ulysses: the head-sharded q/k/v/o and their grads, the
                                         all-to-all blocks, index tables (a mesh counts them in its comm set) */
         const fm_attn_sp_dims sd = {r->B, Tl, c->num_attention_heads, c->num_key_value_heads, c->head_dim, (int)sp};
@@ -204,7 +216,12 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     const double layer_active = (double)(p->n_active - c->vocab_size * H - H) / (double)L;
     double hw = p->flops_model_token;
     hw += (double)nr * 2.0 * layer_active + (double)(nr - nka) * 2.0 * h_attn * (double)r->T;
-    if (r->moe_chunk_tokens > 0 || r->ep > 1) hw += (double)(L - nr) * 2.0 * (double)k * 3.0 * (double)H * (double)I;
+    const int64_t Lm = fm_config_num_moe_layers(c);
+    int64_t nr_moe = 0; /* recomputed MoE layers */
+    for (int64_t l = 0; r->recompute && l < L; l++) nr_moe += r->recompute[l] && fm_config_layer_is_moe(c, l);
+    if (r->moe_chunk_tokens > 0 || r->ep > 1) hw += (double)(Lm - nr_moe) * 2.0 * (double)k * 3.0 * (double)H * (double)I;
+    /* a dense layer's backward forms gate and up again (fm_dense_mlp.h): 2 x 2 H Id per token */
+    hw += (double)(L - Lm) * 4.0 * (double)H * (double)c->dense_intermediate_size;
     if (lce) hw += 2.0 * (double)c->vocab_size * (double)H; /* the logits formed twice */
     p->flops_hw_token = hw;
     /* the whole step's tokens: dp ranks' sequences (sp ranks share theirs): a mesh's dp, or the

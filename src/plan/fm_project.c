@@ -142,10 +142,15 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
 
     double mb[FM_PROJ_PHASES] = {0};
     mb[FM_PROJ_ATTENTION] = L * (att_f + att_b);
-    mb[FM_PROJ_DENSE] = L * (dense_f + dense_b);
+    /* dense layers (qwen3_moe's decoder_sparse_step / mlp_only_layers): the SwiGLU MLP's GEMMs
+     * instead of the experts': 6 N H Id forward, 12 backward + 4 forming gate and up again
+     * (model/fm_dense_mlp.h) */
+    const double Lm = (double)fm_config_num_moe_layers(c), Id = (double)c->dense_intermediate_size;
+    const double mlp_fb = (L - Lm) * at(22.0 * N * H * Id, gemm_rate);
+    mb[FM_PROJ_DENSE] = L * (dense_f + dense_b) + mlp_fb;
     /* fp8 on codes: exp_f, exp_b without the weights' quantization, charged here as often as the
      * run quantizes them (once a step with the weight cache) */
-    mb[FM_PROJ_EXPERTS] = L * (exp_f + exp_b) + fm_project_fp8_weight_sets(r, p) * fm_project_fp8_weight_quant_s(r, cb);
+    mb[FM_PROJ_EXPERTS] = Lm * (exp_f + exp_b) + fm_project_fp8_weight_sets(r, p) * fm_project_fp8_weight_quant_s(r, cb);
     mb[FM_PROJ_MEMORY] = L * 3.0 * mem_f;
     /* recomputed forwards: the whole layer, less attention where kept */
     mb[FM_PROJ_RECOMPUTE] = nr * (dense_f + exp_f + mem_f) + (nr - nka) * att_f;
@@ -195,7 +200,7 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
     double P = (double)(mesh ? p->n_params_rank : p->n_params);
     if (!mesh) {
         const double Wz = (double)(r->train_dp > 1 ? r->train_dp : 1) * sp, epd = r->ep > 1 ? (double)r->ep : 1.0;
-        const double Pexp = L * E * 3.0 * H * I, Pne = P - Pexp;
+        const double Pexp = (double)fm_config_num_moe_layers(&r->cfg) * E * 3.0 * H * I, Pne = P - Pexp;
         if (r->train_zero == 1 && Wz > 1) P = P / Wz;
         else if (r->train_zero == 3 && Wz > 1) P = epd > 1 ? Pne / Wz + Pexp / epd : P / Wz;
         else if (epd > 1) P = Pne + Pexp / epd;

@@ -447,7 +447,7 @@ static fm_status check_model_file(run *r, const char *dir) {
         }
     }
     /* --ep: the file holds every rank's experts, the table this rank's */
-    const int64_t n_expect = m->p.n_tensors + (int64_t)(m->p.ep - 1) * m->cfg.num_hidden_layers * 3 * m->p.E_loc;
+    const int64_t n_expect = m->p.n_tensors + (int64_t)(m->p.ep - 1) * fm_config_num_moe_layers(&m->cfg) * 3 * m->p.E_loc;
     if (s == FM_OK && st.n_tensors != n_expect) { /* every table tensor is there: name one it lacks */
         for (int i = 0; i < st.n_tensors && s == FM_OK; i++)
             if (m->p.ep <= 1 && !fm_params_find(&m->p, st.tensors[i].name))

@@ -119,6 +119,7 @@ fm_status fm_train_ep_reduce_grads(fm_model *m, const fm_comm *dp, const fm_trai
     fm_act *g = m->p.grads;
     int64_t prev = 0;
     for (int64_t l = 0; l < L; l++) { /* [prev, gate): replicated tensors; [gate, + span): the layer's experts */
+        if (!m->p.g.layers[l].w_gate) continue; /* a dense layer: replicated, in the next range */
         const int64_t g0 = m->p.g.layers[l].w_gate - g;
         FM_TRY(fm_comm_all_reduce(dp, g + prev, g + prev, g0 - prev, act_comm_dtype, FM_COMM_SUM, 0));
         if (edp) FM_TRY(fm_comm_all_reduce(&x->edp, g + g0, g + g0, span, act_comm_dtype, FM_COMM_SUM, 0));
@@ -127,11 +128,16 @@ fm_status fm_train_ep_reduce_grads(fm_model *m, const fm_comm *dp, const fm_trai
     FM_TRY(fm_comm_all_reduce(dp, g + prev, g + prev, m->p.n_params - prev, act_comm_dtype, FM_COMM_SUM, 0));
     /* squares: every expert once (summed over the ep group), then the replicas' on every rank */
     double *sq = m->a.results + FM_RESULT_SUMSQ;
-    for (int64_t l = 0; l < L; l++)
-        m->be.ops->sumsq(m->be.ctx, sq, m->p.g.layers[l].w_gate, span, l > 0);
+    bool first = true;
+    for (int64_t l = 0; l < L; l++) {
+        if (!m->p.g.layers[l].w_gate) continue;
+        m->be.ops->sumsq(m->be.ctx, sq, m->p.g.layers[l].w_gate, span, !first);
+        first = false;
+    }
     FM_TRY(fm_comm_all_reduce(ep, sq, sq, 1, FM_COMM_F64, FM_COMM_SUM, 0));
     prev = 0;
     for (int64_t l = 0; l < L; l++) {
+        if (!m->p.g.layers[l].w_gate) continue;
         const int64_t g0 = m->p.g.layers[l].w_gate - g;
         if (g0 > prev) m->be.ops->sumsq(m->be.ctx, sq, g + prev, g0 - prev, true);
         prev = g0 + span;

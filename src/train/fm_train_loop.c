@@ -95,6 +95,7 @@ static fm_status tb_step(run *r, const fm_run_records *rec, const fm_step_report
     if (!isnan(rep->val)) TB("val/loss", rep->val);
     char tag[64];
     for (int64_t l = 0; l < rec->L; l++) {
+        if (!fm_config_layer_is_moe(&r->cfg, l)) continue; /* a dense layer has no experts */
         snprintf(tag, sizeof tag, "expert_load/layer_%02lld", (long long)l);
         TB(tag, rec->load[l]);
     }

@@ -189,13 +189,16 @@ void fm_train_metrics_step_extra(run *r, const fm_run_records *rec, double step_
         fprintf(f, ",\"mfu\":%.6g", r->plan.flops_model_token * (double)tokens_per_step / step_s / rec->peak_flops);
     else
         fprintf(f, ",\"mfu\":null");
+    /* the MoE layers only, in layer order (a dense layer has no experts) */
     fprintf(f, ",\"expert_load_max_mean\":[");
-    for (int64_t l = 0; l < rec->L; l++) fprintf(f, "%s%.4f", l ? "," : "", rec->load[l]);
+    for (int64_t l = 0, n = 0; l < rec->L; l++)
+        if (fm_config_layer_is_moe(&r->cfg, l)) fprintf(f, "%s%.4f", n++ ? "," : "", rec->load[l]);
     fprintf(f, "]");
     if (!full) return;
     fprintf(f, ",\"expert_counts\":[");
-    for (int64_t l = 0; l < rec->L; l++) {
-        fprintf(f, "%s[", l ? "," : "");
+    for (int64_t l = 0, n = 0; l < rec->L; l++) {
+        if (!fm_config_layer_is_moe(&r->cfg, l)) continue;
+        fprintf(f, "%s[", n++ ? "," : "");
         for (int64_t e = 0; e < rec->E; e++) fprintf(f, "%s%lld", e ? "," : "", (long long)rec->counts[l * rec->E + e]);
         fprintf(f, "]");
     }

@@ -184,10 +184,17 @@ static fm_status setup_config(run *r, const char *ckpt) {
         if (!o->config_path)
             return fm_error(FM_ERR_ARG, "--config: required (a Hugging Face config.json), or --init-from DIR (a Hugging "
                             "Face model folder)");
-        FM_TRY(fm_config_load(&r->cfg, o->config_path));
+        snprintf(p, sizeof p, "%s", o->config_path);
+        FM_TRY(fm_config_load(&r->cfg, p));
     }
     if (o->max_position_embeddings > 0) r->cfg.max_position_embeddings = o->max_position_embeddings;
-    r->config_json = fm_config_to_json(&r->cfg);
+    { /* the checkpoints' config.json: the file read, with only the fields flatmoe changes (fm_config.h) */
+        char *text;
+        FM_TRY(fm_config_read_text(p, &text));
+        fm_status st = fm_config_json_as_read(text, &r->cfg, p, &r->config_json);
+        fm_free(text);
+        FM_TRY(st);
+    }
     const fm_config *c = &r->cfg;
     if (o->seq_len > c->max_position_embeddings)
         return fm_error(FM_ERR_ARG, "--seq-len %lld exceeds max_position_embeddings (%lld) of the model config; "

@@ -84,7 +84,7 @@ fm_status fm_zero3_layout_params(fm_zero3 *z, const fm_model_params *pp, int ran
         for (int g = 1; g + 1 < ng; g++) {
             int64_t gate, up, down;
             fm_params_layer_expert_offsets(pp, g - 1, &gate, &up, &down);
-            keep[g] = b[g + 1] - gate;
+            keep[g] = gate >= 0 ? b[g + 1] - gate : 0; /* a dense layer: sharded whole */
         }
     const fm_status s = fm_zero3_layout_keep(z, b, keep, ng, pp->o_head == pp->o_embed, rank, W, rank < pp->ep);
     fm_free(b);
@@ -93,11 +93,18 @@ fm_status fm_zero3_layout_params(fm_zero3 *z, const fm_model_params *pp, int ran
 
 /* The groups' sizes from a config (the table's, model/fm_params.c: the embedding V H; the layers
  * all alike; the final norm H and the untied head V H). */
-static void group_sizes(const fm_config *c, int64_t *n0, int64_t *nl, int64_t *nh) {
-    const int64_t n = fm_config_num_params(c), VH = c->vocab_size * c->hidden_size, L = c->num_hidden_layers;
+/* The groups' sizes: the embedding n0, the head group nh, an MoE layer's nl (every expert) and
+ * a dense layer's nd (its SwiGLU MLP; 0 when every layer is MoE). Layer l's group is
+ * a + (MoE: E H + 3 E H I; dense: 3 H Id), a the attention and the two norms. */
+static void group_sizes(const fm_config *c, int64_t *n0, int64_t *nl, int64_t *nh, int64_t *nd) {
+    const int64_t n = fm_config_num_params(c), H = c->hidden_size, VH = c->vocab_size * H, L = c->num_hidden_layers;
+    const int64_t Lm = fm_config_num_moe_layers(c), E = c->num_experts;
+    const int64_t moe = E * H + 3 * E * H * c->moe_intermediate_size, dense = 3 * H * c->dense_intermediate_size;
     *n0 = VH;
-    *nh = c->hidden_size + (c->tie_word_embeddings ? 0 : VH);
-    *nl = L > 0 ? (n - *n0 - *nh) / L : 0;
+    *nh = H + (c->tie_word_embeddings ? 0 : VH);
+    const int64_t a = L > 0 ? (n - *n0 - *nh - Lm * moe - (L - Lm) * dense) / L : 0;
+    *nl = a + moe;
+    *nd = Lm < L ? a + dense : 0;
 }
 
 /* Bytes of the store's walk (fm_param_store_create_zero3) for shard S, slot and gradient buffer. */
@@ -110,22 +117,25 @@ static size_t store_bytes(int64_t S, int64_t slot, int64_t gbuf, size_t a) {
 size_t fm_zero3_store_bytes(const fm_zero3 *z, size_t a) { return store_bytes(z->shard_len, z->slot_len, z->gbuf_len, a); }
 
 size_t fm_zero3_state_bytes_ep(const fm_config *c, size_t a, int W, int ep, bool bf16_moments, char desc[200]) {
-    int64_t n0, nl, nh;
-    group_sizes(c, &n0, &nl, &nh);
-    const int64_t L = c->num_hidden_layers;
-    /* --ep: the layers' groups are fm_model_create_ep's (E/ep experts each), the experts kept whole */
+    int64_t n0, nl, nh, nd;
+    group_sizes(c, &n0, &nl, &nh, &nd);
+    const int64_t L = c->num_hidden_layers, Lm = fm_config_num_moe_layers(c);
+    /* --ep: the MoE layers' groups are fm_model_create_ep's (E/ep experts each), the experts kept
+     * whole; a dense layer's group is sharded whole */
     const int64_t span = ep > 1 ? 3 * (c->num_experts / ep) * c->hidden_size * c->moe_intermediate_size : 0;
-    if (ep > 1 && L > 0) nl = (fm_params_ep_num_params(c, ep) - n0 - nh) / L - span;
+    if (ep > 1) nl -= 3 * c->num_experts * c->hidden_size * c->moe_intermediate_size;
     const int64_t p0 = fm_zero3_piece_len(n0, W), pl = fm_zero3_piece_len(nl, W), ph = fm_zero3_piece_len(nh, W);
-    const int64_t S = p0 + L * pl + ph + L * span;
+    const int64_t pd = Lm < L ? fm_zero3_piece_len(nd, W) : 0;
+    const int64_t S = p0 + Lm * pl + (L - Lm) * pd + ph + Lm * span;
     int64_t mx = p0 > ph ? p0 : ph;
-    if (L > 0 && pl > mx) mx = pl;
+    if (Lm > 0 && pl > mx) mx = pl;
+    if (pd > mx) mx = pd;
     const int64_t slot = (int64_t)W * mx, both = (int64_t)W * (p0 + ph);
     const int64_t gbuf = c->tie_word_embeddings && both > slot ? both : slot;
     if (desc && ep > 1)
         snprintf(desc, 200, "ZeRO-3 over %d, experts / ep = %d whole: %d B/param x (%lld shard + %lld experts) + %d B x "
                  "(2 x %lld + %lld) (2 gathered groups, 1 group's grads)", W, ep, 8 + (bf16_moments ? 4 : 8),
-                 (long long)(S - L * span), (long long)(L * span), (int)a, (long long)slot, (long long)gbuf);
+                 (long long)(S - Lm * span), (long long)(Lm * span), (int)a, (long long)slot, (long long)gbuf);
     else if (desc)
         snprintf(desc, 200, "ZeRO-3 over %d: %d B/param x %lld params (shard) + %d B x (2 x %lld + %lld) (2 gathered "
                  "groups, 1 group's grads)", W, 8 + (bf16_moments ? 4 : 8), (long long)S, (int)a, (long long)slot,
