@@ -12,7 +12,7 @@
 #                     (empty unless the test sets it, e.g. (-x FLATMOE_TEST_FORCE_ROUTE)) goes
 #                     before -np
 #   compare REF RUN [ARGS...]   tests/mpi_compare.py: losses to 1e-6 relative, gradient norms to
-#                     1e-5, final tensors to 5e-4 of each tensor's scale (tests/mpi_train.sh says
+#                     1e-3 (mpi_compare.py says why), final tensors to 5e-4 of each tensor's scale (tests/mpi_train.sh says
 #                     why), unless ARGS say otherwise
 #   mpi_finish NAME   prints "NAME: passed" or "NAME: N failed"; its status is the test's
 MPIEXEC=${1:?usage: $0 MPIEXEC BINARY [MODE]} FM=$(readlink -f "${2:?usage: $0 MPIEXEC BINARY [MODE]}") MODE=${3:-}

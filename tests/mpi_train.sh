@@ -3,7 +3,7 @@
 #   bash tests/mpi_train.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | resume | warnings | failure
 # np2, np4: 20 steps of tests/data/micro.json at --micro-batch 4/W on W ranks, replicas (--zero 0),
 #   ZeRO-1/2 (--zero 1) and ZeRO-3 (--zero 3; src/train/fm_zero3.h), give the losses of one rank at --micro-batch 4 to 1e-6 relative, the
-#   gradient norms to 1e-5 (AdamW is blind to a gradient's scale; the norm is not), and final
+#   gradient norms to 1e-3 (AdamW is blind to a gradient's scale; the norm is not), and final
 #   weights, master and Adam moments within the fp32 tolerance below.
 # resume: 10 steps at np 2 (--zero 1), then 10 more at np 1 from its checkpoint; and 10 at np 1
 #   then 10 at np 2 (--zero 1): both end with the weights of 20 uninterrupted one-rank steps; and
@@ -25,8 +25,9 @@
 # 1.4e-4: its rows of rare tokens get tiny, noisy gradients that m / sqrt(v) amplifies). We
 # require max |a - b| <= 5e-4 x max |a| per tensor, which a real bug (a lost rank's gradient,
 # another data order, a stale shard: differences of 1e-3 and more) cannot meet; the gradient norm's check catches a
-# wrong gradient scale. The norm's 1e-5: its fp64 sum of squares of fp32 gradients that differ
-# in their last bits (measured: 4e-7).
+# wrong gradient scale. The norm's 1e-3: its fp64 sum of squares of fp32 gradients that differ
+# in their last bits (measured: 4e-7 here), but a near-tie in the router can flip one token's expert
+# under another summation order (tests/mpi_compare.py gives the measured cases).
 # mpirun flags and the helpers (mpi, compare: tests/mpi_compare.py, bad): tests/lib_mpi.sh.
 set -u
 source "$(dirname "$0")/lib_mpi.sh"
