@@ -24,6 +24,7 @@ typedef enum fm_model_type {
     FM_MODEL_QWEN3_MOE,
     FM_MODEL_OLMOE,
     FM_MODEL_MIXTRAL,
+    FM_MODEL_GLM4_MOE, /* GLM-4.5 / GLM-4.5-Air (transformers' Glm4MoeConfig; fm_config_glm4.c) */
 } fm_model_type;
 
 typedef enum fm_qk_norm {
@@ -61,6 +62,17 @@ typedef struct fm_config {
     int64_t dense_intermediate_size; /* Id: the dense MLP's width (qwen3_moe intermediate_size) */
     int64_t decoder_sparse_step;     /* >= 1 */
     uint64_t mlp_only_mask[FM_CONFIG_MLP_ONLY_MAX / 64]; /* bit i: layer i in mlp_only_layers */
+    /* glm4_moe (DeepSeek-V3's MoE block; 0 / false / 1.0 for the other model_types) */
+    int64_t first_k_dense_replace;  /* layers < this are dense (glm4_moe; 0 elsewhere) */
+    int64_t n_shared_experts;       /* shared experts: one SwiGLU MLP of width I * n_shared_experts
+                                     * on every token of an MoE layer (0: none) */
+    bool router_sigmoid;            /* sigmoid scores, e_score_correction_bias for selection,
+                                     * group-limited top-k (fm_router.h) */
+    int64_t n_group, topk_group;    /* group-limited top-k: keep the topk_group best of n_group groups */
+    double routed_scaling_factor;   /* the top-k weights times this (1.0 elsewhere) */
+    double partial_rotary_factor;   /* read; flatmoe refuses values other than 1.0 yet */
+    bool attention_bias;            /* read; flatmoe refuses true yet */
+    int64_t num_nextn_predict_layers; /* MTP layers: neither built, trained nor saved (as transformers) */
 } fm_config;
 
 /* Parses config.json text. `path` is only used in messages. Errors (each names the file and the
@@ -94,6 +106,30 @@ fm_status fm_config_json_as_read(const char *text, const fm_config *cfg, const c
  * same model when their texts are equal) and the config of a model made without a file; a
  * checkpoint writes fm_config_json_as_read's text instead. */
 char *fm_config_to_json(const fm_config *cfg);
+
+/* glm4_moe's fields and checks into cfg (fm_config_glm4.c), called by fm_config_parse after the
+ * common fields: first_k_dense_replace, n_shared_experts, n_group, topk_group,
+ * routed_scaling_factor, use_qk_norm, partial_rotary_factor, attention_bias,
+ * num_nextn_predict_layers with Glm4MoeConfig's defaults. root is a cJSON object. Errors:
+ * FM_ERR_FORMAT (a field of the wrong JSON type), FM_ERR_CONFIG (n_group not dividing
+ * n_routed_experts, topk_group outside [1, n_group], ...), FM_ERR_UNSUPPORTED
+ * (partial_rotary_factor != 1, attention_bias true), each naming path and the field. */
+fm_status fm_config_parse_glm4(fm_config *cfg, const void *root, const char *path);
+
+/* glm4_moe's fields of cfg into the cJSON object json (fm_config_to_json's canonical form). */
+void fm_config_glm4_to_json(const fm_config *cfg, void *json);
+
+/* An MoE layer's parameters beside its router weight and routed experts: the shared experts' 3
+ * H Is and the sigmoid router's e_score_correction_bias E (fm_config.c). */
+int64_t fm_config_moe_extra_params(const fm_config *cfg);
+
+/* Width of the shared experts' SwiGLU MLP (moe_intermediate_size * n_shared_experts; 0: none). */
+int64_t fm_config_shared_width(const fm_config *cfg);
+
+/* Width of the dense-MLP working set (fm_dense_mlp.h), the largest of the dense layers' MLP
+ * (dense_intermediate_size, when there are dense layers) and the shared experts'
+ * (fm_config_shared_width); 0 when neither exists. */
+int64_t fm_config_dense_ws_width(const fm_config *cfg);
 
 /* Whether layer l (in [0, num_hidden_layers)) is an MoE layer (router and experts), else a dense
  * SwiGLU MLP of dense_intermediate_size (transformers' Qwen3MoeDecoderLayer rule, above). */
