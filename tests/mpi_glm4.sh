@@ -7,8 +7,8 @@
 # (the final e_score_correction_bias of every MoE layer equal to the one rank's within 1e-6:
 # each move is +-0.01 or 0 from integer counts, the same on every rank unless a near-tie of the
 # router flips a token, which tests/mpi_compare.py's tolerances also allow), losses to 1e-6 and
-# tensors as tests/mpi_train.sh; and the bias did move (else the check is empty). --zero 3 with the
-# rate is refused.
+# tensors as tests/mpi_train.sh; and the bias did move (else the check is empty). --zero 3 without
+# the rate against one rank; with it, refused.
 set -u
 source "$(dirname "$0")/lib_mpi.sh"
 mpi_tmp mpi-glm4
@@ -36,6 +36,11 @@ sys.exit(0 if d <= 1e-6 and moved >= 0.01 else 1)
 PY
         bad "np 2 ${flags[*]}: the selection bias differs from one rank's, or never moved"
 done
+# --zero 3 without the rate (the shared expert and the bias sharded with their layer's group)
+NORATE=("${COMMON[@]:0:${#COMMON[@]}-2}")
+"$FM" train "${NORATE[@]}" --micro-batch 4 --out "$TMP/one0" >/dev/null || bad "one-rank run without the rate failed"
+mpi 2 train "${NORATE[@]}" --micro-batch 2 --zero 3 --out "$TMP/z3r0" >/dev/null || bad "np 2 --zero 3 failed"
+compare "$TMP/one0" "$TMP/z3r0" || bad "np 2 --zero 3 differs from one rank at --micro-batch 4"
 # --zero 3 is refused with the rate (its shards are not reached yet), naming the flags
 if out=$(mpi 2 train "${COMMON[@]}" --micro-batch 2 --zero 3 --out "$TMP/z3" 2>&1); then
     bad "--zero 3 with --moe-router-bias-update-rate ran"
