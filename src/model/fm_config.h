@@ -1,7 +1,7 @@
 /* Model configuration read from a Hugging Face config.json (model_type qwen3_moe, olmoe,
- * mixtral). Field names are Hugging Face's, per model_type:
- *   expert width:  qwen3_moe moe_intermediate_size; olmoe and mixtral intermediate_size
- *   expert count:  qwen3_moe and olmoe num_experts; mixtral num_local_experts
+ * mixtral, glm4_moe). Field names are Hugging Face's, per model_type:
+ *   expert width:  qwen3_moe, glm4_moe moe_intermediate_size; olmoe and mixtral intermediate_size
+ *   expert count:  qwen3_moe and olmoe num_experts; mixtral num_local_experts; glm4_moe n_routed_experts
  *   QK-norm:       qwen3_moe RMSNorm per head over head_dim; olmoe RMSNorm over the whole q and k
  *                  projections; mixtral none
  *   norm_topk_prob: qwen3_moe and olmoe read it (HF defaults false); mixtral always renormalizes
@@ -12,7 +12,10 @@
  * the same model here and in transformers: e.g. num_key_value_heads is 4 for qwen3_moe, 8 for
  * mixtral, num_attention_heads for olmoe. Only model_type is required.
  *
- * Dense layers (qwen3_moe only, as transformers' Qwen3MoeDecoderLayer decides): layer i is MoE
+ * glm4_moe (fm_config_glm4.c): the first first_k_dense_replace layers are dense (intermediate_size),
+ * every MoE layer has n_shared_experts shared experts and DeepSeek-V3's sigmoid router.
+ *
+ * Dense layers (qwen3_moe, as transformers' Qwen3MoeDecoderLayer decides): layer i is MoE
  * when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; else its MLP is a
  * dense SwiGLU of width intermediate_size (model.layers.i.mlp.{gate,up,down}_proj.weight) and it
  * has no router. */
@@ -81,8 +84,8 @@ typedef struct fm_config {
  * hidden_size (when head_dim is not given), num_key_value_heads not dividing
  * num_attention_heads, odd head_dim, top-k outside [1, num_experts]; FM_ERR_UNSUPPORTED for
  * features flatmoe does not implement yet (attention_bias, clip_qkv, rope_scaling, sliding
- * window, shared experts; decoder_sparse_step / mlp_only_layers outside qwen3_moe, or leaving no
- * MoE layer). */
+ * window, qwen2-style shared experts, glm4_moe's partial_rotary_factor != 1; decoder_sparse_step /
+ * mlp_only_layers outside qwen3_moe, or leaving no MoE layer). */
 fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *path);
 
 /* Reads and parses a config.json file. Errors: FM_ERR_IO if unreadable, else as above. */
@@ -132,7 +135,8 @@ int64_t fm_config_shared_width(const fm_config *cfg);
 int64_t fm_config_dense_ws_width(const fm_config *cfg);
 
 /* Whether layer l (in [0, num_hidden_layers)) is an MoE layer (router and experts), else a dense
- * SwiGLU MLP of dense_intermediate_size (transformers' Qwen3MoeDecoderLayer rule, above). */
+ * SwiGLU MLP of dense_intermediate_size (transformers' Qwen3MoeDecoderLayer rule, above; glm4_moe:
+ * l >= first_k_dense_replace). */
 bool fm_config_layer_is_moe(const fm_config *cfg, int64_t l);
 
 /* The number of MoE layers (>= 1 for a parsed config). */
