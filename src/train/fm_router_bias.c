@@ -30,6 +30,9 @@ void fm_router_bias_update(fm_model *m, const int64_t *counts, double rate, floa
     const fm_config *c = &m->cfg;
     const int64_t E = c->num_experts;
     const fm_ops *ops = m->be.ops;
+    /* sync point "router bias" (a GPU only): every stream, so the step's optimizer (on its update
+     * stream, or overlapped with the backward) has written the master before it is read here */
+    if (!ops->host_memory) ops->sync(m->be.ctx);
     for (int64_t l = 0; l < c->num_hidden_layers; l++) {
         fm_act *b = m->p.w.layers[l].router_bias;
         if (!b || !fm_config_layer_is_moe(c, l)) continue;

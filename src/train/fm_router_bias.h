@@ -23,8 +23,9 @@ fm_status fm_router_bias_check(const fm_model *m, double rate, bool zero3, bool 
 /* The update above on every MoE layer of m with a selection bias, from counts [L][E] (host, the
  * step's routes per expert of every layer over every rank; a dense layer's row unread), in fp32
  * arithmetic on the master: b + (float)(rate * sign), then the weights converted from the master
- * (a copy to and from the device when its memory is not the host's: a host sync at the step's
- * end, after the optimizer). tmp [E] floats of host scratch. Nothing when rate is 0. */
+ * (on a GPU: a sync of every stream first, then a copy to and from the device per layer: host
+ * syncs at the step's end, after the optimizer, only when rate > 0). tmp [E] floats of host
+ * scratch. Nothing when rate is 0. */
 void fm_router_bias_update(fm_model *m, const int64_t *counts, double rate, float *tmp);
 
 #endif
