@@ -35,7 +35,8 @@ typedef struct fm_router_opts {
     /* Test hook (adversarial routing, tests/mpi_train_ep.sh; the trainer sets it from
      * the test hook FLATMOE_TEST_FORCE_ROUTE, core/fm_test_hooks.h): every token's top-k becomes experts force_first .. force_first
      * + k - 1 (mod E), their weights the softmax probabilities of those experts (renormalized with
-     * norm_topk), so forward, statistics and backward stay those of a router that chose them.
+     * norm_topk), so forward, statistics and backward stay those of a router that chose them (the
+     * sigmoid router: its scores, renormalized with norm_topk, without routed_scaling_factor).
      * force_percent (in [0,100]) of each call's tokens are forced, spread evenly (token n when
      * n*pct/100 < (n+1)*pct/100), the rest keep the router's own choice: the skewed form
      * (FLATMOE_TEST_FORCE_ROUTE=FIRST:PCT; plain FIRST is 100). Runs as the backend's
