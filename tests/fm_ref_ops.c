@@ -447,3 +447,71 @@ void fm_ref_adamw_bf16w(float *p, const float *g, uint16_t *comp, float *m, floa
         }
     }
 }
+
+/* ---- the sigmoid router ------------------------------------------------------------------ */
+
+static double ref_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+/* Whether (a, ia) comes before (b, ib): value descending, id ascending. */
+static bool ref_before(double a, int64_t ia, double b, int64_t ib) { return a > b || (a == b && ia < ib); }
+
+/* The order of v[0..n) (value descending, id ascending) into ord [n], by insertion sort. */
+static void ref_order(int32_t *ord, const double *v, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t j = i;
+        while (j > 0 && ref_before(v[i], i, v[ord[j - 1]], ord[j - 1])) {
+            ord[j] = ord[j - 1];
+            j--;
+        }
+        ord[j] = (int32_t)i;
+    }
+}
+
+void fm_ref_router_sigmoid(int32_t *idx, double *w, double *scores, const double *logits, const double *bias,
+                           int64_t N, int64_t E, int64_t k, int64_t n_group, int64_t topk_group, bool norm,
+                           double scaling) {
+    const int64_t gs = E / n_group;
+    double *c = malloc(sizeof(double) * (size_t)E), *gsc = malloc(sizeof(double) * (size_t)n_group);
+    int32_t *ord = malloc(sizeof(int32_t) * (size_t)(E > n_group ? E : n_group));
+    for (int64_t n = 0; n < N; n++) {
+        double *s = scores + n * E;
+        for (int64_t e = 0; e < E; e++) {
+            s[e] = ref_sigmoid(logits[n * E + e]);
+            c[e] = s[e] + (bias ? bias[e] : 0.0);
+        }
+        if (n_group > 1) {
+            for (int64_t g = 0; g < n_group; g++) {
+                ref_order(ord, c + g * gs, gs);
+                gsc[g] = c[g * gs + ord[0]] + c[g * gs + ord[1]];
+            }
+            ref_order(ord, gsc, n_group);
+            for (int64_t r = topk_group; r < n_group; r++) /* the groups not kept */
+                for (int64_t e = ord[r] * gs; e < (ord[r] + 1) * gs; e++) c[e] = 0.0;
+        }
+        ref_order(ord, c, E);
+        double sum = 0;
+        for (int64_t j = 0; j < k; j++) {
+            idx[n * k + j] = ord[j];
+            sum += s[ord[j]];
+        }
+        for (int64_t j = 0; j < k; j++) w[n * k + j] = (norm ? s[ord[j]] / (sum + 1e-20) : s[ord[j]]) * scaling;
+    }
+    free(c), free(gsc), free(ord);
+}
+
+double fm_ref_router_sigmoid_objective(const double *logits, const int32_t *idx, const double *dw, const double *gpe,
+                                       int64_t N, int64_t E, int64_t k, bool norm, double scaling) {
+    double L = 0;
+    for (int64_t n = 0; n < N; n++) {
+        double sum = 0;
+        for (int64_t j = 0; j < k; j++) sum += ref_sigmoid(logits[n * E + idx[n * k + j]]);
+        if (dw)
+            for (int64_t j = 0; j < k; j++) {
+                const double s = ref_sigmoid(logits[n * E + idx[n * k + j]]);
+                L += dw[n * k + j] * (norm ? s / (sum + 1e-20) : s) * scaling;
+            }
+        if (gpe)
+            for (int64_t e = 0; e < E; e++) L += gpe[e] * ref_sigmoid(logits[n * E + e]);
+    }
+    return L;
+}

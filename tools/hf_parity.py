@@ -95,6 +95,17 @@ def configs():
                                                          num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
                                                          rope_theta=1e6, decoder_sparse_step=2, mlp_only_layers=[0],
                                                          **dense)
+    # GLM-4.5 (Glm4MoeForCausalLM): DeepSeek-V3's sigmoid router (groups: 2 of 4 kept, a random
+    # e_score_correction_bias set after the build), a shared expert, layer 0 dense; full RoPE and no
+    # attention biases until flatmoe has them (partial_rotary_factor 1.0, attention_bias false)
+    if hasattr(transformers, "Glm4MoeConfig"):
+        glm = dict(common, num_hidden_layers=3)
+        yield "glm4_moe", transformers.Glm4MoeConfig(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                                                     num_experts_per_tok=2, n_shared_experts=1, n_group=4,
+                                                     topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                                                     norm_topk_prob=True, use_qk_norm=True, head_dim=16,
+                                                     partial_rotary_factor=1.0, attention_bias=False,
+                                                     rope_theta=1e6, **glm)
 
 
 def nerr(a, b):
@@ -384,7 +395,7 @@ def fm_router_rows(fm, n_layers, k):
 
 
 def n_experts_of(cfg):
-    for a in ("num_experts", "num_local_experts"):
+    for a in ("num_experts", "num_local_experts", "n_routed_experts"):
         if getattr(cfg, a, None):
             return int(getattr(cfg, a))
     raise ValueError("config without a number of experts")
@@ -447,6 +458,10 @@ def main():
         for name, cfg in configs():
             d = os.path.join(tmp, name)
             model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+            with torch.no_grad():  # a selection bias that matters (glm4_moe's router; zeros after init)
+                for mod in model.modules():
+                    if torch.is_tensor(getattr(mod, "e_score_correction_bias", None)):
+                        mod.e_score_correction_bias.copy_(0.05 * torch.randn_like(mod.e_score_correction_bias))
             model.save_pretrained(d, safe_serialization=True)
             names = sorted(load_file(os.path.join(d, "model.safetensors")).keys())
             with open(os.path.join(d, "config.json")) as f:

@@ -103,6 +103,8 @@ typedef enum fm_stream {
 /* Events: a fixed pool of FM_EVENT_POOL created at init, named by index; the users of the
  * indices below are fixed, the rest are for schedule policies (checkpoint offload, ...). */
 #define FM_EVENT_POOL 256
+/* The most expert groups of the group-limited router (router_sigmoid_fwd; n_group). */
+#define FM_ROUTER_MAX_GROUPS 64
 enum {
     FM_EVENT_TOKENS = 0,   /* the micro-batch's token/target upload is done (its host batch may be rewritten) */
     FM_EVENT_FIRST_FREE = 8,
@@ -353,6 +355,32 @@ typedef struct fm_ops {
      * cuda_router_force.cu). NULL in a backend without it. */
     void (*router_force)(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
                          int64_t k, int64_t first, int percent, bool norm_topk);
+
+    /* ---- the sigmoid router (DeepSeek-V3, arXiv 2412.19437 §2.1.2; transformers'
+     * Glm4MoeTopkRouter / DeepseekV3TopkRouter), per token n, in fp32:
+     *   scores[n,e] = sigmoid(logits[n,e]);  choice c_e = scores[n,e] + bias[e] (selection only);
+     *   n_group > 1: group g's score = the sum of its 2 largest c (E/n_group experts per group,
+     *     contiguous), the topk_group best groups kept (ties: lower group id), c_e := 0.0 for every
+     *     expert of the other groups (transformers' masked_fill with 0.0, not -inf);
+     *   topk_idx [N,k] = the k largest c (decreasing; ties: lower id; NaN last);
+     *   topk_w [N,k] = scores at those experts, divided by (their sum in j order + 1e-20) when
+     *     norm_topk, times scaling (routed_scaling_factor);
+     *   lse [N] = logsumexp(logits[n]) (router_stats' z-loss statistic, as router_fwd).
+     * logits, scores [N,E] fp32, bias [E] fm_act (e_score_correction_bias; NULL: zeros), backend
+     * memory. 1 <= k <= topk_group * E / n_group, n_group divides E, n_group <=
+     * FM_ROUTER_MAX_GROUPS, E / n_group >= 2 when n_group > 1. NULL in a backend without it. */
+    void (*router_sigmoid_fwd)(void *ctx, float *scores, float *lse, int32_t *topk_idx, float *topk_w,
+                               const float *logits, const fm_act *bias, int64_t N, int64_t E, int64_t k,
+                               int64_t n_group, int64_t topk_group, bool norm_topk, float scaling);
+    /* dlogits [N,E] ASSIGNED: the gradient through the sigmoid of
+     *   (a) dtopk_w [N,k] (NULL: none) through the chosen scores: ds_j = scaling * dtopk_w_j, or
+     *       with norm_topk (S = sum_j scores[idx_j] + 1e-20, in double)
+     *       ds_j = scaling (dtopk_w_j - sum_i dtopk_w_i scores[idx_i] / S) / S;
+     *   (b) dprobs_per_expert [E] (NULL: none), added to ds_e of every expert;
+     * dlogits[n,e] = s_e (1 - s_e) ds_e. The bias and the selection get no gradient. */
+    void (*router_sigmoid_bwd)(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
+                               const float *scores, const int32_t *topk_idx, int64_t N, int64_t E, int64_t k,
+                               bool norm_topk, float scaling);
 
     /* ---- MoE permutation (dropless) --------------------------------------------------------
      * R = N*k routes; route r = n*k + j is token n's j-th choice. The permuted ("expert-major")

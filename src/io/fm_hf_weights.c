@@ -6,6 +6,7 @@
 #include <cjson/cJSON.h>
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -259,6 +260,11 @@ static fm_status check_extras(const reader *r, const char *prefix) {
             const char *n = r->f->st[k].tensors[i].name;
             if (r->used[k][i] || strncmp(n, prefix, plen)) continue;
             if (r->t->tied_lm_head && !strcmp(n + plen, "lm_head.weight")) continue; /* tied: the embedding is read */
+            if (r->t->skip_layers_from > 0 && !strncmp(n + plen, "model.layers.", 13)) { /* MTP layers: skipped */
+                char *end = NULL;
+                const long long l = strtoll(n + plen + 13, &end, 10);
+                if (end && *end == '.' && l >= r->t->skip_layers_from) continue;
+            }
             if (!out)
                 return fm_error(FM_ERR_FORMAT, "%s: tensor '%s' is not a parameter of this %s model (%d tensors "
                                 "expected); was the file written for another config?", r->f->st[k].path, n,

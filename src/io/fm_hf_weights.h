@@ -63,6 +63,10 @@ typedef struct fm_hf_table {
     const fm_hf_experts *experts; /* [n_layers] */
     bool tied_lm_head;           /* embeddings tied: a file's "lm_head.weight" is ignored */
     const char *model_desc;      /* model type in messages, e.g. "qwen3_moe" */
+    /* > 0: tensors "model.layers.<l>.*" with l >= this are skipped without a word: the MTP
+     * layers a glm4_moe checkpoint holds after its num_hidden_layers (transformers' Glm4MoeModel
+     * ignores them on load: _keys_to_ignore_on_load_unexpected); 0: none skipped */
+    int64_t skip_layers_from;
 } fm_hf_table;
 
 /* Fills out[0..n_params) with the table's tensors under their Hugging Face names with `prefix`

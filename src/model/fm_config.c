@@ -71,6 +71,8 @@ static const hf_defaults k_hf_defaults[] = {
     {"qwen3_moe", FM_MODEL_QWEN3_MOE, 151936, 2048, 6144, 768, 24, 32, 4, 32768, 128, 8, 10000.0, 1e-6, 0.001},
     {"olmoe", FM_MODEL_OLMOE, 50304, 2048, 2048, 0, 16, 16, 0, 4096, 64, 8, 10000.0, 1e-5, 0.01},
     {"mixtral", FM_MODEL_MIXTRAL, 32000, 4096, 14336, 0, 32, 32, 8, 4096 * 32, 8, 2, 1e6, 1e-5, 0.001},
+    /* Glm4MoeConfig: no router_aux_loss_coef (aux-loss-free balancing: 0); n_routed_experts 128 */
+    {"glm4_moe", FM_MODEL_GLM4_MOE, 151552, 4096, 10944, 1408, 46, 96, 8, 131072, 128, 8, 10000.0, 1e-5, 0.0},
 };
 
 /* The field's value or, absent, its default; *defaulted says which (for messages). */
@@ -118,6 +120,7 @@ static fm_status parse_dense_layers(fm_config *cfg, const cJSON *root, const cha
 }
 
 bool fm_config_layer_is_moe(const fm_config *c, int64_t l) {
+    if (l < c->first_k_dense_replace) return false; /* glm4_moe's first dense layers */
     if (l < FM_CONFIG_MLP_ONLY_MAX && (c->mlp_only_mask[l / 64] >> (l % 64) & 1)) return false;
     return c->num_experts > 0 && (l + 1) % (c->decoder_sparse_step > 0 ? c->decoder_sparse_step : 1) == 0;
 }
@@ -145,14 +148,15 @@ static fm_status parse_fields(fm_config *cfg, const cJSON *root, const char *pat
                      &cfg->num_key_value_heads, kv_defaulted));
     FM_TRY(get_int(root, path, "max_position_embeddings", d->max_position_embeddings,
                    &cfg->max_position_embeddings));
-    if (t == FM_MODEL_QWEN3_MOE) {
+    if (t == FM_MODEL_QWEN3_MOE || t == FM_MODEL_GLM4_MOE) {
         FM_TRY(get_int(root, path, "moe_intermediate_size", d->moe_intermediate_size, &cfg->moe_intermediate_size));
         FM_TRY(get_int(root, path, "intermediate_size", d->intermediate_size, &cfg->dense_intermediate_size));
     } else {
         FM_TRY(get_int(root, path, "intermediate_size", d->intermediate_size, &cfg->moe_intermediate_size));
     }
     /* transformers 5 writes qwen3_moe's expert count as num_local_experts: accept either name */
-    const char *experts_key = t == FM_MODEL_MIXTRAL ? "num_local_experts" : "num_experts";
+    const char *experts_key = t == FM_MODEL_MIXTRAL ? "num_local_experts"
+                            : t == FM_MODEL_GLM4_MOE ? "n_routed_experts" : "num_experts";
     const char *experts_alt = t == FM_MODEL_MIXTRAL ? "num_experts" : "num_local_experts";
     if (!cJSON_GetObjectItemCaseSensitive(root, experts_key) && cJSON_GetObjectItemCaseSensitive(root, experts_alt))
         experts_key = experts_alt;
@@ -175,10 +179,13 @@ static fm_status parse_fields(fm_config *cfg, const cJSON *root, const char *pat
     FM_TRY(get_num(root, path, "router_z_loss_coef", 0.0, &cfg->router_z_loss_coef));
     FM_TRY(get_num(root, path, "initializer_range", 0.02, &cfg->initializer_range));
     if (t == FM_MODEL_MIXTRAL) cfg->norm_topk_prob = true;
-    else FM_TRY(get_bool(root, path, "norm_topk_prob", false, &cfg->norm_topk_prob));
+    else FM_TRY(get_bool(root, path, "norm_topk_prob", t == FM_MODEL_GLM4_MOE, &cfg->norm_topk_prob));
     cfg->qk_norm = t == FM_MODEL_QWEN3_MOE ? FM_QK_NORM_PER_HEAD
                  : t == FM_MODEL_OLMOE ? FM_QK_NORM_FULL : FM_QK_NORM_NONE;
     FM_TRY(get_int(root, path, "head_dim", 0, hd_given));
+    cfg->routed_scaling_factor = 1.0;
+    cfg->partial_rotary_factor = 1.0;
+    if (t == FM_MODEL_GLM4_MOE) FM_TRY(fm_config_parse_glm4(cfg, root, path));
     return parse_dense_layers(cfg, root, path);
 }
 
@@ -206,8 +213,10 @@ static fm_status reject_unsupported(const fm_config *cfg, const cJSON *root, con
 /* Consistency of the values read (or defaulted). */
 static fm_status check_fields(fm_config *cfg, const char *path, int64_t hd_given, bool kv_defaulted) {
     const fm_model_type t = cfg->model_type;
-    const char *width_key = t == FM_MODEL_QWEN3_MOE ? "moe_intermediate_size" : "intermediate_size";
-    const char *experts_key = t == FM_MODEL_MIXTRAL ? "num_local_experts" : "num_experts";
+    const char *width_key = t == FM_MODEL_QWEN3_MOE || t == FM_MODEL_GLM4_MOE ? "moe_intermediate_size"
+                                                                             : "intermediate_size";
+    const char *experts_key = t == FM_MODEL_MIXTRAL ? "num_local_experts"
+                            : t == FM_MODEL_GLM4_MOE ? "n_routed_experts" : "num_experts";
     const int64_t n_moe = fm_config_num_moe_layers(cfg);
     struct { const char *name; int64_t v; } pos[] = {
         {"vocab_size", cfg->vocab_size}, {"hidden_size", cfg->hidden_size},
@@ -267,7 +276,9 @@ static fm_status check_fields(fm_config *cfg, const char *path, int64_t hd_given
     const double H = (double)cfg->hidden_size, I = (double)cfg->moe_intermediate_size, E = (double)cfg->num_experts;
     const double hd = (double)cfg->head_dim, nh = (double)cfg->num_attention_heads, V = (double)cfg->vocab_size;
     const double Id = (double)cfg->dense_intermediate_size;
-    const double params = (double)cfg->num_hidden_layers * (E * 3 * H * I + 3 * H * Id + 4 * H * nh * hd) + 2 * V * H;
+    const double Is = (double)fm_config_shared_width(cfg);
+    const double params =
+        (double)cfg->num_hidden_layers * (E * 3 * H * I + 3 * H * (Id + Is) + 4 * H * nh * hd) + 2 * V * H;
     if (params > 1e15)
         return fm_error(FM_ERR_CONFIG, "%s: the config describes about %.3g parameters; flatmoe supports at most "
                         "1e15 (check hidden_size, num_hidden_layers, the expert sizes)", path, params);
@@ -290,13 +301,13 @@ fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *pat
         st = fm_error(FM_ERR_FORMAT, "%s: expected a JSON object at the top level", path);
     } else if (!cJSON_IsString(mt)) {
         st = fm_error(FM_ERR_CONFIG, "%s: field \"model_type\" is missing or not a string; expected "
-                      "one of qwen3_moe, olmoe, mixtral", path);
+                      "one of qwen3_moe, olmoe, mixtral, glm4_moe", path);
     } else {
         for (size_t i = 0; i < sizeof k_hf_defaults / sizeof k_hf_defaults[0]; i++)
             if (!strcmp(mt->valuestring, k_hf_defaults[i].name)) d = &k_hf_defaults[i];
         if (!d)
             st = fm_error(FM_ERR_CONFIG, "%s: unknown model_type \"%s\"; expected one of qwen3_moe, olmoe, "
-                          "mixtral", path, mt->valuestring);
+                          "mixtral, glm4_moe", path, mt->valuestring);
     }
     if (st == FM_OK) {
         snprintf(cfg->model_type_name, sizeof cfg->model_type_name, "%s", mt->valuestring);
@@ -332,13 +343,14 @@ static void add_float(cJSON *o, const char *key, double v) {
 char *fm_config_to_json(const fm_config *c) {
     cJSON *o = cJSON_CreateObject();
     const char *arch = c->model_type == FM_MODEL_QWEN3_MOE ? "Qwen3MoeForCausalLM"
-                     : c->model_type == FM_MODEL_OLMOE ? "OlmoeForCausalLM" : "MixtralForCausalLM";
+                     : c->model_type == FM_MODEL_OLMOE ? "OlmoeForCausalLM"
+                     : c->model_type == FM_MODEL_GLM4_MOE ? "Glm4MoeForCausalLM" : "MixtralForCausalLM";
     cJSON *a = cJSON_AddArrayToObject(o, "architectures");
     cJSON_AddItemToArray(a, cJSON_CreateString(arch));
     cJSON_AddStringToObject(o, "model_type", c->model_type_name);
     cJSON_AddNumberToObject(o, "vocab_size", (double)c->vocab_size);
     cJSON_AddNumberToObject(o, "hidden_size", (double)c->hidden_size);
-    if (c->model_type == FM_MODEL_QWEN3_MOE) {
+    if (c->model_type == FM_MODEL_QWEN3_MOE || c->model_type == FM_MODEL_GLM4_MOE) {
         cJSON_AddNumberToObject(o, "moe_intermediate_size", (double)c->moe_intermediate_size);
         cJSON_AddNumberToObject(o, "intermediate_size", (double)c->dense_intermediate_size);
     } else {
@@ -353,7 +365,8 @@ char *fm_config_to_json(const fm_config *c) {
     add_float(o, "rope_theta", c->rope_theta);
     add_float(o, "rms_norm_eps", c->rms_norm_eps);
     cJSON_AddBoolToObject(o, "attention_bias", 0);
-    cJSON_AddNumberToObject(o, c->model_type == FM_MODEL_MIXTRAL ? "num_local_experts" : "num_experts",
+    cJSON_AddNumberToObject(o, c->model_type == FM_MODEL_MIXTRAL ? "num_local_experts"
+                               : c->model_type == FM_MODEL_GLM4_MOE ? "n_routed_experts" : "num_experts",
                             (double)c->num_experts);
     cJSON_AddNumberToObject(o, "num_experts_per_tok", (double)c->num_experts_per_tok);
     if (c->model_type != FM_MODEL_MIXTRAL) cJSON_AddBoolToObject(o, "norm_topk_prob", c->norm_topk_prob);
@@ -363,7 +376,9 @@ char *fm_config_to_json(const fm_config *c) {
         for (int64_t l = 0; l < FM_CONFIG_MLP_ONLY_MAX; l++)
             if (c->mlp_only_mask[l / 64] >> (l % 64) & 1) cJSON_AddItemToArray(mo, cJSON_CreateNumber((double)l));
     }
-    add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
+    if (c->model_type == FM_MODEL_GLM4_MOE) fm_config_glm4_to_json(c, o);
+    if (c->model_type != FM_MODEL_GLM4_MOE || c->router_aux_loss_coef > 0)
+        add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
     if (c->router_z_loss_coef > 0) add_float(o, "router_z_loss_coef", c->router_z_loss_coef);
     add_float(o, "initializer_range", c->initializer_range);
     cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_word_embeddings);
@@ -388,11 +403,17 @@ static int64_t attn_params(const fm_config *c) {
 /* One dense layer's MLP: gate, up [Id,H] and down [H,Id]. */
 static int64_t dense_params(const fm_config *c) { return 3 * c->hidden_size * c->dense_intermediate_size; }
 
+/* An MoE layer's parameters beside the routed experts: the shared experts' MLP and, with the
+ * sigmoid router, e_score_correction_bias [E] (a buffer in transformers, held in the table). */
+int64_t fm_config_moe_extra_params(const fm_config *c) {
+    return 3 * c->hidden_size * fm_config_shared_width(c) + (c->router_sigmoid ? c->num_experts : 0);
+}
+
 int64_t fm_config_num_params(const fm_config *c) {
     int64_t H = c->hidden_size, I = c->moe_intermediate_size, E = c->num_experts, V = c->vocab_size;
     const int64_t L = c->num_hidden_layers, Lm = fm_config_num_moe_layers(c);
     int64_t layer = attn_params(c) + 2 * H;
-    return V * H * (c->tie_word_embeddings ? 1 : 2) + L * layer + Lm * (E * H + E * 3 * H * I) +
+    return V * H * (c->tie_word_embeddings ? 1 : 2) + L * layer + Lm * (E * H + E * 3 * H * I + fm_config_moe_extra_params(c)) +
            (L - Lm) * dense_params(c) + H;
 }
 
@@ -401,5 +422,5 @@ int64_t fm_config_num_active_params(const fm_config *c) {
     int64_t k = c->num_experts_per_tok;
     const int64_t L = c->num_hidden_layers, Lm = fm_config_num_moe_layers(c);
     int64_t layer = attn_params(c) + 2 * H;
-    return V * H + L * layer + Lm * (E * H + k * 3 * H * I) + (L - Lm) * dense_params(c) + H;
+    return V * H + L * layer + Lm * (E * H + k * 3 * H * I + fm_config_moe_extra_params(c)) + (L - Lm) * dense_params(c) + H;
 }

@@ -1,7 +1,7 @@
 /* Model configuration read from a Hugging Face config.json (model_type qwen3_moe, olmoe,
- * mixtral). Field names are Hugging Face's, per model_type:
- *   expert width:  qwen3_moe moe_intermediate_size; olmoe and mixtral intermediate_size
- *   expert count:  qwen3_moe and olmoe num_experts; mixtral num_local_experts
+ * mixtral, glm4_moe). Field names are Hugging Face's, per model_type:
+ *   expert width:  qwen3_moe, glm4_moe moe_intermediate_size; olmoe and mixtral intermediate_size
+ *   expert count:  qwen3_moe and olmoe num_experts; mixtral num_local_experts; glm4_moe n_routed_experts
  *   QK-norm:       qwen3_moe RMSNorm per head over head_dim; olmoe RMSNorm over the whole q and k
  *                  projections; mixtral none
  *   norm_topk_prob: qwen3_moe and olmoe read it (HF defaults false); mixtral always renormalizes
@@ -12,7 +12,10 @@
  * the same model here and in transformers: e.g. num_key_value_heads is 4 for qwen3_moe, 8 for
  * mixtral, num_attention_heads for olmoe. Only model_type is required.
  *
- * Dense layers (qwen3_moe only, as transformers' Qwen3MoeDecoderLayer decides): layer i is MoE
+ * glm4_moe (fm_config_glm4.c): the first first_k_dense_replace layers are dense (intermediate_size),
+ * every MoE layer has n_shared_experts shared experts and DeepSeek-V3's sigmoid router.
+ *
+ * Dense layers (qwen3_moe, as transformers' Qwen3MoeDecoderLayer decides): layer i is MoE
  * when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; else its MLP is a
  * dense SwiGLU of width intermediate_size (model.layers.i.mlp.{gate,up,down}_proj.weight) and it
  * has no router. */
@@ -24,6 +27,7 @@ typedef enum fm_model_type {
     FM_MODEL_QWEN3_MOE,
     FM_MODEL_OLMOE,
     FM_MODEL_MIXTRAL,
+    FM_MODEL_GLM4_MOE, /* GLM-4.5 / GLM-4.5-Air (transformers' Glm4MoeConfig; fm_config_glm4.c) */
 } fm_model_type;
 
 typedef enum fm_qk_norm {
@@ -61,6 +65,17 @@ typedef struct fm_config {
     int64_t dense_intermediate_size; /* Id: the dense MLP's width (qwen3_moe intermediate_size) */
     int64_t decoder_sparse_step;     /* >= 1 */
     uint64_t mlp_only_mask[FM_CONFIG_MLP_ONLY_MAX / 64]; /* bit i: layer i in mlp_only_layers */
+    /* glm4_moe (DeepSeek-V3's MoE block; 0 / false / 1.0 for the other model_types) */
+    int64_t first_k_dense_replace;  /* layers < this are dense (glm4_moe; 0 elsewhere) */
+    int64_t n_shared_experts;       /* shared experts: one SwiGLU MLP of width I * n_shared_experts
+                                     * on every token of an MoE layer (0: none) */
+    bool router_sigmoid;            /* sigmoid scores, e_score_correction_bias for selection,
+                                     * group-limited top-k (fm_router.h) */
+    int64_t n_group, topk_group;    /* group-limited top-k: keep the topk_group best of n_group groups */
+    double routed_scaling_factor;   /* the top-k weights times this (1.0 elsewhere) */
+    double partial_rotary_factor;   /* read; flatmoe refuses values other than 1.0 yet */
+    bool attention_bias;            /* read; flatmoe refuses true yet */
+    int64_t num_nextn_predict_layers; /* MTP layers: neither built, trained nor saved (as transformers) */
 } fm_config;
 
 /* Parses config.json text. `path` is only used in messages. Errors (each names the file and the
@@ -69,8 +84,8 @@ typedef struct fm_config {
  * hidden_size (when head_dim is not given), num_key_value_heads not dividing
  * num_attention_heads, odd head_dim, top-k outside [1, num_experts]; FM_ERR_UNSUPPORTED for
  * features flatmoe does not implement yet (attention_bias, clip_qkv, rope_scaling, sliding
- * window, shared experts; decoder_sparse_step / mlp_only_layers outside qwen3_moe, or leaving no
- * MoE layer). */
+ * window, qwen2-style shared experts, glm4_moe's partial_rotary_factor != 1; decoder_sparse_step /
+ * mlp_only_layers outside qwen3_moe, or leaving no MoE layer). */
 fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *path);
 
 /* Reads and parses a config.json file. Errors: FM_ERR_IO if unreadable, else as above. */
@@ -95,8 +110,33 @@ fm_status fm_config_json_as_read(const char *text, const fm_config *cfg, const c
  * checkpoint writes fm_config_json_as_read's text instead. */
 char *fm_config_to_json(const fm_config *cfg);
 
+/* glm4_moe's fields and checks into cfg (fm_config_glm4.c), called by fm_config_parse after the
+ * common fields: first_k_dense_replace, n_shared_experts, n_group, topk_group,
+ * routed_scaling_factor, use_qk_norm, partial_rotary_factor, attention_bias,
+ * num_nextn_predict_layers with Glm4MoeConfig's defaults. root is a cJSON object. Errors:
+ * FM_ERR_FORMAT (a field of the wrong JSON type), FM_ERR_CONFIG (n_group not dividing
+ * n_routed_experts, topk_group outside [1, n_group], ...), FM_ERR_UNSUPPORTED
+ * (partial_rotary_factor != 1, attention_bias true), each naming path and the field. */
+fm_status fm_config_parse_glm4(fm_config *cfg, const void *root, const char *path);
+
+/* glm4_moe's fields of cfg into the cJSON object json (fm_config_to_json's canonical form). */
+void fm_config_glm4_to_json(const fm_config *cfg, void *json);
+
+/* An MoE layer's parameters beside its router weight and routed experts: the shared experts' 3
+ * H Is and the sigmoid router's e_score_correction_bias E (fm_config.c). */
+int64_t fm_config_moe_extra_params(const fm_config *cfg);
+
+/* Width of the shared experts' SwiGLU MLP (moe_intermediate_size * n_shared_experts; 0: none). */
+int64_t fm_config_shared_width(const fm_config *cfg);
+
+/* Width of the dense-MLP working set (fm_dense_mlp.h), the largest of the dense layers' MLP
+ * (dense_intermediate_size, when there are dense layers) and the shared experts'
+ * (fm_config_shared_width); 0 when neither exists. */
+int64_t fm_config_dense_ws_width(const fm_config *cfg);
+
 /* Whether layer l (in [0, num_hidden_layers)) is an MoE layer (router and experts), else a dense
- * SwiGLU MLP of dense_intermediate_size (transformers' Qwen3MoeDecoderLayer rule, above). */
+ * SwiGLU MLP of dense_intermediate_size (transformers' Qwen3MoeDecoderLayer rule, above; glm4_moe:
+ * l >= first_k_dense_replace). */
 bool fm_config_layer_is_moe(const fm_config *cfg, int64_t l);
 
 /* The number of MoE layers (>= 1 for a parsed config). */

@@ -1,6 +1,6 @@
 /* One decoder layer's forward and backward (fm_model.h: fm_model_layer_forward/backward):
  *   x -> RMSNorm -> causal GQA attention (RoPE, optional QK-norm) -> +x = x_mid
- *   x_mid -> RMSNorm -> router -> MoE (dispatch, experts, combine) -> +x_mid = y
+ *   x_mid -> RMSNorm -> router -> MoE (dispatch, experts, combine) [+ shared experts] -> +x_mid = y
  *   (a dense layer, fm_config_layer_is_moe false: x_mid -> RMSNorm -> SwiGLU MLP -> +x_mid = y)
  * With sequence parallelism (m->mesh.sp > 1) the attention op is fm_attn_sp's (Ulysses all-to-alls
  * around it); every other op runs on this rank's tokens as it is.
@@ -119,7 +119,7 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
     PHASE(ROUTER);
     /* router logits: fp32, transient in the working set (backward needs only probs and lse) */
     FM_TRY(fm_router_forward(&m->be, &m->router, m->mesh.comm, m->a.ws.dlogits_r, &a->router, m->a.results + FM_RESULT_SCRATCH,
-                             m->a.results + FM_RESULT_LAYERS + 2 * l, ln2, w->router, N, H));
+                             m->a.results + FM_RESULT_LAYERS + 2 * l, ln2, w->router, w->router_bias, N, H));
     const fm_moe_dims md = moe_dims(m);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     if (m->mesh.moe_ep_comm) { /* expert parallelism (--ep): the experts of the ep group */
@@ -133,6 +133,11 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
                               m->a.moe_chunk_order, m->a.moe_chunk_tokens > 0 ? NULL : &a->moe, &m->a.moe_ws));
     }
     PHASE(DENSE);
+    if (w->sh_gate) { /* shared experts (glm4_moe): on every token, into ln1's buffer (dead) */
+        fm_dense_mlp_forward(&m->be, m->a.ws.dln, ln2, w->sh_gate, w->sh_up, w->sh_down, N, H,
+                             fm_config_shared_width(c), &m->a.ws.dense);
+        OPS->add(CTX, y, m->a.ws.dln, N * H);
+    }
     OPS->add(CTX, y, a->x_mid, N * H);
     return FM_OK;
 }
@@ -200,8 +205,13 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     if (!w->router) /* a dense layer: d ln2 from the SwiGLU MLP (gate and up formed again) */
         fm_dense_mlp_backward(&m->be, ws->dln, g->mlp_gate, g->mlp_up, g->mlp_down, dy, ln2, w->mlp_gate, w->mlp_up,
                               w->mlp_down, N, H, c->dense_intermediate_size, &ws->dense);
-    else
+    else {
+        if (w->sh_gate) /* shared experts: their part of d ln2 into dtmp (free until the norm's backward) */
+            fm_dense_mlp_backward(&m->be, ws->dtmp, g->sh_gate, g->sh_up, g->sh_down, dy, ln2, w->sh_gate, w->sh_up,
+                                  w->sh_down, N, H, fm_config_shared_width(c), &ws->dense);
         FM_TRY(moe_block_backward(m, l, dy, ln2, scale));
+        if (w->sh_gate) OPS->add(CTX, ws->dln, ws->dtmp, N * H);
+    }
     /* d x_mid = dy + rmsnorm_bwd(dln) */
     PHASE(DENSE);
     OPS->rmsnorm_bwd(CTX, ws->dtmp, g->ln2, ws->dln, a->x_mid, w->ln2, a->rstd2, N, H);

@@ -65,8 +65,8 @@ static void layout_ws(fm_bwd_ws *w, fm_arena *ar, const fm_config *c, int64_t N)
     w->dlogits_act = sizeof(fm_act) == sizeof(float) ? (fm_act *)(void *)w->dlogits_r : TAKE(ar, fm_act, N * E);
     w->dprobs_e = TAKE(ar, float, E);
     memset(&w->dense, 0, sizeof w->dense);
-    if (fm_config_num_moe_layers(c) < c->num_hidden_layers) { /* dense layers' MLP (fm_dense_mlp.h) */
-        const int64_t Id = c->dense_intermediate_size;
+    if (fm_config_dense_ws_width(c) > 0) { /* dense layers' and shared experts' MLP (fm_dense_mlp.h) */
+        const int64_t Id = fm_config_dense_ws_width(c); /* the wider of the two: one at a time */
         w->dense.gate = TAKE(ar, fm_act, N * Id);
         w->dense.up = TAKE(ar, fm_act, N * Id);
         w->dense.h = TAKE(ar, fm_act, N * Id);
@@ -258,11 +258,12 @@ size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t a) {
     /* dx ping-pong, dtmp, dln [N,H] (+ dln1 when qd < H); dq, dk, dv (+ datt when qd > H, else
      * it reuses the incoming-gradient buffer); dtopk_w; router logits/grad (fp32, + an fm_act
      * copy when fm_act is not fp32); dprobs */
-    /* + with dense layers, their MLP's five [N, Id] buffers (fm_dense_mlp.h) */
-    const bool dense = fm_config_num_moe_layers(c) < c->num_hidden_layers;
+    /* + with dense layers or shared experts, their MLP's five [N, Id] buffers (fm_dense_mlp.h; Id
+     * the wider, fm_config_dense_ws_width: one MLP runs at a time) */
+    const int64_t Id = fm_config_dense_ws_width(c);
     return (qd < H ? 5 : 4) * BA(N * H) + (qd > H ? 2 : 1) * BA(N * qd) + 2 * BA(N * kd) + B4(N * k) + B4(N * E) +
            (a == sizeof(float) ? 0 : BA(N * E)) + B4(E) +
-           (dense ? FM_DENSE_MLP_WS_BUFFERS * BA(N * c->dense_intermediate_size) : 0);
+           (Id > 0 ? FM_DENSE_MLP_WS_BUFFERS * BA(N * Id) : 0);
 }
 
 size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N, size_t a) {

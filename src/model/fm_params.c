@@ -41,6 +41,7 @@ static int64_t add_param(table_builder *b, bool decay, int ndim, int64_t d0, int
 typedef struct layer_offsets {
     int64_t ln1, wq, wk, wv, wo, q_norm, k_norm, ln2, router, w_gate, w_up, w_down; /* -1: absent */
     int64_t mlp_gate, mlp_up, mlp_down; /* dense layer only, else -1 */
+    int64_t router_bias, sh_gate, sh_up, sh_down; /* sigmoid router's bias, shared experts; else -1 */
 } layer_offsets;
 
 /* Fills the table (or counts it when b->t is NULL) and the offsets. The order is the flat
@@ -71,6 +72,7 @@ static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, 
         }
         x.ln2 = add_param(b, false, 1, H, 0, "model.layers.%lld.post_attention_layernorm.weight", (long long)l);
         x.mlp_gate = x.mlp_up = x.mlp_down = -1;
+        x.router_bias = x.sh_gate = x.sh_up = x.sh_down = -1;
         if (!fm_config_layer_is_moe(c, l)) { /* dense SwiGLU MLP (qwen3_moe's Qwen3MoeMLP), no router */
             const int64_t Id = c->dense_intermediate_size;
             x.router = x.w_gate = x.w_up = x.w_down = -1;
@@ -81,6 +83,17 @@ static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, 
             continue;
         }
         x.router = add_param(b, true, 2, E, H, "model.layers.%lld.%s.gate.weight", (long long)l, moe);
+        /* the sigmoid router's bias and the shared experts come before the routed experts (full_index) */
+        if (c->router_sigmoid) {
+            x.router_bias = add_param(b, false, 1, E, 0, "model.layers.%lld.mlp.gate.e_score_correction_bias", (long long)l);
+            if (b->t) b->t[b->n - 1].buffer = true;
+        }
+        const int64_t Is = fm_config_shared_width(c);
+        if (Is > 0) {
+            x.sh_gate = add_param(b, true, 2, Is, H, "model.layers.%lld.mlp.shared_experts.gate_proj.weight", (long long)l);
+            x.sh_up = add_param(b, true, 2, Is, H, "model.layers.%lld.mlp.shared_experts.up_proj.weight", (long long)l);
+            x.sh_down = add_param(b, true, 2, H, Is, "model.layers.%lld.mlp.shared_experts.down_proj.weight", (long long)l);
+        }
         x.w_gate = b->offset;
         for (int64_t e = e0; e < e1; e++) /* expert parallelism: this rank's experts only */
             add_param(b, true, 2, I, H, "model.layers.%lld.%s.experts.%lld.%s.weight", (long long)l, moe, (long long)e, n_gate);
@@ -116,6 +129,8 @@ static void set_ptrs(fm_model_ptrs *p, fm_act *base, const fm_config *c, int64_t
         y->w_gate = at(base, x->w_gate, 0); y->w_up = at(base, x->w_up, 0); y->w_down = at(base, x->w_down, 0);
         y->mlp_gate = at(base, x->mlp_gate, 0); y->mlp_up = at(base, x->mlp_up, 0);
         y->mlp_down = at(base, x->mlp_down, 0);
+        y->router_bias = at(base, x->router_bias, 0);
+        y->sh_gate = at(base, x->sh_gate, 0); y->sh_up = at(base, x->sh_up, 0); y->sh_down = at(base, x->sh_down, 0);
     }
 }
 
@@ -197,6 +212,8 @@ static void set_group_ptrs(fm_model_params *pp, fm_model_ptrs *p, int64_t g, fm_
         y->w_gate = at(base, x->w_gate, b); y->w_up = at(base, x->w_up, b); y->w_down = at(base, x->w_down, b);
         y->mlp_gate = at(base, x->mlp_gate, b); y->mlp_up = at(base, x->mlp_up, b);
         y->mlp_down = at(base, x->mlp_down, b);
+        y->router_bias = at(base, x->router_bias, b);
+        y->sh_gate = at(base, x->sh_gate, b); y->sh_up = at(base, x->sh_up, b); y->sh_down = at(base, x->sh_down, b);
     }
 }
 
@@ -249,7 +266,8 @@ static uint64_t full_index(const fm_model_params *pp, int i) {
     int64_t ti = 1, fi = 1; /* the layer's first index in this table and in the full one */
     for (int64_t l = 0; l < L; l++) {
         const bool moe = fm_config_layer_is_moe(c, l);
-        const int64_t nne = attn + (moe ? 1 : 3), nt = nne + (moe ? 3 * El : 0), nf = nne + (moe ? 3 * E : 0);
+        const int64_t extra = (c->router_sigmoid ? 1 : 0) + (fm_config_shared_width(c) > 0 ? 3 : 0);
+        const int64_t nne = attn + (moe ? 1 + extra : 3), nt = nne + (moe ? 3 * El : 0), nf = nne + (moe ? 3 * E : 0);
         if (i < ti + nt) {
             const int64_t p = i - ti;
             const int64_t q = p < nne ? p : nne + (p - nne) / El * E + pp->ep_rank * El + (p - nne) % El;
@@ -273,7 +291,7 @@ void fm_params_init_weights_range(const fm_model_params *pp, uint64_t seed, int 
 #pragma omp parallel for schedule(static) if (count > 65536)
     for (int64_t k = 0; k < count; k++) {
         if (ones) {
-            out[k] = 1.0f;
+            out[k] = p->buffer ? 0.0f : 1.0f; /* a buffer (e_score_correction_bias): zeros, as transformers' */
             continue;
         }
         const uint64_t j = (uint64_t)(first + k);

@@ -21,15 +21,23 @@ typedef struct fm_param {
     int64_t offset;   /* elements into the flat buffer */
     int64_t numel;
     bool decay;       /* AdamW weight decay applies (false for norm weights) */
+    bool buffer;      /* a buffer, not trained (e_score_correction_bias): zero-initialized, no weight
+                       * decay, its gradient stays 0 so AdamW leaves it as it is; moved only by
+                       * aux-loss-free balancing (train/fm_router_bias.h) */
 } fm_param;
 
 /* Pointers into one flat buffer (weights or gradients) for one layer. An MoE layer has router
- * and experts (mlp_* NULL); a dense layer (fm_config_layer_is_moe false) the dense SwiGLU MLP
+ * and experts (mlp_* NULL), with the sigmoid router its selection bias
+ * model.layers.N.mlp.gate.e_score_correction_bias, with shared experts their SwiGLU MLP
+ * model.layers.N.mlp.shared_experts.{gate,up,down}_proj.weight (width Is =
+ * fm_config_shared_width); a dense layer (fm_config_layer_is_moe false) the dense SwiGLU MLP
  * model.layers.N.mlp.{gate,up,down}_proj.weight (router and w_* NULL). */
 typedef struct fm_layer_ptrs {
     fm_act *ln1, *wq, *wk, *wv, *wo, *q_norm, *k_norm, *ln2, *router;
     fm_act *w_gate, *w_up, *w_down; /* [E,I,H], [E,I,H], [E,H,I] */
     fm_act *mlp_gate, *mlp_up, *mlp_down; /* dense layer: [Id,H], [Id,H], [H,Id] */
+    fm_act *router_bias;                  /* sigmoid router: e_score_correction_bias [E], else NULL */
+    fm_act *sh_gate, *sh_up, *sh_down;    /* shared experts (glm4_moe): [Is,H], [Is,H], [H,Is], else NULL */
 } fm_layer_ptrs;
 
 typedef struct fm_model_ptrs {

@@ -2,18 +2,29 @@
 #include "fm_router.h"
 
 fm_router_opts fm_router_opts_from_config(const fm_config *c) {
-    fm_router_opts o = {FM_ROUTER_SCORE_SOFTMAX, c->num_experts, c->num_experts_per_tok, c->norm_topk_prob,
+    fm_router_opts o = {c->router_sigmoid ? FM_ROUTER_SCORE_SIGMOID : FM_ROUTER_SCORE_SOFTMAX,
+                        c->num_experts, c->num_experts_per_tok, c->norm_topk_prob,
                         c->router_aux_loss_coef, c->router_z_loss_coef};
+    o.n_group = c->n_group > 0 ? c->n_group : 1;
+    o.topk_group = c->topk_group > 0 ? c->topk_group : 1;
+    o.scaling = c->router_sigmoid ? (float)c->routed_scaling_factor : 1.0f;
     return o;
 }
 
 fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const fm_comm *comm, float *logits,
                             fm_router_saved *s, double *lse_sq, double *terms, const fm_act *x, const fm_act *W,
-                            int64_t N, int64_t H) {
+                            const fm_act *bias, int64_t N, int64_t H) {
     const int64_t E = o->num_experts, k = o->top_k;
-    FM_ASSERT(o->score == FM_ROUTER_SCORE_SOFTMAX);
     fm_linear_fwd(be, logits, FM_DTYPE_F32, x, W, N, H, E);
-    be->ops->router_fwd(be->ctx, s->probs, s->lse, s->topk_idx, s->topk_w, logits, N, E, k, o->norm_topk);
+    if (o->score == FM_ROUTER_SCORE_SIGMOID) {
+        if (!be->ops->router_sigmoid_fwd)
+            return fm_error(FM_ERR_UNSUPPORTED, "the %s backend has no sigmoid router (glm4_moe's); use the cpu or "
+                            "cuda backend", be->ops->name ? be->ops->name : "this");
+        be->ops->router_sigmoid_fwd(be->ctx, s->probs, s->lse, s->topk_idx, s->topk_w, logits, bias, N, E, k,
+                                    o->n_group, o->topk_group, o->norm_topk, o->scaling);
+    } else {
+        be->ops->router_fwd(be->ctx, s->probs, s->lse, s->topk_idx, s->topk_w, logits, N, E, k, o->norm_topk);
+    }
     if (o->force_route) { /* test hook (fm_router_opts): the top-k forced, weights from the probabilities */
         if (!be->ops->router_force)
             return fm_error(FM_ERR_UNSUPPORTED, "FLATMOE_TEST_FORCE_ROUTE: the %s backend has no router_force op (the "
@@ -55,8 +66,12 @@ void fm_router_backward(const fm_backend *be, const fm_router_opts *o, int64_t N
     /* d(aux)/d probs[n,e] = (coef * scale / L) * E * f_e / N with f_e = count_e / N held constant */
     be->ops->router_aux_grad(be->ctx, dprobs, s->count, o->aux_loss_coef * scale / (double)L, N_tot, E);
     const float z_scale = (float)(o->z_loss_coef * scale / ((double)L * (double)N_tot));
-    be->ops->router_bwd(be->ctx, dlogits, dtopk_w, dprobs, z_scale, s->probs, s->lse, s->topk_idx, s->topk_w, N, E, k,
-                        o->norm_topk);
+    if (o->score == FM_ROUTER_SCORE_SIGMOID) /* aux and z coefficients are 0 (fm_config_glm4.c refuses them) */
+        be->ops->router_sigmoid_bwd(be->ctx, dlogits, dtopk_w, o->aux_loss_coef > 0 ? dprobs : NULL, s->probs,
+                                    s->topk_idx, N, E, k, o->norm_topk, o->scaling);
+    else
+        be->ops->router_bwd(be->ctx, dlogits, dtopk_w, dprobs, z_scale, s->probs, s->lse, s->topk_idx, s->topk_w, N,
+                            E, k, o->norm_topk);
     /* the router GEMMs take the fp32 logit gradient as fm_act */
     if ((void *)dlogits_act != (void *)dlogits)
         be->ops->convert(be->ctx, dlogits_act, FM_ACT_DTYPE, dlogits, FM_DTYPE_F32, N * E);

@@ -17,7 +17,10 @@
 
 typedef enum fm_router_score {
     FM_ROUTER_SCORE_SOFTMAX = 0, /* softmax over experts, then top-k (Qwen3-MoE, OLMoE, Mixtral) */
-    /* sigmoid scores, group-limited top-k and an aux-free selection bias (DeepSeek-V3) come later */
+    /* DeepSeek-V3's (GLM-4.5's Glm4MoeTopkRouter): sigmoid scores, the layer's
+     * e_score_correction_bias added for the selection only, group-limited top-k, the chosen
+     * scores renormalized (norm_topk) and times scaling (fm_backend.h router_sigmoid_fwd) */
+    FM_ROUTER_SCORE_SIGMOID = 1,
 } fm_router_score;
 
 typedef struct fm_router_opts {
@@ -27,10 +30,13 @@ typedef struct fm_router_opts {
     bool norm_topk;          /* renormalize the k weights to sum 1 (norm_topk_prob) */
     double aux_loss_coef;    /* router_aux_loss_coef */
     double z_loss_coef;      /* router_z_loss_coef (flatmoe extension; 0 = off) */
+    int64_t n_group, topk_group; /* sigmoid: group-limited top-k (1, 1: plain top-k) */
+    float scaling;           /* sigmoid: routed_scaling_factor (softmax: 1, unused) */
     /* Test hook (adversarial routing, tests/mpi_train_ep.sh; the trainer sets it from
      * the test hook FLATMOE_TEST_FORCE_ROUTE, core/fm_test_hooks.h): every token's top-k becomes experts force_first .. force_first
      * + k - 1 (mod E), their weights the softmax probabilities of those experts (renormalized with
-     * norm_topk), so forward, statistics and backward stay those of a router that chose them.
+     * norm_topk), so forward, statistics and backward stay those of a router that chose them (the
+     * sigmoid router: its scores, renormalized with norm_topk, without routed_scaling_factor).
      * force_percent (in [0,100]) of each call's tokens are forced, spread evenly (token n when
      * n*pct/100 < (n+1)*pct/100), the rest keep the router's own choice: the skewed form
      * (FLATMOE_TEST_FORCE_ROUTE=FIRST:PCT; plain FIRST is 100). Runs as the backend's
@@ -41,7 +47,8 @@ typedef struct fm_router_opts {
     int force_percent;     /* [0,100] */
 } fm_router_opts;
 
-/* The router options of a config (softmax scores; the config's E, k, norm_topk_prob, coefs). */
+/* The router options of a config (softmax scores, or sigmoid with cfg->router_sigmoid; the
+ * config's E, k, norm_topk_prob, coefs, groups and scaling). */
 fm_router_opts fm_router_opts_from_config(const fm_config *c);
 
 /* What one layer's router saves for its backward and for the losses (backend memory). */
@@ -53,7 +60,8 @@ typedef struct fm_router_saved {
 } fm_router_saved;
 
 /* Forward: logits [N,E] fp32 = x W^T into `logits` (transient scratch), then the score function
- * and top-k into s->probs, lse, topk_idx, topk_w, the statistics into s->count, prob_sum, and
+ * (sigmoid: with the selection bias [E] fm_act, the layer's e_score_correction_bias, NULL: none;
+ * s->probs holds the sigmoid scores) and top-k into s->probs, lse, topk_idx, topk_w, the statistics into s->count, prob_sum, and
  * the layer's loss terms before the coefficients into terms [2] (backend memory, doubles):
  * terms[0] = E * sum_e f_e P_e with f_e = count_e / N_tot, P_e = prob_sum_e / N_tot;
  * terms[1] = sum_n lse_n^2 / N_tot. With `comm` (the ranks that see this batch's tokens, in
@@ -64,7 +72,7 @@ typedef struct fm_router_saved {
  * communicator's (naming the rank and the collective). */
 fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const fm_comm *comm, float *logits,
                             fm_router_saved *s, double *lse_sq, double *terms, const fm_act *x, const fm_act *W,
-                            int64_t N, int64_t H);
+                            const fm_act *bias, int64_t N, int64_t H);
 
 /* The router losses of a micro-batch from its L layers' terms (host copies, [L][2], summed in
  * layer order over the MoE layers, fm_config_layer_is_moe of `layers`; NULL: all L, a dense

@@ -23,7 +23,7 @@ int64_t fm_mesh_gather_unit(const fm_config *c) {
     const int64_t H = c->hidden_size, V = c->vocab_size, L = c->num_hidden_layers;
     const int64_t rest = fm_config_num_params(c) - fm_mesh_expert_params(c) - V * H * (c->tie_word_embeddings ? 1 : 2) - H;
     int64_t layer = L > 0 ? rest / L : 0; /* attention, router, the two norms */
-    const int64_t Lm = fm_config_num_moe_layers(c), D = 3 * H * c->dense_intermediate_size, R = c->num_experts * H;
+    const int64_t Lm = fm_config_num_moe_layers(c), D = 3 * H * c->dense_intermediate_size, R = c->num_experts * H + fm_config_moe_extra_params(c);
     if (Lm < L && L > 0) { /* rest = L A + Lm R + (L - Lm) D: the larger of an MoE layer's A + R and a dense one's A + D */
         const int64_t A = (rest - Lm * R - (L - Lm) * D) / L;
         layer = A + (D > R ? D : R);

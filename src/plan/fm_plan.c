@@ -222,6 +222,7 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     if (r->moe_chunk_tokens > 0 || r->ep > 1) hw += (double)(Lm - nr_moe) * 2.0 * (double)k * 3.0 * (double)H * (double)I;
     /* a dense layer's backward forms gate and up again (fm_dense_mlp.h): 2 x 2 H Id per token */
     hw += (double)(L - Lm) * 4.0 * (double)H * (double)c->dense_intermediate_size;
+    hw += (double)Lm * 4.0 * (double)H * (double)fm_config_shared_width(c); /* the shared experts' too */
     if (lce) hw += 2.0 * (double)c->vocab_size * (double)H; /* the logits formed twice */
     p->flops_hw_token = hw;
     /* the whole step's tokens: dp ranks' sequences (sp ranks share theirs): a mesh's dp, or the

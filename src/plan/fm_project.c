@@ -146,7 +146,8 @@ void fm_project(const fm_plan_req *r, const fm_plan *p, const fm_calib *cb, fm_p
      * instead of the experts': 6 N H Id forward, 12 backward + 4 forming gate and up again
      * (model/fm_dense_mlp.h) */
     const double Lm = (double)fm_config_num_moe_layers(c), Id = (double)c->dense_intermediate_size;
-    const double mlp_fb = (L - Lm) * at(22.0 * N * H * Id, gemm_rate);
+    const double Is = (double)fm_config_shared_width(c); /* the shared experts: the same MLP on every MoE layer */
+    const double mlp_fb = (L - Lm) * at(22.0 * N * H * Id, gemm_rate) + (Is > 0 ? Lm * at(22.0 * N * H * Is, gemm_rate) : 0);
     mb[FM_PROJ_DENSE] = L * (dense_f + dense_b) + mlp_fb;
     /* fp8 on codes: exp_f, exp_b without the weights' quantization, charged here as often as the
      * run quantizes them (once a step with the weight cache) */

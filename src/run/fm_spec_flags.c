@@ -155,6 +155,10 @@ const fm_spec_flag fm_spec_flags[] = {
     V("expert-counts-every", FM_SPEC_I64, train.expert_counts_every, "100", NULL,
       "write the full tokens-per-expert counts of every layer into the step's metrics record every N steps; 0 = "
       "never (the per-layer max/mean is in every record)", T, RUN),
+    V("moe-router-bias-update-rate", FM_SPEC_F64, train.moe_router_bias_update_rate, "0", NULL,
+      "aux-loss-free balancing (DeepSeek-V3; glm4_moe's sigmoid router): after each step every MoE layer's "
+      "e_score_correction_bias moves by R * sign(mean load - expert load), the step's loads over every micro-batch "
+      "and rank; 0 = the bias stays as loaded; Megatron-Core's default when enabled is 1e-3", T, RUN),
     V("peak-flops", FM_SPEC_F64, train.peak_flops, "0", "from the GPU's name, H100/H200 989e12; none on the CPU",
       "the device's peak FLOP/s for the MFU in metrics.jsonl, e.g. 989e12", T, RUN),
     V("log-every", FM_SPEC_I64, train.log_every, "1", NULL, "print a step line every N steps", T, RUN),

@@ -36,7 +36,8 @@ fm_status fm_train_hf_init(fm_train_hf *h, const fm_model_params *pp) {
     h->t = (fm_hf_table){h->params, pp->n_tensors, L, pp->E_loc > 0 ? pp->E_loc : c->num_experts, c->hidden_size,
                          c->moe_intermediate_size,
                          c->model_type == FM_MODEL_MIXTRAL ? "block_sparse_moe" : "mlp", h->experts,
-                         c->tie_word_embeddings, c->model_type_name};
+                         c->tie_word_embeddings, c->model_type_name,
+                         c->num_nextn_predict_layers > 0 ? c->num_hidden_layers : 0};
     return FM_OK;
 }
 

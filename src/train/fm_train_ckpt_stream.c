@@ -14,11 +14,12 @@ size_t fm_ckpt_stage_bound(int64_t max_numel, int64_t chunk) {
 
 int64_t fm_ckpt_max_tensor_numel(const fm_config *c) {
     const int64_t H = c->hidden_size;
-    const int64_t cand[5] = {c->vocab_size * H, c->num_attention_heads * c->head_dim * H, c->moe_intermediate_size * H,
+    const int64_t cand[6] = {c->vocab_size * H, c->num_attention_heads * c->head_dim * H, c->moe_intermediate_size * H,
                              c->num_experts * H,
-                             fm_config_num_moe_layers(c) < c->num_hidden_layers ? c->dense_intermediate_size * H : 0};
+                             fm_config_num_moe_layers(c) < c->num_hidden_layers ? c->dense_intermediate_size * H : 0,
+                             fm_config_shared_width(c) * H};
     int64_t mx = 1;
-    for (int i = 0; i < 5; i++) mx = cand[i] > mx ? cand[i] : mx;
+    for (int i = 0; i < 6; i++) mx = cand[i] > mx ? cand[i] : mx;
     return mx;
 }
 

@@ -18,6 +18,7 @@
 #include "fm_tensorboard.h"
 #include "fm_threads.h"
 #include "fm_train_internal.h"
+#include "fm_router_bias.h"
 #include "fm_train_records.h"
 #include "fm_train_step.h"
 
@@ -195,6 +196,8 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
         if (r->n_ranks > 1 && rec->counts) /* every rank's routes of the step (a host reduction, no device wait) */
             FM_TRY(fm_comm_allreduce_sum_i64(&r->world, rec->counts, rec->L * rec->E, 0));
         load_stats(rec);
+        /* aux-loss-free balancing: the selection bias against this step's load, on every rank alike */
+        fm_router_bias_update(m, rec->counts, o->moe_router_bias_update_rate, rec->bias_tmp);
         int64_t valid = 0;
         for (int64_t g = 0; g < o->grad_accum; g++) valid += r->step.n_valid[g];
         if (valid == 0 && !warned_no_targets && r->rank == 0) { /* all masked: a silent loss of 0 trains nothing */
@@ -295,7 +298,9 @@ static fm_status train_impl(run *r, fm_run_records *rec) {
     rec->counts = pinned_counts ? r->m.be.ops->buffer_alloc(r->m.be.ctx, FM_BUFFER_PINNED, counts_bytes)
                                 : fm_malloc(counts_bytes);
     rec->load = fm_malloc(sizeof(double) * (size_t)rec->L);
-    if (!rec->counts || !rec->load)
+    rec->bias_tmp = fm_malloc(sizeof(float) * (size_t)rec->E);
+    FM_TRY(fm_router_bias_check(&r->m, r->o->moe_router_bias_update_rate, r->zero3, r->ps.no_master));
+    if (!rec->counts || !rec->load || !rec->bias_tmp)
         return fm_error(FM_ERR_NOMEM, "out of memory for the expert-load counts (%lld layers x %lld experts)",
                         (long long)rec->L, (long long)rec->E);
     FM_TRY(fm_schedule_add_hook(&r->step.sched, count_hook, rec));
@@ -399,6 +404,7 @@ fm_status fm_train(const fm_train_opts *o) {
     fm_status s = train_impl(&r, &rec);
     fm_free(rec.counts);
     fm_free(rec.load);
+    fm_free(rec.bias_tmp);
     fm_train_run_free(&r);
     return s;
 }

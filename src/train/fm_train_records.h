@@ -22,6 +22,7 @@ typedef struct fm_run_records {
      * micro-batches' forwards (fm_moe_ws.counts, set by the loop's schedule hook) */
     int64_t *counts;         /* [L][E] host */
     double *load;            /* [L]: max over experts / mean over experts of counts */
+    float *bias_tmp;         /* [E]: aux-loss-free balancing's host copy of one layer's bias (fm_router_bias.h) */
     int64_t L, E;
     /* MFU */
     double peak_flops;       /* FLOP/s; 0: unknown (mfu null) */

@@ -35,6 +35,8 @@ typedef struct fm_train_opts {
     int64_t expert_counts_every;  /* --expert-counts-every: the full [L][E] tokens-per-expert counts in
                                      the metrics record every N steps (100; 0: never); the per-layer
                                      max/mean is in every step record */
+    double moe_router_bias_update_rate; /* --moe-router-bias-update-rate: aux-loss-free balancing's rate
+                                     (train/fm_router_bias.h; 0: the bias stays as loaded) */
     double peak_flops;            /* --peak-flops: the device's peak FLOP/s for "mfu" (0: from the GPU's
                                      name, H100/H200 989e12 bf16 dense; none on the CPU: "mfu" null) */
     int64_t exit_after;           /* stop (and save) after this many steps in this invocation; 0: no */

@@ -99,7 +99,7 @@ fm_status fm_zero3_layout_params(fm_zero3 *z, const fm_model_params *pp, int ran
 static void group_sizes(const fm_config *c, int64_t *n0, int64_t *nl, int64_t *nh, int64_t *nd) {
     const int64_t n = fm_config_num_params(c), H = c->hidden_size, VH = c->vocab_size * H, L = c->num_hidden_layers;
     const int64_t Lm = fm_config_num_moe_layers(c), E = c->num_experts;
-    const int64_t moe = E * H + 3 * E * H * c->moe_intermediate_size, dense = 3 * H * c->dense_intermediate_size;
+    const int64_t moe = E * H + 3 * E * H * c->moe_intermediate_size + fm_config_moe_extra_params(c), dense = 3 * H * c->dense_intermediate_size;
     *n0 = VH;
     *nh = H + (c->tie_word_embeddings ? 0 : VH);
     const int64_t a = L > 0 ? (n - *n0 - *nh - Lm * moe - (L - Lm) * dense) / L : 0;

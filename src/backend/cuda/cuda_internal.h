@@ -220,6 +220,13 @@ void fm_cuda_router_loss_terms(void *ctx, double *terms, const float *count, con
                                const double *lse_sq, int64_t N, int64_t E);
 void fm_cuda_router_aux_grad(void *ctx, float *dprobs, const float *count, double coef, int64_t N, int64_t E);
 
+/* cuda_router_sigmoid.cu: the sigmoid, group-limited, bias-corrected router (fm_backend.h) */
+void fm_cuda_router_sigmoid_fwd(void *ctx, float *scores, float *lse, int32_t *topk_idx, float *topk_w,
+                                const float *logits, const fm_act *bias, int64_t N, int64_t E, int64_t k,
+                                int64_t n_group, int64_t topk_group, bool norm_topk, float scaling);
+void fm_cuda_router_sigmoid_bwd(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
+                                const float *scores, const int32_t *topk_idx, int64_t N, int64_t E, int64_t k,
+                                bool norm_topk, float scaling);
 /* cuda_router_force.cu: the forced routing of FLATMOE_TEST_FORCE_ROUTE (fm_backend.h router_force) */
 void fm_cuda_router_force(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
                           int64_t k, int64_t first, int percent, bool norm_topk);
