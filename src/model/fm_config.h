@@ -15,7 +15,20 @@
  * Dense layers (qwen3_moe only, as transformers' Qwen3MoeDecoderLayer decides): layer i is MoE
  * when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; else its MLP is a
  * dense SwiGLU of width intermediate_size (model.layers.i.mlp.{gate,up,down}_proj.weight) and it
- * has no router. */
+ * has no router.
+ *
+ * Attention parts (issue 26; model/fm_rope.h, docs/models.md):
+ *   attention_bias: q_proj, k_proj, v_proj carry a bias (model.layers.i.self_attn.{q,k,v}_proj.bias);
+ *                   attention_o_bias: o_proj too. qwen3_moe and olmoe read "attention_bias" (default
+ *                   false) and bias all four projections with it, as Qwen3MoeAttention and
+ *                   OlmoeAttention do; mixtral has no such field (refused when set true).
+ *   partial_rotary_factor: RoPE rotates the first rotary_dim = int(head_dim x factor) dims of each
+ *                   head (rotate_half over that slice, the rest passed through: GPT-NeoX's
+ *                   apply_rotary_pos_emb, which glm4_moe uses); 1 for the three model_types here
+ *                   (their attention rotates the whole head: another value is refused). A config
+ *                   built in code with 0 reads as 1 (fm_config_rotary_dim).
+ *   rope_scaling:   "rope_scaling" (or transformers 5's "rope_parameters") with rope_type "yarn"
+ *                   or "linear" (fm_rope_scaling below); other types are refused, naming these. */
 #ifndef FM_CONFIG_H
 #define FM_CONFIG_H
 #include "../core/fm_core.h"
@@ -35,6 +48,26 @@ typedef enum fm_qk_norm {
 /* mlp_only_layers entries must be below this (entries >= num_hidden_layers are ignored, as
  * transformers ignores them). */
 #define FM_CONFIG_MLP_ONLY_MAX 4096
+
+typedef enum fm_rope_type {
+    FM_ROPE_DEFAULT = 0, /* inv_freq[i] = theta^(-2i/rotary_dim) */
+    FM_ROPE_LINEAR,      /* inv_freq / factor (transformers' _compute_linear_scaling_rope_parameters) */
+    FM_ROPE_YARN,        /* YaRN (Peng et al. 2023, arXiv 2309.00071; transformers'
+                            _compute_yarn_parameters): model/fm_rope.h */
+} fm_rope_type;
+
+/* RoPE scaling as read from config.json's rope_scaling / rope_parameters (defaults transformers'). */
+typedef struct fm_rope_scaling {
+    fm_rope_type type;
+    double factor;            /* linear, yarn: the context extension factor (> 0) */
+    int64_t original_max_position_embeddings; /* yarn: the pretrained context; absent: the file's
+                                 max_position_embeddings, fixed at parse (so
+                                 --max-position-embeddings does not move the tables) */
+    double beta_fast, beta_slow; /* yarn: 32 and 1 when absent (or 0, as transformers' `or`) */
+    double mscale, mscale_all_dim; /* yarn (DeepSeek): 0 when absent */
+    double attention_factor;  /* yarn: as given; 0 when absent (then derived: fm_rope_attention_factor) */
+    bool truncate;            /* yarn: floor/ceil the correction range (default true) */
+} fm_rope_scaling;
 
 typedef struct fm_config {
     fm_model_type model_type;
@@ -61,6 +94,11 @@ typedef struct fm_config {
     int64_t dense_intermediate_size; /* Id: the dense MLP's width (qwen3_moe intermediate_size) */
     int64_t decoder_sparse_step;     /* >= 1 */
     uint64_t mlp_only_mask[FM_CONFIG_MLP_ONLY_MAX / 64]; /* bit i: layer i in mlp_only_layers */
+    /* attention parts (above) */
+    bool attention_bias;             /* q, k, v projections biased */
+    bool attention_o_bias;           /* o projection biased (GPT-OSS, qwen3_moe/olmoe with attention_bias) */
+    double partial_rotary_factor;    /* (0, 1]; 0 in a config built in code reads as 1 */
+    fm_rope_scaling rope_scaling;
 } fm_config;
 
 /* Parses config.json text. `path` is only used in messages. Errors (each names the file and the
@@ -68,8 +106,8 @@ typedef struct fm_config {
  * or missing model_type, non-positive sizes (a defaulted value is named as the default), num_attention_heads not dividing
  * hidden_size (when head_dim is not given), num_key_value_heads not dividing
  * num_attention_heads, odd head_dim, top-k outside [1, num_experts]; FM_ERR_UNSUPPORTED for
- * features flatmoe does not implement yet (attention_bias, clip_qkv, rope_scaling, sliding
- * window, shared experts; decoder_sparse_step / mlp_only_layers outside qwen3_moe, or leaving no
+ * features flatmoe does not implement yet (attention_bias on mixtral, clip_qkv, rope_scaling
+ * types other than yarn and linear, partial_rotary_factor != 1 here, sliding window, shared experts; decoder_sparse_step / mlp_only_layers outside qwen3_moe, or leaving no
  * MoE layer). */
 fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *path);
 
@@ -101,6 +139,10 @@ bool fm_config_layer_is_moe(const fm_config *cfg, int64_t l);
 
 /* The number of MoE layers (>= 1 for a parsed config). */
 int64_t fm_config_num_moe_layers(const fm_config *cfg);
+
+/* The rotated dims per head: int(head_dim x partial_rotary_factor) (head_dim when the factor is 0
+ * or 1), even and >= 2 for a parsed config. */
+int64_t fm_config_rotary_dim(const fm_config *cfg);
 
 /* Parameter counts: total (all experts, embeddings, untied head, dense MLPs) and active per token
  * (the attention, the router, k of E experts, the dense MLPs, norms, and the LM head; the embedding lookup is not a
