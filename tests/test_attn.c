@@ -414,6 +414,31 @@ static void test_model_rope(void) {
     fm_test_model_free(&m);
 }
 
+/* Every live set's arena equals its bound formula with biases and partial rotary (the RoPE tables
+ * [T, rd/2] in the boundary set; the biases in the model state, from the config's count). */
+static void test_layout_bounds(void) {
+    fm_config c = partial_yarn_config();
+    c.attention_bias = c.attention_o_bias = true;
+    const int64_t B = 2, T = 40, N = B * T, L = c.num_hidden_layers; /* tables of 2 x 160 B, not 2 x 320 */
+    const size_t a = sizeof(fm_act);
+    const fm_moe_dims d = {c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok};
+    size_t want[FM_LIVE_COUNT];
+    want[FM_LIVE_BOUNDARIES] = fm_model_boundary_bytes_chunked(&c, B, T, false, a);
+    want[FM_LIVE_LAYER_ACTS] = (size_t)L * fm_model_layer_acts_bytes(&c, B, T, a);
+    want[FM_LIVE_EXPERT] = (size_t)L * fm_moe_routes_bytes(&d, N, a) + fm_moe_ws_bytes(&d, N, false, a);
+    want[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(&c, N, a);
+    want[FM_LIVE_VOCAB] = fm_model_vocab_plain_bytes(&c, N, a);
+    fm_model m;
+    CHECK(fm_test_model_create(&m, &c, g_be) == FM_OK);
+    CHECK(fm_model_layout(&m, B, T, NULL) == FM_OK);
+    for (int i = 1; i < FM_LIVE_COUNT; i++)
+        CHECK_MSG(m.a.arena[i].capacity == fm_arena_round(want[i]), "%s: arena %zu bytes, formula %zu",
+                  fm_live_set_names[i], m.a.arena[i].capacity, want[i]);
+    CHECK(m.p.n_params == fm_config_num_params(&c));
+    CHECK(fm_param_store_bytes(&m.cfg, a) == fm_param_store_measure(m.p.n_params));
+    fm_test_model_free(&m);
+}
+
 int main(void) {
     const uint64_t seed = fm_test_seed(26);
     CHECK(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
@@ -437,6 +462,7 @@ int main(void) {
     c.attention_bias = c.attention_o_bias = true;
     check_grad(c, "qwen3_moe + biases + partial rotary + YaRN", seed + 40);
     test_model_rope();
+    test_layout_bounds();
     fm_cpu_backend_free(&g_be);
     return fm_test_finish();
 }

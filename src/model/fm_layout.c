@@ -210,10 +210,10 @@ size_t fm_model_boundary_bytes_sp(const fm_config *c, int64_t B, int64_t T, int6
     /* tokens, targets, the packed documents' positions [N] and starts [B, sp T] (fm_batch.h: the
      * whole rows' under sequence parallelism; laid out whether or not the data is packed:
      * packing never changes the bound), the micro-batch's device results (4 + 2L doubles), RoPE
-     * cos/sin [sp T, hd/2] (whole rows), the chunked MoE's token order [N] int32, n_tensors
+     * cos/sin [sp T, rd/2] (whole rows; rd = fm_config_rotary_dim), the chunked MoE's token order [N] int32, n_tensors
      * residual-stream tensors [N,H] */
     return 3 * B4(N) + B4(B * Tf) + fm_arena_round((size_t)fm_model_results_count(c) * 8) +
-           2 * B4(Tf * c->head_dim / 2) + (moe_chunked ? B4(N) : 0) + (size_t)n_tensors * BA(N * c->hidden_size);
+           2 * B4(Tf * (fm_config_rotary_dim(c) / 2)) + (moe_chunked ? B4(N) : 0) + (size_t)n_tensors * BA(N * c->hidden_size);
 }
 
 size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_t a) {
