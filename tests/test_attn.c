@@ -86,6 +86,25 @@ static void test_config(void) {
           !r->truncate && r->mscale == 0.7 && r->mscale_all_dim == 0.9);
     CHECK(fabs(fm_rope_attention_factor(&c) - (0.07 * log(2.0) + 1.0) / (0.09 * log(2.0) + 1.0)) < 1e-15);
     round_trip(&c);
+    { /* --max-position-embeddings on it: refused at setup, naming the field to add (the written
+       * config would read the new max as the original context); with the field: written back */
+        const char *txt = "{\"model_type\":\"olmoe\",\"max_position_embeddings\":4096,\"rope_scaling\":"
+                          "{\"rope_type\":\"yarn\",\"factor\":2}}";
+        parse_ok(&c, txt);
+        c.max_position_embeddings = 8192;
+        char *out = NULL;
+        CHECK(fm_config_json_as_read(txt, &c, "y.json", &out) == FM_ERR_ARG &&
+              strstr(fm_errmsg(), "add \"original_max_position_embeddings\": 4096"));
+        const char *txt2 = "{\"model_type\":\"olmoe\",\"max_position_embeddings\":4096,\"rope_scaling\":"
+                           "{\"rope_type\":\"yarn\",\"factor\":2,\"original_max_position_embeddings\":4096}}";
+        parse_ok(&c, txt2);
+        c.max_position_embeddings = 8192;
+        CHECK(fm_config_json_as_read(txt2, &c, "y2.json", &out) == FM_OK && out && strstr(out, "8192"));
+        fm_config back;
+        CHECK(out && fm_config_parse(&back, out, "y2 back") == FM_OK &&
+              back.rope_scaling.original_max_position_embeddings == 4096 && back.max_position_embeddings == 8192);
+        fm_free(out);
+    }
     /* transformers 5's rope_parameters, factor absent: max_position_embeddings / original */
     parse_ok(&c, "{\"model_type\":\"mixtral\",\"max_position_embeddings\":8192,\"rope_parameters\":{\"rope_type\":"
                  "\"yarn\",\"rope_theta\":500000.0,\"original_max_position_embeddings\":2048,\"attention_factor\":1.5}}");

@@ -123,8 +123,9 @@ fm_status fm_config_read_text(const char *path, char **text);
  * *out; everything else is the file's own bytes (unknown fields, number spellings, order). The
  * fields flatmoe changes: max_position_embeddings (--max-position-embeddings), replaced where
  * the file has it, else inserted as the first member. Errors: the parse's for text (naming
- * path); FM_ERR_ARG when cfg differs from text in another field; FM_ERR_NOMEM.
- * (fm_config_json.c) */
+ * path); FM_ERR_ARG when cfg differs from text in another field, or changes
+ * max_position_embeddings of a YaRN config whose rope_scaling lacks original_max_position_embeddings
+ * (the written file would read another original context); FM_ERR_NOMEM. (fm_config_json.c) */
 fm_status fm_config_json_as_read(const char *text, const fm_config *cfg, const char *path, char **out);
 
 /* The config as Hugging Face config.json text (fields for its model_type, "architectures",
