@@ -95,6 +95,25 @@ def configs():
                                                          num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
                                                          rope_theta=1e6, decoder_sparse_step=2, mlp_only_layers=[0],
                                                          **dense)
+    # the attention parts of issue 26 (docs/formats.md): q/k/v/o biases (made non-zero after init:
+    # transformers starts them at 0), YaRN (an original context of 16 so the ramp bends within the
+    # 24-token sequences; Qwen3's long-context recipe in small), linear RoPE scaling
+    yield "qwen3_moe_bias", transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                                        num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
+                                                        rope_theta=1e6, attention_bias=True, **common)
+    yield "olmoe_bias", transformers.OlmoeConfig(intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                                 norm_topk_prob=False, rope_theta=10000.0, attention_bias=True,
+                                                 **common)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    yield "qwen3_moe_yarn", transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                                        num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
+                                                        rope_theta=10000.0, rope_scaling=yarn, **common)
+    yield "mixtral_yarn_mscale", transformers.MixtralConfig(
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, rope_theta=10000.0, sliding_window=None,
+        rope_scaling=dict(yarn, mscale=0.707, mscale_all_dim=1.0, beta_fast=16, beta_slow=2), **common)
+    yield "olmoe_linear", transformers.OlmoeConfig(intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                                   norm_topk_prob=False, rope_theta=10000.0,
+                                                   rope_scaling={"rope_type": "linear", "factor": 2.0}, **common)
 
 
 def nerr(a, b):
@@ -283,7 +302,7 @@ def compare_grads(name, model, fm, failures, check=True):
             ours = fm[key]
         elif pname.endswith("experts.gate_up_proj") or pname.endswith("experts.down_proj"):
             # transformers 5 fuses experts: gate_up [E, 2I, H], down [E, H, I]
-            mix = name == "mixtral"
+            mix = name.startswith("mixtral")
             if mix:
                 pname = pname.replace(".mlp.", ".block_sparse_moe.")
             prefix = pname.rsplit(".", 1)[0]
@@ -447,6 +466,10 @@ def main():
         for name, cfg in configs():
             d = os.path.join(tmp, name)
             model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+            with torch.no_grad():  # biases start at 0 in transformers: make them shape the forward
+                for pn, prm in model.named_parameters():
+                    if pn.endswith(".bias"):
+                        prm.normal_(0.0, 0.1)
             model.save_pretrained(d, safe_serialization=True)
             names = sorted(load_file(os.path.join(d, "model.safetensors")).keys())
             with open(os.path.join(d, "config.json")) as f:
