@@ -2,7 +2,8 @@
 # glm4_moe (GLM-4.5's Glm4MoeForCausalLM: DeepSeek-V3's sigmoid router with e_score_correction_bias
 # and groups, a shared expert beside the routed ones, first_k_dense_replace dense layers) end to
 # end on tests/data/glm4_tiny.json (3 layers, layer 0 dense; 8 experts in 4 groups keeping 2, top-2;
-# routed_scaling_factor 2.5; use_qk_norm; one MTP layer): the loss falls; every arena's high-water
+# routed_scaling_factor 2.5; use_qk_norm; GLM-4.5's partial rotary 0.5 and q/k/v biases; one MTP
+# layer): the loss falls; every arena's high-water
 # mark equals its planned bound, plain and bounded (recompute, chunked MoE, linear CE), as `flatmoe
 # plan` prints them; the checkpoint holds the Hugging Face names (mlp.gate.e_score_correction_bias,
 # mlp.shared_experts.*, the dense layer's mlp.*_proj) and no MTP layer, its config.json the file's
@@ -74,6 +75,11 @@ for l in (1, 2):
     assert h[f"model.layers.{l}.mlp.shared_experts.down_proj.weight"]["shape"] == [64, 32]
     assert h[f"model.layers.{l}.mlp.experts.7.down_proj.weight"]["shape"] == [64, 32]
     assert h[f"model.layers.{l}.self_attn.q_norm.weight"]["shape"] == [16]
+for l in (0, 1, 2):  # Glm4MoeAttention: q, k, v biased (attention_bias), o_proj never
+    assert h[f"model.layers.{l}.self_attn.q_proj.bias"]["shape"] == [64]
+    assert h[f"model.layers.{l}.self_attn.k_proj.bias"]["shape"] == [32]
+    assert h[f"model.layers.{l}.self_attn.v_proj.bias"]["shape"] == [32]
+    assert f"model.layers.{l}.self_attn.o_proj.bias" not in h
 assert not [k for k in h if k.startswith("model.layers.3.")], "an MTP layer was saved"
 PY
 cmp -s "$CFG" "$ck/config.json" && ok || bad "the checkpoint's config.json is not the file as read"
@@ -119,11 +125,14 @@ grep -q "not a parameter.*model.layers.3." "$TMP/ft2.err" && ok || bad "without 
 
 # refusals
 mk() { python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); exec(sys.argv[3]); json.dump(c, open(sys.argv[2], "w"))' "$CFG" "$TMP/$1.json" "$2"; }
+# partial_rotary_factor absent is Glm4MoeConfig's 0.5: the RoPE tables (in the boundary set) are
+# those of 0.5, not of 1.0
 mk prf 'del c["partial_rotary_factor"]'
-expect_fail "partial_rotary_factor's default 0.5" "does not implement partial rotary embeddings" \
-    "$FM" train --config "$TMP/prf.json" --data "$TEXT" --steps 1 --out "$TMP/x1"
-mk bias 'c["attention_bias"] = True'
-expect_fail "attention_bias true" "biases in the attention projections" "$FM" train --config "$TMP/bias.json" --data "$TEXT" --steps 1 --out "$TMP/x2"
+mk full 'c["partial_rotary_factor"] = 1.0'
+boundaries() { "$FM" plan --config "$1" --seq-len 64 --micro-batch 2 --threads 2 2>&1 | sed -n 's/^checkpoint boundaries  *\([0-9][0-9]*\) .*/\1/p'; }
+b_absent=$(boundaries "$TMP/prf.json") b_half=$(boundaries "$CFG") b_full=$(boundaries "$TMP/full.json")
+[ -n "$b_half" ] && [ "$b_absent" = "$b_half" ] && [ "$b_half" != "$b_full" ] && ok ||
+    bad "partial_rotary_factor absent: boundary set $b_absent B, 0.5: $b_half B, 1.0: $b_full B"
 mk grp 'c["n_group"] = 3'
 expect_fail "n_group not dividing the experts" "\"n_group\" (3)" "$FM" train --config "$TMP/grp.json" --data "$TEXT" --steps 1 --out "$TMP/x3"
 mk tkg 'c["num_experts_per_tok"] = 5'

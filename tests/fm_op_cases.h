@@ -29,10 +29,18 @@ static const fm_case_rms FM_CASES_RMS[] = {
     {20, 64, 3e-3}, /* mean(x^2) ~ eps: eps must enter like the reference */
 };
 
-/* RoPE on [B,T,nh,hd] with tables of Tmax positions: T < Tmax and B > 1 (the position must be t,
- * not b*T + t); hd/2 % 8 == 0 is the CUDA kernel's 16-byte path, hd 12 its scalar one. */
-typedef struct fm_case_rope { int64_t B, T, Tmax, nh, hd; } fm_case_rope;
-static const fm_case_rope FM_CASES_ROPE[] = {{2, 5, 8, 3, 16}, {2, 40, 48, 4, 32}, {2, 40, 48, 4, 64}, {2, 7, 9, 3, 12}};
+/* RoPE on [B,T,nh,hd] with tables of Tmax positions, the first rd dims rotated: T < Tmax and
+ * B > 1 (the position must be t, not b*T + t); rd/2 % 8 == 0 is the CUDA kernel's 16-byte path,
+ * hd 12 its scalar one; rd < hd partial rotary (glm4_moe: half the head), on both paths. */
+typedef struct fm_case_rope { int64_t B, T, Tmax, nh, hd, rd; } fm_case_rope;
+static const fm_case_rope FM_CASES_ROPE[] = {{2, 5, 8, 3, 16, 16},  {2, 40, 48, 4, 32, 32}, {2, 40, 48, 4, 64, 64},
+                                             {2, 7, 9, 3, 12, 12},  {2, 40, 48, 4, 64, 32}, {2, 7, 9, 3, 12, 4},
+                                             {2, 5, 8, 3, 40, 16}};
+
+/* Linear-layer biases (fm_backend.h bias_add, bias_grad) on [N,D]: one row; D under and over the
+ * CPU's 64-column blocks and the CUDA kernel's 32 columns; N over its 8 row lanes. */
+typedef struct fm_case_bias { int64_t N, D; } fm_case_bias;
+static const fm_case_bias FM_CASES_BIAS[] = {{1, 7}, {13, 24}, {70, 100}, {257, 33}};
 
 /* Attention over packed documents (fm_backend.h kv_start): each row of T holds documents of the
  * lengths len[0..n-1] in turn, repeated (the last cut at T). Cases: documents shorter than, across
@@ -105,14 +113,14 @@ static inline double rms_obj(void *p) {
 typedef struct rope_st {
     double *x, *dout;
     const float *cs, *sn;
-    int64_t B, T, nh, hd;
+    int64_t B, T, nh, hd, rd;
 } rope_st;
 static inline double rope_obj(void *p) {
     rope_st *s = p;
     const int64_t n = s->B * s->T * s->nh * s->hd;
     double *y = calloc((size_t)n, sizeof(double));
     FM_ASSERT(y);
-    fm_ref_rope(y, s->x, s->cs, s->sn, s->B, s->T, s->nh, s->hd, 1.0);
+    fm_ref_rope(y, s->x, s->cs, s->sn, s->B, s->T, s->nh, s->hd, s->rd, 1.0);
     const double L = fm_case_dot(s->dout, y, n);
     free(y);
     return L;

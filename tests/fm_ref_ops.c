@@ -104,8 +104,8 @@ void fm_ref_rmsnorm_bwd(double *dx, double *dw, const double *dout, const double
 }
 
 void fm_ref_rope(double *y, const double *x, const float *cos_tab, const float *sin_tab, int64_t B, int64_t T,
-                 int64_t nh, int64_t hd, double sign) {
-    const int64_t half = hd / 2;
+                 int64_t nh, int64_t hd, int64_t rd, double sign) {
+    const int64_t half = rd / 2;
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++)
             for (int64_t h = 0; h < nh; h++) {
@@ -116,6 +116,7 @@ void fm_ref_rope(double *y, const double *x, const float *cos_tab, const float *
                     o[i] = a[i] * c - a[i + half] * s;
                     o[i + half] = a[i + half] * c + a[i] * s;
                 }
+                for (int64_t i = rd; i < hd; i++) o[i] = a[i]; /* passed through */
             }
 }
 

@@ -48,11 +48,12 @@ void fm_ref_rmsnorm_fwd(double *out, double *rstd, const double *x, const double
 void fm_ref_rmsnorm_bwd(double *dx, double *dw, const double *dout, const double *x, const double *w, int64_t N,
                         int64_t D, double eps);
 
-/* RoPE, HF rotate_half layout, on x [B,T,nh,hd] into y (same shape; y != x): for i < hd/2,
- * c = cos_tab[t*hd/2+i], s = sign*sin_tab[...]: (y_i, y_{i+hd/2}) = (x_i c - x_{i+hd/2} s,
- * x_{i+hd/2} c + x_i s). sign +1 is rope_fwd; -1 the transpose rotation (rope_bwd). */
+/* RoPE, HF rotate_half layout, on the first rd dims of each head of x [B,T,nh,hd] into y (same
+ * shape; y != x; dims rd .. hd-1 copied): for i < rd/2, c = cos_tab[t*rd/2+i], s =
+ * sign*sin_tab[...]: (y_i, y_{i+rd/2}) = (x_i c - x_{i+rd/2} s, x_{i+rd/2} c + x_i s). sign +1 is
+ * rope_fwd; -1 the transpose rotation (rope_bwd). */
 void fm_ref_rope(double *y, const double *x, const float *cos_tab, const float *sin_tab, int64_t B, int64_t T,
-                 int64_t nh, int64_t hd, double sign);
+                 int64_t nh, int64_t hd, int64_t rd, double sign);
 
 /* Causal grouped-query attention over the full score row, fp64. q [B,T,nh,hd], k, v, [B,T,nkv,hd],
  * dout [B,T,nh,hd] (only for the backward); query head h reads kv head h / (nh/nkv); scale

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Expert parallelism in the trainer (--ep; README "Many ranks", src/train/fm_train_ep.h) under
 # mpirun, as ctest runs it:
-#   bash tests/mpi_train_ep.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | adversarial | resume | zero3 | fp8llep | dense | badinput
+#   bash tests/mpi_train_ep.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | adversarial | resume | zero3 | fp8llep | dense | attn | badinput
 # np2, np4: 20 steps of tests/data/micro.json (E = 4 experts, top-2) at --micro-batch 4/W on W ranks
 #   with --ep 2 (np 2: dp = ep, no expert all-reduce; np 4: each expert on 2 ranks) and --ep 4
 #   (one expert per rank), give the losses of one rank at --micro-batch 4 to 1e-6 relative, the
@@ -242,6 +242,19 @@ json.dump(c, open(sys.argv[2], "w"))' "$ROOT/tests/data/micro_qwen3.json" "$TMP/
     compare "$TMP/one" "$TMP/d2" || bad "dense np 2 --ep 2 differs from one rank"
     mpi 2 train "${COMMON[@]}" --micro-batch 2 --ep 2 --zero 3 --out "$TMP/z2" || bad "dense np 2 --zero 3 --ep 2 failed"
     compare "$TMP/one" "$TMP/z2" || bad "dense np 2 --zero 3 --ep 2 differs from one rank" ;;
+attn)
+    # the attention parts of issue 26: q/k/v/o biases (replicated on every rank, their gradients
+    # all-reduced like every attention parameter's) and YaRN RoPE; np 2 --ep 2 and np 2 --zero 3
+    # --ep 2 (the biases sharded with the other non-expert parameters) give one rank's losses and weights
+    python3 -c 'import json, sys; c = json.load(open(sys.argv[1]))
+c.update(attention_bias=True, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
+json.dump(c, open(sys.argv[2], "w"))' "$ROOT/tests/data/micro_qwen3.json" "$TMP/attn.json"
+    COMMON[1]="$TMP/attn.json"
+    one_rank "$TMP/one"
+    mpi 2 train "${COMMON[@]}" --micro-batch 2 --ep 2 --out "$TMP/a2" || bad "attn np 2 --ep 2 failed"
+    compare "$TMP/one" "$TMP/a2" || bad "attn np 2 --ep 2 differs from one rank"
+    mpi 2 train "${COMMON[@]}" --micro-batch 2 --ep 2 --zero 3 --out "$TMP/z2" || bad "attn np 2 --zero 3 --ep 2 failed"
+    compare "$TMP/one" "$TMP/z2" || bad "attn np 2 --zero 3 --ep 2 differs from one rank" ;;
 badinput)
     check() { # np, needle, flags...
         local np=$1 needle=$2; shift 2

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Ulysses sequence parallelism in the trainer (--sp; README "Sequence parallelism") under mpirun,
 # as ctest runs it:
-#   bash tests/mpi_train_sp.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | bad
+#   bash tests/mpi_train_sp.sh MPIEXEC FLATMOE MODE      MODE: np2 | np4 | attn | bad
 # np2: -np 2 --sp 2 at --micro-batch 4 gives the losses of one rank at --micro-batch 4 over 20
 #   steps to 1e-6 relative (loss, aux, z, validation; grad norm 1e-3; final weights and Adam state
 #   to 5e-4 of each tensor's scale, tests/mpi_train.sh's tolerances and their reasons), for
@@ -20,6 +20,7 @@
 #   ranks) and -np 4 --sp 4 --zero 3 against one rank, the --zero 3 bounds equal to `flatmoe plan --sp 2
 #   --dp 2 --zero 3`'s; 10 steps at -np 4 --sp 2 --zero 3 resumed for 10 at -np 2 --sp 2 --zero 3 (a
 #   shard of W = 4 read back as one of W = 2) end as 20 one-rank steps.
+# attn: q/k/v/o biases and YaRN (issue 26) at -np 2 --sp 2, plain and packed, against one rank.
 # bad: an --sp that does not divide the ranks, --seq-len or the heads, and --sp with --zero 3 and
 #   --offload-optimizer, each
 #   a clear error naming the flag, the expected and found values and the fix; a rank that stops
@@ -151,6 +152,39 @@ architectures=['Qwen3MoeForCausalLM'], moe_intermediate_size=32); json.dump(c, o
         >/dev/null || bad "np 2 --sp 2 --zero 3 resume failed: $(cat "$TMP/zres.err")"
     grep -q "will not match" "$TMP/zres.err" && bad "resume at np 2 --zero 3 warned: $(cat "$TMP/zres.err")"
     compare "$TMP/one" "$TMP/zres" || bad "np 4 --sp 2 --zero 3 -> np 2 --sp 2 --zero 3 differs from 20 one-rank steps" ;;
+attn)
+    # the attention parts of issue 26 (docs/formats.md): q/k/v/o biases and YaRN RoPE (an original
+    # context of 8 under 32-token rows: the tables differ from the default's at every rotated pair
+    # past the ramp), np 2 --sp 2 against one rank at the tolerances above, plain and with packed
+    # documents cut across the ranks' halves (RoPE positions per rank: each rank's rows of the
+    # whole row's tables); the memory bounds equal the plan's
+    python3 -c 'import json, sys; c = json.load(open(sys.argv[1]))
+c.update(attention_bias=True, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
+json.dump(c, open(sys.argv[2], "w"))' "$SP" "$TMP/attn.json"
+    one "$TMP/one" "$TMP/attn.json"
+    mpi 2 train --config "$TMP/attn.json" "${COMMON[@]}" --micro-batch 4 --sp 2 --report-memory --out "$TMP/sp" ||
+        bad "np 2 --sp 2 (biases, yarn) failed"
+    compare "$TMP/one" "$TMP/sp" || bad "np 2 --sp 2 (biases, yarn) differs from one rank"
+    memory "$TMP/sp" "$TMP/attn.json" 2 4 || bad "np 2 --sp 2 (biases, yarn): memory"
+    python3 - "$TMP/w" <<'PY'
+import random, struct, sys
+r = random.Random(7)
+docs = [[r.randrange(256) for _ in range(r.randint(3, 40))] for _ in range(60)]
+toks = [t for d in docs for t in d]
+with open(sys.argv[1] + ".bin", "wb") as f:
+    f.write(struct.pack("<256i", 20240801, 7, len(toks), *([0] * 253)))
+    f.write(struct.pack("<%dI" % len(toks), *toks))
+starts, at = [], 0
+for d in docs:
+    starts.append(at); at += len(d)
+with open(sys.argv[1] + ".docs", "wb") as f:
+    f.write(b"FMDOCS01" + struct.pack("<QQ", len(toks), len(starts)) + struct.pack("<%dQ" % len(starts), *starts))
+PY
+    PACK=(--data "$TMP/w.bin" --val-fraction 0.2 --seq-len 32 --grad-accum 2 --steps 20 --warmup 2 --lr 3e-3
+          --eval-every 10 --eval-batches 1 --threads 1 --quiet --pack on --micro-batch 4)
+    "$FM" train --config "$TMP/attn.json" "${PACK[@]}" --out "$TMP/pone" >/dev/null || bad "one-rank packed (attn) failed"
+    mpi 2 train --config "$TMP/attn.json" "${PACK[@]}" --sp 2 --out "$TMP/psp" || bad "np 2 --sp 2 --pack on (attn) failed"
+    compare "$TMP/pone" "$TMP/psp" || bad "np 2 --sp 2 --pack on (biases, yarn) differs from one rank" ;;
 bad)
     expect() { # np, needle, then train's flags
         local np=$1 needle=$2; shift 2

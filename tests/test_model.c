@@ -81,7 +81,8 @@ static void test_bad_configs(void) {
     expect_bad("{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":-32,\"num_experts\":4}",
                FM_ERR_CONFIG, "\"intermediate_size\" must be positive");
     expect_bad("{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":32,\"num_experts\":4,"
-               "\"rope_parameters\":{\"rope_type\":\"yarn\",\"rope_theta\":5}}", FM_ERR_UNSUPPORTED, "yarn");
+               "\"rope_parameters\":{\"rope_type\":\"longrope\",\"rope_theta\":5}}", FM_ERR_UNSUPPORTED,
+               "supports only \"default\", \"linear\" and \"yarn\""); /* (yarn: tests/test_attn.c) */
     /* every number read is range-checked, naming the field (issue 27) */
 #define OLMOE "{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":32,\"num_experts\":4,"
     expect_bad(OLMOE "\"rope_theta\":1e400}", FM_ERR_CONFIG, "rope_theta (inf) must be positive and finite");

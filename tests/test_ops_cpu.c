@@ -196,29 +196,60 @@ static void test_rmsnorm(int64_t N, int64_t D, double x_scale) {
 /* ---- RoPE --------------------------------------------------------------------------------- */
 
 /* Tables are random (not unit-norm), so the backward must be the transpose, not merely an
- * inverse; T < T_max and B > 1 so the position must be t, not b*T + t. Tol 1e-5. */
-static void test_rope(int64_t B, int64_t T, int64_t Tmax, int64_t nh, int64_t hd) {
+ * inverse; T < T_max and B > 1 so the position must be t, not b*T + t; rd < hd: the dims past rd
+ * must come out as they went in (the reference copies them). Tol 1e-5. */
+static void test_rope(int64_t B, int64_t T, int64_t Tmax, int64_t nh, int64_t hd, int64_t rd) {
     const int64_t n = B * T * nh * hd;
-    float *cs = fnew(Tmax * hd / 2), *sn = fnew(Tmax * hd / 2), *x = fnew(n), *dout = fnew(n),
+    float *cs = fnew(Tmax * rd / 2), *sn = fnew(Tmax * rd / 2), *x = fnew(n), *dout = fnew(n),
           *buf = fnew(n);
-    fill_uniform(cs, Tmax * hd / 2, -1.2, 1.2);
-    fill_uniform(sn, Tmax * hd / 2, -1.2, 1.2);
+    fill_uniform(cs, Tmax * rd / 2, -1.2, 1.2);
+    fill_uniform(sn, Tmax * rd / 2, -1.2, 1.2);
     fill_normal(x, n, 1.0);
     fill_normal(dout, n, 1.0);
-    rope_st s = {dnew(n), dnew(n), cs, sn, B, T, nh, hd};
+    rope_st s = {dnew(n), dnew(n), cs, sn, B, T, nh, hd, rd};
     to_d(s.x, x, n);
     to_d(s.dout, dout, n);
     double *ref = dnew(n);
-    fm_ref_rope(ref, s.x, cs, sn, B, T, nh, hd, 1.0);
+    fm_ref_rope(ref, s.x, cs, sn, B, T, nh, hd, rd, 1.0);
     memcpy(buf, x, (size_t)n * sizeof(float));
-    OPS->rope_fwd(CTX, buf, cs, sn, B, T, nh, hd, NULL);
+    OPS->rope_fwd(CTX, buf, cs, sn, B, T, nh, hd, rd, NULL);
     CHECK_ERR("rope_fwd", nerr(buf, ref, n, 1e-30), 1e-5);
+    if (rd < hd) { /* the passed-through dims: bit for bit the input */
+        bool same = true;
+        for (int64_t v = 0; v < B * T * nh; v++) same = same && !memcmp(buf + v * hd + rd, x + v * hd + rd, sizeof(float) * (size_t)(hd - rd));
+        CHECK_MSG(same, "rope_fwd rd %lld < hd %lld: the dims past rd changed", (long long)rd, (long long)hd);
+    }
     memcpy(buf, dout, (size_t)n * sizeof(float));
-    OPS->rope_bwd(CTX, buf, cs, sn, B, T, nh, hd, NULL);
+    OPS->rope_bwd(CTX, buf, cs, sn, B, T, nh, hd, rd, NULL);
     double *g = dnew(n);
     to_d(g, buf, n);
     fd_check("rope_bwd dx", rope_obj, &s, s.x, n, g, 1e-5);
     free(cs), free(sn), free(x), free(dout), free(buf), free(s.x), free(s.dout), free(ref), free(g);
+}
+
+/* ---- linear-layer biases ------------------------------------------------------------------ */
+
+/* bias_add against y + b in fp64 (one fp32 rounding: within 2^-24 relative); bias_grad against
+ * the fp64 column sums added onto a non-zero db (it accumulates), N terms of fp32 inputs summed
+ * in double: 1e-6 relative is far above its rounding and far below any missing or extra row. */
+static void test_bias(int64_t N, int64_t D) {
+    float *y = fnew(N * D), *b = fnew(D), *dy = fnew(N * D), *db = fnew(D);
+    fill_normal(y, N * D, 1.0);
+    fill_normal(b, D, 1.0);
+    fill_normal(dy, N * D, 1.0);
+    fill_normal(db, D, 1.0);
+    double *ry = dnew(N * D), *rdb = dnew(D);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t j = 0; j < D; j++) ry[n * D + j] = (double)y[n * D + j] + b[j];
+    for (int64_t j = 0; j < D; j++) {
+        rdb[j] = db[j];
+        for (int64_t n = 0; n < N; n++) rdb[j] += dy[n * D + j];
+    }
+    OPS->bias_add(CTX, y, b, N, D);
+    CHECK_ERR("bias_add", nerr(y, ry, N * D, 1e-30), 1e-6);
+    OPS->bias_grad(CTX, db, dy, N, D);
+    CHECK_ERR("bias_grad", nerr(db, rdb, D, 1e-30), 1e-6);
+    free(y), free(b), free(dy), free(db), free(ry), free(rdb);
 }
 
 /* ---- attention ---------------------------------------------------------------------------- */
@@ -349,15 +380,15 @@ static void test_rope_positions(void) {
     to_d(xd, x, n);
     for (int64_t bt = 0; bt < B * T; bt++)
         fm_ref_rope(ref + bt * nh * hd, xd + bt * nh * hd, cs + pos[bt] * half, sn + pos[bt] * half, 1, 1, nh, hd,
-                    1.0);
+                    hd, 1.0);
     memcpy(buf, x, (size_t)n * sizeof(float));
-    OPS->rope_fwd(CTX, buf, cs, sn, B, T, nh, hd, pos);
+    OPS->rope_fwd(CTX, buf, cs, sn, B, T, nh, hd, hd, pos);
     CHECK_ERR("rope_fwd (positions)", nerr(buf, ref, n, 1e-30), 1e-5);
     for (int64_t bt = 0; bt < B * T; bt++)
         fm_ref_rope(ref + bt * nh * hd, xd + bt * nh * hd, cs + pos[bt] * half, sn + pos[bt] * half, 1, 1, nh, hd,
-                    -1.0);
+                    hd, -1.0);
     memcpy(buf, x, (size_t)n * sizeof(float));
-    OPS->rope_bwd(CTX, buf, cs, sn, B, T, nh, hd, pos);
+    OPS->rope_bwd(CTX, buf, cs, sn, B, T, nh, hd, hd, pos);
     CHECK_ERR("rope_bwd (positions)", nerr(buf, ref, n, 1e-30), 1e-5);
     free(cs), free(sn), free(x), free(buf), free(xd), free(ref);
 }
@@ -500,8 +531,10 @@ int main(void) {
         test_rmsnorm(FM_CASES_RMS[i].N, FM_CASES_RMS[i].D, FM_CASES_RMS[i].x_scale);
     for (int i = 0; i < FM_CASES_COUNT(FM_CASES_ROPE); i++) {
         const fm_case_rope *c = &FM_CASES_ROPE[i];
-        test_rope(c->B, c->T, c->Tmax, c->nh, c->hd);
+        test_rope(c->B, c->T, c->Tmax, c->nh, c->hd, c->rd);
     }
+    for (int i = 0; i < FM_CASES_COUNT(FM_CASES_BIAS); i++) test_bias(FM_CASES_BIAS[i].N, FM_CASES_BIAS[i].D);
+    test_bias(300, 64); /* over the OpenMP threshold (8192 elements) */
     test_attention();
     for (int i = 0; i < FM_CASES_COUNT(FM_CASES_SWIGLU); i++) test_swiglu(FM_CASES_SWIGLU[i]);
 

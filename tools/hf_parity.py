@@ -96,16 +96,35 @@ def configs():
                                                          rope_theta=1e6, decoder_sparse_step=2, mlp_only_layers=[0],
                                                          **dense)
     # GLM-4.5 (Glm4MoeForCausalLM): DeepSeek-V3's sigmoid router (groups: 2 of 4 kept, a random
-    # e_score_correction_bias set after the build), a shared expert, layer 0 dense; full RoPE and no
-    # attention biases until flatmoe has them (partial_rotary_factor 1.0, attention_bias false)
+    # e_score_correction_bias set after the build), a shared expert, layer 0 dense; Glm4MoeConfig's
+    # partial rotary (0.5) and q/k/v biases
     if hasattr(transformers, "Glm4MoeConfig"):
         glm = dict(common, num_hidden_layers=3)
         yield "glm4_moe", transformers.Glm4MoeConfig(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
                                                      num_experts_per_tok=2, n_shared_experts=1, n_group=4,
                                                      topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
                                                      norm_topk_prob=True, use_qk_norm=True, head_dim=16,
-                                                     partial_rotary_factor=1.0, attention_bias=False,
+                                                     partial_rotary_factor=0.5, attention_bias=True,
                                                      rope_theta=1e6, **glm)
+    # the attention parts of issue 26 (docs/formats.md): q/k/v/o biases (made non-zero after init:
+    # transformers starts them at 0), YaRN (an original context of 16 so the ramp bends within the
+    # 24-token sequences; Qwen3's long-context recipe in small), linear RoPE scaling
+    yield "qwen3_moe_bias", transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                                        num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
+                                                        rope_theta=1e6, attention_bias=True, **common)
+    yield "olmoe_bias", transformers.OlmoeConfig(intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                                 norm_topk_prob=False, rope_theta=10000.0, attention_bias=True,
+                                                 **common)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    yield "qwen3_moe_yarn", transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                                        num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
+                                                        rope_theta=10000.0, rope_scaling=yarn, **common)
+    yield "mixtral_yarn_mscale", transformers.MixtralConfig(
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, rope_theta=10000.0, sliding_window=None,
+        rope_scaling=dict(yarn, mscale=0.707, mscale_all_dim=1.0, beta_fast=16, beta_slow=2), **common)
+    yield "olmoe_linear", transformers.OlmoeConfig(intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                                   norm_topk_prob=False, rope_theta=10000.0,
+                                                   rope_scaling={"rope_type": "linear", "factor": 2.0}, **common)
 
 
 def nerr(a, b):
@@ -294,7 +313,7 @@ def compare_grads(name, model, fm, failures, check=True):
             ours = fm[key]
         elif pname.endswith("experts.gate_up_proj") or pname.endswith("experts.down_proj"):
             # transformers 5 fuses experts: gate_up [E, 2I, H], down [E, H, I]
-            mix = name == "mixtral"
+            mix = name.startswith("mixtral")
             if mix:
                 pname = pname.replace(".mlp.", ".block_sparse_moe.")
             prefix = pname.rsplit(".", 1)[0]
@@ -462,6 +481,10 @@ def main():
                 for mod in model.modules():
                     if torch.is_tensor(getattr(mod, "e_score_correction_bias", None)):
                         mod.e_score_correction_bias.copy_(0.05 * torch.randn_like(mod.e_score_correction_bias))
+            with torch.no_grad():  # biases start at 0 in transformers: make them shape the forward
+                for pn, prm in model.named_parameters():
+                    if pn.endswith(".bias"):
+                        prm.normal_(0.0, 0.1)
             model.save_pretrained(d, safe_serialization=True)
             names = sorted(load_file(os.path.join(d, "model.safetensors")).keys())
             with open(os.path.join(d, "config.json")) as f:

@@ -273,16 +273,27 @@ typedef struct fm_ops {
 
     /* ---- rotary position embedding (Su et al. 2021), HF "rotate_half" layout -------------- */
 
-    /* In place on x [B,T,nh,hd]: for i < hd/2 with c = cos_tab[p*hd/2+i], s = sin_tab[...]:
-     * (x[i], x[i+hd/2]) <- (x[i]*c - x[i+hd/2]*s, x[i+hd/2]*c + x[i]*s), p the position of
+    /* In place on x [B,T,nh,hd]: the first rd dims of each head (rd even, 2 <= rd <= hd; rd < hd
+     * is partial rotary, GPT-NeoX's / glm4_moe's layout) are rotated, the other hd - rd dims pass
+     * through unchanged: for i < rd/2 with c = cos_tab[p*rd/2+i], s = sin_tab[...]:
+     * (x[i], x[i+rd/2]) <- (x[i]*c - x[i+rd/2]*s, x[i+rd/2]*c + x[i]*s), p the position of
      * token (b,t): pos[b*T+t] (device int32 [B*T], each in [0, T_max); packed documents restart
-     * at 0 in each document, fm_batch.h), or t when pos is NULL. cos_tab/sin_tab [T_max, hd/2]
-     * with T <= T_max. */
+     * at 0 in each document, fm_batch.h), or t when pos is NULL. cos_tab/sin_tab [T_max, rd/2]
+     * with T <= T_max (model/fm_rope.h: YaRN's attention factor is folded into them). */
     void (*rope_fwd)(void *ctx, fm_act *x, const float *cos_tab, const float *sin_tab, int64_t B,
-                     int64_t T, int64_t nh, int64_t hd, const int32_t *pos);
-    /* In place on the gradient dx [B,T,nh,hd]: the transpose (inverse) rotation, same pos. */
+                     int64_t T, int64_t nh, int64_t hd, int64_t rd, const int32_t *pos);
+    /* In place on the gradient dx [B,T,nh,hd]: the transpose rotation of the first rd dims (exact
+     * for any tables, not only c^2 + s^2 = 1), the rest unchanged; same pos. */
     void (*rope_bwd)(void *ctx, fm_act *dx, const float *cos_tab, const float *sin_tab, int64_t B,
-                     int64_t T, int64_t nh, int64_t hd, const int32_t *pos);
+                     int64_t T, int64_t nh, int64_t hd, int64_t rd, const int32_t *pos);
+
+    /* ---- biases of linear layers (attention q/k/v/o projections, model/fm_layer.c) ---------- */
+
+    /* y[n,j] += b[j] for n < N, j < D (y [N,D], b [D]): after the GEMM y = x W^T. */
+    void (*bias_add)(void *ctx, fm_act *y, const fm_act *b, int64_t N, int64_t D);
+    /* db[j] += sum over n < N of dy[n,j] (dy [N,D], db [D]), accumulated in fp32 or wider in a
+     * fixed order (the same bits on every call). */
+    void (*bias_grad)(void *ctx, fm_act *db, const fm_act *dy, int64_t N, int64_t D);
 
     /* ---- causal grouped-query attention, tiled with an online softmax ---------------------
      * (Dao et al., FlashAttention 1 and 2, arXiv 2205.14135 and 2307.08691). Memory grows with

@@ -136,7 +136,7 @@ typedef struct fm_model_acts {
     bool *recompute;      /* [L]: layer's activations are recomputed in backward */
     bool *keep_attention; /* [L]: a recomputed layer with its own attention output and lse
                              (kept to backward, never recomputed); false where not recomputed */
-    float *rope_cos, *rope_sin; /* [T, hd/2] backend memory */
+    float *rope_cos, *rope_sin; /* [T, rd/2] backend memory (rd = fm_config_rotary_dim; model/fm_rope.h) */
     int32_t *tokens, *targets;  /* [N] backend memory (uploaded from the batch, fm_batch.h) */
     int32_t *pin_tokens, *pin_targets; /* [N] pinned staging of the upload (host arena) */
     /* Packed documents (fm_batch.pos / doc_start; issue 28): laid out always (2 x [N] int32 in the

@@ -1,5 +1,7 @@
 #include "fm_config.h"
 
+#include "fm_config_attn.h"
+
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
@@ -167,10 +169,7 @@ static fm_status parse_fields(fm_config *cfg, const cJSON *root, const char *pat
     const cJSON *rp = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
     if (rp && !cJSON_IsNull(rp)) {
         if (!cJSON_IsObject(rp)) return fm_error(FM_ERR_FORMAT, "%s: \"rope_parameters\" must be an object", path);
-        const cJSON *rt = cJSON_GetObjectItemCaseSensitive(rp, "rope_type");
-        if (rt && cJSON_IsString(rt) && strcmp(rt->valuestring, "default") != 0)
-            return fm_error(FM_ERR_UNSUPPORTED, "%s: rope_parameters.rope_type is \"%s\", but flatmoe supports only "
-                            "\"default\" RoPE yet", path, rt->valuestring);
+        /* its rope_type and scaling parameters: fm_config_parse_attention */
         FM_TRY(get_num(rp, path, "rope_theta", cfg->rope_theta, &cfg->rope_theta));
     }
     FM_TRY(get_num(root, path, "rms_norm_eps", d->rms_norm_eps, &cfg->rms_norm_eps));
@@ -184,16 +183,13 @@ static fm_status parse_fields(fm_config *cfg, const cJSON *root, const char *pat
                  : t == FM_MODEL_OLMOE ? FM_QK_NORM_FULL : FM_QK_NORM_NONE;
     FM_TRY(get_int(root, path, "head_dim", 0, hd_given));
     cfg->routed_scaling_factor = 1.0;
-    cfg->partial_rotary_factor = 1.0;
     if (t == FM_MODEL_GLM4_MOE) FM_TRY(fm_config_parse_glm4(cfg, root, path));
     return parse_dense_layers(cfg, root, path);
 }
 
 /* Features not implemented: refuse rather than train something else. */
 static fm_status reject_unsupported(const fm_config *cfg, const cJSON *root, const char *path) {
-    FM_TRY(reject_if_set(root, path, "attention_bias", "biases in the attention projections"));
     FM_TRY(reject_if_set(root, path, "clip_qkv", "clipping of q, k, v"));
-    FM_TRY(reject_if_set(root, path, "rope_scaling", "RoPE scaling"));
     FM_TRY(reject_if_set(root, path, "use_sliding_window", "sliding-window attention"));
     FM_TRY(reject_if_set(root, path, "shared_expert_intermediate_size", "shared experts"));
     if (cfg->model_type == FM_MODEL_MIXTRAL) {
@@ -315,8 +311,10 @@ fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *pat
         int64_t hd_given = 0;
         bool kv_defaulted = false;
         st = parse_fields(cfg, root, path, d, &hd_given, &kv_defaulted);
+        if (st == FM_OK) st = fm_config_parse_attention(cfg, root, path); /* biases, RoPE kinds */
         if (st == FM_OK) st = reject_unsupported(cfg, root, path);
         if (st == FM_OK) st = check_fields(cfg, path, hd_given, kv_defaulted);
+        if (st == FM_OK) st = fm_config_check_attention(cfg, path);
     }
     cJSON_Delete(root);
     return st;
@@ -364,7 +362,7 @@ char *fm_config_to_json(const fm_config *c) {
     cJSON_AddNumberToObject(o, "max_position_embeddings", (double)c->max_position_embeddings);
     add_float(o, "rope_theta", c->rope_theta);
     add_float(o, "rms_norm_eps", c->rms_norm_eps);
-    cJSON_AddBoolToObject(o, "attention_bias", 0);
+    fm_config_attention_to_json(c, o); /* attention_bias, partial_rotary_factor, rope_scaling */
     cJSON_AddNumberToObject(o, c->model_type == FM_MODEL_MIXTRAL ? "num_local_experts"
                                : c->model_type == FM_MODEL_GLM4_MOE ? "n_routed_experts" : "num_experts",
                             (double)c->num_experts);
@@ -397,6 +395,8 @@ static int64_t attn_params(const fm_config *c) {
     int64_t p = H * nh * hd * 2 + H * nkv * hd * 2; /* q, o, k, v */
     if (c->qk_norm == FM_QK_NORM_PER_HEAD) p += 2 * hd;
     if (c->qk_norm == FM_QK_NORM_FULL) p += nh * hd + nkv * hd;
+    if (c->attention_bias) p += nh * hd + 2 * nkv * hd; /* q, k, v biases */
+    if (c->attention_o_bias) p += H;                    /* o bias */
     return p;
 }
 

@@ -18,7 +18,21 @@
  * Dense layers (qwen3_moe, as transformers' Qwen3MoeDecoderLayer decides): layer i is MoE
  * when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; else its MLP is a
  * dense SwiGLU of width intermediate_size (model.layers.i.mlp.{gate,up,down}_proj.weight) and it
- * has no router. */
+ * has no router.
+ *
+ * Attention parts (issue 26; model/fm_rope.h, docs/models.md):
+ *   attention_bias: q_proj, k_proj, v_proj carry a bias (model.layers.i.self_attn.{q,k,v}_proj.bias);
+ *                   attention_o_bias: o_proj too. qwen3_moe and olmoe read "attention_bias" (default
+ *                   false) and bias all four projections with it, as Qwen3MoeAttention and
+ *                   OlmoeAttention do; mixtral has no such field (refused when set true).
+ *   partial_rotary_factor: RoPE rotates the first rotary_dim = int(head_dim x factor) dims of each
+ *                   head (rotate_half over that slice, the rest passed through: GPT-NeoX's
+ *                   apply_rotary_pos_emb, which glm4_moe uses, default 0.5 there); 1 for qwen3_moe,
+ *                   olmoe and mixtral (their attention rotates the whole head: another value is
+ *                   refused). A config
+ *                   built in code with 0 reads as 1 (fm_config_rotary_dim).
+ *   rope_scaling:   "rope_scaling" (or transformers 5's "rope_parameters") with rope_type "yarn"
+ *                   or "linear" (fm_rope_scaling below); other types are refused, naming these. */
 #ifndef FM_CONFIG_H
 #define FM_CONFIG_H
 #include "../core/fm_core.h"
@@ -39,6 +53,26 @@ typedef enum fm_qk_norm {
 /* mlp_only_layers entries must be below this (entries >= num_hidden_layers are ignored, as
  * transformers ignores them). */
 #define FM_CONFIG_MLP_ONLY_MAX 4096
+
+typedef enum fm_rope_type {
+    FM_ROPE_DEFAULT = 0, /* inv_freq[i] = theta^(-2i/rotary_dim) */
+    FM_ROPE_LINEAR,      /* inv_freq / factor (transformers' _compute_linear_scaling_rope_parameters) */
+    FM_ROPE_YARN,        /* YaRN (Peng et al. 2023, arXiv 2309.00071; transformers'
+                            _compute_yarn_parameters): model/fm_rope.h */
+} fm_rope_type;
+
+/* RoPE scaling as read from config.json's rope_scaling / rope_parameters (defaults transformers'). */
+typedef struct fm_rope_scaling {
+    fm_rope_type type;
+    double factor;            /* linear, yarn: the context extension factor (> 0) */
+    int64_t original_max_position_embeddings; /* yarn: the pretrained context; absent: the file's
+                                 max_position_embeddings, fixed at parse (so
+                                 --max-position-embeddings does not move the tables) */
+    double beta_fast, beta_slow; /* yarn: 32 and 1 when absent (or 0, as transformers' `or`) */
+    double mscale, mscale_all_dim; /* yarn (DeepSeek): 0 when absent */
+    double attention_factor;  /* yarn: as given; 0 when absent (then derived: fm_rope_attention_factor) */
+    bool truncate;            /* yarn: floor/ceil the correction range (default true) */
+} fm_rope_scaling;
 
 typedef struct fm_config {
     fm_model_type model_type;
@@ -73,9 +107,12 @@ typedef struct fm_config {
                                      * group-limited top-k (fm_router.h) */
     int64_t n_group, topk_group;    /* group-limited top-k: keep the topk_group best of n_group groups */
     double routed_scaling_factor;   /* the top-k weights times this (1.0 elsewhere) */
-    double partial_rotary_factor;   /* read; flatmoe refuses values other than 1.0 yet */
-    bool attention_bias;            /* read; flatmoe refuses true yet */
     int64_t num_nextn_predict_layers; /* MTP layers: neither built, trained nor saved (as transformers) */
+    /* attention parts (above) */
+    bool attention_bias;             /* q, k, v projections biased */
+    bool attention_o_bias;           /* o projection biased (GPT-OSS, qwen3_moe/olmoe with attention_bias) */
+    double partial_rotary_factor;    /* (0, 1]; 0 in a config built in code reads as 1 */
+    fm_rope_scaling rope_scaling;
 } fm_config;
 
 /* Parses config.json text. `path` is only used in messages. Errors (each names the file and the
@@ -83,9 +120,9 @@ typedef struct fm_config {
  * or missing model_type, non-positive sizes (a defaulted value is named as the default), num_attention_heads not dividing
  * hidden_size (when head_dim is not given), num_key_value_heads not dividing
  * num_attention_heads, odd head_dim, top-k outside [1, num_experts]; FM_ERR_UNSUPPORTED for
- * features flatmoe does not implement yet (attention_bias, clip_qkv, rope_scaling, sliding
- * window, qwen2-style shared experts, glm4_moe's partial_rotary_factor != 1; decoder_sparse_step /
- * mlp_only_layers outside qwen3_moe, or leaving no MoE layer). */
+ * features flatmoe does not implement yet (attention_bias on mixtral, clip_qkv, rope_scaling
+ * types other than yarn and linear, sliding window, qwen2-style shared experts; decoder_sparse_step
+ * / mlp_only_layers outside qwen3_moe, or leaving no MoE layer). */
 fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *path);
 
 /* Reads and parses a config.json file. Errors: FM_ERR_IO if unreadable, else as above. */
@@ -100,8 +137,9 @@ fm_status fm_config_read_text(const char *path, char **text);
  * *out; everything else is the file's own bytes (unknown fields, number spellings, order). The
  * fields flatmoe changes: max_position_embeddings (--max-position-embeddings), replaced where
  * the file has it, else inserted as the first member. Errors: the parse's for text (naming
- * path); FM_ERR_ARG when cfg differs from text in another field; FM_ERR_NOMEM.
- * (fm_config_json.c) */
+ * path); FM_ERR_ARG when cfg differs from text in another field, or changes
+ * max_position_embeddings of a YaRN config whose rope_scaling lacks original_max_position_embeddings
+ * (the written file would read another original context); FM_ERR_NOMEM. (fm_config_json.c) */
 fm_status fm_config_json_as_read(const char *text, const fm_config *cfg, const char *path, char **out);
 
 /* The config as Hugging Face config.json text (fields for its model_type, "architectures",
@@ -112,11 +150,11 @@ char *fm_config_to_json(const fm_config *cfg);
 
 /* glm4_moe's fields and checks into cfg (fm_config_glm4.c), called by fm_config_parse after the
  * common fields: first_k_dense_replace, n_shared_experts, n_group, topk_group,
- * routed_scaling_factor, use_qk_norm, partial_rotary_factor, attention_bias,
- * num_nextn_predict_layers with Glm4MoeConfig's defaults. root is a cJSON object. Errors:
+ * routed_scaling_factor, use_qk_norm, num_nextn_predict_layers with Glm4MoeConfig's defaults
+ * (its attention fields: fm_config_attn.c). root is a cJSON object. Errors:
  * FM_ERR_FORMAT (a field of the wrong JSON type), FM_ERR_CONFIG (n_group not dividing
- * n_routed_experts, topk_group outside [1, n_group], ...), FM_ERR_UNSUPPORTED
- * (partial_rotary_factor != 1, attention_bias true), each naming path and the field. */
+ * n_routed_experts, topk_group outside [1, n_group], ...), FM_ERR_UNSUPPORTED (the router's
+ * auxiliary losses), each naming path and the field. */
 fm_status fm_config_parse_glm4(fm_config *cfg, const void *root, const char *path);
 
 /* glm4_moe's fields of cfg into the cJSON object json (fm_config_to_json's canonical form). */
@@ -141,6 +179,10 @@ bool fm_config_layer_is_moe(const fm_config *cfg, int64_t l);
 
 /* The number of MoE layers (>= 1 for a parsed config). */
 int64_t fm_config_num_moe_layers(const fm_config *cfg);
+
+/* The rotated dims per head: int(head_dim x partial_rotary_factor) (head_dim when the factor is 0
+ * or 1), even and >= 2 for a parsed config. */
+int64_t fm_config_rotary_dim(const fm_config *cfg);
 
 /* Parameter counts: total (all experts, embeddings, untied head, dense MLPs) and active per token
  * (the attention, the router, k of E experts, the dense MLPs, norms, and the LM head; the embedding lookup is not a

@@ -1,8 +1,8 @@
 /* glm4_moe's config fields (fm_config.h: fm_config_parse_glm4, fm_config_glm4_to_json), with the
  * defaults of transformers' Glm4MoeConfig (src/transformers/models/glm4_moe/
  * configuration_glm4_moe.py): n_shared_experts 1, routed_scaling_factor 1.0, n_group 1,
- * topk_group 1, first_k_dense_replace 1, norm_topk_prob true (fm_config.c), use_qk_norm false,
- * partial_rotary_factor 0.5, attention_bias false; num_nextn_predict_layers 0 (the class does
+ * topk_group 1, first_k_dense_replace 1, norm_topk_prob true (fm_config.c), use_qk_norm false
+ * (partial_rotary_factor 0.5 and attention_bias false, q/k/v only: fm_config_attn.c); num_nextn_predict_layers 0 (the class does
  * not read it: Glm4MoeModel skips the MTP layer's weights on load, and so does flatmoe). The
  * router is DeepSeek-V3's (Glm4MoeTopkRouter: sigmoid scores, e_score_correction_bias, groups). */
 #include "fm_config.h"
@@ -47,25 +47,10 @@ fm_status fm_config_parse_glm4(fm_config *cfg, const void *root_v, const char *p
     FM_TRY(glm_int(root, path, "n_group", 1, &cfg->n_group));
     FM_TRY(glm_int(root, path, "topk_group", 1, &cfg->topk_group));
     FM_TRY(glm_num(root, path, "routed_scaling_factor", 1.0, &cfg->routed_scaling_factor));
-    FM_TRY(glm_num(root, path, "partial_rotary_factor", 0.5, &cfg->partial_rotary_factor));
-    FM_TRY(glm_bool(root, path, "attention_bias", false, &cfg->attention_bias));
     FM_TRY(glm_int(root, path, "num_nextn_predict_layers", 0, &cfg->num_nextn_predict_layers));
     bool qk = false;
     FM_TRY(glm_bool(root, path, "use_qk_norm", false, &qk));
     cfg->qk_norm = qk ? FM_QK_NORM_PER_HEAD : FM_QK_NORM_NONE; /* Glm4MoeRMSNorm(head_dim) on q and k */
-    /* transformers 5 may carry the factor inside rope_parameters */
-    const cJSON *rp = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
-    if (rp && cJSON_IsObject(rp) && cJSON_GetObjectItemCaseSensitive(rp, "partial_rotary_factor"))
-        FM_TRY(glm_num(rp, path, "partial_rotary_factor", cfg->partial_rotary_factor, &cfg->partial_rotary_factor));
-    if (cfg->partial_rotary_factor != 1.0)
-        return fm_error(FM_ERR_UNSUPPORTED, "%s: \"partial_rotary_factor\" is %g%s, but flatmoe does not implement "
-                        "partial rotary embeddings yet (RoPE on every dimension of the head); set it to 1.0 to "
-                        "train that model instead", path, cfg->partial_rotary_factor,
-                        cJSON_GetObjectItemCaseSensitive(root, "partial_rotary_factor") ? ""
-                                                                                       : " (Glm4MoeConfig's default)");
-    if (cfg->attention_bias)
-        return fm_error(FM_ERR_UNSUPPORTED, "%s: \"attention_bias\" is true, but flatmoe does not implement biases "
-                        "in the attention projections yet; set it to false to train that model instead", path);
     if (cfg->first_k_dense_replace < 0 || cfg->n_shared_experts < 0)
         return fm_error(FM_ERR_CONFIG, "%s: \"first_k_dense_replace\" (%lld) and \"n_shared_experts\" (%lld) must be "
                         ">= 0", path, (long long)cfg->first_k_dense_replace, (long long)cfg->n_shared_experts);
@@ -117,7 +102,6 @@ void fm_config_glm4_to_json(const fm_config *c, void *json) {
     cJSON_AddNumberToObject(o, "n_group", (double)c->n_group);
     cJSON_AddNumberToObject(o, "topk_group", (double)c->topk_group);
     glm_float(o, "routed_scaling_factor", c->routed_scaling_factor);
-    glm_float(o, "partial_rotary_factor", c->partial_rotary_factor);
     cJSON_AddBoolToObject(o, "use_qk_norm", c->qk_norm == FM_QK_NORM_PER_HEAD);
     cJSON_AddNumberToObject(o, "num_nextn_predict_layers", (double)c->num_nextn_predict_layers);
 }

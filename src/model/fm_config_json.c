@@ -137,6 +137,16 @@ fm_status fm_config_json_as_read(const char *text, const fm_config *cfg, const c
     if (differs)
         return fm_error(FM_ERR_ARG, "%s: the model config differs from the file in a field other than "
                         "max_position_embeddings; only that field is written back changed", path);
+    /* YaRN without original_max_position_embeddings: flatmoe fixed it at the file's max
+     * (fm_config.h); a changed max written back would move transformers' (and a reload's) */
+    if (cfg->max_position_embeddings != orig.max_position_embeddings && orig.rope_scaling.type == FM_ROPE_YARN &&
+        !strstr(text, "\"original_max_position_embeddings\""))
+        return fm_error(FM_ERR_ARG, "%s: max_position_embeddings changed to %lld (--max-position-embeddings) with YaRN "
+                        "RoPE, but the config's rope_scaling has no original_max_position_embeddings, which then "
+                        "reads as max_position_embeddings (%lld in the file); add \"original_max_position_embeddings\": "
+                        "%lld to rope_scaling, or keep max_position_embeddings", path,
+                        (long long)cfg->max_position_embeddings, (long long)orig.max_position_embeddings,
+                        (long long)orig.max_position_embeddings);
     char *t = NULL;
     if (cfg->max_position_embeddings != orig.max_position_embeddings)
         t = set_int_member(text, "max_position_embeddings", cfg->max_position_embeddings);

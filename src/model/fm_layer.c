@@ -1,5 +1,6 @@
 /* One decoder layer's forward and backward (fm_model.h: fm_model_layer_forward/backward):
- *   x -> RMSNorm -> causal GQA attention (RoPE, optional QK-norm) -> +x = x_mid
+ *   x -> RMSNorm -> causal GQA attention (optional q/k/v/o biases, optional QK-norm, RoPE over the
+ *        first rotary_dim dims of each head, model/fm_rope.h) -> +x = x_mid
  *   x_mid -> RMSNorm -> router -> MoE (dispatch, experts, combine) [+ shared experts] -> +x_mid = y
  *   (a dense layer, fm_config_layer_is_moe false: x_mid -> RMSNorm -> SwiGLU MLP -> +x_mid = y)
  * With sequence parallelism (m->mesh.sp > 1) the attention op is fm_attn_sp's (Ulysses all-to-alls
@@ -57,10 +58,10 @@ fm_act *fm_model_grad_buffer(fm_model *m, int i) {
 /* The norm outputs ln1, ln2 live in the working set's dln and dtmp, free whenever a forward
  * runs (before backward, and during a recompute: the schedule's dy and dx are the other
  * buffers); y must be neither. */
-/* The RoPE table rows this rank reads: the whole row's [sp T, hd/2] table (fm_layout.c) indexed
+/* The RoPE table rows this rank reads: the whole row's [sp T, rd/2] table (fm_layout.c) indexed
  * by the packed positions (doc_pos), else rows sp_rank T .. sp_rank T + T - 1 of it (positions t). */
 static void rope_rows(const fm_model *m, const float **cos_t, const float **sin_t) {
-    const int64_t off = m->a.docs ? 0 : (int64_t)m->mesh.sp_rank * m->a.T * (m->cfg.head_dim / 2);
+    const int64_t off = m->a.docs ? 0 : (int64_t)m->mesh.sp_rank * m->a.T * (fm_config_rotary_dim(&m->cfg) / 2);
     *cos_t = m->a.rope_cos + off;
     *sin_t = m->a.rope_sin + off;
 }
@@ -85,6 +86,11 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
     linear_fwd(m, a->q, ln1, w->wq, N, H, qd);
     linear_fwd(m, a->k, ln1, w->wk, N, H, kd);
     linear_fwd(m, a->v, ln1, w->wv, N, H, kd);
+    if (w->bq) { /* attention_bias: q, k, v projections' biases, before QK-norm and RoPE */
+        OPS->bias_add(CTX, a->q, w->bq, N, qd);
+        OPS->bias_add(CTX, a->k, w->bk, N, kd);
+        OPS->bias_add(CTX, a->v, w->bv, N, kd);
+    }
     if (c->qk_norm == FM_QK_NORM_PER_HEAD) {
         OPS->rmsnorm_fwd(CTX, a->qr, a->rstd_q, a->q, w->q_norm, N * nh, hd, eps);
         OPS->rmsnorm_fwd(CTX, a->kr, a->rstd_k, a->k, w->k_norm, N * nkv, hd, eps);
@@ -95,8 +101,9 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
     const int32_t *pos = m->a.docs ? m->a.doc_pos : NULL, *kvs = m->a.docs ? m->a.doc_start : NULL; /* packed */
     const float *rc, *rs;
     rope_rows(m, &rc, &rs);
-    OPS->rope_fwd(CTX, a->qr, rc, rs, B, T, nh, hd, pos);
-    OPS->rope_fwd(CTX, a->kr, rc, rs, B, T, nkv, hd, pos);
+    const int64_t rd = fm_config_rotary_dim(c); /* partial rotary: the first rd dims of each head */
+    OPS->rope_fwd(CTX, a->qr, rc, rs, B, T, nh, hd, rd, pos);
+    OPS->rope_fwd(CTX, a->kr, rc, rs, B, T, nkv, hd, rd, pos);
     if (!skip_attention) { /* keep-attention's recompute: att and lse are the forward's, kept */
         PHASE(ATTENTION);
         if (m->mesh.sp > 1) /* Ulysses: to head-sharded, attention over the whole sequence, back */
@@ -106,6 +113,7 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
         PHASE(DENSE);
     }
     linear_fwd(m, a->x_mid, a->att, w->wo, N, qd, H);
+    if (w->bo) OPS->bias_add(CTX, a->x_mid, w->bo, N, H); /* attention_o_bias */
     OPS->add(CTX, a->x_mid, x, N * H);
 
     OPS->rmsnorm_fwd(CTX, ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
@@ -222,6 +230,7 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     /* attention block: x_mid = x + o_proj(attn(rope(qknorm(q,k)), v)) */
     const int32_t *pos = m->a.docs ? m->a.doc_pos : NULL, *kvs = m->a.docs ? m->a.doc_start : NULL; /* packed */
     linear_bwd(m, datt, 0.0f, g->wo, dxmid, a->att, w->wo, N, qd, H);
+    if (g->bo) OPS->bias_grad(CTX, g->bo, dxmid, N, H);
     PHASE(ATTENTION);
     if (m->mesh.sp > 1) /* Ulysses: the transposed all-to-alls around the attention backward */
         FM_TRY(fm_attn_sp_backward(&m->a.sp_attn, &m->be, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att,
@@ -232,8 +241,9 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     PHASE(DENSE);
     const float *rc, *rs;
     rope_rows(m, &rc, &rs);
-    OPS->rope_bwd(CTX, ws->dq, rc, rs, B, T, nh, hd, pos);
-    OPS->rope_bwd(CTX, ws->dk, rc, rs, B, T, nkv, hd, pos);
+    const int64_t rd = fm_config_rotary_dim(c);
+    OPS->rope_bwd(CTX, ws->dq, rc, rs, B, T, nh, hd, rd, pos);
+    OPS->rope_bwd(CTX, ws->dk, rc, rs, B, T, nkv, hd, rd, pos);
     fm_act *dq = ws->dq, *dk = ws->dk;
     if (c->qk_norm != FM_QK_NORM_NONE) {
         /* datt is free now: reuse it for dq before the norm; dln (free) for dk. */
@@ -246,6 +256,11 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     /* d ln1 [N,H]: in the [N,qd] buffer the q gradient no longer needs (dq after the QK-norm
      * backward moved it to datt; datt otherwise), when qd >= H */
     fm_act *dln1 = ws->dln1 ? ws->dln1 : (c->qk_norm != FM_QK_NORM_NONE ? ws->dq : datt);
+    if (g->bq) { /* the biases' gradients: the projections' output gradients summed over tokens */
+        OPS->bias_grad(CTX, g->bq, dq, N, qd);
+        OPS->bias_grad(CTX, g->bk, dk, N, kd);
+        OPS->bias_grad(CTX, g->bv, ws->dv, N, kd);
+    }
     fm_act *ln1 = dx; /* ln2 is dead: form ln1 again there */
     OPS->rmsnorm_fwd(CTX, ln1, a->rstd1, x, w->ln1, N, H, eps);
     linear_bwd(m, dln1, 0.0f, g->wq, dq, ln1, w->wq, N, H, qd);

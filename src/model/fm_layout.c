@@ -9,6 +9,7 @@
 #include "../bounded/fm_linear_ce.h"
 #include "../bounded/fm_linear_ce_ring.h"
 #include "fm_experts.h"
+#include "fm_rope.h"
 #include "fm_model_internal.h"
 
 /* ------------------------------------------------------------------------------------------ */
@@ -111,8 +112,9 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     m->a.pin_targets = TAKE(host, int32_t, N);
     m->a.pin_results = TAKE(host, double, fm_model_results_count(c));
     const int64_t Tf = m->a.T * (m->mesh.sp > 1 ? m->mesh.sp : 1); /* whole rows under sp (packed positions) */
-    m->a.rope_cos = TAKE(bnd, float, Tf * hd / 2);
-    m->a.rope_sin = TAKE(bnd, float, Tf * hd / 2);
+    const int64_t rhalf = fm_config_rotary_dim(c) / 2; /* partial rotary: rotary_dim / 2 columns */
+    m->a.rope_cos = TAKE(bnd, float, Tf * rhalf);
+    m->a.rope_sin = TAKE(bnd, float, Tf * rhalf);
     m->a.moe_chunk_order = chunked ? TAKE(bnd, int32_t, N) : NULL;
     m->a.doc_pos = TAKE(bnd, int32_t, N); /* packed documents (fm_batch.h): taken whatever the data */
     /* attention's document starts: whole rows [B, sp T] under sequence parallelism (fm_attn_sp.h) */
@@ -208,10 +210,10 @@ size_t fm_model_boundary_bytes_sp(const fm_config *c, int64_t B, int64_t T, int6
     /* tokens, targets, the packed documents' positions [N] and starts [B, sp T] (fm_batch.h: the
      * whole rows' under sequence parallelism; laid out whether or not the data is packed:
      * packing never changes the bound), the micro-batch's device results (4 + 2L doubles), RoPE
-     * cos/sin [sp T, hd/2] (whole rows), the chunked MoE's token order [N] int32, n_tensors
+     * cos/sin [sp T, rd/2] (whole rows; rd = fm_config_rotary_dim), the chunked MoE's token order [N] int32, n_tensors
      * residual-stream tensors [N,H] */
     return 3 * B4(N) + B4(B * Tf) + fm_arena_round((size_t)fm_model_results_count(c) * 8) +
-           2 * B4(Tf * c->head_dim / 2) + (moe_chunked ? B4(N) : 0) + (size_t)n_tensors * BA(N * c->hidden_size);
+           2 * B4(Tf * (fm_config_rotary_dim(c) / 2)) + (moe_chunked ? B4(N) : 0) + (size_t)n_tensors * BA(N * c->hidden_size);
 }
 
 size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_t a) {
@@ -538,11 +540,11 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
             return fm_error(FM_ERR_NOMEM, "memory: cannot allocate the expert-load counts' staging");
         }
     }
-    /* RoPE tables (HF: inv_freq[i] = theta^(-2i/hd); angle = t * inv_freq[i]), in double, made on
+    /* RoPE tables (model/fm_rope.h; default: inv_freq[i] = theta^(-2i/rd); angle = t * inv_freq[i]), in double, made on
      * the host and uploaded; and the chunked MoE's token order. Sequence parallelism: row t of the
      * tables is global position t of the whole row [0, sp T) (a packed document's positions
      * reach past this rank's slice); unpacked, a rank reads rows sp_rank T + t (fm_layer.c). */
-    const int64_t half = c->head_dim / 2, Tf = T * (m->mesh.sp > 1 ? m->mesh.sp : 1);
+    const int64_t half = fm_config_rotary_dim(c) / 2, Tf = T * (m->mesh.sp > 1 ? m->mesh.sp : 1);
     float *tab = fm_malloc(sizeof(float) * (size_t)(2 * Tf * half + 1));
     int32_t *order = m->a.moe_chunk_order ? fm_malloc(sizeof(int32_t) * (size_t)m->a.N) : NULL;
     if (!tab || (m->a.moe_chunk_order && !order)) {
@@ -550,13 +552,7 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
         fm_model_free_layout(m);
         return fm_error(FM_ERR_NOMEM, "memory: cannot stage the RoPE tables");
     }
-    for (int64_t t = 0; t < Tf; t++)
-        for (int64_t i = 0; i < half; i++) {
-            double inv = pow(c->rope_theta, -2.0 * (double)i / (double)c->head_dim);
-            double ang = (double)t * inv;
-            tab[t * half + i] = (float)cos(ang);
-            tab[Tf * half + t * half + i] = (float)sin(ang);
-        }
+    fm_rope_tables_host(c, Tf, tab, tab + Tf * half); /* default, linear or YaRN (model/fm_rope.h) */
     m->be.ops->copy(m->be.ctx, m->a.rope_cos, tab, sizeof(float) * (size_t)(Tf * half), FM_COPY_H2D);
     m->be.ops->copy(m->be.ctx, m->a.rope_sin, tab + Tf * half, sizeof(float) * (size_t)(Tf * half), FM_COPY_H2D);
     fm_free(tab);

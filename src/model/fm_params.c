@@ -40,6 +40,7 @@ static int64_t add_param(table_builder *b, bool decay, int ndim, int64_t d0, int
 /* Offsets (in elements) of one layer's tensors within the flat buffer. */
 typedef struct layer_offsets {
     int64_t ln1, wq, wk, wv, wo, q_norm, k_norm, ln2, router, w_gate, w_up, w_down; /* -1: absent */
+    int64_t bq, bk, bv, bo; /* attention biases, -1: absent */
     int64_t mlp_gate, mlp_up, mlp_down; /* dense layer only, else -1 */
     int64_t router_bias, sh_gate, sh_up, sh_down; /* sigmoid router's bias, shared experts; else -1 */
 } layer_offsets;
@@ -58,10 +59,18 @@ static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, 
     for (int64_t l = 0; l < c->num_hidden_layers; l++) {
         layer_offsets x;
         x.ln1 = add_param(b, false, 1, H, 0, "model.layers.%lld.input_layernorm.weight", (long long)l);
+        /* each projection's bias (attention_bias, attention_o_bias) right after its weight; no
+         * weight decay on biases (as on norm weights) */
+        const bool ab = c->attention_bias, ob = c->attention_o_bias;
+        x.bq = x.bk = x.bv = x.bo = -1;
         x.wq = add_param(b, true, 2, nh * hd, H, "model.layers.%lld.self_attn.q_proj.weight", (long long)l);
+        if (ab) x.bq = add_param(b, false, 1, nh * hd, 0, "model.layers.%lld.self_attn.q_proj.bias", (long long)l);
         x.wk = add_param(b, true, 2, nkv * hd, H, "model.layers.%lld.self_attn.k_proj.weight", (long long)l);
+        if (ab) x.bk = add_param(b, false, 1, nkv * hd, 0, "model.layers.%lld.self_attn.k_proj.bias", (long long)l);
         x.wv = add_param(b, true, 2, nkv * hd, H, "model.layers.%lld.self_attn.v_proj.weight", (long long)l);
+        if (ab) x.bv = add_param(b, false, 1, nkv * hd, 0, "model.layers.%lld.self_attn.v_proj.bias", (long long)l);
         x.wo = add_param(b, true, 2, H, nh * hd, "model.layers.%lld.self_attn.o_proj.weight", (long long)l);
+        if (ob) x.bo = add_param(b, false, 1, H, 0, "model.layers.%lld.self_attn.o_proj.bias", (long long)l);
         x.q_norm = x.k_norm = -1;
         if (c->qk_norm == FM_QK_NORM_PER_HEAD) {
             x.q_norm = add_param(b, false, 1, hd, 0, "model.layers.%lld.self_attn.q_norm.weight", (long long)l);
@@ -125,6 +134,7 @@ static void set_ptrs(fm_model_ptrs *p, fm_act *base, const fm_config *c, int64_t
         y->q_norm = x->q_norm >= 0 ? base + x->q_norm : NULL;
         y->k_norm = x->k_norm >= 0 ? base + x->k_norm : NULL;
         y->ln2 = base + x->ln2;
+        y->bq = at(base, x->bq, 0); y->bk = at(base, x->bk, 0); y->bv = at(base, x->bv, 0); y->bo = at(base, x->bo, 0);
         y->router = at(base, x->router, 0);
         y->w_gate = at(base, x->w_gate, 0); y->w_up = at(base, x->w_up, 0); y->w_down = at(base, x->w_down, 0);
         y->mlp_gate = at(base, x->mlp_gate, 0); y->mlp_up = at(base, x->mlp_up, 0);
@@ -208,6 +218,7 @@ static void set_group_ptrs(fm_model_params *pp, fm_model_ptrs *p, int64_t g, fm_
         y->q_norm = x->q_norm >= 0 ? base + (x->q_norm - b) : NULL;
         y->k_norm = x->k_norm >= 0 ? base + (x->k_norm - b) : NULL;
         y->ln2 = base + (x->ln2 - b);
+        y->bq = at(base, x->bq, b); y->bk = at(base, x->bk, b); y->bv = at(base, x->bv, b); y->bo = at(base, x->bo, b);
         y->router = at(base, x->router, b);
         y->w_gate = at(base, x->w_gate, b); y->w_up = at(base, x->w_up, b); y->w_down = at(base, x->w_down, b);
         y->mlp_gate = at(base, x->mlp_gate, b); y->mlp_up = at(base, x->mlp_up, b);
@@ -262,7 +273,8 @@ static uint64_t full_index(const fm_model_params *pp, int i) {
     if (pp->ep <= 1 || i < 1) return (uint64_t)i;
     const fm_config *c = &pp->cfg;
     const int64_t L = c->num_hidden_layers, E = c->num_experts, El = pp->E_loc;
-    const int64_t attn = 6 + (c->qk_norm != FM_QK_NORM_NONE ? 2 : 0); /* ln1, q, k, v, o, (q/k norm), ln2 */
+    const int64_t attn = 6 + (c->qk_norm != FM_QK_NORM_NONE ? 2 : 0) /* ln1, q, k, v, o, (q/k norm), ln2 */
+                       + (c->attention_bias ? 3 : 0) + (c->attention_o_bias ? 1 : 0); /* (biases) */
     int64_t ti = 1, fi = 1; /* the layer's first index in this table and in the full one */
     for (int64_t l = 0; l < L; l++) {
         const bool moe = fm_config_layer_is_moe(c, l);
@@ -288,10 +300,13 @@ void fm_params_init_weights_range(const fm_model_params *pp, uint64_t seed, int 
     const fm_param *p = &pp->table[i];
     const uint64_t key = counter_u64(seed ^ 0x5EEDull, full_index(pp, i));
     const bool ones = p->ndim == 1;
+    const size_t nl = strlen(p->name);
+    const bool bias = nl > 5 && !strcmp(p->name + nl - 5, ".bias"); /* HF's _init_weights: bias.zero_() */
 #pragma omp parallel for schedule(static) if (count > 65536)
     for (int64_t k = 0; k < count; k++) {
         if (ones) {
-            out[k] = p->buffer ? 0.0f : 1.0f; /* a buffer (e_score_correction_bias): zeros, as transformers' */
+            /* a bias or a buffer (e_score_correction_bias): zeros, as transformers' _init_weights */
+            out[k] = bias || p->buffer ? 0.0f : 1.0f;
             continue;
         }
         const uint64_t j = (uint64_t)(first + k);

@@ -34,6 +34,8 @@ typedef struct fm_param {
  * model.layers.N.mlp.{gate,up,down}_proj.weight (router and w_* NULL). */
 typedef struct fm_layer_ptrs {
     fm_act *ln1, *wq, *wk, *wv, *wo, *q_norm, *k_norm, *ln2, *router;
+    fm_act *bq, *bk, *bv, *bo; /* attention biases [nh*hd], [nkv*hd] x2, [H]; NULL without
+                                  attention_bias / attention_o_bias (fm_config.h) */
     fm_act *w_gate, *w_up, *w_down; /* [E,I,H], [E,I,H], [E,H,I] */
     fm_act *mlp_gate, *mlp_up, *mlp_down; /* dense layer: [Id,H], [Id,H], [H,Id] */
     fm_act *router_bias;                  /* sigmoid router: e_score_correction_bias [E], else NULL */
@@ -110,7 +112,7 @@ void fm_params_layer_expert_offsets(const fm_model_params *p, int64_t l, int64_t
 const fm_param *fm_params_find(const fm_model_params *p, const char *name);
 
 /* The initial fp32 weights (Hugging Face init: Normal(0, initializer_range) for matrices and
- * embeddings, 1 for norm weights), drawn into host memory w [n_params] (table layout); nothing
+ * embeddings, 1 for norm weights, 0 for biases: tensors named *.bias), drawn into host memory w [n_params] (table layout); nothing
  * uploaded. Counter-based (splitmix64 per element, Box-Muller), so the values do not depend on
  * the thread count, and every --ep rank draws the one-rank model's values for its experts. */
 void fm_params_init_weights_host(const fm_model_params *p, uint64_t seed, float *w);

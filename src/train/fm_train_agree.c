@@ -60,6 +60,10 @@ fm_status fm_train_agree(const fm_comm *world, const fm_train_opts *o, const fm_
         {"the config's rope_theta", K_F64, f64_bits(c->rope_theta)},
         {"the config's router_aux_loss_coef", K_F64, f64_bits(c->router_aux_loss_coef)},
         {"the config's router_z_loss_coef", K_F64, f64_bits(c->router_z_loss_coef)},
+        {"the config's attention_bias", K_INT, (int64_t)c->attention_bias + 2 * (int64_t)c->attention_o_bias},
+        {"the config's partial_rotary_factor", K_F64, f64_bits(c->partial_rotary_factor)},
+        {"the config's rope_scaling type", K_INT, (int64_t)c->rope_scaling.type},
+        {"the config's rope_scaling factor", K_F64, f64_bits(c->rope_scaling.factor)},
     };
     enum { N = sizeof f / sizeof f[0] };
     int64_t v[2 * N], mine[N];

@@ -487,7 +487,7 @@ static void timings(void) {
         TIME_OP("sumsq 64M", 20, 2.0 * nd, 0, OPS->sumsq(CTX, sq, x, nd, false));
         dfree(sq);
         void *tab = OPS->mem_alloc(CTX, (size_t)4096 * 64 * 4);
-        TIME_OP("rope_fwd B=4 T=4096 nh=32 hd=128", 20, 4.0 * nd, 0, OPS->rope_fwd(CTX, x, tab, tab, 4, 4096, 32, 128, NULL));
+        TIME_OP("rope_fwd B=4 T=4096 nh=32 hd=128", 20, 4.0 * nd, 0, OPS->rope_fwd(CTX, x, tab, tab, 4, 4096, 32, 128, 128, NULL));
         dfree(tab);
         const int64_t V = 50000, NT = 16384;
         int32_t *tok = inew(NT);

@@ -152,32 +152,32 @@ static void test_rmsnorm(int64_t N, int64_t D, double x_scale, bool fd) {
 /* ---- RoPE ------------------------------------------------------------------------------------ */
 
 /* Tables with c^2 + s^2 != 1 (so the backward must be the transpose, not the inverse angle). */
-static void test_rope(int64_t B, int64_t T, int64_t Tmax, int64_t nh, int64_t hd) {
+static void test_rope(int64_t B, int64_t T, int64_t Tmax, int64_t nh, int64_t hd, int64_t rd) {
     const int64_t n = B * T * nh * hd;
-    float *cs = fnew(Tmax * hd / 2), *sn = fnew(Tmax * hd / 2), *x = fnew(n), *dout = fnew(n), *buf = fnew(n);
-    fill_uniform(cs, Tmax * hd / 2, -1.2, 1.2);
-    fill_uniform(sn, Tmax * hd / 2, -1.2, 1.2);
+    float *cs = fnew(Tmax * rd / 2), *sn = fnew(Tmax * rd / 2), *x = fnew(n), *dout = fnew(n), *buf = fnew(n);
+    fill_uniform(cs, Tmax * rd / 2, -1.2, 1.2);
+    fill_uniform(sn, Tmax * rd / 2, -1.2, 1.2);
     fill_normal_bf(x, n, 1.0);
     fill_normal_bf(dout, n, 1.0);
-    void *dcs = up_f32(cs, Tmax * hd / 2), *dsn = up_f32(sn, Tmax * hd / 2), *dx = up_act(x, n),
+    void *dcs = up_f32(cs, Tmax * rd / 2), *dsn = up_f32(sn, Tmax * rd / 2), *dx = up_act(x, n),
          *dg = up_act(dout, n);
-    rope_st s = {dnew(n), dnew(n), cs, sn, B, T, nh, hd};
+    rope_st s = {dnew(n), dnew(n), cs, sn, B, T, nh, hd, rd};
     to_d(s.x, x, n);
     to_d(s.dout, dout, n);
     double *ref = dnew(n);
-    fm_ref_rope(ref, s.x, cs, sn, B, T, nh, hd, 1.0);
-    OPS->rope_fwd(CTX, dx, dcs, dsn, B, T, nh, hd, NULL);
+    fm_ref_rope(ref, s.x, cs, sn, B, T, nh, hd, rd, 1.0);
+    OPS->rope_fwd(CTX, dx, dcs, dsn, B, T, nh, hd, rd, NULL);
     down_act(buf, dx, n);
-    char what[96];
-    snprintf(what, sizeof what, "rope_fwd B=%lld T=%lld nh=%lld hd=%lld", (long long)B, (long long)T, (long long)nh,
-             (long long)hd);
+    char what[112];
+    snprintf(what, sizeof what, "rope_fwd B=%lld T=%lld nh=%lld hd=%lld rd=%lld", (long long)B, (long long)T,
+             (long long)nh, (long long)hd, (long long)rd);
     CHECK_ERR(what, gt_nerr(buf, ref, n), GT_TOL_BF16);
     CHECK_ULPS(what, buf, ref, n, gt_rms(ref, n) / 64, ULPS_ELEMENTWISE);
-    OPS->rope_bwd(CTX, dg, dcs, dsn, B, T, nh, hd, NULL);
+    OPS->rope_bwd(CTX, dg, dcs, dsn, B, T, nh, hd, rd, NULL);
     down_act(buf, dg, n);
-    fm_ref_rope(ref, s.dout, cs, sn, B, T, nh, hd, -1.0);
-    snprintf(what, sizeof what, "rope_bwd B=%lld T=%lld nh=%lld hd=%lld", (long long)B, (long long)T, (long long)nh,
-             (long long)hd);
+    fm_ref_rope(ref, s.dout, cs, sn, B, T, nh, hd, rd, -1.0);
+    snprintf(what, sizeof what, "rope_bwd B=%lld T=%lld nh=%lld hd=%lld rd=%lld", (long long)B, (long long)T,
+             (long long)nh, (long long)hd, (long long)rd);
     CHECK_ERR(what, gt_nerr(buf, ref, n), GT_TOL_BF16);
     CHECK_ULPS(what, buf, ref, n, gt_rms(ref, n) / 64, ULPS_ELEMENTWISE);
     double *g = dnew(n);
@@ -185,6 +185,38 @@ static void test_rope(int64_t B, int64_t T, int64_t Tmax, int64_t nh, int64_t hd
     fd_check("rope_bwd dx", rope_obj, &s, s.x, n, g, GT_TOL_BF16);
     dfree(dcs), dfree(dsn), dfree(dx), dfree(dg);
     free(cs), free(sn), free(x), free(dout), free(buf), free(s.x), free(s.dout), free(ref), free(g);
+}
+
+/* ---- linear-layer biases --------------------------------------------------------------------- */
+
+/* bias_add and bias_grad (fm_backend.h) on bf16 against fp64: the output rounded to bf16 once
+ * (GT_TOL_BF16 and ULPS_ELEMENTWISE), the column sums accumulated in fp32 then rounded once. */
+static void test_bias(int64_t N, int64_t D) {
+    float *y = fnew(N * D), *b = fnew(D), *dy = fnew(N * D), *db = fnew(D), *buf = fnew(N * D);
+    fill_normal_bf(y, N * D, 1.0);
+    fill_normal_bf(b, D, 1.0);
+    fill_normal_bf(dy, N * D, 1.0);
+    fill_normal_bf(db, D, 1.0);
+    double *ry = dnew(N * D), *rdb = dnew(D);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t j = 0; j < D; j++) ry[n * D + j] = (double)y[n * D + j] + b[j];
+    for (int64_t j = 0; j < D; j++) {
+        rdb[j] = db[j];
+        for (int64_t n = 0; n < N; n++) rdb[j] += dy[n * D + j];
+    }
+    void *d_y = up_act(y, N * D), *d_b = up_act(b, D), *d_dy = up_act(dy, N * D), *d_db = up_act(db, D);
+    OPS->bias_add(CTX, d_y, d_b, N, D);
+    down_act(buf, d_y, N * D);
+    char what[96];
+    snprintf(what, sizeof what, "bias_add N=%lld D=%lld", (long long)N, (long long)D);
+    CHECK_ERR(what, gt_nerr(buf, ry, N * D), GT_TOL_BF16);
+    CHECK_ULPS(what, buf, ry, N * D, gt_rms(ry, N * D) / 64, ULPS_ELEMENTWISE);
+    OPS->bias_grad(CTX, d_db, d_dy, N, D);
+    down_act(buf, d_db, D);
+    snprintf(what, sizeof what, "bias_grad N=%lld D=%lld", (long long)N, (long long)D);
+    CHECK_ERR(what, gt_nerr(buf, rdb, D), GT_TOL_BF16);
+    dfree(d_y), dfree(d_b), dfree(d_dy), dfree(d_db);
+    free(y), free(b), free(dy), free(db), free(buf), free(ry), free(rdb);
 }
 
 /* ---- SwiGLU ---------------------------------------------------------------------------------- */
@@ -431,8 +463,10 @@ int main(void) {
         test_rmsnorm(FM_CASES_RMS[i].N, FM_CASES_RMS[i].D, FM_CASES_RMS[i].x_scale, true);
     for (int i = 0; i < FM_CASES_COUNT(FM_CASES_ROPE); i++) {
         const fm_case_rope *c = &FM_CASES_ROPE[i];
-        test_rope(c->B, c->T, c->Tmax, c->nh, c->hd);
+        test_rope(c->B, c->T, c->Tmax, c->nh, c->hd, c->rd);
     }
+    for (int i = 0; i < FM_CASES_COUNT(FM_CASES_BIAS); i++) test_bias(FM_CASES_BIAS[i].N, FM_CASES_BIAS[i].D);
+    test_bias(40000, 96); /* many rows per lane: the fixed-order fp32 column sums */
     for (int i = 0; i < FM_CASES_COUNT(FM_CASES_SWIGLU); i++) test_swiglu(FM_CASES_SWIGLU[i], 0);
     /* and the CUDA kernels' own paths */
     test_embedding(5000, 300, 72, false); /* many runs of repeated ids */

@@ -5,7 +5,7 @@
  *   test_model_ab    (CPU) against flatmoe_lib: the CPU backend, fm_act = fp32, with fp32
  *                    tolerances (so the test itself is checked where there is no GPU).
  * For each model_type (qwen3_moe, olmoe, mixtral; small configs below, 3 layers, aux and z losses
- * on) and through the model's public entry points only (fm_model_create / layout / init_weights /
+ * on; and qwen3_moe with attention biases, partial rotary and YaRN) and through the model's public entry points only (fm_model_create / layout / init_weights /
  * forward / backward / train_step, master weights down and up, gradients copied to the host):
  *   1. chunked MoE (moe_chunk_tokens c > 0, K = ceil(N/c) chunks) vs the plain twin: loss and
  *      every gradient tensor;
@@ -397,8 +397,7 @@ static void cmp_linear_ce(const char *what, const ab_result *l, const ab_result 
 
 /* ---- the tests ----------------------------------------------------------------------------- */
 
-static void test_model_type(fm_model_type type, uint64_t seed) {
-    const fm_config cfg = ab_config(type, type == FM_MODEL_OLMOE ? 3 : 2);
+static void test_model_cfg(const fm_config cfg, uint64_t seed) {
     /* N = 256: the class slopes average the rounding of the ~N large target entries of the CE
      * gradient (their noise ~ u / sqrt(N)); 6 token blocks (last 16), 4 vocab blocks (last 32) */
     const int64_t B = 4, T = 64, N = B * T, bt = 48, bv = 56;
@@ -548,7 +547,16 @@ int main(void) {
     if (s) return fm_test_finish();
     printf("backend %s, fm_act %s\n", g_be.ops->name, AB_BUILD);
     const fm_model_type types[3] = {FM_MODEL_QWEN3_MOE, FM_MODEL_OLMOE, FM_MODEL_MIXTRAL};
-    for (int t = 0; t < 3; t++) test_model_type(types[t], seed + 10 * (uint64_t)t);
+    for (int t = 0; t < 3; t++) test_model_cfg(ab_config(types[t], types[t] == FM_MODEL_OLMOE ? 3 : 2), seed + 10 * (uint64_t)t);
+    /* the attention parts of issue 26 (model/fm_config.h): q/k/v/o biases, rotary over half of each
+     * head (rd 8 of 16: the RoPE kernel's scalar path), YaRN tables (an original context of 16
+     * under T = 64), through every A/B above */
+    fm_config attn = ab_config(FM_MODEL_QWEN3_MOE, 2);
+    attn.attention_bias = attn.attention_o_bias = true;
+    attn.partial_rotary_factor = 0.5;
+    attn.rope_scaling = (fm_rope_scaling){FM_ROPE_YARN, 4.0, 16, 32, 1, 0, 0, 0, true};
+    printf("qwen3_moe with q/k/v/o biases, partial rotary 0.5, YaRN:\n");
+    test_model_cfg(attn, seed + 40);
     for (int t = 0; t < 3; t++) test_all_to_one_expert(types[t], seed + 100 + 10 * (uint64_t)t);
     free(g_table);
     fm_backend_default_free(&g_be);

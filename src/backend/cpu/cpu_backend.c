@@ -176,13 +176,13 @@ static void cpu_rmsnorm_bwd(void *ctx, float *dx, float *dw, const float *dout, 
 
 /* ---- rotary position embedding (Su et al. 2021, arXiv 2104.09864), rotate_half layout ---- */
 
-/* Rotates each pair (x[i], x[i+hd/2]) of x [B,T,nh,hd] in place by the angle of token t:
- * forward (c, s) = (cos, sin) tables [T_max, hd/2]; backward applies the transpose, i.e. the
- * same loop with s negated. */
+/* Rotates each pair (x[i], x[i+rd/2]), i < rd/2, of each head of x [B,T,nh,hd] in place by the
+ * angle of token t (dims rd .. hd-1 untouched: partial rotary): forward (c, s) = (cos, sin)
+ * tables [T_max, rd/2]; backward applies the transpose, i.e. the same loop with s negated. */
 static void rope_apply(int nt, float *x, const float *cos_tab, const float *sin_tab, int64_t B,
-                       int64_t T, int64_t nh, int64_t hd, const int32_t *pos, float sign) {
-    FM_ASSERT(hd % 2 == 0);
-    const int64_t half = hd / 2, BT = B * T;
+                       int64_t T, int64_t nh, int64_t hd, int64_t rd, const int32_t *pos, float sign) {
+    FM_ASSERT(rd % 2 == 0 && rd >= 2 && rd <= hd);
+    const int64_t half = rd / 2, BT = B * T;
 #pragma omp parallel for num_threads(nt) schedule(static) if (BT * nh * hd >= FM_CPU_PAR_MIN)
     for (int64_t bt = 0; bt < BT; bt++) {
         const int64_t t = pos ? (int64_t)pos[bt] : bt % T; /* packed documents: its own position */
@@ -198,17 +198,45 @@ static void rope_apply(int nt, float *x, const float *cos_tab, const float *sin_
     }
 }
 
-/* In place on x [B,T,nh,hd]: (x[i], x[i+hd/2]) <- (x[i] c - x[i+hd/2] s, x[i+hd/2] c + x[i] s). */
+/* In place on x [B,T,nh,hd]: (x[i], x[i+rd/2]) <- (x[i] c - x[i+rd/2] s, x[i+rd/2] c + x[i] s), i < rd/2. */
 static void cpu_rope_fwd(void *ctx, float *x, const float *cos_tab, const float *sin_tab,
-                         int64_t B, int64_t T, int64_t nh, int64_t hd, const int32_t *pos) {
-    rope_apply(cpu_threads(ctx), x, cos_tab, sin_tab, B, T, nh, hd, pos, 1.0f);
+                         int64_t B, int64_t T, int64_t nh, int64_t hd, int64_t rd, const int32_t *pos) {
+    rope_apply(cpu_threads(ctx), x, cos_tab, sin_tab, B, T, nh, hd, rd, pos, 1.0f);
 }
 
-/* In place on dx [B,T,nh,hd]: the transpose rotation (dx[i] c + dx[i+hd/2] s,
- * dx[i+hd/2] c - dx[i] s), exact for any tables (not only c^2 + s^2 = 1). */
+/* In place on dx [B,T,nh,hd]: the transpose rotation (dx[i] c + dx[i+rd/2] s,
+ * dx[i+rd/2] c - dx[i] s), exact for any tables (not only c^2 + s^2 = 1). */
 static void cpu_rope_bwd(void *ctx, float *dx, const float *cos_tab, const float *sin_tab,
-                         int64_t B, int64_t T, int64_t nh, int64_t hd, const int32_t *pos) {
-    rope_apply(cpu_threads(ctx), dx, cos_tab, sin_tab, B, T, nh, hd, pos, -1.0f);
+                         int64_t B, int64_t T, int64_t nh, int64_t hd, int64_t rd, const int32_t *pos) {
+    rope_apply(cpu_threads(ctx), dx, cos_tab, sin_tab, B, T, nh, hd, rd, pos, -1.0f);
+}
+
+/* ---- biases of linear layers ---------------------------------------------------------------- */
+
+/* y[n,j] += b[j]. */
+static void cpu_bias_add(void *ctx, float *y, const float *b, int64_t N, int64_t D) {
+    const int nt = cpu_threads(ctx);
+#pragma omp parallel for num_threads(nt) schedule(static) if (N * D >= FM_CPU_PAR_MIN)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t j = 0; j < D; j++) y[n * D + j] += b[j];
+}
+
+/* db[j] += sum_n dy[n,j], each column summed in double over n in order (threads split the
+ * columns: the same bits for any thread count). */
+static void cpu_bias_grad(void *ctx, float *db, const float *dy, int64_t N, int64_t D) {
+    const int nt = cpu_threads(ctx);
+    enum { CB = 64 };
+    const int64_t nblk = (D + CB - 1) / CB;
+#pragma omp parallel for num_threads(nt) schedule(static) if (N * D >= FM_CPU_PAR_MIN)
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t j0 = blk * CB, nj = D - j0 < CB ? D - j0 : CB;
+        double acc[CB] = {0};
+        for (int64_t n = 0; n < N; n++) {
+            const float *g = dy + n * D + j0;
+            for (int64_t j = 0; j < nj; j++) acc[j] += (double)g[j];
+        }
+        for (int64_t j = 0; j < nj; j++) db[j0 + j] += (float)acc[j];
+    }
 }
 
 /* ---- SwiGLU (Shazeer 2020, arXiv 2002.05202) -------------------------------------------- */
@@ -506,6 +534,8 @@ static const fm_ops fm_cpu_ops = {
     .rmsnorm_bwd = cpu_rmsnorm_bwd,
     .rope_fwd = cpu_rope_fwd,
     .rope_bwd = cpu_rope_bwd,
+    .bias_add = cpu_bias_add,
+    .bias_grad = cpu_bias_grad,
     .attention_fwd = fm_cpu_attention_fwd,
     .attention_bwd = fm_cpu_attention_bwd,
     .swiglu_fwd = fm_cpu_swiglu_fwd,

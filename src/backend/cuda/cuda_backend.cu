@@ -76,6 +76,8 @@ static fm_ops make_cuda_ops(void) {
     o.rmsnorm_bwd = fm_cuda_rmsnorm_bwd;
     o.rope_fwd = fm_cuda_rope_fwd;
     o.rope_bwd = fm_cuda_rope_bwd;
+    o.bias_add = fm_cuda_bias_add;
+    o.bias_grad = fm_cuda_bias_grad;
     o.attention_fwd = fm_cuda_attention_fwd;
     o.attention_bwd = fm_cuda_attention_bwd;
     o.swiglu_fwd = fm_cuda_swiglu_fwd;

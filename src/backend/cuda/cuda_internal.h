@@ -9,6 +9,7 @@
  *   cuda_embedding.cu   embedding                      cuda_permute.cu  route index, gather/combine, rows
  *   cuda_norm.cu        RMSNorm                        cuda_loss.cu     cross-entropy, linear-CE strips
  *   cuda_rope.cu        RoPE                           cuda_adamw.cu    AdamW
+ *   cuda_bias.cu        linear layers' biases (add, gradient)
  *   cuda_attention.cu   attention dispatch and state; cuda_attention_cudnn.cu the cuDNN graph path;
  *   cuda_attention_fwd.cu / _bwd.cu our own kernels (the fallback forward and backward);
  *   cuda_router_force.cu the forced routing of the FLATMOE_TEST_FORCE_ROUTE test hook. */
@@ -161,9 +162,13 @@ void fm_cuda_rmsnorm_bwd(void *ctx, fm_act *dx, fm_act *dw, const fm_act *dout, 
 
 /* cuda_rope.cu */
 void fm_cuda_rope_fwd(void *ctx, fm_act *x, const float *cos_tab, const float *sin_tab, int64_t B, int64_t T,
-                      int64_t nh, int64_t hd, const int32_t *pos);
+                      int64_t nh, int64_t hd, int64_t rd, const int32_t *pos);
 void fm_cuda_rope_bwd(void *ctx, fm_act *dx, const float *cos_tab, const float *sin_tab, int64_t B, int64_t T,
-                      int64_t nh, int64_t hd, const int32_t *pos);
+                      int64_t nh, int64_t hd, int64_t rd, const int32_t *pos);
+
+/* cuda_bias.cu */
+void fm_cuda_bias_add(void *ctx, fm_act *y, const fm_act *b, int64_t N, int64_t D);
+void fm_cuda_bias_grad(void *ctx, fm_act *db, const fm_act *dy, int64_t N, int64_t D);
 
 /* cuda_adamw.cu */
 void fm_cuda_adamw(void *ctx, fm_act *p, const fm_act *g, float *master, void *m, void *v, fm_dtype mv_dtype,
