@@ -151,6 +151,7 @@ fm_status fm_capi_grads(flatmoe_session *s, const flatmoe_batch *b, const flatmo
     fm_step_ws *w = &s->r.step;
     memset(st, 0, sizeof *st);
     FM_TRY(fm_capi_pack(s, b, false)); /* targets where the next token is in the loss: train's targets */
+    FM_TRY(fm_pg_check(spec, b, b->n_tokens, s->in_loss)); /* the spec and its arrays, before any model work */
     fm_train_step_zero_grads(m, w);
     FM_TRY(fm_capi_forward(s, b));
     FM_TRY(fm_pg_coefs(spec, b, b->n_tokens, s->logp, s->ent, s->in_loss, s->seq_of, s->seq_count, s->coef, st));

@@ -60,13 +60,21 @@ fm_status fm_capi_forward(flatmoe_session *s, const flatmoe_batch *b);
 fm_status fm_capi_grads(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_loss_spec *spec,
                         flatmoe_step_stats *st);
 
+/* The loss's validator, run before the forward: spec's values in range (loss, agg and kl one of
+ * their enums; clip_low in [0, 1); clip_high, tis_cap, kl_coef finite and >= 0; clip_dual 0 or
+ * finite > 1), the arrays the spec needs set, and, at every token t < n with in_loss[t] (from
+ * fm_capi_pack_rows), those arrays finite (advantages, old_logprobs when set, rollout_logprobs with
+ * tis_cap > 0, ref_logprobs with a KL term; values outside the loss are not read). Errors:
+ * FM_ERR_ARG naming the spec value, or the array, the token and its value, and the fix. */
+fm_status fm_pg_check(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int64_t n, const uint8_t *in_loss);
+
 /* The per-token coefficients c_t = dL/dlog p_t of spec over the n caller tokens (fp64; docs/rl.md
  * and flatmoe_pg.c give each formula's source), from logp [n], the batch's arrays, in_loss [n]
  * and seq_of [n] (b->n_seqs sequences; seq_count [b->n_seqs] scratch); ent [n] (may be NULL) for the
  * statistics. coef [n] ASSIGNED
  * (0 outside the loss); st gets the loss terms and statistics (grad_norm, lr, router terms and
- * step left to the caller). Errors: FM_ERR_ARG naming a spec value out of range or an array the
- * spec needs that is NULL; a batch with no loss token. */
+ * step left to the caller). Errors: fm_pg_check's (run first); FM_ERR_ARG for a batch with no
+ * loss token. */
 fm_status fm_pg_coefs(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int64_t n, const float *logp,
                       const float *ent, const uint8_t *in_loss, const int32_t *seq_of, int64_t *seq_count,
                       double *coef, flatmoe_step_stats *st);
