@@ -17,8 +17,10 @@
  * batch (fm_batch_check: tokens, targets -100 or in the vocabulary, positions restarting at each
  * document, document starts), each row filled to at most T with whole documents or pieces
  * (pad: one per row), within a document a target is the next position's token or -100, the rest
- * of a row is padding without targets; epochs never go back; from epoch 0 an epoch's batches
- * place every training position of the data once; the dry-run count equals the batches filled. */
+ * of a row is padding without targets; epochs never go back or skip one; from epoch 0 an epoch's
+ * batches place every training position of the data once (their count, and a checksum of the
+ * (input, target) pairs against the data set's own tokens and targets); the dry-run count equals
+ * the batches filled. */
 #include "fm_fuzz.h"
 #include "data/fm_pack.h"
 #include "model/fm_batch.h"
@@ -27,18 +29,36 @@
 #define MAXR 8
 #define MAXBATCH 4096
 
-static int64_t units(const fm_dataset *ds) {
+/* A training position's (input, target) pair mixed into 64 bits; summed (wrapping, so in any
+ * order) over an epoch it is a checksum of the multiset of pairs placed. */
+static uint64_t pair_hash(int32_t tok, int32_t tgt) {
+    uint64_t h = (uint64_t)(uint32_t)tok * 0x9E3779B97F4A7C15ull ^ (uint64_t)(uint32_t)tgt * 0xC2B2AE3D27D4EB4Full;
+    h ^= h >> 31;
+    return h * 0xBF58476D1CE4E5B9ull;
+}
+
+/* The training positions of the data (each document's tokens less one) and the checksum of their
+ * (input, target) pairs, read straight from the data set. */
+static int64_t units(const fm_dataset *ds, uint64_t *sum) {
     int64_t u = 0;
+    *sum = 0;
+    int32_t tok[256], tgt[256];
     for (int64_t d = 0; d < ds->n_docs; d++) {
-        const int64_t n = fm_dataset_doc_len(ds, d);
-        u += n > 1 ? n - 1 : 0;
+        const int64_t n = fm_dataset_doc_len(ds, d) - 1;
+        for (int64_t i0 = 0; i0 < n; i0 += 256) {
+            const int64_t k = n - i0 < 256 ? n - i0 : 256;
+            fm_dataset_tokens(ds, ds->docs[d] + i0, k, tok);
+            fm_dataset_targets(ds, ds->docs[d] + i0 + 1, k, tgt);
+            for (int64_t i = 0; i < k; i++) *sum += pair_hash(tok[i], tgt[i]);
+        }
+        u += n > 0 ? n : 0;
     }
     return u;
 }
 
-/* Checks one batch of `rows` rows; returns the positions it placed. */
+/* Checks one batch of `rows` rows; returns the positions it placed and adds their pairs to *sum. */
 static int64_t check_batch(const fm_packer *pk, int64_t rows, int64_t V, int32_t *tok, int32_t *tgt, int32_t *pos,
-                           int32_t *ds_) {
+                           int32_t *ds_, uint64_t *sum) {
     const int64_t T = pk->T;
     fm_batch fb = {.tokens = tok, .targets = tgt, .B = rows, .T = T, .pos = pos, .doc_start = ds_};
     FUZZ_CHECK(fm_batch_check(&fb, rows, T, V) == FM_OK, "an invalid packed batch: %s", fm_errmsg());
@@ -55,6 +75,7 @@ static int64_t check_batch(const fm_packer *pk, int64_t rows, int64_t V, int32_t
                            "%d, document start %d", (long long)r, (long long)t, tgt[at + t], ds_[at + t]);
                 continue;
             }
+            *sum += pair_hash(tok[at + t], tgt[at + t]);
             if (t + 1 < used && ds_[at + t + 1] == ds_[at + t])
                 FUZZ_CHECK(tgt[at + t] == FM_IGNORE_INDEX || tgt[at + t] == tok[at + t + 1], "row %lld position %lld: "
                            "target %d, next token %d", (long long)r, (long long)t, tgt[at + t], tok[at + t + 1]);
@@ -123,7 +144,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (seek && fm_packer_seek(&pk, data[9] % 4, data[10] % (ds->n_docs + 2), data[11] % (2 * T + 2)) != FM_OK)
         FUZZ_CHECK(fm_errmsg()[0] != 0, "a refused seek without a message");
     static int32_t tok[MAXR * MAXT], tgt[MAXR * MAXT], pos[MAXR * MAXT], dst[MAXR * MAXT];
-    const int64_t per_epoch = units(ds);
+    uint64_t want_sum, got_sum = 0;
+    const int64_t per_epoch = units(ds, &want_sum);
     int64_t epoch = -1, in_epoch = 0, filled = 0;
     bool two = false; /* epochs 0 and 1 filled whole */
     for (int64_t k = 0; k < MAXBATCH; k++) {
@@ -133,16 +155,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (e != epoch) {
             /* from epoch 0's start, a whole epoch places every training position once */
             if (!seek && epoch >= 0)
-                FUZZ_CHECK(in_epoch == per_epoch, "epoch %lld placed %lld of %lld positions", (long long)epoch,
-                           (long long)in_epoch, (long long)per_epoch);
+                FUZZ_CHECK(in_epoch == per_epoch && got_sum == want_sum, "epoch %lld placed %lld of %lld positions "
+                           "(pair checksum %s)", (long long)epoch, (long long)in_epoch, (long long)per_epoch,
+                           got_sum == want_sum ? "equal" : "differs");
             if (e >= 2) {
                 two = epoch == 1;
                 break;
             }
             epoch = e;
             in_epoch = 0;
+            got_sum = 0;
         }
-        const int64_t placed = check_batch(&pk, rows, V, tok, tgt, pos, dst);
+        const int64_t placed = check_batch(&pk, rows, V, tok, tgt, pos, dst, &got_sum);
         FUZZ_CHECK(placed >= 1, "an empty batch");
         in_epoch += placed;
         filled++;
