@@ -68,11 +68,12 @@ static int64_t check_batch(const fm_packer *pk, int64_t rows, int64_t V, int32_t
         FUZZ_CHECK(used >= 0 && used <= T, "row %lld filled to %lld of %lld", (long long)r, (long long)used,
                    (long long)T);
         placed += used;
-        if (pk->pad && used > 0) FUZZ_CHECK(ds_[at + used - 1] == 0, "pad mode: row %lld holds two documents", (long long)r);
+        if (pk->pad && used > 0)
+            FUZZ_CHECK(ds_[at + used - 1] == 0, "pad mode: row %lld holds two documents", (long long)r);
         for (int64_t t = 0; t < T; t++) {
             if (t >= used) {
-                FUZZ_CHECK(tgt[at + t] == FM_IGNORE_INDEX && ds_[at + t] == used, "row %lld: padding at %lld has target "
-                           "%d, document start %d", (long long)r, (long long)t, tgt[at + t], ds_[at + t]);
+                FUZZ_CHECK(tgt[at + t] == FM_IGNORE_INDEX && ds_[at + t] == used, "row %lld: padding at %lld has "
+                           "target %d, document start %d", (long long)r, (long long)t, tgt[at + t], ds_[at + t]);
                 continue;
             }
             *sum += pair_hash(tok[at + t], tgt[at + t]);
@@ -90,13 +91,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const int layout = data[0] % 4;
     const int64_t V = vocabs[data[1] % 3], T = 1 + data[2] % MAXT, rows = 1 + data[3] % MAXR;
     const uint8_t fl = data[4];
-    const uint64_t seed = (uint64_t)data[5] | (uint64_t)data[6] << 8 | (uint64_t)data[7] << 16 | (uint64_t)data[8] << 24;
+    const uint64_t seed =
+        (uint64_t)data[5] | (uint64_t)data[6] << 8 | (uint64_t)data[7] << 16 | (uint64_t)data[8] << 24;
     const uint8_t *p = data + 12, *a, *b, *c;
     size_t n = size - 12, la, lb, lc;
     fuzz_take(&p, &n, &a, &la);
     fuzz_take(&p, &n, &b, &lb);
     fuzz_take(&p, &n, &c, &lc);
-    static const char *const stale[] = {"d.docs", "d.mask", "d.bin.mask", "d.idx", "e.bin", "f.idx", "f.bin", "f.bin.mask"};
+    static const char *const stale[] = {"d.docs", "d.mask", "d.bin.mask", "d.idx",
+                                        "e.bin",  "f.idx",  "f.bin",      "f.bin.mask"};
     for (size_t i = 0; i < sizeof stale / sizeof *stale; i++) unlink(fuzz_path(stale[i]));
     const char *paths[2];
     paths[1] = NULL;
@@ -150,8 +153,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     bool two = false; /* epochs 0 and 1 filled whole */
     for (int64_t k = 0; k < MAXBATCH; k++) {
         const int64_t e = fm_packer_fill(&pk, rows, tok, tgt, pos, dst);
-        FUZZ_CHECK(e >= 0 && e >= epoch && (epoch < 0 || e <= epoch + 1), "batch %lld of epoch %lld after epoch %lld", (long long)k, (long long)e,
-                   (long long)epoch);
+        FUZZ_CHECK(e >= 0 && e >= epoch && (epoch < 0 || e <= epoch + 1), "batch %lld of epoch %lld after epoch %lld",
+                   (long long)k, (long long)e, (long long)epoch);
         if (e != epoch) {
             /* from epoch 0's start, a whole epoch places every training position once */
             if (!seek && epoch >= 0)

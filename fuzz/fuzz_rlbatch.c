@@ -93,7 +93,8 @@ static void check_packed(const flatmoe_batch *b, int64_t B, int64_t T, int64_t V
     }
     FUZZ_CHECK(t == b->n_tokens, "the sequences hold %lld of %lld tokens", (long long)t, (long long)b->n_tokens);
     for (int64_t p = 0; p < N; p++)
-        if (!seen[p]) FUZZ_CHECK(fb->targets[p] == -100, "padding position %lld has target %d", (long long)p, fb->targets[p]);
+        if (!seen[p])
+            FUZZ_CHECK(fb->targets[p] == -100, "padding position %lld has target %d", (long long)p, fb->targets[p]);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -204,7 +205,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         S += any;
     }
     FUZZ_CHECK(st.n_loss_tokens == M && M >= 1 && st.n_loss_seqs == S, "loss tokens %lld (counted %lld), sequences "
-               "%lld (counted %lld)", (long long)st.n_loss_tokens, (long long)M, (long long)st.n_loss_seqs, (long long)S);
+               "%lld (counted %lld)", (long long)st.n_loss_tokens, (long long)M, (long long)st.n_loss_seqs,
+               (long long)S);
     const double fr[4] = {st.clip_frac, st.clip_frac_low, st.clip_frac_high, st.dual_clip_frac};
     for (int i = 0; i < 4; i++) FUZZ_CHECK(fr[i] >= 0 && fr[i] <= 1, "clip fraction %d is %g", i, fr[i]);
     if (mod) {
