@@ -65,15 +65,16 @@ def shard(tokens, version):
 def mask(bits):
     return b"FMMASK01" + struct.pack("<Q", len(bits)) + bytes(bits)
 
-def megatron(seqs, code=8):
+def megatron(seqs, code=8, doc_idx=None):
     fmt = {1: "B", 2: "b", 3: "h", 4: "i", 5: "q", 8: "H"}[code]
     es = struct.calcsize(fmt)
     sizes, ptrs, at = [], [], 0
     for s in seqs:
         sizes.append(len(s)); ptrs.append(at); at += len(s) * es
-    idx = b"MMIDIDX\0\0" + struct.pack("<Q", 1) + bytes([code]) + struct.pack("<QQ", len(seqs), len(seqs) + 1)
+    docs = list(range(len(seqs) + 1)) if doc_idx is None else doc_idx
+    idx = b"MMIDIDX\0\0" + struct.pack("<Q", 1) + bytes([code]) + struct.pack("<QQ", len(seqs), len(docs))
     idx += struct.pack("<%di" % len(seqs), *sizes) + struct.pack("<%dq" % len(seqs), *ptrs)
-    idx += struct.pack("<%dq" % (len(seqs) + 1), *range(len(seqs) + 1))
+    idx += struct.pack("<%dq" % len(docs), *docs)
     binf = b"".join(struct.pack("<%d%s" % (len(s), fmt), *s) for s in seqs)
     return idx, binf
 
@@ -146,4 +147,47 @@ state = {"step": 50, "optimizer_step": 50, "tokens_seen": 25600, "data_rng_state
          "data_parallel": 1, "spec": spec, "format": "flatmoe-state-1"}
 put("state", "state.json", json.dumps(state, indent=1))
 put("state", "spec.json", json.dumps(spec))
+# ---- pack: 12 bytes (layout, vocab, T - 1, rows - 1, flags, seed[4], seek epoch/document/position),
+# then the shard or .idx, the .docs or .bin, the mask
+def docs_index(starts, n_tokens):
+    return b"FMDOCS01" + struct.pack("<QQ", n_tokens, len(starts)) + struct.pack("<%dQ" % len(starts), *starts)
+
+def pack_head(layout, T, rows, flags, seek=(0, 0, 0)):
+    return bytes([layout, 0, T - 1, rows - 1, flags, 7, 0, 0, 0]) + bytes(seek)
+
+ptoks = [5, 6, 7, 8, 9, 1, 2, 3, 4, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+pstarts = [0, 5, 9, 10]  # documents of 5, 4, 1 (no training position) and 10 tokens
+put("pack", "shard_docs", pack_head(0, 10, 2, 0) + piece(shard(ptoks, 7)) + piece(docs_index(pstarts, len(ptoks))))
+put("pack", "shard_docs_refuse_long", pack_head(0, 8, 2, 0) + piece(shard(ptoks, 7)) + piece(docs_index(pstarts, len(ptoks))))
+put("pack", "shard_docs_split_long", pack_head(0, 4, 3, 2) + piece(shard(ptoks, 1)) + piece(docs_index(pstarts, len(ptoks))))
+put("pack", "shard_docs_mask_pad", pack_head(1, 12, 2, 1 | 16, (1, 2, 3)) + piece(shard(ptoks, 7))
+    + piece(docs_index(pstarts, len(ptoks))) + piece(mask([i % 3 != 0 for i in range(len(ptoks))])))
+put("pack", "shard_docs_two_parts_split", pack_head(0, 16, 4, 4 | 32) + piece(shard(ptoks, 7))
+    + piece(docs_index(pstarts, len(ptoks))))
+idx, binf = megatron([[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]], doc_idx=[0, 2, 2, 4, 5])
+put("pack", "megatron_docs", pack_head(2, 6, 2, 0) + piece(idx) + piece(binf))
+idx, binf = megatron([[1, 2, 3], [4, 5], [6, 7, 8, 9]], code=4, doc_idx=[0, 1, 3])
+put("pack", "megatron_docs_mask", pack_head(3, 4, 2, 2 | 4 | 8) + piece(idx) + piece(binf) + piece(mask([1, 0, 1, 1, 0, 1, 1, 1, 1])))
+
+# ---- rlbatch: a 16-byte header (B - 1, T - 1, V - 1, flags, n_tokens mode, delta, n_seqs mode,
+# loss + 1, agg + 1, kl + 1, five indexes into the harness's table of spec values, entropy off),
+# then tokens (byte - 2), sequence lengths (byte - 1), the loss mask, the floats (logp, A, old,
+# rollout, ref per token)
+def rl(B, T, V, flags, toks, lens, mask_, loss=0, agg=0, kl=0, clips=(1, 1, 0, 0, 0), floats=None):
+    h = bytes([B - 1, T - 1, V - 1, flags, 0, 0, 0, loss + 1, agg + 1, kl + 1]) + bytes(clips) + bytes([0])
+    if floats is None:
+        floats = []
+        for t in range(len(toks)):
+            floats += [-0.5 - 0.1 * (t % 7), 1.0 if t % 2 else -1.0, -0.6, -0.55, -0.7]
+    return (piece(h) + piece(bytes(x + 2 for x in toks)) + piece(bytes(l + 1 for l in lens)) + piece(bytes(mask_))
+            + piece(struct.pack("<%df" % len(floats), *floats)))
+
+rtoks = [3, 9, 4, 1, 7, 7, 2, 0, 5, 6, 8]
+put("rlbatch", "sft", rl(2, 8, 16, 0, rtoks, [4, 3, 4], [0, 0, 1, 1, 0, 1, 1, 0, 0, 1, 1]))
+put("rlbatch", "sft_all_targets_no_mask", rl(2, 8, 16, 1 | 8, rtoks, [4, 3, 4], []))
+put("rlbatch", "grpo", rl(3, 6, 12, 0, rtoks, [5, 6], [0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1], loss=1, agg=2, kl=2,
+                           clips=(1, 2, 4, 5, 1)))
+put("rlbatch", "ppo_dual_k1_tokensum", rl(4, 4, 10, 0, rtoks, [2, 2, 3, 4], [1] * 11, loss=1, agg=1, kl=1,
+                                          clips=(1, 1, 4, 0, 3)))
+put("rlbatch", "refused_over_budget", rl(1, 4, 16, 0, rtoks, [4, 3, 4], [1] * 11))
 print("wrote", OUT)

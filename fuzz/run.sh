@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the libFuzzer harnesses of fuzz/ (docs/testing.md): bash fuzz/run.sh TARGET|all SECONDS
-# TARGET is a harness's name without "fuzz_" (config, data, prepare, safetensors, state,
-# tokenizer) or "all" (each in turn, SECONDS each). Builds them first into build-fuzz/ (clang,
+# TARGET is a harness's name without "fuzz_" (chat, config, data, pack, prepare, rlbatch, safetensors,
+# state, tokenizer) or "all" (each in turn, SECONDS each). Builds them first into build-fuzz/ (clang,
 # -DFLATMOE_FUZZ=ON: libFuzzer, AddressSanitizer with LeakSanitizer, UBSan). Each run starts from
 # the seeds of fuzz/corpus/TARGET (read only) and a scratch corpus in $FUZZ_WORK (default
 # build-fuzz/fuzz-work/TARGET), where a finding's input is kept too (crash-*, leak-*, timeout-*,

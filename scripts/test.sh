@@ -31,7 +31,7 @@
 # about 3 min more: with the set-up, the CPU build and the CUDA compile (~5 min) the whole stays
 # near 20 min, under CI's 30. Passes S and F (2026-12-07) were not yet timed on CI's machine: pass S
 # builds the CPU tree again and runs the suite under the sanitizers, slower than pass A (ctest -j2
-# offsets some of it); pass F builds the library with clang and runs 6 targets x 20 s.
+# offsets some of it); pass F builds the library with clang and runs 9 targets x 20 s (3 min).
 # Extra arguments go to ctest in passes A, B and S (e.g. -R test_fp8); FLATMOE_TEST_PASSES=A (or
 # B, S, F, or any of them together, e.g. AS) runs those passes only (default ABSF).
 set -euo pipefail

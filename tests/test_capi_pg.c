@@ -333,6 +333,52 @@ static void test_sft_equals_train(fm_rng *g) {
     flatmoe_close(t);
 }
 
+/* The loss's validator (fm_pg_check, before any model work; found by fuzz/fuzz_rlbatch.c's
+ * review, 2026-12-07): a non-finite value of an array the spec reads, at a loss token, is refused
+ * naming the array and the token (before: accepted, and a NaN advantage cost a forward and a
+ * backward before the step's loss came out NaN; an old log-prob of -inf, a clipped ratio of +inf,
+ * went through as a finite loss); at a token outside the loss, or in an array the spec does not
+ * read, it is not looked at. */
+static void test_nonfinite_inputs(void) {
+    int32_t toks[6] = {1, 2, 3, 4, 5, 6};
+    int64_t lens[2] = {3, 3}, cnt[2];
+    uint8_t mask[6] = {0, 1, 1, 0, 0, 1}, in_loss[6] = {0, 1, 1, 0, 0, 1};
+    int32_t seq_of[6] = {0, 0, 0, 1, 1, 1};
+    float lp[6] = {0, -1, -2, 0, -1, -0.5f}, adv[6] = {0, 1, -1, 0, 0, 2}, old[6] = {0, -1.1f, -2, 0, -1, -0.4f};
+    float roll[6] = {0, -1, -2, 0, -1, -0.5f}, refl[6] = {0, -1, -2, 0, -1, -0.5f};
+    double coef[6];
+    flatmoe_step_stats st;
+    flatmoe_batch b = {6, toks, 2, lens, mask, adv, old, roll, refl};
+    flatmoe_loss_spec sp = flatmoe_loss_spec_default();
+    sp.loss = FLATMOE_LOSS_PG;
+    sp.tis_cap = 2;
+    sp.kl = FLATMOE_KL_K3;
+    sp.kl_coef = 0.1;
+    CHECK(fm_pg_coefs(&sp, &b, 6, lp, NULL, in_loss, seq_of, cnt, coef, &st) == FM_OK);
+    struct { float *a; int t; const char *name; } cases[] = {
+        {adv, 2, "advantages[2]"}, {old, 5, "old_logprobs[5]"}, {roll, 1, "rollout_logprobs[1]"},
+        {refl, 2, "ref_logprobs[2]"}};
+    const float bad[3] = {NAN, INFINITY, -INFINITY};
+    for (int c = 0; c < 4; c++)
+        for (int k = 0; k < 3; k++) {
+            const float keep = cases[c].a[cases[c].t];
+            cases[c].a[cases[c].t] = bad[k];
+            const fm_status s = fm_pg_coefs(&sp, &b, 6, lp, NULL, in_loss, seq_of, cnt, coef, &st);
+            CHECK_MSG(s == FM_ERR_ARG && strstr(fm_errmsg(), cases[c].name) != NULL, "%s = %g: status %d, %s",
+                      cases[c].name, (double)bad[k], (int)s, fm_errmsg());
+            CHECK(fm_pg_check(&sp, &b, 6, in_loss) == FM_ERR_ARG);
+            cases[c].a[cases[c].t] = keep;
+        }
+    adv[0] = NAN, old[3] = -INFINITY, roll[4] = NAN, refl[0] = INFINITY; /* outside the loss: not read */
+    CHECK_MSG(fm_pg_coefs(&sp, &b, 6, lp, NULL, in_loss, seq_of, cnt, coef, &st) == FM_OK, "%s", fm_errmsg());
+    sp.tis_cap = 0, sp.kl = FLATMOE_KL_NONE;
+    roll[1] = NAN, refl[1] = NAN; /* arrays this spec does not read */
+    CHECK_MSG(fm_pg_coefs(&sp, &b, 6, lp, NULL, in_loss, seq_of, cnt, coef, &st) == FM_OK, "%s", fm_errmsg());
+    sp.loss = FLATMOE_LOSS_SFT;
+    adv[1] = NAN, old[1] = NAN; /* SFT reads none */
+    CHECK_MSG(fm_pg_coefs(&sp, &b, 6, lp, NULL, in_loss, seq_of, cnt, coef, &st) == FM_OK, "%s", fm_errmsg());
+}
+
 int main(void) {
     const unsigned long long seed = fm_test_seed(2029);
     snprintf(threads_s, sizeof threads_s, "%d", fm_test_threads(2));
@@ -345,6 +391,7 @@ int main(void) {
     fm_rng g;
     fm_rng_seed(&g, seed);
     test_coefs(&g);
+    test_nonfinite_inputs();
     test_step_grad(&g);
     test_sft_equals_train(&g);
     unlink(cfg_path);

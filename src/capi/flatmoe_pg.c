@@ -67,6 +67,32 @@ static fm_status check_spec(const flatmoe_loss_spec *sp, const flatmoe_batch *b)
     return FM_OK;
 }
 
+fm_status fm_pg_check(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int64_t n, const uint8_t *in_loss) {
+    FM_TRY(check_spec(spec, b));
+    const bool pg = spec->loss == FLATMOE_LOSS_PG;
+    const struct {
+        const char *name, *fix;
+        const float *a;
+        bool used;
+    } arr[4] = {
+        {"advantages", "recompute them (a group whose rewards are all equal has a reward std of 0: add an epsilon to "
+         "the std, or give those tokens A = 0)", b->advantages, pg},
+        {"old_logprobs", "give the behaviour policy's log-probs of the tokens it sampled", b->old_logprobs, pg},
+        {"rollout_logprobs", "give the rollout engine's log-probs of the tokens it sampled", b->rollout_logprobs,
+         pg && spec->tis_cap > 0},
+        {"ref_logprobs", "give the reference model's log-probs (a token it gives probability 0 has no finite KL)",
+         b->ref_logprobs, spec->kl != FLATMOE_KL_NONE},
+    };
+    for (int k = 0; k < 4; k++) {
+        if (!arr[k].used || !arr[k].a) continue;
+        for (int64_t t = 0; t < n; t++)
+            if (in_loss[t] && !isfinite(arr[k].a[t]))
+                return fm_error(FM_ERR_ARG, "batch: %s[%lld] is %g, at a token in the loss; expected a finite value "
+                                "there: %s", arr[k].name, (long long)t, (double)arr[k].a[t], arr[k].fix);
+    }
+    return FM_OK;
+}
+
 /* l_t and dl_t/dlog p_t of the policy term of one token (PG: clip, dual clip, TIS), and the
  * token's clip counts. */
 typedef struct pg_tok {
@@ -124,7 +150,7 @@ static void kl_token(int kind, double lp, double ref, double *k, double *dk) {
 fm_status fm_pg_coefs(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int64_t n, const float *logp,
                       const float *ent, const uint8_t *in_loss, const int32_t *seq_of, int64_t *seq_count,
                       double *coef, flatmoe_step_stats *st) {
-    FM_TRY(check_spec(spec, b));
+    FM_TRY(fm_pg_check(spec, b, n, in_loss));
     int64_t M = 0, S = 0;
     memset(seq_count, 0, sizeof(int64_t) * (size_t)b->n_seqs);
     for (int64_t t = 0; t < n; t++)

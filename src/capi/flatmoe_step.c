@@ -6,30 +6,30 @@
 
 #include "fm_capi.h"
 
-/* The batch's fields against the session's vocabulary and token budget. */
-static fm_status check_batch(const flatmoe_session *s, const flatmoe_batch *b) {
+/* The batch's fields against a vocabulary of V and a token budget of B rows of T. */
+static fm_status check_batch(const flatmoe_batch *b, int64_t B, int64_t T, int64_t V) {
+    const int64_t budget = B * T;
     if (!b) return fm_error(FM_ERR_ARG, "batch: NULL; pass a flatmoe_batch");
     if (b->n_tokens < 1 || !b->tokens || b->n_seqs < 1 || !b->seq_lens)
         return fm_error(FM_ERR_ARG, "batch: n_tokens %lld, n_seqs %lld, tokens %s, seq_lens %s; expected n_tokens and "
                         "n_seqs >= 1 and both arrays set", (long long)b->n_tokens, (long long)b->n_seqs,
                         b->tokens ? "set" : "NULL", b->seq_lens ? "set" : "NULL");
-    if (b->n_tokens > s->budget)
+    if (b->n_tokens > budget)
         return fm_error(FM_ERR_ARG, "batch: %lld tokens, over the session's token budget of %lld (--micro-batch %lld x "
                         "--seq-len %lld, the plan's shape); split the batch, or open the session with a larger "
-                        "--micro-batch", (long long)b->n_tokens, (long long)s->budget, (long long)s->B, (long long)s->T);
+                        "--micro-batch", (long long)b->n_tokens, (long long)budget, (long long)B, (long long)T);
     int64_t sum = 0;
     for (int64_t i = 0; i < b->n_seqs; i++) {
         const int64_t l = b->seq_lens[i];
-        if (l < 1 || l > s->T)
+        if (l < 1 || l > T)
             return fm_error(FM_ERR_ARG, "batch: seq_lens[%lld] is %lld; expected 1 .. %lld (--seq-len: a sequence fills "
                             "at most one row); shorten it, or open the session with a larger --seq-len", (long long)i,
-                            (long long)l, (long long)s->T);
+                            (long long)l, (long long)T);
         sum += l;
     }
     if (sum != b->n_tokens)
         return fm_error(FM_ERR_ARG, "batch: seq_lens sum to %lld but n_tokens is %lld; they must be equal",
                         (long long)sum, (long long)b->n_tokens);
-    const int64_t V = s->r.cfg.vocab_size;
     for (int64_t t = 0; t < b->n_tokens; t++)
         if (b->tokens[t] < 0 || b->tokens[t] >= V)
             return fm_error(FM_ERR_ARG, "batch: tokens[%lld] is %d; expected 0 .. %lld (the model's vocab_size %lld)",
@@ -48,10 +48,10 @@ static void pad_row(fm_batch *fb, int64_t row, int64_t from, int64_t T) {
     }
 }
 
-fm_status fm_capi_pack(flatmoe_session *s, const flatmoe_batch *b, bool with_targets_all) {
-    FM_TRY(check_batch(s, b));
-    fm_batch *fb = &s->fb;
-    const int64_t T = s->T;
+fm_status fm_capi_pack_rows(const flatmoe_batch *b, int64_t B, int64_t T, int64_t V, bool with_targets_all,
+                            fm_batch *fb, int64_t *pos_of, int32_t *seq_of, uint8_t *in_loss) {
+    FM_ASSERT(B >= 1 && T >= 1 && fb && pos_of && seq_of && in_loss);
+    FM_TRY(check_batch(b, B, T, V));
     int64_t row = 0, off = 0, t0 = 0;
     for (int64_t i = 0; i < b->n_seqs; i++) { /* first fit, in order */
         const int64_t l = b->seq_lens[i];
@@ -60,32 +60,37 @@ fm_status fm_capi_pack(flatmoe_session *s, const flatmoe_batch *b, bool with_tar
             row++;
             off = 0;
         }
-        if (row >= s->B)
+        if (row >= B)
             return fm_error(FM_ERR_ARG, "batch: sequences 0 .. %lld do not pack into the %lld rows of %lld tokens of the "
                             "token budget (--micro-batch %lld x --seq-len %lld = %lld; packing leaves the ends of rows "
                             "empty); send the rest in another batch, or open the session with a larger --micro-batch",
-                            (long long)i, (long long)s->B, (long long)T, (long long)s->B, (long long)T,
-                            (long long)s->budget);
+                            (long long)i, (long long)B, (long long)T, (long long)B, (long long)T,
+                            (long long)(B * T));
         for (int64_t j = 0; j < l; j++) {
             const int64_t t = t0 + j, p = row * T + off + j;
-            s->pos_of[t] = p;
-            s->seq_of[t] = (int32_t)i;
-            s->in_loss[t] = j > 0 && (!b->loss_mask || b->loss_mask[t]);
+            pos_of[t] = p;
+            seq_of[t] = (int32_t)i;
+            in_loss[t] = j > 0 && (!b->loss_mask || b->loss_mask[t]);
             fb->tokens[p] = b->tokens[t];
             fb->doc_start[p] = (int32_t)off;
             fb->pos[p] = (int32_t)j;
         }
         for (int64_t j = 0; j < l; j++) { /* position of token t predicts token t + 1 of the sequence */
-            const int64_t t = t0 + j, p = s->pos_of[t];
+            const int64_t t = t0 + j, p = pos_of[t];
             const bool has_next = j + 1 < l;
-            fb->targets[p] = has_next && (with_targets_all || s->in_loss[t + 1]) ? b->tokens[t + 1] : -100;
+            fb->targets[p] = has_next && (with_targets_all || in_loss[t + 1]) ? b->tokens[t + 1] : -100;
         }
         off += l;
         t0 += l;
     }
     pad_row(fb, row, off, T);
-    for (int64_t r = row + 1; r < s->B; r++) pad_row(fb, r, 0, T);
+    for (int64_t r = row + 1; r < B; r++) pad_row(fb, r, 0, T);
     return FM_OK;
+}
+
+fm_status fm_capi_pack(flatmoe_session *s, const flatmoe_batch *b, bool with_targets_all) {
+    return fm_capi_pack_rows(b, s->B, s->T, s->r.cfg.vocab_size, with_targets_all, &s->fb, s->pos_of, s->seq_of,
+                             s->in_loss);
 }
 
 fm_status fm_capi_forward(flatmoe_session *s, const flatmoe_batch *b) {
@@ -146,6 +151,7 @@ fm_status fm_capi_grads(flatmoe_session *s, const flatmoe_batch *b, const flatmo
     fm_step_ws *w = &s->r.step;
     memset(st, 0, sizeof *st);
     FM_TRY(fm_capi_pack(s, b, false)); /* targets where the next token is in the loss: train's targets */
+    FM_TRY(fm_pg_check(spec, b, b->n_tokens, s->in_loss)); /* the spec and its arrays, before any model work */
     fm_train_step_zero_grads(m, w);
     FM_TRY(fm_capi_forward(s, b));
     FM_TRY(fm_pg_coefs(spec, b, b->n_tokens, s->logp, s->ent, s->in_loss, s->seq_of, s->seq_count, s->coef, st));

@@ -30,10 +30,23 @@ struct flatmoe_session {
     float *weight;        /* [budget] per model position: -coef (the linear CE's token weights) */
 };
 
-/* Fills s->fb, pos_of, seq_of and in_loss from b (checked first: every field named in the error).
- * with_targets_all: a target at every position whose next token is in its sequence (logprobs);
- * else only where that next token is in the loss (train_step: the same targets `train` gives).
- * Errors: FM_ERR_ARG naming the field, the value found and the range or budget. */
+/* The batch validator and packer, callable without a model (fuzz/fuzz_rlbatch.c drives it with
+ * untrusted batches): checks b (n_tokens in 1 .. B x T, n_seqs >= 1, tokens and seq_lens set, each
+ * seq_lens[i] in 1 .. T summing to n_tokens, every token in [0, V); the per-token float arrays are
+ * not read), then packs its sequences first fit, in order, into B rows of T positions (B, T >= 1;
+ * asserted): fb's tokens, targets, pos and doc_start [B*T] int32 (model/fm_batch.h; padding is a
+ * document of its own with targets -100), and per caller token t < n_tokens its model position
+ * pos_of[t] (row x T + offset), its sequence seq_of[t] and in_loss[t] (in the loss: not its
+ * sequence's first token, and loss_mask[t] != 0 or loss_mask NULL). with_targets_all: a target at
+ * every position whose next token is in its sequence (logprobs); else only where that next token
+ * is in the loss (train_step: the same targets `train` gives). pos_of, seq_of, in_loss: [B*T]
+ * each, written for t < n_tokens. Errors: FM_ERR_ARG naming the field, the value found and the
+ * range or budget (the outputs are then partly written). No allocation. */
+fm_status fm_capi_pack_rows(const flatmoe_batch *b, int64_t B, int64_t T, int64_t V, bool with_targets_all,
+                            fm_batch *fb, int64_t *pos_of, int32_t *seq_of, uint8_t *in_loss);
+
+/* fm_capi_pack_rows into the session's s->fb, pos_of, seq_of and in_loss, for its --micro-batch
+ * rows of --seq-len and its model's vocabulary. Errors: as fm_capi_pack_rows's. */
 fm_status fm_capi_pack(flatmoe_session *s, const flatmoe_batch *b, bool with_targets_all);
 
 /* The forward of the packed batch (the session's step schedule), then per caller token its
@@ -47,13 +60,21 @@ fm_status fm_capi_forward(flatmoe_session *s, const flatmoe_batch *b);
 fm_status fm_capi_grads(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_loss_spec *spec,
                         flatmoe_step_stats *st);
 
+/* The loss's validator, run before the forward: spec's values in range (loss, agg and kl one of
+ * their enums; clip_low in [0, 1); clip_high, tis_cap, kl_coef finite and >= 0; clip_dual 0 or
+ * finite > 1), the arrays the spec needs set, and, at every token t < n with in_loss[t] (from
+ * fm_capi_pack_rows), those arrays finite (advantages, old_logprobs when set, rollout_logprobs with
+ * tis_cap > 0, ref_logprobs with a KL term; values outside the loss are not read). Errors:
+ * FM_ERR_ARG naming the spec value, or the array, the token and its value, and the fix. */
+fm_status fm_pg_check(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int64_t n, const uint8_t *in_loss);
+
 /* The per-token coefficients c_t = dL/dlog p_t of spec over the n caller tokens (fp64; docs/rl.md
  * and flatmoe_pg.c give each formula's source), from logp [n], the batch's arrays, in_loss [n]
  * and seq_of [n] (b->n_seqs sequences; seq_count [b->n_seqs] scratch); ent [n] (may be NULL) for the
  * statistics. coef [n] ASSIGNED
  * (0 outside the loss); st gets the loss terms and statistics (grad_norm, lr, router terms and
- * step left to the caller). Errors: FM_ERR_ARG naming a spec value out of range or an array the
- * spec needs that is NULL; a batch with no loss token. */
+ * step left to the caller). Errors: fm_pg_check's (run first); FM_ERR_ARG for a batch with no
+ * loss token. */
 fm_status fm_pg_coefs(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int64_t n, const float *logp,
                       const float *ent, const uint8_t *in_loss, const int32_t *seq_of, int64_t *seq_count,
                       double *coef, flatmoe_step_stats *st);
