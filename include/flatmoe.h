@@ -32,6 +32,15 @@ enum {
 
 typedef struct flatmoe_session flatmoe_session;
 
+/* The layout of the structs below (flatmoe_info, flatmoe_batch, flatmoe_loss_spec,
+ * flatmoe_step_stats). They grow only at their end, and each growth raises this number; a program
+ * (or a binding such as python/flatmoe) must use the header of the library it loads: check
+ * flatmoe_abi_version() == FLATMOE_ABI_VERSION before the first call that takes a struct, and
+ * zero-initialize the structs ({0}, or memset) so that fields it does not know are NULL / 0.
+ * 1: the first slice; 2: flatmoe_info's num_moe_layers and top_k, flatmoe_batch's routed_experts. */
+#define FLATMOE_ABI_VERSION 2
+int flatmoe_abi_version(void);
+
 /* The message of the last error on this thread ("" if none); valid until the next call. */
 const char *flatmoe_last_error(void);
 
@@ -69,6 +78,8 @@ typedef struct flatmoe_info {
     int64_t token_budget; /* micro_batch x seq_len: the most tokens one batch holds */
     int64_t num_layers, num_experts, hidden_size;
     int64_t step;         /* optimizer steps taken (a --ckpt session starts at its checkpoint's) */
+    int64_t num_moe_layers; /* the MoE layers (the routes' second axis; dense layers have no routes) */
+    int64_t top_k;        /* experts per token (num_experts_per_tok: the routes' third axis) */
 } flatmoe_info;
 int flatmoe_get_info(const flatmoe_session *s, flatmoe_info *out);
 
@@ -92,6 +103,20 @@ typedef struct flatmoe_batch {
     const float *rollout_logprobs;   /* the rollout engine's log-probs (truncated importance
                                         sampling; required when tis_cap > 0) */
     const float *ref_logprobs;       /* the reference model's log-probs (required when kl != NONE) */
+    /* Routing replay (R3; ABI 2): [n_tokens, num_moe_layers, top_k] int32, the experts each token
+     * was routed to in each MoE layer (model order; dense layers have no entry) by the rollout
+     * engine (vLLM's and SGLang's routed experts, slime's --use-rollout-routing-replay), or by
+     * flatmoe_logprobs_ex's routed_experts. NULL: every MoE layer routes by its own top-k. Given,
+     * every MoE layer uses these experts instead of its own top-k, in the given order, in the
+     * forward (log-probs, train step) and in any recompute; their gate weights are the CURRENT
+     * router's probabilities of these experts (softmax over all experts, then, with the config's
+     * norm_topk_prob, divided by their sum, exactly as the router weighs its own choice), so the
+     * router keeps learning through the gates and replaying the router's own routes is
+     * bit-identical to no replay. The router's load-balancing and z losses count the replayed
+     * routes. The dispatch bound is unchanged (it holds for any routing: a replayed route is one
+     * more). Each id must be in [0, num_experts) and a token's top_k ids distinct (else
+     * FLATMOE_ERR_ARG naming the token, the MoE layer and the value). */
+    const int32_t *routed_experts;
 } flatmoe_batch;
 
 /* Per-token log-probs and entropies of the batch under the session's current weights (a forward
@@ -103,6 +128,16 @@ typedef struct flatmoe_batch {
  * Errors: FLATMOE_ERR_ARG naming the bad field (a token out of range, lengths that do not sum,
  * a batch over the token budget). */
 int flatmoe_logprobs(flatmoe_session *s, const flatmoe_batch *b, float *logprobs, float *entropy);
+
+/* flatmoe_logprobs with more outputs (each NULL when not wanted):
+ * routed_experts [n_tokens, num_moe_layers, top_k] int32: the experts token t was routed to in each
+ * MoE layer (model order; dense layers have no entry; each token's ids in the router's order,
+ * decreasing probability, ties to the lower id), the rollout engine's format (vLLM / SGLang
+ * return routed experts the same way), ready to hand back as flatmoe_batch.routed_experts; with
+ * the batch's routed_experts given, they are those. Every token has routes, each sequence's first
+ * too (its routes are the router's on that token as input). Errors: flatmoe_logprobs's. */
+int flatmoe_logprobs_ex(flatmoe_session *s, const flatmoe_batch *b, float *logprobs, float *entropy,
+                        int32_t *routed_experts);
 
 /* The loss of a train step. */
 enum { FLATMOE_LOSS_SFT = 0, FLATMOE_LOSS_PG = 1 };

@@ -4,6 +4,8 @@ Exit 77 (skipped) where numpy is not importable. Checks, each against something 
     -sum p log p equals the library's entropy at that position (fp32: 1e-4);
   - each sequence's first token has log-prob and entropy 0; entropy in [0, log V];
   - SFT steps on one batch lower its loss; a PG step returns finite statistics in range;
+  - the routes taken have the shape [N, num_moe_layers, top_k] and distinct ids; replaying them gives
+    the same log-probs bit for bit, replaying others changes them; a bad id raises naming it;
   - a batch over the token budget raises FlatmoeError naming the budget."""
 import json
 import math
@@ -73,6 +75,25 @@ with tempfile.TemporaryDirectory() as d:
                           ref_logprobs=lp0)
         check(all(math.isfinite(v) for v in st.values()), f"finite statistics {st}")
         check(0 <= st["clip_frac"] <= 1 and st["n_loss_tokens"] == n - len(lens) and st["step"] == 9, f"stats {st}")
+        # the routes taken, replayed: the same log-probs bit for bit; other routes change them; a bad id is refused
+        check(info["num_moe_layers"] == 2 and info["top_k"] == 2, f"info {info}")
+        lp1, routes = s.logprobs(toks, lens, entropy=False, routes=True)
+        check(routes.shape == (n, 2, 2) and routes.dtype == np.int32, f"routes shape {routes.shape}")
+        check(np.all((routes >= 0) & (routes < 4)) and np.all(routes[..., 0] != routes[..., 1]), "routes: distinct ids")
+        lp2 = s.logprobs(toks, lens, entropy=False, routed_experts=routes)
+        check(np.array_equal(lp1, lp2), "replay of the routes taken changed the log-probs")
+        other = (routes + 1) % 4
+        lp3 = s.logprobs(toks, lens, entropy=False, routed_experts=other)
+        check(not np.array_equal(lp1, lp3), "replay of other routes left every log-prob unchanged")
+        st2 = s.train_step(toks, lens, loss_mask=mask, routed_experts=other)
+        check(math.isfinite(st2["loss"]) and st2["step"] == 10, f"a train step under replay: {st2}")
+        bad = routes.copy()
+        bad[3, 1, 0] = 9
+        try:
+            s.logprobs(toks, lens, routed_experts=bad)
+            check(False, "an expert id out of range was accepted")
+        except flatmoe.FlatmoeError as e:
+            check("token 3, MoE layer 1, slot 0] is 9" in str(e), f"the bad route is named: {e}")
         try:
             s.logprobs(np.zeros(13 * 16 + 1, np.int32), np.array([16] * 13 + [1], np.int64))
             check(False, "a batch over the budget was accepted")

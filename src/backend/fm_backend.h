@@ -353,6 +353,17 @@ typedef struct fm_ops {
      * cuda_router_force.cu). NULL in a backend without it. */
     void (*router_force)(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
                          int64_t k, int64_t first, int percent, bool norm_topk);
+    /* Replayed routing (routing replay, R3: a rollout engine's routes given with the batch;
+     * fm_router.h), run after router_fwd: token n whose row replay[n*k .. n*k+k) starts with an id
+     * >= 0 gets topk_idx[n,j] = replay[n*k+j] (the given order) and topk_w[n,j] = probs[n, that
+     * expert], divided when norm_topk by their sum accumulated in fp32 in j order (router_fwd's
+     * arithmetic, operation for operation: replaying router_fwd's own routes gives its bits); a
+     * row starting with -1 (padding) keeps router_fwd's. The ids of a replayed row must be in
+     * [0,E) and distinct (the caller checks them: src/capi/flatmoe_replay.c). probs [N,E] fp32,
+     * replay, topk_idx [N,k] int32, topk_w [N,k] fp32, backend memory. cpu_router_replay.c,
+     * cuda_router_replay.cu. NULL in a backend without it. */
+    void (*router_replay)(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, const int32_t *replay,
+                          int64_t N, int64_t E, int64_t k, bool norm_topk);
 
     /* ---- MoE permutation (dropless) --------------------------------------------------------
      * R = N*k routes; route r = n*k + j is token n's j-th choice. The permuted ("expert-major")

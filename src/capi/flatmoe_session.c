@@ -13,6 +13,8 @@
 
 const char *flatmoe_last_error(void) { return fm_errmsg(); }
 
+int flatmoe_abi_version(void) { return FLATMOE_ABI_VERSION; }
+
 /* flatmoe_set_log's callback behind the engine's sink (its level is fm_log_level's value). */
 static flatmoe_log_fn user_log;
 static void log_adapter(void *user, fm_log_level level, const char *text) { user_log(user, (int)level, text); }
@@ -122,7 +124,11 @@ static fm_status alloc_scratch(flatmoe_session *s) {
     s->coef = fm_malloc(n * sizeof(double));
     s->seq_count = fm_malloc(n * sizeof(int64_t));
     s->weight = fm_malloc(n * sizeof(float));
-    if (!s->pos_of || !s->seq_of || !s->in_loss || !s->tok_loss || !s->tok_ent || !s->logp || !s->ent || !s->coef ||
+    s->L_moe = fm_config_num_moe_layers(&s->r.cfg);
+    s->k = s->r.cfg.num_experts_per_tok;
+    const size_t nr = (size_t)(s->L_moe * s->k) * n;
+    s->routes = nr ? fm_malloc(nr * sizeof(int32_t)) : NULL;
+    if ((nr && !s->routes) || !s->pos_of || !s->seq_of || !s->in_loss || !s->tok_loss || !s->tok_ent || !s->logp || !s->ent || !s->coef ||
         !s->seq_count || !s->weight)
         return fm_error(FM_ERR_NOMEM, "flatmoe_open: cannot allocate the batch scratch (%lld tokens)", (long long)n);
     return FM_OK;
@@ -181,6 +187,7 @@ void flatmoe_close(flatmoe_session *s) {
     fm_free(s->coef);
     fm_free(s->seq_count);
     fm_free(s->weight);
+    fm_free(s->routes);
     fm_spec_free(&s->spec);
     free(s);
 }
@@ -196,5 +203,7 @@ int flatmoe_get_info(const flatmoe_session *s, flatmoe_info *out) {
     out->num_experts = c->num_experts;
     out->hidden_size = c->hidden_size;
     out->step = s->ts.step;
+    out->num_moe_layers = s->L_moe;
+    out->top_k = s->k;
     return FLATMOE_OK;
 }

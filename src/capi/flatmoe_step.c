@@ -85,7 +85,7 @@ fm_status fm_capi_pack(flatmoe_session *s, const flatmoe_batch *b, bool with_tar
     }
     pad_row(fb, row, off, T);
     for (int64_t r = row + 1; r < s->B; r++) pad_row(fb, r, 0, T);
-    return FM_OK;
+    return fm_capi_routes_stage(s, b);
 }
 
 fm_status fm_capi_forward(flatmoe_session *s, const flatmoe_batch *b) {

@@ -28,6 +28,8 @@ struct flatmoe_session {
     double *coef;         /* [budget] dL/dlog p_t per caller token */
     int64_t *seq_count;   /* [budget] scratch: loss tokens per sequence */
     float *weight;        /* [budget] per model position: -coef (the linear CE's token weights) */
+    int64_t L_moe, k;     /* MoE layers, experts per token (the routes' axes) */
+    int32_t *routes;      /* [L_moe, budget, k] host staging of the model's rl_routes (flatmoe_replay.c) */
 };
 
 /* Fills s->fb, pos_of, seq_of and in_loss from b (checked first: every field named in the error).
@@ -35,6 +37,17 @@ struct flatmoe_session {
  * else only where that next token is in the loss (train_step: the same targets `train` gives).
  * Errors: FM_ERR_ARG naming the field, the value found and the range or budget. */
 fm_status fm_capi_pack(flatmoe_session *s, const flatmoe_batch *b, bool with_targets_all);
+
+/* Routing replay and the routes taken (flatmoe_replay.c). fm_capi_routes_stage, after the batch is
+ * packed: with b->routed_experts, checks every id (in [0, E), distinct within a token's row;
+ * FM_ERR_ARG naming the token, the MoE layer and the value), scatters them to the model's
+ * positions (padding rows -1: the router's own choice), copies them into the model's rl_routes
+ * and turns replay on (m->a.rl_replay); without, turns replay off and recording on. The flags stay
+ * until the next batch (the backward's recompute replays the same routes).
+ * fm_capi_routes_read, after the forward: the routes of each caller token into out
+ * [n_tokens, L_moe, k] (a sync point: the device buffer read back). */
+fm_status fm_capi_routes_stage(flatmoe_session *s, const flatmoe_batch *b);
+fm_status fm_capi_routes_read(flatmoe_session *s, const flatmoe_batch *b, int32_t *out);
 
 /* The forward of the packed batch (the session's step schedule), then per caller token its
  * log-prob and entropy into s->logp, s->ent (0 at each sequence's first token). A sync point. */

@@ -170,6 +170,8 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     const bool rl = m->a.opts.rl_head && m->a.linear_ce && m->mesh.vocab_P <= 1;
     m->a.rl_weight = rl ? TAKE(voc, float, N) : NULL; /* the RL head's per-token weights and entropies */
     m->a.rl_entropy = rl ? TAKE(voc, float, N) : NULL;
+    const int64_t rl_route_n = fm_config_num_moe_layers(c) * N * c->num_experts_per_tok;
+    m->a.rl_routes = rl && rl_route_n > 0 ? TAKE(voc, int32_t, rl_route_n) : NULL; /* routes taken / replayed */
     if (m->a.linear_ce) { /* the operator's strip (Ring-DTP: its messages too): carved and released inside each call */
         /* one rank: blocks clamped to N x V as the call clamps them, no entropy vector: what the call takes */
         size_t strip = m->mesh.vocab_P > 1 ? ring_scratch_bytes(c, N, m->a.ce_block_tokens, m->a.ce_block_vocab, m->mesh.vocab_P,
@@ -277,9 +279,11 @@ size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_
 }
 
 size_t fm_model_vocab_rl_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab, size_t a) {
-    /* rl_weight and rl_entropy [N] fp32, and the linear CE call's entropy state (the call with
-     * the entropy less the call without) */
-    return 2 * B4(N) + fm_linear_ce_call_bytes_a(block_tokens, block_vocab, N, c->vocab_size, true, a) -
+    /* rl_weight and rl_entropy [N] fp32, the routes [L_moe, N, k] int32 (routes taken, routing
+     * replay), and the linear CE call's entropy state (the call with the entropy less the call
+     * without) */
+    const int64_t route_n = fm_config_num_moe_layers(c) * N * c->num_experts_per_tok;
+    return 2 * B4(N) + (route_n > 0 ? B4(route_n) : 0) + fm_linear_ce_call_bytes_a(block_tokens, block_vocab, N, c->vocab_size, true, a) -
            fm_linear_ce_call_bytes_a(block_tokens, block_vocab, N, c->vocab_size, false, a);
 }
 

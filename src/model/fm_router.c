@@ -9,11 +9,18 @@ fm_router_opts fm_router_opts_from_config(const fm_config *c) {
 
 fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const fm_comm *comm, float *logits,
                             fm_router_saved *s, double *lse_sq, double *terms, const fm_act *x, const fm_act *W,
-                            int64_t N, int64_t H) {
+                            int64_t N, int64_t H, const int32_t *replay) {
     const int64_t E = o->num_experts, k = o->top_k;
     FM_ASSERT(o->score == FM_ROUTER_SCORE_SOFTMAX);
     fm_linear_fwd(be, logits, FM_DTYPE_F32, x, W, N, H, E);
     be->ops->router_fwd(be->ctx, s->probs, s->lse, s->topk_idx, s->topk_w, logits, N, E, k, o->norm_topk);
+    if (replay) { /* routing replay (R3): the given experts, the current router's weights */
+        if (!be->ops->router_replay)
+            return fm_error(FM_ERR_UNSUPPORTED, "routing replay: the %s backend has no router_replay op (the cpu and "
+                            "cuda backends have it); drop the batch's routed_experts",
+                            be->ops->name ? be->ops->name : "this");
+        be->ops->router_replay(be->ctx, s->topk_idx, s->topk_w, s->probs, replay, N, E, k, o->norm_topk);
+    }
     if (o->force_route) { /* test hook (fm_router_opts): the top-k forced, weights from the probabilities */
         if (!be->ops->router_force)
             return fm_error(FM_ERR_UNSUPPORTED, "FLATMOE_TEST_FORCE_ROUTE: the %s backend has no router_force op (the "

@@ -527,6 +527,7 @@ static const fm_ops fm_cpu_ops = {
     .router_loss_terms = fm_cpu_router_loss_terms,
     .router_aux_grad = fm_cpu_router_aux_grad,
     .router_force = fm_cpu_router_force,
+    .router_replay = fm_cpu_router_replay,
     .moe_route_index = fm_cpu_moe_route_index,
     .moe_gather = fm_cpu_moe_gather,
     .moe_gather_bwd = fm_cpu_moe_gather_bwd,

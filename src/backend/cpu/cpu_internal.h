@@ -150,6 +150,9 @@ void fm_cpu_router_stats(void *ctx, float *count, float *prob_sum, double *lse_s
 /* cpu_router_force.c: the forced routing of FLATMOE_TEST_FORCE_ROUTE (fm_backend.h router_force) */
 void fm_cpu_router_force(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
                          int64_t k, int64_t first, int percent, bool norm_topk);
+/* cpu_router_replay.c: routing replay, the given experts weighted as router_fwd weighs its own (fm_backend.h) */
+void fm_cpu_router_replay(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, const int32_t *replay,
+                          int64_t N, int64_t E, int64_t k, bool norm_topk);
 void fm_cpu_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,
                             const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
 void fm_cpu_moe_gather(void *ctx, float *xe, const float *x, const int32_t *row_route, int64_t R,

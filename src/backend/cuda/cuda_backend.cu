@@ -86,6 +86,7 @@ static fm_ops make_cuda_ops(void) {
     o.router_loss_terms = fm_cuda_router_loss_terms;
     o.router_aux_grad = fm_cuda_router_aux_grad;
     o.router_force = fm_cuda_router_force;
+    o.router_replay = fm_cuda_router_replay;
     o.moe_route_index = fm_cuda_moe_route_index;
     o.moe_gather = fm_cuda_moe_gather;
     o.moe_gather_bwd = fm_cuda_moe_gather_bwd;

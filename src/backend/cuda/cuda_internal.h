@@ -11,7 +11,8 @@
  *   cuda_rope.cu        RoPE                           cuda_adamw.cu    AdamW
  *   cuda_attention.cu   attention dispatch and state; cuda_attention_cudnn.cu the cuDNN graph path;
  *   cuda_attention_fwd.cu / _bwd.cu our own kernels (the fallback forward and backward);
- *   cuda_router_force.cu the forced routing of the FLATMOE_TEST_FORCE_ROUTE test hook. */
+ *   cuda_router_force.cu the forced routing of the FLATMOE_TEST_FORCE_ROUTE test hook;
+ *   cuda_router_replay.cu routing replay (R3): given experts, the current router's weights. */
 #ifndef FM_CUDA_INTERNAL_H
 #define FM_CUDA_INTERNAL_H
 
@@ -223,6 +224,9 @@ void fm_cuda_router_aux_grad(void *ctx, float *dprobs, const float *count, doubl
 /* cuda_router_force.cu: the forced routing of FLATMOE_TEST_FORCE_ROUTE (fm_backend.h router_force) */
 void fm_cuda_router_force(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
                           int64_t k, int64_t first, int percent, bool norm_topk);
+/* cuda_router_replay.cu: routing replay (fm_backend.h router_replay) */
+void fm_cuda_router_replay(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, const int32_t *replay,
+                           int64_t N, int64_t E, int64_t k, bool norm_topk);
 
 /* cuda_permute.cu */
 void fm_cuda_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,

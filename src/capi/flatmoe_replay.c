@@ -1,0 +1,80 @@
+/* libflatmoe's routes (include/flatmoe.h): routing replay (R3) of a batch's routed_experts and the
+ * routes taken, between the caller's [n_tokens, L_moe, k] and the model's rl_routes [L_moe, N, k]
+ * (model/fm_acts.h), which the MoE layers' routers replay or record (fm_router_forward's replay). */
+#include <string.h>
+
+#include "fm_capi.h"
+
+/* The batch's routed_experts: every id in [0, E), a token's k ids distinct. */
+static fm_status check_routes(const flatmoe_session *s, const flatmoe_batch *b) {
+    const int64_t E = s->r.cfg.num_experts, L = s->L_moe, k = s->k;
+    for (int64_t t = 0; t < b->n_tokens; t++)
+        for (int64_t l = 0; l < L; l++) {
+            const int32_t *row = b->routed_experts + (t * L + l) * k;
+            for (int64_t j = 0; j < k; j++) {
+                if (row[j] < 0 || row[j] >= E)
+                    return fm_error(FM_ERR_ARG, "batch: routed_experts[token %lld, MoE layer %lld, slot %lld] is %d; "
+                                    "expected 0 .. %lld (the model's num_experts %lld); pass the experts the "
+                                    "rollout engine routed to, [n_tokens, num_moe_layers %lld, top_k %lld]",
+                                    (long long)t, (long long)l, (long long)j, row[j], (long long)E - 1, (long long)E,
+                                    (long long)L, (long long)k);
+                for (int64_t i = 0; i < j; i++)
+                    if (row[i] == row[j])
+                        return fm_error(FM_ERR_ARG, "batch: routed_experts[token %lld, MoE layer %lld] holds expert "
+                                        "%d twice (slots %lld and %lld); a token's top_k experts are distinct",
+                                        (long long)t, (long long)l, row[j], (long long)i, (long long)j);
+            }
+        }
+    return FM_OK;
+}
+
+fm_status fm_capi_routes_stage(flatmoe_session *s, const flatmoe_batch *b) {
+    fm_model *m = &s->r.m;
+    m->a.rl_replay = false;
+    m->a.rl_record = m->a.rl_routes != NULL;
+    if (!b->routed_experts) return FM_OK;
+    if (!m->a.rl_routes) /* a model without MoE layers: nothing to replay */
+        return fm_error(FM_ERR_ARG, "batch: routed_experts given, but the model has no MoE layer (num_moe_layers 0); "
+                        "pass NULL");
+    FM_TRY(check_routes(s, b));
+    const int64_t L = s->L_moe, k = s->k, N = s->budget;
+    for (int64_t i = 0; i < L * N * k; i++) s->routes[i] = -1; /* padding: the router's choice */
+    for (int64_t t = 0; t < b->n_tokens; t++)
+        for (int64_t l = 0; l < L; l++)
+            memcpy(s->routes + (l * N + s->pos_of[t]) * k, b->routed_experts + (t * L + l) * k,
+                   sizeof(int32_t) * (size_t)k);
+    /* a blocking copy (sync point "replayed routes"): the host staging is reused by the next batch */
+    m->be.ops->copy(m->be.ctx, m->a.rl_routes, s->routes, sizeof(int32_t) * (size_t)(L * N * k), FM_COPY_H2D);
+    FM_TRY(m->be.ops->status(m->be.ctx));
+    m->a.rl_replay = true;
+    m->a.rl_record = false;
+    return FM_OK;
+}
+
+fm_status fm_capi_routes_read(flatmoe_session *s, const flatmoe_batch *b, int32_t *out) {
+    fm_model *m = &s->r.m;
+    const int64_t L = s->L_moe, k = s->k, N = s->budget;
+    if (L == 0) return FM_OK; /* no MoE layer: [n_tokens, 0, k] holds nothing */
+    if (b->routed_experts) { /* replayed: the routes taken are the given ones */
+        memcpy(out, b->routed_experts, sizeof(int32_t) * (size_t)(b->n_tokens * L * k));
+        return FM_OK;
+    }
+    m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "routes taken" */
+    m->be.ops->copy(m->be.ctx, s->routes, m->a.rl_routes, sizeof(int32_t) * (size_t)(L * N * k), FM_COPY_D2H);
+    FM_TRY(m->be.ops->status(m->be.ctx));
+    for (int64_t t = 0; t < b->n_tokens; t++)
+        for (int64_t l = 0; l < L; l++)
+            memcpy(out + (t * L + l) * k, s->routes + (l * N + s->pos_of[t]) * k, sizeof(int32_t) * (size_t)k);
+    return FM_OK;
+}
+
+int flatmoe_logprobs_ex(flatmoe_session *s, const flatmoe_batch *b, float *logprobs, float *entropy,
+                        int32_t *routed_experts) {
+    if (!s || !logprobs) return fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: %s is NULL", s ? "logprobs" : "the session");
+    FM_TRY(fm_capi_pack(s, b, true));
+    FM_TRY(fm_capi_forward(s, b));
+    memcpy(logprobs, s->logp, sizeof(float) * (size_t)b->n_tokens);
+    if (entropy) memcpy(entropy, s->ent, sizeof(float) * (size_t)b->n_tokens);
+    if (routed_experts) FM_TRY(fm_capi_routes_read(s, b, routed_experts));
+    return FLATMOE_OK;
+}
