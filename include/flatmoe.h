@@ -58,7 +58,9 @@ const char *flatmoe_last_error(void);
  * train's refusal messages. Not in this slice (FLATMOE_ERR_UNSUPPORTED or FLATMOE_ERR_ARG, named):
  * several ranks, --vocab-parallel ring, plain logits (--ce-block-tokens 0 --ce-block-vocab 0).
  * *out gets the session (NULL on error). Its log lines (the plan, the weights loaded; none with
- * --quiet) go to the callback of flatmoe_set_log, or nowhere. */
+ * --quiet) go to the callback of flatmoe_set_log, or nowhere.
+ * --logprobs-topk K (0 .. FLATMOE_TOPK_MAX, default 0), the session's own option: the most top-k
+ * log-probs per token flatmoe_logprobs_ex may ask for (their buffers are planned). */
 int flatmoe_open(flatmoe_session **out, int argc, const char *const *argv);
 
 /* Where the library's log lines go: fn(user, level, text) with level 0 info, 1 note, 2 warning, 3
@@ -129,15 +131,28 @@ typedef struct flatmoe_batch {
  * a batch over the token budget). */
 int flatmoe_logprobs(flatmoe_session *s, const flatmoe_batch *b, float *logprobs, float *entropy);
 
+/* The most top-k log-probs per token a session may be opened for (--logprobs-topk K). */
+#define FLATMOE_TOPK_MAX 64
+
 /* flatmoe_logprobs with more outputs (each NULL when not wanted):
  * routed_experts [n_tokens, num_moe_layers, top_k] int32: the experts token t was routed to in each
  * MoE layer (model order; dense layers have no entry; each token's ids in the router's order,
  * decreasing probability, ties to the lower id), the rollout engine's format (vLLM / SGLang
  * return routed experts the same way), ready to hand back as flatmoe_batch.routed_experts; with
  * the batch's routed_experts given, they are those. Every token has routes, each sequence's first
- * too (its routes are the router's on that token as input). Errors: flatmoe_logprobs's. */
+ * too (its routes are the router's on that token as input).
+ * topk (0 .. the session's --logprobs-topk K; 0: none), topk_logprobs [n_tokens, topk] fp32,
+ * topk_ids [n_tokens, topk] int32: the topk largest log-probs (nats, decreasing; ties to the lower
+ * id) of the distribution that predicted token t, and their token ids (NeMo-RL's / vLLM's top-k
+ * log-probs), formed in the linear CE's vocabulary blocks from a running top-k of the logits
+ * (never N x V) and log p = logit - lse exactly as the token's log-prob is (where a top id is the
+ * token, its log-prob bits); each sequence's first token gets -inf and id -1. A session opened
+ * without --logprobs-topk has K = 0 (the buffers are planned at open: [budget, K] fp32 and int32,
+ * and a running top-K per token block).
+ * Errors: flatmoe_logprobs's; FLATMOE_ERR_ARG for topk outside 0 .. K or topk > 0 with an output
+ * NULL. */
 int flatmoe_logprobs_ex(flatmoe_session *s, const flatmoe_batch *b, float *logprobs, float *entropy,
-                        int32_t *routed_experts);
+                        int32_t *routed_experts, int64_t topk, float *topk_logprobs, int32_t *topk_ids);
 
 /* The loss of a train step. */
 enum { FLATMOE_LOSS_SFT = 0, FLATMOE_LOSS_PG = 1 };

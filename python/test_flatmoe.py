@@ -6,6 +6,7 @@ Exit 77 (skipped) where numpy is not importable. Checks, each against something 
   - SFT steps on one batch lower its loss; a PG step returns finite statistics in range;
   - the routes taken have the shape [N, num_moe_layers, top_k] and distinct ids; replaying them gives
     the same log-probs bit for bit, replaying others changes them; a bad id raises naming it;
+  - the top-5 log-probs after a prefix are the 5 largest of that prefix's whole-vocabulary log-probs;
   - a batch over the token budget raises FlatmoeError naming the budget."""
 import json
 import math
@@ -43,7 +44,7 @@ with tempfile.TemporaryDirectory() as d:
     with open(cfg, "w") as f:
         json.dump(CFG, f)
     opts = ["--config", cfg, "--seq-len", "16", "--micro-batch", "13", "--threads", "2", "--ce-block-tokens", "32",
-            "--ce-block-vocab", "40", "--seed", "5", "--lr", "3e-3", "--warmup", "0", "--quiet"]
+            "--ce-block-vocab", "40", "--seed", "5", "--lr", "3e-3", "--warmup", "0", "--quiet", "--logprobs-topk", "5"]
     with flatmoe.Session(*opts) as s:
         info = s.info
         check(info["token_budget"] == 13 * 16 and info["vocab_size"] == 100, f"info {info}")
@@ -60,6 +61,12 @@ with tempfile.TemporaryDirectory() as d:
         h_ref = -math.fsum(np.exp(last) * last)
         check(np.all(np.abs(ent[1::2] - h_ref) < 1e-4), f"entropy {ent[1]} vs -sum p log p {h_ref}")
         check(0 <= ent[1] <= math.log(V) + 1e-5, f"entropy in [0, log V]: {ent[1]}")
+        # top-5 log-probs after the prefix [7]: the 5 largest of the 100 log-probs above, their ids
+        lpk, tlp, tid = s.logprobs(toks[:4], np.array([2, 2], np.int64), entropy=False, topk=5)
+        order = np.argsort(-last, kind="stable")[:5]
+        check(tlp.shape == (4, 5) and tid.dtype == np.int32 and np.all(tid[0::2] == -1), f"top-k shapes {tlp.shape}")
+        check(np.array_equal(np.sort(tid[1]), np.sort(order)) and np.allclose(tlp[1], last[order], atol=1e-5),
+              f"top-5 {tid[1]} {tlp[1]} vs the full vocabulary's {order} {last[order]}")
 
         rng = np.random.default_rng(3)
         lens = np.array([16, 9, 7, 12, 4], np.int64)

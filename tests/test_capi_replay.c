@@ -91,7 +91,7 @@ static void test_routes_taken(fm_rng *g) {
     static float lp[NT], lp0[NT];
     static int32_t routes[NT * LM * K];
     memset(routes, 0xff, sizeof routes);
-    CHECK(flatmoe_logprobs_ex(s, &b, lp, NULL, routes) == FLATMOE_OK);
+    CHECK(flatmoe_logprobs_ex(s, &b, lp, NULL, routes, 0, NULL, NULL) == FLATMOE_OK);
     CHECK(flatmoe_logprobs(s, &b, lp0, NULL) == FLATMOE_OK);
     CHECK_MSG(!memcmp(lp, lp0, sizeof lp), "flatmoe_logprobs_ex's log-probs differ from flatmoe_logprobs's");
     const int64_t moe_layer[LM] = {0, 2};
@@ -126,10 +126,10 @@ static void test_replay_own(fm_rng *g) {
     make_batch(&b, g, false);
     static float lpa[NT], lpr[NT], ena[NT], enr[NT];
     static int32_t own[NT * LM * K], back[NT * LM * K];
-    CHECK(flatmoe_logprobs_ex(a, &b, lpa, ena, own) == FLATMOE_OK);
+    CHECK(flatmoe_logprobs_ex(a, &b, lpa, ena, own, 0, NULL, NULL) == FLATMOE_OK);
     flatmoe_batch br = b;
     br.routed_experts = own;
-    CHECK(flatmoe_logprobs_ex(r, &br, lpr, enr, back) == FLATMOE_OK);
+    CHECK(flatmoe_logprobs_ex(r, &br, lpr, enr, back, 0, NULL, NULL) == FLATMOE_OK);
     CHECK_MSG(!memcmp(lpa, lpr, sizeof lpa) && !memcmp(ena, enr, sizeof ena),
               "replay of the router's own routes changed the log-probs or entropies");
     CHECK(!memcmp(own, back, sizeof own));
@@ -137,7 +137,7 @@ static void test_replay_own(fm_rng *g) {
     sp.loss = FLATMOE_LOSS_PG;
     sp.agg = FLATMOE_AGG_SEQ_MEAN_TOKEN_MEAN;
     for (int step = 1; step <= 2; step++) {
-        CHECK(flatmoe_logprobs_ex(a, &b, lpa, NULL, own) == FLATMOE_OK); /* the current router's routes */
+        CHECK(flatmoe_logprobs_ex(a, &b, lpa, NULL, own, 0, NULL, NULL) == FLATMOE_OK); /* the current router's routes */
         flatmoe_step_stats sa, sr;
         CHECK(flatmoe_train_step(a, &b, &sp, &sa) == FLATMOE_OK);
         CHECK(flatmoe_train_step(r, &br, &sp, &sr) == FLATMOE_OK);
@@ -169,7 +169,7 @@ static void test_replay_equals_forced(fm_rng *g, const char *cfg, bool bitwise) 
     flatmoe_batch br = b;
     br.routed_experts = forced;
     static float lpf[NFULL], lpr[NFULL], enf[NFULL], enr[NFULL];
-    CHECK(flatmoe_logprobs_ex(f, &b, lpf, enf, taken) == FLATMOE_OK);
+    CHECK(flatmoe_logprobs_ex(f, &b, lpf, enf, taken, 0, NULL, NULL) == FLATMOE_OK);
     CHECK_MSG(!memcmp(taken, forced, sizeof forced), "the forced session's routes taken are not the forced routes");
     CHECK(flatmoe_logprobs(r, &br, lpr, enr) == FLATMOE_OK);
     double worst = 0;
@@ -332,7 +332,7 @@ static void test_adversarial_bound(fm_rng *g) {
         CHECK(flatmoe_train_step(s, &b, &sp, &st) == FLATMOE_OK);
         static int32_t taken[NT * LM * K];
         static float lp[NT];
-        CHECK(flatmoe_logprobs_ex(s, &b, lp, NULL, taken) == FLATMOE_OK);
+        CHECK(flatmoe_logprobs_ex(s, &b, lp, NULL, taken, 0, NULL, NULL) == FLATMOE_OK);
         const size_t hw = fm_arena_touched(ex), cap = ex->capacity, plan = s->r.plan.bytes[FM_LIVE_EXPERT];
         CHECK_MSG(hw > 0 && hw <= cap && cap <= plan, "%s routes: expert dispatch high-water %zu, arena %zu, plan %zu",
                   adv_routes ? "adversarial replayed" : "the router's", hw, cap, plan);

@@ -83,7 +83,8 @@ def _load():
         lib.flatmoe_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Info)]
         lib.flatmoe_logprobs.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Batch), ctypes.c_void_p, ctypes.c_void_p]
         lib.flatmoe_logprobs_ex.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Batch), ctypes.c_void_p,
-                                            ctypes.c_void_p, ctypes.c_void_p]
+                                            ctypes.c_void_p, ctypes.c_void_p, _i64, ctypes.c_void_p,
+                                            ctypes.c_void_p]
         lib.flatmoe_train_step.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Batch), ctypes.POINTER(_LossSpec),
                                            ctypes.POINTER(_Stats)]
         _lib = lib
@@ -165,16 +166,22 @@ class Session:
         b = _Batch(n, _ptr(keep[0]), keep[1].shape[0], _ptr(keep[1]), *[_ptr(a) for a in keep[2:]])
         return b, keep
 
-    def logprobs(self, tokens, seq_lens, entropy=True, routes=False, routed_experts=None):
+    def logprobs(self, tokens, seq_lens, entropy=True, routes=False, routed_experts=None, topk=0):
         """Per-token log-probs (and entropies) [N] float32 of the packed sequences; 0 at each first token.
         routes=True also returns the experts each token was routed to, int32 [N, num_moe_layers, top_k]
-        (the MoE layers in model order). routed_experts (same shape): replay those routes (R3)."""
+        (the MoE layers in model order). routed_experts (same shape): replay those routes (R3).
+        topk=k (<= the session's --logprobs-topk) also returns the k largest log-probs float32 [N, k] and
+        their token ids int32 [N, k] (-inf and -1 at each first token).
+        Returns lp, then ent, routes, topk log-probs, topk ids, each only when asked for."""
         b, keep = self._batch(tokens, seq_lens, routed_experts=routed_experts)
         lp = np.empty(b.n_tokens, np.float32)
         ent = np.empty(b.n_tokens, np.float32) if entropy else None
         rt = np.empty(self._routes_shape(b.n_tokens), np.int32) if routes else None
-        _check(_lib.flatmoe_logprobs_ex(self._h, ctypes.byref(b), _ptr(lp), _ptr(ent), _ptr(rt)))
-        out = (lp,) + ((ent,) if entropy else ()) + ((rt,) if routes else ())
+        tl = np.empty((b.n_tokens, topk), np.float32) if topk else None
+        ti = np.empty((b.n_tokens, topk), np.int32) if topk else None
+        _check(_lib.flatmoe_logprobs_ex(self._h, ctypes.byref(b), _ptr(lp), _ptr(ent), _ptr(rt), topk, _ptr(tl),
+                                        _ptr(ti)))
+        out = (lp,) + ((ent,) if entropy else ()) + ((rt,) if routes else ()) + ((tl, ti) if topk else ())
         return out if len(out) > 1 else lp
 
     def train_step(self, tokens, seq_lens, loss_mask=None, advantages=None, old_logprobs=None, rollout_logprobs=None,

@@ -487,6 +487,20 @@ typedef struct fm_ops {
                            const float *z, const int32_t *targets, const float *weights,
                            int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index,
                            float grad_scale, float z_coef);
+    /* The k largest logits of each row (the top-k log-probs of the RL head; fm_linear_ce's
+     * out_topk_*), folded strip by strip: strip [Nb,Vb] (columns [v0, v0+Vb)) merged into the
+     * running topv [Nb,k] fp32 (logits, decreasing) and topi [Nb,k] int32 (their vocabulary ids),
+     * in the strict order (logit descending, id ascending), so the result does not depend on the
+     * order of the blocks; first = true ASSIGNS (-inf and -1 before folding). A NaN logit never
+     * enters. k >= 1. */
+    void (*lce_topk_fold)(void *ctx, float *topv, int32_t *topi, const float *strip, int64_t Nb, int64_t Vb,
+                          int64_t v0, int64_t k, bool first);
+    /* The top-k log-probs from the folded logits and the rows' finished m, z [Nb]:
+     * out_lp[r,j] = -((m_r - topv[r,j]) + log z_r) in double, rounded once (lce_finalize's form of
+     * log p, so a top id equal to the target gives the target's log-prob bits), out_id[r,j] =
+     * topi[r,j]; out_lp, out_id [Nb,k] ASSIGNED (rows with fewer than k finite logits: -inf, -1). */
+    void (*lce_topk_finalize)(void *ctx, float *out_lp, int32_t *out_id, const float *topv, const int32_t *topi,
+                              const float *m, const float *z, int64_t Nb, int64_t k);
 
     /* ---- memory: used at launch (arenas, weights) and for small transfers; no op of a step
      * allocates. Pointers from mem_alloc are the backend's (device memory on a GPU). -------- */

@@ -1,6 +1,7 @@
 /* libflatmoe's routes (include/flatmoe.h): routing replay (R3) of a batch's routed_experts and the
  * routes taken, between the caller's [n_tokens, L_moe, k] and the model's rl_routes [L_moe, N, k]
  * (model/fm_acts.h), which the MoE layers' routers replay or record (fm_router_forward's replay). */
+#include <math.h>
 #include <string.h>
 
 #include "fm_capi.h"
@@ -68,13 +69,41 @@ fm_status fm_capi_routes_read(flatmoe_session *s, const flatmoe_batch *b, int32_
     return FM_OK;
 }
 
+/* The forward's top-K log-probs (model positions) into each caller token's first k: the row of the
+ * position that predicted it; a sequence's first token gets -inf and -1. A sync point. */
+static fm_status topk_read(flatmoe_session *s, const flatmoe_batch *b, int64_t k, float *lp, int32_t *id) {
+    fm_model *m = &s->r.m;
+    const int64_t K = s->topk_max, N = s->budget;
+    m->be.ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "top-k log-probs" */
+    m->be.ops->copy(m->be.ctx, s->topk_lp, m->a.rl_topk_lp, sizeof(float) * (size_t)(N * K), FM_COPY_D2H);
+    m->be.ops->copy(m->be.ctx, s->topk_id, m->a.rl_topk_id, sizeof(int32_t) * (size_t)(N * K), FM_COPY_D2H);
+    FM_TRY(m->be.ops->status(m->be.ctx));
+    for (int64_t t = 0; t < b->n_tokens; t++) {
+        const bool first = t == 0 || s->seq_of[t - 1] != s->seq_of[t];
+        const int64_t p = first ? 0 : s->pos_of[t - 1];
+        for (int64_t j = 0; j < k; j++) {
+            lp[t * k + j] = first ? -INFINITY : s->topk_lp[p * K + j];
+            id[t * k + j] = first ? -1 : s->topk_id[p * K + j];
+        }
+    }
+    return FM_OK;
+}
+
 int flatmoe_logprobs_ex(flatmoe_session *s, const flatmoe_batch *b, float *logprobs, float *entropy,
-                        int32_t *routed_experts) {
+                        int32_t *routed_experts, int64_t topk, float *topk_logprobs, int32_t *topk_ids) {
     if (!s || !logprobs) return fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: %s is NULL", s ? "logprobs" : "the session");
+    if (topk < 0 || topk > s->topk_max)
+        return fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: topk %lld; expected 0 .. %lld (the session's --logprobs-topk); "
+                        "open the session with --logprobs-topk %lld or more", (long long)topk, (long long)s->topk_max,
+                        (long long)topk);
+    if (topk > 0 && (!topk_logprobs || !topk_ids))
+        return fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: topk %lld with topk_%s NULL; pass both [n_tokens, topk] "
+                        "arrays", (long long)topk, topk_logprobs ? "ids" : "logprobs");
     FM_TRY(fm_capi_pack(s, b, true));
     FM_TRY(fm_capi_forward(s, b));
     memcpy(logprobs, s->logp, sizeof(float) * (size_t)b->n_tokens);
     if (entropy) memcpy(entropy, s->ent, sizeof(float) * (size_t)b->n_tokens);
     if (routed_experts) FM_TRY(fm_capi_routes_read(s, b, routed_experts));
+    if (topk > 0) FM_TRY(topk_read(s, b, topk, topk_logprobs, topk_ids));
     return FLATMOE_OK;
 }

@@ -30,6 +30,9 @@ struct flatmoe_session {
     float *weight;        /* [budget] per model position: -coef (the linear CE's token weights) */
     int64_t L_moe, k;     /* MoE layers, experts per token (the routes' axes) */
     int32_t *routes;      /* [L_moe, budget, k] host staging of the model's rl_routes (flatmoe_replay.c) */
+    int64_t topk_max;     /* --logprobs-topk K: the most top-k log-probs per token (0: none) */
+    float *topk_lp;       /* [budget, K] the model's rl_topk_lp, read back */
+    int32_t *topk_id;     /* [budget, K] the model's rl_topk_id, read back */
 };
 
 /* Fills s->fb, pos_of, seq_of and in_loss from b (checked first: every field named in the error).

@@ -123,6 +123,9 @@ typedef struct fm_layout_opts {
                                   the routes [L_moe, N, k] int32 (rl_routes)
                                   (fm_model_vocab_rl_bytes); needs the linear CE (ce_block_* > 0)
                                   and one vocabulary rank (vocab_ring 0) */
+    int64_t rl_topk;           /* with rl_head: K >= 1 adds the forward's top-K log-probs and ids
+                                  [N, K] (rl_topk_lp, rl_topk_id) and the linear CE's running top-K
+                                  (fm_linear_ce_topk_bytes); 0: none */
 } fm_layout_opts;
 
 typedef struct fm_model_acts {
@@ -188,6 +191,10 @@ typedef struct fm_model_acts {
      * (the routes taken, read back by the library after the forward). */
     int32_t *rl_routes;
     bool rl_replay, rl_record;
+    /* rl_topk_lp [N, K] fp32, rl_topk_id [N, K] int32 (K = opts.rl_topk; NULL when 0): with
+     * rl_entropy_on the forward's linear CE writes each position's K largest log-probs and ids. */
+    float *rl_topk_lp;
+    int32_t *rl_topk_id;
     fm_moe_ep_ws moe_ep_ws;     /* expert parallelism's working set (the expert-dispatch live set;
                                    bounded/fm_moe_ep.h), laid out when p.ep > 1 */
     int32_t *moe_ep_counts_host; /* [N*k] host copy of top-k ids for the expert-load counts when the

@@ -182,6 +182,11 @@ void fm_cpu_lce_strip_grad(void *ctx, float *grad, const float *strip, const flo
                            const float *z, const int32_t *targets, const float *weights,
                            int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index,
                            float grad_scale, float z_coef);
+/* cpu_lce_topk.c: the running top-k of the logits across vocabulary blocks (fm_backend.h lce_topk_*) */
+void fm_cpu_lce_topk_fold(void *ctx, float *topv, int32_t *topi, const float *strip, int64_t Nb, int64_t Vb,
+                          int64_t v0, int64_t k, bool first);
+void fm_cpu_lce_topk_finalize(void *ctx, float *out_lp, int32_t *out_id, const float *topv, const int32_t *topi,
+                              const float *m, const float *z, int64_t Nb, int64_t k);
 
 /* cpu_fp8.c: FP8 fake quantization (fm_backend.h quant_fp8_*; backend/fm_fp8.h's reference) */
 void fm_cpu_quant_fp8_rows(void *ctx, float *y, const float *x, int64_t rows, int64_t cols);

@@ -255,6 +255,11 @@ void fm_cuda_lce_finalize(void *ctx, float *loss, float *logprob, float *entropy
 void fm_cuda_lce_strip_grad(void *ctx, float *grad, const float *strip, const float *m, const float *z,
                             const int32_t *targets, const float *weights, int64_t Nb, int64_t Vb, int64_t v0,
                             int32_t ignore_index, float grad_scale, float z_coef);
+/* cuda_lce_topk.cu: the running top-k of the logits across vocabulary blocks (fm_backend.h lce_topk_*) */
+void fm_cuda_lce_topk_fold(void *ctx, float *topv, int32_t *topi, const float *strip, int64_t Nb, int64_t Vb,
+                           int64_t v0, int64_t k, bool first);
+void fm_cuda_lce_topk_finalize(void *ctx, float *out_lp, int32_t *out_id, const float *topv, const int32_t *topi,
+                               const float *m, const float *z, int64_t Nb, int64_t k);
 
 #ifdef __cplusplus
 }
