@@ -37,7 +37,8 @@ typedef struct flatmoe_session flatmoe_session;
  * (or a binding such as python/flatmoe) must use the header of the library it loads: check
  * flatmoe_abi_version() == FLATMOE_ABI_VERSION before the first call that takes a struct, and
  * zero-initialize the structs ({0}, or memset) so that fields it does not know are NULL / 0.
- * 1: the first slice; 2: flatmoe_info's num_moe_layers and top_k, flatmoe_batch's routed_experts. */
+ * 1: the first slice; 2: flatmoe_info's num_moe_layers and top_k, flatmoe_batch's routed_experts,
+ * flatmoe_loss_spec's entropy_coef. */
 #define FLATMOE_ABI_VERSION 2
 int flatmoe_abi_version(void);
 
@@ -172,6 +173,9 @@ enum { FLATMOE_KL_NONE = 0, FLATMOE_KL_K1 = 1, FLATMOE_KL_K3 = 2 };
  *   dual clip (clip_dual = c > 1): for A_t < 0, l_t = min(l_t, -c A_t)
  *   truncated IS (tis_cap = C > 0): l_t *= min(exp(old_t - rollout_t), C), the weight detached
  *   KL (kl = K1 | K3): l_t += kl_coef * k(log p_t, ref_t)
+ *   entropy bonus (entropy_coef = c; ABI 2): l_t -= c * H_t, H_t the entropy (nats) of the
+ *     distribution that predicted token t (verl's actor: pg_loss - entropy_coeff * agg(entropy));
+ *     its gradient flows through the logits: dH_t/dz_v = -p_v (log p_v + H_t)
  * The MoE router's auxiliary losses are added as `flatmoe train` adds them. */
 typedef struct flatmoe_loss_spec {
     int loss;          /* FLATMOE_LOSS_* */
@@ -182,6 +186,7 @@ typedef struct flatmoe_loss_spec {
     double tis_cap;    /* C > 0, or 0: off (2) */
     int kl;            /* FLATMOE_KL_* */
     double kl_coef;    /* beta >= 0 */
+    double entropy_coef; /* c, finite (verl's entropy_coeff; 0: off); ABI 2 */
 } flatmoe_loss_spec;
 
 /* A spec with defaults: SFT, token-mean, clip 0.2 / 0.2, no dual clip, no TIS, no KL. */
@@ -189,7 +194,7 @@ flatmoe_loss_spec flatmoe_loss_spec_default(void);
 
 /* What a train step measured (over the loss tokens M). */
 typedef struct flatmoe_step_stats {
-    double loss;          /* the aggregated loss (pg + kl terms), without the router's */
+    double loss;          /* the aggregated loss (pg + kl - entropy_coef x entropy terms), without the router's */
     double pg_loss;       /* the aggregated policy (or SFT) term alone */
     double kl;            /* mean of k(log p, ref) over M (0 without KL) */
     double entropy;       /* mean entropy over M (nats) */

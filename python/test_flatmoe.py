@@ -3,7 +3,8 @@ Exit 77 (skipped) where numpy is not importable. Checks, each against something 
   - log-probs of every vocabulary entry after one prefix sum to 1 (exp), and their entropy
     -sum p log p equals the library's entropy at that position (fp32: 1e-4);
   - each sequence's first token has log-prob and entropy 0; entropy in [0, log V];
-  - SFT steps on one batch lower its loss; a PG step returns finite statistics in range;
+  - SFT steps on one batch lower its loss; a PG step returns finite statistics in range; with
+    entropy_coef its loss is the mean -A less c times the mean entropy (ratio 1: on-policy);
   - the routes taken have the shape [N, num_moe_layers, top_k] and distinct ids; replaying them gives
     the same log-probs bit for bit, replaying others changes them; a bad id raises naming it;
   - the top-5 log-probs after a prefix are the 5 largest of that prefix's whole-vocabulary log-probs;
@@ -81,6 +82,13 @@ with tempfile.TemporaryDirectory() as d:
                           agg="seq-mean-token-mean", clip_high=0.28, clip_dual=3.0, kl="k3", kl_coef=0.01,
                           ref_logprobs=lp0)
         check(all(math.isfinite(v) for v in st.values()), f"finite statistics {st}")
+        # the entropy bonus: the same step's loss less c times the mean entropy (token-mean, on-policy ratio 1)
+        lpe, ente = s.logprobs(toks, lens)
+        inl = np.ones(n, bool)
+        inl[np.concatenate([[0], np.cumsum(lens)[:-1]])] = False
+        ste = s.train_step(toks, lens, loss_mask=mask, advantages=adv, loss="pg", entropy_coef=0.1)
+        want = -float(np.mean(adv[inl].astype(np.float64))) - 0.1 * float(np.mean(ente[inl].astype(np.float64)))
+        check(abs(ste["loss"] - want) < 1e-5, f"entropy bonus: loss {ste['loss']} vs {want}")
         check(0 <= st["clip_frac"] <= 1 and st["n_loss_tokens"] == n - len(lens) and st["step"] == 9, f"stats {st}")
         # the routes taken, replayed: the same log-probs bit for bit; other routes change them; a bad id is refused
         check(info["num_moe_layers"] == 2 and info["top_k"] == 2, f"info {info}")
@@ -93,7 +101,7 @@ with tempfile.TemporaryDirectory() as d:
         lp3 = s.logprobs(toks, lens, entropy=False, routed_experts=other)
         check(not np.array_equal(lp1, lp3), "replay of other routes left every log-prob unchanged")
         st2 = s.train_step(toks, lens, loss_mask=mask, routed_experts=other)
-        check(math.isfinite(st2["loss"]) and st2["step"] == 10, f"a train step under replay: {st2}")
+        check(math.isfinite(st2["loss"]) and st2["step"] == 11, f"a train step under replay: {st2}")
         bad = routes.copy()
         bad[3, 1, 0] = 9
         try:

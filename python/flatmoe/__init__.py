@@ -48,7 +48,7 @@ class _Batch(ctypes.Structure):
 class _LossSpec(ctypes.Structure):
     _fields_ = [("loss", ctypes.c_int), ("agg", ctypes.c_int), ("clip_low", ctypes.c_double),
                 ("clip_high", ctypes.c_double), ("clip_dual", ctypes.c_double), ("tis_cap", ctypes.c_double),
-                ("kl", ctypes.c_int), ("kl_coef", ctypes.c_double)]
+                ("kl", ctypes.c_int), ("kl_coef", ctypes.c_double), ("entropy_coef", ctypes.c_double)]
 
 
 _STAT_DOUBLES = ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_frac", "clip_frac_low", "clip_frac_high",
@@ -186,12 +186,14 @@ class Session:
 
     def train_step(self, tokens, seq_lens, loss_mask=None, advantages=None, old_logprobs=None, rollout_logprobs=None,
                    ref_logprobs=None, loss="sft", agg="token-mean", clip_low=0.2, clip_high=0.2, clip_dual=0.0,
-                   tis_cap=0.0, kl=None, kl_coef=0.0, routed_experts=None):
+                   tis_cap=0.0, kl=None, kl_coef=0.0, routed_experts=None, entropy_coef=0.0):
         """One optimizer step; returns the step's statistics as a dict (flatmoe_step_stats).
-        routed_experts: int32 [N, num_moe_layers, top_k], the routes to replay (R3), or None."""
+        routed_experts: int32 [N, num_moe_layers, top_k], the routes to replay (R3), or None.
+        entropy_coef: the entropy bonus c (l_t -= c H_t; verl's entropy_coeff)."""
         b, keep = self._batch(tokens, seq_lens, loss_mask, advantages, old_logprobs, rollout_logprobs, ref_logprobs,
                               routed_experts)
-        spec = _LossSpec(_LOSS[loss], _AGG[agg], clip_low, clip_high, clip_dual, tis_cap, _KL[kl], kl_coef)
+        spec = _LossSpec(_LOSS[loss], _AGG[agg], clip_low, clip_high, clip_dual, tis_cap, _KL[kl], kl_coef,
+                         entropy_coef)
         st = _Stats()
         _check(_lib.flatmoe_train_step(self._h, ctypes.byref(b), ctypes.byref(spec), ctypes.byref(st)))
         return {n: getattr(st, n) for n, _ in _Stats._fields_}

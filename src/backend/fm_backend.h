@@ -487,6 +487,18 @@ typedef struct fm_ops {
                            const float *z, const int32_t *targets, const float *weights,
                            int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index,
                            float grad_scale, float z_coef);
+    /* lce_strip_grad with an entropy term (the RL head's entropy bonus, fm_linear_ce's ent_weight):
+     *   grad[r,i] = lce_strip_grad's + grad_scale * ent_w_r * dH_r/dS_ri,
+     *   dH_r/dS_ri = -p_ri (log p_ri + H_r),  log p_ri = S_ri - lse_r,  p_ri = exp(log p_ri),
+     * the gradient of sum_r ent_w_r H_r, H_r = lse_r - sum_i p_ri S_ri the row's entropy (ent [Nb]
+     * fp32, the forward's, lce_finalize's entropy of the same logits). (dH/dS_i = -p_i (S_i - E_p[S])
+     * and E_p[S] = lse - H: the entropy of a softmax differentiated; the term of verl's actor loss
+     * pg_loss - entropy_coeff * agg_loss(entropy), verl/workers/actor/dp_actor.py.) Rows with targets[r] == ignore_index are zero (as
+     * lce_strip_grad's). grad [Nb,Vb] ASSIGNED, may alias strip; ent_w, ent [Nb] fp32. */
+    void (*lce_strip_grad_ent)(void *ctx, float *grad, const float *strip, const float *m, const float *z,
+                               const int32_t *targets, const float *weights, const float *ent_w, const float *ent,
+                               int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index, float grad_scale,
+                               float z_coef);
     /* The k largest logits of each row (the top-k log-probs of the RL head; fm_linear_ce's
      * out_topk_*), folded strip by strip: strip [Nb,Vb] (columns [v0, v0+Vb)) merged into the
      * running topv [Nb,k] fp32 (logits, decreasing) and topi [Nb,k] int32 (their vocabulary ids),

@@ -161,10 +161,12 @@ void fm_linear_ce_fold_range(const fm_backend *be, const fm_lce_strip *st, float
     fold_range_topk(be, st, m, z, tgt, ent, NULL, hb, tb, nb, W, v_begin, v_count, H, first);
 }
 
-void fm_linear_ce_grad_range(const fm_backend *be, const fm_lce_strip *st, const float *m, const float *z,
-                             const fm_act *hb, const int32_t *tb, const float *wb, int64_t nb, const fm_act *W,
-                             int64_t v_begin, int64_t v_count, int64_t H, int32_t ignore_index, float grad_scale,
-                             float z_loss, fm_act *dh, bool dh_first, fm_act *dW) {
+/* fm_linear_ce_grad_range, with the entropy term's gradient when ent_w (and ent, [nb]) is set. */
+static void grad_range_ent(const fm_backend *be, const fm_lce_strip *st, const float *m, const float *z,
+                           const fm_act *hb, const int32_t *tb, const float *wb, const float *ent_w, const float *ent,
+                           int64_t nb, const fm_act *W, int64_t v_begin, int64_t v_count, int64_t H,
+                           int32_t ignore_index, float grad_scale, float z_loss, fm_act *dh, bool dh_first,
+                           fm_act *dW) {
     const fm_ops *ops = be->ops;
     void *ctx = be->ctx;
     FM_ASSERT(nb <= st->nb);
@@ -173,7 +175,11 @@ void fm_linear_ce_grad_range(const fm_backend *be, const fm_lce_strip *st, const
         const fm_act *Wb = W + v * H;
         float *S = st->S;
         ops->gemm(ctx, false, true, nb, vb, H, 1.0f, hb, H, Wb, H, 0.0f, S, FM_DTYPE_F32, vb);
-        ops->lce_strip_grad(ctx, S, S, m, z, tb, wb, nb, vb, v_begin + v, ignore_index, grad_scale, z_loss);
+        if (ent_w)
+            ops->lce_strip_grad_ent(ctx, S, S, m, z, tb, wb, ent_w, ent, nb, vb, v_begin + v, ignore_index, grad_scale,
+                                    z_loss);
+        else
+            ops->lce_strip_grad(ctx, S, S, m, z, tb, wb, nb, vb, v_begin + v, ignore_index, grad_scale, z_loss);
         const fm_act *G = act_view(ops, ctx, S, st->Sa, nb * vb);
         if (dh) /* dh_blk (=, then +=) G [nb,vb] W_blk [vb,H] */
             ops->gemm(ctx, false, false, nb, H, vb, 1.0f, G, vb, Wb, H, dh_first && v == 0 ? 0.0f : 1.0f, dh,
@@ -181,6 +187,14 @@ void fm_linear_ce_grad_range(const fm_backend *be, const fm_lce_strip *st, const
         if (dW) /* dW_blk [vb,H] += G^T h_blk */
             ops->gemm(ctx, true, false, vb, H, nb, 1.0f, G, vb, hb, H, 1.0f, dW + v * H, FM_ACT_DTYPE, H);
     }
+}
+
+void fm_linear_ce_grad_range(const fm_backend *be, const fm_lce_strip *st, const float *m, const float *z,
+                             const fm_act *hb, const int32_t *tb, const float *wb, int64_t nb, const fm_act *W,
+                             int64_t v_begin, int64_t v_count, int64_t H, int32_t ignore_index, float grad_scale,
+                             float z_loss, fm_act *dh, bool dh_first, fm_act *dW) {
+    grad_range_ent(be, st, m, z, hb, tb, wb, NULL, NULL, nb, W, v_begin, v_count, H, ignore_index, grad_scale, z_loss,
+                   dh, dh_first, dW);
 }
 
 void fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
@@ -208,6 +222,7 @@ void fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, f
         return;
     }
     FM_ASSERT(tk.k == 0 || (ops->lce_topk_fold && ops->lce_topk_finalize));
+    FM_ASSERT(!o.ent_weight || (o.ent_value && ops->lce_strip_grad_ent));
 
     for (int64_t n0 = 0; n0 < N; n0 += Nb) {
         const int64_t nb = N - n0 < Nb ? N - n0 : Nb;
@@ -226,8 +241,9 @@ void fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, f
         if (!backward) continue;
 
         /* pass 2: recompute each strip, turn it into G in place, contract into dh and dW */
-        fm_linear_ce_grad_range(be, &strip, st.m, st.z, hb, tb, wb, nb, W, 0, V, H, o.ignore_index, grad_scale,
-                                o.z_loss, dh ? dh + n0 * H : NULL, true, dW);
+        grad_range_ent(be, &strip, st.m, st.z, hb, tb, wb, o.ent_weight ? o.ent_weight + n0 : NULL,
+                       o.ent_weight ? o.ent_value + n0 : NULL, nb, W, 0, V, H, o.ignore_index, grad_scale, o.z_loss,
+                       dh ? dh + n0 * H : NULL, true, dW);
     }
     ws->used = entry;
 }
@@ -264,8 +280,12 @@ void fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, fm_act 
         ops->lce_topk_finalize(ctx, o.out_topk_logprob, o.out_topk_id, tk.v, tk.i, st.m, st.z, N, tk.k);
     }
     if (dh || dW) {
-        ops->lce_strip_grad(ctx, dlogits, logits, st.m, st.z, targets, o.token_weight, N, V, 0,
-                            o.ignore_index, grad_scale, o.z_loss);
+        if (o.ent_weight)
+            ops->lce_strip_grad_ent(ctx, dlogits, logits, st.m, st.z, targets, o.token_weight, o.ent_weight,
+                                    o.ent_value, N, V, 0, o.ignore_index, grad_scale, o.z_loss);
+        else
+            ops->lce_strip_grad(ctx, dlogits, logits, st.m, st.z, targets, o.token_weight, N, V, 0,
+                                o.ignore_index, grad_scale, o.z_loss);
         const fm_act *G = act_view(ops, ctx, dlogits, da, N * V);
         if (dh) ops->gemm(ctx, false, false, N, H, V, 1.0f, G, V, W, H, 0.0f, dh, FM_ACT_DTYPE, H);
         if (dW) ops->gemm(ctx, true, false, V, H, N, 1.0f, G, V, h, H, 1.0f, dW, FM_ACT_DTYPE, H);

@@ -45,6 +45,11 @@ typedef struct fm_lce_opts {
     int64_t topk;
     float *out_topk_logprob;           /* [N, topk] fp32 (nats), decreasing per token */
     int32_t *out_topk_id;              /* [N, topk] int32 vocabulary ids */
+    /* An entropy term in the objective (the RL head's entropy bonus): J += sum_t ent_weight_t H_t,
+     * H_t the softmax entropy of token t's logits; its gradient (lce_strip_grad_ent: -p (log p + H)
+     * per logit) joins the backward. ent_value [N] fp32: H_t as the forward computed it (out_entropy
+     * of a forward over the same h and W). Both NULL: off. One rank only. */
+    const float *ent_weight, *ent_value;
 } fm_lce_opts;
 
 /* Options with defaults: default blocks, ignore_index -100, no z-loss, no weights, no extra

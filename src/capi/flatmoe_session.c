@@ -134,6 +134,8 @@ static fm_status alloc_scratch(flatmoe_session *s) {
     s->coef = fm_malloc(n * sizeof(double));
     s->seq_count = fm_malloc(n * sizeof(int64_t));
     s->weight = fm_malloc(n * sizeof(float));
+    s->ent_coef = fm_malloc(n * sizeof(double));
+    s->ent_weight = fm_malloc(n * sizeof(float));
     s->L_moe = fm_config_num_moe_layers(&s->r.cfg);
     s->k = s->r.cfg.num_experts_per_tok;
     const size_t nr = (size_t)(s->L_moe * s->k) * n;
@@ -141,7 +143,7 @@ static fm_status alloc_scratch(flatmoe_session *s) {
     const size_t nk = (size_t)s->topk_max * n;
     s->topk_lp = nk ? fm_malloc(nk * sizeof(float)) : NULL;
     s->topk_id = nk ? fm_malloc(nk * sizeof(int32_t)) : NULL;
-    if ((nr && !s->routes) || (nk && (!s->topk_lp || !s->topk_id)) || !s->pos_of || !s->seq_of || !s->in_loss || !s->tok_loss || !s->tok_ent || !s->logp || !s->ent || !s->coef ||
+    if ((nr && !s->routes) || !s->ent_coef || !s->ent_weight || (nk && (!s->topk_lp || !s->topk_id)) || !s->pos_of || !s->seq_of || !s->in_loss || !s->tok_loss || !s->tok_ent || !s->logp || !s->ent || !s->coef ||
         !s->seq_count || !s->weight)
         return fm_error(FM_ERR_NOMEM, "flatmoe_open: cannot allocate the batch scratch (%lld tokens)", (long long)n);
     return FM_OK;
@@ -201,6 +203,8 @@ void flatmoe_close(flatmoe_session *s) {
     fm_free(s->seq_count);
     fm_free(s->weight);
     fm_free(s->routes);
+    fm_free(s->ent_coef);
+    fm_free(s->ent_weight);
     fm_free(s->topk_lp);
     fm_free(s->topk_id);
     fm_spec_free(&s->spec);

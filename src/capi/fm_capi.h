@@ -28,6 +28,8 @@ struct flatmoe_session {
     double *coef;         /* [budget] dL/dlog p_t per caller token */
     int64_t *seq_count;   /* [budget] scratch: loss tokens per sequence */
     float *weight;        /* [budget] per model position: -coef (the linear CE's token weights) */
+    double *ent_coef;     /* [budget] dL/dH_t per caller token (the entropy bonus) */
+    float *ent_weight;    /* [budget] per model position: ent_coef (the linear CE's entropy weights) */
     int64_t L_moe, k;     /* MoE layers, experts per token (the routes' axes) */
     int32_t *routes;      /* [L_moe, budget, k] host staging of the model's rl_routes (flatmoe_replay.c) */
     int64_t topk_max;     /* --logprobs-topk K: the most top-k log-probs per token (0: none) */
@@ -73,5 +75,11 @@ fm_status fm_capi_grads(flatmoe_session *s, const flatmoe_batch *b, const flatmo
 fm_status fm_pg_coefs(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int64_t n, const float *logp,
                       const float *ent, const uint8_t *in_loss, const int32_t *seq_of, int64_t *seq_count,
                       double *coef, flatmoe_step_stats *st);
+
+/* The entropy bonus's per-token coefficients dL/dH_t = -entropy_coef * a_t (a_t the aggregation
+ * weight; 0 outside the loss) into ent_coef [n] (ASSIGNED), after fm_pg_coefs filled seq_count and
+ * st (its n_loss_tokens, n_loss_seqs). The loss term itself is in fm_pg_coefs's st->loss. */
+void fm_pg_entropy_coefs(const flatmoe_loss_spec *spec, int64_t n, const uint8_t *in_loss, const int32_t *seq_of,
+                         const int64_t *seq_count, const flatmoe_step_stats *st, double *ent_coef);
 
 #endif

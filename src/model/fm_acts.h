@@ -184,6 +184,11 @@ typedef struct fm_model_acts {
      * its forward writes the entropy of each position's next-token distribution to rl_entropy. */
     float *rl_weight, *rl_entropy; /* [N] backend fp32 each */
     bool rl_weighted, rl_entropy_on;
+    /* rl_ent_weight [N] fp32 (backend): with rl_weighted and rl_ent_on the backward's linear CE
+     * adds sum_t rl_ent_weight[t] H_t (H_t in rl_entropy, the forward's) to the objective: the
+     * entropy bonus's gradient (fm_lce_opts.ent_weight). */
+    float *rl_ent_weight;
+    bool rl_ent_on;
     /* rl_routes [L_moe, N, k] int32 (backend; the MoE layers in model order, dense layers have no
      * slice): with rl_replay each MoE layer's router replays its slice (fm_router_forward's
      * replay: rows starting with -1 keep the router's choice), forward and recompute alike; with

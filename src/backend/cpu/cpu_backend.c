@@ -557,6 +557,7 @@ static const fm_ops fm_cpu_ops = {
     .lce_fold = fm_cpu_lce_fold,
     .lce_finalize = fm_cpu_lce_finalize,
     .lce_strip_grad = fm_cpu_lce_strip_grad,
+    .lce_strip_grad_ent = fm_cpu_lce_strip_grad_ent,
     .lce_topk_fold = fm_cpu_lce_topk_fold,
     .lce_topk_finalize = fm_cpu_lce_topk_finalize,
     .prof_mark = cpu_prof_mark,

@@ -182,6 +182,11 @@ void fm_cpu_lce_strip_grad(void *ctx, float *grad, const float *strip, const flo
                            const float *z, const int32_t *targets, const float *weights,
                            int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index,
                            float grad_scale, float z_coef);
+/* cpu_lce_ent.c: the logit gradient with the entropy term (fm_backend.h lce_strip_grad_ent) */
+void fm_cpu_lce_strip_grad_ent(void *ctx, float *grad, const float *strip, const float *m, const float *z,
+                               const int32_t *targets, const float *weights, const float *ent_w, const float *ent,
+                               int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index, float grad_scale,
+                               float z_coef);
 /* cpu_lce_topk.c: the running top-k of the logits across vocabulary blocks (fm_backend.h lce_topk_*) */
 void fm_cpu_lce_topk_fold(void *ctx, float *topv, int32_t *topi, const float *strip, int64_t Nb, int64_t Vb,
                           int64_t v0, int64_t k, bool first);

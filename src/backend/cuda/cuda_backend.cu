@@ -100,6 +100,7 @@ static fm_ops make_cuda_ops(void) {
     o.lce_fold = fm_cuda_lce_fold;
     o.lce_finalize = fm_cuda_lce_finalize;
     o.lce_strip_grad = fm_cuda_lce_strip_grad;
+    o.lce_strip_grad_ent = fm_cuda_lce_strip_grad_ent;
     o.lce_topk_fold = fm_cuda_lce_topk_fold;
     o.lce_topk_finalize = fm_cuda_lce_topk_finalize;
     o.mem_alloc = fm_cuda_mem_alloc;
