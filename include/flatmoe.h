@@ -32,6 +32,16 @@ enum {
 
 typedef struct flatmoe_session flatmoe_session;
 
+/* The layout of the structs below (flatmoe_info, flatmoe_batch, flatmoe_loss_spec,
+ * flatmoe_step_stats). They grow only at their end, and each growth raises this number; a program
+ * (or a binding such as python/flatmoe) must use the header of the library it loads: check
+ * flatmoe_abi_version() == FLATMOE_ABI_VERSION before the first call that takes a struct, and
+ * zero-initialize the structs ({0}, or memset) so that fields it does not know are NULL / 0.
+ * 1: the first slice; 2: flatmoe_info's num_moe_layers and top_k, flatmoe_batch's routed_experts,
+ * flatmoe_loss_spec's entropy_coef. */
+#define FLATMOE_ABI_VERSION 2
+int flatmoe_abi_version(void);
+
 /* The message of the last error on this thread ("" if none); valid until the next call. */
 const char *flatmoe_last_error(void);
 
@@ -49,7 +59,9 @@ const char *flatmoe_last_error(void);
  * train's refusal messages. Not in this slice (FLATMOE_ERR_UNSUPPORTED or FLATMOE_ERR_ARG, named):
  * several ranks, --vocab-parallel ring, plain logits (--ce-block-tokens 0 --ce-block-vocab 0).
  * *out gets the session (NULL on error). Its log lines (the plan, the weights loaded; none with
- * --quiet) go to the callback of flatmoe_set_log, or nowhere. */
+ * --quiet) go to the callback of flatmoe_set_log, or nowhere.
+ * --logprobs-topk K (0 .. FLATMOE_TOPK_MAX, default 0), the session's own option: the most top-k
+ * log-probs per token flatmoe_logprobs_ex may ask for (their buffers are planned). */
 int flatmoe_open(flatmoe_session **out, int argc, const char *const *argv);
 
 /* Where the library's log lines go: fn(user, level, text) with level 0 info, 1 note, 2 warning, 3
@@ -69,6 +81,8 @@ typedef struct flatmoe_info {
     int64_t token_budget; /* micro_batch x seq_len: the most tokens one batch holds */
     int64_t num_layers, num_experts, hidden_size;
     int64_t step;         /* optimizer steps taken (a --ckpt session starts at its checkpoint's) */
+    int64_t num_moe_layers; /* the MoE layers (the routes' second axis; dense layers have no routes) */
+    int64_t top_k;        /* experts per token (num_experts_per_tok: the routes' third axis) */
 } flatmoe_info;
 int flatmoe_get_info(const flatmoe_session *s, flatmoe_info *out);
 
@@ -92,6 +106,20 @@ typedef struct flatmoe_batch {
     const float *rollout_logprobs;   /* the rollout engine's log-probs (truncated importance
                                         sampling; required when tis_cap > 0) */
     const float *ref_logprobs;       /* the reference model's log-probs (required when kl != NONE) */
+    /* Routing replay (R3; ABI 2): [n_tokens, num_moe_layers, top_k] int32, the experts each token
+     * was routed to in each MoE layer (model order; dense layers have no entry) by the rollout
+     * engine (vLLM's and SGLang's routed experts, slime's --use-rollout-routing-replay), or by
+     * flatmoe_logprobs_ex's routed_experts. NULL: every MoE layer routes by its own top-k. Given,
+     * every MoE layer uses these experts instead of its own top-k, in the given order, in the
+     * forward (log-probs, train step) and in any recompute; their gate weights are the CURRENT
+     * router's probabilities of these experts (softmax over all experts, then, with the config's
+     * norm_topk_prob, divided by their sum, exactly as the router weighs its own choice), so the
+     * router keeps learning through the gates and replaying the router's own routes is
+     * bit-identical to no replay. The router's load-balancing and z losses count the replayed
+     * routes. The dispatch bound is unchanged (it holds for any routing: a replayed route is one
+     * more). Each id must be in [0, num_experts) and a token's top_k ids distinct (else
+     * FLATMOE_ERR_ARG naming the token, the MoE layer and the value). */
+    const int32_t *routed_experts;
 } flatmoe_batch;
 
 /* Per-token log-probs and entropies of the batch under the session's current weights (a forward
@@ -103,6 +131,29 @@ typedef struct flatmoe_batch {
  * Errors: FLATMOE_ERR_ARG naming the bad field (a token out of range, lengths that do not sum,
  * a batch over the token budget). */
 int flatmoe_logprobs(flatmoe_session *s, const flatmoe_batch *b, float *logprobs, float *entropy);
+
+/* The most top-k log-probs per token a session may be opened for (--logprobs-topk K). */
+#define FLATMOE_TOPK_MAX 64
+
+/* flatmoe_logprobs with more outputs (each NULL when not wanted):
+ * routed_experts [n_tokens, num_moe_layers, top_k] int32: the experts token t was routed to in each
+ * MoE layer (model order; dense layers have no entry; each token's ids in the router's order,
+ * decreasing probability, ties to the lower id), the rollout engine's format (vLLM / SGLang
+ * return routed experts the same way), ready to hand back as flatmoe_batch.routed_experts; with
+ * the batch's routed_experts given, they are those. Every token has routes, each sequence's first
+ * too (its routes are the router's on that token as input).
+ * topk (0 .. the session's --logprobs-topk K; 0: none), topk_logprobs [n_tokens, topk] fp32,
+ * topk_ids [n_tokens, topk] int32: the topk largest log-probs (nats, decreasing; ties to the lower
+ * id) of the distribution that predicted token t, and their token ids (NeMo-RL's / vLLM's top-k
+ * log-probs), formed in the linear CE's vocabulary blocks from a running top-k of the logits
+ * (never N x V) and log p = logit - lse exactly as the token's log-prob is (where a top id is the
+ * token, its log-prob bits); each sequence's first token gets -inf and id -1. A session opened
+ * without --logprobs-topk has K = 0 (the buffers are planned at open: [budget, K] fp32 and int32,
+ * and a running top-K per token block).
+ * Errors: flatmoe_logprobs's; FLATMOE_ERR_ARG for topk outside 0 .. K or topk > 0 with an output
+ * NULL. */
+int flatmoe_logprobs_ex(flatmoe_session *s, const flatmoe_batch *b, float *logprobs, float *entropy,
+                        int32_t *routed_experts, int64_t topk, float *topk_logprobs, int32_t *topk_ids);
 
 /* The loss of a train step. */
 enum { FLATMOE_LOSS_SFT = 0, FLATMOE_LOSS_PG = 1 };
@@ -122,6 +173,9 @@ enum { FLATMOE_KL_NONE = 0, FLATMOE_KL_K1 = 1, FLATMOE_KL_K3 = 2 };
  *   dual clip (clip_dual = c > 1): for A_t < 0, l_t = min(l_t, -c A_t)
  *   truncated IS (tis_cap = C > 0): l_t *= min(exp(old_t - rollout_t), C), the weight detached
  *   KL (kl = K1 | K3): l_t += kl_coef * k(log p_t, ref_t)
+ *   entropy bonus (entropy_coef = c; ABI 2): l_t -= c * H_t, H_t the entropy (nats) of the
+ *     distribution that predicted token t (verl's actor: pg_loss - entropy_coeff * agg(entropy));
+ *     its gradient flows through the logits: dH_t/dz_v = -p_v (log p_v + H_t)
  * The MoE router's auxiliary losses are added as `flatmoe train` adds them. */
 typedef struct flatmoe_loss_spec {
     int loss;          /* FLATMOE_LOSS_* */
@@ -132,6 +186,7 @@ typedef struct flatmoe_loss_spec {
     double tis_cap;    /* C > 0, or 0: off (2) */
     int kl;            /* FLATMOE_KL_* */
     double kl_coef;    /* beta >= 0 */
+    double entropy_coef; /* c, finite (verl's entropy_coeff; 0: off); ABI 2 */
 } flatmoe_loss_spec;
 
 /* A spec with defaults: SFT, token-mean, clip 0.2 / 0.2, no dual clip, no TIS, no KL. */
@@ -139,7 +194,7 @@ flatmoe_loss_spec flatmoe_loss_spec_default(void);
 
 /* What a train step measured (over the loss tokens M). */
 typedef struct flatmoe_step_stats {
-    double loss;          /* the aggregated loss (pg + kl terms), without the router's */
+    double loss;          /* the aggregated loss (pg + kl - entropy_coef x entropy terms), without the router's */
     double pg_loss;       /* the aggregated policy (or SFT) term alone */
     double kl;            /* mean of k(log p, ref) over M (0 without KL) */
     double entropy;       /* mean entropy over M (nats) */

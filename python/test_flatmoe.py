@@ -3,7 +3,11 @@ Exit 77 (skipped) where numpy is not importable. Checks, each against something 
   - log-probs of every vocabulary entry after one prefix sum to 1 (exp), and their entropy
     -sum p log p equals the library's entropy at that position (fp32: 1e-4);
   - each sequence's first token has log-prob and entropy 0; entropy in [0, log V];
-  - SFT steps on one batch lower its loss; a PG step returns finite statistics in range;
+  - SFT steps on one batch lower its loss; a PG step returns finite statistics in range; with
+    entropy_coef its loss is the mean -A less c times the mean entropy (ratio 1: on-policy);
+  - the routes taken have the shape [N, num_moe_layers, top_k] and distinct ids; replaying them gives
+    the same log-probs bit for bit, replaying others changes them; a bad id raises naming it;
+  - the top-5 log-probs after a prefix are the 5 largest of that prefix's whole-vocabulary log-probs;
   - a batch over the token budget raises FlatmoeError naming the budget."""
 import json
 import math
@@ -41,7 +45,7 @@ with tempfile.TemporaryDirectory() as d:
     with open(cfg, "w") as f:
         json.dump(CFG, f)
     opts = ["--config", cfg, "--seq-len", "16", "--micro-batch", "13", "--threads", "2", "--ce-block-tokens", "32",
-            "--ce-block-vocab", "40", "--seed", "5", "--lr", "3e-3", "--warmup", "0", "--quiet"]
+            "--ce-block-vocab", "40", "--seed", "5", "--lr", "3e-3", "--warmup", "0", "--quiet", "--logprobs-topk", "5"]
     with flatmoe.Session(*opts) as s:
         info = s.info
         check(info["token_budget"] == 13 * 16 and info["vocab_size"] == 100, f"info {info}")
@@ -58,6 +62,12 @@ with tempfile.TemporaryDirectory() as d:
         h_ref = -math.fsum(np.exp(last) * last)
         check(np.all(np.abs(ent[1::2] - h_ref) < 1e-4), f"entropy {ent[1]} vs -sum p log p {h_ref}")
         check(0 <= ent[1] <= math.log(V) + 1e-5, f"entropy in [0, log V]: {ent[1]}")
+        # top-5 log-probs after the prefix [7]: the 5 largest of the 100 log-probs above, their ids
+        lpk, tlp, tid = s.logprobs(toks[:4], np.array([2, 2], np.int64), entropy=False, topk=5)
+        order = np.argsort(-last, kind="stable")[:5]
+        check(tlp.shape == (4, 5) and tid.dtype == np.int32 and np.all(tid[0::2] == -1), f"top-k shapes {tlp.shape}")
+        check(np.array_equal(np.sort(tid[1]), np.sort(order)) and np.allclose(tlp[1], last[order], atol=1e-5),
+              f"top-5 {tid[1]} {tlp[1]} vs the full vocabulary's {order} {last[order]}")
 
         rng = np.random.default_rng(3)
         lens = np.array([16, 9, 7, 12, 4], np.int64)
@@ -72,7 +82,33 @@ with tempfile.TemporaryDirectory() as d:
                           agg="seq-mean-token-mean", clip_high=0.28, clip_dual=3.0, kl="k3", kl_coef=0.01,
                           ref_logprobs=lp0)
         check(all(math.isfinite(v) for v in st.values()), f"finite statistics {st}")
+        # the entropy bonus: the same step's loss less c times the mean entropy (token-mean, on-policy ratio 1)
+        lpe, ente = s.logprobs(toks, lens)
+        inl = np.ones(n, bool)
+        inl[np.concatenate([[0], np.cumsum(lens)[:-1]])] = False
+        ste = s.train_step(toks, lens, loss_mask=mask, advantages=adv, loss="pg", entropy_coef=0.1)
+        want = -float(np.mean(adv[inl].astype(np.float64))) - 0.1 * float(np.mean(ente[inl].astype(np.float64)))
+        check(abs(ste["loss"] - want) < 1e-5, f"entropy bonus: loss {ste['loss']} vs {want}")
         check(0 <= st["clip_frac"] <= 1 and st["n_loss_tokens"] == n - len(lens) and st["step"] == 9, f"stats {st}")
+        # the routes taken, replayed: the same log-probs bit for bit; other routes change them; a bad id is refused
+        check(info["num_moe_layers"] == 2 and info["top_k"] == 2, f"info {info}")
+        lp1, routes = s.logprobs(toks, lens, entropy=False, routes=True)
+        check(routes.shape == (n, 2, 2) and routes.dtype == np.int32, f"routes shape {routes.shape}")
+        check(np.all((routes >= 0) & (routes < 4)) and np.all(routes[..., 0] != routes[..., 1]), "routes: distinct ids")
+        lp2 = s.logprobs(toks, lens, entropy=False, routed_experts=routes)
+        check(np.array_equal(lp1, lp2), "replay of the routes taken changed the log-probs")
+        other = (routes + 1) % 4
+        lp3 = s.logprobs(toks, lens, entropy=False, routed_experts=other)
+        check(not np.array_equal(lp1, lp3), "replay of other routes left every log-prob unchanged")
+        st2 = s.train_step(toks, lens, loss_mask=mask, routed_experts=other)
+        check(math.isfinite(st2["loss"]) and st2["step"] == 11, f"a train step under replay: {st2}")
+        bad = routes.copy()
+        bad[3, 1, 0] = 9
+        try:
+            s.logprobs(toks, lens, routed_experts=bad)
+            check(False, "an expert id out of range was accepted")
+        except flatmoe.FlatmoeError as e:
+            check("token 3, MoE layer 1, slot 0] is 9" in str(e), f"the bad route is named: {e}")
         try:
             s.logprobs(np.zeros(13 * 16 + 1, np.int32), np.array([16] * 13 + [1], np.int64))
             check(False, "a batch over the budget was accepted")

@@ -226,7 +226,14 @@ static double loss_at(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_
     return st.loss;
 }
 
-static void test_step_grad(fm_rng *g) {
+/* ent_coef != 0: with the entropy bonus (l_t -= c H_t; its gradient through the logits, the
+ * backend's lce_strip_grad_ent), large enough that its share of the gradient exceeds the tolerance:
+ * the largest change of a checked gradient against the step without it is printed and required to
+ * be over 10x the tolerance, so a missing or wrong entropy gradient fails. */
+static double g_noent[16];
+static int64_t g_pick[16];
+
+static void test_step_grad(fm_rng *g, double ent_coef) {
     flatmoe_session *s = open_micro();
     if (!s) return;
     flatmoe_batch b;
@@ -251,17 +258,32 @@ static void test_step_grad(fm_rng *g) {
     sp.tis_cap = 2.0;
     sp.kl = FLATMOE_KL_K3;
     sp.kl_coef = 0.1;
+    sp.entropy_coef = ent_coef;
     flatmoe_step_stats st;
     CHECK(fm_capi_grads(s, &b, &sp, &st) == FM_OK);
+    if (ent_coef != 0) { /* the loss term: the spec's without the bonus, less c times the aggregated entropy */
+        flatmoe_loss_spec s0 = sp;
+        s0.entropy_coef = 0;
+        const double l0 = loss_at(s, &b, &s0);
+        double agg = 0, nseq = 0;
+        for (int64_t t = 0, i = 0; i < MS; i++) { /* seq-mean-token-mean of the entropies over the mask */
+            double sum = 0, cnt = 0;
+            for (int64_t j = 0; j < mlens[i]; j++, t++)
+                if (j > 0 && mmask[t]) sum += s->ent[t], cnt += 1;
+            if (cnt > 0) agg += sum / cnt, nseq += 1;
+        }
+        CHECK_CLOSE(st.loss, l0 - ent_coef * agg / nseq, 1e-9);
+    }
     fm_model *m = &s->r.m;
     const int64_t P = m->p.n_params;
     float *gr = malloc(sizeof(float) * (size_t)P);
     memcpy(gr, m->p.grads, sizeof(float) * (size_t)P);
     float *w = (float *)m->p.params;
     /* the 8 largest gradients and 8 drawn among those above 1% of the largest */
-    int64_t pick[16];
+    int64_t *pick = g_pick; /* the same weights with and without the entropy bonus (the first call picks) */
     double gmax = 0;
-    for (int k = 0; k < 8; k++) {
+    for (int64_t i = 0; i < P; i++) gmax = fmax(gmax, fabs(gr[i]));
+    for (int k = 0; k < 8 && ent_coef == 0; k++) {
         int64_t best = 0;
         for (int64_t i = 0; i < P; i++) {
             bool taken = false;
@@ -269,16 +291,15 @@ static void test_step_grad(fm_rng *g) {
             if (!taken && fabs(gr[i]) > fabs(gr[best])) best = i;
         }
         pick[k] = best;
-        if (k == 0) gmax = fabs(gr[best]);
     }
-    for (int k = 8; k < 16; k++) {
+    for (int k = 8; k < 16 && ent_coef == 0; k++) {
         int64_t i;
         do i = (int64_t)fm_rng_below(g, (uint64_t)P);
         while (fabs(gr[i]) < 0.01 * gmax);
         pick[k] = i;
     }
     int bad = 0;
-    double worst = 0;
+    double worst = 0, moved = 0;
     for (int k = 0; k < 16; k++) {
         const int64_t i = pick[k];
         const float x = w[i];
@@ -294,15 +315,20 @@ static void test_step_grad(fm_rng *g) {
          * plus 1e-3 of the largest one (a wrong sign, branch or missing term fails it; a small scale
          * error is test_sft_equals_train's to catch, bit for bit) */
         const double tol = 0.02 * fabs(gr[i]) + 1e-3 * gmax, d = fabs(fd - gr[i]);
+        if (ent_coef == 0) g_noent[k] = gr[i];
+        else moved = fmax(moved, fabs(gr[i] - g_noent[k]) / tol);
         worst = d / tol > worst ? d / tol : worst;
         if (d > tol) {
             bad++;
             fprintf(stderr, "param %lld: gradient %.6g, finite difference %.6g\n", (long long)i, gr[i], fd);
         }
     }
-    CHECK_MSG(bad == 0, "%d of 16 gradients off their finite differences", bad);
+    CHECK_MSG(bad == 0, "%d of 16 gradients off their finite differences (entropy_coef %g)", bad, ent_coef);
+    if (ent_coef != 0)
+        CHECK_MSG(moved > 10, "the entropy bonus moved the checked gradients by only %.3g of the tolerance", moved);
     printf("PG step gradient vs finite differences: 16 weights, worst %.3g of the tolerance (clip %.2f, dual %.2f, tis "
-           "%.3f, kl %.4f)\n", worst, st.clip_frac, st.dual_clip_frac, st.tis_mean, st.kl);
+           "%.3f, kl %.4f, entropy_coef %g: the gradients moved by up to %.3g tolerances)\n", worst, st.clip_frac,
+           st.dual_clip_frac, st.tis_mean, st.kl, ent_coef, moved);
     free(gr);
     flatmoe_close(s);
 }
@@ -392,7 +418,9 @@ int main(void) {
     fm_rng_seed(&g, seed);
     test_coefs(&g);
     test_nonfinite_inputs();
-    test_step_grad(&g);
+    fm_rng g2 = g; /* the same batch for both */
+    test_step_grad(&g, 0.0);
+    test_step_grad(&g2, 0.5);
     test_sft_equals_train(&g);
     unlink(cfg_path);
     printf("%d passed, %d failed\n", fm_test_passed, fm_test_failed);

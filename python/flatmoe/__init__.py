@@ -3,6 +3,8 @@
     import numpy as np, flatmoe
     s = flatmoe.Session("--init-from", "path/to/hf_folder", "--seq-len", "4096", "--micro-batch", "4")
     logp, ent = s.logprobs(tokens, seq_lens)                  # [N] float32 each
+    logp, ent, routes = s.logprobs(tokens, seq_lens, routes=True)  # + int32 [N, num_moe_layers, top_k]
+    stats = s.train_step(tokens, seq_lens, ..., routed_experts=routes)  # routing replay (R3)
     stats = s.train_step(tokens, seq_lens, loss_mask=mask, advantages=adv,
                          old_logprobs=old, loss="pg", agg="seq-mean-token-mean",
                          clip_low=0.2, clip_high=0.28, kl="k3", kl_coef=0.001, ref_logprobs=ref)
@@ -28,21 +30,25 @@ class FlatmoeError(RuntimeError):
         self.code = code
 
 
+_ABI_VERSION = 2  # include/flatmoe.h FLATMOE_ABI_VERSION: the struct layouts below
+
+
 class _Info(ctypes.Structure):
     _fields_ = [(n, _i64) for n in ("vocab_size", "micro_batch", "seq_len", "token_budget", "num_layers",
-                                    "num_experts", "hidden_size", "step")]
+                                    "num_experts", "hidden_size", "step", "num_moe_layers", "top_k")]
 
 
 class _Batch(ctypes.Structure):
     _fields_ = [("n_tokens", _i64), ("tokens", ctypes.c_void_p), ("n_seqs", _i64), ("seq_lens", ctypes.c_void_p),
                 ("loss_mask", ctypes.c_void_p), ("advantages", ctypes.c_void_p), ("old_logprobs", ctypes.c_void_p),
-                ("rollout_logprobs", ctypes.c_void_p), ("ref_logprobs", ctypes.c_void_p)]
+                ("rollout_logprobs", ctypes.c_void_p), ("ref_logprobs", ctypes.c_void_p),
+                ("routed_experts", ctypes.c_void_p)]
 
 
 class _LossSpec(ctypes.Structure):
     _fields_ = [("loss", ctypes.c_int), ("agg", ctypes.c_int), ("clip_low", ctypes.c_double),
                 ("clip_high", ctypes.c_double), ("clip_dual", ctypes.c_double), ("tis_cap", ctypes.c_double),
-                ("kl", ctypes.c_int), ("kl_coef", ctypes.c_double)]
+                ("kl", ctypes.c_int), ("kl_coef", ctypes.c_double), ("entropy_coef", ctypes.c_double)]
 
 
 _STAT_DOUBLES = ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_frac", "clip_frac_low", "clip_frac_high",
@@ -66,11 +72,19 @@ def _load():
     if _lib is None:
         lib = ctypes.CDLL(os.environ.get("FLATMOE_LIB", "libflatmoe.so"))
         lib.flatmoe_last_error.restype = ctypes.c_char_p
+        abi = lib.flatmoe_abi_version() if hasattr(lib, "flatmoe_abi_version") else 1
+        if abi != _ABI_VERSION:
+            raise FlatmoeError(7, f"libflatmoe's ABI version is {abi}, this binding's {_ABI_VERSION} "
+                                  f"(include/flatmoe.h FLATMOE_ABI_VERSION); use the binding of the library loaded "
+                                  f"({os.environ.get('FLATMOE_LIB', 'libflatmoe.so')})")
         lib.flatmoe_open.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.flatmoe_close.argtypes = [ctypes.c_void_p]
         lib.flatmoe_close.restype = None
         lib.flatmoe_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Info)]
         lib.flatmoe_logprobs.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Batch), ctypes.c_void_p, ctypes.c_void_p]
+        lib.flatmoe_logprobs_ex.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Batch), ctypes.c_void_p,
+                                            ctypes.c_void_p, ctypes.c_void_p, _i64, ctypes.c_void_p,
+                                            ctypes.c_void_p]
         lib.flatmoe_train_step.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Batch), ctypes.POINTER(_LossSpec),
                                            ctypes.POINTER(_Stats)]
         _lib = lib
@@ -129,31 +143,57 @@ class Session:
         _check(_lib.flatmoe_get_info(self._h, ctypes.byref(i)))
         return {n: getattr(i, n) for n, _ in _Info._fields_}
 
+    def _routes_shape(self, n):
+        i = self.info
+        return (n, i["num_moe_layers"], i["top_k"])
+
     def _batch(self, tokens, seq_lens, loss_mask=None, advantages=None, old_logprobs=None, rollout_logprobs=None,
-               ref_logprobs=None):
+               ref_logprobs=None, routed_experts=None):
         tok = _arr(tokens, np.int32, np.asarray(tokens).shape[0], "tokens")
         n = tok.shape[0]
         keep = [tok, _arr(seq_lens, np.int64, np.asarray(seq_lens).shape[0], "seq_lens"),
                 _arr(loss_mask, np.uint8, n, "loss_mask"), _arr(advantages, np.float32, n, "advantages"),
                 _arr(old_logprobs, np.float32, n, "old_logprobs"), _arr(rollout_logprobs, np.float32, n, "rollout_logprobs"),
                 _arr(ref_logprobs, np.float32, n, "ref_logprobs")]
+        if routed_experts is None:
+            keep.append(None)
+        else:
+            r = np.ascontiguousarray(routed_experts, dtype=np.int32)
+            if r.shape != self._routes_shape(n):
+                raise ValueError(f"routed_experts: expected shape [n_tokens, num_moe_layers, top_k] = "
+                                 f"{list(self._routes_shape(n))}, found {list(r.shape)}")
+            keep.append(r)
         b = _Batch(n, _ptr(keep[0]), keep[1].shape[0], _ptr(keep[1]), *[_ptr(a) for a in keep[2:]])
         return b, keep
 
-    def logprobs(self, tokens, seq_lens, entropy=True):
-        """Per-token log-probs (and entropies) [N] float32 of the packed sequences; 0 at each first token."""
-        b, keep = self._batch(tokens, seq_lens)
+    def logprobs(self, tokens, seq_lens, entropy=True, routes=False, routed_experts=None, topk=0):
+        """Per-token log-probs (and entropies) [N] float32 of the packed sequences; 0 at each first token.
+        routes=True also returns the experts each token was routed to, int32 [N, num_moe_layers, top_k]
+        (the MoE layers in model order). routed_experts (same shape): replay those routes (R3).
+        topk=k (<= the session's --logprobs-topk) also returns the k largest log-probs float32 [N, k] and
+        their token ids int32 [N, k] (-inf and -1 at each first token).
+        Returns lp, then ent, routes, topk log-probs, topk ids, each only when asked for."""
+        b, keep = self._batch(tokens, seq_lens, routed_experts=routed_experts)
         lp = np.empty(b.n_tokens, np.float32)
         ent = np.empty(b.n_tokens, np.float32) if entropy else None
-        _check(_lib.flatmoe_logprobs(self._h, ctypes.byref(b), _ptr(lp), _ptr(ent)))
-        return (lp, ent) if entropy else lp
+        rt = np.empty(self._routes_shape(b.n_tokens), np.int32) if routes else None
+        tl = np.empty((b.n_tokens, topk), np.float32) if topk else None
+        ti = np.empty((b.n_tokens, topk), np.int32) if topk else None
+        _check(_lib.flatmoe_logprobs_ex(self._h, ctypes.byref(b), _ptr(lp), _ptr(ent), _ptr(rt), topk, _ptr(tl),
+                                        _ptr(ti)))
+        out = (lp,) + ((ent,) if entropy else ()) + ((rt,) if routes else ()) + ((tl, ti) if topk else ())
+        return out if len(out) > 1 else lp
 
     def train_step(self, tokens, seq_lens, loss_mask=None, advantages=None, old_logprobs=None, rollout_logprobs=None,
                    ref_logprobs=None, loss="sft", agg="token-mean", clip_low=0.2, clip_high=0.2, clip_dual=0.0,
-                   tis_cap=0.0, kl=None, kl_coef=0.0):
-        """One optimizer step; returns the step's statistics as a dict (flatmoe_step_stats)."""
-        b, keep = self._batch(tokens, seq_lens, loss_mask, advantages, old_logprobs, rollout_logprobs, ref_logprobs)
-        spec = _LossSpec(_LOSS[loss], _AGG[agg], clip_low, clip_high, clip_dual, tis_cap, _KL[kl], kl_coef)
+                   tis_cap=0.0, kl=None, kl_coef=0.0, routed_experts=None, entropy_coef=0.0):
+        """One optimizer step; returns the step's statistics as a dict (flatmoe_step_stats).
+        routed_experts: int32 [N, num_moe_layers, top_k], the routes to replay (R3), or None.
+        entropy_coef: the entropy bonus c (l_t -= c H_t; verl's entropy_coeff)."""
+        b, keep = self._batch(tokens, seq_lens, loss_mask, advantages, old_logprobs, rollout_logprobs, ref_logprobs,
+                              routed_experts)
+        spec = _LossSpec(_LOSS[loss], _AGG[agg], clip_low, clip_high, clip_dual, tis_cap, _KL[kl], kl_coef,
+                         entropy_coef)
         st = _Stats()
         _check(_lib.flatmoe_train_step(self._h, ctypes.byref(b), ctypes.byref(spec), ctypes.byref(st)))
         return {n: getattr(st, n) for n, _ in _Stats._fields_}

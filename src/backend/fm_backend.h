@@ -366,6 +366,17 @@ typedef struct fm_ops {
      * cuda_router_force.cu). NULL in a backend without it. */
     void (*router_force)(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
                          int64_t k, int64_t first, int percent, bool norm_topk);
+    /* Replayed routing (routing replay, R3: a rollout engine's routes given with the batch;
+     * fm_router.h), run after router_fwd: token n whose row replay[n*k .. n*k+k) starts with an id
+     * >= 0 gets topk_idx[n,j] = replay[n*k+j] (the given order) and topk_w[n,j] = probs[n, that
+     * expert], divided when norm_topk by their sum accumulated in fp32 in j order (router_fwd's
+     * arithmetic, operation for operation: replaying router_fwd's own routes gives its bits); a
+     * row starting with -1 (padding) keeps router_fwd's. The ids of a replayed row must be in
+     * [0,E) and distinct (the caller checks them: src/capi/flatmoe_replay.c). probs [N,E] fp32,
+     * replay, topk_idx [N,k] int32, topk_w [N,k] fp32, backend memory. cpu_router_replay.c,
+     * cuda_router_replay.cu. NULL in a backend without it. */
+    void (*router_replay)(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, const int32_t *replay,
+                          int64_t N, int64_t E, int64_t k, bool norm_topk);
 
     /* ---- the sigmoid router (DeepSeek-V3, arXiv 2412.19437 §2.1.2; transformers'
      * Glm4MoeTopkRouter / DeepseekV3TopkRouter), per token n, in fp32:
@@ -515,6 +526,32 @@ typedef struct fm_ops {
                            const float *z, const int32_t *targets, const float *weights,
                            int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index,
                            float grad_scale, float z_coef);
+    /* lce_strip_grad with an entropy term (the RL head's entropy bonus, fm_linear_ce's ent_weight):
+     *   grad[r,i] = lce_strip_grad's + grad_scale * ent_w_r * dH_r/dS_ri,
+     *   dH_r/dS_ri = -p_ri (log p_ri + H_r),  log p_ri = S_ri - lse_r,  p_ri = exp(log p_ri),
+     * the gradient of sum_r ent_w_r H_r, H_r = lse_r - sum_i p_ri S_ri the row's entropy (ent [Nb]
+     * fp32, the forward's, lce_finalize's entropy of the same logits). (dH/dS_i = -p_i (S_i - E_p[S])
+     * and E_p[S] = lse - H: the entropy of a softmax differentiated; the term of verl's actor loss
+     * pg_loss - entropy_coeff * agg_loss(entropy), verl/workers/actor/dp_actor.py.) Rows with targets[r] == ignore_index are zero (as
+     * lce_strip_grad's). grad [Nb,Vb] ASSIGNED, may alias strip; ent_w, ent [Nb] fp32. */
+    void (*lce_strip_grad_ent)(void *ctx, float *grad, const float *strip, const float *m, const float *z,
+                               const int32_t *targets, const float *weights, const float *ent_w, const float *ent,
+                               int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index, float grad_scale,
+                               float z_coef);
+    /* The k largest logits of each row (the top-k log-probs of the RL head; fm_linear_ce's
+     * out_topk_*), folded strip by strip: strip [Nb,Vb] (columns [v0, v0+Vb)) merged into the
+     * running topv [Nb,k] fp32 (logits, decreasing) and topi [Nb,k] int32 (their vocabulary ids),
+     * in the strict order (logit descending, id ascending), so the result does not depend on the
+     * order of the blocks; first = true ASSIGNS (-inf and -1 before folding). A NaN logit never
+     * enters. k >= 1. */
+    void (*lce_topk_fold)(void *ctx, float *topv, int32_t *topi, const float *strip, int64_t Nb, int64_t Vb,
+                          int64_t v0, int64_t k, bool first);
+    /* The top-k log-probs from the folded logits and the rows' finished m, z [Nb]:
+     * out_lp[r,j] = -((m_r - topv[r,j]) + log z_r) in double, rounded once (lce_finalize's form of
+     * log p, so a top id equal to the target gives the target's log-prob bits), out_id[r,j] =
+     * topi[r,j]; out_lp, out_id [Nb,k] ASSIGNED (rows with fewer than k finite logits: -inf, -1). */
+    void (*lce_topk_finalize)(void *ctx, float *out_lp, int32_t *out_id, const float *topv, const int32_t *topi,
+                              const float *m, const float *z, int64_t Nb, int64_t k);
 
     /* ---- memory: used at launch (arenas, weights) and for small transfers; no op of a step
      * allocates. Pointers from mem_alloc are the backend's (device memory on a GPU). -------- */

@@ -18,6 +18,8 @@
  * (N x V logits and their gradient, and the same state for all N tokens). Where fm_act is not
  * fp32 (the bf16 CUDA build), the fp32 gradient strip is converted to fm_act for its two GEMMs:
  * add round(Nb * Vb * sizeof(fm_act)) to the bound (round(N * V * sizeof(fm_act)) to the twin).
+ * With the top-k outputs (fm_lce_opts.topk = k), the running top-k of a token block adds
+ * 2 * round(Nb * k * 4) (fm_linear_ce_topk_bytes; the twin 2 * round(N * k * 4)).
  */
 #include "fm_linear_ce.h"
 
@@ -64,6 +66,14 @@ size_t fm_linear_ce_call_bytes_a(int64_t block_tokens, int64_t block_vocab, int6
     if (vb > V) vb = V;
     return fm_arena_round((size_t)(nb * vb * FM_LCE_F32)) + act_copy_bytes_a(nb * vb, act_bytes) +
            (want_entropy ? 4 : 3) * fm_arena_round((size_t)(nb * FM_LCE_F32));
+}
+
+size_t fm_linear_ce_topk_bytes(int64_t block_tokens, int64_t N, int64_t k) {
+    FM_ASSERT(N >= 0);
+    if (k <= 0) return 0;
+    int64_t nb = lce_block(block_tokens, FM_LCE_DEFAULT_BLOCK_TOKENS);
+    if (nb > N) nb = N;
+    return 2 * fm_arena_round((size_t)(nb * k * FM_LCE_F32));
 }
 
 size_t fm_linear_ce_strip_bytes_a(int64_t nb, int64_t vb, size_t act_bytes) {
@@ -114,9 +124,26 @@ fm_lce_strip fm_linear_ce_strip_alloc(fm_arena *ws, int64_t nb, int64_t vb, bool
     return st;
 }
 
-void fm_linear_ce_fold_range(const fm_backend *be, const fm_lce_strip *st, float *m, float *z, float *tgt,
-                             float *ent, const fm_act *hb, const int32_t *tb, int64_t nb, const fm_act *W,
-                             int64_t v_begin, int64_t v_count, int64_t H, bool first) {
+/* The running top-k of a token block (fm_lce_opts.topk): topv [nb,k] fp32, topi [nb,k] int32. */
+typedef struct lce_topk {
+    float *v;
+    int32_t *i;
+    int64_t k;
+} lce_topk;
+
+static lce_topk lce_topk_alloc(fm_arena *ws, int64_t nb, const fm_lce_opts *o) {
+    lce_topk t = {NULL, NULL, 0};
+    if (o->topk <= 0 || !o->out_topk_logprob || !o->out_topk_id) return t;
+    t.k = o->topk;
+    t.v = fm_arena_alloc(ws, (size_t)(nb * t.k * FM_LCE_F32));
+    t.i = fm_arena_alloc(ws, (size_t)(nb * t.k) * sizeof(int32_t));
+    return t;
+}
+
+/* fm_linear_ce_fold_range, and each strip folded into the running top-k when tk->k > 0. */
+static void fold_range_topk(const fm_backend *be, const fm_lce_strip *st, float *m, float *z, float *tgt, float *ent,
+                            const lce_topk *tk, const fm_act *hb, const int32_t *tb, int64_t nb, const fm_act *W,
+                            int64_t v_begin, int64_t v_count, int64_t H, bool first) {
     const fm_ops *ops = be->ops;
     void *ctx = be->ctx;
     FM_ASSERT(nb <= st->nb);
@@ -124,13 +151,22 @@ void fm_linear_ce_fold_range(const fm_backend *be, const fm_lce_strip *st, float
         const int64_t vb = v_count - v < st->vb ? v_count - v : st->vb;
         ops->gemm(ctx, false, true, nb, vb, H, 1.0f, hb, H, W + v * H, H, 0.0f, st->S, FM_DTYPE_F32, vb);
         ops->lce_fold(ctx, m, z, tgt, ent, st->S, tb, nb, vb, v_begin + v, first && v == 0);
+        if (tk && tk->k > 0) ops->lce_topk_fold(ctx, tk->v, tk->i, st->S, nb, vb, v_begin + v, tk->k, first && v == 0);
     }
 }
 
-void fm_linear_ce_grad_range(const fm_backend *be, const fm_lce_strip *st, const float *m, const float *z,
-                             const fm_act *hb, const int32_t *tb, const float *wb, int64_t nb, const fm_act *W,
-                             int64_t v_begin, int64_t v_count, int64_t H, int32_t ignore_index, float grad_scale,
-                             float z_loss, fm_act *dh, bool dh_first, fm_act *dW) {
+void fm_linear_ce_fold_range(const fm_backend *be, const fm_lce_strip *st, float *m, float *z, float *tgt,
+                             float *ent, const fm_act *hb, const int32_t *tb, int64_t nb, const fm_act *W,
+                             int64_t v_begin, int64_t v_count, int64_t H, bool first) {
+    fold_range_topk(be, st, m, z, tgt, ent, NULL, hb, tb, nb, W, v_begin, v_count, H, first);
+}
+
+/* fm_linear_ce_grad_range, with the entropy term's gradient when ent_w (and ent, [nb]) is set. */
+static void grad_range_ent(const fm_backend *be, const fm_lce_strip *st, const float *m, const float *z,
+                           const fm_act *hb, const int32_t *tb, const float *wb, const float *ent_w, const float *ent,
+                           int64_t nb, const fm_act *W, int64_t v_begin, int64_t v_count, int64_t H,
+                           int32_t ignore_index, float grad_scale, float z_loss, fm_act *dh, bool dh_first,
+                           fm_act *dW) {
     const fm_ops *ops = be->ops;
     void *ctx = be->ctx;
     FM_ASSERT(nb <= st->nb);
@@ -139,7 +175,11 @@ void fm_linear_ce_grad_range(const fm_backend *be, const fm_lce_strip *st, const
         const fm_act *Wb = W + v * H;
         float *S = st->S;
         ops->gemm(ctx, false, true, nb, vb, H, 1.0f, hb, H, Wb, H, 0.0f, S, FM_DTYPE_F32, vb);
-        ops->lce_strip_grad(ctx, S, S, m, z, tb, wb, nb, vb, v_begin + v, ignore_index, grad_scale, z_loss);
+        if (ent_w)
+            ops->lce_strip_grad_ent(ctx, S, S, m, z, tb, wb, ent_w, ent, nb, vb, v_begin + v, ignore_index, grad_scale,
+                                    z_loss);
+        else
+            ops->lce_strip_grad(ctx, S, S, m, z, tb, wb, nb, vb, v_begin + v, ignore_index, grad_scale, z_loss);
         const fm_act *G = act_view(ops, ctx, S, st->Sa, nb * vb);
         if (dh) /* dh_blk (=, then +=) G [nb,vb] W_blk [vb,H] */
             ops->gemm(ctx, false, false, nb, H, vb, 1.0f, G, vb, Wb, H, dh_first && v == 0 ? 0.0f : 1.0f, dh,
@@ -147,6 +187,14 @@ void fm_linear_ce_grad_range(const fm_backend *be, const fm_lce_strip *st, const
         if (dW) /* dW_blk [vb,H] += G^T h_blk */
             ops->gemm(ctx, true, false, vb, H, nb, 1.0f, G, vb, hb, H, 1.0f, dW + v * H, FM_ACT_DTYPE, H);
     }
+}
+
+void fm_linear_ce_grad_range(const fm_backend *be, const fm_lce_strip *st, const float *m, const float *z,
+                             const fm_act *hb, const int32_t *tb, const float *wb, int64_t nb, const fm_act *W,
+                             int64_t v_begin, int64_t v_count, int64_t H, int32_t ignore_index, float grad_scale,
+                             float z_loss, fm_act *dh, bool dh_first, fm_act *dW) {
+    grad_range_ent(be, st, m, z, hb, tb, wb, NULL, NULL, nb, W, v_begin, v_count, H, ignore_index, grad_scale, z_loss,
+                   dh, dh_first, dW);
 }
 
 void fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, fm_act *dW,
@@ -168,10 +216,13 @@ void fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, f
     const size_t entry = ws->used;
     const fm_lce_strip strip = fm_linear_ce_strip_alloc(ws, Nb, Vb, backward);
     const lce_state st = lce_state_alloc(ws, Nb, o.out_entropy != NULL);
+    const lce_topk tk = lce_topk_alloc(ws, Nb, &o);
     if (fm_arena_is_measure(ws)) {
         ws->used = entry;
         return;
     }
+    FM_ASSERT(tk.k == 0 || (ops->lce_topk_fold && ops->lce_topk_finalize));
+    FM_ASSERT(!o.ent_weight || (o.ent_value && ops->lce_strip_grad_ent));
 
     for (int64_t n0 = 0; n0 < N; n0 += Nb) {
         const int64_t nb = N - n0 < Nb ? N - n0 : Nb;
@@ -180,15 +231,19 @@ void fm_linear_ce(const fm_backend *be, fm_arena *ws, float *loss, fm_act *dh, f
         const float *wb = o.token_weight ? o.token_weight + n0 : NULL;
 
         /* pass 1: fold every vocabulary block into m, z, tgt (and ent) */
-        fm_linear_ce_fold_range(be, &strip, st.m, st.z, st.tgt, st.ent, hb, tb, nb, W, 0, V, H, true);
+        fold_range_topk(be, &strip, st.m, st.z, st.tgt, st.ent, &tk, hb, tb, nb, W, 0, V, H, true);
         ops->lce_finalize(ctx, loss + n0, o.out_logprob ? o.out_logprob + n0 : NULL,
                           o.out_entropy ? o.out_entropy + n0 : NULL, sums, st.m, st.z, st.tgt, st.ent, tb, wb,
                           nb, V, o.ignore_index);
+        if (tk.k > 0)
+            ops->lce_topk_finalize(ctx, o.out_topk_logprob + n0 * tk.k, o.out_topk_id + n0 * tk.k, tk.v, tk.i, st.m,
+                                   st.z, nb, tk.k);
         if (!backward) continue;
 
         /* pass 2: recompute each strip, turn it into G in place, contract into dh and dW */
-        fm_linear_ce_grad_range(be, &strip, st.m, st.z, hb, tb, wb, nb, W, 0, V, H, o.ignore_index, grad_scale,
-                                o.z_loss, dh ? dh + n0 * H : NULL, true, dW);
+        grad_range_ent(be, &strip, st.m, st.z, hb, tb, wb, o.ent_weight ? o.ent_weight + n0 : NULL,
+                       o.ent_weight ? o.ent_value + n0 : NULL, nb, W, 0, V, H, o.ignore_index, grad_scale, o.z_loss,
+                       dh ? dh + n0 * H : NULL, true, dW);
     }
     ws->used = entry;
 }
@@ -210,6 +265,7 @@ void fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, fm_act 
     float *dlogits = fm_arena_alloc(ws, (size_t)(N * V * FM_LCE_F32));
     fm_act *da = sizeof(fm_act) == sizeof(float) ? NULL : fm_arena_alloc(ws, act_copy_bytes(N * V));
     const lce_state st = lce_state_alloc(ws, N, o.out_entropy != NULL);
+    const lce_topk tk = lce_topk_alloc(ws, N, &o);
     if (fm_arena_is_measure(ws)) {
         ws->used = entry;
         return;
@@ -219,9 +275,17 @@ void fm_linear_ce_plain(const fm_backend *be, fm_arena *ws, float *loss, fm_act 
     ops->lce_fold(ctx, st.m, st.z, st.tgt, st.ent, logits, targets, N, V, 0, true);
     ops->lce_finalize(ctx, loss, o.out_logprob, o.out_entropy, sums, st.m, st.z, st.tgt, st.ent, targets,
                       o.token_weight, N, V, o.ignore_index);
+    if (tk.k > 0) {
+        ops->lce_topk_fold(ctx, tk.v, tk.i, logits, N, V, 0, tk.k, true);
+        ops->lce_topk_finalize(ctx, o.out_topk_logprob, o.out_topk_id, tk.v, tk.i, st.m, st.z, N, tk.k);
+    }
     if (dh || dW) {
-        ops->lce_strip_grad(ctx, dlogits, logits, st.m, st.z, targets, o.token_weight, N, V, 0,
-                            o.ignore_index, grad_scale, o.z_loss);
+        if (o.ent_weight)
+            ops->lce_strip_grad_ent(ctx, dlogits, logits, st.m, st.z, targets, o.token_weight, o.ent_weight,
+                                    o.ent_value, N, V, 0, o.ignore_index, grad_scale, o.z_loss);
+        else
+            ops->lce_strip_grad(ctx, dlogits, logits, st.m, st.z, targets, o.token_weight, N, V, 0,
+                                o.ignore_index, grad_scale, o.z_loss);
         const fm_act *G = act_view(ops, ctx, dlogits, da, N * V);
         if (dh) ops->gemm(ctx, false, false, N, H, V, 1.0f, G, V, W, H, 0.0f, dh, FM_ACT_DTYPE, H);
         if (dW) ops->gemm(ctx, true, false, V, H, N, 1.0f, G, V, h, H, 1.0f, dW, FM_ACT_DTYPE, H);

@@ -37,6 +37,19 @@ typedef struct fm_lce_opts {
     const float *token_weight;         /* [N] fp32 per-token loss weights w_t; NULL: all 1 */
     float *out_logprob;                /* [N] fp32 log p(target) = -loss_t (0 if ignored); NULL: skip */
     float *out_entropy;                /* [N] fp32 softmax entropy (nats), every token; NULL: skip */
+    /* The k largest log-probs of every token and their ids (NeMo-RL's and vLLM's top-k log-probs),
+     * from a running top-k of the logits merged across the vocabulary blocks (lce_topk_fold: never
+     * N x V; ties to the lower id), then log p = logit - lse as the target's log-prob is formed
+     * (lce_topk_finalize). topk 0: off. With topk >= 1 both outputs are [N, topk], ASSIGNED, every
+     * token (ignored ones too). One rank only (the ring does not take them). */
+    int64_t topk;
+    float *out_topk_logprob;           /* [N, topk] fp32 (nats), decreasing per token */
+    int32_t *out_topk_id;              /* [N, topk] int32 vocabulary ids */
+    /* An entropy term in the objective (the RL head's entropy bonus): J += sum_t ent_weight_t H_t,
+     * H_t the softmax entropy of token t's logits; its gradient (lce_strip_grad_ent: -p (log p + H)
+     * per logit) joins the backward. ent_value [N] fp32: H_t as the forward computed it (out_entropy
+     * of a forward over the same h and W). Both NULL: off. One rank only. */
+    const float *ent_weight, *ent_value;
 } fm_lce_opts;
 
 /* Options with defaults: default blocks, ignore_index -100, no z-loss, no weights, no extra
@@ -58,6 +71,11 @@ size_t fm_linear_ce_bound_bytes_a(int64_t block_tokens, int64_t block_vocab, siz
  * never more than fm_linear_ce_bound_bytes_a. Block sizes <= 0 mean the defaults. */
 size_t fm_linear_ce_call_bytes_a(int64_t block_tokens, int64_t block_vocab, int64_t N, int64_t V, bool want_entropy,
                                  size_t act_bytes);
+
+/* What the top-k outputs (fm_lce_opts.topk = k >= 1) add to one call over N tokens: the running
+ * top-k of a token block, topv [Nb',k] fp32 and topi [Nb',k] int32 with Nb' = min(Nb, N), each
+ * rounded as fm_arena_alloc rounds; 0 for k <= 0. (The plain twin takes them for all N.) */
+size_t fm_linear_ce_topk_bytes(int64_t block_tokens, int64_t N, int64_t k);
 
 /* Bytes the plain twin takes from its arena for N tokens and a V-entry vocabulary: the N x V
  * fp32 logits and their N x V fp32 gradient, plus the four [N] fp32 per-token vectors, each

@@ -55,6 +55,9 @@ static fm_status check_spec(const flatmoe_loss_spec *sp, const flatmoe_batch *b)
         return fm_error(FM_ERR_ARG, "loss spec: tis_cap %g; expected 0 (off) or a finite cap > 0 (e.g. 2)", sp->tis_cap);
     if (!(sp->kl_coef >= 0) || !isfinite(sp->kl_coef))
         return fm_error(FM_ERR_ARG, "loss spec: kl_coef %g; expected a finite value >= 0", sp->kl_coef);
+    if (!isfinite(sp->entropy_coef))
+        return fm_error(FM_ERR_ARG, "loss spec: entropy_coef %g; expected a finite value (0: off; verl's "
+                        "entropy_coeff, e.g. 0.001)", sp->entropy_coef);
     const bool pg = sp->loss == FLATMOE_LOSS_PG;
     if (pg && !b->advantages)
         return fm_error(FM_ERR_ARG, "batch: advantages is NULL, but the loss is the policy gradient; give A_t per token");
@@ -147,10 +150,29 @@ static void kl_token(int kind, double lp, double ref, double *k, double *dk) {
     }
 }
 
+/* Token t's aggregation weight a_t (docs/rl.md): 1/|M| (fp32-rounded, as train's), 1/|S|, or
+ * 1/(|S| |M_s|); inv_m the first, S the sequences with a loss token, cnt its sequence's. */
+static double agg_weight(int agg, double inv_m, int64_t S, int64_t cnt) {
+    return agg == FLATMOE_AGG_TOKEN_MEAN ? inv_m
+         : agg == FLATMOE_AGG_SEQ_MEAN_TOKEN_SUM ? 1.0 / (double)S
+                                                 : 1.0 / ((double)S * (double)cnt);
+}
+
+void fm_pg_entropy_coefs(const flatmoe_loss_spec *spec, int64_t n, const uint8_t *in_loss, const int32_t *seq_of,
+                         const int64_t *seq_count, const flatmoe_step_stats *st, double *ent_coef) {
+    const double inv_m = (double)(1.0f / (float)st->n_loss_tokens);
+    for (int64_t t = 0; t < n; t++)
+        ent_coef[t] = in_loss[t] ? -spec->entropy_coef * agg_weight(spec->agg, inv_m, st->n_loss_seqs,
+                                                                    seq_count[seq_of[t]])
+                                 : 0.0;
+}
+
 fm_status fm_pg_coefs(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int64_t n, const float *logp,
                       const float *ent, const uint8_t *in_loss, const int32_t *seq_of, int64_t *seq_count,
                       double *coef, flatmoe_step_stats *st) {
     FM_TRY(fm_pg_check(spec, b, n, in_loss));
+    if (spec->entropy_coef != 0 && !ent)
+        return fm_error(FM_ERR_ARG, "fm_pg_coefs: entropy_coef %g without the entropies; pass ent", spec->entropy_coef);
     int64_t M = 0, S = 0;
     memset(seq_count, 0, sizeof(int64_t) * (size_t)b->n_seqs);
     for (int64_t t = 0; t < n; t++)
@@ -163,16 +185,14 @@ fm_status fm_pg_coefs(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int
                         "tokens, which have no log-prob); give a mask with response tokens");
     /* token-mean's 1/|M| rounded to fp32 as `train`'s 1/valid is, so SFT's step equals train's bit for bit */
     const double inv_m = (double)(1.0f / (float)M);
-    double pg = 0, kl = 0, kl_mean = 0, ent_sum = 0, ratio_sum = 0, tis_sum = 0;
+    double pg = 0, kl = 0, kl_mean = 0, ent_sum = 0, ent_agg = 0, ratio_sum = 0, tis_sum = 0;
     int64_t n_lo = 0, n_hi = 0, n_dual = 0;
     for (int64_t t = 0; t < n; t++) {
         coef[t] = 0;
         if (!in_loss[t]) continue;
         const double lp = logp[t];
         const int64_t cnt = seq_count[seq_of[t]];
-        const double a = spec->agg == FLATMOE_AGG_TOKEN_MEAN ? inv_m
-                       : spec->agg == FLATMOE_AGG_SEQ_MEAN_TOKEN_SUM ? 1.0 / (double)S
-                                                                      : 1.0 / ((double)S * (double)cnt);
+        const double a = agg_weight(spec->agg, inv_m, S, cnt);
         const pg_tok p = pg_token(spec, b, t, lp);
         double g = p.g;
         pg += a * p.l;
@@ -185,6 +205,7 @@ fm_status fm_pg_coefs(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int
         }
         coef[t] = a * g;
         ent_sum += ent ? (double)ent[t] : 0.0;
+        ent_agg += ent ? a * (double)ent[t] : 0.0;
         ratio_sum += p.ratio;
         tis_sum += p.tis;
         n_lo += p.clip_low;
@@ -192,7 +213,7 @@ fm_status fm_pg_coefs(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int
         n_dual += p.dual;
     }
     st->pg_loss = pg;
-    st->loss = pg + kl;
+    st->loss = pg + kl - spec->entropy_coef * ent_agg; /* the entropy bonus: l_t -= c H_t */
     st->kl = kl_mean / (double)M;
     st->entropy = ent_sum / (double)M;
     st->ratio_mean = ratio_sum / (double)M;

@@ -13,6 +13,8 @@
 
 const char *flatmoe_last_error(void) { return fm_errmsg(); }
 
+int flatmoe_abi_version(void) { return FLATMOE_ABI_VERSION; }
+
 /* flatmoe_set_log's callback behind the engine's sink (its level is fm_log_level's value). */
 static flatmoe_log_fn user_log;
 static void log_adapter(void *user, fm_log_level level, const char *text) { user_log(user, (int)level, text); }
@@ -47,10 +49,11 @@ static fm_status parse_options(flatmoe_session *s, int argc, const char *const *
                             "options are `flatmoe train`'s flags, and --ckpt DIR)", i, a ? a : "(null)");
         const char *name = a + 2;
         const fm_spec_flag *f = fm_spec_find(name, FM_CMD_TRAIN);
-        const bool own = !strcmp(name, "ckpt") || !strcmp(name, "backend");
+        const bool own = !strcmp(name, "ckpt") || !strcmp(name, "backend") || !strcmp(name, "logprobs-topk");
         if (!f && !own)
             return fm_error(FM_ERR_ARG, "flatmoe_open: unknown option '--%s'; the options are `flatmoe train`'s "
-                            "flags (flatmoe train --help), and --ckpt DIR and --backend cpu|cuda", name);
+                            "flags (flatmoe train --help), and --ckpt DIR, --backend cpu|cuda and --logprobs-topk K",
+                            name);
         if (f && (!strcmp(name, "data") || !strcmp(name, "val-data")))
             return fm_error(FM_ERR_ARG, "flatmoe_open: --%s: a session takes its batches from flatmoe_logprobs and "
                             "flatmoe_train_step, not from files; drop --%s", name, name);
@@ -63,6 +66,14 @@ static fm_status parse_options(flatmoe_session *s, int argc, const char *const *
         const char *v = argv[++i];
         if (!strcmp(name, "ckpt")) {
             *ckpt_arg = v;
+        } else if (!strcmp(name, "logprobs-topk")) {
+            char *end = NULL;
+            const long long k = strtoll(v, &end, 10);
+            if (!end || *end || end == v || k < 0 || k > FLATMOE_TOPK_MAX)
+                return fm_error(FM_ERR_ARG, "flatmoe_open: --logprobs-topk %s; expected an integer 0 .. %d (the most "
+                                "top-k log-probs per token flatmoe_logprobs_ex may ask for; 0: none)", v,
+                                FLATMOE_TOPK_MAX);
+            s->topk_max = k;
         } else if (!strcmp(name, "backend")) {
             const char *mine = sizeof(fm_act) == sizeof(float) ? "cpu" : "cuda";
             if (strcmp(v, mine) != 0)
@@ -94,6 +105,7 @@ static fm_status session_options(flatmoe_session *s, const char *ckpt_arg) {
                         "the token budget; pass --grad-accum 1 (or leave it out) and call flatmoe_train_step per batch",
                         (long long)o->grad_accum);
     o->layout.rl_head = true;
+    o->layout.rl_topk = s->topk_max; /* the top-k log-probs' buffers, planned */
     s->ckpt[0] = 0;
     if (ckpt_arg) {
         if (o->init_from || o->config_path)
@@ -122,7 +134,16 @@ static fm_status alloc_scratch(flatmoe_session *s) {
     s->coef = fm_malloc(n * sizeof(double));
     s->seq_count = fm_malloc(n * sizeof(int64_t));
     s->weight = fm_malloc(n * sizeof(float));
-    if (!s->pos_of || !s->seq_of || !s->in_loss || !s->tok_loss || !s->tok_ent || !s->logp || !s->ent || !s->coef ||
+    s->ent_coef = fm_malloc(n * sizeof(double));
+    s->ent_weight = fm_malloc(n * sizeof(float));
+    s->L_moe = fm_config_num_moe_layers(&s->r.cfg);
+    s->k = s->r.cfg.num_experts_per_tok;
+    const size_t nr = (size_t)(s->L_moe * s->k) * n;
+    s->routes = nr ? fm_malloc(nr * sizeof(int32_t)) : NULL;
+    const size_t nk = (size_t)s->topk_max * n;
+    s->topk_lp = nk ? fm_malloc(nk * sizeof(float)) : NULL;
+    s->topk_id = nk ? fm_malloc(nk * sizeof(int32_t)) : NULL;
+    if ((nr && !s->routes) || !s->ent_coef || !s->ent_weight || (nk && (!s->topk_lp || !s->topk_id)) || !s->pos_of || !s->seq_of || !s->in_loss || !s->tok_loss || !s->tok_ent || !s->logp || !s->ent || !s->coef ||
         !s->seq_count || !s->weight)
         return fm_error(FM_ERR_NOMEM, "flatmoe_open: cannot allocate the batch scratch (%lld tokens)", (long long)n);
     return FM_OK;
@@ -181,6 +202,11 @@ void flatmoe_close(flatmoe_session *s) {
     fm_free(s->coef);
     fm_free(s->seq_count);
     fm_free(s->weight);
+    fm_free(s->routes);
+    fm_free(s->ent_coef);
+    fm_free(s->ent_weight);
+    fm_free(s->topk_lp);
+    fm_free(s->topk_id);
     fm_spec_free(&s->spec);
     free(s);
 }
@@ -196,5 +222,7 @@ int flatmoe_get_info(const flatmoe_session *s, flatmoe_info *out) {
     out->num_experts = c->num_experts;
     out->hidden_size = c->hidden_size;
     out->step = s->ts.step;
+    out->num_moe_layers = s->L_moe;
+    out->top_k = s->k;
     return FLATMOE_OK;
 }

@@ -89,8 +89,9 @@ fm_status fm_capi_pack_rows(const flatmoe_batch *b, int64_t B, int64_t T, int64_
 }
 
 fm_status fm_capi_pack(flatmoe_session *s, const flatmoe_batch *b, bool with_targets_all) {
-    return fm_capi_pack_rows(b, s->B, s->T, s->r.cfg.vocab_size, with_targets_all, &s->fb, s->pos_of, s->seq_of,
-                             s->in_loss);
+    FM_TRY(fm_capi_pack_rows(b, s->B, s->T, s->r.cfg.vocab_size, with_targets_all, &s->fb, s->pos_of, s->seq_of,
+                             s->in_loss));
+    return fm_capi_routes_stage(s, b); /* the replayed routes, at the packed positions */
 }
 
 fm_status fm_capi_forward(flatmoe_session *s, const flatmoe_batch *b) {
@@ -127,7 +128,7 @@ int flatmoe_logprobs(flatmoe_session *s, const flatmoe_batch *b, float *logprobs
 
 /* The backward of the last forward with token weights -c_t at the positions that predict each
  * loss token, then the step's reduction; the micro-batch's results into the step workspace. */
-static fm_status weighted_backward(flatmoe_session *s, const flatmoe_batch *b) {
+static fm_status weighted_backward(flatmoe_session *s, const flatmoe_batch *b, bool entropy_bonus) {
     fm_model *m = &s->r.m;
     fm_step_ws *w = &s->r.step;
     memset(s->weight, 0, sizeof(float) * (size_t)s->budget);
@@ -135,9 +136,17 @@ static fm_status weighted_backward(flatmoe_session *s, const flatmoe_batch *b) {
         if (s->in_loss[t]) s->weight[s->pos_of[t - 1]] = (float)-s->coef[t]; /* w = -dL/dlog p: loss_t = -log p_t */
     /* a blocking copy (sync point "token weights"): the host made them after the forward's read-back */
     m->be.ops->copy(m->be.ctx, m->a.rl_weight, s->weight, sizeof(float) * (size_t)s->budget, FM_COPY_H2D);
+    if (entropy_bonus) { /* dL/dH_t at the position that predicts token t (the entropy's own position) */
+        memset(s->ent_weight, 0, sizeof(float) * (size_t)s->budget);
+        for (int64_t t = 0; t < b->n_tokens; t++)
+            if (s->in_loss[t]) s->ent_weight[s->pos_of[t - 1]] = (float)s->ent_coef[t];
+        m->be.ops->copy(m->be.ctx, m->a.rl_ent_weight, s->ent_weight, sizeof(float) * (size_t)s->budget, FM_COPY_H2D);
+    }
     m->a.rl_weighted = true;
+    m->a.rl_ent_on = entropy_bonus;
     const fm_status st = fm_schedule_backward(&w->sched, m, 1.0f);
     m->a.rl_weighted = false;
+    m->a.rl_ent_on = false;
     FM_TRY(st);
     w->n_valid[0] = m->a.n_valid;
     m->be.ops->copy_async(m->be.ctx, w->res, m->a.results, (size_t)w->n_res * sizeof(double), FM_COPY_D2H,
@@ -155,7 +164,9 @@ fm_status fm_capi_grads(flatmoe_session *s, const flatmoe_batch *b, const flatmo
     fm_train_step_zero_grads(m, w);
     FM_TRY(fm_capi_forward(s, b));
     FM_TRY(fm_pg_coefs(spec, b, b->n_tokens, s->logp, s->ent, s->in_loss, s->seq_of, s->seq_count, s->coef, st));
-    FM_TRY(weighted_backward(s, b));
+    const bool entropy_bonus = spec->entropy_coef != 0;
+    if (entropy_bonus) fm_pg_entropy_coefs(spec, b->n_tokens, s->in_loss, s->seq_of, s->seq_count, st, s->ent_coef);
+    FM_TRY(weighted_backward(s, b, entropy_bonus));
     fm_loss l;
     fm_model_loss_from_results(m, w->res, w->n_valid[0], &l);
     st->router_aux = l.aux;

@@ -28,6 +28,13 @@ struct flatmoe_session {
     double *coef;         /* [budget] dL/dlog p_t per caller token */
     int64_t *seq_count;   /* [budget] scratch: loss tokens per sequence */
     float *weight;        /* [budget] per model position: -coef (the linear CE's token weights) */
+    double *ent_coef;     /* [budget] dL/dH_t per caller token (the entropy bonus) */
+    float *ent_weight;    /* [budget] per model position: ent_coef (the linear CE's entropy weights) */
+    int64_t L_moe, k;     /* MoE layers, experts per token (the routes' axes) */
+    int32_t *routes;      /* [L_moe, budget, k] host staging of the model's rl_routes (flatmoe_replay.c) */
+    int64_t topk_max;     /* --logprobs-topk K: the most top-k log-probs per token (0: none) */
+    float *topk_lp;       /* [budget, K] the model's rl_topk_lp, read back */
+    int32_t *topk_id;     /* [budget, K] the model's rl_topk_id, read back */
 };
 
 /* The batch validator and packer, callable without a model (fuzz/fuzz_rlbatch.c drives it with
@@ -48,6 +55,17 @@ fm_status fm_capi_pack_rows(const flatmoe_batch *b, int64_t B, int64_t T, int64_
 /* fm_capi_pack_rows into the session's s->fb, pos_of, seq_of and in_loss, for its --micro-batch
  * rows of --seq-len and its model's vocabulary. Errors: as fm_capi_pack_rows's. */
 fm_status fm_capi_pack(flatmoe_session *s, const flatmoe_batch *b, bool with_targets_all);
+
+/* Routing replay and the routes taken (flatmoe_replay.c). fm_capi_routes_stage, after the batch is
+ * packed: with b->routed_experts, checks every id (in [0, E), distinct within a token's row;
+ * FM_ERR_ARG naming the token, the MoE layer and the value), scatters them to the model's
+ * positions (padding rows -1: the router's own choice), copies them into the model's rl_routes
+ * and turns replay on (m->a.rl_replay); without, turns replay off and recording on. The flags stay
+ * until the next batch (the backward's recompute replays the same routes).
+ * fm_capi_routes_read, after the forward: the routes of each caller token into out
+ * [n_tokens, L_moe, k] (a sync point: the device buffer read back). */
+fm_status fm_capi_routes_stage(flatmoe_session *s, const flatmoe_batch *b);
+fm_status fm_capi_routes_read(flatmoe_session *s, const flatmoe_batch *b, int32_t *out);
 
 /* The forward of the packed batch (the session's step schedule), then per caller token its
  * log-prob and entropy into s->logp, s->ent (0 at each sequence's first token). A sync point. */
@@ -78,5 +96,11 @@ fm_status fm_pg_check(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int
 fm_status fm_pg_coefs(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int64_t n, const float *logp,
                       const float *ent, const uint8_t *in_loss, const int32_t *seq_of, int64_t *seq_count,
                       double *coef, flatmoe_step_stats *st);
+
+/* The entropy bonus's per-token coefficients dL/dH_t = -entropy_coef * a_t (a_t the aggregation
+ * weight; 0 outside the loss) into ent_coef [n] (ASSIGNED), after fm_pg_coefs filled seq_count and
+ * st (its n_loss_tokens, n_loss_seqs). The loss term itself is in fm_pg_coefs's st->loss. */
+void fm_pg_entropy_coefs(const flatmoe_loss_spec *spec, int64_t n, const uint8_t *in_loss, const int32_t *seq_of,
+                         const int64_t *seq_count, const flatmoe_step_stats *st, double *ent_coef);
 
 #endif

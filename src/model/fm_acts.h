@@ -119,9 +119,13 @@ typedef struct fm_layout_opts {
                                   evaluation) */
     bool rl_head;              /* the RL head (include/flatmoe.h, docs/rl.md): the vocabulary live set
                                   also holds per-token loss weights and entropies [N] fp32 each
-                                  (rl_weight, rl_entropy) and the linear CE's entropy state
+                                  (rl_weight, rl_entropy), the linear CE's entropy state and
+                                  the routes [L_moe, N, k] int32 (rl_routes)
                                   (fm_model_vocab_rl_bytes); needs the linear CE (ce_block_* > 0)
                                   and one vocabulary rank (vocab_ring 0) */
+    int64_t rl_topk;           /* with rl_head: K >= 1 adds the forward's top-K log-probs and ids
+                                  [N, K] (rl_topk_lp, rl_topk_id) and the linear CE's running top-K
+                                  (fm_linear_ce_topk_bytes); 0: none */
 } fm_layout_opts;
 
 typedef struct fm_model_acts {
@@ -180,6 +184,22 @@ typedef struct fm_model_acts {
      * its forward writes the entropy of each position's next-token distribution to rl_entropy. */
     float *rl_weight, *rl_entropy; /* [N] backend fp32 each */
     bool rl_weighted, rl_entropy_on;
+    /* rl_ent_weight [N] fp32 (backend): with rl_weighted and rl_ent_on the backward's linear CE
+     * adds sum_t rl_ent_weight[t] H_t (H_t in rl_entropy, the forward's) to the objective: the
+     * entropy bonus's gradient (fm_lce_opts.ent_weight). */
+    float *rl_ent_weight;
+    bool rl_ent_on;
+    /* rl_routes [L_moe, N, k] int32 (backend; the MoE layers in model order, dense layers have no
+     * slice): with rl_replay each MoE layer's router replays its slice (fm_router_forward's
+     * replay: rows starting with -1 keep the router's choice), forward and recompute alike; with
+     * rl_record (and not rl_replay) each MoE layer's forward copies its top-k ids into its slice
+     * (the routes taken, read back by the library after the forward). */
+    int32_t *rl_routes;
+    bool rl_replay, rl_record;
+    /* rl_topk_lp [N, K] fp32, rl_topk_id [N, K] int32 (K = opts.rl_topk; NULL when 0): with
+     * rl_entropy_on the forward's linear CE writes each position's K largest log-probs and ids. */
+    float *rl_topk_lp;
+    int32_t *rl_topk_id;
     fm_moe_ep_ws moe_ep_ws;     /* expert parallelism's working set (the expert-dispatch live set;
                                    bounded/fm_moe_ep.h), laid out when p.ep > 1 */
     int32_t *moe_ep_counts_host; /* [N*k] host copy of top-k ids for the expert-load counts when the

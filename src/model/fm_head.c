@@ -86,8 +86,17 @@ static fm_status linear_ce(fm_model *m, bool grads, float scale) {
     if (m->a.rl_weighted) { /* the RL head (fm_acts.h): the weights carry the whole per-token coefficient */
         o.token_weight = m->a.rl_weight;
         gs = scale;
+        if (m->a.rl_ent_on) { /* the entropy bonus: its gradient through the logits (fm_acts.h) */
+            o.ent_weight = m->a.rl_ent_weight;
+            o.ent_value = m->a.rl_entropy;
+        }
     }
     if (m->a.rl_entropy_on && !grads) o.out_entropy = m->a.rl_entropy; /* the forward's entropies */
+    if (m->a.rl_entropy_on && !grads && m->a.rl_topk_lp) { /* and top-k log-probs (fm_acts.h) */
+        o.topk = m->a.opts.rl_topk;
+        o.out_topk_logprob = m->a.rl_topk_lp;
+        o.out_topk_id = m->a.rl_topk_id;
+    }
     if (m->mesh.vocab_P > 1) {
         fm_lce_ring_opts ro = fm_lce_ring_opts_default();
         ro.lce = o;

@@ -126,8 +126,14 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
     /* MoE block: router, then the experts through the dispatcher */
     PHASE(ROUTER);
     /* router logits: fp32, transient in the working set (backward needs only probs and lse) */
+    const int64_t k = c->num_experts_per_tok;
+    int32_t *routes = m->a.rl_routes ? m->a.rl_routes + moe_index(c, l) * N * k : NULL; /* the RL head's (fm_acts.h) */
     FM_TRY(fm_router_forward(&m->be, &m->router, m->mesh.comm, m->a.ws.dlogits_r, &a->router, m->a.results + FM_RESULT_SCRATCH,
-                             m->a.results + FM_RESULT_LAYERS + 2 * l, ln2, w->router, w->router_bias, N, H));
+                             m->a.results + FM_RESULT_LAYERS + 2 * l, ln2, w->router, w->router_bias, N, H,
+                             m->a.rl_replay ? routes : NULL));
+    if (routes && m->a.rl_record && !m->a.rl_replay) /* the routes taken, read back by the library */
+        OPS->copy_async(CTX, routes, a->router.topk_idx, sizeof(int32_t) * (size_t)(N * k), FM_COPY_D2D,
+                        FM_STREAM_COMPUTE);
     const fm_moe_dims md = moe_dims(m);
     const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
     if (m->mesh.moe_ep_comm) { /* expert parallelism (--ep): the experts of the ep group */

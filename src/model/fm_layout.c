@@ -172,12 +172,19 @@ static void layout_all(fm_model *m, fm_arena *ar, fm_arena *host) {
     const bool rl = m->a.opts.rl_head && m->a.linear_ce && m->mesh.vocab_P <= 1;
     m->a.rl_weight = rl ? TAKE(voc, float, N) : NULL; /* the RL head's per-token weights and entropies */
     m->a.rl_entropy = rl ? TAKE(voc, float, N) : NULL;
+    m->a.rl_ent_weight = rl ? TAKE(voc, float, N) : NULL; /* the entropy bonus's per-token weights */
+    const int64_t rl_route_n = fm_config_num_moe_layers(c) * N * c->num_experts_per_tok;
+    m->a.rl_routes = rl && rl_route_n > 0 ? TAKE(voc, int32_t, rl_route_n) : NULL; /* routes taken / replayed */
+    const int64_t rl_topk = rl ? m->a.opts.rl_topk : 0;
+    m->a.rl_topk_lp = rl_topk > 0 ? TAKE(voc, float, N * rl_topk) : NULL; /* the top-k log-probs and ids */
+    m->a.rl_topk_id = rl_topk > 0 ? TAKE(voc, int32_t, N * rl_topk) : NULL;
     if (m->a.linear_ce) { /* the operator's strip (Ring-DTP: its messages too): carved and released inside each call */
         /* one rank: blocks clamped to N x V as the call clamps them, no entropy vector: what the call takes */
         size_t strip = m->mesh.vocab_P > 1 ? ring_scratch_bytes(c, N, m->a.ce_block_tokens, m->a.ce_block_vocab, m->mesh.vocab_P,
                                                            sizeof(fm_act))
                                       : fm_linear_ce_call_bytes_a(m->a.ce_block_tokens, m->a.ce_block_vocab, N,
-                                                                  c->vocab_size, rl, sizeof(fm_act));
+                                                                  c->vocab_size, rl, sizeof(fm_act)) +
+                                            fm_linear_ce_topk_bytes(m->a.ce_block_tokens, N, rl_topk);
         if (fm_arena_is_measure(voc)) { /* the real arena was sized from this measurement */
             voc->used += strip;
             if (voc->used > voc->high) voc->high = voc->used;
@@ -279,10 +286,14 @@ size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_
                                                                           false, a);
 }
 
-size_t fm_model_vocab_rl_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab, size_t a) {
-    /* rl_weight and rl_entropy [N] fp32, and the linear CE call's entropy state (the call with
-     * the entropy less the call without) */
-    return 2 * B4(N) + fm_linear_ce_call_bytes_a(block_tokens, block_vocab, N, c->vocab_size, true, a) -
+size_t fm_model_vocab_rl_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab, int64_t topk,
+                               size_t a) {
+    /* rl_weight, rl_entropy and rl_ent_weight [N] fp32, the routes [L_moe, N, k] int32 (routes taken, routing
+     * replay), the top-K log-probs and ids [N, K] and the call's running top-K, and the linear CE
+     * call's entropy state (the call with the entropy less the call without) */
+    const int64_t route_n = fm_config_num_moe_layers(c) * N * c->num_experts_per_tok;
+    const size_t tk = topk > 0 ? 2 * B4(N * topk) + fm_linear_ce_topk_bytes(block_tokens, N, topk) : 0;
+    return 3 * B4(N) + (route_n > 0 ? B4(route_n) : 0) + tk + fm_linear_ce_call_bytes_a(block_tokens, block_vocab, N, c->vocab_size, true, a) -
            fm_linear_ce_call_bytes_a(block_tokens, block_vocab, N, c->vocab_size, false, a);
 }
 

@@ -109,10 +109,11 @@ size_t fm_model_vocab_linear_bytes(const fm_config *c, int64_t N, int64_t block_
                                    size_t act_bytes);
 
 /* What the RL head adds to the linear CE's vocabulary live set (fm_layout_opts.rl_head): the
- * per-token weights and entropies [N] fp32 and the operator's entropy state for the blocks
+ * per-token weights, entropies and entropy weights [N] fp32, the routes taken or replayed [L_moe, N, k] int32, with
+ * topk = K >= 1 the top-K log-probs and ids [N, K] and the operator's running top-K, and the operator's entropy state for the blocks
  * clamped to N (fm_linear_ce_call_bytes_a with the entropy less without it). */
 size_t fm_model_vocab_rl_bytes(const fm_config *c, int64_t N, int64_t block_tokens, int64_t block_vocab,
-                               size_t act_bytes);
+                               int64_t topk, size_t act_bytes);
 
 /* The same under Ring-DTP over P > 1 ranks (--vocab-parallel ring): final-norm output, rstd and
  * per-token loss, plus fm_linear_ce_ring_bound_bytes_a for this rank's N tokens as the group's

@@ -13,7 +13,7 @@ fm_router_opts fm_router_opts_from_config(const fm_config *c) {
 
 fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const fm_comm *comm, float *logits,
                             fm_router_saved *s, double *lse_sq, double *terms, const fm_act *x, const fm_act *W,
-                            const fm_act *bias, int64_t N, int64_t H) {
+                            const fm_act *bias, int64_t N, int64_t H, const int32_t *replay) {
     const int64_t E = o->num_experts, k = o->top_k;
     fm_linear_fwd(be, logits, FM_DTYPE_F32, x, W, N, H, E);
     if (o->score == FM_ROUTER_SCORE_SIGMOID) {
@@ -24,6 +24,16 @@ fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const
                                     o->n_group, o->topk_group, o->norm_topk, o->scaling);
     } else {
         be->ops->router_fwd(be->ctx, s->probs, s->lse, s->topk_idx, s->topk_w, logits, N, E, k, o->norm_topk);
+    }
+    if (replay) { /* routing replay (R3): the given experts, the current router's weights */
+        if (o->score == FM_ROUTER_SCORE_SIGMOID)
+            return fm_error(FM_ERR_UNSUPPORTED, "routing replay: glm4_moe's sigmoid router cannot replay routes yet "
+                            "(the replay op weighs softmax probabilities); drop the batch's routed_experts");
+        if (!be->ops->router_replay)
+            return fm_error(FM_ERR_UNSUPPORTED, "routing replay: the %s backend has no router_replay op (the cpu and "
+                            "cuda backends have it); drop the batch's routed_experts",
+                            be->ops->name ? be->ops->name : "this");
+        be->ops->router_replay(be->ctx, s->topk_idx, s->topk_w, s->probs, replay, N, E, k, o->norm_topk);
     }
     if (o->force_route) { /* test hook (fm_router_opts): the top-k forced, weights from the probabilities */
         if (!be->ops->router_force)

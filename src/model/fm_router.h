@@ -68,11 +68,22 @@ typedef struct fm_router_saved {
  * backend memory; NULL: this rank alone) the statistics count, prob_sum and lse_sq are
  * all-reduced (sum) over its ranks first and N_tot = N x its size (every rank routes N tokens),
  * so the loss and its gradient are those of the whole batch (Megatron-Core reduces them the
- * same way). lse_sq [1] is backend scratch. Issues work only (no host sync). Errors: the
- * communicator's (naming the rank and the collective). */
+ * same way). lse_sq [1] is backend scratch.
+ * replay [N,k] int32 (backend memory; NULL: none): routing replay (R3; slime's
+ * --use-rollout-routing-replay, verl's router_replay R3): a row whose first id is >= 0 replaces the
+ * token's top-k by the given experts, in the given order, and their weights are the CURRENT
+ * router's probabilities of those experts, renormalized with norm_topk exactly as router_fwd
+ * weighs its own choice (the backend's router_replay op), so the router keeps learning through
+ * the gates and a replay of its own routes is bit-identical to no replay; a row starting with -1
+ * (padding) keeps the router's choice. The statistics, the losses and the backward then see the
+ * replayed routes as if the router had chosen them; the dispatch bound is unchanged (it holds for
+ * any routing). The ids are checked by the caller (in [0,E), distinct within a row). With the
+ * force_route test hook on as well, the hook's routes win (it runs after). Issues work only (no
+ * host sync). Errors: the communicator's (naming the rank and the collective); FM_ERR_UNSUPPORTED
+ * for replay on a backend without router_replay. */
 fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const fm_comm *comm, float *logits,
                             fm_router_saved *s, double *lse_sq, double *terms, const fm_act *x, const fm_act *W,
-                            const fm_act *bias, int64_t N, int64_t H);
+                            const fm_act *bias, int64_t N, int64_t H, const int32_t *replay);
 
 /* The router losses of a micro-batch from its L layers' terms (host copies, [L][2], summed in
  * layer order over the MoE layers, fm_config_layer_is_moe of `layers`; NULL: all L, a dense

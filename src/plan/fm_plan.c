@@ -192,7 +192,8 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
     } else if (lce) {
         p->bytes[FM_LIVE_VOCAB] = fm_model_vocab_linear_bytes(c, N, r->ce_block_tokens, r->ce_block_vocab, a);
         if (r->layout.rl_head) /* the RL head's per-token weights, entropies and entropy state (docs/rl.md) */
-            p->bytes[FM_LIVE_VOCAB] += fm_model_vocab_rl_bytes(c, N, r->ce_block_tokens, r->ce_block_vocab, a);
+            p->bytes[FM_LIVE_VOCAB] += fm_model_vocab_rl_bytes(c, N, r->ce_block_tokens, r->ce_block_vocab,
+                                                               r->layout.rl_topk, a);
         const int64_t nb = r->ce_block_tokens > 0 ? r->ce_block_tokens : FM_LCE_DEFAULT_BLOCK_TOKENS;
         const int64_t vb = r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB;
         snprintf(p->inputs[FM_LIVE_VOCAB], 200, "linear CE: one %lld x %lld fp32 strip (+ final norm N x H)",

@@ -559,6 +559,7 @@ static const fm_ops fm_cpu_ops = {
     .router_force = fm_cpu_router_force,
     .router_sigmoid_fwd = fm_cpu_router_sigmoid_fwd,
     .router_sigmoid_bwd = fm_cpu_router_sigmoid_bwd,
+    .router_replay = fm_cpu_router_replay,
     .moe_route_index = fm_cpu_moe_route_index,
     .moe_gather = fm_cpu_moe_gather,
     .moe_gather_bwd = fm_cpu_moe_gather_bwd,
@@ -588,6 +589,9 @@ static const fm_ops fm_cpu_ops = {
     .lce_fold = fm_cpu_lce_fold,
     .lce_finalize = fm_cpu_lce_finalize,
     .lce_strip_grad = fm_cpu_lce_strip_grad,
+    .lce_strip_grad_ent = fm_cpu_lce_strip_grad_ent,
+    .lce_topk_fold = fm_cpu_lce_topk_fold,
+    .lce_topk_finalize = fm_cpu_lce_topk_finalize,
     .prof_mark = cpu_prof_mark,
     .prof_collect = cpu_prof_collect,
 };

@@ -157,6 +157,9 @@ void fm_cpu_router_sigmoid_bwd(void *ctx, float *dlogits, const float *dtopk_w, 
 /* cpu_router_force.c: the forced routing of FLATMOE_TEST_FORCE_ROUTE (fm_backend.h router_force) */
 void fm_cpu_router_force(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
                          int64_t k, int64_t first, int percent, bool norm_topk);
+/* cpu_router_replay.c: routing replay, the given experts weighted as router_fwd weighs its own (fm_backend.h) */
+void fm_cpu_router_replay(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, const int32_t *replay,
+                          int64_t N, int64_t E, int64_t k, bool norm_topk);
 void fm_cpu_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,
                             const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
 void fm_cpu_moe_gather(void *ctx, float *xe, const float *x, const int32_t *row_route, int64_t R,
@@ -186,6 +189,16 @@ void fm_cpu_lce_strip_grad(void *ctx, float *grad, const float *strip, const flo
                            const float *z, const int32_t *targets, const float *weights,
                            int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index,
                            float grad_scale, float z_coef);
+/* cpu_lce_ent.c: the logit gradient with the entropy term (fm_backend.h lce_strip_grad_ent) */
+void fm_cpu_lce_strip_grad_ent(void *ctx, float *grad, const float *strip, const float *m, const float *z,
+                               const int32_t *targets, const float *weights, const float *ent_w, const float *ent,
+                               int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index, float grad_scale,
+                               float z_coef);
+/* cpu_lce_topk.c: the running top-k of the logits across vocabulary blocks (fm_backend.h lce_topk_*) */
+void fm_cpu_lce_topk_fold(void *ctx, float *topv, int32_t *topi, const float *strip, int64_t Nb, int64_t Vb,
+                          int64_t v0, int64_t k, bool first);
+void fm_cpu_lce_topk_finalize(void *ctx, float *out_lp, int32_t *out_id, const float *topv, const int32_t *topi,
+                              const float *m, const float *z, int64_t Nb, int64_t k);
 
 /* cpu_fp8.c: FP8 fake quantization (fm_backend.h quant_fp8_*; backend/fm_fp8.h's reference) */
 void fm_cpu_quant_fp8_rows(void *ctx, float *y, const float *x, int64_t rows, int64_t cols);

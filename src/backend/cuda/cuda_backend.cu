@@ -90,6 +90,7 @@ static fm_ops make_cuda_ops(void) {
     o.router_force = fm_cuda_router_force;
     o.router_sigmoid_fwd = fm_cuda_router_sigmoid_fwd;
     o.router_sigmoid_bwd = fm_cuda_router_sigmoid_bwd;
+    o.router_replay = fm_cuda_router_replay;
     o.moe_route_index = fm_cuda_moe_route_index;
     o.moe_gather = fm_cuda_moe_gather;
     o.moe_gather_bwd = fm_cuda_moe_gather_bwd;
@@ -103,6 +104,9 @@ static fm_ops make_cuda_ops(void) {
     o.lce_fold = fm_cuda_lce_fold;
     o.lce_finalize = fm_cuda_lce_finalize;
     o.lce_strip_grad = fm_cuda_lce_strip_grad;
+    o.lce_strip_grad_ent = fm_cuda_lce_strip_grad_ent;
+    o.lce_topk_fold = fm_cuda_lce_topk_fold;
+    o.lce_topk_finalize = fm_cuda_lce_topk_finalize;
     o.mem_alloc = fm_cuda_mem_alloc;
     o.mem_free = fm_cuda_mem_free;
     o.mem_set = fm_cuda_mem_set;

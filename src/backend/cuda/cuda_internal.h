@@ -12,7 +12,8 @@
  *   cuda_bias.cu        linear layers' biases (add, gradient)
  *   cuda_attention.cu   attention dispatch and state; cuda_attention_cudnn.cu the cuDNN graph path;
  *   cuda_attention_fwd.cu / _bwd.cu our own kernels (the fallback forward and backward);
- *   cuda_router_force.cu the forced routing of the FLATMOE_TEST_FORCE_ROUTE test hook. */
+ *   cuda_router_force.cu the forced routing of the FLATMOE_TEST_FORCE_ROUTE test hook;
+ *   cuda_router_replay.cu routing replay (R3): given experts, the current router's weights. */
 #ifndef FM_CUDA_INTERNAL_H
 #define FM_CUDA_INTERNAL_H
 
@@ -235,6 +236,9 @@ void fm_cuda_router_sigmoid_bwd(void *ctx, float *dlogits, const float *dtopk_w,
 /* cuda_router_force.cu: the forced routing of FLATMOE_TEST_FORCE_ROUTE (fm_backend.h router_force) */
 void fm_cuda_router_force(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
                           int64_t k, int64_t first, int percent, bool norm_topk);
+/* cuda_router_replay.cu: routing replay (fm_backend.h router_replay) */
+void fm_cuda_router_replay(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, const int32_t *replay,
+                           int64_t N, int64_t E, int64_t k, bool norm_topk);
 
 /* cuda_permute.cu */
 void fm_cuda_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,
@@ -263,6 +267,16 @@ void fm_cuda_lce_finalize(void *ctx, float *loss, float *logprob, float *entropy
 void fm_cuda_lce_strip_grad(void *ctx, float *grad, const float *strip, const float *m, const float *z,
                             const int32_t *targets, const float *weights, int64_t Nb, int64_t Vb, int64_t v0,
                             int32_t ignore_index, float grad_scale, float z_coef);
+/* cuda_lce_ent.cu: the logit gradient with the entropy term (fm_backend.h lce_strip_grad_ent) */
+void fm_cuda_lce_strip_grad_ent(void *ctx, float *grad, const float *strip, const float *m, const float *z,
+                                const int32_t *targets, const float *weights, const float *ent_w, const float *ent,
+                                int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index, float grad_scale,
+                                float z_coef);
+/* cuda_lce_topk.cu: the running top-k of the logits across vocabulary blocks (fm_backend.h lce_topk_*) */
+void fm_cuda_lce_topk_fold(void *ctx, float *topv, int32_t *topi, const float *strip, int64_t Nb, int64_t Vb,
+                           int64_t v0, int64_t k, bool first);
+void fm_cuda_lce_topk_finalize(void *ctx, float *out_lp, int32_t *out_id, const float *topv, const int32_t *topi,
+                               const float *m, const float *z, int64_t Nb, int64_t k);
 
 #ifdef __cplusplus
 }
