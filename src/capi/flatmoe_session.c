@@ -125,7 +125,7 @@ static fm_status alloc_scratch(flatmoe_session *s) {
     if (!s->pos_of || !s->seq_of || !s->in_loss || !s->tok_loss || !s->tok_ent || !s->logp || !s->ent || !s->coef ||
         !s->seq_count || !s->weight)
         return fm_error(FM_ERR_NOMEM, "flatmoe_open: cannot allocate the batch scratch (%lld tokens)", (long long)n);
-    return FM_OK;
+    return fm_capi_gen_alloc(s);
 }
 
 static fm_status session_open(flatmoe_session *s, int argc, const char *const *argv) {
@@ -181,6 +181,7 @@ void flatmoe_close(flatmoe_session *s) {
     fm_free(s->coef);
     fm_free(s->seq_count);
     fm_free(s->weight);
+    fm_capi_gen_free(s);
     fm_spec_free(&s->spec);
     free(s);
 }

@@ -8,6 +8,14 @@
 #include "../run/fm_run_spec.h"
 #include "../train/fm_train_internal.h"
 
+/* flatmoe_generate's host scratch, allocated at open (flatmoe_generate.c). */
+typedef struct fm_capi_gen {
+    int32_t *tok;         /* [budget] the prompts with their completions so far, packed */
+    int64_t *lens, *start; /* [budget] each sequence's length and first token */
+    float *row, *probs;   /* [V] the logits of one position; the sampler's weights */
+    int32_t *order;       /* [V] the sampler's candidates */
+} fm_capi_gen;
+
 /* A session: the run spec its options filled, the trainer's run (train/fm_train_internal.h: the
  * backend, model, parameter store, optimizer and step workspace that fm_train_setup_session made
  * from the plan), and host scratch for one batch of the token budget (B x T), allocated at open. */
@@ -28,7 +36,13 @@ struct flatmoe_session {
     double *coef;         /* [budget] dL/dlog p_t per caller token */
     int64_t *seq_count;   /* [budget] scratch: loss tokens per sequence */
     float *weight;        /* [budget] per model position: -coef (the linear CE's token weights) */
+    fm_capi_gen gen;      /* flatmoe_generate's scratch */
 };
+
+/* flatmoe_generate's scratch (s->gen) of the session's token budget and vocabulary, at open; and
+ * its release (safe on a zeroed one). Errors: FM_ERR_NOMEM. */
+fm_status fm_capi_gen_alloc(flatmoe_session *s);
+void fm_capi_gen_free(flatmoe_session *s);
 
 /* Fills s->fb, pos_of, seq_of and in_loss from b (checked first: every field named in the error).
  * with_targets_all: a target at every position whose next token is in its sequence (logprobs);
