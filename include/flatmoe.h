@@ -174,7 +174,8 @@ int flatmoe_train_step(flatmoe_session *s, const flatmoe_batch *b, const flatmoe
  * the run spec: the options the session was opened with) and the tokenizer files of --init-from's
  * folder when it has them. Atomic: written as DIR/.tmp.step_NNNNNN/ and renamed when complete (an
  * existing step_NNNNNN is replaced only then); DIR is created if missing. A session opened with
- * --ckpt DIR (the run folder: its latest step) or --ckpt DIR/step_NNNNNN and the same other options
+ * --ckpt DIR (the run folder: its latest step) or --ckpt DIR/step_NNNNNN and the same options (less
+ * --init-from or --config: the checkpoint gives the model)
  * continues bit for bit as if it had not stopped. Errors: FLATMOE_ERR_ARG (dir NULL or empty),
  * FLATMOE_ERR_IO naming the path (nothing of an earlier checkpoint is lost), FLATMOE_ERR_NOMEM. */
 int flatmoe_save(flatmoe_session *s, const char *dir);
@@ -251,6 +252,20 @@ flatmoe_sample_spec flatmoe_sample_spec_default(void);
  * logit: the weights diverged). */
 int flatmoe_generate(flatmoe_session *s, const int32_t *prompts, int64_t n_prompts, const int64_t *prompt_lens,
                      const flatmoe_sample_spec *spec, int32_t *out_tokens, int64_t *out_lens, float *out_logprobs);
+
+/* Sleep and wake (verl's offload of model and optimizer between rollouts). flatmoe_sleep copies the
+ * session's model state, the parameter store's arena (the weights, their gradients, the fp32 master
+ * and the optimizer state that lives there; train/fm_param_store.h), to host memory (one allocation
+ * of its bytes) and fills the arena with NaNs; flatmoe_wake copies it back and frees the host copy,
+ * so the next steps are bit for bit those of a session that did not sleep. While asleep, every
+ * other call on the session but flatmoe_get_info and flatmoe_close is refused (FLATMOE_ERR_ARG:
+ * "asleep"). NOT YET in this slice: the device memory is not given back (the arena stays
+ * allocated, and the activation arenas too): releasing it needs an allocator that keeps the
+ * addresses the model's layout holds (CUDA's virtual memory management). On the CPU build the
+ * "device" is host memory: sleep then holds a second copy. Errors: FLATMOE_ERR_ARG (already asleep;
+ * wake while awake), FLATMOE_ERR_NOMEM (the host copy: the session stays awake). */
+int flatmoe_sleep(flatmoe_session *s);
+int flatmoe_wake(flatmoe_session *s);
 
 #ifdef __cplusplus
 }

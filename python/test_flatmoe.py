@@ -7,7 +7,8 @@ Exit 77 (skipped) where numpy is not importable. Checks, each against something 
   - a batch over the token budget raises FlatmoeError naming the budget;
   - save, then a --ckpt session gives the same log-probs bit for bit; export_weights reassembled
     equals the saved model.safetensors rounded to bf16 (numpy's own rounding), no bucket over its size;
-  - generate is deterministic per seed and its log-probs equal logprobs on prompt + completion."""
+  - generate is deterministic per seed and its log-probs equal logprobs on prompt + completion;
+  - sleep refuses log-probs until wake, after which they are the same bit for bit."""
 import json
 import math
 import os
@@ -129,6 +130,14 @@ with tempfile.TemporaryDirectory() as d:
         offs = np.cumsum([0] + [len(q) for q in seqs])
         got = np.concatenate([ref[offs[i] + len(p):offs[i + 1]] for i, p in enumerate(prompts)])
         check(np.array_equal(got, p1.reshape(-1)), f"generate's log-probs {p1.reshape(-1)[:4]} vs logprobs {got[:4]}")
+        s.sleep()
+        try:
+            s.logprobs(toks, lens)
+            check(False, "logprobs while asleep")
+        except flatmoe.FlatmoeError as e:
+            check("asleep" in str(e), f"asleep: {e}")
+        s.wake()
+        check(np.array_equal(s.logprobs(toks, lens, entropy=False), lp_saved), "log-probs after sleep and wake")
     with flatmoe.Session("--ckpt", run, *opts[2:]) as s2:
         check(s2.info["step"] == 9, f"--ckpt step {s2.info['step']}")
         check(np.array_equal(s2.logprobs(toks, lens, entropy=False), lp_saved), "--ckpt session's log-probs differ")

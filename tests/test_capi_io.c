@@ -9,7 +9,9 @@
  *    flatmoe_logprobs on prompt + completion bit for bit (the same forward by construction);
  *    greedy picks the token whose flatmoe_logprobs is the largest over the whole vocabulary (the
  *    sampling logits, formed apart from the linear CE, against it: within a derived tolerance);
- *    top-k and top-p draw only from their candidate sets; the budget refusal. */
+ *    top-k and top-p draw only from their candidate sets; the budget refusal;
+ *  - flatmoe_sleep then flatmoe_wake: NaN model state while asleep, calls refused, the next step
+ *    bit for bit that of a session that did not sleep. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -127,6 +129,33 @@ static void test_save_resume(fm_rng *g) {
     printf("save: 2 steps + save + --ckpt + 2 steps == 4 steps, weights and master bit for bit\n");
     flatmoe_close(c);
     flatmoe_close(a);
+}
+
+/* sleep, wake: the next steps equal a session's that did not sleep; while asleep the model state
+ * is NaN (the copy back is what restores it) and the calls are refused */
+static void test_sleep_wake(fm_rng *g) {
+    flatmoe_session *a = open_micro(NULL, "3"), *c = open_micro(NULL, "3");
+    if (!a || !c) return;
+    flatmoe_batch b;
+    pg_batch(&b, g);
+    step(a, &b);
+    step(c, &b);
+    CHECK(flatmoe_wake(a) == FLATMOE_ERR_ARG);
+    CHECK_MSG(flatmoe_sleep(a) == FLATMOE_OK, "sleep: %s", flatmoe_last_error());
+    CHECK(flatmoe_sleep(a) == FLATMOE_ERR_ARG && strstr(flatmoe_last_error(), "asleep"));
+    const float w0 = a->r.m.p.master[0];
+    CHECK_MSG(isnan(w0), "the model state while asleep: %g, expected NaN", (double)w0);
+    float lp[MT];
+    CHECK(flatmoe_logprobs(a, &b, lp, NULL) == FLATMOE_ERR_ARG && strstr(flatmoe_last_error(), "flatmoe_wake"));
+    CHECK(flatmoe_save(a, run_dir) == FLATMOE_ERR_ARG && flatmoe_export_weights(a, 64, NULL, NULL) == FLATMOE_ERR_ARG);
+    CHECK_MSG(flatmoe_wake(a) == FLATMOE_OK, "wake: %s", flatmoe_last_error());
+    CHECK(same_weights(a, c));
+    step(a, &b);
+    step(c, &b);
+    CHECK_MSG(same_weights(a, c), "a step after sleep and wake differs from one without");
+    printf("sleep/wake: the state NaN while asleep, the next step bit for bit as without sleep\n");
+    flatmoe_close(a);
+    flatmoe_close(c);
 }
 
 /* ---- export ---- */
@@ -391,6 +420,7 @@ int main(void) {
     fm_rng_seed(&g, fm_test_seed(2930));
     test_save_resume(&g);
     test_export();
+    test_sleep_wake(&g);
     test_generate();
     unlink(cfg_path);
     char cmd[128];

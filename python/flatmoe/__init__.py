@@ -92,6 +92,8 @@ def _load():
         lib.flatmoe_export_weights.argtypes = [ctypes.c_void_p, _i64, _BUCKET_FN, ctypes.c_void_p]
         lib.flatmoe_generate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _i64, ctypes.c_void_p,
                                          ctypes.POINTER(_SampleSpec), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.flatmoe_sleep.argtypes = [ctypes.c_void_p]
+        lib.flatmoe_wake.argtypes = [ctypes.c_void_p]
         _lib = lib
     return _lib
 
@@ -243,3 +245,12 @@ class Session:
         _check(_lib.flatmoe_generate(self._h, _ptr(flat), n, _ptr(plen), ctypes.byref(spec), _ptr(toks), _ptr(lens),
                                      _ptr(lp)))
         return toks, lens, lp
+
+    def sleep(self):
+        """The model state (weights, gradients, master, optimizer state) to host memory (flatmoe_sleep;
+        the device memory is not given back yet: docs/rl.md). Other calls raise until wake()."""
+        _check(_lib.flatmoe_sleep(self._h))
+
+    def wake(self):
+        """Restores the model state flatmoe_sleep moved: the next steps as if it had not slept."""
+        _check(_lib.flatmoe_wake(self._h))

@@ -85,6 +85,7 @@ int flatmoe_export_weights(flatmoe_session *s, int64_t bucket_bytes, flatmoe_buc
         return fm_error(FM_ERR_ARG, "flatmoe_export_weights: bucket_bytes is %lld; a bucket must hold at least one "
                         "bf16 element (2 bytes); give the inference engine's bucket size (e.g. 512 MiB)",
                         (long long)bucket_bytes);
+    FM_TRY(fm_capi_awake(s, "flatmoe_export_weights"));
     run *r = &s->r;
     fm_step_ws_flush(&r->step, &r->m); /* an overlapped update still in flight lands first */
     fm_optim_state os[3];

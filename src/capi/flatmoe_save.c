@@ -13,6 +13,7 @@ int flatmoe_save(flatmoe_session *s, const char *dir) {
     if (!dir || !dir[0])
         return fm_error(FM_ERR_ARG, "flatmoe_save: dir is %s; give the run folder the checkpoint goes under "
                         "(DIR/step_NNNNNN)", dir ? "empty" : "NULL");
+    FM_TRY(fm_capi_awake(s, "flatmoe_save"));
     run *r = &s->r;
     fm_step_ws_flush(&r->step, &r->m); /* an overlapped update still in flight lands first */
     char *spec_json = fm_spec_to_json(&s->spec); /* state.json's "spec" (cJSON's allocator) */

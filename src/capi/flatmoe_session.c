@@ -182,6 +182,7 @@ void flatmoe_close(flatmoe_session *s) {
     fm_free(s->seq_count);
     fm_free(s->weight);
     fm_capi_gen_free(s);
+    fm_free(s->sleep_host);
     fm_spec_free(&s->spec);
     free(s);
 }

@@ -49,6 +49,7 @@ static void pad_row(fm_batch *fb, int64_t row, int64_t from, int64_t T) {
 }
 
 fm_status fm_capi_pack(flatmoe_session *s, const flatmoe_batch *b, bool with_targets_all) {
+    FM_TRY(fm_capi_awake(s, "batch"));
     FM_TRY(check_batch(s, b));
     fm_batch *fb = &s->fb;
     const int64_t T = s->T;

@@ -37,7 +37,12 @@ struct flatmoe_session {
     int64_t *seq_count;   /* [budget] scratch: loss tokens per sequence */
     float *weight;        /* [budget] per model position: -coef (the linear CE's token weights) */
     fm_capi_gen gen;      /* flatmoe_generate's scratch */
+    void *sleep_host;     /* flatmoe_sleep: the model-state arena's bytes on the host (NULL: awake) */
+    size_t sleep_bytes;
 };
+
+/* FM_OK when the session is awake, else FM_ERR_ARG naming `what` and the fix (flatmoe_wake). */
+fm_status fm_capi_awake(const flatmoe_session *s, const char *what);
 
 /* flatmoe_generate's scratch (s->gen) of the session's token budget and vocabulary, at open; and
  * its release (safe on a zeroed one). Errors: FM_ERR_NOMEM. */
