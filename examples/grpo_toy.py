@@ -13,7 +13,7 @@ as old_logprobs. It prints the mean reward of each iteration.
 
   PYTHONPATH=python FLATMOE_LIB=build/libflatmoe.so python3 examples/grpo_toy.py
 
---min-rise R (CI, tests/cli_grpo_toy.sh): exit 1 unless the mean reward of the last 10 iterations
+--min-rise R (CI: the ctest python_grpo_toy, CMakeLists.txt): exit 1 unless the mean reward of the last 10 iterations
 exceeds that of the first 10 by at least R."""
 import argparse
 import json
