@@ -220,6 +220,108 @@ typedef struct flatmoe_step_stats {
 int flatmoe_train_step(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_loss_spec *spec,
                        flatmoe_step_stats *out);
 
+/* ---- save, weight export, sampling (issue 29's second slice; docs/rl.md) ---------------------- */
+
+/* Saves the session as a `flatmoe train` checkpoint, through the trainer's own writer
+ * (src/train/fm_train_ckpt.c): DIR/step_NNNNNN/ (NNNNNN the session's step, zero-padded to 6
+ * digits) holding model.safetensors (fp32 weights under the Hugging Face names), optimizer.safetensors
+ * (the fp32 master and AdamW's moments), config.json, state.json (the step, the optimizer's step,
+ * the run spec: the options the session was opened with) and the tokenizer files of --init-from's
+ * folder when it has them. Atomic: written as DIR/.tmp.step_NNNNNN/ and renamed when complete (an
+ * existing step_NNNNNN is replaced only then); DIR is created if missing. A session opened with
+ * --ckpt DIR (the run folder: its latest step) or --ckpt DIR/step_NNNNNN and the same options (less
+ * --init-from or --config: the checkpoint gives the model)
+ * continues bit for bit as if it had not stopped. Errors: FLATMOE_ERR_ARG (dir NULL or empty),
+ * FLATMOE_ERR_IO naming the path (nothing of an earlier checkpoint is lost), FLATMOE_ERR_NOMEM. */
+int flatmoe_save(flatmoe_session *s, const char *dir);
+
+/* Dtypes of exported weights. */
+enum { FLATMOE_DTYPE_F32 = 0, FLATMOE_DTYPE_BF16 = 1 };
+
+/* One piece of one tensor in a bucket of flatmoe_export_weights. */
+typedef struct flatmoe_weight_piece {
+    const char *name;     /* the Hugging Face name (the checkpoint's model.safetensors'), NUL-terminated */
+    int dtype;            /* FLATMOE_DTYPE_BF16 */
+    int ndim;             /* 1 or 2 */
+    int64_t shape[2];     /* the whole tensor's shape (row-major; shape[1] 0 when ndim is 1) */
+    int64_t tensor_bytes; /* the whole tensor's bytes (elements x 2) */
+    int64_t offset;       /* bytes into the whole tensor where this piece starts (even) */
+    int64_t nbytes;       /* bytes of this piece (even, > 0) */
+    const void *data;     /* the piece's bytes, little-endian bf16, inside the bucket */
+} flatmoe_weight_piece;
+
+/* Receives one bucket: n_pieces pieces whose data lie one after another in one buffer of at most
+ * bucket_bytes bytes (valid only during the call). Returns 0 to go on; anything else stops the
+ * export (flatmoe_export_weights then returns FLATMOE_ERR_IO naming the value and the bucket). */
+typedef int (*flatmoe_bucket_fn)(void *user, const flatmoe_weight_piece *pieces, int n_pieces);
+
+/* Streams the session's weights to fn in buckets, for an inference engine's weight update (verl's
+ * per-tensor generator, slime's bucketed sync): every tensor of the checkpoint's model.safetensors,
+ * in its order and under its names and shapes, as bf16 rounded to nearest even from the fp32
+ * master (fm_f32_to_bf16, as the trainer narrows everywhere; equal to model.safetensors' values so
+ * rounded). Filling: tensors in order; a tensor that fits in bucket_bytes always arrives whole in
+ * one bucket (the bucket is sent first when the tensor does not fit in what is left of it); a
+ * tensor larger than bucket_bytes is split across consecutive buckets, each piece filling its
+ * bucket (floor(bucket_bytes / 2) elements) but the last, which later tensors may join. So
+ * bucket_bytes >= the largest tensor's bytes sends every tensor whole; a huge bucket_bytes sends
+ * one bucket. Memory: one host buffer of min(bucket_bytes, all tensors' bytes) and a table of
+ * [tensors] pieces, allocated for the call and freed before it returns (plus the checkpoint
+ * staging the session holds since open, through which the master is read: 8 x min(4 Mi, the
+ * largest tensor) bytes); nothing on the device. An overlapped optimizer update still in flight
+ * lands first. Errors: FLATMOE_ERR_ARG (bucket_bytes < 2: not one bf16 element; fn NULL),
+ * FLATMOE_ERR_NOMEM (the bucket), FLATMOE_ERR_IO (fn returned non-zero). */
+int flatmoe_export_weights(flatmoe_session *s, int64_t bucket_bytes, flatmoe_bucket_fn fn, void *user);
+
+/* How flatmoe_generate samples. */
+typedef struct flatmoe_sample_spec {
+    int64_t max_new;      /* tokens to generate per prompt, >= 1 */
+    double temperature;   /* >= 0; 0: greedy (the most likely token, the lowest id on ties) */
+    int64_t top_k;        /* >= 0; 0: every token */
+    double top_p;         /* in (0, 1]; 1: off (nucleus sampling: the smallest set of most likely
+                             tokens whose probability reaches top_p, after top_k) */
+    uint64_t seed;        /* the sampling RNG's seed: the same seed, weights and prompts give the
+                             same completions */
+    int32_t stop_token;   /* a completion ends after this token (kept in it); -1: none */
+} flatmoe_sample_spec;
+
+/* Defaults: max_new 16, temperature 1, top_k 0, top_p 1, seed 0, no stop token. */
+flatmoe_sample_spec flatmoe_sample_spec_default(void);
+
+/* Completions of n_prompts prompts (packed as a batch: prompt_lens [n_prompts], each >= 1,
+ * prompts [sum prompt_lens] int32 concatenated), sampled together by the engine's sampler
+ * (src/train/fm_sample.h fm_sample_pick: temperature, top-k; top-p added there): each of
+ * max_new rounds packs every prompt with its completion so far as a flatmoe_batch (one sequence
+ * each, first fit into the session's rows), runs one forward, forms the logits of each unfinished
+ * sequence's last position from the final hidden state and the LM head in vocabulary blocks of
+ * --ce-block-vocab (the linear CE's strip memory: no N x V logits), and draws its next token, the
+ * sequences in order, from one RNG seeded with spec->seed. Every prompt plus max_new must fit the
+ * token budget as flatmoe_logprobs packs it (checked before the first round).
+ * out_tokens [n_prompts x max_new] int32: row i holds completion i, out_lens[i] tokens (max_new, or
+ * fewer when it ended at stop_token), then -1. out_logprobs [n_prompts x max_new] fp32 (may be
+ * NULL): the log-prob of each completion token under the current weights at temperature 1 (the
+ * training policy's: a PG step's old_logprobs), 0 after the completion; computed by one more
+ * forward over the prompts with their completions, exactly as flatmoe_logprobs computes them
+ * (equal to it bit for bit on the same sequences). No allocation after open. Errors:
+ * FLATMOE_ERR_ARG naming the field (a spec value out of range, a prompt token out of the
+ * vocabulary, prompts that do not fit the budget with max_new), FLATMOE_ERR_NUMERIC (a non-finite
+ * logit: the weights diverged). */
+int flatmoe_generate(flatmoe_session *s, const int32_t *prompts, int64_t n_prompts, const int64_t *prompt_lens,
+                     const flatmoe_sample_spec *spec, int32_t *out_tokens, int64_t *out_lens, float *out_logprobs);
+
+/* Sleep and wake (verl's offload of model and optimizer between rollouts). flatmoe_sleep copies the
+ * session's model state, the parameter store's arena (the weights, their gradients, the fp32 master
+ * and the optimizer state that lives there; train/fm_param_store.h), to host memory (one allocation
+ * of its bytes) and fills the arena with NaNs; flatmoe_wake copies it back and frees the host copy,
+ * so the next steps are bit for bit those of a session that did not sleep. While asleep, every
+ * other call on the session but flatmoe_get_info and flatmoe_close is refused (FLATMOE_ERR_ARG:
+ * "asleep"). NOT YET in this slice: the device memory is not given back (the arena stays
+ * allocated, and the activation arenas too): releasing it needs an allocator that keeps the
+ * addresses the model's layout holds (CUDA's virtual memory management). On the CPU build the
+ * "device" is host memory: sleep then holds a second copy. Errors: FLATMOE_ERR_ARG (already asleep;
+ * wake while awake), FLATMOE_ERR_NOMEM (the host copy: the session stays awake). */
+int flatmoe_sleep(flatmoe_session *s);
+int flatmoe_wake(flatmoe_session *s);
+
 #ifdef __cplusplus
 }
 #endif

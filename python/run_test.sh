@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# ctest python_flatmoe: runs python/test_flatmoe.py with the first python3 that imports numpy (the
+# ctest python_flatmoe (and python_grpo_toy: run_test.sh SCRIPT ARGS...): runs python/test_flatmoe.py,
+# or SCRIPT with ARGS, with the first python3 that imports numpy (the
 # PATH's, else Debian's /usr/bin/python3, where scripts/setup.sh installs python3-numpy); exit 77
 # (skipped) where none does, or under the sanitized build (FLATMOE_TEST_SANITIZED=1: an
 # ASan-instrumented libflatmoe.so cannot be loaded into an uninstrumented Python).
@@ -9,6 +10,7 @@ if [ "${FLATMOE_TEST_SANITIZED:-0}" = 1 ]; then
 fi
 for py in python3 /usr/bin/python3; do
     if command -v "$py" >/dev/null && "$py" -c "import numpy" 2>/dev/null; then
+        if [ $# -gt 0 ]; then exec "$py" "$@"; fi
         exec "$py" "$(dirname "$0")/test_flatmoe.py"
     fi
 done

@@ -8,7 +8,11 @@ Exit 77 (skipped) where numpy is not importable. Checks, each against something 
   - the routes taken have the shape [N, num_moe_layers, top_k] and distinct ids; replaying them gives
     the same log-probs bit for bit, replaying others changes them; a bad id raises naming it;
   - the top-5 log-probs after a prefix are the 5 largest of that prefix's whole-vocabulary log-probs;
-  - a batch over the token budget raises FlatmoeError naming the budget."""
+  - a batch over the token budget raises FlatmoeError naming the budget;
+  - save, then a --ckpt session gives the same log-probs bit for bit; export_weights reassembled
+    equals the saved model.safetensors rounded to bf16 (numpy's own rounding), no bucket over its size;
+  - generate is deterministic per seed and its log-probs equal logprobs on prompt + completion;
+  - sleep refuses log-probs until wake, after which they are the same bit for bit."""
 import json
 import math
 import os
@@ -31,6 +35,28 @@ CFG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "voc
        "router_aux_loss_coef": 0.01, "initializer_range": 0.2, "tie_word_embeddings": False, "torch_dtype": "float32"}
 
 failed = 0
+
+
+def read_safetensors(path):
+    """{name: float32 array} of an F32 safetensors file (8-byte header length, JSON header, data)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    hdr = json.loads(raw[8:8 + n])
+    out = {}
+    for k, v in hdr.items():
+        if k == "__metadata__":
+            continue
+        assert v["dtype"] == "F32", v
+        a, b = v["data_offsets"]
+        out[k] = np.frombuffer(raw[8 + n + a:8 + n + b], np.float32).reshape(v["shape"])
+    return out
+
+
+def bf16_bits(a):
+    """fp32 -> bf16 bits, round to nearest even (finite values)."""
+    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def check(cond, what):
@@ -114,6 +140,43 @@ with tempfile.TemporaryDirectory() as d:
             check(False, "a batch over the budget was accepted")
         except flatmoe.FlatmoeError as e:
             check("token budget of 208" in str(e), f"the budget is named: {e}")
+        # save, then a --ckpt session: the same log-probs bit for bit; the export equals the saved
+        # model.safetensors rounded to bf16 (nearest even), every tensor, bucket 1 byte under the largest
+        run = os.path.join(d, "run")
+        ck, steps_taken = s.save(run), s.info["step"]
+        check(ck.endswith(f"step_{steps_taken:06d}") and os.path.isfile(os.path.join(ck, "model.safetensors")), f"saved {ck}")
+        lp_saved = s.logprobs(toks, lens, entropy=False)
+        st_ref = read_safetensors(os.path.join(ck, "model.safetensors"))
+        largest = max(2 * a.size for a in st_ref.values())
+        pieces = []
+        s.export_weights(largest - 1, lambda ps: pieces.append([(p["name"], p["offset"], p["data"].size) for p in ps]))
+        check(sum(2 * n for b in pieces for _, _, n in b) == sum(2 * a.size for a in st_ref.values())
+              and max(sum(2 * n for _, _, n in b) for b in pieces) <= largest - 1, "bucket sizes")
+        w = s.weights_bf16(bucket_bytes=largest - 1)
+        check(sorted(w) == sorted(st_ref), "exported names")
+        bad = [k for k, a in st_ref.items() if w[k].shape != a.shape or not np.array_equal(w[k], bf16_bits(a))]
+        check(not bad, f"exported tensors differ from model.safetensors in bf16: {bad[:3]}")
+        # generate: deterministic per seed; log-probs equal logprobs on prompt + completion
+        prompts = [np.array([7, 3, 9]), np.array([1]), np.array([50, 51, 52, 53])]
+        t1, l1, p1 = s.generate(prompts, max_new=5, temperature=1.2, top_k=20, seed=9)
+        t2, l2, p2 = s.generate(prompts, max_new=5, temperature=1.2, top_k=20, seed=9)
+        check(np.array_equal(t1, t2) and np.array_equal(p1, p2) and list(l1) == [5, 5, 5], "generate per seed")
+        seqs = [np.concatenate([p, t1[i, :l1[i]]]) for i, p in enumerate(prompts)]
+        ref = s.logprobs(np.concatenate(seqs), [len(q) for q in seqs], entropy=False)
+        offs = np.cumsum([0] + [len(q) for q in seqs])
+        got = np.concatenate([ref[offs[i] + len(p):offs[i + 1]] for i, p in enumerate(prompts)])
+        check(np.array_equal(got, p1.reshape(-1)), f"generate's log-probs {p1.reshape(-1)[:4]} vs logprobs {got[:4]}")
+        s.sleep()
+        try:
+            s.logprobs(toks, lens)
+            check(False, "logprobs while asleep")
+        except flatmoe.FlatmoeError as e:
+            check("asleep" in str(e), f"asleep: {e}")
+        s.wake()
+        check(np.array_equal(s.logprobs(toks, lens, entropy=False), lp_saved), "log-probs after sleep and wake")
+    with flatmoe.Session("--ckpt", run, *opts[2:]) as s2:
+        check(s2.info["step"] == steps_taken, f"--ckpt step {s2.info['step']}, saved at {steps_taken}")
+        check(np.array_equal(s2.logprobs(toks, lens, entropy=False), lp_saved), "--ckpt session's log-probs differ")
     try:
         flatmoe.Session("--config", cfg, "--no-such-flag", "1")
         check(False, "an unknown option was accepted")

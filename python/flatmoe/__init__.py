@@ -8,6 +8,9 @@
     stats = s.train_step(tokens, seq_lens, loss_mask=mask, advantages=adv,
                          old_logprobs=old, loss="pg", agg="seq-mean-token-mean",
                          clip_low=0.2, clip_high=0.28, kl="k3", kl_coef=0.001, ref_logprobs=ref)
+    toks, lens, lp = s.generate([prompt0, prompt1], max_new=32, temperature=1.0, top_p=0.95, seed=1)
+    weights = s.weights_bf16()                                # {HF name: uint16 bf16 bits}; or s.export_weights(n, fn)
+    s.save("runs/rl")                                         # runs/rl/step_NNNNNN; Session("--ckpt", "runs/rl", ...)
 
 The library is found at $FLATMOE_LIB, else as libflatmoe.so on the loader's path (cmake --install
 puts it in PREFIX/lib). Errors raise FlatmoeError with the library's message.
@@ -60,6 +63,18 @@ class _Stats(ctypes.Structure):
         ("n_loss_tokens", _i64), ("n_loss_seqs", _i64), ("step", _i64)]
 
 
+class _Piece(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("dtype", ctypes.c_int), ("ndim", ctypes.c_int), ("shape", _i64 * 2),
+                ("tensor_bytes", _i64), ("offset", _i64), ("nbytes", _i64), ("data", ctypes.c_void_p)]
+
+
+class _SampleSpec(ctypes.Structure):
+    _fields_ = [("max_new", _i64), ("temperature", ctypes.c_double), ("top_k", _i64), ("top_p", ctypes.c_double),
+                ("seed", ctypes.c_uint64), ("stop_token", ctypes.c_int32)]
+
+
+_BUCKET_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_Piece), ctypes.c_int)
+
 _LOSS = {"sft": 0, "pg": 1}
 _AGG = {"token-mean": 0, "seq-mean-token-sum": 1, "seq-mean-token-mean": 2}
 _KL = {None: 0, "none": 0, "k1": 1, "k3": 2}
@@ -87,6 +102,12 @@ def _load():
                                             ctypes.c_void_p]
         lib.flatmoe_train_step.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Batch), ctypes.POINTER(_LossSpec),
                                            ctypes.POINTER(_Stats)]
+        lib.flatmoe_save.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.flatmoe_export_weights.argtypes = [ctypes.c_void_p, _i64, _BUCKET_FN, ctypes.c_void_p]
+        lib.flatmoe_generate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _i64, ctypes.c_void_p,
+                                         ctypes.POINTER(_SampleSpec), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.flatmoe_sleep.argtypes = [ctypes.c_void_p]
+        lib.flatmoe_wake.argtypes = [ctypes.c_void_p]
         _lib = lib
     return _lib
 
@@ -197,3 +218,79 @@ class Session:
         st = _Stats()
         _check(_lib.flatmoe_train_step(self._h, ctypes.byref(b), ctypes.byref(spec), ctypes.byref(st)))
         return {n: getattr(st, n) for n, _ in _Stats._fields_}
+
+    def save(self, run_dir):
+        """A `flatmoe train` checkpoint of the session at RUN_DIR/step_NNNNNN (atomic); reopen it with
+        Session("--ckpt", run_dir, *the same other options)."""
+        _check(_lib.flatmoe_save(self._h, os.fsencode(run_dir)))
+        return os.path.join(os.fsdecode(run_dir), "step_%06d" % self.info["step"])
+
+    def export_weights(self, bucket_bytes, fn):
+        """Streams the weights as bf16 in buckets of at most bucket_bytes (flatmoe_export_weights):
+        fn(pieces) per bucket, each piece a dict name, shape (tuple), tensor_bytes, offset (bytes into
+        the tensor), data (numpy uint16: the bf16 bits, a copy). A tensor that fits a bucket arrives
+        whole; a larger one in consecutive pieces. An exception in fn stops the export and is raised."""
+        err = []
+
+        def cb(_user, pieces, n):
+            try:
+                out = []
+                for k in range(n):
+                    p = pieces[k]
+                    shape = tuple(p.shape[d] for d in range(p.ndim))
+                    data = np.ctypeslib.as_array(ctypes.cast(p.data, ctypes.POINTER(ctypes.c_uint16)),
+                                                 shape=(p.nbytes // 2,)).copy()
+                    out.append({"name": p.name.decode(), "shape": shape, "tensor_bytes": p.tensor_bytes,
+                                "offset": p.offset, "data": data})
+                fn(out)
+                return 0
+            except BaseException as e:  # noqa: B036: handed back across the C frame
+                err.append(e)
+                return 1
+
+        c_cb = _BUCKET_FN(cb)
+        rc = _lib.flatmoe_export_weights(self._h, int(bucket_bytes), c_cb, None)
+        if err:
+            raise err[0]
+        _check(rc)
+
+    def weights_bf16(self, bucket_bytes=64 << 20):
+        """Every weight tensor, reassembled from export_weights: {name: numpy uint16 array of its shape}."""
+        out = {}
+
+        def take(pieces):
+            for p in pieces:
+                t = out.get(p["name"])
+                if t is None:
+                    t = out[p["name"]] = np.empty(p["tensor_bytes"] // 2, np.uint16)
+                t[p["offset"] // 2:p["offset"] // 2 + p["data"].shape[0]] = p["data"]
+                if p["offset"] + 2 * p["data"].shape[0] == p["tensor_bytes"]:
+                    out[p["name"]] = t.reshape(p["shape"])
+
+        self.export_weights(bucket_bytes, take)
+        return out
+
+    def generate(self, prompts, max_new=16, temperature=1.0, top_k=0, top_p=1.0, seed=0, stop_token=-1):
+        """Completions of the prompts (a list of 1-d token arrays) by the engine's batched sampler
+        (flatmoe_generate): returns tokens [n, max_new] int32 (-1 after each completion), lens [n] int64
+        and logprobs [n, max_new] float32 (the current policy's, temperature 1; 0 after each completion)."""
+        ps = [np.ascontiguousarray(p, dtype=np.int32).reshape(-1) for p in prompts]
+        flat = np.ascontiguousarray(np.concatenate(ps)) if ps else np.zeros(0, np.int32)
+        plen = np.array([p.shape[0] for p in ps], np.int64)
+        n = len(ps)
+        toks = np.empty((n, max_new), np.int32)
+        lens = np.empty(n, np.int64)
+        lp = np.empty((n, max_new), np.float32)
+        spec = _SampleSpec(max_new, temperature, top_k, top_p, seed, stop_token)
+        _check(_lib.flatmoe_generate(self._h, _ptr(flat), n, _ptr(plen), ctypes.byref(spec), _ptr(toks), _ptr(lens),
+                                     _ptr(lp)))
+        return toks, lens, lp
+
+    def sleep(self):
+        """The model state (weights, gradients, master, optimizer state) to host memory (flatmoe_sleep;
+        the device memory is not given back yet: docs/rl.md). Other calls raise until wake()."""
+        _check(_lib.flatmoe_sleep(self._h))
+
+    def wake(self):
+        """Restores the model state flatmoe_sleep moved: the next steps as if it had not slept."""
+        _check(_lib.flatmoe_wake(self._h))

@@ -146,7 +146,7 @@ static fm_status alloc_scratch(flatmoe_session *s) {
     if ((nr && !s->routes) || !s->ent_coef || !s->ent_weight || (nk && (!s->topk_lp || !s->topk_id)) || !s->pos_of || !s->seq_of || !s->in_loss || !s->tok_loss || !s->tok_ent || !s->logp || !s->ent || !s->coef ||
         !s->seq_count || !s->weight)
         return fm_error(FM_ERR_NOMEM, "flatmoe_open: cannot allocate the batch scratch (%lld tokens)", (long long)n);
-    return FM_OK;
+    return fm_capi_gen_alloc(s);
 }
 
 static fm_status session_open(flatmoe_session *s, int argc, const char *const *argv) {
@@ -207,6 +207,8 @@ void flatmoe_close(flatmoe_session *s) {
     fm_free(s->ent_weight);
     fm_free(s->topk_lp);
     fm_free(s->topk_id);
+    fm_capi_gen_free(s);
+    fm_free(s->sleep_host);
     fm_spec_free(&s->spec);
     free(s);
 }

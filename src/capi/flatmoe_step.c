@@ -89,6 +89,7 @@ fm_status fm_capi_pack_rows(const flatmoe_batch *b, int64_t B, int64_t T, int64_
 }
 
 fm_status fm_capi_pack(flatmoe_session *s, const flatmoe_batch *b, bool with_targets_all) {
+    FM_TRY(fm_capi_awake(s, "batch"));
     FM_TRY(fm_capi_pack_rows(b, s->B, s->T, s->r.cfg.vocab_size, with_targets_all, &s->fb, s->pos_of, s->seq_of,
                              s->in_loss));
     return fm_capi_routes_stage(s, b); /* the replayed routes, at the packed positions */

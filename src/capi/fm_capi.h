@@ -8,6 +8,14 @@
 #include "../run/fm_run_spec.h"
 #include "../train/fm_train_internal.h"
 
+/* flatmoe_generate's host scratch, allocated at open (flatmoe_generate.c). */
+typedef struct fm_capi_gen {
+    int32_t *tok;         /* [budget] the prompts with their completions so far, packed */
+    int64_t *lens, *start; /* [budget] each sequence's length and first token */
+    float *row, *probs;   /* [V] the logits of one position; the sampler's weights */
+    int32_t *order;       /* [V] the sampler's candidates */
+} fm_capi_gen;
+
 /* A session: the run spec its options filled, the trainer's run (train/fm_train_internal.h: the
  * backend, model, parameter store, optimizer and step workspace that fm_train_setup_session made
  * from the plan), and host scratch for one batch of the token budget (B x T), allocated at open. */
@@ -35,7 +43,18 @@ struct flatmoe_session {
     int64_t topk_max;     /* --logprobs-topk K: the most top-k log-probs per token (0: none) */
     float *topk_lp;       /* [budget, K] the model's rl_topk_lp, read back */
     int32_t *topk_id;     /* [budget, K] the model's rl_topk_id, read back */
+    fm_capi_gen gen;      /* flatmoe_generate's scratch */
+    void *sleep_host;     /* flatmoe_sleep: the model-state arena's bytes on the host (NULL: awake) */
+    size_t sleep_bytes;
 };
+
+/* FM_OK when the session is awake, else FM_ERR_ARG naming `what` and the fix (flatmoe_wake). */
+fm_status fm_capi_awake(const flatmoe_session *s, const char *what);
+
+/* flatmoe_generate's scratch (s->gen) of the session's token budget and vocabulary, at open; and
+ * its release (safe on a zeroed one). Errors: FM_ERR_NOMEM. */
+fm_status fm_capi_gen_alloc(flatmoe_session *s);
+void fm_capi_gen_free(flatmoe_session *s);
 
 /* The batch validator and packer, callable without a model (fuzz/fuzz_rlbatch.c drives it with
  * untrusted batches): checks b (n_tokens in 1 .. B x T, n_seqs >= 1, tokens and seq_lens set, each

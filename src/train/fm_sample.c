@@ -35,6 +35,57 @@ int32_t fm_sample_pick(const float *lg, int64_t V, double temperature, int64_t t
     return next;
 }
 
+/* order[i] before order[j]: the larger logit, the lower id on ties. */
+static bool before(const float *lg, int32_t i, int32_t j) { return lg[i] > lg[j] || (lg[i] == lg[j] && i < j); }
+
+/* Sifts order[root] down a max-heap of before() over order[0, end) (the root: the one that comes last). */
+static void sift_down(const float *lg, int32_t *order, int64_t root, int64_t end) {
+    for (;;) {
+        int64_t c = 2 * root + 1;
+        if (c >= end) return;
+        if (c + 1 < end && before(lg, order[c], order[c + 1])) c++;
+        if (!before(lg, order[root], order[c])) return;
+        const int32_t t = order[root]; order[root] = order[c]; order[c] = t;
+        root = c;
+    }
+}
+
+/* Heap sort of order[0, n) into before()'s order: the largest logit first. */
+static void sort_candidates(const float *lg, int32_t *order, int64_t n) {
+    for (int64_t i = n / 2 - 1; i >= 0; i--) sift_down(lg, order, i, n);
+    for (int64_t end = n - 1; end > 0; end--) {
+        const int32_t t = order[0]; order[0] = order[end]; order[end] = t;
+        sift_down(lg, order, 0, end);
+    }
+}
+
+int32_t fm_sample_pick_p(const float *lg, int64_t V, double temperature, int64_t top_k, double top_p, fm_rng *rng,
+                         float *probs, int32_t *order) {
+    if (temperature == 0 || !(top_p < 1)) return fm_sample_pick(lg, V, temperature, top_k, rng, probs, order);
+    const int64_t kk = top_k > 0 && top_k < V ? top_k : V;
+    for (int64_t v = 0; v < V; v++) order[v] = (int32_t)v;
+    for (int64_t i = 0; i < kk && kk < V; i++) { /* the k largest first, as fm_sample_pick */
+        int64_t best = i;
+        for (int64_t j = i + 1; j < V; j++)
+            if (lg[order[j]] > lg[order[best]]) best = j;
+        const int32_t t = order[i]; order[i] = order[best]; order[best] = t;
+    }
+    sort_candidates(lg, order, kk);
+    const double mx = lg[order[0]];
+    double sum = 0;
+    for (int64_t i = 0; i < kk; i++) { probs[i] = (float)exp((lg[order[i]] - mx) / temperature); sum += probs[i]; }
+    double keep = 0;
+    int64_t n = 0;
+    while (n < kk && (n == 0 || keep < top_p * sum)) keep += probs[n++];
+    double u = fm_rng_uniform_d(rng) * keep, acc = 0;
+    int32_t next = order[n - 1];
+    for (int64_t i = 0; i < n; i++) {
+        acc += probs[i];
+        if (u < acc) { next = order[i]; break; }
+    }
+    return next;
+}
+
 /* The checks and allocations both initializers share; the prompt is copied by the caller. */
 static fm_status sampler_alloc(fm_sampler *s, fm_model *m, int64_t prompt_len, int64_t max_new, const fm_sample_opts *o) {
     memset(s, 0, sizeof *s);

@@ -69,4 +69,13 @@ void fm_sampler_free(fm_sampler *s);
 int32_t fm_sample_pick(const float *logits, int64_t V, double temperature, int64_t top_k, fm_rng *rng, float *probs,
                        int32_t *order);
 
+/* fm_sample_pick with nucleus (top-p) truncation after top-k (Holtzman et al., "The Curious Case
+ * of Neural Text Degeneration", arXiv 1904.09751): top_p >= 1 (or temperature 0) is exactly
+ * fm_sample_pick, the same draws. top_p in (0, 1): the k candidates are sorted by logit (heap
+ * sort, the lower id first on ties), weighted as above, and the smallest prefix whose weight
+ * reaches top_p of their sum (at least one token) is kept; one fm_rng_uniform_d draws among it.
+ * probs[V] and order[V] are scratch. Allocates nothing. */
+int32_t fm_sample_pick_p(const float *logits, int64_t V, double temperature, int64_t top_k, double top_p, fm_rng *rng,
+                         float *probs, int32_t *order);
+
 #endif

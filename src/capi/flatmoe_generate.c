@@ -1,0 +1,176 @@
+/* libflatmoe's sampling for rollouts (include/flatmoe.h flatmoe_generate): every prompt with its
+ * completion so far packed as one batch (fm_capi_pack), one forward per round (fm_capi_forward),
+ * the logits of each unfinished sequence's last position from the final hidden state and the LM
+ * head in vocabulary blocks (the linear CE's strip memory), and the engine's sampler
+ * (src/train/fm_sample.h) drawing the next tokens; then one more forward gives the completions'
+ * log-probs exactly as flatmoe_logprobs does. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "../bounded/fm_linear_ce.h"
+#include "../train/fm_sample.h"
+#include "fm_capi.h"
+
+flatmoe_sample_spec flatmoe_sample_spec_default(void) {
+    const flatmoe_sample_spec sp = {16, 1.0, 0, 1.0, 0, -1};
+    return sp;
+}
+
+fm_status fm_capi_gen_alloc(flatmoe_session *s) {
+    fm_capi_gen *g = &s->gen;
+    const size_t n = (size_t)s->budget, V = (size_t)s->r.cfg.vocab_size;
+    g->tok = fm_malloc(n * sizeof *g->tok);
+    g->lens = fm_malloc(n * sizeof *g->lens);
+    g->start = fm_malloc(n * sizeof *g->start);
+    g->row = fm_malloc(V * sizeof *g->row);
+    g->probs = fm_malloc(V * sizeof *g->probs);
+    g->order = fm_malloc(V * sizeof *g->order);
+    if (!g->tok || !g->lens || !g->start || !g->row || !g->probs || !g->order)
+        return fm_error(FM_ERR_NOMEM, "flatmoe_open: cannot allocate the sampling scratch (%zu tokens, %zu logits)", n, V);
+    return FM_OK;
+}
+
+void fm_capi_gen_free(flatmoe_session *s) {
+    fm_capi_gen *g = &s->gen;
+    fm_free(g->tok);
+    fm_free(g->lens);
+    fm_free(g->start);
+    fm_free(g->row);
+    fm_free(g->probs);
+    fm_free(g->order);
+    memset(g, 0, sizeof *g);
+}
+
+/* The logits [V] (host fp32) of model position p after the last forward: xf[p] W^T in vocabulary
+ * blocks of Vb, each through one [Vb] fp32 strip taken from the vocabulary live set's arena (the
+ * linear CE's scratch, free between its calls: within its planned bound) and copied back. A sync
+ * point per block. */
+static void logits_at(flatmoe_session *s, int64_t p, float *row) {
+    fm_model *m = &s->r.m;
+    const fm_ops *ops = m->be.ops;
+    const int64_t H = s->r.cfg.hidden_size, V = s->r.cfg.vocab_size;
+    int64_t vb = m->a.ce_block_vocab > 0 ? m->a.ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB;
+    vb = vb < V ? vb : V;
+    fm_arena *ws = &m->a.arena[FM_LIVE_VOCAB];
+    const size_t used0 = ws->used;
+    float *S = fm_arena_alloc(ws, sizeof(float) * (size_t)vb);
+    for (int64_t v0 = 0; v0 < V; v0 += vb) {
+        const int64_t n = V - v0 < vb ? V - v0 : vb;
+        ops->gemm(m->be.ctx, false, true, 1, n, H, 1.0f, m->a.xf + p * H, H, m->p.w.lm_head + v0 * H, H, 0.0f, S,
+                  FM_DTYPE_F32, n);
+        ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "sampling logits" */
+        ops->copy(m->be.ctx, row + v0, S, sizeof(float) * (size_t)n, FM_COPY_D2H);
+    }
+    ws->used = used0;
+}
+
+/* The batch of every prompt with its first done[i] completion tokens (the caller's rows), or with
+ * `pad` tokens of 0 each when pad >= 0 (the budget check). */
+static void build(flatmoe_session *s, const int32_t *prompts, int64_t n_p, const int64_t *plen, const int32_t *out,
+                  const int64_t *done, int64_t max_new, int64_t pad, flatmoe_batch *b) {
+    fm_capi_gen *g = &s->gen;
+    int64_t t = 0, q = 0;
+    for (int64_t i = 0; i < n_p; i++) {
+        g->start[i] = t;
+        memcpy(g->tok + t, prompts + q, sizeof(int32_t) * (size_t)plen[i]);
+        t += plen[i];
+        q += plen[i];
+        const int64_t k = pad >= 0 ? pad : done[i];
+        for (int64_t j = 0; j < k; j++) g->tok[t++] = pad >= 0 ? 0 : out[i * max_new + j];
+        g->lens[i] = plen[i] + k;
+    }
+    memset(b, 0, sizeof *b);
+    b->n_tokens = t;
+    b->tokens = g->tok;
+    b->n_seqs = n_p;
+    b->seq_lens = g->lens;
+}
+
+static fm_status check_args(const flatmoe_session *s, const int32_t *prompts, int64_t n_p, const int64_t *plen,
+                            const flatmoe_sample_spec *sp, const int32_t *out, const int64_t *out_lens) {
+    if (!s || !sp || !out || !out_lens || !prompts || !plen)
+        return fm_error(FM_ERR_ARG, "flatmoe_generate: %s is NULL", !s ? "the session" : !sp ? "spec" : !out ? "out_tokens"
+                        : !out_lens ? "out_lens" : !prompts ? "prompts" : "prompt_lens");
+    const int64_t V = s->r.cfg.vocab_size;
+    if (n_p < 1 || n_p > s->budget)
+        return fm_error(FM_ERR_ARG, "flatmoe_generate: n_prompts is %lld; expected 1 .. %lld (the token budget)",
+                        (long long)n_p, (long long)s->budget);
+    if (sp->max_new < 1 || sp->max_new >= s->T || !(sp->temperature >= 0) || !isfinite(sp->temperature) ||
+        sp->top_k < 0 || !(sp->top_p > 0 && sp->top_p <= 1) || sp->stop_token < -1 || sp->stop_token >= V)
+        return fm_error(FM_ERR_ARG, "flatmoe_generate: spec max_new %lld, temperature %g, top_k %lld, top_p %g, "
+                        "stop_token %d; expected max_new 1 .. %lld (below --seq-len), temperature >= 0, top_k >= 0, top_p "
+                        "in (0, 1], stop_token -1 or a token id below %lld", (long long)sp->max_new, sp->temperature,
+                        (long long)sp->top_k, sp->top_p, sp->stop_token, (long long)s->T - 1, (long long)V);
+    int64_t total = 0;
+    for (int64_t i = 0; i < n_p; i++) {
+        if (plen[i] < 1 || plen[i] > s->T)
+            return fm_error(FM_ERR_ARG, "flatmoe_generate: prompt_lens[%lld] is %lld; expected 1 .. %lld (--seq-len)",
+                            (long long)i, (long long)plen[i], (long long)s->T);
+        total += plen[i] + sp->max_new;
+    }
+    if (total > s->budget)
+        return fm_error(FM_ERR_ARG, "flatmoe_generate: %lld prompts of %lld tokens with max_new %lld each need %lld "
+                        "tokens, over the session's token budget of %lld (--micro-batch %lld x --seq-len %lld); send "
+                        "fewer prompts per call, a smaller max_new, or open the session with a larger --micro-batch",
+                        (long long)n_p, (long long)(total - n_p * sp->max_new), (long long)sp->max_new,
+                        (long long)total, (long long)s->budget, (long long)s->B, (long long)s->T);
+    return FM_OK;
+}
+
+/* The next token of every unfinished sequence after one forward of the batch b. */
+static fm_status round_once(flatmoe_session *s, const flatmoe_batch *b, int64_t n_p, const flatmoe_sample_spec *sp,
+                            fm_rng *rng, int32_t *out, int64_t *out_lens, bool *any) {
+    fm_capi_gen *g = &s->gen;
+    const int64_t V = s->r.cfg.vocab_size;
+    FM_TRY(fm_capi_pack(s, b, true));
+    FM_TRY(fm_capi_forward(s, b));
+    *any = false;
+    for (int64_t i = 0; i < n_p; i++) {
+        const int64_t k = out_lens[i];
+        if (k >= sp->max_new || (k > 0 && out[i * sp->max_new + k - 1] == sp->stop_token)) continue;
+        logits_at(s, s->pos_of[g->start[i] + b->seq_lens[i] - 1], g->row);
+        for (int64_t v = 0; v < V; v++)
+            if (!isfinite(g->row[v]))
+                return fm_error(FM_ERR_NUMERIC, "flatmoe_generate: the logit of token %lld is %g for prompt %lld at "
+                                "completion token %lld: the weights diverged (check the last steps' losses)",
+                                (long long)v, (double)g->row[v], (long long)i, (long long)k);
+        out[i * sp->max_new + k] = fm_sample_pick_p(g->row, V, sp->temperature, sp->top_k, sp->top_p, rng, g->probs,
+                                                    g->order);
+        out_lens[i] = k + 1;
+        *any = true;
+    }
+    return FM_OK;
+}
+
+int flatmoe_generate(flatmoe_session *s, const int32_t *prompts, int64_t n_prompts, const int64_t *prompt_lens,
+                     const flatmoe_sample_spec *spec, int32_t *out_tokens, int64_t *out_lens, float *out_logprobs) {
+    FM_TRY(check_args(s, prompts, n_prompts, prompt_lens, spec, out_tokens, out_lens));
+    FM_TRY(fm_capi_awake(s, "flatmoe_generate"));
+    const int64_t M = spec->max_new;
+    flatmoe_batch b;
+    build(s, prompts, n_prompts, prompt_lens, NULL, NULL, M, M, &b); /* the longest batch: the tokens and packing */
+    const fm_status fits = fm_capi_pack(s, &b, true);
+    if (fits != FM_OK) {
+        char msg[2048]; /* the message outlives the next fm_error */
+        snprintf(msg, sizeof msg, "%s", fm_errmsg());
+        return fm_error(fits, "flatmoe_generate: the prompts with max_new %lld tokens each: %s", (long long)M, msg);
+    }
+    for (int64_t i = 0; i < n_prompts * M; i++) out_tokens[i] = -1;
+    for (int64_t i = 0; i < n_prompts; i++) out_lens[i] = 0;
+    fm_rng rng;
+    fm_rng_seed(&rng, spec->seed);
+    bool any = true;
+    for (int64_t k = 0; k < M && any; k++) {
+        build(s, prompts, n_prompts, prompt_lens, out_tokens, out_lens, M, -1, &b);
+        FM_TRY(round_once(s, &b, n_prompts, spec, &rng, out_tokens, out_lens, &any));
+    }
+    if (!out_logprobs) return FLATMOE_OK;
+    build(s, prompts, n_prompts, prompt_lens, out_tokens, out_lens, M, -1, &b);
+    FM_TRY(fm_capi_pack(s, &b, true)); /* flatmoe_logprobs' own path on the same sequences */
+    FM_TRY(fm_capi_forward(s, &b));
+    for (int64_t i = 0; i < n_prompts; i++)
+        for (int64_t j = 0; j < M; j++)
+            out_logprobs[i * M + j] = j < out_lens[i] ? s->logp[s->gen.start[i] + prompt_lens[i] + j] : 0.0f;
+    return FLATMOE_OK;
+}
