@@ -119,8 +119,10 @@ def configs():
     yield "qwen3_moe_yarn", transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                                                         num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
                                                         rope_theta=10000.0, rope_scaling=yarn, **common)
+    # head_dim given: transformers 5's YaRN reads config.head_dim, which MixtralConfig leaves None
     yield "mixtral_yarn_mscale", transformers.MixtralConfig(
         intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, rope_theta=10000.0, sliding_window=None,
+        head_dim=16,
         rope_scaling=dict(yarn, mscale=0.707, mscale_all_dim=1.0, beta_fast=16, beta_slow=2), **common)
     yield "olmoe_linear", transformers.OlmoeConfig(intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                                    norm_topk_prob=False, rope_theta=10000.0,
@@ -450,6 +452,9 @@ def main():
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                     help="one JSON object per model at the end of stdout (or written to FILE; put --json after "
                          "BUILD_DIR and TEXT_FILE, or write --json=FILE)")
+    ap.add_argument("--only", default=None, metavar="NAMES",
+                    help="comma-separated case names to run (default: every case), e.g. qwen3_moe_yarn,olmoe_linear")
+    ap.add_argument("--seed", type=int, default=0, help="torch's seed for the random models (default %(default)s)")
     ap.add_argument("--self-test", action="store_true", help="check the comparison logic (pure Python) and exit")
     a = ap.parse_args()
     if a.self_test:
@@ -461,7 +466,8 @@ def main():
     import_hf()
     build = os.path.abspath(a.build)
     text = a.text
-    torch.manual_seed(0)
+    torch.manual_seed(a.seed)
+    only = set(a.only.split(",")) if a.only else None
     failures = []
     print(f"transformers {transformers.__version__}, torch {torch.__version__}; flatmoe binary {FLATMOE}, "
           f"tolerance {TOL}")
@@ -475,6 +481,8 @@ def main():
     summaries = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, cfg in configs():
+            if only is not None and name not in only:
+                continue
             d = os.path.join(tmp, name)
             model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
             with torch.no_grad():  # a selection bias that matters (glm4_moe's router; zeros after init)

@@ -3,7 +3,7 @@
  * (fm_ref_router_sigmoid, fm_ref_router_sigmoid_objective: the CPU test
  * tests/test_router_sigmoid.c uses the same), on random logits with a bias of bf16 values (the
  * CUDA build's fm_act; the reference reads the same values): scores, lse and weights within 1e-6
- * normalized, ids exact (the CPU backend's test holds its op to the same reference, so both
+ * normalized, ids exact away from near-ties (TIE_MARGIN; the CPU backend's test holds its op to the same reference, so both
  * agree); the backward against the reference objective's central finite differences at 1e-5
  * (floor 0.01). Shapes: GLM-4.5-Air's
  * router (E 128, k 8, one group), DeepSeek-V3's (E 256, k 8, 8 groups keep 4), a small grouped one
@@ -55,6 +55,56 @@ static double nerr(const float *got, const double *ref, int64_t n) {
     return num / den;
 }
 
+#define TIE_MARGIN 1e-5
+
+/* Whether one row's fp64 selection (fm_ref_router_sigmoid's: choice = sigmoid + bias, groups by
+ * their two best choices, the others' choices masked to 0, top-k) is within TIE_MARGIN of another:
+ * the k+1 best choices closer than that, or the topk_group-th and next group scores. */
+static bool near_tie(const double *logits, const double *bias, int64_t E, int64_t k, int64_t ng, int64_t tg) {
+    double c[512], gsc[64];
+    FM_ASSERT(E <= 512 && ng <= 64);
+    const int64_t gs = E / ng;
+    for (int64_t e = 0; e < E; e++) c[e] = 1.0 / (1.0 + exp(-logits[e])) + bias[e];
+    bool tie = false;
+    if (ng > 1) {
+        for (int64_t g = 0; g < ng; g++) {
+            double a = -INFINITY, b = -INFINITY;
+            for (int64_t e = g * gs; e < (g + 1) * gs; e++) {
+                if (c[e] > a) b = a, a = c[e];
+                else if (c[e] > b) b = c[e];
+            }
+            gsc[g] = a + b;
+        }
+        bool kept[64] = {false};
+        for (int64_t r = 0; r <= tg && r < ng; r++) { /* the tg best groups, and the next one */
+            int64_t best = -1;
+            for (int64_t g = 0; g < ng; g++)
+                if (!kept[g] && (best < 0 || gsc[g] > gsc[best])) best = g;
+            if (r == tg) {
+                double worst_kept = INFINITY;
+                for (int64_t g = 0; g < ng; g++)
+                    if (kept[g]) worst_kept = fmin(worst_kept, gsc[g]);
+                tie |= worst_kept - gsc[best] < TIE_MARGIN;
+            } else {
+                kept[best] = true;
+            }
+        }
+        for (int64_t e = 0; e < E; e++)
+            if (!kept[e / gs]) c[e] = 0.0;
+    }
+    double prev = INFINITY;
+    bool used[512] = {false};
+    for (int64_t j = 0; j <= k && j < E; j++) { /* the k+1 best choices, in order */
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (!used[e] && (best < 0 || c[e] > c[best])) best = e;
+        used[best] = true;
+        if (j > 0) tie |= prev - c[best] < TIE_MARGIN;
+        prev = c[best];
+    }
+    return tie;
+}
+
 static void check(int64_t N, int64_t E, int64_t k, int64_t ng, int64_t tg, bool norm, float scaling, bool fd) {
     const size_t NE = (size_t)(N * E), Nk = (size_t)(N * k);
     float *logits = malloc(NE * 4), *scores = malloc(NE * 4), *lse = malloc((size_t)N * 4), *tw = malloc(Nk * 4);
@@ -104,7 +154,24 @@ static void check(int64_t N, int64_t E, int64_t k, int64_t ng, int64_t tg, bool 
     CHECK_MSG(!memcmp(idx, idx2, Nk * 4) && !memcmp(tw, tw2, Nk * 4), "%s: two runs differ", what);
     for (size_t i = 0; i < NE; i++) ld[i] = logits[i];
     fm_ref_router_sigmoid(ridx, rw, rs, ld, bd, N, E, k, ng, tg, norm, scaling);
-    CHECK_MSG(!memcmp(ridx, idx, Nk * 4), "%s: ids differ from the fp64 reference", what);
+    /* Ids exact, and weights in the same order, on every row whose fp64 selection has no near-tie;
+     * a near-tie row (margin < TIE_MARGIN, far above fp32 sigmoid's ~1e-7) may order or pick
+     * otherwise and is left out of both comparisons (row 0, all equal, is checked below). */
+    int64_t ties = 0, differ = 0;
+    for (int64_t n = 0; n < N; n++) {
+        const bool same = !memcmp(ridx + n * k, idx + n * k, (size_t)k * 4);
+        if (near_tie(ld + n * E, bd, E, k, ng, tg)) {
+            ties++;
+            for (int64_t j = 0; j < k; j++) rw[n * k + j] = tw[n * k + j]; /* out of the weights' check */
+            continue;
+        }
+        if (!same && differ++ < 3)
+            fprintf(stderr, "%s: row %lld: ids differ from the fp64 reference, which has no near-tie there\n", what,
+                    (long long)n);
+    }
+    printf("%s: %lld of %lld rows within %g of a tie (not compared)\n", what, (long long)ties, (long long)N, TIE_MARGIN);
+    CHECK_MSG(differ == 0, "%s: ids differ from the fp64 reference on %lld rows without a near-tie", what,
+              (long long)differ);
     CHECK_MSG(nerr(scores, rs, (int64_t)NE) <= 1e-6, "%s: scores", what);
     CHECK_MSG(nerr(tw, rw, (int64_t)Nk) <= 1e-6, "%s: weights", what);
     bool all0 = true;
