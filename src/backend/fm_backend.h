@@ -360,23 +360,27 @@ typedef struct fm_ops {
      * (percent in [0,100] of the tokens, spread evenly; 100: every token, 0: none); a forced
      * token's topk_idx[n,j] = (first + j) mod E and topk_w[n,j] = probs[n, that expert], j < k
      * (k <= E: k distinct experts), divided by their sum (accumulated in double, j ascending;
-     * the quotient in double, rounded once to float) when norm_topk; the other tokens' rows are
-     * left as router_fwd wrote them. probs [N,E] fp32, topk_idx [N,k] int32, topk_w [N,k] fp32,
-     * backend memory; first >= 0. The same bits on every backend (cpu_router_force.c,
-     * cuda_router_force.cu). NULL in a backend without it. */
+     * the quotient in double, rounded once to float) when norm_topk, then times scaling in fp32
+     * (the sigmoid router's routed_scaling_factor; the softmax router passes 1, an exact no-op);
+     * the other tokens' rows are left as router_fwd wrote them. probs [N,E] fp32, topk_idx [N,k]
+     * int32, topk_w [N,k] fp32, backend memory; first >= 0. The same bits on every backend
+     * (cpu_router_force.c, cuda_router_force.cu). NULL in a backend without it. */
     void (*router_force)(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
-                         int64_t k, int64_t first, int percent, bool norm_topk);
+                         int64_t k, int64_t first, int percent, bool norm_topk, float scaling);
     /* Replayed routing (routing replay, R3: a rollout engine's routes given with the batch;
      * fm_router.h), run after router_fwd: token n whose row replay[n*k .. n*k+k) starts with an id
      * >= 0 gets topk_idx[n,j] = replay[n*k+j] (the given order) and topk_w[n,j] = probs[n, that
-     * expert], divided when norm_topk by their sum accumulated in fp32 in j order (router_fwd's
-     * arithmetic, operation for operation: replaying router_fwd's own routes gives its bits); a
-     * row starting with -1 (padding) keeps router_fwd's. The ids of a replayed row must be in
-     * [0,E) and distinct (the caller checks them: src/capi/flatmoe_replay.c). probs [N,E] fp32,
-     * replay, topk_idx [N,k] int32, topk_w [N,k] fp32, backend memory. cpu_router_replay.c,
-     * cuda_router_replay.cu. NULL in a backend without it. */
+     * expert], divided when norm_topk by (their sum accumulated in fp32 in j order + eps), then
+     * times scaling in fp32 — the scoring's own arithmetic, operation for operation, so replaying
+     * the router's own routes gives its bits: router_fwd's with eps 0 and scaling 1 (both exact
+     * no-ops), router_sigmoid_fwd's with eps 1e-20f and scaling = routed_scaling_factor (probs then
+     * holds the sigmoid scores: the gates use no bias and no group mask); a row starting with -1
+     * (padding) keeps the router's. The ids of a replayed row must be in [0,E) and distinct (the
+     * caller checks them: src/capi/flatmoe_replay.c). probs [N,E] fp32, replay, topk_idx [N,k]
+     * int32, topk_w [N,k] fp32, backend memory. cpu_router_replay.c, cuda_router_replay.cu. NULL in
+     * a backend without it. */
     void (*router_replay)(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, const int32_t *replay,
-                          int64_t N, int64_t E, int64_t k, bool norm_topk);
+                          int64_t N, int64_t E, int64_t k, bool norm_topk, float eps, float scaling);
 
     /* ---- the sigmoid router (DeepSeek-V3, arXiv 2412.19437 §2.1.2; transformers'
      * Glm4MoeTopkRouter / DeepseekV3TopkRouter), per token n, in fp32:

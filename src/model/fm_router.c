@@ -25,15 +25,15 @@ fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const
     } else {
         be->ops->router_fwd(be->ctx, s->probs, s->lse, s->topk_idx, s->topk_w, logits, N, E, k, o->norm_topk);
     }
+    const bool sig = o->score == FM_ROUTER_SCORE_SIGMOID;
     if (replay) { /* routing replay (R3): the given experts, the current router's weights */
-        if (o->score == FM_ROUTER_SCORE_SIGMOID)
-            return fm_error(FM_ERR_UNSUPPORTED, "routing replay: glm4_moe's sigmoid router cannot replay routes yet "
-                            "(the replay op weighs softmax probabilities); drop the batch's routed_experts");
         if (!be->ops->router_replay)
             return fm_error(FM_ERR_UNSUPPORTED, "routing replay: the %s backend has no router_replay op (the cpu and "
                             "cuda backends have it); drop the batch's routed_experts",
                             be->ops->name ? be->ops->name : "this");
-        be->ops->router_replay(be->ctx, s->topk_idx, s->topk_w, s->probs, replay, N, E, k, o->norm_topk);
+        /* weighed as the scoring weighs its own choice: router_sigmoid_fwd's + 1e-20f and scaling */
+        be->ops->router_replay(be->ctx, s->topk_idx, s->topk_w, s->probs, replay, N, E, k, o->norm_topk,
+                               sig ? 1e-20f : 0.0f, sig ? o->scaling : 1.0f);
     }
     if (o->force_route) { /* test hook (fm_router_opts): the top-k forced, weights from the probabilities */
         if (!be->ops->router_force)
@@ -41,7 +41,7 @@ fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const
                             "forced routing, a test hook, runs on the cpu and cuda backends); unset it",
                             be->ops->name ? be->ops->name : "this");
         be->ops->router_force(be->ctx, s->topk_idx, s->topk_w, s->probs, N, E, k, o->force_first, o->force_percent,
-                              o->norm_topk);
+                              o->norm_topk, sig ? o->scaling : 1.0f);
     }
     be->ops->router_stats(be->ctx, s->count, s->prob_sum, lse_sq, s->probs, s->lse, s->topk_idx, N, E, k);
     int64_t n_tot = N;

@@ -36,7 +36,8 @@ typedef struct fm_router_opts {
      * the test hook FLATMOE_TEST_FORCE_ROUTE, core/fm_test_hooks.h): every token's top-k becomes experts force_first .. force_first
      * + k - 1 (mod E), their weights the softmax probabilities of those experts (renormalized with
      * norm_topk), so forward, statistics and backward stay those of a router that chose them (the
-     * sigmoid router: its scores, renormalized with norm_topk, without routed_scaling_factor).
+     * sigmoid router: its scores, renormalized with norm_topk, times routed_scaling_factor, as its
+     * backward assumes).
      * force_percent (in [0,100]) of each call's tokens are forced, spread evenly (token n when
      * n*pct/100 < (n+1)*pct/100), the rest keep the router's own choice: the skewed form
      * (FLATMOE_TEST_FORCE_ROUTE=FIRST:PCT; plain FIRST is 100). Runs as the backend's
@@ -72,9 +73,11 @@ typedef struct fm_router_saved {
  * replay [N,k] int32 (backend memory; NULL: none): routing replay (R3; slime's
  * --use-rollout-routing-replay, verl's router_replay R3): a row whose first id is >= 0 replaces the
  * token's top-k by the given experts, in the given order, and their weights are the CURRENT
- * router's probabilities of those experts, renormalized with norm_topk exactly as router_fwd
- * weighs its own choice (the backend's router_replay op), so the router keeps learning through
- * the gates and a replay of its own routes is bit-identical to no replay; a row starting with -1
+ * router's probabilities of those experts (the sigmoid router: its scores, without the selection
+ * bias or the group mask), renormalized with norm_topk (and times routed_scaling_factor) exactly
+ * as the router weighs its own choice (the backend's router_replay op), so the router keeps
+ * learning through the gates and a replay of its own routes is bit-identical to no replay; the
+ * backward is the router's own over the replayed selection; a row starting with -1
  * (padding) keeps the router's choice. The statistics, the losses and the backward then see the
  * replayed routes as if the router had chosen them; the dispatch bound is unchanged (it holds for
  * any routing). The ids are checked by the caller (in [0,E), distinct within a row). With the
