@@ -96,6 +96,23 @@ python3 -c 'import sys; v = [float(x) for x in sys.argv[1].split()]
 assert len(v) == 16 and max(abs(x) for x in v) >= 0.01 and all(abs(round(x / 0.01) * 0.01 - x) < 1e-6 for x in v), v' "$b" \
     && ok || bad "the bias after 6 steps at rate 0.01: $b"
 
+# --moe-seq-aux-loss-coeff: DeepSeek-V3's sequence-wise balance loss, reported as aux_loss (0 without
+# it: the plain run), its alpha in the header's flags; the training loss still falls
+"$FM" train "${base[@]}" --steps 12 --quiet --moe-seq-aux-loss-coeff 0.01 --out "$TMP/seqaux" || bad "--moe-seq-aux-loss-coeff run failed"
+python3 - "$TMP/seqaux/metrics.jsonl" "$TMP/plain/metrics.jsonl" <<'PY' && ok || bad "the sequence-wise loss is not reported"
+import json, sys
+rs = list(map(json.loads, open(sys.argv[1])))
+hdr = [r for r in rs if r.get("type") == "header"][0]
+assert hdr["flags"]["moe_seq_aux_loss_coeff"] == 0.01, hdr["flags"]
+steps = [r for r in rs if r.get("type") == "step"]
+# per layer sum_i f_i P_i is about 1 when balanced (E / k at worst): alpha x that
+assert all(0.002 < r["aux_loss"] < 0.01 * 8 / 2 + 1e-9 for r in steps), [r["aux_loss"] for r in steps]
+assert steps[-1]["loss"] < steps[0]["loss"], (steps[0]["loss"], steps[-1]["loss"])
+plain = [r for r in map(json.loads, open(sys.argv[2])) if r.get("type") == "step"]
+assert all(r["aux_loss"] == 0 for r in plain)
+print("sequence-wise aux loss:", [round(r["aux_loss"], 5) for r in steps[:3]], "...")
+PY
+
 # a Hugging Face folder with the MTP layer's tensors (model.layers.3.*): skipped on load
 mkdir -p "$TMP/hf"
 cp "$CFG" "$TMP/hf/config.json"
@@ -143,4 +160,8 @@ expect_fail "the rate on a softmax router" "no selection bias" \
     "$FM" train --config "$ROOT/configs/tiny.json" --data "$TEXT" --steps 1 --moe-router-bias-update-rate 0.001 --out "$TMP/x6"
 expect_fail "a negative rate" "expected a finite rate >= 0" \
     "$FM" train "${base[@]}" --steps 1 --moe-router-bias-update-rate -1 --out "$TMP/x7"
+expect_fail "the sequence-wise loss on a softmax router" "set router_aux_loss_coef" \
+    "$FM" train --config "$ROOT/configs/tiny.json" --data "$TEXT" --steps 1 --moe-seq-aux-loss-coeff 0.001 --out "$TMP/x8"
+expect_fail "a negative sequence-wise coefficient" "expected a finite coefficient >= 0" \
+    "$FM" train "${base[@]}" --steps 1 --moe-seq-aux-loss-coeff -1 --out "$TMP/x9"
 finish

@@ -105,6 +105,8 @@ typedef enum fm_stream {
 #define FM_EVENT_POOL 256
 /* The most expert groups of the group-limited router (router_sigmoid_fwd; n_group). */
 #define FM_ROUTER_MAX_GROUPS 64
+/* The most experts of the sequence-wise balance loss (router_seq_aux_fwd: its per-segment sums). */
+#define FM_ROUTER_MAX_SEQ_AUX_E 2048
 enum {
     FM_EVENT_TOKENS = 0,   /* the micro-batch's token/target upload is done (its host batch may be rewritten) */
     FM_EVENT_FIRST_FREE = 8,
@@ -407,6 +409,23 @@ typedef struct fm_ops {
     void (*router_sigmoid_bwd)(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
                                const float *scores, const int32_t *topk_idx, int64_t N, int64_t E, int64_t k,
                                bool norm_topk, float scaling);
+    /* The complementary sequence-wise balance loss of the sigmoid router (DeepSeek-V3, arXiv
+     * 2412.19437 §2.1.2 eq. 17-20; Megatron-Core's --moe-router-load-balancing-type seq_aux_loss),
+     * over segments of the N = B*T tokens: each row of T tokens, or with doc_start ([N] int32,
+     * backend memory, fm_batch.h's row-local first token of each token's document; NULL: rows)
+     * each document (a run of equal doc_start in a row; padding is a document too). Segment s of
+     * T_s tokens: c_i = its routes to expert i (topk_idx [N,k]), f_i = E c_i / (k T_s),
+     * P_i = (1/T_s) sum_t sh_{t,i}, sh_{t,i} = scores[t,i] / (sum_j scores[t,j] + 1e-20) (all E
+     * experts, no bias), l_s = sum_i f_i P_i. In double, segments in order, experts ascending.
+     * fwd: *term (backend memory, one double, ASSIGNED) = coef * sum_s l_s.
+     * bwd: dlogits [N,E] fp32 += coef * s_j (1 - s_j) (g_j - sum_i g_i sh_i) / (sum_i s_i + 1e-20)
+     *   for each token of s, g_i = E c_i / (k T_s^2) = d l_s / d sh_{t,i} (c_i held constant: the
+     *   selection has no gradient). scores [N,E] fp32. E <= FM_ROUTER_MAX_SEQ_AUX_E. NULL in a
+     *   backend without them (cpu_router_seq_aux.c, cuda_router_seq_aux.cu). */
+    void (*router_seq_aux_fwd)(void *ctx, double *term, const float *scores, const int32_t *topk_idx,
+                               const int32_t *doc_start, int64_t B, int64_t T, int64_t E, int64_t k, double coef);
+    void (*router_seq_aux_bwd)(void *ctx, float *dlogits, const float *scores, const int32_t *topk_idx,
+                               const int32_t *doc_start, int64_t B, int64_t T, int64_t E, int64_t k, double coef);
 
     /* ---- MoE permutation (dropless) --------------------------------------------------------
      * R = N*k routes; route r = n*k + j is token n's j-th choice. The permuted ("expert-major")

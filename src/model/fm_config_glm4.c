@@ -77,8 +77,9 @@ fm_status fm_config_parse_glm4(fm_config *cfg, const void *root_v, const char *p
                         cfg->routed_scaling_factor);
     if (cfg->router_aux_loss_coef != 0 || cfg->router_z_loss_coef != 0)
         return fm_error(FM_ERR_UNSUPPORTED, "%s: router_aux_loss_coef (%g) / router_z_loss_coef (%g) are set, but "
-                        "glm4_moe's sigmoid router balances without an auxiliary loss in flatmoe (DeepSeek-V3's "
-                        "sequence-wise loss is not implemented): remove them and use --moe-router-bias-update-rate",
+                        "glm4_moe's sigmoid router balances without the batch-wise auxiliary loss: remove them and use "
+                        "--moe-router-bias-update-rate (and --moe-seq-aux-loss-coeff for DeepSeek-V3's sequence-wise "
+                        "loss)",
                         path, cfg->router_aux_loss_coef, cfg->router_z_loss_coef);
     if (cfg->first_k_dense_replace >= cfg->num_hidden_layers)
         return fm_error(FM_ERR_CONFIG, "%s: \"first_k_dense_replace\" (%lld) makes all %lld layers dense; flatmoe "

@@ -154,6 +154,11 @@ void fm_cpu_router_sigmoid_fwd(void *ctx, float *scores, float *lse, int32_t *to
 void fm_cpu_router_sigmoid_bwd(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
                                const float *scores, const int32_t *topk_idx, int64_t N, int64_t E, int64_t k,
                                bool norm_topk, float scaling);
+/* cpu_router_seq_aux.c: the sigmoid router's sequence-wise balance loss (fm_backend.h) */
+void fm_cpu_router_seq_aux_fwd(void *ctx, double *term, const float *scores, const int32_t *topk_idx,
+                               const int32_t *doc_start, int64_t B, int64_t T, int64_t E, int64_t k, double coef);
+void fm_cpu_router_seq_aux_bwd(void *ctx, float *dlogits, const float *scores, const int32_t *topk_idx,
+                               const int32_t *doc_start, int64_t B, int64_t T, int64_t E, int64_t k, double coef);
 /* cpu_router_force.c: the forced routing of FLATMOE_TEST_FORCE_ROUTE (fm_backend.h router_force) */
 void fm_cpu_router_force(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
                          int64_t k, int64_t first, int percent, bool norm_topk, float scaling);
