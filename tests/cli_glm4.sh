@@ -160,6 +160,8 @@ expect_fail "the rate on a softmax router" "no selection bias" \
     "$FM" train --config "$ROOT/configs/tiny.json" --data "$TEXT" --steps 1 --moe-router-bias-update-rate 0.001 --out "$TMP/x6"
 expect_fail "a negative rate" "expected a finite rate >= 0" \
     "$FM" train "${base[@]}" --steps 1 --moe-router-bias-update-rate -1 --out "$TMP/x7"
+expect_fail "the rate with the streamed optimizer" "held by the streamed optimizer's buckets" \
+    "$FM" train "${base[@]}" --steps 1 --moe-router-bias-update-rate 0.01 --offload-optimizer --out "$TMP/x10"
 expect_fail "the sequence-wise loss on a softmax router" "set router_aux_loss_coef" \
     "$FM" train --config "$ROOT/configs/tiny.json" --data "$TEXT" --steps 1 --moe-seq-aux-loss-coeff 0.001 --out "$TMP/x8"
 expect_fail "a negative sequence-wise coefficient" "expected a finite coefficient >= 0" \
