@@ -117,7 +117,7 @@ void fm_router_backward(const fm_backend *be, const fm_router_opts *o, int64_t N
     else
         be->ops->router_bwd(be->ctx, dlogits, dtopk_w, dprobs, z_scale, s->probs, s->lse, s->topk_idx, s->topk_w, N,
                             E, k, o->norm_topk);
-    if (o->score == FM_ROUTER_SCORE_SIGMOID && o->seq_aux_coef > 0) { /* the sequence-wise loss (the forward checked the op) */
+    if (o->score == FM_ROUTER_SCORE_SIGMOID && o->seq_aux_coef > 0) { /* sequence-wise (the forward checked the op) */
         const double w = (double)N_tot / (double)N; /* ranks of the statistics communicator */
         be->ops->router_seq_aux_bwd(be->ctx, dlogits, s->probs, s->topk_idx, seg->doc_start, seg->B, seg->T, E, k,
                                     o->seq_aux_coef * scale / ((double)L * (double)seg->n_seg * w));

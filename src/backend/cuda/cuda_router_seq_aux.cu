@@ -75,7 +75,8 @@ __global__ void __launch_bounds__(SA_THREADS)
             __syncthreads();
             if (threadIdx.x == 0) {
                 double l = 0;
-                for (int64_t e = 0; e < E; e++) l += ((double)E * c[e] / ((double)k * (double)Ts)) * (p[e] / (double)Ts);
+                for (int64_t e = 0; e < E; e++)
+                    l += ((double)E * c[e] / ((double)k * (double)Ts)) * (p[e] / (double)Ts);
                 sum += l;
             }
             __syncthreads(); /* c, p and seg_u free */
@@ -90,7 +91,8 @@ __device__ __forceinline__ double sa_warp_sum(double v) {
 }
 
 __global__ void __launch_bounds__(SA_THREADS)
-    seq_aux_bwd_kernel(float *__restrict__ dlogits, const float *__restrict__ scores, const int32_t *__restrict__ topk_idx,
+    seq_aux_bwd_kernel(float *__restrict__ dlogits, const float *__restrict__ scores,
+                       const int32_t *__restrict__ topk_idx,
                        const int32_t *__restrict__ doc_start, int64_t T, int64_t E, int64_t k, double coef) {
     extern __shared__ double sa_sh[]; /* g [E] */
     __shared__ int64_t seg_u;

@@ -115,7 +115,8 @@ __global__ void __launch_bounds__(SG_WARPS * 32)
                 if (g >= n_group) continue;
                 int32_t two[2];
                 sg_select(s, bias, NULL, gs, g * gs, gs, 2, two);
-                const float v = sg_choice(s, bias, NULL, gs, g * gs + two[0]) + sg_choice(s, bias, NULL, gs, g * gs + two[1]);
+                const float v =
+                    sg_choice(s, bias, NULL, gs, g * gs + two[0]) + sg_choice(s, bias, NULL, gs, g * gs + two[1]);
                 if (h == 0) g_lo = v; else g_hi = v;
             }
             kept = 0;
