@@ -19,17 +19,6 @@ losses() { python3 -c '
 import json, sys
 print(" ".join(repr(r["loss"]) for r in map(json.loads, open(sys.argv[1])) if "loss" in r))' "$1"; }
 
-# high-water = bound for every arena in a --report-memory log
-check_memory() { # NAME LOG
-    local n=0
-    while read -r set bound hw; do
-        n=$((n + 1))
-        [ "$hw" -le "$bound" ] && [ $(( hw + 64 )) -ge "$bound" ] && ok || bad "$1: $set high-water $hw vs bound $bound"
-    done < <(grep "^memory:" "$2" | grep -v "live set\|attention\|device in use" | sed -E 's/^memory: +(.*[a-z)]) +([0-9]+) +([0-9]+) .*/\1|\2|\3/' | \
-             awk -F'|' '{gsub(/ /, "_", $1); print $1, $2, $3}')
-    [ $n -ge 6 ] && ok || bad "$1: found $n memory lines"
-}
-
 "$FM" train "${base[@]}" --report-memory --out "$TMP/native" > "$TMP/native.log" 2>&1 || bad "native run failed: $(tail -3 "$TMP/native.log")"
 "$FM" train "${base[@]}" --report-memory --expert-precision fp8 --out "$TMP/fp8" > "$TMP/fp8.log" 2>&1 || bad "fp8 run failed: $(tail -3 "$TMP/fp8.log")"
 grep -q "expert GEMMs fp8" "$TMP/fp8.log" && ok || bad "the fp8 run's header does not say fp8"

@@ -15,28 +15,6 @@ CFG="$ROOT/tests/data/glm4_tiny.json"
 base=(--config "$CFG" --data "$TEXT" --seq-len 64 --micro-batch 2 --threads 2 --seed 3 --warmup 2 --lr 3e-3
       --eval-every 10 --eval-batches 1)
 
-check_memory() { # NAME LOG (as tests/cli_dense_layers.sh)
-    local n=0
-    while read -r set bound hw; do
-        n=$((n + 1))
-        [ "$hw" -le "$bound" ] && [ $(( hw + 64 )) -ge "$bound" ] && ok || bad "$1: $set high-water $hw vs bound $bound"
-    done < <(grep "^memory:" "$2" | grep -v "live set\|attention\|device in use" | sed -E 's/^memory: +(.*[a-z)]) +([0-9]+) +([0-9]+) .*/\1|\2|\3/' | \
-             awk -F'|' '{gsub(/ /, "_", $1); print $1, $2, $3}')
-    [ $n -ge 6 ] && ok || bad "$1: found $n memory lines"
-}
-plan_same() { # NAME LOG FLAGS...
-    local name=$1 log=$2; shift 2
-    "$FM" plan --config "$CFG" --seq-len 64 --micro-batch 2 --threads 2 "$@" > "$TMP/$name.plan" 2>&1 || bad "$name: plan failed"
-    python3 - "$log" "$TMP/$name.plan" <<'PY' && ok || bad "$name: flatmoe plan's bounds are not the train run's"
-import re, sys
-train = {m[1].strip(): int(m[2]) for m in re.finditer(r"^memory: +(.*?) +(\d+) +\d+ ", open(sys.argv[1]).read(), re.M)}
-plan = {m[1].strip(): int(m[2]) for m in re.finditer(r"^([a-z][a-z ]+?) +(\d+) +[\d.]+ ", open(sys.argv[2]).read(), re.M)}
-sets = ["model state", "checkpoint boundaries", "layer activations", "expert dispatch", "layer working set", "vocabulary projection"]
-bad = [s for s in sets if train.get(s) is None or train.get(s) != plan.get(s)]
-print("plan vs train bounds:", {s: (plan.get(s), train.get(s)) for s in sets})
-sys.exit(1 if bad else 0)
-PY
-}
 bias_of() { # SAFETENSORS: the biases of layers 1 and 2, one line
     python3 - "$1" <<'PY'
 import json, struct, sys
@@ -49,7 +27,7 @@ PY
 
 "$FM" train "${base[@]}" --steps 30 --report-memory --out "$TMP/plain" > "$TMP/plain.log" 2>&1 || bad "plain run failed: $(tail -3 "$TMP/plain.log")"
 check_memory plain "$TMP/plain.log"
-plan_same plain "$TMP/plain.log"
+plan_same plain "$TMP/plain.log" "$CFG"
 python3 - "$TMP/plain/metrics.jsonl" <<'PY' && ok || bad "the loss does not fall, or the expert load lists the dense layer"
 import json, sys
 steps = [r for r in map(json.loads, open(sys.argv[1])) if r.get("type") == "step"]
@@ -61,7 +39,7 @@ PY
 bounded=(--recompute 0,1 --moe-chunk-tokens 48 --ce-block-tokens 64 --ce-block-vocab 64)
 "$FM" train "${base[@]}" --steps 4 --report-memory "${bounded[@]}" --out "$TMP/bounded" > "$TMP/bounded.log" 2>&1 || bad "bounded run failed: $(tail -3 "$TMP/bounded.log")"
 check_memory bounded "$TMP/bounded.log"
-plan_same bounded "$TMP/bounded.log" "${bounded[@]}"
+plan_same bounded "$TMP/bounded.log" "$CFG" "${bounded[@]}"
 
 ck="$TMP/plain/step_000030"
 python3 - "$ck/model.safetensors" <<'PY' && ok || bad "the checkpoint's glm4_moe tensors"
@@ -95,6 +73,23 @@ b=$(bias_of "$TMP/straight/step_000006/model.safetensors")
 python3 -c 'import sys; v = [float(x) for x in sys.argv[1].split()]
 assert len(v) == 16 and max(abs(x) for x in v) >= 0.01 and all(abs(round(x / 0.01) * 0.01 - x) < 1e-6 for x in v), v' "$b" \
     && ok || bad "the bias after 6 steps at rate 0.01: $b"
+
+# --moe-seq-aux-loss-coeff: DeepSeek-V3's sequence-wise balance loss, reported as aux_loss (0 without
+# it: the plain run), its alpha in the header's flags; the training loss still falls
+"$FM" train "${base[@]}" --steps 12 --quiet --moe-seq-aux-loss-coeff 0.01 --out "$TMP/seqaux" || bad "--moe-seq-aux-loss-coeff run failed"
+python3 - "$TMP/seqaux/metrics.jsonl" "$TMP/plain/metrics.jsonl" <<'PY' && ok || bad "the sequence-wise loss is not reported"
+import json, sys
+rs = list(map(json.loads, open(sys.argv[1])))
+hdr = [r for r in rs if r.get("type") == "header"][0]
+assert hdr["flags"]["moe_seq_aux_loss_coeff"] == 0.01, hdr["flags"]
+steps = [r for r in rs if r.get("type") == "step"]
+# per layer sum_i f_i P_i is about 1 when balanced (E / k at worst): alpha x that
+assert all(0.002 < r["aux_loss"] < 0.01 * 8 / 2 + 1e-9 for r in steps), [r["aux_loss"] for r in steps]
+assert steps[-1]["loss"] < steps[0]["loss"], (steps[0]["loss"], steps[-1]["loss"])
+plain = [r for r in map(json.loads, open(sys.argv[2])) if r.get("type") == "step"]
+assert all(r["aux_loss"] == 0 for r in plain)
+print("sequence-wise aux loss:", [round(r["aux_loss"], 5) for r in steps[:3]], "...")
+PY
 
 # a Hugging Face folder with the MTP layer's tensors (model.layers.3.*): skipped on load
 mkdir -p "$TMP/hf"
@@ -143,4 +138,10 @@ expect_fail "the rate on a softmax router" "no selection bias" \
     "$FM" train --config "$ROOT/configs/tiny.json" --data "$TEXT" --steps 1 --moe-router-bias-update-rate 0.001 --out "$TMP/x6"
 expect_fail "a negative rate" "expected a finite rate >= 0" \
     "$FM" train "${base[@]}" --steps 1 --moe-router-bias-update-rate -1 --out "$TMP/x7"
+expect_fail "the rate with the streamed optimizer" "held by the streamed optimizer's buckets" \
+    "$FM" train "${base[@]}" --steps 1 --moe-router-bias-update-rate 0.01 --offload-optimizer --out "$TMP/x10"
+expect_fail "the sequence-wise loss on a softmax router" "set router_aux_loss_coef" \
+    "$FM" train --config "$ROOT/configs/tiny.json" --data "$TEXT" --steps 1 --moe-seq-aux-loss-coeff 0.001 --out "$TMP/x8"
+expect_fail "a negative sequence-wise coefficient" "expected a finite coefficient >= 0" \
+    "$FM" train "${base[@]}" --steps 1 --moe-seq-aux-loss-coeff -1 --out "$TMP/x9"
 finish

@@ -62,6 +62,27 @@ one() { # out config extra flags: the one-rank reference at --micro-batch 4
     local out=$1 cfg=$2; shift 2
     "$FM" train --config "$cfg" "${COMMON[@]}" --micro-batch 4 "$@" --out "$out" >/dev/null || bad "one-rank $out failed"
 }
+# packed_docs COUNT MAXLEN: COUNT documents of 3 to MAXLEN byte tokens (seed 7) in the llm.c shard
+# $TMP/w.bin with its FMDOCS01 index $TMP/w.docs (as tests/cli_pack.sh writes them), and PACK, the
+# flags that train on them with --pack on at --micro-batch 4 (the one-rank reference's shape)
+packed_docs() {
+    python3 - "$TMP/w" "$1" "$2" <<'PY'
+import random, struct, sys
+r = random.Random(7)
+docs = [[r.randrange(256) for _ in range(r.randint(3, int(sys.argv[3])))] for _ in range(int(sys.argv[2]))]
+toks = [t for d in docs for t in d]
+with open(sys.argv[1] + ".bin", "wb") as f:
+    f.write(struct.pack("<256i", 20240801, 7, len(toks), *([0] * 253)))
+    f.write(struct.pack("<%dI" % len(toks), *toks))
+starts, at = [], 0
+for d in docs:
+    starts.append(at); at += len(d)
+with open(sys.argv[1] + ".docs", "wb") as f:
+    f.write(b"FMDOCS01" + struct.pack("<QQ", len(toks), len(starts)) + struct.pack("<%dQ" % len(starts), *starts))
+PY
+    PACK=(--data "$TMP/w.bin" --val-fraction 0.2 --seq-len 32 --grad-accum 2 --steps 20 --warmup 2 --lr 3e-3
+          --eval-every 10 --eval-batches 1 --threads 1 --quiet --pack on --micro-batch 4)
+}
 case $MODE in
 np2)
     for cfg in "$SP" "$MICRO"; do
@@ -96,22 +117,7 @@ np2)
     # FMDOCS01 index (as tests/cli_pack.sh writes them), --pack on: rows of whole documents that
     # cross the ranks' halves; each rank keeps its half of the tokens and positions and the whole
     # rows' document starts. -np 2 --sp 2 against one rank, at the tolerances above.
-    python3 - "$TMP/w" <<'PY'
-import random, struct, sys
-r = random.Random(7)
-docs = [[r.randrange(256) for _ in range(r.randint(3, 120))] for _ in range(40)]
-toks = [t for d in docs for t in d]
-with open(sys.argv[1] + ".bin", "wb") as f:
-    f.write(struct.pack("<256i", 20240801, 7, len(toks), *([0] * 253)))
-    f.write(struct.pack("<%dI" % len(toks), *toks))
-starts, at = [], 0
-for d in docs:
-    starts.append(at); at += len(d)
-with open(sys.argv[1] + ".docs", "wb") as f:
-    f.write(b"FMDOCS01" + struct.pack("<QQ", len(toks), len(starts)) + struct.pack("<%dQ" % len(starts), *starts))
-PY
-    PACK=(--data "$TMP/w.bin" --val-fraction 0.2 --seq-len 32 --grad-accum 2 --steps 20 --warmup 2 --lr 3e-3
-          --eval-every 10 --eval-batches 1 --threads 1 --quiet --pack on --micro-batch 4)
+    packed_docs 40 120
     for cfg in "$SP" "$MICRO"; do
         n=$(basename "$cfg" .json)
         "$FM" train --config "$cfg" "${PACK[@]}" --out "$TMP/pone_$n" >/dev/null || bad "one-rank packed $n failed"
@@ -166,22 +172,7 @@ json.dump(c, open(sys.argv[2], "w"))' "$SP" "$TMP/attn.json"
         bad "np 2 --sp 2 (biases, yarn) failed"
     compare "$TMP/one" "$TMP/sp" || bad "np 2 --sp 2 (biases, yarn) differs from one rank"
     memory "$TMP/sp" "$TMP/attn.json" 2 4 || bad "np 2 --sp 2 (biases, yarn): memory"
-    python3 - "$TMP/w" <<'PY'
-import random, struct, sys
-r = random.Random(7)
-docs = [[r.randrange(256) for _ in range(r.randint(3, 40))] for _ in range(60)]
-toks = [t for d in docs for t in d]
-with open(sys.argv[1] + ".bin", "wb") as f:
-    f.write(struct.pack("<256i", 20240801, 7, len(toks), *([0] * 253)))
-    f.write(struct.pack("<%dI" % len(toks), *toks))
-starts, at = [], 0
-for d in docs:
-    starts.append(at); at += len(d)
-with open(sys.argv[1] + ".docs", "wb") as f:
-    f.write(b"FMDOCS01" + struct.pack("<QQ", len(toks), len(starts)) + struct.pack("<%dQ" % len(starts), *starts))
-PY
-    PACK=(--data "$TMP/w.bin" --val-fraction 0.2 --seq-len 32 --grad-accum 2 --steps 20 --warmup 2 --lr 3e-3
-          --eval-every 10 --eval-batches 1 --threads 1 --quiet --pack on --micro-batch 4)
+    packed_docs 60 40
     "$FM" train --config "$TMP/attn.json" "${PACK[@]}" --out "$TMP/pone" >/dev/null || bad "one-rank packed (attn) failed"
     mpi 2 train --config "$TMP/attn.json" "${PACK[@]}" --sp 2 --out "$TMP/psp" || bad "np 2 --sp 2 --pack on (attn) failed"
     compare "$TMP/pone" "$TMP/psp" || bad "np 2 --sp 2 --pack on (biases, yarn) differs from one rank" ;;

@@ -11,7 +11,13 @@
  *  - the gradient of a PG step under replay, router weights included, against finite differences;
  *  - out-of-range and duplicate ids refused naming the token, the MoE layer and the value;
  *  - under adversarial replayed routes (every token to experts 0 and 1), the expert-dispatch live
- *    set's measured high-water mark stays within its planned bound, as under the router's routes. */
+ *    set's measured high-water mark stays within its planned bound, as under the router's routes.
+ * The same for glm4_moe's sigmoid router (DeepSeek-V3's: 6 experts in 3 groups keeping 2,
+ * routed_scaling_factor 2.5, layer 0 dense, a shared expert; a random e_score_correction_bias so
+ * the selection is not the scores' order): own routes bit-identical to no replay, other routes
+ * equal to forced routing (bitwise without norm_topk_prob, within the tolerance with it), and the
+ * PG gradient under replay (the gates: the scores at the given experts, no bias, no group mask,
+ * normalized, times the scaling) against finite differences. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,8 +37,19 @@ static const char *CFG_FMT =
     " \"mlp_only_layers\": [1], \"router_aux_loss_coef\": 0.01, \"initializer_range\": 0.2,\n"
     " \"tie_word_embeddings\": false, \"torch_dtype\": \"float32\"}\n";
 
+/* glm4_moe: layer 0 dense (first_k_dense_replace), MoE layers 1 and 2 (Glm4MoeConfig's fields) */
+static const char *CFG_GLM_FMT =
+    "{\"architectures\": [\"Glm4MoeForCausalLM\"], \"model_type\": \"glm4_moe\", \"vocab_size\": 100,\n"
+    " \"hidden_size\": 32, \"intermediate_size\": 48, \"moe_intermediate_size\": 32, \"num_hidden_layers\": 3,\n"
+    " \"num_attention_heads\": 2, \"num_key_value_heads\": 2, \"head_dim\": 16, \"max_position_embeddings\": 64,\n"
+    " \"rope_theta\": 10000.0, \"rms_norm_eps\": 1e-06, \"n_routed_experts\": 6, \"n_shared_experts\": 1,\n"
+    " \"num_experts_per_tok\": 2, \"n_group\": 3, \"topk_group\": 2, \"first_k_dense_replace\": 1,\n"
+    " \"routed_scaling_factor\": 2.5, \"norm_topk_prob\": %s, \"initializer_range\": 0.2,\n"
+    " \"tie_word_embeddings\": false}\n";
+
 enum { E = 6, K = 2, LM = 2, NT = 44, NS = 4, NFULL = 48 };
-static char cfg_norm[64], cfg_plain[64], threads_s[16];
+static char cfg_norm[64], cfg_plain[64], glm_norm[64], glm_plain[64], threads_s[16];
+static int64_t moe_layer[LM] = {0, 2}; /* the MoE layers of the config under test */
 
 static flatmoe_session *open_s(const char *cfg, const char *chunk) {
     const char *argv[] = {"--config", cfg, "--seq-len", "16", "--micro-batch", "3", "--threads", threads_s,
@@ -41,6 +58,16 @@ static flatmoe_session *open_s(const char *cfg, const char *chunk) {
     flatmoe_session *s = NULL;
     const int rc = flatmoe_open(&s, (int)(sizeof argv / sizeof argv[0]), argv);
     CHECK_MSG(rc == FLATMOE_OK, "flatmoe_open: %s", flatmoe_last_error());
+    if (s && s->r.m.cfg.router_sigmoid) { /* a fixed selection bias (the same in every session) */
+        fm_model *m = &s->r.m;
+        for (int li = 0; li < LM; li++) {
+            fm_act *b = m->p.w.layers[moe_layer[li]].router_bias;
+            FM_ASSERT(b);
+            for (int e = 0; e < E; e++) b[e] = 0.05f * (float)((e * 7 + li * 3) % 5) - 0.1f;
+            if (m->p.master && (void *)m->p.master != (void *)m->p.params)
+                memcpy(m->p.master + (b - m->p.params), b, sizeof(float) * E);
+        }
+    }
     return s;
 }
 
@@ -78,7 +105,8 @@ static void random_routes(int32_t *r, fm_rng *g) {
 }
 
 /* The routes taken against a plain selection over each MoE layer's saved probabilities; the info's
- * axes; a dense layer in the middle has no entry. */
+ * axes; a dense layer in the middle has no entry. (The softmax router: the sigmoid one's selection
+ * is its op's, tested in tests/test_router_sigmoid.c.) */
 static void test_routes_taken(fm_rng *g) {
     flatmoe_session *s = open_s(cfg_norm, "0");
     if (!s) return;
@@ -94,7 +122,6 @@ static void test_routes_taken(fm_rng *g) {
     CHECK(flatmoe_logprobs_ex(s, &b, lp, NULL, routes, 0, NULL, NULL) == FLATMOE_OK);
     CHECK(flatmoe_logprobs(s, &b, lp0, NULL) == FLATMOE_OK);
     CHECK_MSG(!memcmp(lp, lp0, sizeof lp), "flatmoe_logprobs_ex's log-probs differ from flatmoe_logprobs's");
-    const int64_t moe_layer[LM] = {0, 2};
     int bad = 0;
     for (int li = 0; li < LM; li++) {
         const float *probs = s->r.m.a.acts[moe_layer[li]].router.probs;
@@ -119,8 +146,8 @@ static void test_routes_taken(fm_rng *g) {
 }
 
 /* Replay of the router's own routes: the same bits, forward and two train steps. */
-static void test_replay_own(fm_rng *g) {
-    flatmoe_session *a = open_s(cfg_norm, "0"), *r = open_s(cfg_norm, "0");
+static void test_replay_own(fm_rng *g, const char *cfg) {
+    flatmoe_session *a = open_s(cfg, "0"), *r = open_s(cfg, "0");
     if (!a || !r) return;
     flatmoe_batch b;
     make_batch(&b, g, false);
@@ -194,8 +221,8 @@ static void test_replay_equals_forced(fm_rng *g, const char *cfg, bool bitwise) 
         CHECK_MSG(worst <= 1e-5, "replay vs forced routing (norm_topk_prob true): log-probs differ by %.3g > 1e-5",
                   worst);
     }
-    printf("replay == forced routing (norm_topk_prob %s): worst log-prob difference %.3g\n", bitwise ? "false" : "true",
-           worst);
+    printf("replay == forced routing (%s, norm_topk_prob %s): worst log-prob difference %.3g\n",
+           f->r.m.cfg.model_type_name, bitwise ? "false" : "true", worst);
     flatmoe_close(f);
     flatmoe_close(r);
 }
@@ -211,8 +238,8 @@ static double loss_at(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_
 
 /* The PG step's gradient under replay of other routes, against central differences; the router
  * weights (whose gradient reaches them only through the replayed gates) among the checked ones. */
-static void test_replay_grad(fm_rng *g) {
-    flatmoe_session *s = open_s(cfg_norm, "0");
+static void test_replay_grad(fm_rng *g, const char *cfg) {
+    flatmoe_session *s = open_s(cfg, "0");
     if (!s) return;
     /* the router's own losses off: the FD below differentiates the spec's loss alone */
     s->r.m.router.aux_loss_coef = 0;
@@ -242,7 +269,6 @@ static void test_replay_grad(fm_rng *g) {
     /* 6 largest router-weight gradients of each MoE layer, and 8 drawn among all above 1% of the largest */
     int64_t pick[20];
     int np = 0;
-    const int64_t moe_layer[LM] = {0, 2};
     for (int li = 0; li < LM; li++) {
         const int64_t off = (float *)m->p.w.layers[moe_layer[li]].router - w, n = E * m->cfg.hidden_size;
         for (int q = 0; q < 6; q++) {
@@ -283,8 +309,126 @@ static void test_replay_grad(fm_rng *g) {
     CHECK_MSG(bad == 0, "%d of %d gradients under replay off their finite differences", bad, np);
     CHECK_MSG(router_max > 0.01 * gmax, "the router weights' gradient under replay is %.3g (largest %.3g): the gates "
               "do not reach the router", router_max, gmax);
-    printf("replay PG gradient vs finite differences: %d weights (12 router), worst %.3g of the tolerance\n", np, worst);
+    printf("replay PG gradient vs finite differences (%s): %d weights (12 router), worst %.3g of the tolerance\n",
+           m->cfg.model_type_name, np, worst);
     free(gr);
+    flatmoe_close(s);
+}
+
+/* The sequence-wise balance loss of glm4_moe's router (--moe-seq-aux-loss-coeff; fm_router.h
+ * seq_aux_coef) through the whole model, on the session's packed batch (segments = its documents,
+ * padding included): the reported aux loss against a plain recompute from each MoE layer's saved
+ * scores and routes (alpha x the mean over MoE layers of the mean over documents of
+ * sum_i f_i P_i), and its gradient in the weights (the gradient with alpha minus the one without)
+ * against central differences of that loss, the routes replayed so the selection stays fixed. */
+static double seq_aux_recompute(const flatmoe_session *s, double alpha) {
+    const fm_model *m = &s->r.m;
+    const int64_t B = s->B, T = s->T;
+    const int32_t *doc = s->fb.doc_start;
+    double layers = 0;
+    for (int li = 0; li < LM; li++) {
+        const float *sc = m->a.acts[moe_layer[li]].router.probs;
+        const int32_t *idx = m->a.acts[moe_layer[li]].router.topk_idx;
+        double sum = 0;
+        int64_t nseg = 0;
+        for (int64_t r = 0; r < B; r++)
+            for (int64_t t = 0; t < T;) {
+                int64_t u = t + 1;
+                while (u < T && doc[r * T + u] == doc[r * T + t]) u++;
+                const double Ts = (double)(u - t);
+                for (int e = 0; e < E; e++) {
+                    double c = 0, P = 0;
+                    for (int64_t n = r * T + t; n < r * T + u; n++) {
+                        double z = 1e-20;
+                        for (int j = 0; j < E; j++) z += sc[n * E + j];
+                        P += sc[n * E + e] / z;
+                        for (int j = 0; j < K; j++) c += idx[n * K + j] == e;
+                    }
+                    sum += (E * c / (K * Ts)) * (P / Ts);
+                }
+                nseg++;
+                t = u;
+            }
+        layers += sum / (double)nseg;
+    }
+    return alpha * layers / LM;
+}
+
+static double seq_aux_at(flatmoe_session *s, const flatmoe_batch *b) {
+    FM_ASSERT(fm_capi_pack(s, b, false) == FM_OK && fm_capi_forward(s, b) == FM_OK);
+    fm_loss l;
+    fm_model_loss_from_results(&s->r.m, s->r.m.a.results, 1, &l);
+    return l.aux;
+}
+
+static void test_seq_aux(fm_rng *g) {
+    flatmoe_session *s = open_s(glm_norm, "0");
+    if (!s) return;
+    const double alpha = 0.5;
+    flatmoe_batch b;
+    make_batch(&b, g, false);
+    static int32_t routes[NT * LM * K];
+    random_routes(routes, g);
+    b.routed_experts = routes;
+    flatmoe_loss_spec sp = flatmoe_loss_spec_default();
+    sp.loss = FLATMOE_LOSS_PG;
+    fm_model *m = &s->r.m;
+    const int64_t P = m->p.n_params;
+    float *g0 = malloc(sizeof(float) * (size_t)P), *g1 = malloc(sizeof(float) * (size_t)P);
+    flatmoe_step_stats st;
+    m->router.seq_aux_coef = 0;
+    CHECK(fm_capi_grads(s, &b, &sp, &st) == FM_OK);
+    CHECK_MSG(st.router_aux == 0, "alpha 0: aux loss %.3g", st.router_aux);
+    memcpy(g0, m->p.grads, sizeof(float) * (size_t)P);
+    m->router.seq_aux_coef = alpha;
+    CHECK(fm_capi_grads(s, &b, &sp, &st) == FM_OK);
+    memcpy(g1, m->p.grads, sizeof(float) * (size_t)P);
+    const double want = seq_aux_recompute(s, alpha);
+    CHECK_MSG(st.router_aux > 0 && fabs(st.router_aux - want) <= 1e-9 * want,
+              "sequence-wise aux loss %.17g, recomputed %.17g", st.router_aux, want);
+    /* the 12 largest gradient differences among the router weights of both MoE layers */
+    float *w = (float *)m->p.params;
+    int64_t pick[12];
+    double dmax = 0;
+    for (int q = 0; q < 12; q++) {
+        int64_t best = -1;
+        for (int li = 0; li < LM; li++) {
+            const int64_t off = (float *)m->p.w.layers[moe_layer[li]].router - w, n = E * m->cfg.hidden_size;
+            for (int64_t i = off; i < off + n; i++) {
+                bool taken = false;
+                for (int z = 0; z < q; z++) taken |= pick[z] == i;
+                if (!taken && (best < 0 || fabs(g1[i] - g0[i]) > fabs(g1[best] - g0[best]))) best = i;
+            }
+        }
+        pick[q] = best;
+        dmax = fmax(dmax, fabs(g1[best] - g0[best]));
+    }
+    int bad = 0;
+    double worst = 0;
+    for (int q = 0; q < 12; q++) {
+        const int64_t i = pick[q];
+        const float x = w[i], h = 1e-2f;
+        w[i] = x + h;
+        const double up = seq_aux_at(s, &b);
+        w[i] = x - h;
+        const double dn = seq_aux_at(s, &b);
+        w[i] = x;
+        const double fd = (up - dn) / (double)(2 * h), gr = (double)g1[i] - (double)g0[i];
+        /* the difference of two fp32 gradients (O(1)) carries ~1e-7 of rounding, the central
+         * difference at h 1e-2 an O(h^2) error of ~1e-7 here (the loss is smooth with the routes
+         * fixed; measured worst 1e-6 absolute): 0.1% + 1e-3 of the largest difference */
+        const double tol = 1e-3 * fabs(gr) + 1e-3 * dmax, d = fabs(fd - gr);
+        worst = fmax(worst, d / tol);
+        if (d > tol) {
+            bad++;
+            fprintf(stderr, "router weight %lld: aux gradient %.6g, finite difference %.6g\n", (long long)i, gr, fd);
+        }
+    }
+    CHECK_MSG(bad == 0, "%d of 12 sequence-wise aux gradients off their finite differences", bad);
+    CHECK_MSG(dmax > 1e-4, "the sequence-wise loss's gradient on the router is %.3g", dmax);
+    printf("sequence-wise aux loss (glm4_moe, alpha %g): %.6g (recomputed %.6g); gradient vs finite differences: "
+           "worst %.3g of the tolerance, largest %.3g\n", alpha, st.router_aux, want, worst, dmax);
+    free(g0), free(g1);
     flatmoe_close(s);
 }
 
@@ -342,30 +486,41 @@ static void test_adversarial_bound(fm_rng *g) {
     }
 }
 
-static bool write_cfg(char *path, size_t cap, const char *tag, const char *norm) {
+static bool write_cfg(char *path, size_t cap, const char *tag, const char *fmt, const char *norm) {
     snprintf(path, cap, "/tmp/flatmoe-capi-replay-%s-%d.json", tag, (int)getpid());
     FILE *f = fopen(path, "w");
-    return f && fprintf(f, CFG_FMT, norm) > 0 && fclose(f) == 0;
+    return f && fprintf(f, fmt, norm) > 0 && fclose(f) == 0;
 }
 
 int main(void) {
     const unsigned long long seed = fm_test_seed(2931);
     snprintf(threads_s, sizeof threads_s, "%d", fm_test_threads(2));
-    if (!write_cfg(cfg_norm, sizeof cfg_norm, "norm", "true") || !write_cfg(cfg_plain, sizeof cfg_plain, "plain", "false")) {
+    if (!write_cfg(cfg_norm, sizeof cfg_norm, "norm", CFG_FMT, "true") ||
+        !write_cfg(cfg_plain, sizeof cfg_plain, "plain", CFG_FMT, "false") ||
+        !write_cfg(glm_norm, sizeof glm_norm, "glmnorm", CFG_GLM_FMT, "true") ||
+        !write_cfg(glm_plain, sizeof glm_plain, "glmplain", CFG_GLM_FMT, "false")) {
         fprintf(stderr, "cannot write the configs in /tmp\n");
         return 1;
     }
     fm_rng g;
     fm_rng_seed(&g, seed);
     test_routes_taken(&g);
-    test_replay_own(&g);
+    test_replay_own(&g, cfg_norm);
     test_replay_equals_forced(&g, cfg_plain, true);
     test_replay_equals_forced(&g, cfg_norm, false);
-    test_replay_grad(&g);
+    test_replay_grad(&g, cfg_norm);
     test_refusals(&g);
     test_adversarial_bound(&g);
+    moe_layer[0] = 1; /* glm4_moe's sigmoid router: layer 0 dense */
+    test_replay_own(&g, glm_norm);
+    test_replay_equals_forced(&g, glm_plain, true);
+    test_replay_equals_forced(&g, glm_norm, false);
+    test_replay_grad(&g, glm_norm);
+    test_seq_aux(&g);
     unlink(cfg_norm);
     unlink(cfg_plain);
+    unlink(glm_norm);
+    unlink(glm_plain);
     printf("%d passed, %d failed\n", fm_test_passed, fm_test_failed);
     return fm_test_failed != 0;
 }

@@ -105,6 +105,8 @@ typedef enum fm_stream {
 #define FM_EVENT_POOL 256
 /* The most expert groups of the group-limited router (router_sigmoid_fwd; n_group). */
 #define FM_ROUTER_MAX_GROUPS 64
+/* The most experts of the sequence-wise balance loss (router_seq_aux_fwd: its per-segment sums). */
+#define FM_ROUTER_MAX_SEQ_AUX_E 2048
 enum {
     FM_EVENT_TOKENS = 0,   /* the micro-batch's token/target upload is done (its host batch may be rewritten) */
     FM_EVENT_FIRST_FREE = 8,
@@ -360,23 +362,27 @@ typedef struct fm_ops {
      * (percent in [0,100] of the tokens, spread evenly; 100: every token, 0: none); a forced
      * token's topk_idx[n,j] = (first + j) mod E and topk_w[n,j] = probs[n, that expert], j < k
      * (k <= E: k distinct experts), divided by their sum (accumulated in double, j ascending;
-     * the quotient in double, rounded once to float) when norm_topk; the other tokens' rows are
-     * left as router_fwd wrote them. probs [N,E] fp32, topk_idx [N,k] int32, topk_w [N,k] fp32,
-     * backend memory; first >= 0. The same bits on every backend (cpu_router_force.c,
-     * cuda_router_force.cu). NULL in a backend without it. */
+     * the quotient in double, rounded once to float) when norm_topk, then times scaling in fp32
+     * (the sigmoid router's routed_scaling_factor; the softmax router passes 1, an exact no-op);
+     * the other tokens' rows are left as router_fwd wrote them. probs [N,E] fp32, topk_idx [N,k]
+     * int32, topk_w [N,k] fp32, backend memory; first >= 0. The same bits on every backend
+     * (cpu_router_force.c, cuda_router_force.cu). NULL in a backend without it. */
     void (*router_force)(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
-                         int64_t k, int64_t first, int percent, bool norm_topk);
+                         int64_t k, int64_t first, int percent, bool norm_topk, float scaling);
     /* Replayed routing (routing replay, R3: a rollout engine's routes given with the batch;
      * fm_router.h), run after router_fwd: token n whose row replay[n*k .. n*k+k) starts with an id
      * >= 0 gets topk_idx[n,j] = replay[n*k+j] (the given order) and topk_w[n,j] = probs[n, that
-     * expert], divided when norm_topk by their sum accumulated in fp32 in j order (router_fwd's
-     * arithmetic, operation for operation: replaying router_fwd's own routes gives its bits); a
-     * row starting with -1 (padding) keeps router_fwd's. The ids of a replayed row must be in
-     * [0,E) and distinct (the caller checks them: src/capi/flatmoe_replay.c). probs [N,E] fp32,
-     * replay, topk_idx [N,k] int32, topk_w [N,k] fp32, backend memory. cpu_router_replay.c,
-     * cuda_router_replay.cu. NULL in a backend without it. */
+     * expert], divided when norm_topk by (their sum accumulated in fp32 in j order + eps), then
+     * times scaling in fp32 — the scoring's own arithmetic, operation for operation, so replaying
+     * the router's own routes gives its bits: router_fwd's with eps 0 and scaling 1 (both exact
+     * no-ops), router_sigmoid_fwd's with eps 1e-20f and scaling = routed_scaling_factor (probs then
+     * holds the sigmoid scores: the gates use no bias and no group mask); a row starting with -1
+     * (padding) keeps the router's. The ids of a replayed row must be in [0,E) and distinct (the
+     * caller checks them: src/capi/flatmoe_replay.c). probs [N,E] fp32, replay, topk_idx [N,k]
+     * int32, topk_w [N,k] fp32, backend memory. cpu_router_replay.c, cuda_router_replay.cu. NULL in
+     * a backend without it. */
     void (*router_replay)(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, const int32_t *replay,
-                          int64_t N, int64_t E, int64_t k, bool norm_topk);
+                          int64_t N, int64_t E, int64_t k, bool norm_topk, float eps, float scaling);
 
     /* ---- the sigmoid router (DeepSeek-V3, arXiv 2412.19437 §2.1.2; transformers'
      * Glm4MoeTopkRouter / DeepseekV3TopkRouter), per token n, in fp32:
@@ -403,6 +409,23 @@ typedef struct fm_ops {
     void (*router_sigmoid_bwd)(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
                                const float *scores, const int32_t *topk_idx, int64_t N, int64_t E, int64_t k,
                                bool norm_topk, float scaling);
+    /* The complementary sequence-wise balance loss of the sigmoid router (DeepSeek-V3, arXiv
+     * 2412.19437 §2.1.2 eq. 17-20; Megatron-Core's --moe-router-load-balancing-type seq_aux_loss),
+     * over segments of the N = B*T tokens: each row of T tokens, or with doc_start ([N] int32,
+     * backend memory, fm_batch.h's row-local first token of each token's document; NULL: rows)
+     * each document (a run of equal doc_start in a row; padding is a document too). Segment s of
+     * T_s tokens: c_i = its routes to expert i (topk_idx [N,k]), f_i = E c_i / (k T_s),
+     * P_i = (1/T_s) sum_t sh_{t,i}, sh_{t,i} = scores[t,i] / (sum_j scores[t,j] + 1e-20) (all E
+     * experts, no bias), l_s = sum_i f_i P_i. In double, segments in order, experts ascending.
+     * fwd: *term (backend memory, one double, ASSIGNED) = coef * sum_s l_s.
+     * bwd: dlogits [N,E] fp32 += coef * s_j (1 - s_j) (g_j - sum_i g_i sh_i) / (sum_i s_i + 1e-20)
+     *   for each token of s, g_i = E c_i / (k T_s^2) = d l_s / d sh_{t,i} (c_i held constant: the
+     *   selection has no gradient). scores [N,E] fp32. E <= FM_ROUTER_MAX_SEQ_AUX_E. NULL in a
+     *   backend without them (cpu_router_seq_aux.c, cuda_router_seq_aux.cu). */
+    void (*router_seq_aux_fwd)(void *ctx, double *term, const float *scores, const int32_t *topk_idx,
+                               const int32_t *doc_start, int64_t B, int64_t T, int64_t E, int64_t k, double coef);
+    void (*router_seq_aux_bwd)(void *ctx, float *dlogits, const float *scores, const int32_t *topk_idx,
+                               const int32_t *doc_start, int64_t B, int64_t T, int64_t E, int64_t k, double coef);
 
     /* ---- MoE permutation (dropless) --------------------------------------------------------
      * R = N*k routes; route r = n*k + j is token n's j-th choice. The permuted ("expert-major")

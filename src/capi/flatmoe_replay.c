@@ -37,10 +37,6 @@ fm_status fm_capi_routes_stage(flatmoe_session *s, const flatmoe_batch *b) {
     if (!m->a.rl_routes) /* a model without MoE layers: nothing to replay */
         return fm_error(FM_ERR_ARG, "batch: routed_experts given, but the model has no MoE layer (num_moe_layers 0); "
                         "pass NULL");
-    if (s->r.cfg.router_sigmoid)
-        return fm_error(FM_ERR_UNSUPPORTED, "batch: routed_experts given, but routing replay is not built for %s's "
-                        "sigmoid router yet (the replay op weighs softmax probabilities); pass NULL",
-                        s->r.cfg.model_type_name);
     FM_TRY(check_routes(s, b));
     const int64_t L = s->L_moe, k = s->k, N = s->budget;
     for (int64_t i = 0; i < L * N * k; i++) s->routes[i] = -1; /* padding: the router's choice */

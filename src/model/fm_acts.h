@@ -148,6 +148,8 @@ typedef struct fm_model_acts {
      * uploaded batch carries documents. */
     int32_t *doc_pos, *doc_start;         /* [N] backend memory: RoPE positions, attention starts */
     int32_t *pin_doc_pos, *pin_doc_start; /* [N] pinned staging of their upload (host arena) */
+    int64_t n_seg;              /* the last uploaded batch's segments for the router's sequence-wise
+                                   loss (fm_router_segs): its documents (counted on the host), or B */
     bool docs;                  /* the last uploaded batch carried documents: RoPE and attention
                                    read doc_pos / doc_start (else NULL: causal, positions t) */
     double *pin_results;        /* [fm_model_results_count] pinned copy of results (host arena) */

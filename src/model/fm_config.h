@@ -142,6 +142,11 @@ fm_status fm_config_read_text(const char *path, char **text);
  * (the written file would read another original context); FM_ERR_NOMEM. (fm_config_json.c) */
 fm_status fm_config_json_as_read(const char *text, const fm_config *cfg, const char *path, char **out);
 
+/* Adds member `key` = v to the cJSON object `obj` (a cJSON *) as a float with a decimal point, as
+ * transformers' strict config classes want a float: the shortest of %.15g / %.17g that reads back
+ * as v, with ".0" appended to an integral spelling (2 -> 2.0). (fm_config_json.c) */
+void fm_config_json_add_float(void *obj, const char *key, double v);
+
 /* The config as Hugging Face config.json text (fields for its model_type, "architectures",
  * "torch_dtype":"float32"), into an fm_malloc'd string: a canonical form (two configs are the
  * same model when their texts are equal) and the config of a model made without a file; a

@@ -142,30 +142,22 @@ fm_status fm_config_check_attention(const fm_config *c, const char *path) {
     return FM_OK;
 }
 
-/* A float member with a decimal point (transformers' strict config classes want a float). */
-static void add_float(cJSON *o, const char *key, double v) {
-    char buf[64];
-    snprintf(buf, sizeof buf, "%.15g", v);
-    if (strtod(buf, NULL) != v) snprintf(buf, sizeof buf, "%.17g", v);
-    if (!strpbrk(buf, ".eEn")) strcat(buf, ".0");
-    cJSON_AddItemToObject(o, key, cJSON_CreateRaw(buf));
-}
 
 void fm_config_attention_to_json(const fm_config *c, cJSON *o) {
     cJSON_AddBoolToObject(o, "attention_bias", c->attention_bias);
     if (c->model_type == FM_MODEL_GLM4_MOE || (c->partial_rotary_factor > 0 && c->partial_rotary_factor != 1.0))
-        add_float(o, "partial_rotary_factor", c->partial_rotary_factor);
+        fm_config_json_add_float(o, "partial_rotary_factor", c->partial_rotary_factor);
     const fm_rope_scaling *r = &c->rope_scaling;
     if (r->type == FM_ROPE_DEFAULT) return;
     cJSON *s = cJSON_AddObjectToObject(o, "rope_scaling");
     cJSON_AddStringToObject(s, "rope_type", r->type == FM_ROPE_YARN ? "yarn" : "linear");
-    add_float(s, "factor", r->factor);
+    fm_config_json_add_float(s, "factor", r->factor);
     if (r->type != FM_ROPE_YARN) return;
     cJSON_AddNumberToObject(s, "original_max_position_embeddings", (double)r->original_max_position_embeddings);
-    add_float(s, "beta_fast", r->beta_fast);
-    add_float(s, "beta_slow", r->beta_slow);
-    if (r->mscale != 0) add_float(s, "mscale", r->mscale);
-    if (r->mscale_all_dim != 0) add_float(s, "mscale_all_dim", r->mscale_all_dim);
-    if (r->attention_factor != 0) add_float(s, "attention_factor", r->attention_factor);
+    fm_config_json_add_float(s, "beta_fast", r->beta_fast);
+    fm_config_json_add_float(s, "beta_slow", r->beta_slow);
+    if (r->mscale != 0) fm_config_json_add_float(s, "mscale", r->mscale);
+    if (r->mscale_all_dim != 0) fm_config_json_add_float(s, "mscale_all_dim", r->mscale_all_dim);
+    if (r->attention_factor != 0) fm_config_json_add_float(s, "attention_factor", r->attention_factor);
     if (!r->truncate) cJSON_AddBoolToObject(s, "truncate", 0);
 }

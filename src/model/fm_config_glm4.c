@@ -77,8 +77,9 @@ fm_status fm_config_parse_glm4(fm_config *cfg, const void *root_v, const char *p
                         cfg->routed_scaling_factor);
     if (cfg->router_aux_loss_coef != 0 || cfg->router_z_loss_coef != 0)
         return fm_error(FM_ERR_UNSUPPORTED, "%s: router_aux_loss_coef (%g) / router_z_loss_coef (%g) are set, but "
-                        "glm4_moe's sigmoid router balances without an auxiliary loss in flatmoe (DeepSeek-V3's "
-                        "sequence-wise loss is not implemented): remove them and use --moe-router-bias-update-rate",
+                        "glm4_moe's sigmoid router balances without the batch-wise auxiliary loss: remove them and use "
+                        "--moe-router-bias-update-rate (and --moe-seq-aux-loss-coeff for DeepSeek-V3's sequence-wise "
+                        "loss)",
                         path, cfg->router_aux_loss_coef, cfg->router_z_loss_coef);
     if (cfg->first_k_dense_replace >= cfg->num_hidden_layers)
         return fm_error(FM_ERR_CONFIG, "%s: \"first_k_dense_replace\" (%lld) makes all %lld layers dense; flatmoe "
@@ -87,21 +88,13 @@ fm_status fm_config_parse_glm4(fm_config *cfg, const void *root_v, const char *p
     return FM_OK;
 }
 
-/* A float field written with a decimal point (transformers' strict config classes want a float). */
-static void glm_float(cJSON *o, const char *key, double v) {
-    char buf[64];
-    snprintf(buf, sizeof buf, "%.17g", v);
-    if (!strpbrk(buf, ".eEn")) strcat(buf, ".0");
-    cJSON_AddItemToObject(o, key, cJSON_CreateRaw(buf));
-}
-
 void fm_config_glm4_to_json(const fm_config *c, void *json) {
     cJSON *o = json;
     cJSON_AddNumberToObject(o, "n_shared_experts", (double)c->n_shared_experts);
     cJSON_AddNumberToObject(o, "first_k_dense_replace", (double)c->first_k_dense_replace);
     cJSON_AddNumberToObject(o, "n_group", (double)c->n_group);
     cJSON_AddNumberToObject(o, "topk_group", (double)c->topk_group);
-    glm_float(o, "routed_scaling_factor", c->routed_scaling_factor);
+    fm_config_json_add_float(o, "routed_scaling_factor", c->routed_scaling_factor);
     cJSON_AddBoolToObject(o, "use_qk_norm", c->qk_norm == FM_QK_NORM_PER_HEAD);
     cJSON_AddNumberToObject(o, "num_nextn_predict_layers", (double)c->num_nextn_predict_layers);
 }

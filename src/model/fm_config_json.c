@@ -12,6 +12,14 @@
 #include <string.h>
 #include <sys/stat.h>
 
+void fm_config_json_add_float(void *obj, const char *key, double v) {
+    char buf[64];
+    snprintf(buf, sizeof buf, "%.15g", v);
+    if (strtod(buf, NULL) != v) snprintf(buf, sizeof buf, "%.17g", v);
+    if (!strpbrk(buf, ".eEn")) strcat(buf, ".0");
+    cJSON_AddItemToObject((cJSON *)obj, key, cJSON_CreateRaw(buf));
+}
+
 fm_status fm_config_read_text(const char *path, char **text) {
     *text = NULL;
     struct stat sb;

@@ -27,6 +27,7 @@ fm_status fm_model_embed_forward(fm_model *m, const fm_batch *b) {
         OPS->copy_async(CTX, m->a.targets, m->a.pin_targets, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);
     }
     m->a.docs = b->doc_start != NULL;
+    m->a.n_seg = m->a.B;
     if (m->a.docs) {
         /* under sequence parallelism: pos is this rank's slice, doc_start the whole rows (fm_batch.h) */
         const int64_t sp = m->mesh.sp > 1 ? m->mesh.sp : 1, Tf = b->T_full > 0 ? b->T_full : b->T;
@@ -38,6 +39,10 @@ fm_status fm_model_embed_forward(fm_model *m, const fm_batch *b) {
                             m->mesh.sp_rank, (long long)(sp * m->a.T), (long long)m->mesh.sp_rank * m->a.T,
                             (long long)sp, m->mesh.sp_rank);
         const size_t fbytes = bytes * (size_t)sp;
+        if (sp == 1) { /* the documents (the router's sequence-wise loss runs without --sp only) */
+            m->a.n_seg = 0;
+            for (int64_t n = 0; n < N; n++) m->a.n_seg += b->doc_start[n] == (int32_t)(n % m->a.T);
+        }
         memcpy(m->a.pin_doc_pos, b->pos, bytes);
         memcpy(m->a.pin_doc_start, b->doc_start, fbytes);
         OPS->copy_async(CTX, m->a.doc_pos, m->a.pin_doc_pos, bytes, FM_COPY_H2D, FM_STREAM_COMPUTE);

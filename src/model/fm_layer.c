@@ -55,6 +55,12 @@ fm_act *fm_model_grad_buffer(fm_model *m, int i) {
     return i == 0 ? m->a.ws.dx_a : m->a.ws.dx_b;
 }
 
+/* The micro-batch's segments for the router's sequence-wise loss (fm_router_segs): its rows, or
+ * the documents of the last uploaded batch. */
+static fm_router_segs router_segs(const fm_model *m) {
+    return (fm_router_segs){m->a.docs ? m->a.doc_start : NULL, m->a.B, m->a.T, m->a.n_seg};
+}
+
 /* The norm outputs ln1, ln2 live in the working set's dln and dtmp, free whenever a forward
  * runs (before backward, and during a recompute: the schedule's dy and dx are the other
  * buffers); y must be neither. */
@@ -128,9 +134,10 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
     /* router logits: fp32, transient in the working set (backward needs only probs and lse) */
     const int64_t k = c->num_experts_per_tok;
     int32_t *routes = m->a.rl_routes ? m->a.rl_routes + moe_index(c, l) * N * k : NULL; /* the RL head's (fm_acts.h) */
+    const fm_router_segs segs = router_segs(m);
     FM_TRY(fm_router_forward(&m->be, &m->router, m->mesh.comm, m->a.ws.dlogits_r, &a->router, m->a.results + FM_RESULT_SCRATCH,
                              m->a.results + FM_RESULT_LAYERS + 2 * l, ln2, w->router, w->router_bias, N, H,
-                             m->a.rl_replay ? routes : NULL));
+                             m->a.rl_replay ? routes : NULL, &segs));
     if (routes && m->a.rl_record && !m->a.rl_replay) /* the routes taken, read back by the library */
         OPS->copy_async(CTX, routes, a->router.topk_idx, sizeof(int32_t) * (size_t)(N * k), FM_COPY_D2D,
                         FM_STREAM_COMPUTE);
@@ -191,8 +198,10 @@ static fm_status moe_block_backward(fm_model *m, int64_t l, const fm_act *dy, co
     }
     PHASE(ROUTER);
     const int64_t n_tot = m->mesh.comm ? N * fm_comm_size(m->mesh.comm) : N;
+    const fm_router_segs segs = router_segs(m);
     fm_router_backward(&m->be, &m->router, n_tot, ws->dln, g->router, ws->dlogits_r, ws->dlogits_act, ws->dprobs_e,
-                       ws->dtopk_w, &a->router, ln2, w->router, N, H, fm_config_num_moe_layers(c), scale);
+                       ws->dtopk_w, &a->router, ln2, w->router, N, H, fm_config_num_moe_layers(c), scale,
+                       &segs);
     return FM_OK;
 }
 

@@ -1,6 +1,8 @@
 /* The MoE router: forward, losses, backward (fm_router.h). */
 #include "fm_router.h"
 
+#include <math.h>
+
 fm_router_opts fm_router_opts_from_config(const fm_config *c) {
     fm_router_opts o = {c->router_sigmoid ? FM_ROUTER_SCORE_SIGMOID : FM_ROUTER_SCORE_SOFTMAX,
                         c->num_experts, c->num_experts_per_tok, c->norm_topk_prob,
@@ -11,9 +13,29 @@ fm_router_opts fm_router_opts_from_config(const fm_config *c) {
     return o;
 }
 
+fm_status fm_router_seq_aux_check(const fm_router_opts *o, double alpha, int sp) {
+    if (!(alpha >= 0) || !isfinite(alpha))
+        return fm_error(FM_ERR_ARG, "--moe-seq-aux-loss-coeff %g: expected a finite coefficient >= 0 (DeepSeek-V3 "
+                        "used 1e-4; 0 = off)", alpha);
+    if (alpha == 0) return FM_OK;
+    if (o->score != FM_ROUTER_SCORE_SIGMOID)
+        return fm_error(FM_ERR_ARG, "--moe-seq-aux-loss-coeff %g: the sequence-wise balance loss is built for the "
+                        "sigmoid router (glm4_moe's); this model's softmax router has the batch-wise one: set "
+                        "router_aux_loss_coef in its config.json and drop the flag", alpha);
+    if (o->num_experts > FM_ROUTER_MAX_SEQ_AUX_E)
+        return fm_error(FM_ERR_ARG, "--moe-seq-aux-loss-coeff %g: %lld experts, the loss's kernels take at most %d; "
+                        "drop the flag", alpha, (long long)o->num_experts, FM_ROUTER_MAX_SEQ_AUX_E);
+    if (sp > 1)
+        return fm_error(FM_ERR_ARG, "--moe-seq-aux-loss-coeff %g with --sp %d: a sequence's tokens are split over the "
+                        "sp ranks and the per-sequence statistics are not gathered across them; use --sp 1 or drop "
+                        "the flag", alpha, sp);
+    return FM_OK;
+}
+
 fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const fm_comm *comm, float *logits,
                             fm_router_saved *s, double *lse_sq, double *terms, const fm_act *x, const fm_act *W,
-                            const fm_act *bias, int64_t N, int64_t H, const int32_t *replay) {
+                            const fm_act *bias, int64_t N, int64_t H, const int32_t *replay,
+                            const fm_router_segs *seg) {
     const int64_t E = o->num_experts, k = o->top_k;
     fm_linear_fwd(be, logits, FM_DTYPE_F32, x, W, N, H, E);
     if (o->score == FM_ROUTER_SCORE_SIGMOID) {
@@ -25,15 +47,15 @@ fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const
     } else {
         be->ops->router_fwd(be->ctx, s->probs, s->lse, s->topk_idx, s->topk_w, logits, N, E, k, o->norm_topk);
     }
+    const bool sig = o->score == FM_ROUTER_SCORE_SIGMOID;
     if (replay) { /* routing replay (R3): the given experts, the current router's weights */
-        if (o->score == FM_ROUTER_SCORE_SIGMOID)
-            return fm_error(FM_ERR_UNSUPPORTED, "routing replay: glm4_moe's sigmoid router cannot replay routes yet "
-                            "(the replay op weighs softmax probabilities); drop the batch's routed_experts");
         if (!be->ops->router_replay)
             return fm_error(FM_ERR_UNSUPPORTED, "routing replay: the %s backend has no router_replay op (the cpu and "
                             "cuda backends have it); drop the batch's routed_experts",
                             be->ops->name ? be->ops->name : "this");
-        be->ops->router_replay(be->ctx, s->topk_idx, s->topk_w, s->probs, replay, N, E, k, o->norm_topk);
+        /* weighed as the scoring weighs its own choice: router_sigmoid_fwd's + 1e-20f and scaling */
+        be->ops->router_replay(be->ctx, s->topk_idx, s->topk_w, s->probs, replay, N, E, k, o->norm_topk,
+                               sig ? 1e-20f : 0.0f, sig ? o->scaling : 1.0f);
     }
     if (o->force_route) { /* test hook (fm_router_opts): the top-k forced, weights from the probabilities */
         if (!be->ops->router_force)
@@ -41,7 +63,7 @@ fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const
                             "forced routing, a test hook, runs on the cpu and cuda backends); unset it",
                             be->ops->name ? be->ops->name : "this");
         be->ops->router_force(be->ctx, s->topk_idx, s->topk_w, s->probs, N, E, k, o->force_first, o->force_percent,
-                              o->norm_topk);
+                              o->norm_topk, sig ? o->scaling : 1.0f);
     }
     be->ops->router_stats(be->ctx, s->count, s->prob_sum, lse_sq, s->probs, s->lse, s->topk_idx, N, E, k);
     int64_t n_tot = N;
@@ -52,6 +74,17 @@ fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const
         n_tot = N * fm_comm_size(comm);
     }
     be->ops->router_loss_terms(be->ctx, terms, s->count, s->prob_sum, lse_sq, n_tot, E);
+    if (sig && o->seq_aux_coef > 0) { /* the sequence-wise term replaces the (unused) Switch term */
+        if (!be->ops->router_seq_aux_fwd)
+            return fm_error(FM_ERR_UNSUPPORTED, "--moe-seq-aux-loss-coeff: the %s backend has no router_seq_aux_fwd "
+                            "op (the cpu and cuda backends have it); drop the flag",
+                            be->ops->name ? be->ops->name : "this");
+        FM_ASSERT(seg && seg->B * seg->T == N && seg->n_seg >= 1);
+        const int w = comm ? fm_comm_size(comm) : 1; /* the mean of each rank's mean over its segments */
+        be->ops->router_seq_aux_fwd(be->ctx, terms, s->probs, s->topk_idx, seg->doc_start, seg->B, seg->T, E, k,
+                                    1.0 / ((double)seg->n_seg * (double)w));
+        if (comm) FM_TRY(fm_comm_all_reduce(comm, terms, terms, 1, FM_COMM_F64, FM_COMM_SUM, 0));
+    }
     return FM_OK;
 }
 
@@ -65,13 +98,15 @@ void fm_router_losses(const fm_router_opts *o, const double *terms, int64_t L, c
         sz += terms[2 * l + 1];
         n++;
     }
-    *aux = n ? o->aux_loss_coef * sa / (double)n : 0.0;
+    const double ac = o->score == FM_ROUTER_SCORE_SIGMOID ? o->seq_aux_coef : o->aux_loss_coef;
+    *aux = n ? ac * sa / (double)n : 0.0;
     *z = n ? o->z_loss_coef * sz / (double)n : 0.0;
 }
 
 void fm_router_backward(const fm_backend *be, const fm_router_opts *o, int64_t N_tot, fm_act *dx, fm_act *dW, float *dlogits,
                         fm_act *dlogits_act, float *dprobs, const float *dtopk_w, const fm_router_saved *s,
-                        const fm_act *x, const fm_act *W, int64_t N, int64_t H, int64_t L, float scale) {
+                        const fm_act *x, const fm_act *W, int64_t N, int64_t H, int64_t L, float scale,
+                        const fm_router_segs *seg) {
     const int64_t E = o->num_experts, k = o->top_k;
     /* d(aux)/d probs[n,e] = (coef * scale / L) * E * f_e / N with f_e = count_e / N held constant */
     be->ops->router_aux_grad(be->ctx, dprobs, s->count, o->aux_loss_coef * scale / (double)L, N_tot, E);
@@ -82,6 +117,11 @@ void fm_router_backward(const fm_backend *be, const fm_router_opts *o, int64_t N
     else
         be->ops->router_bwd(be->ctx, dlogits, dtopk_w, dprobs, z_scale, s->probs, s->lse, s->topk_idx, s->topk_w, N,
                             E, k, o->norm_topk);
+    if (o->score == FM_ROUTER_SCORE_SIGMOID && o->seq_aux_coef > 0) { /* sequence-wise (the forward checked the op) */
+        const double w = (double)N_tot / (double)N; /* ranks of the statistics communicator */
+        be->ops->router_seq_aux_bwd(be->ctx, dlogits, s->probs, s->topk_idx, seg->doc_start, seg->B, seg->T, E, k,
+                                    o->seq_aux_coef * scale / ((double)L * (double)seg->n_seg * w));
+    }
     /* the router GEMMs take the fp32 logit gradient as fm_act */
     if ((void *)dlogits_act != (void *)dlogits)
         be->ops->convert(be->ctx, dlogits_act, FM_ACT_DTYPE, dlogits, FM_DTYPE_F32, N * E);

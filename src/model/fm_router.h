@@ -32,11 +32,23 @@ typedef struct fm_router_opts {
     double z_loss_coef;      /* router_z_loss_coef (flatmoe extension; 0 = off) */
     int64_t n_group, topk_group; /* sigmoid: group-limited top-k (1, 1: plain top-k) */
     float scaling;           /* sigmoid: routed_scaling_factor (softmax: 1, unused) */
+    /* sigmoid: alpha of DeepSeek-V3's complementary sequence-wise balance loss (§2.1.2 eq. 17-20;
+     * --moe-seq-aux-loss-coeff; 0 = off). Per segment s (a row of the micro-batch, or with packed
+     * documents each document, padding included) of T_s tokens, l_s = sum_i f_i P_i with
+     * f_i = E c_i / (k T_s) (c_i the segment's routes to expert i, held constant) and P_i the
+     * mean over its tokens of the scores normalized over all experts (s_i / (sum_j s_j + 1e-20));
+     * the layer's term is the mean of l_s over the rank's segments, averaged over the ranks of the
+     * statistics communicator (each rank's mean, as Megatron-Core's per-rank mean over its
+     * sequences under data parallelism), in terms[0] in place of the Switch term (which the
+     * sigmoid router never uses: glm4_moe refuses router_aux_loss_coef), and the loss is
+     * seq_aux_coef times the mean of the terms over the MoE layers (fm_router_losses). */
+    double seq_aux_coef;
     /* Test hook (adversarial routing, tests/mpi_train_ep.sh; the trainer sets it from
      * the test hook FLATMOE_TEST_FORCE_ROUTE, core/fm_test_hooks.h): every token's top-k becomes experts force_first .. force_first
      * + k - 1 (mod E), their weights the softmax probabilities of those experts (renormalized with
      * norm_topk), so forward, statistics and backward stay those of a router that chose them (the
-     * sigmoid router: its scores, renormalized with norm_topk, without routed_scaling_factor).
+     * sigmoid router: its scores, renormalized with norm_topk, times routed_scaling_factor, as its
+     * backward assumes).
      * force_percent (in [0,100]) of each call's tokens are forced, spread evenly (token n when
      * n*pct/100 < (n+1)*pct/100), the rest keep the router's own choice: the skewed form
      * (FLATMOE_TEST_FORCE_ROUTE=FIRST:PCT; plain FIRST is 100). Runs as the backend's
@@ -48,8 +60,24 @@ typedef struct fm_router_opts {
 } fm_router_opts;
 
 /* The router options of a config (softmax scores, or sigmoid with cfg->router_sigmoid; the
- * config's E, k, norm_topk_prob, coefs, groups and scaling). */
+ * config's E, k, norm_topk_prob, coefs, groups and scaling; seq_aux_coef 0). */
 fm_router_opts fm_router_opts_from_config(const fm_config *c);
+
+/* Whether the sequence-wise balance loss with coefficient alpha can run: FM_OK for alpha 0, or a
+ * finite alpha > 0 on the sigmoid router without sequence parallelism (sp <= 1: under --sp a
+ * sequence's tokens are split over ranks, and the per-segment statistics are not gathered
+ * across them). Errors: FM_ERR_ARG naming --moe-seq-aux-loss-coeff, the value or the option that
+ * prevents it, and the fix. */
+fm_status fm_router_seq_aux_check(const fm_router_opts *o, double alpha, int sp);
+
+/* The segments of a micro-batch for the sequence-wise loss: B rows of T tokens (N = B T); doc_start
+ * [N] int32 in backend memory (fm_acts.h's, the batch's row-local document starts; NULL: one
+ * segment per row); n_seg the number of segments (rows, or documents: counted on the host at the
+ * batch's upload, fm_model_embed_forward). */
+typedef struct fm_router_segs {
+    const int32_t *doc_start;
+    int64_t B, T, n_seg;
+} fm_router_segs;
 
 /* What one layer's router saves for its backward and for the losses (backend memory). */
 typedef struct fm_router_saved {
@@ -72,22 +100,29 @@ typedef struct fm_router_saved {
  * replay [N,k] int32 (backend memory; NULL: none): routing replay (R3; slime's
  * --use-rollout-routing-replay, verl's router_replay R3): a row whose first id is >= 0 replaces the
  * token's top-k by the given experts, in the given order, and their weights are the CURRENT
- * router's probabilities of those experts, renormalized with norm_topk exactly as router_fwd
- * weighs its own choice (the backend's router_replay op), so the router keeps learning through
- * the gates and a replay of its own routes is bit-identical to no replay; a row starting with -1
+ * router's probabilities of those experts (the sigmoid router: its scores, without the selection
+ * bias or the group mask), renormalized with norm_topk (and times routed_scaling_factor) exactly
+ * as the router weighs its own choice (the backend's router_replay op), so the router keeps
+ * learning through the gates and a replay of its own routes is bit-identical to no replay; the
+ * backward is the router's own over the replayed selection; a row starting with -1
  * (padding) keeps the router's choice. The statistics, the losses and the backward then see the
  * replayed routes as if the router had chosen them; the dispatch bound is unchanged (it holds for
  * any routing). The ids are checked by the caller (in [0,E), distinct within a row). With the
  * force_route test hook on as well, the hook's routes win (it runs after). Issues work only (no
- * host sync). Errors: the communicator's (naming the rank and the collective); FM_ERR_UNSUPPORTED
- * for replay on a backend without router_replay. */
+ * host sync). With o->seq_aux_coef > 0 (the sigmoid router), terms[0] is the sequence-wise
+ * balance term over seg's segments instead (fm_router_opts; the backend's router_seq_aux_fwd, then
+ * all-reduced over comm). Errors: the communicator's (naming the rank and the collective);
+ * FM_ERR_UNSUPPORTED for replay on a backend without router_replay, or the sequence-wise loss on a
+ * backend without router_seq_aux_fwd. */
 fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const fm_comm *comm, float *logits,
                             fm_router_saved *s, double *lse_sq, double *terms, const fm_act *x, const fm_act *W,
-                            const fm_act *bias, int64_t N, int64_t H, const int32_t *replay);
+                            const fm_act *bias, int64_t N, int64_t H, const int32_t *replay,
+                            const fm_router_segs *seg);
 
 /* The router losses of a micro-batch from its L layers' terms (host copies, [L][2], summed in
  * layer order over the MoE layers, fm_config_layer_is_moe of `layers`; NULL: all L, a dense
- * layer's terms are never read): *aux = aux_loss_coef * sum_l aux_l / L_moe, *z = z_loss_coef *
+ * layer's terms are never read): *aux = aux_loss_coef * sum_l aux_l / L_moe (the sigmoid router:
+ * seq_aux_coef, its terms[0] the sequence-wise term), *z = z_loss_coef *
  * sum_l z_l / L_moe (per-layer mean over the L_moe MoE layers, as Megatron-Core; DESIGN.md §5). */
 void fm_router_losses(const fm_router_opts *o, const double *terms, int64_t L, const fm_config *layers, double *aux,
                       double *z);
@@ -101,9 +136,12 @@ void fm_router_losses(const fm_router_opts *o, const double *terms, int64_t L, c
  * of layers the losses are averaged over (the MoE layers, fm_config_num_moe_layers). dprobs [E]
  * is backend scratch, dlogits_act [N,E] an fm_act copy of the logit gradient for the GEMMs
  * (== dlogits when fm_act is fp32). N_tot as in the forward (N x the statistics communicator's
- * size): the aux gradient uses the batch's f_e and P_e's normalization. Issues work only. */
+ * size): the aux gradient uses the batch's f_e and P_e's normalization. With o->seq_aux_coef > 0
+ * the sequence-wise loss's gradient (seq_aux_coef * scale / (L n_seg W)) d l_s / d logits is added
+ * to dlogits (router_seq_aux_bwd; W = N_tot / N ranks, seg as in the forward). Issues work only. */
 void fm_router_backward(const fm_backend *be, const fm_router_opts *o, int64_t N_tot, fm_act *dx, fm_act *dW, float *dlogits,
                         fm_act *dlogits_act, float *dprobs, const float *dtopk_w, const fm_router_saved *s,
-                        const fm_act *x, const fm_act *W, int64_t N, int64_t H, int64_t L, float scale);
+                        const fm_act *x, const fm_act *W, int64_t N, int64_t H, int64_t L, float scale,
+                        const fm_router_segs *seg);
 
 #endif

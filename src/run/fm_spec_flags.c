@@ -159,6 +159,10 @@ const fm_spec_flag fm_spec_flags[] = {
       "aux-loss-free balancing (DeepSeek-V3; glm4_moe's sigmoid router): after each step every MoE layer's "
       "e_score_correction_bias moves by R * sign(mean load - expert load), the step's loads over every micro-batch "
       "and rank; 0 = the bias stays as loaded; Megatron-Core's default when enabled is 1e-3", T, RUN),
+    V("moe-seq-aux-loss-coeff", FM_SPEC_F64, train.moe_seq_aux_loss_coeff, "0", NULL,
+      "alpha of DeepSeek-V3's complementary sequence-wise balance loss (glm4_moe's sigmoid router; Megatron-Core's "
+      "seq_aux_loss): per sequence, or per document when the batch is packed, alpha * sum_i f_i P_i, averaged over "
+      "the sequences and the MoE layers, reported as aux_loss; 0 = off; DeepSeek-V3 used 1e-4", T, RUN),
     V("peak-flops", FM_SPEC_F64, train.peak_flops, "0", "from the GPU's name, H100/H200 989e12; none on the CPU",
       "the device's peak FLOP/s for the MFU in metrics.jsonl, e.g. 989e12", T, RUN),
     V("log-every", FM_SPEC_I64, train.log_every, "1", NULL, "print a step line every N steps", T, RUN),

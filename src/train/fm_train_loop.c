@@ -197,7 +197,7 @@ static fm_status train_loop(run *r, train_state *ts, fm_rng *data_rng, fm_run_re
             FM_TRY(fm_comm_allreduce_sum_i64(&r->world, rec->counts, rec->L * rec->E, 0));
         load_stats(rec);
         /* aux-loss-free balancing: the selection bias against this step's load, on every rank alike */
-        fm_router_bias_update(m, rec->counts, o->moe_router_bias_update_rate, rec->bias_tmp);
+        fm_router_bias_update(m, r->zero3 ? &r->z3 : NULL, rec->counts, o->moe_router_bias_update_rate, rec->bias_tmp);
         int64_t valid = 0;
         for (int64_t g = 0; g < o->grad_accum; g++) valid += r->step.n_valid[g];
         if (valid == 0 && !warned_no_targets && r->rank == 0) { /* all masked: a silent loss of 0 trains nothing */
@@ -299,7 +299,7 @@ static fm_status train_impl(run *r, fm_run_records *rec) {
                                 : fm_malloc(counts_bytes);
     rec->load = fm_malloc(sizeof(double) * (size_t)rec->L);
     rec->bias_tmp = fm_malloc(sizeof(float) * (size_t)rec->E);
-    FM_TRY(fm_router_bias_check(&r->m, r->o->moe_router_bias_update_rate, r->zero3, r->ps.no_master));
+    FM_TRY(fm_router_bias_check(&r->m, r->o->moe_router_bias_update_rate, r->ps.no_master));
     if (!rec->counts || !rec->load || !rec->bias_tmp)
         return fm_error(FM_ERR_NOMEM, "out of memory for the expert-load counts (%lld layers x %lld experts)",
                         (long long)rec->L, (long long)rec->E);

@@ -67,6 +67,7 @@ static cJSON *flags_json(const fm_train_opts *o) {
     add_num(f, "save_every_minutes", o->save_every_minutes);
     add_int(f, "expert_counts_every", o->expert_counts_every);
     add_num(f, "moe_router_bias_update_rate", o->moe_router_bias_update_rate);
+    add_num(f, "moe_seq_aux_loss_coeff", o->moe_seq_aux_loss_coeff);
     add_num(f, "peak_flops", o->peak_flops);
     add_int(f, "exit_after", o->exit_after);
     add_str(f, "recompute", o->recompute);

@@ -471,6 +471,8 @@ static fm_status setup_allocate(run *r, const fm_train_plan *tp, int dp) {
     }
     r->ep.ep = 1;
     if (ep > 1) FM_TRY(fm_train_ep_init(&r->ep, &r->world, dp, ep, sp, m)); /* the ep and expert-data-parallel groups */
+    FM_TRY(fm_router_seq_aux_check(&m->router, o->moe_seq_aux_loss_coeff, sp));
+    m->router.seq_aux_coef = o->moe_seq_aux_loss_coeff; /* the sequence-wise balance loss (fm_router.h) */
     if (o->test_hooks.force_route) { /* test hook: adversarial routing (fm_router.h) */
         m->router.force_route = true;
         m->router.force_first = o->test_hooks.force_first % m->router.num_experts;

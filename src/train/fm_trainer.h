@@ -37,6 +37,8 @@ typedef struct fm_train_opts {
                                      max/mean is in every step record */
     double moe_router_bias_update_rate; /* --moe-router-bias-update-rate: aux-loss-free balancing's rate
                                      (train/fm_router_bias.h; 0: the bias stays as loaded) */
+    double moe_seq_aux_loss_coeff; /* --moe-seq-aux-loss-coeff: alpha of the sigmoid router's sequence-
+                                     wise balance loss (model/fm_router.h seq_aux_coef; 0: off) */
     double peak_flops;            /* --peak-flops: the device's peak FLOP/s for "mfu" (0: from the GPU's
                                      name, H100/H200 989e12 bf16 dense; none on the CPU: "mfu" null) */
     int64_t exit_after;           /* stop (and save) after this many steps in this invocation; 0: no */

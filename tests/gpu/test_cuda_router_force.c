@@ -8,7 +8,9 @@
  * tokens are forced, and every other token keeps router_fwd's row. Shapes: OLMoE's (E 64, k 8,
  * no renormalization), Qwen3-MoE's (E 128, k 8, norm_topk, first near E: wrap-around), a skewed
  * 90% and 37%, pct 0 (nothing changes), N = 0, and a grid-stride N (more tokens than threads of
- * the grid). Run twice on the device: the same bits (determinism). */
+ * the grid); and one with the weights times a scaling of 2.5 (the sigmoid router's
+ * routed_scaling_factor: the forced weights sum to it). Run twice on the device: the same bits
+ * (determinism). */
 #include "../../src/backend/cpu/cpu_router_force.c" /* fm_cpu_router_force: the CPU reference */
 
 #include "core/fm_rng.h"
@@ -30,7 +32,7 @@ static void *dalloc(size_t bytes) {
     return p;
 }
 
-static void check_force(int64_t N, int64_t E, int64_t k, int64_t first, int pct, bool norm) {
+static void check_force_scaled(int64_t N, int64_t E, int64_t k, int64_t first, int pct, bool norm, float scale) {
     const size_t nl = (size_t)(N > 0 ? N : 1);
     float *logits = malloc(nl * (size_t)E * 4), *probs = malloc(nl * (size_t)E * 4);
     float *w0 = malloc(nl * (size_t)k * 4), *wc = malloc(nl * (size_t)k * 4), *wg = malloc(nl * (size_t)k * 4);
@@ -46,13 +48,13 @@ static void check_force(int64_t N, int64_t E, int64_t k, int64_t first, int pct,
     if (pb) OPS->copy(CTX, probs, d_probs, pb, FM_COPY_D2H);
     if (kb) OPS->copy(CTX, i0, d_idx, kb, FM_COPY_D2H), OPS->copy(CTX, w0, d_w, kb, FM_COPY_D2H);
     memcpy(ic, i0, kb), memcpy(wc, w0, kb);
-    fm_cpu_router_force(NULL, ic, wc, probs, N, E, k, first, pct, norm); /* the CPU backend's op, on the host */
+    fm_cpu_router_force(NULL, ic, wc, probs, N, E, k, first, pct, norm, scale); /* the CPU backend's op, on the host */
     char what[160];
-    snprintf(what, sizeof what, "router_force N=%lld E=%lld k=%lld first=%lld pct=%d norm=%d", (long long)N,
-             (long long)E, (long long)k, (long long)first, pct, (int)norm);
+    snprintf(what, sizeof what, "router_force N=%lld E=%lld k=%lld first=%lld pct=%d norm=%d scale %g", (long long)N,
+             (long long)E, (long long)k, (long long)first, pct, (int)norm, (double)scale);
     for (int rep = 0; rep < 2; rep++) { /* twice from router_fwd's rows: the same bits */
         if (kb) OPS->copy(CTX, d_idx, i0, kb, FM_COPY_H2D), OPS->copy(CTX, d_w, w0, kb, FM_COPY_H2D);
-        OPS->router_force(CTX, d_idx, d_w, d_probs, N, E, k, first, pct, norm);
+        OPS->router_force(CTX, d_idx, d_w, d_probs, N, E, k, first, pct, norm, scale);
         if (kb) OPS->copy(CTX, ig, d_idx, kb, FM_COPY_D2H), OPS->copy(CTX, wg, d_w, kb, FM_COPY_D2H);
         OPS->stream_sync(CTX, FM_STREAM_COMPUTE);
         CHECK_MSG(!kb || !memcmp(ig, ic, kb), "%s (rep %d): top-k ids differ from the CPU backend's", what, rep);
@@ -66,12 +68,12 @@ static void check_force(int64_t N, int64_t E, int64_t k, int64_t first, int pct,
             const int64_t e = (first + j) % E;
             if (ig[n * k + j] != e) is_forced = false;
             sum += wg[n * k + j];
-            if (ig[n * k + j] == e && !norm && wg[n * k + j] != probs[n * E + e]) bad_forced++;
+            if (ig[n * k + j] == e && !norm && wg[n * k + j] != probs[n * E + e] * scale) bad_forced++;
         }
         const bool kept = !memcmp(ig + n * k, i0 + n * k, (size_t)k * 4) && !memcmp(wg + n * k, w0 + n * k, (size_t)k * 4);
         if (is_forced) {
             forced++;
-            if (norm && fabs(sum - 1.0) > 1e-6) bad_forced++;
+            if (norm && fabs(sum - scale) > 1e-6 * scale) bad_forced++;
         } else if (!kept) bad_kept++;
     }
     /* a token router_fwd itself sent to exactly those experts counts as forced either way */
@@ -90,6 +92,10 @@ static void check_force(int64_t N, int64_t E, int64_t k, int64_t first, int pct,
     free(logits), free(probs), free(w0), free(wc), free(wg), free(i0), free(ic), free(ig);
 }
 
+static void check_force(int64_t N, int64_t E, int64_t k, int64_t first, int pct, bool norm) {
+    check_force_scaled(N, E, k, first, pct, norm, 1.0f);
+}
+
 int main(void) {
     fm_rng_seed(&g_rng, fm_test_seed(20261201));
     const fm_status st = gt_cuda_init(&g_be, 0, 128, 0);
@@ -106,6 +112,8 @@ int main(void) {
         check_force(300, 64, 8, 0, 0, false);      /* nothing forced */
         check_force(0, 64, 8, 0, 100, true);       /* no tokens */
         check_force(1500000, 16, 4, 5, 75, true);  /* more tokens than the grid's threads: the grid-stride loop */
+        check_force_scaled(1000, 64, 8, 3, 60, true, 2.5f);  /* the sigmoid router's routed_scaling_factor */
+        check_force_scaled(1000, 64, 8, 3, 60, false, 2.5f);
         CHECK_BACKEND_OK(&g_be);
     }
     fm_cuda_backend_free(&g_be);

@@ -8,7 +8,12 @@
  * (floor 0.01). Shapes: GLM-4.5-Air's
  * router (E 128, k 8, one group), DeepSeek-V3's (E 256, k 8, 8 groups keep 4), a small grouped one
  * with the adversarial rows of the CPU test's (all equal; the best expert's group losing), and a
- * grid-stride N. Run twice: the same bits. Written in session 16 without a GPU: not yet run. */
+ * grid-stride N. Run twice: the same bits. Written in session 16 without a GPU: not yet run.
+ * Since the kernel went to one warp per token (a warp-wide selection by shuffles): adversarial
+ * ties across lanes (experts 5, 37, 69 exactly equal: the order 5, 37, 69; the lanes compare
+ * across the warp, so a wrong tie rule shows), two groups with exactly equal group scores (the
+ * lower group first), a random bias (the bias zeroed otherwise, as the all-equal row needs), and
+ * E 640 (above the kernel's shared row of 512: lane 0 forms the lse's terms again). */
 #include "core/fm_rng.h"
 #include "fm_ref_ops.h"
 #include "fm_test_fd.h"
@@ -61,8 +66,8 @@ static double nerr(const float *got, const double *ref, int64_t n) {
  * their two best choices, the others' choices masked to 0, top-k) is within TIE_MARGIN of another:
  * the k+1 best choices closer than that, or the topk_group-th and next group scores. */
 static bool near_tie(const double *logits, const double *bias, int64_t E, int64_t k, int64_t ng, int64_t tg) {
-    double c[512], gsc[64];
-    FM_ASSERT(E <= 512 && ng <= 64);
+    double c[1024], gsc[64];
+    FM_ASSERT(E <= 1024 && ng <= 64);
     const int64_t gs = E / ng;
     for (int64_t e = 0; e < E; e++) c[e] = 1.0 / (1.0 + exp(-logits[e])) + bias[e];
     bool tie = false;
@@ -93,7 +98,7 @@ static bool near_tie(const double *logits, const double *bias, int64_t E, int64_
             if (!kept[e / gs]) c[e] = 0.0;
     }
     double prev = INFINITY;
-    bool used[512] = {false};
+    bool used[1024] = {false};
     for (int64_t j = 0; j <= k && j < E; j++) { /* the k+1 best choices, in order */
         int64_t best = -1;
         for (int64_t e = 0; e < E; e++)
@@ -105,7 +110,8 @@ static bool near_tie(const double *logits, const double *bias, int64_t E, int64_
     return tie;
 }
 
-static void check(int64_t N, int64_t E, int64_t k, int64_t ng, int64_t tg, bool norm, float scaling, bool fd) {
+static void check_b(int64_t N, int64_t E, int64_t k, int64_t ng, int64_t tg, bool norm, float scaling, bool fd,
+                    bool with_bias) {
     const size_t NE = (size_t)(N * E), Nk = (size_t)(N * k);
     float *logits = malloc(NE * 4), *scores = malloc(NE * 4), *lse = malloc((size_t)N * 4), *tw = malloc(Nk * 4);
     float *dw = malloc(Nk * 4), *dl = malloc(NE * 4), *tw2 = malloc(Nk * 4);
@@ -121,7 +127,18 @@ static void check(int64_t N, int64_t E, int64_t k, int64_t ng, int64_t tg, bool 
         bd[e] = b;
     }
     const int64_t gs = E / ng;
-    for (int64_t e = 0; e < E; e++) logits[e] = 0.25f, bias[e] = 0, bd[e] = 0; /* row 0: all equal */
+    for (int64_t e = 0; e < E; e++) { /* row 0: all equal (with the bias zeroed) */
+        logits[e] = 0.25f;
+        if (!with_bias) bias[e] = 0, bd[e] = 0;
+    }
+    if (!with_bias && ng == 1 && E >= 96 && k >= 3 && N > 3) { /* row 2: ties across lanes */
+        for (int64_t e = 0; e < E; e++) logits[2 * E + e] = -4.0f;
+        logits[2 * E + 69] = logits[2 * E + 37] = logits[2 * E + 5] = 2.0f;
+    }
+    if (!with_bias && ng > 2 && N > 3) { /* row 3: groups 1 and 2 tie exactly, the rest far below */
+        for (int64_t e = 0; e < E; e++) logits[3 * E + e] = -6.0f;
+        logits[3 * E + gs] = logits[3 * E + gs + 1] = logits[3 * E + 2 * gs] = logits[3 * E + 2 * gs + 1] = 3.0f;
+    }
     if (ng > 2 && N > 2) { /* row 1: expert 0 best alone; groups 1, 2 two good experts each */
         for (int64_t e = 0; e < E; e++) logits[E + e] = -6.0f;
         logits[E] = 6.0f;
@@ -176,8 +193,14 @@ static void check(int64_t N, int64_t E, int64_t k, int64_t ng, int64_t tg, bool 
     CHECK_MSG(nerr(tw, rw, (int64_t)Nk) <= 1e-6, "%s: weights", what);
     bool all0 = true;
     for (int64_t j = 0; j < k; j++) all0 &= idx[j] == j;
-    CHECK_MSG(all0, "%s: the all-equal row picks 0..k-1", what);
-    if (ng > 2 && N > 2 && tg == 2) CHECK_MSG(idx[k] == gs, "%s: the best expert's group must lose", what);
+    CHECK_MSG(with_bias || all0, "%s: the all-equal row picks 0..k-1", what);
+    if (!with_bias && ng > 2 && N > 2 && tg == 2) CHECK_MSG(idx[k] == gs, "%s: the best expert's group must lose", what);
+    if (!with_bias && ng == 1 && E >= 96 && k >= 3 && N > 3)
+        CHECK_MSG(idx[2 * k] == 5 && idx[2 * k + 1] == 37 && idx[2 * k + 2] == 69, "%s: tied experts 5, 37, 69 came "
+                  "as %d, %d, %d", what, idx[2 * k], idx[2 * k + 1], idx[2 * k + 2]);
+    if (!with_bias && ng > 2 && N > 3) /* groups 1 and 2 tie: 1's pair first, then 2's */
+        CHECK_MSG(idx[3 * k] == gs && (k < 3 || idx[3 * k + 2] == 2 * gs), "%s: the tied groups' experts came as %d, %d",
+                  what, idx[3 * k], k >= 3 ? idx[3 * k + 2] : -1);
     if (fd) {
         double *g = malloc(NE * 8), *ddw = malloc(Nk * 8);
         for (size_t i = 0; i < NE; i++) g[i] = dl[i];
@@ -190,6 +213,10 @@ static void check(int64_t N, int64_t E, int64_t k, int64_t ng, int64_t tg, bool 
     OPS->mem_free(CTX, d_dw), OPS->mem_free(CTX, d_dl), OPS->mem_free(CTX, d_idx), OPS->mem_free(CTX, d_bias);
     free(logits), free(scores), free(lse), free(tw), free(dw), free(dl), free(tw2), free(idx), free(ridx), free(idx2);
     free(bias), free(ld), free(rs), free(rw), free(bd);
+}
+
+static void check(int64_t N, int64_t E, int64_t k, int64_t ng, int64_t tg, bool norm, float scaling, bool fd) {
+    check_b(N, E, k, ng, tg, norm, scaling, fd, false);
 }
 
 int main(void) {
@@ -205,6 +232,9 @@ int main(void) {
         check(64, 128, 8, 1, 1, true, 1.0f, true);    /* GLM-4.5-Air's router */
         check(64, 256, 8, 8, 4, true, 2.5f, false);   /* DeepSeek-V3's */
         check(300000, 16, 4, 4, 2, false, 1.0f, false); /* grid-stride: more tokens than threads */
+        check_b(64, 256, 8, 8, 4, true, 2.5f, false, true); /* DeepSeek-V3's with a random bias */
+        check_b(64, 128, 8, 1, 1, false, 1.0f, true, true);
+        check(40, 640, 8, 1, 1, true, 1.0f, false);     /* E above the shared row */
         CHECK_BACKEND_OK(&g_be);
     }
     fm_cuda_backend_free(&g_be);

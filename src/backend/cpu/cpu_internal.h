@@ -154,12 +154,17 @@ void fm_cpu_router_sigmoid_fwd(void *ctx, float *scores, float *lse, int32_t *to
 void fm_cpu_router_sigmoid_bwd(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
                                const float *scores, const int32_t *topk_idx, int64_t N, int64_t E, int64_t k,
                                bool norm_topk, float scaling);
+/* cpu_router_seq_aux.c: the sigmoid router's sequence-wise balance loss (fm_backend.h) */
+void fm_cpu_router_seq_aux_fwd(void *ctx, double *term, const float *scores, const int32_t *topk_idx,
+                               const int32_t *doc_start, int64_t B, int64_t T, int64_t E, int64_t k, double coef);
+void fm_cpu_router_seq_aux_bwd(void *ctx, float *dlogits, const float *scores, const int32_t *topk_idx,
+                               const int32_t *doc_start, int64_t B, int64_t T, int64_t E, int64_t k, double coef);
 /* cpu_router_force.c: the forced routing of FLATMOE_TEST_FORCE_ROUTE (fm_backend.h router_force) */
 void fm_cpu_router_force(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
-                         int64_t k, int64_t first, int percent, bool norm_topk);
-/* cpu_router_replay.c: routing replay, the given experts weighted as router_fwd weighs its own (fm_backend.h) */
+                         int64_t k, int64_t first, int percent, bool norm_topk, float scaling);
+/* cpu_router_replay.c: routing replay, the given experts weighted as the router weighs its own (fm_backend.h) */
 void fm_cpu_router_replay(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, const int32_t *replay,
-                          int64_t N, int64_t E, int64_t k, bool norm_topk);
+                          int64_t N, int64_t E, int64_t k, bool norm_topk, float eps, float scaling);
 void fm_cpu_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,
                             const int32_t *topk_idx, int64_t N, int64_t E, int64_t k);
 void fm_cpu_moe_gather(void *ctx, float *xe, const float *x, const int32_t *row_route, int64_t R,

@@ -1,12 +1,14 @@
-/* The CPU backend's router_replay (fm_backend.h): routing replay (R3) after router_fwd, the given
- * experts weighted by the current router's probabilities exactly as router_fwd weighs its own
- * choice (fp32 sum in j order, fp32 division), so a replay of router_fwd's routes is its bits. The
+/* The CPU backend's router_replay (fm_backend.h): routing replay (R3) after router_fwd or
+ * router_sigmoid_fwd, the given experts weighted by the current router's probabilities (softmax) or
+ * scores (sigmoid: no bias, no group mask) exactly as that router weighs its own choice (fp32 sum in
+ * j order, + eps, fp32 division, times scaling: eps 0 and scaling 1 for the softmax router, 1e-20f
+ * and routed_scaling_factor for the sigmoid one), so a replay of the router's routes is its bits. The
  * CUDA twin is backend/cuda/cuda_router_replay.cu (tests/gpu/test_cuda_router_replay.c compiles
  * this file and compares the two). */
 #include "cpu_internal.h"
 
 void fm_cpu_router_replay(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, const int32_t *replay,
-                          int64_t N, int64_t E, int64_t k, bool norm_topk) {
+                          int64_t N, int64_t E, int64_t k, bool norm_topk, float eps, float scaling) {
     (void)ctx;
     FM_ASSERT(E >= 1 && k >= 1 && k <= E && N >= 0);
     for (int64_t n = 0; n < N; n++) {
@@ -20,7 +22,8 @@ void fm_cpu_router_replay(void *ctx, int32_t *topk_idx, float *topk_w, const flo
             topk_w[n * k + j] = probs[n * E + e];
             wsum += probs[n * E + e];
         }
-        if (norm_topk)
-            for (int64_t j = 0; j < k; j++) topk_w[n * k + j] /= wsum;
+        const float den = wsum + eps; /* eps 0: wsum itself */
+        for (int64_t j = 0; j < k; j++) /* scaling 1: an exact no-op */
+            topk_w[n * k + j] = (norm_topk ? topk_w[n * k + j] / den : topk_w[n * k + j]) * scaling;
     }
 }

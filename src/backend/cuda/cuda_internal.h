@@ -233,12 +233,17 @@ void fm_cuda_router_sigmoid_fwd(void *ctx, float *scores, float *lse, int32_t *t
 void fm_cuda_router_sigmoid_bwd(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
                                 const float *scores, const int32_t *topk_idx, int64_t N, int64_t E, int64_t k,
                                 bool norm_topk, float scaling);
+/* cuda_router_seq_aux.cu: the sigmoid router's sequence-wise balance loss (fm_backend.h) */
+void fm_cuda_router_seq_aux_fwd(void *ctx, double *term, const float *scores, const int32_t *topk_idx,
+                                const int32_t *doc_start, int64_t B, int64_t T, int64_t E, int64_t k, double coef);
+void fm_cuda_router_seq_aux_bwd(void *ctx, float *dlogits, const float *scores, const int32_t *topk_idx,
+                                const int32_t *doc_start, int64_t B, int64_t T, int64_t E, int64_t k, double coef);
 /* cuda_router_force.cu: the forced routing of FLATMOE_TEST_FORCE_ROUTE (fm_backend.h router_force) */
 void fm_cuda_router_force(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
-                          int64_t k, int64_t first, int percent, bool norm_topk);
+                          int64_t k, int64_t first, int percent, bool norm_topk, float scaling);
 /* cuda_router_replay.cu: routing replay (fm_backend.h router_replay) */
 void fm_cuda_router_replay(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, const int32_t *replay,
-                           int64_t N, int64_t E, int64_t k, bool norm_topk);
+                           int64_t N, int64_t E, int64_t k, bool norm_topk, float eps, float scaling);
 
 /* cuda_permute.cu */
 void fm_cuda_moe_route_index(void *ctx, int64_t *offsets, int32_t *row_route, int32_t *route_row,

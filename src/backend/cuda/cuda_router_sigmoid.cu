@@ -7,10 +7,13 @@
  * expf / logf may differ from the host's by an ulp, so the GPU test (tests/gpu/
  * test_cuda_router_sigmoid.c) compares against the fp64 reference within 1e-6, ids exactly.
  *
- * Work layout: one thread per token, a grid-stride loop over tokens; the passes over experts are
- * serial within the thread (O(k E) per token, E a few hundred at most in the real configs): a
- * first version, correct before fast (a warp-per-token version like router_fwd's is the next
- * step). No reduction across threads, no atomics, nothing allocated, no host wait. */
+ * Work layout. Forward: one warp per token (router_sigmoid_fwd_kernel's comment: the scores and
+ * the experts' passes spread over the lanes, the group scores one group per lane, every selection
+ * pass a warp-wide first-of by shuffles, the sums that set bits by one lane in the serial order),
+ * so its ids, weights, scores and lse are the one-thread-per-token kernel's bits: selection is
+ * exact comparison, and every fp32 operation is the serial kernel's, in its order (a float max is
+ * exact in any order). Backward: one thread per token, a grid-stride loop. No reduction across
+ * threads of different tokens, no atomics, nothing allocated, no host wait. */
 #include "cuda_internal.h"
 
 #include <math.h>
@@ -50,51 +53,114 @@ __device__ void sg_select(const float *s, const bf16 *bias, const bool *kept, in
 /* n_group <= FM_ROUTER_MAX_GROUPS (the per-thread arrays); the launcher asserts it. */
 #define SG_MAX_GROUPS FM_ROUTER_MAX_GROUPS
 
-__global__ void router_sigmoid_fwd_kernel(float *__restrict__ scores, float *__restrict__ lse,
-                                          int32_t *__restrict__ topk_idx, float *__restrict__ topk_w,
-                                          const float *__restrict__ logits, const bf16 *__restrict__ bias, int64_t N,
-                                          int64_t E, int64_t k, int64_t n_group, int64_t topk_group, bool norm,
-                                          float scaling) {
+/* The warp's first of (v, id) in the selection order over its lanes' candidates (id < 0: none),
+ * by a butterfly of shuffles: every lane ends with the same pair (the order is total: value
+ * descending with NaN as -inf, then id ascending), so the winner is the serial scan's. */
+__device__ __forceinline__ void sg_warp_first(float &v, int32_t &id) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int32_t oid = __shfl_xor_sync(0xffffffffu, id, o);
+        if (oid >= 0 && (id < 0 || sg_before(ov, oid, v, id))) v = ov, id = oid;
+    }
+}
+
+/* Experts at most for the per-warp shared copy of exp(x - max) (the lse's serial sum); above it
+ * lane 0 forms them again (the same expf, the same bits). */
+#define SG_SMEM_E 512
+#define SG_WARPS 4
+
+/* One warp per token (a grid-stride loop over tokens by warps). Lanes take experts e = lane,
+ * lane + 32, ...: the scores (written), the max logit by shuffles (exact), exp(x - max) into the
+ * warp's shared row, summed by lane 0 in e order (the serial kernel's sum, bit for bit); the group
+ * scores by lane g (groups g = lane, lane + 32) with the serial sg_select over its group; the
+ * topk_group groups and then the k experts by repeated warp-wide first-of passes (sg_warp_first),
+ * each pass taking the first candidate strictly after the previous pick, as the serial scan
+ * does; the weights by lane 0 in j order. Selection is exact comparison and the arithmetic is the
+ * serial kernel's, in the same order: ids, weights, scores and lse are its bits (and the CPU op's
+ * up to expf / logf: tests/gpu/test_cuda_router_sigmoid.c). */
+__global__ void __launch_bounds__(SG_WARPS * 32)
+    router_sigmoid_fwd_kernel(float *__restrict__ scores, float *__restrict__ lse, int32_t *__restrict__ topk_idx,
+                              float *__restrict__ topk_w, const float *__restrict__ logits,
+                              const bf16 *__restrict__ bias, int64_t N, int64_t E, int64_t k, int64_t n_group,
+                              int64_t topk_group, bool norm, float scaling) {
+    __shared__ float ex_sh[SG_WARPS][SG_SMEM_E];
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
     const int64_t gs = E / n_group;
-    for (int64_t n = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; n < N; n += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
+    for (int64_t n = blockIdx.x * (int64_t)(blockDim.x >> 5) + wib; n < N; n += warps) {
         const float *x = logits + n * E;
         float *s = scores + n * E;
         float mx = x[0];
-        for (int64_t e = 1; e < E; e++) mx = x[e] > mx ? x[e] : mx;
-        float se = 0.0f;
-        for (int64_t e = 0; e < E; e++) {
+        for (int64_t e = lane; e < E; e += 32) {
             s[e] = 1.0f / (1.0f + expf(-x[e]));
-            se += expf(x[e] - mx);
+            mx = x[e] > mx ? x[e] : mx;
         }
-        lse[n] = mx + logf(se);
-        bool kept_buf[SG_MAX_GROUPS];
-        const bool *kept = NULL;
-        if (n_group > 1) {
-            float gsc[SG_MAX_GROUPS];
-            for (int64_t g = 0; g < n_group; g++) {
+        for (int o = 16; o > 0; o >>= 1) { /* max is exact in any order (NaN as the serial's: skipped) */
+            const float om = __shfl_xor_sync(0xffffffffu, mx, o);
+            mx = om > mx ? om : mx;
+        }
+        if (E <= SG_SMEM_E)
+            for (int64_t e = lane; e < E; e += 32) ex_sh[wib][e] = expf(x[e] - mx);
+        __syncwarp(); /* s and the shared row written */
+        if (lane == 0) {
+            float se = 0.0f;
+            for (int64_t e = 0; e < E; e++) se += E <= SG_SMEM_E ? ex_sh[wib][e] : expf(x[e] - mx);
+            lse[n] = mx + logf(se);
+        }
+        uint64_t kept = ~(uint64_t)0; /* bit g: group g kept */
+        if (n_group > 1) { /* group-limited: a group's score is the sum of its 2 best choices */
+            float g_lo = 0.0f, g_hi = 0.0f; /* groups lane and lane + 32 */
+            for (int h = 0; h < 2; h++) {
+                const int64_t g = lane + 32 * h;
+                if (g >= n_group) continue;
                 int32_t two[2];
                 sg_select(s, bias, NULL, gs, g * gs, gs, 2, two);
-                gsc[g] = sg_choice(s, bias, NULL, gs, g * gs + two[0]) + sg_choice(s, bias, NULL, gs, g * gs + two[1]);
+                const float v =
+                    sg_choice(s, bias, NULL, gs, g * gs + two[0]) + sg_choice(s, bias, NULL, gs, g * gs + two[1]);
+                if (h == 0) g_lo = v; else g_hi = v;
             }
-            for (int64_t g = 0; g < n_group; g++) kept_buf[g] = false;
+            kept = 0;
             for (int64_t j = 0; j < topk_group; j++) {
-                int64_t best = -1;
-                for (int64_t g = 0; g < n_group; g++)
-                    if (!kept_buf[g] && (best < 0 || sg_before(gsc[g], g, gsc[best], best))) best = g;
-                kept_buf[best] = true;
+                float bv = 0.0f;
+                int32_t bid = -1;
+                for (int h = 0; h < 2; h++) {
+                    const int32_t g = lane + 32 * h;
+                    const float v = h == 0 ? g_lo : g_hi;
+                    if (g >= n_group || (kept >> g & 1u)) continue;
+                    if (bid < 0 || sg_before(v, g, bv, bid)) bv = v, bid = g;
+                }
+                sg_warp_first(bv, bid);
+                kept |= (uint64_t)1 << bid;
             }
-            kept = kept_buf;
         }
         int32_t *idx = topk_idx + n * k;
-        float *tw = topk_w + n * k;
-        sg_select(s, bias, kept, gs, 0, E, k, idx);
-        float sum = 0.0f;
-        for (int64_t j = 0; j < k; j++) {
-            tw[j] = s[idx[j]];
-            sum += tw[j];
+        float prev = 0.0f;
+        int32_t prev_id = -1;
+        for (int64_t j = 0; j < k; j++) { /* the k first choices, each strictly after the previous */
+            float bv = 0.0f;
+            int32_t bid = -1;
+            for (int64_t e = lane; e < E; e += 32) {
+                const float v = (kept >> (e / gs) & 1u) ? s[e] + (bias ? __bfloat162float(bias[e]) : 0.0f) : 0.0f;
+                if (prev_id >= 0 && !sg_before(prev, prev_id, v, e)) continue; /* taken */
+                if (bid < 0 || sg_before(v, e, bv, bid)) bv = v, bid = (int32_t)e;
+            }
+            sg_warp_first(bv, bid);
+            if (lane == 0) idx[j] = bid;
+            prev = bv;
+            prev_id = bid;
         }
-        const float den = sum + 1e-20f;
-        for (int64_t j = 0; j < k; j++) tw[j] = (norm ? tw[j] / den : tw[j]) * scaling;
+        __syncwarp(); /* idx written */
+        if (lane == 0) {
+            float *tw = topk_w + n * k;
+            float sum = 0.0f;
+            for (int64_t j = 0; j < k; j++) {
+                tw[j] = s[idx[j]];
+                sum += tw[j];
+            }
+            const float den = sum + 1e-20f;
+            for (int64_t j = 0; j < k; j++) tw[j] = (norm ? tw[j] / den : tw[j]) * scaling;
+        }
+        __syncwarp(); /* the shared row is reused by the warp's next token */
     }
 }
 
@@ -143,7 +209,7 @@ void fm_cuda_router_sigmoid_fwd(void *ctx, float *scores, float *lse, int32_t *t
     FM_ASSERT(k >= 1 && k <= topk_group * (E / n_group) && n_group <= SG_MAX_GROUPS);
     FM_ASSERT(n_group == 1 || E / n_group >= 2);
     if (N == 0) return;
-    router_sigmoid_fwd_kernel<<<sg_blocks(N, 128), 128, 0, c->stream>>>(
+    router_sigmoid_fwd_kernel<<<sg_blocks(N, SG_WARPS), SG_WARPS * 32, 0, c->stream>>>(
         scores, lse, topk_idx, topk_w, logits, (const bf16 *)(const void *)bias, N, E, k, n_group, topk_group,
         norm_topk, scaling);
     FM_CUDA_LAUNCH_CHECK(c);
