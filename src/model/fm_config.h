@@ -176,8 +176,8 @@ fm_status fm_config_parse_glm4(fm_config *cfg, const void *root, const char *pat
  * (DeepseekV3Config's defaults); sets mla, num_key_value_heads = num_attention_heads and
  * *head_dim = qk_nope_head_dim + qk_rope_head_dim. Errors: FM_ERR_FORMAT (wrong JSON type),
  * FM_ERR_CONFIG (a non-positive size, an odd qk_rope_head_dim, v_head_dim above the q/k head
- * dim, a head_dim field other than qk_rope_head_dim), FM_ERR_UNSUPPORTED (attention_bias true),
- * each naming path and the field. */
+ * dim, a head_dim field other than qk_rope_head_dim), each naming path and the field
+ * (attention_bias true is refused by fm_config_parse_attention). */
 fm_status fm_config_parse_mla(fm_config *cfg, const void *root, const char *path, int64_t *head_dim);
 
 /* deepseek_v3's attention fields of cfg into the cJSON object json (fm_config_to_json). */

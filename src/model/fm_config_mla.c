@@ -62,9 +62,6 @@ fm_status fm_config_parse_mla(fm_config *cfg, const void *root_v, const char *pa
         return fm_error(FM_ERR_CONFIG, "%s: \"head_dim\" is %lld, but deepseek_v3's head_dim is qk_rope_head_dim (%lld; "
                         "transformers' rotary dim): remove the field or set it to %lld", path, (long long)*head_dim,
                         (long long)cfg->qk_rope_head_dim, (long long)cfg->qk_rope_head_dim);
-    if (cfg->attention_bias)
-        return fm_error(FM_ERR_UNSUPPORTED, "%s: \"attention_bias\" is true, but flatmoe's multi-head latent attention "
-                        "has no biases yet (DeepSeek-V3, Kimi-K2 and Moonlight have none); set it to false", path);
     cfg->num_key_value_heads = cfg->num_attention_heads; /* MLA: every head its own k and v */
     *head_dim = dq;
     return FM_OK;
