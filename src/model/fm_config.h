@@ -211,7 +211,7 @@ bool fm_config_layer_is_moe(const fm_config *cfg, int64_t l);
 int64_t fm_config_num_moe_layers(const fm_config *cfg);
 
 /* The rotated dims per head: int(head_dim x partial_rotary_factor) (head_dim when the factor is 0
- * or 1), even and >= 2 for a parsed config. */
+ * or 1; qk_rope_head_dim under MLA), even and >= 2 for a parsed config. */
 int64_t fm_config_rotary_dim(const fm_config *cfg);
 
 /* Parameter counts: total (all experts, embeddings, untied head, dense MLPs) and active per token
