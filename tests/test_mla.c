@@ -9,7 +9,8 @@
  * tested in test_attn against transformers' formulas); everything else is written here.
  * fp32 against fp64 over sums of <= 16 terms of O(1) values: relative 1e-5 of the output's scale.
  * Also: config parsing (defaults, q_lora_rank null, written back), the parameter table's names and
- * count against fm_config_num_params, and the plan's bytes against the layout measured. */
+ * count against fm_config_num_params, the plan's bytes against the layout measured, and packed
+ * documents (a document inside a packed row as alone). */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -174,6 +175,47 @@ static void check_layer0(bool q_lora, bool il) {
     fm_test_model_free(&m);
 }
 
+/* Packed documents (model/fm_batch.h): a row holding document A (4 tokens) then document B (6)
+ * gives, on B's tokens, the layer-0 output of B alone (RoPE positions restart, attention stays
+ * inside the document: q_pe's and the one k_pe's rotations and the kv_start mask through MLA's
+ * assembly). Different GEMM row counts may block the sums differently: 1e-5 of the scale. */
+static void test_packed(void) {
+    char text[2048];
+    snprintf(text, sizeof text, k_cfg, "5", "true");
+    fm_config c;
+    CHECK(fm_config_parse(&c, text, "mla.json") == FM_OK);
+    fm_model m;
+    CHECK(fm_test_model_create(&m, &c, g_be) == FM_OK);
+    CHECK(fm_model_layout(&m, 1, 10, NULL) == FM_OK);
+    fm_model_init_weights(&m, 21);
+    fm_test_fill_batch(&m, 22, -1);
+    fm_batch *b = fm_test_batch_of(&m);
+    int32_t pos[10] = {0, 1, 2, 3, 0, 1, 2, 3, 4, 5}, start[10] = {0, 0, 0, 0, 4, 4, 4, 4, 4, 4};
+    int32_t tok[6];
+    memcpy(tok, b->tokens + 4, sizeof tok);
+    b->pos = pos;
+    b->doc_start = start;
+    fm_loss loss;
+    CHECK(fm_schedule_default_forward(&m, b, &loss) == FM_OK);
+    const int64_t H = c.hidden_size;
+    float packed[6 * 16];
+    memcpy(packed, m.a.acts[0].x_mid + 4 * H, sizeof packed);
+    b->pos = b->doc_start = NULL;
+    fm_model_set_shape(&m, 1, 6);
+    b = fm_test_batch_of(&m);
+    fm_test_fill_batch(&m, 23, -1);
+    memcpy(b->tokens, tok, sizeof tok);
+    CHECK(fm_schedule_default_forward(&m, b, &loss) == FM_OK);
+    double err = 0, scale = 0;
+    for (int64_t i = 0; i < 6 * H; i++) {
+        err = fmax(err, fabs(packed[i] - m.a.acts[0].x_mid[i]));
+        scale = fmax(scale, fabs(m.a.acts[0].x_mid[i]));
+    }
+    printf("MLA packed: document B's layer-0 output within %.3g of B alone (scale %.3g)\n", err, scale);
+    CHECK_MSG(scale > 1e-2 && err <= 1e-5 * scale, "MLA packed: %g (scale %g)", err, scale);
+    fm_test_model_free(&m);
+}
+
 /* DeepseekV3Config's defaults (DeepSeek-V3 671B) from a file with only model_type, and what is refused. */
 static void test_defaults_and_refusals(void) {
     fm_config c;
@@ -205,6 +247,7 @@ int main(void) {
     check_layer0(true, true);
     check_layer0(false, false);
     check_layer0(true, false);
+    test_packed();
     fm_cpu_backend_free(&g_be);
     return fm_test_finish();
 }
