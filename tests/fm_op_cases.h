@@ -6,6 +6,7 @@
  * CUDA kernels' large, no-FD shapes). The forwards are tests/fm_ref_ops.h's. */
 #ifndef FM_OP_CASES_H
 #define FM_OP_CASES_H
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -65,6 +66,47 @@ static inline void fm_case_att_kv_start(const fm_case_att_docs *c, int32_t *kvs)
             d++;
         }
     }
+}
+
+/* Head slices (fm_backend.h head_slice; multi-head latent attention's assembly, model/fm_mla.c):
+ * d columns of each of nh heads from src [N, nh or 1 (bcast: src.hs 0), sw] at column soff into dst
+ * [N, nh or 1 (sum: dst.hs 0, the heads summed), dw] at column doff, in pair order perm, times
+ * alpha, added when acc; zeros: src NULL. MLA's own shapes (q_pe de-interleaved and scaled, the
+ * nope part, k_pe broadcast, its gradient summed, v's zero padding) and one above the CPU's
+ * OpenMP cutoff and across many CUDA blocks. */
+typedef struct fm_case_slice {
+    int64_t N, nh, d, sw, soff, dw, doff;
+    bool bcast, sum, zeros;
+    int perm;
+    float alpha;
+    bool acc;
+} fm_case_slice;
+static const fm_case_slice FM_CASES_SLICE[] = {
+    {7, 3, 4, 10, 6, 10, 0, false, false, false, 1 /* DEINTERLEAVE */, 1.29f, false}, /* q_pe -> q' */
+    {7, 3, 6, 10, 0, 10, 4, false, false, false, 0, 1.29f, false},                    /* q_nope -> q' */
+    {9, 4, 4, 4, 0, 8, 0, true, false, false, 0, 1.0f, false},                        /* k_pe broadcast */
+    {9, 4, 4, 8, 0, 4, 0, false, true, false, 0, 1.0f, false},                        /* d k_pe summed */
+    {9, 4, 4, 8, 2, 6, 2, false, true, false, 2 /* INTERLEAVE */, 0.5f, true},        /* summed, added */
+    {5, 2, 3, 0, 0, 8, 5, false, false, true, 0, 1.0f, false},                        /* v's zero padding */
+    {700, 8, 24, 40, 16, 32, 8, false, false, false, 1, 1.0f, true},                  /* large */
+};
+
+/* The case's shapes: src [N, src_heads, sw], dst [N, dst_heads, dw]. */
+static inline int64_t fm_case_slice_src_heads(const fm_case_slice *c) { return c->bcast ? 1 : c->nh; }
+static inline int64_t fm_case_slice_dst_heads(const fm_case_slice *c) { return c->sum ? 1 : c->nh; }
+
+/* The fp64 reference: dst (holding the initial values) updated as head_slice documents it. */
+static inline void fm_case_slice_ref(double *dst, const float *src, const fm_case_slice *c) {
+    const int64_t shs = c->bcast ? 0 : c->sw, dhs = c->sum ? 0 : c->dw, d = c->d;
+    for (int64_t n = 0; n < c->N; n++)
+        for (int64_t h = 0; h < c->nh; h++)
+            for (int64_t j = 0; j < d; j++) {
+                const int64_t pj = c->perm == 1 ? (j < d / 2 ? 2 * j : 2 * (j - d / 2) + 1)
+                                 : c->perm == 2 ? (j % 2 == 0 ? j / 2 : d / 2 + j / 2) : j;
+                const double v = c->zeros ? 0.0 : (double)c->alpha * src[n * fm_case_slice_src_heads(c) * c->sw + h * shs + c->soff + pj];
+                double *y = &dst[n * fm_case_slice_dst_heads(c) * c->dw + h * dhs + c->doff + j];
+                *y = c->acc || (c->sum && h > 0) ? *y + v : v;
+            }
 }
 
 /* SwiGLU over n elements: above the CPU's OpenMP cutoff (8192), and a short one. */

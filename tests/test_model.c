@@ -561,6 +561,37 @@ static void test_linear_ce_ab(void) {
     }
 }
 
+/* A small deepseek_v3 (model/fm_mla.h): glm4_moe's block (layer 0 dense, sigmoid router with groups,
+ * a shared expert) with multi-head latent attention: 4 heads, q/k head dim 6 + 4 (rope), v 8 (padded
+ * to 10), latents kv 8 and q 10 (q_lora, else q_proj), YaRN with mscale_all_dim (softmax factor
+ * m(4, 1)^2 = 1.29) and rope_interleave as asked. */
+static fm_config mla_config(bool q_lora, bool interleave) {
+    fm_config c = fm_test_small_config(FM_MODEL_QWEN3_MOE, 3, false, 2);
+    c.model_type = FM_MODEL_DEEPSEEK_V3;
+    snprintf(c.model_type_name, sizeof c.model_type_name, "deepseek_v3");
+    c.num_experts = 6;
+    c.router_sigmoid = true;
+    c.n_group = 3;
+    c.topk_group = 2;
+    c.routed_scaling_factor = 2.5;
+    c.n_shared_experts = 1;
+    c.first_k_dense_replace = 1;
+    c.dense_intermediate_size = 20;
+    c.router_aux_loss_coef = c.router_z_loss_coef = 0;
+    c.qk_norm = FM_QK_NORM_NONE;
+    c.mla = true;
+    c.q_lora_rank = q_lora ? 10 : 0;
+    c.kv_lora_rank = 8;
+    c.qk_nope_head_dim = 6;
+    c.qk_rope_head_dim = 4;
+    c.v_head_dim = 8;
+    c.rope_interleave = interleave;
+    c.num_key_value_heads = c.num_attention_heads;
+    c.head_dim = 10;
+    c.rope_scaling = (fm_rope_scaling){FM_ROPE_YARN, 4.0, 16, 32, 1, 1.0, 1.0, 0, true};
+    return c;
+}
+
 int main(void) {
     uint64_t seed = fm_test_seed(42);
     CHECK(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
@@ -601,6 +632,10 @@ int main(void) {
     glm.dense_intermediate_size = 20;
     glm.router_aux_loss_coef = glm.router_z_loss_coef = 0;
     check_model_grad(glm, "glm4_moe (dense layer 0, shared experts, sigmoid router)", seed + 63);
+    /* deepseek_v3: every MLA gradient (q_a_proj, q_a_layernorm, q_b_proj or q_proj,
+     * kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj) and everything below them */
+    check_model_grad(mla_config(true, true), "deepseek_v3 (MLA, q_lora_rank, interleaved RoPE)", seed + 70);
+    check_model_grad(mla_config(false, false), "deepseek_v3 (MLA, q_proj, rotate_half RoPE)", seed + 71);
     test_recompute_exact();
     test_accumulation();
     test_all_tokens_one_expert();

@@ -252,6 +252,28 @@ static void test_bias(int64_t N, int64_t D) {
     free(y), free(b), free(dy), free(db), free(ry), free(rdb);
 }
 
+/* ---- head slices (multi-head latent attention's assembly) ---------------------------------- */
+
+static void test_head_slice(const fm_case_slice *c) {
+    const int64_t ns = c->N * fm_case_slice_src_heads(c) * c->sw, nd = c->N * fm_case_slice_dst_heads(c) * c->dw;
+    float *src = fnew(ns > 0 ? ns : 1), *dst = fnew(nd);
+    fill_normal(src, ns > 0 ? ns : 1, 1.0);
+    fill_normal(dst, nd, 1.0);
+    double *ref = dnew(nd);
+    for (int64_t i = 0; i < nd; i++) ref[i] = dst[i];
+    fm_case_slice_ref(ref, src, c);
+    const fm_slice sa = {fm_case_slice_src_heads(c) * c->sw, c->bcast ? 0 : c->sw, c->soff};
+    const fm_slice da = {fm_case_slice_dst_heads(c) * c->dw, c->sum ? 0 : c->dw, c->doff};
+    OPS->head_slice(CTX, dst, da, c->zeros ? NULL : src, sa, c->N, c->nh, c->d, c->perm, c->alpha, c->acc);
+    /* a copy (alpha 1, nothing summed) is exact; a scaled or summed one within fp32 rounding */
+    const bool exact = c->alpha == 1.0f && !c->sum && !c->acc;
+    double worst = 0;
+    for (int64_t i = 0; i < nd; i++) worst = fmax(worst, fabs(dst[i] - ref[i]));
+    CHECK_MSG(exact ? worst == 0 : worst <= 1e-6 * 8, "head_slice N=%lld nh=%lld d=%lld perm %d: max error %g",
+              (long long)c->N, (long long)c->nh, (long long)c->d, c->perm, worst);
+    free(src), free(dst), free(ref);
+}
+
 /* ---- attention ---------------------------------------------------------------------------- */
 
 typedef struct att_st {
@@ -535,6 +557,7 @@ int main(void) {
     }
     for (int i = 0; i < FM_CASES_COUNT(FM_CASES_BIAS); i++) test_bias(FM_CASES_BIAS[i].N, FM_CASES_BIAS[i].D);
     test_bias(300, 64); /* over the OpenMP threshold (8192 elements) */
+    for (int i = 0; i < FM_CASES_COUNT(FM_CASES_SLICE); i++) test_head_slice(&FM_CASES_SLICE[i]);
     test_attention();
     for (int i = 0; i < FM_CASES_COUNT(FM_CASES_SWIGLU); i++) test_swiglu(FM_CASES_SWIGLU[i]);
 

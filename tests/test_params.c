@@ -98,6 +98,43 @@ static void test_glm4_air(void) {
     fm_params_free(&pp);
 }
 
+/* The deepseek_v3 configs (configs/deepseek-v3.json and configs/moonlight-16b-a3b.json, their
+ * config.json as published but quantization_config and auto_map): counts from their shapes.
+ * DeepSeek-V3: 671,026,419,200 (the paper's and the model card's "671B total"; the MTP layer,
+ * num_nextn_predict_layers 1, neither counted nor built: the hub's 685B includes its 14B), active
+ * 36,625,618,432 without the embedding lookup (37,552,242,688 with its 926,624,256: the card's
+ * "37B activated"). Moonlight-16B-A3B (q_lora_rank null): 15,960,110,208 ("16B"), active
+ * 2,579,231,872 (2,914,776,192 with the embedding: "3B"). */
+static void test_deepseek(void) {
+    struct { const char *path; int64_t params, active, moe_layers; bool q_lora; } c[] = {
+        {"configs/deepseek-v3.json", 671026419200LL, 36625618432LL, 58, true},
+        {"configs/moonlight-16b-a3b.json", 15960110208LL, 2579231872LL, 26, false},
+    };
+    for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
+        fm_config cfg;
+        fm_status s = fm_config_load(&cfg, c[i].path);
+        CHECK_MSG(s == FM_OK, "%s: %s", c[i].path, fm_errmsg());
+        if (s) continue;
+        CHECK(cfg.mla && cfg.router_sigmoid && (cfg.q_lora_rank > 0) == c[i].q_lora && cfg.head_dim == 192 &&
+              fm_config_rotary_dim(&cfg) == 64 && fm_config_num_moe_layers(&cfg) == c[i].moe_layers);
+        fm_model_params pp;
+        CHECK(fm_params_create(&pp, &cfg, 1, 0) == FM_OK);
+        CHECK_MSG(pp.n_params == c[i].params && fm_config_num_params(&cfg) == pp.n_params,
+                  "%s: %lld parameters in the table, %lld by the config", c[i].path, (long long)pp.n_params,
+                  (long long)fm_config_num_params(&cfg));
+        CHECK_MSG(fm_config_num_active_params(&cfg) == c[i].active, "%s: %lld active", c[i].path,
+                  (long long)fm_config_num_active_params(&cfg));
+        CHECK((fm_params_find(&pp, "model.layers.0.self_attn.q_a_layernorm.weight") != NULL) == c[i].q_lora &&
+              fm_params_find(&pp, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight")->shape[0] == 576 &&
+              fm_params_find(&pp, "model.layers.0.self_attn.kv_b_proj.weight")->shape[1] == 512 &&
+              fm_params_find(&pp, "model.layers.0.self_attn.k_proj.weight") == NULL);
+        check_table(&pp, c[i].path);
+        printf("  %-28s %lld parameters (active %lld) in %d tensors\n", c[i].path, (long long)pp.n_params,
+               (long long)fm_config_num_active_params(&cfg), pp.n_tensors);
+        fm_params_free(&pp);
+    }
+}
+
 /* --ep: each rank's table against the one-rank table. */
 static void test_ep_tables(const char *path, int ep) {
     fm_config cfg;
@@ -167,6 +204,9 @@ int main(void) {
     test_ep_tables("tests/data/glm4_tiny.json", 2); /* the bias and shared experts before the experts */
     test_ep_tables("tests/data/glm4_tiny.json", 4);
     test_glm4_air();
+    test_ep_tables("tests/data/deepseek_v3_tiny.json", 2); /* MLA's tensors before the experts */
+    test_ep_tables("tests/data/deepseek_v3_tiny_noq.json", 4);
+    test_deepseek();
     test_bad_ep();
     return fm_test_finish();
 }

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Hugging Face parity of flatmoe's CPU backend (fp32) and of its CUDA backend (bf16).
 
-For each model family (OlmoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, and
-Qwen3MoeForCausalLM with dense layers: decoder_sparse_step 2, mlp_only_layers [0]) this builds a
+For each model family (OlmoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM,
+Qwen3MoeForCausalLM with dense layers: decoder_sparse_step 2, mlp_only_layers [0], Glm4MoeForCausalLM,
+DeepseekV3ForCausalLM with and without q_lora_rank) this builds a
 small random model with transformers, saves it, and compares against flatmoe (tools/fm_hf_grad),
 after checking that flatmoe counts the parameters transformers built:
   1. transformers -> flatmoe: the loss, the logits and every parameter's gradient on one batch;
@@ -106,6 +107,22 @@ def configs():
                                                      norm_topk_prob=True, use_qk_norm=True, head_dim=16,
                                                      partial_rotary_factor=0.5, attention_bias=True,
                                                      rope_theta=1e6, **glm)
+    # DeepSeek-V3 (DeepseekV3ForCausalLM): glm4_moe's MoE block (as above) with multi-head latent
+    # attention (model/fm_mla.h): q_lora_rank (q_a_proj, q_a_layernorm, q_b_proj) and interleaved RoPE
+    # with YaRN whose mscale_all_dim scales the softmax (mscale != mscale_all_dim: the cos/sin
+    # factor too); and Moonlight's shape, q_lora_rank None (q_proj), rotate_half RoPE, no scaling.
+    # v_head_dim 16 < qk_nope + qk_rope 20: flatmoe pads v with zero columns
+    if hasattr(transformers, "DeepseekV3Config"):
+        ds = dict(common, num_hidden_layers=3, num_key_value_heads=4)  # eager attention repeats k by nh // nkv
+        mla = dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                   n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                   norm_topk_prob=True, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
+                   rope_theta=10000.0)
+        yield "deepseek_v3", transformers.DeepseekV3Config(
+            q_lora_rank=24, rope_interleave=True, **mla,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+                          "mscale_all_dim": 0.8}, **ds)
+        yield "deepseek_v3_noq", transformers.DeepseekV3Config(q_lora_rank=None, rope_interleave=False, **mla, **ds)
     # the attention parts of issue 26 (docs/formats.md): q/k/v/o biases (made non-zero after init:
     # transformers starts them at 0), YaRN (an original context of 16 so the ramp bends within the
     # 24-token sequences; Qwen3's long-context recipe in small), linear RoPE scaling

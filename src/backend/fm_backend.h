@@ -120,6 +120,14 @@ typedef enum fm_copy_kind {
     FM_COPY_D2D, /* backend -> backend memory */
 } fm_copy_kind;
 
+/* Where a head slice lies in an [N, ...] buffer (head_slice): row stride ld, head stride hs,
+ * first column off, in elements. */
+typedef struct fm_slice {
+    int64_t ld, hs, off;
+} fm_slice;
+
+enum { FM_SLICE_PLAIN = 0, FM_SLICE_DEINTERLEAVE = 1, FM_SLICE_INTERLEAVE = 2 };
+
 typedef struct fm_ops {
     const char *name;  /* "cpu", "cuda" */
     bool host_memory;  /* the backend's memory is host memory (the CPU): no staging needed */
@@ -296,6 +304,19 @@ typedef struct fm_ops {
     /* db[j] += sum over n < N of dy[n,j] (dy [N,D], db [D]), accumulated in fp32 or wider in a
      * fixed order (the same bits on every call). */
     void (*bias_grad)(void *ctx, fm_act *db, const fm_act *dy, int64_t N, int64_t D);
+
+    /* ---- head slices (multi-head latent attention's q/k/v assembly, model/fm_mla.c) --------- */
+
+    /* For n < N, h < nh, j < d: dst[n dst.ld + h dst.hs + dst.off + j] = alpha src[n src.ld +
+     * h src.hs + src.off + p(j)] (added to dst when accumulate), p by perm (FM_SLICE_*): identity;
+     * DEINTERLEAVE p(j) = 2j for j < d/2, else 2(j - d/2) + 1 (d even: the pair order of
+     * transformers' apply_rotary_pos_emb_interleave, DeepSeek-V3's rope_interleave); INTERLEAVE
+     * its inverse. src NULL: zeros. src.hs 0 broadcasts one slice to every head; dst.hs 0 sums
+     * the nh heads' values into one slice, in the order h = 0 .. nh-1 (assigned, or added to dst
+     * when accumulate): the broadcast's backward. Arithmetic in fp32 (alpha 1: a plain copy, exact);
+     * dst and src do not overlap. Strides in elements. */
+    void (*head_slice)(void *ctx, fm_act *dst, fm_slice dst_at, const fm_act *src, fm_slice src_at, int64_t N,
+                       int64_t nh, int64_t d, int perm, float alpha, bool accumulate);
 
     /* ---- causal grouped-query attention, tiled with an online softmax ---------------------
      * (Dao et al., FlashAttention 1 and 2, arXiv 2205.14135 and 2307.08691). Memory grows with

@@ -17,6 +17,7 @@
 #include "fm_attn_sp.h"
 #include "fm_config.h"
 #include "fm_dense_mlp.h"
+#include "fm_mla.h"
 #include "fm_router.h"
 
 /* Saved activations of one layer's forward (what its backward reads). The two RMSNorm outputs
@@ -35,6 +36,7 @@ typedef struct fm_layer_acts {
     fm_router_saved router;      /* probs [N,E], lse [N], top-k [N,k], statistics [E] (fm_router.h);
                                     NULL each in a dense layer's set (no router) */
     fm_moe_routes moe;           /* plain MoE twin only: the layer's dispatch (expert dispatch set) */
+    fm_mla_saved mla;            /* multi-head latent attention's latents (fm_mla.h; NULL each without) */
 } fm_layer_acts;
 
 /* Backward working set: one layer at a time. */
@@ -51,6 +53,8 @@ typedef struct fm_bwd_ws {
     float *dprobs_e;                      /* [E] */
     fm_dense_mlp_ws dense;                /* dense layers' SwiGLU MLP (fm_dense_mlp.h): 5 x [N,Id],
                                              NULL each when every layer is MoE */
+    fm_mla_ws mla;                        /* multi-head latent attention's buffers (fm_mla.h; NULL
+                                             each without) */
 } fm_bwd_ws;
 
 typedef enum fm_live_set {

@@ -75,6 +75,8 @@ static const hf_defaults k_hf_defaults[] = {
     {"mixtral", FM_MODEL_MIXTRAL, 32000, 4096, 14336, 0, 32, 32, 8, 4096 * 32, 8, 2, 1e6, 1e-5, 0.001},
     /* Glm4MoeConfig: no router_aux_loss_coef (aux-loss-free balancing: 0); n_routed_experts 128 */
     {"glm4_moe", FM_MODEL_GLM4_MOE, 151552, 4096, 10944, 1408, 46, 96, 8, 131072, 128, 8, 10000.0, 1e-5, 0.0},
+    /* DeepseekV3Config (DeepSeek-V3 671B): n_routed_experts 256; MLA's fields in fm_config_mla.c */
+    {"deepseek_v3", FM_MODEL_DEEPSEEK_V3, 129280, 7168, 18432, 2048, 61, 128, 128, 4096, 256, 8, 10000.0, 1e-6, 0.0},
 };
 
 /* The field's value or, absent, its default; *defaulted says which (for messages). */
@@ -150,7 +152,8 @@ static fm_status parse_fields(fm_config *cfg, const cJSON *root, const char *pat
                      &cfg->num_key_value_heads, kv_defaulted));
     FM_TRY(get_int(root, path, "max_position_embeddings", d->max_position_embeddings,
                    &cfg->max_position_embeddings));
-    if (t == FM_MODEL_QWEN3_MOE || t == FM_MODEL_GLM4_MOE) {
+    const bool ds = t == FM_MODEL_DEEPSEEK_V3; /* glm4_moe's MoE block, its own defaults */
+    if (t == FM_MODEL_QWEN3_MOE || t == FM_MODEL_GLM4_MOE || ds) {
         FM_TRY(get_int(root, path, "moe_intermediate_size", d->moe_intermediate_size, &cfg->moe_intermediate_size));
         FM_TRY(get_int(root, path, "intermediate_size", d->intermediate_size, &cfg->dense_intermediate_size));
     } else {
@@ -158,7 +161,7 @@ static fm_status parse_fields(fm_config *cfg, const cJSON *root, const char *pat
     }
     /* transformers 5 writes qwen3_moe's expert count as num_local_experts: accept either name */
     const char *experts_key = t == FM_MODEL_MIXTRAL ? "num_local_experts"
-                            : t == FM_MODEL_GLM4_MOE ? "n_routed_experts" : "num_experts";
+                            : t == FM_MODEL_GLM4_MOE || ds ? "n_routed_experts" : "num_experts";
     const char *experts_alt = t == FM_MODEL_MIXTRAL ? "num_experts" : "num_local_experts";
     if (!cJSON_GetObjectItemCaseSensitive(root, experts_key) && cJSON_GetObjectItemCaseSensitive(root, experts_alt))
         experts_key = experts_alt;
@@ -178,12 +181,13 @@ static fm_status parse_fields(fm_config *cfg, const cJSON *root, const char *pat
     FM_TRY(get_num(root, path, "router_z_loss_coef", 0.0, &cfg->router_z_loss_coef));
     FM_TRY(get_num(root, path, "initializer_range", 0.02, &cfg->initializer_range));
     if (t == FM_MODEL_MIXTRAL) cfg->norm_topk_prob = true;
-    else FM_TRY(get_bool(root, path, "norm_topk_prob", t == FM_MODEL_GLM4_MOE, &cfg->norm_topk_prob));
+    else FM_TRY(get_bool(root, path, "norm_topk_prob", t == FM_MODEL_GLM4_MOE || ds, &cfg->norm_topk_prob));
     cfg->qk_norm = t == FM_MODEL_QWEN3_MOE ? FM_QK_NORM_PER_HEAD
                  : t == FM_MODEL_OLMOE ? FM_QK_NORM_FULL : FM_QK_NORM_NONE;
     FM_TRY(get_int(root, path, "head_dim", 0, hd_given));
     cfg->routed_scaling_factor = 1.0;
-    if (t == FM_MODEL_GLM4_MOE) FM_TRY(fm_config_parse_glm4(cfg, root, path));
+    if (t == FM_MODEL_GLM4_MOE || ds) FM_TRY(fm_config_parse_glm4(cfg, root, path));
+    if (ds) FM_TRY(fm_config_parse_mla(cfg, root, path, hd_given)); /* head_dim: MLA's q/k head dim */
     return parse_dense_layers(cfg, root, path);
 }
 
@@ -209,10 +213,11 @@ static fm_status reject_unsupported(const fm_config *cfg, const cJSON *root, con
 /* Consistency of the values read (or defaulted). */
 static fm_status check_fields(fm_config *cfg, const char *path, int64_t hd_given, bool kv_defaulted) {
     const fm_model_type t = cfg->model_type;
-    const char *width_key = t == FM_MODEL_QWEN3_MOE || t == FM_MODEL_GLM4_MOE ? "moe_intermediate_size"
-                                                                             : "intermediate_size";
+    const bool ds = t == FM_MODEL_DEEPSEEK_V3;
+    const char *width_key = t == FM_MODEL_QWEN3_MOE || t == FM_MODEL_GLM4_MOE || ds ? "moe_intermediate_size"
+                                                                                   : "intermediate_size";
     const char *experts_key = t == FM_MODEL_MIXTRAL ? "num_local_experts"
-                            : t == FM_MODEL_GLM4_MOE ? "n_routed_experts" : "num_experts";
+                            : t == FM_MODEL_GLM4_MOE || ds ? "n_routed_experts" : "num_experts";
     const int64_t n_moe = fm_config_num_moe_layers(cfg);
     struct { const char *name; int64_t v; } pos[] = {
         {"vocab_size", cfg->vocab_size}, {"hidden_size", cfg->hidden_size},
@@ -297,13 +302,13 @@ fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *pat
         st = fm_error(FM_ERR_FORMAT, "%s: expected a JSON object at the top level", path);
     } else if (!cJSON_IsString(mt)) {
         st = fm_error(FM_ERR_CONFIG, "%s: field \"model_type\" is missing or not a string; expected "
-                      "one of qwen3_moe, olmoe, mixtral, glm4_moe", path);
+                      "one of qwen3_moe, olmoe, mixtral, glm4_moe, deepseek_v3", path);
     } else {
         for (size_t i = 0; i < sizeof k_hf_defaults / sizeof k_hf_defaults[0]; i++)
             if (!strcmp(mt->valuestring, k_hf_defaults[i].name)) d = &k_hf_defaults[i];
         if (!d)
             st = fm_error(FM_ERR_CONFIG, "%s: unknown model_type \"%s\"; expected one of qwen3_moe, olmoe, "
-                          "mixtral, glm4_moe", path, mt->valuestring);
+                          "mixtral, glm4_moe, deepseek_v3", path, mt->valuestring);
     }
     if (st == FM_OK) {
         snprintf(cfg->model_type_name, sizeof cfg->model_type_name, "%s", mt->valuestring);
@@ -342,13 +347,14 @@ char *fm_config_to_json(const fm_config *c) {
     cJSON *o = cJSON_CreateObject();
     const char *arch = c->model_type == FM_MODEL_QWEN3_MOE ? "Qwen3MoeForCausalLM"
                      : c->model_type == FM_MODEL_OLMOE ? "OlmoeForCausalLM"
-                     : c->model_type == FM_MODEL_GLM4_MOE ? "Glm4MoeForCausalLM" : "MixtralForCausalLM";
+                     : c->model_type == FM_MODEL_GLM4_MOE ? "Glm4MoeForCausalLM"
+                     : c->mla ? "DeepseekV3ForCausalLM" : "MixtralForCausalLM";
     cJSON *a = cJSON_AddArrayToObject(o, "architectures");
     cJSON_AddItemToArray(a, cJSON_CreateString(arch));
     cJSON_AddStringToObject(o, "model_type", c->model_type_name);
     cJSON_AddNumberToObject(o, "vocab_size", (double)c->vocab_size);
     cJSON_AddNumberToObject(o, "hidden_size", (double)c->hidden_size);
-    if (c->model_type == FM_MODEL_QWEN3_MOE || c->model_type == FM_MODEL_GLM4_MOE) {
+    if (c->model_type == FM_MODEL_QWEN3_MOE || c->model_type == FM_MODEL_GLM4_MOE || c->mla) {
         cJSON_AddNumberToObject(o, "moe_intermediate_size", (double)c->moe_intermediate_size);
         cJSON_AddNumberToObject(o, "intermediate_size", (double)c->dense_intermediate_size);
     } else {
@@ -357,14 +363,14 @@ char *fm_config_to_json(const fm_config *c) {
     cJSON_AddNumberToObject(o, "num_hidden_layers", (double)c->num_hidden_layers);
     cJSON_AddNumberToObject(o, "num_attention_heads", (double)c->num_attention_heads);
     cJSON_AddNumberToObject(o, "num_key_value_heads", (double)c->num_key_value_heads);
-    cJSON_AddNumberToObject(o, "head_dim", (double)c->head_dim);
+    if (!c->mla) cJSON_AddNumberToObject(o, "head_dim", (double)c->head_dim); /* MLA: transformers' is qk_rope_head_dim */
     cJSON_AddStringToObject(o, "hidden_act", "silu");
     cJSON_AddNumberToObject(o, "max_position_embeddings", (double)c->max_position_embeddings);
     add_float(o, "rope_theta", c->rope_theta);
     add_float(o, "rms_norm_eps", c->rms_norm_eps);
     fm_config_attention_to_json(c, o); /* attention_bias, partial_rotary_factor, rope_scaling */
     cJSON_AddNumberToObject(o, c->model_type == FM_MODEL_MIXTRAL ? "num_local_experts"
-                               : c->model_type == FM_MODEL_GLM4_MOE ? "n_routed_experts" : "num_experts",
+                               : c->model_type == FM_MODEL_GLM4_MOE || c->mla ? "n_routed_experts" : "num_experts",
                             (double)c->num_experts);
     cJSON_AddNumberToObject(o, "num_experts_per_tok", (double)c->num_experts_per_tok);
     if (c->model_type != FM_MODEL_MIXTRAL) cJSON_AddBoolToObject(o, "norm_topk_prob", c->norm_topk_prob);
@@ -374,8 +380,9 @@ char *fm_config_to_json(const fm_config *c) {
         for (int64_t l = 0; l < FM_CONFIG_MLP_ONLY_MAX; l++)
             if (c->mlp_only_mask[l / 64] >> (l % 64) & 1) cJSON_AddItemToArray(mo, cJSON_CreateNumber((double)l));
     }
-    if (c->model_type == FM_MODEL_GLM4_MOE) fm_config_glm4_to_json(c, o);
-    if (c->model_type != FM_MODEL_GLM4_MOE || c->router_aux_loss_coef > 0)
+    if (c->model_type == FM_MODEL_GLM4_MOE || c->mla) fm_config_glm4_to_json(c, o);
+    if (c->mla) fm_config_mla_to_json(c, o);
+    if ((c->model_type != FM_MODEL_GLM4_MOE && !c->mla) || c->router_aux_loss_coef > 0)
         add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
     if (c->router_z_loss_coef > 0) add_float(o, "router_z_loss_coef", c->router_z_loss_coef);
     add_float(o, "initializer_range", c->initializer_range);
@@ -391,6 +398,7 @@ char *fm_config_to_json(const fm_config *c) {
 }
 
 static int64_t attn_params(const fm_config *c) {
+    if (c->mla) return fm_config_mla_attn_params(c); /* multi-head latent attention */
     int64_t H = c->hidden_size, hd = c->head_dim, nh = c->num_attention_heads, nkv = c->num_key_value_heads;
     int64_t p = H * nh * hd * 2 + H * nkv * hd * 2; /* q, o, k, v */
     if (c->qk_norm == FM_QK_NORM_PER_HEAD) p += 2 * hd;

@@ -14,6 +14,8 @@
  *
  * glm4_moe (fm_config_glm4.c): the first first_k_dense_replace layers are dense (intermediate_size),
  * every MoE layer has n_shared_experts shared experts and DeepSeek-V3's sigmoid router.
+ * deepseek_v3: glm4_moe's MoE block (DeepseekV3Config's defaults) with multi-head latent
+ * attention (fm_config_mla.c); MTP layers skipped as glm4_moe's.
  *
  * Dense layers (qwen3_moe, as transformers' Qwen3MoeDecoderLayer decides): layer i is MoE
  * when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; else its MLP is a
@@ -42,6 +44,8 @@ typedef enum fm_model_type {
     FM_MODEL_OLMOE,
     FM_MODEL_MIXTRAL,
     FM_MODEL_GLM4_MOE, /* GLM-4.5 / GLM-4.5-Air (transformers' Glm4MoeConfig; fm_config_glm4.c) */
+    FM_MODEL_DEEPSEEK_V3, /* DeepSeek-V3, Kimi-K2, Moonlight (DeepseekV3Config): glm4_moe's MoE block +
+                           * multi-head latent attention (fm_config_mla.c, model/fm_mla.h) */
 } fm_model_type;
 
 typedef enum fm_qk_norm {
@@ -113,6 +117,15 @@ typedef struct fm_config {
     bool attention_o_bias;           /* o projection biased (GPT-OSS, qwen3_moe/olmoe with attention_bias) */
     double partial_rotary_factor;    /* (0, 1]; 0 in a config built in code reads as 1 */
     fm_rope_scaling rope_scaling;
+    /* multi-head latent attention (deepseek_v3; model/fm_mla.h; false / 0 elsewhere). With mla,
+     * head_dim is the attention kernel's head dim qk_nope_head_dim + qk_rope_head_dim (q and k;
+     * v padded to it with zeros) and num_key_value_heads is num_attention_heads (every head has
+     * its own k and v); the file's num_key_value_heads is not used, as in transformers. */
+    bool mla;
+    int64_t q_lora_rank;             /* 0: q_proj (the file's null); else q_a_proj, q_a_layernorm, q_b_proj */
+    int64_t kv_lora_rank;            /* compressed_kv's width */
+    int64_t qk_nope_head_dim, qk_rope_head_dim, v_head_dim;
+    bool rope_interleave;            /* q_pe, k_pe rotated in interleaved pairs (DeepseekV3Config default) */
 } fm_config;
 
 /* Parses config.json text. `path` is only used in messages. Errors (each names the file and the
@@ -162,6 +175,23 @@ char *fm_config_to_json(const fm_config *cfg);
  * auxiliary losses), each naming path and the field. */
 fm_status fm_config_parse_glm4(fm_config *cfg, const void *root, const char *path);
 
+/* deepseek_v3's attention fields (fm_config_mla.c), called by fm_config_parse after the common
+ * and glm4_moe's MoE fields: q_lora_rank (absent 1536, null: no q compression), kv_lora_rank 512,
+ * qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, rope_interleave true
+ * (DeepseekV3Config's defaults); sets mla, num_key_value_heads = num_attention_heads and
+ * *head_dim = qk_nope_head_dim + qk_rope_head_dim. Errors: FM_ERR_FORMAT (wrong JSON type),
+ * FM_ERR_CONFIG (a non-positive size, an odd qk_rope_head_dim, v_head_dim above the q/k head
+ * dim, a head_dim field other than qk_rope_head_dim), each naming path and the field
+ * (attention_bias true is refused by fm_config_parse_attention). */
+fm_status fm_config_parse_mla(fm_config *cfg, const void *root, const char *path, int64_t *head_dim);
+
+/* deepseek_v3's attention fields of cfg into the cJSON object json (fm_config_to_json). */
+void fm_config_mla_to_json(const fm_config *cfg, void *json);
+
+/* One layer's attention parameters under MLA: q (q_proj, or q_a_proj + q_a_layernorm +
+ * q_b_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj. */
+int64_t fm_config_mla_attn_params(const fm_config *cfg);
+
 /* glm4_moe's fields of cfg into the cJSON object json (fm_config_to_json's canonical form). */
 void fm_config_glm4_to_json(const fm_config *cfg, void *json);
 
@@ -186,7 +216,7 @@ bool fm_config_layer_is_moe(const fm_config *cfg, int64_t l);
 int64_t fm_config_num_moe_layers(const fm_config *cfg);
 
 /* The rotated dims per head: int(head_dim x partial_rotary_factor) (head_dim when the factor is 0
- * or 1), even and >= 2 for a parsed config. */
+ * or 1; qk_rope_head_dim under MLA), even and >= 2 for a parsed config. */
 int64_t fm_config_rotary_dim(const fm_config *cfg);
 
 /* Parameter counts: total (all experts, embeddings, untied head, dense MLPs) and active per token

@@ -85,6 +85,9 @@ fm_status fm_config_parse_attention(fm_config *cfg, const cJSON *root, const cha
     if (mixtral && cfg->attention_bias)
         return fm_error(FM_ERR_UNSUPPORTED, "%s: \"attention_bias\" is true, but transformers' Mixtral attention has "
                         "no biases (MixtralConfig has no such field); remove it or set it to false", path);
+    if (cfg->mla && cfg->attention_bias)
+        return fm_error(FM_ERR_UNSUPPORTED, "%s: \"attention_bias\" is true, but flatmoe's multi-head latent attention "
+                        "has no biases yet (DeepSeek-V3, Kimi-K2 and Moonlight have none); set it to false", path);
     cfg->attention_o_bias = cfg->attention_bias && !glm;
     /* RoPE: rope_scaling (transformers 4) or rope_parameters (transformers 5) */
     memset(&cfg->rope_scaling, 0, sizeof cfg->rope_scaling);

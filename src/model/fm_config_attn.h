@@ -11,7 +11,7 @@
  * rope_parameters: its rope_type, factor, ... and partial_rotary_factor) of root into cfg, with
  * transformers' defaults; cfg->model_type and cfg->max_position_embeddings must be read already.
  * Errors (naming path and the field): FM_ERR_FORMAT a field of the wrong JSON type;
- * FM_ERR_UNSUPPORTED attention_bias on mixtral, a rope_type other than default, linear, yarn,
+ * FM_ERR_UNSUPPORTED attention_bias on mixtral or deepseek_v3 (MLA), a rope_type other than default, linear, yarn,
  * partial_rotary_factor != 1 on a model_type whose attention rotates the whole head (all but
  * glm4_moe, default 0.5 there; its attention_bias biases q, k, v, not o). */
 fm_status fm_config_parse_attention(fm_config *cfg, const cJSON *root, const char *path);

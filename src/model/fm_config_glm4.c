@@ -41,15 +41,18 @@ static fm_status glm_bool(const cJSON *root, const char *path, const char *key, 
 
 fm_status fm_config_parse_glm4(fm_config *cfg, const void *root_v, const char *path) {
     const cJSON *root = root_v;
+    /* deepseek_v3 shares the block with DeepseekV3Config's defaults: first_k_dense_replace 3,
+     * n_group 8, topk_group 4, routed_scaling_factor 2.5 (n_shared_experts 1 as glm4_moe's) */
+    const bool ds = cfg->model_type == FM_MODEL_DEEPSEEK_V3;
     cfg->router_sigmoid = true;
-    FM_TRY(glm_int(root, path, "first_k_dense_replace", 1, &cfg->first_k_dense_replace));
+    FM_TRY(glm_int(root, path, "first_k_dense_replace", ds ? 3 : 1, &cfg->first_k_dense_replace));
     FM_TRY(glm_int(root, path, "n_shared_experts", 1, &cfg->n_shared_experts));
-    FM_TRY(glm_int(root, path, "n_group", 1, &cfg->n_group));
-    FM_TRY(glm_int(root, path, "topk_group", 1, &cfg->topk_group));
-    FM_TRY(glm_num(root, path, "routed_scaling_factor", 1.0, &cfg->routed_scaling_factor));
+    FM_TRY(glm_int(root, path, "n_group", ds ? 8 : 1, &cfg->n_group));
+    FM_TRY(glm_int(root, path, "topk_group", ds ? 4 : 1, &cfg->topk_group));
+    FM_TRY(glm_num(root, path, "routed_scaling_factor", ds ? 2.5 : 1.0, &cfg->routed_scaling_factor));
     FM_TRY(glm_int(root, path, "num_nextn_predict_layers", 0, &cfg->num_nextn_predict_layers));
-    bool qk = false;
-    FM_TRY(glm_bool(root, path, "use_qk_norm", false, &qk));
+    bool qk = false; /* deepseek_v3 has no QK-norm (DeepseekV3Attention) */
+    if (!ds) FM_TRY(glm_bool(root, path, "use_qk_norm", false, &qk));
     cfg->qk_norm = qk ? FM_QK_NORM_PER_HEAD : FM_QK_NORM_NONE; /* Glm4MoeRMSNorm(head_dim) on q and k */
     if (cfg->first_k_dense_replace < 0 || cfg->n_shared_experts < 0)
         return fm_error(FM_ERR_CONFIG, "%s: \"first_k_dense_replace\" (%lld) and \"n_shared_experts\" (%lld) must be "
@@ -77,10 +80,10 @@ fm_status fm_config_parse_glm4(fm_config *cfg, const void *root_v, const char *p
                         cfg->routed_scaling_factor);
     if (cfg->router_aux_loss_coef != 0 || cfg->router_z_loss_coef != 0)
         return fm_error(FM_ERR_UNSUPPORTED, "%s: router_aux_loss_coef (%g) / router_z_loss_coef (%g) are set, but "
-                        "glm4_moe's sigmoid router balances without the batch-wise auxiliary loss: remove them and use "
+                        "%s's sigmoid router balances without the batch-wise auxiliary loss: remove them and use "
                         "--moe-router-bias-update-rate (and --moe-seq-aux-loss-coeff for DeepSeek-V3's sequence-wise "
                         "loss)",
-                        path, cfg->router_aux_loss_coef, cfg->router_z_loss_coef);
+                        path, cfg->router_aux_loss_coef, cfg->router_z_loss_coef, cfg->model_type_name);
     if (cfg->first_k_dense_replace >= cfg->num_hidden_layers)
         return fm_error(FM_ERR_CONFIG, "%s: \"first_k_dense_replace\" (%lld) makes all %lld layers dense; flatmoe "
                         "trains MoE models: make at least one layer MoE", path,
@@ -95,7 +98,7 @@ void fm_config_glm4_to_json(const fm_config *c, void *json) {
     cJSON_AddNumberToObject(o, "n_group", (double)c->n_group);
     cJSON_AddNumberToObject(o, "topk_group", (double)c->topk_group);
     fm_config_json_add_float(o, "routed_scaling_factor", c->routed_scaling_factor);
-    cJSON_AddBoolToObject(o, "use_qk_norm", c->qk_norm == FM_QK_NORM_PER_HEAD);
+    if (!c->mla) cJSON_AddBoolToObject(o, "use_qk_norm", c->qk_norm == FM_QK_NORM_PER_HEAD);
     cJSON_AddNumberToObject(o, "num_nextn_predict_layers", (double)c->num_nextn_predict_layers);
 }
 

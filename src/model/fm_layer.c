@@ -1,6 +1,7 @@
 /* One decoder layer's forward and backward (fm_model.h: fm_model_layer_forward/backward):
  *   x -> RMSNorm -> causal GQA attention (optional q/k/v/o biases, optional QK-norm, RoPE over the
  *        first rotary_dim dims of each head, model/fm_rope.h) -> +x = x_mid
+ *        (deepseek_v3: multi-head latent attention instead, model/fm_mla.h)
  *   x_mid -> RMSNorm -> router -> MoE (dispatch, experts, combine) [+ shared experts] -> +x_mid = y
  *   (a dense layer, fm_config_layer_is_moe false: x_mid -> RMSNorm -> SwiGLU MLP -> +x_mid = y)
  * With sequence parallelism (m->mesh.sp > 1) the attention op is fm_attn_sp's (Ulysses all-to-alls
@@ -85,6 +86,10 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
 
     fm_act *ln1 = m->a.ws.dln, *ln2 = m->a.ws.dtmp;
     FM_ASSERT(y != ln1 && y != ln2);
+    if (c->mla) { /* multi-head latent attention (deepseek_v3; fm_mla.h): x -> x_mid */
+        FM_TRY(fm_mla_forward(m, l, skip_attention));
+        goto mlp_block;
+    }
 
     /* attention block */
     PHASE(DENSE);
@@ -122,6 +127,7 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
     if (w->bo) OPS->bias_add(CTX, a->x_mid, w->bo, N, H); /* attention_o_bias */
     OPS->add(CTX, a->x_mid, x, N * H);
 
+mlp_block:
     OPS->rmsnorm_fwd(CTX, ln2, a->rstd2, a->x_mid, w->ln2, N, H, eps);
     if (!w->router) { /* a dense layer (fm_config_layer_is_moe): the SwiGLU MLP, no router */
         fm_dense_mlp_forward(&m->be, y, ln2, w->mlp_gate, w->mlp_up, w->mlp_down, N, H, c->dense_intermediate_size,
@@ -241,6 +247,7 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     OPS->add(CTX, ws->dtmp, dy, N * H);
     fm_act *dxmid = ws->dtmp;
     fm_act *datt = ws->datt ? ws->datt : dy; /* dy is dead from here on */
+    if (c->mla) return fm_mla_backward(m, l, dxmid, datt, dx); /* multi-head latent attention (fm_mla.h) */
 
     /* attention block: x_mid = x + o_proj(attn(rope(qknorm(q,k)), v)) */
     const int32_t *pos = m->a.docs ? m->a.doc_pos : NULL, *kvs = m->a.docs ? m->a.doc_start : NULL; /* packed */

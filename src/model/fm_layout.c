@@ -38,6 +38,7 @@ static void layout_layer_acts(fm_layer_acts *a, fm_arena *ar, const fm_config *c
     a->lse = TAKE(ar, float, B * c->num_attention_heads * T);
     a->x_mid = TAKE(ar, fm_act, N * H);
     a->rstd2 = TAKE(ar, float, N);
+    fm_mla_saved_layout(&a->mla, ar, c, N); /* MLA's latents (fm_mla.h; nothing without) */
     memset(&a->router, 0, sizeof a->router);
     if (!moe) return;
     a->router.probs = TAKE(ar, float, N * E);
@@ -65,6 +66,7 @@ static void layout_ws(fm_bwd_ws *w, fm_arena *ar, const fm_config *c, int64_t N)
     w->dlogits_r = TAKE(ar, float, N * E);
     w->dlogits_act = sizeof(fm_act) == sizeof(float) ? (fm_act *)(void *)w->dlogits_r : TAKE(ar, fm_act, N * E);
     w->dprobs_e = TAKE(ar, float, E);
+    fm_mla_ws_layout(&w->mla, ar, c, N); /* MLA's buffers (fm_mla.h; nothing without) */
     memset(&w->dense, 0, sizeof w->dense);
     if (fm_config_dense_ws_width(c) > 0) { /* dense layers' and shared experts' MLP (fm_dense_mlp.h) */
         const int64_t Id = fm_config_dense_ws_width(c); /* the wider of the two: one at a time */
@@ -235,7 +237,7 @@ size_t fm_model_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_
              + 2 * B4(N * k) + 2 * B4(E);         /* top-k ids and weights, expert stats */
     if (c->qk_norm == FM_QK_NORM_PER_HEAD) b += BA(N * qd) + BA(N * kd) + B4(N * nh) + B4(N * nkv);
     if (c->qk_norm == FM_QK_NORM_FULL) b += BA(N * qd) + BA(N * kd) + 2 * B4(N);
-    return b;
+    return b + fm_mla_saved_bytes(c, N, a); /* MLA's latents (0 without) */
 }
 
 size_t fm_model_dense_layer_acts_bytes(const fm_config *c, int64_t B, int64_t T, size_t a) {
@@ -272,7 +274,7 @@ size_t fm_model_working_set_bytes(const fm_config *c, int64_t N, size_t a) {
     const int64_t Id = fm_config_dense_ws_width(c);
     return (qd < H ? 5 : 4) * BA(N * H) + (qd > H ? 2 : 1) * BA(N * qd) + 2 * BA(N * kd) + B4(N * k) + B4(N * E) +
            (a == sizeof(float) ? 0 : BA(N * E)) + B4(E) +
-           (Id > 0 ? FM_DENSE_MLP_WS_BUFFERS * BA(N * Id) : 0);
+           (Id > 0 ? FM_DENSE_MLP_WS_BUFFERS * BA(N * Id) : 0) + fm_mla_ws_bytes(c, N, a); /* MLA's (0 without) */
 }
 
 size_t fm_model_vocab_plain_bytes(const fm_config *c, int64_t N, size_t a) {

@@ -43,7 +43,31 @@ typedef struct layer_offsets {
     int64_t bq, bk, bv, bo; /* attention biases, -1: absent */
     int64_t mlp_gate, mlp_up, mlp_down; /* dense layer only, else -1 */
     int64_t router_bias, sh_gate, sh_up, sh_down; /* sigmoid router's bias, shared experts; else -1 */
+    int64_t wqa, qa_norm, wkva, kva_norm, wkvb; /* multi-head latent attention; else -1 */
 } layer_offsets;
+
+/* Multi-head latent attention's projections (transformers' DeepseekV3Attention, in its order),
+ * in place of q, k, v, o: q_proj, or q_a_proj, q_a_layernorm and q_b_proj; kv_a_proj_with_mqa,
+ * kv_a_layernorm, kv_b_proj, o_proj. */
+static void mla_table(const fm_config *c, table_builder *b, layer_offsets *x, int64_t l) {
+    const int64_t H = c->hidden_size, nh = c->num_attention_heads, rq = c->q_lora_rank, rkv = c->kv_lora_rank;
+    const int64_t dq = c->qk_nope_head_dim + c->qk_rope_head_dim;
+    const long long L = (long long)l;
+    x->wqa = x->qa_norm = -1;
+    if (rq > 0) {
+        x->wqa = add_param(b, true, 2, rq, H, "model.layers.%lld.self_attn.q_a_proj.weight", L);
+        x->qa_norm = add_param(b, false, 1, rq, 0, "model.layers.%lld.self_attn.q_a_layernorm.weight", L);
+        x->wq = add_param(b, true, 2, nh * dq, rq, "model.layers.%lld.self_attn.q_b_proj.weight", L);
+    } else {
+        x->wq = add_param(b, true, 2, nh * dq, H, "model.layers.%lld.self_attn.q_proj.weight", L);
+    }
+    x->wkva = add_param(b, true, 2, rkv + c->qk_rope_head_dim, H, "model.layers.%lld.self_attn.kv_a_proj_with_mqa.weight", L);
+    x->kva_norm = add_param(b, false, 1, rkv, 0, "model.layers.%lld.self_attn.kv_a_layernorm.weight", L);
+    x->wkvb = add_param(b, true, 2, nh * (c->qk_nope_head_dim + c->v_head_dim), rkv,
+                        "model.layers.%lld.self_attn.kv_b_proj.weight", L);
+    x->wo = add_param(b, true, 2, H, nh * c->v_head_dim, "model.layers.%lld.self_attn.o_proj.weight", L);
+    x->wk = x->wv = x->bq = x->bk = x->bv = x->bo = x->q_norm = x->k_norm = -1;
+}
 
 /* Fills the table (or counts it when b->t is NULL) and the offsets. The order is the flat
  * buffer's order. */
@@ -63,14 +87,18 @@ static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, 
          * weight decay on biases (as on norm weights) */
         const bool ab = c->attention_bias, ob = c->attention_o_bias;
         x.bq = x.bk = x.bv = x.bo = -1;
-        x.wq = add_param(b, true, 2, nh * hd, H, "model.layers.%lld.self_attn.q_proj.weight", (long long)l);
-        if (ab) x.bq = add_param(b, false, 1, nh * hd, 0, "model.layers.%lld.self_attn.q_proj.bias", (long long)l);
-        x.wk = add_param(b, true, 2, nkv * hd, H, "model.layers.%lld.self_attn.k_proj.weight", (long long)l);
-        if (ab) x.bk = add_param(b, false, 1, nkv * hd, 0, "model.layers.%lld.self_attn.k_proj.bias", (long long)l);
-        x.wv = add_param(b, true, 2, nkv * hd, H, "model.layers.%lld.self_attn.v_proj.weight", (long long)l);
-        if (ab) x.bv = add_param(b, false, 1, nkv * hd, 0, "model.layers.%lld.self_attn.v_proj.bias", (long long)l);
-        x.wo = add_param(b, true, 2, H, nh * hd, "model.layers.%lld.self_attn.o_proj.weight", (long long)l);
-        if (ob) x.bo = add_param(b, false, 1, H, 0, "model.layers.%lld.self_attn.o_proj.bias", (long long)l);
+        x.wqa = x.qa_norm = x.wkva = x.kva_norm = x.wkvb = -1;
+        if (c->mla) mla_table(c, b, &x, l);
+        else {
+            x.wq = add_param(b, true, 2, nh * hd, H, "model.layers.%lld.self_attn.q_proj.weight", (long long)l);
+            if (ab) x.bq = add_param(b, false, 1, nh * hd, 0, "model.layers.%lld.self_attn.q_proj.bias", (long long)l);
+            x.wk = add_param(b, true, 2, nkv * hd, H, "model.layers.%lld.self_attn.k_proj.weight", (long long)l);
+            if (ab) x.bk = add_param(b, false, 1, nkv * hd, 0, "model.layers.%lld.self_attn.k_proj.bias", (long long)l);
+            x.wv = add_param(b, true, 2, nkv * hd, H, "model.layers.%lld.self_attn.v_proj.weight", (long long)l);
+            if (ab) x.bv = add_param(b, false, 1, nkv * hd, 0, "model.layers.%lld.self_attn.v_proj.bias", (long long)l);
+            x.wo = add_param(b, true, 2, H, nh * hd, "model.layers.%lld.self_attn.o_proj.weight", (long long)l);
+            if (ob) x.bo = add_param(b, false, 1, H, 0, "model.layers.%lld.self_attn.o_proj.bias", (long long)l);
+        }
         x.q_norm = x.k_norm = -1;
         if (c->qk_norm == FM_QK_NORM_PER_HEAD) {
             x.q_norm = add_param(b, false, 1, hd, 0, "model.layers.%lld.self_attn.q_norm.weight", (long long)l);
@@ -129,8 +157,10 @@ static void set_ptrs(fm_model_ptrs *p, fm_act *base, const fm_config *c, int64_t
     for (int64_t l = 0; l < c->num_hidden_layers; l++) {
         const layer_offsets *x = &lo[l];
         fm_layer_ptrs *y = &p->layers[l];
-        y->ln1 = base + x->ln1; y->wq = base + x->wq; y->wk = base + x->wk; y->wv = base + x->wv;
+        y->ln1 = base + x->ln1; y->wq = base + x->wq; y->wk = at(base, x->wk, 0); y->wv = at(base, x->wv, 0);
         y->wo = base + x->wo;
+        y->wqa = at(base, x->wqa, 0); y->qa_norm = at(base, x->qa_norm, 0); y->wkva = at(base, x->wkva, 0);
+        y->kva_norm = at(base, x->kva_norm, 0); y->wkvb = at(base, x->wkvb, 0);
         y->q_norm = x->q_norm >= 0 ? base + x->q_norm : NULL;
         y->k_norm = x->k_norm >= 0 ? base + x->k_norm : NULL;
         y->ln2 = base + x->ln2;
@@ -213,8 +243,10 @@ static void set_group_ptrs(fm_model_params *pp, fm_model_ptrs *p, int64_t g, fm_
         const layer_offsets *x = &lo[g - 1];
         const int64_t b = x->ln1;
         fm_layer_ptrs *y = &p->layers[g - 1];
-        y->ln1 = base; y->wq = base + (x->wq - b); y->wk = base + (x->wk - b); y->wv = base + (x->wv - b);
+        y->ln1 = base; y->wq = base + (x->wq - b); y->wk = at(base, x->wk, b); y->wv = at(base, x->wv, b);
         y->wo = base + (x->wo - b);
+        y->wqa = at(base, x->wqa, b); y->qa_norm = at(base, x->qa_norm, b); y->wkva = at(base, x->wkva, b);
+        y->kva_norm = at(base, x->kva_norm, b); y->wkvb = at(base, x->wkvb, b);
         y->q_norm = x->q_norm >= 0 ? base + (x->q_norm - b) : NULL;
         y->k_norm = x->k_norm >= 0 ? base + (x->k_norm - b) : NULL;
         y->ln2 = base + (x->ln2 - b);
@@ -273,7 +305,9 @@ static uint64_t full_index(const fm_model_params *pp, int i) {
     if (pp->ep <= 1 || i < 1) return (uint64_t)i;
     const fm_config *c = &pp->cfg;
     const int64_t L = c->num_hidden_layers, E = c->num_experts, El = pp->E_loc;
-    const int64_t attn = 6 + (c->qk_norm != FM_QK_NORM_NONE ? 2 : 0) /* ln1, q, k, v, o, (q/k norm), ln2 */
+    const int64_t attn = c->mla ? 2 + (c->q_lora_rank > 0 ? 3 : 1) + 4 /* ln1, q (or q_a, its norm, q_b), kv_a, its
+                                                                         norm, kv_b, o, ln2 */
+                       : 6 + (c->qk_norm != FM_QK_NORM_NONE ? 2 : 0) /* ln1, q, k, v, o, (q/k norm), ln2 */
                        + (c->attention_bias ? 3 : 0) + (c->attention_o_bias ? 1 : 0); /* (biases) */
     int64_t ti = 1, fi = 1; /* the layer's first index in this table and in the full one */
     for (int64_t l = 0; l < L; l++) {

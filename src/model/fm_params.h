@@ -40,6 +40,11 @@ typedef struct fm_layer_ptrs {
     fm_act *mlp_gate, *mlp_up, *mlp_down; /* dense layer: [Id,H], [Id,H], [H,Id] */
     fm_act *router_bias;                  /* sigmoid router: e_score_correction_bias [E], else NULL */
     fm_act *sh_gate, *sh_up, *sh_down;    /* shared experts (glm4_moe): [Is,H], [Is,H], [H,Is], else NULL */
+    /* multi-head latent attention (cfg->mla; model/fm_mla.h), else NULL; wq is then q_proj [nh*dq, H]
+     * or, with q_lora_rank rq > 0, q_b_proj [nh*dq, rq]; wk, wv NULL; wo o_proj [H, nh*dv] */
+    fm_act *wqa, *qa_norm;                /* q_a_proj [rq, H], q_a_layernorm [rq] (rq > 0) */
+    fm_act *wkva, *kva_norm, *wkvb;       /* kv_a_proj_with_mqa [rkv+dr, H], kv_a_layernorm [rkv],
+                                             kv_b_proj [nh*(dn+dv), rkv] */
 } fm_layer_ptrs;
 
 typedef struct fm_model_ptrs {

@@ -4,6 +4,7 @@
 #include <math.h>
 
 int64_t fm_config_rotary_dim(const fm_config *c) {
+    if (c->mla) return c->qk_rope_head_dim; /* MLA: q_pe and k_pe only (model/fm_mla.h) */
     const double f = c->partial_rotary_factor;
     if (!(f > 0) || f >= 1) return c->head_dim;
     return (int64_t)((double)c->head_dim * f); /* Python's int(): truncation */

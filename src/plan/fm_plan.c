@@ -168,7 +168,8 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
 
     p->bytes[FM_LIVE_WORKING_SET] = fm_model_working_set_bytes(c, N, a);
     snprintf(p->inputs[FM_LIVE_WORKING_SET], 200, "one layer's backward: 4 x N x H (5 if heads x head_dim < H) + q/k/v grads + "
-             "router grads%s", fm_config_num_moe_layers(c) < L ? " + dense MLP 5 x N x intermediate_size" : "");
+             "router grads%s%s", fm_config_num_moe_layers(c) < L ? " + dense MLP 5 x N x intermediate_size" : "",
+             c->mla ? " + MLA's q, latents, kv_b and o_proj input (fm_mla_ws_bytes)" : "");
     if (r->sp > 1 && !r->mesh.on) { /* the trainer's Ulysses: the head-sharded q/k/v/o and their grads, the
                                         all-to-all blocks, index tables (a mesh counts them in its comm set) */
         const fm_attn_sp_dims sd = {r->B, Tl, c->num_attention_heads, c->num_key_value_heads, c->head_dim, (int)sp};

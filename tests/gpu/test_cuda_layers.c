@@ -219,6 +219,38 @@ static void test_bias(int64_t N, int64_t D) {
     free(y), free(b), free(dy), free(db), free(buf), free(ry), free(rdb);
 }
 
+/* ---- head slices (multi-head latent attention's assembly) ---------------------------------- */
+
+/* head_slice against the fp64 reference on bf16-representable inputs: a plain copy exact, a scaled
+ * or summed one within bf16's rounding of the fp32 result. */
+static void test_head_slice(const fm_case_slice *c) {
+    const int64_t ns = c->N * fm_case_slice_src_heads(c) * c->sw, nd = c->N * fm_case_slice_dst_heads(c) * c->dw;
+    const int64_t nsa = ns > 0 ? ns : 1;
+    float *src = fnew(nsa), *dst = fnew(nd), *buf = fnew(nd);
+    fill_normal_bf(src, nsa, 1.0);
+    fill_normal_bf(dst, nd, 1.0);
+    double *ref = dnew(nd);
+    for (int64_t i = 0; i < nd; i++) ref[i] = dst[i];
+    fm_case_slice_ref(ref, src, c);
+    void *d_src = up_act(src, nsa), *d_dst = up_act(dst, nd);
+    const fm_slice sa = {fm_case_slice_src_heads(c) * c->sw, c->bcast ? 0 : c->sw, c->soff};
+    const fm_slice da = {fm_case_slice_dst_heads(c) * c->dw, c->sum ? 0 : c->dw, c->doff};
+    OPS->head_slice(CTX, d_dst, da, c->zeros ? NULL : d_src, sa, c->N, c->nh, c->d, c->perm, c->alpha, c->acc);
+    down_act(buf, d_dst, nd);
+    char what[96];
+    snprintf(what, sizeof what, "head_slice N=%lld nh=%lld d=%lld perm %d", (long long)c->N, (long long)c->nh,
+             (long long)c->d, c->perm);
+    if (c->alpha == 1.0f && !c->sum && !c->acc) {
+        double worst = 0;
+        for (int64_t i = 0; i < nd; i++) worst = fmax(worst, fabs(buf[i] - ref[i]));
+        CHECK_MSG(worst == 0, "%s: a copy differs by %g", what, worst);
+    } else {
+        CHECK_ERR(what, gt_nerr(buf, ref, nd), GT_TOL_BF16);
+    }
+    dfree(d_src), dfree(d_dst);
+    free(src), free(dst), free(buf), free(ref);
+}
+
 /* ---- SwiGLU ---------------------------------------------------------------------------------- */
 
 /* Gates up to |g| ~ 30 and one at -100 (exp overflows: sigmoid exactly 0); aligned (vector path)
@@ -467,6 +499,7 @@ int main(void) {
     }
     for (int i = 0; i < FM_CASES_COUNT(FM_CASES_BIAS); i++) test_bias(FM_CASES_BIAS[i].N, FM_CASES_BIAS[i].D);
     test_bias(40000, 96); /* many rows per lane: the fixed-order fp32 column sums */
+    for (int i = 0; i < FM_CASES_COUNT(FM_CASES_SLICE); i++) test_head_slice(&FM_CASES_SLICE[i]);
     for (int i = 0; i < FM_CASES_COUNT(FM_CASES_SWIGLU); i++) test_swiglu(FM_CASES_SWIGLU[i], 0);
     /* and the CUDA kernels' own paths */
     test_embedding(5000, 300, 72, false); /* many runs of repeated ids */

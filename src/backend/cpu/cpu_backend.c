@@ -569,6 +569,7 @@ static const fm_ops fm_cpu_ops = {
     .moe_combine_bwd = fm_cpu_moe_combine_bwd,
     .gather_rows = fm_cpu_gather_rows,
     .scatter_rows = fm_cpu_scatter_rows,
+    .head_slice = fm_cpu_head_slice, /* cpu_slice.c */
     .cross_entropy = cpu_cross_entropy,
     .adamw = cpu_adamw,
     .adamw_bf16w = cpu_adamw_bf16w,

@@ -177,6 +177,10 @@ void fm_cpu_moe_combine_bwd(void *ctx, float *dye, float *dtopk_w, const float *
                             const float *ye, const float *topk_w, const int32_t *route_row,
                             int64_t N, int64_t k, int64_t H);
 
+/* cpu_slice.c: head slices (multi-head latent attention's assembly; fm_backend.h head_slice). */
+void fm_cpu_head_slice(void *ctx, float *dst, fm_slice dst_at, const float *src, fm_slice src_at, int64_t N,
+                       int64_t nh, int64_t d, int perm, float alpha, bool accumulate);
+
 /* cpu_rows.c: row gather/scatter for the chunked MoE dispatch. */
 void fm_cpu_gather_rows(void *ctx, void *dst, const void *src, const int32_t *idx, int64_t n,
                         int64_t row_bytes);

@@ -99,6 +99,7 @@ static fm_ops make_cuda_ops(void) {
     o.moe_combine_fwd = fm_cuda_moe_combine_fwd;
     o.moe_combine_bwd = fm_cuda_moe_combine_bwd;
     o.gather_rows = fm_cuda_gather_rows;
+    o.head_slice = fm_cuda_head_slice;
     o.scatter_rows = fm_cuda_scatter_rows;
     o.cross_entropy = fm_cuda_cross_entropy;
     o.adamw = fm_cuda_adamw;

@@ -10,6 +10,7 @@
  *   cuda_norm.cu        RMSNorm                        cuda_loss.cu     cross-entropy, linear-CE strips
  *   cuda_rope.cu        RoPE                           cuda_adamw.cu    AdamW
  *   cuda_bias.cu        linear layers' biases (add, gradient)
+ *   cuda_slice.cu       head slices (multi-head latent attention's q/k/v assembly)
  *   cuda_attention.cu   attention dispatch and state; cuda_attention_cudnn.cu the cuDNN graph path;
  *   cuda_attention_fwd.cu / _bwd.cu our own kernels (the fallback forward and backward);
  *   cuda_router_force.cu the forced routing of the FLATMOE_TEST_FORCE_ROUTE test hook;
@@ -166,6 +167,10 @@ void fm_cuda_rope_fwd(void *ctx, fm_act *x, const float *cos_tab, const float *s
                       int64_t nh, int64_t hd, int64_t rd, const int32_t *pos);
 void fm_cuda_rope_bwd(void *ctx, fm_act *dx, const float *cos_tab, const float *sin_tab, int64_t B, int64_t T,
                       int64_t nh, int64_t hd, int64_t rd, const int32_t *pos);
+
+/* cuda_slice.cu: head slices (multi-head latent attention's assembly; fm_backend.h head_slice) */
+void fm_cuda_head_slice(void *ctx, fm_act *dst, fm_slice dst_at, const fm_act *src, fm_slice src_at, int64_t N,
+                        int64_t nh, int64_t d, int perm, float alpha, bool accumulate);
 
 /* cuda_bias.cu */
 void fm_cuda_bias_add(void *ctx, fm_act *y, const fm_act *b, int64_t N, int64_t D);
