@@ -60,7 +60,8 @@ const char *flatmoe_last_error(void);
  * several ranks, --vocab-parallel ring, plain logits (--ce-block-tokens 0 --ce-block-vocab 0).
  * *out gets the session (NULL on error). Its log lines (the plan, the weights loaded; none with
  * --quiet) go to the callback of flatmoe_set_log, or nowhere.
- * --logprobs-topk K (0 .. FLATMOE_TOPK_MAX, default 0), the session's own option: the most top-k
+ * --logprobs-topk K (0 .. FLATMOE_TOPK_MAX, default 0; a flag-table row that `flatmoe train` refuses
+ * non-zero), the session's own option: the most top-k
  * log-probs per token flatmoe_logprobs_ex may ask for (their buffers are planned). */
 int flatmoe_open(flatmoe_session **out, int argc, const char *const *argv);
 

@@ -143,6 +143,25 @@ static fm_status round_once(flatmoe_session *s, const flatmoe_batch *b, int64_t 
     return FM_OK;
 }
 
+/* The sampling rounds, then (out_logprobs set) the forward over the prompts with their completions
+ * whose log-probs the caller reads from s->logp. */
+static fm_status rounds(flatmoe_session *s, const int32_t *prompts, int64_t n_prompts, const int64_t *prompt_lens,
+                        const flatmoe_sample_spec *spec, int32_t *out_tokens, int64_t *out_lens, float *out_logprobs,
+                        flatmoe_batch *b) {
+    const int64_t M = spec->max_new;
+    fm_rng rng;
+    fm_rng_seed(&rng, spec->seed);
+    bool any = true;
+    for (int64_t k = 0; k < M && any; k++) {
+        build(s, prompts, n_prompts, prompt_lens, out_tokens, out_lens, M, -1, b);
+        FM_TRY(round_once(s, b, n_prompts, spec, &rng, out_tokens, out_lens, &any));
+    }
+    if (!out_logprobs) return FM_OK;
+    build(s, prompts, n_prompts, prompt_lens, out_tokens, out_lens, M, -1, b);
+    FM_TRY(fm_capi_pack(s, b, true)); /* flatmoe_logprobs' own path on the same sequences */
+    return fm_capi_forward(s, b);
+}
+
 int flatmoe_generate(flatmoe_session *s, const int32_t *prompts, int64_t n_prompts, const int64_t *prompt_lens,
                      const flatmoe_sample_spec *spec, int32_t *out_tokens, int64_t *out_lens, float *out_logprobs) {
     FM_TRY(check_args(s, prompts, n_prompts, prompt_lens, spec, out_tokens, out_lens));
@@ -158,17 +177,11 @@ int flatmoe_generate(flatmoe_session *s, const int32_t *prompts, int64_t n_promp
     }
     for (int64_t i = 0; i < n_prompts * M; i++) out_tokens[i] = -1;
     for (int64_t i = 0; i < n_prompts; i++) out_lens[i] = 0;
-    fm_rng rng;
-    fm_rng_seed(&rng, spec->seed);
-    bool any = true;
-    for (int64_t k = 0; k < M && any; k++) {
-        build(s, prompts, n_prompts, prompt_lens, out_tokens, out_lens, M, -1, &b);
-        FM_TRY(round_once(s, &b, n_prompts, spec, &rng, out_tokens, out_lens, &any));
-    }
+    fm_capi_call_begin(s, NULL, false, false); /* the forwards' entropies and routes, as flatmoe_logprobs' */
+    const fm_status st = rounds(s, prompts, n_prompts, prompt_lens, spec, out_tokens, out_lens, out_logprobs, &b);
+    fm_capi_call_end(s);
+    FM_TRY(st);
     if (!out_logprobs) return FLATMOE_OK;
-    build(s, prompts, n_prompts, prompt_lens, out_tokens, out_lens, M, -1, &b);
-    FM_TRY(fm_capi_pack(s, &b, true)); /* flatmoe_logprobs' own path on the same sequences */
-    FM_TRY(fm_capi_forward(s, &b));
     for (int64_t i = 0; i < n_prompts; i++)
         for (int64_t j = 0; j < M; j++)
             out_logprobs[i * M + j] = j < out_lens[i] ? s->logp[s->gen.start[i] + prompt_lens[i] + j] : 0.0f;

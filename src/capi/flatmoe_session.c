@@ -11,6 +11,8 @@
 #include "../run/fm_spec_finetune.h"
 #include "fm_capi.h"
 
+_Static_assert(FM_SPEC_TOPK_MAX == FLATMOE_TOPK_MAX, "--logprobs-topk's bound: the flag table's and the header's");
+
 const char *flatmoe_last_error(void) { return fm_errmsg(); }
 
 int flatmoe_abi_version(void) { return FLATMOE_ABI_VERSION; }
@@ -49,10 +51,11 @@ static fm_status parse_options(flatmoe_session *s, int argc, const char *const *
                             "options are `flatmoe train`'s flags, and --ckpt DIR)", i, a ? a : "(null)");
         const char *name = a + 2;
         const fm_spec_flag *f = fm_spec_find(name, FM_CMD_TRAIN);
-        const bool own = !strcmp(name, "ckpt") || !strcmp(name, "backend") || !strcmp(name, "logprobs-topk");
+        const bool own = !strcmp(name, "ckpt") || !strcmp(name, "backend");
         if (!f && !own)
             return fm_error(FM_ERR_ARG, "flatmoe_open: unknown option '--%s'; the options are `flatmoe train`'s "
-                            "flags (flatmoe train --help), and --ckpt DIR, --backend cpu|cuda and --logprobs-topk K",
+                            "flags (flatmoe train --help, --logprobs-topk among them), and --ckpt DIR and --backend "
+                            "cpu|cuda",
                             name);
         if (f && (!strcmp(name, "data") || !strcmp(name, "val-data")))
             return fm_error(FM_ERR_ARG, "flatmoe_open: --%s: a session takes its batches from flatmoe_logprobs and "
@@ -66,14 +69,6 @@ static fm_status parse_options(flatmoe_session *s, int argc, const char *const *
         const char *v = argv[++i];
         if (!strcmp(name, "ckpt")) {
             *ckpt_arg = v;
-        } else if (!strcmp(name, "logprobs-topk")) {
-            char *end = NULL;
-            const long long k = strtoll(v, &end, 10);
-            if (!end || *end || end == v || k < 0 || k > FLATMOE_TOPK_MAX)
-                return fm_error(FM_ERR_ARG, "flatmoe_open: --logprobs-topk %s; expected an integer 0 .. %d (the most "
-                                "top-k log-probs per token flatmoe_logprobs_ex may ask for; 0: none)", v,
-                                FLATMOE_TOPK_MAX);
-            s->topk_max = k;
         } else if (!strcmp(name, "backend")) {
             const char *mine = sizeof(fm_act) == sizeof(float) ? "cpu" : "cuda";
             if (strcmp(v, mine) != 0)
@@ -156,7 +151,9 @@ static fm_status session_open(flatmoe_session *s, int argc, const char *const *a
     char said[512] = "";
     if (!ckpt_arg) FM_TRY(fm_spec_finetune_defaults(&s->spec, said, sizeof said)); /* --init-from: train's values */
     if (said[0] && !s->spec.train.quiet) fm_log(FM_LOG_INFO, "%s\n", said);
+    s->spec.library.session = true; /* --logprobs-topk is a session's (fm_spec_check) */
     FM_TRY(fm_spec_check(&s->spec));
+    s->topk_max = s->spec.library.logprobs_topk;
     s->o = fm_spec_train_opts(&s->spec);
     FM_TRY(session_options(s, ckpt_arg));
     s->r.o = &s->o;

@@ -78,16 +78,26 @@ fm_status fm_capi_pack(flatmoe_session *s, const flatmoe_batch *b, bool with_tar
 /* Routing replay and the routes taken (flatmoe_replay.c). fm_capi_routes_stage, after the batch is
  * packed: with b->routed_experts, checks every id (in [0, E), distinct within a token's row;
  * FM_ERR_ARG naming the token, the MoE layer and the value), scatters them to the model's
- * positions (padding rows -1: the router's own choice), copies them into the model's rl_routes
- * and turns replay on (m->a.rl_replay); without, turns replay off and recording on. The flags stay
- * until the next batch (the backward's recompute replays the same routes).
+ * positions (padding rows -1: the router's own choice) and copies them into the model's
+ * rl_routes; without, nothing. Whether the routers replay or record is the call's switches'
+ * (fm_capi_call_begin: replay when b->routed_experts is set).
  * fm_capi_routes_read, after the forward: the routes of each caller token into out
  * [n_tokens, L_moe, k] (a sync point: the device buffer read back). */
 fm_status fm_capi_routes_stage(flatmoe_session *s, const flatmoe_batch *b);
 fm_status fm_capi_routes_read(flatmoe_session *s, const flatmoe_batch *b, int32_t *out);
 
+/* The per-call switches of one library call (model/fm_acts.h fm_rl_call), set whole into the
+ * model at the call's start and zeroed at its end, the only two places that write them:
+ * fm_capi_call_begin sets outputs (the forward's entropies and top-k), weighted and ent_bonus as
+ * given (a train step's backward), replay when b (may be NULL) has routed_experts, else record
+ * when the model has MoE layers. Every library call that runs the model brackets its forward
+ * and backward with the pair, so the trainer's step (switches zero) is never affected. */
+void fm_capi_call_begin(flatmoe_session *s, const flatmoe_batch *b, bool weighted, bool ent_bonus);
+void fm_capi_call_end(flatmoe_session *s);
+
 /* The forward of the packed batch (the session's step schedule), then per caller token its
- * log-prob and entropy into s->logp, s->ent (0 at each sequence's first token). A sync point. */
+ * log-prob and entropy into s->logp, s->ent (0 at each sequence's first token), inside a call
+ * begun by fm_capi_call_begin. A sync point. */
 fm_status fm_capi_forward(flatmoe_session *s, const flatmoe_batch *b);
 
 /* flatmoe_train_step less its update: pack, zero the gradients, forward, the coefficients, the
