@@ -166,6 +166,7 @@ int flatmoe_generate(flatmoe_session *s, const int32_t *prompts, int64_t n_promp
                      const flatmoe_sample_spec *spec, int32_t *out_tokens, int64_t *out_lens, float *out_logprobs) {
     FM_TRY(check_args(s, prompts, n_prompts, prompt_lens, spec, out_tokens, out_lens));
     FM_TRY(fm_capi_awake(s, "flatmoe_generate"));
+    FM_TRY(fm_capi_one_rank(s, "flatmoe_generate"));
     const int64_t M = spec->max_new;
     flatmoe_batch b;
     build(s, prompts, n_prompts, prompt_lens, NULL, NULL, M, M, &b); /* the longest batch: the tokens and packing */

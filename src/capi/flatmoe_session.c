@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "../bounded/fm_linear_ce.h"
+#include "../comm/fm_comm.h"
 #include "../io/fm_checkpoint.h"
 #include "../run/fm_spec_check.h"
 #include "../run/fm_spec_finetune.h"
@@ -94,7 +95,14 @@ static fm_status session_options(flatmoe_session *s, const char *ckpt_arg) {
     if (o->ce_block_vocab < 0) o->ce_block_vocab = FM_LCE_DEFAULT_BLOCK_VOCAB;
     if (o->vocab_parallel != FM_VOCAB_PARALLEL_OFF)
         return fm_error(FM_ERR_UNSUPPORTED, "flatmoe_open: --vocab-parallel ring is not in this slice of the library "
-                        "(one rank); drop it");
+                        "(a session's head is one rank's linear CE, on each rank); drop it");
+    if (o->sp > 1)
+        return fm_error(FM_ERR_UNSUPPORTED, "flatmoe_open: --sp %d is not in this slice of the library: a session's "
+                        "ranks each take whole sequences of their own batch, where --sp cuts every sequence across "
+                        "ranks; drop --sp (data parallelism and --ep are served)", o->sp);
+    if (o->zero == 3)
+        return fm_error(FM_ERR_UNSUPPORTED, "flatmoe_open: --zero 3 is not in this slice of the library (not yet tested "
+                        "in a session); use --zero 0 or 1 across the ranks");
     if (o->grad_accum != 1)
         return fm_error(FM_ERR_ARG, "flatmoe_open: --grad-accum %lld: a session's train step is one packed batch of "
                         "the token budget; pass --grad-accum 1 (or leave it out) and call flatmoe_train_step per batch",
@@ -184,6 +192,18 @@ int flatmoe_open(flatmoe_session **out, int argc, const char *const *argv) {
     return FLATMOE_OK;
 }
 
+int flatmoe_finalize(void) { return fm_comm_mpi_finalize(); }
+
+int flatmoe_set_environment(const char *const *envp) {
+    const char *vals[FM_COMM_ENV_COUNT] = {0}; /* the launcher's variables (comm/fm_comm.h fm_comm_env_names) */
+    for (const char *const *e = envp; e && *e; e++)
+        for (int i = 0; i < FM_COMM_ENV_COUNT; i++) {
+            const size_t n = strlen(fm_comm_env_names[i]);
+            if (!strncmp(*e, fm_comm_env_names[i], n) && (*e)[n] == '=') vals[i] = *e + n + 1;
+        }
+    return fm_comm_env_set(vals);
+}
+
 void flatmoe_close(flatmoe_session *s) {
     if (!s) return;
     if (s->r.model_ok) fm_step_ws_flush(&s->r.step, &s->r.m); /* an overlapped update still in flight */
@@ -223,5 +243,8 @@ int flatmoe_get_info(const flatmoe_session *s, flatmoe_info *out) {
     out->step = s->ts.step;
     out->num_moe_layers = s->L_moe;
     out->top_k = s->k;
+    out->rank = s->r.rank;
+    out->n_ranks = s->r.n_ranks;
+    out->ep = s->r.ep.ep > 1 ? s->r.ep.ep : 1;
     return FLATMOE_OK;
 }

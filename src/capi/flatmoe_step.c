@@ -105,6 +105,25 @@ void fm_capi_call_begin(flatmoe_session *s, const flatmoe_batch *b, bool weighte
 
 void fm_capi_call_end(flatmoe_session *s) { memset(&s->r.m.a.rl, 0, sizeof s->r.m.a.rl); }
 
+fm_status fm_capi_agree(flatmoe_session *s, fm_status local, const char *what) {
+    if (s->r.n_ranks <= 1) return local;
+    char msg[2048] = ""; /* this rank's own message outlives the collective */
+    if (local != FM_OK) snprintf(msg, sizeof msg, "%s", fm_errmsg());
+    int64_t bad = local != FM_OK;
+    FM_TRY(fm_comm_allreduce_sum_i64(&s->r.world, &bad, 1, 0));
+    if (local != FM_OK) return fm_error(local, "rank %d of %d: %s", s->r.rank, s->r.n_ranks, msg);
+    if (bad)
+        return fm_error(FM_ERR_ARG, "%s: %lld of the %d ranks refused their part of this call (each names its input in "
+                        "its own message); no rank ran it", what, (long long)bad, s->r.n_ranks);
+    return FM_OK;
+}
+
+fm_status fm_capi_one_rank(const flatmoe_session *s, const char *what) {
+    if (s->r.n_ranks <= 1) return FM_OK;
+    return fm_error(FM_ERR_UNSUPPORTED, "%s: not in this slice for a session of several ranks (this one has %d); call "
+                    "it from a one-rank session (docs/rl.md, \"Many ranks\")", what, s->r.n_ranks);
+}
+
 fm_status fm_capi_forward(flatmoe_session *s, const flatmoe_batch *b) {
     fm_model *m = &s->r.m;
     const fm_ops *ops = m->be.ops;
@@ -126,7 +145,7 @@ fm_status fm_capi_forward(flatmoe_session *s, const flatmoe_batch *b) {
 
 int flatmoe_logprobs(flatmoe_session *s, const flatmoe_batch *b, float *logprobs, float *entropy) {
     if (!s || !logprobs) return fm_error(FM_ERR_ARG, "flatmoe_logprobs: %s is NULL", s ? "logprobs" : "the session");
-    FM_TRY(fm_capi_pack(s, b, true));
+    FM_TRY(fm_capi_agree(s, fm_capi_pack(s, b, true), "flatmoe_logprobs")); /* many ranks: each its own batch */
     fm_capi_call_begin(s, b, false, false);
     const fm_status st = fm_capi_forward(s, b);
     fm_capi_call_end(s);
@@ -166,7 +185,8 @@ static fm_status grads_in_call(flatmoe_session *s, const flatmoe_batch *b, const
     fm_step_ws *w = &s->r.step;
     fm_train_step_zero_grads(m, w);
     FM_TRY(fm_capi_forward(s, b));
-    FM_TRY(fm_pg_coefs(spec, b, b->n_tokens, s->logp, s->ent, s->in_loss, s->seq_of, s->seq_count, s->coef, st));
+    FM_TRY(fm_pg_coefs_ranks(spec, b, b->n_tokens, s->logp, s->ent, s->in_loss, s->seq_of, s->seq_count,
+                             &s->r.world, s->coef, st)); /* |M|, |S| over every rank's batch */
     if (m->a.rl.ent_bonus) fm_pg_entropy_coefs(spec, b->n_tokens, s->in_loss, s->seq_of, s->seq_count, st, s->ent_coef);
     FM_TRY(weighted_backward(s, b));
     fm_loss l;
@@ -179,8 +199,9 @@ static fm_status grads_in_call(flatmoe_session *s, const flatmoe_batch *b, const
 fm_status fm_capi_grads(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_loss_spec *spec,
                         flatmoe_step_stats *st) {
     memset(st, 0, sizeof *st);
-    FM_TRY(fm_capi_pack(s, b, false)); /* targets where the next token is in the loss: train's targets */
-    FM_TRY(fm_pg_check(spec, b, b->n_tokens, s->in_loss)); /* the spec and its arrays, before any model work */
+    fm_status ok = fm_capi_pack(s, b, false); /* targets where the next token is in the loss: train's targets */
+    if (ok == FM_OK) ok = fm_pg_check(spec, b, b->n_tokens, s->in_loss); /* the spec and its arrays, before any model work */
+    FM_TRY(fm_capi_agree(s, ok, "flatmoe_train_step")); /* many ranks: every rank's batch accepted, or none runs */
     fm_capi_call_begin(s, b, true, spec->entropy_coef != 0);
     const fm_status r = grads_in_call(s, b, spec, st);
     fm_capi_call_end(s);

@@ -126,6 +126,26 @@ fm_status fm_pg_coefs(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int
                       const float *ent, const uint8_t *in_loss, const int32_t *seq_of, int64_t *seq_count,
                       double *coef, flatmoe_step_stats *st);
 
+/* fm_pg_coefs across ranks: a collective over comm (NULL or one rank: fm_pg_coefs exactly). Each
+ * rank passes its own tokens; the aggregation's |M| and |S| are every rank's loss tokens and
+ * sequences (all-reduced first: token-mean is the mean over ALL ranks' loss tokens, as verl's
+ * global batch info makes it; a sequence lies whole on one rank, so |M_s| is local), so the
+ * coefficients are those of one rank over the whole batch and the ranks' gradients sum to its
+ * gradient; st's terms and statistics are the sums over the ranks (fp64, all-reduced), the same on
+ * every rank. Errors: fm_pg_coefs's (no loss token on any rank), the communicator's. */
+fm_status fm_pg_coefs_ranks(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int64_t n, const float *logp,
+                            const float *ent, const uint8_t *in_loss, const int32_t *seq_of, int64_t *seq_count,
+                            const fm_comm *comm, double *coef, flatmoe_step_stats *st);
+
+/* Many ranks: every rank's verdict on its part of a collective call, before the first collective
+ * of the model (a rank that refused its batch must not leave the others waiting in the forward).
+ * One rank: local. Else an all-reduce of the failures: a failing rank returns its own error (its
+ * message kept), the others FM_ERR_ARG naming `what` and how many ranks refused. */
+fm_status fm_capi_agree(flatmoe_session *s, fm_status local, const char *what);
+
+/* Refuses `what` (FM_ERR_UNSUPPORTED, naming it and the ranks) in a session of several ranks. */
+fm_status fm_capi_one_rank(const flatmoe_session *s, const char *what);
+
 /* The entropy bonus's per-token coefficients dL/dH_t = -entropy_coef * a_t (a_t the aggregation
  * weight; 0 outside the loss) into ent_coef [n] (ASSIGNED), after fm_pg_coefs filled seq_count and
  * st (its n_loss_tokens, n_loss_seqs). The loss term itself is in fm_pg_coefs's st->loss. */
