@@ -337,7 +337,14 @@ flatmoe_sample_spec flatmoe_sample_spec_default(void);
  * NULL): the log-prob of each completion token under the current weights at temperature 1 (the
  * training policy's: a PG step's old_logprobs), 0 after the completion; computed by one more
  * forward over the prompts with their completions, exactly as flatmoe_logprobs computes them
- * (equal to it bit for bit on the same sequences). No allocation after open. Errors:
+ * (equal to it bit for bit on the same sequences). With --kv-cache (an open option: CPU build, one
+ * rank, softmax router, no shared experts, native expert precision; else flatmoe_open refuses it
+ * naming why): the rounds run through a key/value cache of every layer sized at open for the token
+ * budget (2 x layers x budget x num_key_value_heads x head_dim fp32, and one pass's scratch): one
+ * pass over the prompts, then one over each unfinished sequence's last token per round, the draws
+ * in the same order from the same RNG; its logits equal the whole-prefix ones within fp32
+ * reassociation (not bit for bit: the same tokens unless a draw falls within that of a boundary),
+ * and out_logprobs still come from the one whole-sequence forward. No allocation after open. Errors:
  * FLATMOE_ERR_ARG naming the field (a spec value out of range, a prompt token out of the
  * vocabulary, prompts that do not fit the budget with max_new), FLATMOE_ERR_NUMERIC (a non-finite
  * logit: the weights diverged). */

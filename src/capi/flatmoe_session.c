@@ -149,7 +149,13 @@ static fm_status alloc_scratch(flatmoe_session *s) {
     if ((nr && !s->routes) || !s->ent_coef || !s->ent_weight || (nk && (!s->topk_lp || !s->topk_id)) || !s->pos_of || !s->seq_of || !s->in_loss || !s->tok_loss || !s->tok_ent || !s->logp || !s->ent || !s->coef ||
         !s->seq_count || !s->weight)
         return fm_error(FM_ERR_NOMEM, "flatmoe_open: cannot allocate the batch scratch (%lld tokens)", (long long)n);
-    return fm_capi_gen_alloc(s);
+    FM_TRY(fm_capi_gen_alloc(s));
+    if (!s->spec.library.kv_cache) return FM_OK;
+    FM_TRY(fm_capi_kv_alloc(s)); /* --kv-cache: flatmoe_generate's, sized by the budget */
+    if (!s->o.quiet)
+        fm_log(FM_LOG_INFO, "kv cache: %.1f MiB for %lld tokens (flatmoe_generate)\n", (double)s->kv.bytes / 1048576.0,
+               (long long)s->budget);
+    return FM_OK;
 }
 
 static fm_status session_open(flatmoe_session *s, int argc, const char *const *argv) {
@@ -225,6 +231,7 @@ void flatmoe_close(flatmoe_session *s) {
     fm_free(s->topk_lp);
     fm_free(s->topk_id);
     fm_capi_gen_free(s);
+    fm_capi_kv_free(s);
     fm_free(s->sleep_host);
     fm_spec_free(&s->spec);
     free(s);

@@ -16,6 +16,24 @@ typedef struct fm_capi_gen {
     int32_t *order;       /* [V] the sampler's candidates */
 } fm_capi_gen;
 
+/* flatmoe_generate's KV cache (--kv-cache; flatmoe_kv.c, its bound there): K and V of every
+ * layer for every token of the budget, and one pass's scratch, allocated at open. */
+#define FM_CAPI_KV_MAX_HD 512
+typedef struct fm_capi_kv {
+    bool on;
+    size_t bytes;                 /* fm_capi_kv_bytes: what open allocated */
+    float *K, *V;                 /* [L, budget, nkv x hd] the cache; slot = a token's place */
+    float *x, *ln, *o;            /* [n, H] the residual stream, a norm's output, a block's output */
+    float *q, *att, *k, *v;       /* [n, nh hd] x 2, [n, nkv hd] x 2 */
+    float *rlog, *probs, *lse;    /* [n, E] x 2 router logits and probabilities, [n] */
+    float *rstd;                  /* [n x nh] the norms' 1/rms */
+    int32_t *pos;                 /* [n] each token's position in its sequence (RoPE) */
+    int64_t *slot, *first;        /* [n] each token's cache slot; its sequence's first slot */
+    int32_t *topk_idx;            /* [n, k] */
+    float *topk_w;                /* [n, k] */
+    float *hid;                   /* [3 I_max + H] one token's SwiGLU */
+} fm_capi_kv;
+
 /* A session: the run spec its options filled, the trainer's run (train/fm_train_internal.h: the
  * backend, model, parameter store, optimizer and step workspace that fm_train_setup_session made
  * from the plan), and host scratch for one batch of the token budget (B x T), allocated at open. */
@@ -44,6 +62,7 @@ struct flatmoe_session {
     float *topk_lp;       /* [budget, K] the model's rl_topk_lp, read back */
     int32_t *topk_id;     /* [budget, K] the model's rl_topk_id, read back */
     fm_capi_gen gen;      /* flatmoe_generate's scratch */
+    fm_capi_kv kv;        /* its KV cache (--kv-cache; kv.on false without) */
     void *sleep_host;     /* flatmoe_sleep: the model-state arena's bytes on the host (NULL: awake) */
     size_t sleep_bytes;
 };
@@ -55,6 +74,21 @@ fm_status fm_capi_awake(const flatmoe_session *s, const char *what);
  * its release (safe on a zeroed one). Errors: FM_ERR_NOMEM. */
 fm_status fm_capi_gen_alloc(flatmoe_session *s);
 void fm_capi_gen_free(flatmoe_session *s);
+
+/* The KV cache's bytes for config c and a token budget of N (flatmoe_kv.c's bound formula). */
+size_t fm_capi_kv_bytes(const fm_config *c, int64_t N);
+/* The KV cache at open (--kv-cache): refuses a session it does not serve (FM_ERR_UNSUPPORTED
+ * naming why: the CUDA build, several ranks, the sigmoid router, shared experts, fp8 experts,
+ * head_dim > 512), else allocates fm_capi_kv_bytes (FM_ERR_NOMEM naming them). Free: safe on a
+ * zeroed one. */
+fm_status fm_capi_kv_alloc(flatmoe_session *s);
+void fm_capi_kv_free(flatmoe_session *s);
+/* One pass of the cached decoder over n tokens (1 .. budget) tok [n], with s->kv.pos, slot and
+ * first [n] filled by the caller (each token's position, cache slot, and its sequence's first
+ * slot; a token's earlier positions already cached, or among the n at smaller slots): writes K
+ * and V at their slots and leaves each token's final-normed hidden state in s->kv.ln [n, H].
+ * Host memory (the CPU build). Errors: the backend's status. */
+fm_status fm_capi_kv_pass(flatmoe_session *s, const int32_t *tok, int64_t n);
 
 /* The batch validator and packer, callable without a model (fuzz/fuzz_rlbatch.c drives it with
  * untrusted batches): checks b (n_tokens in 1 .. B x T, n_seqs >= 1, tokens and seq_lens set, each

@@ -140,6 +140,7 @@ typedef struct fm_spec_report {
 #define FM_SPEC_TOPK_MAX 64 /* --logprobs-topk's most (include/flatmoe.h FLATMOE_TOPK_MAX) */
 typedef struct fm_spec_library {
     int64_t logprobs_topk;                   /* --logprobs-topk K: the top-k log-probs' buffers, 0 .. 64 */
+    bool kv_cache;                           /* --kv-cache: flatmoe_generate's KV cache */
     bool session;                            /* set by flatmoe_open, never by a flag */
 } fm_spec_library;
 
