@@ -149,7 +149,8 @@ static fm_status kv_draw(flatmoe_session *s, const float *h, int64_t i, const fl
                          int32_t *out, int64_t *out_lens) {
     fm_capi_gen *g = &s->gen;
     const int64_t V = s->r.cfg.vocab_size, k = out_lens[i];
-    fm_linear_fwd(&s->r.m.be, g->row, FM_DTYPE_F32, h, s->r.m.p.w.lm_head, 1, s->r.cfg.hidden_size, V);
+    fm_linear_fwd(&s->r.m.be, g->row, FM_DTYPE_F32, (const fm_act *)h, s->r.m.p.w.lm_head, 1, s->r.cfg.hidden_size,
+                  V); /* fp32 on the CPU build, the only one with the cache (fm_capi_kv_alloc) */
     for (int64_t v = 0; v < V; v++)
         if (!isfinite(g->row[v]))
             return fm_error(FM_ERR_NUMERIC, "flatmoe_generate: the logit of token %lld is %g for prompt %lld at "

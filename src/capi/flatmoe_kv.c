@@ -27,6 +27,23 @@
 
 #include "fm_capi.h"
 
+#ifdef FM_ACT_BF16 /* the bf16 build: the decoder is the fp32 build's; --kv-cache is refused at open */
+size_t fm_capi_kv_bytes(const fm_config *c, int64_t N) {
+    (void)c, (void)N;
+    return 0;
+}
+fm_status fm_capi_kv_alloc(flatmoe_session *s) {
+    (void)s;
+    return fm_error(FM_ERR_UNSUPPORTED, "flatmoe_open: --kv-cache is not served for the CUDA build (the cache's "
+                    "decoder runs on the CPU build only); drop --kv-cache");
+}
+void fm_capi_kv_free(flatmoe_session *s) { memset(&s->kv, 0, sizeof s->kv); }
+fm_status fm_capi_kv_pass(flatmoe_session *s, const int32_t *tok, int64_t n) {
+    (void)s, (void)tok, (void)n;
+    return fm_error(FM_ERR_UNSUPPORTED, "fm_capi_kv_pass: the CUDA build has no KV cache");
+}
+#else
+
 /* Why the model cannot use the cache (NULL: it can). */
 static const char *kv_refusal(const flatmoe_session *s) {
     const fm_config *c = &s->r.cfg;
@@ -225,3 +242,4 @@ fm_status fm_capi_kv_pass(flatmoe_session *s, const int32_t *tok, int64_t n) {
     m->be.ops->rmsnorm_fwd(m->be.ctx, kv->ln, kv->rstd, kv->x, m->p.w.final_norm, n, H, (float)c->rms_norm_eps);
     return m->be.ops->status(m->be.ctx);
 }
+#endif
