@@ -62,7 +62,9 @@ const char *flatmoe_last_error(void);
  * --quiet) go to the callback of flatmoe_set_log, or nowhere.
  * --logprobs-topk K (0 .. FLATMOE_TOPK_MAX, default 0; a flag-table row that `flatmoe train` refuses
  * non-zero), the session's own option: the most top-k
- * log-probs per token flatmoe_logprobs_ex may ask for (their buffers are planned). */
+ * log-probs per token flatmoe_logprobs_ex may ask for (their buffers are planned). --kv-cache (a
+ * flag-table row `flatmoe train` refuses), the session's own too: flatmoe_generate's key/value
+ * cache, sized at open from the token budget (flatmoe_generate below). */
 int flatmoe_open(flatmoe_session **out, int argc, const char *const *argv);
 
 /* ---- many ranks (docs/rl.md "Many ranks") ------------------------------------------------------

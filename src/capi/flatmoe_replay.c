@@ -98,7 +98,7 @@ int flatmoe_logprobs_ex(flatmoe_session *s, const flatmoe_batch *b, float *logpr
     if (topk > 0 && (!topk_logprobs || !topk_ids))
         return fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: topk %lld with topk_%s NULL; pass both [n_tokens, topk] "
                         "arrays", (long long)topk, topk_logprobs ? "ids" : "logprobs");
-    FM_TRY(fm_capi_pack(s, b, true));
+    FM_TRY(fm_capi_agree(s, fm_capi_pack(s, b, true), "flatmoe_logprobs_ex")); /* many ranks: each its own batch */
     fm_capi_call_begin(s, b, false, false);
     fm_status st = fm_capi_forward(s, b);
     fm_capi_call_end(s);
