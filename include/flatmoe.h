@@ -38,8 +38,8 @@ typedef struct flatmoe_session flatmoe_session;
  * flatmoe_abi_version() == FLATMOE_ABI_VERSION before the first call that takes a struct, and
  * zero-initialize the structs ({0}, or memset) so that fields it does not know are NULL / 0.
  * 1: the first slice; 2: flatmoe_info's num_moe_layers and top_k, flatmoe_batch's routed_experts,
- * flatmoe_loss_spec's entropy_coef. */
-#define FLATMOE_ABI_VERSION 2
+ * flatmoe_loss_spec's entropy_coef; 3: flatmoe_info's rank, n_ranks and ep. */
+#define FLATMOE_ABI_VERSION 3
 int flatmoe_abi_version(void);
 
 /* The message of the last error on this thread ("" if none); valid until the next call. */
@@ -57,12 +57,48 @@ const char *flatmoe_last_error(void);
  * 4096). --backend cpu|cuda, when given, must be this library's backend. The plan is made and
  * checked (against --mem-budget, or the GPU's free memory) before anything is allocated, with
  * train's refusal messages. Not in this slice (FLATMOE_ERR_UNSUPPORTED or FLATMOE_ERR_ARG, named):
- * several ranks, --vocab-parallel ring, plain logits (--ce-block-tokens 0 --ce-block-vocab 0).
+ * --vocab-parallel ring, --sp, --zero 3, plain logits (--ce-block-tokens 0 --ce-block-vocab 0).
  * *out gets the session (NULL on error). Its log lines (the plan, the weights loaded; none with
  * --quiet) go to the callback of flatmoe_set_log, or nowhere.
- * --logprobs-topk K (0 .. FLATMOE_TOPK_MAX, default 0), the session's own option: the most top-k
- * log-probs per token flatmoe_logprobs_ex may ask for (their buffers are planned). */
+ * --logprobs-topk K (0 .. FLATMOE_TOPK_MAX, default 0; a flag-table row that `flatmoe train` refuses
+ * non-zero), the session's own option: the most top-k
+ * log-probs per token flatmoe_logprobs_ex may ask for (their buffers are planned). --kv-cache (a
+ * flag-table row `flatmoe train` refuses), the session's own too: flatmoe_generate's key/value
+ * cache, sized at open from the token budget (flatmoe_generate below). */
 int flatmoe_open(flatmoe_session **out, int argc, const char *const *argv);
+
+/* ---- many ranks (docs/rl.md "Many ranks") ------------------------------------------------------
+ * Under mpirun/srun (the launcher's OMPI_COMM_WORLD_*, PMI_* or SLURM_* variables, handed over by
+ * flatmoe_set_environment(environ) before flatmoe_open), every rank calls flatmoe_open with the
+ * same options and becomes one rank of the session: data parallel over
+ * the ranks (replicas, or --zero 1's sharded optimizer state), with --ep E the experts spread over
+ * the ranks as `flatmoe train --ep` spreads them. --micro-batch is per rank (each rank's token
+ * budget is --micro-batch x --seq-len), as in `flatmoe train`. MPI: the library calls
+ * MPI_Init_thread (MPI_THREAD_FUNNELED) at flatmoe_open when the process has not initialized MPI
+ * (a caller that did, e.g. through mpi4py, keeps its own); it never finalizes MPI on its own:
+ * call flatmoe_finalize once after the last flatmoe_close (or MPI_Finalize, when the caller owns
+ * MPI). Collective calls (every rank calls them, in the same order): flatmoe_open, flatmoe_close,
+ * flatmoe_logprobs(_ex) and flatmoe_train_step (each rank with its own batch: its share of the
+ * global batch), flatmoe_save (rank 0 writes the checkpoint), flatmoe_export_weights (rank 0's fn
+ * receives every bucket; the other ranks' fn is never called). A rank whose batch is refused
+ * returns its error and the others FLATMOE_ERR_ARG saying how many ranks refused; no rank runs
+ * the call. Losses: the aggregation's denominators are every rank's (token-mean: the mean over ALL
+ * ranks' loss tokens; the seq-mean modes: over all ranks' sequences, which lie whole on one rank),
+ * so the gradients, summed over the ranks, are those of one rank on the whole batch, and each
+ * rank's flatmoe_step_stats hold the global terms. Not across ranks yet (FLATMOE_ERR_UNSUPPORTED,
+ * named): flatmoe_generate, flatmoe_sleep/wake, --sp, --zero 3, --vocab-parallel ring. */
+
+/* Hands the library the process environment, envp as C's `environ` ("NAME=VALUE" strings, NULL
+ * terminated; NULL: none), of which it keeps the launcher's variables (OMPI_COMM_WORLD_RANK/SIZE,
+ * PMI_RANK/SIZE, SLURM_PROCID/NTASKS and the node-local ones; copied). The library reads no
+ * environment behind its caller's back: without this call before flatmoe_open, a session is one
+ * rank, under mpirun too. Process-wide. python/flatmoe calls it with os.environ. Errors:
+ * FLATMOE_ERR_NOMEM. */
+int flatmoe_set_environment(const char *const *envp);
+
+/* MPI_Finalize when MPI is initialized and not yet finalized (else nothing): once, after the last
+ * flatmoe_close, by a caller that let flatmoe_open initialize MPI. Errors: FLATMOE_ERR_IO. */
+int flatmoe_finalize(void);
 
 /* Where the library's log lines go: fn(user, level, text) with level 0 info, 1 note, 2 warning, 3
  * error and text one line ending in a newline; fn NULL: nowhere (the default). Process-wide (the
@@ -83,6 +119,8 @@ typedef struct flatmoe_info {
     int64_t step;         /* optimizer steps taken (a --ckpt session starts at its checkpoint's) */
     int64_t num_moe_layers; /* the MoE layers (the routes' second axis; dense layers have no routes) */
     int64_t top_k;        /* experts per token (num_experts_per_tok: the routes' third axis) */
+    int64_t rank, n_ranks; /* this process's rank of the session's ranks, and their number (ABI 3) */
+    int64_t ep;           /* the expert-parallel degree (--ep; 1: off) (ABI 3) */
 } flatmoe_info;
 int flatmoe_get_info(const flatmoe_session *s, flatmoe_info *out);
 
@@ -301,7 +339,14 @@ flatmoe_sample_spec flatmoe_sample_spec_default(void);
  * NULL): the log-prob of each completion token under the current weights at temperature 1 (the
  * training policy's: a PG step's old_logprobs), 0 after the completion; computed by one more
  * forward over the prompts with their completions, exactly as flatmoe_logprobs computes them
- * (equal to it bit for bit on the same sequences). No allocation after open. Errors:
+ * (equal to it bit for bit on the same sequences). With --kv-cache (an open option: CPU build, one
+ * rank, softmax router, no shared experts, native expert precision; else flatmoe_open refuses it
+ * naming why): the rounds run through a key/value cache of every layer sized at open for the token
+ * budget (2 x layers x budget x num_key_value_heads x head_dim fp32, and one pass's scratch): one
+ * pass over the prompts, then one over each unfinished sequence's last token per round, the draws
+ * in the same order from the same RNG; its logits equal the whole-prefix ones within fp32
+ * reassociation (not bit for bit: the same tokens unless a draw falls within that of a boundary),
+ * and out_logprobs still come from the one whole-sequence forward. No allocation after open. Errors:
  * FLATMOE_ERR_ARG naming the field (a spec value out of range, a prompt token out of the
  * vocabulary, prompts that do not fit the budget with max_new), FLATMOE_ERR_NUMERIC (a non-finite
  * logit: the weights diverged). */

@@ -220,7 +220,10 @@ static void model_batch(flatmoe_batch *b, fm_rng *g) {
 /* The spec's loss at the session's current weights (forward and coefficients, no backward). */
 static double loss_at(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_loss_spec *sp) {
     flatmoe_step_stats st;
-    FM_ASSERT(fm_capi_pack(s, b, false) == FM_OK && fm_capi_forward(s, b) == FM_OK);
+    FM_ASSERT(fm_capi_pack(s, b, false) == FM_OK);
+    fm_capi_call_begin(s, b, false, false); /* the forward's switches, as flatmoe_logprobs sets them */
+    FM_ASSERT(fm_capi_forward(s, b) == FM_OK);
+    fm_capi_call_end(s);
     FM_ASSERT(fm_pg_coefs(sp, b, b->n_tokens, s->logp, s->ent, s->in_loss, s->seq_of, s->seq_count, s->coef, &st) ==
               FM_OK);
     return st.loss;

@@ -230,7 +230,10 @@ static void test_replay_equals_forced(fm_rng *g, const char *cfg, bool bitwise) 
 /* The spec's loss at the session's weights, the batch's routes replayed. */
 static double loss_at(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_loss_spec *sp) {
     flatmoe_step_stats st;
-    FM_ASSERT(fm_capi_pack(s, b, false) == FM_OK && fm_capi_forward(s, b) == FM_OK);
+    FM_ASSERT(fm_capi_pack(s, b, false) == FM_OK);
+    fm_capi_call_begin(s, b, false, false); /* the forward's switches (replay with b's routes) */
+    FM_ASSERT(fm_capi_forward(s, b) == FM_OK);
+    fm_capi_call_end(s);
     FM_ASSERT(fm_pg_coefs(sp, b, b->n_tokens, s->logp, s->ent, s->in_loss, s->seq_of, s->seq_count, s->coef, &st) ==
               FM_OK);
     return st.loss;

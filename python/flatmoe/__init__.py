@@ -14,13 +14,23 @@
 
 The library is found at $FLATMOE_LIB, else as libflatmoe.so on the loader's path (cmake --install
 puts it in PREFIX/lib). Errors raise FlatmoeError with the library's message.
+
+Many ranks (docs/rl.md "Many ranks"): run the script under mpirun; every rank opens the Session with the
+same options and calls logprobs / train_step / save / export_weights together, each with its own share
+of the batch (Session.info's "rank" and "n_ranks" say which). MPI is initialized by the library at the
+first Session unless the process did it already (e.g. `from mpi4py import MPI` first); when the library
+initialized it, this module finalizes it at exit (flatmoe.finalize(), after the sessions are closed),
+else the owner (mpi4py) does.
 """
+import atexit
 import ctypes
 import os
+import sys
+import weakref
 
 import numpy as np
 
-__all__ = ["Session", "FlatmoeError"]
+__all__ = ["Session", "FlatmoeError", "finalize"]
 
 _i64 = ctypes.c_int64
 
@@ -33,12 +43,13 @@ class FlatmoeError(RuntimeError):
         self.code = code
 
 
-_ABI_VERSION = 2  # include/flatmoe.h FLATMOE_ABI_VERSION: the struct layouts below
+_ABI_VERSION = 3  # include/flatmoe.h FLATMOE_ABI_VERSION: the struct layouts below
 
 
 class _Info(ctypes.Structure):
     _fields_ = [(n, _i64) for n in ("vocab_size", "micro_batch", "seq_len", "token_budget", "num_layers",
-                                    "num_experts", "hidden_size", "step", "num_moe_layers", "top_k")]
+                                    "num_experts", "hidden_size", "step", "num_moe_layers", "top_k", "rank",
+                                    "n_ranks", "ep")]
 
 
 class _Batch(ctypes.Structure):
@@ -106,10 +117,31 @@ def _load():
         lib.flatmoe_export_weights.argtypes = [ctypes.c_void_p, _i64, _BUCKET_FN, ctypes.c_void_p]
         lib.flatmoe_generate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _i64, ctypes.c_void_p,
                                          ctypes.POINTER(_SampleSpec), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.flatmoe_finalize.argtypes = []
+        lib.flatmoe_set_environment.argtypes = [ctypes.POINTER(ctypes.c_char_p)]
         lib.flatmoe_sleep.argtypes = [ctypes.c_void_p]
         lib.flatmoe_wake.argtypes = [ctypes.c_void_p]
         _lib = lib
+        atexit.register(_at_exit)
     return _lib
+
+
+_sessions = weakref.WeakSet()  # the open sessions, closed before MPI is finalized
+
+
+def finalize():
+    """Closes every open Session, then MPI_Finalize when MPI is initialized and not yet finalized
+    (flatmoe_finalize). Called at exit when the library initialized MPI; call it yourself only then."""
+    for s in list(_sessions):
+        s.close()
+    if _lib is not None:
+        _check(_lib.flatmoe_finalize())
+
+
+def _at_exit():
+    # mpi4py, when imported, owns MPI (it initialized it, or will finalize it): leave it to it
+    if "mpi4py.MPI" not in sys.modules:
+        finalize()
 
 
 def _check(rc):
@@ -138,11 +170,14 @@ class Session:
         if len(options) == 1 and isinstance(options[0], (list, tuple)):
             options = tuple(options[0])
         lib = _load()
+        env = [f"{k}={v}".encode() for k, v in os.environ.items()] + [None]  # the launcher's ranks, if any
+        _check(lib.flatmoe_set_environment((ctypes.c_char_p * len(env))(*env)))
         enc = [str(o).encode() for o in options]
         argv = (ctypes.c_char_p * max(len(enc), 1))(*enc)
         h = ctypes.c_void_p()
         _check(lib.flatmoe_open(ctypes.byref(h), len(enc), argv))
         self._h = h
+        _sessions.add(self)
 
     def close(self):
         if getattr(self, "_h", None):

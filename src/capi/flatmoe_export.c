@@ -15,14 +15,17 @@ typedef struct exporter {
     int64_t bucket;                 /* buckets sent */
     flatmoe_bucket_fn fn;
     void *user;
+    const fm_comm *world;           /* many ranks: the session's (rank 0 calls fn); NULL: one rank */
+    int rank;
 } exporter;
 
 static fm_status flush(exporter *x) {
     if (x->n_pieces == 0) return FM_OK;
-    const int rc = x->fn(x->user, x->pieces, x->n_pieces);
+    int64_t rc = x->rank == 0 ? x->fn(x->user, x->pieces, x->n_pieces) : 0; /* the pieces are whole on rank 0 only */
+    if (x->world) FM_TRY(fm_comm_allreduce_sum_i64(x->world, &rc, 1, 0)); /* rank 0's verdict: every rank stops */
     if (rc != 0)
-        return fm_error(FM_ERR_IO, "flatmoe_export_weights: the callback returned %d at bucket %lld (%d pieces); the "
-                        "export stopped there: the consumer has only part of the weights", rc, (long long)x->bucket,
+        return fm_error(FM_ERR_IO, "flatmoe_export_weights: the callback returned %lld at bucket %lld (%d pieces); the "
+                        "export stopped there: the consumer has only part of the weights", (long long)rc, (long long)x->bucket,
                         x->n_pieces);
     x->bucket++;
     x->used = 0;
@@ -99,6 +102,8 @@ int flatmoe_export_weights(flatmoe_session *s, int64_t bucket_bytes, flatmoe_buc
     x.cap = bucket_bytes / 2 < total ? bucket_bytes / 2 : total;
     x.fn = fn;
     x.user = user;
+    x.world = r->n_ranks > 1 ? &r->world : NULL; /* the staging's reads are collectives (rank 0 gets the values) */
+    x.rank = r->rank;
     x.buf = fm_malloc(2 * (size_t)x.cap);
     x.pieces = fm_malloc(sizeof *x.pieces * (size_t)(n > 0 ? n : 1));
     fm_status st = FM_OK;

@@ -143,10 +143,96 @@ static fm_status round_once(flatmoe_session *s, const flatmoe_batch *b, int64_t 
     return FM_OK;
 }
 
+/* Draws sequence i's next token from the final-normed hidden state h [H] (the LM head over the
+ * whole vocabulary into the sampler's row, host memory: the KV path's CPU build). */
+static fm_status kv_draw(flatmoe_session *s, const float *h, int64_t i, const flatmoe_sample_spec *sp, fm_rng *rng,
+                         int32_t *out, int64_t *out_lens) {
+    fm_capi_gen *g = &s->gen;
+    const int64_t V = s->r.cfg.vocab_size, k = out_lens[i];
+    fm_linear_fwd(&s->r.m.be, g->row, FM_DTYPE_F32, (const fm_act *)h, s->r.m.p.w.lm_head, 1, s->r.cfg.hidden_size,
+                  V); /* fp32 on the CPU build, the only one with the cache (fm_capi_kv_alloc) */
+    for (int64_t v = 0; v < V; v++)
+        if (!isfinite(g->row[v]))
+            return fm_error(FM_ERR_NUMERIC, "flatmoe_generate: the logit of token %lld is %g for prompt %lld at "
+                            "completion token %lld: the weights diverged (check the last steps' losses)",
+                            (long long)v, (double)g->row[v], (long long)i, (long long)k);
+    out[i * sp->max_new + k] = fm_sample_pick_p(g->row, V, sp->temperature, sp->top_k, sp->top_p, rng, g->probs,
+                                                g->order);
+    out_lens[i] = k + 1;
+    return FM_OK;
+}
+
+/* The rounds through the KV cache (--kv-cache; flatmoe_kv.c): one pass over every prompt (sequence
+ * i's tokens at cache slots base_i + position, base_i = sum over j < i of prompt_lens[j] + max_new:
+ * within the budget, as checked), then one pass per round over each unfinished sequence's last
+ * token; the draws in round_once's order (sequences in order, one RNG), so only the logits' fp32
+ * rounding differs from the whole-prefix rounds. */
+static fm_status kv_rounds(flatmoe_session *s, const int32_t *prompts, int64_t n_p, const int64_t *plen,
+                           const flatmoe_sample_spec *sp, int32_t *out, int64_t *out_lens) {
+    fm_capi_gen *g = &s->gen;
+    fm_capi_kv *kv = &s->kv;
+    const int64_t M = sp->max_new, H = s->r.cfg.hidden_size;
+    fm_rng rng;
+    fm_rng_seed(&rng, sp->seed);
+    int64_t n = 0, base = 0;
+    for (int64_t i = 0; i < n_p; i++) { /* the prompts' pass */
+        g->start[i] = base;
+        for (int64_t j = 0; j < plen[i]; j++, n++) {
+            g->tok[n] = prompts[n];
+            kv->pos[n] = (int32_t)j;
+            kv->slot[n] = base + j;
+            kv->first[n] = base;
+        }
+        base += plen[i] + M;
+    }
+    FM_TRY(fm_capi_kv_pass(s, g->tok, n));
+    for (int64_t i = 0, last = -1; i < n_p; i++) {
+        last += plen[i];
+        FM_TRY(kv_draw(s, kv->ln + last * H, i, sp, &rng, out, out_lens));
+    }
+    for (int64_t r = 1; r < M; r++) {
+        n = 0;
+        for (int64_t i = 0; i < n_p; i++) { /* each unfinished sequence's last token */
+            const int64_t k = out_lens[i];
+            if (k >= M || out[i * M + k - 1] == sp->stop_token) continue;
+            g->tok[n] = out[i * M + k - 1];
+            kv->pos[n] = (int32_t)(plen[i] + k - 1);
+            kv->slot[n] = g->start[i] + plen[i] + k - 1;
+            kv->first[n] = g->start[i];
+            g->lens[n++] = i;
+        }
+        if (n == 0) break;
+        FM_TRY(fm_capi_kv_pass(s, g->tok, n));
+        for (int64_t t = 0; t < n; t++) FM_TRY(kv_draw(s, kv->ln + t * H, g->lens[t], sp, &rng, out, out_lens));
+    }
+    return FM_OK;
+}
+
+/* The sampling rounds, then (out_logprobs set) the forward over the prompts with their completions
+ * whose log-probs the caller reads from s->logp. */
+static fm_status rounds(flatmoe_session *s, const int32_t *prompts, int64_t n_prompts, const int64_t *prompt_lens,
+                        const flatmoe_sample_spec *spec, int32_t *out_tokens, int64_t *out_lens, float *out_logprobs,
+                        flatmoe_batch *b) {
+    const int64_t M = spec->max_new;
+    if (s->kv.on) FM_TRY(kv_rounds(s, prompts, n_prompts, prompt_lens, spec, out_tokens, out_lens));
+    fm_rng rng;
+    fm_rng_seed(&rng, spec->seed);
+    bool any = !s->kv.on; /* the whole-prefix rounds (without --kv-cache) */
+    for (int64_t k = 0; k < M && any; k++) {
+        build(s, prompts, n_prompts, prompt_lens, out_tokens, out_lens, M, -1, b);
+        FM_TRY(round_once(s, b, n_prompts, spec, &rng, out_tokens, out_lens, &any));
+    }
+    if (!out_logprobs) return FM_OK;
+    build(s, prompts, n_prompts, prompt_lens, out_tokens, out_lens, M, -1, b);
+    FM_TRY(fm_capi_pack(s, b, true)); /* flatmoe_logprobs' own path on the same sequences */
+    return fm_capi_forward(s, b);
+}
+
 int flatmoe_generate(flatmoe_session *s, const int32_t *prompts, int64_t n_prompts, const int64_t *prompt_lens,
                      const flatmoe_sample_spec *spec, int32_t *out_tokens, int64_t *out_lens, float *out_logprobs) {
     FM_TRY(check_args(s, prompts, n_prompts, prompt_lens, spec, out_tokens, out_lens));
     FM_TRY(fm_capi_awake(s, "flatmoe_generate"));
+    FM_TRY(fm_capi_one_rank(s, "flatmoe_generate"));
     const int64_t M = spec->max_new;
     flatmoe_batch b;
     build(s, prompts, n_prompts, prompt_lens, NULL, NULL, M, M, &b); /* the longest batch: the tokens and packing */
@@ -158,17 +244,11 @@ int flatmoe_generate(flatmoe_session *s, const int32_t *prompts, int64_t n_promp
     }
     for (int64_t i = 0; i < n_prompts * M; i++) out_tokens[i] = -1;
     for (int64_t i = 0; i < n_prompts; i++) out_lens[i] = 0;
-    fm_rng rng;
-    fm_rng_seed(&rng, spec->seed);
-    bool any = true;
-    for (int64_t k = 0; k < M && any; k++) {
-        build(s, prompts, n_prompts, prompt_lens, out_tokens, out_lens, M, -1, &b);
-        FM_TRY(round_once(s, &b, n_prompts, spec, &rng, out_tokens, out_lens, &any));
-    }
+    fm_capi_call_begin(s, NULL, false, false); /* the forwards' entropies and routes, as flatmoe_logprobs' */
+    const fm_status st = rounds(s, prompts, n_prompts, prompt_lens, spec, out_tokens, out_lens, out_logprobs, &b);
+    fm_capi_call_end(s);
+    FM_TRY(st);
     if (!out_logprobs) return FLATMOE_OK;
-    build(s, prompts, n_prompts, prompt_lens, out_tokens, out_lens, M, -1, &b);
-    FM_TRY(fm_capi_pack(s, &b, true)); /* flatmoe_logprobs' own path on the same sequences */
-    FM_TRY(fm_capi_forward(s, &b));
     for (int64_t i = 0; i < n_prompts; i++)
         for (int64_t j = 0; j < M; j++)
             out_logprobs[i * M + j] = j < out_lens[i] ? s->logp[s->gen.start[i] + prompt_lens[i] + j] : 0.0f;

@@ -170,6 +170,12 @@ void fm_pg_entropy_coefs(const flatmoe_loss_spec *spec, int64_t n, const uint8_t
 fm_status fm_pg_coefs(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int64_t n, const float *logp,
                       const float *ent, const uint8_t *in_loss, const int32_t *seq_of, int64_t *seq_count,
                       double *coef, flatmoe_step_stats *st) {
+    return fm_pg_coefs_ranks(spec, b, n, logp, ent, in_loss, seq_of, seq_count, NULL, coef, st);
+}
+
+fm_status fm_pg_coefs_ranks(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int64_t n, const float *logp,
+                            const float *ent, const uint8_t *in_loss, const int32_t *seq_of, int64_t *seq_count,
+                            const fm_comm *comm, double *coef, flatmoe_step_stats *st) {
     FM_TRY(fm_pg_check(spec, b, n, in_loss));
     if (spec->entropy_coef != 0 && !ent)
         return fm_error(FM_ERR_ARG, "fm_pg_coefs: entropy_coef %g without the entropies; pass ent", spec->entropy_coef);
@@ -180,9 +186,16 @@ fm_status fm_pg_coefs(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int
             M++;
             S += seq_count[seq_of[t]]++ == 0;
         }
+    const bool many = comm && fm_comm_size(comm) > 1;
+    if (many) { /* every rank's loss tokens and sequences: the aggregation's denominators (verl's global batch) */
+        int64_t cnt[2] = {M, S};
+        FM_TRY(fm_comm_allreduce_sum_i64(comm, cnt, 2, 0));
+        M = cnt[0], S = cnt[1];
+    }
     if (M == 0)
-        return fm_error(FM_ERR_ARG, "batch: no token is in the loss (loss_mask is 0 everywhere but at sequences' first "
-                        "tokens, which have no log-prob); give a mask with response tokens");
+        return fm_error(FM_ERR_ARG, "batch: no token is in the loss%s (loss_mask is 0 everywhere but at sequences' "
+                        "first tokens, which have no log-prob); give a mask with response tokens",
+                        many ? " on any rank" : "");
     /* token-mean's 1/|M| rounded to fp32 as `train`'s 1/valid is, so SFT's step equals train's bit for bit */
     const double inv_m = (double)(1.0f / (float)M);
     double pg = 0, kl = 0, kl_mean = 0, ent_sum = 0, ent_agg = 0, ratio_sum = 0, tis_sum = 0;
@@ -211,6 +224,13 @@ fm_status fm_pg_coefs(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int
         n_lo += p.clip_low;
         n_hi += p.clip_high;
         n_dual += p.dual;
+    }
+    if (many) { /* the sums over every rank's tokens (the aggregated terms are already global-weighted) */
+        double v[10] = {pg, kl, ent_agg, kl_mean, ent_sum, ratio_sum, tis_sum, (double)n_lo, (double)n_hi,
+                        (double)n_dual};
+        FM_TRY(fm_comm_allreduce_sum_f64(comm, v, 10, 0));
+        pg = v[0], kl = v[1], ent_agg = v[2], kl_mean = v[3], ent_sum = v[4], ratio_sum = v[5], tis_sum = v[6];
+        n_lo = (int64_t)v[7], n_hi = (int64_t)v[8], n_dual = (int64_t)v[9];
     }
     st->pg_loss = pg;
     st->loss = pg + kl - spec->entropy_coef * ent_agg; /* the entropy bonus: l_t -= c H_t */

@@ -31,8 +31,6 @@ static fm_status check_routes(const flatmoe_session *s, const flatmoe_batch *b) 
 
 fm_status fm_capi_routes_stage(flatmoe_session *s, const flatmoe_batch *b) {
     fm_model *m = &s->r.m;
-    m->a.rl_replay = false;
-    m->a.rl_record = m->a.rl_routes != NULL;
     if (!b->routed_experts) return FM_OK;
     if (!m->a.rl_routes) /* a model without MoE layers: nothing to replay */
         return fm_error(FM_ERR_ARG, "batch: routed_experts given, but the model has no MoE layer (num_moe_layers 0); "
@@ -46,10 +44,7 @@ fm_status fm_capi_routes_stage(flatmoe_session *s, const flatmoe_batch *b) {
                    sizeof(int32_t) * (size_t)k);
     /* a blocking copy (sync point "replayed routes"): the host staging is reused by the next batch */
     m->be.ops->copy(m->be.ctx, m->a.rl_routes, s->routes, sizeof(int32_t) * (size_t)(L * N * k), FM_COPY_H2D);
-    FM_TRY(m->be.ops->status(m->be.ctx));
-    m->a.rl_replay = true;
-    m->a.rl_record = false;
-    return FM_OK;
+    return m->be.ops->status(m->be.ctx); /* replayed when the call's switches say so (fm_capi_call_begin) */
 }
 
 fm_status fm_capi_routes_read(flatmoe_session *s, const flatmoe_batch *b, int32_t *out) {
@@ -99,8 +94,11 @@ int flatmoe_logprobs_ex(flatmoe_session *s, const flatmoe_batch *b, float *logpr
     if (topk > 0 && (!topk_logprobs || !topk_ids))
         return fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: topk %lld with topk_%s NULL; pass both [n_tokens, topk] "
                         "arrays", (long long)topk, topk_logprobs ? "ids" : "logprobs");
-    FM_TRY(fm_capi_pack(s, b, true));
-    FM_TRY(fm_capi_forward(s, b));
+    FM_TRY(fm_capi_agree(s, fm_capi_pack(s, b, true), "flatmoe_logprobs_ex")); /* many ranks: each its own batch */
+    fm_capi_call_begin(s, b, false, false);
+    fm_status st = fm_capi_forward(s, b);
+    fm_capi_call_end(s);
+    FM_TRY(st);
     memcpy(logprobs, s->logp, sizeof(float) * (size_t)b->n_tokens);
     if (entropy) memcpy(entropy, s->ent, sizeof(float) * (size_t)b->n_tokens);
     if (routed_experts) FM_TRY(fm_capi_routes_read(s, b, routed_experts));

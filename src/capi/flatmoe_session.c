@@ -6,10 +6,13 @@
 #include <unistd.h>
 
 #include "../bounded/fm_linear_ce.h"
+#include "../comm/fm_comm.h"
 #include "../io/fm_checkpoint.h"
 #include "../run/fm_spec_check.h"
 #include "../run/fm_spec_finetune.h"
 #include "fm_capi.h"
+
+_Static_assert(FM_SPEC_TOPK_MAX == FLATMOE_TOPK_MAX, "--logprobs-topk's bound: the flag table's and the header's");
 
 const char *flatmoe_last_error(void) { return fm_errmsg(); }
 
@@ -49,10 +52,11 @@ static fm_status parse_options(flatmoe_session *s, int argc, const char *const *
                             "options are `flatmoe train`'s flags, and --ckpt DIR)", i, a ? a : "(null)");
         const char *name = a + 2;
         const fm_spec_flag *f = fm_spec_find(name, FM_CMD_TRAIN);
-        const bool own = !strcmp(name, "ckpt") || !strcmp(name, "backend") || !strcmp(name, "logprobs-topk");
+        const bool own = !strcmp(name, "ckpt") || !strcmp(name, "backend");
         if (!f && !own)
             return fm_error(FM_ERR_ARG, "flatmoe_open: unknown option '--%s'; the options are `flatmoe train`'s "
-                            "flags (flatmoe train --help), and --ckpt DIR, --backend cpu|cuda and --logprobs-topk K",
+                            "flags (flatmoe train --help, --logprobs-topk among them), and --ckpt DIR and --backend "
+                            "cpu|cuda",
                             name);
         if (f && (!strcmp(name, "data") || !strcmp(name, "val-data")))
             return fm_error(FM_ERR_ARG, "flatmoe_open: --%s: a session takes its batches from flatmoe_logprobs and "
@@ -66,14 +70,6 @@ static fm_status parse_options(flatmoe_session *s, int argc, const char *const *
         const char *v = argv[++i];
         if (!strcmp(name, "ckpt")) {
             *ckpt_arg = v;
-        } else if (!strcmp(name, "logprobs-topk")) {
-            char *end = NULL;
-            const long long k = strtoll(v, &end, 10);
-            if (!end || *end || end == v || k < 0 || k > FLATMOE_TOPK_MAX)
-                return fm_error(FM_ERR_ARG, "flatmoe_open: --logprobs-topk %s; expected an integer 0 .. %d (the most "
-                                "top-k log-probs per token flatmoe_logprobs_ex may ask for; 0: none)", v,
-                                FLATMOE_TOPK_MAX);
-            s->topk_max = k;
         } else if (!strcmp(name, "backend")) {
             const char *mine = sizeof(fm_act) == sizeof(float) ? "cpu" : "cuda";
             if (strcmp(v, mine) != 0)
@@ -99,7 +95,14 @@ static fm_status session_options(flatmoe_session *s, const char *ckpt_arg) {
     if (o->ce_block_vocab < 0) o->ce_block_vocab = FM_LCE_DEFAULT_BLOCK_VOCAB;
     if (o->vocab_parallel != FM_VOCAB_PARALLEL_OFF)
         return fm_error(FM_ERR_UNSUPPORTED, "flatmoe_open: --vocab-parallel ring is not in this slice of the library "
-                        "(one rank); drop it");
+                        "(a session's head is one rank's linear CE, on each rank); drop it");
+    if (o->sp > 1)
+        return fm_error(FM_ERR_UNSUPPORTED, "flatmoe_open: --sp %d is not in this slice of the library: a session's "
+                        "ranks each take whole sequences of their own batch, where --sp cuts every sequence across "
+                        "ranks; drop --sp (data parallelism and --ep are served)", o->sp);
+    if (o->zero == 3)
+        return fm_error(FM_ERR_UNSUPPORTED, "flatmoe_open: --zero 3 is not in this slice of the library (not yet tested "
+                        "in a session); use --zero 0 or 1 across the ranks");
     if (o->grad_accum != 1)
         return fm_error(FM_ERR_ARG, "flatmoe_open: --grad-accum %lld: a session's train step is one packed batch of "
                         "the token budget; pass --grad-accum 1 (or leave it out) and call flatmoe_train_step per batch",
@@ -146,7 +149,13 @@ static fm_status alloc_scratch(flatmoe_session *s) {
     if ((nr && !s->routes) || !s->ent_coef || !s->ent_weight || (nk && (!s->topk_lp || !s->topk_id)) || !s->pos_of || !s->seq_of || !s->in_loss || !s->tok_loss || !s->tok_ent || !s->logp || !s->ent || !s->coef ||
         !s->seq_count || !s->weight)
         return fm_error(FM_ERR_NOMEM, "flatmoe_open: cannot allocate the batch scratch (%lld tokens)", (long long)n);
-    return fm_capi_gen_alloc(s);
+    FM_TRY(fm_capi_gen_alloc(s));
+    if (!s->spec.library.kv_cache) return FM_OK;
+    FM_TRY(fm_capi_kv_alloc(s)); /* --kv-cache: flatmoe_generate's, sized by the budget */
+    if (!s->o.quiet)
+        fm_log(FM_LOG_INFO, "kv cache: %.1f MiB for %lld tokens (flatmoe_generate)\n", (double)s->kv.bytes / 1048576.0,
+               (long long)s->budget);
+    return FM_OK;
 }
 
 static fm_status session_open(flatmoe_session *s, int argc, const char *const *argv) {
@@ -156,7 +165,9 @@ static fm_status session_open(flatmoe_session *s, int argc, const char *const *a
     char said[512] = "";
     if (!ckpt_arg) FM_TRY(fm_spec_finetune_defaults(&s->spec, said, sizeof said)); /* --init-from: train's values */
     if (said[0] && !s->spec.train.quiet) fm_log(FM_LOG_INFO, "%s\n", said);
+    s->spec.library.session = true; /* --logprobs-topk is a session's (fm_spec_check) */
     FM_TRY(fm_spec_check(&s->spec));
+    s->topk_max = s->spec.library.logprobs_topk;
     s->o = fm_spec_train_opts(&s->spec);
     FM_TRY(session_options(s, ckpt_arg));
     s->r.o = &s->o;
@@ -187,6 +198,18 @@ int flatmoe_open(flatmoe_session **out, int argc, const char *const *argv) {
     return FLATMOE_OK;
 }
 
+int flatmoe_finalize(void) { return fm_comm_mpi_finalize(); }
+
+int flatmoe_set_environment(const char *const *envp) {
+    const char *vals[FM_COMM_ENV_COUNT] = {0}; /* the launcher's variables (comm/fm_comm.h fm_comm_env_names) */
+    for (const char *const *e = envp; e && *e; e++)
+        for (int i = 0; i < FM_COMM_ENV_COUNT; i++) {
+            const size_t n = strlen(fm_comm_env_names[i]);
+            if (!strncmp(*e, fm_comm_env_names[i], n) && (*e)[n] == '=') vals[i] = *e + n + 1;
+        }
+    return fm_comm_env_set(vals);
+}
+
 void flatmoe_close(flatmoe_session *s) {
     if (!s) return;
     if (s->r.model_ok) fm_step_ws_flush(&s->r.step, &s->r.m); /* an overlapped update still in flight */
@@ -208,6 +231,7 @@ void flatmoe_close(flatmoe_session *s) {
     fm_free(s->topk_lp);
     fm_free(s->topk_id);
     fm_capi_gen_free(s);
+    fm_capi_kv_free(s);
     fm_free(s->sleep_host);
     fm_spec_free(&s->spec);
     free(s);
@@ -226,5 +250,8 @@ int flatmoe_get_info(const flatmoe_session *s, flatmoe_info *out) {
     out->step = s->ts.step;
     out->num_moe_layers = s->L_moe;
     out->top_k = s->k;
+    out->rank = s->r.rank;
+    out->n_ranks = s->r.n_ranks;
+    out->ep = s->r.ep.ep > 1 ? s->r.ep.ep : 1;
     return FLATMOE_OK;
 }

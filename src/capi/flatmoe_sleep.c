@@ -17,6 +17,7 @@ fm_status fm_capi_awake(const flatmoe_session *s, const char *what) {
 int flatmoe_sleep(flatmoe_session *s) {
     if (!s) return fm_error(FM_ERR_ARG, "flatmoe_sleep: the session is NULL");
     FM_TRY(fm_capi_awake(s, "flatmoe_sleep"));
+    FM_TRY(fm_capi_one_rank(s, "flatmoe_sleep"));
     run *r = &s->r;
     fm_step_ws_flush(&r->step, &r->m); /* an overlapped update still in flight lands first */
     const fm_ops *ops = r->m.be.ops;

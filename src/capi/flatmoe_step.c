@@ -95,15 +95,40 @@ fm_status fm_capi_pack(flatmoe_session *s, const flatmoe_batch *b, bool with_tar
     return fm_capi_routes_stage(s, b); /* the replayed routes, at the packed positions */
 }
 
+void fm_capi_call_begin(flatmoe_session *s, const flatmoe_batch *b, bool weighted, bool ent_bonus) {
+    fm_model *m = &s->r.m;
+    const bool replay = b && b->routed_experts;
+    const fm_rl_call c = {.outputs = true, .weighted = weighted, .ent_bonus = weighted && ent_bonus,
+                          .replay = replay, .record = !replay && m->a.rl_routes != NULL};
+    m->a.rl = c;
+}
+
+void fm_capi_call_end(flatmoe_session *s) { memset(&s->r.m.a.rl, 0, sizeof s->r.m.a.rl); }
+
+fm_status fm_capi_agree(flatmoe_session *s, fm_status local, const char *what) {
+    if (s->r.n_ranks <= 1) return local;
+    char msg[2048] = ""; /* this rank's own message outlives the collective */
+    if (local != FM_OK) snprintf(msg, sizeof msg, "%s", fm_errmsg());
+    int64_t bad = local != FM_OK;
+    FM_TRY(fm_comm_allreduce_sum_i64(&s->r.world, &bad, 1, 0));
+    if (local != FM_OK) return fm_error(local, "rank %d of %d: %s", s->r.rank, s->r.n_ranks, msg);
+    if (bad)
+        return fm_error(FM_ERR_ARG, "%s: %lld of the %d ranks refused their part of this call (each names its input in "
+                        "its own message); no rank ran it", what, (long long)bad, s->r.n_ranks);
+    return FM_OK;
+}
+
+fm_status fm_capi_one_rank(const flatmoe_session *s, const char *what) {
+    if (s->r.n_ranks <= 1) return FM_OK;
+    return fm_error(FM_ERR_UNSUPPORTED, "%s: not in this slice for a session of several ranks (this one has %d); call "
+                    "it from a one-rank session (docs/rl.md, \"Many ranks\")", what, s->r.n_ranks);
+}
+
 fm_status fm_capi_forward(flatmoe_session *s, const flatmoe_batch *b) {
     fm_model *m = &s->r.m;
     const fm_ops *ops = m->be.ops;
     fm_model_fp8_cache_invalidate(m); /* --fp8-weight-cache: the weights after the last update */
-    m->a.rl_weighted = false;
-    m->a.rl_entropy_on = true;
-    const fm_status st = fm_schedule_forward(&s->r.step.sched, m, &s->fb, NULL);
-    m->a.rl_entropy_on = false;
-    FM_TRY(st);
+    FM_TRY(fm_schedule_forward(&s->r.step.sched, m, &s->fb, NULL));
     ops->stream_sync(m->be.ctx, FM_STREAM_COMPUTE); /* sync point "log-probs": the head's per-token outputs */
     const size_t bytes = sizeof(float) * (size_t)s->budget;
     ops->copy(m->be.ctx, s->tok_loss, m->a.token_loss, bytes, FM_COPY_D2H);
@@ -120,8 +145,11 @@ fm_status fm_capi_forward(flatmoe_session *s, const flatmoe_batch *b) {
 
 int flatmoe_logprobs(flatmoe_session *s, const flatmoe_batch *b, float *logprobs, float *entropy) {
     if (!s || !logprobs) return fm_error(FM_ERR_ARG, "flatmoe_logprobs: %s is NULL", s ? "logprobs" : "the session");
-    FM_TRY(fm_capi_pack(s, b, true));
-    FM_TRY(fm_capi_forward(s, b));
+    FM_TRY(fm_capi_agree(s, fm_capi_pack(s, b, true), "flatmoe_logprobs")); /* many ranks: each its own batch */
+    fm_capi_call_begin(s, b, false, false);
+    const fm_status st = fm_capi_forward(s, b);
+    fm_capi_call_end(s);
+    FM_TRY(st);
     memcpy(logprobs, s->logp, sizeof(float) * (size_t)b->n_tokens);
     if (entropy) memcpy(entropy, s->ent, sizeof(float) * (size_t)b->n_tokens);
     return FLATMOE_OK;
@@ -129,7 +157,7 @@ int flatmoe_logprobs(flatmoe_session *s, const flatmoe_batch *b, float *logprobs
 
 /* The backward of the last forward with token weights -c_t at the positions that predict each
  * loss token, then the step's reduction; the micro-batch's results into the step workspace. */
-static fm_status weighted_backward(flatmoe_session *s, const flatmoe_batch *b, bool entropy_bonus) {
+static fm_status weighted_backward(flatmoe_session *s, const flatmoe_batch *b) {
     fm_model *m = &s->r.m;
     fm_step_ws *w = &s->r.step;
     memset(s->weight, 0, sizeof(float) * (size_t)s->budget);
@@ -137,42 +165,47 @@ static fm_status weighted_backward(flatmoe_session *s, const flatmoe_batch *b, b
         if (s->in_loss[t]) s->weight[s->pos_of[t - 1]] = (float)-s->coef[t]; /* w = -dL/dlog p: loss_t = -log p_t */
     /* a blocking copy (sync point "token weights"): the host made them after the forward's read-back */
     m->be.ops->copy(m->be.ctx, m->a.rl_weight, s->weight, sizeof(float) * (size_t)s->budget, FM_COPY_H2D);
-    if (entropy_bonus) { /* dL/dH_t at the position that predicts token t (the entropy's own position) */
+    if (m->a.rl.ent_bonus) { /* dL/dH_t at the position that predicts token t (the entropy's own position) */
         memset(s->ent_weight, 0, sizeof(float) * (size_t)s->budget);
         for (int64_t t = 0; t < b->n_tokens; t++)
             if (s->in_loss[t]) s->ent_weight[s->pos_of[t - 1]] = (float)s->ent_coef[t];
         m->be.ops->copy(m->be.ctx, m->a.rl_ent_weight, s->ent_weight, sizeof(float) * (size_t)s->budget, FM_COPY_H2D);
     }
-    m->a.rl_weighted = true;
-    m->a.rl_ent_on = entropy_bonus;
-    const fm_status st = fm_schedule_backward(&w->sched, m, 1.0f);
-    m->a.rl_weighted = false;
-    m->a.rl_ent_on = false;
-    FM_TRY(st);
+    FM_TRY(fm_schedule_backward(&w->sched, m, 1.0f)); /* the call's switches: weighted (fm_capi_call_begin) */
     w->n_valid[0] = m->a.n_valid;
     m->be.ops->copy_async(m->be.ctx, w->res, m->a.results, (size_t)w->n_res * sizeof(double), FM_COPY_D2H,
                           FM_STREAM_COMPUTE);
     return fm_train_step_reduce(m, &s->r.world, w);
 }
 
-fm_status fm_capi_grads(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_loss_spec *spec,
-                        flatmoe_step_stats *st) {
+/* fm_capi_grads inside its call (the switches set by the caller). */
+static fm_status grads_in_call(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_loss_spec *spec,
+                               flatmoe_step_stats *st) {
     fm_model *m = &s->r.m;
     fm_step_ws *w = &s->r.step;
-    memset(st, 0, sizeof *st);
-    FM_TRY(fm_capi_pack(s, b, false)); /* targets where the next token is in the loss: train's targets */
-    FM_TRY(fm_pg_check(spec, b, b->n_tokens, s->in_loss)); /* the spec and its arrays, before any model work */
     fm_train_step_zero_grads(m, w);
     FM_TRY(fm_capi_forward(s, b));
-    FM_TRY(fm_pg_coefs(spec, b, b->n_tokens, s->logp, s->ent, s->in_loss, s->seq_of, s->seq_count, s->coef, st));
-    const bool entropy_bonus = spec->entropy_coef != 0;
-    if (entropy_bonus) fm_pg_entropy_coefs(spec, b->n_tokens, s->in_loss, s->seq_of, s->seq_count, st, s->ent_coef);
-    FM_TRY(weighted_backward(s, b, entropy_bonus));
+    FM_TRY(fm_pg_coefs_ranks(spec, b, b->n_tokens, s->logp, s->ent, s->in_loss, s->seq_of, s->seq_count,
+                             &s->r.world, s->coef, st)); /* |M|, |S| over every rank's batch */
+    if (m->a.rl.ent_bonus) fm_pg_entropy_coefs(spec, b->n_tokens, s->in_loss, s->seq_of, s->seq_count, st, s->ent_coef);
+    FM_TRY(weighted_backward(s, b));
     fm_loss l;
     fm_model_loss_from_results(m, w->res, w->n_valid[0], &l);
     st->router_aux = l.aux;
     st->router_z = l.z;
     return FM_OK;
+}
+
+fm_status fm_capi_grads(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_loss_spec *spec,
+                        flatmoe_step_stats *st) {
+    memset(st, 0, sizeof *st);
+    fm_status ok = fm_capi_pack(s, b, false); /* targets where the next token is in the loss: train's targets */
+    if (ok == FM_OK) ok = fm_pg_check(spec, b, b->n_tokens, s->in_loss); /* the spec and its arrays, before any model work */
+    FM_TRY(fm_capi_agree(s, ok, "flatmoe_train_step")); /* many ranks: every rank's batch accepted, or none runs */
+    fm_capi_call_begin(s, b, true, spec->entropy_coef != 0);
+    const fm_status r = grads_in_call(s, b, spec, st);
+    fm_capi_call_end(s);
+    return r;
 }
 
 int flatmoe_train_step(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_loss_spec *spec,

@@ -16,6 +16,24 @@ typedef struct fm_capi_gen {
     int32_t *order;       /* [V] the sampler's candidates */
 } fm_capi_gen;
 
+/* flatmoe_generate's KV cache (--kv-cache; flatmoe_kv.c, its bound there): K and V of every
+ * layer for every token of the budget, and one pass's scratch, allocated at open. */
+#define FM_CAPI_KV_MAX_HD 512
+typedef struct fm_capi_kv {
+    bool on;
+    size_t bytes;                 /* fm_capi_kv_bytes: what open allocated */
+    float *K, *V;                 /* [L, budget, nkv x hd] the cache; slot = a token's place */
+    float *x, *ln, *o;            /* [n, H] the residual stream, a norm's output, a block's output */
+    float *q, *att, *k, *v;       /* [n, nh hd] x 2, [n, nkv hd] x 2 */
+    float *rlog, *probs, *lse;    /* [n, E] x 2 router logits and probabilities, [n] */
+    float *rstd;                  /* [n x nh] the norms' 1/rms */
+    int32_t *pos;                 /* [n] each token's position in its sequence (RoPE) */
+    int64_t *slot, *first;        /* [n] each token's cache slot; its sequence's first slot */
+    int32_t *topk_idx;            /* [n, k] */
+    float *topk_w;                /* [n, k] */
+    float *hid;                   /* [3 I_max + H] one token's SwiGLU */
+} fm_capi_kv;
+
 /* A session: the run spec its options filled, the trainer's run (train/fm_train_internal.h: the
  * backend, model, parameter store, optimizer and step workspace that fm_train_setup_session made
  * from the plan), and host scratch for one batch of the token budget (B x T), allocated at open. */
@@ -44,6 +62,7 @@ struct flatmoe_session {
     float *topk_lp;       /* [budget, K] the model's rl_topk_lp, read back */
     int32_t *topk_id;     /* [budget, K] the model's rl_topk_id, read back */
     fm_capi_gen gen;      /* flatmoe_generate's scratch */
+    fm_capi_kv kv;        /* its KV cache (--kv-cache; kv.on false without) */
     void *sleep_host;     /* flatmoe_sleep: the model-state arena's bytes on the host (NULL: awake) */
     size_t sleep_bytes;
 };
@@ -55,6 +74,21 @@ fm_status fm_capi_awake(const flatmoe_session *s, const char *what);
  * its release (safe on a zeroed one). Errors: FM_ERR_NOMEM. */
 fm_status fm_capi_gen_alloc(flatmoe_session *s);
 void fm_capi_gen_free(flatmoe_session *s);
+
+/* The KV cache's bytes for config c and a token budget of N (flatmoe_kv.c's bound formula). */
+size_t fm_capi_kv_bytes(const fm_config *c, int64_t N);
+/* The KV cache at open (--kv-cache): refuses a session it does not serve (FM_ERR_UNSUPPORTED
+ * naming why: the CUDA build, several ranks, the sigmoid router, shared experts, fp8 experts,
+ * head_dim > 512), else allocates fm_capi_kv_bytes (FM_ERR_NOMEM naming them). Free: safe on a
+ * zeroed one. */
+fm_status fm_capi_kv_alloc(flatmoe_session *s);
+void fm_capi_kv_free(flatmoe_session *s);
+/* One pass of the cached decoder over n tokens (1 .. budget) tok [n], with s->kv.pos, slot and
+ * first [n] filled by the caller (each token's position, cache slot, and its sequence's first
+ * slot; a token's earlier positions already cached, or among the n at smaller slots): writes K
+ * and V at their slots and leaves each token's final-normed hidden state in s->kv.ln [n, H].
+ * Host memory (the CPU build). Errors: the backend's status. */
+fm_status fm_capi_kv_pass(flatmoe_session *s, const int32_t *tok, int64_t n);
 
 /* The batch validator and packer, callable without a model (fuzz/fuzz_rlbatch.c drives it with
  * untrusted batches): checks b (n_tokens in 1 .. B x T, n_seqs >= 1, tokens and seq_lens set, each
@@ -78,16 +112,26 @@ fm_status fm_capi_pack(flatmoe_session *s, const flatmoe_batch *b, bool with_tar
 /* Routing replay and the routes taken (flatmoe_replay.c). fm_capi_routes_stage, after the batch is
  * packed: with b->routed_experts, checks every id (in [0, E), distinct within a token's row;
  * FM_ERR_ARG naming the token, the MoE layer and the value), scatters them to the model's
- * positions (padding rows -1: the router's own choice), copies them into the model's rl_routes
- * and turns replay on (m->a.rl_replay); without, turns replay off and recording on. The flags stay
- * until the next batch (the backward's recompute replays the same routes).
+ * positions (padding rows -1: the router's own choice) and copies them into the model's
+ * rl_routes; without, nothing. Whether the routers replay or record is the call's switches'
+ * (fm_capi_call_begin: replay when b->routed_experts is set).
  * fm_capi_routes_read, after the forward: the routes of each caller token into out
  * [n_tokens, L_moe, k] (a sync point: the device buffer read back). */
 fm_status fm_capi_routes_stage(flatmoe_session *s, const flatmoe_batch *b);
 fm_status fm_capi_routes_read(flatmoe_session *s, const flatmoe_batch *b, int32_t *out);
 
+/* The per-call switches of one library call (model/fm_acts.h fm_rl_call), set whole into the
+ * model at the call's start and zeroed at its end, the only two places that write them:
+ * fm_capi_call_begin sets outputs (the forward's entropies and top-k), weighted and ent_bonus as
+ * given (a train step's backward), replay when b (may be NULL) has routed_experts, else record
+ * when the model has MoE layers. Every library call that runs the model brackets its forward
+ * and backward with the pair, so the trainer's step (switches zero) is never affected. */
+void fm_capi_call_begin(flatmoe_session *s, const flatmoe_batch *b, bool weighted, bool ent_bonus);
+void fm_capi_call_end(flatmoe_session *s);
+
 /* The forward of the packed batch (the session's step schedule), then per caller token its
- * log-prob and entropy into s->logp, s->ent (0 at each sequence's first token). A sync point. */
+ * log-prob and entropy into s->logp, s->ent (0 at each sequence's first token), inside a call
+ * begun by fm_capi_call_begin. A sync point. */
 fm_status fm_capi_forward(flatmoe_session *s, const flatmoe_batch *b);
 
 /* flatmoe_train_step less its update: pack, zero the gradients, forward, the coefficients, the
@@ -115,6 +159,26 @@ fm_status fm_pg_check(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int
 fm_status fm_pg_coefs(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int64_t n, const float *logp,
                       const float *ent, const uint8_t *in_loss, const int32_t *seq_of, int64_t *seq_count,
                       double *coef, flatmoe_step_stats *st);
+
+/* fm_pg_coefs across ranks: a collective over comm (NULL or one rank: fm_pg_coefs exactly). Each
+ * rank passes its own tokens; the aggregation's |M| and |S| are every rank's loss tokens and
+ * sequences (all-reduced first: token-mean is the mean over ALL ranks' loss tokens, as verl's
+ * global batch info makes it; a sequence lies whole on one rank, so |M_s| is local), so the
+ * coefficients are those of one rank over the whole batch and the ranks' gradients sum to its
+ * gradient; st's terms and statistics are the sums over the ranks (fp64, all-reduced), the same on
+ * every rank. Errors: fm_pg_coefs's (no loss token on any rank), the communicator's. */
+fm_status fm_pg_coefs_ranks(const flatmoe_loss_spec *spec, const flatmoe_batch *b, int64_t n, const float *logp,
+                            const float *ent, const uint8_t *in_loss, const int32_t *seq_of, int64_t *seq_count,
+                            const fm_comm *comm, double *coef, flatmoe_step_stats *st);
+
+/* Many ranks: every rank's verdict on its part of a collective call, before the first collective
+ * of the model (a rank that refused its batch must not leave the others waiting in the forward).
+ * One rank: local. Else an all-reduce of the failures: a failing rank returns its own error (its
+ * message kept), the others FM_ERR_ARG naming `what` and how many ranks refused. */
+fm_status fm_capi_agree(flatmoe_session *s, fm_status local, const char *what);
+
+/* Refuses `what` (FM_ERR_UNSUPPORTED, naming it and the ranks) in a session of several ranks. */
+fm_status fm_capi_one_rank(const flatmoe_session *s, const char *what);
 
 /* The entropy bonus's per-token coefficients dL/dH_t = -entropy_coef * a_t (a_t the aggregation
  * weight; 0 outside the loss) into ent_coef [n] (ASSIGNED), after fm_pg_coefs filled seq_count and

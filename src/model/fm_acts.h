@@ -132,6 +132,24 @@ typedef struct fm_layout_opts {
                                   (fm_linear_ce_topk_bytes); 0: none */
 } fm_layout_opts;
 
+/* The RL head's per-call switches (include/flatmoe.h; docs/rl.md): what one library call
+ * (flatmoe_logprobs, flatmoe_train_step, flatmoe_generate) asks of the model. The library sets
+ * the whole struct once at the start of a call (fm_capi_call_begin, src/capi/fm_capi.h) and
+ * zeroes it at the call's end (fm_capi_call_end); in between it does not change. Each switch is
+ * read only in its phase, so one value serves the call's forward, backward and any recompute:
+ *   outputs   the head's forward (its linear CE without gradients) writes each position's entropy
+ *             to rl_entropy and, with rl_topk_lp, its top-K log-probs and ids;
+ *   weighted  the head's backward (its linear CE with gradients) weighs token t by rl_weight[t]
+ *             with gradient scale `scale` (not scale / valid targets: the weights carry the whole
+ *             per-token coefficient), the host having filled rl_weight after the forward;
+ *   ent_bonus with weighted: that backward adds the entropy bonus (rl_ent_weight, rl_entropy);
+ *   replay    each MoE layer's router replays its slice of rl_routes (forward and recompute);
+ *   record    (not with replay) each MoE layer's forward copies its top-k ids into its slice.
+ * All false (the zero struct): the trainer's own step, which never sets them. */
+typedef struct fm_rl_call {
+    bool outputs, weighted, ent_bonus, replay, record;
+} fm_rl_call;
+
 typedef struct fm_model_acts {
     fm_layout_opts opts;  /* the options the layout was made with: those given to fm_model_layout,
                              resolved (expert_fp8_codes and _cache only where expert_fp8 holds,
@@ -184,28 +202,21 @@ typedef struct fm_model_acts {
     fm_act *xf; float *rstd_f;  /* [N,H], [N] */
     fm_act *logits;             /* [N,V] (plain vocabulary projection; NULL under linear CE) */
     float *token_loss;          /* [N] */
-    /* The RL head (fm_layout_opts.rl_head; NULL / false otherwise). The next head call reads them:
-     * with rl_weighted its linear CE weighs token t by rl_weight[t] with gradient scale `scale`
-     * (not scale / valid targets: the weights carry the whole coefficient); with rl_entropy_on
-     * its forward writes the entropy of each position's next-token distribution to rl_entropy. */
-    float *rl_weight, *rl_entropy; /* [N] backend fp32 each */
-    bool rl_weighted, rl_entropy_on;
-    /* rl_ent_weight [N] fp32 (backend): with rl_weighted and rl_ent_on the backward's linear CE
-     * adds sum_t rl_ent_weight[t] H_t (H_t in rl_entropy, the forward's) to the objective: the
-     * entropy bonus's gradient (fm_lce_opts.ent_weight). */
-    float *rl_ent_weight;
-    bool rl_ent_on;
-    /* rl_routes [L_moe, N, k] int32 (backend; the MoE layers in model order, dense layers have no
-     * slice): with rl_replay each MoE layer's router replays its slice (fm_router_forward's
-     * replay: rows starting with -1 keep the router's choice), forward and recompute alike; with
-     * rl_record (and not rl_replay) each MoE layer's forward copies its top-k ids into its slice
-     * (the routes taken, read back by the library after the forward). */
+    /* The RL head's buffers (fm_layout_opts.rl_head; NULL otherwise), read and written as the
+     * per-call switches in `rl` say (fm_rl_call, above): rl_weight [N] fp32, the backward's token
+     * weights; rl_entropy [N] fp32, the forward's entropy of each position's next-token
+     * distribution; rl_ent_weight [N] fp32, the entropy bonus's per-token weights (the backward's
+     * linear CE adds sum_t rl_ent_weight[t] H_t, H_t in rl_entropy, to the objective:
+     * fm_lce_opts.ent_weight); rl_routes [L_moe, N, k] int32 (the MoE layers in model order, dense
+     * layers have no slice): the routes replayed (fm_router_forward's replay: rows starting with
+     * -1 keep the router's choice) or recorded; rl_topk_lp [N, K] fp32, rl_topk_id [N, K] int32
+     * (K = opts.rl_topk; NULL when 0): each position's K largest log-probs and ids. All backend
+     * memory in the vocabulary live set. */
+    float *rl_weight, *rl_entropy, *rl_ent_weight;
     int32_t *rl_routes;
-    bool rl_replay, rl_record;
-    /* rl_topk_lp [N, K] fp32, rl_topk_id [N, K] int32 (K = opts.rl_topk; NULL when 0): with
-     * rl_entropy_on the forward's linear CE writes each position's K largest log-probs and ids. */
     float *rl_topk_lp;
     int32_t *rl_topk_id;
+    fm_rl_call rl; /* the current library call's switches; all false outside one (the trainer) */
     fm_moe_ep_ws moe_ep_ws;     /* expert parallelism's working set (the expert-dispatch live set;
                                    bounded/fm_moe_ep.h), laid out when p.ep > 1 */
     int32_t *moe_ep_counts_host; /* [N*k] host copy of top-k ids for the expert-load counts when the

@@ -88,16 +88,17 @@ static fm_status linear_ce(fm_model *m, bool grads, float scale) {
     o.block_vocab = m->a.ce_block_vocab;
     const int64_t valid = m->a.n_valid;
     float gs = valid ? scale / (float)valid : 0.0f;
-    if (m->a.rl_weighted) { /* the RL head (fm_acts.h): the weights carry the whole per-token coefficient */
+    const fm_rl_call *rl = &m->a.rl; /* the library call's switches (fm_acts.h), each read in its phase */
+    if (rl->weighted && grads) { /* the RL head: the weights carry the whole per-token coefficient */
         o.token_weight = m->a.rl_weight;
         gs = scale;
-        if (m->a.rl_ent_on) { /* the entropy bonus: its gradient through the logits (fm_acts.h) */
+        if (rl->ent_bonus) { /* the entropy bonus: its gradient through the logits (fm_acts.h) */
             o.ent_weight = m->a.rl_ent_weight;
             o.ent_value = m->a.rl_entropy;
         }
     }
-    if (m->a.rl_entropy_on && !grads) o.out_entropy = m->a.rl_entropy; /* the forward's entropies */
-    if (m->a.rl_entropy_on && !grads && m->a.rl_topk_lp) { /* and top-k log-probs (fm_acts.h) */
+    if (rl->outputs && !grads) o.out_entropy = m->a.rl_entropy; /* the forward's entropies */
+    if (rl->outputs && !grads && m->a.rl_topk_lp) { /* and top-k log-probs (fm_acts.h) */
         o.topk = m->a.opts.rl_topk;
         o.out_topk_logprob = m->a.rl_topk_lp;
         o.out_topk_id = m->a.rl_topk_id;

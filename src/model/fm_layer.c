@@ -143,8 +143,8 @@ mlp_block:
     const fm_router_segs segs = router_segs(m);
     FM_TRY(fm_router_forward(&m->be, &m->router, m->mesh.comm, m->a.ws.dlogits_r, &a->router, m->a.results + FM_RESULT_SCRATCH,
                              m->a.results + FM_RESULT_LAYERS + 2 * l, ln2, w->router, w->router_bias, N, H,
-                             m->a.rl_replay ? routes : NULL, &segs));
-    if (routes && m->a.rl_record && !m->a.rl_replay) /* the routes taken, read back by the library */
+                             m->a.rl.replay ? routes : NULL, &segs));
+    if (routes && m->a.rl.record && !m->a.rl.replay) /* the routes taken, read back by the library */
         OPS->copy_async(CTX, routes, a->router.topk_idx, sizeof(int32_t) * (size_t)(N * k), FM_COPY_D2D,
                         FM_STREAM_COMPUTE);
     const fm_moe_dims md = moe_dims(m);

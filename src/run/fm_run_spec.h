@@ -135,6 +135,15 @@ typedef struct fm_spec_report {
     const char *format;                      /* --format png | svg (checked by the command) */
 } fm_spec_report;
 
+/* The library's own options (include/flatmoe.h flatmoe_open): rows of `train` that the command
+ * refuses (fm_spec_check) unless `session` is set, as flatmoe_open sets it. */
+#define FM_SPEC_TOPK_MAX 64 /* --logprobs-topk's most (include/flatmoe.h FLATMOE_TOPK_MAX) */
+typedef struct fm_spec_library {
+    int64_t logprobs_topk;                   /* --logprobs-topk K: the top-k log-probs' buffers, 0 .. 64 */
+    bool kv_cache;                           /* --kv-cache: flatmoe_generate's KV cache */
+    bool session;                            /* set by flatmoe_open, never by a flag */
+} fm_spec_library;
+
 /* The run spec. `train` is the trainer's options (train/fm_trainer.h: shape, optimizer, memory
  * knobs, experts, parallelism, loop and checkpoint cadence, data, model source); the file lists
  * live in data_files / val_files (fm_spec_train_opts points train.data at them). */
@@ -146,6 +155,7 @@ typedef struct fm_run_spec {
     fm_spec_prepare prepare;
     fm_spec_calibrate calibrate;
     fm_spec_report report;
+    fm_spec_library library;
     const char *data_files[FM_SPEC_MAX_FILES];
     const char *val_files[FM_SPEC_MAX_FILES];
     uint64_t given[(FM_SPEC_MAX_ROWS + 63) / 64]; /* by row index */

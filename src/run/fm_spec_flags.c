@@ -261,6 +261,13 @@ const fm_spec_flag fm_spec_flags[] = {
            "shard (activations move when tokens per rank <= V/P, else the weight shards); the vocabulary live set is "
            "the ring's bound; needs the linear CE (1024 x 4096 blocks unless --ce-block-* are given); with --zero 0, 1 "
            "or 3 (under 3 the head is still gathered whole, each rank computing with its rows)", T | P, NOW),
+    /* ---- the library's own (include/flatmoe.h flatmoe_open; docs/rl.md) ---- */
+    V("logprobs-topk", FM_SPEC_I64, library.logprobs_topk, "0", NULL,
+      "libflatmoe sessions only (flatmoe_open; `train` refuses a non-zero value): the most top-k log-probs per token "
+      "flatmoe_logprobs_ex may ask for, 0 .. 64 (their [tokens, K] buffers are planned); 0 = none", T, NOW),
+    V("kv-cache", FM_SPEC_BOOL, library.kv_cache, NULL, "off: each round runs the whole prefix",
+      "libflatmoe sessions only (`train` refuses it): flatmoe_generate keeps a key/value cache of every layer for the "
+      "token budget, allocated at open (CPU build, one rank, softmax router)", T, NOW),
     /* ---- the planner's own ---- */
     V("device-mem", FM_SPEC_BYTES, planner.device_mem, NULL,
       "--gpu's, else (--backend cuda) the local GPU's, else no verdict",

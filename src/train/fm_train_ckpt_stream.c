@@ -305,7 +305,8 @@ fm_status fm_ckpt_stream_prepare(run *r, const fm_optim_state *os, int nos, int 
     const fm_hf_table *t = full_table(r);
     const int n = t->n_params;
     *n_slots = k;
-    if (r->rank != 0) return FM_OK;
+    /* every rank names them: rank 0 reads through them (the writer, or the library's export), and the
+     * library's export walks them on the other ranks too, each read the same collective (gather_piece) */
     for (int s = 0; s < k; s++) {
         FM_TRY(fm_hf_name_tensors(t, NULL, pre[s], r->named + s * n, r->names + s * n));
         for (int i = 0; i < n; i++) {

@@ -136,7 +136,9 @@ void fm_ckpt_stage_free(run *r);
  * a bf16 state); false: one rank's fp32 host buffers, named in place. */
 bool fm_ckpt_stream_wanted(const run *r, const fm_optim_state *os, int nos);
 /* Names the save's states (master twice, then the optimizer's others: *n_slots) with the
- * streaming fetch on rank 0 (r->named [n_slots x n_full]); the other ranks only count them. */
+ * streaming fetch (r->named [n_slots x n_full]) on every rank: each fetch is a collective whose
+ * values land on rank 0 (the writer there, fm_ckpt_stream_serve on the others; or every rank
+ * walking the same fetches, as the library's export does). */
 fm_status fm_ckpt_stream_prepare(run *r, const fm_optim_state *os, int nos, int *n_slots);
 /* Ranks other than 0, while rank 0 writes: send their parts of every piece in file order (a
  * collective with rank 0's writer). Errors: the communicator's. */

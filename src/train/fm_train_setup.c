@@ -634,9 +634,6 @@ fm_status fm_train_setup_session(run *r, const char *ckpt, train_state *ts) {
     FM_TRY(setup_config(r, ckpt));
     int dp = 1;
     FM_TRY(setup_world(r, &dp));
-    if (r->n_ranks != 1)
-        return fm_error(FM_ERR_ARG, "flatmoe_open: the library session runs on one rank, but the launcher started %d; "
-                        "run it without mpirun/srun (many ranks are not in this slice: docs/rl.md)", r->n_ranks);
     fm_train_plan tp;
     fm_status s = setup_plan(r, &tp); /* the plan, checked before anything is allocated */
     if (s == FM_OK) s = setup_allocate(r, &tp, dp);
