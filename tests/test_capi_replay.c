@@ -358,7 +358,10 @@ static double seq_aux_recompute(const flatmoe_session *s, double alpha) {
 }
 
 static double seq_aux_at(flatmoe_session *s, const flatmoe_batch *b) {
-    FM_ASSERT(fm_capi_pack(s, b, false) == FM_OK && fm_capi_forward(s, b) == FM_OK);
+    FM_ASSERT(fm_capi_pack(s, b, false) == FM_OK);
+    fm_capi_call_begin(s, b, false, false); /* the forward's switches (replay with b's routes) */
+    FM_ASSERT(fm_capi_forward(s, b) == FM_OK);
+    fm_capi_call_end(s);
     fm_loss l;
     fm_model_loss_from_results(&s->r.m, s->r.m.a.results, 1, &l);
     return l.aux;
