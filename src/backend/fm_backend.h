@@ -352,6 +352,10 @@ typedef struct fm_ops {
      * never sees the interleaving. NULL in a backend without it. */
     void (*swiglu_clamp_fwd)(void *ctx, fm_act *out, const fm_act *gate, const fm_act *up, int64_t n, float limit,
                              float alpha);
+    /* y[n,j] += b[j] for n < N, j < D: y [N,D] fp32 (router logits), b [D] fm_act (GPT-OSS's
+     * router Linear bias; its gradient is bias_grad's over the fm_act logit gradient). NULL in a
+     * backend without it. */
+    void (*bias_add_f32)(void *ctx, float *y, const fm_act *b, int64_t N, int64_t D);
     /* dgate, dup ASSIGNED, from dout and the saved gate, up: with s = sigmoid(alpha g'),
      *   dgate = dout (u' + 1) s (1 + alpha g' (1 - s)) where g <= limit, else 0;
      *   dup   = dout g' s where -limit <= u <= limit, else 0

@@ -21,11 +21,6 @@ fm_status fm_model_create(fm_model *m, const fm_config *cfg, fm_backend be) {
 
 fm_status fm_model_create_ep(fm_model *m, const fm_config *cfg, fm_backend be, int ep, int ep_rank) {
     memset(m, 0, sizeof *m);
-    if (cfg->model_type == FM_MODEL_GPT_OSS) /* issue 26: config, plan, ops and MXFP4 loading are in */
-        return fm_error(FM_ERR_UNSUPPORTED, "model_type gpt_oss: flatmoe reads the config, plans it (flatmoe plan) and "
-                        "has its operators (attention sinks and sliding windows, the clamped SwiGLU), but does not "
-                        "build its layers yet (the biased router and experts, sinks, sliding windows in model/); "
-                        "train a qwen3_moe, olmoe, mixtral or glm4_moe config instead");
     FM_TRY(fm_params_create(&m->p, cfg, ep, ep_rank));
     m->cfg = *cfg;
     m->be = be;

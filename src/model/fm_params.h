@@ -21,6 +21,8 @@ typedef struct fm_param {
     int64_t offset;   /* elements into the flat buffer */
     int64_t numel;
     bool decay;       /* AdamW weight decay applies (false for norm weights) */
+    bool init_normal; /* a 1-D tensor drawn Normal(0, initializer_range) (gpt_oss's sinks and router
+                       * bias, as GptOssPreTrainedModel._init_weights draws them), not 1 or 0 */
     bool buffer;      /* a buffer, not trained (e_score_correction_bias): zero-initialized, no weight
                        * decay, its gradient stays 0 so AdamW leaves it as it is; moved only by
                        * aux-loss-free balancing (train/fm_router_bias.h) */
@@ -40,6 +42,12 @@ typedef struct fm_layer_ptrs {
     fm_act *mlp_gate, *mlp_up, *mlp_down; /* dense layer: [Id,H], [Id,H], [H,Id] */
     fm_act *router_bias;                  /* sigmoid router: e_score_correction_bias [E], else NULL */
     fm_act *sh_gate, *sh_up, *sh_down;    /* shared experts (glm4_moe): [Is,H], [Is,H], [H,Is], else NULL */
+    /* gpt_oss (fm_config_gpt_oss.c), else NULL: the attention sinks [nh]
+     * (model.layers.N.self_attn.sinks), the router Linear's bias [E] (mlp.router.bias; the router
+     * weight is then mlp.router.weight), the experts' biases stacked gate and up [E,I], down [E,H]
+     * (per expert model.layers.N.mlp.experts.E.{gate,up,down}_proj.bias; Hugging Face's fused
+     * gate_up_proj_bias / down_proj_bias are mapped at load, io/fm_hf_weights.h) */
+    fm_act *sinks, *router_lin_bias, *eb_gate, *eb_up, *eb_down;
 } fm_layer_ptrs;
 
 typedef struct fm_model_ptrs {

@@ -544,6 +544,7 @@ static const fm_ops fm_cpu_ops = {
     .attention_ext_bwd = fm_cpu_attention_ext_bwd,
     .swiglu_clamp_fwd = fm_cpu_swiglu_clamp_fwd,
     .swiglu_clamp_bwd = fm_cpu_swiglu_clamp_bwd,
+    .bias_add_f32 = fm_cpu_bias_add_f32,
     .quant_fp8_rows = fm_cpu_quant_fp8_rows, /* cpu_fp8.c */
     .quant_fp8_blocks = fm_cpu_quant_fp8_blocks,
     .quant_fp8_cols_grouped = fm_cpu_quant_fp8_cols_grouped,

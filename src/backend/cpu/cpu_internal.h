@@ -232,7 +232,8 @@ void fm_cpu_fp8_swiglu_fwd_quant(void *ctx, float *out, void *a8, const float *g
 /* cpu_backend.c: SwiGLU (fm_backend.h swiglu_fwd / swiglu_bwd; each element's value does not
  * depend on its position or on n, so the fused fp8 ops call them on a tile's values) */
 void fm_cpu_swiglu_fwd(void *ctx, float *out, const float *gate, const float *up, int64_t n);
-/* cpu_swiglu_clamp.c: GPT-OSS's clamped SwiGLU (fm_backend.h swiglu_clamp_fwd / _bwd). */
+/* cpu_gpt_oss.c: GPT-OSS's clamped SwiGLU (fm_backend.h swiglu_clamp_fwd / _bwd), bias_add_f32. */
+void fm_cpu_bias_add_f32(void *ctx, float *y, const float *b, int64_t N, int64_t D);
 void fm_cpu_swiglu_clamp_fwd(void *ctx, float *out, const float *gate, const float *up, int64_t n, float limit,
                              float alpha);
 void fm_cpu_swiglu_clamp_bwd(void *ctx, float *dgate, float *dup, const float *dout, const float *gate,

@@ -146,7 +146,8 @@ void fm_cuda_expert_linear_bwd_dev(void *ctx, fm_act *dx, float beta, fm_act *dW
 void fm_cuda_add(void *ctx, fm_act *y, const fm_act *x, int64_t n);
 void fm_cuda_sumsq(void *ctx, double *out, const fm_act *x, int64_t n, bool accumulate);
 void fm_cuda_swiglu_fwd(void *ctx, fm_act *out, const fm_act *gate, const fm_act *up, int64_t n);
-/* cuda_swiglu_clamp.cu: GPT-OSS's clamped SwiGLU (swiglu_clamp_fwd / _bwd). */
+/* cuda_gpt_oss.cu: GPT-OSS's clamped SwiGLU (swiglu_clamp_fwd / _bwd), bias_add_f32. */
+void fm_cuda_bias_add_f32(void *ctx, float *y, const fm_act *b, int64_t N, int64_t D);
 void fm_cuda_swiglu_clamp_fwd(void *ctx, fm_act *out, const fm_act *gate, const fm_act *up, int64_t n, float limit,
                               float alpha);
 void fm_cuda_swiglu_clamp_bwd(void *ctx, fm_act *dgate, fm_act *dup, const fm_act *dout, const fm_act *gate,

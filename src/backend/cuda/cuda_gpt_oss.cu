@@ -1,5 +1,5 @@
-/* GPT-OSS's clamped SwiGLU on the GPU (fm_backend.h swiglu_clamp_fwd / swiglu_clamp_bwd): the
- * arithmetic of backend/cpu/cpu_swiglu_clamp.c per element in fp32 (expf, no fast math), bf16 in
+/* GPT-OSS's ops on the GPU: the router logits' bias (fm_backend.h bias_add_f32) and the clamped
+ * SwiGLU (swiglu_clamp_fwd / swiglu_clamp_bwd), the arithmetic of backend/cpu/cpu_gpt_oss.c per element in fp32 (expf, no fast math), bf16 in
  * and out, rounded to nearest even at the store. One thread per element, grid-stride. */
 #include "cuda_internal.h"
 
@@ -30,7 +30,20 @@ __global__ void swiglu_clamp_bwd_kernel(bf16 *dgate, bf16 *dup, const bf16 *dout
     }
 }
 
+__global__ void bias_add_f32_kernel(float *y, const bf16 *b, int64_t N, int64_t D) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < N * D; i += stride) y[i] += ld(b + i % D);
+}
+
 } // namespace
+
+void fm_cuda_bias_add_f32(void *ctx, float *y, const fm_act *b, int64_t N, int64_t D) {
+    fm_cuda_ctx *c = ctx_of(ctx);
+    FM_ASSERT(N >= 0 && D >= 1);
+    if (N == 0) return;
+    bias_add_f32_kernel<<<ew_blocks(N * D), EW_THREADS, 0, c->stream>>>(y, CBF(b), N, D);
+    FM_CUDA_LAUNCH_CHECK(c);
+}
 
 void fm_cuda_swiglu_clamp_fwd(void *ctx, fm_act *out, const fm_act *gate, const fm_act *up, int64_t n, float limit,
                               float alpha) {

@@ -1,4 +1,5 @@
-/* GPT-OSS's clamped SwiGLU on the CPU (fm_backend.h swiglu_clamp_fwd / swiglu_clamp_bwd): the
+/* GPT-OSS's ops on the CPU: the router logits' bias (fm_backend.h bias_add_f32) and the clamped
+ * SwiGLU (swiglu_clamp_fwd / swiglu_clamp_bwd). The SwiGLU is the
  * formula of transformers' GptOssExperts (modeling_gpt_oss.py) and OpenAI's gpt-oss reference
  * (gpt_oss/torch/model.py swiglu): gate clamped above at limit, up clamped to [-limit, limit],
  * out = (up + 1) * gate * sigmoid(alpha * gate). fp32, libm's expf, one fixed expression per
@@ -38,4 +39,10 @@ void fm_cpu_swiglu_clamp_bwd(void *ctx, float *dgate, float *dup, const float *d
         dgate[i] = g0 <= limit ? d * (u + 1.0f) * (s * (1.0f + alpha * g * (1.0f - s))) : 0.0f;
         dup[i] = u0 >= -limit && u0 <= limit ? d * (g * s) : 0.0f;
     }
+}
+
+void fm_cpu_bias_add_f32(void *ctx, float *y, const float *b, int64_t N, int64_t D) {
+#pragma omp parallel for num_threads(cpu_threads(ctx)) schedule(static) if (N * D >= FM_CPU_PAR_MIN)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t j = 0; j < D; j++) y[n * D + j] += b[j];
 }
