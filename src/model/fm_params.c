@@ -277,6 +277,14 @@ void fm_params_layer_expert_offsets(const fm_model_params *pp, int64_t l, int64_
     *down = x->w_down;
 }
 
+void fm_params_layer_expert_bias_offsets(const fm_model_params *pp, int64_t l, int64_t *gate, int64_t *up,
+                                         int64_t *down) {
+    const layer_offsets *x = &((const layer_offsets *)pp->offsets)[l];
+    *gate = x->eb_gate;
+    *up = x->eb_up;
+    *down = x->eb_down;
+}
+
 const fm_param *fm_params_find(const fm_model_params *pp, const char *name) {
     for (int i = 0; i < pp->n_tensors; i++)
         if (!strcmp(pp->table[i].name, name)) return &pp->table[i];

@@ -116,6 +116,11 @@ void fm_params_bind_group(fm_model_params *p, int64_t g, fm_act *weights, fm_act
 void fm_params_layer_expert_offsets(const fm_model_params *p, int64_t l, int64_t *gate, int64_t *up,
                                     int64_t *down);
 
+/* Flat offsets of layer l's stacked expert biases gate [E,I], up [E,I], down [E,H] (gpt_oss); -1
+ * each when the layer has none. */
+void fm_params_layer_expert_bias_offsets(const fm_model_params *p, int64_t l, int64_t *gate, int64_t *up,
+                                         int64_t *down);
+
 /* Looks up a parameter by Hugging Face name; NULL if absent. */
 const fm_param *fm_params_find(const fm_model_params *p, const char *name);
 
