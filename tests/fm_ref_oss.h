@@ -12,6 +12,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 static inline void fm_ref_swiglu_clamp_fwd(double *out, const double *gate, const double *up, int64_t n, double limit,
                                            double alpha) {
