@@ -185,6 +185,11 @@ void fm_config_gpt_oss_to_json(const fm_config *cfg, void *json);
 /* Whether layer l's attention is a sliding window (gpt_oss's layer_types; false elsewhere). */
 bool fm_config_layer_is_sliding(const fm_config *cfg, int64_t l);
 
+/* The T of layer l's attention FLOPs at sequence length T (the plan's 6 (nh hd) T per token, causal:
+ * T is twice the mean keys per query): T for a causal layer; for a sliding-window layer of window
+ * W < T, 2 x (W (W + 1) / 2 + (T - W) W) / T, twice its mean keys per query. */
+double fm_config_attention_span(const fm_config *cfg, int64_t l, int64_t T);
+
 /* gpt_oss's parameters beside those fm_config_num_params counts for every model: per layer the
  * sinks [nh]; per MoE layer the router bias [E] and the experts' biases E * (2 I + H). */
 int64_t fm_config_gpt_oss_extra_params(const fm_config *cfg, bool active);

@@ -146,3 +146,9 @@ int64_t fm_config_gpt_oss_extra_params(const fm_config *c, bool active) {
     const int64_t eb = c->expert_bias ? (active ? k : E) * (2 * I + H) : 0;
     return c->num_hidden_layers * sinks + Lm * (rb + eb);
 }
+
+double fm_config_attention_span(const fm_config *c, int64_t l, int64_t T) {
+    const int64_t W = fm_config_layer_is_sliding(c, l) ? c->sliding_window : 0;
+    if (W <= 0 || W >= T) return (double)T;
+    return 2.0 * ((double)W * (double)(W + 1) / 2.0 + (double)(T - W) * (double)W) / (double)T;
+}
