@@ -2,8 +2,9 @@
 """Hugging Face parity of flatmoe's CPU backend (fp32) and of its CUDA backend (bf16).
 
 For each model family (OlmoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM,
-Qwen3MoeForCausalLM with dense layers: decoder_sparse_step 2, mlp_only_layers [0], Glm4MoeForCausalLM,
-DeepseekV3ForCausalLM with and without q_lora_rank) this builds a
+Qwen3MoeForCausalLM with dense layers: decoder_sparse_step 2, mlp_only_layers [0], and, when the
+installed transformers has them, Glm4MoeForCausalLM, DeepseekV3ForCausalLM with and without
+q_lora_rank, GptOssForCausalLM) this builds a
 small random model with transformers, saves it, and compares against flatmoe (tools/fm_hf_grad),
 after checking that flatmoe counts the parameters transformers built:
   1. transformers -> flatmoe: the loss, the logits and every parameter's gradient on one batch;
@@ -144,6 +145,15 @@ def configs():
     yield "olmoe_linear", transformers.OlmoeConfig(intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                                    norm_topk_prob=False, rope_theta=10000.0,
                                                    rope_scaling={"rope_type": "linear", "factor": 2.0}, **common)
+    # GPT-OSS (GptOssForCausalLM, issue 26; docs/models.md): sliding (window 8 in 24-token
+    # sequences) and full layers, attention sinks, q/k/v/o biases, the router's bias, the experts'
+    # biases and the clamped SwiGLU (limit 1.5, so some gates and ups clamp), GptOssConfig's YaRN
+    if hasattr(transformers, "GptOssConfig"):
+        oss = dict(common, num_hidden_layers=3)
+        yield "gpt_oss", transformers.GptOssConfig(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                                                   head_dim=16, sliding_window=8, swiglu_limit=1.5,
+                                                   layer_types=["sliding_attention", "full_attention",
+                                                                "sliding_attention"], **oss)
 
 
 def nerr(a, b):
@@ -313,6 +323,48 @@ def expert_grad(fm, prefix, e_count, which):
     return torch.stack([fm[f"grad.{prefix}.{e}.{which}.weight"] for e in range(e_count)])
 
 
+def oss_expert_grad(pname, g, fm):
+    """flatmoe's per-expert gradients in the layout of GptOssExperts' fused parameter pname (shape
+    of g): gate_up_proj [E, H, 2I] (gate and up interleaved along 2I), gate_up_proj_bias [E, 2I],
+    down_proj [E, I, H], down_proj_bias [E, H]; None for another parameter."""
+    prefix, leaf = pname.rsplit(".", 1)
+    E = g.shape[0]
+    if leaf == "gate_up_proj":
+        gu = torch.stack([expert_grad(fm, prefix, E, "gate_proj"), expert_grad(fm, prefix, E, "up_proj")], dim=2)
+        return gu.reshape(E, -1, gu.shape[-1]).transpose(1, 2)  # [E, I, 2, H] -> [E, 2I, H] -> [E, H, 2I]
+    if leaf == "gate_up_proj_bias":
+        gb = torch.stack([fm[f"grad.{prefix}.{e}.gate_proj.bias"] for e in range(E)])
+        ub = torch.stack([fm[f"grad.{prefix}.{e}.up_proj.bias"] for e in range(E)])
+        return torch.stack([gb, ub], dim=2).reshape(E, -1)
+    if leaf == "down_proj":
+        return expert_grad(fm, prefix, E, "down_proj").transpose(1, 2)  # [E, H, I] -> [E, I, H]
+    if leaf == "down_proj_bias":
+        return torch.stack([fm[f"grad.{prefix}.{e}.down_proj.bias"] for e in range(E)])
+    return None
+
+
+def fuse_gpt_oss(ck, out):
+    """A copy of flatmoe checkpoint folder ck at out with GptOss's fused expert tensors (flatmoe writes
+    them per expert: docs/models.md), for transformers' from_pretrained."""
+    import shutil
+    os.makedirs(out, exist_ok=True)
+    shutil.copy(os.path.join(ck, "config.json"), os.path.join(out, "config.json"))
+    t = load_file(os.path.join(ck, "model.safetensors"))
+    res = {k: v for k, v in t.items() if ".mlp.experts." not in k}
+    layers = sorted({int(k.split(".")[2]) for k in t if ".mlp.experts." in k})
+    for l in layers:
+        p = f"model.layers.{l}.mlp.experts"
+        E = len({k.split(".")[5] for k in t if k.startswith(p + ".")})
+        st = lambda w: torch.stack([t[f"{p}.{e}.{w}"] for e in range(E)])
+        gu = torch.stack([st("gate_proj.weight"), st("up_proj.weight")], dim=2)  # [E, I, 2, H]
+        res[f"{p}.gate_up_proj"] = gu.reshape(E, -1, gu.shape[-1]).transpose(1, 2).contiguous()
+        res[f"{p}.gate_up_proj_bias"] = torch.stack([st("gate_proj.bias"), st("up_proj.bias")], dim=2).reshape(E, -1)
+        res[f"{p}.down_proj"] = st("down_proj.weight").transpose(1, 2).contiguous()
+        res[f"{p}.down_proj_bias"] = st("down_proj.bias")
+    save_file(res, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def compare_grads(name, model, fm, failures, check=True):
     """Compares every gradient; returns [(parameter name, normalized error)]. With check=False the
     errors are not held against TOL here (the bf16 baseline judges them); missing or misshapen
@@ -330,6 +382,8 @@ def compare_grads(name, model, fm, failures, check=True):
         key = "grad." + pname
         if key in fm:
             ours = fm[key]
+        elif name.startswith("gpt_oss") and oss_expert_grad(pname, g, fm) is not None:
+            ours = oss_expert_grad(pname, g, fm)
         elif pname.endswith("experts.gate_up_proj") or pname.endswith("experts.down_proj"):
             # transformers 5 fuses experts: gate_up [E, 2I, H], down [E, H, I]
             mix = name.startswith("mixtral")
@@ -585,6 +639,8 @@ def main():
                                 "--data", text, "--seq-len", "32", "--micro-batch", "2", "--steps", "2",
                                 "--quiet", "--out", run], check=True)
                 ck = os.path.join(run, "step_000002")
+                if name.startswith("gpt_oss"):  # flatmoe writes the experts per expert: fuse them
+                    ck = fuse_gpt_oss(ck, os.path.join(tmp, name + "-fused"))
                 back = transformers.AutoModelForCausalLM.from_pretrained(ck, attn_implementation="eager").float()
                 with torch.no_grad():
                     ref = back(input_ids=ids).logits

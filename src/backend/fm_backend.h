@@ -338,6 +338,25 @@ typedef struct fm_ops {
                           const fm_act *q, const fm_act *k, const fm_act *v, const fm_act *out,
                           const float *lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
                           int64_t hd, const int32_t *kv_start);
+    /* attention_fwd / _bwd with GPT-OSS's attention sinks and sliding window (transformers'
+     * GptOssAttention, eager_attention_forward; masking_utils.sliding_window_overlay):
+     *   window W > 0: query t sees keys max(kv_start, t - W + 1) .. t (W keys, itself included);
+     *     W = 0: attention_fwd's keys;
+     *   sinks [nh] (NULL: none): head h's softmax runs over [scores, sinks[h]] and the sink's
+     *     column is dropped: P_tj = exp(s_tj - lse_t), lse_t = log(sum_j exp(s_tj) + exp(sinks[h]))
+     *     (lse [B,nh,T] includes the sink, so the backward recomputes P from it as before).
+     * Backward: dq, dk, dv ASSIGNED as attention_bwd's; dsinks [nh] ACCUMULATED (+=, a parameter
+     * gradient): dsinks[h] += -sum over (b,t) of exp(sinks[h] - lse[b,h,t]) (dO . O)[b,t,h]
+     * (the sink's column of dS = P (dP - D) with dP = 0); skipped when sinks or dsinks is NULL.
+     * With sinks NULL and W 0 the results are attention_fwd's / _bwd's bit for bit. NULL in a
+     * backend without them. */
+    void (*attention_ext_fwd)(void *ctx, fm_act *out, float *lse, const fm_act *q, const fm_act *k, const fm_act *v,
+                              int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start,
+                              const fm_act *sinks, int64_t window);
+    void (*attention_ext_bwd)(void *ctx, fm_act *dq, fm_act *dk, fm_act *dv, fm_act *dsinks, const fm_act *dout,
+                              const fm_act *q, const fm_act *k, const fm_act *v, const fm_act *out, const float *lse,
+                              int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start,
+                              const fm_act *sinks, int64_t window);
 
     /* ---- SwiGLU (Shazeer 2020): out = silu(gate) * up ------------------------------------- */
 
@@ -346,6 +365,26 @@ typedef struct fm_ops {
     /* dgate, dup assigned, from dout and the saved gate, up. */
     void (*swiglu_bwd)(void *ctx, fm_act *dgate, fm_act *dup, const fm_act *dout, const fm_act *gate,
                        const fm_act *up, int64_t n);
+
+    /* ---- the clamped SwiGLU of GPT-OSS (transformers' GptOssExperts; OpenAI's gpt-oss
+     * reference swiglu), per element in fp32, limit > 0, alpha > 0:
+     *   g' = min(g, limit), u' = clamp(u, -limit, limit) (NaN stays NaN),
+     *   out = (u' + 1) * g' * sigmoid(alpha * g').
+     * gate and up are separate arrays of n elements each: Hugging Face's interleaved gate_up_proj
+     * (gate = [..., ::2], up = [..., 1::2]) is split at load (io/fm_hf_weights.c), so the op
+     * never sees the interleaving. NULL in a backend without it. */
+    void (*swiglu_clamp_fwd)(void *ctx, fm_act *out, const fm_act *gate, const fm_act *up, int64_t n, float limit,
+                             float alpha);
+    /* y[n,j] += b[j] for n < N, j < D: y [N,D] fp32 (router logits), b [D] fm_act (GPT-OSS's
+     * router Linear bias; its gradient is bias_grad's over the fm_act logit gradient). NULL in a
+     * backend without it. */
+    void (*bias_add_f32)(void *ctx, float *y, const fm_act *b, int64_t N, int64_t D);
+    /* dgate, dup ASSIGNED, from dout and the saved gate, up: with s = sigmoid(alpha g'),
+     *   dgate = dout (u' + 1) s (1 + alpha g' (1 - s)) where g <= limit, else 0;
+     *   dup   = dout g' s where -limit <= u <= limit, else 0
+     * (torch.clamp's gradient: 1 inside the closed interval, 0 outside). */
+    void (*swiglu_clamp_bwd)(void *ctx, fm_act *dgate, fm_act *dup, const fm_act *dout, const fm_act *gate,
+                             const fm_act *up, int64_t n, float limit, float alpha);
 
     /* ---- router: softmax over experts, top-k ---------------------------------------------- */
 

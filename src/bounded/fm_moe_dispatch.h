@@ -20,13 +20,16 @@
 #include "../backend/fm_backend.h"
 #include "../core/fm_arena.h"
 
-/* Expert weights of one layer: gate and up [E,I,H], down [E,H,I] (stacked HF per-expert). */
+/* Expert weights of one layer: gate and up [E,I,H], down [E,H,I] (stacked HF per-expert); the
+ * experts' biases (gpt_oss), gate and up [E,I], down [E,H], or NULL (none: every other model). */
 typedef struct fm_moe_weights {
     const fm_act *w_gate, *w_up, *w_down;
+    const fm_act *b_gate, *b_up, *b_down;
 } fm_moe_weights;
 
 typedef struct fm_moe_grads {
     fm_act *w_gate, *w_up, *w_down; /* accumulated (+=) */
+    fm_act *b_gate, *b_up, *b_down; /* accumulated (+=); NULL with the weights' biases */
 } fm_moe_grads;
 
 /* The dims of the block. sync_free: the backend runs the expert GEMMs from device-readable
@@ -43,6 +46,8 @@ typedef struct fm_moe_dims {
                        then holds the code operands (backend/fm_fp8_layout.h) instead */
     int64_t fp8_cache_layers; /* with fp8_codes: > 0 keeps that many layers' weight operands
                                  (ws->w8_cache) instead of one set; 0: none */
+    float swiglu_limit, swiglu_alpha; /* > 0: GPT-OSS's clamped SwiGLU (fm_backend.h swiglu_clamp_fwd);
+                                         0: the plain SwiGLU */
 } fm_moe_dims;
 
 /* Buffers of one dispatch over n tokens (R = n*k routes): the routing index and the expert

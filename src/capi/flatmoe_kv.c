@@ -50,6 +50,8 @@ static const char *kv_refusal(const flatmoe_session *s) {
     if (sizeof(fm_act) != sizeof(float)) return "the CUDA build (the cache's decoder runs on the CPU build only)";
     if (s->r.n_ranks > 1) return "a session of several ranks (flatmoe_generate is one rank's)";
     if (c->mla) return "multi-head latent attention (deepseek_v3)";
+    if (c->attention_sinks || c->sliding_window > 0 || c->expert_bias || c->router_linear_bias || c->swiglu_limit > 0)
+        return "gpt_oss's attention sinks, sliding windows, biased router and experts, clamped SwiGLU";
     if (c->router_sigmoid) return "the sigmoid router (glm4_moe, deepseek_v3)";
     if (fm_config_shared_width(c) > 0) return "shared experts";
     if (s->r.m.a.moe_fp8) return "--expert-precision fp8";

@@ -3,6 +3,9 @@
  * reading the table from them. */
 #include "fm_hf_weights.h"
 
+#include "../core/fm_log.h"
+#include "fm_mxfp4.h"
+
 #include <cjson/cJSON.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -246,6 +249,93 @@ static fm_status read_fused(reader *r, const char *prefix, int64_t l, float *tmp
     return read_tensor(r, name, base + x->down, 3, d_shape);
 }
 
+/* ---- gpt_oss's fused experts (fm_hf_weights.h) ---------------------------------------------- */
+
+/* Reads U8 tensor `name` (MXFP4 blocks or scales) of the files, marking it used. */
+static fm_status read_u8(reader *r, const char *name, uint8_t *dst, int ndim, const int64_t *shape) {
+    int k = 0;
+    const fm_st_tensor *x = find(r, name, &k);
+    if (!x) return fm_error(FM_ERR_FORMAT, "%s: no tensor named '%s' (an MXFP4 tensor's blocks and scales come in "
+                            "pairs)", r->f->where, name);
+    FM_TRY(fm_st_read_u8(&r->f->st[k], name, dst, ndim, shape));
+    r->used[k][x - r->f->st[k].tensors] = true;
+    return FM_OK;
+}
+
+/* Expert matrix `proj` of layer l as fp32 rows [E, rows, cols] (rows x cols the MXFP4 layout's:
+ * gate_up 2I x H, down H x I) into tmp, from NAME_blocks / NAME_scales; *n_mx counts the tensors
+ * dequantized. Returns FM_OK with *found false when the file has no MXFP4 form of it. */
+static fm_status read_mxfp4(reader *r, const char *base_name, int64_t E, int64_t rows, int64_t cols, float *tmp,
+                            bool *found, int *n_mx) {
+    char bn[288], sn[288];
+    snprintf(bn, sizeof bn, "%s_blocks", base_name);
+    snprintf(sn, sizeof sn, "%s_scales", base_name);
+    int k;
+    *found = find(r, bn, &k) != NULL;
+    if (!*found) return FM_OK;
+    if (cols % 32)
+        return fm_error(FM_ERR_FORMAT, "%s: '%s' is MXFP4, whose blocks hold 32 values, but the row length %lld (from "
+                        "config.json) is not a multiple of 32", r->f->where, bn, (long long)cols);
+    const int64_t G = cols / 32, bshape[4] = {E, rows, G, 16}, sshape[3] = {E, rows, G};
+    uint8_t *blk = fm_malloc((size_t)(E * rows * G * 16)), *scl = fm_malloc((size_t)(E * rows * G));
+    fm_status s = blk && scl ? FM_OK : fm_error(FM_ERR_NOMEM, "%s: out of memory for '%s'", r->f->where, bn);
+    if (s == FM_OK) s = read_u8(r, bn, blk, 4, bshape);
+    if (s == FM_OK) s = read_u8(r, sn, scl, 3, sshape);
+    if (s == FM_OK) s = fm_mxfp4_dequant(tmp, blk, scl, E * rows, G, bn);
+    fm_free(blk);
+    fm_free(scl);
+    if (s == FM_OK) (*n_mx)++;
+    return s;
+}
+
+/* Layer l's gpt_oss experts into the stacked gate, up, down and their biases; tmp holds
+ * E*2I*H floats. */
+static fm_status read_oss(reader *r, const char *prefix, int64_t l, float *tmp, float *base, int *n_mx) {
+    const fm_hf_table *t = r->t;
+    const int64_t E = t->n_experts, H = t->hidden, I = t->expert_width;
+    const fm_hf_experts *x = &t->experts[l], *b = &t->expert_bias[l];
+    char name[256];
+    bool mx;
+    snprintf(name, sizeof name, "%smodel.layers.%lld.mlp.experts.gate_up_proj", prefix, (long long)l);
+    FM_TRY(read_mxfp4(r, name, E, 2 * I, H, tmp, &mx, n_mx));
+    if (mx) { /* [E, 2I, H]: row 2i gate, 2i+1 up */
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t i = 0; i < I; i++) {
+                memcpy(base + x->gate + (e * I + i) * H, tmp + (e * 2 * I + 2 * i) * H, sizeof(float) * (size_t)H);
+                memcpy(base + x->up + (e * I + i) * H, tmp + (e * 2 * I + 2 * i + 1) * H, sizeof(float) * (size_t)H);
+            }
+    } else { /* [E, H, 2I] */
+        const int64_t shape[3] = {E, H, 2 * I};
+        FM_TRY(read_tensor(r, name, tmp, 3, shape));
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t i = 0; i < I; i++) {
+                    base[x->gate + (e * I + i) * H + h] = tmp[(e * H + h) * 2 * I + 2 * i];
+                    base[x->up + (e * I + i) * H + h] = tmp[(e * H + h) * 2 * I + 2 * i + 1];
+                }
+    }
+    snprintf(name, sizeof name, "%smodel.layers.%lld.mlp.experts.gate_up_proj_bias", prefix, (long long)l);
+    const int64_t gb_shape[2] = {E, 2 * I};
+    FM_TRY(read_tensor(r, name, tmp, 2, gb_shape));
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t i = 0; i < I; i++) {
+            base[b->gate + e * I + i] = tmp[e * 2 * I + 2 * i];
+            base[b->up + e * I + i] = tmp[e * 2 * I + 2 * i + 1];
+        }
+    snprintf(name, sizeof name, "%smodel.layers.%lld.mlp.experts.down_proj", prefix, (long long)l);
+    FM_TRY(read_mxfp4(r, name, E, H, I, base + x->down, &mx, n_mx)); /* [E, H, I]: flatmoe's layout */
+    if (!mx) { /* [E, I, H] */
+        const int64_t shape[3] = {E, I, H};
+        FM_TRY(read_tensor(r, name, tmp, 3, shape));
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t i = 0; i < I; i++)
+                for (int64_t h = 0; h < H; h++) base[x->down + (e * H + h) * I + i] = tmp[(e * I + i) * H + h];
+    }
+    snprintf(name, sizeof name, "%smodel.layers.%lld.mlp.experts.down_proj_bias", prefix, (long long)l);
+    const int64_t db_shape[2] = {E, H};
+    return read_tensor(r, name, base + b->down, 2, db_shape);
+}
+
 /* Lists (or refuses) the tensors of the files with the prefix that were not read. */
 static fm_status check_extras(const reader *r, const char *prefix) {
     const size_t plen = strlen(prefix);
@@ -295,6 +385,7 @@ fm_status fm_hf_read_files(const fm_hf_table *t, const fm_hf_files *f, const cha
     r.used = fm_malloc(sizeof(bool *) * (size_t)(f->n > 0 ? f->n : 1));
     if (r.used) memset(r.used, 0, sizeof(bool *) * (size_t)(f->n > 0 ? f->n : 1));
     float *tmp = NULL;
+    int n_mx = 0; /* gpt_oss's MXFP4 tensors dequantized */
     if (!fused || !r.used) s = fm_error(FM_ERR_NOMEM, "%s: out of memory", f->where);
     for (int k = 0; k < f->n && s == FM_OK; k++) {
         const size_t n = (size_t)(f->st[k].n_tensors > 0 ? f->st[k].n_tensors : 1);
@@ -308,20 +399,29 @@ fm_status fm_hf_read_files(const fm_hf_table *t, const fm_hf_files *f, const cha
         snprintf(name, sizeof name, "%smodel.layers.%lld.%s.experts.gate_up_proj", prefix, (long long)l, t->moe_module);
         int k;
         fused[l] = find(&r, name, &k) != NULL;
+        if (t->expert_bias && !fused[l]) { /* gpt_oss: MXFP4 blocks and scales */
+            strcat(name, "_blocks");
+            fused[l] = find(&r, name, &k) != NULL;
+        }
         if (!fused[l]) continue;
         if (!tmp && !(tmp = fm_malloc(sizeof(float) * (size_t)(E * 2 * I * H)))) {
             s = fm_error(FM_ERR_NOMEM, "%s: out of memory reading fused experts", f->where);
             break;
         }
-        s = read_fused(&r, prefix, l, tmp, base);
+        s = t->expert_bias ? read_oss(&r, prefix, l, tmp, base, &n_mx) : read_fused(&r, prefix, l, tmp, base);
     }
     fm_free(tmp);
+    if (s == FM_OK && n_mx > 0)
+        fm_log(FM_LOG_INFO, "%s: %d expert tensors stored in MXFP4 (blocks and scales) dequantized to fp32 at load "
+               "(exact); training keeps them at full precision", f->where, n_mx);
     for (int i = 0; i < t->n_params && s == FM_OK; i++) {
         const fm_hf_param *p = &t->params[i];
         bool in_fused = false;
         for (int64_t l = 0; l < L && !in_fused; l++) {
             const int64_t lo = t->experts[l].gate, hi = t->experts[l].down + E * H * I;
             in_fused = fused[l] && p->offset >= lo && p->offset < hi;
+            if (t->expert_bias && fused[l] && t->expert_bias[l].gate >= 0) /* and gpt_oss's expert biases */
+                in_fused = in_fused || (p->offset >= t->expert_bias[l].gate && p->offset < t->expert_bias[l].down + E * H);
         }
         if (in_fused) continue;
         snprintf(name, sizeof name, "%s%s", prefix, p->name);

@@ -13,7 +13,16 @@
  *   - fused per layer (transformers 5): "model.layers.<l>.<moe>.experts.gate_up_proj" [E, 2I, H]
  *     (rows 0..I-1 of each expert are gate, I..2I-1 up) and "model.layers.<l>.<moe>.experts.down_proj"
  *     [E, H, I]; read into the stacked buffers gate [E, I, H], up [E, I, H], down [E, H, I].
- * <moe> is "mlp" (Qwen3-MoE, OLMoE) or "block_sparse_moe" (Mixtral).
+ *   - gpt_oss (the table's expert_bias set; transformers' GptOssExperts): per layer
+ *     "model.layers.<l>.mlp.experts.gate_up_proj" [E, H, 2I] (x @ W: column 2i of expert e is gate
+ *     row i, column 2i+1 up row i), "...gate_up_proj_bias" [E, 2I] (interleaved the same way),
+ *     "...down_proj" [E, I, H] (x @ W), "...down_proj_bias" [E, H]; or, as the released
+ *     checkpoints store them, gate_up_proj and down_proj in MXFP4 ("..._blocks" [E, 2I, H/32, 16]
+ *     and "..._scales" [E, 2I, H/32]; down [E, H, I/32, 16] and [E, H, I/32]: io/fm_mxfp4.h),
+ *     dequantized exactly at load (logged). Read into the stacked gate, up [E, I, H], down
+ *     [E, H, I] and the biases gate, up [E, I], down [E, H] (the transposes and the
+ *     de-interleaving are exact permutations).
+ * <moe> is "mlp" (Qwen3-MoE, OLMoE, gpt_oss) or "block_sparse_moe" (Mixtral).
  * Stored dtypes F32, F16, BF16 and F64 are converted to fp32 on reading (fm_st_read_f32).
  *
  * A model's tensors may lie in one file or in several (fm_hf_files): a Hugging Face model folder
@@ -67,6 +76,10 @@ typedef struct fm_hf_table {
      * layers a glm4_moe checkpoint holds after its num_hidden_layers (transformers' Glm4MoeModel
      * ignores them on load: _keys_to_ignore_on_load_unexpected); 0: none skipped */
     int64_t skip_layers_from;
+    /* gpt_oss: per layer [n_layers] the offsets of the experts' biases, gate [E, I], up [E, I] and
+     * down [E, H] in the fields gate, up, down (each contiguous; gate < 0: none), and the fused
+     * gpt_oss layout above is read where a file has it; NULL: no expert biases (every other model) */
+    const fm_hf_experts *expert_bias;
 } fm_hf_table;
 
 /* Fills out[0..n_params) with the table's tensors under their Hugging Face names with `prefix`

@@ -77,6 +77,9 @@ static const hf_defaults k_hf_defaults[] = {
     {"glm4_moe", FM_MODEL_GLM4_MOE, 151552, 4096, 10944, 1408, 46, 96, 8, 131072, 128, 8, 10000.0, 1e-5, 0.0},
     /* DeepseekV3Config (DeepSeek-V3 671B): n_routed_experts 256; MLA's fields in fm_config_mla.c */
     {"deepseek_v3", FM_MODEL_DEEPSEEK_V3, 129280, 7168, 18432, 2048, 61, 128, 128, 4096, 256, 8, 10000.0, 1e-6, 0.0},
+    /* GptOssConfig: intermediate_size is the experts' width, num_local_experts, head_dim 64
+     * (fm_config_gpt_oss.c), rope_theta 150000 (its default_theta) */
+    {"gpt_oss", FM_MODEL_GPT_OSS, 201088, 2880, 2880, 0, 36, 64, 8, 131072, 128, 4, 150000.0, 1e-5, 0.001},
 };
 
 /* The field's value or, absent, its default; *defaulted says which (for messages). */
@@ -160,9 +163,10 @@ static fm_status parse_fields(fm_config *cfg, const cJSON *root, const char *pat
         FM_TRY(get_int(root, path, "intermediate_size", d->intermediate_size, &cfg->moe_intermediate_size));
     }
     /* transformers 5 writes qwen3_moe's expert count as num_local_experts: accept either name */
-    const char *experts_key = t == FM_MODEL_MIXTRAL ? "num_local_experts"
+    const bool local = t == FM_MODEL_MIXTRAL || t == FM_MODEL_GPT_OSS; /* num_local_experts */
+    const char *experts_key = local ? "num_local_experts"
                             : t == FM_MODEL_GLM4_MOE || ds ? "n_routed_experts" : "num_experts";
-    const char *experts_alt = t == FM_MODEL_MIXTRAL ? "num_experts" : "num_local_experts";
+    const char *experts_alt = local ? "num_experts" : "num_local_experts";
     if (!cJSON_GetObjectItemCaseSensitive(root, experts_key) && cJSON_GetObjectItemCaseSensitive(root, experts_alt))
         experts_key = experts_alt;
     FM_TRY(get_int(root, path, experts_key, d->num_experts, &cfg->num_experts));
@@ -180,11 +184,13 @@ static fm_status parse_fields(fm_config *cfg, const cJSON *root, const char *pat
     FM_TRY(get_num(root, path, "router_aux_loss_coef", d->router_aux_loss_coef, &cfg->router_aux_loss_coef));
     FM_TRY(get_num(root, path, "router_z_loss_coef", 0.0, &cfg->router_z_loss_coef));
     FM_TRY(get_num(root, path, "initializer_range", 0.02, &cfg->initializer_range));
-    if (t == FM_MODEL_MIXTRAL) cfg->norm_topk_prob = true;
+    /* mixtral renormalizes the top-k softmax; gpt_oss's softmax over the k selected logits is the
+     * same function (exp(l_i) / sum over the k of exp(l_j)) */
+    if (t == FM_MODEL_MIXTRAL || t == FM_MODEL_GPT_OSS) cfg->norm_topk_prob = true;
     else FM_TRY(get_bool(root, path, "norm_topk_prob", t == FM_MODEL_GLM4_MOE || ds, &cfg->norm_topk_prob));
     cfg->qk_norm = t == FM_MODEL_QWEN3_MOE ? FM_QK_NORM_PER_HEAD
                  : t == FM_MODEL_OLMOE ? FM_QK_NORM_FULL : FM_QK_NORM_NONE;
-    FM_TRY(get_int(root, path, "head_dim", 0, hd_given));
+    FM_TRY(get_int(root, path, "head_dim", t == FM_MODEL_GPT_OSS ? 64 : 0, hd_given)); /* GptOssConfig: 64 */
     cfg->routed_scaling_factor = 1.0;
     if (t == FM_MODEL_GLM4_MOE || ds) FM_TRY(fm_config_parse_glm4(cfg, root, path));
     if (ds) FM_TRY(fm_config_parse_mla(cfg, root, path, hd_given)); /* head_dim: MLA's q/k head dim */
@@ -216,7 +222,7 @@ static fm_status check_fields(fm_config *cfg, const char *path, int64_t hd_given
     const bool ds = t == FM_MODEL_DEEPSEEK_V3;
     const char *width_key = t == FM_MODEL_QWEN3_MOE || t == FM_MODEL_GLM4_MOE || ds ? "moe_intermediate_size"
                                                                                    : "intermediate_size";
-    const char *experts_key = t == FM_MODEL_MIXTRAL ? "num_local_experts"
+    const char *experts_key = t == FM_MODEL_MIXTRAL || t == FM_MODEL_GPT_OSS ? "num_local_experts"
                             : t == FM_MODEL_GLM4_MOE || ds ? "n_routed_experts" : "num_experts";
     const int64_t n_moe = fm_config_num_moe_layers(cfg);
     struct { const char *name; int64_t v; } pos[] = {
@@ -302,13 +308,13 @@ fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *pat
         st = fm_error(FM_ERR_FORMAT, "%s: expected a JSON object at the top level", path);
     } else if (!cJSON_IsString(mt)) {
         st = fm_error(FM_ERR_CONFIG, "%s: field \"model_type\" is missing or not a string; expected "
-                      "one of qwen3_moe, olmoe, mixtral, glm4_moe, deepseek_v3", path);
+                      "one of qwen3_moe, olmoe, mixtral, glm4_moe, deepseek_v3, gpt_oss", path);
     } else {
         for (size_t i = 0; i < sizeof k_hf_defaults / sizeof k_hf_defaults[0]; i++)
             if (!strcmp(mt->valuestring, k_hf_defaults[i].name)) d = &k_hf_defaults[i];
         if (!d)
             st = fm_error(FM_ERR_CONFIG, "%s: unknown model_type \"%s\"; expected one of qwen3_moe, olmoe, "
-                          "mixtral, glm4_moe, deepseek_v3", path, mt->valuestring);
+                          "mixtral, glm4_moe, deepseek_v3, gpt_oss", path, mt->valuestring);
     }
     if (st == FM_OK) {
         snprintf(cfg->model_type_name, sizeof cfg->model_type_name, "%s", mt->valuestring);
@@ -317,6 +323,7 @@ fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *pat
         bool kv_defaulted = false;
         st = parse_fields(cfg, root, path, d, &hd_given, &kv_defaulted);
         if (st == FM_OK) st = fm_config_parse_attention(cfg, root, path); /* biases, RoPE kinds */
+        if (st == FM_OK && cfg->model_type == FM_MODEL_GPT_OSS) st = fm_config_parse_gpt_oss(cfg, root, path);
         if (st == FM_OK) st = reject_unsupported(cfg, root, path);
         if (st == FM_OK) st = check_fields(cfg, path, hd_given, kv_defaulted);
         if (st == FM_OK) st = fm_config_check_attention(cfg, path);
@@ -348,7 +355,8 @@ char *fm_config_to_json(const fm_config *c) {
     const char *arch = c->model_type == FM_MODEL_QWEN3_MOE ? "Qwen3MoeForCausalLM"
                      : c->model_type == FM_MODEL_OLMOE ? "OlmoeForCausalLM"
                      : c->model_type == FM_MODEL_GLM4_MOE ? "Glm4MoeForCausalLM"
-                     : c->mla ? "DeepseekV3ForCausalLM" : "MixtralForCausalLM";
+                     : c->mla ? "DeepseekV3ForCausalLM"
+                     : c->model_type == FM_MODEL_GPT_OSS ? "GptOssForCausalLM" : "MixtralForCausalLM";
     cJSON *a = cJSON_AddArrayToObject(o, "architectures");
     cJSON_AddItemToArray(a, cJSON_CreateString(arch));
     cJSON_AddStringToObject(o, "model_type", c->model_type_name);
@@ -369,11 +377,12 @@ char *fm_config_to_json(const fm_config *c) {
     add_float(o, "rope_theta", c->rope_theta);
     add_float(o, "rms_norm_eps", c->rms_norm_eps);
     fm_config_attention_to_json(c, o); /* attention_bias, partial_rotary_factor, rope_scaling */
-    cJSON_AddNumberToObject(o, c->model_type == FM_MODEL_MIXTRAL ? "num_local_experts"
+    cJSON_AddNumberToObject(o, c->model_type == FM_MODEL_MIXTRAL || c->model_type == FM_MODEL_GPT_OSS ? "num_local_experts"
                                : c->model_type == FM_MODEL_GLM4_MOE || c->mla ? "n_routed_experts" : "num_experts",
                             (double)c->num_experts);
     cJSON_AddNumberToObject(o, "num_experts_per_tok", (double)c->num_experts_per_tok);
-    if (c->model_type != FM_MODEL_MIXTRAL) cJSON_AddBoolToObject(o, "norm_topk_prob", c->norm_topk_prob);
+    if (c->model_type != FM_MODEL_MIXTRAL && c->model_type != FM_MODEL_GPT_OSS)
+        cJSON_AddBoolToObject(o, "norm_topk_prob", c->norm_topk_prob);
     if (c->model_type == FM_MODEL_QWEN3_MOE) {
         cJSON_AddNumberToObject(o, "decoder_sparse_step", (double)c->decoder_sparse_step);
         cJSON *mo = cJSON_AddArrayToObject(o, "mlp_only_layers");
@@ -382,6 +391,7 @@ char *fm_config_to_json(const fm_config *c) {
     }
     if (c->model_type == FM_MODEL_GLM4_MOE || c->mla) fm_config_glm4_to_json(c, o);
     if (c->mla) fm_config_mla_to_json(c, o);
+    if (c->model_type == FM_MODEL_GPT_OSS) fm_config_gpt_oss_to_json(c, o);
     if ((c->model_type != FM_MODEL_GLM4_MOE && !c->mla) || c->router_aux_loss_coef > 0)
         add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
     if (c->router_z_loss_coef > 0) add_float(o, "router_z_loss_coef", c->router_z_loss_coef);
@@ -422,7 +432,7 @@ int64_t fm_config_num_params(const fm_config *c) {
     const int64_t L = c->num_hidden_layers, Lm = fm_config_num_moe_layers(c);
     int64_t layer = attn_params(c) + 2 * H;
     return V * H * (c->tie_word_embeddings ? 1 : 2) + L * layer + Lm * (E * H + E * 3 * H * I + fm_config_moe_extra_params(c)) +
-           (L - Lm) * dense_params(c) + H;
+           (L - Lm) * dense_params(c) + H + fm_config_gpt_oss_extra_params(c, false);
 }
 
 int64_t fm_config_num_active_params(const fm_config *c) {
@@ -430,5 +440,6 @@ int64_t fm_config_num_active_params(const fm_config *c) {
     int64_t k = c->num_experts_per_tok;
     const int64_t L = c->num_hidden_layers, Lm = fm_config_num_moe_layers(c);
     int64_t layer = attn_params(c) + 2 * H;
-    return V * H + L * layer + Lm * (E * H + k * 3 * H * I + fm_config_moe_extra_params(c)) + (L - Lm) * dense_params(c) + H;
+    return V * H + L * layer + Lm * (E * H + k * 3 * H * I + fm_config_moe_extra_params(c)) + (L - Lm) * dense_params(c) + H +
+           fm_config_gpt_oss_extra_params(c, true);
 }

@@ -46,6 +46,7 @@ typedef enum fm_model_type {
     FM_MODEL_GLM4_MOE, /* GLM-4.5 / GLM-4.5-Air (transformers' Glm4MoeConfig; fm_config_glm4.c) */
     FM_MODEL_DEEPSEEK_V3, /* DeepSeek-V3, Kimi-K2, Moonlight (DeepseekV3Config): glm4_moe's MoE block +
                            * multi-head latent attention (fm_config_mla.c, model/fm_mla.h) */
+    FM_MODEL_GPT_OSS,  /* gpt-oss-20b / -120b (transformers' GptOssConfig; fm_config_gpt_oss.c) */
 } fm_model_type;
 
 typedef enum fm_qk_norm {
@@ -126,6 +127,15 @@ typedef struct fm_config {
     int64_t kv_lora_rank;            /* compressed_kv's width */
     int64_t qk_nope_head_dim, qk_rope_head_dim, v_head_dim;
     bool rope_interleave;            /* q_pe, k_pe rotated in interleaved pairs (DeepseekV3Config default) */
+    /* gpt_oss (fm_config_gpt_oss.c; false / 0 for the other model_types) */
+    bool attention_sinks;            /* a learned sink logit per query head (self_attn.sinks [nh]) */
+    int64_t sliding_window;          /* keys within this many positions (the query's own included) on
+                                      * the layers of sliding_mask; 0: none */
+    uint64_t sliding_mask[FM_CONFIG_MLP_ONLY_MAX / 64]; /* bit i: layer_types[i] "sliding_attention" */
+    bool router_linear_bias;         /* the router Linear has a bias (mlp.router.bias [E]) */
+    bool expert_bias;                /* the experts' gate/up and down projections carry biases */
+    double swiglu_limit;             /* > 0: the clamped SwiGLU (fm_config_gpt_oss.c); 0: plain SwiGLU */
+    double swiglu_alpha;             /* the clamped SwiGLU's sigmoid gain (1.702) */
 } fm_config;
 
 /* Parses config.json text. `path` is only used in messages. Errors (each names the file and the
@@ -194,6 +204,30 @@ int64_t fm_config_mla_attn_params(const fm_config *cfg);
 
 /* glm4_moe's fields of cfg into the cJSON object json (fm_config_to_json's canonical form). */
 void fm_config_glm4_to_json(const fm_config *cfg, void *json);
+
+/* gpt_oss's fields and checks into cfg (fm_config_gpt_oss.c), called by fm_config_parse after the
+ * common and attention fields: sliding_window, layer_types, swiglu_limit, swiglu_alpha,
+ * output_router_logits, with GptOssConfig's defaults (and its default YaRN rope_parameters when
+ * the file has neither rope_scaling nor rope_parameters). root is a cJSON object. Errors:
+ * FM_ERR_FORMAT (a field of the wrong JSON type), FM_ERR_CONFIG (layer_types of the wrong length
+ * or an unknown entry, a non-positive sliding_window on a config with sliding layers, a
+ * non-positive swiglu_limit), each naming path and the field. */
+fm_status fm_config_parse_gpt_oss(fm_config *cfg, const void *root, const char *path);
+
+/* gpt_oss's fields of cfg into the cJSON object json (fm_config_to_json's canonical form). */
+void fm_config_gpt_oss_to_json(const fm_config *cfg, void *json);
+
+/* Whether layer l's attention is a sliding window (gpt_oss's layer_types; false elsewhere). */
+bool fm_config_layer_is_sliding(const fm_config *cfg, int64_t l);
+
+/* The T of layer l's attention FLOPs at sequence length T (the plan's 6 (nh hd) T per token, causal:
+ * T is twice the mean keys per query): T for a causal layer; for a sliding-window layer of window
+ * W < T, 2 x (W (W + 1) / 2 + (T - W) W) / T, twice its mean keys per query. */
+double fm_config_attention_span(const fm_config *cfg, int64_t l, int64_t T);
+
+/* gpt_oss's parameters beside those fm_config_num_params counts for every model: per layer the
+ * sinks [nh]; per MoE layer the router bias [E] and the experts' biases E * (2 I + H). */
+int64_t fm_config_gpt_oss_extra_params(const fm_config *cfg, bool active);
 
 /* An MoE layer's parameters beside its router weight and routed experts: the shared experts' 3
  * H Is and the sigmoid router's e_score_correction_bias E (fm_config.c). */

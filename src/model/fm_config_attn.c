@@ -77,7 +77,7 @@ fm_status fm_config_parse_attention(fm_config *cfg, const cJSON *root, const cha
     /* biases: Qwen3MoeAttention and OlmoeAttention bias q, k, v and o with attention_bias;
      * Glm4MoeAttention q, k and v only (its o_proj has bias=False) */
     const cJSON *ab = cJSON_GetObjectItemCaseSensitive(root, "attention_bias");
-    cfg->attention_bias = false;
+    cfg->attention_bias = cfg->model_type == FM_MODEL_GPT_OSS; /* GptOssConfig's default: true */
     if (ab && !cJSON_IsNull(ab)) {
         if (!cJSON_IsBool(ab)) return fm_error(FM_ERR_FORMAT, "%s: field \"attention_bias\" must be true or false", path);
         cfg->attention_bias = cJSON_IsTrue(ab);

@@ -10,7 +10,9 @@
 #include "fm_model.h"
 
 #include "fm_dense_mlp.h"
+#include "fm_layer_oss.h"
 #include "fm_moe_layer.h"
+#include "fm_router_oss.h"
 
 #define OPS (m->be.ops)
 #define CTX (m->be.ctx)
@@ -30,6 +32,8 @@ static fm_moe_dims moe_dims(const fm_model *m) {
     fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok,
                      m->a.moe_sync_free, m->a.moe_fp8, m->a.moe_fp8_codes,
                      m->a.opts.expert_fp8_cache ? fm_config_num_moe_layers(c) : 0}; /* a set per MoE layer */
+    d.swiglu_limit = (float)c->swiglu_limit; /* gpt_oss's clamped SwiGLU; 0 elsewhere */
+    d.swiglu_alpha = (float)c->swiglu_alpha;
     return d;
 }
 
@@ -119,6 +123,8 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
         PHASE(ATTENTION);
         if (m->mesh.sp > 1) /* Ulysses: to head-sharded, attention over the whole sequence, back */
             FM_TRY(fm_attn_sp_forward(&m->a.sp_attn, &m->be, a->att, a->lse, a->qr, a->kr, a->v, kvs));
+        else if (fm_layer_oss_attention(m, l)) /* gpt_oss: sinks, sliding windows */
+            fm_layer_oss_attention_fwd(m, l, a, kvs);
         else
             OPS->attention_fwd(CTX, a->att, a->lse, a->qr, a->kr, a->v, B, T, nh, nkv, hd, kvs);
         PHASE(DENSE);
@@ -141,14 +147,19 @@ mlp_block:
     const int64_t k = c->num_experts_per_tok;
     int32_t *routes = m->a.rl_routes ? m->a.rl_routes + moe_index(c, l) * N * k : NULL; /* the RL head's (fm_acts.h) */
     const fm_router_segs segs = router_segs(m);
-    FM_TRY(fm_router_forward(&m->be, &m->router, m->mesh.comm, m->a.ws.dlogits_r, &a->router, m->a.results + FM_RESULT_SCRATCH,
-                             m->a.results + FM_RESULT_LAYERS + 2 * l, ln2, w->router, w->router_bias, N, H,
-                             m->a.rl.replay ? routes : NULL, &segs));
+    if (w->router_lin_bias) /* gpt_oss: the router Linear's bias on the logits */
+        FM_TRY(fm_router_oss_forward(&m->be, &m->router, m->mesh.comm, m->a.ws.dlogits_r, &a->router,
+                                     m->a.results + FM_RESULT_SCRATCH, m->a.results + FM_RESULT_LAYERS + 2 * l, ln2,
+                                     w->router, w->router_lin_bias, N, H, m->a.rl.replay ? routes : NULL));
+    else
+        FM_TRY(fm_router_forward(&m->be, &m->router, m->mesh.comm, m->a.ws.dlogits_r, &a->router,
+                                 m->a.results + FM_RESULT_SCRATCH, m->a.results + FM_RESULT_LAYERS + 2 * l, ln2,
+                                 w->router, w->router_bias, N, H, m->a.rl.replay ? routes : NULL, &segs));
     if (routes && m->a.rl.record && !m->a.rl.replay) /* the routes taken, read back by the library */
         OPS->copy_async(CTX, routes, a->router.topk_idx, sizeof(int32_t) * (size_t)(N * k), FM_COPY_D2D,
                         FM_STREAM_COMPUTE);
     const fm_moe_dims md = moe_dims(m);
-    const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
+    const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down, w->eb_gate, w->eb_up, w->eb_down};
     if (m->mesh.moe_ep_comm) { /* expert parallelism (--ep): the experts of the ep group */
         m->a.moe_ep_ws.exp_ws.w8_layer = moe_index(c, l); /* --fp8-weight-cache: this layer's codes */
         FM_TRY(fm_moe_ep_layer_forward(&m->be, m->mesh.moe_ep_comm, &md, &mw, y, ln2, a->router.topk_idx, a->router.topk_w,
@@ -189,8 +200,8 @@ static fm_status moe_block_backward(fm_model *m, int64_t l, const fm_act *dy, co
     fm_bwd_ws *ws = &m->a.ws;
     const int64_t N = m->a.N, H = c->hidden_size;
     const fm_moe_dims md = moe_dims(m);
-    const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down};
-    const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down};
+    const fm_moe_weights mw = {w->w_gate, w->w_up, w->w_down, w->eb_gate, w->eb_up, w->eb_down};
+    const fm_moe_grads mg = {g->w_gate, g->w_up, g->w_down, g->eb_gate, g->eb_up, g->eb_down};
     if (m->mesh.moe_ep_comm) { /* expert parallelism: the ep group's error, the same on every rank */
         m->a.moe_ep_ws.exp_ws.w8_layer = moe_index(c, l);
         FM_TRY(fm_moe_ep_layer_backward(&m->be, m->mesh.moe_ep_comm, &md, &mw, &mg, ws->dln, ws->dtopk_w, dy, ln2,
@@ -208,6 +219,8 @@ static fm_status moe_block_backward(fm_model *m, int64_t l, const fm_act *dy, co
     fm_router_backward(&m->be, &m->router, n_tot, ws->dln, g->router, ws->dlogits_r, ws->dlogits_act, ws->dprobs_e,
                        ws->dtopk_w, &a->router, ln2, w->router, N, H, fm_config_num_moe_layers(c), scale,
                        &segs);
+    if (g->router_lin_bias) /* gpt_oss: the router bias's gradient from the logit gradient */
+        fm_router_oss_bias_backward(&m->be, g->router_lin_bias, ws->dlogits_act, N, c->num_experts);
     return FM_OK;
 }
 
@@ -257,6 +270,8 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     if (m->mesh.sp > 1) /* Ulysses: the transposed all-to-alls around the attention backward */
         FM_TRY(fm_attn_sp_backward(&m->a.sp_attn, &m->be, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att,
                                    a->lse, kvs));
+    else if (fm_layer_oss_attention(m, l)) /* gpt_oss: sinks (their gradient too), sliding windows */
+        fm_layer_oss_attention_bwd(m, l, a, datt, kvs);
     else
         OPS->attention_bwd(CTX, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att, a->lse, B, T, nh, nkv, hd,
                            kvs);

@@ -9,6 +9,7 @@
 #include "../bounded/fm_linear_ce.h"
 #include "../bounded/fm_linear_ce_ring.h"
 #include "fm_experts.h"
+#include "fm_layer_oss.h"
 #include "fm_rope.h"
 #include "fm_model_internal.h"
 
@@ -82,6 +83,8 @@ static void layout_ws(fm_bwd_ws *w, fm_arena *ar, const fm_config *c, int64_t N)
  * m->a.acts must already exist. */
 static fm_moe_dims moe_dims(const fm_config *c) {
     fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok};
+    d.swiglu_limit = (float)c->swiglu_limit; /* gpt_oss's clamped SwiGLU; 0 elsewhere */
+    d.swiglu_alpha = (float)c->swiglu_alpha;
     return d;
 }
 
@@ -426,6 +429,7 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
         return fm_error(FM_ERR_ARG, "--ce-block-tokens and --ce-block-vocab must be >= 0");
     m->a.moe_chunk_tokens = opts ? opts->moe_chunk_tokens : 0;
     m->a.moe_fp8 = opts && opts->expert_fp8;
+    FM_TRY(fm_layer_oss_check(m, sp, m->a.moe_fp8)); /* gpt_oss: its ops, no --sp or fp8 yet */
     m->a.linear_ce = opts && (opts->ce_block_tokens > 0 || opts->ce_block_vocab > 0);
     m->a.ce_block_tokens = opts ? opts->ce_block_tokens : 0;
     m->a.ce_block_vocab = opts ? opts->ce_block_vocab : 0;
@@ -480,7 +484,8 @@ fm_status fm_model_layout(fm_model *m, int64_t B, int64_t T, const fm_layout_opt
                          * --ep: the all-to-all needs the counts on the host) */
             m->a.moe_sync_free = ep == 1 && m->a.moe_fp8_codes && m->be.ops->moe_count_add != NULL;
         else
-            m->a.moe_sync_free = ep == 1 && m->be.ops->expert_sync_free &&
+            m->a.moe_sync_free = ep == 1 && !c->expert_bias && m->be.ops->expert_sync_free && /* gpt_oss's
+                               * per-expert biases read the host offsets (fm_experts.c) */
                                m->be.ops->expert_sync_free(m->be.ctx, c->num_experts, c->hidden_size,
                                                            c->moe_intermediate_size, rows_max);
     }

@@ -44,6 +44,7 @@ typedef struct layer_offsets {
     int64_t mlp_gate, mlp_up, mlp_down; /* dense layer only, else -1 */
     int64_t router_bias, sh_gate, sh_up, sh_down; /* sigmoid router's bias, shared experts; else -1 */
     int64_t wqa, qa_norm, wkva, kva_norm, wkvb; /* multi-head latent attention; else -1 */
+    int64_t sinks, router_lin_bias, eb_gate, eb_up, eb_down; /* gpt_oss; else -1 */
 } layer_offsets;
 
 /* Multi-head latent attention's projections (transformers' DeepseekV3Attention, in its order),
@@ -75,8 +76,8 @@ static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, 
                         int64_t *o_head, layer_offsets *lo, int64_t e0, int64_t e1) {
     const int64_t H = c->hidden_size, V = c->vocab_size, I = c->moe_intermediate_size, E = c->num_experts;
     const int64_t nh = c->num_attention_heads, nkv = c->num_key_value_heads, hd = c->head_dim;
-    const bool mixtral = c->model_type == FM_MODEL_MIXTRAL;
-    const char *moe = mixtral ? "block_sparse_moe" : "mlp";
+    const bool mixtral = c->model_type == FM_MODEL_MIXTRAL, oss = c->model_type == FM_MODEL_GPT_OSS;
+    const char *moe = mixtral ? "block_sparse_moe" : "mlp", *router = oss ? "router" : "gate";
     const char *n_gate = mixtral ? "w1" : "gate_proj", *n_up = mixtral ? "w3" : "up_proj",
                *n_down = mixtral ? "w2" : "down_proj";
     *o_embed = add_param(b, true, 2, V, H, "model.embed_tokens.weight");
@@ -99,6 +100,11 @@ static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, 
             x.wo = add_param(b, true, 2, H, nh * hd, "model.layers.%lld.self_attn.o_proj.weight", (long long)l);
             if (ob) x.bo = add_param(b, false, 1, H, 0, "model.layers.%lld.self_attn.o_proj.bias", (long long)l);
         }
+        x.sinks = x.router_lin_bias = x.eb_gate = x.eb_up = x.eb_down = -1;
+        if (c->attention_sinks) {
+            x.sinks = add_param(b, false, 1, nh, 0, "model.layers.%lld.self_attn.sinks", (long long)l);
+            if (b->t) b->t[b->n - 1].init_normal = true;
+        }
         x.q_norm = x.k_norm = -1;
         if (c->qk_norm == FM_QK_NORM_PER_HEAD) {
             x.q_norm = add_param(b, false, 1, hd, 0, "model.layers.%lld.self_attn.q_norm.weight", (long long)l);
@@ -119,7 +125,11 @@ static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, 
             if (lo) lo[l] = x;
             continue;
         }
-        x.router = add_param(b, true, 2, E, H, "model.layers.%lld.%s.gate.weight", (long long)l, moe);
+        x.router = add_param(b, true, 2, E, H, "model.layers.%lld.%s.%s.weight", (long long)l, moe, router);
+        if (c->router_linear_bias) {
+            x.router_lin_bias = add_param(b, false, 1, E, 0, "model.layers.%lld.mlp.router.bias", (long long)l);
+            if (b->t) b->t[b->n - 1].init_normal = true;
+        }
         /* the sigmoid router's bias and the shared experts come before the routed experts (full_index) */
         if (c->router_sigmoid) {
             x.router_bias = add_param(b, false, 1, E, 0, "model.layers.%lld.mlp.gate.e_score_correction_bias", (long long)l);
@@ -140,6 +150,17 @@ static void build_table(const fm_config *c, table_builder *b, int64_t *o_embed, 
         x.w_down = b->offset;
         for (int64_t e = e0; e < e1; e++) /* expert parallelism: this rank's experts only */
             add_param(b, true, 2, H, I, "model.layers.%lld.%s.experts.%lld.%s.weight", (long long)l, moe, (long long)e, n_down);
+        if (c->expert_bias) { /* stacked after the weights, this rank's experts only, no weight decay */
+            x.eb_gate = b->offset;
+            for (int64_t e = e0; e < e1; e++)
+                add_param(b, false, 1, I, 0, "model.layers.%lld.mlp.experts.%lld.gate_proj.bias", (long long)l, (long long)e);
+            x.eb_up = b->offset;
+            for (int64_t e = e0; e < e1; e++)
+                add_param(b, false, 1, I, 0, "model.layers.%lld.mlp.experts.%lld.up_proj.bias", (long long)l, (long long)e);
+            x.eb_down = b->offset;
+            for (int64_t e = e0; e < e1; e++)
+                add_param(b, false, 1, H, 0, "model.layers.%lld.mlp.experts.%lld.down_proj.bias", (long long)l, (long long)e);
+        }
         if (lo) lo[l] = x;
     }
     *o_norm = add_param(b, false, 1, H, 0, "model.norm.weight");
@@ -171,12 +192,16 @@ static void set_ptrs(fm_model_ptrs *p, fm_act *base, const fm_config *c, int64_t
         y->mlp_down = at(base, x->mlp_down, 0);
         y->router_bias = at(base, x->router_bias, 0);
         y->sh_gate = at(base, x->sh_gate, 0); y->sh_up = at(base, x->sh_up, 0); y->sh_down = at(base, x->sh_down, 0);
+        y->sinks = at(base, x->sinks, 0); y->router_lin_bias = at(base, x->router_lin_bias, 0);
+        y->eb_gate = at(base, x->eb_gate, 0); y->eb_up = at(base, x->eb_up, 0); y->eb_down = at(base, x->eb_down, 0);
     }
 }
 
 int64_t fm_params_ep_num_params(const fm_config *c, int ep) {
     const int64_t E = c->num_experts, El = ep > 0 ? E / ep : E;
-    return fm_config_num_params(c) - fm_config_num_moe_layers(c) * (E - El) * 3 * c->hidden_size * c->moe_intermediate_size;
+    const int64_t H = c->hidden_size, I = c->moe_intermediate_size;
+    const int64_t per_expert = 3 * H * I + (c->expert_bias ? 2 * I + H : 0); /* gpt_oss: the biases too */
+    return fm_config_num_params(c) - fm_config_num_moe_layers(c) * (E - El) * per_expert;
 }
 
 fm_status fm_params_create(fm_model_params *p, const fm_config *cfg, int ep, int ep_rank) {
@@ -257,6 +282,8 @@ static void set_group_ptrs(fm_model_params *pp, fm_model_ptrs *p, int64_t g, fm_
         y->mlp_down = at(base, x->mlp_down, b);
         y->router_bias = at(base, x->router_bias, b);
         y->sh_gate = at(base, x->sh_gate, b); y->sh_up = at(base, x->sh_up, b); y->sh_down = at(base, x->sh_down, b);
+        y->sinks = at(base, x->sinks, b); y->router_lin_bias = at(base, x->router_lin_bias, b);
+        y->eb_gate = at(base, x->eb_gate, b); y->eb_up = at(base, x->eb_up, b); y->eb_down = at(base, x->eb_down, b);
     }
 }
 
@@ -280,6 +307,14 @@ void fm_params_layer_expert_offsets(const fm_model_params *pp, int64_t l, int64_
     *gate = x->w_gate;
     *up = x->w_up;
     *down = x->w_down;
+}
+
+void fm_params_layer_expert_bias_offsets(const fm_model_params *pp, int64_t l, int64_t *gate, int64_t *up,
+                                         int64_t *down) {
+    const layer_offsets *x = &((const layer_offsets *)pp->offsets)[l];
+    *gate = x->eb_gate;
+    *up = x->eb_up;
+    *down = x->eb_down;
 }
 
 const fm_param *fm_params_find(const fm_model_params *pp, const char *name) {
@@ -308,12 +343,16 @@ static uint64_t full_index(const fm_model_params *pp, int i) {
     const int64_t attn = c->mla ? 2 + (c->q_lora_rank > 0 ? 3 : 1) + 4 /* ln1, q (or q_a, its norm, q_b), kv_a, its
                                                                          norm, kv_b, o, ln2 */
                        : 6 + (c->qk_norm != FM_QK_NORM_NONE ? 2 : 0) /* ln1, q, k, v, o, (q/k norm), ln2 */
-                       + (c->attention_bias ? 3 : 0) + (c->attention_o_bias ? 1 : 0); /* (biases) */
+                       + (c->attention_bias ? 3 : 0) + (c->attention_o_bias ? 1 : 0) /* (biases) */
+                       + (c->attention_sinks ? 1 : 0);                                /* (sinks) */
+    const int64_t groups = 3 + (c->expert_bias ? 3 : 0); /* gate, up, down (and their biases) per expert */
     int64_t ti = 1, fi = 1; /* the layer's first index in this table and in the full one */
     for (int64_t l = 0; l < L; l++) {
         const bool moe = fm_config_layer_is_moe(c, l);
-        const int64_t extra = (c->router_sigmoid ? 1 : 0) + (fm_config_shared_width(c) > 0 ? 3 : 0);
-        const int64_t nne = attn + (moe ? 1 + extra : 3), nt = nne + (moe ? 3 * El : 0), nf = nne + (moe ? 3 * E : 0);
+        const int64_t extra = (c->router_sigmoid ? 1 : 0) + (fm_config_shared_width(c) > 0 ? 3 : 0) +
+                              (c->router_linear_bias ? 1 : 0);
+        const int64_t nne = attn + (moe ? 1 + extra : 3), nt = nne + (moe ? groups * El : 0),
+                      nf = nne + (moe ? groups * E : 0);
         if (i < ti + nt) {
             const int64_t p = i - ti;
             const int64_t q = p < nne ? p : nne + (p - nne) / El * E + pp->ep_rank * El + (p - nne) % El;
@@ -333,7 +372,7 @@ void fm_params_init_weights_range(const fm_model_params *pp, uint64_t seed, int 
      * a tensor without the rest (ZeRO-3's shards) */
     const fm_param *p = &pp->table[i];
     const uint64_t key = counter_u64(seed ^ 0x5EEDull, full_index(pp, i));
-    const bool ones = p->ndim == 1;
+    const bool ones = p->ndim == 1 && !p->init_normal;
     const size_t nl = strlen(p->name);
     const bool bias = nl > 5 && !strcmp(p->name + nl - 5, ".bias"); /* HF's _init_weights: bias.zero_() */
 #pragma omp parallel for schedule(static) if (count > 65536)

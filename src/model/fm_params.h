@@ -21,6 +21,8 @@ typedef struct fm_param {
     int64_t offset;   /* elements into the flat buffer */
     int64_t numel;
     bool decay;       /* AdamW weight decay applies (false for norm weights) */
+    bool init_normal; /* a 1-D tensor drawn Normal(0, initializer_range) (gpt_oss's sinks and router
+                       * bias, as GptOssPreTrainedModel._init_weights draws them), not 1 or 0 */
     bool buffer;      /* a buffer, not trained (e_score_correction_bias): zero-initialized, no weight
                        * decay, its gradient stays 0 so AdamW leaves it as it is; moved only by
                        * aux-loss-free balancing (train/fm_router_bias.h) */
@@ -45,6 +47,12 @@ typedef struct fm_layer_ptrs {
     fm_act *wqa, *qa_norm;                /* q_a_proj [rq, H], q_a_layernorm [rq] (rq > 0) */
     fm_act *wkva, *kva_norm, *wkvb;       /* kv_a_proj_with_mqa [rkv+dr, H], kv_a_layernorm [rkv],
                                              kv_b_proj [nh*(dn+dv), rkv] */
+    /* gpt_oss (fm_config_gpt_oss.c), else NULL: the attention sinks [nh]
+     * (model.layers.N.self_attn.sinks), the router Linear's bias [E] (mlp.router.bias; the router
+     * weight is then mlp.router.weight), the experts' biases stacked gate and up [E,I], down [E,H]
+     * (per expert model.layers.N.mlp.experts.E.{gate,up,down}_proj.bias; Hugging Face's fused
+     * gate_up_proj_bias / down_proj_bias are mapped at load, io/fm_hf_weights.h) */
+    fm_act *sinks, *router_lin_bias, *eb_gate, *eb_up, *eb_down;
 } fm_layer_ptrs;
 
 typedef struct fm_model_ptrs {
@@ -112,6 +120,11 @@ void fm_params_bind_group(fm_model_params *p, int64_t g, fm_act *weights, fm_act
  * [E,H,I] (the Hugging Face mapping's experts, io/fm_hf_weights.h); -1 each for a dense layer. */
 void fm_params_layer_expert_offsets(const fm_model_params *p, int64_t l, int64_t *gate, int64_t *up,
                                     int64_t *down);
+
+/* Flat offsets of layer l's stacked expert biases gate [E,I], up [E,I], down [E,H] (gpt_oss); -1
+ * each when the layer has none. */
+void fm_params_layer_expert_bias_offsets(const fm_model_params *p, int64_t l, int64_t *gate, int64_t *up,
+                                         int64_t *down);
 
 /* Looks up a parameter by Hugging Face name; NULL if absent. */
 const fm_param *fm_params_find(const fm_model_params *p, const char *name);

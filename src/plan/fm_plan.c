@@ -214,7 +214,11 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
      * keep-attention layer does not run again: 2 * h_attn * T per token, causal), and
      * the chunked MoE's expert forward (2 * k * 3HI per token per layer). */
     const double h_attn = (double)(c->num_attention_heads * c->head_dim);
-    p->flops_model_token = 6.0 * (double)p->n_active + 6.0 * (double)L * h_attn * (double)r->T;
+    /* the layers' causal T, a sliding-window layer's 2 x its mean keys per query (gpt_oss;
+     * fm_config_attention_span) */
+    double att_T = 0;
+    for (int64_t l = 0; l < L; l++) att_T += fm_config_attention_span(c, l, r->T);
+    p->flops_model_token = 6.0 * (double)p->n_active + 6.0 * h_attn * att_T;
     const double layer_active = (double)(p->n_active - c->vocab_size * H - H) / (double)L;
     double hw = p->flops_model_token;
     hw += (double)nr * 2.0 * layer_active + (double)(nr - nka) * 2.0 * h_attn * (double)r->T;

@@ -38,12 +38,25 @@ fm_status fm_train_hf_init(fm_train_hf *h, const fm_model_params *pp) {
                          c->model_type == FM_MODEL_MIXTRAL ? "block_sparse_moe" : "mlp", h->experts,
                          c->tie_word_embeddings, c->model_type_name,
                          c->num_nextn_predict_layers > 0 ? c->num_hidden_layers : 0};
+    if (c->expert_bias && pp->offsets) { /* gpt_oss: its fused experts' biases (io/fm_hf_weights.h) */
+        if (!(h->expert_bias = fm_malloc(sizeof(fm_hf_experts) * (size_t)(L > 0 ? L : 1)))) {
+            fm_train_hf_free(h);
+            return fm_error(FM_ERR_NOMEM, "out of memory for the tensor table (%lld layers)", (long long)L);
+        }
+        for (int64_t l = 0; l < L; l++) {
+            int64_t g, u, d;
+            fm_params_layer_expert_bias_offsets(pp, l, &g, &u, &d);
+            h->expert_bias[l] = (fm_hf_experts){g, u, d};
+        }
+        h->t.expert_bias = h->expert_bias;
+    }
     return FM_OK;
 }
 
 void fm_train_hf_free(fm_train_hf *h) {
     fm_free(h->params);
     fm_free(h->experts);
+    fm_free(h->expert_bias);
     memset(h, 0, sizeof *h);
 }
 

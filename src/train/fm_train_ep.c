@@ -48,6 +48,9 @@ fm_status fm_train_ep_check(const fm_train_opts *o, const fm_config *c, int W) {
                             "--ep N, or use --moe-chunk-tokens for the local MoE's chunks", (long long)o->ep_cap_tokens);
         return FM_OK;
     }
+    if (c->expert_bias && o->zero == 3) /* fm_zero3.c's expert groups hold gate, up and down only */
+        return fm_error(FM_ERR_UNSUPPORTED, "model_type gpt_oss with --ep %d and --zero 3: ZeRO-3's expert groups do not "
+                        "carry the experts' biases yet; use --zero 0 with --ep, or --zero 3 without --ep", ep);
     /* --zero 1 and --offload-optimizer with --ep: fm_train_opts_check_flags (fm_trainer.h) */
     if (o->ep_cap_tokens > 0 && o->moe_chunk_tokens > 0 && o->ep_cap_tokens != o->moe_chunk_tokens)
         return fm_error(FM_ERR_ARG, "--ep-cap-tokens %lld and --moe-chunk-tokens %lld: under --ep the dispatch's "
@@ -113,7 +116,9 @@ fm_status fm_train_ep_init(fm_train_ep *x, const fm_comm *world, int dp, int ep,
 
 fm_status fm_train_ep_reduce_grads(fm_model *m, const fm_comm *dp, const fm_train_ep *x) {
     const fm_config *c = &m->cfg;
-    const int64_t L = c->num_hidden_layers, span = 3 * m->p.E_loc * c->hidden_size * c->moe_intermediate_size;
+    const int64_t H = c->hidden_size, I = c->moe_intermediate_size;
+    /* a layer's experts: gate, up, down and (gpt_oss) their biases, contiguous (model/fm_params.c) */
+    const int64_t L = c->num_hidden_layers, span = m->p.E_loc * (3 * H * I + (c->expert_bias ? 2 * I + H : 0));
     const fm_comm *ep = &x->group.axis[FM_AXIS_EP].comm;
     const bool edp = fm_comm_size(&x->edp) > 1;
     fm_act *g = m->p.grads;

@@ -35,6 +35,7 @@ typedef struct fm_train_hf {
     fm_hf_table t;
     fm_hf_param *params;     /* [n_tensors] */
     fm_hf_experts *experts;  /* [L] */
+    fm_hf_experts *expert_bias; /* [L] gpt_oss's expert biases (fm_hf_table.expert_bias), else NULL */
 } fm_train_hf;
 
 /* Builds h from the parameter table pp (a model's m->p, or a table alone: --ep's full one;

@@ -20,6 +20,15 @@
  * as the causal mask masks those after it; with kv_start NULL every start is 0 and the loops are
  * today's, bit for bit. Work is then the sum over documents of their squared lengths, not T^2.
  *
+ * Attention sinks and sliding windows (GPT-OSS; fm_backend.h attention_ext_fwd / _bwd): a
+ * window W > 0 moves each query's first key to max(kv_start, t - W + 1) (transformers'
+ * sliding_window_overlay, kv > q - W), so the key tiles start there too; a sink logit s_h per
+ * head joins the softmax's denominator at the end of the forward (m* = max(m, s_h),
+ * l* = l e^(m - m*) + e^(s_h - m*), out = O e^(m - m*) / l*, lse = m* + log l*), so the backward
+ * needs nothing new but lse, and the sink's gradient is -sum_t e^(s_h - lse_t) D_t
+ * (D_t = dO_t . O_t: the sink column's dS with dP = 0). With no sinks and W = 0 every loop and
+ * expression is attention_fwd's / _bwd's, bit for bit.
+ *
  * Determinism: forward tasks are (batch, head, query tile), backward tasks (batch, kv head);
  * each output element is written by exactly one task in a fixed order, so results depend
  * neither on the schedule nor on the thread count.
@@ -78,15 +87,18 @@ static inline void tile_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, 
                 (int)M, (int)N, (int)K, alpha, A, (int)lda, B, (int)ldb, beta, C, (int)ldc);
 }
 
-/* First key (row-local index) query t of row b sees: kv_start's value, 0 when NULL. */
-static inline int64_t kv_first(const int32_t *kv_start, int64_t b, int64_t T, int64_t t) {
-    return kv_start ? (int64_t)kv_start[b * T + t] : 0;
+/* First key (row-local index) query t of row b sees: kv_start's value, 0 when NULL; with a
+ * sliding window W > 0 at least t - W + 1. */
+static inline int64_t kv_first(const int32_t *kv_start, int64_t b, int64_t T, int64_t t, int64_t W) {
+    const int64_t f = kv_start ? (int64_t)kv_start[b * T + t] : 0;
+    return W > 0 && t - W + 1 > f ? t - W + 1 : f;
 }
 
 /* First valid column of row r of the tile (query i0+r, keys j0..j0+bc): its document's start
- * minus j0, at least 0. */
-static inline int64_t start_col(const int32_t *kv_start, int64_t b, int64_t T, int64_t i0, int64_t r, int64_t j0) {
-    const int64_t c0 = kv_first(kv_start, b, T, i0 + r) - j0;
+ * (or its window's) minus j0, at least 0. */
+static inline int64_t start_col(const int32_t *kv_start, int64_t b, int64_t T, int64_t i0, int64_t r, int64_t j0,
+                                int64_t W) {
+    const int64_t c0 = kv_first(kv_start, b, T, i0 + r, W) - j0;
     return c0 > 0 ? c0 : 0;
 }
 
@@ -103,9 +115,9 @@ static inline int64_t causal_cols(int64_t i0, int64_t r, int64_t j0, int64_t bc)
  *     O = O e^(m - m') + P V_j;  m = m'
  *   out_i = O / l, lse_i = m + log l.
  * Tiles are handed out round-robin (static, 1) to balance the causal triangle. */
-void fm_cpu_attention_fwd(void *ctx, float *out, float *lse, const float *q, const float *k,
-                          const float *v, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                          int64_t hd, const int32_t *kv_start) {
+static void att_fwd(void *ctx, float *out, float *lse, const float *q, const float *k, const float *v, int64_t B,
+                    int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start, const float *sinks,
+                    int64_t W) {
     const fm_cpu_ctx *c = ctx;
     const int64_t BR = c->att_br, BC = c->att_bc;
     att_check(c, B, T, nh, nkv, hd);
@@ -128,7 +140,7 @@ void fm_cpu_attention_fwd(void *ctx, float *out, float *lse, const float *q, con
             }
             memset(w.O, 0, (size_t)(br * hd) * sizeof(float));
             const int64_t jend = i0 + br; /* keys jbeg..jend-1 are visible to some row */
-            for (int64_t j0 = kv_first(kv_start, b, T, i0); j0 < jend; j0 += BC) {
+            for (int64_t j0 = kv_first(kv_start, b, T, i0, W); j0 < jend; j0 += BC) {
                 const int64_t bc = jend - j0 < BC ? jend - j0 : BC;
                 const float *Kj = k + ((b * T + j0) * nkv + g) * hd;
                 const float *Vj = v + ((b * T + j0) * nkv + g) * hd;
@@ -136,7 +148,7 @@ void fm_cpu_attention_fwd(void *ctx, float *out, float *lse, const float *q, con
                 for (int64_t r = 0; r < br; r++) {
                     float *s = w.S + r * BC;
                     const int64_t nc = causal_cols(i0, r, j0, bc);
-                    const int64_t c0 = start_col(kv_start, b, T, i0, r, j0);
+                    const int64_t c0 = start_col(kv_start, b, T, i0, r, j0, W);
                     for (int64_t cc = nc; cc < bc; cc++) s[cc] = 0.0f;
                     if (c0 >= nc) { /* the row sees no key of this tile */
                         for (int64_t cc = 0; cc < nc; cc++) s[cc] = 0.0f;
@@ -158,9 +170,16 @@ void fm_cpu_attention_fwd(void *ctx, float *out, float *lse, const float *q, con
             }
             float *lse_i = lse + (b * nh + h) * T + i0;
             for (int64_t r = 0; r < br; r++) {
-                const float inv = 1.0f / w.l[r];
                 const float *o = w.O + r * hd;
                 float *dst = out + ((b * T + i0 + r) * nh + h) * hd;
+                if (sinks) { /* the sink joins the denominator only */
+                    const float sk = sinks[h], mf = w.m[r] > sk ? w.m[r] : sk;
+                    const float co = expf(w.m[r] - mf), lf = w.l[r] * co + expf(sk - mf), inv = co / lf;
+                    for (int64_t d = 0; d < hd; d++) dst[d] = o[d] * inv;
+                    lse_i[r] = mf + logf(lf);
+                    continue;
+                }
+                const float inv = 1.0f / w.l[r];
 #pragma omp simd
                 for (int64_t d = 0; d < hd; d++) dst[d] = o[d] * inv;
                 lse_i[r] = w.m[r] + logf(w.l[r]);
@@ -175,10 +194,9 @@ void fm_cpu_attention_fwd(void *ctx, float *out, float *lse, const float *q, con
  * i: D_i = rowsum(dO_i o O_i); for key tiles j <= i, recompute P = exp(scale Q_i K_j^T - lse_i)
  * (masked), then dV_j += P^T dO_i; dP = dO_i V_j^T; dS = P o (dP - D_i);
  * dQ_i += scale dS K_j; dK_j += scale dS^T Q_i. All sums run in a fixed order (h, i, j). */
-void fm_cpu_attention_bwd(void *ctx, float *dq, float *dk, float *dv, const float *dout,
-                          const float *q, const float *k, const float *v, const float *out,
-                          const float *lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                          int64_t hd, const int32_t *kv_start) {
+static void att_bwd(void *ctx, float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
+                    const float *v, const float *out, const float *lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
+                    int64_t hd, const int32_t *kv_start, int64_t W) {
     const fm_cpu_ctx *c = ctx;
     const int64_t BR = c->att_br, BC = c->att_bc;
     att_check(c, B, T, nh, nkv, hd);
@@ -211,7 +229,7 @@ void fm_cpu_attention_bwd(void *ctx, float *dq, float *dk, float *dv, const floa
                         w.D[r] = s;
                     }
                     const int64_t jend = i0 + br;
-                    for (int64_t j0 = kv_first(kv_start, b, T, i0); j0 < jend; j0 += BC) {
+                    for (int64_t j0 = kv_first(kv_start, b, T, i0, W); j0 < jend; j0 += BC) {
                         const int64_t bc = jend - j0 < BC ? jend - j0 : BC;
                         const int64_t koff = ((b * T + j0) * nkv + g) * hd;
                         const float *Kj = k + koff, *Vj = v + koff;
@@ -220,7 +238,7 @@ void fm_cpu_attention_bwd(void *ctx, float *dq, float *dk, float *dv, const floa
                         for (int64_t r = 0; r < br; r++) {
                             float *s = w.S + r * BC;
                             const int64_t nc = causal_cols(i0, r, j0, bc);
-                            const int64_t c0 = start_col(kv_start, b, T, i0, r, j0);
+                            const int64_t c0 = start_col(kv_start, b, T, i0, r, j0, W);
                             if (c0 < nc) fm_cpu_exp_sub_sum(s + c0, s + c0, lse_i[r], nc - c0);
                             for (int64_t cc = 0; cc < c0 && cc < bc; cc++) s[cc] = 0.0f;
                             for (int64_t cc = nc > c0 ? nc : c0; cc < bc; cc++) s[cc] = 0.0f;
@@ -240,4 +258,49 @@ void fm_cpu_attention_bwd(void *ctx, float *dq, float *dk, float *dv, const floa
             }
         }
     }
+}
+
+void fm_cpu_attention_fwd(void *ctx, float *out, float *lse, const float *q, const float *k, const float *v, int64_t B,
+                          int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start) {
+    att_fwd(ctx, out, lse, q, k, v, B, T, nh, nkv, hd, kv_start, NULL, 0);
+}
+
+void fm_cpu_attention_bwd(void *ctx, float *dq, float *dk, float *dv, const float *dout, const float *q,
+                          const float *k, const float *v, const float *out, const float *lse, int64_t B, int64_t T,
+                          int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start) {
+    att_bwd(ctx, dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, hd, kv_start, 0);
+}
+
+void fm_cpu_attention_ext_fwd(void *ctx, float *out, float *lse, const float *q, const float *k, const float *v,
+                              int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start,
+                              const float *sinks, int64_t window) {
+    FM_ASSERT(window >= 0);
+    att_fwd(ctx, out, lse, q, k, v, B, T, nh, nkv, hd, kv_start, sinks, window);
+}
+
+/* dsinks[h] += -sum over (b, t) of e^(sinks[h] - lse[b,h,t]) (dO . O)[b,t,h], in double, b then
+ * t ascending; one task per head. */
+static void sinks_grad(const fm_cpu_ctx *c, float *dsinks, const float *dout, const float *out, const float *lse,
+                       const float *sinks, int64_t B, int64_t T, int64_t nh, int64_t hd) {
+#pragma omp parallel for num_threads(c->threads) schedule(static) if (nh > 1 && B * T * hd >= 4096)
+    for (int64_t h = 0; h < nh; h++) {
+        double acc = 0;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t t = 0; t < T; t++) {
+                const float *a = dout + ((b * T + t) * nh + h) * hd, *o = out + ((b * T + t) * nh + h) * hd;
+                double D = 0;
+                for (int64_t d = 0; d < hd; d++) D += (double)a[d] * o[d];
+                acc += exp((double)sinks[h] - lse[(b * nh + h) * T + t]) * D;
+            }
+        dsinks[h] += (float)-acc;
+    }
+}
+
+void fm_cpu_attention_ext_bwd(void *ctx, float *dq, float *dk, float *dv, float *dsinks, const float *dout,
+                              const float *q, const float *k, const float *v, const float *out, const float *lse,
+                              int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start,
+                              const float *sinks, int64_t window) {
+    FM_ASSERT(window >= 0);
+    att_bwd(ctx, dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, hd, kv_start, window);
+    if (sinks && dsinks) sinks_grad(ctx, dsinks, dout, out, lse, sinks, B, T, nh, hd);
 }

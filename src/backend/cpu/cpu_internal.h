@@ -133,6 +133,14 @@ void fm_cpu_attention_bwd(void *ctx, float *dq, float *dk, float *dv, const floa
                           const float *q, const float *k, const float *v, const float *out,
                           const float *lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
                           int64_t hd, const int32_t *kv_start);
+/* with attention sinks and a sliding window (fm_backend.h attention_ext_fwd / _bwd) */
+void fm_cpu_attention_ext_fwd(void *ctx, float *out, float *lse, const float *q, const float *k, const float *v,
+                              int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start,
+                              const float *sinks, int64_t window);
+void fm_cpu_attention_ext_bwd(void *ctx, float *dq, float *dk, float *dv, float *dsinks, const float *dout,
+                              const float *q, const float *k, const float *v, const float *out, const float *lse,
+                              int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start,
+                              const float *sinks, int64_t window);
 
 /* cpu_moe.c: router and dropless permutation */
 void fm_cpu_router_fwd(void *ctx, float *probs, float *lse, int32_t *topk_idx, float *topk_w,
@@ -233,6 +241,12 @@ void fm_cpu_fp8_swiglu_fwd_quant(void *ctx, float *out, void *a8, const float *g
 /* cpu_backend.c: SwiGLU (fm_backend.h swiglu_fwd / swiglu_bwd; each element's value does not
  * depend on its position or on n, so the fused fp8 ops call them on a tile's values) */
 void fm_cpu_swiglu_fwd(void *ctx, float *out, const float *gate, const float *up, int64_t n);
+/* cpu_gpt_oss.c: GPT-OSS's clamped SwiGLU (fm_backend.h swiglu_clamp_fwd / _bwd), bias_add_f32. */
+void fm_cpu_bias_add_f32(void *ctx, float *y, const float *b, int64_t N, int64_t D);
+void fm_cpu_swiglu_clamp_fwd(void *ctx, float *out, const float *gate, const float *up, int64_t n, float limit,
+                             float alpha);
+void fm_cpu_swiglu_clamp_bwd(void *ctx, float *dgate, float *dup, const float *dout, const float *gate,
+                             const float *up, int64_t n, float limit, float alpha);
 void fm_cpu_swiglu_bwd(void *ctx, float *dgate, float *dup, const float *dout, const float *gate, const float *up,
                        int64_t n);
 

@@ -82,6 +82,11 @@ static fm_ops make_cuda_ops(void) {
     o.attention_bwd = fm_cuda_attention_bwd;
     o.swiglu_fwd = fm_cuda_swiglu_fwd;
     o.swiglu_bwd = fm_cuda_swiglu_bwd;
+    o.swiglu_clamp_fwd = fm_cuda_swiglu_clamp_fwd;
+    o.swiglu_clamp_bwd = fm_cuda_swiglu_clamp_bwd;
+    o.bias_add_f32 = fm_cuda_bias_add_f32;
+    o.attention_ext_fwd = fm_cuda_attention_ext_fwd;
+    o.attention_ext_bwd = fm_cuda_attention_ext_bwd;
     o.router_fwd = fm_cuda_router_fwd;
     o.router_bwd = fm_cuda_router_bwd;
     o.router_stats = fm_cuda_router_stats;

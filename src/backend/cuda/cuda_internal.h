@@ -147,6 +147,20 @@ void fm_cuda_expert_linear_bwd_dev(void *ctx, fm_act *dx, float beta, fm_act *dW
 void fm_cuda_add(void *ctx, fm_act *y, const fm_act *x, int64_t n);
 void fm_cuda_sumsq(void *ctx, double *out, const fm_act *x, int64_t n, bool accumulate);
 void fm_cuda_swiglu_fwd(void *ctx, fm_act *out, const fm_act *gate, const fm_act *up, int64_t n);
+/* cuda_attention_ext.cu: attention with sinks and sliding windows (attention_ext_fwd / _bwd). */
+void fm_cuda_attention_ext_fwd(void *ctx, fm_act *out, float *lse, const fm_act *q, const fm_act *k, const fm_act *v,
+                               int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start,
+                               const fm_act *sinks, int64_t window);
+void fm_cuda_attention_ext_bwd(void *ctx, fm_act *dq, fm_act *dk, fm_act *dv, fm_act *dsinks, const fm_act *dout,
+                               const fm_act *q, const fm_act *k, const fm_act *v, const fm_act *out, const float *lse,
+                               int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start,
+                               const fm_act *sinks, int64_t window);
+/* cuda_gpt_oss.cu: GPT-OSS's clamped SwiGLU (swiglu_clamp_fwd / _bwd), bias_add_f32. */
+void fm_cuda_bias_add_f32(void *ctx, float *y, const fm_act *b, int64_t N, int64_t D);
+void fm_cuda_swiglu_clamp_fwd(void *ctx, fm_act *out, const fm_act *gate, const fm_act *up, int64_t n, float limit,
+                              float alpha);
+void fm_cuda_swiglu_clamp_bwd(void *ctx, fm_act *dgate, fm_act *dup, const fm_act *dout, const fm_act *gate,
+                              const fm_act *up, int64_t n, float limit, float alpha);
 void fm_cuda_swiglu_bwd(void *ctx, fm_act *dgate, fm_act *dup, const fm_act *dout, const fm_act *gate,
                         const fm_act *up, int64_t n);
 void fm_cuda_convert(void *ctx, void *dst, fm_dtype dst_type, const void *src, fm_dtype src_type, int64_t n);
