@@ -63,23 +63,10 @@ one() { # out config extra flags: the one-rank reference at --micro-batch 4
     "$FM" train --config "$cfg" "${COMMON[@]}" --micro-batch 4 "$@" --out "$out" >/dev/null || bad "one-rank $out failed"
 }
 # packed_docs COUNT MAXLEN: COUNT documents of 3 to MAXLEN byte tokens (seed 7) in the llm.c shard
-# $TMP/w.bin with its FMDOCS01 index $TMP/w.docs (as tests/cli_pack.sh writes them), and PACK, the
+# $TMP/w.bin with its FMDOCS01 index $TMP/w.docs (tests/packed_docs.py), and PACK, the
 # flags that train on them with --pack on at --micro-batch 4 (the one-rank reference's shape)
 packed_docs() {
-    python3 - "$TMP/w" "$1" "$2" <<'PY'
-import random, struct, sys
-r = random.Random(7)
-docs = [[r.randrange(256) for _ in range(r.randint(3, int(sys.argv[3])))] for _ in range(int(sys.argv[2]))]
-toks = [t for d in docs for t in d]
-with open(sys.argv[1] + ".bin", "wb") as f:
-    f.write(struct.pack("<256i", 20240801, 7, len(toks), *([0] * 253)))
-    f.write(struct.pack("<%dI" % len(toks), *toks))
-starts, at = [], 0
-for d in docs:
-    starts.append(at); at += len(d)
-with open(sys.argv[1] + ".docs", "wb") as f:
-    f.write(b"FMDOCS01" + struct.pack("<QQ", len(toks), len(starts)) + struct.pack("<%dQ" % len(starts), *starts))
-PY
+    python3 "$ROOT/tests/packed_docs.py" "$TMP/w" "$1" "$2"
     PACK=(--data "$TMP/w.bin" --val-fraction 0.2 --seq-len 32 --grad-accum 2 --steps 20 --warmup 2 --lr 3e-3
           --eval-every 10 --eval-batches 1 --threads 1 --quiet --pack on --micro-batch 4)
 }
