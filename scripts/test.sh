@@ -36,6 +36,11 @@
 # B, S, F, or any of them together, e.g. AS) runs those passes only (default ABSF).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# OpenMP threads that wait sleep instead of spinning: ctest -j2 (pass S) and the mpirun tests run
+# more threads than the machine has cores, where libgomp's default spin-wait made a test several
+# times slower (under the sanitizers, test_model_ab + cli_dense_layers + cli_attn at -j2: 35 s
+# spinning, 8 s passive, 2026-12-07 on a 2-core Xeon). It changes no result, only the waiting.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 bash scripts/setup.sh
 NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)
 CUDA_INC=$(dirname "$(dirname "${NVCC:-/nonexistent/bin/nvcc}")")/include

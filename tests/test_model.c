@@ -90,6 +90,10 @@ static void test_bad_configs(void) {
     expect_bad(OLMOE "\"initializer_range\":-1}", FM_ERR_CONFIG, "\"initializer_range\" (-1) must be finite and >= 0");
     expect_bad(OLMOE "\"head_dim\":2199023255552}", FM_ERR_CONFIG, "\"head_dim\" is 2199023255552; flatmoe supports at most 2^30");
 #undef OLMOE
+    /* a layer count that made the layer loops run for hours (fuzz_config, 2026-12-07) */
+    expect_bad("{\"model_type\":\"qwen3_moe\",\"vocab_size\":32,\"num_hidden_layers\":1000000000000,"
+               "\"moe_intermediate_size\":16,\"rope_theta\":1e-06}", FM_ERR_CONFIG,
+               "\"num_hidden_layers\" is 1000000000000; flatmoe supports at most 4096 layers");
     fm_config cfg;
     CHECK(fm_config_parse(&cfg, "{\"model_type\":\"olmoe\"," BASE ",\"num_attention_heads\":4,\"intermediate_size\":32,"
                           "\"num_experts\":4,\"rope_parameters\":{\"rope_type\":\"default\",\"rope_theta\":5e5}}", "v5.json") == FM_OK);

@@ -224,6 +224,9 @@ static fm_status check_fields(fm_config *cfg, const char *path, int64_t hd_given
                                                                                    : "intermediate_size";
     const char *experts_key = t == FM_MODEL_MIXTRAL || t == FM_MODEL_GPT_OSS ? "num_local_experts"
                             : t == FM_MODEL_GLM4_MOE || ds ? "n_routed_experts" : "num_experts";
+    if (cfg->num_hidden_layers > FM_CONFIG_MLP_ONLY_MAX) /* before any loop over the layers (fuzz_config's timeout) */
+        return fm_error(FM_ERR_CONFIG, "%s: \"num_hidden_layers\" is %lld; flatmoe supports at most %d layers", path,
+                        (long long)cfg->num_hidden_layers, FM_CONFIG_MLP_ONLY_MAX);
     const int64_t n_moe = fm_config_num_moe_layers(cfg);
     struct { const char *name; int64_t v; } pos[] = {
         {"vocab_size", cfg->vocab_size}, {"hidden_size", cfg->hidden_size},
