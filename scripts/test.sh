@@ -36,11 +36,6 @@
 # B, S, F, or any of them together, e.g. AS) runs those passes only (default ABSF).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# OpenMP threads that wait sleep instead of spinning: ctest -j2 (pass S) and the mpirun tests run
-# more threads than the machine has cores, where libgomp's default spin-wait made a test several
-# times slower (under the sanitizers, test_model_ab + cli_dense_layers + cli_attn at -j2: 35 s
-# spinning, 8 s passive, 2026-12-07 on a 2-core Xeon). It changes no result, only the waiting.
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 bash scripts/setup.sh
 NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)
 CUDA_INC=$(dirname "$(dirname "${NVCC:-/nonexistent/bin/nvcc}")")/include
@@ -100,9 +95,15 @@ if [[ $passes == *S* ]]; then
     # tracer dies on it ("Tracer caught signal 11 ... DTLS 10 at 0x000000003c36", LSan's fatal error,
     # exit 1) at the end of some mpirun jobs (mpi_train_sp_attn's np 2 --sp 2, every time); without
     # the interception LSan scans no dynamic TLS, which holds none of our pointers
+    # OpenMP threads that wait sleep instead of spinning (OMP_WAIT_POLICY=passive): ctest -j2 runs
+    # two tests of 2 threads on 2 cores, where libgomp's default spin-wait made the sanitized tests
+    # several times slower (test_model_ab + cli_dense_layers + cli_attn at -j2: 35 s spinning, 8 s
+    # passive; the fast set 553 s -> 209 s, 2026-12-07 on a 2-core Xeon). Passes A and B (one test at
+    # a time) were slower with it (277 -> 329 s, 192 -> 243 s), so it is set here only. It changes no
+    # result, only the waiting.
     for unwind in fast slow; do
         if [ $unwind = fast ]; then sel=(-E "$PASS_S_MPI"); fu=1; else sel=(-R "$PASS_S_MPI"); fu=0; fi
-        (cd build-asan && ASAN_OPTIONS=detect_leaks=1:fast_unwind_on_malloc=$fu:intercept_tls_get_addr=0 \
+        (cd build-asan && OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive} ASAN_OPTIONS=detect_leaks=1:fast_unwind_on_malloc=$fu:intercept_tls_get_addr=0 \
             LSAN_OPTIONS="suppressions=$PWD/../tests/lsan.supp:print_suppressions=0" \
             UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 FLATMOE_TEST_SANITIZED=1 \
             ctest -j"$(nproc)" --output-on-failure --timeout 900 "${sel[@]}" "$@") || rc=1
