@@ -15,35 +15,14 @@ NOQ="$ROOT/tests/data/deepseek_v3_tiny_noq.json"
 base=(--data "$TEXT" --seq-len 64 --micro-batch 2 --threads 2 --seed 3 --warmup 2 --lr 3e-3 --eval-every 10
       --eval-batches 1)
 
-check_memory() { # NAME LOG (as tests/cli_glm4.sh)
-    local n=0
-    while read -r set bound hw; do
-        n=$((n + 1))
-        [ "$hw" -le "$bound" ] && [ $(( hw + 64 )) -ge "$bound" ] && ok || bad "$1: $set high-water $hw vs bound $bound"
-    done < <(grep "^memory:" "$2" | grep -v "live set\|attention\|device in use" | sed -E 's/^memory: +(.*[a-z)]) +([0-9]+) +([0-9]+) .*/\1|\2|\3/' | \
-             awk -F'|' '{gsub(/ /, "_", $1); print $1, $2, $3}')
-    [ $n -ge 6 ] && ok || bad "$1: found $n memory lines"
-}
-plan_same() { # NAME CONFIG LOG FLAGS...
-    local name=$1 cfg=$2 log=$3; shift 3
-    "$FM" plan --config "$cfg" --seq-len 64 --micro-batch 2 --threads 2 "$@" > "$TMP/$name.plan" 2>&1 || bad "$name: plan failed"
-    python3 - "$log" "$TMP/$name.plan" <<'PY' && ok || bad "$name: flatmoe plan's bounds are not the train run's"
-import re, sys
-train = {m[1].strip(): int(m[2]) for m in re.finditer(r"^memory: +(.*?) +(\d+) +\d+ ", open(sys.argv[1]).read(), re.M)}
-plan = {m[1].strip(): int(m[2]) for m in re.finditer(r"^([a-z][a-z ]+?) +(\d+) +[\d.]+ ", open(sys.argv[2]).read(), re.M)}
-sets = ["model state", "checkpoint boundaries", "layer activations", "expert dispatch", "layer working set", "vocabulary projection"]
-bad = [s for s in sets if train.get(s) is None or train.get(s) != plan.get(s)]
-print("plan vs train bounds:", {s: (plan.get(s), train.get(s)) for s in sets})
-sys.exit(1 if bad else 0)
-PY
-}
+# check_memory and plan_same: tests/lib_cli.sh
 
 for c in "$CFG" "$NOQ"; do
     n=$(basename "$c" .json)
     "$FM" train --config "$c" "${base[@]}" --steps 30 --report-memory --out "$TMP/$n" > "$TMP/$n.log" 2>&1 ||
         bad "$n: plain run failed: $(tail -3 "$TMP/$n.log")"
     check_memory "$n" "$TMP/$n.log"
-    plan_same "$n" "$c" "$TMP/$n.log"
+    plan_same "$n" "$TMP/$n.log" "$c"
     python3 - "$TMP/$n/metrics.jsonl" <<'PY' && ok || bad "$n: the loss does not fall"
 import json, sys
 steps = [r for r in map(json.loads, open(sys.argv[1])) if r.get("type") == "step"]
@@ -57,7 +36,7 @@ bounded=(--recompute 0,1 --recompute-keep-attention --moe-chunk-tokens 48 --ce-b
 "$FM" train --config "$CFG" "${base[@]}" --steps 4 --report-memory "${bounded[@]}" --out "$TMP/bounded" > "$TMP/bounded.log" 2>&1 ||
     bad "bounded run failed: $(tail -3 "$TMP/bounded.log")"
 check_memory bounded "$TMP/bounded.log"
-plan_same bounded "$CFG" "$TMP/bounded.log" "${bounded[@]}"
+plan_same bounded "$TMP/bounded.log" "$CFG" "${bounded[@]}"
 
 ck="$TMP/deepseek_v3_tiny/step_000030"
 python3 - "$ck/model.safetensors" "$TMP/deepseek_v3_tiny_noq/step_000030/model.safetensors" <<'PY' && ok || bad "the checkpoint's MLA tensors"

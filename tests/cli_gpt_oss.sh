@@ -12,32 +12,11 @@ CFG="$ROOT/tests/data/gpt_oss_tiny.json"
 base=(--config "$CFG" --data "$TEXT" --seq-len 64 --micro-batch 2 --threads 2 --seed 3 --warmup 2 --lr 3e-3
       --eval-every 10 --eval-batches 1)
 
-check_memory() { # NAME LOG (as tests/cli_glm4.sh)
-    local n=0
-    while read -r set bound hw; do
-        n=$((n + 1))
-        [ "$hw" -le "$bound" ] && [ $(( hw + 64 )) -ge "$bound" ] && ok || bad "$1: $set high-water $hw vs bound $bound"
-    done < <(grep "^memory:" "$2" | grep -v "live set\|attention\|device in use" | sed -E 's/^memory: +(.*[a-z)]) +([0-9]+) +([0-9]+) .*/\1|\2|\3/' | \
-             awk -F'|' '{gsub(/ /, "_", $1); print $1, $2, $3}')
-    [ $n -ge 6 ] && ok || bad "$1: found $n memory lines"
-}
-plan_same() { # NAME LOG FLAGS...
-    local name=$1 log=$2; shift 2
-    "$FM" plan --config "$CFG" --seq-len 64 --micro-batch 2 --threads 2 "$@" > "$TMP/$name.plan" 2>&1 || bad "$name: plan failed"
-    python3 - "$log" "$TMP/$name.plan" <<'PY' && ok || bad "$name: flatmoe plan's bounds are not the train run's"
-import re, sys
-train = {m[1].strip(): int(m[2]) for m in re.finditer(r"^memory: +(.*?) +(\d+) +\d+ ", open(sys.argv[1]).read(), re.M)}
-plan = {m[1].strip(): int(m[2]) for m in re.finditer(r"^([a-z][a-z ]+?) +(\d+) +[\d.]+ ", open(sys.argv[2]).read(), re.M)}
-sets = ["model state", "checkpoint boundaries", "layer activations", "expert dispatch", "layer working set", "vocabulary projection"]
-bad = [s for s in sets if train.get(s) is None or train.get(s) != plan.get(s)]
-print("plan vs train bounds:", {s: (plan.get(s), train.get(s)) for s in sets})
-sys.exit(1 if bad else 0)
-PY
-}
+# check_memory and plan_same: tests/lib_cli.sh
 
 "$FM" train "${base[@]}" --steps 30 --report-memory --out "$TMP/plain" > "$TMP/plain.log" 2>&1 || bad "plain run failed: $(tail -3 "$TMP/plain.log")"
 check_memory plain "$TMP/plain.log"
-plan_same plain "$TMP/plain.log"
+plan_same plain "$TMP/plain.log" "$CFG"
 python3 - "$TMP/plain/metrics.jsonl" <<'PY' && ok || bad "the loss does not fall"
 import json, sys
 steps = [r for r in map(json.loads, open(sys.argv[1])) if r.get("type") == "step"]
@@ -48,7 +27,7 @@ PY
 bounded=(--recompute 0,1 --moe-chunk-tokens 48 --ce-block-tokens 64 --ce-block-vocab 64)
 "$FM" train "${base[@]}" --steps 4 --report-memory "${bounded[@]}" --out "$TMP/bounded" > "$TMP/bounded.log" 2>&1 || bad "bounded run failed: $(tail -3 "$TMP/bounded.log")"
 check_memory bounded "$TMP/bounded.log"
-plan_same bounded "$TMP/bounded.log" "${bounded[@]}"
+plan_same bounded "$TMP/bounded.log" "$CFG" "${bounded[@]}"
 
 ck="$TMP/plain/step_000030"
 python3 - "$ck/model.safetensors" <<'PY' && ok || bad "the checkpoint's gpt_oss tensors"
