@@ -14,7 +14,7 @@ set -u
 source "$(dirname "$0")/lib_mpi.sh"
 mpi_tmp mpi-glm4
 COMMON=(--config "$ROOT/tests/data/glm4_tiny.json" --data "$TEXT" --seq-len 32 --steps 20 --warmup 2 --lr 3e-3
-        --eval-every 10 --eval-batches 2 --threads 1 --quiet --moe-router-bias-update-rate 0.01)
+        --eval-every 10 --eval-batches 2 --threads 1 --quiet --expert-counts-every 1 --moe-router-bias-update-rate 0.01)
 "$FM" train "${COMMON[@]}" --micro-batch 4 --out "$TMP/one" >/dev/null || bad "one-rank run failed"
 for run in "ep1:--ep 1" "ep2:--ep 2" "zero1:--zero 1" "zero3:--zero 3"; do
     ep=${run%%:*}; flags=(${run#*:})

@@ -11,7 +11,7 @@ set -u
 source "$(dirname "$0")/lib_mpi.sh"
 mpi_tmp mpi-gpt-oss
 COMMON=(--config "$ROOT/tests/data/gpt_oss_tiny.json" --data "$TEXT" --seq-len 32 --steps 20 --warmup 2 --lr 1e-3
-        --eval-every 10 --eval-batches 2 --threads 1 --quiet)
+        --eval-every 10 --eval-batches 2 --threads 1 --quiet --expert-counts-every 1)
 "$FM" train "${COMMON[@]}" --micro-batch 4 --out "$TMP/one" >/dev/null || bad "one-rank run failed"
 for run in "ep1:--ep 1" "ep2:--ep 2" "zero3:--zero 3"; do
     ep=${run%%:*}; flags=(${run#*:})

@@ -34,7 +34,7 @@ source "$(dirname "$0")/lib_mpi.sh"
 mpi_tmp mpi-train
 CFG="$ROOT/tests/data/micro.json"
 COMMON=(--config "$CFG" --data "$TEXT" --seq-len 32 --grad-accum 2 --steps 20 --warmup 2 --lr 3e-3
-        --eval-every 10 --eval-batches 2 --threads 1 --quiet)
+        --eval-every 10 --eval-batches 2 --threads 1 --quiet --expert-counts-every 1)
 one_rank() { "$FM" train "${COMMON[@]}" --micro-batch 4 --out "$TMP/one" >/dev/null || bad "one-rank run failed"; }
 
 case $MODE in

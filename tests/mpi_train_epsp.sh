@@ -36,7 +36,7 @@ source "$(dirname "$0")/lib_mpi.sh"
 mpi_tmp mpi-epsp
 CFG="$ROOT/tests/data/micro_sp.json"
 COMMON=(--config "$CFG" --data "$TEXT" --seq-len 32 --grad-accum 2 --steps 20 --warmup 2 --lr 3e-3
-        --eval-every 10 --eval-batches 2 --threads 1 --quiet)
+        --eval-every 10 --eval-batches 2 --threads 1 --quiet --expert-counts-every 1)
 MPI_ENV=(-x FLATMOE_TEST_FORCE_ROUTE)
 export FLATMOE_TEST_FORCE_ROUTE=""
 one_rank() { # DIR: 20 one-rank steps at --micro-batch 4 (under the current FLATMOE_TEST_FORCE_ROUTE)

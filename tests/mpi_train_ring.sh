@@ -28,7 +28,7 @@ MICRO="$ROOT/tests/data/micro.json" SP="$ROOT/tests/data/micro_sp.json"
 UNTIED="$TMP/untied.json" # micro.json with its own LM head and V = 257 (byte tokens use 0..255)
 python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c.update(tie_word_embeddings=False, vocab_size=257);
 json.dump(c, open(sys.argv[2], 'w'))" "$MICRO" "$UNTIED"
-COMMON=(--grad-accum 2 --steps 20 --warmup 2 --lr 3e-3 --eval-every 10 --eval-batches 2 --threads 1 --quiet)
+COMMON=(--grad-accum 2 --steps 20 --warmup 2 --lr 3e-3 --eval-every 10 --eval-batches 2 --threads 1 --quiet --expert-counts-every 1)
 CE=(--ce-block-tokens 16 --ce-block-vocab 64)
 # compare REF RUN: grad norm to 1e-3 (tests/mpi_train_sp.sh's reason: a token whose router scores
 # nearly tie may pick another expert when sums run in another order; on the fortunes text, the

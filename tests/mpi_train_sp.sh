@@ -30,7 +30,7 @@ source "$(dirname "$0")/lib_mpi.sh"
 mpi_tmp mpi-sp
 SP="$ROOT/tests/data/micro_sp.json" MICRO="$ROOT/tests/data/micro.json"
 COMMON=(--data "$TEXT" --seq-len 32 --grad-accum 2 --steps 20 --warmup 2 --lr 3e-3
-        --eval-every 10 --eval-batches 2 --threads 1 --quiet)
+        --eval-every 10 --eval-batches 2 --threads 1 --quiet --expert-counts-every 1)
 # compare REF RUN: 20 step records, losses to 1e-6 relative, final tensors to 5e-4 of their scale
 # (grad norm to 1e-3: a token whose router scores nearly tie may pick another expert when the sums
 # run in another order, which moved one step's norm by 1.1e-4 in the qwen3 case, at --sp 2 as at
