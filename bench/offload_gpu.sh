@@ -26,6 +26,7 @@
 #   bash bench/offload_gpu.sh next2           # its second: 16K bf16 vs fp8, calib, the 200-step loss curves (then pack)
 #   bash bench/offload_gpu.sh state           # issue 25: recipe GPU tests, calibrate, 4K bf16-sr / fp32 and the peer
 #   bash bench/offload_gpu.sh s17             # session 17: build, ctest -L gpu, hf_parity new cases, offload fraction at 79 GiB
+#   bash bench/offload_gpu.sh s18             # session 18 (under 300 s): build, the unrun GPU tests, parity of deepseek_v3/gpt_oss, f32cap 4K
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
 # (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
 set -uo pipefail
@@ -306,6 +307,21 @@ s17) # session 17's one call (about 8 minutes): build, every GPU test, Hugging F
     timeout 100 bash "$0" run f32cap-4096 4096 3 --mem-budget 79GiB
     [ -n "${NO_G16:-}" ] || timeout 110 bash "$0" run f32cap-4096-g16 4096 3 --mem-budget 79GiB --grad-accum 16
     tar -czf /tmp/s17.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/s17.tgz "$OUT"/ ;;
+s18) # session 18's one call, with 383 s of device time left: each part has its own limit, most
+    # wanted first, and writes its log to $OUT as it goes
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $card"
+    bash "$0" build
+    (cd build-gpu && FLATMOE_TEST_NO_BENCH=1 timeout 100 ctest -L gpu --output-on-failure --timeout 90 \
+        -R "${GPU_TESTS:-cli_cuda_sp|router_sigmoid|gpt_oss_ops|router_seq_aux}" > "$OUT/ctest-gpu.log" 2>&1
+     echo "ctest -L gpu: $?")
+    grep -E "Test +#|tests passed|FAIL" "$OUT/ctest-gpu.log" | head -20
+    NEW=${NEW:-deepseek_v3,deepseek_v3_noq,gpt_oss}
+    timeout 50 python3 tools/hf_parity.py build-gpu README.md --only "$NEW" > "$OUT/parity-cpu.log" 2>&1
+    echo "parity cpu ($NEW): $?"; grep -E "^  [a-z0-9_]+: (loss|[0-9]+ grad|flatmoe ch)|Error|NO$" "$OUT/parity-cpu.log" | cut -c1-160 | head -20
+    timeout 50 python3 tools/hf_parity.py build-gpu README.md --tol 3e-2 --flatmoe flatmoe-cuda --only "$NEW" \
+        > "$OUT/parity-gpu.log" 2>&1
+    echo "parity gpu ($NEW): $?"; grep -E ": loss transformers|NO$|Error" "$OUT/parity-gpu.log" | cut -c1-150 | head -20
+    timeout 80 bash "$0" run f32cap-4096 4096 3 --mem-budget 79GiB ;;
 run) shift; run1 "$@" ;;
-*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|longest|sm90|autogemm|verify|collect|peer|ours|ranks|lab|updblocks|fp8loss|streamopt|fp8codes|fp8next|next|next2|pack|s17|run"; exit 2 ;;
+*) echo "usage: bash bench/offload_gpu.sh build|test|tok|keepatt|sco|overlap|calib|lengths|finetune|million|long|longest|sm90|autogemm|verify|collect|peer|ours|ranks|lab|updblocks|fp8loss|streamopt|fp8codes|fp8next|next|next2|pack|s17|s18|run"; exit 2 ;;
 esac
