@@ -12,7 +12,9 @@
  *    token at a time after a prompt pass) against flatmoe_logprobs's whole-prefix forward: within
  *    1e-4 (attention in double here against the flash tiles in fp32, the expert sums in another
  *    order: a few fp32 ulps of each layer's output, through 2-3 layers; measured and printed);
- *  - the cache's bytes are its bound formula's (fm_capi_kv_bytes), and the refusals: --kv-cache
+ *  - the cache's bytes are its bound formula's (kv_formula below: flatmoe_kv.c's pieces, each rounded
+ *    to 64 bytes), the session's one host arena is fm_capi_host_bytes (what `flatmoe plan --library`
+ *    prints) and holds the cache's share beside the rest; and the refusals: --kv-cache
  *    with the sigmoid router (glm4_moe) names it; `train` refuses --kv-cache (tests/cli_* cover the
  *    CLI; here the spec check). */
 #include <math.h>
@@ -68,10 +70,30 @@ static void kv_logprobs(flatmoe_session *s, const int32_t *tok, int64_t n, int64
     }
 }
 
+/* flatmoe_kv.c's bound: K, V [L, N, nkv hd], one pass's scratch over N tokens, one token's SwiGLU;
+ * fp32 but pos (int32), slot and first (int64), topk_idx (int32); each piece rounded to 64 bytes. */
+static size_t kv_formula(const fm_config *c, int64_t N) {
+    const int64_t H = c->hidden_size, L = c->num_hidden_layers, nh = c->num_attention_heads, k = c->num_experts_per_tok;
+    const int64_t qd = nh * c->head_dim, kd = c->num_key_value_heads * c->head_dim, E = c->num_experts;
+    const int64_t I = c->moe_intermediate_size > c->dense_intermediate_size ? c->moe_intermediate_size
+                                                                            : c->dense_intermediate_size;
+    const int64_t f32[] = {L * N * kd, L * N * kd, N * H, N * H, N * H, N * qd, N * qd, N * kd, N * kd, N * E, N * E,
+                           N * nh, N /* pos, int32 */, 3 * I + H, N * k /* topk_idx, int32 */, N * k, N};
+    size_t sum = 2 * fm_arena_round(sizeof(int64_t) * (size_t)N); /* slot, first */
+    for (size_t i = 0; i < sizeof f32 / sizeof f32[0]; i++) sum += fm_arena_round(4 * (size_t)f32[i]);
+    return sum;
+}
+
 static void run_config(const char *name, const char *cfg) {
     flatmoe_session *a = open_cfg(cfg, false), *b = open_cfg(cfg, true);
     if (!a || !b) return;
-    CHECK(!a->kv.on && b->kv.on && b->kv.bytes == fm_capi_kv_bytes(&b->r.cfg, b->budget));
+    size_t kvb = 0;
+    const size_t hb = fm_capi_host_bytes(&b->r.cfg, b->B, b->T, 0, true, &kvb);
+    CHECK(!a->kv.on && b->kv.on && b->kv.bytes == kv_formula(&b->r.cfg, b->budget) && kvb == b->kv.bytes);
+    CHECK_MSG(b->host.capacity == hb && b->host.used == hb && a->host.used + kvb == hb &&
+              a->host.used == fm_capi_host_bytes(&a->r.cfg, a->B, a->T, 0, false, NULL),
+              "%s: the session's host arena: %zu and %zu bytes used, fm_capi_host_bytes %zu with a %zu-byte cache",
+              name, a->host.used, b->host.used, hb, kvb);
     const int64_t V = b->r.cfg.vocab_size;
     fm_rng g;
     fm_rng_seed(&g, 17);

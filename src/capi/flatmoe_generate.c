@@ -17,31 +17,6 @@ flatmoe_sample_spec flatmoe_sample_spec_default(void) {
     return sp;
 }
 
-fm_status fm_capi_gen_alloc(flatmoe_session *s) {
-    fm_capi_gen *g = &s->gen;
-    const size_t n = (size_t)s->budget, V = (size_t)s->r.cfg.vocab_size;
-    g->tok = fm_malloc(n * sizeof *g->tok);
-    g->lens = fm_malloc(n * sizeof *g->lens);
-    g->start = fm_malloc(n * sizeof *g->start);
-    g->row = fm_malloc(V * sizeof *g->row);
-    g->probs = fm_malloc(V * sizeof *g->probs);
-    g->order = fm_malloc(V * sizeof *g->order);
-    if (!g->tok || !g->lens || !g->start || !g->row || !g->probs || !g->order)
-        return fm_error(FM_ERR_NOMEM, "flatmoe_open: cannot allocate the sampling scratch (%zu tokens, %zu logits)", n, V);
-    return FM_OK;
-}
-
-void fm_capi_gen_free(flatmoe_session *s) {
-    fm_capi_gen *g = &s->gen;
-    fm_free(g->tok);
-    fm_free(g->lens);
-    fm_free(g->start);
-    fm_free(g->row);
-    fm_free(g->probs);
-    fm_free(g->order);
-    memset(g, 0, sizeof *g);
-}
-
 /* The logits [V] (host fp32) of model position p after the last forward: xf[p] W^T in vocabulary
  * blocks of Vb, each through one [Vb] fp32 strip taken from the vocabulary live set's arena (the
  * linear CE's scratch, free between its calls: within its planned bound) and copied back. A sync
@@ -150,7 +125,7 @@ static fm_status kv_draw(flatmoe_session *s, const float *h, int64_t i, const fl
     fm_capi_gen *g = &s->gen;
     const int64_t V = s->r.cfg.vocab_size, k = out_lens[i];
     fm_linear_fwd(&s->r.m.be, g->row, FM_DTYPE_F32, (const fm_act *)h, s->r.m.p.w.lm_head, 1, s->r.cfg.hidden_size,
-                  V); /* fp32 on the CPU build, the only one with the cache (fm_capi_kv_alloc) */
+                  V); /* fp32 on the CPU build, the only one with the cache (fm_capi_kv_check) */
     for (int64_t v = 0; v < V; v++)
         if (!isfinite(g->row[v]))
             return fm_error(FM_ERR_NUMERIC, "flatmoe_generate: the logit of token %lld is %g for prompt %lld at "

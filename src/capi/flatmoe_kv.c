@@ -2,12 +2,13 @@
  * cache"): an incremental decoder of the session's model on the CPU build, so that each sampling
  * round runs the new tokens only instead of the whole prefix.
  *
- * Bound (sized at open from the token budget N = --micro-batch x --seq-len, allocated then,
- * never grown): the cache K, V of every layer for every token of the budget,
+ * Bound (sized at open from the token budget N = --micro-batch x --seq-len, carved then from the
+ * session's host arena, never grown; flatmoe_host.c lists the pieces and `flatmoe plan --library
+ * --kv-cache` prints the sum): the cache K, V of every layer for every token of the budget,
  *   2 x L x N x (nkv x hd) x 4 bytes,
  * and the scratch of one pass over up to N tokens, N x (3 H + 2 nh hd + 2 nkv hd + 2 E + nh + 2 k
- * + 1) x 4 + N x 20 bytes, plus 3 I_max + H floats for one token's SwiGLU (fm_capi_kv_bytes gives
- * the sum; I_max the larger of the expert and dense widths). A request is refused above
+ * + 1) x 4 + N x 20 bytes, plus 3 I_max + H floats for one token's SwiGLU (I_max the larger of the
+ * expert and dense widths), each piece rounded up to 64 bytes. A request is refused above
  * the budget before any work (flatmoe_generate's own check: the prompts plus max_new each).
  *
  * The pass (Vaswani et al. 2017 "Attention Is All You Need" §3.2, with a key/value cache as in
@@ -28,16 +29,11 @@
 #include "fm_capi.h"
 
 #ifdef FM_ACT_BF16 /* the bf16 build: the decoder is the fp32 build's; --kv-cache is refused at open */
-size_t fm_capi_kv_bytes(const fm_config *c, int64_t N) {
-    (void)c, (void)N;
-    return 0;
-}
-fm_status fm_capi_kv_alloc(flatmoe_session *s) {
+fm_status fm_capi_kv_check(const flatmoe_session *s) {
     (void)s;
     return fm_error(FM_ERR_UNSUPPORTED, "flatmoe_open: --kv-cache is not served for the CUDA build (the cache's "
                     "decoder runs on the CPU build only); drop --kv-cache");
 }
-void fm_capi_kv_free(flatmoe_session *s) { memset(&s->kv, 0, sizeof s->kv); }
 fm_status fm_capi_kv_pass(flatmoe_session *s, const int32_t *tok, int64_t n) {
     (void)s, (void)tok, (void)n;
     return fm_error(FM_ERR_UNSUPPORTED, "fm_capi_kv_pass: the CUDA build has no KV cache");
@@ -59,63 +55,12 @@ static const char *kv_refusal(const flatmoe_session *s) {
     return NULL;
 }
 
-static int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
-
-size_t fm_capi_kv_bytes(const fm_config *c, int64_t N) {
-    const int64_t H = c->hidden_size, nh = c->num_attention_heads, qd = nh * c->head_dim;
-    const int64_t kd = c->num_key_value_heads * c->head_dim, E = imax(c->num_experts, 1), k = c->num_experts_per_tok;
-    const int64_t I = imax(imax(c->moe_intermediate_size, c->dense_intermediate_size), 1);
-    const size_t cache = 2 * (size_t)c->num_hidden_layers * (size_t)N * (size_t)kd * sizeof(float);
-    const size_t scratch = (size_t)N * ((size_t)(3 * H + 2 * qd + 2 * kd + 2 * E + nh + 2 * k + 1) * sizeof(float) + 20);
-    return cache + scratch + (size_t)(3 * I + H) * sizeof(float);
-}
-
-fm_status fm_capi_kv_alloc(flatmoe_session *s) {
-    fm_capi_kv *kv = &s->kv;
+fm_status fm_capi_kv_check(const flatmoe_session *s) {
     const char *why = kv_refusal(s);
     if (why)
         return fm_error(FM_ERR_UNSUPPORTED, "flatmoe_open: --kv-cache is not served for %s; drop --kv-cache "
                         "(flatmoe_generate then runs the whole prefix each round)", why);
-    const fm_config *c = &s->r.cfg;
-    const int64_t N = s->budget, H = c->hidden_size, L = c->num_hidden_layers;
-    const int64_t qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
-    const int64_t E = imax(c->num_experts, 1), I = imax(imax(c->moe_intermediate_size, c->dense_intermediate_size), 1);
-    kv->bytes = fm_capi_kv_bytes(c, N);
-    kv->K = fm_malloc(sizeof(float) * (size_t)(L * N * kd));
-    kv->V = fm_malloc(sizeof(float) * (size_t)(L * N * kd));
-    kv->x = fm_malloc(sizeof(float) * (size_t)(N * H));
-    kv->ln = fm_malloc(sizeof(float) * (size_t)(N * H));
-    kv->o = fm_malloc(sizeof(float) * (size_t)(N * H));
-    kv->q = fm_malloc(sizeof(float) * (size_t)(N * qd));
-    kv->att = fm_malloc(sizeof(float) * (size_t)(N * qd));
-    kv->k = fm_malloc(sizeof(float) * (size_t)(N * kd));
-    kv->v = fm_malloc(sizeof(float) * (size_t)(N * kd));
-    kv->rlog = fm_malloc(sizeof(float) * (size_t)(N * E));
-    kv->probs = fm_malloc(sizeof(float) * (size_t)(N * E));
-    kv->rstd = fm_malloc(sizeof(float) * (size_t)(N * c->num_attention_heads));
-    kv->pos = fm_malloc(sizeof(int32_t) * (size_t)N);
-    kv->slot = fm_malloc(sizeof(int64_t) * (size_t)N);
-    kv->first = fm_malloc(sizeof(int64_t) * (size_t)N);
-    kv->hid = fm_malloc(sizeof(float) * (size_t)(3 * I + H));
-    kv->topk_idx = fm_malloc(sizeof(int32_t) * (size_t)(N * c->num_experts_per_tok));
-    kv->topk_w = fm_malloc(sizeof(float) * (size_t)(N * c->num_experts_per_tok));
-    kv->lse = fm_malloc(sizeof(float) * (size_t)N);
-    if (!kv->K || !kv->V || !kv->x || !kv->ln || !kv->o || !kv->q || !kv->att || !kv->k || !kv->v || !kv->rlog ||
-        !kv->probs || !kv->rstd || !kv->pos || !kv->slot || !kv->first || !kv->hid || !kv->topk_idx || !kv->topk_w ||
-        !kv->lse)
-        return fm_error(FM_ERR_NOMEM, "flatmoe_open: cannot allocate --kv-cache's %zu bytes (2 x %lld layers x %lld "
-                        "tokens x %lld of K and V, and the scratch); lower --micro-batch or drop --kv-cache", kv->bytes,
-                        (long long)L, (long long)N, (long long)kd);
-    kv->on = true;
     return FM_OK;
-}
-
-void fm_capi_kv_free(flatmoe_session *s) {
-    fm_capi_kv *kv = &s->kv;
-    void *p[] = {kv->K, kv->V, kv->x, kv->ln, kv->o, kv->q, kv->att, kv->k, kv->v, kv->rlog, kv->probs, kv->rstd,
-                 kv->pos, kv->slot, kv->first, kv->hid, kv->topk_idx, kv->topk_w, kv->lse};
-    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) fm_free(p[i]);
-    memset(kv, 0, sizeof *kv);
 }
 
 /* Causal attention of the n tokens over their sequences' cache of layer l: token i at slot

@@ -122,39 +122,13 @@ static fm_status session_options(flatmoe_session *s, const char *ckpt_arg) {
     return FM_OK;
 }
 
-/* Host scratch of one batch of the token budget (allocated once: the steps allocate nothing). */
+/* Host scratch of one batch of the token budget (one arena, allocated once: the calls allocate
+ * nothing; flatmoe_host.c). */
 static fm_status alloc_scratch(flatmoe_session *s) {
-    const size_t n = (size_t)s->budget;
-    FM_TRY(fm_batch_alloc(&s->fb, s->B, s->T, true));
-    FM_TRY(fm_batch_alloc_docs(&s->fb));
-    s->pos_of = fm_malloc(n * sizeof *s->pos_of);
-    s->seq_of = fm_malloc(n * sizeof *s->seq_of);
-    s->in_loss = fm_malloc(n);
-    s->tok_loss = fm_malloc(n * sizeof(float));
-    s->tok_ent = fm_malloc(n * sizeof(float));
-    s->logp = fm_malloc(n * sizeof(float));
-    s->ent = fm_malloc(n * sizeof(float));
-    s->coef = fm_malloc(n * sizeof(double));
-    s->seq_count = fm_malloc(n * sizeof(int64_t));
-    s->weight = fm_malloc(n * sizeof(float));
-    s->ent_coef = fm_malloc(n * sizeof(double));
-    s->ent_weight = fm_malloc(n * sizeof(float));
-    s->L_moe = fm_config_num_moe_layers(&s->r.cfg);
-    s->k = s->r.cfg.num_experts_per_tok;
-    const size_t nr = (size_t)(s->L_moe * s->k) * n;
-    s->routes = nr ? fm_malloc(nr * sizeof(int32_t)) : NULL;
-    const size_t nk = (size_t)s->topk_max * n;
-    s->topk_lp = nk ? fm_malloc(nk * sizeof(float)) : NULL;
-    s->topk_id = nk ? fm_malloc(nk * sizeof(int32_t)) : NULL;
-    if ((nr && !s->routes) || !s->ent_coef || !s->ent_weight || (nk && (!s->topk_lp || !s->topk_id)) || !s->pos_of || !s->seq_of || !s->in_loss || !s->tok_loss || !s->tok_ent || !s->logp || !s->ent || !s->coef ||
-        !s->seq_count || !s->weight)
-        return fm_error(FM_ERR_NOMEM, "flatmoe_open: cannot allocate the batch scratch (%lld tokens)", (long long)n);
-    FM_TRY(fm_capi_gen_alloc(s));
-    if (!s->spec.library.kv_cache) return FM_OK;
-    FM_TRY(fm_capi_kv_alloc(s)); /* --kv-cache: flatmoe_generate's, sized by the budget */
+    FM_TRY(fm_capi_host_alloc(s));
     if (!s->o.quiet)
-        fm_log(FM_LOG_INFO, "kv cache: %.1f MiB for %lld tokens (flatmoe_generate)\n", (double)s->kv.bytes / 1048576.0,
-               (long long)s->budget);
+        fm_log(FM_LOG_INFO, "library host scratch: %.1f MiB for %lld tokens (%.1f MiB of it the kv cache)\n",
+               (double)s->host.capacity / 1048576.0, (long long)s->budget, (double)s->kv.bytes / 1048576.0);
     return FM_OK;
 }
 
@@ -214,24 +188,7 @@ void flatmoe_close(flatmoe_session *s) {
     if (!s) return;
     if (s->r.model_ok) fm_step_ws_flush(&s->r.step, &s->r.m); /* an overlapped update still in flight */
     fm_train_run_free(&s->r);
-    fm_batch_free(&s->fb);
-    fm_free(s->pos_of);
-    fm_free(s->seq_of);
-    fm_free(s->in_loss);
-    fm_free(s->tok_loss);
-    fm_free(s->tok_ent);
-    fm_free(s->logp);
-    fm_free(s->ent);
-    fm_free(s->coef);
-    fm_free(s->seq_count);
-    fm_free(s->weight);
-    fm_free(s->routes);
-    fm_free(s->ent_coef);
-    fm_free(s->ent_weight);
-    fm_free(s->topk_lp);
-    fm_free(s->topk_id);
-    fm_capi_gen_free(s);
-    fm_capi_kv_free(s);
+    fm_capi_host_free(s);
     fm_free(s->sleep_host);
     fm_spec_free(&s->spec);
     free(s);

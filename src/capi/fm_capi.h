@@ -21,7 +21,7 @@ typedef struct fm_capi_gen {
 #define FM_CAPI_KV_MAX_HD 512
 typedef struct fm_capi_kv {
     bool on;
-    size_t bytes;                 /* fm_capi_kv_bytes: what open allocated */
+    size_t bytes;                 /* its share of the session's host arena (fm_capi_host_bytes) */
     float *K, *V;                 /* [L, budget, nkv x hd] the cache; slot = a token's place */
     float *x, *ln, *o;            /* [n, H] the residual stream, a norm's output, a block's output */
     float *q, *att, *k, *v;       /* [n, nh hd] x 2, [n, nkv hd] x 2 */
@@ -63,6 +63,7 @@ struct flatmoe_session {
     int32_t *topk_id;     /* [budget, K] the model's rl_topk_id, read back */
     fm_capi_gen gen;      /* flatmoe_generate's scratch */
     fm_capi_kv kv;        /* its KV cache (--kv-cache; kv.on false without) */
+    fm_arena host;        /* the buffers above (fb to kv): one host arena of fm_capi_host_bytes */
     void *sleep_host;     /* flatmoe_sleep: the model-state arena's bytes on the host (NULL: awake) */
     size_t sleep_bytes;
 };
@@ -70,19 +71,23 @@ struct flatmoe_session {
 /* FM_OK when the session is awake, else FM_ERR_ARG naming `what` and the fix (flatmoe_wake). */
 fm_status fm_capi_awake(const flatmoe_session *s, const char *what);
 
-/* flatmoe_generate's scratch (s->gen) of the session's token budget and vocabulary, at open; and
- * its release (safe on a zeroed one). Errors: FM_ERR_NOMEM. */
-fm_status fm_capi_gen_alloc(flatmoe_session *s);
-void fm_capi_gen_free(flatmoe_session *s);
-
-/* The KV cache's bytes for config c and a token budget of N (flatmoe_kv.c's bound formula). */
-size_t fm_capi_kv_bytes(const fm_config *c, int64_t N);
-/* The KV cache at open (--kv-cache): refuses a session it does not serve (FM_ERR_UNSUPPORTED
- * naming why: the CUDA build, several ranks, the sigmoid router, shared experts, fp8 experts,
- * head_dim > 512), else allocates fm_capi_kv_bytes (FM_ERR_NOMEM naming them). Free: safe on a
- * zeroed one. */
-fm_status fm_capi_kv_alloc(flatmoe_session *s);
-void fm_capi_kv_free(flatmoe_session *s);
+/* The session's host scratch (flatmoe_host.c): every host buffer beside the plan's live sets
+ * (the batch, the per-token arrays, the routes' and top-k staging, flatmoe_generate's sampling
+ * scratch, and with kv_cache the KV cache and its decoder's scratch), for config c, B rows of T
+ * tokens and topk (--logprobs-topk), in bytes (64-byte rounded pieces, as one host arena takes
+ * them); *kv_bytes (may be NULL) gets the KV cache's share (0 without kv_cache). Never fails. */
+size_t fm_capi_host_bytes(const fm_config *c, int64_t B, int64_t T, int64_t topk, bool kv_cache, size_t *kv_bytes);
+/* At open, after the run is set up (s->r, B, T, budget, topk_max): refuses --kv-cache where the
+ * cached decoder does not serve the model (fm_capi_kv_check), then allocates the one host arena of
+ * fm_capi_host_bytes and carves every buffer from it (s->fb, the per-token arrays, s->gen, s->kv).
+ * Errors: FM_ERR_UNSUPPORTED (--kv-cache), FM_ERR_NOMEM naming the bytes. Free: safe on a zeroed
+ * session. */
+fm_status fm_capi_host_alloc(flatmoe_session *s);
+void fm_capi_host_free(flatmoe_session *s);
+/* FM_OK when --kv-cache serves session s's model, else FM_ERR_UNSUPPORTED naming why (the CUDA
+ * build, several ranks, MLA, gpt_oss's parts, the sigmoid router, shared experts, fp8 experts,
+ * head_dim > FM_CAPI_KV_MAX_HD) and the fix. */
+fm_status fm_capi_kv_check(const flatmoe_session *s);
 /* One pass of the cached decoder over n tokens (1 .. budget) tok [n], with s->kv.pos, slot and
  * first [n] filled by the caller (each token's position, cache slot, and its sequence's first
  * slot; a token's earlier positions already cached, or among the n at smaller slots): writes K

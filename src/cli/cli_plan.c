@@ -17,6 +17,7 @@
 #include "plan/fm_plan.h"
 #include "plan/fm_plan_device.h"
 #include "plan/fm_plan_report.h"
+#include "capi/fm_capi.h"
 #include "train/fm_train_ckpt_stream.h"
 #include "run/fm_spec_check.h"
 #include "train/fm_threads.h"
@@ -249,6 +250,13 @@ int cmd_plan(int argc, char **argv) {
     x.spec = &spec;
     x.o = fm_spec_train_opts(&spec);
     x.json = spec.planner.json;
+    if (spec.library.plan) { /* a session's plan: what flatmoe_open sets before its run (capi/flatmoe_session.c
+                              * session_options: the RL head laid out, the linear CE's blocks unless given) */
+        x.o.layout.rl_head = true;
+        x.o.layout.rl_topk = spec.library.logprobs_topk;
+        if (x.o.ce_block_tokens < 0) x.o.ce_block_tokens = FM_LCE_DEFAULT_BLOCK_TOKENS;
+        if (x.o.ce_block_vocab < 0) x.o.ce_block_vocab = FM_LCE_DEFAULT_BLOCK_VOCAB;
+    }
     fm_status s = fm_spec_check(&spec);
     if (!s) s = fm_backend_opts_from_env(&x.o.backend); /* FLATMOE_*: the expert GEMM, the calibration folder */
     if (!s) s = fm_config_load(&x.cfg, x.o.config_path);
@@ -301,6 +309,9 @@ int cmd_plan(int argc, char **argv) {
     rep.ckpt_chunk_elems = FM_CKPT_CHUNK_ELEMS;
     rep.ckpt_stage_bytes = fm_ckpt_stage_bound(rep.ckpt_max_numel, rep.ckpt_chunk_elems);
     rep.data = data[0] ? data : NULL;
+    if (spec.library.plan) /* the session's host scratch, as flatmoe_open allocates it (capi/flatmoe_host.c) */
+        rep.library_host_bytes = fm_capi_host_bytes(&x.cfg, x.o.micro_batch, x.o.seq_len, spec.library.logprobs_topk,
+                                                    spec.library.kv_cache, &rep.library_kv_bytes);
     if (x.json) fm_plan_print_json(req, &p, &rep, stdout);
     else fm_plan_print(req, &p, &rep, stdout);
     if (s == FM_OK) { /* a cheaper state recipe that would be faster: named, never chosen */

@@ -142,13 +142,14 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     const fm_mesh_dims *m = &r->mesh;
     char flags[1200];
     fm_plan_train_flags(r, p, flags, sizeof flags);
-    if (fits) fprintf(f, "\ntrain flags: %s", flags);
-    else fprintf(f, "\ntrain flags: none (this plan does not fit: see below)");
+    const char *what = x->library_host_bytes ? "flatmoe_open flags" : "train flags"; /* plan --library: a session */
+    if (fits) fprintf(f, "\n%s: %s", what, flags);
+    else fprintf(f, "\n%s: none (this plan does not fit: see below)", what);
     if (m->on)
         fprintf(f, "\nmesh: world %lld = dp %lld x sp %lld, ep %lld (%lld GPUs per node); the bounds below are PER RANK: "
                 "N = micro-batch x seq-len / sp = %lld local tokens", (long long)(m->dp * m->sp), (long long)m->dp,
                 (long long)m->sp, (long long)m->ep, (long long)m->gpus_per_node, (long long)(r->B * (r->T / m->sp)));
-    else if (fits) { /* the trainer's run: the launch line, runnable as printed once DATA names the data
+    else if (fits && !x->library_host_bytes) { /* the trainer's run: the launch line, runnable as printed once DATA names the data
                       * (over its dp x sp ranks when it has several) */
         const int64_t W = (int64_t)r->state_layout.ranks;
         if (W > 1) fprintf(f, "\nlaunch: %s -np %lld", x->mpirun ? x->mpirun : "mpirun", (long long)W);
@@ -196,6 +197,14 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
         fprintf(f, "%-24s %20zu %12s   8 B x min(%lld-element pieces, largest tensor %lld) (host, per rank, not in the "
                 "device total)\n", "checkpoint staging:", cs, g, (long long)x->ckpt_chunk_elems,
                 (long long)x->ckpt_max_numel);
+    }
+    if (x->library_host_bytes) { /* plan --library: the session's host arena (the caller's figure) */
+        human(g, sizeof g, x->library_host_bytes);
+        char kv[64] = "";
+        if (x->library_kv_bytes) snprintf(kv, sizeof kv, ", %.1f MiB of it the KV cache", x->library_kv_bytes / 1048576.0);
+        fprintf(f, "%-24s %20zu %12s   the batch, per-token arrays, routes, top-k and sampling scratch of %lld tokens%s "
+                "(host, one arena at flatmoe_open, not in the device total)\n", "library host scratch:",
+                x->library_host_bytes, g, (long long)(r->B * r->T), kv);
     }
     if (budget) {
         char b[32];
@@ -314,6 +323,8 @@ void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_re
     if (x->host_budget != FM_HOST_BUDGET_UNLIMITED) fprintf(f, ",\"host_budget_bytes\":%zu", x->host_budget);
     fprintf(f, ",\"checkpoint_staging_bytes\":%zu", /* per rank, host, not pinned (the text's line) */
             x->ckpt_stage_bytes);
+    if (x->library_host_bytes)
+        fprintf(f, ",\"library_host_bytes\":%zu,\"library_kv_bytes\":%zu", x->library_host_bytes, x->library_kv_bytes);
     fprintf(f, ",\"master_weights\":\"%s\",\"state_bytes_per_param\":%d",
             fm_master_recipe_name((fm_master_recipe)r->state_layout.master_recipe), fm_plan_state_bytes_per_param(r));
     if (r->mesh.on)

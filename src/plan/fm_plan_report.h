@@ -34,6 +34,9 @@ typedef struct fm_plan_report {
      * largest tensor's elements, for its line (all 0: no line, and "checkpoint_staging_bytes" 0) */
     size_t ckpt_stage_bytes;
     int64_t ckpt_chunk_elems, ckpt_max_numel;
+    /* plan --library: a libflatmoe session's host scratch (capi/flatmoe_host.c's bound, which the
+     * caller asks) and the KV cache's share of it; 0: no line, and no "library_host_bytes" */
+    size_t library_host_bytes, library_kv_bytes;
 } fm_plan_report;
 
 /* The trainer's flags that reproduce plan p of request r ("--seq-len ... --recompute ..."; a mesh

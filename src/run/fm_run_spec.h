@@ -136,12 +136,13 @@ typedef struct fm_spec_report {
 } fm_spec_report;
 
 /* The library's own options (include/flatmoe.h flatmoe_open): rows of `train` that the command
- * refuses (fm_spec_check) unless `session` is set, as flatmoe_open sets it. */
+ * refuses (fm_spec_check) unless `session` is set, as flatmoe_open sets it, or `plan` (plan --library). */
 #define FM_SPEC_TOPK_MAX 64 /* --logprobs-topk's most (include/flatmoe.h FLATMOE_TOPK_MAX) */
 typedef struct fm_spec_library {
     int64_t logprobs_topk;                   /* --logprobs-topk K: the top-k log-probs' buffers, 0 .. 64 */
     bool kv_cache;                           /* --kv-cache: flatmoe_generate's KV cache */
     bool session;                            /* set by flatmoe_open, never by a flag */
+    bool plan;                               /* plan --library: plan a session (the library's rows allowed) */
 } fm_spec_library;
 
 /* The run spec. `train` is the trainer's options (train/fm_trainer.h: shape, optimizer, memory

@@ -32,13 +32,14 @@ fm_status fm_spec_check(const fm_run_spec *s) {
         return fm_error(FM_ERR_ARG, "give --device-mem (the device's memory) or --mem-budget (the planned sets' budget), "
                         "not both");
     const int64_t K = s->library.logprobs_topk;
-    if (K != 0 && !s->library.session)
+    if (K != 0 && !s->library.session && !s->library.plan)
         return fm_error(FM_ERR_ARG, "--logprobs-topk %lld: the option of a library session (flatmoe_open, "
                         "include/flatmoe.h), whose log-probs calls return the top-k; `flatmoe train` returns none: drop "
-                        "it", (long long)K);
-    if (s->library.kv_cache && !s->library.session)
+                        "it (`flatmoe plan --library` plans a session with it)", (long long)K);
+    if (s->library.kv_cache && !s->library.session && !s->library.plan)
         return fm_error(FM_ERR_ARG, "--kv-cache: the option of a library session's flatmoe_generate (flatmoe_open, "
-                        "include/flatmoe.h); `flatmoe train` samples nothing: drop it");
+                        "include/flatmoe.h); `flatmoe train` samples nothing: drop it (`flatmoe plan --library` plans a "
+                        "session with it)");
     if (K < 0 || K > FM_SPEC_TOPK_MAX)
         return fm_error(FM_ERR_ARG, "flatmoe_open: --logprobs-topk %lld; expected an integer 0 .. %d (the most top-k "
                         "log-probs per token flatmoe_logprobs_ex may ask for; 0: none)", (long long)K, FM_SPEC_TOPK_MAX);

@@ -264,10 +264,14 @@ const fm_spec_flag fm_spec_flags[] = {
     /* ---- the library's own (include/flatmoe.h flatmoe_open; docs/rl.md) ---- */
     V("logprobs-topk", FM_SPEC_I64, library.logprobs_topk, "0", NULL,
       "libflatmoe sessions only (flatmoe_open; `train` refuses a non-zero value): the most top-k log-probs per token "
-      "flatmoe_logprobs_ex may ask for, 0 .. 64 (their [tokens, K] buffers are planned); 0 = none", T, NOW),
+      "flatmoe_logprobs_ex may ask for, 0 .. 64 (their [tokens, K] buffers are planned); 0 = none", T | P, NOW),
     V("kv-cache", FM_SPEC_BOOL, library.kv_cache, NULL, "off: each round runs the whole prefix",
       "libflatmoe sessions only (`train` refuses it): flatmoe_generate keeps a key/value cache of every layer for the "
-      "token budget, allocated at open (CPU build, one rank, softmax router)", T, NOW),
+      "token budget, allocated at open (CPU build, one rank, softmax router)", T | P, NOW),
+    V("library", FM_SPEC_BOOL, library.plan, NULL, "off: plan `train`",
+      "plan a libflatmoe session (flatmoe_open with these flags) instead of `train`: the RL head's buffers in the "
+      "vocabulary set, --logprobs-topk and --kv-cache allowed, and the session's host scratch (the batch, per-token "
+      "arrays, routes, sampling scratch, the KV cache) printed as its own line (docs/rl.md)", P, NOW),
     /* ---- the planner's own ---- */
     V("device-mem", FM_SPEC_BYTES, planner.device_mem, NULL,
       "--gpu's, else (--backend cuda) the local GPU's, else no verdict",
