@@ -354,15 +354,16 @@ int flatmoe_generate(flatmoe_session *s, const int32_t *prompts, int64_t n_promp
                      const flatmoe_sample_spec *spec, int32_t *out_tokens, int64_t *out_lens, float *out_logprobs);
 
 /* Sleep and wake (verl's offload of model and optimizer between rollouts). flatmoe_sleep copies the
- * session's model state, the parameter store's arena (the weights, their gradients, the fp32 master
- * and the optimizer state that lives there; train/fm_param_store.h), to host memory (one allocation
- * of its bytes) and fills the arena with NaNs; flatmoe_wake copies it back and frees the host copy,
- * so the next steps are bit for bit those of a session that did not sleep. While asleep, every
- * other call on the session but flatmoe_get_info and flatmoe_close is refused (FLATMOE_ERR_ARG:
- * "asleep"). NOT YET in this slice: the device memory is not given back (the arena stays
- * allocated, and the activation arenas too): releasing it needs an allocator that keeps the
- * addresses the model's layout holds (CUDA's virtual memory management). On the CPU build the
- * "device" is host memory: sleep then holds a second copy. Errors: FLATMOE_ERR_ARG (already asleep;
+ * carved part of every device arena of the session -- the model state (the weights, their
+ * gradients, the fp32 master and the optimizer state that lives there; train/fm_param_store.h) and
+ * the activation live sets' persistent parts -- to host memory (one allocation of their bytes),
+ * then gives each arena's memory back where the backend can while keeping its addresses (the CPU
+ * build: madvise, its resident memory drops by the arenas' whole pages), else fills it with NaNs;
+ * flatmoe_wake backs the arenas again, copies the contents back and frees the host copy, so the
+ * next steps are bit for bit those of a session that did not sleep. While asleep, every other call
+ * on the session but flatmoe_get_info and flatmoe_close is refused (FLATMOE_ERR_ARG: "asleep").
+ * NOT YET: the CUDA build keeps its device memory (it needs CUDA's virtual memory management to
+ * keep the addresses; the arenas are NaN-filled there). Errors: FLATMOE_ERR_ARG (already asleep;
  * wake while awake), FLATMOE_ERR_NOMEM (the host copy: the session stays awake). */
 int flatmoe_sleep(flatmoe_session *s);
 int flatmoe_wake(flatmoe_session *s);

@@ -10,12 +10,16 @@
  *    greedy picks the token whose flatmoe_logprobs is the largest over the whole vocabulary (the
  *    sampling logits, formed apart from the linear CE, against it: within a derived tolerance);
  *    top-k and top-p draw only from their candidate sets; the budget refusal;
- *  - flatmoe_sleep then flatmoe_wake: NaN model state while asleep, calls refused, the next step
- *    bit for bit that of a session that did not sleep. */
+ *  - flatmoe_sleep then flatmoe_wake (3 x 16 and 8 x 64 tokens: the live sets' arenas span pages
+ *    there, so their released pages come back as zeros and only the carved parts copied back): the
+ *    model state NaN or released while asleep (mincore: its pages not resident), calls refused, the
+ *    next step bit for bit that of a session that did not sleep. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -38,8 +42,9 @@ enum { V = 100 };
 
 /* A micro session: the model from --config (fresh weights), or from --ckpt DIR when ckpt is set;
  * micro_batch rows of 16 tokens. */
+static const char *seq_len_s = "16"; /* open_micro's --seq-len (test_sleep_wake widens it) */
 static flatmoe_session *open_micro(const char *ckpt, const char *micro_batch) {
-    const char *argv[] = {ckpt ? "--ckpt" : "--config", ckpt ? ckpt : cfg_path, "--seq-len", "16", "--micro-batch",
+    const char *argv[] = {ckpt ? "--ckpt" : "--config", ckpt ? ckpt : cfg_path, "--seq-len", seq_len_s, "--micro-batch",
                           micro_batch, "--threads", threads_s, "--ce-block-tokens", "16", "--ce-block-vocab", "24",
                           "--seed", "11", "--lr", "1e-2", "--warmup", "1", "--steps", "10", "--quiet"};
     flatmoe_session *s = NULL;
@@ -132,9 +137,12 @@ static void test_save_resume(fm_rng *g) {
 }
 
 /* sleep, wake: the next steps equal a session's that did not sleep; while asleep the model state
- * is NaN (the copy back is what restores it) and the calls are refused */
-static void test_sleep_wake(fm_rng *g) {
-    flatmoe_session *a = open_micro(NULL, "3"), *c = open_micro(NULL, "3");
+ * is NaN or released (the copy back is what restores it: the CPU backend gives the arenas' whole
+ * pages back, checked with mincore) and the calls are refused */
+static void test_sleep_wake(fm_rng *g, const char *seq_len, const char *micro_batch) {
+    seq_len_s = seq_len;
+    flatmoe_session *a = open_micro(NULL, micro_batch), *c = open_micro(NULL, micro_batch);
+    seq_len_s = "16";
     if (!a || !c) return;
     flatmoe_batch b;
     pg_batch(&b, g);
@@ -144,7 +152,23 @@ static void test_sleep_wake(fm_rng *g) {
     CHECK_MSG(flatmoe_sleep(a) == FLATMOE_OK, "sleep: %s", flatmoe_last_error());
     CHECK(flatmoe_sleep(a) == FLATMOE_ERR_ARG && strstr(flatmoe_last_error(), "asleep"));
     const float w0 = a->r.m.p.master[0];
-    CHECK_MSG(isnan(w0), "the model state while asleep: %g, expected NaN", (double)w0);
+    CHECK_MSG(isnan(w0) || w0 == 0.0f, "the model state while asleep: %g, expected NaN (poisoned) or 0 (released)",
+              (double)w0);
+    /* the CPU backend gives the arenas' whole pages back (madvise): the model state's interior
+     * pages are no longer resident (mincore), and what was given back is most of the arenas */
+    const fm_arena *ms = &a->r.ps.arena;
+    const size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t p0 = ((uintptr_t)ms->base + pg - 1) & ~(uintptr_t)(pg - 1);
+    const uintptr_t p1 = ((uintptr_t)ms->base + ms->capacity) & ~(uintptr_t)(pg - 1);
+    size_t resident = 0, pages = p1 > p0 ? (p1 - p0) / pg : 0;
+    unsigned char vec[4096];
+    CHECK_MSG(pages >= 8 && pages <= sizeof vec && mincore((void *)p0, p1 - p0, vec) == 0,
+              "mincore over the model state's %zu pages", pages);
+    for (size_t i = 0; i < pages && i < sizeof vec; i++) resident += vec[i] & 1;
+    CHECK_MSG(resident == 0 && a->sleep_released >= (p1 - p0) && a->sleep_released <= a->sleep_bytes + 64 * 4096,
+              "asleep: %zu of the model state's %zu interior pages resident; %zu bytes released, %zu copied",
+              resident, pages, a->sleep_released, a->sleep_bytes);
+    const size_t copied = a->sleep_bytes, released = a->sleep_released;
     float lp[MT];
     CHECK(flatmoe_logprobs(a, &b, lp, NULL) == FLATMOE_ERR_ARG && strstr(flatmoe_last_error(), "flatmoe_wake"));
     CHECK(flatmoe_save(a, run_dir) == FLATMOE_ERR_ARG && flatmoe_export_weights(a, 64, NULL, NULL) == FLATMOE_ERR_ARG);
@@ -153,7 +177,8 @@ static void test_sleep_wake(fm_rng *g) {
     step(a, &b);
     step(c, &b);
     CHECK_MSG(same_weights(a, c), "a step after sleep and wake differs from one without");
-    printf("sleep/wake: the state NaN while asleep, the next step bit for bit as without sleep\n");
+    printf("sleep/wake at %s x %s tokens: %zu bytes copied, %zu released (the model state's %zu pages not resident), the next step bit "
+           "for bit as without sleep\n", micro_batch, seq_len, copied, released, pages);
     flatmoe_close(a);
     flatmoe_close(c);
 }
@@ -420,7 +445,8 @@ int main(void) {
     fm_rng_seed(&g, fm_test_seed(2930));
     test_save_resume(&g);
     test_export();
-    test_sleep_wake(&g);
+    test_sleep_wake(&g, "16", "3");
+    test_sleep_wake(&g, "64", "8");
     test_generate();
     unlink(cfg_path);
     char cmd[128];

@@ -644,6 +644,15 @@ typedef struct fm_ops {
     void (*mem_free)(void *ctx, void *p);
     /* dst[0..bytes) = byte. */
     void (*mem_set)(void *ctx, void *dst, int byte, size_t bytes);
+    /* Sleep (libflatmoe's flatmoe_sleep; src/capi/flatmoe_sleep.c): mem_release gives the physical
+     * memory under [p, p + bytes) of a mem_alloc allocation back to the system while the addresses
+     * stay reserved, and returns the bytes given back (whole pages inside the range; 0: none, the
+     * contents then stay); the contents are lost. mem_restore backs [p, p + bytes) again at the
+     * same addresses, zero-filled (errors: the backend's status). Launch-time, like mem_alloc;
+     * NULL: the backend cannot (the CPU uses madvise(MADV_DONTNEED), as glibc's free does for
+     * its trimmed pages). */
+    size_t (*mem_release)(void *ctx, void *p, size_t bytes);
+    void (*mem_restore)(void *ctx, void *p, size_t bytes);
     /* bytes from src to dst; kind says which side is host memory. Synchronous: for launch-time
      * uploads and reports, never inside a step (it counts as a host sync). */
     void (*copy)(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_kind kind);

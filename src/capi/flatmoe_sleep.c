@@ -1,9 +1,19 @@
-/* libflatmoe's sleep and wake (include/flatmoe.h flatmoe_sleep): the model-state live set (the
- * parameter store's arena: weights, gradients, the fp32 master and the optimizer state that lives
- * in it; train/fm_param_store.h) copied to host memory and back. This slice copies and poisons;
- * it does not yet give the device memory back (the layout's pointers into the arena must stay
- * valid: that needs an allocator that keeps the addresses, e.g. CUDA's virtual memory management,
- * as vLLM's sleep mode does). */
+/* libflatmoe's sleep and wake (include/flatmoe.h flatmoe_sleep; docs/rl.md "Sleep and wake").
+ *
+ * Sleep: every device arena of the session -- the model state (the parameter store's arena:
+ * weights, gradients, the fp32 master and the optimizer state that lives in it;
+ * train/fm_param_store.h) and the activation live sets (model/fm_acts.h) -- has its carved part
+ * (`used` bytes: everything a later step reads that was written before it; the transient parts
+ * are carved again and written before they are read) copied to one host buffer; then each arena's
+ * memory is poisoned with 0xff (every fp32 and bf16 value a NaN until wake) and given back to the
+ * system where the backend can (ops->mem_release: the physical pages go, the addresses stay, so
+ * every pointer into the arenas stays valid; released pages read as zeros, the rest as NaN). Wake: each released arena backed again
+ * (ops->mem_restore, zero-filled), the carved parts copied back: the next step is bit for bit a
+ * step without sleep (tests/test_capi_io.c). The host buffer's bytes are the arenas' carved bytes
+ * (at most the plan's device total). What stays on the device: the backend's own workspaces
+ * (the BLAS and cuDNN workspaces, the reduction scratch) and the context.
+ * The idea of keeping the addresses while the memory goes: vLLM's sleep mode and
+ * torch_memory_saver (CUDA virtual memory management: cuMemUnmap / cuMemMap). */
 #include <string.h>
 
 #include "fm_capi.h"
@@ -14,6 +24,15 @@ fm_status fm_capi_awake(const flatmoe_session *s, const char *what) {
     return FM_OK;
 }
 
+/* The session's device arenas (those with memory) into out[FM_LIVE_COUNT]; returns their count. */
+static int device_arenas(flatmoe_session *s, fm_arena **out) {
+    int n = 0;
+    if (s->r.ps.arena.base) out[n++] = &s->r.ps.arena; /* FM_LIVE_MODEL_STATE */
+    for (int i = 1; i < FM_LIVE_COUNT; i++)
+        if (s->r.m.a.arena[i].base) out[n++] = &s->r.m.a.arena[i];
+    return n;
+}
+
 int flatmoe_sleep(flatmoe_session *s) {
     if (!s) return fm_error(FM_ERR_ARG, "flatmoe_sleep: the session is NULL");
     FM_TRY(fm_capi_awake(s, "flatmoe_sleep"));
@@ -21,22 +40,41 @@ int flatmoe_sleep(flatmoe_session *s) {
     run *r = &s->r;
     fm_step_ws_flush(&r->step, &r->m); /* an overlapped update still in flight lands first */
     const fm_ops *ops = r->m.be.ops;
-    fm_arena *a = &r->ps.arena;
-    const size_t bytes = a->used;
-    void *host = fm_malloc(bytes ? bytes : 1);
+    fm_arena *ar[FM_LIVE_COUNT];
+    const int n = device_arenas(s, ar);
+    size_t bytes = 0;
+    for (int i = 0; i < n; i++) bytes += ar[i]->used;
+    uint8_t *host = fm_malloc(bytes ? bytes : 1);
     if (!host)
-        return fm_error(FM_ERR_NOMEM, "flatmoe_sleep: cannot allocate %zu bytes of host memory for the model state "
-                        "(weights, gradients, master, optimizer state)", bytes);
+        return fm_error(FM_ERR_NOMEM, "flatmoe_sleep: cannot allocate %zu bytes of host memory for the device arenas' "
+                        "contents (the model state: weights, gradients, master, optimizer state; and the live sets' "
+                        "carved parts)", bytes);
     ops->stream_sync(r->m.be.ctx, FM_STREAM_COMPUTE); /* sync point "sleep" */
-    ops->copy(r->m.be.ctx, host, a->base, bytes, FM_COPY_D2H);
-    ops->mem_set(r->m.be.ctx, a->base, 0xff, bytes); /* every fp32 and bf16 value: a NaN until wake */
-    const fm_status st = ops->status(r->m.be.ctx);
-    if (st != FM_OK) {
+    size_t at = 0, released = 0;
+    for (int i = 0; i < n; i++) {
+        ops->copy(r->m.be.ctx, host + at, ar[i]->base, ar[i]->used, FM_COPY_D2H);
+        at += ar[i]->used;
+    }
+    fm_status st = ops->status(r->m.be.ctx);
+    for (int i = 0; i < n && st == FM_OK; i++) {
+        ops->mem_set(r->m.be.ctx, ar[i]->base, 0xff, ar[i]->capacity); /* NaN until wake, where it stays */
+        released += ops->mem_release ? ops->mem_release(r->m.be.ctx, ar[i]->base, ar[i]->capacity) : 0;
+        st = ops->status(r->m.be.ctx);
+    }
+    if (st != FM_OK) { /* released arenas are backed again before the error returns: the session stays usable */
+        for (int i = 0; i < n; i++)
+            if (ops->mem_restore) ops->mem_restore(r->m.be.ctx, ar[i]->base, ar[i]->capacity);
+        at = 0;
+        for (int i = 0; i < n; i++) {
+            ops->copy(r->m.be.ctx, ar[i]->base, host + at, ar[i]->used, FM_COPY_H2D);
+            at += ar[i]->used;
+        }
         fm_free(host);
         return st;
     }
     s->sleep_host = host;
     s->sleep_bytes = bytes;
+    s->sleep_released = released;
     return FLATMOE_OK;
 }
 
@@ -44,11 +82,21 @@ int flatmoe_wake(flatmoe_session *s) {
     if (!s) return fm_error(FM_ERR_ARG, "flatmoe_wake: the session is NULL");
     if (!s->sleep_host) return fm_error(FM_ERR_ARG, "flatmoe_wake: the session is awake; flatmoe_sleep it first");
     run *r = &s->r;
-    r->m.be.ops->copy(r->m.be.ctx, r->ps.arena.base, s->sleep_host, s->sleep_bytes, FM_COPY_H2D);
-    FM_TRY(r->m.be.ops->status(r->m.be.ctx));
+    const fm_ops *ops = r->m.be.ops;
+    fm_arena *ar[FM_LIVE_COUNT];
+    const int n = device_arenas(s, ar);
+    if (s->sleep_released && ops->mem_restore)
+        for (int i = 0; i < n; i++) ops->mem_restore(r->m.be.ctx, ar[i]->base, ar[i]->capacity);
+    FM_TRY(ops->status(r->m.be.ctx)); /* not backed again: the session stays asleep, wake may be called again */
+    const uint8_t *host = s->sleep_host;
+    for (int i = 0; i < n; i++) {
+        ops->copy(r->m.be.ctx, ar[i]->base, host, ar[i]->used, FM_COPY_H2D);
+        host += ar[i]->used;
+    }
+    FM_TRY(ops->status(r->m.be.ctx));
     fm_model_fp8_cache_invalidate(&r->m); /* --fp8-weight-cache: from the restored weights */
     fm_free(s->sleep_host);
     s->sleep_host = NULL;
-    s->sleep_bytes = 0;
+    s->sleep_bytes = s->sleep_released = 0;
     return FLATMOE_OK;
 }

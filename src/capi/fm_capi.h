@@ -65,7 +65,8 @@ struct flatmoe_session {
     fm_capi_kv kv;        /* its KV cache (--kv-cache; kv.on false without) */
     fm_arena host;        /* the buffers above (fb to kv): one host arena of fm_capi_host_bytes */
     void *sleep_host;     /* flatmoe_sleep: the model-state arena's bytes on the host (NULL: awake) */
-    size_t sleep_bytes;
+    size_t sleep_bytes;   /* its bytes: the device arenas' carved parts */
+    size_t sleep_released; /* device bytes given back at sleep (ops->mem_release; 0: poisoned instead) */
 };
 
 /* FM_OK when the session is awake, else FM_ERR_ARG naming `what` and the fix (flatmoe_wake). */

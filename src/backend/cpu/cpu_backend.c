@@ -18,7 +18,9 @@
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Declared by OpenBLAS's cblas.h; repeated so other BLAS headers also compile. */
 void openblas_set_num_threads(int num_threads);
@@ -421,6 +423,21 @@ static void cpu_mem_free(void *ctx, void *p) {
     fm_free(p);
 }
 
+/* The whole pages inside [p, p + bytes) dropped (madvise MADV_DONTNEED: private anonymous pages
+ * read as zeros when touched again); the partial pages at the ends stay. */
+static size_t cpu_mem_release(void *ctx, void *p, size_t bytes) {
+    (void)ctx;
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t a = ((uintptr_t)p + pg - 1) & ~(pg - 1), b = ((uintptr_t)p + bytes) & ~(pg - 1);
+    if (!p || b <= a || madvise((void *)a, b - a, MADV_DONTNEED) != 0) return 0;
+    return (size_t)(b - a);
+}
+
+static void cpu_mem_restore(void *ctx, void *p, size_t bytes) {
+    (void)ctx;
+    memset(p, 0, bytes);
+}
+
 static void cpu_mem_set(void *ctx, void *dst, int byte, size_t bytes) {
     (void)ctx;
     memset(dst, byte, bytes);
@@ -579,6 +596,8 @@ static const fm_ops fm_cpu_ops = {
     .adamw = cpu_adamw,
     .adamw_bf16w = cpu_adamw_bf16w,
     .mem_alloc = cpu_mem_alloc,
+    .mem_release = cpu_mem_release,
+    .mem_restore = cpu_mem_restore,
     .mem_free = cpu_mem_free,
     .mem_set = cpu_mem_set,
     .copy = cpu_copy,
