@@ -107,6 +107,20 @@ fm_status fm_attn_sp_heads_to_seq(const fm_attn_sp *s, const fm_backend *be, fm_
  * sharded attention runs on whole rows, so it reads them as they are. Errors: the communicator's. */
 fm_status fm_attn_sp_forward(const fm_attn_sp *s, const fm_backend *be, fm_act *out, float *lse, const fm_act *q,
                              const fm_act *k, const fm_act *v, const int32_t *doc_start);
+/* gpt_oss's attention under Ulysses (model/fm_layer_oss.h): the same all-to-alls around the
+ * backend's attention_ext_fwd / _bwd, with the learned sinks of every head, sinks [nh] (this
+ * rank's heads are sinks[rank nh_l ..]) and the sliding window (keys), 0: causal. The window's
+ * positions are the whole sequence's (the head-sharded attention sees whole rows), so it is the
+ * one-rank attention of each head. Backward adds this rank's heads' sink gradients into dsinks
+ * [nh] at rank nh_l (the others untouched: the sp group's reduction of the gradients sums the
+ * ranks' slices). Errors: the communicator's. */
+fm_status fm_attn_sp_forward_ext(const fm_attn_sp *s, const fm_backend *be, fm_act *out, float *lse, const fm_act *q,
+                                 const fm_act *k, const fm_act *v, const int32_t *doc_start, const fm_act *sinks,
+                                 int64_t window);
+fm_status fm_attn_sp_backward_ext(const fm_attn_sp *s, const fm_backend *be, fm_act *dq, fm_act *dk, fm_act *dv,
+                                  fm_act *dsinks, const fm_act *dout, const fm_act *q, const fm_act *k,
+                                  const fm_act *v, const fm_act *out, const float *lse, const int32_t *doc_start,
+                                  const fm_act *sinks, int64_t window);
 /* Attention backward: dq [B,Tl,nh,hd], dk, dv [B,Tl,nkv,hd] assigned from dout [B,Tl,nh,hd] and
  * the forward's q, k, v, out (sequence-sharded) and lse (head-sharded); the backend's
  * attention_bwd on the head-sharded tensors. dk, dv: the sum over every query of the whole

@@ -121,10 +121,10 @@ static fm_status layer_forward(fm_model *m, int64_t l, fm_act *y, bool skip_atte
     OPS->rope_fwd(CTX, a->kr, rc, rs, B, T, nkv, hd, rd, pos);
     if (!skip_attention) { /* keep-attention's recompute: att and lse are the forward's, kept */
         PHASE(ATTENTION);
-        if (m->mesh.sp > 1) /* Ulysses: to head-sharded, attention over the whole sequence, back */
+        if (fm_layer_oss_attention(m, l)) /* gpt_oss: sinks, sliding windows (under --sp too) */
+            FM_TRY(fm_layer_oss_attention_fwd(m, l, a, kvs));
+        else if (m->mesh.sp > 1) /* Ulysses: to head-sharded, attention over the whole sequence, back */
             FM_TRY(fm_attn_sp_forward(&m->a.sp_attn, &m->be, a->att, a->lse, a->qr, a->kr, a->v, kvs));
-        else if (fm_layer_oss_attention(m, l)) /* gpt_oss: sinks, sliding windows */
-            fm_layer_oss_attention_fwd(m, l, a, kvs);
         else
             OPS->attention_fwd(CTX, a->att, a->lse, a->qr, a->kr, a->v, B, T, nh, nkv, hd, kvs);
         PHASE(DENSE);
@@ -267,11 +267,11 @@ fm_status fm_model_layer_backward(fm_model *m, int64_t l, fm_act *dy, fm_act *dx
     linear_bwd(m, datt, 0.0f, g->wo, dxmid, a->att, w->wo, N, qd, H);
     if (g->bo) OPS->bias_grad(CTX, g->bo, dxmid, N, H);
     PHASE(ATTENTION);
-    if (m->mesh.sp > 1) /* Ulysses: the transposed all-to-alls around the attention backward */
+    if (fm_layer_oss_attention(m, l)) /* gpt_oss: sinks (their gradient too), sliding windows (under --sp too) */
+        FM_TRY(fm_layer_oss_attention_bwd(m, l, a, datt, kvs));
+    else if (m->mesh.sp > 1) /* Ulysses: the transposed all-to-alls around the attention backward */
         FM_TRY(fm_attn_sp_backward(&m->a.sp_attn, &m->be, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att,
                                    a->lse, kvs));
-    else if (fm_layer_oss_attention(m, l)) /* gpt_oss: sinks (their gradient too), sliding windows */
-        fm_layer_oss_attention_bwd(m, l, a, datt, kvs);
     else
         OPS->attention_bwd(CTX, ws->dq, ws->dk, ws->dv, datt, a->qr, a->kr, a->v, a->att, a->lse, B, T, nh, nkv, hd,
                            kvs);

@@ -14,12 +14,13 @@ bool fm_layer_oss_attention(const fm_model *m, int64_t l);
 int64_t fm_layer_oss_window(const fm_config *c, int64_t l);
 
 /* Layer l's attention forward: att, lse from qr, kr, v (the layer's saved set); kvs as
- * attention_fwd's. */
-void fm_layer_oss_attention_fwd(fm_model *m, int64_t l, fm_layer_acts *a, const int32_t *kvs);
+ * attention_fwd's; under --sp through Ulysses' all-to-alls (model/fm_attn_sp.h
+ * fm_attn_sp_forward_ext). Errors: the communicator's. */
+fm_status fm_layer_oss_attention_fwd(fm_model *m, int64_t l, fm_layer_acts *a, const int32_t *kvs);
 
 /* Its backward: dq, dk, dv (the working set's, assigned) and the sinks' gradient (accumulated)
  * from datt. */
-void fm_layer_oss_attention_bwd(fm_model *m, int64_t l, const fm_layer_acts *a, const fm_act *datt,
+fm_status fm_layer_oss_attention_bwd(fm_model *m, int64_t l, const fm_layer_acts *a, const fm_act *datt,
                                 const int32_t *kvs);
 
 /* Whether the model's shape and options can run gpt_oss's layers here: the backend's ops
