@@ -48,9 +48,6 @@ fm_status fm_train_ep_check(const fm_train_opts *o, const fm_config *c, int W) {
                             "--ep N, or use --moe-chunk-tokens for the local MoE's chunks", (long long)o->ep_cap_tokens);
         return FM_OK;
     }
-    if (c->expert_bias && o->zero == 3) /* fm_zero3.c's expert groups hold gate, up and down only */
-        return fm_error(FM_ERR_UNSUPPORTED, "model_type gpt_oss with --ep %d and --zero 3: ZeRO-3's expert groups do not "
-                        "carry the experts' biases yet; use --zero 0 with --ep, or --zero 3 without --ep", ep);
     /* --zero 1 and --offload-optimizer with --ep: fm_train_opts_check_flags (fm_trainer.h) */
     if (o->ep_cap_tokens > 0 && o->moe_chunk_tokens > 0 && o->ep_cap_tokens != o->moe_chunk_tokens)
         return fm_error(FM_ERR_ARG, "--ep-cap-tokens %lld and --moe-chunk-tokens %lld: under --ep the dispatch's "

@@ -122,8 +122,10 @@ size_t fm_zero3_state_bytes_ep(const fm_config *c, size_t a, int W, int ep, bool
     const int64_t L = c->num_hidden_layers, Lm = fm_config_num_moe_layers(c);
     /* --ep: the MoE layers' groups are fm_model_create_ep's (E/ep experts each), the experts kept
      * whole; a dense layer's group is sharded whole */
-    const int64_t span = ep > 1 ? 3 * (c->num_experts / ep) * c->hidden_size * c->moe_intermediate_size : 0;
-    if (ep > 1) nl -= 3 * c->num_experts * c->hidden_size * c->moe_intermediate_size;
+    const int64_t H = c->hidden_size, I = c->moe_intermediate_size;
+    const int64_t per_expert = 3 * H * I + (c->expert_bias ? 2 * I + H : 0); /* gpt_oss: + the experts' biases */
+    const int64_t span = ep > 1 ? (c->num_experts / ep) * per_expert : 0;
+    if (ep > 1) nl -= c->num_experts * per_expert;
     const int64_t p0 = fm_zero3_piece_len(n0, W), pl = fm_zero3_piece_len(nl, W), ph = fm_zero3_piece_len(nh, W);
     const int64_t pd = Lm < L ? fm_zero3_piece_len(nd, W) : 0;
     const int64_t S = p0 + Lm * pl + (L - Lm) * pd + ph + Lm * span;
@@ -196,20 +198,28 @@ void fm_zero3_owner(const fm_zero3 *z, int64_t p, int *rank, int64_t *local) {
 
 /* ---- the schedule hook ---- */
 
-/* Group g's whole part (a layer's experts, fm_model_create_ep's [w_gate, end)) in the model's
- * views: weights (when w) and gradients (when gr) at the shard's whole part. */
+/* Group g's whole part (a layer's experts, fm_model_create_ep's [w_gate, end): their weights and,
+ * gpt_oss, their biases) in the model's views: weights (when w) and gradients (when gr) at the
+ * shard's whole part. */
 static void bind_whole(fm_zero3 *z, fm_model *m, int g, bool w, bool gr) {
     if (z->keep[g] == 0) return;
     int64_t gate, up, down;
     fm_params_layer_expert_offsets(&m->p, g - 1, &gate, &up, &down);
     FM_ASSERT(gate == z->begin[g + 1] - z->keep[g]);
     fm_layer_ptrs *y[2] = {w ? &m->p.w.layers[g - 1] : NULL, gr ? &m->p.g.layers[g - 1] : NULL};
+    int64_t bg, bu, bd; /* gpt_oss: the experts' biases, stacked after w_down in the whole part (-1: none) */
+    fm_params_layer_expert_bias_offsets(&m->p, g - 1, &bg, &bu, &bd);
     fm_act *base[2] = {z->weights + z->wlocal[g], z->grads + z->wlocal[g]};
     for (int i = 0; i < 2; i++)
         if (y[i]) {
             y[i]->w_gate = base[i];
             y[i]->w_up = base[i] + (up - gate);
             y[i]->w_down = base[i] + (down - gate);
+            if (bg >= 0) {
+                y[i]->eb_gate = base[i] + (bg - gate);
+                y[i]->eb_up = base[i] + (bu - gate);
+                y[i]->eb_down = base[i] + (bd - gate);
+            }
         }
 }
 
