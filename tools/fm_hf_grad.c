@@ -9,8 +9,12 @@
  * with labels = input_ids, position t predicts input_ids[t+1]; the last position is ignored.
  * Runs on the build's backend (CPU fp32, or CUDA bf16 in the CUDA build).
  * OUT holds "loss" [1] (mean cross-entropy over B*(T-1) tokens, without router losses),
- * "logits" [B,T,V], and "grad.<name>" for every parameter (router loss coefficients are taken
- * from the config; set them to 0 for a pure cross-entropy comparison). */
+ * "logits" [B,T,V], "grad.<name>" for every parameter (router loss coefficients are taken
+ * from the config; set them to 0 for a pure cross-entropy comparison), and "router_topk.<i>"
+ * [B*T, k] for the i-th MoE layer (in model order; dense layers have none): the experts its
+ * router chose in the logits' forward, as F32, in the router's order (none when the layers share
+ * one saved set, which recompute would do; the inference load keeps each layer's). */
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -65,6 +69,22 @@ int main(int argc, char **argv) {
     float *logits = fm_malloc(sizeof(float) * (size_t)(B * T * V));
     fm_schedule_default_forward(&m, &tokens_only, NULL);
     for (int64_t r = 0; r < B * T; r++) fm_model_logits_row(&m, r, logits + r * V);
+    /* flatmoe's routing of this forward: each MoE layer's top-k experts [B*T, k] as F32, from the
+     * layer's saved router state (tools/hf_parity.py counts its flips against transformers fp32) */
+    const int64_t Lm = fm_config_num_moe_layers(&cfg), K = cfg.num_experts_per_tok, N = B * T;
+    float *routes = Lm > 0 ? fm_malloc(sizeof(float) * (size_t)(Lm * N * K)) : NULL;
+    int32_t *ri = Lm > 0 ? fm_malloc(sizeof(int32_t) * (size_t)(N * K)) : NULL;
+    bool routes_ok = Lm > 0 && routes && ri;
+    for (int64_t l = 0, i = 0; routes_ok && l < cfg.num_hidden_layers; l++) {
+        if (!fm_config_layer_is_moe(&cfg, l)) continue;
+        const int32_t *idx = m.a.acts[l].router.topk_idx;
+        for (int64_t j = 0; j < l && routes_ok; j++) /* a shared (recomputed) saved set holds one layer's */
+            if (fm_config_layer_is_moe(&cfg, j) && m.a.acts[j].router.topk_idx == idx) routes_ok = false;
+        if (!routes_ok || !idx) break;
+        be.ops->copy(be.ctx, ri, idx, sizeof(int32_t) * (size_t)(N * K), FM_COPY_D2H);
+        for (int64_t q = 0; q < N * K; q++) routes[i * N * K + q] = (float)ri[q];
+        i++;
+    }
     be.ops->mem_set(be.ctx, m.p.grads, 0, sizeof(fm_act) * (size_t)m.p.n_params);
     fm_loss l;
     fm_schedule_default_forward(&m, &batch, &l);
@@ -84,7 +104,8 @@ int main(int argc, char **argv) {
         }
         fm_free(h);
     }
-    const int n = m.p.n_tensors + 2;
+    const int nr = routes_ok ? (int)Lm : 0;
+    const int n = m.p.n_tensors + 2 + nr;
     fm_named_tensor *t = fm_malloc(sizeof(fm_named_tensor) * (size_t)n);
     char (*names)[160] = fm_malloc(sizeof(*names) * (size_t)n);
     t[0] = (fm_named_tensor){"loss", &loss, 1, {1}};
@@ -94,9 +115,15 @@ int main(int argc, char **argv) {
         snprintf(names[i], sizeof names[i], "grad.%s", p->name);
         t[i + 2] = (fm_named_tensor){names[i], grads + p->offset, p->ndim, {p->shape[0], p->shape[1]}};
     }
+    for (int i = 0; i < nr; i++) { /* router_topk.<i>: the i-th MoE layer's */
+        snprintf(names[m.p.n_tensors + i], sizeof names[0], "router_topk.%d", i);
+        t[m.p.n_tensors + 2 + i] = (fm_named_tensor){names[m.p.n_tensors + i], routes + (int64_t)i * N * K, 2, {N, K}};
+    }
     if (fm_st_write(argv[3], t, n, NULL)) return die("output");
-    printf("fm_hf_grad: %s: loss %.7f over %lld tokens (aux %.3g, z %.3g), %d gradients\n", argv[1], l.ce,
-           (long long)l.n_valid, l.aux, l.z, m.p.n_tensors);
+    printf("fm_hf_grad: %s: loss %.7f over %lld tokens (aux %.3g, z %.3g), %d gradients, %d layers' routes\n", argv[1],
+           l.ce, (long long)l.n_valid, l.aux, l.z, m.p.n_tensors, nr);
+    fm_free(routes);
+    fm_free(ri);
     fm_model_free(&m);
     fm_param_store_free(&ps);
     fm_backend_default_free(&be);

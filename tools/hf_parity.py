@@ -40,9 +40,10 @@ when --flatmoe names a CUDA binary (ends in "cuda", e.g. flatmoe-cuda), and leav
 Routing flips: in this mode the per-layer router logits of transformers fp32 and bf16 are taken
 (output_router_logits=True, or forward hooks on the MoE blocks' `gate` modules) and the tokens
 whose top-k expert set differs from fp32's are counted per layer (ties broken towards the lower
-expert index). flatmoe's own routing is counted too if fm_hf_grad writes `router_topk.<layer>`
-tensors ([B*T, k] expert ids as F32); it does not today, so flatmoe's flips are reported as
-unavailable.
+expert index). flatmoe's own routing is counted too: fm_hf_grad writes `router_topk.<i>` for the
+i-th MoE layer ([B*T, k] expert ids as F32, the layers transformers' router logits cover), so a
+gradient over its bound beside flatmoe flips on that layer reads as a routing flip, not an
+arithmetic error (a case with no flips and a miss is the error).
 --json prints (or with FILE, writes) one JSON object per model at the end: the mode, the
 tolerances, losses, every quantity's errors, bound and verdict, and the routing flips.
 """
@@ -479,7 +480,7 @@ def router_rows(model, ids, n_experts):
 
 
 def fm_router_rows(fm, n_layers, k):
-    """flatmoe's top-k choices, if fm_hf_grad wrote them (router_topk.<layer>: [B*T, k] expert ids)."""
+    """flatmoe's top-k choices, if fm_hf_grad wrote them (router_topk.<i>: [B*T, k] expert ids, the i-th MoE layer)."""
     keys = [f"router_topk.{l}" for l in range(n_layers)]
     if not all(key in fm for key in keys):
         return None
@@ -612,7 +613,7 @@ def main():
                 E, k, L = n_experts_of(cfg), int(cfg.num_experts_per_tok), int(cfg.num_hidden_layers)
                 r32 = router_rows(model, ids, E)
                 r16 = router_rows(mb, ids, E)
-                rfm = fm_router_rows(fm, L, k)
+                rfm = fm_router_rows(fm, len(r32) if r32 is not None else L, k)  # the MoE layers'
                 routing = dict(top_k=k, tokens=int(ids.numel()), layers=None, transformers_bf16=None,
                                flatmoe=None, transformers_bf16_ties=None)
                 if r32 is not None and r16 is not None and len(r32) == len(r16):
