@@ -66,6 +66,7 @@ static void test_defaults_and_refusals(void) {
         {"{\"model_type\": \"deepseek_v2\", \"num_experts_per_tok\": 6, \"routed_scaling_factor\": 0}", "\"routed_scaling_factor\""},
         {"{\"model_type\": \"deepseek_v2\", \"num_experts_per_tok\": 6, \"first_k_dense_replace\": 32}", "\"first_k_dense_replace\" (32)"},
         {"{\"model_type\": \"deepseek_v2\", \"num_experts_per_tok\": 6, \"attention_bias\": true}", "\"attention_bias\" is true"},
+        {"{\"model_type\": \"deepseek_v2\", \"num_experts_per_tok\": 6, \"mlp_bias\": true}", "\"mlp_bias\" is true"},
         {"{\"model_type\": \"deepseek_v2\", \"num_experts_per_tok\": 6, \"head_dim\": 192}", "deepseek_v2's head_dim"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {

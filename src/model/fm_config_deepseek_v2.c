@@ -111,6 +111,10 @@ fm_status fm_config_parse_deepseek_v2(fm_config *cfg, const void *root_v, const 
     if (cfg->first_k_dense_replace < 0 || cfg->n_shared_experts < 0)
         return fm_error(FM_ERR_CONFIG, "%s: \"first_k_dense_replace\" (%lld) and \"n_shared_experts\" (%lld) must be "
                         ">= 0", path, (long long)cfg->first_k_dense_replace, (long long)cfg->n_shared_experts);
+    const cJSON *mb = cJSON_GetObjectItemCaseSensitive(root, "mlp_bias");
+    if (mb && cJSON_IsTrue(mb))
+        return fm_error(FM_ERR_UNSUPPORTED, "%s: \"mlp_bias\" is true, but flatmoe's dense and shared-expert MLPs have "
+                        "no biases (no released DeepSeek-V2 has them); set it to false", path);
     int64_t freq = 1;
     FM_TRY(v2_int(root, path, "moe_layer_freq", 1, &freq, NULL));
     if (freq != 1)
