@@ -6,8 +6,9 @@
 # and tests/data/deepseek_v2_lite_tiny.json (greedy, q_lora_rank null): the loss falls; every arena's
 # high-water mark is within 64 B of its planned bound and the bounds are `flatmoe plan`'s; the
 # checkpoint holds transformers' names and shapes (no e_score_correction_bias: the softmax router has
-# no selection bias) and its config.json is the file's own bytes; a resume continues bit for bit;
-# refusals name the field or the flag.
+# no selection bias) and its config.json is the file's own bytes; a resume continues bit for bit; a
+# Hugging Face folder in transformers 5's fused expert layout loads and gives eval's loss; refusals
+# name the field or the flag.
 source "$(dirname "$0")/lib_cli.sh"
 CFG="$ROOT/tests/data/deepseek_v2_tiny.json"
 LITE="$ROOT/tests/data/deepseek_v2_lite_tiny.json"
@@ -58,6 +59,37 @@ PY
 "$FM" train --config "$CFG" "${base[@]}" --steps 6 --quiet --exit-after 3 --out "$TMP/split" || bad "split run failed"
 "$FM" train --config "$CFG" "${base[@]}" --steps 6 --quiet --resume --out "$TMP/split" || bad "resume failed"
 cmp -s "$TMP/straight/step_000006/model.safetensors" "$TMP/split/step_000006/model.safetensors" && ok || bad "resume: weights differ"
+
+# transformers 5's layout (DeepseekV2Experts: mlp.experts.gate_up_proj [E, 2I, H], gate rows first,
+# and down_proj [E, H, I]) in a Hugging Face folder: --init-from's step-1 loss is eval's of the checkpoint
+ck="$TMP/deepseek_v2_tiny/step_000030"
+mkdir -p "$TMP/hf"
+cp "$CFG" "$TMP/hf/config.json"
+python3 - "$ck/model.safetensors" "$TMP/hf/model.safetensors" <<'PY' || bad "fusing the experts failed"
+import json, re, struct, sys
+b = open(sys.argv[1], "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n]); data = b[8 + n:]
+def raw(k): o = h[k]["data_offsets"]; return data[o[0]:o[1]]
+out, blobs, off = {}, [], 0
+def put(name, shape, blob):
+    global off
+    out[name] = {"dtype": "F32", "shape": shape, "data_offsets": [off, off + len(blob)]}; blobs.append(blob); off += len(blob)
+for k in sorted(h):
+    if k == "__metadata__" or ".experts." in k: continue
+    put(k, h[k]["shape"], raw(k))
+for l in (1, 2):
+    m = f"model.layers.{l}.mlp.experts."
+    put(m + "gate_up_proj", [8, 64, 64], b"".join(raw(f"{m}{e}.gate_proj.weight") + raw(f"{m}{e}.up_proj.weight") for e in range(8)))
+    put(m + "down_proj", [8, 64, 32], b"".join(raw(f"{m}{e}.down_proj.weight") for e in range(8)))
+hb = json.dumps(out).encode(); hb += b" " * (-len(hb) % 8)
+open(sys.argv[2], "wb").write(struct.pack("<Q", len(hb)) + hb + b"".join(blobs))
+PY
+head -c 65 "$TEXT" > "$TMP/one.txt"
+one=(--data "$TMP/one.txt" --val-data "$TMP/one.txt" --seq-len 64 --micro-batch 1 --threads 2 --quiet)
+"$FM" train --init-from "$TMP/hf" "${one[@]}" --steps 1 --out "$TMP/ft" 2> "$TMP/ft.err" || bad "--init-from the fused layout failed: $(tail -2 "$TMP/ft.err")"
+a=$(grep -m1 '"step":1,' "$TMP/ft/metrics.jsonl" | sed -E 's/.*"loss":([^,]*).*/\1/')
+e=$("$FM" eval --ckpt "$ck" --data "$TMP/one.txt" --seq-len 64 --micro-batch 1 --threads 2 | sed -n 's/^loss \([^ ]*\) .*/\1/p')
+awk -v a="$a" -v b="$e" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && b != "" && d <= 1e-4) }' && ok ||
+    bad "--init-from the fused layout: step-1 loss ($a) is not eval's ($e)"
 
 # refusals
 mk() { python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); exec(sys.argv[3]); json.dump(c, open(sys.argv[2], "w"))' "$CFG" "$TMP/$1.json" "$2"; }

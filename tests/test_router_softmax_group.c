@@ -1,6 +1,7 @@
 /* DeepSeek-V2's router op of the CPU backend (fm_backend.h router_softmax_group_fwd / _bwd) against a
- * plain fp64 reference written here from transformers' DeepseekV2Moe.route_tokens_to_experts
- * (modeling_deepseek_v2.py): router_logits.softmax(fp32); "greedy": torch.topk(scores, k);
+ * plain fp64 reference (tests/fm_ref_ops.c fm_ref_router_softmax_group, shared with the GPU test)
+ * written from transformers' DeepseekV2Moe.route_tokens_to_experts (modeling_deepseek_v2.py):
+ * router_logits.softmax(fp32); "greedy": torch.topk(scores, k);
  * "group_limited_greedy": group_scores = scores.view(N, n_group, -1).max(-1), the topk_group groups
  * of torch.topk(group_scores), the other groups' scores masked_fill'ed with 0.0, torch.topk(k) of
  * those; topk_weight = the chosen (masked) scores * routed_scaling_factor, no renormalization.
@@ -21,56 +22,6 @@
  * held fixed (tolerances as tests/test_router_sigmoid.c: 1e-5 with a floor of 0.01). */
 #include "fm_test_ops_cpu.h"
 
-/* The fp64 reference of one row: probs (softmax), the chosen set in[E] (true: chosen), weights
- * w[E] (the weight of a chosen expert), and the row's smallest relative margin. */
-static double ref_row(const double *x, int64_t E, int64_t k, int64_t ng, int64_t tg, double scaling, double *p,
-                      bool *in, double *w) {
-    double mx = x[0], s = 0;
-    for (int64_t e = 1; e < E; e++) mx = fmax(mx, x[e]);
-    for (int64_t e = 0; e < E; e++) s += exp(x[e] - mx);
-    for (int64_t e = 0; e < E; e++) p[e] = exp(x[e] - mx) / s;
-    const int64_t gs = E / ng;
-    double margin = INFINITY, tmp[4096], gsc[64];
-    bool kept[64];
-    for (int64_t g = 0; g < ng; g++) {
-        gsc[g] = -1;
-        for (int64_t e = g * gs; e < (g + 1) * gs; e++) gsc[g] = fmax(gsc[g], p[e]);
-        kept[g] = ng == 1;
-    }
-    if (ng > 1) { /* the tg largest group scores (any tie order: the margin decides whether the row is used) */
-        for (int64_t j = 0; j < tg; j++) {
-            int64_t b = -1;
-            for (int64_t g = 0; g < ng; g++)
-                if (!kept[g] && (b < 0 || gsc[g] > gsc[b])) b = g;
-            kept[b] = true;
-        }
-        double lo = INFINITY, hi = -INFINITY; /* the smallest kept, the largest dropped */
-        for (int64_t g = 0; g < ng; g++) {
-            if (kept[g]) lo = fmin(lo, gsc[g]);
-            else hi = fmax(hi, gsc[g]);
-        }
-        if (tg < ng) margin = fmin(margin, (lo - hi) / lo);
-    }
-    for (int64_t e = 0; e < E; e++) {
-        tmp[e] = kept[e / gs] ? p[e] : 0.0;
-        in[e] = false;
-    }
-    for (int64_t j = 0; j < k; j++) {
-        int64_t b = -1;
-        for (int64_t e = 0; e < E; e++)
-            if (!in[e] && (b < 0 || tmp[e] > tmp[b])) b = e;
-        in[b] = true;
-    }
-    double lo = INFINITY, hi = -INFINITY;
-    for (int64_t e = 0; e < E; e++) {
-        if (in[e]) lo = fmin(lo, tmp[e]);
-        else hi = fmax(hi, tmp[e]);
-        w[e] = in[e] ? tmp[e] * scaling : 0.0;
-    }
-    if (k < E) margin = fmin(margin, (lo - hi) / lo);
-    return margin;
-}
-
 typedef struct obj_st {
     double *logits;
     const int32_t *idx;
@@ -81,20 +32,7 @@ typedef struct obj_st {
 
 static double obj(void *v) {
     const obj_st *s = v;
-    double f = 0;
-    for (int64_t n = 0; n < s->N; n++) {
-        const double *x = s->logits + n * s->E;
-        double mx = x[0], z = 0;
-        for (int64_t e = 1; e < s->E; e++) mx = fmax(mx, x[e]);
-        for (int64_t e = 0; e < s->E; e++) z += exp(x[e] - mx);
-        const double lse = mx + log(z);
-        if (s->dw)
-            for (int64_t j = 0; j < s->k; j++) f += s->dw[n * s->k + j] * s->scaling * exp(x[s->idx[n * s->k + j]] - lse);
-        if (s->gpe)
-            for (int64_t e = 0; e < s->E; e++) f += s->gpe[e] * exp(x[e] - lse);
-        f += s->z * lse * lse;
-    }
-    return f;
+    return fm_ref_router_softmax_group_objective(s->logits, s->idx, s->dw, s->gpe, s->z, s->scaling, s->N, s->E, s->k);
 }
 
 static void test_case(int64_t N, int64_t E, int64_t k, int64_t ng, int64_t tg, float scaling) {
@@ -135,7 +73,7 @@ static void test_case(int64_t N, int64_t E, int64_t k, int64_t ng, int64_t tg, f
             CHECK_MSG(tw[n * k + j] == probs[n * E + id[j]] * scaling, "%s: row %lld: weight is not prob x scaling",
                       what, (long long)n);
         }
-        const double margin = ref_row(ld + n * E, E, k, ng, tg, scaling, pr, in, rw);
+        const double margin = fm_ref_router_softmax_group(ld + n * E, E, k, ng, tg, scaling, pr, in, rw);
         if (!(margin > 1e-5)) { skipped++; continue; }
         for (int64_t j = 0; j < k; j++) {
             if (!in[id[j]]) wrong++;

@@ -491,7 +491,7 @@ typedef struct fm_ops {
      * full: cpu_router_softmax_group.c): router_fwd's probs and lse; n_group > 1: the topk_group groups
      * of largest max prob kept, the others' experts chosen as 0.0; topk_idx [N,k] the k largest
      * choices (ties: lower id); topk_w their probs x scaling, never renormalized. bwd: dlogits ASSIGNED,
-     * router_bwd's (no renormalization) with dtopk_w x scaling. NULL without them (CUDA). */
+     * router_bwd's (no renormalization) with dtopk_w x scaling. NULL in a backend without them. */
     void (*router_softmax_group_fwd)(void *ctx, float *probs, float *lse, int32_t *topk_idx, float *topk_w,
                                      const float *logits, int64_t N, int64_t E, int64_t k, int64_t n_group,
                                      int64_t topk_group, float scaling);

@@ -50,7 +50,7 @@ fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const
         if (!be->ops->router_softmax_group_fwd)
             return fm_error(FM_ERR_UNSUPPORTED, "the %s backend has no DeepSeek-V2 router (deepseek_v2's softmax with "
                             "group-limited greedy top-k and routed_scaling_factor, router_softmax_group_fwd): train "
-                            "deepseek_v2 on the cpu backend", be->ops->name ? be->ops->name : "this");
+                            "deepseek_v2 on the cpu or cuda backend", be->ops->name ? be->ops->name : "this");
         be->ops->router_softmax_group_fwd(be->ctx, s->probs, s->lse, s->topk_idx, s->topk_w, logits, N, E, k,
                                           o->n_group, o->topk_group, o->scaling);
     } else if (o->score == FM_ROUTER_SCORE_SIGMOID) {

@@ -106,7 +106,8 @@ typedef struct fm_router_saved {
  * --use-rollout-routing-replay, verl's router_replay R3): a row whose first id is >= 0 replaces the
  * token's top-k by the given experts, in the given order, and their weights are the CURRENT
  * router's probabilities of those experts (the sigmoid router: its scores, without the selection
- * bias or the group mask), renormalized with norm_topk (and times routed_scaling_factor) exactly
+ * bias or the group mask; deepseek_v2's: its softmax probabilities, without the group mask),
+ * renormalized with norm_topk (and times routed_scaling_factor) exactly
  * as the router weighs its own choice (the backend's router_replay op), so the router keeps
  * learning through the gates and a replay of its own routes is bit-identical to no replay; the
  * backward is the router's own over the replayed selection; a row starting with -1

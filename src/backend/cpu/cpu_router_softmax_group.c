@@ -23,7 +23,7 @@
  *   dp_e = g_e (dprobs_per_expert [E], NULL: 0) + [e = idx_j] scaling dtopk_w_j,
  *   dlogit_e = p_e (dp_e - sum_f p_f dp_f) + 2 z_scale lse[n] p_e (the z-loss), per token in double.
  *   The group mask and the selection get no gradient.
- * logits, probs, dlogits [N,E] fp32; backend (host) memory. */
+ * logits, probs, dlogits [N,E] fp32; backend (host) memory. The CUDA twin: cuda_router_softmax_group.cu. */
 #include "cpu_internal.h"
 
 #include <math.h>
