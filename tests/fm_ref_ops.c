@@ -516,3 +516,71 @@ double fm_ref_router_sigmoid_objective(const double *logits, const int32_t *idx,
     }
     return L;
 }
+
+double fm_ref_router_softmax_group(const double *x, int64_t E, int64_t k, int64_t ng, int64_t tg, double scaling,
+                                   double *p, bool *in, double *w) {
+    if (!(E <= 4096 && ng >= 1 && ng <= 64 && E % ng == 0)) abort(); /* the fixed arrays below */
+    double mx = x[0], s = 0;
+    for (int64_t e = 1; e < E; e++) mx = fmax(mx, x[e]);
+    for (int64_t e = 0; e < E; e++) s += exp(x[e] - mx);
+    for (int64_t e = 0; e < E; e++) p[e] = exp(x[e] - mx) / s;
+    const int64_t gs = E / ng;
+    double margin = INFINITY, tmp[4096], gsc[64];
+    bool kept[64];
+    for (int64_t g = 0; g < ng; g++) {
+        gsc[g] = -1;
+        for (int64_t e = g * gs; e < (g + 1) * gs; e++) gsc[g] = fmax(gsc[g], p[e]);
+        kept[g] = ng == 1;
+    }
+    if (ng > 1) { /* the tg largest group scores (group_scores.topk) */
+        for (int64_t j = 0; j < tg; j++) {
+            int64_t b = -1;
+            for (int64_t g = 0; g < ng; g++)
+                if (!kept[g] && (b < 0 || gsc[g] > gsc[b])) b = g;
+            kept[b] = true;
+        }
+        double lo = INFINITY, hi = -INFINITY; /* the smallest kept, the largest dropped */
+        for (int64_t g = 0; g < ng; g++) {
+            if (kept[g]) lo = fmin(lo, gsc[g]);
+            else hi = fmax(hi, gsc[g]);
+        }
+        if (tg < ng) margin = fmin(margin, (lo - hi) / lo);
+    }
+    for (int64_t e = 0; e < E; e++) { /* masked_fill(~mask, 0.0), then topk */
+        tmp[e] = kept[e / gs] ? p[e] : 0.0;
+        in[e] = false;
+    }
+    for (int64_t j = 0; j < k; j++) {
+        int64_t b = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (!in[e] && (b < 0 || tmp[e] > tmp[b])) b = e;
+        in[b] = true;
+    }
+    double lo = INFINITY, hi = -INFINITY;
+    for (int64_t e = 0; e < E; e++) {
+        if (in[e]) lo = fmin(lo, tmp[e]);
+        else hi = fmax(hi, tmp[e]);
+        w[e] = in[e] ? tmp[e] * scaling : 0.0; /* topk_weight * routed_scaling_factor */
+    }
+    if (k < E) margin = fmin(margin, (lo - hi) / lo);
+    return margin;
+}
+
+double fm_ref_router_softmax_group_objective(const double *logits, const int32_t *idx, const double *dw,
+                                             const double *gpe, double z, double scaling, int64_t N, int64_t E,
+                                             int64_t k) {
+    double f = 0;
+    for (int64_t n = 0; n < N; n++) {
+        const double *x = logits + n * E;
+        double mx = x[0], s = 0;
+        for (int64_t e = 1; e < E; e++) mx = fmax(mx, x[e]);
+        for (int64_t e = 0; e < E; e++) s += exp(x[e] - mx);
+        const double lse = mx + log(s);
+        if (dw)
+            for (int64_t j = 0; j < k; j++) f += dw[n * k + j] * scaling * exp(x[idx[n * k + j]] - lse);
+        if (gpe)
+            for (int64_t e = 0; e < E; e++) f += gpe[e] * exp(x[e] - lse);
+        f += z * lse * lse;
+    }
+    return f;
+}

@@ -129,6 +129,22 @@ void fm_ref_router_sigmoid(int32_t *idx, double *w, double *scores, const double
 double fm_ref_router_sigmoid_objective(const double *logits, const int32_t *idx, const double *dw, const double *gpe,
                                        int64_t N, int64_t E, int64_t k, bool norm, double scaling);
 
+/* DeepSeek-V2's router (transformers' DeepseekV2Moe.route_tokens_to_experts) on one row of logits
+ * x [E], in fp64: p [E] = softmax(x); n_group > 1 ("group_limited_greedy"): the topk_group groups of
+ * largest max p kept, the others' p masked to 0; the k largest (masked) scores chosen: in [E] true
+ * for a chosen expert, w [E] its (masked) score times scaling (0 elsewhere). Returns the row's
+ * smallest relative margin: between the topk_group-th and the next group score, and between the
+ * k-th and the next chosen score (ties break any way: a row with a small margin is not comparable
+ * to an op whose ties go to the lower id). E <= 4096, n_group <= 64. */
+double fm_ref_router_softmax_group(const double *x, int64_t E, int64_t k, int64_t n_group, int64_t topk_group,
+                                   double scaling, double *p, bool *in, double *w);
+
+/* Its objective over N rows with the selection idx [N,k] held: sum_j dw_j scaling p_{idx_j} (dw NULL:
+ * none) + sum_n,e gpe_e p_{n,e} (gpe NULL: none) + z sum_n lse_n^2, in fp64. */
+double fm_ref_router_softmax_group_objective(const double *logits, const int32_t *idx, const double *dw,
+                                             const double *gpe, double z, double scaling, int64_t N, int64_t E,
+                                             int64_t k);
+
 /* The MoE route index as a stable counting sort of the routes r = n*k + j by expert idx[r]:
  * offsets [E+1], row_route [R] (row -> route), route_row [R] (route -> row); R = N*k. */
 void fm_ref_route_index(int64_t *offsets, int32_t *row_route, int32_t *route_row, const int32_t *idx, int64_t N,

@@ -596,6 +596,19 @@ static fm_config mla_config(bool q_lora, bool interleave) {
     return c;
 }
 
+/* deepseek_v2 (fm_config_deepseek_v2.c): deepseek_v3's MLA and MoE layout with DeepSeek-V2's softmax
+ * router (group_limited_greedy: 3 groups of 2 keeping 2, or greedy), scaling 2.5, two shared experts. */
+static fm_config v2_config(bool group_limited) {
+    fm_config c = mla_config(group_limited, true);
+    c.model_type = FM_MODEL_DEEPSEEK_V2;
+    snprintf(c.model_type_name, sizeof c.model_type_name, "deepseek_v2");
+    c.router_sigmoid = false;
+    c.router_group_limited = group_limited;
+    c.n_shared_experts = 2;
+    c.norm_topk_prob = false;
+    return c;
+}
+
 int main(void) {
     uint64_t seed = fm_test_seed(42);
     CHECK(fm_cpu_backend_init(&g_be, fm_test_threads(2), 64) == FM_OK);
@@ -640,6 +653,14 @@ int main(void) {
      * kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj) and everything below them */
     check_model_grad(mla_config(true, true), "deepseek_v3 (MLA, q_lora_rank, interleaved RoPE)", seed + 70);
     check_model_grad(mla_config(false, false), "deepseek_v3 (MLA, q_proj, rotate_half RoPE)", seed + 71);
+    /* deepseek_v2: the softmax router's gradient through routed_scaling_factor (no renormalization),
+     * both topk_methods, with MLA and the shared experts below. Measured worst relative errors
+     * (default / OPENBLAS_CORETYPE=Haswell with one thread): offset 80 5.8e-3 / 5.4e-3; greedy at
+     * offsets 81-86 1.1e-2 / 1.4e-2, 3.4e-3 / 5.8e-3, 5.1e-3 / 6.1e-3, 4.8e-3 / 3.5e-3, 5.1e-3 / 2.0e-3,
+     * 7.0e-3 / 1.4e-2 (layer-0 tensors, deep small gradients, as glm4_moe's above; at 84 and 85
+     * routing flips leave tensors unchecked): 82 runs, every tensor checked under both. */
+    check_model_grad(v2_config(true), "deepseek_v2 (group_limited_greedy, q_lora_rank)", seed + 80);
+    check_model_grad(v2_config(false), "deepseek_v2 (greedy, q_proj)", seed + 82);
     test_recompute_exact();
     test_accumulation();
     test_all_tokens_one_expert();

@@ -98,6 +98,43 @@ static void test_glm4_air(void) {
     fm_params_free(&pp);
 }
 
+/* The deepseek_v2 configs (configs/deepseek-v2-lite.json and configs/deepseek-v2.json; their sources:
+ * docs/models.md): counts from their shapes, checked against the same sum written out by hand in
+ * Python (embeddings 2 V H; per layer MLA and two norms; layer 0's dense MLP; per MoE layer the
+ * router, E experts and the 2 x moe_intermediate_size shared MLP; the final norm).
+ * DeepSeek-V2-Lite: 15,706,484,224 (the model card's "15.7B total"), active 2,451,435,008 without
+ * the embedding lookup ("2.4B activated"; 2,661,150,208 with it). DeepSeek-V2: 235,741,434,880
+ * ("236B total"), active 20,851,512,320 ("21B activated"; 21,375,800,320 with the embedding). */
+static void test_deepseek_v2(void) {
+    struct { const char *path; int64_t params, active; bool q_lora, grp; } c[] = {
+        {"configs/deepseek-v2-lite.json", 15706484224LL, 2451435008LL, false, false},
+        {"configs/deepseek-v2.json", 235741434880LL, 20851512320LL, true, true},
+    };
+    for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
+        fm_config cfg;
+        fm_status s = fm_config_load(&cfg, c[i].path);
+        CHECK_MSG(s == FM_OK, "%s: %s", c[i].path, fm_errmsg());
+        if (s) continue;
+        CHECK(cfg.model_type == FM_MODEL_DEEPSEEK_V2 && cfg.mla && !cfg.router_sigmoid && (cfg.q_lora_rank > 0) == c[i].q_lora &&
+              cfg.router_group_limited == c[i].grp && cfg.head_dim == 192 && fm_config_rotary_dim(&cfg) == 64 &&
+              fm_config_num_moe_layers(&cfg) == cfg.num_hidden_layers - 1 && cfg.n_shared_experts == 2);
+        fm_model_params pp;
+        CHECK(fm_params_create(&pp, &cfg, 1, 0) == FM_OK);
+        CHECK_MSG(pp.n_params == c[i].params && fm_config_num_params(&cfg) == pp.n_params,
+                  "%s: %lld parameters in the table, %lld by the config", c[i].path, (long long)pp.n_params,
+                  (long long)fm_config_num_params(&cfg));
+        CHECK_MSG(fm_config_num_active_params(&cfg) == c[i].active, "%s: %lld active", c[i].path,
+                  (long long)fm_config_num_active_params(&cfg));
+        CHECK(fm_params_find(&pp, "model.layers.1.mlp.gate.e_score_correction_bias") == NULL &&
+              fm_params_find(&pp, "model.layers.1.mlp.shared_experts.up_proj.weight")->shape[0] ==
+                  2 * cfg.moe_intermediate_size);
+        check_table(&pp, c[i].path);
+        printf("  %-28s %lld parameters (active %lld) in %d tensors\n", c[i].path, (long long)pp.n_params,
+               (long long)fm_config_num_active_params(&cfg), pp.n_tensors);
+        fm_params_free(&pp);
+    }
+}
+
 /* The deepseek_v3 configs (configs/deepseek-v3.json and configs/moonlight-16b-a3b.json, their
  * config.json as published but quantization_config and auto_map): counts from their shapes.
  * DeepSeek-V3: 671,026,419,200 (the paper's and the model card's "671B total"; the MTP layer,
@@ -207,6 +244,8 @@ int main(void) {
     test_ep_tables("tests/data/deepseek_v3_tiny.json", 2); /* MLA's tensors before the experts */
     test_ep_tables("tests/data/deepseek_v3_tiny_noq.json", 4);
     test_deepseek();
+    test_deepseek_v2();
+    test_ep_tables("tests/data/deepseek_v2_tiny.json", 4); /* no selection bias; two shared experts */
     test_bad_ep();
     return fm_test_finish();
 }

@@ -4,7 +4,7 @@
 For each model family (OlmoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM,
 Qwen3MoeForCausalLM with dense layers: decoder_sparse_step 2, mlp_only_layers [0], and, when the
 installed transformers has them, Glm4MoeForCausalLM, DeepseekV3ForCausalLM with and without
-q_lora_rank, GptOssForCausalLM) this builds a
+q_lora_rank, DeepseekV2ForCausalLM (group_limited_greedy and greedy), GptOssForCausalLM) this builds a
 small random model with transformers, saves it, and compares against flatmoe (tools/fm_hf_grad),
 after checking that flatmoe counts the parameters transformers built:
   1. transformers -> flatmoe: the loss, the logits and every parameter's gradient on one batch;
@@ -125,6 +125,24 @@ def configs():
             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
                           "mscale_all_dim": 0.8}, **ds)
         yield "deepseek_v3_noq", transformers.DeepseekV3Config(q_lora_rank=None, rope_interleave=False, **mla, **ds)
+    # DeepSeek-V2 (DeepseekV2ForCausalLM; docs/models.md): deepseek_v3's attention with DeepSeek-V2's
+    # router: softmax scores, "group_limited_greedy" (groups scored by their largest score, 2 of 4
+    # kept) with k 3 and routed_scaling_factor 2.5, no renormalization, two shared experts, and YaRN
+    # with mscale_all_dim (transformers applies mscale_all_dim^2 to DeepseekV2Attention's softmax
+    # scale since its PR #47435: an older transformers fails this case on the logits, and the
+    # _lite case, without rope_scaling, then tells the router from the attention); and
+    # DeepSeek-V2-Lite's shape: "greedy", q_lora_rank None, scaling 1
+    if hasattr(transformers, "DeepseekV2Config"):
+        ds2 = dict(common, num_hidden_layers=3, num_key_value_heads=4)
+        mla2 = dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
+                    n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=12,
+                    qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0)
+        yield "deepseek_v2", transformers.DeepseekV2Config(
+            q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+                          "mscale_all_dim": 0.8}, **mla2, **ds2)
+        yield "deepseek_v2_lite", transformers.DeepseekV2Config(q_lora_rank=None, topk_method="greedy",
+                                                                routed_scaling_factor=1.0, **mla2, **ds2)
     # the attention parts of issue 26 (docs/formats.md): q/k/v/o biases (made non-zero after init:
     # transformers starts them at 0), YaRN (an original context of 16 so the ramp bends within the
     # 24-token sequences; Qwen3's long-context recipe in small), linear RoPE scaling

@@ -487,6 +487,18 @@ typedef struct fm_ops {
     void (*router_seq_aux_bwd)(void *ctx, float *dlogits, const float *scores, const int32_t *topk_idx,
                                const int32_t *doc_start, int64_t B, int64_t T, int64_t E, int64_t k, double coef);
 
+    /* ---- DeepSeek-V2's router (arXiv 2405.04434 §2.2; transformers' DeepseekV2Moe; the contract in
+     * full: cpu_router_softmax_group.c): router_fwd's probs and lse; n_group > 1: the topk_group groups
+     * of largest max prob kept, the others' experts chosen as 0.0; topk_idx [N,k] the k largest
+     * choices (ties: lower id); topk_w their probs x scaling, never renormalized. bwd: dlogits ASSIGNED,
+     * router_bwd's (no renormalization) with dtopk_w x scaling. NULL in a backend without them. */
+    void (*router_softmax_group_fwd)(void *ctx, float *probs, float *lse, int32_t *topk_idx, float *topk_w,
+                                     const float *logits, int64_t N, int64_t E, int64_t k, int64_t n_group,
+                                     int64_t topk_group, float scaling);
+    void (*router_softmax_group_bwd)(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
+                                     float z_scale, const float *probs, const float *lse, const int32_t *topk_idx,
+                                     int64_t N, int64_t E, int64_t k, float scaling);
+
     /* ---- MoE permutation (dropless) --------------------------------------------------------
      * R = N*k routes; route r = n*k + j is token n's j-th choice. The permuted ("expert-major")
      * layout puts the rows of expert e at [offsets[e], offsets[e+1]), in increasing route order

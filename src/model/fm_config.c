@@ -80,6 +80,10 @@ static const hf_defaults k_hf_defaults[] = {
     /* GptOssConfig: intermediate_size is the experts' width, num_local_experts, head_dim 64
      * (fm_config_gpt_oss.c), rope_theta 150000 (its default_theta) */
     {"gpt_oss", FM_MODEL_GPT_OSS, 201088, 2880, 2880, 0, 36, 64, 8, 131072, 128, 4, 150000.0, 1e-5, 0.001},
+    /* DeepseekV2Config (transformers 5; the class's defaults, not DeepSeek-V2's: vocab 32000,
+     * n_routed_experts 64, num_experts_per_tok None: required, fm_config_deepseek_v2.c); no router
+     * aux loss in transformers (the files' aux_loss_alpha and seq_aux are not read) */
+    {"deepseek_v2", FM_MODEL_DEEPSEEK_V2, 32000, 4096, 11008, 1407, 32, 32, 0, 2048, 64, 1, 10000.0, 1e-6, 0.0},
 };
 
 /* The field's value or, absent, its default; *defaulted says which (for messages). */
@@ -155,7 +159,8 @@ static fm_status parse_fields(fm_config *cfg, const cJSON *root, const char *pat
                      &cfg->num_key_value_heads, kv_defaulted));
     FM_TRY(get_int(root, path, "max_position_embeddings", d->max_position_embeddings,
                    &cfg->max_position_embeddings));
-    const bool ds = t == FM_MODEL_DEEPSEEK_V3; /* glm4_moe's MoE block, its own defaults */
+    const bool v2 = t == FM_MODEL_DEEPSEEK_V2;
+    const bool ds = t == FM_MODEL_DEEPSEEK_V3 || v2; /* glm4_moe's MoE layout (v2: its own router), own defaults */
     if (t == FM_MODEL_QWEN3_MOE || t == FM_MODEL_GLM4_MOE || ds) {
         FM_TRY(get_int(root, path, "moe_intermediate_size", d->moe_intermediate_size, &cfg->moe_intermediate_size));
         FM_TRY(get_int(root, path, "intermediate_size", d->intermediate_size, &cfg->dense_intermediate_size));
@@ -187,12 +192,13 @@ static fm_status parse_fields(fm_config *cfg, const cJSON *root, const char *pat
     /* mixtral renormalizes the top-k softmax; gpt_oss's softmax over the k selected logits is the
      * same function (exp(l_i) / sum over the k of exp(l_j)) */
     if (t == FM_MODEL_MIXTRAL || t == FM_MODEL_GPT_OSS) cfg->norm_topk_prob = true;
-    else FM_TRY(get_bool(root, path, "norm_topk_prob", t == FM_MODEL_GLM4_MOE || ds, &cfg->norm_topk_prob));
+    else FM_TRY(get_bool(root, path, "norm_topk_prob", t == FM_MODEL_GLM4_MOE || (ds && !v2), &cfg->norm_topk_prob));
     cfg->qk_norm = t == FM_MODEL_QWEN3_MOE ? FM_QK_NORM_PER_HEAD
                  : t == FM_MODEL_OLMOE ? FM_QK_NORM_FULL : FM_QK_NORM_NONE;
     FM_TRY(get_int(root, path, "head_dim", t == FM_MODEL_GPT_OSS ? 64 : 0, hd_given)); /* GptOssConfig: 64 */
     cfg->routed_scaling_factor = 1.0;
-    if (t == FM_MODEL_GLM4_MOE || ds) FM_TRY(fm_config_parse_glm4(cfg, root, path));
+    if (t == FM_MODEL_GLM4_MOE || (ds && !v2)) FM_TRY(fm_config_parse_glm4(cfg, root, path));
+    if (v2) FM_TRY(fm_config_parse_deepseek_v2(cfg, root, path)); /* softmax router, greedy or group-limited */
     if (ds) FM_TRY(fm_config_parse_mla(cfg, root, path, hd_given)); /* head_dim: MLA's q/k head dim */
     return parse_dense_layers(cfg, root, path);
 }
@@ -219,7 +225,7 @@ static fm_status reject_unsupported(const fm_config *cfg, const cJSON *root, con
 /* Consistency of the values read (or defaulted). */
 static fm_status check_fields(fm_config *cfg, const char *path, int64_t hd_given, bool kv_defaulted) {
     const fm_model_type t = cfg->model_type;
-    const bool ds = t == FM_MODEL_DEEPSEEK_V3;
+    const bool ds = t == FM_MODEL_DEEPSEEK_V3 || t == FM_MODEL_DEEPSEEK_V2;
     const char *width_key = t == FM_MODEL_QWEN3_MOE || t == FM_MODEL_GLM4_MOE || ds ? "moe_intermediate_size"
                                                                                    : "intermediate_size";
     const char *experts_key = t == FM_MODEL_MIXTRAL || t == FM_MODEL_GPT_OSS ? "num_local_experts"
@@ -311,13 +317,13 @@ fm_status fm_config_parse(fm_config *cfg, const char *json_text, const char *pat
         st = fm_error(FM_ERR_FORMAT, "%s: expected a JSON object at the top level", path);
     } else if (!cJSON_IsString(mt)) {
         st = fm_error(FM_ERR_CONFIG, "%s: field \"model_type\" is missing or not a string; expected "
-                      "one of qwen3_moe, olmoe, mixtral, glm4_moe, deepseek_v3, gpt_oss", path);
+                      "one of qwen3_moe, olmoe, mixtral, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss", path);
     } else {
         for (size_t i = 0; i < sizeof k_hf_defaults / sizeof k_hf_defaults[0]; i++)
             if (!strcmp(mt->valuestring, k_hf_defaults[i].name)) d = &k_hf_defaults[i];
         if (!d)
             st = fm_error(FM_ERR_CONFIG, "%s: unknown model_type \"%s\"; expected one of qwen3_moe, olmoe, "
-                          "mixtral, glm4_moe, deepseek_v3, gpt_oss", path, mt->valuestring);
+                          "mixtral, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss", path, mt->valuestring);
     }
     if (st == FM_OK) {
         snprintf(cfg->model_type_name, sizeof cfg->model_type_name, "%s", mt->valuestring);
@@ -358,6 +364,7 @@ char *fm_config_to_json(const fm_config *c) {
     const char *arch = c->model_type == FM_MODEL_QWEN3_MOE ? "Qwen3MoeForCausalLM"
                      : c->model_type == FM_MODEL_OLMOE ? "OlmoeForCausalLM"
                      : c->model_type == FM_MODEL_GLM4_MOE ? "Glm4MoeForCausalLM"
+                     : c->model_type == FM_MODEL_DEEPSEEK_V2 ? "DeepseekV2ForCausalLM"
                      : c->mla ? "DeepseekV3ForCausalLM"
                      : c->model_type == FM_MODEL_GPT_OSS ? "GptOssForCausalLM" : "MixtralForCausalLM";
     cJSON *a = cJSON_AddArrayToObject(o, "architectures");
@@ -392,10 +399,12 @@ char *fm_config_to_json(const fm_config *c) {
         for (int64_t l = 0; l < FM_CONFIG_MLP_ONLY_MAX; l++)
             if (c->mlp_only_mask[l / 64] >> (l % 64) & 1) cJSON_AddItemToArray(mo, cJSON_CreateNumber((double)l));
     }
-    if (c->model_type == FM_MODEL_GLM4_MOE || c->mla) fm_config_glm4_to_json(c, o);
+    const bool v2 = c->model_type == FM_MODEL_DEEPSEEK_V2;
+    if (c->model_type == FM_MODEL_GLM4_MOE || (c->mla && !v2)) fm_config_glm4_to_json(c, o);
+    if (v2) fm_config_deepseek_v2_to_json(c, o);
     if (c->mla) fm_config_mla_to_json(c, o);
     if (c->model_type == FM_MODEL_GPT_OSS) fm_config_gpt_oss_to_json(c, o);
-    if ((c->model_type != FM_MODEL_GLM4_MOE && !c->mla) || c->router_aux_loss_coef > 0)
+    if ((c->model_type != FM_MODEL_GLM4_MOE && !c->mla) || c->router_aux_loss_coef > 0) /* v2: a flatmoe extension */
         add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
     if (c->router_z_loss_coef > 0) add_float(o, "router_z_loss_coef", c->router_z_loss_coef);
     add_float(o, "initializer_range", c->initializer_range);

@@ -47,6 +47,9 @@ typedef enum fm_model_type {
     FM_MODEL_DEEPSEEK_V3, /* DeepSeek-V3, Kimi-K2, Moonlight (DeepseekV3Config): glm4_moe's MoE block +
                            * multi-head latent attention (fm_config_mla.c, model/fm_mla.h) */
     FM_MODEL_GPT_OSS,  /* gpt-oss-20b / -120b (transformers' GptOssConfig; fm_config_gpt_oss.c) */
+    FM_MODEL_DEEPSEEK_V2, /* DeepSeek-V2, V2-Lite, V2.5 (DeepseekV2Config): deepseek_v3's multi-head latent
+                           * attention and MoE layout with DeepSeek-V2's softmax router
+                           * (fm_config_deepseek_v2.c) */
 } fm_model_type;
 
 typedef enum fm_qk_norm {
@@ -113,6 +116,10 @@ typedef struct fm_config {
     int64_t n_group, topk_group;    /* group-limited top-k: keep the topk_group best of n_group groups */
     double routed_scaling_factor;   /* the top-k weights times this (1.0 elsewhere) */
     int64_t num_nextn_predict_layers; /* MTP layers: neither built, trained nor saved (as transformers) */
+    /* deepseek_v2 (fm_config_deepseek_v2.c): softmax scores times routed_scaling_factor, top-k
+     * "greedy" or "group_limited_greedy" (n_group groups scored by their largest score, topk_group
+     * kept); false elsewhere. norm_topk_prob is read and not used (transformers' DeepseekV2Moe). */
+    bool router_group_limited;
     /* attention parts (above) */
     bool attention_bias;             /* q, k, v projections biased */
     bool attention_o_bias;           /* o projection biased (GPT-OSS, qwen3_moe/olmoe with attention_bias) */
@@ -194,6 +201,21 @@ fm_status fm_config_parse_glm4(fm_config *cfg, const void *root, const char *pat
  * dim, a head_dim field other than qk_rope_head_dim), each naming path and the field
  * (attention_bias true is refused by fm_config_parse_attention). */
 fm_status fm_config_parse_mla(fm_config *cfg, const void *root, const char *path, int64_t *head_dim);
+
+/* deepseek_v2's MoE fields and checks into cfg (fm_config_deepseek_v2.c), called by fm_config_parse
+ * after the common fields (and before fm_config_parse_mla, which reads its attention fields with
+ * the same defaults as deepseek_v3's): first_k_dense_replace 0, n_shared_experts 2,
+ * routed_scaling_factor 1.0, topk_method "greedy", n_group and topk_group None,
+ * num_experts_per_tok None (DeepseekV2Config's defaults). Errors: FM_ERR_FORMAT (wrong JSON type),
+ * FM_ERR_CONFIG (num_experts_per_tok absent or null, n_shared_experts null, group_limited_greedy
+ * without n_group / topk_group or with groups that do not divide the experts, a non-positive
+ * routed_scaling_factor, no MoE layer), FM_ERR_UNSUPPORTED (a topk_method other than greedy and
+ * group_limited_greedy, scoring_func other than softmax, moe_layer_freq other than 1), each naming
+ * path and the field. */
+fm_status fm_config_parse_deepseek_v2(fm_config *cfg, const void *root, const char *path);
+
+/* deepseek_v2's MoE fields of cfg into the cJSON object json (fm_config_to_json's canonical form). */
+void fm_config_deepseek_v2_to_json(const fm_config *cfg, void *json);
 
 /* deepseek_v3's attention fields of cfg into the cJSON object json (fm_config_to_json). */
 void fm_config_mla_to_json(const fm_config *cfg, void *json);

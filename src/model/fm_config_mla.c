@@ -1,10 +1,11 @@
-/* deepseek_v3's multi-head latent attention fields (fm_config.h: fm_config_parse_mla,
+/* deepseek_v3's (and deepseek_v2's) multi-head latent attention fields (fm_config.h: fm_config_parse_mla,
  * fm_config_mla_to_json, fm_config_mla_attn_params), with the defaults of transformers'
  * DeepseekV3Config (src/transformers/models/deepseek_v3/configuration_deepseek_v3.py):
  * q_lora_rank 1536 (null: q_proj, no compression; Moonlight), kv_lora_rank 512, qk_nope_head_dim
  * 128, qk_rope_head_dim 64, v_head_dim 128, rope_interleave true, attention_bias false. The class
  * sets head_dim = qk_rope_head_dim (its rotary embedding's dim); the MLA layer itself is
- * model/fm_mla.h. */
+ * model/fm_mla.h. DeepseekV2Config has the same attention defaults (configuration_deepseek_v2.py) and
+ * no rope_interleave (always the interleaved pairs). */
 #include "fm_config.h"
 
 #include <cjson/cJSON.h>
@@ -37,7 +38,9 @@ fm_status fm_config_parse_mla(fm_config *cfg, const void *root_v, const char *pa
     FM_TRY(mla_int(root, path, "v_head_dim", 128, &cfg->v_head_dim, NULL));
     const cJSON *ri = cJSON_GetObjectItemCaseSensitive(root, "rope_interleave");
     cfg->rope_interleave = true;
-    if (ri && !cJSON_IsNull(ri)) {
+    /* deepseek_v2 has no such field: DeepseekV2Attention's apply_rotary_emb always rotates the pairs
+     * (2i, 2i+1) as complex numbers (the field, if present, is ignored as transformers ignores it) */
+    if (ri && !cJSON_IsNull(ri) && cfg->model_type != FM_MODEL_DEEPSEEK_V2) {
         if (!cJSON_IsBool(ri)) return fm_error(FM_ERR_FORMAT, "%s: field \"rope_interleave\" must be true or false", path);
         cfg->rope_interleave = cJSON_IsTrue(ri);
     }
@@ -59,8 +62,9 @@ fm_status fm_config_parse_mla(fm_config *cfg, const void *root_v, const char *pa
                         "qk_rope_head_dim (%lld); flatmoe's MLA pads v to the q/k head dim: lower v_head_dim",
                         path, (long long)cfg->v_head_dim, (long long)dq);
     if (*head_dim != 0 && *head_dim != cfg->qk_rope_head_dim)
-        return fm_error(FM_ERR_CONFIG, "%s: \"head_dim\" is %lld, but deepseek_v3's head_dim is qk_rope_head_dim (%lld; "
+        return fm_error(FM_ERR_CONFIG, "%s: \"head_dim\" is %lld, but %s's head_dim is qk_rope_head_dim (%lld; "
                         "transformers' rotary dim): remove the field or set it to %lld", path, (long long)*head_dim,
+                        cfg->model_type_name,
                         (long long)cfg->qk_rope_head_dim, (long long)cfg->qk_rope_head_dim);
     cfg->num_key_value_heads = cfg->num_attention_heads; /* MLA: every head its own k and v */
     *head_dim = dq;
@@ -75,7 +79,7 @@ void fm_config_mla_to_json(const fm_config *c, void *json) {
     cJSON_AddNumberToObject(o, "qk_nope_head_dim", (double)c->qk_nope_head_dim);
     cJSON_AddNumberToObject(o, "qk_rope_head_dim", (double)c->qk_rope_head_dim);
     cJSON_AddNumberToObject(o, "v_head_dim", (double)c->v_head_dim);
-    cJSON_AddBoolToObject(o, "rope_interleave", c->rope_interleave);
+    if (c->model_type != FM_MODEL_DEEPSEEK_V2) cJSON_AddBoolToObject(o, "rope_interleave", c->rope_interleave);
 }
 
 int64_t fm_config_mla_attn_params(const fm_config *c) {

@@ -10,6 +10,13 @@ fm_router_opts fm_router_opts_from_config(const fm_config *c) {
     o.n_group = c->n_group > 0 ? c->n_group : 1;
     o.topk_group = c->topk_group > 0 ? c->topk_group : 1;
     o.scaling = c->router_sigmoid ? (float)c->routed_scaling_factor : 1.0f;
+    if (c->model_type == FM_MODEL_DEEPSEEK_V2) { /* DeepseekV2Moe: never renormalized; groups only if limited */
+        o.score = FM_ROUTER_SCORE_SOFTMAX_GROUP;
+        o.norm_topk = false;
+        o.n_group = c->router_group_limited ? c->n_group : 1;
+        o.topk_group = c->router_group_limited ? c->topk_group : 1;
+        o.scaling = (float)c->routed_scaling_factor;
+    }
     return o;
 }
 
@@ -20,8 +27,9 @@ fm_status fm_router_seq_aux_check(const fm_router_opts *o, double alpha, int sp)
     if (alpha == 0) return FM_OK;
     if (o->score != FM_ROUTER_SCORE_SIGMOID)
         return fm_error(FM_ERR_ARG, "--moe-seq-aux-loss-coeff %g: the sequence-wise balance loss is built for the "
-                        "sigmoid router (glm4_moe's); this model's softmax router has the batch-wise one: set "
-                        "router_aux_loss_coef in its config.json and drop the flag", alpha);
+                        "sigmoid router (glm4_moe's, deepseek_v3's; its gradient is the sigmoid's, not the softmax's "
+                        "of deepseek_v2 and the other families); this model's softmax router has the batch-wise one: "
+                        "set router_aux_loss_coef in its config.json and drop the flag", alpha);
     if (o->num_experts > FM_ROUTER_MAX_SEQ_AUX_E)
         return fm_error(FM_ERR_ARG, "--moe-seq-aux-loss-coeff %g: %lld experts, the loss's kernels take at most %d; "
                         "drop the flag", alpha, (long long)o->num_experts, FM_ROUTER_MAX_SEQ_AUX_E);
@@ -38,7 +46,14 @@ fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const
                             const fm_router_segs *seg) {
     const int64_t E = o->num_experts, k = o->top_k;
     fm_linear_fwd(be, logits, FM_DTYPE_F32, x, W, N, H, E);
-    if (o->score == FM_ROUTER_SCORE_SIGMOID) {
+    if (o->score == FM_ROUTER_SCORE_SOFTMAX_GROUP) {
+        if (!be->ops->router_softmax_group_fwd)
+            return fm_error(FM_ERR_UNSUPPORTED, "the %s backend has no DeepSeek-V2 router (deepseek_v2's softmax with "
+                            "group-limited greedy top-k and routed_scaling_factor, router_softmax_group_fwd): train "
+                            "deepseek_v2 on the cpu or cuda backend", be->ops->name ? be->ops->name : "this");
+        be->ops->router_softmax_group_fwd(be->ctx, s->probs, s->lse, s->topk_idx, s->topk_w, logits, N, E, k,
+                                          o->n_group, o->topk_group, o->scaling);
+    } else if (o->score == FM_ROUTER_SCORE_SIGMOID) {
         if (!be->ops->router_sigmoid_fwd)
             return fm_error(FM_ERR_UNSUPPORTED, "the %s backend has no sigmoid router (glm4_moe's); use the cpu or "
                             "cuda backend", be->ops->name ? be->ops->name : "this");
@@ -53,9 +68,10 @@ fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const
             return fm_error(FM_ERR_UNSUPPORTED, "routing replay: the %s backend has no router_replay op (the cpu and "
                             "cuda backends have it); drop the batch's routed_experts",
                             be->ops->name ? be->ops->name : "this");
-        /* weighed as the scoring weighs its own choice: router_sigmoid_fwd's + 1e-20f and scaling */
+        /* weighed as the scoring weighs its own choice: router_sigmoid_fwd's + 1e-20f and scaling;
+         * router_softmax_group_fwd's scaling (norm_topk false); router_fwd's 1 (an exact no-op) */
         be->ops->router_replay(be->ctx, s->topk_idx, s->topk_w, s->probs, replay, N, E, k, o->norm_topk,
-                               sig ? 1e-20f : 0.0f, sig ? o->scaling : 1.0f);
+                               sig ? 1e-20f : 0.0f, o->score != FM_ROUTER_SCORE_SOFTMAX ? o->scaling : 1.0f);
     }
     if (o->force_route) { /* test hook (fm_router_opts): the top-k forced, weights from the probabilities */
         if (!be->ops->router_force)
@@ -63,7 +79,7 @@ fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const
                             "forced routing, a test hook, runs on the cpu and cuda backends); unset it",
                             be->ops->name ? be->ops->name : "this");
         be->ops->router_force(be->ctx, s->topk_idx, s->topk_w, s->probs, N, E, k, o->force_first, o->force_percent,
-                              o->norm_topk, sig ? o->scaling : 1.0f);
+                              o->norm_topk, o->score != FM_ROUTER_SCORE_SOFTMAX ? o->scaling : 1.0f);
     }
     be->ops->router_stats(be->ctx, s->count, s->prob_sum, lse_sq, s->probs, s->lse, s->topk_idx, N, E, k);
     int64_t n_tot = N;
@@ -114,6 +130,9 @@ void fm_router_backward(const fm_backend *be, const fm_router_opts *o, int64_t N
     if (o->score == FM_ROUTER_SCORE_SIGMOID) /* aux and z coefficients are 0 (fm_config_glm4.c refuses them) */
         be->ops->router_sigmoid_bwd(be->ctx, dlogits, dtopk_w, o->aux_loss_coef > 0 ? dprobs : NULL, s->probs,
                                     s->topk_idx, N, E, k, o->norm_topk, o->scaling);
+    else if (o->score == FM_ROUTER_SCORE_SOFTMAX_GROUP) /* the forward checked the op */
+        be->ops->router_softmax_group_bwd(be->ctx, dlogits, dtopk_w, dprobs, z_scale, s->probs, s->lse, s->topk_idx,
+                                          N, E, k, o->scaling);
     else
         be->ops->router_bwd(be->ctx, dlogits, dtopk_w, dprobs, z_scale, s->probs, s->lse, s->topk_idx, s->topk_w, N,
                             E, k, o->norm_topk);

@@ -21,6 +21,10 @@ typedef enum fm_router_score {
      * e_score_correction_bias added for the selection only, group-limited top-k, the chosen
      * scores renormalized (norm_topk) and times scaling (fm_backend.h router_sigmoid_fwd) */
     FM_ROUTER_SCORE_SIGMOID = 1,
+    /* DeepSeek-V2's (transformers' DeepseekV2Moe): softmax scores, top-k "greedy" (n_group 1) or
+     * "group_limited_greedy" (groups scored by their largest score), the chosen scores times scaling,
+     * never renormalized (norm_topk false; fm_backend.h router_softmax_group_fwd) */
+    FM_ROUTER_SCORE_SOFTMAX_GROUP = 2,
 } fm_router_score;
 
 typedef struct fm_router_opts {
@@ -30,8 +34,8 @@ typedef struct fm_router_opts {
     bool norm_topk;          /* renormalize the k weights to sum 1 (norm_topk_prob) */
     double aux_loss_coef;    /* router_aux_loss_coef */
     double z_loss_coef;      /* router_z_loss_coef (flatmoe extension; 0 = off) */
-    int64_t n_group, topk_group; /* sigmoid: group-limited top-k (1, 1: plain top-k) */
-    float scaling;           /* sigmoid: routed_scaling_factor (softmax: 1, unused) */
+    int64_t n_group, topk_group; /* sigmoid, softmax_group: group-limited top-k (1, 1: plain top-k) */
+    float scaling;           /* sigmoid, softmax_group: routed_scaling_factor (softmax: 1, unused) */
     /* sigmoid: alpha of DeepSeek-V3's complementary sequence-wise balance loss (§2.1.2 eq. 17-20;
      * --moe-seq-aux-loss-coeff; 0 = off). Per segment s (a row of the micro-batch, or with packed
      * documents each document, padding included) of T_s tokens, l_s = sum_i f_i P_i with
@@ -59,8 +63,9 @@ typedef struct fm_router_opts {
     int force_percent;     /* [0,100] */
 } fm_router_opts;
 
-/* The router options of a config (softmax scores, or sigmoid with cfg->router_sigmoid; the
- * config's E, k, norm_topk_prob, coefs, groups and scaling; seq_aux_coef 0). */
+/* The router options of a config (softmax scores, or sigmoid with cfg->router_sigmoid, or
+ * deepseek_v2's softmax_group; the config's E, k, norm_topk_prob (deepseek_v2: false, as
+ * transformers), coefs, groups (deepseek_v2 "greedy": 1, 1) and scaling; seq_aux_coef 0). */
 fm_router_opts fm_router_opts_from_config(const fm_config *c);
 
 /* Whether the sequence-wise balance loss with coefficient alpha can run: FM_OK for alpha 0, or a
@@ -101,7 +106,8 @@ typedef struct fm_router_saved {
  * --use-rollout-routing-replay, verl's router_replay R3): a row whose first id is >= 0 replaces the
  * token's top-k by the given experts, in the given order, and their weights are the CURRENT
  * router's probabilities of those experts (the sigmoid router: its scores, without the selection
- * bias or the group mask), renormalized with norm_topk (and times routed_scaling_factor) exactly
+ * bias or the group mask; deepseek_v2's: its softmax probabilities, without the group mask),
+ * renormalized with norm_topk (and times routed_scaling_factor) exactly
  * as the router weighs its own choice (the backend's router_replay op), so the router keeps
  * learning through the gates and a replay of its own routes is bit-identical to no replay; the
  * backward is the router's own over the replayed selection; a row starting with -1

@@ -170,6 +170,13 @@ void fm_cpu_router_seq_aux_bwd(void *ctx, float *dlogits, const float *scores, c
 /* cpu_router_force.c: the forced routing of FLATMOE_TEST_FORCE_ROUTE (fm_backend.h router_force) */
 void fm_cpu_router_force(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, int64_t N, int64_t E,
                          int64_t k, int64_t first, int percent, bool norm_topk, float scaling);
+/* cpu_router_softmax_group.c: DeepSeek-V2's softmax router, greedy or group-limited (fm_backend.h) */
+void fm_cpu_router_softmax_group_fwd(void *ctx, float *probs, float *lse, int32_t *topk_idx, float *topk_w,
+                                     const float *logits, int64_t N, int64_t E, int64_t k, int64_t n_group,
+                                     int64_t topk_group, float scaling);
+void fm_cpu_router_softmax_group_bwd(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
+                                     float z_scale, const float *probs, const float *lse, const int32_t *topk_idx,
+                                     int64_t N, int64_t E, int64_t k, float scaling);
 /* cpu_router_replay.c: routing replay, the given experts weighted as the router weighs its own (fm_backend.h) */
 void fm_cpu_router_replay(void *ctx, int32_t *topk_idx, float *topk_w, const float *probs, const int32_t *replay,
                           int64_t N, int64_t E, int64_t k, bool norm_topk, float eps, float scaling);

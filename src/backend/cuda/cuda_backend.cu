@@ -96,6 +96,8 @@ static fm_ops make_cuda_ops(void) {
     o.router_sigmoid_fwd = fm_cuda_router_sigmoid_fwd;
     o.router_sigmoid_bwd = fm_cuda_router_sigmoid_bwd;
     o.router_replay = fm_cuda_router_replay;
+    o.router_softmax_group_fwd = fm_cuda_router_softmax_group_fwd;
+    o.router_softmax_group_bwd = fm_cuda_router_softmax_group_bwd;
     o.router_seq_aux_fwd = fm_cuda_router_seq_aux_fwd;
     o.router_seq_aux_bwd = fm_cuda_router_seq_aux_bwd;
     o.moe_route_index = fm_cuda_moe_route_index;

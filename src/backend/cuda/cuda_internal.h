@@ -14,7 +14,8 @@
  *   cuda_attention.cu   attention dispatch and state; cuda_attention_cudnn.cu the cuDNN graph path;
  *   cuda_attention_fwd.cu / _bwd.cu our own kernels (the fallback forward and backward);
  *   cuda_router_force.cu the forced routing of the FLATMOE_TEST_FORCE_ROUTE test hook;
- *   cuda_router_replay.cu routing replay (R3): given experts, the current router's weights. */
+ *   cuda_router_replay.cu routing replay (R3): given experts, the current router's weights;
+ *   cuda_router_softmax_group.cu DeepSeek-V2's router (softmax, group-limited greedy, scaling). */
 #ifndef FM_CUDA_INTERNAL_H
 #define FM_CUDA_INTERNAL_H
 
@@ -252,6 +253,13 @@ void fm_cuda_router_sigmoid_fwd(void *ctx, float *scores, float *lse, int32_t *t
 void fm_cuda_router_sigmoid_bwd(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
                                 const float *scores, const int32_t *topk_idx, int64_t N, int64_t E, int64_t k,
                                 bool norm_topk, float scaling);
+/* cuda_router_softmax_group.cu: DeepSeek-V2's softmax router, greedy or group-limited (fm_backend.h) */
+void fm_cuda_router_softmax_group_fwd(void *ctx, float *probs, float *lse, int32_t *topk_idx, float *topk_w,
+                                      const float *logits, int64_t N, int64_t E, int64_t k, int64_t n_group,
+                                      int64_t topk_group, float scaling);
+void fm_cuda_router_softmax_group_bwd(void *ctx, float *dlogits, const float *dtopk_w, const float *dprobs_per_expert,
+                                      float z_scale, const float *probs, const float *lse, const int32_t *topk_idx,
+                                      int64_t N, int64_t E, int64_t k, float scaling);
 /* cuda_router_seq_aux.cu: the sigmoid router's sequence-wise balance loss (fm_backend.h) */
 void fm_cuda_router_seq_aux_fwd(void *ctx, double *term, const float *scores, const int32_t *topk_idx,
                                 const int32_t *doc_start, int64_t B, int64_t T, int64_t E, int64_t k, double coef);
