@@ -1,26 +1,24 @@
-/* The backend op table (DESIGN.md §3): a struct of function pointers over an opaque context,
- * in the manner of ggml's backend interface. The model layer calls only these; the CPU backend
- * (backend/cpu, C11 + OpenMP + BLAS, fp32) is the reference every other backend is tested
- * against.
+/* The backend op table (DESIGN.md §3): a struct of function pointers over an opaque context, in the manner of
+ * ggml's backend interface. The model layer calls only these; the CPU backend (backend/cpu, C11 + OpenMP + BLAS,
+ * fp32) is the reference every other backend is tested against.
  *
  * Conventions for every op:
- * - Tensors are dense, row-major, contiguous. Shapes are written [rows, cols]; activations are
- *   [N, D] with N = B*T tokens (token n = b*T + t). Element counts are int64_t.
- * - `fm_act *` is the build's activation/parameter element (fp32 on the CPU, bf16 on CUDA);
- *   `float *` is fp32 in every build.
- * - Backward: ACTIVATION gradients are ASSIGNED (=), PARAMETER gradients ACCUMULATE (+=)
- *   (llm.c's convention), unless an op's comment says otherwise.
- * - Pointers live in the backend's memory (host memory on the CPU). Integer index tensors are
- *   int32_t. Outputs never alias inputs unless the comment allows it.
+ * - Tensors are dense, row-major, contiguous. Shapes are written [rows, cols]; activations are [N, D] with N = B*T
+ *   tokens (token n = b*T + t). Element counts are int64_t.
+ * - `fm_act *` is the build's activation/parameter element (fp32 on the CPU, bf16 on CUDA); `float *` is fp32 in
+ *   every build.
+ * - Backward: ACTIVATION gradients are ASSIGNED (=), PARAMETER gradients ACCUMULATE (+=) (llm.c's convention),
+ *   unless an op's comment says otherwise.
+ * - Pointers live in the backend's memory (host memory on the CPU). Integer index tensors are int32_t. Outputs
+ *   never alias inputs unless the comment allows it.
  * - Ops do not allocate: any scratch an op needs was sized when the context was created.
- * - Ops never wait for the host and never make the host wait (DESIGN.md §4): every op is issued
- *   on the compute stream; results the host needs (reductions, losses, the MoE expert offsets)
- *   land in backend or pinned memory and are read after a named sync point (stream_sync or
- *   event_sync), which host_sync_count counts. On the CPU every op completes before it returns.
- * - Failure: ops do not abort on a device error (a library call that fails, a kernel that
- *   cannot launch): the context records the first one (sticky) and `status` returns it at the
- *   end of a step, so all ranks can stop together. Argument errors that are caller bugs are
- *   asserted.
+ * - Ops never wait for the host and never make the host wait (DESIGN.md §4): every op is issued on the compute
+ *   stream; results the host needs (reductions, losses, the MoE expert offsets) land in backend or pinned memory
+ *   and are read after a named sync point (stream_sync or event_sync), which host_sync_count counts. On the CPU
+ *   every op completes before it returns.
+ * - Failure: ops do not abort on a device error (a library call that fails, a kernel that cannot launch): the
+ *   context records the first one (sticky) and `status` returns it at the end of a step, so all ranks can stop
+ *   together. Argument errors that are caller bugs are asserted.
  */
 #ifndef FM_BACKEND_H
 #define FM_BACKEND_H
@@ -633,18 +631,17 @@ typedef struct fm_ops {
                                const int32_t *targets, const float *weights, const float *ent_w, const float *ent,
                                int64_t Nb, int64_t Vb, int64_t v0, int32_t ignore_index, float grad_scale,
                                float z_coef);
-    /* The k largest logits of each row (the top-k log-probs of the RL head; fm_linear_ce's
-     * out_topk_*), folded strip by strip: strip [Nb,Vb] (columns [v0, v0+Vb)) merged into the
-     * running topv [Nb,k] fp32 (logits, decreasing) and topi [Nb,k] int32 (their vocabulary ids),
-     * in the strict order (logit descending, id ascending), so the result does not depend on the
-     * order of the blocks; first = true ASSIGNS (-inf and -1 before folding). A NaN logit never
-     * enters. k >= 1. */
+    /* The k largest logits of each row (the top-k log-probs of the RL head; fm_linear_ce's out_topk_*), folded
+     * strip by strip: strip [Nb,Vb] (columns [v0, v0+Vb)) merged into the running topv [Nb,k] fp32 (logits,
+     * decreasing) and topi [Nb,k] int32 (their vocabulary ids), in the strict order (logit descending, id
+     * ascending), so the result does not depend on the order of the blocks; first = true ASSIGNS (-inf and -1
+     * before folding). A NaN logit never enters. k >= 1. */
     void (*lce_topk_fold)(void *ctx, float *topv, int32_t *topi, const float *strip, int64_t Nb, int64_t Vb,
                           int64_t v0, int64_t k, bool first);
-    /* The top-k log-probs from the folded logits and the rows' finished m, z [Nb]:
-     * out_lp[r,j] = -((m_r - topv[r,j]) + log z_r) in double, rounded once (lce_finalize's form of
-     * log p, so a top id equal to the target gives the target's log-prob bits), out_id[r,j] =
-     * topi[r,j]; out_lp, out_id [Nb,k] ASSIGNED (rows with fewer than k finite logits: -inf, -1). */
+    /* The top-k log-probs from the folded logits and the rows' finished m, z [Nb]: out_lp[r,j] = -((m_r -
+     * topv[r,j]) + log z_r) in double, rounded once (lce_finalize's form of log p, so a top id equal to the target
+     * gives the target's log-prob bits), out_id[r,j] = topi[r,j]; out_lp, out_id [Nb,k] ASSIGNED (rows with fewer
+     * than k finite logits: -inf, -1). */
     void (*lce_topk_finalize)(void *ctx, float *out_lp, int32_t *out_id, const float *topv, const int32_t *topi,
                               const float *m, const float *z, int64_t Nb, int64_t k);
 
@@ -656,26 +653,20 @@ typedef struct fm_ops {
     void (*mem_free)(void *ctx, void *p);
     /* dst[0..bytes) = byte. */
     void (*mem_set)(void *ctx, void *dst, int byte, size_t bytes);
-    /* Sleep (libflatmoe's flatmoe_sleep; src/capi/flatmoe_sleep.c): mem_release gives the physical
-     * memory under [p, p + bytes) of a mem_alloc allocation back to the system while the addresses
-     * stay reserved, and returns the bytes given back (whole pages inside the range; 0: none, the
-     * contents then stay); the contents are lost. mem_restore backs [p, p + bytes) again at the
-     * same addresses, zero-filled (errors: the backend's status). Launch-time, like mem_alloc;
-     * NULL: the backend cannot (the CPU uses madvise(MADV_DONTNEED), as glibc's free does for
-     * its trimmed pages). */
+    /* Sleep (capi/flatmoe_sleep.c): mem_release gives the physical pages under [p, p + bytes) of a mem_alloc
+     * block back, its addresses kept, and returns the bytes given back (0: none; the contents are lost);
+     * mem_restore backs the range again, zero-filled. NULL: cannot (the CPU: madvise MADV_DONTNEED). */
     size_t (*mem_release)(void *ctx, void *p, size_t bytes);
     void (*mem_restore)(void *ctx, void *p, size_t bytes);
-    /* bytes from src to dst; kind says which side is host memory. Synchronous: for launch-time
-     * uploads and reports, never inside a step (it counts as a host sync). */
+    /* bytes from src to dst; kind says which side is host memory. Synchronous: for launch-time uploads and
+     * reports, never inside a step (it counts as a host sync). */
     void (*copy)(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_kind kind);
-    /* Memory of a buffer kind (zero-filled, 256-byte aligned; NULL when it cannot): DEVICE is
-     * mem_alloc's; PINNED is host memory the device copies to and from asynchronously; HOST is
-     * fm_malloc's. Launch time only. */
+    /* Memory of a buffer kind (zero-filled, 256-byte aligned; NULL when it cannot): DEVICE is mem_alloc's; PINNED
+     * is host memory the device copies to and from asynchronously; HOST is fm_malloc's. Launch time only. */
     void *(*buffer_alloc)(void *ctx, fm_buffer_kind kind, size_t bytes);
     void (*buffer_free)(void *ctx, fm_buffer_kind kind, void *p);
-    /* Asynchronous copy on `stream`, ordered after what was issued on that stream before it;
-     * the host side must be pinned memory (FM_BUFFER_PINNED) and stay untouched until an event
-     * recorded after it completes. */
+    /* Asynchronous copy on `stream`, ordered after what was issued on that stream before it; the host side must
+     * be pinned memory (FM_BUFFER_PINNED) and stay untouched until an event recorded after it completes. */
     void (*copy_async)(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_kind kind, fm_stream stream);
     /* event (index < FM_EVENT_POOL) := the point `stream` has reached. */
     void (*event_record)(void *ctx, int event, fm_stream stream);
