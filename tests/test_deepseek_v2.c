@@ -124,19 +124,19 @@ static void test_replay_and_force(void) {
     for (int i = 0; i < N * H; i++) x[i] = (float)fm_rng_normal(&r);
     for (int i = 0; i < E * H; i++) W[i] = (float)fm_rng_normal(&r);
     fm_router_saved s = {probs, lse, idx, tw, count, ps};
-    CHECK(fm_router_forward(&g_be, &o, NULL, logits, &s, &lse_sq, terms, x, W, NULL, N, H, NULL, NULL) == FM_OK);
+    CHECK(fm_router_forward(&g_be, &o, NULL, logits, &s, &lse_sq, terms, x, W, NULL, NULL, N, H, NULL, NULL) == FM_OK);
     memcpy(idx2, idx, sizeof idx);
     memcpy(tw2, tw, sizeof tw);
     for (int n = 0; n < N; n++)
         for (int j = 0; j < K; j++) CHECK(tw[n * K + j] == probs[n * E + idx[n * K + j]] * 16.0f);
     /* replay of the router's own routes: its bits */
     memcpy(replay, idx2, sizeof replay);
-    CHECK(fm_router_forward(&g_be, &o, NULL, logits, &s, &lse_sq, terms, x, W, NULL, N, H, replay, NULL) == FM_OK);
+    CHECK(fm_router_forward(&g_be, &o, NULL, logits, &s, &lse_sq, terms, x, W, NULL, NULL, N, H, replay, NULL) == FM_OK);
     CHECK_MSG(!memcmp(idx, idx2, sizeof idx) && !memcmp(tw, tw2, sizeof tw), "replay of the own routes changed them");
     /* replay of other routes (rows 0-11; the rest padding, -1): prob x scaling, never renormalized */
     for (int n = 0; n < N; n++)
         for (int j = 0; j < K; j++) replay[n * K + j] = n < 12 ? (n + 3 * j + 1) % E : -1;
-    CHECK(fm_router_forward(&g_be, &o, NULL, logits, &s, &lse_sq, terms, x, W, NULL, N, H, replay, NULL) == FM_OK);
+    CHECK(fm_router_forward(&g_be, &o, NULL, logits, &s, &lse_sq, terms, x, W, NULL, NULL, N, H, replay, NULL) == FM_OK);
     for (int n = 0; n < N; n++)
         for (int j = 0; j < K; j++) {
             const int e = n < 12 ? replay[n * K + j] : idx2[n * K + j];
@@ -146,7 +146,7 @@ static void test_replay_and_force(void) {
     o.force_route = true;
     o.force_first = 5;
     o.force_percent = 100;
-    CHECK(fm_router_forward(&g_be, &o, NULL, logits, &s, &lse_sq, terms, x, W, NULL, N, H, NULL, NULL) == FM_OK);
+    CHECK(fm_router_forward(&g_be, &o, NULL, logits, &s, &lse_sq, terms, x, W, NULL, NULL, N, H, NULL, NULL) == FM_OK);
     for (int n = 0; n < N; n++)
         for (int j = 0; j < K; j++) {
             CHECK(idx[n * K + j] == 5 + j);

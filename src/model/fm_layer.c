@@ -12,7 +12,6 @@
 #include "fm_dense_mlp.h"
 #include "fm_layer_oss.h"
 #include "fm_moe_layer.h"
-#include "fm_router_oss.h"
 
 #define OPS (m->be.ops)
 #define CTX (m->be.ctx)
@@ -147,14 +146,10 @@ mlp_block:
     const int64_t k = c->num_experts_per_tok;
     int32_t *routes = m->a.rl_routes ? m->a.rl_routes + moe_index(c, l) * N * k : NULL; /* the RL head's (fm_acts.h) */
     const fm_router_segs segs = router_segs(m);
-    if (w->router_lin_bias) /* gpt_oss: the router Linear's bias on the logits */
-        FM_TRY(fm_router_oss_forward(&m->be, &m->router, m->mesh.comm, m->a.ws.dlogits_r, &a->router,
-                                     m->a.results + FM_RESULT_SCRATCH, m->a.results + FM_RESULT_LAYERS + 2 * l, ln2,
-                                     w->router, w->router_lin_bias, N, H, m->a.rl.replay ? routes : NULL));
-    else
-        FM_TRY(fm_router_forward(&m->be, &m->router, m->mesh.comm, m->a.ws.dlogits_r, &a->router,
-                                 m->a.results + FM_RESULT_SCRATCH, m->a.results + FM_RESULT_LAYERS + 2 * l, ln2,
-                                 w->router, w->router_bias, N, H, m->a.rl.replay ? routes : NULL, &segs));
+    FM_TRY(fm_router_forward(&m->be, &m->router, m->mesh.comm, m->a.ws.dlogits_r, &a->router,
+                             m->a.results + FM_RESULT_SCRATCH, m->a.results + FM_RESULT_LAYERS + 2 * l, ln2, w->router,
+                             w->router_lin_bias /* gpt_oss's, else NULL */, w->router_bias, N, H,
+                             m->a.rl.replay ? routes : NULL, &segs));
     if (routes && m->a.rl.record && !m->a.rl.replay) /* the routes taken, read back by the library */
         OPS->copy_async(CTX, routes, a->router.topk_idx, sizeof(int32_t) * (size_t)(N * k), FM_COPY_D2D,
                         FM_STREAM_COMPUTE);
@@ -220,7 +215,7 @@ static fm_status moe_block_backward(fm_model *m, int64_t l, const fm_act *dy, co
                        ws->dtopk_w, &a->router, ln2, w->router, N, H, fm_config_num_moe_layers(c), scale,
                        &segs);
     if (g->router_lin_bias) /* gpt_oss: the router bias's gradient from the logit gradient */
-        fm_router_oss_bias_backward(&m->be, g->router_lin_bias, ws->dlogits_act, N, c->num_experts);
+        fm_router_lin_bias_backward(&m->be, g->router_lin_bias, ws->dlogits_act, N, c->num_experts);
     return FM_OK;
 }
 

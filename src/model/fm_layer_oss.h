@@ -1,7 +1,7 @@
 /* gpt_oss's parts of a decoder layer (fm_layer.c calls these where the config has them): the
  * attention with sinks and a sliding window (fm_backend.h attention_ext_fwd / _bwd; transformers'
- * GptOssAttention), the router with its Linear bias (fm_router_oss.h), the experts' biases (the
- * fm_moe_weights / fm_moe_grads fields). Not a public header. */
+ * GptOssAttention), the router with its Linear bias (fm_router.h: fm_router_forward's lin_bias),
+ * the experts' biases (the fm_moe_weights / fm_moe_grads fields). Not a public header. */
 #ifndef FM_LAYER_OSS_H
 #define FM_LAYER_OSS_H
 

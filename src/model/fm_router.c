@@ -42,10 +42,16 @@ fm_status fm_router_seq_aux_check(const fm_router_opts *o, double alpha, int sp)
 
 fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const fm_comm *comm, float *logits,
                             fm_router_saved *s, double *lse_sq, double *terms, const fm_act *x, const fm_act *W,
-                            const fm_act *bias, int64_t N, int64_t H, const int32_t *replay,
+                            const fm_act *lin_bias, const fm_act *bias, int64_t N, int64_t H, const int32_t *replay,
                             const fm_router_segs *seg) {
     const int64_t E = o->num_experts, k = o->top_k;
     fm_linear_fwd(be, logits, FM_DTYPE_F32, x, W, N, H, E);
+    if (lin_bias) { /* gpt_oss: the Linear's bias on the logits */
+        if (!be->ops->bias_add_f32)
+            return fm_error(FM_ERR_UNSUPPORTED, "a router Linear with a bias (gpt_oss's): the %s backend has no "
+                            "bias_add_f32 op (the cpu and cuda backends have it)", be->ops->name ? be->ops->name : "this");
+        be->ops->bias_add_f32(be->ctx, logits, lin_bias, N, E);
+    }
     if (o->score == FM_ROUTER_SCORE_SOFTMAX_GROUP) {
         if (!be->ops->router_softmax_group_fwd)
             return fm_error(FM_ERR_UNSUPPORTED, "the %s backend has no DeepSeek-V2 router (deepseek_v2's softmax with "
@@ -145,4 +151,8 @@ void fm_router_backward(const fm_backend *be, const fm_router_opts *o, int64_t N
     if ((void *)dlogits_act != (void *)dlogits)
         be->ops->convert(be->ctx, dlogits_act, FM_ACT_DTYPE, dlogits, FM_DTYPE_F32, N * E);
     fm_linear_bwd(be, dx, 1.0f, dW, dlogits_act, x, W, N, H, E, 1.0f);
+}
+
+void fm_router_lin_bias_backward(const fm_backend *be, fm_act *db, const fm_act *dlogits_act, int64_t N, int64_t E) {
+    be->ops->bias_grad(be->ctx, db, dlogits_act, N, E);
 }

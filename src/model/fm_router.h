@@ -119,11 +119,19 @@ typedef struct fm_router_saved {
  * balance term over seg's segments instead (fm_router_opts; the backend's router_seq_aux_fwd, then
  * all-reduced over comm). Errors: the communicator's (naming the rank and the collective);
  * FM_ERR_UNSUPPORTED for replay on a backend without router_replay, or the sequence-wise loss on a
- * backend without router_seq_aux_fwd. */
+ * backend without router_seq_aux_fwd, or lin_bias on a backend without bias_add_f32.
+ * lin_bias [E] fm_act (NULL: none): the router Linear's bias, logits = x W^T + lin_bias before the
+ * scoring (GPT-OSS's GptOssTopKRouter: its top-k logits softmaxed, which the softmax router with
+ * norm_topk computes: exp(l_i) / sum over the k of exp(l_j)). */
 fm_status fm_router_forward(const fm_backend *be, const fm_router_opts *o, const fm_comm *comm, float *logits,
                             fm_router_saved *s, double *lse_sq, double *terms, const fm_act *x, const fm_act *W,
-                            const fm_act *bias, int64_t N, int64_t H, const int32_t *replay,
+                            const fm_act *lin_bias, const fm_act *bias, int64_t N, int64_t H, const int32_t *replay,
                             const fm_router_segs *seg);
+
+/* After fm_router_backward (which leaves the fm_act logit gradient in dlogits_act [N,E]): the
+ * router Linear's bias (lin_bias of fm_router_forward; gpt_oss's) db [E] += sum over n of
+ * dlogits_act[n,:] (the backend's bias_grad). */
+void fm_router_lin_bias_backward(const fm_backend *be, fm_act *db, const fm_act *dlogits_act, int64_t N, int64_t E);
 
 /* The router losses of a micro-batch from its L layers' terms (host copies, [L][2], summed in
  * layer order over the MoE layers, fm_config_layer_is_moe of `layers`; NULL: all L, a dense
