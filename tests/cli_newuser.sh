@@ -4,6 +4,8 @@
 source "$(dirname "$0")/lib_cli.sh"
 cfg="$ROOT/tests/data/micro.json"
 base=(--data "$TEXT" --seq-len 16 --micro-batch 2 --threads 2 --quiet)
+head -c 4000 "$TEXT" > "$TMP/small.txt" # an epoch of a few steps (a binary that ignored the refusal still ends soon)
+small=(--data "$TMP/small.txt" --seq-len 16 --micro-batch 2 --threads 2 --quiet)
 
 # The installed flatmoe (scripts/setup.sh: cmake --install) finds the calibration tables that the
 # built one finds in configs/calib: plan's projection is the README's, not the built-in estimate.
@@ -21,5 +23,16 @@ if [ -f "$BUILD/cmake_install.cmake" ]; then
 else
     echo "skipped the install case: $BUILD has no cmake_install.cmake"
 fi
+
+# --steps with --epochs: the epochs decide the steps, so --steps was silently ignored; refused,
+# also on a --resume of a run started with --epochs
+expect_fail "--steps with --epochs" "--steps 3 and --epochs 2 contradict each other" \
+    "$FM" train --config "$cfg" "${small[@]}" --steps 3 --epochs 2 --out "$TMP/ep"
+"$FM" train --config "$cfg" "${small[@]}" --epochs 1 --exit-after 1 --out "$TMP/ep1" > /dev/null 2>&1 && ok ||
+    bad "an --epochs run failed"
+expect_fail "--resume --steps of an --epochs run" "--epochs 1 (the run's) contradict" \
+    "$FM" train --out "$TMP/ep1" --resume --steps 5 --quiet
+"$FM" train --out "$TMP/ep1" --resume --epochs 0 --steps 2 --quiet > "$TMP/ep0.log" 2>&1 && ok ||
+    bad "--resume --epochs 0 --steps 2 of an --epochs run failed: $(tail -3 "$TMP/ep0.log")"
 
 finish
