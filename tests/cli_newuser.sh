@@ -35,4 +35,23 @@ expect_fail "--resume --steps of an --epochs run" "--epochs 1 (the run's) contra
 "$FM" train --out "$TMP/ep1" --resume --epochs 0 --steps 2 --quiet > "$TMP/ep0.log" 2>&1 && ok ||
     bad "--resume --epochs 0 --steps 2 of an --epochs run failed: $(tail -3 "$TMP/ep0.log")"
 
+# --init-from a folder with a tokenizer and text --data: train reads text one token per byte (ids
+# 0..255 of that vocabulary), silently, where eval and sample encode it with the tokenizer: a
+# warning naming the prepare command; token shards of that tokenizer get none
+FX=$(dirname "$FM")/fm_hf_fixture
+sed 's/"vocab_size": 256/"vocab_size": 3072/' "$cfg" > "$TMP/micro3072.json"
+"$FM" train --config "$TMP/micro3072.json" "${base[@]}" --steps 1 --out "$TMP/v3072" > /dev/null 2>&1 || bad "vocab 3072 run failed"
+"$FX" "$TMP/v3072/step_000001" "$TMP/hf" --dtype f32 > /dev/null || bad "fm_hf_fixture failed"
+cp "$ROOT/tests/data/tok/olmoe/tokenizer.json" "$TMP/hf/"
+ft=(--seq-len 16 --micro-batch 2 --threads 2 --steps 1 --quiet)
+out=$("$FM" train --init-from "$TMP/hf" --data "$TEXT" "${ft[@]}" --out "$TMP/ft-text" 2>&1 >/dev/null) || bad "--init-from with text failed: $out"
+grep -qF "warning: --data $TEXT is text, which train reads one token per byte" <<<"$out" &&
+    grep -qF "flatmoe prepare --tokenizer $TMP/hf --input $TEXT --out PREFIX" <<<"$out" && ok ||
+    bad "--init-from a folder with a tokenizer and text --data: no warning naming the prepare command: $out"
+head -c 20000 "$TEXT" > "$TMP/part.txt"
+"$FM" prepare --tokenizer "$TMP/hf" --input "$TMP/part.txt" --out "$TMP/tok/part" > /dev/null || bad "prepare failed"
+out=$("$FM" train --init-from "$TMP/hf" --data "$TMP/tok/part_000000.bin" "${ft[@]}" --out "$TMP/ft-tok" 2>&1 >/dev/null) ||
+    bad "--init-from with token shards failed: $out"
+! grep -q "one token per byte" <<<"$out" && ok || bad "token shards got the text warning: $out"
+
 finish
