@@ -54,4 +54,9 @@ out=$("$FM" train --init-from "$TMP/hf" --data "$TMP/tok/part_000000.bin" "${ft[
     bad "--init-from with token shards failed: $out"
 ! grep -q "one token per byte" <<<"$out" && ok || bad "token shards got the text warning: $out"
 
+# a count below 1 names the flag and the value found (it listed all four flags)
+expect_fail "--steps 0" "--steps must be >= 1, found 0" "$FM" train --config "$cfg" "${small[@]}" --steps 0 --out "$TMP/s0"
+expect_fail "--micro-batch -1" "--micro-batch must be >= 1, found -1" \
+    "$FM" train --config "$cfg" "${small[@]}" --micro-batch -1 --steps 1 --out "$TMP/s0"
+
 finish
