@@ -33,13 +33,16 @@
 # builds the CPU tree again and runs the suite under the sanitizers, slower than pass A (ctest -j2
 # offsets some of it); pass F builds the library with clang and runs 9 targets x 20 s (3 min).
 # Extra arguments go to ctest in passes A, B and S (e.g. -R test_fp8); FLATMOE_TEST_PASSES=A (or
-# B, S, F, or any of them together, e.g. AS) runs those passes only (default ABSF).
+# B, S, F, or any of them together, e.g. AS) runs those passes only (default ABSF); FLATMOE_TEST_CUDA=0
+# skips the CUDA compile (minutes on 2 cores, before any test runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)
 CUDA_INC=$(dirname "$(dirname "${NVCC:-/nonexistent/bin/nvcc}")")/include
-if [ -n "$NVCC" ] && [ -f "$CUDA_INC/cudnn.h" ]; then
+if [ "${FLATMOE_TEST_CUDA:-1}" = 0 ]; then
+    echo "== FLATMOE_TEST_CUDA=0: the CUDA build is not compiled"
+elif [ -n "$NVCC" ] && [ -f "$CUDA_INC/cudnn.h" ]; then
     echo "== compiling the CUDA build with $NVCC (GPU tests are not run here)"
     cmake -S . -B build-cuda -DFLATMOE_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$NVCC" >/dev/null
     cmake --build build-cuda -j"$(nproc)"

@@ -148,7 +148,7 @@ failure)
     long='--config $CFG --data $TEXT --seq-len 32 --micro-batch 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint --comm-timeout 4'
     # case: what rank 1 does to itself 1 s into training (tests/mpi_after_step.sh; or its own
     # arguments); needle: what the output must say
-    for case in kill stop nodata flags evalflag precision; do
+    for case in kill stop nodata flags evalflag precision seed; do
         case $case in
         kill)   cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (bash "$AFTER" "$TMP/k"; kill -KILL $$) & fi; exec "$FM" train '"$long"' --out "$TMP/k"'
                 needle="rank 1" ;;
@@ -164,6 +164,9 @@ failure)
         precision) # the experts' precision: fp8 on one rank, bf16 on the other (a gradient of two recipes)
                 cmd='p=bf16; [ "$OMPI_COMM_WORLD_RANK" = 1 ] && p=fp8; exec "$FM" train '"$long"' --expert-precision $p --out "$TMP/p"'
                 needle="error on rank [01] of 2: .*--expert-precision differs between the ranks of this launch" ;;
+        seed) # each rank's seed as given (the comparison drops the lowest bit: it printed 2 for --seed 3)
+                cmd='s=3; [ "$OMPI_COMM_WORLD_RANK" = 1 ] && s=5; exec "$FM" train '"$long"' --seed $s --out "$TMP/sd"'
+                needle="error on rank [01] of 2: .*--seed differs between the ranks of this launch \(this rank's value (3|5);" ;;
         esac
         t0=$SECONDS
         timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c "$cmd" >"$TMP/$case.log" 2>&1; rc=$?

@@ -43,9 +43,15 @@ int cmd_train(int argc, char **argv) {
     char ft_out[512]; /* --init-from without --out: runs/ft-NAME, before the resume looks there */
     if ((s = fm_spec_finetune_out(&sp, ft_out, sizeof ft_out))) return cli_fail("train", s);
     if (ft_out[0] && rank == 0 && !sp.train.quiet) printf("%s\n", ft_out);
+    const bool steps_given = fm_spec_given(&sp, "steps"), epochs_given = fm_spec_given(&sp, "epochs");
     /* --resume: the run's own flags from its latest state.json, the ones given again overriding them */
     /* (said under --quiet too: these are not step lines) */
     if ((s = fm_spec_resume(&sp, rank == 0, NULL))) return cli_fail("train", s);
+    if (steps_given && sp.train.epochs > 0) /* the epochs count the steps (fm_train_setup): --steps would be ignored */
+        return cli_fail("train", fm_error(FM_ERR_ARG, "--steps %lld and --epochs %lld%s contradict each other: the epochs "
+                                          "decide the number of steps; drop --steps, or give --epochs 0 to train "
+                                          "--steps steps", (long long)sp.train.steps, (long long)sp.train.epochs,
+                                          epochs_given ? "" : " (the run's)"));
     /* --init-from starting a run (not a --resume of one): the flags not given take fine-tuning
      * values (run/fm_spec_finetune.h), said once */
     char ft_said[512] = "", latest[4096];

@@ -380,24 +380,23 @@ fm_status fm_calib_find(fm_calib *c, const char *path, const char *dir, const ch
             return FM_OK;
         }
     }
-    /* next to the binary: <repo>/build/flatmoe (any build folder) -> <repo>/configs/calib */
+    /* next to the binary: <repo>/build/flatmoe (any build folder) -> <repo>/configs/calib; an
+     * installed PREFIX/bin/flatmoe -> PREFIX/share/flatmoe/calib (`cmake --install`, CMakeLists.txt) */
+    static const char *const rel[2] = {"../configs/calib", "../share/flatmoe/calib"};
     char exe[512];
     const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n > 0) {
-        exe[n] = 0;
-        char *slash = strrchr(exe, '/');
-        if (slash) {
-            *slash = 0;
-            snprintf(p, sizeof p, "%s/../configs/calib/%s.json", exe, kind);
-            if (exists(p)) {
-                FM_TRY(fm_calib_load(c, p));
-                snprintf(note, 1400, "projection: calibration table %s (%s)", p, c->device);
-                return FM_OK;
-            }
+    char *slash = n > 0 ? (exe[n] = 0, strrchr(exe, '/')) : NULL;
+    if (slash) *slash = 0;
+    for (int i = 0; slash && i < 2; i++) {
+        snprintf(p, sizeof p, "%s/%s/%s.json", exe, rel[i], kind);
+        if (exists(p)) {
+            FM_TRY(fm_calib_load(c, p));
+            snprintf(note, 1400, "projection: calibration table %s (%s)", p, c->device);
+            return FM_OK;
         }
     }
     fm_calib_default(c, backend);
-    snprintf(note, 1400, "projection: no calibration table for %s (configs/calib/%s.json not found; "
+    snprintf(note, 1400, "projection: no calibration table for %s (configs/calib/%s.json not found next to the binary; "
              "`flatmoe calibrate` writes one): using the %s", backend ? backend : "cpu", kind, c->source);
     return FM_OK;
 }

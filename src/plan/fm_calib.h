@@ -91,7 +91,8 @@ fm_status fm_calib_save(const fm_calib *c, const char *path);
 /* The table for planning a run on `backend` ("cpu" or "cuda"): `path` when given (errors of
  * fm_calib_load), else <dir>/<kind>.json when dir is a non-empty folder name (the CLI passes
  * FLATMOE_CALIB_DIR: fm_backend_opts.calib_dir; NULL: none), else <source
- * dir>/configs/calib/<kind>.json (kind: "cpu"; for CUDA the device kind from `device_name` ("h200"
+ * dir>/configs/calib/<kind>.json (found as <binary's folder>/../configs/calib), else, for an installed
+ * binary, <binary's folder>/../share/flatmoe/calib/<kind>.json (kind: "cpu"; for CUDA the device kind from `device_name` ("h200"
  * for an NVIDIA H200, "h100", ...), or "h200" when the name is NULL), else the built-in default
  * (not an error: *note says which was used, e.g. for printing). A shipped file that exists but is
  * malformed is an error. */

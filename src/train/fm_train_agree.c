@@ -82,10 +82,11 @@ fm_status fm_train_agree(const fm_comm *world, const fm_train_opts *o, const fm_
             else if (f[i].kind == K_HASH) snprintf(out[j], 64, "hash %llx", (unsigned long long)vals[j]);
             else snprintf(out[j], 64, "%lld", (long long)(i == 4 ? vals[j] << 1 : vals[j]));
         }
+        if (i == 4) snprintf(mine_s, sizeof mine_s, "%llu", (unsigned long long)o->seed); /* as given, lowest bit too */
         return fm_error(FM_ERR_ARG, "rank %d of %d: %s differs between the ranks of this launch (this rank's value %s; "
                         "the ranks' values span %s to %s%s); every rank must be started with the same flags, data "
                         "and config", fm_comm_rank(world), fm_comm_size(world), f[i].name, mine_s, lo, hi,
-                        i == 4 ? ", seeds compared without their lowest bit" : "");
+                        i == 4 ? ", seeds compared and shown without their lowest bit" : "");
     }
     return FM_OK;
 }

@@ -61,8 +61,13 @@ fm_status fm_train_opts_check_flags(const fm_train_opts *o, fm_train_check_for w
                         "--expert-precision is bf16; drop --no-fp8-weight-cache (or pass --expert-precision fp8)");
     if (o->recompute_keep_attention && o->no_recompute_keep_attention)
         return fm_error(FM_ERR_ARG, "--recompute-keep-attention and --no-recompute-keep-attention: give one, not both");
-    if (train && (o->seq_len < 1 || o->micro_batch < 1 || o->grad_accum < 1 || o->steps < 1))
-        return fm_error(FM_ERR_ARG, "--seq-len, --micro-batch, --grad-accum and --steps must be >= 1");
+    const char *shape_names[4] = {"--seq-len", "--micro-batch", "--grad-accum", "--steps"};
+    const int64_t shape_vals[4] = {o->seq_len, o->micro_batch, o->grad_accum, o->steps};
+    for (int i = 0; train && i < 4; i++)
+        if (shape_vals[i] < 1)
+            return fm_error(FM_ERR_ARG, "%s must be >= 1, found %lld (--seq-len, --micro-batch, --grad-accum and "
+                            "--steps are counts of tokens, sequences, micro-batches and optimizer steps)",
+                            shape_names[i], (long long)shape_vals[i]);
     if (!(o->lr > 0) || !isfinite(o->lr) || !(o->min_lr >= 0) || !(o->min_lr <= o->lr))
         return fm_error(FM_ERR_ARG, "--lr must be finite and > 0, and --min-lr in [0, lr] (found lr %g, min-lr %g)", o->lr,
                         o->min_lr);

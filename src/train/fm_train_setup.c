@@ -203,13 +203,30 @@ static fm_status setup_config(run *r, const char *ckpt) {
     return fm_plan_check_shape(c, o->micro_batch, o->seq_len);
 }
 
+/* --init-from a folder that has a tokenizer.json, with byte-level text as data set `ds` (its
+ * parts are all text or all tokens; a text part's tokens are in its heap): train reads text one
+ * token per byte, ids 0..255 of the tokenizer's vocabulary, not the tokenizer's encoding (which
+ * eval and sample use): a warning naming the file and the `flatmoe prepare` command, on rank 0. */
+static void warn_text_with_tokenizer(const fm_train_opts *o, const fm_dataset *ds, const char *flag, const char *path) {
+    char tj[4200];
+    if (!o->init_from || ds->n_parts < 1 || !ds->parts[0].heap) return;
+    snprintf(tj, sizeof tj, "%s/tokenizer.json", o->init_from);
+    int rank = 0, size = 1;
+    if (access(tj, R_OK) != 0 || fm_comm_launcher(&rank, &size, NULL) != FM_OK || rank != 0) return;
+    fm_log(FM_LOG_WARN, "warning: %s %s is text, which train reads one token per byte (ids 0..255), not with the "
+           "tokenizer of --init-from %s (%s); to train on its tokens: flatmoe prepare --tokenizer %s --input %s "
+           "--out PREFIX, then %s PREFIX_000000.bin\n", flag, path, o->init_from, tj, o->init_from, path, flag);
+}
+
 /* The training and validation data (--val-data, else --val-fraction of --data). */
 static fm_status setup_data(run *r) {
     const fm_train_opts *o = r->o;
     const fm_config *c = &r->cfg;
     FM_TRY(fm_dataset_load(&r->train_all, o->data, o->n_data, c->vocab_size));
+    warn_text_with_tokenizer(o, &r->train_all, "--data", o->data[0]);
     if (o->n_val_data > 0) {
         FM_TRY(fm_dataset_load(&r->val_own, o->val_data, o->n_val_data, c->vocab_size));
+        warn_text_with_tokenizer(o, &r->val_own, "--val-data", o->val_data[0]);
         r->train = r->train_all;
         r->train.owns = r->train.docs_owned = false;
         r->val = r->val_own;
