@@ -183,7 +183,7 @@ bad)
     cmd='if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (bash "$AFTER" "$TMP/stop"; kill -STOP $$) & fi; exec "$FM" train --config "$SP" --data "$TEXT" --seq-len 32 --micro-batch 2 --sp 2 --steps 1000000 --threads 1 --quiet --eval-every 0 --no-checkpoint --comm-timeout 4 --out "$TMP/stop"'
     t0=$SECONDS
     timeout 60 "$MPIEXEC" "${FLAGS[@]}" -np 2 bash -c "$cmd" >"$TMP/stop.log" 2>&1; rc=$?
-    needle="error on rank 0 of 2: rank 0 of 2: .* timed out after 4 s"
+    needle="error on rank 0 of 2: [^r].* timed out after 4 s"
     echo "== stop: exit $rc after $((SECONDS - t0)) s: $(grep -m1 -E "$needle" "$TMP/stop.log")"
     if [ $rc -eq 0 ] || [ $rc -eq 124 ] || ! grep -qE "$needle" "$TMP/stop.log"; then
         bad "stop: the job ended with status $rc (0: went on; 124: hung) or without '$needle'"; cat "$TMP/stop.log" >&2

@@ -84,8 +84,12 @@ int cmd_train(int argc, char **argv) {
      * finalizes MPI when the world initialized it */
     if (s && size > 1) {
         fflush(stdout);
+        char own[32]; /* messages that already name the rank are not prefixed twice */
+        snprintf(own, sizeof own, "rank %d of %d: ", rank, size);
+        const char *msg = fm_errmsg();
+        if (!strncmp(msg, own, strlen(own))) msg += strlen(own);
         fprintf(stderr, "flatmoe train: error on rank %d of %d: %s\nflatmoe train: rank %d ends the job (MPI_Abort)\n",
-                rank, size, fm_errmsg(), rank);
+                rank, size, msg, rank);
         fflush(stderr);
         fm_comm_mpi_abort(s == FM_ERR_ARG ? 2 : 1);
         return s == FM_ERR_ARG ? 2 : 1;

@@ -444,8 +444,8 @@ fm_status fm_data_refuse_json(const char *path, const void *buf, size_t n) {
     if (!looks_like_json(path, b, n)) return FM_OK;
     return fm_error(FM_ERR_FORMAT, "%s: looks like JSON/JSONL (it starts with '%c'), not text to train on byte by "
                     "byte; tokenize it first with `flatmoe prepare --tokenizer MODEL_DIR --input %s --out PREFIX` and "
-                    "pass --data PREFIX_000000.bin (to train on its raw bytes anyway: `flatmoe prepare ... --format "
-                    "text`)", path, first_char(b, n), path);
+                    "pass --data PREFIX_000000.bin (docs/fine-tuning.md: chat records, or --format text for a text "
+                    "field)", path, first_char(b, n), path);
 }
 
 static fm_status open_shard_or_text(const char *path, int64_t vocab_size, fm_data_part *p, fm_src_kind *kind,

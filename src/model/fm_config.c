@@ -18,7 +18,11 @@ static fm_status get_int(const cJSON *root, const char *path, const char *key, i
     }
     if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) || fabs(it->valuedouble) > 9e15)
         return fm_error(FM_ERR_FORMAT, "%s: field \"%s\" must be an integer, found %s", path, key,
-                        cJSON_IsNumber(it) ? "a non-integer number" : "another JSON type");
+                        cJSON_IsNumber(it) ? "a non-integer number (or one beyond 9e15)"
+                        : cJSON_IsString(it) ? "a string (write the number without quotes)"
+                        : cJSON_IsBool(it)   ? "true or false"
+                        : cJSON_IsArray(it)  ? "an array"
+                                             : "an object");
     *out = (int64_t)it->valuedouble;
     return FM_OK;
 }
