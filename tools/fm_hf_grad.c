@@ -124,6 +124,11 @@ int main(int argc, char **argv) {
            l.ce, (long long)l.n_valid, l.aux, l.z, m.p.n_tensors, nr);
     fm_free(routes);
     fm_free(ri);
+    fm_free(ids);
+    fm_free(logits);
+    fm_free(grads);
+    fm_free(t);
+    fm_free(names);
     fm_model_free(&m);
     fm_param_store_free(&ps);
     fm_backend_default_free(&be);
