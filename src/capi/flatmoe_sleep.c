@@ -33,6 +33,23 @@ static int device_arenas(flatmoe_session *s, fm_arena **out) {
     return n;
 }
 
+/* The arenas backed again (when released) and their carved parts copied back from host, in
+ * device_arenas' order. Errors: the backend's status. */
+static fm_status restore(flatmoe_session *s, const uint8_t *host, bool released) {
+    const fm_ops *ops = s->r.m.be.ops;
+    void *ctx = s->r.m.be.ctx;
+    fm_arena *ar[FM_LIVE_COUNT];
+    const int n = device_arenas(s, ar);
+    if (released && ops->mem_restore)
+        for (int i = 0; i < n; i++) ops->mem_restore(ctx, ar[i]->base, ar[i]->capacity);
+    FM_TRY(ops->status(ctx));
+    for (int i = 0; i < n; i++) {
+        ops->copy(ctx, ar[i]->base, host, ar[i]->used, FM_COPY_H2D);
+        host += ar[i]->used;
+    }
+    return ops->status(ctx);
+}
+
 int flatmoe_sleep(flatmoe_session *s) {
     if (!s) return fm_error(FM_ERR_ARG, "flatmoe_sleep: the session is NULL");
     FM_TRY(fm_capi_awake(s, "flatmoe_sleep"));
@@ -62,13 +79,7 @@ int flatmoe_sleep(flatmoe_session *s) {
         st = ops->status(r->m.be.ctx);
     }
     if (st != FM_OK) { /* released arenas are backed again before the error returns: the session stays usable */
-        for (int i = 0; i < n; i++)
-            if (ops->mem_restore) ops->mem_restore(r->m.be.ctx, ar[i]->base, ar[i]->capacity);
-        at = 0;
-        for (int i = 0; i < n; i++) {
-            ops->copy(r->m.be.ctx, ar[i]->base, host + at, ar[i]->used, FM_COPY_H2D);
-            at += ar[i]->used;
-        }
+        (void)restore(s, host, released > 0);
         fm_free(host);
         return st;
     }
@@ -82,18 +93,7 @@ int flatmoe_wake(flatmoe_session *s) {
     if (!s) return fm_error(FM_ERR_ARG, "flatmoe_wake: the session is NULL");
     if (!s->sleep_host) return fm_error(FM_ERR_ARG, "flatmoe_wake: the session is awake; flatmoe_sleep it first");
     run *r = &s->r;
-    const fm_ops *ops = r->m.be.ops;
-    fm_arena *ar[FM_LIVE_COUNT];
-    const int n = device_arenas(s, ar);
-    if (s->sleep_released && ops->mem_restore)
-        for (int i = 0; i < n; i++) ops->mem_restore(r->m.be.ctx, ar[i]->base, ar[i]->capacity);
-    FM_TRY(ops->status(r->m.be.ctx)); /* not backed again: the session stays asleep, wake may be called again */
-    const uint8_t *host = s->sleep_host;
-    for (int i = 0; i < n; i++) {
-        ops->copy(r->m.be.ctx, ar[i]->base, host, ar[i]->used, FM_COPY_H2D);
-        host += ar[i]->used;
-    }
-    FM_TRY(ops->status(r->m.be.ctx));
+    FM_TRY(restore(s, s->sleep_host, s->sleep_released > 0)); /* failed: still asleep, wake may be called again */
     fm_model_fp8_cache_invalidate(&r->m); /* --fp8-weight-cache: from the restored weights */
     fm_free(s->sleep_host);
     s->sleep_host = NULL;

@@ -190,36 +190,28 @@ fm_status fm_attn_sp_heads_to_seq(const fm_attn_sp *s, const fm_backend *be, fm_
 
 fm_status fm_attn_sp_forward(const fm_attn_sp *s, const fm_backend *be, fm_act *out, float *lse, const fm_act *q,
                              const fm_act *k, const fm_act *v, const int32_t *doc_start) {
-    FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->qh, q, false));
-    FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->kh, k, true));
-    FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->vh, v, true));
-    OPS->attention_fwd(CTX, s->oh, lse, s->qh, s->kh, s->vh, s->d.B, s->T, s->nh_l, s->nkv_l, s->d.hd, doc_start);
-    return fm_attn_sp_heads_to_seq(s, be, out, s->oh, false);
+    return fm_attn_sp_forward_ext(s, be, out, lse, q, k, v, doc_start, NULL, 0);
 }
 
 fm_status fm_attn_sp_backward(const fm_attn_sp *s, const fm_backend *be, fm_act *dq, fm_act *dk, fm_act *dv,
                               const fm_act *dout, const fm_act *q, const fm_act *k, const fm_act *v,
                               const fm_act *out, const float *lse, const int32_t *doc_start) {
-    FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->qh, q, false));
-    FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->kh, k, true));
-    FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->vh, v, true));
-    FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->oh, out, false));
-    FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->doh, dout, false));
-    OPS->attention_bwd(CTX, s->dqh, s->dkh, s->dvh, s->doh, s->qh, s->kh, s->vh, s->oh, lse, s->d.B, s->T, s->nh_l,
-                       s->nkv_l, s->d.hd, doc_start);
-    FM_TRY(fm_attn_sp_heads_to_seq(s, be, dq, s->dqh, false));
-    FM_TRY(fm_attn_sp_heads_to_seq(s, be, dk, s->dkh, true));
-    return fm_attn_sp_heads_to_seq(s, be, dv, s->dvh, true);
+    return fm_attn_sp_backward_ext(s, be, dq, dk, dv, NULL, dout, q, k, v, out, lse, doc_start, NULL, 0);
 }
 
+/* The head-sharded attention runs the backend's plain op without sinks and window (the same
+ * arithmetic as one rank's), else attention_ext with this rank's heads' sinks. */
 fm_status fm_attn_sp_forward_ext(const fm_attn_sp *s, const fm_backend *be, fm_act *out, float *lse, const fm_act *q,
                                  const fm_act *k, const fm_act *v, const int32_t *doc_start, const fm_act *sinks,
                                  int64_t window) {
     FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->qh, q, false));
     FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->kh, k, true));
     FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->vh, v, true));
-    OPS->attention_ext_fwd(CTX, s->oh, lse, s->qh, s->kh, s->vh, s->d.B, s->T, s->nh_l, s->nkv_l, s->d.hd, doc_start,
-                           sinks ? sinks + s->rank * s->nh_l : NULL, window);
+    if (!sinks && window == 0)
+        OPS->attention_fwd(CTX, s->oh, lse, s->qh, s->kh, s->vh, s->d.B, s->T, s->nh_l, s->nkv_l, s->d.hd, doc_start);
+    else
+        OPS->attention_ext_fwd(CTX, s->oh, lse, s->qh, s->kh, s->vh, s->d.B, s->T, s->nh_l, s->nkv_l, s->d.hd,
+                               doc_start, sinks ? sinks + s->rank * s->nh_l : NULL, window);
     return fm_attn_sp_heads_to_seq(s, be, out, s->oh, false);
 }
 
@@ -233,8 +225,13 @@ fm_status fm_attn_sp_backward_ext(const fm_attn_sp *s, const fm_backend *be, fm_
     FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->oh, out, false));
     FM_TRY(fm_attn_sp_seq_to_heads(s, be, s->doh, dout, false));
     const int64_t h0 = s->rank * s->nh_l;
-    OPS->attention_ext_bwd(CTX, s->dqh, s->dkh, s->dvh, dsinks ? dsinks + h0 : NULL, s->doh, s->qh, s->kh, s->vh, s->oh,
-                           lse, s->d.B, s->T, s->nh_l, s->nkv_l, s->d.hd, doc_start, sinks ? sinks + h0 : NULL, window);
+    if (!sinks && window == 0)
+        OPS->attention_bwd(CTX, s->dqh, s->dkh, s->dvh, s->doh, s->qh, s->kh, s->vh, s->oh, lse, s->d.B, s->T, s->nh_l,
+                           s->nkv_l, s->d.hd, doc_start);
+    else
+        OPS->attention_ext_bwd(CTX, s->dqh, s->dkh, s->dvh, dsinks ? dsinks + h0 : NULL, s->doh, s->qh, s->kh, s->vh,
+                               s->oh, lse, s->d.B, s->T, s->nh_l, s->nkv_l, s->d.hd, doc_start,
+                               sinks ? sinks + h0 : NULL, window);
     FM_TRY(fm_attn_sp_heads_to_seq(s, be, dq, s->dqh, false));
     FM_TRY(fm_attn_sp_heads_to_seq(s, be, dk, s->dkh, true));
     return fm_attn_sp_heads_to_seq(s, be, dv, s->dvh, true);

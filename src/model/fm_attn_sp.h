@@ -113,7 +113,8 @@ fm_status fm_attn_sp_forward(const fm_attn_sp *s, const fm_backend *be, fm_act *
  * positions are the whole sequence's (the head-sharded attention sees whole rows), so it is the
  * one-rank attention of each head. Backward adds this rank's heads' sink gradients into dsinks
  * [nh] at rank nh_l (the others untouched: the sp group's reduction of the gradients sums the
- * ranks' slices). Errors: the communicator's. */
+ * ranks' slices). sinks NULL and window 0: fm_attn_sp_forward / _backward (the plain op).
+ * Errors: the communicator's. */
 fm_status fm_attn_sp_forward_ext(const fm_attn_sp *s, const fm_backend *be, fm_act *out, float *lse, const fm_act *q,
                                  const fm_act *k, const fm_act *v, const int32_t *doc_start, const fm_act *sinks,
                                  int64_t window);
