@@ -26,6 +26,7 @@
 #   bash bench/offload_gpu.sh next2           # its second: 16K bf16 vs fp8, calib, the 200-step loss curves (then pack)
 #   bash bench/offload_gpu.sh state           # issue 25: recipe GPU tests, calibrate, 4K bf16-sr / fp32 and the peer
 #   bash bench/offload_gpu.sh s17             # session 17: build, ctest -L gpu, hf_parity new cases, offload fraction at 79 GiB
+#   bash bench/offload_gpu.sh s19             # session 19: build, the whole ctest -L gpu, parity of deepseek_v2/v3 and gpt_oss, packed
 #   bash bench/offload_gpu.sh s18             # session 18 (under 300 s): build, the unrun GPU tests, parity of deepseek_v3/gpt_oss, f32cap 4K
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
 # (COPIES=n passes the text n times, VF the validation fraction: long windows need both)
@@ -307,6 +308,20 @@ s17) # session 17's one call (about 8 minutes): build, every GPU test, Hugging F
     timeout 100 bash "$0" run f32cap-4096 4096 3 --mem-budget 79GiB
     [ -n "${NO_G16:-}" ] || timeout 110 bash "$0" run f32cap-4096-g16 4096 3 --mem-budget 79GiB --grad-accum 16
     tar -czf /tmp/s17.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/s17.tgz "$OUT"/ ;;
+s19) # session 19's first call: build, the whole `ctest -L gpu`, Hugging Face parity of the families
+    # added since the last GPU run (CPU fp32 and CUDA bf16), then everything packed into $OUT/pack.tgz
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $card"
+    bash "$0" build
+    (cd build-gpu && FLATMOE_TEST_NO_BENCH=1 timeout ${TEST_S:-300} ctest -L gpu --output-on-failure --timeout 150 \
+        > "$OUT/ctest-gpu.log" 2>&1; echo "ctest -L gpu: $?")
+    grep -E "Test +#|tests passed|FAIL|Not Run" "$OUT/ctest-gpu.log" | head -50
+    NEW=${NEW:-deepseek_v2,deepseek_v2_lite,deepseek_v3,deepseek_v3_noq,gpt_oss}
+    timeout 80 python3 tools/hf_parity.py build-gpu README.md --only "$NEW" > "$OUT/parity-cpu.log" 2>&1
+    echo "parity cpu ($NEW): $?"; grep -E "^  [a-z0-9_]+: (loss|[0-9]+ grad|flatmoe ch)|Error|NO$|PASS|FAIL" "$OUT/parity-cpu.log" | cut -c1-180 | head -30
+    timeout 80 python3 tools/hf_parity.py build-gpu README.md --tol 3e-2 --flatmoe flatmoe-cuda --only "$NEW" \
+        > "$OUT/parity-gpu.log" 2>&1
+    echo "parity gpu ($NEW): $?"; grep -E ": loss transformers|NO$|Error|PASS|FAIL|flip" "$OUT/parity-gpu.log" | cut -c1-180 | head -30
+    bash "$0" pack ;;
 s18) # session 18's one call, with 383 s of device time left: each part has its own limit, most
     # wanted first, and writes its log to $OUT as it goes
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $card"
