@@ -26,6 +26,7 @@
 #   bash bench/offload_gpu.sh next2           # its second: 16K bf16 vs fp8, calib, the 200-step loss curves (then pack)
 #   bash bench/offload_gpu.sh state           # issue 25: recipe GPU tests, calibrate, 4K bf16-sr / fp32 and the peer
 #   bash bench/offload_gpu.sh s17             # session 17: build, ctest -L gpu, hf_parity new cases, offload fraction at 79 GiB
+#   bash bench/offload_gpu.sh fam CFG N [T..]  # issue 26: a real config's first N layers, flatmoe (plan vs high-water) and the compiled peer
 #   bash bench/offload_gpu.sh s19             # session 19: build, the whole ctest -L gpu, parity of deepseek_v2/v3 and gpt_oss, packed
 #   bash bench/offload_gpu.sh s18             # session 18 (under 300 s): build, the unrun GPU tests, parity of deepseek_v3/gpt_oss, f32cap 4K
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
@@ -57,7 +58,7 @@ run1() { # name T steps flags...
     rm -rf "/tmp/r-$name"
     local t0=$(date +%s)
     local data=("$TEXT"); for ((i = 1; i < ${COPIES:-1}; i++)); do data+=("$TEXT"); done
-    FLATMOE_PROFILE=1 "$BIN" train --config configs/olmoe-1b-7b.json --data "${data[@]}" --seq-len "$T" --micro-batch 1 \
+    FLATMOE_PROFILE=1 "$BIN" train --config "${CONFIG:-configs/olmoe-1b-7b.json}" --data "${data[@]}" --seq-len "$T" --micro-batch 1 \
         --steps "$steps" --warmup 1 --lr 1e-4 --min-lr 1e-5 --eval-every 0 --eval-batches 1 --val-fraction "${VF:-0.3}" \
         --max-position-embeddings ${MAXPOS:-1048576} --no-checkpoint --report-memory --out "/tmp/r-$name" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name T=$T exit $? wall $(( $(date +%s) - t0 )) s flags: $*"
@@ -308,6 +309,20 @@ s17) # session 17's one call (about 8 minutes): build, every GPU test, Hugging F
     timeout 100 bash "$0" run f32cap-4096 4096 3 --mem-budget 79GiB
     [ -n "${NO_G16:-}" ] || timeout 110 bash "$0" run f32cap-4096-g16 4096 3 --mem-budget 79GiB --grad-accum 16
     tar -czf /tmp/s17.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/s17.tgz "$OUT"/ ;;
+fam) # issue 26's side by side: a real config's first LAYERS layers (bench/peer_hf.py --layers alike),
+    # flatmoe with the chooser's knobs (plan bound against high-water, 3 steps) and the compiled peer
+    # (plain, then checkpointed) at each length: bash bench/offload_gpu.sh fam configs/gpt-oss-20b.json 2 4096 32768
+    cfg=$2 layers=$3; shift 3; Ts=${*:-4096 32768}; name=$(basename "$cfg" .json)-L$layers
+    python3 - "$cfg" "$layers" "/tmp/$name.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])); n = int(sys.argv[2]); d["num_hidden_layers"] = n
+if isinstance(d.get("layer_types"), list): d["layer_types"] = d["layer_types"][:n]
+json.dump(d, open(sys.argv[3], "w"), indent=1)
+PY
+    mp=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['max_position_embeddings'])" "$cfg")
+    for T in $Ts; do CONFIG=/tmp/$name.json MAXPOS=$mp run1 "$name-$T" "$T" 3; done
+    PYTHONUNBUFFERED=1 timeout ${PEER_S:-400} python3 bench/peer_hf.py "$cfg" $Ts --layers "$layers" --steps 3 --compile \
+        --json "$OUT/peer-$name.jsonl" 2>&1 | grep -E "^hf-peer|Error" ;;
 s19) # session 19's first call: build, the whole `ctest -L gpu`, Hugging Face parity of the families
     # added since the last GPU run (CPU fp32 and CUDA bf16), then everything packed into $OUT/pack.tgz
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $card"
