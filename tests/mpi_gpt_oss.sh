@@ -51,8 +51,11 @@ for q in 0 1; do
     grep -qE "^rank $q of 2: ep dispatch: .*LLEP chunk passes that moved rows [1-9]" "$TMP/llep.log" ||
         bad "--llep: rank $q moved no rows: $(grep "rank $q of 2: ep dispatch" "$TMP/llep.log" | tail -1)"
 done
-planned=$("$FM" plan --config "$ROOT/tests/data/gpt_oss_tiny.json" --seq-len 32 "${LL[@]}" --zero 0 --dp 2 --threads 1 \
-          2>/dev/null | sed -nE 's/^expert dispatch +([0-9]+) .*/\1/p')
+"$FM" plan --config "$ROOT/tests/data/gpt_oss_tiny.json" --seq-len 32 "${LL[@]}" --zero 0 --dp 2 --threads 1 \
+    > "$TMP/llep.plan" 2>/dev/null || bad "flatmoe plan --ep 2 --llep failed"
+planned=$(sed -nE 's/^expert dispatch +([0-9]+) .*/\1/p' "$TMP/llep.plan")
+grep -qE "^train flags: .* --ep 2 --llep --llep-lambda 1 --llep-min-piece 1 " "$TMP/llep.plan" ||
+    bad "flatmoe plan's train flags drop --llep: $(grep '^train flags' "$TMP/llep.plan")"
 n=0
 while read -r hw bound; do
     n=$((n + 1))
