@@ -14,7 +14,9 @@
  * fm_moe_ep_bound_bytes), and that nothing was written past the bound (the working set's arena
  * is painted and its touched extent measured). Routing: random; every token of every rank to one
  * rank's experts; every token to one expert (k = 2: one of its choices; k = 1: its only one);
- * caps that do not divide N; a rank with zero tokens. Errors that must be agreed on every rank:
+ * caps that do not divide N; a rank with zero tokens; gpt_oss's biased experts with the clamped
+ * SwiGLU (under LLEP their biases travel with the hosted weights, their gradients come back; the
+ * bias gradients are checked as the weights'). Errors that must be agreed on every rank:
  * disagreeing K, a chunk over the cap, duplicate experts that would overflow the bound, E % ep.
  *   test_moe_ep timeout (tests/mpi_comm.sh timeout: 4 ranks) rank 0 leaves the operator in the
  *                       middle of a chunk; the others must fail within the 2 s timeout, naming
@@ -194,12 +196,12 @@ static void lazy_wrap(fm_comm *out, const fm_comm *comm) {
 }
 
 /* The pipelined schedule equals the serial one bit for bit (ws ran the serial one for y, dx, dtw
- * and the weight gradients g3 [3][lw]): forced on the blocking communicator (exchanges at once)
+ * and the gradients g3: gate, up, down, then the biases' or NULL, of len[m] floats): forced on the blocking communicator (exchanges at once)
  * and by default on the lazy one (exchanges as late as allowed); with one set (LLEP) both run
  * serially. */
 static void check_pipelined(const fm_comm *comm, const ep_case *cs, fm_moe_ep_ws *ws, const fm_moe_weights *wl,
                             const rank_data *mine, int64_t K, const int32_t *order, const float *y, const float *dx,
-                            const float *dtw, float *const g3[3], int64_t lw) {
+                            const float *dtw, float *const g3[6], const int64_t len[6]) {
     const int me = fm_comm_rank(comm);
     const int64_t N = mine->N, H = cs->d.H, k = cs->d.k;
     CHECK_MSG(ws->pipelined_calls == 0, "%s: the blocking communicator ran the pipelined schedule by default", cs->name);
@@ -211,8 +213,9 @@ static void check_pipelined(const fm_comm *comm, const ep_case *cs, fm_moe_ep_ws
         ws->schedule = mode == 0 ? FM_MOE_EP_PIPELINED : FM_MOE_EP_AUTO;
         const int64_t calls0 = ws->pipelined_calls, high0 = ws->recv_rows_high;
         float *y2 = fnew(N * H), *dx2 = fnew(N * H), *dtw2 = fnew(N * k);
-        float *g2[3] = {fnew(lw), fnew(lw), fnew(lw)};
-        const fm_moe_grads gl2 = {g2[0], g2[1], g2[2]};
+        float *g2[6];
+        for (int m = 0; m < 6; m++) g2[m] = g3[m] ? fnew(len[m]) : NULL;
+        const fm_moe_grads gl2 = {g2[0], g2[1], g2[2], g2[3], g2[4], g2[5]};
         fm_status st = fm_moe_ep_block_forward(&g_be, cc, &cs->d, wl, y2, N ? mine->x : NULL, N ? mine->idx : NULL,
                                          N ? mine->tw : NULL, N, K, order, ws, 30);
         CHECK_MSG(st == FM_OK, "%s: pipelined forward: %s", cs->name, fm_errmsg());
@@ -225,11 +228,12 @@ static void check_pipelined(const fm_comm *comm, const ep_case *cs, fm_moe_ep_ws
         CHECK_MSG(mode == 0 || g_lazy.n == 0, "%s: %lld exchanges never joined", cs->name, (long long)g_lazy.n);
         bool same = !memcmp(y, y2, sizeof(float) * (size_t)(N * H)) && !memcmp(dx, dx2, sizeof(float) * (size_t)(N * H)) &&
                     !memcmp(dtw, dtw2, sizeof(float) * (size_t)(N * k));
-        for (int m = 0; m < 3; m++) same &= !memcmp(g3[m], g2[m], sizeof(float) * (size_t)lw);
+        for (int m = 0; m < 6; m++) same &= !g3[m] || !memcmp(g3[m], g2[m], sizeof(float) * (size_t)len[m]);
         CHECK_MSG(same, "%s: rank %d: the %s schedule differs from the serial one", cs->name, me, how);
         CHECK_MSG(ws->recv_rows_high == high0, "%s: %s: receive high %lld, serial %lld", cs->name, how,
                   (long long)ws->recv_rows_high, (long long)high0);
-        free(y2), free(dx2), free(dtw2), free(g2[0]), free(g2[1]), free(g2[2]);
+        free(y2), free(dx2), free(dtw2);
+        for (int m = 0; m < 6; m++) free(g2[m]);
     }
     ws->schedule = FM_MOE_EP_AUTO;
 }
@@ -248,6 +252,13 @@ static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
         Wg[i] = (float)fm_rng_normal(&r) * 0.3f;
         Wu[i] = (float)fm_rng_normal(&r) * 0.3f;
         Wd[i] = (float)fm_rng_normal(&r) * 0.3f;
+    }
+    /* gpt_oss's experts' biases (d->bias): gate, up [E,I], down [E,H]; their gradients, all and this rank's */
+    const int64_t nb[3] = {E * I, E * I, E * H}, lb[3] = {El * I, El * I, El * H};
+    float *Bw[3] = {NULL, NULL, NULL}, *gb_ref[3] = {NULL, NULL, NULL}, *gb[3] = {NULL, NULL, NULL};
+    for (int m = 0; m < 3 && d->bias; m++) {
+        Bw[m] = fnew(nb[m]), gb_ref[m] = fnew(nb[m]), gb[m] = fnew(lb[m]);
+        for (int64_t i = 0; i < nb[m]; i++) Bw[m][i] = (float)fm_rng_normal(&r) * 0.3f;
     }
     /* every rank's tokens, concatenated in rank order */
     rank_data rd[8];
@@ -272,8 +283,8 @@ static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
     fm_moe_ws wsp;
     fm_moe_routes_layout(&saved, &ap, &hp, d, Nall);
     fm_moe_ws_layout(&wsp, &ap, &hp, d, Nall, false);
-    const fm_moe_weights w_all = {Wg, Wu, Wd};
-    const fm_moe_grads g_all = {gg_ref, gu_ref, gd_ref};
+    const fm_moe_weights w_all = {Wg, Wu, Wd, Bw[0], Bw[1], Bw[2]};
+    const fm_moe_grads g_all = {gg_ref, gu_ref, gd_ref, gb_ref[0], gb_ref[1], gb_ref[2]};
     CHECK(fm_moe_forward(&g_be, d, &w_all, y_ref, xa, idxa, twa, Nall, 1, NULL, &saved, &wsp) == FM_OK);
     CHECK(fm_moe_backward(&g_be, d, &w_all, &g_all, dx_ref, dtw_ref, dya, xa, idxa, twa, Nall, 1, NULL, &saved, &wsp) == FM_OK);
 
@@ -307,16 +318,18 @@ static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
     const int64_t lw = El * I * H;
     float *gg = fnew(lw), *gu = fnew(lw), *gd = fnew(lw);
     float *y = fnew(N * H), *dx = fnew(N * H), *dtw = fnew(N * k);
-    const fm_moe_weights wl = {Wg + me * lw, Wu + me * lw, Wd + me * lw};
-    const fm_moe_grads gl = {gg, gu, gd};
+#define MINE(b, m) ((b) ? (b) + me * lb[m] : NULL)
+    const fm_moe_weights wl = {Wg + me * lw, Wu + me * lw, Wd + me * lw, MINE(Bw[0], 0), MINE(Bw[1], 1), MINE(Bw[2], 2)};
+    const fm_moe_grads gl = {gg, gu, gd, gb[0], gb[1], gb[2]};
     fm_status st = fm_moe_ep_block_forward(&g_be, comm, d, &wl, y, N ? mine->x : NULL, N ? mine->idx : NULL,
                                      N ? mine->tw : NULL, N, K, order, &ws, 30);
     CHECK_MSG(st == FM_OK, "%s: forward: %s", cs->name, fm_errmsg());
     st = fm_moe_ep_block_backward(&g_be, comm, d, &wl, &gl, dx, dtw, mine->dy, mine->x, mine->idx, mine->tw, N, K, order,
                             &ws, 30);
     CHECK_MSG(st == FM_OK, "%s: backward: %s", cs->name, fm_errmsg());
-    float *const g3[3] = {gg, gu, gd};
-    check_pipelined(comm, cs, &ws, &wl, mine, K, order, y, dx, dtw, g3, lw);
+    float *const g3[6] = {gg, gu, gd, gb[0], gb[1], gb[2]};
+    const int64_t len[6] = {lw, lw, lw, lb[0], lb[1], lb[2]};
+    check_pipelined(comm, cs, &ws, &wl, mine, K, order, y, dx, dtw, g3, len);
     const size_t touched = fm_arena_touched(&dev);
     CHECK_MSG(touched <= b.device, "%s: rank %d wrote %zu bytes into a working set bounded at %zu", cs->name, me,
               touched, b.device);
@@ -324,8 +337,10 @@ static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
     const double ey = fm_test_row_rel(y, y_ref + off[me] * H, N, H);
     const double edx = fm_test_row_rel(dx, dx_ref + off[me] * H, N, H);
     const double etw = dot_rel(dtw, dtw_ref + off[me] * k, mine->dy, &saved, off[me], N, k, H);
-    const double eg = fmax(l1_rel(gg, gg_ref + me * lw, lw), fmax(l1_rel(gu, gu_ref + me * lw, lw),
-                                                                    l1_rel(gd, gd_ref + me * lw, lw)));
+    double eg = fmax(l1_rel(gg, gg_ref + me * lw, lw), fmax(l1_rel(gu, gu_ref + me * lw, lw),
+                                                              l1_rel(gd, gd_ref + me * lw, lw)));
+    for (int m = 0; m < 3 && d->bias; m++) eg = fmax(eg, l1_rel(gb[m], MINE(gb_ref[m], m), lb[m])); /* as the weights' */
+#undef MINE
     /* The bounds. EP and the reference differ only in the row grouping of the expert GEMMs (and,
      * for the weight gradients, the order of the rows summed into each weight), which on some
      * OpenBLAS kernels changes the order of fp32 sums (tests/fm_test_fixed_gemm.h). Two orders of
@@ -341,7 +356,7 @@ static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
     CHECK_MSG(ey <= tol, "%s: rank %d outputs rel %g (bound %g)", cs->name, me, ey, tol);
     CHECK_MSG(edx <= tol, "%s: rank %d input grads rel %g (bound %g)", cs->name, me, edx, tol);
     CHECK_MSG(etw <= tol, "%s: rank %d router-weight grads rel %g (bound %g)", cs->name, me, etw, tol);
-    CHECK_MSG(eg <= tol_g, "%s: rank %d expert weight grads rel L1 %g (bound %g)", cs->name, me, eg, tol_g);
+    CHECK_MSG(eg <= tol_g, "%s: rank %d expert weight (and bias) grads rel L1 %g (bound %g)", cs->name, me, eg, tol_g);
     /* the receive high-water mark: the rows the generated routing sends this rank in its busiest
      * chunk (every rank's chunk j is its tokens j, j+K, ...) */
     int64_t want_high = 0, want_send = 0, plain_max = 0; /* plain EP: this rank's and the busiest rank's */
@@ -398,6 +413,7 @@ static void run_case(const fm_comm *comm, const ep_case *cs, uint64_t salt) {
     free(Wg), free(Wu), free(Wd), free(xa), free(dya), free(twa), free(idxa), free(y_ref), free(dx_ref);
     free(dtw_ref), free(gg_ref), free(gu_ref), free(gd_ref), free(order), free(gg), free(gu), free(gd), free(y);
     free(dx), free(dtw);
+    for (int m = 0; m < 3; m++) free(Bw[m]), free(gb_ref[m]), free(gb[m]);
 }
 
 /* ---- the cases ---------------------------------------------------------------------------------- */
@@ -437,6 +453,10 @@ static void run_cases_llep(const fm_comm *comm, uint64_t salt, const fm_llep_opt
     cs.name = "all to expert 5 (k=2)", cs.c = 5, cs.route = ROUTE_TO_EXPERT, cs.target = 5, cs.seed = 17;
     cs.skewed = P > 1 && P < 8; /* half of all rows on one rank, at ep 2 and 4 */
     for (int p = 0; p < P; p++) cs.N[p] = 11 + 2 * p;
+    run_case(comm, &cs, salt);
+    /* gpt_oss's experts (biases, the clamped SwiGLU), every token to expert 5: spilled under LLEP */
+    cs.name = "biased, all to expert 5 (k=2)", cs.seed = 19, cs.d.bias = true;
+    cs.d.swiglu_limit = 7.0f, cs.d.swiglu_alpha = 1.702f;
     run_case(comm, &cs, salt);
     /* k = 1: every token to expert 2 only */
     cs.name = "all to expert 2 (k=1)", cs.d = dk1, cs.c = 3, cs.target = 2, cs.seed = 18;
@@ -629,6 +649,20 @@ static void run_errors(const fm_comm *comm) {
         CHECK(wb.schedule == FM_MOE_EP_AUTO && wb.schedule_bad);
         fm_moe_ep_ws_set_schedule(&wb, FM_MOE_EP_AUTO);
         CHECK(wb.schedule == FM_MOE_EP_AUTO && !wb.schedule_bad);
+    }
+    /* biased experts under LLEP but a working set laid out without their biases: refused before any collective */
+    {
+        const fm_llep_opts lo = fm_llep_defaults();
+        fm_moe_ep_bound b3;
+        fm_moe_ep_bound_bytes(&d, P, c, sizeof(fm_act), &lo, &b3);
+        fm_arena dev3, host3;
+        FM_ASSERT(fm_arena_init(&dev3, "ep3", b3.device) == FM_OK && fm_arena_init(&host3, "eph3", b3.host) == FM_OK);
+        fm_moe_ep_ws ws3;
+        FM_ASSERT(fm_moe_ep_ws_layout(&ws3, &dev3, &host3, &d, P, me, c, &lo) == FM_OK);
+        const fm_moe_weights wb = {w.w_gate, w.w_up, w.w_down, W, W, W};
+        EXPECT_ALL(FM_ERR_ARG, fm_moe_ep_block_forward(&g_be, comm, &d, &wb, y, x, idx, tw, N, K, order, &ws3, 30),
+                   "weights carry biases (b_gate, b_up, b_down) but the working set was laid out without them");
+        fm_arena_free(&dev3), fm_arena_free(&host3);
     }
     /* after refused calls the group still works (every rank left every collective alike) */
     CHECK(fm_moe_ep_chunks(comm, N, c, 30, &K) == FM_OK && K == 2);

@@ -48,6 +48,9 @@ typedef struct fm_moe_dims {
                                  (ws->w8_cache) instead of one set; 0: none */
     float swiglu_limit, swiglu_alpha; /* > 0: GPT-OSS's clamped SwiGLU (fm_backend.h swiglu_clamp_fwd);
                                          0: the plain SwiGLU */
+    bool bias; /* the experts carry biases (gpt_oss: fm_moe_weights' b_gate, b_up, b_down): under
+                  least-loaded placement the EP operator sends them with the hosted experts' weights
+                  and their gradients back (fm_moe_ep.h); the experts' table reads w's pointers */
 } fm_moe_dims;
 
 /* Buffers of one dispatch over n tokens (R = n*k routes): the routing index and the expert

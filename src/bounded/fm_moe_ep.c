@@ -72,6 +72,11 @@ size_t fm_moe_ep_bound_bytes(const fm_moe_dims *d, int ep, int64_t c, size_t a, 
         const fm_moe_dims dh = fm_moe_ep_hosted_dims(d, F);
         z.llep += fm_moe_fp8_bytes(&dh, Rm, a); /* the hosted experts' precision operands (0 without fp8) */
         z.host += R4(c * k) + 4 * R8(ep) + R8(F + 1) + R8(d->E) + R4(PM) + fm_llep_plan_bytes(ep, d->E, F);
+        if (d->bias) { /* gpt_oss: the hosted experts' biases, B = 2I + H each (fm_moe_ep_ws.fb ..) */
+            const int64_t B = 2 * I + H;
+            z.llep += 3 * RA(F * B) + RA(PM * B);
+            z.host += 4 * R8(ep);
+        }
     }
     z.device = z.recv + z.send + z.source + z.experts + z.fp8 + z.llep;
     if (b) *b = z;
@@ -163,6 +168,13 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
         w->pack = TAKE(dev, int32_t, c * k);
         const fm_moe_dims dh = fm_moe_ep_hosted_dims(d, w->F);
         fm_moe_ws_fp8_layout(&w->hosted, dev, &dh, Rm); /* the hosted experts' operands (nothing without d->fp8) */
+        if (d->bias) { /* the hosted experts' biases (fm_moe_ep_bound's llep part) */
+            const int64_t B = 2 * I + H;
+            w->fb = TAKE(dev, fm_act, w->F * B);
+            w->fbg = TAKE(dev, fm_act, w->F * B);
+            w->bpack = TAKE(dev, fm_act, w->F * B);
+            w->bstage = TAKE(dev, fm_act, w->pairs_max * B);
+        }
     }
     /* host */
     w->src.offsets = TAKE(host, int64_t, d->E + 1);
@@ -182,6 +194,12 @@ fm_status fm_moe_ep_ws_layout(fm_moe_ep_ws *w, fm_arena *dev, fm_arena *host, co
         w->load = TAKE(host, int64_t, d->E);
         w->pair_local = TAKE(host, int32_t, w->pairs_max);
         fm_llep_plan_layout(&w->plan, host, ep, d->E, w->F);
+        if (d->bias) {
+            w->bsend_counts = TAKE(host, int64_t, ep);
+            w->bsend_displs = TAKE(host, int64_t, ep);
+            w->brecv_counts = TAKE(host, int64_t, ep);
+            w->brecv_displs = TAKE(host, int64_t, ep);
+        }
     }
     fm_ep_view(w, 0);
     w->schedule = FM_MOE_EP_AUTO; /* the caller's choice, if any, after the layout: fm_moe_ep_ws_set_schedule */
@@ -217,6 +235,18 @@ static fm_status ep_begin(fm_moe_ep_pass *c, int64_t N, int64_t K) {
         return fm_error(FM_ERR_ARG, "moe_ep %s: the communicator moves host memory but the backend's buffers are "
                         "device memory; create the communicator over the backend", c->what);
     if (N < 0) return fm_error(FM_ERR_ARG, "moe_ep %s: N = %lld tokens; expected >= 0", c->what, (long long)N);
+    if (ws->llep.on) { /* a spilled chunk sends the biases only when the layout holds them (d->bias) */
+        const bool wb = c->w && c->w->b_gate && c->w->b_up && c->w->b_down;
+        const bool gb = !c->backward || (c->g && c->g->b_gate && c->g->b_up && c->g->b_down);
+        if (wb != (ws->fb != NULL))
+            return fm_error(FM_ERR_ARG, "moe_ep %s: the experts' weights %s biases (b_gate, b_up, b_down) but the "
+                            "working set was laid out %s them (fm_moe_dims.bias %s); lay it out with bias = true "
+                            "exactly when the experts carry biases", c->what, wb ? "carry" : "lack",
+                            ws->fb ? "with" : "without", ws->fb ? "true" : "false");
+        if (ws->fb && !gb)
+            return fm_error(FM_ERR_ARG, "moe_ep backward: the experts carry biases but g has no bias gradients "
+                            "(b_gate, b_up, b_down); pass them");
+    }
     c->K = K;
     fm_ep_view(c->ws, 0);
     c->err = K < 1 ? EP_ERR_K_BAD : (N + (K > 0 ? K : 1) - 1) / (K > 0 ? K : 1) > ws->c ? EP_ERR_K_SMALL : EP_ERR_NONE;

@@ -30,7 +30,8 @@
  * gradients of the rows come back to the source, which sums each token's k rows
  * (fm_moe_dispatch_backward). Exchanges per chunk: forward 1 count all-reduce + 2 row
  * all-to-all-v; backward 1 + 4 (a chunk whose least-loaded placement moves rows adds 3 weight
- * all-to-all-v in forward, and 3 weight + 3 gradient all-to-all-v in backward).
+ * all-to-all-v in forward, and 3 weight + 3 gradient all-to-all-v in backward; with the experts'
+ * biases, d->bias, one more each way: 4 and 4 + 4).
  *
  * Exactness: per route the arithmetic is the one-rank MoE's (the same gather, SwiGLU, combine
  * in the same j order); only the row grouping of the expert GEMMs differs (which rows share one
@@ -91,11 +92,15 @@
  * exceed lambda (1.3) x the mean, the heaviest experts' rows spill in contiguous ranges to the
  * least-loaded ranks. The native rank sends each spilled expert's weights to its helpers (3
  * all_to_all_v: gate, up, down) before the chunk's experts run, and in backward the helpers send
- * that expert's weight gradients back (3 more), which the native rank adds to its own; sources
+ * that expert's weight gradients back (3 more), which the native rank adds to its own (with
+ * d->bias, gpt_oss: the expert's biases, gate [I], up [I], down [H], packed into one run of
+ * B = 2I + H per expert, travel in a 4th all_to_all_v beside the weights, which the helper unpacks
+ * into the hosted experts' bias arrays; their gradients come back packed the same way in a 4th,
+ * added into the native rank's bias gradients as the weights' are); sources
  * pack their outgoing rows by helper (one gather) and unpack the returned rows (one scatter). A
  * helper hosts at most max_foreign experts per chunk and never more rows than the plain bound
  * R_max, so the receive buffer and expert intermediates keep plain EP's bound; LLEP adds the
- * hosted experts' weights and gradients and the native rank's staging (fm_moe_ep_bound.llep).
+ * hosted experts' weights (biases) and gradients and the native rank's staging (fm_moe_ep_bound.llep).
  * The weights sent are the stored ones (the caller's w); the caller runs the hosted experts in
  * the layer's precision from them (fp8: quantized per work into ws->hosted, operands of
  * max_foreign experts over R_max rows, also in the llep part). Exact as plain EP is (only which
@@ -120,6 +125,8 @@
  *                                                 owner: xe, ye|dye, dxe; h_gate, h_up, h_act,
  *                                                 dact, dh_gate, dh_up; the permutation
  *   llep    = 6*r(F*I*H*a) + 3*r(PM*I*H*a) + r(c*k*4) + fm_moe_fp8_bytes(d_host, R_max)
+ *             (+ with d->bias: 3*r(F*B*a) + r(PM*B*a), B = 2I + H: the hosted experts' biases,
+ *             their gradients, a helper's packed run of them and the native rank's staging)
  *                                                 (0 without LLEP; F = max_foreign,
  *                                                 PM = (ep-1)*min(F, E_loc)) hosted experts'
  *                                                 weights and gradients (gate, up, down), the
@@ -135,7 +142,8 @@
  *                                                 exp_ws; d_loc = fm_moe_ep_local_dims)
  *   host    = r((E+1)*8) + S*r((E_loc+1)*8) + r(ep*(E+5)*8) + (4S+1)*r(ep*8) + S*r(R_max*4)
  *             (+ with LLEP: r(c*k*4) + 4*r(ep*8) + r((F+1)*8) + r(E*8) + r(PM*4) + the plan,
- *             fm_llep_plan_bytes)            expert offsets, the count table, the all-to-all
+ *             fm_llep_plan_bytes; + with d->bias 4*r(ep*8), the biases' exchange counts)
+ *                                                 expert offsets, the count table, the all-to-all
  *                                                 counts, displacements and cursors, the
  *                                                 permutation's host copy
  * None of it depends on N, on the routing or on L. */
@@ -222,6 +230,11 @@ typedef struct fm_moe_ep_ws {
     int64_t *load;          /* [E] host: rows per expert in the chunk */
     int64_t *foff;          /* [F+1] host: the hosted experts' row offsets (from 0) */
     int64_t *wsend_counts, *wsend_displs, *wrecv_counts, *wrecv_displs; /* [ep] host, elements */
+    /* with d->bias (NULL otherwise), B = 2I + H: hosted experts' biases and gradients [F*B] each, as
+     * gate [F,I], up [F,I], down [F,H] at offsets 0, F*I, 2F*I; a helper's packed biases in and
+     * gradients out [F,B]; the native rank's staging [PM,B] (expert e's run: gate, up, down) */
+    fm_act *fb, *fbg, *bpack, *bstage;
+    int64_t *bsend_counts, *bsend_displs, *brecv_counts, *brecv_displs; /* [ep] host, elements */
     fm_moe_ws hosted;       /* with d->fp8: the hosted experts' own precision operands (fm_moe_ws_fp8_layout
                                over F experts, R_max rows, no weight cache); the rest NULL */
     /* the pipelined schedule's sets (sets == 2; NULL otherwise) */
@@ -246,7 +259,8 @@ typedef struct fm_moe_ep_ws {
  * c, and least-loaded placement llep (NULL or llep->on false: plain EP; every rank of the group
  * must pass the same). A measuring arena gives the bytes. With d->fp8 the owner's experts working
  * set (w->exp_ws) also holds the fp8 operands (fm_moe_ws_fp8_layout over fm_moe_ep_local_dims(d),
- * R_max rows). Errors: those of fm_moe_ep_check; FM_ERR_ARG for a rank outside [0, ep), LLEP
+ * R_max rows). With d->bias and LLEP it also holds the hosted experts' biases (fb, fbg, bpack,
+ * bstage and the counts bsend_* / brecv_*). Errors: those of fm_moe_ep_check; FM_ERR_ARG for a rank outside [0, ep), LLEP
  * options out of range (lambda < 1, alpha <= 0, min_piece < 1, max_foreign < 1), or d->fp8 with
  * least-loaded placement (the hosted experts arrive as weights, not quantized copies).
  * w->schedule is auto (fm_moe_ep_ws_set_schedule sets another). */
@@ -315,9 +329,10 @@ typedef struct fm_moe_ep_work {
     fm_moe_dims hd;        /* H, I, E = hosted_E, k = 1, d's precision, no weight cache */
     fm_moe_routes hr;      /* offsets [hosted_E+1] host (from 0), the buffers of r past part 1's rows */
     fm_moe_ws hws;         /* rws's buffers past part 1's rows; the precision's operands: ws->hosted's */
-    fm_moe_weights hw;     /* gate, up [hosted_E,I,H], down [hosted_E,H,I]: received from their native ranks */
-    fm_moe_grads hg;       /* their weight gradients: zeroed before a BACKWARD work, after it sent back and
-                              added into the native ranks' g */
+    fm_moe_weights hw;     /* gate, up [hosted_E,I,H], down [hosted_E,H,I] and, with d->bias, their biases
+                              b_gate, b_up [hosted_E,I], b_down [hosted_E,H]: received from their native ranks */
+    fm_moe_grads hg;       /* their weight (and bias) gradients: zeroed before a BACKWARD work, after it sent
+                              back and added into the native ranks' g */
 } fm_moe_ep_work;
 
 /* One chunk in flight in a pass: its tokens, rows received, the marks and tickets of its exchanges. */
@@ -362,8 +377,9 @@ typedef struct fm_moe_ep_pass {
  * expert_{topk_idx[n,j]}(x[n]) once every chunk's work has been run, with x [N,H] fm_act,
  * topk_idx [N,k] int32 (values in [0,E), distinct per token) and topk_w [N,k] fp32, all backend
  * memory; the experts of topk_idx live on their owners. w: this rank's E_loc experts as stored
- * (gate and up [E_loc,I,H], down [E_loc,H,I]: experts rank*E_loc ..), read only to send a
- * spilled chunk's experts to their helpers. comm: the ep group (its size and rank those of ws's
+ * (gate and up [E_loc,I,H], down [E_loc,H,I]: experts rank*E_loc ..; with d->bias their biases
+ * b_gate, b_up [E_loc,I], b_down [E_loc,H] too), read only to send a spilled chunk's experts to
+ * their helpers. comm: the ep group (its size and rank those of ws's
  * layout); its buffers must be the backend's memory (or host memory when the backend's memory is
  * host memory: the CPU). d: the global dims. K: the agreed chunk count (fm_moe_ep_chunks),
  * chunk_tokens [N] int32 backend memory (fm_moe_chunk_order(., N, K)). A collective pass: every
@@ -376,7 +392,9 @@ typedef struct fm_moe_ep_pass {
  *               K < 1, or a chunk of a rank holds more than c tokens (K < ceil(N/c)), or a rank
  *               would send more than c*min(k,E_loc) rows to one owner (duplicate experts in a
  *               token's top-k) -- naming the rank; comm's size/rank differ from ws's; the comm's
- *               memory is host memory but the backend's is not (local, before any collective);
+ *               memory is host memory but the backend's is not; with least-loaded placement, w
+ *               (or, backward, g) carries biases but ws was laid out without d->bias, or the
+ *               other way round (local, before any collective);
  *   FM_ERR_IO   a collective failed or timed out (the communicator's message, with the chunk):
  *               the process must stop (fm_comm_mpi_abort). */
 fm_status fm_moe_ep_fwd_begin(fm_moe_ep_pass *p, const fm_backend *be, const fm_comm *comm, const fm_moe_dims *d,

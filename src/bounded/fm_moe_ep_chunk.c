@@ -60,6 +60,12 @@ static void ep_weight_counts(fm_moe_ep_ws *ws, const fm_moe_dims *d) {
         if (ws->wrecv_counts[o] == 0) ws->wrecv_displs[o] = (s - El) * IH;
         ws->wrecv_counts[o] += IH;
     }
+    if (ws->fb) /* the biases' exchange: the same pairs, B = 2I + H elements each */
+        for (int q = 0; q < P; q++) {
+            const int64_t B = 2 * d->I + d->H;
+            ws->bsend_counts[q] = ws->wsend_counts[q] / IH * B, ws->bsend_displs[q] = ws->wsend_displs[q] / IH * B;
+            ws->brecv_counts[q] = ws->wrecv_counts[q] / IH * B, ws->brecv_displs[q] = ws->wrecv_displs[q] / IH * B;
+        }
 }
 
 /* A fingerprint of the placement options (0: plain EP), to check that every rank has the same. */
@@ -246,10 +252,34 @@ fm_status fm_ep_from_owners(const fm_moe_ep_pass *c, int64_t j) {
     return FM_OK;
 }
 
-/* A spilled chunk's hosted experts' weights, from their native ranks (gate, up, down). */
+/* Expert e's biases b[0] (gate [.,I]), b[1] (up [.,I]), b[2] (down [.,H]) and a packed run of
+ * B = 2I + H elements (gate, up, down): to_run copies them into run, else copies (or, with add,
+ * adds) run into them. */
+static void ep_bias_run(const fm_moe_ep_pass *c, fm_act *const b[3], int64_t e, fm_act *run, bool to_run, bool add) {
+    const int64_t I = c->d->I, H = c->d->H, len[3] = {I, I, H}, at[3] = {0, I, 2 * I};
+    for (int m = 0; m < 3; m++) {
+        fm_act *x = b[m] + e * len[m], *r = run + at[m];
+        if (add) c->be->ops->add(c->be->ctx, x, r, len[m]);
+        else c->be->ops->copy(c->be->ctx, to_run ? r : x, to_run ? x : r, sizeof(fm_act) * (size_t)len[m], FM_COPY_D2D);
+    }
+}
+
+/* The hosted experts' bias arrays (gate, up, down) within a [F*B] buffer (fm_moe_ep_ws.fb, fbg). */
+static void ep_bias_views(const fm_moe_ep_ws *ws, const fm_moe_dims *d, fm_act *buf, fm_act *v[3]) {
+    v[0] = buf, v[1] = buf + ws->F * d->I, v[2] = buf + 2 * ws->F * d->I;
+}
+
+/* The pairs this rank stages as native (pair_local's length) in a spilled chunk. */
+static int64_t ep_npairs(const fm_moe_ep_ws *ws, const fm_moe_dims *d) {
+    const int64_t IH = d->I * d->H;
+    return ws->wsend_displs[ws->ep - 1] / IH + ws->wsend_counts[ws->ep - 1] / IH;
+}
+
+/* A spilled chunk's hosted experts' weights, from their native ranks (gate, up, down), and with
+ * d->bias their biases (packed per expert: one more exchange, unpacked into ws->fb). */
 static fm_status ep_weights_out(const fm_moe_ep_pass *c, int64_t j) {
     fm_moe_ep_ws *ws = c->ws;
-    const int64_t IH = c->d->I * c->d->H, npairs = ws->wsend_displs[ws->ep - 1] / IH + ws->wsend_counts[ws->ep - 1] / IH;
+    const int64_t IH = c->d->I * c->d->H, npairs = ep_npairs(ws, c->d);
     const fm_act *W[3] = {c->w->w_gate, c->w->w_up, c->w->w_down};
     for (int m = 0; m < 3; m++) {
         for (int64_t pi = 0; pi < npairs; pi++)
@@ -259,13 +289,23 @@ static fm_status ep_weights_out(const fm_moe_ep_pass *c, int64_t j) {
                                                   ws->wrecv_counts, ws->wrecv_displs, EP_ACT_DTYPE, c->timeout_s);
         if (st != FM_OK) return fm_ep_comm_fail(c, st, j);
     }
+    if (!ws->fb) return FM_OK;
+    const int64_t B = 2 * c->d->I + c->d->H;
+    fm_act *const wb[3] = {(fm_act *)c->w->b_gate, (fm_act *)c->w->b_up, (fm_act *)c->w->b_down}; /* read only */
+    for (int64_t pi = 0; pi < npairs; pi++) ep_bias_run(c, wb, ws->pair_local[pi], ws->bstage + pi * B, true, false);
+    const fm_status st = fm_comm_all_to_all_v(c->comm, ws->bstage, ws->bsend_counts, ws->bsend_displs, ws->bpack,
+                                              ws->brecv_counts, ws->brecv_displs, EP_ACT_DTYPE, c->timeout_s);
+    if (st != FM_OK) return fm_ep_comm_fail(c, st, j);
+    fm_act *hb[3];
+    ep_bias_views(ws, c->d, ws->fb, hb);
+    for (int64_t f = 0; f < ws->plan.nforeign[ws->rank]; f++) ep_bias_run(c, hb, f, ws->bpack + f * B, false, false);
     return FM_OK;
 }
 
 /* A spilled chunk's hosted experts' weight gradients back to their native ranks, added there. */
 fm_status fm_ep_grads_back(const fm_moe_ep_pass *c, int64_t j, const fm_moe_grads *g) {
     fm_moe_ep_ws *ws = c->ws;
-    const int64_t IH = c->d->I * c->d->H, npairs = ws->wsend_displs[ws->ep - 1] / IH + ws->wsend_counts[ws->ep - 1] / IH;
+    const int64_t IH = c->d->I * c->d->H, npairs = ep_npairs(ws, c->d);
     fm_act *G[3] = {g->w_gate, g->w_up, g->w_down};
     for (int m = 0; m < 3; m++) {
         const fm_status st = fm_comm_all_to_all_v(c->comm, ws->fg[m], ws->wrecv_counts, ws->wrecv_displs, ws->stage[m],
@@ -274,6 +314,16 @@ fm_status fm_ep_grads_back(const fm_moe_ep_pass *c, int64_t j, const fm_moe_grad
         for (int64_t pi = 0; pi < npairs; pi++)
             c->be->ops->add(c->be->ctx, G[m] + ws->pair_local[pi] * IH, ws->stage[m] + pi * IH, IH);
     }
+    if (!ws->fb) return FM_OK;
+    /* the biases' gradients: packed per hosted expert, back in one exchange, added as the weights' */
+    const int64_t B = 2 * c->d->I + c->d->H;
+    fm_act *hg[3], *const gb[3] = {g->b_gate, g->b_up, g->b_down};
+    ep_bias_views(ws, c->d, ws->fbg, hg);
+    for (int64_t f = 0; f < ws->plan.nforeign[ws->rank]; f++) ep_bias_run(c, hg, f, ws->bpack + f * B, true, false);
+    const fm_status st = fm_comm_all_to_all_v(c->comm, ws->bpack, ws->brecv_counts, ws->brecv_displs, ws->bstage,
+                                              ws->bsend_counts, ws->bsend_displs, EP_ACT_DTYPE, c->timeout_s);
+    if (st != FM_OK) return fm_ep_comm_fail(c, st, j);
+    for (int64_t pi = 0; pi < npairs; pi++) ep_bias_run(c, gb, ws->pair_local[pi], ws->bstage + pi * B, false, true);
     return FM_OK;
 }
 
@@ -303,8 +353,17 @@ fm_moe_ep_work *fm_ep_work(fm_moe_ep_pass *c, int64_t j, int64_t R, fm_moe_ep_wo
     hw->dact = ws->exp_ws.dact + Rn * I, hw->dh_gate = ws->exp_ws.dh_gate + Rn * I, hw->dh_up = ws->exp_ws.dh_up + Rn * I;
     wk->hw.w_gate = ws->fw[0], wk->hw.w_up = ws->fw[1], wk->hw.w_down = ws->fw[2];
     wk->hg.w_gate = ws->fg[0], wk->hg.w_up = ws->fg[1], wk->hg.w_down = ws->fg[2];
-    if (kind == FM_MOE_EP_WORK_BACKWARD) /* the glue accumulates into them; they go back after it (none: empty) */
+    if (ws->fb) { /* d->bias: the hosted experts' biases (received with the weights) and their gradients */
+        fm_act *b[3], *bg[3];
+        ep_bias_views(ws, c->d, ws->fb, b);
+        ep_bias_views(ws, c->d, ws->fbg, bg);
+        wk->hw.b_gate = b[0], wk->hw.b_up = b[1], wk->hw.b_down = b[2];
+        wk->hg.b_gate = bg[0], wk->hg.b_up = bg[1], wk->hg.b_down = bg[2];
+    }
+    if (kind == FM_MOE_EP_WORK_BACKWARD) { /* the glue accumulates into them; they go back after it (none: empty) */
         for (int m = 0; m < 3; m++) c->be->ops->mem_set(c->be->ctx, ws->fg[m], 0, sizeof(fm_act) * (size_t)(F * I * H));
+        if (ws->fbg) c->be->ops->mem_set(c->be->ctx, ws->fbg, 0, sizeof(fm_act) * (size_t)(ws->F * (2 * I + H)));
+    }
     return wk;
 }
 

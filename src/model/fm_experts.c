@@ -82,13 +82,11 @@ void fm_experts_backward(const fm_backend *be, const fm_moe_dims *d, const fm_mo
 /* ---- the native table (fm_moe_experts) ---- */
 
 static fm_status native_serves(const fm_backend *be, const fm_moe_dims *d, int64_t rows_max, int ep, bool llep) {
-    (void)rows_max, (void)ep;
+    (void)rows_max, (void)ep, (void)llep; /* llep: the hosted experts' biases travel with their weights
+                                             (d->bias; bounded/fm_moe_ep.h) */
     if (d->swiglu_limit > 0 && (!be->ops->swiglu_clamp_fwd || !be->ops->swiglu_clamp_bwd))
         return fm_error(FM_ERR_UNSUPPORTED, "gpt_oss's clamped SwiGLU: the %s backend has no swiglu_clamp op",
                         be->ops->name ? be->ops->name : "this");
-    if (d->swiglu_limit > 0 && llep) /* the hosted experts' weights travel without the biases */
-        return fm_error(FM_ERR_UNSUPPORTED, "gpt_oss's experts (biased) under least-loaded placement: not yet; drop "
-                        "--llep");
     return FM_OK; /* the grouped GEMM, or one GEMM per expert (fm_expert_linear_fwd) */
 }
 

@@ -33,6 +33,7 @@ static fm_moe_dims moe_dims(const fm_model *m) {
                      m->a.opts.expert_fp8_cache ? fm_config_num_moe_layers(c) : 0}; /* a set per MoE layer */
     d.swiglu_limit = (float)c->swiglu_limit; /* gpt_oss's clamped SwiGLU; 0 elsewhere */
     d.swiglu_alpha = (float)c->swiglu_alpha;
+    d.bias = c->expert_bias; /* gpt_oss's experts' biases */
     return d;
 }
 

@@ -85,6 +85,7 @@ static fm_moe_dims moe_dims(const fm_config *c) {
     fm_moe_dims d = {c->hidden_size, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok};
     d.swiglu_limit = (float)c->swiglu_limit; /* gpt_oss's clamped SwiGLU; 0 elsewhere */
     d.swiglu_alpha = (float)c->swiglu_alpha;
+    d.bias = c->expert_bias; /* gpt_oss's experts' biases */
     return d;
 }
 

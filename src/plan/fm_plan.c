@@ -118,15 +118,16 @@ void fm_plan_compute(const fm_plan_req *r, fm_plan *p) {
                  (long long)saved_sets, (long long)L, (long long)nr, one / 1048576.0);
 
     const bool fp8c = r->expert_fp8 && r->expert_fp8_codes;
-    const fm_moe_dims md = {H, I, E, k, false, r->expert_fp8, fp8c,
-                            fp8c && r->layout.expert_fp8_cache ? fm_config_num_moe_layers(c) : 0}; /* fm_moe_ws_bytes */
+    fm_moe_dims md = {H, I, E, k, false, r->expert_fp8, fp8c,
+                      fp8c && r->layout.expert_fp8_cache ? fm_config_num_moe_layers(c) : 0}; /* fm_moe_ws_bytes */
+    md.bias = c->expert_bias; /* gpt_oss: LLEP's hosted experts' biases (fm_moe_ep_bound.llep) */
     fm_moe_chunks(N, r->moe_chunk_tokens, &p->moe_K, &p->moe_c_eff);
     if (r->ep > 1) { /* expert parallelism: the EP operator's bound for one chunk of <= c_eff tokens per source */
         fm_moe_ep_bound eb;
         p->bytes[FM_LIVE_EXPERT] = fm_arena_round(fm_moe_ep_bound_bytes(&md, r->ep, p->moe_c_eff, a, r->llep, &eb));
         snprintf(p->inputs[FM_LIVE_EXPERT], 200, "EP over %d ranks: K = %lld chunks of <= %lld tokens per source, "
                  "R_max = %lld rows x (4H + 6I) x %d B + c x k source rows%s", r->ep, (long long)p->moe_K,
-                 (long long)p->moe_c_eff, (long long)eb.rows_max, (int)a, r->llep && r->llep->on ? " + LLEP weights" : "");
+                 (long long)p->moe_c_eff, (long long)eb.rows_max, (int)a, !(r->llep && r->llep->on) ? "" : md.bias ? " + LLEP weights and biases" : " + LLEP weights");
     } else if (r->moe_chunk_tokens > 0) {
         p->bytes[FM_LIVE_EXPERT] = fm_arena_round(fm_moe_ws_bytes(&md, p->moe_c_eff, true, a));
         snprintf(p->inputs[FM_LIVE_EXPERT], 200, "one chunk fwd+bwd: K = %lld chunks of <= %lld tokens x k = %lld routes, "

@@ -75,6 +75,12 @@ void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size
      * budget (none on the CPU build, the GPU's free memory on CUDA), not this plan's */
     if (r->expert_fp8_codes) PUT(r->layout.expert_fp8_cache ? " --fp8-weight-cache" : " --no-fp8-weight-cache");
     if (r->ep > 1) PUT(" --ep %d", r->ep);
+    if (r->ep > 1 && r->llep && r->llep->on) { /* the bound counts the hosted experts: the launch keeps --llep */
+        const fm_llep_opts dl = fm_llep_defaults();
+        PUT(" --llep");
+        if (r->llep->lambda != dl.lambda) PUT(" --llep-lambda %g", r->llep->lambda);
+        if (r->llep->min_piece != dl.min_piece) PUT(" --llep-min-piece %lld", (long long)r->llep->min_piece);
+    }
     if (r->sp > 1) PUT(" --sp %lld", (long long)r->sp);
     if (!r->mesh.on && (r->train_dp > 1 || r->train_zero > 0)) {
         if (r->train_dp > 1) PUT(" --dp %d", r->train_dp);

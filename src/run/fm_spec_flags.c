@@ -249,7 +249,7 @@ const fm_spec_flag fm_spec_flags[] = {
       T | P, NOW),
     V("llep", FM_SPEC_BOOL, train.llep, NULL, "off",
       "--ep: least-loaded expert placement (LLEP): when the busiest rank's routed rows exceed --llep-lambda x the "
-      "mean, the heaviest experts' rows spill to the least-loaded ranks, which get those experts' weights", T | P,
+      "mean, the heaviest experts' rows spill to the least-loaded ranks, which get those experts' weights (and biases: gpt_oss)", T | P,
       NOW),
     V("llep-lambda", FM_SPEC_F64, train.llep_lambda, "1.3", NULL,
       "--llep: the imbalance (busiest rank's rows over the mean) that triggers the placement, >= 1", T | P, RUN),
