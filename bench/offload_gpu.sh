@@ -26,6 +26,7 @@
 #   bash bench/offload_gpu.sh next2           # its second: 16K bf16 vs fp8, calib, the 200-step loss curves (then pack)
 #   bash bench/offload_gpu.sh state           # issue 25: recipe GPU tests, calibrate, 4K bf16-sr / fp32 and the peer
 #   bash bench/offload_gpu.sh s17             # session 17: build, ctest -L gpu, hf_parity new cases, offload fraction at 79 GiB
+#   bash bench/offload_gpu.sh rl [T..]         # issue 29: logprobs and a GRPO step, libflatmoe-cuda against the compiled peer (8K, 32K, 128K)
 #   bash bench/offload_gpu.sh fam CFG N [T..]  # issue 26: a real config's first N layers, flatmoe (plan vs high-water) and the compiled peer
 #   bash bench/offload_gpu.sh s19             # session 19: build, the whole ctest -L gpu, parity of deepseek_v2/v3 and gpt_oss, packed
 #   bash bench/offload_gpu.sh s18             # session 18 (under 300 s): build, the unrun GPU tests, parity of deepseek_v3/gpt_oss, f32cap 4K
@@ -190,8 +191,8 @@ updblocks) # the optimizer overlap's update stream at low priority with a capped
     # (session 12: 1.2e-4 at step 3, 1.1e-3 by step 6); each run's largest loss difference from the first is printed
     # beside that repeat's (FLATMOE_ATTENTION=fallback makes them bit-identical, at other speeds)
     shift; NS=(${*:-0 132 264 528})
-    FLATMOE_UPDATE_BLOCKS=${NS[0]} run1 upd-rep 4096 6
-    for n in "${NS[@]}"; do FLATMOE_UPDATE_BLOCKS=$n run1 upd-$n 4096 6; done
+    FLATMOE_UPDATE_BLOCKS=${NS[0]} run1 upd-rep 4096 6 ${UPD_FLAGS:-}
+    for n in "${NS[@]}"; do FLATMOE_UPDATE_BLOCKS=$n run1 upd-$n 4096 6 ${UPD_FLAGS:-}; done
     python3 - "$OUT" "${NS[@]}" <<'PY'
 import json, sys
 out, ns = sys.argv[1], sys.argv[2:]
@@ -309,6 +310,13 @@ s17) # session 17's one call (about 8 minutes): build, every GPU test, Hugging F
     timeout 100 bash "$0" run f32cap-4096 4096 3 --mem-budget 79GiB
     [ -n "${NO_G16:-}" ] || timeout 110 bash "$0" run f32cap-4096-g16 4096 3 --mem-budget 79GiB --grad-accum 16
     tar -czf /tmp/s17.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/s17.tgz "$OUT"/ ;;
+rl) # issue 29's GPU timings (bench/rl_gpu.py): log-probs and a GRPO step on packed batches of OLMoE-1B-7B,
+    # libflatmoe-cuda (8 B/param: --master-weights bf16-sr --bf16-moments) against the compiled peer
+    shift; Ts=${*:-8192 32768 131072}
+    FLATMOE_LIB=build-gpu/libflatmoe-cuda.so PYTHONUNBUFFERED=1 timeout ${RL_S:-240} python3 bench/rl_gpu.py flatmoe \
+        configs/olmoe-1b-7b.json $Ts --json "$OUT/rl-flatmoe.jsonl" 2>&1 | grep -vE "^\s*$" | tail -8
+    PYTHONUNBUFFERED=1 timeout ${PEER_S:-240} python3 bench/rl_gpu.py peer configs/olmoe-1b-7b.json $Ts --compile \
+        --json "$OUT/rl-peer.jsonl" 2>&1 | grep -E "^torch-peer|Error" ;;
 fam) # issue 26's side by side: a real config's first LAYERS layers (bench/peer_hf.py --layers alike),
     # flatmoe with the chooser's knobs (plan bound against high-water, 3 steps) and the compiled peer
     # (plain, then checkpointed) at each length: bash bench/offload_gpu.sh fam configs/gpt-oss-20b.json 2 4096 32768
@@ -336,6 +344,7 @@ s19) # session 19's first call: build, the whole `ctest -L gpu`, Hugging Face pa
     timeout 80 python3 tools/hf_parity.py build-gpu README.md --tol 3e-2 --flatmoe flatmoe-cuda --only "$NEW" \
         > "$OUT/parity-gpu.log" 2>&1
     echo "parity gpu ($NEW): $?"; grep -E ": loss transformers|NO$|Error|PASS|FAIL|flip" "$OUT/parity-gpu.log" | cut -c1-180 | head -30
+    [ -n "${NO_RL:-}" ] || RL_S=70 PEER_S=90 bash "$0" rl 8192 32768
     bash "$0" pack ;;
 s18) # session 18's one call, with 383 s of device time left: each part has its own limit, most
     # wanted first, and writes its log to $OUT as it goes

@@ -12,8 +12,9 @@
     weights = s.weights_bf16()                                # {HF name: uint16 bf16 bits}; or s.export_weights(n, fn)
     s.save("runs/rl")                                         # runs/rl/step_NNNNNN; Session("--ckpt", "runs/rl", ...)
 
-The library is found at $FLATMOE_LIB, else as libflatmoe.so on the loader's path (cmake --install
-puts it in PREFIX/lib). Errors raise FlatmoeError with the library's message.
+The library is found at $FLATMOE_LIB, else on the loader's path (cmake --install puts both in
+PREFIX/lib) as libflatmoe-cuda.so (the CUDA build's) when the first Session's options say
+"--backend", "cuda", and as libflatmoe.so (the CPU build's) otherwise. One process loads one. Errors raise FlatmoeError with the library's message.
 
 Many ranks (docs/rl.md "Many ranks"): run the script under mpirun; every rank opens the Session with the
 same options and calls logprobs / train_step / save / export_weights together, each with its own share
@@ -93,10 +94,17 @@ _KL = {None: 0, "none": 0, "k1": 1, "k3": 2}
 _lib = None
 
 
-def _load():
+def _default_lib(options):
+    """libflatmoe-cuda.so where the options name --backend cuda (either spelling), else libflatmoe.so."""
+    opts = [str(o) for o in options]
+    cuda = "--backend=cuda" in opts or any(a == "--backend" and b == "cuda" for a, b in zip(opts, opts[1:]))
+    return "libflatmoe-cuda.so" if cuda else "libflatmoe.so"
+
+
+def _load(options=()):
     global _lib
     if _lib is None:
-        lib = ctypes.CDLL(os.environ.get("FLATMOE_LIB", "libflatmoe.so"))
+        lib = ctypes.CDLL(os.environ.get("FLATMOE_LIB") or _default_lib(options))
         lib.flatmoe_last_error.restype = ctypes.c_char_p
         abi = lib.flatmoe_abi_version() if hasattr(lib, "flatmoe_abi_version") else 1
         if abi != _ABI_VERSION:
@@ -169,7 +177,7 @@ class Session:
     def __init__(self, *options):
         if len(options) == 1 and isinstance(options[0], (list, tuple)):
             options = tuple(options[0])
-        lib = _load()
+        lib = _load(options)
         env = [f"{k}={v}".encode() for k, v in os.environ.items()] + [None]  # the launcher's ranks, if any
         _check(lib.flatmoe_set_environment((ctypes.c_char_p * len(env))(*env)))
         enc = [str(o).encode() for o in options]
