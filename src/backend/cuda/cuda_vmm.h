@@ -14,7 +14,8 @@
  *     reserved, unmapped: the device must not touch them until mem_restore (a kernel or copy that
  *     does fails with an illegal address, which ends the context);
  *   mem_restore(p, bytes) backs the released chunks that meet [p, p + bytes) again (new physical
- *     memory at the same addresses) and zero-fills them and the range, waiting for the fill;
+ *     memory at the same addresses) and zero-fills them and the range, waiting for the fill; false,
+ *     nothing recorded, when the device has no memory for a chunk (those backed so far stay);
  *   mem_free unmaps, releases and frees the range after waiting for the device.
  * The rounding is device overhead outside the plan's live sets: at most one granularity (2 MiB)
  * per block, as cudaMalloc's own rounding of large allocations to 2 MiB pages before (docs/rl.md
