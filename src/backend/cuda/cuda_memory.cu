@@ -1,8 +1,9 @@
 /* The CUDA backend's memory, stream and event ops (fm_backend.h): mem_alloc (cuda_vmm.cu's blocks,
- * or cudaMalloc where the device has no VMM; zero-filled), mem_free, mem_set, copy (synchronous: issued on the compute stream, then waited
- * for), the buffer kinds (device, pinned, host), copy_async on the streams, set_op_stream, the event pool
- * (record, wait, sync), stream_sync and sync, status (the sticky first error and the device-error
- * flags) and the count of host waits. Allocation is for launch time; no op of a step allocates.
+ * or cudaMalloc where the device has no VMM; zero-filled), mem_free, mem_set, copy (synchronous:
+ * issued on the compute stream, then waited for), the buffer kinds (device, pinned, host),
+ * copy_async on the streams, set_op_stream, the event pool (record, wait, sync), stream_sync and
+ * sync, status (the sticky first error and the device-error flags) and the count of host waits.
+ * Allocation is for launch time; no op of a step allocates.
  * Every host wait (copy, event_sync, stream_sync, sync) adds one to host_syncs, and goes through
  * host_wait (the wait hook's watchdog, when one is set). The accessors for code that must order
  * its own CUDA work with the backend's (the nccl communicator): fm_cuda_backend_stream, _device,
