@@ -358,13 +358,15 @@ int flatmoe_generate(flatmoe_session *s, const int32_t *prompts, int64_t n_promp
  * gradients, the fp32 master and the optimizer state that lives there; train/fm_param_store.h) and
  * the activation live sets' persistent parts -- to host memory (one allocation of their bytes),
  * then gives each arena's memory back where the backend can while keeping its addresses (the CPU
- * build: madvise, its resident memory drops by the arenas' whole pages), else fills it with NaNs;
+ * build: madvise, its resident memory drops by the arenas' whole pages; the CUDA build: the
+ * arenas' physical memory unmapped and released through CUDA's virtual memory management, so the
+ * device keeps only the context and the backend's workspaces), else fills it with NaNs;
  * flatmoe_wake backs the arenas again, copies the contents back and frees the host copy, so the
  * next steps are bit for bit those of a session that did not sleep. While asleep, every other call
  * on the session but flatmoe_get_info and flatmoe_close is refused (FLATMOE_ERR_ARG: "asleep").
- * NOT YET: the CUDA build keeps its device memory (it needs CUDA's virtual memory management to
- * keep the addresses; the arenas are NaN-filled there). Errors: FLATMOE_ERR_ARG (already asleep;
- * wake while awake), FLATMOE_ERR_NOMEM (the host copy: the session stays awake). */
+ * Errors: FLATMOE_ERR_ARG (already asleep; wake while awake), FLATMOE_ERR_NOMEM (sleep: the host
+ * copy, the session stays awake; wake: no device memory to back an arena again, e.g. an inference
+ * engine still holds it: the session stays asleep, call flatmoe_wake again once it is free). */
 int flatmoe_sleep(flatmoe_session *s);
 int flatmoe_wake(flatmoe_session *s);
 

@@ -653,11 +653,11 @@ typedef struct fm_ops {
     void (*mem_free)(void *ctx, void *p);
     /* dst[0..bytes) = byte. */
     void (*mem_set)(void *ctx, void *dst, int byte, size_t bytes);
-    /* Sleep (capi/flatmoe_sleep.c): mem_release gives the physical pages under [p, p + bytes) of a mem_alloc
-     * block back, its addresses kept, and returns the bytes given back (0: none; the contents are lost);
-     * mem_restore backs the range again, zero-filled. NULL: cannot (the CPU: madvise MADV_DONTNEED). */
+    /* Sleep (capi/flatmoe_sleep.c): mem_release gives the pages under [p, p + bytes) of a mem_alloc block back,
+     * addresses kept, returning the bytes given back (0: none; their contents are lost); mem_restore backs the
+     * range again, zero-filled (false: no memory now, not recorded). NULL: cannot. CPU: madvise; CUDA: cuda_vmm.h */
     size_t (*mem_release)(void *ctx, void *p, size_t bytes);
-    void (*mem_restore)(void *ctx, void *p, size_t bytes);
+    bool (*mem_restore)(void *ctx, void *p, size_t bytes);
     /* bytes from src to dst; kind says which side is host memory. Synchronous: for launch-time uploads and
      * reports, never inside a step (it counts as a host sync). */
     void (*copy)(void *ctx, void *dst, const void *src, size_t bytes, fm_copy_kind kind);

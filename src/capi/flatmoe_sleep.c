@@ -11,7 +11,9 @@
  * (ops->mem_restore, zero-filled), the carved parts copied back: the next step is bit for bit a
  * step without sleep (tests/test_capi_io.c). The host buffer's bytes are the arenas' carved bytes
  * (at most the plan's device total). What stays on the device: the backend's own workspaces
- * (the BLAS and cuDNN workspaces, the reduction scratch) and the context.
+ * (the BLAS and cuDNN workspaces, the reduction scratch) and the context. The CUDA backend's
+ * release unmaps the arenas' physical chunks (backend/cuda/cuda_vmm.h), so while asleep their
+ * addresses are reserved but not mapped: nothing may touch them (the calls are refused).
  * The idea of keeping the addresses while the memory goes: vLLM's sleep mode and
  * torch_memory_saver (CUDA virtual memory management: cuMemUnmap / cuMemMap). */
 #include <string.h>
@@ -34,14 +36,21 @@ static int device_arenas(flatmoe_session *s, fm_arena **out) {
 }
 
 /* The arenas backed again (when released) and their carved parts copied back from host, in
- * device_arenas' order. Errors: the backend's status. */
+ * device_arenas' order. Errors: the backend's status; FM_ERR_NOMEM when the device has no room to
+ * back an arena again (nothing copied back: a later call backs the rest). */
 static fm_status restore(flatmoe_session *s, const uint8_t *host, bool released) {
     const fm_ops *ops = s->r.m.be.ops;
     void *ctx = s->r.m.be.ctx;
     fm_arena *ar[FM_LIVE_COUNT];
     const int n = device_arenas(s, ar);
-    if (released && ops->mem_restore)
-        for (int i = 0; i < n; i++) ops->mem_restore(ctx, ar[i]->base, ar[i]->capacity);
+    for (int i = 0; released && ops->mem_restore && i < n; i++)
+        if (!ops->mem_restore(ctx, ar[i]->base, ar[i]->capacity)) {
+            FM_TRY(ops->status(ctx));
+            return fm_error(FM_ERR_NOMEM, "flatmoe_wake: no device memory to back the %s arena's %zu bytes again (the "
+                            "memory given back at sleep is in use elsewhere, e.g. by an inference engine that has not "
+                            "slept); free it and call flatmoe_wake again: the session stays asleep", ar[i]->name,
+                            ar[i]->capacity);
+        }
     FM_TRY(ops->status(ctx));
     for (int i = 0; i < n; i++) {
         ops->copy(ctx, ar[i]->base, host, ar[i]->used, FM_COPY_H2D);

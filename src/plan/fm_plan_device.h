@@ -13,7 +13,10 @@
 #include "../core/fm_core.h"
 
 /* Kernels the probe does not load (other shapes' cuBLAS/cuDNN kernels, loaded lazily later):
- * kept free on top of the measured growth. */
+ * kept free on top of the measured growth. It also covers the device arenas' rounding up to the
+ * allocation granularity (backend/cuda/cuda_vmm.h: under 2 MiB for each of the FM_LIVE_COUNT
+ * arenas and the communicator's small buffer, 16 MiB at most), which cudaMemGetInfo sees and the
+ * plan's live sets do not count, as cudaMalloc's 2 MiB pages before. */
 #define FM_PLAN_LATE_LOAD_MARGIN ((size_t)256 << 20)
 
 typedef struct fm_device_budget {

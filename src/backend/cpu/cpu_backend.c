@@ -433,9 +433,10 @@ static size_t cpu_mem_release(void *ctx, void *p, size_t bytes) {
     return (size_t)(b - a);
 }
 
-static void cpu_mem_restore(void *ctx, void *p, size_t bytes) {
+static bool cpu_mem_restore(void *ctx, void *p, size_t bytes) {
     (void)ctx;
     memset(p, 0, bytes);
+    return true;
 }
 
 static void cpu_mem_set(void *ctx, void *dst, int byte, size_t bytes) {

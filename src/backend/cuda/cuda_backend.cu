@@ -120,6 +120,8 @@ static fm_ops make_cuda_ops(void) {
     o.mem_alloc = fm_cuda_mem_alloc;
     o.mem_free = fm_cuda_mem_free;
     o.mem_set = fm_cuda_mem_set;
+    o.mem_release = fm_cuda_mem_release; /* cuda_vmm.cu: 0 (nothing given back) without VMM */
+    o.mem_restore = fm_cuda_mem_restore;
     o.copy = fm_cuda_copy;
     o.convert = fm_cuda_convert;
     o.buffer_alloc = fm_cuda_buffer_alloc;
@@ -174,6 +176,7 @@ static void ctx_destroy(fm_cuda_ctx *c, bool attention_up) {
     if (c->opt_in) (void)cudaStreamSynchronize(c->opt_in);
     if (c->opt_out) (void)cudaStreamSynchronize(c->opt_out);
     if (attention_up) fm_cuda_attention_free(c);
+    fm_cuda_vmm_destroy(c); /* frees VMM blocks still live (their owners normally free them first) */
     fm_cuda_prof_free(c);
     if (c->cudnn) (void)cudnnDestroy(c->cudnn);
     if (c->cublaslt) (void)cublasLtDestroy(c->cublaslt);
@@ -335,6 +338,7 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
         }
         c->flags_dev = static_cast<int *>(flags_dev);
     }
+    if ((s = fm_cuda_vmm_init(c)) != FM_OK) goto fail; /* mem_alloc's VMM allocator, where the device has VMM */
     if ((s = init_alloc(&c->lt_workspace, FM_CUDA_LT_WORKSPACE_BYTES, "cuBLAS/cuBLASLt workspace", device)) != FM_OK)
         goto fail;
     c->lt_workspace_bytes = FM_CUDA_LT_WORKSPACE_BYTES;

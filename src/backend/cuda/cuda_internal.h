@@ -4,6 +4,7 @@
  * helpers the files share. Compiled with FM_ACT_BF16: fm_act is bf16 (reinterpret as
  * __nv_bfloat16 in kernels). One op family per file:
  *   cuda_backend.cu     the table, init, free, errors  cuda_memory.cu   memory, buffers, streams, events, syncs
+ *   cuda_vmm.cu         mem_alloc's blocks through the VMM driver API; mem_release / mem_restore (sleep)
  *   cuda_gemm.cu        gemm, grouped expert GEMMs     cuda_profile.cu  phase timing (events)
  *   cuda_elementwise.cu add, sumsq, SwiGLU, convert    cuda_router.cu   router softmax/top-k, stats
  *   cuda_embedding.cu   embedding                      cuda_permute.cu  route index, gather/combine, rows
@@ -48,6 +49,8 @@ typedef struct fm_cuda_ctx {
     int64_t max_head_dim;
     void *att_state;               /* owned by cuda_attention.cu (graph cache, fallback scratch) */
     void *scratch;                 /* FM_CUDA_SCRATCH_BYTES of device memory: reductions, group pointers */
+    void *vmm;                     /* mem_alloc's VMM allocator (cuda_vmm.cu: its block table); NULL: the
+                                    * device has no virtual memory management, mem_alloc is cudaMalloc */
     /* Device-found argument errors (a top-k id outside [0,E), a target outside [0,V)): pinned,
      * mapped host ints the kernels set to 1 (plain stores: every writer writes 1) through
      * flags_dev, and status reads on the host after a sync point. Sticky: never cleared. */
@@ -215,6 +218,18 @@ void fm_cuda_set_op_stream(void *ctx, fm_stream stream);
 void fm_cuda_sync(void *ctx);
 fm_status fm_cuda_status(void *ctx);
 uint64_t fm_cuda_host_sync_count(void *ctx);
+
+/* cuda_vmm.cu: device memory reserved, backed and mapped through the CUDA driver's virtual memory
+ * management (cuda_vmm.h has the contract). fm_cuda_vmm_init at init (FM_OK and c->vmm NULL where
+ * the device has none; FM_ERR_NOMEM for the table); fm_cuda_vmm_destroy at free (every block left
+ * is freed); fm_cuda_vmm_alloc: a zero-filled block, NULL when it cannot (out of memory: nothing
+ * recorded; another error recorded); fm_cuda_vmm_free: false when p is not one of its blocks. */
+fm_status fm_cuda_vmm_init(fm_cuda_ctx *c);
+void fm_cuda_vmm_destroy(fm_cuda_ctx *c);
+void *fm_cuda_vmm_alloc(fm_cuda_ctx *c, size_t bytes);
+bool fm_cuda_vmm_free(fm_cuda_ctx *c, void *p);
+size_t fm_cuda_mem_release(void *ctx, void *p, size_t bytes);
+bool fm_cuda_mem_restore(void *ctx, void *p, size_t bytes);
 
 /* cuda_profile.cu: the table's entries, and the event pool (created at init when profiling,
  * destroyed by free; fm_cuda_prof_free takes a half-built pool too). */

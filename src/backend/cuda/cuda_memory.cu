@@ -1,14 +1,16 @@
-/* The CUDA backend's memory, stream and event ops (fm_backend.h): mem_alloc (cudaMalloc,
- * zero-filled), mem_free, mem_set, copy (synchronous: issued on the compute stream, then waited
- * for), the buffer kinds (device, pinned, host), copy_async on the streams, set_op_stream, the event pool
- * (record, wait, sync), stream_sync and sync, status (the sticky first error and the device-error
- * flags) and the count of host waits. Allocation is for launch time; no op of a step allocates.
+/* The CUDA backend's memory, stream and event ops (fm_backend.h): mem_alloc (cuda_vmm.cu's blocks,
+ * or cudaMalloc where the device has no VMM; zero-filled), mem_free, mem_set, copy (synchronous:
+ * issued on the compute stream, then waited for), the buffer kinds (device, pinned, host),
+ * copy_async on the streams, set_op_stream, the event pool (record, wait, sync), stream_sync and
+ * sync, status (the sticky first error and the device-error flags) and the count of host waits.
+ * Allocation is for launch time; no op of a step allocates.
  * Every host wait (copy, event_sync, stream_sync, sync) adds one to host_syncs, and goes through
  * host_wait (the wait hook's watchdog, when one is set). The accessors for code that must order
  * its own CUDA work with the backend's (the nccl communicator): fm_cuda_backend_stream, _device,
  * _set_wait_hook (fm_backend_cuda.h).
  */
 #include "cuda_internal.h"
+#include "cuda_vmm.h"
 
 #include <cstdio>
 #include <cstring>
@@ -103,11 +105,14 @@ bool host_wait(fm_cuda_ctx *c, cudaStream_t s, cudaEvent_t ev) {
 
 extern "C" {
 
-/* cudaMalloc (256-byte aligned) and zero-filled; NULL when it cannot (out of memory, or another
- * error, which is recorded; the out-of-memory error is cleared so the context stays usable).
- * Launch time: the zero fill is waited for (not counted as a host sync, like the CPU's malloc). */
+/* A VMM block (cuda_vmm.h: reserved, backed and mapped in chunks, so mem_release can give its
+ * memory back; aligned to the granularity, 2 MiB) where the device has VMM, else cudaMalloc
+ * (256-byte aligned); zero-filled. NULL when it cannot (out of memory, or another error, which is
+ * recorded; the out-of-memory error is cleared so the context stays usable). Launch time: the
+ * zero fill is waited for (not counted as a host sync, like the CPU's malloc). */
 void *fm_cuda_mem_alloc(void *ctx, size_t bytes) {
     fm_cuda_ctx *c = ctx_of(ctx);
+    if (fm_cuda_vmm_info(ctx, NULL, NULL)) return fm_cuda_vmm_alloc(c, bytes);
     void *p = NULL;
     const cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
     if (e != cudaSuccess) {
@@ -125,7 +130,8 @@ void *fm_cuda_mem_alloc(void *ctx, size_t bytes) {
 }
 
 void fm_cuda_mem_free(void *ctx, void *p) {
-    if (p) FM_CUDA_CHECK(ctx_of(ctx), cudaFree(p)); /* cudaFree waits for the device */
+    if (!p || fm_cuda_vmm_free(ctx_of(ctx), p)) return; /* a VMM block: waited for, unmapped, released */
+    FM_CUDA_CHECK(ctx_of(ctx), cudaFree(p)); /* cudaFree waits for the device */
 }
 
 void fm_cuda_mem_set(void *ctx, void *dst, int byte, size_t bytes) {

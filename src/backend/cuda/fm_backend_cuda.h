@@ -7,7 +7,7 @@
  * failure inside an op does not abort: the context keeps the first one (the call's text, its
  * error, file and line) and `status` returns it; invalid indices found on the device (a top-k id
  * outside [0,E), a target outside [0,V)) are reported by `status` after the next sync point as
- * FM_ERR_ARG. All memory comes from mem_alloc / buffer_alloc at launch (cudaMalloc, cudaHostAlloc);
+ * FM_ERR_ARG. All memory comes from mem_alloc / buffer_alloc at launch (cuda_vmm.h, cudaHostAlloc);
  * library workspaces are sized at init; nothing allocates inside a step. Built with
  * -DFLATMOE_CUDA=ON for sm_90 (H100/H200). */
 #ifndef FM_BACKEND_CUDA_H
