@@ -69,7 +69,7 @@ run1() { # name T steps flags...
 case "${1:-}" in
 build)
     t0=$(date +%s)
-    cmake -S . -B build-gpu "${CM[@]}" > "$OUT/build.log" 2>&1 && cmake --build build-gpu -j16 >> "$OUT/build.log" 2>&1
+    cmake -S . -B build-gpu "${CM[@]}" > "$OUT/build.log" 2>&1 && cmake --build build-gpu -j16 -- -k >> "$OUT/build.log" 2>&1
     echo "build: $? in $(( $(date +%s) - t0 )) s"; grep -E "error|warning" "$OUT/build.log" | head -20; true ;;
 test)
     (cd build-gpu && ctest -L gpu --output-on-failure --timeout 240 > "$OUT/ctest-gpu.log" 2>&1; echo "ctest -L gpu: $?")

@@ -110,6 +110,10 @@ static void test_from_env(void) {
     CHECK(from("FLATMOE_TEST_FP8_CODES", "yes", &o) == FM_ERR_ARG && !o.cpu_fp8_codes);
     CHECK_MSG(strstr(fm_errmsg(), "FLATMOE_TEST_FP8_CODES=yes: expected 1"), "%s", fm_errmsg());
 
+    CHECK(o.vmm && from("FLATMOE_CUDA_VMM", "0", &o) == FM_OK && !o.vmm);
+    CHECK(from("FLATMOE_CUDA_VMM", "on", &o) == FM_OK && o.vmm);
+    CHECK(from("FLATMOE_CUDA_VMM", "2", &o) == FM_ERR_ARG && o.vmm);
+
     const char dir[] = "/tmp/calib";
     CHECK(from("FLATMOE_CALIB_DIR", dir, &o) == FM_OK && o.calib_dir == dir); /* kept, not copied */
 }
@@ -120,7 +124,7 @@ static void test_json(void) {
     CHECK(fm_backend_opts_json(&o, buf, sizeof buf) == FM_OK);
     CHECK_MSG(strcmp(buf, "{\"threads\":0,\"max_head_dim\":128,\"tile_q\":0,\"tile_kv\":0,\"gpu_workspace\":0,"
                           "\"attention\":\"auto\",\"attention_verbose\":false,\"expert_gemm\":\"auto\","
-                          "\"fp8_gemm\":\"v5\",\"profile\":false,\"update_blocks\":0}") == 0,
+                          "\"fp8_gemm\":\"v5\",\"profile\":false,\"update_blocks\":0,\"vmm\":true}") == 0,
               "%s", buf);
     /* the widest values still fit the documented maximum */
     o.threads = -2147483647 - 1;
@@ -131,9 +135,10 @@ static void test_json(void) {
     o.expert_gemm = FM_EXPERT_GEMM_GROUPED;
     o.fp8_gemm = FM_FP8_GEMM_V5C;
     o.update_blocks = -2147483647 - 1;
+    o.vmm = false;
     CHECK_MSG(fm_backend_opts_json(&o, buf, sizeof buf) == FM_OK, "%s", fm_errmsg());
     CHECK(strstr(buf, "\"attention\":\"fallback\",\"attention_verbose\":true,\"expert_gemm\":\"grouped\","
-                      "\"fp8_gemm\":\"v5c\",\"profile\":true,\"update_blocks\":-2147483648}") != NULL);
+                      "\"fp8_gemm\":\"v5c\",\"profile\":true,\"update_blocks\":-2147483648,\"vmm\":false}") != NULL);
     char small[16] = "x";
     CHECK(fm_backend_opts_json(&o, small, sizeof small) == FM_ERR_ARG && small[0] == '\0');
 }

@@ -19,6 +19,7 @@ fm_backend_opts fm_backend_opts_default(void) {
     o.update_blocks = 0;
     o.ep_schedule = 0;
     o.cpu_fp8_codes = false;
+    o.vmm = true;
     o.calib_dir = NULL;
     return o;
 }
@@ -65,7 +66,8 @@ static fm_status val_int(const char *var, const char *v, int lo, int hi, int *ou
 
 const char *const fm_backend_opts_vars[] = {"FLATMOE_PROFILE",     "FLATMOE_ATTENTION", "FLATMOE_ATTENTION_VERBOSE",
                                             "FLATMOE_EXPERT_GEMM", "FLATMOE_FP8_GEMM",  "FLATMOE_UPDATE_BLOCKS",
-                                            "FLATMOE_EP_SCHEDULE", "FLATMOE_TEST_FP8_CODES", "FLATMOE_CALIB_DIR",
+                                            "FLATMOE_EP_SCHEDULE", "FLATMOE_TEST_FP8_CODES", "FLATMOE_CUDA_VMM",
+                                            "FLATMOE_CALIB_DIR",
                                             NULL};
 
 fm_status fm_backend_opts_set(fm_backend_opts *o, const char *name, const char *v) {
@@ -112,6 +114,7 @@ fm_status fm_backend_opts_set(fm_backend_opts *o, const char *name, const char *
         if (set) o->cpu_fp8_codes = x != 0;
         return FM_OK;
     }
+    if (!strcmp(name, "FLATMOE_CUDA_VMM")) return val_bool(name, v, &o->vmm);
     if (!strcmp(name, "FLATMOE_CALIB_DIR")) {
         if (v && *v) o->calib_dir = v;
         return FM_OK;
@@ -155,11 +158,12 @@ fm_status fm_backend_opts_json(const fm_backend_opts *o, char *buf, size_t cap) 
     const int n = snprintf(buf, cap,
                            "{\"threads\":%d,\"max_head_dim\":%lld,\"tile_q\":%lld,\"tile_kv\":%lld,\"gpu_workspace\":%zu,"
                            "\"attention\":\"%s\",\"attention_verbose\":%s,\"expert_gemm\":\"%s\",\"fp8_gemm\":\"%s\",\"profile\":%s,"
-                           "\"update_blocks\":%d}",
+                           "\"update_blocks\":%d,\"vmm\":%s}",
                            o->threads, (long long)o->max_head_dim, (long long)o->tile_q, (long long)o->tile_kv,
                            o->gpu_workspace, fm_attention_path_name(o->attention),
                            o->attention_verbose ? "true" : "false", fm_expert_gemm_name(o->expert_gemm),
-                           fm_fp8_gemm_name(o->fp8_gemm), o->profile ? "true" : "false", o->update_blocks);
+                           fm_fp8_gemm_name(o->fp8_gemm), o->profile ? "true" : "false", o->update_blocks,
+                           o->vmm ? "true" : "false");
     if (n < 0 || (size_t)n >= cap) {
         if (cap) buf[0] = '\0';
         return fm_error(FM_ERR_ARG, "backend options as JSON: %d bytes do not fit the %zu-byte buffer", n + 1, cap);

@@ -77,6 +77,9 @@ typedef struct fm_backend_opts {
     bool cpu_fp8_codes;          /* CPU: the test hook FLATMOE_TEST_FP8_CODES=1 (read into
                                   * this option by the CLI): the CPU backend serves the FP8 code path with its C
                                   * reference of the E4M3 code GEMMs, as an sm_90 GPU does */
+    bool vmm;                    /* CUDA: FLATMOE_CUDA_VMM (default true): device memory from the
+                                  * VMM driver API where the device has it, so that sleep gives it back
+                                  * (backend/cuda/cuda_vmm.h); false: cudaMalloc, sleep keeps it */
     const char *calib_dir;       /* engine: FLATMOE_CALIB_DIR, a folder searched first for the
                                   * calibration table <kind>.json (plan/fm_calib.h, fm_calib_find);
                                   * NULL: none. Not owned: the string must outlive the options. */
@@ -84,7 +87,7 @@ typedef struct fm_backend_opts {
 
 /* threads 0, max_head_dim 128, tiles 0 x 0 (64 x 64), gpu_workspace 0 (64 MiB), attention auto,
  * not verbose, expert GEMMs auto, FP8 GEMM v5, no profiling, update_blocks 0, EP schedule auto,
- * no CPU FP8 codes, no calibration folder. */
+ * no CPU FP8 codes, VMM on, no calibration folder. */
 fm_backend_opts fm_backend_opts_default(void);
 
 /* The variables fm_backend_opts_set takes, in the order the CLI applies them (NULL-terminated):
@@ -96,6 +99,7 @@ fm_backend_opts fm_backend_opts_default(void);
  *   FLATMOE_UPDATE_BLOCKS      an integer in [0, 1048576]               -> update_blocks
  *   FLATMOE_EP_SCHEDULE        auto|serial|pipelined (another value: -1) -> ep_schedule
  *   FLATMOE_TEST_FP8_CODES     0|1                                      -> cpu_fp8_codes
+ *   FLATMOE_CUDA_VMM           0|1 (as FLATMOE_PROFILE)                -> vmm
  *   FLATMOE_CALIB_DIR          a folder (the pointer is kept)           -> calib_dir */
 extern const char *const fm_backend_opts_vars[];
 
@@ -118,7 +122,8 @@ const char *fm_fp8_gemm_name(fm_fp8_gemm g);
 
 /* Writes the options as one JSON object (no newline, NUL-terminated) into buf[cap], e.g.
  *   {"threads":0,"max_head_dim":128,"tile_q":0,"tile_kv":0,"gpu_workspace":0,"attention":"auto",
- *    "attention_verbose":false,"expert_gemm":"auto","fp8_gemm":"v5","profile":false,"update_blocks":0}
+ *    "attention_verbose":false,"expert_gemm":"auto","fp8_gemm":"v5","profile":false,"update_blocks":0,
+ *    "vmm":true}
  * for a metrics.jsonl line (`,"backend_opts":` followed by it). Errors: FM_ERR_ARG when it does
  * not fit (buf then holds ""; FM_BACKEND_OPTS_JSON_MAX always fits). */
 fm_status fm_backend_opts_json(const fm_backend_opts *o, char *buf, size_t cap);

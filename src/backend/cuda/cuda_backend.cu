@@ -6,6 +6,7 @@
  */
 #include "cuda_internal.h"
 #include "cuda_fp8.h"
+#include "cuda_vmm.h"
 #include "sm90/gg_sm90.h"
 
 #include <cstdio>
@@ -339,6 +340,7 @@ extern "C" fm_status fm_cuda_backend_init(fm_backend *b, int device, const fm_ba
         c->flags_dev = static_cast<int *>(flags_dev);
     }
     if ((s = fm_cuda_vmm_init(c)) != FM_OK) goto fail; /* mem_alloc's VMM allocator, where the device has VMM */
+    if (!o->vmm) fm_cuda_vmm_set_enabled(c, false);      /* FLATMOE_CUDA_VMM=0: cudaMalloc */
     if ((s = init_alloc(&c->lt_workspace, FM_CUDA_LT_WORKSPACE_BYTES, "cuBLAS/cuBLASLt workspace", device)) != FM_OK)
         goto fail;
     c->lt_workspace_bytes = FM_CUDA_LT_WORKSPACE_BYTES;
