@@ -15,7 +15,7 @@
 #   bash bench/offload_gpu.sh sm90 [T...]     # the sync-free expert GEMMs against cuBLAS (issue 14)
 #   bash bench/offload_gpu.sh autogemm [T...] # FLATMOE_EXPERT_GEMM=auto's pick in train (4K: sm90, 32K: cuBLAS)
 #   bash bench/offload_gpu.sh verify          # build + ctest -L gpu + the lab's checks (a session's first call)
-#   bash bench/offload_gpu.sh updblocks [n..] # FLATMOE_UPDATE_BLOCKS A/B at 4K (6 steps each)
+#   bash bench/offload_gpu.sh updblocks [n..] # FLATMOE_UPDATE_BLOCKS A/B at 4K (6 steps each; UPD_FLAGS: more train flags)
 #   bash bench/offload_gpu.sh pack            # tar $OUT into one file (the device returns at most 8)
 #   bash bench/offload_gpu.sh fp8loss         # 200 steps at 4K, --expert-precision bf16 vs fp8 (issue 14)
 #   bash bench/offload_gpu.sh streamopt       # 128K, 5 steps: the streamed AdamW's own copy streams
