@@ -28,6 +28,7 @@
 #   bash bench/offload_gpu.sh s17             # session 17: build, ctest -L gpu, hf_parity new cases, offload fraction at 79 GiB
 #   bash bench/offload_gpu.sh rl [T..]         # issue 29: logprobs and a GRPO step, libflatmoe-cuda against the compiled peer (8K, 32K, 128K)
 #   bash bench/offload_gpu.sh fam CFG N [T..]  # issue 26: a real config's first N layers, flatmoe (plan vs high-water) and the compiled peer
+#   bash bench/offload_gpu.sh s19b            # session 19's second call: fam of gpt-oss-20b (2 layers) and DeepSeek-V2-Lite (4 layers)
 #   bash bench/offload_gpu.sh s19             # session 19: build, the whole ctest -L gpu, parity of deepseek_v2/v3 and gpt_oss, packed
 #   bash bench/offload_gpu.sh s18             # session 18 (under 300 s): build, the unrun GPU tests, parity of deepseek_v3/gpt_oss, f32cap 4K
 #   bash bench/offload_gpu.sh run NAME T STEPS FLAGS...   # one OLMoE-1B-7B run, summarized
@@ -331,6 +332,13 @@ PY
     for T in $Ts; do CONFIG=/tmp/$name.json MAXPOS=$mp run1 "$name-$T" "$T" 3; done
     PYTHONUNBUFFERED=1 timeout ${PEER_S:-400} python3 bench/peer_hf.py "$cfg" $Ts --layers "$layers" --steps 3 --compile \
         --json "$OUT/peer-$name.jsonl" 2>&1 | grep -E "^hf-peer|Error" ;;
+s19b) # session 19's second call (a warm machine, build-gpu there): issue 26's side by side of gpt-oss-20b's
+    # first 2 layers and DeepSeek-V2-Lite's first 4 at 4K and 32K (flatmoe's plan against its high-water,
+    # the compiled peer), then packed
+    [ -x "$BIN" ] || bash "$0" build
+    PEER_S=${PEER_S:-150} timeout 280 bash "$0" fam configs/gpt-oss-20b.json 2 4096 32768
+    PEER_S=${PEER_S:-150} timeout 280 bash "$0" fam configs/deepseek-v2-lite.json 4 4096 32768
+    bash "$0" pack ;;
 s19) # session 19's first call: build, the whole `ctest -L gpu`, Hugging Face parity of the families
     # added since the last GPU run (CPU fp32 and CUDA bf16), then everything packed into $OUT/pack.tgz
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $card"
