@@ -63,6 +63,16 @@ while read -r hw bound; do
         bad "--ep 2 --llep: a rank's expert dispatch high-water $hw, arena $bound, plan ${planned:-?}"
 done < <(sed -nE 's/^rank [0-9]+ of 2: memory \(high-water \/ bound, B\):.*; expert dispatch ([0-9]+) \/ ([0-9]+);.*/\1 \2/p' "$TMP/llep.log")
 [ $n -ge 1 ] || bad "--ep 2 --llep: no memory line"
+# the mesh plan (--world) counts --llep as the trainer's --zero 3 plan does, and its launch keeps it
+P3=(--config "$ROOT/tests/data/gpt_oss_tiny.json" --seq-len 32 --micro-batch 2 --ep 2 --dp 2 --threads 1 --moe-chunk-tokens 64
+    --ce-block-tokens 16 --ce-block-vocab 64 --llep --llep-lambda 1 --llep-min-piece 1)
+"$FM" plan "${P3[@]}" --world 2 > "$TMP/mesh.plan" 2>/dev/null || bad "flatmoe plan --world 2 --ep 2 --llep failed"
+"$FM" plan "${P3[@]}" --zero 3 --vocab-parallel ring > "$TMP/z3.plan" 2>/dev/null || bad "flatmoe plan --zero 3 --ep 2 --llep failed"
+mesh=$(sed -nE 's/^expert dispatch +([0-9]+) .*LLEP weights and biases.*/\1/p' "$TMP/mesh.plan")
+z3=$(sed -nE 's/^expert dispatch +([0-9]+) .*LLEP weights and biases.*/\1/p' "$TMP/z3.plan")
+[ -n "$mesh" ] && [ "$mesh" = "$z3" ] || bad "--llep: the mesh plan's expert dispatch ${mesh:-?} != the --zero 3 plan's ${z3:-?}"
+grep -qE "^launch: .* --llep --llep-lambda 1 --llep-min-piece 1( |$)" "$TMP/mesh.plan" ||
+    bad "the mesh plan's launch drops --llep: $(grep '^launch' "$TMP/mesh.plan")"
 # the fp8 experts carry no biases: still refused under --ep 2 --llep, with the message naming the fix
 if out=$(mpi 2 train "${COMMON[@]}" "${LL[@]}" --steps 1 --expert-precision fp8 --out "$TMP/f8" 2>&1); then
     bad "--expert-precision fp8 --ep 2 --llep ran for gpt_oss"

@@ -47,6 +47,7 @@ typedef struct plan_ctx {
     const char *gpu;           /* --gpu, or "h200" when a CUDA plan names no device and has no GPU here */
     fm_expert_ask eask;        /* the expert GEMMs' question (plan/fm_expert_choice.h) */
     bool verdict_only;         /* the implicit H200: a verdict on the flags as given, no knob chosen */
+    fm_llep_opts mesh_llep;    /* a mesh's --llep (the request's own ep is 1: the mesh adds EP) */
 } plan_ctx;
 
 /* The mesh or the trainer's run: which one the degrees ask for, and its checks. */
@@ -95,7 +96,9 @@ static fm_status plan_degrees(plan_ctx *x) {
         o->ce_block_tokens = FM_LCE_DEFAULT_BLOCK_TOKENS;
         o->ce_block_vocab = FM_LCE_DEFAULT_BLOCK_VOCAB;
     }
-    /* the request is one rank's, as the trainer's with one rank; the mesh adds its own terms */
+    /* the request is one rank's, as the trainer's with one rank; the mesh adds its own terms (and
+     * with --llep the hosted experts' weights to its EP dispatch: fm_mesh_plan_sets) */
+    x->mesh_llep = fm_train_ep_llep(o);
     o->dp = 1, o->zero = 0, o->ep = 1, o->sp = 1, o->llep = false, o->ep_cap_tokens = 0;
     o->vocab_parallel = FM_VOCAB_PARALLEL_OFF;
     return FM_OK;
@@ -211,6 +214,7 @@ static fm_status plan_request(plan_ctx *x) {
         req->mesh = x->mesh_dims;
         req->optimizer_overlap = false; /* a ZeRO-3 shard's update ends before the next forward gathers it */
         req->train_dp = 0, req->train_zero = 0;
+        if (x->mesh_llep.on) req->llep = &x->mesh_llep;
     }
     fm_expert_ask eask = {FM_EXPERT_GEMM_AUTO, x->cuda, true};
     fm_expert_ask *ea = &x->eask;

@@ -74,15 +74,17 @@ void fm_mesh_plan_sets(const fm_plan_req *r, fm_plan *p) {
     p->host_bytes = host_off + p->host_optimizer_bytes;
 
     if (ep > 1) { /* capped strided chunks (PipelinedLLEP); no chunk given: one chunk of N_loc */
-        const fm_moe_dims md = {H, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok};
+        fm_moe_dims md = {H, c->moe_intermediate_size, c->num_experts, c->num_experts_per_tok};
+        md.bias = c->expert_bias; /* gpt_oss: LLEP's hosted experts carry their biases */
         const int64_t cap = r->moe_chunk_tokens > 0 && r->moe_chunk_tokens < Nl ? r->moe_chunk_tokens : (Nl > 0 ? Nl : 1);
         fm_moe_ep_bound b;
-        p->bytes[FM_LIVE_EXPERT] = fm_moe_ep_bound_bytes(&md, (int)ep, cap, a, NULL, &b);
+        const bool llep = r->llep && r->llep->on; /* --llep: the hosted experts' weights (and biases) counted */
+        p->bytes[FM_LIVE_EXPERT] = fm_moe_ep_bound_bytes(&md, (int)ep, cap, a, r->llep, &b);
         p->host_bytes += b.host;
         fm_moe_chunks(Nl, cap, &p->moe_K, &p->moe_c_eff);
         snprintf(p->inputs[FM_LIVE_EXPERT], 200, "EP over %lld: R_max = ep x c x min(k, E/ep) = %lld rows x H; recv + send "
-                 "+ source + experts, K = %lld chunks of c <= %lld", (long long)ep, (long long)b.rows_max,
-                 (long long)p->moe_K, (long long)cap);
+                 "+ source + experts%s, K = %lld chunks of c <= %lld", (long long)ep, (long long)b.rows_max,
+                 !llep ? "" : md.bias ? " + LLEP weights and biases" : " + LLEP weights", (long long)p->moe_K, (long long)cap);
     }
 
     if (W > 1) { /* Ring-DTP over the W ranks */

@@ -39,8 +39,23 @@ void fm_plan_offload_fraction_text(const fm_plan *p, char *buf, size_t n) {
     }
 }
 
+/* " --llep" and its non-default knobs when the plan's EP bound counts the hosted experts (the
+ * launch must keep them), else "". */
+static const char *llep_flags(const fm_plan_req *r, char *buf, size_t cap) {
+    buf[0] = 0;
+    if (!r->llep || !r->llep->on) return buf;
+    const fm_llep_opts dl = fm_llep_defaults();
+    int n = snprintf(buf, cap, " --llep");
+    if (r->llep->lambda != dl.lambda && n > 0 && (size_t)n < cap)
+        n += snprintf(buf + n, cap - (size_t)n, " --llep-lambda %g", r->llep->lambda);
+    if (r->llep->min_piece != dl.min_piece && n > 0 && (size_t)n < cap)
+        snprintf(buf + n, cap - (size_t)n, " --llep-min-piece %lld", (long long)r->llep->min_piece);
+    return buf;
+}
+
 void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size_t cap) {
     const fm_config *c = &r->cfg;
+    char llep[80];
     const int64_t L = c->num_hidden_layers;
     size_t at = 0;
 #define PUT(...) (at += at < cap ? (size_t)snprintf(buf + at, cap - at, __VA_ARGS__) : 0)
@@ -75,12 +90,7 @@ void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size
      * budget (none on the CPU build, the GPU's free memory on CUDA), not this plan's */
     if (r->expert_fp8_codes) PUT(r->layout.expert_fp8_cache ? " --fp8-weight-cache" : " --no-fp8-weight-cache");
     if (r->ep > 1) PUT(" --ep %d", r->ep);
-    if (r->ep > 1 && r->llep && r->llep->on) { /* the bound counts the hosted experts: the launch keeps --llep */
-        const fm_llep_opts dl = fm_llep_defaults();
-        PUT(" --llep");
-        if (r->llep->lambda != dl.lambda) PUT(" --llep-lambda %g", r->llep->lambda);
-        if (r->llep->min_piece != dl.min_piece) PUT(" --llep-min-piece %lld", (long long)r->llep->min_piece);
-    }
+    if (r->ep > 1) PUT("%s", llep_flags(r, llep, sizeof llep));
     if (r->sp > 1) PUT(" --sp %lld", (long long)r->sp);
     if (!r->mesh.on && (r->train_dp > 1 || r->train_zero > 0)) {
         if (r->train_dp > 1) PUT(" --dp %d", r->train_dp);
@@ -287,6 +297,10 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
                 r->bf16_moments ? " --bf16-moments" : "");
         if (r->state_layout.master_recipe != FM_MASTER_FP32)
             fprintf(f, " --master-weights %s", fm_master_recipe_name((fm_master_recipe)r->state_layout.master_recipe));
+        if (m->ep > 1) {
+            char llep[80];
+            fprintf(f, "%s", llep_flags(r, llep, sizeof llep));
+        }
         if (train_max_pos(r)) fprintf(f, " --max-position-embeddings %lld", (long long)train_max_pos(r));
         if (m->dp * m->sp > 1) fprintf(f, " --vocab-parallel ring");
         fprintf(f, "\n");
