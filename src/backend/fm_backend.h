@@ -346,7 +346,7 @@ typedef struct fm_ops {
      * Backward: dq, dk, dv ASSIGNED as attention_bwd's; dsinks [nh] ACCUMULATED (+=, a parameter
      * gradient): dsinks[h] += -sum over (b,t) of exp(sinks[h] - lse[b,h,t]) (dO . O)[b,t,h]
      * (the sink's column of dS = P (dP - D) with dP = 0); skipped when sinks or dsinks is NULL.
-     * With sinks NULL and W 0 the results are attention_fwd's / _bwd's bit for bit. NULL in a
+     * With sinks NULL and W 0: attention_fwd's / _bwd's results (the CPU's bit for bit; CUDA: other kernels). NULL in a
      * backend without them. */
     void (*attention_ext_fwd)(void *ctx, fm_act *out, float *lse, const fm_act *q, const fm_act *k, const fm_act *v,
                               int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t *kv_start,

@@ -9,6 +9,7 @@
  *     GT_TOL_BF16, lse and dsinks within 1e-3 normalized (fp32 outputs from bf16 inputs, compared
  *     with the fp64 forward and the central differences of sum(dout o out) for the sinks);
  *   two runs give the same bits (no atomics).
+ * Shapes: windows and documents inside and across the scalar kernels' 128-key chunks.
  * Written in session 17 without a GPU: compiled, not yet run. */
 #include "core/fm_rng.h"
 #include "fm_ref_oss.h"
@@ -185,6 +186,11 @@ int main(void) {
         test_attention((att_case){2, 40, 2, 1, 8, 6, true, true});
         test_attention((att_case){1, 33, 2, 2, 8, 0, true, false});     /* sinks alone */
         test_attention((att_case){1, 33, 2, 1, 8, 4, false, false});    /* window alone */
+        /* more than the kernels' S_NT = 128 keys per query and queries per key (the forward's
+         * online rescale across chunks, dq's and dk/dv's chunk loops and their partial tails):
+         * a window of 150 with a 200-token document; causal rows of 290 (chunks 128, 128, 34) */
+        test_attention((att_case){1, 300, 2, 1, 8, 150, true, true});
+        test_attention((att_case){1, 290, 2, 2, 8, 0, true, false});
         CHECK_BACKEND_OK(&g_be);
     }
     fm_cuda_backend_free(&g_be);

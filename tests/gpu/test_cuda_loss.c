@@ -1,8 +1,9 @@
-/* CUDA backend (cuda_loss.cu) cross-entropy and linear-CE strip ops (lce_fold, lce_finalize,
- * lce_strip_grad) against the fp64 host references of tests/fm_ref_ops.c (shared with the CPU
- * tests), and a step's sequence of compute ops (router, permutation, loss) making no host wait
- * (host_sync_count); the router and permutation ops themselves are test_cuda_moe.c's. Method
- * (poisoned outputs, tolerances, ulps, determinism) and helpers: gpu_moe_test.h.
+/* CUDA backend (cuda_loss.cu, cuda_lce_ent.cu) cross-entropy and linear-CE strip ops (lce_fold,
+ * lce_finalize, lce_strip_grad; lce_strip_grad_ent in the cases with the entropy) against the fp64
+ * host references of tests/fm_ref_ops.c (shared with the CPU tests), and a step's sequence of
+ * compute ops (router, permutation, loss) making no host wait (host_sync_count); the router and
+ * permutation ops themselves are test_cuda_moe.c's. Method (poisoned outputs, tolerances, ulps,
+ * determinism) and helpers: gpu_moe_test.h.
  */
 #include "gpu_moe_test.h"
 
@@ -230,6 +231,9 @@ static void test_lce(const char *name, int64_t Nb, int64_t V, const int64_t *bou
     /* strip_grad per block (separate buffer, then in place), against the fp64 gradient of
      * w_r (loss_r + zc lse_r^2) over the whole vocabulary, sliced per block */
     double *gfull = dnew(Nb * V), *wdd = fm_ref_widen(w, Nb);
+    float *ew = fnew(Nb); /* the entropy bonus's per-row weights (lce_strip_grad_ent), both signs */
+    fill_uniform(ew, Nb, -1.0, 1.0);
+    void *d_ew = up_f32(ew, Nb);
     fm_ref_cross_entropy(NULL, gfull, Sd, tg, with_weights ? wdd : NULL, Nb, V, gs, zc, ignore);
     for (int b = 0; b < nblk; b++) {
         const int64_t v0 = bounds[b], Vb = bounds[b + 1] - v0;
@@ -256,12 +260,31 @@ static void test_lce(const char *name, int64_t Nb, int64_t V, const int64_t *bou
         OPS->copy(CTX, d_g2, d_strip[b], (size_t)(Nb * Vb) * 4, FM_COPY_D2D);
         OPS->lce_strip_grad(CTX, d_g2, d_g2, d_m, d_z, d_t, wts, Nb, Vb, v0, ignore, gs, zc);
         CHECK_MSG(same_bytes(d_g, d_g2, (size_t)(Nb * Vb) * 4), "%s: strip_grad in place differs", what);
+        if (with_ent) { /* lce_strip_grad_ent: + gs ew_r dH_r/dS = -gs ew_r p (log p + H_r), H_r lce_finalize's */
+            dpoison(d_g, (size_t)(Nb * Vb) * 4);
+            OPS->lce_strip_grad_ent(CTX, d_g, d_strip[b], d_m, d_z, d_t, wts, d_ew, d_ent, Nb, Vb, v0, ignore, gs, zc);
+            d2h(gg, d_g, (size_t)(Nb * Vb) * 4);
+            zero_ok = true;
+            for (int64_t r = 0; r < Nb; r++)
+                for (int64_t i = 0; i < Vb; i++) {
+                    if (tg[r] == ignore) { zero_ok &= gg[r * Vb + i] == 0.0f; continue; }
+                    const double lp = Sd[r * V + v0 + i] - rlse[r];
+                    gr[r * Vb + i] = gfull[r * V + v0 + i] - (double)gs * ew[r] * exp(lp) * (lp + rent[r]);
+                }
+            CHECK_MSG(zero_ok, "%s: strip_grad_ent: ignored rows not zero", what);
+            snprintf(w2, sizeof w2, "%s: strip_grad_ent block %d", what, b);
+            CHECK_ERR(w2, gt_nerr(gg, gr, Nb * Vb), GT_TOL_F32);
+            OPS->copy(CTX, d_g2, d_strip[b], (size_t)(Nb * Vb) * 4, FM_COPY_D2D); /* in place */
+            OPS->lce_strip_grad_ent(CTX, d_g2, d_g2, d_m, d_z, d_t, wts, d_ew, d_ent, Nb, Vb, v0, ignore, gs, zc);
+            CHECK_MSG(same_bytes(d_g, d_g2, (size_t)(Nb * Vb) * 4), "%s: strip_grad_ent in place differs", what);
+        }
         free(gg), free(gr);
         dfree(d_g), dfree(d_g2);
     }
 
     free(m), free(z), free(tgt), free(ent), free(rz), free(re), free(loss), free(lp), free(entropy), free(rlp);
-    free(gfull), free(wdd);
+    free(gfull), free(wdd), free(ew);
+    dfree(d_ew);
     free(S), free(Sd), free(w), free(tg), free(rm), free(rlse), free(rent), free(rloss);
     for (int b = 0; b < nblk; b++) dfree(d_strip[b]);
     free(d_strip);

@@ -7,8 +7,9 @@
  * the backward's score sums and dot products are warp butterflies, not the CPU's j-ascending sums:
  * a few ulp of double, then one fp32 rounding). Segments: rows, and packed documents of mixed
  * lengths with one-token documents; shapes GLM-4.5-Air's router (E 128, k 8), DeepSeek-V3's
- * (E 256, k 8) and a small one; more tokens per segment than the forward's 256-token chunk. Run
- * twice on the device: the same bits. Written without a GPU: compiled, not yet run. */
+ * (E 256, k 8), Kimi-K2's (E 384: threads take experts e and e + 256) and a small one; more
+ * tokens per segment than the forward's 256-token chunk. Run twice on the device: the same bits.
+ * Written without a GPU: compiled, not yet run. */
 #include "../../src/backend/cpu/cpu_router_seq_aux.c" /* fm_cpu_router_seq_aux_*: the CPU reference */
 
 #include "core/fm_rng.h"
@@ -104,6 +105,7 @@ int main(void) {
         check(2, 1000, 128, 8, true);
         check(1, 700, 256, 8, true);   /* DeepSeek-V3's */
         check(3, 50, 8, 2, true);
+        check(1, 600, 384, 8, true);   /* Kimi-K2's E 384: more experts than the 256 threads (strided) */
         CHECK_BACKEND_OK(&g_be);
     }
     fm_cuda_backend_free(&g_be);

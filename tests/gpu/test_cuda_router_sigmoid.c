@@ -13,7 +13,9 @@
  * ties across lanes (experts 5, 37, 69 exactly equal: the order 5, 37, 69; the lanes compare
  * across the warp, so a wrong tie rule shows), two groups with exactly equal group scores (the
  * lower group first), a random bias (the bias zeroed otherwise, as the all-equal row needs), and
- * E 640 (above the kernel's shared row of 512: lane 0 forms the lse's terms again). */
+ * E 640 (above the kernel's shared row of 512: lane 0 forms the lse's terms again), and 64 groups
+ * of 2 (each lane scores groups lane and lane + 32). The lse against the fp64 logsumexp (it was
+ * read back but not compared before session 19). */
 #include "core/fm_rng.h"
 #include "fm_ref_ops.h"
 #include "fm_test_fd.h"
@@ -190,6 +192,10 @@ static void check_b(int64_t N, int64_t E, int64_t k, int64_t ng, int64_t tg, boo
     CHECK_MSG(differ == 0, "%s: ids differ from the fp64 reference on %lld rows without a near-tie", what,
               (long long)differ);
     CHECK_MSG(nerr(scores, rs, (int64_t)NE) <= 1e-6, "%s: scores", what);
+    double *rp = malloc(NE * 8), *rl = malloc((size_t)N * 8); /* lse: logsumexp of the logits in fp64 */
+    fm_ref_softmax(rp, rl, ld, N, E);
+    CHECK_MSG(nerr(lse, rl, N) <= 1e-6, "%s: lse (nerr %g)", what, nerr(lse, rl, N));
+    free(rp), free(rl);
     CHECK_MSG(nerr(tw, rw, (int64_t)Nk) <= 1e-6, "%s: weights", what);
     bool all0 = true;
     for (int64_t j = 0; j < k; j++) all0 &= idx[j] == j;
@@ -235,6 +241,7 @@ int main(void) {
         check_b(64, 256, 8, 8, 4, true, 2.5f, false, true); /* DeepSeek-V3's with a random bias */
         check_b(64, 128, 8, 1, 1, false, 1.0f, true, true);
         check(40, 640, 8, 1, 1, true, 1.0f, false);     /* E above the shared row */
+        check(50, 128, 4, 64, 8, true, 1.0f, false);    /* 64 groups: lanes hold groups lane and lane + 32 */
         CHECK_BACKEND_OK(&g_be);
     }
     fm_cuda_backend_free(&g_be);
