@@ -109,6 +109,48 @@ void fm_plan_train_flags(const fm_plan_req *r, const fm_plan *p, char *buf, size
 #undef PUT
 }
 
+/* A mesh plan's launch line: the same knobs as train flags (train --zero 3 over dp x sp ranks). */
+static void print_mesh_launch(const fm_plan_req *r, const fm_plan *p, const fm_plan_report *x, FILE *f) {
+    const fm_mesh_dims *m = &r->mesh;
+    const int64_t L = r->cfg.num_hidden_layers;
+    fprintf(f, "\nlaunch: %s -np %lld %s train --config %s --data %s --seq-len %lld --micro-batch %lld --zero 3 "
+            "--dp %lld --ep %lld --sp %lld", x->mpirun ? x->mpirun : "mpirun", (long long)(m->dp * m->sp),
+            x->exe ? x->exe
+            : r->target == FM_PLAN_TARGET_CUDA || (r->target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4)
+                ? "flatmoe-cuda" : "flatmoe",
+            x->config_path ? x->config_path : "CONFIG", x->data ? x->data : "DATA", (long long)r->T, (long long)r->B, (long long)m->dp,
+            (long long)m->ep, (long long)m->sp);
+    fprintf(f, " --recompute ");
+    if (p->n_recomputed == 0) fprintf(f, "none");
+    else if (p->n_recomputed == L) fprintf(f, "full");
+    else
+        for (int64_t l = 0, k = 0; l < L; l++)
+            if (r->recompute && r->recompute[l]) fprintf(f, "%s%lld", k++ ? "," : "", (long long)l);
+    if (p->n_recomputed > 0)
+        fprintf(f, p->n_keep_attention == p->n_recomputed ? " --recompute-keep-attention"
+                   : p->n_keep_attention == 0 ? " --no-recompute-keep-attention" : "");
+    fprintf(f, " --moe-chunk-tokens %lld --ce-block-tokens %lld --ce-block-vocab %lld --offload-boundaries %lld%s%s",
+            (long long)r->moe_chunk_tokens,
+            (long long)(r->ce_block_tokens > 0 ? r->ce_block_tokens : FM_LCE_DEFAULT_BLOCK_TOKENS),
+            (long long)(r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB),
+            (long long)p->n_offloaded_boundaries, r->offload_optimizer ? " --offload-optimizer" : "",
+            r->bf16_moments ? " --bf16-moments" : "");
+    if (r->state_layout.master_recipe != FM_MASTER_FP32)
+        fprintf(f, " --master-weights %s", fm_master_recipe_name((fm_master_recipe)r->state_layout.master_recipe));
+    if (m->ep > 1) {
+        char llep[80];
+        fprintf(f, "%s", llep_flags(r, llep, sizeof llep));
+    }
+    if (train_max_pos(r)) fprintf(f, " --max-position-embeddings %lld", (long long)train_max_pos(r));
+    if (m->dp * m->sp > 1) fprintf(f, " --vocab-parallel ring");
+    fprintf(f, "\n");
+    /* where the trainer of this tree departs from this plan (README "Vocabulary parallelism") */
+    if (m->dp * m->sp > 1)
+        fprintf(f, "note: under --zero 3 the trainer gathers the head group whole before the Ring-DTP ring (this "
+                "plan keeps each rank's vocabulary shard only), so its model state holds one head gather more; "
+                "train prints its own plan at launch (this plan's flags without --world plan that run)\n");
+}
+
 void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report *x, FILE *f) {
     const size_t budget = x->budget;
     const fm_config *c = &r->cfg;
@@ -269,47 +311,10 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
                     x->calib->mesh_link_measured ? "measured" : "NOMINAL (not measured)", x->calib->intra_node_bw / 1e9,
                     x->calib->inter_node_bw / 1e9);
     }
-    const int64_t L = c->num_hidden_layers;
     if (m->on && !fits) /* no launch line for a plan that does not fit: it would be refused */
         fprintf(f, "\nlaunch: none (this mesh does not fit: see above)\n");
-    else if (m->on) { /* the launch line: the same knobs as train flags */
-        fprintf(f, "\nlaunch: %s -np %lld %s train --config %s --data %s --seq-len %lld --micro-batch %lld --zero 3 "
-                "--dp %lld --ep %lld --sp %lld", x->mpirun ? x->mpirun : "mpirun", (long long)(m->dp * m->sp),
-                x->exe ? x->exe
-                : r->target == FM_PLAN_TARGET_CUDA || (r->target == FM_PLAN_TARGET_BUILD && sizeof(fm_act) != 4)
-                    ? "flatmoe-cuda" : "flatmoe",
-                x->config_path ? x->config_path : "CONFIG", x->data ? x->data : "DATA", (long long)r->T, (long long)r->B, (long long)m->dp,
-                (long long)m->ep, (long long)m->sp);
-        fprintf(f, " --recompute ");
-        if (p->n_recomputed == 0) fprintf(f, "none");
-        else if (p->n_recomputed == L) fprintf(f, "full");
-        else
-            for (int64_t l = 0, k = 0; l < L; l++)
-                if (r->recompute && r->recompute[l]) fprintf(f, "%s%lld", k++ ? "," : "", (long long)l);
-        if (p->n_recomputed > 0)
-            fprintf(f, p->n_keep_attention == p->n_recomputed ? " --recompute-keep-attention"
-                       : p->n_keep_attention == 0 ? " --no-recompute-keep-attention" : "");
-        fprintf(f, " --moe-chunk-tokens %lld --ce-block-tokens %lld --ce-block-vocab %lld --offload-boundaries %lld%s%s",
-                (long long)r->moe_chunk_tokens,
-                (long long)(r->ce_block_tokens > 0 ? r->ce_block_tokens : FM_LCE_DEFAULT_BLOCK_TOKENS),
-                (long long)(r->ce_block_vocab > 0 ? r->ce_block_vocab : FM_LCE_DEFAULT_BLOCK_VOCAB),
-                (long long)p->n_offloaded_boundaries, r->offload_optimizer ? " --offload-optimizer" : "",
-                r->bf16_moments ? " --bf16-moments" : "");
-        if (r->state_layout.master_recipe != FM_MASTER_FP32)
-            fprintf(f, " --master-weights %s", fm_master_recipe_name((fm_master_recipe)r->state_layout.master_recipe));
-        if (m->ep > 1) {
-            char llep[80];
-            fprintf(f, "%s", llep_flags(r, llep, sizeof llep));
-        }
-        if (train_max_pos(r)) fprintf(f, " --max-position-embeddings %lld", (long long)train_max_pos(r));
-        if (m->dp * m->sp > 1) fprintf(f, " --vocab-parallel ring");
-        fprintf(f, "\n");
-        /* where the trainer of this tree departs from this plan (README "Vocabulary parallelism") */
-        if (m->dp * m->sp > 1)
-            fprintf(f, "note: under --zero 3 the trainer gathers the head group whole before the Ring-DTP ring (this "
-                    "plan keeps each rank's vocabulary shard only), so its model state holds one head gather more; "
-                    "train prints its own plan at launch (this plan's flags without --world plan that run)\n");
-    }
+    else if (m->on)
+        print_mesh_launch(r, p, x, f);
 }
 
 void fm_plan_print_json(const fm_plan_req *r, const fm_plan *p, const fm_plan_report *x, FILE *f) {
