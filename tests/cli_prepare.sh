@@ -115,10 +115,16 @@ expect_fail "no text at all" "no tokens were made" "$FM" prepare --tokenizer "$O
 [ -z "$(ls "$TMP" | grep '^x_')" ] && ok || bad "files left behind: $(ls "$TMP" | grep '^x_')"
 # 6. train on a prepared shard, then sample and eval with the tokenizer (given, or the
 #    checkpoint's tokenizer.json); sample refuses non-finite logits
-sed 's/"vocab_size": 256/"vocab_size": 4096/' "$ROOT/tests/data/micro.json" > "$TMP/micro4096.json"
+sed 's/"vocab_size": 256/"vocab_size": 3072/' "$ROOT/tests/data/micro.json" > "$TMP/micro3072.json"
 "$FM" prepare --tokenizer "$OLMOE" --input "$TMP/a.txt" --out "$TMP/one" > /dev/null 2>&1 && ok || bad "prepare of one file"
-"$FM" train --config "$TMP/micro4096.json" --data "$TMP/one_000000.bin" --seq-len 16 --micro-batch 2 --steps 2 \
+"$FM" train --config "$TMP/micro3072.json" --data "$TMP/one_000000.bin" --seq-len 16 --micro-batch 2 --steps 2 \
     --threads 2 --quiet --out "$TMP/run" > /dev/null 2>&1 && ok || bad "train on a prepared shard failed"
+# a tokenizer far smaller than the model's vocabulary (3000 of 4096 ids) is not its own: refused
+sed 's/"vocab_size": 256/"vocab_size": 4096/' "$ROOT/tests/data/micro.json" > "$TMP/micro4096.json"
+"$FM" train --config "$TMP/micro4096.json" --data "$TMP/one_000000.bin" --seq-len 16 --micro-batch 2 --steps 1 \
+    --threads 2 --quiet --out "$TMP/run4096" > /dev/null 2>&1 || bad "the vocab 4096 run failed"
+expect_fail "tokenizer far smaller than the model" "has a vocabulary of 3000 but the model $TMP/run4096/step_000001/config.json has vocab_size 4096: 27% of the model's ids" \
+    "$FM" sample --ckpt "$TMP/run4096" --tokenizer "$OLMOE" --prompt "ROMEO:" --max-new-tokens 2 --threads 2
 ck="$TMP/run/step_000002"
 "$FM" sample --ckpt "$TMP/run" --tokenizer "$OLMOE" --prompt "ROMEO:" --max-new-tokens 8 --temperature 0 --threads 2 \
     > "$TMP/s1.txt" 2>&1 && ok || bad "sample with --tokenizer: $(cat "$TMP/s1.txt")"
