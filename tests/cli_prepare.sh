@@ -72,6 +72,15 @@ grep -q "($zeros masked)" "$TMP/j.log" && ok || bad "summary's masked count vs $
 read -r ncount <<<"$(od -An -t u4 -j 8 -N 4 "$TMP/n_000000.bin")"
 [ "$ncount" -eq $((jcount - 4)) ] && ok || bad "--no-eos: $ncount tokens, expected $((jcount - 4))"
 
+# 3b. prepare again to the same prefix: the earlier run's outputs it does not replace are removed,
+# so the new data set is read alone (a stale mask beside a text shard; stale shards past the last)
+"$FM" prepare --tokenizer "$OLMOE" --input "$TMP/a.txt" --out "$TMP/j" > /dev/null 2>&1 && ok || bad "text prepare over JSONL"
+[ ! -e "$TMP/j_000000.bin.mask" ] && "$FM" prepare --tokenizer "$OLMOE" --decode "$TMP/j_000000.bin" > /dev/null 2>&1 \
+    && ok || bad "the JSONL run's mask was left beside the text shard"
+"$FM" prepare --tokenizer "$OLMOE" --input "$TMP/a.txt" "$TMP/b.txt" --out "$TMP/s" > "$TMP/s2.log" 2>&1 \
+    && grep -q "removed $((n_shards - 1)) shards of an earlier prepare" "$TMP/s2.log" && ok || bad "re-prepare: $(cat "$TMP/s2.log")"
+[ "$(ls "$TMP" | grep -c '^s_')" -eq 2 ] && ok || bad "stale shards left: $(ls "$TMP" | grep '^s_')"
+
 # 4. the other families: Qwen3 (NFC, its regex) reads back exactly; Mixtral (sentencepiece style)
 printf 'Caf\xc3\xa9 na\xc3\xafve \xe6\x97\xa5\xe6\x9c\xac\xe8\xaa\x9e text 123.\n' > "$TMP/u.txt"
 "$FM" prepare --tokenizer "$TOK/qwen3" --input "$TMP/u.txt" --out "$TMP/q" --no-eos > /dev/null 2>&1 && ok || bad "qwen3 prepare"
@@ -85,7 +94,7 @@ printf 'Hello world, this is text.' > "$TMP/m.txt"
 # 5. bad inputs: a message naming the file (and line), non-zero exit, nothing left behind
 printf '{"text": "fine"}\n{"text": "broken",\n' > "$TMP/bad.jsonl"
 expect_fail "--decode of a missing shard" "--decode $TMP/none.bin: cannot open the shard" "$FM" prepare --tokenizer "$OLMOE" --decode "$TMP/none.bin"
-expect_fail "malformed JSON line" "bad.jsonl:2: malformed JSON" "$FM" prepare --tokenizer "$OLMOE" --input "$TMP/bad.jsonl" --out "$TMP/x"
+expect_fail "malformed JSON line" "bad.jsonl:2: malformed JSON at column 18" "$FM" prepare --tokenizer "$OLMOE" --input "$TMP/bad.jsonl" --out "$TMP/x"
 printf '{"text": "fine"}\n{"title": "no text"}\n' > "$TMP/keys.jsonl"
 expect_fail "record with no known key" "keys.jsonl:2: a record with none of the known keys (found: title)" \
     "$FM" prepare --tokenizer "$OLMOE" --input "$TMP/keys.jsonl" --out "$TMP/x"
@@ -106,10 +115,16 @@ expect_fail "no text at all" "no tokens were made" "$FM" prepare --tokenizer "$O
 [ -z "$(ls "$TMP" | grep '^x_')" ] && ok || bad "files left behind: $(ls "$TMP" | grep '^x_')"
 # 6. train on a prepared shard, then sample and eval with the tokenizer (given, or the
 #    checkpoint's tokenizer.json); sample refuses non-finite logits
-sed 's/"vocab_size": 256/"vocab_size": 4096/' "$ROOT/tests/data/micro.json" > "$TMP/micro4096.json"
+sed 's/"vocab_size": 256/"vocab_size": 3072/' "$ROOT/tests/data/micro.json" > "$TMP/micro3072.json"
 "$FM" prepare --tokenizer "$OLMOE" --input "$TMP/a.txt" --out "$TMP/one" > /dev/null 2>&1 && ok || bad "prepare of one file"
-"$FM" train --config "$TMP/micro4096.json" --data "$TMP/one_000000.bin" --seq-len 16 --micro-batch 2 --steps 2 \
+"$FM" train --config "$TMP/micro3072.json" --data "$TMP/one_000000.bin" --seq-len 16 --micro-batch 2 --steps 2 \
     --threads 2 --quiet --out "$TMP/run" > /dev/null 2>&1 && ok || bad "train on a prepared shard failed"
+# a tokenizer far smaller than the model's vocabulary (3000 of 4096 ids) is not its own: refused
+sed 's/"vocab_size": 256/"vocab_size": 4096/' "$ROOT/tests/data/micro.json" > "$TMP/micro4096.json"
+"$FM" train --config "$TMP/micro4096.json" --data "$TMP/one_000000.bin" --seq-len 16 --micro-batch 2 --steps 1 \
+    --threads 2 --quiet --out "$TMP/run4096" > /dev/null 2>&1 || bad "the vocab 4096 run failed"
+expect_fail "tokenizer far smaller than the model" "has a vocabulary of 3000 but the model $TMP/run4096/step_000001/config.json has vocab_size 4096: 27% of the model's ids" \
+    "$FM" sample --ckpt "$TMP/run4096" --tokenizer "$OLMOE" --prompt "ROMEO:" --max-new-tokens 2 --threads 2
 ck="$TMP/run/step_000002"
 "$FM" sample --ckpt "$TMP/run" --tokenizer "$OLMOE" --prompt "ROMEO:" --max-new-tokens 8 --temperature 0 --threads 2 \
     > "$TMP/s1.txt" 2>&1 && ok || bad "sample with --tokenizer: $(cat "$TMP/s1.txt")"

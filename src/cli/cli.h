@@ -40,7 +40,8 @@ int cli_fail(const char *cmd, fm_status s);
 fm_status cli_resolve_ckpt(const char *dir, char *out, size_t cap);
 /* Refuses a tokenizer that does not fit the model (cli_tok_check.c): tok->vocab_size (1 + its
  * largest id) above model_vocab (the config's vocab_size; model_path names the model in the
- * message), or, when own_dir is not NULL and holds a tokenizer.json (the checkpoint's own), a
+ * message) or below 90% of it (a model pads its vocabulary by a few percent at most), or, when
+ * own_dir is not NULL and holds a tokenizer.json (the checkpoint's own), a
  * vocabulary size different from that one's. Errors: FM_ERR_ARG naming both sizes and the fix;
  * those of fm_tokenizer_load for own_dir's tokenizer. */
 fm_status cli_tokenizer_fits(const fm_tokenizer *tok, int64_t model_vocab, const char *model_path, const char *own_dir);

@@ -109,6 +109,9 @@ int cmd_prepare(int argc, char **argv) {
     if (st.no_loss)
         printf("note: %lld record%s without a loss target (no assistant turn, or an empty completion): kept, they only "
                "give context\n", (long long)st.no_loss, st.no_loss == 1 ? "" : "s");
+    if (st.stale)
+        printf("removed %lld shard%s of an earlier prepare to %s (past the last one written now)\n", (long long)st.stale,
+               st.stale == 1 ? "" : "s", out);
     if (st.dropped) printf("--role-map dropped %lld message%s\n", (long long)st.dropped, st.dropped == 1 ? "" : "s");
     if (st.bad_records)
         printf("warning: %lld malformed record%s skipped (--skip-bad-records; each named above)\n",

@@ -442,10 +442,13 @@ static bool looks_like_json(const char *path, const unsigned char *buf, size_t n
 fm_status fm_data_refuse_json(const char *path, const void *buf, size_t n) {
     const unsigned char *b = buf;
     if (!looks_like_json(path, b, n)) return FM_OK;
+    /* prepare reads a file by its name's extension: another name needs --format jsonl */
+    const bool named = ends_with(path, ".json") || ends_with(path, ".jsonl");
     return fm_error(FM_ERR_FORMAT, "%s: looks like JSON/JSONL (it starts with '%c'), not text to train on byte by "
-                    "byte; tokenize it first with `flatmoe prepare --tokenizer MODEL_DIR --input %s --out PREFIX` and "
-                    "pass --data PREFIX_000000.bin (docs/fine-tuning.md: chat records, or --format text for a text "
-                    "field)", path, first_char(b, n), path);
+                    "byte; tokenize it first with `flatmoe prepare --tokenizer MODEL_DIR --input %s%s --out PREFIX` "
+                    "and pass --data PREFIX_000000.bin (docs/fine-tuning.md; if it is plain text that only starts "
+                    "like JSON, prepare it with --format text)", path, first_char(b, n), path,
+                    named ? "" : " --format jsonl");
 }
 
 static fm_status open_shard_or_text(const char *path, int64_t vocab_size, fm_data_part *p, fm_src_kind *kind,

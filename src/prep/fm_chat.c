@@ -131,6 +131,40 @@ static size_t common_prefix(const char *a, size_t an, const char *b, size_t bn) 
     return i;
 }
 
+/* A copy of messages[:k] (NULL: out of memory). */
+static cJSON *prefix_of(const cJSON *messages, int k) {
+    cJSON *prefix = cJSON_CreateArray();
+    for (int i = 0; prefix && i < k; i++) cJSON_AddItemToArray(prefix, cJSON_Duplicate(cJSON_GetArrayItem(messages, i), true));
+    return prefix;
+}
+
+/* Where assistant message k starts when the render of messages[:k] with the generation prompt
+ * (txt[0..tn)) is not a prefix of the full render (the template renders earlier messages
+ * differently once later ones follow: GPT-OSS drops an assistant's analysis before a final
+ * answer): the end of the generation prompt's first occurrence in full from *p, where the two
+ * renders part. prefix (owned) is messages[:k]. Errors: FM_ERR_FORMAT (no generation prompt to
+ * find, naming the message), those of fm_chat_render. */
+static fm_status unstable_start(const fm_chat_template *ct, cJSON *prefix, const cJSON *tools, const char *full,
+                                size_t n, const char *txt, size_t tn, int k, size_t *p) {
+    char *t0 = NULL;
+    size_t n0 = 0;
+    fm_status s = prefix ? fm_chat_render(ct, prefix, tools, false, &t0, &n0) : fm_error(FM_ERR_NOMEM, "out of memory");
+    cJSON_Delete(prefix);
+    if (s) return s;
+    const char *gen = txt + n0, *hit = NULL; /* the generation prompt: what add_generation_prompt adds */
+    const size_t gn = tn - n0;
+    if (n0 < tn && common_prefix(txt, tn, t0, n0) == n0)
+        for (size_t i = *p; !hit && i + gn <= n; i++)
+            if (!memcmp(full + i, gen, gn)) hit = full + i;
+    fm_free(t0);
+    if (!hit)
+        return fm_error(FM_ERR_FORMAT, "messages[%d]: the chat template renders the messages before it differently "
+                        "when it follows them (not prefix-stable), and its generation prompt is not found after "
+                        "them: the assistant's turn cannot be located; give --loss-on all, or --no-chat-template", k);
+    *p = (size_t)(hit - full) + gn;
+    return FM_OK;
+}
+
 fm_status fm_chat_assistant_spans(const fm_chat_template *ct, const cJSON *messages, const cJSON *tools,
                                   const char *full, size_t n, size_t *start, size_t *end, bool *has_content,
                                   int cap, int *n_spans) {
@@ -148,18 +182,19 @@ fm_status fm_chat_assistant_spans(const fm_chat_template *ct, const cJSON *messa
             break;
         }
         /* the prefix: messages[:k] with the generation prompt */
-        cJSON *prefix = cJSON_CreateArray();
-        for (int i = 0; prefix && i < k; i++) cJSON_AddItemToArray(prefix, cJSON_Duplicate(cJSON_GetArrayItem(messages, i), true));
+        cJSON *prefix = prefix_of(messages, k);
         char *txt = NULL;
         size_t tn = 0;
         s = prefix ? fm_chat_render(ct, prefix, tools, true, &txt, &tn) : fm_error(FM_ERR_NOMEM, "out of memory");
         cJSON_Delete(prefix);
         if (s) break;
-        const size_t p = common_prefix(full, n, txt, tn);
+        size_t p = common_prefix(full, n, txt, tn);
+        if (p < tn) s = unstable_start(ct, prefix_of(messages, k), tools, full, n, txt, tn, k, &p);
         fm_free(txt);
+        if (s) break;
         size_t e = p;
         cJSON *content = cJSON_GetObjectItemCaseSensitive(msg, "content");
-        const bool hc = cJSON_IsString(content) && content->valuestring[0];
+        bool hc = cJSON_IsString(content) && content->valuestring[0];
         if (hc) { /* the content with one more character: where the render first differs */
             const size_t cl = strlen(content->valuestring);
             char *alt = malloc(cl + 2); /* cJSON's allocator frees it */
@@ -176,8 +211,10 @@ fm_status fm_chat_assistant_spans(const fm_chat_template *ct, const cJSON *messa
             free(alt);
             if (s) break;
             e = common_prefix(full, n, txt, tn);
+            const bool unseen = e == n && tn == n; /* the template does not show this content */
             fm_free(txt);
             if (e < p) e = p;
+            if (unseen) hc = false, e = p;
         }
         start[*n_spans] = p, end[*n_spans] = e, has_content[*n_spans] = hc;
         (*n_spans)++;
@@ -210,7 +247,8 @@ static bool end_of_turn(const fm_tokenizer *tok, const fm_chat_template *ct, int
     if (!t) return false;
     const cJSON *eos = cJSON_GetObjectItemCaseSensitive(ct->specials, "eos_token");
     if (cJSON_IsString(eos) && !strcmp(eos->valuestring, t)) return true;
-    static const char *const ends[] = {"<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>",
+    static const char *const ends[] = {"<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|return|>", "<|call|>",
+                                       "<|endoftext|>",
                                        "<|end_of_text|>", "<\xEF\xBD\x9C" "end\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>",
                                        "</s>", NULL};
     for (int i = 0; ends[i]; i++)

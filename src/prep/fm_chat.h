@@ -11,14 +11,18 @@
  * return_assistant_tokens_mask (which needs {% generation %} tags most templates lack): for an
  * assistant message k,
  *   start = the length of the common prefix of the full render and the render of messages[:k]
- *           with add_generation_prompt = true (where the model starts to write);
+ *           with add_generation_prompt = true (where the model starts to write); when that render
+ *           is not a prefix of the full one (the template renders earlier messages differently
+ *           once later ones follow, as GPT-OSS drops an analysis turn before a final answer),
+ *           the end of the generation prompt's first occurrence in the full render from there;
  *   end   = where message k's content ends in the full render: the first byte that differs when
  *           that content is rendered with one more character ("\x01") appended;
- *           a message without string content (tool calls only) ends at start.
+ *           a message without string content (tool calls only), or whose content the template
+ *           does not show (GPT-OSS drops an earlier turn's text), ends at start.
  * The token spans (fm_chat_token_mask) then take the special token right after the end (the
  * template's end of turn, which the model must learn to write), and for a message without
  * content every token up to and including the first end-of-turn special token (eos_token or one
- * of <|im_end|>, <|eot_id|>, <|eom_id|>, <|end|>, <|endoftext|>, <|end_of_text|>,
+ * of <|im_end|>, <|eot_id|>, <|eom_id|>, <|end|>, <|return|>, <|call|> (GPT-OSS), <|endoftext|>, <|end_of_text|>,
  * <｜end▁of▁sentence｜>, </s>). */
 #ifndef FM_CHAT_H
 #define FM_CHAT_H
@@ -56,8 +60,8 @@ fm_status fm_chat_render(const fm_chat_template *ct, const cJSON *messages, cons
 /* The byte spans of the assistant messages of messages in their full render full[0..n) (see
  * above): span i is [start[i], end[i]) with has_content[i]; *n_spans = the assistant messages
  * (at most cap). Errors: those of fm_chat_render; FM_ERR_ARG (more than cap assistant messages);
- * FM_ERR_FORMAT (the template is not prefix-stable: a message's generation prompt is not a
- * prefix of the full render's, naming the message). */
+ * FM_ERR_FORMAT (the template is not prefix-stable and the message's generation prompt is not
+ * found after the messages before it, naming the message). */
 fm_status fm_chat_assistant_spans(const fm_chat_template *ct, const cJSON *messages, const cJSON *tools,
                                   const char *full, size_t n, size_t *start, size_t *end, bool *has_content,
                                   int cap, int *n_spans);

@@ -12,7 +12,9 @@
  *   {% endfor %} (targets x or a, b; loop.index, index0, revindex, revindex0, first, last,
  *   length, previtem, nextitem); {% set x = e %}, {% set ns.attr = e %}; {% break %},
  *   {% continue %}; {% generation %} ... {% endgeneration %} (transformers' marker, rendered as
- *   its body);
+ *   its body); {% macro name(a, b=default) %} ... {% endmacro %} (called with positional and
+ *   name=value arguments, recursion included; its value is its text; its body sees its
+ *   parameters, the render's variables and the template's top level, not the caller's loops);
  *   literals (strings, integers, floats, true/false/none in either case, lists, dicts, tuples),
  *   names, .attr, [index], [a:b:c] slices, calls; operators or, and, not, ==, !=, <, <=, >, >=,
  *   in, not in, +, -, *, /, //, %, ~, unary -, x if c else y; tests (is [not]) defined,
@@ -23,9 +25,13 @@
  *   selectattr/rejectattr (attribute[, test[, value]]), unique;
  *   string methods startswith, endswith, split, strip, lstrip, rstrip, upper, lower, replace,
  *   title, capitalize, find, count; dict methods items, keys, values, get;
- *   globals namespace(...), range(...), raise_exception(msg), dict(...).
- * Anything else (macro, call, filter blocks, include, import, extends, block, raw, set blocks,
- * other filters, tests or methods) is FM_ERR_UNSUPPORTED naming the construct and its line.
+ *   globals namespace(...), range(...), raise_exception(msg), dict(...), strftime_now(format)
+ *   (transformers' global: the local time now, so a template that prints the date, e.g.
+ *   GPT-OSS's, renders the day it runs).
+ * Anything else (call, filter blocks, include, import, extends, block, raw, set blocks, other
+ * filters, tests or methods) is FM_ERR_UNSUPPORTED naming the construct and its line; a method
+ * of the subset called on a value of another type (a message's content that is a list where the
+ * template calls .strip()) is FM_ERR_FORMAT, the data's error, as Jinja2 raises it.
  */
 #ifndef FM_JINJA_H
 #define FM_JINJA_H

@@ -142,6 +142,28 @@ static jv attr_of(jv v, jv name) {
     return jd_get(v.u.d, name.u.s.p, name.u.s.n);
 }
 
+/* A method the value's type lacks: a method of the subset on a value of another type is the data's
+ * fault (e.g. a message's content that is a list or null where the template expects a string), a
+ * type error as in Jinja2; any other name is outside the subset. */
+static fm_status wrong_type(jctx *c, jv o, const char *m, int line) {
+    static const char *const str_methods[] = {"startswith", "endswith", "strip", "lstrip", "rstrip", "split", "lower",
+                                              "upper", "capitalize", "title", "replace", "find", "count", NULL};
+    static const char *const dict_methods[] = {"items", "keys", "values", "get", NULL};
+    char what[96];
+    for (int i = 0; str_methods[i]; i++)
+        if (eq(m, str_methods[i])) {
+            snprintf(what, sizeof what, "the string method '%s' needs a string", m);
+            return type_error(c, line, what, o);
+        }
+    for (int i = 0; dict_methods[i]; i++)
+        if (eq(m, dict_methods[i])) {
+            snprintf(what, sizeof what, "the dict method '%s' needs a dict", m);
+            return type_error(c, line, what, o);
+        }
+    return unsupported(c, line, o.k == JV_STR ? "string method" : o.k == JV_DICT ? "dict method"
+                       : o.k == JV_LIST ? "list method" : "method", m);
+}
+
 fm_status jv_method(jctx *c, jv o, const char *m, const jv *a, const char *const *kw, int n, int line, jv *out) {
     (void)kw;
     jarena *A = jctx_arena(c);
@@ -171,7 +193,7 @@ fm_status jv_method(jctx *c, jv o, const char *m, const jv *a, const char *const
                     i = (size_t)(f - o.u.s.p) + a[0].u.s.n;
                 *out = jv_int(k);
             }
-        } else return unsupported(c, line, "string method", m);
+        } else return wrong_type(c, o, m, line);
         return FM_OK;
     }
     if (o.k == JV_DICT) {
@@ -184,16 +206,20 @@ fm_status jv_method(jctx *c, jv o, const char *m, const jv *a, const char *const
             if (n < 1) return type_error(c, line, "get needs a key", o);
             *out = attr_of(o, a[0]);
             if (out->k == JV_UNDEF) *out = n > 1 ? a[1] : jv_none();
-        } else return unsupported(c, line, "dict method", m);
+        } else return wrong_type(c, o, m, line);
         return FM_OK;
     }
     if (o.k == JV_UNDEF) return type_error(c, line, "a method called on an undefined value", o);
-    return unsupported(c, line, o.k == JV_LIST ? "list method" : "method", m);
+    return wrong_type(c, o, m, line);
 }
 
 static fm_status select_attr(jctx *c, jv v, const jv *a, int n, int line, bool reject, jv *out) {
     jarena *A = jctx_arena(c);
-    if (v.k != JV_LIST || n < 1) return type_error(c, line, "selectattr/rejectattr need a list and an attribute", v);
+    if (n < 1) return type_error(c, line, "selectattr/rejectattr need an attribute", v);
+    if (!jv_truthy(v)) v = jv_list(A); /* Jinja2's select_or_reject: a false value (none, undefined) selects nothing */
+    else if (v.k == JV_DICT) v = as_list(A, v);
+    else if (v.k != JV_LIST) return type_error(c, line, "selectattr/rejectattr need a list", v);
+    if (!v.u.l) return fm_error(FM_ERR_NOMEM, "chat template: out of memory");
     jv l = jv_list(A);
     for (size_t i = 0; i < v.u.l->n; i++) {
         jv x = attr_of(v.u.l->v[i], a[0]);
@@ -214,8 +240,13 @@ static fm_status select_attr(jctx *c, jv v, const jv *a, int n, int line, bool r
 fm_status jv_filter(jctx *c, const char *f, jv v, const jv *a, const char *const *kw, int n, int line, jv *out) {
     jarena *A = jctx_arena(c);
     if (eq(f, "safe")) *out = v;
-    else if (eq(f, "trim")) {
-        if (v.k != JV_STR) return type_error(c, line, "trim needs a string", v);
+    else if (eq(f, "trim")) { /* Jinja2's do_trim: str(value).strip(): undefined is "", none "None" */
+        if (v.k != JV_STR) {
+            jbuf b = {0};
+            jv_to_text(&b, v);
+            v = jv_str_copy(A, b.p ? b.p : "", b.n);
+            fm_free(b.p);
+        }
         *out = strip(v, n ? &a[0] : NULL, true, true);
     } else if (eq(f, "length") || eq(f, "count")) {
         *out = jv_int(v.k == JV_STR ? (int64_t)as_list(A, v).u.l->n : v.k == JV_LIST ? (int64_t)v.u.l->n

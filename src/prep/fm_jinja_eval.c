@@ -7,17 +7,22 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "fm_jinja_internal.h"
 
 #define MAX_SCOPES 64
+#define MAX_MACROS 64
 
 struct jctx {
     jarena a;
     jbuf out;
     jdict *scope[MAX_SCOPES];
     int n_scope;
+    int lo; /* in a macro's body: its first frame (frames 2 .. lo-1, the caller's, are not seen); else 0 */
     int ctl; /* 1: break, 2: continue pending */
+    const jstmt *macro[MAX_MACROS]; /* the macros defined so far */
+    int n_macro;
     const fm_jinja *t;
 };
 
@@ -34,6 +39,7 @@ static fm_status err(const jctx *c, int line, const char *fmt, const char *a, co
 
 static jv lookup(const jctx *c, const char *name) {
     for (int i = c->n_scope; i-- > 0;) {
+        if (i >= 2 && i < c->lo) continue; /* a macro sees its frames, the template's top level and the variables */
         jv v = jd_get(c->scope[i], name, strlen(name));
         if (v.k != JV_UNDEF) return v;
     }
@@ -194,7 +200,64 @@ static fm_status binop(jctx *c, const jexpr *e, jv x, jv y, jv *out) {
     return FM_OK;
 }
 
-/* A call: a method (obj.name(...)) or a global function. */
+static fm_status run_body(jctx *c, const jbody *b);
+static fm_status push_scope(jctx *c, int line);
+
+/* Whether name is a macro defined so far or a global function of the subset. */
+static bool is_function(const jctx *c, const char *name) {
+    static const char *const globals[] = {"raise_exception", "namespace", "dict", "range", "strftime_now", NULL};
+    for (int i = 0; globals[i]; i++)
+        if (!strcmp(globals[i], name)) return true;
+    for (int i = 0; i < c->n_macro; i++)
+        if (!strcmp(c->macro[i]->var, name)) return true;
+    return false;
+}
+
+/* A macro's call (Jinja2's Macro.__call__): positional arguments, then name=value ones, bind its
+ * parameters (a missing one takes its default, else is undefined); the body renders in a frame of
+ * its own, and its text is the value. */
+static fm_status call_macro(jctx *c, const jstmt *m, const jexpr *e, const jv *a, jv *out) {
+    const jexpr *p = m->e;
+    int npos = 0;
+    while (npos < e->nargs && !e->kw[npos]) npos++;
+    if (npos > p->nargs)
+        return fm_error(FM_ERR_FORMAT, "chat template %s, line %d: macro %s takes %d arguments, given %d", c->t->name,
+                        e->line, m->var, p->nargs, npos);
+    for (int k = npos; k < e->nargs; k++) {
+        int i = 0;
+        while (i < p->nargs && strcmp(e->kw[k], p->kw[i] ? p->kw[i] : p->args[i]->name)) i++;
+        if (i == p->nargs) return err(c, e->line, "macro %s has no parameter '%s'", m->var, e->kw[k]);
+    }
+    FM_TRY(push_scope(c, e->line));
+    const int lo = c->lo;
+    c->lo = c->n_scope - 1;
+    jdict *f = c->scope[c->lo];
+    fm_status s = FM_OK;
+    for (int i = 0; i < p->nargs && !s; i++) {
+        const char *pn = p->kw[i] ? p->kw[i] : p->args[i]->name;
+        jv v = jv_undef(pn);
+        bool have = i < npos;
+        if (have) v = a[i];
+        for (int k = npos; k < e->nargs; k++)
+            if (!strcmp(e->kw[k], pn)) v = a[k], have = true;
+        if (!have && p->kw[i]) s = eval(c, p->args[i], &v);
+        if (!s && !jd_set(&c->a, f, pn, strlen(pn), v)) s = oom();
+    }
+    const jbuf caller = c->out;
+    c->out = (jbuf){0};
+    if (!s) s = run_body(c, &m->body);
+    c->ctl = 0;
+    jbuf text = c->out;
+    c->out = caller;
+    c->lo = lo;
+    c->n_scope--;
+    if (!s && text.oom) s = oom();
+    if (!s) *out = jv_str_copy(&c->a, text.p ? text.p : "", text.n);
+    fm_free(text.p);
+    return s;
+}
+
+/* A call: a method (obj.name(...)), a macro or a global function. */
 static fm_status call(jctx *c, const jexpr *e, jv *out) {
     jv a[64];
     FM_TRY(eval_args(c, e, a));
@@ -205,6 +268,19 @@ static fm_status call(jctx *c, const jexpr *e, jv *out) {
         return jv_method(c, o, f->name, a, e->kw, e->nargs, e->line, out);
     }
     const char *name = f->k == E_NAME ? f->name : "(expression)";
+    for (int i = c->n_macro; i-- > 0;)
+        if (!strcmp(c->macro[i]->var, name)) return call_macro(c, c->macro[i], e, a, out);
+    if (!strcmp(name, "strftime_now")) { /* transformers' global: the local time now, as datetime.strftime */
+        if (e->nargs < 1 || a[0].k != JV_STR) return err(c, e->line, "strftime_now() takes a format string%s%s", "", "");
+        char fmt[128], buf[512];
+        snprintf(fmt, sizeof fmt, "%.*s", (int)a[0].u.s.n, a[0].u.s.p);
+        const time_t now = time(NULL);
+        struct tm tm;
+        localtime_r(&now, &tm);
+        const size_t k = strftime(buf, sizeof buf, fmt, &tm);
+        *out = jv_str_copy(&c->a, buf, k);
+        return c->a.oom ? oom() : FM_OK;
+    }
     if (!strcmp(name, "raise_exception")) {
         jbuf b = {0};
         if (e->nargs) jv_to_text(&b, a[0]);
@@ -240,7 +316,8 @@ static fm_status call(jctx *c, const jexpr *e, jv *out) {
         return FM_OK;
     }
     return fm_error(FM_ERR_UNSUPPORTED, "chat template %s, line %d: unsupported function '%s' (the subset has "
-                    "namespace, range, raise_exception, dict and the methods of fm_jinja.h)", c->t->name, e->line, name);
+                    "the template's macros, namespace, range, raise_exception, dict, strftime_now and the methods of "
+                    "fm_jinja.h)", c->t->name, e->line, name);
 }
 
 static fm_status eval(jctx *c, const jexpr *e, jv *out) {
@@ -271,6 +348,7 @@ static fm_status eval(jctx *c, const jexpr *e, jv *out) {
         bool t;
         FM_TRY(eval(c, e->a, &x));
         FM_TRY(eval_args(c, e, a));
+        if (x.k == JV_UNDEF && e->a->k == E_NAME && is_function(c, e->a->name)) x = jv_bool(true); /* `f is defined` */
         FM_TRY(jv_test(c, e->name, x, a, e->nargs, e->line, &t));
         *out = jv_bool(t != e->negate);
         return FM_OK;
@@ -314,10 +392,8 @@ static fm_status eval(jctx *c, const jexpr *e, jv *out) {
     return err(c, e->line, "unknown expression%s%s", "", "");
 }
 
-static fm_status run_body(jctx *c, const jbody *b);
-
 static fm_status push_scope(jctx *c, int line) {
-    if (c->n_scope == MAX_SCOPES) return err(c, line, "for loops nested deeper than 60%s%s", "", "");
+    if (c->n_scope == MAX_SCOPES) return err(c, line, "for loops and macro calls nested deeper than 60%s%s", "", "");
     jv d = jv_dict(&c->a);
     if (!d.u.d) return oom();
     c->scope[c->n_scope++] = d.u.d;
@@ -408,6 +484,10 @@ static fm_status run_body(jctx *c, const jbody *b) {
             if (!jd_set(&c->a, ns.u.d, s->attr, strlen(s->attr), v)) return oom();
             break;
         }
+        case S_MACRO: /* defined from here on (a later one of the same name wins) */
+            if (c->n_macro == MAX_MACROS) return err(c, s->line, "more than 64 macros%s%s", "", "");
+            c->macro[c->n_macro++] = s;
+            break;
         case S_BREAK: c->ctl = 1; break;
         case S_CONTINUE: c->ctl = 2; break;
         }

@@ -89,7 +89,7 @@ typedef struct jexpr {
     int nargs;
 } jexpr;
 
-typedef enum { S_TEXT, S_OUT, S_IF, S_FOR, S_SET, S_SETATTR, S_BREAK, S_CONTINUE } skind;
+typedef enum { S_TEXT, S_OUT, S_IF, S_FOR, S_SET, S_SETATTR, S_BREAK, S_CONTINUE, S_MACRO } skind;
 
 typedef struct jbody { struct jstmt **s; int n, cap; } jbody;
 
@@ -97,11 +97,12 @@ typedef struct jstmt {
     skind k;
     int line;
     const char *text; size_t n; /* S_TEXT */
-    jexpr *e;                   /* S_OUT, S_IF (cond), S_FOR (iterable), S_SET / S_SETATTR (value) */
+    jexpr *e;                   /* S_OUT, S_IF (cond), S_FOR (iterable), S_SET / S_SETATTR (value); S_MACRO:
+                                   the parameters as a call's arguments (a name, or name=default) */
     jexpr *cond;                /* S_FOR: the `if` filter, or NULL */
-    const char *var, *var2;     /* S_FOR: targets (var2 NULL: one); S_SET: the name; S_SETATTR: ns name */
+    const char *var, *var2;     /* S_FOR: targets (var2 NULL: one); S_SET, S_MACRO: the name; S_SETATTR: ns name */
     const char *attr;           /* S_SETATTR: attribute */
-    jbody body, els;            /* S_IF: then / else; S_FOR: body / else */
+    jbody body, els;            /* S_IF: then / else; S_FOR: body / else; S_MACRO: body */
 } jstmt;
 
 struct fm_jinja {

@@ -617,6 +617,21 @@ static fm_status parse_stmt(parser *P, jstmt *s) {
         s->k = is_name(kw, "break") ? S_BREAK : S_CONTINUE;
         return end_tag(P);
     }
+    if (accept_name(P, "macro")) { /* {% macro name(a, b=default) %} ... {% endmacro %} */
+        s->k = S_MACRO;
+        FM_TRY(expect_name(P, &s->var));
+        if (!(s->e = node(P, E_CALL, s->line))) return fm_error(FM_ERR_NOMEM, "chat template: out of memory");
+        FM_TRY(expect_op(P, "("));
+        FM_TRY(parse_args(P, s->e));
+        for (int i = 0; i < s->e->nargs; i++)
+            if (!s->e->kw[i] && s->e->args[i]->k != E_NAME)
+                return perr(P, s->line, FM_ERR_FORMAT, "a macro's parameters are names, each with an optional = default");
+        FM_TRY(end_tag(P));
+        static const char *const ends[] = {"endmacro", NULL};
+        int w;
+        FM_TRY(parse_body(P, &s->body, ends, &w));
+        return end_tag(P);
+    }
     if (accept_name(P, "generation")) { /* transformers' assistant marker: its body, as an if true */
         FM_TRY(end_tag(P));
         s->k = S_IF;
@@ -629,8 +644,8 @@ static fm_status parse_stmt(parser *P, jstmt *s) {
     }
     char m[160];
     if (kw->t == T_NAME)
-        snprintf(m, sizeof m, "unsupported construct '{%% %.*s %%}' (the subset: if/elif/else, for, set, break, "
-                 "continue, generation)", (int)kw->n, kw->p);
+        snprintf(m, sizeof m, "unsupported construct '{%% %.*s %%}' (the subset: if/elif/else, for, set, macro, "
+                 "break, continue, generation)", (int)kw->n, kw->p);
     else snprintf(m, sizeof m, "expected a statement keyword after '{%%'");
     return perr(P, kw->line, kw->t == T_NAME ? FM_ERR_UNSUPPORTED : FM_ERR_FORMAT, m);
 }

@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -207,6 +208,20 @@ static fm_status parse_role_map(prep *p, const char *map) {
     return FM_OK;
 }
 
+/* The accepted role an unknown one most likely means (for the hint of the error), or NULL:
+ * another case of an accepted role, or a name other data sets use (OpenAI's developer and
+ * function, ShareGPT's human and gpt, Gemini's model, Llama 3.1's ipython). */
+static const char *likely_role(const char *r) {
+    static const char *const alias[][2] = {{"developer", "system"}, {"human", "user"}, {"gpt", "assistant"},
+                                           {"bot", "assistant"}, {"model", "assistant"}, {"ai", "assistant"},
+                                           {"function", "tool"}, {"ipython", "tool"}, {"observation", "tool"},
+                                           {"system", "system"}, {"user", "user"}, {"assistant", "assistant"},
+                                           {"tool", "tool"}};
+    for (size_t i = 0; i < sizeof alias / sizeof alias[0]; i++)
+        if (!strcasecmp(r, alias[i][0])) return alias[i][1];
+    return NULL;
+}
+
 /* The record's messages with the role map applied and the roles checked, as a new array (*out,
  * the caller deletes it); plain: each content must be a string (flatmoe's own form). */
 static fm_status chat_messages(prep *p, const cJSON *msgs, bool plain, const char *file, int64_t line, cJSON **out) {
@@ -243,10 +258,11 @@ static fm_status chat_messages(prep *p, const cJSON *msgs, bool plain, const cha
         int a = 0;
         while (accepted[a] && strcmp(accepted[a], role->valuestring)) a++;
         if (!accepted[a]) {
+            const char *to = likely_role(role->valuestring);
             fm_status s = fm_error(FM_ERR_FORMAT, "%s:%lld: messages[%d] has role \"%.100s\"; accepted: system, user, "
                                    "assistant, tool; rename or drop other roles with --role-map (e.g. --role-map "
-                                   "%.100s=assistant, or %.100s= to drop those messages)", file, (long long)line, k,
-                                   role->valuestring, role->valuestring, role->valuestring);
+                                   "%.100s=%s, or %.100s= to drop those messages)", file, (long long)line, k,
+                                   role->valuestring, role->valuestring, to ? to : "assistant", role->valuestring);
             cJSON_Delete(m);
             return s;
         }
@@ -299,10 +315,11 @@ static fm_status chat_template(prep *p, const cJSON *m, const cJSON *tools, cons
                                     MAX_SPANS, &ns);
     if (s) {
         fm_free(full);
-        if (s != FM_ERR_FORMAT && s != FM_ERR_ARG) return s;
+        if (s == FM_ERR_NOMEM) return s;
         char msg[1024]; /* fm_error formats into the buffer fm_errmsg reads */
         snprintf(msg, sizeof msg, "%s", fm_errmsg());
-        return fm_error(FM_ERR_FORMAT, "%s:%lld: %s", file, (long long)line, msg);
+        /* the record's line too: an unsupported construct met only on some records stays an error */
+        return fm_error(s == FM_ERR_UNSUPPORTED ? s : FM_ERR_FORMAT, "%s:%lld: %s", file, (long long)line, msg);
     }
     p->n_ids = 0;
     s = fm_tokenizer_encode_append(p->tok, full, n, &p->ids, &p->n_ids, &p->cap_ids);
@@ -395,10 +412,12 @@ static fm_status jsonl_file(prep *p, const char *file, const char *buf, size_t n
                 trailing = q < buf + e;
             }
             fm_status s;
-            if (!j || trailing)
-                s = fm_error(FM_ERR_FORMAT, "%s:%lld: malformed JSON%s; expected one JSON object per line%s", file,
-                             (long long)line, trailing ? " (text after the object)" : "",
+            if (!j || trailing) { /* cJSON's end: where parsing stopped (the error) or the object ended */
+                const long long col = end && end >= buf + i && end <= buf + e ? (long long)(end - (buf + i)) + 1 : 0;
+                s = fm_error(FM_ERR_FORMAT, "%s:%lld: malformed JSON %s column %lld; expected one JSON object per "
+                             "line%s", file, (long long)line, trailing ? "(text after the object) from" : "at", col,
                              p->o->skip_bad ? "" : " (--skip-bad-records skips such lines with a warning)");
+            }
             else s = record(p, j, file, line);
             cJSON_Delete(j);
             if (s == FM_ERR_FORMAT && p->o->skip_bad) { /* nothing of the record was written: checked first */
@@ -439,6 +458,9 @@ static fm_status run(prep *p) {
         FM_TRY(s);
     }
     FM_TRY(flush_shard(p));
+    if (p->st.tokens == 0 && p->st.bad_records)
+        return fm_error(FM_ERR_FORMAT, "prepare: every record was malformed (%lld skipped, each named above); no "
+                        "tokens were made: fix the records", (long long)p->st.bad_records);
     if (p->st.tokens == 0)
         return fm_error(FM_ERR_ARG, "prepare: the inputs hold no text (no tokens were made); give non-empty files");
     /* everything was written: the final names */
@@ -451,13 +473,28 @@ static fm_status run(prep *p) {
         p->renamed = k + 1;
         part_name(p, k, ".mask.part", from, sizeof from);
         part_name(p, k, ".mask", to, sizeof to);
-        if (!p->any_masked_form) unlink(from);
-        else if (rename(from, to) != 0)
+        if (!p->any_masked_form) {
+            unlink(from);
+            unlink(to); /* an earlier run's mask would be read with this shard */
+        } else if (rename(from, to) != 0)
             return fm_error(FM_ERR_IO, "%s: cannot rename %s to it: %s", to, from, strerror(errno));
         part_name(p, k, ".docs.part", from, sizeof from);
         part_name(p, k, ".docs", to, sizeof to);
         if (rename(from, to) != 0)
             return fm_error(FM_ERR_IO, "%s: cannot rename %s to it: %s", to, from, strerror(errno));
+    }
+    /* an earlier run's shards past the last one (with their sidecars) would be read with these
+     * by --data PREFIX_*.bin: removed */
+    for (int64_t k = p->st.shards;; k++) {
+        part_name(p, k, "", to, sizeof to);
+        struct stat sb;
+        if (stat(to, &sb) != 0) break;
+        unlink(to);
+        part_name(p, k, ".mask", to, sizeof to);
+        unlink(to);
+        part_name(p, k, ".docs", to, sizeof to);
+        unlink(to);
+        p->st.stale++;
     }
     return FM_OK;
 }

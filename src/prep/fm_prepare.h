@@ -31,6 +31,10 @@
  * runs on into the next shard starts that shard's index at 0, so it is cut there.
  * Every file is written under a ".part" name and renamed only after the whole input was read and
  * written without error; on any error the .part files are removed, so no partial output is left.
+ * On success the outputs of an earlier run with the same prefix that this one did not replace are
+ * removed (they would be read with the new shards): a .mask beside a shard that now has none, and
+ * the shards PREFIX_k.bin (with .mask, .docs) for k = the shards written, + 1, ... while they exist
+ * (counted in st->stale).
  */
 #ifndef FM_PREPARE_H
 #define FM_PREPARE_H
@@ -49,6 +53,7 @@ typedef struct fm_prepare_stats {
     int64_t no_loss;       /* chat / prompt records with no loss target */
     int64_t bad_records;   /* malformed records skipped (skip_bad) */
     int64_t dropped;       /* messages dropped by role_map */
+    int64_t stale;         /* shards of an earlier run past the last one written, removed */
     double seconds;        /* since the start */
     const char *file;      /* the file being read */
 } fm_prepare_stats;

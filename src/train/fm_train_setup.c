@@ -559,8 +559,9 @@ static fm_status setup_data_draw(run *r, const char *ckpt, int dp) {
                    r->data.mode == FM_PACK_OFF ? "the data's tokens per epoch" : "the packed batches of each epoch");
     }
     if (!o->quiet && r->rank == 0 && r->data.mode != FM_PACK_OFF)
-        fm_log(FM_LOG_INFO, "data: --pack %s: rows of %lld tokens filled with whole documents (%lld documents)%s\n",
-               fm_train_data_mode_name(r->data.mode), (long long)o->seq_len, (long long)r->train.n_docs,
+        fm_log(FM_LOG_INFO, "data: --pack %s: rows of %lld tokens filled with %s (%lld documents)%s\n",
+               fm_train_data_mode_name(r->data.mode), (long long)o->seq_len,
+               r->data.mode == FM_PACK_PAD ? "one whole document each" : "whole documents", (long long)r->train.n_docs,
                o->pack == FM_PACK_AUTO ? " (auto: the data has a document index and the run fine-tunes)" : "");
     return FM_OK;
 }
