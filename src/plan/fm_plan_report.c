@@ -148,6 +148,12 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     const fm_mesh_dims *m = &r->mesh;
     char flags[1200];
     fm_plan_train_flags(r, p, flags, sizeof flags);
+    if (x->library_host_bytes) { /* a session's own options, whose buffers the bounds below count */
+        size_t at = strlen(flags);
+        if (r->layout.rl_topk > 0 && at < sizeof flags)
+            at += (size_t)snprintf(flags + at, sizeof flags - at, " --logprobs-topk %lld", (long long)r->layout.rl_topk);
+        if (x->library_kv_bytes && at < sizeof flags) snprintf(flags + at, sizeof flags - at, " --kv-cache");
+    }
     const char *what = x->library_host_bytes ? "flatmoe_open flags" : "train flags"; /* plan --library: a session */
     if (fits) fprintf(f, "\n%s: %s", what, flags);
     else fprintf(f, "\n%s: none (this plan does not fit: see below)", what);
