@@ -87,6 +87,7 @@ static fm_status topk_read(flatmoe_session *s, const flatmoe_batch *b, int64_t k
 int flatmoe_logprobs_ex(flatmoe_session *s, const flatmoe_batch *b, float *logprobs, float *entropy,
                         int32_t *routed_experts, int64_t topk, float *topk_logprobs, int32_t *topk_ids) {
     if (!s || !logprobs) return fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: %s is NULL", s ? "logprobs" : "the session");
+    FM_TRY(fm_capi_awake(s, "flatmoe_logprobs_ex"));
     if (topk < 0 || topk > s->topk_max)
         return fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: topk %lld; expected 0 .. %lld (the session's --logprobs-topk); "
                         "open the session with --logprobs-topk %lld or more", (long long)topk, (long long)s->topk_max,
