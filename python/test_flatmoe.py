@@ -13,8 +13,9 @@ Exit 77 (skipped) where numpy is not importable. Checks, each against something 
     equals the saved model.safetensors rounded to bf16 (numpy's own rounding), no bucket over its size;
   - generate is deterministic per seed and its log-probs equal logprobs on prompt + completion;
   - sleep refuses log-probs until wake, after which they are the same bit for bit;
-  - a step with a non-finite gradient norm is refused (the weights unchanged); --init-from, save, --ckpt
-    continues bit for bit (the fine-tuning defaults restored);
+  - a step with a non-finite gradient norm is refused (the weights unchanged); the binding refuses arrays
+    a cast would change (int64 ids over int32, float ids, a mask not 0/1), unknown loss/agg/kl names, and
+    a closed session; --init-from, save, --ckpt continues bit for bit (the fine-tuning defaults restored);
     --moe-router-bias-update-rate is refused (a session's step does not move the bias); a second session at
     another --threads leaves the first's log-probs bit for bit (each call runs at its session's count)."""
 import json
@@ -190,6 +191,23 @@ with tempfile.TemporaryDirectory() as d:
             check(e.code == 6 and "not updated" in str(e) and "entropy_coef" in str(e) and "checkpoint" not in str(e),
                   f"the non-finite gradient: {e}")
         check(np.array_equal(s2.logprobs(toks, lens, entropy=False), lp_saved), "a refused step changed the weights")
+        # the binding refuses what a cast to the C types would change silently
+        for what, kw in (("tokens", {"tokens": np.where(np.arange(n) == 2, 2**32 + 5, toks.astype(np.int64))}),
+                         ("tokens", {"tokens": toks + 0.5}), ("seq_lens", {"seq_lens": lens.astype(np.float64)}),
+                         ("loss_mask", {"loss_mask": np.full(n, 0.5)}), ("loss_mask", {"loss_mask": np.full(n, 256)}),
+                         ("routed_experts", {"routed_experts": routes.astype(np.int64) + 2**32}),
+                         ("kl", {"kl": "k2"}), ("agg", {"agg": "sum"}), ("loss", {"loss": "ppo"})):
+            args = {"tokens": toks, "seq_lens": lens, **kw}
+            try:
+                s2.train_step(args.pop("tokens"), args.pop("seq_lens"), **args)
+                check(False, f"{what} {kw} was accepted")
+            except ValueError as e:
+                check(str(e).startswith(what + ":") and "expected" in str(e), f"{what}: {e}")
+    try:
+        s2.logprobs(toks, lens)
+        check(False, "a closed session was used")
+    except flatmoe.FlatmoeError as e:
+        check("closed" in str(e), f"closed: {e}")
     # --init-from, save, --ckpt with the same other options: the fine-tuning defaults it took (--warmup 0,
     # --weight-decay 0, --min-lr 0) come back from the checkpoint, so the run continues bit for bit
     ft = ["--seq-len", "16", "--micro-batch", "13", "--threads", "2", "--ce-block-tokens", "32", "--ce-block-vocab", "40",
