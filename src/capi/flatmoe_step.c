@@ -19,6 +19,10 @@ static fm_status check_batch(const flatmoe_batch *b, int64_t B, int64_t T, int64
         return fm_error(FM_ERR_ARG, "batch: %lld tokens, over the session's token budget of %lld (--micro-batch %lld x "
                         "--seq-len %lld, the plan's shape); split the batch, or open the session with a larger "
                         "--micro-batch", (long long)b->n_tokens, (long long)budget, (long long)B, (long long)T);
+    if (b->n_seqs > b->n_tokens) /* before reading seq_lens: a garbage n_seqs must not walk past the array */
+        return fm_error(FM_ERR_ARG, "batch: n_seqs %lld is more than n_tokens %lld; expected n_seqs <= n_tokens (every "
+                        "sequence has >= 1 token): n_seqs is the length of seq_lens", (long long)b->n_seqs,
+                        (long long)b->n_tokens);
     int64_t sum = 0;
     for (int64_t i = 0; i < b->n_seqs; i++) {
         const int64_t l = b->seq_lens[i];

@@ -98,7 +98,7 @@ fm_status fm_capi_kv_check(const flatmoe_session *s);
 fm_status fm_capi_kv_pass(flatmoe_session *s, const int32_t *tok, int64_t n);
 
 /* The batch validator and packer, callable without a model (fuzz/fuzz_rlbatch.c drives it with
- * untrusted batches): checks b (n_tokens in 1 .. B x T, n_seqs >= 1, tokens and seq_lens set, each
+ * untrusted batches): checks b (n_tokens in 1 .. B x T, n_seqs in 1 .. n_tokens before seq_lens is read, tokens and seq_lens set, each
  * seq_lens[i] in 1 .. T summing to n_tokens, every token in [0, V); the per-token float arrays are
  * not read), then packs its sequences first fit, in order, into B rows of T positions (B, T >= 1;
  * asserted): fb's tokens, targets, pos and doc_start [B*T] int32 (model/fm_batch.h; padding is a
