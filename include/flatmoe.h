@@ -273,9 +273,9 @@ int flatmoe_train_step(flatmoe_session *s, const flatmoe_batch *b, const flatmoe
  * the run spec: the options the session was opened with) and the tokenizer files of --init-from's
  * folder when it has them. Atomic: written as DIR/.tmp.step_NNNNNN/ and renamed when complete (an
  * existing step_NNNNNN is replaced only then); DIR is created if missing. A session opened with
- * --ckpt DIR (the run folder: its latest step) or --ckpt DIR/step_NNNNNN, and the same other options
- * or none (the saved run spec gives those not given), continues bit for bit as if it had not
- * stopped. Errors: FLATMOE_ERR_ARG (dir NULL or empty),
+ * --ckpt DIR (the run folder: its latest step) or --ckpt DIR/step_NNNNNN (the saved run spec gives
+ * the options not given again; the invocation's --logprobs-topk, --kv-cache, --ep, --zero are not
+ * saved: given again) continues bit for bit as if it had not stopped. Errors: FLATMOE_ERR_ARG (dir NULL or empty),
  * FLATMOE_ERR_IO naming the path (nothing of an earlier checkpoint is lost), FLATMOE_ERR_NOMEM. */
 int flatmoe_save(flatmoe_session *s, const char *dir);
 

@@ -51,9 +51,10 @@ static fm_status resolve_ckpt(const char *dir, char *out, size_t cap) {
  * itself (the rows fm_spec_restore_json leaves to it). So the options an --init-from session took
  * from the fine-tuning defaults (--lr 2e-5, --min-lr 0, --weight-decay 0, --warmup 0) stay: the
  * same other options continue the run bit for bit. Not restored: a `train` run's --data and
- * --val-data (a session takes no files) and --grad-accum (a session's step is one batch). A
- * checkpoint without a readable state.json or a "spec" restores nothing (the loader names what is
- * wrong). Errors: fm_spec_restore_json's (FM_ERR_FORMAT naming the file and field), FM_ERR_NOMEM. */
+ * --val-data (a session takes no files) and --grad-accum (a session's step is one batch); the
+ * invocation's flags are not saved (--logprobs-topk, --kv-cache, --ep, --zero, --quiet: given
+ * again). A checkpoint without a readable state.json or a "spec" restores nothing (the loader
+ * names what is wrong). Errors: fm_spec_restore_json's (FM_ERR_FORMAT naming the file and field), FM_ERR_NOMEM. */
 static fm_status restore_run_spec(flatmoe_session *s, const char *ckpt_dir) {
     static const char *const kept[] = {"lr", "min-lr", "warmup", "steps", "seq-len", "micro-batch", "threads", NULL};
     char path[4200];
