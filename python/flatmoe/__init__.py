@@ -225,6 +225,7 @@ class Session:
         h = ctypes.c_void_p()
         _check(lib.flatmoe_open(ctypes.byref(h), len(enc), argv))
         self._h = h
+        self._n_ranks = self.info["n_ranks"]
         _sessions.add(self)
 
     @property
@@ -279,6 +280,17 @@ class Session:
         b = _Batch(n, _ptr(keep[0]), keep[1].shape[0], _ptr(keep[1]), *[_ptr(a) for a in keep[2:]])
         return b, keep
 
+    def _refuse_together(self, train):
+        """Many ranks: a call this binding refuses (ValueError) still takes part in the library's agreement
+        (an empty batch, which the library refuses), so the other ranks return "1 of the ranks refused"
+        instead of waiting in the collective; one rank: nothing."""
+        if self._n_ranks > 1:
+            empty, out = _Batch(), np.empty(1, np.float32)
+            if train:
+                _lib.flatmoe_train_step(self._live, ctypes.byref(empty), ctypes.byref(_LossSpec()), None)
+            else:
+                _lib.flatmoe_logprobs_ex(self._live, ctypes.byref(empty), _ptr(out), None, None, 0, None, None)
+
     def logprobs(self, tokens, seq_lens, entropy=True, routes=False, routed_experts=None, topk=0):
         """Per-token log-probs (and entropies) [N] float32 of the packed sequences; 0 at each first token.
         routes=True also returns the experts each token was routed to, int32 [N, num_moe_layers, top_k]
@@ -286,7 +298,11 @@ class Session:
         topk=k (<= the session's --logprobs-topk) also returns the k largest log-probs float32 [N, k] and
         their token ids int32 [N, k] (-inf and -1 at each first token).
         Returns lp, then ent, routes, topk log-probs, topk ids, each only when asked for."""
-        b, keep = self._batch(tokens, seq_lens, routed_experts=routed_experts)
+        try:
+            b, keep = self._batch(tokens, seq_lens, routed_experts=routed_experts)
+        except ValueError:
+            self._refuse_together(False)
+            raise
         lp = np.empty(b.n_tokens, np.float32)
         ent = np.empty(b.n_tokens, np.float32) if entropy else None
         rt = np.empty(self._routes_shape(b.n_tokens), np.int32) if routes else None
@@ -303,10 +319,14 @@ class Session:
         """One optimizer step; returns the step's statistics as a dict (flatmoe_step_stats).
         routed_experts: int32 [N, num_moe_layers, top_k], the routes to replay (R3), or None.
         entropy_coef: the entropy bonus c (l_t -= c H_t; verl's entropy_coeff)."""
-        b, keep = self._batch(tokens, seq_lens, loss_mask, advantages, old_logprobs, rollout_logprobs, ref_logprobs,
-                              routed_experts)
-        spec = _LossSpec(_choice(_LOSS, loss, "loss"), _choice(_AGG, agg, "agg"), clip_low, clip_high, clip_dual,
-                         tis_cap, _choice(_KL, kl, "kl"), kl_coef, entropy_coef)
+        try:
+            b, keep = self._batch(tokens, seq_lens, loss_mask, advantages, old_logprobs, rollout_logprobs,
+                                  ref_logprobs, routed_experts)
+            spec = _LossSpec(_choice(_LOSS, loss, "loss"), _choice(_AGG, agg, "agg"), clip_low, clip_high, clip_dual,
+                             tis_cap, _choice(_KL, kl, "kl"), kl_coef, entropy_coef)
+        except ValueError:
+            self._refuse_together(True)
+            raise
         st = _Stats()
         _check(_lib.flatmoe_train_step(self._live, ctypes.byref(b), ctypes.byref(spec), ctypes.byref(st)))
         return {n: getattr(st, n) for n, _ in _Stats._fields_}

@@ -150,9 +150,11 @@ fm_status fm_capi_forward(flatmoe_session *s, const flatmoe_batch *b) {
 }
 
 int flatmoe_logprobs(flatmoe_session *s, const flatmoe_batch *b, float *logprobs, float *entropy) {
-    if (!s || !logprobs) return fm_error(FM_ERR_ARG, "flatmoe_logprobs: %s is NULL", s ? "logprobs" : "the session");
+    if (!s) return fm_error(FM_ERR_ARG, "flatmoe_logprobs: the session is NULL");
     FM_TRY(fm_capi_awake(s, "flatmoe_logprobs"));
-    FM_TRY(fm_capi_agree(s, fm_capi_pack(s, b, true), "flatmoe_logprobs")); /* many ranks: each its own batch */
+    const fm_status ok = logprobs ? fm_capi_pack(s, b, true) /* a refusing rank still joins the agreement */
+                                  : fm_error(FM_ERR_ARG, "flatmoe_logprobs: logprobs is NULL; pass an [n_tokens] fp32 array");
+    FM_TRY(fm_capi_agree(s, ok, "flatmoe_logprobs")); /* many ranks: each its own batch */
     fm_capi_call_begin(s, b, false, false);
     const fm_status st = fm_capi_forward(s, b);
     fm_capi_call_end(s);
@@ -206,7 +208,9 @@ static fm_status grads_in_call(flatmoe_session *s, const flatmoe_batch *b, const
 fm_status fm_capi_grads(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_loss_spec *spec,
                         flatmoe_step_stats *st) {
     memset(st, 0, sizeof *st);
-    fm_status ok = fm_capi_pack(s, b, false); /* targets where the next token is in the loss: train's targets */
+    fm_status ok = spec ? fm_capi_pack(s, b, false) /* targets where the next token is in the loss: train's targets */
+                        : fm_error(FM_ERR_ARG, "flatmoe_train_step: spec is NULL; pass a flatmoe_loss_spec "
+                                   "(flatmoe_loss_spec_default())");
     if (ok == FM_OK) ok = fm_pg_check(spec, b, b->n_tokens, s->in_loss); /* the spec and its arrays, before any model work */
     FM_TRY(fm_capi_agree(s, ok, "flatmoe_train_step")); /* many ranks: every rank's batch accepted, or none runs */
     fm_capi_call_begin(s, b, true, spec->entropy_coef != 0);
@@ -217,7 +221,7 @@ fm_status fm_capi_grads(flatmoe_session *s, const flatmoe_batch *b, const flatmo
 
 int flatmoe_train_step(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_loss_spec *spec,
                        flatmoe_step_stats *out) {
-    if (!s || !spec) return fm_error(FM_ERR_ARG, "flatmoe_train_step: %s is NULL", s ? "spec" : "the session");
+    if (!s) return fm_error(FM_ERR_ARG, "flatmoe_train_step: the session is NULL");
     FM_TRY(fm_capi_awake(s, "flatmoe_train_step"));
     flatmoe_step_stats st;
     FM_TRY(fm_capi_grads(s, b, spec, &st));
