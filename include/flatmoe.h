@@ -50,14 +50,20 @@ const char *flatmoe_last_error(void);
  * (src/run/fm_spec_flags.c) with train's defaults (and, with --init-from, its fine-tuning
  * defaults). The model comes from one of:
  *   --init-from DIR   a Hugging Face folder (config.json, model.safetensors or its index)
- *   --ckpt DIR        a flatmoe checkpoint (or run folder: its latest), optimizer state included
+ *   --ckpt DIR        a flatmoe checkpoint (or run folder: its latest), optimizer state included;
+ *                     every flag not given again takes the run's value (state.json's spec, as
+ *                     `train --resume`; not --data, --val-data, --grad-accum), so an --init-from
+ *                     session's fine-tuning defaults and its schedule come back with it
  *   --config FILE     a config.json, weights drawn from --seed
  * The token budget of a batch is --micro-batch x --seq-len (the plan's shape). The vocabulary
  * projection is the linear cross-entropy (--ce-block-tokens/--ce-block-vocab: given, or 1024 x
  * 4096). --backend cpu|cuda, when given, must be this library's backend. The plan is made and
  * checked (against --mem-budget, or the GPU's free memory) before anything is allocated, with
  * train's refusal messages. Not in this slice (FLATMOE_ERR_UNSUPPORTED or FLATMOE_ERR_ARG, named):
- * --vocab-parallel ring, --sp, --zero 3, plain logits (--ce-block-tokens 0 --ce-block-vocab 0).
+ * --vocab-parallel ring, --sp, --zero 3, plain logits (--ce-block-tokens 0 --ce-block-vocab 0),
+ * --moe-router-bias-update-rate other than 0 (a session's step does not move the bias). Every call
+ * that runs the model sets the process's OpenMP and OpenBLAS thread counts to the session's
+ * --threads first (process-wide: another session's count does not change this one's results).
  * *out gets the session (NULL on error). Its log lines (the plan, the weights loaded; none with
  * --quiet) go to the callback of flatmoe_set_log, or nowhere.
  * --logprobs-topk K (0 .. FLATMOE_TOPK_MAX, default 0; a flag-table row that `flatmoe train` refuses
@@ -267,9 +273,9 @@ int flatmoe_train_step(flatmoe_session *s, const flatmoe_batch *b, const flatmoe
  * the run spec: the options the session was opened with) and the tokenizer files of --init-from's
  * folder when it has them. Atomic: written as DIR/.tmp.step_NNNNNN/ and renamed when complete (an
  * existing step_NNNNNN is replaced only then); DIR is created if missing. A session opened with
- * --ckpt DIR (the run folder: its latest step) or --ckpt DIR/step_NNNNNN and the same options (less
- * --init-from or --config: the checkpoint gives the model)
- * continues bit for bit as if it had not stopped. Errors: FLATMOE_ERR_ARG (dir NULL or empty),
+ * --ckpt DIR (the run folder: its latest step) or --ckpt DIR/step_NNNNNN (the saved run spec gives
+ * the options not given again; the invocation's --logprobs-topk, --kv-cache, --ep, --zero are not
+ * saved: given again) continues bit for bit as if it had not stopped. Errors: FLATMOE_ERR_ARG (dir NULL or empty),
  * FLATMOE_ERR_IO naming the path (nothing of an earlier checkpoint is lost), FLATMOE_ERR_NOMEM. */
 int flatmoe_save(flatmoe_session *s, const char *dir);
 

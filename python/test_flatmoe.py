@@ -12,7 +12,12 @@ Exit 77 (skipped) where numpy is not importable. Checks, each against something 
   - save, then a --ckpt session gives the same log-probs bit for bit; export_weights reassembled
     equals the saved model.safetensors rounded to bf16 (numpy's own rounding), no bucket over its size;
   - generate is deterministic per seed and its log-probs equal logprobs on prompt + completion;
-  - sleep refuses log-probs until wake, after which they are the same bit for bit."""
+  - sleep refuses log-probs until wake, after which they are the same bit for bit;
+  - a step with a non-finite gradient norm is refused (the weights unchanged); the binding refuses arrays
+    a cast would change (int64 ids over int32, float ids, a mask not 0/1), unknown loss/agg/kl names, and
+    a closed session; --init-from, save, --ckpt continues bit for bit (the fine-tuning defaults restored);
+    --moe-router-bias-update-rate is refused (a session's step does not move the bias); a second session at
+    another --threads leaves the first's log-probs bit for bit (each call runs at its session's count)."""
 import json
 import math
 import os
@@ -171,12 +176,68 @@ with tempfile.TemporaryDirectory() as d:
             s.logprobs(toks, lens)
             check(False, "logprobs while asleep")
         except flatmoe.FlatmoeError as e:
-            check("asleep" in str(e), f"asleep: {e}")
+            check("flatmoe_logprobs" in str(e) and "asleep" in str(e), f"asleep, the call named: {e}")
         s.wake()
         check(np.array_equal(s.logprobs(toks, lens, entropy=False), lp_saved), "log-probs after sleep and wake")
     with flatmoe.Session("--ckpt", run, *opts[2:]) as s2:
         check(s2.info["step"] == steps_taken, f"--ckpt step {s2.info['step']}, saved at {steps_taken}")
         check(np.array_equal(s2.logprobs(toks, lens, entropy=False), lp_saved), "--ckpt session's log-probs differ")
+        # a step whose gradient overflows (entropy_coef 1e300: finite, its fp32 token weights not) is
+        # refused in the library's words, and leaves the weights as they were
+        try:
+            s2.train_step(toks, lens, entropy_coef=1e300)
+            check(False, "a non-finite gradient norm was accepted")
+        except flatmoe.FlatmoeError as e:
+            check(e.code == 6 and "not updated" in str(e) and "entropy_coef" in str(e) and "checkpoint" not in str(e),
+                  f"the non-finite gradient: {e}")
+        check(np.array_equal(s2.logprobs(toks, lens, entropy=False), lp_saved), "a refused step changed the weights")
+        # the binding refuses what a cast to the C types would change silently
+        for what, kw in (("tokens", {"tokens": np.where(np.arange(n) == 2, 2**32 + 5, toks.astype(np.int64))}),
+                         ("tokens", {"tokens": toks + 0.5}), ("seq_lens", {"seq_lens": lens.astype(np.float64)}),
+                         ("loss_mask", {"loss_mask": np.full(n, 0.5)}), ("loss_mask", {"loss_mask": np.full(n, 256)}),
+                         ("routed_experts", {"routed_experts": routes.astype(np.int64) + 2**32}),
+                         ("kl", {"kl": "k2"}), ("agg", {"agg": "sum"}), ("loss", {"loss": "ppo"})):
+            args = {"tokens": toks, "seq_lens": lens, **kw}
+            try:
+                s2.train_step(args.pop("tokens"), args.pop("seq_lens"), **args)
+                check(False, f"{what} {kw} was accepted")
+            except ValueError as e:
+                check(str(e).startswith(what + ":") and "expected" in str(e), f"{what}: {e}")
+    try:
+        s2.logprobs(toks, lens)
+        check(False, "a closed session was used")
+    except flatmoe.FlatmoeError as e:
+        check("closed" in str(e), f"closed: {e}")
+    # --init-from, save, --ckpt with the same other options: the fine-tuning defaults it took (--warmup 0,
+    # --weight-decay 0, --min-lr 0) come back from the checkpoint, so the run continues bit for bit
+    ft = ["--seq-len", "16", "--micro-batch", "13", "--threads", "2", "--ce-block-tokens", "32", "--ce-block-vocab", "40",
+          "--lr", "3e-3", "--quiet"]
+    with flatmoe.Session("--init-from", ck, *ft) as a:
+        for _ in range(2):
+            a.train_step(toks, lens)
+        lp_two = a.logprobs(toks, lens, entropy=False)
+    with flatmoe.Session("--init-from", ck, *ft) as b:
+        b.train_step(toks, lens)
+        b.save(os.path.join(d, "ft"))
+    with flatmoe.Session("--ckpt", os.path.join(d, "ft"), *ft) as c:
+        c.train_step(toks, lens)
+        check(np.array_equal(c.logprobs(toks, lens, entropy=False), lp_two),
+              "--init-from, save, --ckpt, step differs from two steps (the fine-tuning defaults lost at --ckpt?)")
+    # two sessions at --threads 2 and 1 (OpenMP's and the BLAS's counts are process-wide; the CPU results depend
+    # on them at 4 rows of 32 here: 4.8e-7): each call runs at its own session's count
+    two = ["--config", cfg, "--seq-len", "32", "--micro-batch", "4", "--seed", "5", "--quiet"]
+    t32 = np.random.default_rng(4).integers(0, 100, 128).astype(np.int32)
+    with flatmoe.Session(*two, "--threads", "2") as a:
+        lp_a = a.logprobs(t32, [32] * 4, entropy=False)
+        with flatmoe.Session(*two, "--threads", "1") as b:
+            b.logprobs(t32, [32] * 4, entropy=False)
+            check(np.array_equal(a.logprobs(t32, [32] * 4, entropy=False), lp_a),
+                  "a session at --threads 1 changed the log-probs of one at --threads 2")
+    try:  # a session's step does not move e_score_correction_bias: refused, not ignored
+        flatmoe.Session("--config", cfg, "--seq-len", "16", "--moe-router-bias-update-rate", "1e-3", "--quiet")
+        check(False, "--moe-router-bias-update-rate was accepted")
+    except flatmoe.FlatmoeError as e:
+        check(e.code == 7 and "--moe-router-bias-update-rate" in str(e), f"bias update rate: {e}")
     try:
         flatmoe.Session("--config", cfg, "--no-such-flag", "1")
         check(False, "an unknown option was accepted")

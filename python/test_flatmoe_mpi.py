@@ -5,7 +5,9 @@ initializes MPI: no mpi4py here), takes its share of one batch of 8 packed seque
 --micro-batch 4/W, and writes OUT/py_rank<q>.txt: its log-probs under their global token index, then
 the statistics of one SFT and one PG step (the global terms, the same on every rank). The module
 finalizes MPI at exit (flatmoe.finalize: the library initialized it); mpirun fails the run when a
-rank exits without finalizing. The script compares W ranks with one rank."""
+rank exits without finalizing. The script compares W ranks with one rank. At W > 1, a batch the binding
+refuses on one rank only (ValueError) makes the others raise FlatmoeError ("1 of the ranks refused")
+instead of waiting in the collective."""
 import os
 import sys
 
@@ -39,5 +41,15 @@ with open(os.path.join(out, f"py_rank{q}.txt"), "w") as f:
         f.write(f"lp {t0 + t} {v:.9g}\n")
     for k, st in ((1, st1), (2, st2)):
         f.write(f"stats {k} {st['loss']:.17g} {st['grad_norm']:.17g} {st['n_loss_tokens']} {st['n_loss_seqs']}\n")
+if W > 1:  # a batch the binding refuses on the last rank only (a mask of 0.5): every rank raises, none waits
+    bad = mask.astype(np.float32) * (0.5 if q == W - 1 else 1.0)
+    try:
+        s.train_step(mine, my_lens, loss_mask=bad)
+        raise SystemExit(f"rank {q}: a refused batch stepped")
+    except ValueError as e:
+        assert q == W - 1 and "loss_mask" in str(e), (q, e)
+    except flatmoe.FlatmoeError as e:
+        assert q != W - 1 and "1 of the" in str(e), (q, e)
+    s.logprobs(mine, my_lens)  # the next call runs
 s.close()
 print(f"test_flatmoe_mpi rank {q} of {W}: ok")

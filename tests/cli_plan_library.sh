@@ -7,7 +7,8 @@
 #    (fm_capi_host_bytes) gives, so plan and session agree through it;
 #  - the vocabulary set holds the RL head's buffers: larger than train's plan with the same blocks;
 #  - plan without --library refuses --kv-cache and --logprobs-topk naming --library; train refuses
-#    --library (a plan-only flag); the text report prints the host line and no launch line.
+#    --library (a plan-only flag); the text report prints the host line and no launch line, and its
+#    flatmoe_open flags carry --logprobs-topk and --kv-cache when given (the buffers the bounds count).
 source "$(dirname "$0")/lib_cli.sh"
 CFG="$ROOT/tests/data/micro.json"
 P=(plan --config "$CFG" --seq-len 64 --micro-batch 2 --ce-block-tokens 32 --ce-block-vocab 64)
@@ -48,6 +49,9 @@ vl=$("$FM" "${P[@]}" --library --json 2>/dev/null | python3 -c 'import json,sys;
 out=$("$FM" "${P[@]}" --library --kv-cache 2>&1)
 grep -q "^library host scratch: .* of it the KV cache" <<<"$out" && ok || bad "no library host line: $out"
 grep -q "^flatmoe_open flags: " <<<"$out" && ! grep -q "^launch:" <<<"$out" && ok || bad "session flags / launch line: $out"
+# the session's own options are in its flags line (the bounds above count their buffers): copied, they open it
+out=$("$FM" "${P[@]}" --library --logprobs-topk 4 --kv-cache 2>&1)
+grep -q "^flatmoe_open flags: .* --logprobs-topk 4 --kv-cache$" <<<"$out" && ok || bad "--logprobs-topk/--kv-cache not in the flags: $out"
 expect_fail "plan --kv-cache without --library" "flatmoe plan --library" "$FM" "${P[@]}" --kv-cache
 expect_fail "plan --logprobs-topk without --library" "flatmoe plan --library" "$FM" "${P[@]}" --logprobs-topk 2
 expect_fail "train --library" "--library" "$FM" train --config "$CFG" --data "$TEXT" --steps 1 --library --out "$TMP/t"

@@ -1,5 +1,7 @@
 /* libflatmoe (include/flatmoe.h, docs/rl.md) on a micro config, CPU:
  *  - flatmoe_open's refusals (unknown option, no model, plain logits, over the token budget);
+ *    a batch's: over the budget, a sequence longer than a row, rows that do not pack, a token out of
+ *    the vocabulary, n_seqs over n_tokens (refused before seq_lens is read past its end);
  *  - flatmoe_logprobs against the evaluation forward's per-token loss (`flatmoe eval`'s path, the
  *    same linear-CE blocks): bit for bit, by construction; entropy and log-probs against fp64 logits;
  *  - the loss coefficients of every mode against a plain fp64 reference written in verl's form,
@@ -108,6 +110,10 @@ static void test_refusals(void) {
     b.seq_lens = &l4;
     CHECK(flatmoe_logprobs(s, &b, lp, NULL) == FLATMOE_ERR_ARG);
     CHECK_MSG(strstr(flatmoe_last_error(), "tokens[3]") != NULL, "%s", flatmoe_last_error());
+    b.n_seqs = 1000000; /* a garbage n_seqs past the one-entry seq_lens: refused before it is read (ASan) */
+    CHECK(flatmoe_logprobs(s, &b, lp, NULL) == FLATMOE_ERR_ARG);
+    CHECK_MSG(strstr(flatmoe_last_error(), "n_seqs 1000000 is more than n_tokens 4") != NULL, "%s",
+              flatmoe_last_error());
     flatmoe_close(s);
 }
 

@@ -9,7 +9,8 @@
  * export (rank 0 writes OUT/export.idx and OUT/export.bin). OUT/rank<q>.txt gets each value under
  * its GLOBAL token index, so tests/capi_mpi_compare.py compares a W-rank run with the one-rank
  * run line by line. At W > 1 it also checks here: flatmoe_generate and flatmoe_sleep refused
- * (FLATMOE_ERR_UNSUPPORTED); a batch refused on the last rank only makes every rank return an
+ * (FLATMOE_ERR_UNSUPPORTED); a batch refused on the last rank only (or an argument: topk over
+ * the session's K, a NULL spec) makes every rank return an
  * error (that rank its own, naming the token; the others how many ranks refused) and the next
  * call runs normally (no rank left waiting in a collective). Exit 0 when every check here
  * passed; the comparison is the script's. */
@@ -122,6 +123,17 @@ static void refusals(flatmoe_session *s, const share *sh, int rank, int W) {
     else CHECK(strstr(flatmoe_last_error(), "1 of the") != NULL, "%s", flatmoe_last_error());
     const flatmoe_loss_spec spec = flatmoe_loss_spec_default();
     CHECK(flatmoe_train_step(s, &b, &spec, NULL) == FLATMOE_ERR_ARG, "rank %d: a refused batch stepped", rank);
+    /* an argument refused on the last rank only (topk over the session's K = 0; a NULL spec): the others
+     * return too, not wait in the collective */
+    const flatmoe_batch good = batch_of(sh);
+    static float tl[NTOK];
+    static int32_t ti[NTOK];
+    CHECK(flatmoe_logprobs_ex(s, &good, lp, NULL, NULL, rank == W - 1, tl, ti) == FLATMOE_ERR_ARG,
+          "rank %d: a refused topk passed", rank);
+    if (rank == W - 1) CHECK(strstr(flatmoe_last_error(), "topk 1") != NULL, "%s", flatmoe_last_error());
+    else CHECK(strstr(flatmoe_last_error(), "1 of the") != NULL, "%s", flatmoe_last_error());
+    CHECK(flatmoe_train_step(s, &good, rank == W - 1 ? NULL : &spec, NULL) == FLATMOE_ERR_ARG,
+          "rank %d: a NULL spec on one rank stepped", rank);
 }
 
 int main(int argc, char **argv) {

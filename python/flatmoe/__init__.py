@@ -157,14 +157,54 @@ def _check(rc):
         raise FlatmoeError(rc, _lib.flatmoe_last_error().decode("utf-8", "replace"))
 
 
+def _conv(x, dtype, name):
+    """x as a C-contiguous array of dtype, refusing what a cast would change silently: integer arrays
+    (tokens, seq_lens, routes) must hold integers in dtype's range, loss_mask only 0 and 1, float arrays
+    real numbers (ValueError naming the input, the value found and the fix)."""
+    a = np.asarray(x)
+    if a.size == 0:
+        return np.ascontiguousarray(a, dtype=dtype)
+    k = a.dtype.kind
+    if dtype is np.uint8:  # loss_mask: bool, or 0/1 in any real dtype (e.g. verl's float response_mask)
+        if k not in "biuf":
+            raise ValueError(f"{name}: expected 0 or 1 per token (bool, int or float), found dtype {a.dtype}")
+        bad = np.flatnonzero(~((a == 0) | (a == 1)).reshape(-1))
+        if bad.size:
+            raise ValueError(f"{name}: expected 0 or 1 per token (bool, int or float), found {a.reshape(-1)[bad[0]]!r} "
+                             f"at index {int(bad[0])}; pass (mask != 0) for a mask of other values")
+    elif np.issubdtype(dtype, np.integer):
+        if k not in "iu":
+            raise ValueError(f"{name}: expected integers, found dtype {a.dtype}; pass an integer array (a float array "
+                             f"would be truncated)")
+        lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max
+        if a.min() < lo or a.max() > hi:
+            i = int(np.flatnonzero((a.reshape(-1) < lo) | (a.reshape(-1) > hi))[0])
+            raise ValueError(f"{name}: expected integers within {np.dtype(dtype).name} ({lo} .. {hi}), found "
+                             f"{int(a.reshape(-1)[i])} at index {i}; the library reads {np.dtype(dtype).name}, so it would "
+                             f"see another number")
+    elif k not in "biuf":
+        raise ValueError(f"{name}: expected real numbers, found dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
 def _arr(x, dtype, n, name):
-    """x as a C-contiguous array of dtype and length n (None stays None); kept alive by the caller."""
+    """x as a C-contiguous array of dtype and length n (None stays None; n None: its own length); kept
+    alive by the caller."""
     if x is None:
         return None
-    a = np.ascontiguousarray(x, dtype=dtype)
-    if a.ndim != 1 or a.shape[0] != n:
-        raise ValueError(f"{name}: expected a 1-d array of {n} entries, found shape {a.shape}")
+    a = _conv(x, dtype, name)
+    if a.ndim != 1 or (n is not None and a.shape[0] != n):
+        want = "a 1-d array" + (f" of {n} entries" if n is not None else "")
+        raise ValueError(f"{name}: expected {want}, found {'a scalar' if a.ndim == 0 else f'shape {a.shape}'}")
     return a
+
+
+def _choice(table, value, name):
+    """table[value], or a ValueError naming the input, the choices and the value found."""
+    try:
+        return table[value]
+    except (KeyError, TypeError):
+        raise ValueError(f"{name}: expected one of {', '.join(repr(k) for k in table)}, found {value!r}") from None
 
 
 def _ptr(a):
@@ -185,7 +225,17 @@ class Session:
         h = ctypes.c_void_p()
         _check(lib.flatmoe_open(ctypes.byref(h), len(enc), argv))
         self._h = h
+        self._n_ranks = self.info["n_ranks"]
         _sessions.add(self)
+
+    @property
+    def _live(self):
+        """The library's handle; FlatmoeError once closed."""
+        h = getattr(self, "_h", None)
+        if not h:
+            raise FlatmoeError(1, "Session: this session is closed (close(), or its with-block ended); open a new "
+                                  "Session")
+        return h
 
     def close(self):
         if getattr(self, "_h", None):
@@ -204,7 +254,7 @@ class Session:
     @property
     def info(self):
         i = _Info()
-        _check(_lib.flatmoe_get_info(self._h, ctypes.byref(i)))
+        _check(_lib.flatmoe_get_info(self._live, ctypes.byref(i)))
         return {n: getattr(i, n) for n, _ in _Info._fields_}
 
     def _routes_shape(self, n):
@@ -213,22 +263,33 @@ class Session:
 
     def _batch(self, tokens, seq_lens, loss_mask=None, advantages=None, old_logprobs=None, rollout_logprobs=None,
                ref_logprobs=None, routed_experts=None):
-        tok = _arr(tokens, np.int32, np.asarray(tokens).shape[0], "tokens")
+        tok = _arr(tokens, np.int32, None, "tokens")
         n = tok.shape[0]
-        keep = [tok, _arr(seq_lens, np.int64, np.asarray(seq_lens).shape[0], "seq_lens"),
+        keep = [tok, _arr(seq_lens, np.int64, None, "seq_lens"),
                 _arr(loss_mask, np.uint8, n, "loss_mask"), _arr(advantages, np.float32, n, "advantages"),
                 _arr(old_logprobs, np.float32, n, "old_logprobs"), _arr(rollout_logprobs, np.float32, n, "rollout_logprobs"),
                 _arr(ref_logprobs, np.float32, n, "ref_logprobs")]
         if routed_experts is None:
             keep.append(None)
         else:
-            r = np.ascontiguousarray(routed_experts, dtype=np.int32)
+            r = _conv(routed_experts, np.int32, "routed_experts")
             if r.shape != self._routes_shape(n):
                 raise ValueError(f"routed_experts: expected shape [n_tokens, num_moe_layers, top_k] = "
                                  f"{list(self._routes_shape(n))}, found {list(r.shape)}")
             keep.append(r)
         b = _Batch(n, _ptr(keep[0]), keep[1].shape[0], _ptr(keep[1]), *[_ptr(a) for a in keep[2:]])
         return b, keep
+
+    def _refuse_together(self, train):
+        """Many ranks: a call this binding refuses (ValueError) still takes part in the library's agreement
+        (an empty batch, which the library refuses), so the other ranks return "1 of the ranks refused"
+        instead of waiting in the collective; one rank: nothing."""
+        if self._n_ranks > 1:
+            empty, out = _Batch(), np.empty(1, np.float32)
+            if train:
+                _lib.flatmoe_train_step(self._live, ctypes.byref(empty), ctypes.byref(_LossSpec()), None)
+            else:
+                _lib.flatmoe_logprobs_ex(self._live, ctypes.byref(empty), _ptr(out), None, None, 0, None, None)
 
     def logprobs(self, tokens, seq_lens, entropy=True, routes=False, routed_experts=None, topk=0):
         """Per-token log-probs (and entropies) [N] float32 of the packed sequences; 0 at each first token.
@@ -237,13 +298,17 @@ class Session:
         topk=k (<= the session's --logprobs-topk) also returns the k largest log-probs float32 [N, k] and
         their token ids int32 [N, k] (-inf and -1 at each first token).
         Returns lp, then ent, routes, topk log-probs, topk ids, each only when asked for."""
-        b, keep = self._batch(tokens, seq_lens, routed_experts=routed_experts)
+        try:
+            b, keep = self._batch(tokens, seq_lens, routed_experts=routed_experts)
+        except ValueError:
+            self._refuse_together(False)
+            raise
         lp = np.empty(b.n_tokens, np.float32)
         ent = np.empty(b.n_tokens, np.float32) if entropy else None
         rt = np.empty(self._routes_shape(b.n_tokens), np.int32) if routes else None
-        tl = np.empty((b.n_tokens, topk), np.float32) if topk else None
-        ti = np.empty((b.n_tokens, topk), np.int32) if topk else None
-        _check(_lib.flatmoe_logprobs_ex(self._h, ctypes.byref(b), _ptr(lp), _ptr(ent), _ptr(rt), topk, _ptr(tl),
+        tl = np.empty((b.n_tokens, max(topk, 0)), np.float32) if topk else None  # topk < 0: the library's refusal
+        ti = np.empty((b.n_tokens, max(topk, 0)), np.int32) if topk else None
+        _check(_lib.flatmoe_logprobs_ex(self._live, ctypes.byref(b), _ptr(lp), _ptr(ent), _ptr(rt), topk, _ptr(tl),
                                         _ptr(ti)))
         out = (lp,) + ((ent,) if entropy else ()) + ((rt,) if routes else ()) + ((tl, ti) if topk else ())
         return out if len(out) > 1 else lp
@@ -254,18 +319,22 @@ class Session:
         """One optimizer step; returns the step's statistics as a dict (flatmoe_step_stats).
         routed_experts: int32 [N, num_moe_layers, top_k], the routes to replay (R3), or None.
         entropy_coef: the entropy bonus c (l_t -= c H_t; verl's entropy_coeff)."""
-        b, keep = self._batch(tokens, seq_lens, loss_mask, advantages, old_logprobs, rollout_logprobs, ref_logprobs,
-                              routed_experts)
-        spec = _LossSpec(_LOSS[loss], _AGG[agg], clip_low, clip_high, clip_dual, tis_cap, _KL[kl], kl_coef,
-                         entropy_coef)
+        try:
+            b, keep = self._batch(tokens, seq_lens, loss_mask, advantages, old_logprobs, rollout_logprobs,
+                                  ref_logprobs, routed_experts)
+            spec = _LossSpec(_choice(_LOSS, loss, "loss"), _choice(_AGG, agg, "agg"), clip_low, clip_high, clip_dual,
+                             tis_cap, _choice(_KL, kl, "kl"), kl_coef, entropy_coef)
+        except ValueError:
+            self._refuse_together(True)
+            raise
         st = _Stats()
-        _check(_lib.flatmoe_train_step(self._h, ctypes.byref(b), ctypes.byref(spec), ctypes.byref(st)))
+        _check(_lib.flatmoe_train_step(self._live, ctypes.byref(b), ctypes.byref(spec), ctypes.byref(st)))
         return {n: getattr(st, n) for n, _ in _Stats._fields_}
 
     def save(self, run_dir):
         """A `flatmoe train` checkpoint of the session at RUN_DIR/step_NNNNNN (atomic); reopen it with
         Session("--ckpt", run_dir, *the same other options)."""
-        _check(_lib.flatmoe_save(self._h, os.fsencode(run_dir)))
+        _check(_lib.flatmoe_save(self._live, os.fsencode(run_dir)))
         return os.path.join(os.fsdecode(run_dir), "step_%06d" % self.info["step"])
 
     def export_weights(self, bucket_bytes, fn):
@@ -292,7 +361,7 @@ class Session:
                 return 1
 
         c_cb = _BUCKET_FN(cb)
-        rc = _lib.flatmoe_export_weights(self._h, int(bucket_bytes), c_cb, None)
+        rc = _lib.flatmoe_export_weights(self._live, int(bucket_bytes), c_cb, None)
         if err:
             raise err[0]
         _check(rc)
@@ -317,23 +386,24 @@ class Session:
         """Completions of the prompts (a list of 1-d token arrays) by the engine's batched sampler
         (flatmoe_generate): returns tokens [n, max_new] int32 (-1 after each completion), lens [n] int64
         and logprobs [n, max_new] float32 (the current policy's, temperature 1; 0 after each completion)."""
-        ps = [np.ascontiguousarray(p, dtype=np.int32).reshape(-1) for p in prompts]
+        ps = [_conv(p, np.int32, f"prompts[{i}]").reshape(-1) for i, p in enumerate(prompts)]
         flat = np.ascontiguousarray(np.concatenate(ps)) if ps else np.zeros(0, np.int32)
         plen = np.array([p.shape[0] for p in ps], np.int64)
         n = len(ps)
-        toks = np.empty((n, max_new), np.int32)
+        m = max(int(max_new), 0)  # max_new < 1: the library's refusal names it
+        toks = np.empty((n, m), np.int32)
         lens = np.empty(n, np.int64)
-        lp = np.empty((n, max_new), np.float32)
+        lp = np.empty((n, m), np.float32)
         spec = _SampleSpec(max_new, temperature, top_k, top_p, seed, stop_token)
-        _check(_lib.flatmoe_generate(self._h, _ptr(flat), n, _ptr(plen), ctypes.byref(spec), _ptr(toks), _ptr(lens),
+        _check(_lib.flatmoe_generate(self._live, _ptr(flat), n, _ptr(plen), ctypes.byref(spec), _ptr(toks), _ptr(lens),
                                      _ptr(lp)))
         return toks, lens, lp
 
     def sleep(self):
-        """The model state (weights, gradients, master, optimizer state) to host memory (flatmoe_sleep;
-        the device memory is not given back yet: docs/rl.md). Other calls raise until wake()."""
-        _check(_lib.flatmoe_sleep(self._h))
+        """The device arenas (weights, gradients, master, optimizer state, activations) to host memory and
+        their memory given back (flatmoe_sleep; docs/rl.md "Sleep and wake"). Other calls raise until wake()."""
+        _check(_lib.flatmoe_sleep(self._live))
 
     def wake(self):
         """Restores the model state flatmoe_sleep moved: the next steps as if it had not slept."""
-        _check(_lib.flatmoe_wake(self._h))
+        _check(_lib.flatmoe_wake(self._live))

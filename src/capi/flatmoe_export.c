@@ -24,9 +24,9 @@ static fm_status flush(exporter *x) {
     int64_t rc = x->rank == 0 ? x->fn(x->user, x->pieces, x->n_pieces) : 0; /* the pieces are whole on rank 0 only */
     if (x->world) FM_TRY(fm_comm_allreduce_sum_i64(x->world, &rc, 1, 0)); /* rank 0's verdict: every rank stops */
     if (rc != 0)
-        return fm_error(FM_ERR_IO, "flatmoe_export_weights: the callback returned %lld at bucket %lld (%d pieces); the "
-                        "export stopped there: the consumer has only part of the weights", (long long)rc, (long long)x->bucket,
-                        x->n_pieces);
+        return fm_error(FM_ERR_IO, "flatmoe_export_weights: the callback returned %lld at bucket %lld (counted from 0; "
+                        "%d pieces); the export stopped there: the consumer has only part of the weights", (long long)rc,
+                        (long long)x->bucket, x->n_pieces);
     x->bucket++;
     x->used = 0;
     x->n_pieces = 0;

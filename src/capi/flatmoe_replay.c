@@ -86,15 +86,20 @@ static fm_status topk_read(flatmoe_session *s, const flatmoe_batch *b, int64_t k
 
 int flatmoe_logprobs_ex(flatmoe_session *s, const flatmoe_batch *b, float *logprobs, float *entropy,
                         int32_t *routed_experts, int64_t topk, float *topk_logprobs, int32_t *topk_ids) {
-    if (!s || !logprobs) return fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: %s is NULL", s ? "logprobs" : "the session");
-    if (topk < 0 || topk > s->topk_max)
-        return fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: topk %lld; expected 0 .. %lld (the session's --logprobs-topk); "
-                        "open the session with --logprobs-topk %lld or more", (long long)topk, (long long)s->topk_max,
-                        (long long)topk);
-    if (topk > 0 && (!topk_logprobs || !topk_ids))
-        return fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: topk %lld with topk_%s NULL; pass both [n_tokens, topk] "
-                        "arrays", (long long)topk, topk_logprobs ? "ids" : "logprobs");
-    FM_TRY(fm_capi_agree(s, fm_capi_pack(s, b, true), "flatmoe_logprobs_ex")); /* many ranks: each its own batch */
+    if (!s) return fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: the session is NULL");
+    FM_TRY(fm_capi_awake(s, "flatmoe_logprobs_ex"));
+    /* the arguments, then the batch: a rank refusing either still joins the agreement (no rank waits) */
+    fm_status ok = FM_OK;
+    if (!logprobs) ok = fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: logprobs is NULL; pass an [n_tokens] fp32 array");
+    else if (topk < 0 || topk > s->topk_max)
+        ok = fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: topk %lld; expected 0 .. %lld (the session's --logprobs-topk); "
+                      "open the session with --logprobs-topk %lld or more", (long long)topk, (long long)s->topk_max,
+                      (long long)topk);
+    else if (topk > 0 && (!topk_logprobs || !topk_ids))
+        ok = fm_error(FM_ERR_ARG, "flatmoe_logprobs_ex: topk %lld with topk_%s NULL; pass both [n_tokens, topk] "
+                      "arrays", (long long)topk, topk_logprobs ? "ids" : "logprobs");
+    if (ok == FM_OK) ok = fm_capi_pack(s, b, true);
+    FM_TRY(fm_capi_agree(s, ok, "flatmoe_logprobs_ex")); /* many ranks: each its own batch */
     fm_capi_call_begin(s, b, false, false);
     fm_status st = fm_capi_forward(s, b);
     fm_capi_call_end(s);

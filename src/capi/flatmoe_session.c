@@ -10,7 +10,11 @@
 #include "../io/fm_checkpoint.h"
 #include "../run/fm_spec_check.h"
 #include "../run/fm_spec_finetune.h"
+#include "../run/fm_spec_resume.h"
+#include "../train/fm_threads.h"
 #include "fm_capi.h"
+
+#include <cjson/cJSON.h>
 
 _Static_assert(FM_SPEC_TOPK_MAX == FLATMOE_TOPK_MAX, "--logprobs-topk's bound: the flag table's and the header's");
 
@@ -39,6 +43,51 @@ static fm_status resolve_ckpt(const char *dir, char *out, size_t cap) {
     if (fm_ckpt_find_latest(dir, out, cap, NULL) == FM_OK) return FM_OK;
     return fm_error(FM_ERR_IO, "--ckpt %s: neither a checkpoint folder (no %s) nor a run folder with a complete "
                     "checkpoint; give a folder that `flatmoe train` wrote", dir, FM_CKPT_CONFIG_FILE);
+}
+
+/* --ckpt DIR: the options of the session (or `train` run) that wrote the checkpoint, its state.json
+ * "spec", for every flag not given again (fm_spec_restore_json, as `train --resume` restores them),
+ * and the learning-rate schedule, total and shape that `train --resume` takes from the state
+ * itself (the rows fm_spec_restore_json leaves to it). So the options an --init-from session took
+ * from the fine-tuning defaults (--lr 2e-5, --min-lr 0, --weight-decay 0, --warmup 0) stay: the
+ * same other options continue the run bit for bit. Not restored: a `train` run's --data and
+ * --val-data (a session takes no files) and --grad-accum (a session's step is one batch); the
+ * invocation's flags are not saved (--logprobs-topk, --kv-cache, --ep, --zero, --quiet: given
+ * again). A checkpoint without a readable state.json or a "spec" restores nothing (the loader
+ * names what is wrong). Errors: fm_spec_restore_json's (FM_ERR_FORMAT naming the file and field), FM_ERR_NOMEM. */
+static fm_status restore_run_spec(flatmoe_session *s, const char *ckpt_dir) {
+    static const char *const kept[] = {"lr", "min-lr", "warmup", "steps", "seq-len", "micro-batch", "threads", NULL};
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", ckpt_dir, FM_CKPT_STATE_FILE);
+    char *text = NULL;
+    if (fm_ckpt_read_text(path, &text) != FM_OK) return FM_OK; /* fm_train_load_checkpoint names what is wrong */
+    cJSON *state = cJSON_Parse(text);
+    fm_free(text);
+    cJSON *spec = cJSON_GetObjectItemCaseSensitive(state, "spec");
+    fm_status st = FM_OK;
+    if (cJSON_IsObject(spec)) {
+        cJSON_DeleteItemFromObjectCaseSensitive(spec, "data");
+        cJSON_DeleteItemFromObjectCaseSensitive(spec, "val-data");
+        cJSON_DeleteItemFromObjectCaseSensitive(spec, "grad-accum");
+        char *js = cJSON_PrintUnformatted(spec);
+        st = js ? fm_spec_restore_json(&s->spec, js, path, !s->spec.train.quiet)
+                : fm_error(FM_ERR_NOMEM, "flatmoe_open: out of memory reading %s", path);
+        free(js);
+        for (int i = 0; kept[i] && st == FM_OK; i++) { /* left to train's --resume by fm_spec_restore_json */
+            const cJSON *v = cJSON_GetObjectItemCaseSensitive(spec, kept[i]);
+            if (!v || fm_spec_given(&s->spec, kept[i])) continue;
+            char val[64];
+            if (!cJSON_IsNumber(v)) {
+                st = fm_error(FM_ERR_FORMAT, "%s: \"spec\" field \"%s\" is not a number; fix the file, or give --%s",
+                              path, kept[i], kept[i]);
+                break;
+            }
+            snprintf(val, sizeof val, "%.17g", v->valuedouble);
+            st = fm_spec_set(&s->spec, kept[i], val);
+        }
+    }
+    cJSON_Delete(state);
+    return st;
 }
 
 /* The options, argv-like, through the flag table rows of `train`; --ckpt and --backend are the
@@ -107,15 +156,18 @@ static fm_status session_options(flatmoe_session *s, const char *ckpt_arg) {
         return fm_error(FM_ERR_ARG, "flatmoe_open: --grad-accum %lld: a session's train step is one packed batch of "
                         "the token budget; pass --grad-accum 1 (or leave it out) and call flatmoe_train_step per batch",
                         (long long)o->grad_accum);
+    if (o->moe_router_bias_update_rate != 0) { /* train's loop moves the bias (fm_router_bias.h); a session's step does not */
+        const fm_spec_flag *f = fm_spec_find("moe-router-bias-update-rate", FM_CMD_TRAIN);
+        const int row = fm_spec_row(f);
+        const bool restored = (s->spec.restored[row / 64] >> (row % 64)) & 1;
+        return fm_error(FM_ERR_UNSUPPORTED, "flatmoe_open: --moe-router-bias-update-rate %g%s: a session's train step "
+                        "does not move the routers' e_score_correction_bias (aux-loss-free balancing is `flatmoe train`'s "
+                        "loop); pass --moe-router-bias-update-rate 0 (the bias then stays as loaded)",
+                        o->moe_router_bias_update_rate, restored ? " (the checkpoint's run options)" : "");
+    }
     o->layout.rl_head = true;
     o->layout.rl_topk = s->topk_max; /* the top-k log-probs' buffers, planned */
-    s->ckpt[0] = 0;
-    if (ckpt_arg) {
-        if (o->init_from || o->config_path)
-            return fm_error(FM_ERR_ARG, "flatmoe_open: --ckpt %s and %s %s both give the model; keep one", ckpt_arg,
-                            o->init_from ? "--init-from" : "--config", o->init_from ? o->init_from : o->config_path);
-        FM_TRY(resolve_ckpt(ckpt_arg, s->ckpt, sizeof s->ckpt));
-    } else if (!o->init_from && !o->config_path) {
+    if (!ckpt_arg && !o->init_from && !o->config_path) {
         return fm_error(FM_ERR_ARG, "flatmoe_open: no model: give --init-from DIR (a Hugging Face folder), --ckpt DIR "
                         "(a flatmoe checkpoint) or --config FILE (fresh weights from --seed)");
     }
@@ -136,6 +188,15 @@ static fm_status session_open(flatmoe_session *s, int argc, const char *const *a
     fm_spec_default(&s->spec, FM_CMD_TRAIN);
     const char *ckpt_arg = NULL;
     FM_TRY(parse_options(s, argc, argv, &ckpt_arg));
+    s->ckpt[0] = 0;
+    if (ckpt_arg) {
+        const fm_train_opts *t = &s->spec.train;
+        if (t->init_from || t->config_path)
+            return fm_error(FM_ERR_ARG, "flatmoe_open: --ckpt %s and %s %s both give the model; keep one", ckpt_arg,
+                            t->init_from ? "--init-from" : "--config", t->init_from ? t->init_from : t->config_path);
+        FM_TRY(resolve_ckpt(ckpt_arg, s->ckpt, sizeof s->ckpt));
+        FM_TRY(restore_run_spec(s, s->ckpt)); /* the run's options (its --init-from defaults among them) */
+    }
     char said[512] = "";
     if (!ckpt_arg) FM_TRY(fm_spec_finetune_defaults(&s->spec, said, sizeof said)); /* --init-from: train's values */
     if (said[0] && !s->spec.train.quiet) fm_log(FM_LOG_INFO, "%s\n", said);
@@ -150,6 +211,7 @@ static fm_status session_open(flatmoe_session *s, int argc, const char *const *a
     s->B = s->r.m.a.B;
     s->T = s->r.m.a.T;
     s->budget = s->B * s->T;
+    s->threads = s->o.threads > 0 ? s->o.threads : fm_threads_get(); /* re-applied at each call */
     return alloc_scratch(s);
 }
 

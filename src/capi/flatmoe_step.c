@@ -4,6 +4,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "../train/fm_threads.h"
 #include "fm_capi.h"
 
 /* The batch's fields against a vocabulary of V and a token budget of B rows of T. */
@@ -18,6 +19,10 @@ static fm_status check_batch(const flatmoe_batch *b, int64_t B, int64_t T, int64
         return fm_error(FM_ERR_ARG, "batch: %lld tokens, over the session's token budget of %lld (--micro-batch %lld x "
                         "--seq-len %lld, the plan's shape); split the batch, or open the session with a larger "
                         "--micro-batch", (long long)b->n_tokens, (long long)budget, (long long)B, (long long)T);
+    if (b->n_seqs > b->n_tokens) /* before reading seq_lens: a garbage n_seqs must not walk past the array */
+        return fm_error(FM_ERR_ARG, "batch: n_seqs %lld is more than n_tokens %lld; expected n_seqs <= n_tokens (every "
+                        "sequence has >= 1 token): n_seqs is the length of seq_lens", (long long)b->n_seqs,
+                        (long long)b->n_tokens);
     int64_t sum = 0;
     for (int64_t i = 0; i < b->n_seqs; i++) {
         const int64_t l = b->seq_lens[i];
@@ -97,6 +102,7 @@ fm_status fm_capi_pack(flatmoe_session *s, const flatmoe_batch *b, bool with_tar
 
 void fm_capi_call_begin(flatmoe_session *s, const flatmoe_batch *b, bool weighted, bool ent_bonus) {
     fm_model *m = &s->r.m;
+    fm_threads_set(s->threads); /* this session's count, whatever another session set since */
     const bool replay = b && b->routed_experts;
     const fm_rl_call c = {.outputs = true, .weighted = weighted, .ent_bonus = weighted && ent_bonus,
                           .replay = replay, .record = !replay && m->a.rl_routes != NULL};
@@ -144,8 +150,11 @@ fm_status fm_capi_forward(flatmoe_session *s, const flatmoe_batch *b) {
 }
 
 int flatmoe_logprobs(flatmoe_session *s, const flatmoe_batch *b, float *logprobs, float *entropy) {
-    if (!s || !logprobs) return fm_error(FM_ERR_ARG, "flatmoe_logprobs: %s is NULL", s ? "logprobs" : "the session");
-    FM_TRY(fm_capi_agree(s, fm_capi_pack(s, b, true), "flatmoe_logprobs")); /* many ranks: each its own batch */
+    if (!s) return fm_error(FM_ERR_ARG, "flatmoe_logprobs: the session is NULL");
+    FM_TRY(fm_capi_awake(s, "flatmoe_logprobs"));
+    const fm_status ok = logprobs ? fm_capi_pack(s, b, true) /* a refusing rank still joins the agreement */
+                                  : fm_error(FM_ERR_ARG, "flatmoe_logprobs: logprobs is NULL; pass an [n_tokens] fp32 array");
+    FM_TRY(fm_capi_agree(s, ok, "flatmoe_logprobs")); /* many ranks: each its own batch */
     fm_capi_call_begin(s, b, false, false);
     const fm_status st = fm_capi_forward(s, b);
     fm_capi_call_end(s);
@@ -199,7 +208,9 @@ static fm_status grads_in_call(flatmoe_session *s, const flatmoe_batch *b, const
 fm_status fm_capi_grads(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_loss_spec *spec,
                         flatmoe_step_stats *st) {
     memset(st, 0, sizeof *st);
-    fm_status ok = fm_capi_pack(s, b, false); /* targets where the next token is in the loss: train's targets */
+    fm_status ok = spec ? fm_capi_pack(s, b, false) /* targets where the next token is in the loss: train's targets */
+                        : fm_error(FM_ERR_ARG, "flatmoe_train_step: spec is NULL; pass a flatmoe_loss_spec "
+                                   "(flatmoe_loss_spec_default())");
     if (ok == FM_OK) ok = fm_pg_check(spec, b, b->n_tokens, s->in_loss); /* the spec and its arrays, before any model work */
     FM_TRY(fm_capi_agree(s, ok, "flatmoe_train_step")); /* many ranks: every rank's batch accepted, or none runs */
     fm_capi_call_begin(s, b, true, spec->entropy_coef != 0);
@@ -210,7 +221,8 @@ fm_status fm_capi_grads(flatmoe_session *s, const flatmoe_batch *b, const flatmo
 
 int flatmoe_train_step(flatmoe_session *s, const flatmoe_batch *b, const flatmoe_loss_spec *spec,
                        flatmoe_step_stats *out) {
-    if (!s || !spec) return fm_error(FM_ERR_ARG, "flatmoe_train_step: %s is NULL", s ? "spec" : "the session");
+    if (!s) return fm_error(FM_ERR_ARG, "flatmoe_train_step: the session is NULL");
+    FM_TRY(fm_capi_awake(s, "flatmoe_train_step"));
     flatmoe_step_stats st;
     FM_TRY(fm_capi_grads(s, b, spec, &st));
     const int64_t step = s->ts.step + 1;
@@ -218,8 +230,14 @@ int flatmoe_train_step(flatmoe_session *s, const flatmoe_batch *b, const flatmoe
         return fm_error(FM_ERR_NUMERIC, "flatmoe_train_step: step %lld: the loss is not finite (loss %g, router aux %g, "
                         "z %g); the weights were not updated; lower --lr, or check the batch's advantages and "
                         "log-probs", (long long)step, st.loss, st.router_aux, st.router_z);
-    FM_TRY(fm_train_step_apply(&s->r.m, s->r.optim, s->r.opt_self, &s->r.world, &s->r.step, &s->o, step,
-                               &st.grad_norm, &st.lr));
+    const fm_status ap = fm_train_step_apply(&s->r.m, s->r.optim, s->r.opt_self, &s->r.world, &s->r.step, &s->o, step,
+                                             &st.grad_norm, &st.lr);
+    if (ap == FM_ERR_NUMERIC) /* the gradient norm, checked before any update (train's message speaks of its run) */
+        return fm_error(FM_ERR_NUMERIC, "flatmoe_train_step: step %lld: the gradient norm is not finite (the loss %g "
+                        "was); the weights were not updated; lower the loss spec's coefficients (kl_coef %g, "
+                        "entropy_coef %g), the advantages' scale or --lr", (long long)step, st.loss, spec->kl_coef,
+                        spec->entropy_coef);
+    FM_TRY(ap);
     s->ts.step = step;
     st.step = step;
     if (out) *out = st;

@@ -67,6 +67,7 @@ struct flatmoe_session {
     void *sleep_host;     /* flatmoe_sleep: the model-state arena's bytes on the host (NULL: awake) */
     size_t sleep_bytes;   /* its bytes: the device arenas' carved parts */
     size_t sleep_released; /* device bytes given back at sleep (ops->mem_release; 0: poisoned instead) */
+    int threads;          /* the CPU threads its calls run on (--threads, or OpenMP's count at open) */
 };
 
 /* FM_OK when the session is awake, else FM_ERR_ARG naming `what` and the fix (flatmoe_wake). */
@@ -97,7 +98,7 @@ fm_status fm_capi_kv_check(const flatmoe_session *s);
 fm_status fm_capi_kv_pass(flatmoe_session *s, const int32_t *tok, int64_t n);
 
 /* The batch validator and packer, callable without a model (fuzz/fuzz_rlbatch.c drives it with
- * untrusted batches): checks b (n_tokens in 1 .. B x T, n_seqs >= 1, tokens and seq_lens set, each
+ * untrusted batches): checks b (n_tokens in 1 .. B x T, n_seqs in 1 .. n_tokens before seq_lens is read, tokens and seq_lens set, each
  * seq_lens[i] in 1 .. T summing to n_tokens, every token in [0, V); the per-token float arrays are
  * not read), then packs its sequences first fit, in order, into B rows of T positions (B, T >= 1;
  * asserted): fb's tokens, targets, pos and doc_start [B*T] int32 (model/fm_batch.h; padding is a
@@ -127,7 +128,9 @@ fm_status fm_capi_routes_stage(flatmoe_session *s, const flatmoe_batch *b);
 fm_status fm_capi_routes_read(flatmoe_session *s, const flatmoe_batch *b, int32_t *out);
 
 /* The per-call switches of one library call (model/fm_acts.h fm_rl_call), set whole into the
- * model at the call's start and zeroed at its end, the only two places that write them:
+ * model at the call's start and zeroed at its end, the only two places that write them (begin also
+ * re-applies the session's thread count, process-wide: another session may have set its own, and
+ * the CPU results depend on it):
  * fm_capi_call_begin sets outputs (the forward's entropies and top-k), weighted and ent_bonus as
  * given (a train step's backward), replay when b (may be NULL) has routed_experts, else record
  * when the model has MoE layers. Every library call that runs the model brackets its forward

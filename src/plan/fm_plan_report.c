@@ -151,6 +151,15 @@ static void print_mesh_launch(const fm_plan_req *r, const fm_plan *p, const fm_p
                 "train prints its own plan at launch (this plan's flags without --world plan that run)\n");
 }
 
+/* plan --library: the session's own options appended to flags[cap] (fm_plan_train_flags'), whose
+ * buffers the bounds count: --logprobs-topk K and --kv-cache, when given. */
+static void session_flags(const fm_plan_req *r, const fm_plan_report *x, char *flags, size_t cap) {
+    size_t at = strlen(flags);
+    if (r->layout.rl_topk > 0 && at < cap)
+        at += (size_t)snprintf(flags + at, cap - at, " --logprobs-topk %lld", (long long)r->layout.rl_topk);
+    if (x->library_kv_bytes && at < cap) snprintf(flags + at, cap - at, " --kv-cache");
+}
+
 void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report *x, FILE *f) {
     const size_t budget = x->budget;
     const fm_config *c = &r->cfg;
@@ -200,6 +209,7 @@ void fm_plan_print(const fm_plan_req *r, const fm_plan *p, const fm_plan_report 
     const fm_mesh_dims *m = &r->mesh;
     char flags[1200];
     fm_plan_train_flags(r, p, flags, sizeof flags);
+    if (x->library_host_bytes) session_flags(r, x, flags, sizeof flags);
     const char *what = x->library_host_bytes ? "flatmoe_open flags" : "train flags"; /* plan --library: a session */
     if (fits) fprintf(f, "\n%s: %s", what, flags);
     else fprintf(f, "\n%s: none (this plan does not fit: see below)", what);

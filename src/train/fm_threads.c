@@ -9,6 +9,9 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define MAX_CPUS 1024
 
@@ -91,6 +94,24 @@ int fm_threads_count_busy(int n, const unsigned long long *dbusy, const unsigned
 int openblas_get_parallel(void) __attribute__((weak));
 
 int fm_threads_blas_pthreads(void) { return openblas_get_parallel && openblas_get_parallel() == 1 ? 1 : 0; }
+
+void openblas_set_num_threads(int num_threads) __attribute__((weak)); /* weak: absent where no OpenBLAS is linked */
+
+void fm_threads_set(int threads) {
+    if (threads < 1) return;
+#ifdef _OPENMP
+    omp_set_num_threads(threads);
+#endif
+    if (openblas_set_num_threads) openblas_set_num_threads(threads);
+}
+
+int fm_threads_get(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
 
 int fm_threads_auto(int sample_ms, const fm_threads_env *env, fm_threads_probe *p) {
     fm_threads_probe q = {0};

@@ -45,6 +45,13 @@ int fm_threads_auto(int sample_ms, const fm_threads_env *env, fm_threads_probe *
  * and train says so with the fix. 0 otherwise, and where no OpenBLAS is linked. */
 int fm_threads_blas_pthreads(void);
 
+/* Sets the process's OpenMP and OpenBLAS thread counts to threads (>= 1; else nothing), as the CPU
+ * backend does at its init: process-wide, so a library session re-applies its own count at each
+ * call (another session may have set another since). Never fails. */
+void fm_threads_set(int threads);
+/* OpenMP's thread count for the next parallel region (omp_get_max_threads; 1 without OpenMP). */
+int fm_threads_get(void);
+
 /* The decision: of n CPUs (allowed[c] 0: outside the affinity mask; NULL: all), the ones busy
  * with another process's work, that is more than half of dtotal[c] jiffies busy (dbusy[c]) after
  * this process's own share there (dself[c], NULL: none) is taken off. A process's own threads,
